@@ -1,0 +1,32 @@
+"""The engine: request state, the step loop, models, workers and executors.
+
+``from fluidserve.engine import LLM, SamplingParams`` is the offline API. The
+heavy names load lazily so pure-Python users (the scheduler, the simulator)
+can import ``fluidserve.engine.sampling_params`` without torch.
+"""
+
+from __future__ import annotations
+
+from .sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from .llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from .engine import LLMEngine
+
+        return LLMEngine
+    if name == "EngineConfig":
+        from .config import EngineConfig
+
+        return EngineConfig
+    if name in ("RequestOutput", "CompletionOutput"):
+        from . import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

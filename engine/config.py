@@ -1,0 +1,49 @@
+"""EngineConfig: every knob of an engine, frozen, constructible without a model
+on disk. The CLI builds one from flags; ``LLM(...)`` from keyword arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # local HF directory or hub id; None = built-in tiny model
+    tokenizer: str | None = None  # defaults to the model's
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    load_format: str = "auto"  # auto | dummy (random weights from the config)
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    max_model_len: int | None = None  # defaults to the model's context length
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 256  # request cap of one step
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides the memory-fraction sizing
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 1.0  # KV pool size on CPU when num_kv_blocks is unset
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    policy_options: dict = field(default_factory=dict)  # per-policy knobs (MLFQ quanta, ...)
+    profile_path: str | None = None  # measured cost model (fluidserve profile -o ...)
+    executor: str = "local"  # local | ray
+    tensor_parallel_size: int = 1
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("dtype", self.dtype in ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float")),
+            ("load_format", self.load_format in ("auto", "dummy")),
+            ("device", self.device in ("auto", "cpu", "cuda")),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 1),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1),
+            ("max_num_seqs", self.max_num_seqs >= 1),
+            ("block_size", self.block_size in (8, 16, 32, 64)),
+            ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1),
+            ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0),
+            ("executor", self.executor in ("local", "ray")),
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"{name}: invalid value {getattr(self, name)!r}")

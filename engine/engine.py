@@ -1,0 +1,272 @@
+"""LLMEngine: the iteration-level loop. Owns the live requests and turns each
+step's StepPlan into a ModelInput, runs it on the executor, and turns sampled
+tokens into RequestOutputs (stop checks, detokenization, finish reasons).
+
+A step, read aloud: the scheduler plans, the executor runs, the scheduler is
+told what ran, and each sampled token is appended to its sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..kvcache.manager import KVCacheManager
+from ..scheduler.plan import StepPlan
+from ..scheduler.policies import make_policy
+from ..scheduler.request_state import RequestClass, SeqState
+from ..scheduler.scheduler import Scheduler, SchedulerConfig
+from .batch import ModelInput, SampleSpec
+from .config import EngineConfig
+from .detokenizer import TextStream
+from .executor import make_executor
+from .loader import is_tiny_model, load_hf_config, load_tokenizer, model_context_length, resolve_model_dir
+from .outputs import RequestOutput
+from .request import Request, Sequence
+from .sampling_params import SamplingParams
+from .tiny_model import default_tiny_model_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (class, status) -> count
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_host_blocks_total: int = 0
+    kv_host_blocks_used: int = 0
+    num_preemptions: int = 0
+    num_swaps: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.is_tiny_default = config.model is None
+        model_dir = default_tiny_model_dir() if config.model is None else resolve_model_dir(config.model, config.load_format)
+        self.model_dir = Path(model_dir)
+        self.model_name = config.served_model_name or (
+            "fluidserve-tiny-random" if self.is_tiny_default else str(config.model)
+        )
+        self.hf_config = load_hf_config(self.model_dir)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.max_model_len = config.max_model_len or model_context_length(self.hf_config)
+        self.executor = make_executor(config, str(self.model_dir))
+        self.eos_token_id = self.executor.eos_token_id
+        self.kv = KVCacheManager(self.executor.num_kv_blocks, config.block_size)
+        if self.kv.num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"num_kv_blocks: {self.kv.num_blocks} blocks of {config.block_size} tokens cannot hold "
+                f"one sequence of max_model_len={self.max_model_len}"
+            )
+        policy = make_policy(config.scheduling_policy, **config.policy_options)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                policy=config.scheduling_policy,
+            ),
+            self.kv,
+            policy,
+        )
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[str, Sequence] = {}
+        self.stats_ = EngineStats()
+        log.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d%s",
+                 self.model_name, self.kv.num_blocks, config.block_size, self.max_model_len,
+                 " (built-in tiny random-weight model)" if is_tiny_model(self.model_dir) else "")
+
+    # -- requests ----------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        klass: str | RequestClass = RequestClass.ONLINE,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and enqueue a request. Raises ValueError naming the bad
+        parameter; nothing is enqueued then."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        klass = RequestClass(klass)
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = self._max_tokens(len(token_ids), params)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        req = Request(request_id, text, token_ids, params, klass, now, max_tokens)
+        for i in range(params.n):
+            state = SeqState(f"{request_id}#{i}", len(token_ids), max_tokens, now, klass)
+            seq = Sequence(i, state, req, TextStream(self.tokenizer, token_ids, params),
+                           logprobs=[] if params.logprobs is not None else None,
+                           new_logprobs=[] if params.logprobs is not None else None)
+            req.seqs.append(seq)
+        self.requests[request_id] = req
+        for seq in req.seqs:
+            self.seqs[seq.seq_id] = seq
+            self.scheduler.add(seq.state, now)
+        self.stats_.prompt_tokens_total += len(token_ids) * params.n
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        return None, token_ids
+
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {prompt_len} tokens leave no room to generate within max_model_len={self.max_model_len}"
+            )
+        room = self.max_model_len - prompt_len
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens: prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds max_model_len={self.max_model_len}"
+            )
+        return params.max_tokens
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request at once and free its KV blocks; it yields no more output."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            self.seqs.pop(seq.seq_id, None)
+            self.scheduler.finish(seq.seq_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        plan = self.scheduler.schedule(now)
+        if plan.is_empty:
+            return []
+        sampled = self.executor.execute(self._model_input(plan))
+        self.scheduler.step_done(plan, time.monotonic() - now, now)
+        self.stats_.num_steps += 1
+        return self._process(plan, sampled)
+
+    def _model_input(self, plan: StepPlan) -> ModelInput:
+        inp = ModelInput()
+        bs = self.kv.block_size
+        for item in plan.scheduled:
+            seq = self.seqs[item.request_id]
+            start = seq.state.num_computed_tokens
+            end = start + item.num_tokens
+            table = self.kv.block_table(item.request_id)
+            inp.input_ids += seq.tokens(start, end)
+            inp.positions += range(start, end)
+            inp.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            inp.query_start_loc.append(inp.query_start_loc[-1] + item.num_tokens)
+            inp.seq_lens.append(end)
+            inp.block_tables.append(table)
+            if item.samples:
+                inp.sample_indices.append(len(inp.input_ids) - 1)
+                inp.samples.append(self._sample_spec(seq))
+        return inp
+
+    @staticmethod
+    def _sample_spec(seq: Sequence) -> SampleSpec:
+        p = seq.request.params
+        n_out = len(seq.output_token_ids)
+        # A fresh seed per (request seed, completion, position): reproducible
+        # whatever else shares the batch, and stateless across workers.
+        seed = None if p.seed is None else hash((p.seed, seq.index, n_out)) & 0x7FFF_FFFF_FFFF_FFFF
+        needs_history = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.min_tokens
+        return SampleSpec(
+            params=p, seed=seed,
+            prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else [],
+            output_token_ids=list(seq.output_token_ids) if needs_history else [],
+            num_output_tokens=n_out,
+        )
+
+    def _process(self, plan: StepPlan, sampled: list) -> list[RequestOutput]:
+        touched: dict[str, Request] = {}
+        sampling = (item for item in plan.scheduled if item.samples)
+        for item, token in zip(sampling, sampled):
+            seq = self.seqs.get(item.request_id)
+            if seq is None:
+                continue
+            self._append(seq, token)
+            touched[seq.request.request_id] = seq.request
+        outputs = []
+        for req in touched.values():
+            outputs.append(RequestOutput(
+                request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                outputs=[s.take_output() for s in req.seqs], finished=req.finished,
+            ))
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _append(self, seq: Sequence, token) -> None:
+        tid = token.token_id
+        seq.output_token_ids.append(tid)
+        seq.new_token_ids.append(tid)
+        seq.state.num_output_tokens += 1
+        self.stats_.generation_tokens_total += 1
+        if seq.logprobs is not None and token.logprobs is not None:
+            for t, lp in token.logprobs.items():
+                lp.decoded = seq.stream.decode_token(t)
+            seq.logprobs.append(token.logprobs)
+            seq.new_logprobs.append(token.logprobs)
+        reason = self._stop_reason(seq, tid)
+        if reason is not None:
+            seq.finish_reason = reason
+            self.seqs.pop(seq.seq_id, None)
+            self.scheduler.finish(seq.seq_id)
+
+    def _stop_reason(self, seq: Sequence, tid: int) -> str | None:
+        p = seq.request.params
+        if tid == self.eos_token_id and not p.ignore_eos:
+            return "stop"
+        if tid in p.stop_token_ids:
+            seq.stop_reason = tid
+            return "stop"
+        matched = seq.stream.append(tid)
+        if matched is not None:
+            seq.stop_reason = matched
+            return "stop"
+        if len(seq.output_token_ids) >= seq.request.max_tokens or seq.state.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # -- figures -----------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self.stats_
+        s.requests = self.scheduler.counts()
+        s.kv_blocks_total = self.kv.num_blocks
+        s.kv_blocks_used = self.kv.num_used_blocks
+        s.num_preemptions = self.scheduler.num_preemptions
+        return s
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+_ids = itertools.count()
+
+
+def next_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{next(_ids)}"

@@ -1,0 +1,23 @@
+"""LocalExecutor: one Worker in the engine's own process."""
+
+from __future__ import annotations
+
+from ..batch import ModelInput
+from ..worker import Worker
+from .base import Executor
+
+
+class LocalExecutor(Executor):
+    def __init__(self, config, model_dir: str) -> None:
+        if config.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 needs executor='ray'")
+        self.worker = Worker(config, str(model_dir))
+        self.num_kv_blocks = self.worker.available_kv_blocks()
+        self.worker.init_cache(self.num_kv_blocks)
+        self.eos_token_id = self.worker.eos_token_id
+
+    def execute(self, inp: ModelInput) -> list:
+        return self.worker.execute(inp)
+
+    def shutdown(self) -> None:
+        self.worker.kv_caches = []

@@ -1,0 +1,97 @@
+"""Building blocks shared by the model families: the per-step attention
+metadata, RMSNorm, rotary embeddings and the paged attention layer.
+
+Every model runs over one flat ragged batch ``[num_tokens, hidden]``: prefill
+chunks and decode tokens of many requests concatenated, no padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..kernels import ops
+
+
+@dataclass
+class AttentionMetadata:
+    """How the flat batch maps onto sequences and KV slots (see
+    kernels/reference.py for the exact semantics)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each token's K/V goes
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32: KV length after this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as the reference does.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half layout). The inverse frequencies
+    come from transformers' own initialisers, so every rope type a config can
+    name (llama3, yarn, linear, ...) matches the reference implementation."""
+
+    def __init__(self, config, head_dim: int) -> None:
+        super().__init__()
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            self.scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, Hq, D]; k: [T, Hk, D]
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.scaling).to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = (emb.sin() * self.scaling).to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the paged cache, then attends over it."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq * D]
+        key_cache, value_cache = kv_cache
+        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = ops.paged_attention(
+            q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            self.scale, self.sliding_window,
+        )
+        return out.reshape(out.shape[0], -1)

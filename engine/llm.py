@@ -1,0 +1,63 @@
+"""LLM: the offline Python API (``LLM(model=...).generate(prompts, params)``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .config import EngineConfig
+from .engine import LLMEngine, next_request_id
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = set(kwargs) - fields
+        if unknown:
+            raise ValueError(f"unknown LLM argument(s): {sorted(unknown)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order. A bad
+        prompt raises ValueError before any of them runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params: one per prompt, or a single one for all")
+        ids = [next_request_id("llm") for _ in prompts]
+        try:
+            for rid, prompt, p in zip(ids, prompts, params_list):
+                self.engine.add_request(rid, prompt, p)
+        except ValueError:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        bar = _progress(len(prompts)) if use_tqdm else None
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [final[rid] for rid in ids]
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

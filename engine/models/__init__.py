@@ -1,0 +1,29 @@
+"""Model families implemented over the flat token batch, one file each.
+``MODEL_REGISTRY`` maps a Hugging Face ``architectures`` entry to its class."""
+
+from __future__ import annotations
+
+from .llama import LlamaForCausalLM
+from .opt import OPTForCausalLM
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+}
+
+
+def model_class(config):
+    for arch in getattr(config, "architectures", None) or []:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    by_type = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
+               "qwen3": LlamaForCausalLM, "opt": OPTForCausalLM}
+    if config.model_type in by_type:
+        return by_type[config.model_type]
+    raise ValueError(
+        f"model architecture {getattr(config, 'architectures', None) or config.model_type!r} is not supported; "
+        f"supported: {sorted(MODEL_REGISTRY)}"
+    )

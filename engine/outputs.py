@@ -1,0 +1,53 @@
+"""What the engine hands back to its callers (LLM, AsyncEngine, the server).
+
+Plain dataclasses, no torch. Each ``RequestOutput`` carries both the cumulative
+state of a completion (for offline ``LLM.generate``) and the delta since the
+previous output of the same request (for streaming).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely
+    decoded: str = ""
+
+
+# One generated position: the sampled token plus the top-N alternatives.
+TokenLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or string that matched
+    # Delta since the previous RequestOutput of this request.
+    text_delta: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    error: str | None = None  # set with finish_reason "error" when generation failed
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)

@@ -1,0 +1,137 @@
+"""Tiny random-weight checkpoints, built locally and saved like real ones.
+
+Owns the models that tests, benchmarks and ``fluidserve serve`` without
+``--model`` use: a Hugging Face config, seeded random weights written as
+safetensors, and a byte-level tokenizer with a chat template. Nothing is
+downloaded; the directory loads through exactly the path a real checkpoint
+takes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# Byte-level vocabulary: 256 byte tokens, then the specials.
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte-to-printable-character table byte-level BPE uses."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def save_byte_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer with no merges: one token per UTF-8 byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = _bytes_to_unicode()
+    vocab = {byte_chars[b]: b for b in range(256)}
+    for i, tok in enumerate(SPECIAL_TOKENS):
+        vocab[tok] = 256 + i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    """A small transformers config of the given family."""
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    common = dict(vocab_size=BYTE_VOCAB_SIZE, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    if arch == "opt":
+        kw = dict(
+            hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
+            max_position_embeddings=512, word_embed_proj_dim=64, do_layer_norm_before=True,
+            enable_bias=True, dropout=0.0, attention_dropout=0.0, activation_function="relu",
+        )
+        kw.update(common)
+        kw.update(overrides)
+        return transformers.OPTConfig(**kw)
+    kw = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+        rope_theta=10000.0, tie_word_embeddings=False, head_dim=16,
+    )
+    kw.update(common)
+    kw.update(overrides)
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[arch]
+    return cls(**kw)
+
+
+def build_tiny_model(
+    path: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **overrides,
+) -> Path:
+    """Write config, seeded random weights (safetensors) and a byte tokenizer
+    to ``path``; return it. Weights are scaled up from the default init so a
+    random model's greedy choices are decisive rather than near-ties."""
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name or "layer_norm" in name:
+                p.uniform_(0.8, 1.2) if "weight" in name else p.normal_(0.0, 0.02)
+            else:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(str(path), safe_serialization=True)
+    save_byte_tokenizer(path)
+    (path / "fluidserve_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed}))
+    return path
+
+
+def default_tiny_model_dir() -> Path:
+    """The built-in model ``fluidserve serve`` uses without ``--model``:
+    built once per seed into the user's cache directory."""
+    root = Path.home() / ".cache" / "fluidserve" / "tiny-llama-seed0"
+    if not (root / "config.json").exists() or not (root / "tokenizer_config.json").exists():
+        build_tiny_model(root, "llama", seed=0)
+    return root

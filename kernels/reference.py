@@ -1,0 +1,124 @@
+"""Plain-torch reference implementations of the attention and cache kernels.
+
+This module owns the *semantics* of paged attention in fluidserve. It is the
+attention path of the engine on CPU and the oracle every Triton kernel test
+compares against, so it favours clarity over speed.
+
+KV cache layout (one pair of tensors per layer)::
+
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+A token's *slot* is ``block_id * block_size + offset``. A request's block table
+row lists the physical block ids of its logical blocks in order; rows are padded
+with any value (the kernels never read past ``ceil(seq_len / block_size)``).
+
+A flat ragged batch of S sequences is described by::
+
+    query:           [num_tokens, num_q_heads, head_dim]
+    query_start_loc: [S + 1] int32, cumulative query counts (cu_seqlens)
+    seq_lens:        [S] int32, KV length of each sequence *after* this step
+    block_tables:    [S, max_blocks_per_seq] int32
+
+Sequence i contributes ``q_len = query_start_loc[i+1] - query_start_loc[i]``
+queries: the last ``q_len`` positions of its ``seq_len`` tokens (a prefill
+chunk, a whole prompt, or one decode token). Their K/V are already in the
+cache. Query j sits at position ``p = seq_len - q_len + j`` and attends to KV
+positions ``[max(0, p - window + 1), p]``::
+
+    positions  0 1 2 3 4 5 6 7      seq_len = 8, q_len = 3
+    cached     x x x x x            (prefix from earlier steps)
+    queries              q q q      positions 5, 6, 7; causal among themselves
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = do not write
+) -> None:
+    """Write each token's K/V into its slot of the paged cache."""
+    block_size = key_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[valid].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_blocks_per_seq]
+    seq_len: int,
+) -> torch.Tensor:
+    """The first ``seq_len`` cached tokens of one sequence, contiguous:
+    [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache[block_table[:num_blocks].long()]  # [nb, bs, h, d]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks_per_seq]
+    seq_lens: torch.Tensor,  # [S]
+    query_start_loc: torch.Tensor,  # [S + 1]
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of a flat ragged batch over the paged KV cache.
+
+    Returns ``[num_tokens, num_q_heads, head_dim]`` in ``query.dtype``; the
+    softmax is computed in fp32.
+    """
+    num_q_heads = query.shape[1]
+    num_kv_heads = key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_lo, q_hi = starts[i], starts[i + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0:
+            continue
+        q = query[q_lo:q_hi].float()  # [q_len, hq, d]
+        k = gather_kv(key_cache, block_tables[i], seq_len).float()  # [L, hk, d]
+        v = gather_kv(value_cache, block_tables[i], seq_len).float()
+        k = k.repeat_interleave(group, dim=1)  # [L, hq, d]
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [hq, q_len, L]
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)  # [q_len, 1]
+        k_pos = torch.arange(seq_len).unsqueeze(0)  # [1, L]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out
+
+
+def gather_blocks(
+    cache: torch.Tensor,  # [num_blocks, ...]
+    block_ids: torch.Tensor,  # [n]
+) -> torch.Tensor:
+    """Copy the listed blocks into a contiguous staging buffer [n, ...]."""
+    return cache[block_ids.long()].clone()
+
+
+def scatter_blocks(
+    staging: torch.Tensor,  # [n, ...]
+    cache: torch.Tensor,  # [num_blocks, ...]
+    block_ids: torch.Tensor,  # [n]
+) -> None:
+    """Write staged blocks back into the listed cache blocks."""
+    cache[block_ids.long()] = staging.to(cache.dtype)

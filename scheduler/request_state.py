@@ -1,0 +1,59 @@
+"""SeqState: what the scheduler knows of one request.
+
+The engine's ``Request`` holds token ids, sampling parameters and detokenizer
+state; it owns a ``SeqState`` that carries only counts and policy bookkeeping,
+so the scheduler and the simulator never see torch or a tokenizer.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestClass(str, enum.Enum):
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # holds no KV yet (new, or preempted by recompute)
+    RUNNING = "running"  # holds KV on the device
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class SeqState:
+    request_id: str
+    num_prompt_tokens: int
+    max_new_tokens: int
+    arrival_time: float
+    klass: RequestClass = RequestClass.ONLINE
+    num_output_tokens: int = 0
+    # Tokens whose KV is in the cache. During decode the newest sampled token
+    # is not yet computed: num_computed_tokens == num_tokens - 1.
+    num_computed_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    last_scheduled_time: float | None = None
+    # Free-form per-policy bookkeeping (queue level, attained service, ...).
+    policy_state: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until the whole prompt (and, after a recompute, the outputs
+        so far) is in the cache."""
+        return self.num_uncomputed_tokens > 1 or self.num_output_tokens == 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
