@@ -33,6 +33,7 @@ positions ``[max(0, p - window + 1), p]``::
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
 
 def reshape_and_cache(
@@ -77,11 +78,9 @@ def paged_attention(
     """Causal attention of a flat ragged batch over the paged KV cache.
 
     Returns ``[num_tokens, num_q_heads, head_dim]`` in ``query.dtype``; the
-    softmax is computed in fp32.
+    softmax is computed in fp32. Sequences are handled one at a time: this is
+    the oracle and the CPU path, not the fast path.
     """
-    num_q_heads = query.shape[1]
-    num_kv_heads = key_cache.shape[2]
-    group = num_q_heads // num_kv_heads
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -90,20 +89,19 @@ def paged_attention(
         q_len = q_hi - q_lo
         if q_len == 0:
             continue
-        q = query[q_lo:q_hi].float()  # [q_len, hq, d]
-        k = gather_kv(key_cache, block_tables[i], seq_len).float()  # [L, hk, d]
-        v = gather_kv(value_cache, block_tables[i], seq_len).float()
-        k = k.repeat_interleave(group, dim=1)  # [L, hq, d]
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [hq, q_len, L]
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)  # [q_len, 1]
-        k_pos = torch.arange(seq_len).unsqueeze(0)  # [1, L]
-        allowed = k_pos <= q_pos
-        if sliding_window is not None:
-            allowed &= k_pos > q_pos - sliding_window
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+        q = query[q_lo:q_hi].float().transpose(0, 1)  # [hq, q_len, d]
+        k = gather_kv(key_cache, block_tables[i], seq_len).float().transpose(0, 1)  # [hk, L, d]
+        v = gather_kv(value_cache, block_tables[i], seq_len).float().transpose(0, 1)
+        mask = None
+        if q_len > 1 or (sliding_window is not None and seq_len > sliding_window):
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)  # [q_len, 1]
+            k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)  # [1, L]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+        # enable_gqa lets each group of query heads share its KV head without copies.
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[q_lo:q_hi] = o.transpose(0, 1).to(query.dtype)
     return out
 
 

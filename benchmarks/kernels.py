@@ -1,0 +1,244 @@
+"""Kernel benchmarks: how close the Triton paged attention gets to the memory
+and compute roofs of the GPU it runs on.
+
+Three measurements, all in one process on one device:
+
+* **decode**: one query token per sequence over batch x context; achieved
+  bandwidth = bytes of K/V (and Q) read / kernel time, next to the bandwidth of
+  a device-to-device copy measured here (the practical roof).
+* **prefill**: whole prompts; TFLOP/s of our kernel and of
+  ``torch.nn.functional.scaled_dot_product_attention`` (causal) on the same
+  shapes. FLOPs count only the causal half: 4 * heads * head_dim * L(L+1)/2.
+* **mixed**: one 8k-token prefill chunk + 128 decodes of random contexts,
+  with FluidInfer packing (LPT onto persistent units, split-K) and without
+  (one program per tile, no split).
+
+Results go to ``benchmarks/results/kernels_<device>.json`` and ``.md``.
+Run: ``python benchmarks/kernels.py`` (``--quick`` for a short sweep). Needs
+CUDA; on a machine without it the script says so and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# Skip decode points whose KV cache would not fit comfortably.
+MAX_CACHE_BYTES = 40 * 2**30
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.num_kv_heads * self.group
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
+    p.add_argument("--prefill-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    p.add_argument("--head-dim", type=int, default=128, choices=[64, 128])
+    p.add_argument("--block-size", type=int, default=16, choices=[16, 32])
+    p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
+    p.add_argument("--quick", action="store_true", help="a few points of each sweep")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch_sizes, args.contexts, args.prefill_lens = [1, 64], [2048, 16384], [2048]
+    return args
+
+
+def device_slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def bench_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+
+
+def copy_bandwidth_gbs(nbytes: int = 2**30) -> float:
+    """Device-to-device copy: reads + writes ``nbytes`` each."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def make_cache_batch(shape: Shape, q_lens: list[int], seq_lens: list[int], seed: int = 0) -> dict:
+    """A paged batch with randomly placed blocks: [num_blocks, bs, Hkv, D] caches."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    bs = shape.block_size
+    needed = [-(-s // bs) for s in seq_lens]
+    num_blocks = sum(needed)
+    perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
+    tables = torch.zeros((len(seq_lens), max(needed)), dtype=torch.int32, device="cuda")
+    used = 0
+    for i, n in enumerate(needed):
+        tables[i, :n] = perm[used : used + n]
+        used += n
+    cache_shape = (num_blocks, bs, shape.num_kv_heads, shape.head_dim)
+    kw = dict(dtype=shape.dtype, device="cuda")
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    return dict(
+        query=torch.randn((starts[-1], shape.num_q_heads, shape.head_dim), **kw),
+        key_cache=torch.randn(cache_shape, **kw),
+        value_cache=torch.randn(cache_shape, **kw),
+        block_tables=tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
+    )
+
+
+def run_attention(batch: dict, shape: Shape, plan) -> None:
+    from fluidserve.kernels import paged_attention as pa
+
+    pa.paged_attention(
+        batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+        batch["seq_lens"], batch["query_start_loc"], shape.head_dim**-0.5, work=plan,
+    )  # fmt: skip
+
+
+def bench_decode(shape: Shape, batch_sizes: list[int], contexts: list[int], copy_gbs: float) -> list[dict]:
+    from fluidserve.kernels import paged_attention as pa
+
+    elem = torch.finfo(shape.dtype).bits // 8
+    rows = []
+    for b in batch_sizes:
+        for ctx in contexts:
+            kv_bytes = 2 * b * ctx * shape.num_kv_heads * shape.head_dim * elem
+            if kv_bytes > MAX_CACHE_BYTES:
+                rows.append(dict(batch=b, context=ctx, skipped="cache too large"))
+                continue
+            q_lens, seq_lens = [1] * b, [ctx] * b
+            batch = make_cache_batch(shape, q_lens, seq_lens)
+            plan = pa.plan_for(batch["query"], batch["key_cache"], q_lens, seq_lens)
+            ms = bench_ms(lambda: run_attention(batch, shape, plan))
+            q_bytes = 2 * b * shape.num_q_heads * shape.head_dim * elem  # read Q, write O
+            gbs = (kv_bytes + q_bytes) / (ms * 1e-3) / 1e9
+            rows.append(dict(batch=b, context=ctx, ms=ms, gb_s=gbs, pct_of_copy=100 * gbs / copy_gbs,
+                             splits=plan.max_splits, units=plan.num_units))  # fmt: skip
+            pct = 100 * gbs / copy_gbs
+            print(f"decode b={b:4d} ctx={ctx:6d}  {ms:8.3f} ms  {gbs:7.1f} GB/s  ({pct:5.1f}% of copy)")
+            del batch
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_prefill(shape: Shape, lens: list[int]) -> list[dict]:
+    from fluidserve.kernels import paged_attention as pa
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows = []
+    for L in lens:
+        batch = make_cache_batch(shape, [L], [L])
+        plan = pa.plan_for(batch["query"], batch["key_cache"], [L], [L])
+        flops = 4 * shape.num_q_heads * shape.head_dim * L * (L + 1) / 2
+        ms = bench_ms(lambda: run_attention(batch, shape, plan))
+        # SDPA sees the same K/V contiguous: [1, H, L, D].
+        nb = -(-L // shape.block_size)
+        blocks = batch["block_tables"][0, :nb].long()
+        k = batch["key_cache"][blocks].reshape(-1, shape.num_kv_heads, shape.head_dim)[:L]
+        v = batch["value_cache"][blocks].reshape(-1, shape.num_kv_heads, shape.head_dim)[:L]
+        q_s, k_s, v_s = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (batch["query"], k, v))
+        ms_sdpa = bench_ms(lambda: sdpa(q_s, k_s, v_s, is_causal=True, enable_gqa=True))
+        rows.append(dict(len=L, ms=ms, tflops=flops / ms / 1e9, sdpa_ms=ms_sdpa, sdpa_tflops=flops / ms_sdpa / 1e9))
+        print(f"prefill L={L:6d}  ours {flops / ms / 1e9:6.1f} TFLOP/s  sdpa {flops / ms_sdpa / 1e9:6.1f} TFLOP/s")
+        del batch
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_mixed(shape: Shape, chunk: int = 8192, decodes: int = 128, seed: int = 0) -> dict:
+    from fluidserve.kernels import paged_attention as pa
+
+    rng = random.Random(seed)
+    q_lens = [chunk] + [1] * decodes
+    seq_lens = [chunk] + [rng.randint(512, 32768) for _ in range(decodes)]
+    batch = make_cache_batch(shape, q_lens, seq_lens)
+    result = {}
+    for name, pack in (("packed", True), ("unpacked", False)):
+        plan = pa.plan_for(batch["query"], batch["key_cache"], q_lens, seq_lens, pack=pack)
+        ms = bench_ms(lambda: run_attention(batch, shape, plan))
+        result[name] = dict(ms=ms, items=plan.num_items, units=plan.num_units, max_splits=plan.max_splits)
+        print(f"mixed {name:9s} {ms:8.3f} ms  items={plan.num_items} units={plan.num_units}")
+    result["speedup"] = result["unpacked"]["ms"] / result["packed"]["ms"]
+    return result
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Kernel benchmarks on {report['device']}", "", f"Config: `{report['config']}`", "",
+             f"Device-to-device copy: **{report['copy_gb_s']:.0f} GB/s**", "", "## Decode attention", "",
+             "| batch | context | ms | GB/s | % of copy |", "|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in report["decode"]:
+        if "skipped" in r:
+            lines.append(f"| {r['batch']} | {r['context']} | – | {r['skipped']} | – |")
+        else:
+            cells = (r["batch"], r["context"], f"{r['ms']:.3f}", f"{r['gb_s']:.0f}", f"{r['pct_of_copy']:.1f}")
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
+    lines += ["", "## Prefill attention (causal FLOPs)", "",
+              "| length | ours ms | ours TFLOP/s | SDPA ms | SDPA TFLOP/s |", "|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in report["prefill"]:
+        cells = (r["len"], f"{r['ms']:.3f}", f"{r['tflops']:.1f}", f"{r['sdpa_ms']:.3f}", f"{r['sdpa_tflops']:.1f}")
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    m = report["mixed"]
+    lines += ["", "## Mixed batch: one 8k prefill chunk + 128 decodes (contexts 512–32k)", "",
+              "| plan | ms | items | units |", "|---|---:|---:|---:|",
+              f"| packed (LPT + split-K) | {m['packed']['ms']:.3f} | {m['packed']['items']} | {m['packed']['units']} |",
+              f"| unpacked | {m['unpacked']['ms']:.3f} | {m['unpacked']['items']} | {m['unpacked']['units']} |",
+              "", f"Packing speedup: **{m['speedup']:.2f}x**", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU (none found); nothing measured.")
+        return 0
+    shape = Shape(args.num_kv_heads, args.group, args.head_dim, args.block_size, getattr(torch, args.dtype))
+    name = torch.cuda.get_device_name()
+    print(f"device: {name}")
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s")
+    report = dict(
+        device=name,
+        time=time.strftime("%Y-%m-%d %H:%M:%S"),
+        torch=torch.__version__,
+        config={**asdict(shape), "dtype": args.dtype},
+        copy_gb_s=copy_gbs,
+        decode=bench_decode(shape, args.batch_sizes, args.contexts, copy_gbs),
+        prefill=bench_prefill(shape, args.prefill_lens),
+        mixed=bench_mixed(shape),
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"kernels_{device_slug(name)}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    stem.with_suffix(".md").write_text(markdown(report))
+    print(f"wrote {stem}.json and {stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

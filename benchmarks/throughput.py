@@ -1,0 +1,231 @@
+"""Offline throughput: fluidserve against Hugging Face transformers on the same
+model, prompts and device, in one run.
+
+Baselines: transformers ``generate`` on left-padded batches, and its own
+continuous batching (``generate_batch`` with paged attention) where that runs.
+Every system produces exactly ``--output-len`` tokens per prompt (EOS ignored),
+so tokens/s compare like for like. Prompt lengths are sampled from a real
+length file (ShareGPT by default) and scaled down with ``--length-scale``.
+
+    python benchmarks/throughput.py                      # CPU preset: 4-layer, hidden-512 dummy Llama, 64 prompts
+    python benchmarks/throughput.py --preset llama3-8b   # on a GPU: Llama-3-8B-shaped dummy model
+
+Prints the ratios and writes JSON + a markdown table to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_LENGTHS = REPO.parent / "shared" / "workloads" / "sharegpt8k_llama2tok_lengths.csv"
+
+PRESETS = {
+    # Small enough for 2 CPU cores; vocab kept realistic so the LM head costs what it should.
+    "cpu-small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=8, head_dim=64, vocab_size=32000, max_position_embeddings=4096),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
+                      rope_theta=500000.0),
+}
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def sample_prompts(path: Path, n: int, scale: float, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    with open(path) as f:
+        lengths = [int(r["prompt_tokens"]) for r in csv.DictReader(f)]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = max(4, min(max_len, int(rng.choice(lengths) * scale)))
+        out.append([rng.randrange(300, vocab) for _ in range(length)])
+    return out
+
+
+def build_model_dir(preset: str, root: Path) -> Path:
+    """Config + byte tokenizer only: every system loads random (dummy) weights."""
+    from fluidserve.engine.tiny_model import save_byte_tokenizer, tiny_config
+
+    config = tiny_config("llama", **PRESETS[preset])
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(root)
+    save_byte_tokenizer(root)
+    return root
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_fluidserve(model_dir: Path, prompts, output_len: int, device: str, dtype: str, args) -> dict:
+    from fluidserve.engine import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), load_format="dummy", device=device, dtype=dtype,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+              num_kv_blocks=args.num_kv_blocks, max_model_len=max(map(len, prompts)) + output_len)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    steps = llm.engine.stats().num_steps
+    llm.engine.shutdown()
+    return {"elapsed_s": elapsed, "output_tokens": tokens, "steps": steps}
+
+
+def _hf_model(model_dir: Path, device: str, dtype: str, attn: str | None = None):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    kwargs = {"attn_implementation": attn} if attn else {}
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype, **kwargs)
+    return model.eval()
+
+
+def run_hf_padded(model_dir: Path, prompts, output_len: int, device: str, dtype: str, batch_size: int) -> dict:
+    model = _hf_model(model_dir, device, dtype)
+    pad = 0
+
+    def generate(batch):
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+        return (out.shape[1] - width) * len(batch)
+
+    generate(prompts[:2])  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    tokens = sum(generate(prompts[i:i + batch_size]) for i in range(0, len(prompts), batch_size))
+    sync(device)
+    return {"elapsed_s": time.perf_counter() - t0, "output_tokens": tokens, "batch_size": batch_size}
+
+
+def run_hf_continuous(model_dir: Path, prompts, output_len: int, device: str, dtype: str) -> dict:
+    import transformers
+
+    attn = "sdpa"  # generate_batch pages the KV cache itself
+    model = _hf_model(model_dir, device, dtype, attn)
+    cfg = transformers.GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                                        eos_token_id=-1, pad_token_id=0)
+    model.generate_batch(inputs=prompts[:2], generation_config=cfg, progress_bar=False)  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    results = model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(r.generated_tokens) for r in results.values())
+    return {"elapsed_s": elapsed, "output_tokens": tokens}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="model shape (default: cpu-small on CPU, llama3-8b on CUDA)")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=None, help="tokens per prompt (default 32 CPU / 256 GPU)")
+    ap.add_argument("--lengths", type=Path, default=DEFAULT_LENGTHS, help="CSV with a prompt_tokens column")
+    ap.add_argument("--length-scale", type=float, default=None,
+                    help="multiply sampled prompt lengths (default 0.05 CPU / 0.25 GPU)")
+    ap.add_argument("--max-prompt-len", type=int, default=2048)
+    ap.add_argument("--hf-batch-size", type=int, default=None, help="padded batch size (default: all prompts)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--skip-continuous", action="store_true", help="skip transformers' generate_batch")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = ap.parse_args(argv)
+
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    gpu = device == "cuda"
+    preset = args.preset or ("llama3-8b" if gpu else "cpu-small")
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    output_len = args.output_len or (256 if gpu else 32)
+    scale = args.length_scale or (0.25 if gpu else 0.05)
+    prompts = sample_prompts(args.lengths, args.num_prompts, scale, args.max_prompt_len,
+                             PRESETS[preset]["vocab_size"], args.seed)
+    if args.num_kv_blocks is None and not gpu:
+        need = sum(-(-(len(p) + output_len) // 16) for p in prompts)
+        args.num_kv_blocks = need + 16
+
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model_dir(preset, Path(tmp))
+        print(f"device: {device_name(device)}; model preset {preset} ({dtype}); {len(prompts)} prompts, "
+              f"mean prompt {sum(map(len, prompts)) / len(prompts):.0f} tokens, {output_len} output tokens each")
+        runs = [("fluidserve", lambda: run_fluidserve(model_dir, prompts, output_len, device, dtype, args)),
+                ("hf_generate_padded", lambda: run_hf_padded(model_dir, prompts, output_len, device, dtype,
+                                                              args.hf_batch_size or len(prompts)))]
+        if not args.skip_continuous:
+            runs.append(("hf_generate_batch", lambda: run_hf_continuous(model_dir, prompts, output_len, device, dtype)))
+        for name, fn in runs:
+            try:
+                r = fn()
+                r["tokens_per_s"] = r["output_tokens"] / r["elapsed_s"]
+                r["requests_per_s"] = len(prompts) / r["elapsed_s"]
+            except Exception as exc:  # a baseline that cannot run here is reported, not fatal
+                r = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            results[name] = r
+            print(f"{name:>22}: " + (f"{r['tokens_per_s']:9.1f} tok/s  {r['requests_per_s']:7.2f} req/s  "
+                                     f"({r['elapsed_s']:.2f} s)" if "error" not in r else r["error"]))
+            if gpu:
+                torch.cuda.empty_cache()
+
+    ours = results["fluidserve"].get("tokens_per_s")
+    ratios = {k: ours / v["tokens_per_s"] for k, v in results.items()
+              if k != "fluidserve" and ours and "tokens_per_s" in v}
+    for k, v in ratios.items():
+        print(f"fluidserve / {k}: {v:.2f}x")
+    record = {
+        "benchmark": "throughput", "device": device_name(device), "preset": preset, "dtype": dtype,
+        "model_shape": PRESETS[preset], "num_prompts": len(prompts), "output_len": output_len,
+        "prompt_lengths": {"source": str(args.lengths), "scale": scale,
+                           "mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))},
+        "torch": torch.__version__, "results": results, "speedup": ratios,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"throughput-{'gpu' if gpu else 'cpu'}-{preset}"
+    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2))
+    lines = [f"# Offline throughput — {record['device']}", "",
+             f"{preset} dummy weights, {dtype}, {len(prompts)} prompts (mean {record['prompt_lengths']['mean']:.0f} "
+             f"tokens, ShareGPT lengths x{scale}), {output_len} output tokens each.", "",
+             "| system | output tok/s | req/s | fluidserve speed-up |", "|---|---:|---:|---:|"]
+    for k, v in results.items():
+        if "error" in v:
+            lines.append(f"| {k} | error: {v['error'][:80]} | | |")
+        else:
+            sp = "1.00x" if k == "fluidserve" else f"{ratios.get(k, float('nan')):.2f}x"
+            lines.append(f"| {k} | {v['tokens_per_s']:.1f} | {v['requests_per_s']:.2f} | {sp} |")
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out / (stem + '.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""Detokenizer: the text of one completion, built one token at a time.
+
+Owns ``TextStream``: incremental detokenization (multi-byte UTF-8 characters
+split across tokens come out whole), stop-string matching across token
+boundaries, and the streaming hold-back that keeps released text final — a
+chunk handed to a client is never taken back by a later stop match.
+
+How incremental decoding works (no whole-output re-decode per token)::
+
+    tokens:  [ prompt tail ... | out0 out1 ... | pending ... ]
+               ^prefix_offset   ^read_offset-ish         ^end
+    prefix_text = decode(tokens[prefix_offset:read_offset])
+    new_text    = decode(tokens[prefix_offset:])
+    delta       = new_text[len(prefix_text):]   once it grew and ends in a whole character
+
+Decoding a few tokens of context before the new ones matters for tokenizers
+whose decode of a lone token differs from its decode in context (SentencePiece
+drops a leading space at the start of a decode). A trailing U+FFFD means the
+last tokens end inside a UTF-8 sequence: wait for more tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fluidserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Prompt tokens decoded as context before the first output token.
+_PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class TextStream:
+    """Per-completion text: incremental detokenization, stop strings, streaming hold-back.
+
+    The engine calls ``append`` for each generated token and ``flush`` whenever
+    it emits an output; the concatenation of every ``flush`` result equals
+    ``text`` once ``flush(finished=True)`` has been called.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams):
+        self._tokenizer = tokenizer
+        self._params = params
+        self._skip_special = params.skip_special_tokens
+        self._stops = list(params.stop)
+        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        # The decode window: a little prompt for context, then every output
+        # token. Only tokens[prefix_offset:] are ever decoded.
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._tokens: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._num_generated = 0
+        self._text = ""  # whole characters only, already stop-truncated
+        self._released = 0  # len of the text handed out by flush
+        self._stopped = False
+        self._finalised = False
+        self._token_text_cache: dict[int, str] = {}
+
+    # ------------------------------------------------------------ public
+
+    @property
+    def text(self) -> str:
+        """Cumulative text so far (after stop truncation), including text not yet flushed."""
+        return self._text
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string has matched; later tokens are ignored."""
+        return self._stopped
+
+    def append(self, token_id: int) -> str | None:
+        """Add one generated token. Returns the stop string if one now matches;
+        the text is then cut at it (or kept through it when
+        ``include_stop_str_in_output``) and the stream takes no more tokens."""
+        if self._stopped or self._finalised:
+            return None
+        self._tokens.append(token_id)
+        self._num_generated += 1
+        delta = self._decode_delta()
+        if not delta:
+            return None
+        old_len = len(self._text)
+        self._text += delta
+        # Stop strings count only once min_tokens are out (vLLM semantics: the
+        # minimum holds against every way of stopping).
+        if self._stops and self._num_generated >= self._params.min_tokens:
+            return self._check_stop(old_len)
+        return None
+
+    def flush(self, finished: bool) -> str:
+        """Text released since the last flush.
+
+        While not finished, holds back any tail that could still grow into a
+        stop string, so released text is final. Incomplete UTF-8 characters
+        are never in ``text`` until the stream finishes; on ``finished`` any
+        trailing partial bytes are decoded as they are (U+FFFD, matching a
+        plain ``tokenizer.decode``) and everything is released."""
+        if finished and not self._stopped and not self._finalised:
+            self._text += self._decode_remainder()
+        if finished:
+            self._finalised = True
+        end = len(self._text) if finished or self._stopped else self._holdback_start()
+        end = max(end, self._released)  # never retract (holdback_start >= released by construction)
+        chunk = self._text[self._released:end]
+        self._released = end
+        return chunk
+
+    def decode_token(self, token_id: int) -> str:
+        """One token's own text, for logprobs display. A byte token inside a
+        multi-byte character shows as U+FFFD; special tokens show their names."""
+        cached = self._token_text_cache.get(token_id)
+        if cached is None:
+            cached = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text_cache[token_id] = cached
+        return cached
+
+    # ------------------------------------------------------------ decoding
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(
+            token_ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
+        )
+
+    def _decode_delta(self) -> str:
+        """New whole characters since read_offset, advancing the window; "" while
+        the tail is an incomplete character (or decodes to nothing, e.g. a
+        skipped special token)."""
+        prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._tokens[self._prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        return new_text[len(prefix_text):]
+
+    def _decode_remainder(self) -> str:
+        """At the end: whatever the not-yet-read tokens decode to, partial bytes included."""
+        if self._read_offset == len(self._tokens):
+            return ""
+        prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._tokens[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(self._tokens)
+        return new_text[len(prefix_text):]
+
+    # ------------------------------------------------------------ stop strings
+
+    def _check_stop(self, old_len: int) -> str | None:
+        """Find a stop string ending in the text added since ``old_len``.
+
+        Earlier text held no match (else we had stopped), so only matches that
+        end in the new part count; among them the earliest start wins."""
+        best_at, best_stop = -1, None
+        for stop in self._stops:
+            at = self._text.find(stop, max(0, old_len - len(stop) + 1))
+            if at != -1 and (best_stop is None or at < best_at):
+                best_at, best_stop = at, stop
+        if best_stop is None:
+            return None
+        end = best_at + len(best_stop) if self._params.include_stop_str_in_output else best_at
+        self._text = self._text[:end]
+        self._stopped = True
+        return best_stop
+
+    def _holdback_start(self) -> int:
+        """Where the tail that could still begin a stop string starts (len(text) if none).
+
+        A future match must start at some i where text[i:] is a prefix of a
+        stop string; the earliest such i bounds what is safe to release."""
+        n = len(self._text)
+        if not self._stops:
+            return n
+        for i in range(max(self._released, n - self._max_stop_len + 1), n):
+            tail = self._text[i:]
+            if any(stop.startswith(tail) for stop in self._stops):
+                return i
+        return n

@@ -1,0 +1,264 @@
+"""Sampler: one step's logits in, one next token (and its logprobs) per row out.
+
+Owns the per-step sampling pipeline and nothing else: logprobs of the raw
+distribution, min_tokens masking, repetition / presence / frequency penalties,
+then greedy argmax or temperature -> top_k -> top_p -> min_p -> draw. Rows are
+independent sequences; each may carry its own ``torch.Generator`` so a seeded
+request draws the same token whatever else shares its batch.
+
+Order of operations follows vLLM: logprobs come from the logits the model
+produced (before any penalty or temperature), so they describe the model, not
+the request's sampling knobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fluidserve.engine.outputs import Logprob
+from fluidserve.engine.sampling_params import SamplingParams
+
+_SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF  # torch.Generator.manual_seed takes 64-bit seeds
+
+
+@dataclass
+class SamplingRow:
+    """One row of logits = one sequence that samples this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (before this step)
+    generator: torch.Generator | None  # per-request, seeded from params.seed; None = global RNG
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    # The sampled token plus the top-N (params.logprobs) alternatives, with
+    # ranks in the raw distribution; None when the request asked for no logprobs.
+    logprobs: dict[int, Logprob] | None
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A generator for one request's draws, or None to use the global RNG.
+
+    Must live on the device the logits live on: ``exponential_`` refuses a
+    generator of another device."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=torch.device(device))
+    generator.manual_seed(seed & _SEED_MASK)
+    return generator
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None) -> list[SampledToken]:
+    """Choose the next token of every row. ``logits``: [num_rows, vocab], any float dtype."""
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
+    if not rows:
+        return []
+    # One fp32 copy that every later stage may modify in place; the caller's
+    # tensor is left untouched.
+    logits = logits.to(torch.float32, copy=True)  # [R, V]
+    raw_logprobs = None
+    if any(row.params.logprobs is not None for row in rows):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [R, V]
+
+    _mask_stop_tokens_before_min(logits, rows, eos_token_id)
+    _apply_repetition_penalty(logits, rows)
+    _apply_presence_frequency_penalties(logits, rows)
+    token_ids = _choose_tokens(logits, rows)  # [R] int64
+
+    chosen = token_ids.tolist()
+    logprobs = _gather_logprobs(raw_logprobs, token_ids, rows) if raw_logprobs is not None else {}
+    return [SampledToken(token_id=tok, logprobs=logprobs.get(i)) for i, tok in enumerate(chosen)]
+
+
+# ---------------------------------------------------------------- logits stages
+
+
+def _mask_stop_tokens_before_min(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None) -> None:
+    """While a row has fewer than min_tokens outputs, it may not pick a token
+    that would end it: EOS (unless ignore_eos, where EOS does not end anything)
+    and its stop_token_ids."""
+    vocab = logits.shape[1]
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for i, row in enumerate(rows):
+        params = row.params
+        if len(row.output_token_ids) >= params.min_tokens:
+            continue
+        stops = list(params.stop_token_ids)
+        if eos_token_id is not None and not params.ignore_eos:
+            stops.append(eos_token_id)
+        for tok in stops:
+            if 0 <= tok < vocab:  # a stop id past the vocabulary can never be sampled anyway
+                row_idx.append(i)
+                tok_idx.append(tok)
+    if row_idx:
+        logits[_index(row_idx, logits), _index(tok_idx, logits)] = float("-inf")
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """HF semantics over prompt + output tokens: a seen token's logit is divided
+    by the penalty when positive and multiplied when negative, so penalty > 1
+    always makes it less likely."""
+    sel = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
+    if not sel:
+        return
+    seen = _token_counts(logits, [rows[i].prompt_token_ids + rows[i].output_token_ids for i in sel]) > 0  # [S, V]
+    penalty = torch.tensor([rows[i].params.repetition_penalty for i in sel], device=logits.device).unsqueeze(1)
+    sel_t = _index(sel, logits)
+    sub = logits[sel_t]  # [S, V]
+    penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+    logits[sel_t] = torch.where(seen, penalised, sub)
+
+
+def _apply_presence_frequency_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """OpenAI semantics over output tokens only:
+    logit -= frequency_penalty * count + presence_penalty * (count > 0)."""
+    sel = [
+        i for i, row in enumerate(rows)
+        if (row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0) and row.output_token_ids
+    ]
+    if not sel:
+        return
+    counts = _token_counts(logits, [rows[i].output_token_ids for i in sel])  # [S, V]
+    freq = torch.tensor([rows[i].params.frequency_penalty for i in sel], device=logits.device).unsqueeze(1)
+    pres = torch.tensor([rows[i].params.presence_penalty for i in sel], device=logits.device).unsqueeze(1)
+    sel_t = _index(sel, logits)
+    logits[sel_t] = logits[sel_t] - freq * counts - pres * (counts > 0).float()
+
+
+def _token_counts(logits: torch.Tensor, token_lists: list[list[int]]) -> torch.Tensor:
+    """[len(token_lists), V] float: how often each vocabulary id occurs in each list.
+
+    One flat scatter-add for all rows instead of a loop over rows or vocab."""
+    vocab = logits.shape[1]
+    row_of = [r for r, toks in enumerate(token_lists) for _ in toks]
+    flat = [t for toks in token_lists for t in toks]
+    counts = torch.zeros(len(token_lists), vocab, dtype=torch.float32, device=logits.device)
+    if flat:
+        tok_t = _index(flat, logits)
+        row_t = _index(row_of, logits)
+        keep = (tok_t >= 0) & (tok_t < vocab)  # ids past the model's vocab cannot be penalised
+        tok_t, row_t = tok_t[keep], row_t[keep]
+        counts.index_put_((row_t, tok_t), torch.ones_like(tok_t, dtype=torch.float32), accumulate=True)
+    return counts
+
+
+# ---------------------------------------------------------------- choosing
+
+
+def _choose_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """[R] int64: argmax for greedy rows, a filtered random draw for the rest."""
+    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    if len(greedy) == len(rows):
+        return logits.argmax(dim=-1)
+    random = [i for i, row in enumerate(rows) if not row.params.greedy]
+    token_ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+    if greedy:
+        greedy_t = _index(greedy, logits)
+        token_ids[greedy_t] = logits[greedy_t].argmax(dim=-1)
+    random_t = _index(random, logits)
+    params = [rows[i].params for i in random]
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+    probs = _filtered_probs(logits[random_t] / temperature, params)  # [S, V]
+    noise = _exponential_noise(probs, [rows[i].generator for i in random])  # [S, V]
+    # Exponential race: argmax_i p_i / q_i with q_i ~ Exp(1) picks i with
+    # probability p_i / sum(p). Zeroed (filtered) tokens can never win, and
+    # no renormalisation is needed after filtering.
+    token_ids[random_t] = (probs / noise).argmax(dim=-1)
+    return token_ids
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[S, V] probabilities (not renormalised) after top_k, top_p and min_p.
+
+    Rows whose filter is disabled pass through each stage bit-for-bit, so a
+    row's result does not depend on what other rows in the batch ask for."""
+    vocab = logits.shape[1]
+    device = logits.device
+    need_k = any(0 < p.top_k < vocab for p in params)
+    need_p = any(p.top_p < 1.0 for p in params)
+    if need_k or need_p:
+        # Filter in sorted order, then scatter back: vocabulary order is what
+        # the per-row noise is drawn in, so it must not change between paths.
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [S, V]
+        if need_k:
+            k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+            position = torch.arange(vocab, device=device)
+            sorted_logits.masked_fill_(position.unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
+        if need_p:
+            # Keep the smallest head whose mass reaches top_p: drop a token
+            # when the mass strictly before it already does. Disabled rows get
+            # a threshold of inf so rounding in cumsum cannot drop their tail.
+            top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device)
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            # The most likely token always survives: the mass before it is 0.
+            sorted_logits.masked_fill_(mass_before >= top_p.unsqueeze(1), float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+        threshold = min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """[S, V] Exp(1) noise. Rows with a generator draw a full row from it (so
+    the draw is independent of batch composition); the rest share one draw
+    from the global RNG."""
+    noise = torch.empty_like(probs)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if len(shared) == len(generators):
+        return noise.exponential_()
+    if shared:
+        shared_t = _index(shared, probs)
+        noise[shared_t] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            noise[i].exponential_(generator=generator)  # in place on a row view
+    return noise
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def _gather_logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
+) -> dict[int, dict[int, Logprob]]:
+    """Row index -> {token id: Logprob} for rows that asked for logprobs: the
+    sampled token first, then the top-N by raw logprob."""
+    sel = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    sel_t = _index(sel, raw_logprobs)
+    lp = raw_logprobs[sel_t]  # [S, V]
+    chosen = token_ids[sel_t]  # [S]
+    chosen_lp = lp.gather(1, chosen.unsqueeze(1))  # [S, 1]
+    # Rank = 1 + number of strictly more likely tokens (ties share the best rank).
+    chosen_rank = (lp > chosen_lp).sum(dim=-1) + 1  # [S]
+    top_n = max(rows[i].params.logprobs for i in sel)
+    top_vals: list[list[float]] = [[] for _ in sel]
+    top_ids: list[list[int]] = [[] for _ in sel]
+    if top_n > 0:
+        values, indices = lp.topk(min(top_n, lp.shape[1]), dim=-1)  # [S, N]
+        top_vals, top_ids = values.tolist(), indices.tolist()
+
+    out: dict[int, dict[int, Logprob]] = {}
+    rows_lp = zip(sel, chosen.tolist(), chosen_lp.squeeze(1).tolist(), chosen_rank.tolist(), top_vals, top_ids)
+    for i, tok, tok_lp, tok_rank, vals, ids in rows_lp:
+        entry = {tok: Logprob(logprob=tok_lp, rank=tok_rank)}
+        n = rows[i].params.logprobs
+        for rank, (alt, alt_lp) in enumerate(zip(ids[:n], vals[:n]), start=1):
+            entry.setdefault(alt, Logprob(logprob=alt_lp, rank=rank))
+        out[i] = entry
+    return out
+
+
+def _index(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    """An int64 index tensor on ``like``'s device."""
+    return torch.tensor(values, dtype=torch.int64, device=like.device)

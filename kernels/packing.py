@@ -1,0 +1,310 @@
+"""Attention work packing (FluidInfer §4.2): the host-side planner of the
+Triton paged-attention kernel.
+
+This module owns the *work list*: how one step's flat ragged batch (prefill
+chunks and decode tokens mixed) is cut into work items and how those items are
+packed onto the kernel's persistent programs ("work units"). It is plain
+Python over ints; torch is used only to hand the result to the kernel as
+int32 tensors. The plan depends only on the batch's lengths, so the engine
+builds it once per step and every layer reuses it.
+
+Pipeline::
+
+    sequences --tile queries--> tiles --split KV--> items --LPT--> units
+                                                       \\--> merge rows
+
+* A **tile** is up to ``tokens_per_tile`` consecutive queries of one sequence;
+  the kernel processes a tile's queries for all query heads of one KV head at
+  once (``tokens_per_tile * group`` rows), so every tile costs about the same per
+  key visited whatever its number of valid rows. Its KV span is the union of its
+  queries' causal (and sliding-window) ranges.
+* A tile whose span is longer than the chunk length is **split along the KV
+  axis** (split-K). Each piece writes a partial (normalised output, log-sum-exp)
+  into a merge row; a second small kernel merges the pieces. Every other tile
+  writes the output directly.
+* Items are packed **longest-processing-time first** onto ``num_units``
+  programs: take the costliest item left and give it to the least loaded unit.
+  This is the greedy of FluidInfer's Figure 9b: long prefill work is placed
+  first and the short decode items fill the bubbles beside it. LPT's makespan
+  is at most ``4/3 - 1/(3 * num_units)`` times the optimum.
+
+The packing never changes the numbers: an item's result does not depend on the
+unit that runs it, and the merge visits splits in index order. The split
+boundaries (``kv_chunk``) do change the floating-point rounding, so they are a
+separate knob: two plans with the same ``kv_chunk`` give bit-identical outputs
+whatever their ``num_units``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+# Columns of one work item (one row of ``WorkPlan.work``).
+WORK_FIELDS = 8
+F_SEQ, F_Q_LO, F_Q_HI, F_POS0, F_KV_LO, F_KV_HI, F_MERGE_ROW, F_SPLIT = range(WORK_FIELDS)
+
+# Fixed cost of an item (loading its queries, writing its output), in units of
+# "one key visited"; keeps the planner from cutting work into slivers.
+ITEM_OVERHEAD = 64
+# Shortest KV piece the auto split makes, and the most pieces of one tile:
+# bounds the merge kernel's work and its partial buffers.
+MIN_KV_CHUNK = 256
+MAX_SPLITS = 64
+
+
+def attention_cost(q_len: int, seq_len: int, sliding_window: int | None = None) -> int:
+    """Number of (query, key) pairs one sequence's step computes: the
+    FluidInfer cost model. A decode token costs ``seq_len`` (linear in the
+    context); a prefill chunk costs about ``q_len * (context + q_len / 2)``
+    (quadratic in the chunk)."""
+    first = seq_len - q_len  # position of the first query
+    if sliding_window is None:
+        # sum over p in [first, seq_len) of (p + 1)
+        return q_len * (first + 1) + q_len * (q_len - 1) // 2
+    return sum(min(p + 1, sliding_window) for p in range(first, seq_len))
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One program-iteration of the kernel: a query tile against a KV range.
+
+    Queries are flat-batch token indices ``[q_lo, q_hi)`` of sequence ``seq``;
+    token ``q_lo`` sits at position ``pos0``. Keys visited are positions
+    ``[kv_lo, kv_hi)``. ``merge_row < 0`` means the item writes the output
+    directly; otherwise its token ``q_lo + j`` writes partial ``split`` of merge
+    row ``merge_row + j``.
+    """
+
+    seq: int
+    q_lo: int
+    q_hi: int
+    pos0: int
+    kv_lo: int
+    kv_hi: int
+    merge_row: int = -1
+    split: int = 0
+
+    @property
+    def cost(self) -> int:
+        return (self.kv_hi - self.kv_lo) + ITEM_OVERHEAD
+
+    def as_row(self) -> list[int]:
+        return [self.seq, self.q_lo, self.q_hi, self.pos0, self.kv_lo, self.kv_hi, self.merge_row, self.split]
+
+
+@dataclass(frozen=True)
+class WorkPlan:
+    """Everything the Triton kernel needs besides the tensors of the batch.
+
+    The ``unit_offsets`` row pointer gives unit ``u`` the items
+    ``work[unit_offsets[u]:unit_offsets[u + 1]]``. Merge row ``m`` collects
+    ``merge_num_splits[m]`` partials of flat token ``merge_tokens[m]``.
+    """
+
+    work: torch.Tensor  # [num_items, WORK_FIELDS] int32, grouped by unit
+    unit_offsets: torch.Tensor  # [num_units + 1] int32
+    merge_tokens: torch.Tensor  # [num_merge_rows] int32
+    merge_num_splits: torch.Tensor  # [num_merge_rows] int32
+    num_tokens: int
+    tokens_per_tile: int
+    max_splits: int  # most partials of any merge row (0 when nothing is split)
+    sliding_window: int | None
+    unit_costs: tuple[int, ...] = field(default=())  # planned load of each unit
+
+    @property
+    def num_units(self) -> int:
+        return self.unit_offsets.numel() - 1
+
+    @property
+    def num_items(self) -> int:
+        return self.work.shape[0]
+
+    @property
+    def num_merge_rows(self) -> int:
+        return self.merge_tokens.numel()
+
+    def to(self, device: torch.device | str) -> WorkPlan:
+        """The same plan with its tensors on ``device`` (one copy per step)."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return WorkPlan(
+            work=move(self.work),
+            unit_offsets=move(self.unit_offsets),
+            merge_tokens=move(self.merge_tokens),
+            merge_num_splits=move(self.merge_num_splits),
+            num_tokens=self.num_tokens,
+            tokens_per_tile=self.tokens_per_tile,
+            max_splits=self.max_splits,
+            sliding_window=self.sliding_window,
+            unit_costs=self.unit_costs,
+        )
+
+    def items(self) -> list[WorkItem]:
+        """The work list as Python objects (tests, debugging)."""
+        return [WorkItem(*row) for row in self.work.tolist()]
+
+
+def make_tiles(
+    q_lens: list[int],
+    seq_lens: list[int],
+    tokens_per_tile: int,
+    sliding_window: int | None = None,
+) -> list[WorkItem]:
+    """Cut every sequence's queries into tiles with their KV spans.
+
+    A tile of queries at positions ``[p0, p1]`` needs keys
+    ``[max(0, p0 - window + 1), p1]``::
+
+        positions   0 1 2 3 4 5 6 7 8 9      seq_len 10, q_len 4, window 4
+        tile                    q q q q      p0 = 6, p1 = 9
+        keys visited      x x x x x x x      [3, 10)
+    """
+    tiles: list[WorkItem] = []
+    q_lo = 0
+    for seq, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        if q_len > seq_len:
+            raise ValueError(f"sequence {seq}: q_len {q_len} > seq_len {seq_len}")
+        for t0 in range(0, q_len, tokens_per_tile):
+            t1 = min(t0 + tokens_per_tile, q_len)
+            p0 = seq_len - q_len + t0
+            kv_lo = 0 if sliding_window is None else max(0, p0 - sliding_window + 1)
+            kv_hi = seq_len - q_len + t1  # last query position + 1
+            tiles.append(WorkItem(seq, q_lo + t0, q_lo + t1, p0, kv_lo, kv_hi))
+        q_lo += q_len
+    return tiles
+
+
+def auto_kv_chunk(tiles: list[WorkItem], num_units: int, align: int = 64) -> int:
+    """Split length that lets LPT balance: no item longer than the average
+    unit load, but no piece shorter than ``MIN_KV_CHUNK`` keys."""
+    total = sum(t.cost for t in tiles)
+    target = max(MIN_KV_CHUNK, total // max(num_units, 1))
+    return -(-target // align) * align
+
+
+def split_tiles(tiles: list[WorkItem], kv_chunk: int) -> tuple[list[WorkItem], list[tuple[int, int]]]:
+    """Split every tile whose span exceeds ``kv_chunk`` into pieces.
+
+    Piece boundaries sit on absolute multiples of the chunk length, so a piece
+    never straddles the same keys as its neighbour and the pieces of a tile
+    cover ``[kv_lo, kv_hi)`` exactly. At most ``MAX_SPLITS`` pieces per tile
+    (the chunk grows for very long spans). Returns the items and the merge rows
+    as ``(flat token, num_splits)``.
+    """
+    items: list[WorkItem] = []
+    merge_rows: list[tuple[int, int]] = []
+    for t in tiles:
+        span = t.kv_hi - t.kv_lo
+        # MAX_SPLITS - 1 because an unaligned start can add one piece.
+        chunk = max(kv_chunk, -(-span // (MAX_SPLITS - 1)))
+        if span <= chunk:
+            items.append(t)
+            continue
+        bounds = [t.kv_lo]
+        edge = (t.kv_lo // chunk + 1) * chunk
+        while edge < t.kv_hi:
+            bounds.append(edge)
+            edge += chunk
+        bounds.append(t.kv_hi)
+        n = len(bounds) - 1
+        if n == 1:
+            items.append(t)
+            continue
+        row = len(merge_rows)
+        merge_rows.extend((tok, n) for tok in range(t.q_lo, t.q_hi))
+        for j in range(n):
+            items.append(WorkItem(t.seq, t.q_lo, t.q_hi, t.pos0, bounds[j], bounds[j + 1], row, j))
+    return items, merge_rows
+
+
+def pack_lpt(items: list[WorkItem], num_units: int) -> tuple[list[list[WorkItem]], list[int]]:
+    """Longest-processing-time-first greedy: costliest item to the least
+    loaded unit. Ties go to the lower unit and the earlier item, so plans are
+    deterministic."""
+    order = sorted(range(len(items)), key=lambda i: (-items[i].cost, i))
+    heap = [(0, u) for u in range(num_units)]  # (load, unit)
+    units: list[list[WorkItem]] = [[] for _ in range(num_units)]
+    loads = [0] * num_units
+    for i in order:
+        load, u = heapq.heappop(heap)
+        units[u].append(items[i])
+        loads[u] = load + items[i].cost
+        heapq.heappush(heap, (loads[u], u))
+    return units, loads
+
+
+def plan_attention(
+    q_lens: list[int],
+    seq_lens: list[int],
+    *,
+    num_units: int,
+    tokens_per_tile: int,
+    sliding_window: int | None = None,
+    kv_chunk: int | None = None,
+    pack: bool = True,
+) -> WorkPlan:
+    """Plan one step's attention work.
+
+    ``num_units`` is the number of persistent programs per KV head (about the
+    number of SMs times programs per SM, divided by the KV heads).
+    ``kv_chunk=None`` picks the split length from the load; pass a number to fix
+    the split boundaries (and so the exact rounding). ``pack=False`` is the
+    baseline without FluidInfer packing: no splits unless ``kv_chunk`` is given,
+    and one item per program in batch order.
+    """
+    if num_units < 1 or tokens_per_tile < 1:
+        raise ValueError("num_units and tokens_per_tile must be positive")
+    tiles = make_tiles(q_lens, seq_lens, tokens_per_tile, sliding_window)
+    if kv_chunk is None:
+        kv_chunk = auto_kv_chunk(tiles, num_units) if pack else 1 << 62
+    items, merge_rows = split_tiles(tiles, kv_chunk)
+    if pack:
+        num_units = min(num_units, max(len(items), 1))  # no idle programs
+        units, loads = pack_lpt(items, num_units)
+    else:
+        units, loads = [[it] for it in items], [it.cost for it in items]
+    rows = [it.as_row() for unit in units for it in unit]
+    offsets = [0]
+    for unit in units:
+        offsets.append(offsets[-1] + len(unit))
+    i32 = torch.int32
+    return WorkPlan(
+        work=torch.tensor(rows, dtype=i32).reshape(-1, WORK_FIELDS),
+        unit_offsets=torch.tensor(offsets, dtype=i32),
+        merge_tokens=torch.tensor([tok for tok, _ in merge_rows], dtype=i32),
+        merge_num_splits=torch.tensor([n for _, n in merge_rows], dtype=i32),
+        num_tokens=sum(q_lens),
+        tokens_per_tile=tokens_per_tile,
+        max_splits=max((n for _, n in merge_rows), default=0),
+        sliding_window=sliding_window,
+        unit_costs=tuple(loads),
+    )
+
+
+def plan_from_metadata(
+    seq_lens: torch.Tensor,  # [S]
+    query_start_loc: torch.Tensor,  # [S + 1]
+    *,
+    num_units: int,
+    tokens_per_tile: int,
+    sliding_window: int | None = None,
+    kv_chunk: int | None = None,
+    pack: bool = True,
+) -> WorkPlan:
+    """``plan_attention`` from the kernel's metadata tensors (syncs if they
+    live on the GPU; the engine should plan from its host-side lengths)."""
+    starts = query_start_loc.tolist()
+    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    return plan_attention(
+        q_lens,
+        seq_lens.tolist(),
+        num_units=num_units,
+        tokens_per_tile=tokens_per_tile,
+        sliding_window=sliding_window,
+        kv_chunk=kv_chunk,
+        pack=pack,
+    )

@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random-weight checkpoints built once per session, and
+engines that are checked for leaked KV blocks when a test ends."""
+
+from __future__ import annotations
+
+import pytest
+
+from fluidserve.engine.tiny_model import build_tiny_model
+
+# arch -> config overrides; llama is GQA (4 query heads over 2 KV heads), opt is MHA.
+TINY_ARCHS = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},
+    "mistral": {"sliding_window": 24},  # short window so generation crosses it
+    "opt": {},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """tiny_model(arch, **overrides) -> directory of a saved checkpoint."""
+    cache: dict = {}
+
+    def build(arch: str = "llama", **overrides) -> str:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            kw = {**TINY_ARCHS.get(arch, {}), **overrides}
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[key] = str(build_tiny_model(path, arch, **kw))
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture
+def make_llm():
+    """Build LLMs on CPU; at teardown every KV block must be free again and
+    the block accounting consistent."""
+    from fluidserve.engine import LLM
+
+    made = []
+
+    def make(model: str, **kwargs):
+        kwargs.setdefault("device", "cpu")
+        kwargs.setdefault("num_kv_blocks", 128)
+        llm = LLM(model=model, **kwargs)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        engine = llm.engine
+        assert not engine.has_unfinished_requests(), "a request was left in the engine"
+        assert engine.kv.num_used_blocks == 0, f"{engine.kv.num_used_blocks} KV blocks leaked"
+        engine.kv.check_integrity()

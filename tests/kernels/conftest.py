@@ -1,0 +1,128 @@
+"""Shared fixtures of the kernel tests.
+
+Triton decides at decoration time whether a kernel is interpreted, so the
+interpreter switch must be set before any kernel module is imported: on a
+machine without CUDA every Triton kernel runs in the interpreter on CPU
+tensors (fp32); with CUDA they compile and the same tests run on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
+
+import itertools  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+
+INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
+
+
+@dataclass
+class PagedBatch:
+    """A flat ragged batch over a paged cache whose block tables are shuffled
+    and whose cache holds junk blocks no table references."""
+
+    query: torch.Tensor  # [num_tokens, num_q_heads, head_dim]
+    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # [S, max_blocks_per_seq] int32, rows padded with junk ids
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    q_lens: list[int]
+    seq_len_list: list[int]
+    scale: float
+
+    @property
+    def args(self) -> tuple:
+        return (
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+        )
+
+
+def build_batch(
+    specs: list[tuple[int, int]],  # (q_len, seq_len) per sequence
+    *,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+    spare_blocks: int = 5,
+) -> PagedBatch:
+    gen = torch.Generator().manual_seed(seed)
+    q_lens = [q for q, _ in specs]
+    seq_lens = [s for _, s in specs]
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(needed) + spare_blocks
+    max_blocks = max(needed) + 2
+    # Physical blocks handed out in a random order, so logical block i of a
+    # sequence is almost never physical block i.
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    tables = torch.randint(0, num_blocks, (len(specs), max_blocks), generator=gen, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(needed):
+        tables[i, :n] = perm[used : used + n]
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen)
+    value_cache = torch.randn(shape, generator=gen)
+    query = torch.randn((sum(q_lens), num_kv_heads * group, head_dim), generator=gen)
+    starts = [0, *itertools.accumulate(q_lens)]
+    i32 = dict(dtype=torch.int32, device=device)
+    return PagedBatch(
+        query=query.to(device, dtype),
+        key_cache=key_cache.to(device, dtype),
+        value_cache=value_cache.to(device, dtype),
+        block_tables=tables.to(device),
+        seq_lens=torch.tensor(seq_lens, **i32),
+        query_start_loc=torch.tensor(starts, **i32),
+        q_lens=q_lens,
+        seq_len_list=seq_lens,
+        scale=head_dim**-0.5,
+    )
+
+
+def reference_attention(batch: PagedBatch, sliding_window: int | None = None) -> torch.Tensor:
+    """The oracle, always in fp32 on CPU: [num_tokens, num_q_heads, head_dim]."""
+    from fluidserve.kernels import reference
+
+    cpu = [t.float().cpu() if t.is_floating_point() else t.cpu() for t in batch.args[:-1]]
+    return reference.paged_attention(*cpu, batch.scale, sliding_window)
+
+
+@pytest.fixture
+def device() -> str:
+    """Where the kernels run: the GPU when there is one, else the interpreter."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def cuda_only() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+@pytest.fixture
+def make_batch():
+    """``build_batch`` as a fixture, so test modules need not import conftest."""
+    return build_batch
+
+
+@pytest.fixture
+def oracle():
+    """``reference_attention`` as a fixture."""
+    return reference_attention

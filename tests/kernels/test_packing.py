@@ -1,0 +1,142 @@
+"""The attention work planner: coverage, exact KV splits, LPT balance.
+Pure Python; no kernel runs here."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from fluidserve.kernels import packing
+from fluidserve.kernels.packing import WorkItem
+
+
+def check_plan(plan: packing.WorkPlan, q_lens: list[int], seq_lens: list[int], window: int | None) -> None:
+    """Every query token's causal/window KV range is covered exactly once, by
+    one direct item or by the pieces of one merge row."""
+    items = plan.items()
+    offsets = plan.unit_offsets.tolist()
+    assert offsets[0] == 0 and offsets[-1] == len(items) and offsets == sorted(offsets)
+    starts = [0, *itertools.accumulate(q_lens)]
+    merge_tokens = plan.merge_tokens.tolist()
+    merge_splits = plan.merge_num_splits.tolist()
+    covered: dict[int, list[tuple[int, int, int]]] = {}  # token -> [(kv_lo, kv_hi, split)]
+    for it in items:
+        assert it.q_lo < it.q_hi <= it.q_lo + plan.tokens_per_tile
+        assert starts[it.seq] <= it.q_lo and it.q_hi <= starts[it.seq + 1]
+        assert it.pos0 == seq_lens[it.seq] - q_lens[it.seq] + (it.q_lo - starts[it.seq])
+        for j, tok in enumerate(range(it.q_lo, it.q_hi)):
+            if it.merge_row >= 0:
+                assert merge_tokens[it.merge_row + j] == tok
+                assert 0 <= it.split < merge_splits[it.merge_row + j]
+            covered.setdefault(tok, []).append((it.kv_lo, it.kv_hi, it.split))
+    assert sorted(covered) == list(range(sum(q_lens)))
+    for tok, pieces in covered.items():
+        seq = next(i for i in range(len(q_lens)) if starts[i] <= tok < starts[i + 1])
+        pos = seq_lens[seq] - q_lens[seq] + tok - starts[seq]
+        lo_needed = 0 if window is None else max(0, pos - window + 1)
+        pieces.sort()
+        assert [s for _, _, s in pieces] == list(range(len(pieces)))  # splits 0..n-1, once each
+        for (_, hi, _), (lo, _, _) in zip(pieces, pieces[1:]):
+            assert hi == lo  # contiguous, no overlap
+        assert pieces[0][0] <= lo_needed and pieces[-1][1] >= pos + 1
+        if len(pieces) > 1:
+            assert merge_splits[merge_tokens.index(tok)] == len(pieces)
+    assert len(merge_tokens) == len(set(merge_tokens))
+    assert plan.max_splits <= packing.MAX_SPLITS
+
+
+CASES = [
+    ([1, 1, 1], [5, 3000, 17], None),
+    ([8192, 1, 1, 1], [8192, 4000, 100, 1], None),
+    ([40, 1, 7], [200, 700, 7], 64),
+    ([1] * 50, [random.Random(0).randint(1, 5000) for _ in range(50)], None),
+    ([300, 1], [1000, 200000], None),  # very long decode: MAX_SPLITS caps it
+]
+
+
+@pytest.mark.parametrize("q_lens,seq_lens,window", CASES)
+@pytest.mark.parametrize(
+    "num_units,tokens_per_tile,kv_chunk", [(1, 16, None), (13, 16, None), (7, 5, 64), (33, 1, 256)]
+)
+def test_plan_covers_every_token_exactly(q_lens, seq_lens, window, num_units, tokens_per_tile, kv_chunk):
+    plan = packing.plan_attention(q_lens, seq_lens, num_units=num_units, tokens_per_tile=tokens_per_tile,
+                                  sliding_window=window, kv_chunk=kv_chunk)  # fmt: skip
+    check_plan(plan, q_lens, seq_lens, window)
+    unpacked = packing.plan_attention(q_lens, seq_lens, num_units=num_units, tokens_per_tile=tokens_per_tile,
+                                      sliding_window=window, pack=False)  # fmt: skip
+    check_plan(unpacked, q_lens, seq_lens, window)
+
+
+def test_split_pieces_sit_on_chunk_multiples():
+    tile = WorkItem(seq=0, q_lo=0, q_hi=1, pos0=999, kv_lo=70, kv_hi=1000)
+    items, merge_rows = packing.split_tiles([tile], kv_chunk=256)
+    assert [(it.kv_lo, it.kv_hi) for it in items] == [(70, 256), (256, 512), (512, 768), (768, 1000)]
+    assert [it.split for it in items] == [0, 1, 2, 3] and merge_rows == [(0, 4)]
+    items, merge_rows = packing.split_tiles([tile], kv_chunk=2000)
+    assert items == [tile] and merge_rows == []
+
+
+def brute_force_makespan(costs: list[int], m: int) -> int:
+    best = sum(costs)
+    for assignment in itertools.product(range(m), repeat=len(costs)):
+        loads = [0] * m
+        for c, u in zip(costs, assignment):
+            loads[u] += c
+        best = min(best, max(loads))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_lpt_within_graham_bound_of_optimum(seed):
+    rng = random.Random(seed)
+    m = rng.randint(2, 3)
+    costs = [rng.randint(1, 5000) for _ in range(rng.randint(m + 1, 7))]
+    items = [WorkItem(0, 0, 1, 0, 0, c - packing.ITEM_OVERHEAD) for c in costs]
+    assert [it.cost for it in items] == costs
+    units, loads = packing.pack_lpt(items, m)
+    assert sorted(id(it) for u in units for it in u) == sorted(map(id, items))  # each item once
+    assert loads == [sum(it.cost for it in u) for u in units]
+    assert max(loads) <= (4 / 3 - 1 / (3 * m)) * brute_force_makespan(costs, m) + 1e-9
+
+
+def test_mixed_batch_is_balanced_and_beats_no_packing():
+    """One 8k-token prefill chunk + 128 decodes (the benchmark's mix)."""
+    rng = random.Random(1)
+    q_lens = [8192] + [1] * 128
+    seq_lens = [8192] + [rng.randint(512, 32768) for _ in range(128)]
+    plan = packing.plan_attention(q_lens, seq_lens, num_units=33, tokens_per_tile=16)
+    loads = plan.unit_costs
+    lower_bound = max(sum(loads) / len(loads), max(it.cost for it in plan.items()))
+    assert max(loads) <= 1.05 * lower_bound
+    # Without packing every tile is its own program and the hardware hands
+    # them to free SMs in launch order: list scheduling in batch order, with
+    # the longest decodes unsplit.
+    unpacked = packing.plan_attention(q_lens, seq_lens, num_units=33, tokens_per_tile=16, pack=False)
+    slots = [0] * 33
+    for it in unpacked.items():
+        slots[slots.index(min(slots))] += it.cost
+    assert max(loads) < max(slots)
+
+
+def test_attention_cost_counts_allowed_pairs():
+    for q_len, seq_len, window in [(1, 1, None), (1, 100, None), (7, 50, None), (50, 50, None), (9, 40, 8)]:
+        pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        key = torch.arange(seq_len)[None, :]
+        allowed = key <= pos
+        if window is not None:
+            allowed &= key > pos - window
+        assert packing.attention_cost(q_len, seq_len, window) == int(allowed.sum())
+
+
+def test_plan_to_device_and_validation():
+    plan = packing.plan_attention([2, 1], [5, 9], num_units=2, tokens_per_tile=4)
+    moved = plan.to("cpu")
+    assert torch.equal(moved.work, plan.work) and moved.num_tokens == 3
+    assert plan.work.dtype == torch.int32 and plan.work.shape[1] == packing.WORK_FIELDS
+    with pytest.raises(ValueError):
+        packing.plan_attention([6], [5], num_units=1, tokens_per_tile=4)
+    empty = packing.plan_attention([], [], num_units=4, tokens_per_tile=4)
+    assert empty.num_items == 0 and empty.num_tokens == 0
