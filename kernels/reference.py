@@ -78,31 +78,59 @@ def paged_attention(
     """Causal attention of a flat ragged batch over the paged KV cache.
 
     Returns ``[num_tokens, num_q_heads, head_dim]`` in ``query.dtype``; the
-    softmax is computed in fp32. Sequences are handled one at a time: this is
-    the oracle and the CPU path, not the fast path.
+    softmax is computed in fp32. Decode rows are batched, prefill chunks handled
+    one at a time: this is the oracle and the CPU path, not the fast path.
     """
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    if decodes:
+        _decode_attention(out, query, key_cache, value_cache, block_tables, starts, lens, decodes,
+                          scale, sliding_window)
     for i, seq_len in enumerate(lens):
         q_lo, q_hi = starts[i], starts[i + 1]
         q_len = q_hi - q_lo
-        if q_len == 0:
+        if q_len <= 1:
             continue
         q = query[q_lo:q_hi].float().transpose(0, 1)  # [hq, q_len, d]
         k = gather_kv(key_cache, block_tables[i], seq_len).float().transpose(0, 1)  # [hk, L, d]
         v = gather_kv(value_cache, block_tables[i], seq_len).float().transpose(0, 1)
-        mask = None
-        if q_len > 1 or (sliding_window is not None and seq_len > sliding_window):
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)  # [q_len, 1]
-            k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)  # [1, L]
-            mask = k_pos <= q_pos
-            if sliding_window is not None:
-                mask &= k_pos > q_pos - sliding_window
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)  # [q_len, 1]
+        k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)  # [1, L]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
         # enable_gqa lets each group of query heads share its KV head without copies.
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[q_lo:q_hi] = o.transpose(0, 1).to(query.dtype)
     return out
+
+
+def _decode_attention(out, query, key_cache, value_cache, block_tables, starts, lens, rows,
+                      scale, sliding_window) -> None:
+    """All single-token (decode) sequences at once: their blocks gathered into
+    one padded [D, L_max] batch, the padding masked out."""
+    block_size = key_cache.shape[1]
+    dev = query.device
+    idx = torch.tensor(rows, device=dev)
+    q_idx = torch.tensor([starts[i] for i in rows], device=dev)
+    seq = torch.tensor([lens[i] for i in rows], device=dev)  # [D]
+    nblocks = -(-max(lens[i] for i in rows) // block_size)
+    tables = block_tables[idx, :nblocks].long()  # [D, nb]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [D, hk, nb * bs, d]
+        g = cache[tables].float()  # [D, nb, bs, hk, d]
+        return g.reshape(g.shape[0], -1, *g.shape[3:]).transpose(1, 2)
+
+    k_pos = torch.arange(nblocks * block_size, device=dev).unsqueeze(0)  # [1, L]
+    mask = k_pos < seq.unsqueeze(1)  # [D, L]: the query sits at position seq - 1
+    if sliding_window is not None:
+        mask &= k_pos > seq.unsqueeze(1) - 1 - sliding_window
+    q = query[q_idx].float().unsqueeze(2)  # [D, hq, 1, d]
+    o = F.scaled_dot_product_attention(q, gather(key_cache), gather(value_cache),
+                                       attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    out[q_idx] = o.squeeze(2).to(query.dtype)
 
 
 def gather_blocks(
