@@ -23,7 +23,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 1.0  # KV pool size on CPU when num_kv_blocks is unset
     enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "skip-join-mlfq"  # fcfs | mlfq | fixed-priority | skip-join-mlfq
     policy_options: dict = field(default_factory=dict)  # per-policy knobs (MLFQ quanta, ...)
     profile_path: str | None = None  # measured cost model (fluidserve profile -o ...)
     executor: str = "local"  # local | ray

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from ..kvcache.manager import KVCacheManager
 from ..scheduler.plan import StepPlan
-from ..scheduler.policies import make_policy
 from ..scheduler.request_state import RequestClass, SeqState
 from ..scheduler.scheduler import Scheduler, SchedulerConfig
 from .batch import ModelInput, SampleSpec
@@ -25,9 +24,11 @@ from .detokenizer import TextStream
 from .executor import make_executor
 from .loader import is_tiny_model, load_hf_config, load_tokenizer, model_context_length, resolve_model_dir
 from .outputs import RequestOutput
+from .profiler import cost_model_for_engine
 from .request import Request, Sequence
 from .sampling_params import SamplingParams
 from .tiny_model import default_tiny_model_dir
+from .worker import pick_device
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +68,19 @@ class LLMEngine:
                 f"num_kv_blocks: {self.kv.num_blocks} blocks of {config.block_size} tokens cannot hold "
                 f"one sequence of max_model_len={self.max_model_len}"
             )
-        policy = make_policy(config.scheduling_policy, **config.policy_options)
+        # The policy consults the cost model (a measured profile, else the
+        # roofline of this model on this device) to place arrivals.
+        self.cost_model = cost_model_for_engine(config, self.hf_config, pick_device(config.device).type)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.scheduling_policy,
+                policy_options=dict(config.policy_options),
             ),
             self.kv,
-            policy,
+            cost_model=self.cost_model,
         )
         self.requests: dict[str, Request] = {}
         self.seqs: dict[str, Sequence] = {}

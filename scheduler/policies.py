@@ -1,32 +1,36 @@
 """Scheduling policies: the order in which requests are offered the step.
 
 A policy only ranks requests and keeps its own bookkeeping; the token budget,
-the request cap and KV admission live in ``Scheduler``. Contract: ``order``
-returns every request it is given exactly once, highest priority first.
+the request cap and KV admission live in ``Scheduler``, which fills each step
+from the top of the ranking down (a request not reached is preempted for that
+iteration; its KV stays where it is). Contract: ``order`` returns every request
+it is given exactly once, highest priority first, and never mutates the list.
+
+Every policy is built by ``make_policy(name, cost_model=..., **options)``; the
+cost model (``scheduler/cost_model.py``) is what the time-aware ones (MLFQ)
+consult, and defaults to the analytic Llama-3-8B/H100 roofline.
+
+Registered policies:
+
+* ``fcfs``: Orca/vLLM behaviour, arrival order.
+* ``fixed-priority``: shortest prompt first (FastServe's first strawman).
+* ``mlfq``: naive MLFQ, every job enters Q1 (FastServe's second strawman).
+* ``skip-join-mlfq``: FastServe §4.1, the default.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
+from .cost_model import CostModel
+from .mlfq import MLFQPolicy, SkipJoinMLFQPolicy
+from .policy_base import Policy
 from .request_state import SeqState
 
+__all__ = ["Policy", "FCFSPolicy", "FixedPriorityPolicy", "MLFQPolicy", "SkipJoinMLFQPolicy",
+           "POLICIES", "DEFAULT_POLICY", "make_policy"]
 
-class Policy(ABC):
-    name: str = "policy"
 
-    def on_arrival(self, seq: SeqState, now: float) -> None:
-        """A request joined the scheduler."""
-
-    def on_step_done(self, seq: SeqState, num_tokens: int, step_time: float, now: float) -> None:
-        """``seq`` ran ``num_tokens`` tokens in a step that took ``step_time``."""
-
-    def on_finish(self, seq: SeqState) -> None:
-        """``seq`` finished or was aborted."""
-
-    @abstractmethod
-    def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
-        """Rank ``seqs`` (one request class) highest priority first."""
+def _arrival_key(seq: SeqState) -> float:
+    return seq.arrival_time
 
 
 class FCFSPolicy(Policy):
@@ -35,15 +39,40 @@ class FCFSPolicy(Policy):
     name = "fcfs"
 
     def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
-        return sorted(seqs, key=lambda s: s.arrival_time)
+        return sorted(seqs, key=_arrival_key)  # stable: ties keep arrival order
 
 
-POLICIES: dict[str, type[Policy]] = {FCFSPolicy.name: FCFSPolicy}
+def _prompt_key(seq: SeqState) -> tuple[int, float]:
+    return seq.num_prompt_tokens, seq.arrival_time
 
 
-def make_policy(name: str, **kwargs) -> Policy:
+class FixedPriorityPolicy(Policy):
+    """Priority fixed at arrival by input length, shortest first (FastServe's
+    strawman: near SRPT when the prefill dominates, blind to long outputs)."""
+
+    name = "fixed-priority"
+
+    def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
+        return sorted(seqs, key=_prompt_key)
+
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (FCFSPolicy, FixedPriorityPolicy, MLFQPolicy, SkipJoinMLFQPolicy)
+}
+DEFAULT_POLICY = SkipJoinMLFQPolicy.name
+
+
+def make_policy(name: str, cost_model: CostModel | None = None, **options) -> Policy:
+    """Build policy ``name``; ``options`` are its knobs (see each class).
+    Knobs that only the MLFQ policies take are ignored by the others, so one
+    options dict from the CLI works for every policy."""
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, got {name!r}") from None
-    return cls(**kwargs)
+    unknown = set(options) - set(MLFQPolicy.OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown scheduling policy option(s) {sorted(unknown)}; known: {sorted(MLFQPolicy.OPTIONS)}")
+    if not issubclass(cls, MLFQPolicy):
+        options = {}
+    return cls(cost_model=cost_model, **options)

@@ -1,0 +1,296 @@
+"""Cost models: how long a step takes, as the scheduler and the simulator see it.
+
+Pure Python (no torch). ``CostModel`` is the protocol the skip-join MLFQ
+consults (prefill time of one prompt to pick its queue, the minimum iteration
+time for the first quantum, a job's next iteration time for demotion) and the
+simulator's virtual clock runs on. Two implementations:
+
+* ``RooflineCostModel``: analytic, from the model's shape (``ModelShape``) and
+  the device's figures (``DeviceSpec``): a step takes the longer of its
+  compute time (matmul + attention FLOPs at a sustained fraction of peak) and
+  its memory time (weights + KV read/written at a sustained fraction of HBM
+  bandwidth), plus a fixed per-step overhead.
+* ``LinearCostModel``: coefficients fitted to measured steps
+  (``fluidserve profile -o profile.json``, see ``engine/profiler.py``).
+
+Step shape, the numbers a step's time is predicted from:
+
+    num_prefill_tokens  tokens of prefill chunks in the step
+    num_decode_seqs     requests decoding one token
+    total_context       KV tokens the step's attention reads (all requests)
+    prefill_attn_pairs  query-key pairs of the prefill chunks: a chunk of n
+                        tokens after c cached ones attends n*c + n*(n+1)/2
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    def step_time(
+        self, num_prefill_tokens: int, num_decode_seqs: int, total_context: int,
+        prefill_attn_pairs: int | None = None,
+    ) -> float:
+        """Seconds one step of this shape takes."""
+
+    def prefill_time(self, num_tokens: int, context: int = 0) -> float:
+        """Seconds to prefill ``num_tokens`` of one request after ``context``
+        cached tokens, alone in a step."""
+
+    def decode_time(self, num_seqs: int, total_context: int) -> float:
+        """Seconds of one decode step of ``num_seqs`` requests reading
+        ``total_context`` KV tokens in all."""
+
+
+def attn_pairs(num_tokens: int, context: int) -> int:
+    """Query-key pairs of a causal chunk of ``num_tokens`` after ``context``."""
+    return num_tokens * context + num_tokens * (num_tokens + 1) // 2
+
+
+class _StepShapeMixin:
+    """prefill_time and decode_time in terms of step_time."""
+
+    def prefill_time(self, num_tokens: int, context: int = 0) -> float:
+        return self.step_time(num_tokens, 0, context + num_tokens, attn_pairs(num_tokens, context))
+
+    def decode_time(self, num_seqs: int, total_context: int) -> float:
+        return self.step_time(0, num_seqs, total_context, 0)
+
+    def min_iteration_time(self) -> float:
+        """The cheapest step there is: one request decoding at tiny context.
+        FastServe's first quantum."""
+        return self.decode_time(1, 1)
+
+
+# ---------------------------------------------------------------------------
+# Analytic roofline
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the roofline needs of a decoder-only transformer (Llama family)."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    head_dim: int | None = None
+    dtype_bytes: int = 2
+    name: str = "model"
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def layer_params(self) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.hd, self.num_kv_heads * self.hd
+        attn = h * q + 2 * h * kv + q * h
+        mlp = 3 * h * self.intermediate_size  # gate, up, down
+        return attn + mlp
+
+    @property
+    def weight_bytes(self) -> int:
+        # Layers, the lm_head and the embedding table (read once per step for
+        # the lm_head; the embedding gather is negligible and not counted).
+        return (self.num_layers * self.layer_params + self.hidden_size * self.vocab_size) * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.hd * self.dtype_bytes
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, dtype_bytes: int = 2) -> "ModelShape":
+        """From a Hugging Face ``config.json`` (as a dict)."""
+        heads = cfg["num_attention_heads"]
+        if "intermediate_size" in cfg:
+            inter = cfg["intermediate_size"]
+        else:
+            # OPT-style two-matrix MLP (fc1, fc2): the gated three-matrix size
+            # with the same parameter count.
+            inter = (2 * cfg["ffn_dim"]) // 3
+        return cls(
+            num_layers=cfg["num_hidden_layers"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=inter,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            vocab_size=cfg["vocab_size"],
+            head_dim=cfg.get("head_dim"),
+            dtype_bytes=dtype_bytes,
+            name=cfg.get("_name_or_path") or cfg.get("model_type", "model"),
+        )
+
+    @classmethod
+    def llama3_8b(cls) -> "ModelShape":
+        return cls(num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32,
+                   num_kv_heads=8, vocab_size=128256, name="llama-3-8b")
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Peak figures of one accelerator and the fractions of them a real
+    engine sustains (MFU for matmuls, MBU for memory-bound reads)."""
+
+    name: str
+    peak_flops: float  # dense fp16/bf16 FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    pcie_bandwidth: float  # bytes/s, host <-> device, one direction
+    memory_bytes: float = 80e9  # device memory (weights + KV + activations)
+    flops_efficiency: float = 0.6
+    memory_efficiency: float = 0.8
+    step_overhead_s: float = 1e-3  # launch + scheduling + sampling per step
+
+    @classmethod
+    def h100(cls) -> "DeviceSpec":  # SXM5 80 GB
+        return cls("h100-sxm", peak_flops=989e12, hbm_bandwidth=3.35e12, pcie_bandwidth=25e9)
+
+    @classmethod
+    def h200(cls) -> "DeviceSpec":
+        return cls("h200", peak_flops=989e12, hbm_bandwidth=4.8e12, pcie_bandwidth=25e9, memory_bytes=141e9)
+
+    @classmethod
+    def a100_40g(cls) -> "DeviceSpec":
+        return cls("a100-40g", peak_flops=312e12, hbm_bandwidth=1.55e12, pcie_bandwidth=12.5e9, memory_bytes=40e9)
+
+    @classmethod
+    def cpu(cls) -> "DeviceSpec":  # a few cores of a server CPU, fp32 torch
+        return cls("cpu", peak_flops=2e11, hbm_bandwidth=2e10, pcie_bandwidth=2e10,
+                   memory_bytes=16e9, flops_efficiency=0.3, memory_efficiency=0.5, step_overhead_s=2e-3)
+
+    @classmethod
+    def named(cls, name: str) -> "DeviceSpec":
+        presets = {"h100": cls.h100, "h200": cls.h200, "a100": cls.a100_40g, "cpu": cls.cpu}
+        try:
+            return presets[name]()
+        except KeyError:
+            raise ValueError(f"device must be one of {sorted(presets)}, got {name!r}") from None
+
+
+class RooflineCostModel(_StepShapeMixin):
+    def __init__(self, model: ModelShape, device: DeviceSpec) -> None:
+        self.model = model
+        self.device = device
+        self._flops_per_token = 2 * model.num_layers * model.layer_params
+        self._lm_head_flops = 2 * model.hidden_size * model.vocab_size
+        # QK^T and PV: 2 matmuls x 2 FLOPs per (query, key) pair per head dim.
+        self._flops_per_pair = 4 * model.num_layers * model.num_heads * model.hd
+        self._compute_rate = device.peak_flops * device.flops_efficiency
+        self._memory_rate = device.hbm_bandwidth * device.memory_efficiency
+
+    def step_time(
+        self, num_prefill_tokens: int, num_decode_seqs: int, total_context: int,
+        prefill_attn_pairs: int | None = None,
+    ) -> float:
+        tokens = num_prefill_tokens + num_decode_seqs
+        if tokens == 0:
+            return 0.0
+        if prefill_attn_pairs is None:  # one chunk from scratch
+            prefill_attn_pairs = attn_pairs(num_prefill_tokens, 0)
+        # Decode attention: one query against each context token (the
+        # prefill chunks' cached context is in total_context too; counting it
+        # twice is noise next to their n*c pairs).
+        pairs = prefill_attn_pairs + (total_context if num_decode_seqs else 0)
+        # A step samples at most one token per request; prefill chunks that do
+        # not end their prompt skip the lm_head, counted as if all sampled.
+        samples = num_decode_seqs + (1 if num_prefill_tokens else 0)
+        flops = tokens * self._flops_per_token + samples * self._lm_head_flops + pairs * self._flops_per_pair
+        kv = self.model.kv_bytes_per_token
+        bytes_moved = self.model.weight_bytes + (total_context + tokens) * kv
+        return max(flops / self._compute_rate, bytes_moved / self._memory_rate) + self.device.step_overhead_s
+
+    def num_kv_blocks(self, block_size: int, memory_utilization: float = 0.9,
+                      activation_bytes: float = 2e9) -> int:
+        """KV blocks that fit beside the weights, as the engine would size them."""
+        free = self.device.memory_bytes * memory_utilization - self.model.weight_bytes - activation_bytes
+        return max(1, int(free // (block_size * self.model.kv_bytes_per_token)))
+
+    def transfer_time(self, num_bytes: int) -> float:
+        """Host <-> device copy of ``num_bytes`` over PCIe (swap, checkpoint)."""
+        return num_bytes / self.device.pcie_bandwidth
+
+    def describe(self) -> dict:
+        return {"kind": "roofline", "model": asdict(self.model), "device": asdict(self.device)}
+
+
+# ---------------------------------------------------------------------------
+# Measured (fitted) model
+
+
+@dataclass(frozen=True)
+class LinearCoefficients:
+    base: float  # seconds per step (weights read, launch overhead)
+    per_prefill_token: float
+    per_decode_seq: float
+    per_context_token: float  # KV read
+    per_attn_pair: float  # prefill attention
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if value < 0:
+                raise ValueError(f"cost coefficient {name} must be non-negative, got {value}")
+
+
+class LinearCostModel(_StepShapeMixin):
+    """step time = base + a*prefill tokens + b*decode requests + c*context
+    + d*prefill attention pairs, fitted to measured steps."""
+
+    def __init__(self, coefficients: LinearCoefficients, meta: dict | None = None) -> None:
+        self.c = coefficients
+        self.meta = meta or {}
+
+    def step_time(
+        self, num_prefill_tokens: int, num_decode_seqs: int, total_context: int,
+        prefill_attn_pairs: int | None = None,
+    ) -> float:
+        if num_prefill_tokens + num_decode_seqs == 0:
+            return 0.0
+        if prefill_attn_pairs is None:
+            prefill_attn_pairs = attn_pairs(num_prefill_tokens, 0)
+        c = self.c
+        return (c.base + c.per_prefill_token * num_prefill_tokens + c.per_decode_seq * num_decode_seqs
+                + c.per_context_token * total_context + c.per_attn_pair * prefill_attn_pairs)
+
+    def to_json(self) -> dict:
+        return {"kind": "linear", "coefficients": asdict(self.c), **self.meta}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "LinearCostModel":
+        if data.get("kind") != "linear":
+            raise ValueError(f"not a fitted cost profile (kind={data.get('kind')!r})")
+        meta = {k: v for k, v in data.items() if k not in ("kind", "coefficients")}
+        return cls(LinearCoefficients(**data["coefficients"]), meta)
+
+    @classmethod
+    def load(cls, path: str) -> "LinearCostModel":
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+
+def plan_shape(plan, seqs) -> tuple[int, int, int, int]:
+    """(prefill tokens, decode requests, total context, prefill attention
+    pairs) of a StepPlan, read *before* ``Scheduler.step_done`` counts the
+    step's tokens as computed. ``seqs`` maps request id -> SeqState."""
+    prefill = decode = context = pairs = 0
+    for item in plan.scheduled:
+        seq = seqs[item.request_id]
+        done = seq.num_computed_tokens
+        n = item.num_tokens
+        context += done + n
+        if n == 1 and done > 0 and seq.num_output_tokens > 0:
+            decode += 1
+        else:
+            prefill += n
+            pairs += attn_pairs(n, done)
+    return prefill, decode, context, pairs
+
+
+def default_cost_model() -> RooflineCostModel:
+    """Llama-3-8B on one H100: what a policy uses when it is given no model."""
+    return RooflineCostModel(ModelShape.llama3_8b(), DeviceSpec.h100())

@@ -1,0 +1,160 @@
+"""Multi-level feedback queues: FastServe's skip-join MLFQ (§4.1, Algorithm 1)
+and the naive MLFQ it improves on.
+
+Queues Q1..Qn (levels 0..n-1 here) with quanta q1 = the minimum iteration
+time and q(k+1) = 2·q(k). Lower level = higher priority; FCFS (arrival order)
+inside a level. The Scheduler offers requests level by level, so a job that
+does not fit the step is preempted for that iteration.
+
+* Join: naive MLFQ puts every arrival in Q1; skip-join puts it in the highest
+  queue whose quantum is ≥ its predicted prefill time t_init (cost model).
+* Service: each step a job is charged the time its own work in that step
+  would take alone (a prefill chunk or one decode iteration, by the cost
+  model), i.e. the iteration time FastServe compares quanta with; batching
+  does not make jobs age faster or slower.
+* Demotion: once the service attained in its level reaches the level's
+  quantum the job moves down one level; skip-join keeps moving it down while
+  its *next* iteration time exceeds that level's quantum. Attained service
+  restarts at 0 in the new level. The last level never demotes.
+* Starvation: a job not scheduled for longer than the starve limit α is
+  promoted to Q1 (attained service reset), which bounds any job's wait.
+"""
+
+from __future__ import annotations
+
+from .cost_model import CostModel
+from .policy_base import Policy
+from .request_state import SeqState
+
+# FastServe's default α (300 ms) was 10 iterations of its model (its SLO, 10x
+# an iteration). Without a flag the starve limit is 10 iterations of this
+# model, an iteration being a full step of the default token budget: with a
+# flat batch every decode rides in such steps while prefills queue.
+_STARVE_ITERATIONS = 10.0
+_REFERENCE_STEP_TOKENS = 2048
+
+
+class _MLFQEntry:
+    __slots__ = ("level", "attained", "last_served", "promotions")
+
+    def __init__(self, level: int, now: float) -> None:
+        self.level = level
+        self.attained = 0.0  # seconds of service in the current level
+        self.last_served = now  # arrival, or end of the last step it ran in
+        self.promotions = 0
+
+
+class MLFQPolicy(Policy):
+    """Naive MLFQ: every job enters Q1, demotion one level at a time."""
+
+    name = "mlfq"
+    skip_join = False
+    OPTIONS = ("num_queues", "base_quantum_ms", "starve_limit_ms")
+
+    def __init__(
+        self,
+        cost_model: CostModel | None = None,
+        num_queues: int = 8,
+        base_quantum_ms: float | None = None,
+        starve_limit_ms: float | None = None,
+    ) -> None:
+        super().__init__(cost_model)
+        if num_queues < 1:
+            raise ValueError(f"num_queues must be positive, got {num_queues}")
+        q1 = base_quantum_ms / 1e3 if base_quantum_ms is not None else self._min_iteration_time()
+        if not q1 > 0:
+            raise ValueError(f"base_quantum_ms must be positive, got {base_quantum_ms}")
+        self.quanta = [q1 * 2**k for k in range(num_queues)]
+        if starve_limit_ms is None:
+            alpha = _STARVE_ITERATIONS * max(q1, self.cost.prefill_time(_REFERENCE_STEP_TOKENS, 0))
+        else:
+            alpha = starve_limit_ms / 1e3
+        if not alpha > 0:
+            raise ValueError(f"starve_limit_ms must be positive, got {starve_limit_ms}")
+        self.starve_limit = alpha
+        self.num_promotions = 0
+        self.num_demotions = 0
+
+    def _min_iteration_time(self) -> float:
+        fn = getattr(self.cost, "min_iteration_time", None)
+        return fn() if fn is not None else self.cost.decode_time(1, 1)
+
+    @property
+    def num_queues(self) -> int:
+        return len(self.quanta)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "quanta_ms": [q * 1e3 for q in self.quanta],
+                "starve_limit_ms": self.starve_limit * 1e3}
+
+    # -- levels -------------------------------------------------------------
+    def level_for_time(self, t: float) -> int:
+        """Highest-priority level whose quantum is ≥ ``t`` (the last if none)."""
+        for level, quantum in enumerate(self.quanta):
+            if quantum >= t:
+                return level
+        return self.num_queues - 1
+
+    def level(self, seq: SeqState) -> int:
+        return seq.policy_state["mlfq"].level
+
+    def _join_level(self, seq: SeqState) -> int:
+        return 0
+
+    def next_iteration_time(self, seq: SeqState) -> float:
+        """Predicted time of ``seq``'s next iteration alone: the rest of its
+        (re)prefill, or one decode step at its current context."""
+        done = seq.num_computed_tokens
+        todo = seq.num_tokens - done
+        if todo > 1:
+            return self.cost.prefill_time(todo, done)
+        return self.cost.decode_time(1, seq.num_tokens)
+
+    # -- events -------------------------------------------------------------
+    def on_arrival(self, seq: SeqState, now: float) -> None:
+        seq.policy_state["mlfq"] = _MLFQEntry(self._join_level(seq), now)
+
+    def on_step_done(self, seq: SeqState, num_tokens: int, step_time: float, now: float) -> None:
+        e: _MLFQEntry = seq.policy_state["mlfq"]
+        context = seq.num_computed_tokens - num_tokens
+        if num_tokens == 1 and context > 0:
+            e.attained += self.cost.decode_time(1, context + 1)
+        else:
+            e.attained += self.cost.prefill_time(num_tokens, context)
+        e.last_served = now
+        last = self.num_queues - 1
+        if e.attained < self.quanta[e.level] or e.level == last:
+            return
+        e.level += 1
+        e.attained = 0.0
+        self.num_demotions += 1
+        if self.skip_join and e.level < last:
+            # Skip the levels whose quantum the next iteration alone would use up.
+            e.level = max(e.level, self.level_for_time(self.next_iteration_time(seq)))
+
+    def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
+        deadline = now - self.starve_limit
+        for s in seqs:
+            e: _MLFQEntry = s.policy_state["mlfq"]
+            if e.level and e.last_served < deadline:
+                e.level = 0
+                e.attained = 0.0
+                e.last_served = now  # its wait restarts in Q1
+                e.promotions += 1
+                self.num_promotions += 1
+        return sorted(seqs, key=_mlfq_key)
+
+
+def _mlfq_key(seq: SeqState) -> tuple[int, float]:
+    return seq.policy_state["mlfq"].level, seq.arrival_time
+
+
+class SkipJoinMLFQPolicy(MLFQPolicy):
+    """FastServe's skip-join MLFQ: an arrival joins the highest queue whose
+    quantum covers its predicted prefill time."""
+
+    name = "skip-join-mlfq"
+    skip_join = True
+
+    def _join_level(self, seq: SeqState) -> int:
+        return self.level_for_time(self.cost.prefill_time(seq.num_prompt_tokens, 0))

@@ -1,0 +1,46 @@
+"""Command-line flags of the scheduler, kept beside the policies they set so the
+CLI never has to know a policy's knobs."""
+
+from __future__ import annotations
+
+import argparse
+
+from .policies import DEFAULT_POLICY, POLICIES
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("scheduling")
+    g.add_argument(
+        "--scheduling-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+        help="order in which requests are offered each step: fcfs (vLLM/Orca), fixed-priority "
+             "(shortest prompt first), mlfq (naive, every job enters Q1), skip-join-mlfq "
+             f"(FastServe; default {DEFAULT_POLICY})",
+    )
+    g.add_argument(
+        "--mlfq-num-queues", type=int, default=None, metavar="N",
+        help="MLFQ: number of priority queues (default 8)",
+    )
+    g.add_argument(
+        "--mlfq-base-quantum-ms", type=float, default=None, metavar="MS",
+        help="MLFQ: quantum of Q1; Q(k+1) doubles it (default: the minimum iteration "
+             "time from the cost model)",
+    )
+    g.add_argument(
+        "--mlfq-starve-limit-ms", type=float, default=None, metavar="MS",
+        help="MLFQ: a job not scheduled for this long is promoted to Q1 (default: "
+             "FastServe's 300 ms = 10 iterations, scaled to this model: 10 x the predicted time of a 2048-token step)",
+    )
+
+
+def options_from_args(args: argparse.Namespace) -> tuple[str, dict]:
+    """(policy name, policy options) for EngineConfig.scheduling_policy and
+    EngineConfig.policy_options; only flags actually given are included."""
+    options = {
+        "num_queues": args.mlfq_num_queues,
+        "base_quantum_ms": args.mlfq_base_quantum_ms,
+        "starve_limit_ms": args.mlfq_starve_limit_ms,
+    }
+    for name, value in options.items():
+        if value is not None and not value > 0:
+            raise ValueError(f"--mlfq-{name.replace('_', '-')} must be positive, got {value}")
+    return args.scheduling_policy, {k: v for k, v in options.items() if v is not None}

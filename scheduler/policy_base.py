@@ -1,0 +1,34 @@
+"""Policy: the interface every scheduling policy implements (see policies.py
+for the registered ones and ``make_policy``)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from .cost_model import CostModel, default_cost_model
+from .request_state import SeqState
+
+
+class Policy(ABC):
+    name: str = "policy"
+
+    def __init__(self, cost_model: CostModel | None = None) -> None:
+        self.cost: CostModel = cost_model if cost_model is not None else default_cost_model()
+
+    def on_arrival(self, seq: SeqState, now: float) -> None:
+        """A request joined the scheduler."""
+
+    def on_step_done(self, seq: SeqState, num_tokens: int, step_time: float, now: float) -> None:
+        """``seq`` ran ``num_tokens`` tokens in a step that took ``step_time``;
+        ``seq.num_computed_tokens`` already counts them."""
+
+    def on_finish(self, seq: SeqState) -> None:
+        """``seq`` finished or was aborted."""
+
+    @abstractmethod
+    def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
+        """Rank ``seqs`` (one request class) highest priority first."""
+
+    def describe(self) -> dict:
+        """The policy's effective settings (for logs and benchmark output)."""
+        return {"name": self.name}

@@ -1,0 +1,144 @@
+"""Workloads for the simulator: arrival processes, length distributions, and
+the real length files and trace in ``../shared/workloads/`` (read in place,
+never copied into the repository).
+
+A workload is a list of ``Job`` (arrival time, prompt and output length).
+Everything is seeded (``random.Random``), so the same arguments give the same
+jobs.
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .request_state import RequestClass
+
+# <repo>/scheduler/workloads.py -> <repo>/../shared/workloads
+DEFAULT_WORKLOAD_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "workloads"
+SHAREGPT = "sharegpt8k_llama2tok_lengths.csv"
+ARXIV = "arxiv_summarization_llama2tok_lengths.csv"
+AZURE_CODE = "azure_llm2023_code_trace.csv"
+
+
+@dataclass(frozen=True)
+class Job:
+    request_id: str
+    arrival_time: float
+    prompt_tokens: int
+    output_tokens: int
+    klass: RequestClass = RequestClass.ONLINE
+
+
+LengthSampler = Callable[[random.Random], tuple[int, int]]
+
+
+# -- files --------------------------------------------------------------------
+def _rows(path: Path) -> Iterator[dict[str, str]]:
+    with open(path, newline="") as f:
+        yield from csv.DictReader(f)
+
+
+def load_lengths(path: str | Path) -> list[tuple[int, int]]:
+    """(prompt_tokens, output_tokens) rows of a length file."""
+    return [(int(r["prompt_tokens"]), int(r["output_tokens"])) for r in _rows(Path(path))]
+
+
+def load_trace(path: str | Path) -> list[tuple[float, int, int]]:
+    """(arrival_s, prompt_tokens, output_tokens) rows of a trace, by arrival."""
+    rows = [(float(r["arrival_s"]), int(r["prompt_tokens"]), int(r["output_tokens"])) for r in _rows(Path(path))]
+    rows.sort(key=lambda r: r[0])
+    return rows
+
+
+# -- lengths ------------------------------------------------------------------
+def fixed_lengths(prompt: int, output: int) -> LengthSampler:
+    return lambda rng: (prompt, output)
+
+
+def uniform_lengths(prompt: tuple[int, int], output: tuple[int, int]) -> LengthSampler:
+    return lambda rng: (rng.randint(*prompt), rng.randint(*output))
+
+
+def empirical_lengths(pairs: list[tuple[int, int]]) -> LengthSampler:
+    """Draw (prompt, output) pairs, with replacement, from real data."""
+    if not pairs:
+        raise ValueError("empty length data")
+    return lambda rng: pairs[rng.randrange(len(pairs))]
+
+
+def scale_ratio(pairs: list[tuple[int, int]], ratio: float) -> list[tuple[int, int]]:
+    """FastServe §6.3: change the ratio of mean input to mean output length to
+    ``ratio`` while keeping each distribution's shape (every prompt scaled by
+    one factor, every output by another) and the mean total length."""
+    if ratio <= 0:
+        raise ValueError(f"ratio must be positive, got {ratio}")
+    mp = sum(p for p, _ in pairs) / len(pairs)
+    mo = sum(o for _, o in pairs) / len(pairs)
+    # a*mp / (b*mo) = ratio and a*mp + b*mo = mp + mo
+    total = mp + mo
+    new_mp = total * ratio / (1 + ratio)
+    a, b = new_mp / mp, (total - new_mp) / mo
+    return [(max(1, round(p * a)), max(1, round(o * b))) for p, o in pairs]
+
+
+def clamp_lengths(pairs: list[tuple[int, int]], max_model_len: int) -> list[tuple[int, int]]:
+    """Cut prompts (then outputs) so prompt + output fits ``max_model_len``."""
+    out = []
+    for p, o in pairs:
+        p = min(p, max_model_len - 1)
+        out.append((p, max(1, min(o, max_model_len - p))))
+    return out
+
+
+# -- arrivals -----------------------------------------------------------------
+def poisson_arrivals(rate: float) -> Callable[[random.Random], float]:
+    """Inter-arrival sampler of a Poisson process (exponential gaps)."""
+    if rate <= 0:
+        raise ValueError(f"rate must be positive, got {rate}")
+    return lambda rng: rng.expovariate(rate)
+
+
+def gamma_arrivals(rate: float, cv: float) -> Callable[[random.Random], float]:
+    """Gamma inter-arrivals with mean 1/rate and coefficient of variation cv
+    (cv = 1 is Poisson; larger is burstier)."""
+    if rate <= 0 or cv <= 0:
+        raise ValueError(f"rate and cv must be positive, got {rate}, {cv}")
+    shape = 1.0 / (cv * cv)
+    scale = 1.0 / (rate * shape)
+    return lambda rng: rng.gammavariate(shape, scale)
+
+
+def synthesize(
+    num_jobs: int, lengths: LengthSampler, gaps: Callable[[random.Random], float], seed: int = 0,
+    klass: RequestClass = RequestClass.ONLINE, prefix: str = "r",
+) -> list[Job]:
+    """``num_jobs`` jobs: lengths drawn from ``lengths``, arrivals from the
+    gap sampler, starting at t = 0."""
+    rng = random.Random(seed)
+    jobs, t = [], 0.0
+    for i in range(num_jobs):
+        p, o = lengths(rng)
+        jobs.append(Job(f"{prefix}{i}", t, p, o, klass))
+        t += gaps(rng)
+    return jobs
+
+
+def replay_trace(
+    rows: list[tuple[float, int, int]], speed: float = 1.0, limit: int | None = None,
+    max_model_len: int | None = None,
+) -> list[Job]:
+    """Jobs of a trace, arrivals divided by ``speed`` and shifted to t = 0."""
+    if speed <= 0:
+        raise ValueError(f"speed must be positive, got {speed}")
+    rows = rows[:limit] if limit else rows
+    t0 = rows[0][0] if rows else 0.0
+    jobs = []
+    for i, (t, p, o) in enumerate(rows):
+        if max_model_len:
+            (p, o), = clamp_lengths([(p, o)], max_model_len)
+        jobs.append(Job(f"t{i}", (t - t0) / speed, p, max(1, o)))
+    return jobs
