@@ -1,0 +1,392 @@
+"""The FastAPI app: OpenAI-compatible routes over an ``AsyncEngine``.
+
+Owns the HTTP edge: authentication, body limits and parsing, admission
+(queue limit, draining), streaming as Server-Sent Events, and aborting a
+request the moment its client disconnects, streaming or not. Translation in
+and out of the engine lives in ``inputs.py`` and ``render.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+from ..engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
+from ..engine.outputs import RequestOutput
+from .errors import APIError, error_body, from_validation_error, from_value_error, install_handlers
+from .inputs import EngineInputs, InputProcessor, ModelInfo, check_model
+from .metrics import RequestTimer, ServerMetrics
+from .protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from .render import ChatStreamer, CompletionStreamer, chat_choices, completion_choices, make_usage
+
+VERSION = "0.1.0"
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_queued_requests: int = 1024
+    retry_after_s: int = 1
+
+
+@dataclass
+class ServerState:
+    """Mutable state of a running server, beside the frozen settings."""
+
+    draining: bool = False
+    started: float = field(default_factory=time.time)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
+              settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    server = _Server(engine, InputProcessor(tokenizer, model), model, settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="fluidserve", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = server
+    install_handlers(app)
+    app.add_exception_handler(ClientGone, _client_gone)
+    app.add_exception_handler(ClientDisconnect, _client_gone)  # left while sending the body
+    auth = [Depends(server.authenticate)]
+
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
+    app.add_api_route("/version", server.version, methods=["GET"])
+    return app
+
+
+class _Server:
+    """Route handlers sharing one engine, input processor and metrics."""
+
+    def __init__(self, engine: AsyncEngine, processor: InputProcessor, model: ModelInfo,
+                 settings: ServerSettings) -> None:
+        self.engine = engine
+        self.processor = processor
+        self.model = model
+        self.settings = settings
+        self.state = ServerState()
+        self.metrics = ServerMetrics()
+        self.decode = lambda token_id: processor.tokenizer.decode([token_id])
+
+    # -- edge checks --------------------------------------------------------
+    async def authenticate(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+        if not ok:
+            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+
+    async def parse(self, request: Request, model_cls: type[M]) -> M:
+        body = await self._read_body(request)
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):
+            raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        try:
+            return model_cls.model_validate(data)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+        except RecursionError:
+            raise APIError(400, "request body is nested too deeply") from None
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_big = declared.isdigit() and int(declared) > limit
+        body = bytearray()
+        if not too_big:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    too_big = True
+                    break
+        if too_big:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large",
+                           headers={"Connection": "close"})
+        return bytes(body)
+
+    def admit_capacity(self, num_requests: int) -> None:
+        retry = {"Retry-After": str(self.settings.retry_after_s)}
+        if self.state.draining:
+            raise APIError(503, "server is shutting down", code="shutting_down", headers=retry)
+        health = self.engine.health()
+        if not health.ok:
+            raise APIError(503, f"engine unavailable: {health.reason}", code="engine_unavailable", headers=retry)
+        if self.engine.num_queued + num_requests > self.settings.max_queued_requests:
+            raise APIError(429, "too many queued requests; retry later", code="queue_full", headers=retry)
+
+    # -- generation routes --------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        req = await self.parse(request, CompletionRequest)
+        check_model(req.model, self.model)
+        inputs = self.processor.completion(req)
+        self.admit_capacity(len(inputs.prompts))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        timers = [RequestTimer(self.metrics) for _ in inputs.prompts]
+        streams = await self.submit(rid, inputs)
+        top_n = req.logprobs
+        if req.stream:
+            streamer = CompletionStreamer(rid, self.model.name, inputs.prompts, n=req.n, echo=req.echo,
+                                          top_n=top_n, decode=self.decode)
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self.sse(self._completion_events(streams, timers, streamer, inputs, include_usage))
+        finals = await self.until_disconnect(request, self.collect(streams, timers), streams)
+        choices = completion_choices(inputs.prompts, finals, n=req.n, echo=req.echo, top_n=top_n,
+                                     decode=self.decode)
+        usage = make_usage(inputs.prompts, sum(o.num_generated_tokens for o in finals))
+        body = CompletionResponse(id=rid, model=self.model.name, choices=choices, usage=usage)
+        return JSONResponse(body.model_dump(mode="json"))
+
+    async def chat(self, request: Request) -> Response:
+        req = await self.parse(request, ChatCompletionRequest)
+        check_model(req.model, self.model)
+        inputs = self.processor.chat(req)
+        self.admit_capacity(1)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        timers = [RequestTimer(self.metrics)]
+        streams = await self.submit(rid, inputs)
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        if req.stream:
+            streamer = ChatStreamer(rid, self.model.name, top_n=top_n, decode=self.decode)
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self.sse(self._chat_events(streams, timers, streamer, inputs, include_usage))
+        finals = await self.until_disconnect(request, self.collect(streams, timers), streams)
+        usage = make_usage(inputs.prompts, finals[0].num_generated_tokens)
+        body = ChatCompletionResponse(id=rid, model=self.model.name,
+                                      choices=chat_choices(finals[0], top_n=top_n, decode=self.decode),
+                                      usage=usage)
+        return JSONResponse(body.model_dump(mode="json"))
+
+    # -- engine plumbing ----------------------------------------------------
+    async def submit(self, rid: str, inputs: EngineInputs) -> list[RequestStream]:
+        """Admit one engine request per prompt; all or none."""
+        streams: list[RequestStream] = []
+        multi = len(inputs.prompts) > 1
+        try:
+            for i, prompt in enumerate(inputs.prompts):
+                sub_id = f"{rid}-{i}" if multi else rid
+                streams.append(await self.engine.add_request(sub_id, prompt.token_ids, inputs.params,
+                                                             inputs.klass, time.monotonic()))
+        except BaseException as exc:
+            for s in streams:
+                s.abort()
+            raise _as_api_error(exc) from None
+        return streams
+
+    async def collect(self, streams: list[RequestStream], timers: list[RequestTimer]) -> list[RequestOutput]:
+        async def one(stream: RequestStream, timer: RequestTimer) -> RequestOutput:
+            last = None
+            async for out in stream:
+                timer.on_output(out)
+                last = out
+            assert last is not None
+            return last
+
+        try:
+            return list(await asyncio.gather(*(one(s, t) for s, t in zip(streams, timers))))
+        except (EngineDeadError, RequestFailedError) as exc:
+            raise _as_api_error(exc) from None
+        finally:
+            for s in streams:
+                s.abort()
+
+    async def until_disconnect(self, request: Request, work: Awaitable[T], streams: list[RequestStream]) -> T:
+        """Await ``work``; if the client disconnects first, abort its
+        requests (freeing their KV) and give up."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        self.metrics.in_flight.inc()
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.metrics.in_flight.dec()
+            watcher.cancel()
+        if not task.done():
+            task.cancel()
+            for s in streams:
+                s.abort()
+            raise ClientGone()
+        return task.result()
+
+    def sse(self, events: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(self._counted(events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _counted(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        self.metrics.in_flight.inc()
+        try:
+            async for event in events:
+                yield event
+        finally:
+            self.metrics.in_flight.dec()
+
+    async def _completion_events(self, streams: list[RequestStream], timers: list[RequestTimer],
+                                 streamer: CompletionStreamer, inputs: EngineInputs,
+                                 include_usage: bool) -> AsyncIterator[str]:
+        last: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in _merge(streams):
+                timers[i].on_output(out)
+                last[i] = out
+                chunk = streamer.chunk(i, out)
+                if chunk is not None:
+                    yield _event(chunk)
+            if include_usage:
+                used = sum(o.num_generated_tokens for o in last.values())
+                yield _event(streamer.usage_chunk(make_usage(inputs.prompts, used)))
+        except (EngineDeadError, RequestFailedError) as exc:
+            yield _error_event(_as_api_error(exc))
+        finally:
+            for s in streams:
+                s.abort()
+        yield "data: [DONE]\n\n"
+
+    async def _chat_events(self, streams: list[RequestStream], timers: list[RequestTimer],
+                           streamer: ChatStreamer, inputs: EngineInputs, include_usage: bool) -> AsyncIterator[str]:
+        last: RequestOutput | None = None
+        try:
+            async for out in streams[0]:
+                timers[0].on_output(out)
+                last = out
+                for chunk in streamer.chunk(out):
+                    yield _event(chunk)
+            if include_usage:
+                used = last.num_generated_tokens if last is not None else 0
+                yield _event(streamer.usage_chunk(make_usage(inputs.prompts, used)))
+        except (EngineDeadError, RequestFailedError) as exc:
+            yield _error_event(_as_api_error(exc))
+        finally:
+            streams[0].abort()
+        yield "data: [DONE]\n\n"
+
+    # -- other routes -------------------------------------------------------
+    async def models(self) -> JSONResponse:
+        card = ModelCard(id=self.model.name, max_model_len=self.model.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    async def health(self) -> Response:
+        health = self.engine.health()
+        self.metrics.healthy.set(1.0 if health.ok else 0.0)
+        if not health.ok:
+            return JSONResponse(error_body(503, health.reason, code="engine_unhealthy"), 503)
+        if self.state.draining:
+            return JSONResponse(error_body(503, "server is shutting down", code="shutting_down"), 503)
+        return PlainTextResponse("ok")
+
+    async def metrics_endpoint(self) -> Response:
+        self.metrics.healthy.set(1.0 if self.engine.health().ok else 0.0)
+        self.metrics.engine.update(await self.engine.get_stats())
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def version(self) -> JSONResponse:
+        return JSONResponse({"version": VERSION})
+
+
+# -- helpers ------------------------------------------------------------------
+
+
+async def _client_gone(_: Request, __: Exception) -> Response:
+    # Nobody is listening; 499 (nginx's "client closed request") for the log.
+    return Response(status_code=499)
+
+
+def _as_api_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return from_value_error(exc)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"engine unavailable: {exc}", code="engine_unavailable", headers={"Retry-After": "1"})
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, f"generation failed: {exc}", code="generation_failed")
+    return exc
+
+
+def _event(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+
+
+def _error_event(err: BaseException) -> str:
+    if not isinstance(err, APIError):
+        err = APIError(500, "internal server error")
+    return f"data: {json.dumps(error_body(err.status, err.message, err.param, err.code))}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            queue.put_nowait(exc)
+            return
+        queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()

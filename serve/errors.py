@@ -1,0 +1,119 @@
+"""Every error the server returns, in OpenAI's shape:
+``{"error": {"message", "type", "param", "code"}}``.
+
+Owns the mapping from failures to status codes. A client mistake is always a
+4xx — the official client retries every 5xx, so a 5xx for bad input would be
+repeated. Messages are capped so a huge body can never echo back megabytes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("fluidserve.serve")
+
+MAX_MESSAGE_CHARS = 1024
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error with its HTTP status, raised anywhere in a request handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+def cap(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 14] + "...(truncated)"
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    info = ErrorInfo(message=cap(message), type=kind, param=param, code=code)
+    return ErrorResponse(error=info).model_dump(mode="json")
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, headers=err.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value" if param else None)
+
+
+def from_value_error(exc: ValueError) -> APIError:
+    """A ``ValueError`` whose message starts with the parameter it names
+    (SamplingParams' and the engine's convention) as a 400."""
+    message = str(exc) or "invalid request"
+    first = message.split(" ", 1)[0].rstrip(":")
+    param = first if first.isidentifier() and first.islower() and len(message.split(" ", 1)) > 1 else None
+    return bad_request(message, param)
+
+
+def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """Pydantic's error list, without the offending input, as one 400."""
+    parts: list[str] = []
+    param: str | None = None
+    for e in exc.errors(include_url=False, include_input=False, include_context=False)[:8]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+        if loc:
+            param = param or loc[0]
+            parts.append(f"{'.'.join(loc)}: {msg}")
+        else:
+            param = param or (msg.split(":", 1)[0] if ":" in msg else None)
+            parts.append(msg)
+    return bad_request("; ".join(parts) or "invalid request body", param)
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Route every exception FastAPI can raise through OpenAI's error shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(from_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in request handler")
+        return error_response(APIError(500, f"internal server error: {type(exc).__name__}"))

@@ -1,0 +1,197 @@
+"""From engine outputs to OpenAI response bodies: choices, logprobs, usage,
+and the Server-Sent-Event chunks of a streamed response.
+
+Owns the bookkeeping a stream needs across outputs (which choices already
+sent their role or finish chunk, each choice's running text offset), so the
+handlers in ``api.py`` only move data between the engine and the socket.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from .inputs import Prompt
+from .protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+Decode = Callable[[int], str]
+
+
+def make_usage(prompts: list[Prompt], completion_tokens: int) -> Usage:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
+def finish_reason(co: CompletionOutput) -> str | None:
+    return co.finish_reason if co.finish_reason in (None, "stop", "length") else "stop"
+
+
+# -- logprobs -----------------------------------------------------------------
+
+
+def _sampled(entry: TokenLogprobs, token_id: int, decode: Decode) -> Logprob:
+    lp = entry.get(token_id)
+    return lp if lp is not None else Logprob(float("nan"), 0, decode(token_id))
+
+
+def _top(entry: TokenLogprobs, top_n: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
+    return [(t, lp) for t, lp in ranked if lp.rank <= top_n][:top_n]
+
+
+def _text(lp: Logprob, token_id: int, decode: Decode) -> str:
+    return lp.decoded if lp.decoded else decode(token_id)
+
+
+def completion_logprobs(token_ids: list[int], entries: list[TokenLogprobs] | None, top_n: int,
+                        text_offset: int, decode: Decode) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    offset = text_offset
+    for token_id, entry in zip(token_ids, entries or []):
+        lp = _sampled(entry, token_id, decode)
+        text = _text(lp, token_id, decode)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob)
+        top: dict[str, float] = {}
+        for t, t_lp in _top(entry, top_n):  # tokens that decode alike keep the likeliest
+            top.setdefault(_text(t_lp, t, decode), t_lp.logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], entries: list[TokenLogprobs] | None, top_n: int,
+                  decode: Decode) -> ChatLogprobs:
+    content = []
+    for token_id, entry in zip(token_ids, entries or []):
+        lp = _sampled(entry, token_id, decode)
+        text = _text(lp, token_id, decode)
+        top = [TopLogprob(token=_text(t_lp, t, decode), logprob=t_lp.logprob,
+                          bytes=list(_text(t_lp, t, decode).encode()))
+               for t, t_lp in _top(entry, top_n)]
+        content.append(TokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+# -- whole responses ----------------------------------------------------------
+
+
+def completion_choices(prompts: list[Prompt], finals: list[RequestOutput], *, n: int, echo: bool,
+                       top_n: int | None, decode: Decode) -> list[CompletionChoice]:
+    choices = []
+    for i, (prompt, out) in enumerate(zip(prompts, finals)):
+        for co in sorted(out.outputs, key=lambda c: c.index):
+            head = prompt.text if echo else ""
+            logprobs = None
+            if top_n is not None:
+                logprobs = completion_logprobs(co.token_ids, co.logprobs, top_n, len(head), decode)
+            choices.append(CompletionChoice(index=i * n + co.index, text=head + co.text,
+                                            logprobs=logprobs, finish_reason=finish_reason(co)))
+    return choices
+
+
+def chat_choices(final: RequestOutput, *, top_n: int | None, decode: Decode) -> list[ChatChoice]:
+    choices = []
+    for co in sorted(final.outputs, key=lambda c: c.index):
+        logprobs = chat_logprobs(co.token_ids, co.logprobs, top_n, decode) if top_n is not None else None
+        choices.append(ChatChoice(index=co.index, message=ChatResponseMessage(content=co.text),
+                                  logprobs=logprobs, finish_reason=finish_reason(co)))
+    return choices
+
+
+# -- streams ------------------------------------------------------------------
+
+
+class _ChoiceTracker:
+    """Per-choice stream state: started, finished, text sent so far."""
+
+    def __init__(self) -> None:
+        self.started: set[int] = set()
+        self.finished: set[int] = set()
+        self.offset: dict[int, int] = {}
+
+    def news(self, co: CompletionOutput, index: int, with_logprobs: bool) -> bool:
+        """Whether ``co`` has anything to send for choice ``index``: text, a
+        finish reason, or (with logprobs) tokens — a token that ends inside
+        a UTF-8 character has no text yet."""
+        if index in self.finished:
+            return False
+        return bool(co.text_delta or co.finish_reason or (with_logprobs and co.new_token_ids))
+
+
+class CompletionStreamer:
+    """Turns the outputs of one /v1/completions request into chunks."""
+
+    def __init__(self, request_id: str, model: str, prompts: list[Prompt], *, n: int, echo: bool,
+                 top_n: int | None, decode: Decode) -> None:
+        self.id, self.model, self.prompts = request_id, model, prompts
+        self.n, self.echo, self.top_n, self.decode = n, echo, top_n, decode
+        self.track = _ChoiceTracker()
+
+    def chunk(self, prompt_index: int, out: RequestOutput) -> CompletionChunk | None:
+        choices = []
+        for co in out.outputs:
+            index = prompt_index * self.n + co.index
+            if not self.track.news(co, index, self.top_n is not None):
+                continue
+            head = self.prompts[prompt_index].text if self.echo and index not in self.track.started else ""
+            self.track.started.add(index)
+            offset = self.track.offset.get(index, 0)
+            logprobs = None
+            if self.top_n is not None:
+                logprobs = completion_logprobs(co.new_token_ids, co.new_logprobs, self.top_n,
+                                               offset + len(head), self.decode)
+            self.track.offset[index] = offset + len(head) + len(co.text_delta)
+            if co.finish_reason:
+                self.track.finished.add(index)
+            choices.append(CompletionChoice(index=index, text=head + co.text_delta, logprobs=logprobs,
+                                            finish_reason=finish_reason(co)))
+        return CompletionChunk(id=self.id, model=self.model, choices=choices) if choices else None
+
+    def usage_chunk(self, usage: Usage) -> CompletionChunk:
+        return CompletionChunk(id=self.id, model=self.model, choices=[], usage=usage)
+
+
+class ChatStreamer:
+    """Turns the outputs of one /v1/chat/completions request into chunks."""
+
+    def __init__(self, request_id: str, model: str, *, top_n: int | None, decode: Decode) -> None:
+        self.id, self.model, self.top_n, self.decode = request_id, model, top_n, decode
+        self.track = _ChoiceTracker()
+
+    def chunk(self, out: RequestOutput) -> list[ChatCompletionChunk]:
+        chunks = []
+        for co in out.outputs:
+            if not self.track.news(co, co.index, self.top_n is not None):
+                continue
+            if co.index not in self.track.started:
+                self.track.started.add(co.index)
+                first = ChatChunkChoice(index=co.index, delta=ChatDelta(role="assistant", content=""))
+                chunks.append(ChatCompletionChunk(id=self.id, model=self.model, choices=[first]))
+            logprobs = None
+            if self.top_n is not None:
+                logprobs = chat_logprobs(co.new_token_ids, co.new_logprobs, self.top_n, self.decode)
+            if co.finish_reason:
+                self.track.finished.add(co.index)
+            choice = ChatChunkChoice(index=co.index, delta=ChatDelta(content=co.text_delta or None),
+                                     logprobs=logprobs, finish_reason=finish_reason(co))
+            chunks.append(ChatCompletionChunk(id=self.id, model=self.model, choices=[choice]))
+        return chunks
+
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=usage)

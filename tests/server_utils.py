@@ -1,0 +1,117 @@
+"""Helpers for the server tests: a real uvicorn server on a free localhost
+port (in a thread, or as a ``fluidserve serve`` subprocess), and a parser for
+the Prometheus text /metrics returns."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from fluidserve.engine.async_engine import AsyncEngine
+from fluidserve.engine.config import EngineConfig
+from fluidserve.engine.engine import LLMEngine
+from fluidserve.serve.api import ServerSettings, build_app
+from fluidserve.serve.cli import frontend_tokenizer, model_info
+from fluidserve.serve.server import bind_socket, make_server
+
+TEST_ENGINE_DEFAULTS = dict(device="cpu", num_kv_blocks=512, max_model_len=256, max_num_seqs=128,
+                            max_num_batched_tokens=1024, seed=0)
+
+
+@dataclass
+class ThreadedServer:
+    """uvicorn serving the real app in a background thread."""
+
+    engine: LLMEngine
+    async_engine: AsyncEngine
+    base_url: str
+    server: Any
+    thread: threading.Thread
+    api_key: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_server(model_dir: str, settings: ServerSettings | None = None, stall_timeout: float = 60.0,
+                 **engine_kwargs: Any) -> ThreadedServer:
+    config = EngineConfig(model=model_dir, **{**TEST_ENGINE_DEFAULTS, **engine_kwargs})
+    engine = LLMEngine(config)
+    async_engine = AsyncEngine(engine, stall_timeout=stall_timeout)
+    settings = settings or ServerSettings()
+    app = build_app(async_engine, frontend_tokenizer(engine), model_info(engine), settings)
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = make_server(app, "127.0.0.1", port, drain_timeout=5, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base_url = f"http://127.0.0.1:{port}"
+    wait_healthy(base_url)
+    return ThreadedServer(engine, async_engine, base_url, server, thread, settings.api_key)
+
+
+def wait_healthy(base_url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{base_url} did not become healthy in {timeout} s")
+
+
+def free_port() -> int:
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def start_subprocess_server(args: list[str], port: int, log_path: Path) -> subprocess.Popen:
+    """``fluidserve serve <args> --port <port>`` as a real process."""
+    cmd = [sys.executable, "-m", "fluidserve.serve.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    log = open(log_path, "wb")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """``name{labels}`` -> value for every sample line of Prometheus text."""
+    out = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def read_metrics(base_url: str) -> dict[str, float]:
+    resp = httpx.get(f"{base_url}/metrics", timeout=10.0)
+    resp.raise_for_status()
+    return parse_metrics(resp.text)
+
+
+def metric_sum(metrics: dict[str, float], name: str) -> float:
+    """Sum of every labelled sample of ``name``."""
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
