@@ -35,6 +35,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--num-kv-blocks", type=int, default=None, help="device KV blocks (overrides the sizing)")
     m.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64])
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--profile", dest="profile_path", default=None, metavar="PROFILE_JSON",
+                   help="measured cost model from `fluidserve profile -o` (default: analytic roofline)")
+    m.add_argument("--executor", default="local", choices=["local", "ray"],
+                   help="local: in-process worker; ray: one Ray actor per GPU")
+    m.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (Ray workers) per model")
+    m.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (multi-node); default: start a local one on 127.0.0.1")
     add_scheduler_args(p)
 
     s = p.add_argument_group("server")
@@ -62,7 +69,8 @@ def engine_config_from_args(args: argparse.Namespace):
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, scheduling_policy=policy,
-        policy_options=policy_options,
+        policy_options=policy_options, profile_path=args.profile_path, executor=args.executor,
+        tensor_parallel_size=args.tensor_parallel_size, ray_address=args.ray_address,
     )
 
 
@@ -96,7 +104,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fluidserve serve: {exc}", file=sys.stderr)
         return 2
-    engine = LLMEngine(config)
+    _share_cpu_with_frontend(config)
+    try:
+        engine = LLMEngine(config)
+    except (ValueError, OSError) as exc:  # a bad model path, an impossible KV size, ...
+        print(f"fluidserve serve: {exc}", file=sys.stderr)
+        return 2
     info = model_info(engine)
     if info.is_tiny_default:
         logger.warning("no --model given: serving the built-in tiny random-weight model %r "
@@ -111,6 +124,17 @@ def run_serve(args: argparse.Namespace) -> int:
                 info.max_model_len)
     server.run()
     return 0
+
+
+def _share_cpu_with_frontend(config) -> None:
+    """On CPU, torch's thread pool would take every core from the event loop
+    that streams tokens: leave one core to the frontend."""
+    import os
+
+    import torch
+
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
 
 
 def run_bench(argv: Sequence[str]) -> int:
