@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EngineStats:
-    requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (class, status) -> count
+    requests: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (class, status, queue) -> count
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     kv_host_blocks_total: int = 0

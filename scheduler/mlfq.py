@@ -98,6 +98,9 @@ class MLFQPolicy(Policy):
     def level(self, seq: SeqState) -> int:
         return seq.policy_state["mlfq"].level
 
+    def queue_label(self, seq: SeqState) -> str:
+        return f"q{self.level(seq) + 1}"
+
     def _join_level(self, seq: SeqState) -> int:
         return 0
 

@@ -29,6 +29,10 @@ class Policy(ABC):
     def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
         """Rank ``seqs`` (one request class) highest priority first."""
 
+    def queue_label(self, seq: SeqState) -> str:
+        """The queue ``seq`` waits in, for metrics ("all" for single-queue policies)."""
+        return "all"
+
     def describe(self) -> dict:
         """The policy's effective settings (for logs and benchmark output)."""
         return {"name": self.name}

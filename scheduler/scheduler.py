@@ -182,10 +182,10 @@ class Scheduler:
             self.policy.on_step_done(seq, item.num_tokens, step_time, now)
 
     # -- figures ----------------------------------------------------------
-    def counts(self) -> dict[tuple[str, str], int]:
-        """Number of unfinished requests by (class, status)."""
-        out: dict[tuple[str, str], int] = {}
+    def counts(self) -> dict[tuple[str, str, str], int]:
+        """Number of unfinished requests by (class, status, policy queue)."""
+        out: dict[tuple[str, str, str], int] = {}
         for s in self.seqs.values():
-            key = (s.klass.value, s.status.value)
+            key = (s.klass.value, s.status.value, self.policy.queue_label(s))
             out[key] = out.get(key, 0) + 1
         return out

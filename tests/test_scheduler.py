@@ -301,3 +301,18 @@ def test_scheduler_modules_import_no_torch():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_counts_report_each_request_by_class_status_and_queue():
+    s = Scheduler(SchedulerConfig(), KVCacheManager(64, 4),
+                  policy=SkipJoinMLFQPolicy(cost(), num_queues=8))
+    s.add(seq("long", prompt=40), 0.0)
+    s.add(seq("short", prompt=8), 0.0)
+    s.add(seq("batch", prompt=8, klass=RequestClass.OFFLINE), 0.0)
+    assert s.counts() == {
+        ("online", "waiting", "q4"): 1,
+        ("online", "waiting", "q2"): 1,
+        ("offline", "waiting", "q2"): 1,
+    }
+    assert Scheduler(SchedulerConfig(), KVCacheManager(8, 4), policy=FCFSPolicy()).policy.queue_label(
+        seq("x")) == "all"
