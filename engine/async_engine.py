@@ -75,9 +75,11 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, *, stall_timeout: float = 60.0, idle_poll: float = 0.25) -> None:
+    def __init__(self, engine: Any, *, stall_timeout: float = 60.0, idle_poll: float = 0.25,
+                 health_check_interval: float = 1.0) -> None:
         self.engine = engine
         self.stall_timeout = stall_timeout
+        self.health_check_interval = health_check_interval
         self.idle_poll = idle_poll
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
@@ -212,6 +214,7 @@ class AsyncEngine:
 
     # -- the engine loop (its own thread) ------------------------------------
     def _run(self) -> None:
+        last_check = time.monotonic()
         try:
             while not self._stopping.is_set():
                 self._beat = time.monotonic()
@@ -221,6 +224,13 @@ class AsyncEngine:
                     outputs = self.engine.step()
                     if outputs:
                         self._post(self._dispatch, outputs)
+                elif self._beat - last_check >= self.health_check_interval:
+                    # An idle engine runs no step that would notice a dead
+                    # worker: ask the executor, so /health turns 503 anyway.
+                    last_check = self._beat
+                    check = getattr(self.engine, "check_health", None)
+                    if check is not None:
+                        check()
         except BaseException as exc:  # noqa: BLE001 - the loop's death must be reported, whatever it is
             logger.exception("engine loop died")
             self._error = exc

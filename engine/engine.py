@@ -265,6 +265,10 @@ class LLMEngine:
         s.num_preemptions = self.scheduler.num_preemptions
         return s
 
+    def check_health(self) -> None:
+        """Raise ExecutorError if a worker is dead (called while idle)."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         self.executor.shutdown()
 

@@ -1,6 +1,10 @@
 """Finding a checkpoint, reading its config and tokenizer, and putting its
 weights into our model classes: safetensors first, PyTorch ``.bin`` as the
-fallback, or random ``dummy`` weights from the config alone (benchmarks)."""
+fallback, or random ``dummy`` weights from the config alone (benchmarks).
+
+Under tensor parallelism each worker reads only its own shard of every split
+weight (the ``ShardSpec`` its parameter carries, engine/parallel.py); from
+safetensors that is a slice read, not the whole tensor."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 from torch import nn
 
 from .models import model_class
+from .parallel import ShardSpec, TensorParallel, shard_spec
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +70,23 @@ def resolve_dtype(hf_config, dtype: str, device: torch.device) -> torch.dtype:
     return declared if declared in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(hf_config, dtype: torch.dtype, device: torch.device,
+                tp: TensorParallel | None = None) -> nn.Module:
+    """The model of this rank (the whole model without ``tp``), weights unset."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_class(hf_config)(hf_config)
+            model = model_class(hf_config)(hf_config, tp or TensorParallel())
     finally:
         torch.set_default_dtype(prev)
     return model.eval()
 
 
 def _checkpoint_tensors(model_dir: Path):
-    """Yield (name, tensor) over every weight file of the checkpoint."""
+    """Yield (name, source) over every weight of the checkpoint. A source is a
+    tensor, or a safetensors slice handle that reads only what is indexed
+    (valid until the next item)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
         from safetensors import safe_open
@@ -85,7 +94,7 @@ def _checkpoint_tensors(model_dir: Path):
         for f in files:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
-                    yield name, st.get_tensor(name)
+                    yield name, st.get_slice(name)
         return
     bins = sorted(model_dir.glob("pytorch_model*.bin"))
     if not bins:
@@ -95,12 +104,27 @@ def _checkpoint_tensors(model_dir: Path):
         yield from state.items()
 
 
+def _shape(source) -> tuple[int, ...]:
+    return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
+
+
+def _read(source, spec: ShardSpec | None) -> torch.Tensor:
+    """The whole tensor, or just the slice ``spec`` names (zero-padded)."""
+    if spec is None:
+        return source if isinstance(source, torch.Tensor) else source[:]
+    if isinstance(source, torch.Tensor):
+        return spec.take(source)
+    index = [slice(None)] * len(_shape(source))
+    index[spec.dim] = slice(spec.start, spec.stop)
+    return spec.pad(source[tuple(index)])
+
+
 def load_weights(model: nn.Module, model_dir: Path | str) -> None:
     model_dir = Path(model_dir)
     params = dict(model.named_parameters())
     prefixes = getattr(model, "checkpoint_prefixes", {})
     loaded: set[str] = set()
-    for name, tensor in _checkpoint_tensors(model_dir):
+    for name, source in _checkpoint_tensors(model_dir):
         for old, new in prefixes.items():
             if name.startswith(old):
                 name = new + name[len(old):]
@@ -109,10 +133,12 @@ def load_weights(model: nn.Module, model_dir: Path | str) -> None:
                 log.debug("ignoring checkpoint tensor %s", name)
             continue
         param = params[name]
-        if param.shape != tensor.shape:
-            raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+        spec = shard_spec(param)
+        expected = spec.full_shape(param.shape) if spec is not None else tuple(param.shape)
+        if _shape(source) != expected:
+            raise ValueError(f"weight {name}: checkpoint shape {_shape(source)} != model {expected}")
         with torch.no_grad():
-            param.copy_(tensor)
+            param.copy_(_read(source, spec))
         loaded.add(name)
     # Tied weights appear once under either name.
     tied = {n for n, p in params.items() if any(p is params[m] for m in loaded)}
@@ -122,11 +148,18 @@ def load_weights(model: nn.Module, model_dir: Path | str) -> None:
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Small random weights: enough for timing, never for text."""
+    """Small random weights: enough for timing, never for text. A sharded
+    parameter draws its whole tensor and keeps its slice, so every
+    tensor_parallel_size yields the same model."""
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.uniform_(-0.02, 0.02)
+            spec = shard_spec(p)
+            if spec is None:
+                p.uniform_(-0.02, 0.02)
+            else:
+                full = torch.empty(spec.full_shape(p.shape), dtype=p.dtype, device=p.device)
+                p.copy_(spec.take(full.uniform_(-0.02, 0.02)))
 
 
 def model_context_length(hf_config) -> int:

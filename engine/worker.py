@@ -1,6 +1,11 @@
 """Worker: one device's share of the model. Owns the model weights, the KV
 cache tensors and the step's tensors; turns a ModelInput into sampled tokens.
-A Ray actor hosts exactly this class (engine/executor/ray.py)."""
+A Ray actor hosts exactly this class (engine/executor/ray.py).
+
+Under tensor parallelism every rank runs every step on the same ModelInput:
+the same block tables and slot mapping address each rank's KV cache, which
+holds only that rank's KV heads. Rank 0 alone gathers the logits and samples;
+the others return no tokens."""
 
 from __future__ import annotations
 
@@ -8,11 +13,13 @@ import logging
 
 import torch
 
-from .batch import ModelInput
+from .batch import ModelInput, SampleSpec
 from .config import EngineConfig
 from .layers import AttentionMetadata
 from .loader import build_model, init_dummy_weights, load_hf_config, load_weights, resolve_dtype
+from .parallel import TensorParallel
 from .sampler import SampledToken, SamplingRow, make_generator, sample
+from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +33,9 @@ def pick_device(name: str) -> torch.device:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, tp: TensorParallel | None = None) -> None:
         self.config = config
+        self.tp = tp or TensorParallel()
         self.device = pick_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -35,12 +43,12 @@ class Worker:
         self.hf_config = hf_config
         self.dtype = resolve_dtype(hf_config, config.dtype, self.device)
         torch.manual_seed(config.seed)
-        self.model = build_model(hf_config, self.dtype, self.device)
+        self.model = build_model(hf_config, self.dtype, self.device, self.tp)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
             load_weights(self.model, model_dir)
-        self.num_layers, self.num_kv_heads, self.head_dim = self.model.kv_shape
+        self.num_layers, self.num_kv_heads, self.head_dim = self.model.kv_shape  # this rank's KV heads
         self.eos_token_id = getattr(hf_config, "eos_token_id", None)
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
@@ -53,7 +61,9 @@ class Worker:
 
     def available_kv_blocks(self) -> int:
         """How many KV blocks fit: the configured number, a fixed host budget on
-        CPU, or what the device has left after weights and a profiled step."""
+        CPU, or what the device has left after weights and a profiled step.
+        Under tensor parallelism every rank must call this together (the
+        profiled step communicates); the executor takes the minimum."""
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
@@ -95,6 +105,23 @@ class Worker:
             for _ in range(self.num_layers)
         ]
 
+    def warm_up(self) -> None:
+        """One prefill and one decode step over scratch slots of block 0, run
+        before serving: compiles the kernels and exercises every collective,
+        so neither lands in the first real step. Block 0's contents are junk
+        afterwards, which is harmless: a sequence reads only the slots its own
+        earlier steps wrote."""
+        n = self.config.block_size // 2
+        greedy = [SampleSpec(SamplingParams(temperature=0.0), seed=None)]
+        self.execute(ModelInput(
+            input_ids=[0] * n, positions=list(range(n)), slot_mapping=list(range(n)),
+            query_start_loc=[0, n], seq_lens=[n], block_tables=[[0]], sample_indices=[n - 1], samples=greedy,
+        ))
+        self.execute(ModelInput(
+            input_ids=[0], positions=[n], slot_mapping=[n], query_start_loc=[0, 1], seq_lens=[n + 1],
+            block_tables=[[0]], sample_indices=[0], samples=greedy,
+        ))
+
     # -- one step ----------------------------------------------------------
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -112,10 +139,13 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> list[SampledToken]:
+        """Run one step; the sampled tokens on rank 0, [] on the other ranks."""
         hidden = self._forward(inp)  # [T, hidden]
         if not inp.sample_indices:
             return []
-        logits = self.model.compute_logits(hidden[self._tensor(inp.sample_indices)])  # [S, V]
+        logits = self.model.compute_logits(hidden[self._tensor(inp.sample_indices)])  # [S, V] on rank 0
+        if logits is None:
+            return []
         rows = [
             SamplingRow(
                 params=s.params,
@@ -128,7 +158,9 @@ class Worker:
         return sample(logits.float(), rows, self.eos_token_id)
 
     @torch.inference_mode()
-    def logits(self, inp: ModelInput) -> torch.Tensor:
-        """Logits at the sample positions, for tests comparing with a reference."""
+    def logits(self, inp: ModelInput) -> torch.Tensor | None:
+        """Logits at the sample positions, for tests comparing with a
+        reference; None on ranks other than 0."""
         hidden = self._forward(inp)
-        return self.model.compute_logits(hidden[self._tensor(inp.sample_indices)]).float()
+        logits = self.model.compute_logits(hidden[self._tensor(inp.sample_indices)])
+        return None if logits is None else logits.float()

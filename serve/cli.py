@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -45,7 +46,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_scheduler_args(p)
 
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1")
+    # Loopback unless told otherwise; the container image sets FLUIDSERVE_HOST=0.0.0.0
+    # because its fixed ENTRYPOINT leaves users no other way to bind outside.
+    s.add_argument("--host", default=os.environ.get("FLUIDSERVE_HOST", "127.0.0.1"),
+                   help="address to bind (default 127.0.0.1, or $FLUIDSERVE_HOST)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
     s.add_argument("--max-queued-requests", type=int, default=1024,
@@ -129,8 +133,6 @@ def run_serve(args: argparse.Namespace) -> int:
 def _share_cpu_with_frontend(config) -> None:
     """On CPU, torch's thread pool would take every core from the event loop
     that streams tokens: leave one core to the frontend."""
-    import os
-
     import torch
 
     if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):

@@ -1,6 +1,11 @@
 """The Llama family over the flat token batch: Llama 2/3, Mistral, Qwen2 (bias
 on q/k/v) and Qwen3 (RMSNorm on q and k per head). Parameter names mirror the
-Hugging Face checkpoints so weights load by name."""
+Hugging Face checkpoints so weights load by name.
+
+Under tensor parallelism (engine/parallel.py) each rank holds its share of
+the attention heads and of the MLP's intermediate features; the KV heads are
+split the same way, or, when there are fewer KV heads than ranks, each rank
+holds the one KV head its query heads read (replicated across ranks)."""
 
 from __future__ import annotations
 
@@ -9,6 +14,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..layers import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding
+from ..parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -27,18 +39,21 @@ def _sliding_window(config, layer: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer: int) -> None:
+    def __init__(self, config, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
+        self.num_heads = tp.divide(total_heads, "num_attention_heads")  # this rank's query heads
+        kv_shards, kv_index = _kv_sharding(total_kv_heads, tp)
+        self.num_kv_heads = total_kv_heads // kv_shards
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.q_proj = ColumnParallelLinear(hidden, total_heads * self.head_dim, qkv_bias, tp)
+        self.k_proj = ColumnParallelLinear(hidden, total_kv_heads * self.head_dim, qkv_bias, tp, kv_shards, kv_index)
+        self.v_proj = ColumnParallelLinear(hidden, total_kv_heads * self.head_dim, qkv_bias, tp, kv_shards, kv_index)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, o_bias, tp)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -50,8 +65,8 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq / tp, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hk / tp, D]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -59,22 +74,45 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
+def _kv_sharding(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
+    """(number of KV-head shards, the one this rank holds).
+
+    Query heads are split contiguously, ``Hq / tp`` per rank, and query head
+    h reads KV head ``h // (Hq / Hk)``. With ``Hk >= tp`` the KV heads split
+    the same way. With fewer KV heads than ranks, ``tp / Hk`` consecutive ranks
+    share one KV head, so each holds a whole (replicated) head::
+
+        Hq=8, Hk=2, tp=4:  rank 0 1 | 2 3     query heads 0-1 | 2-3 | 4-5 | 6-7
+                           KV head  0 0 | 1 1
+    """
+    if num_kv_heads % tp.size == 0:
+        return tp.size, tp.rank
+    if tp.size % num_kv_heads == 0:
+        return num_kv_heads, tp.rank // (tp.size // num_kv_heads)
+    raise ValueError(
+        f"tensor_parallel_size={tp.size} must divide, or be a multiple of, num_key_value_heads ({num_kv_heads})"
+    )
+
+
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        hidden, inter = config.hidden_size, config.intermediate_size
+        tp.divide(inter, "intermediate_size")
+        self.gate_proj = ColumnParallelLinear(hidden, inter, False, tp)
+        self.up_proj = ColumnParallelLinear(hidden, inter, False, tp)
+        self.down_proj = RowParallelLinear(inter, hidden, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [T, hidden] -> [T, inter / tp] -> [T, hidden] (all-reduced in down_proj)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer: int) -> None:
+    def __init__(self, config, layer: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -84,10 +122,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta):
@@ -98,17 +136,18 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_dim) of the KV cache."""
+        """(num_layers, num_kv_heads, head_dim) of this rank's KV cache."""
         attn = self.model.layers[0].self_attn
         return len(self.model.layers), attn.num_kv_heads, attn.head_dim
 
@@ -117,5 +156,6 @@ class LlamaForCausalLM(nn.Module):
         """[T] token ids -> [T, hidden] final hidden states."""
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[S, hidden] -> [S, vocab] on rank 0; None on the other ranks."""
         return self.lm_head(hidden)

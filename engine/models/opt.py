@@ -1,6 +1,10 @@
 """OPT (the model the FastServe and FluidInfer papers serve) over the flat
 token batch. Learned positions are offset by 2, as in the original release;
-parameter names mirror the Hugging Face checkpoints."""
+parameter names mirror the Hugging Face checkpoints.
+
+Under tensor parallelism (engine/parallel.py) each rank holds its share of
+the heads and of fc1's features; the learned positions, the optional
+project_in/out and the layer norms are small and replicated."""
 
 from __future__ import annotations
 
@@ -9,43 +13,51 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..layers import AttentionMetadata, PagedAttention
+from ..parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
 
 POSITION_OFFSET = 2
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
+        self.head_dim = hidden // config.num_attention_heads
+        self.num_heads = tp.divide(config.num_attention_heads, "num_attention_heads")  # this rank's heads
         bias = getattr(config, "enable_bias", True)
-        self.q_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.k_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.v_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.q_proj = ColumnParallelLinear(hidden, hidden, bias, tp)
+        self.k_proj = ColumnParallelLinear(hidden, hidden, bias, tp)
+        self.v_proj = ColumnParallelLinear(hidden, hidden, bias, tp)
+        self.out_proj = RowParallelLinear(hidden, hidden, bias, tp)
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, x, kv_cache, meta):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H / tp, D]
         k = self.k_proj(x).view(t, self.num_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_heads, self.head_dim)
         return self.out_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel) -> None:
         super().__init__()
         bias = getattr(config, "enable_bias", True)
         affine = getattr(config, "layer_norm_elementwise_affine", True)
         self.pre_norm = config.do_layer_norm_before
         self.act = ACTIVATIONS[config.activation_function]
-        self.self_attn = OPTAttention(config)
+        self.self_attn = OPTAttention(config, tp)
         self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
-        self.fc1 = nn.Linear(config.hidden_size, config.ffn_dim, bias=bias)
-        self.fc2 = nn.Linear(config.ffn_dim, config.hidden_size, bias=bias)
+        tp.divide(config.ffn_dim, "ffn_dim")
+        self.fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_dim, bias, tp)
+        self.fc2 = RowParallelLinear(config.ffn_dim, config.hidden_size, bias, tp)
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
 
     def forward(self, x, kv_cache, meta):
@@ -61,17 +73,17 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel) -> None:
         super().__init__()
         proj_dim = config.word_embed_proj_dim
-        self.embed_tokens = nn.Embedding(config.vocab_size, proj_dim)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim, tp)
         self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, config.hidden_size)
         self.project_in = nn.Linear(proj_dim, config.hidden_size, bias=False) if proj_dim != config.hidden_size else None
         self.project_out = nn.Linear(config.hidden_size, proj_dim, bias=False) if proj_dim != config.hidden_size else None
         has_final = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
         affine = getattr(config, "layer_norm_elementwise_affine", True)
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine) if has_final else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(OPTDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)
@@ -88,20 +100,21 @@ class OPTDecoder(nn.Module):
 
 
 class _OPTModel(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel) -> None:
         super().__init__()
-        self.decoder = OPTDecoder(config)
+        self.decoder = OPTDecoder(config, tp)
 
 
 class OPTForCausalLM(nn.Module):
     # Original OPT checkpoints store "decoder.*"; transformers' own save "model.decoder.*".
     checkpoint_prefixes = {"decoder.": "model.decoder."}
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         self.config = config
-        self.model = _OPTModel(config)
-        self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
+        self.model = _OPTModel(config, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.word_embed_proj_dim, tp)
         self.lm_head.weight = self.model.decoder.embed_tokens.weight  # OPT always ties
 
     @property
@@ -112,5 +125,6 @@ class OPTForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
         return self.model.decoder(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[S, hidden] -> [S, vocab] on rank 0; None on the other ranks."""
         return self.lm_head(hidden)

@@ -1,0 +1,238 @@
+"""What the Ray executor costs against the local one, on one device, in one run.
+
+The same model (dummy weights, same seed), prompts and engine settings run
+under ``executor="local"`` and under ``executor="ray"`` with one worker
+(optionally also ``--tp N`` Ray workers). Two figures each:
+
+* throughput: ``--num-prompts`` prompts, exactly ``--output-len`` tokens each
+  (EOS ignored), through ``LLM.generate`` — output tokens/s;
+* per-step time of pure decode steps at a few batch sizes (``--batches``):
+  mean and median of ``LLMEngine.step()``. The Ray path's extra time per step
+  over the local path is its overhead: serialising the ModelInput, the actor
+  call, the result's way back.
+
+    python benchmarks/ray_overhead.py                       # CPU: small dummy Llama
+    python benchmarks/ray_overhead.py --preset llama3-8b    # one GPU: Llama-3-8B-shaped dummy model
+    python benchmarks/ray_overhead.py --tp 2                # also time 2 tensor-parallel Ray workers
+
+On CPU a Ray worker gets one thread (Ray sets OMP_NUM_THREADS to the actor's
+one CPU), so the local run is pinned to one thread too (``--threads``) for a
+like-for-like comparison. Writes JSON to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+PRESETS = {
+    # The tests' tiny model: compute is negligible, so a step is nearly all overhead.
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=2048),
+    # Small enough for 2 CPU cores with a realistic vocabulary.
+    "cpu-small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=8, head_dim=64, vocab_size=32000, max_position_embeddings=4096),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
+                      rope_theta=500000.0),
+}
+
+
+def build_model_dir(preset: str, root: Path) -> Path:
+    """Config + byte tokenizer only; every engine loads dummy weights."""
+    from fluidserve.engine.tiny_model import save_byte_tokenizer, tiny_config
+
+    config = tiny_config("llama", **PRESETS[preset])
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(root)
+    save_byte_tokenizer(root)
+    return root
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"CPU ({platform.processor() or platform.machine()}), local run on {torch.get_num_threads()} thread(s)"
+
+
+def make_llm(model_dir: Path, device: str, dtype: str, executor: str, tp: int, args):
+    from fluidserve.engine import LLM
+
+    return LLM(model=str(model_dir), load_format="dummy", device=device, dtype=dtype, executor=executor,
+               tensor_parallel_size=tp, max_num_batched_tokens=args.max_num_batched_tokens,
+               max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,
+               max_model_len=args.prompt_len + max(args.output_len, args.decode_steps) + 16)
+
+
+def throughput(llm, prompts: list[list[int]], output_len: int) -> dict:
+    from fluidserve.engine import SamplingParams
+
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"elapsed_s": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed,
+            "steps": llm.engine.stats().num_steps}
+
+
+def decode_step_times(llm, prompts: list[list[int]], batch: int, steps: int) -> dict:
+    """Prefill ``batch`` requests, then time ``steps`` steps that are all decode."""
+    from fluidserve.engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    ids = [f"bench-{batch}-{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    while any(len(engine.requests[r].seqs[0].output_token_ids) == 0 for r in ids):
+        engine.step()  # prefill (chunks) until every request has its first token
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    for rid in ids:
+        engine.abort(rid)
+    return {"batch": batch, "steps": steps, "mean_ms": 1e3 * statistics.fmean(times),
+            "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times)}
+
+
+def measure(llms: dict, prompts, args) -> dict:
+    """Every figure ``--rounds`` times, the engines taking turns within a
+    round, so drift in the machine's load hits them alike; medians reported."""
+    results: dict = {name: {"throughput_rounds": [], "decode_rounds": {b: [] for b in args.batches}}
+                     for name in llms}
+    for _ in range(args.rounds):
+        for name, llm in llms.items():
+            results[name]["throughput_rounds"].append(throughput(llm, prompts, args.output_len))
+            for b in args.batches:
+                results[name]["decode_rounds"][b].append(decode_step_times(llm, prompts, b, args.decode_steps))
+    for name, r in results.items():
+        r["tokens_per_s"] = statistics.median(t["tokens_per_s"] for t in r["throughput_rounds"])
+        r["decode_median_ms"] = {b: statistics.median(d["median_ms"] for d in rounds)
+                                 for b, rounds in r["decode_rounds"].items()}
+        r["decode_rounds"] = {str(b): rounds for b, rounds in r["decode_rounds"].items()}
+        print(f"{name:>10}: {r['tokens_per_s']:9.1f} tok/s; "
+              + "  ".join(f"decode step b={b}: {ms:.2f} ms" for b, ms in r["decode_median_ms"].items()))
+    return results
+
+
+def compare(results: dict) -> dict:
+    """Each Ray run against the local run: throughput ratio, extra ms per decode step."""
+    base = results["local"]
+    return {
+        name: {
+            "tokens_per_s_ratio": r["tokens_per_s"] / base["tokens_per_s"],
+            "step_overhead_ms": {str(b): ms - base["decode_median_ms"][b] for b, ms in r["decode_median_ms"].items()},
+        }
+        for name, r in results.items() if name != "local"
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="model shape (default: cpu-small on CPU, llama3-8b on CUDA)")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--tp", type=int, default=1, help="also run this many tensor-parallel Ray workers (>1)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="default 16 CPU / 64 GPU")
+    ap.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (default 32 CPU / 256 GPU)")
+    ap.add_argument("--output-len", type=int, default=None, help="tokens per prompt (default 32 CPU / 128 GPU)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode batch sizes to time")
+    ap.add_argument("--decode-steps", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=3, help="repetitions, engines taking turns")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="per engine (default: sized for the prompts, so the engines fit side by side)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the local run on CPU")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = ap.parse_args(argv)
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device == "cuda"
+    preset = args.preset or ("llama3-8b" if gpu else "cpu-small")
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    args.num_prompts = args.num_prompts or (64 if gpu else 16)
+    args.prompt_len = args.prompt_len or (256 if gpu else 32)
+    args.output_len = args.output_len or (128 if gpu else 32)
+    if not gpu:
+        torch.set_num_threads(args.threads)
+    n = max(args.num_prompts, max(args.batches))
+    if args.num_kv_blocks is None:
+        args.num_kv_blocks = n * -(-(args.prompt_len + max(args.output_len, args.decode_steps) + 16) // 16) + 16
+    rng = random.Random(args.seed)
+    vocab = PRESETS[preset].get("vocab_size", 261)
+    prompts = [[rng.randrange(0, vocab) for _ in range(args.prompt_len)] for _ in range(n)]
+
+    from fluidserve.engine.executor.ray import start_local_ray
+
+    t0 = time.perf_counter()
+    # Logical CPUs for Ray's accounting: the engines live side by side, one CPU per worker.
+    start_local_ray(num_cpus=max(os.cpu_count() or 1, 1 + args.tp))
+    ray_start_s = time.perf_counter() - t0
+    runs = [("local", "local", 1), ("ray-tp1", "ray", 1)]
+    if args.tp > 1:
+        runs.append((f"ray-tp{args.tp}", "ray", args.tp))
+    llms: dict = {}
+    startup: dict = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = build_model_dir(preset, Path(tmp))
+            print(f"device: {device_name(device)}; preset {preset} ({dtype}); {args.num_prompts} prompts x "
+                  f"{args.prompt_len} tokens -> {args.output_len} tokens; {args.rounds} rounds; "
+                  f"Ray started in {ray_start_s:.1f} s")
+            # All engines live side by side (KV sized explicitly), so the
+            # rounds can interleave them.
+            for name, executor, tp in runs:
+                t0 = time.perf_counter()
+                llms[name] = make_llm(model_dir, device, dtype, executor, tp, args)
+                startup[name] = time.perf_counter() - t0
+            results = measure(llms, prompts[: args.num_prompts], args)
+            for name in results:
+                results[name]["startup_s"] = startup[name]
+    finally:
+        for llm in llms.values():
+            llm.engine.shutdown()
+        import ray
+
+        ray.shutdown()
+
+    summary = compare(results)
+    for name, c in summary.items():
+        steps = ", ".join(f"b={b}: {ms:+.2f} ms" for b, ms in c["step_overhead_ms"].items())
+        print(f"{name} vs local: throughput x{c['tokens_per_s_ratio']:.3f}; extra time per decode step {steps}")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d_%H%M%S")
+    path = args.out / f"ray_overhead_{device}_{stamp}.json"
+    record = {
+        "benchmark": "ray_overhead", "device": device_name(device), "device_kind": device, "preset": preset,
+        "model_shape": PRESETS[preset], "dtype": dtype, "torch": torch.__version__,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "cpu_count": os.cpu_count(), "load_average_1_5_15": os.getloadavg(),
+        "ray_start_s": ray_start_s, "runs": results, "vs_local": summary,
+        "note": "CPU numbers: 1 torch thread per worker and for the local run" if not gpu else "one GPU",
+    }
+    path.write_text(json.dumps(record, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,248 @@
+"""Tensor parallelism, Megatron-style: the process group one worker belongs to,
+and the layers that hold one rank's shard of a weight.
+
+A model built with ``TensorParallel(rank, size, group)`` keeps, on each rank:
+
+* column-parallel linears (q/k/v, gate/up, fc1): ``size``-th of the output
+  rows, so each rank computes its own heads / its slice of the MLP; no
+  communication;
+* row-parallel linears (o_proj, down_proj, out_proj, fc2): ``size``-th of the
+  input columns; each rank multiplies its slice and one all-reduce sums the
+  partial products (the bias is added once, after the sum);
+* a vocab-parallel embedding: ``size``-th of the vocabulary rows; a rank
+  looks up the ids it owns, zeroes the rest, and an all-reduce assembles the
+  rows; and a vocab-parallel LM head whose partial logits are gathered on
+  rank 0 only, the one rank that samples.
+
+So a decoder layer costs two all-reduces of ``[num_tokens, hidden]``.
+
+With ``size == 1`` every layer is exactly ``nn.Linear`` / ``nn.Embedding``:
+same parameter names, same shapes, same arithmetic, no communication.
+
+Each sharded parameter carries a ``ShardSpec`` saying which slice of the
+checkpoint tensor it holds; the loader (engine/loader.py) reads just that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Where this worker sits in its tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # torch.distributed ProcessGroup; None when size == 1
+
+    @property
+    def is_first(self) -> bool:
+        """Rank 0 gathers the logits and samples."""
+        return self.rank == 0
+
+    def divide(self, n: int, what: str) -> int:
+        """``n / size``, or a ValueError naming the model dimension that does not split."""
+        if n % self.size:
+            raise ValueError(f"tensor_parallel_size={self.size} must divide the model's {what} ({n})")
+        return n // self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_first(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate every rank's ``x`` along ``dim`` on rank 0; None on the
+        others. Only rank 0 samples, so the others need no copy."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else None
+        dist.gather(x, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim) if parts is not None else None
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str,
+                         timeout_s: float = 600.0) -> TensorParallel:
+    """Join the group of ``size`` workers meeting at ``init_method``
+    (``tcp://host:port``). Blocks until all of them have joined."""
+    if size == 1:
+        return TensorParallel()
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout_s))
+    return TensorParallel(rank, size, dist.group.WORLD)
+
+
+def destroy_tensor_parallel() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -- shards of checkpoint tensors ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Which slice of the full tensor a parameter holds: along ``dim``, the
+    ``index``-th run of ``size`` elements out of ``full``. The last shard of a
+    dimension that does not divide (the vocabulary) is zero-padded to
+    ``size``, so every rank's parameter has one shape."""
+
+    dim: int
+    index: int
+    size: int
+    full: int
+
+    @property
+    def start(self) -> int:
+        return self.index * self.size
+
+    @property
+    def stop(self) -> int:
+        return min(self.start + self.size, self.full)
+
+    def full_shape(self, shard_shape: torch.Size) -> tuple[int, ...]:
+        shape = list(shard_shape)
+        shape[self.dim] = self.full
+        return tuple(shape)
+
+    def pad(self, part: torch.Tensor) -> torch.Tensor:
+        """Zero-pad a slice of length ``stop - start`` up to ``size``."""
+        missing = self.size - part.shape[self.dim]
+        if missing <= 0:
+            return part
+        pad_shape = list(part.shape)
+        pad_shape[self.dim] = missing
+        return torch.cat([part, part.new_zeros(pad_shape)], dim=self.dim)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        return self.pad(full.narrow(self.dim, self.start, self.stop - self.start))
+
+
+_SHARD_ATTR = "tp_shard"
+
+
+def shard_spec(param: nn.Parameter) -> ShardSpec | None:
+    """The slice a parameter holds; None for a replicated (whole) parameter."""
+    return getattr(param, _SHARD_ATTR, None)
+
+
+def _new_param(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
+    # Values come from the checkpoint (or dummy init) right after construction.
+    param = nn.Parameter(torch.empty(shape))
+    if spec is not None:
+        setattr(param, _SHARD_ATTR, spec)
+    return param
+
+
+# -- layers ----------------------------------------------------------------------
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's output rows split: this rank holds rows
+    ``[index * out/num_shards, (index+1) * out/num_shards)`` and computes that
+    slice of y. ``num_shards``/``index`` default to the group's size/rank; the
+    KV projections pass their own when there are fewer KV heads than ranks
+    (each rank then holds one whole KV head, replicated across ranks)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
+                 num_shards: int | None = None, index: int | None = None) -> None:
+        super().__init__()
+        num_shards = tp.size if num_shards is None else num_shards
+        index = tp.rank if index is None else index
+        if out_features % num_shards:
+            raise ValueError(f"output features {out_features} do not split into {num_shards} shards")
+        local = out_features // num_shards
+        spec = ShardSpec(0, index, local, out_features) if num_shards > 1 else None
+        self.in_features, self.out_features = in_features, local
+        self.weight = _new_param((local, in_features), spec)  # [out / shards, in]
+        if bias:
+            self.bias = _new_param((local,), spec)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [T, out / shards]
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's input columns split: this rank holds
+    columns ``[rank * in/size, ...)`` and receives the matching slice of x
+    (the output of a column-parallel layer). One all-reduce sums the partial
+    products; the bias is replicated and added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        local = tp.divide(in_features, "row-parallel input features")
+        spec = ShardSpec(1, tp.rank, local, in_features) if tp.size > 1 else None
+        self.in_features, self.out_features = local, out_features
+        self.weight = _new_param((out_features, local), spec)  # [out, in / size]
+        if bias:
+            self.bias = _new_param((out_features,), None)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)  # exactly nn.Linear
+        y = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out]
+        return y if self.bias is None else y + self.bias
+
+
+def _vocab_shard(vocab: int, tp: TensorParallel) -> tuple[int, ShardSpec | None]:
+    """Rows per rank (the vocabulary rounded up to a multiple of the group)."""
+    if tp.size == 1:
+        return vocab, None
+    per_rank = -(-vocab // tp.size)
+    return per_rank, ShardSpec(0, tp.rank, per_rank, vocab)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows. Each rank looks up the ids in
+    its range, zeroes the rows of the ids it does not own, and an all-reduce
+    assembles every token's row (exactly one rank contributes it)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_embeddings = num_embeddings
+        self.rows, spec = _vocab_shard(num_embeddings, tp)
+        self.start = tp.rank * self.rows
+        self.weight = _new_param((self.rows, embedding_dim), spec)  # [vocab / size, dim]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        foreign = (local < 0) | (local >= self.rows)  # [T]
+        out = F.embedding(local.masked_fill(foreign, 0), self.weight)  # [T, dim]
+        out = out.masked_fill(foreign.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """The output projection split by vocabulary rows, like the embedding (so
+    tied weights stay one shared shard). Partial logits are gathered on rank
+    0, the padding rows cut off; the other ranks get None."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        rows, spec = _vocab_shard(vocab_size, tp)
+        self.weight = _new_param((rows, hidden), spec)  # [vocab / size, hidden]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden, self.weight)  # [S, vocab / size]
+        full = self.tp.gather_first(logits, dim=-1)  # [S, padded vocab] on rank 0
+        return None if full is None else full[:, : self.vocab_size]
