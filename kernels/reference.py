@@ -84,10 +84,14 @@ def paged_attention(
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-    if decodes:
-        _decode_attention(out, query, key_cache, value_cache, block_tables, starts, lens, decodes,
+    decodes = sorted((i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1), key=lens.__getitem__)
+    # Padding every decode row to the longest context wastes work when
+    # lengths vary: bucket rows so a bucket's longest is at most twice its shortest.
+    while decodes:
+        cut = next((j for j, i in enumerate(decodes) if lens[i] > 2 * lens[decodes[0]]), len(decodes))
+        _decode_attention(out, query, key_cache, value_cache, block_tables, starts, lens, decodes[:cut],
                           scale, sliding_window)
+        decodes = decodes[cut:]
     for i, seq_len in enumerate(lens):
         q_lo, q_hi = starts[i], starts[i + 1]
         q_len = q_hi - q_lo
@@ -120,8 +124,9 @@ def _decode_attention(out, query, key_cache, value_cache, block_tables, starts, 
     tables = block_tables[idx, :nblocks].long()  # [D, nb]
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [D, hk, nb * bs, d]
-        g = cache[tables].float()  # [D, nb, bs, hk, d]
-        return g.reshape(g.shape[0], -1, *g.shape[3:]).transpose(1, 2)
+        rows_of_blocks = cache.view(cache.shape[0], -1).index_select(0, tables.flatten())
+        g = rows_of_blocks.view(len(rows), -1, *cache.shape[2:]).float()  # [D, nb * bs, hk, d]
+        return g.transpose(1, 2)
 
     k_pos = torch.arange(nblocks * block_size, device=dev).unsqueeze(0)  # [1, L]
     mask = k_pos < seq.unsqueeze(1)  # [D, L]: the query sits at position seq - 1
