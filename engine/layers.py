@@ -7,7 +7,7 @@ chunks and decode tokens of many requests concatenated, no padding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -24,6 +24,23 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor  # [num_seqs] int32: KV length after this step
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    # Host copies of the lengths: the Triton kernel's work plan is built from
+    # them once per step (per sliding window), never read back from the GPU.
+    host_q_lens: list[int] = field(default_factory=list)
+    host_seq_lens: list[int] = field(default_factory=list)
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    def work_plan(self, query: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None):
+        """The packed attention work list for this step on CUDA; None on CPU
+        (the reference needs none)."""
+        if query.device.type != "cuda" or not self.host_q_lens:
+            return None
+        if sliding_window not in self._plans:
+            from ..kernels.paged_attention import plan_for
+
+            self._plans[sliding_window] = plan_for(query, key_cache, self.host_q_lens, self.host_seq_lens,
+                                                   sliding_window)
+        return self._plans[sliding_window]
 
 
 class RMSNorm(nn.Module):
@@ -92,6 +109,6 @@ class PagedAttention(nn.Module):
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = ops.paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            self.scale, self.sliding_window,
+            self.scale, self.sliding_window, work=meta.work_plan(q, key_cache, self.sliding_window),
         )
         return out.reshape(out.shape[0], -1)

@@ -134,6 +134,8 @@ class Worker:
             block_tables=self._tensor(tables, torch.int32),
             seq_lens=self._tensor(inp.seq_lens, torch.int32),
             query_start_loc=self._tensor(inp.query_start_loc, torch.int32),
+            host_q_lens=[b - a for a, b in zip(inp.query_start_loc, inp.query_start_loc[1:])],
+            host_seq_lens=inp.seq_lens,
         )
         return self.model(self._tensor(inp.input_ids), self._tensor(inp.positions), self.kv_caches, meta)
 
