@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -34,37 +33,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from dummy_models import PRESETS, build_model_dir, device_name
 
 REPO = Path(__file__).resolve().parent.parent
 
-PRESETS = {
-    # The tests' tiny model: compute is negligible, so a step is nearly all overhead.
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, max_position_embeddings=2048),
-    # Small enough for 2 CPU cores with a realistic vocabulary.
-    "cpu-small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=8, head_dim=64, vocab_size=32000, max_position_embeddings=4096),
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
-                      rope_theta=500000.0),
-}
-
-
-def build_model_dir(preset: str, root: Path) -> Path:
-    """Config + byte tokenizer only; every engine loads dummy weights."""
-    from fluidserve.engine.tiny_model import save_byte_tokenizer, tiny_config
-
-    config = tiny_config("llama", **PRESETS[preset])
-    config.architectures = ["LlamaForCausalLM"]
-    config.save_pretrained(root)
-    save_byte_tokenizer(root)
-    return root
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    return f"CPU ({platform.processor() or platform.machine()}), local run on {torch.get_num_threads()} thread(s)"
 
 
 def make_llm(model_dir: Path, device: str, dtype: str, executor: str, tp: int, args):

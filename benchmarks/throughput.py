@@ -18,31 +18,19 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import platform
 import random
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from dummy_models import PRESETS, build_model_dir, device_name
+
+from fluidserve.engine.tiny_model import BYTE_VOCAB_SIZE
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LENGTHS = REPO.parent / "shared" / "workloads" / "sharegpt8k_llama2tok_lengths.csv"
 
-PRESETS = {
-    # Small enough for 2 CPU cores; vocab kept realistic so the LM head costs what it should.
-    "cpu-small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=8, head_dim=64, vocab_size=32000, max_position_embeddings=4096),
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
-                      rope_theta=500000.0),
-}
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def sample_prompts(path: Path, n: int, scale: float, max_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -52,19 +40,8 @@ def sample_prompts(path: Path, n: int, scale: float, max_len: int, vocab: int, s
     out = []
     for _ in range(n):
         length = max(4, min(max_len, int(rng.choice(lengths) * scale)))
-        out.append([rng.randrange(300, vocab) for _ in range(length)])
+        out.append([rng.randrange(vocab // 4, vocab) for _ in range(length)])
     return out
-
-
-def build_model_dir(preset: str, root: Path) -> Path:
-    """Config + byte tokenizer only: every system loads random (dummy) weights."""
-    from fluidserve.engine.tiny_model import save_byte_tokenizer, tiny_config
-
-    config = tiny_config("llama", **PRESETS[preset])
-    config.architectures = ["LlamaForCausalLM"]
-    config.save_pretrained(root)
-    save_byte_tokenizer(root)
-    return root
 
 
 def sync(device: str) -> None:
@@ -168,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     output_len = args.output_len or (256 if gpu else 32)
     scale = args.length_scale or (0.25 if gpu else 0.05)
     prompts = sample_prompts(args.lengths, args.num_prompts, scale, args.max_prompt_len,
-                             PRESETS[preset]["vocab_size"], args.seed)
+                             PRESETS[preset].get("vocab_size", BYTE_VOCAB_SIZE), args.seed)
     if args.num_kv_blocks is None and not gpu:
         need = sum(-(-(len(p) + output_len) // 16) for p in prompts)
         args.num_kv_blocks = need + 16
