@@ -103,6 +103,20 @@ def build_tasks(args, cm: CostModel, sim: dict) -> tuple[list[dict], dict]:
             gaps = poisson_arrivals(rate) if cv is None else gamma_arrivals(rate, cv)
             add(name, load, synthesize(args.num_jobs, empirical_lengths(base_pairs), gaps, seed=args.seed),
                 rate_rps=rate)
+    # 1b. the same with a binding request cap: FastServe schedules a fixed
+    # MaxBatchSize, so jobs queue for batch slots even when KV has room —
+    # the head-of-line blocking its MLFQ removes.
+    if args.batch_cap:
+        capped = {**sim, "max_num_seqs": args.batch_cap}
+        cap_capped = estimate_capacity(base_pairs, cm, SimConfig(**capped), num_jobs=args.capacity_jobs)
+        capacity[f"sharegpt, cap {args.batch_cap}"] = cap_capped
+        for load in args.loads:
+            rate = load * cap_capped
+            jobs = synthesize(args.num_jobs, empirical_lengths(base_pairs), poisson_arrivals(rate), seed=args.seed)
+            before = len(tasks)
+            add(f"sharegpt-poisson-cap{args.batch_cap}", load, jobs, rate_rps=rate)
+            for t in tasks[before:]:
+                t["sim"] = capped
     # 2. input/output ratio sweep at fixed load (FastServe Fig. 14)
     for ratio in args.ratios:
         pairs = clamp_lengths(scale_ratio(base_pairs, ratio), MAX_MODEL_LEN)
@@ -144,7 +158,7 @@ def to_markdown(rows: list[dict], capacity: dict, overhead: dict, meta: dict) ->
     out = ["# Scheduling policies in the simulator (FastServe §6.3)", "",
            f"Model/device: {meta['cost_model']}. KV pool {meta['sim']['num_kv_blocks']} blocks x "
            f"{meta['sim']['block_size']} tokens, token budget {meta['sim']['max_num_batched_tokens']}, "
-           f"request cap {meta['sim']['max_num_seqs']}. {meta['num_jobs']} jobs per run (trace: first "
+           f"request cap {meta['sim']['max_num_seqs']} (except the -cap experiment). {meta['num_jobs']} jobs per run (trace: first "
            f"{meta['trace_jobs']}), seed {meta['seed']}. ShareGPT-8k lengths (Llama-2 tokenizer, prompts "
            f"and outputs clamped to {MAX_MODEL_LEN} tokens in all). Load = arrival rate / saturated FCFS "
            "throughput of the same length mix: " +
@@ -180,8 +194,10 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = ["sharegpt-poisson", "sharegpt-gamma-cv2", "sharegpt-gamma-cv4", "sharegpt-ratio", "azure-code-trace"]
-    panels = [p for p in panels if any(r["experiment"] == p for r in rows)]
+    panels = []
+    for r in rows:  # every experiment, in the order it ran
+        if r["experiment"] not in panels:
+            panels.append(r["experiment"])
     fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 7.5), squeeze=False)
     for j, exp in enumerate(panels):
         for i, (metric, label, scale) in enumerate(METRICS[:2]):
@@ -215,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ratios", default="1,4,16,32")
     ap.add_argument("--ratio-load", type=float, default=0.9)
     ap.add_argument("--speeds", default="1,2,4")
+    ap.add_argument("--batch-cap", type=int, default=16,
+                    help="also sweep load with this request cap (FastServe's MaxBatchSize); 0 = skip")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--quick", action="store_true", help="small smoke run")
