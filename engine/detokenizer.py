@@ -43,6 +43,11 @@ class TextStream:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams):
         self._tokenizer = tokenizer
+        # For a fast tokenizer, decode without cleanup is exactly its Rust
+        # backend's decode; calling it directly skips transformers' per-call
+        # argument conversion, which costs more than decoding itself.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend_decode = backend.decode if backend is not None else None
         self._params = params
         self._skip_special = params.skip_special_tokens
         self._stops = list(params.stop)
@@ -121,6 +126,8 @@ class TextStream:
     # ------------------------------------------------------------ decoding
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(token_ids, skip_special_tokens=self._skip_special)
         return self._tokenizer.decode(
             token_ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
         )
