@@ -283,28 +283,3 @@ def plan_attention(
         sliding_window=sliding_window,
         unit_costs=tuple(loads),
     )
-
-
-def plan_from_metadata(
-    seq_lens: torch.Tensor,  # [S]
-    query_start_loc: torch.Tensor,  # [S + 1]
-    *,
-    num_units: int,
-    tokens_per_tile: int,
-    sliding_window: int | None = None,
-    kv_chunk: int | None = None,
-    pack: bool = True,
-) -> WorkPlan:
-    """``plan_attention`` from the kernel's metadata tensors (syncs if they
-    live on the GPU; the engine should plan from its host-side lengths)."""
-    starts = query_start_loc.tolist()
-    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    return plan_attention(
-        q_lens,
-        seq_lens.tolist(),
-        num_units=num_units,
-        tokens_per_tile=tokens_per_tile,
-        sliding_window=sliding_window,
-        kv_chunk=kv_chunk,
-        pack=pack,
-    )
