@@ -23,6 +23,11 @@ TokenLogprobs = dict[int, Logprob]
 
 @dataclass
 class CompletionOutput:
+    """``token_ids`` and ``logprobs`` are the completion's own lists, not
+    copies: copying them every step would cost O(length) per request per
+    step. They grow in place until the completion finishes and are never
+    touched after; for streaming, read the ``new_*`` deltas."""
+
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)

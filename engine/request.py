@@ -51,7 +51,7 @@ class Sequence:
         out = CompletionOutput(
             index=self.index,
             text=self.emitted_text,
-            token_ids=list(self.output_token_ids),
+            token_ids=self.output_token_ids,  # live, not copied: see CompletionOutput
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
