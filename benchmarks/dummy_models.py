@@ -7,6 +7,7 @@ Benchmarks run as scripts (``python benchmarks/x.py``), so this directory is on
 
 from __future__ import annotations
 
+import argparse
 import platform
 from pathlib import Path
 
@@ -40,3 +41,11 @@ def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads)"
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The flags every benchmark takes to choose its model and device."""
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="model shape (default: cpu-small on CPU, llama3-8b on CUDA)")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")

@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from dummy_models import PRESETS, build_model_dir, device_name
+from dummy_models import PRESETS, add_model_args, build_model_dir, device_name
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -116,10 +116,7 @@ def compare(results: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                    help="model shape (default: cpu-small on CPU, llama3-8b on CUDA)")
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    add_model_args(ap)
     ap.add_argument("--tp", type=int, default=1, help="also run this many tensor-parallel Ray workers (>1)")
     ap.add_argument("--num-prompts", type=int, default=None, help="default 16 CPU / 64 GPU")
     ap.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (default 32 CPU / 256 GPU)")

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from dummy_models import PRESETS, build_model_dir, device_name
+from dummy_models import PRESETS, add_model_args, build_model_dir, device_name
 
 from fluidserve.engine.tiny_model import BYTE_VOCAB_SIZE
 
@@ -119,10 +119,7 @@ def run_hf_continuous(model_dir: Path, prompts, output_len: int, device: str, dt
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                    help="model shape (default: cpu-small on CPU, llama3-8b on CUDA)")
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    add_model_args(ap)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=None, help="tokens per prompt (default 32 CPU / 256 GPU)")
     ap.add_argument("--lengths", type=Path, default=DEFAULT_LENGTHS, help="CSV with a prompt_tokens column")
