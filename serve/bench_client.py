@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..scheduler.simulator import percentile  # one percentile definition for every benchmark
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_WORKLOADS = REPO_ROOT.parent / "shared" / "workloads"
 DATASETS = {
@@ -247,15 +249,7 @@ def summarize(xs: list[float], scale: float = 1000.0) -> dict[str, float]:
     xs = sorted(x for x in xs if not math.isnan(x))
     if not xs:
         return {"mean": math.nan, "p50": math.nan, "p99": math.nan}
-    return {"mean": statistics.fmean(xs) * scale, "p50": _pct(xs, 50) * scale, "p99": _pct(xs, 99) * scale}
-
-
-def _pct(sorted_xs: list[float], q: float) -> float:
-    if len(sorted_xs) == 1:
-        return sorted_xs[0]
-    k = (len(sorted_xs) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (k - lo)
+    return {"mean": statistics.fmean(xs) * scale, "p50": percentile(xs, 50) * scale, "p99": percentile(xs, 99) * scale}
 
 
 def report(results: list[RequestResult], elapsed: float, args: argparse.Namespace) -> dict[str, Any]:
