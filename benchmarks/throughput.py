@@ -16,7 +16,6 @@ Prints the ratios and writes JSON + a markdown table to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import random
 import tempfile
@@ -27,15 +26,15 @@ import torch
 from dummy_models import PRESETS, add_model_args, build_model_dir, device_name
 
 from fluidserve.engine.tiny_model import BYTE_VOCAB_SIZE
+from fluidserve.scheduler.workloads import DEFAULT_WORKLOAD_DIR, SHAREGPT, read_rows
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_LENGTHS = REPO.parent / "shared" / "workloads" / "sharegpt8k_llama2tok_lengths.csv"
+DEFAULT_LENGTHS = DEFAULT_WORKLOAD_DIR / SHAREGPT
 
 
 
 def sample_prompts(path: Path, n: int, scale: float, max_len: int, vocab: int, seed: int) -> list[list[int]]:
-    with open(path) as f:
-        lengths = [int(r["prompt_tokens"]) for r in csv.DictReader(f)]
+    lengths = [int(r["prompt_tokens"]) for r in read_rows(path)]
     rng = random.Random(seed)
     out = []
     for _ in range(n):

@@ -37,19 +37,20 @@ LengthSampler = Callable[[random.Random], tuple[int, int]]
 
 
 # -- files --------------------------------------------------------------------
-def _rows(path: Path) -> Iterator[dict[str, str]]:
+def read_rows(path: str | Path) -> Iterator[dict[str, str]]:
+    """The rows of a workload CSV as dicts (header row first)."""
     with open(path, newline="") as f:
         yield from csv.DictReader(f)
 
 
 def load_lengths(path: str | Path) -> list[tuple[int, int]]:
     """(prompt_tokens, output_tokens) rows of a length file."""
-    return [(int(r["prompt_tokens"]), int(r["output_tokens"])) for r in _rows(Path(path))]
+    return [(int(r["prompt_tokens"]), int(r["output_tokens"])) for r in read_rows(path)]
 
 
 def load_trace(path: str | Path) -> list[tuple[float, int, int]]:
     """(arrival_s, prompt_tokens, output_tokens) rows of a trace, by arrival."""
-    rows = [(float(r["arrival_s"]), int(r["prompt_tokens"]), int(r["output_tokens"])) for r in _rows(Path(path))]
+    rows = [(float(r["arrival_s"]), int(r["prompt_tokens"]), int(r["output_tokens"])) for r in read_rows(path)]
     rows.sort(key=lambda r: r[0])
     return rows
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import math
 import random
@@ -28,14 +27,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..scheduler.simulator import percentile  # one percentile definition for every benchmark
+from ..scheduler.workloads import ARXIV, AZURE_CODE, DEFAULT_WORKLOAD_DIR, SHAREGPT, gamma_arrivals, read_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_WORKLOADS = REPO_ROOT.parent / "shared" / "workloads"
-DATASETS = {
-    "sharegpt": "sharegpt8k_llama2tok_lengths.csv",
-    "azure-code": "azure_llm2023_code_trace.csv",
-    "arxiv": "arxiv_summarization_llama2tok_lengths.csv",
-}
+DATASETS = {"sharegpt": SHAREGPT, "azure-code": AZURE_CODE, "arxiv": ARXIV}
 
 
 @dataclass(frozen=True)
@@ -75,10 +70,9 @@ class RequestResult:
 def load_lengths(path: Path) -> list[tuple[int, int, float | None]]:
     """(prompt_tokens, output_tokens, arrival_s or None) rows of a CSV."""
     rows = []
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            arrival = float(row["arrival_s"]) if row.get("arrival_s") not in (None, "") else None
-            rows.append((int(row["prompt_tokens"]), int(row["output_tokens"]), arrival))
+    for row in read_rows(path):
+        arrival = float(row["arrival_s"]) if row.get("arrival_s") not in (None, "") else None
+        rows.append((int(row["prompt_tokens"]), int(row["output_tokens"]), arrival))
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows
@@ -89,9 +83,8 @@ def arrival_gaps(n: int, rate: float, cv: float, rng: random.Random) -> list[flo
     sends everything at once."""
     if math.isinf(rate):
         return [0.0] * n
-    shape = 1.0 / (cv * cv)
-    scale = 1.0 / (rate * shape)
-    return [rng.gammavariate(shape, scale) for _ in range(n)]
+    gap = gamma_arrivals(rate, cv)
+    return [gap(rng) for _ in range(n)]
 
 
 def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
@@ -317,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gaps (gamma)")
     w.add_argument("--dataset", default="synthetic",
                    help=f"synthetic, one of {sorted(DATASETS)} (from --workloads-dir), or a CSV path")
-    w.add_argument("--workloads-dir", default=str(DEFAULT_WORKLOADS))
+    w.add_argument("--workloads-dir", default=str(DEFAULT_WORKLOAD_DIR))
     w.add_argument("--use-trace-arrivals", action="store_true", help="use the CSV's arrival_s column")
     w.add_argument("--time-scale", type=float, default=1.0, help="trace arrivals sped up by this factor")
     w.add_argument("--input-len", type=int, default=32)
