@@ -157,7 +157,7 @@ class Worker:
             )
             for s in inp.samples
         ]
-        return sample(logits.float(), rows, self.eos_token_id)
+        return sample(logits, rows, self.eos_token_id)  # the sampler makes its own fp32 copy
 
     @torch.inference_mode()
     def logits(self, inp: ModelInput) -> torch.Tensor | None:
