@@ -57,6 +57,10 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+# cos and sin of a step's positions, [T, 1, head_dim] each.
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (rotate-half layout). The inverse frequencies
     come from transformers' own initialisers, so every rope type a config can
@@ -76,13 +80,20 @@ class RotaryEmbedding(nn.Module):
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, Hq, D]; k: [T, Hk, D]
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """cos and sin of this step's positions, [T, 1, D] each: computed once
+        per step by the model and shared by every layer."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.scaling).to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = (emb.sin() * self.scaling).to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos = (emb.cos() * self.scaling).to(dtype).unsqueeze(1)
+        sin = (emb.sin() * self.scaling).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    # q: [T, Hq, D]; k: [T, Hk, D]; cos, sin: [T, 1, D]
+    cos, sin = rope
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..layers import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding
+from ..layers import AttentionMetadata, PagedAttention, RMSNorm, Rope, RotaryEmbedding, apply_rope
 from ..parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -58,11 +58,10 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, self.head_dim)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim**-0.5, _sliding_window(config, layer))
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq / tp, D]
@@ -70,7 +69,7 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rope(q, k, rope)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
@@ -116,8 +115,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    def forward(self, rope, x, kv_cache, meta):
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -127,11 +126,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        attn = self.layers[0].self_attn
+        self.rotary = RotaryEmbedding(config, attn.head_dim)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary(positions, x.dtype)  # once per step, shared by every layer
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv, meta)
+            x = layer(rope, x, kv, meta)
         return self.norm(x)
 
 
