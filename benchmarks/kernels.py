@@ -27,6 +27,7 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -135,7 +136,7 @@ def bench_decode(shape: Shape, batch_sizes: list[int], contexts: list[int], copy
             q_lens, seq_lens = [1] * b, [ctx] * b
             batch = make_cache_batch(shape, q_lens, seq_lens)
             plan = pa.plan_for(batch["query"], batch["key_cache"], q_lens, seq_lens)
-            ms = bench_ms(lambda: run_attention(batch, shape, plan))
+            ms = bench_ms(partial(run_attention, batch, shape, plan))
             q_bytes = 2 * b * shape.num_q_heads * shape.head_dim * elem  # read Q, write O
             gbs = (kv_bytes + q_bytes) / (ms * 1e-3) / 1e9
             rows.append(dict(batch=b, context=ctx, ms=ms, gb_s=gbs, pct_of_copy=100 * gbs / copy_gbs,
@@ -156,7 +157,7 @@ def bench_prefill(shape: Shape, lens: list[int]) -> list[dict]:
         batch = make_cache_batch(shape, [L], [L])
         plan = pa.plan_for(batch["query"], batch["key_cache"], [L], [L])
         flops = 4 * shape.num_q_heads * shape.head_dim * L * (L + 1) / 2
-        ms = bench_ms(lambda: run_attention(batch, shape, plan))
+        ms = bench_ms(partial(run_attention, batch, shape, plan))
         # SDPA sees the same K/V contiguous: [1, H, L, D].
         nb = -(-L // shape.block_size)
         blocks = batch["block_tables"][0, :nb].long()
@@ -181,7 +182,7 @@ def bench_mixed(shape: Shape, chunk: int = 8192, decodes: int = 128, seed: int =
     result = {}
     for name, pack in (("packed", True), ("unpacked", False)):
         plan = pa.plan_for(batch["query"], batch["key_cache"], q_lens, seq_lens, pack=pack)
-        ms = bench_ms(lambda: run_attention(batch, shape, plan))
+        ms = bench_ms(partial(run_attention, batch, shape, plan))
         result[name] = dict(ms=ms, items=plan.num_items, units=plan.num_units, max_splits=plan.max_splits)
         print(f"mixed {name:9s} {ms:8.3f} ms  items={plan.num_items} units={plan.num_units}")
     result["speedup"] = result["unpacked"]["ms"] / result["packed"]["ms"]

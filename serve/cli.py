@@ -12,7 +12,10 @@ import argparse
 import logging
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from .inputs import ModelInfo
 
 logger = logging.getLogger("fluidserve.serve")
 
