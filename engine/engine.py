@@ -22,7 +22,7 @@ from .batch import ModelInput, SampleSpec
 from .config import EngineConfig
 from .detokenizer import TextStream
 from .executor import make_executor
-from .loader import is_tiny_model, load_hf_config, load_tokenizer, model_context_length, resolve_model_dir
+from .loader import eos_token_ids, is_tiny_model, load_hf_config, load_tokenizer, model_context_length, resolve_model_dir
 from .outputs import RequestOutput
 from .profiler import cost_model_for_engine
 from .request import Request, Sequence
@@ -62,6 +62,9 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_context_length(self.hf_config)
         self.executor = make_executor(config, str(self.model_dir))
         self.eos_token_id = self.executor.eos_token_id
+        # Every EOS id of config.json and generation_config.json ends a sequence.
+        self.eos_token_ids = {t for t in [self.eos_token_id, *eos_token_ids(self.hf_config, self.model_dir)]
+                              if t is not None}
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.block_size)
         if self.kv.num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
@@ -100,7 +103,7 @@ class LLMEngine:
     ) -> None:
         """Validate and enqueue a request. Raises ValueError naming the bad
         parameter; nothing is enqueued then."""
-        params = params or SamplingParams()
+        params = (params or SamplingParams()).with_extra_eos(self.eos_token_ids - {self.eos_token_id})
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         klass = RequestClass(klass)
@@ -243,7 +246,7 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, tid: int) -> str | None:
         p = seq.request.params
-        if tid == self.eos_token_id and not p.ignore_eos:
+        if tid in self.eos_token_ids and not p.ignore_eos:
             return "stop"
         if tid in p.stop_token_ids:
             seq.stop_reason = tid

@@ -1,6 +1,9 @@
 """Finding a checkpoint, reading its config and tokenizer, and putting its
 weights into our model classes: safetensors first, PyTorch ``.bin`` as the
 fallback, or random ``dummy`` weights from the config alone (benchmarks).
+Also what a checkpoint says about generation: every end-of-sequence id of
+``config.json`` and ``generation_config.json``, and the sampling defaults of
+``generation_config.json``.
 
 Under tensor parallelism each worker reads only its own shard of every split
 weight (the ``ShardSpec`` its parameter carries, engine/parallel.py); from
@@ -29,8 +32,20 @@ _DTYPES = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 
 
-def resolve_model_dir(model: str, load_format: str = "auto") -> Path:
-    """A local directory as is; otherwise a hub id fetched into the HF cache."""
+# Set once by the CLI (``--trust-remote-code``) before anything is loaded:
+# lets a checkpoint's own config or tokenizer classes load. The model itself
+# always runs on our built-in implementations, never on checkpoint code.
+_trust_remote_code = False
+
+
+def set_trust_remote_code(allowed: bool) -> None:
+    global _trust_remote_code
+    _trust_remote_code = bool(allowed)
+
+
+def resolve_model_dir(model: str, load_format: str = "auto", revision: str | None = None) -> Path:
+    """A local directory as is; otherwise a hub id (at ``revision``: a
+    branch, tag or commit) fetched into the HF cache."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -41,22 +56,68 @@ def resolve_model_dir(model: str, load_format: str = "auto") -> Path:
     patterns = ["*.json", "*.model", "*.txt", "*.tiktoken"]
     if load_format != "dummy":
         patterns.append("*.safetensors")
-    local = Path(snapshot_download(model, allow_patterns=patterns))
+    local = Path(snapshot_download(model, revision=revision, allow_patterns=patterns))
     if load_format != "dummy" and not list(local.glob("*.safetensors")):
-        local = Path(snapshot_download(model, allow_patterns=patterns + ["*.bin"]))
+        local = Path(snapshot_download(model, revision=revision, allow_patterns=patterns + ["*.bin"]))
     return local
 
 
 def load_hf_config(model_dir: Path):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(model_dir))
+    return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=_trust_remote_code)
 
 
 def load_tokenizer(path: Path | str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=_trust_remote_code)
+
+
+# Sampling fields of generation_config.json that become request defaults.
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _as_ids(value) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def read_generation_config(folder: Path | str) -> dict:
+    """``generation_config.json`` of ``folder`` as a dict; {} when absent or unreadable."""
+    path = Path(folder) / "generation_config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def eos_token_ids(hf_config, model_dir: Path | str) -> list[int]:
+    """Every end-of-sequence id the checkpoint declares, config first: an id
+    or a list in ``config.json``, more in ``generation_config.json``
+    (Llama-3 instruct models end turns with an id only the latter lists)."""
+    ids = _as_ids(getattr(hf_config, "eos_token_id", None))
+    text_config = getattr(hf_config, "text_config", None)
+    if text_config is not None:
+        ids += _as_ids(getattr(text_config, "eos_token_id", None))
+    ids += _as_ids(read_generation_config(model_dir).get("eos_token_id"))
+    return list(dict.fromkeys(ids))
+
+
+def generation_defaults(folder: Path | str) -> dict:
+    """The sampling defaults ``generation_config.json`` sets (temperature,
+    top_p, top_k, min_p, repetition_penalty), for requests that leave them
+    unset. A config with ``do_sample: false`` asks for greedy decoding."""
+    data = read_generation_config(folder)
+    out = {k: data[k] for k in GENERATION_DEFAULT_FIELDS
+           if isinstance(data.get(k), (int, float)) and not isinstance(data.get(k), bool)}
+    if data.get("do_sample") is False and "temperature" not in out:
+        out["temperature"] = 0.0
+    return out
 
 
 def resolve_dtype(hf_config, dtype: str, device: torch.device) -> torch.dtype:

@@ -7,6 +7,7 @@ HTTP layer turns that into a 400 in OpenAI's error shape.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -41,6 +42,15 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         self.validate()
+
+    def with_extra_eos(self, eos_ids: set[int] | list[int]) -> "SamplingParams":
+        """These params with a model's further EOS ids as stop tokens (unless
+        ``ignore_eos``), so ``min_tokens`` holds against them too; ``self``
+        when there is nothing to add."""
+        extra = [t for t in sorted(eos_ids) if t not in self.stop_token_ids]
+        if self.ignore_eos or not extra:
+            return self
+        return dataclasses.replace(self, stop_token_ids=[*self.stop_token_ids, *extra])
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -49,6 +50,9 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     max_queued_requests: int = 1024
     retry_after_s: int = 1
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers
+    log_requests: bool = False  # log each request's parameters and prompt
+    max_log_len: int | None = None  # prompt characters / token ids logged
 
 
 @dataclass
@@ -77,6 +81,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     app = FastAPI(title="fluidserve", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server
     install_handlers(app)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(ClientDisconnect, _client_gone)  # left while sending the body
     auth = [Depends(server.authenticate)]
@@ -301,8 +308,8 @@ class _Server:
 
     # -- other routes -------------------------------------------------------
     async def models(self) -> JSONResponse:
-        card = ModelCard(id=self.model.name, max_model_len=self.model.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+        cards = [ModelCard(id=name, max_model_len=self.model.max_model_len) for name in self.model.names]
+        return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
     async def health(self) -> Response:
         health = self.engine.health()

@@ -2,16 +2,23 @@
 
 Owns flags → frozen configs (``EngineConfig``, ``ServerSettings``) and process
 startup. Scheduler flags come from ``scheduler.options`` so the CLI never has
-to know a policy's knobs. Without ``--model`` the server runs the built-in
-tiny random-weight model and says so, so the README's command works offline.
+to know a policy's knobs. Without a model the server runs the built-in tiny
+random-weight model and says so, so the README's command works offline.
+
+``fluidserve serve [MODEL]`` takes vLLM's flag names with vLLM's meanings for
+what we support, so a vLLM command line runs unchanged; a vLLM flag we do not
+support ends the process with one line saying so (``UNSUPPORTED_VLLM_FLAGS``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
@@ -19,21 +26,104 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("fluidserve.serve")
 
+# vLLM flags we do not implement -> why. Each fails with one line, not a usage
+# dump or a traceback. A value in ``_HARMLESS_VALUES`` is what we do anyway.
+UNSUPPORTED_VLLM_FLAGS = {
+    "--kv-cache-dtype": "the KV cache is kept in the model's dtype",
+    "--tool-call-parser": "tool calling is not implemented",
+    "--enable-auto-tool-choice": "tool calling is not implemented",
+    "--tool-parser-plugin": "tool calling is not implemented",
+    "--reasoning-parser": "reasoning output parsing is not implemented",
+    "--quantization": "quantized checkpoints are not supported",
+    "-q": "quantized checkpoints are not supported",
+    "--speculative-config": "speculative decoding is not implemented",
+    "--enable-lora": "LoRA adapters are not supported",
+    "--lora-modules": "LoRA adapters are not supported",
+    "--pipeline-parallel-size": "only tensor parallelism is implemented",
+    "-pp": "only tensor parallelism is implemented",
+    "--data-parallel-size": "data parallelism is not implemented",
+    "-dp": "data parallelism is not implemented",
+    "--cpu-offload-gb": "weight offloading is not implemented",
+    "--guided-decoding-backend": "structured output is not implemented",
+    "--structured-outputs-config": "structured output is not implemented",
+    "--limit-mm-per-prompt": "multimodal inputs are not supported",
+    "--tokenizer-mode": "tokenizers load through transformers' AutoTokenizer only",
+    "--rope-scaling": "overriding the model's RoPE scaling is not supported",
+    "--hf-overrides": "overriding the model's config is not supported",
+}
+_HARMLESS_VALUES = {"--kv-cache-dtype": {"auto"}, "--tokenizer-mode": {"auto"}, "--data-parallel-size": {"1"},
+                    "-dp": {"1"}, "--pipeline-parallel-size": {"1"}, "-pp": {"1"}}
+_VALUELESS = {"--enable-auto-tool-choice", "--enable-lora"}
+# vLLM's scheduling policy names that we map onto ours (see ``--scheduling-policy``).
+POLICY_ALIASES = {"priority": "fcfs"}
+UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
+class UnsupportedFlag(Exception):
+    """A vLLM flag fluidserve does not implement."""
+
+
+def check_unsupported(argv: Sequence[str]) -> None:
+    """Raise ``UnsupportedFlag`` for the first unsupported vLLM flag in ``argv``."""
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name not in UNSUPPORTED_VLLM_FLAGS:
+            continue
+        if not eq and name not in _VALUELESS:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if value in _HARMLESS_VALUES.get(name, ()):
+            continue
+        shown = name if name in _VALUELESS or not value else f"{name} {value}"
+        raise UnsupportedFlag(f"{shown} is not supported ({UNSUPPORTED_VLLM_FLAGS[name]})")
+
+
+def _origins(text: str) -> list[str]:
+    """``--allowed-origins``: vLLM's JSON list, or a comma-separated list."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {text!r}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("must be a JSON list of strings")
+        return value
+    return [o.strip() for o in text.split(",") if o.strip()]
+
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from ..scheduler.options import add_cli_args as add_scheduler_args
 
     m = p.add_argument_group("model and engine")
+    m.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="Hugging Face id or local path (same as --model)")
     m.add_argument("--model", default=None,
                    help="Hugging Face id or local path; omitted: the built-in tiny random-weight model")
-    m.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
-    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    m.add_argument("--tokenizer", default=None, help="tokenizer id or path (default: the model's)")
+    m.add_argument("--revision", default=None, help="branch, tag or commit of a hub model")
+    m.add_argument("--trust-remote-code", action="store_true",
+                   help="let the checkpoint's own config/tokenizer classes load (the model always runs "
+                        "on fluidserve's built-in implementations)")
+    m.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names clients use; the first is the one responses carry (default: the model)")
+    m.add_argument("--chat-template", default=None,
+                   help="Jinja chat template: a file, or the template itself (default: the tokenizer's)")
+    m.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for requests that leave them unset: 'auto' (the model's "
+                        "generation_config.json), 'vllm' (none: temperature 1, top_p 1, ...) or a folder "
+                        "holding a generation_config.json")
+    m.add_argument("--dtype", default="auto",
+                   choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
+                   help="auto: float32 on CPU, the checkpoint's half type on GPU; half = float16, "
+                        "float = float32")
     m.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from the model's config")
     m.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     m.add_argument("--max-num-seqs", type=int, default=256, help="request cap of one step")
     m.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    m.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over several steps (default: on)")
     m.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory the engine may use (weights + KV cache)")
     m.add_argument("--num-kv-blocks", type=int, default=None, help="device KV blocks (overrides the sizing)")
@@ -43,7 +133,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="measured cost model from `fluidserve profile -o` (default: analytic roofline)")
     m.add_argument("--executor", default="local", choices=["local", "ray"],
                    help="local: in-process worker; ray: one Ray actor per GPU")
-    m.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (Ray workers) per model")
+    m.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (Ray workers) per model")
     m.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (multi-node); default: start a local one on 127.0.0.1")
     add_scheduler_args(p)
@@ -54,7 +144,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default=os.environ.get("FLUIDSERVE_HOST", "127.0.0.1"),
                    help="address to bind (default 127.0.0.1, or $FLUIDSERVE_HOST)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
+    s.add_argument("--api-key", default=os.environ.get("FLUIDSERVE_API_KEY") or None,
+                   help="require 'Authorization: Bearer <key>' on /v1/* (default: $FLUIDSERVE_API_KEY)")
+    s.add_argument("--allowed-origins", type=_origins, default=None,
+                   help='CORS: origins browsers may call from, as a JSON list (\'["*"]\') or comma-separated '
+                        "(default: none, no CORS headers)")
+    s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    s.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="no effect: statistics are exported on /metrics, never logged")
+    s.add_argument("--disable-log-requests", action="store_true",
+                   help="no request logging (the default; kept for older vLLM command lines)")
+    s.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's id, parameters and prompt (at info level)")
+    s.add_argument("--max-log-len", type=int, default=None,
+                   help="with --enable-log-requests: characters / token ids of the prompt logged (default: all)")
     s.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests waiting for their first token before new ones get 429")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
@@ -63,72 +167,149 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--watchdog-timeout", type=float, default=60.0,
                    help="/health turns 503 when the engine loop shows no heartbeat for this long")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
+                   help="log level of uvicorn itself (default: --log-level)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
     from ..engine.config import EngineConfig
+    from ..engine.loader import resolve_model_dir
     from ..scheduler.options import options_from_args
 
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"model: given twice, as {args.model_tag!r} and --model {args.model!r}")
+    model = args.model_tag or args.model
+    served = args.served_model_name[0] if args.served_model_name else None
+    if model is not None and args.revision is not None:
+        # A hub id at a revision becomes its local snapshot; clients keep the id.
+        served = served or model
+        model = str(resolve_model_dir(model, args.load_format, revision=args.revision))
     policy, policy_options = options_from_args(args)
     return EngineConfig(
-        model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+        model=model, tokenizer=args.tokenizer, served_model_name=served, dtype=args.dtype,
         load_format=args.load_format, device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization, scheduling_policy=policy,
-        policy_options=policy_options, profile_path=args.profile_path, executor=args.executor,
-        tensor_parallel_size=args.tensor_parallel_size, ray_address=args.ray_address,
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=policy, policy_options=policy_options, profile_path=args.profile_path,
+        executor=args.executor, tensor_parallel_size=args.tensor_parallel_size, ray_address=args.ray_address,
     )
 
 
-def model_info(engine) -> "ModelInfo":
+def model_info(engine, served_model_names: Sequence[str] | None = None,
+               generation_config: str = "auto") -> "ModelInfo":
+    """What the frontend knows of the served model; ``generation_config`` as
+    ``--generation-config`` takes it (auto | vllm | a folder)."""
     from .inputs import ModelInfo
 
-    return ModelInfo(name=engine.model_name, max_model_len=engine.max_model_len,
-                     vocab_size=engine.vocab_size, is_tiny_default=bool(getattr(engine, "is_tiny_default", False)))
+    names = list(served_model_names or [])
+    name = engine.model_name
+    aliases = tuple(n for n in names if n != name)
+    return ModelInfo(name=name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+                     is_tiny_default=bool(getattr(engine, "is_tiny_default", False)), aliases=aliases,
+                     sampling_defaults=sampling_defaults(engine, generation_config))
 
 
-def frontend_tokenizer(engine):
+def sampling_defaults(engine, generation_config: str) -> dict:
+    from ..engine.loader import generation_defaults
+
+    if generation_config == "vllm":
+        return {}
+    folder = getattr(engine, "model_dir", None) if generation_config == "auto" else generation_config
+    if folder is None:
+        return {}
+    if not Path(folder, "generation_config.json").exists() and generation_config != "auto":
+        raise ValueError(f"generation_config: no generation_config.json in {folder!r}")
+    return generation_defaults(folder)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the template given inline."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if any(mark in value for mark in ("{{", "{%")):
+        return value
+    raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")
+
+
+def frontend_tokenizer(engine, chat_template: str | None = None):
     """The frontend's own copy of the tokenizer, so tokenizing on the event
     loop never races the engine loop's detokenizer on shared Rust state."""
     import copy
 
     try:
-        return copy.deepcopy(engine.tokenizer)
+        tokenizer = copy.deepcopy(engine.tokenizer)
     except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared
-        return engine.tokenizer
+        tokenizer = engine.tokenizer
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _check_ssl(args: argparse.Namespace) -> None:
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("ssl: --ssl-keyfile and --ssl-certfile go together")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+        if path and not Path(path).is_file():
+            raise ValueError(f"ssl: {flag} {path!r} is not a file")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from ..engine.async_engine import AsyncEngine
     from ..engine.engine import LLMEngine
+    from ..engine.loader import set_trust_remote_code
     from .api import ServerSettings, build_app
     from .server import make_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    set_trust_remote_code(args.trust_remote_code)
     try:
+        _check_ssl(args)
+        chat_template = load_chat_template(args.chat_template)
         config = engine_config_from_args(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"fluidserve serve: {exc}", file=sys.stderr)
         return 2
     _share_cpu_with_frontend(config)
     try:
         engine = LLMEngine(config)
+        info = model_info(engine, args.served_model_name, args.generation_config)
     except (ValueError, OSError) as exc:  # a bad model path, an impossible KV size, ...
         print(f"fluidserve serve: {exc}", file=sys.stderr)
         return 2
-    info = model_info(engine)
     if info.is_tiny_default:
-        logger.warning("no --model given: serving the built-in tiny random-weight model %r "
+        logger.warning("no model given: serving the built-in tiny random-weight model %r "
                        "(for trying the API offline; its text is noise)", info.name)
+    if info.sampling_defaults:
+        logger.info("sampling defaults from the generation config: %s (--generation-config vllm: none)",
+                    info.sampling_defaults)
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                              max_queued_requests=args.max_queued_requests)
-    app = build_app(AsyncEngine(engine, stall_timeout=args.watchdog_timeout), frontend_tokenizer(engine),
-                    info, settings)
+                              max_queued_requests=args.max_queued_requests,
+                              allowed_origins=tuple(args.allowed_origins or ()),
+                              log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
+    app = build_app(AsyncEngine(engine, stall_timeout=args.watchdog_timeout),
+                    frontend_tokenizer(engine, chat_template), info, settings)
     server = make_server(app, args.host, args.port, drain_timeout=args.drain_timeout,
-                         log_level=args.log_level)
-    logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", info.name, args.host, args.port,
+                         log_level=args.uvicorn_log_level or args.log_level)
+    if args.ssl_keyfile:
+        # uvicorn builds its SSL context from these when the server starts.
+        server.config.ssl_keyfile, server.config.ssl_certfile = args.ssl_keyfile, args.ssl_certfile
+    scheme = "https" if args.ssl_keyfile else "http"
+    logger.info("serving %s on %s://%s:%d/v1 (max_model_len %d)", info.name, scheme, args.host, args.port,
                 info.max_model_len)
+    if _is_loopback(args.host):
+        logger.info("listening on loopback only: to accept other machines, pass --host 0.0.0.0 "
+                    "(with --api-key, or FLUIDSERVE_API_KEY, to require a key)")
     server.run()
     return 0
 
@@ -160,7 +341,11 @@ def run_profile(argv: Sequence[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fluidserve", description="fluidserve: OpenAI-compatible LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_args(sub.add_parser("serve", help="run the OpenAI-compatible server"))
+    add_serve_args(sub.add_parser(
+        "serve", help="run the OpenAI-compatible server",
+        epilog="vLLM's --scheduling-policy priority runs as fcfs: a request's int priority (lower first, "
+               "default 0) puts it in the online class when <= 0 and the offline class when > 0; online "
+               "requests always go first, arrival order decides inside a class."))
     sub.add_parser("bench", help="load-test a running server (see `fluidserve bench --help`)", add_help=False)
     sub.add_parser("profile", help="measure the engine's cost model", add_help=False)
     return parser
@@ -173,8 +358,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_bench(argv[1:])
     if argv and argv[0] == "profile":
         return run_profile(argv[1:])
-    args = build_parser().parse_args(argv)
+    try:
+        check_unsupported(argv)
+    except UnsupportedFlag as exc:
+        print(f"fluidserve serve: {exc}", file=sys.stderr)
+        return 2
+    args = build_parser().parse_args(_map_policy_alias(argv))
     return run_serve(args)
+
+
+def _map_policy_alias(argv: list[str]) -> list[str]:
+    """vLLM's ``--scheduling-policy priority`` runs as ``fcfs``: a request's
+    int ``priority`` picks its class (<= 0 online, > 0 offline; online always
+    goes first) and arrival order decides inside a class."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--scheduling-policy" and i + 1 < len(out) and out[i + 1] in POLICY_ALIASES:
+            out[i + 1] = POLICY_ALIASES[out[i + 1]]
+        elif arg.startswith("--scheduling-policy=") and arg.split("=", 1)[1] in POLICY_ALIASES:
+            out[i] = "--scheduling-policy=" + POLICY_ALIASES[arg.split("=", 1)[1]]
+    return out
 
 
 if __name__ == "__main__":

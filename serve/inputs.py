@@ -9,7 +9,7 @@ is an ``APIError`` 400 naming its parameter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.sampling_params import SamplingParams
@@ -38,6 +38,13 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     is_tiny_default: bool = False
+    aliases: tuple[str, ...] = ()  # further --served-model-name values clients may use
+    # generation_config.json's sampling fields, for requests that leave them unset
+    sampling_defaults: dict = field(default_factory=dict)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
 
 
 class InputProcessor:
@@ -133,5 +140,5 @@ class InputProcessor:
 
 def check_model(requested: str | None, served: ModelInfo) -> None:
     """404 for a model this server does not serve (None means the default)."""
-    if requested is not None and requested != served.name:
+    if requested is not None and requested not in served.names:
         raise APIError(404, f"The model `{requested}` does not exist", param="model", code="model_not_found")
