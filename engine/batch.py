@@ -1,6 +1,8 @@
-"""ModelInput: a StepPlan resolved to plain lists, what the engine sends the
-executor. Plain data (ints, lists, SamplingParams) so it crosses to a Ray
-actor unchanged; the worker turns it into tensors on its own device.
+"""ModelInput and StepResult: what crosses between the engine and the
+executor. ModelInput is a StepPlan resolved to plain lists (ints, lists,
+SamplingParams) so it crosses to a Ray actor unchanged; the worker turns it
+into tensors on its own device. StepResult is keyed by request id, never
+matched by position.
 
 Token layout of one step (flat, no padding)::
 
@@ -40,7 +42,18 @@ class ModelInput:
     block_tables: list[list[int]] = field(default_factory=list)
     sample_indices: list[int] = field(default_factory=list)  # token index of each sampling row
     samples: list[SampleSpec] = field(default_factory=list)
+    sample_ids: list[str] = field(default_factory=list)  # request id of each sampling row
+    # KV moves, applied before the forward: swap-outs first, then swap-ins.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    wait_for_swap_in: bool = False  # the forward reads blocks this step's swap-ins fill
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+
+@dataclass
+class StepResult:
+    sampled: dict = field(default_factory=dict)  # request id -> SampledToken (rank 0 only)
+    swap_stall_s: float = 0.0  # time the step waited on KV copies

@@ -23,6 +23,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 1.0  # KV pool size on CPU when num_kv_blocks is unset
     enable_chunked_prefill: bool = True
+    # Host KV tier (FastServe §4.2): GiB per worker (None: default_swap_space_gb),
+    # or an exact block count (tests); 0 turns swapping off.
+    swap_space: float | None = None
+    num_host_blocks: int | None = None
+    preemption_mode: str = "swap"  # swap | recompute (vLLM's behaviour, a baseline)
+    proactive_swap: bool = True  # prefetch swapped KV and keep free blocks for arrivals
     scheduling_policy: str = "skip-join-mlfq"  # fcfs | mlfq | fixed-priority | skip-join-mlfq
     policy_options: dict = field(default_factory=dict)  # per-policy knobs (MLFQ quanta, ...)
     profile_path: str | None = None  # measured cost model (fluidserve profile -o ...)
@@ -40,6 +46,9 @@ class EngineConfig:
             ("max_num_seqs", self.max_num_seqs >= 1),
             ("block_size", self.block_size in (8, 16, 32, 64)),
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1),
+            ("swap_space", self.swap_space is None or self.swap_space >= 0),
+            ("num_host_blocks", self.num_host_blocks is None or self.num_host_blocks >= 0),
+            ("preemption_mode", self.preemption_mode in ("swap", "recompute")),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0),
             ("executor", self.executor in ("local", "ray")),
             ("tensor_parallel_size", self.tensor_parallel_size >= 1),

@@ -2,8 +2,9 @@
 step's StepPlan into a ModelInput, runs it on the executor, and turns sampled
 tokens into RequestOutputs (stop checks, detokenization, finish reasons).
 
-A step, read aloud: the scheduler plans, the executor runs, the scheduler is
-told what ran, and each sampled token is appended to its sequence.
+A step, read aloud: the scheduler plans (what runs, which KV moves), the
+executor runs it, each sampled token is appended to its sequence (stop
+checks, detokenization), and the scheduler is told what ran and what stopped.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..kvcache.manager import KVCacheManager
-from ..scheduler.plan import StepPlan
+from ..scheduler.plan import StepOutcome, StepPlan
 from ..scheduler.request_state import RequestClass, SeqState
 from ..scheduler.scheduler import Scheduler, SchedulerConfig
-from .batch import ModelInput, SampleSpec
+from .batch import ModelInput, SampleSpec, StepResult
 from .config import EngineConfig
 from .detokenizer import TextStream
 from .executor import make_executor
@@ -40,8 +41,12 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_host_blocks_total: int = 0
     kv_host_blocks_used: int = 0
-    num_preemptions: int = 0
-    num_swaps: int = 0
+    num_preemptions: int = 0  # recomputes + swap-outs
+    num_recomputes: int = 0
+    num_swaps: int = 0  # swap-outs + swap-ins
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swap_stall_seconds: float = 0.0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps: int = 0
@@ -65,7 +70,8 @@ class LLMEngine:
         # Every EOS id of config.json and generation_config.json ends a sequence.
         self.eos_token_ids = {t for t in [self.eos_token_id, *eos_token_ids(self.hf_config, self.model_dir)]
                               if t is not None}
-        self.kv = KVCacheManager(self.executor.num_kv_blocks, config.block_size)
+        self.kv = KVCacheManager(self.executor.num_kv_blocks, config.block_size, self.executor.num_host_blocks)
+        self.bytes_per_block = self.executor.bytes_per_block
         if self.kv.num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"num_kv_blocks: {self.kv.num_blocks} blocks of {config.block_size} tokens cannot hold "
@@ -81,6 +87,9 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.scheduling_policy,
                 policy_options=dict(config.policy_options),
+                preemption_mode=config.preemption_mode,
+                proactive_swap=config.proactive_swap,
+                max_swap_blocks_per_step=self._swap_blocks_per_step(),
             ),
             self.kv,
             cost_model=self.cost_model,
@@ -88,8 +97,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.seqs: dict[str, Sequence] = {}
         self.stats_ = EngineStats()
-        log.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d%s",
-                 self.model_name, self.kv.num_blocks, config.block_size, self.max_model_len,
+        log.info("engine ready: %s, %d KV blocks of %d tokens (+%d on the host), max_model_len %d%s",
+                 self.model_name, self.kv.num_blocks, config.block_size, self.kv.num_host_blocks, self.max_model_len,
                  " (built-in tiny random-weight model)" if is_tiny_model(self.model_dir) else "")
 
     # -- requests ----------------------------------------------------------
@@ -163,25 +172,42 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def _swap_blocks_per_step(self) -> int | None:
+        """Blocks whose copy hides behind the cheapest step (FastServe §4.2:
+        swaps overlap compute); None when the cost model knows no link speed."""
+        transfer = getattr(self.cost_model, "transfer_time", None)
+        if transfer is None:
+            return None
+        per_block = transfer(self.bytes_per_block)
+        return max(1, int(self.cost_model.min_iteration_time() / per_block)) if per_block > 0 else None
+
     # -- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()
         plan = self.scheduler.schedule(now)
         if plan.is_empty:
             return []
-        sampled = self.executor.execute(self._model_input(plan))
-        self.scheduler.step_done(plan, time.monotonic() - now, now)
+        result = self.executor.execute(self._model_input(plan))
+        outputs, finished = self._process(plan, result)
+        self.scheduler.update_from_output(plan, StepOutcome(time.monotonic() - now, now, finished))
         self.stats_.num_steps += 1
-        return self._process(plan, sampled)
+        self.stats_.swap_stall_seconds += result.swap_stall_s
+        return outputs
 
     def _model_input(self, plan: StepPlan) -> ModelInput:
-        inp = ModelInput()
+        inp = ModelInput(swap_out=list(plan.swap_out.items()), swap_in=list(plan.swap_in.items()))
+        swapped_in = set(plan.swapped_in)
         bs = self.kv.block_size
         for item in plan.scheduled:
             seq = self.seqs[item.request_id]
+            if item.new_table:
+                seq.block_table = item.block_ids
+            else:
+                seq.block_table += item.block_ids
+            table = seq.block_table
+            inp.wait_for_swap_in |= item.request_id in swapped_in
             start = seq.state.num_computed_tokens
             end = start + item.num_tokens
-            table = self.kv.block_table(item.request_id)
             inp.input_ids += seq.tokens(start, end)
             inp.positions += range(start, end)
             inp.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -191,6 +217,7 @@ class LLMEngine:
             if item.samples:
                 inp.sample_indices.append(len(inp.input_ids) - 1)
                 inp.samples.append(self._sample_spec(seq))
+                inp.sample_ids.append(item.request_id)
         return inp
 
     @staticmethod
@@ -200,7 +227,8 @@ class LLMEngine:
         # A fresh seed per (request seed, completion, position): reproducible
         # whatever else shares the batch, and stateless across workers.
         seed = None if p.seed is None else hash((p.seed, seq.index, n_out)) & 0x7FFF_FFFF_FFFF_FFFF
-        needs_history = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.min_tokens
+        needs_history = (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.min_tokens
+                         or any(len(w) > 1 for w in p.bad_words_token_ids))
         return SampleSpec(
             params=p, seed=seed,
             prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else [],
@@ -208,14 +236,17 @@ class LLMEngine:
             num_output_tokens=n_out,
         )
 
-    def _process(self, plan: StepPlan, sampled: list) -> list[RequestOutput]:
+    def _process(self, plan: StepPlan, result: StepResult) -> tuple[list[RequestOutput], list[str]]:
+        """Append each sampled token to its sequence; the outputs of the
+        requests that moved, and the sequences that stopped."""
         touched: dict[str, Request] = {}
-        sampling = (item for item in plan.scheduled if item.samples)
-        for item, token in zip(sampling, sampled):
-            seq = self.seqs.get(item.request_id)
+        finished: list[str] = []
+        for rid, token in result.sampled.items():
+            seq = self.seqs.get(rid)
             if seq is None:
                 continue
-            self._append(seq, token)
+            if self._append(seq, token):
+                finished.append(rid)
             touched[seq.request.request_id] = seq.request
         outputs = []
         for req in touched.values():
@@ -225,13 +256,13 @@ class LLMEngine:
             ))
             if req.finished:
                 self.requests.pop(req.request_id, None)
-        return outputs
+        return outputs, finished
 
-    def _append(self, seq: Sequence, token) -> None:
+    def _append(self, seq: Sequence, token) -> bool:
+        """Append a sampled token; True when the sequence stops on it."""
         tid = token.token_id
         seq.output_token_ids.append(tid)
         seq.new_token_ids.append(tid)
-        seq.state.num_output_tokens += 1
         self.stats_.generation_tokens_total += 1
         if seq.logprobs is not None and token.logprobs is not None:
             for t, lp in token.logprobs.items():
@@ -239,10 +270,11 @@ class LLMEngine:
             seq.logprobs.append(token.logprobs)
             seq.new_logprobs.append(token.logprobs)
         reason = self._stop_reason(seq, tid)
-        if reason is not None:
-            seq.finish_reason = reason
-            self.seqs.pop(seq.seq_id, None)
-            self.scheduler.finish(seq.seq_id)
+        if reason is None:
+            return False
+        seq.finish_reason = reason
+        self.seqs.pop(seq.seq_id, None)
+        return True
 
     def _stop_reason(self, seq: Sequence, tid: int) -> str | None:
         p = seq.request.params
@@ -255,7 +287,8 @@ class LLMEngine:
         if matched is not None:
             seq.stop_reason = matched
             return "stop"
-        if len(seq.output_token_ids) >= seq.request.max_tokens or seq.state.num_tokens >= self.max_model_len:
+        n_out = len(seq.output_token_ids)
+        if n_out >= seq.request.max_tokens or len(seq.request.prompt_token_ids) + n_out >= self.max_model_len:
             return "length"
         return None
 
@@ -265,7 +298,14 @@ class LLMEngine:
         s.requests = self.scheduler.counts()
         s.kv_blocks_total = self.kv.num_blocks
         s.kv_blocks_used = self.kv.num_used_blocks
-        s.num_preemptions = self.scheduler.num_preemptions
+        s.kv_host_blocks_total = self.kv.num_host_blocks
+        s.kv_host_blocks_used = self.kv.num_used_host_blocks
+        c = self.scheduler.counters
+        s.num_preemptions = c.num_preemptions
+        s.num_recomputes = c.num_recomputes
+        s.num_swaps = c.num_swap_outs + c.num_swap_ins
+        s.swap_out_bytes = c.swap_out_blocks * self.bytes_per_block
+        s.swap_in_bytes = c.swap_in_blocks * self.bytes_per_block
         return s
 
     def check_health(self) -> None:

@@ -114,20 +114,21 @@ def fit_linear(samples: list[dict], meta: dict | None = None) -> LinearCostModel
 
 # -- measuring -----------------------------------------------------------------
 class StepRecorder:
-    """Wraps ``scheduler.step_done`` to record each step's shape (read before
-    the step is accounted) and the time the engine measured for it."""
+    """Wraps ``scheduler.update_from_output`` to record each step's shape
+    (read before the step is accounted) and the time the engine measured."""
 
     def __init__(self, scheduler: Any) -> None:
         self.samples: list[dict] = []
         self._scheduler = scheduler
-        self._inner = scheduler.step_done
-        scheduler.step_done = self._step_done
+        self._inner = scheduler.update_from_output
+        scheduler.update_from_output = self._update
 
-    def _step_done(self, plan: Any, step_time: float, now: float) -> None:
-        prefill, decode, context, pairs = plan_shape(plan, self._scheduler.seqs)
-        self.samples.append({"prefill_tokens": prefill, "decode_seqs": decode, "total_context": context,
-                             "attn_pairs": pairs, "seconds": step_time})
-        self._inner(plan, step_time, now)
+    def _update(self, plan: Any, outcome: Any) -> None:
+        if plan.scheduled:
+            prefill, decode, context, pairs = plan_shape(plan, self._scheduler.seqs)
+            self.samples.append({"prefill_tokens": prefill, "decode_seqs": decode, "total_context": context,
+                                 "attn_pairs": pairs, "seconds": outcome.step_time})
+        self._inner(plan, outcome)
 
 
 def _run(engine: Any, prompts: list[list[int]], max_tokens: int) -> None:

@@ -25,6 +25,9 @@ class Sequence:
     # Produced since the last RequestOutput of this request.
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprobs] | None = None
+    # The engine's copy of the device block table, kept from the block ids
+    # each StepPlan carries (the scheduler resends it whole after a move).
+    block_table: list[int] = field(default_factory=list)
 
     @property
     def seq_id(self) -> str:

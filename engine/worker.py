@@ -1,6 +1,8 @@
-"""Worker: one device's share of the model. Owns the model weights, the KV
-cache tensors and the step's tensors; turns a ModelInput into sampled tokens.
-A Ray actor hosts exactly this class (engine/executor/ray.py).
+"""Worker: one device's share of the model. Owns the model weights, its
+CacheEngine (device and host KV, engine/cache_engine.py) and the step's
+tensors; turns a ModelInput into a StepResult: the step's KV moves first,
+then the forward and sampling. A Ray actor hosts exactly this class
+(engine/executor/ray.py).
 
 Under tensor parallelism every rank runs every step on the same ModelInput:
 the same block tables and slot mapping address each rank's KV cache, which
@@ -10,16 +12,18 @@ the others return no tokens."""
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
-from .batch import ModelInput, SampleSpec
-from .config import EngineConfig
-from .layers import AttentionMetadata
-from .loader import build_model, init_dummy_weights, load_hf_config, load_weights, resolve_dtype
-from .parallel import TensorParallel
-from .sampler import SampledToken, SamplingRow, make_generator, sample
-from .sampling_params import SamplingParams
+from fluidserve.engine.batch import ModelInput, SampleSpec, StepResult
+from fluidserve.engine.cache_engine import CacheEngine
+from fluidserve.engine.config import EngineConfig
+from fluidserve.engine.layers import AttentionMetadata
+from fluidserve.engine.loader import build_model, init_dummy_weights, load_hf_config, load_weights, resolve_dtype
+from fluidserve.engine.parallel import TensorParallel
+from fluidserve.engine.sampler import SamplingRow, make_generator, sample
+from fluidserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +34,16 @@ def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' was asked for but no CUDA device is available")
     return torch.device(name)
+
+
+def default_swap_space_gb() -> float:
+    """Host memory for swapped KV when ``--swap-space`` is not given: 4 GiB
+    (vLLM's default), or a quarter of the memory available now if less."""
+    try:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return 4.0
+    return min(4.0, avail / 4)
 
 
 class Worker:
@@ -52,7 +66,11 @@ class Worker:
         self.eos_token_id = getattr(hf_config, "eos_token_id", None)
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cache: CacheEngine | None = None
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.cache.device_caches if self.cache is not None else []
 
     # -- KV cache ----------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -93,17 +111,23 @@ class Worker:
         self._forward(inp)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        self.kv_caches = []
+        self.cache = None
         torch.cuda.empty_cache()
         return peak
 
-    def init_cache(self, num_blocks: int) -> None:
-        shape = (num_blocks, self.config.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.num_layers)
-        ]
+    def available_host_blocks(self) -> int:
+        """Host KV blocks for swapping: the configured number, else
+        ``swap_space`` GiB (vLLM's flag); 0 turns the host tier off."""
+        cfg = self.config
+        if cfg.num_host_blocks is not None:
+            return cfg.num_host_blocks
+        gib = cfg.swap_space if cfg.swap_space is not None else default_swap_space_gb()
+        return int(gib * 2**30) // self.bytes_per_block()
+
+    def init_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        self.cache = None  # free the old tensors before the new ones are made
+        self.cache = CacheEngine(self.num_layers, self.config.block_size, self.num_kv_heads, self.head_dim,
+                                 self.dtype, self.device, num_blocks, num_host_blocks)
 
     def warm_up(self) -> None:
         """One prefill and one decode step over scratch slots of block 0, run
@@ -116,10 +140,11 @@ class Worker:
         self.execute(ModelInput(
             input_ids=[0] * n, positions=list(range(n)), slot_mapping=list(range(n)),
             query_start_loc=[0, n], seq_lens=[n], block_tables=[[0]], sample_indices=[n - 1], samples=greedy,
+            sample_ids=["warm-up"],
         ))
         self.execute(ModelInput(
             input_ids=[0], positions=[n], slot_mapping=[n], query_start_loc=[0, 1], seq_lens=[n + 1],
-            block_tables=[[0]], sample_indices=[0], samples=greedy,
+            block_tables=[[0]], sample_indices=[0], samples=greedy, sample_ids=["warm-up"],
         ))
 
     # -- one step ----------------------------------------------------------
@@ -140,14 +165,19 @@ class Worker:
         return self.model(self._tensor(inp.input_ids), self._tensor(inp.positions), self.kv_caches, meta)
 
     @torch.inference_mode()
-    def execute(self, inp: ModelInput) -> list[SampledToken]:
-        """Run one step; the sampled tokens on rank 0, [] on the other ranks."""
+    def execute(self, inp: ModelInput) -> StepResult:
+        """Run one step: its KV moves, then the forward; the sampled tokens
+        on rank 0, none on the other ranks."""
+        stall = self.cache.swap(inp.swap_out, inp.swap_in, inp.wait_for_swap_in)
+        result = StepResult(swap_stall_s=stall)
+        if not inp.input_ids:
+            return result  # a step of copies only
         hidden = self._forward(inp)  # [T, hidden]
         if not inp.sample_indices:
-            return []
+            return result
         logits = self.model.compute_logits(hidden[self._tensor(inp.sample_indices)])  # [S, V] on rank 0
         if logits is None:
-            return []
+            return result
         rows = [
             SamplingRow(
                 params=s.params,
@@ -157,7 +187,9 @@ class Worker:
             )
             for s in inp.samples
         ]
-        return sample(logits, rows, self.eos_token_id)  # the sampler makes its own fp32 copy
+        tokens = sample(logits, rows, self.eos_token_id)  # the sampler makes its own fp32 copy
+        result.sampled = dict(zip(inp.sample_ids, tokens))
+        return result
 
     @torch.inference_mode()
     def logits(self, inp: ModelInput) -> torch.Tensor | None:

@@ -148,6 +148,22 @@ class MLFQPolicy(Policy):
         return sorted(seqs, key=_mlfq_key)
 
 
+    def enst(self, ranked: list[SeqState], now: float, batch: int) -> list[float]:
+        """FastServe §4.2: ENST(i) = min(T_promote(i), T_execute(i)).
+        T_execute sums the service the jobs ranked above i may still take in
+        their current queue (quantum minus attained), shared over a batch of
+        ``batch`` jobs; T_promote is when starvation lifts i to Q1."""
+        out = []
+        ahead = 0.0
+        for s in ranked:
+            e: _MLFQEntry = s.policy_state["mlfq"]
+            t_execute = ahead / batch
+            t_promote = e.last_served + self.starve_limit - now if e.level else t_execute
+            out.append(max(0.0, min(t_execute, t_promote)))
+            ahead += max(0.0, self.quanta[e.level] - e.attained)
+        return out
+
+
 def _mlfq_key(seq: SeqState) -> tuple[int, float]:
     return seq.policy_state["mlfq"].level, seq.arrival_time
 

@@ -1,8 +1,14 @@
-"""StepPlan: the one object that crosses from the scheduler to the engine.
+"""StepPlan and StepOutcome: what crosses between the scheduler and the engine.
 
-For each scheduled request, how many of its uncomputed tokens run this step (a
-prefill chunk, a whole prompt, or one decode token). KV movement decisions
-travel as plain block maps; only the worker's cache engine copies memory.
+``StepPlan`` (scheduler -> engine): for each scheduled request, how many of its
+uncomputed tokens run this step (a prefill chunk, a whole prompt, or one
+decode token) and the device blocks the engine has not been told of yet. KV
+moves travel as plain block maps; only the worker's cache engine copies
+memory. Order on the worker: swap-outs, then swap-ins, then the forward, which
+waits only for the swap-ins of requests it runs.
+
+``StepOutcome`` (engine -> scheduler): what the engine learnt from running the
+plan; ``Scheduler.update_from_output`` is its one reader.
 """
 
 from __future__ import annotations
@@ -17,12 +23,19 @@ class ScheduledSeq:
     # True when this step computes the request's last uncomputed token, so a
     # new token is sampled for it (a middle prefill chunk samples nothing).
     samples: bool
+    # Device blocks to append to the engine's copy of the block table; when
+    # ``new_table`` is True they *are* the table (a new request, or one whose
+    # KV moved since the engine last saw it).
+    block_ids: list[int] = field(default_factory=list)
+    new_table: bool = False
 
 
 @dataclass
 class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)  # KV released this step (recompute)
+    preempted: list[str] = field(default_factory=list)  # KV discarded this step (recompute)
+    swapped_out: list[str] = field(default_factory=list)  # requests whose KV leaves the device
+    swapped_in: list[str] = field(default_factory=list)  # requests whose KV comes back
     swap_out: dict[int, int] = field(default_factory=dict)  # device block -> host block
     swap_in: dict[int, int] = field(default_factory=dict)  # host block -> device block
     checkpoint: dict[int, int] = field(default_factory=dict)  # device block -> host block
@@ -33,5 +46,21 @@ class StepPlan:
         return sum(s.num_tokens for s in self.scheduled)
 
     @property
+    def has_copies(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.checkpoint)
+
+    @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing to run and nothing to copy."""
+        return not self.scheduled and not self.has_copies
+
+
+@dataclass
+class StepOutcome:
+    """What the engine reports after running a plan."""
+
+    step_time: float  # seconds the step took (measured, or the simulator's cost)
+    now: float  # when the step started
+    # Requests that stopped on the token sampled this step (EOS, stop string,
+    # length): the scheduler releases them.
+    finished: list[str] = field(default_factory=list)

@@ -29,6 +29,14 @@ class Policy(ABC):
     def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
         """Rank ``seqs`` (one request class) highest priority first."""
 
+    def enst(self, ranked: list[SeqState], now: float, batch: int) -> list[float]:
+        """Estimated next scheduled time of each of ``ranked`` (this policy's
+        order, highest first), in any unit that orders them: the KV manager
+        swaps out the largest first and swaps in the smallest first
+        (FastServe §4.2). Without a model of time, the number of full batches
+        ranked ahead."""
+        return [float(i // batch) for i in range(len(ranked))]
+
     def queue_label(self, seq: SeqState) -> str:
         """The queue ``seq`` waits in, for metrics ("all" for single-queue policies)."""
         return "all"

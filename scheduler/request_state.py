@@ -19,6 +19,8 @@ class RequestClass(str, enum.Enum):
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # holds no KV yet (new, or preempted by recompute)
     RUNNING = "running"  # holds KV on the device
+    SWAPPED = "swapped"  # KV on the host only: must be swapped in to run
+    SWAPPING_IN = "swapping_in"  # swap-in issued ahead of being scheduled (proactive)
     FINISHED = "finished"
 
 
@@ -34,7 +36,10 @@ class SeqState:
     # is not yet computed: num_computed_tokens == num_tokens - 1.
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # recomputes and swap-outs
+    # Entries of the device block table the engine has been sent; 0 after a
+    # move, so the next plan resends the whole table.
+    num_blocks_sent: int = 0
     first_scheduled_time: float | None = None
     last_scheduled_time: float | None = None
     # Free-form per-policy bookkeeping (queue level, attained service, ...).

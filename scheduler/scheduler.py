@@ -1,22 +1,48 @@
-"""Scheduler: turns the set of unfinished requests into one StepPlan per step.
+"""Scheduler: turns the set of unfinished requests into one StepPlan per step,
+and is the one writer of what a step changed (``update_from_output``).
 
-Owns admission into the step: the per-step token budget, the request cap and
-KV-block reservation. The *order* in which requests are offered comes from a
-``Policy``; the online class always goes ahead of the offline class. A request
-that does not fit is simply not run this step (its KV stays where it is); when
-the device pool runs dry a lower-priority request's KV is released and it is
-recomputed later (swapping to host replaces that in the KV-manager work).
+Owns admission into the step (the per-step token budget, the request cap) and
+where each request's KV lives (device, host, or nowhere). The *order* in
+which requests are offered comes from a ``Policy``; the online class always
+goes ahead of the offline class.
+
+Memory, FastServe §4.2 (``preemption_mode="swap"``, the default when a host
+pool exists):
+
+* Eviction by priority: a request the policy ranks above resident ones may
+  push them out to host memory, the one with the largest estimated next
+  scheduled time (ENST) first, and run in their place. A running request that
+  must grow evicts the same way.
+* Proactive moves, after the step is filled: swap in, smallest ENST first,
+  the KV of swapped requests the device has room for (so they are resident
+  when their turn comes and the copy overlaps this step), and swap out,
+  largest ENST first, until a reserve of free device blocks sized from recent
+  arrivals is free (so a burst of arrivals finds room without waiting on a copy).
+* Recompute (discard the KV, prefill again later) only when the host pool is
+  full, counted apart. ``preemption_mode="recompute"`` keeps vLLM's behaviour
+  as a baseline: no host tier, a waiting request takes only free blocks, and
+  a running one that must grow discards the KV of the lowest-ranked.
+
+Per-step swap traffic is bounded (``max_swap_blocks_per_step``, sized by the
+engine from the cost model so copies hide behind compute); a move that does
+not fit waits for the next step, except the first of a step, so a request
+larger than the bound still moves.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
-from ..kvcache.manager import KVCacheManager
-from .cost_model import CostModel
-from .plan import ScheduledSeq, StepPlan
-from .policies import DEFAULT_POLICY, Policy, make_policy
-from .request_state import RequestClass, SeqState, SeqStatus
+from fluidserve.kvcache.manager import KVCacheManager
+from fluidserve.scheduler.cost_model import CostModel
+from fluidserve.scheduler.plan import ScheduledSeq, StepOutcome, StepPlan
+from fluidserve.scheduler.policies import DEFAULT_POLICY, Policy, make_policy
+from fluidserve.scheduler.request_state import RequestClass, SeqState, SeqStatus
+
+PREEMPTION_MODES = ("swap", "recompute")
+_RESERVE_WINDOW_STEPS = 16  # arrivals remembered for the reserve
+_RESERVE_CAP = 0.25  # the reserve never exceeds this share of the device pool
 
 
 @dataclass(frozen=True)
@@ -29,6 +55,9 @@ class SchedulerConfig:
     kv_watermark: float = 0.01
     policy: str = DEFAULT_POLICY
     policy_options: dict = field(default_factory=dict)  # make_policy(policy, **policy_options)
+    preemption_mode: str = "swap"  # swap | recompute (swap needs a host pool)
+    proactive_swap: bool = True  # prefetch and keep a reserve, not only swap on demand
+    max_swap_blocks_per_step: int | None = None  # None: unbounded
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -37,6 +66,45 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.max_swap_blocks_per_step is not None and self.max_swap_blocks_per_step < 1:
+            raise ValueError(f"max_swap_blocks_per_step must be positive, got {self.max_swap_blocks_per_step}")
+
+
+@dataclass
+class SchedulerCounters:
+    num_recomputes: int = 0  # preemptions that discarded KV
+    num_swap_outs: int = 0  # preemptions that moved KV to the host
+    num_swap_ins: int = 0
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_recomputes + self.num_swap_outs
+
+
+class _Step:
+    """Scratch state of one ``schedule`` call."""
+
+    def __init__(self, plan: StepPlan, ranked: list[SeqState], now: float, swap_budget: float) -> None:
+        self.plan = plan
+        self.now = now
+        self.ranked = ranked
+        self.moved: set[str] = set()  # evicted or swapped in this step: not touched again
+        self.swap_budget = swap_budget  # blocks left to move this step
+        self.swapped_any = False
+        self.enst: list[float] | None = None
+        self.victims: list[int] | None = None  # positions, largest ENST first
+        self.cursor = 0
+
+    def budget_allows(self, n: int) -> bool:
+        return not self.swapped_any or n <= self.swap_budget
+
+    def spend(self, n: int) -> None:
+        self.swapped_any = True
+        self.swap_budget -= n
 
 
 class Scheduler:
@@ -51,18 +119,26 @@ class Scheduler:
         self.kv = kv
         self.policy = policy or make_policy(config.policy, cost_model=cost_model, **config.policy_options)
         self.seqs: dict[str, SeqState] = {}
-        self.num_preemptions = 0
+        self.counters = SchedulerCounters()
+        self.swap = config.preemption_mode == "swap" and kv.host is not None
         self._watermark_blocks = int(config.kv_watermark * kv.num_blocks)
+        self._arrived_blocks = 0  # prompt blocks of arrivals since the last step
+        self._recent_arrivals: deque[int] = deque(maxlen=_RESERVE_WINDOW_STEPS)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.counters.num_preemptions
 
     # -- membership -------------------------------------------------------
     def add(self, seq: SeqState, now: float) -> None:
         if seq.request_id in self.seqs:
             raise ValueError(f"request id {seq.request_id!r} is already scheduled")
         self.seqs[seq.request_id] = seq
+        self._arrived_blocks += self.kv.blocks_for(seq.num_prompt_tokens)
         self.policy.on_arrival(seq, now)
 
     def finish(self, request_id: str) -> None:
-        """Remove a finished or aborted request and release its KV blocks."""
+        """Remove a finished or aborted request and release its KV in both tiers."""
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return
@@ -91,22 +167,24 @@ class Scheduler:
         prompt and the lost free rides cost throughput (measured in
         benchmarks/scheduling.py)."""
         cfg = self.config
-        plan = StepPlan()
-        budget = cfg.max_num_batched_tokens
+        self._recent_arrivals.append(self._arrived_blocks)
+        self._arrived_blocks = 0
         ranked = self.ranked(now)
-        # decodes_below[i]: running decodes ranked after position i.
+        step = _Step(StepPlan(), ranked, now, cfg.max_swap_blocks_per_step or float("inf"))
+        plan = step.plan
+        budget = cfg.max_num_batched_tokens
+        # decodes_below[i]: resident decodes ranked after position i.
         decodes_below = [0] * (len(ranked) + 1)
         for i in range(len(ranked) - 1, -1, -1):
             s = ranked[i]
             is_decode = s.status is SeqStatus.RUNNING and s.num_uncomputed_tokens == 1
             decodes_below[i] = decodes_below[i + 1] + is_decode
-        preempted: set[str] = set()
         for i, seq in enumerate(ranked):
             slots = cfg.max_num_seqs - len(plan.scheduled)
             if slots <= 0 or budget <= 0:
                 break
-            if seq.request_id in preempted:  # gave its KV away this step
-                continue
+            if seq.request_id in step.moved:
+                continue  # gave its KV away this step
             n = seq.num_uncomputed_tokens
             if n > 1:
                 if not cfg.enable_chunked_prefill:
@@ -119,67 +197,204 @@ class Scheduler:
                     n = min(n, budget - held)
                     if n <= 0:
                         continue
-            if not self._reserve(seq, seq.num_computed_tokens + n, ranked, i, plan, preempted):
+            if not self._make_resident(seq, seq.num_computed_tokens + n, i, step):
                 continue
-            plan.scheduled.append(ScheduledSeq(seq.request_id, n, samples=n == seq.num_uncomputed_tokens))
+            plan.scheduled.append(self._scheduled(seq, n))
             budget -= n
+        if self.swap and cfg.proactive_swap:
+            self._prefetch(step)
+            self._keep_reserve(step)
         plan.preemptible = bool(plan.scheduled) and all(
             self.seqs[s.request_id].klass is RequestClass.OFFLINE for s in plan.scheduled
         )
         return plan
 
-    def _reserve(
-        self, seq: SeqState, num_tokens: int, ranked: list[SeqState], pos: int,
-        plan: StepPlan, preempted: set[str],
-    ) -> bool:
-        """Make room for ``seq`` (``ranked[pos]``) to hold ``num_tokens`` tokens
-        of KV. A request already running may take the blocks of lower-priority
-        requests (``ranked[pos+1:]``, lowest first). A waiting one is admitted
-        only into free blocks, above the watermark, and for its whole
+    def _scheduled(self, seq: SeqState, n: int) -> ScheduledSeq:
+        table = self.kv.block_table(seq.request_id)
+        new_table = seq.num_blocks_sent == 0
+        ids = list(table) if new_table else table[seq.num_blocks_sent:]
+        seq.num_blocks_sent = len(table)
+        return ScheduledSeq(seq.request_id, n, samples=n == seq.num_uncomputed_tokens,
+                            block_ids=ids, new_table=new_table)
+
+    # -- residency ----------------------------------------------------------
+    def _make_resident(self, seq: SeqState, num_tokens: int, pos: int, step: _Step) -> bool:
+        """Make room for ``seq`` (``ranked[pos]``) to hold ``num_tokens``
+        tokens of KV on the device. A resident request may evict any
+        lower-ranked one. A waiting or swapped one may evict lower-ranked
+        ones only to the host (swap mode), and is admitted for its whole
         (re)prefill at once: a priority policy that starts many prompts must
         not commit memory chunk by chunk and then evict to finish them."""
         rid = seq.request_id
-        if seq.status is not SeqStatus.RUNNING:
-            need = self.kv.num_new_blocks(rid, seq.num_tokens)
-            # The watermark only guards running requests; with none, any
-            # request that fits the pool at all must be admitted.
-            reserve = self._watermark_blocks if self.kv.num_used_blocks else 0
-            if need + reserve > self.kv.num_free_blocks:
+        if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPING_IN):
+            while not self.kv.can_allocate(rid, num_tokens):
+                if not self._evict_below(pos, step, allow_recompute=True):
+                    # Nothing below it holds KV: give way to the requests above.
+                    self._evict(seq, step, allow_recompute=True)
+                    return False
+            return self.kv.allocate(rid, num_tokens)
+        if seq.status is SeqStatus.SWAPPED:
+            need = max(self.kv.num_blocks_of(rid), self.kv.blocks_for(num_tokens))
+            if not step.budget_allows(self.kv.num_blocks_of(rid)):
                 return False
-            return self.kv.allocate(rid, seq.num_tokens)
-        j = len(ranked)  # victims are searched from the bottom up, once
-        while not self.kv.can_allocate(rid, num_tokens):
-            j -= 1
-            while j > pos and not self.kv.holds(ranked[j].request_id):
-                j -= 1
-            if j <= pos:
-                # Nothing below it holds KV: give way to the requests above.
-                self._preempt(seq, plan, preempted)
+            while self.kv.num_free_blocks < need:
+                if not self._evict_below(pos, step, allow_recompute=False):
+                    return False
+            self._swap_in(seq, step)
+            return self.kv.allocate(rid, num_tokens)
+        # WAITING: admitted for its whole prompt (and outputs, after a recompute).
+        need = self.kv.num_new_blocks(rid, seq.num_tokens)
+        # The watermark only guards running requests; with none, any
+        # request that fits the pool at all must be admitted.
+        reserve = self._watermark_blocks if self.kv.num_used_blocks else 0
+        while need + reserve > self.kv.num_free_blocks:
+            if not self.swap or not self._evict_below(pos, step, allow_recompute=False):
                 return False
-            self._preempt(ranked[j], plan, preempted)
-        return self.kv.allocate(rid, num_tokens)
+        return self.kv.allocate(rid, seq.num_tokens)
 
-    def _preempt(self, seq: SeqState, plan: StepPlan, preempted: set[str]) -> None:
-        preempted.add(seq.request_id)
+    def _evict_below(self, pos: int, step: _Step, allow_recompute: bool) -> bool:
+        """Evict one resident request ranked below ``pos``, the largest ENST
+        first; False when there is none (or only recompute would do and it is
+        not allowed)."""
+        victim = self._next_victim(pos, step)
+        if victim is None:
+            return False
+        return self._evict(victim, step, allow_recompute)
+
+    def _next_victim(self, pos: int, step: _Step) -> SeqState | None:
+        if step.victims is None:
+            if self.swap:
+                enst = self._enst(step)
+                step.victims = sorted(range(len(step.ranked)), key=lambda j: (enst[j], j), reverse=True)
+            else:  # recompute baseline: lowest-ranked first, as before
+                step.victims = list(range(len(step.ranked) - 1, -1, -1))
+        victims = step.victims
+        # The cursor only moves forward: a request skipped now (ranked above
+        # the requester, or holding nothing) is never a victim later this step,
+        # because later requesters are ranked lower still.
+        while step.cursor < len(victims):
+            j = victims[step.cursor]
+            s = step.ranked[j]
+            if j > pos and self.kv.holds(s.request_id) and s.request_id not in step.moved:
+                return s
+            step.cursor += 1
+        return None
+
+    def _evict(self, seq: SeqState, step: _Step, allow_recompute: bool) -> bool:
+        n = self.kv.num_blocks_of(seq.request_id)
+        if self.swap and self.kv.can_swap_out(seq.request_id) and step.budget_allows(n):
+            self._swap_out(seq, step)
+            return True
+        if not allow_recompute:
+            return False
+        self._recompute(seq, step)
+        return True
+
+    def _swap_out(self, seq: SeqState, step: _Step) -> None:
+        rid = seq.request_id
+        moves = self.kv.swap_out(rid)
+        step.plan.swap_out.update(moves)
+        step.plan.swapped_out.append(rid)
+        step.spend(len(moves))
+        step.moved.add(rid)
+        seq.status = SeqStatus.SWAPPED
+        seq.num_blocks_sent = 0
+        seq.num_preemptions += 1
+        self.counters.num_swap_outs += 1
+        self.counters.swap_out_blocks += len(moves)
+
+    def _swap_in(self, seq: SeqState, step: _Step, status: SeqStatus = SeqStatus.RUNNING) -> None:
+        rid = seq.request_id
+        moves = self.kv.swap_in(rid)
+        step.plan.swap_in.update(moves)
+        step.plan.swapped_in.append(rid)
+        step.spend(len(moves))
+        step.moved.add(rid)
+        seq.status = status
+        seq.num_blocks_sent = 0
+        self.counters.num_swap_ins += 1
+        self.counters.swap_in_blocks += len(moves)
+
+    def _recompute(self, seq: SeqState, step: _Step) -> None:
+        step.moved.add(seq.request_id)
         self.kv.free(seq.request_id)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
+        seq.num_blocks_sent = 0
         seq.num_preemptions += 1
-        self.num_preemptions += 1
-        plan.preempted.append(seq.request_id)
+        self.counters.num_recomputes += 1
+        step.plan.preempted.append(seq.request_id)
 
-    def step_done(self, plan: StepPlan, step_time: float, now: float) -> None:
-        """Account a finished step: computed tokens and the policy's service."""
+    # -- proactive moves ------------------------------------------------------
+    def _enst(self, step: _Step) -> list[float]:
+        if step.enst is None:
+            step.enst = self.policy.enst(step.ranked, step.now, self.config.max_num_seqs)
+        return step.enst
+
+    def reserve_blocks(self) -> int:
+        """Free device blocks to keep for arrivals: the largest burst of
+        prompt blocks that arrived between two recent steps, capped."""
+        burst = max(self._recent_arrivals, default=0)
+        return min(burst, int(_RESERVE_CAP * self.kv.num_blocks)) + self._watermark_blocks
+
+    def _prefetch(self, step: _Step) -> None:
+        """Swap in the swapped requests most likely to run next (smallest
+        ENST first) while the device keeps its reserve free."""
+        enst = self._enst(step)
+        reserve = self.reserve_blocks()
+        swapped = [j for j, s in enumerate(step.ranked)
+                   if s.status is SeqStatus.SWAPPED and s.request_id not in step.moved]
+        for j in sorted(swapped, key=lambda j: (enst[j], j)):
+            seq = step.ranked[j]
+            n = self.kv.num_blocks_of(seq.request_id)
+            if self.kv.num_free_blocks - n < reserve or not step.budget_allows(n):
+                break
+            self._swap_in(seq, step, status=SeqStatus.SWAPPING_IN)
+
+    def _keep_reserve(self, step: _Step) -> None:
+        """Swap out resident requests not in this step, largest ENST first,
+        until the reserve is free (or the host is full)."""
+        reserve = self.reserve_blocks()
+        if self.kv.num_free_blocks >= reserve:
+            return
+        enst = self._enst(step)
+        running = {s.request_id for s in step.plan.scheduled}
+        for j in sorted(range(len(step.ranked)), key=lambda j: (enst[j], j), reverse=True):
+            if self.kv.num_free_blocks >= reserve:
+                return
+            seq = step.ranked[j]
+            rid = seq.request_id
+            if rid in running or rid in step.moved or not self.kv.holds(rid):
+                continue
+            if not self.kv.can_swap_out(rid) or not step.budget_allows(self.kv.num_blocks_of(rid)):
+                return
+            self._swap_out(seq, step)
+
+    # -- after the step -------------------------------------------------------
+    def update_from_output(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        """The one writer of what a step changed: the copies it carried are
+        done, tokens it computed are in the cache, each sampling request has
+        one more output token, and the requests the engine saw stop leave."""
+        self.kv.release_pending()
+        for rid in plan.swapped_in:
+            seq = self.seqs.get(rid)
+            if seq is not None and seq.status is SeqStatus.SWAPPING_IN:
+                seq.status = SeqStatus.RUNNING
+        now = outcome.now
         for item in plan.scheduled:
             seq = self.seqs.get(item.request_id)
             if seq is None:  # aborted while the step ran
                 continue
             seq.num_computed_tokens += item.num_tokens
             seq.status = SeqStatus.RUNNING
+            if item.samples:
+                seq.num_output_tokens += 1
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             seq.last_scheduled_time = now
-            self.policy.on_step_done(seq, item.num_tokens, step_time, now)
+            self.policy.on_step_done(seq, item.num_tokens, outcome.step_time, now)
+        for rid in outcome.finished:
+            self.finish(rid)
 
     # -- figures ----------------------------------------------------------
     def counts(self) -> dict[tuple[str, str, str], int]:

@@ -5,13 +5,19 @@ It performs exactly the engine's calls, in the engine's order:
 
     scheduler.add(seq, now)                    for each job that has arrived
     plan = scheduler.schedule(now)
-    now += cost_model.step_time(shape of plan) (the step "runs")
-    scheduler.step_done(plan, step_time, now)
-    seq.num_output_tokens += 1                 for each item that samples
-    scheduler.finish(rid)                      when a job has all its tokens
+    now += stall + cost_model.step_time(shape of plan)   (the step "runs")
+    scheduler.update_from_output(plan, StepOutcome(..., finished=[jobs with all their tokens]))
 
-so no policy has a second implementation here. Time advances only by steps
-and by idle jumps to the next arrival.
+so no policy and no swap decision has a second implementation here. Time
+advances only by steps and by idle jumps to the next arrival.
+
+A copy engine models the KV moves (FastServe §4.2): one host<->device link
+that moves ``block_transfer_time`` seconds per block, copies serialised in
+plan order (swap-outs, then swap-ins) and overlapping compute. The forward of
+a step waits, as the worker's compute stream does, for every copy of the
+previous step (a block freed by a swap-out is reused only once it has left;
+a prefetched request's KV has landed) and for this step's own swap-ins when it
+runs a request they bring back. That wait is the swap stall.
 """
 
 from __future__ import annotations
@@ -19,12 +25,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..kvcache.manager import KVCacheManager
-from .cost_model import CostModel, plan_shape
-from .policies import make_policy
-from .request_state import SeqState
-from .scheduler import Scheduler, SchedulerConfig
-from .workloads import Job
+from fluidserve.kvcache.manager import KVCacheManager
+from fluidserve.scheduler.cost_model import CostModel, plan_shape
+from fluidserve.scheduler.plan import StepOutcome
+from fluidserve.scheduler.policies import make_policy
+from fluidserve.scheduler.request_state import SeqState
+from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from fluidserve.scheduler.workloads import Job
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,11 @@ class SimConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    num_host_blocks: int = 0  # host KV pool (0: no host tier, recompute only)
+    preemption_mode: str = "swap"
+    proactive_swap: bool = True
+    max_swap_blocks_per_step: int | None = None
+    block_transfer_time: float = 0.0  # seconds to move one KV block over the host link
     check_integrity: bool = False  # kv.check_integrity() after every step (tests)
 
 
@@ -87,6 +99,7 @@ class SimResult:
     busy_time: float
     num_preemptions: int
     policy_stats: dict = field(default_factory=dict)
+    swap_stats: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         done = [r for r in self.records if r.finish_time is not None]
@@ -109,6 +122,7 @@ class SimResult:
             "utilization": self.busy_time / self.makespan if self.makespan > 0 else math.nan,
             "num_steps": self.num_steps,
             "num_preemptions": self.num_preemptions,
+            **self.swap_stats,
             **self.policy_stats,
         }
 
@@ -128,11 +142,12 @@ class Simulator:
         self.jobs = sorted(jobs, key=lambda j: j.arrival_time)  # stable
         self.cost = cost_model
         self.config = config
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size)
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.num_host_blocks)
         sched_cfg = SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             enable_chunked_prefill=config.enable_chunked_prefill, policy=policy,
-            policy_options=dict(policy_options or {}),
+            policy_options=dict(policy_options or {}), preemption_mode=config.preemption_mode,
+            proactive_swap=config.proactive_swap, max_swap_blocks_per_step=config.max_swap_blocks_per_step,
         )
         self.scheduler = Scheduler(sched_cfg, self.kv, make_policy(policy, cost_model=cost_model,
                                                                    **sched_cfg.policy_options))
@@ -145,6 +160,7 @@ class Simulator:
         if len(records) != len(self.jobs):
             raise ValueError("duplicate request ids in the workload")
         now, busy, steps, nxt = 0.0, 0.0, 0, 0
+        copies_done, swap_stall = 0.0, 0.0
         jobs = self.jobs
         while nxt < len(jobs) or sched.has_unfinished():
             while nxt < len(jobs) and jobs[nxt].arrival_time <= now:
@@ -161,16 +177,27 @@ class Simulator:
                     continue
                 raise RuntimeError(f"scheduler made no progress at t={now:.3f} with "
                                    f"{len(sched.seqs)} requests left")
-            step_time = self.cost.step_time(*plan_shape(plan, sched.seqs))
-            now += step_time
-            busy += step_time
+            start = now
+            wait_until = copies_done  # every copy of the previous step
+            copy_free = max(now, copies_done) + cfg.block_transfer_time * (len(plan.swap_out) + len(plan.swap_in))
+            running = {item.request_id for item in plan.scheduled}
+            if any(rid in running for rid in plan.swapped_in):
+                wait_until = copy_free  # reactive swap-in: this step reads it
+            copies_done = copy_free
+            stall = max(0.0, wait_until - now) if plan.scheduled else 0.0
+            compute = self.cost.step_time(*plan_shape(plan, sched.seqs))
+            if plan.scheduled:
+                now += stall + compute
+                busy += compute
+            else:  # only copies: time passes until they are done
+                now = max(now, copy_free)
+            swap_stall += stall
             steps += 1
-            sched.step_done(plan, step_time, now)
+            finished = []
             for item in plan.scheduled:
                 if not item.samples:
                     continue
                 seq = sched.seqs[item.request_id]
-                seq.num_output_tokens += 1
                 rec = records[item.request_id]
                 rec.num_emitted += 1
                 if rec.first_token_time is None:
@@ -178,10 +205,11 @@ class Simulator:
                 else:
                     rec.max_token_gap = max(rec.max_token_gap, now - rec.last_token_time)
                 rec.last_token_time = now
-                if seq.num_output_tokens >= seq.max_new_tokens:
+                if seq.num_output_tokens + 1 >= seq.max_new_tokens:
                     rec.finish_time = now
                     rec.num_preemptions = seq.num_preemptions
-                    sched.finish(item.request_id)
+                    finished.append(item.request_id)
+            sched.update_from_output(plan, StepOutcome(step_time=now - start, now=now, finished=finished))
             if cfg.check_integrity:
                 kv.check_integrity()
             if max_steps is not None and steps >= max_steps:
@@ -190,8 +218,13 @@ class Simulator:
         for attr in ("num_promotions", "num_demotions"):
             if hasattr(sched.policy, attr):
                 stats[attr] = getattr(sched.policy, attr)
+        c = sched.counters
+        swap_stats = {
+            "num_recomputes": c.num_recomputes, "num_swap_outs": c.num_swap_outs, "num_swap_ins": c.num_swap_ins,
+            "swap_blocks": c.swap_out_blocks + c.swap_in_blocks, "swap_stall_s": swap_stall,
+        }
         return SimResult(self.policy_name, list(records.values()), steps, now, busy,
-                         sched.num_preemptions, stats)
+                         sched.num_preemptions, stats, swap_stats)
 
 
 def simulate(jobs: list[Job], policy: str, cost_model: CostModel, config: SimConfig,

@@ -11,6 +11,7 @@ import pytest
 
 from fluidserve.kvcache.manager import KVCacheManager
 from fluidserve.scheduler.cost_model import LinearCoefficients, LinearCostModel
+from fluidserve.scheduler.plan import StepOutcome
 from fluidserve.scheduler.mlfq import MLFQPolicy, SkipJoinMLFQPolicy
 from fluidserve.scheduler.options import add_cli_args, options_from_args
 from fluidserve.scheduler.policies import POLICIES, FCFSPolicy, FixedPriorityPolicy, make_policy
@@ -186,10 +187,7 @@ def sched(policy: str = "skip-join-mlfq", blocks: int = 64, block_size: int = 4,
 
 def run_step(s: Scheduler, now: float):
     plan = s.schedule(now)
-    s.step_done(plan, DT, now + DT)
-    for item in plan.scheduled:
-        if item.samples:
-            s.seqs[item.request_id].num_output_tokens += 1
+    s.update_from_output(plan, StepOutcome(step_time=DT, now=now + DT))
     return plan
 
 

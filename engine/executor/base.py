@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from ..batch import ModelInput
+from fluidserve.engine.batch import ModelInput, StepResult
 
 
 class ExecutorError(RuntimeError):
@@ -13,12 +13,15 @@ class ExecutorError(RuntimeError):
 
 class Executor(ABC):
     num_kv_blocks: int  # device KV blocks every worker allocated
+    num_host_blocks: int  # host KV blocks every worker allocated (0: no swapping)
+    bytes_per_block: int  # one KV block, all ranks together (what a swap moves)
     eos_token_id: int | None
 
     @abstractmethod
-    def execute(self, inp: ModelInput) -> list:
-        """Run one step; returns the SampledToken of each sampling row, in order.
-        Raises ExecutorError when a worker cannot complete it."""
+    def execute(self, inp: ModelInput) -> StepResult:
+        """Run one step (its KV moves, then the forward); returns the sampled
+        token of each sampling row keyed by request id. Raises ExecutorError
+        when a worker cannot complete it."""
 
     def check_health(self) -> None:
         """Raise ExecutorError if a worker is dead."""

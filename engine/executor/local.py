@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..batch import ModelInput
-from ..worker import Worker
-from .base import Executor
+from fluidserve.engine.batch import ModelInput, StepResult
+from fluidserve.engine.executor.base import Executor
+from fluidserve.engine.worker import Worker
 
 
 class LocalExecutor(Executor):
@@ -13,11 +13,13 @@ class LocalExecutor(Executor):
             raise ValueError("tensor_parallel_size > 1 needs executor='ray'")
         self.worker = Worker(config, str(model_dir))
         self.num_kv_blocks = self.worker.available_kv_blocks()
-        self.worker.init_cache(self.num_kv_blocks)
+        self.num_host_blocks = self.worker.available_host_blocks()
+        self.bytes_per_block = self.worker.bytes_per_block()
+        self.worker.init_cache(self.num_kv_blocks, self.num_host_blocks)
         self.eos_token_id = self.worker.eos_token_id
 
-    def execute(self, inp: ModelInput) -> list:
+    def execute(self, inp: ModelInput) -> StepResult:
         return self.worker.execute(inp)
 
     def shutdown(self) -> None:
-        self.worker.kv_caches = []
+        self.worker.cache = None

@@ -3,10 +3,11 @@ rank's Worker.
 
 A step::
 
-    engine ── ModelInput ────────────────► rank 0 … rank N-1   every rank runs the step
+    engine ── ModelInput ────────────────► rank 0 … rank N-1   every rank swaps its own KV
+                                                                    shard, then runs the step
                                            ◄──── all-reduce / gather ────►  torch.distributed:
-    engine ◄── list[SampledToken] ─────── rank 0                NCCL on GPU, gloo on CPU
-           ◄── []  ─────────────────────── ranks 1..N-1
+    engine ◄── StepResult (tokens) ────── rank 0                NCCL on GPU, gloo on CPU
+           ◄── StepResult (no tokens) ─── ranks 1..N-1
 
 Activations never pass through the engine: the ranks exchange them among
 themselves. What crosses to and from the actors is plain data — the
@@ -43,7 +44,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..batch import ModelInput
+from ..batch import ModelInput, StepResult
 from ..config import EngineConfig
 from ..loader import build_model, load_hf_config
 from ..parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
@@ -101,13 +102,19 @@ class RayWorker:
     def available_kv_blocks(self) -> int:
         return self.worker.available_kv_blocks()
 
-    def init_cache(self, num_blocks: int) -> None:
-        self.worker.init_cache(num_blocks)
+    def bytes_per_block(self) -> int:
+        return self.worker.bytes_per_block()
+
+    def available_host_blocks(self) -> int:
+        return self.worker.available_host_blocks()
+
+    def init_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        self.worker.init_cache(num_blocks, num_host_blocks)
 
     def warm_up(self) -> None:
         self.worker.warm_up()
 
-    def execute(self, inp: ModelInput) -> list:
+    def execute(self, inp: ModelInput) -> StepResult:
         return self.worker.execute(inp)
 
     def ping(self) -> int:
@@ -212,7 +219,12 @@ class RayExecutor(Executor):
         # addresses them all.
         blocks = self._call([w.available_kv_blocks.remote() for w in self.workers], STARTUP_TIMEOUT_S, "KV sizing")
         self.num_kv_blocks = min(blocks)
-        self._call([w.init_cache.remote(self.num_kv_blocks) for w in self.workers], STARTUP_TIMEOUT_S, "KV allocation")
+        host = self._call([w.available_host_blocks.remote() for w in self.workers], STARTUP_TIMEOUT_S, "KV sizing")
+        self.num_host_blocks = min(host)
+        per_rank = self._call([self.workers[0].bytes_per_block.remote()], STARTUP_TIMEOUT_S, "KV sizing")[0]
+        self.bytes_per_block = per_rank * self.size
+        self._call([w.init_cache.remote(self.num_kv_blocks, self.num_host_blocks) for w in self.workers],
+                   STARTUP_TIMEOUT_S, "KV allocation")
         # Compiles the kernels and exercises every collective once, so that
         # neither counts against the first real step's timeout.
         self._call([w.warm_up.remote() for w in self.workers], STARTUP_TIMEOUT_S, "warm-up")
@@ -220,13 +232,15 @@ class RayExecutor(Executor):
                  self.num_kv_blocks)
 
     # -- steps ---------------------------------------------------------------
-    def execute(self, inp: ModelInput) -> list:
+    def execute(self, inp: ModelInput) -> StepResult:
         self._raise_if_failed()
         # Passed by value, not ray.put: a step's input is a few KB, which Ray
         # inlines into each call; a put object would cost every rank an extra
         # fetch from this process (measured: ~1.7 ms more per step at TP=2 on CPU).
         results = self._call([w.execute.remote(inp) for w in self.workers], self.step_timeout_s, "step")
-        return results[0]  # rank 0 samples; the others return []
+        # Rank 0 samples; every rank swapped its own head shard of the same blocks.
+        results[0].swap_stall_s = max(r.swap_stall_s for r in results)
+        return results[0]
 
     def check_health(self) -> None:
         self._raise_if_failed()

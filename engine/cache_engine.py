@@ -1,0 +1,125 @@
+"""CacheEngine: one worker's KV tensors, device pool and host pool, and the
+only code that moves KV between them (FastServe §4.2, the proactive KV
+manager's hands; the decisions are the scheduler's, as block maps).
+
+Layout, per layer, for K and for V::
+
+    device  [num_blocks,      block_size, num_kv_heads, head_dim]
+    host    [num_host_blocks, block_size, num_kv_heads, head_dim]   pinned on CUDA
+
+Under tensor parallelism every rank holds its own head shard in both pools
+and applies the same block maps, so no rank talks to another to swap.
+
+Ordering on CUDA (copies run on a side stream and overlap the forward):
+
+    step N:  compute waits for the copies of step N-1  (a block a swap-out freed
+                                                        is reused only once it
+                                                        has left; prefetched KV
+                                                        has landed)
+             copy stream waits for compute so far      (KV written by earlier
+                                                        steps is complete)
+             copy stream: swap-outs, then swap-ins; event E(N)
+             compute waits for E(N) only if the step runs a request swapped in
+             by this very step (a reactive swap-in: the swap stall)
+
+On CPU the same calls run as plain synchronous copies, so every test on this
+machine exercises the maps, the runs and the ordering of swap-outs before
+swap-ins.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (K, V)
+
+
+def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Coalesce ``(src, dst)`` block pairs into ``(src, dst, length)`` runs of
+    consecutive blocks on both sides, so a request whose blocks are adjacent
+    moves in one copy per layer instead of one per block."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in sorted(pairs):
+        if runs:
+            s, d, n = runs[-1]
+            if src == s + n and dst == d + n:
+                runs[-1] = (s, d, n + 1)
+                continue
+        runs.append((src, dst, 1))
+    return runs
+
+
+class CacheEngine:
+    def __init__(
+        self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        device: torch.device, num_blocks: int, num_host_blocks: int = 0,
+    ) -> None:
+        self.device = device
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.device_caches: KVCaches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+        self.host_caches: KVCaches = []
+        if num_host_blocks:
+            host_shape = (num_host_blocks, block_size, num_kv_heads, head_dim)
+            pin = device.type == "cuda"
+            try:
+                self.host_caches = [
+                    (torch.empty(host_shape, dtype=dtype, pin_memory=pin),
+                     torch.empty(host_shape, dtype=dtype, pin_memory=pin))
+                    for _ in range(num_layers)
+                ]
+            except RuntimeError as e:
+                gib = 2 * num_layers * torch.empty(host_shape, dtype=dtype, device="meta").nbytes / 2**30
+                raise ValueError(f"swap_space: cannot {'pin' if pin else 'allocate'} {gib:.2f} GiB of host "
+                                 f"memory for {num_host_blocks} host KV blocks ({e}); lower --swap-space") from e
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._last_copies: torch.cuda.Event | None = None
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_caches[0][0].shape[0] if self.host_caches else 0
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], wait: bool) -> float:
+        """Issue one step's moves: ``swap_out`` (device block, host block)
+        pairs, then ``swap_in`` (host block, device block) pairs. ``wait``:
+        the coming forward reads blocks that ``swap_in`` fills. Returns the
+        seconds the caller was held up by copies (the swap stall)."""
+        if (swap_out or swap_in) and not self.host_caches:
+            raise ValueError("a swap was planned but this worker has no host KV pool")
+        if self._copy_stream is None:
+            t0 = time.perf_counter()
+            self._copy(swap_out, self.device_caches, self.host_caches)
+            self._copy(swap_in, self.host_caches, self.device_caches)
+            return time.perf_counter() - t0
+        compute = torch.cuda.current_stream(self.device)
+        if self._last_copies is not None:
+            compute.wait_event(self._last_copies)
+            self._last_copies = None
+        if not (swap_out or swap_in):
+            return 0.0
+        self._copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self._copy_stream):
+            self._copy(swap_out, self.device_caches, self.host_caches)
+            self._copy(swap_in, self.host_caches, self.device_caches)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        self._last_copies = done
+        if not wait:
+            return 0.0
+        # The forward reads what the swap-ins bring: it cannot start before they land.
+        t0 = time.perf_counter()
+        done.synchronize()
+        return time.perf_counter() - t0
+
+    @staticmethod
+    def _copy(pairs: list[tuple[int, int]], src: KVCaches, dst: KVCaches) -> None:
+        if not pairs:
+            return
+        for s, d, n in block_runs(pairs):
+            for (sk, sv), (dk, dv) in zip(src, dst):
+                dk[d:d + n].copy_(sk[s:s + n], non_blocking=True)
+                dv[d:d + n].copy_(sv[s:s + n], non_blocking=True)
