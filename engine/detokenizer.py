@@ -50,6 +50,11 @@ class TextStream:
         self._backend_decode = backend.decode if backend is not None else None
         self._params = params
         self._skip_special = params.skip_special_tokens
+        # Spaced specials decode run by run: plain text between special tokens,
+        # each special token on its own, joined by spaces.
+        self._special_ids = (frozenset(getattr(tokenizer, "all_special_ids", ()))
+                             if params.spaces_between_special_tokens and not params.skip_special_tokens
+                             else frozenset())
         self._stops = list(params.stop)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         # The decode window: a little prompt for context, then every output
@@ -126,6 +131,26 @@ class TextStream:
     # ------------------------------------------------------------ decoding
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._special_ids:
+            return self._decode_spaced(token_ids)
+        return self._decode_plain(token_ids)
+
+    def _decode_spaced(self, token_ids: list[int]) -> str:
+        parts: list[str] = []
+        run: list[int] = []
+        for t in token_ids:
+            if t in self._special_ids:
+                if run:
+                    parts.append(self._decode_plain(run))
+                    run = []
+                parts.append(self._decode_plain([t]))
+            else:
+                run.append(t)
+        if run:
+            parts.append(self._decode_plain(run))
+        return " ".join(parts)
+
+    def _decode_plain(self, token_ids: list[int]) -> str:
         if self._backend_decode is not None:
             return self._backend_decode(token_ids, skip_special_tokens=self._skip_special)
         return self._tokenizer.decode(

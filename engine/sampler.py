@@ -1,8 +1,9 @@
 """Sampler: one step's logits in, one next token (and its logprobs) per row out.
 
 Owns the per-step sampling pipeline and nothing else: logprobs of the raw
-distribution, min_tokens masking, repetition / presence / frequency penalties,
-then greedy argmax or temperature -> top_k -> top_p -> min_p -> draw. Rows are
+distribution, allowed_token_ids / logit_bias / bad_words, min_tokens masking,
+repetition / presence / frequency penalties, then greedy argmax or
+temperature -> top_k -> top_p -> min_p -> draw. Rows are
 independent sequences; each may carry its own ``torch.Generator`` so a seeded
 request draws the same token whatever else shares its batch.
 
@@ -66,6 +67,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
     if any(row.params.logprobs is not None for row in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)  # [R, V]
 
+    _apply_allowed_and_bias(logits, rows)
+    _mask_bad_words(logits, rows)
     _mask_stop_tokens_before_min(logits, rows, eos_token_id)
     _apply_repetition_penalty(logits, rows)
     _apply_presence_frequency_penalties(logits, rows)
@@ -77,6 +80,50 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
 
 
 # ---------------------------------------------------------------- logits stages
+
+
+def _apply_allowed_and_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """allowed_token_ids: every other token to -inf; logit_bias: added to the
+    named tokens' logits. Both gathered into one index list for the batch."""
+    vocab = logits.shape[1]
+    allowed = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    if allowed:
+        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=logits.device)  # [A, V]
+        row_of = [r for r, i in enumerate(allowed) for t in rows[i].params.allowed_token_ids if t < vocab]
+        toks = [t for i in allowed for t in rows[i].params.allowed_token_ids if t < vocab]
+        if toks:
+            keep[_index(row_of, logits), _index(toks, logits)] = True
+        sel_t = _index(allowed, logits)
+        logits[sel_t] = logits[sel_t].masked_fill(~keep, float("-inf"))
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    bias: list[float] = []
+    for i, row in enumerate(rows):
+        for tok, value in (row.params.logit_bias or {}).items():
+            if tok < vocab:
+                row_idx.append(i)
+                tok_idx.append(tok)
+                bias.append(value)
+    if row_idx:
+        logits.index_put_((_index(row_idx, logits), _index(tok_idx, logits)),
+                          torch.tensor(bias, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
+def _mask_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Ban the last token of each bad word whose other tokens end the output
+    so far (a one-token word is always banned)."""
+    vocab = logits.shape[1]
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for i, row in enumerate(rows):
+        out = row.output_token_ids
+        for word in row.params.bad_words_token_ids:
+            head, last = word[:-1], word[-1]
+            if last < vocab and (not head or (len(out) >= len(head) and out[len(out) - len(head):] == head)):
+                row_idx.append(i)
+                tok_idx.append(last)
+    if row_idx:
+        logits[_index(row_idx, logits), _index(tok_idx, logits)] = float("-inf")
 
 
 def _mask_stop_tokens_before_min(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None) -> None:

@@ -33,12 +33,25 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # With special tokens kept: a space between each special token and its
+    # neighbours. Off by default, which is how fast tokenizers decode.
+    spaces_between_special_tokens: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    # Token sequences that may not be generated: the last token of each is
+    # banned wherever the output already ends with the ones before it.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids or [] if w]
         if self.top_k == 0:
             self.top_k = -1
         self.validate()
@@ -88,3 +101,15 @@ class SamplingParams:
             raise bad("stop", "sequences must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias is not None:
+            if any(t < 0 for t in self.logit_bias):
+                raise bad("logit_bias", "keys must be non-negative token ids")
+            if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+                raise bad("logit_bias", "values must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "must not be empty")
+            if any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "must be non-negative integers")
+        if any(not isinstance(t, int) or t < 0 for w in self.bad_words_token_ids for t in w):
+            raise bad("bad_words", "token ids must be non-negative integers")

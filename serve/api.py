@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from ..engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
 from ..engine.outputs import RequestOutput
 from .errors import APIError, error_body, from_validation_error, from_value_error, install_handlers
-from .inputs import EngineInputs, InputProcessor, ModelInfo, check_model
+from .inputs import EngineInputs, InputProcessor, ModelInfo, check_model, log_request
 from .metrics import RequestTimer, ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
@@ -168,13 +168,15 @@ class _Server:
         check_model(req.model, self.model)
         inputs = self.processor.completion(req)
         self.admit_capacity(len(inputs.prompts))
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = f"cmpl-{req.request_id or uuid.uuid4().hex}"
+        if self.settings.log_requests:
+            log_request(rid, inputs, self.settings.max_log_len)
         timers = [RequestTimer(self.metrics) for _ in inputs.prompts]
         streams = await self.submit(rid, inputs)
         top_n = req.logprobs
         if req.stream:
             streamer = CompletionStreamer(rid, self.model.name, inputs.prompts, n=req.n, echo=req.echo,
-                                          top_n=top_n, decode=self.decode)
+                                          top_n=top_n, decode=self.decode, continuous_usage=req.continuous_usage)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self.sse(self._completion_events(streams, timers, streamer, inputs, include_usage))
         finals = await self.until_disconnect(request, self.collect(streams, timers), streams)
@@ -189,12 +191,15 @@ class _Server:
         check_model(req.model, self.model)
         inputs = self.processor.chat(req)
         self.admit_capacity(1)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
+        if self.settings.log_requests:
+            log_request(rid, inputs, self.settings.max_log_len)
         timers = [RequestTimer(self.metrics)]
         streams = await self.submit(rid, inputs)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         if req.stream:
-            streamer = ChatStreamer(rid, self.model.name, top_n=top_n, decode=self.decode)
+            streamer = ChatStreamer(rid, self.model.name, top_n=top_n, decode=self.decode,
+                                    prompt=inputs.prompts[0] if req.continuous_usage else None)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self.sse(self._chat_events(streams, timers, streamer, inputs, include_usage))
         finals = await self.until_disconnect(request, self.collect(streams, timers), streams)

@@ -5,16 +5,22 @@ Owns tokenization on the frontend (so it never runs on the engine loop), chat
 template rendering, and the checks that need the model: token ids inside the
 vocabulary, prompt plus ``max_tokens`` within ``max_model_len``. Every failure
 is an ``APIError`` 400 naming its parameter.
+
+Sampling fields a request leaves unset take the model's defaults from its
+``generation_config.json`` (``ModelInfo.sampling_defaults``), then vLLM's.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.sampling_params import SamplingParams
 from .errors import APIError, bad_request, from_value_error
 from .protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+logger = logging.getLogger("fluidserve.serve")
 
 
 @dataclass(frozen=True)
@@ -56,25 +62,28 @@ class InputProcessor:
     def completion(self, req: CompletionRequest) -> EngineInputs:
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
-        prompts = [self._prompt(p) for p in req.prompts()]
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        prompts = [self._truncate(self._prompt(p, add_special), req.truncate_prompt_tokens) for p in req.prompts()]
         max_tokens = self._max_tokens(prompts, req.max_tokens, "prompt")
         return EngineInputs(prompts, self._params(req, max_tokens, req.logprobs), req.klass)
 
     def chat(self, req: ChatCompletionRequest) -> EngineInputs:
         text = self._render_chat(req)
-        prompt = Prompt(self._encode(text, add_special_tokens=False), text)
+        # The template already wrote the special tokens it wants.
+        prompt = Prompt(self._encode(text, add_special_tokens=bool(req.add_special_tokens)), text)
         if not prompt.token_ids:
             raise bad_request("messages render to an empty prompt", "messages")
+        prompt = self._truncate(prompt, req.truncate_prompt_tokens)
         max_tokens = self._max_tokens([prompt], req.max_new_tokens, "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         return EngineInputs([prompt], self._params(req, max_tokens, top_n), req.klass)
 
     # -- pieces -------------------------------------------------------------
-    def _prompt(self, p: str | list[int]) -> Prompt:
+    def _prompt(self, p: str | list[int], add_special_tokens: bool = True) -> Prompt:
         if isinstance(p, str):
             if not p:
                 raise bad_request("prompt must not be empty", "prompt")
-            return Prompt(self._encode(p, add_special_tokens=True), p)
+            return Prompt(self._encode(p, add_special_tokens=add_special_tokens), p)
         if not p:
             raise bad_request("prompt must not be empty", "prompt")
         vocab = self.model.vocab_size
@@ -82,6 +91,17 @@ class InputProcessor:
         if bad is not None:
             raise bad_request(f"prompt contains token id {bad} outside the vocabulary [0, {vocab})", "prompt")
         return Prompt(list(p), self.tokenizer.decode(p))
+
+    def _truncate(self, prompt: Prompt, keep: int | None) -> Prompt:
+        """``truncate_prompt_tokens``: the last ``keep`` tokens (-1: as many as
+        the context holds); the echoed text becomes theirs."""
+        if keep is None:
+            return prompt
+        keep = self.model.max_model_len if keep == -1 else keep
+        if len(prompt.token_ids) <= keep:
+            return prompt
+        ids = prompt.token_ids[-keep:]
+        return Prompt(ids, self.tokenizer.decode(ids))
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -117,25 +137,83 @@ class InputProcessor:
         return asked
 
     def _params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        defaults = self.model.sampling_defaults
+
+        def pick(name: str, fallback: float) -> Any:
+            value = getattr(req, name)
+            return value if value is not None else defaults.get(name, fallback)
+
         try:
             return SamplingParams(
                 n=req.n,
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=req.top_k,
-                min_p=req.min_p,
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=int(pick("top_k", -1)),
+                min_p=pick("min_p", 0.0),
                 seed=req.seed,
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty,
+                repetition_penalty=pick("repetition_penalty", 1.0),
                 logprobs=logprobs,
                 stop=req.stop_list,
+                stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+                logit_bias=self._logit_bias(req.logit_bias),
+                allowed_token_ids=self._in_vocab(req.allowed_token_ids, "allowed_token_ids"),
+                bad_words_token_ids=self._bad_words(req.bad_words),
             )
         except ValueError as exc:
             raise from_value_error(exc) from None
+
+    def _in_vocab(self, ids: list[int] | None, param: str) -> list[int] | None:
+        if ids is None:
+            return None
+        vocab = self.model.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param)
+        return ids
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's ``{"token id as a string": bias}`` with ids checked."""
+        if not bias:
+            return None
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias: key {key[:32]!r} is not a token id", "logit_bias") from None
+            self._in_vocab([tok], "logit_bias")
+            out[tok] = value
+        return out
+
+    def _bad_words(self, words: list[str] | None) -> list[list[int]]:
+        """Each word as it tokenizes alone and after a space (mid-sentence
+        form), so both spellings are banned."""
+        out: list[list[int]] = []
+        for word in words or []:
+            for form in (word.lstrip(), " " + word.lstrip()):
+                ids = self._encode(form, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+
+def log_request(request_id: str, inputs: EngineInputs, max_log_len: int | None) -> None:
+    """``--enable-log-requests``: one info line per request, the prompt cut
+    to ``max_log_len`` characters and token ids."""
+    for i, prompt in enumerate(inputs.prompts):
+        text, ids = prompt.text, prompt.token_ids
+        if max_log_len is not None:
+            text, ids = text[:max_log_len], ids[:max_log_len]
+        logger.info("request %s%s: class %s, params %s, prompt %r, prompt_token_ids %s", request_id,
+                    f"-{i}" if len(inputs.prompts) > 1 else "", inputs.klass, inputs.params, text, ids)
 
 
 def check_model(requested: str | None, served: ModelInfo) -> None:

@@ -5,18 +5,29 @@ Pydantic lives here and in ``api.py`` only. These models describe JSON on the
 wire; turning a request into engine inputs is ``inputs.py``'s job, turning
 engine outputs into responses is ``render.py``'s. Field bounds are checked
 here so a bad value is a 400 naming its parameter before the engine sees it.
+
+No request field is silently dropped. Every field OpenAI or vLLM defines for
+the two generation endpoints is either a model field here (implemented) or in
+a ``_REFUSED`` table: sent with anything but its "off" value it is a 400 whose
+``param`` names it. A key neither knows is logged as a warning and ignored,
+as the official API tolerates newer clients.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from ..engine.sampling_params import MAX_LOGPROBS, MAX_STOP_SEQUENCES
 
 MAX_N = 16  # completions per prompt
+MAX_LOGIT_BIAS = 300  # entries of logit_bias
+MAX_BAD_WORDS = 64
+
+logger = logging.getLogger("fluidserve.serve")
 
 
 class _Wire(BaseModel):
@@ -41,8 +52,102 @@ class ErrorResponse(_Wire):
 # -- requests -----------------------------------------------------------------
 
 
-class StreamOptions(_Wire):
+def _off(*values: Any) -> Callable[[Any], bool]:
+    """A refused field's harmless values: None, empty, or one of ``values``."""
+    return lambda v: v is None or v in values or (isinstance(v, (list, dict, str)) and not v)
+
+
+def _text_format(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and v.get("type") == "text" and len(v) == 1)
+
+
+# Fields both endpoints know but do not implement -> which values mean "off".
+_REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
+    "response_format": _text_format,
+    "prompt_logprobs": _off(),
+    "use_beam_search": _off(False),
+    "length_penalty": _off(1.0),
+    "logits_processors": _off(),
+    "return_tokens_as_token_ids": _off(False),
+    "return_token_ids": _off(False),
+    "cache_salt": _off(),
+    "kv_transfer_params": _off(),
+    "vllm_xargs": _off(),
+    "prompt_embeds": _off(),
+    "mm_processor_kwargs": _off(),
+    "guided_json": _off(),
+    "guided_regex": _off(),
+    "guided_choice": _off(),
+    "guided_grammar": _off(),
+    "guided_decoding_backend": _off(),
+    "guided_whitespace_pattern": _off(),
+    "structural_tag": _off(),
+    "structured_outputs": _off(),
+    "store": _off(False),  # nothing is stored, so metadata has no use either
+    "metadata": _off(),
+    "service_tier": _off("auto", "default"),
+    "suffix": _off(),
+}
+_REFUSED_CHAT: dict[str, Callable[[Any], bool]] = {
+    **_REFUSED_COMMON,
+    "tools": _off(),
+    "tool_choice": _off("none"),
+    "functions": _off(),
+    "function_call": _off("none"),
+    "audio": _off(),
+    "modalities": lambda v: v is None or v == ["text"],
+    "prediction": _off(),
+    "web_search_options": _off(),
+    "reasoning_effort": _off(),
+    "verbosity": _off(),
+    "chat_template": _off(),
+    "chat_template_kwargs": _off(),
+    "continue_final_message": _off(False),
+    "documents": _off(),
+    "echo": _off(False),
+}
+_REFUSED_MESSAGE: dict[str, Callable[[Any], bool]] = {
+    "tool_calls": _off(),
+    "tool_call_id": _off(),
+    "function_call": _off(),
+    "audio": _off(),
+    "refusal": _off(),
+    "reasoning_content": _off(),
+}
+_REFUSED_STREAM_OPTIONS: dict[str, Callable[[Any], bool]] = {"include_obfuscation": _off(False)}
+
+
+class _Request(BaseModel):
+    """A request body: known-but-unimplemented fields are refused by name,
+    unknown ones logged and dropped (see the module docstring)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        unknown = []
+        for key, value in data.items():
+            if key in known:
+                continue
+            harmless = cls._REFUSED.get(key)
+            if harmless is None:
+                unknown.append(key)
+            elif not harmless(value):
+                raise ValueError(f"{key}: is not supported by this server")
+        if unknown:
+            logger.warning("%s: ignoring unknown field(s) %s", cls.__name__, ", ".join(map(repr, unknown[:16])))
+        return data
+
+
+class StreamOptions(_Request):
+    _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = _REFUSED_STREAM_OPTIONS
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage on every chunk, not only the last
 
 
 Prob = Annotated[float, Field(ge=0.0, le=2.0)]
@@ -50,27 +155,44 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 RequestClassName = Literal["online", "offline"]
 
 
-class _SamplingFields(_Wire):
+class _SamplingFields(_Request):
     """Parameters both endpoints share, with OpenAI's bounds."""
 
     model: str | None = None
     temperature: Prob | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # only best_of == n: no ranking by score
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    # Identify the end user for the client's own records; no effect on generation.
     user: str | None = None
-    # Extensions beyond OpenAI's API.
-    top_k: Annotated[int, Field(ge=-1)] = -1
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # a cache-routing hint; prefix reuse never depends on it
+    parallel_tool_calls: bool | None = None  # tools are refused, so there are never calls to parallelise
+    # Extensions beyond OpenAI's API (vLLM's names and meanings).
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
-    priority: RequestClassName | None = None
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = False
+    allowed_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
+    bad_words: Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=MAX_BAD_WORDS)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None  # keep the last k; -1: max_model_len
+    add_special_tokens: bool | None = None
+    request_id: Annotated[StrictStr, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
+    # vLLM's int (lower runs first, default 0), or our class name.
+    priority: StrictInt | RequestClassName | None = None
     request_class: RequestClassName | None = Field(default=None, alias="class")
 
     @model_validator(mode="after")
@@ -79,13 +201,31 @@ class _SamplingFields(_Wire):
             raise ValueError("stop: sequences must be non-empty strings")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
-        if self.priority and self.request_class and self.priority != self.request_class:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of equal to n is supported (no ranking by score)")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens: must be -1 or at least 1")
+        if self.priority is not None and self.request_class and self._priority_class != self.request_class:
             raise ValueError("priority: conflicts with class")
         return self
 
     @property
+    def _priority_class(self) -> str | None:
+        # vLLM's int priority onto our two classes: the default 0 and anything
+        # more urgent stay online; a positive (later) priority runs offline,
+        # behind every online request.
+        if isinstance(self.priority, int):
+            return "online" if self.priority <= 0 else "offline"
+        return self.priority
+
+    @property
     def klass(self) -> str:
-        return self.priority or self.request_class or "online"
+        return self._priority_class or self.request_class or "online"
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage
+                    and self.stream_options.continuous_usage_stats)
 
     @property
     def stop_list(self) -> list[str]:
@@ -98,19 +238,17 @@ TokenIds = list[StrictInt]
 
 
 class CompletionRequest(_SamplingFields):
+    _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = _REFUSED_COMMON
     # A string, a list of strings, a list of token ids, or a list of those.
     prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
-    suffix: str | None = None
 
     @model_validator(mode="after")
     def _check_prompt(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt: must not be empty")
-        if self.suffix:
-            raise ValueError("suffix: is not supported")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -128,7 +266,8 @@ class TextPart(_Wire):
     text: str
 
 
-class ChatMessage(_Wire):
+class ChatMessage(_Request):
+    _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = _REFUSED_MESSAGE
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -148,6 +287,7 @@ class ChatMessage(_Wire):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = _REFUSED_CHAT
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -187,6 +327,7 @@ class CompletionChoice(_Wire):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or token id that ended it (None: EOS or length)
 
 
 def _now() -> int:
@@ -227,6 +368,7 @@ class ChatChoice(_Wire):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(_Wire):
@@ -249,6 +391,7 @@ class ChatChunkChoice(_Wire):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(_Wire):

@@ -40,6 +40,12 @@ def finish_reason(co: CompletionOutput) -> str | None:
     return co.finish_reason if co.finish_reason in (None, "stop", "length") else "stop"
 
 
+def stop_reason(co: CompletionOutput) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended the
+    choice; None when it ended on EOS, on length, or has not ended."""
+    return co.stop_reason if co.finish_reason == "stop" else None
+
+
 # -- logprobs -----------------------------------------------------------------
 
 
@@ -100,8 +106,8 @@ def completion_choices(prompts: list[Prompt], finals: list[RequestOutput], *, n:
             logprobs = None
             if top_n is not None:
                 logprobs = completion_logprobs(co.token_ids, co.logprobs, top_n, len(head), decode)
-            choices.append(CompletionChoice(index=i * n + co.index, text=head + co.text,
-                                            logprobs=logprobs, finish_reason=finish_reason(co)))
+            choices.append(CompletionChoice(index=i * n + co.index, text=head + co.text, logprobs=logprobs,
+                                            finish_reason=finish_reason(co), stop_reason=stop_reason(co)))
     return choices
 
 
@@ -110,7 +116,7 @@ def chat_choices(final: RequestOutput, *, top_n: int | None, decode: Decode) -> 
     for co in sorted(final.outputs, key=lambda c: c.index):
         logprobs = chat_logprobs(co.token_ids, co.logprobs, top_n, decode) if top_n is not None else None
         choices.append(ChatChoice(index=co.index, message=ChatResponseMessage(content=co.text),
-                                  logprobs=logprobs, finish_reason=finish_reason(co)))
+                                  logprobs=logprobs, finish_reason=finish_reason(co), stop_reason=stop_reason(co)))
     return choices
 
 
@@ -138,9 +144,10 @@ class CompletionStreamer:
     """Turns the outputs of one /v1/completions request into chunks."""
 
     def __init__(self, request_id: str, model: str, prompts: list[Prompt], *, n: int, echo: bool,
-                 top_n: int | None, decode: Decode) -> None:
+                 top_n: int | None, decode: Decode, continuous_usage: bool = False) -> None:
         self.id, self.model, self.prompts = request_id, model, prompts
         self.n, self.echo, self.top_n, self.decode = n, echo, top_n, decode
+        self.continuous_usage = continuous_usage  # usage of the chunk's prompt on every chunk
         self.track = _ChoiceTracker()
 
     def chunk(self, prompt_index: int, out: RequestOutput) -> CompletionChunk | None:
@@ -160,8 +167,13 @@ class CompletionStreamer:
             if co.finish_reason:
                 self.track.finished.add(index)
             choices.append(CompletionChoice(index=index, text=head + co.text_delta, logprobs=logprobs,
-                                            finish_reason=finish_reason(co)))
-        return CompletionChunk(id=self.id, model=self.model, choices=choices) if choices else None
+                                            finish_reason=finish_reason(co), stop_reason=stop_reason(co)))
+        if not choices:
+            return None
+        usage = None
+        if self.continuous_usage:
+            usage = make_usage([self.prompts[prompt_index]], out.num_generated_tokens)
+        return CompletionChunk(id=self.id, model=self.model, choices=choices, usage=usage)
 
     def usage_chunk(self, usage: Usage) -> CompletionChunk:
         return CompletionChunk(id=self.id, model=self.model, choices=[], usage=usage)
@@ -170,8 +182,10 @@ class CompletionStreamer:
 class ChatStreamer:
     """Turns the outputs of one /v1/chat/completions request into chunks."""
 
-    def __init__(self, request_id: str, model: str, *, top_n: int | None, decode: Decode) -> None:
+    def __init__(self, request_id: str, model: str, *, top_n: int | None, decode: Decode,
+                 prompt: Prompt | None = None) -> None:
         self.id, self.model, self.top_n, self.decode = request_id, model, top_n, decode
+        self.prompt = prompt  # given: usage on every chunk (continuous_usage_stats)
         self.track = _ChoiceTracker()
 
     def chunk(self, out: RequestOutput) -> list[ChatCompletionChunk]:
@@ -179,18 +193,19 @@ class ChatStreamer:
         for co in out.outputs:
             if not self.track.news(co, co.index, self.top_n is not None):
                 continue
+            usage = make_usage([self.prompt], out.num_generated_tokens) if self.prompt is not None else None
             if co.index not in self.track.started:
                 self.track.started.add(co.index)
                 first = ChatChunkChoice(index=co.index, delta=ChatDelta(role="assistant", content=""))
-                chunks.append(ChatCompletionChunk(id=self.id, model=self.model, choices=[first]))
+                chunks.append(ChatCompletionChunk(id=self.id, model=self.model, choices=[first], usage=usage))
             logprobs = None
             if self.top_n is not None:
                 logprobs = chat_logprobs(co.new_token_ids, co.new_logprobs, self.top_n, self.decode)
             if co.finish_reason:
                 self.track.finished.add(co.index)
             choice = ChatChunkChoice(index=co.index, delta=ChatDelta(content=co.text_delta or None),
-                                     logprobs=logprobs, finish_reason=finish_reason(co))
-            chunks.append(ChatCompletionChunk(id=self.id, model=self.model, choices=[choice]))
+                                     logprobs=logprobs, finish_reason=finish_reason(co), stop_reason=stop_reason(co))
+            chunks.append(ChatCompletionChunk(id=self.id, model=self.model, choices=[choice], usage=usage))
         return chunks
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
