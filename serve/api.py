@@ -15,7 +15,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -68,14 +68,19 @@ class ClientGone(Exception):
 
 
 def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
-              settings: ServerSettings | None = None) -> FastAPI:
+              settings: ServerSettings | None = None, batch_config: Any = None) -> FastAPI:
+    """``batch_config`` (a ``batches.BatchConfig``) enables the durable Batch API."""
+    from .batches import install_batch_api
+
     settings = settings or ServerSettings()
     server = _Server(engine, InputProcessor(tokenizer, model), model, settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        batch_runner.start()
         yield
+        await batch_runner.stop()
         await engine.shutdown()
 
     app = FastAPI(title="fluidserve", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -94,6 +99,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
     app.add_api_route("/version", server.version, methods=["GET"])
+    batch_runner = install_batch_api(app, server, batch_config, auth)
     return app
 
 
@@ -108,6 +114,7 @@ class _Server:
         self.settings = settings
         self.state = ServerState()
         self.metrics = ServerMetrics()
+        self.offline_queued: Callable[[], int] = lambda: 0  # set by the batch runner
         self.decode = lambda token_id: processor.tokenizer.decode([token_id])
 
     # -- edge checks --------------------------------------------------------
@@ -127,14 +134,7 @@ class _Server:
             data = json.loads(body)
         except (ValueError, RecursionError):
             raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object", code="invalid_json")
-        try:
-            return model_cls.model_validate(data)
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
-        except RecursionError:
-            raise APIError(400, "request body is nested too deeply") from None
+        return validate_body(data, model_cls)
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
@@ -159,7 +159,9 @@ class _Server:
         health = self.engine.health()
         if not health.ok:
             raise APIError(503, f"engine unavailable: {health.reason}", code="engine_unavailable", headers=retry)
-        if self.engine.num_queued + num_requests > self.settings.max_queued_requests:
+        # Batch lines are bounded by the batch runner: they never take online places.
+        online_queued = self.engine.num_queued - self.offline_queued()
+        if online_queued + num_requests > self.settings.max_queued_requests:
             raise APIError(429, "too many queued requests; retry later", code="queue_full", headers=retry)
 
     # -- generation routes --------------------------------------------------
@@ -180,11 +182,14 @@ class _Server:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self.sse(self._completion_events(streams, timers, streamer, inputs, include_usage))
         finals = await self.until_disconnect(request, self.collect(streams, timers), streams)
-        choices = completion_choices(inputs.prompts, finals, n=req.n, echo=req.echo, top_n=top_n,
+        return JSONResponse(self.completion_body(rid, req, inputs, finals).model_dump(mode="json"))
+
+    def completion_body(self, rid: str, req: CompletionRequest, inputs: EngineInputs,
+                        finals: list[RequestOutput]) -> CompletionResponse:
+        choices = completion_choices(inputs.prompts, finals, n=req.n, echo=req.echo, top_n=req.logprobs,
                                      decode=self.decode)
         usage = make_usage(inputs.prompts, sum(o.num_generated_tokens for o in finals))
-        body = CompletionResponse(id=rid, model=self.model.name, choices=choices, usage=usage)
-        return JSONResponse(body.model_dump(mode="json"))
+        return CompletionResponse(id=rid, model=self.model.name, choices=choices, usage=usage)
 
     async def chat(self, request: Request) -> Response:
         req = await self.parse(request, ChatCompletionRequest)
@@ -203,11 +208,15 @@ class _Server:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self.sse(self._chat_events(streams, timers, streamer, inputs, include_usage))
         finals = await self.until_disconnect(request, self.collect(streams, timers), streams)
+        return JSONResponse(self.chat_body(rid, req, inputs, finals).model_dump(mode="json"))
+
+    def chat_body(self, rid: str, req: ChatCompletionRequest, inputs: EngineInputs,
+                  finals: list[RequestOutput]) -> ChatCompletionResponse:
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
         usage = make_usage(inputs.prompts, finals[0].num_generated_tokens)
-        body = ChatCompletionResponse(id=rid, model=self.model.name,
+        return ChatCompletionResponse(id=rid, model=self.model.name,
                                       choices=chat_choices(finals[0], top_n=top_n, decode=self.decode),
                                       usage=usage)
-        return JSONResponse(body.model_dump(mode="json"))
 
     # -- engine plumbing ----------------------------------------------------
     async def submit(self, rid: str, inputs: EngineInputs) -> list[RequestStream]:
@@ -335,6 +344,18 @@ class _Server:
 
 
 # -- helpers ------------------------------------------------------------------
+
+
+def validate_body(data: Any, model_cls: type[M]) -> M:
+    """A decoded JSON body as ``model_cls``; a 400 naming the bad field."""
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply") from None
 
 
 async def _client_gone(_: Request, __: Exception) -> Response:

@@ -162,6 +162,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests waiting for their first token before new ones get 429")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
+    s.add_argument("--data-dir", default=None,
+                   help="directory of the Batch API's SQLite store (files, batches, results); "
+                        "omitted: /v1/files and /v1/batches are disabled")
+    s.add_argument("--batch-max-in-flight", type=int, default=64,
+                   help="batch lines in the engine at once (offline requests; online ones never wait on them)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     s.add_argument("--watchdog-timeout", type=float, default=60.0,
@@ -297,8 +302,16 @@ def run_serve(args: argparse.Namespace) -> int:
                               max_queued_requests=args.max_queued_requests,
                               allowed_origins=tuple(args.allowed_origins or ()),
                               log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
-    app = build_app(AsyncEngine(engine, stall_timeout=args.watchdog_timeout),
-                    frontend_tokenizer(engine, chat_template), info, settings)
+    from .batches import BatchConfig
+    from .store import StoreError
+
+    batch_config = BatchConfig(args.data_dir, max_in_flight=args.batch_max_in_flight) if args.data_dir else None
+    try:
+        app = build_app(AsyncEngine(engine, stall_timeout=args.watchdog_timeout),
+                        frontend_tokenizer(engine, chat_template), info, settings, batch_config=batch_config)
+    except StoreError as exc:  # corrupt or unwritable: say so, touch nothing
+        print(f"fluidserve serve: {exc}", file=sys.stderr)
+        return 2
     server = make_server(app, args.host, args.port, drain_timeout=args.drain_timeout,
                          log_level=args.uvicorn_log_level or args.log_level)
     if args.ssl_keyfile:

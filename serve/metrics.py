@@ -131,6 +131,12 @@ class ServerMetrics:
         self.healthy = Gauge(f"{PREFIX}_engine_healthy", "1 while the engine loop is alive and stepping",
                              registry=r)
         self.rate = TokenRate()
+        # Batch API (serve/batches.py): offline work beside the online latencies above.
+        self.batches = Gauge(f"{PREFIX}_batches", "Batches by status", ["status"], registry=r)
+        self.offline_in_flight = Gauge(f"{PREFIX}_offline_requests_in_flight",
+                                       "Batch lines in the engine now", registry=r)
+        self.offline_tokens = Counter(f"{PREFIX}_offline_generation_tokens",
+                                      "Tokens generated for batch lines", registry=r)
         Gauge(f"{PREFIX}_generation_tokens_per_second", f"Tokens generated per second over the last "
               f"{RATE_WINDOW_S:.0f} s", registry=r).set_function(self.rate.rate)
         self.engine = EngineStatsCollector()

@@ -427,3 +427,27 @@ class ModelList(_Wire):
 
 def dump(model: BaseModel) -> dict[str, Any]:
     return model.model_dump(mode="json")
+
+
+# -- Batch API ----------------------------------------------------------------
+
+BATCH_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[StrictStr, Field(max_length=512)]
+
+
+class BatchCreateRequest(BaseModel):
+    # Unlike the generation bodies, a batch field we do not implement (say
+    # output_expires_after) is refused by name rather than ignored.
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: StrictStr
+    endpoint: StrictStr
+    completion_window: Literal["24h"]
+    metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
+
+    @model_validator(mode="after")
+    def _check_endpoint(self) -> "BatchCreateRequest":
+        if self.endpoint not in BATCH_ENDPOINTS:
+            raise ValueError(f"endpoint: must be one of {', '.join(BATCH_ENDPOINTS)}")
+        return self

@@ -1,0 +1,633 @@
+"""The OpenAI Batch API: ``/v1/files`` and ``/v1/batches`` routes, input
+validation, and the runner that feeds batch lines to the engine as offline
+requests.
+
+Owns a batch's life: ``validating`` (the input file is parsed once into
+stored lines, or the batch fails with per-line ``errors``), ``in_progress``
+(lines run through the same request -> engine -> response path as the online
+endpoints, each result committed by ``store.py`` as it finishes),
+``finalizing`` -> ``completed`` (output and error files written), and the
+side exits ``cancelling`` -> ``cancelled`` and ``expired``.
+
+Flooding is prevented here: at most ``max_in_flight`` lines of all batches
+are in the engine at once, and ``_Server.admit_capacity`` leaves them out of
+the online queue limit, so a million-line batch never takes an online
+request's place. After a crash the runner re-runs exactly the lines with no
+committed result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import email.message
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from ..engine.outputs import RequestOutput
+from .errors import APIError, bad_request, error_body
+from .inputs import check_model
+from .protocol import BATCH_ENDPOINTS, BatchCreateRequest, ChatCompletionRequest, CompletionRequest
+from .store import BatchLine, BatchRecord, FileRecord, LineResult, Store, StoreError, new_id
+
+if TYPE_CHECKING:
+    from .api import _Server
+
+logger = logging.getLogger("fluidserve.batches")
+
+COMPLETION_WINDOW_S = 24 * 3600
+MAX_REPORTED_ERRORS = 1000  # errors.data entries kept for a failed validation
+EXPIRED_ERROR = {"code": "batch_expired",
+                 "message": "This request could not be executed before the completion window expired."}
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    data_dir: str
+    max_in_flight: int = 64  # batch lines in the engine at once, all batches together
+    max_file_bytes: int = 200 * 1024 * 1024  # OpenAI's upload limit
+    max_lines: int = 50_000  # OpenAI's requests-per-batch limit
+    retry_s: float = 2.0  # wait before retrying after the engine or the store failed
+    store_max_pages: int | None = None  # cap the database size (tests fill the "disk" with it)
+
+
+# -- input validation ---------------------------------------------------------
+
+
+def _line_error(code: str, message: str, line: int | None, param: str | None = None) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": param, "line": line}
+
+
+def parse_batch_input(content: bytes, endpoint: str, max_lines: int) -> tuple[list[BatchLine], list[dict[str, Any]]]:
+    """The request lines of a batch input file, or the errors OpenAI reports
+    in ``errors.data`` (line numbers 1-based, blank lines skipped)."""
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return [], [_line_error("invalid_file_encoding", f"The input file is not UTF-8 ({exc.reason}).", None)]
+    lines: list[BatchLine] = []
+    errors: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for no, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        obj, err = _check_line(raw, no, endpoint, seen)
+        if err is not None:
+            errors.append(err)
+        else:
+            lines.append(obj)
+    if not lines and not errors:
+        errors.append(_line_error("empty_file", "The input file contains no requests.", None))
+    if len(lines) + len(errors) > max_lines:
+        errors.insert(0, _line_error("too_many_requests", f"A batch may contain at most {max_lines} requests; "
+                                     f"this file has {len(lines) + len(errors)}.", None))
+    return lines, errors[:MAX_REPORTED_ERRORS]
+
+
+def _check_line(raw: str, no: int, endpoint: str, seen: set[str]) -> tuple[Any, dict[str, Any] | None]:
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None, _line_error("invalid_json_line", "This line is not parseable as valid JSON.", no)
+    if not isinstance(obj, dict):
+        return None, _line_error("invalid_json_line", "Each line must be a JSON object.", no)
+    unknown = sorted(set(obj) - {"custom_id", "method", "url", "body"})
+    if unknown:
+        return None, _line_error("unsupported_parameter", f"Unknown field '{unknown[0]}' in the request line.",
+                                 no, unknown[0])
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return None, _line_error("missing_required_parameter", "custom_id must be a non-empty string.", no,
+                                 "custom_id")
+    if obj.get("method") != "POST":
+        return None, _line_error("invalid_method", "The method of every request in a batch must be POST.", no,
+                                 "method")
+    if obj.get("url") != endpoint:
+        return None, _line_error("invalid_url", f"The url of this request does not match the batch's endpoint "
+                                 f"{endpoint}.", no, "url")
+    if not isinstance(obj.get("body"), dict):
+        return None, _line_error("missing_required_parameter", "body must be a JSON object.", no, "body")
+    if custom_id in seen:
+        return None, _line_error("duplicate_custom_id", "The custom_id of this request duplicates an earlier "
+                                 "one; custom_id must be unique within a batch.", no, "custom_id")
+    seen.add(custom_id)
+    return BatchLine(no, custom_id, obj["body"]), None
+
+
+# -- one line through the online path ----------------------------------------
+
+
+class _Transient(Exception):
+    """The line could not run now (engine down, draining): retry it later,
+    record nothing."""
+
+
+@dataclass(frozen=True)
+class LineOutcome:
+    status_code: int
+    body: dict[str, Any]
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+class LineExecutor:
+    """Runs one batch line exactly as the online endpoint would run its body,
+    but as an offline request, and counts what it generates."""
+
+    def __init__(self, server: "_Server", on_tokens: Callable[[int], None] = lambda n: None) -> None:
+        self.server = server
+        self.on_tokens = on_tokens
+        self.queued: set[RequestStream] = set()  # submitted, no output yet
+
+    async def run(self, endpoint: str, body: dict[str, Any], request_id: str) -> LineOutcome:
+        from .api import validate_body
+
+        s = self.server
+        try:
+            if body.get("stream"):
+                raise bad_request("stream: is not supported in a batch", "stream")
+            if endpoint == "/v1/completions":
+                req: Any = validate_body(body, CompletionRequest)
+                check_model(req.model, s.model)
+                inputs = s.processor.completion(req)
+            else:
+                req = validate_body(body, ChatCompletionRequest)
+                check_model(req.model, s.model)
+                inputs = s.processor.chat(req)
+            inputs = dataclasses.replace(inputs, klass="offline")
+            if s.state.draining:
+                raise _Transient("server is draining")
+            streams = await s.submit(request_id, inputs)
+            finals = await self._collect(streams)
+            render = s.completion_body if endpoint == "/v1/completions" else s.chat_body
+            response = render(request_id, req, inputs, finals)
+        except APIError as err:
+            if err.code in ("engine_unavailable", "shutting_down"):
+                raise _Transient(err.message) from None
+            return LineOutcome(err.status, error_body(err.status, err.message, err.param, err.code))
+        usage = response.usage
+        return LineOutcome(200, response.model_dump(mode="json"), usage.prompt_tokens if usage else 0,
+                           usage.completion_tokens if usage else 0)
+
+    async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        from .api import _as_api_error
+
+        async def one(stream: RequestStream) -> RequestOutput:
+            self.queued.add(stream)
+            last = None
+            try:
+                async for out in stream:
+                    self.queued.discard(stream)
+                    self.on_tokens(sum(len(co.new_token_ids) for co in out.outputs))
+                    last = out
+            finally:
+                self.queued.discard(stream)
+            assert last is not None
+            return last
+
+        try:
+            return list(await asyncio.gather(*(one(st) for st in streams)))
+        except EngineDeadError as exc:
+            raise _Transient(str(exc)) from None
+        except RequestFailedError as exc:
+            raise _as_api_error(exc) from None
+        finally:
+            for st in streams:
+                st.abort()
+
+    @property
+    def num_queued(self) -> int:
+        return sum(1 for st in self.queued if not st.got_output)
+
+
+def output_line(custom_id: str, request_id: str, outcome: LineOutcome) -> dict[str, Any]:
+    """One line of a batch's output or error file, in OpenAI's format."""
+    return {"id": new_id("batch_req_"), "custom_id": custom_id,
+            "response": {"status_code": outcome.status_code, "request_id": request_id, "body": outcome.body},
+            "error": None}
+
+
+# -- the runner ---------------------------------------------------------------
+
+
+class BatchRunner:
+    """One background task working through active batches, oldest first."""
+
+    def __init__(self, server: "_Server", store: Store, config: BatchConfig) -> None:
+        self.server = server
+        self.store = store
+        self.config = config
+        metrics = server.metrics
+        self.executor = LineExecutor(server, on_tokens=metrics.offline_tokens.inc)
+        server.offline_queued = lambda: self.executor.num_queued
+        self._wake = asyncio.Event()
+        self._cancels: dict[str, asyncio.Event] = {}
+        self._task: asyncio.Task | None = None
+        self.in_flight = 0
+        metrics.offline_in_flight.set_function(lambda: self.in_flight)
+        self.refresh_status_metrics()
+
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def stop(self) -> None:
+        """Abandon in-flight lines (they re-run after a restart) and stop."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self.store.close()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def cancel(self, batch_id: str) -> None:
+        self._cancels.setdefault(batch_id, asyncio.Event()).set()
+        self.wake()
+
+    def refresh_status_metrics(self) -> None:
+        try:
+            counts = self.store.count_batches_by_status()
+        except StoreError:
+            return
+        for status in ("validating", "in_progress", "finalizing", "completed", "failed", "expired",
+                       "cancelling", "cancelled"):
+            self.server.metrics.batches.labels(status).set(counts.get(status, 0))
+
+    async def _loop(self) -> None:
+        while True:
+            self._wake.clear()
+            if self.server.state.draining:  # lines left now simply run after the restart
+                await _wait(self._wake, 1.0)
+                continue
+            try:
+                active = await asyncio.to_thread(self.store.active_batches)
+                for batch in active:
+                    await self._advance(batch)
+                self.refresh_status_metrics()
+                if not active:
+                    await _wait(self._wake, None)
+            except asyncio.CancelledError:
+                raise
+            except (StoreError, _Transient) as exc:
+                logger.error("batch runner paused for %.0f s: %s", self.config.retry_s, exc)
+                await _wait(self._wake, self.config.retry_s)
+            except Exception:  # noqa: BLE001 - the runner must outlive one bad batch
+                logger.exception("batch runner error")
+                await _wait(self._wake, self.config.retry_s)
+
+    async def _advance(self, batch: BatchRecord) -> None:
+        """Move one batch as far as it can go now."""
+        store, bid = self.store, batch.id
+        if batch.status == "validating":
+            await self._validate(batch)
+        elif batch.status == "in_progress":
+            if time.time() >= (batch.expires_at or float("inf")):
+                await asyncio.to_thread(store.finish_batch, bid, "expired", EXPIRED_ERROR)
+                return
+            done = await self._run_lines(batch)
+            if done:
+                await asyncio.to_thread(store.set_status, bid, "finalizing", only_from=("in_progress",))
+                await asyncio.to_thread(store.finish_batch, bid, "completed")
+        elif batch.status == "finalizing":
+            await asyncio.to_thread(store.finish_batch, bid, "completed")
+        if (await asyncio.to_thread(store.get_batch, bid)).status == "cancelling":
+            await asyncio.to_thread(store.finish_batch, bid, "cancelled")
+            self._cancels.pop(bid, None)
+
+    async def _validate(self, batch: BatchRecord) -> None:
+        content = await asyncio.to_thread(self.store.file_content, batch.input_file_id)
+        if content is None:
+            errors = [_line_error("file_not_found", f"The input file {batch.input_file_id} no longer exists.",
+                                  None, "input_file_id")]
+            lines: list[BatchLine] = []
+        else:
+            lines, errors = parse_batch_input(content, batch.endpoint, self.config.max_lines)
+        if errors:
+            await asyncio.to_thread(self.store.fail_batch, batch.id, errors)
+        else:
+            await asyncio.to_thread(self.store.start_batch, batch.id, lines)
+
+    async def _run_lines(self, batch: BatchRecord) -> bool:
+        """Run the batch's unfinished lines, ``max_in_flight`` at a time.
+        True when every line has a result; False when cancelled or stopped
+        early (the unfinished lines stay unfinished)."""
+        cancel = self._cancels.setdefault(batch.id, asyncio.Event())
+        tasks: set[asyncio.Task] = set()
+        after, exhausted = -1, False
+        try:
+            while True:
+                if cancel.is_set() or self.server.state.draining:
+                    return False
+                room = self.config.max_in_flight - len(tasks)
+                if room > 0 and not exhausted:
+                    fresh = await asyncio.to_thread(self.store.pending_lines, batch.id, room, after)
+                    exhausted = len(fresh) < room
+                    for line in fresh:
+                        tasks.add(asyncio.ensure_future(self._run_line(batch, line)))
+                        after = line.line_no
+                if not tasks:
+                    return exhausted
+                waiter = asyncio.ensure_future(cancel.wait())
+                finished, _ = await asyncio.wait(tasks | {waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                for task in finished - {waiter}:
+                    tasks.discard(task)
+                    task.result()  # a transient failure stops this pass; the runner retries later
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_line(self, batch: BatchRecord, line: BatchLine) -> None:
+        request_id = f"{batch.id}-{line.line_no}"
+        self.in_flight += 1
+        try:
+            outcome = await self.executor.run(batch.endpoint, line.body, request_id)
+        finally:
+            self.in_flight -= 1
+        result = LineResult(line.line_no, outcome.status_code == 200,
+                            output_line(line.custom_id, request_id, outcome),
+                            outcome.input_tokens, outcome.output_tokens)
+        await asyncio.to_thread(self.store.record_result, batch.id, result)
+
+
+async def _wait(event: asyncio.Event, timeout: float | None) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except asyncio.TimeoutError:
+        pass
+
+
+# -- HTTP routes --------------------------------------------------------------
+
+
+def file_json(rec: FileRecord) -> dict[str, Any]:
+    return {"id": rec.id, "object": "file", "bytes": rec.bytes, "created_at": rec.created_at,
+            "filename": rec.filename, "purpose": rec.purpose, "status": "processed", "expires_at": None,
+            "status_details": None}
+
+
+def batch_json(b: BatchRecord) -> dict[str, Any]:
+    errors = {"object": "list", "data": b.errors} if b.errors else None
+    usage = {"input_tokens": b.input_tokens, "input_tokens_details": {"cached_tokens": 0},
+             "output_tokens": b.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": b.input_tokens + b.output_tokens}
+    return {
+        "id": b.id, "object": "batch", "endpoint": b.endpoint, "errors": errors,
+        "input_file_id": b.input_file_id, "completion_window": b.completion_window, "status": b.status,
+        "output_file_id": b.output_file_id, "error_file_id": b.error_file_id, "created_at": b.created_at,
+        "in_progress_at": b.in_progress_at, "expires_at": b.expires_at, "finalizing_at": b.finalizing_at,
+        "completed_at": b.completed_at, "failed_at": b.failed_at, "expired_at": b.expired_at,
+        "cancelling_at": b.cancelling_at, "cancelled_at": b.cancelled_at,
+        "request_counts": {"total": b.total, "completed": b.completed, "failed": b.failed},
+        "metadata": b.metadata, "model": b.model, "usage": usage,
+    }
+
+
+def _page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": has_more}
+
+
+def _query(request: Request, allowed: Sequence[str]) -> dict[str, str]:
+    unknown = sorted(set(request.query_params) - set(allowed))
+    if unknown:
+        raise bad_request(f"{unknown[0]}: unknown query parameter", unknown[0])
+    return dict(request.query_params)
+
+
+def _int_param(query: dict[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise bad_request(f"{name}: must be an integer", name) from None
+    if not lo <= value <= hi:
+        raise bad_request(f"{name}: must be between {lo} and {hi}", name)
+    return value
+
+
+class BatchAPI:
+    """The route handlers; with no config every route says how to enable it."""
+
+    def __init__(self, server: "_Server", config: BatchConfig | None) -> None:
+        self.server = server
+        self.config = config
+        self.store = Store(config.data_dir, max_pages=config.store_max_pages) if config else None
+        self.runner = BatchRunner(server, self.store, config) if config and self.store else None
+
+    def start(self) -> None:
+        if self.runner is not None:
+            self.runner.start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.stop()
+
+    def _store(self) -> Store:
+        if self.store is None:
+            raise APIError(404, "The Batch API is disabled: start the server with --data-dir", code="not_enabled")
+        return self.store
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except StoreError as exc:
+            full = "is full" in str(exc)
+            raise APIError(507 if full else 500, str(exc), code="storage_full" if full else "storage_error") from None
+
+    # -- files --------------------------------------------------------------
+    async def create_file(self, request: Request) -> JSONResponse:
+        store = self._store()
+        assert self.config is not None
+        ctype = request.headers.get("content-type", "")
+        if not ctype.lower().startswith("multipart/form-data"):
+            raise bad_request("files must be uploaded as multipart/form-data", "file")
+        body = await _read_limited(request, self.config.max_file_bytes + 64 * 1024)
+        fields = parse_multipart(body, ctype)
+        unknown = sorted(set(fields) - {"file", "purpose"})
+        if unknown:
+            raise bad_request(f"{unknown[0]}: is not supported", unknown[0])
+        if "purpose" not in fields:
+            raise bad_request("purpose: is required", "purpose")
+        purpose = fields["purpose"][1].decode("utf-8", "replace")
+        if purpose != "batch":
+            raise bad_request(f"purpose: only 'batch' is supported, got '{purpose[:64]}'", "purpose")
+        if "file" not in fields:
+            raise bad_request("file: is required", "file")
+        filename, content = fields["file"]
+        if len(content) > self.config.max_file_bytes:
+            raise APIError(413, f"file: exceeds the limit of {self.config.max_file_bytes} bytes", param="file",
+                           code="file_too_large")
+        rec = await self._call(store.create_file, filename or "upload.jsonl", purpose, content)
+        return JSONResponse(file_json(rec))
+
+    async def list_files(self, request: Request) -> JSONResponse:
+        store = self._store()
+        q = _query(request, ("after", "limit", "order", "purpose"))
+        limit = _int_param(q, "limit", 10_000, 1, 10_000)
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request("order: must be 'asc' or 'desc'", "order")
+        page = await self._call(store.list_files, after=q.get("after"), limit=limit, order=order,
+                                purpose=q.get("purpose"))
+        return JSONResponse(_page([file_json(f) for f in page.items], page.has_more))
+
+    async def _file(self, file_id: str) -> FileRecord:
+        rec = await self._call(self._store().get_file, file_id)
+        if rec is None:
+            raise APIError(404, f"No such File object: {file_id}", param="id", code="not_found")
+        return rec
+
+    async def get_file(self, file_id: str) -> JSONResponse:
+        return JSONResponse(file_json(await self._file(file_id)))
+
+    async def file_content(self, file_id: str) -> Response:
+        await self._file(file_id)
+        content = await self._call(self._store().file_content, file_id)
+        return Response(content, media_type="application/octet-stream")
+
+    async def delete_file(self, file_id: str) -> JSONResponse:
+        await self._file(file_id)
+        deleted = await self._call(self._store().delete_file, file_id)
+        return JSONResponse({"id": file_id, "object": "file", "deleted": bool(deleted)})
+
+    # -- batches ------------------------------------------------------------
+    async def create_batch(self, request: Request) -> JSONResponse:
+        store = self._store()
+        req = await self.server.parse(request, BatchCreateRequest)
+        rec = await self._call(store.get_file, req.input_file_id)
+        if rec is None:
+            raise APIError(404, f"No such File object: {req.input_file_id}", param="input_file_id",
+                           code="not_found")
+        if rec.purpose != "batch":
+            raise bad_request(f"input_file_id: file {rec.id} has purpose '{rec.purpose}', not 'batch'",
+                              "input_file_id")
+        now = int(time.time())
+        batch = BatchRecord(id=new_id("batch_"), input_file_id=req.input_file_id, endpoint=req.endpoint,
+                            completion_window=req.completion_window, status="validating", created_at=now,
+                            metadata=req.metadata, model=self.server.model.name,
+                            expires_at=now + COMPLETION_WINDOW_S)
+        await self._call(store.create_batch, batch)
+        if self.runner is not None:
+            self.runner.wake()
+            self.runner.refresh_status_metrics()
+        return JSONResponse(batch_json(batch))
+
+    async def _batch(self, batch_id: str) -> BatchRecord:
+        rec = await self._call(self._store().get_batch, batch_id)
+        if rec is None:
+            raise APIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
+        return rec
+
+    async def get_batch(self, batch_id: str) -> JSONResponse:
+        return JSONResponse(batch_json(await self._batch(batch_id)))
+
+    async def list_batches(self, request: Request) -> JSONResponse:
+        store = self._store()
+        q = _query(request, ("after", "limit"))
+        limit = _int_param(q, "limit", 20, 1, 100)
+        page = await self._call(store.list_batches, after=q.get("after"), limit=limit)
+        return JSONResponse(_page([batch_json(b) for b in page.items], page.has_more))
+
+    async def cancel_batch(self, batch_id: str) -> JSONResponse:
+        store = self._store()
+        batch = await self._batch(batch_id)
+        if batch.status in ("cancelling", "cancelled"):
+            return JSONResponse(batch_json(batch))
+        moved = await self._call(store.set_status, batch_id, "cancelling", only_from=("validating", "in_progress"))
+        if not moved:
+            batch = await self._batch(batch_id)
+            if batch.status not in ("cancelling", "cancelled"):
+                raise APIError(409, f"Cannot cancel a batch with status '{batch.status}'", param="batch_id",
+                               code="invalid_state")
+        if self.runner is not None:
+            self.runner.cancel(batch_id)
+            self.runner.refresh_status_metrics()
+        return JSONResponse(batch_json(await self._batch(batch_id)))
+
+
+def install_batch_api(app: FastAPI, server: "_Server", config: BatchConfig | None, auth: list) -> BatchAPI:
+    """Add the /v1/files and /v1/batches routes; the returned object's
+    ``start``/``stop`` belong in the app's lifespan."""
+    api = BatchAPI(server, config)
+    routes = (
+        ("/v1/files", api.create_file, "POST"),
+        ("/v1/files", api.list_files, "GET"),
+        ("/v1/files/{file_id}", api.get_file, "GET"),
+        ("/v1/files/{file_id}", api.delete_file, "DELETE"),
+        ("/v1/files/{file_id}/content", api.file_content, "GET"),
+        ("/v1/batches", api.create_batch, "POST"),
+        ("/v1/batches", api.list_batches, "GET"),
+        ("/v1/batches/{batch_id}", api.get_batch, "GET"),
+        ("/v1/batches/{batch_id}/cancel", api.cancel_batch, "POST"),
+    )
+    for path, handler, method in routes:
+        app.add_api_route(path, handler, methods=[method], dependencies=auth)
+    return api
+
+
+# -- multipart ----------------------------------------------------------------
+
+
+async def _read_limited(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"file: upload exceeds the limit of {limit} bytes", param="file", code="file_too_large",
+                       headers={"Connection": "close"})
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"file: upload exceeds the limit of {limit} bytes", param="file",
+                           code="file_too_large", headers={"Connection": "close"})
+    return bytes(body)
+
+
+def parse_multipart(body: bytes, content_type: str) -> dict[str, tuple[str | None, bytes]]:
+    """``multipart/form-data`` as field name -> (filename, bytes).
+
+    Parsed here rather than through Starlette's ``request.form()``, which
+    would add a dependency for two fields::
+
+        --BOUNDARY\\r\\n
+        Content-Disposition: form-data; name="file"; filename="in.jsonl"\\r\\n
+        \\r\\n
+        <bytes>\\r\\n
+        --BOUNDARY--\\r\\n
+    """
+    header = email.message.Message()
+    header["content-type"] = content_type
+    boundary = header.get_param("boundary")
+    if not isinstance(boundary, str) or not boundary:
+        raise bad_request("multipart/form-data without a boundary", "file")
+    delimiter = b"--" + boundary.encode("latin-1")
+    parts = body.split(delimiter)
+    if len(parts) < 3 or not parts[-1].startswith(b"--"):
+        raise bad_request("malformed multipart/form-data body", "file")
+    fields: dict[str, tuple[str | None, bytes]] = {}
+    for part in parts[1:-1]:
+        head, sep, data = part.removeprefix(b"\r\n").partition(b"\r\n\r\n")
+        if not sep or not data.endswith(b"\r\n"):
+            raise bad_request("malformed multipart/form-data part", "file")
+        headers = email.message.Message()
+        for raw in head.decode("utf-8", "replace").split("\r\n"):
+            name, _, value = raw.partition(":")
+            headers[name.strip()] = value.strip()
+        name = headers.get_param("name", header="content-disposition")
+        if not isinstance(name, str):
+            raise bad_request("multipart/form-data part without a name", "file")
+        fields[name] = (headers.get_filename(), data[:-2])
+    return fields

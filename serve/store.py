@@ -1,0 +1,443 @@
+"""Durable state of the Batch API: uploaded files, batches, their input lines
+and each line's result, in one SQLite database (WAL mode).
+
+Owns every write and the invariants that make a batch exactly-once across a
+crash: a line's result row and the batch's counters change in one
+transaction, a result is keyed by ``(batch_id, line_no)`` so it can be
+written once only, and a batch's output and error files are assembled from
+the result rows in the same transaction that marks it done. After a
+``kill -9`` the runner simply re-runs the lines that have no result.
+
+Layout (one row each)::
+
+    files    id, bytes, created_at, filename, purpose, content
+    batches  id, status, timestamps, counters, errors (JSON), metadata (JSON)
+    lines    batch_id, line_no, custom_id, body (JSON)          input, parsed once
+    results  batch_id, line_no, ok, line (JSON)                 one per finished line
+
+A full disk or a corrupt database raises ``StoreError`` with a message that
+says so; a failed write rolls back and leaves every committed row in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+DB_NAME = "fluidserve.sqlite3"
+ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
+FINAL_STATUSES = ("completed", "failed", "expired", "cancelled")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL,
+    filename TEXT NOT NULL,
+    purpose TEXT NOT NULL,
+    content BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS batches (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    input_file_id TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    completion_window TEXT NOT NULL,
+    metadata TEXT,
+    model TEXT,
+    status TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    expires_at INTEGER,
+    in_progress_at INTEGER,
+    finalizing_at INTEGER,
+    completed_at INTEGER,
+    failed_at INTEGER,
+    expired_at INTEGER,
+    cancelling_at INTEGER,
+    cancelled_at INTEGER,
+    output_file_id TEXT,
+    error_file_id TEXT,
+    errors TEXT,
+    total INTEGER NOT NULL DEFAULT 0,
+    completed INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0,
+    input_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS lines (
+    batch_id TEXT NOT NULL,
+    line_no INTEGER NOT NULL,
+    custom_id TEXT NOT NULL,
+    body TEXT NOT NULL,
+    PRIMARY KEY (batch_id, line_no)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS results (
+    batch_id TEXT NOT NULL,
+    line_no INTEGER NOT NULL,
+    ok INTEGER NOT NULL,
+    line TEXT NOT NULL,
+    PRIMARY KEY (batch_id, line_no)
+) WITHOUT ROWID;
+"""
+
+
+class StoreError(RuntimeError):
+    """The store cannot be read or written (disk full, corrupt, locked);
+    nothing already committed was changed."""
+
+
+def new_id(prefix: str) -> str:
+    """OpenAI-style ids: ``file-...``, ``batch_...``, ``batch_req_...``."""
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    id: str
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    line_no: int
+    custom_id: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LineResult:
+    """One finished line: ``line`` is the output-file JSON object."""
+
+    line_no: int
+    ok: bool
+    line: dict[str, Any]
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass
+class BatchRecord:
+    id: str
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    status: str
+    created_at: int
+    metadata: dict[str, str] | None = None
+    model: str | None = None
+    expires_at: int | None = None
+    in_progress_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    errors: list[dict[str, Any]] | None = None
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+_BATCH_COLUMNS = [f for f in BatchRecord.__dataclass_fields__]
+_TIMESTAMPS = {"in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
+               "cancelled_at"}
+
+
+@dataclass
+class _Page:
+    items: list[Any] = field(default_factory=list)
+    has_more: bool = False
+
+
+class Store:
+    """One SQLite connection shared by the server's threads under a lock
+    (calls are short; the async side runs them in a worker thread)."""
+
+    def __init__(self, data_dir: str | os.PathLike, *, max_pages: int | None = None) -> None:
+        self.dir = Path(data_dir)
+        self.path = self.dir / DB_NAME
+        self._lock = threading.Lock()
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot open the batch store {self.path}: {exc}") from None
+        try:
+            self._open(max_pages)
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise StoreError(
+                f"the batch store {self.path} is unreadable ({exc}); it was left untouched: move it aside "
+                f"or restore it from a backup, then restart") from None
+
+    def _open(self, max_pages: int | None) -> None:
+        db = self._db
+        # synchronous=FULL: a result reported as committed survives power loss
+        # too, not only a killed process.
+        mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise sqlite3.DatabaseError(f"could not switch to WAL mode (got {mode})")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA busy_timeout=5000")
+        check = db.execute("PRAGMA quick_check").fetchone()[0]
+        if check != "ok":
+            raise sqlite3.DatabaseError(f"integrity check failed: {check}")
+        if max_pages is not None:  # a size cap, so tests can fill the "disk"
+            db.execute(f"PRAGMA max_page_count={int(max_pages)}")
+        db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- plumbing -----------------------------------------------------------
+    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:
+        with self._lock:
+            try:
+                return self._db.execute(sql, args).fetchall()
+            except sqlite3.Error as exc:
+                raise _store_error(self.path, exc) from None
+
+    def _write(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(db, *args)`` in one immediate transaction: all or nothing."""
+        with self._lock:
+            db = self._db
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    out = fn(db, *args)
+                except BaseException:
+                    if db.in_transaction:  # SQLite already rolled back a failed statement (disk full)
+                        db.execute("ROLLBACK")
+                    raise
+                db.execute("COMMIT")
+                return out
+            except sqlite3.Error as exc:
+                if db.in_transaction:
+                    try:
+                        db.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        pass
+                raise _store_error(self.path, exc) from None
+
+    # -- files --------------------------------------------------------------
+    def create_file(self, filename: str, purpose: str, content: bytes) -> FileRecord:
+        rec = FileRecord(new_id("file-"), len(content), int(time.time()), filename, purpose)
+        self._write(lambda db: db.execute(
+            "INSERT INTO files (id, bytes, created_at, filename, purpose, content) VALUES (?,?,?,?,?,?)",
+            (rec.id, rec.bytes, rec.created_at, rec.filename, rec.purpose, content)))
+        return rec
+
+    def get_file(self, file_id: str) -> FileRecord | None:
+        rows = self._read("SELECT id, bytes, created_at, filename, purpose FROM files WHERE id=?", (file_id,))
+        return FileRecord(*rows[0]) if rows else None
+
+    def file_content(self, file_id: str) -> bytes | None:
+        rows = self._read("SELECT content FROM files WHERE id=?", (file_id,))
+        return bytes(rows[0][0]) if rows else None
+
+    def list_files(self, *, after: str | None, limit: int, order: str, purpose: str | None) -> _Page:
+        desc = order == "desc"
+        where, args = ["1=1"], []
+        if purpose is not None:
+            where.append("purpose=?")
+            args.append(purpose)
+        if after is not None:
+            where.append(f"seq {'<' if desc else '>'} (SELECT seq FROM files WHERE id=?)")
+            args.append(after)
+        rows = self._read(
+            f"SELECT id, bytes, created_at, filename, purpose FROM files WHERE {' AND '.join(where)} "
+            f"ORDER BY seq {'DESC' if desc else 'ASC'} LIMIT ?", (*args, limit + 1))
+        return _Page([FileRecord(*r) for r in rows[:limit]], len(rows) > limit)
+
+    def delete_file(self, file_id: str) -> bool:
+        return self._write(lambda db: db.execute("DELETE FROM files WHERE id=?", (file_id,)).rowcount > 0)
+
+    # -- batches ------------------------------------------------------------
+    def create_batch(self, rec: BatchRecord) -> None:
+        self._write(_insert_batch, rec)
+
+    def get_batch(self, batch_id: str) -> BatchRecord | None:
+        rows = self._read(f"SELECT {', '.join(_BATCH_COLUMNS)} FROM batches WHERE id=?", (batch_id,))
+        return _batch_from_row(rows[0]) if rows else None
+
+    def list_batches(self, *, after: str | None, limit: int) -> _Page:
+        """Newest first, as OpenAI lists them."""
+        where, args = "", []
+        if after is not None:
+            where, args = "WHERE seq < (SELECT seq FROM batches WHERE id=?)", [after]
+        rows = self._read(f"SELECT {', '.join(_BATCH_COLUMNS)} FROM batches {where} ORDER BY seq DESC LIMIT ?",
+                          (*args, limit + 1))
+        return _Page([_batch_from_row(r) for r in rows[:limit]], len(rows) > limit)
+
+    def active_batches(self) -> list[BatchRecord]:
+        """Batches still to be worked on, oldest first."""
+        marks = ",".join("?" * len(ACTIVE_STATUSES))
+        rows = self._read(f"SELECT {', '.join(_BATCH_COLUMNS)} FROM batches WHERE status IN ({marks}) "
+                          f"ORDER BY seq ASC", ACTIVE_STATUSES)
+        return [_batch_from_row(r) for r in rows]
+
+    def count_batches_by_status(self) -> dict[str, int]:
+        return {s: n for s, n in self._read("SELECT status, COUNT(*) FROM batches GROUP BY status")}
+
+    def set_status(self, batch_id: str, status: str, *, only_from: Sequence[str] | None = None,
+                   now: int | None = None) -> bool:
+        """Move a batch to ``status`` (stamping ``<status>_at`` when OpenAI
+        has such a timestamp); with ``only_from``, only out of those states.
+        Returns whether the batch moved."""
+        return self._write(_set_status, batch_id, status, only_from, now or int(time.time()))
+
+    def start_batch(self, batch_id: str, lines: list[BatchLine]) -> bool:
+        """Store the validated input lines and move validating -> in_progress,
+        atomically (a crash in between re-validates the file)."""
+
+        def run(db: sqlite3.Connection) -> bool:
+            if not _set_status(db, batch_id, "in_progress", ("validating",), int(time.time())):
+                return False
+            db.executemany("INSERT INTO lines (batch_id, line_no, custom_id, body) VALUES (?,?,?,?)",
+                           [(batch_id, ln.line_no, ln.custom_id, json.dumps(ln.body)) for ln in lines])
+            db.execute("UPDATE batches SET total=? WHERE id=?", (len(lines), batch_id))
+            return True
+
+        return self._write(run)
+
+    def fail_batch(self, batch_id: str, errors: list[dict[str, Any]]) -> bool:
+        def run(db: sqlite3.Connection) -> bool:
+            if not _set_status(db, batch_id, "failed", ("validating",), int(time.time())):
+                return False
+            db.execute("UPDATE batches SET errors=? WHERE id=?", (json.dumps(errors), batch_id))
+            return True
+
+        return self._write(run)
+
+    def pending_lines(self, batch_id: str, limit: int, after_line: int = -1) -> list[BatchLine]:
+        """Input lines with no result yet, in line order, past ``after_line``."""
+        rows = self._read(
+            "SELECT l.line_no, l.custom_id, l.body FROM lines l LEFT JOIN results r "
+            "ON r.batch_id = l.batch_id AND r.line_no = l.line_no "
+            "WHERE l.batch_id=? AND r.line_no IS NULL AND l.line_no > ? ORDER BY l.line_no LIMIT ?",
+            (batch_id, after_line, limit))
+        return [BatchLine(n, c, json.loads(b)) for n, c, b in rows]
+
+    def record_result(self, batch_id: str, result: LineResult) -> bool:
+        """Commit one line's result and the batch's counters together.
+        False (and no change) when the line already has a result."""
+
+        def run(db: sqlite3.Connection) -> bool:
+            row = db.execute("SELECT status FROM batches WHERE id=?", (batch_id,)).fetchone()
+            if row is None or row[0] in FINAL_STATUSES:  # a line that raced a cancel lands nowhere
+                return False
+            cur = db.execute("INSERT OR IGNORE INTO results (batch_id, line_no, ok, line) VALUES (?,?,?,?)",
+                             (batch_id, result.line_no, int(result.ok), json.dumps(result.line)))
+            if cur.rowcount == 0:
+                return False
+            counter = "completed" if result.ok else "failed"
+            db.execute(f"UPDATE batches SET {counter}={counter}+1, input_tokens=input_tokens+?, "
+                       f"output_tokens=output_tokens+? WHERE id=?",
+                       (result.input_tokens, result.output_tokens, batch_id))
+            return True
+
+        return self._write(run)
+
+    def finish_batch(self, batch_id: str, status: str, unfinished_error: dict[str, Any] | None = None) -> bool:
+        """Write the output and error files from the results and move the
+        batch to its final ``status`` in one transaction. Lines without a
+        result get ``unfinished_error`` in the error file when given (an
+        expired batch), and are left out otherwise (a cancelled one)."""
+        return self._write(_finish, batch_id, status, unfinished_error)
+
+    def results(self, batch_id: str) -> Iterator[tuple[int, bool, dict[str, Any]]]:
+        for n, ok, line in self._read("SELECT line_no, ok, line FROM results WHERE batch_id=? ORDER BY line_no",
+                                      (batch_id,)):
+            yield n, bool(ok), json.loads(line)
+
+
+# -- transaction bodies (run inside Store._write) ---------------------------
+
+
+def _insert_batch(db: sqlite3.Connection, rec: BatchRecord) -> None:
+    values = [getattr(rec, c) for c in _BATCH_COLUMNS]
+    for i, c in enumerate(_BATCH_COLUMNS):
+        if c in ("metadata", "errors") and values[i] is not None:
+            values[i] = json.dumps(values[i])
+    db.execute(f"INSERT INTO batches ({', '.join(_BATCH_COLUMNS)}) VALUES ({', '.join('?' * len(values))})",
+               values)
+
+
+def _set_status(db: sqlite3.Connection, batch_id: str, status: str, only_from: Sequence[str] | None,
+                now: int) -> bool:
+    stamp = f"{status}_at"
+    sets = "status=?" + (f", {stamp}=?" if stamp in _TIMESTAMPS else "")
+    args: list[Any] = [status] + ([now] if stamp in _TIMESTAMPS else [])
+    sql = f"UPDATE batches SET {sets} WHERE id=?"
+    args.append(batch_id)
+    if only_from is not None:
+        sql += f" AND status IN ({','.join('?' * len(only_from))})"
+        args.extend(only_from)
+    return db.execute(sql, args).rowcount > 0
+
+
+def _finish(db: sqlite3.Connection, batch_id: str, status: str, unfinished_error: dict[str, Any] | None) -> bool:
+    row = db.execute("SELECT status, total FROM batches WHERE id=?", (batch_id,)).fetchone()
+    if row is None or row[0] in FINAL_STATUSES:
+        return False
+    out: list[str] = []
+    err: list[str] = []
+    results = db.execute("SELECT line_no, ok, line FROM results WHERE batch_id=? ORDER BY line_no", (batch_id,))
+    for _, ok, line in results:
+        (out if ok else err).append(line)
+    extra_failed = 0
+    if unfinished_error is not None:
+        missing = db.execute(
+            "SELECT l.custom_id FROM lines l LEFT JOIN results r ON r.batch_id=l.batch_id AND r.line_no=l.line_no "
+            "WHERE l.batch_id=? AND r.line_no IS NULL ORDER BY l.line_no", (batch_id,)).fetchall()
+        for (custom_id,) in missing:
+            err.append(json.dumps({"id": new_id("batch_req_"), "custom_id": custom_id, "response": None,
+                                   "error": unfinished_error}))
+        extra_failed = len(missing)
+    now = int(time.time())
+    file_ids: dict[str, str | None] = {"output_file_id": None, "error_file_id": None}
+    for key, lines, name in (("output_file_id", out, "output"), ("error_file_id", err, "error")):
+        if not lines:
+            continue
+        content = ("\n".join(lines) + "\n").encode()
+        fid = new_id("file-")
+        db.execute("INSERT INTO files (id, bytes, created_at, filename, purpose, content) VALUES (?,?,?,?,?,?)",
+                   (fid, len(content), now, f"{batch_id}_{name}.jsonl", "batch_output", content))
+        file_ids[key] = fid
+    db.execute("UPDATE batches SET output_file_id=?, error_file_id=?, failed=failed+? WHERE id=?",
+               (file_ids["output_file_id"], file_ids["error_file_id"], extra_failed, batch_id))
+    return _set_status(db, batch_id, status, None, now)
+
+
+def _batch_from_row(row: tuple) -> BatchRecord:
+    data = dict(zip(_BATCH_COLUMNS, row))
+    for key in ("metadata", "errors"):
+        if data[key] is not None:
+            data[key] = json.loads(data[key])
+    return BatchRecord(**data)
+
+
+def _store_error(path: Path, exc: sqlite3.Error) -> StoreError:
+    text = str(exc)
+    if "full" in text:
+        return StoreError(f"the batch store {path} is full ({text}): free disk space; nothing committed was lost")
+    if isinstance(exc, sqlite3.DatabaseError) and ("malformed" in text or "not a database" in text):
+        return StoreError(f"the batch store {path} is corrupt ({text}): restore it from a backup")
+    return StoreError(f"the batch store {path} failed: {text}")
