@@ -15,9 +15,12 @@ Pipeline::
 
 * A **tile** is up to ``tokens_per_tile`` consecutive queries of one sequence;
   the kernel processes a tile's queries for all query heads of one KV head at
-  once (``tokens_per_tile * group`` rows), so every tile costs about the same per
-  key visited whatever its number of valid rows. Its KV span is the union of its
-  queries' causal (and sliding-window) ranges.
+  once (``tokens_per_tile * group`` rows). Its KV span is the union of its
+  queries' causal (and sliding-window) ranges. A sequence with at most
+  ``decode_tokens_per_tile`` queries (a decode token, a short speculative
+  run) gets one small **decode tile** instead, which the kernel runs with a
+  16-row tile rather than the 128-row prefill tile; so does the short tail of
+  a prefill chunk. The kernel tells the two kinds apart by the tile's length.
 * A tile whose span is longer than the chunk length is **split along the KV
   axis** (split-K). Each piece writes a partial (normalised output, log-sum-exp)
   into a merge row; a second small kernel merges the pieces. Every other tile
@@ -38,7 +41,7 @@ whatever their ``num_units``.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -110,8 +113,12 @@ class WorkPlan:
     merge_num_splits: torch.Tensor  # [num_merge_rows] int32
     num_tokens: int
     tokens_per_tile: int
+    decode_tokens_per_tile: int  # tiles this short run as decode tiles
+    has_prefill_tiles: bool  # any tile longer (the kernel needs its prefill-tile variant)
     max_splits: int  # most partials of any merge row (0 when nothing is split)
     sliding_window: int | None
+    num_seqs: int  # block-table rows the kernel reads
+    max_seq_len: int  # longest KV length: block-table columns needed = ceil(/ block_size)
     unit_costs: tuple[int, ...] = field(default=())  # planned load of each unit
 
     @property
@@ -131,16 +138,12 @@ class WorkPlan:
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
 
-        return WorkPlan(
+        return replace(
+            self,
             work=move(self.work),
             unit_offsets=move(self.unit_offsets),
             merge_tokens=move(self.merge_tokens),
             merge_num_splits=move(self.merge_num_splits),
-            num_tokens=self.num_tokens,
-            tokens_per_tile=self.tokens_per_tile,
-            max_splits=self.max_splits,
-            sliding_window=self.sliding_window,
-            unit_costs=self.unit_costs,
         )
 
     def items(self) -> list[WorkItem]:
@@ -153,8 +156,10 @@ def make_tiles(
     seq_lens: list[int],
     tokens_per_tile: int,
     sliding_window: int | None = None,
+    decode_tokens_per_tile: int | None = None,
 ) -> list[WorkItem]:
-    """Cut every sequence's queries into tiles with their KV spans.
+    """Cut every sequence's queries into tiles with their KV spans. A
+    sequence of at most ``decode_tokens_per_tile`` queries is one tile.
 
     A tile of queries at positions ``[p0, p1]`` needs keys
     ``[max(0, p0 - window + 1), p1]``::
@@ -163,13 +168,15 @@ def make_tiles(
         tile                    q q q q      p0 = 6, p1 = 9
         keys visited      x x x x x x x      [3, 10)
     """
+    short = tokens_per_tile if decode_tokens_per_tile is None else min(decode_tokens_per_tile, tokens_per_tile)
     tiles: list[WorkItem] = []
     q_lo = 0
     for seq, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
         if q_len > seq_len:
             raise ValueError(f"sequence {seq}: q_len {q_len} > seq_len {seq_len}")
-        for t0 in range(0, q_len, tokens_per_tile):
-            t1 = min(t0 + tokens_per_tile, q_len)
+        size = short if q_len <= short else tokens_per_tile
+        for t0 in range(0, q_len, size):
+            t1 = min(t0 + size, q_len)
             p0 = seq_len - q_len + t0
             kv_lo = 0 if sliding_window is None else max(0, p0 - sliding_window + 1)
             kv_hi = seq_len - q_len + t1  # last query position + 1
@@ -246,6 +253,7 @@ def plan_attention(
     sliding_window: int | None = None,
     kv_chunk: int | None = None,
     pack: bool = True,
+    decode_tokens_per_tile: int | None = None,
 ) -> WorkPlan:
     """Plan one step's attention work.
 
@@ -254,11 +262,17 @@ def plan_attention(
     ``kv_chunk=None`` picks the split length from the load; pass a number to fix
     the split boundaries (and so the exact rounding). ``pack=False`` is the
     baseline without FluidInfer packing: no splits unless ``kv_chunk`` is given,
-    and one item per program in batch order.
+    and one item per program in batch order. ``decode_tokens_per_tile``
+    (default: ``tokens_per_tile``, one tile size) is the longest decode tile.
     """
     if num_units < 1 or tokens_per_tile < 1:
         raise ValueError("num_units and tokens_per_tile must be positive")
-    tiles = make_tiles(q_lens, seq_lens, tokens_per_tile, sliding_window)
+    short = tokens_per_tile if decode_tokens_per_tile is None else min(decode_tokens_per_tile, tokens_per_tile)
+    if short < 1:
+        raise ValueError("decode_tokens_per_tile must be positive")
+    if len(q_lens) != len(seq_lens):
+        raise ValueError(f"{len(q_lens)} query lengths for {len(seq_lens)} sequences")
+    tiles = make_tiles(q_lens, seq_lens, tokens_per_tile, sliding_window, short)
     if kv_chunk is None:
         kv_chunk = auto_kv_chunk(tiles, num_units) if pack else 1 << 62
     items, merge_rows = split_tiles(tiles, kv_chunk)
@@ -279,7 +293,11 @@ def plan_attention(
         merge_num_splits=torch.tensor([n for _, n in merge_rows], dtype=i32),
         num_tokens=sum(q_lens),
         tokens_per_tile=tokens_per_tile,
+        decode_tokens_per_tile=short,
+        has_prefill_tiles=any(t.q_hi - t.q_lo > short for t in tiles),
         max_splits=max((n for _, n in merge_rows), default=0),
         sliding_window=sliding_window,
+        num_seqs=len(seq_lens),
+        max_seq_len=max(seq_lens, default=0),
         unit_costs=tuple(loads),
     )

@@ -1,19 +1,32 @@
 """Triton paged attention over a flat ragged batch (prefill chunks + decodes).
 
-This module owns the GPU attention kernel and its split-K merge. Semantics are
+This module owns the GPU attention kernel, its split-K merge, and the small
+fixed set of compiled variants they run as. Semantics are
 ``reference.paged_attention``'s (cache layout, slots, causal-with-prefix,
 sliding window); the work list comes from ``packing.plan_attention``.
 
 One kernel serves every kind of query. Its grid is ``(num_units, num_kv_heads)``;
 each program is persistent and walks the work items the planner packed onto its
-unit. An item is a tile of up to ``tokens_per_tile`` queries of one sequence
-against a KV range. The tile's rows are (token, query head of this KV head)
-pairs, so GQA/MQA groups share every K/V load::
+unit. An item is a tile of queries of one sequence against a KV range. The
+tile's rows are (token, query head of this KV head) pairs, so GQA/MQA groups
+share every K/V load::
 
     row r  ->  token q_lo + r // GROUP,  query head kv_head * GROUP + r % GROUP
 
     keys (positions) ->  kv_lo ............................ kv_hi
     K/V of position k:   block_tables[seq, k // BLOCK_SIZE], offset k % BLOCK_SIZE
+
+Two tile heights: a **decode tile** of ``DECODE_ROWS`` (16) rows for items of
+at most ``decode_tokens_per_tile`` tokens, and a **prefill tile** of
+``PREFILL_ROWS`` (128) rows for the rest. A decode-only step launches a
+variant that holds only the decode tile (few registers, several programs per
+SM); a mixed step launches one holding both, and each item picks its tile by
+its length. The grid is sized from the occupancy of the variant launched, read
+off the compiled kernel (registers, shared memory, warps).
+
+head_dim need not be a power of two: tiles are ``HEAD_PAD`` (next power of two)
+wide and the extra columns are masked (zeros in Q and K add nothing to a dot,
+and padded output columns are never stored).
 
 Softmax is online (running max ``m``, sum ``l``, accumulator) in fp32 and in
 base 2 (the scale is pre-multiplied by log2(e)). An item that covers the whole
@@ -25,11 +38,22 @@ pieces of a row::
 
 A piece may hold no allowed key for some row (causal: the row's position is
 before the piece); its lse is -inf and its weight 0.
+
+**No recompiles while serving.** Triton compiles one variant per distinct
+(constexprs, argument types, integer arguments equal to 1 or divisible by 16,
+pointer alignment). Every argument whose value follows the batch (the
+block-table row stride, the split-buffer strides, the window) is listed in
+``do_not_specialize``; the number of splits is a run-time loop bound of the
+merge, not a constexpr. What is left depends on the model alone, so a model
+compiles at most two attention variants per sliding window (decode-only and
+mixed) and one merge variant. ``variant_keys`` counts the keys the launchers
+have produced, computed by Triton's rules from the very arguments launched.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -42,13 +66,133 @@ LOG2E = 1.4426950408889634
 # Rows of a prefill tile (tokens_per_tile * group); 128 keeps the tensor cores
 # fed while the fp32 accumulator [128, head_dim] fits in registers.
 PREFILL_ROWS = 128
+# Rows of a decode tile: the smallest tile tl.dot takes. A decode item of a
+# GQA group of 4 fills 4 of them; a 128-row tile would waste 124.
+DECODE_ROWS = 16
 # Keys per inner iteration.
 BLOCK_N = 64
-# Persistent programs per SM the default plan aims for.
-PROGRAMS_PER_SM = 2
+# Partials the merge kernel combines per iteration.
+SPLIT_CHUNK = 16
+# Widest head the tiles hold in registers.
+MAX_HEAD_DIM = 256
+# Persistent programs per SM assumed where the compiled kernel cannot be read
+# (the interpreter): decode-only and mixed variants.
+FALLBACK_PROGRAMS_PER_SM = {False: 4, True: 1}
+
+# Arguments whose value follows the batch. Triton would compile a new variant
+# whenever one of them happens to be 1 or a multiple of 16 (a one-block table,
+# a split count that changes the partial buffer's stride).
+_ATTENTION_DYNAMIC = ("window", "stride_bt", "stride_pm", "stride_lm")
+_MERGE_DYNAMIC = ("stride_pm", "stride_lm")
 
 
 @triton.jit
+def _dim_mask(rows_ok, d, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """[R, HEAD_PAD] mask of valid rows and real (unpadded) columns; no
+    column term at all when head_dim is a power of two."""
+    if HEAD_PAD == HEAD_DIM:
+        return rows_ok[:, None]
+    else:
+        return rows_ok[:, None] & (d[None, :] < HEAD_DIM)
+
+
+@triton.jit
+def _attend_item(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    bt_row,  # this sequence's block-table row
+    q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head,
+    qk_scale, window,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_pm, stride_ps, stride_ph,
+    stride_lm, stride_ls,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One work item with a BLOCK_M-row tile: attention of tokens
+    [q_lo, q_hi) over keys [kv_lo, kv_hi), output or partial written."""
+    rows = tl.arange(0, BLOCK_M)
+    tok_local = rows // GROUP  # [BLOCK_M] token of the tile
+    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
+    d = tl.arange(0, HEAD_PAD)
+    cols = tl.arange(0, BLOCK_N)
+
+    tok = q_lo + tok_local  # [BLOCK_M] flat token index
+    row_ok = tok < q_hi
+    # 64-bit offsets: tokens x row stride passes 2^31 for long fused-QKV batches.
+    tok64 = tok.to(tl.int64)
+    pos = pos0 + tok_local  # [BLOCK_M] position in the sequence
+    q = tl.load(
+        q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=_dim_mask(row_ok, d, HEAD_DIM, HEAD_PAD),
+        other=0.0,
+    )  # [BLOCK_M, HEAD_PAD]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        kpos = start + cols  # [BLOCK_N]
+        k_ok = kpos < kv_hi
+        # Page walk: logical block -> physical block, per key.
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        off = kpos % BLOCK_SIZE
+        kv_mask = _dim_mask(k_ok, d, HEAD_DIM, HEAD_PAD)
+        k = tl.load(
+            k_cache_ptr + (blk * stride_kb + off * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, HEAD_PAD]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        allowed = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & (kpos[None, :] > pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no allowed key yet keeps m = -inf; shift by 0 instead
+        # so that exp2(-inf - -inf) never produces NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + (blk * stride_vb + off * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, HEAD_PAD]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    out_mask = _dim_mask(row_ok, d, HEAD_DIM, HEAD_PAD)
+    if merge_row < 0:
+        tl.store(
+            out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+    else:
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        mrow = (merge_row + tok_local).to(tl.int64)  # [BLOCK_M]
+        tl.store(
+            part_out_ptr + mrow[:, None] * stride_pm + split * stride_ps + head[:, None] * stride_ph + d[None, :],
+            o,
+            mask=out_mask,
+        )
+        tl.store(part_lse_ptr + mrow * stride_lm + split * stride_ls + head, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=_ATTENTION_DYNAMIC)
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -71,7 +215,11 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (>= 16)
+    DECODE_TOKENS: tl.constexpr,  # items of at most this many tokens use the decode tile
+    DECODE_M: tl.constexpr,
+    PREFILL_M: tl.constexpr,
+    HAS_PREFILL: tl.constexpr,  # compile the prefill tile (mixed steps) or not (decode-only)
     BLOCK_N: tl.constexpr,
     NUM_FIELDS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
@@ -81,13 +229,6 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     w_begin = tl.load(unit_offsets_ptr + unit)
     w_end = tl.load(unit_offsets_ptr + unit + 1)
-
-    rows = tl.arange(0, BLOCK_M)
-    tok_local = rows // GROUP  # [BLOCK_M] token of the tile
-    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
-    d = tl.arange(0, HEAD_DIM)
-    cols = tl.arange(0, BLOCK_N)
-
     for w in range(w_begin, w_end):
         item = work_ptr + w * NUM_FIELDS
         seq = tl.load(item + 0)
@@ -98,72 +239,37 @@ def _paged_attention_kernel(
         kv_hi = tl.load(item + 5)
         merge_row = tl.load(item + 6)
         split = tl.load(item + 7)
-
-        tok = q_lo + tok_local  # [BLOCK_M] flat token index
-        row_ok = tok < q_hi
-        pos = pos0 + tok_local  # [BLOCK_M] position in the sequence
-        q = tl.load(
-            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-            mask=row_ok[:, None],
-            other=0.0,
-        )  # [BLOCK_M, HEAD_DIM]
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        bt_row = block_tables_ptr + seq * stride_bt
-        for start in range(kv_lo, kv_hi, BLOCK_N):
-            kpos = start + cols  # [BLOCK_N]
-            k_ok = kpos < kv_hi
-            # Page walk: logical block -> physical block, per key.
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-            off = kpos % BLOCK_SIZE
-            k = tl.load(
-                k_cache_ptr + (blk * stride_kb + off * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
-                mask=k_ok[:, None],
-                other=0.0,
-            )  # [BLOCK_N, HEAD_DIM]
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-            allowed = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
-            if HAS_WINDOW:
-                allowed = allowed & (kpos[None, :] > pos[:, None] - window)
-            s = tl.where(allowed, s, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row with no allowed key yet keeps m = -inf; shift by 0 instead
-            # so that exp2(-inf - -inf) never produces NaN.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_shift)
-            p = tl.exp2(s - m_shift[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_cache_ptr + (blk * stride_vb + off * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
-                mask=k_ok[:, None],
-                other=0.0,
-            )  # [BLOCK_N, HEAD_DIM]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
-
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        o = acc / l_safe[:, None]
-        if merge_row < 0:
-            tl.store(
-                out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                o.to(out_ptr.dtype.element_ty),
-                mask=row_ok[:, None],
-            )
+        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        # The decode-only variant never compiles the prefill tile, so its
+        # register budget (and so its occupancy) is the decode tile's.
+        if HAS_PREFILL:
+            if q_hi - q_lo > DECODE_TOKENS:
+                _attend_item(
+                    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_row,
+                    q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window,
+                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls,
+                    BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, PREFILL_M, BLOCK_N, HAS_WINDOW, DOT_PRECISION,
+                )  # fmt: skip
+            else:
+                _attend_item(
+                    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_row,
+                    q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window,
+                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls,
+                    BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, DECODE_M, BLOCK_N, HAS_WINDOW, DOT_PRECISION,
+                )  # fmt: skip
         else:
-            lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-            mrow = merge_row + tok_local  # [BLOCK_M]
-            tl.store(
-                part_out_ptr + mrow[:, None] * stride_pm + split * stride_ps + head[:, None] * stride_ph + d[None, :],
-                o,
-                mask=row_ok[:, None],
-            )
-            tl.store(part_lse_ptr + mrow * stride_lm + split * stride_ls + head, lse, mask=row_ok)
+            _attend_item(
+                q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_row,
+                q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window,
+                stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls,
+                BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, DECODE_M, BLOCK_N, HAS_WINDOW, DOT_PRECISION,
+            )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_MERGE_DYNAMIC)
 def _merge_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     part_out_ptr,  # [num_merge_rows, max_splits, num_q_heads, head_dim] fp32
@@ -174,45 +280,318 @@ def _merge_kernel(
     stride_pm, stride_ps, stride_ph,
     stride_lm, stride_ls,
     HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,  # max_splits rounded up to a power of two
+    HEAD_PAD: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    tok = tl.load(merge_tokens_ptr + row)
+    tok = tl.load(merge_tokens_ptr + row).to(tl.int64)
     n = tl.load(merge_num_splits_ptr + row)
-    sp = tl.arange(0, SPLITS)
-    d = tl.arange(0, HEAD_DIM)
-    sp_ok = sp < n
-    lse = tl.load(part_lse_ptr + row * stride_lm + sp * stride_ls + head, mask=sp_ok, other=float("-inf"))
+    d = tl.arange(0, HEAD_PAD)
+    chunk = tl.arange(0, SPLIT_CHUNK)
+    lse_row = part_lse_ptr + row * stride_lm + head
+    out_row = part_out_ptr + row * stride_pm + head * stride_ph
+    # The split count is a loop bound, not a constexpr: one compiled merge
+    # serves every number of splits. Two passes: the max, then the sums.
+    run_max = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
+    for s0 in range(0, n, SPLIT_CHUNK):
+        sp = s0 + chunk
+        run_max = tl.maximum(run_max, tl.load(lse_row + sp * stride_ls, mask=sp < n, other=float("-inf")))
     # The piece holding the row's own position is never empty, so M is finite.
-    big = tl.max(lse, 0)
-    wgt = tl.exp2(lse - big)  # [SPLITS]
-    o = tl.load(
-        part_out_ptr + row * stride_pm + sp[:, None] * stride_ps + head * stride_ph + d[None, :],
-        mask=sp_ok[:, None],
-        other=0.0,
-    )  # [SPLITS, HEAD_DIM]
-    merged = tl.sum(wgt[:, None] * o, 0) / tl.sum(wgt, 0)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty))
+    big = tl.max(run_max, 0)
+    num = tl.zeros([HEAD_PAD], tl.float32)
+    den = tl.zeros([SPLIT_CHUNK], tl.float32)
+    for s0 in range(0, n, SPLIT_CHUNK):
+        sp = s0 + chunk
+        sp_ok = sp < n
+        wgt = tl.exp2(tl.load(lse_row + sp * stride_ls, mask=sp_ok, other=float("-inf")) - big)  # [SPLIT_CHUNK]
+        o = tl.load(
+            out_row + sp[:, None] * stride_ps + d[None, :],
+            mask=_dim_mask(sp_ok, d, HEAD_DIM, HEAD_PAD),
+            other=0.0,
+        )  # [SPLIT_CHUNK, HEAD_PAD]
+        num += tl.sum(wgt[:, None] * o, 0)
+        den += wgt
+    merged = num / tl.sum(den, 0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+# --------------------------------------------------------------------------
+# Variants: what a launch compiles, and how many programs of it fit an SM.
+
+
+def _int_type(v: int) -> str:
+    if -(2**31) <= v < 2**31:
+        return "i32"
+    return "u64" if v >= 2**63 else "i64"
+
+
+def specialization_key(args: dict[str, object], dynamic: tuple[str, ...]) -> tuple:
+    """The part of Triton's compile-cache key that the arguments decide:
+    tensors by dtype and 16-byte alignment, integers by type and (unless
+    listed in ``dynamic``, i.e. ``do_not_specialize``) by being 1 or a
+    multiple of 16, floats as fp32, constexprs by value."""
+    key = []
+    for name, v in args.items():
+        if isinstance(v, torch.Tensor):
+            key.append((name, str(v.dtype), v.data_ptr() % 16 == 0))
+        elif isinstance(v, bool) or v is None or isinstance(v, str):
+            key.append((name, v))
+        elif isinstance(v, int):
+            key.append((name, _int_type(v)) if name in dynamic else (name, _int_type(v), v == 1, v % 16 == 0))
+        elif isinstance(v, float):
+            key.append((name, "fp32"))
+        else:
+            raise TypeError(f"argument {name}: unexpected {type(v).__name__}")
+    return tuple(key)
+
+
+@dataclass
+class _Variants:
+    """Process-wide record of the launchers' specialisation keys, and of the
+    occupancy of each compiled attention variant (Triton's own compile cache
+    is process-wide too)."""
+
+    keys: dict[str, set[tuple]]
+    programs_per_sm: dict[tuple, int]
+
+
+_VARIANTS = _Variants(keys={"attention": set(), "merge": set()}, programs_per_sm={})
+
+
+def variant_keys() -> dict[str, frozenset[tuple]]:
+    """Distinct specialisation keys launched so far, per kernel."""
+    return {name: frozenset(keys) for name, keys in _VARIANTS.keys.items()}
+
+
+def num_variants() -> int:
+    return sum(len(keys) for keys in _VARIANTS.keys.values())
+
+
+def _record(kernel: str, args: dict[str, object], dynamic: tuple[str, ...], num_warps: int) -> tuple:
+    key = (*specialization_key(args, dynamic), ("num_warps", num_warps))
+    _VARIANTS.keys[kernel].add(key)
+    return key
+
+
+def _programs_per_sm(compiled, device: torch.device) -> int | None:
+    """Resident programs per SM of a compiled kernel: the tightest of the
+    register file, shared memory and thread limits. None where the compiled
+    kernel says nothing (the interpreter)."""
+    n_regs = getattr(compiled, "n_regs", None)
+    meta = getattr(compiled, "metadata", None)
+    if not n_regs or meta is None:
+        return None
+    props = torch.cuda.get_device_properties(device)
+    warps = meta.num_warps
+    # Registers are allocated per warp in chunks of 256.
+    regs_per_warp = -(-n_regs * 32 // 256) * 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps)
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 0)
+    # Each resident block also reserves 1 KiB of shared memory for the system.
+    by_smem = smem_sm // (meta.shared + 1024) if smem_sm else by_threads
+    return max(1, min(by_regs, by_threads, by_smem))
+
+
+# --------------------------------------------------------------------------
+# Host side: checks, arguments, launches.
+
+
+def head_pad(head_dim: int) -> int:
+    """Tile width of a head: the next power of two, at least 16 (tl.dot's K)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def decode_tokens_per_tile(group: int) -> int:
+    """Tokens of a decode tile: a ``DECODE_ROWS``-row tile holds this many
+    tokens' whole GQA groups (at least one token, however wide the group)."""
+    return max(1, DECODE_ROWS // group)
+
+
+def default_tokens_per_tile(group: int) -> int:
+    """Tokens of a prefill tile (``PREFILL_ROWS`` rows)."""
+    return max(1, PREFILL_ROWS // group)
+
+
+def _tile_rows(tokens: int, group: int) -> int:
+    return max(16, triton.next_power_of_2(tokens * group))
 
 
 def _check_layouts(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor
 ) -> None:
-    if query.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError("expected query [T, Hq, D] and caches [num_blocks, block_size, Hkv, D]")
+    if query.dim() != 3 or key_cache.dim() != 4:
+        raise ValueError(
+            f"expected query [T, Hq, D] and caches [num_blocks, block_size, Hkv, D]; got query "
+            f"{tuple(query.shape)} and key_cache {tuple(key_cache.shape)}"
+        )
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ")
     head_dim = query.shape[2]
-    if key_cache.shape[3] != head_dim or head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"head_dim {head_dim} must match the cache and be a power of two >= 16")
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {key_cache.shape[3]}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is outside [1, {MAX_HEAD_DIM}]")
     if query.shape[1] % key_cache.shape[2]:
-        raise ValueError("num_q_heads must be a multiple of num_kv_heads")
+        raise ValueError(f"num_q_heads {query.shape[1]} is not a multiple of num_kv_heads {key_cache.shape[2]}")
     if not (query.dtype == key_cache.dtype == value_cache.dtype):
-        raise ValueError("query and caches must share a dtype")
+        raise ValueError(f"query ({query.dtype}) and caches ({key_cache.dtype}, {value_cache.dtype}) must share a dtype")
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous head_dim")
-    if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
-        raise ValueError("block_tables must be int32 with contiguous rows")
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be a 2-D int32 tensor with contiguous rows")
+
+
+def _check_plan(plan: WorkPlan, query: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
+    """The plan, the block tables and the cache must describe the same batch:
+    the kernel trusts them and a mismatch reads another sequence's blocks."""
+    if plan.num_tokens != query.shape[0]:
+        raise ValueError(f"plan covers {plan.num_tokens} tokens, query has {query.shape[0]}")
+    if plan.work.device != query.device:
+        raise ValueError(f"plan is on {plan.work.device}, query on {query.device}: build it with plan_for")
+    if plan.num_seqs > block_tables.shape[0]:
+        raise ValueError(f"plan covers {plan.num_seqs} sequences, block_tables has {block_tables.shape[0]} rows")
+    block_size = key_cache.shape[1]
+    needed = -(-plan.max_seq_len // block_size)
+    if needed > block_tables.shape[1]:
+        raise ValueError(
+            f"a sequence of {plan.max_seq_len} tokens needs {needed} blocks of {block_size}, "
+            f"block_tables rows hold {block_tables.shape[1]}"
+        )
+    if block_tables.device != query.device:
+        raise ValueError(f"block_tables is on {block_tables.device}, query on {query.device}")
+
+
+def _constexprs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    *,
+    decode_tokens: int,
+    tokens_per_tile: int,
+    has_prefill: bool,
+    has_window: bool,
+) -> dict[str, object]:
+    """The compile-time values of one attention variant."""
+    group = query.shape[1] // key_cache.shape[2]
+    head_dim = query.shape[2]
+    return dict(
+        BLOCK_SIZE=key_cache.shape[1],
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad(head_dim),
+        DECODE_TOKENS=decode_tokens,
+        DECODE_M=_tile_rows(decode_tokens, group),
+        PREFILL_M=_tile_rows(tokens_per_tile, group),
+        HAS_PREFILL=has_prefill,
+        BLOCK_N=BLOCK_N,
+        NUM_FIELDS=WORK_FIELDS,
+        HAS_WINDOW=has_window,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+
+
+def _plan_constexprs(query: torch.Tensor, key_cache: torch.Tensor, plan: WorkPlan) -> dict[str, object]:
+    return _constexprs(
+        query, key_cache, decode_tokens=plan.decode_tokens_per_tile, tokens_per_tile=plan.tokens_per_tile,
+        has_prefill=plan.has_prefill_tiles, has_window=plan.sliding_window is not None,
+    )  # fmt: skip
+
+
+def _num_warps(constexprs: dict[str, object]) -> int:
+    widest = constexprs["PREFILL_M"] if constexprs["HAS_PREFILL"] else constexprs["DECODE_M"]
+    return 4 if widest <= 64 else 8
+
+
+@dataclass
+class _Launch:
+    """Everything one attention launch passes, named as the kernel names it."""
+
+    args: dict[str, object]
+    constexprs: dict[str, object]
+    num_warps: int
+    out: torch.Tensor
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+
+
+def _prepare(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    plan: WorkPlan,
+) -> _Launch:
+    """Check the batch against the plan, allocate output and partials, and
+    build the kernel's arguments."""
+    _check_layouts(query, key_cache, value_cache, block_tables)
+    _check_plan(plan, query, key_cache, block_tables)
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    out = torch.empty_like(query)  # [T, Hq, D]
+    # Partials only for split rows; dummies keep the kernel signature fixed.
+    splits = max(plan.max_splits, 1)
+    rows = max(plan.num_merge_rows, 1)
+    part_out = torch.empty((rows, splits, num_q_heads, head_dim), dtype=torch.float32, device=query.device)
+    part_lse = torch.empty((rows, splits, num_q_heads), dtype=torch.float32, device=query.device)
+    args = dict(
+        q_ptr=query, k_cache_ptr=key_cache, v_cache_ptr=value_cache, out_ptr=out,
+        part_out_ptr=part_out, part_lse_ptr=part_lse, block_tables_ptr=block_tables,
+        work_ptr=plan.work, unit_offsets_ptr=plan.unit_offsets,
+        qk_scale=float(scale * LOG2E), window=int(plan.sliding_window or 0),
+        stride_qt=query.stride(0), stride_qh=query.stride(1),
+        stride_kb=key_cache.stride(0), stride_ks=key_cache.stride(1), stride_kh=key_cache.stride(2),
+        stride_vb=value_cache.stride(0), stride_vs=value_cache.stride(1), stride_vh=value_cache.stride(2),
+        stride_ot=out.stride(0), stride_oh=out.stride(1),
+        stride_pm=part_out.stride(0), stride_ps=part_out.stride(1), stride_ph=part_out.stride(2),
+        stride_lm=part_lse.stride(0), stride_ls=part_lse.stride(1),
+        stride_bt=block_tables.stride(0),
+    )  # fmt: skip
+    constexprs = _plan_constexprs(query, key_cache, plan)
+    return _Launch(args, constexprs, _num_warps(constexprs), out, part_out, part_lse)
+
+
+def _merge_args(launch: _Launch, plan: WorkPlan) -> dict[str, object]:
+    out, part_out, part_lse = launch.out, launch.part_out, launch.part_lse
+    return dict(
+        out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,
+        merge_tokens_ptr=plan.merge_tokens, merge_num_splits_ptr=plan.merge_num_splits,
+        stride_ot=out.stride(0), stride_oh=out.stride(1),
+        stride_pm=part_out.stride(0), stride_ps=part_out.stride(1), stride_ph=part_out.stride(2),
+        stride_lm=part_lse.stride(0), stride_ls=part_lse.stride(1),
+    )  # fmt: skip
+
+
+def _merge_constexprs(launch: _Launch) -> dict[str, object]:
+    return dict(HEAD_DIM=launch.constexprs["HEAD_DIM"], HEAD_PAD=launch.constexprs["HEAD_PAD"],
+                SPLIT_CHUNK=SPLIT_CHUNK)  # fmt: skip
+
+
+def _occupancy_key(constexprs: dict[str, object], dtype: torch.dtype, device: torch.device) -> tuple:
+    return (tuple(sorted(constexprs.items())), str(dtype), str(device))
+
+
+def _run(launch: _Launch, plan: WorkPlan, grid_units: int) -> None:
+    _record("attention", {**launch.args, **launch.constexprs}, _ATTENTION_DYNAMIC, launch.num_warps)
+    num_kv_heads = launch.args["k_cache_ptr"].shape[2]
+    compiled = _paged_attention_kernel[(grid_units, num_kv_heads)](
+        *launch.args.values(), **launch.constexprs, num_warps=launch.num_warps
+    )
+    device = launch.out.device
+    if device.type == "cuda":
+        key = _occupancy_key(launch.constexprs, launch.out.dtype, device)
+        if key not in _VARIANTS.programs_per_sm:
+            occupancy = _programs_per_sm(compiled, device)
+            if occupancy is not None:
+                _VARIANTS.programs_per_sm[key] = occupancy
+
+
+def _run_merge(launch: _Launch, plan: WorkPlan, rows: int) -> None:
+    args = _merge_args(launch, plan)
+    consts = _merge_constexprs(launch)
+    _record("merge", {**args, **consts}, _MERGE_DYNAMIC, 4)
+    _merge_kernel[(rows, launch.out.shape[1])](*args.values(), **consts, num_warps=4)
 
 
 def _launch(
@@ -224,71 +603,90 @@ def _launch(
     plan: WorkPlan,
 ) -> torch.Tensor:
     """Check the plan against the batch, allocate partials, run both kernels."""
-    _check_layouts(query, key_cache, value_cache, block_tables)
-    if plan.num_tokens != query.shape[0]:
-        raise ValueError(f"plan covers {plan.num_tokens} tokens, query has {query.shape[0]}")
-    num_q_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = key_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    block_m = max(16, triton.next_power_of_2(plan.tokens_per_tile * group))
-    out = torch.empty_like(query)  # [T, Hq, D]
+    launch = _prepare(query, key_cache, value_cache, block_tables, scale, plan)
     if plan.num_items == 0:
-        return out
-    device = query.device
-    # Partials only for split rows; dummies keep the kernel signature fixed.
-    splits = max(plan.max_splits, 1)
-    part_out = torch.empty(
-        (max(plan.num_merge_rows, 1), splits, num_q_heads, head_dim), dtype=torch.float32, device=device
-    )
-    part_lse = torch.empty((max(plan.num_merge_rows, 1), splits, num_q_heads), dtype=torch.float32, device=device)
-    window = plan.sliding_window
-    _paged_attention_kernel[(plan.num_units, num_kv_heads)](
-        query, key_cache, value_cache, out, part_out, part_lse,
-        block_tables, plan.work, plan.unit_offsets,
-        scale * LOG2E, window or 0,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        out.stride(0), out.stride(1),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        block_tables.stride(0),
-        BLOCK_SIZE=key_cache.shape[1],
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
-        NUM_FIELDS=WORK_FIELDS,
-        HAS_WINDOW=window is not None,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m <= 64 else 8,
-    )  # fmt: skip
+        return launch.out
+    _run(launch, plan, plan.num_units)
     if plan.num_merge_rows:
-        _merge_kernel[(plan.num_merge_rows, num_q_heads)](
-            out, part_out, part_lse, plan.merge_tokens, plan.merge_num_splits,
-            out.stride(0), out.stride(1),
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
-            HEAD_DIM=head_dim,
-            SPLITS=triton.next_power_of_2(splits),
-            num_warps=4,
-        )  # fmt: skip
-    return out
+        _run_merge(launch, plan, plan.num_merge_rows)
+    return launch.out
 
 
-def default_tokens_per_tile(max_q_len: int, group: int) -> int:
-    """One token per tile for a decode-only batch (rows = the GQA group);
-    ``PREFILL_ROWS // group`` tokens when any prefill chunk is present."""
-    return 1 if max_q_len <= 1 else max(1, PREFILL_ROWS // group)
+def _empty_plan(device: torch.device, group: int, has_prefill: bool, sliding_window: int | None) -> WorkPlan:
+    """A plan with one unit and no items, of the variant asked for."""
+    i32 = dict(dtype=torch.int32, device=device)
+    dtpt = decode_tokens_per_tile(group)
+    return WorkPlan(
+        work=torch.zeros((0, WORK_FIELDS), **i32),
+        unit_offsets=torch.zeros(2, **i32),
+        merge_tokens=torch.zeros(1, **i32),
+        merge_num_splits=torch.zeros(1, **i32),  # zero splits: the merge writes 0/0 into a scratch row
+        num_tokens=0,
+        tokens_per_tile=default_tokens_per_tile(group),
+        decode_tokens_per_tile=dtpt,
+        has_prefill_tiles=has_prefill,
+        max_splits=1,
+        sliding_window=sliding_window,
+        num_seqs=0,
+        max_seq_len=0,
+    )
 
 
-def default_num_units(device: torch.device, num_kv_heads: int) -> int:
-    """Persistent programs per KV head: enough to fill every SM
-    ``PROGRAMS_PER_SM`` times over all KV heads."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, math.ceil(sms * PROGRAMS_PER_SM / num_kv_heads))
-    return 4
+def warmup(query: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None = None) -> dict[bool, int]:
+    """Compile the variants a model serves with (decode-only and mixed, for
+    this window) and the merge, by launching them on no work: nothing is
+    read or written but a scratch row. ``query`` and ``key_cache`` must be
+    laid out as in serving (a view of the fused QKV output, say), since the
+    strides are part of the variant. Returns programs per SM per variant
+    (``{has_prefill: programs}``)."""
+    group = query.shape[1] // key_cache.shape[2]
+    device = query.device
+    tables = torch.zeros((1, 1), dtype=torch.int32, device=device)
+    scratch = query[:0]
+    occupancy = {}
+    for has_prefill in (False, True):
+        plan = _empty_plan(device, group, has_prefill, sliding_window)
+        launch = _prepare(scratch, key_cache, key_cache, tables, 1.0, plan)
+        # A one-token scratch output with the real output's strides.
+        launch.out = torch.empty_like(query[:1]) if query.shape[0] else torch.empty(
+            (1, *query.shape[1:]), dtype=query.dtype, device=device)
+        launch.args["out_ptr"] = launch.out
+        _run(launch, plan, 1)
+        if has_prefill:
+            _run_merge(launch, plan, 1)
+        occupancy[has_prefill] = programs_per_sm(query, key_cache, has_prefill, sliding_window, compile=False)
+    return occupancy
+
+
+def programs_per_sm(
+    query: torch.Tensor, key_cache: torch.Tensor, has_prefill: bool, sliding_window: int | None,
+    *, compile: bool = True,
+) -> int:
+    """Resident programs per SM of the variant a plan with these properties
+    launches, read off the compiled kernel (compiled now if it is not yet)."""
+    if query.device.type != "cuda":
+        return FALLBACK_PROGRAMS_PER_SM[has_prefill]
+    group = query.shape[1] // key_cache.shape[2]
+    constexprs = _constexprs(
+        query, key_cache, decode_tokens=decode_tokens_per_tile(group), tokens_per_tile=default_tokens_per_tile(group),
+        has_prefill=has_prefill, has_window=sliding_window is not None,
+    )  # fmt: skip
+    key = _occupancy_key(constexprs, query.dtype, query.device)
+    if key not in _VARIANTS.programs_per_sm and compile:
+        warmup(query, key_cache, sliding_window)
+    return _VARIANTS.programs_per_sm.get(key, FALLBACK_PROGRAMS_PER_SM[has_prefill])
+
+
+def default_num_units(
+    query: torch.Tensor, key_cache: torch.Tensor, has_prefill: bool, sliding_window: int | None = None
+) -> int:
+    """Persistent programs per KV head: every SM filled with as many programs
+    of the launched variant as fit on it, over all KV heads."""
+    if query.device.type != "cuda":
+        return 4
+    sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+    per_sm = programs_per_sm(query, key_cache, has_prefill, sliding_window)
+    return max(1, math.ceil(sms * per_sm / key_cache.shape[2]))
 
 
 def plan_for(
@@ -305,13 +703,20 @@ def plan_for(
 ) -> WorkPlan:
     """The default plan for a batch, already on the query's device. The engine
     calls this once per step with host-side lengths and passes the plan to
-    every layer."""
+    every layer. Decode tiles are ``decode_tokens_per_tile(group)`` tokens,
+    prefill tiles ``tokens_per_tile`` (default ``PREFILL_ROWS // group``)."""
     group = query.shape[1] // key_cache.shape[2]
+    tpt = tokens_per_tile or default_tokens_per_tile(group)
+    dtpt = min(decode_tokens_per_tile(group), tpt)
+    if num_units is None:
+        has_prefill = max(q_lens, default=0) > dtpt
+        num_units = default_num_units(query, key_cache, has_prefill, sliding_window)
     plan = packing.plan_attention(
         q_lens,
         seq_lens,
-        num_units=num_units or default_num_units(query.device, key_cache.shape[2]),
-        tokens_per_tile=tokens_per_tile or default_tokens_per_tile(max(q_lens, default=0), group),
+        num_units=num_units,
+        tokens_per_tile=tpt,
+        decode_tokens_per_tile=dtpt,
         sliding_window=sliding_window,
         kv_chunk=kv_chunk,
         pack=pack,
