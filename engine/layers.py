@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..kernels import ops
+from ..kernels import cpu_attention, ops
 
 
 @dataclass
@@ -29,6 +29,7 @@ class AttentionMetadata:
     host_q_lens: list[int] = field(default_factory=list)
     host_seq_lens: list[int] = field(default_factory=list)
     _plans: dict = field(default_factory=dict, repr=False)
+    _cpu_plans: dict = field(default_factory=dict, repr=False)
 
     def work_plan(self, query: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None):
         """The packed attention work list for this step on CUDA; None on CPU
@@ -41,6 +42,18 @@ class AttentionMetadata:
             self._plans[sliding_window] = plan_for(query, key_cache, self.host_q_lens, self.host_seq_lens,
                                                    sliding_window)
         return self._plans[sliding_window]
+
+    def cpu_plan(self, key_cache: torch.Tensor, sliding_window: int | None) -> cpu_attention.CpuAttentionPlan:
+        """The CPU attention plan of this step, built by the first layer and
+        shared by the rest (per sliding window)."""
+        if sliding_window not in self._cpu_plans:
+            q_lens, seq_lens = self.host_q_lens, self.host_seq_lens
+            if not q_lens:  # built without host copies: read them back once
+                loc = self.query_start_loc.tolist()
+                q_lens, seq_lens = [b - a for a, b in zip(loc, loc[1:])], self.seq_lens.tolist()
+            self._cpu_plans[sliding_window] = cpu_attention.build_plan(
+                q_lens, seq_lens, self.block_tables, self.slot_mapping, key_cache.shape[1], sliding_window)
+        return self._cpu_plans[sliding_window]
 
 
 class RMSNorm(nn.Module):
@@ -117,6 +130,11 @@ class PagedAttention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq * D]
         key_cache, value_cache = kv_cache
+        if not q.is_cuda:
+            plan = meta.cpu_plan(key_cache, self.sliding_window)
+            cpu_attention.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, plan.slots_all_valid)
+            out = cpu_attention.paged_attention(q, key_cache, value_cache, plan, self.scale, k, v)
+            return out.reshape(out.shape[0], -1)
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = ops.paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,

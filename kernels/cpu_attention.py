@@ -1,0 +1,239 @@
+"""The engine's attention path on CPU: the semantics of ``reference.py``, built
+for speed over a whole step.
+
+``reference.paged_attention`` stays the readable oracle; this module owns what
+makes the CPU path scale with the number of requests:
+
+* **One plan per step.** Which rows decode, how decodes are bucketed, the
+  block ids each bucket gathers and its key mask are worked out once from the
+  host lengths (``CpuAttentionPlan``) and reused by every layer.
+* **No dtype casts of the cache.** K/V are read in the cache's dtype and
+  torch's fused CPU attention (``scaled_dot_product_attention``, flash kernel)
+  accumulates in fp32 itself; the reference's fp32 copies of every gathered
+  context are what made it slow.
+* **Fresh prompts read no cache.** A prompt with no cached prefix attends to
+  this step's own K/V (views into the flat batch) with ``is_causal``, so the
+  flash kernel skips the masked half; only chunks over a cached prefix gather.
+* **Decodes batched, GQA folded.** All single-token rows of a length bucket go
+  through one attention call. The ``g = Hq / Hk`` query heads that share a KV
+  head become ``g`` queries of that head::
+
+      q [D, Hq, d] -> [D, Hk, g, d]    k, v [D, Hk, L, d]    (no KV repeat)
+
+* **Gathers into a reused workspace.** The blocks of a bucket are copied with
+  one ``index_select`` into a per-thread buffer that only grows: a fresh
+  allocation of tens of MB per layer is returned to the OS and page-faulted
+  back in every step, which cost more than the copy itself.
+
+Writes into the cache are one ``index_copy_`` over the flat slot index.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+# A decode bucket's longest context is at most this many times its shortest:
+# padding costs attention work, each bucket costs one call.
+BUCKET_RATIO = 2.0
+# Rows x padded length of one decode bucket: bigger buckets are split by rows
+# so the gather workspace stays bounded (32 MiB per tensor with 2 KV heads of
+# 64 in fp32).
+MAX_GATHER_TOKENS = 1 << 16
+
+
+@dataclass
+class DecodeBucket:
+    """Single-token rows of similar context length, attended in one call."""
+
+    q_rows: torch.Tensor  # [D] int64: token index of each row in the flat batch
+    block_ids: torch.Tensor  # [D * nb] int64: the rows' blocks, padded with block 0
+    key_mask: torch.Tensor  # [D, 1, 1, nb * block_size] bool: keys a row may read
+    num_blocks: int  # nb, blocks gathered per row
+
+
+@dataclass
+class PrefillItem:
+    """One sequence running more than one query this step."""
+
+    q_lo: int
+    q_hi: int
+    seq_len: int
+    fresh: bool  # a whole prompt, no cached prefix: this step's K/V are all it reads
+    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
+    mask: torch.Tensor | None  # [q_len, seq_len] bool; None means plain causal
+
+
+@dataclass
+class CpuAttentionPlan:
+    decodes: list[DecodeBucket]
+    prefills: list[PrefillItem]
+    slots_all_valid: bool  # no -1 in the slot mapping: the write needs no filter
+
+
+def build_plan(
+    q_lens: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,  # [S, max_blocks] int
+    slot_mapping: torch.Tensor,  # [num_tokens] int
+    block_size: int,
+    sliding_window: int | None,
+) -> CpuAttentionPlan:
+    """Everything about a step's attention that does not depend on the layer."""
+    dev = block_tables.device
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    decode_rows = sorted((i for i, q in enumerate(q_lens) if q == 1), key=seq_lens.__getitem__)
+    decodes = [_decode_bucket(rows, starts, seq_lens, block_tables, block_size, sliding_window)
+               for rows in _buckets(decode_rows, seq_lens, block_size)]
+    prefills = []
+    for i, q_len in enumerate(q_lens):
+        if q_len <= 1:
+            continue
+        seq_len = seq_lens[i]
+        fresh = q_len == seq_len
+        block_ids = block_tables[i, : -(-seq_len // block_size)].long()
+        mask = None
+        if not fresh or sliding_window is not None:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=dev).unsqueeze(1)  # [q_len, 1]
+            k_pos = torch.arange(seq_len, device=dev).unsqueeze(0)  # [1, seq_len]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+        prefills.append(PrefillItem(starts[i], starts[i + 1], seq_len, fresh, block_ids, mask))
+    valid = bool((slot_mapping >= 0).all()) if slot_mapping.numel() else True
+    return CpuAttentionPlan(decodes, prefills, valid)
+
+
+def _buckets(rows: list[int], seq_lens: list[int], block_size: int) -> list[list[int]]:
+    """Split rows sorted by length: a new bucket when the length passes
+    BUCKET_RATIO times the bucket's first, or when its padded gather would
+    pass MAX_GATHER_TOKENS."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in rows:
+        padded = -(-seq_lens[i] // block_size) * block_size
+        too_long = cur and seq_lens[i] > BUCKET_RATIO * seq_lens[cur[0]]
+        too_big = cur and (len(cur) + 1) * padded > MAX_GATHER_TOKENS
+        if too_long or too_big:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _decode_bucket(rows, starts, seq_lens, block_tables, block_size, sliding_window) -> DecodeBucket:
+    dev = block_tables.device
+    lens = torch.tensor([seq_lens[i] for i in rows], device=dev)  # [D]
+    nb = -(-max(seq_lens[i] for i in rows) // block_size)
+    tables = block_tables[torch.tensor(rows, device=dev), :nb].long()  # [D, nb]
+    # Entries past a row's last block are padding (any value): point them at
+    # block 0 so the gather never reads out of range; the mask hides them.
+    need = (lens + block_size - 1) // block_size
+    tables = torch.where(torch.arange(nb, device=dev) < need.unsqueeze(1), tables, 0)
+    k_pos = torch.arange(nb * block_size, device=dev).unsqueeze(0)  # [1, L]
+    mask = k_pos < lens.unsqueeze(1)  # [D, L]: the query sits at position len - 1
+    if sliding_window is not None:
+        mask &= k_pos > lens.unsqueeze(1) - 1 - sliding_window
+    q_rows = torch.tensor([starts[i] for i in rows], device=dev)
+    return DecodeBucket(q_rows, tables.flatten(), mask[:, None, None, :], nb)
+
+
+# -- the kernels ------------------------------------------------------------------
+
+_local = threading.local()
+
+
+def _workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat scratch buffer of at least ``numel`` elements, kept per thread."""
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    key = (name, dtype, device)
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = bufs[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = do not write
+    all_valid: bool | None = None,
+) -> None:
+    """``reference.reshape_and_cache`` as one indexed copy per tensor."""
+    if all_valid is None:
+        all_valid = bool((slot_mapping >= 0).all())
+    if not all_valid:
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    slots = slot_mapping.long()
+    # [num_blocks * block_size, Hk, d] is a view: a slot is its row.
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key.to(key_cache.dtype))
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value.to(value_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    plan: CpuAttentionPlan,
+    scale: float,
+    key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: this step's K
+    value: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``reference.paged_attention`` over a step described by ``plan``.
+
+    ``key``/``value`` are this step's new K/V (already written into the
+    cache); when given, whole prompts attend to them instead of the cache.
+    Returns ``[num_tokens, num_q_heads, head_dim]`` in ``query.dtype``.
+    """
+    out = torch.empty_like(query)
+    for bucket in plan.decodes:
+        _decode(out, query, key_cache, value_cache, bucket, scale)
+    for item in plan.prefills:
+        _prefill(out, query, key_cache, value_cache, item, scale, key, value)
+    return out
+
+
+def _decode(out, query, key_cache, value_cache, b: DecodeBucket, scale: float) -> None:
+    num_kv, head_dim = key_cache.shape[2], key_cache.shape[3]
+    rows = b.q_rows.numel()
+    length = b.num_blocks * key_cache.shape[1]
+
+    def gather(cache: torch.Tensor, name: str) -> torch.Tensor:  # -> [D, Hk, L, d], a strided view
+        flat = cache.view(cache.shape[0], -1)
+        buf = _workspace(name, b.block_ids.numel() * flat.shape[1], cache.dtype, cache.device)
+        torch.index_select(flat, 0, b.block_ids, out=buf.view(b.block_ids.numel(), flat.shape[1]))
+        return buf.view(rows, length, num_kv, head_dim).transpose(1, 2)
+
+    group = query.shape[1] // num_kv
+    q = query.index_select(0, b.q_rows).view(rows, num_kv, group, head_dim)  # [D, Hk, g, d]
+    o = F.scaled_dot_product_attention(q, gather(key_cache, "k"), gather(value_cache, "v"),
+                                       attn_mask=b.key_mask, scale=scale)  # [D, Hk, g, d]
+    out.index_copy_(0, b.q_rows, o.reshape(rows, -1, head_dim))
+
+
+def _prefill(out, query, key_cache, value_cache, item: PrefillItem, scale: float, key, value) -> None:
+    q = query[item.q_lo:item.q_hi].transpose(0, 1)  # [Hq, q_len, d]
+    if item.fresh and key is not None:
+        k = key[item.q_lo:item.q_hi].transpose(0, 1)  # [Hk, L, d], L = q_len
+        v = value[item.q_lo:item.q_hi].transpose(0, 1)
+    else:
+        shape, ids = key_cache.shape, item.block_ids
+        k = key_cache[ids].view(-1, *shape[2:])[: item.seq_len].transpose(0, 1)
+        v = value_cache[ids].view(-1, *shape[2:])[: item.seq_len].transpose(0, 1)
+    if item.mask is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=item.mask, scale=scale, enable_gqa=True)
+    out[item.q_lo:item.q_hi] = o.transpose(0, 1)
