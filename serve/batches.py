@@ -66,9 +66,11 @@ def _line_error(code: str, message: str, line: int | None, param: str | None = N
     return {"code": code, "message": message, "param": param, "line": line}
 
 
-def parse_batch_input(content: bytes, endpoint: str, max_lines: int) -> tuple[list[BatchLine], list[dict[str, Any]]]:
+def parse_batch_input(content: bytes, endpoint: str | None,
+                      max_lines: int) -> tuple[list[BatchLine], list[dict[str, Any]]]:
     """The request lines of a batch input file, or the errors OpenAI reports
-    in ``errors.data`` (line numbers 1-based, blank lines skipped)."""
+    in ``errors.data`` (line numbers 1-based, blank lines skipped). With no
+    ``endpoint`` (``run-batch``) each line may use either endpoint."""
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -92,7 +94,7 @@ def parse_batch_input(content: bytes, endpoint: str, max_lines: int) -> tuple[li
     return lines, errors[:MAX_REPORTED_ERRORS]
 
 
-def _check_line(raw: str, no: int, endpoint: str, seen: set[str]) -> tuple[Any, dict[str, Any] | None]:
+def _check_line(raw: str, no: int, endpoint: str | None, seen: set[str]) -> tuple[Any, dict[str, Any] | None]:
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError):
@@ -110,7 +112,9 @@ def _check_line(raw: str, no: int, endpoint: str, seen: set[str]) -> tuple[Any, 
     if obj.get("method") != "POST":
         return None, _line_error("invalid_method", "The method of every request in a batch must be POST.", no,
                                  "method")
-    if obj.get("url") != endpoint:
+    if endpoint is None and obj.get("url") not in BATCH_ENDPOINTS:
+        return None, _line_error("invalid_url", f"The url must be one of {', '.join(BATCH_ENDPOINTS)}.", no, "url")
+    if endpoint is not None and obj.get("url") != endpoint:
         return None, _line_error("invalid_url", f"The url of this request does not match the batch's endpoint "
                                  f"{endpoint}.", no, "url")
     if not isinstance(obj.get("body"), dict):
@@ -119,7 +123,7 @@ def _check_line(raw: str, no: int, endpoint: str, seen: set[str]) -> tuple[Any, 
         return None, _line_error("duplicate_custom_id", "The custom_id of this request duplicates an earlier "
                                  "one; custom_id must be unique within a batch.", no, "custom_id")
     seen.add(custom_id)
-    return BatchLine(no, custom_id, obj["body"]), None
+    return BatchLine(no, custom_id, obj["body"], obj["url"]), None
 
 
 # -- one line through the online path ----------------------------------------
@@ -145,7 +149,9 @@ class LineExecutor:
     def __init__(self, server: "_Server", on_tokens: Callable[[int], None] = lambda n: None) -> None:
         self.server = server
         self.on_tokens = on_tokens
-        self.queued: set[RequestStream] = set()  # submitted, no output yet
+        # Engine requests of batch lines that have no output yet: the part of
+        # the engine's queue that online admission must not count.
+        self.num_queued = 0
 
     async def run(self, endpoint: str, body: dict[str, Any], request_id: str) -> LineOutcome:
         from .api import validate_body
@@ -165,8 +171,13 @@ class LineExecutor:
             inputs = dataclasses.replace(inputs, klass="offline")
             if s.state.draining:
                 raise _Transient("server is draining")
-            streams = await s.submit(request_id, inputs)
-            finals = await self._collect(streams)
+            waiting = [len(inputs.prompts)]
+            self.num_queued += waiting[0]
+            try:
+                streams = await s.submit(request_id, inputs)
+                finals = await self._collect(streams, waiting)
+            finally:
+                self.num_queued -= waiting[0]
             render = s.completion_body if endpoint == "/v1/completions" else s.chat_body
             response = render(request_id, req, inputs, finals)
         except APIError as err:
@@ -177,19 +188,17 @@ class LineExecutor:
         return LineOutcome(200, response.model_dump(mode="json"), usage.prompt_tokens if usage else 0,
                            usage.completion_tokens if usage else 0)
 
-    async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
+    async def _collect(self, streams: list[RequestStream], waiting: list[int]) -> list[RequestOutput]:
         from .api import _as_api_error
 
         async def one(stream: RequestStream) -> RequestOutput:
-            self.queued.add(stream)
             last = None
-            try:
-                async for out in stream:
-                    self.queued.discard(stream)
-                    self.on_tokens(sum(len(co.new_token_ids) for co in out.outputs))
-                    last = out
-            finally:
-                self.queued.discard(stream)
+            async for out in stream:
+                if last is None:
+                    waiting[0] -= 1
+                    self.num_queued -= 1
+                self.on_tokens(sum(len(co.new_token_ids) for co in out.outputs))
+                last = out
             assert last is not None
             return last
 
@@ -202,10 +211,6 @@ class LineExecutor:
         finally:
             for st in streams:
                 st.abort()
-
-    @property
-    def num_queued(self) -> int:
-        return sum(1 for st in self.queued if not st.got_output)
 
 
 def output_line(custom_id: str, request_id: str, outcome: LineOutcome) -> dict[str, Any]:
@@ -631,3 +636,89 @@ def parse_multipart(body: bytes, content_type: str) -> dict[str, tuple[str | Non
             raise bad_request("multipart/form-data part without a name", "file")
         fields[name] = (headers.get_filename(), data[:-2])
     return fields
+
+
+# -- fluidserve run-batch -----------------------------------------------------
+
+
+async def run_batch_file(server: "_Server", lines: list[BatchLine], out: Any, max_in_flight: int,
+                         progress: Callable[[int, int, int], None]) -> tuple[int, int]:
+    """Run ``lines`` through ``server``'s request path without HTTP, writing
+    each output line to ``out`` as it finishes. Returns (succeeded, failed)."""
+    tokens = [0]
+    executor = LineExecutor(server, on_tokens=lambda n: tokens.__setitem__(0, tokens[0] + n))
+    slots = asyncio.Semaphore(max_in_flight)
+    counts = [0, 0]
+
+    async def one(line: BatchLine) -> None:
+        async with slots:
+            request_id = f"run-batch-{line.line_no}-{uuid.uuid4().hex[:8]}"
+            outcome = await executor.run(line.url, line.body, request_id)
+        out.write(json.dumps(output_line(line.custom_id, request_id, outcome)) + "\n")
+        counts[outcome.status_code != 200] += 1
+        progress(counts[0] + counts[1], counts[1], tokens[0])
+
+    await asyncio.gather(*(one(line) for line in lines))
+    return counts[0], counts[1]
+
+
+def run_batch_main(argv: Sequence[str]) -> int:
+    """``fluidserve run-batch -i in.jsonl -o out.jsonl [engine flags]``: a
+    batch file run offline, no server; one output line per request line
+    (errors included, with their status code), in finishing order."""
+    import argparse
+    import sys
+
+    from ..engine.async_engine import AsyncEngine
+    from ..engine.engine import LLMEngine
+    from .api import ServerSettings, build_app
+    from .cli import add_serve_args, engine_config_from_args, frontend_tokenizer, model_info
+
+    parser = argparse.ArgumentParser(prog="fluidserve run-batch",
+                                     description="run an OpenAI batch input file offline, without a server")
+    parser.add_argument("-i", "--input-file", required=True, help="batch input JSONL (OpenAI's format)")
+    parser.add_argument("-o", "--output-file", required=True, help="where to write the output JSONL")
+    add_serve_args(parser)
+    args = parser.parse_args(list(argv))
+    try:
+        with open(args.input_file, "rb") as f:
+            content = f.read()
+    except OSError as exc:
+        print(f"fluidserve run-batch: {exc}", file=sys.stderr)
+        return 2
+    lines, errors = parse_batch_input(content, None, max_lines=sys.maxsize)
+    if errors:
+        for e in errors[:20]:
+            where = f"line {e['line']}: " if e["line"] else ""
+            print(f"fluidserve run-batch: {where}{e['message']} ({e['code']})", file=sys.stderr)
+        return 2
+    try:
+        engine = LLMEngine(engine_config_from_args(args))
+    except (ValueError, OSError) as exc:
+        print(f"fluidserve run-batch: {exc}", file=sys.stderr)
+        return 2
+    app = build_app(AsyncEngine(engine), frontend_tokenizer(engine), model_info(engine), ServerSettings())
+    server = app.state.server
+    start = time.monotonic()
+
+    def progress(done: int, failed: int, tokens: int) -> None:
+        rate = tokens / max(time.monotonic() - start, 1e-6)
+        print(f"\rrun-batch: {done}/{len(lines)} requests, {failed} failed, {rate:.0f} tok/s",
+              end="", file=sys.stderr, flush=True)
+
+    async def run() -> tuple[int, int]:
+        server.engine.start()
+        try:
+            with open(args.output_file, "w", encoding="utf-8") as out:
+                return await run_batch_file(server, lines, out, args.batch_max_in_flight, progress)
+        finally:
+            await server.engine.shutdown()
+
+    try:
+        ok, failed = asyncio.run(run())
+    except _Transient as exc:
+        print(f"\nfluidserve run-batch: {exc}", file=sys.stderr)
+        return 1
+    print(f"\nrun-batch: wrote {ok + failed} lines to {args.output_file} ({failed} failed) in "
+          f"{time.monotonic() - start:.1f} s", file=sys.stderr)
+    return 0

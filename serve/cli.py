@@ -361,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
                "requests always go first, arrival order decides inside a class."))
     sub.add_parser("bench", help="load-test a running server (see `fluidserve bench --help`)", add_help=False)
     sub.add_parser("profile", help="measure the engine's cost model", add_help=False)
+    sub.add_parser("run-batch", help="run an OpenAI batch file offline (see `fluidserve run-batch --help`)",
+                   add_help=False)
     return parser
 
 
@@ -371,6 +373,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_bench(argv[1:])
     if argv and argv[0] == "profile":
         return run_profile(argv[1:])
+    if argv and argv[0] == "run-batch":
+        from .batches import run_batch_main
+
+        return run_batch_main(argv[1:])
     try:
         check_unsupported(argv)
     except UnsupportedFlag as exc:

@@ -113,6 +113,7 @@ class BatchLine:
     line_no: int
     custom_id: str
     body: dict[str, Any]
+    url: str = ""  # the batch's endpoint; only run-batch lets lines differ
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,12 @@ from tests.server_utils import (TEST_ENGINE_DEFAULTS, ThreadedServer, free_port,
 pytestmark = pytest.mark.timeout(180)
 
 
-def start_batch_server(model_dir: str, data_dir: Path, **batch_kwargs) -> ThreadedServer:
+def start_batch_server(model_dir: str, data_dir: Path, settings: ServerSettings | None = None,
+                       **batch_kwargs) -> ThreadedServer:
     engine = LLMEngine(EngineConfig(model=model_dir, **TEST_ENGINE_DEFAULTS))
     async_engine = AsyncEngine(engine)
     config = BatchConfig(str(data_dir), **batch_kwargs)
-    app = build_app(async_engine, frontend_tokenizer(engine), model_info(engine), ServerSettings(),
+    app = build_app(async_engine, frontend_tokenizer(engine), model_info(engine), settings or ServerSettings(),
                     batch_config=config)
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
@@ -248,6 +249,76 @@ def test_metrics(client, batch_server):
     assert m['fluidserve_batches{status="completed"}'] >= 1
     assert m["fluidserve_offline_generation_tokens_total"] > 0
     assert "fluidserve_offline_requests_in_flight" in m
+
+
+def test_batch_never_crowds_out_online_requests(tiny_model, tmp_path):
+    # One online place in the queue, eight batch lines in flight: every online
+    # request must still be admitted, and the batch must stay within its bound.
+    srv = start_batch_server(tiny_model("llama"), tmp_path, ServerSettings(max_queued_requests=1), max_in_flight=8)
+    try:
+        c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        rows = [completion_line(f"o{i}", f"offline {i}", max_tokens=32, ignore_eos=True) for i in range(400)]
+        up = c.files.create(file=("o.jsonl", jsonl(rows)), purpose="batch")
+        bid = c.batches.create(input_file_id=up.id, endpoint="/v1/completions", completion_window="24h").id
+        peak = 0
+        for _ in range(5):
+            deadline = time.monotonic() + 60
+            while srv.async_engine.num_in_flight < 8:  # the batch holds all its places
+                assert time.monotonic() < deadline
+                time.sleep(0.002)
+            r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "online", "max_tokens": 2}, timeout=30)
+            assert r.status_code == 200, r.text
+            peak = max(peak, srv.async_engine.num_in_flight)
+        assert c.batches.retrieve(bid).status == "in_progress"
+        wait_batch(c, c.batches.cancel(bid).id)
+        assert 1 <= peak <= 8 + 1  # the batch's bound, plus at most the one online request
+    finally:
+        srv.stop()
+
+
+def test_expired_batch_reports_unfinished_lines(tiny_model, tmp_path):
+    # A batch whose window passed while the server was down: on restart the
+    # runner expires it, and each line without a result is in the error file.
+    store = Store(tmp_path)
+    f = store.create_file("in.jsonl", "batch", b"{}")
+    store.create_batch(BatchRecord(id="batch_old", input_file_id=f.id, endpoint="/v1/completions",
+                                   completion_window="24h", status="validating", created_at=1, expires_at=2))
+    store.start_batch("batch_old", [BatchLine(i + 1, f"e{i}", {"prompt": "x", "max_tokens": 2}) for i in range(3)])
+    store.record_result("batch_old", LineResult(1, True, {"custom_id": "e0"}))
+    store.close()
+    srv = start_batch_server(tiny_model("llama"), tmp_path)
+    try:
+        c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        b = wait_batch(c, "batch_old")
+        assert b.status == "expired" and b.expired_at
+        assert (b.request_counts.completed, b.request_counts.failed) == (1, 2)
+        err = read_lines(c, b.error_file_id)
+        assert [(e["custom_id"], e["error"]["code"]) for e in err] == [("e1", "batch_expired"),
+                                                                        ("e2", "batch_expired")]
+    finally:
+        srv.stop()
+
+
+def test_run_batch_cli(tiny_model, tmp_path, capsys):
+    from fluidserve.serve.cli import main
+
+    rows = [completion_line(f"r{i}", f"offline {i}", max_tokens=4) for i in range(5)]
+    rows.append({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}})
+    rows.append(completion_line("bad", "x", max_tokens=100_000))
+    (tmp_path / "in.jsonl").write_bytes(jsonl(rows))
+    rc = main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+               "--model", tiny_model("llama"), "--device", "cpu", "--num-kv-blocks", "128", "--max-model-len", "256"])
+    assert rc == 0
+    out = {o["custom_id"]: o for o in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert sorted(out) == sorted(r["custom_id"] for r in rows)
+    assert out["chat"]["response"]["body"]["object"] == "chat.completion"
+    assert out["r3"]["response"]["body"]["usage"]["completion_tokens"] == 4
+    assert out["bad"]["response"]["status_code"] == 400
+    assert "7/7 requests, 1 failed" in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_text('{"custom_id": "a"}\n')
+    assert main(["run-batch", "-i", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "o2.jsonl"),
+                 "--model", tiny_model("llama"), "--device", "cpu"]) == 2
 
 
 # -- the store ----------------------------------------------------------------
