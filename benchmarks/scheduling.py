@@ -34,6 +34,7 @@ from pathlib import Path
 
 from fluidserve.kvcache.manager import KVCacheManager
 from fluidserve.scheduler.cost_model import CostModel, default_cost_model
+from fluidserve.scheduler.plan import StepOutcome
 from fluidserve.scheduler.policies import make_policy
 from fluidserve.scheduler.request_state import SeqState
 from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -132,7 +133,7 @@ def build_tasks(args, cm: CostModel, sim: dict) -> tuple[list[dict], dict]:
 
 
 def scheduler_overhead(cm: CostModel, policy: str, active: int, steps: int = 200) -> float:
-    """CPU seconds per schedule() + step_done() with ``active`` decoding requests."""
+    """CPU seconds per schedule() + update_from_output() with ``active`` decoding requests."""
     kv = KVCacheManager(active * 64 + 64, 16)
     s = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048, policy=policy), kv,
                   make_policy(policy, cost_model=cm))
@@ -142,14 +143,11 @@ def scheduler_overhead(cm: CostModel, policy: str, active: int, steps: int = 200
     now = 1.0
     for _ in range(3):  # prefill everything (admission, several steps)
         plan = s.schedule(now)
-        s.step_done(plan, 0.01, now)
+        s.update_from_output(plan, StepOutcome(0.01, now))
     t0 = time.process_time()
     for _ in range(steps):
         plan = s.schedule(now)
-        s.step_done(plan, 0.01, now)
-        for item in plan.scheduled:
-            if item.samples:
-                s.seqs[item.request_id].num_output_tokens += 1
+        s.update_from_output(plan, StepOutcome(0.01, now))
         now += 0.01
     return (time.process_time() - t0) / steps
 
@@ -179,7 +177,7 @@ def to_markdown(rows: list[dict], capacity: dict, overhead: dict, meta: dict) ->
             gain = fcfs[r["x"]] / r["mean_norm_latency_s"]
             out.append(f"| {r['x']:g} | {r['policy']} | {vals} | {gain:.2f}x |")
         out.append("")
-    out += ["## Scheduler CPU time per step (schedule + step_done, decoding requests)", "",
+    out += ["## Scheduler CPU time per step (schedule + update_from_output, decoding requests)", "",
             "| policy | " + " | ".join(f"{n} active (ms)" for n in sorted(next(iter(overhead.values())))) + " |",
             "|---|" + "---|" * len(next(iter(overhead.values())))]
     for pol, d in overhead.items():

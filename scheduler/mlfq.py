@@ -35,10 +35,13 @@ _REFERENCE_STEP_TOKENS = 2048
 
 
 class _MLFQEntry:
-    __slots__ = ("level", "attained", "last_served", "promotions")
+    __slots__ = ("level", "earned", "attained", "last_served", "promotions")
 
     def __init__(self, level: int, now: float) -> None:
         self.level = level
+        # The level its service has earned: starvation lifts ``level``, not
+        # this, so a starved job jumps the queue but evicts no one's KV.
+        self.earned = level
         self.attained = 0.0  # seconds of service in the current level
         self.last_served = now  # arrival, or end of the last step it ran in
         self.promotions = 0
@@ -134,6 +137,7 @@ class MLFQPolicy(Policy):
         if self.skip_join and e.level < last:
             # Skip the levels whose quantum the next iteration alone would use up.
             e.level = max(e.level, self.level_for_time(self.next_iteration_time(seq)))
+        e.earned = max(e.earned, e.level)
 
     def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
         deadline = now - self.starve_limit
@@ -147,6 +151,9 @@ class MLFQPolicy(Policy):
                 self.num_promotions += 1
         return sorted(seqs, key=_mlfq_key)
 
+
+    def priority(self, seq: SeqState) -> float:
+        return float(seq.policy_state["mlfq"].earned)
 
     def enst(self, ranked: list[SeqState], now: float, batch: int) -> list[float]:
         """FastServe §4.2: ENST(i) = min(T_promote(i), T_execute(i)).

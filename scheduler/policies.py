@@ -55,6 +55,9 @@ class FixedPriorityPolicy(Policy):
     def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
         return sorted(seqs, key=_prompt_key)
 
+    def priority(self, seq: SeqState) -> float:
+        return float(seq.num_prompt_tokens)
+
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls for cls in (FCFSPolicy, FixedPriorityPolicy, MLFQPolicy, SkipJoinMLFQPolicy)

@@ -29,6 +29,14 @@ class Policy(ABC):
     def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
         """Rank ``seqs`` (one request class) highest priority first."""
 
+    def priority(self, seq: SeqState) -> float:
+        """Priority of ``seq`` inside its class, lower first, for eviction: a
+        waiting or swapped request may push a resident one out to host
+        memory only if its priority is strictly better. Ties in ``order``
+        (arrival order inside one level) are no reason to move KV, so the
+        default (every request equal) never evicts for a newcomer."""
+        return 0.0
+
     def enst(self, ranked: list[SeqState], now: float, batch: int) -> list[float]:
         """Estimated next scheduled time of each of ``ranked`` (this policy's
         order, highest first), in any unit that orders them: the KV manager

@@ -23,10 +23,12 @@ pool exists):
   as a baseline: no host tier, a waiting request takes only free blocks, and
   a running one that must grow discards the KV of the lowest-ranked.
 
-Per-step swap traffic is bounded (``max_swap_blocks_per_step``, sized by the
-engine from the cost model so copies hide behind compute); a move that does
-not fit waits for the next step, except the first of a step, so a request
-larger than the bound still moves.
+Blocks a swap-out frees are the source of a copy in flight: they become
+free for the *next* step (the requester that evicted waits one step, and no
+step stalls on a swap-out). Swap traffic is bounded by a token bucket that
+fills by ``max_swap_blocks_per_step`` a step (sized by the engine from the
+cost model, so copies hide behind compute) and holds a few steps' worth; a
+move larger than the bucket goes once the bucket is full.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from fluidserve.scheduler.request_state import RequestClass, SeqState, SeqStatus
 PREEMPTION_MODES = ("swap", "recompute")
 _RESERVE_WINDOW_STEPS = 16  # arrivals remembered for the reserve
 _RESERVE_CAP = 0.25  # the reserve never exceeds this share of the device pool
+_SWAP_BUCKET_STEPS = 4  # the swap budget saves up at most this many steps' worth
 
 
 @dataclass(frozen=True)
@@ -88,23 +91,15 @@ class SchedulerCounters:
 class _Step:
     """Scratch state of one ``schedule`` call."""
 
-    def __init__(self, plan: StepPlan, ranked: list[SeqState], now: float, swap_budget: float) -> None:
+    def __init__(self, plan: StepPlan, ranked: list[SeqState], now: float) -> None:
         self.plan = plan
         self.now = now
         self.ranked = ranked
         self.moved: set[str] = set()  # evicted or swapped in this step: not touched again
-        self.swap_budget = swap_budget  # blocks left to move this step
-        self.swapped_any = False
+        self.freeing = 0  # device blocks this step's swap-outs free for the next step
         self.enst: list[float] | None = None
         self.victims: list[int] | None = None  # positions, largest ENST first
         self.cursor = 0
-
-    def budget_allows(self, n: int) -> bool:
-        return not self.swapped_any or n <= self.swap_budget
-
-    def spend(self, n: int) -> None:
-        self.swapped_any = True
-        self.swap_budget -= n
 
 
 class Scheduler:
@@ -124,6 +119,10 @@ class Scheduler:
         self._watermark_blocks = int(config.kv_watermark * kv.num_blocks)
         self._arrived_blocks = 0  # prompt blocks of arrivals since the last step
         self._recent_arrivals: deque[int] = deque(maxlen=_RESERVE_WINDOW_STEPS)
+        per_step = config.max_swap_blocks_per_step
+        self._swap_refill = float("inf") if per_step is None else float(per_step)
+        self._swap_bucket = self._swap_refill * _SWAP_BUCKET_STEPS
+        self._swap_credit = self._swap_bucket
 
     @property
     def num_preemptions(self) -> int:
@@ -166,11 +165,21 @@ class Scheduler:
         Without this a demoted job's decodes starve behind every new
         prompt and the lost free rides cost throughput (measured in
         benchmarks/scheduling.py)."""
-        cfg = self.config
         self._recent_arrivals.append(self._arrived_blocks)
         self._arrived_blocks = 0
+        self._swap_credit = min(self._swap_bucket, self._swap_credit + self._swap_refill)
+        plan = self._fill(now)
+        if plan.is_empty and self.seqs and self._swap_credit < self._swap_bucket:
+            # Nothing runs for copies to hide behind: the swap budget must
+            # not leave the device idle. (An empty plan changed no state.)
+            self._swap_credit = self._swap_bucket
+            plan = self._fill(now)
+        return plan
+
+    def _fill(self, now: float) -> StepPlan:
+        cfg = self.config
         ranked = self.ranked(now)
-        step = _Step(StepPlan(), ranked, now, cfg.max_swap_blocks_per_step or float("inf"))
+        step = _Step(StepPlan(), ranked, now)
         plan = step.plan
         budget = cfg.max_num_batched_tokens
         # decodes_below[i]: resident decodes ranked after position i.
@@ -220,46 +229,63 @@ class Scheduler:
     # -- residency ----------------------------------------------------------
     def _make_resident(self, seq: SeqState, num_tokens: int, pos: int, step: _Step) -> bool:
         """Make room for ``seq`` (``ranked[pos]``) to hold ``num_tokens``
-        tokens of KV on the device. A resident request may evict any
-        lower-ranked one. A waiting or swapped one may evict lower-ranked
-        ones only to the host (swap mode), and is admitted for its whole
-        (re)prefill at once: a priority policy that starts many prompts must
-        not commit memory chunk by chunk and then evict to finish them."""
+        tokens of KV on the device; True when it can run this step. A
+        resident request may evict any lower-ranked one. A waiting or swapped
+        one may evict only ones of strictly lower priority, only to the host
+        (swap mode), and is admitted for its whole (re)prefill at once: a
+        priority policy that starts many prompts must not commit memory chunk
+        by chunk and then evict to finish them."""
         rid = seq.request_id
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPING_IN):
-            while not self.kv.can_allocate(rid, num_tokens):
-                if not self._evict_below(pos, step, allow_recompute=True):
-                    # Nothing below it holds KV: give way to the requests above.
-                    self._evict(seq, step, allow_recompute=True)
-                    return False
-            return self.kv.allocate(rid, num_tokens)
+            room = self._room(self.kv.num_new_blocks(rid, num_tokens), pos, step, allow_recompute=True)
+            if room is None:  # nothing below it holds KV: give way to the requests above
+                self._evict(seq, step, allow_recompute=True)
+            return bool(room) and self.kv.allocate(rid, num_tokens)
+        above = self._priority(seq)
         if seq.status is SeqStatus.SWAPPED:
-            need = max(self.kv.num_blocks_of(rid), self.kv.blocks_for(num_tokens))
-            if not step.budget_allows(self.kv.num_blocks_of(rid)):
+            n = self.kv.num_blocks_of(rid)
+            need = max(n, self.kv.blocks_for(num_tokens)) + self._watermark_blocks
+            if not self._can_move(n) or not self._room(need, pos, step, allow_recompute=False, above=above):
                 return False
-            while self.kv.num_free_blocks < need:
-                if not self._evict_below(pos, step, allow_recompute=False):
-                    return False
             self._swap_in(seq, step)
-            return self.kv.allocate(rid, num_tokens)
+            if not self.config.proactive_swap:
+                return self.kv.allocate(rid, num_tokens)  # runs now: this step waits for the copy
+            return False  # runs next step: the copy overlaps this one
         # WAITING: admitted for its whole prompt (and outputs, after a recompute).
         need = self.kv.num_new_blocks(rid, seq.num_tokens)
         # The watermark only guards running requests; with none, any
         # request that fits the pool at all must be admitted.
         reserve = self._watermark_blocks if self.kv.num_used_blocks else 0
-        while need + reserve > self.kv.num_free_blocks:
-            if not self.swap or not self._evict_below(pos, step, allow_recompute=False):
-                return False
+        if need + reserve > self.kv.num_free_blocks and not self.swap:
+            return False
+        if not self._room(need + reserve, pos, step, allow_recompute=False, above=above):
+            return False
         return self.kv.allocate(rid, seq.num_tokens)
 
-    def _evict_below(self, pos: int, step: _Step, allow_recompute: bool) -> bool:
-        """Evict one resident request ranked below ``pos``, the largest ENST
-        first; False when there is none (or only recompute would do and it is
-        not allowed)."""
-        victim = self._next_victim(pos, step)
-        if victim is None:
-            return False
-        return self._evict(victim, step, allow_recompute)
+    def _room(
+        self, need: int, pos: int, step: _Step, allow_recompute: bool, above: tuple[bool, float] | None = None,
+    ) -> bool | None:
+        """Evict requests below ``pos`` until ``need`` device blocks are free
+        now or once this step's swap-outs have left. True: free now. False:
+        not this step (blocks in flight, or no one may be evicted for it).
+        None: nothing below holds KV any more."""
+        while self.kv.num_free_blocks + step.freeing < need:
+            victim = self._next_victim(pos, step)
+            if victim is None:
+                return None if above is None else False
+            if above is not None and self._priority(victim) <= above:
+                # ENST order follows priority: the candidates after this one
+                # are no lower, so nothing below may be evicted for it.
+                return False
+            if not self._evict(victim, step, allow_recompute):
+                return False
+        return self.kv.num_free_blocks >= need
+
+    def _can_move(self, n: int) -> bool:
+        return n <= self._swap_credit or self._swap_credit >= self._swap_bucket
+
+    def _priority(self, seq: SeqState) -> tuple[bool, float]:
+        return seq.klass is RequestClass.OFFLINE, self.policy.priority(seq)
 
     def _next_victim(self, pos: int, step: _Step) -> SeqState | None:
         if step.victims is None:
@@ -282,7 +308,7 @@ class Scheduler:
 
     def _evict(self, seq: SeqState, step: _Step, allow_recompute: bool) -> bool:
         n = self.kv.num_blocks_of(seq.request_id)
-        if self.swap and self.kv.can_swap_out(seq.request_id) and step.budget_allows(n):
+        if self.swap and self.kv.can_swap_out(seq.request_id) and self._can_move(n):
             self._swap_out(seq, step)
             return True
         if not allow_recompute:
@@ -295,7 +321,8 @@ class Scheduler:
         moves = self.kv.swap_out(rid)
         step.plan.swap_out.update(moves)
         step.plan.swapped_out.append(rid)
-        step.spend(len(moves))
+        step.freeing += len(moves)
+        self._swap_credit -= len(moves)
         step.moved.add(rid)
         seq.status = SeqStatus.SWAPPED
         seq.num_blocks_sent = 0
@@ -308,7 +335,7 @@ class Scheduler:
         moves = self.kv.swap_in(rid)
         step.plan.swap_in.update(moves)
         step.plan.swapped_in.append(rid)
-        step.spend(len(moves))
+        self._swap_credit -= len(moves)
         step.moved.add(rid)
         seq.status = status
         seq.num_blocks_sent = 0
@@ -347,7 +374,7 @@ class Scheduler:
         for j in sorted(swapped, key=lambda j: (enst[j], j)):
             seq = step.ranked[j]
             n = self.kv.num_blocks_of(seq.request_id)
-            if self.kv.num_free_blocks - n < reserve or not step.budget_allows(n):
+            if self.kv.num_free_blocks - n < reserve or not self._can_move(n):
                 break
             self._swap_in(seq, step, status=SeqStatus.SWAPPING_IN)
 
@@ -366,7 +393,7 @@ class Scheduler:
             rid = seq.request_id
             if rid in running or rid in step.moved or not self.kv.holds(rid):
                 continue
-            if not self.kv.can_swap_out(rid) or not step.budget_allows(self.kv.num_blocks_of(rid)):
+            if not self.kv.can_swap_out(rid) or not self._can_move(self.kv.num_blocks_of(rid)):
                 return
             self._swap_out(seq, step)
 

@@ -71,17 +71,26 @@ def build(raw) -> list[Job]:
     cap=st.integers(1, 8),
     chunked=st.booleans(),
     starve_ms=st.sampled_from([None, 5.0, 1000.0]),
+    host_blocks=st.sampled_from([0, 3, 40]),
+    mode=st.sampled_from(["swap", "recompute"]),
+    proactive=st.booleans(),
+    swap_cap=st.sampled_from([None, 1, 4]),
+    transfer=st.sampled_from([0.0, 2e-3]),
 )
 def test_every_job_finishes_once_and_blocks_are_conserved(
-    raw, policy, block_size, spare_blocks, budget, cap, chunked, starve_ms,
+    raw, policy, block_size, spare_blocks, budget, cap, chunked, starve_ms, host_blocks, mode, proactive,
+    swap_cap, transfer,
 ):
+    """Random arrivals through both KV tiers: every job finishes once with
+    exactly its tokens, and every block of both pools comes back."""
     jobs = build(raw)
     longest = max(j.prompt_tokens + j.output_tokens for j in jobs)
     if not chunked:
         budget = max(budget, longest)  # a prompt must fit one step unchunked
     cfg = SimConfig(num_kv_blocks=-(-longest // block_size) + spare_blocks, block_size=block_size,
                     max_num_batched_tokens=budget, max_num_seqs=cap, enable_chunked_prefill=chunked,
-                    check_integrity=True)
+                    num_host_blocks=host_blocks, preemption_mode=mode, proactive_swap=proactive,
+                    max_swap_blocks_per_step=swap_cap, block_transfer_time=transfer, check_integrity=True)
     opts = {"starve_limit_ms": starve_ms} if starve_ms else {}
     sim = Simulator(jobs, policy, CM, cfg, opts)
     res = sim.run(max_steps=100_000)
@@ -94,6 +103,9 @@ def test_every_job_finishes_once_and_blocks_are_conserved(
         assert job.arrival_time <= r.first_token_time <= r.finish_time
     assert not sim.scheduler.has_unfinished()
     assert sim.kv.num_used_blocks == 0  # every block back on the free list
+    assert sim.kv.num_used_host_blocks == 0
+    if mode == "recompute" or not host_blocks:
+        assert sim.scheduler.counters.num_swap_outs == 0
     sim.kv.check_integrity()
     again = Simulator(jobs, policy, CM, cfg, opts).run()
     assert [dataclasses.astuple(r) for r in again.records] == [dataclasses.astuple(r) for r in res.records]
