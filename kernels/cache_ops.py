@@ -34,7 +34,7 @@ def _reshape_and_cache_kernel(
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     BLOCK_SIZE: tl.constexpr,
 ):
-    tok = tl.program_id(0)
+    tok = tl.program_id(0).to(tl.int64)  # tokens x row stride can pass 2^31
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
@@ -80,7 +80,7 @@ def _copy_blocks_kernel(
         dst_row = i.to(tl.int64)
     else:
         dst_row = tl.load(dst_ids_ptr + i).to(tl.int64)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    offs = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < row_numel
     x = tl.load(src_ptr + src_row * stride_src + offs, mask=mask)
     tl.store(dst_ptr + dst_row * stride_dst + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
@@ -105,7 +105,9 @@ def _launch_reshape_and_cache(
     if key.shape[1:] != key_cache.shape[2:] or value.shape != key.shape:
         raise ValueError("key/value heads and head_dim must match the cache")
     if slot_mapping.shape != (key.shape[0],):
-        raise ValueError("slot_mapping must hold one slot per token")
+        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must hold one slot per token ({key.shape[0]})")
+    if key.dtype != value.dtype:
+        raise ValueError(f"key ({key.dtype}) and value ({value.dtype}) differ in dtype")
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -136,7 +138,7 @@ def _launch_copy_blocks(
         if t.shape[0] and not t[0].is_contiguous():
             raise ValueError(f"{name} blocks must be contiguous")
     if src.shape[1:] != dst.shape[1:]:
-        raise ValueError("cache and staging blocks differ in shape")
+        raise ValueError(f"cache and staging blocks differ in shape: {tuple(src.shape)} vs {tuple(dst.shape)}")
     n = ids.numel()
     if n == 0:
         return

@@ -7,6 +7,8 @@ scheduler, the tests of the engine on CPU) never pay for importing Triton.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,8 +19,24 @@ if TYPE_CHECKING:
     from .packing import WorkPlan
 
 
+_reference_only = False
+
+
+@contextmanager
+def reference_path() -> Iterator[None]:
+    """Run the torch reference even on CUDA tensors, so that one device and
+    dtype can compare the Triton path with the reference path (tests,
+    benchmarks). Process-wide; not for serving."""
+    global _reference_only
+    before, _reference_only = _reference_only, True
+    try:
+        yield
+    finally:
+        _reference_only = before
+
+
 def _on_cuda(*tensors: torch.Tensor) -> bool:
-    return all(t.is_cuda for t in tensors)
+    return not _reference_only and all(t.is_cuda for t in tensors)
 
 
 def reshape_and_cache(

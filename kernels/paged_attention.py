@@ -312,7 +312,9 @@ def _merge_kernel(
         )  # [SPLIT_CHUNK, HEAD_PAD]
         num += tl.sum(wgt[:, None] * o, 0)
         den += wgt
-    merged = num / tl.sum(den, 0)
+    total = tl.sum(den, 0)
+    # No splits (the start-up warm-up's scratch row) gives 0, not 0/0.
+    merged = num / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -374,24 +376,43 @@ def _record(kernel: str, args: dict[str, object], dynamic: tuple[str, ...], num_
     return key
 
 
+@dataclass(frozen=True)
+class SmLimits:
+    """What one SM holds (an H100 SXM by default)."""
+
+    registers: int = 65536
+    threads: int = 2048
+    shared_bytes: int = 228 * 1024
+    blocks: int = 32
+
+    @classmethod
+    def of(cls, device: torch.device) -> SmLimits:
+        props = torch.cuda.get_device_properties(device)
+        return cls(
+            registers=getattr(props, "regs_per_multiprocessor", cls.registers),
+            threads=getattr(props, "max_threads_per_multi_processor", cls.threads),
+            shared_bytes=getattr(props, "shared_memory_per_multiprocessor", cls.shared_bytes),
+        )
+
+
+def occupancy(n_regs: int, num_warps: int, shared_bytes: int, limits: SmLimits) -> int:
+    """Resident programs per SM of a kernel: the tightest of the register
+    file, shared memory, thread and block limits (at least 1)."""
+    regs_per_warp = -(-n_regs * 32 // 256) * 256  # allocated per warp in chunks of 256
+    by_regs = limits.registers // (regs_per_warp * num_warps) if n_regs else limits.blocks
+    by_threads = limits.threads // (32 * num_warps)
+    by_smem = limits.shared_bytes // (shared_bytes + 1024)  # 1 KiB per block reserved by the system
+    return max(1, min(by_regs, by_threads, by_smem, limits.blocks))
+
+
 def _programs_per_sm(compiled, device: torch.device) -> int | None:
-    """Resident programs per SM of a compiled kernel: the tightest of the
-    register file, shared memory and thread limits. None where the compiled
+    """Occupancy of a compiled kernel on ``device``; None where the compiled
     kernel says nothing (the interpreter)."""
     n_regs = getattr(compiled, "n_regs", None)
     meta = getattr(compiled, "metadata", None)
     if not n_regs or meta is None:
         return None
-    props = torch.cuda.get_device_properties(device)
-    warps = meta.num_warps
-    # Registers are allocated per warp in chunks of 256.
-    regs_per_warp = -(-n_regs * 32 // 256) * 256
-    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps)
-    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
-    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 0)
-    # Each resident block also reserves 1 KiB of shared memory for the system.
-    by_smem = smem_sm // (meta.shared + 1024) if smem_sm else by_threads
-    return max(1, min(by_regs, by_threads, by_smem))
+    return occupancy(n_regs, meta.num_warps, meta.shared, SmLimits.of(device))
 
 
 # --------------------------------------------------------------------------

@@ -4,6 +4,9 @@ Triton decides at decoration time whether a kernel is interpreted, so the
 interpreter switch must be set before any kernel module is imported: on a
 machine without CUDA every Triton kernel runs in the interpreter on CPU
 tensors (fp32); with CUDA they compile and the same tests run on the GPU.
+
+Every test here is marked ``gpu`` as well: on a GPU machine ``pytest -m gpu``
+runs the whole kernel suite, the strong fp32 comparisons included.
 """
 
 from __future__ import annotations
@@ -21,6 +24,31 @@ from dataclasses import dataclass  # noqa: E402
 import pytest  # noqa: E402
 
 INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
+KERNEL_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+# (atol, rtol) against the fp32 reference. fp32: the kernel's own rounding
+# (observed ~1e-6; a wrong page, mask or split is off by O(1)). fp16/bf16:
+# about one rounding of the output (2^-11 and 2^-8 relative) plus the
+# probabilities rounded before the PV product; a broken split or page is off
+# by far more than either.
+TOLERANCES = {
+    torch.float32: (1e-4, 2e-4),
+    torch.float16: (5e-4, 5e-4),
+    torch.bfloat16: (3e-3, 3e-3),
+}
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    atol, rtol = TOLERANCES[dtype]
+    return dict(atol=atol, rtol=rtol)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    # tryfirst: the marker must be there before `-m` deselects.
+    for item in items:
+        if str(item.path).startswith(KERNEL_TESTS):
+            item.add_marker(pytest.mark.gpu)
 
 
 @dataclass
@@ -120,6 +148,12 @@ def cuda_only() -> None:
 def make_batch():
     """``build_batch`` as a fixture, so test modules need not import conftest."""
     return build_batch
+
+
+@pytest.fixture
+def tol():
+    """``tolerance`` as a fixture: ``assert_close(out, ref, **tol(dtype))``."""
+    return tolerance
 
 
 @pytest.fixture
