@@ -140,3 +140,27 @@ def test_plan_to_device_and_validation():
         packing.plan_attention([6], [5], num_units=1, tokens_per_tile=4)
     empty = packing.plan_attention([], [], num_units=4, tokens_per_tile=4)
     assert empty.num_items == 0 and empty.num_tokens == 0
+
+
+def test_short_runs_get_decode_tiles():
+    """Sequences of at most ``decode_tokens_per_tile`` queries are one decode
+    tile; longer ones are cut into prefill tiles, whose short tail is a
+    decode tile by its length. The plan says whether any prefill tile exists
+    (the kernel variant to launch) and what the block tables must hold."""
+    q_lens, seq_lens = [1, 3, 40, 100], [50, 60, 40, 300]
+    plan = packing.plan_attention(q_lens, seq_lens, num_units=4, tokens_per_tile=32, decode_tokens_per_tile=4,
+                                  kv_chunk=1 << 20)  # fmt: skip
+    check_plan(plan, q_lens, seq_lens, None)
+    by_seq: dict[int, list[int]] = {}
+    for it in sorted(plan.items(), key=lambda it: it.q_lo):
+        by_seq.setdefault(it.seq, []).append(it.q_hi - it.q_lo)
+    assert by_seq == {0: [1], 1: [3], 2: [32, 8], 3: [32, 32, 32, 4]}
+    assert plan.has_prefill_tiles and plan.decode_tokens_per_tile == 4
+    assert (plan.num_seqs, plan.max_seq_len) == (4, 300)
+    decode_only = packing.plan_attention([1, 2, 4], [9, 9, 9], num_units=2, tokens_per_tile=32,
+                                         decode_tokens_per_tile=4)  # fmt: skip
+    assert not decode_only.has_prefill_tiles
+    one_size = packing.plan_attention(q_lens, seq_lens, num_units=4, tokens_per_tile=32)
+    assert one_size.decode_tokens_per_tile == 32 and not one_size.has_prefill_tiles
+    with pytest.raises(ValueError, match="query lengths"):
+        packing.plan_attention([1, 1], [5], num_units=1, tokens_per_tile=4)
