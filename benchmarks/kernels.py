@@ -7,15 +7,21 @@ Three measurements, all in one process on one device:
   bandwidth = bytes of K/V (and Q) read / kernel time, next to the bandwidth of
   a device-to-device copy measured here (the practical roof).
 * **prefill**: whole prompts; TFLOP/s of our kernel and of
-  ``torch.nn.functional.scaled_dot_product_attention`` (causal) on the same
-  shapes. FLOPs count only the causal half: 4 * heads * head_dim * L(L+1)/2.
+  ``torch.nn.functional.scaled_dot_product_attention`` (causal, flash backend
+  where torch has it, K/V expanded to the query heads) on the same shapes.
+  FLOPs count only the causal half: 4 * heads * head_dim * L(L+1)/2.
 * **mixed**: one 8k-token prefill chunk + 128 decodes of random contexts,
   with FluidInfer packing (LPT onto persistent units, split-K) and without
   (one program per tile, no split).
 
+It also reports the compiled variants (how many specialisation keys the
+launchers produced over the whole sweep, and how many kernels Triton
+compiled: a sweep of varied batches must not add any after warm-up) and the
+occupancy read off each variant.
+
 Results go to ``benchmarks/results/kernels_<device>.json`` and ``.md``.
 Run: ``python benchmarks/kernels.py`` (``--quick`` for a short sweep). Needs
-CUDA; on a machine without it the script says so and exits cleanly.
+CUDA; on a machine without it the script says so and exits with status 1.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--group", type=int, default=4, help="query heads per KV head")
-    p.add_argument("--head-dim", type=int, default=128, choices=[64, 128])
+    p.add_argument("--head-dim", type=int, default=128, help="any up to 256 (80, 96 are padded to 128)")
     p.add_argument("--block-size", type=int, default=16, choices=[16, 32])
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     p.add_argument("--quick", action="store_true", help="a few points of each sweep")
@@ -75,7 +81,8 @@ def device_slug(name: str) -> str:
 def bench_ms(fn) -> float:
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+    # Median of event-timed runs; do_bench flushes L2 between runs.
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
 def copy_bandwidth_gbs(nbytes: int = 2**30) -> float:
@@ -151,25 +158,41 @@ def bench_decode(shape: Shape, batch_sizes: list[int], contexts: list[int], copy
 def bench_prefill(shape: Shape, lens: list[int]) -> list[dict]:
     from fluidserve.kernels import paged_attention as pa
 
-    sdpa = torch.nn.functional.scaled_dot_product_attention
     rows = []
     for L in lens:
         batch = make_cache_batch(shape, [L], [L])
         plan = pa.plan_for(batch["query"], batch["key_cache"], [L], [L])
         flops = 4 * shape.num_q_heads * shape.head_dim * L * (L + 1) / 2
         ms = bench_ms(partial(run_attention, batch, shape, plan))
-        # SDPA sees the same K/V contiguous: [1, H, L, D].
+        # SDPA sees the same K/V contiguous, expanded to the query heads: [1, Hq, L, D].
         nb = -(-L // shape.block_size)
         blocks = batch["block_tables"][0, :nb].long()
         k = batch["key_cache"][blocks].reshape(-1, shape.num_kv_heads, shape.head_dim)[:L]
         v = batch["value_cache"][blocks].reshape(-1, shape.num_kv_heads, shape.head_dim)[:L]
+        k, v = (t.repeat_interleave(shape.group, dim=1) for t in (k, v))
         q_s, k_s, v_s = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (batch["query"], k, v))
-        ms_sdpa = bench_ms(lambda: sdpa(q_s, k_s, v_s, is_causal=True, enable_gqa=True))
-        rows.append(dict(len=L, ms=ms, tflops=flops / ms / 1e9, sdpa_ms=ms_sdpa, sdpa_tflops=flops / ms_sdpa / 1e9))
-        print(f"prefill L={L:6d}  ours {flops / ms / 1e9:6.1f} TFLOP/s  sdpa {flops / ms_sdpa / 1e9:6.1f} TFLOP/s")
+        ms_sdpa, backend = bench_sdpa(q_s, k_s, v_s)
+        rows.append(dict(len=L, ms=ms, tflops=flops / ms / 1e9, sdpa_ms=ms_sdpa, sdpa_tflops=flops / ms_sdpa / 1e9,
+                         sdpa_backend=backend, vs_sdpa=ms_sdpa / ms))  # fmt: skip
+        print(f"prefill L={L:6d}  ours {flops / ms / 1e9:6.1f} TFLOP/s  sdpa ({backend}) "
+              f"{flops / ms_sdpa / 1e9:6.1f} TFLOP/s  ratio {ms_sdpa / ms:.2f}")
         del batch
         torch.cuda.empty_cache()
     return rows
+
+
+def bench_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[float, str]:
+    """Causal SDPA on the flash backend where this torch has it, else the
+    default choice; returns (ms, backend)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            sdpa(q, k, v, is_causal=True)
+            return bench_ms(lambda: sdpa(q, k, v, is_causal=True)), "flash"
+    except (ImportError, RuntimeError):
+        return bench_ms(lambda: sdpa(q, k, v, is_causal=True)), "default"
 
 
 def bench_mixed(shape: Shape, chunk: int = 8192, decodes: int = 128, seed: int = 0) -> dict:
@@ -210,19 +233,65 @@ def markdown(report: dict) -> str:
               f"| packed (LPT + split-K) | {m['packed']['ms']:.3f} | {m['packed']['items']} | {m['packed']['units']} |",
               f"| unpacked | {m['unpacked']['ms']:.3f} | {m['unpacked']['items']} | {m['unpacked']['units']} |",
               "", f"Packing speedup: **{m['speedup']:.2f}x**", ""]  # fmt: skip
+    v = report["variants"]
+    lines += ["## Compiled variants", "",
+              f"Start-up compile (decode-only, mixed, merge): {v['warmup_s']:.1f} s. Specialisation keys after "
+              f"warm-up: {v['keys_after_warmup']}; after the whole sweep: {v['keys_after_sweep']}. Kernels Triton "
+              f"compiled after warm-up: {v['triton_after_warmup']}; after the sweep: {v['triton_after_sweep']}.", "",
+              "| variant | programs per SM | units per KV head |", "|---|---:|---:|"]  # fmt: skip
+    for o in v["occupancy"]:
+        kind = "mixed (decode + prefill tiles)" if o["has_prefill"] else "decode-only"
+        lines.append(f"| {kind}, head_dim {o['head_dim']}, group {o['group']} | {o['programs_per_sm']} | "
+                     f"{o['units_per_kv_head']} |")  # fmt: skip
+    t = report["targets"]
+    lines += ["", "## Against the targets", "",
+              f"* decode at the longest context measured: {t['decode_pct_of_copy']:.1f}% of copy bandwidth "
+              "(target >= 85%)",
+              f"* prefill at the longest length: {t['prefill_vs_sdpa']:.2f}x SDPA's speed (target >= 0.8x)",
+              f"* mixed batch: packing {m['speedup']:.2f}x faster than no packing", ""]  # fmt: skip
     return "\n".join(lines)
+
+
+def variants_report(shape: Shape, warmup_s: float, keys_warm: int, triton_warm: int | None) -> dict:
+    from fluidserve.kernels import paged_attention as pa
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    occupancy = [dict(o, units_per_kv_head=-(-sms * o["programs_per_sm"] // shape.num_kv_heads))
+                 for o in pa.occupancies()]  # fmt: skip
+    return dict(warmup_s=warmup_s, keys_after_warmup=keys_warm, keys_after_sweep=pa.num_variants(),
+                triton_after_warmup=triton_warm, triton_after_sweep=pa.triton_compiled_count(),
+                occupancy=occupancy)  # fmt: skip
+
+
+def targets(report: dict) -> dict:
+    decode = [r for r in report["decode"] if "skipped" not in r]
+    longest = max(r["context"] for r in decode)
+    return dict(
+        decode_pct_of_copy=max(r["pct_of_copy"] for r in decode if r["context"] == longest),
+        prefill_vs_sdpa=max(report["prefill"], key=lambda r: r["len"])["vs_sdpa"],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU (none found); nothing measured.")
-        return 0
+        print("benchmarks/kernels.py needs a CUDA GPU (none found); nothing measured.", file=sys.stderr)
+        return 1
+    from fluidserve.kernels import paged_attention as pa
+
     shape = Shape(args.num_kv_heads, args.group, args.head_dim, args.block_size, getattr(torch, args.dtype))
     name = torch.cuda.get_device_name()
     print(f"device: {name}")
     copy_gbs = copy_bandwidth_gbs()
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s")
+    # Start-up: compile the fixed variant set once, as the engine's first step does.
+    probe = make_cache_batch(shape, [1], [shape.block_size])
+    t0 = time.perf_counter()
+    pa.warmup(probe["query"], probe["key_cache"])
+    torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - t0
+    keys_warm, triton_warm = pa.num_variants(), pa.triton_compiled_count()
+    print(f"warm-up: {warmup_s:.1f} s, {keys_warm} variants; occupancy {pa.occupancies()}")
     report = dict(
         device=name,
         time=time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -233,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         prefill=bench_prefill(shape, args.prefill_lens),
         mixed=bench_mixed(shape),
     )
+    report["variants"] = variants_report(shape, warmup_s, keys_warm, triton_warm)
+    report["targets"] = targets(report)
+    print(f"variants: {report['variants']}")
+    print(f"targets: {report['targets']}")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"kernels_{device_slug(name)}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))

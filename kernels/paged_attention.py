@@ -370,6 +370,28 @@ def num_variants() -> int:
     return sum(len(keys) for keys in _VARIANTS.keys.values())
 
 
+def occupancies() -> list[dict[str, object]]:
+    """Programs per SM of each attention variant compiled on a GPU so far."""
+    rows = []
+    for (constexprs, dtype, device), per_sm in _VARIANTS.programs_per_sm.items():
+        c = dict(constexprs)
+        rows.append(dict(device=device, dtype=dtype, head_dim=c["HEAD_DIM"], group=c["GROUP"],
+                         has_prefill=c["HAS_PREFILL"], has_window=c["HAS_WINDOW"], programs_per_sm=per_sm))  # fmt: skip
+    return rows
+
+
+def triton_compiled_count() -> int | None:
+    """Kernels Triton itself holds compiled for the attention and merge
+    kernels; None where this Triton keeps its cache elsewhere (or interprets)."""
+    total = 0
+    for fn in (_paged_attention_kernel, _merge_kernel):
+        caches = getattr(fn, "device_caches", None)
+        if caches is None:
+            return None
+        total += sum(len(entry[0]) for entry in caches.values())
+    return total
+
+
 def _record(kernel: str, args: dict[str, object], dynamic: tuple[str, ...], num_warps: int) -> tuple:
     key = (*specialization_key(args, dynamic), ("num_warps", num_warps))
     _VARIANTS.keys[kernel].add(key)
