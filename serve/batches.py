@@ -297,16 +297,16 @@ class BatchRunner:
             await self._validate(batch)
         elif batch.status == "in_progress":
             if time.time() >= (batch.expires_at or float("inf")):
-                await asyncio.to_thread(store.finish_batch, bid, "expired", EXPIRED_ERROR)
+                await asyncio.to_thread(store.finish_batch, bid, "expired", ("in_progress",), EXPIRED_ERROR)
                 return
             done = await self._run_lines(batch)
             if done:
                 await asyncio.to_thread(store.set_status, bid, "finalizing", only_from=("in_progress",))
-                await asyncio.to_thread(store.finish_batch, bid, "completed")
+                await asyncio.to_thread(store.finish_batch, bid, "completed", ("finalizing",))
         elif batch.status == "finalizing":
-            await asyncio.to_thread(store.finish_batch, bid, "completed")
+            await asyncio.to_thread(store.finish_batch, bid, "completed", ("finalizing",))
         if (await asyncio.to_thread(store.get_batch, bid)).status == "cancelling":
-            await asyncio.to_thread(store.finish_batch, bid, "cancelled")
+            await asyncio.to_thread(store.finish_batch, bid, "cancelled", ("cancelling",))
             self._cancels.pop(bid, None)
 
     async def _validate(self, batch: BatchRecord) -> None:
@@ -316,7 +316,9 @@ class BatchRunner:
                                   None, "input_file_id")]
             lines: list[BatchLine] = []
         else:
-            lines, errors = parse_batch_input(content, batch.endpoint, self.config.max_lines)
+            # A 200 MB file takes seconds to parse: off the event loop.
+            lines, errors = await asyncio.to_thread(parse_batch_input, content, batch.endpoint,
+                                                    self.config.max_lines)
         if errors:
             await asyncio.to_thread(self.store.fail_batch, batch.id, errors)
         else:

@@ -356,12 +356,14 @@ class Store:
 
         return self._write(run)
 
-    def finish_batch(self, batch_id: str, status: str, unfinished_error: dict[str, Any] | None = None) -> bool:
+    def finish_batch(self, batch_id: str, status: str, only_from: Sequence[str],
+                     unfinished_error: dict[str, Any] | None = None) -> bool:
         """Write the output and error files from the results and move the
-        batch to its final ``status`` in one transaction. Lines without a
-        result get ``unfinished_error`` in the error file when given (an
-        expired batch), and are left out otherwise (a cancelled one)."""
-        return self._write(_finish, batch_id, status, unfinished_error)
+        batch from one of ``only_from`` to its final ``status``, in one
+        transaction (so a cancel racing a completion cannot be overwritten).
+        Lines without a result get ``unfinished_error`` in the error file
+        when given (an expired batch), and are left out otherwise."""
+        return self._write(_finish, batch_id, status, only_from, unfinished_error)
 
     def results(self, batch_id: str) -> Iterator[tuple[int, bool, dict[str, Any]]]:
         for n, ok, line in self._read("SELECT line_no, ok, line FROM results WHERE batch_id=? ORDER BY line_no",
@@ -394,9 +396,10 @@ def _set_status(db: sqlite3.Connection, batch_id: str, status: str, only_from: S
     return db.execute(sql, args).rowcount > 0
 
 
-def _finish(db: sqlite3.Connection, batch_id: str, status: str, unfinished_error: dict[str, Any] | None) -> bool:
-    row = db.execute("SELECT status, total FROM batches WHERE id=?", (batch_id,)).fetchone()
-    if row is None or row[0] in FINAL_STATUSES:
+def _finish(db: sqlite3.Connection, batch_id: str, status: str, only_from: Sequence[str],
+            unfinished_error: dict[str, Any] | None) -> bool:
+    row = db.execute("SELECT status FROM batches WHERE id=?", (batch_id,)).fetchone()
+    if row is None or row[0] not in only_from:
         return False
     out: list[str] = []
     err: list[str] = []

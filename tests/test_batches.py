@@ -202,6 +202,21 @@ def test_oversize_file_refused(tiny_model, tmp_path):
         srv.stop()
 
 
+def test_full_store_is_507_and_keeps_committed_files(tiny_model, tmp_path):
+    srv = start_batch_server(tiny_model("llama"), tmp_path, store_max_pages=64)  # 256 KiB "disk"
+    try:
+        c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        first = c.files.create(file=("a.jsonl", b"a" * 100_000), purpose="batch")
+        with pytest.raises(openai.APIStatusError) as e:
+            c.files.create(file=("b.jsonl", b"b" * 200_000), purpose="batch")
+        assert e.value.status_code == 507 and e.value.body["code"] == "storage_full"
+        assert "full" in e.value.body["message"]
+        assert c.files.content(first.id).content == b"a" * 100_000
+        assert [f.id for f in c.files.list()] == [first.id]
+    finally:
+        srv.stop()
+
+
 def test_list_paging(client):
     up = client.files.create(file=("p.jsonl", jsonl([completion_line("a", "x", max_tokens=1)])), purpose="batch")
     made = [client.batches.create(input_file_id=up.id, endpoint="/v1/completions", completion_window="24h").id
@@ -375,7 +390,8 @@ def test_store_exactly_once_and_corrupt(tmp_path):
     assert store.record_result(bid, LineResult(0, True, {"custom_id": "c0"}, 3, 5))
     assert not store.record_result(bid, LineResult(0, True, {"custom_id": "c0"}, 3, 5))
     assert store.get_batch(bid).output_tokens == 5
-    assert store.finish_batch(bid, "cancelled")
+    assert not store.finish_batch(bid, "completed", ("finalizing",))  # only out of the state named
+    assert store.finish_batch(bid, "cancelled", ("in_progress",))
     assert not store.record_result(bid, LineResult(1, True, {"custom_id": "c1"}))  # too late: lands nowhere
     store.close()
     bad = tmp_path / "b"
