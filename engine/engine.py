@@ -184,6 +184,7 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()
+        self._step_start = now  # first_scheduled_time of requests this step runs first
         plan = self.scheduler.schedule(now)
         if plan.is_empty:
             return []
@@ -253,6 +254,9 @@ class LLMEngine:
             outputs.append(RequestOutput(
                 request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                 outputs=[s.take_output() for s in req.seqs], finished=req.finished,
+                first_scheduled_time=min((s.state.first_scheduled_time for s in req.seqs
+                                          if s.state.first_scheduled_time is not None),
+                                         default=getattr(self, "_step_start", None)),
             ))
             if req.finished:
                 self.requests.pop(req.request_id, None)

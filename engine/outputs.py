@@ -52,6 +52,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     error: str | None = None  # set with finish_reason "error" when generation failed
+    # time.monotonic() when the scheduler first ran any of it (queue-time metrics)
+    first_scheduled_time: float | None = None
 
     @property
     def num_generated_tokens(self) -> int:

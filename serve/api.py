@@ -113,7 +113,7 @@ class _Server:
         self.model = model
         self.settings = settings
         self.state = ServerState()
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(model.name)
         self.offline_queued: Callable[[], int] = lambda: 0  # set by the batch runner
         self.decode = lambda token_id: processor.tokenizer.decode([token_id])
 

@@ -5,6 +5,11 @@ histograms; generated tokens for the tokens/s gauge), and a snapshot of
 ``engine.stats()`` taken on the engine loop at scrape time (queued and running
 requests per scheduler queue and class, KV blocks on device and host,
 preemptions, swaps, token totals), exported by a custom collector.
+
+Each figure is exported twice: under our ``fluidserve_*`` names, and under
+the ``vllm:*`` names (with a ``model_name`` label) that dashboards,
+autoscalers and inference gateways built for vLLM read, with vLLM's
+meanings. Process metrics (CPU, memory, file descriptors, GC) come with them.
 """
 
 from __future__ import annotations
@@ -13,7 +18,16 @@ import time
 from collections import deque
 from typing import Any, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 PREFIX = "fluidserve"
@@ -92,6 +106,84 @@ class EngineStatsCollector:
         yield total
 
 
+class VllmStatsCollector:
+    """The engine stats snapshot under vLLM's names: running / waiting
+    requests, KV usage as a fraction, preemption and token counters."""
+
+    def __init__(self, engine: EngineStatsCollector, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.engine.stats
+        if s is None:
+            return
+        by_status: dict[str, int] = {}
+        for (status, _queue, _klass), count in _request_counts(getattr(s, "requests", None) or {}):
+            by_status[status] = by_status.get(status, 0) + count
+        label = [self.model_name]
+        gauges = (
+            ("num_requests_running", "Requests holding KV on the device and being run", by_status.get("running", 0)),
+            # vLLM counts a preempted request as waiting again.
+            ("num_requests_waiting", "Requests waiting to be scheduled",
+             by_status.get("waiting", 0) + by_status.get("preempted", 0)),
+            ("num_requests_swapped", "Requests whose KV is on the host",
+             by_status.get("swapped", 0) + by_status.get("swapping_in", 0)),
+            ("kv_cache_usage_perc", "Fraction of device KV cache blocks in use (0 to 1)",
+             (s.kv_blocks_used / s.kv_blocks_total) if getattr(s, "kv_blocks_total", 0) else 0.0),
+        )
+        for name, doc, value in gauges:
+            fam = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            fam.add_metric(label, float(value))
+            yield fam
+        for name, attr, doc in (
+            ("num_preemptions", "num_preemptions", "Cumulative preemptions by the scheduler"),
+            ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed"),
+            ("generation_tokens", "generation_tokens_total", "Generation tokens processed"),
+        ):
+            fam = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            fam.add_metric(label, float(getattr(s, attr, 0) or 0))
+            yield fam
+
+
+REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                        120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+
+
+class VllmRequestMetrics:
+    """Per-request histograms and counters under vLLM's names, each bound to
+    this server's ``model_name`` label."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        def hist(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(f"vllm:{name}", doc, ["model_name"], buckets=buckets,
+                             registry=registry).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive outputs of a request",
+                        ITL_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Mean time per output token after the first, per request", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency", REQUEST_TIME_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time from arrival to first being scheduled",
+                          REQUEST_TIME_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds",
+                            "Time from first being scheduled to the first token", REQUEST_TIME_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "Time from the first token to the last",
+                           REQUEST_TIME_BUCKETS)
+        self.inference = hist("request_inference_time_seconds",
+                              "Time from first being scheduled to the last token", REQUEST_TIME_BUCKETS)
+        self.success = Counter("vllm:request_success", "Requests finished, by reason",
+                               ["model_name", "finished_reason"], registry=registry)
+        for reason in ("stop", "length", "abort"):  # zeros from the start, not gaps
+            self.success.labels(model_name, reason)
+        self.model_name = model_name
+
+
 KLASSES = ("online", "offline")
 STATUSES = ("waiting", "running", "swapped", "preempted", "finished")
 
@@ -115,9 +207,12 @@ def _request_counts(counts: dict) -> list[tuple[tuple[str, str, str], int]]:
 class ServerMetrics:
     """The registry a server's /metrics endpoint renders."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
+        self.vllm = VllmRequestMetrics(r, model_name)
+        for collector in (ProcessCollector(registry=None), GC_COLLECTOR, PLATFORM_COLLECTOR):
+            r.register(collector)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
@@ -141,6 +236,7 @@ class ServerMetrics:
               f"{RATE_WINDOW_S:.0f} s", registry=r).set_function(self.rate.rate)
         self.engine = EngineStatsCollector()
         r.register(self.engine)
+        r.register(VllmStatsCollector(self.engine, model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -153,14 +249,23 @@ class RequestTimer:
         self.metrics = metrics
         self.start = time.monotonic() if start is None else start
         self.first: float | None = None
+        self.last: float | None = None  # the latest output with new tokens
+        self.scheduled: float | None = None  # when the engine first ran it
         self.tokens: dict[int, int] = {}
 
     def on_output(self, out: Any) -> None:
         now = time.monotonic()
         new = sum(len(co.new_token_ids) for co in out.outputs)
+        if self.scheduled is None and getattr(out, "first_scheduled_time", None) is not None:
+            self.scheduled = out.first_scheduled_time
         if new and self.first is None:
             self.first = now
             self.metrics.ttft.observe(now - self.start)
+            self.metrics.vllm.ttft.observe(now - self.start)
+        elif new and self.last is not None:
+            self.metrics.vllm.itl.observe(now - self.last)
+        if new:
+            self.last = now
         self.metrics.rate.add(new, now)
         for co in out.outputs:
             self.tokens[co.index] = len(co.token_ids)
@@ -168,9 +273,20 @@ class RequestTimer:
             self._finish(out, now)
 
     def _finish(self, out: Any, now: float) -> None:
+        v = self.metrics.vllm
         self.metrics.e2e.observe(now - self.start)
+        v.e2e.observe(now - self.start)
         longest = max(self.tokens.values(), default=0)
         if self.first is not None and longest > 1:
             self.metrics.tpot.observe((now - self.first) / (longest - 1))
+            v.tpot.observe((now - self.first) / (longest - 1))
+        if self.scheduled is not None:
+            v.queue.observe(max(0.0, self.scheduled - self.start))
+            v.inference.observe(max(0.0, now - self.scheduled))
+            if self.first is not None:
+                v.prefill.observe(max(0.0, self.first - self.scheduled))
+        if self.first is not None:
+            v.decode.observe(now - self.first)
         for co in out.outputs:
             self.metrics.finished.labels(co.finish_reason or "unknown").inc()
+            v.success.labels(v.model_name, co.finish_reason or "unknown").inc()
