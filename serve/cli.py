@@ -92,6 +92,7 @@ def _origins(text: str) -> list[str]:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from ..kvcache.options import add_cli_args as add_kv_args
     from ..scheduler.options import add_cli_args as add_scheduler_args
 
     m = p.add_argument_group("model and engine")
@@ -137,6 +138,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (multi-node); default: start a local one on 127.0.0.1")
     add_scheduler_args(p)
+    add_kv_args(p)
 
     s = p.add_argument_group("server")
     # Loopback unless told otherwise; the container image sets FLUIDSERVE_HOST=0.0.0.0
@@ -179,6 +181,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace):
     from ..engine.config import EngineConfig
     from ..engine.loader import resolve_model_dir
+    from ..kvcache.options import options_from_args as kv_options
     from ..scheduler.options import options_from_args
 
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -198,6 +201,7 @@ def engine_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=policy, policy_options=policy_options, profile_path=args.profile_path,
         executor=args.executor, tensor_parallel_size=args.tensor_parallel_size, ray_address=args.ray_address,
+        **kv_options(args),
     )
 
 

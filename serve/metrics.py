@@ -79,9 +79,13 @@ class EngineStatsCollector:
             return
         yield from self._requests(s)
         yield from self._kv(s)
+        yield from self._preemptions(s)
         for name, attr, doc in (
-            ("preemptions", "num_preemptions", "Requests preempted by the scheduler"),
-            ("swaps", "num_swaps", "KV swap operations between device and host"),
+            ("preemptions", "num_preemptions", "Requests preempted by the scheduler (swapped out or recomputed)"),
+            ("swaps", "num_swaps", "Requests whose KV moved between device and host (out + in)"),
+            ("swap_out_bytes", "swap_out_bytes", "KV bytes copied from device to host"),
+            ("swap_in_bytes", "swap_in_bytes", "KV bytes copied from host to device"),
+            ("swap_stall_seconds", "swap_stall_seconds", "Time steps waited on KV copies before the forward"),
             ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed"),
             ("generation_tokens", "generation_tokens_total", "Tokens generated"),
         ):
@@ -94,6 +98,15 @@ class EngineStatsCollector:
                                 labels=["status", "queue", "klass"])
         for (status, queue, klass), count in _request_counts(getattr(s, "requests", None) or {}):
             fam.add_metric([status, queue, klass], float(count))
+        yield fam
+
+    def _preemptions(self, s: Any) -> Iterable[Metric]:
+        fam = CounterMetricFamily(f"{PREFIX}_preemptions_by_kind", "Preemptions by what happened to the KV",
+                                  labels=["kind"])
+        total = int(getattr(s, "num_preemptions", 0) or 0)
+        recomputes = int(getattr(s, "num_recomputes", 0) or 0)
+        fam.add_metric(["swap"], float(total - recomputes))
+        fam.add_metric(["recompute"], float(recomputes))
         yield fam
 
     def _kv(self, s: Any) -> Iterable[Metric]:
@@ -185,15 +198,16 @@ class VllmRequestMetrics:
 
 
 KLASSES = ("online", "offline")
-STATUSES = ("waiting", "running", "swapped", "preempted", "finished")
+STATUSES = ("waiting", "running", "swapped", "swapping_in", "finished")
 
 
 def _request_counts(counts: dict) -> list[tuple[tuple[str, str, str], int]]:
     """``engine.stats().requests`` — keyed by (class, status), optionally with
     the scheduler queue as a third part — as ((status, queue, class), count).
-    Both waiting and running always appear for both classes, so a dashboard
+    Waiting, running and swapped always appear for both classes, so a dashboard
     sees zeros rather than gaps."""
-    out: dict[tuple[str, str, str], int] = {(st, "all", k): 0 for st in ("waiting", "running") for k in KLASSES}
+    out: dict[tuple[str, str, str], int] = {(st, "all", k): 0 for st in ("waiting", "running", "swapped")
+                                            for k in KLASSES}
     for key, count in counts.items():
         parts = [str(getattr(k, "value", k)) for k in (key if isinstance(key, tuple) else (key,))]
         klass = next((p for p in parts if p in KLASSES), "all")

@@ -76,6 +76,24 @@ def test_tp2_greedy_tokens_identical_to_local(ray_cluster, tiny_model, arch, ove
     assert _generate(path, **TP2) == local
 
 
+def test_tp2_swapping_keeps_greedy_tokens(ray_cluster, tiny_model):
+    """A device pool too small for the batch: each rank swaps its own head
+    shard of the same blocks to host and back, tokens stay the local ones."""
+    path = tiny_model("llama")
+    small = dict(device="cpu", num_kv_blocks=10, block_size=8, max_model_len=64, num_host_blocks=64)
+    prompts = [p[:20] for p in PROMPTS] * 2
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    local = [o.outputs[0].token_ids for o in LLM(model=path, **small).generate(prompts, params)]
+    llm = LLM(model=path, **small, **TP2)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == local
+        counters = llm.engine.scheduler.counters
+        assert counters.num_swap_outs > 0 and counters.num_recomputes == 0
+        assert llm.engine.kv.num_used_blocks == 0 and llm.engine.kv.num_used_host_blocks == 0
+    finally:
+        llm.engine.shutdown()
+
+
 def test_daemon_started_ray_is_loopback_only(ray_cluster):
     """What start_local_ray promises: Ray's control plane on 127.0.0.1 and
     no Ray process listening on another interface."""

@@ -1,0 +1,268 @@
+"""The two KV tiers: block accounting across the device and host pools,
+bit-exact swap copies, generation unchanged when requests are swapped out
+and back, aborts of swapped requests, and the same swap decisions in the
+simulator and the real engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fluidserve.engine import SamplingParams
+from fluidserve.engine.cache_engine import CacheEngine, block_runs
+from fluidserve.kvcache.manager import KVCacheManager
+from fluidserve.scheduler.request_state import SeqStatus
+
+from test_engine import PROMPTS, hf_greedy
+
+# -- accounting ----------------------------------------------------------------
+
+ops_st = st.lists(st.tuples(st.sampled_from(["grow", "out", "in", "free", "step"]), st.integers(0, 5),
+                            st.integers(1, 40)), max_size=80)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops_st, device=st.integers(1, 12), host=st.integers(0, 12), bs=st.sampled_from([1, 4]))
+def test_blocks_conserved_across_both_pools(ops, device, host, bs):
+    """Random grows, swaps, frees and step ends: every block is owned once,
+    pending or free in its pool; moves map every block; 0 used at the end."""
+    kv = KVCacheManager(device, bs, host)
+    tokens: dict[str, int] = {}
+    for op, r, n in ops:
+        rid = f"r{r}"
+        if op == "grow" and not kv.is_swapped(rid):
+            before = list(kv.block_table(rid))
+            if kv.allocate(rid, tokens.get(rid, 0) + n):
+                tokens[rid] = tokens.get(rid, 0) + n
+                assert kv.block_table(rid)[:len(before)] == before  # a table only grows at its end
+        elif op == "out" and kv.holds(rid) and kv.can_swap_out(rid):
+            table = list(kv.block_table(rid))
+            moves = kv.swap_out(rid)
+            assert list(moves) == table and len(set(moves.values())) == len(table)
+            assert kv.is_swapped(rid) and not kv.holds(rid)
+        elif op == "in" and kv.is_swapped(rid) and kv.can_swap_in(rid):
+            n_blocks = kv.num_blocks_of(rid)
+            moves = kv.swap_in(rid)
+            assert len(moves) == n_blocks and list(moves.values()) == kv.block_table(rid)
+        elif op == "free":
+            kv.free(rid)
+            tokens.pop(rid, None)
+        elif op == "step":
+            kv.release_pending()
+        kv.check_integrity()
+    for rid in list(tokens):
+        kv.free(rid)
+    kv.release_pending()
+    kv.check_integrity()
+    assert kv.num_used_blocks == 0 and kv.num_used_host_blocks == 0
+
+
+def test_blocks_freed_by_a_swap_are_reusable_only_after_the_step():
+    kv = KVCacheManager(4, 4, num_host_blocks=4)
+    assert kv.allocate("a", 16)  # the whole pool
+    kv.swap_out("a")
+    assert kv.num_free_blocks == 0 and not kv.can_allocate("b", 1)  # the copy still reads them
+    kv.release_pending()
+    assert kv.can_allocate("b", 16)
+    with pytest.raises(ValueError, match="swapped out"):
+        kv.allocate("a", 20)
+
+
+# -- copies ----------------------------------------------------------------------
+
+
+def test_block_runs_coalesce_adjacent_pairs():
+    assert block_runs([(3, 7), (1, 5), (2, 6), (9, 0)]) == [(1, 5, 3), (9, 0, 1)]
+    assert block_runs([(1, 5), (2, 9)]) == [(1, 5, 1), (2, 9, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swap_round_trip_is_bit_identical(dtype):
+    """Device -> host -> other device blocks, through the same maps the
+    scheduler makes: every byte comes back, and nothing else is touched."""
+    torch.manual_seed(0)
+    ce = CacheEngine(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype,
+                     device=torch.device("cpu"), num_blocks=10, num_host_blocks=6)
+    for k, v in ce.device_caches:
+        k.copy_(torch.randn_like(k))
+        v.copy_(torch.randn_like(v))
+    kv = KVCacheManager(10, 4, num_host_blocks=6)
+    kv.allocate("x", 4 * 4)  # blocks 0..3
+    kv.allocate("y", 2 * 4)  # blocks 4, 5
+    src = [(k[[0, 1, 2, 3]].clone(), v[[0, 1, 2, 3]].clone()) for k, v in ce.device_caches]
+    other = [(k[[4, 5]].clone(), v[[4, 5]].clone()) for k, v in ce.device_caches]
+    out = kv.swap_out("x")
+    ce.swap(list(out.items()), [], wait=False)
+    kv.release_pending()
+    kv.allocate("z", 3 * 4)  # takes x's old blocks: the copy must not care
+    for k, v in ce.device_caches:
+        k[kv.block_table("z")] = 0
+        v[kv.block_table("z")] = 0
+    back = kv.swap_in("x")
+    assert set(back.values()).isdisjoint({0, 1, 2, 3} & set(kv.block_table("z")))
+    ce.swap([], list(back.items()), wait=True)
+    table = kv.block_table("x")
+    for (k, v), (sk, sv), (ok, ov) in zip(ce.device_caches, src, other):
+        assert torch.equal(k[table], sk) and torch.equal(v[table], sv)
+        assert torch.equal(k[[4, 5]], ok) and torch.equal(v[[4, 5]], ov)  # y untouched
+
+
+# -- the engine ------------------------------------------------------------------
+
+
+def _spy_swaps(engine) -> tuple[set, set]:
+    """Record which requests the real scheduler swaps out and in."""
+    outs, ins = set(), set()
+    sched = engine.scheduler
+    swap_out, swap_in = sched._swap_out, sched._swap_in
+
+    def spy_out(seq, step):
+        outs.add(seq.request_id)
+        swap_out(seq, step)
+
+    def spy_in(seq, step, *a, **kw):
+        ins.add(seq.request_id)
+        swap_in(seq, step, *a, **kw)
+
+    sched._swap_out, sched._swap_in = spy_out, spy_in
+    return outs, ins
+
+
+SMALL_POOL = dict(num_kv_blocks=10, block_size=8, max_model_len=64, num_host_blocks=64)
+
+
+@pytest.mark.parametrize("policy, proactive", [("skip-join-mlfq", True), ("skip-join-mlfq", False),
+                                               ("fcfs", True)])
+def test_swapped_requests_generate_the_same_tokens(tiny_model, make_llm, policy, proactive):
+    """A device pool that holds two requests at a time and eight requests:
+    requests are swapped out and back, greedy tokens equal transformers'."""
+    path = tiny_model("llama")
+    llm = make_llm(path, scheduling_policy=policy, proactive_swap=proactive, **SMALL_POOL)
+    outs_, ins_ = _spy_swaps(llm.engine)
+    prompts = [p[:20] for p in PROMPTS] * 2
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 24)
+    c = llm.engine.scheduler.counters
+    assert c.num_swap_outs > 0 and c.num_swap_ins == c.num_swap_outs and c.num_recomputes == 0
+    assert len(outs_) >= len(prompts) // 2 and ins_ == outs_  # most were swapped, each came back
+    stats = llm.engine.stats()
+    assert stats.swap_out_bytes == c.swap_out_blocks * llm.engine.bytes_per_block > 0
+    assert llm.engine.kv.num_used_host_blocks == 0
+
+
+def test_recompute_mode_never_touches_the_host(tiny_model, make_llm):
+    path = tiny_model("llama")
+    llm = make_llm(path, preemption_mode="recompute", **SMALL_POOL)
+    prompts = [p[:20] for p in PROMPTS] * 2
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 24)
+    c = llm.engine.scheduler.counters
+    assert c.num_recomputes > 0 and c.num_swap_outs == 0
+
+
+def test_running_set_larger_than_device_kv(tiny_model, make_llm):
+    """More requests hold KV at once than the device pool can: the rest live
+    on the host, and all finish."""
+    path = tiny_model("llama")
+    llm = make_llm(path, **SMALL_POOL)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i, p in enumerate([p[:20] for p in PROMPTS] * 2):
+        engine.add_request(f"r{i}", p, params)
+    most_holding = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        holding = sum(engine.kv.holds(r) or engine.kv.is_swapped(r) for r in engine.scheduler.seqs)
+        most_holding = max(most_holding, holding)
+        engine.kv.check_integrity()
+    assert most_holding * 3 > engine.kv.num_blocks  # at 3+ blocks each, more than the device holds
+
+
+def test_abort_while_swapped_or_just_swapped_in_frees_both_pools(tiny_model, make_llm):
+    path = tiny_model("llama")
+    llm = make_llm(path, proactive_swap=True, **SMALL_POOL)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i, p in enumerate([p[:20] for p in PROMPTS] * 2):
+        engine.add_request(f"r{i}", p, params)
+    aborted = {"swapped": None, "swapped_in": None}
+    last_plan = None
+    schedule = engine.scheduler.schedule
+
+    def keep_plan(now):
+        nonlocal last_plan
+        last_plan = schedule(now)
+        return last_plan
+
+    engine.scheduler.schedule = keep_plan
+    for _ in range(400):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        seqs = engine.scheduler.seqs
+        if aborted["swapped"] is None:
+            swapped = [rid for rid, s in seqs.items() if s.status is SeqStatus.SWAPPED]
+            if swapped:
+                aborted["swapped"] = swapped[0]
+                engine.abort(swapped[0].split("#")[0])
+        if aborted["swapped_in"] is None and last_plan is not None:
+            back = [rid for rid in last_plan.swapped_in if rid in seqs]
+            if back:
+                aborted["swapped_in"] = back[0]
+                engine.abort(back[0].split("#")[0])
+        engine.kv.check_integrity()
+    assert all(aborted.values()), aborted
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_used_blocks == 0 and engine.kv.num_used_host_blocks == 0
+
+
+def test_simulator_and_engine_make_the_same_swap_decisions(tiny_model, make_llm):
+    """The same jobs through the simulator and the real engine (same
+    scheduler config, a cost model that only orders): the same sequence of
+    swap-outs and swap-ins, step by step."""
+    from fluidserve.scheduler.cost_model import LinearCoefficients, LinearCostModel
+    from fluidserve.scheduler.simulator import SimConfig, Simulator
+    from fluidserve.scheduler.workloads import Job
+
+    path = tiny_model("llama")
+    prompts = [list(range(3 + 5 * i, 3 + 5 * i + 12 + 3 * i)) for i in range(6)]
+    out_tokens = 20
+    llm = make_llm(path, scheduling_policy="fcfs", **SMALL_POOL)
+    engine = llm.engine
+    engine_moves: list[tuple[list, list]] = []
+    schedule = engine.scheduler.schedule
+
+    def record(now):
+        plan = schedule(now)
+        if not plan.is_empty:
+            engine_moves.append((list(plan.swapped_out), list(plan.swapped_in)))
+        return plan
+
+    engine.scheduler.schedule = record
+    params = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"j{i}", p, params, arrival_time=float(i) * 1e-6)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    cost = LinearCostModel(LinearCoefficients(base=1e-3, per_prefill_token=0, per_decode_seq=0,
+                                              per_context_token=0, per_attn_pair=0))
+    jobs = [Job(f"j{i}#0", 0.0, len(p), out_tokens) for i, p in enumerate(prompts)]
+    cfg = SimConfig(num_kv_blocks=10, block_size=8, max_num_batched_tokens=2048, num_host_blocks=64,
+                    max_swap_blocks_per_step=engine.scheduler.config.max_swap_blocks_per_step)
+    sim = Simulator(jobs, "fcfs", cost, cfg)
+    sim_moves: list[tuple[list, list]] = []
+    sched_schedule = sim.scheduler.schedule
+
+    def record_sim(now):
+        plan = sched_schedule(now)
+        if not plan.is_empty:
+            sim_moves.append((list(plan.swapped_out), list(plan.swapped_in)))
+        return plan
+
+    sim.scheduler.schedule = record_sim
+    sim.run()
+    assert any(out for out, _ in engine_moves)  # the trace does swap
+    assert [(o, i) for o, i in engine_moves] == [([r.split("#")[0] + "#0" for r in o], i) for o, i in sim_moves]
