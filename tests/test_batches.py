@@ -96,7 +96,7 @@ def test_files_and_batch_round_trip_with_openai_client(client):
     assert up.bytes == len(jsonl(rows))
     assert client.files.retrieve(up.id).id == up.id
     assert client.files.content(up.id).content == jsonl(rows)
-    assert up.id in [f.id for f in client.files.list()]
+    assert up.id in [f.id for f in client.files.list(purpose="batch", order="asc")]
 
     batch = client.batches.create(input_file_id=up.id, endpoint="/v1/completions", completion_window="24h",
                                   metadata={"job": "nightly"})
@@ -120,6 +120,8 @@ def test_files_and_batch_round_trip_with_openai_client(client):
     assert err[0]["response"]["status_code"] == 400
     assert err[0]["response"]["body"]["error"]["param"] == "temperature"
     assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    outputs = [f.id for f in client.files.list(purpose="batch_output")]
+    assert done.output_file_id in outputs and done.error_file_id in outputs and up.id not in outputs
 
     deleted = client.files.delete(up.id)
     assert deleted.deleted and deleted.id == up.id
@@ -394,12 +396,15 @@ def test_store_exactly_once_and_corrupt(tmp_path):
     assert store.finish_batch(bid, "cancelled", ("in_progress",))
     assert not store.record_result(bid, LineResult(1, True, {"custom_id": "c1"}))  # too late: lands nowhere
     store.close()
-    bad = tmp_path / "b"
-    bad.mkdir()
-    (bad / "fluidserve.sqlite3").write_bytes(b"this is not a database" * 100)
-    with pytest.raises(StoreError, match="unreadable"):
-        Store(bad)
-    assert (bad / "fluidserve.sqlite3").read_bytes() == b"this is not a database" * 100
+
+
+def test_corrupt_store_stops_startup_untouched(tiny_model, tmp_path):
+    (tmp_path / "fluidserve.sqlite3").write_bytes(b"this is not a database" * 100)
+    engine = LLMEngine(EngineConfig(model=tiny_model("llama"), **TEST_ENGINE_DEFAULTS))
+    with pytest.raises(StoreError, match="unreadable.*left untouched"):
+        build_app(AsyncEngine(engine), frontend_tokenizer(engine), model_info(engine), ServerSettings(),
+                  batch_config=BatchConfig(str(tmp_path)))
+    assert (tmp_path / "fluidserve.sqlite3").read_bytes() == b"this is not a database" * 100
 
 
 # -- kill -9 ------------------------------------------------------------------
