@@ -34,8 +34,11 @@ from .protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    LoadResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 from .render import ChatStreamer, CompletionStreamer, chat_choices, completion_choices, make_usage
 
@@ -99,6 +102,11 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
     app.add_api_route("/version", server.version, methods=["GET"])
+    app.add_api_route("/ping", server.health, methods=["GET", "POST"])  # SageMaker's health check
+    app.add_api_route("/load", server.load, methods=["GET"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"], dependencies=auth)
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"], dependencies=auth)
+    app.add_api_route("/invocations", server.invocations, methods=["POST"], dependencies=auth)
     batch_runner = install_batch_api(app, server, batch_config, auth)
     return app
 
@@ -342,6 +350,30 @@ class _Server:
     async def version(self) -> JSONResponse:
         return JSONResponse({"version": VERSION})
 
+    async def load(self) -> JSONResponse:
+        """Requests in the engine now, for load-aware routers."""
+        return JSONResponse(LoadResponse(server_load=self.engine.num_in_flight).model_dump(mode="json"))
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        req = await self.parse(request, TokenizeRequest)
+        check_model(req.model, self.model)
+        return JSONResponse(self.processor.tokenize(req).model_dump(mode="json"))
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        req = await self.parse(request, DetokenizeRequest)
+        check_model(req.model, self.model)
+        return JSONResponse(self.processor.detokenize(req).model_dump(mode="json"))
+
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's single route: a chat body (``messages``) or a completion body."""
+        body = await self._read_body(request)
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):
+            raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
+        handler = self.chat if isinstance(data, dict) and "messages" in data else self.completions
+        return await handler(_replayed(request, body))
+
 
 # -- helpers ------------------------------------------------------------------
 
@@ -383,6 +415,21 @@ def _error_event(err: BaseException) -> str:
     if not isinstance(err, APIError):
         err = APIError(500, "internal server error")
     return f"data: {json.dumps(error_body(err.status, err.message, err.param, err.code))}\n\n"
+
+
+def _replayed(request: Request, body: bytes) -> Request:
+    """``request`` with its already-read body delivered again; later
+    receives (the disconnect) still come from the client."""
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await request.receive()
+
+    return Request(request.scope, receive)
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -18,7 +18,16 @@ from typing import Any
 
 from ..engine.sampling_params import SamplingParams
 from .errors import APIError, bad_request, from_value_error
-from .protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    _SamplingFields,
+)
 
 logger = logging.getLogger("fluidserve.serve")
 
@@ -78,6 +87,19 @@ class InputProcessor:
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         return EngineInputs([prompt], self._params(req, max_tokens, top_n), req.klass)
 
+    def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        if isinstance(req, TokenizeChatRequest):
+            ids = self._encode(self._render_chat(req), add_special_tokens=req.add_special_tokens)
+        else:
+            ids = self._encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.model.max_model_len, tokens=ids,
+                                token_strs=strs)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        ids = self._in_vocab(req.tokens, "tokens") or []
+        return DetokenizeResponse(prompt=self.tokenizer.decode(ids))
+
     # -- pieces -------------------------------------------------------------
     def _prompt(self, p: str | list[int], add_special_tokens: bool = True) -> Prompt:
         if isinstance(p, str):
@@ -106,7 +128,7 @@ class InputProcessor:
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def _render_chat(self, req: ChatCompletionRequest) -> str:
+    def _render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> str:
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in req.messages]
         try:

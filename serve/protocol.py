@@ -306,7 +306,62 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+_REFUSED_TOKENIZE_CHAT: dict[str, Callable[[Any], bool]] = {
+    k: _REFUSED_CHAT[k] for k in ("chat_template", "chat_template_kwargs", "continue_final_message", "tools",
+                                  "documents", "mm_processor_kwargs")
+}
+
+
+class TokenizeCompletionRequest(_Request):
+    """/tokenize of a prompt (vLLM's form)."""
+
+    model: str | None = None
+    prompt: StrictStr
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    """/tokenize of chat messages rendered through the chat template."""
+
+    _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = _REFUSED_TOKENIZE_CHAT
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeRequest:
+    """Either form of /tokenize, told apart by ``messages`` (as vLLM does)."""
+
+    @staticmethod
+    def model_validate(data: dict) -> TokenizeCompletionRequest | TokenizeChatRequest:
+        cls = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+        return cls.model_validate(data)
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 # -- responses ----------------------------------------------------------------
+
+
+class TokenizeResponse(_Wire):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Wire):
+    prompt: str
+
+
+class LoadResponse(_Wire):
+    server_load: int
 
 
 class Usage(_Wire):
