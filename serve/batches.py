@@ -26,6 +26,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from math import inf
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from fastapi import FastAPI, Request
@@ -236,6 +237,7 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._cancels: dict[str, asyncio.Event] = {}
         self._task: asyncio.Task | None = None
+        self.current: str | None = None  # the batch whose lines are running
         self.in_flight = 0
         metrics.offline_in_flight.set_function(lambda: self.in_flight)
         self.refresh_status_metrics()
@@ -296,10 +298,14 @@ class BatchRunner:
         if batch.status == "validating":
             await self._validate(batch)
         elif batch.status == "in_progress":
-            if time.time() >= (batch.expires_at or float("inf")):
+            if time.time() >= (batch.expires_at or inf):
                 await asyncio.to_thread(store.finish_batch, bid, "expired", ("in_progress",), EXPIRED_ERROR)
                 return
-            done = await self._run_lines(batch)
+            self.current = bid
+            try:
+                done = await self._run_lines(batch)
+            finally:
+                self.current = None
             if done:
                 await asyncio.to_thread(store.set_status, bid, "finalizing", only_from=("in_progress",))
                 await asyncio.to_thread(store.finish_batch, bid, "completed", ("finalizing",))
@@ -333,8 +339,8 @@ class BatchRunner:
         after, exhausted = -1, False
         try:
             while True:
-                if cancel.is_set() or self.server.state.draining:
-                    return False
+                if cancel.is_set() or self.server.state.draining or time.time() >= (batch.expires_at or inf):
+                    return False  # _advance finishes a cancelled or expired batch
                 room = self.config.max_in_flight - len(tasks)
                 if room > 0 and not exhausted:
                     fresh = await asyncio.to_thread(self.store.pending_lines, batch.id, room, after)
@@ -562,6 +568,10 @@ class BatchAPI:
                                code="invalid_state")
         if self.runner is not None:
             self.runner.cancel(batch_id)
+            if self.runner.current != batch_id:
+                # Queued behind another batch: nothing of it runs, finish now
+                # (the runner's own finish then finds it final and does nothing).
+                await self._call(store.finish_batch, batch_id, "cancelled", ("cancelling",))
             self.runner.refresh_status_metrics()
         return JSONResponse(batch_json(await self._batch(batch_id)))
 

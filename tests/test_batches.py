@@ -24,7 +24,7 @@ from fluidserve.serve.batches import BatchConfig, parse_batch_input, parse_multi
 from fluidserve.serve.cli import frontend_tokenizer, model_info
 from fluidserve.serve.server import bind_socket, make_server
 from fluidserve.serve.store import BatchLine, BatchRecord, LineResult, Store, StoreError
-from tests.server_utils import (TEST_ENGINE_DEFAULTS, ThreadedServer, free_port, read_metrics,
+from tests.server_utils import (TEST_ENGINE_DEFAULTS, ThreadedServer, free_port, metric_sum, read_metrics,
                                 start_subprocess_server, wait_healthy)
 
 pytestmark = pytest.mark.timeout(180)
@@ -234,6 +234,20 @@ def test_list_paging(client):
         wait_batch(client, bid)
 
 
+def test_cancel_queued_batch_is_immediate(client):
+    # The runner works through batches one at a time: cancelling one that
+    # waits behind another must not wait for the other to finish.
+    rows = [completion_line(f"q{i}", f"queued {i}", max_tokens=32, ignore_eos=True) for i in range(200)]
+    up = client.files.create(file=("q.jsonl", jsonl(rows)), purpose="batch")
+    first = client.batches.create(input_file_id=up.id, endpoint="/v1/completions", completion_window="24h")
+    second = client.batches.create(input_file_id=up.id, endpoint="/v1/completions", completion_window="24h")
+    wait_batch(client, first.id, statuses=("in_progress",))
+    cancelled = client.batches.cancel(second.id)
+    assert cancelled.status == "cancelled" and cancelled.request_counts.completed == 0
+    assert client.batches.retrieve(first.id).status == "in_progress"
+    assert wait_batch(client, client.batches.cancel(first.id).id).status == "cancelled"
+
+
 def test_cancel_mid_batch(client, batch_server):
     rows = [completion_line(f"r{i}", f"cancel me {i}", max_tokens=48, ignore_eos=True) for i in range(40)]
     up = client.files.create(file=("c.jsonl", jsonl(rows)), purpose="batch")
@@ -278,11 +292,17 @@ def test_batch_never_crowds_out_online_requests(tiny_model, tmp_path):
         up = c.files.create(file=("o.jsonl", jsonl(rows)), purpose="batch")
         bid = c.batches.create(input_file_id=up.id, endpoint="/v1/completions", completion_window="24h").id
         peak = 0
-        for _ in range(5):
+        for i in range(5):
             deadline = time.monotonic() + 60
             while srv.async_engine.num_in_flight < 8:  # the batch holds all its places
                 assert time.monotonic() < deadline
                 time.sleep(0.002)
+            if i == 0:  # batch lines are in the engine as offline requests, and only they are
+                m = read_metrics(srv.base_url)
+                assert metric_sum({k: v for k, v in m.items() if 'klass="offline"' in k},
+                                  "fluidserve_num_requests") >= 1
+                assert metric_sum({k: v for k, v in m.items() if 'klass="online"' in k},
+                                  "fluidserve_num_requests") == 0
             r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "online", "max_tokens": 2}, timeout=30)
             assert r.status_code == 200, r.text
             peak = max(peak, srv.async_engine.num_in_flight)
