@@ -39,6 +39,7 @@ from .protocol import (
     ModelCard,
     ModelList,
     TokenizeRequest,
+    add_request_schemas,
 )
 from .render import ChatStreamer, CompletionStreamer, chat_choices, completion_choices, make_usage
 
@@ -86,7 +87,8 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
         await batch_runner.stop()
         await engine.shutdown()
 
-    app = FastAPI(title="fluidserve", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="fluidserve", version=VERSION, lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.openapi = _openapi_with_bodies(app)
     app.state.server = server
     install_handlers(app)
     if settings.allowed_origins:
@@ -102,7 +104,8 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
     app.add_api_route("/version", server.version, methods=["GET"])
-    app.add_api_route("/ping", server.health, methods=["GET", "POST"])  # SageMaker's health check
+    app.add_api_route("/ping", server.health, methods=["GET"])  # SageMaker's health check
+    app.add_api_route("/ping", server.health, methods=["POST"], name="ping_post")
     app.add_api_route("/load", server.load, methods=["GET"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"], dependencies=auth)
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"], dependencies=auth)
@@ -415,6 +418,17 @@ def _error_event(err: BaseException) -> str:
     if not isinstance(err, APIError):
         err = APIError(500, "internal server error")
     return f"data: {json.dumps(error_body(err.status, err.message, err.param, err.code))}\n\n"
+
+
+def _openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = add_request_schemas(generate())
+        return app.openapi_schema
+
+    return openapi
 
 
 def _replayed(request: Request, body: bytes) -> Request:

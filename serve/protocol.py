@@ -484,6 +484,46 @@ def dump(model: BaseModel) -> dict[str, Any]:
     return model.model_dump(mode="json")
 
 
+# -- OpenAPI ------------------------------------------------------------------
+
+# Bodies are parsed by hand (size limit first, then OpenAI-shaped 400s, never
+# FastAPI's 422), so the routes declare no body parameter; their schemas are
+# added to /openapi.json here instead.
+REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
+    "/v1/completions": (CompletionRequest,),
+    "/v1/chat/completions": (ChatCompletionRequest,),
+    "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
+    "/detokenize": (DetokenizeRequest,),
+    "/invocations": (CompletionRequest, ChatCompletionRequest),
+}
+
+
+def add_request_schemas(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` (FastAPI's OpenAPI document) with each hand-parsed route's
+    request body and its 400 error described."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+
+    def ref(model: type[BaseModel]) -> dict[str, str]:
+        js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(js.pop("$defs", {}))
+        components[model.__name__] = js
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    error = ref(ErrorResponse)
+    for path, models in REQUEST_BODIES.items():
+        op = schema.get("paths", {}).get(path, {}).get("post")
+        if op is None:
+            continue
+        refs = [ref(m) for m in models]
+        body = refs[0] if len(refs) == 1 else {"oneOf": refs}
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+        op.setdefault("responses", {})["400"] = {
+            "description": "Invalid request; ``param`` names the field",
+            "content": {"application/json": {"schema": error}},
+        }
+    return schema
+
+
 # -- Batch API ----------------------------------------------------------------
 
 BATCH_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")

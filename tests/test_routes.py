@@ -88,3 +88,23 @@ def test_invocations_routes_by_body(server):
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == via_comp["choices"][0]["text"]
     bad = httpx.post(f"{server.base_url}/invocations", content=b"{nope", timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+
+
+def test_openapi_describes_request_bodies_and_errors_stay_400(server):
+    schema = httpx.get(f"{server.base_url}/openapi.json").json()
+    comps = schema["components"]["schemas"]
+    op = schema["paths"]["/v1/chat/completions"]["post"]
+    assert op["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ChatCompletionRequest"}
+    assert {"messages", "logit_bias", "stop_token_ids", "priority"} <= set(comps["ChatCompletionRequest"]["properties"])
+    assert "ChatMessage" in comps and "422" not in op["responses"] and "400" in op["responses"]
+    tok = schema["paths"]["/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert len(tok["oneOf"]) == 2
+    # every $ref resolves
+    refs = {m for m in json.dumps(schema).split('"$ref": "')[1:]}
+    assert all(r.split('"')[0].removeprefix("#/components/schemas/") in comps for r in refs)
+    docs = httpx.get(f"{server.base_url}/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    # described, yet still parsed by hand: a type error is a 400 naming the field, not a 422
+    bad = post(server, "/v1/completions", {"prompt": "x", "max_tokens": "many"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
