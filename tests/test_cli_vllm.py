@@ -4,16 +4,17 @@ traceback) for a vLLM flag we do not support."""
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
 
 from fluidserve.serve import cli
-from server_utils import free_port, start_subprocess_server, wait_healthy
+from server_utils import free_port, start_subprocess_server
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -75,10 +76,34 @@ def test_chat_template_file_or_inline(tmp_path):
         cli.load_chat_template(str(tmp_path / "missing.jinja"))
 
 
+def self_signed_cert(tmp_path) -> tuple[str, str]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    return str(key), str(cert)
+
+
+def wait_healthy_tls(base: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}"
+        try:
+            if httpx.get(f"{base}/health", verify=False, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(base)
+
+
 def test_vllm_command_line_starts_the_server(tiny_model, tmp_path):
     """The quick-start line of vLLM's OpenAI-server docs, plus the flags a
-    vLLM deployment commonly carries; the key comes from the environment."""
+    vLLM deployment commonly carries; the key comes from the environment and
+    the server speaks HTTPS."""
     model = tiny_model("llama")
+    key, cert = self_signed_cert(tmp_path)
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]")
     port = free_port()
@@ -86,22 +111,26 @@ def test_vllm_command_line_starts_the_server(tiny_model, tmp_path):
     args = [model, "--dtype", "auto", "--served-model-name", "served-a", "served-b",
             "--chat-template", str(template), "--generation-config", "vllm", "--scheduling-policy", "priority",
             "--enable-chunked-prefill", "--uvicorn-log-level", "warning", "--trust-remote-code",
-            "--disable-log-stats", "--max-model-len", "256", "--num-kv-blocks", "64", "--device", "cpu"]
+            "--disable-log-stats", "--max-model-len", "256", "--num-kv-blocks", "64", "--device", "cpu",
+            "--ssl-keyfile", key, "--ssl-certfile", cert, "--allowed-origins", '["https://ui.example"]',
+            "--enable-log-requests", "--max-log-len", "3"]
     os.environ["FLUIDSERVE_API_KEY"] = "env-key"
     try:
         proc = start_subprocess_server(args, port, log_path)
     finally:
         del os.environ["FLUIDSERVE_API_KEY"]
-    base = f"http://127.0.0.1:{port}"
+    base = f"https://127.0.0.1:{port}"
     try:
-        wait_healthy(base, timeout=120, proc=proc)
+        wait_healthy_tls(base, proc)
+        client = httpx.Client(verify=False, timeout=60)
         auth = {"Authorization": "Bearer env-key"}
-        assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 401
-        models = httpx.get(f"{base}/v1/models", headers=auth, timeout=10).json()
-        assert [m["id"] for m in models["data"]] == ["served-a", "served-b"]
+        assert client.get(f"{base}/v1/models").status_code == 401
+        models = client.get(f"{base}/v1/models", headers={**auth, "Origin": "https://ui.example"})
+        assert models.headers["access-control-allow-origin"] == "https://ui.example"
+        assert [m["id"] for m in models.json()["data"]] == ["served-a", "served-b"]
         msgs = [{"role": "user", "content": "hi"}]
-        resp = httpx.post(f"{base}/v1/chat/completions", headers=auth, timeout=60,
-                          json={"model": "served-b", "messages": msgs, "max_tokens": 2, "ignore_eos": True})
+        resp = client.post(f"{base}/v1/chat/completions", headers=auth,
+                           json={"model": "served-b", "messages": msgs, "max_tokens": 2, "ignore_eos": True})
         assert resp.status_code == 200, resp.text
         body = resp.json()
         assert body["model"] == "served-a"
@@ -112,4 +141,6 @@ def test_vllm_command_line_starts_the_server(tiny_model, tmp_path):
         proc.wait(timeout=60)
     log = log_path.read_text()
     assert "--host 0.0.0.0" in log  # how to expose a loopback-only server
+    assert "https://127.0.0.1" in log
+    assert "prompt '[us'" in log  # --enable-log-requests, cut to --max-log-len
     assert "Traceback" not in log
