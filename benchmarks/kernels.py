@@ -22,6 +22,11 @@ occupancy read off each variant.
 Results go to ``benchmarks/results/kernels_<device>.json`` and ``.md``.
 Run: ``python benchmarks/kernels.py`` (``--quick`` for a short sweep). Needs
 CUDA; on a machine without it the script says so and exits with status 1.
+
+``--compile-only`` needs no GPU: it compiles every attention variant for
+sm_90 (H100/H200) with the arguments a real launch passes, reads registers,
+shared memory and spills off the cubin, and gives the occupancy the launcher
+would size the grid with (``kernels_compile_sm90.json``/``.md``).
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16, choices=[16, 32])
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     p.add_argument("--quick", action="store_true", help="a few points of each sweep")
+    p.add_argument("--compile-only", action="store_true",
+                   help="no GPU needed: compile every variant for sm_90 and report its resources")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
     if args.quick:
@@ -272,8 +279,114 @@ def targets(report: dict) -> dict:
     )
 
 
+# Shapes the offline compile covers: (head_dim, group) of Llama-3-8B, an MHA
+# model, a wide GQA group, OPT-2.7B's 80 and a padded 96.
+COMPILE_SHAPES = [(128, 4), (128, 1), (64, 8), (80, 1), (96, 4)]
+
+
+def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...], num_warps: int) -> dict:
+    """Compile one kernel for sm_90 with the signature and divisibility a
+    real launch of these arguments gets, and read its resources."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    elem = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        v = args[name]
+        if isinstance(v, torch.Tensor):
+            sig[name] = "*" + elem[v.dtype]
+            aligned = v.data_ptr() % 16 == 0
+        elif isinstance(v, float):
+            sig[name], aligned = "fp32", False
+        else:
+            sig[name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+            aligned = name not in dynamic and v % 16 == 0
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    t0 = time.perf_counter()
+    compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))  # fmt: skip
+    seconds = time.perf_counter() - t0
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"cuobjdump gave no resource usage:\n{usage}")
+    regs, stack, local = map(int, found.groups())
+    return dict(registers=regs, stack_bytes=stack, local_bytes=local, shared_bytes=compiled.metadata.shared,
+                num_warps=num_warps, compile_s=seconds)  # fmt: skip
+
+
+def compile_report(num_kv_heads: int, block_size: int) -> list[dict]:
+    from fluidserve.kernels import paged_attention as pa
+
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for head_dim, group in COMPILE_SHAPES:
+            query = torch.empty((1, num_kv_heads * group, head_dim), dtype=dtype)
+            cache = torch.empty((4, block_size, num_kv_heads, head_dim), dtype=dtype)
+            tables = torch.zeros((1, 1), dtype=torch.int32)
+            for has_prefill in (False, True):
+                plan = pa._empty_plan(query.device, group, has_prefill, None)
+                launch = pa._prepare(query[:0], cache, cache, tables, 1.0, plan)
+                res = _compile_offline(pa._paged_attention_kernel, launch.args, launch.constexprs,
+                                       pa._ATTENTION_DYNAMIC, launch.num_warps)  # fmt: skip
+                res.update(kernel="attention", dtype=str(dtype).removeprefix("torch."), head_dim=head_dim, group=group,
+                           variant="mixed" if has_prefill else "decode-only",
+                           programs_per_sm=pa.occupancy(res["registers"], res["num_warps"], res["shared_bytes"],
+                                                        pa.SmLimits()))  # fmt: skip
+                rows.append(res)
+                print(f"{res['dtype']} head_dim={head_dim} group={group} {res['variant']:11s} warps={res['num_warps']} "
+                      f"regs={res['registers']} shared={res['shared_bytes']} local={res['local_bytes']} "
+                      f"-> {res['programs_per_sm']}/SM ({res['compile_s']:.1f} s)")  # fmt: skip
+    return rows
+
+
+def compile_markdown(rows: list[dict], triton_version: str) -> str:
+    lines = ["# Attention variants compiled for sm_90, no GPU", "",
+             f"Triton {triton_version}; registers and local memory from the cubin (cuobjdump), occupancy from "
+             "paged_attention.occupancy with an H100 SM's limits (64K registers, 2048 threads, 228 KiB shared).",
+             "", "| dtype | head_dim | group | variant | warps | registers | shared B | local B | programs/SM |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        cells = (r["dtype"], r["head_dim"], r["group"], r["variant"], r["num_warps"], r["registers"],
+                 r["shared_bytes"], r["local_bytes"], r["programs_per_sm"])  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def compile_main(args: argparse.Namespace) -> int:
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("--compile-only compiles; unset TRITON_INTERPRET", file=sys.stderr)
+        return 1
+    import triton
+
+    rows = compile_report(args.num_kv_heads, args.block_size)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / "kernels_compile_sm90"
+    stem.with_suffix(".json").write_text(json.dumps(dict(triton=triton.__version__, variants=rows), indent=2))
+    stem.with_suffix(".md").write_text(compile_markdown(rows, triton.__version__))
+    print(f"wrote {stem}.json and {stem}.md")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compile_only:
+        return compile_main(args)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU (none found); nothing measured.", file=sys.stderr)
         return 1

@@ -90,10 +90,10 @@ _MERGE_DYNAMIC = ("stride_pm", "stride_lm")
 def _dim_mask(rows_ok, d, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
     """[R, HEAD_PAD] mask of valid rows and real (unpadded) columns; no
     column term at all when head_dim is a power of two."""
-    if HEAD_PAD == HEAD_DIM:
-        return rows_ok[:, None]
-    else:
-        return rows_ok[:, None] & (d[None, :] < HEAD_DIM)
+    mask = rows_ok[:, None]
+    if HEAD_PAD != HEAD_DIM:
+        mask = mask & (d[None, :] < HEAD_DIM)
+    return mask
 
 
 @triton.jit
@@ -690,10 +690,10 @@ def warmup(query: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | N
     for has_prefill in (False, True):
         plan = _empty_plan(device, group, has_prefill, sliding_window)
         launch = _prepare(scratch, key_cache, key_cache, tables, 1.0, plan)
-        # A one-token scratch output with the real output's strides.
-        launch.out = torch.empty_like(query[:1]) if query.shape[0] else torch.empty(
-            (1, *query.shape[1:]), dtype=query.dtype, device=device)
-        launch.args["out_ptr"] = launch.out
+        # A one-token scratch output laid out as every real output is
+        # (empty_like of a strided query view is contiguous).
+        launch.out = torch.empty((1, *query.shape[1:]), dtype=query.dtype, device=device)
+        launch.args.update(out_ptr=launch.out, stride_ot=launch.out.stride(0), stride_oh=launch.out.stride(1))
         _run(launch, plan, 1)
         if has_prefill:
             _run_merge(launch, plan, 1)
