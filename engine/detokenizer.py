@@ -5,7 +5,13 @@ split across tokens come out whole), stop-string matching across token
 boundaries, and the streaming hold-back that keeps released text final — a
 chunk handed to a client is never taken back by a later stop match.
 
-How incremental decoding works (no whole-output re-decode per token)::
+Where the tokenizer is a fast one, each token goes through its Rust
+``tokenizers.decoders.DecodeStream`` (one call per token, seeded with the
+prompt's tail as context). The window below is kept in step with it, and
+decodes the tail left at the end (partial UTF-8), spaced special tokens, and
+everything for a tokenizer without a Rust backend (or whose stream fails).
+
+How the window works (no whole-output re-decode per token)::
 
     tokens:  [ prompt tail ... | out0 out1 ... | pending ... ]
                ^prefix_offset   ^read_offset-ish         ^end
@@ -47,6 +53,7 @@ class TextStream:
         # backend's decode; calling it directly skips transformers' per-call
         # argument conversion, which costs more than decoding itself.
         backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend
         self._backend_decode = backend.decode if backend is not None else None
         self._params = params
         self._skip_special = params.skip_special_tokens
@@ -69,6 +76,21 @@ class TextStream:
         self._stopped = False
         self._finalised = False
         self._token_text_cache: dict[int, str] = {}
+        self._decode_stream = self._make_decode_stream(context)
+
+    def _make_decode_stream(self, context: list[int]):
+        if self._backend is None or self._special_ids:
+            return None
+        # A prompt tail that ends inside a character gives the stream no prefix
+        # to cut at; the window handles that rare case.
+        if self._decode_plain(context).endswith(_REPLACEMENT_CHAR):
+            return None
+        try:
+            from tokenizers.decoders import DecodeStream
+
+            return DecodeStream(ids=context, skip_special_tokens=self._skip_special)
+        except (ImportError, TypeError):  # tokenizers too old to take a context
+            return None
 
     # ------------------------------------------------------------ public
 
@@ -161,6 +183,17 @@ class TextStream:
         """New whole characters since read_offset, advancing the window; "" while
         the tail is an incomplete character (or decodes to nothing, e.g. a
         skipped special token)."""
+        if self._decode_stream is not None:
+            try:
+                chunk = self._decode_stream.step(self._backend, self._tokens[-1])
+            except Exception:  # noqa: BLE001 - the stream's prefix check failed: the window takes over
+                self._decode_stream = None
+            else:
+                if chunk is None:
+                    return ""
+                self._prefix_offset = self._read_offset
+                self._read_offset = len(self._tokens)
+                return chunk
         prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._tokens[self._prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
