@@ -306,3 +306,45 @@ def test_variant_count_would_catch_a_specialised_batch_argument(device, make_bat
     assert pa.specialization_key({"x": 1}, ()) != pa.specialization_key({"x": 7}, ())
     assert pa.specialization_key({"x": 32}, ()) != pa.specialization_key({"x": 7}, ())
     assert pa.specialization_key({"x": 1}, ("x",)) == pa.specialization_key({"x": 7}, ("x",))
+
+
+@pytest.mark.gpu
+def test_gpu_grid_follows_the_compiled_occupancy(cuda_only, make_batch):
+    """On a GPU the occupancy comes from the compiled kernels, and the
+    decode-only variant (no 128-row tile) fits at least as many programs per
+    SM as the mixed one; the default plan's units follow from it."""
+    batch = make_batch([(1, 64)], num_kv_heads=8, group=4, head_dim=128, block_size=16, dtype=torch.bfloat16,
+                       device="cuda")  # fmt: skip
+    per_sm = pa.warmup(batch.query, batch.key_cache)
+    assert per_sm[False] >= per_sm[True] >= 1
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert pa.default_num_units(batch.query, batch.key_cache, False) == -(-sms * per_sm[False] // 8)
+    assert any(o["programs_per_sm"] == per_sm[False] and not o["has_prefill"] for o in pa.occupancies())
+
+
+@pytest.mark.gpu
+def test_gpu_serving_shapes_compile_once(cuda_only, make_batch, oracle, tol):
+    """A Llama-3-8B-shaped layer in bf16: after start-up, batches of 1 to 256
+    sequences, decode-only and mixed, long and short, compile nothing new."""
+    shape = dict(num_kv_heads=8, group=4, head_dim=128, block_size=16, dtype=torch.bfloat16, device="cuda")
+    base = make_batch([(1, 16)], **shape)
+    pa.warmup(base.query, base.key_cache)
+    warm, compiled = pa.variant_keys(), pa.triton_compiled_count()
+    rng = random.Random(3)
+    workload = [
+        [(1, 16)],
+        [(1, rng.randint(1, 1024)) for _ in range(256)],
+        [(1, 30000)],
+        [(1, rng.randint(1, 300)) for _ in range(33)],
+        [(512, 2048)] + [(1, rng.randint(1, 4000)) for _ in range(64)],
+        [(3, 3), (17, 400), (1, 5)],
+    ]
+    for i, specs in enumerate(workload):
+        batch = make_batch(specs, seed=i, **shape)
+        width = max(-(-s // 16) for s in specs_s(specs))
+        batch.block_tables = batch.block_tables[:, :width].contiguous()
+        out = run(batch)
+        if i in (2, 5):  # the oracle is slow on the large ones
+            torch.testing.assert_close(out, oracle(batch), **tol(torch.bfloat16))
+    assert pa.variant_keys() == warm
+    assert pa.triton_compiled_count() == compiled
