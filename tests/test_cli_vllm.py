@@ -144,3 +144,19 @@ def test_vllm_command_line_starts_the_server(tiny_model, tmp_path):
     assert "https://127.0.0.1" in log
     assert "prompt '[us'" in log  # --enable-log-requests, cut to --max-log-len
     assert "Traceback" not in log
+
+
+def test_generation_config_modes(tmp_path):
+    from types import SimpleNamespace
+
+    model, other = tmp_path / "model", tmp_path / "other"
+    model.mkdir()
+    other.mkdir()
+    (model / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.9, "eos_token_id": [1, 2]}')
+    (other / "generation_config.json").write_text('{"do_sample": false, "top_k": 20}')
+    engine = SimpleNamespace(model_dir=model)
+    assert cli.sampling_defaults(engine, "auto") == {"temperature": 0.6, "top_p": 0.9}
+    assert cli.sampling_defaults(engine, "vllm") == {}
+    assert cli.sampling_defaults(engine, str(other)) == {"top_k": 20, "temperature": 0.0}
+    with pytest.raises(ValueError, match="generation_config"):
+        cli.sampling_defaults(engine, str(tmp_path))
