@@ -15,7 +15,7 @@ def caches(num_blocks: int, block_size: int, heads: int, head_dim: int, dtype, d
     return torch.randn(shape, generator=gen).to(device, dtype), torch.randn(shape, generator=gen).to(device, dtype)
 
 
-@pytest.mark.parametrize("block_size,heads,head_dim", [(16, 2, 64), (32, 3, 128)])
+@pytest.mark.parametrize("block_size,heads,head_dim", [(16, 2, 64), (32, 3, 128), (16, 2, 80)])
 def test_reshape_and_cache_skips_padding(device, block_size, heads, head_dim):
     num_blocks, num_tokens = 6, 40
     key_cache, value_cache = caches(num_blocks, block_size, heads, head_dim, torch.float32, device)
