@@ -33,7 +33,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from fluidserve.kvcache.manager import KVCacheManager
-from fluidserve.scheduler.cost_model import CostModel, default_cost_model
+from fluidserve.scheduler.cost_model import CostModel, default_cost_model, load_profile
 from fluidserve.scheduler.plan import StepOutcome
 from fluidserve.scheduler.policies import make_policy
 from fluidserve.scheduler.request_state import SeqState
@@ -60,8 +60,6 @@ METRICS = [("mean_norm_latency_s", "mean norm (ms/tok)", 1e3), ("p95_norm_latenc
 
 def _cost_model(profile: str | None) -> CostModel:
     if profile:
-        from fluidserve.engine.profiler import load_profile
-
         return load_profile(profile)
     return default_cost_model()
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..kvcache.manager import KVCacheManager
+from ..scheduler.cost_model import cost_model_for_engine
 from ..scheduler.plan import StepOutcome, StepPlan
 from ..scheduler.request_state import RequestClass, SeqState
 from ..scheduler.scheduler import Scheduler, SchedulerConfig
@@ -25,11 +26,10 @@ from .detokenizer import TextStream
 from .executor import make_executor
 from .loader import eos_token_ids, is_tiny_model, load_hf_config, load_tokenizer, model_context_length, resolve_model_dir
 from .outputs import RequestOutput
-from .profiler import cost_model_for_engine
 from .request import Request, Sequence
 from .sampling_params import SamplingParams
 from .tiny_model import default_tiny_model_dir
-from .worker import pick_device
+from .worker import gpu_name, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ class LLMEngine:
             )
         # The policy consults the cost model (a measured profile, else the
         # roofline of this model on this device) to place arrivals.
-        self.cost_model = cost_model_for_engine(config, self.hf_config, pick_device(config.device).type)
+        device = pick_device(config.device)
+        self.cost_model = cost_model_for_engine(config, self.hf_config, device.type, gpu_name(device))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,

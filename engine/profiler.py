@@ -1,16 +1,11 @@
-"""Profiler: the cost model the scheduler consults, measured or analytic.
+"""Profiler: measures the cost model the scheduler consults.
 
-* ``cost_model_for_engine(config, hf_config, device)``: what the engine hands
-  the scheduling policy. A measured profile (``config.profile_path``, written
-  by ``fluidserve profile``) when there is one, else the analytic roofline
-  from the model's config and the device's figures.
-* ``fluidserve profile --model DIR -o profile.json`` (``main``): runs the real
-  engine on prompts of chosen shapes, records every step's shape and measured
-  time, and fits ``LinearCostModel`` coefficients to them.
-
-The cost model classes themselves live in ``scheduler/cost_model.py`` (pure
-Python) and are re-exported here. This module imports no torch at the top:
-the scheduler and the simulator use it; only measuring loads the engine.
+``fluidserve profile --model DIR -o profile.json`` (``main``) runs the real
+engine on prompts of chosen shapes, records every step's shape and measured
+time, and fits ``LinearCostModel`` coefficients to them (``--roofline DEVICE``
+writes the analytic model instead). Choosing and loading a cost model is
+``scheduler/cost_model.py``'s (``cost_model_for_engine``, ``load_profile``);
+this module is only the measuring command, and imports no torch at the top.
 """
 
 from __future__ import annotations
@@ -22,62 +17,15 @@ import sys
 import time
 from typing import Any
 
-from ..scheduler.cost_model import (  # noqa: F401  (re-exported)
-    CostModel,
+from fluidserve.scheduler.cost_model import (
+    DTYPE_BYTES,
     DeviceSpec,
     LinearCoefficients,
     LinearCostModel,
     ModelShape,
     RooflineCostModel,
-    attn_pairs,
-    default_cost_model,
     plan_shape,
 )
-
-_DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2,
-                "bfloat16": 2, "bf16": 2}
-
-
-# -- loading -------------------------------------------------------------------
-def cost_model_from_json(data: dict) -> CostModel:
-    kind = data.get("kind")
-    if kind == "linear":
-        return LinearCostModel.from_json(data)
-    if kind == "roofline":
-        return RooflineCostModel(ModelShape(**data["model"]), DeviceSpec(**data["device"]))
-    raise ValueError(f"unknown cost profile kind {kind!r} (expected 'linear' or 'roofline')")
-
-
-def load_profile(path: str) -> CostModel:
-    with open(path) as f:
-        return cost_model_from_json(json.load(f))
-
-
-def device_spec_for(device: str) -> DeviceSpec:
-    """Figures of the device the engine runs on: ``cpu``, ``cuda`` (named
-    from the GPU: H100/H200/A100, else H100 figures), or a preset name."""
-    if device == "cuda":
-        import torch  # only here: the scheduler path never asks for "cuda"
-
-        name = torch.cuda.get_device_name().lower()
-        for key in ("h200", "a100", "h100"):
-            if key in name:
-                return DeviceSpec.named(key)
-        return DeviceSpec.h100()
-    return DeviceSpec.named(device)
-
-
-def cost_model_for_engine(config: Any, hf_config: Any, device: str) -> CostModel:
-    """The engine's cost model: ``config.profile_path`` if set (measured),
-    else the roofline of ``hf_config`` (a transformers config or a dict) on
-    ``device`` ("cpu" or "cuda")."""
-    if getattr(config, "profile_path", None):
-        return load_profile(config.profile_path)
-    cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-    dtype = getattr(config, "dtype", "auto")
-    dtype_bytes = _DTYPE_BYTES.get(dtype, 4 if device == "cpu" else 2)
-    return RooflineCostModel(ModelShape.from_hf_config(cfg, dtype_bytes), device_spec_for(device))
-
 
 # -- fitting -------------------------------------------------------------------
 FEATURES = ("base", "per_prefill_token", "per_decode_seq", "per_context_token", "per_attn_pair")
@@ -132,8 +80,8 @@ class StepRecorder:
 
 
 def _run(engine: Any, prompts: list[list[int]], max_tokens: int) -> None:
-    from .engine import next_request_id
-    from .sampling_params import SamplingParams
+    from fluidserve.engine.engine import next_request_id
+    from fluidserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for p in prompts:
@@ -183,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.roofline:
         return _write_roofline(args)
 
-    from .config import EngineConfig
-    from .engine import LLMEngine
+    from fluidserve.engine.config import EngineConfig
+    from fluidserve.engine.engine import LLMEngine
 
     contexts = [int(c) for c in args.contexts.split(",") if c]
     sizes = _powers_of_two(16, args.max_prefill)
@@ -223,7 +171,7 @@ def _write_roofline(args: argparse.Namespace) -> int:
     if args.model is None:
         raise SystemExit("--roofline needs --model (a directory with config.json)")
     cfg = json.loads((Path(args.model) / "config.json").read_text())
-    dtype_bytes = _DTYPE_BYTES.get(args.dtype, 2)
+    dtype_bytes = DTYPE_BYTES.get(args.dtype, 2)
     model = RooflineCostModel(ModelShape.from_hf_config(cfg, dtype_bytes), DeviceSpec.named(args.roofline))
     with open(args.output, "w") as f:
         json.dump(model.describe(), f, indent=1)

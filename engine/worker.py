@@ -36,6 +36,11 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def gpu_name(device: torch.device) -> str:
+    """The accelerator's name as torch reports it ("" on CPU)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+
+
 def default_swap_space_gb() -> float:
     """Host memory for swapped KV when ``--swap-space`` is not given: 4 GiB
     (vLLM's default), or a quarter of the memory available now if less."""

@@ -13,6 +13,9 @@ simulator's virtual clock runs on. Two implementations:
 * ``LinearCostModel``: coefficients fitted to measured steps
   (``fluidserve profile -o profile.json``, see ``engine/profiler.py``).
 
+``cost_model_for_engine`` picks the engine's (a measured profile if given,
+else the roofline of its model on its device); ``load_profile`` reads one.
+
 Step shape, the numbers a step's time is predicted from:
 
     num_prefill_tokens  tokens of prefill chunks in the step
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -294,3 +297,48 @@ def plan_shape(plan, seqs) -> tuple[int, int, int, int]:
 def default_cost_model() -> RooflineCostModel:
     """Llama-3-8B on one H100: what a policy uses when it is given no model."""
     return RooflineCostModel(ModelShape.llama3_8b(), DeviceSpec.h100())
+
+
+# ---------------------------------------------------------------------------
+# Choosing and loading
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2,
+               "bfloat16": 2, "bf16": 2}
+
+
+def cost_model_from_json(data: dict) -> CostModel:
+    kind = data.get("kind")
+    if kind == "linear":
+        return LinearCostModel.from_json(data)
+    if kind == "roofline":
+        return RooflineCostModel(ModelShape(**data["model"]), DeviceSpec(**data["device"]))
+    raise ValueError(f"unknown cost profile kind {kind!r} (expected 'linear' or 'roofline')")
+
+
+def load_profile(path: str) -> CostModel:
+    with open(path) as f:
+        return cost_model_from_json(json.load(f))
+
+
+def device_spec_for(device: str, gpu_name: str = "") -> DeviceSpec:
+    """Figures of the device the engine runs on: ``cpu``, ``cuda`` (from the
+    GPU's name: H100/H200/A100, else H100 figures), or a preset name."""
+    if device == "cuda":
+        name = gpu_name.lower()
+        for key in ("h200", "a100", "h100"):
+            if key in name:
+                return DeviceSpec.named(key)
+        return DeviceSpec.h100()
+    return DeviceSpec.named(device)
+
+
+def cost_model_for_engine(config: Any, hf_config: Any, device: str, gpu_name: str = "") -> CostModel:
+    """The engine's cost model: ``config.profile_path`` if set (measured),
+    else the roofline of ``hf_config`` (a transformers config or a dict) on
+    ``device`` ("cpu" or "cuda", named ``gpu_name``)."""
+    if getattr(config, "profile_path", None):
+        return load_profile(config.profile_path)
+    cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    dtype = getattr(config, "dtype", "auto")
+    dtype_bytes = DTYPE_BYTES.get(dtype, 4 if device == "cpu" else 2)
+    return RooflineCostModel(ModelShape.from_hf_config(cfg, dtype_bytes), device_spec_for(device, gpu_name))

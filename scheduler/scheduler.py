@@ -45,7 +45,7 @@ from fluidserve.scheduler.request_state import RequestClass, SeqState, SeqStatus
 PREEMPTION_MODES = ("swap", "recompute")
 _RESERVE_WINDOW_STEPS = 16  # arrivals remembered for the reserve
 _RESERVE_CAP = 0.25  # the reserve never exceeds this share of the device pool
-_SWAP_BUCKET_STEPS = 4  # the swap budget saves up at most this many steps' worth
+_SWAP_BUCKET_STEPS = 2  # a move may run one step ahead of compute, no more
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from fluidserve.engine.profiler import (
-    DeviceSpec, LinearCostModel, ModelShape, RooflineCostModel, cost_model_for_engine, fit_linear,
-    load_profile, main,
+from fluidserve.engine.profiler import fit_linear, main
+from fluidserve.scheduler.cost_model import (
+    CostModel, DeviceSpec, LinearCostModel, ModelShape, RooflineCostModel, attn_pairs, cost_model_for_engine,
+    load_profile,
 )
-from fluidserve.scheduler.cost_model import CostModel, attn_pairs
 
 
 def llama8b_h100() -> RooflineCostModel:
