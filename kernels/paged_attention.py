@@ -46,13 +46,17 @@ block-table row stride, the split-buffer strides, the window) is listed in
 ``do_not_specialize``; the number of splits is a run-time loop bound of the
 merge, not a constexpr. What is left depends on the model alone, so a model
 compiles at most two attention variants per sliding window (decode-only and
-mixed) and one merge variant. ``variant_keys`` counts the keys the launchers
-have produced, computed by Triton's rules from the very arguments launched.
+mixed) and one merge variant. Inside ``recording_variants()``,
+``variant_keys`` collects the keys the launchers produce, computed by
+Triton's rules from the very arguments launched; on a GPU
+``triton_compiled_count`` counts Triton's own compiles.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -350,19 +354,33 @@ def specialization_key(args: dict[str, object], dynamic: tuple[str, ...]) -> tup
 
 @dataclass
 class _Variants:
-    """Process-wide record of the launchers' specialisation keys, and of the
-    occupancy of each compiled attention variant (Triton's own compile cache
-    is process-wide too)."""
+    """Process-wide record of the launchers' specialisation keys (while
+    ``recording``), and of the occupancy of each compiled attention variant
+    (Triton's own compile cache is process-wide too)."""
 
     keys: dict[str, set[tuple]]
     programs_per_sm: dict[tuple, int]
+    recording: bool = False
 
 
 _VARIANTS = _Variants(keys={"attention": set(), "merge": set()}, programs_per_sm={})
 
 
+@contextmanager
+def recording_variants() -> Iterator[None]:
+    """Record the specialisation key of every launch inside the block (tests,
+    benchmarks). Off while serving: computing a key costs about as much host
+    time as the launch itself; there ``triton_compiled_count`` counts the
+    real compiles for free."""
+    before, _VARIANTS.recording = _VARIANTS.recording, True
+    try:
+        yield
+    finally:
+        _VARIANTS.recording = before
+
+
 def variant_keys() -> dict[str, frozenset[tuple]]:
-    """Distinct specialisation keys launched so far, per kernel."""
+    """Distinct specialisation keys recorded so far, per kernel."""
     return {name: frozenset(keys) for name, keys in _VARIANTS.keys.items()}
 
 
@@ -392,10 +410,9 @@ def triton_compiled_count() -> int | None:
     return total
 
 
-def _record(kernel: str, args: dict[str, object], dynamic: tuple[str, ...], num_warps: int) -> tuple:
-    key = (*specialization_key(args, dynamic), ("num_warps", num_warps))
-    _VARIANTS.keys[kernel].add(key)
-    return key
+def _record(kernel: str, args: dict[str, object], dynamic: tuple[str, ...], num_warps: int) -> None:
+    if _VARIANTS.recording:
+        _VARIANTS.keys[kernel].add((*specialization_key(args, dynamic), ("num_warps", num_warps)))
 
 
 @dataclass(frozen=True)
@@ -615,7 +632,7 @@ def _occupancy_key(constexprs: dict[str, object], dtype: torch.dtype, device: to
     return (tuple(sorted(constexprs.items())), str(dtype), str(device))
 
 
-def _run(launch: _Launch, plan: WorkPlan, grid_units: int) -> None:
+def _run(launch: _Launch, grid_units: int) -> None:
     _record("attention", {**launch.args, **launch.constexprs}, _ATTENTION_DYNAMIC, launch.num_warps)
     num_kv_heads = launch.args["k_cache_ptr"].shape[2]
     compiled = _paged_attention_kernel[(grid_units, num_kv_heads)](
@@ -625,9 +642,9 @@ def _run(launch: _Launch, plan: WorkPlan, grid_units: int) -> None:
     if device.type == "cuda":
         key = _occupancy_key(launch.constexprs, launch.out.dtype, device)
         if key not in _VARIANTS.programs_per_sm:
-            occupancy = _programs_per_sm(compiled, device)
-            if occupancy is not None:
-                _VARIANTS.programs_per_sm[key] = occupancy
+            per_sm = _programs_per_sm(compiled, device)
+            if per_sm is not None:
+                _VARIANTS.programs_per_sm[key] = per_sm
 
 
 def _run_merge(launch: _Launch, plan: WorkPlan, rows: int) -> None:
@@ -649,7 +666,7 @@ def _launch(
     launch = _prepare(query, key_cache, value_cache, block_tables, scale, plan)
     if plan.num_items == 0:
         return launch.out
-    _run(launch, plan, plan.num_units)
+    _run(launch, plan.num_units)
     if plan.num_merge_rows:
         _run_merge(launch, plan, plan.num_merge_rows)
     return launch.out
@@ -694,7 +711,7 @@ def warmup(query: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | N
         # (empty_like of a strided query view is contiguous).
         launch.out = torch.empty((1, *query.shape[1:]), dtype=query.dtype, device=device)
         launch.args.update(out_ptr=launch.out, stride_ot=launch.out.stride(0), stride_oh=launch.out.stride(1))
-        _run(launch, plan, 1)
+        _run(launch, 1)
         if has_prefill:
             _run_merge(launch, plan, 1)
         occupancy[has_prefill] = programs_per_sm(query, key_cache, has_prefill, sliding_window, compile=False)

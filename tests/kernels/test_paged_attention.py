@@ -279,10 +279,11 @@ def test_varied_batches_compile_no_new_variant_after_warmup(device, make_batch, 
     """Start-up compiles the fixed set (decode-only, mixed, merge); a
     workload of varied batches then launches no new specialisation."""
     base = make_batch([(1, 8)], device=device, **VARIANT_SHAPE)
-    pa.warmup(base.query, base.key_cache)
-    warm = pa.variant_keys()
-    compiled = pa.triton_compiled_count()  # None in the interpreter
-    launch_workload(make_batch, device, oracle)
+    with pa.recording_variants():
+        pa.warmup(base.query, base.key_cache)
+        warm = pa.variant_keys()
+        compiled = pa.triton_compiled_count()  # None in the interpreter
+        launch_workload(make_batch, device, oracle)
     assert pa.variant_keys() == warm
     assert pa.triton_compiled_count() == compiled
 
@@ -328,7 +329,8 @@ def test_gpu_serving_shapes_compile_once(cuda_only, make_batch, oracle, tol):
     sequences, decode-only and mixed, long and short, compile nothing new."""
     shape = dict(num_kv_heads=8, group=4, head_dim=128, block_size=16, dtype=torch.bfloat16, device="cuda")
     base = make_batch([(1, 16)], **shape)
-    pa.warmup(base.query, base.key_cache)
+    with pa.recording_variants():
+        pa.warmup(base.query, base.key_cache)
     warm, compiled = pa.variant_keys(), pa.triton_compiled_count()
     rng = random.Random(3)
     workload = [
@@ -343,7 +345,8 @@ def test_gpu_serving_shapes_compile_once(cuda_only, make_batch, oracle, tol):
         batch = make_batch(specs, seed=i, **shape)
         width = max(-(-s // 16) for s in specs_s(specs))
         batch.block_tables = batch.block_tables[:, :width].contiguous()
-        out = run(batch)
+        with pa.recording_variants():
+            out = run(batch)
         if i in (2, 5):  # the oracle is slow on the large ones
             torch.testing.assert_close(out, oracle(batch), **tol(torch.bfloat16))
     assert pa.variant_keys() == warm
