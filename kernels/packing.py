@@ -120,6 +120,10 @@ class WorkPlan:
     num_seqs: int  # block-table rows the kernel reads
     max_seq_len: int  # longest KV length: block-table columns needed = ceil(/ block_size)
     unit_costs: tuple[int, ...] = field(default=())  # planned load of each unit
+    # Split-K partial buffers, allocated by the first layer that launches
+    # with this plan and reused by the others (one stream: layer i's merge
+    # has run before layer i + 1 writes them again).
+    scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_units(self) -> int:
@@ -144,6 +148,7 @@ class WorkPlan:
             unit_offsets=move(self.unit_offsets),
             merge_tokens=move(self.merge_tokens),
             merge_num_splits=move(self.merge_num_splits),
+            scratch={},
         )
 
     def items(self) -> list[WorkItem]:

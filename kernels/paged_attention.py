@@ -576,6 +576,22 @@ class _Launch:
     part_lse: torch.Tensor
 
 
+def _partials(
+    plan: WorkPlan, num_q_heads: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's split-K buffers, once per step rather than once per layer."""
+    key = (num_q_heads, head_dim, str(device))
+    if key not in plan.scratch:
+        # Partials only for split rows; dummies keep the kernel signature fixed.
+        splits = max(plan.max_splits, 1)
+        rows = max(plan.num_merge_rows, 1)
+        plan.scratch[key] = (
+            torch.empty((rows, splits, num_q_heads, head_dim), dtype=torch.float32, device=device),
+            torch.empty((rows, splits, num_q_heads), dtype=torch.float32, device=device),
+        )
+    return plan.scratch[key]
+
+
 def _prepare(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -590,11 +606,7 @@ def _prepare(
     _check_plan(plan, query, key_cache, block_tables)
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     out = torch.empty_like(query)  # [T, Hq, D]
-    # Partials only for split rows; dummies keep the kernel signature fixed.
-    splits = max(plan.max_splits, 1)
-    rows = max(plan.num_merge_rows, 1)
-    part_out = torch.empty((rows, splits, num_q_heads, head_dim), dtype=torch.float32, device=query.device)
-    part_lse = torch.empty((rows, splits, num_q_heads), dtype=torch.float32, device=query.device)
+    part_out, part_lse = _partials(plan, num_q_heads, head_dim, query.device)
     args = dict(
         q_ptr=query, k_cache_ptr=key_cache, v_cache_ptr=value_cache, out_ptr=out,
         part_out_ptr=part_out, part_lse_ptr=part_lse, block_tables_ptr=block_tables,
