@@ -7,12 +7,14 @@
 #      engine's Triton-vs-reference tests in fp32 and bf16);
 #   4. runs the kernel benchmark (decode vs a device copy, prefill vs SDPA,
 #      mixed batch with and without packing, compiled variants);
-#   5. with --throughput, the offline throughput benchmark against
+#   5. times batch-1 decode of a Llama-3-8B-shaped dummy model through the
+#      engine against its HBM roofline;
+#   6. with --throughput, the offline throughput benchmark against
 #      transformers on a Llama-3-8B-shaped dummy model;
 # and writes benchmarks/results/gpu_check_<device>.md (plus the benchmark's
-# kernels_<device>.json/.md and the test log) naming the device as torch
-# reports it. Steps 1-4 fit in 10 minutes; the exit status is non-zero if any
-# step failed.
+# kernels_<device>.json/.md, batch1_decode_<device>.json/.md and the log)
+# naming the device as torch reports it. Steps 1-5 are capped to fit in 10
+# minutes; the exit status is non-zero if any step failed.
 #
 # Usage: benchmarks/gpu_check.sh [--quick] [--throughput] [--results DIR]
 set -uo pipefail
@@ -23,8 +25,9 @@ RESULTS=benchmarks/results
 QUICK=()
 THROUGHPUT=0
 # Wall-clock limits per step (seconds): together well under 10 minutes.
-TEST_LIMIT=330
-BENCH_LIMIT=200
+TEST_LIMIT=300
+BENCH_LIMIT=150
+DECODE_LIMIT=120
 THROUGHPUT_LIMIT=600
 
 while [ $# -gt 0 ]; do
@@ -32,7 +35,7 @@ while [ $# -gt 0 ]; do
         --quick) QUICK=(--quick); shift ;;
         --throughput) THROUGHPUT=1; shift ;;
         --results) RESULTS=$2; shift 2 ;;
-        -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -90,7 +93,11 @@ step "GPU tests (pytest -m gpu tests/kernels ${GPU_MODULES[*]})" "$TEST_LIMIT" \
 step "kernel benchmark (benchmarks/kernels.py ${QUICK[*]})" "$BENCH_LIMIT" \
     "$PY" benchmarks/kernels.py --out "$RESULTS" "${QUICK[@]}"
 
-# 5. Throughput against transformers (minutes of its own; on request).
+# 5. Batch-1 decode of an 8B-shaped model against the HBM roofline.
+step "batch-1 decode (benchmarks/kernels.py --batch1-decode)" "$DECODE_LIMIT" \
+    "$PY" benchmarks/kernels.py --batch1-decode --out "$RESULTS"
+
+# 6. Throughput against transformers (minutes of its own; on request).
 if [ "$THROUGHPUT" -eq 1 ]; then
     step "throughput (benchmarks/throughput.py --preset llama3-8b)" "$THROUGHPUT_LIMIT" \
         "$PY" benchmarks/throughput.py --preset llama3-8b --out "$RESULTS"
@@ -106,10 +113,11 @@ fi
     printf '%s\n' "${STEPS[@]}"
     echo
     echo "Test summary: $(grep -E '^[0-9]+ (passed|failed|errors?|skipped)|^=+ .* in [0-9.]+s' "$LOG" | tail -1)"
-    if [ -f "$RESULTS/kernels_${SLUG}.md" ]; then
-        echo
-        echo "Kernel benchmark: kernels_${SLUG}.md / .json beside this file. Full log: $(basename "$LOG")."
-    fi
+    for f in "kernels_${SLUG}.md" "batch1_decode_${SLUG}.md"; do
+        [ -f "$RESULTS/$f" ] && echo && echo "See $f (and .json) beside this file."
+    done
+    echo
+    echo "Full log: $(basename "$LOG")."
 } > "$SUMMARY"
 echo "gpu_check: wrote $SUMMARY"
 [ "$STATUS" -eq 0 ] || echo "gpu_check: some steps failed; see $SUMMARY and $LOG" >&2

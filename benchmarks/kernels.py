@@ -23,6 +23,11 @@ Results go to ``benchmarks/results/kernels_<device>.json`` and ``.md``.
 Run: ``python benchmarks/kernels.py`` (``--quick`` for a short sweep). Needs
 CUDA; on a machine without it the script says so and exits with status 1.
 
+``--batch1-decode`` instead times batch-1 greedy decode of a Llama-3-8B-shaped
+dummy model through the engine, against the HBM roofline: the bytes one token
+must read (every weight but the embedding table, plus its KV) over the copy
+bandwidth measured in the same run (``batch1_decode_<device>.json``/``.md``).
+
 ``--compile-only`` needs no GPU: it compiles every attention variant for
 sm_90 (H100/H200) with the arguments a real launch passes, reads registers,
 shared memory and spills off the cubin, and gives the occupancy the launcher
@@ -72,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16, choices=[16, 32])
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     p.add_argument("--quick", action="store_true", help="a few points of each sweep")
+    p.add_argument("--batch1-decode", action="store_true",
+                   help="batch-1 decode of a Llama-3-8B-shaped dummy model against the HBM roofline")
     p.add_argument("--compile-only", action="store_true",
                    help="no GPU needed: compile every variant for sm_90 and report its resources")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
@@ -285,6 +292,56 @@ def targets(report: dict) -> dict:
     )
 
 
+def decode_bytes_per_token(cfg: dict, context: int, elem: int = 2) -> int:
+    """Bytes one decode token must read: every weight but the embedding table
+    (one row of it is read), and the KV of ``context`` positions."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hq, hkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    per_layer = h * (hq * d) * 2 + h * (hkv * d) * 2 + 3 * h * inter + 2 * h  # q,o; k,v; gate,up,down; norms
+    lm_head = cfg["vocab_size"] * h
+    kv = 2 * layers * context * hkv * d
+    return elem * (layers * per_layer + lm_head + h + kv)
+
+
+def bench_batch1_decode(preset: str = "llama3-8b", prompt_len: int = 128, output_len: int = 128) -> dict:
+    """Greedy batch-1 decode through the engine: time per token from two runs
+    (1 and ``output_len`` new tokens) so prefill and start-up cancel."""
+    import tempfile
+
+    from dummy_models import PRESETS, build_model_dir
+
+    from fluidserve.engine import LLM, SamplingParams
+
+    cfg = PRESETS[preset]
+    with tempfile.TemporaryDirectory() as root:
+        build_model_dir(preset, Path(root))
+        llm = LLM(model=root, load_format="dummy", device="cuda", dtype="bfloat16", max_num_seqs=1,
+                  max_model_len=prompt_len + output_len + 16, num_kv_blocks=64)  # fmt: skip
+        prompt = [[1000 + i for i in range(prompt_len)]]
+
+        def run(n: int) -> float:
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate(prompt, params)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        run(8)  # warm-up: compiles, allocator
+        t_one = min(run(1) for _ in range(3))
+        t_many = min(run(output_len) for _ in range(2))
+    ms_per_token = (t_many - t_one) / (output_len - 1) * 1e3
+    copy_gbs = copy_bandwidth_gbs()
+    nbytes = decode_bytes_per_token(cfg, prompt_len + output_len // 2)
+    roofline_ms = nbytes / (copy_gbs * 1e9) * 1e3
+    result = dict(preset=preset, prompt_len=prompt_len, output_len=output_len, ms_per_token=ms_per_token,
+                  bytes_per_token=nbytes, copy_gb_s=copy_gbs, roofline_ms=roofline_ms,
+                  vs_roofline=ms_per_token / roofline_ms)  # fmt: skip
+    print(f"batch-1 decode {preset}: {ms_per_token:.2f} ms/token, roofline {roofline_ms:.2f} ms "
+          f"({nbytes / 1e9:.2f} GB at {copy_gbs:.0f} GB/s): {ms_per_token / roofline_ms:.2f}x (target <= 1.15x)")
+    return result
+
+
 # Shapes the offline compile covers: (head_dim, group) of Llama-3-8B, an MHA
 # model, a wide GQA group, OPT-2.7B's 80 and a padded 96.
 COMPILE_SHAPES = [(128, 4), (128, 1), (64, 8), (80, 1), (96, 4)]
@@ -396,6 +453,22 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU (none found); nothing measured.", file=sys.stderr)
         return 1
+    if args.batch1_decode:
+        name = torch.cuda.get_device_name()
+        result = dict(device=name, time=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,
+                      **bench_batch1_decode())  # fmt: skip
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = args.out / f"batch1_decode_{device_slug(name)}"
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
+        stem.with_suffix(".md").write_text(
+            f"# Batch-1 decode on {name}\n\n{result['preset']}-shaped dummy model, bf16, prompt "
+            f"{result['prompt_len']}, {result['output_len']} tokens: **{result['ms_per_token']:.2f} ms/token**; "
+            f"HBM roofline {result['roofline_ms']:.2f} ms ({result['bytes_per_token'] / 1e9:.2f} GB per token at the "
+            f"measured copy bandwidth {result['copy_gb_s']:.0f} GB/s): **{result['vs_roofline']:.2f}x** "
+            "(target <= 1.15x).\n"
+        )
+        print(f"wrote {stem}.json and {stem}.md")
+        return 0
     from fluidserve.kernels import paged_attention as pa
 
     shape = Shape(args.num_kv_heads, args.group, args.head_dim, args.block_size, getattr(torch, args.dtype))
