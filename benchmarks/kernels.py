@@ -298,7 +298,9 @@ def decode_bytes_per_token(cfg: dict, context: int, elem: int = 2) -> int:
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     hq, hkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     per_layer = h * (hq * d) * 2 + h * (hkv * d) * 2 + 3 * h * inter + 2 * h  # q,o; k,v; gate,up,down; norms
-    lm_head = cfg["vocab_size"] * h
+    from fluidserve.engine.tiny_model import BYTE_VOCAB_SIZE
+
+    lm_head = cfg.get("vocab_size", BYTE_VOCAB_SIZE) * h
     kv = 2 * layers * context * hkv * d
     return elem * (layers * per_layer + lm_head + h + kv)
 
@@ -317,7 +319,7 @@ def bench_batch1_decode(preset: str = "llama3-8b", prompt_len: int = 128, output
         build_model_dir(preset, Path(root))
         llm = LLM(model=root, load_format="dummy", device="cuda", dtype="bfloat16", max_num_seqs=1,
                   max_model_len=prompt_len + output_len + 16, num_kv_blocks=64)  # fmt: skip
-        prompt = [[1000 + i for i in range(prompt_len)]]
+        prompt = [[5 + (37 * i) % 250 for i in range(prompt_len)]]  # byte-token ids: any vocabulary holds them
 
         def run(n: int) -> float:
             params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
