@@ -224,6 +224,8 @@ def _decode(out, query, key_cache, value_cache, b: DecodeBucket, scale: float) -
 
 
 def _prefill(out, query, key_cache, value_cache, item: PrefillItem, scale: float, key, value) -> None:
+    # Inputs go in as 4-D [1, H, len, d]: torch dispatches 3-D ones to its
+    # unfused "math" attention, which materialises the scores.
     q = query[item.q_lo:item.q_hi].transpose(0, 1)  # [Hq, q_len, d]
     if item.fresh and key is not None:
         k = key[item.q_lo:item.q_hi].transpose(0, 1)  # [Hk, L, d], L = q_len
@@ -232,8 +234,9 @@ def _prefill(out, query, key_cache, value_cache, item: PrefillItem, scale: float
         shape, ids = key_cache.shape, item.block_ids
         k = key_cache[ids].view(-1, *shape[2:])[: item.seq_len].transpose(0, 1)
         v = value_cache[ids].view(-1, *shape[2:])[: item.seq_len].transpose(0, 1)
+    q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     if item.mask is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=item.mask, scale=scale, enable_gqa=True)
-    out[item.q_lo:item.q_hi] = o.transpose(0, 1)
+    out[item.q_lo:item.q_hi] = o[0].transpose(0, 1)
