@@ -1,7 +1,8 @@
-"""Worker: one device's share of the model. Owns the model weights, its
-CacheEngine (device and host KV, engine/cache_engine.py) and the step's
-tensors; turns a ModelInput into a StepResult: the step's KV moves first,
-then the forward and sampling. A Ray actor hosts exactly this class
+"""Worker: one device's share of the model and the lifecycle around it. Owns
+the model weights, its CacheEngine (device and host KV, engine/cache_engine.py)
+and its ModelRunner (the step's tensors, engine/model_runner.py); turns a
+ModelInput into a StepResult: the step's KV moves first, then the forward and
+sampling. A Ray actor hosts exactly this class
 (engine/executor/ray.py).
 
 Under tensor parallelism every rank runs every step on the same ModelInput:
@@ -19,8 +20,8 @@ import torch
 from fluidserve.engine.batch import ModelInput, SampleSpec, StepResult
 from fluidserve.engine.cache_engine import CacheEngine
 from fluidserve.engine.config import EngineConfig
-from fluidserve.engine.layers import AttentionMetadata
 from fluidserve.engine.loader import build_model, init_dummy_weights, load_hf_config, load_weights, resolve_dtype
+from fluidserve.engine.model_runner import ModelRunner
 from fluidserve.engine.parallel import TensorParallel
 from fluidserve.engine.sampler import SamplingRow, make_generator, sample
 from fluidserve.engine.sampling_params import SamplingParams
@@ -72,6 +73,7 @@ class Worker:
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
         self.cache: CacheEngine | None = None
+        self.runner = ModelRunner(self.model, self.device)
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -153,21 +155,8 @@ class Worker:
         ))
 
     # -- one step ----------------------------------------------------------
-    def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, device=self.device)
-
-    def _forward(self, inp: ModelInput) -> torch.Tensor:
-        width = max(len(t) for t in inp.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in inp.block_tables]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(inp.slot_mapping),
-            block_tables=self._tensor(tables, torch.int32),
-            seq_lens=self._tensor(inp.seq_lens, torch.int32),
-            query_start_loc=self._tensor(inp.query_start_loc, torch.int32),
-            host_q_lens=[b - a for a, b in zip(inp.query_start_loc, inp.query_start_loc[1:])],
-            host_seq_lens=inp.seq_lens,
-        )
-        return self.model(self._tensor(inp.input_ids), self._tensor(inp.positions), self.kv_caches, meta)
+    def _forward(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.runner.forward(inp, self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> StepResult:
@@ -177,10 +166,10 @@ class Worker:
         result = StepResult(swap_stall_s=stall)
         if not inp.input_ids:
             return result  # a step of copies only
-        hidden = self._forward(inp)  # [T, hidden]
+        hidden, sample_idx = self._forward(inp)  # [T, hidden], [S]
         if not inp.sample_indices:
             return result
-        logits = self.model.compute_logits(hidden[self._tensor(inp.sample_indices)])  # [S, V] on rank 0
+        logits = self.model.compute_logits(hidden[sample_idx])  # [S, V] on rank 0
         if logits is None:
             return result
         rows = [
@@ -200,6 +189,6 @@ class Worker:
     def logits(self, inp: ModelInput) -> torch.Tensor | None:
         """Logits at the sample positions, for tests comparing with a
         reference; None on ranks other than 0."""
-        hidden = self._forward(inp)
-        logits = self.model.compute_logits(hidden[self._tensor(inp.sample_indices)])
+        hidden, sample_idx = self._forward(inp)
+        logits = self.model.compute_logits(hidden[sample_idx])
         return None if logits is None else logits.float()

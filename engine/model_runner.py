@@ -1,0 +1,108 @@
+"""ModelRunner: turns a ModelInput into the step's tensors and runs the model.
+
+Owns the step's persistent input buffers and builds everything a forward
+reads *before* the forward: the attention metadata and the attention work
+plan of each sliding window the model uses (so no layer builds anything).
+
+All integer inputs of a step travel in one buffer, one host-to-device copy
+(pinned on CUDA), laid out in 32-bit words::
+
+    [ input_ids | positions | slot_mapping | sample_idx ]   int64, T, T, T, S_s
+    [ seq_lens | query_start_loc | block_tables (S x W) ]   int32, S, S+1, S*W
+
+and viewed on the device without further copies. The buffers grow (never
+shrink) when a step needs more, so in steady serving nothing is allocated
+per step. On CPU the host buffer is the device buffer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from fluidserve.engine.batch import ModelInput
+from fluidserve.engine.layers import AttentionMetadata, PagedAttention
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        attn = [m for m in model.modules() if isinstance(m, PagedAttention)]
+        # Only shapes and the device of a query matter to the planner.
+        self._query_like = (torch.empty((0, attn[0].num_heads, attn[0].head_dim), device=device)
+                            if attn else None)
+        self._windows = sorted({m.sliding_window for m in attn}, key=lambda w: (w is not None, w or 0))
+        self._host = torch.empty(0, dtype=torch.int32)
+        self._dev = self._host
+        self._copied: torch.cuda.Event | None = None  # the last upload, before the host buffer is rewritten
+
+    def _reserve(self, words: int) -> None:
+        if words <= self._host.numel():
+            return
+        words = max(words, 2 * self._host.numel())
+        cuda = self.device.type == "cuda"
+        if cuda and self._copied is not None:
+            self._copied.synchronize()
+        self._host = torch.empty(words, dtype=torch.int32, pin_memory=cuda)
+        self._dev = torch.empty(words, dtype=torch.int32, device=self.device) if cuda else self._host
+
+    def prepare(self, inp: ModelInput, kv_caches: KVCaches) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                                       torch.Tensor]:
+        """(input_ids, positions, metadata with its work plans, sample indices)."""
+        t, s, n_samp = len(inp.input_ids), len(inp.seq_lens), len(inp.sample_indices)
+        width = max(len(b) for b in inp.block_tables)
+        i64 = 3 * t + n_samp  # int64 values, at word 0
+        words = 2 * i64 + s + (s + 1) + s * width
+        self._reserve(words)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's upload may still read the host buffer
+        host = self._host.numpy()
+        h64 = host[:2 * i64].view(np.int64)
+        h64[:t] = inp.input_ids
+        h64[t:2 * t] = inp.positions
+        h64[2 * t:3 * t] = inp.slot_mapping
+        h64[3 * t:] = inp.sample_indices
+        o = 2 * i64
+        host[o:o + s] = inp.seq_lens
+        host[o + s:o + 2 * s + 1] = inp.query_start_loc
+        tables = host[o + 2 * s + 1:words].reshape(s, width)
+        tables.fill(0)
+        for row, blocks in zip(tables, inp.block_tables):
+            row[:len(blocks)] = blocks
+        if self._dev is not self._host:
+            self._dev[:words].copy_(self._host[:words], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        d64 = self._dev[:2 * i64].view(torch.int64)
+        dev = self._dev
+        meta = AttentionMetadata(
+            slot_mapping=d64[2 * t:3 * t],
+            block_tables=dev[o + 2 * s + 1:words].view(s, width),
+            seq_lens=dev[o:o + s],
+            query_start_loc=dev[o + s:o + 2 * s + 1],
+            host_q_lens=[b - a for a, b in zip(inp.query_start_loc, inp.query_start_loc[1:])],
+            host_seq_lens=inp.seq_lens,
+        )
+        self._plan(meta, kv_caches)
+        return d64[:t], d64[t:2 * t], meta, d64[3 * t:]
+
+    def _plan(self, meta: AttentionMetadata, kv_caches: KVCaches) -> None:
+        """Build the step's attention plans now, one per sliding window, so
+        the layers only look them up."""
+        if self._query_like is None or not kv_caches:
+            return
+        key_cache = kv_caches[0][0]
+        for window in self._windows:
+            if self.device.type == "cuda":
+                meta.work_plan(self._query_like, key_cache, window)
+            else:
+                meta.cpu_plan(key_cache, window)
+
+    def forward(self, inp: ModelInput, kv_caches: KVCaches) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states of the step ``[T, hidden]`` and the sample indices."""
+        input_ids, positions, meta, sample_idx = self.prepare(inp, kv_caches)
+        return self.model(input_ids, positions, kv_caches, meta), sample_idx
