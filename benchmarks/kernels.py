@@ -113,20 +113,22 @@ def copy_bandwidth_gbs(nbytes: int = 2**30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def make_cache_batch(shape: Shape, q_lens: list[int], seq_lens: list[int], seed: int = 0) -> dict:
+def make_cache_batch(
+    shape: Shape, q_lens: list[int], seq_lens: list[int], seed: int = 0, device: str = "cuda"
+) -> dict:
     """A paged batch with randomly placed blocks: [num_blocks, bs, Hkv, D] caches."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     bs = shape.block_size
     needed = [-(-s // bs) for s in seq_lens]
     num_blocks = sum(needed)
-    perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
-    tables = torch.zeros((len(seq_lens), max(needed)), dtype=torch.int32, device="cuda")
+    perm = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32)
+    tables = torch.zeros((len(seq_lens), max(needed)), dtype=torch.int32, device=device)
     used = 0
     for i, n in enumerate(needed):
         tables[i, :n] = perm[used : used + n]
         used += n
     cache_shape = (num_blocks, bs, shape.num_kv_heads, shape.head_dim)
-    kw = dict(dtype=shape.dtype, device="cuda")
+    kw = dict(dtype=shape.dtype, device=device)
     starts = [0]
     for q in q_lens:
         starts.append(starts[-1] + q)
@@ -135,8 +137,8 @@ def make_cache_batch(shape: Shape, q_lens: list[int], seq_lens: list[int], seed:
         key_cache=torch.randn(cache_shape, **kw),
         value_cache=torch.randn(cache_shape, **kw),
         block_tables=tables,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
     )
 
 
@@ -215,12 +217,14 @@ def bench_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[float
         return bench_ms(lambda: sdpa(q, k, v, is_causal=True)), "default"
 
 
-def bench_mixed(shape: Shape, chunk: int = 8192, decodes: int = 128, seed: int = 0) -> dict:
+def bench_mixed(
+    shape: Shape, chunk: int = 8192, decodes: int = 128, contexts: tuple[int, int] = (512, 32768), seed: int = 0
+) -> dict:
     from fluidserve.kernels import paged_attention as pa
 
     rng = random.Random(seed)
     q_lens = [chunk] + [1] * decodes
-    seq_lens = [chunk] + [rng.randint(512, 32768) for _ in range(decodes)]
+    seq_lens = [chunk] + [rng.randint(*contexts) for _ in range(decodes)]
     batch = make_cache_batch(shape, q_lens, seq_lens)
     result = {}
     for name, pack in (("packed", True), ("unpacked", False)):

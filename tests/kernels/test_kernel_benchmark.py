@@ -1,0 +1,70 @@
+"""benchmarks/kernels.py before its first GPU run: the decode, prefill and
+mixed sweeps run end to end on tiny shapes (in the interpreter without CUDA,
+with a call count standing in for the GPU timer), launch no new kernel
+variant after the start-up warm-up, and render their report."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from fluidserve.kernels import paged_attention as pa
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
+
+
+@pytest.fixture
+def bench(monkeypatch, device):
+    spec = importlib.util.spec_from_file_location("fluidserve_bench_kernels", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look themselves up there
+    spec.loader.exec_module(module)
+    calls = []
+
+    def one_call(fn) -> float:  # the GPU timer's stand-in: run once, recorded
+        with pa.recording_variants():
+            fn()
+        calls.append(fn)
+        return 1.0
+
+    monkeypatch.setattr(module, "bench_ms", one_call)
+    monkeypatch.setattr(module, "make_cache_batch", partial(module.make_cache_batch, device=device))
+    module.calls = calls
+    return module
+
+
+def test_sweeps_run_and_add_no_variant_after_warmup(bench, device):
+    shape = bench.Shape(num_kv_heads=2, group=2, head_dim=32, block_size=16, dtype=torch.float32)
+    probe = bench.make_cache_batch(shape, [1], [16])
+    with pa.recording_variants():
+        pa.warmup(probe["query"], probe["key_cache"])
+    warm = pa.variant_keys()
+    report = dict(
+        device="test", config={}, copy_gb_s=100.0,
+        decode=bench.bench_decode(shape, [1, 3], [40, 200], 100.0),
+        prefill=bench.bench_prefill(shape, [50]),
+        mixed=bench.bench_mixed(shape, chunk=40, decodes=4, contexts=(20, 300)),
+    )  # fmt: skip
+    assert pa.variant_keys() == warm
+    assert len(bench.calls) == 4 + 2 * 1 + 2  # decode points, ours + SDPA, packed + unpacked
+    assert report["mixed"]["unpacked"]["units"] == report["mixed"]["unpacked"]["items"]  # one program per item
+    report["variants"] = dict(warmup_s=0.0, keys_after_warmup=pa.num_variants(), keys_after_sweep=pa.num_variants(),
+                              triton_after_warmup=None, triton_after_sweep=None, occupancy=[])  # fmt: skip
+    report["targets"] = bench.targets(report)
+    text = bench.markdown(report)
+    assert "| 3 | 200 |" in text and "Packing speedup" in text
+
+
+def test_decode_bytes_per_token_of_llama3_8b(bench):
+    """The roofline's numerator: Llama-3-8B's weights less its embedding
+    table (8.03e9 - 0.525e9 parameters) in bf16, plus the KV of the context."""
+    cfg = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=128256)  # fmt: skip
+    weights = bench.decode_bytes_per_token(cfg, 0)
+    assert 14.9e9 < weights < 15.1e9
+    assert bench.decode_bytes_per_token(cfg, 1000) - weights == 2 * 2 * 32 * 1000 * 8 * 128
