@@ -24,7 +24,7 @@ from dataclasses import dataclass  # noqa: E402
 import pytest  # noqa: E402
 
 INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
-KERNEL_TESTS = os.path.dirname(os.path.abspath(__file__))
+KERNEL_TESTS = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 # (atol, rtol) against the fp32 reference. fp32: the kernel's own rounding
 # (observed ~1e-6; a wrong page, mask or split is off by O(1)). fp16/bf16:
