@@ -28,13 +28,16 @@ KERNEL_TESTS = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 # (atol, rtol) against the fp32 reference. fp32: the kernel's own rounding
 # (observed ~1e-6; a wrong page, mask or split is off by O(1)). fp16/bf16:
-# about one rounding of the output (2^-11 and 2^-8 relative) plus the
-# probabilities rounded before the PV product; a broken split or page is off
-# by far more than either.
+# rtol covers rounding the output (half an ulp: 2^-11 and 2^-8 relative),
+# atol the probabilities rounded to the input dtype before the PV product, as
+# every flash-style kernel does. Emulating exactly that arithmetic on the GPU
+# test's batches (16 heads, up to 512 x 2048) used at most 0.61 (fp16) and
+# 0.67 (bf16) of these bounds; bf16 at atol 3e-3 used 0.98, too close to call.
+# A broken split or page is off by far more than either.
 TOLERANCES = {
     torch.float32: (1e-4, 2e-4),
-    torch.float16: (5e-4, 5e-4),
-    torch.bfloat16: (3e-3, 3e-3),
+    torch.float16: (5e-4, 1e-3),
+    torch.bfloat16: (4e-3, 6e-3),
 }
 
 
