@@ -85,9 +85,16 @@ step "import" 60 "$PY" -c "import fluidserve.kernels.paged_attention, fluidserve
 # 3. GPU tests: the kernel suite (every test there is marked gpu) and every
 #    other module that has gpu tests. Modules are named, not discovered, so
 #    that server tests needing packages this machine lacks are not collected.
+#    Most of their time is Triton compiling one kernel variant per tested
+#    shape, one CPU core each: spread the tests over workers when
+#    pytest-xdist is there (workers share Triton's on-disk cache).
 mapfile -t GPU_MODULES < <(grep -rl --include='test_*.py' 'mark.gpu' tests | grep -v '^tests/kernels/' | sort)
-step "GPU tests (pytest -m gpu tests/kernels ${GPU_MODULES[*]})" "$TEST_LIMIT" \
-    "$PY" -m pytest -q -m gpu -p no:cacheprovider -rfEs tests/kernels "${GPU_MODULES[@]}"
+PARALLEL=()
+if "$PY" -c "import xdist" 2>/dev/null; then
+    PARALLEL=(-n "$(( $(nproc) < 8 ? $(nproc) : 8 ))")
+fi
+step "GPU tests (pytest -m gpu ${PARALLEL[*]} tests/kernels ${GPU_MODULES[*]})" "$TEST_LIMIT" \
+    "$PY" -m pytest -q -m gpu -p no:cacheprovider -rfEs "${PARALLEL[@]}" tests/kernels "${GPU_MODULES[@]}"
 
 # 4. Kernel benchmark.
 step "kernel benchmark (benchmarks/kernels.py ${QUICK[*]})" "$BENCH_LIMIT" \

@@ -704,28 +704,31 @@ def _empty_plan(device: torch.device, group: int, has_prefill: bool, sliding_win
     )
 
 
-def warmup(query: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None = None) -> dict[bool, int]:
-    """Compile the variants a model serves with (decode-only and mixed, for
-    this window) and the merge, by launching them on no work: nothing is
-    read or written but a scratch row. ``query`` and ``key_cache`` must be
-    laid out as in serving (a view of the fused QKV output, say), since the
-    strides are part of the variant. Returns programs per SM per variant
-    (``{has_prefill: programs}``)."""
+def warmup(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    sliding_window: int | None = None,
+    variants: tuple[bool, ...] = (False, True),
+) -> dict[bool, int]:
+    """Compile the variants a model serves with (``variants``: has-prefill
+    flags; decode-only and mixed by default, for this window) and the merge,
+    by launching them on no work: nothing is read or written but a scratch
+    row. ``query`` and ``key_cache`` must be laid out as in serving (a view
+    of the fused QKV output, say), since the strides are part of the variant.
+    Returns programs per SM per variant (``{has_prefill: programs}``)."""
     group = query.shape[1] // key_cache.shape[2]
     device = query.device
     tables = torch.zeros((1, 1), dtype=torch.int32, device=device)
-    scratch = query[:0]
     occupancy = {}
-    for has_prefill in (False, True):
+    for has_prefill in variants:
         plan = _empty_plan(device, group, has_prefill, sliding_window)
-        launch = _prepare(scratch, key_cache, key_cache, tables, 1.0, plan)
+        launch = _prepare(query[:0], key_cache, key_cache, tables, 1.0, plan)
         # A one-token scratch output laid out as every real output is
         # (empty_like of a strided query view is contiguous).
         launch.out = torch.empty((1, *query.shape[1:]), dtype=query.dtype, device=device)
         launch.args.update(out_ptr=launch.out, stride_ot=launch.out.stride(0), stride_oh=launch.out.stride(1))
         _run(launch, 1)
-        if has_prefill:
-            _run_merge(launch, plan, 1)
+        _run_merge(launch, plan, 1)  # one merge variant serves both
         occupancy[has_prefill] = programs_per_sm(query, key_cache, has_prefill, sliding_window, compile=False)
     return occupancy
 
@@ -745,7 +748,7 @@ def programs_per_sm(
     )  # fmt: skip
     key = _occupancy_key(constexprs, query.dtype, query.device)
     if key not in _VARIANTS.programs_per_sm and compile:
-        warmup(query, key_cache, sliding_window)
+        warmup(query, key_cache, sliding_window, variants=(has_prefill,))
     return _VARIANTS.programs_per_sm.get(key, FALLBACK_PROGRAMS_PER_SM[has_prefill])
 
 
