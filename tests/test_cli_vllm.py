@@ -113,7 +113,8 @@ def test_vllm_command_line_starts_the_server(tiny_model, tmp_path):
             "--enable-chunked-prefill", "--uvicorn-log-level", "warning", "--trust-remote-code",
             "--disable-log-stats", "--max-model-len", "256", "--num-kv-blocks", "64", "--device", "cpu",
             "--ssl-keyfile", key, "--ssl-certfile", cert, "--allowed-origins", '["https://ui.example"]',
-            "--enable-log-requests", "--max-log-len", "3"]
+            "--enable-log-requests", "--max-log-len", "3",
+            "--swap-space", "0"]  # no host KV pool to size: a faster start
     os.environ["FLUIDSERVE_API_KEY"] = "env-key"
     try:
         proc = start_subprocess_server(args, port, log_path)
