@@ -72,7 +72,8 @@ class InputProcessor:
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        prompts = [self._truncate(self._prompt(p, add_special), req.truncate_prompt_tokens) for p in req.prompts()]
+        prompts = [self._truncate(self._prompt(p, add_special), req.truncate_prompt_tokens, req.truncation_side)
+                   for p in req.prompts()]
         max_tokens = self._max_tokens(prompts, req.max_tokens, "prompt")
         return EngineInputs(prompts, self._params(req, max_tokens, req.logprobs), req.klass)
 
@@ -82,7 +83,7 @@ class InputProcessor:
         prompt = Prompt(self._encode(text, add_special_tokens=bool(req.add_special_tokens)), text)
         if not prompt.token_ids:
             raise bad_request("messages render to an empty prompt", "messages")
-        prompt = self._truncate(prompt, req.truncate_prompt_tokens)
+        prompt = self._truncate(prompt, req.truncate_prompt_tokens, req.truncation_side)
         max_tokens = self._max_tokens([prompt], req.max_new_tokens, "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         return EngineInputs([prompt], self._params(req, max_tokens, top_n), req.klass)
@@ -114,15 +115,16 @@ class InputProcessor:
             raise bad_request(f"prompt contains token id {bad} outside the vocabulary [0, {vocab})", "prompt")
         return Prompt(list(p), self.tokenizer.decode(p))
 
-    def _truncate(self, prompt: Prompt, keep: int | None) -> Prompt:
-        """``truncate_prompt_tokens``: the last ``keep`` tokens (-1: as many as
-        the context holds); the echoed text becomes theirs."""
+    def _truncate(self, prompt: Prompt, keep: int | None, side: str = "left") -> Prompt:
+        """``truncate_prompt_tokens``: ``keep`` tokens (-1: as many as the
+        context holds), the last ones when cutting on the left, the first
+        when on the right; the echoed text becomes theirs."""
         if keep is None:
             return prompt
         keep = self.model.max_model_len if keep == -1 else keep
         if len(prompt.token_ids) <= keep:
             return prompt
-        ids = prompt.token_ids[-keep:]
+        ids = prompt.token_ids[-keep:] if side == "left" else prompt.token_ids[:keep]
         return Prompt(ids, self.tokenizer.decode(ids))
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:

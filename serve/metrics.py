@@ -192,7 +192,7 @@ class VllmRequestMetrics:
                               "Time from first being scheduled to the last token", REQUEST_TIME_BUCKETS)
         self.success = Counter("vllm:request_success", "Requests finished, by reason",
                                ["model_name", "finished_reason"], registry=registry)
-        for reason in ("stop", "length", "abort"):  # zeros from the start, not gaps
+        for reason in ("stop", "length", "abort", "error"):  # zeros from the start, not gaps
             self.success.labels(model_name, reason)
         self.model_name = model_name
 

@@ -87,6 +87,20 @@ _REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
     "metadata": _off(),
     "service_tier": _off("auto", "default"),
     "suffix": _off(),
+    "session_id": _off(),
+    "stream_interval": _off(1),
+    "include_reasoning": _off(True),  # no reasoning parser: nothing to leave out
+    "thinking_token_budget": _off(),
+    "watermarking": _off(False),
+    "logprob_token_ids": _off(),
+    "media_io_kwargs": _off(),
+    "routed_experts_prompt_start": _off(),
+    "return_token_offsets": _off(False),
+    "return_prompt_text": _off(False),
+    "mm_payload": _off(),
+    "return_mm_kwargs": _off(False),
+    "ec_transfer_params": _off(),
+    "repetition_detection": _off(),
 }
 _REFUSED_CHAT: dict[str, Callable[[Any], bool]] = {
     **_REFUSED_COMMON,
@@ -188,7 +202,8 @@ class _SamplingFields(_Request):
     spaces_between_special_tokens: bool = False
     allowed_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
     bad_words: Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=MAX_BAD_WORDS)] | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None  # keep the last k; -1: max_model_len
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None  # keep k tokens; -1: max_model_len
+    truncation_side: Literal["left", "right"] = "left"  # left: keep the last k, right: the first k
     add_special_tokens: bool | None = None
     request_id: Annotated[StrictStr, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
     # vLLM's int (lower runs first, default 0), or our class name.

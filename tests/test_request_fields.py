@@ -163,6 +163,11 @@ def check_truncate(s, body, _b):
     assert text_of(body) == text_of(direct)
 
 
+def check_truncate_right(s, body, _b):
+    assert body["usage"]["prompt_tokens"] == 2
+    assert text_of(body) == text_of(post(s, C, {**BASE, "prompt": "He"}).json())
+
+
 def check_add_special_tokens(_s, body, b):
     # The byte tokenizer adds no BOS, so the prompt is the same either way.
     assert body["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
@@ -246,6 +251,8 @@ ROWS: list[tuple[str, str, dict, Check, tuple[str, ...]]] = [
                            "spaces_between_special_tokens": True}, check_specials_spaced,
      ("spaces_between_special_tokens",)),
     ("truncate_prompt_tokens", C, {"truncate_prompt_tokens": 2}, check_truncate, ("truncate_prompt_tokens",)),
+    ("truncation_side_right", C, {"truncate_prompt_tokens": 2, "truncation_side": "right"}, check_truncate_right,
+     ("truncation_side",)),
     ("add_special_tokens", C, {"add_special_tokens": True}, check_add_special_tokens, ("add_special_tokens",)),
     ("request_id", C, {"request_id": "my-id.1"}, check_request_id, ("request_id",)),
     ("priority_0", C, {"priority": 0}, same_text, ("priority",)),
@@ -316,6 +323,20 @@ REFUSED: list[tuple[str, str, Any]] = [
     (CHAT, "documents", [{"title": "t", "text": "x"}]),
     (CHAT, "echo", True),
     (C, "best_of", 3),
+    (C, "session_id", "s-1"),
+    (C, "stream_interval", 4),
+    (CHAT, "include_reasoning", False),
+    (C, "thinking_token_budget", 100),
+    (C, "watermarking", True),
+    (C, "logprob_token_ids", [1, 2]),
+    (CHAT, "media_io_kwargs", {"image": {}}),
+    (C, "routed_experts_prompt_start", 0),
+    (C, "return_token_offsets", True),
+    (CHAT, "return_prompt_text", True),
+    (C, "mm_payload", {"a": 1}),
+    (C, "return_mm_kwargs", True),
+    (C, "ec_transfer_params", {"a": 1}),
+    (C, "repetition_detection", {"max_pattern_size": 4}),
 ]
 # ...and with its "off" value it is accepted.
 OFF_VALUES: list[tuple[str, str, Any]] = [
