@@ -496,7 +496,8 @@ def _check_layouts(
     if query.shape[1] % key_cache.shape[2]:
         raise ValueError(f"num_q_heads {query.shape[1]} is not a multiple of num_kv_heads {key_cache.shape[2]}")
     if not (query.dtype == key_cache.dtype == value_cache.dtype):
-        raise ValueError(f"query ({query.dtype}) and caches ({key_cache.dtype}, {value_cache.dtype}) must share a dtype")
+        dtypes = f"query ({query.dtype}) and caches ({key_cache.dtype}, {value_cache.dtype})"
+        raise ValueError(f"{dtypes} must share a dtype")
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous head_dim")
