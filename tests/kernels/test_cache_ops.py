@@ -88,3 +88,20 @@ def test_gpu_cache_ops(cuda_only, dtype):
     reference.scatter_blocks(staged, expected, target)
     ops.scatter_blocks(host, value_cache, target)
     assert torch.equal(value_cache, expected)
+
+
+@pytest.mark.gpu
+def test_gpu_token_offsets_past_2_31(cuda_only):
+    """Keys as a view with a 2^20-element row stride over 2,100 tokens: the
+    last tokens sit past 2^31 elements."""
+    tokens, stride = 2100, 1 << 20
+    key_cache, value_cache = caches(200, 16, 2, 64, torch.bfloat16, "cuda")
+    big = torch.randn((tokens, stride), dtype=torch.bfloat16, device="cuda")
+    key = big[:, :128].view(tokens, 2, 64)
+    value = big[:, 128:256].view(tokens, 2, 64)
+    assert key.stride(0) * (tokens - 1) >= 2**31
+    slots = torch.randperm(200 * 16, device="cuda")[:tokens]
+    ref_k, ref_v = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(key, value, ref_k, ref_v, slots)
+    cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, ref_k) and torch.equal(value_cache, ref_v)

@@ -351,3 +351,19 @@ def test_gpu_serving_shapes_compile_once(cuda_only, make_batch, oracle, tol):
             torch.testing.assert_close(out, oracle(batch), **tol(torch.bfloat16))
     assert pa.variant_keys() == warm
     assert pa.triton_compiled_count() == compiled
+
+
+@pytest.mark.gpu
+def test_gpu_offsets_past_2_31(cuda_only, make_batch, oracle, tol):
+    """A query row stride of 2^20 elements over 2,100 tokens (a view into a
+    4.4 GB buffer) puts the last rows past 2^31 elements: 32-bit offsets would
+    wrap and read another row."""
+    tokens, stride = 2100, 1 << 20
+    batch = make_batch([(tokens, tokens)], num_kv_heads=1, group=2, head_dim=64, block_size=16,
+                       dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    big = torch.empty((tokens, stride), dtype=torch.bfloat16, device="cuda")
+    query = big[:, : 2 * 64].view(tokens, 2, 64)
+    query.copy_(batch.query)
+    assert query.stride(0) * (tokens - 1) >= 2**31
+    batch.query = query
+    torch.testing.assert_close(run(batch), oracle(batch), **tol(torch.bfloat16))
