@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..kvcache.manager import KVCacheManager
+from ..kvcache.prefix_cache import ROOT_KEY, block_keys, chain_key
 from ..scheduler.cost_model import cost_model_for_engine
 from ..scheduler.plan import StepOutcome, StepPlan
 from ..scheduler.request_state import RequestClass, SeqState
@@ -47,6 +48,8 @@ class EngineStats:
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     swap_stall_seconds: float = 0.0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps: int = 0
@@ -70,7 +73,8 @@ class LLMEngine:
         # Every EOS id of config.json and generation_config.json ends a sequence.
         self.eos_token_ids = {t for t in [self.eos_token_id, *eos_token_ids(self.hf_config, self.model_dir)]
                               if t is not None}
-        self.kv = KVCacheManager(self.executor.num_kv_blocks, config.block_size, self.executor.num_host_blocks)
+        self.kv = KVCacheManager(self.executor.num_kv_blocks, config.block_size, self.executor.num_host_blocks,
+                                 enable_prefix_caching=config.enable_prefix_caching)
         self.bytes_per_block = self.executor.bytes_per_block
         if self.kv.num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
@@ -121,8 +125,9 @@ class LLMEngine:
         max_tokens = self._max_tokens(len(token_ids), params)
         now = time.monotonic() if arrival_time is None else arrival_time
         req = Request(request_id, text, token_ids, params, klass, now, max_tokens)
+        keys = block_keys(token_ids, self.kv.block_size) if self.kv.prefix_caching else []
         for i in range(params.n):
-            state = SeqState(f"{request_id}#{i}", len(token_ids), max_tokens, now, klass)
+            state = SeqState(f"{request_id}#{i}", len(token_ids), max_tokens, now, klass, block_keys=list(keys))
             seq = Sequence(i, state, req, TextStream(self.tokenizer, token_ids, params),
                            logprobs=[] if params.logprobs is not None else None,
                            new_logprobs=[] if params.logprobs is not None else None)
@@ -268,6 +273,7 @@ class LLMEngine:
         tid = token.token_id
         seq.output_token_ids.append(tid)
         seq.new_token_ids.append(tid)
+        self._extend_block_keys(seq)
         self.stats_.generation_tokens_total += 1
         if seq.logprobs is not None and token.logprobs is not None:
             for t, lp in token.logprobs.items():
@@ -280,6 +286,17 @@ class LLMEngine:
         seq.finish_reason = reason
         self.seqs.pop(seq.seq_id, None)
         return True
+
+    def _extend_block_keys(self, seq: Sequence) -> None:
+        """A block of prompt + outputs just filled: give it its prefix-cache
+        key, so a later prompt that repeats this conversation shares it."""
+        keys = seq.state.block_keys
+        if not self.kv.prefix_caching:
+            return
+        bs = self.kv.block_size
+        n = len(seq.request.prompt_token_ids) + len(seq.output_token_ids)
+        if n % bs == 0 and len(keys) == n // bs - 1:
+            keys.append(chain_key(keys[-1] if keys else ROOT_KEY, seq.tokens(n - bs, n)))
 
     def _stop_reason(self, seq: Sequence, tid: int) -> str | None:
         p = seq.request.params
@@ -311,6 +328,8 @@ class LLMEngine:
         s.num_swaps = c.num_swap_outs + c.num_swap_ins
         s.swap_out_bytes = c.swap_out_blocks * self.bytes_per_block
         s.swap_in_bytes = c.swap_in_blocks * self.bytes_per_block
+        s.prefix_cache_query_tokens = self.kv.prefix_stats.query_tokens
+        s.prefix_cache_hit_tokens = self.kv.prefix_stats.hit_tokens
         return s
 
     def check_health(self) -> None:

@@ -2,6 +2,11 @@
 
 Ints only, no torch: the scheduler, the simulator and the tests use it as is.
 
+The free list is ordered, least recently freed first, and any block can be
+taken out of it by id (``reuse``): a free block may still hold a cached
+prefix (kvcache/prefix_cache.py), and a cache hit takes it back, while
+``allocate`` hands out the least recently freed, i.e. evicts LRU first.
+
 A block freed while an in-flight copy still reads it (the source of a swap)
 must not be handed out again before that copy is done, or the next owner's
 writes could race the copy. ``free(..., deferred=True)`` parks such blocks as
@@ -11,7 +16,6 @@ that issued the copy has completed.
 
 from __future__ import annotations
 
-from collections import deque
 
 
 class OutOfBlocks(RuntimeError):
@@ -23,7 +27,7 @@ class BlockAllocator:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # insertion order = LRU first
         self._pending: list[int] = []  # refcount 0, not yet reusable
         self._refcount = [0] * num_blocks
 
@@ -41,16 +45,29 @@ class BlockAllocator:
     def num_pending(self) -> int:
         return len(self._pending)
 
+    def pending_blocks(self) -> set[int]:
+        return set(self._pending)
+
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
+        it = iter(self._free)
+        blocks = [next(it) for _ in range(n)]
         for b in blocks:
+            del self._free[b]
             self._refcount[b] = 1
         return blocks
+
+    def is_free(self, block: int) -> bool:
+        return block in self._free
+
+    def reuse(self, block: int) -> None:
+        """Take a free block back by id (a prefix-cache hit), refcount 1."""
+        del self._free[block]
+        self._refcount[block] = 1
 
     def incref(self, block: int) -> None:
         if self._refcount[block] < 1:
@@ -60,18 +77,20 @@ class BlockAllocator:
     def free(self, blocks: list[int], deferred: bool = False) -> None:
         """Drop one reference to each block; a block whose last reference
         goes is free at once, or pending when ``deferred``."""
-        dest = self._pending if deferred else self._free
         for b in blocks:
             if self._refcount[b] < 1:
                 raise ValueError(f"double free of block {b}")
             self._refcount[b] -= 1
             if self._refcount[b] == 0:
-                dest.append(b)
+                if deferred:
+                    self._pending.append(b)
+                else:
+                    self._free[b] = None
 
     def release_pending(self) -> int:
         """The copies reading pending blocks are done: make them reusable."""
         n = len(self._pending)
-        self._free.extend(self._pending)
+        self._free.update(dict.fromkeys(self._pending))
         self._pending.clear()
         return n
 
@@ -81,7 +100,6 @@ class BlockAllocator:
     def check_integrity(self) -> None:
         free = set(self._free)
         pending = set(self._pending)
-        assert len(free) == len(self._free), "a block is on the free list twice"
         assert len(pending) == len(self._pending), "a block is pending twice"
         assert not free & pending, f"blocks both free and pending: {sorted(free & pending)[:8]}"
         for b, rc in enumerate(self._refcount):

@@ -29,6 +29,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              "(--no-proactive-swap: swap only when a step needs it)",
     )
 
+    g.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="share the KV of prompt prefixes already in the cache (full blocks), as vLLM does; "
+             "--no-enable-prefix-caching recomputes every prompt",
+    )
+
 
 def options_from_args(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments of these flags."""
@@ -37,4 +43,5 @@ def options_from_args(args: argparse.Namespace) -> dict:
     if args.num_host_blocks is not None and args.num_host_blocks < 0:
         raise ValueError(f"--num-host-blocks must be >= 0, got {args.num_host_blocks}")
     return {"swap_space": args.swap_space, "num_host_blocks": args.num_host_blocks,
-            "preemption_mode": args.preemption_mode, "proactive_swap": args.proactive_swap}
+            "preemption_mode": args.preemption_mode, "proactive_swap": args.proactive_swap,
+            "enable_prefix_caching": args.enable_prefix_caching}

@@ -183,4 +183,6 @@ class SkipJoinMLFQPolicy(MLFQPolicy):
     skip_join = True
 
     def _join_level(self, seq: SeqState) -> int:
-        return self.level_for_time(self.cost.prefill_time(seq.num_prompt_tokens, 0))
+        # What is left to compute: a cached prefix makes a long prompt a short job.
+        cached = seq.num_cached_tokens
+        return self.level_for_time(self.cost.prefill_time(seq.num_prompt_tokens - cached, cached))

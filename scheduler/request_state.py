@@ -40,6 +40,12 @@ class SeqState:
     # Entries of the device block table the engine has been sent; 0 after a
     # move, so the next plan resends the whole table.
     num_blocks_sent: int = 0
+    # Prefix-cache keys of the full blocks of prompt + outputs so far (the
+    # engine appends one as each block of tokens fills); empty: not cached.
+    block_keys: list[int] = field(default_factory=list)
+    # Prompt tokens found cached: at arrival an estimate (for the policy), at
+    # admission what was actually shared.
+    num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     last_scheduled_time: float | None = None
     # Free-form per-policy bookkeeping (queue level, attained service, ...).

@@ -134,6 +134,9 @@ class Scheduler:
             raise ValueError(f"request id {seq.request_id!r} is already scheduled")
         self.seqs[seq.request_id] = seq
         self._arrived_blocks += self.kv.blocks_for(seq.num_prompt_tokens)
+        # A cached prompt is a short job: the policy places it by what is
+        # left to compute (prefix caching).
+        seq.num_cached_tokens = self.kv.cached_prefix_tokens(seq.block_keys, seq.num_prompt_tokens)
         self.policy.on_arrival(seq, now)
 
     def finish(self, request_id: str) -> None:
@@ -194,6 +197,8 @@ class Scheduler:
                 break
             if seq.request_id in step.moved:
                 continue  # gave its KV away this step
+            if seq.status is SeqStatus.WAITING and not self._admit(seq, i, step):
+                continue
             n = seq.num_uncomputed_tokens
             if n > 1:
                 if not cfg.enable_chunked_prefill:
@@ -228,13 +233,11 @@ class Scheduler:
 
     # -- residency ----------------------------------------------------------
     def _make_resident(self, seq: SeqState, num_tokens: int, pos: int, step: _Step) -> bool:
-        """Make room for ``seq`` (``ranked[pos]``) to hold ``num_tokens``
-        tokens of KV on the device; True when it can run this step. A
-        resident request may evict any lower-ranked one. A waiting or swapped
-        one may evict only ones of strictly lower priority, only to the host
-        (swap mode), and is admitted for its whole (re)prefill at once: a
-        priority policy that starts many prompts must not commit memory chunk
-        by chunk and then evict to finish them."""
+        """Make room for ``seq`` (``ranked[pos]``, resident or swapped) to
+        hold ``num_tokens`` tokens of KV on the device; True when it can run
+        this step. A resident request may evict any lower-ranked one. A
+        swapped one may evict only ones of strictly lower priority, and only
+        to the host."""
         rid = seq.request_id
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPING_IN):
             room = self._room(self.kv.num_new_blocks(rid, num_tokens), pos, step, allow_recompute=True)
@@ -251,16 +254,30 @@ class Scheduler:
             if not self.config.proactive_swap:
                 return self.kv.allocate(rid, num_tokens)  # runs now: this step waits for the copy
             return False  # runs next step: the copy overlaps this one
-        # WAITING: admitted for its whole prompt (and outputs, after a recompute).
-        need = self.kv.num_new_blocks(rid, seq.num_tokens)
+        raise AssertionError(f"request {rid!r} is {seq.status.value}: admit it first")
+
+    def _admit(self, seq: SeqState, pos: int, step: _Step) -> bool:
+        """Give a waiting request KV for its whole prompt (and its outputs,
+        after a recompute), sharing its cached prefix: those tokens count as
+        computed. A priority policy that starts many prompts must not commit
+        memory chunk by chunk and then evict to finish them."""
+        keys = seq.block_keys if self.kv.prefix_caching else []
+        need = self.kv.admission_blocks(keys, seq.num_tokens)
         # The watermark only guards running requests; with none, any
         # request that fits the pool at all must be admitted.
         reserve = self._watermark_blocks if self.kv.num_used_blocks else 0
         if need + reserve > self.kv.num_free_blocks and not self.swap:
             return False
-        if not self._room(need + reserve, pos, step, allow_recompute=False, above=above):
+        if not self._room(need + reserve, pos, step, allow_recompute=False, above=self._priority(seq)):
             return False
-        return self.kv.allocate(rid, seq.num_tokens)
+        cached = self.kv.admit(seq.request_id, keys, seq.num_tokens)
+        if cached is None:  # an eviction freed a block it meant to share: next step
+            return False
+        seq.num_computed_tokens = cached
+        seq.num_cached_tokens = cached
+        seq.num_blocks_sent = 0
+        seq.status = SeqStatus.RUNNING
+        return True
 
     def _room(
         self, need: int, pos: int, step: _Step, allow_recompute: bool, above: tuple[bool, float] | None = None,
@@ -414,6 +431,8 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += item.num_tokens
             seq.status = SeqStatus.RUNNING
+            if seq.block_keys:
+                self.kv.cache_blocks(seq.request_id, seq.block_keys, seq.num_computed_tokens)
             if item.samples:
                 seq.num_output_tokens += 1
             if seq.first_scheduled_time is None:

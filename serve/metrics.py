@@ -117,6 +117,12 @@ class EngineStatsCollector:
             total.add_metric([tier], float(getattr(s, f"{prefix}_total", 0) or 0))
         yield used
         yield total
+        # Tokens, by the tier the cached KV was found in (device only today).
+        for name, attr, doc in (("queries", "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache"),
+                                ("hits", "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache")):
+            fam = CounterMetricFamily(f"{PREFIX}_prefix_cache_{name}", doc, labels=["tier"])
+            fam.add_metric(["device"], float(getattr(s, attr, 0) or 0))
+            yield fam
 
 
 class VllmStatsCollector:
@@ -151,6 +157,8 @@ class VllmStatsCollector:
             yield fam
         for name, attr, doc in (
             ("num_preemptions", "num_preemptions", "Cumulative preemptions by the scheduler"),
+            ("prefix_cache_queries", "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache"),
+            ("prefix_cache_hits", "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache"),
             ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed"),
             ("generation_tokens", "generation_tokens_total", "Generation tokens processed"),
         ):

@@ -63,7 +63,11 @@ def test_streams_survive_swapping_and_dropped_clients_free_both_tiers(tiny_model
         r = httpx.post(f"{server.base_url}/v1/completions",
                        json={"prompt": "still serving", "max_tokens": 4, "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        assert read_metrics(server.base_url)["fluidserve_swap_out_bytes_total"] > 0
+        m = read_metrics(server.base_url)
+        assert m["fluidserve_swap_out_bytes_total"] > 0
+        # 16 prompts "client {i} asks ...": the first block ("client ") is shared.
+        assert 0 < m['fluidserve_prefix_cache_hits_total{tier="device"}'] <= m['fluidserve_prefix_cache_queries_total{tier="device"}']
+        assert next(v for k, v in m.items() if k.startswith("vllm:prefix_cache_hits_total{")) > 0
     finally:
         server.stop()
         server.async_engine.engine.shutdown()
