@@ -202,7 +202,7 @@ class LLMEngine:
         return outputs
 
     def _model_input(self, plan: StepPlan) -> ModelInput:
-        inp = ModelInput(swap_out=list(plan.swap_out.items()), swap_in=list(plan.swap_in.items()))
+        inp = ModelInput(swap_out=plan.swap_out, swap_in=plan.swap_in)
         swapped_in = set(plan.swapped_in)
         bs = self.kv.block_size
         for item in plan.scheduled:

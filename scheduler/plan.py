@@ -3,7 +3,7 @@
 ``StepPlan`` (scheduler -> engine): for each scheduled request, how many of its
 uncomputed tokens run this step (a prefill chunk, a whole prompt, or one
 decode token) and the device blocks the engine has not been told of yet. KV
-moves travel as plain block maps; only the worker's cache engine copies
+moves travel as plain lists of block pairs; only the worker's cache engine copies
 memory. Order on the worker: swap-outs, then swap-ins, then the forward, which
 waits only for the swap-ins of requests it runs.
 
@@ -36,9 +36,11 @@ class StepPlan:
     preempted: list[str] = field(default_factory=list)  # KV discarded this step (recompute)
     swapped_out: list[str] = field(default_factory=list)  # requests whose KV leaves the device
     swapped_in: list[str] = field(default_factory=list)  # requests whose KV comes back
-    swap_out: dict[int, int] = field(default_factory=dict)  # device block -> host block
-    swap_in: dict[int, int] = field(default_factory=dict)  # host block -> device block
-    checkpoint: dict[int, int] = field(default_factory=dict)  # device block -> host block
+    # (source, destination) block pairs. Lists, not maps: a block shared by
+    # two requests (prefix caching) may leave for two host blocks in one step.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    checkpoint: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     preemptible: bool = False  # only offline work: may be abandoned at a layer safepoint
 
     @property

@@ -123,6 +123,7 @@ class Scheduler:
         self._swap_refill = float("inf") if per_step is None else float(per_step)
         self._swap_bucket = self._swap_refill * _SWAP_BUCKET_STEPS
         self._swap_credit = self._swap_bucket
+        self._unrun: set[str] = set()  # swapped in, not run since
 
     @property
     def num_preemptions(self) -> int:
@@ -145,6 +146,7 @@ class Scheduler:
         if seq is None:
             return
         seq.status = SeqStatus.FINISHED
+        self._unrun.discard(request_id)
         self.kv.free(request_id)
         self.policy.on_finish(seq)
 
@@ -287,7 +289,7 @@ class Scheduler:
         not this step (blocks in flight, or no one may be evicted for it).
         None: nothing below holds KV any more."""
         while self.kv.num_free_blocks + step.freeing < need:
-            victim = self._next_victim(pos, step)
+            victim = self._next_victim(pos, step, spare_unrun=above is not None)
             if victim is None:
                 return None if above is None else False
             if above is not None and self._priority(victim) <= above:
@@ -304,7 +306,11 @@ class Scheduler:
     def _priority(self, seq: SeqState) -> tuple[bool, float]:
         return seq.klass is RequestClass.OFFLINE, self.policy.priority(seq)
 
-    def _next_victim(self, pos: int, step: _Step) -> SeqState | None:
+    def _next_victim(self, pos: int, step: _Step, spare_unrun: bool) -> SeqState | None:
+        """The resident request below ``pos`` to evict next, largest ENST
+        first. ``spare_unrun``: not one whose KV came back from the host and
+        has not run since (evicting it would waste both copies); a request
+        that must grow to keep running may still take it."""
         if step.victims is None:
             if self.swap:
                 enst = self._enst(step)
@@ -314,13 +320,18 @@ class Scheduler:
         victims = step.victims
         # The cursor only moves forward: a request skipped now (ranked above
         # the requester, or holding nothing) is never a victim later this step,
-        # because later requesters are ranked lower still.
-        while step.cursor < len(victims):
-            j = victims[step.cursor]
+        # because later requesters are ranked lower still. Spared requests are
+        # skipped without moving it: a running requester may still take them.
+        i = step.cursor
+        while i < len(victims):
+            j = victims[i]
             s = step.ranked[j]
             if j > pos and self.kv.holds(s.request_id) and s.request_id not in step.moved:
-                return s
-            step.cursor += 1
+                if not (spare_unrun and s.request_id in self._unrun):
+                    return s
+            elif i == step.cursor:
+                step.cursor += 1
+            i += 1
         return None
 
     def _evict(self, seq: SeqState, step: _Step, allow_recompute: bool) -> bool:
@@ -336,12 +347,13 @@ class Scheduler:
     def _swap_out(self, seq: SeqState, step: _Step) -> None:
         rid = seq.request_id
         moves = self.kv.swap_out(rid)
-        step.plan.swap_out.update(moves)
+        step.plan.swap_out.extend(moves.items())
         step.plan.swapped_out.append(rid)
         step.freeing += len(moves)
         self._swap_credit -= len(moves)
         step.moved.add(rid)
         seq.status = SeqStatus.SWAPPED
+        self._unrun.discard(rid)
         seq.num_blocks_sent = 0
         seq.num_preemptions += 1
         self.counters.num_swap_outs += 1
@@ -350,11 +362,12 @@ class Scheduler:
     def _swap_in(self, seq: SeqState, step: _Step, status: SeqStatus = SeqStatus.RUNNING) -> None:
         rid = seq.request_id
         moves = self.kv.swap_in(rid)
-        step.plan.swap_in.update(moves)
+        step.plan.swap_in.extend(moves.items())
         step.plan.swapped_in.append(rid)
         self._swap_credit -= len(moves)
         step.moved.add(rid)
         seq.status = status
+        self._unrun.add(rid)
         seq.num_blocks_sent = 0
         self.counters.num_swap_ins += 1
         self.counters.swap_in_blocks += len(moves)
@@ -408,7 +421,7 @@ class Scheduler:
                 return
             seq = step.ranked[j]
             rid = seq.request_id
-            if rid in running or rid in step.moved or not self.kv.holds(rid):
+            if rid in running or rid in step.moved or rid in self._unrun or not self.kv.holds(rid):
                 continue
             if not self.kv.can_swap_out(rid) or not self._can_move(self.kv.num_blocks_of(rid)):
                 return
@@ -431,6 +444,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += item.num_tokens
             seq.status = SeqStatus.RUNNING
+            self._unrun.discard(item.request_id)
             if seq.block_keys:
                 self.kv.cache_blocks(seq.request_id, seq.block_keys, seq.num_computed_tokens)
             if item.samples:

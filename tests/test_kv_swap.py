@@ -266,3 +266,37 @@ def test_simulator_and_engine_make_the_same_swap_decisions(tiny_model, make_llm)
     sim.run()
     assert any(out for out, _ in engine_moves)  # the trace does swap
     assert [(o, i) for o, i in engine_moves] == [([r.split("#")[0] + "#0" for r in o], i) for o, i in sim_moves]
+
+
+def test_a_shared_block_swapped_out_twice_in_one_step_reaches_both_host_copies():
+    """Two requests sharing a cached block leave in the same step: the plan's
+    pairs carry the block to two host blocks, and both come back intact."""
+    from fluidserve.kvcache.prefix_cache import block_keys
+
+    torch.manual_seed(0)
+    ce = CacheEngine(num_layers=2, block_size=4, num_kv_heads=1, head_dim=4, dtype=torch.float32,
+                     device=torch.device("cpu"), num_blocks=8, num_host_blocks=8)
+    kv = KVCacheManager(8, 4, num_host_blocks=8, enable_prefix_caching=True)
+    keys = block_keys(list(range(9)), 4)  # two full blocks
+    assert kv.admit("a", keys, 9) == 0
+    for k, v in ce.device_caches:
+        k.copy_(torch.randn_like(k))
+        v.copy_(torch.randn_like(v))
+    kv.cache_blocks("a", keys, 9)
+    assert kv.admit("b", keys, 9) == 8  # shares both full blocks
+    expect = {r: [(k[kv.block_table(r)].clone(), v[kv.block_table(r)].clone()) for k, v in ce.device_caches]
+              for r in ("a", "b")}
+    pairs = list(kv.swap_out("a").items()) + list(kv.swap_out("b").items())
+    assert len({d for d, _ in pairs}) < len(pairs)  # a device block leaves twice
+    ce.swap(pairs, [], wait=False)
+    kv.release_pending()
+    for k, v in ce.device_caches:  # the device blocks are reused for other content
+        k.zero_()
+        v.zero_()
+    back = list(kv.swap_in("a").items()) + list(kv.swap_in("b").items())
+    ce.swap([], back, wait=True)
+    for r in ("a", "b"):
+        table = kv.block_table(r)
+        for (k, v), (ek, ev) in zip(ce.device_caches, expect[r]):
+            assert torch.equal(k[table], ek) and torch.equal(v[table], ev)
+    kv.check_integrity()
