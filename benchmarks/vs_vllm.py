@@ -32,14 +32,21 @@ second peer that runs on any CPU, ``transformers serve --continuous-batching``):
 
     python benchmarks/vs_vllm.py online --vllm-python /work/vllm-venv/bin/python --rates 2 4 8
 
-reports TTFT and TPOT P50/P99, throughput and goodput under an SLO.
+reports TTFT and TPOT P50/P99, throughput and goodput under an SLO. The load
+is Poisson arrivals of chat requests (text prompts: every server takes them,
+and the byte tokenizer turns the same text into the same tokens everywhere),
+prompt and output lengths uniform within +-50% of ``--online-input-len``
+words and ``--online-output-len`` tokens. The servers stay up side by side
+and each rate runs on each in turn, the order swapped at every rate.
 
 The model is a 4-layer, hidden-512 GQA Llama (8 query heads, 2 KV heads,
 vocab 32k) with seeded random weights saved as safetensors, so every system
 loads the very same weights, and a byte-level tokenizer. Prompt lengths are
 ShareGPT's scaled by ``--length-scale``. JSON + a markdown table go to
-``benchmarks/results/vs_vllm-<mode>-<device>.{json,md}`` with the device, the
-versions and the command line.
+``benchmarks/results/vs_vllm-<mode>-cpu.{json,md}`` with the device, the
+versions and the command line; ``--baseline-src DIR`` adds a third offline
+system, fluidserve imported from another source tree (a checkout from before
+a change), for before/after figures from the same run.
 """
 
 from __future__ import annotations
@@ -252,7 +259,7 @@ def device_record() -> dict:
 
 def write(mode: str, record: dict, table: list[str]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"vs_vllm-{mode}-cpu"
+    stem = RESULTS / f"vs_vllm-{mode}-cpu{record.get('tag', '')}"
     stem.with_suffix(".json").write_text(json.dumps(record, indent=2))
     dev = record["device"]
     head = [f"# fluidserve vs vLLM, {mode} — {dev['cpu']}, {dev['cores']} cores", "",
@@ -284,7 +291,7 @@ def offline(args: argparse.Namespace) -> dict:
                     "device": device_record(), "model_shape": SHAPE, "engine_options": opts,
                     "prompts": {"source": "ShareGPT lengths", "scale": args.length_scale,
                                 "mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))},
-                    "note": args.note, "points": points}
+                    "note": args.note, "tag": args.tag, "points": points}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / "model")
         log = RESULTS / "vs_vllm-workers.log"
@@ -456,9 +463,10 @@ def online(args: argparse.Namespace) -> dict:
         args.vllm_python = None
     dtype = args.dtypes[0]
     record: dict = {"benchmark": "vs_vllm online", "command": " ".join(map(shlex.quote, sys.argv)),
-                    "device": device_record(), "model_shape": SHAPE, "dtype": dtype, "note": args.note,
-                    "load": {"num_requests": args.num_requests, "dataset": "sharegpt", "length_scale": args.length_scale,
-                             "output_len_cap": args.max_output_len, "endpoint": "chat", "arrival": "poisson",
+                    "device": device_record(), "model_shape": SHAPE, "dtype": dtype, "note": args.note, "tag": args.tag,
+                    "load": {"num_requests": args.num_requests, "endpoint": "chat", "arrival": "poisson",
+                             "prompt_words": f"{args.online_input_len} +-50% (uniform), about 2 tokens a word",
+                             "output_tokens": f"{args.online_output_len} +-50% (uniform), ignore_eos",
                              "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms},
                     "servers": {}, "points": []}
     log = RESULTS / "vs_vllm-servers.log"
@@ -491,10 +499,12 @@ def online(args: argparse.Namespace) -> dict:
 def _load(bc, port: int, rate: float, args: argparse.Namespace) -> dict:
     import asyncio
 
+    # Chat with text prompts: every server takes them (transformers serve takes no token ids), and
+    # the byte tokenizer makes the same text the same tokens everywhere.
     flags = ["--base-url", f"http://127.0.0.1:{port}", "--no-progress", "--endpoint", "chat",
-             "--dataset", "sharegpt", "--length-scale", str(args.length_scale), "--max-input-len",
-             str(args.max_prompt_len), "--max-output-len", str(args.max_output_len), "--num-requests",
-             str(args.num_requests), "--request-rate", str(rate), "--seed", str(args.seed)]
+             "--input-len", str(args.online_input_len), "--output-len", str(args.online_output_len),
+             "--length-dist", "uniform", "--length-range", "0.5", "--num-requests", str(args.num_requests),
+             "--request-rate", str(rate), "--seed", str(args.seed)]
     if args.slo_ttft_ms:
         flags += ["--slo-ttft-ms", str(args.slo_ttft_ms)]
     if args.slo_tpot_ms:
@@ -551,13 +561,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--rates", type=float, nargs="+", default=[2.0, 4.0, 8.0], help="online: requests/s")
     ap.add_argument("--num-requests", type=int, default=60, help="online: requests per rate")
-    ap.add_argument("--max-output-len", type=int, default=64, help="online: output length cap")
+    ap.add_argument("--online-input-len", type=int, default=128, help="online: mean prompt words")
+    ap.add_argument("--online-output-len", type=int, default=64, help="online: mean output tokens")
     ap.add_argument("--max-model-len", type=int, default=4096, help="online: servers' context length")
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--skip-transformers", action="store_true", help="online: leave out transformers serve")
     ap.add_argument("--baseline-src", type=Path, default=None,
                     help="offline: also run fluidserve from this source tree (a checkout before a change)")
+    ap.add_argument("--tag", default="", help="suffix of the result files (e.g. -run2)")
     ap.add_argument("--note", default="", help="a line saved with the results (e.g. the machine was shared)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
