@@ -138,14 +138,18 @@ def scheduler_overhead(cm: CostModel, policy: str, active: int, steps: int = 200
     for i in range(active):
         seq = SeqState(f"r{i}", 200 + (i * 37) % 600, 10_000, i * 1e-3)
         s.add(seq, 0.0)
+    return time_steps(s, warm_steps=3, steps=steps)
+
+
+def time_steps(s: Scheduler, warm_steps: int, steps: int) -> float:
+    """CPU seconds per schedule() + update_from_output(), after
+    ``warm_steps`` untimed steps (admission and prefill)."""
     now = 1.0
-    for _ in range(3):  # prefill everything (admission, several steps)
-        plan = s.schedule(now)
-        s.update_from_output(plan, StepOutcome(0.01, now))
+    for _ in range(warm_steps):
+        s.update_from_output(s.schedule(now), StepOutcome(0.01, now))
     t0 = time.process_time()
     for _ in range(steps):
-        plan = s.schedule(now)
-        s.update_from_output(plan, StepOutcome(0.01, now))
+        s.update_from_output(s.schedule(now), StepOutcome(0.01, now))
         now += 0.01
     return (time.process_time() - t0) / steps
 

@@ -184,6 +184,9 @@ class RooflineCostModel(_StepShapeMixin):
         self._lm_head_flops = 2 * model.hidden_size * model.vocab_size
         # QK^T and PV: 2 matmuls x 2 FLOPs per (query, key) pair per head dim.
         self._flops_per_pair = 4 * model.num_layers * model.num_heads * model.hd
+        # Properties of the shape, computed once here: step_time runs every step.
+        self._weight_bytes = model.weight_bytes
+        self._kv_bytes_per_token = model.kv_bytes_per_token
         self._compute_rate = device.peak_flops * device.flops_efficiency
         self._memory_rate = device.hbm_bandwidth * device.memory_efficiency
 
@@ -204,8 +207,7 @@ class RooflineCostModel(_StepShapeMixin):
         # not end their prompt skip the lm_head, counted as if all sampled.
         samples = num_decode_seqs + (1 if num_prefill_tokens else 0)
         flops = tokens * self._flops_per_token + samples * self._lm_head_flops + pairs * self._flops_per_pair
-        kv = self.model.kv_bytes_per_token
-        bytes_moved = self.model.weight_bytes + (total_context + tokens) * kv
+        bytes_moved = self._weight_bytes + (total_context + tokens) * self._kv_bytes_per_token
         return max(flops / self._compute_rate, bytes_moved / self._memory_rate) + self.device.step_overhead_s
 
     def num_kv_blocks(self, block_size: int, memory_utilization: float = 0.9,

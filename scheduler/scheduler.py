@@ -242,7 +242,10 @@ class Scheduler:
         to the host."""
         rid = seq.request_id
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPING_IN):
-            room = self._room(self.kv.num_new_blocks(rid, num_tokens), pos, step, allow_recompute=True)
+            need = self.kv.num_new_blocks(rid, num_tokens)
+            if not need:  # most decodes: the last block has room
+                return True
+            room = self._room(need, pos, step, allow_recompute=True)
             if room is None:  # nothing below it holds KV: give way to the requests above
                 self._evict(seq, step, allow_recompute=True)
             return bool(room) and self.kv.allocate(rid, num_tokens)

@@ -218,6 +218,22 @@ def test_abort_while_swapped_or_just_swapped_in_frees_both_pools(tiny_model, mak
     assert engine.kv.num_used_blocks == 0 and engine.kv.num_used_host_blocks == 0
 
 
+def _record_moves(scheduler) -> list[tuple[list, list]]:
+    """(swapped out, swapped in) request ids of every non-empty plan the real
+    scheduler makes from now on."""
+    moves: list[tuple[list, list]] = []
+    schedule = scheduler.schedule
+
+    def record(now):
+        plan = schedule(now)
+        if not plan.is_empty:
+            moves.append((list(plan.swapped_out), list(plan.swapped_in)))
+        return plan
+
+    scheduler.schedule = record
+    return moves
+
+
 def test_simulator_and_engine_make_the_same_swap_decisions(tiny_model, make_llm):
     """The same jobs through the simulator and the real engine (same
     scheduler config, a cost model that only orders): the same sequence of
@@ -231,16 +247,7 @@ def test_simulator_and_engine_make_the_same_swap_decisions(tiny_model, make_llm)
     out_tokens = 20
     llm = make_llm(path, scheduling_policy="fcfs", **SMALL_POOL)
     engine = llm.engine
-    engine_moves: list[tuple[list, list]] = []
-    schedule = engine.scheduler.schedule
-
-    def record(now):
-        plan = schedule(now)
-        if not plan.is_empty:
-            engine_moves.append((list(plan.swapped_out), list(plan.swapped_in)))
-        return plan
-
-    engine.scheduler.schedule = record
+    engine_moves = _record_moves(engine.scheduler)
     params = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"j{i}", p, params, arrival_time=float(i) * 1e-6)
@@ -253,19 +260,10 @@ def test_simulator_and_engine_make_the_same_swap_decisions(tiny_model, make_llm)
     cfg = SimConfig(num_kv_blocks=10, block_size=8, max_num_batched_tokens=2048, num_host_blocks=64,
                     max_swap_blocks_per_step=engine.scheduler.config.max_swap_blocks_per_step)
     sim = Simulator(jobs, "fcfs", cost, cfg)
-    sim_moves: list[tuple[list, list]] = []
-    sched_schedule = sim.scheduler.schedule
-
-    def record_sim(now):
-        plan = sched_schedule(now)
-        if not plan.is_empty:
-            sim_moves.append((list(plan.swapped_out), list(plan.swapped_in)))
-        return plan
-
-    sim.scheduler.schedule = record_sim
+    sim_moves = _record_moves(sim.scheduler)
     sim.run()
     assert any(out for out, _ in engine_moves)  # the trace does swap
-    assert [(o, i) for o, i in engine_moves] == [([r.split("#")[0] + "#0" for r in o], i) for o, i in sim_moves]
+    assert engine_moves == sim_moves
 
 
 def test_a_shared_block_swapped_out_twice_in_one_step_reaches_both_host_copies():
