@@ -298,9 +298,13 @@ def test_batch_never_crowds_out_online_requests(tiny_model, tmp_path):
                 assert time.monotonic() < deadline
                 time.sleep(0.002)
             if i == 0:  # batch lines are in the engine as offline requests, and only they are
-                m = read_metrics(srv.base_url)
-                assert metric_sum({k: v for k, v in m.items() if 'klass="offline"' in k},
-                                  "fluidserve_num_requests") >= 1
+                while True:  # /metrics shows the engine's last snapshot: wait for one with the lines in
+                    m = read_metrics(srv.base_url)
+                    if metric_sum({k: v for k, v in m.items() if 'klass="offline"' in k},
+                                  "fluidserve_num_requests") >= 1:
+                        break
+                    assert time.monotonic() < deadline, "batch lines never showed as offline requests"
+                    time.sleep(0.01)
                 assert metric_sum({k: v for k, v in m.items() if 'klass="online"' in k},
                                   "fluidserve_num_requests") == 0
             r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "online", "max_tokens": 2}, timeout=30)
