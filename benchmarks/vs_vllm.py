@@ -41,7 +41,9 @@ and each rate runs on each in turn, the order swapped at every rate.
 
 The model is a 4-layer, hidden-512 GQA Llama (8 query heads, 2 KV heads,
 vocab 32k) with seeded random weights saved as safetensors, so every system
-loads the very same weights, and a byte-level tokenizer. Prompt lengths are
+loads the very same weights, and a byte-level tokenizer whose ids past the
+bytes each decode to a short text. ``transformers serve`` needs the
+``accelerate`` package; without it that peer is reported as not started. Prompt lengths are
 ShareGPT's scaled by ``--length-scale``. JSON + a markdown table go to
 ``benchmarks/results/vs_vllm-<mode>-cpu.{json,md}`` with the device, the
 versions and the command line; ``--baseline-src DIR`` adds a third offline
@@ -125,9 +127,13 @@ def _fluidserve_runner(model_dir: str, dtype: str, opts: dict):
 
     from fluidserve.engine import LLM, SamplingParams
 
+    from fluidserve.engine.config import EngineConfig
+
+    # Repeats and points reuse prompts: prefix caching is off on both sides.
+    extra = {"enable_prefix_caching": False} if "enable_prefix_caching" in EngineConfig.__dataclass_fields__ else {}
     llm = LLM(model=model_dir, device="cpu", dtype=dtype, max_model_len=opts["max_model_len"],
               max_num_seqs=opts["max_num_seqs"], max_num_batched_tokens=opts["max_num_batched_tokens"],
-              num_kv_blocks=opts["num_kv_blocks"])
+              num_kv_blocks=opts["num_kv_blocks"], **extra)
 
     def generate(prompts, output_len):
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
@@ -235,6 +241,13 @@ def build_model(root: Path) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(root)
     save_byte_tokenizer(root)
+    # Ids past the 261 byte-level tokens get a text each ("<300>"), so every
+    # token a random model samples streams as text: a server that sends no
+    # chunk for an empty delta (fluidserve) would otherwise bunch its tokens
+    # at the end and its TTFT / TPOT would measure that, not the engine.
+    tok = transformers.AutoTokenizer.from_pretrained(root)
+    tok.add_tokens([f"<{i}>" for i in range(len(tok), SHAPE["vocab_size"])])
+    tok.save_pretrained(root)
     return root
 
 
@@ -439,7 +452,8 @@ def server_commands(args: argparse.Namespace, model_dir: Path, dtype: str, ports
         "fluidserve": ([sys.executable, "-m", "fluidserve.serve.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
                         "--port", str(ports["fluidserve"]), "--device", "cpu", "--dtype", dtype,
                         "--max-model-len", common_len, "--max-num-seqs", str(args.max_num_seqs),
-                        "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--log-level", "warning"], {}),
+                        "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-enable-prefix-caching",
+                        "--log-level", "warning"], {}),
     }
     if args.vllm_python:
         cmds["vllm"] = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
