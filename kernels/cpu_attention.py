@@ -14,6 +14,8 @@ makes the CPU path scale with the number of requests:
 * **Fresh prompts read no cache.** A prompt with no cached prefix attends to
   this step's own K/V (views into the flat batch) with ``is_causal``, so the
   flash kernel skips the masked half; only chunks over a cached prefix gather.
+  Every call passes 4-D tensors: torch sends 3-D ones (as the reference's
+  prefill does) to its unfused path, which materialises the scores.
 * **Decodes batched, GQA folded.** All single-token rows of a length bucket go
   through one attention call. The ``g = Hq / Hk`` query heads that share a KV
   head become ``g`` queries of that head::
