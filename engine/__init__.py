@@ -7,26 +7,26 @@ can import ``fluidserve.engine.sampling_params`` without torch.
 
 from __future__ import annotations
 
-from .sampling_params import SamplingParams
+from fluidserve.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):
     if name == "LLM":
-        from .llm import LLM
+        from fluidserve.engine.llm import LLM
 
         return LLM
     if name == "LLMEngine":
-        from .engine import LLMEngine
+        from fluidserve.engine.engine import LLMEngine
 
         return LLMEngine
     if name == "EngineConfig":
-        from .config import EngineConfig
+        from fluidserve.engine.config import EngineConfig
 
         return EngineConfig
     if name in ("RequestOutput", "CompletionOutput"):
-        from . import outputs
+        from fluidserve.engine import outputs
 
         return getattr(outputs, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

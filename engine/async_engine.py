@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from fluidserve.engine.outputs import RequestOutput
+from fluidserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("fluidserve.engine")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .sampling_params import SamplingParams
+from fluidserve.engine.sampling_params import SamplingParams
 
 
 @dataclass

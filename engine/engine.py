@@ -15,22 +15,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..kvcache.manager import KVCacheManager
-from ..kvcache.prefix_cache import ROOT_KEY, block_keys, chain_key
-from ..scheduler.cost_model import cost_model_for_engine
-from ..scheduler.plan import StepOutcome, StepPlan
-from ..scheduler.request_state import RequestClass, SeqState
-from ..scheduler.scheduler import Scheduler, SchedulerConfig
-from .batch import ModelInput, SampleSpec, StepResult
-from .config import EngineConfig
-from .detokenizer import TextStream
-from .executor import make_executor
-from .loader import eos_token_ids, is_tiny_model, load_hf_config, load_tokenizer, model_context_length, resolve_model_dir
-from .outputs import RequestOutput
-from .request import Request, Sequence
-from .sampling_params import SamplingParams
-from .tiny_model import default_tiny_model_dir
-from .worker import gpu_name, pick_device
+from fluidserve.kvcache.manager import KVCacheManager
+from fluidserve.kvcache.prefix_cache import ROOT_KEY, block_keys, chain_key
+from fluidserve.scheduler.cost_model import cost_model_for_engine
+from fluidserve.scheduler.plan import StepOutcome, StepPlan
+from fluidserve.scheduler.request_state import RequestClass, SeqState
+from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from fluidserve.engine.batch import ModelInput, SampleSpec, StepResult
+from fluidserve.engine.config import EngineConfig
+from fluidserve.engine.detokenizer import TextStream
+from fluidserve.engine.executor import make_executor
+from fluidserve.engine.loader import eos_token_ids, is_tiny_model, load_hf_config, load_tokenizer, model_context_length, resolve_model_dir
+from fluidserve.engine.outputs import RequestOutput
+from fluidserve.engine.request import Request, Sequence
+from fluidserve.engine.sampling_params import SamplingParams
+from fluidserve.engine.tiny_model import default_tiny_model_dir
+from fluidserve.engine.worker import gpu_name, pick_device
 
 log = logging.getLogger(__name__)
 

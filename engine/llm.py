@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import EngineConfig
-from .engine import LLMEngine, next_request_id
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from fluidserve.engine.config import EngineConfig
+from fluidserve.engine.engine import LLMEngine, next_request_id
+from fluidserve.engine.outputs import RequestOutput
+from fluidserve.engine.sampling_params import SamplingParams
 
 
 class LLM:

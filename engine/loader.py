@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .models import model_class
-from .parallel import ShardSpec, TensorParallel, shard_spec
+from fluidserve.engine.models import model_class
+from fluidserve.engine.parallel import ShardSpec, TensorParallel, shard_spec
 
 log = logging.getLogger(__name__)
 

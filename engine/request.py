@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..scheduler.request_state import RequestClass, SeqState
-from .outputs import CompletionOutput, TokenLogprobs
-from .sampling_params import SamplingParams
+from fluidserve.scheduler.request_state import RequestClass, SeqState
+from fluidserve.engine.outputs import CompletionOutput, TokenLogprobs
+from fluidserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(eq=False)

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import reference
+from fluidserve.kernels import reference
 
 if TYPE_CHECKING:
-    from .packing import WorkPlan
+    from fluidserve.kernels.packing import WorkPlan
 
 
 _reference_only = False
@@ -47,7 +47,7 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = do not write
 ) -> None:
     if _on_cuda(key, value, key_cache, value_cache, slot_mapping):
-        from . import cache_ops
+        from fluidserve.kernels import cache_ops
 
         cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     else:
@@ -68,7 +68,7 @@ def paged_attention(
     """``work`` (a per-step plan from ``paged_attention.plan_for``) is used only
     on CUDA; the reference needs none."""
     if _on_cuda(query, key_cache, value_cache, block_tables):
-        from . import paged_attention as triton_attention
+        from fluidserve.kernels import paged_attention as triton_attention
 
         return triton_attention.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, work
@@ -83,7 +83,7 @@ def gather_blocks(
     block_ids: torch.Tensor,  # [n]
 ) -> torch.Tensor:
     if _on_cuda(cache, block_ids):
-        from . import cache_ops
+        from fluidserve.kernels import cache_ops
 
         return cache_ops.gather_blocks(cache, block_ids)
     return reference.gather_blocks(cache, block_ids)
@@ -97,7 +97,7 @@ def scatter_blocks(
     # The staging buffer may sit in pinned host memory while the cache is on
     # the GPU; bring it over first so the kernel sees one device.
     if _on_cuda(cache, block_ids):
-        from . import cache_ops
+        from fluidserve.kernels import cache_ops
 
         cache_ops.scatter_blocks(staging.to(cache.device, non_blocking=True), cache, block_ids)
     else:

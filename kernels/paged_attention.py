@@ -63,8 +63,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import packing
-from .packing import WORK_FIELDS, WorkPlan
+from fluidserve.kernels import packing
+from fluidserve.kernels.packing import WORK_FIELDS, WorkPlan
 
 LOG2E = 1.4426950408889634
 # Rows of a prefill tile (tokens_per_tile * group); 128 keeps the tensor cores

@@ -22,9 +22,9 @@ does not fit the step is preempted for that iteration.
 
 from __future__ import annotations
 
-from .cost_model import CostModel
-from .policy_base import Policy
-from .request_state import SeqState
+from fluidserve.scheduler.cost_model import CostModel
+from fluidserve.scheduler.policy_base import Policy
+from fluidserve.scheduler.request_state import SeqState
 
 # FastServe's default α (300 ms) was 10 iterations of its model (its SLO, 10x
 # an iteration). Without a flag the starve limit is 10 iterations of this

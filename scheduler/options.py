@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .policies import DEFAULT_POLICY, POLICIES
+from fluidserve.scheduler.policies import DEFAULT_POLICY, POLICIES
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

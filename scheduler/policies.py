@@ -20,10 +20,10 @@ Registered policies:
 
 from __future__ import annotations
 
-from .cost_model import CostModel
-from .mlfq import MLFQPolicy, SkipJoinMLFQPolicy
-from .policy_base import Policy
-from .request_state import SeqState
+from fluidserve.scheduler.cost_model import CostModel
+from fluidserve.scheduler.mlfq import MLFQPolicy, SkipJoinMLFQPolicy
+from fluidserve.scheduler.policy_base import Policy
+from fluidserve.scheduler.request_state import SeqState
 
 __all__ = ["Policy", "FCFSPolicy", "FixedPriorityPolicy", "MLFQPolicy", "SkipJoinMLFQPolicy",
            "POLICIES", "DEFAULT_POLICY", "make_policy"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from .cost_model import CostModel, default_cost_model
-from .request_state import SeqState
+from fluidserve.scheduler.cost_model import CostModel, default_cost_model
+from fluidserve.scheduler.request_state import SeqState
 
 
 class Policy(ABC):

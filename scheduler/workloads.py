@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .request_state import RequestClass
+from fluidserve.scheduler.request_state import RequestClass
 
 # <repo>/scheduler/workloads.py -> <repo>/../shared/workloads
 DEFAULT_WORKLOAD_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "workloads"

@@ -24,12 +24,12 @@ from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
-from ..engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
-from ..engine.outputs import RequestOutput
-from .errors import APIError, error_body, from_validation_error, from_value_error, install_handlers
-from .inputs import EngineInputs, InputProcessor, ModelInfo, check_model, log_request
-from .metrics import RequestTimer, ServerMetrics
-from .protocol import (
+from fluidserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
+from fluidserve.engine.outputs import RequestOutput
+from fluidserve.serve.errors import APIError, error_body, from_validation_error, from_value_error, install_handlers
+from fluidserve.serve.inputs import EngineInputs, InputProcessor, ModelInfo, check_model, log_request
+from fluidserve.serve.metrics import RequestTimer, ServerMetrics
+from fluidserve.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -41,7 +41,7 @@ from .protocol import (
     TokenizeRequest,
     add_request_schemas,
 )
-from .render import ChatStreamer, CompletionStreamer, chat_choices, completion_choices, make_usage
+from fluidserve.serve.render import ChatStreamer, CompletionStreamer, chat_choices, completion_choices, make_usage
 
 VERSION = "0.1.0"
 T = TypeVar("T")
@@ -74,7 +74,7 @@ class ClientGone(Exception):
 def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
               settings: ServerSettings | None = None, batch_config: Any = None) -> FastAPI:
     """``batch_config`` (a ``batches.BatchConfig``) enables the durable Batch API."""
-    from .batches import install_batch_api
+    from fluidserve.serve.batches import install_batch_api
 
     settings = settings or ServerSettings()
     server = _Server(engine, InputProcessor(tokenizer, model), model, settings)

@@ -32,15 +32,15 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
-from ..engine.outputs import RequestOutput
-from .errors import APIError, bad_request, error_body
-from .inputs import check_model
-from .protocol import BATCH_ENDPOINTS, BatchCreateRequest, ChatCompletionRequest, CompletionRequest
-from .store import BatchLine, BatchRecord, FileRecord, LineResult, Store, StoreError, new_id
+from fluidserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from fluidserve.engine.outputs import RequestOutput
+from fluidserve.serve.errors import APIError, bad_request, error_body
+from fluidserve.serve.inputs import check_model
+from fluidserve.serve.protocol import BATCH_ENDPOINTS, BatchCreateRequest, ChatCompletionRequest, CompletionRequest
+from fluidserve.serve.store import BatchLine, BatchRecord, FileRecord, LineResult, Store, StoreError, new_id
 
 if TYPE_CHECKING:
-    from .api import _Server
+    from fluidserve.serve.api import _Server
 
 logger = logging.getLogger("fluidserve.batches")
 
@@ -155,7 +155,7 @@ class LineExecutor:
         self.num_queued = 0
 
     async def run(self, endpoint: str, body: dict[str, Any], request_id: str) -> LineOutcome:
-        from .api import validate_body
+        from fluidserve.serve.api import validate_body
 
         s = self.server
         try:
@@ -190,7 +190,7 @@ class LineExecutor:
                            usage.completion_tokens if usage else 0)
 
     async def _collect(self, streams: list[RequestStream], waiting: list[int]) -> list[RequestOutput]:
-        from .api import _as_api_error
+        from fluidserve.serve.api import _as_api_error
 
         async def one(stream: RequestStream) -> RequestOutput:
             last = None
@@ -681,10 +681,10 @@ def run_batch_main(argv: Sequence[str]) -> int:
     import argparse
     import sys
 
-    from ..engine.async_engine import AsyncEngine
-    from ..engine.engine import LLMEngine
-    from .api import ServerSettings, build_app
-    from .cli import add_serve_args, engine_config_from_args, frontend_tokenizer, model_info
+    from fluidserve.engine.async_engine import AsyncEngine
+    from fluidserve.engine.engine import LLMEngine
+    from fluidserve.serve.api import ServerSettings, build_app
+    from fluidserve.serve.cli import add_serve_args, engine_config_from_args, frontend_tokenizer, model_info
 
     parser = argparse.ArgumentParser(prog="fluidserve run-batch",
                                      description="run an OpenAI batch input file offline, without a server")

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..scheduler.simulator import percentile  # one percentile definition for every benchmark
-from ..scheduler.workloads import ARXIV, AZURE_CODE, DEFAULT_WORKLOAD_DIR, SHAREGPT, gamma_arrivals, read_rows
+from fluidserve.scheduler.simulator import percentile  # one percentile definition for every benchmark
+from fluidserve.scheduler.workloads import ARXIV, AZURE_CODE, DEFAULT_WORKLOAD_DIR, SHAREGPT, gamma_arrivals, read_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATASETS = {"sharegpt": SHAREGPT, "azure-code": AZURE_CODE, "arxiv": ARXIV}

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
-    from .inputs import ModelInfo
+    from fluidserve.serve.inputs import ModelInfo
 
 logger = logging.getLogger("fluidserve.serve")
 
@@ -92,8 +92,8 @@ def _origins(text: str) -> list[str]:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from ..kvcache.options import add_cli_args as add_kv_args
-    from ..scheduler.options import add_cli_args as add_scheduler_args
+    from fluidserve.kvcache.options import add_cli_args as add_kv_args
+    from fluidserve.scheduler.options import add_cli_args as add_scheduler_args
 
     m = p.add_argument_group("model and engine")
     m.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -179,10 +179,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    from ..engine.config import EngineConfig
-    from ..engine.loader import resolve_model_dir
-    from ..kvcache.options import options_from_args as kv_options
-    from ..scheduler.options import options_from_args
+    from fluidserve.engine.config import EngineConfig
+    from fluidserve.engine.loader import resolve_model_dir
+    from fluidserve.kvcache.options import options_from_args as kv_options
+    from fluidserve.scheduler.options import options_from_args
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"model: given twice, as {args.model_tag!r} and --model {args.model!r}")
@@ -209,7 +209,7 @@ def model_info(engine, served_model_names: Sequence[str] | None = None,
                generation_config: str = "auto") -> "ModelInfo":
     """What the frontend knows of the served model; ``generation_config`` as
     ``--generation-config`` takes it (auto | vllm | a folder)."""
-    from .inputs import ModelInfo
+    from fluidserve.serve.inputs import ModelInfo
 
     names = list(served_model_names or [])
     name = engine.model_name
@@ -220,7 +220,7 @@ def model_info(engine, served_model_names: Sequence[str] | None = None,
 
 
 def sampling_defaults(engine, generation_config: str) -> dict:
-    from ..engine.loader import generation_defaults
+    from fluidserve.engine.loader import generation_defaults
 
     if generation_config == "vllm":
         return {}
@@ -274,11 +274,11 @@ def _check_ssl(args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from ..engine.async_engine import AsyncEngine
-    from ..engine.engine import LLMEngine
-    from ..engine.loader import set_trust_remote_code
-    from .api import ServerSettings, build_app
-    from .server import make_server
+    from fluidserve.engine.async_engine import AsyncEngine
+    from fluidserve.engine.engine import LLMEngine
+    from fluidserve.engine.loader import set_trust_remote_code
+    from fluidserve.serve.api import ServerSettings, build_app
+    from fluidserve.serve.server import make_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_trust_remote_code(args.trust_remote_code)
@@ -306,8 +306,8 @@ def run_serve(args: argparse.Namespace) -> int:
                               max_queued_requests=args.max_queued_requests,
                               allowed_origins=tuple(args.allowed_origins or ()),
                               log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
-    from .batches import BatchConfig
-    from .store import StoreError
+    from fluidserve.serve.batches import BatchConfig
+    from fluidserve.serve.store import StoreError
 
     batch_config = BatchConfig(args.data_dir, max_in_flight=args.batch_max_in_flight) if args.data_dir else None
     try:
@@ -341,14 +341,14 @@ def _share_cpu_with_frontend(config) -> None:
 
 
 def run_bench(argv: Sequence[str]) -> int:
-    from .bench_client import main as bench_main
+    from fluidserve.serve.bench_client import main as bench_main
 
     return bench_main(list(argv))
 
 
 def run_profile(argv: Sequence[str]) -> int:
     try:
-        from ..engine.profiler import main as profile_main
+        from fluidserve.engine.profiler import main as profile_main
     except ImportError as exc:
         print(f"fluidserve profile: the profiler is not available ({exc})", file=sys.stderr)
         return 2
@@ -378,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "profile":
         return run_profile(argv[1:])
     if argv and argv[0] == "run-batch":
-        from .batches import run_batch_main
+        from fluidserve.serve.batches import run_batch_main
 
         return run_batch_main(argv[1:])
     try:

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .protocol import ErrorInfo, ErrorResponse
+from fluidserve.serve.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("fluidserve.serve")
 

@@ -16,9 +16,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.sampling_params import SamplingParams
-from .errors import APIError, bad_request, from_value_error
-from .protocol import (
+from fluidserve.engine.sampling_params import SamplingParams
+from fluidserve.serve.errors import APIError, bad_request, from_value_error
+from fluidserve.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

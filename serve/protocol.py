@@ -21,7 +21,7 @@ from typing import Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
-from ..engine.sampling_params import MAX_LOGPROBS, MAX_STOP_SEQUENCES
+from fluidserve.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_SEQUENCES
 
 MAX_N = 16  # completions per prompt
 MAX_LOGIT_BIAS = 300  # entries of logit_bias

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
-from .inputs import Prompt
-from .protocol import (
+from fluidserve.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from fluidserve.serve.inputs import Prompt
+from fluidserve.serve.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,

@@ -3,15 +3,15 @@ actors, one per GPU (ray). The engine only sees the ``Executor`` interface."""
 
 from __future__ import annotations
 
-from .base import Executor, ExecutorError
+from fluidserve.engine.executor.base import Executor, ExecutorError
 
 
 def make_executor(config, model_dir: str) -> Executor:
     if config.executor == "ray":
-        from .ray import RayExecutor
+        from fluidserve.engine.executor.ray import RayExecutor
 
         return RayExecutor(config, model_dir)
-    from .local import LocalExecutor
+    from fluidserve.engine.executor.local import LocalExecutor
 
     return LocalExecutor(config, model_dir)
 

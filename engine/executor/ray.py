@@ -44,12 +44,12 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..batch import ModelInput, StepResult
-from ..config import EngineConfig
-from ..loader import build_model, load_hf_config
-from ..parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
-from ..worker import Worker
-from .base import Executor, ExecutorError
+from fluidserve.engine.batch import ModelInput, StepResult
+from fluidserve.engine.config import EngineConfig
+from fluidserve.engine.loader import build_model, load_hf_config
+from fluidserve.engine.parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
+from fluidserve.engine.worker import Worker
+from fluidserve.engine.executor.base import Executor, ExecutorError
 
 log = logging.getLogger(__name__)
 
