@@ -13,7 +13,10 @@ pool exists):
   push them out to host memory, the one with the largest estimated next
   scheduled time (ENST) first, and run in their place. A running request that
   must grow evicts the same way.
-* Proactive moves, after the step is filled: swap in, smallest ENST first,
+* Proactive moves: a swapped request whose copy is longer than a step can
+  hide comes back a step before it runs, so the copy overlaps the current
+  step (a short one runs at once: waiting for it costs less than a step).
+  After the step is filled: swap in, smallest ENST first,
   the KV of swapped requests the device has room for (so they are resident
   when their turn comes and the copy overlaps this step), and swap out,
   largest ENST first, until a reserve of free device blocks sized from recent
@@ -256,8 +259,10 @@ class Scheduler:
             if not self._can_move(n) or not self._room(need, pos, step, allow_recompute=False, above=above):
                 return False
             self._swap_in(seq, step)
-            if not self.config.proactive_swap:
-                return self.kv.allocate(rid, num_tokens)  # runs now: this step waits for the copy
+            if not self.config.proactive_swap or n <= self._swap_refill:
+                # Runs now: this step waits for the copy, which is no longer
+                # than what one step hides (or the mode is reactive).
+                return self.kv.allocate(rid, num_tokens)
             return False  # runs next step: the copy overlaps this one
         raise AssertionError(f"request {rid!r} is {seq.status.value}: admit it first")
 
