@@ -13,9 +13,9 @@ pool exists):
   push them out to host memory, the one with the largest estimated next
   scheduled time (ENST) first, and run in their place. A running request that
   must grow evicts the same way.
-* Proactive moves: a swapped request whose copy is longer than a step can
-  hide comes back a step before it runs, so the copy overlaps the current
-  step (a short one runs at once: waiting for it costs less than a step).
+* Proactive moves: a swapped request comes back a step before it runs, so
+  the copy overlaps the current step, unless the copy is so short that the
+  whole batch waiting for it costs less than delaying the request a step.
   After the step is filled: swap in, smallest ENST first,
   the KV of swapped requests the device has room for (so they are resident
   when their turn comes and the copy overlaps this step), and swap out,
@@ -100,6 +100,7 @@ class _Step:
         self.ranked = ranked
         self.moved: set[str] = set()  # evicted or swapped in this step: not touched again
         self.freeing = 0  # device blocks this step's swap-outs free for the next step
+        self.batch: int | None = None  # resident requests when first asked
         self.enst: list[float] | None = None
         self.victims: list[int] | None = None  # positions, largest ENST first
         self.cursor = 0
@@ -259,9 +260,10 @@ class Scheduler:
             if not self._can_move(n) or not self._room(need, pos, step, allow_recompute=False, above=above):
                 return False
             self._swap_in(seq, step)
-            if not self.config.proactive_swap or n <= self._swap_refill:
-                # Runs now: this step waits for the copy, which is no longer
-                # than what one step hides (or the mode is reactive).
+            if not self.config.proactive_swap or n * self._batch_size(step) <= self._swap_refill:
+                # Runs now: every request of the step waits for the copy
+                # (n / refill of a step each), which costs them all less than
+                # one step of delay costs this one (or the mode is reactive).
                 return self.kv.allocate(rid, num_tokens)
             return False  # runs next step: the copy overlaps this one
         raise AssertionError(f"request {rid!r} is {seq.status.value}: admit it first")
@@ -307,6 +309,12 @@ class Scheduler:
             if not self._evict(victim, step, allow_recompute):
                 return False
         return self.kv.num_free_blocks >= need
+
+    def _batch_size(self, step: _Step) -> int:
+        """Requests the step will run, about: those holding device KV."""
+        if step.batch is None:
+            step.batch = sum(1 for q in step.ranked if self.kv.holds(q.request_id))
+        return max(1, min(step.batch, self.config.max_num_seqs))
 
     def _can_move(self, n: int) -> bool:
         return n <= self._swap_credit or self._swap_credit >= self._swap_bucket
