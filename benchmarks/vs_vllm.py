@@ -449,8 +449,8 @@ def stop_server(proc: subprocess.Popen) -> None:
 def server_commands(args: argparse.Namespace, model_dir: Path, dtype: str, ports: dict) -> dict:
     common_len = str(args.max_model_len)
     cmds = {
-        "fluidserve": ([sys.executable, "-m", "fluidserve.serve.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-                        "--port", str(ports["fluidserve"]), "--device", "cpu", "--dtype", dtype,
+        "fluidserve": ([sys.executable, "-m", "fluidserve.serve.cli", "serve", "--model", str(model_dir),
+                        "--host", "127.0.0.1", "--port", str(ports["fluidserve"]), "--device", "cpu", "--dtype", dtype,
                         "--max-model-len", common_len, "--max-num-seqs", str(args.max_num_seqs),
                         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-enable-prefix-caching",
                         "--log-level", "warning"], {}),
