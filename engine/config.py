@@ -30,6 +30,7 @@ class EngineConfig:
     preemption_mode: str = "swap"  # swap | recompute (vLLM's behaviour, a baseline)
     proactive_swap: bool = True  # prefetch swapped KV and keep free blocks for arrivals
     enable_prefix_caching: bool = True  # share the KV of equal prompt prefixes
+    online_tpot_slo_ms: float | None = None  # offline work may not push online steps past this
     scheduling_policy: str = "skip-join-mlfq"  # fcfs | mlfq | fixed-priority | skip-join-mlfq
     policy_options: dict = field(default_factory=dict)  # per-policy knobs (MLFQ quanta, ...)
     profile_path: str | None = None  # measured cost model (fluidserve profile -o ...)

@@ -95,6 +95,7 @@ class LLMEngine:
                 preemption_mode=config.preemption_mode,
                 proactive_swap=config.proactive_swap,
                 max_swap_blocks_per_step=self._swap_blocks_per_step(),
+                online_tpot_slo_ms=config.online_tpot_slo_ms,
             ),
             self.kv,
             cost_model=self.cost_model,

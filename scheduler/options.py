@@ -17,6 +17,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              f"(FastServe; default {DEFAULT_POLICY})",
     )
     g.add_argument(
+        "--online-tpot-slo-ms", type=float, default=None, metavar="MS",
+        help="co-serving (ConServe): offline work in a step with online requests is cut so the "
+             "step's predicted time stays within this time per output token (default: no cut)",
+    )
+    g.add_argument(
         "--mlfq-num-queues", type=int, default=None, metavar="N",
         help="MLFQ: number of priority queues (default 8)",
     )

@@ -40,6 +40,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fluidserve.kvcache.manager import KVCacheManager
+from fluidserve.scheduler.budget import SloBudget, StepShape
 from fluidserve.scheduler.cost_model import CostModel
 from fluidserve.scheduler.plan import ScheduledSeq, StepOutcome, StepPlan
 from fluidserve.scheduler.policies import DEFAULT_POLICY, Policy, make_policy
@@ -64,6 +65,9 @@ class SchedulerConfig:
     preemption_mode: str = "swap"  # swap | recompute (swap needs a host pool)
     proactive_swap: bool = True  # prefetch and keep a reserve, not only swap on demand
     max_swap_blocks_per_step: int | None = None  # None: unbounded
+    # ConServe's SLO-aware budget: offline work in a step with online work is
+    # cut so the step's predicted time stays within this (None: no cut).
+    online_tpot_slo_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -74,6 +78,8 @@ class SchedulerConfig:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.online_tpot_slo_ms is not None and not self.online_tpot_slo_ms > 0:
+            raise ValueError(f"online_tpot_slo_ms must be positive, got {self.online_tpot_slo_ms}")
         if self.max_swap_blocks_per_step is not None and self.max_swap_blocks_per_step < 1:
             raise ValueError(f"max_swap_blocks_per_step must be positive, got {self.max_swap_blocks_per_step}")
 
@@ -128,6 +134,8 @@ class Scheduler:
         self._swap_bucket = self._swap_refill * _SWAP_BUCKET_STEPS
         self._swap_credit = self._swap_bucket
         self._unrun: set[str] = set()  # swapped in, not run since
+        self.budget = (SloBudget(self.policy.cost, config.online_tpot_slo_ms / 1e3)
+                       if config.online_tpot_slo_ms is not None else None)
 
     @property
     def num_preemptions(self) -> int:
@@ -191,6 +199,7 @@ class Scheduler:
         step = _Step(StepPlan(), ranked, now)
         plan = step.plan
         budget = cfg.max_num_batched_tokens
+        shape = StepShape()  # of what is in the step so far (for the SLO budget)
         # decodes_below[i]: resident decodes ranked after position i.
         decodes_below = [0] * (len(ranked) + 1)
         for i in range(len(ranked) - 1, -1, -1):
@@ -217,8 +226,14 @@ class Scheduler:
                     n = min(n, budget - held)
                     if n <= 0:
                         continue
+            if self.budget is not None and seq.klass is RequestClass.OFFLINE:
+                n = self.budget.offline_tokens(shape, seq, n)
+                if n <= 0:
+                    continue
             if not self._make_resident(seq, seq.num_computed_tokens + n, i, step):
                 continue
+            if self.budget is not None:
+                shape.add(seq, n)
             plan.scheduled.append(self._scheduled(seq, n))
             budget -= n
         if self.swap and cfg.proactive_swap:

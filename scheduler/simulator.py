@@ -46,6 +46,7 @@ class SimConfig:
     proactive_swap: bool = True
     max_swap_blocks_per_step: int | None = None
     block_transfer_time: float = 0.0  # seconds to move one KV block over the host link
+    online_tpot_slo_ms: float | None = None  # ConServe's SLO-aware budget for offline work
     check_integrity: bool = False  # kv.check_integrity() after every step (tests)
 
 
@@ -148,6 +149,7 @@ class Simulator:
             enable_chunked_prefill=config.enable_chunked_prefill, policy=policy,
             policy_options=dict(policy_options or {}), preemption_mode=config.preemption_mode,
             proactive_swap=config.proactive_swap, max_swap_blocks_per_step=config.max_swap_blocks_per_step,
+            online_tpot_slo_ms=config.online_tpot_slo_ms,
         )
         self.scheduler = Scheduler(sched_cfg, self.kv, make_policy(policy, cost_model=cost_model,
                                                                    **sched_cfg.policy_options))

@@ -201,6 +201,7 @@ def engine_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=policy, policy_options=policy_options, profile_path=args.profile_path,
         executor=args.executor, tensor_parallel_size=args.tensor_parallel_size, ray_address=args.ray_address,
+        online_tpot_slo_ms=args.online_tpot_slo_ms,
         **kv_options(args),
     )
 

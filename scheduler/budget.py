@@ -1,0 +1,75 @@
+"""SLO-aware token budget (ConServe §4.2): how much offline work a step may
+carry beside online work without making the online requests miss their
+time-per-output-token SLO.
+
+Online requests are offered first (strict class priority), so when the first
+offline request is reached the step's online part is known. From then on each
+offline item is cut to the largest number of tokens whose addition keeps the
+step's predicted time (the cost model's) within the TPOT SLO; a decode that
+does not fit waits. With no online work in the step, offline work takes the
+whole token budget. Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fluidserve.scheduler.cost_model import CostModel, attn_pairs
+from fluidserve.scheduler.request_state import RequestClass, SeqState
+
+
+@dataclass
+class StepShape:
+    """The numbers a step's time is predicted from (see cost_model.py)."""
+
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    context: int = 0
+    pairs: int = 0
+    online: bool = False  # the step carries online work
+
+    @staticmethod
+    def is_decode(seq: SeqState, n: int) -> bool:
+        return n == 1 and seq.num_computed_tokens > 0 and seq.num_output_tokens > 0
+
+    def add(self, seq: SeqState, n: int) -> None:
+        """``seq`` runs ``n`` tokens this step (read before they are computed)."""
+        done = seq.num_computed_tokens
+        self.context += done + n
+        if self.is_decode(seq, n):
+            self.decode_seqs += 1
+        else:
+            self.prefill_tokens += n
+            self.pairs += attn_pairs(n, done)
+        self.online |= seq.klass is RequestClass.ONLINE
+
+
+class SloBudget:
+    def __init__(self, cost: CostModel, tpot_slo_s: float) -> None:
+        if not tpot_slo_s > 0:
+            raise ValueError(f"online TPOT SLO must be positive, got {tpot_slo_s}")
+        self.cost = cost
+        self.slo = tpot_slo_s
+
+    def _time_with(self, shape: StepShape, seq: SeqState, m: int) -> float:
+        done = seq.num_computed_tokens
+        if StepShape.is_decode(seq, m):
+            return self.cost.step_time(shape.prefill_tokens, shape.decode_seqs + 1, shape.context + done + 1,
+                                       shape.pairs)
+        return self.cost.step_time(shape.prefill_tokens + m, shape.decode_seqs, shape.context + done + m,
+                                   shape.pairs + attn_pairs(m, done))
+
+    def offline_tokens(self, shape: StepShape, seq: SeqState, n: int) -> int:
+        """How many of the ``n`` tokens offline ``seq`` may run in a step of
+        ``shape``: all of them without online work, else the most that keep
+        the predicted step time within the SLO (0: none)."""
+        if not shape.online or self._time_with(shape, seq, n) <= self.slo:
+            return n
+        lo, hi = 0, n - 1  # the largest m in [0, n) that fits; step time grows with m
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._time_with(shape, seq, mid) <= self.slo:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

@@ -1,0 +1,62 @@
+"""ConServe's SLO-aware budget: offline work beside online decodes never
+pushes a step's predicted time past the online TPOT SLO, offline work still
+finishes, and with no online work it takes the whole token budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from fluidserve.scheduler.cost_model import default_cost_model, plan_shape
+from fluidserve.scheduler.request_state import RequestClass
+from fluidserve.scheduler.simulator import SimConfig, Simulator
+from fluidserve.scheduler.workloads import Job
+
+CM = default_cost_model()  # Llama-3-8B on one H100
+
+
+def _jobs() -> list[Job]:
+    # A standing offline backlog of long prompts, and online chats arriving
+    # over time with long outputs (so online decodes share most steps).
+    offline = [Job(f"off{i}", 0.0, 3000, 20, RequestClass.OFFLINE) for i in range(12)]
+    online = [Job(f"on{i}", 0.3 + 0.05 * i, 200, 150) for i in range(20)]  # after a quiet start
+    return offline + online
+
+
+def _run(slo_ms: float | None) -> tuple[list[tuple[float, bool, int]], object]:
+    """(predicted step time, step has online work, offline tokens) of every step."""
+    sim = Simulator(_jobs(), "skip-join-mlfq", CM, SimConfig(num_kv_blocks=20000, online_tpot_slo_ms=slo_ms))
+    sched = sim.scheduler
+    steps = []
+    schedule = sched.schedule
+
+    def record(now):
+        plan = schedule(now)
+        klass = {s.request_id: sched.seqs[s.request_id].klass for s in plan.scheduled}
+        steps.append((CM.step_time(*plan_shape(plan, sched.seqs)),
+                      any(k is RequestClass.ONLINE for k in klass.values()),
+                      sum(s.num_tokens for s in plan.scheduled if klass[s.request_id] is RequestClass.OFFLINE)))
+        return plan
+
+    sched.schedule = record
+    return steps, sim.run()
+
+
+def test_offline_work_keeps_online_steps_within_the_tpot_slo():
+    slo = 0.030
+    steps, res = _run(slo * 1e3)
+    mixed = [t for t, online, off in steps if online and off]
+    assert mixed, "offline work never ran beside online work"
+    assert max(t for t, online, _ in steps if online) <= slo + 1e-9
+    assert all(r.finish_time is not None for r in res.records)  # the backlog still finishes
+    # Without online work, offline prefill takes the whole token budget.
+    assert max(off for _, online, off in steps if not online) == 2048
+    # The same load without the budget breaks the SLO: the test can fail.
+    unbounded, _ = _run(None)
+    assert max(t for t, online, off in unbounded if online and off) > slo
+
+
+def test_the_budget_needs_a_positive_slo():
+    from fluidserve.scheduler.scheduler import SchedulerConfig
+
+    with pytest.raises(ValueError, match="online_tpot_slo_ms"):
+        SchedulerConfig(online_tpot_slo_ms=0)
