@@ -291,8 +291,11 @@ class Scheduler:
         keys = seq.block_keys if self.kv.prefix_caching else []
         need = self.kv.admission_blocks(keys, seq.num_tokens)
         # The watermark only guards running requests; with none, any
-        # request that fits the pool at all must be admitted.
+        # request that fits the pool at all must be admitted. Offline work
+        # also leaves the arrival reserve free: it is there for online bursts.
         reserve = self._watermark_blocks if self.kv.num_used_blocks else 0
+        if seq.klass is RequestClass.OFFLINE and self.swap and self.config.proactive_swap:
+            reserve = self.reserve_blocks()
         if need + reserve > self.kv.num_free_blocks and not self.swap:
             return False
         if not self._room(need + reserve, pos, step, allow_recompute=False, above=self._priority(seq)):
