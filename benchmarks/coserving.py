@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             row["offline_share"] = _window_tokens(res, offline_ids, end) / alone if alone else float("nan")
         rows.append(row)
     ref = rows[0]
-    out = [f"# Co-serving in the simulator (ConServe)", "",
+    out = ["# Co-serving in the simulator (ConServe)", "",
            f"Command: `python benchmarks/coserving.py {' '.join(argv if argv is not None else sys.argv[1:])}`. "
            f"Llama-3-8B on one H100 (roofline), {args.online_jobs} online jobs (ShareGPT lengths, Gamma CV 4 at "
            f"{args.load:g} of the saturated rate, {rate:.2f} req/s), {args.offline_jobs} offline jobs at t = 0, "

@@ -64,7 +64,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 # Only the standard library at module level: the worker half of this file
 # also runs under vLLM's interpreter, which has no fluidserve.

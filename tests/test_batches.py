@@ -8,7 +8,6 @@ import io
 import json
 import signal
 import sqlite3
-import threading
 import time
 from pathlib import Path
 
@@ -22,29 +21,16 @@ from fluidserve.engine.engine import LLMEngine
 from fluidserve.serve.api import ServerSettings, build_app
 from fluidserve.serve.batches import BatchConfig, parse_batch_input, parse_multipart
 from fluidserve.serve.cli import frontend_tokenizer, model_info
-from fluidserve.serve.server import bind_socket, make_server
 from fluidserve.serve.store import BatchLine, BatchRecord, LineResult, Store, StoreError
 from tests.server_utils import (TEST_ENGINE_DEFAULTS, ThreadedServer, free_port, metric_sum, read_metrics,
-                                start_subprocess_server, wait_healthy)
+                                start_server, start_subprocess_server, wait_healthy)
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def start_batch_server(model_dir: str, data_dir: Path, settings: ServerSettings | None = None,
                        **batch_kwargs) -> ThreadedServer:
-    engine = LLMEngine(EngineConfig(model=model_dir, **TEST_ENGINE_DEFAULTS))
-    async_engine = AsyncEngine(engine)
-    config = BatchConfig(str(data_dir), **batch_kwargs)
-    app = build_app(async_engine, frontend_tokenizer(engine), model_info(engine), settings or ServerSettings(),
-                    batch_config=config)
-    sock = bind_socket("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    server = make_server(app, "127.0.0.1", port, drain_timeout=5, log_level="warning")
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    base_url = f"http://127.0.0.1:{port}"
-    wait_healthy(base_url)
-    return ThreadedServer(engine, async_engine, base_url, server, thread)
+    return start_server(model_dir, settings, batch_config=BatchConfig(str(data_dir), **batch_kwargs))
 
 
 @pytest.fixture(scope="module")
