@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per step: cheap to make
 class ScheduledSeq:
     request_id: str
     num_tokens: int  # tokens computed this step

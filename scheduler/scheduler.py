@@ -49,6 +49,7 @@ from fluidserve.scheduler.request_state import RequestClass, SeqState, SeqStatus
 PREEMPTION_MODES = ("swap", "recompute")
 _RESERVE_WINDOW_STEPS = 16  # arrivals remembered for the reserve
 _RESERVE_CAP = 0.25  # the reserve never exceeds this share of the device pool
+_NO_BLOCKS: list[int] = []  # shared, never mutated: the engine extends its own table with it
 _SWAP_BUCKET_STEPS = 2  # a move may run one step ahead of compute, no more
 
 
@@ -246,11 +247,12 @@ class Scheduler:
 
     def _scheduled(self, seq: SeqState, n: int) -> ScheduledSeq:
         table = self.kv.block_table(seq.request_id)
-        new_table = seq.num_blocks_sent == 0
-        ids = list(table) if new_table else table[seq.num_blocks_sent:]
+        sent = seq.num_blocks_sent
+        new_table = sent == 0
+        # Most steps add no block to a request: no list to make then.
+        ids = list(table) if new_table else table[sent:] if len(table) > sent else _NO_BLOCKS
         seq.num_blocks_sent = len(table)
-        return ScheduledSeq(seq.request_id, n, samples=n == seq.num_uncomputed_tokens,
-                            block_ids=ids, new_table=new_table)
+        return ScheduledSeq(seq.request_id, n, n == seq.num_uncomputed_tokens, ids, new_table)
 
     # -- residency ----------------------------------------------------------
     def _make_resident(self, seq: SeqState, num_tokens: int, pos: int, step: _Step) -> bool:
