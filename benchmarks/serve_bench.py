@@ -81,32 +81,47 @@ class DirectEngine:
 # -- the server ---------------------------------------------------------------------
 
 
-def start_server(port: int, extra: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "fluidserve.serve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+def launch(cmd: list[str], ready_url: str, env: dict[str, str] | None = None, log: Path | None = None,
+           timeout: float = 180.0, name: str = "server", cwd: str | None = None) -> subprocess.Popen:
+    """Start a server process in a session of its own (servers fork workers:
+    ``stop_server`` signals them all) and return once ``ready_url`` answers 200."""
     import httpx
 
-    deadline = time.monotonic() + 180
+    out = log.open("a") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log else subprocess.PIPE,
+                            env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True)
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
+            why = f"see {log}" if log else proc.stderr.read().decode()[-2000:]
+            raise RuntimeError(f"{name} exited (code {proc.returncode}): {why}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            if httpx.get(ready_url, timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError("server did not start")
+    stop_server(proc)
+    raise TimeoutError(f"{name} did not come up in {timeout:.0f} s")
+
+
+def start_server(port: int, extra: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``fluidserve serve`` on 127.0.0.1:``port`` with ``extra`` flags."""
+    cmd = [sys.executable, "-m", "fluidserve.serve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "warning", *extra]
+    return launch(cmd, f"http://127.0.0.1:{port}/health", env)
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
+    """SIGTERM to the server's whole session, SIGKILL after 60 s."""
     try:
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def load(base_url: str, flags: list[str]) -> dict[str, Any]:

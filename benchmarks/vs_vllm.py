@@ -403,46 +403,10 @@ def _save_offline(record: dict) -> None:
 # -- online ----------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(name: str, cmd: list[str], port: int, env: dict, log: Path, timeout: float = 600) -> subprocess.Popen:
-    import httpx
+    from serve_bench import launch  # not at module level: the workers run under vLLM's interpreter
 
-    out = log.open("a")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=str(REPO),
-                            start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} server exited (code {proc.returncode}); see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop_server(proc)
-    raise TimeoutError(f"{name} server did not come up in {timeout:.0f} s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    import signal
-
-    # The servers fork engine processes: signal the whole session we started.
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    return launch(cmd, f"http://127.0.0.1:{port}/v1/models", env, log, timeout, f"{name} server", cwd=str(REPO))
 
 
 def server_commands(args: argparse.Namespace, model_dir: Path, dtype: str, ports: dict) -> dict:
@@ -485,7 +449,9 @@ def online(args: argparse.Namespace) -> dict:
     log = RESULTS / "vs_vllm-servers.log"
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / "model")
-        ports = {k: _free_port() for k in ("fluidserve", "vllm", "transformers")}
+        from serve_bench import bc_free_port, stop_server
+
+        ports = {k: bc_free_port() for k in ("fluidserve", "vllm", "transformers")}
         procs: dict[str, subprocess.Popen] = {}
         try:
             for name, (cmd, env) in server_commands(args, model_dir, dtype, ports).items():
