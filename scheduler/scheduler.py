@@ -128,7 +128,7 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self.swap = config.preemption_mode == "swap" and kv.host is not None
         self._watermark_blocks = int(config.kv_watermark * kv.num_blocks)
-        self._arrived_blocks = 0  # prompt blocks of arrivals since the last step
+        self._arrived_blocks = 0  # prompt blocks of online arrivals since the last step
         self._recent_arrivals: deque[int] = deque(maxlen=_RESERVE_WINDOW_STEPS)
         per_step = config.max_swap_blocks_per_step
         self._swap_refill = float("inf") if per_step is None else float(per_step)
@@ -147,7 +147,8 @@ class Scheduler:
         if seq.request_id in self.seqs:
             raise ValueError(f"request id {seq.request_id!r} is already scheduled")
         self.seqs[seq.request_id] = seq
-        self._arrived_blocks += self.kv.blocks_for(seq.num_prompt_tokens)
+        if seq.klass is RequestClass.ONLINE:  # the reserve is for latency-critical arrivals
+            self._arrived_blocks += self.kv.blocks_for(seq.num_prompt_tokens)
         # A cached prompt is a short job: the policy places it by what is
         # left to compute (prefix caching).
         seq.num_cached_tokens = self.kv.cached_prefix_tokens(seq.block_keys, seq.num_prompt_tokens)
@@ -296,7 +297,7 @@ class Scheduler:
         # request that fits the pool at all must be admitted. Offline work
         # also leaves the arrival reserve free: it is there for online bursts.
         reserve = self._watermark_blocks if self.kv.num_used_blocks else 0
-        if seq.klass is RequestClass.OFFLINE and self.swap and self.config.proactive_swap:
+        if self.kv.num_used_blocks and seq.klass is RequestClass.OFFLINE and self.swap and self.config.proactive_swap:
             reserve = self.reserve_blocks()
         if need + reserve > self.kv.num_free_blocks and not self.swap:
             return False
@@ -425,18 +426,20 @@ class Scheduler:
         return step.enst
 
     def reserve_blocks(self) -> int:
-        """Free device blocks to keep for arrivals: the largest burst of
-        prompt blocks that arrived between two recent steps, capped."""
+        """Free device blocks to keep for online arrivals: the largest burst
+        of their prompt blocks between two recent steps, capped."""
         burst = max(self._recent_arrivals, default=0)
         return min(burst, int(_RESERVE_CAP * self.kv.num_blocks)) + self._watermark_blocks
 
     def _prefetch(self, step: _Step) -> None:
         """Swap in the swapped requests most likely to run next (smallest
         ENST first) while the device keeps its reserve free."""
-        enst = self._enst(step)
-        reserve = self.reserve_blocks()
         swapped = [j for j, s in enumerate(step.ranked)
                    if s.status is SeqStatus.SWAPPED and s.request_id not in step.moved]
+        if not swapped:
+            return
+        enst = self._enst(step)
+        reserve = self.reserve_blocks()
         for j in sorted(swapped, key=lambda j: (enst[j], j)):
             seq = step.ranked[j]
             n = self.kv.num_blocks_of(seq.request_id)
@@ -448,12 +451,14 @@ class Scheduler:
         """Swap out resident requests not in this step, largest ENST first,
         until the reserve is free (or the host is full)."""
         reserve = self.reserve_blocks()
-        if self.kv.num_free_blocks >= reserve:
+        # Blocks this step's swap-outs free count: they are free next step,
+        # when the reserve is needed.
+        if self.kv.num_free_blocks + step.freeing >= reserve:
             return
         enst = self._enst(step)
         running = {s.request_id for s in step.plan.scheduled}
         for j in sorted(range(len(step.ranked)), key=lambda j: (enst[j], j), reverse=True):
-            if self.kv.num_free_blocks >= reserve:
+            if self.kv.num_free_blocks + step.freeing >= reserve:
                 return
             seq = step.ranked[j]
             rid = seq.request_id
