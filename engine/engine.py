@@ -291,9 +291,9 @@ class LLMEngine:
     def _extend_block_keys(self, seq: Sequence) -> None:
         """A block of prompt + outputs just filled: give it its prefix-cache
         key, so a later prompt that repeats this conversation shares it."""
-        keys = seq.state.block_keys
         if not self.kv.prefix_caching:
             return
+        keys = seq.state.block_keys
         bs = self.kv.block_size
         n = len(seq.request.prompt_token_ids) + len(seq.output_token_ids)
         if n % bs == 0 and len(keys) == n // bs - 1:

@@ -81,10 +81,6 @@ class KVCacheManager:
     def num_used_host_blocks(self) -> int:
         return self.host.num_used if self.host else 0
 
-    @property
-    def num_free_host_blocks(self) -> int:
-        return self.host.num_free if self.host else 0
-
     # -- device allocation --------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -12,36 +12,8 @@ whole token budget. Pure Python.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from fluidserve.scheduler.cost_model import CostModel, attn_pairs
-from fluidserve.scheduler.request_state import RequestClass, SeqState
-
-
-@dataclass
-class StepShape:
-    """The numbers a step's time is predicted from (see cost_model.py)."""
-
-    prefill_tokens: int = 0
-    decode_seqs: int = 0
-    context: int = 0
-    pairs: int = 0
-    online: bool = False  # the step carries online work
-
-    @staticmethod
-    def is_decode(seq: SeqState, n: int) -> bool:
-        return n == 1 and seq.num_computed_tokens > 0 and seq.num_output_tokens > 0
-
-    def add(self, seq: SeqState, n: int) -> None:
-        """``seq`` runs ``n`` tokens this step (read before they are computed)."""
-        done = seq.num_computed_tokens
-        self.context += done + n
-        if self.is_decode(seq, n):
-            self.decode_seqs += 1
-        else:
-            self.prefill_tokens += n
-            self.pairs += attn_pairs(n, done)
-        self.online |= seq.klass is RequestClass.ONLINE
+from fluidserve.scheduler.cost_model import CostModel, StepShape, attn_pairs
+from fluidserve.scheduler.request_state import SeqState
 
 
 class SloBudget:

@@ -31,6 +31,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from fluidserve.scheduler.request_state import RequestClass
+
 
 @runtime_checkable
 class CostModel(Protocol):
@@ -278,22 +280,45 @@ class LinearCostModel(_StepShapeMixin):
             return cls.from_json(json.load(f))
 
 
+@dataclass
+class StepShape:
+    """The numbers a step's time is predicted from, accumulated request by
+    request (each read before its tokens count as computed)."""
+
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    context: int = 0
+    pairs: int = 0
+    online: bool = False  # the step carries online work
+
+    @staticmethod
+    def is_decode(seq: Any, n: int) -> bool:
+        return n == 1 and seq.num_computed_tokens > 0 and seq.num_output_tokens > 0
+
+    def add(self, seq: Any, n: int) -> None:
+        """``seq`` (a SeqState) runs ``n`` tokens this step."""
+        done = seq.num_computed_tokens
+        self.context += done + n
+        if self.is_decode(seq, n):
+            self.decode_seqs += 1
+        else:
+            self.prefill_tokens += n
+            self.pairs += attn_pairs(n, done)
+        self.online |= seq.klass is RequestClass.ONLINE
+
+    def astuple(self) -> tuple[int, int, int, int]:
+        """``step_time``'s arguments."""
+        return self.prefill_tokens, self.decode_seqs, self.context, self.pairs
+
+
 def plan_shape(plan, seqs) -> tuple[int, int, int, int]:
     """(prefill tokens, decode requests, total context, prefill attention
-    pairs) of a StepPlan, read *before* ``Scheduler.step_done`` counts the
-    step's tokens as computed. ``seqs`` maps request id -> SeqState."""
-    prefill = decode = context = pairs = 0
+    pairs) of a StepPlan, read *before* ``Scheduler.update_from_output``
+    counts the step's tokens as computed. ``seqs`` maps request id -> SeqState."""
+    shape = StepShape()
     for item in plan.scheduled:
-        seq = seqs[item.request_id]
-        done = seq.num_computed_tokens
-        n = item.num_tokens
-        context += done + n
-        if n == 1 and done > 0 and seq.num_output_tokens > 0:
-            decode += 1
-        else:
-            prefill += n
-            pairs += attn_pairs(n, done)
-    return prefill, decode, context, pairs
+        shape.add(seqs[item.request_id], item.num_tokens)
+    return shape.astuple()
 
 
 def default_cost_model() -> RooflineCostModel:

@@ -40,8 +40,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fluidserve.kvcache.manager import KVCacheManager
-from fluidserve.scheduler.budget import SloBudget, StepShape
-from fluidserve.scheduler.cost_model import CostModel
+from fluidserve.scheduler.budget import SloBudget
+from fluidserve.scheduler.cost_model import CostModel, StepShape
 from fluidserve.scheduler.plan import ScheduledSeq, StepOutcome, StepPlan
 from fluidserve.scheduler.policies import DEFAULT_POLICY, Policy, make_policy
 from fluidserve.scheduler.request_state import RequestClass, SeqState, SeqStatus
