@@ -5,7 +5,10 @@ thread (the *engine loop*). The event loop never touches the engine: it sends
 commands (add, abort, stats) through a thread-safe queue, and the engine loop
 hands outputs back with one ``call_soon_threadsafe`` per step, fanned out to
 per-request asyncio queues. The message boundary is the command tuple and the
-``RequestOutput``; it could become a process boundary unchanged.
+``RequestOutput``; it could become a process boundary unchanged. One call
+crosses outside it: an online arrival tells the engine's preemption policy at
+once (thread-safe), so it can interrupt a running offline-only step instead
+of waiting for it to end.
 
 Liveness: the engine loop stamps a heartbeat on every iteration (at least once
 per ``idle_poll`` when idle). ``health()`` reports dead when the loop raised or
@@ -150,6 +153,8 @@ class AsyncEngine:
         admitted = stream.admitted
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, prompt, params, klass, arrival_time, admitted))
+        if str(getattr(klass, "value", klass)) == "online":
+            self._preempt_for(prompt)
         try:
             await admitted
         except BaseException:
@@ -160,6 +165,16 @@ class AsyncEngine:
                 self._commands.put(("abort", request_id))
             raise
         return stream
+
+    def _preempt_for(self, prompt: str | list[int]) -> None:
+        """An online arrival may interrupt the offline-only step running now
+        (layer-wise preemption): the one call into the engine made from the
+        event loop, into its thread-safe preemption policy. The add command
+        is queued first, so the engine loop admits the request before it
+        plans the next step."""
+        policy = getattr(self.engine, "preemption", None)
+        if policy is not None:
+            policy.on_online_arrival(len(prompt) if isinstance(prompt, list) else None)
 
     def abort(self, request_id: str) -> None:
         """Abort now: no further outputs are delivered, and the engine loop

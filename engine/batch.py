@@ -47,6 +47,10 @@ class ModelInput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     wait_for_swap_in: bool = False  # the forward reads blocks this step's swap-ins fill
+    # Offline work only: the forward may stop at a layer safepoint when the
+    # engine interrupts step ``step_id`` (engine/preemption.py).
+    preemptible: bool = False
+    step_id: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -57,3 +61,10 @@ class ModelInput:
 class StepResult:
     sampled: dict = field(default_factory=dict)  # request id -> SampledToken (rank 0 only)
     swap_stall_s: float = 0.0  # time the step waited on KV copies
+    # The safepoint (layer index) where an interrupted step stopped: no
+    # tokens, and none of the step's KV writes count. None: it ran to the end.
+    abandoned_at_layer: int | None = None
+
+    @property
+    def abandoned(self) -> bool:
+        return self.abandoned_at_layer is not None

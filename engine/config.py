@@ -31,6 +31,10 @@ class EngineConfig:
     proactive_swap: bool = True  # prefetch swapped KV and keep free blocks for arrivals
     enable_prefix_caching: bool = True  # share the KV of equal prompt prefixes
     online_tpot_slo_ms: float | None = None  # offline work may not push online steps past this
+    # An online arrival interrupts an offline-only step when waiting for it
+    # would miss this (None: any online arrival interrupts one).
+    online_ttft_slo_ms: float | None = None
+    preemption_safepoint_layers: int = 2  # layers between interrupt checks; 0: never interrupt
     scheduling_policy: str = "skip-join-mlfq"  # fcfs | mlfq | fixed-priority | skip-join-mlfq
     policy_options: dict = field(default_factory=dict)  # per-policy knobs (MLFQ quanta, ...)
     profile_path: str | None = None  # measured cost model (fluidserve profile -o ...)
@@ -54,6 +58,8 @@ class EngineConfig:
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0),
             ("executor", self.executor in ("local", "ray")),
             ("tensor_parallel_size", self.tensor_parallel_size >= 1),
+            ("online_ttft_slo_ms", self.online_ttft_slo_ms is None or self.online_ttft_slo_ms > 0),
+            ("preemption_safepoint_layers", self.preemption_safepoint_layers >= 0),
         ]
         for name, ok in checks:
             if not ok:

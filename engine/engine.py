@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fluidserve.kvcache.manager import KVCacheManager
 from fluidserve.kvcache.prefix_cache import ROOT_KEY, block_keys, chain_key
-from fluidserve.scheduler.cost_model import cost_model_for_engine
+from fluidserve.scheduler.cost_model import cost_model_for_engine, plan_shape
 from fluidserve.scheduler.plan import StepOutcome, StepPlan
 from fluidserve.scheduler.request_state import RequestClass, SeqState
 from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -27,6 +27,7 @@ from fluidserve.engine.detokenizer import TextStream
 from fluidserve.engine.executor import make_executor
 from fluidserve.engine.loader import eos_token_ids, is_tiny_model, load_hf_config, load_tokenizer, model_context_length, resolve_model_dir
 from fluidserve.engine.outputs import RequestOutput
+from fluidserve.engine.preemption import PreemptionPolicy, RunningStep
 from fluidserve.engine.request import Request, Sequence
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.tiny_model import default_tiny_model_dir
@@ -53,6 +54,12 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps: int = 0
+    offline_generation_tokens_total: int = 0
+    # Layer-wise preemption: steps abandoned at a safepoint, the request
+    # preemptions they made (each request of the step), and their tokens.
+    num_steps_abandoned: int = 0
+    num_abandoned_preemptions: int = 0
+    abandoned_tokens: int = 0
 
 
 class LLMEngine:
@@ -96,6 +103,7 @@ class LLMEngine:
                 proactive_swap=config.proactive_swap,
                 max_swap_blocks_per_step=self._swap_blocks_per_step(),
                 online_tpot_slo_ms=config.online_tpot_slo_ms,
+                online_ttft_slo_ms=config.online_ttft_slo_ms,
             ),
             self.kv,
             cost_model=self.cost_model,
@@ -103,6 +111,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.seqs: dict[str, Sequence] = {}
         self.stats_ = EngineStats()
+        ttft = config.online_ttft_slo_ms
+        self.preemption = PreemptionPolicy(self.executor.interrupt, None if ttft is None else ttft / 1e3,
+                                           self.cost_model.prefill_time)
         log.info("engine ready: %s, %d KV blocks of %d tokens (+%d on the host), max_model_len %d%s",
                  self.model_name, self.kv.num_blocks, config.block_size, self.kv.num_host_blocks, self.max_model_len,
                  " (built-in tiny random-weight model)" if is_tiny_model(self.model_dir) else "")
@@ -195,12 +206,33 @@ class LLMEngine:
         plan = self.scheduler.schedule(now)
         if plan.is_empty:
             return []
-        result = self.executor.execute(self._model_input(plan))
+        result = self._execute(plan, now)
         outputs, finished = self._process(plan, result)
-        self.scheduler.update_from_output(plan, StepOutcome(time.monotonic() - now, now, finished))
+        self.scheduler.update_from_output(plan, StepOutcome(time.monotonic() - now, now, finished,
+                                                            abandoned=result.abandoned))
         self.stats_.num_steps += 1
         self.stats_.swap_stall_seconds += result.swap_stall_s
         return outputs
+
+    def _execute(self, plan: StepPlan, now: float) -> StepResult:
+        """Run the plan; a preemptible one is announced to the preemption
+        policy while it runs, so an online arrival can interrupt it."""
+        inp = self._model_input(plan)
+        if not plan.preemptible or self.config.preemption_safepoint_layers == 0 or not inp.input_ids:
+            return self.executor.execute(inp)
+        inp.preemptible, inp.step_id = True, self.stats_.num_steps  # unique: counts every step run
+        predicted = (self.cost_model.step_time(*plan_shape(plan, self.scheduler.seqs))
+                     if self.preemption.ttft_slo_s is not None else 0.0)
+        self.preemption.step_started(RunningStep(inp.step_id, now, predicted))
+        try:
+            result = self.executor.execute(inp)
+        finally:
+            self.preemption.step_ended()
+        if result.abandoned:
+            self.stats_.num_steps_abandoned += 1
+            self.stats_.num_abandoned_preemptions += len(plan.scheduled)
+            self.stats_.abandoned_tokens += plan.num_batched_tokens
+        return result
 
     def _model_input(self, plan: StepPlan) -> ModelInput:
         inp = ModelInput(swap_out=plan.swap_out, swap_in=plan.swap_in)
@@ -276,6 +308,8 @@ class LLMEngine:
         seq.new_token_ids.append(tid)
         self._extend_block_keys(seq)
         self.stats_.generation_tokens_total += 1
+        if seq.request.klass is RequestClass.OFFLINE:
+            self.stats_.offline_generation_tokens_total += 1
         if seq.logprobs is not None and token.logprobs is not None:
             for t, lp in token.logprobs.items():
                 lp.decoded = seq.stream.decode_token(t)

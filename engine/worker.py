@@ -23,6 +23,7 @@ from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.loader import build_model, init_dummy_weights, load_hf_config, load_weights, resolve_dtype
 from fluidserve.engine.model_runner import ModelRunner
 from fluidserve.engine.parallel import TensorParallel
+from fluidserve.engine.preemption import Safepoints, StepAbandoned
 from fluidserve.engine.sampler import SamplingRow, make_generator, sample
 from fluidserve.engine.sampling_params import SamplingParams
 
@@ -74,6 +75,8 @@ class Worker:
             self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
         self.cache: CacheEngine | None = None
         self.runner = ModelRunner(self.model, self.device)
+        self.safepoints = Safepoints(config.preemption_safepoint_layers, self.tp, self.device)
+        self.model.layer_loop.safepoints = self.safepoints
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -166,7 +169,15 @@ class Worker:
         result = StepResult(swap_stall_s=stall)
         if not inp.input_ids:
             return result  # a step of copies only
-        hidden, sample_idx = self._forward(inp)  # [T, hidden], [S]
+        if inp.preemptible:
+            self.safepoints.arm(inp.step_id)
+        try:
+            hidden, sample_idx = self._forward(inp)  # [T, hidden], [S]
+        except StepAbandoned as stop:  # before any sampling: no sampler state moved
+            result.abandoned_at_layer = stop.layer
+            return result
+        finally:
+            self.safepoints.disarm()
         if not inp.sample_indices:
             return result
         logits = self.model.compute_logits(hidden[sample_idx])  # [S, V] on rank 0
@@ -184,6 +195,11 @@ class Worker:
         tokens = sample(logits, rows, self.eos_token_id)  # the sampler makes its own fp32 copy
         result.sampled = dict(zip(inp.sample_ids, tokens))
         return result
+
+    def interrupt(self, step_id: int) -> None:
+        """Stop step ``step_id`` at its next safepoint if it is preemptible
+        (called from another thread while it runs; harmless once it ended)."""
+        self.safepoints.flag.request(step_id)
 
     @torch.inference_mode()
     def logits(self, inp: ModelInput) -> torch.Tensor | None:

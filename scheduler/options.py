@@ -7,6 +7,12 @@ import argparse
 
 from fluidserve.scheduler.policies import DEFAULT_POLICY, POLICIES
 
+# Measured in benchmarks/preemption.py: the check is a host-side read (no
+# device sync) and, under tensor parallelism, one tiny all-reduce among the
+# ranks; every 2 layers keeps that under 1% of a layer's time on the tiny CPU
+# model while the response waits at most 2 layers.
+DEFAULT_SAFEPOINT_LAYERS = 2
+
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("scheduling")
@@ -20,6 +26,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--online-tpot-slo-ms", type=float, default=None, metavar="MS",
         help="co-serving (ConServe): offline work in a step with online requests is cut so the "
              "step's predicted time stays within this time per output token (default: no cut)",
+    )
+    g.add_argument(
+        "--online-ttft-slo-ms", type=float, default=None, metavar="MS",
+        help="co-serving (ConServe): an online arrival interrupts a running offline-only step at its next "
+             "layer safepoint when waiting for the step to end would miss this time to first token "
+             "(default: any online arrival interrupts one)",
+    )
+    g.add_argument(
+        "--preemption-safepoint-layers", type=int, default=DEFAULT_SAFEPOINT_LAYERS, metavar="K",
+        help="co-serving (ConServe): an offline-only step checks for an interrupt every K decoder layers "
+             f"(default {DEFAULT_SAFEPOINT_LAYERS}; 0 turns layer-wise preemption off)",
     )
     g.add_argument(
         "--mlfq-num-queues", type=int, default=None, metavar="N",
@@ -49,3 +66,16 @@ def options_from_args(args: argparse.Namespace) -> tuple[str, dict]:
         if value is not None and not value > 0:
             raise ValueError(f"--mlfq-{name.replace('_', '-')} must be positive, got {value}")
     return args.scheduling_policy, {k: v for k, v in options.items() if v is not None}
+
+
+def coserving_options_from_args(args: argparse.Namespace) -> dict:
+    """The co-serving flags as EngineConfig keyword arguments."""
+    for flag in ("online_tpot_slo_ms", "online_ttft_slo_ms"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if args.preemption_safepoint_layers < 0:
+        raise ValueError(f"--preemption-safepoint-layers must be 0 (off) or positive, "
+                         f"got {args.preemption_safepoint_layers}")
+    return {"online_tpot_slo_ms": args.online_tpot_slo_ms, "online_ttft_slo_ms": args.online_ttft_slo_ms,
+            "preemption_safepoint_layers": args.preemption_safepoint_layers}

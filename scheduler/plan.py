@@ -41,7 +41,9 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     checkpoint: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    preemptible: bool = False  # only offline work: may be abandoned at a layer safepoint
+    # Only offline work: the worker may abandon the forward at a layer
+    # safepoint when an online arrival needs the device (ConServe §4.3).
+    preemptible: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -66,3 +68,7 @@ class StepOutcome:
     # Requests that stopped on the token sampled this step (EOS, stop string,
     # length): the scheduler releases them.
     finished: list[str] = field(default_factory=list)
+    # The worker abandoned the forward at a safepoint: no token was computed
+    # (the KV it wrote is recomputed and overwritten next time); the plan's
+    # KV copies, done before the forward, did happen.
+    abandoned: bool = False

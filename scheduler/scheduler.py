@@ -69,6 +69,9 @@ class SchedulerConfig:
     # ConServe's SLO-aware budget: offline work in a step with online work is
     # cut so the step's predicted time stays within this (None: no cut).
     online_tpot_slo_ms: float | None = None
+    # An online arrival that would miss this waiting for a running
+    # offline-only step interrupts it (the engine's layer-wise preemption).
+    online_ttft_slo_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -81,6 +84,8 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.online_tpot_slo_ms is not None and not self.online_tpot_slo_ms > 0:
             raise ValueError(f"online_tpot_slo_ms must be positive, got {self.online_tpot_slo_ms}")
+        if self.online_ttft_slo_ms is not None and not self.online_ttft_slo_ms > 0:
+            raise ValueError(f"online_ttft_slo_ms must be positive, got {self.online_ttft_slo_ms}")
         if self.max_swap_blocks_per_step is not None and self.max_swap_blocks_per_step < 1:
             raise ValueError(f"max_swap_blocks_per_step must be positive, got {self.max_swap_blocks_per_step}")
 
@@ -479,7 +484,9 @@ class Scheduler:
             if seq is not None and seq.status is SeqStatus.SWAPPING_IN:
                 seq.status = SeqStatus.RUNNING
         now = outcome.now
-        for item in plan.scheduled:
+        # An abandoned step (layer-wise preemption) computed nothing: its
+        # tokens run again later and its blocks stay out of the prefix cache.
+        for item in () if outcome.abandoned else plan.scheduled:
             seq = self.seqs.get(item.request_id)
             if seq is None:  # aborted while the step ran
                 continue

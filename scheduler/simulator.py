@@ -47,6 +47,7 @@ class SimConfig:
     max_swap_blocks_per_step: int | None = None
     block_transfer_time: float = 0.0  # seconds to move one KV block over the host link
     online_tpot_slo_ms: float | None = None  # ConServe's SLO-aware budget for offline work
+    online_ttft_slo_ms: float | None = None  # carried to SchedulerConfig (the engine's preemption reads it)
     check_integrity: bool = False  # kv.check_integrity() after every step (tests)
 
 
@@ -150,6 +151,7 @@ class Simulator:
             policy_options=dict(policy_options or {}), preemption_mode=config.preemption_mode,
             proactive_swap=config.proactive_swap, max_swap_blocks_per_step=config.max_swap_blocks_per_step,
             online_tpot_slo_ms=config.online_tpot_slo_ms,
+            online_ttft_slo_ms=config.online_ttft_slo_ms,
         )
         self.scheduler = Scheduler(sched_cfg, self.kv, make_policy(policy, cost_model=cost_model,
                                                                    **sched_cfg.policy_options))

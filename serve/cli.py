@@ -182,7 +182,7 @@ def engine_config_from_args(args: argparse.Namespace):
     from fluidserve.engine.config import EngineConfig
     from fluidserve.engine.loader import resolve_model_dir
     from fluidserve.kvcache.options import options_from_args as kv_options
-    from fluidserve.scheduler.options import options_from_args
+    from fluidserve.scheduler.options import coserving_options_from_args, options_from_args
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"model: given twice, as {args.model_tag!r} and --model {args.model!r}")
@@ -201,8 +201,7 @@ def engine_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=policy, policy_options=policy_options, profile_path=args.profile_path,
         executor=args.executor, tensor_parallel_size=args.tensor_parallel_size, ray_address=args.ray_address,
-        online_tpot_slo_ms=args.online_tpot_slo_ms,
-        **kv_options(args),
+        **coserving_options_from_args(args), **kv_options(args),
     )
 
 

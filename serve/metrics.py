@@ -63,15 +63,38 @@ class TokenRate:
         return sum(n for _, n in self._events) / span
 
 
+class CounterRate:
+    """Per-second rate of a cumulative count sampled at scrape time: over the
+    samples of the last ``window`` seconds, plus the one just before them."""
+
+    def __init__(self, window: float = RATE_WINDOW_S) -> None:
+        self.window = window
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def sample(self, value: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._samples.append((now, value))
+        while len(self._samples) > 2 and self._samples[1][0] <= now - self.window:
+            self._samples.popleft()
+
+    def rate(self) -> float:
+        if len(self._samples) < 2:
+            return 0.0
+        (t0, v0), (t1, v1) = self._samples[0], self._samples[-1]
+        return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
+
+
 class EngineStatsCollector:
     """Exports the latest engine stats snapshot (set by ``update``)."""
 
     def __init__(self) -> None:
         self.stats: Any = None
+        self.offline_rate = CounterRate()
 
     def update(self, stats: Any) -> None:
         if stats is not None:
             self.stats = stats
+            self.offline_rate.sample(float(getattr(stats, "offline_generation_tokens_total", 0) or 0))
 
     def collect(self) -> Iterable[Metric]:
         s = self.stats
@@ -80,6 +103,10 @@ class EngineStatsCollector:
         yield from self._requests(s)
         yield from self._kv(s)
         yield from self._preemptions(s)
+        yield GaugeMetricFamily(f"{PREFIX}_offline_generation_tokens_per_second",
+                                f"Tokens generated per second for offline requests, between engine snapshots "
+                                f"at least {RATE_WINDOW_S:.0f} s apart when scraped that rarely",
+                                value=self.offline_rate.rate())
         for name, attr, doc in (
             ("preemptions", "num_preemptions", "Requests preempted by the scheduler (swapped out or recomputed)"),
             ("swaps", "num_swaps", "Requests whose KV moved between device and host (out + in)"),
@@ -88,6 +115,10 @@ class EngineStatsCollector:
             ("swap_stall_seconds", "swap_stall_seconds", "Time steps waited on KV copies before the forward"),
             ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed"),
             ("generation_tokens", "generation_tokens_total", "Tokens generated"),
+            ("offline_engine_generation_tokens", "offline_generation_tokens_total",
+             "Tokens generated for offline requests (batch lines and requests marked offline)"),
+            ("steps_abandoned", "num_steps_abandoned", "Offline-only steps interrupted at a layer safepoint"),
+            ("abandoned_tokens", "abandoned_tokens", "Tokens of abandoned steps (computed again later)"),
         ):
             if hasattr(s, attr):
                 yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(getattr(s, attr)))
@@ -101,12 +132,19 @@ class EngineStatsCollector:
         yield fam
 
     def _preemptions(self, s: Any) -> Iterable[Metric]:
-        fam = CounterMetricFamily(f"{PREFIX}_preemptions_by_kind", "Preemptions by what happened to the KV",
-                                  labels=["kind"])
+        fam = CounterMetricFamily(f"{PREFIX}_preemptions_by_kind",
+                                  "Request preemptions by what happened to the KV: swapped to the host, "
+                                  "discarded and recomputed, or its step abandoned at a layer safepoint "
+                                  "(that step's tokens recomputed)", labels=["kind"])
         total = int(getattr(s, "num_preemptions", 0) or 0)
         recomputes = int(getattr(s, "num_recomputes", 0) or 0)
         fam.add_metric(["swap"], float(total - recomputes))
-        fam.add_metric(["recompute"], float(recomputes))
+        fam.add_metric(["recomputed"], float(recomputes))
+        fam.add_metric(["step_abandoned"], float(getattr(s, "num_abandoned_preemptions", 0) or 0))
+        # A kind appears once the engine counts it (incremental checkpointing adds one).
+        for kind, attr in (("evicted_with_checkpoint", "num_checkpoint_evictions"),):
+            if hasattr(s, attr):
+                fam.add_metric([kind], float(getattr(s, attr) or 0))
         yield fam
 
     def _kv(self, s: Any) -> Iterable[Metric]:

@@ -23,6 +23,12 @@ class Executor(ABC):
         token of each sampling row keyed by request id. Raises ExecutorError
         when a worker cannot complete it."""
 
+    def interrupt(self, step_id: int) -> None:
+        """Ask the workers to abandon step ``step_id`` at its next layer
+        safepoint (a preemptible step only; one that has ended ignores it).
+        Called from another thread while ``execute`` runs; never blocks on
+        the step."""
+
     def check_health(self) -> None:
         """Raise ExecutorError if a worker is dead."""
 

@@ -21,5 +21,8 @@ class LocalExecutor(Executor):
     def execute(self, inp: ModelInput) -> StepResult:
         return self.worker.execute(inp)
 
+    def interrupt(self, step_id: int) -> None:
+        self.worker.interrupt(step_id)  # a host-side flag the layer loop reads
+
     def shutdown(self) -> None:
         self.worker.cache = None

@@ -66,12 +66,13 @@ PLACEMENT_TIMEOUT_S = 60.0
 _LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"control": 1})
 class RayWorker:
-    """Hosts one rank's Worker. Calls run one at a time, in order, on the
-    actor's main thread (a threaded actor costs every step more); the engine
-    pings only between steps, and a step that hangs is the step timeout's
-    to catch."""
+    """Hosts one rank's Worker. Calls run one at a time, in order, on one
+    thread (the default concurrency group), except ``interrupt``, which has a
+    thread of its own so that it lands while a step runs; the engine pings
+    only between steps, and a step that hangs is the step timeout's to
+    catch."""
 
     def __init__(self) -> None:
         self.worker: Worker | None = None
@@ -116,6 +117,12 @@ class RayWorker:
 
     def execute(self, inp: ModelInput) -> StepResult:
         return self.worker.execute(inp)
+
+    @ray.method(concurrency_group="control")
+    def interrupt(self, step_id: int) -> None:
+        """Runs beside ``execute``: sets the flag its layer loop reads."""
+        if self.worker is not None:
+            self.worker.interrupt(step_id)
 
     def ping(self) -> int:
         """Alive: this worker's process id (tests kill it by pid)."""
@@ -238,9 +245,20 @@ class RayExecutor(Executor):
         # inlines into each call; a put object would cost every rank an extra
         # fetch from this process (measured: ~1.7 ms more per step at TP=2 on CPU).
         results = self._call([w.execute.remote(inp) for w in self.workers], self.step_timeout_s, "step")
+        stops = {r.abandoned_at_layer for r in results}
+        if len(stops) > 1:  # the safepoint vote failed: the ranks' KV and collectives no longer line up
+            raise self._fail(f"tensor-parallel ranks stopped an interrupted step at different layers: "
+                             f"{[r.abandoned_at_layer for r in results]}")
         # Rank 0 samples; every rank swapped its own head shard of the same blocks.
         results[0].swap_stall_s = max(r.swap_stall_s for r in results)
         return results[0]
+
+    def interrupt(self, step_id: int) -> None:
+        # Every rank gets it; they agree at the safepoint (one all-reduce of
+        # the flag), so ranks that see it at different layers still stop at
+        # the same one. Fire and forget: a late one finds the step ended.
+        for w in self.workers:
+            w.interrupt.remote(step_id)
 
     def check_health(self) -> None:
         self._raise_if_failed()

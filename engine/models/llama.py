@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..layers import AttentionMetadata, PagedAttention, RMSNorm, Rope, RotaryEmbedding, apply_rope
+from ..preemption import LayerLoop
 from ..parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -128,12 +129,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         attn = self.layers[0].self_attn
         self.rotary = RotaryEmbedding(config, attn.head_dim)
+        self.layer_loop = LayerLoop()  # safepoints of preemptible steps (engine/preemption.py)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary(positions, x.dtype)  # once per step, shared by every layer
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(rope, x, kv, meta)
+        x = self.layer_loop.run(self.layers, kv_caches, x, lambda layer, x, kv: layer(rope, x, kv, meta))
         return self.norm(x)
 
 
@@ -152,6 +153,10 @@ class LlamaForCausalLM(nn.Module):
         """(num_layers, num_kv_heads, head_dim) of this rank's KV cache."""
         attn = self.model.layers[0].self_attn
         return len(self.model.layers), attn.num_kv_heads, attn.head_dim
+
+    @property
+    def layer_loop(self) -> LayerLoop:
+        return self.model.layer_loop
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:

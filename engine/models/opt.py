@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..layers import AttentionMetadata, PagedAttention
+from ..preemption import LayerLoop
 from ..parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -84,14 +85,14 @@ class OPTDecoder(nn.Module):
         affine = getattr(config, "layer_norm_elementwise_affine", True)
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine) if has_final else None
         self.layers = nn.ModuleList(OPTDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
+        self.layer_loop = LayerLoop()  # safepoints of preemptible steps (engine/preemption.py)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)
         if self.project_in is not None:
             x = self.project_in(x)
         x = x + self.embed_positions(positions + POSITION_OFFSET)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, kv, meta)
+        x = self.layer_loop.run(self.layers, kv_caches, x, lambda layer, x, kv: layer(x, kv, meta))
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         if self.project_out is not None:
@@ -121,6 +122,10 @@ class OPTForCausalLM(nn.Module):
     def kv_shape(self) -> tuple[int, int, int]:
         attn = self.model.decoder.layers[0].self_attn
         return len(self.model.decoder.layers), attn.num_heads, attn.head_dim
+
+    @property
+    def layer_loop(self) -> LayerLoop:
+        return self.model.decoder.layer_loop
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
         return self.model.decoder(input_ids, positions, kv_caches, meta)

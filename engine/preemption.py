@@ -1,0 +1,205 @@
+"""Layer-wise preemption (ConServe §4.3): the one decoder-layer loop every
+model runs, its safepoints, the interrupt flag they read, and the engine-side
+rule for when an online arrival interrupts a running step.
+
+A step the scheduler marked preemptible (offline work only) checks, before
+every ``k``-th decoder layer, whether the engine asked to interrupt *that*
+step. If so the forward stops there (``StepAbandoned``) and the worker
+returns a StepResult with no tokens: nothing is sampled, so no sampler state
+moves, and the scheduler counts none of the step's tokens as computed. The
+KV the finished layers wrote sits in slots past every sequence's computed
+length; the retried step overwrites it before anything reads it::
+
+    layers     0   1 | 2   3 | 4   5 | ...        k = 2
+    safepoint  ^       ^       ^                  checked before layers 0, 2, 4, ...
+    interrupt            *                        arrives while layer 2 runs
+    stop                       ^ layer 4          layers 0-3 wrote KV nobody reads
+
+The flag is a host-side integer: the id of the step to interrupt (an id,
+not a boolean, so a request meant for one step can never stop the next).
+Reading it costs no device work. On CUDA the host runs ahead of the device,
+so each safepoint first waits for the device to reach the previous safepoint
+(an event recorded there): the host is then at most ``k`` layers ahead, and an
+interrupt stops the device within about ``k`` layers without draining it.
+
+Under tensor parallelism every layer all-reduces, so a rank that stopped
+alone would leave the others waiting forever. The ranks agree at each
+safepoint: one all-reduce (MAX) of a one-element CPU tensor over a gloo
+group, so every rank stops at the same layer or none does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from fluidserve.engine.parallel import TensorParallel
+
+NO_STEP = -1
+
+
+class StepAbandoned(Exception):
+    """Raised by the layer loop at the safepoint where the step stops."""
+
+    def __init__(self, layer: int) -> None:
+        super().__init__(f"step abandoned before layer {layer}")
+        self.layer = layer
+
+
+class InterruptFlag:
+    """The step the engine asked to interrupt; written by one thread (the
+    engine's event loop, or the Ray actor's control thread), read by the
+    layer loop. A single int store and load: atomic under the GIL."""
+
+    def __init__(self) -> None:
+        self.step_id = NO_STEP
+
+    def request(self, step_id: int) -> None:
+        self.step_id = step_id
+
+    def is_set_for(self, step_id: int) -> bool:
+        return self.step_id == step_id
+
+
+class Safepoints:
+    """One worker's safepoint checks: armed for one preemptible step at a
+    time. Built on every rank at the same point of startup (the gloo group
+    it may create is a collective call)."""
+
+    def __init__(self, every: int, tp: TensorParallel, device: torch.device) -> None:
+        self.every = every  # 0: never checked
+        self.flag = InterruptFlag()
+        self.tp = tp
+        self.cuda = device.type == "cuda"
+        self.step_id = NO_STEP
+        self._group = None
+        self._vote = torch.zeros(1, dtype=torch.int32)
+        self._last_event: Any = None
+        if tp.size > 1 and every > 0:
+            # The model's collectives may run on NCCL; the vote stays on the
+            # host, so it never waits for the device stream.
+            gloo = dist.get_backend(tp.group) == "gloo"
+            self._group = tp.group if gloo else dist.new_group(backend="gloo")
+        self.checks = 0  # safepoints passed since startup (benchmarks read it)
+
+    def arm(self, step_id: int) -> None:
+        self.step_id = step_id
+        self._last_event = None
+
+    def disarm(self) -> None:
+        self.step_id = NO_STEP
+        self._last_event = None
+
+    @property
+    def armed(self) -> bool:
+        return self.step_id != NO_STEP and self.every > 0
+
+    def stop_before(self, layer: int) -> bool:
+        """Whether the armed step stops before ``layer`` (every rank gets the
+        same answer)."""
+        if layer % self.every:
+            return False
+        self.checks += 1
+        if self.cuda:
+            self._pace()
+        stop = self.flag.is_set_for(self.step_id)
+        if self._group is not None:
+            self._vote[0] = int(stop)
+            dist.all_reduce(self._vote, op=dist.ReduceOp.MAX, group=self._group)
+            stop = bool(self._vote[0])
+        return stop
+
+    def _pace(self) -> None:
+        # Not run in this project's CPU-only test suite: keeps the host at
+        # most one safepoint interval ahead of the device (an event's
+        # synchronize waits for that event only, not for later work).
+        previous, self._last_event = self._last_event, torch.cuda.Event()
+        self._last_event.record()
+        if previous is not None:
+            previous.synchronize()
+
+
+class LayerLoop:
+    """The decoder-layer loop of a model. Each model family holds one (a plain
+    attribute, not a module: the checkpoint's parameter names stay) and
+    exposes it as ``layer_loop``; the worker arms its safepoints for a
+    preemptible step."""
+
+    def __init__(self) -> None:
+        self.safepoints: Safepoints | None = None
+
+    def run(self, layers: Iterable[Any], kv_caches: Iterable[Any], x: torch.Tensor,
+            call: Callable[[Any, torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:
+        """``x = call(layer, x, kv)`` for each layer and its KV cache; raises
+        StepAbandoned at a safepoint where the armed step is interrupted."""
+        sp = self.safepoints
+        if sp is None or not sp.armed:
+            for layer, kv in zip(layers, kv_caches):
+                x = call(layer, x, kv)
+            return x
+        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+            if sp.stop_before(i):
+                raise StepAbandoned(i)
+            x = call(layer, x, kv)
+        return x
+
+
+# -- the engine side ----------------------------------------------------------
+
+
+@dataclass
+class RunningStep:
+    step_id: int
+    started: float  # time.monotonic()
+    predicted_s: float  # the cost model's time for the whole step
+
+
+class PreemptionPolicy:
+    """When an online arrival interrupts the running step (ConServe
+    Algorithm 2's PreemptRunning). The engine loop reports each step's start
+    and end; the event loop reports online arrivals. Without a TTFT SLO any
+    online arrival interrupts a preemptible step; with one, only an arrival
+    that waiting for the step would make miss it: the step's predicted
+    remaining time exceeds the SLO less the arrival's own predicted prefill."""
+
+    def __init__(self, interrupt: Callable[[int], None], ttft_slo_s: float | None,
+                 prefill_time: Callable[[int], float]) -> None:
+        self._interrupt = interrupt
+        self.ttft_slo_s = ttft_slo_s
+        self._prefill_time = prefill_time
+        self._lock = threading.Lock()
+        self._running: RunningStep | None = None
+        self._requested = NO_STEP
+        self.num_requests = 0  # interrupts sent (a step may end before it reads one)
+
+    def step_started(self, step: RunningStep) -> None:
+        """A preemptible step is running (only those are announced)."""
+        with self._lock:
+            self._running = step
+
+    def step_ended(self) -> None:
+        with self._lock:
+            self._running = None
+
+    def on_online_arrival(self, prompt_tokens: int | None, now: float | None = None) -> bool:
+        """Interrupt the running (preemptible) step for an online request of
+        ``prompt_tokens`` (None: not known yet); True when one was sent."""
+        with self._lock:
+            step = self._running
+            if step is None or self._requested == step.step_id:
+                return False
+            if self.ttft_slo_s is not None:
+                now = time.monotonic() if now is None else now
+                remaining = step.predicted_s - (now - step.started)
+                own = self._prefill_time(prompt_tokens) if prompt_tokens else 0.0
+                if remaining <= self.ttft_slo_s - own:
+                    return False  # the step ends in time for this arrival's SLO
+            self._requested = step.step_id
+            self.num_requests += 1
+        self._interrupt(step.step_id)
+        return True
