@@ -33,6 +33,18 @@ class SampleSpec:
 
 
 @dataclass
+class PromptLogprobSpec:
+    """Prompt positions of one request to score this step: the hidden states
+    at ``first_index`` .. ``first_index + len(targets) - 1`` of the flat step
+    predict ``targets`` (the prompt tokens one position later)."""
+
+    request_id: str
+    first_index: int
+    targets: list[int]
+    top_n: int
+
+
+@dataclass
 class ModelInput:
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -43,6 +55,8 @@ class ModelInput:
     sample_indices: list[int] = field(default_factory=list)  # token index of each sampling row
     samples: list[SampleSpec] = field(default_factory=list)
     sample_ids: list[str] = field(default_factory=list)  # request id of each sampling row
+    # Only requests that asked for prompt logprobs: others keep one logits row each.
+    prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
     # KV moves, applied before the forward: swap-outs first, then swap-ins.
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
@@ -60,6 +74,8 @@ class ModelInput:
 @dataclass
 class StepResult:
     sampled: dict = field(default_factory=dict)  # request id -> SampledToken (rank 0 only)
+    # engine request id -> one {token id: Logprob} per scored prompt position (rank 0 only)
+    prompt_logprobs: dict = field(default_factory=dict)
     swap_stall_s: float = 0.0  # time the step waited on KV copies
     # The safepoint (layer index) where an interrupted step stopped: no
     # tokens, and none of the step's KV writes count. None: it ran to the end.

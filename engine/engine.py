@@ -21,7 +21,7 @@ from fluidserve.scheduler.cost_model import cost_model_for_engine, plan_shape
 from fluidserve.scheduler.plan import StepOutcome, StepPlan
 from fluidserve.scheduler.request_state import RequestClass, SeqState
 from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from fluidserve.engine.batch import ModelInput, SampleSpec, StepResult
+from fluidserve.engine.batch import ModelInput, PromptLogprobSpec, SampleSpec, StepResult
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.detokenizer import TextStream
 from fluidserve.engine.executor import make_executor
@@ -137,7 +137,12 @@ class LLMEngine:
         max_tokens = self._max_tokens(len(token_ids), params)
         now = time.monotonic() if arrival_time is None else arrival_time
         req = Request(request_id, text, token_ids, params, klass, now, max_tokens)
-        keys = block_keys(token_ids, self.kv.block_size) if self.kv.prefix_caching else []
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # nothing predicts the first prompt token
+        # A request scoring its prompt must compute every position, so it
+        # takes no prefix-cache hits (and, having no keys, offers none).
+        keys = (block_keys(token_ids, self.kv.block_size)
+                if self.kv.prefix_caching and req.prompt_logprobs is None else [])
         for i in range(params.n):
             state = SeqState(f"{request_id}#{i}", len(token_ids), max_tokens, now, klass, block_keys=list(keys))
             seq = Sequence(i, state, req, TextStream(self.tokenizer, token_ids, params),
@@ -237,6 +242,7 @@ class LLMEngine:
     def _model_input(self, plan: StepPlan) -> ModelInput:
         inp = ModelInput(swap_out=plan.swap_out, swap_in=plan.swap_in)
         swapped_in = set(plan.swapped_in)
+        scored: dict[str, int] = {}  # request id -> prompt positions scored once this step has run
         bs = self.kv.block_size
         for item in plan.scheduled:
             seq = self.seqs[item.request_id]
@@ -248,6 +254,8 @@ class LLMEngine:
             inp.wait_for_swap_in |= item.request_id in swapped_in
             start = seq.state.num_computed_tokens
             end = start + item.num_tokens
+            if seq.request.prompt_logprobs is not None:
+                self._score_prompt(seq.request, start, end, len(inp.input_ids), scored, inp)
             inp.input_ids += seq.tokens(start, end)
             inp.positions += range(start, end)
             inp.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -259,6 +267,23 @@ class LLMEngine:
                 inp.samples.append(self._sample_spec(seq))
                 inp.sample_ids.append(item.request_id)
         return inp
+
+    @staticmethod
+    def _score_prompt(req: Request, start: int, end: int, first_index: int, scored: dict[str, int],
+                      inp: ModelInput) -> None:
+        """Score the prompt positions this chunk [start, end) of one of the
+        request's sequences computes and no earlier step (or other sequence
+        of this step) scored: the hidden state at position p predicts prompt
+        token p + 1. A recompute repeats positions already scored; those are
+        skipped, so none is reported twice or lost."""
+        prompt = req.prompt_token_ids
+        done = scored.get(req.request_id, len(req.prompt_logprobs))  # tokens 0 .. done-1 have entries
+        lo, hi = max(start, done - 1), min(end, len(prompt) - 1)
+        if lo >= hi:
+            return
+        inp.prompt_logprobs.append(PromptLogprobSpec(
+            req.request_id, first_index + lo - start, prompt[lo + 1:hi + 1], req.params.prompt_logprobs))
+        scored[req.request_id] = hi + 1
 
     @staticmethod
     def _sample_spec(seq: Sequence) -> SampleSpec:
@@ -281,6 +306,15 @@ class LLMEngine:
         requests that moved, and the sequences that stopped."""
         touched: dict[str, Request] = {}
         finished: list[str] = []
+        for rid, entries in result.prompt_logprobs.items():
+            req = self.requests.get(rid)
+            if req is None:  # aborted while the step ran
+                continue
+            decode = req.seqs[0].stream.decode_token
+            for entry in entries:
+                for t, lp in entry.items():
+                    lp.decoded = decode(t)
+            req.prompt_logprobs.extend(entries)
         for rid, token in result.sampled.items():
             seq = self.seqs.get(rid)
             if seq is None:
@@ -293,6 +327,7 @@ class LLMEngine:
             outputs.append(RequestOutput(
                 request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                 outputs=[s.take_output() for s in req.seqs], finished=req.finished,
+                prompt_logprobs=req.prompt_logprobs,
                 first_scheduled_time=min((s.state.first_scheduled_time for s in req.seqs
                                           if s.state.first_scheduled_time is not None),
                                          default=getattr(self, "_step_start", None)),
@@ -325,7 +360,7 @@ class LLMEngine:
     def _extend_block_keys(self, seq: Sequence) -> None:
         """A block of prompt + outputs just filled: give it its prefix-cache
         key, so a later prompt that repeats this conversation shares it."""
-        if not self.kv.prefix_caching:
+        if not self.kv.prefix_caching or seq.request.prompt_logprobs is not None:
             return
         keys = seq.state.block_keys
         bs = self.kv.block_size

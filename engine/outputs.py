@@ -54,6 +54,9 @@ class RequestOutput:
     error: str | None = None  # set with finish_reason "error" when generation failed
     # time.monotonic() when the scheduler first ran any of it (queue-time metrics)
     first_scheduled_time: float | None = None
+    # Asked-for prompt logprobs: None for the first position (nothing predicts
+    # it), then the prompt token plus the top-N at each later position.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -77,6 +77,9 @@ class Request:
     arrival_time: float
     max_tokens: int  # params.max_tokens, or what max_model_len leaves
     seqs: list[Sequence] = field(default_factory=list)
+    # Prompt positions scored so far (params.prompt_logprobs), shared by the
+    # n completions: whichever computes a position first scores it.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

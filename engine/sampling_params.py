@@ -28,6 +28,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-N alternatives per generated token
+    # Per prompt position: the prompt token's logprob plus the top-N (vLLM's
+    # field). A request asking for it never reads the prefix cache: every
+    # prompt position must be computed to be scored.
+    prompt_logprobs: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -95,6 +99,8 @@ class SamplingParams:
             raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if len(self.stop) > MAX_STOP_SEQUENCES:
             raise bad("stop", f"accepts at most {MAX_STOP_SEQUENCES} sequences, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):

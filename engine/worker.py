@@ -24,6 +24,7 @@ from fluidserve.engine.loader import build_model, init_dummy_weights, load_hf_co
 from fluidserve.engine.model_runner import ModelRunner
 from fluidserve.engine.parallel import TensorParallel
 from fluidserve.engine.preemption import Safepoints, StepAbandoned
+from fluidserve.engine.prompt_logprobs import score_prompts
 from fluidserve.engine.sampler import SamplingRow, make_generator, sample
 from fluidserve.engine.sampling_params import SamplingParams
 
@@ -178,6 +179,8 @@ class Worker:
             return result
         finally:
             self.safepoints.disarm()
+        if inp.prompt_logprobs:
+            result.prompt_logprobs = score_prompts(hidden, inp.prompt_logprobs, self.model.compute_logits) or {}
         if not inp.sample_indices:
             return result
         logits = self.model.compute_logits(hidden[sample_idx])  # [S, V] on rank 0

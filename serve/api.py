@@ -41,7 +41,8 @@ from fluidserve.serve.protocol import (
     TokenizeRequest,
     add_request_schemas,
 )
-from fluidserve.serve.render import ChatStreamer, CompletionStreamer, chat_choices, completion_choices, make_usage
+from fluidserve.serve.render import (ChatStreamer, CompletionStreamer, chat_choices, completion_choices, make_usage,
+                                     prompt_logprobs)
 
 VERSION = "0.1.0"
 T = TypeVar("T")
@@ -227,7 +228,7 @@ class _Server:
         usage = make_usage(inputs.prompts, finals[0].num_generated_tokens)
         return ChatCompletionResponse(id=rid, model=self.model.name,
                                       choices=chat_choices(finals[0], top_n=top_n, decode=self.decode),
-                                      usage=usage)
+                                      usage=usage, prompt_logprobs=prompt_logprobs(finals[0].prompt_logprobs))
 
     # -- engine plumbing ----------------------------------------------------
     async def submit(self, rid: str, inputs: EngineInputs) -> list[RequestStream]:

@@ -69,8 +69,6 @@ class InputProcessor:
 
     # -- endpoints ----------------------------------------------------------
     def completion(self, req: CompletionRequest) -> EngineInputs:
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         prompts = [self._truncate(self._prompt(p, add_special), req.truncate_prompt_tokens, req.truncation_side)
                    for p in req.prompts()]
@@ -167,6 +165,11 @@ class InputProcessor:
             value = getattr(req, name)
             return value if value is not None else defaults.get(name, fallback)
 
+        # Echo with logprobs scores the echoed prompt too (vLLM's reading).
+        prompt_logprobs = req.prompt_logprobs
+        if prompt_logprobs is None and getattr(req, "echo", False) and logprobs is not None:
+            prompt_logprobs = logprobs
+
         try:
             return SamplingParams(
                 n=req.n,
@@ -181,6 +184,7 @@ class InputProcessor:
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=pick("repetition_penalty", 1.0),
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 stop=req.stop_list,
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,

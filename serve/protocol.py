@@ -64,7 +64,6 @@ def _text_format(v: Any) -> bool:
 # Fields both endpoints know but do not implement -> which values mean "off".
 _REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
     "response_format": _text_format,
-    "prompt_logprobs": _off(),
     "use_beam_search": _off(False),
     "length_penalty": _off(1.0),
     "logits_processors": _off(),
@@ -209,6 +208,8 @@ class _SamplingFields(_Request):
     # vLLM's int (lower runs first, default 0), or our class name.
     priority: StrictInt | RequestClassName | None = None
     request_class: RequestClassName | None = Field(default=None, alias="class")
+    # vLLM's: each prompt position's token logprob plus the top N (not streamed).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
     def _check_shared(self) -> "_SamplingFields":
@@ -218,6 +219,8 @@ class _SamplingFields(_Request):
             raise ValueError("stream_options: only allowed when stream is true")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: only best_of equal to n is supported (no ranking by score)")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: is not available when stream is true")
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens: must be -1 or at least 1")
         if self.priority is not None and self.request_class and self._priority_class != self.request_class:
@@ -392,12 +395,30 @@ class CompletionLogprobs(_Wire):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(_Wire):
+    """vLLM's Logprob as its prompt_logprobs carry it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt token, keyed by token id; None for the first.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(_Wire):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or token id that ended it (None: EOS or length)
+
+
+class CompletionResponseChoice(CompletionChoice):
+    """A whole response's choice; stream chunks carry no prompt logprobs."""
+
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def _now() -> int:
@@ -409,7 +430,7 @@ class CompletionResponse(_Wire):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionResponseChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
 
@@ -449,6 +470,7 @@ class ChatCompletionResponse(_Wire):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatDelta(_Wire):

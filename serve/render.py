@@ -22,6 +22,9 @@ from fluidserve.serve.protocol import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
+    CompletionResponseChoice,
+    PromptLogprob,
+    PromptLogprobs,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -63,11 +66,21 @@ def _text(lp: Logprob, token_id: int, decode: Decode) -> str:
     return lp.decoded if lp.decoded else decode(token_id)
 
 
-def completion_logprobs(token_ids: list[int], entries: list[TokenLogprobs] | None, top_n: int,
+def completion_logprobs(token_ids: list[int], entries: list[TokenLogprobs | None] | None, top_n: int,
                         text_offset: int, decode: Decode) -> CompletionLogprobs:
+    """OpenAI's completion logprobs; a None entry (the first prompt token of
+    an echo) has a null logprob and null top_logprobs."""
     out = CompletionLogprobs()
     offset = text_offset
     for token_id, entry in zip(token_ids, entries or []):
+        if entry is None:
+            text = decode(token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(text)
+            continue
         lp = _sampled(entry, token_id, decode)
         text = _text(lp, token_id, decode)
         out.tokens.append(text)
@@ -79,6 +92,27 @@ def completion_logprobs(token_ids: list[int], entries: list[TokenLogprobs] | Non
         out.text_offset.append(offset)
         offset += len(text)
     return out
+
+
+def echo_logprobs(prompt: Prompt, out: RequestOutput, generated: CompletionLogprobs, top_n: int,
+                  text_offset: int, decode: Decode) -> CompletionLogprobs:
+    """Echo with logprobs: the prompt's tokens and their logprobs first, then
+    the generated ones (whose offsets already count the echoed text)."""
+    head = completion_logprobs(prompt.token_ids, out.prompt_logprobs, top_n, text_offset, decode)
+    return CompletionLogprobs(tokens=head.tokens + generated.tokens,
+                              token_logprobs=head.token_logprobs + generated.token_logprobs,
+                              top_logprobs=head.top_logprobs + generated.top_logprobs,
+                              text_offset=head.text_offset + generated.text_offset)
+
+
+def prompt_logprobs(entries: list[TokenLogprobs | None] | None) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs``: per prompt token ``{token id: {logprob,
+    rank, decoded_token}}``, None for the first."""
+    if entries is None:
+        return None
+    return [None if e is None else
+            {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded) for t, lp in e.items()}
+            for e in entries]
 
 
 def chat_logprobs(token_ids: list[int], entries: list[TokenLogprobs] | None, top_n: int,
@@ -106,8 +140,11 @@ def completion_choices(prompts: list[Prompt], finals: list[RequestOutput], *, n:
             logprobs = None
             if top_n is not None:
                 logprobs = completion_logprobs(co.token_ids, co.logprobs, top_n, len(head), decode)
-            choices.append(CompletionChoice(index=i * n + co.index, text=head + co.text, logprobs=logprobs,
-                                            finish_reason=finish_reason(co), stop_reason=stop_reason(co)))
+                if echo and out.prompt_logprobs is not None:
+                    logprobs = echo_logprobs(prompt, out, logprobs, top_n, 0, decode)
+            choices.append(CompletionResponseChoice(
+                index=i * n + co.index, text=head + co.text, logprobs=logprobs, finish_reason=finish_reason(co),
+                stop_reason=stop_reason(co), prompt_logprobs=prompt_logprobs(out.prompt_logprobs)))
     return choices
 
 
@@ -163,6 +200,9 @@ class CompletionStreamer:
             if self.top_n is not None:
                 logprobs = completion_logprobs(co.new_token_ids, co.new_logprobs, self.top_n,
                                                offset + len(head), self.decode)
+                if head and out.prompt_logprobs is not None:
+                    logprobs = echo_logprobs(self.prompts[prompt_index], out, logprobs, self.top_n, offset,
+                                             self.decode)
             self.track.offset[index] = offset + len(head) + len(co.text_delta)
             if co.finish_reason:
                 self.track.finished.add(index)

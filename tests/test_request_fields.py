@@ -189,6 +189,23 @@ def check_logprobs(_s, body, _b):
     assert len(lp["token_logprobs"]) == 12 and all(v <= 0 for v in lp["token_logprobs"])
 
 
+def check_prompt_logprobs(_s, body, b):
+    # vLLM's shape: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}.
+    entries = body["choices"][0]["prompt_logprobs"] if "text" in body["choices"][0] else body["prompt_logprobs"]
+    assert len(entries) == b["usage"]["prompt_tokens"] and entries[0] is None
+    assert all(1 <= len(e) <= 2 and all(v["logprob"] <= 0 and v["rank"] >= 1 for v in e.values())
+               for e in entries[1:])
+    assert text_of(body) == text_of(b)
+
+
+def check_echo_logprobs(_s, body, b):
+    lp = body["choices"][0]["logprobs"]
+    assert text_of(body) == "Hello" + text_of(b)
+    assert lp["tokens"][:5] == list("Hello") and len(lp["tokens"]) == 5 + 12
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:])
+
+
 def check_chat_logprobs(_s, body, _b):
     content = body["choices"][0]["logprobs"]["content"]
     assert len(content) == 12 and all(len(t["top_logprobs"]) == 2 for t in content)
@@ -260,6 +277,8 @@ ROWS: list[tuple[str, str, dict, Check, tuple[str, ...]]] = [
     ("class_offline", C, {"class": "offline"}, same_text, ("request_class",)),
     ("echo", C, {"echo": True}, check_echo, ("echo",)),
     ("logprobs", C, {"logprobs": 2}, check_logprobs, ("logprobs",)),
+    ("echo_logprobs", C, {"echo": True, "logprobs": 1}, check_echo_logprobs, ()),
+    ("prompt_logprobs", C, {"prompt_logprobs": 1}, check_prompt_logprobs, ("prompt_logprobs",)),
     ("prompt_ids", C, {"prompt": list(b"Hello")}, same_text, ("prompt",)),
     # Fields with no effect on generation by their own specification.
     ("user", C, {"user": "u-1"}, same_text, ("user",)),
@@ -278,13 +297,13 @@ ROWS: list[tuple[str, str, dict, Check, tuple[str, ...]]] = [
     ("chat_stop_token_ids", CHAT, {"stop_token_ids": ["@TOK"]}, check_stop_token_ids, ()),
     ("chat_request_id", CHAT, {"request_id": "my-id.1"}, check_request_id, ()),
     ("chat_logit_bias", CHAT, {"logit_bias": {str(ord("q")): 100}}, check_logit_bias, ()),
+    ("chat_prompt_logprobs", CHAT, {"prompt_logprobs": 1}, check_prompt_logprobs, ()),
 ]
 
 # Known, not implemented: a value other than "off" is a 400 naming the field.
 REFUSED: list[tuple[str, str, Any]] = [
     (C, "response_format", {"type": "json_object"}),
     (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    (C, "prompt_logprobs", 1),
     (C, "use_beam_search", True),
     (C, "length_penalty", 0.5),
     (C, "logits_processors", ["x"]),
@@ -343,7 +362,6 @@ OFF_VALUES: list[tuple[str, str, Any]] = [
     (C, "response_format", {"type": "text"}), (CHAT, "tools", []), (CHAT, "tool_choice", "none"),
     (C, "use_beam_search", False), (C, "length_penalty", 1.0), (C, "store", False),
     (C, "service_tier", "auto"), (CHAT, "modalities", ["text"]), (CHAT, "continue_final_message", False),
-    (C, "prompt_logprobs", None),
 ]
 # Fields of nested objects: messages[i] and stream_options.
 REFUSED_NESTED: list[tuple[str, dict, str]] = [
