@@ -65,6 +65,10 @@ class ModelInput:
     # engine interrupts step ``step_id`` (engine/preemption.py).
     preemptible: bool = False
     step_id: int = -1
+    # Constrained sequences that finished or were aborted since the last
+    # step: the worker drops their grammar matchers.
+    finished_ids: list[str] = field(default_factory=list)
+
 
     @property
     def num_tokens(self) -> int:

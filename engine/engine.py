@@ -110,7 +110,9 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self.seqs: dict[str, Sequence] = {}
+        self._finished_constrained: list[str] = []  # told to the worker with the next step
         self.stats_ = EngineStats()
+
         ttft = config.online_ttft_slo_ms
         self.preemption = PreemptionPolicy(self.executor.interrupt, None if ttft is None else ttft / 1e3,
                                            self.cost_model.prefill_time)
@@ -191,6 +193,9 @@ class LLMEngine:
         for seq in req.seqs:
             self.seqs.pop(seq.seq_id, None)
             self.scheduler.finish(seq.seq_id)
+            if req.params.structured_outputs is not None:
+                self._finished_constrained.append(seq.seq_id)
+
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -240,7 +245,9 @@ class LLMEngine:
         return result
 
     def _model_input(self, plan: StepPlan) -> ModelInput:
-        inp = ModelInput(swap_out=plan.swap_out, swap_in=plan.swap_in)
+        inp = ModelInput(swap_out=plan.swap_out, swap_in=plan.swap_in, finished_ids=self._finished_constrained)
+        self._finished_constrained = []
+
         swapped_in = set(plan.swapped_in)
         scored: dict[str, int] = {}  # request id -> prompt positions scored once this step has run
         bs = self.kv.block_size
@@ -292,8 +299,11 @@ class LLMEngine:
         # A fresh seed per (request seed, completion, position): reproducible
         # whatever else shares the batch, and stateless across workers.
         seed = None if p.seed is None else hash((p.seed, seq.index, n_out)) & 0x7FFF_FFFF_FFFF_FFFF
+        # A grammar matcher on the worker is checked against (and if need
+        # be rebuilt from) the outputs so far.
         needs_history = (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.min_tokens
-                         or any(len(w) > 1 for w in p.bad_words_token_ids))
+                         or any(len(w) > 1 for w in p.bad_words_token_ids) or p.structured_outputs is not None)
+
         return SampleSpec(
             params=p, seed=seed,
             prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else [],
@@ -355,7 +365,10 @@ class LLMEngine:
             return False
         seq.finish_reason = reason
         self.seqs.pop(seq.seq_id, None)
+        if seq.request.params.structured_outputs is not None:
+            self._finished_constrained.append(seq.seq_id)
         return True
+
 
     def _extend_block_keys(self, seq: Sequence) -> None:
         """A block of prompt + outputs just filled: give it its prefix-cache

@@ -14,6 +14,31 @@ MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A grammar the generated text must follow; exactly one kind is set.
+    Compiled against the tokenizer and enforced token by token on the worker
+    (engine/structured.py). Frozen and hashable: it keys the compile cache."""
+
+    json: str | None = None  # a JSON schema, serialized
+    json_object: bool = False  # any JSON object (OpenAI's JSON mode)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None  # exactly one of these strings
+    grammar: str | None = None  # an EBNF grammar (GBNF syntax)
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs: exactly one of json, json_object, regex, choice, grammar must be "
+                             f"set, got {kinds or 'none'}")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs: choice must be a non-empty list of strings")
+
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -45,6 +70,10 @@ class SamplingParams:
     # Token sequences that may not be generated: the last token of each is
     # banned wherever the output already ends with the ones before it.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # Constrained decoding: only tokens the grammar allows are sampled, and
+    # EOS only where the grammar may end.
+    structured_outputs: StructuredOutputs | None = None
+
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -119,3 +148,11 @@ class SamplingParams:
                 raise bad("allowed_token_ids", "must be non-negative integers")
         if any(not isinstance(t, int) or t < 0 for w in self.bad_words_token_ids for t in w):
             raise bad("bad_words", "token ids must be non-negative integers")
+        if self.structured_outputs is not None:
+            # Both would have to mask EOS where the grammar allows only EOS:
+            # no token would be left to sample.
+            if self.ignore_eos:
+                raise bad("ignore_eos", "cannot be combined with structured output")
+            if self.min_tokens:
+                raise bad("min_tokens", "cannot be combined with structured output")
+

@@ -20,13 +20,17 @@ import torch
 from fluidserve.engine.batch import ModelInput, SampleSpec, StepResult
 from fluidserve.engine.cache_engine import CacheEngine
 from fluidserve.engine.config import EngineConfig
-from fluidserve.engine.loader import build_model, init_dummy_weights, load_hf_config, load_weights, resolve_dtype
+from fluidserve.engine.loader import (build_model, eos_token_ids, init_dummy_weights, load_hf_config, load_tokenizer,
+                                      load_weights, resolve_dtype)
+
 from fluidserve.engine.model_runner import ModelRunner
 from fluidserve.engine.parallel import TensorParallel
 from fluidserve.engine.preemption import Safepoints, StepAbandoned
 from fluidserve.engine.prompt_logprobs import score_prompts
 from fluidserve.engine.sampler import SamplingRow, make_generator, sample
 from fluidserve.engine.sampling_params import SamplingParams
+from fluidserve.engine.structured import StructuredDecoder
+
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,11 @@ class Worker:
             self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
         self.cache: CacheEngine | None = None
         self.runner = ModelRunner(self.model, self.device)
+        # Grammar matchers of constrained sequences; the tokenizer loads on first use.
+        stops = [t for t in [self.eos_token_id, *eos_token_ids(hf_config, model_dir)] if t is not None]
+        self.structured = StructuredDecoder(lambda: load_tokenizer(config.tokenizer or model_dir),
+                                            int(hf_config.vocab_size), stops)
+
         self.safepoints = Safepoints(config.preemption_safepoint_layers, self.tp, self.device)
         self.model.layer_loop.safepoints = self.safepoints
 
@@ -168,6 +177,8 @@ class Worker:
         on rank 0, none on the other ranks."""
         stall = self.cache.swap(inp.swap_out, inp.swap_in, inp.wait_for_swap_in)
         result = StepResult(swap_stall_s=stall)
+        self.structured.release(inp.finished_ids)
+
         if not inp.input_ids:
             return result  # a step of copies only
         if inp.preemptible:
@@ -195,8 +206,13 @@ class Worker:
             )
             for s in inp.samples
         ]
-        tokens = sample(logits, rows, self.eos_token_id)  # the sampler makes its own fp32 copy
+        # Filled while the device still runs the forward queued above.
+        token_mask = self.structured.fill(inp.sample_ids, inp.samples)
+        tokens = sample(logits, rows, self.eos_token_id, token_mask)  # the sampler makes its own fp32 copy
+        if token_mask is not None:
+            self.structured.accept(inp.sample_ids, inp.samples, [t.token_id for t in tokens])
         result.sampled = dict(zip(inp.sample_ids, tokens))
+
         return result
 
     def interrupt(self, step_id: int) -> None:

@@ -1,0 +1,226 @@
+"""Structured output on the worker: grammars compiled against the tokenizer,
+one matcher per constrained sequence, and each step's next-token bitmask.
+
+Owns everything grammar-shaped below the HTTP layer, through xgrammar (picked
+over llguidance by benchmarks/grammar_mask.py):
+
+* ``check_structured_outputs``: builds a request's grammar without a
+  tokenizer, so a bad schema or regex is a 400 at the door, not a failed step;
+* ``GrammarCompiler``: compiled grammars of one tokenizer, cached by spec;
+* ``StructuredDecoder``: per-sequence matchers, kept by sequence id on the
+  worker that samples (rank 0 under tensor parallelism). Each step it fills
+  one bitmask row per constrained row (``TokenMask``, applied by the sampler
+  as one tensor op) and afterwards advances each matcher with its sampled
+  token. The engine's token history is the truth: a matcher that does not
+  match it (a recomputed or restarted sequence, a reused id) is rebuilt by
+  replaying the history, so preemption by recompute or swap cannot leave a
+  matcher out of step. Sequences the engine finished or aborted are released
+  (``ModelInput.finished_ids``).
+
+EOS: the grammar's stop tokens are the model's EOS ids, so the mask allows
+EOS exactly where the grammar may end, and nothing else there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+import xgrammar as xgr
+
+from fluidserve.engine.sampling_params import StructuredOutputs
+
+log = logging.getLogger(__name__)
+
+# A run of JSON whitespace longer than this is refused: a weak model can loop
+# on newlines forever, and no pretty-printed document needs more.
+MAX_JSON_WHITESPACE = 16
+MAX_CACHED_GRAMMARS = 256
+
+
+def _grammar(spec: StructuredOutputs) -> xgr.Grammar:
+    """The spec as a tokenizer-independent grammar; raises ValueError naming
+    what is wrong with it."""
+    try:
+        if spec.json is not None:
+            return xgr.Grammar.from_json_schema(spec.json, any_whitespace=True,
+                                                max_whitespace_cnt=MAX_JSON_WHITESPACE)
+        if spec.json_object:
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=True,
+                                                max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=False)
+        if spec.regex is not None:
+            return xgr.Grammar.from_regex(spec.regex)
+        if spec.choice is not None:
+            # One alternative per choice, each a JSON-escaped string literal of the EBNF.
+            alts = " | ".join(json.dumps(c) for c in spec.choice)
+            return xgr.Grammar.from_ebnf(f"root ::= {alts}")
+        return xgr.Grammar.from_ebnf(spec.grammar or "")
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and friends for bad input
+        raise ValueError(f"{_kind(spec)}: {_first_line(exc)}") from None
+
+
+def check_structured_outputs(spec: StructuredOutputs) -> None:
+    """Raise ValueError if ``spec`` does not build into a grammar."""
+    _grammar(spec)
+
+
+def _kind(spec: StructuredOutputs) -> str:
+    for kind in ("json", "regex", "choice", "grammar"):
+        if getattr(spec, kind) is not None:
+            return f"structured_outputs.{kind}"
+    return "structured_outputs.json_object"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+class GrammarCompiler:
+    """Grammars compiled against one tokenizer, kept by spec (LRU)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=sorted(set(stop_token_ids)))
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self._cache: OrderedDict[StructuredOutputs, xgr.CompiledGrammar] = OrderedDict()
+
+    def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        compiled = self._cache.get(spec)
+        if compiled is None:
+            compiled = self._compiler.compile_grammar(_grammar(spec))
+            self._cache[spec] = compiled
+            if len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(spec)
+        return compiled
+
+
+@dataclass
+class TokenMask:
+    """The next-token bitmask of a step's constrained rows: bit ``t % 32`` of
+    word ``t // 32`` in row ``i`` says whether token ``t`` may follow in
+    sampling row ``rows[i]``."""
+
+    bitmask: torch.Tensor  # [len(rows), ceil(V / 32)] int32, on the host
+    rows: list[int]
+    vocab_size: int
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Disallowed tokens of the constrained rows to -inf, in place, in one
+        kernel for the whole batch (``logits``: [R, V] fp32)."""
+        bitmask = self.bitmask.to(logits.device, non_blocking=True)
+        indices = None if self.rows == list(range(logits.shape[0])) else self.rows
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(self.vocab_size, logits.shape[1]),
+                                        indices=indices)
+        if logits.shape[1] > self.vocab_size:  # ids past the tokenizer's: never grammatical
+            logits[self.rows, self.vocab_size:] = float("-inf")
+
+
+@dataclass
+class _SeqGrammar:
+    spec: StructuredOutputs
+    matcher: xgr.GrammarMatcher
+    accepted: int = 0  # output tokens the matcher has consumed
+    last_token: int = -1  # the last of them
+    broken: bool = False  # the history held a token the grammar refused
+
+
+class StructuredDecoder:
+    """Matchers of the constrained sequences a worker samples for.
+
+    ``tokenizer_loader`` is called once, on the first constrained request,
+    so a worker that never sees one never loads the tokenizer."""
+
+    def __init__(self, tokenizer_loader: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self._load_tokenizer = tokenizer_loader
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._compiler: GrammarCompiler | None = None
+        self._seqs: dict[str, _SeqGrammar] = {}
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self._load_tokenizer(), self.vocab_size, self.stop_token_ids)
+        return self._compiler
+
+    @property
+    def num_active(self) -> int:
+        return len(self._seqs)
+
+    def release(self, seq_ids: Iterable[str]) -> None:
+        for sid in seq_ids:
+            self._seqs.pop(sid, None)
+
+    def fill(self, seq_ids: Sequence[str], samples: Sequence[Any]) -> TokenMask | None:
+        """The bitmask of this step's constrained rows (``samples`` are the
+        step's SampleSpecs, row by row), or None when no row is constrained."""
+        rows = [i for i, s in enumerate(samples) if s.params.structured_outputs is not None]
+        if not rows:
+            return None
+        matchers = [self._synced(seq_ids[i], samples[i]) for i in rows]
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # [C, W], all allowed
+        for j, entry in enumerate(matchers):
+            if entry.broken:
+                self._only_stop_tokens(bitmask, j)
+            else:
+                entry.matcher.fill_next_token_bitmask(bitmask, j)
+        return TokenMask(bitmask, rows, self.vocab_size)
+
+    def accept(self, seq_ids: Sequence[str], samples: Sequence[Any], token_ids: Sequence[int]) -> None:
+        """Advance each constrained row's matcher with the token it sampled."""
+        for sid, spec, tok in zip(seq_ids, samples, token_ids):
+            if spec.params.structured_outputs is None:
+                continue
+            entry = self._seqs.get(sid)
+            if entry is None or entry.broken:
+                continue
+            self._consume(sid, entry, tok)
+            if entry.matcher.is_terminated():  # EOS taken: the sequence ends on it
+                del self._seqs[sid]
+
+    # -- keeping matchers in step with the engine ------------------------------
+    def _synced(self, sid: str, sample: Any) -> _SeqGrammar:
+        """The matcher of ``sid`` after exactly the engine's outputs so far.
+
+        ``sample.output_token_ids`` is the sequence's whole output (the engine
+        sends it for constrained rows): the usual case is a matcher already at
+        its end (it consumed last step's token in ``accept``); anything else
+        is caught up or rebuilt from it."""
+        spec = sample.params.structured_outputs
+        history: list[int] = sample.output_token_ids
+        entry = self._seqs.get(sid)
+        n = entry.accepted if entry is not None else 0
+        in_step = (entry is not None and entry.spec == spec and n <= len(history)
+                   and (n == 0 or history[n - 1] == entry.last_token))
+        if not in_step:
+            entry = _SeqGrammar(spec, xgr.GrammarMatcher(self.compiler.compile(spec)))
+            self._seqs[sid] = entry
+        for tok in history[entry.accepted:]:
+            if entry.broken:
+                break
+            self._consume(sid, entry, tok)
+        return entry
+
+    def _consume(self, sid: str, entry: _SeqGrammar, tok: int) -> None:
+        if entry.matcher.accept_token(tok):
+            entry.accepted += 1
+            entry.last_token = tok
+            return
+        # Only a token the mask did not allow gets here (say allowed_token_ids
+        # left nothing grammatical): end the sequence rather than mask nothing.
+        log.warning("structured output: sequence %s produced token %d outside its grammar; it ends here", sid, tok)
+        entry.broken = True
+
+    def _only_stop_tokens(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row].zero_()
+        for tok in self.stop_token_ids:
+            bit = 1 << (tok % 32)
+            bitmask[row, tok // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words
