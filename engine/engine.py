@@ -51,6 +51,8 @@ class EngineStats:
     swap_stall_seconds: float = 0.0
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    prefix_cache_host_query_tokens: int = 0
+    prefix_cache_host_hit_tokens: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps: int = 0
@@ -413,6 +415,8 @@ class LLMEngine:
         s.swap_in_bytes = c.swap_in_blocks * self.bytes_per_block
         s.prefix_cache_query_tokens = self.kv.prefix_stats.query_tokens
         s.prefix_cache_hit_tokens = self.kv.prefix_stats.hit_tokens
+        s.prefix_cache_host_query_tokens = self.kv.prefix_stats.host_query_tokens
+        s.prefix_cache_host_hit_tokens = self.kv.prefix_stats.host_hit_tokens
         return s
 
     def check_health(self) -> None:

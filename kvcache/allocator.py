@@ -17,7 +17,6 @@ that issued the copy has completed.
 from __future__ import annotations
 
 
-
 class OutOfBlocks(RuntimeError):
     """Raised when more blocks are asked for than are free."""
 
@@ -64,10 +63,20 @@ class BlockAllocator:
     def is_free(self, block: int) -> bool:
         return block in self._free
 
+    def is_pending(self, block: int) -> bool:
+        return self._refcount[block] == 0 and block not in self._free
+
     def reuse(self, block: int) -> None:
         """Take a free block back by id (a prefix-cache hit), refcount 1."""
         del self._free[block]
         self._refcount[block] = 1
+
+    def hold(self, block: int) -> None:
+        """Park a free block as pending without an owner: a copy is about to
+        read it (its content is being kept elsewhere), so it must not be
+        handed out before ``release_pending``."""
+        del self._free[block]
+        self._pending.append(block)
 
     def incref(self, block: int) -> None:
         if self._refcount[block] < 1:

@@ -22,6 +22,15 @@ prefix_cache.py) and allocates only the rest; ``cache_blocks`` indexes a
 request's blocks as they fill. A shared block's reference count is the
 number of tables holding it; freed blocks keep their content (and their
 index entry) until the allocator hands them out again, LRU first.
+
+With a host pool as well, the cache spans both tiers. A cached block freed on
+the device is *demoted*: copied to a host block (``demote``, a bounded number
+a step) and indexed there, so when the device reuses it the prefix survives
+on the host; a host hit at admission is brought back by a swap-in copy, not
+recomputed. A swap-out indexes its host copies the same way and shares host
+blocks that already hold a block's content instead of copying it again; a
+swap-in shares device blocks that hold it. Host blocks are LRU like device
+ones: free host blocks keep their content until they are handed out.
 """
 
 from __future__ import annotations
@@ -36,7 +45,20 @@ from fluidserve.kvcache.prefix_cache import PrefixIndex
 class PrefixCacheStats:
     query_tokens: int = 0  # prompt tokens looked up at admission
     hit_tokens: int = 0  # of which found cached on the device
-    evicted_blocks: int = 0  # cached blocks handed out for other content
+    host_query_tokens: int = 0  # of which looked up on the host (not found on the device)
+    host_hit_tokens: int = 0  # of which found on the host (brought back by copy)
+    evicted_blocks: int = 0  # cached device blocks handed out for other content
+    demoted_blocks: int = 0  # cached device blocks copied to the host when freed
+    host_evicted_blocks: int = 0  # cached host blocks handed out for other content
+
+
+@dataclass
+class Admission:
+    """What ``admit`` gave a request."""
+
+    cached_tokens: int  # prompt tokens whose KV it starts with, both tiers
+    host_tokens: int  # of which come back from the host this step
+    swap_in: list[tuple[int, int]]  # (host block, device block) copies that bring them
 
 
 class KVCacheManager:
@@ -52,8 +74,13 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}  # device blocks of resident requests
         self._host_tables: dict[str, list[int]] = {}  # host blocks of swapped requests
         self.prefix = PrefixIndex() if enable_prefix_caching else None
+        self.host_prefix = PrefixIndex() if enable_prefix_caching and self.host else None
         self.prefix_stats = PrefixCacheStats()
         self._num_indexed: dict[str, int] = {}  # leading blocks of a table already offered to the index
+        self._host_keys: dict[str, list[int | None]] = {}  # keys of a swapped request's host blocks
+        self._demotable: dict[int, None] = {}  # freed cached device blocks the host lacks, LRU first
+        self._demoting: set[int] = set()  # device blocks a demotion copy reads this step
+        self._read_now: set[int] = set()  # device blocks a swap-out copy reads this step
 
     # -- device pool figures ------------------------------------------------
     @property
@@ -108,63 +135,129 @@ class KVCacheManager:
         return True
 
     def _allocate(self, n: int) -> list[int]:
-        """Fresh blocks for new content: any cached prefix they held is gone."""
+        """Fresh blocks for new content: any cached prefix they held is gone
+        from the device (it may live on in the host tier)."""
         blocks = self.allocator.allocate(n)
         if self.prefix is not None:
             for b in blocks:
                 self.prefix_stats.evicted_blocks += self.prefix.evict(b)
+                self._demotable.pop(b, None)
         return blocks
+
+    def _host_allocate(self, n: int) -> list[int]:
+        blocks = self.host.allocate(n)
+        if self.host_prefix is not None:
+            for b in blocks:
+                self.prefix_stats.host_evicted_blocks += self.host_prefix.evict(b)
+        return blocks
+
+    def _device_copy(self, key: int | None) -> int | None:
+        """The device block holding ``key``'s content that a table may take now."""
+        if key is None or self.prefix is None:
+            return None
+        block = self.prefix.lookup(key)
+        return None if block is None or block in self._demoting else block
+
+    def _host_copy(self, key: int | None) -> int | None:
+        """The host block holding ``key``'s content that a copy may read now
+        (not one a copy of this step is still writing)."""
+        if key is None or self.host_prefix is None:
+            return None
+        block = self.host_prefix.lookup(key)
+        return None if block is None or self.host.is_pending(block) else block
+
+    def _share(self, alloc: BlockAllocator, block: int) -> None:
+        """Take one more reference to a block that holds wanted content."""
+        if alloc.is_free(block):
+            alloc.reuse(block)
+        else:
+            alloc.incref(block)
+
+    def _read_host(self, block: int) -> None:
+        """A copy reads ``block`` this step: a free one is parked pending so
+        it cannot be handed out meanwhile (and becomes most recently used)."""
+        if self.host.is_free(block):
+            self.host.reuse(block)
+            self.host.free([block], deferred=True)
 
     # -- prefix caching ------------------------------------------------------
     @property
     def prefix_caching(self) -> bool:
         return self.prefix is not None
 
-    def _hits(self, keys: list[int], num_tokens: int) -> list[int]:
-        """Device blocks of the longest cached chain of ``keys``, leaving at
-        least one of ``num_tokens`` to compute (something must be sampled
-        from, and a shared block is never written)."""
+    def _hits(self, keys: list[int], num_tokens: int, host: bool = True) -> list[tuple[int, bool]]:
+        """(block, on host) of the longest cached chain of ``keys``, each on
+        the device where it is there, else on the host (with ``host``),
+        leaving at least one of ``num_tokens`` to compute (something must be
+        sampled from, and a shared block is never written)."""
         if self.prefix is None:
             return []
         limit = min(len(keys), (num_tokens - 1) // self.block_size)
         hits = []
         for key in keys[:limit]:
-            block = self.prefix.lookup(key)
+            block = self._device_copy(key)
+            if block is not None:
+                hits.append((block, False))
+                continue
+            block = self._host_copy(key) if host else None
             if block is None:
                 break
-            hits.append(block)
+            hits.append((block, True))
         return hits
 
     def cached_prefix_tokens(self, keys: list[int], num_tokens: int) -> int:
-        """Tokens of a prompt that admission would find cached now."""
+        """Tokens of a prompt that admission would find cached now, either tier."""
         return len(self._hits(keys, num_tokens)) * self.block_size
 
-    def admission_blocks(self, keys: list[int], num_tokens: int) -> int:
-        """Free blocks admitting a new request of ``num_tokens`` would use:
-        new blocks for what is not cached, plus cached blocks that are free."""
-        hits = self._hits(keys, num_tokens)
-        return self.blocks_for(num_tokens) - len(hits) + sum(map(self.allocator.is_free, hits))
+    def _blocks_to_admit(self, hits: list[tuple[int, bool]], num_tokens: int) -> int:
+        on_device = [b for b, on_host in hits if not on_host]
+        return self.blocks_for(num_tokens) - len(on_device) + sum(map(self.allocator.is_free, on_device))
 
-    def admit(self, request_id: str, keys: list[int], num_tokens: int) -> int | None:
+    def admission_blocks(self, keys: list[int], num_tokens: int, host: bool = True) -> int:
+        """Free device blocks admitting a new request of ``num_tokens`` would
+        use: new blocks for what is not cached on the device (host hits come
+        back into new blocks), plus cached device blocks that are free."""
+        return self._blocks_to_admit(self._hits(keys, num_tokens, host), num_tokens)
+
+    def admit(self, request_id: str, keys: list[int], num_tokens: int, host: bool = True) -> Admission | None:
         """Give a request with no KV a table for ``num_tokens`` tokens, sharing
-        its cached prefix; the number of tokens found cached, or None (and no
-        change) when the pool cannot supply the rest."""
+        its cached prefix (host hits, with ``host``, are copied back into new
+        device blocks by the returned swap-ins); None (and no change) when the
+        device pool cannot supply the rest."""
         if self._tables.get(request_id) or request_id in self._host_tables:
             raise ValueError(f"request {request_id!r} already holds KV")
-        hits = self._hits(keys, num_tokens)
-        if self.admission_blocks(keys, num_tokens) > self.allocator.num_free:
+        hits = self._hits(keys, num_tokens, host)
+        if self._blocks_to_admit(hits, num_tokens) > self.allocator.num_free:
             return None
-        for b in hits:
-            if self.allocator.is_free(b):
-                self.allocator.reuse(b)
+        # Device hits first: a fresh block for a host hit must not evict a
+        # free cached block the chain shares further on.
+        for block, on_host in hits:
+            if not on_host:
+                self._share(self.allocator, block)
+        table: list[int] = []
+        copies: list[tuple[int, int]] = []
+        indexed = None  # leading blocks already in the device index
+        for i, (block, on_host) in enumerate(hits):
+            if on_host:
+                indexed = i if indexed is None else indexed
+                self._read_host(block)
+                dst = self._allocate(1)[0]
+                copies.append((block, dst))
+                table.append(dst)
             else:
-                self.allocator.incref(b)
-        self._tables[request_id] = hits + self._allocate(self.blocks_for(num_tokens) - len(hits))
-        self._num_indexed[request_id] = len(hits)
+                table.append(block)
+        table += self._allocate(self.blocks_for(num_tokens) - len(hits))
+        self._tables[request_id] = table
+        # Copied-back blocks are indexed once the step has run (cache_blocks):
+        # until the copy lands, no other request may read them.
+        self._num_indexed[request_id] = len(hits) if indexed is None else indexed
         if keys and self.prefix is not None:
             self.prefix_stats.query_tokens += num_tokens
-            self.prefix_stats.hit_tokens += len(hits) * self.block_size
-        return len(hits) * self.block_size
+            self.prefix_stats.hit_tokens += (len(hits) - len(copies)) * self.block_size
+            self.prefix_stats.host_hit_tokens += len(copies) * self.block_size
+            if host and self.host_prefix is not None:
+                self.prefix_stats.host_query_tokens += num_tokens - (len(hits) - len(copies)) * self.block_size
+        return Admission(len(hits) * self.block_size, len(copies) * self.block_size, copies)
 
     def cache_blocks(self, request_id: str, keys: list[int], num_computed_tokens: int) -> None:
         """Index the request's blocks that are full, computed and keyed."""
@@ -201,33 +294,87 @@ class KVCacheManager:
         table = self._tables.pop(request_id, [])
         self._num_indexed.pop(request_id, None)
         self.allocator.free(table)
+        if self.host_prefix is not None:
+            for b in table:  # cached content the host lacks: worth a copy before it is reused
+                key = self.prefix.key_of(b)
+                if key is not None and self.allocator.is_free(b) and self.host_prefix.lookup(key) is None:
+                    self._demotable[b] = None
         host = self._host_tables.pop(request_id, [])
+        self._host_keys.pop(request_id, None)
         if host:
-            self.host.free(host)
+            self.host.free(host)  # indexed ones stay cached on the host
         return len(table) + len(host)
+
+    def demote(self, limit: int | float) -> list[tuple[int, int]]:
+        """Copy up to ``limit`` freed cached device blocks to the host, least
+        recently freed first (the next the device hands out): the (device
+        block, host block) pairs of this step's copies. The device block stays
+        cached but is held until the copy has run; the host block is cached
+        (free, indexed) from then on."""
+        pairs: list[tuple[int, int]] = []
+        if self.host_prefix is None:
+            return pairs
+        while self._demotable and len(pairs) < limit:
+            block = next(iter(self._demotable))
+            del self._demotable[block]
+            key = self.prefix.key_of(block)
+            if key is None or not self.allocator.is_free(block) or self.host_prefix.lookup(key) is not None:
+                continue
+            if not self.host.can_allocate(1):
+                self._demotable[block] = None
+                break
+            host = self._host_allocate(1)[0]
+            self.host.free([host], deferred=True)  # written by this step's copy
+            self.host_prefix.insert(key, host)
+            self.allocator.hold(block)
+            self._demoting.add(block)
+            pairs.append((block, host))
+        self.prefix_stats.demoted_blocks += len(pairs)
+        return pairs
+
+    @property
+    def num_demotable(self) -> int:
+        return len(self._demotable)
 
     # -- moves between tiers -------------------------------------------------
     def can_swap_out(self, request_id: str) -> bool:
         return self.host is not None and self.host.can_allocate(len(self._tables.get(request_id, ())))
 
-    def swap_out(self, request_id: str) -> dict[int, int]:
-        """Move a resident request's KV to the host: {device block: host block}.
-        Its device blocks stay pending until the copy has run."""
+    def swap_out(self, request_id: str) -> list[tuple[int, int]]:
+        """Move a resident request's KV to the host: the (device block, host
+        block) copies. A block whose content the host already caches is shared
+        there, not copied. Device blocks a copy reads stay pending until it has
+        run; the rest are free at once."""
         if not self.can_swap_out(request_id):
             raise ValueError(f"host pool cannot hold request {request_id!r}")
         table = self._tables.pop(request_id)
         self._num_indexed.pop(request_id, None)
-        host = self.host.allocate(len(table))
+        keys = [self.prefix.key_of(b) for b in table] if self.prefix is not None else [None] * len(table)
+        host: list[int] = []
+        copies: list[tuple[int, int]] = []
+        for block, key in zip(table, keys):
+            shared = self._host_copy(key)
+            if shared is not None:
+                self._share(self.host, shared)
+                host.append(shared)
+                # Free at once unless another swap-out of this step reads it.
+                self.allocator.free([block], deferred=block in self._read_now)
+                continue
+            dst = self._host_allocate(1)[0]
+            host.append(dst)
+            copies.append((block, dst))
+            self._read_now.add(block)
+            self.allocator.free([block], deferred=True)
+            if key is not None and self.host_prefix is not None:
+                self.host_prefix.insert(key, dst)
+            # A pending block must leave the device index (only blocks that
+            # can be taken are indexed): its content now lives on the host.
+            if self.prefix is not None and self.allocator.refcount(block) == 0:
+                self.prefix.evict(block)
+                self._demotable.pop(block, None)
         self._host_tables[request_id] = host
-        # Blocks other requests still share stay (and stay cached); the rest
-        # wait for the copy and leave the index, which must only point at
-        # blocks that can be taken.
-        self.allocator.free(table, deferred=True)
-        if self.prefix is not None:
-            for b in table:
-                if self.allocator.refcount(b) == 0:
-                    self.prefix.evict(b)
-        return dict(zip(table, host))
+        self._host_keys[request_id] = keys
+        return copies
 
     def can_swap_in(self, request_id: str, num_tokens: int = 0) -> bool:
         """Whether the device pool can take the request back, grown to hold
@@ -235,21 +382,43 @@ class KVCacheManager:
         n = max(len(self._host_tables.get(request_id, ())), self.blocks_for(num_tokens))
         return self.allocator.can_allocate(n)
 
-    def swap_in(self, request_id: str) -> dict[int, int]:
-        """Move a swapped request's KV back to the device: {host block: device
-        block}. Its host blocks stay pending until the copy has run."""
+    def swap_in(self, request_id: str) -> list[tuple[int, int]]:
+        """Move a swapped request's KV back to the device: the (host block,
+        device block) copies. A block whose content the device caches is
+        shared, not copied (the request regains its share of a common
+        prefix). Its host blocks stay pending until the copies have run, and
+        cached on the host after."""
         host = self._host_tables[request_id]
         if not self.allocator.can_allocate(len(host)):
             raise ValueError(f"device pool cannot take request {request_id!r} back ({len(host)} blocks)")
         del self._host_tables[request_id]
-        table = self._allocate(len(host))
+        keys = self._host_keys.pop(request_id, None) or [None] * len(host)
+        # Shared blocks first, so a fresh block cannot evict one of them.
+        shared = [self._device_copy(key) for key in keys]
+        for block in shared:
+            if block is not None:
+                self._share(self.allocator, block)
+        table: list[int] = []
+        copies: list[tuple[int, int]] = []
+        indexed = None
+        for i, (src, block) in enumerate(zip(host, shared)):
+            if block is not None:
+                table.append(block)
+                continue
+            indexed = i if indexed is None else indexed
+            dst = self._allocate(1)[0]
+            table.append(dst)
+            copies.append((src, dst))
         self._tables[request_id] = table
+        self._num_indexed[request_id] = len(table) if indexed is None else indexed
         self.host.free(host, deferred=True)
-        return dict(zip(host, table))
+        return copies
 
     def release_pending(self) -> None:
         """The step whose copies read the pending blocks has completed."""
         self.allocator.release_pending()
+        self._demoting.clear()
+        self._read_now.clear()
         if self.host:
             self.host.release_pending()
 
@@ -267,8 +436,12 @@ class KVCacheManager:
         if self.prefix is not None:
             pending = self.allocator.pending_blocks()
             for key, block in self.prefix.items():
-                assert block not in pending, f"cached block {block} is pending"
+                assert block not in pending or block in self._demoting, f"cached block {block} is pending"
                 assert self.prefix.key_of(block) == key, f"index disagrees on block {block}"
+            assert self._demoting <= pending, "a demoted block is not held"
+        if self.host_prefix is not None:
+            for key, block in self.host_prefix.items():
+                assert self.host_prefix.key_of(block) == key, f"host index disagrees on block {block}"
         for alloc, tables, tier in pools:
             alloc.check_integrity()
             owned: dict[int, int] = {}

@@ -246,6 +246,12 @@ class Scheduler:
         if self.swap and cfg.proactive_swap:
             self._prefetch(step)
             self._keep_reserve(step)
+        if self.swap and self._swap_credit > 0:
+            # Freed cached blocks go to the host while copies are in budget,
+            # so a prefix the device reuses survives there.
+            demoted = self.kv.demote(self._swap_credit)
+            plan.swap_out.extend(demoted)
+            self._swap_credit -= len(demoted)
         plan.preemptible = bool(plan.scheduled) and all(
             self.seqs[s.request_id].klass is RequestClass.OFFLINE for s in plan.scheduled
         )
@@ -308,11 +314,19 @@ class Scheduler:
             return False
         if not self._room(need + reserve, pos, step, allow_recompute=False, above=self._priority(seq)):
             return False
-        cached = self.kv.admit(seq.request_id, keys, seq.num_tokens)
-        if cached is None:  # an eviction freed a block it meant to share: next step
+        # A prefix found on the host comes back by copy, within the swap budget.
+        host = self.swap and self._can_move(need)
+        got = self.kv.admit(seq.request_id, keys, seq.num_tokens, host=host)
+        if got is None:  # an eviction freed a block it meant to share: next step
             return False
-        seq.num_computed_tokens = cached
-        seq.num_cached_tokens = cached
+        if got.swap_in:  # the step that runs it waits for the copy (it is short)
+            step.plan.swap_in.extend(got.swap_in)
+            step.plan.swapped_in.append(seq.request_id)
+            step.moved.add(seq.request_id)  # no victim while its copy is planned
+            self._swap_credit -= len(got.swap_in)
+            self.counters.swap_in_blocks += len(got.swap_in)
+        seq.num_computed_tokens = got.cached_tokens
+        seq.num_cached_tokens = got.cached_tokens
         seq.num_blocks_sent = 0
         seq.status = SeqStatus.RUNNING
         return True
@@ -388,10 +402,11 @@ class Scheduler:
 
     def _swap_out(self, seq: SeqState, step: _Step) -> None:
         rid = seq.request_id
+        pending = self.kv.allocator.num_pending
         moves = self.kv.swap_out(rid)
-        step.plan.swap_out.extend(moves.items())
+        step.plan.swap_out.extend(moves)
         step.plan.swapped_out.append(rid)
-        step.freeing += len(moves)
+        step.freeing += self.kv.allocator.num_pending - pending  # the rest are free now
         self._swap_credit -= len(moves)
         step.moved.add(rid)
         seq.status = SeqStatus.SWAPPED
@@ -404,7 +419,7 @@ class Scheduler:
     def _swap_in(self, seq: SeqState, step: _Step, status: SeqStatus = SeqStatus.RUNNING) -> None:
         rid = seq.request_id
         moves = self.kv.swap_in(rid)
-        step.plan.swap_in.extend(moves.items())
+        step.plan.swap_in.extend(moves)
         step.plan.swapped_in.append(rid)
         self._swap_credit -= len(moves)
         step.moved.add(rid)

@@ -155,11 +155,17 @@ class EngineStatsCollector:
             total.add_metric([tier], float(getattr(s, f"{prefix}_total", 0) or 0))
         yield used
         yield total
-        # Tokens, by the tier the cached KV was found in (device only today).
-        for name, attr, doc in (("queries", "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache"),
-                                ("hits", "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache")):
+        # Tokens by tier: every prompt token is looked up on the device; those
+        # not found there are looked up on the host (when it caches too).
+        for name, doc, by_tier in (
+            ("queries", "Prompt tokens looked up in the prefix cache",
+             (("device", "prefix_cache_query_tokens"), ("host", "prefix_cache_host_query_tokens"))),
+            ("hits", "Prompt tokens found in the prefix cache",
+             (("device", "prefix_cache_hit_tokens"), ("host", "prefix_cache_host_hit_tokens"))),
+        ):
             fam = CounterMetricFamily(f"{PREFIX}_prefix_cache_{name}", doc, labels=["tier"])
-            fam.add_metric(["device"], float(getattr(s, attr, 0) or 0))
+            for tier, attr in by_tier:
+                fam.add_metric([tier], float(getattr(s, attr, 0) or 0))
             yield fam
 
 
@@ -196,12 +202,14 @@ class VllmStatsCollector:
         for name, attr, doc in (
             ("num_preemptions", "num_preemptions", "Cumulative preemptions by the scheduler"),
             ("prefix_cache_queries", "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache"),
-            ("prefix_cache_hits", "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache"),
+            ("prefix_cache_hits", ("prefix_cache_hit_tokens", "prefix_cache_host_hit_tokens"),
+             "Prompt tokens found in the prefix cache"),
             ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed"),
             ("generation_tokens", "generation_tokens_total", "Generation tokens processed"),
         ):
             fam = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
-            fam.add_metric(label, float(getattr(s, attr, 0) or 0))
+            attrs = attr if isinstance(attr, tuple) else (attr,)  # hits: both tiers
+            fam.add_metric(label, float(sum(getattr(s, a, 0) or 0 for a in attrs)))
             yield fam
 
 

@@ -40,12 +40,12 @@ def test_blocks_conserved_across_both_pools(ops, device, host, bs):
         elif op == "out" and kv.holds(rid) and kv.can_swap_out(rid):
             table = list(kv.block_table(rid))
             moves = kv.swap_out(rid)
-            assert list(moves) == table and len(set(moves.values())) == len(table)
+            assert [d for d, _ in moves] == table and len({h for _, h in moves}) == len(table)
             assert kv.is_swapped(rid) and not kv.holds(rid)
         elif op == "in" and kv.is_swapped(rid) and kv.can_swap_in(rid):
             n_blocks = kv.num_blocks_of(rid)
             moves = kv.swap_in(rid)
-            assert len(moves) == n_blocks and list(moves.values()) == kv.block_table(rid)
+            assert len(moves) == n_blocks and [d for _, d in moves] == kv.block_table(rid)
         elif op == "free":
             kv.free(rid)
             tokens.pop(rid, None)
@@ -94,15 +94,15 @@ def test_swap_round_trip_is_bit_identical(dtype):
     src = [(k[[0, 1, 2, 3]].clone(), v[[0, 1, 2, 3]].clone()) for k, v in ce.device_caches]
     other = [(k[[4, 5]].clone(), v[[4, 5]].clone()) for k, v in ce.device_caches]
     out = kv.swap_out("x")
-    ce.swap(list(out.items()), [], wait=False)
+    ce.swap(out, [], wait=False)
     kv.release_pending()
     kv.allocate("z", 3 * 4)  # takes x's old blocks: the copy must not care
     for k, v in ce.device_caches:
         k[kv.block_table("z")] = 0
         v[kv.block_table("z")] = 0
     back = kv.swap_in("x")
-    assert set(back.values()).isdisjoint({0, 1, 2, 3} & set(kv.block_table("z")))
-    ce.swap([], list(back.items()), wait=True)
+    assert {d for _, d in back}.isdisjoint({0, 1, 2, 3} & set(kv.block_table("z")))
+    ce.swap([], back, wait=True)
     table = kv.block_table("x")
     for (k, v), (sk, sv), (ok, ov) in zip(ce.device_caches, src, other):
         assert torch.equal(k[table], sk) and torch.equal(v[table], sv)
@@ -245,7 +245,8 @@ def test_simulator_and_engine_make_the_same_swap_decisions(tiny_model, make_llm)
     path = tiny_model("llama")
     prompts = [list(range(3 + 5 * i, 3 + 5 * i + 12 + 3 * i)) for i in range(6)]
     out_tokens = 20
-    llm = make_llm(path, scheduling_policy="fcfs", **SMALL_POOL)
+    # The simulator's jobs have no tokens to key a prefix cache by.
+    llm = make_llm(path, scheduling_policy="fcfs", enable_prefix_caching=False, **SMALL_POOL)
     engine = llm.engine
     engine_moves = _record_moves(engine.scheduler)
     params = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
@@ -266,32 +267,44 @@ def test_simulator_and_engine_make_the_same_swap_decisions(tiny_model, make_llm)
     assert engine_moves == sim_moves
 
 
-def test_a_shared_block_swapped_out_twice_in_one_step_reaches_both_host_copies():
-    """Two requests sharing a cached block leave in the same step: the plan's
-    pairs carry the block to two host blocks, and both come back intact."""
+@pytest.mark.parametrize("host_cache", [False, True])
+def test_a_shared_block_swapped_out_twice_in_one_step_comes_back_intact(host_cache):
+    """Two requests sharing a cached block leave in the same step. Without a
+    host-tier cache the plan's pairs carry the block to two host blocks; with
+    one, the second request shares the first one's host copy (no second copy)
+    and both, coming back, share the device copy that stayed cached."""
     from fluidserve.kvcache.prefix_cache import block_keys
 
     torch.manual_seed(0)
     ce = CacheEngine(num_layers=2, block_size=4, num_kv_heads=1, head_dim=4, dtype=torch.float32,
                      device=torch.device("cpu"), num_blocks=8, num_host_blocks=8)
     kv = KVCacheManager(8, 4, num_host_blocks=8, enable_prefix_caching=True)
+    if not host_cache:
+        kv.host_prefix = None
     keys = block_keys(list(range(9)), 4)  # two full blocks
-    assert kv.admit("a", keys, 9) == 0
+    assert kv.admit("a", keys, 9).cached_tokens == 0
     for k, v in ce.device_caches:
         k.copy_(torch.randn_like(k))
         v.copy_(torch.randn_like(v))
     kv.cache_blocks("a", keys, 9)
-    assert kv.admit("b", keys, 9) == 8  # shares both full blocks
+    assert kv.admit("b", keys, 9).cached_tokens == 8  # shares both full blocks
     expect = {r: [(k[kv.block_table(r)].clone(), v[kv.block_table(r)].clone()) for k, v in ce.device_caches]
               for r in ("a", "b")}
-    pairs = list(kv.swap_out("a").items()) + list(kv.swap_out("b").items())
-    assert len({d for d, _ in pairs}) < len(pairs)  # a device block leaves twice
+    pairs = kv.swap_out("a") + kv.swap_out("b")
+    if host_cache:
+        assert len(pairs) == 4  # a: 3 blocks; b: only its own last block
+    else:
+        assert len({d for d, _ in pairs}) < len(pairs)  # a device block leaves twice
     ce.swap(pairs, [], wait=False)
     kv.release_pending()
-    for k, v in ce.device_caches:  # the device blocks are reused for other content
-        k.zero_()
-        v.zero_()
-    back = list(kv.swap_in("a").items()) + list(kv.swap_in("b").items())
+    reused = [b for b in range(8) if kv.prefix.key_of(b) is None]  # what the device may overwrite now
+    for k, v in ce.device_caches:
+        k[reused] = 0
+        v[reused] = 0
+    kv.check_integrity()
+    back = kv.swap_in("a") + kv.swap_in("b")
+    if host_cache:  # the shared blocks stayed cached on the device: only the last blocks come back
+        assert len(back) == 2 and kv.block_table("a")[:2] == kv.block_table("b")[:2]
     ce.swap([], back, wait=True)
     for r in ("a", "b"):
         table = kv.block_table(r)

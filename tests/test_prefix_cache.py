@@ -89,21 +89,88 @@ def test_abort_in_the_middle_of_a_shared_chain(tiny_model, make_llm):
     assert [outs["b"], outs["c"]] == hf_greedy(path, [SYSTEM + [3, 4, 5], SYSTEM[:24] + [6]], 16)
 
 
+def test_a_prefix_evicted_from_the_device_comes_back_from_the_host(tiny_model, make_llm):
+    """A small device pool reuses the system prompt's blocks for other work;
+    their content was demoted to the host when they were freed, so the next
+    request with that prompt finds it there, copies it back and gives the
+    tokens a device hit (and no cache) gives."""
+    path = tiny_model("llama")
+    llm = make_llm(path, block_size=8, num_kv_blocks=10, max_model_len=80, num_host_blocks=64)
+    stats = llm.engine.kv.prefix_stats
+    llm.generate([SYSTEM + [1, 2]], GREEDY)
+    # Demotions ride along with later steps, a few blocks a step (the swap budget).
+    llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    churn = [[100 + 50 * i + j for j in range(60)] for i in range(2)]  # 8 blocks each: the pool turns over
+    llm.generate(churn, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert stats.demoted_blocks >= 4 and stats.evicted_blocks >= 4
+    before = (stats.hit_tokens, stats.host_hit_tokens)
+    prompt = SYSTEM + [3, 4, 5]
+    got = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert stats.host_hit_tokens - before[1] == 32 and stats.hit_tokens == before[0]  # 4 blocks, all from the host
+    assert got == hf_greedy(path, [prompt], 12)[0]
+    llm.engine.kv.check_integrity()
+
+
 # -- accounting under churn ----------------------------------------------------
 
+class _Contents:
+    """What each block of both pools holds, moved by the plan's copies and
+    written by its forward the way the worker does: a full keyed block holds
+    its key, any other block ("own", request, index)."""
+
+    def __init__(self, bs: int) -> None:
+        self.bs = bs
+        self.device: dict[int, object] = {}
+        self.host: dict[int, object] = {}
+
+    def label(self, seq: SeqState, i: int) -> object:
+        return seq.block_keys[i] if i < len(seq.block_keys) else ("own", seq.request_id, i)
+
+    def run(self, plan, seqs: dict[str, SeqState], kv: KVCacheManager) -> None:
+        written = set()
+        for item in plan.scheduled:
+            seq, table = seqs[item.request_id], kv.block_table(item.request_id)
+            c0 = seq.num_computed_tokens
+            written |= {table[p // self.bs] for p in range(c0, c0 + item.num_tokens)}
+        out_src = {d for d, _ in plan.swap_out}
+        # Swap-ins land before the forward (it waits for them) and after the
+        # swap-outs (one copy stream, in order); swap-outs may still be
+        # reading while the forward runs.
+        assert not written & out_src, "the forward writes a block a swap-out of its step reads"
+        for d, h in plan.swap_out:
+            self.host[h] = self.device.get(d)
+        for h, d in plan.swap_in:
+            self.device[d] = self.host.get(h)
+        for item in plan.scheduled:  # what the forward reads: every computed block of its table
+            seq, table = seqs[item.request_id], kv.block_table(item.request_id)
+            for i in range(-(-seq.num_computed_tokens // self.bs)):
+                assert self.device.get(table[i]) == self.label(seq, i), (
+                    f"{item.request_id} block {i} (device {table[i]}) holds {self.device.get(table[i])}")
+        for b in written:
+            self.device[b] = None
+        for item in plan.scheduled:
+            seq, table = seqs[item.request_id], kv.block_table(item.request_id)
+            c0 = seq.num_computed_tokens
+            for i in range(c0 // self.bs, -(-(c0 + item.num_tokens) // self.bs)):
+                self.device[table[i]] = self.label(seq, i)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**16), device=st.integers(6, 30), host=st.sampled_from([0, 40]),
+@given(seed=st.integers(0, 2**16), device=st.integers(6, 30), host=st.sampled_from([0, 8, 40]),
        mode=st.sampled_from(["swap", "recompute"]), policy=st.sampled_from(["fcfs", "skip-join-mlfq"]))
 def test_refcounts_conserved_with_shared_prefixes(seed, device, host, mode, policy):
     """Requests from a few prefix families arrive, run, are preempted or
     swapped and aborted at random: every step the two pools and the index
-    agree, and at the end nothing is held."""
+    agree, every block a forward reads holds what its request computed there
+    (through host hits, demotions and shared swaps), and at the end nothing
+    is held."""
     rng = random.Random(seed)
     bs = 4
     kv = KVCacheManager(device, bs, host, enable_prefix_caching=True)
     s = Scheduler(SchedulerConfig(policy=policy, max_num_batched_tokens=rng.choice([6, 16, 64]),
                                   max_num_seqs=rng.choice([2, 8]), preemption_mode=mode, kv_watermark=0.0), kv)
     families = [[rng.randrange(50) for _ in range(rng.randrange(4, 14))] for _ in range(3)]
+    contents = _Contents(bs)
     now, made = 0.0, 0
     for step in range(300):
         if made < 25 and rng.random() < 0.3:
@@ -116,6 +183,7 @@ def test_refcounts_conserved_with_shared_prefixes(seed, device, host, mode, poli
         if s.seqs and rng.random() < 0.05:
             s.finish(rng.choice(sorted(s.seqs)))  # an abort
         plan = s.schedule(now)
+        contents.run(plan, s.seqs, kv)
         now += 0.01
         finished = [i.request_id for i in plan.scheduled
                     if i.samples and s.seqs[i.request_id].num_output_tokens + 1 >= s.seqs[i.request_id].max_new_tokens]
