@@ -1,14 +1,19 @@
 """Serving benchmark: an async OpenAI-compatible load generator, plus a
 measurement of the frontend's own overhead.
 
-Load test a running server (any OpenAI-compatible one):
+Load test a running server (any OpenAI-compatible one) with ``vllm bench
+serve``'s flags; the result JSON carries its keys (``mean_ttft_ms``,
+``p99_tpot_ms``, ``output_throughput``, ``request_goodput``, ...) beside ours:
 
     python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000 \
-        --dataset sharegpt --request-rate 4 --arrival gamma --cv 2 --num-requests 300 \
-        --length-scale 0.05 --slo-ttft-ms 500 --slo-tpot-ms 50
+        --dataset-name sharegpt --dataset-path ShareGPT_V3_unfiltered_cleaned_split.json \
+        --tokenizer meta-llama/Llama-3.1-8B-Instruct --num-prompts 300 --request-rate 4 \
+        --burstiness 0.25 --goodput ttft:500 tpot:50 --percentile-metrics ttft,tpot,itl,e2el \
+        --metric-percentiles 50,90,99 --save-result --result-dir benchmarks/results
 
-    (datasets: sharegpt, azure-code [--use-trace-arrivals], arxiv, a CSV path, or synthetic;
-     read from --workloads-dir, default ../shared/workloads from the repo root)
+    (vLLM's datasets: random, sharegpt, burstgpt, custom. Ours, by --dataset: real lengths
+     from sharegpt, azure-code [--use-trace-arrivals], arxiv, a CSV path, or synthetic; read
+     from --workloads-dir, default ../shared/workloads from the repo root)
 
 Frontend overhead (starts its own ``fluidserve serve`` on the built-in tiny model):
 

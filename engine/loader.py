@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from fluidserve.engine.models import model_class
-from fluidserve.engine.parallel import ShardSpec, TensorParallel, shard_spec
+from fluidserve.engine.parallel import ShardSpec, TensorParallel, fused_pieces, prepack_linears, shard_spec
 
 log = logging.getLogger(__name__)
 
@@ -180,47 +181,85 @@ def _read(source, spec: ShardSpec | None) -> torch.Tensor:
     return spec.pad(source[tuple(index)])
 
 
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: rows ``[offset, offset + rows)`` of
+    ``param`` (all of it, unless fused), holding ``spec``'s slice."""
+
+    param_name: str
+    param: nn.Parameter
+    offset: int
+    rows: int
+    spec: ShardSpec | None
+
+    def view(self) -> torch.Tensor:
+        return self.param.narrow(0, self.offset, self.rows) if fused_pieces(self.param) else self.param
+
+
+def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
+    """Every checkpoint tensor name the model reads, and where it goes. A
+    fused parameter (``...self_attn.qkv_proj.weight``) answers to the names of
+    its parts (``...self_attn.q_proj.weight``, ``k_proj``, ``v_proj``)."""
+    targets = {}
+    for name, param in model.named_parameters():
+        pieces = fused_pieces(param)
+        if pieces is None:
+            targets[name] = _Target(name, param, 0, param.shape[0] if param.dim() else 0, shard_spec(param))
+            continue
+        module, leaf = name.rsplit(".", 1)
+        parent = module.rsplit(".", 1)[0] + "." if "." in module else ""
+        for piece in pieces:
+            targets[f"{parent}{piece.name}.{leaf}"] = _Target(name, param, piece.offset, piece.rows, piece.spec)
+    return targets
+
+
 def load_weights(model: nn.Module, model_dir: Path | str) -> None:
+    """Read every weight of ``model`` from the checkpoint in ``model_dir``
+    (this rank's shard of the split ones), then pack the linears for the CPU."""
     model_dir = Path(model_dir)
-    params = dict(model.named_parameters())
+    targets = checkpoint_targets(model)
     prefixes = getattr(model, "checkpoint_prefixes", {})
     loaded: set[str] = set()
     for name, source in _checkpoint_tensors(model_dir):
         for old, new in prefixes.items():
             if name.startswith(old):
                 name = new + name[len(old):]
-        if name not in params:
+        if name not in targets:
             if not name.endswith(_IGNORED_SUFFIXES):
                 log.debug("ignoring checkpoint tensor %s", name)
             continue
-        param = params[name]
-        spec = shard_spec(param)
-        expected = spec.full_shape(param.shape) if spec is not None else tuple(param.shape)
+        target = targets[name]
+        dest = target.view()
+        expected = target.spec.full_shape(dest.shape) if target.spec is not None else tuple(dest.shape)
         if _shape(source) != expected:
             raise ValueError(f"weight {name}: checkpoint shape {_shape(source)} != model {expected}")
         with torch.no_grad():
-            param.copy_(_read(source, spec))
+            dest.copy_(_read(source, target.spec))
         loaded.add(name)
     # Tied weights appear once under either name.
-    tied = {n for n, p in params.items() if any(p is params[m] for m in loaded)}
-    missing = set(params) - loaded - tied
+    loaded_params = [targets[n].param for n in loaded]
+    tied = {n for n, t in targets.items() if fused_pieces(t.param) is None
+            and any(t.param is p for p in loaded_params)}
+    missing = set(targets) - loaded - tied
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights: {sorted(missing)[:5]}")
+    prepack_linears(model)
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Small random weights: enough for timing, never for text. A sharded
-    parameter draws its whole tensor and keeps its slice, so every
+    tensor is drawn whole and this rank keeps its slice, so every
     tensor_parallel_size yields the same model."""
     torch.manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
-            spec = shard_spec(p)
-            if spec is None:
-                p.uniform_(-0.02, 0.02)
+        for target in checkpoint_targets(model).values():  # tied weights appear once
+            dest = target.view()
+            if target.spec is None:
+                dest.uniform_(-0.02, 0.02)
             else:
-                full = torch.empty(spec.full_shape(p.shape), dtype=p.dtype, device=p.device)
-                p.copy_(spec.take(full.uniform_(-0.02, 0.02)))
+                full = torch.empty(target.spec.full_shape(dest.shape), dtype=dest.dtype, device=dest.device)
+                dest.copy_(target.spec.take(full.uniform_(-0.02, 0.02)))
+    prepack_linears(model)
 
 
 def model_context_length(hf_config) -> int:

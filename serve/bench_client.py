@@ -1,36 +1,53 @@
 """Load generator for any OpenAI-compatible server (``fluidserve bench``,
-``benchmarks/serve_bench.py``).
+``benchmarks/serve_bench.py``), with ``vllm bench serve``'s flags and result
+keys so its numbers sit beside the tooling vLLM users already have.
 
-Owns the open-loop client: arrivals (Poisson, Gamma with a given CV, or a
-trace's own times), request lengths (fixed / uniform / a CSV of real lengths
-scaled and clipped), exact output lengths through ``ignore_eos``, and the
-report: throughput, TTFT / TPOT / ITL / E2E (mean, P50, P99), normalized
-latency (E2E per output token), latency bound (the largest gap between two
-tokens of a request) and goodput under SLOs. Results go to JSON.
+Owns the open-loop client: the workload (vLLM's datasets ``random``,
+``sharegpt`` (real text from a ShareGPT JSON), ``burstgpt`` (a BurstGPT CSV's
+lengths), ``custom`` (a JSONL of prompts); or our length sources: fixed /
+uniform / lognormal lengths, or a CSV of real lengths scaled and clipped),
+arrivals (Poisson, Gamma of a given burstiness or CV, or a trace's own times,
+capped by ``--max-concurrency``), and the report.
 
-Prompts are sent as token ids on /v1/completions, so input lengths are exact
-whatever the tokenizer; the chat endpoint uses text instead.
+The report carries vLLM's flat keys (``mean_ttft_ms``, ``p99_tpot_ms``,
+``output_throughput``, ``request_goodput``, ...: numpy mean / median / std /
+percentiles, computed as ``vllm bench serve`` computes them) beside our own
+figures: normalized latency (E2E per output token), latency bound (the
+largest gap between two tokens of a request), SLO attainment, and with
+``--offline-prompts`` the co-serving split (an offline backlog sent at t = 0
+with vLLM's ``priority`` 1, its figures apart from the online requests').
+
+Prompts without text (lengths only) go as token ids on /v1/completions, so
+input lengths are exact whatever the tokenizer; the chat endpoint gets text.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
 import json
 import math
 import random
-import statistics
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from fluidserve.scheduler.simulator import percentile  # one percentile definition for every benchmark
+import numpy as np
+
 from fluidserve.scheduler.workloads import ARXIV, AZURE_CODE, DEFAULT_WORKLOAD_DIR, SHAREGPT, gamma_arrivals, read_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DATASETS = {"sharegpt": SHAREGPT, "azure-code": AZURE_CODE, "arxiv": ARXIV}
+DATASETS = {"sharegpt": SHAREGPT, "azure-code": AZURE_CODE, "arxiv": ARXIV}  # our lengths CSVs (--dataset)
+VLLM_DATASETS = ("random", "sharegpt", "burstgpt", "custom")  # --dataset-name
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
+# ShareGPT sequences vLLM keeps: at least 4 tokens each side, prompt <= 1024, both <= 2048.
+MIN_SEQ_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,8 @@ class RequestSpec:
     prompt_len: int
     output_len: int
     arrival_s: float  # offset from the start of the run
+    prompt: str | list[int] | None = None  # text or token ids; None: random ids of prompt_len
+    offline: bool = False  # sent with priority 1 (the co-serving backlog)
 
 
 @dataclass
@@ -46,12 +65,13 @@ class RequestResult:
     output_len: int
     ok: bool = False
     error: str = ""
-    start: float = 0.0
+    start: float = 0.0  # time.perf_counter() when sent
     ttft: float = math.nan
     e2e: float = math.nan
     token_times: list[float] = field(default_factory=list)  # offsets from start
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    offline: bool = False
 
     @property
     def itls(self) -> list[float]:
@@ -64,7 +84,7 @@ class RequestResult:
         return (self.e2e - self.ttft) / (n - 1) if n > 1 else math.nan
 
 
-# -- workload -------------------------------------------------------------------
+# -- workload: our length sources -------------------------------------------------
 
 
 def load_lengths(path: Path) -> list[tuple[int, int, float | None]]:
@@ -79,26 +99,47 @@ def load_lengths(path: Path) -> list[tuple[int, int, float | None]]:
 
 
 def arrival_gaps(n: int, rate: float, cv: float, rng: random.Random) -> list[float]:
-    """Inter-arrival gaps: Poisson (cv 1) or Gamma with the given CV; rate inf
-    sends everything at once."""
+    """Inter-arrival gaps: Poisson (cv 1), Gamma with the given CV, evenly
+    spaced (cv 0); rate inf sends everything at once."""
     if math.isinf(rate):
         return [0.0] * n
+    if cv == 0:
+        return [1.0 / rate] * n
     gap = gamma_arrivals(rate, cv)
     return [gap(rng) for _ in range(n)]
 
 
+def _cv(args: argparse.Namespace) -> float:
+    """vLLM's ``--burstiness`` is the Gamma shape: CV = 1 / sqrt(shape)."""
+    if args.burstiness is not None:
+        if args.burstiness <= 0:
+            raise ValueError(f"--burstiness must be positive, got {args.burstiness}")
+        return 0.0 if math.isinf(args.burstiness) else 1.0 / math.sqrt(args.burstiness)
+    return 1.0 if args.arrival == "poisson" else args.cv
+
+
+def _num_arrivals(args: argparse.Namespace) -> int:
+    if args.duration is not None and not math.isinf(args.request_rate):
+        return int(args.request_rate * args.duration * 1.5) + 10  # enough arrivals; cut at the duration later
+    return args.num_requests
+
+
 def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
+    """The requests of a run with their send times: ``--num-prompts`` of the
+    online arrival process, then ``--offline-prompts`` sent at t = 0."""
     rng = random.Random(args.seed)
-    lengths = _sample_lengths(args, rng)
+    n_online = _num_arrivals(args)
+    rows = _sample_requests(args, rng, n_online + args.offline_prompts)
+    online, offline = rows[:n_online], rows[n_online:]
     if args.use_trace_arrivals:
-        t0 = lengths[0][2] or 0.0
-        times = [(a - t0) / args.time_scale for _, _, a in lengths]
+        t0 = online[0][3] or 0.0
+        times = [(a - t0) / args.time_scale for *_, a in online]
     else:
-        times = _cumulative(arrival_gaps(len(lengths), args.request_rate, args.cv, rng))
-    specs = [RequestSpec(p, o, t) for (p, o, _), t in zip(lengths, times)]
+        times = _cumulative(arrival_gaps(len(online), args.request_rate, _cv(args), rng))
+    specs = [RequestSpec(p, o, t, prompt) for (prompt, p, o, _), t in zip(online, times)]
     if args.duration is not None:
         specs = [s for s in specs if s.arrival_s < args.duration]
-    return specs
+    return specs + [RequestSpec(p, o, 0.0, prompt, offline=True) for prompt, p, o, _ in offline]
 
 
 def _cumulative(gaps: list[float]) -> list[float]:
@@ -113,10 +154,16 @@ def _clip(x: float, lo: int, hi: int) -> int:
     return max(lo, min(hi, int(round(x))))
 
 
-def _sample_lengths(args: argparse.Namespace, rng: random.Random) -> list[tuple[int, int, float | None]]:
-    n = args.num_requests
-    if args.duration is not None and not math.isinf(args.request_rate):
-        n = int(args.request_rate * args.duration * 1.5) + 10  # enough arrivals; cut at the duration later
+Row = tuple[str | list[int] | None, int, int, float | None]  # (prompt, prompt_len, output_len, arrival)
+
+
+def _sample_requests(args: argparse.Namespace, rng: random.Random, n: int) -> list[Row]:
+    if args.dataset_name is not None:
+        return _vllm_dataset(args, rng, n)
+    return [(None, p, o, a) for p, o, a in _sample_lengths(args, rng, n)]
+
+
+def _sample_lengths(args: argparse.Namespace, rng: random.Random, n: int) -> list[tuple[int, int, float | None]]:
     if args.dataset == "synthetic":
         def draw(mean: int) -> float:
             if args.length_dist == "fixed":
@@ -125,7 +172,9 @@ def _sample_lengths(args: argparse.Namespace, rng: random.Random) -> list[tuple[
                 return rng.uniform(mean * (1 - args.length_range), mean * (1 + args.length_range))
             sigma = args.length_range  # lognormal with the given mean
             return rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)
-        rows = [(draw(args.input_len), draw(args.output_len), None) for _ in range(n)]
+        in_len = 32 if args.input_len is None else args.input_len
+        out_len = 32 if args.output_len is None else args.output_len
+        rows = [(draw(in_len), draw(out_len), None) for _ in range(n)]
     else:
         path = Path(args.dataset) if args.dataset not in DATASETS else Path(args.workloads_dir) / DATASETS[args.dataset]
         table = load_lengths(path)
@@ -139,20 +188,195 @@ def _sample_lengths(args: argparse.Namespace, rng: random.Random) -> list[tuple[
     return [(_clip(p * s, 1, args.max_input_len), _clip(o * s, 1, args.max_output_len), a) for p, o, a in rows]
 
 
+# -- workload: vLLM's datasets ------------------------------------------------------
+
+
+def load_tokenizer(args: argparse.Namespace, required: bool) -> Any:
+    """The dataset's tokenizer, loaded once per run: ``--tokenizer``, else
+    (where the dataset needs one to count tokens) ``--model``. Optional ones
+    (random ids decoded for the chat endpoint) come from ``--tokenizer`` only,
+    so a served model name is never looked up on the model hub."""
+    cached = vars(args).get("_tokenizer")
+    if cached is not None:
+        return cached
+    name = args.tokenizer or (args.model if required else None)
+    if name is None:
+        if required:
+            raise ValueError(f"--dataset-name {args.dataset_name} counts prompt tokens: give --tokenizer "
+                             "(a Hugging Face name or a local path)")
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        args._tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tokenizer {name}: cannot load it ({exc})") from None
+    return args._tokenizer
+
+
+def _vllm_dataset(args: argparse.Namespace, rng: random.Random, n: int) -> list[Row]:
+    name = args.dataset_name
+    if name == "random":
+        if args.dataset_path is not None:
+            raise ValueError("--dataset-name random takes no --dataset-path")
+        return _random_rows(args, rng, n, load_tokenizer(args, required=False))
+    if args.dataset_path is None:
+        raise ValueError(f"--dataset-name {name} needs --dataset-path")
+    if name == "burstgpt":
+        return _burstgpt_rows(args, rng, n, load_tokenizer(args, required=False))
+    tokenizer = load_tokenizer(args, required=True)
+    rows = _sharegpt_rows(args, n, tokenizer) if name == "sharegpt" else _custom_rows(args, n, tokenizer)
+    if not rows:
+        raise ValueError(f"{args.dataset_path}: no usable {name} entries")
+    return _oversample(rows, n, args)
+
+
+def _token_pool(args: argparse.Namespace, tokenizer: Any) -> list[int]:
+    """Token ids random prompts draw from: the tokenizer's vocabulary less its
+    special tokens, else ``--prompt-token-range``."""
+    if tokenizer is None:
+        lo, hi = args.prompt_token_range
+        return list(range(lo, hi))
+    special = set(tokenizer.all_special_ids)
+    return [t for t in range(tokenizer.vocab_size) if t not in special]
+
+
+def _random_rows(args: argparse.Namespace, rng: random.Random, n: int, tokenizer: Any) -> list[Row]:
+    """vLLM's ``random``: lengths uniform over [len * (1 - r), len * (1 + r)]
+    (integers, floor and ceil), a shared random prefix, random token ids."""
+    in_len = args.random_input_len if args.input_len is None else args.input_len
+    out_len = args.random_output_len if args.output_len is None else args.output_len
+    r = args.random_range_ratio
+    if not 0.0 <= r < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {r}")
+    in_lo, in_hi = math.floor(in_len * (1 - r)), math.ceil(in_len * (1 + r))
+    out_lo, out_hi = max(1, math.floor(out_len * (1 - r))), max(1, math.ceil(out_len * (1 + r)))
+    if args.random_prefix_len + in_lo < 1:
+        raise ValueError("--random-input-len is too small: a prompt could be empty")
+    pool = _token_pool(args, tokenizer)
+    prefix = [rng.choice(pool) for _ in range(args.random_prefix_len)]
+    rows: list[Row] = []
+    for _ in range(n):
+        ids = prefix + [rng.choice(pool) for _ in range(rng.randint(in_lo, in_hi))]
+        rows.append((ids, len(ids), rng.randint(out_lo, out_hi), None))
+    return rows
+
+
+def _burstgpt_rows(args: argparse.Namespace, rng: random.Random, n: int, tokenizer: Any) -> list[Row]:
+    """vLLM's ``burstgpt``: the GPT-4 rows of a BurstGPT CSV that got an
+    answer, sampled (with replacement when too few); random prompt ids."""
+    with open(args.dataset_path, newline="") as f:
+        table = [(int(r["Request tokens"]), int(r["Response tokens"])) for r in csv.DictReader(f)
+                 if r["Model"] == "GPT-4" and int(r["Response tokens"]) > 0]
+    if not table:
+        raise ValueError(f"{args.dataset_path}: no GPT-4 rows with response tokens")
+    picked = rng.sample(table, n) if n <= len(table) else rng.choices(table, k=n)
+    pool = _token_pool(args, tokenizer)
+    return [([rng.choice(pool) for _ in range(max(1, p))], max(1, p), o, None) for p, o in picked]
+
+
+def _shuffled(items: list, args: argparse.Namespace) -> list:
+    if not args.disable_shuffle:
+        random.Random(args.seed).shuffle(items)
+    return items
+
+
+def _sharegpt_rows(args: argparse.Namespace, n: int, tokenizer: Any) -> list[Row]:
+    """vLLM's ``sharegpt``: each conversation's first turn is the prompt and
+    its second the reference answer (its token count is the output length
+    unless ``--sharegpt-output-len``); too short or too long pairs are skipped."""
+    with open(args.dataset_path, encoding="utf-8") as f:
+        data = [e for e in json.load(f) if len(e.get("conversations", ())) >= 2]
+    rows: list[Row] = []
+    for entry in _shuffled(data, args):
+        if len(rows) >= n:
+            break
+        prompt, answer = entry["conversations"][0]["value"], entry["conversations"][1]["value"]
+        prompt_len = len(tokenizer(prompt).input_ids)
+        fixed = args.sharegpt_output_len
+        output_len = len(tokenizer(answer).input_ids) if fixed is None else fixed
+        if (prompt_len < MIN_SEQ_LEN or (fixed is None and output_len < MIN_SEQ_LEN)
+                or prompt_len > MAX_PROMPT_LEN or prompt_len + output_len > MAX_TOTAL_LEN):
+            continue
+        rows.append((prompt, prompt_len, output_len, None))
+    return rows
+
+
+def _custom_rows(args: argparse.Namespace, n: int, tokenizer: Any) -> list[Row]:
+    """vLLM's ``custom``: a JSONL of ``{"prompt": ...}``, rendered through the
+    chat template for /v1/completions unless ``--skip-chat-template`` (the
+    chat endpoint renders it server-side)."""
+    with open(args.dataset_path, encoding="utf-8") as f:
+        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    template = (not args.skip_chat_template and _endpoint(args) == "completions"
+                and getattr(tokenizer, "chat_template", None))
+    rows: list[Row] = []
+    for prompt in _shuffled(prompts, args)[:n]:
+        if template:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                   add_generation_prompt=True, tokenize=False)
+        rows.append((prompt, len(tokenizer(prompt).input_ids), args.custom_output_len, None))
+    return rows
+
+
+def _oversample(rows: list[Row], n: int, args: argparse.Namespace) -> list[Row]:
+    """Fewer usable entries than requests: repeat random ones (vLLM's
+    oversampling), unless ``--no-oversample``."""
+    if len(rows) >= n or args.no_oversample:
+        return rows
+    rng = random.Random(args.seed)
+    return rows + rng.choices(rows, k=n - len(rows))
+
+
 # -- client ---------------------------------------------------------------------
+
+
+def _endpoint(args: argparse.Namespace) -> str:
+    """``completions`` or ``chat``; vLLM's ``--endpoint`` paths are accepted."""
+    e = args.endpoint.rstrip("/")
+    if e in ("chat", "/v1/chat/completions"):
+        return "chat"
+    if e in ("completions", "/v1/completions"):
+        return "completions"
+    raise ValueError(f"--endpoint {args.endpoint}: use /v1/completions or /v1/chat/completions")
+
+
+def _base_url(args: argparse.Namespace) -> str:
+    return (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+
+
+def _ignore_eos(args: argparse.Namespace) -> bool:
+    """Unless told: lengths-only workloads run every request to its output
+    length (vLLM forces this for ``random``); real text may stop at EOS."""
+    if args.ignore_eos is not None:
+        return args.ignore_eos
+    return args.dataset_name not in ("sharegpt", "custom")
 
 
 def _payload(args: argparse.Namespace, model: str, spec: RequestSpec, rng: random.Random) -> tuple[str, dict]:
     body: dict[str, Any] = {
-        "model": model, "max_tokens": spec.output_len, "stream": True, "ignore_eos": args.ignore_eos,
-        "stream_options": {"include_usage": True}, "temperature": args.temperature,
+        "model": model, "max_tokens": spec.output_len, "stream": True, "ignore_eos": _ignore_eos(args),
+        "stream_options": {"include_usage": True},
     }
-    if args.endpoint == "chat":
-        words = " ".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(spec.prompt_len))
-        body["messages"] = [{"role": "user", "content": words}]
+    if args.temperature is not None:
+        body["temperature"] = args.temperature
+    if args.logprobs is not None:
+        body["logprobs"] = args.logprobs
+    if spec.offline:
+        body["priority"] = 1  # vLLM's meaning: after priority 0; ours: the offline class
+    body.update(args.extra_body or {})
+    prompt = spec.prompt
+    if _endpoint(args) == "chat":
+        if not isinstance(prompt, str):
+            words = " ".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(spec.prompt_len))
+            tokenizer = load_tokenizer(args, required=False) if prompt is not None else None
+            prompt = words if tokenizer is None else tokenizer.decode(prompt)
+        body["messages"] = [{"role": "user", "content": prompt}]
         return "/v1/chat/completions", body
-    lo, hi = args.prompt_token_range
-    body["prompt"] = [rng.randrange(lo, hi) for _ in range(spec.prompt_len)]
+    if prompt is None:
+        lo, hi = args.prompt_token_range
+        prompt = [rng.randrange(lo, hi) for _ in range(spec.prompt_len)]
+    body["prompt"] = prompt
     return "/v1/completions", body
 
 
@@ -202,10 +426,11 @@ async def run_load(args: argparse.Namespace, specs: list[RequestSpec]) -> tuple[
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency or 100_000, max_keepalive_connections=1024)
     rng = random.Random(args.seed + 1)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(None), limits=limits) as client:
-        model = args.model or await _first_model(client, headers)
+    async with httpx.AsyncClient(base_url=_base_url(args), timeout=httpx.Timeout(None), limits=limits) as client:
+        model = args.served_model_name or args.model or await _first_model(client, headers)
+        args._model = model  # for the result file's name
         bar = tqdm(total=len(specs), desc="requests", unit="req", disable=args.no_progress) if tqdm else None
-        results = [RequestResult(s.prompt_len, s.output_len) for s in specs]
+        results = [RequestResult(s.prompt_len, s.output_len, offline=s.offline) for s in specs]
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         t0 = time.perf_counter()
 
@@ -235,22 +460,122 @@ async def _first_model(client: Any, headers: dict) -> str:
     return resp.json()["data"][0]["id"]
 
 
-# -- report ---------------------------------------------------------------------
+# -- report: vLLM's keys ----------------------------------------------------------
+
+
+def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
+    """``--goodput ttft:MS tpot:MS e2el:MS`` -> {metric: milliseconds}."""
+    out: dict[str, float] = {}
+    for pair in pairs or []:
+        name, sep, value = pair.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if not sep or name not in GOODPUT_METRICS or not ms >= 0:
+            raise ValueError(f"--goodput {pair}: use KEY:MILLISECONDS with KEY one of {', '.join(GOODPUT_METRICS)}")
+        out[name] = ms
+    return out
+
+
+def _stats(name: str, values: list[float], percentiles: list[float]) -> dict[str, float]:
+    """vLLM's mean / median / std / pNN of one metric, in ms (0 when empty)."""
+    xs = values or [0.0]
+    out = {f"mean_{name}_ms": float(np.mean(xs)) * 1000, f"median_{name}_ms": float(np.median(xs)) * 1000,
+           f"std_{name}_ms": float(np.std(xs)) * 1000}
+    for p in percentiles:
+        word = str(int(p)) if int(p) == p else str(p)
+        out[f"p{word}_{name}_ms"] = float(np.percentile(xs, p)) * 1000
+    return out
+
+
+def vllm_metrics(results: list[RequestResult], elapsed: float, metrics: list[str], percentiles: list[float],
+                 goodput: dict[str, float]) -> dict[str, Any]:
+    """The flat figures ``vllm bench serve`` reports, over successful
+    requests: TPOT over requests with more than one output token, ITL over
+    every gap between streamed chunks, goodput the requests meeting every
+    given SLO per second (None without ``--goodput``)."""
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.completion_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens or r.prompt_len for r in ok)
+    values = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [r.tpot for r in ok if r.completion_tokens > 1],
+        "itl": [x for r in ok for x in r.itls],
+        "e2el": [r.e2e for r in ok],
+    }
+    good = 0
+    for r in ok:
+        # A single-token request has no TPOT: it counts as meeting that SLO.
+        got = {"ttft": r.ttft, "tpot": r.tpot if r.completion_tokens > 1 else 0.0, "e2el": r.e2e}
+        good += all(got[k] * 1000 <= ms for k, ms in goodput.items())
+    out: dict[str, Any] = {
+        "duration": elapsed,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / elapsed,
+        "request_goodput": good / elapsed if goodput else None,
+        "output_throughput": out_tokens / elapsed,
+        "total_token_throughput": (in_tokens + out_tokens) / elapsed,
+        **_peaks(ok),
+    }
+    for name in metrics:
+        out.update(_stats(name, values[name], percentiles))
+    return out
+
+
+def _peaks(ok: list[RequestResult]) -> dict[str, float]:
+    """Most output tokens in one wall-clock second, and most requests in flight at once."""
+    if not ok:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    t0 = min(r.start for r in ok)
+    buckets: dict[int, int] = {}
+    for r in ok:
+        for t in r.token_times:
+            second = int(r.start + t - t0)
+            buckets[second] = buckets.get(second, 0) + 1
+    # Half-open [start, end): an end at the same instant as a start comes first.
+    events = sorted([(r.start, 1) for r in ok] + [(r.start + r.e2e, -1) for r in ok])
+    live = peak = 0
+    for _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    return {"max_output_tokens_per_s": float(max(buckets.values(), default=0)), "max_concurrent_requests": peak}
+
+
+# -- report: our figures ----------------------------------------------------------
 
 
 def summarize(xs: list[float], scale: float = 1000.0) -> dict[str, float]:
-    xs = sorted(x for x in xs if not math.isnan(x))
+    """Mean, P50, P99 (numpy's linear-interpolation percentiles, as vLLM's)."""
+    xs = [x for x in xs if not math.isnan(x)]
     if not xs:
         return {"mean": math.nan, "p50": math.nan, "p99": math.nan}
-    return {"mean": statistics.fmean(xs) * scale, "p50": percentile(xs, 50) * scale, "p99": percentile(xs, 99) * scale}
+    return {"mean": float(np.mean(xs)) * scale, "p50": float(np.percentile(xs, 50)) * scale,
+            "p99": float(np.percentile(xs, 99)) * scale}
 
 
-def report(results: list[RequestResult], elapsed: float, args: argparse.Namespace) -> dict[str, Any]:
+def _slo_limits(args: argparse.Namespace) -> tuple[float | None, float | None, float | None]:
+    """(TTFT, TPOT, E2E) limits in ms: ``--slo-*``, else ``--goodput``'s."""
+    g = parse_goodput(args.goodput)
+    return (args.slo_ttft_ms if args.slo_ttft_ms is not None else g.get("ttft"),
+            args.slo_tpot_ms if args.slo_tpot_ms is not None else g.get("tpot"),
+            args.slo_e2e_ms if args.slo_e2e_ms is not None else g.get("e2el"))
+
+
+def _meets_slo(r: RequestResult, limits: tuple[float | None, float | None, float | None]) -> bool:
+    checks = zip(limits, (r.ttft, r.tpot, r.e2e))
+    return all(limit is None or math.isnan(value) or value * 1000 <= limit for limit, value in checks)
+
+
+def our_figures(results: list[RequestResult], elapsed: float, args: argparse.Namespace) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.completion_tokens for r in ok)
-    in_tokens = sum(r.prompt_tokens for r in ok)
-    meets = [r for r in ok if _meets_slo(r, args)]
-    itls = [x for r in ok for x in r.itls]
+    in_tokens = sum(r.prompt_tokens or r.prompt_len for r in ok)  # the server's count when it sent usage
+    limits = _slo_limits(args)
+    meets = [r for r in ok if _meets_slo(r, limits)]
     return {
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -263,33 +588,64 @@ def report(results: list[RequestResult], elapsed: float, args: argparse.Namespac
         "total_output_tokens": out_tokens,
         "ttft_ms": summarize([r.ttft for r in ok]),
         "tpot_ms": summarize([r.tpot for r in ok]),
-        "itl_ms": summarize(itls),
+        "itl_ms": summarize([x for r in ok for x in r.itls]),
         "e2e_ms": summarize([r.e2e for r in ok]),
         "normalized_latency_ms_per_token": summarize([r.e2e / r.completion_tokens for r in ok]),
         "latency_bound_ms": summarize([max(r.itls, default=r.ttft) for r in ok]),
-        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "e2e_ms": args.slo_e2e_ms},
+        "slo": {"ttft_ms": limits[0], "tpot_ms": limits[1], "e2e_ms": limits[2]},
         "slo_attainment": len(meets) / len(results) if results else math.nan,
         "goodput_req_s": len(meets) / elapsed,
         "goodput_tok_s": sum(r.completion_tokens for r in meets) / elapsed,
     }
 
 
-def _meets_slo(r: RequestResult, args: argparse.Namespace) -> bool:
-    checks = ((args.slo_ttft_ms, r.ttft), (args.slo_tpot_ms, r.tpot), (args.slo_e2e_ms, r.e2e))
-    return all(limit is None or math.isnan(value) or value * 1000 <= limit for limit, value in checks)
+def report(results: list[RequestResult], elapsed: float, args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's flat keys, then ours (the shared ones mean the same), then the
+    co-serving split by class when an offline backlog ran."""
+    metrics = [m.strip() for m in (args.percentile_metrics or "ttft,tpot,itl").split(",") if m.strip()]
+    bad = [m for m in metrics if m not in PERCENTILE_METRICS]
+    if bad:
+        raise ValueError(f"--percentile-metrics: unknown {', '.join(bad)} (use {', '.join(PERCENTILE_METRICS)})")
+    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    rep = {**vllm_metrics(results, elapsed, metrics, percentiles, parse_goodput(args.goodput)),
+           **our_figures(results, elapsed, args)}
+    if any(r.offline for r in results):
+        rep["coserving"] = {klass: our_figures([r for r in results if r.offline == (klass == "offline")],
+                                               elapsed, args) for klass in ("online", "offline")}
+    return rep
+
+
+_STAT_KEY = re.compile(r"^(mean|median|std|p[0-9.]+)_(ttft|tpot|itl|e2el)_ms$")
 
 
 def print_report(rep: dict[str, Any]) -> None:
-    print(f"completed {rep['completed']}  failed {rep['failed']}  in {rep['duration_s']:.2f} s")
-    print(f"throughput  {rep['request_throughput']:.2f} req/s  {rep['output_token_throughput']:.1f} out tok/s  "
-          f"{rep['total_token_throughput']:.1f} total tok/s")
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "normalized_latency_ms_per_token", "latency_bound_ms"):
+    print("{:=^60}".format(" Serving Benchmark Result "))
+    rows = [("Successful requests:", rep["completed"]), ("Failed requests:", rep["failed"]),
+            ("Benchmark duration (s):", rep["duration"]), ("Total input tokens:", rep["total_input_tokens"]),
+            ("Total generated tokens:", rep["total_output_tokens"]),
+            ("Request throughput (req/s):", rep["request_throughput"])]
+    if rep.get("request_goodput") is not None:
+        rows.append(("Request goodput (req/s):", rep["request_goodput"]))
+    rows += [("Output token throughput (tok/s):", rep["output_throughput"]),
+             ("Total token throughput (tok/s):", rep["total_token_throughput"])]
+    for label, value in rows:
+        print(f"{label:<40} {value:<10.2f}" if isinstance(value, float) else f"{label:<40} {value:<10}")
+    for k, value in rep.items():
+        if _STAT_KEY.match(k):
+            print(f"{k:<40} {value:<10.2f}")
+    print("{:-^60}".format(" fluidserve figures "))
+    for key in ("normalized_latency_ms_per_token", "latency_bound_ms"):
         s = rep[key]
         print(f"{key:34s} mean {s['mean']:9.2f}  p50 {s['p50']:9.2f}  p99 {s['p99']:9.2f}")
     print(f"goodput  {rep['goodput_req_s']:.2f} req/s  {rep['goodput_tok_s']:.1f} tok/s  "
           f"(SLO attainment {rep['slo_attainment']:.1%})")
+    for klass, fig in rep.get("coserving", {}).items():
+        print(f"{klass:8s} {fig['completed']} ok, {fig['output_token_throughput']:.1f} out tok/s, "
+              f"TTFT p99 {fig['ttft_ms']['p99']:.1f} ms, TPOT p99 {fig['tpot_ms']['p99']:.1f} ms, "
+              f"SLO attainment {fig['slo_attainment']:.1%}")
     for err in rep["errors"]:
         print("error:", err)
+    print("=" * 60)
 
 
 # -- entry point ----------------------------------------------------------------
@@ -297,56 +653,134 @@ def print_report(rep: dict[str, Any]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fluidserve bench",
-                                description="Open-loop load generator for an OpenAI-compatible server.")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--model", default=None, help="default: the server's first model")
-    p.add_argument("--api-key", default=None)
-    w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", type=int, default=200)
-    w.add_argument("--duration", type=float, default=None, help="seconds of arrivals (instead of a count)")
-    w.add_argument("--request-rate", type=float, default=float("inf"), help="req/s; inf = all at once")
-    w.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
-    w.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gaps (gamma)")
+                                description="Open-loop load generator for an OpenAI-compatible server; "
+                                            "flags and result keys follow `vllm bench serve`.")
+    c = p.add_argument_group("server")
+    c.add_argument("--base-url", default=None, help="default http://HOST:PORT")
+    c.add_argument("--host", default="127.0.0.1")
+    c.add_argument("--port", type=int, default=8000)
+    c.add_argument("--endpoint", default="completions",
+                   help="/v1/completions (or completions) or /v1/chat/completions (or chat)")
+    c.add_argument("--model", default=None, help="model name sent, and tokenizer when --tokenizer is not "
+                                                 "given; default: the server's first model")
+    c.add_argument("--served-model-name", default=None, help="model name sent, when it differs from --model")
+    c.add_argument("--tokenizer", default=None, help="tokenizer to count dataset tokens (sharegpt, custom)")
+    c.add_argument("--trust-remote-code", action="store_true")
+    c.add_argument("--api-key", default=None)
+    d = p.add_argument_group("workload (vLLM's datasets)")
+    d.add_argument("--dataset-name", choices=VLLM_DATASETS, default=None,
+                   help="vLLM's datasets; without it, --dataset picks one of ours")
+    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON, BurstGPT CSV or custom JSONL")
+    d.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int, default=200)
+    d.add_argument("--random-input-len", type=int, default=1024)
+    d.add_argument("--random-output-len", type=int, default=128)
+    d.add_argument("--random-range-ratio", type=float, default=0.0)
+    d.add_argument("--random-prefix-len", type=int, default=0)
+    d.add_argument("--sharegpt-output-len", type=int, default=None)
+    d.add_argument("--custom-output-len", type=int, default=256)
+    d.add_argument("--skip-chat-template", action="store_true")
+    d.add_argument("--disable-shuffle", action="store_true")
+    d.add_argument("--no-oversample", action="store_true")
+    d.add_argument("--input-len", type=int, default=None, help="random: --random-input-len; ours: 32 by default")
+    d.add_argument("--output-len", type=int, default=None, help="random: --random-output-len; ours: 32 by default")
+    w = p.add_argument_group("workload (ours)")
     w.add_argument("--dataset", default="synthetic",
-                   help=f"synthetic, one of {sorted(DATASETS)} (from --workloads-dir), or a CSV path")
+                   help=f"synthetic, one of {sorted(DATASETS)} (lengths CSVs from --workloads-dir), or a CSV path")
     w.add_argument("--workloads-dir", default=str(DEFAULT_WORKLOAD_DIR))
     w.add_argument("--use-trace-arrivals", action="store_true", help="use the CSV's arrival_s column")
     w.add_argument("--time-scale", type=float, default=1.0, help="trace arrivals sped up by this factor")
-    w.add_argument("--input-len", type=int, default=32)
-    w.add_argument("--output-len", type=int, default=32)
+    w.add_argument("--duration", type=float, default=None, help="seconds of arrivals (instead of a count)")
     w.add_argument("--length-dist", choices=["fixed", "uniform", "lognormal"], default="fixed")
     w.add_argument("--length-range", type=float, default=0.5, help="uniform ±fraction, or lognormal sigma")
     w.add_argument("--length-scale", type=float, default=1.0, help="multiply dataset lengths (other tokenizers)")
     w.add_argument("--max-input-len", type=int, default=100_000)
     w.add_argument("--max-output-len", type=int, default=100_000)
-    w.add_argument("--prompt-token-range", type=int, nargs=2, default=[100, 200], metavar=("LO", "HI"))
-    w.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
-    w.add_argument("--temperature", type=float, default=0.0)
-    w.add_argument("--max-concurrency", type=int, default=None)
-    w.add_argument("--seed", type=int, default=0)
-    s = p.add_argument_group("SLOs (goodput)")
+    w.add_argument("--prompt-token-range", type=int, nargs=2, default=[100, 200], metavar=("LO", "HI"),
+                   help="token ids of random prompts when no tokenizer is given")
+    w.add_argument("--offline-prompts", type=int, default=0,
+                   help="co-serving: this many more requests sent at t = 0 with priority 1 (offline)")
+    a = p.add_argument_group("arrivals and requests")
+    a.add_argument("--request-rate", type=float, default=float("inf"), help="req/s; inf = all at once")
+    a.add_argument("--burstiness", type=float, default=None,
+                   help="Gamma shape of the gaps (vLLM's): 1 Poisson, < 1 burstier, inf evenly spaced")
+    a.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
+    a.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gaps (--arrival gamma)")
+    a.add_argument("--max-concurrency", type=int, default=None)
+    a.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", default=None,
+                   help="default: on for lengths-only workloads, off for sharegpt and custom")
+    a.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    a.add_argument("--temperature", type=float, default=0.0, help="default greedy (vLLM leaves it to the server)")
+    a.add_argument("--logprobs", type=int, default=None)
+    a.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
+    a.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("metrics and SLOs")
+    s.add_argument("--percentile-metrics", default=None, help="comma-separated of ttft,tpot,itl,e2el "
+                                                              "(default ttft,tpot,itl)")
+    s.add_argument("--metric-percentiles", default="99", help='comma-separated, e.g. "50,90,99"')
+    s.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
     s.add_argument("--slo-ttft-ms", type=float, default=None)
     s.add_argument("--slo-tpot-ms", type=float, default=None)
     s.add_argument("--slo-e2e-ms", type=float, default=None)
     o = p.add_argument_group("output")
-    o.add_argument("--output", default=None, help="JSON path (default benchmarks/results/serve_bench_<time>.json)")
+    o.add_argument("--save-result", action="store_true", help="write vLLM's result JSON (see --result-dir)")
+    o.add_argument("--save-detailed", action="store_true", help="with per-request lists")
+    o.add_argument("--result-dir", default=None, help="default: the current directory")
+    o.add_argument("--result-filename", default=None,
+                   help="default {label}-{rate}qps[-concurrency{N}]-{model}-{date}.json")
+    o.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE")
+    o.add_argument("--output", default=None, help="without --save-result: JSON path "
+                                                  "(default benchmarks/results/serve_bench_<time>.json)")
     o.add_argument("--label", default="")
-    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--no-progress", "--disable-tqdm", dest="no_progress", action="store_true")
     return p
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.arrival == "poisson":
-        args.cv = 1.0
     specs = build_workload(args)
     results, elapsed = asyncio.run(run_load(args, specs))
     rep = report(results, elapsed, args)
-    rep["args"] = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()}
+    if args.save_detailed:
+        rep.update(input_lens=[r.prompt_tokens or r.prompt_len for r in results],
+                   output_lens=[r.completion_tokens for r in results], ttfts=[r.ttft for r in results],
+                   itls=[r.itls for r in results], latencies=[r.e2e for r in results],
+                   start_times=[r.start for r in results], request_errors=[r.error for r in results])
+    rep["args"] = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
+                   for k, v in vars(args).items() if not k.startswith("_")}
+    rep["model_id"] = vars(args).get("_model")
     return rep
 
 
-def write_json(rep: dict[str, Any], path: str | None, stem: str = "serve_bench") -> Path:
+def result_record(rep: dict[str, Any], args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """vLLM's result JSON: its run description first, then the figures."""
+    backend = "openai-chat" if _endpoint(args) == "chat" else "openai"
+    head: dict[str, Any] = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": backend, "backend": backend,
+        "label": args.label or None, "model_id": model, "tokenizer_id": args.tokenizer or args.model,
+        "num_prompts": args.num_requests,
+    }
+    for item in args.metadata or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--metadata {item}: use KEY=VALUE")
+        head[key.strip()] = value.strip()
+    head.update(request_rate="inf" if math.isinf(args.request_rate) else args.request_rate,
+                burstiness=1.0 if args.burstiness is None else args.burstiness,
+                max_concurrency=args.max_concurrency)
+    return {**head, **rep}
+
+
+def result_path(args: argparse.Namespace, model: str, date: str) -> Path:
+    """vLLM's file name unless ``--result-filename``, in ``--result-dir``."""
+    if args.result_filename:
+        name = args.result_filename
+    else:
+        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
+        label = args.label or ("openai-chat" if _endpoint(args) == "chat" else "openai")
+        name = f"{label}-{args.request_rate}qps{concurrency}-{model.split('/')[-1]}-{date}.json"
+    return Path(args.result_dir or ".") / name
+
+
+def write_json(rep: dict[str, Any], path: str | Path | None, stem: str = "serve_bench") -> Path:
     out = Path(path) if path else REPO_ROOT / "benchmarks" / "results" / f"{stem}_{time.strftime('%Y%m%d_%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rep, indent=2, default=_json_default))
@@ -363,9 +797,20 @@ def _json_default(x: Any) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    rep = run(args)
+    try:
+        parse_goodput(args.goodput)
+        rep = run(args)
+    except ValueError as exc:
+        print(f"fluidserve bench: {exc}", file=sys.stderr)
+        return 2
     print_report(rep)
-    print("wrote", write_json(rep, args.output))
+    model = vars(args).get("_model") or "model"
+    record = result_record(rep, args, model)
+    if args.save_result:
+        path = write_json(record, result_path(args, model, record["date"]))
+    else:
+        path = write_json(record, args.output)
+    print("wrote", path)
     return 0 if rep["completed"] else 1
 
 

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,8 +25,8 @@ from fluidserve.engine import LLM, SamplingParams
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.engine import LLMEngine
 from fluidserve.engine.executor import ExecutorError
-from fluidserve.engine.loader import build_model, load_hf_config, load_weights
-from fluidserve.engine.parallel import TensorParallel, shard_spec
+from fluidserve.engine.loader import build_model, checkpoint_targets, load_hf_config, load_weights
+from fluidserve.engine.parallel import TensorParallel
 
 ray = pytest.importorskip("ray")
 
@@ -117,24 +118,34 @@ def test_daemon_started_ray_is_loopback_only(ray_cluster):
                          ids=["llama-gqa", "opt", "qwen2-kv1"])
 def test_shards_reassemble_the_checkpoint(tiny_model, arch, overrides):
     """Each rank loads only its slice; the slices of both ranks, concatenated
-    (padding cut off), are the whole checkpoint tensor. Replicated tensors
-    (norms, row-parallel biases, a lone KV head) are whole on every rank."""
+    (padding cut off), are the whole checkpoint tensor, also inside the fused
+    q/k/v and gate/up weights (each rank holds its shard of each part).
+    Replicated tensors (norms, row-parallel biases, a lone KV head) are whole
+    on every rank."""
+    from safetensors.torch import load_file
+
     path = tiny_model(arch, **overrides)
+    checkpoint = load_file(str(Path(path) / "model.safetensors"))
     cfg = load_hf_config(path)
-    full = build_model(cfg, torch.float32, torch.device("cpu"))
-    load_weights(full, path)
     ranks = []
     for rank in range(2):
         m = build_model(cfg, torch.float32, torch.device("cpu"), TensorParallel(rank, 2))
         load_weights(m, path)
-        ranks.append(dict(m.named_parameters()))
-    for name, whole in full.named_parameters():
-        spec = shard_spec(ranks[0][name])
-        if spec is None:
-            assert all(torch.equal(r[name], whole) for r in ranks), name
+        ranks.append(checkpoint_targets(m))
+    checked = 0
+    for name, whole in checkpoint.items():
+        name = "model." + name if arch == "opt" and name.startswith("decoder.") else name
+        if name not in ranks[0]:
             continue
-        joined = torch.cat([r[name] for r in ranks], dim=spec.dim).narrow(spec.dim, 0, spec.full)
-        assert torch.equal(joined, whole), name
+        parts = [r[name].view() for r in ranks]
+        spec = ranks[0][name].spec
+        if spec is None:
+            assert all(torch.equal(p, whole) for p in parts), name
+        else:
+            joined = torch.cat(parts, dim=spec.dim).narrow(spec.dim, 0, spec.full)
+            assert torch.equal(joined, whole), name
+        checked += 1
+    assert checked == len(ranks[0])  # every tensor the model reads was compared
 
 
 def test_size_that_does_not_split_the_heads_is_a_value_error(tiny_model):

@@ -16,8 +16,9 @@ from torch.nn import functional as F
 from ..layers import AttentionMetadata, PagedAttention, RMSNorm, Rope, RotaryEmbedding, apply_rope
 from ..preemption import LayerLoop
 from ..parallel import (
-    ColumnParallelLinear,
+    MergedColumnParallelLinear,
     ParallelLMHead,
+    Part,
     RowParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
@@ -51,9 +52,12 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = total_kv_heads // kv_shards
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
-        self.q_proj = ColumnParallelLinear(hidden, total_heads * self.head_dim, qkv_bias, tp)
-        self.k_proj = ColumnParallelLinear(hidden, total_kv_heads * self.head_dim, qkv_bias, tp, kv_shards, kv_index)
-        self.v_proj = ColumnParallelLinear(hidden, total_kv_heads * self.head_dim, qkv_bias, tp, kv_shards, kv_index)
+        # q, k and v in one product; the checkpoint's q_proj/k_proj/v_proj load into its rows.
+        self.qkv_proj = MergedColumnParallelLinear(hidden, [
+            Part("q_proj", total_heads * self.head_dim),
+            Part("k_proj", total_kv_heads * self.head_dim, kv_shards, kv_index),
+            Part("v_proj", total_kv_heads * self.head_dim, kv_shards, kv_index),
+        ], qkv_bias, tp)
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, o_bias, tp)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
@@ -65,9 +69,10 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq / tp, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hk / tp, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq / tp, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hk / tp, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, rope)
@@ -99,13 +104,15 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         tp.divide(inter, "intermediate_size")
-        self.gate_proj = ColumnParallelLinear(hidden, inter, False, tp)
-        self.up_proj = ColumnParallelLinear(hidden, inter, False, tp)
+        # gate and up in one product (checkpoint names gate_proj/up_proj)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [Part("gate_proj", inter), Part("up_proj", inter)],
+                                                       False, tp)
         self.down_proj = RowParallelLinear(inter, hidden, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [T, hidden] -> [T, inter / tp] -> [T, hidden] (all-reduced in down_proj)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -16,7 +16,9 @@ from ..layers import AttentionMetadata, PagedAttention
 from ..preemption import LayerLoop
 from ..parallel import (
     ColumnParallelLinear,
+    MergedColumnParallelLinear,
     ParallelLMHead,
+    Part,
     RowParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
@@ -33,17 +35,15 @@ class OPTAttention(nn.Module):
         self.head_dim = hidden // config.num_attention_heads
         self.num_heads = tp.divide(config.num_attention_heads, "num_attention_heads")  # this rank's heads
         bias = getattr(config, "enable_bias", True)
-        self.q_proj = ColumnParallelLinear(hidden, hidden, bias, tp)
-        self.k_proj = ColumnParallelLinear(hidden, hidden, bias, tp)
-        self.v_proj = ColumnParallelLinear(hidden, hidden, bias, tp)
+        # q, k and v in one product; the checkpoint's q_proj/k_proj/v_proj load into its rows.
+        self.qkv_proj = MergedColumnParallelLinear(
+            hidden, [Part("q_proj", hidden), Part("k_proj", hidden), Part("v_proj", hidden)], bias, tp)
         self.out_proj = RowParallelLinear(hidden, hidden, bias, tp)
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, x, kv_cache, meta):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H / tp, D]
-        k = self.k_proj(x).view(t, self.num_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H / tp, D] each
         return self.out_proj(self.attn(q, k, v, kv_cache, meta))
 
 

@@ -1,0 +1,141 @@
+"""The linear layers of one decoder layer on the CPU, each way torch can run
+them, side by side in one run: what ``engine/parallel.py`` should call.
+
+One layer of the vs_vllm model (hidden 512, 8 query heads and 2 KV heads of
+64, MLP 1536) has four matrix products per token batch: q/k/v, o, gate/up,
+down. Ways timed, each over the same inputs:
+
+* ``separate``: ``F.linear`` per checkpoint weight (q, k, v and gate, up
+  apart), as the model ran before the projections were fused;
+* ``fused``: ``F.linear`` over one stacked q/k/v weight and one stacked
+  gate/up weight;
+* ``fused+onednn``: the fused weights reordered once into oneDNN's blocked
+  layout (``torch.ops.mkldnn._reorder_linear_weight``) and run by
+  ``torch.ops.mkldnn._linear_pointwise``;
+* ``fused+mkl`` (fp32 only): the fused weights packed once for MKL's
+  ``sgemm_compute`` (``torch.ops.mkl._mkl_reorder_linear_weight``).
+
+Rounds run every way once in turn (the order rotated each round) and the
+median per way is reported, so a noisy shared machine hits all alike.
+
+    python benchmarks/cpu_linear.py
+    python benchmarks/cpu_linear.py --tokens 64 256 2048 --rounds 30
+
+Writes JSON + markdown to ``benchmarks/results/cpu_linear.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.nn import functional as F
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 512, 8, 2, 64, 1536
+
+
+def _weights(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+
+    def w(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+
+    return {"q": w(HEADS * HEAD_DIM, HIDDEN), "k": w(KV_HEADS * HEAD_DIM, HIDDEN),
+            "v": w(KV_HEADS * HEAD_DIM, HIDDEN), "o": w(HIDDEN, HEADS * HEAD_DIM),
+            "gate": w(INTER, HIDDEN), "up": w(INTER, HIDDEN), "down": w(HIDDEN, INTER)}
+
+
+def _layer_ways(w: dict[str, torch.Tensor], tokens: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Each way runs the layer's four products over x [T, hidden] and returns the MLP output."""
+    qkv = torch.cat([w["q"], w["k"], w["v"]])
+    gate_up = torch.cat([w["gate"], w["up"]])
+
+    def separate(x):
+        q, k, v = F.linear(x, w["q"]), F.linear(x, w["k"]), F.linear(x, w["v"])
+        a = F.linear(q, w["o"]) + k.sum() + v.sum()
+        return F.linear(F.silu(F.linear(a, w["gate"])) * F.linear(a, w["up"]), w["down"])
+
+    def fused_with(lin: Callable, packs: dict):
+        def run(x):
+            q, k, v = lin(x, "qkv", packs).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+            a = lin(q, "o", packs) + k.sum() + v.sum()
+            g, u = lin(a, "gate_up", packs).chunk(2, -1)
+            return lin(F.silu(g) * u, "down", packs)
+        return run
+
+    plain = {"qkv": qkv, "o": w["o"], "gate_up": gate_up, "down": w["down"]}
+    ways = {"separate": separate,
+            "fused": fused_with(lambda x, n, p: F.linear(x, p[n]), plain)}
+    onednn = {n: torch.ops.mkldnn._reorder_linear_weight(t, tokens) for n, t in plain.items()}
+    ways["fused+onednn"] = fused_with(
+        lambda x, n, p: torch.ops.mkldnn._linear_pointwise(x, p[n], None, "none", [], ""), onednn)
+    if qkv.dtype == torch.float32:
+        mkl = {n: (torch.ops.mkl._mkl_reorder_linear_weight(t, tokens), t) for n, t in plain.items()}
+        ways["fused+mkl"] = fused_with(
+            lambda x, n, p: torch.ops.mkl._mkl_linear(x, p[n][0], p[n][1], None, tokens), mkl)
+    return ways
+
+
+def measure(dtype: torch.dtype, tokens: int, rounds: int) -> dict:
+    w = _weights(dtype)
+    ways = _layer_ways(w, tokens)
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ref = ways["separate"](x).float()
+    err = {n: (f(x).float() - ref).abs().max().item() for n, f in ways.items()}
+    samples: dict[str, list[float]] = {n: [] for n in ways}
+    names = list(ways)
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            ways[n](x)
+            samples[n].append(time.perf_counter() - t0)
+    ms = {n: statistics.median(s[2:]) * 1e3 for n, s in samples.items()}
+    return {"dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "ms": ms,
+            "max_abs_diff_vs_separate": err}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 2048])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--rounds", type=int, default=30)
+    args = ap.parse_args(argv)
+    load_start = os.getloadavg()
+    rows = []
+    with torch.inference_mode():
+        for dt in args.dtypes:
+            for t in args.tokens:
+                row = measure(getattr(torch, dt), t, args.rounds)
+                rows.append(row)
+                print(row["dtype"], t, {n: round(v, 3) for n, v in row["ms"].items()}, flush=True)
+    record = {"device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "command": "python benchmarks/cpu_linear.py " + " ".join(argv or []),
+              "load_average_start": load_start, "load_average_end": os.getloadavg(), "rows": rows}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "cpu_linear.json").write_text(json.dumps(record, indent=2))
+    ways = list(rows[0]["ms"])
+    lines = ["# Linear layers of one decoder layer on the CPU (ms per layer, median of rounds)", "",
+             f"torch {torch.__version__}, {record['threads']} threads; load average at start "
+             f"{load_start[0]:.2f}, at end {record['load_average_end'][0]:.2f} (2 cores shared by five engineers).",
+             "", "| dtype | tokens | " + " | ".join(ways) + " | best vs separate |",
+             "|---|---:|" + "---:|" * (len(ways) + 1)]
+    for row in rows:
+        cells = [f"{row['ms'].get(n, float('nan')):.3f}" for n in ways]
+        best = min(row["ms"].values())
+        lines.append(f"| {row['dtype']} | {row['tokens']} | " + " | ".join(cells)
+                     + f" | {row['ms']['separate'] / best:.2f}x |")
+    (RESULTS / "cpu_linear.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,173 @@
+"""The benchmark client (``fluidserve bench`` / benchmarks/serve_bench.py)
+against a real server on the tiny model: ``vllm bench serve``'s flags, its
+datasets (random ids, ShareGPT real text, BurstGPT lengths, custom JSONL) and
+its flat result keys, recomputed here from the per-request data the client
+saved, plus the older interface benchmarks/vs_vllm.py and serve_bench.py use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+
+import numpy as np
+import pytest
+import transformers
+
+from fluidserve.serve import bench_client as bc
+from server_utils import start_server
+
+VLLM_KEYS = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+             "request_goodput", "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
+             "max_concurrent_requests", "date", "backend", "model_id", "num_prompts", "request_rate",
+             "burstiness", "max_concurrency")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model) -> str:
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = start_server(model_dir, max_model_len=256)
+    yield srv
+    srv.stop()
+
+
+def bench(server, tmp_path, *flags: str) -> dict:
+    rc = bc.main(["--base-url", server.base_url, "--no-progress", "--save-result", "--result-dir", str(tmp_path),
+                  "--result-filename", "run.json", *flags])
+    assert rc == 0
+    return json.loads((tmp_path / "run.json").read_text())
+
+
+def test_random_dataset_writes_vllms_keys(server, tmp_path):
+    res = bench(server, tmp_path, "--dataset-name", "random", "--random-input-len", "24", "--random-output-len", "6",
+                "--random-range-ratio", "0.5", "--num-prompts", "8", "--request-rate", "40", "--burstiness", "0.5",
+                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+                "--goodput", "ttft:60000", "e2el:60000", "--save-detailed", "--seed", "3")
+    for key in VLLM_KEYS:
+        assert key in res, key
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p50", "p90", "p99"):
+            assert f"{stat}_{metric}_ms" in res, (stat, metric)
+    assert res["completed"] == 8 and res["failed"] == 0 and res["num_prompts"] == 8
+    assert res["request_rate"] == 40 and res["burstiness"] == 0.5
+    # Lengths from [12, 36] and [3, 9]; random runs ignore EOS (vLLM forces it), so outputs are exact.
+    assert all(12 <= n <= 36 for n in res["input_lens"]) and res["total_input_tokens"] == sum(res["input_lens"])
+    assert len(set(res["input_lens"])) > 1
+    assert res["total_output_tokens"] == sum(res["output_lens"]) and all(3 <= n <= 9 for n in res["output_lens"])
+    # The figures are numpy's over the requests' own timings.
+    assert res["mean_ttft_ms"] == pytest.approx(np.mean(res["ttfts"]) * 1000)
+    assert res["p99_e2el_ms"] == pytest.approx(np.percentile(res["latencies"], 99) * 1000)
+    assert res["median_itl_ms"] == pytest.approx(np.median([x for r in res["itls"] for x in r]) * 1000)
+    tpots = [(e - t) / (n - 1) for e, t, n in zip(res["latencies"], res["ttfts"], res["output_lens"]) if n > 1]
+    assert res["p90_tpot_ms"] == pytest.approx(np.percentile(tpots, 90) * 1000)
+    assert res["output_throughput"] == pytest.approx(res["total_output_tokens"] / res["duration"])
+    assert res["request_goodput"] == pytest.approx(8 / res["duration"])  # generous SLOs: all meet them
+    assert 1 <= res["max_concurrent_requests"] <= 8
+    # Our own figures beside them.
+    assert res["normalized_latency_ms_per_token"]["mean"] > 0 and res["slo_attainment"] == 1.0
+
+
+def test_goodput_counts_only_requests_meeting_the_slo(server, tmp_path):
+    res = bench(server, tmp_path, "--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "4",
+                "--num-prompts", "4", "--goodput", "ttft:0.001")
+    assert res["completed"] == 4 and res["request_goodput"] == 0.0 and res["slo_attainment"] == 0.0
+    assert "p99_ttft_ms" in res and "mean_e2el_ms" not in res  # vLLM's default metrics: ttft, tpot, itl
+
+
+def test_sharegpt_sends_the_real_text(server, model_dir, tmp_path):
+    convs = [
+        {"conversations": [{"from": "human", "value": "Tell me about the sea and its tides."},
+                           {"from": "gpt", "value": "The sea rises and falls twice a day."}]},
+        {"conversations": [{"from": "human", "value": "What is a prime number, in short?"},
+                           {"from": "gpt", "value": "A number with exactly two divisors."}]},
+        {"conversations": [{"from": "human", "value": "Name three colours of a rainbow."},
+                           {"from": "gpt", "value": "Red, green and violet, among others."}]},
+        {"conversations": [{"from": "human", "value": "Only one turn here."}]},  # skipped: no answer
+        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello there!"}]},  # too short
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    res = bench(server, tmp_path, "--dataset-name", "sharegpt", "--dataset-path", str(path), "--tokenizer", model_dir,
+                "--num-prompts", "3", "--sharegpt-output-len", "5", "--ignore-eos", "--save-detailed")
+    assert res["completed"] == 3 and res["total_output_tokens"] == 15
+    # The server counted exactly the three usable prompts' tokens: the text itself was sent.
+    expected = sorted(len(tok(c["conversations"][0]["value"]).input_ids) for c in convs[:3])
+    assert sorted(res["input_lens"]) == expected and res["total_input_tokens"] == sum(expected)
+
+    # Without --sharegpt-output-len each request asks for its reference answer's length.
+    res = bench(server, tmp_path, "--dataset-name", "sharegpt", "--dataset-path", str(path), "--tokenizer", model_dir,
+                "--num-prompts", "3", "--ignore-eos")
+    assert res["total_output_tokens"] == sum(len(tok(c["conversations"][1]["value"]).input_ids) for c in convs[:3])
+
+
+def test_custom_jsonl_on_the_chat_endpoint(server, model_dir, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in ["Say a word.", "Count to three.", "Hello!"]))
+    res = bench(server, tmp_path, "--dataset-name", "custom", "--dataset-path", str(path), "--tokenizer", model_dir,
+                "--endpoint", "/v1/chat/completions", "--num-prompts", "5", "--custom-output-len", "3",
+                "--ignore-eos", "--max-concurrency", "2")
+    assert res["completed"] == 5 and res["total_output_tokens"] == 15  # 3 prompts, oversampled to 5
+    assert res["backend"] == "openai-chat" and res["max_concurrency"] == 2
+    assert res["max_concurrent_requests"] <= 2
+
+
+def test_burstgpt_lengths_of_gpt4_rows(server, tmp_path):
+    path = tmp_path / "burst.csv"
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Timestamp", "Model", "Request tokens", "Response tokens", "Total tokens", "Log Type"])
+        w.writerows([[i, "GPT-4", 10, 4, 14, "Conversation log"] for i in range(3)])
+        w.writerow([3, "ChatGPT", 50, 50, 100, "Conversation log"])  # another model: not used
+        w.writerow([4, "GPT-4", 50, 0, 50, "Conversation log"])  # failed request: not used
+    res = bench(server, tmp_path, "--dataset-name", "burstgpt", "--dataset-path", str(path), "--num-prompts", "5")
+    assert res["completed"] == 5 and res["total_input_tokens"] == 50 and res["total_output_tokens"] == 20
+
+
+def test_default_result_file_name_is_vllms(server, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert bc.main(["--base-url", server.base_url, "--no-progress", "--save-result", "--dataset-name", "random",
+                    "--random-input-len", "8", "--random-output-len", "2", "--num-prompts", "2",
+                    "--max-concurrency", "1"]) == 0
+    (path,) = tmp_path.glob("*.json")
+    model = server.engine.model_name.split("/")[-1]
+    assert path.name.startswith(f"openai-infqps-concurrency1-{model}-")
+
+
+def test_offline_backlog_is_reported_apart(server, tmp_path):
+    res = bench(server, tmp_path, "--input-len", "8", "--output-len", "3", "--num-prompts", "3",
+                "--offline-prompts", "2", "--request-rate", "20")
+    assert res["completed"] == 5
+    assert res["coserving"]["online"]["completed"] == 3 and res["coserving"]["offline"]["completed"] == 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--goodput", "ttft"], "--goodput"),
+    (["--goodput", "latency:5"], "--goodput"),
+    (["--dataset-name", "sharegpt"], "--dataset-path"),
+    (["--dataset-name", "random", "--random-range-ratio", "1.0"], "--random-range-ratio"),
+    (["--percentile-metrics", "ttft,bogus"], "--percentile-metrics"),
+])
+def test_bad_flags_fail_with_a_message(server, flags, message, capsys):
+    assert bc.main(["--base-url", server.base_url, "--no-progress", "--num-prompts", "1", "--output",
+                    "/dev/null", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_older_interface_keeps_working(server):
+    """What benchmarks/vs_vllm.py and serve_bench.py call: parse, build, run, report."""
+    args = bc.build_parser().parse_args([
+        "--base-url", server.base_url, "--no-progress", "--endpoint", "chat", "--input-len", "8",
+        "--output-len", "4", "--length-dist", "uniform", "--length-range", "0.5", "--num-requests", "4",
+        "--request-rate", "50", "--seed", "1", "--slo-ttft-ms", "60000"])
+    results, elapsed = asyncio.run(bc.run_load(args, bc.build_workload(args)))
+    rep = bc.report(results, elapsed, args)
+    assert rep["completed"] == 4 and rep["slo_attainment"] == 1.0 and rep["goodput_req_s"] > 0
+    for key in ("duration_s", "output_token_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert key in rep
+    assert rep["ttft_ms"]["p99"] >= rep["ttft_ms"]["p50"] > 0
