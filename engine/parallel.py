@@ -21,6 +21,11 @@ same parameter names, same shapes, same arithmetic, no communication.
 
 Each sharded parameter carries a ``ShardSpec`` saying which slice of the
 checkpoint tensor it holds; the loader (engine/loader.py) reads just that.
+Linears over the same input are fused (q/k/v, gate/up): the fused parameter
+carries one ``Piece`` per checkpoint tensor, each with its own shard.
+
+On the CPU every linear runs oneDNN's kernel on a weight reordered once,
+after loading (``prepack_linears``); elsewhere ``F.linear``.
 """
 
 from __future__ import annotations
