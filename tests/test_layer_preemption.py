@@ -1,0 +1,298 @@
+"""Layer-wise preemption (ConServe §4.3) on CPU: an offline-only step stops
+at the next layer safepoint when interrupted, reports the layer, and leaves
+KV, outputs and the prefix cache as if it never ran; an online arrival
+interrupts a long offline prefill through the real AsyncEngine; with tensor
+parallelism on Ray both ranks stop at the same safepoint.
+
+Interrupts are scripted from forward pre-hooks on a decoder layer, so each
+one lands at a known layer of a known step: no test depends on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from fluidserve.engine import SamplingParams
+from fluidserve.engine.async_engine import AsyncEngine
+from fluidserve.engine.batch import ModelInput, SampleSpec
+from fluidserve.engine.config import EngineConfig
+from fluidserve.engine.engine import LLMEngine
+from fluidserve.engine.preemption import PreemptionPolicy, RunningStep
+from fluidserve.kvcache.prefix_cache import block_keys
+
+pytestmark = pytest.mark.timeout(180)
+
+LAYERS = 6
+K = 2  # safepoints before layers 0, 2, 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+PROMPTS = ["hello world " * 6, "abc " * 20, "the quick brown fox"]
+
+
+def _layers(engine: LLMEngine) -> list[torch.nn.Module]:
+    model = engine.executor.worker.model.model
+    return list(model.layers if hasattr(model, "layers") else model.decoder.layers)
+
+
+def _interrupt_on_calls(engine: LLMEngine, layer: int, calls: set[int]) -> dict:
+    """Before ``layer`` runs for the n-th time (n in ``calls``), an online
+    arrival reaches the engine's preemption policy (as AsyncEngine sends it)."""
+    seen = {"n": 0, "sent": 0}
+
+    def hook(_module, _args):
+        seen["n"] += 1
+        if seen["n"] in calls:
+            seen["sent"] += engine.preemption.on_online_arrival(None)
+
+    _layers(engine)[layer].register_forward_pre_hook(hook)
+    return seen
+
+
+def _run_offline(llm, params_of, interrupt_calls: set[int] = frozenset(), layer: int = 3) -> tuple[dict, dict]:
+    engine = llm.engine
+    seen = _interrupt_on_calls(engine, layer, set(interrupt_calls))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params_of(i), klass="offline")
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return tokens, seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_abandoned_steps_leave_tokens_as_if_they_never_ran(tiny_model, make_llm, arch):
+    """Greedy and seeded tokens of offline requests equal an uninterrupted
+    run, token for token, although prefill chunks and decodes were thrown
+    away mid-forward (KV half written, no sample drawn)."""
+    path = tiny_model(arch, num_hidden_layers=LAYERS)
+    cfg = dict(num_kv_blocks=64, max_num_batched_tokens=16, preemption_safepoint_layers=K)
+    params_of = lambda i: SEEDED if i == 1 else GREEDY  # noqa: E731
+    reference, _ = _run_offline(make_llm(path, **cfg), params_of)
+    llm = make_llm(path, **cfg)
+    interrupted, seen = _run_offline(llm, params_of, {1, 2, 3, 5, 8, 13, 14})
+    stats = llm.engine.stats()
+    assert seen["sent"] == 7 and stats.num_steps_abandoned == 7  # layer 3 runs past no safepoint before 4
+    assert stats.abandoned_tokens > 0
+    assert interrupted == reference
+    assert len(reference) == len(PROMPTS) and all(len(t) == 10 for t in reference.values())
+
+
+def test_interrupt_stops_at_the_next_safepoint(tiny_model, make_llm):
+    """The worker reports the layer it stopped before: the first safepoint
+    after the interrupt arrived. A step whose last safepoint has passed, a
+    step that is not preemptible, and an interrupt meant for another step all
+    run to the end and sample."""
+    llm = make_llm(tiny_model("llama", num_hidden_layers=LAYERS), num_kv_blocks=32, preemption_safepoint_layers=K)
+    worker = llm.engine.executor.worker
+    layers = list(worker.model.model.layers)
+    n = 20
+
+    def step(step_id: int, preemptible: bool = True) -> ModelInput:
+        return ModelInput(
+            input_ids=list(range(1, n + 1)), positions=list(range(n)), slot_mapping=list(range(n)),
+            query_start_loc=[0, n], seq_lens=[n], block_tables=[[0, 1]], sample_indices=[n - 1],
+            samples=[SampleSpec(SamplingParams(temperature=0.0), seed=None)], sample_ids=["r"],
+            preemptible=preemptible, step_id=step_id,
+        )
+
+    def run(inp: ModelInput, at_layer: int, target: int):
+        handle = layers[at_layer].register_forward_pre_hook(lambda m, a: llm.engine.executor.interrupt(target))
+        try:
+            return worker.execute(inp)
+        finally:
+            handle.remove()
+
+    expected = {0: 2, 1: 2, 2: 4, 3: 4, 4: None, 5: None}  # interrupt while layer i runs -> stop before
+    for i, (at, stop) in enumerate(expected.items()):
+        result = run(step(100 + i), at, 100 + i)
+        assert result.abandoned_at_layer == stop, at
+        assert bool(result.sampled) == (stop is None)
+    assert run(step(200, preemptible=False), 1, 200).abandoned_at_layer is None
+    assert run(step(201), 1, 999).abandoned_at_layer is None  # meant for another step
+    late = step(202)
+    llm.engine.executor.interrupt(201)  # a late interrupt of an ended step
+    assert worker.execute(late).abandoned_at_layer is None
+
+
+def test_prefix_cache_registers_no_block_of_an_abandoned_step(tiny_model, make_llm):
+    path = tiny_model("llama", num_hidden_layers=LAYERS)
+    llm = make_llm(path, num_kv_blocks=32, max_num_batched_tokens=256, preemption_safepoint_layers=K)
+    engine = llm.engine
+    prompt = list(range(3, 3 + 64))  # four full blocks of 16
+    keys = block_keys(prompt, engine.kv.block_size)
+    seen = _interrupt_on_calls(engine, 1, {1})
+    engine.add_request("a", prompt, GREEDY, klass="offline")
+    engine.step()  # the whole prompt in one step, abandoned before layer 2
+    assert seen["sent"] == 1 and engine.stats().num_steps_abandoned == 1
+    assert engine.kv.cached_prefix_tokens(keys, len(prompt)) == 0
+    seq = engine.seqs["a#0"]
+    assert seq.state.num_computed_tokens == 0 and not seq.output_token_ids
+    engine.step()  # run again, to the end this time
+    assert engine.kv.cached_prefix_tokens(keys, len(prompt)) > 0
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_ttft_slo_decides_when_an_arrival_interrupts():
+    """Without a TTFT SLO any online arrival interrupts a running
+    preemptible step; with one, only an arrival that waiting for the step
+    would make miss it. One interrupt per step; none between steps."""
+    sent: list[int] = []
+    prefill = lambda n: 0.001 * n  # noqa: E731 - 1 ms per prompt token
+    policy = PreemptionPolicy(sent.append, ttft_slo_s=0.5, prefill_time=prefill)
+    assert not policy.on_online_arrival(10, now=0.0)  # nothing running
+    policy.step_started(RunningStep(step_id=1, started=0.0, predicted_s=1.0))
+    assert not policy.on_online_arrival(10, now=0.6)  # 0.4 s left <= 0.5 - 0.01
+    assert not policy.on_online_arrival(None, now=0.5)  # 0.5 s left, own prefill unknown
+    assert policy.on_online_arrival(200, now=0.6)  # 0.4 s left > 0.5 - 0.2: it would miss
+    assert not policy.on_online_arrival(10, now=0.0)  # already interrupted
+    policy.step_ended()
+    policy.step_started(RunningStep(step_id=2, started=10.0, predicted_s=1.0))
+    assert policy.on_online_arrival(10, now=10.1)  # 0.9 s left
+    policy.step_ended()
+    assert not policy.on_online_arrival(10, now=11.0)
+    assert sent == [1, 2]
+    eager = PreemptionPolicy(sent.append, ttft_slo_s=None, prefill_time=prefill)
+    eager.step_started(RunningStep(step_id=3, started=0.0, predicted_s=0.0))
+    assert eager.on_online_arrival(10, now=5.0) and sent == [1, 2, 3]
+
+
+def _online_arrives_during_offline_prefill(path: str, safepoint_layers: int) -> dict:
+    """Scripted through the real AsyncEngine: a 200-token offline prompt
+    prefills in one step; while its layer 1 runs, an online request arrives
+    (the layer waits until ``add_request`` has returned control). Returns
+    the layers that ran between the arrival and the first step to carry the
+    online prompt, that step's input, and the offline tokens."""
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=256,
+                                    enable_prefix_caching=False, preemption_safepoint_layers=safepoint_layers))
+    trace: list[tuple] = []
+    blocked, go = threading.Event(), threading.Event()
+    first = {"pending": True}
+
+    def on_step(_module, args):
+        trace.append(("step", args[0].tolist()))
+
+    def on_layer(index):
+        def hook(_module, _args):
+            trace.append(("layer", index))
+            if index == 1 and first["pending"]:
+                first["pending"] = False
+                blocked.set()
+                assert go.wait(60), "the test never released the step"
+        return hook
+
+    engine.executor.worker.model.register_forward_pre_hook(on_step)
+    for i, layer in enumerate(engine.executor.worker.model.model.layers):
+        layer.register_forward_pre_hook(on_layer(i))
+    offline_prompt = [7 + i % 50 for i in range(200)]
+    online_prompt = [200 + i for i in range(8)]
+
+    async def script() -> tuple[int, list[int]]:
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            offline = await ae.add_request("off", offline_prompt, GREEDY, klass="offline")
+            assert await asyncio.to_thread(blocked.wait, 60)
+            mark = len(trace)  # the entry of layer 1, which is about to run
+            arrival = asyncio.create_task(
+                ae.add_request("on", online_prompt, SamplingParams(temperature=0.0, max_tokens=1), klass="online"))
+            await asyncio.sleep(0)  # add_request runs up to its first await: the interrupt is sent
+            go.set()
+            online = await arrival
+            async for out in online:
+                if out.outputs[0].token_ids:
+                    break
+            tokens = []
+            async for out in offline:
+                tokens = list(out.outputs[0].token_ids)
+            return mark, tokens
+        finally:
+            go.set()
+            await ae.shutdown()
+
+    mark, offline_tokens = asyncio.run(script())
+    steps = [i for i, e in enumerate(trace) if e[0] == "step" and i >= mark]
+    assert engine.kv.num_used_blocks == 0
+    engine.kv.check_integrity()
+    return {"tail_layers": sum(1 for e in trace[mark - 1:steps[0]] if e[0] == "layer"),
+            "next_step_input": trace[steps[0]][1], "online_prompt": online_prompt,
+            "offline_tokens": offline_tokens, "abandoned": engine.stats().num_steps_abandoned}
+
+
+def test_online_arrival_during_a_long_offline_prefill_gets_its_first_token_sooner(tiny_model):
+    """With preemption the offline prefill stops at the safepoint before
+    layer 2 (one layer after the arrival) and the very next step carries the
+    online prompt; without, the step runs its other 7 layers first. Both
+    produce the same offline tokens."""
+    path = tiny_model("llama", num_hidden_layers=8)
+    with_ = _online_arrives_during_offline_prefill(path, safepoint_layers=2)
+    without = _online_arrives_during_offline_prefill(path, safepoint_layers=0)
+    for run in (with_, without):  # the online request runs in the first step after the arrival
+        ids = run["next_step_input"]
+        assert ids[:len(run["online_prompt"])] == run["online_prompt"]
+    assert with_["abandoned"] == 1 and without["abandoned"] == 0
+    assert with_["tail_layers"] == 1 and without["tail_layers"] == 7
+    assert len(with_["next_step_input"]) == 8 + 200  # the offline prefill runs again beside it
+    assert with_["offline_tokens"] == without["offline_tokens"] and len(without["offline_tokens"]) == 10
+
+
+# -- tensor parallelism on Ray ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    from fluidserve.engine.executor.ray import start_local_ray
+
+    if ray.is_initialized():  # another module's instance: not ours to configure or stop
+        yield ray
+        return
+    start_local_ray(num_cpus=4)
+    yield ray
+    ray.shutdown()
+
+
+def test_tp2_ranks_stop_at_the_same_safepoint(ray_cluster, tiny_model, make_llm):
+    """Only rank 1 is told to interrupt: the ranks vote at the safepoint, so
+    rank 0 stops there too (alone, rank 1 would leave rank 0 waiting in the
+    layer's all-reduce until the step timeout) and the executor sees one
+    layer from both. Interrupted generation keeps the local tokens."""
+    ray = ray_cluster
+    path = tiny_model("llama", num_hidden_layers=LAYERS)
+    cfg = dict(num_kv_blocks=64, max_num_batched_tokens=16, preemption_safepoint_layers=K)
+    params_of = lambda i: GREEDY  # noqa: E731
+    reference, _ = _run_offline(make_llm(path, **cfg), params_of)
+    llm = make_llm(path, executor="ray", tensor_parallel_size=2, **cfg)
+    engine, executor = llm.engine, llm.engine.executor
+    try:
+        n = 12
+        inp = ModelInput(input_ids=list(range(1, n + 1)), positions=list(range(n)), slot_mapping=list(range(n)),
+                         query_start_loc=[0, n], seq_lens=[n], block_tables=[[0]], sample_indices=[n - 1],
+                         samples=[SampleSpec(SamplingParams(temperature=0.0), seed=None)], sample_ids=["x"],
+                         preemptible=True, step_id=10_000)
+        ray.get(executor.workers[1].interrupt.remote(10_000))
+        result = executor.execute(inp)  # raises if the ranks stopped at different layers
+        assert result.abandoned_at_layer == 0 and not result.sampled
+        inp.step_id = 10_001
+        assert executor.execute(inp).sampled  # the flag named the old step: this one runs
+
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, GREEDY, klass="offline")
+        tokens, step = {}, 0
+        while engine.has_unfinished_requests():
+            if step % 3 == 0:  # the next step's id is the number of steps run so far
+                ray.get(executor.workers[1].interrupt.remote(engine.stats_.num_steps))
+            step += 1
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+        assert engine.stats().num_steps_abandoned > 0
+        assert tokens == reference
+    finally:
+        engine.shutdown()
