@@ -63,7 +63,7 @@ class Admission:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, cache_on_host: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_host_blocks < 0:
@@ -74,7 +74,8 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}  # device blocks of resident requests
         self._host_tables: dict[str, list[int]] = {}  # host blocks of swapped requests
         self.prefix = PrefixIndex() if enable_prefix_caching else None
-        self.host_prefix = PrefixIndex() if enable_prefix_caching and self.host else None
+        # cache_on_host=False keeps the cache device-only (a baseline to compare).
+        self.host_prefix = PrefixIndex() if enable_prefix_caching and self.host and cache_on_host else None
         self.prefix_stats = PrefixCacheStats()
         self._num_indexed: dict[str, int] = {}  # leading blocks of a table already offered to the index
         self._host_keys: dict[str, list[int | None]] = {}  # keys of a swapped request's host blocks

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from fluidserve.kvcache.manager import KVCacheManager
+from fluidserve.kvcache.prefix_cache import block_keys
 from fluidserve.scheduler.cost_model import CostModel, plan_shape
 from fluidserve.scheduler.plan import StepOutcome
 from fluidserve.scheduler.policies import make_policy
@@ -48,6 +49,8 @@ class SimConfig:
     block_transfer_time: float = 0.0  # seconds to move one KV block over the host link
     online_tpot_slo_ms: float | None = None  # ConServe's SLO-aware budget for offline work
     online_ttft_slo_ms: float | None = None  # carried to SchedulerConfig (the engine's preemption reads it)
+    enable_prefix_caching: bool = False  # jobs with a shared_prefix share its KV
+    cache_on_host: bool = True  # with a host pool: the prefix cache spans both tiers
     check_integrity: bool = False  # kv.check_integrity() after every step (tests)
 
 
@@ -144,7 +147,9 @@ class Simulator:
         self.jobs = sorted(jobs, key=lambda j: j.arrival_time)  # stable
         self.cost = cost_model
         self.config = config
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.num_host_blocks)
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.num_host_blocks,
+                                 enable_prefix_caching=config.enable_prefix_caching,
+                                 cache_on_host=config.cache_on_host)
         sched_cfg = SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             enable_chunked_prefill=config.enable_chunked_prefill, policy=policy,
@@ -169,7 +174,9 @@ class Simulator:
         while nxt < len(jobs) or sched.has_unfinished():
             while nxt < len(jobs) and jobs[nxt].arrival_time <= now:
                 j = jobs[nxt]
-                sched.add(SeqState(j.request_id, j.prompt_tokens, j.output_tokens, j.arrival_time, j.klass), now)
+                keys = block_keys(j.token_ids(), cfg.block_size) if cfg.enable_prefix_caching else []
+                sched.add(SeqState(j.request_id, j.prompt_tokens, j.output_tokens, j.arrival_time, j.klass,
+                                   block_keys=keys), now)
                 nxt += 1
             if not sched.has_unfinished():
                 now = jobs[nxt].arrival_time  # idle until the next arrival

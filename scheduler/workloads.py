@@ -31,6 +31,16 @@ class Job:
     prompt_tokens: int
     output_tokens: int
     klass: RequestClass = RequestClass.ONLINE
+    # (group, tokens): the prompt starts with ``tokens`` tokens shared by every
+    # job of the group (a system prompt); the rest is the job's own.
+    shared_prefix: tuple[int, int] | None = None
+
+    def token_ids(self) -> list[int]:
+        """Stand-in prompt tokens, equal where prompts are (prefix caching)."""
+        group, shared = self.shared_prefix or (0, 0)
+        shared = min(shared, self.prompt_tokens)
+        return ([hash(("prefix", group, i)) for i in range(shared)]
+                + [hash((self.request_id, i)) for i in range(shared, self.prompt_tokens)])
 
 
 LengthSampler = Callable[[random.Random], tuple[int, int]]
