@@ -46,16 +46,22 @@ def score_prompts(
     for lo in range(0, len(index), ROWS_PER_SLICE):
         rows = slice(lo, lo + ROWS_PER_SLICE)
         logits = compute_logits(hidden[index_t[rows]])  # [R, V]
-        if logits is None:
-            return None
-        lp = torch.log_softmax(logits.float(), dim=-1)  # fp32 whatever the model's dtype
-        chosen = lp.gather(1, target_t[rows].unsqueeze(1))  # [R, 1]
-        target_lp.append(chosen.squeeze(1))
-        target_rank.append((lp > chosen).sum(dim=-1) + 1)
+        if logits is None:  # not rank 0: keep calling, the gather needs every rank each slice
+            continue
+        # logprob = logit - logsumexp, in fp32 whatever the model's dtype;
+        # ranks and the top N read the logits themselves (same order), so
+        # no second [R, V] tensor of logprobs is written.
+        x = logits.float()  # [R, V]
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [R, 1]
+        chosen = x.gather(1, target_t[rows].unsqueeze(1))  # [R, 1]
+        target_lp.append((chosen - lse).squeeze(1))
+        target_rank.append((x > chosen).sum(dim=-1, dtype=torch.int32) + 1)
         if top_n > 0:
-            values, ids = lp.topk(min(top_n, lp.shape[1]), dim=-1)  # [R, N]
-            top_lp.append(values)
+            values, ids = x.topk(min(top_n, x.shape[1]), dim=-1)  # [R, N]
+            top_lp.append(values - lse)
             top_ids.append(ids)
+    if not target_lp:
+        return None
     # One device-to-host copy per quantity, after all slices.
     lps = torch.cat(target_lp).tolist()
     ranks = torch.cat(target_rank).tolist()

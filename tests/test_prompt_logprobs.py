@@ -222,3 +222,4 @@ def test_n_completions_share_one_scoring(model_dir, make_llm, hf_logprobs):
     llm = make_llm(model_dir, max_num_batched_tokens=16)
     out = llm.generate([PROMPT_IDS], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=3, prompt_logprobs=1))[0]
     _assert_engine_entries(out.prompt_logprobs, PROMPT_IDS, hf_logprobs(PROMPT_IDS), 1)
+

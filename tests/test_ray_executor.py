@@ -95,6 +95,28 @@ def test_tp2_swapping_keeps_greedy_tokens(ray_cluster, tiny_model):
         llm.engine.shutdown()
 
 
+def test_tp2_prompt_logprobs_like_local(ray_cluster, tiny_model):
+    """Prompt logprobs project every prompt position through the LM head in
+    slices, each gathered on rank 0: every rank must take part in every
+    slice. A 300-token prompt spans two slices; the numbers are the local ones."""
+    from fluidserve.engine.prompt_logprobs import ROWS_PER_SLICE
+
+    path = tiny_model("llama")
+    ids = [(7 * j) % 250 + 3 for j in range(300)]
+    assert len(ids) > ROWS_PER_SLICE + 1
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    local = LLM(model=path, device="cpu", num_kv_blocks=64).generate([ids], params)[0].prompt_logprobs
+    llm = LLM(model=path, device="cpu", num_kv_blocks=64, **TP2)
+    try:
+        tp = llm.generate([ids], params)[0].prompt_logprobs
+    finally:
+        llm.engine.shutdown()
+    assert len(tp) == len(local) == 300 and tp[0] is None
+    for a, b in zip(tp[1:], local[1:]):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
+
+
 def test_daemon_started_ray_is_loopback_only(ray_cluster):
     """What start_local_ray promises: Ray's control plane on 127.0.0.1 and
     no Ray process listening on another interface."""
