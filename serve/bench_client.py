@@ -127,6 +127,8 @@ def _num_arrivals(args: argparse.Namespace) -> int:
 def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
     """The requests of a run with their send times: ``--num-prompts`` of the
     online arrival process, then ``--offline-prompts`` sent at t = 0."""
+    if args.use_trace_arrivals and args.dataset_name is not None:
+        raise ValueError("--use-trace-arrivals reads the arrival_s column of --dataset CSVs, not --dataset-name")
     rng = random.Random(args.seed)
     n_online = _num_arrivals(args)
     rows = _sample_requests(args, rng, n_online + args.offline_prompts)
@@ -266,8 +268,9 @@ def _burstgpt_rows(args: argparse.Namespace, rng: random.Random, n: int, tokeniz
     """vLLM's ``burstgpt``: the GPT-4 rows of a BurstGPT CSV that got an
     answer, sampled (with replacement when too few); random prompt ids."""
     with open(args.dataset_path, newline="") as f:
-        table = [(int(r["Request tokens"]), int(r["Response tokens"])) for r in csv.DictReader(f)
-                 if r["Model"] == "GPT-4" and int(r["Response tokens"]) > 0]
+        rows = [(int(float(r["Request tokens"])), int(float(r["Response tokens"])), r["Model"])
+                for r in csv.DictReader(f)]
+    table = [(p, o) for p, o, model in rows if model == "GPT-4" and o > 0]
     if not table:
         raise ValueError(f"{args.dataset_path}: no GPT-4 rows with response tokens")
     picked = rng.sample(table, n) if n <= len(table) else rng.choices(table, k=n)
@@ -599,14 +602,26 @@ def our_figures(results: list[RequestResult], elapsed: float, args: argparse.Nam
     }
 
 
-def report(results: list[RequestResult], elapsed: float, args: argparse.Namespace) -> dict[str, Any]:
-    """vLLM's flat keys, then ours (the shared ones mean the same), then the
-    co-serving split by class when an offline backlog ran."""
+def percentile_flags(args: argparse.Namespace) -> tuple[list[str], list[float]]:
+    """``--percentile-metrics`` (vLLM's default for generation: ttft,tpot,itl)
+    and ``--metric-percentiles``."""
     metrics = [m.strip() for m in (args.percentile_metrics or "ttft,tpot,itl").split(",") if m.strip()]
     bad = [m for m in metrics if m not in PERCENTILE_METRICS]
     if bad:
         raise ValueError(f"--percentile-metrics: unknown {', '.join(bad)} (use {', '.join(PERCENTILE_METRICS)})")
-    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    try:
+        percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    except ValueError:
+        percentiles = [-1.0]
+    if not percentiles or not all(0 <= p <= 100 for p in percentiles):
+        raise ValueError(f"--metric-percentiles {args.metric_percentiles}: comma-separated numbers in [0, 100]")
+    return metrics, percentiles
+
+
+def report(results: list[RequestResult], elapsed: float, args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's flat keys, then ours (the shared ones mean the same), then the
+    co-serving split by class when an offline backlog ran."""
+    metrics, percentiles = percentile_flags(args)
     rep = {**vllm_metrics(results, elapsed, metrics, percentiles, parse_goodput(args.goodput)),
            **our_figures(results, elapsed, args)}
     if any(r.offline for r in results):
@@ -798,7 +813,9 @@ def _json_default(x: Any) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        parse_goodput(args.goodput)
+        parse_goodput(args.goodput)  # flag errors before any request is sent
+        percentile_flags(args)
+        _endpoint(args)
         rep = run(args)
     except ValueError as exc:
         print(f"fluidserve bench: {exc}", file=sys.stderr)

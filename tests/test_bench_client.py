@@ -152,6 +152,9 @@ def test_offline_backlog_is_reported_apart(server, tmp_path):
     (["--dataset-name", "sharegpt"], "--dataset-path"),
     (["--dataset-name", "random", "--random-range-ratio", "1.0"], "--random-range-ratio"),
     (["--percentile-metrics", "ttft,bogus"], "--percentile-metrics"),
+    (["--metric-percentiles", "99,x"], "--metric-percentiles"),
+    (["--endpoint", "/v1/embeddings"], "--endpoint"),
+    (["--dataset-name", "random", "--use-trace-arrivals"], "--use-trace-arrivals"),
 ])
 def test_bad_flags_fail_with_a_message(server, flags, message, capsys):
     assert bc.main(["--base-url", server.base_url, "--no-progress", "--num-prompts", "1", "--output",
