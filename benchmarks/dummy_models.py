@@ -20,6 +20,9 @@ PRESETS = {
     # Small enough for 2 CPU cores; vocab kept realistic so the LM head costs what it should.
     "cpu-small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                       num_key_value_heads=8, head_dim=64, vocab_size=32000, max_position_embeddings=4096),
+    # Many thin layers: a long offline step a layer safepoint can cut finely (benchmarks/coserving.py).
+    "cpu-deep": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=16, num_attention_heads=4,
+                     num_key_value_heads=4, head_dim=64, vocab_size=32000, max_position_embeddings=4096),
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
                       rope_theta=500000.0),

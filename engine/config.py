@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fluidserve.scheduler.options import DEFAULT_SAFEPOINT_LAYERS
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -34,7 +36,7 @@ class EngineConfig:
     # An online arrival interrupts an offline-only step when waiting for it
     # would miss this (None: any online arrival interrupts one).
     online_ttft_slo_ms: float | None = None
-    preemption_safepoint_layers: int = 2  # layers between interrupt checks; 0: never interrupt
+    preemption_safepoint_layers: int = DEFAULT_SAFEPOINT_LAYERS  # layers between interrupt checks; 0: never
     scheduling_policy: str = "skip-join-mlfq"  # fcfs | mlfq | fixed-priority | skip-join-mlfq
     policy_options: dict = field(default_factory=dict)  # per-policy knobs (MLFQ quanta, ...)
     profile_path: str | None = None  # measured cost model (fluidserve profile -o ...)

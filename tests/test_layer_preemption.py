@@ -163,6 +163,22 @@ def test_ttft_slo_decides_when_an_arrival_interrupts():
     assert eager.on_online_arrival(10, now=5.0) and sent == [1, 2, 3]
 
 
+def test_flags_reach_the_engine_config():
+    from fluidserve.scheduler.options import DEFAULT_SAFEPOINT_LAYERS
+    from fluidserve.serve import cli
+
+    def config(*flags: str) -> EngineConfig:
+        return cli.engine_config_from_args(cli.build_parser().parse_args(["serve", *flags]))
+
+    c = config("--online-ttft-slo-ms", "250", "--online-tpot-slo-ms", "40", "--preemption-safepoint-layers", "4")
+    assert (c.online_ttft_slo_ms, c.online_tpot_slo_ms, c.preemption_safepoint_layers) == (250, 40, 4)
+    d = config()
+    assert d.online_ttft_slo_ms is None and d.preemption_safepoint_layers == DEFAULT_SAFEPOINT_LAYERS
+    for flag, value in (("--online-ttft-slo-ms", "0"), ("--preemption-safepoint-layers", "-1")):
+        with pytest.raises(ValueError, match=flag):
+            config(flag, value)
+
+
 def _online_arrives_during_offline_prefill(path: str, safepoint_layers: int) -> dict:
     """Scripted through the real AsyncEngine: a 200-token offline prompt
     prefills in one step; while its layer 1 runs, an online request arrives
