@@ -37,6 +37,9 @@ class EngineConfig:
     # would miss this (None: any online arrival interrupts one).
     online_ttft_slo_ms: float | None = None
     preemption_safepoint_layers: int = DEFAULT_SAFEPOINT_LAYERS  # layers between interrupt checks; 0: never
+    # Device-KV usage past which offline requests are checkpointed to the host
+    # as they run (ConServe §4.4); None: never.
+    kv_checkpoint_threshold: float | None = 0.5
     scheduling_policy: str = "skip-join-mlfq"  # fcfs | mlfq | fixed-priority | skip-join-mlfq
     policy_options: dict = field(default_factory=dict)  # per-policy knobs (MLFQ quanta, ...)
     profile_path: str | None = None  # measured cost model (fluidserve profile -o ...)
@@ -62,6 +65,8 @@ class EngineConfig:
             ("tensor_parallel_size", self.tensor_parallel_size >= 1),
             ("online_ttft_slo_ms", self.online_ttft_slo_ms is None or self.online_ttft_slo_ms > 0),
             ("preemption_safepoint_layers", self.preemption_safepoint_layers >= 0),
+            ("kv_checkpoint_threshold",
+             self.kv_checkpoint_threshold is None or 0.0 <= self.kv_checkpoint_threshold <= 1.0),
         ]
         for name, ok in checks:
             if not ok:

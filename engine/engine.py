@@ -53,6 +53,8 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0
     prefix_cache_host_query_tokens: int = 0
     prefix_cache_host_hit_tokens: int = 0
+    num_checkpoint_evictions: int = 0  # swap-outs of requests with a checkpoint (ConServe §4.4)
+    checkpoint_bytes: int = 0  # KV copied to the host by incremental checkpointing
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps: int = 0
@@ -106,6 +108,7 @@ class LLMEngine:
                 max_swap_blocks_per_step=self._swap_blocks_per_step(),
                 online_tpot_slo_ms=config.online_tpot_slo_ms,
                 online_ttft_slo_ms=config.online_ttft_slo_ms,
+                kv_checkpoint_threshold=config.kv_checkpoint_threshold,
             ),
             self.kv,
             cost_model=self.cost_model,
@@ -247,7 +250,9 @@ class LLMEngine:
         return result
 
     def _model_input(self, plan: StepPlan) -> ModelInput:
-        inp = ModelInput(swap_out=plan.swap_out, swap_in=plan.swap_in, finished_ids=self._finished_constrained)
+        # Checkpoint copies run with the swap-outs (device -> host, same stream).
+        swap_out = plan.swap_out + plan.checkpoint if plan.checkpoint else plan.swap_out
+        inp = ModelInput(swap_out=swap_out, swap_in=plan.swap_in, finished_ids=self._finished_constrained)
         self._finished_constrained = []
 
         swapped_in = set(plan.swapped_in)
@@ -410,6 +415,8 @@ class LLMEngine:
         c = self.scheduler.counters
         s.num_preemptions = c.num_preemptions
         s.num_recomputes = c.num_recomputes
+        s.num_checkpoint_evictions = c.num_checkpoint_evictions
+        s.checkpoint_bytes = c.checkpoint_blocks * self.bytes_per_block
         s.num_swaps = c.num_swap_outs + c.num_swap_ins
         s.swap_out_bytes = c.swap_out_blocks * self.bytes_per_block
         s.swap_in_bytes = c.swap_in_blocks * self.bytes_per_block

@@ -31,6 +31,11 @@ recomputed. A swap-out indexes its host copies the same way and shares host
 blocks that already hold a block's content instead of copying it again; a
 swap-in shares device blocks that hold it. Host blocks are LRU like device
 ones: free host blocks keep their content until they are handed out.
+
+Incremental checkpointing (ConServe §4.4): ``checkpoint`` copies a resident
+request's newly full blocks to the host while it keeps running (a full block
+never changes again), so a later swap-out copies only what is not
+checkpointed yet and frees the rest of its device blocks at once.
 """
 
 from __future__ import annotations
@@ -82,6 +87,8 @@ class KVCacheManager:
         self._demotable: dict[int, None] = {}  # freed cached device blocks the host lacks, LRU first
         self._demoting: set[int] = set()  # device blocks a demotion copy reads this step
         self._read_now: set[int] = set()  # device blocks a swap-out copy reads this step
+        self._checkpoints: dict[str, list[int]] = {}  # host copies of a resident table's leading blocks
+        self.checkpointed_blocks = 0  # blocks copied by checkpoint()
 
     # -- device pool figures ------------------------------------------------
     @property
@@ -153,11 +160,13 @@ class KVCacheManager:
         return blocks
 
     def _device_copy(self, key: int | None) -> int | None:
-        """The device block holding ``key``'s content that a table may take now."""
+        """The device block holding ``key``'s content that a table may take
+        now: not one a copy of this step still reads (it stays indexed, and
+        can be taken once the copy is done)."""
         if key is None or self.prefix is None:
             return None
         block = self.prefix.lookup(key)
-        return None if block is None or block in self._demoting else block
+        return None if block is None or self.allocator.is_pending(block) else block
 
     def _host_copy(self, key: int | None) -> int | None:
         """The host block holding ``key``'s content that a copy may read now
@@ -300,11 +309,51 @@ class KVCacheManager:
                 key = self.prefix.key_of(b)
                 if key is not None and self.allocator.is_free(b) and self.host_prefix.lookup(key) is None:
                     self._demotable[b] = None
-        host = self._host_tables.pop(request_id, [])
+        host = self._host_tables.pop(request_id, []) + self._checkpoints.pop(request_id, [])
         self._host_keys.pop(request_id, None)
         if host:
             self.host.free(host)  # indexed ones stay cached on the host
         return len(table) + len(host)
+
+    # -- incremental checkpointing ------------------------------------------
+    def num_checkpointed(self, request_id: str) -> int:
+        return len(self._checkpoints.get(request_id, ()))
+
+    def checkpoint(self, request_id: str, num_computed_tokens: int, limit: int | float) -> list[tuple[int, int]]:
+        """Copy up to ``limit`` of a resident request's full, computed blocks
+        not checkpointed yet to the host, in table order: the (device block,
+        host block) copies. A block the host already caches is shared there
+        instead. The request keeps running on its device blocks."""
+        table = self._tables.get(request_id)
+        if self.host is None or not table:
+            return []
+        ckpt = self._checkpoints.setdefault(request_id, [])
+        full = min(len(table), num_computed_tokens // self.block_size)
+        copies: list[tuple[int, int]] = []
+        while len(ckpt) < full and len(copies) < limit:
+            block = table[len(ckpt)]
+            key = self.prefix.key_of(block) if self.prefix is not None else None
+            shared = self._host_copy(key)
+            if shared is not None:
+                self._share(self.host, shared)
+                ckpt.append(shared)
+                continue
+            if not self.host.can_allocate(1):
+                break
+            dst = self._host_allocate(1)[0]
+            if key is not None and self.host_prefix is not None:
+                self.host_prefix.insert(key, dst)
+            self._read_now.add(block)
+            ckpt.append(dst)
+            copies.append((block, dst))
+        if not ckpt:
+            del self._checkpoints[request_id]
+        self.checkpointed_blocks += len(copies)
+        return copies
+
+    def swap_out_blocks(self, request_id: str) -> int:
+        """Blocks a swap-out of the request would copy (its checkpoint aside)."""
+        return len(self._tables.get(request_id, ())) - self.num_checkpointed(request_id)
 
     def demote(self, limit: int | float) -> list[tuple[int, int]]:
         """Copy up to ``limit`` freed cached device blocks to the host, least
@@ -339,7 +388,7 @@ class KVCacheManager:
 
     # -- moves between tiers -------------------------------------------------
     def can_swap_out(self, request_id: str) -> bool:
-        return self.host is not None and self.host.can_allocate(len(self._tables.get(request_id, ())))
+        return self.host is not None and self.host.can_allocate(self.swap_out_blocks(request_id))
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]]:
         """Move a resident request's KV to the host: the (device block, host
@@ -351,28 +400,25 @@ class KVCacheManager:
         table = self._tables.pop(request_id)
         self._num_indexed.pop(request_id, None)
         keys = [self.prefix.key_of(b) for b in table] if self.prefix is not None else [None] * len(table)
-        host: list[int] = []
+        host = self._checkpoints.pop(request_id, [])  # leading blocks already there
+        checkpointed = len(host)
         copies: list[tuple[int, int]] = []
-        for block, key in zip(table, keys):
-            shared = self._host_copy(key)
-            if shared is not None:
-                self._share(self.host, shared)
-                host.append(shared)
+        for i, (block, key) in enumerate(zip(table, keys)):
+            shared = None if i < checkpointed else self._host_copy(key)
+            if i < checkpointed or shared is not None:
+                if shared is not None:
+                    self._share(self.host, shared)
+                    host.append(shared)
                 # Free at once unless another swap-out of this step reads it.
                 self.allocator.free([block], deferred=block in self._read_now)
-                continue
-            dst = self._host_allocate(1)[0]
-            host.append(dst)
-            copies.append((block, dst))
-            self._read_now.add(block)
-            self.allocator.free([block], deferred=True)
-            if key is not None and self.host_prefix is not None:
-                self.host_prefix.insert(key, dst)
-            # A pending block must leave the device index (only blocks that
-            # can be taken are indexed): its content now lives on the host.
-            if self.prefix is not None and self.allocator.refcount(block) == 0:
-                self.prefix.evict(block)
-                self._demotable.pop(block, None)
+            else:
+                dst = self._host_allocate(1)[0]
+                host.append(dst)
+                copies.append((block, dst))
+                self._read_now.add(block)
+                self.allocator.free([block], deferred=True)
+                if key is not None and self.host_prefix is not None:
+                    self.host_prefix.insert(key, dst)
         self._host_tables[request_id] = host
         self._host_keys[request_id] = keys
         return copies
@@ -429,15 +475,18 @@ class KVCacheManager:
         free; no request lives in both tiers; refcounts match ownership."""
         both = self._tables.keys() & self._host_tables.keys()
         assert not both, f"requests in both tiers: {sorted(both)[:4]}"
+        assert self._checkpoints.keys() <= self._tables.keys(), "a checkpoint of a request not resident"
+        for rid, ckpt in self._checkpoints.items():
+            assert len(ckpt) <= len(self._tables[rid]), f"{rid}: checkpoint longer than its table"
         pools = [(self.allocator, self._tables, "device")]
         if self.host:
-            pools.append((self.host, self._host_tables, "host"))
+            host_owners = {**self._host_tables, **{(r, "checkpoint"): c for r, c in self._checkpoints.items()}}
+            pools.append((self.host, host_owners, "host"))
         else:
             assert not self._host_tables, "host tables without a host pool"
         if self.prefix is not None:
             pending = self.allocator.pending_blocks()
             for key, block in self.prefix.items():
-                assert block not in pending or block in self._demoting, f"cached block {block} is pending"
                 assert self.prefix.key_of(block) == key, f"index disagrees on block {block}"
             assert self._demoting <= pending, "a demoted block is not held"
         if self.host_prefix is not None:

@@ -42,6 +42,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              f"(default {DEFAULT_SAFEPOINT_LAYERS}; 0 turns layer-wise preemption off)",
     )
     g.add_argument(
+        "--kv-checkpoint-threshold", type=float, default=0.5, metavar="FRACTION",
+        help="co-serving (ConServe): past this device-KV usage, offline requests copy their newly "
+             "full KV blocks to the host as they run, so evicting one for online work costs no copy "
+             "(default 0.5; 1 turns it off)",
+    )
+    g.add_argument(
         "--mlfq-num-queues", type=int, default=None, metavar="N",
         help="MLFQ: number of priority queues (default 8)",
     )
@@ -80,5 +86,8 @@ def coserving_options_from_args(args: argparse.Namespace) -> dict:
     if args.preemption_safepoint_layers < 0:
         raise ValueError(f"--preemption-safepoint-layers must be 0 (off) or positive, "
                          f"got {args.preemption_safepoint_layers}")
+    if not 0.0 <= args.kv_checkpoint_threshold <= 1.0:
+        raise ValueError(f"--kv-checkpoint-threshold must be in [0, 1], got {args.kv_checkpoint_threshold}")
     return {"online_tpot_slo_ms": args.online_tpot_slo_ms, "online_ttft_slo_ms": args.online_ttft_slo_ms,
+            "kv_checkpoint_threshold": None if args.kv_checkpoint_threshold >= 1.0 else args.kv_checkpoint_threshold,
             "preemption_safepoint_layers": args.preemption_safepoint_layers}

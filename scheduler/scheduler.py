@@ -21,6 +21,10 @@ pool exists):
   when their turn comes and the copy overlaps this step), and swap out,
   largest ENST first, until a reserve of free device blocks sized from recent
   arrivals is free (so a burst of arrivals finds room without waiting on a copy).
+* Incremental checkpointing (ConServe §4.4): past a device-KV usage
+  threshold, the offline requests a step runs copy their newly full blocks
+  to the host within the swap budget, so evicting one later copies (almost)
+  nothing and frees its device blocks at once.
 * Recompute (discard the KV, prefill again later) only when the host pool is
   full, counted apart. ``preemption_mode="recompute"`` keeps vLLM's behaviour
   as a baseline: no host tier, a waiting request takes only free blocks, and
@@ -72,6 +76,10 @@ class SchedulerConfig:
     # An online arrival that would miss this waiting for a running
     # offline-only step interrupts it (the engine's layer-wise preemption).
     online_ttft_slo_ms: float | None = None
+    # ConServe §4.4: past this device-KV usage, offline requests' newly full
+    # blocks are copied to the host as they run, so evicting one later costs
+    # (almost) no copy. None: never.
+    kv_checkpoint_threshold: float | None = 0.5
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -86,6 +94,8 @@ class SchedulerConfig:
             raise ValueError(f"online_tpot_slo_ms must be positive, got {self.online_tpot_slo_ms}")
         if self.online_ttft_slo_ms is not None and not self.online_ttft_slo_ms > 0:
             raise ValueError(f"online_ttft_slo_ms must be positive, got {self.online_ttft_slo_ms}")
+        if self.kv_checkpoint_threshold is not None and not 0.0 <= self.kv_checkpoint_threshold <= 1.0:
+            raise ValueError(f"kv_checkpoint_threshold must be in [0, 1], got {self.kv_checkpoint_threshold}")
         if self.max_swap_blocks_per_step is not None and self.max_swap_blocks_per_step < 1:
             raise ValueError(f"max_swap_blocks_per_step must be positive, got {self.max_swap_blocks_per_step}")
 
@@ -97,6 +107,8 @@ class SchedulerCounters:
     num_swap_ins: int = 0
     swap_out_blocks: int = 0
     swap_in_blocks: int = 0
+    checkpoint_blocks: int = 0  # blocks copied to the host by incremental checkpointing
+    num_checkpoint_evictions: int = 0  # swap-outs of requests that had a checkpoint
 
     @property
     def num_preemptions(self) -> int:
@@ -246,6 +258,8 @@ class Scheduler:
         if self.swap and cfg.proactive_swap:
             self._prefetch(step)
             self._keep_reserve(step)
+        if self.swap and cfg.kv_checkpoint_threshold is not None and self.kv.usage >= cfg.kv_checkpoint_threshold:
+            self._checkpoint(step)
         if self.swap and self._swap_credit > 0:
             # Freed cached blocks go to the host while copies are in budget,
             # so a prefix the device reuses survives there.
@@ -391,7 +405,7 @@ class Scheduler:
         return None
 
     def _evict(self, seq: SeqState, step: _Step, allow_recompute: bool) -> bool:
-        n = self.kv.num_blocks_of(seq.request_id)
+        n = self.kv.swap_out_blocks(seq.request_id)
         if self.swap and self.kv.can_swap_out(seq.request_id) and self._can_move(n):
             self._swap_out(seq, step)
             return True
@@ -403,6 +417,7 @@ class Scheduler:
     def _swap_out(self, seq: SeqState, step: _Step) -> None:
         rid = seq.request_id
         pending = self.kv.allocator.num_pending
+        self.counters.num_checkpoint_evictions += self.kv.num_checkpointed(rid) > 0
         moves = self.kv.swap_out(rid)
         step.plan.swap_out.extend(moves)
         step.plan.swapped_out.append(rid)
@@ -438,6 +453,24 @@ class Scheduler:
         seq.num_preemptions += 1
         self.counters.num_recomputes += 1
         step.plan.preempted.append(seq.request_id)
+
+    def _checkpoint(self, step: _Step) -> None:
+        """Copy the newly full blocks of the offline requests this step runs
+        to the host, within the swap budget (ConServe §4.4): they are the
+        ones an online arrival evicts, and a checkpointed one leaves the
+        device without a copy."""
+        for item in step.plan.scheduled:
+            if self._swap_credit <= 0:
+                return
+            seq = self.seqs[item.request_id]
+            # Copies that fill its blocks this step run after the checkpoint's
+            # (swap-outs go first): a moved request waits a step.
+            if seq.klass is not RequestClass.OFFLINE or seq.request_id in step.moved:
+                continue
+            copies = self.kv.checkpoint(seq.request_id, seq.num_computed_tokens, self._swap_credit)
+            step.plan.checkpoint.extend(copies)
+            self._swap_credit -= len(copies)
+            self.counters.checkpoint_blocks += len(copies)
 
     # -- proactive moves ------------------------------------------------------
     def _enst(self, step: _Step) -> list[float]:

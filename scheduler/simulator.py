@@ -49,6 +49,7 @@ class SimConfig:
     block_transfer_time: float = 0.0  # seconds to move one KV block over the host link
     online_tpot_slo_ms: float | None = None  # ConServe's SLO-aware budget for offline work
     online_ttft_slo_ms: float | None = None  # carried to SchedulerConfig (the engine's preemption reads it)
+    kv_checkpoint_threshold: float | None = 0.5  # ConServe's incremental checkpointing of offline KV
     enable_prefix_caching: bool = False  # jobs with a shared_prefix share its KV
     cache_on_host: bool = True  # with a host pool: the prefix cache spans both tiers
     check_integrity: bool = False  # kv.check_integrity() after every step (tests)
@@ -157,6 +158,7 @@ class Simulator:
             proactive_swap=config.proactive_swap, max_swap_blocks_per_step=config.max_swap_blocks_per_step,
             online_tpot_slo_ms=config.online_tpot_slo_ms,
             online_ttft_slo_ms=config.online_ttft_slo_ms,
+            kv_checkpoint_threshold=config.kv_checkpoint_threshold,
         )
         self.scheduler = Scheduler(sched_cfg, self.kv, make_policy(policy, cost_model=cost_model,
                                                                    **sched_cfg.policy_options))
@@ -190,7 +192,8 @@ class Simulator:
                                    f"{len(sched.seqs)} requests left")
             start = now
             wait_until = copies_done  # every copy of the previous step
-            copy_free = max(now, copies_done) + cfg.block_transfer_time * (len(plan.swap_out) + len(plan.swap_in))
+            copy_free = max(now, copies_done) + cfg.block_transfer_time * (
+                len(plan.swap_out) + len(plan.swap_in) + len(plan.checkpoint))
             running = {item.request_id for item in plan.scheduled}
             if any(rid in running for rid in plan.swapped_in):
                 wait_until = copy_free  # reactive swap-in: this step reads it

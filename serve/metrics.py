@@ -138,14 +138,16 @@ class EngineStatsCollector:
                                   "(that step's tokens recomputed)", labels=["kind"])
         total = int(getattr(s, "num_preemptions", 0) or 0)
         recomputes = int(getattr(s, "num_recomputes", 0) or 0)
-        fam.add_metric(["swap"], float(total - recomputes))
+        checkpointed = int(getattr(s, "num_checkpoint_evictions", 0) or 0)
+        fam.add_metric(["swap"], float(total - recomputes - checkpointed))
+        fam.add_metric(["evicted_with_checkpoint"], float(checkpointed))
         fam.add_metric(["recomputed"], float(recomputes))
         fam.add_metric(["step_abandoned"], float(getattr(s, "num_abandoned_preemptions", 0) or 0))
-        # A kind appears once the engine counts it (incremental checkpointing adds one).
-        for kind, attr in (("evicted_with_checkpoint", "num_checkpoint_evictions"),):
-            if hasattr(s, attr):
-                fam.add_metric([kind], float(getattr(s, attr) or 0))
         yield fam
+        ckpt = CounterMetricFamily(f"{PREFIX}_kv_checkpoint_bytes",
+                                   "KV copied to the host by incremental checkpointing of offline requests")
+        ckpt.add_metric([], float(getattr(s, "checkpoint_bytes", 0) or 0))
+        yield ckpt
 
     def _kv(self, s: Any) -> Iterable[Metric]:
         used = GaugeMetricFamily(f"{PREFIX}_kv_blocks_used", "KV cache blocks in use", labels=["tier"])

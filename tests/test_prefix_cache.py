@@ -14,7 +14,7 @@ from fluidserve.engine import SamplingParams
 from fluidserve.kvcache.manager import KVCacheManager
 from fluidserve.kvcache.prefix_cache import block_keys
 from fluidserve.scheduler.plan import StepOutcome
-from fluidserve.scheduler.request_state import SeqState
+from fluidserve.scheduler.request_state import RequestClass, SeqState
 from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from test_engine import hf_greedy
@@ -132,12 +132,12 @@ class _Contents:
             seq, table = seqs[item.request_id], kv.block_table(item.request_id)
             c0 = seq.num_computed_tokens
             written |= {table[p // self.bs] for p in range(c0, c0 + item.num_tokens)}
-        out_src = {d for d, _ in plan.swap_out}
+        out_src = {d for d, _ in plan.swap_out + plan.checkpoint}
         # Swap-ins land before the forward (it waits for them) and after the
         # swap-outs (one copy stream, in order); swap-outs may still be
         # reading while the forward runs.
         assert not written & out_src, "the forward writes a block a swap-out of its step reads"
-        for d, h in plan.swap_out:
+        for d, h in plan.swap_out + plan.checkpoint:  # one list on the worker
             self.host[h] = self.device.get(d)
         for h, d in plan.swap_in:
             self.device[d] = self.host.get(h)
@@ -157,18 +157,20 @@ class _Contents:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), device=st.integers(6, 30), host=st.sampled_from([0, 8, 40]),
-       mode=st.sampled_from(["swap", "recompute"]), policy=st.sampled_from(["fcfs", "skip-join-mlfq"]))
-def test_refcounts_conserved_with_shared_prefixes(seed, device, host, mode, policy):
+       mode=st.sampled_from(["swap", "recompute"]), policy=st.sampled_from(["fcfs", "skip-join-mlfq"]),
+       checkpoint=st.sampled_from([None, 0.0, 0.5]))
+def test_refcounts_conserved_with_shared_prefixes(seed, device, host, mode, policy, checkpoint):
     """Requests from a few prefix families arrive, run, are preempted or
     swapped and aborted at random: every step the two pools and the index
     agree, every block a forward reads holds what its request computed there
-    (through host hits, demotions and shared swaps), and at the end nothing
-    is held."""
+    (through host hits, demotions, checkpoints and shared swaps), and at the
+    end nothing is held."""
     rng = random.Random(seed)
     bs = 4
     kv = KVCacheManager(device, bs, host, enable_prefix_caching=True)
     s = Scheduler(SchedulerConfig(policy=policy, max_num_batched_tokens=rng.choice([6, 16, 64]),
-                                  max_num_seqs=rng.choice([2, 8]), preemption_mode=mode, kv_watermark=0.0), kv)
+                                  max_num_seqs=rng.choice([2, 8]), preemption_mode=mode, kv_watermark=0.0,
+                                  kv_checkpoint_threshold=checkpoint), kv)
     families = [[rng.randrange(50) for _ in range(rng.randrange(4, 14))] for _ in range(3)]
     contents = _Contents(bs)
     now, made = 0.0, 0
@@ -177,7 +179,8 @@ def test_refcounts_conserved_with_shared_prefixes(seed, device, host, mode, poli
             prompt = rng.choice(families) + [rng.randrange(50) for _ in range(rng.randrange(0, 5))]
             out = rng.randrange(1, 10)
             if len(prompt) + out <= device * bs:
-                seq = SeqState(f"r{made}", len(prompt), out, now, block_keys=block_keys(prompt, bs))
+                klass = rng.choice([RequestClass.ONLINE, RequestClass.OFFLINE])  # offline ones are checkpointed
+                seq = SeqState(f"r{made}", len(prompt), out, now, klass, block_keys=block_keys(prompt, bs))
                 s.add(seq, now)
                 made += 1
         if s.seqs and rng.random() < 0.05:
