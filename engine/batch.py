@@ -69,7 +69,6 @@ class ModelInput:
     # step: the worker drops their grammar matchers.
     finished_ids: list[str] = field(default_factory=list)
 
-
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)

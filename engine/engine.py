@@ -117,7 +117,6 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._finished_constrained: list[str] = []  # told to the worker with the next step
         self.stats_ = EngineStats()
-
         ttft = config.online_ttft_slo_ms
         self.preemption = PreemptionPolicy(self.executor.interrupt, None if ttft is None else ttft / 1e3,
                                            self.cost_model.prefill_time)
@@ -201,7 +200,6 @@ class LLMEngine:
             if req.params.structured_outputs is not None:
                 self._finished_constrained.append(seq.seq_id)
 
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -254,7 +252,6 @@ class LLMEngine:
         swap_out = plan.swap_out + plan.checkpoint if plan.checkpoint else plan.swap_out
         inp = ModelInput(swap_out=swap_out, swap_in=plan.swap_in, finished_ids=self._finished_constrained)
         self._finished_constrained = []
-
         swapped_in = set(plan.swapped_in)
         scored: dict[str, int] = {}  # request id -> prompt positions scored once this step has run
         bs = self.kv.block_size
@@ -310,7 +307,6 @@ class LLMEngine:
         # be rebuilt from) the outputs so far.
         needs_history = (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.min_tokens
                          or any(len(w) > 1 for w in p.bad_words_token_ids) or p.structured_outputs is not None)
-
         return SampleSpec(
             params=p, seed=seed,
             prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else [],
@@ -375,7 +371,6 @@ class LLMEngine:
         if seq.request.params.structured_outputs is not None:
             self._finished_constrained.append(seq.seq_id)
         return True
-
 
     def _extend_block_keys(self, seq: Sequence) -> None:
         """A block of prompt + outputs just filled: give it its prefix-cache

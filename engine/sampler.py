@@ -5,7 +5,6 @@ distribution, allowed_token_ids / logit_bias / bad_words, min_tokens masking,
 repetition / presence / frequency penalties, the grammar's token mask of
 constrained rows (structured output), then greedy argmax or
 temperature -> top_k -> top_p -> min_p -> draw. Rows are
-
 independent sequences; each may carry its own ``torch.Generator`` so a seeded
 request draws the same token whatever else shares its batch.
 
@@ -23,7 +22,6 @@ import torch
 from fluidserve.engine.outputs import Logprob
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.structured import TokenMask
-
 
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF  # torch.Generator.manual_seed takes 64-bit seeds
 
@@ -63,7 +61,6 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
     """Choose the next token of every row. ``logits``: [num_rows, vocab], any
     float dtype. ``token_mask``: the grammar's allowed tokens of the
     constrained rows (engine/structured.py)."""
-
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
     if not rows:
@@ -83,7 +80,6 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
     if token_mask is not None:
         token_mask.apply(logits)  # last: no later stage may lift a -inf the grammar set
     token_ids = _choose_tokens(logits, rows)  # [R] int64
-
 
     chosen = token_ids.tolist()
     logprobs = _gather_logprobs(raw_logprobs, token_ids, rows) if raw_logprobs is not None else {}

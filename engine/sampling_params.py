@@ -38,7 +38,6 @@ class StructuredOutputs:
             raise ValueError("structured_outputs: choice must be a non-empty list of strings")
 
 
-
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -73,7 +72,6 @@ class SamplingParams:
     # Constrained decoding: only tokens the grammar allows are sampled, and
     # EOS only where the grammar may end.
     structured_outputs: StructuredOutputs | None = None
-
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -155,4 +153,3 @@ class SamplingParams:
                 raise bad("ignore_eos", "cannot be combined with structured output")
             if self.min_tokens:
                 raise bad("min_tokens", "cannot be combined with structured output")
-

@@ -22,7 +22,6 @@ from fluidserve.engine.cache_engine import CacheEngine
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.loader import (build_model, eos_token_ids, init_dummy_weights, load_hf_config, load_tokenizer,
                                       load_weights, resolve_dtype)
-
 from fluidserve.engine.model_runner import ModelRunner
 from fluidserve.engine.parallel import TensorParallel
 from fluidserve.engine.preemption import Safepoints, StepAbandoned
@@ -30,7 +29,6 @@ from fluidserve.engine.prompt_logprobs import score_prompts
 from fluidserve.engine.sampler import SamplingRow, make_generator, sample
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.structured import StructuredDecoder
-
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +82,6 @@ class Worker:
         stops = [t for t in [self.eos_token_id, *eos_token_ids(hf_config, model_dir)] if t is not None]
         self.structured = StructuredDecoder(lambda: load_tokenizer(config.tokenizer or model_dir),
                                             int(hf_config.vocab_size), stops)
-
         self.safepoints = Safepoints(config.preemption_safepoint_layers, self.tp, self.device)
         self.model.layer_loop.safepoints = self.safepoints
 
@@ -178,7 +175,6 @@ class Worker:
         stall = self.cache.swap(inp.swap_out, inp.swap_in, inp.wait_for_swap_in)
         result = StepResult(swap_stall_s=stall)
         self.structured.release(inp.finished_ids)
-
         if not inp.input_ids:
             return result  # a step of copies only
         if inp.preemptible:
@@ -212,7 +208,6 @@ class Worker:
         if token_mask is not None:
             self.structured.accept(inp.sample_ids, inp.samples, [t.token_id for t in tokens])
         result.sampled = dict(zip(inp.sample_ids, tokens))
-
         return result
 
     def interrupt(self, step_id: int) -> None:

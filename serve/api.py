@@ -58,6 +58,9 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers
     log_requests: bool = False  # log each request's parameters and prompt
     max_log_len: int | None = None  # prompt characters / token ids logged
+    # --enable-auto-tool-choice with --tool-call-parser: the parser that finds
+    # tool calls in replies under tool_choice "auto"; None: "auto" is refused.
+    tool_call_parser: str | None = None
 
 
 @dataclass
@@ -78,7 +81,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     from fluidserve.serve.batches import install_batch_api
 
     settings = settings or ServerSettings()
-    server = _Server(engine, InputProcessor(tokenizer, model), model, settings)
+    server = _Server(engine, InputProcessor(tokenizer, model, settings.tool_call_parser), model, settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -216,7 +219,8 @@ class _Server:
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         if req.stream:
             streamer = ChatStreamer(rid, self.model.name, top_n=top_n, decode=self.decode,
-                                    prompt=inputs.prompts[0] if req.continuous_usage else None)
+                                    prompt=inputs.prompts[0] if req.continuous_usage else None,
+                                    tool_mode=inputs.tool_mode)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self.sse(self._chat_events(streams, timers, streamer, inputs, include_usage))
         finals = await self.until_disconnect(request, self.collect(streams, timers), streams)
@@ -227,7 +231,8 @@ class _Server:
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         usage = make_usage(inputs.prompts, finals[0].num_generated_tokens)
         return ChatCompletionResponse(id=rid, model=self.model.name,
-                                      choices=chat_choices(finals[0], top_n=top_n, decode=self.decode),
+                                      choices=chat_choices(finals[0], top_n=top_n, decode=self.decode,
+                                                           tool_mode=inputs.tool_mode),
                                       usage=usage, prompt_logprobs=prompt_logprobs(finals[0].prompt_logprobs))
 
     # -- engine plumbing ----------------------------------------------------

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from fluidserve.serve.tool_parsers import TOOL_CALL_PARSERS
 if TYPE_CHECKING:
     from fluidserve.serve.inputs import ModelInfo
 
@@ -30,9 +31,8 @@ logger = logging.getLogger("fluidserve.serve")
 # dump or a traceback. A value in ``_HARMLESS_VALUES`` is what we do anyway.
 UNSUPPORTED_VLLM_FLAGS = {
     "--kv-cache-dtype": "the KV cache is kept in the model's dtype",
-    "--tool-call-parser": "tool calling is not implemented",
-    "--enable-auto-tool-choice": "tool calling is not implemented",
-    "--tool-parser-plugin": "tool calling is not implemented",
+    "--tool-parser-plugin": "tool-call parser plugins are not supported (built in: --tool-call-parser "
+                            "hermes | llama3_json)",
     "--reasoning-parser": "reasoning output parsing is not implemented",
     "--quantization": "quantized checkpoints are not supported",
     "-q": "quantized checkpoints are not supported",
@@ -44,16 +44,17 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--data-parallel-size": "data parallelism is not implemented",
     "-dp": "data parallelism is not implemented",
     "--cpu-offload-gb": "weight offloading is not implemented",
-    "--guided-decoding-backend": "structured output is not implemented",
-    "--structured-outputs-config": "structured output is not implemented",
+    "--guided-decoding-backend": "structured output always runs on xgrammar",
+    "--structured-outputs-config": "structured output always runs on xgrammar, with its defaults",
     "--limit-mm-per-prompt": "multimodal inputs are not supported",
     "--tokenizer-mode": "tokenizers load through transformers' AutoTokenizer only",
     "--rope-scaling": "overriding the model's RoPE scaling is not supported",
     "--hf-overrides": "overriding the model's config is not supported",
 }
 _HARMLESS_VALUES = {"--kv-cache-dtype": {"auto"}, "--tokenizer-mode": {"auto"}, "--data-parallel-size": {"1"},
-                    "-dp": {"1"}, "--pipeline-parallel-size": {"1"}, "-pp": {"1"}}
-_VALUELESS = {"--enable-auto-tool-choice", "--enable-lora"}
+                    "-dp": {"1"}, "--pipeline-parallel-size": {"1"}, "-pp": {"1"},
+                    "--guided-decoding-backend": {"auto", "xgrammar"}}
+_VALUELESS = {"--enable-lora"}
 # vLLM's scheduling policy names that we map onto ours (see ``--scheduling-policy``).
 POLICY_ALIASES = {"priority": "fcfs"}
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
@@ -161,7 +162,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="log each request's id, parameters and prompt (at info level)")
     s.add_argument("--max-log-len", type=int, default=None,
                    help="with --enable-log-requests: characters / token ids of the prompt logged (default: all)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let requests use tool_choice "auto" (the default when tools are sent): the model '
+                        "decides, and --tool-call-parser finds its calls")
+    s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="the model's tool-call format: hermes (Hermes, Qwen 2.5/3) or llama3_json (Llama 3.x)")
+    s.add_argument("--guided-decoding-backend", default="auto", choices=["auto", "xgrammar"],
+                   help="structured output (response_format, forced tool calls) runs on xgrammar, the one "
+                        "backend built in")
     s.add_argument("--max-queued-requests", type=int, default=1024,
+
                    help="requests waiting for their first token before new ones get 429")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
     s.add_argument("--data-dir", default=None,
@@ -284,6 +294,8 @@ def run_serve(args: argparse.Namespace) -> int:
     set_trust_remote_code(args.trust_remote_code)
     try:
         _check_ssl(args)
+        if args.enable_auto_tool_choice and args.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
         chat_template = load_chat_template(args.chat_template)
         config = engine_config_from_args(args)
     except (ValueError, OSError) as exc:
@@ -305,7 +317,8 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                               max_queued_requests=args.max_queued_requests,
                               allowed_origins=tuple(args.allowed_origins or ()),
-                              log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
+                              log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                              tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     from fluidserve.serve.batches import BatchConfig
     from fluidserve.serve.store import StoreError
 

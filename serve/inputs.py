@@ -12,14 +12,17 @@ Sampling fields a request leaves unset take the model's defaults from its
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from fluidserve.engine.sampling_params import SamplingParams
+from fluidserve.engine.sampling_params import SamplingParams, StructuredOutputs
+from fluidserve.engine.structured import check_structured_outputs
 from fluidserve.serve.errors import APIError, bad_request, from_value_error
 from fluidserve.serve.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -28,6 +31,7 @@ from fluidserve.serve.protocol import (
     TokenizeResponse,
     _SamplingFields,
 )
+from fluidserve.serve.tool_parsers import ToolMode, named_call_schema, required_calls_schema
 
 logger = logging.getLogger("fluidserve.serve")
 
@@ -43,6 +47,7 @@ class EngineInputs:
     prompts: list[Prompt]
     params: SamplingParams
     klass: str
+    tool_mode: ToolMode | None = None  # chat with tools: how the reply becomes tool calls
 
 
 @dataclass(frozen=True)
@@ -63,9 +68,10 @@ class ModelInfo:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, model: ModelInfo) -> None:
+    def __init__(self, tokenizer: Any, model: ModelInfo, tool_parser: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.model = model
+        self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice; None: no "auto"
 
     # -- endpoints ----------------------------------------------------------
     def completion(self, req: CompletionRequest) -> EngineInputs:
@@ -73,7 +79,7 @@ class InputProcessor:
         prompts = [self._truncate(self._prompt(p, add_special), req.truncate_prompt_tokens, req.truncation_side)
                    for p in req.prompts()]
         max_tokens = self._max_tokens(prompts, req.max_tokens, "prompt")
-        return EngineInputs(prompts, self._params(req, max_tokens, req.logprobs), req.klass)
+        return EngineInputs(prompts, self._params(req, max_tokens, req.logprobs, self._structured(req)), req.klass)
 
     def chat(self, req: ChatCompletionRequest) -> EngineInputs:
         text = self._render_chat(req)
@@ -84,7 +90,9 @@ class InputProcessor:
         prompt = self._truncate(prompt, req.truncate_prompt_tokens, req.truncation_side)
         max_tokens = self._max_tokens([prompt], req.max_new_tokens, "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        return EngineInputs([prompt], self._params(req, max_tokens, top_n), req.klass)
+        tool_mode, structured = self._tool_mode(req)
+        structured = structured or self._structured(req)
+        return EngineInputs([prompt], self._params(req, max_tokens, top_n, structured), req.klass, tool_mode)
 
     def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         if isinstance(req, TokenizeChatRequest):
@@ -129,11 +137,11 @@ class InputProcessor:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def _render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> str:
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
+        messages = [_template_message(m) for m in req.messages]
+        tools = [t.model_dump(mode="json", exclude_none=True) for t in req.tools] if req.tools else None
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt
+                messages, tools=tools, tokenize=False, add_generation_prompt=req.add_generation_prompt
             )
         except Exception as exc:  # noqa: BLE001 - a template's own raise_exception is a client error
             raise bad_request(f"messages could not be rendered with the chat template: {exc}", "messages") from None
@@ -158,7 +166,65 @@ class InputProcessor:
             )
         return asked
 
-    def _params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _structured(self, req: _SamplingFields) -> StructuredOutputs | None:
+        """The request's output constraint (at most one: protocol.py checks),
+        checked to build into a grammar; a 400 naming its field if not."""
+        field_name, spec = None, None
+        try:
+            fmt = req.response_format
+            if fmt is not None and fmt.type != "text":
+                field_name = "response_format"
+                schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+                spec = (StructuredOutputs(json=json.dumps(schema)) if fmt.type == "json_schema" and schema is not None
+                        else StructuredOutputs(json_object=True))
+            elif req.structured_outputs is not None:
+                field_name = "structured_outputs"
+                so = req.structured_outputs
+                spec = StructuredOutputs(json=_schema_text(so.json_), json_object=bool(so.json_object),
+                                         regex=so.regex, choice=so.choice, grammar=so.grammar)
+            elif req.guided_json is not None:
+                field_name, spec = "guided_json", StructuredOutputs(json=_schema_text(req.guided_json))
+            elif req.guided_regex is not None:
+                field_name, spec = "guided_regex", StructuredOutputs(regex=req.guided_regex)
+            elif req.guided_choice is not None:
+                field_name, spec = "guided_choice", StructuredOutputs(choice=tuple(req.guided_choice))
+            elif req.guided_grammar is not None:
+                field_name, spec = "guided_grammar", StructuredOutputs(grammar=req.guided_grammar)
+            if spec is not None:
+                check_structured_outputs(spec)
+        except ValueError as exc:
+            raise bad_request(f"{field_name}: {str(exc).removeprefix('structured_outputs: ')}", field_name) from None
+        return spec
+
+    def _tool_mode(self, req: ChatCompletionRequest) -> tuple[ToolMode | None, StructuredOutputs | None]:
+        """How the reply becomes tool calls, and the constraint a forced call
+        puts on decoding."""
+        mode = req.tool_choice_mode
+        if mode == "none":
+            return None, None
+        if mode == "auto":
+            if self.tool_parser is None:
+                raise bad_request('tool_choice: "auto" needs the server started with --enable-auto-tool-choice '
+                                  "and --tool-call-parser (or send tool_choice \"required\", a named function, "
+                                  'or "none")', "tool_choice")
+            return ToolMode("auto", parser=self.tool_parser), None
+        tools = [t.function.model_dump(mode="json", exclude_none=True) for t in req.tools or []]
+        if mode == "required":
+            schema = required_calls_schema(tools, parallel=req.parallel_tool_calls is not False)
+            tool_mode = ToolMode("required")
+        else:
+            name = req.tool_choice.function.name
+            schema, tool_mode = named_call_schema(tools, name), ToolMode("named", function=name)
+        spec = StructuredOutputs(json=json.dumps(schema))
+        try:
+            check_structured_outputs(spec)
+        except ValueError as exc:
+            raise bad_request(f"tools: a function's parameters are not a usable JSON schema: "
+                              f"{str(exc).split(': ', 1)[-1]}", "tools") from None
+        return tool_mode, spec
+
+    def _params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None,
+                structured: StructuredOutputs | None = None) -> SamplingParams:
         defaults = self.model.sampling_defaults
 
         def pick(name: str, fallback: float) -> Any:
@@ -194,6 +260,7 @@ class InputProcessor:
                 logit_bias=self._logit_bias(req.logit_bias),
                 allowed_token_ids=self._in_vocab(req.allowed_token_ids, "allowed_token_ids"),
                 bad_words_token_ids=self._bad_words(req.bad_words),
+                structured_outputs=structured,
             )
         except ValueError as exc:
             raise from_value_error(exc) from None
@@ -231,6 +298,31 @@ class InputProcessor:
                 if ids and ids not in out:
                     out.append(ids)
         return out
+
+
+def _schema_text(schema: dict | str | None) -> str | None:
+    return schema if schema is None or isinstance(schema, str) else json.dumps(schema)
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it. Tool-call arguments go in as
+    objects where they parse: templates write them with ``tojson``."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            try:
+                args: Any = json.loads(call.function.arguments)
+            except ValueError:
+                args = call.function.arguments
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": args}})
+        out["tool_calls"] = calls
+    return out
 
 
 def log_request(request_id: str, inputs: EngineInputs, max_log_len: int | None) -> None:

@@ -57,13 +57,8 @@ def _off(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or v in values or (isinstance(v, (list, dict, str)) and not v)
 
 
-def _text_format(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and v.get("type") == "text" and len(v) == 1)
-
-
 # Fields both endpoints know but do not implement -> which values mean "off".
 _REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "response_format": _text_format,
     "use_beam_search": _off(False),
     "length_penalty": _off(1.0),
     "logits_processors": _off(),
@@ -74,14 +69,9 @@ _REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
     "vllm_xargs": _off(),
     "prompt_embeds": _off(),
     "mm_processor_kwargs": _off(),
-    "guided_json": _off(),
-    "guided_regex": _off(),
-    "guided_choice": _off(),
-    "guided_grammar": _off(),
-    "guided_decoding_backend": _off(),
+    "guided_decoding_backend": _off("xgrammar", "auto"),  # the one backend we have
     "guided_whitespace_pattern": _off(),
     "structural_tag": _off(),
-    "structured_outputs": _off(),
     "store": _off(False),  # nothing is stored, so metadata has no use either
     "metadata": _off(),
     "service_tier": _off("auto", "default"),
@@ -103,8 +93,6 @@ _REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
 }
 _REFUSED_CHAT: dict[str, Callable[[Any], bool]] = {
     **_REFUSED_COMMON,
-    "tools": _off(),
-    "tool_choice": _off("none"),
     "functions": _off(),
     "function_call": _off("none"),
     "audio": _off(),
@@ -120,14 +108,20 @@ _REFUSED_CHAT: dict[str, Callable[[Any], bool]] = {
     "echo": _off(False),
 }
 _REFUSED_MESSAGE: dict[str, Callable[[Any], bool]] = {
-    "tool_calls": _off(),
-    "tool_call_id": _off(),
     "function_call": _off(),
     "audio": _off(),
     "refusal": _off(),
     "reasoning_content": _off(),
 }
 _REFUSED_STREAM_OPTIONS: dict[str, Callable[[Any], bool]] = {"include_obfuscation": _off(False)}
+_REFUSED_STRUCTURED: dict[str, Callable[[Any], bool]] = {
+    "structural_tag": _off(),
+    "backend": _off("xgrammar", "auto"),
+    "disable_fallback": _off(False),
+    "disable_any_whitespace": _off(False),
+    "disable_additional_properties": _off(False),
+    "whitespace_pattern": _off(),
+}
 
 
 class _Request(BaseModel):
@@ -163,6 +157,73 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False  # usage on every chunk, not only the last
 
 
+# -- structured output and tools (request side) -----------------------------------
+
+FunctionName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: FunctionName
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # accepted: decoding always follows the schema strictly
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = _REFUSED_STRUCTURED
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    grammar: StrictStr | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted: a forced call always follows the schema strictly
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionRef(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionRef
+
+
+class FunctionCallWire(_Wire):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallWire(_Wire):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallWire
+
 Prob = Annotated[float, Field(ge=0.0, le=2.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 RequestClassName = Literal["online", "offline"]
@@ -188,7 +249,15 @@ class _SamplingFields(_Request):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # a cache-routing hint; prefix reuse never depends on it
-    parallel_tool_calls: bool | None = None  # tools are refused, so there are never calls to parallelise
+    # False: at most one call under tool_choice "required"; no effect on completions.
+    parallel_tool_calls: bool | None = None
+    # Structured output: at most one of these (OpenAI's, then vLLM's names).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    guided_grammar: StrictStr | None = None
     # Extensions beyond OpenAI's API (vLLM's names and meanings).
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
@@ -225,6 +294,11 @@ class _SamplingFields(_Request):
             raise ValueError("truncate_prompt_tokens: must be -1 or at least 1")
         if self.priority is not None and self.request_class and self._priority_class != self.request_class:
             raise ValueError("priority: conflicts with class")
+        given = [f for f in STRUCTURED_FIELDS if getattr(self, f) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: cannot be combined with {given[0]} (one output constraint per request)")
         return self
 
     @property
@@ -252,6 +326,8 @@ class _SamplingFields(_Request):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
 TokenIds = list[StrictInt]
 
 
@@ -289,11 +365,17 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallWire] | None = None  # an assistant turn's calls (tool history)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @model_validator(mode="after")
     def _check_content(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
             raise ValueError(f"messages: a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message carries tool calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only a tool message answers a tool call")
         return self
 
     def text(self) -> str:
@@ -312,6 +394,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> "ChatCompletionRequest":
@@ -319,13 +403,39 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs: requires logprobs to be true")
         return self
 
+    @model_validator(mode="after")
+    def _check_tools(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: function {choice.function.name!r} is not among the tools")
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        constrained = [f for f in STRUCTURED_FIELDS if getattr(self, f) is not None
+                       and not (f == "response_format" and self.response_format.type == "text")]
+        if forced and constrained:
+            raise ValueError(f"{constrained[0]}: cannot be combined with a forced tool_choice "
+                             "(the call's schema already constrains the reply)")
+        return self
+
+    @property
+    def tool_choice_mode(self) -> str:
+        """"none", "auto", "required" or "named": OpenAI's default is auto
+        when tools are given, none otherwise."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 _REFUSED_TOKENIZE_CHAT: dict[str, Callable[[Any], bool]] = {
-    k: _REFUSED_CHAT[k] for k in ("chat_template", "chat_template_kwargs", "continue_final_message", "tools",
+    k: _REFUSED_CHAT[k] for k in ("chat_template", "chat_template_kwargs", "continue_final_message",
                                   "documents", "mm_processor_kwargs")
 }
 
@@ -348,6 +458,7 @@ class TokenizeChatRequest(_Request):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool = False
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None  # rendered by the template
 
 
 class TokenizeRequest:
@@ -452,6 +563,21 @@ class ChatLogprobs(_Wire):
 class ChatResponseMessage(_Wire):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallWire] = Field(default_factory=list)
+
+
+class FunctionCallDelta(_Wire):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Wire):
+    """One streamed piece of a tool call: id, type and name on its first."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatChoice(_Wire):
@@ -476,6 +602,7 @@ class ChatCompletionResponse(_Wire):
 class ChatDelta(_Wire):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Wire):

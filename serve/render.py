@@ -22,6 +22,10 @@ from fluidserve.serve.protocol import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
+    FunctionCallDelta,
+    FunctionCallWire,
+    ToolCallDelta,
+    ToolCallWire,
     CompletionResponseChoice,
     PromptLogprob,
     PromptLogprobs,
@@ -29,6 +33,7 @@ from fluidserve.serve.protocol import (
     TopLogprob,
     Usage,
 )
+from fluidserve.serve.tool_parsers import CallStream, ToolMode, parse_reply
 
 Decode = Callable[[int], str]
 
@@ -148,12 +153,20 @@ def completion_choices(prompts: list[Prompt], finals: list[RequestOutput], *, n:
     return choices
 
 
-def chat_choices(final: RequestOutput, *, top_n: int | None, decode: Decode) -> list[ChatChoice]:
+def chat_choices(final: RequestOutput, *, top_n: int | None, decode: Decode,
+                 tool_mode: ToolMode | None = None) -> list[ChatChoice]:
     choices = []
     for co in sorted(final.outputs, key=lambda c: c.index):
         logprobs = chat_logprobs(co.token_ids, co.logprobs, top_n, decode) if top_n is not None else None
-        choices.append(ChatChoice(index=co.index, message=ChatResponseMessage(content=co.text),
-                                  logprobs=logprobs, finish_reason=finish_reason(co), stop_reason=stop_reason(co)))
+        content, calls = co.text, []
+        # A forced call cut short by length is no call: the text stays content.
+        if tool_mode is not None and (tool_mode.kind == "auto" or co.finish_reason == "stop"):
+            content, calls = parse_reply(tool_mode, co.text)
+        message = ChatResponseMessage(content=content, tool_calls=[
+            ToolCallWire(id=c.id, function=FunctionCallWire(name=c.name, arguments=c.arguments)) for c in calls])
+        reason = "tool_calls" if calls and co.finish_reason == "stop" else finish_reason(co)
+        choices.append(ChatChoice(index=co.index, message=message, logprobs=logprobs, finish_reason=reason,
+                                  stop_reason=stop_reason(co)))
     return choices
 
 
@@ -223,10 +236,25 @@ class ChatStreamer:
     """Turns the outputs of one /v1/chat/completions request into chunks."""
 
     def __init__(self, request_id: str, model: str, *, top_n: int | None, decode: Decode,
-                 prompt: Prompt | None = None) -> None:
+                 prompt: Prompt | None = None, tool_mode: ToolMode | None = None) -> None:
         self.id, self.model, self.top_n, self.decode = request_id, model, top_n, decode
         self.prompt = prompt  # given: usage on every chunk (continuous_usage_stats)
         self.track = _ChoiceTracker()
+        self.tool_mode = tool_mode
+        self.calls: dict[int, CallStream] = {}  # choice index -> its tool-call stream
+
+    def _delta(self, co: CompletionOutput) -> tuple[ChatDelta, str | None]:
+        """The choice's delta (text, or tool-call pieces) and finish reason."""
+        if self.tool_mode is None:
+            return ChatDelta(content=co.text_delta or None), finish_reason(co)
+        stream = self.calls.setdefault(co.index, CallStream(self.tool_mode))
+        pieces = [stream.feed(co.text_delta)] + ([stream.finish()] if co.finish_reason else [])
+        content = "".join(p.content for p in pieces)
+        calls = [ToolCallDelta(index=d.index, id=d.id, type="function" if d.id else None,
+                               function=FunctionCallDelta(name=d.name, arguments=d.arguments))
+                 for p in pieces for d in p.calls]
+        reason = "tool_calls" if stream.num_calls and co.finish_reason == "stop" else finish_reason(co)
+        return ChatDelta(content=content or None, tool_calls=calls or None), reason
 
     def chunk(self, out: RequestOutput) -> list[ChatCompletionChunk]:
         chunks = []
@@ -243,8 +271,12 @@ class ChatStreamer:
                 logprobs = chat_logprobs(co.new_token_ids, co.new_logprobs, self.top_n, self.decode)
             if co.finish_reason:
                 self.track.finished.add(co.index)
-            choice = ChatChunkChoice(index=co.index, delta=ChatDelta(content=co.text_delta or None),
-                                     logprobs=logprobs, finish_reason=finish_reason(co), stop_reason=stop_reason(co))
+            delta, reason = self._delta(co)
+            if delta.content is None and delta.tool_calls is None and reason is None and logprobs is None:
+                continue  # text held back by a tool-call parser: nothing to send yet
+            choice = ChatChunkChoice(index=co.index, delta=delta, logprobs=logprobs, finish_reason=reason,
+                                     stop_reason=stop_reason(co))
+
             chunks.append(ChatCompletionChunk(id=self.id, model=self.model, choices=[choice], usage=usage))
         return chunks
 

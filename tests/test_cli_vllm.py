@@ -25,8 +25,8 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("flags, named", [
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
     (["--kv-cache-dtype=fp8_e5m2"], "--kv-cache-dtype fp8_e5m2"),
-    (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "--enable-auto-tool-choice"),
-    (["--tool-call-parser", "llama3_json"], "--tool-call-parser llama3_json"),
+    (["--tool-parser-plugin", "my_parser.py"], "--tool-parser-plugin my_parser.py"),
+    (["--guided-decoding-backend", "outlines"], "--guided-decoding-backend outlines"),
     (["--quantization", "awq"], "--quantization awq"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
 ])

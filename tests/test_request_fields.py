@@ -74,6 +74,44 @@ def same_text(_s, body, b):
     assert text_of(body) == text_of(b)
 
 
+UNMASKED = {"ignore_eos": False, "allowed_token_ids": None, "max_tokens": 150}
+FLAG_SCHEMA = {"type": "object", "properties": {"flag": {"type": "boolean"}}, "required": ["flag"],
+               "additionalProperties": False}
+FLAG_TOOL = {"type": "function", "function": {"name": "set_flag", "parameters": FLAG_SCHEMA}}
+
+
+def check_one_of(*options: str) -> Check:
+    def check(_s, body, _b):
+        assert text_of(body) in options and body["choices"][0]["finish_reason"] == "stop", body
+    return check
+
+
+def check_regex(pattern: str) -> Check:
+    def check(_s, body, _b):
+        import re
+
+        assert re.fullmatch(pattern, text_of(body)), body
+    return check
+
+
+def check_json_in(*options: str) -> Check:
+    def check(_s, body, _b):
+        assert json.loads(text_of(body)) in options, body
+    return check
+
+
+def check_flag_json(_s, body, _b):
+    value = json.loads(text_of(body))
+    assert list(value) == ["flag"] and isinstance(value["flag"], bool), body
+
+
+def check_flag_tool_call(_s, body, _b):
+    choice = body["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and call["function"]["name"] == "set_flag"
+    assert isinstance(json.loads(call["function"]["arguments"])["flag"], bool)
+
+
 def differs(_s, body, b):
     assert text_of(body) != text_of(b)
 
@@ -298,12 +336,25 @@ ROWS: list[tuple[str, str, dict, Check, tuple[str, ...]]] = [
     ("chat_request_id", CHAT, {"request_id": "my-id.1"}, check_request_id, ()),
     ("chat_logit_bias", CHAT, {"logit_bias": {str(ord("q")): 100}}, check_logit_bias, ()),
     ("chat_prompt_logprobs", CHAT, {"prompt_logprobs": 1}, check_prompt_logprobs, ()),
+    # Output constraints (tests/test_structured_output.py has the rest). EOS
+    # must be reachable, so these drop BASE's ignore_eos and letter mask.
+    ("guided_choice", C, {**UNMASKED, "guided_choice": ["yes", "no"]}, check_one_of("yes", "no"), ("guided_choice",)),
+    ("guided_regex", C, {**UNMASKED, "guided_regex": "[0-9]{4}"}, check_regex("[0-9]{4}"), ("guided_regex",)),
+    ("guided_grammar", C, {**UNMASKED, "guided_grammar": 'root ::= "x" [0-9]'}, check_regex("x[0-9]"),
+     ("guided_grammar",)),
+    ("guided_json", C, {**UNMASKED, "guided_json": {"enum": ["on", "off"]}}, check_json_in("on", "off"),
+     ("guided_json",)),
+    ("structured_outputs", C, {**UNMASKED, "structured_outputs": {"choice": ["up", "down"]}},
+     check_one_of("up", "down"), ("structured_outputs",)),
+    ("response_format", C, {**UNMASKED, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "flag", "schema": FLAG_SCHEMA}}}, check_flag_json, ("response_format",)),
+    ("chat_tools_named", CHAT, {**UNMASKED, "tools": [FLAG_TOOL],
+                                "tool_choice": {"type": "function", "function": {"name": "set_flag"}}},
+     check_flag_tool_call, ("tools", "tool_choice")),
 ]
 
 # Known, not implemented: a value other than "off" is a 400 naming the field.
 REFUSED: list[tuple[str, str, Any]] = [
-    (C, "response_format", {"type": "json_object"}),
-    (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     (C, "use_beam_search", True),
     (C, "length_penalty", 0.5),
     (C, "logits_processors", ["x"]),
@@ -314,20 +365,13 @@ REFUSED: list[tuple[str, str, Any]] = [
     (C, "vllm_xargs", {"a": 1}),
     (C, "prompt_embeds", "AAAA"),
     (C, "mm_processor_kwargs", {"a": 1}),
-    (C, "guided_json", {"type": "object"}),
-    (C, "guided_regex", "a+"),
-    (C, "guided_choice", ["a", "b"]),
-    (C, "guided_grammar", "root ::= 'a'"),
-    (C, "guided_decoding_backend", "xgrammar"),
+    (C, "guided_decoding_backend", "outlines"),  # "xgrammar" and "auto" are what runs
     (C, "guided_whitespace_pattern", " "),
     (C, "structural_tag", "{}"),
-    (C, "structured_outputs", {"json": {}}),
     (C, "store", True),
     (C, "metadata", {"k": "v"}),
     (C, "service_tier", "flex"),
     (C, "suffix", "tail"),
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    (CHAT, "tool_choice", "required"),
     (CHAT, "functions", [{"name": "f", "parameters": {}}]),
     (CHAT, "function_call", "auto"),
     (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
@@ -360,16 +404,14 @@ REFUSED: list[tuple[str, str, Any]] = [
 # ...and with its "off" value it is accepted.
 OFF_VALUES: list[tuple[str, str, Any]] = [
     (C, "response_format", {"type": "text"}), (CHAT, "tools", []), (CHAT, "tool_choice", "none"),
+    (C, "guided_decoding_backend", "xgrammar"),
     (C, "use_beam_search", False), (C, "length_penalty", 1.0), (C, "store", False),
     (C, "service_tier", "auto"), (CHAT, "modalities", ["text"]), (CHAT, "continue_final_message", False),
 ]
 # Fields of nested objects: messages[i] and stream_options.
 REFUSED_NESTED: list[tuple[str, dict, str]] = [
-    ("tool_calls", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "user", "content": "x"}]}, "tool_calls"),
-    ("tool_call_id", {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "tool_call_id"),
-    ("message_function_call", {"messages": [{"role": "assistant", "content": "x", "function_call": {"name": "f"}},
+    ("message_function_call",
+ {"messages": [{"role": "assistant", "content": "x", "function_call": {"name": "f"}},
                                             {"role": "user", "content": "x"}]}, "function_call"),
     ("refusal", {"messages": [{"role": "assistant", "content": "x", "refusal": "no"},
                               {"role": "user", "content": "x"}]}, "refusal"),

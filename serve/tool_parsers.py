@@ -1,0 +1,328 @@
+"""Tool calls: from a model's text to OpenAI ``tool_calls``, whole or streamed.
+
+Owns the three ways a chat reply becomes tool calls:
+
+* ``tool_choice: "auto"``: the model decides; a parser chosen with
+  ``--tool-call-parser`` finds calls in its own output format:
+
+  - ``hermes`` (Hermes 2/3, Qwen 2.5/3 templates): any number of
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, the
+    text around them is content;
+  - ``llama3_json`` (Llama 3.1-3.3 templates): the whole reply is a JSON object
+    ``{"name": ..., "parameters": {...}}`` (``arguments`` also taken), maybe
+    after ``<|python_tag|>``, several joined by ``;``.
+
+* ``tool_choice: "required"``: decoding is constrained to a JSON array of
+  ``{"name", "parameters"}`` objects, one schema per tool
+  (``required_calls_schema``);
+* a named function: decoding is constrained to that function's parameters
+  schema; the whole reply is its arguments.
+
+``CallStream`` turns text deltas into content deltas and ``CallDelta`` s as
+they become known; ``parse_reply`` is the same on a whole reply. Pure Python:
+no pydantic, no engine.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=new_call_id)
+
+
+@dataclass
+class CallDelta:
+    """A piece of one streamed tool call: its id and name come on its first
+    delta, the arguments in one or more pieces to be concatenated."""
+
+    index: int  # the call's place in the choice's tool_calls
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclass
+class StreamPiece:
+    content: str = ""
+    calls: list[CallDelta] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How one request's reply is read: ``kind`` is "auto" (with ``parser``),
+    "required", or "named" (with ``function``)."""
+
+    kind: str
+    parser: str | None = None
+    function: str | None = None
+
+
+# -- schemas that force a call --------------------------------------------------
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool.get("parameters") or {"type": "object", "properties": {}}
+
+
+def required_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """A JSON array of one or more calls, each naming a tool and carrying
+    arguments valid for it; one call only when ``parallel`` is false."""
+    items = [{
+        "type": "object",
+        "properties": {"name": {"type": "string", "enum": [t["name"]]}, "parameters": _parameters(t)},
+        "required": ["name", "parameters"],
+        "additionalProperties": False,
+    } for t in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def named_call_schema(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return _parameters(next(t for t in tools if t["name"] == name))
+
+
+# -- whole replies --------------------------------------------------------------
+
+
+def parse_reply(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a finished reply; content is None when the reply
+    was only tool calls."""
+    stream = CallStream(mode)
+    pieces = [stream.feed(text), stream.finish()]
+    calls: dict[int, ToolCall] = {}
+    content = "".join(p.content for p in pieces)
+    for p in pieces:
+        for d in p.calls:
+            prev = calls.get(d.index)
+            calls[d.index] = (ToolCall(d.name or "", d.arguments, d.id or new_call_id()) if prev is None
+                              else ToolCall(prev.name, prev.arguments + d.arguments, prev.id))
+    ordered = [calls[i] for i in sorted(calls)]
+    if ordered and not content.strip():
+        return None, ordered
+    return content, ordered
+
+
+# -- streams --------------------------------------------------------------------
+
+
+class CallStream:
+    """One choice's reply, delta by delta, as content and tool-call deltas."""
+
+    def __init__(self, mode: ToolMode) -> None:
+        self.mode = mode
+        self.num_calls = 0
+        if mode.kind == "auto":
+            self._auto = _PARSERS[mode.parser or ""]()
+        self._buffer = ""
+        self._named_id: str | None = None
+
+    def feed(self, delta: str) -> StreamPiece:
+        if not delta:
+            return StreamPiece()
+        if self.mode.kind == "named":  # the reply is the arguments: pass them through
+            if self._named_id is None:
+                self._named_id = new_call_id()
+                self.num_calls = 1
+                return StreamPiece(calls=[CallDelta(0, delta, self._named_id, self.mode.function)])
+            return StreamPiece(calls=[CallDelta(0, delta)])
+        if self.mode.kind == "required":  # an array: read it whole at the end
+            self._buffer += delta
+            return StreamPiece()
+        content, calls = self._auto.feed(delta)
+        return StreamPiece(content, self._number(calls))
+
+    def finish(self) -> StreamPiece:
+        if self.mode.kind == "named":
+            if self._named_id is None:  # an empty reply is still the (empty) arguments
+                self._named_id = new_call_id()
+                self.num_calls = 1
+                return StreamPiece(calls=[CallDelta(0, "", self._named_id, self.mode.function)])
+            return StreamPiece()
+        if self.mode.kind == "required":
+            calls = _calls_from_array(self._buffer)
+            if calls is None:  # cut short (length): what there is, as content
+                return StreamPiece(self._buffer)
+            return StreamPiece(calls=self._number(calls))
+        content, calls = self._auto.finish()
+        return StreamPiece(content, self._number(calls))
+
+    def _number(self, calls: list[ToolCall]) -> list[CallDelta]:
+        out = []
+        for call in calls:
+            out.append(CallDelta(self.num_calls, call.arguments, call.id, call.name))
+            self.num_calls += 1
+        return out
+
+
+def _calls_from_array(text: str) -> list[ToolCall] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, list):
+        return None
+    calls = [_call_from_object(v, "parameters") for v in value]
+    return None if any(c is None for c in calls) else calls
+
+
+def _call_from_object(value: Any, args_key: str) -> ToolCall | None:
+    """``{"name": str, args_key: object}`` (or ``arguments``) as a call."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    args = value.get(args_key, value.get("arguments", value.get("parameters")))
+    if args is None:
+        args = {}
+    if isinstance(args, str):  # already JSON text
+        return ToolCall(value["name"], args)
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
+
+
+class _AutoParser:
+    """A model format: text deltas in, (content to send, finished calls) out."""
+
+    name: ClassVar[str]
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+
+class HermesParser(_AutoParser):
+    """``<tool_call>JSON</tool_call>`` blocks amid content. Text that might
+    be the start of a tag is held back until it is known not to be."""
+
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self._pending = ""
+        self._in_call = False
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self._pending += delta
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        while True:
+            if not self._in_call:
+                at = self._pending.find(self.START)
+                if at < 0:
+                    keep = _partial_suffix(self._pending, self.START)
+                    content.append(self._pending[:len(self._pending) - keep])
+                    self._pending = self._pending[len(self._pending) - keep:]
+                    break
+                content.append(self._pending[:at])
+                self._pending = self._pending[at + len(self.START):]
+                self._in_call = True
+            at = self._pending.find(self.END)
+            if at < 0:
+                break
+            body, self._pending = self._pending[:at], self._pending[at + len(self.END):]
+            self._in_call = False
+            call = _json_call(body, "arguments")
+            if call is None:  # not a call after all: the model's text, unchanged
+                content.append(self.START + body + self.END)
+            else:
+                calls.append(call)
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        rest, self._pending = self._pending, ""
+        if not self._in_call:
+            return rest, []
+        self._in_call = False
+        call = _json_call(rest, "arguments")  # a reply that ended before its closing tag
+        return ("", [call]) if call is not None else (self.START + rest, [])
+
+
+class Llama3JsonParser(_AutoParser):
+    """A reply that opens with ``{`` (or ``<|python_tag|>``) is read whole as
+    calls at its end; any other reply streams as content at once."""
+
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._mode: str | None = None  # None: undecided, "content" or "calls"
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        if self._mode == "content":
+            return delta, []
+        self._buffer += delta
+        head = self._buffer.lstrip()
+        if not head or (len(head) < len(self.TAG) and self.TAG.startswith(head)):
+            return "", []  # whitespace, or maybe the tag: wait
+        if head.startswith("{") or head.startswith(self.TAG):
+            self._mode = "calls"
+            return "", []
+        self._mode = "content"
+        text, self._buffer = self._buffer, ""
+        return text, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        text, self._buffer = self._buffer, ""
+        if self._mode != "calls":
+            return text, []
+        calls = _json_calls(text.strip().removeprefix(self.TAG))
+        return ("", calls) if calls else (text, [])
+
+
+def _json_call(text: str, args_key: str) -> ToolCall | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return _call_from_object(value, args_key)
+
+
+def _json_calls(text: str) -> list[ToolCall]:
+    """Objects separated by ``;`` (and whitespace), each a call; [] if any is not."""
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    pos = 0
+    text = text.strip()
+    while pos < len(text):
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except ValueError:
+            return []
+        call = _call_from_object(value, "parameters")
+        if call is None:
+            return []
+        calls.append(call)
+        pos = end
+        while pos < len(text) and text[pos] in " \t\r\n;":
+            pos += 1
+    return calls
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that begins ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+_PARSERS: dict[str, type[_AutoParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+assert tuple(_PARSERS) == TOOL_CALL_PARSERS

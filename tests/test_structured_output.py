@@ -1,0 +1,427 @@
+"""Structured output and tools, end to end on the tiny random model.
+
+A random model writes noise, so whatever valid JSON comes out is the
+grammar's doing: JSON mode must parse, a json_schema reply must validate, a
+forced tool call must carry schema-valid arguments — through the official
+``openai`` client against a real server, streamed and not. Below the HTTP
+layer: the matcher bookkeeping on the worker (rebuilt after a recompute,
+released on finish and abort) and EOS allowed exactly where the grammar ends.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+
+from fluidserve.engine import SamplingParams
+from fluidserve.engine.batch import SampleSpec
+from fluidserve.engine.sampling_params import StructuredOutputs
+from fluidserve.engine.structured import StructuredDecoder
+from fluidserve.serve.api import ServerSettings
+from server_utils import start_server
+
+EOS = 257
+# A schema whose every document is short, so a random model finishes it.
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["answer", "score", "ok"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"], "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": False}},
+}
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+MSGS = [{"role": "user", "content": "What is the weather like?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    srv = start_server(tiny_model("llama"), ServerSettings(tool_call_parser="hermes"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def chat(client, stream: bool, **kw):
+    """One choice's (content, tool_calls as dicts, finish_reason), streamed or not."""
+    kw.setdefault("messages", MSGS)
+    kw.setdefault("model", client.models.list().data[0].id)
+    kw.setdefault("max_tokens", 200)
+    if not stream:
+        resp = client.chat.completions.create(**kw)
+        choice = resp.choices[0]
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                 for c in choice.message.tool_calls or []]
+        return choice.message.content, calls, choice.finish_reason
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = call["id"] or d.id
+                call["name"] = call["name"] or (d.function.name if d.function else None)
+                call["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = choice.finish_reason or finish
+    return content or None, [calls[i] for i in sorted(calls)], finish
+
+
+# -- response_format -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_mode_reply_parses_as_a_json_object(client, stream):
+    finished = 0
+    for seed in range(4):
+        content, calls, finish = chat(client, stream, response_format={"type": "json_object"},
+                                      temperature=1.0, seed=seed, max_tokens=120)
+        assert not calls
+        if finish == "stop":  # a reply cut by max_tokens is a JSON prefix
+            assert isinstance(json.loads(content), dict), content
+            finished += 1
+    assert finished, "no JSON-mode reply finished within max_tokens"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_reply_validates(client, stream):
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
+    for seed in range(3):
+        content, _, finish = chat(client, stream, response_format=fmt, temperature=1.0, seed=seed)
+        assert finish == "stop", content
+        jsonschema.validate(json.loads(content), ANSWER_SCHEMA)
+
+
+def test_json_schema_on_completions_and_vllm_fields(server):
+    body = {"prompt": "Hello", "max_tokens": 200, "temperature": 0}
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}}},
+         lambda t: jsonschema.validate(json.loads(t), ANSWER_SCHEMA)),
+        ({"guided_json": ANSWER_SCHEMA}, lambda t: jsonschema.validate(json.loads(t), ANSWER_SCHEMA)),
+        ({"structured_outputs": {"json": ANSWER_SCHEMA}}, lambda t: jsonschema.validate(json.loads(t), ANSWER_SCHEMA)),
+        ({"guided_regex": "[a-c]{3}-[0-9]{2}"}, lambda t: _match(r"[a-c]{3}-[0-9]{2}", t)),
+        ({"guided_choice": ["alpha", "beta"]}, lambda t: _in(t, ["alpha", "beta"])),
+        ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: _in(t, ["up", "down"])),
+        ({"guided_grammar": 'root ::= "x" [0-9] [0-9]'}, lambda t: _match(r"x[0-9]{2}", t)),
+    ]
+    for extra, check in cases:
+        resp = httpx.post(f"{server.base_url}/v1/completions", json={**body, **extra}, timeout=60)
+        assert resp.status_code == 200, (extra, resp.text)
+        choice = resp.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", (extra, choice)
+        check(choice["text"])
+
+
+def _match(pattern: str, text: str) -> None:
+    import re
+
+    assert re.fullmatch(pattern, text), text
+
+
+def _in(text: str, options: list[str]) -> None:
+    assert text in options, text
+
+
+def test_unconstrained_reply_is_not_json(client):
+    """The control: the same request without response_format is noise."""
+    content, _, _ = chat(client, False, temperature=0, max_tokens=40)
+    with pytest.raises(ValueError):
+        json.loads(content)
+
+
+# -- tools -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_call_is_schema_valid(client, stream):
+    for seed in range(3):
+        content, calls, finish = chat(client, stream, tools=[WEATHER, TIME], tool_choice="required",
+                                      parallel_tool_calls=False, temperature=1.0, seed=seed)
+        assert finish == "tool_calls" and len(calls) == 1, (content, calls)
+        call = calls[0]
+        assert call["id"].startswith("call_") and call["name"] in TOOL_SCHEMAS
+        jsonschema.validate(json.loads(call["arguments"]), TOOL_SCHEMAS[call["name"]])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_call_is_schema_valid(client, stream):
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    content, calls, finish = chat(client, stream, tools=[WEATHER, TIME], tool_choice=choice, temperature=0)
+    assert finish == "tool_calls" and content is None
+    assert [c["name"] for c in calls] == ["get_time"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), TOOL_SCHEMAS["get_time"])
+
+
+def test_tool_history_round_trip(client):
+    """A conversation carrying an assistant's tool call and the tool's answer
+    is accepted and rendered; the next forced call is valid again."""
+    _, calls, _ = chat(client, False, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                       temperature=1.0, seed=0)
+    history = MSGS + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": calls[0]["id"], "type": "function",
+             "function": {"name": calls[0]["name"], "arguments": calls[0]["arguments"]}}]},
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny, 21 C"},
+    ]
+    _, again, finish = chat(client, False, messages=history, tools=[WEATHER], tool_choice="required",
+                            parallel_tool_calls=False, temperature=1.0, seed=0, max_tokens=120)
+    assert finish == "tool_calls"
+    jsonschema.validate(json.loads(again[0]["arguments"]), TOOL_SCHEMAS["get_weather"])
+
+
+def test_auto_tool_choice_without_a_call_is_content(client):
+    content, calls, finish = chat(client, False, tools=[WEATHER], temperature=0, max_tokens=20)
+    assert calls == [] and finish == "length" and content
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
+    ({"structured_outputs": {"json": {}, "structural_tag": "x"}}, "structured_outputs"),  # names structural_tag
+    ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+])
+def test_unsupported_combinations_are_400_naming_the_field(server, body, param):
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": MSGS, **body}, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param, resp.json()
+
+
+def test_auto_tool_choice_needs_the_server_flag(tiny_model):
+    srv = start_server(tiny_model("llama"))  # no --enable-auto-tool-choice
+    try:
+        resp = httpx.post(f"{srv.base_url}/v1/chat/completions", json={"messages": MSGS, "tools": [WEATHER]},
+                          timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "tool_choice"
+        forced = httpx.post(f"{srv.base_url}/v1/chat/completions", timeout=60, json={
+            "messages": MSGS, "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False,
+            "temperature": 1.0, "seed": 0, "max_tokens": 200})
+        assert forced.status_code == 200 and forced.json()["choices"][0]["finish_reason"] == "tool_calls"
+    finally:
+        srv.stop()
+
+
+# -- the engine side --------------------------------------------------------------
+
+
+def test_grammar_allows_eos_exactly_where_it_can_end(make_llm, tiny_model):
+    """choice ["ab", "abc"]: after "ab" the grammar may end or go on, so both
+    EOS and "c" are allowed there; after "abc" only EOS."""
+    llm = make_llm(tiny_model("llama"))
+    worker = llm.engine.executor.worker
+    params = SamplingParams(temperature=0, structured_outputs=StructuredOutputs(choice=("ab", "abc")))
+    allowed = []
+    for prefix in ([], [ord("a")], [ord("a"), ord("b")], [ord("a"), ord("b"), ord("c")]):
+        spec = SampleSpec(params, None, output_token_ids=prefix, num_output_tokens=len(prefix))
+        mask = worker.structured.fill([f"s{len(prefix)}"], [spec])
+        logits = torch.zeros(1, worker.structured.vocab_size)
+        mask.apply(logits)
+        allowed.append(set(torch.nonzero(logits[0] > float("-inf")).flatten().tolist()))
+    assert allowed == [{ord("a")}, {ord("b")}, {ord("c"), EOS}, {EOS}]
+
+
+def test_matcher_follows_the_engine_history():
+    """Catch up, rebuild after the history changed under it (a recompute or a
+    reused id), release."""
+    from fluidserve.engine.loader import load_tokenizer
+    from fluidserve.engine.tiny_model import default_tiny_model_dir
+
+    dec = StructuredDecoder(lambda: load_tokenizer(default_tiny_model_dir()), 261, [EOS])
+    params = SamplingParams(temperature=0, structured_outputs=StructuredOutputs(regex="(ab|cd)x"))
+
+    def row(*text: str) -> list[int]:
+        return [ord(c) for c in "".join(text)]
+
+    def allowed(history: list[int]) -> set[int]:
+        mask = dec.fill(["s"], [SampleSpec(params, None, output_token_ids=history, num_output_tokens=len(history))])
+        bits = [(int(mask.bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(261)]
+        return {t for t, b in enumerate(bits) if b}
+
+    assert allowed([]) == set(row("ac"))
+    dec.accept(["s"], [SampleSpec(params, None)], row("a"))  # the worker's own sample
+    assert allowed(row("a")) == set(row("b"))
+    assert allowed(row("ab")) == set(row("x"))  # caught up from the history
+    assert allowed(row("c")) == set(row("d"))  # history changed: rebuilt, not "ab" + "c"
+    assert dec.num_active == 1
+    dec.release(["s"])
+    assert dec.num_active == 0
+
+
+def test_constrained_output_stays_valid_across_recompute(make_llm, tiny_model):
+    """A KV cache too small for the batch forces preemption by recompute;
+    every sequence still ends in a document of its schema, and no matcher
+    is left behind."""
+    model = tiny_model("llama")
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=100,
+                            structured_outputs=StructuredOutputs(json=json.dumps(ANSWER_SCHEMA)))
+    prompts = [f"request number {i}: " + "pad " * 6 for i in range(8)]
+    tight_llm = make_llm(model, num_kv_blocks=12, block_size=16, max_model_len=160, preemption_mode="recompute",
+                         max_num_seqs=8)
+    tight = tight_llm.generate(prompts, params)
+    assert tight_llm.engine.stats().num_recomputes > 0
+    for out in tight:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), ANSWER_SCHEMA)
+    tight_llm.generate(["flush"], SamplingParams(max_tokens=1))  # a step carries the releases
+    assert tight_llm.engine.executor.worker.structured.num_active == 0
+
+
+def test_abort_releases_the_matcher(make_llm, tiny_model):
+    llm = make_llm(tiny_model("llama"))
+    engine = llm.engine
+    params = SamplingParams(temperature=1.0, max_tokens=50, structured_outputs=StructuredOutputs(json_object=True))
+    engine.add_request("r1", "hello", params)
+    for _ in range(3):
+        engine.step()
+    assert engine.executor.worker.structured.num_active == 1
+    engine.abort("r1")
+    engine.add_request("r2", "hi", SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.executor.worker.structured.num_active == 0
+
+
+def test_cli_tool_flags():
+    from fluidserve.serve import cli
+
+    args = cli.build_parser().parse_args(["serve", "m", "--enable-auto-tool-choice", "--tool-call-parser",
+                                          "llama3_json", "--guided-decoding-backend", "xgrammar"])
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "llama3_json"
+    cli.check_unsupported(["serve", "m", "--guided-decoding-backend", "xgrammar", "--enable-auto-tool-choice"])
+    with pytest.raises(SystemExit):  # argparse: an unknown parser name is a usage error, exit 2
+        cli.build_parser().parse_args(["serve", "m", "--tool-call-parser", "nope"])
+
+
+# -- tool_choice "auto": the parsers ------------------------------------------------
+
+HERMES_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n'
+                '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
+LLAMA_REPLY = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima", "days": 1}}; ' \
+              '{"name": "get_time", "parameters": {"zone": "CET"}}'
+EXPECTED_CALLS = {
+    "hermes": [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "UTC"})],
+    "llama3_json": [("get_weather", {"city": "Lima", "days": 1}), ("get_time", {"zone": "CET"})],
+}
+
+
+def _streamed(mode, text: str, step: int):
+    from fluidserve.serve.tool_parsers import CallStream
+
+    stream = CallStream(mode)
+    pieces = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)] + [stream.finish()]
+    content = "".join(p.content for p in pieces)
+    calls: dict[int, list] = {}
+    for p in pieces:
+        for d in p.calls:
+            if d.index not in calls:
+                assert d.id and d.name, "a call's first delta carries its id and name"
+                calls[d.index] = [d.name, ""]
+            calls[d.index][1] += d.arguments
+    return content, [(n, json.loads(a)) for n, a in (calls[i] for i in sorted(calls))]
+
+
+@pytest.mark.parametrize("parser, reply", [("hermes", HERMES_REPLY), ("llama3_json", LLAMA_REPLY)])
+def test_parser_finds_the_calls_whole_and_streamed(parser, reply):
+    from fluidserve.serve.tool_parsers import ToolMode, parse_reply
+
+    mode = ToolMode("auto", parser=parser)
+    content, calls = parse_reply(mode, reply)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED_CALLS[parser]
+    assert len({c.id for c in calls}) == 2
+    expected_content = "Let me check.\n\n" if parser == "hermes" else None
+    assert content == expected_content
+    for step in (1, 3, 7, len(reply)):  # tags and JSON split at every place
+        streamed_content, streamed_calls = _streamed(mode, reply, step)
+        assert streamed_calls == EXPECTED_CALLS[parser]
+        assert streamed_content == (expected_content or "")
+
+
+@pytest.mark.parametrize("parser, reply", [
+    ("hermes", "plain answer, a < b and <tool no call"),
+    ("hermes", "<tool_call>not json</tool_call> after"),
+    ("llama3_json", "The weather is fine."),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": '),  # cut short
+    ("llama3_json", '{"not": "a call"}'),
+])
+def test_parser_leaves_text_that_is_no_call_as_content(parser, reply):
+    from fluidserve.serve.tool_parsers import ToolMode, parse_reply
+
+    mode = ToolMode("auto", parser=parser)
+    assert parse_reply(mode, reply) == (reply, [])
+    for step in (1, 4):
+        assert _streamed(mode, reply, step) == (reply, [])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_turns_a_hermes_reply_into_tool_calls(client, stream):
+    """The server runs --tool-call-parser hermes; a regex makes the random
+    model write a Hermes tool call, which must come back as tool_calls."""
+    regex = (r'Checking\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)", '
+             r'"days": [1-7]\}\}</tool_call>')
+    content, calls, finish = chat(client, stream, tools=[WEATHER], tool_choice="auto", temperature=0,
+                                  extra_body={"guided_regex": regex})
+    assert finish == "tool_calls" and content == "Checking."
+    assert [c["name"] for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), TOOL_SCHEMAS["get_weather"])
+
+
+def test_tools_and_tool_history_reach_the_chat_template(tiny_model):
+    """A template that writes tools and tool turns (as Qwen's and Llama's do)
+    sees the request's tools, the assistant's calls (arguments as objects)
+    and the tool's answer with its call id."""
+    from fluidserve.engine.loader import load_tokenizer
+    from fluidserve.serve.inputs import InputProcessor, ModelInfo
+    from fluidserve.serve.protocol import ChatCompletionRequest
+
+    tok = load_tokenizer(tiny_model("llama"))
+    tok.chat_template = (
+        "{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[call {{ c.id }} {{ c.function.name }} {{ c.function.arguments.city }}]"
+        "{% endfor %}{% if m.tool_call_id %}[answers {{ m.tool_call_id }}]{% endif %}{% endfor %}")
+    proc = InputProcessor(tok, ModelInfo("m", 256, 261))
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Oslo", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ], "tools": [WEATHER, TIME], "tool_choice": "none"})
+    text = proc.chat(req).prompts[0].text
+    assert text == ("[tool get_weather][tool get_time]<user>weather?<assistant>[call call_1 get_weather Oslo]"
+                    "<tool>sunny[answers call_1]")
