@@ -142,8 +142,10 @@ class StructuredDecoder:
         self._load_tokenizer = tokenizer_loader
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
+        self._stops = frozenset(stop_token_ids)
         self._compiler: GrammarCompiler | None = None
         self._seqs: dict[str, _SeqGrammar] = {}
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # the sampling thread's own core
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -165,25 +167,32 @@ class StructuredDecoder:
         rows = [i for i, s in enumerate(samples) if s.params.structured_outputs is not None]
         if not rows:
             return None
-        matchers = [self._synced(seq_ids[i], samples[i]) for i in rows]
+        entries = [self._synced(seq_ids[i], samples[i]) for i in rows]
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # [C, W], all allowed
-        for j, entry in enumerate(matchers):
+        live = [j for j, e in enumerate(entries) if not e.broken]
+        # One call for the batch: per-row calls cost more in crossing into
+        # the library than in filling small masks.
+        self._batch.batch_fill_next_token_bitmask([entries[j].matcher for j in live], bitmask, indices=live)
+        for j, entry in enumerate(entries):
             if entry.broken:
                 self._only_stop_tokens(bitmask, j)
-            else:
-                entry.matcher.fill_next_token_bitmask(bitmask, j)
         return TokenMask(bitmask, rows, self.vocab_size)
 
     def accept(self, seq_ids: Sequence[str], samples: Sequence[Any], token_ids: Sequence[int]) -> None:
         """Advance each constrained row's matcher with the token it sampled."""
-        for sid, spec, tok in zip(seq_ids, samples, token_ids):
-            if spec.params.structured_outputs is None:
+        rows = [(sid, entry, tok) for sid, spec, tok in zip(seq_ids, samples, token_ids)
+                if spec.params.structured_outputs is not None
+                and (entry := self._seqs.get(sid)) is not None and not entry.broken]
+        if not rows:
+            return
+        taken = xgr.BatchGrammarMatcher.batch_accept_token([e.matcher for _, e, _ in rows], [t for _, _, t in rows])
+        for (sid, entry, tok), ok in zip(rows, taken):
+            if not ok:
+                self._refused(sid, entry, tok)
                 continue
-            entry = self._seqs.get(sid)
-            if entry is None or entry.broken:
-                continue
-            self._consume(sid, entry, tok)
-            if entry.matcher.is_terminated():  # EOS taken: the sequence ends on it
+            entry.accepted += 1
+            entry.last_token = tok
+            if tok in self._stops and entry.matcher.is_terminated():  # EOS taken: the sequence ends on it
                 del self._seqs[sid]
 
     # -- keeping matchers in step with the engine ------------------------------
@@ -197,9 +206,14 @@ class StructuredDecoder:
         spec = sample.params.structured_outputs
         history: list[int] = sample.output_token_ids
         entry = self._seqs.get(sid)
-        n = entry.accepted if entry is not None else 0
-        in_step = (entry is not None and entry.spec == spec and n <= len(history)
-                   and (n == 0 or history[n - 1] == entry.last_token))
+        if entry is None:
+            in_step = False
+        else:
+            n = entry.accepted
+            if n == len(history) and (n == 0 or history[-1] == entry.last_token) and (
+                    entry.spec is spec or entry.spec == spec):
+                return entry  # the usual step: nothing to catch up
+            in_step = (entry.spec == spec and n <= len(history) and (n == 0 or history[n - 1] == entry.last_token))
         if not in_step:
             entry = _SeqGrammar(spec, xgr.GrammarMatcher(self.compiler.compile(spec)))
             self._seqs[sid] = entry
@@ -214,6 +228,9 @@ class StructuredDecoder:
             entry.accepted += 1
             entry.last_token = tok
             return
+        self._refused(sid, entry, tok)
+
+    def _refused(self, sid: str, entry: _SeqGrammar, tok: int) -> None:
         # Only a token the mask did not allow gets here (say allowed_token_ids
         # left nothing grammatical): end the sequence rather than mask nothing.
         log.warning("structured output: sequence %s produced token %d outside its grammar; it ends here", sid, tok)
