@@ -135,9 +135,32 @@ class PagedAttention(nn.Module):
             cpu_attention.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, plan.slots_all_valid)
             out = cpu_attention.paged_attention(q, key_cache, value_cache, plan, self.scale, k, v)
             return out.reshape(out.shape[0], -1)
+        _compile_variants_once(q, key_cache, self.sliding_window)
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = ops.paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.scale, self.sliding_window, work=meta.work_plan(q, key_cache, self.sliding_window),
         )
         return out.reshape(out.shape[0], -1)
+
+
+# Layouts whose Triton variants are compiled (see _compile_variants_once).
+_COMPILED: set[tuple] = set()
+
+
+def _compile_variants_once(q: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None) -> None:
+    """Compile every attention variant this layout will launch (decode-only,
+    mixed, the split merge) the first time a layer sees it on CUDA: the
+    worker's warm-up step at start-up (Worker.warm_up) does, so no variant
+    compiles in the middle of serving. The query's strides are part of a
+    variant, so the real query is the template."""
+    if not q.is_cuda:
+        return
+    key = (q.device, q.dtype, tuple(q.shape[1:]), q.stride(), tuple(key_cache.shape[1:]), key_cache.stride(),
+           sliding_window)
+    if key in _COMPILED:
+        return
+    from ..kernels.paged_attention import warmup
+
+    warmup(q, key_cache, sliding_window)
+    _COMPILED.add(key)

@@ -70,3 +70,20 @@ def test_bf16_triton_path_matches_reference_path_token_for_token(tiny_model, mak
                 break
             matched += 1
     assert matched >= total // 2, f"{arch}: only {matched} of {total} tokens before the paths part"
+
+
+def test_engine_start_up_compiles_every_attention_variant(tiny_model, make_llm):
+    """The local executor's warm-up step compiles the attention variants at
+    start-up (engine/layers.py): a workload of varied batches afterwards
+    (lone prefills, chunked long prompts, decode-only and mixed steps)
+    compiles none. Unrun on CPU-only machines."""
+    from fluidserve.kernels import paged_attention as pa
+
+    llm = make_llm(tiny_model("llama"), device="cuda", dtype="bfloat16", max_num_batched_tokens=64,
+                   num_kv_blocks=512)
+    after_start = pa.num_variants()
+    assert after_start > 0
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm.generate(["a"], params)
+    llm.generate(PROMPTS + ["Another long prompt " * 40] * 3, params)
+    assert pa.num_variants() == after_start

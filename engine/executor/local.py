@@ -16,6 +16,7 @@ class LocalExecutor(Executor):
         self.num_host_blocks = self.worker.available_host_blocks()
         self.bytes_per_block = self.worker.bytes_per_block()
         self.worker.init_cache(self.num_kv_blocks, self.num_host_blocks)
+        self.worker.warm_up()  # on CUDA this compiles the attention variants before serving
         self.eos_token_id = self.worker.eos_token_id
 
     def execute(self, inp: ModelInput) -> StepResult:
