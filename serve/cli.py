@@ -345,10 +345,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _share_cpu_with_frontend(config) -> None:
-    """On CPU, torch's thread pool would take every core from the event loop
-    that streams tokens: leave one core to the frontend."""
+    """On CPU, torch's threads and the event loop that streams tokens share
+    the cores. With idle threads sleeping (``OMP_WAIT_POLICY=PASSIVE``, which
+    ``main`` sets) torch computes on every core and the loop still gets one
+    when it has work; threads told to spin (``ACTIVE``) leave it one core."""
     import torch
 
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+        return
     if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
 
@@ -385,6 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Read once, when torch loads OpenMP: idle compute threads sleep instead of
+    # spinning. Spinning threads take the core the event loop needs, and where
+    # other jobs share the cores two of them burn their time slices waiting
+    # for each other (a lone 2,374-token prefill: 3x the CPU time, 3-4x the
+    # wall time; benchmarks/long_prompt.py).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # bench and profile own their flags: hand them the rest of the line.
     if argv and argv[0] == "bench":
         return run_bench(argv[1:])
