@@ -2,10 +2,11 @@
 measurement behind ``--preemption-safepoint-layers``' default.
 
 * one rank: the check is a host-side read of the interrupt flag (no device
-  work); timed alone over many calls, and as a whole forward with every
-  layer a safepoint against the same forward with none;
+  work); timed alone over many calls, and around each check inside a real
+  forward with every layer a safepoint;
 * tensor parallel: the ranks' vote, one all-reduce of a one-element CPU
   tensor over gloo, timed between two real processes;
+* Ray: what giving ``interrupt`` its own thread costs every step's call;
 * a decoder layer: a forward's time over its number of layers, for a
   prefill chunk and a decode batch of the benchmark model.
 
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -39,6 +41,7 @@ from fluidserve.engine.preemption import Safepoints
 from fluidserve.engine.worker import Worker
 
 KS = (1, 2, 4, 8)
+SHAPES = ("prefill 512 tokens", "decode 32 seqs, context 512")
 
 
 def _timed(fn) -> float:
@@ -76,19 +79,33 @@ def single_rank(model_dir: Path, repeats: int) -> dict:
     for i in range(n):
         sp.stop_before(i)
     out["check_s"] = (time.perf_counter() - t) / n
-    shapes = {"prefill 512 tokens": _step(1, 512, 0, 16), "decode 32 seqs, context 512": _step(32, 1, 512, 16)}
+    shapes = {SHAPES[0]: _step(1, 512, 0, 16), SHAPES[1]: _step(32, 1, 512, 16)}
+    # Time spent inside the checks of a real armed forward, measured around
+    # each check: a whole-forward A/B would drown ns in the shared machine's noise.
+    spent = {"s": 0.0, "n": 0}
+    check = worker.safepoints.stop_before
+
+    def timed_check(layer: int) -> bool:
+        t0 = time.perf_counter()
+        stop = check(layer)
+        spent["s"] += time.perf_counter() - t0
+        spent["n"] += 1
+        return stop
+
+    worker.safepoints.stop_before = timed_check
     for name, inp in shapes.items():
         forward = lambda: worker._forward(inp)  # noqa: E731
-        offs, ons = [], []
+        offs = []
         with torch.inference_mode():
             forward()  # warm
-            for _ in range(repeats):  # interleaved, so load from other work falls on both alike
+            for _ in range(repeats):
                 offs.append(_timed(forward))
                 worker.safepoints.arm(7)  # never interrupted: only the checks run
-                ons.append(_timed(forward))
+                forward()
                 worker.safepoints.disarm()
-        off, on = min(offs), min(ons)  # the least disturbed run of each
-        out[name] = {"layer_s": off / layers, "forward_s": off, "forward_with_checks_s": on}
+        off = min(offs)  # the least disturbed run
+        out[name] = {"layer_s": off / layers, "forward_s": off}
+    out["in_forward_check_s"] = spent["s"] / spent["n"]
     return out
 
 
@@ -120,22 +137,60 @@ def tp_vote(n: int) -> float:
         return max(result.values())
 
 
+def ray_channel(calls: int) -> dict:
+    """What the interrupt's own channel costs every step on Ray: the round
+    trip of a step-sized call to an actor with a ``control`` concurrency
+    group (its calls then run on a worker thread, not the main one) against
+    a plain actor. Interleaved, median of each."""
+    import ray
+
+    from fluidserve.engine.executor.ray import start_local_ray
+
+    class Plain:
+        def execute(self, inp: ModelInput) -> int:
+            return len(inp.input_ids)
+
+    class WithControl(Plain):
+        @ray.method(concurrency_group="control")
+        def interrupt(self, step_id: int) -> None:
+            pass
+
+    start_local_ray(num_cpus=2)
+    try:
+        plain = ray.remote(num_cpus=0)(Plain).remote()
+        control = ray.remote(num_cpus=0, concurrency_groups={"control": 1})(WithControl).remote()
+        inp = _step(32, 1, 512, 16)  # a decode step of 32 requests: the common payload
+        times: dict[str, list[float]] = {"plain actor": [], "actor with a control thread": []}
+        for _ in range(20):  # warm
+            ray.get([plain.execute.remote(inp), control.execute.remote(inp)])
+        for _ in range(calls):
+            for name, actor in (("plain actor", plain), ("actor with a control thread", control)):
+                t = time.perf_counter()
+                ray.get(actor.execute.remote(inp))
+                times[name].append(time.perf_counter() - t)
+        return {name: statistics.median(v) for name, v in times.items()}
+    finally:
+        ray.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="cpu-small")
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--votes", type=int, default=2000)
+    ap.add_argument("--ray-calls", type=int, default=300)
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
     model_dir = build_model_dir(args.preset, Path(tempfile.mkdtemp(prefix="fluidserve-preempt-")))
     one = single_rank(model_dir, args.repeats)
     vote = tp_vote(args.votes)
+    channel = ray_channel(args.ray_calls)
     rows = []
-    for shape in ("prefill 512 tokens", "decode 32 seqs, context 512"):
+    for shape in SHAPES:
         layer = one[shape]["layer_s"]
         for k in KS:
             rows.append({"shape": shape, "k": k, "layer_ms": layer * 1e3,
-                         "check_share": one["check_s"] / (k * layer), "vote_share": vote / (k * layer),
+                         "check_share": one["in_forward_check_s"] / (k * layer), "vote_share": vote / (k * layer),
                          "worst_wait_ms": k * layer * 1e3})
     cmd = " ".join(argv if argv is not None else sys.argv[1:])
     md = ["# Layer safepoints: cost against a layer", "",
@@ -144,12 +199,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()} threads), machine shared with other work.", "",
           f"* one rank, one check (host-side flag read): {one['check_s'] * 1e9:.0f} ns",
           f"* tensor parallel 2, one vote (gloo all-reduce of one int between two processes): "
-          f"{vote * 1e6:.0f} us", ""]
-    for shape in ("prefill 512 tokens", "decode 32 seqs, context 512"):
-        f = one[shape]
-        md.append(f"* {shape}: forward {f['forward_s'] * 1e3:.2f} ms without checks, "
-                  f"{f['forward_with_checks_s'] * 1e3:.2f} ms with a check before every layer "
-                  f"({f['forward_with_checks_s'] / f['forward_s']:.3f}x)")
+          f"{vote * 1e6:.0f} us",
+          "* Ray, the interrupt's channel (a `control` concurrency group, so the actor's calls run on a "
+          "thread): a decode step's call round trip "
+          + ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in channel.items())
+          + f" ({channel['actor with a control thread'] / channel['plain actor']:.2f}x)", ""]
+    md.append(f"* one rank, a check timed inside an armed forward (every layer a safepoint): "
+              f"{one['in_forward_check_s'] * 1e9:.0f} ns; forward without checks (least disturbed of "
+              f"{args.repeats}): " + ", ".join(f"{s} {one[s]['forward_s'] * 1e3:.1f} ms" for s in SHAPES))
     md += ["", "| step | k (layers per safepoint) | layer (ms) | check / k layers, one rank | "
            "vote / k layers, TP 2 | longest wait for an interrupt (ms) |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -159,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     dest = Path(args.out_dir)
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "preemption.json").write_text(json.dumps(
-        {"preset": args.preset, "single_rank": one, "tp2_vote_s": vote, "rows": rows}, indent=1))
+        {"preset": args.preset, "single_rank": one, "tp2_vote_s": vote, "ray_call_s": channel, "rows": rows}, indent=1))
     (dest / "preemption.md").write_text(text)
     print(text)
     return 0

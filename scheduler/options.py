@@ -8,12 +8,13 @@ import argparse
 from fluidserve.scheduler.policies import DEFAULT_POLICY, POLICIES
 
 # From benchmarks/preemption.py (results/preemption.md): on one rank a check
-# is a host-side flag read (~300 ns, nothing at any k); under tensor
-# parallelism it is one all-reduce of one int among the ranks (~1.4 ms between
-# two gloo processes on the loaded 2-core CPU: 0.3-0.5% of a cpu-small layer
-# at k = 2). Not 1: on CUDA a safepoint also keeps the host at most one
-# interval ahead of the device, and one layer of queued kernels is too little
-# to hide the host's launch time; an interrupt waits at most 2 layers.
+# is a host-side flag read (under 10 us inside a forward, below 0.01% of a
+# layer at any k); under tensor parallelism it is one all-reduce of one int
+# among the ranks (1.1-1.9 ms between two gloo processes on the loaded 2-core
+# CPU: about 0.5% of a cpu-small layer at k = 2). Not 1: on CUDA a safepoint
+# also keeps the host at most one interval ahead of the device, and one layer
+# of queued kernels is too little to hide the host's launch time; an
+# interrupt waits at most 2 layers.
 DEFAULT_SAFEPOINT_LAYERS = 2
 
 

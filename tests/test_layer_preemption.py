@@ -83,6 +83,34 @@ def test_abandoned_steps_leave_tokens_as_if_they_never_ran(tiny_model, make_llm,
     assert len(reference) == len(PROMPTS) and all(len(t) == 10 for t in reference.values())
 
 
+def test_metrics_count_abandoned_steps_and_offline_tokens(tiny_model, make_llm):
+    """/metrics' figures from a real engine's stats: request preemptions by
+    kind (each request of an abandoned step counts once), abandoned steps
+    and their tokens, offline tokens and their rate between two scrapes."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fluidserve.serve.metrics import ServerMetrics
+
+    llm = make_llm(tiny_model("llama", num_hidden_layers=LAYERS), num_kv_blocks=64, max_num_batched_tokens=16,
+                   preemption_safepoint_layers=K)
+    metrics = ServerMetrics("m")
+    metrics.engine.update(llm.engine.stats())
+    _run_offline(llm, lambda i: GREEDY, {1, 2})
+    stats = llm.engine.stats()
+    metrics.engine.update(stats)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(metrics.render().decode()) for s in fam.samples}
+    kind = lambda k: samples[("fluidserve_preemptions_by_kind_total", (("kind", k),))]  # noqa: E731
+    assert stats.num_steps_abandoned == 2 and kind("step_abandoned") == stats.num_abandoned_preemptions >= 2
+    assert kind("recomputed") == 0 and kind("swap") == 0
+    assert samples[("fluidserve_steps_abandoned_total", ())] == 2
+    assert samples[("fluidserve_abandoned_tokens_total", ())] == stats.abandoned_tokens > 0
+    assert samples[("fluidserve_offline_engine_generation_tokens_total", ())] == 10 * len(PROMPTS)
+    assert samples[("fluidserve_offline_generation_tokens_per_second", ())] > 0
+    offline = {k: v for k, v in samples.items() if k[0] == "fluidserve_num_requests" and ("klass", "offline") in k[1]}
+    assert offline and all(v == 0 for v in offline.values())  # all finished: zeros, not gaps
+
+
 def test_interrupt_stops_at_the_next_safepoint(tiny_model, make_llm):
     """The worker reports the layer it stopped before: the first safepoint
     after the interrupt arrived. A step whose last safepoint has passed, a
