@@ -8,14 +8,14 @@ over llguidance by benchmarks/grammar_mask.py):
   tokenizer, so a bad schema or regex is a 400 at the door, not a failed step;
 * ``GrammarCompiler``: compiled grammars of one tokenizer, cached by spec;
 * ``StructuredDecoder``: per-sequence matchers, kept by sequence id on the
-  worker that samples (rank 0 under tensor parallelism). Each step it fills
-  one bitmask row per constrained row (``TokenMask``, applied by the sampler
-  as one tensor op) and afterwards advances each matcher with its sampled
-  token. The engine's token history is the truth: a matcher that does not
-  match it (a recomputed or restarted sequence, a reused id) is rebuilt by
-  replaying the history, so preemption by recompute or swap cannot leave a
-  matcher out of step. Sequences the engine finished or aborted are released
-  (``ModelInput.finished_ids``).
+  worker that samples (rank 0 under tensor parallelism). Each step, once the
+  forward is queued, each matcher takes the token the engine accepted last
+  step and the batch's bitmask is filled (``TokenMask``, one row per constrained
+  row, applied by the sampler as one op). The engine's token history is the
+  truth: a matcher that does not match it (a recomputed or restarted
+  sequence, a reused id) is rebuilt by replaying the history, so preemption
+  by recompute or swap cannot leave a matcher out of step. Sequences the
+  engine finished or aborted are released (``ModelInput.finished_ids``).
 
 EOS: the grammar's stop tokens are the model's EOS ids, so the mask allows
 EOS exactly where the grammar may end, and nothing else there.
@@ -135,6 +135,11 @@ class _SeqGrammar:
 class StructuredDecoder:
     """Matchers of the constrained sequences a worker samples for.
 
+    Each step the matchers first take the tokens the engine accepted last
+    step (from the history each constrained SampleSpec carries), then fill
+    the batch's bitmask, one library call each. The worker calls ``fill``
+    once the forward is queued, so on a GPU it overlaps the forward.
+
     ``tokenizer_loader`` is called once, on the first constrained request,
     so a worker that never sees one never loads the tokenizer."""
 
@@ -142,10 +147,9 @@ class StructuredDecoder:
         self._load_tokenizer = tokenizer_loader
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        self._stops = frozenset(stop_token_ids)
         self._compiler: GrammarCompiler | None = None
         self._seqs: dict[str, _SeqGrammar] = {}
-        self._batch = xgr.BatchGrammarMatcher(max_threads=1)  # the sampling thread's own core
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -167,7 +171,7 @@ class StructuredDecoder:
         rows = [i for i, s in enumerate(samples) if s.params.structured_outputs is not None]
         if not rows:
             return None
-        entries = [self._synced(seq_ids[i], samples[i]) for i in rows]
+        entries = self._synced([seq_ids[i] for i in rows], [samples[i] for i in rows])
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # [C, W], all allowed
         live = [j for j, e in enumerate(entries) if not e.broken]
         # One call for the batch: per-row calls cost more in crossing into
@@ -178,59 +182,48 @@ class StructuredDecoder:
                 self._only_stop_tokens(bitmask, j)
         return TokenMask(bitmask, rows, self.vocab_size)
 
-    def accept(self, seq_ids: Sequence[str], samples: Sequence[Any], token_ids: Sequence[int]) -> None:
-        """Advance each constrained row's matcher with the token it sampled."""
-        rows = [(sid, entry, tok) for sid, spec, tok in zip(seq_ids, samples, token_ids)
-                if spec.params.structured_outputs is not None
-                and (entry := self._seqs.get(sid)) is not None and not entry.broken]
-        if not rows:
-            return
-        taken = xgr.BatchGrammarMatcher.batch_accept_token([e.matcher for _, e, _ in rows], [t for _, _, t in rows])
-        for (sid, entry, tok), ok in zip(rows, taken):
-            if not ok:
-                self._refused(sid, entry, tok)
-                continue
-            entry.accepted += 1
-            entry.last_token = tok
-            if tok in self._stops and entry.matcher.is_terminated():  # EOS taken: the sequence ends on it
-                del self._seqs[sid]
-
     # -- keeping matchers in step with the engine ------------------------------
-    def _synced(self, sid: str, sample: Any) -> _SeqGrammar:
-        """The matcher of ``sid`` after exactly the engine's outputs so far.
+    def _synced(self, seq_ids: list[str], samples: list[Any]) -> list[_SeqGrammar]:
+        """Each row's matcher after exactly the engine's outputs so far.
 
-        ``sample.output_token_ids`` is the sequence's whole output (the engine
-        sends it for constrained rows): the usual case is a matcher already at
-        its end (it consumed last step's token in ``accept``); anything else
-        is caught up or rebuilt from it."""
-        spec = sample.params.structured_outputs
-        history: list[int] = sample.output_token_ids
-        entry = self._seqs.get(sid)
-        if entry is None:
-            in_step = False
-        else:
-            n = entry.accepted
-            if n == len(history) and (n == 0 or history[-1] == entry.last_token) and (
-                    entry.spec is spec or entry.spec == spec):
-                return entry  # the usual step: nothing to catch up
-            in_step = (entry.spec == spec and n <= len(history) and (n == 0 or history[n - 1] == entry.last_token))
-        if not in_step:
-            entry = _SeqGrammar(spec, xgr.GrammarMatcher(self.compiler.compile(spec)))
-            self._seqs[sid] = entry
-        for tok in history[entry.accepted:]:
-            if entry.broken:
-                break
-            self._consume(sid, entry, tok)
-        return entry
+        ``output_token_ids`` is a constrained sequence's whole output (the
+        engine sends it): usually the matcher is one token behind, last
+        step's sample, and those tokens go in with one call for the batch.
+        Any other matcher is caught up from the history or, if the history
+        no longer extends what it consumed (a recompute, a reused id), built
+        anew and replayed."""
+        entries: list[_SeqGrammar] = []
+        behind: list[tuple[str, _SeqGrammar, int]] = []  # one token to take
+        for sid, sample in zip(seq_ids, samples):
+            spec = sample.params.structured_outputs
+            history: list[int] = sample.output_token_ids
+            entry = self._seqs.get(sid)
+            n = entry.accepted if entry is not None else 0
+            if entry is None or not (entry.spec is spec or entry.spec == spec) or n > len(history) or (
+                    n and history[n - 1] != entry.last_token):
+                entry = _SeqGrammar(spec, xgr.GrammarMatcher(self.compiler.compile(spec)))
+                self._seqs[sid] = entry
+                n = 0
+            if n + 1 == len(history) and not entry.broken:
+                behind.append((sid, entry, history[-1]))
+            else:
+                for tok in history[n:]:
+                    if entry.broken:
+                        break
+                    self._take(sid, entry, tok, entry.matcher.accept_token(tok))
+            entries.append(entry)
+        if behind:
+            taken = xgr.BatchGrammarMatcher.batch_accept_token([e.matcher for _, e, _ in behind],
+                                                               [tok for _, _, tok in behind])
+            for (sid, entry, tok), ok in zip(behind, taken):
+                self._take(sid, entry, tok, ok)
+        return entries
 
-    def _consume(self, sid: str, entry: _SeqGrammar, tok: int) -> None:
-        if entry.matcher.accept_token(tok):
+    def _take(self, sid: str, entry: _SeqGrammar, tok: int, ok: bool) -> None:
+        if ok:
             entry.accepted += 1
             entry.last_token = tok
             return
-        self._refused(sid, entry, tok)
-
-    def _refused(self, sid: str, entry: _SeqGrammar, tok: int) -> None:
         # Only a token the mask did not allow gets here (say allowed_token_ids
         # left nothing grammatical): end the sequence rather than mask nothing.
         log.warning("structured output: sequence %s produced token %d outside its grammar; it ends here", sid, tok)

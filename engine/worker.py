@@ -186,6 +186,9 @@ class Worker:
             return result
         finally:
             self.safepoints.disarm()
+        # Grammar masks of constrained rows, made while a GPU still runs the
+        # forward queued above (rank 0 alone samples).
+        token_mask = self.structured.fill(inp.sample_ids, inp.samples) if self.tp.is_first else None
         if inp.prompt_logprobs:
             result.prompt_logprobs = score_prompts(hidden, inp.prompt_logprobs, self.model.compute_logits) or {}
         if not inp.sample_indices:
@@ -202,11 +205,7 @@ class Worker:
             )
             for s in inp.samples
         ]
-        # Filled while the device still runs the forward queued above.
-        token_mask = self.structured.fill(inp.sample_ids, inp.samples)
         tokens = sample(logits, rows, self.eos_token_id, token_mask)  # the sampler makes its own fp32 copy
-        if token_mask is not None:
-            self.structured.accept(inp.sample_ids, inp.samples, [t.token_id for t in tokens])
         result.sampled = dict(zip(inp.sample_ids, tokens))
         return result
 

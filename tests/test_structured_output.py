@@ -256,8 +256,8 @@ def test_grammar_allows_eos_exactly_where_it_can_end(make_llm, tiny_model):
 
 
 def test_matcher_follows_the_engine_history():
-    """Catch up, rebuild after the history changed under it (a recompute or a
-    reused id), release."""
+    """Take last step's token, catch up, rebuild after the history changed
+    under it (a recompute or a reused id), release."""
     from fluidserve.engine.loader import load_tokenizer
     from fluidserve.engine.tiny_model import default_tiny_model_dir
 
@@ -273,10 +273,11 @@ def test_matcher_follows_the_engine_history():
         return {t for t, b in enumerate(bits) if b}
 
     assert allowed([]) == set(row("ac"))
-    dec.accept(["s"], [SampleSpec(params, None)], row("a"))  # the worker's own sample
-    assert allowed(row("a")) == set(row("b"))
-    assert allowed(row("ab")) == set(row("x"))  # caught up from the history
-    assert allowed(row("c")) == set(row("d"))  # history changed: rebuilt, not "ab" + "c"
+    assert allowed(row("a")) == set(row("b"))  # last step's token, taken in the batch call
+    assert allowed(row("a")) == set(row("b"))  # a step that sampled nothing new (say, abandoned)
+    assert allowed(row("abx")) == {EOS}  # two behind: caught up one by one
+    assert allowed(row("c")) == set(row("d"))  # history changed: rebuilt, not "abx" + "c"
+    assert dec.fill(["s"], [SampleSpec(SamplingParams(), None)]) is None  # no constrained row, no mask
     assert dec.num_active == 1
     dec.release(["s"])
     assert dec.num_active == 0
