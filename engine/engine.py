@@ -117,7 +117,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._finished_constrained: list[str] = []  # told to the worker with the next step
         self.stats_ = EngineStats()
-        ttft = config.online_ttft_slo_ms
+        ttft = self.scheduler.config.online_ttft_slo_ms  # the SLOs live in the scheduler config
         self.preemption = PreemptionPolicy(self.executor.interrupt, None if ttft is None else ttft / 1e3,
                                            self.cost_model.prefill_time)
         log.info("engine ready: %s, %d KV blocks of %d tokens (+%d on the host), max_model_len %d%s",

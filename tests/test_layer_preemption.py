@@ -207,6 +207,16 @@ def test_flags_reach_the_engine_config():
             config(flag, value)
 
 
+def test_engine_passes_its_ttft_slo_to_the_preemption_rule(tiny_model, make_llm):
+    """A TTFT SLO no step can endanger: the same scripted arrivals that
+    interrupt steps without an SLO interrupt none."""
+    llm = make_llm(tiny_model("llama", num_hidden_layers=LAYERS), num_kv_blocks=64, max_num_batched_tokens=16,
+                   online_ttft_slo_ms=1e9)
+    assert llm.engine.preemption.ttft_slo_s == 1e6
+    _, seen = _run_offline(llm, lambda i: GREEDY, {1, 2, 3})
+    assert seen["n"] > 3 and seen["sent"] == 0 and llm.engine.stats().num_steps_abandoned == 0
+
+
 def _online_arrives_during_offline_prefill(path: str, safepoint_layers: int) -> dict:
     """Scripted through the real AsyncEngine: a 200-token offline prompt
     prefills in one step; while its layer 1 runs, an online request arrives
