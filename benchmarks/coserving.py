@@ -1,11 +1,15 @@
 """Online/offline co-serving in the simulator (ConServe §6): what a standing
 offline backlog does to online latency, and how much of the machine the
-backlog gets, for four designs on the same jobs:
+backlog gets, for these designs on the same jobs:
 
 * ``online only`` / ``offline only``: each class alone (the references)
 * ``naive``: offline jobs enter as online ones (one queue, skip-join orders all)
 * ``priority``: online strictly above offline, no budget
 * ``priority + budget``: and ConServe's SLO-aware budget (``--online-tpot-slo-ms``)
+* ``+ checkpointing``: and incremental checkpointing of offline KV (§4.4)
+* ``+ layer-wise preemption (full)``: and an offline-only step abandoned at
+  the next safepoint (every ``--safepoint-layers`` layers) after an online
+  arrival (§4.3)
 
 Online: ShareGPT lengths, Gamma arrivals (CV 4: bursts and idle gaps) at a
 fraction of the saturated rate. Offline: a backlog of ShareGPT-length jobs
@@ -69,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offline-jobs", type=int, default=1500)
     ap.add_argument("--load", type=float, default=0.5, help="online rate as a fraction of the saturated rate")
     ap.add_argument("--tpot-slo-ms", type=float, default=40.0)
+    ap.add_argument("--safepoint-layers", type=int, default=2, help="layer-wise preemption: layers between checks")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
     if args.real_engine:
@@ -90,12 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     online_ids, offline_ids = {j.request_id for j in online}, {j.request_id for j in offline}
     naive = [Job(j.request_id, j.arrival_time, j.prompt_tokens, j.output_tokens) for j in offline]
 
+    plain = {"kv_checkpoint_threshold": None}
+    budget = {"online_tpot_slo_ms": args.tpot_slo_ms}
     runs = {
-        "online only": (online, {}),
-        "offline only": (offline, {}),
-        "naive (one queue)": (online + naive, {}),
-        "priority": (online + offline, {}),
-        "priority + budget": (online + offline, {"online_tpot_slo_ms": args.tpot_slo_ms}),
+        "online only": (online, plain),
+        "offline only": (offline, plain),
+        "naive (one queue)": (online + naive, plain),
+        "priority": (online + offline, plain),
+        "priority + budget": (online + offline, {**plain, **budget}),
+        "+ checkpointing": (online + offline, budget),
+        "+ layer-wise preemption (full)": (online + offline, {
+            **budget, "preemption_safepoint_fraction": args.safepoint_layers / cm.model.num_layers}),
     }
     results = {name: simulate(jobs, "skip-join-mlfq", cm, SimConfig(**base, **extra))
                for name, (jobs, extra) in runs.items()}

@@ -303,17 +303,25 @@ class KVCacheManager:
         a request with no copy in flight, so the blocks are free at once."""
         table = self._tables.pop(request_id, [])
         self._num_indexed.pop(request_id, None)
-        self.allocator.free(table)
-        if self.host_prefix is not None:
-            for b in table:  # cached content the host lacks: worth a copy before it is reused
-                key = self.prefix.key_of(b)
-                if key is not None and self.allocator.is_free(b) and self.host_prefix.lookup(key) is None:
-                    self._demotable[b] = None
+        self._release_device(table)
         host = self._host_tables.pop(request_id, []) + self._checkpoints.pop(request_id, [])
         self._host_keys.pop(request_id, None)
         if host:
             self.host.free(host)  # indexed ones stay cached on the host
         return len(table) + len(host)
+
+    def _release_device(self, table: list[int]) -> None:
+        """Drop a table's references to its device blocks, which no copy of
+        this step reads any more or once it has run."""
+        # A block a copy of this step still reads (shared with a request
+        # swapped out now) is free only once the copy is done.
+        self.allocator.free([b for b in table if b not in self._read_now])
+        self.allocator.free([b for b in table if b in self._read_now], deferred=True)
+        if self.host_prefix is not None:
+            for b in table:  # cached content the host lacks: worth a copy before it is reused
+                key = self.prefix.key_of(b)
+                if key is not None and self.allocator.is_free(b) and self.host_prefix.lookup(key) is None:
+                    self._demotable[b] = None
 
     # -- incremental checkpointing ------------------------------------------
     def num_checkpointed(self, request_id: str) -> int:
@@ -350,6 +358,20 @@ class KVCacheManager:
             del self._checkpoints[request_id]
         self.checkpointed_blocks += len(copies)
         return copies
+
+    def drop_to_checkpoint(self, request_id: str) -> int:
+        """Take a resident request off the device at no copy cost: its
+        checkpointed blocks become its host table, every device block is
+        released now, and what came after the checkpoint is lost. Returns the
+        tokens the checkpoint keeps (the request recomputes from there)."""
+        ckpt = self._checkpoints.pop(request_id)
+        table = self._tables.pop(request_id)
+        self._num_indexed.pop(request_id, None)
+        keys = [self.prefix.key_of(b) if self.prefix is not None else None for b in table[:len(ckpt)]]
+        self._release_device(table)
+        self._host_tables[request_id] = ckpt
+        self._host_keys[request_id] = keys
+        return len(ckpt) * self.block_size
 
     def swap_out_blocks(self, request_id: str) -> int:
         """Blocks a swap-out of the request would copy (its checkpoint aside)."""

@@ -45,3 +45,11 @@ class SloBudget:
             else:
                 hi = mid - 1
         return lo
+
+
+def interrupts_step(remaining_s: float, ttft_slo_s: float | None, own_prefill_s: float) -> bool:
+    """ConServe's layer-wise preemption rule (§4.3): an online arrival stops a
+    running offline-only step when waiting for it to end would make the
+    arrival miss its TTFT SLO (the step's predicted remaining time exceeds the
+    SLO less the arrival's own prefill). Without a TTFT SLO, always."""
+    return ttft_slo_s is None or remaining_s > ttft_slo_s - own_prefill_s

@@ -292,7 +292,7 @@ class Scheduler:
             need = self.kv.num_new_blocks(rid, num_tokens)
             if not need:  # most decodes: the last block has room
                 return True
-            room = self._room(need, pos, step, allow_recompute=True)
+            room = self._room(need, pos, step, allow_recompute=True, online=seq.klass is RequestClass.ONLINE)
             if room is None:  # nothing below it holds KV: give way to the requests above
                 self._evict(seq, step, allow_recompute=True)
             return bool(room) and self.kv.allocate(rid, num_tokens)
@@ -300,7 +300,8 @@ class Scheduler:
         if seq.status is SeqStatus.SWAPPED:
             n = self.kv.num_blocks_of(rid)
             need = max(n, self.kv.blocks_for(num_tokens)) + self._watermark_blocks
-            if not self._can_move(n) or not self._room(need, pos, step, allow_recompute=False, above=above):
+            if not self._can_move(n) or not self._room(need, pos, step, allow_recompute=False, above=above,
+                                                       online=seq.klass is RequestClass.ONLINE):
                 return False
             self._swap_in(seq, step)
             if not self.config.proactive_swap or n * self._batch_size(step) <= self._swap_refill:
@@ -326,7 +327,8 @@ class Scheduler:
             reserve = self.reserve_blocks()
         if need + reserve > self.kv.num_free_blocks and not self.swap:
             return False
-        if not self._room(need + reserve, pos, step, allow_recompute=False, above=self._priority(seq)):
+        if not self._room(need + reserve, pos, step, allow_recompute=False, above=self._priority(seq),
+                          online=seq.klass is RequestClass.ONLINE):
             return False
         # A prefix found on the host comes back by copy, within the swap budget.
         host = self.swap and self._can_move(need)
@@ -347,11 +349,14 @@ class Scheduler:
 
     def _room(
         self, need: int, pos: int, step: _Step, allow_recompute: bool, above: tuple[bool, float] | None = None,
+        online: bool = False,
     ) -> bool | None:
         """Evict requests below ``pos`` until ``need`` device blocks are free
         now or once this step's swap-outs have left. True: free now. False:
         not this step (blocks in flight, or no one may be evicted for it).
-        None: nothing below holds KV any more."""
+        None: nothing below holds KV any more. For an ``online`` requester,
+        offline victims give their blocks up at once (ConServe: online work
+        never waits on offline KV): back to their checkpoint, else discarded."""
         while self.kv.num_free_blocks + step.freeing < need:
             victim = self._next_victim(pos, step, spare_unrun=above is not None)
             if victim is None:
@@ -360,7 +365,9 @@ class Scheduler:
                 # ENST order follows priority: the candidates after this one
                 # are no lower, so nothing below may be evicted for it.
                 return False
-            if not self._evict(victim, step, allow_recompute):
+            if online and victim.klass is RequestClass.OFFLINE:
+                self._evict_now(victim, step)
+            elif not self._evict(victim, step, allow_recompute):
                 return False
         return self.kv.num_free_blocks >= need
 
@@ -413,6 +420,24 @@ class Scheduler:
             return False
         self._recompute(seq, step)
         return True
+
+    def _evict_now(self, seq: SeqState, step: _Step) -> None:
+        """Free every device block of ``seq`` this step: keep what its
+        checkpoint holds on the host (the rest is recomputed), or discard."""
+        rid = seq.request_id
+        if not (self.swap and self.kv.num_checkpointed(rid)):
+            self._recompute(seq, step)
+            return
+        kept = self.kv.drop_to_checkpoint(rid)
+        step.plan.swapped_out.append(rid)
+        step.moved.add(rid)
+        seq.num_computed_tokens = min(seq.num_computed_tokens, kept)
+        seq.status = SeqStatus.SWAPPED
+        self._unrun.discard(rid)
+        seq.num_blocks_sent = 0
+        seq.num_preemptions += 1
+        self.counters.num_swap_outs += 1
+        self.counters.num_checkpoint_evictions += 1
 
     def _swap_out(self, seq: SeqState, step: _Step) -> None:
         rid = seq.request_id

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 
 from fluidserve.kvcache.manager import KVCacheManager
 from fluidserve.kvcache.prefix_cache import block_keys
+from fluidserve.scheduler.budget import interrupts_step
 from fluidserve.scheduler.cost_model import CostModel, plan_shape
 from fluidserve.scheduler.plan import StepOutcome
 from fluidserve.scheduler.policies import make_policy
-from fluidserve.scheduler.request_state import SeqState
+from fluidserve.scheduler.request_state import RequestClass, SeqState
 from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from fluidserve.scheduler.workloads import Job
 
@@ -50,6 +51,10 @@ class SimConfig:
     online_tpot_slo_ms: float | None = None  # ConServe's SLO-aware budget for offline work
     online_ttft_slo_ms: float | None = None  # carried to SchedulerConfig (the engine's preemption reads it)
     kv_checkpoint_threshold: float | None = 0.5  # ConServe's incremental checkpointing of offline KV
+    # Layer-wise preemption (ConServe §4.3): an offline-only step checks for
+    # an online arrival every this share of its compute (safepoint layers /
+    # layers) and is abandoned there; None: steps always run to the end.
+    preemption_safepoint_fraction: float | None = None
     enable_prefix_caching: bool = False  # jobs with a shared_prefix share its KV
     cache_on_host: bool = True  # with a host pool: the prefix cache spans both tiers
     check_integrity: bool = False  # kv.check_integrity() after every step (tests)
@@ -171,7 +176,7 @@ class Simulator:
         if len(records) != len(self.jobs):
             raise ValueError("duplicate request ids in the workload")
         now, busy, steps, nxt = 0.0, 0.0, 0, 0
-        copies_done, swap_stall = 0.0, 0.0
+        copies_done, swap_stall, abandoned_steps = 0.0, 0.0, 0
         jobs = self.jobs
         while nxt < len(jobs) or sched.has_unfinished():
             while nxt < len(jobs) and jobs[nxt].arrival_time <= now:
@@ -200,7 +205,13 @@ class Simulator:
             copies_done = copy_free
             stall = max(0.0, wait_until - now) if plan.scheduled else 0.0
             compute = self.cost.step_time(*plan_shape(plan, sched.seqs))
-            if plan.scheduled:
+            cut = self._safepoint_cut(plan, nxt, now + stall, compute)
+            abandoned = cut is not None
+            if abandoned:  # the work up to the safepoint is thrown away
+                busy += cut - (now + stall)
+                now = cut
+                abandoned_steps += 1
+            elif plan.scheduled:
                 now += stall + compute
                 busy += compute
             else:  # only copies: time passes until they are done
@@ -208,7 +219,7 @@ class Simulator:
             swap_stall += stall
             steps += 1
             finished = []
-            for item in plan.scheduled:
+            for item in () if abandoned else plan.scheduled:
                 if not item.samples:
                     continue
                 seq = sched.seqs[item.request_id]
@@ -223,7 +234,8 @@ class Simulator:
                     rec.finish_time = now
                     rec.num_preemptions = seq.num_preemptions
                     finished.append(item.request_id)
-            sched.update_from_output(plan, StepOutcome(step_time=now - start, now=now, finished=finished))
+            sched.update_from_output(plan, StepOutcome(step_time=now - start, now=now, finished=finished,
+                                                       abandoned=abandoned))
             if cfg.check_integrity:
                 kv.check_integrity()
             if max_steps is not None and steps >= max_steps:
@@ -236,9 +248,32 @@ class Simulator:
         swap_stats = {
             "num_recomputes": c.num_recomputes, "num_swap_outs": c.num_swap_outs, "num_swap_ins": c.num_swap_ins,
             "swap_blocks": c.swap_out_blocks + c.swap_in_blocks, "swap_stall_s": swap_stall,
+            "num_checkpoint_evictions": c.num_checkpoint_evictions, "checkpoint_blocks": c.checkpoint_blocks,
+            "num_steps_abandoned": abandoned_steps,
         }
         return SimResult(self.policy_name, list(records.values()), steps, now, busy,
                          sched.num_preemptions, stats, swap_stats)
+
+
+    def _safepoint_cut(self, plan, nxt: int, begin: float, compute: float) -> float | None:
+        """When a preemptible step starting its compute at ``begin`` is
+        abandoned: the first safepoint after an online arrival that waiting
+        for the step would make miss its TTFT SLO (None: it runs through)."""
+        frac = self.config.preemption_safepoint_fraction
+        if not (frac and plan.preemptible and plan.scheduled):
+            return None
+        end, slice_ = begin + compute, compute * frac
+        slo = self.config.online_ttft_slo_ms
+        for job in self.jobs[nxt:]:
+            if job.arrival_time >= end:
+                return None
+            if job.klass is not RequestClass.ONLINE:
+                continue
+            at = max(job.arrival_time, begin)
+            if interrupts_step(end - at, None if slo is None else slo / 1e3, self.cost.prefill_time(job.prompt_tokens)):
+                cut = begin + math.ceil((at - begin) / slice_) * slice_
+                return cut if cut < end else None
+        return None
 
 
 def simulate(jobs: list[Job], policy: str, cost_model: CostModel, config: SimConfig,

@@ -1,0 +1,76 @@
+"""Co-serving in the scheduler and the simulator: an online arrival never
+waits on the copy budget for offline KV (an offline victim that cannot move
+now is discarded), and an offline-only step is abandoned at the first layer
+safepoint after an online arrival (ConServe §4.3), its work redone later."""
+
+from __future__ import annotations
+
+from fluidserve.kvcache.manager import KVCacheManager
+from fluidserve.scheduler.cost_model import LinearCoefficients, LinearCostModel
+from fluidserve.scheduler.plan import StepOutcome
+from fluidserve.scheduler.request_state import RequestClass, SeqState
+from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from fluidserve.scheduler.simulator import SimConfig, simulate
+from fluidserve.scheduler.workloads import Job
+
+CM = LinearCostModel(LinearCoefficients(base=0.01, per_prefill_token=0.001, per_decode_seq=0.0,
+                                        per_context_token=0.0, per_attn_pair=0.0))
+
+
+def _full_of_offline(klass_of_arrival: RequestClass) -> tuple[Scheduler, SeqState]:
+    kv = KVCacheManager(16, 4, num_host_blocks=64)
+    s = Scheduler(SchedulerConfig(max_swap_blocks_per_step=1, kv_watermark=0.0, kv_checkpoint_threshold=None,
+                                  proactive_swap=False), kv)
+    for i in range(2):  # 8 blocks each: the device is full
+        s.add(SeqState(f"off{i}", 32, 8, 0.0, RequestClass.OFFLINE), 0.0)
+    plan = s.schedule(0.0)
+    s.update_from_output(plan, StepOutcome(0.01, 0.01))
+    assert kv.num_free_blocks == 0
+    arrival = SeqState("new", 8, 4, 0.02, klass_of_arrival)
+    s.add(arrival, 0.02)
+    return s, arrival
+
+
+def test_online_arrival_discards_offline_kv_rather_than_wait_for_the_copy_budget():
+    s, online = _full_of_offline(RequestClass.ONLINE)
+    plan = s.schedule(0.02)  # a swap-out of 8 blocks would take 8 steps of budget
+    assert "new" in [i.request_id for i in plan.scheduled]
+    assert s.counters.num_recomputes == 1 and plan.preempted
+    s.kv.check_integrity()
+
+
+def test_offline_arrival_waits_for_room_instead():
+    s, offline = _full_of_offline(RequestClass.OFFLINE)
+    plan = s.schedule(0.02)
+    assert "new" not in [i.request_id for i in plan.scheduled]
+    assert s.counters.num_recomputes == 0
+
+
+def test_layer_wise_preemption_in_the_simulator_cuts_online_ttft():
+    """Long offline prompts run in offline-only steps; an online request
+    arrives in the middle of one. With safepoints every 1/8 of a step it
+    runs right after the next safepoint; without, after the whole step."""
+    offline = [Job(f"off{i}", 0.0, 2000, 4, RequestClass.OFFLINE) for i in range(3)]
+    online = [Job("on", 0.5, 16, 4)]
+    # The TPOT budget keeps offline chunks out of the online request's step.
+    cfg = SimConfig(num_kv_blocks=1024, block_size=16, max_num_batched_tokens=2048, online_tpot_slo_ms=50.0,
+                    check_integrity=True)
+    plain = simulate(offline + online, "skip-join-mlfq", CM, cfg)
+    cut = simulate(offline + online, "skip-join-mlfq", CM,
+                   SimConfig(**{**cfg.__dict__, "preemption_safepoint_fraction": 1 / 8}))
+    ttft = {name: next(r.ttft for r in res.records if r.request_id == "on") for name, res in
+            (("plain", plain), ("cut", cut))}
+    step = 0.01 + 2000 * 0.001  # one offline prefill step
+    assert cut.swap_stats["num_steps_abandoned"] >= 1 and plain.swap_stats["num_steps_abandoned"] == 0
+    assert ttft["cut"] < ttft["plain"] - step / 4
+    assert ttft["cut"] <= step / 8 + 0.05 + 1e-9  # one safepoint slice, then a step within the budget
+    assert all(r.finish_time is not None for r in cut.records)  # the abandoned work is redone
+
+
+def test_a_ttft_slo_the_step_can_meet_does_not_interrupt_it():
+    offline = [Job(f"off{i}", 0.0, 2000, 4, RequestClass.OFFLINE) for i in range(3)]
+    online = [Job("on", 0.5, 16, 4)]
+    cfg = SimConfig(num_kv_blocks=1024, block_size=16, max_num_batched_tokens=2048,
+                    preemption_safepoint_fraction=1 / 8, online_ttft_slo_ms=5000.0)
+    res = simulate(offline + online, "skip-join-mlfq", CM, cfg)
+    assert res.swap_stats["num_steps_abandoned"] == 0
