@@ -4,8 +4,9 @@ device pool and the host pool (FastServe §4.2's two tiers).
 Pure Python. The scheduler asks ``can_allocate``/``allocate`` before it puts a
 request's tokens into a step, and ``swap_out``/``swap_in`` to move a whole
 request between the tiers. Memory itself is never touched here: a move
-returns a plain ``{source block: destination block}`` map that travels in the
-StepPlan to the worker's cache engine, which does the copy.
+returns plain (source block, destination block) pairs that travel in the
+StepPlan to the worker's cache engine, which does the copies: device-to-host
+ones first, then host-to-device ones, then the forward.
 
 Where a request's KV lives::
 
@@ -13,8 +14,9 @@ Where a request's KV lives::
     swapped  (host table)      KV only on the host; it must be swapped in to run
 
 A block freed by a move is the *source* of a copy that has not run yet, so
-it stays pending (not reusable) until ``release_pending()``, which the
-scheduler calls when the step that carried the copy has finished.
+it stays pending (not reusable, and not shared: it may stay indexed) until
+``release_pending()``, which the scheduler calls when the step that carried
+the copy has finished.
 
 With prefix caching, full blocks are shared: ``admit`` starts a request's
 table with the longest chain of cached blocks its keys find (see
@@ -35,7 +37,9 @@ ones: free host blocks keep their content until they are handed out.
 Incremental checkpointing (ConServe §4.4): ``checkpoint`` copies a resident
 request's newly full blocks to the host while it keeps running (a full block
 never changes again), so a later swap-out copies only what is not
-checkpointed yet and frees the rest of its device blocks at once.
+checkpointed yet and frees the rest of its device blocks at once, and
+``drop_to_checkpoint`` takes it off the device at no copy cost at all (what
+came after the checkpoint is recomputed).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Prefix caching: content keys of full KV blocks, and the index from a key
-to the device block that holds it.
+to the block that holds it (one index per tier: kvcache/manager.py keeps a
+device index and, with a host pool, a host index).
 
 A full block's key hashes its tokens together with its parent's key (the
 block before it in the sequence) and an ``extra`` value for anything else that
@@ -9,8 +10,9 @@ block is still being written.
 
 The index only points at blocks; what keeps a block alive is its reference
 count in the allocator. A block whose count drops to 0 stays in the index
-while it sits on the free list (least recently freed first) and is dropped
-from it when the allocator hands it out for other content.
+while it sits on the free list (least recently freed first) or waits there
+for a copy to finish, and is dropped from it when the allocator hands it out
+for other content.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def chain_key(parent: int, block_tokens: Sequence[int], extra: Hashable = 0) -> 
 
 
 class PrefixIndex:
-    """key -> device block, and back."""
+    """key -> block of one pool, and back."""
 
     def __init__(self) -> None:
         self._block: dict[int, int] = {}
