@@ -566,7 +566,9 @@ class Scheduler:
             seq.num_computed_tokens += item.num_tokens
             seq.status = SeqStatus.RUNNING
             self._unrun.discard(item.request_id)
-            if seq.block_keys:
+            # Index the blocks this step filled (most decode steps fill none).
+            bs = self.kv.block_size
+            if seq.block_keys and seq.num_computed_tokens // bs != (seq.num_computed_tokens - item.num_tokens) // bs:
                 self.kv.cache_blocks(seq.request_id, seq.block_keys, seq.num_computed_tokens)
             if item.samples:
                 seq.num_output_tokens += 1
