@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from fluidserve.engine.parallel import TensorParallel
+from fluidserve.scheduler.budget import interrupts_step
 
 NO_STEP = -1
 
@@ -197,7 +198,7 @@ class PreemptionPolicy:
                 now = time.monotonic() if now is None else now
                 remaining = step.predicted_s - (now - step.started)
                 own = self._prefill_time(prompt_tokens) if prompt_tokens else 0.0
-                if remaining <= self.ttft_slo_s - own:
+                if not interrupts_step(remaining, self.ttft_slo_s, own):
                     return False  # the step ends in time for this arrival's SLO
             self._requested = step.step_id
             self.num_requests += 1
