@@ -111,6 +111,18 @@ class SimResult:
     num_preemptions: int
     policy_stats: dict = field(default_factory=dict)
     swap_stats: dict = field(default_factory=dict)
+    # (step end, compute seconds, tokens computed, of which offline) of every
+    # step that ran a forward to the end: work done by time, by class.
+    steps_log: list[tuple[float, float, int, int]] = field(default_factory=list)
+
+    def work_until(self, t: float) -> tuple[float, int, int]:
+        """(busy seconds, tokens, offline tokens) of the steps ended by ``t``."""
+        busy = tokens = offline = 0
+        for end, compute, n, n_off in self.steps_log:
+            if end > t:
+                break
+            busy, tokens, offline = busy + compute, tokens + n, offline + n_off
+        return busy, tokens, offline
 
     def summary(self) -> dict:
         done = [r for r in self.records if r.finish_time is not None]
@@ -177,6 +189,7 @@ class Simulator:
             raise ValueError("duplicate request ids in the workload")
         now, busy, steps, nxt = 0.0, 0.0, 0, 0
         copies_done, swap_stall, abandoned_steps = 0.0, 0.0, 0
+        steps_log: list[tuple[float, float, int, int]] = []
         jobs = self.jobs
         while nxt < len(jobs) or sched.has_unfinished():
             while nxt < len(jobs) and jobs[nxt].arrival_time <= now:
@@ -214,6 +227,9 @@ class Simulator:
             elif plan.scheduled:
                 now += stall + compute
                 busy += compute
+                offline = sum(i.num_tokens for i in plan.scheduled
+                              if sched.seqs[i.request_id].klass is RequestClass.OFFLINE)
+                steps_log.append((now, compute, plan.num_batched_tokens, offline))
             else:  # only copies: time passes until they are done
                 now = max(now, copy_free)
             swap_stall += stall
@@ -252,7 +268,7 @@ class Simulator:
             "num_steps_abandoned": abandoned_steps,
         }
         return SimResult(self.policy_name, list(records.values()), steps, now, busy,
-                         sched.num_preemptions, stats, swap_stats)
+                         sched.num_preemptions, stats, swap_stats, steps_log)
 
 
     def _safepoint_cut(self, plan, nxt: int, begin: float, compute: float) -> float | None:
