@@ -8,8 +8,8 @@ so every step both libraries fill 256 masks at 256 different grammar states.
 A finished request restarts on a new instance, so 256 stay in flight.
 
 Vocabularies: byte-level BPE tokenizers trained here, offline, on Python
-source from the installed packages (a 32k one and a 128k one, the size of
-Llama 3's); nothing is downloaded. Timed separately: grammar compile, matcher
+source from the installed packages (a 32k one and one as large as the text
+allows toward 128k, Llama 3's size); nothing is downloaded. Timed separately: grammar compile, matcher
 creation, the batch mask fill (the figure), and token acceptance. Every token
 a request consumes is checked against the mask just filled, so a library
 that filled a wrong mask is reported, not timed as fast.
@@ -128,17 +128,19 @@ def make_instance(kind: str, rng: random.Random) -> Any:
 def corpus_files(limit_bytes: int) -> list[str]:
     """Python sources of the installed packages, in a fixed order, up to
     ``limit_bytes``: real text that needs no download."""
-    import numpy
     import transformers
 
-    roots = [Path(transformers.__file__).parent, Path(torch.__file__).parent, Path(numpy.__file__).parent]
+    roots = [Path(transformers.__file__).parent, Path(torch.__file__).parent,
+             Path(transformers.__file__).parent.parent]  # then every other installed package
     files: list[str] = []
+    seen: set[Path] = set()
     total = 0
     for root in roots:
         for path in sorted(root.rglob("*.py")):
             size = path.stat().st_size
-            if size < 512:
+            if size < 512 or path in seen:
                 continue
+            seen.add(path)
             files.append(str(path))
             total += size
             if total >= limit_bytes:
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                     help="worker threads for the batch fill (1: one matcher after another)")
-    ap.add_argument("--corpus-mb", type=int, default=48, help="local text the BPE is trained on")
+    ap.add_argument("--corpus-mb", type=int, default=160, help="local text the BPE is trained on")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "grammar_mask"))
     args = ap.parse_args(argv)
