@@ -8,6 +8,10 @@ before, so TTFT is the engine's work on that prompt, not queueing):
   (``--prefix-tokens``, default 2000) plus a short question of its own.
 * ``multi-turn``: conversations whose every turn resends the whole history
   (previous prompts and answers) plus a new user message.
+* ``tenants``: more system prompts (``--tenants`` of ``--tenant-tokens``)
+  than a small device pool keeps cached, requests cycling through them: the
+  host tier off (no host pool) vs on, where a prompt the device reused comes
+  back from the host by copy.
 
 Also the scheduler's CPU time per step (schedule + update_from_output) at
 256 active decoding requests that share a prefix, cache on vs off.
@@ -83,6 +87,26 @@ def multi_turn(engine, rng: random.Random, vocab: int, turns: int, conversations
     return ttfts
 
 
+def tenants(args, model_dir: Path, host_blocks: int) -> tuple[list[float], dict]:
+    """TTFT of every request after each tenant's first, with a device pool
+    that holds about two system prompts, and the prefix-cache figures."""
+    from fluidserve.engine.config import EngineConfig
+    from fluidserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), load_format="dummy", device="cpu", max_model_len=1024,
+                                    num_kv_blocks=args.tenant_tokens // 16 * 2 + 16, num_host_blocks=host_blocks))
+    rng = random.Random(2)
+    systems = [[rng.randrange(3, engine.vocab_size) for _ in range(args.tenant_tokens)] for _ in range(args.tenants)]
+    prompts = [systems[i % args.tenants] + [rng.randrange(3, engine.vocab_size) for _ in range(rng.randrange(10, 40))]
+               for i in range(args.tenants * args.tenant_rounds)]
+    ttfts = _ttfts(engine, prompts, 8)[args.tenants:]  # each tenant's first request fills the cache
+    st = engine.kv.prefix_stats
+    figures = {"device_hit_rate": st.hit_tokens / st.query_tokens, "host_hit_rate": st.host_hit_tokens / st.query_tokens,
+               "demoted_blocks": st.demoted_blocks, "num_kv_blocks": engine.kv.num_blocks}
+    engine.shutdown()
+    return ttfts, figures
+
+
 def scheduler_cost(cache: bool, active: int = 256, steps: int = 200) -> float:
     """CPU seconds per schedule() + update_from_output() with ``active``
     decoding requests that share a 512-token prefix."""
@@ -105,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--conversations", type=int, default=3)
+    ap.add_argument("--tenants", type=int, default=6)
+    ap.add_argument("--tenant-tokens", type=int, default=600)
+    ap.add_argument("--tenant-rounds", type=int, default=3)
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
     from fluidserve.engine.config import EngineConfig
@@ -126,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         }
         engine.shutdown()
     off, on = rows["off"], rows["on"]
+    tenant_rows = {}
+    for label, host_blocks in (("device only", 0), ("device + host", 1024)):
+        ttfts, figures = tenants(args, model_dir, host_blocks)
+        tenant_rows[label] = {"ttft_s": ttfts, "mean_ttft_s": statistics.fmean(ttfts), **figures}
+    rows["tenants"] = tenant_rows
 
     def mean_after_first(xs: list[float]) -> float:
         return statistics.fmean(xs[1:])  # the first request fills the cache
@@ -154,6 +186,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['multi_turn_mean_ttft_off_s'] * 1e3:.0f} | {summary['multi_turn_mean_ttft_on_s'] * 1e3:.0f} | "
         f"{summary['multi_turn_mean_ttft_off_s'] / summary['multi_turn_mean_ttft_on_s']:.1f}x | |",
         "",
+        f"Tenants: {args.tenants} system prompts of {args.tenant_tokens} tokens, requests cycling through them "
+        f"({args.tenant_rounds} rounds; each tenant's first request not counted), device pool of "
+        f"{tenant_rows['device only']['num_kv_blocks']} blocks of 16 tokens (about two system prompts):", "",
+        "| prefix cache | mean TTFT (ms) | device hit | host hit | demoted blocks |", "|---|---|---|---|---|",
+        *(f"| {label} | {r['mean_ttft_s'] * 1e3:.0f} | {r['device_hit_rate']:.0%} | {r['host_hit_rate']:.0%} | "
+          f"{r['demoted_blocks']} |" for label, r in tenant_rows.items()),
+        f"| host tier speed-up | {tenant_rows['device only']['mean_ttft_s'] / tenant_rows['device + host']['mean_ttft_s']:.1f}x "
+        "| | | |", "",
         f"Scheduler CPU time per step at 256 decoding requests sharing a 512-token prefix: "
         f"{off['scheduler_s_per_step_256'] * 1e3:.2f} ms with the cache off, "
         f"{on['scheduler_s_per_step_256'] * 1e3:.2f} ms on.", ""])
