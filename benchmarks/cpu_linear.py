@@ -24,6 +24,11 @@ wall clock.
     python benchmarks/cpu_linear.py
     python benchmarks/cpu_linear.py --tokens 64 256 2048 --rounds 30
 
+``--engine`` adds the end-to-end check: one engine (the vs_vllm model, one
+thread) generates the same batch with its linears packed and with the packed
+copies dropped (``F.linear`` on the same fused weights), alternating in one
+process after a warm-up run; output tokens per CPU-second.
+
 Writes JSON + markdown to ``benchmarks/results/cpu_linear.{json,md}``.
 """
 
@@ -106,12 +111,47 @@ def measure(dtype: torch.dtype, tokens: int, rounds: int) -> dict:
             "max_abs_diff_vs_separate": err}
 
 
+def engine_ab(dtype: str, requests: int, output_len: int, rounds: int) -> dict:
+    """Output tokens per CPU-second of one engine with packed linears and with
+    F.linear, alternating (see the module docstring)."""
+    import tempfile
+
+    from vs_vllm import build_model, sample_prompts
+
+    from fluidserve.engine import LLM, SamplingParams
+    from fluidserve.engine.parallel import _PrepackedLinear, prepack_linears
+
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = LLM(model=str(build_model(Path(tmp) / "model")), device="cpu", dtype=dtype, max_model_len=1024,
+                  enable_prefix_caching=False, num_kv_blocks=requests * 40 + 16)
+        model = llm.engine.executor.worker.model
+        prompts = sample_prompts(requests, 0.05, 512, 0)
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        llm.generate(prompts, params)  # every shape once
+        out: dict[str, list[float]] = {"packed": [], "F.linear": []}
+        for r in range(rounds):
+            for way in ("packed", "F.linear") if r % 2 == 0 else ("F.linear", "packed"):
+                if way == "packed":
+                    prepack_linears(model)
+                else:
+                    for m in model.modules():
+                        if isinstance(m, _PrepackedLinear):
+                            m._packed = None
+                c0 = time.process_time()
+                llm.generate(prompts, params)
+                out[way].append(requests * output_len / (time.process_time() - c0))
+    med = {k: statistics.median(v) for k, v in out.items()}
+    return {"dtype": dtype, "requests": requests, "output_len": output_len, "tokens_per_cpu_s": out,
+            "median": med, "packed_over_f_linear": med["packed"] / med["F.linear"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 2048])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1, help="1: thread CPU time; more: wall time")
+    ap.add_argument("--engine", action="store_true", help="also the end-to-end check (a few minutes)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
@@ -124,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(row["dtype"], t, {n: round(v, 3) for n, v in row["ms"].items()}, flush=True)
     record = {"device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "command": "python benchmarks/cpu_linear.py " + " ".join(argv or []),
-              "load_average_start": load_start, "load_average_end": os.getloadavg(), "rows": rows}
+              "load_average_start": load_start, "rows": rows}
+    if args.engine:
+        record["engine"] = [engine_ab(dt, 64, 32, 4) for dt in args.dtypes]
+    record["load_average_end"] = os.getloadavg()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "cpu_linear.json").write_text(json.dumps(record, indent=2))
     ways = list(rows[0]["ms"])
@@ -139,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         best = min(row["ms"].values())
         lines.append(f"| {row['dtype']} | {row['tokens']} | " + " | ".join(cells)
                      + f" | {row['ms']['separate'] / best:.2f}x |")
+    if args.engine:
+        lines += ["", "End to end: one engine (vs_vllm model, one thread, 64 requests x 32 tokens), packed linears "
+                  "vs F.linear alternating in one process; output tokens per CPU-second, median of 4:", "",
+                  "| dtype | packed | F.linear | packed / F.linear |", "|---|---:|---:|---:|"]
+        lines += [f"| {e['dtype']} | {e['median']['packed']:.0f} | {e['median']['F.linear']:.0f} | "
+                  f"{e['packed_over_f_linear']:.2f}x |" for e in record["engine"]]
     (RESULTS / "cpu_linear.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

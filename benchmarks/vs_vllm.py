@@ -503,8 +503,12 @@ def server_commands(args: argparse.Namespace, model_dir: Path, dtype: str, ports
                          "--gpu-memory-utilization", "0.3", "--enforce-eager", "--no-enable-prefix-caching"],
                         VLLM_ENV)
     if not args.skip_transformers:
+        # It scans the hub cache at start-up and dies when there is none: give it an empty one.
+        hub_cache = model_dir.parent / "hf_hub_cache"
+        hub_cache.mkdir(exist_ok=True)
         cmds["transformers"] = (["transformers", "serve", str(model_dir), "--continuous-batching", "--host",
-                                 "127.0.0.1", "--port", str(ports["transformers"]), "--dtype", dtype], {})
+                                 "127.0.0.1", "--port", str(ports["transformers"]), "--dtype", dtype],
+                                {"HF_HUB_CACHE": str(hub_cache)})
     return cmds
 
 
@@ -541,7 +545,7 @@ def online(args: argparse.Namespace) -> dict:
             order = list(procs)
             for rate in args.rates:
                 for name in order:
-                    rep = _load(bc, ports[name], rate, args)
+                    rep = _load(bc, ports[name], rate, args, str(model_dir) if name == "transformers" else None)
                     record["points"].append({"system": name, "rate": rate, **rep})
                     _print_online(name, rate, rep)
                     _save_online(record)
@@ -552,7 +556,7 @@ def online(args: argparse.Namespace) -> dict:
     return record
 
 
-def _load(bc, port: int, rate: float, args: argparse.Namespace) -> dict:
+def _load(bc, port: int, rate: float, args: argparse.Namespace, model: str | None = None) -> dict:
     import asyncio
 
     # Chat with text prompts: every server takes them (transformers serve takes no token ids), and
@@ -561,6 +565,8 @@ def _load(bc, port: int, rate: float, args: argparse.Namespace) -> dict:
              "--input-len", str(args.online_input_len), "--output-len", str(args.online_output_len),
              "--length-dist", "uniform", "--length-range", "0.5", "--num-requests", str(args.num_requests),
              "--request-rate", str(rate), "--seed", str(args.seed)]
+    if model:  # a server whose /v1/models lists nothing (transformers serve) is asked for its model by name
+        flags += ["--model", model]
     if args.slo_ttft_ms:
         flags += ["--slo-ttft-ms", str(args.slo_ttft_ms)]
     if args.slo_tpot_ms:
