@@ -111,8 +111,9 @@ class SimResult:
     num_preemptions: int
     policy_stats: dict = field(default_factory=dict)
     swap_stats: dict = field(default_factory=dict)
-    # (step end, compute seconds, tokens computed, of which offline) of every
-    # step that ran a forward to the end: work done by time, by class.
+    # (step end, compute seconds, tokens computed, of which offline, or of
+    # the simulator's tracked jobs) of every step that ran a forward to the
+    # end: work done by time, by class.
     steps_log: list[tuple[float, float, int, int]] = field(default_factory=list)
 
     def work_until(self, t: float) -> tuple[float, int, int]:
@@ -153,8 +154,10 @@ class SimResult:
 class Simulator:
     def __init__(
         self, jobs: list[Job], policy: str, cost_model: CostModel, config: SimConfig,
-        policy_options: dict | None = None,
+        policy_options: dict | None = None, tracked: set[str] | None = None,
     ) -> None:
+        # Whose tokens the step log counts apart: these jobs, or (None) the offline class.
+        self.tracked = tracked
         capacity = config.num_kv_blocks * config.block_size
         for job in jobs:
             if job.prompt_tokens < 1 or job.output_tokens < 1:
@@ -228,7 +231,8 @@ class Simulator:
                 now += stall + compute
                 busy += compute
                 offline = sum(i.num_tokens for i in plan.scheduled
-                              if sched.seqs[i.request_id].klass is RequestClass.OFFLINE)
+                              if (i.request_id in self.tracked if self.tracked is not None
+                                  else sched.seqs[i.request_id].klass is RequestClass.OFFLINE))
                 steps_log.append((now, compute, plan.num_batched_tokens, offline))
             else:  # only copies: time passes until they are done
                 now = max(now, copy_free)
@@ -293,8 +297,8 @@ class Simulator:
 
 
 def simulate(jobs: list[Job], policy: str, cost_model: CostModel, config: SimConfig,
-             policy_options: dict | None = None) -> SimResult:
-    return Simulator(jobs, policy, cost_model, config, policy_options).run()
+             policy_options: dict | None = None, tracked: set[str] | None = None) -> SimResult:
+    return Simulator(jobs, policy, cost_model, config, policy_options, tracked).run()
 
 
 def estimate_capacity(
