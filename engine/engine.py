@@ -145,12 +145,12 @@ class LLMEngine:
         req = Request(request_id, text, token_ids, params, klass, now, max_tokens)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # nothing predicts the first prompt token
-        # A request scoring its prompt must compute every position, so it
-        # takes no prefix-cache hits (and, having no keys, offers none).
-        keys = (block_keys(token_ids, self.kv.block_size)
-                if self.kv.prefix_caching and req.prompt_logprobs is None else [])
+        keys = block_keys(token_ids, self.kv.block_size) if self.kv.prefix_caching else []
         for i in range(params.n):
-            state = SeqState(f"{request_id}#{i}", len(token_ids), max_tokens, now, klass, block_keys=list(keys))
+            # A request scoring its prompt must compute every position: it
+            # takes no prefix-cache hits, but offers its blocks to others.
+            state = SeqState(f"{request_id}#{i}", len(token_ids), max_tokens, now, klass, block_keys=list(keys),
+                             reads_cache=req.prompt_logprobs is None)
             seq = Sequence(i, state, req, TextStream(self.tokenizer, token_ids, params),
                            logprobs=[] if params.logprobs is not None else None,
                            new_logprobs=[] if params.logprobs is not None else None)
@@ -375,7 +375,7 @@ class LLMEngine:
     def _extend_block_keys(self, seq: Sequence) -> None:
         """A block of prompt + outputs just filled: give it its prefix-cache
         key, so a later prompt that repeats this conversation shares it."""
-        if not self.kv.prefix_caching or seq.request.prompt_logprobs is not None:
+        if not self.kv.prefix_caching:
             return
         keys = seq.state.block_keys
         bs = self.kv.block_size

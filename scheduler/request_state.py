@@ -43,6 +43,9 @@ class SeqState:
     # Prefix-cache keys of the full blocks of prompt + outputs so far (the
     # engine appends one as each block of tokens fills); empty: not cached.
     block_keys: list[int] = field(default_factory=list)
+    # False: the request computes every position (it scores its prompt), so it
+    # takes no cache hits, but its blocks are still offered to the cache.
+    reads_cache: bool = True
     # Prompt tokens found cached: at arrival an estimate (for the policy), at
     # admission what was actually shared.
     num_cached_tokens: int = 0

@@ -168,7 +168,8 @@ class Scheduler:
             self._arrived_blocks += self.kv.blocks_for(seq.num_prompt_tokens)
         # A cached prompt is a short job: the policy places it by what is
         # left to compute (prefix caching).
-        seq.num_cached_tokens = self.kv.cached_prefix_tokens(seq.block_keys, seq.num_prompt_tokens)
+        seq.num_cached_tokens = (self.kv.cached_prefix_tokens(seq.block_keys, seq.num_prompt_tokens)
+                                 if seq.reads_cache else 0)
         self.policy.on_arrival(seq, now)
 
     def finish(self, request_id: str) -> None:
@@ -317,7 +318,7 @@ class Scheduler:
         after a recompute), sharing its cached prefix: those tokens count as
         computed. A priority policy that starts many prompts must not commit
         memory chunk by chunk and then evict to finish them."""
-        keys = seq.block_keys if self.kv.prefix_caching else []
+        keys = seq.block_keys if self.kv.prefix_caching and seq.reads_cache else []
         need = self.kv.admission_blocks(keys, seq.num_tokens)
         # The watermark only guards running requests; with none, any
         # request that fits the pool at all must be admitted. Offline work

@@ -218,6 +218,17 @@ def test_prompt_logprobs_skip_prefix_cache_hits(model_dir, make_llm, hf_logprobs
     assert llm.engine.kv.prefix_stats.hit_tokens > hits  # the cache still serves the others
 
 
+def test_a_scored_prompt_still_fills_the_prefix_cache(model_dir, make_llm, hf_logprobs):
+    """Scoring reads nothing from the cache, but what it computes is offered
+    to it: the next plain request with that prompt hits."""
+    llm = make_llm(model_dir, enable_prefix_caching=True, block_size=8, max_num_batched_tokens=16)
+    out = llm.generate([PROMPT_IDS], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]
+    _assert_engine_entries(out.prompt_logprobs, PROMPT_IDS, hf_logprobs(PROMPT_IDS), 1)
+    assert llm.engine.kv.prefix_stats.hit_tokens == 0
+    llm.generate([PROMPT_IDS], SamplingParams(temperature=0, max_tokens=2))
+    assert llm.engine.kv.prefix_stats.hit_tokens == (len(PROMPT_IDS) - 1) // 8 * 8
+
+
 def test_n_completions_share_one_scoring(model_dir, make_llm, hf_logprobs):
     llm = make_llm(model_dir, max_num_batched_tokens=16)
     out = llm.generate([PROMPT_IDS], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=3, prompt_logprobs=1))[0]
