@@ -358,9 +358,10 @@ def _ignore_eos(args: argparse.Namespace) -> bool:
 
 def _payload(args: argparse.Namespace, model: str, spec: RequestSpec, rng: random.Random) -> tuple[str, dict]:
     body: dict[str, Any] = {
-        "model": model, "max_tokens": spec.output_len, "stream": True, "ignore_eos": _ignore_eos(args),
-        "stream_options": {"include_usage": True},
+        "model": model, "max_tokens": spec.output_len, "stream": True, "stream_options": {"include_usage": True},
     }
+    if _ignore_eos(args):  # vLLM's field: sent only when on, so servers without it still take the request
+        body["ignore_eos"] = True
     if args.temperature is not None:
         body["temperature"] = args.temperature
     if args.logprobs is not None:
