@@ -22,6 +22,12 @@ makes the CPU path scale with the number of requests:
 
       q [D, Hq, d] -> [D, Hk, g, d]    k, v [D, Hk, L, d]    (no KV repeat)
 
+* **A shared prefix read once.** When every row of a decode bucket starts
+  with the same blocks (a common system prompt held once by the prefix
+  cache), those blocks are attended by all the bucket's queries in one call
+  and only each row's own suffix is gathered per row; the two parts merge by
+  their log-sum-exp. Without this every step copies the shared context once
+  per row.
 * **Gathers into a reused workspace.** The blocks of a bucket are copied with
   one ``index_select`` into a per-thread buffer that only grows: a fresh
   allocation of tens of MB per layer is returned to the OS and page-faulted
@@ -33,7 +39,7 @@ Writes into the cache are one ``index_copy_`` over the flat slot index.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
@@ -45,6 +51,9 @@ BUCKET_RATIO = 2.0
 # so the gather workspace stays bounded (32 MiB per tensor with 2 KV heads of
 # 64 in fp32).
 MAX_GATHER_TOKENS = 1 << 16
+# Leading blocks a decode bucket's rows must share before the shared part is
+# attended once for all of them (below this the extra call costs more).
+MIN_SHARED_BLOCKS = 2
 
 
 @dataclass
@@ -55,6 +64,10 @@ class DecodeBucket:
     block_ids: torch.Tensor  # [D * nb] int64: the rows' blocks, padded with block 0
     key_mask: torch.Tensor  # [D, 1, 1, nb * block_size] bool: keys a row may read
     num_blocks: int  # nb, blocks gathered per row
+    # Leading blocks every row shares (attended once for all rows), or None;
+    # block_ids, key_mask and num_blocks then cover only what follows them.
+    shared_ids: torch.Tensor | None = None
+    _bias: dict = field(default_factory=dict)  # key_mask as an additive mask, per dtype
 
 
 @dataclass
@@ -91,7 +104,7 @@ def build_plan(
         starts.append(starts[-1] + q)
     decode_rows = sorted((i for i, q in enumerate(q_lens) if q == 1), key=seq_lens.__getitem__)
     decodes = [_decode_bucket(rows, starts, seq_lens, block_tables, block_size, sliding_window)
-               for rows in _buckets(decode_rows, seq_lens, block_size)]
+               for group in _families(decode_rows, block_tables) for rows in _buckets(group, seq_lens, block_size)]
     prefills = []
     for i, q_len in enumerate(q_lens):
         if q_len <= 1:
@@ -109,6 +122,21 @@ def build_plan(
         prefills.append(PrefillItem(starts[i], starts[i + 1], seq_len, fresh, block_ids, mask))
     valid = bool((slot_mapping >= 0).all()) if slot_mapping.numel() else True
     return CpuAttentionPlan(decodes, prefills, valid)
+
+
+def _families(rows: list[int], block_tables: torch.Tensor) -> list[list[int]]:
+    """Rows that start at the same physical block (a prefix the cache shares)
+    bucket apart from the rest, so a bucket's rows can share leading blocks;
+    rows starting anywhere else stay together. Each list keeps ``rows``' order."""
+    if len(rows) < 2:
+        return [rows]
+    first = block_tables[:, 0].tolist()
+    families: dict[int, list[int]] = {}
+    for i in rows:
+        families.setdefault(first[i], []).append(i)
+    shared = [f for f in families.values() if len(f) > 1]
+    rest = [i for i in rows if len(families[first[i]]) == 1]
+    return shared + ([rest] if rest else [])
 
 
 def _buckets(rows: list[int], seq_lens: list[int], block_size: int) -> list[list[int]]:
@@ -144,7 +172,15 @@ def _decode_bucket(rows, starts, seq_lens, block_tables, block_size, sliding_win
     if sliding_window is not None:
         mask &= k_pos > lens.unsqueeze(1) - 1 - sliding_window
     q_rows = torch.tensor([starts[i] for i in rows], device=dev)
-    return DecodeBucket(q_rows, tables.flatten(), mask[:, None, None, :], nb)
+    shared = 0
+    if sliding_window is None and len(rows) > 1:
+        run = int((tables == tables[0]).all(0).long().cumprod(0).sum())
+        # Whole blocks every row reads in full, short of each row's own query.
+        shared = min(run, (min(seq_lens[i] for i in rows) - 1) // block_size)
+    if shared < MIN_SHARED_BLOCKS:
+        return DecodeBucket(q_rows, tables.flatten(), mask[:, None, None, :], nb)
+    return DecodeBucket(q_rows, tables[:, shared:].flatten(), mask[:, None, None, shared * block_size:],
+                        nb - shared, tables[0, :shared].contiguous())
 
 
 # -- the kernels ------------------------------------------------------------------
@@ -157,7 +193,8 @@ def _workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) 
     bufs = getattr(_local, "bufs", None)
     if bufs is None:
         bufs = _local.bufs = {}
-    key = (name, dtype, device)
+    # A buffer made under inference mode cannot be written outside it.
+    key = (name, dtype, device, torch.is_inference_mode_enabled())
     buf = bufs.get(key)
     if buf is None or buf.numel() < numel:
         buf = bufs[key] = torch.empty(numel, dtype=dtype, device=device)
@@ -220,9 +257,41 @@ def _decode(out, query, key_cache, value_cache, b: DecodeBucket, scale: float) -
 
     group = query.shape[1] // num_kv
     q = query.index_select(0, b.q_rows).view(rows, num_kv, group, head_dim)  # [D, Hk, g, d]
-    o = F.scaled_dot_product_attention(q, gather(key_cache, "k"), gather(value_cache, "v"),
-                                       attn_mask=b.key_mask, scale=scale)  # [D, Hk, g, d]
+    if b.shared_ids is None:
+        o = F.scaled_dot_product_attention(q, gather(key_cache, "k"), gather(value_cache, "v"),
+                                           attn_mask=b.key_mask, scale=scale)  # [D, Hk, g, d]
+    else:
+        o = _decode_shared(q, key_cache, value_cache, b, scale, gather(key_cache, "k"), gather(value_cache, "v"))
     out.index_copy_(0, b.q_rows, o.reshape(rows, -1, head_dim))
+
+
+_attention_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _decode_shared(q, key_cache, value_cache, b: DecodeBucket, scale: float, k_own, v_own) -> torch.Tensor:
+    """Attention of a bucket whose rows share their leading blocks: every
+    query of the bucket against the shared blocks in one call, each row
+    against its own blocks, merged by log-sum-exp (the softmax over the
+    union of the keys)."""
+    rows, num_kv, group, head_dim = q.shape
+    num_blocks = b.shared_ids.numel() * key_cache.shape[1]
+
+    def shared(cache: torch.Tensor) -> torch.Tensor:  # -> [1, Hk, Ls, d]
+        return cache.index_select(0, b.shared_ids).view(1, num_blocks, num_kv, head_dim).transpose(1, 2)
+
+    q_all = q.transpose(0, 1).reshape(1, num_kv, rows * group, head_dim)
+    o_shared, lse_shared = _attention_with_lse(q_all, shared(key_cache), shared(value_cache), scale=scale)
+    o_shared = o_shared.reshape(num_kv, rows, group, head_dim).transpose(0, 1)  # [D, Hk, g, d]
+    lse_shared = lse_shared.reshape(num_kv, rows, group).transpose(0, 1)  # [D, Hk, g]
+    bias = b._bias.get(q.dtype)
+    if bias is None:  # the flash kernel takes an additive mask in the query's dtype
+        bias = b._bias[q.dtype] = torch.zeros(b.key_mask.shape, dtype=q.dtype).masked_fill(~b.key_mask, -torch.inf)
+    o_own, lse_own = _attention_with_lse(q, k_own, v_own, attn_mask=bias, scale=scale)
+    top = torch.maximum(lse_shared, lse_own)
+    w_shared = (lse_shared - top).exp_().unsqueeze(-1)
+    w_own = (lse_own - top).exp_().unsqueeze(-1)
+    o = (o_shared.float() * w_shared + o_own.float() * w_own) / (w_shared + w_own)
+    return o.to(q.dtype)
 
 
 def _prefill(out, query, key_cache, value_cache, item: PrefillItem, scale: float, key, value) -> None:

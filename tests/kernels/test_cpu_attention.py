@@ -132,3 +132,54 @@ def test_layer_plans_once_per_step_and_matches_reference(make_batch, oracle):
     assert meta.cpu_plan(kv[0], None) is plan and list(meta._cpu_plans) == [None]
     torch.testing.assert_close(out, oracle(batch), atol=1e-5, rtol=1e-5)
     assert torch.equal(kv[0], batch.key_cache)  # it wrote the step's K/V into their own slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("shared_blocks", [2, 5])
+def test_decodes_sharing_leading_blocks_attend_them_once(make_batch, oracle, dtype, group, shared_blocks):
+    """Decode rows whose tables start with the same physical blocks (a prefix
+    the cache shares): the bucket attends those once for every row and merges
+    with each row's own blocks; the result equals the reference, including a
+    row whose query sits in the first block after the shared ones."""
+    bs = 16
+    lens = [shared_blocks * bs + 1, shared_blocks * bs + 9, shared_blocks * bs + 30, shared_blocks * bs + 17]
+    specs = [(1, n) for n in lens] + [(20, 60)]  # and a prefill in the same step
+    batch = make_batch(specs, num_kv_heads=2, group=group, head_dim=32, block_size=bs, dtype=dtype, seed=3)
+    for i in range(1, len(lens)):
+        batch.block_tables[i, :shared_blocks] = batch.block_tables[0, :shared_blocks]
+    plan = cpu_attention.build_plan(batch.q_lens, batch.seq_len_list, batch.block_tables,
+                                    step_slots(batch, bs), bs, None)
+    (bucket,) = plan.decodes
+    assert bucket.shared_ids is not None and bucket.shared_ids.numel() == shared_blocks
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(run_fast(batch, bs, None, False), oracle(batch), atol=atol, rtol=rtol)
+
+
+def test_rows_that_share_one_block_or_a_window_take_the_plain_path(make_batch):
+    bs = 16
+    batch = make_batch([(1, 40), (1, 50)], num_kv_heads=1, group=2, head_dim=16, block_size=bs)
+    batch.block_tables[1, :1] = batch.block_tables[0, :1]
+    plan = cpu_attention.build_plan(batch.q_lens, batch.seq_len_list, batch.block_tables,
+                                    step_slots(batch, bs), bs, None)
+    assert plan.decodes[0].shared_ids is None  # one shared block: below MIN_SHARED_BLOCKS
+    batch.block_tables[1, :2] = batch.block_tables[0, :2]
+    windowed = cpu_attention.build_plan(batch.q_lens, batch.seq_len_list, batch.block_tables,
+                                        step_slots(batch, bs), bs, 24)
+    assert windowed.decodes[0].shared_ids is None
+
+
+def test_rows_of_one_prefix_family_bucket_apart_from_the_rest(make_batch, oracle):
+    """Three rows start at the same blocks, two start elsewhere: the three
+    share their prefix in a bucket of their own, the other two still go
+    together in one bucket, and the outputs equal the reference."""
+    bs = 16
+    specs = [(1, 70), (1, 90), (1, 75), (1, 80), (1, 85)]
+    batch = make_batch(specs, num_kv_heads=2, group=2, head_dim=32, block_size=bs, seed=5)
+    for i in (2, 4):
+        batch.block_tables[i, :3] = batch.block_tables[0, :3]
+    plan = cpu_attention.build_plan(batch.q_lens, batch.seq_len_list, batch.block_tables,
+                                    step_slots(batch, bs), bs, None)
+    rows = sorted((sorted(b.q_rows.tolist()), b.shared_ids is not None) for b in plan.decodes)
+    assert rows == [([0, 2, 4], True), ([1, 3], False)]
+    torch.testing.assert_close(run_fast(batch, bs, None, False), oracle(batch), atol=1e-5, rtol=1e-5)
