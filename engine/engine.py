@@ -248,9 +248,7 @@ class LLMEngine:
         return result
 
     def _model_input(self, plan: StepPlan) -> ModelInput:
-        # Checkpoint copies run with the swap-outs (device -> host, same stream).
-        swap_out = plan.swap_out + plan.checkpoint if plan.checkpoint else plan.swap_out
-        inp = ModelInput(swap_out=swap_out, swap_in=plan.swap_in, finished_ids=self._finished_constrained)
+        inp = ModelInput(swap_out=plan.swap_out, swap_in=plan.swap_in, finished_ids=self._finished_constrained)
         self._finished_constrained = []
         swapped_in = set(plan.swapped_in)
         scored: dict[str, int] = {}  # request id -> prompt positions scored once this step has run

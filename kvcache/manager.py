@@ -89,10 +89,8 @@ class KVCacheManager:
         self._num_indexed: dict[str, int] = {}  # leading blocks of a table already offered to the index
         self._host_keys: dict[str, list[int | None]] = {}  # keys of a swapped request's host blocks
         self._demotable: dict[int, None] = {}  # freed cached device blocks the host lacks, LRU first
-        self._demoting: set[int] = set()  # device blocks a demotion copy reads this step
         self._read_now: set[int] = set()  # device blocks a swap-out copy reads this step
         self._checkpoints: dict[str, list[int]] = {}  # host copies of a resident table's leading blocks
-        self.checkpointed_blocks = 0  # blocks copied by checkpoint()
 
     # -- device pool figures ------------------------------------------------
     @property
@@ -360,7 +358,6 @@ class KVCacheManager:
             copies.append((block, dst))
         if not ckpt:
             del self._checkpoints[request_id]
-        self.checkpointed_blocks += len(copies)
         return copies
 
     def drop_to_checkpoint(self, request_id: str) -> int:
@@ -403,14 +400,9 @@ class KVCacheManager:
             self.host.free([host], deferred=True)  # written by this step's copy
             self.host_prefix.insert(key, host)
             self.allocator.hold(block)
-            self._demoting.add(block)
             pairs.append((block, host))
         self.prefix_stats.demoted_blocks += len(pairs)
         return pairs
-
-    @property
-    def num_demotable(self) -> int:
-        return len(self._demotable)
 
     # -- moves between tiers -------------------------------------------------
     def can_swap_out(self, request_id: str) -> bool:
@@ -490,7 +482,6 @@ class KVCacheManager:
     def release_pending(self) -> None:
         """The step whose copies read the pending blocks has completed."""
         self.allocator.release_pending()
-        self._demoting.clear()
         self._read_now.clear()
         if self.host:
             self.host.release_pending()
@@ -511,10 +502,8 @@ class KVCacheManager:
         else:
             assert not self._host_tables, "host tables without a host pool"
         if self.prefix is not None:
-            pending = self.allocator.pending_blocks()
             for key, block in self.prefix.items():
                 assert self.prefix.key_of(block) == key, f"index disagrees on block {block}"
-            assert self._demoting <= pending, "a demoted block is not held"
         if self.host_prefix is not None:
             for key, block in self.host_prefix.items():
                 assert self.host_prefix.key_of(block) == key, f"host index disagrees on block {block}"

@@ -38,9 +38,9 @@ class StepPlan:
     swapped_in: list[str] = field(default_factory=list)  # requests whose KV comes back
     # (source, destination) block pairs. Lists, not maps: a block shared by
     # two requests (prefix caching) may leave for two host blocks in one step.
+    # swap_out also carries demotions and checkpoints: every device -> host copy.
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    checkpoint: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     # Only offline work: the worker may abandon the forward at a layer
     # safepoint when an online arrival needs the device (ConServe §4.3).
     preemptible: bool = False
@@ -51,7 +51,7 @@ class StepPlan:
 
     @property
     def has_copies(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.checkpoint)
+        return bool(self.swap_out or self.swap_in)
 
     @property
     def is_empty(self) -> bool:

@@ -429,16 +429,9 @@ class Scheduler:
         if not (self.swap and self.kv.num_checkpointed(rid)):
             self._recompute(seq, step)
             return
-        kept = self.kv.drop_to_checkpoint(rid)
-        step.plan.swapped_out.append(rid)
-        step.moved.add(rid)
-        seq.num_computed_tokens = min(seq.num_computed_tokens, kept)
-        seq.status = SeqStatus.SWAPPED
-        self._unrun.discard(rid)
-        seq.num_blocks_sent = 0
-        seq.num_preemptions += 1
-        self.counters.num_swap_outs += 1
+        seq.num_computed_tokens = min(seq.num_computed_tokens, self.kv.drop_to_checkpoint(rid))
         self.counters.num_checkpoint_evictions += 1
+        self._swapped_out(seq, step)
 
     def _swap_out(self, seq: SeqState, step: _Step) -> None:
         rid = seq.request_id
@@ -446,16 +439,20 @@ class Scheduler:
         self.counters.num_checkpoint_evictions += self.kv.num_checkpointed(rid) > 0
         moves = self.kv.swap_out(rid)
         step.plan.swap_out.extend(moves)
-        step.plan.swapped_out.append(rid)
         step.freeing += self.kv.allocator.num_pending - pending  # the rest are free now
         self._swap_credit -= len(moves)
-        step.moved.add(rid)
+        self.counters.swap_out_blocks += len(moves)
+        self._swapped_out(seq, step)
+
+    def _swapped_out(self, seq: SeqState, step: _Step) -> None:
+        """``seq``'s KV has left the device for the host this step."""
+        step.plan.swapped_out.append(seq.request_id)
+        step.moved.add(seq.request_id)
         seq.status = SeqStatus.SWAPPED
-        self._unrun.discard(rid)
+        self._unrun.discard(seq.request_id)
         seq.num_blocks_sent = 0
         seq.num_preemptions += 1
         self.counters.num_swap_outs += 1
-        self.counters.swap_out_blocks += len(moves)
 
     def _swap_in(self, seq: SeqState, step: _Step, status: SeqStatus = SeqStatus.RUNNING) -> None:
         rid = seq.request_id
@@ -494,7 +491,7 @@ class Scheduler:
             if seq.klass is not RequestClass.OFFLINE or seq.request_id in step.moved:
                 continue
             copies = self.kv.checkpoint(seq.request_id, seq.num_computed_tokens, self._swap_credit)
-            step.plan.checkpoint.extend(copies)
+            step.plan.swap_out.extend(copies)
             self._swap_credit -= len(copies)
             self.counters.checkpoint_blocks += len(copies)
 
@@ -558,6 +555,7 @@ class Scheduler:
             if seq is not None and seq.status is SeqStatus.SWAPPING_IN:
                 seq.status = SeqStatus.RUNNING
         now = outcome.now
+        bs = self.kv.block_size
         # An abandoned step (layer-wise preemption) computed nothing: its
         # tokens run again later and its blocks stay out of the prefix cache.
         for item in () if outcome.abandoned else plan.scheduled:
@@ -568,7 +566,6 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self._unrun.discard(item.request_id)
             # Index the blocks this step filled (most decode steps fill none).
-            bs = self.kv.block_size
             if seq.block_keys and seq.num_computed_tokens // bs != (seq.num_computed_tokens - item.num_tokens) // bs:
                 self.kv.cache_blocks(seq.request_id, seq.block_keys, seq.num_computed_tokens)
             if item.samples:

@@ -213,8 +213,7 @@ class Simulator:
                                    f"{len(sched.seqs)} requests left")
             start = now
             wait_until = copies_done  # every copy of the previous step
-            copy_free = max(now, copies_done) + cfg.block_transfer_time * (
-                len(plan.swap_out) + len(plan.swap_in) + len(plan.checkpoint))
+            copy_free = max(now, copies_done) + cfg.block_transfer_time * (len(plan.swap_out) + len(plan.swap_in))
             running = {item.request_id for item in plan.scheduled}
             if any(rid in running for rid in plan.swapped_in):
                 wait_until = copy_free  # reactive swap-in: this step reads it

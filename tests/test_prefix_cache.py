@@ -132,12 +132,12 @@ class _Contents:
             seq, table = seqs[item.request_id], kv.block_table(item.request_id)
             c0 = seq.num_computed_tokens
             written |= {table[p // self.bs] for p in range(c0, c0 + item.num_tokens)}
-        out_src = {d for d, _ in plan.swap_out + plan.checkpoint}
+        out_src = {d for d, _ in plan.swap_out}
         # Swap-ins land before the forward (it waits for them) and after the
         # swap-outs (one copy stream, in order); swap-outs may still be
         # reading while the forward runs.
         assert not written & out_src, "the forward writes a block a swap-out of its step reads"
-        for d, h in plan.swap_out + plan.checkpoint:  # one list on the worker
+        for d, h in plan.swap_out:
             self.host[h] = self.device.get(d)
         for h, d in plan.swap_in:
             self.device[d] = self.host.get(h)
