@@ -152,6 +152,10 @@ class AsyncEngine:
         stream = RequestStream(self, request_id)
         admitted = stream.admitted
         self._streams[request_id] = stream
+        # Stamped here, not when the engine thread gets to the command: a
+        # request that arrives during a long step has been waiting since now
+        # (the TTFT budget and the policies' ages count from it).
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self._commands.put(("add", request_id, prompt, params, klass, arrival_time, admitted))
         if str(getattr(klass, "value", klass)) == "online":
             self._preempt_for(prompt)

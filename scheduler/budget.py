@@ -1,13 +1,21 @@
 """SLO-aware token budget (ConServe §4.2): how much offline work a step may
 carry beside online work without making the online requests miss their
-time-per-output-token SLO.
+latency SLOs.
 
 Online requests are offered first (strict class priority), so when the first
 offline request is reached the step's online part is known. From then on each
 offline item is cut to the largest number of tokens whose addition keeps the
-step's predicted time (the cost model's) within the TPOT SLO; a decode that
-does not fit waits. With no online work in the step, offline work takes the
-whole token budget. Pure Python.
+step's predicted time (the cost model's) within the step's cap; a decode that
+does not fit waits. The cap is the tightest of:
+
+* the TPOT SLO, when online requests decode in the step (the step's time is
+  the gap between their tokens);
+* the TTFT SLO less the time already waited by the longest-waiting online
+  request whose prefill the step runs (the step's end is when its first
+  token, or the next chunk's start, comes).
+
+With no online work in the step, offline work takes the whole token budget.
+Pure Python.
 """
 
 from __future__ import annotations
@@ -17,11 +25,27 @@ from fluidserve.scheduler.request_state import SeqState
 
 
 class SloBudget:
-    def __init__(self, cost: CostModel, tpot_slo_s: float) -> None:
-        if not tpot_slo_s > 0:
-            raise ValueError(f"online TPOT SLO must be positive, got {tpot_slo_s}")
+    """``tpot_slo_s`` / ``ttft_slo_s``: the online SLOs (either may be None,
+    not both)."""
+
+    def __init__(self, cost: CostModel, tpot_slo_s: float | None, ttft_slo_s: float | None = None) -> None:
+        for name, slo in (("TPOT", tpot_slo_s), ("TTFT", ttft_slo_s)):
+            if slo is not None and not slo > 0:
+                raise ValueError(f"online {name} SLO must be positive, got {slo}")
+        if tpot_slo_s is None and ttft_slo_s is None:
+            raise ValueError("an SLO budget needs a TPOT or a TTFT SLO")
         self.cost = cost
-        self.slo = tpot_slo_s
+        self.tpot_slo = tpot_slo_s
+        self.ttft_slo = ttft_slo_s
+
+    def cap(self, shape: StepShape, now: float) -> float:
+        """Predicted seconds a step of ``shape`` (its online part) may take."""
+        cap = float("inf")
+        if self.tpot_slo is not None and shape.online:
+            cap = self.tpot_slo
+        if self.ttft_slo is not None and shape.first_online_prefill_arrival is not None:
+            cap = min(cap, self.ttft_slo - (now - shape.first_online_prefill_arrival))
+        return cap
 
     def _time_with(self, shape: StepShape, seq: SeqState, m: int) -> float:
         done = seq.num_computed_tokens
@@ -31,16 +55,19 @@ class SloBudget:
         return self.cost.step_time(shape.prefill_tokens + m, shape.decode_seqs, shape.context + done + m,
                                    shape.pairs + attn_pairs(m, done))
 
-    def offline_tokens(self, shape: StepShape, seq: SeqState, n: int) -> int:
+    def offline_tokens(self, shape: StepShape, seq: SeqState, n: int, now: float = 0.0) -> int:
         """How many of the ``n`` tokens offline ``seq`` may run in a step of
         ``shape``: all of them without online work, else the most that keep
-        the predicted step time within the SLO (0: none)."""
-        if not shape.online or self._time_with(shape, seq, n) <= self.slo:
+        the predicted step time within the cap (0: none)."""
+        if not shape.online:
+            return n
+        cap = self.cap(shape, now)
+        if self._time_with(shape, seq, n) <= cap:
             return n
         lo, hi = 0, n - 1  # the largest m in [0, n) that fits; step time grows with m
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._time_with(shape, seq, mid) <= self.slo:
+            if self._time_with(shape, seq, mid) <= cap:
                 lo = mid
             else:
                 hi = mid - 1

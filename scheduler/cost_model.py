@@ -290,6 +290,9 @@ class StepShape:
     context: int = 0
     pairs: int = 0
     online: bool = False  # the step carries online work
+    # Arrival of the longest-waiting online request the step prefills
+    # (a TTFT SLO caps the step by it); None: no online prefill.
+    first_online_prefill_arrival: float | None = None
 
     @staticmethod
     def is_decode(seq: Any, n: int) -> bool:
@@ -304,6 +307,10 @@ class StepShape:
         else:
             self.prefill_tokens += n
             self.pairs += attn_pairs(n, done)
+            if (seq.klass is RequestClass.ONLINE and seq.num_output_tokens == 0
+                    and (self.first_online_prefill_arrival is None
+                         or seq.arrival_time < self.first_online_prefill_arrival)):
+                self.first_online_prefill_arrival = seq.arrival_time
         self.online |= seq.klass is RequestClass.ONLINE
 
     def astuple(self) -> tuple[int, int, int, int]:
@@ -362,10 +369,22 @@ def device_spec_for(device: str, gpu_name: str = "") -> DeviceSpec:
 def cost_model_for_engine(config: Any, hf_config: Any, device: str, gpu_name: str = "") -> CostModel:
     """The engine's cost model: ``config.profile_path`` if set (measured),
     else the roofline of ``hf_config`` (a transformers config or a dict) on
-    ``device`` ("cpu" or "cuda", named ``gpu_name``)."""
+    ``device`` ("cpu" or "cuda", named ``gpu_name``) -- which, when
+    ``config.calibrate_cost_model`` says so, learns from the steps the engine
+    runs (``scheduler/calibration.py``). Unset (None), calibration is on when
+    an online SLO is set, since the SLO budget is only as good as the model."""
     if getattr(config, "profile_path", None):
         return load_profile(config.profile_path)
     cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
     dtype = getattr(config, "dtype", "auto")
     dtype_bytes = DTYPE_BYTES.get(dtype, 4 if device == "cpu" else 2)
-    return RooflineCostModel(ModelShape.from_hf_config(cfg, dtype_bytes), device_spec_for(device, gpu_name))
+    model = RooflineCostModel(ModelShape.from_hf_config(cfg, dtype_bytes), device_spec_for(device, gpu_name))
+    calibrate = getattr(config, "calibrate_cost_model", None)
+    if calibrate is None:
+        calibrate = (getattr(config, "online_tpot_slo_ms", None) is not None
+                     or getattr(config, "online_ttft_slo_ms", None) is not None)
+    if calibrate:
+        from fluidserve.scheduler.calibration import CalibratingCostModel
+
+        return CalibratingCostModel(model)
+    return model

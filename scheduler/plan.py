@@ -44,6 +44,9 @@ class StepPlan:
     # Only offline work: the worker may abandon the forward at a layer
     # safepoint when an online arrival needs the device (ConServe §4.3).
     preemptible: bool = False
+    # (prefill tokens, decode requests, context, prefill attention pairs), as
+    # the cost model reads a step; set when the scheduler records shapes.
+    shape: tuple[int, int, int, int] | None = None
 
     @property
     def num_batched_tokens(self) -> int:

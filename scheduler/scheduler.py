@@ -152,8 +152,14 @@ class Scheduler:
         self._swap_bucket = self._swap_refill * _SWAP_BUCKET_STEPS
         self._swap_credit = self._swap_bucket
         self._unrun: set[str] = set()  # swapped in, not run since
-        self.budget = (SloBudget(self.policy.cost, config.online_tpot_slo_ms / 1e3)
-                       if config.online_tpot_slo_ms is not None else None)
+        tpot, ttft = config.online_tpot_slo_ms, config.online_ttft_slo_ms
+        self.budget = (SloBudget(self.policy.cost, None if tpot is None else tpot / 1e3,
+                                 None if ttft is None else ttft / 1e3)
+                       if tpot is not None or ttft is not None else None)
+        # The engine feeds measured step times back to a calibrating cost
+        # model: plans then carry their shape (free when the budget builds it).
+        self._observe = getattr(self.policy.cost, "observe", None)
+        self.record_shapes = self.budget is not None or self._observe is not None
 
     @property
     def num_preemptions(self) -> int:
@@ -247,12 +253,12 @@ class Scheduler:
                     if n <= 0:
                         continue
             if self.budget is not None and seq.klass is RequestClass.OFFLINE:
-                n = self.budget.offline_tokens(shape, seq, n)
+                n = self.budget.offline_tokens(shape, seq, n, now)
                 if n <= 0:
                     continue
             if not self._make_resident(seq, seq.num_computed_tokens + n, i, step):
                 continue
-            if self.budget is not None:
+            if self.record_shapes:
                 shape.add(seq, n)
             plan.scheduled.append(self._scheduled(seq, n))
             budget -= n
@@ -267,6 +273,8 @@ class Scheduler:
             demoted = self.kv.demote(self._swap_credit)
             plan.swap_out.extend(demoted)
             self._swap_credit -= len(demoted)
+        if self.record_shapes:
+            plan.shape = shape.astuple()
         plan.preemptible = bool(plan.scheduled) and all(
             self.seqs[s.request_id].klass is RequestClass.OFFLINE for s in plan.scheduled
         )
@@ -550,6 +558,8 @@ class Scheduler:
         done, tokens it computed are in the cache, each sampling request has
         one more output token, and the requests the engine saw stop leave."""
         self.kv.release_pending()
+        if plan.shape is not None and not outcome.abandoned and self._observe is not None:
+            self._observe(plan.shape, outcome.step_time)
         for rid in plan.swapped_in:
             seq = self.seqs.get(rid)
             if seq is not None and seq.status is SeqStatus.SWAPPING_IN:

@@ -1,0 +1,151 @@
+"""A cost model that learns from the steps it predicts.
+
+The SLO-aware budget (ConServe §4.2) and the preemption rule (§4.3) are only
+as good as the predicted step time. ConServe profiles the model offline; a
+daemon started without a profile (``--profile``) has only the roofline, which
+on a CPU or an unlisted GPU is off by 2-4x, in both directions depending on
+the step's shape (it misses per-step overhead, and it assumes a sustained
+FLOP rate the small GEMMs of a decode step never reach). So the engine
+reports every step it ran (its shape and measured seconds) and this model
+keeps a linear fit of them -- the same five terms as ``LinearCostModel`` --
+which replaces the prior once enough steps have been seen.
+
+The fit is least squares with exponential forgetting (old steps fade with a
+half-life, so the model follows a machine whose speed drifts), a light ridge
+pull toward the prior's own best linear fit of the same steps (directions
+the observed steps do not vary in keep the prior's slope, instead of
+whatever noise makes of them), and non-negative coefficients (a term that
+fits negative is dropped and the rest refit). Pure Python: five features,
+O(25) work a step, a 5x5 solve every ``refit_every`` steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fluidserve.scheduler.cost_model import CostModel, LinearCoefficients, LinearCostModel, _StepShapeMixin
+
+_N = 5  # base, prefill tokens, decode requests, context tokens, prefill attention pairs
+
+
+def _features(shape: tuple[int, int, int, int]) -> list[float]:
+    prefill, decodes, context, pairs = shape
+    return [1.0, float(prefill), float(decodes), float(context), float(pairs)]
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """x with a x = b (Gaussian elimination, partial pivoting); None if singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-12:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            if f:
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
+
+
+class CalibratingCostModel(_StepShapeMixin):
+    """Predicts with ``prior`` until ``min_steps`` steps have been observed,
+    then with a linear fit of the observed steps. Anything else a caller asks
+    of a cost model (``transfer_time``, ``describe``) is the prior's."""
+
+    def __init__(self, prior: CostModel, half_life_steps: float = 512.0, refit_every: int = 16,
+                 min_steps: int = 32, ridge: float = 0.001) -> None:
+        if half_life_steps <= 0 or refit_every < 1 or min_steps < 1 or ridge < 0:
+            raise ValueError("half_life_steps and ridge must be positive, refit_every and min_steps >= 1")
+        self.prior = prior
+        self.decay = 0.5 ** (1.0 / half_life_steps)
+        self.refit_every = refit_every
+        self.min_steps = min_steps
+        self.ridge = ridge
+        self.fitted: LinearCostModel | None = None
+        self.num_observed = 0
+        self._xx = [[0.0] * _N for _ in range(_N)]  # sum of w x x^T
+        self._xy = [0.0] * _N  # sum of w x y (measured)
+        self._xp = [0.0] * _N  # sum of w x y (the prior's prediction)
+        self._scale = [1.0] * _N  # largest |feature| seen: conditions the solve
+
+    def __getattr__(self, name: str) -> Any:  # only called for what this class lacks
+        if name == "prior":
+            raise AttributeError(name)
+        return getattr(self.prior, name)
+
+    def step_time(self, num_prefill_tokens: int, num_decode_seqs: int, total_context: int,
+                  prefill_attn_pairs: int | None = None) -> float:
+        model = self.fitted if self.fitted is not None else self.prior
+        return model.step_time(num_prefill_tokens, num_decode_seqs, total_context, prefill_attn_pairs)
+
+    def observe(self, shape: tuple[int, int, int, int], seconds: float) -> None:
+        """A step of ``shape`` (``plan_shape``'s tuple) took ``seconds``."""
+        if shape[0] + shape[1] == 0 or not math.isfinite(seconds) or seconds <= 0:
+            return
+        x = _features(shape)
+        prior = self.prior.step_time(*shape)
+        d = self.decay
+        xx, xy, xp, scale = self._xx, self._xy, self._xp, self._scale
+        for i in range(_N):
+            xi = x[i]
+            if xi > scale[i]:
+                scale[i] = xi
+            row = xx[i]
+            for j in range(_N):
+                row[j] = d * row[j] + xi * x[j]
+            xy[i] = d * xy[i] + xi * seconds
+            xp[i] = d * xp[i] + xi * prior
+        self.num_observed += 1
+        if self.num_observed >= self.min_steps and self.num_observed % self.refit_every == 0:
+            self.refit()
+
+    def refit(self) -> None:
+        """Refit from the steps observed so far (called every ``refit_every``)."""
+        s = self._scale
+        # In scaled units (feature / its largest value) the normal equations
+        # are well conditioned whatever the magnitudes (1 vs 1e6 pairs).
+        a = [[self._xx[i][j] / (s[i] * s[j]) for j in range(_N)] for i in range(_N)]
+        y = [self._xy[i] / s[i] for i in range(_N)]
+        p = [self._xp[i] / s[i] for i in range(_N)]
+        prior_w = self._nonneg_fit(a, p, [0.0] * _N, 0.0)
+        if prior_w is None:
+            return
+        w = self._nonneg_fit(a, y, prior_w, self.ridge)
+        if w is None:
+            return
+        self.fitted = LinearCostModel(LinearCoefficients(*(w[i] / s[i] for i in range(_N))),
+                                      {"calibrated_steps": self.num_observed})
+
+    @staticmethod
+    def _nonneg_fit(a: list[list[float]], y: list[float], toward: list[float], ridge: float) -> list[float] | None:
+        """argmin |X w - y|^2 + ridge * sum_i a_ii (w_i - toward_i)^2 with
+        w >= 0: the unconstrained solve, dropping (fixing at 0) any term that
+        comes out negative, until none does."""
+        active = list(range(_N))
+        while active:
+            sub = [[a[i][j] + (ridge * a[i][i] + 1e-9 if i == j else 0.0) for j in active] for i in active]
+            rhs = [y[i] + ridge * a[i][i] * toward[i] for i in active]
+            sol = _solve(sub, rhs)
+            if sol is None:
+                return None
+            if min(sol) >= 0:
+                w = [0.0] * _N
+                for i, v in zip(active, sol):
+                    w[i] = v
+                return w
+            del active[sol.index(min(sol))]
+        return None
+
+    def describe(self) -> dict:
+        out = {"kind": "calibrating", "observed_steps": self.num_observed,
+               "prior": self.prior.describe() if hasattr(self.prior, "describe") else type(self.prior).__name__}
+        if self.fitted is not None:
+            out["fitted"] = self.fitted.to_json()
+        return out
