@@ -32,10 +32,11 @@ from fluidserve.scheduler.request_state import SeqState
 # flat batch every decode rides in such steps while prefills queue.
 _STARVE_ITERATIONS = 10.0
 _REFERENCE_STEP_TOKENS = 2048
+_DECODE_SPAN = 16
 
 
 class _MLFQEntry:
-    __slots__ = ("level", "earned", "attained", "last_served", "promotions")
+    __slots__ = ("level", "earned", "attained", "last_served", "promotions", "decode_cost", "decode_span")
 
     def __init__(self, level: int, now: float) -> None:
         self.level = level
@@ -45,6 +46,12 @@ class _MLFQEntry:
         self.attained = 0.0  # seconds of service in the current level
         self.last_served = now  # arrival, or end of the last step it ran in
         self.promotions = 0
+        # One decode iteration's cost, reused while the context stays in the
+        # same span of _DECODE_SPAN tokens: a step's charge changes by a
+        # fraction of a percent within it, and the cost model is not called
+        # per request per step.
+        self.decode_cost = 0.0
+        self.decode_span = -1
 
 
 class MLFQPolicy(Policy):
@@ -124,12 +131,18 @@ class MLFQPolicy(Policy):
         e: _MLFQEntry = seq.policy_state["mlfq"]
         context = seq.num_computed_tokens - num_tokens
         if num_tokens == 1 and context > 0:
-            e.attained += self.cost.decode_time(1, context + 1)
+            span = context // _DECODE_SPAN
+            if span != e.decode_span:
+                e.decode_span = span
+                e.decode_cost = self.cost.decode_time(1, context + 1)
+            e.attained += e.decode_cost
         else:
             e.attained += self.cost.prefill_time(num_tokens, context)
         e.last_served = now
-        last = self.num_queues - 1
-        if e.attained < self.quanta[e.level] or e.level == last:
+        if e.attained < self.quanta[e.level]:
+            return
+        last = len(self.quanta) - 1
+        if e.level == last:
             return
         e.level += 1
         e.attained = 0.0

@@ -228,9 +228,10 @@ class Scheduler:
         shape = StepShape()  # of what is in the step so far (for the SLO budget)
         # decodes_below[i]: resident decodes ranked after position i.
         decodes_below = [0] * (len(ranked) + 1)
+        running = SeqStatus.RUNNING
         for i in range(len(ranked) - 1, -1, -1):
             s = ranked[i]
-            is_decode = s.status is SeqStatus.RUNNING and s.num_uncomputed_tokens == 1
+            is_decode = s.status is running and s.num_prompt_tokens + s.num_output_tokens - s.num_computed_tokens == 1
             decodes_below[i] = decodes_below[i + 1] + is_decode
         for i, seq in enumerate(ranked):
             slots = cfg.max_num_seqs - len(plan.scheduled)
@@ -240,7 +241,7 @@ class Scheduler:
                 continue  # gave its KV away this step
             if seq.status is SeqStatus.WAITING and not self._admit(seq, i, step):
                 continue
-            n = seq.num_uncomputed_tokens
+            uncomputed = n = seq.num_prompt_tokens + seq.num_output_tokens - seq.num_computed_tokens
             if n > 1:
                 if not cfg.enable_chunked_prefill:
                     if n > budget:
@@ -260,7 +261,7 @@ class Scheduler:
                 continue
             if self.record_shapes:
                 shape.add(seq, n)
-            plan.scheduled.append(self._scheduled(seq, n))
+            plan.scheduled.append(self._scheduled(seq, n, n == uncomputed))
             budget -= n
         if self.swap and cfg.proactive_swap:
             self._prefetch(step)
@@ -280,14 +281,14 @@ class Scheduler:
         )
         return plan
 
-    def _scheduled(self, seq: SeqState, n: int) -> ScheduledSeq:
+    def _scheduled(self, seq: SeqState, n: int, samples: bool) -> ScheduledSeq:
         table = self.kv.block_table(seq.request_id)
         sent = seq.num_blocks_sent
         new_table = sent == 0
         # Most steps add no block to a request: no list to make then.
         ids = list(table) if new_table else table[sent:] if len(table) > sent else _NO_BLOCKS
         seq.num_blocks_sent = len(table)
-        return ScheduledSeq(seq.request_id, n, n == seq.num_uncomputed_tokens, ids, new_table)
+        return ScheduledSeq(seq.request_id, n, samples, ids, new_table)
 
     # -- residency ----------------------------------------------------------
     def _make_resident(self, seq: SeqState, num_tokens: int, pos: int, step: _Step) -> bool:
@@ -298,6 +299,8 @@ class Scheduler:
         to the host."""
         rid = seq.request_id
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPING_IN):
+            if len(self.kv.block_table(rid)) * self.kv.block_size >= num_tokens:
+                return True  # most decodes: the last block has room
             need = self.kv.num_new_blocks(rid, num_tokens)
             if not need:  # most decodes: the last block has room
                 return True
