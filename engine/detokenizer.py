@@ -131,6 +131,10 @@ class TextStream:
         are never in ``text`` until the stream finishes; on ``finished`` any
         trailing partial bytes are decoded as they are (U+FFFD, matching a
         plain ``tokenizer.decode``) and everything is released."""
+        if not finished and not self._stops:  # nothing is held back: all of the text is final
+            chunk = self._text[self._released:]
+            self._released = len(self._text)
+            return chunk
         if finished and not self._stopped and not self._finalised:
             self._text += self._decode_remainder()
         if finished:

@@ -132,9 +132,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         klass: str | RequestClass = RequestClass.ONLINE,
         arrival_time: float | None = None,
+        final_only: bool = False,
     ) -> None:
         """Validate and enqueue a request. Raises ValueError naming the bad
-        parameter; nothing is enqueued then."""
+        parameter; nothing is enqueued then. A ``final_only`` request yields
+        only its finished output (equal to a streamed one's last output)."""
         params = (params or SamplingParams()).with_extra_eos(self.eos_token_ids - {self.eos_token_id})
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -142,10 +144,12 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
         now = time.monotonic() if arrival_time is None else arrival_time
-        req = Request(request_id, text, token_ids, params, klass, now, max_tokens)
+        req = Request(request_id, text, token_ids, params, klass, now, max_tokens, final_only=final_only)
+        lazy_text = final_only and params.n == 1 and not params.stop
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # nothing predicts the first prompt token
         keys = block_keys(token_ids, self.kv.block_size) if self.kv.prefix_caching else []
+        stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
         for i in range(params.n):
             # A request scoring its prompt must compute every position: it
             # takes no prefix-cache hits, but offers its blocks to others.
@@ -153,7 +157,9 @@ class LLMEngine:
                              reads_cache=req.prompt_logprobs is None)
             seq = Sequence(i, state, req, TextStream(self.tokenizer, token_ids, params),
                            logprobs=[] if params.logprobs is not None else None,
-                           new_logprobs=[] if params.logprobs is not None else None)
+                           new_logprobs=[] if params.logprobs is not None else None,
+                           stop_ids=stop_ids, max_output_len=min(max_tokens, self.max_model_len - len(token_ids)),
+                           lazy_text=lazy_text)
             req.seqs.append(seq)
         self.requests[request_id] = req
         for seq in req.seqs:
@@ -250,31 +256,54 @@ class LLMEngine:
     def _model_input(self, plan: StepPlan) -> ModelInput:
         inp = ModelInput(swap_out=plan.swap_out, swap_in=plan.swap_in, finished_ids=self._finished_constrained)
         self._finished_constrained = []
-        swapped_in = set(plan.swapped_in)
         scored: dict[str, int] = {}  # request id -> prompt positions scored once this step has run
         bs = self.kv.block_size
+        seqs = self.seqs
+        # Bound appends: a decode row is a handful of them (this loop runs
+        # once per scheduled sequence per step).
+        add_id, add_pos, add_slot = inp.input_ids.append, inp.positions.append, inp.slot_mapping.append
+        add_qsl, add_len, add_table = inp.query_start_loc.append, inp.seq_lens.append, inp.block_tables.append
+        add_idx, add_spec, add_sid = inp.sample_indices.append, inp.samples.append, inp.sample_ids.append
+        num_tokens = 0
         for item in plan.scheduled:
-            seq = self.seqs[item.request_id]
+            seq = seqs[item.request_id]
             if item.new_table:
-                seq.block_table = item.block_ids
+                seq.block_table = table = item.block_ids
             else:
-                seq.block_table += item.block_ids
-            table = seq.block_table
-            inp.wait_for_swap_in |= item.request_id in swapped_in
+                table = seq.block_table
+                if item.block_ids:
+                    table += item.block_ids
             start = seq.state.num_computed_tokens
-            end = start + item.num_tokens
-            if seq.request.prompt_logprobs is not None:
-                self._score_prompt(seq.request, start, end, len(inp.input_ids), scored, inp)
-            inp.input_ids += seq.tokens(start, end)
-            inp.positions += range(start, end)
-            inp.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            inp.query_start_loc.append(inp.query_start_loc[-1] + item.num_tokens)
-            inp.seq_lens.append(end)
-            inp.block_tables.append(table)
+            n = item.num_tokens
+            req = seq.request
+            if n == 1 and req.prompt_logprobs is None:
+                # A decode (or a one-token chunk): the token at position start.
+                prompt = req.prompt_token_ids
+                add_id(prompt[start] if start < len(prompt) else seq.output_token_ids[start - len(prompt)])
+                add_pos(start)
+                add_slot(table[start // bs] * bs + start % bs)
+            else:
+                end = start + n
+                if req.prompt_logprobs is not None:
+                    self._score_prompt(req, start, end, num_tokens, scored, inp)
+                inp.input_ids += seq.tokens(start, end)
+                inp.positions += range(start, end)
+                inp.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            num_tokens += n
+            add_qsl(num_tokens)
+            add_len(start + n)
+            add_table(table)
             if item.samples:
-                inp.sample_indices.append(len(inp.input_ids) - 1)
-                inp.samples.append(self._sample_spec(seq))
-                inp.sample_ids.append(item.request_id)
+                add_idx(num_tokens - 1)
+                spec = seq.sample_spec
+                if spec is not None and spec.seed is None:  # made before, unseeded: only the count moves
+                    spec.num_output_tokens = len(seq.output_token_ids)
+                else:
+                    spec = self._sample_spec(seq)
+                add_spec(spec)
+                add_sid(item.request_id)
+        if plan.swapped_in:
+            inp.wait_for_swap_in = not set(plan.swapped_in).isdisjoint(item.request_id for item in plan.scheduled)
         return inp
 
     @staticmethod
@@ -296,26 +325,33 @@ class LLMEngine:
 
     @staticmethod
     def _sample_spec(seq: Sequence) -> SampleSpec:
-        p = seq.request.params
+        """The sequence's sampler row for this step: made once, then only the
+        per-step fields change (its token history is the live output list)."""
+        spec = seq.sample_spec
         n_out = len(seq.output_token_ids)
-        # A fresh seed per (request seed, completion, position): reproducible
-        # whatever else shares the batch, and stateless across workers.
-        seed = None if p.seed is None else hash((p.seed, seq.index, n_out)) & 0x7FFF_FFFF_FFFF_FFFF
-        # A grammar matcher on the worker is checked against (and if need
-        # be rebuilt from) the outputs so far.
-        needs_history = (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.min_tokens
-                         or any(len(w) > 1 for w in p.bad_words_token_ids) or p.structured_outputs is not None)
-        return SampleSpec(
-            params=p, seed=seed,
-            prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else [],
-            output_token_ids=list(seq.output_token_ids) if needs_history else [],
-            num_output_tokens=n_out,
-        )
+        if spec is None:
+            p = seq.request.params
+            # A grammar matcher on the worker is checked against (and if need
+            # be rebuilt from) the outputs so far.
+            needs_history = (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                             or p.min_tokens or any(len(w) > 1 for w in p.bad_words_token_ids)
+                             or p.structured_outputs is not None)
+            spec = seq.sample_spec = SampleSpec(
+                params=p, seed=None,
+                prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else [],
+                output_token_ids=seq.output_token_ids if needs_history else [],
+            )
+        spec.num_output_tokens = n_out
+        seed = spec.params.seed
+        if seed is not None:
+            # A fresh seed per (request seed, completion, position): reproducible
+            # whatever else shares the batch, and stateless across workers.
+            spec.seed = hash((seed, seq.index, n_out)) & 0x7FFF_FFFF_FFFF_FFFF
+        return spec
 
     def _process(self, plan: StepPlan, result: StepResult) -> tuple[list[RequestOutput], list[str]]:
         """Append each sampled token to its sequence; the outputs of the
         requests that moved, and the sequences that stopped."""
-        touched: dict[str, Request] = {}
         finished: list[str] = []
         for rid, entries in result.prompt_logprobs.items():
             req = self.requests.get(rid)
@@ -326,36 +362,62 @@ class LLMEngine:
                 for t, lp in entry.items():
                     lp.decoded = decode(t)
             req.prompt_logprobs.extend(entries)
+        seqs = self.seqs
+        offline = RequestClass.OFFLINE
+        touched: list[Request] = []  # in the order of their first token this step
+        seen: set[str] = set()  # requests of n > 1 already in touched
+        num_appended = num_offline = 0
         for rid, token in result.sampled.items():
-            seq = self.seqs.get(rid)
+            seq = seqs.get(rid)
             if seq is None:
                 continue
-            if self._append(seq, token):
+            num_appended += 1
+            stopped = self._append(seq, token)
+            if stopped:
                 finished.append(rid)
-            touched[seq.request.request_id] = seq.request
+            req = seq.request
+            if req.klass is offline:
+                num_offline += 1
+            if len(req.seqs) == 1:
+                if stopped or not seq.lazy_text:  # a lazy one has no output before its last
+                    touched.append(req)
+            elif req.request_id not in seen:
+                seen.add(req.request_id)
+                touched.append(req)
+        self.stats_.generation_tokens_total += num_appended
+        self.stats_.offline_generation_tokens_total += num_offline
         outputs = []
-        for req in touched.values():
-            outputs.append(RequestOutput(
-                request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                outputs=[s.take_output() for s in req.seqs], finished=req.finished,
-                prompt_logprobs=req.prompt_logprobs,
-                first_scheduled_time=min((s.state.first_scheduled_time for s in req.seqs
-                                          if s.state.first_scheduled_time is not None),
-                                         default=getattr(self, "_step_start", None)),
-            ))
-            if req.finished:
-                self.requests.pop(req.request_id, None)
+        for req in touched:
+            out = self._output(req)
+            if out.finished or not req.final_only:
+                outputs.append(out)
         return outputs, finished
+
+    def _output(self, req: Request) -> RequestOutput:
+        """The request's output after this step; a finished request leaves the engine."""
+        first = None  # when any of its sequences first ran; this step if none has
+        for s in req.seqs:
+            t = s.state.first_scheduled_time
+            if t is not None and (first is None or t < first):
+                first = t
+        finished = req.finished
+        if req.final_only and req.seqs[0].lazy_text:
+            req.seqs[0].catch_up_text()
+        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [s.take_output() for s in req.seqs],
+                            finished, None, getattr(self, "_step_start", None) if first is None else first,
+                            req.prompt_logprobs)
+        if finished:
+            self.requests.pop(req.request_id, None)
+        return out
 
     def _append(self, seq: Sequence, token) -> bool:
         """Append a sampled token; True when the sequence stops on it."""
         tid = token.token_id
-        seq.output_token_ids.append(tid)
+        out = seq.output_token_ids
+        out.append(tid)
         seq.new_token_ids.append(tid)
-        self._extend_block_keys(seq)
-        self.stats_.generation_tokens_total += 1
-        if seq.request.klass is RequestClass.OFFLINE:
-            self.stats_.offline_generation_tokens_total += 1
+        if (len(seq.request.prompt_token_ids) + len(out)) % self.kv.block_size == 0:
+            self._extend_block_keys(seq)
         if seq.logprobs is not None and token.logprobs is not None:
             for t, lp in token.logprobs.items():
                 lp.decoded = seq.stream.decode_token(t)
@@ -382,18 +444,16 @@ class LLMEngine:
             keys.append(chain_key(keys[-1] if keys else ROOT_KEY, seq.tokens(n - bs, n)))
 
     def _stop_reason(self, seq: Sequence, tid: int) -> str | None:
-        p = seq.request.params
-        if tid in self.eos_token_ids and not p.ignore_eos:
+        if tid in seq.stop_ids:  # EOS (unless ignore_eos) or one of stop_token_ids
+            if tid not in self.eos_token_ids or seq.request.params.ignore_eos:
+                seq.stop_reason = tid
             return "stop"
-        if tid in p.stop_token_ids:
-            seq.stop_reason = tid
-            return "stop"
-        matched = seq.stream.append(tid)
-        if matched is not None:
-            seq.stop_reason = matched
-            return "stop"
-        n_out = len(seq.output_token_ids)
-        if n_out >= seq.request.max_tokens or len(seq.request.prompt_token_ids) + n_out >= self.max_model_len:
+        if not seq.lazy_text:  # a lazy stream has no stop strings: it takes its tokens at the end
+            matched = seq.stream.append(tid)
+            if matched is not None:
+                seq.stop_reason = matched
+                return "stop"
+        if len(seq.output_token_ids) >= seq.max_output_len:
             return "length"
         return None
 

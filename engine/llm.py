@@ -39,7 +39,7 @@ class LLM:
         ids = [next_request_id("llm") for _ in prompts]
         try:
             for rid, prompt, p in zip(ids, prompts, params_list):
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, final_only=True)
         except ValueError:
             for rid in ids:
                 self.engine.abort(rid)

@@ -1,12 +1,17 @@
 """The engine's mutable state of a request: its prompt, parameters, and one
 ``Sequence`` per completion (``n`` of them). Each Sequence owns a SeqState,
-the only part the scheduler sees."""
+the only part the scheduler sees.
+
+A Sequence also keeps what the engine's per-step work reads of it worked out
+once (its stop ids, its length limit, its sampler row), so a decode row costs
+a few appends and lookups, never work that grows with the output so far."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from fluidserve.scheduler.request_state import RequestClass, SeqState
+from fluidserve.engine.batch import SampleSpec
 from fluidserve.engine.outputs import CompletionOutput, TokenLogprobs
 from fluidserve.engine.sampling_params import SamplingParams
 
@@ -28,6 +33,19 @@ class Sequence:
     # The engine's copy of the device block table, kept from the block ids
     # each StepPlan carries (the scheduler resends it whole after a move).
     block_table: list[int] = field(default_factory=list)
+    # Worked out once, read every step (engine._append / _stop_reason):
+    # tokens that may end the sequence (EOS unless ignore_eos, stop_token_ids),
+    # and the output length at which it ends ("length").
+    stop_ids: frozenset[int] = frozenset()
+    max_output_len: int = 0
+    # The sampler row, made on the first sample and updated in place after:
+    # its token history is the live output list (read by the worker within
+    # the step, before this step's token is appended).
+    sample_spec: SampleSpec | None = None
+    # The text is due only once the sequence finishes (a final-only request
+    # of one completion and no stop strings): the stream takes its tokens
+    # then, in one go (catch_up_text), instead of one per step.
+    lazy_text: bool = False
 
     @property
     def seq_id(self) -> str:
@@ -47,23 +65,32 @@ class Sequence:
             return self.output_token_ids[start - n:end - n]
         return prompt[start:] + self.output_token_ids[:end - n]
 
+    def catch_up_text(self) -> None:
+        """For a finished ``lazy_text`` sequence: feed the stream every token
+        a streamed one would have fed, and set the state its last output
+        before this step would have left, so ``take_output`` returns exactly
+        the streamed final output (deltas included)."""
+        out = self.output_token_ids
+        for t in out[:-1]:
+            self.stream.append(t)
+        self.emitted_text = self.stream.flush(False)  # what the previous step's output released
+        if self.finish_reason == "length":  # a stop token is never detokenized (no stop strings here)
+            self.stream.append(out[-1])
+        self.new_token_ids = out[-1:]
+        if self.logprobs is not None:
+            self.new_logprobs = self.logprobs[-1:]
+
     def take_output(self) -> CompletionOutput:
         """The completion so far plus what is new since the last call."""
-        delta = self.stream.flush(self.finished)
-        self.emitted_text += delta
-        out = CompletionOutput(
-            index=self.index,
-            text=self.emitted_text,
-            token_ids=self.output_token_ids,  # live, not copied: see CompletionOutput
-            logprobs=self.logprobs,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            text_delta=delta,
-            new_token_ids=self.new_token_ids,
-            new_logprobs=self.new_logprobs,
-        )
+        delta = self.stream.flush(self.finish_reason is not None)
+        if delta:
+            self.emitted_text += delta
+        # token_ids and logprobs are live, not copied: see CompletionOutput.
+        out = CompletionOutput(self.index, self.emitted_text, self.output_token_ids, self.logprobs,
+                               self.finish_reason, self.stop_reason, delta, self.new_token_ids, self.new_logprobs)
         self.new_token_ids = []
-        self.new_logprobs = [] if self.logprobs is not None else None
+        if self.logprobs is not None:
+            self.new_logprobs = []
         return out
 
 
@@ -80,7 +107,13 @@ class Request:
     # Prompt positions scored so far (params.prompt_logprobs), shared by the
     # n completions: whichever computes a position first scores it.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Only the finished output is handed back (LLM.generate): no output of
+    # the steps before is built.
+    final_only: bool = False
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        for s in self.seqs:
+            if s.finish_reason is None:
+                return False
+        return True
