@@ -28,13 +28,15 @@ Writes benchmarks/results/coserving.{json,md}.
 ``cpu-deep``: 16 thin layers), driven in-process through ``AsyncEngine``, the
 bridge the server uses: a standing backlog of long offline prompts from t = 0,
 online requests arriving at random (Poisson) while it runs, each request's
-TTFT taken from ``add_request`` to its first token. Three variants on the same
-arrivals: online only; priority + TPOT budget; the same with layer-wise
-preemption (``--preemption-safepoint-layers``). Online P99 TTFT side by side,
-with the offline tokens processed in the online window and the work thrown
-away by abandoned steps.
+TTFT taken from ``add_request`` to its first token and its TPOT from then to
+its last. The same designs on the same arrivals (online only, offline only,
+naive, priority, priority + budget, full). The budget's SLOs default to
+(1 + ``--real-slo-slack``) x the online-only run's P99 TTFT and TPOT: an
+operator asking to keep online latency within 10% of an idle machine's. The
+offline share is of the offline-only run's throughput in the same window, and
+of that scaled to the idle capacity the online-only run leaves.
 
-    python benchmarks/coserving.py --real-engine   # ~3 min on 2 cores
+    python benchmarks/coserving.py --real-engine   # ~4 min on 2 cores
 Writes benchmarks/results/coserving_real.{json,md}.
 """
 
@@ -42,8 +44,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+# Before torch loads (the real engine runs in this process): idle OpenMP
+# threads sleep, as ``fluidserve serve`` sets them. Spinning threads on a
+# shared machine wait for each other and make each decode step several times
+# slower, which would measure the machine, not the scheduling.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from fluidserve.scheduler.cost_model import default_cost_model
 from fluidserve.scheduler.request_state import RequestClass
@@ -64,12 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-offline", type=int, default=24, help="real engine: offline backlog")
     ap.add_argument("--real-offline-prompt", type=int, default=1024)
     ap.add_argument("--real-batched-tokens", type=int, default=1024, help="real engine: token budget of a step")
-    ap.add_argument("--real-tpot-slo-ms", type=float, default=150.0)
+    ap.add_argument("--real-ttft-slo-ms", type=float, default=None,
+                    help="real engine: online TTFT SLO of the budget variants (default: from online only)")
+    ap.add_argument("--real-tpot-slo-ms", type=float, default=None,
+                    help="real engine: online TPOT SLO of the budget variants (default: from online only)")
+    ap.add_argument("--real-slo-slack", type=float, default=0.1,
+                    help="real engine: default SLOs are (1 + this) x the online-only P99 TTFT and TPOT")
     ap.add_argument("--workload-dir", default=str(DEFAULT_WORKLOAD_DIR))
     ap.add_argument("--online-jobs", type=int, default=400)
     ap.add_argument("--offline-jobs", type=int, default=1500)
     ap.add_argument("--load", type=float, default=0.5, help="online rate as a fraction of the saturated rate")
     ap.add_argument("--tpot-slo-ms", type=float, default=40.0)
+    ap.add_argument("--ttft-slo-ms", type=float, default=None,
+                    help="online TTFT SLO: caps steps that prefill online work (default: none)")
     ap.add_argument("--safepoint-layers", type=int, default=2, help="layer-wise preemption: layers between checks")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
@@ -93,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     naive = [Job(j.request_id, j.arrival_time, j.prompt_tokens, j.output_tokens) for j in offline]
 
     plain = {"kv_checkpoint_threshold": None}
-    budget = {"online_tpot_slo_ms": args.tpot_slo_ms}
+    budget = {"online_tpot_slo_ms": args.tpot_slo_ms, "online_ttft_slo_ms": args.ttft_slo_ms}
     runs = {
         "online only": (online, plain),
         "offline only": (offline, plain),
@@ -153,11 +169,23 @@ def main(argv: list[str] | None = None) -> int:
 
 # -- the real engine ---------------------------------------------------------------------
 
+# (design, online requests, offline backlog, offline enters as, SLOs on, safepoint layers, checkpointing)
+REAL_VARIANTS = [
+    ("online only", True, False, "offline", False, 0, False),
+    ("offline only", False, True, "offline", False, 0, False),
+    ("naive (one queue)", True, True, "online", False, 0, False),
+    ("priority", True, True, "offline", False, 0, False),
+    ("priority + budget", True, True, "offline", True, 0, False),
+    ("full (+ layer preemption, checkpointing)", True, True, "offline", True, None, True),
+]
 
-async def _real_variant(model_dir: Path, args, backlog: bool, safepoint_layers: int,
-                        arrivals: list[float]) -> dict:
+
+async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on: bool, backlog: bool,
+                        offline_klass: str, slos: tuple[float, float] | None, safepoint_layers: int,
+                        checkpointing: bool, window_s: float | None = None) -> dict:
     """One variant on the real engine; the online requests arrive at
-    ``arrivals`` (seconds after the backlog was queued)."""
+    ``arrivals`` (seconds after the backlog was queued); without online
+    requests the backlog runs for ``window_s``."""
     import asyncio
     import time
 
@@ -168,10 +196,22 @@ async def _real_variant(model_dir: Path, args, backlog: bool, safepoint_layers: 
 
     prompt_len = args.real_offline_prompt
     blocks = (args.real_offline * (prompt_len + 64) + args.real_online * 128) // BLOCK + 64
+    ttft_slo, tpot_slo = slos if slos else (None, None)
     engine = LLMEngine(EngineConfig(
         model=str(model_dir), load_format="dummy", device="cpu", num_kv_blocks=blocks,
         max_num_batched_tokens=args.real_batched_tokens, enable_prefix_caching=False,
-        online_tpot_slo_ms=args.real_tpot_slo_ms, preemption_safepoint_layers=safepoint_layers))
+        online_tpot_slo_ms=tpot_slo, online_ttft_slo_ms=ttft_slo, preemption_safepoint_layers=safepoint_layers,
+        kv_checkpoint_threshold=0.5 if checkpointing else None))
+    busy = {"s": 0.0}
+    step = engine.step
+
+    def timed_step():  # the device's busy time: every step that ran work
+        t = time.monotonic()
+        out = step()
+        busy["s"] += time.monotonic() - t
+        return out
+
+    engine.step = timed_step
     ae = AsyncEngine(engine)
     ae.start()
     offline_done = {"tokens": 0}
@@ -180,7 +220,7 @@ async def _real_variant(model_dir: Path, args, backlog: bool, safepoint_layers: 
     async def offline(i: int) -> None:
         ids = [(7 * i + p) % 30000 + 1 for p in range(prompt_len)]
         stream = await ae.add_request(f"off{i}", ids, SamplingParams(temperature=0.0, max_tokens=32,
-                                                                     ignore_eos=True), klass="offline")
+                                                                     ignore_eos=True), klass=offline_klass)
         seen = 0
         async for out in stream:
             n = len(out.outputs[0].token_ids)
@@ -188,17 +228,20 @@ async def _real_variant(model_dir: Path, args, backlog: bool, safepoint_layers: 
                 offline_done["tokens"] += (prompt_len if seen == 0 and n else 0) + n - seen
             seen = n
 
-    async def online(i: int, at: float, t0: float) -> float:
+    async def online(i: int, at: float, t0: float) -> tuple[float, float]:
         await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
         ids = [(13 * i + p) % 30000 + 1 for p in range(64)]
         start = time.monotonic()
         stream = await ae.add_request(f"on{i}", ids, SamplingParams(temperature=0.0, max_tokens=8,
                                                                     ignore_eos=True), klass="online")
-        ttft = None
+        first = last = None
+        n = 0
         async for out in stream:
-            if ttft is None and out.outputs[0].token_ids:
-                ttft = time.monotonic() - start
-        return ttft
+            n = len(out.outputs[0].token_ids)
+            if n and first is None:
+                first = time.monotonic()
+            last = time.monotonic()
+        return first - start, (last - first) / max(1, n - 1)
 
     try:
         warm = await ae.add_request("warm-up", list(range(1, 65)), SamplingParams(max_tokens=2), klass="online")
@@ -206,19 +249,29 @@ async def _real_variant(model_dir: Path, args, backlog: bool, safepoint_layers: 
             pass
         background = [asyncio.create_task(offline(i)) for i in range(args.real_offline if backlog else 0)]
         await asyncio.sleep(0.5)  # the backlog is running before the first online arrival
+        busy["s"] = 0.0
         t0 = time.monotonic()
-        ttfts = await asyncio.gather(*(online(i, at, t0) for i, at in enumerate(arrivals)))
+        if online_on:
+            results = await asyncio.gather(*(online(i, at, t0) for i, at in enumerate(arrivals)))
+        else:
+            results = []
+            await asyncio.sleep(window_s)
         window_end["t"] = time.monotonic()
         window = window_end["t"] - t0
+        busy_s = busy["s"]
         stats = engine.stats()
         for task in background:
             task.cancel()
     finally:
         await ae.shutdown()
-    return {"ttfts_s": ttfts, "p99_ttft_s": percentile(ttfts, 99), "p50_ttft_s": percentile(ttfts, 50),
-            "window_s": window, "offline_tokens_per_s": offline_done["tokens"] / window,
-            "steps_abandoned": stats.num_steps_abandoned, "abandoned_tokens": stats.abandoned_tokens,
-            "steps": stats.num_steps}
+    row = {"window_s": window, "busy_s": busy_s, "offline_tokens_per_s": offline_done["tokens"] / window,
+           "steps_abandoned": stats.num_steps_abandoned, "abandoned_tokens": stats.abandoned_tokens,
+           "checkpoint_evictions": stats.num_checkpoint_evictions, "steps": stats.num_steps}
+    if results:
+        ttfts, tpots = [r[0] for r in results], [r[1] for r in results]
+        row.update(ttfts_s=ttfts, tpots_s=tpots, p99_ttft_s=percentile(ttfts, 99), p50_ttft_s=percentile(ttfts, 50),
+                   p99_tpot_s=percentile(tpots, 99), p50_tpot_s=percentile(tpots, 50))
+    return row
 
 
 def real_engine(args, argv: list[str] | None) -> int:
@@ -237,40 +290,62 @@ def real_engine(args, argv: list[str] | None) -> int:
     for _ in range(args.real_online):
         arrivals.append(t)
         t += rng.expovariate(1.0 / args.real_gap_s)
-    variants = [("online only", False, 0), ("priority + budget", True, 0),
-                ("priority + budget + layer preemption", True, DEFAULT_SAFEPOINT_LAYERS)]
-    rows = []
-    for name, backlog, k in variants:
-        res = asyncio.run(_real_variant(model_dir, args, backlog, k, arrivals))
-        rows.append({"design": name, "safepoint_layers": k, **res})
-        print(f"{name}: P99 TTFT {res['p99_ttft_s']:.3f} s, P50 {res['p50_ttft_s']:.3f} s, "
-              f"offline {res['offline_tokens_per_s']:.0f} tok/s, {res['steps_abandoned']} steps abandoned",
-              flush=True)
-    ref = rows[0]
+    load_start = os.getloadavg()
+    rows: list[dict] = []
+    slos: tuple[float, float] | None = None
+    for name, online_on, backlog, klass, with_slo, k, ckpt in REAL_VARIANTS:
+        if with_slo and slos is None:
+            ref = rows[0]  # online only: the SLOs hold online latency to (1 + slack) of it
+            slos = (args.real_ttft_slo_ms or (1 + args.real_slo_slack) * ref["p99_ttft_s"] * 1e3,
+                    args.real_tpot_slo_ms or (1 + args.real_slo_slack) * ref["p99_tpot_s"] * 1e3)
+        res = asyncio.run(_real_variant(
+            model_dir, args, arrivals, online_on, backlog, klass, slos if with_slo else None,
+            DEFAULT_SAFEPOINT_LAYERS if k is None else k, ckpt, window_s=rows[0]["window_s"] if rows else None))
+        rows.append({"design": name, **res})
+        print(f"{name}: " + (f"P99 TTFT {res['p99_ttft_s'] * 1e3:.0f} ms, P99 TPOT {res['p99_tpot_s'] * 1e3:.1f} ms, "
+                             if "p99_ttft_s" in res else "")
+              + f"offline {res['offline_tokens_per_s']:.0f} tok/s, busy {res['busy_s']:.1f} of {res['window_s']:.1f} s, "
+              f"{res['steps_abandoned']} steps abandoned", flush=True)
+    ref, alone = rows[0], rows[1]
+    idle = max(0.0, 1.0 - ref["busy_s"] / ref["window_s"])  # the share of the window online work leaves
+    for r in rows[2:]:
+        r["offline_share"] = r["offline_tokens_per_s"] / alone["offline_tokens_per_s"]
+        r["offline_share_of_idle"] = r["offline_share"] / idle if idle > 0 else float("nan")
+    load_end = os.getloadavg()
     cmd = " ".join(argv if argv is not None else sys.argv[1:])
-    out = ["# Co-serving on the real engine: layer-wise preemption (ConServe §4.3)", "",
+    out = ["# Co-serving on the real engine (ConServe §4)", "",
            f"Command: `python benchmarks/coserving.py {cmd}`. Preset `{args.preset}` (random weights, fp32) "
-           f"on the CPU ({platform.machine()}, machine shared with other work), in-process through AsyncEngine. "
-           f"Backlog: {args.real_offline} offline requests of {args.real_offline_prompt} prompt tokens from "
-           f"t = 0; {args.real_online} online requests (64 prompt tokens, 8 output) arriving as a Poisson "
-           f"process, mean gap {args.real_gap_s:g} s; step budget {args.real_batched_tokens} tokens; TPOT "
-           f"budget {args.real_tpot_slo_ms:g} ms; no TTFT SLO (any online arrival interrupts an offline-only "
-           f"step); safepoints every {DEFAULT_SAFEPOINT_LAYERS} layers.", "",
-           "| design | online P99 TTFT (s) | vs online only | online P50 TTFT (s) | offline tokens/s in the "
-           "window | steps abandoned | tokens thrown away |", "|---|---|---|---|---|---|---|"]
+           f"on the CPU ({platform.machine()}, {os.cpu_count()} cores), in-process through AsyncEngine. "
+           f"Backlog: {args.real_offline} offline requests of {args.real_offline_prompt} prompt tokens and 32 "
+           f"output from t = 0; {args.real_online} online requests (64 prompt tokens, 8 output) arriving as a "
+           f"Poisson process, mean gap {args.real_gap_s:g} s; step budget {args.real_batched_tokens} tokens. "
+           f"SLOs of the budget variants: TTFT {slos[0]:.0f} ms, TPOT {slos[1]:.1f} ms"
+           + (f" ({1 + args.real_slo_slack:g}x the online-only P99s)" if not (args.real_ttft_slo_ms
+                                                                            or args.real_tpot_slo_ms) else "")
+           + f"; cost model: roofline prior, calibrated from the steps run; safepoints every "
+           f"{DEFAULT_SAFEPOINT_LAYERS} layers in the full design. Idle capacity: {idle:.0%} of the window "
+           f"(1 - the online-only run's busy time / its window).", "",
+           f"Load average (1 min) at the start {load_start[0]:.2f}, at the end {load_end[0]:.2f}; "
+           f"{os.cpu_count()} cores shared with other work.", "",
+           "| design | online P99 TTFT (ms) | vs online only | P50 TTFT (ms) | online P99 TPOT (ms) | vs online only "
+           "| offline tok/s in the window | share of offline only | share of offline only x idle "
+           "| steps abandoned | tokens thrown away |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['design']} | {r['p99_ttft_s']:.3f} | {r['p99_ttft_s'] / ref['p99_ttft_s']:.2f}x | "
-                   f"{r['p50_ttft_s']:.3f} | {r['offline_tokens_per_s']:.0f} | {r['steps_abandoned']} | "
-                   f"{r['abandoned_tokens']} |")
-    base, pre = rows[1], rows[2]
-    out += ["", f"Layer-wise preemption: online P99 TTFT {base['p99_ttft_s'] / pre['p99_ttft_s']:.2f}x lower "
-            f"than priority + budget alone; offline throughput in the window "
-            f"{pre['offline_tokens_per_s'] / base['offline_tokens_per_s']:.2f}x of it."]
+        on = "p99_ttft_s" in r
+        cells = ([f"{r['p99_ttft_s'] * 1e3:.0f}", f"{r['p99_ttft_s'] / ref['p99_ttft_s']:.2f}x",
+                  f"{r['p50_ttft_s'] * 1e3:.0f}", f"{r['p99_tpot_s'] * 1e3:.1f}",
+                  f"{r['p99_tpot_s'] / ref['p99_tpot_s']:.2f}x"] if on else [""] * 5)
+        cells += [f"{r['offline_tokens_per_s']:.0f}",
+                  f"{r['offline_share']:.0%}" if "offline_share" in r else "",
+                  f"{r['offline_share_of_idle']:.0%}" if "offline_share_of_idle" in r else "",
+                  str(r["steps_abandoned"]), str(r["abandoned_tokens"])]
+        out.append(f"| {r['design']} | " + " | ".join(cells) + " |")
     md = "\n".join(out) + "\n"
     dest = Path(args.out_dir)
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "coserving_real.json").write_text(json.dumps({"args": vars(args), "arrivals_s": arrivals,
-                                                          "rows": rows}, indent=1))
+    (dest / "coserving_real.json").write_text(json.dumps({"args": vars(args), "arrivals_s": arrivals, "slos_ms": slos,
+                                                          "idle_share": idle, "load_start": load_start,
+                                                          "load_end": load_end, "rows": rows}, indent=1))
     (dest / "coserving_real.md").write_text(md)
     print(md)
     return 0

@@ -133,11 +133,12 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 def _fluidserve_runner(model_dir: str, dtype: str, opts: dict):
-    import torch
-
+    # fluidserve before torch, as a user's script would: the package sets
+    # OpenMP's wait policy while torch has not loaded it yet.
     from fluidserve.engine import LLM, SamplingParams
-
     from fluidserve.engine.config import EngineConfig
+
+    import torch
 
     if opts.get("threads"):
         torch.set_num_threads(opts["threads"])
@@ -566,7 +567,10 @@ def _load(bc, port: int, rate: float, args: argparse.Namespace, model: str | Non
              "--length-dist", "uniform", "--length-range", "0.5", "--num-requests", str(args.num_requests),
              "--request-rate", str(rate), "--seed", str(args.seed)]
     if model:  # a server whose /v1/models lists nothing (transformers serve) is asked for its model by name
-        flags += ["--model", model]
+        # It also refuses vLLM's ignore_eos (HTTP 422): the random model's
+        # outputs run to max_tokens anyway (the report counts the tokens each
+        # server really streamed).
+        flags += ["--model", model, "--no-ignore-eos"]
     if args.slo_ttft_ms:
         flags += ["--slo-ttft-ms", str(args.slo_ttft_ms)]
     if args.slo_tpot_ms:
