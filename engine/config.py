@@ -46,6 +46,11 @@ class EngineConfig:
     executor: str = "local"  # local | ray
     tensor_parallel_size: int = 1
     ray_address: str | None = None
+    # vLLM's flag. Eager by default until decode graph capture
+    # (engine/cuda_graphs.py) has been verified on a GPU; False captures
+    # decode-only steps in batch-size buckets on CUDA (eager elsewhere).
+    enforce_eager: bool = True
+    cuda_graph_sizes: tuple[int, ...] | None = None  # buckets (default cuda_graphs.DEFAULT_CAPTURE_SIZES)
 
     def __post_init__(self) -> None:
         checks = [
@@ -65,6 +70,8 @@ class EngineConfig:
             ("tensor_parallel_size", self.tensor_parallel_size >= 1),
             ("online_ttft_slo_ms", self.online_ttft_slo_ms is None or self.online_ttft_slo_ms > 0),
             ("preemption_safepoint_layers", self.preemption_safepoint_layers >= 0),
+            ("cuda_graph_sizes", self.cuda_graph_sizes is None or (len(self.cuda_graph_sizes) > 0 and all(
+                isinstance(n, int) and n >= 1 for n in self.cuda_graph_sizes))),
             ("kv_checkpoint_threshold",
              self.kv_checkpoint_threshold is None or 0.0 <= self.kv_checkpoint_threshold <= 1.0),
         ]

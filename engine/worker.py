@@ -1,6 +1,7 @@
 """Worker: one device's share of the model and the lifecycle around it. Owns
-the model weights, its CacheEngine (device and host KV, engine/cache_engine.py)
-and its ModelRunner (the step's tensors, engine/model_runner.py); turns a
+the model weights, its CacheEngine (device and host KV, engine/cache_engine.py),
+its ModelRunner (the step's tensors, engine/model_runner.py) and, when
+asked for, its decode CUDA graphs (engine/cuda_graphs.py); turns a
 ModelInput into a StepResult: the step's KV moves first, then the forward and
 sampling. A Ray actor hosts exactly this class
 (engine/executor/ray.py).
@@ -20,8 +21,9 @@ import torch
 from fluidserve.engine.batch import ModelInput, SampleSpec, StepResult
 from fluidserve.engine.cache_engine import CacheEngine
 from fluidserve.engine.config import EngineConfig
+from fluidserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graphs_wanted
 from fluidserve.engine.loader import (build_model, eos_token_ids, init_dummy_weights, load_hf_config, load_tokenizer,
-                                      load_weights, resolve_dtype)
+                                      load_weights, model_context_length, resolve_dtype)
 from fluidserve.engine.model_runner import ModelRunner
 from fluidserve.engine.parallel import TensorParallel
 from fluidserve.engine.preemption import Safepoints, StepAbandoned
@@ -78,6 +80,9 @@ class Worker:
             self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
         self.cache: CacheEngine | None = None
         self.runner = ModelRunner(self.model, self.device)
+        # Decode CUDA graphs, captured by warm_up when asked for (off by default).
+        self.graphs: DecodeGraphs | None = None
+        self._capture_graphs = graphs_wanted(config.enforce_eager, self.device, self.tp.size)
         # Grammar matchers of constrained sequences; the tokenizer loads on first use.
         stops = [t for t in [self.eos_token_id, *eos_token_ids(hf_config, model_dir)] if t is not None]
         self.structured = StructuredDecoder(lambda: load_tokenizer(config.tokenizer or model_dir),
@@ -142,6 +147,7 @@ class Worker:
         return int(gib * 2**30) // self.bytes_per_block()
 
     def init_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        self.graphs = None  # graphs hold the old cache's addresses
         self.cache = None  # free the old tensors before the new ones are made
         self.cache = CacheEngine(self.num_layers, self.config.block_size, self.num_kv_heads, self.head_dim,
                                  self.dtype, self.device, num_blocks, num_host_blocks)
@@ -163,9 +169,25 @@ class Worker:
             input_ids=[0], positions=[n], slot_mapping=[n], query_start_loc=[0, 1], seq_lens=[n + 1],
             block_tables=[[0]], sample_indices=[0], samples=greedy, sample_ids=["warm-up"],
         ))
+        if self._capture_graphs:
+            self.graphs = self.decode_graphs(capture=True)
+
+    def decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """Decode-only steps in batch-size buckets over this worker's cache:
+        captured as CUDA graphs, or (``capture=False``) run eagerly over the
+        same padded static buffers (tests on CPU)."""
+        cfg = self.config
+        max_len = cfg.max_model_len or model_context_length(self.hf_config)
+        width = min(-(-max_len // cfg.block_size), self.kv_caches[0][0].shape[0])  # blocks one sequence may hold
+        sizes = capture_sizes(cfg.max_num_seqs, cfg.cuda_graph_sizes)
+        return DecodeGraphs(self.model, self.device, self.kv_caches, sizes, width, cfg.block_size, capture=capture)
 
     # -- one step ----------------------------------------------------------
     def _forward(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graphs is not None:
+            out = self.graphs.forward(inp)  # None: the step does not fit a bucket
+            if out is not None:
+                return out
         return self.runner.forward(inp, self.kv_caches)
 
     @torch.inference_mode()

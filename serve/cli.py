@@ -138,6 +138,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (Ray workers) per model")
     m.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (multi-node); default: start a local one on 127.0.0.1")
+    m.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="run every step eagerly (default: on, until decode CUDA graph capture has been verified "
+                        "on a GPU); --no-enforce-eager captures decode-only steps as CUDA graphs at start-up "
+                        "(CUDA only: elsewhere it logs so and runs eagerly)")
+    m.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="batch sizes captured as decode graphs (default: 1 2 4 ... 256, up to --max-num-seqs)")
     add_scheduler_args(p)
     add_kv_args(p)
 
@@ -211,6 +217,8 @@ def engine_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=policy, policy_options=policy_options, profile_path=args.profile_path,
         executor=args.executor, tensor_parallel_size=args.tensor_parallel_size, ray_address=args.ray_address,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
         **coserving_options_from_args(args), **kv_options(args),
     )
 

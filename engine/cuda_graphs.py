@@ -1,0 +1,478 @@
+"""Decode CUDA graphs: the model forward of decode-only steps, captured once
+per batch-size bucket at start-up and replayed, so a decode step launches one
+graph instead of a few hundred kernels.
+
+Owns the buckets, their static input buffers, the fixed-shape attention plans
+the captured Triton kernels read, the padding of a step up to its bucket, and
+the choice between a bucket and the eager ``ModelRunner`` path. Capture is
+off unless ``EngineConfig.enforce_eager`` is False (it is True by default
+until graph capture has run on a GPU; see the README's flag table).
+
+A step runs in a bucket when every sequence has exactly one query token, it
+scores no prompt logprobs, it is not preemptible (the layer loop's safepoints
+read a host flag between layers) and it has at most as many rows as the
+largest bucket; anything else runs eagerly. A step of ``n`` rows takes the
+smallest bucket ``b >= n``; rows ``n..b-1`` are padding::
+
+    input_ids   [ x0 x1 x2 | 0  ]      b = 4, n = 3
+    positions   [ p0 p1 p2 | 0  ]
+    slot_mapping[ s0 s1 s2 | -1 ]      -1: the KV write skips the row
+    seq_lens    [ l0 l1 l2 | 1  ]
+    block_tables[ t0 t1 t2 | 0..]      [b, W], W = blocks of max_model_len
+    hidden out  [ h0 h1 h2 | junk ]    sliced to [:n] before sampling
+
+Padding rows write no KV anywhere (slot -1), so no real block changes, and
+get no attention work (on CUDA the merge writes their attention output as
+0; on CPU it is left as the output buffer held it). Every other op of the
+forward is per row, so padding rows never reach a real row.
+
+All integer inputs of a bucket travel in one int32 buffer, one host-to-device
+copy per step (pinned on CUDA); every part starts on 16 bytes, as a fresh
+tensor does, so the kernels launch the variants eager steps compiled::
+
+    [ input_ids | positions | slot_mapping | sample_idx ]  int64, b each
+    [ seq_lens b | query_start_loc b+1 | block_tables b*W ]
+    [ per sliding window: unit_offsets U+1 | merge_tokens b | merge_num_splits b | work b*C*8 ]
+
+**The static attention plan.** The Triton kernel's grid and its work list
+come from a per-step plan (kernels/packing.py) whose shapes follow the
+lengths; a graph fixes them. So a bucket's plan has a fixed grid of ``U``
+units (``default_num_units`` of the decode-only variant; units past the
+step's work get empty ranges), room for ``b * C`` items (``C`` split-K pieces
+per row at most), and *every* row is a merge row, ``merge_tokens = 0..b-1``:
+an unsplit row writes one partial and the merge copies it out exactly (its
+weight is ``2^0 = 1``), a padding row has no pieces and the merge writes 0.
+Splits are cut as the eager planner cuts them (``auto_kv_chunk`` over the
+real rows, pieces on multiples of the chunk), so the attention output equals
+the eager path's bit for bit unless the cap ``C`` binds; ``C`` is
+``MAX_SPLITS`` for buckets up to 64 rows and shrinks above so that the
+split-K partial buffers (shared by every bucket and window) stay at
+``PARTIAL_ROWS`` rows of ``[Hq, D]`` fp32.
+
+**Capture** runs at start-up (``Worker.warm_up``), after the KV cache exists
+(a graph holds the cache's addresses; a new cache drops the graphs), largest
+bucket first, every graph in one memory pool: they replay one at a time.
+That pool and the partial buffers are not part of ``gpu_memory_utilization``'s
+budget, which is sized before capture. One GPU only: under tensor
+parallelism the worker stays eager.
+
+Capture, eager on CPU: the path "copy into the static buffers, run the
+forward over the padded bucket, slice the outputs" is the same on both
+devices; only the replay differs (``graph.replay`` on CUDA, the model's
+forward over the static buffers elsewhere), so CPU tests check the padding,
+the buffers and the bucket choice against the eager path token for token.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+from torch import nn
+
+from fluidserve.engine.batch import ModelInput
+from fluidserve.engine.layers import AttentionMetadata, PagedAttention
+from fluidserve.kernels import packing
+from fluidserve.kernels.packing import WORK_FIELDS, WorkPlan
+
+log = logging.getLogger(__name__)
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+# vLLM's sizes below 256, in powers of two: a bucket costs one capture (and
+# its activations in the shared graph pool); padding costs at most 2x rows.
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Rows x split-K pieces the static plans' partial buffers hold ([Hq, D] fp32
+# each): 64 MiB for 32 heads of 128. Buckets up to 64 rows keep MAX_SPLITS.
+PARTIAL_ROWS = 4096
+
+
+def _aligned(words: int) -> int:
+    """Words rounded up to 16 bytes: every tensor a kernel reads starts
+    aligned, as a fresh allocation does (Triton specialises on alignment)."""
+    return -(-words // 4) * 4
+
+
+# -- buckets --------------------------------------------------------------------
+
+
+def capture_sizes(max_num_seqs: int, sizes: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The buckets: ``sizes`` (default ``DEFAULT_CAPTURE_SIZES``) up to the
+    step's row cap, with the cap itself as the last bucket when it lies
+    below the largest size (a 100-row cap gets a 100 bucket, not none)."""
+    sizes = tuple(sorted(set(sizes or DEFAULT_CAPTURE_SIZES)))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"cuda_graph_sizes: need positive sizes, got {sizes}")
+    kept = [s for s in sizes if s < max_num_seqs]
+    if max_num_seqs <= sizes[-1]:
+        kept.append(max_num_seqs)
+    return tuple(kept)
+
+
+def pick_bucket(num_rows: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding ``num_rows`` rows; None if none does."""
+    i = bisect.bisect_left(sizes, num_rows)
+    return sizes[i] if i < len(sizes) else None
+
+
+def ineligible(inp: ModelInput, largest: int, width: int) -> str | None:
+    """Why a step must run eagerly (None: it fits a bucket)."""
+    n = len(inp.input_ids)
+    if n == 0:
+        return "no tokens"
+    if n != len(inp.seq_lens):
+        return "not decode-only"
+    if inp.prompt_logprobs:
+        return "prompt logprobs"
+    if inp.preemptible:
+        return "preemptible"
+    if n > largest:
+        return "larger than the largest bucket"
+    if max(len(t) for t in inp.block_tables) > width:
+        return "block table wider than max_model_len"
+    return None
+
+
+def max_splits_for(bucket: int) -> int:
+    """Split-K pieces per row a bucket's static plan holds (``C``)."""
+    return max(1, min(packing.MAX_SPLITS, PARTIAL_ROWS // bucket))
+
+
+# -- the static attention plan -----------------------------------------------------
+
+
+@dataclass
+class DecodeWork:
+    """The work of a decode-only batch in the static plan's form."""
+
+    rows: np.ndarray  # [num_items, WORK_FIELDS] int32, grouped by unit
+    unit_offsets: list[int]  # num_units + 1
+    num_splits: list[int]  # pieces of each row (its merge row is its own index)
+
+
+def plan_decode(seq_lens: list[int], *, num_units: int, max_splits: int,
+                sliding_window: int | None) -> DecodeWork:
+    """Plan a decode-only batch (one query per sequence) onto exactly
+    ``num_units`` units with every row a merge row and at most
+    ``max_splits`` pieces per row. The split boundaries are
+    ``packing.plan_attention``'s for the same lengths while ``max_splits``
+    is ``MAX_SPLITS``."""
+    n = len(seq_lens)
+    tiles = packing.make_tiles([1] * n, seq_lens, 1, sliding_window, 1)
+    kv_chunk = packing.auto_kv_chunk(tiles, num_units)
+    items: list[packing.WorkItem] = []
+    num_splits = [0] * n
+    for t in tiles:
+        # At most max_splits pieces: one less than the cap, as split_tiles
+        # does, since an unaligned start adds one.
+        chunk = max(kv_chunk, -(-(t.kv_hi - t.kv_lo) // max(max_splits - 1, 1)))
+        pieces, _ = packing.split_tiles([t], chunk)
+        num_splits[t.q_lo] = len(pieces)
+        items.extend(replace(p, merge_row=t.q_lo, split=j) for j, p in enumerate(pieces))
+    units, _ = packing.pack_lpt(items, num_units)
+    rows = np.array([it.as_row() for unit in units for it in unit], dtype=np.int32).reshape(-1, WORK_FIELDS)
+    offsets = [0]
+    for unit in units:
+        offsets.append(offsets[-1] + len(unit))
+    return DecodeWork(rows, offsets, num_splits)
+
+
+class StaticDecodePlan:
+    """A ``WorkPlan`` for a bucket of ``size`` decode rows whose tensors keep
+    their shapes and addresses from step to step: views of a region of the
+    bucket's device buffer, refilled through the matching host region.
+
+    Region layout (int32 words)::
+
+        [ unit_offsets U+1 | merge_tokens b | merge_num_splits b | work b*C*8 ]
+    """
+
+    @staticmethod
+    def num_words(size: int, num_units: int, max_splits: int) -> int:
+        return _aligned(num_units + 1) + 2 * _aligned(size) + size * max_splits * WORK_FIELDS
+
+    def __init__(self, host: np.ndarray, dev: torch.Tensor, *, size: int, num_units: int, max_splits: int,
+                 group: int, sliding_window: int | None, max_seq_len: int,
+                 partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        from fluidserve.kernels.paged_attention import decode_tokens_per_tile, default_tokens_per_tile
+
+        self.size, self.num_units, self.max_splits, self.sliding_window = size, num_units, max_splits, sliding_window
+        b = size
+        o_tok = _aligned(num_units + 1)
+        o_split = o_tok + _aligned(b)
+        o_work = o_split + _aligned(b)
+        end = o_work + b * max_splits * WORK_FIELDS
+        self._offsets, self._splits, self._work = host[:num_units + 1], host[o_split:o_split + b], host[o_work:end]
+        host[o_tok:o_tok + b] = np.arange(b, dtype=np.int32)  # merge row m is row m's: fixed for good
+        self.clear()
+        tpt = default_tokens_per_tile(group)
+        self.plan = WorkPlan(
+            work=dev[o_work:end].view(-1, WORK_FIELDS), unit_offsets=dev[:num_units + 1],
+            merge_tokens=dev[o_tok:o_tok + b], merge_num_splits=dev[o_split:o_split + b],
+            num_tokens=b, tokens_per_tile=tpt, decode_tokens_per_tile=min(decode_tokens_per_tile(group), tpt),
+            has_prefill_tiles=False, max_splits=max_splits, sliding_window=sliding_window,
+            num_seqs=b, max_seq_len=max_seq_len,
+        )
+        if partials is not None:
+            part_out = partials[0]  # [b, C, Hq, D]: the key _partials looks up
+            self.plan.scratch[(part_out.shape[2], part_out.shape[3], str(part_out.device))] = partials
+
+    def clear(self) -> None:
+        """No work at all: every unit empty, every row merged from 0 pieces."""
+        self._offsets.fill(0)
+        self._splits.fill(0)
+
+    def fill(self, seq_lens: list[int]) -> None:
+        """Write the plan of a batch whose first ``len(seq_lens)`` rows are
+        real (the rest padding) into the host region."""
+        work = plan_decode(seq_lens, num_units=self.num_units, max_splits=self.max_splits,
+                           sliding_window=self.sliding_window)
+        n = len(seq_lens)
+        self._offsets[:] = work.unit_offsets
+        self._splits[:n] = work.num_splits
+        self._splits[n:] = 0
+        self._work[:work.rows.size] = work.rows.ravel()
+
+
+# -- one bucket ----------------------------------------------------------------------
+
+
+@dataclass
+class _PlanSpec:
+    """What a bucket's static plans need to know of the model (CUDA only)."""
+
+    windows: list[int | None]
+    num_units: dict  # window -> units of the decode-only variant
+    group: int
+    partials: tuple[torch.Tensor, torch.Tensor]  # flat [PARTIAL_ROWS * Hq * D], [PARTIAL_ROWS * Hq] fp32
+    num_q_heads: int
+    head_dim: int
+
+
+@dataclass
+class Bucket:
+    """The static buffers of one bucket and, on CUDA, its graph."""
+
+    size: int
+    width: int  # block-table columns
+    block_size: int
+    device: torch.device
+    spec: _PlanSpec | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+    output: torch.Tensor | None = None  # the graph's hidden states [size, hidden]
+    plans: dict = field(default_factory=dict)  # window -> StaticDecodePlan
+    host_seq_lens: list[int] = field(default_factory=list)
+    rows: int = 0  # real rows of the batch in the buffers
+    _copied: torch.cuda.Event | None = None
+
+    def __post_init__(self) -> None:
+        b, w = self.size, self.width
+        i64 = _aligned(2 * b)  # words of one int64 array
+        self._o_seq = 4 * i64
+        self._o_qsl = self._o_seq + _aligned(b)
+        self._o_bt = self._o_qsl + _aligned(b + 1)
+        words = self._o_bt + _aligned(b * w)
+        cap = max_splits_for(b)
+        plan_words = 0
+        if self.spec is not None:
+            plan_words = _aligned(StaticDecodePlan.num_words(b, max(self.spec.num_units.values()), cap))
+            words += len(self.spec.windows) * plan_words
+        cuda = self.device.type == "cuda"
+        self.host = torch.zeros(words, dtype=torch.int32, pin_memory=cuda)
+        self.dev = torch.zeros(words, dtype=torch.int32, device=self.device) if cuda else self.host
+        h = self.host.numpy()
+        h64 = h[:4 * i64].view(np.int64).reshape(4, i64 // 2)
+        self._ids, self._pos, self._slots, self._samp = (h64[i, :b] for i in range(4))
+        self._h_seq = h[self._o_seq:self._o_seq + b]
+        h[self._o_qsl:self._o_qsl + b + 1] = np.arange(b + 1, dtype=np.int32)  # query_start_loc: one token a row
+        self._h_bt = h[self._o_bt:self._o_bt + b * w].reshape(b, w)
+        d64 = self.dev[:4 * i64].view(torch.int64).view(4, i64 // 2)
+        self.input_ids, self.positions, self.slot_mapping, self.sample_idx = (d64[i, :b] for i in range(4))
+        self.seq_lens = self.dev[self._o_seq:self._o_seq + b]
+        self.query_start_loc = self.dev[self._o_qsl:self._o_qsl + b + 1]
+        self.block_tables = self.dev[self._o_bt:self._o_bt + b * w].view(b, w)
+        if self.spec is not None:
+            self._make_plans(h, self._o_bt + _aligned(b * w), plan_words, cap)
+        self.write_padding()
+
+    def _make_plans(self, h: np.ndarray, at: int, plan_words: int, cap: int) -> None:
+        s, b = self.spec, self.size
+        part_out = s.partials[0][:b * cap * s.num_q_heads * s.head_dim].view(b, cap, s.num_q_heads, s.head_dim)
+        part_lse = s.partials[1][:b * cap * s.num_q_heads].view(b, cap, s.num_q_heads)
+        for window in s.windows:
+            units = s.num_units[window]
+            n = StaticDecodePlan.num_words(b, units, cap)
+            self.plans[window] = StaticDecodePlan(
+                h[at:at + n], self.dev[at:at + n], size=b, num_units=units, max_splits=cap, group=s.group,
+                sliding_window=window, max_seq_len=self.width * self.block_size, partials=(part_out, part_lse))
+            at += plan_words
+
+    # -- host side ---------------------------------------------------------------
+    def _wait_for_upload(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # the last upload may still read the host buffer
+
+    def write_padding(self) -> None:
+        """Every row padding (the capture's batch)."""
+        self._wait_for_upload()
+        self._ids.fill(0)
+        self._pos.fill(0)
+        self._slots.fill(-1)
+        self._h_seq.fill(1)
+        self._h_bt.fill(0)
+        self.host_seq_lens = [1] * self.size
+        self.rows = 0
+        for plan in self.plans.values():
+            plan.clear()
+
+    def write(self, inp: ModelInput) -> None:
+        """The step's inputs into the host buffer, padded to the bucket."""
+        self._wait_for_upload()
+        n = len(inp.input_ids)
+        self._ids[:n] = inp.input_ids
+        self._ids[n:] = 0
+        self._pos[:n] = inp.positions
+        self._pos[n:] = 0
+        self._slots[:n] = inp.slot_mapping
+        self._slots[n:] = -1
+        self._samp[:len(inp.sample_indices)] = inp.sample_indices
+        self._h_seq[:n] = inp.seq_lens
+        self._h_seq[n:] = 1
+        bt = self._h_bt
+        bt.fill(0)
+        for row, blocks in zip(bt, inp.block_tables):
+            row[:len(blocks)] = blocks
+        self.host_seq_lens = [*inp.seq_lens, *[1] * (self.size - n)]
+        self.rows = n
+        for plan in self.plans.values():
+            plan.fill(inp.seq_lens)
+
+    def upload(self) -> None:
+        if self.dev is not self.host:
+            self.dev.copy_(self.host, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def metadata(self) -> AttentionMetadata:
+        """Attention metadata over the static buffers; on CUDA the layers
+        find the static plans already made (``work_plan`` looks them up).
+        The host query lengths of padding rows are 0, so the CPU attention
+        plans no work for them and groups the real rows as eager does."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping, block_tables=self.block_tables, seq_lens=self.seq_lens,
+            query_start_loc=self.query_start_loc, host_q_lens=[1] * self.rows + [0] * (self.size - self.rows),
+            host_seq_lens=list(self.host_seq_lens), _plans={w: p.plan for w, p in self.plans.items()},
+        )
+
+
+# -- the runner ----------------------------------------------------------------------
+
+
+class DecodeGraphs:
+    """Decode-only steps in buckets: ``forward`` returns the hidden states
+    and sample indices of a step it can run, None for one the caller must
+    run eagerly. ``capture=True`` (CUDA) records one graph per bucket now;
+    ``capture=False`` replays a bucket by running the model eagerly over its
+    static buffers (CPU, tests)."""
+
+    def __init__(self, model: nn.Module, device: torch.device, kv_caches: KVCaches, sizes: tuple[int, ...],
+                 max_blocks_per_seq: int, block_size: int, *, capture: bool) -> None:
+        if capture and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.model, self.device, self.kv_caches = model, device, kv_caches
+        self.sizes = tuple(sorted(sizes))
+        self.width = max_blocks_per_seq
+        self.replays: dict[int, int] = {}  # steps run in each bucket
+        self.fallbacks: dict[str, int] = {}  # steps run eagerly, by reason
+        spec = self._plan_spec() if device.type == "cuda" else None
+        self.buckets = {b: Bucket(b, self.width, block_size, device, spec) for b in self.sizes}
+        if capture:
+            self._capture_all()
+
+    def _plan_spec(self) -> _PlanSpec | None:
+        from fluidserve.kernels.paged_attention import default_num_units
+
+        attn = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        if not attn or not self.kv_caches:
+            return None
+        a, key_cache = attn[0], self.kv_caches[0][0]
+        windows = sorted({m.sliding_window for m in attn}, key=lambda w: (w is not None, w or 0))
+        query_like = torch.empty((0, a.num_heads, a.head_dim), dtype=key_cache.dtype, device=key_cache.device)
+        units = {w: default_num_units(query_like, key_cache, False, w) for w in windows}
+        f32 = dict(dtype=torch.float32, device=key_cache.device)
+        partials = (torch.empty(PARTIAL_ROWS * a.num_heads * a.head_dim, **f32),
+                    torch.empty(PARTIAL_ROWS * a.num_heads, **f32))
+        return _PlanSpec(windows, units, a.num_heads // a.num_kv_heads, partials, a.num_heads, a.head_dim)
+
+    def _forward_static(self, bucket: Bucket) -> torch.Tensor:
+        return self.model(bucket.input_ids, bucket.positions, self.kv_caches, bucket.metadata())
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        """One graph per bucket, largest first, all in one memory pool:
+        graphs replay one at a time, so their activations may share it."""
+        start = time.monotonic()
+        pool = torch.cuda.graph_pool_handle()
+        for b in sorted(self.sizes, reverse=True):
+            bucket = self.buckets[b]
+            bucket.write_padding()
+            bucket.upload()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up runs: lazy init stays out of the graph
+                for _ in range(2):
+                    self._forward_static(bucket)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            meta = bucket.metadata()
+            with torch.cuda.graph(graph, pool=pool):
+                bucket.output = self.model(bucket.input_ids, bucket.positions, self.kv_caches, meta)
+            bucket.graph = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", list(self.sizes),
+                 time.monotonic() - start)
+
+    def bucket_for(self, inp: ModelInput) -> int | None:
+        """The bucket a step runs in; None (and the reason counted) if eager."""
+        why = ineligible(inp, self.sizes[-1], self.width)
+        if why is not None:
+            self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+            return None
+        return pick_bucket(len(inp.input_ids), self.sizes)
+
+    def forward(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Hidden states ``[n, hidden]`` and sample indices of a step run in
+        its bucket, or None: run it eagerly. The hidden states are a view of
+        the bucket's output, valid until the bucket's next replay."""
+        b = self.bucket_for(inp)
+        if b is None:
+            return None
+        bucket = self.buckets[b]
+        bucket.write(inp)
+        bucket.upload()
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            hidden = bucket.output
+        else:
+            hidden = self._forward_static(bucket)
+        self.replays[b] = self.replays.get(b, 0) + 1
+        return hidden[:len(inp.input_ids)], bucket.sample_idx[:len(inp.sample_indices)]
+
+
+def graphs_wanted(enforce_eager: bool, device: torch.device, tp_size: int) -> bool:
+    """Whether a worker captures decode graphs: asked for, on CUDA, one rank.
+    Asked for elsewhere, the worker says why and runs eagerly (vLLM runs
+    eagerly on CPU too)."""
+    if enforce_eager:
+        return False
+    if device.type != "cuda":
+        log.info("CUDA graphs run only on CUDA devices: running eagerly on %s", device)
+        return False
+    if tp_size > 1:
+        log.warning("CUDA graphs are not yet supported with tensor parallelism: running eagerly")
+        return False
+    return True
