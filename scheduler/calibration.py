@@ -27,6 +27,7 @@ from typing import Any
 from fluidserve.scheduler.cost_model import CostModel, LinearCoefficients, LinearCostModel, _StepShapeMixin
 
 _N = 5  # base, prefill tokens, decode requests, context tokens, prefill attention pairs
+_EAGER_STEPS = 64
 
 
 def _features(shape: tuple[int, int, int, int]) -> list[float]:
@@ -55,12 +56,14 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 
 class CalibratingCostModel(_StepShapeMixin):
-    """Predicts with ``prior`` until ``min_steps`` steps have been observed,
-    then with a linear fit of the observed steps. Anything else a caller asks
+    """Predicts with ``prior``, scaled by the mean ratio of measured to
+    predicted time of the steps seen, until ``min_steps`` steps have been
+    observed; then with a linear fit of the observed steps (refit after
+    every step for the first 64, then every ``refit_every``). Anything else a caller asks
     of a cost model (``transfer_time``, ``describe``) is the prior's."""
 
     def __init__(self, prior: CostModel, half_life_steps: float = 512.0, refit_every: int = 16,
-                 min_steps: int = 32, ridge: float = 0.001) -> None:
+                 min_steps: int = 8, ridge: float = 0.001) -> None:
         if half_life_steps <= 0 or refit_every < 1 or min_steps < 1 or ridge < 0:
             raise ValueError("half_life_steps and ridge must be positive, refit_every and min_steps >= 1")
         self.prior = prior
@@ -74,6 +77,10 @@ class CalibratingCostModel(_StepShapeMixin):
         self._xy = [0.0] * _N  # sum of w x y (measured)
         self._xp = [0.0] * _N  # sum of w x y (the prior's prediction)
         self._scale = [1.0] * _N  # largest |feature| seen: conditions the solve
+        # Measured / prior, averaged: until the fit takes over the prior is
+        # scaled by it (the roofline's overall speed is its largest error).
+        self._ratio_sum = 0.0
+        self._ratio_n = 0.0
 
     def __getattr__(self, name: str) -> Any:  # only called for what this class lacks
         if name == "prior":
@@ -82,8 +89,10 @@ class CalibratingCostModel(_StepShapeMixin):
 
     def step_time(self, num_prefill_tokens: int, num_decode_seqs: int, total_context: int,
                   prefill_attn_pairs: int | None = None) -> float:
-        model = self.fitted if self.fitted is not None else self.prior
-        return model.step_time(num_prefill_tokens, num_decode_seqs, total_context, prefill_attn_pairs)
+        if self.fitted is not None:
+            return self.fitted.step_time(num_prefill_tokens, num_decode_seqs, total_context, prefill_attn_pairs)
+        t = self.prior.step_time(num_prefill_tokens, num_decode_seqs, total_context, prefill_attn_pairs)
+        return t * self._ratio_sum / self._ratio_n if self._ratio_n else t
 
     def observe(self, shape: tuple[int, int, int, int], seconds: float) -> None:
         """A step of ``shape`` (``plan_shape``'s tuple) took ``seconds``."""
@@ -103,7 +112,12 @@ class CalibratingCostModel(_StepShapeMixin):
             xy[i] = d * xy[i] + xi * seconds
             xp[i] = d * xp[i] + xi * prior
         self.num_observed += 1
-        if self.num_observed >= self.min_steps and self.num_observed % self.refit_every == 0:
+        self._ratio_sum = d * self._ratio_sum + seconds / prior if prior > 0 else self._ratio_sum
+        self._ratio_n = d * self._ratio_n + (prior > 0)
+        n = self.num_observed
+        # Refit every step while the fit is young (the first online requests
+        # are served by it), then every refit_every steps.
+        if n >= self.min_steps and (n < _EAGER_STEPS or n % self.refit_every == 0):
             self.refit()
 
     def refit(self) -> None:
@@ -117,7 +131,9 @@ class CalibratingCostModel(_StepShapeMixin):
         prior_w = self._nonneg_fit(a, p, [0.0] * _N, 0.0)
         if prior_w is None:
             return
-        w = self._nonneg_fit(a, y, prior_w, self.ridge)
+        # Pulled toward the prior's shape at the measured overall speed.
+        scale = self._ratio_sum / self._ratio_n if self._ratio_n else 1.0
+        w = self._nonneg_fit(a, y, [v * scale for v in prior_w], self.ridge)
         if w is None:
             return
         self.fitted = LinearCostModel(LinearCoefficients(*(w[i] / s[i] for i in range(_N))),

@@ -36,12 +36,15 @@ def _feed(model: CalibratingCostModel, truth, n: int, seed: int = 0, noise: floa
         model.observe(shape, truth.step_time(*shape) * rng.uniform(1 - noise, 1 + noise))
 
 
-def test_predicts_with_the_prior_until_it_has_seen_enough_steps():
+def test_predicts_with_the_scaled_prior_until_it_has_seen_enough_steps():
     prior = default_cost_model()
     model = CalibratingCostModel(prior, min_steps=32, refit_every=16)
+    assert [model.step_time(*s) for s in PROBES] == [prior.step_time(*s) for s in PROBES]  # nothing seen yet
     _feed(model, TRUTH, 31)
     assert model.fitted is None
-    assert [model.step_time(*s) for s in PROBES] == [prior.step_time(*s) for s in PROBES]
+    # The prior's shape at the measured speed: one factor for every shape.
+    ratios = [model.step_time(*s) / prior.step_time(*s) for s in PROBES]
+    assert ratios == pytest.approx([ratios[0]] * len(PROBES)) and ratios[0] > 1.5
 
 
 def test_learns_the_machine_within_a_few_percent_from_noisy_steps():
