@@ -23,7 +23,10 @@ from fluidserve.engine.sampling_params import SamplingParams
 @dataclass
 class SampleSpec:
     """What the sampler needs of one row; token histories travel only when a
-    penalty or min_tokens reads them."""
+    penalty or min_tokens reads them. The engine keeps one per sequence and
+    updates it in place each step, and ``output_token_ids`` is its live
+    output list: a worker reads both within ``execute`` and keeps neither
+    (the Ray executor pickles them when the step is sent)."""
 
     params: SamplingParams
     seed: int | None  # derived per step, so generation is stateless across workers

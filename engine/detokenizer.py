@@ -77,6 +77,10 @@ class TextStream:
         self._finalised = False
         self._token_text_cache: dict[int, str] = {}
         self._decode_stream = self._make_decode_stream(context)
+        # No stream because the prompt tail ends inside a character: the
+        # window runs until its first delta, then a stream seeded with the
+        # window's context takes over (the same state a fresh one starts in).
+        self._reseed = self._decode_stream is None and self._backend is not None and not self._special_ids
 
     def _make_decode_stream(self, context: list[int]):
         if self._backend is None or self._special_ids:
@@ -112,7 +116,20 @@ class TextStream:
             return None
         self._tokens.append(token_id)
         self._num_generated += 1
-        delta = self._decode_delta()
+        stream = self._decode_stream
+        if stream is not None:  # _decode_delta's stream path, inline: it runs once per token
+            try:
+                delta = stream.step(self._backend, token_id)
+            except Exception:  # noqa: BLE001 - the stream's prefix check failed: the window takes over
+                self._decode_stream = None
+                delta = self._decode_delta()
+            else:
+                if delta is None:
+                    return None
+                self._prefix_offset = self._read_offset
+                self._read_offset = len(self._tokens)
+        else:
+            delta = self._decode_delta()
         if not delta:
             return None
         old_len = len(self._text)
@@ -204,6 +221,9 @@ class TextStream:
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
+        if self._reseed:
+            self._reseed = False
+            self._decode_stream = self._make_decode_stream(self._tokens[self._prefix_offset:self._read_offset])
         return new_text[len(prefix_text):]
 
     def _decode_remainder(self) -> str:

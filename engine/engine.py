@@ -395,17 +395,23 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         """The request's output after this step; a finished request leaves the engine."""
-        first = None  # when any of its sequences first ran; this step if none has
-        for s in req.seqs:
-            t = s.state.first_scheduled_time
-            if t is not None and (first is None or t < first):
-                first = t
-        finished = req.finished
-        if req.final_only and req.seqs[0].lazy_text:
-            req.seqs[0].catch_up_text()
-        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [s.take_output() for s in req.seqs],
-                            finished, None, getattr(self, "_step_start", None) if first is None else first,
-                            req.prompt_logprobs)
+        if len(req.seqs) == 1:  # the common case, without the loops
+            seq = req.seqs[0]
+            first = seq.state.first_scheduled_time
+            finished = seq.finish_reason is not None
+            if seq.lazy_text:
+                seq.catch_up_text()
+            completions = [seq.take_output()]
+        else:
+            first = None  # when any of its sequences first ran; this step if none has
+            for s in req.seqs:
+                t = s.state.first_scheduled_time
+                if t is not None and (first is None or t < first):
+                    first = t
+            finished = req.finished
+            completions = [s.take_output() for s in req.seqs]
+        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, None,
+                            getattr(self, "_step_start", None) if first is None else first, req.prompt_logprobs)
         if finished:
             self.requests.pop(req.request_id, None)
         return out

@@ -17,6 +17,8 @@ per step. On CPU the host buffer is the device buffer.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 from torch import nn
@@ -69,10 +71,7 @@ class ModelRunner:
         o = 2 * i64
         host[o:o + s] = inp.seq_lens
         host[o + s:o + 2 * s + 1] = inp.query_start_loc
-        tables = host[o + 2 * s + 1:words].reshape(s, width)
-        tables.fill(0)
-        for row, blocks in zip(tables, inp.block_tables):
-            row[:len(blocks)] = blocks
+        _fill_tables(host[o + 2 * s + 1:words].reshape(s, width), inp.block_tables)
         if self._dev is not self._host:
             self._dev[:words].copy_(self._host[:words], non_blocking=True)
             self._copied = torch.cuda.Event()
@@ -106,3 +105,18 @@ class ModelRunner:
         """Hidden states of the step ``[T, hidden]`` and the sample indices."""
         input_ids, positions, meta, sample_idx = self.prepare(inp, kv_caches)
         return self.model(input_ids, positions, kv_caches, meta), sample_idx
+
+
+def _fill_tables(out: np.ndarray, tables: list[list[int]]) -> None:
+    """Write ragged block tables into ``out`` [S, W], zero-padded, with a
+    fixed number of numpy calls: no Python-level work per row but a length."""
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))  # [S]
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+    out.fill(0)
+    if lens.min(initial=out.shape[1]) == out.shape[1]:  # every table as wide as the widest: no padding
+        out.reshape(-1)[:] = flat
+        return
+    # Row r's blocks go to out[r, :lens[r]]: the flat index minus its row's start, per block.
+    starts = np.cumsum(lens) - lens  # [S]
+    cols = np.arange(flat.size) - np.repeat(starts, lens)
+    out[np.repeat(np.arange(len(tables)), lens), cols] = flat

@@ -111,3 +111,58 @@ def test_replaced_block_tables_give_the_tokens_of_a_fresh_run(tiny_model, make_l
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in free]
     assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in free]
+
+
+def test_stream_taking_over_after_a_prompt_cut_mid_character(tmp_path):
+    """A prompt whose tail ends inside a UTF-8 character starts on the
+    window; after its first delta a decode stream takes over. Chunk by
+    chunk, the text is the window's alone."""
+    import random
+
+    import transformers
+
+    from fluidserve.engine.detokenizer import TextStream
+    from fluidserve.engine.tiny_model import save_byte_tokenizer
+
+    save_byte_tokenizer(tmp_path)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    rng = random.Random(1)
+    took_over = 0
+    for _ in range(60):
+        prompt = list("Q: 你".encode())[:-rng.randint(1, 2)]  # ends inside 你
+        text = "".join(rng.choice(["a", "é", "你", "🙂", " ", "z"]) for _ in range(rng.randint(1, 10)))
+        outputs = list(text.encode()) + [rng.randint(0, 255) for _ in range(rng.randint(0, 2))]
+        for stops in ([], ["z"]):
+            params = SamplingParams(stop=stops)
+            chunks = {}
+            for window in (False, True):
+                stream = TextStream(tok, prompt, params)
+                assert stream._decode_stream is None
+                if window:
+                    stream._reseed = False
+                got = []
+                for t in outputs:
+                    got.append((stream.append(t), stream.flush(False)))
+                got.append((None, stream.flush(True)))
+                chunks[window] = got
+                took_over += not window and stream._decode_stream is not None
+            assert chunks[False] == chunks[True]
+    assert took_over > 0
+
+
+@pytest.mark.parametrize("widths", [[3, 1, 4, 1, 5], [2, 2, 2], [0, 3], [1]])
+def test_block_tables_fill_like_row_by_row(widths):
+    """The runner's vectorised fill of ragged block tables: each row its own
+    (shuffled) blocks, zero after them, whatever sat in the buffer before."""
+    import random
+
+    import numpy as np
+
+    from fluidserve.engine.model_runner import _fill_tables
+
+    rng = random.Random(sum(widths))
+    tables = [rng.sample(range(1, 100), w) for w in widths]
+    out = np.full((len(tables), max(widths)), -7, dtype=np.int32)
+    _fill_tables(out, tables)
+    for row, blocks in zip(out, tables):
+        assert row[:len(blocks)].tolist() == blocks and not row[len(blocks):].any()
