@@ -493,16 +493,20 @@ class Scheduler:
         to the host, within the swap budget (ConServe §4.4): they are the
         ones an online arrival evicts, and a checkpointed one leaves the
         device without a copy."""
+        # The link's lowest-priority use: it takes only the credit beyond one
+        # step's refill, so the next step's swap-ins never wait behind it.
+        spare = self._swap_credit - self._swap_refill if self._swap_refill != float("inf") else self._swap_credit
         for item in step.plan.scheduled:
-            if self._swap_credit <= 0:
+            if spare <= 0:
                 return
             seq = self.seqs[item.request_id]
             # Copies that fill its blocks this step run after the checkpoint's
             # (swap-outs go first): a moved request waits a step.
             if seq.klass is not RequestClass.OFFLINE or seq.request_id in step.moved:
                 continue
-            copies = self.kv.checkpoint(seq.request_id, seq.num_computed_tokens, self._swap_credit)
+            copies = self.kv.checkpoint(seq.request_id, seq.num_computed_tokens, spare)
             step.plan.swap_out.extend(copies)
+            spare -= len(copies)
             self._swap_credit -= len(copies)
             self.counters.checkpoint_blocks += len(copies)
 
