@@ -5,8 +5,13 @@ stop checks, output objects) take at a given number of concurrent decodes.
     python benchmarks/step_overhead.py                 # tiny model, 64/256/1024 requests
     python benchmarks/step_overhead.py --concurrency 64 512
 
+Each concurrency runs twice: as ``LLM.generate`` (final-only requests: no
+output before a request finishes, its text detokenized then) and streamed
+(every step's output of every request, as the server reads them).
+
 Times are medians over decode-only steps (the first prefill steps are
-dropped). The bookkeeping parts (schedule, build_input, process_outputs) are
+dropped); means over the same steps are saved too, and for the final-only
+run they include the step where every request finishes and is detokenized. The bookkeeping parts (schedule, build_input, process_outputs) are
 plain Python on the engine's thread: they are timed in that thread's CPU time,
 which other jobs on a shared machine disturb far less than wall time (wall
 medians are saved too); execute is wall time. Targets (issue 11): schedule +
@@ -28,12 +33,14 @@ import torch
 from dummy_models import device_name
 
 from fluidserve.engine import LLM, SamplingParams
+from fluidserve.engine.engine import next_request_id
 from fluidserve.engine.tiny_model import build_tiny_model
 
 PARTS = ("schedule", "build_input", "execute", "process_outputs")
 
 
 BOOKKEEPING = ("schedule", "build_input", "process_outputs")
+MODES = ("generate", "streamed")
 
 
 def timed(record: list[tuple[float, float]], fn):
@@ -47,7 +54,20 @@ def timed(record: list[tuple[float, float]], fn):
     return wrapper
 
 
-def measure(llm: LLM, concurrency: int, output_len: int, prompt_len: int) -> dict[str, float]:
+def run_streamed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> None:
+    """Every request streamed: each step's outputs read as the server does."""
+    engine = llm.engine
+    ids = [next_request_id("bench") for _ in prompts]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    chars = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for co in out.outputs:
+                chars += len(co.text_delta) + len(co.new_token_ids)
+
+
+def measure(llm: LLM, concurrency: int, output_len: int, prompt_len: int, streamed: bool) -> dict[str, float]:
     engine = llm.engine
     samples: dict[str, list[tuple[float, float]]] = {p: [] for p in PARTS}
     originals = (engine.scheduler.schedule, engine._model_input, engine.executor.execute, engine._process)
@@ -57,7 +77,11 @@ def measure(llm: LLM, concurrency: int, output_len: int, prompt_len: int) -> dic
     engine._process = timed(samples["process_outputs"], originals[3])
     try:
         prompts = [[(i * 7 + j) % 250 for j in range(prompt_len)] for i in range(concurrency)]
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        if streamed:
+            run_streamed(llm, prompts, params)
+        else:
+            llm.generate(prompts, params)
     finally:
         (engine.scheduler.schedule, engine._model_input, engine.executor.execute, engine._process) = originals
     skip = 5  # prefill steps
@@ -65,6 +89,7 @@ def measure(llm: LLM, concurrency: int, output_len: int, prompt_len: int) -> dic
     row["execute"] = statistics.median(w for w, _ in samples["execute"][skip:]) * 1e3
     row["bookkeeping"] = sum(row[p] for p in BOOKKEEPING)
     row["wall"] = {p: statistics.median(w for w, _ in v[skip:]) * 1e3 for p, v in samples.items()}
+    row["mean"] = {p: statistics.fmean(c for _, c in v[skip:]) * 1e3 for p, v in samples.items() if p in BOOKKEEPING}
     return row
 
 
@@ -82,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         need = max(args.concurrency) * -(-(args.prompt_len + args.output_len) // 16) + 16
         llm = LLM(model=str(model), device="cpu", num_kv_blocks=need, max_model_len=512,
                   max_num_seqs=max(args.concurrency))
-        rows = [{"concurrency": n, **measure(llm, n, args.output_len, args.prompt_len)} for n in args.concurrency]
+        rows = [{"concurrency": n, "mode": mode, **measure(llm, n, args.output_len, args.prompt_len, mode == "streamed")}
+                for n in args.concurrency for mode in MODES]
 
     device = device_name("cpu")
     load_end = os.getloadavg()
@@ -90,11 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# Engine bookkeeping per decode step — {device}", "",
              "Tiny Llama (2 layers, hidden 64), medians over decode-only steps, ms. schedule, build_input and "
              "process_outputs in the engine thread's CPU time; execute in wall time; bookkeeping = the three "
-             "(target: < 1 ms at 256 requests, < 3 ms at 1024).", "",
+             "(target: < 1 ms at 256 requests, < 3 ms at 1024). generate: LLM.generate, final-only requests; "
+             "streamed: every step's output read, as the server does. mean: process_outputs' mean over the same "
+             "steps (for generate it includes the last step, where every request is detokenized).", "",
              f"Load average (1 min) at the start {load_start[0]:.2f}, at the end {load_end[0]:.2f}; "
              f"{os.cpu_count()} cores shared with other jobs.", "",
-             "| concurrent requests | " + " | ".join(cols) + " |", "|---:|" + "---:|" * len(cols)]
-    lines += [f"| {r['concurrency']} | " + " | ".join(f"{r[p]:.2f}" for p in cols) + " |" for r in rows]
+             "| concurrent requests | mode | " + " | ".join(cols) + " | process_outputs (mean) |",
+             "|---:|---|" + "---:|" * (len(cols) + 1)]
+    lines += [f"| {r['concurrency']} | {r['mode']} | " + " | ".join(f"{r[p]:.2f}" for p in cols)
+              + f" | {r['mean']['process_outputs']:.2f} |" for r in rows]
     print("\n".join(lines))
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"benchmark": "step_overhead", "device": device, "torch": torch.__version__,
