@@ -229,6 +229,9 @@ class Scheduler:
         # decodes_below[i]: resident decodes ranked after position i.
         decodes_below = [0] * (len(ranked) + 1)
         running = SeqStatus.RUNNING
+        offline = RequestClass.OFFLINE
+        online = False  # the step carries online work
+        block_table, block_size = self.kv.block_table, self.kv.block_size
         for i in range(len(ranked) - 1, -1, -1):
             s = ranked[i]
             is_decode = s.status is running and s.num_prompt_tokens + s.num_output_tokens - s.num_computed_tokens == 1
@@ -257,11 +260,21 @@ class Scheduler:
                 n = self.budget.offline_tokens(shape, seq, n, now)
                 if n <= 0:
                     continue
-            if not self._make_resident(seq, seq.num_computed_tokens + n, i, step):
+            table = block_table(seq.request_id)
+            if seq.status is running and len(table) * block_size >= seq.num_computed_tokens + n:
+                pass  # resident with room: most decodes, so no call for them
+            elif self._make_resident(seq, seq.num_computed_tokens + n, i, step):
+                table = block_table(seq.request_id)
+            else:
                 continue
             if self.record_shapes:
                 shape.add(seq, n)
-            plan.scheduled.append(self._scheduled(seq, n, n == uncomputed))
+            sent = seq.num_blocks_sent
+            if sent and len(table) == sent:  # most steps add no block to a request
+                plan.scheduled.append(ScheduledSeq(seq.request_id, n, n == uncomputed, _NO_BLOCKS))
+            else:
+                plan.scheduled.append(self._scheduled(seq, n, n == uncomputed, table))
+            online |= seq.klass is not offline
             budget -= n
         if self.swap and cfg.proactive_swap:
             self._prefetch(step)
@@ -276,13 +289,10 @@ class Scheduler:
             self._swap_credit -= len(demoted)
         if self.record_shapes:
             plan.shape = shape.astuple()
-        plan.preemptible = bool(plan.scheduled) and all(
-            self.seqs[s.request_id].klass is RequestClass.OFFLINE for s in plan.scheduled
-        )
+        plan.preemptible = bool(plan.scheduled) and not online
         return plan
 
-    def _scheduled(self, seq: SeqState, n: int, samples: bool) -> ScheduledSeq:
-        table = self.kv.block_table(seq.request_id)
+    def _scheduled(self, seq: SeqState, n: int, samples: bool, table: list[int]) -> ScheduledSeq:
         sent = seq.num_blocks_sent
         new_table = sent == 0
         # Most steps add no block to a request: no list to make then.
