@@ -70,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="cpu-deep", help="real engine: model shape (benchmarks/dummy_models.py)")
     ap.add_argument("--real-online", type=int, default=20, help="real engine: online requests")
     ap.add_argument("--real-gap-s", type=float, default=1.5, help="real engine: mean gap between online arrivals")
-    ap.add_argument("--real-offline", type=int, default=24, help="real engine: offline backlog")
+    ap.add_argument("--real-offline", type=int, default=96,
+                    help="real engine: offline backlog (more than the online window can finish)")
+    ap.add_argument("--real-kv-requests", type=int, default=32,
+                    help="real engine: device KV holds this many offline requests at once")
     ap.add_argument("--real-offline-prompt", type=int, default=1024)
     ap.add_argument("--real-batched-tokens", type=int, default=1024, help="real engine: token budget of a step")
     ap.add_argument("--real-ttft-slo-ms", type=float, default=None,
@@ -195,7 +198,9 @@ async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on:
     from fluidserve.engine.engine import LLMEngine
 
     prompt_len = args.real_offline_prompt
-    blocks = (args.real_offline * (prompt_len + 64) + args.real_online * 128) // BLOCK + 64
+    # Device KV for at most --real-kv-requests offline requests at once: the
+    # rest wait (or sit on the host), as a real backlog would.
+    blocks = (min(args.real_offline, args.real_kv_requests) * (prompt_len + 64) + args.real_online * 128) // BLOCK + 64
     ttft_slo, tpot_slo = slos if slos else (None, None)
     engine = LLMEngine(EngineConfig(
         model=str(model_dir), load_format="dummy", device="cpu", num_kv_blocks=blocks,
@@ -317,7 +322,7 @@ def real_engine(args, argv: list[str] | None) -> int:
            f"Command: `python benchmarks/coserving.py {cmd}`. Preset `{args.preset}` (random weights, fp32) "
            f"on the CPU ({platform.machine()}, {os.cpu_count()} cores), in-process through AsyncEngine. "
            f"Backlog: {args.real_offline} offline requests of {args.real_offline_prompt} prompt tokens and 32 "
-           f"output from t = 0; {args.real_online} online requests (64 prompt tokens, 8 output) arriving as a "
+           f"output from t = 0 (device KV for {args.real_kv_requests} of them at once); {args.real_online} online requests (64 prompt tokens, 8 output) arriving as a "
            f"Poisson process, mean gap {args.real_gap_s:g} s; step budget {args.real_batched_tokens} tokens. "
            f"SLOs of the budget variants: TTFT {slos[0]:.0f} ms, TPOT {slos[1]:.1f} ms"
            + (f" ({1 + args.real_slo_slack:g}x the online-only P99s)" if not (args.real_ttft_slo_ms
