@@ -412,12 +412,25 @@ def _on_event(data: str, result: RequestResult) -> None:
         usage = json.loads(data)["usage"]
         result.completion_tokens = usage["completion_tokens"]
         result.prompt_tokens = usage["prompt_tokens"]
-    elif '"role":"assistant","content":""' in data:
-        return  # chat's opening chunk carries no token
-    else:
+    elif _carries_token(data):
         if not result.token_times:
             result.ttft = now
         result.token_times.append(now)
+
+
+def _carries_token(data: str) -> bool:
+    """Whether a streamed chunk brings generated output: a chat chunk whose
+    delta holds no content, reasoning or tool call (the opening role chunk,
+    a closing finish_reason chunk; servers spell them differently) is not a
+    token, so it neither starts TTFT nor counts as an inter-token gap."""
+    if '"delta"' not in data:
+        return True  # completions: every text chunk is a step's output
+    try:
+        choices = json.loads(data).get("choices") or [{}]
+    except ValueError:
+        return True
+    delta = choices[0].get("delta") or {}
+    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
 
 
 async def run_load(args: argparse.Namespace, specs: list[RequestSpec]) -> tuple[list[RequestResult], float]:

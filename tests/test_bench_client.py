@@ -174,3 +174,17 @@ def test_older_interface_keeps_working(server):
     for key in ("duration_s", "output_token_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert key in rep
     assert rep["ttft_ms"]["p99"] >= rep["ttft_ms"]["p50"] > 0
+
+
+@pytest.mark.parametrize("chunk,token", [
+    ('{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}', False),
+    ('{"choices": [{"index": 0, "delta": {"role": "assistant", "content": null}}]}', False),  # other spellings
+    ('{"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}', False),
+    ('{"choices":[{"index":0,"delta":{"content":"hi"}}]}', True),
+    ('{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]}', True),
+    ('{"choices":[{"index":0,"text":"hi","finish_reason":null}]}', True),  # completions
+])
+def test_only_chunks_with_output_start_ttft_or_count_as_tokens(chunk, token):
+    result = bc.RequestResult(prompt_len=1, output_len=1)
+    bc._on_event(chunk, result)
+    assert bool(result.token_times) is token
