@@ -128,6 +128,7 @@ class _Step:
         self.enst: list[float] | None = None
         self.victims: list[int] | None = None  # positions, largest ENST first
         self.cursor = 0
+        self.offline_cursor: int | None = None  # next offline victim, walking up from the bottom
 
 
 class Scheduler:
@@ -379,6 +380,12 @@ class Scheduler:
         None: nothing below holds KV any more. For an ``online`` requester,
         offline victims give their blocks up at once (ConServe: online work
         never waits on offline KV): back to their checkpoint, else discarded."""
+        if online:  # offline KV first, whatever the ENST order says of the online requests
+            while self.kv.num_free_blocks + step.freeing < need:
+                victim = self._next_offline_victim(step)
+                if victim is None:
+                    break
+                self._evict_now(victim, step)
         while self.kv.num_free_blocks + step.freeing < need:
             victim = self._next_victim(pos, step, spare_unrun=above is not None)
             if victim is None:
@@ -431,6 +438,20 @@ class Scheduler:
             elif i == step.cursor:
                 step.cursor += 1
             i += 1
+        return None
+
+    def _next_offline_victim(self, step: _Step) -> SeqState | None:
+        """The lowest-ranked offline request still holding device KV (offline
+        requests rank below every online one); None when none is left."""
+        ranked = step.ranked
+        i = len(ranked) - 1 if step.offline_cursor is None else step.offline_cursor
+        while i >= 0 and ranked[i].klass is RequestClass.OFFLINE:
+            s = ranked[i]
+            i -= 1
+            if self.kv.holds(s.request_id) and s.request_id not in step.moved:
+                step.offline_cursor = i
+                return s
+        step.offline_cursor = -1
         return None
 
     def _evict(self, seq: SeqState, step: _Step, allow_recompute: bool) -> bool:

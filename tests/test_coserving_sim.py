@@ -74,3 +74,25 @@ def test_a_ttft_slo_the_step_can_meet_does_not_interrupt_it():
                     preemption_safepoint_fraction=1 / 8, online_ttft_slo_ms=5000.0)
     res = simulate(offline + online, "skip-join-mlfq", CM, cfg)
     assert res.swap_stats["num_steps_abandoned"] == 0
+
+
+def test_online_arrival_takes_offline_kv_before_online_kv():
+    # The device holds a demoted online request and an offline one; the
+    # arrival's room comes from the offline request alone, whatever order
+    # the policy would evict them in.
+    kv = KVCacheManager(16, 4, num_host_blocks=64)
+    s = Scheduler(SchedulerConfig(kv_watermark=0.0, kv_checkpoint_threshold=None, proactive_swap=False), kv)
+    s.add(SeqState("on0", 12, 16, 0.0, RequestClass.ONLINE), 0.0)
+    s.add(SeqState("off0", 32, 8, 0.0, RequestClass.OFFLINE), 0.0)
+    now = 0.0
+    for _ in range(4):  # on0 decodes: its MLFQ level drops below an arrival's
+        plan = s.schedule(now)
+        now += 0.01
+        s.update_from_output(plan, StepOutcome(0.01, now))
+    prompt = 4 * (kv.num_free_blocks + 2)  # it fits only if someone leaves
+    s.add(SeqState("on1", prompt, 4, now, RequestClass.ONLINE), now)
+    plan = s.schedule(now)
+    ran = [i.request_id for i in plan.scheduled]
+    assert "on1" in ran and "on0" in ran and "off0" not in ran
+    assert kv.holds("on0") and not kv.holds("off0")
+    s.kv.check_integrity()
