@@ -33,12 +33,9 @@ import time
 from pathlib import Path
 
 from dummy_models import build_model_dir
+from sched_step_cost import shared_prefix_scheduler
 from scheduling import time_steps
 
-from fluidserve.kvcache.manager import KVCacheManager
-from fluidserve.kvcache.prefix_cache import block_keys
-from fluidserve.scheduler.request_state import SeqState
-from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def _ttfts(engine, prompts: list[list[int]], max_tokens: int) -> list[float]:
@@ -110,16 +107,7 @@ def tenants(args, model_dir: Path, host_blocks: int) -> tuple[list[float], dict]
 def scheduler_cost(cache: bool, active: int = 256, steps: int = 200) -> float:
     """CPU seconds per schedule() + update_from_output() with ``active``
     decoding requests that share a 512-token prefix."""
-    bs = 16
-    kv = KVCacheManager(active * 64 + 64, bs, enable_prefix_caching=cache)
-    s = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048), kv)
-    rng = random.Random(0)
-    system = [rng.randrange(1000) for _ in range(512)]
-    for i in range(active):
-        prompt = system + [rng.randrange(1000) for _ in range(50 + i % 300)]
-        keys = block_keys(prompt, bs) if cache else []
-        s.add(SeqState(f"r{i}", len(prompt), 10_000, i * 1e-3, block_keys=keys), 0.0)
-    return time_steps(s, warm_steps=40, steps=steps)
+    return time_steps(shared_prefix_scheduler(cache, active), warm_steps=40, steps=steps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,21 +20,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-_PROBE = r'''
-import importlib.util, os, random, sys, time, types
-root = sys.argv[1]
-pkg = types.ModuleType("fluidserve"); pkg.__path__ = []; sys.modules["fluidserve"] = pkg
-for name in ("scheduler", "kvcache"):  # pure Python: the two packages are all the scheduler needs
-    spec = importlib.util.spec_from_file_location(f"fluidserve.{name}", os.path.join(root, name, "__init__.py"),
-                                                  submodule_search_locations=[os.path.join(root, name)])
-    mod = importlib.util.module_from_spec(spec); sys.modules[f"fluidserve.{name}"] = mod; spec.loader.exec_module(mod)
-from fluidserve.kvcache.manager import KVCacheManager
-from fluidserve.kvcache.prefix_cache import block_keys
-from fluidserve.scheduler.plan import StepOutcome
-from fluidserve.scheduler.request_state import SeqState
-from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
+def shared_prefix_scheduler(cache: bool, active: int = 256):
+    """A Scheduler holding ``active`` requests whose prompts share a 512-token
+    prefix (each its own 50-349-token suffix), none run yet. Imports
+    fluidserve when called, so a probe can point it at another tree."""
+    import random
 
-def cost(cache, active=256, steps=200, warm=40):
+    from fluidserve.kvcache.manager import KVCacheManager
+    from fluidserve.kvcache.prefix_cache import block_keys
+    from fluidserve.scheduler.request_state import SeqState
+    from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
+
     bs = 16
     kv = KVCacheManager(active * 64 + 64, bs, enable_prefix_caching=cache)
     s = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048), kv)
@@ -44,6 +40,23 @@ def cost(cache, active=256, steps=200, warm=40):
         prompt = system + [rng.randrange(1000) for _ in range(50 + i % 300)]
         s.add(SeqState(f"r{i}", len(prompt), 10_000, i * 1e-3,
                        block_keys=block_keys(prompt, bs) if cache else []), 0.0)
+    return s
+
+
+_PROBE = r'''
+import importlib.util, os, sys, time, types
+root, here = sys.argv[1], sys.argv[2]
+pkg = types.ModuleType("fluidserve"); pkg.__path__ = []; sys.modules["fluidserve"] = pkg
+for name in ("scheduler", "kvcache"):  # pure Python: the two packages are all the scheduler needs
+    spec = importlib.util.spec_from_file_location(f"fluidserve.{name}", os.path.join(root, name, "__init__.py"),
+                                                  submodule_search_locations=[os.path.join(root, name)])
+    mod = importlib.util.module_from_spec(spec); sys.modules[f"fluidserve.{name}"] = mod; spec.loader.exec_module(mod)
+sys.path.insert(0, here)
+from fluidserve.scheduler.plan import StepOutcome
+from sched_step_cost import shared_prefix_scheduler  # this tree's workload, the probed tree's scheduler
+
+def cost(cache, steps=200, warm=40):
+    s = shared_prefix_scheduler(cache)
     now, times = 0.0, []
     for k in range(warm + steps):
         t0 = time.thread_time()
@@ -69,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     for _ in range(args.rounds):
         for tree in args.trees:  # interleaved, so a neighbour's load hits every tree alike
-            out = subprocess.run([sys.executable, "-c", _PROBE, str(Path(tree).resolve())], check=True,
+            out = subprocess.run([sys.executable, "-c", _PROBE, str(Path(tree).resolve()),
+                                  str(Path(__file__).resolve().parent)], check=True,
                                  capture_output=True, text=True).stdout.split()
             runs[tree].append((float(out[0]), float(out[1])))
     rows = {t: {"cache_off_ms": statistics.median(r[0] for r in rs) * 1e3,
