@@ -43,6 +43,9 @@ class EngineConfig:
     scheduling_policy: str = "skip-join-mlfq"  # fcfs | mlfq | fixed-priority | skip-join-mlfq
     policy_options: dict = field(default_factory=dict)  # per-policy knobs (MLFQ quanta, ...)
     profile_path: str | None = None  # measured cost model (fluidserve profile -o ...)
+    # Without a profile the scheduler's cost model learns from the steps run
+    # (scheduler/calibration.py); None: when an online SLO needs the model.
+    calibrate_cost_model: bool | None = None
     executor: str = "local"  # local | ray
     tensor_parallel_size: int = 1
     ray_address: str | None = None

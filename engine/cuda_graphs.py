@@ -76,6 +76,7 @@ from torch import nn
 
 from fluidserve.engine.batch import ModelInput
 from fluidserve.engine.layers import AttentionMetadata, PagedAttention
+from fluidserve.engine.model_runner import fill_block_tables
 from fluidserve.kernels import packing
 from fluidserve.kernels.packing import WORK_FIELDS, WorkPlan
 
@@ -342,10 +343,8 @@ class Bucket:
         self._samp[:len(inp.sample_indices)] = inp.sample_indices
         self._h_seq[:n] = inp.seq_lens
         self._h_seq[n:] = 1
-        bt = self._h_bt
-        bt.fill(0)
-        for row, blocks in zip(bt, inp.block_tables):
-            row[:len(blocks)] = blocks
+        self._h_bt[n:] = 0  # padding rows
+        fill_block_tables(self._h_bt[:n], inp.block_tables)
         self.host_seq_lens = [*inp.seq_lens, *[1] * (self.size - n)]
         self.rows = n
         for plan in self.plans.values():

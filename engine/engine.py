@@ -240,7 +240,7 @@ class LLMEngine:
         if not plan.preemptible or self.config.preemption_safepoint_layers == 0 or not inp.input_ids:
             return self.executor.execute(inp)
         inp.preemptible, inp.step_id = True, self.stats_.num_steps  # unique: counts every step run
-        predicted = (self.cost_model.step_time(*plan_shape(plan, self.scheduler.seqs))
+        predicted = (self.cost_model.step_time(*(plan.shape or plan_shape(plan, self.scheduler.seqs)))
                      if self.preemption.ttft_slo_s is not None else 0.0)
         self.preemption.step_started(RunningStep(inp.step_id, now, predicted))
         try:

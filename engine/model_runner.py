@@ -71,7 +71,7 @@ class ModelRunner:
         o = 2 * i64
         host[o:o + s] = inp.seq_lens
         host[o + s:o + 2 * s + 1] = inp.query_start_loc
-        _fill_tables(host[o + 2 * s + 1:words].reshape(s, width), inp.block_tables)
+        fill_block_tables(host[o + 2 * s + 1:words].reshape(s, width), inp.block_tables)
         if self._dev is not self._host:
             self._dev[:words].copy_(self._host[:words], non_blocking=True)
             self._copied = torch.cuda.Event()
@@ -107,7 +107,7 @@ class ModelRunner:
         return self.model(input_ids, positions, kv_caches, meta), sample_idx
 
 
-def _fill_tables(out: np.ndarray, tables: list[list[int]]) -> None:
+def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> None:
     """Write ragged block tables into ``out`` [S, W], zero-padded, with a
     fixed number of numpy calls: no Python-level work per row but a length."""
     lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))  # [S]

@@ -310,8 +310,6 @@ class Scheduler:
         to the host."""
         rid = seq.request_id
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPING_IN):
-            if len(self.kv.block_table(rid)) * self.kv.block_size >= num_tokens:
-                return True  # most decodes: the last block has room
             need = self.kv.num_new_blocks(rid, num_tokens)
             if not need:  # most decodes: the last block has room
                 return True
@@ -394,9 +392,7 @@ class Scheduler:
                 # ENST order follows priority: the candidates after this one
                 # are no lower, so nothing below may be evicted for it.
                 return False
-            if online and victim.klass is RequestClass.OFFLINE:
-                self._evict_now(victim, step)
-            elif not self._evict(victim, step, allow_recompute):
+            if not self._evict(victim, step, allow_recompute):
                 return False
         return self.kv.num_free_blocks >= need
 

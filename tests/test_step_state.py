@@ -158,11 +158,11 @@ def test_block_tables_fill_like_row_by_row(widths):
 
     import numpy as np
 
-    from fluidserve.engine.model_runner import _fill_tables
+    from fluidserve.engine.model_runner import fill_block_tables
 
     rng = random.Random(sum(widths))
     tables = [rng.sample(range(1, 100), w) for w in widths]
     out = np.full((len(tables), max(widths)), -7, dtype=np.int32)
-    _fill_tables(out, tables)
+    fill_block_tables(out, tables)
     for row, blocks in zip(out, tables):
         assert row[:len(blocks)].tolist() == blocks and not row[len(blocks):].any()
