@@ -7,9 +7,9 @@ backlog gets, for these designs on the same jobs:
 * ``priority``: online strictly above offline, no budget
 * ``priority + budget``: and ConServe's SLO-aware budget (``--online-tpot-slo-ms``)
 * ``+ checkpointing``: and incremental checkpointing of offline KV (§4.4)
-* ``+ layer-wise preemption (full)``: and an offline-only step abandoned at
+* ``+ layer-wise preemption (full)``: and an offline-only step paused at
   the next safepoint (every ``--safepoint-layers`` layers) after an online
-  arrival (§4.3)
+  arrival, resumed there once online work drains (§4.3)
 
 Online: ShareGPT lengths, Gamma arrivals (CV 4: bursts and idle gaps) at a
 fraction of the saturated rate. Offline: a backlog of ShareGPT-length jobs
@@ -34,7 +34,10 @@ naive, priority, priority + budget, full). The budget's SLOs default to
 (1 + ``--real-slo-slack``) x the online-only run's P99 TTFT and TPOT: an
 operator asking to keep online latency within 10% of an idle machine's. The
 offline share is of the offline-only run's throughput in the same window, and
-of that scaled to the idle capacity the online-only run leaves.
+of that scaled to the idle capacity the online-only run leaves. The full
+design checks for interrupts every ``--real-safepoint-layers`` layers (1 by
+default: on this CPU one layer of a 1024-token chunk takes 20-40 ms, longer
+than the TTFT SLO leaves an arrival to wait).
 
     python benchmarks/coserving.py --real-engine   # ~4 min on 2 cores
 Writes benchmarks/results/coserving_real.{json,md}.
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="real engine: online TTFT SLO of the budget variants (default: from online only)")
     ap.add_argument("--real-tpot-slo-ms", type=float, default=None,
                     help="real engine: online TPOT SLO of the budget variants (default: from online only)")
+    ap.add_argument("--real-safepoint-layers", type=int, default=1,
+                    help="real engine, full design: layers between interrupt checks")
     ap.add_argument("--real-slo-slack", type=float, default=0.1,
                     help="real engine: default SLOs are (1 + this) x the online-only P99 TTFT and TPOT")
     ap.add_argument("--workload-dir", default=str(DEFAULT_WORKLOAD_DIR))
@@ -271,6 +276,7 @@ async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on:
         await ae.shutdown()
     row = {"window_s": window, "busy_s": busy_s, "offline_tokens_per_s": offline_done["tokens"] / window,
            "steps_abandoned": stats.num_steps_abandoned, "abandoned_tokens": stats.abandoned_tokens,
+           "steps_resumed": stats.num_steps_resumed,
            "checkpoint_evictions": stats.num_checkpoint_evictions, "steps": stats.num_steps}
     if results:
         ttfts, tpots = [r[0] for r in results], [r[1] for r in results]
@@ -286,8 +292,6 @@ def real_engine(args, argv: list[str] | None) -> int:
     import tempfile
 
     from dummy_models import build_model_dir
-
-    from fluidserve.scheduler.options import DEFAULT_SAFEPOINT_LAYERS
 
     model_dir = build_model_dir(args.preset, Path(tempfile.mkdtemp(prefix="fluidserve-coserve-")))
     rng = random.Random(0)
@@ -305,12 +309,12 @@ def real_engine(args, argv: list[str] | None) -> int:
                     args.real_tpot_slo_ms or (1 + args.real_slo_slack) * ref["p99_tpot_s"] * 1e3)
         res = asyncio.run(_real_variant(
             model_dir, args, arrivals, online_on, backlog, klass, slos if with_slo else None,
-            DEFAULT_SAFEPOINT_LAYERS if k is None else k, ckpt, window_s=rows[0]["window_s"] if rows else None))
+            args.real_safepoint_layers if k is None else k, ckpt, window_s=rows[0]["window_s"] if rows else None))
         rows.append({"design": name, **res})
         print(f"{name}: " + (f"P99 TTFT {res['p99_ttft_s'] * 1e3:.0f} ms, P99 TPOT {res['p99_tpot_s'] * 1e3:.1f} ms, "
                              if "p99_ttft_s" in res else "")
               + f"offline {res['offline_tokens_per_s']:.0f} tok/s, busy {res['busy_s']:.1f} of {res['window_s']:.1f} s, "
-              f"{res['steps_abandoned']} steps abandoned", flush=True)
+              f"{res['steps_abandoned']} steps interrupted, {res['steps_resumed']} resumed", flush=True)
     ref, alone = rows[0], rows[1]
     idle = max(0.0, 1.0 - ref["busy_s"] / ref["window_s"])  # the share of the window online work leaves
     for r in rows[2:]:
@@ -328,13 +332,15 @@ def real_engine(args, argv: list[str] | None) -> int:
            + (f" ({1 + args.real_slo_slack:g}x the online-only P99s)" if not (args.real_ttft_slo_ms
                                                                             or args.real_tpot_slo_ms) else "")
            + f"; cost model: roofline prior, calibrated from the steps run; safepoints every "
-           f"{DEFAULT_SAFEPOINT_LAYERS} layers in the full design. Idle capacity: {idle:.0%} of the window "
+           f"{args.real_safepoint_layers} layer(s) in the full design (an interrupted step pauses there and "
+           f"resumes once online work drains). Idle capacity: {idle:.0%} of the window "
            f"(1 - the online-only run's busy time / its window).", "",
            f"Load average (1 min) at the start {load_start[0]:.2f}, at the end {load_end[0]:.2f}; "
            f"{os.cpu_count()} cores shared with other work.", "",
            "| design | online P99 TTFT (ms) | vs online only | P50 TTFT (ms) | online P99 TPOT (ms) | vs online only "
            "| offline tok/s in the window | share of offline only | share of offline only x idle "
-           "| steps abandoned | tokens thrown away |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| steps interrupted | of them resumed | tokens computed again |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         on = "p99_ttft_s" in r
         cells = ([f"{r['p99_ttft_s'] * 1e3:.0f}", f"{r['p99_ttft_s'] / ref['p99_ttft_s']:.2f}x",
@@ -343,7 +349,7 @@ def real_engine(args, argv: list[str] | None) -> int:
         cells += [f"{r['offline_tokens_per_s']:.0f}",
                   f"{r['offline_share']:.0%}" if "offline_share" in r else "",
                   f"{r['offline_share_of_idle']:.0%}" if "offline_share_of_idle" in r else "",
-                  str(r["steps_abandoned"]), str(r["abandoned_tokens"])]
+                  str(r["steps_abandoned"]), str(r.get("steps_resumed", 0)), str(r["abandoned_tokens"])]
         out.append(f"| {r['design']} | " + " | ".join(cells) + " |")
     md = "\n".join(out) + "\n"
     dest = Path(args.out_dir)

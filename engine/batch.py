@@ -68,6 +68,9 @@ class ModelInput:
     # engine interrupts step ``step_id`` (engine/preemption.py).
     preemptible: bool = False
     step_id: int = -1
+    # The step id of a paused forward this step continues (the same inputs,
+    # sent again): the worker starts at the layer where it stopped.
+    resume_of: int = -1
     # Constrained sequences that finished or were aborted since the last
     # step: the worker drops their grammar matchers.
     finished_ids: list[str] = field(default_factory=list)
@@ -86,6 +89,9 @@ class StepResult:
     # The safepoint (layer index) where an interrupted step stopped: no
     # tokens, and none of the step's KV writes count. None: it ran to the end.
     abandoned_at_layer: int | None = None
+    # The worker kept the interrupted forward's state: sending the same input
+    # again with ``resume_of`` set continues it from that layer.
+    paused: bool = False
 
     @property
     def abandoned(self) -> bool:

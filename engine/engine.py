@@ -63,7 +63,10 @@ class EngineStats:
     # preemptions they made (each request of the step), and their tokens.
     num_steps_abandoned: int = 0
     num_abandoned_preemptions: int = 0
+    # Tokens computed again: of steps abandoned without their state kept,
+    # and of paused steps given up before they resumed.
     abandoned_tokens: int = 0
+    num_steps_resumed: int = 0  # paused steps continued from their safepoint
 
 
 class LLMEngine:
@@ -108,6 +111,7 @@ class LLMEngine:
                 max_swap_blocks_per_step=self._swap_blocks_per_step(),
                 online_tpot_slo_ms=config.online_tpot_slo_ms,
                 online_ttft_slo_ms=config.online_ttft_slo_ms,
+                safepoint_interval_share=self._safepoint_interval_share(),
                 kv_checkpoint_threshold=config.kv_checkpoint_threshold,
             ),
             self.kv,
@@ -117,6 +121,8 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._finished_constrained: list[str] = []  # told to the worker with the next step
         self.stats_ = EngineStats()
+        self._paused_input: ModelInput | None = None  # the input of the step the worker paused
+        self._lost_tokens = 0  # of abandoned steps whose state the worker did not keep
         ttft = self.scheduler.config.online_ttft_slo_ms  # the SLOs live in the scheduler config
         self.preemption = PreemptionPolicy(self.executor.interrupt, None if ttft is None else ttft / 1e3,
                                            self.cost_model.prefill_time)
@@ -209,6 +215,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def _safepoint_interval_share(self) -> float | None:
+        """The share of a step between two safepoints (None: no safepoints)."""
+        k = self.config.preemption_safepoint_layers
+        layers = int(getattr(self.hf_config, "num_hidden_layers", 0) or 0)
+        return min(1.0, k / layers) if k > 0 and layers > 0 else None
+
     def _swap_blocks_per_step(self) -> int | None:
         """Blocks whose copy hides behind the cheapest step (FastServe §4.2:
         swaps overlap compute); None when the cost model knows no link speed."""
@@ -228,7 +240,7 @@ class LLMEngine:
         result = self._execute(plan, now)
         outputs, finished = self._process(plan, result)
         self.scheduler.update_from_output(plan, StepOutcome(time.monotonic() - now, now, finished,
-                                                            abandoned=result.abandoned))
+                                                            abandoned=result.abandoned, paused=result.paused))
         self.stats_.num_steps += 1
         self.stats_.swap_stall_seconds += result.swap_stall_s
         return outputs
@@ -236,7 +248,13 @@ class LLMEngine:
     def _execute(self, plan: StepPlan, now: float) -> StepResult:
         """Run the plan; a preemptible one is announced to the preemption
         policy while it runs, so an online arrival can interrupt it."""
-        inp = self._model_input(plan)
+        if plan.resumes:  # the paused step's input again: its tables and copies are already applied
+            inp = self._paused_input
+            inp.resume_of = inp.step_id
+            inp.swap_out, inp.swap_in, inp.wait_for_swap_in, inp.finished_ids = [], [], False, []
+            self.stats_.num_steps_resumed += 1
+        else:
+            inp = self._model_input(plan)
         if not plan.preemptible or self.config.preemption_safepoint_layers == 0 or not inp.input_ids:
             return self.executor.execute(inp)
         inp.preemptible, inp.step_id = True, self.stats_.num_steps  # unique: counts every step run
@@ -250,7 +268,10 @@ class LLMEngine:
         if result.abandoned:
             self.stats_.num_steps_abandoned += 1
             self.stats_.num_abandoned_preemptions += len(plan.scheduled)
-            self.stats_.abandoned_tokens += plan.num_batched_tokens
+            if result.paused:
+                self._paused_input = inp
+            else:
+                self._lost_tokens += plan.num_batched_tokens
         return result
 
     def _model_input(self, plan: StepPlan) -> ModelInput:
@@ -475,6 +496,7 @@ class LLMEngine:
         s.num_preemptions = c.num_preemptions
         s.num_recomputes = c.num_recomputes
         s.num_checkpoint_evictions = c.num_checkpoint_evictions
+        s.abandoned_tokens = self._lost_tokens + c.dropped_pause_tokens
         s.checkpoint_bytes = c.checkpoint_blocks * self.bytes_per_block
         s.num_swaps = c.num_swap_outs + c.num_swap_ins
         s.swap_out_bytes = c.swap_out_blocks * self.bytes_per_block

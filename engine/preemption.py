@@ -13,7 +13,18 @@ length; the retried step overwrites it before anything reads it::
     layers     0   1 | 2   3 | 4   5 | ...        k = 2
     safepoint  ^       ^       ^                  checked before layers 0, 2, 4, ...
     interrupt            *                        arrives while layer 2 runs
-    stop                       ^ layer 4          layers 0-3 wrote KV nobody reads
+    stop                       ^ layer 4          layers 0-3 wrote KV nobody reads yet
+    resume                     ^ layer 4          from the kept input of layer 4
+
+The stop is a pause, not a loss: the exception carries the hidden state
+that entered the stopping layer, and the worker keeps it (``PausedForward``).
+The engine later sends the same step again, marked as resuming it, and the
+loop starts at that layer from the kept state: layers already run are not run
+again, and the result is the one the uninterrupted step would have given (the
+same operations on the same values). The scheduler runs nothing else of the
+paused step's requests, and keeps their blocks, until it resumes; a worker
+that kept nothing (another step came first) runs the step from layer 0, which
+is also correct, only slower.
 
 The flag is a host-side integer: the id of the step to interrupt (an id,
 not a boolean, so a request meant for one step can never stop the next).
@@ -30,6 +41,7 @@ group, so every rank stops at the same layer or none does.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -45,11 +57,23 @@ NO_STEP = -1
 
 
 class StepAbandoned(Exception):
-    """Raised by the layer loop at the safepoint where the step stops."""
+    """Raised by the layer loop at the safepoint where the step stops, with
+    the hidden state that layer would have read (None: not kept)."""
 
-    def __init__(self, layer: int) -> None:
+    def __init__(self, layer: int, hidden: torch.Tensor | None = None) -> None:
         super().__init__(f"step abandoned before layer {layer}")
         self.layer = layer
+        self.hidden = hidden
+
+
+@dataclass
+class PausedForward:
+    """A worker's stopped forward: the step it belongs to, the layer it
+    stopped before, and that layer's input."""
+
+    step_id: int
+    layer: int
+    hidden: torch.Tensor
 
 
 class InterruptFlag:
@@ -133,19 +157,33 @@ class LayerLoop:
 
     def __init__(self) -> None:
         self.safepoints: Safepoints | None = None
+        self._resume: PausedForward | None = None
+
+    def resume_next(self, paused: PausedForward) -> None:
+        """Make the next ``run`` start at ``paused.layer`` from its kept
+        input, whatever input the model passes (the worker calls this just
+        before the forward of the step it resumes)."""
+        self._resume = paused
 
     def run(self, layers: Iterable[Any], kv_caches: Iterable[Any], x: torch.Tensor,
             call: Callable[[Any, torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:
         """``x = call(layer, x, kv)`` for each layer and its KV cache; raises
-        StepAbandoned at a safepoint where the armed step is interrupted."""
-        sp = self.safepoints
+        StepAbandoned, with the stopping layer's input, at a safepoint where
+        the armed step is interrupted."""
+        sp, start = self.safepoints, 0
+        if self._resume is not None:
+            start, x = self._resume.layer, self._resume.hidden
+            self._resume = None
+        pairs = zip(layers, kv_caches)
+        if start:
+            pairs = itertools.islice(pairs, start, None)
         if sp is None or not sp.armed:
-            for layer, kv in zip(layers, kv_caches):
+            for layer, kv in pairs:
                 x = call(layer, x, kv)
             return x
-        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+        for i, (layer, kv) in enumerate(pairs, start):
             if sp.stop_before(i):
-                raise StepAbandoned(i)
+                raise StepAbandoned(i, x)
             x = call(layer, x, kv)
         return x
 
@@ -166,7 +204,9 @@ class PreemptionPolicy:
     and end; the event loop reports online arrivals. Without a TTFT SLO any
     online arrival interrupts a preemptible step; with one, only an arrival
     that waiting for the step would make miss it: the step's predicted
-    remaining time exceeds the SLO less the arrival's own predicted prefill."""
+    remaining time exceeds the SLO less the arrival's own predicted prefill
+    (a step past its predicted end is taken to need as long again as it has
+    run)."""
 
     def __init__(self, interrupt: Callable[[int], None], ttft_slo_s: float | None,
                  prefill_time: Callable[[int], float]) -> None:
@@ -196,7 +236,12 @@ class PreemptionPolicy:
                 return False
             if self.ttft_slo_s is not None:
                 now = time.monotonic() if now is None else now
-                remaining = step.predicted_s - (now - step.started)
+                elapsed = now - step.started
+                remaining = step.predicted_s - elapsed
+                if remaining <= 0:
+                    # Past its predicted end: the prediction was wrong, so
+                    # the step is taken to need as long again as it has run.
+                    remaining = elapsed
                 own = self._prefill_time(prompt_tokens) if prompt_tokens else 0.0
                 if not interrupts_step(remaining, self.ttft_slo_s, own):
                     return False  # the step ends in time for this arrival's SLO

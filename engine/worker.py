@@ -26,7 +26,7 @@ from fluidserve.engine.loader import (build_model, eos_token_ids, init_dummy_wei
                                       load_weights, model_context_length, resolve_dtype)
 from fluidserve.engine.model_runner import ModelRunner
 from fluidserve.engine.parallel import TensorParallel
-from fluidserve.engine.preemption import Safepoints, StepAbandoned
+from fluidserve.engine.preemption import PausedForward, Safepoints, StepAbandoned
 from fluidserve.engine.prompt_logprobs import score_prompts
 from fluidserve.engine.sampler import SamplingRow, make_generator, sample
 from fluidserve.engine.sampling_params import SamplingParams
@@ -88,6 +88,7 @@ class Worker:
         self.structured = StructuredDecoder(lambda: load_tokenizer(config.tokenizer or model_dir),
                                             int(hf_config.vocab_size), stops)
         self.safepoints = Safepoints(config.preemption_safepoint_layers, self.tp, self.device)
+        self.paused: PausedForward | None = None  # the last interrupted step's state, until resumed
         self.model.layer_loop.safepoints = self.safepoints
 
     @property
@@ -148,6 +149,8 @@ class Worker:
 
     def init_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.graphs = None  # graphs hold the old cache's addresses
+        if self.cache is not None:
+            self.cache.close()  # its copy thread, once its last moves are done
         self.cache = None  # free the old tensors before the new ones are made
         self.cache = CacheEngine(self.num_layers, self.config.block_size, self.num_kv_heads, self.head_dim,
                                  self.dtype, self.device, num_blocks, num_host_blocks)
@@ -199,12 +202,20 @@ class Worker:
         self.structured.release(inp.finished_ids)
         if not inp.input_ids:
             return result  # a step of copies only
+        # A paused forward waits through other steps for the one that resumes
+        # it (or is replaced by the next pause: at most one is kept).
+        if self.paused is not None and self.paused.step_id == inp.resume_of:
+            self.model.layer_loop.resume_next(self.paused)
+            self.paused = None
         if inp.preemptible:
             self.safepoints.arm(inp.step_id)
         try:
             hidden, sample_idx = self._forward(inp)  # [T, hidden], [S]
         except StepAbandoned as stop:  # before any sampling: no sampler state moved
             result.abandoned_at_layer = stop.layer
+            if stop.hidden is not None:
+                self.paused = PausedForward(inp.step_id, stop.layer, stop.hidden)
+                result.paused = True
             return result
         finally:
             self.safepoints.disarm()
@@ -240,6 +251,7 @@ class Worker:
     def logits(self, inp: ModelInput) -> torch.Tensor | None:
         """Logits at the sample positions, for tests comparing with a
         reference; None on ranks other than 0."""
+        self.cache.sync()
         hidden, sample_idx = self._forward(inp)
         logits = self.model.compute_logits(hidden[sample_idx])
         return None if logits is None else logits.float()

@@ -14,7 +14,14 @@ does not fit waits. The cap is the tightest of:
   request whose prefill the step runs (the step's end is when its first
   token, or the next chunk's start, comes).
 
-With no online work in the step, offline work takes the whole token budget.
+With no online work in the step, offline work takes the whole token budget,
+except where layer-wise preemption bounds it: an online arrival waits for
+the running offline-only step's next safepoint (the step pauses there), so
+one safepoint interval is what the arrival's TTFT pays on top of its own
+prefill. With a TTFT SLO and safepoints every ``interval_share`` of a step,
+an offline-only step is cut so that its interval fits the SLO less the
+predicted prefill of a typical online prompt (a running mean of the
+arrivals'), but never below ``min_step_tokens``.
 Pure Python.
 """
 
@@ -28,15 +35,36 @@ class SloBudget:
     """``tpot_slo_s`` / ``ttft_slo_s``: the online SLOs (either may be None,
     not both)."""
 
-    def __init__(self, cost: CostModel, tpot_slo_s: float | None, ttft_slo_s: float | None = None) -> None:
+    def __init__(self, cost: CostModel, tpot_slo_s: float | None, ttft_slo_s: float | None = None,
+                 interval_share: float | None = None, min_step_tokens: int = 64) -> None:
         for name, slo in (("TPOT", tpot_slo_s), ("TTFT", ttft_slo_s)):
             if slo is not None and not slo > 0:
                 raise ValueError(f"online {name} SLO must be positive, got {slo}")
         if tpot_slo_s is None and ttft_slo_s is None:
             raise ValueError("an SLO budget needs a TPOT or a TTFT SLO")
+        if interval_share is not None and not 0 < interval_share <= 1:
+            raise ValueError(f"interval_share must be in (0, 1], got {interval_share}")
         self.cost = cost
         self.tpot_slo = tpot_slo_s
         self.ttft_slo = ttft_slo_s
+        # Safepoints every this share of a step (None: no layer-wise
+        # preemption, offline-only steps are not cut).
+        self.interval_share = interval_share
+        self.min_step_tokens = min_step_tokens
+        self._online_prompt: float | None = None  # running mean of online prompt tokens
+
+    def note_online_arrival(self, prompt_tokens: int) -> None:
+        """An online request of ``prompt_tokens`` arrived (the offline-only
+        cap reserves time for a typical one's prefill)."""
+        m = self._online_prompt
+        self._online_prompt = float(prompt_tokens) if m is None else m + 0.1 * (prompt_tokens - m)
+
+    def offline_only_cap(self) -> float:
+        """Predicted seconds an offline-only step may take (inf: no cap)."""
+        if self.ttft_slo is None or self.interval_share is None:
+            return float("inf")
+        own = self.cost.prefill_time(round(self._online_prompt)) if self._online_prompt else 0.0
+        return max(0.0, self.ttft_slo - own) / self.interval_share
 
     def cap(self, shape: StepShape, now: float) -> float:
         """Predicted seconds a step of ``shape`` (its online part) may take."""
@@ -57,11 +85,17 @@ class SloBudget:
 
     def offline_tokens(self, shape: StepShape, seq: SeqState, n: int, now: float = 0.0) -> int:
         """How many of the ``n`` tokens offline ``seq`` may run in a step of
-        ``shape``: all of them without online work, else the most that keep
-        the predicted step time within the cap (0: none)."""
-        if not shape.online:
-            return n
-        cap = self.cap(shape, now)
+        ``shape``: the most that keep the predicted step time within the cap
+        (0: none); without online work, within the offline-only cap, and at
+        least what brings the step to ``min_step_tokens``."""
+        floor = 0
+        if shape.online:
+            cap = self.cap(shape, now)
+        else:
+            cap = self.offline_only_cap()
+            if cap == float("inf"):
+                return n
+            floor = min(n, max(0, self.min_step_tokens - shape.prefill_tokens - shape.decode_seqs))
         if self._time_with(shape, seq, n) <= cap:
             return n
         lo, hi = 0, n - 1  # the largest m in [0, n) that fits; step time grows with m
@@ -71,7 +105,7 @@ class SloBudget:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo
+        return max(lo, floor)
 
 
 def interrupts_step(remaining_s: float, ttft_slo_s: float | None, own_prefill_s: float) -> bool:

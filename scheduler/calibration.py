@@ -10,7 +10,10 @@ reports every step it ran (its shape and measured seconds) and this model
 keeps a linear fit of them -- the same five terms as ``LinearCostModel`` --
 which replaces the prior once enough steps have been seen.
 
-The fit is least squares with exponential forgetting (old steps fade with a
+The fit is least squares of the *relative* error (each step weighted by one
+over its squared time: a 20 ms decode step, whose time is what the TPOT budget
+decides, counts as much as a 600 ms prefill, instead of being noise beside
+it), with exponential forgetting (old steps fade with a
 half-life, so the model follows a machine whose speed drifts), a light ridge
 pull toward the prior's own best linear fit of the same steps (directions
 the observed steps do not vary in keep the prior's slope, instead of
@@ -101,16 +104,18 @@ class CalibratingCostModel(_StepShapeMixin):
         x = _features(shape)
         prior = self.prior.step_time(*shape)
         d = self.decay
+        w = 1.0 / (seconds * seconds)  # relative error: see the module docstring
         xx, xy, xp, scale = self._xx, self._xy, self._xp, self._scale
         for i in range(_N):
             xi = x[i]
             if xi > scale[i]:
                 scale[i] = xi
             row = xx[i]
+            wxi = w * xi
             for j in range(_N):
-                row[j] = d * row[j] + xi * x[j]
-            xy[i] = d * xy[i] + xi * seconds
-            xp[i] = d * xp[i] + xi * prior
+                row[j] = d * row[j] + wxi * x[j]
+            xy[i] = d * xy[i] + wxi * seconds
+            xp[i] = d * xp[i] + wxi * prior
         self.num_observed += 1
         self._ratio_sum = d * self._ratio_sum + seconds / prior if prior > 0 else self._ratio_sum
         self._ratio_n = d * self._ratio_n + (prior > 0)

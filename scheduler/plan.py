@@ -47,6 +47,9 @@ class StepPlan:
     # (prefill tokens, decode requests, context, prefill attention pairs), as
     # the cost model reads a step; set when the scheduler records shapes.
     shape: tuple[int, int, int, int] | None = None
+    # This plan continues a paused one (the same requests and tokens): the
+    # engine sends the paused step's input again and the worker resumes it.
+    resumes: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -75,3 +78,7 @@ class StepOutcome:
     # (the KV it wrote is recomputed and overwritten next time); the plan's
     # KV copies, done before the forward, did happen.
     abandoned: bool = False
+    # Abandoned, but the worker kept its state: the scheduler holds the
+    # plan's requests (runs nothing else of theirs, keeps their KV) and
+    # resumes the plan when no online work is left.
+    paused: bool = False

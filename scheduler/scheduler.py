@@ -55,6 +55,10 @@ _RESERVE_WINDOW_STEPS = 16  # arrivals remembered for the reserve
 _RESERVE_CAP = 0.25  # the reserve never exceeds this share of the device pool
 _NO_BLOCKS: list[int] = []  # shared, never mutated: the engine extends its own table with it
 _SWAP_BUCKET_STEPS = 2  # a move may run one step ahead of compute, no more
+# A paused offline step waits for online work to drain; under online traffic
+# that never drains it is dropped after this many steps (its tokens are then
+# computed again, in steps the SLO budget sizes).
+_MAX_PAUSED_STEPS = 512
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,10 @@ class SchedulerConfig:
     # An online arrival that would miss this waiting for a running
     # offline-only step interrupts it (the engine's layer-wise preemption).
     online_ttft_slo_ms: float | None = None
+    # Layer-wise preemption's safepoints come every this share of a step
+    # (safepoint layers / layers; None: off). With a TTFT SLO, offline-only
+    # steps are cut so one interval fits it (scheduler/budget.py).
+    safepoint_interval_share: float | None = None
     # ConServe §4.4: past this device-KV usage, offline requests' newly full
     # blocks are copied to the host as they run, so evicting one later costs
     # (almost) no copy. None: never.
@@ -94,6 +102,8 @@ class SchedulerConfig:
             raise ValueError(f"online_tpot_slo_ms must be positive, got {self.online_tpot_slo_ms}")
         if self.online_ttft_slo_ms is not None and not self.online_ttft_slo_ms > 0:
             raise ValueError(f"online_ttft_slo_ms must be positive, got {self.online_ttft_slo_ms}")
+        if self.safepoint_interval_share is not None and not 0.0 < self.safepoint_interval_share <= 1.0:
+            raise ValueError(f"safepoint_interval_share must be in (0, 1], got {self.safepoint_interval_share}")
         if self.kv_checkpoint_threshold is not None and not 0.0 <= self.kv_checkpoint_threshold <= 1.0:
             raise ValueError(f"kv_checkpoint_threshold must be in [0, 1], got {self.kv_checkpoint_threshold}")
         if self.max_swap_blocks_per_step is not None and self.max_swap_blocks_per_step < 1:
@@ -109,6 +119,9 @@ class SchedulerCounters:
     swap_in_blocks: int = 0
     checkpoint_blocks: int = 0  # blocks copied to the host by incremental checkpointing
     num_checkpoint_evictions: int = 0  # swap-outs of requests that had a checkpoint
+    num_resumes: int = 0  # paused steps resumed where they stopped
+    num_dropped_pauses: int = 0  # paused steps given up (their requests recompute that chunk)
+    dropped_pause_tokens: int = 0
 
     @property
     def num_preemptions(self) -> int:
@@ -118,11 +131,12 @@ class SchedulerCounters:
 class _Step:
     """Scratch state of one ``schedule`` call."""
 
-    def __init__(self, plan: StepPlan, ranked: list[SeqState], now: float) -> None:
+    def __init__(self, plan: StepPlan, ranked: list[SeqState], now: float, held: set[str]) -> None:
         self.plan = plan
         self.now = now
         self.ranked = ranked
-        self.moved: set[str] = set()  # evicted or swapped in this step: not touched again
+        # Evicted or swapped in this step, or held by a paused step: not touched again.
+        self.moved: set[str] = set(held)
         self.freeing = 0  # device blocks this step's swap-outs free for the next step
         self.batch: int | None = None  # resident requests when first asked
         self.enst: list[float] | None = None
@@ -153,9 +167,16 @@ class Scheduler:
         self._swap_bucket = self._swap_refill * _SWAP_BUCKET_STEPS
         self._swap_credit = self._swap_bucket
         self._unrun: set[str] = set()  # swapped in, not run since
+        # Layer-wise preemption keeps an interrupted step's state on the worker:
+        # the plan waits here and its requests are held (not run, not evicted)
+        # until it resumes.
+        self._paused: StepPlan | None = None
+        self._held: set[str] = set()
+        self._paused_steps = 0
+        self._num_online = 0  # unfinished online requests
         tpot, ttft = config.online_tpot_slo_ms, config.online_ttft_slo_ms
         self.budget = (SloBudget(self.policy.cost, None if tpot is None else tpot / 1e3,
-                                 None if ttft is None else ttft / 1e3)
+                                 None if ttft is None else ttft / 1e3, config.safepoint_interval_share)
                        if tpot is not None or ttft is not None else None)
         # The engine feeds measured step times back to a calibrating cost
         # model: plans then carry their shape (free when the budget builds it).
@@ -173,6 +194,9 @@ class Scheduler:
         self.seqs[seq.request_id] = seq
         if seq.klass is RequestClass.ONLINE:  # the reserve is for latency-critical arrivals
             self._arrived_blocks += self.kv.blocks_for(seq.num_prompt_tokens)
+            self._num_online += 1
+            if self.budget is not None:
+                self.budget.note_online_arrival(seq.num_prompt_tokens)
         # A cached prompt is a short job: the policy places it by what is
         # left to compute (prefix caching).
         seq.num_cached_tokens = (self.kv.cached_prefix_tokens(seq.block_keys, seq.num_prompt_tokens)
@@ -185,6 +209,9 @@ class Scheduler:
         if seq is None:
             return
         seq.status = SeqStatus.FINISHED
+        self._num_online -= seq.klass is RequestClass.ONLINE
+        if request_id in self._held:  # its blocks are freed: the paused step must not write them
+            self._drop_pause()
         self._unrun.discard(request_id)
         self.kv.free(request_id)
         self.policy.on_finish(seq)
@@ -212,6 +239,12 @@ class Scheduler:
         self._recent_arrivals.append(self._arrived_blocks)
         self._arrived_blocks = 0
         self._swap_credit = min(self._swap_bucket, self._swap_credit + self._swap_refill)
+        if self._paused is not None:
+            if not self._num_online:
+                return self._resume_plan()
+            self._paused_steps += 1
+            if self._paused_steps > _MAX_PAUSED_STEPS:
+                self._drop_pause()
         plan = self._fill(now)
         if plan.is_empty and self.seqs and self._swap_credit < self._swap_bucket:
             # Nothing runs for copies to hide behind: the swap budget must
@@ -223,7 +256,7 @@ class Scheduler:
     def _fill(self, now: float) -> StepPlan:
         cfg = self.config
         ranked = self.ranked(now)
-        step = _Step(StepPlan(), ranked, now)
+        step = _Step(StepPlan(), ranked, now, self._held)
         plan = step.plan
         budget = cfg.max_num_batched_tokens
         shape = StepShape()  # of what is in the step so far (for the SLO budget)
@@ -382,7 +415,13 @@ class Scheduler:
             while self.kv.num_free_blocks + step.freeing < need:
                 victim = self._next_offline_victim(step)
                 if victim is None:
-                    break
+                    if not self._held:
+                        break
+                    # Only the paused step's requests are left: give it up.
+                    step.moved -= self._held
+                    step.offline_cursor = None
+                    self._drop_pause()
+                    continue
                 self._evict_now(victim, step)
         while self.kv.num_free_blocks + step.freeing < need:
             victim = self._next_victim(pos, step, spare_unrun=above is not None)
@@ -537,6 +576,28 @@ class Scheduler:
             self._swap_credit -= len(copies)
             self.counters.checkpoint_blocks += len(copies)
 
+    # -- paused steps -------------------------------------------------------
+    def _resume_plan(self) -> StepPlan:
+        """The paused plan again, to run from where it stopped: the same
+        requests and tokens, no copies (those were done before it stopped)."""
+        p = self._paused
+        self.counters.num_resumes += 1
+        return StepPlan(scheduled=p.scheduled, preemptible=True, shape=p.shape, resumes=True)
+
+    def _drop_pause(self) -> None:
+        """Give the paused step up: its requests run again like any others,
+        that chunk computed again (the worker's kept state is never asked for)."""
+        p = self._paused
+        if p is None:
+            return
+        self.counters.num_dropped_pauses += 1
+        self.counters.dropped_pause_tokens += p.num_batched_tokens
+        self._paused, self._held, self._paused_steps = None, set(), 0
+
+    @property
+    def paused_requests(self) -> int:
+        return len(self._held)
+
     # -- proactive moves ------------------------------------------------------
     def _enst(self, step: _Step) -> list[float]:
         if step.enst is None:
@@ -592,8 +653,14 @@ class Scheduler:
         done, tokens it computed are in the cache, each sampling request has
         one more output token, and the requests the engine saw stop leave."""
         self.kv.release_pending()
-        if plan.shape is not None and not outcome.abandoned and self._observe is not None:
-            self._observe(plan.shape, outcome.step_time)
+        if plan.shape is not None and not outcome.abandoned and not plan.resumes and self._observe is not None:
+            self._observe(plan.shape, outcome.step_time)  # a resumed step ran only its last layers
+        if plan.resumes:
+            self._paused, self._held, self._paused_steps = None, set(), 0
+        if outcome.paused:
+            held = {item.request_id for item in plan.scheduled}
+            if held.issubset(self.seqs):  # none was aborted while it ran
+                self._paused, self._held = plan, held
         for rid in plan.swapped_in:
             seq = self.seqs.get(rid)
             if seq is not None and seq.status is SeqStatus.SWAPPING_IN:

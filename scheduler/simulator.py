@@ -55,6 +55,9 @@ class SimConfig:
     # an online arrival every this share of its compute (safepoint layers /
     # layers) and is abandoned there; None: steps always run to the end.
     preemption_safepoint_fraction: float | None = None
+    # An abandoned step is paused, as the engine's worker does: it resumes
+    # where it stopped once online work drains (False: its work is lost).
+    resume_paused_steps: bool = True
     enable_prefix_caching: bool = False  # jobs with a shared_prefix share its KV
     cache_on_host: bool = True  # with a host pool: the prefix cache spans both tiers
     check_integrity: bool = False  # kv.check_integrity() after every step (tests)
@@ -178,6 +181,7 @@ class Simulator:
             proactive_swap=config.proactive_swap, max_swap_blocks_per_step=config.max_swap_blocks_per_step,
             online_tpot_slo_ms=config.online_tpot_slo_ms,
             online_ttft_slo_ms=config.online_ttft_slo_ms,
+            safepoint_interval_share=config.preemption_safepoint_fraction or None,
             kv_checkpoint_threshold=config.kv_checkpoint_threshold,
         )
         self.scheduler = Scheduler(sched_cfg, self.kv, make_policy(policy, cost_model=cost_model,
@@ -192,6 +196,7 @@ class Simulator:
             raise ValueError("duplicate request ids in the workload")
         now, busy, steps, nxt = 0.0, 0.0, 0, 0
         copies_done, swap_stall, abandoned_steps = 0.0, 0.0, 0
+        paused_done = 0.0  # share of the paused step's compute done before it stopped
         steps_log: list[tuple[float, float, int, int]] = []
         jobs = self.jobs
         while nxt < len(jobs) or sched.has_unfinished():
@@ -219,10 +224,13 @@ class Simulator:
                 wait_until = copy_free  # reactive swap-in: this step reads it
             copies_done = copy_free
             stall = max(0.0, wait_until - now) if plan.scheduled else 0.0
-            compute = self.cost.step_time(*plan_shape(plan, sched.seqs))
-            cut = self._safepoint_cut(plan, nxt, now + stall, compute)
+            full = compute = self.cost.step_time(*plan_shape(plan, sched.seqs))
+            if plan.resumes:  # only the layers after the safepoint it stopped at
+                compute = full * (1.0 - paused_done)
+            cut = self._safepoint_cut(plan, nxt, now + stall, compute, full)
             abandoned = cut is not None
-            if abandoned:  # the work up to the safepoint is thrown away
+            if abandoned:  # the work up to the safepoint is kept (paused) or thrown away
+                paused_done = 1.0 - (now + stall + compute - cut) / full
                 busy += cut - (now + stall)
                 now = cut
                 abandoned_steps += 1
@@ -254,7 +262,8 @@ class Simulator:
                     rec.num_preemptions = seq.num_preemptions
                     finished.append(item.request_id)
             sched.update_from_output(plan, StepOutcome(step_time=now - start, now=now, finished=finished,
-                                                       abandoned=abandoned))
+                                                       abandoned=abandoned,
+                                                       paused=abandoned and cfg.resume_paused_steps))
             if cfg.check_integrity:
                 kv.check_integrity()
             if max_steps is not None and steps >= max_steps:
@@ -268,20 +277,22 @@ class Simulator:
             "num_recomputes": c.num_recomputes, "num_swap_outs": c.num_swap_outs, "num_swap_ins": c.num_swap_ins,
             "swap_blocks": c.swap_out_blocks + c.swap_in_blocks, "swap_stall_s": swap_stall,
             "num_checkpoint_evictions": c.num_checkpoint_evictions, "checkpoint_blocks": c.checkpoint_blocks,
-            "num_steps_abandoned": abandoned_steps,
+            "num_steps_abandoned": abandoned_steps, "num_resumes": c.num_resumes,
+            "num_dropped_pauses": c.num_dropped_pauses,
         }
         return SimResult(self.policy_name, list(records.values()), steps, now, busy,
                          sched.num_preemptions, stats, swap_stats, steps_log)
 
 
-    def _safepoint_cut(self, plan, nxt: int, begin: float, compute: float) -> float | None:
-        """When a preemptible step starting its compute at ``begin`` is
-        abandoned: the first safepoint after an online arrival that waiting
-        for the step would make miss its TTFT SLO (None: it runs through)."""
+    def _safepoint_cut(self, plan, nxt: int, begin: float, compute: float, full: float) -> float | None:
+        """When a preemptible step starting its compute (``compute`` seconds
+        of a ``full`` step's) at ``begin`` is abandoned: the first safepoint
+        after an online arrival that waiting for the step would make miss its
+        TTFT SLO (None: it runs through)."""
         frac = self.config.preemption_safepoint_fraction
         if not (frac and plan.preemptible and plan.scheduled):
             return None
-        end, slice_ = begin + compute, compute * frac
+        end, slice_ = begin + compute, full * frac
         slo = self.config.online_ttft_slo_ms
         for job in self.jobs[nxt:]:
             if job.arrival_time >= end:

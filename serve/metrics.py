@@ -118,7 +118,10 @@ class EngineStatsCollector:
             ("offline_engine_generation_tokens", "offline_generation_tokens_total",
              "Tokens generated for offline requests (batch lines and requests marked offline)"),
             ("steps_abandoned", "num_steps_abandoned", "Offline-only steps interrupted at a layer safepoint"),
-            ("abandoned_tokens", "abandoned_tokens", "Tokens of abandoned steps (computed again later)"),
+            ("steps_resumed", "num_steps_resumed",
+             "Interrupted offline-only steps continued from their safepoint (no layer run twice)"),
+            ("abandoned_tokens", "abandoned_tokens",
+             "Tokens of interrupted steps computed again from layer 0 (not resumed)"),
         ):
             if hasattr(s, attr):
                 yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(getattr(s, attr)))

@@ -108,3 +108,35 @@ def test_the_budget_needs_an_slo():
         SloBudget(CM, None, None)
     with pytest.raises(ValueError, match="TTFT SLO must be positive"):
         SloBudget(CM, None, -1.0)
+
+
+def test_offline_only_steps_are_cut_so_a_safepoint_interval_fits_the_ttft_slo():
+    """With safepoints every 1/8 of a step, an online arrival waits for at
+    most one interval of the running offline-only step: the budget cuts
+    those steps so an interval fits the TTFT SLO less a typical online
+    prefill (the arrivals' mean), never below its floor of tokens; without
+    safepoints it leaves them whole."""
+    from fluidserve.kvcache.manager import KVCacheManager
+    from fluidserve.scheduler.request_state import SeqState
+    from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    def offline_only_step(ttft_ms: float, share: float | None, online_prompt: int = 200) -> tuple[float, int]:
+        s = Scheduler(SchedulerConfig(max_num_batched_tokens=8192, online_ttft_slo_ms=ttft_ms,
+                                      safepoint_interval_share=share), KVCacheManager(4096, 16), cost_model=CM)
+        s.add(SeqState("on", online_prompt, 1, 0.0, RequestClass.ONLINE), 0.0)
+        s.finish("on")  # seen, then gone: the step is offline only
+        for i in range(4):
+            s.add(SeqState(f"off{i}", 4000, 4, 0.0, RequestClass.OFFLINE), 0.0)
+        plan = s.schedule(1.0)
+        assert plan.preemptible
+        return CM.step_time(*plan.shape), plan.num_batched_tokens
+
+    slo = 0.020
+    t, n = offline_only_step(slo * 1e3, 1 / 8)
+    interval = (slo - CM.prefill_time(200)) * 8
+    assert t <= interval + 1e-9 and n < 8192
+    assert t > 0.9 * interval  # cut at the cap, not far below it
+    t_coarse, n_coarse = offline_only_step(slo * 1e3, 1 / 2)  # longer intervals: smaller steps
+    assert n_coarse < n
+    assert offline_only_step(slo * 1e3, None)[1] == 8192  # no safepoints: the whole token budget
+    assert offline_only_step(1.0, 1 / 8)[1] == 64  # an SLO no step meets: the floor

@@ -5,6 +5,8 @@ safepoint after an online arrival (ConServe §4.3), its work redone later."""
 
 from __future__ import annotations
 
+import pytest
+
 from fluidserve.kvcache.manager import KVCacheManager
 from fluidserve.scheduler.cost_model import LinearCoefficients, LinearCostModel
 from fluidserve.scheduler.plan import StepOutcome
@@ -64,7 +66,16 @@ def test_layer_wise_preemption_in_the_simulator_cuts_online_ttft():
     assert cut.swap_stats["num_steps_abandoned"] >= 1 and plain.swap_stats["num_steps_abandoned"] == 0
     assert ttft["cut"] < ttft["plain"] - step / 4
     assert ttft["cut"] <= step / 8 + 0.05 + 1e-9  # one safepoint slice, then a step within the budget
-    assert all(r.finish_time is not None for r in cut.records)  # the abandoned work is redone
+    assert all(r.finish_time is not None for r in cut.records)
+    # The stopped step resumed where it stopped: no compute was lost, and
+    # the device was busy exactly as long as without preemption. Thrown away
+    # instead (no resume), the same arrivals cost the part before the cut.
+    assert cut.swap_stats["num_resumes"] == cut.swap_stats["num_steps_abandoned"]
+    assert cut.busy_time == pytest.approx(plain.busy_time, rel=1e-9)
+    lost = simulate(offline + online, "skip-join-mlfq", CM,
+                    SimConfig(**{**cfg.__dict__, "preemption_safepoint_fraction": 1 / 8,
+                                 "resume_paused_steps": False}))
+    assert lost.swap_stats["num_resumes"] == 0 and lost.busy_time > plain.busy_time + step / 8
 
 
 def test_a_ttft_slo_the_step_can_meet_does_not_interrupt_it():

@@ -1,8 +1,11 @@
 """Layer-wise preemption (ConServe §4.3) on CPU: an offline-only step stops
 at the next layer safepoint when interrupted, reports the layer, and leaves
-KV, outputs and the prefix cache as if it never ran; an online arrival
-interrupts a long offline prefill through the real AsyncEngine; with tensor
-parallelism on Ray both ranks stop at the same safepoint.
+KV, outputs and the prefix cache as if it never ran; the worker keeps the
+stopped forward and a resumed step continues at that layer, bit for bit the
+uninterrupted step; a paused step given up (its KV needed, a request
+aborted) is computed again from layer 0; an online arrival interrupts a long
+offline prefill through the real AsyncEngine; with tensor parallelism on Ray
+both ranks stop at the same safepoint.
 
 Interrupts are scripted from forward pre-hooks on a decoder layer, so each
 one lands at a known layer of a known step: no test depends on timing.
@@ -52,9 +55,20 @@ def _interrupt_on_calls(engine: LLMEngine, layer: int, calls: set[int]) -> dict:
     return seen
 
 
+def _count_calls(engine: LLMEngine, layer: int) -> dict:
+    calls = {"n": 0}
+
+    def hook(_module, _args):
+        calls["n"] += 1
+
+    _layers(engine)[layer].register_forward_pre_hook(hook)
+    return calls
+
+
 def _run_offline(llm, params_of, interrupt_calls: set[int] = frozenset(), layer: int = 3) -> tuple[dict, dict]:
     engine = llm.engine
     seen = _interrupt_on_calls(engine, layer, set(interrupt_calls))
+    seen["first_layer"] = _count_calls(engine, 0)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, params_of(i), klass="offline")
     tokens = {}
@@ -66,21 +80,46 @@ def _run_offline(llm, params_of, interrupt_calls: set[int] = frozenset(), layer:
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])
-def test_abandoned_steps_leave_tokens_as_if_they_never_ran(tiny_model, make_llm, arch):
+def test_paused_steps_resume_where_they_stopped(tiny_model, make_llm, arch):
     """Greedy and seeded tokens of offline requests equal an uninterrupted
-    run, token for token, although prefill chunks and decodes were thrown
-    away mid-forward (KV half written, no sample drawn)."""
+    run, token for token, although prefill chunks and decodes stopped
+    mid-forward (KV half written, no sample drawn): each stopped step
+    resumes at its safepoint, so no layer runs twice."""
     path = tiny_model(arch, num_hidden_layers=LAYERS)
     cfg = dict(num_kv_blocks=64, max_num_batched_tokens=16, preemption_safepoint_layers=K)
     params_of = lambda i: SEEDED if i == 1 else GREEDY  # noqa: E731
-    reference, _ = _run_offline(make_llm(path, **cfg), params_of)
+    reference, ref_seen = _run_offline(make_llm(path, **cfg), params_of)
     llm = make_llm(path, **cfg)
     interrupted, seen = _run_offline(llm, params_of, {1, 2, 3, 5, 8, 13, 14})
     stats = llm.engine.stats()
     assert seen["sent"] == 7 and stats.num_steps_abandoned == 7  # layer 3 runs past no safepoint before 4
-    assert stats.abandoned_tokens > 0
+    assert stats.num_steps_resumed == 7 and stats.abandoned_tokens == 0
+    # Layers 0 and 3 (before the stop) ran exactly as often as uninterrupted.
+    assert seen["first_layer"]["n"] == ref_seen["first_layer"]["n"] and seen["n"] == ref_seen["n"]
     assert interrupted == reference
     assert len(reference) == len(PROMPTS) and all(len(t) == 10 for t in reference.values())
+
+
+def test_a_worker_without_the_paused_state_runs_the_step_again(tiny_model, make_llm):
+    """Resuming is a saving, never a requirement: a worker that kept
+    nothing (here: dropped by hand after every pause) runs the resumed step
+    from layer 0 and the tokens are the same."""
+    path = tiny_model("llama", num_hidden_layers=LAYERS)
+    cfg = dict(num_kv_blocks=64, max_num_batched_tokens=16, preemption_safepoint_layers=K)
+    reference, ref_seen = _run_offline(make_llm(path, **cfg), lambda i: GREEDY)
+    llm = make_llm(path, **cfg)
+    worker = llm.engine.executor.worker
+    execute = worker.execute
+
+    def forgetful(inp):
+        result = execute(inp)
+        worker.paused = None
+        return result
+
+    worker.execute = forgetful
+    interrupted, seen = _run_offline(llm, lambda i: GREEDY, {1, 2, 3})
+    assert interrupted == reference and llm.engine.stats().num_steps_resumed == 3
+    assert seen["first_layer"]["n"] == ref_seen["first_layer"]["n"] + 3  # each ran again from layer 0
 
 
 def test_metrics_count_abandoned_steps_and_offline_tokens(tiny_model, make_llm):
@@ -104,7 +143,8 @@ def test_metrics_count_abandoned_steps_and_offline_tokens(tiny_model, make_llm):
     assert stats.num_steps_abandoned == 2 and kind("step_abandoned") == stats.num_abandoned_preemptions >= 2
     assert kind("recomputed") == 0 and kind("swap") == 0
     assert samples[("fluidserve_steps_abandoned_total", ())] == 2
-    assert samples[("fluidserve_abandoned_tokens_total", ())] == stats.abandoned_tokens > 0
+    assert samples[("fluidserve_steps_resumed_total", ())] == stats.num_steps_resumed == 2
+    assert samples[("fluidserve_abandoned_tokens_total", ())] == stats.abandoned_tokens == 0  # both resumed
     assert samples[("fluidserve_offline_engine_generation_tokens_total", ())] == 10 * len(PROMPTS)
     assert samples[("fluidserve_offline_generation_tokens_per_second", ())] > 0
     offline = {k: v for k, v in samples.items() if k[0] == "fluidserve_num_requests" and ("klass", "offline") in k[1]}
@@ -156,15 +196,61 @@ def test_prefix_cache_registers_no_block_of_an_abandoned_step(tiny_model, make_l
     keys = block_keys(prompt, engine.kv.block_size)
     seen = _interrupt_on_calls(engine, 1, {1})
     engine.add_request("a", prompt, GREEDY, klass="offline")
-    engine.step()  # the whole prompt in one step, abandoned before layer 2
+    engine.step()  # the whole prompt in one step, stopped before layer 2
     assert seen["sent"] == 1 and engine.stats().num_steps_abandoned == 1
     assert engine.kv.cached_prefix_tokens(keys, len(prompt)) == 0
     seq = engine.seqs["a#0"]
     assert seq.state.num_computed_tokens == 0 and not seq.output_token_ids
-    engine.step()  # run again, to the end this time
+    engine.step()  # resumed at layer 2 and run to the end
+    assert engine.stats().num_steps_resumed == 1 and seq.state.num_computed_tokens == len(prompt)
     assert engine.kv.cached_prefix_tokens(keys, len(prompt)) > 0
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_a_pause_given_up_for_online_kv_recomputes_the_chunk(tiny_model, make_llm):
+    """The paused prefill holds the device KV an online arrival needs: the
+    pause is given up, the online request runs, and the offline request
+    computes its prompt again from layer 0, with the tokens it would have
+    had; no block leaks."""
+    path = tiny_model("llama", num_hidden_layers=LAYERS)
+    cfg = dict(num_kv_blocks=16, max_model_len=256, max_num_batched_tokens=256, preemption_safepoint_layers=K,
+               enable_prefix_caching=False)
+    offline_prompt = [5 + i % 40 for i in range(200)]  # 13 of the 16 blocks
+    alone = make_llm(path, **cfg).generate([offline_prompt], GREEDY)[0].outputs[0].token_ids
+    llm = make_llm(path, **cfg)
+    engine = llm.engine
+    seen = _interrupt_on_calls(engine, 1, {1})
+    engine.add_request("off", offline_prompt, GREEDY, klass="offline")
+    engine.step()
+    assert seen["sent"] == 1 and engine.scheduler.paused_requests == 1
+    engine.add_request("on", list(range(3, 3 + 60)), SamplingParams(temperature=0.0, max_tokens=4), klass="online")
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    stats = engine.stats()
+    assert tokens["off"] == list(alone) and len(tokens["on"]) == 4
+    assert stats.num_steps_resumed == 0 and stats.abandoned_tokens == 200
+    assert engine.scheduler.counters.num_dropped_pauses == 1
+    assert engine.kv.num_used_blocks == 0
+    engine.kv.check_integrity()
+
+
+def test_aborting_a_paused_request_frees_its_blocks(tiny_model, make_llm):
+    llm = make_llm(tiny_model("llama", num_hidden_layers=LAYERS), num_kv_blocks=32, max_num_batched_tokens=256,
+                   preemption_safepoint_layers=K)
+    engine = llm.engine
+    _interrupt_on_calls(engine, 1, {1})
+    engine.add_request("off", list(range(3, 3 + 100)), GREEDY, klass="offline")
+    engine.step()
+    assert engine.scheduler.paused_requests == 1 and engine.kv.num_used_blocks > 0
+    engine.abort("off")
+    assert engine.scheduler.paused_requests == 0 and engine.kv.num_used_blocks == 0
+    out = llm.generate(["after"], GREEDY)[0]  # the engine goes on serving
+    assert len(out.outputs[0].token_ids) == 10
+    engine.kv.check_integrity()
 
 
 def test_ttft_slo_decides_when_an_arrival_interrupts():
@@ -184,11 +270,15 @@ def test_ttft_slo_decides_when_an_arrival_interrupts():
     policy.step_started(RunningStep(step_id=2, started=10.0, predicted_s=1.0))
     assert policy.on_online_arrival(10, now=10.1)  # 0.9 s left
     policy.step_ended()
+    policy.step_started(RunningStep(step_id=4, started=20.0, predicted_s=0.1))
+    assert not policy.on_online_arrival(10, now=20.3)  # overdue: 0.3 s more, taken as within 0.5 - 0.01
+    assert policy.on_online_arrival(10, now=20.6)  # overdue: 0.6 s more would miss it
+    policy.step_ended()
     assert not policy.on_online_arrival(10, now=11.0)
-    assert sent == [1, 2]
+    assert sent == [1, 2, 4]
     eager = PreemptionPolicy(sent.append, ttft_slo_s=None, prefill_time=prefill)
     eager.step_started(RunningStep(step_id=3, started=0.0, predicted_s=0.0))
-    assert eager.on_online_arrival(10, now=5.0) and sent == [1, 2, 3]
+    assert eager.on_online_arrival(10, now=5.0) and sent == [1, 2, 4, 3]
 
 
 def test_flags_reach_the_engine_config():
@@ -222,7 +312,8 @@ def _online_arrives_during_offline_prefill(path: str, safepoint_layers: int) -> 
     prefills in one step; while its layer 1 runs, an online request arrives
     (the layer waits until ``add_request`` has returned control). Returns
     the layers that ran between the arrival and the first step to carry the
-    online prompt, that step's input, and the offline tokens."""
+    online prompt, that step's input, the layers that ran the offline
+    prompt, and the offline tokens."""
     engine = LLMEngine(EngineConfig(model=path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=256,
                                     enable_prefix_caching=False, preemption_safepoint_layers=safepoint_layers))
     trace: list[tuple] = []
@@ -233,8 +324,8 @@ def _online_arrives_during_offline_prefill(path: str, safepoint_layers: int) -> 
         trace.append(("step", args[0].tolist()))
 
     def on_layer(index):
-        def hook(_module, _args):
-            trace.append(("layer", index))
+        def hook(_module, args):
+            trace.append(("layer", index, args[-3].shape[0]))  # (rope, x, kv, meta): x's tokens
             if index == 1 and first["pending"]:
                 first["pending"] = False
                 blocked.set()
@@ -276,14 +367,16 @@ def _online_arrives_during_offline_prefill(path: str, safepoint_layers: int) -> 
     engine.kv.check_integrity()
     return {"tail_layers": sum(1 for e in trace[mark - 1:steps[0]] if e[0] == "layer"),
             "next_step_input": trace[steps[0]][1], "online_prompt": online_prompt,
-            "offline_tokens": offline_tokens, "abandoned": engine.stats().num_steps_abandoned}
+            "offline_tokens": offline_tokens, "abandoned": engine.stats().num_steps_abandoned,
+            "prefill_layers": sorted(e[1] for e in trace if e[0] == "layer" and e[2] == len(offline_prompt))}
 
 
 def test_online_arrival_during_a_long_offline_prefill_gets_its_first_token_sooner(tiny_model):
     """With preemption the offline prefill stops at the safepoint before
     layer 2 (one layer after the arrival) and the very next step carries the
-    online prompt; without, the step runs its other 7 layers first. Both
-    produce the same offline tokens."""
+    online prompt alone; without, the step runs its other 7 layers first.
+    The stopped prefill resumes at layer 2 once the online request is done:
+    both run the same layers in all and produce the same offline tokens."""
     path = tiny_model("llama", num_hidden_layers=8)
     with_ = _online_arrives_during_offline_prefill(path, safepoint_layers=2)
     without = _online_arrives_during_offline_prefill(path, safepoint_layers=0)
@@ -292,7 +385,8 @@ def test_online_arrival_during_a_long_offline_prefill_gets_its_first_token_soone
         assert ids[:len(run["online_prompt"])] == run["online_prompt"]
     assert with_["abandoned"] == 1 and without["abandoned"] == 0
     assert with_["tail_layers"] == 1 and without["tail_layers"] == 7
-    assert len(with_["next_step_input"]) == 8 + 200  # the offline prefill runs again beside it
+    assert len(with_["next_step_input"]) == 8  # the offline prefill waits, paused, for it to finish
+    assert with_["prefill_layers"] == without["prefill_layers"] == list(range(8))  # resumed: no layer ran twice
     assert with_["offline_tokens"] == without["offline_tokens"] and len(without["offline_tokens"]) == 10
 
 

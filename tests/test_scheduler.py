@@ -255,6 +255,77 @@ def test_running_request_preempts_lowest_priority_by_recompute():
     assert s.seqs["new"].num_computed_tokens == 0 and s.seqs["new"].status is SeqStatus.WAITING
 
 
+# -- paused steps (layer-wise preemption that keeps its work) --------------------
+def _pause_offline_step(s: Scheduler, now: float):
+    """Schedule an offline-only step and report it stopped with its state kept."""
+    plan = s.schedule(now)
+    assert plan.preemptible
+    s.update_from_output(plan, StepOutcome(step_time=DT, now=now, abandoned=True, paused=True))
+    return plan
+
+
+def test_a_paused_step_holds_its_requests_until_online_work_drains():
+    """While paused, its requests neither run nor lose their KV; online work
+    runs alone; when none is left the same plan comes back, marked as
+    resuming, and completing it counts its tokens once."""
+    s = sched("fcfs", blocks=64, max_num_batched_tokens=16)
+    s.add(seq("off", prompt=12, out=4, klass=RequestClass.OFFLINE), 0.0)
+    paused = _pause_offline_step(s, 0.0)
+    assert s.seqs["off"].num_computed_tokens == 0 and s.paused_requests == 1
+    s.add(seq("on", prompt=4, out=2, t=1.0), 1.0)
+    for k in range(3):
+        plan = run_step(s, 1.0 + k)
+        assert [i.request_id for i in plan.scheduled] == ["on"] and not plan.resumes
+        assert s.kv.holds("off")
+    s.finish("on")
+    plan = s.schedule(5.0)
+    assert plan.resumes and plan.preemptible and plan.scheduled == paused.scheduled and not plan.has_copies
+    s.update_from_output(plan, StepOutcome(step_time=DT, now=5.0))
+    assert s.seqs["off"].num_computed_tokens == 12 and s.paused_requests == 0
+    assert s.counters.num_resumes == 1 and s.counters.num_dropped_pauses == 0
+    assert [i.request_id for i in run_step(s, 6.0).scheduled] == ["off"]  # its decodes run as usual
+
+
+def test_online_work_that_needs_the_held_kv_gives_the_pause_up():
+    """The paused step's blocks are the only ones left: an online arrival
+    takes them (the offline request recomputes that chunk later)."""
+    s = Scheduler(SchedulerConfig(policy="fcfs", kv_watermark=0.0, max_num_batched_tokens=16),
+                  KVCacheManager(4, 4, 16), cost_model=cost())  # with a host pool: online may evict
+    s.add(seq("off", prompt=14, out=2, klass=RequestClass.OFFLINE), 0.0)
+    _pause_offline_step(s, 0.0)
+    s.add(seq("on", prompt=8, out=2, t=1.0), 1.0)
+    plan = run_step(s, 1.0)
+    assert [i.request_id for i in plan.scheduled] == ["on"] and plan.preempted == ["off"]
+    assert s.paused_requests == 0 and s.counters.num_dropped_pauses == 1
+    assert s.counters.dropped_pause_tokens == 14 and s.seqs["off"].num_computed_tokens == 0
+    s.kv.check_integrity()
+
+
+def test_aborting_a_held_request_gives_the_pause_up():
+    s = sched("fcfs", blocks=64, max_num_batched_tokens=32)
+    s.add(seq("a", prompt=8, out=2, klass=RequestClass.OFFLINE), 0.0)
+    s.add(seq("b", prompt=8, out=2, klass=RequestClass.OFFLINE), 0.0)
+    _pause_offline_step(s, 0.0)
+    s.finish("a")  # its blocks are free now: the paused forward must never write them
+    plan = s.schedule(1.0)
+    assert not plan.resumes and [i.request_id for i in plan.scheduled] == ["b"]
+    assert s.counters.num_dropped_pauses == 1
+    s.kv.check_integrity()
+
+
+def test_a_pause_that_online_traffic_never_lets_resume_is_given_up(monkeypatch):
+    import fluidserve.scheduler.scheduler as mod
+
+    monkeypatch.setattr(mod, "_MAX_PAUSED_STEPS", 3)
+    s = sched("fcfs", blocks=64, max_num_batched_tokens=16)
+    s.add(seq("off", prompt=8, out=2, klass=RequestClass.OFFLINE), 0.0)
+    _pause_offline_step(s, 0.0)
+    s.add(seq("on", prompt=4, out=100, t=1.0), 1.0)
+    ran = [[i.request_id for i in run_step(s, 1.0 + k).scheduled] for k in range(5)]
+    assert ran[:3] == [["on"]] * 3 and "off" in ran[3]  # given up after 3 steps: it runs beside "on"
+    assert s.counters.num_dropped_pauses == 1 and s.counters.num_resumes == 0
+
+
 # -- options and packaging --------------------------------------------------------
 def test_cli_options_round_trip():
     parser = argparse.ArgumentParser()
