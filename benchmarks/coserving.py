@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="real engine: online TTFT SLO of the budget variants (default: from online only)")
     ap.add_argument("--real-tpot-slo-ms", type=float, default=None,
                     help="real engine: online TPOT SLO of the budget variants (default: from online only)")
+    ap.add_argument("--real-threads", type=int, default=1,
+                    help="real engine: torch threads (1: the forward on one core, the event loop and the KV "
+                         "copy thread on the other, as vLLM's CPU build keeps its frontend off the compute core)")
     ap.add_argument("--real-safepoint-layers", type=int, default=1,
                     help="real engine, full design: layers between interrupt checks")
     ap.add_argument("--real-slo-slack", type=float, default=0.1,
@@ -291,6 +294,10 @@ def real_engine(args, argv: list[str] | None) -> int:
     import random
     import tempfile
 
+    import torch
+
+    torch.set_num_threads(args.real_threads)
+
     from dummy_models import build_model_dir
 
     model_dir = build_model_dir(args.preset, Path(tempfile.mkdtemp(prefix="fluidserve-coserve-")))
@@ -324,7 +331,8 @@ def real_engine(args, argv: list[str] | None) -> int:
     cmd = " ".join(argv if argv is not None else sys.argv[1:])
     out = ["# Co-serving on the real engine (ConServe §4)", "",
            f"Command: `python benchmarks/coserving.py {cmd}`. Preset `{args.preset}` (random weights, fp32) "
-           f"on the CPU ({platform.machine()}, {os.cpu_count()} cores), in-process through AsyncEngine. "
+           f"on the CPU ({platform.machine()}, {os.cpu_count()} cores, torch on {args.real_threads} thread(s)), "
+           f"in-process through AsyncEngine. "
            f"Backlog: {args.real_offline} offline requests of {args.real_offline_prompt} prompt tokens and 32 "
            f"output from t = 0 (device KV for {args.real_kv_requests} of them at once); {args.real_online} online requests (64 prompt tokens, 8 output) arriving as a "
            f"Poisson process, mean gap {args.real_gap_s:g} s; step budget {args.real_batched_tokens} tokens. "

@@ -21,7 +21,15 @@ one safepoint interval is what the arrival's TTFT pays on top of its own
 prefill. With a TTFT SLO and safepoints every ``interval_share`` of a step,
 an offline-only step is cut so that its interval fits the SLO less the
 predicted prefill of a typical online prompt (a running mean of the
-arrivals'), but never below ``min_step_tokens``.
+arrivals'), but never below the size whose fixed per-step cost (the
+cheapest step's time) is ``overhead_share`` of it: below that, offline
+throughput would pay more than the SLO gains (on a GPU, whose layers are
+short, the cut rarely binds; on a CPU it is what keeps offline work going).
+
+Each cap is planned against a step slower than predicted by the cost
+model's own measured error (``uncertainty``, when it keeps one: the
+calibrating model does): a budget aimed at the SLO itself would put about
+half of the steps over it wherever step times are noisy.
 Pure Python.
 """
 
@@ -36,7 +44,7 @@ class SloBudget:
     not both)."""
 
     def __init__(self, cost: CostModel, tpot_slo_s: float | None, ttft_slo_s: float | None = None,
-                 interval_share: float | None = None, min_step_tokens: int = 64) -> None:
+                 interval_share: float | None = None, overhead_share: float = 0.1) -> None:
         for name, slo in (("TPOT", tpot_slo_s), ("TTFT", ttft_slo_s)):
             if slo is not None and not slo > 0:
                 raise ValueError(f"online {name} SLO must be positive, got {slo}")
@@ -44,13 +52,15 @@ class SloBudget:
             raise ValueError("an SLO budget needs a TPOT or a TTFT SLO")
         if interval_share is not None and not 0 < interval_share <= 1:
             raise ValueError(f"interval_share must be in (0, 1], got {interval_share}")
+        if not 0 < overhead_share < 1:
+            raise ValueError(f"overhead_share must be in (0, 1), got {overhead_share}")
         self.cost = cost
         self.tpot_slo = tpot_slo_s
         self.ttft_slo = ttft_slo_s
         # Safepoints every this share of a step (None: no layer-wise
         # preemption, offline-only steps are not cut).
         self.interval_share = interval_share
-        self.min_step_tokens = min_step_tokens
+        self.overhead_share = overhead_share
         self._online_prompt: float | None = None  # running mean of online prompt tokens
 
     def note_online_arrival(self, prompt_tokens: int) -> None:
@@ -59,12 +69,30 @@ class SloBudget:
         m = self._online_prompt
         self._online_prompt = float(prompt_tokens) if m is None else m + 0.1 * (prompt_tokens - m)
 
+    def min_step_tokens(self) -> int:
+        """The fewest prefill tokens of an offline-only step: the smallest
+        step whose fixed cost is at most ``overhead_share`` of its time."""
+        want = self.cost.min_iteration_time() / self.overhead_share
+        lo, hi = 1, 1 << 16
+        while lo < hi:  # prefill time grows with its tokens
+            mid = (lo + hi) // 2
+            if self.cost.prefill_time(mid) >= want:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
     def offline_only_cap(self) -> float:
         """Predicted seconds an offline-only step may take (inf: no cap)."""
         if self.ttft_slo is None or self.interval_share is None:
             return float("inf")
         own = self.cost.prefill_time(round(self._online_prompt)) if self._online_prompt else 0.0
-        return max(0.0, self.ttft_slo - own) / self.interval_share
+        return max(0.0, self.ttft_slo / self._margin() - own) / self.interval_share
+
+    def _margin(self) -> float:
+        """1 + the cost model's relative prediction error (1: none known)."""
+        uncertainty = getattr(self.cost, "uncertainty", None)
+        return 1.0 + (uncertainty() if uncertainty is not None else 0.0)
 
     def cap(self, shape: StepShape, now: float) -> float:
         """Predicted seconds a step of ``shape`` (its online part) may take."""
@@ -73,7 +101,7 @@ class SloBudget:
             cap = self.tpot_slo
         if self.ttft_slo is not None and shape.first_online_prefill_arrival is not None:
             cap = min(cap, self.ttft_slo - (now - shape.first_online_prefill_arrival))
-        return cap
+        return cap / self._margin()
 
     def _time_with(self, shape: StepShape, seq: SeqState, m: int) -> float:
         done = seq.num_computed_tokens
@@ -95,7 +123,7 @@ class SloBudget:
             cap = self.offline_only_cap()
             if cap == float("inf"):
                 return n
-            floor = min(n, max(0, self.min_step_tokens - shape.prefill_tokens - shape.decode_seqs))
+            floor = min(n, max(0, self.min_step_tokens() - shape.prefill_tokens - shape.decode_seqs))
         if self._time_with(shape, seq, n) <= cap:
             return n
         lo, hi = 0, n - 1  # the largest m in [0, n) that fits; step time grows with m

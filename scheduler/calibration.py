@@ -20,6 +20,12 @@ the observed steps do not vary in keep the prior's slope, instead of
 whatever noise makes of them), and non-negative coefficients (a term that
 fits negative is dropped and the rest refit). Pure Python: five features,
 O(25) work a step, a 5x5 solve every ``refit_every`` steps.
+
+It also keeps how far off its predictions run: the root mean square of the
+relative error of each step's prediction (made before that step was seen),
+with the same forgetting. The SLO budget plans against a step that much
+slower than predicted, so noise in step times does not turn a budget aimed
+exactly at the SLO into half the steps over it.
 """
 
 from __future__ import annotations
@@ -84,6 +90,8 @@ class CalibratingCostModel(_StepShapeMixin):
         # scaled by it (the roofline's overall speed is its largest error).
         self._ratio_sum = 0.0
         self._ratio_n = 0.0
+        self._sq_err = 0.0  # forgetting sums of squared relative errors of fitted predictions
+        self._sq_n = 0.0
 
     def __getattr__(self, name: str) -> Any:  # only called for what this class lacks
         if name == "prior":
@@ -103,6 +111,10 @@ class CalibratingCostModel(_StepShapeMixin):
             return
         x = _features(shape)
         prior = self.prior.step_time(*shape)
+        if self.fitted is not None:
+            err = self.fitted.step_time(*shape) / seconds - 1.0
+            self._sq_err = self.decay * self._sq_err + err * err
+            self._sq_n = self.decay * self._sq_n + 1.0
         d = self.decay
         w = 1.0 / (seconds * seconds)  # relative error: see the module docstring
         xx, xy, xp, scale = self._xx, self._xy, self._xp, self._scale
@@ -124,6 +136,13 @@ class CalibratingCostModel(_StepShapeMixin):
         # are served by it), then every refit_every steps.
         if n >= self.min_steps and (n < _EAGER_STEPS or n % self.refit_every == 0):
             self.refit()
+
+    def uncertainty(self) -> float:
+        """Relative RMS error of the fitted predictions so far (0 before
+        the fit has predicted ``min_steps`` steps)."""
+        if self._sq_n < self.min_steps:
+            return 0.0
+        return math.sqrt(self._sq_err / self._sq_n)
 
     def refit(self) -> None:
         """Refit from the steps observed so far (called every ``refit_every``)."""

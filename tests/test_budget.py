@@ -114,8 +114,8 @@ def test_offline_only_steps_are_cut_so_a_safepoint_interval_fits_the_ttft_slo():
     """With safepoints every 1/8 of a step, an online arrival waits for at
     most one interval of the running offline-only step: the budget cuts
     those steps so an interval fits the TTFT SLO less a typical online
-    prefill (the arrivals' mean), never below its floor of tokens; without
-    safepoints it leaves them whole."""
+    prefill (the arrivals' mean), never below the step whose fixed cost is
+    10% of it; without safepoints it leaves them whole."""
     from fluidserve.kvcache.manager import KVCacheManager
     from fluidserve.scheduler.request_state import SeqState
     from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -139,4 +139,39 @@ def test_offline_only_steps_are_cut_so_a_safepoint_interval_fits_the_ttft_slo():
     t_coarse, n_coarse = offline_only_step(slo * 1e3, 1 / 2)  # longer intervals: smaller steps
     assert n_coarse < n
     assert offline_only_step(slo * 1e3, None)[1] == 8192  # no safepoints: the whole token budget
-    assert offline_only_step(1.0, 1 / 8)[1] == 64  # an SLO no step meets: the floor
+    # An SLO no step meets: the floor, a step whose fixed cost is 10% of it.
+    floor = offline_only_step(1.0, 1 / 8)[1]
+    assert CM.min_iteration_time() / CM.prefill_time(floor) <= 0.1 < CM.min_iteration_time() / CM.prefill_time(floor - 1)
+
+
+def test_the_budget_plans_for_the_cost_models_error():
+    """A cost model that knows its predictions run 25% off: offline work
+    fills a step only up to the SLO over 1.25, so a step that slow still
+    keeps it."""
+    from fluidserve.scheduler.budget import SloBudget
+    from fluidserve.scheduler.cost_model import StepShape
+    from fluidserve.scheduler.request_state import SeqState
+
+    class Unsure:
+        def __init__(self, err: float) -> None:
+            self.err = err
+
+        def step_time(self, *shape):
+            return CM.step_time(*shape)
+
+        def uncertainty(self) -> float:
+            return self.err
+
+    online = SeqState("on", 200, 100, 0.0, RequestClass.ONLINE)
+    online.num_computed_tokens, online.num_output_tokens = 201, 1
+    offline = SeqState("off", 4000, 4, 0.0, RequestClass.OFFLINE)
+    slo = 0.030
+    took = {}
+    for err in (0.0, 0.25):
+        shape = StepShape()
+        shape.add(online, 1)
+        n = SloBudget(Unsure(err), slo, None).offline_tokens(shape, offline, 4000)
+        shape.add(offline, n)
+        took[err] = (n, CM.step_time(*shape.astuple()))
+    assert took[0.0][1] <= slo and took[0.25][1] <= slo / 1.25 + 1e-9
+    assert 0 < took[0.25][0] < took[0.0][0]
