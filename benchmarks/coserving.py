@@ -34,7 +34,8 @@ naive, priority, priority + budget, full). The budget's SLOs default to
 (1 + ``--real-slo-slack``) x the online-only run's P99 TTFT and TPOT: an
 operator asking to keep online latency within 10% of an idle machine's. The
 offline share is of the offline-only run's throughput in the same window, and
-of that scaled to the idle capacity the online-only run leaves. The full
+of that scaled to the idle capacity the online-only run leaves (offline
+tokens counted as the steps that compute them complete). The full
 design checks for interrupts every ``--real-safepoint-layers`` layers (1 by
 default: on this CPU one layer of a 1024-token chunk takes 20-40 ms, longer
 than the TTFT SLO leaves an arrival to wait).
@@ -228,18 +229,27 @@ async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on:
     ae = AsyncEngine(engine)
     ae.start()
     offline_done = {"tokens": 0}
-    window_end = {"t": float("inf")}
+    window = {"start": float("inf"), "end": float("inf")}
+    update = engine.scheduler.update_from_output
+
+    def counted(plan, outcome):
+        # Offline tokens computed in the online window, step by step (the
+        # engine thread): prompt chunks and decodes, an interrupted step's
+        # once it completes. Counting prompts only when their first token
+        # streams out would credit a 1024-token prompt to whichever design
+        # happened to finish it inside the window.
+        if not outcome.abandoned and window["start"] <= time.monotonic() <= window["end"]:
+            offline_done["tokens"] += sum(i.num_tokens for i in plan.scheduled if i.request_id.startswith("off"))
+        update(plan, outcome)
+
+    engine.scheduler.update_from_output = counted
 
     async def offline(i: int) -> None:
         ids = [(7 * i + p) % 30000 + 1 for p in range(prompt_len)]
         stream = await ae.add_request(f"off{i}", ids, SamplingParams(temperature=0.0, max_tokens=32,
                                                                      ignore_eos=True), klass=offline_klass)
-        seen = 0
-        async for out in stream:
-            n = len(out.outputs[0].token_ids)
-            if time.monotonic() <= window_end["t"]:  # prompt + outputs computed in the online window
-                offline_done["tokens"] += (prompt_len if seen == 0 and n else 0) + n - seen
-            seen = n
+        async for _ in stream:
+            pass
 
     async def online(i: int, at: float, t0: float) -> tuple[float, float]:
         await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
@@ -263,21 +273,21 @@ async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on:
         background = [asyncio.create_task(offline(i)) for i in range(args.real_offline if backlog else 0)]
         await asyncio.sleep(0.5)  # the backlog is running before the first online arrival
         busy["s"] = 0.0
-        t0 = time.monotonic()
+        t0 = window["start"] = time.monotonic()
         if online_on:
             results = await asyncio.gather(*(online(i, at, t0) for i, at in enumerate(arrivals)))
         else:
             results = []
             await asyncio.sleep(window_s)
-        window_end["t"] = time.monotonic()
-        window = window_end["t"] - t0
+        window["end"] = time.monotonic()
+        length = window["end"] - t0
         busy_s = busy["s"]
         stats = engine.stats()
         for task in background:
             task.cancel()
     finally:
         await ae.shutdown()
-    row = {"window_s": window, "busy_s": busy_s, "offline_tokens_per_s": offline_done["tokens"] / window,
+    row = {"window_s": length, "busy_s": busy_s, "offline_tokens_per_s": offline_done["tokens"] / length,
            "steps_abandoned": stats.num_steps_abandoned, "abandoned_tokens": stats.abandoned_tokens,
            "steps_resumed": stats.num_steps_resumed,
            "checkpoint_evictions": stats.num_checkpoint_evictions, "steps": stats.num_steps}
