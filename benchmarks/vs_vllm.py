@@ -32,10 +32,12 @@ own suffix; ``enable_prefix_caching=True`` in vLLM, fluidserve's default)::
     python benchmarks/vs_vllm.py prefix --vllm-python /work/vllm-venv/bin/python --prefix-len 1024 --output-lens 32
 
 Every run draws a new shared prompt, so neither system starts with it cached.
-``--threads N`` sets fluidserve's torch threads (offline and prefix modes):
-vLLM's CPU build keeps one core for its frontend and computes on the rest (one
-thread on a 2-core machine), and on a machine whose cores other jobs share,
-two spinning OpenMP threads lose most of their time waiting for each other.
+``--threads N`` sets fluidserve's torch threads (offline and prefix modes;
+default: torch's, every core, with OpenMP's default waiting, as a user's
+script gets it): vLLM's CPU build keeps one core for its frontend and
+computes on the rest (one thread on a 2-core machine), and on a machine whose
+cores other jobs share, two spinning OpenMP threads lose most of their time
+waiting for each other (``--threads 1`` then, and ``OMP_WAIT_POLICY=PASSIVE``).
 
 Online (the same load generator, ``serve/bench_client.py``, at the same
 request rates against ``fluidserve serve``, vLLM's OpenAI server and, as a

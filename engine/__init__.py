@@ -7,19 +7,14 @@ can import ``fluidserve.engine.sampling_params`` without torch.
 
 from __future__ import annotations
 
-import os
-import sys
-
 from fluidserve.engine.sampling_params import SamplingParams
 
-if "torch" not in sys.modules:
-    # Read once, when torch loads OpenMP: idle compute threads sleep instead
-    # of spinning, as ``fluidserve serve`` sets them. Where other work shares
-    # the cores (the event loop, a neighbour's job) two spinning threads burn
-    # their time slices waiting for each other: a decode step of a 16-layer
-    # model took 153 ms instead of 26 ms on a loaded 2-core machine. A value
-    # the user set wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's wait policy is left as torch has it: idle compute threads spin a
+# while before they sleep, which a batch job on a machine of its own wants
+# (a 16-layer decode step: 14 ms spinning against 24 ms with sleeping
+# threads, which pay a wake-up on every op; offline against vLLM's CPU build,
+# benchmarks/vs_vllm.py). ``fluidserve serve`` makes them sleep instead: its
+# event loop shares the cores (serve/cli.py).
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
