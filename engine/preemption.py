@@ -159,10 +159,11 @@ class LayerLoop:
         self.safepoints: Safepoints | None = None
         self._resume: PausedForward | None = None
 
-    def resume_next(self, paused: PausedForward) -> None:
+    def resume_next(self, paused: PausedForward | None) -> None:
         """Make the next ``run`` start at ``paused.layer`` from its kept
         input, whatever input the model passes (the worker calls this just
-        before the forward of the step it resumes)."""
+        before the forward of the step it resumes; None clears it, so a
+        forward that failed before its layers cannot pass it on)."""
         self._resume = paused
 
     def run(self, layers: Iterable[Any], kv_caches: Iterable[Any], x: torch.Tensor,

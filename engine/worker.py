@@ -219,6 +219,7 @@ class Worker:
             return result
         finally:
             self.safepoints.disarm()
+            self.model.layer_loop.resume_next(None)
         # Grammar masks of constrained rows, made while a GPU still runs the
         # forward queued above (rank 0 alone samples).
         token_mask = self.structured.fill(inp.sample_ids, inp.samples) if self.tp.is_first else None
