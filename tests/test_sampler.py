@@ -56,6 +56,22 @@ def test_greedy_any_float_dtype_and_input_untouched(dtype: torch.dtype) -> None:
     assert torch.equal(logits, before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_plain_greedy_on_low_precision_logits_picks_what_the_fp32_path_picks(dtype: torch.dtype) -> None:
+    """Plain greedy rows take the argmax without the working copy the stages
+    use; rows the stages touch go through the copy. Both pick the same
+    token, ties included (low-precision logits tie often): the first index."""
+    torch.manual_seed(3)
+    logits = (torch.randn(64, 500) * 3).to(dtype)
+    logits[:, 7] = logits.max(dim=-1).values  # a tie with each row's maximum, earlier in the vocabulary
+    plain = ids(sample(logits, [row(SamplingParams(temperature=0.0))] * 64, EOS))
+    # A repetition penalty of 1 + tiny on a token no row favours: the fp32 path, same choice.
+    copied = ids(sample(logits, [row(SamplingParams(temperature=0.0, repetition_penalty=1.0 + 1e-9),
+                                     prompt=[499], output=[])] * 64, EOS))
+    assert plain == copied == logits.float().argmax(-1).tolist()
+    assert all(t <= 7 for t in plain)
+
+
 def test_greedy_mixed_with_random_rows_keeps_argmax() -> None:
     torch.manual_seed(2)
     logits = torch.randn(4, 100)
