@@ -125,7 +125,8 @@ class LLMEngine:
         self._lost_tokens = 0  # of abandoned steps whose state the worker did not keep
         ttft = self.scheduler.config.online_ttft_slo_ms  # the SLOs live in the scheduler config
         self.preemption = PreemptionPolicy(self.executor.interrupt, None if ttft is None else ttft / 1e3,
-                                           self.cost_model.prefill_time)
+                                           self.cost_model.prefill_time,
+                                           getattr(self.cost_model, "uncertainty", None))
         log.info("engine ready: %s, %d KV blocks of %d tokens (+%d on the host), max_model_len %d%s",
                  self.model_name, self.kv.num_blocks, config.block_size, self.kv.num_host_blocks, self.max_model_len,
                  " (built-in tiny random-weight model)" if is_tiny_model(self.model_dir) else "")

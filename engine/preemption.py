@@ -205,15 +205,18 @@ class PreemptionPolicy:
     and end; the event loop reports online arrivals. Without a TTFT SLO any
     online arrival interrupts a preemptible step; with one, only an arrival
     that waiting for the step would make miss it: the step's predicted
-    remaining time exceeds the SLO less the arrival's own predicted prefill
-    (a step past its predicted end is taken to need as long again as it has
-    run)."""
+    remaining time exceeds the SLO less the arrival's own predicted prefill.
+    The prediction is stretched by the cost model's measured error, and a
+    step past even that is taken to need as long again as it has run."""
 
     def __init__(self, interrupt: Callable[[int], None], ttft_slo_s: float | None,
-                 prefill_time: Callable[[int], float]) -> None:
+                 prefill_time: Callable[[int], float], uncertainty: Callable[[], float] | None = None) -> None:
         self._interrupt = interrupt
         self.ttft_slo_s = ttft_slo_s
         self._prefill_time = prefill_time
+        # The cost model's relative prediction error: a step is taken to run
+        # that much longer than predicted (stopping one is cheap: it resumes).
+        self._uncertainty = uncertainty
         self._lock = threading.Lock()
         self._running: RunningStep | None = None
         self._requested = NO_STEP
@@ -238,7 +241,8 @@ class PreemptionPolicy:
             if self.ttft_slo_s is not None:
                 now = time.monotonic() if now is None else now
                 elapsed = now - step.started
-                remaining = step.predicted_s - elapsed
+                slower = 1.0 + (self._uncertainty() if self._uncertainty is not None else 0.0)
+                remaining = step.predicted_s * slower - elapsed
                 if remaining <= 0:
                     # Past its predicted end: the prediction was wrong, so
                     # the step is taken to need as long again as it has run.

@@ -276,6 +276,15 @@ def test_ttft_slo_decides_when_an_arrival_interrupts():
     policy.step_ended()
     assert not policy.on_online_arrival(10, now=11.0)
     assert sent == [1, 2, 4]
+    # A cost model whose predictions run 50% off: a step predicted to end
+    # in time (0.3 s left by the prediction) may not (0.8 s left at 1.5x).
+    stopped: list[int] = []
+    sure = PreemptionPolicy(stopped.append, ttft_slo_s=0.5, prefill_time=prefill)
+    unsure = PreemptionPolicy(stopped.append, ttft_slo_s=0.5, prefill_time=prefill, uncertainty=lambda: 0.5)
+    for policy_, step_id in ((sure, 5), (unsure, 6)):
+        policy_.step_started(RunningStep(step_id=step_id, started=30.0, predicted_s=1.0))
+        policy_.on_online_arrival(10, now=30.7)
+    assert stopped == [6]
     eager = PreemptionPolicy(sent.append, ttft_slo_s=None, prefill_time=prefill)
     eager.step_started(RunningStep(step_id=3, started=0.0, predicted_s=0.0))
     assert eager.on_online_arrival(10, now=5.0) and sent == [1, 2, 4, 3]
