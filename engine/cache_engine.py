@@ -22,20 +22,19 @@ Ordering on CUDA (copies run on a side stream and overlap the forward):
              compute waits for E(N) only if the step runs a request swapped in
              by this very step (a reactive swap-in: the swap stall)
 
-On CPU a copy thread plays the copy stream's part, with the same ordering:
-a step's copies run beside its forward, the next step starts only once they
-are done, and a forward that reads a block swapped in by its own step waits
-for them. Each layer's K and V move with one gather and one scatter for all
-of a step's blocks (a copy per block run and layer costs ~15 us of dispatch
-each: 60 ms for a hundred scattered blocks of a 16-layer model), and torch
-releases the GIL inside them, so the forward runs on. Every test on this
-machine exercises the maps and the ordering of swap-outs before swap-ins.
+On CPU the same calls run as synchronous copies before the forward. Each
+layer's K and V move with one gather and one scatter for all of a step's
+blocks: a copy per block run and layer costs ~15 us of dispatch, 60 ms for a
+hundred scattered blocks of a 16-layer model. (A copy thread that ran them
+beside the forward, as the copy stream does, was tried; one test run in four
+then died of a segmentation fault at interpreter exit, so it is not used.)
+Every test on this machine exercises the maps and the ordering of swap-outs
+before swap-ins.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -84,9 +83,6 @@ class CacheEngine:
                                  f"memory for {num_host_blocks} host KV blocks ({e}); lower --swap-space") from e
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._last_copies: torch.cuda.Event | None = None
-        self._copier = (ThreadPoolExecutor(1, thread_name_prefix="kv-copy")
-                        if self._copy_stream is None and num_host_blocks else None)
-        self._pending: Future | None = None  # the CPU copy thread's moves of the last step
 
     @property
     def num_host_blocks(self) -> int:
@@ -101,13 +97,8 @@ class CacheEngine:
             raise ValueError("a swap was planned but this worker has no host KV pool")
         if self._copy_stream is None:
             t0 = time.perf_counter()
-            self.sync()  # the last step's moves: blocks they free or fill are used from this step on
-            if swap_out or swap_in:
-                moves = self._copier.submit(self._copy_cpu, swap_out, swap_in)
-                if wait:
-                    moves.result()
-                else:
-                    self._pending = moves
+            self._gather_scatter(swap_out, self.device_caches, self.host_caches)
+            self._gather_scatter(swap_in, self.host_caches, self.device_caches)
             return time.perf_counter() - t0
         compute = torch.cuda.current_stream(self.device)
         if self._last_copies is not None:
@@ -128,23 +119,6 @@ class CacheEngine:
         t0 = time.perf_counter()
         done.synchronize()
         return time.perf_counter() - t0
-
-    def sync(self) -> None:
-        """Wait for the moves in flight (CPU; CUDA orders them on the device).
-        Anything that reads or writes the pools outside a step calls it
-        first; a failed copy raises here."""
-        moves, self._pending = self._pending, None
-        if moves is not None:
-            moves.result()
-
-    def close(self) -> None:
-        self.sync()
-        if self._copier is not None:
-            self._copier.shutdown()
-
-    def _copy_cpu(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        self._gather_scatter(swap_out, self.device_caches, self.host_caches)
-        self._gather_scatter(swap_in, self.host_caches, self.device_caches)
 
     @staticmethod
     def _gather_scatter(pairs: list[tuple[int, int]], src: KVCaches, dst: KVCaches) -> None:

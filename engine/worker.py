@@ -149,8 +149,6 @@ class Worker:
 
     def init_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.graphs = None  # graphs hold the old cache's addresses
-        if self.cache is not None:
-            self.cache.close()  # its copy thread, once its last moves are done
         self.cache = None  # free the old tensors before the new ones are made
         self.cache = CacheEngine(self.num_layers, self.config.block_size, self.num_kv_heads, self.head_dim,
                                  self.dtype, self.device, num_blocks, num_host_blocks)
@@ -252,7 +250,6 @@ class Worker:
     def logits(self, inp: ModelInput) -> torch.Tensor | None:
         """Logits at the sample positions, for tests comparing with a
         reference; None on ranks other than 0."""
-        self.cache.sync()
         hidden, sample_idx = self._forward(inp)
         logits = self.model.compute_logits(hidden[sample_idx])
         return None if logits is None else logits.float()
