@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fluidserve.kvcache.manager import KVCacheManager
 from fluidserve.kvcache.prefix_cache import ROOT_KEY, block_keys, chain_key
+from fluidserve.scheduler.budget import prediction_margin
 from fluidserve.scheduler.cost_model import cost_model_for_engine, plan_shape
 from fluidserve.scheduler.plan import StepOutcome, StepPlan
 from fluidserve.scheduler.request_state import RequestClass, SeqState
@@ -125,8 +126,7 @@ class LLMEngine:
         self._lost_tokens = 0  # of abandoned steps whose state the worker did not keep
         ttft = self.scheduler.config.online_ttft_slo_ms  # the SLOs live in the scheduler config
         self.preemption = PreemptionPolicy(self.executor.interrupt, None if ttft is None else ttft / 1e3,
-                                           self.cost_model.prefill_time,
-                                           getattr(self.cost_model, "uncertainty", None))
+                                           self.cost_model.prefill_time, lambda: prediction_margin(self.cost_model))
         log.info("engine ready: %s, %d KV blocks of %d tokens (+%d on the host), max_model_len %d%s",
                  self.model_name, self.kv.num_blocks, config.block_size, self.kv.num_host_blocks, self.max_model_len,
                  " (built-in tiny random-weight model)" if is_tiny_model(self.model_dir) else "")
@@ -253,7 +253,6 @@ class LLMEngine:
             inp = self._paused_input
             inp.resume_of = inp.step_id
             inp.swap_out, inp.swap_in, inp.wait_for_swap_in, inp.finished_ids = [], [], False, []
-            self.stats_.num_steps_resumed += 1
         else:
             inp = self._model_input(plan)
         if not plan.preemptible or self.config.preemption_safepoint_layers == 0 or not inp.input_ids:
@@ -498,6 +497,7 @@ class LLMEngine:
         s.num_recomputes = c.num_recomputes
         s.num_checkpoint_evictions = c.num_checkpoint_evictions
         s.abandoned_tokens = self._lost_tokens + c.dropped_pause_tokens
+        s.num_steps_resumed = c.num_resumes
         s.checkpoint_bytes = c.checkpoint_blocks * self.bytes_per_block
         s.num_swaps = c.num_swap_outs + c.num_swap_ins
         s.swap_out_bytes = c.swap_out_blocks * self.bytes_per_block

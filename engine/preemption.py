@@ -210,13 +210,13 @@ class PreemptionPolicy:
     step past even that is taken to need as long again as it has run."""
 
     def __init__(self, interrupt: Callable[[int], None], ttft_slo_s: float | None,
-                 prefill_time: Callable[[int], float], uncertainty: Callable[[], float] | None = None) -> None:
+                 prefill_time: Callable[[int], float], margin: Callable[[], float] | None = None) -> None:
         self._interrupt = interrupt
         self.ttft_slo_s = ttft_slo_s
         self._prefill_time = prefill_time
-        # The cost model's relative prediction error: a step is taken to run
-        # that much longer than predicted (stopping one is cheap: it resumes).
-        self._uncertainty = uncertainty
+        # How much slower than predicted a step is taken to run (the budget's
+        # prediction_margin; stopping one is cheap: it resumes).
+        self._margin = margin
         self._lock = threading.Lock()
         self._running: RunningStep | None = None
         self._requested = NO_STEP
@@ -241,8 +241,7 @@ class PreemptionPolicy:
             if self.ttft_slo_s is not None:
                 now = time.monotonic() if now is None else now
                 elapsed = now - step.started
-                slower = 1.0 + (self._uncertainty() if self._uncertainty is not None else 0.0)
-                remaining = step.predicted_s * slower - elapsed
+                remaining = step.predicted_s * (self._margin() if self._margin is not None else 1.0) - elapsed
                 if remaining <= 0:
                     # Past its predicted end: the prediction was wrong, so
                     # the step is taken to need as long again as it has run.

@@ -62,6 +62,12 @@ class SloBudget:
         self.interval_share = interval_share
         self.overhead_share = overhead_share
         self._online_prompt: float | None = None  # running mean of online prompt tokens
+        self._offline_only: tuple[float, int] | None = None  # this step's (cap, floor), once asked
+
+    def begin_step(self) -> None:
+        """A new step is being filled: the offline-only limits are worked out
+        again, once, when its first offline request asks."""
+        self._offline_only = None
 
     def note_online_arrival(self, prompt_tokens: int) -> None:
         """An online request of ``prompt_tokens`` arrived (the offline-only
@@ -87,12 +93,7 @@ class SloBudget:
         if self.ttft_slo is None or self.interval_share is None:
             return float("inf")
         own = self.cost.prefill_time(round(self._online_prompt)) if self._online_prompt else 0.0
-        return max(0.0, self.ttft_slo / self._margin() - own) / self.interval_share
-
-    def _margin(self) -> float:
-        """1 + the cost model's relative prediction error (1: none known)."""
-        uncertainty = getattr(self.cost, "uncertainty", None)
-        return 1.0 + (uncertainty() if uncertainty is not None else 0.0)
+        return max(0.0, self.ttft_slo / prediction_margin(self.cost) - own) / self.interval_share
 
     def cap(self, shape: StepShape, now: float) -> float:
         """Predicted seconds a step of ``shape`` (its online part) may take."""
@@ -101,7 +102,7 @@ class SloBudget:
             cap = self.tpot_slo
         if self.ttft_slo is not None and shape.first_online_prefill_arrival is not None:
             cap = min(cap, self.ttft_slo - (now - shape.first_online_prefill_arrival))
-        return cap / self._margin()
+        return cap / prediction_margin(self.cost)
 
     def _time_with(self, shape: StepShape, seq: SeqState, m: int) -> float:
         done = seq.num_computed_tokens
@@ -120,10 +121,13 @@ class SloBudget:
         if shape.online:
             cap = self.cap(shape, now)
         else:
-            cap = self.offline_only_cap()
+            if self._offline_only is None:  # a binary search over the cost model: once a step
+                cap = self.offline_only_cap()
+                self._offline_only = (cap, self.min_step_tokens() if cap != float("inf") else 0)
+            cap, min_tokens = self._offline_only
             if cap == float("inf"):
                 return n
-            floor = min(n, max(0, self.min_step_tokens() - shape.prefill_tokens - shape.decode_seqs))
+            floor = min(n, max(0, min_tokens - shape.prefill_tokens - shape.decode_seqs))
         if self._time_with(shape, seq, n) <= cap:
             return n
         lo, hi = 0, n - 1  # the largest m in [0, n) that fits; step time grows with m
@@ -134,6 +138,13 @@ class SloBudget:
             else:
                 hi = mid - 1
         return max(lo, floor)
+
+
+def prediction_margin(cost: CostModel) -> float:
+    """How much slower than predicted a step is planned for: 1 + the cost
+    model's measured relative error (1 when it keeps none)."""
+    uncertainty = getattr(cost, "uncertainty", None)
+    return 1.0 + (uncertainty() if uncertainty is not None else 0.0)
 
 
 def interrupts_step(remaining_s: float, ttft_slo_s: float | None, own_prefill_s: float) -> bool:

@@ -111,11 +111,11 @@ class CalibratingCostModel(_StepShapeMixin):
             return
         x = _features(shape)
         prior = self.prior.step_time(*shape)
+        d = self.decay
         if self.fitted is not None:
             err = self.fitted.step_time(*shape) / seconds - 1.0
-            self._sq_err = self.decay * self._sq_err + err * err
-            self._sq_n = self.decay * self._sq_n + 1.0
-        d = self.decay
+            self._sq_err = d * self._sq_err + err * err
+            self._sq_n = d * self._sq_n + 1.0
         w = 1.0 / (seconds * seconds)  # relative error: see the module docstring
         xx, xy, xp, scale = self._xx, self._xy, self._xp, self._scale
         for i in range(_N):

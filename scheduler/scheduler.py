@@ -257,6 +257,8 @@ class Scheduler:
         cfg = self.config
         ranked = self.ranked(now)
         step = _Step(StepPlan(), ranked, now, self._held)
+        if self.budget is not None:
+            self.budget.begin_step()
         plan = step.plan
         budget = cfg.max_num_batched_tokens
         shape = StepShape()  # of what is in the step so far (for the SLO budget)
@@ -592,6 +594,9 @@ class Scheduler:
             return
         self.counters.num_dropped_pauses += 1
         self.counters.dropped_pause_tokens += p.num_batched_tokens
+        self._clear_pause()
+
+    def _clear_pause(self) -> None:
         self._paused, self._held, self._paused_steps = None, set(), 0
 
     @property
@@ -656,7 +661,7 @@ class Scheduler:
         if plan.shape is not None and not outcome.abandoned and not plan.resumes and self._observe is not None:
             self._observe(plan.shape, outcome.step_time)  # a resumed step ran only its last layers
         if plan.resumes:
-            self._paused, self._held, self._paused_steps = None, set(), 0
+            self._clear_pause()
         if outcome.paused:
             held = {item.request_id for item in plan.scheduled}
             if held.issubset(self.seqs):  # none was aborted while it ran

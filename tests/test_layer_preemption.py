@@ -280,7 +280,7 @@ def test_ttft_slo_decides_when_an_arrival_interrupts():
     # in time (0.3 s left by the prediction) may not (0.8 s left at 1.5x).
     stopped: list[int] = []
     sure = PreemptionPolicy(stopped.append, ttft_slo_s=0.5, prefill_time=prefill)
-    unsure = PreemptionPolicy(stopped.append, ttft_slo_s=0.5, prefill_time=prefill, uncertainty=lambda: 0.5)
+    unsure = PreemptionPolicy(stopped.append, ttft_slo_s=0.5, prefill_time=prefill, margin=lambda: 1.5)
     for policy_, step_id in ((sure, 5), (unsure, 6)):
         policy_.step_started(RunningStep(step_id=step_id, started=30.0, predicted_s=1.0))
         policy_.on_online_arrival(10, now=30.7)
