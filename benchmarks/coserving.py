@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-tpot-slo-ms", type=float, default=None,
                     help="real engine: online TPOT SLO of the budget variants (default: from online only)")
     ap.add_argument("--real-threads", type=int, default=1,
-                    help="real engine: torch threads (1: the forward on one core, the event loop and the KV "
-                         "copy thread on the other, as vLLM's CPU build keeps its frontend off the compute core)")
+                    help="real engine: torch threads (1: the forward on one core, the event loop on the other, "
+                         "as vLLM's CPU build keeps its frontend off the compute core)")
     ap.add_argument("--real-safepoint-layers", type=int, default=1,
                     help="real engine, full design: layers between interrupt checks")
     ap.add_argument("--real-slo-slack", type=float, default=0.1,
