@@ -1,5 +1,5 @@
 """The scheduler's CPU time per step (schedule + update_from_output) at 256
-decoding requests that share a 512-token prefix, cache off and on, for one or
+(``--active``) decoding requests that share a 512-token prefix, cache off and on, for one or
 more source trees side by side (say this tree and a git checkout of an older
 commit), each in its own process so their packages never mix.
 
@@ -7,7 +7,8 @@ commit), each in its own process so their packages never mix.
     python benchmarks/sched_step_cost.py . /tmp/old --names new old
 
 Medians of 200 steps (after 40 warm-up steps), thread CPU time. Writes
-benchmarks/results/sched_step_cost.{json,md}.
+benchmarks/results/sched_step_cost.{json,md} (``sched_step_cost-N`` for
+another ``--active N``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def shared_prefix_scheduler(cache: bool, active: int = 256):
 
     bs = 16
     kv = KVCacheManager(active * 64 + 64, bs, enable_prefix_caching=cache)
-    s = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048), kv)
+    s = Scheduler(SchedulerConfig(max_num_seqs=active, max_num_batched_tokens=max(2048, 2 * active)), kv)
     rng = random.Random(0)
     system = [rng.randrange(1000) for _ in range(512)]
     for i in range(active):
@@ -45,7 +46,7 @@ def shared_prefix_scheduler(cache: bool, active: int = 256):
 
 _PROBE = r'''
 import importlib.util, os, sys, time, types
-root, here = sys.argv[1], sys.argv[2]
+root, here, active = sys.argv[1], sys.argv[2], int(sys.argv[3])
 pkg = types.ModuleType("fluidserve"); pkg.__path__ = []; sys.modules["fluidserve"] = pkg
 for name in ("scheduler", "kvcache"):  # pure Python: the two packages are all the scheduler needs
     spec = importlib.util.spec_from_file_location(f"fluidserve.{name}", os.path.join(root, name, "__init__.py"),
@@ -56,7 +57,7 @@ from fluidserve.scheduler.plan import StepOutcome
 from sched_step_cost import shared_prefix_scheduler  # this tree's workload, the probed tree's scheduler
 
 def cost(cache, steps=200, warm=40):
-    s = shared_prefix_scheduler(cache)
+    s = shared_prefix_scheduler(cache, active)
     now, times = 0.0, []
     for k in range(warm + steps):
         t0 = time.thread_time()
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("trees", nargs="+", help="source trees (the repository root of each)")
     ap.add_argument("--rounds", type=int, default=3, help="processes per tree, interleaved")
     ap.add_argument("--names", nargs="+", help="a label per tree for the table (default: the paths)")
+    ap.add_argument("--active", type=int, default=256, help="decoding requests")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
     runs: dict[str, list[tuple[float, float]]] = {t: [] for t in args.trees}
@@ -83,13 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for tree in args.trees:  # interleaved, so a neighbour's load hits every tree alike
             out = subprocess.run([sys.executable, "-c", _PROBE, str(Path(tree).resolve()),
-                                  str(Path(__file__).resolve().parent)], check=True,
+                                  str(Path(__file__).resolve().parent), str(args.active)], check=True,
                                  capture_output=True, text=True).stdout.split()
             runs[tree].append((float(out[0]), float(out[1])))
     rows = {t: {"cache_off_ms": statistics.median(r[0] for r in rs) * 1e3,
                 "cache_on_ms": statistics.median(r[1] for r in rs) * 1e3} for t, rs in runs.items()}
     cmd = "python benchmarks/sched_step_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = ["# Scheduler CPU time per step, 256 decoding requests sharing a 512-token prefix", "",
+    md = [f"# Scheduler CPU time per step, {args.active} decoding requests sharing a 512-token prefix", "",
           f"Command: `{cmd}`; median of {args.rounds} processes per tree (each the median of 200 steps); "
           f"load average {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end.", "",
           "| tree | cache off (ms) | cache on (ms) |", "|---|---:|---:|"]
@@ -97,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     md += [f"| {names[t]} | {r['cache_off_ms']:.3f} | {r['cache_on_ms']:.3f} |" for t, r in rows.items()]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sched_step_cost.json").write_text(json.dumps({"command": cmd, "rows": rows, "runs": runs}, indent=1))
-    (out / "sched_step_cost.md").write_text("\n".join(md) + "\n")
+    stem = "sched_step_cost" if args.active == 256 else f"sched_step_cost-{args.active}"
+    (out / f"{stem}.json").write_text(json.dumps({"command": cmd, "active": args.active, "rows": rows, "runs": runs},
+                                                 indent=1))
+    (out / f"{stem}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0
 

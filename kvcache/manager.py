@@ -289,6 +289,11 @@ class KVCacheManager:
         """True when the request has KV on the device."""
         return bool(self._tables.get(request_id))
 
+    @property
+    def num_swapped(self) -> int:
+        """Requests whose KV is on the host (swapped out or checkpointed and dropped)."""
+        return len(self._host_tables)
+
     def is_swapped(self, request_id: str) -> bool:
         return request_id in self._host_tables
 

@@ -22,6 +22,8 @@ does not fit the step is preempted for that iteration.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from fluidserve.scheduler.cost_model import CostModel
 from fluidserve.scheduler.policy_base import Policy
 from fluidserve.scheduler.request_state import SeqState
@@ -54,11 +56,17 @@ class _MLFQEntry:
         self.decode_span = -1
 
 
+def _mlfq_key(seq: SeqState) -> tuple[int, float, int]:
+    return seq.policy_state["mlfq"].level, seq.arrival_time, seq.arrival_index
+
+
 class MLFQPolicy(Policy):
     """Naive MLFQ: every job enters Q1, demotion one level at a time."""
 
     name = "mlfq"
     skip_join = False
+    # Levels move by demotion and promotion, each bumping order_epoch.
+    sort_key = staticmethod(_mlfq_key)
     OPTIONS = ("num_queues", "base_quantum_ms", "starve_limit_ms")
 
     def __init__(
@@ -84,6 +92,9 @@ class MLFQPolicy(Policy):
         self.starve_limit = alpha
         self.num_promotions = 0
         self.num_demotions = 0
+        # No job below Q1 was last served before this, so while the
+        # starvation deadline is earlier ``age`` has nothing to look at.
+        self._served_floor = float("-inf")
 
     def _min_iteration_time(self) -> float:
         fn = getattr(self.cost, "min_iteration_time", None)
@@ -126,6 +137,8 @@ class MLFQPolicy(Policy):
     # -- events -------------------------------------------------------------
     def on_arrival(self, seq: SeqState, now: float) -> None:
         seq.policy_state["mlfq"] = _MLFQEntry(self._join_level(seq), now)
+        if now < self._served_floor:
+            self._served_floor = now
 
     def on_step_done(self, seq: SeqState, num_tokens: int, step_time: float, now: float) -> None:
         e: _MLFQEntry = seq.policy_state["mlfq"]
@@ -144,6 +157,9 @@ class MLFQPolicy(Policy):
         last = len(self.quanta) - 1
         if e.level == last:
             return
+        if now < self._served_floor:
+            self._served_floor = now
+        self.order_epoch += 1
         e.level += 1
         e.attained = 0.0
         self.num_demotions += 1
@@ -157,12 +173,30 @@ class MLFQPolicy(Policy):
         for s in seqs:
             e: _MLFQEntry = s.policy_state["mlfq"]
             if e.level and e.last_served < deadline:
-                e.level = 0
-                e.attained = 0.0
-                e.last_served = now  # its wait restarts in Q1
-                e.promotions += 1
-                self.num_promotions += 1
+                self._promote(e, now)
         return sorted(seqs, key=_mlfq_key)
+
+    def age(self, seqs: Iterable[SeqState], now: float) -> None:
+        deadline = now - self.starve_limit
+        if deadline < self._served_floor:
+            return  # every job below Q1 was served since: none starves yet
+        floor = now
+        for s in seqs:
+            e: _MLFQEntry = s.policy_state["mlfq"]
+            if e.level:
+                if e.last_served < deadline:
+                    self._promote(e, now)
+                elif e.last_served < floor:
+                    floor = e.last_served
+        self._served_floor = floor
+
+    def _promote(self, e: _MLFQEntry, now: float) -> None:
+        e.level = 0
+        e.attained = 0.0
+        e.last_served = now  # its wait restarts in Q1
+        e.promotions += 1
+        self.num_promotions += 1
+        self.order_epoch += 1
 
 
     def priority(self, seq: SeqState) -> float:
@@ -182,10 +216,6 @@ class MLFQPolicy(Policy):
             out.append(max(0.0, min(t_execute, t_promote)))
             ahead += max(0.0, self.quanta[e.level] - e.attained)
         return out
-
-
-def _mlfq_key(seq: SeqState) -> tuple[int, float]:
-    return seq.policy_state["mlfq"].level, seq.arrival_time
 
 
 class SkipJoinMLFQPolicy(MLFQPolicy):

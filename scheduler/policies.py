@@ -29,21 +29,22 @@ __all__ = ["Policy", "FCFSPolicy", "FixedPriorityPolicy", "MLFQPolicy", "SkipJoi
            "POLICIES", "DEFAULT_POLICY", "make_policy"]
 
 
-def _arrival_key(seq: SeqState) -> float:
-    return seq.arrival_time
+def _arrival_key(seq: SeqState) -> tuple[float, int]:
+    return seq.arrival_time, seq.arrival_index
 
 
 class FCFSPolicy(Policy):
     """Orca/vLLM behaviour: first come, first served, no preemption by age."""
 
     name = "fcfs"
+    sort_key = staticmethod(_arrival_key)  # fixed at arrival
 
     def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
         return sorted(seqs, key=_arrival_key)  # stable: ties keep arrival order
 
 
-def _prompt_key(seq: SeqState) -> tuple[int, float]:
-    return seq.num_prompt_tokens, seq.arrival_time
+def _prompt_key(seq: SeqState) -> tuple[int, float, int]:
+    return seq.num_prompt_tokens, seq.arrival_time, seq.arrival_index
 
 
 class FixedPriorityPolicy(Policy):
@@ -51,6 +52,7 @@ class FixedPriorityPolicy(Policy):
     strawman: near SRPT when the prefill dominates, blind to long outputs)."""
 
     name = "fixed-priority"
+    sort_key = staticmethod(_prompt_key)  # fixed at arrival
 
     def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
         return sorted(seqs, key=_prompt_key)

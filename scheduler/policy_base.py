@@ -4,6 +4,8 @@ for the registered ones and ``make_policy``)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from fluidserve.scheduler.cost_model import CostModel, default_cost_model
 from fluidserve.scheduler.request_state import SeqState
@@ -11,6 +13,12 @@ from fluidserve.scheduler.request_state import SeqState
 
 class Policy(ABC):
     name: str = "policy"
+    # Set when ``order`` is ``age`` then a stable sort by this key, and a
+    # request's key changes only where ``order_epoch`` is bumped: the
+    # scheduler then keeps its ranking between steps and sorts it again (in
+    # place, nearly sorted) only when the epoch moved.
+    sort_key: Callable[[SeqState], Any] | None = None
+    order_epoch: int = 0
 
     def __init__(self, cost_model: CostModel | None = None) -> None:
         self.cost: CostModel = cost_model if cost_model is not None else default_cost_model()
@@ -28,6 +36,11 @@ class Policy(ABC):
     @abstractmethod
     def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
         """Rank ``seqs`` (one request class) highest priority first."""
+
+    def age(self, seqs: Iterable[SeqState], now: float) -> None:
+        """Order changes that time alone makes (every unfinished request is
+        passed), for a scheduler that keeps its ranking; bump ``order_epoch``
+        if any. ``order`` makes them too."""
 
     def priority(self, seq: SeqState) -> float:
         """Priority of ``seq`` inside its class, lower first, for eviction: a

@@ -53,6 +53,12 @@ class SeqState:
     last_scheduled_time: float | None = None
     # Free-form per-policy bookkeeping (queue level, attained service, ...).
     policy_state: dict = field(default_factory=dict)
+    # Order of joining the scheduler: the last tie-break of every policy's
+    # sort, so a ranking sorted again equals one sorted from scratch.
+    arrival_index: int = 0
+    # The scheduler's plan entry for one decode token with no new block: the
+    # same every such step, so made once (a ScheduledSeq; plans never change it).
+    decode_item: object = None
 
     @property
     def num_tokens(self) -> int:

@@ -192,6 +192,39 @@ def run_step(s: Scheduler, now: float):
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_kept_ranking_is_what_sorting_every_request_gives(policy):
+    """The scheduler keeps its ranking between steps (filtering out finished
+    requests, sorting again on arrivals, demotions and promotions): at every
+    step it must equal a fresh sort of every unfinished request."""
+    import random
+
+    rng = random.Random(7)
+    s = sched(policy, blocks=96, max_num_seqs=4, max_num_batched_tokens=32,
+              policy_options={"starve_limit_ms": 6 * DT / MS} if "mlfq" in policy else {})
+    now, n = 0.0, 0
+    for _ in range(400):
+        if rng.random() < 0.25:
+            klass = RequestClass.OFFLINE if rng.random() < 0.3 else RequestClass.ONLINE
+            t = now - DT * rng.randrange(3)  # ties in arrival time too
+            s.add(seq(f"r{n}", prompt=rng.randrange(1, 60), out=rng.randrange(1, 30), t=t, klass=klass), now)
+            n += 1
+        if s.seqs and rng.random() < 0.08:
+            s.finish(rng.choice(sorted(s.seqs)))
+        kept = [x.request_id for x in s.ranked(now)]
+        online = [x for x in s.seqs.values() if x.klass is RequestClass.ONLINE]
+        offline = [x for x in s.seqs.values() if x.klass is RequestClass.OFFLINE]
+        assert kept == [x.request_id for x in s.policy.order(online, now) + s.policy.order(offline, now)]
+        plan = s.schedule(now)
+        finished = [i.request_id for i in plan.scheduled
+                    if i.samples and s.seqs[i.request_id].num_output_tokens + 1 >= s.seqs[i.request_id].max_new_tokens]
+        s.update_from_output(plan, StepOutcome(step_time=DT, now=now, finished=finished))
+        now += DT
+    assert n > 60
+    if "mlfq" in policy:  # the cases that re-sort were all met
+        assert s.policy.num_demotions > 10 and s.policy.num_promotions > 10
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_online_always_ahead_of_offline(policy):
     s = sched(policy, max_num_seqs=1)
     # The offline job came first with the shorter prompt: it still waits.
