@@ -50,7 +50,11 @@ is Poisson arrivals of chat requests (text prompts: every server takes them,
 and the byte tokenizer turns the same text into the same tokens everywhere),
 prompt and output lengths uniform within +-50% of ``--online-input-len``
 words and ``--online-output-len`` tokens. The servers stay up side by side
-and each rate runs on each in turn, the order swapped at every rate.
+and each rate runs on each in turn, the order swapped at every rate; before
+the first, each server takes ``--warmup-requests`` at once, so no server's
+one-off start-up costs land in a measured rate. The summary gives, for each
+P99 TTFT bound in ``--sustain-ttft-ms``, the highest offered rate each server
+kept within it, and fluidserve's as a multiple of each peer's.
 
 The model is a 4-layer, hidden-512 GQA Llama (8 query heads, 2 KV heads,
 vocab 32k) with seeded random weights saved as safetensors, so every system
@@ -529,7 +533,8 @@ def online(args: argparse.Namespace) -> dict:
                              "prompt_words": f"{args.online_input_len} +-50% (uniform), about 2 tokens a word",
                              "output_tokens": f"{args.online_output_len} +-50% (uniform), ignore_eos",
                              "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms},
-                    "servers": {}, "points": []}
+                    "servers": {}, "points": [], "sustain_ttft_ms": args.sustain_ttft_ms,
+                    "warmup_requests": args.warmup_requests}
     log = RESULTS / "vs_vllm-servers.log"
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / "model")
@@ -546,6 +551,9 @@ def online(args: argparse.Namespace) -> dict:
                     record["servers"][name] = {"error": str(exc)}
                     print(f"{name}: {exc}")
             order = list(procs)
+            for name in order:  # first requests pay one-off costs (allocators, kernels' first runs): not the load's
+                _load(bc, ports[name], float("inf"), args, str(model_dir) if name == "transformers" else None,
+                      num_requests=args.warmup_requests)
             for rate in args.rates:
                 for name in order:
                     rep = _load(bc, ports[name], rate, args, str(model_dir) if name == "transformers" else None)
@@ -559,14 +567,15 @@ def online(args: argparse.Namespace) -> dict:
     return record
 
 
-def _load(bc, port: int, rate: float, args: argparse.Namespace, model: str | None = None) -> dict:
+def _load(bc, port: int, rate: float, args: argparse.Namespace, model: str | None = None,
+          num_requests: int | None = None) -> dict:
     import asyncio
 
     # Chat with text prompts: every server takes them (transformers serve takes no token ids), and
     # the byte tokenizer makes the same text the same tokens everywhere.
     flags = ["--base-url", f"http://127.0.0.1:{port}", "--no-progress", "--endpoint", "chat",
              "--input-len", str(args.online_input_len), "--output-len", str(args.online_output_len),
-             "--length-dist", "uniform", "--length-range", "0.5", "--num-requests", str(args.num_requests),
+             "--length-dist", "uniform", "--length-range", "0.5", "--num-requests", str(num_requests or args.num_requests),
              "--request-rate", str(rate), "--seed", str(args.seed)]
     if model:  # a server whose /v1/models lists nothing (transformers serve) is asked for its model by name
         # It also refuses vLLM's ignore_eos (HTTP 422): the random model's
@@ -605,7 +614,49 @@ def _save_online(record: dict) -> None:
                      f"{p['output_token_throughput']:.0f} | {p['ttft_ms']['p50']:.0f} / {p['ttft_ms']['p99']:.0f} | "
                      f"{p['tpot_ms']['p50']:.1f} / {p['tpot_ms']['p99']:.1f} | {p['goodput_req_s']:.2f} "
                      f"({p['slo_attainment']:.0%}) | {p['failed']} |")
+    record["sustained"] = sustained(record["points"], record["sustain_ttft_ms"])
+    systems = sorted({p["system"] for p in record["points"]})
+    table += ["", "Highest offered rate each server sustained with P99 TTFT within a bound (no request failed), "
+              "and fluidserve's as a multiple of each peer's (none: not even the lowest rate tried met the bound; "
+              "the multiple is then a lower bound):", "",
+              "| P99 TTFT bound ms | " + " | ".join(systems) + " | fluidserve / peer |",
+              "|---:|" + "---:|" * (len(systems) + 1)]
+    lowest = min(p["rate"] for p in record["points"])
+    for bound, best in record["sustained"].items():
+        ratios = ", ".join(_ratio(best.get("fluidserve"), best.get(s), lowest, s) for s in systems if s != "fluidserve")
+        table.append(f"| {bound} | " + " | ".join(str(best.get(s) or "none") for s in systems) + f" | {ratios} |")
     write("online", record, table)
+
+
+def _ratio(ours: float | None, peer: float | None, lowest: float, name: str) -> str:
+    if not ours:
+        return f"{name} n/a"
+    if not peer:  # the peer missed the bound even at the lowest rate tried
+        return f"{name} > {ours / lowest:.1f}x"
+    return f"{name} {ours / peer:.1f}x"
+
+
+def sustained(points: list[dict], bounds: list[float]) -> dict[str, dict[str, float | None]]:
+    """For each P99 TTFT bound, each system's highest offered rate that,
+    with every lower rate tried, kept P99 TTFT within it and failed no
+    request (a lucky point above a miss does not count). Offered, not
+    served: a short run's served rate counts the drain after the last
+    arrival."""
+    out: dict[str, dict[str, float | None]] = {}
+    for bound in bounds:
+        best: dict[str, float | None] = {}
+        missed: set[str] = set()
+        for p in sorted(points, key=lambda p: p["rate"]):
+            name = p["system"]
+            best.setdefault(name, None)
+            if name in missed:
+                continue
+            if p["failed"] == 0 and p["ttft_ms"]["p99"] <= bound:
+                best[name] = p["rate"]
+            else:
+                missed.add(name)
+        out[f"{bound:g}"] = best
+    return out
 
 
 # -- entry point -----------------------------------------------------------------------------------
@@ -633,6 +684,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--online-output-len", type=int, default=64, help="online: mean output tokens")
     ap.add_argument("--max-model-len", type=int, default=4096, help="online: servers' context length")
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    ap.add_argument("--sustain-ttft-ms", type=float, nargs="+", default=[250.0, 500.0, 1000.0],
+                    help="online: P99 TTFT bounds for the sustained-rate summary")
+    ap.add_argument("--warmup-requests", type=int, default=8, help="online: sent to each server, all at once, "
+                    "before the measured rates")
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--skip-transformers", action="store_true", help="online: leave out transformers serve")
     ap.add_argument("--baseline-src", type=Path, default=None,
