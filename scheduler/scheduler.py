@@ -88,6 +88,11 @@ class SchedulerConfig:
     # blocks are copied to the host as they run, so evicting one later costs
     # (almost) no copy. None: never.
     kv_checkpoint_threshold: float | None = 0.5
+    # False where KV copies run on the compute path before the forward (the
+    # CPU): a checkpoint copy then lengthens its step, so only steps without
+    # online work take them (offline-only steps, plentiful in idle time). A
+    # GPU copies on its own stream, beside the forward.
+    checkpoint_beside_online: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -361,7 +366,7 @@ class Scheduler:
             self._prefetch(step)
             self._keep_reserve(step)
         if (self.swap and cfg.kv_checkpoint_threshold is not None and len(self.seqs) > self._num_online
-                and self.kv.usage >= cfg.kv_checkpoint_threshold):
+                and (cfg.checkpoint_beside_online or not online) and self.kv.usage >= cfg.kv_checkpoint_threshold):
             self._checkpoint(step)
         if self.swap and self._swap_credit > 0:
             # Freed cached blocks go to the host while copies are in budget,

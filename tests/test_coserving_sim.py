@@ -107,3 +107,25 @@ def test_online_arrival_takes_offline_kv_before_online_kv():
     assert "on1" in ran and "on0" in ran and "off0" not in ran
     assert kv.holds("on0") and not kv.holds("off0")
     s.kv.check_integrity()
+
+
+@pytest.mark.parametrize("beside_online", [True, False])
+def test_checkpoint_copies_stay_out_of_online_steps_where_copies_delay_the_step(beside_online):
+    """On the CPU a KV copy runs before the forward and lengthens its step:
+    there (``checkpoint_beside_online=False``) a step carrying online work
+    takes no checkpoint copy, and the next offline-only step takes them all."""
+    kv = KVCacheManager(64, 4, num_host_blocks=64)
+    s = Scheduler(SchedulerConfig(kv_watermark=0.0, kv_checkpoint_threshold=0.0, proactive_swap=False,
+                                  checkpoint_beside_online=beside_online), kv)
+    s.add(SeqState("off", 16, 8, 0.0, RequestClass.OFFLINE), 0.0)
+    s.add(SeqState("on", 4, 2, 0.0), 0.0)
+    plan = s.schedule(0.0)  # both prefill: the offline prompt fills 4 blocks
+    assert {i.request_id for i in plan.scheduled} == {"off", "on"}
+    s.update_from_output(plan, StepOutcome(0.01, 0.0))
+    plan = s.schedule(0.01)  # both decode: the online request is still running
+    assert {i.request_id for i in plan.scheduled} == {"off", "on"}
+    assert bool(plan.swap_out) is beside_online
+    s.update_from_output(plan, StepOutcome(0.01, 0.01, finished=["on"]))
+    plan = s.schedule(0.02)  # offline only
+    assert [i.request_id for i in plan.scheduled] == ["off"]
+    assert s.counters.checkpoint_blocks == 4 and (beside_online or len(plan.swap_out) == 4)
