@@ -115,7 +115,7 @@ class LLMEngine:
                 safepoint_interval_share=self._safepoint_interval_share(),
                 kv_checkpoint_threshold=config.kv_checkpoint_threshold,
                 # The CPU path copies KV before the forward, on the same cores.
-                checkpoint_beside_online=device.type != "cpu",
+                copies_beside_online=device.type != "cpu",
             ),
             self.kv,
             cost_model=self.cost_model,

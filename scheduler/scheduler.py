@@ -89,10 +89,14 @@ class SchedulerConfig:
     # (almost) no copy. None: never.
     kv_checkpoint_threshold: float | None = 0.5
     # False where KV copies run on the compute path before the forward (the
-    # CPU): a checkpoint copy then lengthens its step, so only steps without
-    # online work take them (offline-only steps, plentiful in idle time). A
-    # GPU copies on its own stream, beside the forward.
-    checkpoint_beside_online: bool = True
+    # CPU): a copy made for later then lengthens a step that online requests
+    # wait on, so such steps make none of the offline ones: no checkpoint,
+    # no offline request swapped out to keep the arrival reserve free (an
+    # online arrival takes offline blocks at once anyway), no offline
+    # admission (which may swap others out) the SLO budget leaves no token
+    # to run. Offline-only steps, plentiful in idle time, make them. A GPU
+    # copies on its own stream, beside the forward.
+    copies_beside_online: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -322,8 +326,15 @@ class Scheduler:
                 break
             if seq.request_id in step.moved:
                 continue  # gave its KV away this step
-            if seq.status is SeqStatus.WAITING and not self._admit(seq, i, step):
-                continue
+            if seq.status is SeqStatus.WAITING:
+                # Admission may swap others out to make room: where that copy
+                # lengthens the step (copies_beside_online off), not for an
+                # offline request the budget then leaves no token to run.
+                if (not cfg.copies_beside_online and slo is not None and seq.klass is offline
+                        and slo.offline_tokens(shape, seq, 1, now) <= 0):
+                    continue
+                if not self._admit(seq, i, step):
+                    continue
             uncomputed = n = seq.num_prompt_tokens + seq.num_output_tokens - seq.num_computed_tokens
             if n > 1:
                 if not cfg.enable_chunked_prefill:
@@ -362,11 +373,12 @@ class Scheduler:
                 plan.scheduled.append(self._scheduled(seq, n, n == uncomputed, table))
             online |= seq.klass is not offline
             budget -= n
+        offline_copies = cfg.copies_beside_online or not online
         if self.swap and cfg.proactive_swap:
             self._prefetch(step)
-            self._keep_reserve(step)
+            self._keep_reserve(step, offline_copies)
         if (self.swap and cfg.kv_checkpoint_threshold is not None and len(self.seqs) > self._num_online
-                and (cfg.checkpoint_beside_online or not online) and self.kv.usage >= cfg.kv_checkpoint_threshold):
+                and offline_copies and self.kv.usage >= cfg.kv_checkpoint_threshold):
             self._checkpoint(step)
         if self.swap and self._swap_credit > 0:
             # Freed cached blocks go to the host while copies are in budget,
@@ -697,9 +709,10 @@ class Scheduler:
                 break
             self._swap_in(seq, step, status=SeqStatus.SWAPPING_IN)
 
-    def _keep_reserve(self, step: _Step) -> None:
+    def _keep_reserve(self, step: _Step, offline_copies: bool = True) -> None:
         """Swap out resident requests not in this step, largest ENST first,
-        until the reserve is free (or the host is full)."""
+        until the reserve is free (or the host is full); offline ones only
+        with ``offline_copies``."""
         reserve = self.reserve_blocks()
         # Blocks this step's swap-outs free count: they are free next step,
         # when the reserve is needed.
@@ -713,6 +726,8 @@ class Scheduler:
             seq = step.ranked[j]
             rid = seq.request_id
             if rid in running or rid in step.moved or rid in self._unrun or not self.kv.holds(rid):
+                continue
+            if not offline_copies and seq.klass is RequestClass.OFFLINE:
                 continue
             if not self.kv.can_swap_out(rid) or not self._can_move(self.kv.num_blocks_of(rid)):
                 return

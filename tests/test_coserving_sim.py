@@ -112,11 +112,11 @@ def test_online_arrival_takes_offline_kv_before_online_kv():
 @pytest.mark.parametrize("beside_online", [True, False])
 def test_checkpoint_copies_stay_out_of_online_steps_where_copies_delay_the_step(beside_online):
     """On the CPU a KV copy runs before the forward and lengthens its step:
-    there (``checkpoint_beside_online=False``) a step carrying online work
+    there (``copies_beside_online=False``) a step carrying online work
     takes no checkpoint copy, and the next offline-only step takes them all."""
     kv = KVCacheManager(64, 4, num_host_blocks=64)
     s = Scheduler(SchedulerConfig(kv_watermark=0.0, kv_checkpoint_threshold=0.0, proactive_swap=False,
-                                  checkpoint_beside_online=beside_online), kv)
+                                  copies_beside_online=beside_online), kv)
     s.add(SeqState("off", 16, 8, 0.0, RequestClass.OFFLINE), 0.0)
     s.add(SeqState("on", 4, 2, 0.0), 0.0)
     plan = s.schedule(0.0)  # both prefill: the offline prompt fills 4 blocks
@@ -129,3 +129,38 @@ def test_checkpoint_copies_stay_out_of_online_steps_where_copies_delay_the_step(
     plan = s.schedule(0.02)  # offline only
     assert [i.request_id for i in plan.scheduled] == ["off"]
     assert s.counters.checkpoint_blocks == 4 and (beside_online or len(plan.swap_out) == 4)
+
+
+@pytest.mark.parametrize("beside_online", [True, False])
+def test_no_offline_swap_out_for_the_reserve_in_online_steps_where_copies_delay_the_step(beside_online):
+    """The arrival reserve is refilled by swapping an idle offline request
+    out; where that copy would lengthen a step online work waits on, it waits
+    for an offline-only step (an online arrival takes offline blocks at once
+    anyway)."""
+    kv = KVCacheManager(12, 4, num_host_blocks=64)
+    s = Scheduler(SchedulerConfig(kv_watermark=0.0, kv_checkpoint_threshold=None, max_num_seqs=1,
+                                  copies_beside_online=beside_online), kv)
+    s.add(SeqState("off", 24, 8, 0.0, RequestClass.OFFLINE), 0.0)
+    plan = s.schedule(0.0)
+    s.update_from_output(plan, StepOutcome(0.01, 0.0))
+    s.add(SeqState("on", 16, 8, 0.01), 0.01)  # its 4 blocks leave 2 free, below the 4-block reserve
+    plan = s.schedule(0.01)
+    assert [i.request_id for i in plan.scheduled] == ["on"]
+    assert plan.swapped_out == (["off"] if beside_online else [])
+
+
+@pytest.mark.parametrize("beside_online", [True, False])
+def test_no_offline_admission_the_budget_leaves_no_token_where_copies_delay_the_step(beside_online):
+    """Admitting takes KV and may swap others out for it; where that copy
+    would lengthen a step online work waits on, an offline request the SLO
+    budget gives no token this step is not admitted in it."""
+    kv = KVCacheManager(16, 4, num_host_blocks=16)
+    s = Scheduler(SchedulerConfig(kv_watermark=0.0, kv_checkpoint_threshold=None, online_tpot_slo_ms=10.5,
+                                  copies_beside_online=beside_online), kv, cost_model=CM)
+    s.add(SeqState("on", 4, 8, 0.0), 0.0)
+    plan = s.schedule(0.0)
+    s.update_from_output(plan, StepOutcome(0.01, 0.0))
+    s.add(SeqState("off", 8, 8, 0.01, RequestClass.OFFLINE), 0.01)
+    plan = s.schedule(0.01)  # the decode alone takes 10 ms of the 10.5: no offline token fits
+    assert [i.request_id for i in plan.scheduled] == ["on"]
+    assert kv.holds("off") is beside_online
