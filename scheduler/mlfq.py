@@ -169,34 +169,33 @@ class MLFQPolicy(Policy):
         e.earned = max(e.earned, e.level)
 
     def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
-        deadline = now - self.starve_limit
-        for s in seqs:
-            e: _MLFQEntry = s.policy_state["mlfq"]
-            if e.level and e.last_served < deadline:
-                self._promote(e, now)
+        self._promote_starved(seqs, now)  # ``seqs`` may be one class only: the floor is not for them
         return sorted(seqs, key=_mlfq_key)
 
     def age(self, seqs: Iterable[SeqState], now: float) -> None:
-        deadline = now - self.starve_limit
-        if deadline < self._served_floor:
+        if now - self.starve_limit < self._served_floor:
             return  # every job below Q1 was served since: none starves yet
+        self._served_floor = self._promote_starved(seqs, now)
+
+    def _promote_starved(self, seqs: Iterable[SeqState], now: float) -> float:
+        """Lift every job below Q1 not served for the starve limit to Q1;
+        the earliest ``last_served`` of those left below (``now`` if none)."""
+        deadline = now - self.starve_limit
         floor = now
         for s in seqs:
             e: _MLFQEntry = s.policy_state["mlfq"]
-            if e.level:
-                if e.last_served < deadline:
-                    self._promote(e, now)
-                elif e.last_served < floor:
-                    floor = e.last_served
-        self._served_floor = floor
-
-    def _promote(self, e: _MLFQEntry, now: float) -> None:
-        e.level = 0
-        e.attained = 0.0
-        e.last_served = now  # its wait restarts in Q1
-        e.promotions += 1
-        self.num_promotions += 1
-        self.order_epoch += 1
+            if not e.level:
+                continue
+            if e.last_served < deadline:
+                e.level = 0
+                e.attained = 0.0
+                e.last_served = now  # its wait restarts in Q1
+                e.promotions += 1
+                self.num_promotions += 1
+                self.order_epoch += 1
+            elif e.last_served < floor:
+                floor = e.last_served
+        return floor
 
 
     def priority(self, seq: SeqState) -> float:

@@ -566,7 +566,7 @@ class Scheduler:
         return step.decodes_below
 
     def _evict(self, seq: SeqState, step: _Step, allow_recompute: bool) -> bool:
-        self._decodes_below(step)
+        self._decodes_below(step)  # counted before this changes a lower-ranked request
         n = self.kv.swap_out_blocks(seq.request_id)
         if self.swap and self.kv.can_swap_out(seq.request_id) and self._can_move(n):
             self._swap_out(seq, step)
@@ -579,7 +579,7 @@ class Scheduler:
     def _evict_now(self, seq: SeqState, step: _Step) -> None:
         """Free every device block of ``seq`` this step: keep what its
         checkpoint holds on the host (the rest is recomputed), or discard."""
-        self._decodes_below(step)
+        self._decodes_below(step)  # counted before this changes a lower-ranked request
         rid = seq.request_id
         if not (self.swap and self.kv.num_checkpointed(rid)):
             self._recompute(seq, step)
@@ -709,7 +709,7 @@ class Scheduler:
                 break
             self._swap_in(seq, step, status=SeqStatus.SWAPPING_IN)
 
-    def _keep_reserve(self, step: _Step, offline_copies: bool = True) -> None:
+    def _keep_reserve(self, step: _Step, offline_copies: bool) -> None:
         """Swap out resident requests not in this step, largest ENST first,
         until the reserve is free (or the host is full); offline ones only
         with ``offline_copies``."""
