@@ -27,7 +27,7 @@ from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.detokenizer import TextStream
 from fluidserve.engine.executor import make_executor
 from fluidserve.engine.loader import eos_token_ids, is_tiny_model, load_hf_config, load_tokenizer, model_context_length, resolve_model_dir
-from fluidserve.engine.outputs import RequestOutput
+from fluidserve.engine.outputs import RequestOutput, TokenLogprobs
 from fluidserve.engine.preemption import PreemptionPolicy, RunningStep
 from fluidserve.engine.request import Request, Sequence
 from fluidserve.engine.sampling_params import SamplingParams
@@ -385,20 +385,34 @@ class LLMEngine:
                 for t, lp in entry.items():
                     lp.decoded = decode(t)
             req.prompt_logprobs.extend(entries)
-        seqs = self.seqs
+        get = self.seqs.get
         offline = RequestClass.OFFLINE
+        bs = self.kv.block_size
         touched: list[Request] = []  # in the order of their first token this step
         seen: set[str] = set()  # requests of n > 1 already in touched
         num_appended = num_offline = 0
+        # Once per sampled row per step: appending a token is written out
+        # here, the rarer work (a filled block, logprobs, stops) is called.
         for rid, token in result.sampled.items():
-            seq = seqs.get(rid)
+            seq = get(rid)
             if seq is None:
                 continue
             num_appended += 1
-            stopped = self._append(seq, token)
+            tid = token.token_id
+            out = seq.output_token_ids
+            out.append(tid)
+            req = seq.request
+            lazy = seq.lazy_text
+            if not lazy:  # a lazy sequence's new tokens are set when it finishes (catch_up_text)
+                seq.new_token_ids.append(tid)
+            if (len(req.prompt_token_ids) + len(out)) % bs == 0:
+                self._extend_block_keys(seq)
+            if token.logprobs is not None and seq.logprobs is not None:
+                self._add_logprobs(seq, token.logprobs)
+            stopped = ((not lazy or tid in seq.stop_ids or len(out) >= seq.max_output_len)
+                       and self._stop(seq, tid))
             if stopped:
                 finished.append(rid)
-            req = seq.request
             if req.klass is offline:
                 num_offline += 1
             if len(req.seqs) == 1:
@@ -439,19 +453,15 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
         return out
 
-    def _append(self, seq: Sequence, token) -> bool:
-        """Append a sampled token; True when the sequence stops on it."""
-        tid = token.token_id
-        out = seq.output_token_ids
-        out.append(tid)
-        seq.new_token_ids.append(tid)
-        if (len(seq.request.prompt_token_ids) + len(out)) % self.kv.block_size == 0:
-            self._extend_block_keys(seq)
-        if seq.logprobs is not None and token.logprobs is not None:
-            for t, lp in token.logprobs.items():
-                lp.decoded = seq.stream.decode_token(t)
-            seq.logprobs.append(token.logprobs)
-            seq.new_logprobs.append(token.logprobs)
+    @staticmethod
+    def _add_logprobs(seq: Sequence, logprobs: TokenLogprobs) -> None:
+        for t, lp in logprobs.items():
+            lp.decoded = seq.stream.decode_token(t)
+        seq.logprobs.append(logprobs)
+        seq.new_logprobs.append(logprobs)
+
+    def _stop(self, seq: Sequence, tid: int) -> bool:
+        """After ``tid`` was appended: True when the sequence stops on it."""
         reason = self._stop_reason(seq, tid)
         if reason is None:
             return False

@@ -44,6 +44,7 @@ came after the checkpoint is recomputed).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fluidserve.kvcache.allocator import BlockAllocator
@@ -299,6 +300,12 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
+
+    @property
+    def block_tables(self) -> Mapping[str, list[int]]:
+        """Every resident request's device block table, live: for a caller
+        that reads a thousand of them a step (never to be changed)."""
+        return self._tables
 
     def num_blocks_of(self, request_id: str) -> int:
         """Blocks the request's KV occupies, in whichever tier it is."""

@@ -38,7 +38,8 @@ _DECODE_SPAN = 16
 
 
 class _MLFQEntry:
-    __slots__ = ("level", "earned", "attained", "last_served", "promotions", "decode_cost", "decode_span")
+    __slots__ = ("level", "earned", "attained", "last_served", "promotions", "decode_cost", "decode_span",
+                 "settled")
 
     def __init__(self, level: int, now: float) -> None:
         self.level = level
@@ -54,6 +55,20 @@ class _MLFQEntry:
         # per request per step.
         self.decode_cost = 0.0
         self.decode_span = -1
+        # num_computed_tokens when ``attained`` was last brought up to date.
+        # Later one-token steps in the same span that cannot reach the
+        # quantum are not reported (``SeqState.policy_due``); each would add
+        # ``decode_cost``, so they are added, one by one as before, when the
+        # job is next looked at. A thousand decodes then cost the scheduler a
+        # comparison each instead of a call.
+        self.settled = 0
+
+
+def _last_served(seq: SeqState, e: _MLFQEntry) -> float:
+    """When the job last ran, or its wait in Q1 restarted: the scheduler
+    stamps every step it runs in, reported to the policy or not."""
+    t = seq.last_scheduled_time
+    return e.last_served if t is None or t < e.last_served else t
 
 
 def _mlfq_key(seq: SeqState) -> tuple[int, float, int]:
@@ -143,19 +158,25 @@ class MLFQPolicy(Policy):
     def on_step_done(self, seq: SeqState, num_tokens: int, step_time: float, now: float) -> None:
         e: _MLFQEntry = seq.policy_state["mlfq"]
         context = seq.num_computed_tokens - num_tokens
+        if seq.policy_due:
+            self._charge_skipped(e, context)
+            seq.policy_due = 0
+        e.settled = seq.num_computed_tokens
         if num_tokens == 1 and context > 0:
             span = context // _DECODE_SPAN
             if span != e.decode_span:
                 e.decode_span = span
                 e.decode_cost = self.cost.decode_time(1, context + 1)
             e.attained += e.decode_cost
+            decode = True
         else:
             e.attained += self.cost.prefill_time(num_tokens, context)
+            decode = False
         e.last_served = now
-        if e.attained < self.quanta[e.level]:
-            return
         last = len(self.quanta) - 1
-        if e.level == last:
+        if e.attained < self.quanta[e.level] or e.level == last:
+            if decode:
+                seq.policy_due = self._decode_due(seq, e, last)
             return
         if now < self._served_floor:
             self._served_floor = now
@@ -167,6 +188,34 @@ class MLFQPolicy(Policy):
             # Skip the levels whose quantum the next iteration alone would use up.
             e.level = max(e.level, self.level_for_time(self.next_iteration_time(seq)))
         e.earned = max(e.earned, e.level)
+
+    def _decode_due(self, seq: SeqState, e: _MLFQEntry, last: int) -> int:
+        """How far the next one-token steps may take num_computed_tokens
+        unreported: while they stay in this span (same cost) and leave the
+        job short of its quantum (no demotion to make)."""
+        quantum = self.quanta[e.level] if e.level < last else float("inf")
+        attained, cost = e.attained, e.decode_cost
+        done, end = seq.num_computed_tokens, (e.decode_span + 1) * _DECODE_SPAN
+        while done < end:  # the step at context ``done``
+            attained += cost
+            if attained >= quantum:
+                break
+            done += 1
+        return done
+
+    @staticmethod
+    def _charge_skipped(e: _MLFQEntry, upto: int) -> None:
+        """Add the decodes run since ``e.settled`` unreported, in order, so
+        ``attained`` is the float the per-step charges would have made."""
+        attained, cost = e.attained, e.decode_cost
+        for _ in range(upto - e.settled):
+            attained += cost
+        e.attained = attained
+        e.settled = upto
+
+    def settle(self, seq: SeqState) -> None:
+        if seq.policy_due:
+            self._charge_skipped(seq.policy_state["mlfq"], seq.num_computed_tokens)
 
     def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
         self._promote_starved(seqs, now)  # ``seqs`` may be one class only: the floor is not for them
@@ -186,15 +235,18 @@ class MLFQPolicy(Policy):
             e: _MLFQEntry = s.policy_state["mlfq"]
             if not e.level:
                 continue
-            if e.last_served < deadline:
+            served = _last_served(s, e)
+            if served < deadline:
                 e.level = 0
                 e.attained = 0.0
+                e.settled = s.num_computed_tokens
+                s.policy_due = 0  # what it had not been charged goes with the reset
                 e.last_served = now  # its wait restarts in Q1
                 e.promotions += 1
                 self.num_promotions += 1
                 self.order_epoch += 1
-            elif e.last_served < floor:
-                floor = e.last_served
+            elif served < floor:
+                floor = served
         return floor
 
 
@@ -210,8 +262,10 @@ class MLFQPolicy(Policy):
         ahead = 0.0
         for s in ranked:
             e: _MLFQEntry = s.policy_state["mlfq"]
+            if s.policy_due:
+                self._charge_skipped(e, s.num_computed_tokens)
             t_execute = ahead / batch
-            t_promote = e.last_served + self.starve_limit - now if e.level else t_execute
+            t_promote = _last_served(s, e) + self.starve_limit - now if e.level else t_execute
             out.append(max(0.0, min(t_execute, t_promote)))
             ahead += max(0.0, self.quanta[e.level] - e.attained)
         return out

@@ -28,7 +28,13 @@ class Policy(ABC):
 
     def on_step_done(self, seq: SeqState, num_tokens: int, step_time: float, now: float) -> None:
         """``seq`` ran ``num_tokens`` tokens in a step that took ``step_time``;
-        ``seq.num_computed_tokens`` already counts them."""
+        ``seq.num_computed_tokens`` already counts them. Not called for a
+        one-token step that ends at or below ``seq.policy_due``, which the
+        policy sets for the steps it can charge later in one go."""
+
+    def settle(self, seq: SeqState) -> None:
+        """Charge the steps skipped under ``seq.policy_due`` now: the
+        scheduler is about to rewind ``seq.num_computed_tokens``."""
 
     def on_finish(self, seq: SeqState) -> None:
         """``seq`` finished or was aborted."""

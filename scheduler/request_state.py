@@ -59,6 +59,11 @@ class SeqState:
     # The scheduler's plan entry for one decode token with no new block: the
     # same every such step, so made once (a ScheduledSeq; plans never change it).
     decode_item: object = None
+    # A one-token step that leaves num_computed_tokens at or below this needs
+    # no ``Policy.on_step_done``: the policy knows what such steps cost it and
+    # charges them at its next call (0: every step is reported). The
+    # scheduler rewinds it to 0 with num_computed_tokens.
+    policy_due: int = 0
 
     @property
     def num_tokens(self) -> int:

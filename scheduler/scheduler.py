@@ -316,17 +316,22 @@ class Scheduler:
         shape = StepShape()  # of what is in the step so far (for the SLO budget)
         running = SeqStatus.RUNNING
         offline = RequestClass.OFFLINE
-        online = False  # the step carries online work
         slo = self.budget
         record_shapes = self.record_shapes
-        block_table, block_size = self.kv.block_table, self.kv.block_size
+        # This loop runs once per unfinished request per step: what it reads
+        # on every pass is bound here.
+        scheduled, moved, max_seqs = plan.scheduled, step.moved, cfg.max_num_seqs
+        add = scheduled.append
+        waiting = SeqStatus.WAITING
+        tables, block_size = self.kv.block_tables, self.kv.block_size
         for i, seq in enumerate(ranked):
-            slots = cfg.max_num_seqs - len(plan.scheduled)
-            if slots <= 0 or budget <= 0:
+            if len(scheduled) >= max_seqs or budget <= 0:
                 break
-            if seq.request_id in step.moved:
+            rid = seq.request_id
+            if rid in moved:
                 continue  # gave its KV away this step
-            if seq.status is SeqStatus.WAITING:
+            status = seq.status
+            if status is waiting:
                 # Admission may swap others out to make room: where that copy
                 # lengthens the step (copies_beside_online off), not for an
                 # offline request the budget then leaves no token to run.
@@ -335,6 +340,7 @@ class Scheduler:
                     continue
                 if not self._admit(seq, i, step):
                     continue
+                status = seq.status
             uncomputed = n = seq.num_prompt_tokens + seq.num_output_tokens - seq.num_computed_tokens
             if n > 1:
                 if not cfg.enable_chunked_prefill:
@@ -343,7 +349,8 @@ class Scheduler:
                 else:
                     # Hold back a token per lower-ranked decode, at most half
                     # of the step's budget, so the top prefill always progresses.
-                    held = min(self._decodes_below(step)[i + 1], slots - 1, cfg.max_num_batched_tokens // 2)
+                    held = min(self._decodes_below(step)[i + 1], max_seqs - len(scheduled) - 1,
+                               cfg.max_num_batched_tokens // 2)
                     n = min(n, budget - held)
                     if n <= 0:
                         continue
@@ -351,11 +358,11 @@ class Scheduler:
                 n = slo.offline_tokens(shape, seq, n, now)
                 if n <= 0:
                     continue
-            table = block_table(seq.request_id)
-            if seq.status is running and len(table) * block_size >= seq.num_computed_tokens + n:
+            table = tables.get(rid, _NO_BLOCKS)
+            if status is running and len(table) * block_size >= seq.num_computed_tokens + n:
                 pass  # resident with room: most decodes, so no call for them
             elif self._make_resident(seq, seq.num_computed_tokens + n, i, step):
-                table = block_table(seq.request_id)
+                table = tables[rid]
             else:
                 continue
             if record_shapes:
@@ -365,14 +372,16 @@ class Scheduler:
                 if n == 1 == uncomputed:  # a decode: the same item every step
                     item = seq.decode_item
                     if item is None:
-                        item = seq.decode_item = ScheduledSeq(seq.request_id, 1, True, _NO_BLOCKS)
-                    plan.scheduled.append(item)
+                        item = seq.decode_item = ScheduledSeq(rid, 1, True, _NO_BLOCKS)
+                    add(item)
                 else:
-                    plan.scheduled.append(ScheduledSeq(seq.request_id, n, n == uncomputed, _NO_BLOCKS))
+                    add(ScheduledSeq(rid, n, n == uncomputed, _NO_BLOCKS))
             else:
-                plan.scheduled.append(self._scheduled(seq, n, n == uncomputed, table))
-            online |= seq.klass is not offline
+                add(self._scheduled(seq, n, n == uncomputed, table))
             budget -= n
+        # Online requests rank above offline ones: the step carries online
+        # work exactly when its first request is online.
+        online = bool(scheduled) and self.seqs[scheduled[0].request_id].klass is not offline
         offline_copies = cfg.copies_beside_online or not online
         if self.swap and cfg.proactive_swap:
             self._prefetch(step)
@@ -584,7 +593,7 @@ class Scheduler:
         if not (self.swap and self.kv.num_checkpointed(rid)):
             self._recompute(seq, step)
             return
-        seq.num_computed_tokens = min(seq.num_computed_tokens, self.kv.drop_to_checkpoint(rid))
+        self._rewind(seq, min(seq.num_computed_tokens, self.kv.drop_to_checkpoint(rid)))
         self.counters.num_checkpoint_evictions += 1
         self._swapped_out(seq, step)
 
@@ -625,12 +634,20 @@ class Scheduler:
     def _recompute(self, seq: SeqState, step: _Step) -> None:
         step.moved.add(seq.request_id)
         self.kv.free(seq.request_id)
-        seq.num_computed_tokens = 0
+        self._rewind(seq, 0)
         seq.status = SeqStatus.WAITING
         seq.num_blocks_sent = 0
         seq.num_preemptions += 1
         self.counters.num_recomputes += 1
         step.plan.preempted.append(seq.request_id)
+
+    def _rewind(self, seq: SeqState, num_computed: int) -> None:
+        """Its KV beyond ``num_computed`` tokens is gone: the policy first
+        settles the steps it has not been told of (``SeqState.policy_due``)."""
+        if seq.policy_due:
+            self.policy.settle(seq)
+            seq.policy_due = 0
+        seq.num_computed_tokens = num_computed
 
     def _checkpoint(self, step: _Step) -> None:
         """Copy the newly full blocks of the offline requests this step runs
@@ -774,7 +791,8 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             seq.last_scheduled_time = now
-            step_done(seq, n, step_time, now)
+            if n != 1 or done > seq.policy_due:  # most decodes are charged by the policy later, in one go
+                step_done(seq, n, step_time, now)
         for rid in outcome.finished:
             self.finish(rid)
 

@@ -224,6 +224,60 @@ def test_kept_ranking_is_what_sorting_every_request_gives(policy):
         assert s.policy.num_demotions > 10 and s.policy.num_promotions > 10
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("policy_cls", [MLFQPolicy, SkipJoinMLFQPolicy])
+def test_decodes_charged_later_change_nothing(policy_cls, mode):
+    """MLFQ is not called for most decodes (``SeqState.policy_due``) and
+    charges them when it next looks at the job. Against the same policy told
+    of every step, on costs that are not exact in binary (so any other order
+    of additions would show): the same plans, levels, demotions and
+    promotions, and the same service attained to the last bit, through
+    arrivals, finishes, evictions (recompute or swap) and starvation."""
+    import random
+
+    class EveryStep(policy_cls):
+        def _decode_due(self, seq, e, last):
+            return seq.num_computed_tokens  # the next step is always reported
+
+    costs = LinearCostModel(LinearCoefficients(base=0.0137, per_prefill_token=3.1e-5, per_decode_seq=1.3e-4,
+                                               per_context_token=7.7e-7, per_attn_pair=1.1e-9))
+    options = {"cost_model": costs, "base_quantum_ms": 40.0, "starve_limit_ms": 400.0}
+    config = SchedulerConfig(kv_watermark=0.0, max_num_seqs=6, max_num_batched_tokens=48, preemption_mode=mode)
+    host = 64 if mode == "swap" else 0
+    lazy = Scheduler(config, KVCacheManager(40, 4, host), policy=policy_cls(**options))
+    eager = Scheduler(config, KVCacheManager(40, 4, host), policy=EveryStep(**options))
+    rng = random.Random(11)
+    now, n, skipped = 0.0, 0, 0
+    for k in range(600):
+        if rng.random() < 0.15:
+            prompt, out = rng.randrange(1, 40), rng.randrange(1, 80)
+            for s in (lazy, eager):
+                s.add(seq(f"r{n}", prompt=prompt, out=out, t=now), now)
+            n += 1
+        plans = [s.schedule(now) for s in (lazy, eager)]
+        assert plans[0] == plans[1]
+        skipped += sum(1 for i in plans[0].scheduled
+                       if i.num_tokens == 1 and lazy.seqs[i.request_id].num_computed_tokens + 1
+                       <= lazy.seqs[i.request_id].policy_due)
+        finished = [i.request_id for i in plans[0].scheduled
+                    if i.samples and lazy.seqs[i.request_id].num_output_tokens + 1 >= lazy.seqs[i.request_id].max_new_tokens]
+        step = 0.0137 + 0.001 * rng.random()
+        for s, plan in zip((lazy, eager), plans):
+            s.update_from_output(plan, StepOutcome(step_time=step, now=now, finished=finished))
+        now += step
+        if k % 25:  # settling is itself a charge: looked at every step, none would be left owed
+            continue
+        for rid, a in lazy.seqs.items():
+            lazy.policy.settle(a)
+            ea, eb = a.policy_state["mlfq"], eager.seqs[rid].policy_state["mlfq"]
+            assert (ea.level, ea.earned, ea.attained) == (eb.level, eb.earned, eb.attained)
+    assert n > 60 and skipped > 500
+    assert (lazy.policy.num_demotions, lazy.policy.num_promotions) == (eager.policy.num_demotions,
+                                                                        eager.policy.num_promotions)
+    assert lazy.policy.num_demotions > 20 and lazy.policy.num_promotions > 5
+    assert lazy.num_preemptions == eager.num_preemptions > 5
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_online_always_ahead_of_offline(policy):
     s = sched(policy, max_num_seqs=1)
