@@ -44,7 +44,8 @@ class SloBudget:
     not both)."""
 
     def __init__(self, cost: CostModel, tpot_slo_s: float | None, ttft_slo_s: float | None = None,
-                 interval_share: float | None = None, overhead_share: float = 0.1) -> None:
+                 interval_share: float | None = None, overhead_share: float = 0.1,
+                 min_chunk_beside_online: int = 32) -> None:
         for name, slo in (("TPOT", tpot_slo_s), ("TTFT", ttft_slo_s)):
             if slo is not None and not slo > 0:
                 raise ValueError(f"online {name} SLO must be positive, got {slo}")
@@ -61,6 +62,14 @@ class SloBudget:
         # preemption, offline-only steps are not cut).
         self.interval_share = interval_share
         self.overhead_share = overhead_share
+        # Beside online work an offline prompt chunk is cut to what fits, but
+        # one cut below this many tokens is not run: a chunk costs the step
+        # more than its tokens (its own attention call per layer, the gather
+        # of its context), which the cost model's per-token terms miss. On
+        # a CPU, where an online decode step leaves a few ms of room, such
+        # chunks ran 5-15 ms over their prediction and pushed TPOT past the
+        # SLO for a couple of percent of the offline work.
+        self.min_chunk_beside_online = min_chunk_beside_online
         self._online_prompt: float | None = None  # running mean of online prompt tokens
         self._offline_only: tuple[float, int] | None = None  # this step's (cap, floor), once asked
 
@@ -137,6 +146,8 @@ class SloBudget:
                 lo = mid
             else:
                 hi = mid - 1
+        if shape.online and lo < self.min_chunk_beside_online:
+            return 0
         return max(lo, floor)
 
 

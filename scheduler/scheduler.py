@@ -336,7 +336,7 @@ class Scheduler:
                 # lengthens the step (copies_beside_online off), not for an
                 # offline request the budget then leaves no token to run.
                 if (not cfg.copies_beside_online and slo is not None and seq.klass is offline
-                        and slo.offline_tokens(shape, seq, 1, now) <= 0):
+                        and slo.offline_tokens(shape, seq, seq.num_prompt_tokens + seq.num_output_tokens, now) <= 0):
                     continue
                 if not self._admit(seq, i, step):
                     continue

@@ -175,3 +175,35 @@ def test_the_budget_plans_for_the_cost_models_error():
         took[err] = (n, CM.step_time(*shape.astuple()))
     assert took[0.0][1] <= slo and took[0.25][1] <= slo / 1.25 + 1e-9
     assert 0 < took[0.25][0] < took[0.0][0]
+
+
+def test_no_sliver_of_a_prompt_beside_online_work():
+    """Beside an online decode, an offline prompt chunk the SLO would cut
+    below ``min_chunk_beside_online`` tokens is not run at all (its fixed
+    cost is what the per-token terms miss); the rest of a prompt that fits
+    whole and an offline-only step are not held to it."""
+    from fluidserve.scheduler.budget import SloBudget
+    from fluidserve.scheduler.cost_model import StepShape
+    from fluidserve.scheduler.request_state import SeqState
+
+    online = SeqState("on", 200, 100, 0.0, RequestClass.ONLINE)
+    online.num_computed_tokens, online.num_output_tokens = 201, 1
+    beside = StepShape()
+    beside.add(online, 1)
+    offline = SeqState("off", 4000, 4, 0.0, RequestClass.OFFLINE)
+
+    def room_for(tokens: int) -> float:  # an SLO that leaves room for exactly this many prefill tokens
+        s = StepShape()
+        s.add(online, 1)
+        s.add(offline, tokens)
+        return CM.step_time(*s.astuple())
+
+    budget = SloBudget(CM, room_for(200), None)
+    assert budget.offline_tokens(beside, offline, 4000) == 200
+    assert budget.min_chunk_beside_online == 32
+    sliver = SloBudget(CM, room_for(20), None)
+    assert sliver.offline_tokens(beside, offline, 4000) == 0  # 20 would fit: below the floor
+    assert sliver.offline_tokens(beside, offline, 20) == 20  # the prompt's last 20 tokens: all of it
+    assert SloBudget(CM, room_for(20), None, min_chunk_beside_online=1).offline_tokens(beside, offline, 4000) == 20
+    alone = SloBudget(CM, room_for(20), None)
+    assert alone.offline_tokens(StepShape(), offline, 4000) == 4000  # no online work: no cut at all
