@@ -81,6 +81,18 @@ class CacheEngine:
                 gib = 2 * num_layers * torch.empty(host_shape, dtype=dtype, device="meta").nbytes / 2**30
                 raise ValueError(f"swap_space: cannot {'pin' if pin else 'allocate'} {gib:.2f} GiB of host "
                                  f"memory for {num_host_blocks} host KV blocks ({e}); lower --swap-space") from e
+        if self.host_caches and device.type == "cpu":
+            # Write the host blocks a first copy will land in now, not in a
+            # step: the host allocator hands out never-used blocks in id order,
+            # and a copy into untouched memory pays its page faults (on a
+            # 2-core test machine 0.16 ms a 256 KiB block against 0.04 once
+            # touched: a 174-block swap-out held an online arrival 28 ms).
+            # As many as the device pool has: the host tier's first working
+            # set; blocks beyond fault in as they are first used.
+            warm = min(num_host_blocks, num_blocks)
+            for k, v in self.host_caches:
+                k[:warm].zero_()
+                v[:warm].zero_()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._last_copies: torch.cuda.Event | None = None
 

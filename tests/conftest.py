@@ -3,6 +3,8 @@ engines that are checked for leaked KV blocks when a test ends."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from fluidserve.engine.tiny_model import build_tiny_model
@@ -54,3 +56,9 @@ def make_llm():
         assert not engine.has_unfinished_requests(), "a request was left in the engine"
         assert engine.kv.num_used_blocks == 0, f"{engine.kv.num_used_blocks} KV blocks leaked"
         engine.kv.check_integrity()
+    # Each engine reserves a host KV pool (4 GiB by default); engines sit in
+    # reference cycles, so without a collection here several pile up, and a
+    # later test that forks (Ray) is refused by the kernel's overcommit check.
+    llm = engine = None
+    made.clear()
+    gc.collect()
