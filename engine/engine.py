@@ -409,6 +409,8 @@ class LLMEngine:
                 self._extend_block_keys(seq)
             if token.logprobs is not None and seq.logprobs is not None:
                 self._add_logprobs(seq, token.logprobs)
+            # _stop's three ways to end, tested here first so a lazy row
+            # that cannot end this step makes no call.
             stopped = ((not lazy or tid in seq.stop_ids or len(out) >= seq.max_output_len)
                        and self._stop(seq, tid))
             if stopped:
@@ -461,10 +463,23 @@ class LLMEngine:
         seq.new_logprobs.append(logprobs)
 
     def _stop(self, seq: Sequence, tid: int) -> bool:
-        """After ``tid`` was appended: True when the sequence stops on it."""
-        reason = self._stop_reason(seq, tid)
-        if reason is None:
-            return False
+        """After ``tid`` was appended: True when the sequence stops on it
+        (a stop token, a stop string its text now ends in, its length)."""
+        if tid in seq.stop_ids:  # EOS (unless ignore_eos) or one of stop_token_ids
+            if tid not in self.eos_token_ids or seq.request.params.ignore_eos:
+                seq.stop_reason = tid
+            reason = "stop"
+        else:
+            reason = None
+            if not seq.lazy_text:  # a lazy stream has no stop strings: it takes its tokens at the end
+                matched = seq.stream.append(tid)
+                if matched is not None:
+                    seq.stop_reason = matched
+                    reason = "stop"
+            if reason is None:
+                if len(seq.output_token_ids) < seq.max_output_len:
+                    return False
+                reason = "length"
         seq.finish_reason = reason
         self.seqs.pop(seq.seq_id, None)
         if seq.request.params.structured_outputs is not None:
@@ -481,20 +496,6 @@ class LLMEngine:
         n = len(seq.request.prompt_token_ids) + len(seq.output_token_ids)
         if n % bs == 0 and len(keys) == n // bs - 1:
             keys.append(chain_key(keys[-1] if keys else ROOT_KEY, seq.tokens(n - bs, n)))
-
-    def _stop_reason(self, seq: Sequence, tid: int) -> str | None:
-        if tid in seq.stop_ids:  # EOS (unless ignore_eos) or one of stop_token_ids
-            if tid not in self.eos_token_ids or seq.request.params.ignore_eos:
-                seq.stop_reason = tid
-            return "stop"
-        if not seq.lazy_text:  # a lazy stream has no stop strings: it takes its tokens at the end
-            matched = seq.stream.append(tid)
-            if matched is not None:
-                seq.stop_reason = matched
-                return "stop"
-        if len(seq.output_token_ids) >= seq.max_output_len:
-            return "length"
-        return None
 
     # -- figures -----------------------------------------------------------
     def stats(self) -> EngineStats:

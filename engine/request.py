@@ -33,7 +33,7 @@ class Sequence:
     # The engine's copy of the device block table, kept from the block ids
     # each StepPlan carries (the scheduler resends it whole after a move).
     block_table: list[int] = field(default_factory=list)
-    # Worked out once, read every step (engine._append / _stop_reason):
+    # Worked out once, read every step (engine._process / _stop):
     # tokens that may end the sequence (EOS unless ignore_eos, stop_token_ids),
     # and the output length at which it ends ("length").
     stop_ids: frozenset[int] = frozenset()
