@@ -52,7 +52,8 @@ class AttentionMetadata:
                 loc = self.query_start_loc.tolist()
                 q_lens, seq_lens = [b - a for a, b in zip(loc, loc[1:])], self.seq_lens.tolist()
             self._cpu_plans[sliding_window] = cpu_attention.build_plan(
-                q_lens, seq_lens, self.block_tables, self.slot_mapping, key_cache.shape[1], sliding_window)
+                q_lens, seq_lens, self.block_tables, self.slot_mapping, key_cache.shape[1], sliding_window,
+                key_cache.shape[2] * key_cache.shape[3])
         return self._cpu_plans[sliding_window]
 
 

@@ -6,6 +6,7 @@ import dataclasses
 
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.engine import LLMEngine, next_request_id
+from fluidserve.engine.heap import frozen_heap
 from fluidserve.engine.outputs import RequestOutput
 from fluidserve.engine.sampling_params import SamplingParams
 
@@ -36,6 +37,10 @@ class LLM:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params: one per prompt, or a single one for all")
+        with frozen_heap():  # no step pays for a full collection of torch's objects
+            return self._run(prompts, params_list, use_tqdm)
+
+    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         ids = [next_request_id("llm") for _ in prompts]
         try:
             for rid, prompt, p in zip(ids, prompts, params_list):

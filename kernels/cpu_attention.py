@@ -54,6 +54,15 @@ MAX_GATHER_TOKENS = 1 << 16
 # Leading blocks a decode bucket's rows must share before the shared part is
 # attended once for all of them (below this the extra call costs more).
 MIN_SHARED_BLOCKS = 2
+# K elements per layer that rows sharing a prefix must save, (rows - 1) x
+# shared tokens x KV heads x head dim, before they get a bucket of their own.
+# A bucket costs about 0.15 ms a layer whatever its size (two attention calls,
+# a merge, its gathers); copying a token's K and V for a 2 x 64 fp32 head
+# costs about 0.14 us. Measured on the 2-core CPU machine (fam_bench in the
+# commit message): families of 2-64 rows broke even at 1,000-2,000 saved
+# tokens of that width, and 128 families of 2 rows sharing 2 blocks made a
+# step of 256 decodes 17x slower than one bucket.
+MIN_SHARED_SAVING = 2048 * 128
 
 
 @dataclass
@@ -96,6 +105,7 @@ def build_plan(
     slot_mapping: torch.Tensor,  # [num_tokens] int
     block_size: int,
     sliding_window: int | None,
+    kv_width: int,  # KV heads x head dim of the cache
 ) -> CpuAttentionPlan:
     """Everything about a step's attention that does not depend on the layer."""
     dev = block_tables.device
@@ -103,8 +113,10 @@ def build_plan(
     for q in q_lens:
         starts.append(starts[-1] + q)
     decode_rows = sorted((i for i, q in enumerate(q_lens) if q == 1), key=seq_lens.__getitem__)
+    families = (_families(decode_rows, block_tables, seq_lens, block_size, kv_width)
+                if sliding_window is None else [decode_rows])
     decodes = [_decode_bucket(rows, starts, seq_lens, block_tables, block_size, sliding_window)
-               for group in _families(decode_rows, block_tables) for rows in _buckets(group, seq_lens, block_size)]
+               for group in families for rows in _buckets(group, seq_lens, block_size)]
     prefills = []
     for i, q_len in enumerate(q_lens):
         if q_len <= 1:
@@ -124,19 +136,37 @@ def build_plan(
     return CpuAttentionPlan(decodes, prefills, valid)
 
 
-def _families(rows: list[int], block_tables: torch.Tensor) -> list[list[int]]:
+def _families(rows: list[int], block_tables: torch.Tensor, seq_lens: list[int], block_size: int,
+              kv_width: int) -> list[list[int]]:
     """Rows that start at the same physical block (a prefix the cache shares)
-    bucket apart from the rest, so a bucket's rows can share leading blocks;
-    rows starting anywhere else stay together. Each list keeps ``rows``' order."""
+    bucket apart from the rest when reading that prefix once saves more than
+    the bucket costs (MIN_SHARED_SAVING), so a bucket's rows can share leading
+    blocks; all other rows stay together. Each list keeps ``rows``' order."""
     if len(rows) < 2:
         return [rows]
     first = block_tables[:, 0].tolist()
     families: dict[int, list[int]] = {}
     for i in rows:
         families.setdefault(first[i], []).append(i)
-    shared = [f for f in families.values() if len(f) > 1]
-    rest = [i for i in rows if len(families[first[i]]) == 1]
-    return shared + ([rest] if rest else [])
+    apart: list[list[int]] = []
+    for f in families.values():
+        if len(f) < 2:
+            continue
+        # Whole blocks every row reads in full, short of its own query: at most
+        # the shortest row's; checked against the tables only when that bound
+        # would pay, since most families are a few rows sharing little.
+        most = (min(seq_lens[i] for i in f) - 1) // block_size
+        if (len(f) - 1) * most * block_size * kv_width < MIN_SHARED_SAVING:
+            continue
+        tables = block_tables[torch.tensor(f, device=block_tables.device), :most]
+        run = int((tables == tables[0]).all(0).long().cumprod(0).sum())
+        if (len(f) - 1) * run * block_size * kv_width >= MIN_SHARED_SAVING:
+            apart.append(f)
+    if not apart:
+        return [rows]
+    taken = {i for f in apart for i in f}
+    rest = [i for i in rows if i not in taken]
+    return apart + ([rest] if rest else [])
 
 
 def _buckets(rows: list[int], seq_lens: list[int], block_size: int) -> list[list[int]]:

@@ -683,6 +683,7 @@ def run_batch_main(argv: Sequence[str]) -> int:
 
     from fluidserve.engine.async_engine import AsyncEngine
     from fluidserve.engine.engine import LLMEngine
+    from fluidserve.engine.heap import frozen_heap
     from fluidserve.serve.api import ServerSettings, build_app
     from fluidserve.serve.cli import add_serve_args, engine_config_from_args, frontend_tokenizer, model_info
 
@@ -727,7 +728,8 @@ def run_batch_main(argv: Sequence[str]) -> int:
             await server.engine.shutdown()
 
     try:
-        ok, failed = asyncio.run(run())
+        with frozen_heap(collect_first=True):
+            ok, failed = asyncio.run(run())
     except _Transient as exc:
         print(f"\nfluidserve run-batch: {exc}", file=sys.stderr)
         return 1

@@ -294,6 +294,7 @@ def _check_ssl(args: argparse.Namespace) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from fluidserve.engine.async_engine import AsyncEngine
     from fluidserve.engine.engine import LLMEngine
+    from fluidserve.engine.heap import frozen_heap
     from fluidserve.engine.loader import set_trust_remote_code
     from fluidserve.serve.api import ServerSettings, build_app
     from fluidserve.serve.server import make_server
@@ -348,7 +349,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if _is_loopback(args.host):
         logger.info("listening on loopback only: to accept other machines, pass --host 0.0.0.0 "
                     "(with --api-key, or FLUIDSERVE_API_KEY, to require a key)")
-    server.run()
+    with frozen_heap(collect_first=True):
+        server.run()
     return 0
 
 

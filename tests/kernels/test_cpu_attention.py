@@ -45,10 +45,14 @@ def step_slots(batch, block_size: int) -> torch.Tensor:
     return torch.tensor(slots)
 
 
+def kv_width(batch) -> int:
+    return batch.key_cache.shape[2] * batch.key_cache.shape[3]
+
+
 def run_fast(batch, block_size: int, sliding_window: int | None, with_step_kv: bool) -> torch.Tensor:
     slots = step_slots(batch, block_size)
     plan = cpu_attention.build_plan(batch.q_lens, batch.seq_len_list, batch.block_tables, slots, block_size,
-                                    sliding_window)
+                                    sliding_window, kv_width(batch))
     kv_heads, head_dim = batch.key_cache.shape[2:]
     key = value = None
     if with_step_kv:  # the step's own K/V, exactly what the cache holds at its slots
@@ -89,7 +93,7 @@ def test_many_decodes_split_into_buckets_and_chunks(make_batch, oracle, monkeypa
         specs = [(1, rng.randint(1, 400)) for _ in range(n)]
         batch = make_batch(specs, num_kv_heads=2, group=4, head_dim=64, block_size=16, seed=seed)
         plan = cpu_attention.build_plan(batch.q_lens, batch.seq_len_list, batch.block_tables,
-                                        step_slots(batch, 16), 16, None)
+                                        step_slots(batch, 16), 16, None, kv_width(batch))
         assert len(plan.decodes) > 3
         for bucket in plan.decodes:
             rows = set(bucket.q_rows.tolist())  # decode i's token sits at index i
@@ -142,14 +146,14 @@ def test_decodes_sharing_leading_blocks_attend_them_once(make_batch, oracle, dty
     the cache shares): the bucket attends those once for every row and merges
     with each row's own blocks; the result equals the reference, including a
     row whose query sits in the first block after the shared ones."""
-    bs = 16
+    bs = 16  # one bucket whatever MIN_SHARED_SAVING says: every decode row is of the family
     lens = [shared_blocks * bs + 1, shared_blocks * bs + 9, shared_blocks * bs + 30, shared_blocks * bs + 17]
     specs = [(1, n) for n in lens] + [(20, 60)]  # and a prefill in the same step
     batch = make_batch(specs, num_kv_heads=2, group=group, head_dim=32, block_size=bs, dtype=dtype, seed=3)
     for i in range(1, len(lens)):
         batch.block_tables[i, :shared_blocks] = batch.block_tables[0, :shared_blocks]
     plan = cpu_attention.build_plan(batch.q_lens, batch.seq_len_list, batch.block_tables,
-                                    step_slots(batch, bs), bs, None)
+                                    step_slots(batch, bs), bs, None, kv_width(batch))
     (bucket,) = plan.decodes
     assert bucket.shared_ids is not None and bucket.shared_ids.numel() == shared_blocks
     atol, rtol = TOLERANCES[dtype]
@@ -161,25 +165,54 @@ def test_rows_that_share_one_block_or_a_window_take_the_plain_path(make_batch):
     batch = make_batch([(1, 40), (1, 50)], num_kv_heads=1, group=2, head_dim=16, block_size=bs)
     batch.block_tables[1, :1] = batch.block_tables[0, :1]
     plan = cpu_attention.build_plan(batch.q_lens, batch.seq_len_list, batch.block_tables,
-                                    step_slots(batch, bs), bs, None)
+                                    step_slots(batch, bs), bs, None, kv_width(batch))
     assert plan.decodes[0].shared_ids is None  # one shared block: below MIN_SHARED_BLOCKS
     batch.block_tables[1, :2] = batch.block_tables[0, :2]
     windowed = cpu_attention.build_plan(batch.q_lens, batch.seq_len_list, batch.block_tables,
-                                        step_slots(batch, bs), bs, 24)
+                                        step_slots(batch, bs), bs, 24, kv_width(batch))
     assert windowed.decodes[0].shared_ids is None
 
 
-def test_rows_of_one_prefix_family_bucket_apart_from_the_rest(make_batch, oracle):
-    """Three rows start at the same blocks, two start elsewhere: the three
-    share their prefix in a bucket of their own, the other two still go
-    together in one bucket, and the outputs equal the reference."""
+def family_batch(make_batch):
+    """Five decodes; rows 0, 2 and 4 start at the same 3 blocks (2 x 48
+    tokens their sharing saves), rows 1 and 3 start elsewhere."""
     bs = 16
     specs = [(1, 70), (1, 90), (1, 75), (1, 80), (1, 85)]
     batch = make_batch(specs, num_kv_heads=2, group=2, head_dim=32, block_size=bs, seed=5)
     for i in (2, 4):
         batch.block_tables[i, :3] = batch.block_tables[0, :3]
+    return batch
+
+
+def plan_rows(batch) -> list[tuple[list[int], bool]]:
     plan = cpu_attention.build_plan(batch.q_lens, batch.seq_len_list, batch.block_tables,
-                                    step_slots(batch, bs), bs, None)
-    rows = sorted((sorted(b.q_rows.tolist()), b.shared_ids is not None) for b in plan.decodes)
-    assert rows == [([0, 2, 4], True), ([1, 3], False)]
-    torch.testing.assert_close(run_fast(batch, bs, None, False), oracle(batch), atol=1e-5, rtol=1e-5)
+                                    step_slots(batch, 16), 16, None, kv_width(batch))
+    return sorted((sorted(b.q_rows.tolist()), b.shared_ids is not None) for b in plan.decodes)
+
+
+def test_rows_of_one_prefix_family_bucket_apart_from_the_rest(make_batch, oracle, monkeypatch):
+    """A family whose sharing saves enough: the three share their prefix in
+    a bucket of their own, the other two still go together in one bucket,
+    and the outputs equal the reference."""
+    batch = family_batch(make_batch)
+    saved = 2 * 3 * 16 * kv_width(batch)
+    monkeypatch.setattr(cpu_attention, "MIN_SHARED_SAVING", saved)
+    assert plan_rows(batch) == [([0, 2, 4], True), ([1, 3], False)]
+    torch.testing.assert_close(run_fast(batch, 16, None, False), oracle(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_a_family_that_shares_little_stays_in_the_common_bucket(make_batch, oracle, monkeypatch):
+    """Below MIN_SHARED_SAVING a bucket of its own costs more than the copies
+    it saves (many 2-4 row families of a short prompt made a decode step
+    several times slower): one bucket for all five rows. The bound is the
+    blocks the rows share, not their length: rows that share one block of a
+    long context stay together too."""
+    batch = family_batch(make_batch)
+    saved = 2 * 3 * 16 * kv_width(batch)
+    monkeypatch.setattr(cpu_attention, "MIN_SHARED_SAVING", saved + 1)
+    assert plan_rows(batch) == [([0, 1, 2, 3, 4], False)]
+    torch.testing.assert_close(run_fast(batch, 16, None, False), oracle(batch), atol=1e-5, rtol=1e-5)
+    for i in (2, 4):  # now only the first block is shared; the rows are as long as before
+        batch.block_tables[i, 1:3] = batch.block_tables[3, 1:3]
+    monkeypatch.setattr(cpu_attention, "MIN_SHARED_SAVING", 2 * 16 * kv_width(batch) + 1)
+    assert plan_rows(batch) == [([0, 1, 2, 3, 4], False)]
