@@ -205,6 +205,7 @@ async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on:
     from fluidserve.engine.async_engine import AsyncEngine
     from fluidserve.engine.config import EngineConfig
     from fluidserve.engine.engine import LLMEngine
+    from fluidserve.engine.heap import frozen_heap
 
     prompt_len = args.real_offline_prompt
     # Device KV for at most --real-kv-requests offline requests at once: the
@@ -266,27 +267,28 @@ async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on:
             last = time.monotonic()
         return first - start, (last - first) / max(1, n - 1)
 
-    try:
-        warm = await ae.add_request("warm-up", list(range(1, 65)), SamplingParams(max_tokens=2), klass="online")
-        async for _ in warm:  # the first forward of a fresh process is slow: not an online request's
-            pass
-        background = [asyncio.create_task(offline(i)) for i in range(args.real_offline if backlog else 0)]
-        await asyncio.sleep(0.5)  # the backlog is running before the first online arrival
-        busy["s"] = 0.0
-        t0 = window["start"] = time.monotonic()
-        if online_on:
-            results = await asyncio.gather(*(online(i, at, t0) for i, at in enumerate(arrivals)))
-        else:
-            results = []
-            await asyncio.sleep(window_s)
-        window["end"] = time.monotonic()
-        length = window["end"] - t0
-        busy_s = busy["s"]
-        stats = engine.stats()
-        for task in background:
-            task.cancel()
-    finally:
-        await ae.shutdown()
+    with frozen_heap(collect_first=True):  # as `fluidserve serve` runs its engine
+        try:
+            warm = await ae.add_request("warm-up", list(range(1, 65)), SamplingParams(max_tokens=2), klass="online")
+            async for _ in warm:  # the first forward of a fresh process is slow: not an online request's
+                pass
+            background = [asyncio.create_task(offline(i)) for i in range(args.real_offline if backlog else 0)]
+            await asyncio.sleep(0.5)  # the backlog is running before the first online arrival
+            busy["s"] = 0.0
+            t0 = window["start"] = time.monotonic()
+            if online_on:
+                results = await asyncio.gather(*(online(i, at, t0) for i, at in enumerate(arrivals)))
+            else:
+                results = []
+                await asyncio.sleep(window_s)
+            window["end"] = time.monotonic()
+            length = window["end"] - t0
+            busy_s = busy["s"]
+            stats = engine.stats()
+            for task in background:
+                task.cancel()
+        finally:
+            await ae.shutdown()
     row = {"window_s": length, "busy_s": busy_s, "offline_tokens_per_s": offline_done["tokens"] / length,
            "steps_abandoned": stats.num_steps_abandoned, "abandoned_tokens": stats.abandoned_tokens,
            "steps_resumed": stats.num_steps_resumed,

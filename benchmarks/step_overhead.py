@@ -35,6 +35,7 @@ from dummy_models import device_name
 
 from fluidserve.engine import LLM, SamplingParams
 from fluidserve.engine.engine import next_request_id
+from fluidserve.engine.heap import frozen_heap
 from fluidserve.engine.tiny_model import build_tiny_model
 
 PARTS = ("schedule", "build_input", "execute", "process_outputs", "update")
@@ -59,13 +60,14 @@ def run_streamed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> 
     """Every request streamed: each step's outputs read as the server does."""
     engine = llm.engine
     ids = [next_request_id("bench") for _ in prompts]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, prompt, params)
     chars = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            for co in out.outputs:
-                chars += len(co.text_delta) + len(co.new_token_ids)
+    with frozen_heap():  # as `fluidserve serve` (and LLM.generate) run their steps
+        for rid, prompt in zip(ids, prompts):
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for co in out.outputs:
+                    chars += len(co.text_delta) + len(co.new_token_ids)
 
 
 def measure(llm: LLM, concurrency: int, output_len: int, prompt_len: int, streamed: bool) -> dict[str, float]:

@@ -5,11 +5,20 @@ split across tokens come out whole), stop-string matching across token
 boundaries, and the streaming hold-back that keeps released text final — a
 chunk handed to a client is never taken back by a later stop match.
 
-Where the tokenizer is a fast one, each token goes through its Rust
-``tokenizers.decoders.DecodeStream`` (one call per token, seeded with the
-prompt's tail as context). The window below is kept in step with it, and
-decodes the tail left at the end (partial UTF-8), spaced special tokens, and
-everything for a tokenizer without a Rust backend (or whose stream fails).
+Three ways to decode, the first that applies:
+
+* **Byte table** (byte-level BPE: GPT-2, Llama 3, Qwen, SmolLM): the decode
+  of a sequence is the UTF-8 decode, with U+FFFD for bad bytes, of its
+  tokens' bytes laid end to end. Each token's bytes are looked up once per
+  tokenizer (``byte_table``, checked against the tokenizer's own decode of
+  every token and of mixed sequences) and fed to Python's incremental UTF-8
+  decoder: a lookup and one C call per token.
+* Otherwise, where the tokenizer is a fast one, each token goes through its
+  Rust ``tokenizers.decoders.DecodeStream`` (one call per token, seeded with
+  the prompt's tail as context).
+* The window below, kept in step with the stream, decodes the tail left at
+  the end (partial UTF-8), spaced special tokens, and everything for a
+  tokenizer without a Rust backend (or whose stream fails).
 
 How the window works (no whole-output re-decode per token)::
 
@@ -27,6 +36,10 @@ last tokens end inside a UTF-8 sequence: wait for more tokens.
 
 from __future__ import annotations
 
+import random
+import weakref
+from codecs import utf_8_decode as _utf8_decode
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fluidserve.engine.sampling_params import SamplingParams
@@ -37,6 +50,84 @@ if TYPE_CHECKING:
 # Prompt tokens decoded as context before the first output token.
 _PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet: each byte is spelled as one printable
+    character (printable Latin-1 bytes as themselves, the others as the
+    code points from 256 up, in byte order); character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = (b for b in range(256) if b not in set(printable))
+    alphabet = {chr(b): b for b in printable}
+    alphabet.update({chr(256 + n): b for n, b in enumerate(shifted)})
+    return alphabet
+
+
+@dataclass(frozen=True)
+class ByteTable:
+    pieces: list[bytes]  # by token id
+    # The piece as text where it is whole characters (most tokens), else None:
+    # between characters a token costs a lookup, no decoder call.
+    texts: list[str | None]
+
+
+# Built tables by tokenizer, then skip_special_tokens; None where one does not apply.
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def byte_table(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> ByteTable | None:
+    """Every token id's bytes, when the tokenizer's decode is byte-level BPE
+    (its decode of any ids is the lossy UTF-8 decode of their bytes end to
+    end); None otherwise. Built once per tokenizer: one decode per token to
+    check each entry, and 256 mixed sequences (special and added tokens,
+    pieces of multi-byte characters) to check that they join as bytes do."""
+    per_tokenizer = _TABLES.setdefault(tokenizer, {})
+    if skip_special_tokens not in per_tokenizer:
+        per_tokenizer[skip_special_tokens] = _build_byte_table(tokenizer, skip_special_tokens)
+    return per_tokenizer[skip_special_tokens]
+
+
+def _build_byte_table(tokenizer, skip_special: bool) -> ByteTable | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    alphabet = byte_level_alphabet()
+    special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+    size = backend.get_vocab_size(with_added_tokens=True)
+    table: list[bytes] = []
+    for i in range(size):
+        piece = backend.id_to_token(i)
+        if piece is None or (skip_special and i in special):
+            table.append(b"")
+        elif all(c in alphabet for c in piece):
+            table.append(bytes(alphabet[c] for c in piece))
+        else:  # an added token spelled outside the alphabet decodes as its own text
+            table.append(piece.encode())
+
+    def agrees(ids: list[int]) -> bool:
+        joined = b"".join(table[i] if i < size else b"" for i in ids)
+        return backend.decode(ids, skip_special_tokens=skip_special) == joined.decode("utf-8", "replace")
+
+    if not all(agrees([i]) for i in range(size)) or not agrees([size, size + 7]):
+        return None
+    rng = random.Random(0)
+    # Pieces of multi-byte characters (no whole character) meet each other,
+    # special and added tokens, and plain ones.
+    partial = [i for i, b in enumerate(table) if b and b.decode("utf-8", "replace") != b.decode("utf-8", "ignore")]
+    added = list(backend.get_added_tokens_decoder())
+    pools = [p for p in (partial, added, list(range(size))) if p]
+    for _ in range(256):
+        ids = [rng.choice(rng.choice(pools)) for _ in range(rng.randint(2, 8))]
+        if not agrees(ids):
+            return None
+    return ByteTable(table, [_whole_text(b) for b in table])
+
+
+def _whole_text(piece: bytes) -> str | None:
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 class TextStream:
@@ -76,11 +167,22 @@ class TextStream:
         self._stopped = False
         self._finalised = False
         self._token_text_cache: dict[int, str] = {}
-        self._decode_stream = self._make_decode_stream(context)
+        # The byte table needs the prompt's tail to end on a whole character,
+        # as the stream does (the window joins a split one as before).
+        table = None
+        if self._backend is not None and not self._special_ids and not self._decode_plain(context).endswith(
+                _REPLACEMENT_CHAR):
+            table = byte_table(tokenizer, self._skip_special)
+        self._bytes = table
+        self._num_table_ids = len(table.pieces) if table is not None else 0
+        # The bytes of a character split across tokens, until it is whole.
+        self._pending = b""
+        self._decode_stream = self._make_decode_stream(context) if table is None else None
         # No stream because the prompt tail ends inside a character: the
         # window runs until its first delta, then a stream seeded with the
         # window's context takes over (the same state a fresh one starts in).
-        self._reseed = self._decode_stream is None and self._backend is not None and not self._special_ids
+        self._reseed = (self._decode_stream is None and table is None and self._backend is not None
+                        and not self._special_ids)
 
     def _make_decode_stream(self, context: list[int]):
         if self._backend is None or self._special_ids:
@@ -114,22 +216,34 @@ class TextStream:
         ``include_stop_str_in_output``) and the stream takes no more tokens."""
         if self._stopped or self._finalised:
             return None
-        self._tokens.append(token_id)
         self._num_generated += 1
-        stream = self._decode_stream
-        if stream is not None:  # _decode_delta's stream path, inline: it runs once per token
-            try:
-                delta = stream.step(self._backend, token_id)
-            except Exception:  # noqa: BLE001 - the stream's prefix check failed: the window takes over
-                self._decode_stream = None
-                delta = self._decode_delta()
-            else:
-                if delta is None:
-                    return None
-                self._prefix_offset = self._read_offset
-                self._read_offset = len(self._tokens)
+        table = self._bytes
+        if table is not None:
+            if token_id >= self._num_table_ids:  # past the tokenizer's ids (a padded LM head): nothing
+                return None
+            delta = None if self._pending else table.texts[token_id]  # whole characters after whole ones
+            if delta is None:
+                # Whole characters out, a started one held; bad bytes decode
+                # to U+FFFD, as in the tokenizer's decode.
+                data = self._pending + table.pieces[token_id]
+                delta, used = _utf8_decode(data, "replace", False)
+                self._pending = data[used:]
         else:
-            delta = self._decode_delta()
+            self._tokens.append(token_id)
+            stream = self._decode_stream
+            if stream is not None:  # _decode_delta's stream path, inline: it runs once per token
+                try:
+                    delta = stream.step(self._backend, token_id)
+                except Exception:  # noqa: BLE001 - the stream's prefix check failed: the window takes over
+                    self._decode_stream = None
+                    delta = self._decode_delta()
+                else:
+                    if delta is None:
+                        return None
+                    self._prefix_offset = self._read_offset
+                    self._read_offset = len(self._tokens)
+            else:
+                delta = self._decode_delta()
         if not delta:
             return None
         old_len = len(self._text)
@@ -228,6 +342,8 @@ class TextStream:
 
     def _decode_remainder(self) -> str:
         """At the end: whatever the not-yet-read tokens decode to, partial bytes included."""
+        if self._bytes is not None:
+            return _utf8_decode(self._pending, "replace", True)[0]
         if self._read_offset == len(self._tokens):
             return ""
         prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])

@@ -21,7 +21,7 @@ class Logprob:
 TokenLogprobs = dict[int, Logprob]
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """``token_ids`` and ``logprobs`` are the completion's own lists, not
     copies: copying them every step would cost O(length) per request per
@@ -44,7 +44,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

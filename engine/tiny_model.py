@@ -28,26 +28,14 @@ CHAT_TEMPLATE = (
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """The GPT-2 byte-to-printable-character table byte-level BPE uses."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars)}
-
-
 def save_byte_tokenizer(path: Path) -> None:
     """A byte-level BPE tokenizer with no merges: one token per UTF-8 byte."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    byte_chars = _bytes_to_unicode()
-    vocab = {byte_chars[b]: b for b in range(256)}
+    from fluidserve.engine.detokenizer import byte_level_alphabet
+
+    vocab = dict(byte_level_alphabet())  # the character that spells each byte -> that byte's id
     for i, tok in enumerate(SPECIAL_TOKENS):
         vocab[tok] = 256 + i
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
