@@ -167,16 +167,21 @@ class TextStream:
         self._stopped = False
         self._finalised = False
         self._token_text_cache: dict[int, str] = {}
-        # The byte table needs the prompt's tail to end on a whole character,
-        # as the stream does (the window joins a split one as before).
         table = None
-        if self._backend is not None and not self._special_ids and not self._decode_plain(context).endswith(
-                _REPLACEMENT_CHAR):
+        if self._backend is not None and not self._special_ids:
             table = byte_table(tokenizer, self._skip_special)
         self._bytes = table
         self._num_table_ids = len(table.pieces) if table is not None else 0
         # The bytes of a character split across tokens, until it is whole.
         self._pending = b""
+        # A prompt that ends inside a character: its bytes start the output's
+        # first character, which the window drops (it stands where the
+        # prompt's own decode put U+FFFD); so does the table.
+        self._skip_first_char = False
+        if table is not None:
+            tail = b"".join(table.pieces[t] if t < self._num_table_ids else b"" for t in context)
+            self._pending = tail[_utf8_decode(tail, "replace", False)[1]:]
+            self._skip_first_char = bool(self._pending)
         self._decode_stream = self._make_decode_stream(context) if table is None else None
         # No stream because the prompt tail ends inside a character: the
         # window runs until its first delta, then a stream seeded with the
@@ -228,6 +233,8 @@ class TextStream:
                 data = self._pending + table.pieces[token_id]
                 delta, used = _utf8_decode(data, "replace", False)
                 self._pending = data[used:]
+                if delta and self._skip_first_char:
+                    delta, self._skip_first_char = delta[1:], False
         else:
             self._tokens.append(token_id)
             stream = self._decode_stream
@@ -343,7 +350,8 @@ class TextStream:
     def _decode_remainder(self) -> str:
         """At the end: whatever the not-yet-read tokens decode to, partial bytes included."""
         if self._bytes is not None:
-            return _utf8_decode(self._pending, "replace", True)[0]
+            rest = _utf8_decode(self._pending, "replace", True)[0]
+            return rest[1:] if self._skip_first_char else rest
         if self._read_offset == len(self._tokens):
             return ""
         prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])

@@ -42,7 +42,7 @@ PATHS = ("table", "stream", "window")
 def run(tokenizer, prompt: list[int], outputs: list[int], params: SamplingParams, path: str = "table") -> str:
     stream = TextStream(tokenizer, prompt, params)
     if path != "table" and stream._bytes is not None:  # as built for a tokenizer without a table
-        stream._bytes = None
+        stream._bytes, stream._pending = None, b""
         stream._decode_stream = stream._make_decode_stream(stream._tokens)
     if path == "window":
         stream._decode_stream = None
@@ -62,7 +62,7 @@ def test_which_path_a_stream_takes(byte_tokenizer, metaspace_tokenizer):
     spaced_stream = TextStream(byte_tokenizer, list(b"Q: "), spaced)  # specials decode run by run: the window
     assert spaced_stream._bytes is None and spaced_stream._decode_stream is None
     split = TextStream(byte_tokenizer, list("Q: é".encode())[:-1], SamplingParams())  # ends inside a character
-    assert split._bytes is None
+    assert split._bytes is not None and split._pending == "é".encode()[:1]
     meta = TextStream(metaspace_tokenizer, [0], SamplingParams())
     assert meta._bytes is None and meta._decode_stream is not None
 
@@ -77,6 +77,20 @@ def test_random_bytes_match_a_whole_decode_on_every_path(byte_tokenizer):
         expected = byte_tokenizer.decode(ids)
         for path in PATHS:
             assert run(byte_tokenizer, list(b"Q:"), ids, SamplingParams(), path) == expected, path
+
+
+def test_a_prompt_that_ends_inside_a_character(byte_tokenizer):
+    """The prompt's last bytes start a character the output may finish: every
+    path gives the window's text (the joined character is dropped: the
+    prompt's own decode showed U+FFFD in its place), whatever follows."""
+    rng = random.Random(2)
+    for _ in range(40):
+        prompt = list("Q: ".encode()) + list(rng.choice(["é", "你", "🙂"]).encode())[:rng.randint(1, 2)]
+        text = "".join(rng.choice(["a", "é", "你", "🙂", " "]) for _ in range(rng.randint(0, 6)))
+        ids = [rng.randint(0x80, 0xBF) for _ in range(rng.randint(0, 3))] + list(text.encode())
+        ids = ids[:rng.randint(0, len(ids))]
+        window = run(byte_tokenizer, prompt, ids, SamplingParams(), "window")
+        assert run(byte_tokenizer, prompt, ids, SamplingParams(), "table") == window
 
 
 def test_metaspace_keeps_the_space_a_lone_decode_drops(metaspace_tokenizer):
