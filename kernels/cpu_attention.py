@@ -58,10 +58,10 @@ MIN_SHARED_BLOCKS = 2
 # shared tokens x KV heads x head dim, before they get a bucket of their own.
 # A bucket costs about 0.15 ms a layer whatever its size (two attention calls,
 # a merge, its gathers); copying a token's K and V for a 2 x 64 fp32 head
-# costs about 0.14 us. Measured on the 2-core CPU machine (fam_bench in the
-# commit message): families of 2-64 rows broke even at 1,000-2,000 saved
-# tokens of that width, and 128 families of 2 rows sharing 2 blocks made a
-# step of 256 decodes 17x slower than one bucket.
+# costs about 0.14 us. Measured on the 2-core CPU machine
+# (benchmarks/shared_prefix_decode.py): families of 2-64 rows broke even at
+# 1,000-2,000 saved tokens of that width, and 128 families of 2 rows sharing
+# 2 blocks made a step of 256 decodes 17x slower than one bucket.
 MIN_SHARED_SAVING = 2048 * 128
 
 
