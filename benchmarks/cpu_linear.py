@@ -46,6 +46,8 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
+from fluidserve.engine.parallel import can_prepack
+
 RESULTS = Path(__file__).resolve().parent / "results"
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 512, 8, 2, 64, 1536
 
@@ -82,9 +84,10 @@ def _layer_ways(w: dict[str, torch.Tensor], tokens: int) -> dict[str, Callable[[
     plain = {"qkv": qkv, "o": w["o"], "gate_up": gate_up, "down": w["down"]}
     ways = {"separate": separate,
             "fused": fused_with(lambda x, n, p: F.linear(x, p[n]), plain)}
-    onednn = {n: torch.ops.mkldnn._reorder_linear_weight(t, tokens) for n, t in plain.items()}
-    ways["fused+onednn"] = fused_with(
-        lambda x, n, p: torch.ops.mkldnn._linear_pointwise(x, p[n], None, "none", [], ""), onednn)
+    if can_prepack(qkv):  # oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT
+        onednn = {n: torch.ops.mkldnn._reorder_linear_weight(t, tokens) for n, t in plain.items()}
+        ways["fused+onednn"] = fused_with(
+            lambda x, n, p: torch.ops.mkldnn._linear_pointwise(x, p[n], None, "none", [], ""), onednn)
     if qkv.dtype == torch.float32:
         mkl = {n: (torch.ops.mkl._mkl_reorder_linear_weight(t, tokens), t) for n, t in plain.items()}
         ways["fused+mkl"] = fused_with(

@@ -152,11 +152,27 @@ def _new_param(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
 # -- layers ----------------------------------------------------------------------
 
 
-def _can_prepack(weight: torch.Tensor) -> bool:
+# Whether oneDNN packs weights of a dtype on this CPU, found by trying once.
+_PREPACKS: dict[torch.dtype, bool] = {}
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
     # oneDNN's CPU linear runs fp32 and bf16 (fp16 has no fast path on most
     # CPUs); a meta or CUDA weight keeps F.linear.
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    if not (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available()):
+        return False
+    ok = _PREPACKS.get(weight.dtype)
+    if ok is None:
+        # Its bf16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT and
+        # refuses other CPUs (an AVX2-only one): those keep F.linear.
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=weight.dtype))
+            ok = True
+        except RuntimeError:
+            ok = False
+        _PREPACKS[weight.dtype] = ok
+    return ok
 
 
 class _PrepackedLinear(nn.Module):
@@ -175,7 +191,7 @@ class _PrepackedLinear(nn.Module):
         """Pack the weight as it is now; later changes to it are not seen
         (the loader packs once, after the last write)."""
         self._packed = None
-        if _can_prepack(self.weight):
+        if can_prepack(self.weight):
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 

@@ -225,6 +225,36 @@ def test_half_precision_runs_and_tracks_fp32(tiny_model, dtype):
     torch.testing.assert_close(logits[dtype], logits["float32"], atol=0.1, rtol=0.05)
 
 
+def test_a_cpu_that_refuses_packed_weights_keeps_f_linear(tiny_model, monkeypatch):
+    """oneDNN refuses to pack bf16 weights on a CPU without AVX-512 or
+    AVX-NE-CONVERT: the linears then stay on F.linear, with the same logits."""
+    from fluidserve.engine import parallel
+    from fluidserve.engine.config import EngineConfig
+    from fluidserve.engine.worker import Worker
+
+    path = tiny_model("llama")
+    inp = ModelInput(input_ids=list(range(30, 50)), positions=list(range(20)), slot_mapping=list(range(20)),
+                     query_start_loc=[0, 20], seq_lens=[20], block_tables=[[0, 1]], sample_indices=list(range(20)))
+
+    def run():
+        w = Worker(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=4), path)
+        w.init_cache(4)
+        linears = [m for m in w.model.modules() if isinstance(m, parallel._PrepackedLinear)]
+        return w.logits(inp), linears
+
+    def refuse(*args):
+        raise RuntimeError("mkldnn_reorder_linear_weight: needs the cpu support avx512bw")
+
+    packed, packed_linears = run()
+    assert all(m._packed is not None for m in packed_linears)  # fp32 packs wherever oneDNN runs
+    monkeypatch.setattr(parallel, "_PREPACKS", {})
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    plain, plain_linears = run()
+    assert plain_linears and all(m._packed is None for m in plain_linears)
+    assert parallel._PREPACKS == {torch.float32: False}
+    torch.testing.assert_close(plain, packed, atol=1e-4, rtol=1e-4)
+
+
 def test_bin_checkpoint_and_dummy_weights_load(tiny_model, make_llm, tmp_path):
     path = tiny_model("opt")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path)

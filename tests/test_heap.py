@@ -74,3 +74,18 @@ def test_a_callers_freeze_is_left_alone(tiny_model, make_llm):
     gc.freeze()
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     assert gc.get_freeze_count() > 0  # generate's own unfreeze would have emptied it
+
+
+def test_young_threshold_raised_inside_and_restored_after_an_error():
+    """Inside, young collections wait for YOUNG_THRESHOLD allocations; the
+    caller's thresholds come back at exit, also when the body raises."""
+    from fluidserve.engine.heap import YOUNG_THRESHOLD
+
+    before = gc.get_threshold()
+    with pytest.raises(RuntimeError):
+        with frozen_heap():
+            inside = gc.get_threshold()
+            raise RuntimeError("step failed")
+    assert inside[0] == max(before[0], YOUNG_THRESHOLD) and inside[1:] == before[1:]
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
