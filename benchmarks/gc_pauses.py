@@ -1,9 +1,10 @@
 """What Python's cyclic garbage collector costs the engine's steps, with the
 heap as it was before the run frozen (``engine/heap.py``, what ``serve``,
-``run-batch`` and ``LLM.generate`` do) and without.
+``run-batch`` and ``LLM.generate`` do) and without; and, frozen, with the
+young-generation threshold left at Python's default instead of raised.
 
 Streams N requests through ``engine.step`` (every step's outputs read, as
-the server does), in one process, both ways, alternating; counts the
+the server does), in one process, the three ways, alternating; counts the
 collections of each generation with ``gc.callbacks`` and times them.
 
     python benchmarks/gc_pauses.py                    # tiny model, 1024 requests
@@ -24,9 +25,12 @@ from pathlib import Path
 
 from dummy_models import device_name
 
-from fluidserve.engine import LLM, SamplingParams
+from fluidserve.engine import LLM, SamplingParams, heap
 from fluidserve.engine.engine import next_request_id
 from fluidserve.engine.heap import frozen_heap
+
+# (name, frozen, young threshold while frozen: None for the engine's own)
+WAYS = (("not frozen", False, None), ("frozen, default young threshold", True, 0), ("frozen (the engine's)", True, None))
 from fluidserve.engine.tiny_model import build_tiny_model
 
 
@@ -46,13 +50,17 @@ class CollectionClock:
             self.seconds[info["generation"]] += time.perf_counter() - self._start
 
 
-def run(llm: LLM, requests: int, output_len: int, frozen: bool) -> dict:
+def run(llm: LLM, requests: int, output_len: int, way: tuple[str, bool, int | None]) -> dict:
+    name, frozen, young = way
     engine = llm.engine
+    engines_young = heap.YOUNG_THRESHOLD
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     clock = CollectionClock()
     steps: list[float] = []
     gc.collect()  # each run starts from the same heap, whatever the last one left
     gc.callbacks.append(clock)
+    if young is not None:
+        heap.YOUNG_THRESHOLD = young  # frozen_heap keeps the higher of it and the current threshold
     try:
         with frozen_heap() if frozen else contextlib.nullcontext():
             for i in range(requests):
@@ -65,7 +73,8 @@ def run(llm: LLM, requests: int, output_len: int, frozen: bool) -> dict:
                 steps.append(time.perf_counter() - t0)
     finally:
         gc.callbacks.remove(clock)
-    return {"frozen": frozen, "steps": len(steps), "wall_ms_per_step": sum(steps) / len(steps) * 1e3,
+        heap.YOUNG_THRESHOLD = engines_young
+    return {"way": name, "frozen": frozen, "steps": len(steps), "wall_ms_per_step": sum(steps) / len(steps) * 1e3,
             "slowest_step_ms": max(steps) * 1e3, "collections": clock.count,
             "collection_ms": [s * 1e3 for s in clock.seconds]}
 
@@ -80,18 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     model = build_tiny_model(Path(tempfile.mkdtemp()), "llama")
     blocks = args.requests * -(-(32 + args.output_len) // 16) + 16
     llm = LLM(model=str(model), device="cpu", num_kv_blocks=blocks, max_model_len=512, max_num_seqs=args.requests)
-    rows = [run(llm, args.requests, args.output_len, frozen) for _ in range(args.rounds) for frozen in (False, True)]
+    rows = [run(llm, args.requests, args.output_len, way) for _ in range(args.rounds) for way in WAYS]
     device = device_name("cpu")
     lines = [f"# Garbage collection during steps on {device}", "",
              f"Tiny Llama, {args.requests} streamed requests (32 prompt tokens, {args.output_len} output), "
-             f"every step's outputs read; frozen and not frozen alternate, one engine.", "",
+             f"every step's outputs read; the three ways alternate, one engine. The engine's young threshold while "
+             f"frozen: {heap.YOUNG_THRESHOLD} allocations (Python's default: {gc.get_threshold()[0]}).", "",
              "| heap before the run | wall ms per step | slowest step (ms) | full collections | their time (ms) "
-             "| young collections (gen 0 / 1) | their time (ms) |", "|---|---:|---:|---:|---:|---|---|"]
+             "| young collections (gen 0 / 1) | their time (ms) | young collections' ms per step |",
+             "|---|---:|---:|---:|---:|---|---|---:|"]
     for r in rows:
-        lines.append(f"| {'frozen' if r['frozen'] else 'not frozen'} | {r['wall_ms_per_step']:.1f} | "
+        lines.append(f"| {r['way']} | {r['wall_ms_per_step']:.1f} | "
                      f"{r['slowest_step_ms']:.0f} | {r['collections'][2]} | {r['collection_ms'][2]:.0f} | "
                      f"{r['collections'][0]} / {r['collections'][1]} | "
-                     f"{r['collection_ms'][0]:.0f} / {r['collection_ms'][1]:.0f} |")
+                     f"{r['collection_ms'][0]:.0f} / {r['collection_ms'][1]:.0f} | "
+                     f"{(r['collection_ms'][0] + r['collection_ms'][1]) / r['steps']:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out_dir)
