@@ -41,7 +41,11 @@ default: on this CPU one layer of a 1024-token chunk takes 20-40 ms, longer
 than the TTFT SLO leaves an arrival to wait).
 
     python benchmarks/coserving.py --real-engine   # ~4 min on 2 cores
-Writes benchmarks/results/coserving_real.{json,md}.
+Writes benchmarks/results/coserving_real.{json,md}. ``--real-rounds N`` runs
+every design N times, odd rounds in reverse order, and reports medians, each
+ratio paired with its own round's online-only run: on a shared machine whose
+speed drifts by 10-30% from one minute to the next, one round's ratios move
+by as much as the targets allow.
 """
 
 from __future__ import annotations
@@ -73,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-engine", action="store_true", help="run the real engine on the CPU (see above)")
     ap.add_argument("--preset", default="cpu-deep", help="real engine: model shape (benchmarks/dummy_models.py)")
     ap.add_argument("--real-online", type=int, default=20, help="real engine: online requests")
+    ap.add_argument("--real-rounds", type=int, default=1,
+                    help="real engine: run every design this many times (odd rounds in reverse order) and report "
+                         "medians, ratios paired within a round")
+    ap.add_argument("--real-designs", nargs="+", default=["naive", "priority", "budget", "full"],
+                    choices=["naive", "priority", "budget", "full"],
+                    help="real engine: the designs run beside the online-only and offline-only references")
     ap.add_argument("--real-gap-s", type=float, default=1.5, help="real engine: mean gap between online arrivals")
     ap.add_argument("--real-offline", type=int, default=96,
                     help="real engine: offline backlog (more than the online window can finish)")
@@ -190,6 +200,10 @@ REAL_VARIANTS = [
     ("priority + budget", True, True, "offline", True, 0, False),
     ("full (+ layer preemption, checkpointing)", True, True, "offline", True, None, True),
 ]
+# --real-designs names the designs beyond the two references by these keys.
+DESIGN_KEYS = {"online only": "online", "offline only": "offline", "naive (one queue)": "naive",
+               "priority": "priority", "priority + budget": "budget",
+               "full (+ layer preemption, checkpointing)": "full"}
 
 
 async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on: bool, backlog: bool,
@@ -229,7 +243,7 @@ async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on:
     engine.step = timed_step
     ae = AsyncEngine(engine)
     ae.start()
-    offline_done = {"tokens": 0}
+    offline_done = {"tokens": 0, "decodes": 0}
     window = {"start": float("inf"), "end": float("inf")}
     update = engine.scheduler.update_from_output
 
@@ -240,7 +254,13 @@ async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on:
         # streams out would credit a 1024-token prompt to whichever design
         # happened to finish it inside the window.
         if not outcome.abandoned and window["start"] <= time.monotonic() <= window["end"]:
-            offline_done["tokens"] += sum(i.num_tokens for i in plan.scheduled if i.request_id.startswith("off"))
+            for i in plan.scheduled:
+                if i.request_id.startswith("off"):
+                    offline_done["tokens"] += i.num_tokens
+                    # A decode row reads its whole context on each layer: on
+                    # a CPU it costs some 20 prompt tokens, so the mix of the
+                    # two in the window is reported beside the sum.
+                    offline_done["decodes"] += i.num_tokens == 1 and i.samples
         update(plan, outcome)
 
     engine.scheduler.update_from_output = counted
@@ -290,6 +310,7 @@ async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on:
         finally:
             await ae.shutdown()
     row = {"window_s": length, "busy_s": busy_s, "offline_tokens_per_s": offline_done["tokens"] / length,
+           "offline_decode_share": offline_done["decodes"] / max(1, offline_done["tokens"]),
            "steps_abandoned": stats.num_steps_abandoned, "abandoned_tokens": stats.abandoned_tokens,
            "steps_resumed": stats.num_steps_resumed,
            "checkpoint_evictions": stats.num_checkpoint_evictions, "steps": stats.num_steps}
@@ -297,6 +318,18 @@ async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on:
         ttfts, tpots = [r[0] for r in results], [r[1] for r in results]
         row.update(ttfts_s=ttfts, tpots_s=tpots, p99_ttft_s=percentile(ttfts, 99), p50_ttft_s=percentile(ttfts, 50),
                    p99_tpot_s=percentile(tpots, 99), p50_tpot_s=percentile(tpots, 50))
+    return row
+
+
+def _median_row(runs: list[dict]) -> dict:
+    """One design over the rounds: the median of each figure (a ratio: of
+    the per-round ratios, each against the same round's online-only run)."""
+    import statistics
+
+    row = {"design": runs[0]["design"], "rounds": len(runs)}
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and all(key in r for r in runs):
+            row[key] = statistics.median(r[key] for r in runs)
     return row
 
 
@@ -319,26 +352,50 @@ def real_engine(args, argv: list[str] | None) -> int:
         arrivals.append(t)
         t += rng.expovariate(1.0 / args.real_gap_s)
     load_start = os.getloadavg()
-    rows: list[dict] = []
     slos: tuple[float, float] | None = None
-    for name, online_on, backlog, klass, with_slo, k, ckpt in REAL_VARIANTS:
-        if with_slo and slos is None:
-            ref = rows[0]  # online only: the SLOs hold online latency to (1 + slack) of it
-            slos = (args.real_ttft_slo_ms or (1 + args.real_slo_slack) * ref["p99_ttft_s"] * 1e3,
-                    args.real_tpot_slo_ms or (1 + args.real_slo_slack) * ref["p99_tpot_s"] * 1e3)
-        res = asyncio.run(_real_variant(
-            model_dir, args, arrivals, online_on, backlog, klass, slos if with_slo else None,
-            args.real_safepoint_layers if k is None else k, ckpt, window_s=rows[0]["window_s"] if rows else None))
-        rows.append({"design": name, **res})
-        print(f"{name}: " + (f"P99 TTFT {res['p99_ttft_s'] * 1e3:.0f} ms, P99 TPOT {res['p99_tpot_s'] * 1e3:.1f} ms, "
-                             if "p99_ttft_s" in res else "")
-              + f"offline {res['offline_tokens_per_s']:.0f} tok/s, busy {res['busy_s']:.1f} of {res['window_s']:.1f} s, "
-              f"{res['steps_abandoned']} steps interrupted, {res['steps_resumed']} resumed", flush=True)
-    ref, alone = rows[0], rows[1]
-    idle = max(0.0, 1.0 - ref["busy_s"] / ref["window_s"])  # the share of the window online work leaves
-    for r in rows[2:]:
-        r["offline_share"] = r["offline_tokens_per_s"] / alone["offline_tokens_per_s"]
-        r["offline_share_of_idle"] = r["offline_share"] / idle if idle > 0 else float("nan")
+    rounds: list[dict[str, dict]] = []
+    # The two references always run; of the rest, those asked for.
+    variants = REAL_VARIANTS[:2] + [v for v in REAL_VARIANTS[2:] if DESIGN_KEYS[v[0]] in args.real_designs]
+    # The offline-only run lasts as long as the online arrivals (and a second
+    # for the last to finish): a rate over about the online window.
+    window_s = arrivals[-1] + 1.0
+    for rnd in range(args.real_rounds):
+        # Offline only first, then online only next to the designs; odd rounds
+        # in reverse. On a machine whose speed drifts, each design then sits
+        # as near its round's online-only run as the order allows, and ratios
+        # pair each design with that run.
+        order = [variants[1], variants[0], *variants[2:]]
+        order = order if rnd % 2 == 0 else order[::-1]
+        results: dict[str, dict] = {}
+        for name, online_on, backlog, klass, with_slo, k, ckpt in order:
+            if with_slo and slos is None:
+                ref = results[REAL_VARIANTS[0][0]]  # online only: the SLOs hold online latency to (1 + slack) of it
+                slos = (args.real_ttft_slo_ms or (1 + args.real_slo_slack) * ref["p99_ttft_s"] * 1e3,
+                        args.real_tpot_slo_ms or (1 + args.real_slo_slack) * ref["p99_tpot_s"] * 1e3)
+            res = asyncio.run(_real_variant(
+                model_dir, args, arrivals, online_on, backlog, klass, slos if with_slo else None,
+                args.real_safepoint_layers if k is None else k, ckpt, window_s=window_s))
+            results[name] = {"design": name, **res}
+            print(f"round {rnd + 1}, {name}: "
+                  + (f"P99 TTFT {res['p99_ttft_s'] * 1e3:.0f} ms, P99 TPOT {res['p99_tpot_s'] * 1e3:.1f} ms, "
+                     if "p99_ttft_s" in res else "")
+                  + f"offline {res['offline_tokens_per_s']:.0f} tok/s, busy {res['busy_s']:.1f} of "
+                  f"{res['window_s']:.1f} s, {res['steps_abandoned']} steps interrupted, "
+                  f"{res['steps_resumed']} resumed", flush=True)
+        ref, alone = results[REAL_VARIANTS[0][0]], results[REAL_VARIANTS[1][0]]
+        idle = max(0.0, 1.0 - ref["busy_s"] / ref["window_s"])  # the share of the window online work leaves
+        for name, r in results.items():
+            if "p99_ttft_s" in r:
+                r["ttft_ratio"] = r["p99_ttft_s"] / ref["p99_ttft_s"]
+                r["tpot_ratio"] = r["p99_tpot_s"] / ref["p99_tpot_s"]
+            if name not in (REAL_VARIANTS[0][0], REAL_VARIANTS[1][0]):
+                r["offline_share"] = r["offline_tokens_per_s"] / alone["offline_tokens_per_s"]
+                r["offline_share_of_idle"] = r["offline_share"] / idle if idle > 0 else float("nan")
+            r["idle_share"] = idle
+        rounds.append(results)
+    rows = [_median_row([rnd[v[0]] for rnd in rounds]) for v in variants]
+    ref = rows[0]
+    idle = ref["idle_share"]
     load_end = os.getloadavg()
     cmd = " ".join(argv if argv is not None else sys.argv[1:])
     out = ["# Co-serving on the real engine (ConServe §4)", "",
@@ -359,24 +416,32 @@ def real_engine(args, argv: list[str] | None) -> int:
            f"{os.cpu_count()} cores shared with other work.", "",
            "| design | online P99 TTFT (ms) | vs online only | P50 TTFT (ms) | online P99 TPOT (ms) | vs online only "
            "| offline tok/s in the window | share of offline only | share of offline only x idle "
-           "| steps interrupted | of them resumed | tokens computed again |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| of them decode rows | steps interrupted | of them resumed | tokens computed again |"
+           + (" per round: TTFT / TPOT vs online only; share x idle |" if len(rounds) > 1 else ""),
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if len(rounds) > 1 else "")]
     for r in rows:
         on = "p99_ttft_s" in r
-        cells = ([f"{r['p99_ttft_s'] * 1e3:.0f}", f"{r['p99_ttft_s'] / ref['p99_ttft_s']:.2f}x",
+        cells = ([f"{r['p99_ttft_s'] * 1e3:.0f}", f"{r['ttft_ratio']:.2f}x",
                   f"{r['p50_ttft_s'] * 1e3:.0f}", f"{r['p99_tpot_s'] * 1e3:.1f}",
-                  f"{r['p99_tpot_s'] / ref['p99_tpot_s']:.2f}x"] if on else [""] * 5)
+                  f"{r['tpot_ratio']:.2f}x"] if on else [""] * 5)
         cells += [f"{r['offline_tokens_per_s']:.0f}",
                   f"{r['offline_share']:.0%}" if "offline_share" in r else "",
                   f"{r['offline_share_of_idle']:.0%}" if "offline_share_of_idle" in r else "",
-                  str(r["steps_abandoned"]), str(r.get("steps_resumed", 0)), str(r["abandoned_tokens"])]
+                  f"{r['offline_decode_share']:.1%}" if r.get("offline_tokens_per_s") else "",
+                  *(f"{r.get(k, 0):g}" for k in ("steps_abandoned", "steps_resumed", "abandoned_tokens"))]
+        if len(rounds) > 1:
+            per = [rnd[r["design"]] for rnd in rounds]
+            cells.append(", ".join(f"{p['ttft_ratio']:.2f}x / {p['tpot_ratio']:.2f}x" if "ttft_ratio" in p else ""
+                                   for p in per).strip(", ")
+                         + ("; " if on and "offline_share" in r else "")
+                         + (", ".join(f"{p['offline_share_of_idle']:.0%}" for p in per) if "offline_share" in r else ""))
         out.append(f"| {r['design']} | " + " | ".join(cells) + " |")
     md = "\n".join(out) + "\n"
     dest = Path(args.out_dir)
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "coserving_real.json").write_text(json.dumps({"args": vars(args), "arrivals_s": arrivals, "slos_ms": slos,
                                                           "idle_share": idle, "load_start": load_start,
-                                                          "load_end": load_end, "rows": rows}, indent=1))
+                                                          "load_end": load_end, "rows": rows, "rounds": rounds}, indent=1))
     (dest / "coserving_real.md").write_text(md)
     print(md)
     return 0
