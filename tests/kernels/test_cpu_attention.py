@@ -104,6 +104,30 @@ def test_many_decodes_split_into_buckets_and_chunks(make_batch, oracle, monkeypa
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows_per_call", [1, 3])
+def test_a_bucket_attends_a_few_rows_per_call(make_batch, oracle, monkeypatch, dtype, rows_per_call):
+    """A decode bucket bigger than DECODE_GROUP_ELEMENTS gathers and attends
+    its rows a few at a time (the last group short); every row as the
+    reference has it."""
+    specs = [(1, n) for n in (200, 230, 250, 260, 290, 300, 310)] + [(40, 200)]
+    batch = make_batch(specs, num_kv_heads=2, group=4, head_dim=64, block_size=16, dtype=dtype, seed=rows_per_call)
+    plan = cpu_attention.build_plan(batch.q_lens, batch.seq_len_list, batch.block_tables,
+                                    step_slots(batch, 16), 16, None, kv_width(batch))
+    [bucket] = plan.decodes
+    monkeypatch.setattr(cpu_attention, "DECODE_GROUP_ELEMENTS",
+                        rows_per_call * bucket.num_blocks * 16 * kv_width(batch))
+    calls = []
+    sdpa = cpu_attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(cpu_attention.F, "scaled_dot_product_attention",
+                        lambda q, *a, **k: calls.append(q.shape[0]) or sdpa(q, *a, **k))
+    fast = run_fast(batch, 16, None, True)
+    # the bucket's calls, then the chunk's
+    assert calls == [rows_per_call] * (7 // rows_per_call) + ([7 % rows_per_call] if 7 % rows_per_call else []) + [1]
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(fast, oracle(batch), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reshape_and_cache_matches_reference(dtype):
     gen = torch.Generator().manual_seed(0)
     cache_shape = (12, 16, 2, 64)
