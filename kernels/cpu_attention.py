@@ -28,10 +28,12 @@ makes the CPU path scale with the number of requests:
   and only each row's own suffix is gathered per row; the two parts merge by
   their log-sum-exp. Without this every step copies the shared context once
   per row.
-* **Gathers into a reused workspace.** The blocks of a bucket are copied with
-  one ``index_select`` into a per-thread buffer that only grows: a fresh
-  allocation of tens of MB per layer is returned to the OS and page-faulted
-  back in every step, which cost more than the copy itself.
+* **Gathers into a reused workspace, a few rows at a time.** The blocks of a
+  bucket are copied with ``index_select`` into a per-thread buffer that only
+  grows: a fresh allocation of tens of MB per layer is returned to the OS and
+  page-faulted back in every step, which cost more than the copy itself. A
+  big bucket is gathered and attended in groups of rows
+  (``DECODE_GROUP_ELEMENTS``), so attention reads what is still in cache.
 
 Writes into the cache are one ``index_copy_`` over the flat slot index.
 """
@@ -64,11 +66,12 @@ MIN_SHARED_BLOCKS = 2
 # 2 blocks made a step of 256 decodes 17x slower than one bucket.
 MIN_SHARED_SAVING = 2048 * 128
 # K elements (rows x padded length x KV heads x head dim) a decode bucket
-# gathers per attention call. The flash kernel reads K/V at about a quarter
-# of the memory bandwidth when they come from DRAM, and several times faster
-# when the gather has just left them in cache: gathering and attending a
-# couple of MB at a time made 12 decodes over 1k tokens (4 x 64 fp32 heads)
-# 1.9x faster per layer than one gather of all twelve, on the 2-core CPU.
+# gathers per attention call. The flash kernel reads K/V gathered into a
+# buffer of many MB at about a quarter of the memory bandwidth, and several
+# times faster when the gather has just left them in cache: a couple of MB at
+# a time made decode attention 1.4-1.8x faster per layer in fp32 at 12-1024
+# rows, and neutral where one row alone is bigger than this
+# (benchmarks/cpu_decode_groups.py, 2-core CPU).
 DECODE_GROUP_ELEMENTS = 1 << 19
 
 
