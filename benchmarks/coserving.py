@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -201,8 +202,7 @@ REAL_VARIANTS = [
     ("full (+ layer preemption, checkpointing)", True, True, "offline", True, None, True),
 ]
 # --real-designs names the designs beyond the two references by these keys.
-DESIGN_KEYS = {"online only": "online", "offline only": "offline", "naive (one queue)": "naive",
-               "priority": "priority", "priority + budget": "budget",
+DESIGN_KEYS = {"naive (one queue)": "naive", "priority": "priority", "priority + budget": "budget",
                "full (+ layer preemption, checkpointing)": "full"}
 
 
@@ -260,7 +260,8 @@ async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on:
                     # A decode row reads its whole context on each layer: on
                     # a CPU it costs some 20 prompt tokens, so the mix of the
                     # two in the window is reported beside the sum.
-                    offline_done["decodes"] += i.num_tokens == 1 and i.samples
+                    if i.num_tokens == 1 and i.samples:
+                        offline_done["decodes"] += 1
         update(plan, outcome)
 
     engine.scheduler.update_from_output = counted
@@ -324,8 +325,6 @@ async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on:
 def _median_row(runs: list[dict]) -> dict:
     """One design over the rounds: the median of each figure (a ratio: of
     the per-round ratios, each against the same round's online-only run)."""
-    import statistics
-
     row = {"design": runs[0]["design"], "rounds": len(runs)}
     for key, value in runs[0].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool) and all(key in r for r in runs):

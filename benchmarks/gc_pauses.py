@@ -27,11 +27,10 @@ from dummy_models import device_name
 
 from fluidserve.engine import LLM, SamplingParams, heap
 from fluidserve.engine.engine import next_request_id
-from fluidserve.engine.heap import frozen_heap
+from fluidserve.engine.tiny_model import build_tiny_model
 
 # (name, frozen, young threshold while frozen: None for the engine's own)
 WAYS = (("not frozen", False, None), ("frozen, default young threshold", True, 0), ("frozen (the engine's)", True, None))
-from fluidserve.engine.tiny_model import build_tiny_model
 
 
 class CollectionClock:
@@ -62,7 +61,7 @@ def run(llm: LLM, requests: int, output_len: int, way: tuple[str, bool, int | No
     if young is not None:
         heap.YOUNG_THRESHOLD = young  # frozen_heap keeps the higher of it and the current threshold
     try:
-        with frozen_heap() if frozen else contextlib.nullcontext():
+        with heap.frozen_heap() if frozen else contextlib.nullcontext():
             for i in range(requests):
                 engine.add_request(next_request_id("gc"), [(i * 7 + j) % 250 for j in range(32)], params)
             while engine.has_unfinished_requests():

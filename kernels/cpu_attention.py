@@ -50,8 +50,10 @@ from torch.nn import functional as F
 # padding costs attention work, each bucket costs one call.
 BUCKET_RATIO = 2.0
 # Rows x padded length of one decode bucket: bigger buckets are split by rows
-# so the gather workspace stays bounded (32 MiB per tensor with 2 KV heads of
-# 64 in fp32).
+# so the masks and tables a plan holds stay bounded, as does the workspace of
+# a shared-prefix bucket, which gathers its rows' own parts all at once
+# (32 MiB per tensor with 2 KV heads of 64 in fp32; other buckets gather
+# DECODE_GROUP_ELEMENTS at a time).
 MAX_GATHER_TOKENS = 1 << 16
 # Leading blocks a decode bucket's rows must share before the shared part is
 # attended once for all of them (below this the extra call costs more).
