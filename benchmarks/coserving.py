@@ -36,9 +36,10 @@ operator asking to keep online latency within 10% of an idle machine's. The
 offline share is of the offline-only run's throughput in the same window, and
 of that scaled to the idle capacity the online-only run leaves (offline
 tokens counted as the steps that compute them complete). The full
-design checks for interrupts every ``--real-safepoint-layers`` layers (1 by
-default: on this CPU one layer of a 1024-token chunk takes 20-40 ms, longer
-than the TTFT SLO leaves an arrival to wait).
+design checks for interrupts every ``--real-safepoint-layers`` layers (0.5 by
+default, before each layer and between its attention and MLP: on this CPU
+one layer of a few-hundred-token offline step takes 15-30 ms, a third of the
+online prompt's own TTFT; several values run the full design once for each).
 
     python benchmarks/coserving.py --real-engine   # ~4 min on 2 cores
 Writes benchmarks/results/coserving_real.{json,md}. ``--real-rounds N`` runs
@@ -98,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-threads", type=int, default=1,
                     help="real engine: torch threads (1: the forward on one core, the event loop on the other, "
                          "as vLLM's CPU build keeps its frontend off the compute core)")
-    ap.add_argument("--real-safepoint-layers", type=int, default=1,
-                    help="real engine, full design: layers between interrupt checks")
+    ap.add_argument("--real-safepoint-layers", type=float, nargs="+", default=[0.5],
+                    help="real engine, full design: layers between interrupt checks (0.5: also between a "
+                         "layer's attention and MLP); several values run the full design once for each")
     ap.add_argument("--real-slo-slack", type=float, default=0.1,
                     help="real engine: default SLOs are (1 + this) x the online-only P99 TTFT and TPOT")
     ap.add_argument("--workload-dir", default=str(DEFAULT_WORKLOAD_DIR))
@@ -207,7 +209,7 @@ DESIGN_KEYS = {"naive (one queue)": "naive", "priority": "priority", "priority +
 
 
 async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on: bool, backlog: bool,
-                        offline_klass: str, slos: tuple[float, float] | None, safepoint_layers: int,
+                        offline_klass: str, slos: tuple[float, float] | None, safepoint_layers: float,
                         checkpointing: bool, window_s: float | None = None) -> dict:
     """One variant on the real engine; the online requests arrive at
     ``arrivals`` (seconds after the backlog was queued); without online
@@ -353,8 +355,18 @@ def real_engine(args, argv: list[str] | None) -> int:
     load_start = os.getloadavg()
     slos: tuple[float, float] | None = None
     rounds: list[dict[str, dict]] = []
-    # The two references always run; of the rest, those asked for.
-    variants = REAL_VARIANTS[:2] + [v for v in REAL_VARIANTS[2:] if DESIGN_KEYS[v[0]] in args.real_designs]
+    # The two references always run; of the rest, those asked for, the full
+    # design once for each safepoint interval asked for.
+    variants = REAL_VARIANTS[:2]
+    for v in REAL_VARIANTS[2:]:
+        if DESIGN_KEYS[v[0]] not in args.real_designs:
+            continue
+        if v[5] is not None:
+            variants.append(v)
+            continue
+        for k in args.real_safepoint_layers:
+            name = v[0] if len(args.real_safepoint_layers) == 1 else f"{v[0]}, safepoints every {k:g} layers"
+            variants.append((name, *v[1:5], k, v[6]))
     # The offline-only run lasts as long as the online arrivals (and a second
     # for the last to finish): a rate over about the online window.
     window_s = arrivals[-1] + 1.0
@@ -373,7 +385,7 @@ def real_engine(args, argv: list[str] | None) -> int:
                         args.real_tpot_slo_ms or (1 + args.real_slo_slack) * ref["p99_tpot_s"] * 1e3)
             res = asyncio.run(_real_variant(
                 model_dir, args, arrivals, online_on, backlog, klass, slos if with_slo else None,
-                args.real_safepoint_layers if k is None else k, ckpt, window_s=window_s))
+                k, ckpt, window_s=window_s))
             results[name] = {"design": name, **res}
             print(f"round {rnd + 1}, {name}: "
                   + (f"P99 TTFT {res['p99_ttft_s'] * 1e3:.0f} ms, P99 TPOT {res['p99_tpot_s'] * 1e3:.1f} ms, "
@@ -408,7 +420,8 @@ def real_engine(args, argv: list[str] | None) -> int:
            + (f" ({1 + args.real_slo_slack:g}x the online-only P99s)" if not (args.real_ttft_slo_ms
                                                                             or args.real_tpot_slo_ms) else "")
            + f"; cost model: roofline prior, calibrated from the steps run; safepoints every "
-           f"{args.real_safepoint_layers} layer(s) in the full design (an interrupted step pauses there and "
+           f"{' / '.join(f'{k:g}' for k in args.real_safepoint_layers)} layer(s) in the full design "
+           f"(0.5: also between a layer's attention and MLP; an interrupted step pauses there and "
            f"resumes once online work drains). Idle capacity: {idle:.0%} of the window "
            f"(1 - the online-only run's busy time / its window).", "",
            f"Load average (1 min) at the start {load_start[0]:.2f}, at the end {load_end[0]:.2f}; "

@@ -72,7 +72,7 @@ def single_rank(model_dir: Path, repeats: int) -> dict:
     worker.init_cache(1100)  # the decode batch: 32 x 33 blocks
     layers = worker.num_layers
     out: dict = {"num_layers": layers}
-    sp = Safepoints(1, TensorParallel(), torch.device("cpu"))
+    sp = Safepoints(0.5, TensorParallel(), torch.device("cpu"))  # every position checks
     sp.arm(1)
     n = 200_000
     t = time.perf_counter()
@@ -112,7 +112,7 @@ def single_rank(model_dir: Path, repeats: int) -> dict:
 def _vote_rank(rank: int, init: str, n: int, result) -> None:
     torch.set_num_threads(1)
     tp = init_tensor_parallel(rank, 2, init, "gloo")
-    sp = Safepoints(1, tp, torch.device("cpu"))
+    sp = Safepoints(0.5, tp, torch.device("cpu"))  # every position checks
     sp.arm(1)
     for i in range(50):
         sp.stop_before(i)

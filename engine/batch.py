@@ -86,9 +86,10 @@ class StepResult:
     # engine request id -> one {token id: Logprob} per scored prompt position (rank 0 only)
     prompt_logprobs: dict = field(default_factory=dict)
     swap_stall_s: float = 0.0  # time the step waited on KV copies
-    # The safepoint (layer index) where an interrupted step stopped: no
-    # tokens, and none of the step's KV writes count. None: it ran to the end.
-    abandoned_at_layer: int | None = None
+    # The safepoint (layer index; x.5: before layer x's MLP) where an
+    # interrupted step stopped: no tokens, and none of the step's KV writes
+    # count. None: it ran to the end.
+    abandoned_at_layer: float | None = None
     # The worker kept the interrupted forward's state: sending the same input
     # again with ``resume_of`` set continues it from that layer.
     paused: bool = False

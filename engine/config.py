@@ -36,7 +36,9 @@ class EngineConfig:
     # An online arrival interrupts an offline-only step when waiting for it
     # would miss this (None: any online arrival interrupts one).
     online_ttft_slo_ms: float | None = None
-    preemption_safepoint_layers: int = DEFAULT_SAFEPOINT_LAYERS  # layers between interrupt checks; 0: never
+    # Layers between interrupt checks, a whole or half number (0.5: also
+    # between a layer's attention and MLP); 0: never.
+    preemption_safepoint_layers: float = DEFAULT_SAFEPOINT_LAYERS
     # Device-KV usage past which offline requests are checkpointed to the host
     # as they run (ConServe §4.4); None: never.
     kv_checkpoint_threshold: float | None = 0.5
@@ -72,7 +74,8 @@ class EngineConfig:
             ("executor", self.executor in ("local", "ray")),
             ("tensor_parallel_size", self.tensor_parallel_size >= 1),
             ("online_ttft_slo_ms", self.online_ttft_slo_ms is None or self.online_ttft_slo_ms > 0),
-            ("preemption_safepoint_layers", self.preemption_safepoint_layers >= 0),
+            ("preemption_safepoint_layers", self.preemption_safepoint_layers >= 0
+             and float(2 * self.preemption_safepoint_layers).is_integer()),
             ("cuda_graph_sizes", self.cuda_graph_sizes is None or (len(self.cuda_graph_sizes) > 0 and all(
                 isinstance(n, int) and n >= 1 for n in self.cuda_graph_sizes))),
             ("kv_checkpoint_threshold",

@@ -28,7 +28,7 @@ from fluidserve.engine.detokenizer import TextStream, byte_table
 from fluidserve.engine.executor import make_executor
 from fluidserve.engine.loader import eos_token_ids, is_tiny_model, load_hf_config, load_tokenizer, model_context_length, resolve_model_dir
 from fluidserve.engine.outputs import RequestOutput, TokenLogprobs
-from fluidserve.engine.preemption import PreemptionPolicy, RunningStep
+from fluidserve.engine.preemption import PreemptionPolicy, RunningStep, safepoint_interval_share
 from fluidserve.engine.request import Request, Sequence
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.tiny_model import default_tiny_model_dir
@@ -220,10 +220,9 @@ class LLMEngine:
         return bool(self.requests)
 
     def _safepoint_interval_share(self) -> float | None:
-        """The share of a step between two safepoints (None: no safepoints)."""
-        k = self.config.preemption_safepoint_layers
-        layers = int(getattr(self.hf_config, "num_hidden_layers", 0) or 0)
-        return min(1.0, k / layers) if k > 0 and layers > 0 else None
+        """The share of a step between two safepoints, the longest where they
+        split layers (None: no safepoints)."""
+        return safepoint_interval_share(self.config.preemption_safepoint_layers, self.hf_config)
 
     def _swap_blocks_per_step(self) -> int | None:
         """Blocks whose copy hides behind the cheapest step (FastServe §4.2:

@@ -2,19 +2,28 @@
 model runs, its safepoints, the interrupt flag they read, and the engine-side
 rule for when an online arrival interrupts a running step.
 
-A step the scheduler marked preemptible (offline work only) checks, before
-every ``k``-th decoder layer, whether the engine asked to interrupt *that*
-step. If so the forward stops there (``StepAbandoned``) and the worker
-returns a StepResult with no tokens: nothing is sampled, so no sampler state
-moves, and the scheduler counts none of the step's tokens as computed. The
-KV the finished layers wrote sits in slots past every sequence's computed
-length; the retried step overwrites it before anything reads it::
+A step the scheduler marked preemptible (offline work only) checks, every
+``k`` decoder layers, whether the engine asked to interrupt *that* step. If
+so the forward stops there (``StepAbandoned``) and the worker returns a
+StepResult with no tokens: nothing is sampled, so no sampler state moves, and
+the scheduler counts none of the step's tokens as computed. The KV the
+finished layers wrote sits in slots past every sequence's computed length;
+the retried step overwrites it before anything reads it::
 
     layers     0   1 | 2   3 | 4   5 | ...        k = 2
     safepoint  ^       ^       ^                  checked before layers 0, 2, 4, ...
     interrupt            *                        arrives while layer 2 runs
     stop                       ^ layer 4          layers 0-3 wrote KV nobody reads yet
     resume                     ^ layer 4          from the kept input of layer 4
+
+``k`` may be a multiple of a half: safepoints then also fall between a
+layer's attention and its MLP, each layer's two halves (``attend`` and
+``feed_forward``). Positions count halves (2 * layer, + 1 before the MLP),
+so with ``k = 0.5`` the wait for the next safepoint is the longer half of a
+layer instead of a whole one. A decoder layer's output is a function of the
+hidden state between its halves alone, so a stop there keeps one tensor, as
+at a layer boundary. Whole-layer intervals keep calling the layer as one
+module, so the models' hot path is unchanged.
 
 The stop is a pause, not a loss: the exception carries the hidden state
 that entered the stopping layer, and the worker keeps it (``PausedForward``).
@@ -41,7 +50,6 @@ group, so every rank stops at the same layer or none does.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -58,21 +66,28 @@ NO_STEP = -1
 
 class StepAbandoned(Exception):
     """Raised by the layer loop at the safepoint where the step stops, with
-    the hidden state that layer would have read (None: not kept)."""
+    the hidden state the next half-layer would have read (None: not kept).
+    ``position`` counts half-layers (``2 * layer``, + 1 between a layer's
+    attention and its MLP)."""
 
-    def __init__(self, layer: int, hidden: torch.Tensor | None = None) -> None:
-        super().__init__(f"step abandoned before layer {layer}")
-        self.layer = layer
+    def __init__(self, position: int, hidden: torch.Tensor | None = None) -> None:
+        super().__init__(f"step abandoned before layer {position / 2:g}")
+        self.position = position
         self.hidden = hidden
+
+    @property
+    def layer(self) -> float:
+        """The layer it stopped before; x.5: before layer x's MLP."""
+        return self.position / 2
 
 
 @dataclass
 class PausedForward:
-    """A worker's stopped forward: the step it belongs to, the layer it
-    stopped before, and that layer's input."""
+    """A worker's stopped forward: the step it belongs to, the half-layer
+    position it stopped before, and that position's input."""
 
     step_id: int
-    layer: int
+    position: int
     hidden: torch.Tensor
 
 
@@ -96,8 +111,10 @@ class Safepoints:
     time. Built on every rank at the same point of startup (the gloo group
     it may create is a collective call)."""
 
-    def __init__(self, every: int, tp: TensorParallel, device: torch.device) -> None:
-        self.every = every  # 0: never checked
+    def __init__(self, every_layers: float, tp: TensorParallel, device: torch.device) -> None:
+        if every_layers < 0 or not float(2 * every_layers).is_integer():
+            raise ValueError(f"safepoints come every whole or half number of layers, got {every_layers}")
+        self.every = int(2 * every_layers)  # in half-layers; 0: never checked
         self.flag = InterruptFlag()
         self.tp = tp
         self.cuda = device.type == "cuda"
@@ -105,7 +122,7 @@ class Safepoints:
         self._group = None
         self._vote = torch.zeros(1, dtype=torch.int32)
         self._last_event: Any = None
-        if tp.size > 1 and every > 0:
+        if tp.size > 1 and self.every > 0:
             # The model's collectives may run on NCCL; the vote stays on the
             # host, so it never waits for the device stream.
             gloo = dist.get_backend(tp.group) == "gloo"
@@ -124,10 +141,15 @@ class Safepoints:
     def armed(self) -> bool:
         return self.step_id != NO_STEP and self.every > 0
 
-    def stop_before(self, layer: int) -> bool:
-        """Whether the armed step stops before ``layer`` (every rank gets the
-        same answer)."""
-        if layer % self.every:
+    @property
+    def splits_layers(self) -> bool:
+        """Whether some safepoints fall between a layer's two halves."""
+        return self.every % 2 == 1
+
+    def stop_before(self, position: int) -> bool:
+        """Whether the armed step stops before half-layer ``position`` (every
+        rank gets the same answer)."""
+        if position % self.every:
             return False
         self.checks += 1
         if self.cuda:
@@ -160,36 +182,88 @@ class LayerLoop:
         self._resume: PausedForward | None = None
 
     def resume_next(self, paused: PausedForward | None) -> None:
-        """Make the next ``run`` start at ``paused.layer`` from its kept
+        """Make the next ``run`` start at ``paused.position`` from its kept
         input, whatever input the model passes (the worker calls this just
         before the forward of the step it resumes; None clears it, so a
         forward that failed before its layers cannot pass it on)."""
         self._resume = paused
 
     def run(self, layers: Iterable[Any], kv_caches: Iterable[Any], x: torch.Tensor,
-            call: Callable[[Any, torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:
-        """``x = call(layer, x, kv)`` for each layer and its KV cache; raises
-        StepAbandoned, with the stopping layer's input, at a safepoint where
-        the armed step is interrupted."""
+            call: Callable[[Any, torch.Tensor, Any], torch.Tensor],
+            attend: Callable[[Any, torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:
+        """``x = call(layer, x, kv)`` for each layer and its KV cache (where a
+        safepoint splits a layer: ``attend(layer, x, kv)``, then
+        ``layer.feed_forward``); raises StepAbandoned, with the stopping
+        position's input, at a safepoint where the armed step is interrupted."""
         sp, start = self.safepoints, 0
         if self._resume is not None:
-            start, x = self._resume.layer, self._resume.hidden
+            start, x = self._resume.position, self._resume.hidden
             self._resume = None
-        pairs = zip(layers, kv_caches)
-        if start:
-            pairs = itertools.islice(pairs, start, None)
-        if sp is None or not sp.armed:
-            for layer, kv in pairs:
+        armed = sp is not None and sp.armed
+        if not armed and not start:
+            for layer, kv in zip(layers, kv_caches):
                 x = call(layer, x, kv)
             return x
-        for i, (layer, kv) in enumerate(pairs, start):
-            if sp.stop_before(i):
-                raise StepAbandoned(i, x)
-            x = call(layer, x, kv)
+        split = armed and sp.splits_layers
+        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+            at = 2 * i
+            if at + 1 < start:
+                continue
+            if at < start:  # resumed between this layer's halves
+                x = layer.feed_forward(x)
+                continue
+            if armed and sp.stop_before(at):
+                raise StepAbandoned(at, x)
+            if not split:
+                x = call(layer, x, kv)
+                continue
+            x = attend(layer, x, kv)
+            if sp.stop_before(at + 1):
+                raise StepAbandoned(at + 1, x)
+            x = layer.feed_forward(x)
         return x
 
 
 # -- the engine side ----------------------------------------------------------
+
+
+def feed_forward_share(hf_config: Any) -> float:
+    """The MLP's share of a decoder layer's weights, from the model config:
+    the share of a prompt token's compute after the attention safepoint
+    (the attention scores' own compute, which grows with context, is left
+    out: a safepoint interval is planned for prompt-heavy offline steps).
+    0.5 where the config does not say."""
+    hidden = getattr(hf_config, "hidden_size", None)
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if not hidden or not heads:
+        return 0.5
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, k, v, o
+    if getattr(hf_config, "ffn_dim", None):  # OPT: fc1, fc2
+        mlp = 2 * hidden * hf_config.ffn_dim
+    elif getattr(hf_config, "intermediate_size", None):  # gated: gate, up, down
+        mlp = 3 * hidden * hf_config.intermediate_size
+    else:
+        return 0.5
+    return mlp / (attention + mlp)
+
+
+def safepoint_interval_share(every_layers: float, hf_config: Any) -> float | None:
+    """The longest stretch of a step between two safepoints every
+    ``every_layers`` layers, as a share of the step (None: no safepoints).
+    Where safepoints split layers, the intervals alternate between ending
+    after an attention and after an MLP; the longer of the two is what an
+    interrupted arrival may wait."""
+    layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    if every_layers <= 0 or layers <= 0:
+        return None
+    halves = int(2 * every_layers)
+    longest = halves // 2
+    if halves % 2:
+        mlp = feed_forward_share(hf_config)
+        longest += max(mlp, 1.0 - mlp)
+    return min(1.0, longest / layers)
 
 
 @dataclass

@@ -212,7 +212,7 @@ class Worker:
         except StepAbandoned as stop:  # before any sampling: no sampler state moved
             result.abandoned_at_layer = stop.layer
             if stop.hidden is not None:
-                self.paused = PausedForward(inp.step_id, stop.layer, stop.hidden)
+                self.paused = PausedForward(inp.step_id, stop.position, stop.hidden)
                 result.paused = True
             return result
         finally:

@@ -47,6 +47,9 @@ class StepPlan:
     # (prefill tokens, decode requests, context, prefill attention pairs), as
     # the cost model reads a step; set when the scheduler records shapes.
     shape: tuple[int, int, int, int] | None = None
+    # The step runs an online prompt's tokens (the SLO budget learns from
+    # how long such steps really take).
+    prefills_online: bool = False
     # This plan continues a paused one (the same requests and tokens): the
     # engine sends the paused step's input again and the worker resumes it.
     resumes: bool = False

@@ -397,6 +397,7 @@ class Scheduler:
             self._swap_credit -= len(demoted)
         if self.record_shapes:
             plan.shape = shape.astuple()
+            plan.prefills_online = shape.first_online_prefill_arrival is not None
         plan.preemptible = bool(plan.scheduled) and not online
         return plan
 
@@ -756,8 +757,12 @@ class Scheduler:
         done, tokens it computed are in the cache, each sampling request has
         one more output token, and the requests the engine saw stop leave."""
         self.kv.release_pending()
-        if plan.shape is not None and not outcome.abandoned and not plan.resumes and self._observe is not None:
-            self._observe(plan.shape, outcome.step_time)  # a resumed step ran only its last layers
+        # A resumed step ran only its last layers: its time says nothing of its shape.
+        if plan.shape is not None and not outcome.abandoned and not plan.resumes:
+            if plan.prefills_online and self.budget is not None:
+                self.budget.note_online_prefill(plan.shape, outcome.step_time)
+            if self._observe is not None:
+                self._observe(plan.shape, outcome.step_time)
         if plan.resumes:
             self._clear_pause()
         if outcome.paused:

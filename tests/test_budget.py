@@ -144,6 +144,51 @@ def test_offline_only_steps_are_cut_so_a_safepoint_interval_fits_the_ttft_slo():
     assert CM.min_iteration_time() / CM.prefill_time(floor) <= 0.1 < CM.min_iteration_time() / CM.prefill_time(floor - 1)
 
 
+def test_offline_only_steps_plan_the_online_prefill_against_its_measured_tail():
+    """Online prefills the engine measured running slower than predicted
+    shrink the room an offline-only step's safepoint interval gets: the
+    cap keeps the interval plus the slow tail of an online prefill within
+    the TTFT SLO. The tail is the 95th percentile of the recent prefills,
+    the slowest while fewer than 20 ran, so one outlier among many does
+    not set it."""
+    from fluidserve.kvcache.manager import KVCacheManager
+    from fluidserve.scheduler.plan import StepOutcome
+    from fluidserve.scheduler.request_state import SeqState
+    from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    slo, share = 0.030, 1 / 8
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=8192, online_ttft_slo_ms=slo * 1e3,
+                                  safepoint_interval_share=share), KVCacheManager(4096, 16), cost_model=CM)
+    budget = s.budget
+    own = CM.prefill_time(200)
+    s.add(SeqState("on0", 200, 1, 0.0, RequestClass.ONLINE), 0.0)
+    assert budget.offline_only_cap() == pytest.approx((slo - own) / share)  # nothing measured yet
+
+    # The engine runs the online prompt's step, and it takes 1.5x its prediction.
+    plan = s.schedule(0.0)
+    assert plan.prefills_online and not plan.preemptible
+    s.update_from_output(plan, StepOutcome(1.5 * CM.step_time(*plan.shape), 0.0, finished=["on0"]))
+    assert budget.online_prefill_margin() == pytest.approx(1.5)
+    assert budget.offline_only_cap() == pytest.approx((slo - 1.5 * own) / share)
+
+    # Offline-only steps are not online prefills, however slow they run.
+    s.add(SeqState("off", 4000, 4, 0.0, RequestClass.OFFLINE), 0.0)
+    plan = s.schedule(1.0)
+    assert plan.preemptible and not plan.prefills_online
+    s.update_from_output(plan, StepOutcome(3.0 * CM.step_time(*plan.shape), 1.0))
+    assert budget.online_prefill_margin() == pytest.approx(1.5)
+
+    # 39 more prefills on time: the one slow prefill is past the 95th percentile.
+    shape = (200, 0, 200, 200 * 201 // 2)
+    for _ in range(39):
+        budget.note_online_prefill(shape, CM.step_time(*shape))
+    assert budget.online_prefill_margin() == pytest.approx(1.0)
+    # Two more slow ones: with the first, 3 of 42, and the 95th percentile is theirs.
+    for _ in range(2):
+        budget.note_online_prefill(shape, 1.2 * CM.step_time(*shape))
+    assert budget.online_prefill_margin() == pytest.approx(1.2)
+
+
 def test_the_budget_plans_for_the_cost_models_error():
     """A cost model that knows its predictions run 25% off: offline work
     fills a step only up to the SLO over 1.25, so a step that slow still

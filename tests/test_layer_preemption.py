@@ -42,8 +42,10 @@ def _layers(engine: LLMEngine) -> list[torch.nn.Module]:
 
 
 def _interrupt_on_calls(engine: LLMEngine, layer: int, calls: set[int]) -> dict:
-    """Before ``layer`` runs for the n-th time (n in ``calls``), an online
-    arrival reaches the engine's preemption policy (as AsyncEngine sends it)."""
+    """Before ``layer``'s attention runs for the n-th time (n in ``calls``),
+    an online arrival reaches the engine's preemption policy (as AsyncEngine
+    sends it). The attention module is called whether or not safepoints
+    split the layer."""
     seen = {"n": 0, "sent": 0}
 
     def hook(_module, _args):
@@ -51,7 +53,7 @@ def _interrupt_on_calls(engine: LLMEngine, layer: int, calls: set[int]) -> dict:
         if seen["n"] in calls:
             seen["sent"] += engine.preemption.on_online_arrival(None)
 
-    _layers(engine)[layer].register_forward_pre_hook(hook)
+    _layers(engine)[layer].self_attn.register_forward_pre_hook(hook)
     return seen
 
 
@@ -61,7 +63,7 @@ def _count_calls(engine: LLMEngine, layer: int) -> dict:
     def hook(_module, _args):
         calls["n"] += 1
 
-    _layers(engine)[layer].register_forward_pre_hook(hook)
+    _layers(engine)[layer].self_attn.register_forward_pre_hook(hook)
     return calls
 
 
@@ -79,20 +81,32 @@ def _run_offline(llm, params_of, interrupt_calls: set[int] = frozenset(), layer:
     return tokens, seen
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt"])
-def test_paused_steps_resume_where_they_stopped(tiny_model, make_llm, arch):
+@pytest.mark.parametrize("arch,k", [("llama", K), ("opt", K), ("llama", 0.5), ("opt", 0.5)])
+def test_paused_steps_resume_where_they_stopped(tiny_model, make_llm, arch, k):
     """Greedy and seeded tokens of offline requests equal an uninterrupted
-    run, token for token, although prefill chunks and decodes stopped
-    mid-forward (KV half written, no sample drawn): each stopped step
-    resumes at its safepoint, so no layer runs twice."""
+    run (whole layers, safepoints every K), token for token, although
+    prefill chunks and decodes stopped mid-forward (KV half written, no
+    sample drawn): each stopped step resumes at its safepoint, so no layer
+    runs twice. With k = 0.5 every stop falls between layer 3's attention
+    and its MLP, and the resumed step starts with that MLP."""
     path = tiny_model(arch, num_hidden_layers=LAYERS)
-    cfg = dict(num_kv_blocks=64, max_num_batched_tokens=16, preemption_safepoint_layers=K)
+    cfg = dict(num_kv_blocks=64, max_num_batched_tokens=16)
     params_of = lambda i: SEEDED if i == 1 else GREEDY  # noqa: E731
-    reference, ref_seen = _run_offline(make_llm(path, **cfg), params_of)
-    llm = make_llm(path, **cfg)
+    reference, ref_seen = _run_offline(make_llm(path, **cfg, preemption_safepoint_layers=K), params_of)
+    llm = make_llm(path, **cfg, preemption_safepoint_layers=k)
+    stops = []
+    execute = llm.engine.executor.execute
+
+    def recording(inp):
+        result = execute(inp)
+        stops.append(result.abandoned_at_layer)
+        return result
+
+    llm.engine.executor.execute = recording
     interrupted, seen = _run_offline(llm, params_of, {1, 2, 3, 5, 8, 13, 14})
     stats = llm.engine.stats()
-    assert seen["sent"] == 7 and stats.num_steps_abandoned == 7  # layer 3 runs past no safepoint before 4
+    assert [s for s in stops if s is not None] == [4 if k == K else 3.5] * 7  # the next safepoint after layer 3's attention
+    assert seen["sent"] == 7 and stats.num_steps_abandoned == 7
     assert stats.num_steps_resumed == 7 and stats.abandoned_tokens == 0
     # Layers 0 and 3 (before the stop) ran exactly as often as uninterrupted.
     assert seen["first_layer"]["n"] == ref_seen["first_layer"]["n"] and seen["n"] == ref_seen["n"]
@@ -151,6 +165,25 @@ def test_metrics_count_abandoned_steps_and_offline_tokens(tiny_model, make_llm):
     assert offline and all(v == 0 for v in offline.values())  # all finished: zeros, not gaps
 
 
+def _prompt_step(step_id: int, preemptible: bool = True, n: int = 20) -> ModelInput:
+    return ModelInput(
+        input_ids=list(range(1, n + 1)), positions=list(range(n)), slot_mapping=list(range(n)),
+        query_start_loc=[0, n], seq_lens=[n], block_tables=[[0, 1]], sample_indices=[n - 1],
+        samples=[SampleSpec(SamplingParams(temperature=0.0), seed=None)], sample_ids=["r"],
+        preemptible=preemptible, step_id=step_id,
+    )
+
+
+def _run_interrupted(llm, inp: ModelInput, module: torch.nn.Module, target: int):
+    """Execute ``inp`` on the worker; step ``target`` is interrupted as
+    ``module`` starts."""
+    handle = module.register_forward_pre_hook(lambda m, a: llm.engine.executor.interrupt(target))
+    try:
+        return llm.engine.executor.worker.execute(inp)
+    finally:
+        handle.remove()
+
+
 def test_interrupt_stops_at_the_next_safepoint(tiny_model, make_llm):
     """The worker reports the layer it stopped before: the first safepoint
     after the interrupt arrived. A step whose last safepoint has passed, a
@@ -159,33 +192,65 @@ def test_interrupt_stops_at_the_next_safepoint(tiny_model, make_llm):
     llm = make_llm(tiny_model("llama", num_hidden_layers=LAYERS), num_kv_blocks=32, preemption_safepoint_layers=K)
     worker = llm.engine.executor.worker
     layers = list(worker.model.model.layers)
-    n = 20
-
-    def step(step_id: int, preemptible: bool = True) -> ModelInput:
-        return ModelInput(
-            input_ids=list(range(1, n + 1)), positions=list(range(n)), slot_mapping=list(range(n)),
-            query_start_loc=[0, n], seq_lens=[n], block_tables=[[0, 1]], sample_indices=[n - 1],
-            samples=[SampleSpec(SamplingParams(temperature=0.0), seed=None)], sample_ids=["r"],
-            preemptible=preemptible, step_id=step_id,
-        )
-
-    def run(inp: ModelInput, at_layer: int, target: int):
-        handle = layers[at_layer].register_forward_pre_hook(lambda m, a: llm.engine.executor.interrupt(target))
-        try:
-            return worker.execute(inp)
-        finally:
-            handle.remove()
-
     expected = {0: 2, 1: 2, 2: 4, 3: 4, 4: None, 5: None}  # interrupt while layer i runs -> stop before
     for i, (at, stop) in enumerate(expected.items()):
-        result = run(step(100 + i), at, 100 + i)
+        result = _run_interrupted(llm, _prompt_step(100 + i), layers[at], 100 + i)
         assert result.abandoned_at_layer == stop, at
         assert bool(result.sampled) == (stop is None)
-    assert run(step(200, preemptible=False), 1, 200).abandoned_at_layer is None
-    assert run(step(201), 1, 999).abandoned_at_layer is None  # meant for another step
-    late = step(202)
+    assert _run_interrupted(llm, _prompt_step(200, preemptible=False), layers[1], 200).abandoned_at_layer is None
+    assert _run_interrupted(llm, _prompt_step(201), layers[1], 999).abandoned_at_layer is None  # another step's
+    late = _prompt_step(202)
     llm.engine.executor.interrupt(201)  # a late interrupt of an ended step
     assert worker.execute(late).abandoned_at_layer is None
+
+
+@pytest.mark.parametrize("k,expected", [
+    # (layer, half the interrupt lands in) -> where the step stops (x.5: before layer x's MLP)
+    (0.5, {(0, "self_attn"): 0.5, (0, "mlp"): 1, (2, "self_attn"): 2.5, (5, "self_attn"): 5.5, (5, "mlp"): None}),
+    (1.5, {(0, "self_attn"): 1.5, (1, "self_attn"): 1.5, (1, "mlp"): 3, (3, "mlp"): 4.5, (4, "mlp"): None}),
+])
+def test_half_layer_safepoints_stop_between_attention_and_mlp(tiny_model, make_llm, k, expected):
+    """Safepoints every half a layer (or one and a half) also fall between a
+    layer's attention and its MLP: an interrupt that lands in an attention
+    stops the step before that layer's MLP, and the kept state is the
+    hidden state the MLP half reads, so resuming gives the uninterrupted
+    step's token."""
+    llm = make_llm(tiny_model("llama", num_hidden_layers=LAYERS), num_kv_blocks=32, preemption_safepoint_layers=k)
+    worker = llm.engine.executor.worker
+    layers = list(worker.model.model.layers)
+    reference = worker.execute(_prompt_step(1, preemptible=False)).sampled["r"].token_id
+    for i, ((layer, half), stop) in enumerate(expected.items()):
+        inp = _prompt_step(100 + i)
+        result = _run_interrupted(llm, inp, getattr(layers[layer], half), 100 + i)
+        assert result.abandoned_at_layer == stop, (layer, half)
+        if stop is None:
+            assert result.sampled["r"].token_id == reference
+            continue
+        assert worker.paused.position == 2 * stop
+        inp.resume_of, inp.step_id = inp.step_id, 1000 + i  # as the engine resends it
+        assert worker.execute(inp).sampled["r"].token_id == reference
+
+
+def test_the_budget_plans_for_the_longer_half_of_a_layer():
+    """The share of a step an interrupted arrival may wait: k / layers for
+    whole layers; where safepoints split a layer, the longer half by
+    weights (a gated MLP of 3 x 256 x 768 against attention of 4 x 256 x 256
+    is 9/13 of a layer; OPT's MLP of 2 x 256 x 1024, 2/3)."""
+    from types import SimpleNamespace
+
+    from fluidserve.engine.preemption import feed_forward_share, safepoint_interval_share
+
+    llama = SimpleNamespace(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                            intermediate_size=768, num_hidden_layers=16)
+    opt = SimpleNamespace(hidden_size=256, num_attention_heads=4, ffn_dim=1024, num_hidden_layers=12)
+    assert feed_forward_share(llama) == pytest.approx(9 / 13)
+    assert feed_forward_share(opt) == pytest.approx(2 / 3)
+    assert feed_forward_share(SimpleNamespace(num_hidden_layers=4)) == 0.5  # the config does not say
+    assert safepoint_interval_share(2, llama) == 2 / 16
+    assert safepoint_interval_share(0.5, llama) == pytest.approx(9 / 13 / 16)
+    assert safepoint_interval_share(1.5, llama) == pytest.approx((1 + 9 / 13) / 16)
+    assert safepoint_interval_share(0, llama) is None
+    assert safepoint_interval_share(40, opt) == 1.0
 
 
 def test_prefix_cache_registers_no_block_of_an_abandoned_step(tiny_model, make_llm):
@@ -301,7 +366,9 @@ def test_flags_reach_the_engine_config():
     assert (c.online_ttft_slo_ms, c.online_tpot_slo_ms, c.preemption_safepoint_layers) == (250, 40, 4)
     d = config()
     assert d.online_ttft_slo_ms is None and d.preemption_safepoint_layers == DEFAULT_SAFEPOINT_LAYERS
-    for flag, value in (("--online-ttft-slo-ms", "0"), ("--preemption-safepoint-layers", "-1")):
+    assert config("--preemption-safepoint-layers", "0.5").preemption_safepoint_layers == 0.5
+    for flag, value in (("--online-ttft-slo-ms", "0"), ("--preemption-safepoint-layers", "-1"),
+                        ("--preemption-safepoint-layers", "0.3")):
         with pytest.raises(ValueError, match=flag):
             config(flag, value)
 

@@ -124,7 +124,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope, x, kv_cache, meta):
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
+        return self.feed_forward(self.attend(rope, x, kv_cache, meta))
+
+    # The two halves a safepoint may fall between (engine/preemption.py).
+    def attend(self, rope, x, kv_cache, meta):
+        return x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
+
+    def feed_forward(self, x):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -141,7 +147,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary(positions, x.dtype)  # once per step, shared by every layer
-        x = self.layer_loop.run(self.layers, kv_caches, x, lambda layer, x, kv: layer(rope, x, kv, meta))
+        x = self.layer_loop.run(self.layers, kv_caches, x, lambda layer, x, kv: layer(rope, x, kv, meta),
+                                lambda layer, x, kv: layer.attend(rope, x, kv, meta))
         return self.norm(x)
 
 

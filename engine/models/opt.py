@@ -62,10 +62,17 @@ class OPTDecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
 
     def forward(self, x, kv_cache, meta):
+        return self.feed_forward(self.attend(x, kv_cache, meta))
+
+    # The two halves a safepoint may fall between (engine/preemption.py).
+    def attend(self, x, kv_cache, meta):
         h = self.self_attn_layer_norm(x) if self.pre_norm else x
         x = x + self.self_attn(h, kv_cache, meta)
         if not self.pre_norm:
             x = self.self_attn_layer_norm(x)
+        return x
+
+    def feed_forward(self, x):
         h = self.final_layer_norm(x) if self.pre_norm else x
         x = x + self.fc2(self.act(self.fc1(h)))
         if not self.pre_norm:
@@ -92,7 +99,8 @@ class OPTDecoder(nn.Module):
         if self.project_in is not None:
             x = self.project_in(x)
         x = x + self.embed_positions(positions + POSITION_OFFSET)
-        x = self.layer_loop.run(self.layers, kv_caches, x, lambda layer, x, kv: layer(x, kv, meta))
+        x = self.layer_loop.run(self.layers, kv_caches, x, lambda layer, x, kv: layer(x, kv, meta),
+                                lambda layer, x, kv: layer.attend(x, kv, meta))
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         if self.project_out is not None:
