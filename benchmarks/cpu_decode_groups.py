@@ -17,7 +17,6 @@ Writes benchmarks/results/cpu_decode_groups.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from dummy_models import build_model_dir, device_name
+from dummy_models import build_model_dir, device_name, save_results
 
 from fluidserve.kernels import cpu_attention
 
@@ -130,11 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"Engine, `cpu-deep` (fp32), 12 requests decoding at ~1.05k tokens of context, steps alternating "
               f"({eng['steps_each']} each): median decode step {eng['median_step_ms']['one call']:.1f} ms one call, "
               f"{eng['median_step_ms']['grouped']:.1f} ms grouped ({eng['speedup']:.2f}x)."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cpu_decode_groups.json").write_text(json.dumps(record, indent=2))
-    (RESULTS / "cpu_decode_groups.md").write_text(text)
+    save_results(RESULTS / "cpu_decode_groups", record, "\n".join(lines) + "\n")
     return 0
 
 

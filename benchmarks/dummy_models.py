@@ -8,6 +8,7 @@ Benchmarks run as scripts (``python benchmarks/x.py``), so this directory is on
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 from pathlib import Path
 
@@ -44,6 +45,15 @@ def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads)"
+
+
+def save_results(stem: Path, record: dict, text: str) -> None:
+    """Print a benchmark's markdown and write it beside its JSON record
+    (``stem``.md, ``stem``.json)."""
+    print(text)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=2))
+    stem.with_suffix(".md").write_text(text)
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:

@@ -16,6 +16,13 @@ makes the CPU path scale with the number of requests:
   flash kernel skips the masked half; only chunks over a cached prefix gather.
   Every call passes 4-D tensors: torch sends 3-D ones (as the reference's
   prefill does) to its unfused path, which materialises the scores.
+* **A chunk over a cached prefix in two unmasked calls.** The chunk's
+  queries attend the gathered prefix with no mask (every prefix key is
+  visible to every query) and the chunk's own keys with ``is_causal``; the
+  two merge by their log-sum-exp. One call with an explicit [chunk, context]
+  mask reads the mask and computes the masked corner too: up to 1.3x slower
+  for long chunks in fp32 on the 2-core CPU, the same for a short chunk over
+  a long prefix (benchmarks/cpu_chunked_prefill.py).
 * **Decodes batched, GQA folded.** All single-token rows of a length bucket go
   through one attention call. The ``g = Hq / Hk`` query heads that share a KV
   head become ``g`` queries of that head::
@@ -100,7 +107,7 @@ class PrefillItem:
     seq_len: int
     fresh: bool  # a whole prompt, no cached prefix: this step's K/V are all it reads
     block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
-    mask: torch.Tensor | None  # [q_len, seq_len] bool; None means plain causal
+    mask: torch.Tensor | None  # [q_len, seq_len] bool (a sliding window); None: causal after the prefix
 
 
 @dataclass
@@ -136,8 +143,8 @@ def build_plan(
         seq_len = seq_lens[i]
         fresh = q_len == seq_len
         block_ids = block_tables[i, : -(-seq_len // block_size)].long()
-        mask = None
-        if not fresh or sliding_window is not None:
+        mask = None  # plain causal, after the prefix when there is one
+        if sliding_window is not None:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=dev).unsqueeze(1)  # [q_len, 1]
             k_pos = torch.arange(seq_len, device=dev).unsqueeze(0)  # [1, seq_len]
             mask = k_pos <= q_pos
@@ -337,27 +344,70 @@ def _decode_shared(q, key_cache, value_cache, b: DecodeBucket, scale: float, k_o
     if bias is None:  # the flash kernel takes an additive mask in the query's dtype
         bias = b._bias[q.dtype] = torch.zeros(b.key_mask.shape, dtype=q.dtype).masked_fill(~b.key_mask, -torch.inf)
     o_own, lse_own = _attention_with_lse(q, k_own, v_own, attn_mask=bias, scale=scale)
-    top = torch.maximum(lse_shared, lse_own)
-    w_shared = (lse_shared - top).exp_().unsqueeze(-1)
-    w_own = (lse_own - top).exp_().unsqueeze(-1)
-    o = (o_shared.float() * w_shared + o_own.float() * w_own) / (w_shared + w_own)
-    return o.to(q.dtype)
+    return _merged(o_shared, lse_shared, o_own, lse_own, q.dtype)
+
+
+def _merged(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Two attention outputs over disjoint key sets, each with its
+    log-sum-exp, as one over their union (weighted in fp32)."""
+    top = torch.maximum(lse_a, lse_b)
+    w_a = (lse_a - top).exp_().unsqueeze(-1)
+    w_b = (lse_b - top).exp_().unsqueeze(-1)
+    return ((o_a.float() * w_a + o_b.float() * w_b) / (w_a + w_b)).to(dtype)
 
 
 def _prefill(out, query, key_cache, value_cache, item: PrefillItem, scale: float, key, value) -> None:
     # Inputs go in as 4-D [1, H, len, d]: torch dispatches 3-D ones to its
     # unfused "math" attention, which materialises the scores.
-    q = query[item.q_lo:item.q_hi].transpose(0, 1)  # [Hq, q_len, d]
-    if item.fresh and key is not None:
-        k = key[item.q_lo:item.q_hi].transpose(0, 1)  # [Hk, L, d], L = q_len
-        v = value[item.q_lo:item.q_hi].transpose(0, 1)
+    q_len = item.q_hi - item.q_lo
+    prefix = item.seq_len - q_len
+    q = query[item.q_lo:item.q_hi].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, d]
+    if key is not None and item.mask is None:  # the chunk's own K/V, as written this step
+        k_own = key[item.q_lo:item.q_hi].transpose(0, 1).unsqueeze(0)  # [1, Hk, q_len, d]
+        v_own = value[item.q_lo:item.q_hi].transpose(0, 1).unsqueeze(0)
+        read = prefix
     else:
-        shape, ids = key_cache.shape, item.block_ids
-        k = key_cache[ids].view(-1, *shape[2:])[: item.seq_len].transpose(0, 1)
-        v = value_cache[ids].view(-1, *shape[2:])[: item.seq_len].transpose(0, 1)
-    q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    if item.mask is None:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
+        read = item.seq_len
+    if read:
+        bs = key_cache.shape[1]
+        ids = item.block_ids[: -(-read // bs)]
+        k = _gathered(key_cache, ids, read)  # [1, Hk, read, d]
+        v = _gathered(value_cache, ids, read)
+    if item.mask is not None:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=item.mask, scale=scale, enable_gqa=True)
+    else:
+        if read > prefix:  # no step K/V given: the chunk's own keys come from the cache too
+            k, k_own = k[:, :, :prefix], k[:, :, prefix:]
+            v, v_own = v[:, :, :prefix], v[:, :, prefix:]
+        if not prefix:
+            o = F.scaled_dot_product_attention(q, k_own, v_own, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            o = _prefix_then_causal(q, k, v, k_own, v_own, scale)
     out[item.q_lo:item.q_hi] = o[0].transpose(0, 1)
+
+
+def _gathered(cache: torch.Tensor, ids: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of the blocks ``ids`` as [1, Hk, length, d]."""
+    return cache[ids].view(-1, *cache.shape[2:])[:length].transpose(0, 1).unsqueeze(0)
+
+
+def _prefix_then_causal(q, k_pre, v_pre, k_own, v_own, scale: float) -> torch.Tensor:
+    """Attention of a chunk's queries [1, Hq, L, d] over a prefix every query
+    sees and then the chunk's own keys, causally: two flash calls merged by
+    their log-sum-exp (the softmax over the union of the keys)."""
+    _, num_q, length, head_dim = q.shape
+    num_kv = k_pre.shape[1]
+    group = num_q // num_kv
+    # The prefix call takes a KV head's query heads as more queries of it (no
+    # mask, so their order does not matter); the causal one needs the
+    # positions, so it repeats the chunk's few K/V instead.
+    q_folded = q.reshape(1, num_kv, group * length, head_dim)
+    o_pre, lse_pre = _attention_with_lse(q_folded, k_pre, v_pre, scale=scale)
+    o_pre = o_pre.reshape(1, num_q, length, head_dim)
+    lse_pre = lse_pre.reshape(1, num_q, length)
+    if group > 1:
+        k_own = k_own.repeat_interleave(group, dim=1)
+        v_own = v_own.repeat_interleave(group, dim=1)
+    o_own, lse_own = _attention_with_lse(q, k_own, v_own, is_causal=True, scale=scale)
+    return _merged(o_pre, lse_pre, o_own, lse_own, q.dtype)

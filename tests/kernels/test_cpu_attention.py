@@ -76,6 +76,19 @@ def test_mixed_batch_matches_reference(make_batch, oracle, dtype, group, block_s
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("with_step_kv", [True, False])
+def test_chunks_over_a_prefix_match_reference(make_batch, oracle, dtype, group, with_step_kv):
+    """Chunks over a cached prefix (prefix and own keys in two calls, merged
+    by log-sum-exp): a one-token prefix, a prefix ending mid-block, a chunk
+    much shorter and one longer than its prefix."""
+    specs = [(2, 3), (5, 6), (64, 1000), (17, 33), (300, 310), (16, 32)]
+    batch = make_batch(specs, num_kv_heads=2, group=group, head_dim=64, block_size=16, dtype=dtype, seed=group)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(run_fast(batch, 16, None, with_step_kv), oracle(batch), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [1, 24, 100])
 def test_sliding_window_matches_reference(make_batch, oracle, dtype, window):
     batch = make_batch(mixed_specs(16), num_kv_heads=2, group=4, head_dim=64, block_size=16, dtype=dtype, seed=window)
@@ -121,8 +134,8 @@ def test_a_bucket_attends_a_few_rows_per_call(make_batch, oracle, monkeypatch, d
     monkeypatch.setattr(cpu_attention.F, "scaled_dot_product_attention",
                         lambda q, *a, **k: calls.append(q.shape[0]) or sdpa(q, *a, **k))
     fast = run_fast(batch, 16, None, True)
-    # the bucket's calls, then the chunk's
-    assert calls == [rows_per_call] * (7 // rows_per_call) + ([7 % rows_per_call] if 7 % rows_per_call else []) + [1]
+    # the bucket's calls (the chunk over its prefix calls the flash kernel itself)
+    assert calls == [rows_per_call] * (7 // rows_per_call) + ([7 % rows_per_call] if 7 % rows_per_call else [])
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(fast, oracle(batch), atol=atol, rtol=rtol)
 
