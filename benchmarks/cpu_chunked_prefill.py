@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from dummy_models import build_model_dir, device_name, save_results
+from dummy_models import build_model_dir, device_name, kernel_rows, save_results
 
 from fluidserve.kernels import cpu_attention
 
@@ -42,7 +42,7 @@ def masked_prefill(out, query, key_cache, value_cache, item, scale, key, value) 
     context] mask wherever a prefix is cached."""
     q = query[item.q_lo:item.q_hi].transpose(0, 1).unsqueeze(0)
     q_len = item.q_hi - item.q_lo
-    if item.fresh and key is not None:
+    if q_len == item.seq_len and key is not None:  # a whole prompt: its own K/V are all it reads
         k = key[item.q_lo:item.q_hi].transpose(0, 1).unsqueeze(0)
         v = value[item.q_lo:item.q_hi].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -120,13 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     load_start = os.getloadavg()
-    rows = []
-    with torch.inference_mode():
-        for chunk, prefix in SHAPES:
-            for dtype in (torch.float32, torch.bfloat16):
-                row = kernel(chunk, prefix, dtype, args.rounds)
-                rows.append(row)
-                print(row, flush=True)
+    rows = kernel_rows(kernel, SHAPES, args.rounds)
     eng = engine(args.engine_prompts)
     print(eng, flush=True)
     device = device_name("cpu")

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from dummy_models import build_model_dir, device_name, save_results
+from dummy_models import build_model_dir, device_name, kernel_rows, save_results
 
 from fluidserve.kernels import cpu_attention
 
@@ -104,13 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     load_start = os.getloadavg()
-    rows = []
-    with torch.inference_mode():
-        for shape in SHAPES:
-            for dtype in (torch.float32, torch.bfloat16):
-                row = kernel(*shape, dtype, args.rounds)
-                rows.append(row)
-                print(row, flush=True)
+    rows = kernel_rows(kernel, SHAPES, args.rounds)
     eng = engine(args.engine_steps)
     print(eng, flush=True)
     device = device_name("cpu")

@@ -56,6 +56,18 @@ def save_results(stem: Path, record: dict, text: str) -> None:
     stem.with_suffix(".md").write_text(text)
 
 
+def kernel_rows(kernel, shapes, rounds: int) -> list[dict]:
+    """``kernel(*shape, dtype, rounds)`` for every shape in fp32 and bf16, each
+    row printed as it comes (the CPU kernel benchmarks' sweep)."""
+    rows = []
+    with torch.inference_mode():
+        for shape in shapes:
+            for dtype in (torch.float32, torch.bfloat16):
+                rows.append(kernel(*shape, dtype, rounds))
+                print(rows[-1], flush=True)
+    return rows
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The flags every benchmark takes to choose its model and device."""
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,

@@ -105,7 +105,6 @@ class PrefillItem:
     q_lo: int
     q_hi: int
     seq_len: int
-    fresh: bool  # a whole prompt, no cached prefix: this step's K/V are all it reads
     block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
     mask: torch.Tensor | None  # [q_len, seq_len] bool (a sliding window); None: causal after the prefix
 
@@ -141,16 +140,13 @@ def build_plan(
         if q_len <= 1:
             continue
         seq_len = seq_lens[i]
-        fresh = q_len == seq_len
         block_ids = block_tables[i, : -(-seq_len // block_size)].long()
         mask = None  # plain causal, after the prefix when there is one
         if sliding_window is not None:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=dev).unsqueeze(1)  # [q_len, 1]
             k_pos = torch.arange(seq_len, device=dev).unsqueeze(0)  # [1, seq_len]
-            mask = k_pos <= q_pos
-            if sliding_window is not None:
-                mask &= k_pos > q_pos - sliding_window
-        prefills.append(PrefillItem(starts[i], starts[i + 1], seq_len, fresh, block_ids, mask))
+            mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)
+        prefills.append(PrefillItem(starts[i], starts[i + 1], seq_len, block_ids, mask))
     valid = bool((slot_mapping >= 0).all()) if slot_mapping.numel() else True
     return CpuAttentionPlan(decodes, prefills, valid)
 
