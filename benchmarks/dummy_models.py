@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 from pathlib import Path
 
 import torch
@@ -45,6 +46,13 @@ def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads)"
+
+
+def device_slug(name: str) -> str:
+    """A device name as result files carry it: ``NVIDIA H100 80GB HBM3`` ->
+    ``nvidia_h100_80gb_hbm3`` (as benchmarks/kernels.py and gpu_check.sh
+    name theirs)."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
 def save_results(stem: Path, record: dict, text: str) -> None:

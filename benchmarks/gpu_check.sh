@@ -1,131 +1,222 @@
 #!/usr/bin/env bash
-# The GPU path in one command, from a fresh clone on a GPU machine:
-#   1. checks that torch sees a CUDA device (exit 1 at once if not);
-#   2. installs fluidserve over the machine's own torch and Triton
-#      (pip install --no-deps --no-build-isolation -e .: no registry needed);
-#   3. runs every GPU test (the whole kernel suite, fp32 included, and the
-#      engine's Triton-vs-reference tests in fp32 and bf16);
-#   4. runs the kernel benchmark (decode vs a device copy, prefill vs SDPA,
-#      mixed batch with and without packing, compiled variants);
-#   5. times batch-1 decode of a Llama-3-8B-shaped dummy model through the
-#      engine against its HBM roofline;
-#   6. with --throughput, the offline throughput benchmark against
-#      transformers on a Llama-3-8B-shaped dummy model;
-# and writes benchmarks/results/gpu_check_<device>.md (plus the benchmark's
-# kernels_<device>.json/.md, batch1_decode_<device>.json/.md and the log)
-# naming the device as torch reports it. Steps 1-5 are capped to fit in 10
-# minutes; the exit status is non-zero if any step failed.
+# The GPU path in one command, from a fresh clone on a bare GPU machine.
+# Steps, most valuable first, each under its own wall-clock limit:
 #
-# Usage: benchmarks/gpu_check.sh [--quick] [--throughput] [--results DIR]
+#   step                 limit (full / --quick)
+#   install                60 / 60 s   pip install --no-deps --no-build-isolation -e .
+#                                      over the machine's torch and Triton
+#   import                 45 / 45 s   fluidserve.engine and the Triton kernels import
+#   engine GPU tests      150 / 120 s  pytest -m gpu over every test module outside
+#                                      tests/kernels that has gpu tests
+#   kernel GPU tests      150 / 90 s   pytest -m gpu tests/kernels (the whole suite)
+#   batch-1 decode        120 / 90 s   Llama-3-8B-shaped dummy model, eager and with
+#                                      decode CUDA graphs, against the HBM roofline
+#   throughput            150 / 90 s   offline, graphs on, against transformers:
+#                                      64 prompts x 128 tokens (--quick: 32 x 64,
+#                                      no generate_batch)
+#   kernel benchmark       90 / 60 s   benchmarks/kernels.py (--quick: short sweep)
+#
+# The whole run has a budget: 465 s (--quick 225 s), so it ends within 8 (4)
+# minutes; --budget SECONDS sets another (a machine with less time left). A
+# step gets its limit or what is left of the budget, whichever is less, and
+# is skipped with under 30 s left: when time runs short, the least valuable
+# steps go. Each step's results are written as it ends, so a run cut
+# off part-way keeps what it finished; in --results DIR (benchmarks/results):
+#   gpu_check_<device>.md, .json   the summary: step, verdict, time, headline
+#                                  figure (rewritten after every step)
+#   gpu_check_<device>.log         every step's output
+#   gpu_tests_engine_<device>.json, gpu_tests_kernels_<device>.json
+#   batch1_decode_<device>.json, .md
+#   throughput-<device>-llama3-8b-graphs.json, .md
+#   kernels_<device>.json, .md
+# <device> is torch.cuda.get_device_name() in lower case, other characters
+# as _. Without CUDA it stops at once (status 1) before installing or writing
+# anything. The status is 0 only if every step ran and passed.
+#
+# Usage: benchmarks/gpu_check.sh [--quick] [--budget SECONDS] [--results DIR] [--help]
+# (--throughput, from when that step was opt-in, is accepted and changes nothing.)
 set -uo pipefail
 
+START=$SECONDS
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
 RESULTS=benchmarks/results
-QUICK=()
-THROUGHPUT=0
-# Wall-clock limits per step (seconds): together well under 10 minutes.
-TEST_LIMIT=300
-BENCH_LIMIT=150
-DECODE_LIMIT=120
-THROUGHPUT_LIMIT=600
+QUICK=0
+BUDGET_ARG=""
 
 while [ $# -gt 0 ]; do
     case "$1" in
-        --quick) QUICK=(--quick); shift ;;
-        --throughput) THROUGHPUT=1; shift ;;
-        --results) RESULTS=$2; shift 2 ;;
+        --quick) QUICK=1; shift ;;
+        --throughput) shift ;;
+        --results)
+            [ $# -ge 2 ] || { echo "gpu_check: --results needs a directory" >&2; exit 2; }
+            RESULTS=$2; shift 2 ;;
+        --budget)
+            [[ $# -ge 2 && $2 =~ ^[0-9]+$ ]] || { echo "gpu_check: --budget needs a number of seconds" >&2; exit 2; }
+            BUDGET_ARG=$2; shift 2 ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
+
+if [ "$QUICK" -eq 1 ]; then
+    MODE=quick BUDGET=225
+    INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=120 KERNEL_TESTS_LIMIT=90
+    DECODE_LIMIT=90 THROUGHPUT_LIMIT=90 BENCH_LIMIT=60
+    THROUGHPUT_SIZE=(--num-prompts 32 --output-len 64 --skip-continuous)
+    BENCH_ARGS=(--quick)
+else
+    MODE=full BUDGET=465
+    INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=150 KERNEL_TESTS_LIMIT=150
+    DECODE_LIMIT=120 THROUGHPUT_LIMIT=150 BENCH_LIMIT=90
+    THROUGHPUT_SIZE=(--num-prompts 64 --output-len 128)
+    BENCH_ARGS=()
+fi
+BUDGET=${BUDGET_ARG:-$BUDGET}
+GRACE=10     # timeout's TERM, then KILL this much later
+RESERVE=5    # for the summary after the last step
+MIN_SLOT=30  # a step given less would only time out
 
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must compile, not run in the interpreter
 
 fail() { echo "gpu_check: $*" >&2; exit 1; }
 
-# 1. A CUDA device, or stop here.
-if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    fail "torch sees no CUDA device (torch.cuda.is_available() is False); this check needs a GPU"
-fi
-DEVICE=$("$PY" -c "import torch; print(torch.cuda.get_device_name())")
-SLUG=$(printf '%s' "$DEVICE" | tr 'A-Z' 'a-z' | sed 's/[^a-z0-9]\{1,\}/_/g; s/^_//; s/_$//')
-VERSIONS=$("$PY" -c "import sys, torch, triton; print(f'python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}')")
-echo "gpu_check: $DEVICE; $VERSIONS"
+# A CUDA device, or stop here; one interpreter start for the device's name
+# and the versions.
+PROBE=$(timeout 120 "$PY" - <<'EOF'
+import re
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    sys.exit(3)
+name = torch.cuda.get_device_name()
+try:
+    import triton
+
+    triton_version = triton.__version__
+except ImportError:
+    triton_version = "absent"
+print(name)
+print(re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_"))  # as benchmarks/kernels.py names its files
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton_version}")
+EOF
+)
+rc=$?
+[ "$rc" -eq 3 ] && fail "torch sees no CUDA device (torch.cuda.is_available() is False); this check needs a GPU"
+[ "$rc" -eq 0 ] || fail "could not ask $PY's torch for its CUDA device (exit $rc)"
+{ read -r DEVICE; read -r SLUG; read -r VERSIONS; } <<< "$PROBE"
+echo "gpu_check: $DEVICE; $VERSIONS; $MODE run, budget $BUDGET s"
+
 mkdir -p "$RESULTS" || fail "cannot create $RESULTS"
 LOG="$RESULTS/gpu_check_${SLUG}.log"
-SUMMARY="$RESULTS/gpu_check_${SLUG}.md"
+SUMMARY="$RESULTS/gpu_check_${SLUG}.json"
 : > "$LOG"
+SCRATCH=$(mktemp -d) || fail "cannot create a scratch folder"
+REPORT=("$PY" benchmarks/gpu_check_report.py)
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+if [ "$COMMIT" != unknown ] && ! git diff --quiet HEAD 2>/dev/null; then
+    COMMIT="$COMMIT with uncommitted changes"
+fi
 
-declare -a STEPS=()
-STATUS=0
-step() {  # step NAME LIMIT CMD...: run, log, time, record
-    local name=$1 limit=$2 rc t0
-    shift 2
-    echo "== $name" | tee -a "$LOG"
+declare -A NAMES=(
+    [install]="install (pip --no-deps -e .)"
+    [import]="import"
+    [engine_tests]="engine GPU tests"
+    [kernel_tests]="kernel GPU tests"
+    [batch1_decode]="batch-1 decode, eager and graphs"
+    [throughput]="throughput vs transformers, graphs"
+    [kernel_bench]="kernel benchmark"
+)
+ORDER=(install import engine_tests kernel_tests batch1_decode throughput kernel_bench)
+PLAN=()
+for key in "${ORDER[@]}"; do PLAN+=("$key=${NAMES[$key]}"); done
+"${REPORT[@]}" init --summary "$SUMMARY" --device "$DEVICE" --versions "$VERSIONS" --commit "$COMMIT" \
+    --mode "$MODE" --budget "$BUDGET" --log "$(basename "$LOG")" --plan "${PLAN[@]}" \
+    || fail "cannot write $SUMMARY"
+
+trap 'rm -rf "$SCRATCH"' EXIT
+# A run stopped from outside records the step in progress (which its own
+# limit bounds), skips the rest and still prints its summary.
+STOPPED=""
+trap 'STOPPED="the run was stopped"' INT TERM
+
+SETUP_FAILED=""
+# run_step KEY CAP RESULT_JSON JUNIT_XML CMD...: run under min(CAP, budget
+# left), log, time, and record in the summary with the headline read from
+# RESULT_JSON (from JUNIT_XML first, for tests).
+run_step() {
+    local key=$1 cap=$2 result=$3 junit=$4
+    shift 4
+    local name=${NAMES[$key]} limit rc t0 took
+    if [ -n "$SETUP_FAILED$STOPPED" ]; then
+        "${REPORT[@]}" step --summary "$SUMMARY" --key "$key" --skipped "${STOPPED:-$SETUP_FAILED}"
+        return 1
+    fi
+    limit=$(( BUDGET - (SECONDS - START) - GRACE - RESERVE ))
+    [ "$limit" -gt "$cap" ] && limit=$cap
+    if [ "$limit" -lt "$MIN_SLOT" ]; then
+        echo "== $name: skipped, ${limit} s of the budget left" | tee -a "$LOG"
+        "${REPORT[@]}" step --summary "$SUMMARY" --key "$key" --limit "$cap" \
+            --skipped "no time left (${limit} s of the ${BUDGET} s budget)"
+        return 1
+    fi
+    [ -n "$junit" ] && rm -f "$junit"
+    echo "== $name (limit ${limit} s): $*" | tee -a "$LOG"
     t0=$(date +%s)
-    timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+    timeout -k "$GRACE" "$limit" "$@" 2>&1 | tee -a "$LOG"
     rc=${PIPESTATUS[0]}
-    local took=$(( $(date +%s) - t0 ))
-    local verdict="ok"
-    if [ "$rc" -eq 124 ]; then verdict="TIMED OUT after ${limit} s"; elif [ "$rc" -ne 0 ]; then verdict="FAILED (exit $rc)"; fi
-    [ "$rc" -ne 0 ] && STATUS=1
-    STEPS+=("| $name | $verdict | ${took} s |")
-    echo "== $name: $verdict in ${took} s" | tee -a "$LOG"
+    took=$(( $(date +%s) - t0 ))
+    echo "== $name: exit $rc after ${took} s" | tee -a "$LOG"
+    "${REPORT[@]}" step --summary "$SUMMARY" --key "$key" --rc "$rc" --seconds "$took" --limit "$limit" \
+        --since "$t0" --command="$*" ${result:+--result "$result"} ${junit:+--junit "$junit"}
     return "$rc"
 }
 
-# 2. Install over the machine's torch/Triton; nothing is downloaded.
-step "install (pip --no-deps -e .)" 120 "$PY" -m pip install -q --no-deps --no-build-isolation -e . \
-    || fail "pip install --no-deps --no-build-isolation -e . failed; see $LOG"
-step "import" 60 "$PY" -c "import fluidserve.kernels.paged_attention, fluidserve.engine" \
-    || fail "the installed package does not import; see $LOG"
-
-# 3. GPU tests: the kernel suite (every test there is marked gpu) and every
-#    other module that has gpu tests. Modules are named, not discovered, so
-#    that server tests needing packages this machine lacks are not collected.
-#    Most of their time is Triton compiling one kernel variant per tested
-#    shape, one CPU core each: spread the tests over workers when
-#    pytest-xdist is there (workers share Triton's on-disk cache).
-mapfile -t GPU_MODULES < <(grep -rl --include='test_*.py' 'mark.gpu' tests | grep -v '^tests/kernels/' | sort)
-PARALLEL=()
+# pytest that takes timeout's TERM as an interrupt, so that it still writes
+# its report of the tests that ran before the limit.
+PYTEST=("${REPORT[@]}" pytest -q -m gpu -p no:cacheprovider -rfEs)
+# Most of the tests' time is Triton compiling a kernel variant per tested
+# shape, one CPU core each: spread them over workers where pytest-xdist is
+# installed (the workers share Triton's on-disk cache).
 if "$PY" -c "import xdist" 2>/dev/null; then
-    PARALLEL=(-n "$(( $(nproc) < 8 ? $(nproc) : 8 ))")
-fi
-step "GPU tests (pytest -m gpu ${PARALLEL[*]} tests/kernels ${GPU_MODULES[*]})" "$TEST_LIMIT" \
-    "$PY" -m pytest -q -m gpu -p no:cacheprovider -rfEs "${PARALLEL[@]}" tests/kernels "${GPU_MODULES[@]}"
-
-# 4. Kernel benchmark.
-step "kernel benchmark (benchmarks/kernels.py ${QUICK[*]})" "$BENCH_LIMIT" \
-    "$PY" benchmarks/kernels.py --out "$RESULTS" "${QUICK[@]}"
-
-# 5. Batch-1 decode of an 8B-shaped model against the HBM roofline.
-step "batch-1 decode (benchmarks/kernels.py --batch1-decode)" "$DECODE_LIMIT" \
-    "$PY" benchmarks/kernels.py --batch1-decode --out "$RESULTS"
-
-# 6. Throughput against transformers (minutes of its own; on request).
-if [ "$THROUGHPUT" -eq 1 ]; then
-    step "throughput (benchmarks/throughput.py --preset llama3-8b)" "$THROUGHPUT_LIMIT" \
-        "$PY" benchmarks/throughput.py --preset llama3-8b --out "$RESULTS"
+    PYTEST+=(-n "$(( $(nproc) < 8 ? $(nproc) : 8 ))")
 fi
 
-{
-    echo "# GPU check on $DEVICE"
-    echo
-    echo "$(date -u '+%Y-%m-%d %H:%M UTC'); $VERSIONS; commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-    echo
-    echo "| step | result | time |"
-    echo "|---|---|---:|"
-    printf '%s\n' "${STEPS[@]}"
-    echo
-    echo "Test summary: $(grep -E '^[0-9]+ (passed|failed|errors?|skipped)|^=+ .* in [0-9.]+s' "$LOG" | tail -1)"
-    for f in "kernels_${SLUG}.md" "batch1_decode_${SLUG}.md"; do
-        [ -f "$RESULTS/$f" ] && echo && echo "See $f (and .json) beside this file."
-    done
-    echo
-    echo "Full log: $(basename "$LOG")."
-} > "$SUMMARY"
-echo "gpu_check: wrote $SUMMARY"
-[ "$STATUS" -eq 0 ] || echo "gpu_check: some steps failed; see $SUMMARY and $LOG" >&2
-exit "$STATUS"
+run_step install "$INSTALL_LIMIT" "" "" \
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e . \
+    || SETUP_FAILED="the install failed"
+run_step import "$IMPORT_LIMIT" "" "" \
+    "$PY" -c "import fluidserve.kernels.paged_attention, fluidserve.engine" \
+    || SETUP_FAILED=${SETUP_FAILED:-"fluidserve does not import"}
+
+# Engine tests: modules are found, not listed, but only outside
+# tests/kernels, so that server tests needing packages this machine lacks
+# are never collected.
+mapfile -t ENGINE_MODULES < <(grep -rl --include='test_*.py' 'mark.gpu' tests | grep -v '^tests/kernels/' | sort)
+if [ "${#ENGINE_MODULES[@]}" -eq 0 ]; then
+    "${REPORT[@]}" step --summary "$SUMMARY" --key engine_tests --skipped "no module outside tests/kernels has gpu tests"
+else
+    run_step engine_tests "$ENGINE_TESTS_LIMIT" "$RESULTS/gpu_tests_engine_${SLUG}.json" "$SCRATCH/engine.xml" \
+        "${PYTEST[@]}" --junitxml="$SCRATCH/engine.xml" "${ENGINE_MODULES[@]}"
+fi
+run_step kernel_tests "$KERNEL_TESTS_LIMIT" "$RESULTS/gpu_tests_kernels_${SLUG}.json" "$SCRATCH/kernels.xml" \
+    "${PYTEST[@]}" --junitxml="$SCRATCH/kernels.xml" tests/kernels
+
+run_step batch1_decode "$DECODE_LIMIT" "$RESULTS/batch1_decode_${SLUG}.json" "" \
+    "$PY" benchmarks/kernels.py --batch1-decode --decode-modes eager graphs --out "$RESULTS"
+
+run_step throughput "$THROUGHPUT_LIMIT" "$RESULTS/throughput-${SLUG}-llama3-8b-graphs.json" "" \
+    "$PY" benchmarks/throughput.py --preset llama3-8b --device cuda --no-enforce-eager "${THROUGHPUT_SIZE[@]}" \
+    --out "$RESULTS"
+
+run_step kernel_bench "$BENCH_LIMIT" "$RESULTS/kernels_${SLUG}.json" "" \
+    "$PY" benchmarks/kernels.py --out "$RESULTS" "${BENCH_ARGS[@]}"
+
+"${REPORT[@]}" finish --summary "$SUMMARY"
+status=$?
+echo "gpu_check: wrote ${SUMMARY%.json}.md and .json; log $LOG"
+[ -z "$STOPPED" ] || exit 130
+exit "$status"

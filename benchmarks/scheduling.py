@@ -4,7 +4,7 @@ fcfs vs mlfq vs fixed-priority vs skip-join-mlfq (plus skip-join with a long
 starve limit), on a Llama-3-8B-shaped model on one H100 (analytic roofline,
 or ``--profile profile.json``), sweeping load (fraction of the saturated FCFS
 throughput of the same length mix) and the input/output length ratio.
-Workloads are read from ``../shared/workloads`` (or ``--workload-dir``):
+Workloads are read from ``benchmarks/workloads`` (or ``--workload-dir``):
 
 * ShareGPT-8k lengths with Poisson arrivals, and with Gamma arrivals (CV 2, 4)
 * ShareGPT-8k with FastServe's input/output ratio scaling, Poisson, fixed load

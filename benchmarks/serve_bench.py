@@ -13,7 +13,7 @@ serve``'s flags; the result JSON carries its keys (``mean_ttft_ms``,
 
     (vLLM's datasets: random, sharegpt, burstgpt, custom. Ours, by --dataset: real lengths
      from sharegpt, azure-code [--use-trace-arrivals], arxiv, a CSV path, or synthetic; read
-     from --workloads-dir, default ../shared/workloads from the repo root)
+     from --workloads-dir, default benchmarks/workloads)
 
 Frontend overhead (starts its own ``fluidserve serve`` on the built-in tiny model):
 
@@ -21,8 +21,8 @@ Frontend overhead (starts its own ``fluidserve serve`` on the built-in tiny mode
 
 It reports the requests/s the server sustains with a trivially small model,
 and the latency per token a client sees through HTTP/SSE minus what the same
-engine takes when called directly in-process. Results: JSON under
-benchmarks/results/. The client shares the machine's cores with the server,
+engine takes when called directly in-process. Writes
+benchmarks/results/serve_overhead.json (``--output`` to change it). The client shares the machine's cores with the server,
 so on a small box the numbers include the client's own cost.
 """
 
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     res = measure_overhead(opts)
     print_overhead(res)
     res["command"] = "python benchmarks/serve_bench.py " + " ".join(argv)
-    print("wrote", bc.write_json(res, opts.output, stem="serve_overhead"))
+    print("wrote", bc.write_json(res, opts.output or REPO_ROOT / "benchmarks" / "results" / "serve_overhead.json"))
     return 0
 
 

@@ -9,13 +9,18 @@ length file (ShareGPT by default) and scaled down with ``--length-scale``.
 
     python benchmarks/throughput.py                      # CPU preset: 4-layer, hidden-512 dummy Llama, 64 prompts
     python benchmarks/throughput.py --preset llama3-8b   # on a GPU: Llama-3-8B-shaped dummy model
+    python benchmarks/throughput.py --preset llama3-8b --no-enforce-eager   # fluidserve with decode CUDA graphs
 
-Prints the ratios and writes JSON + a markdown table to benchmarks/results/.
+Prints the ratios and writes JSON + a markdown table to benchmarks/results/:
+``throughput-cpu-<preset>`` on CPU, ``throughput-<device>-<preset>`` on a GPU
+(``-graphs`` appended with ``--no-enforce-eager``), rewritten as each system
+finishes so a run cut off keeps the systems done.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import tempfile
@@ -23,14 +28,13 @@ import time
 from pathlib import Path
 
 import torch
-from dummy_models import PRESETS, add_model_args, build_model_dir, device_name
+from dummy_models import PRESETS, add_model_args, build_model_dir, device_name, device_slug
 
 from fluidserve.engine.tiny_model import BYTE_VOCAB_SIZE
 from fluidserve.scheduler.workloads import DEFAULT_WORKLOAD_DIR, SHAREGPT, read_rows
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LENGTHS = DEFAULT_WORKLOAD_DIR / SHAREGPT
-
 
 
 def sample_prompts(path: Path, n: int, scale: float, max_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -53,7 +57,8 @@ def run_fluidserve(model_dir: Path, prompts, output_len: int, device: str, dtype
 
     llm = LLM(model=str(model_dir), load_format="dummy", device=device, dtype=dtype,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              num_kv_blocks=args.num_kv_blocks, max_model_len=max(map(len, prompts)) + output_len)
+              num_kv_blocks=args.num_kv_blocks, max_model_len=max(map(len, prompts)) + output_len,
+              enforce_eager=args.enforce_eager)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     sync(device)
@@ -63,8 +68,13 @@ def run_fluidserve(model_dir: Path, prompts, output_len: int, device: str, dtype
     elapsed = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = llm.engine.stats().num_steps
+    # Engine internals, read only to confirm the graphs path ran: None when
+    # the engine holds no graphs (eager, or not on CUDA).
+    graphs = getattr(getattr(llm.engine.executor, "worker", None), "graphs", None)
+    replays = getattr(graphs, "replays", None)
     llm.engine.shutdown()
-    return {"elapsed_s": elapsed, "output_tokens": tokens, "steps": steps}
+    return {"elapsed_s": elapsed, "output_tokens": tokens, "steps": steps,
+            "graph_replays": None if replays is None else sum(replays.values())}
 
 
 def _hf_model(model_dir: Path, device: str, dtype: str, attn: str | None = None):
@@ -130,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--skip-continuous", action="store_true", help="skip transformers' generate_batch")
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                    help="fluidserve eager (the engine's default); --no-enforce-eager captures decode CUDA graphs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
@@ -146,11 +158,22 @@ def main(argv: list[str] | None = None) -> int:
         need = sum(-(-(len(p) + output_len) // 16) for p in prompts)
         args.num_kv_blocks = need + 16
 
+    base = {
+        "benchmark": "throughput", "device": device_name(device), "preset": preset, "dtype": dtype,
+        "enforce_eager": args.enforce_eager, "model_shape": PRESETS[preset], "num_prompts": len(prompts),
+        "output_len": output_len,
+        "prompt_lengths": {"source": str(args.lengths), "scale": scale,
+                           "mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))},
+        "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    graphs = "" if args.enforce_eager or not gpu else "-graphs"
+    stem = args.out / f"throughput-{device_slug(base['device']) if gpu else 'cpu'}-{preset}{graphs}"
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model_dir(preset, Path(tmp))
         print(f"device: {device_name(device)}; model preset {preset} ({dtype}); {len(prompts)} prompts, "
-              f"mean prompt {sum(map(len, prompts)) / len(prompts):.0f} tokens, {output_len} output tokens each")
+              f"mean prompt {sum(map(len, prompts)) / len(prompts):.0f} tokens, {output_len} output tokens each; "
+              f"fluidserve {'eager' if args.enforce_eager else 'with decode CUDA graphs where the device has them'}")
         runs = [("fluidserve", lambda: run_fluidserve(model_dir, prompts, output_len, device, dtype, args)),
                 ("hf_generate_padded", lambda: run_hf_padded(model_dir, prompts, output_len, device, dtype,
                                                               args.hf_batch_size or len(prompts)))]
@@ -166,28 +189,39 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = r
             print(f"{name:>22}: " + (f"{r['tokens_per_s']:9.1f} tok/s  {r['requests_per_s']:7.2f} req/s  "
                                      f"({r['elapsed_s']:.2f} s)" if "error" not in r else r["error"]))
+            write_results(stem, base, results)
+            # The last system's weights (and an engine's KV cache) sit in
+            # reference cycles: free them before the next system loads its own.
+            gc.collect()
             if gpu:
                 torch.cuda.empty_cache()
 
-    ours = results["fluidserve"].get("tokens_per_s")
-    ratios = {k: ours / v["tokens_per_s"] for k, v in results.items()
-              if k != "fluidserve" and ours and "tokens_per_s" in v}
-    for k, v in ratios.items():
+    for k, v in speedups(results).items():
         print(f"fluidserve / {k}: {v:.2f}x")
-    record = {
-        "benchmark": "throughput", "device": device_name(device), "preset": preset, "dtype": dtype,
-        "model_shape": PRESETS[preset], "num_prompts": len(prompts), "output_len": output_len,
-        "prompt_lengths": {"source": str(args.lengths), "scale": scale,
-                           "mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))},
-        "torch": torch.__version__, "results": results, "speedup": ratios,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"throughput-{'gpu' if gpu else 'cpu'}-{preset}"
-    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2))
+    print(f"wrote {stem}.json")
+    return 1 if "error" in results["fluidserve"] else 0  # a baseline's error is only reported
+
+
+def speedups(results: dict) -> dict:
+    ours = results.get("fluidserve", {}).get("tokens_per_s")
+    return {k: ours / v["tokens_per_s"] for k, v in results.items()
+            if k != "fluidserve" and ours and "tokens_per_s" in v}
+
+
+def write_results(stem: Path, base: dict, results: dict) -> None:
+    ratios = speedups(results)
+    record = {**base, "results": results, "speedup": ratios}
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=2))
+    ours = results.get("fluidserve", {})
+    mode = ("eager" if record["enforce_eager"] else
+            "with decode CUDA graphs asked for" if "error" in ours or not ours else
+            f"with decode CUDA graphs ({ours['graph_replays']} steps replayed one)" if ours.get("graph_replays") else
+            "asked for decode CUDA graphs but replayed none (eager)")
     lines = [f"# Offline throughput — {record['device']}", "",
-             f"{preset} dummy weights, {dtype}, {len(prompts)} prompts (mean {record['prompt_lengths']['mean']:.0f} "
-             f"tokens, ShareGPT lengths x{scale}), {output_len} output tokens each.", "",
+             f"{record['preset']} dummy weights, {record['dtype']}, {record['num_prompts']} prompts (mean "
+             f"{record['prompt_lengths']['mean']:.0f} tokens, ShareGPT lengths x{record['prompt_lengths']['scale']}), "
+             f"{record['output_len']} output tokens each; fluidserve {mode}.", "",
              "| system | output tok/s | req/s | fluidserve speed-up |", "|---|---:|---:|---:|"]
     for k, v in results.items():
         if "error" in v:
@@ -195,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sp = "1.00x" if k == "fluidserve" else f"{ratios.get(k, float('nan')):.2f}x"
             lines.append(f"| {k} | {v['tokens_per_s']:.1f} | {v['requests_per_s']:.2f} | {sp} |")
-    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out / (stem + '.json')}")
-    return 0
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

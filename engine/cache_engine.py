@@ -38,6 +38,8 @@ import time
 
 import torch
 
+from fluidserve.engine.runtime import runtime_for
+
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (K, V)
 
 
@@ -62,6 +64,7 @@ class CacheEngine:
         device: torch.device, num_blocks: int, num_host_blocks: int = 0,
     ) -> None:
         self.device = device
+        self.runtime = runtime_for(device)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.device_caches: KVCaches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -70,7 +73,7 @@ class CacheEngine:
         self.host_caches: KVCaches = []
         if num_host_blocks:
             host_shape = (num_host_blocks, block_size, num_kv_heads, head_dim)
-            pin = device.type == "cuda"
+            pin = self.runtime.pin_memory
             try:
                 self.host_caches = [
                     (torch.empty(host_shape, dtype=dtype, pin_memory=pin),
@@ -81,7 +84,7 @@ class CacheEngine:
                 gib = 2 * num_layers * torch.empty(host_shape, dtype=dtype, device="meta").nbytes / 2**30
                 raise ValueError(f"swap_space: cannot {'pin' if pin else 'allocate'} {gib:.2f} GiB of host "
                                  f"memory for {num_host_blocks} host KV blocks ({e}); lower --swap-space") from e
-        if self.host_caches and device.type == "cpu":
+        if self.host_caches and not pin:
             # Write the host blocks a first copy will land in now, not in a
             # step: the host allocator hands out never-used blocks in id order,
             # and a copy into untouched memory pays its page faults (on a
@@ -93,8 +96,8 @@ class CacheEngine:
             for k, v in self.host_caches:
                 k[:warm].zero_()
                 v[:warm].zero_()
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._last_copies: torch.cuda.Event | None = None
+        self._copy_stream = self.runtime.side_stream()  # None: copies run in line
+        self._last_copies = None  # the event of the last step's copies
 
     @property
     def num_host_blocks(self) -> int:
@@ -112,17 +115,17 @@ class CacheEngine:
             self._gather_scatter(swap_out, self.device_caches, self.host_caches)
             self._gather_scatter(swap_in, self.host_caches, self.device_caches)
             return time.perf_counter() - t0
-        compute = torch.cuda.current_stream(self.device)
+        compute = self.runtime.current_stream()
         if self._last_copies is not None:
             compute.wait_event(self._last_copies)
             self._last_copies = None
         if not (swap_out or swap_in):
             return 0.0
         self._copy_stream.wait_stream(compute)
-        with torch.cuda.stream(self._copy_stream):
+        with self.runtime.on_stream(self._copy_stream):
             self._copy(swap_out, self.device_caches, self.host_caches)
             self._copy(swap_in, self.host_caches, self.device_caches)
-            done = torch.cuda.Event()
+            done = self.runtime.event()
             done.record(self._copy_stream)
         self._last_copies = done
         if not wait:

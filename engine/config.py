@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 
 from fluidserve.scheduler.options import DEFAULT_SAFEPOINT_LAYERS
 
+# Decode CUDA graphs unless --enforce-eager, as vLLM does: False until the
+# graph tests (tests/test_cuda_graphs.py -m gpu) have passed on a GPU, since
+# only a GPU run can confirm a captured graph leaves eager's tokens and KV.
+CUDA_GRAPHS_BY_DEFAULT = False
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -51,10 +56,9 @@ class EngineConfig:
     executor: str = "local"  # local | ray
     tensor_parallel_size: int = 1
     ray_address: str | None = None
-    # vLLM's flag. Eager by default until decode graph capture
-    # (engine/cuda_graphs.py) has been verified on a GPU; False captures
-    # decode-only steps in batch-size buckets on CUDA (eager elsewhere).
-    enforce_eager: bool = True
+    # vLLM's flag. False captures decode-only steps in batch-size buckets as
+    # CUDA graphs (engine/cuda_graphs.py; eager elsewhere).
+    enforce_eager: bool = not CUDA_GRAPHS_BY_DEFAULT
     cuda_graph_sizes: tuple[int, ...] | None = None  # buckets (default cuda_graphs.DEFAULT_CAPTURE_SIZES)
 
     def __post_init__(self) -> None:

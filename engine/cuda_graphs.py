@@ -5,8 +5,8 @@ graph instead of a few hundred kernels.
 Owns the buckets, their static input buffers, the fixed-shape attention plans
 the captured Triton kernels read, the padding of a step up to its bucket, and
 the choice between a bucket and the eager ``ModelRunner`` path. Capture is
-off unless ``EngineConfig.enforce_eager`` is False (it is True by default
-until graph capture has run on a GPU; see the README's flag table).
+off unless ``EngineConfig.enforce_eager`` is False
+(``config.CUDA_GRAPHS_BY_DEFAULT`` says which way the flag defaults).
 
 A step runs in a bucket when every sequence has exactly one query token, it
 scores no prompt logprobs, it is not preemptible (the layer loop's safepoints
@@ -22,9 +22,10 @@ smallest bucket ``b >= n``; rows ``n..b-1`` are padding::
     hidden out  [ h0 h1 h2 | junk ]    sliced to [:n] before sampling
 
 Padding rows write no KV anywhere (slot -1), so no real block changes, and
-get no attention work (on CUDA the merge writes their attention output as
-0; on CPU it is left as the output buffer held it). Every other op of the
-forward is per row, so padding rows never reach a real row.
+get no attention work (with the Triton kernels the merge writes their
+attention output as 0; the CPU kernels leave it as the output buffer held
+it). Every other op of the forward is per row, so padding rows never reach
+a real row.
 
 All integer inputs of a bucket travel in one int32 buffer, one host-to-device
 copy per step (pinned on CUDA); every part starts on 16 bytes, as a fresh
@@ -46,8 +47,9 @@ Splits are cut as the eager planner cuts them (``auto_kv_chunk`` over the
 real rows, pieces on multiples of the chunk), so the attention output equals
 the eager path's bit for bit unless the cap ``C`` binds; ``C`` is
 ``MAX_SPLITS`` for buckets up to 64 rows and shrinks above so that the
-split-K partial buffers (shared by every bucket and window) stay at
-``PARTIAL_ROWS`` rows of ``[Hq, D]`` fp32.
+split-K partial buffers (shared by every bucket and window) stay near
+``PARTIAL_ROWS`` rows of ``[Hq, D]`` fp32: ``partial_rows`` sizes them and
+every bucket's views, from the one formula ``b * max_splits_for(b)``.
 
 **Capture** runs at start-up (``Worker.warm_up``), after the KV cache exists
 (a graph holds the cache's addresses; a new cache drops the graphs), largest
@@ -58,9 +60,11 @@ parallelism the worker stays eager.
 
 Capture, eager on CPU: the path "copy into the static buffers, run the
 forward over the padded bucket, slice the outputs" is the same on both
-devices; only the replay differs (``graph.replay`` on CUDA, the model's
-forward over the static buffers elsewhere), so CPU tests check the padding,
-the buffers and the bucket choice against the eager path token for token.
+devices; only the replay differs (a graph's replay on CUDA, the model's
+forward over the static buffers elsewhere: ``DeviceRuntime.capture``), so
+CPU tests check the padding, the buffers and the bucket choice against the
+eager path token for token. With ``FLUIDSERVE_KERNELS=triton`` they check the
+static plans the Triton kernels read as well.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -77,7 +82,8 @@ from torch import nn
 from fluidserve.engine.batch import ModelInput
 from fluidserve.engine.layers import AttentionMetadata, PagedAttention
 from fluidserve.engine.model_runner import fill_block_tables
-from fluidserve.kernels import packing
+from fluidserve.engine.runtime import DeviceRuntime, runtime_for
+from fluidserve.kernels import ops, packing
 from fluidserve.kernels.packing import WORK_FIELDS, WorkPlan
 
 log = logging.getLogger(__name__)
@@ -87,8 +93,9 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 # vLLM's sizes below 256, in powers of two: a bucket costs one capture (and
 # its activations in the shared graph pool); padding costs at most 2x rows.
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Rows x split-K pieces the static plans' partial buffers hold ([Hq, D] fp32
-# each): 64 MiB for 32 heads of 128. Buckets up to 64 rows keep MAX_SPLITS.
+# Rows x split-K pieces the static plans' partial buffers aim at ([Hq, D]
+# fp32 each): 64 MiB for 32 heads of 128. Buckets up to 64 rows keep
+# MAX_SPLITS; a bucket of more rows than this still gets one piece a row.
 PARTIAL_ROWS = 4096
 
 
@@ -141,6 +148,12 @@ def ineligible(inp: ModelInput, largest: int, width: int) -> str | None:
 def max_splits_for(bucket: int) -> int:
     """Split-K pieces per row a bucket's static plan holds (``C``)."""
     return max(1, min(packing.MAX_SPLITS, PARTIAL_ROWS // bucket))
+
+
+def partial_rows(sizes: tuple[int, ...]) -> int:
+    """Rows of the shared split-K buffers: enough for every bucket's
+    ``[b, C]`` view (``PARTIAL_ROWS`` unless a bucket is larger)."""
+    return max(b * max_splits_for(b) for b in sizes)
 
 
 # -- the static attention plan -----------------------------------------------------
@@ -244,33 +257,33 @@ class StaticDecodePlan:
 
 @dataclass
 class _PlanSpec:
-    """What a bucket's static plans need to know of the model (CUDA only)."""
+    """What a bucket's static plans need to know of the model (Triton kernels only)."""
 
     windows: list[int | None]
     num_units: dict  # window -> units of the decode-only variant
     group: int
-    partials: tuple[torch.Tensor, torch.Tensor]  # flat [PARTIAL_ROWS * Hq * D], [PARTIAL_ROWS * Hq] fp32
+    partials: tuple[torch.Tensor, torch.Tensor]  # flat [partial_rows * Hq * D], [partial_rows * Hq] fp32
     num_q_heads: int
     head_dim: int
 
 
 @dataclass
 class Bucket:
-    """The static buffers of one bucket and, on CUDA, its graph."""
+    """The static buffers of one bucket and, once captured, its replay."""
 
     size: int
     width: int  # block-table columns
     block_size: int
     device: torch.device
     spec: _PlanSpec | None = None
-    graph: torch.cuda.CUDAGraph | None = None
-    output: torch.Tensor | None = None  # the graph's hidden states [size, hidden]
+    replay: Callable[[], torch.Tensor] | None = None  # the captured forward: hidden states [size, hidden]
     plans: dict = field(default_factory=dict)  # window -> StaticDecodePlan
     host_seq_lens: list[int] = field(default_factory=list)
     rows: int = 0  # real rows of the batch in the buffers
-    _copied: torch.cuda.Event | None = None
+    _copied: Any = None  # the event of the last upload
 
     def __post_init__(self) -> None:
+        self.runtime = runtime_for(self.device)
         b, w = self.size, self.width
         i64 = _aligned(2 * b)  # words of one int64 array
         self._o_seq = 4 * i64
@@ -282,9 +295,8 @@ class Bucket:
         if self.spec is not None:
             plan_words = _aligned(StaticDecodePlan.num_words(b, max(self.spec.num_units.values()), cap))
             words += len(self.spec.windows) * plan_words
-        cuda = self.device.type == "cuda"
-        self.host = torch.zeros(words, dtype=torch.int32, pin_memory=cuda)
-        self.dev = torch.zeros(words, dtype=torch.int32, device=self.device) if cuda else self.host
+        self.host = self.runtime.host_buffer(words, torch.int32, zeroed=True)
+        self.dev = self.runtime.device_mirror(self.host, zeroed=True)
         h = self.host.numpy()
         h64 = h[:4 * i64].view(np.int64).reshape(4, i64 // 2)
         self._ids, self._pos, self._slots, self._samp = (h64[i, :b] for i in range(4))
@@ -353,11 +365,11 @@ class Bucket:
     def upload(self) -> None:
         if self.dev is not self.host:
             self.dev.copy_(self.host, non_blocking=True)
-            self._copied = torch.cuda.Event()
+            self._copied = self.runtime.event()
             self._copied.record()
 
     def metadata(self) -> AttentionMetadata:
-        """Attention metadata over the static buffers; on CUDA the layers
+        """Attention metadata over the static buffers; the Triton kernels
         find the static plans already made (``work_plan`` looks them up).
         The host query lengths of padding rows are 0, so the CPU attention
         plans no work for them and groups the real rows as eager does."""
@@ -376,18 +388,19 @@ class DecodeGraphs:
     and sample indices of a step it can run, None for one the caller must
     run eagerly. ``capture=True`` (CUDA) records one graph per bucket now;
     ``capture=False`` replays a bucket by running the model eagerly over its
-    static buffers (CPU, tests)."""
+    static buffers (CPU, tests, ``FLUIDSERVE_KERNELS=triton``)."""
 
     def __init__(self, model: nn.Module, device: torch.device, kv_caches: KVCaches, sizes: tuple[int, ...],
                  max_blocks_per_seq: int, block_size: int, *, capture: bool) -> None:
-        if capture and device.type != "cuda":
+        self.runtime = runtime_for(device)
+        if capture and not self.runtime.can_capture_graphs:
             raise ValueError("CUDA graphs need a CUDA device")
         self.model, self.device, self.kv_caches = model, device, kv_caches
         self.sizes = tuple(sorted(sizes))
         self.width = max_blocks_per_seq
         self.replays: dict[int, int] = {}  # steps run in each bucket
         self.fallbacks: dict[str, int] = {}  # steps run eagerly, by reason
-        spec = self._plan_spec() if device.type == "cuda" else None
+        spec = self._plan_spec() if ops.kernel_path(device) == "triton" else None
         self.buckets = {b: Bucket(b, self.width, block_size, device, spec) for b in self.sizes}
         if capture:
             self._capture_all()
@@ -403,8 +416,8 @@ class DecodeGraphs:
         query_like = torch.empty((0, a.num_heads, a.head_dim), dtype=key_cache.dtype, device=key_cache.device)
         units = {w: default_num_units(query_like, key_cache, False, w) for w in windows}
         f32 = dict(dtype=torch.float32, device=key_cache.device)
-        partials = (torch.empty(PARTIAL_ROWS * a.num_heads * a.head_dim, **f32),
-                    torch.empty(PARTIAL_ROWS * a.num_heads, **f32))
+        rows = partial_rows(self.sizes)
+        partials = (torch.empty(rows * a.num_heads * a.head_dim, **f32), torch.empty(rows * a.num_heads, **f32))
         return _PlanSpec(windows, units, a.num_heads // a.num_kv_heads, partials, a.num_heads, a.head_dim)
 
     def _forward_static(self, bucket: Bucket) -> torch.Tensor:
@@ -415,23 +428,16 @@ class DecodeGraphs:
         """One graph per bucket, largest first, all in one memory pool:
         graphs replay one at a time, so their activations may share it."""
         start = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.runtime.graph_pool()
         for b in sorted(self.sizes, reverse=True):
             bucket = self.buckets[b]
             bucket.write_padding()
             bucket.upload()
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up runs: lazy init stays out of the graph
-                for _ in range(2):
-                    self._forward_static(bucket)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
             meta = bucket.metadata()
-            with torch.cuda.graph(graph, pool=pool):
-                bucket.output = self.model(bucket.input_ids, bucket.positions, self.kv_caches, meta)
-            bucket.graph = graph
-        torch.cuda.synchronize(self.device)
+            bucket.replay = self.runtime.capture(
+                lambda bucket=bucket, meta=meta: self.model(bucket.input_ids, bucket.positions, self.kv_caches, meta),
+                pool)
+        self.runtime.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", list(self.sizes),
                  time.monotonic() - start)
 
@@ -453,25 +459,25 @@ class DecodeGraphs:
         bucket = self.buckets[b]
         bucket.write(inp)
         bucket.upload()
-        if bucket.graph is not None:
-            bucket.graph.replay()
-            hidden = bucket.output
-        else:
-            hidden = self._forward_static(bucket)
+        hidden = bucket.replay() if bucket.replay is not None else self._forward_static(bucket)
         self.replays[b] = self.replays.get(b, 0) + 1
         return hidden[:len(inp.input_ids)], bucket.sample_idx[:len(inp.sample_indices)]
 
 
-def graphs_wanted(enforce_eager: bool, device: torch.device, tp_size: int) -> bool:
-    """Whether a worker captures decode graphs: asked for, on CUDA, one rank.
-    Asked for elsewhere, the worker says why and runs eagerly (vLLM runs
-    eagerly on CPU too)."""
+def graph_mode(enforce_eager: bool, runtime: DeviceRuntime, tp_size: int) -> str | None:
+    """How a worker runs decode buckets: ``capture`` (CUDA graphs, one
+    rank), ``eager`` (the buckets run over their static buffers without a
+    graph: the Triton kernels off CUDA, ``FLUIDSERVE_KERNELS=triton``) or
+    None (no buckets). Asked for where graphs cannot be, the worker says why
+    and runs eagerly (vLLM runs eagerly on CPU too)."""
     if enforce_eager:
-        return False
-    if device.type != "cuda":
-        log.info("CUDA graphs run only on CUDA devices: running eagerly on %s", device)
-        return False
+        return None
     if tp_size > 1:
         log.warning("CUDA graphs are not yet supported with tensor parallelism: running eagerly")
-        return False
-    return True
+        return None
+    if runtime.can_capture_graphs:
+        return "capture"
+    if ops.kernel_path(runtime.device) == "triton":
+        return "eager"
+    log.info("CUDA graphs run only on CUDA devices: running eagerly on %s", runtime.device)
+    return None

@@ -31,8 +31,9 @@ from fluidserve.engine.outputs import RequestOutput, TokenLogprobs
 from fluidserve.engine.preemption import PreemptionPolicy, RunningStep, safepoint_interval_share
 from fluidserve.engine.request import Request, Sequence
 from fluidserve.engine.sampling_params import SamplingParams
+from fluidserve.engine.structured import xgrammar
 from fluidserve.engine.tiny_model import default_tiny_model_dir
-from fluidserve.engine.worker import gpu_name, pick_device
+from fluidserve.engine.runtime import pick_device, runtime_for
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ class LLMEngine:
         # The policy consults the cost model (a measured profile, else the
         # roofline of this model on this device) to place arrivals.
         device = pick_device(config.device)
-        self.cost_model = cost_model_for_engine(config, self.hf_config, device.type, gpu_name(device))
+        self.cost_model = cost_model_for_engine(config, self.hf_config, device.type,
+                                                 runtime_for(device).name)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -151,6 +153,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         klass = RequestClass(klass)
+        if params.structured_outputs is not None:
+            xgrammar()  # a missing package is this request's error, not a failed step
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
         now = time.monotonic() if arrival_time is None else arrival_time

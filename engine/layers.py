@@ -32,9 +32,9 @@ class AttentionMetadata:
     _cpu_plans: dict = field(default_factory=dict, repr=False)
 
     def work_plan(self, query: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None):
-        """The packed attention work list for this step on CUDA; None on CPU
-        (the reference needs none)."""
-        if query.device.type != "cuda" or not self.host_q_lens:
+        """The packed attention work list of this step for the Triton kernels;
+        None where other kernels run (they need none)."""
+        if ops.kernel_path(query.device) != "triton" or not self.host_q_lens:
             return None
         if sliding_window not in self._plans:
             from ..kernels.paged_attention import plan_for
@@ -131,7 +131,7 @@ class PagedAttention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq * D]
         key_cache, value_cache = kv_cache
-        if not q.is_cuda:
+        if ops.kernel_path(q.device) == "cpu":
             plan = meta.cpu_plan(key_cache, self.sliding_window)
             cpu_attention.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, plan.slots_all_valid)
             out = cpu_attention.paged_attention(q, key_cache, value_cache, plan, self.scale, k, v)

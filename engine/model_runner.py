@@ -25,32 +25,36 @@ from torch import nn
 
 from fluidserve.engine.batch import ModelInput
 from fluidserve.engine.layers import AttentionMetadata, PagedAttention
+from fluidserve.engine.runtime import DeviceRuntime, runtime_for
+from fluidserve.kernels import ops
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype,
+                 runtime: DeviceRuntime | None = None) -> None:
         self.model = model
         self.device = device
+        self.runtime = runtime or runtime_for(device)
         attn = [m for m in model.modules() if isinstance(m, PagedAttention)]
-        # Only shapes and the device of a query matter to the planner.
-        self._query_like = (torch.empty((0, attn[0].num_heads, attn[0].head_dim), device=device)
+        # The planner checks a query's layout against the cache as a launch
+        # does, so its stand-in carries the model's dtype.
+        self._query_like = (torch.empty((0, attn[0].num_heads, attn[0].head_dim), dtype=dtype, device=device)
                             if attn else None)
         self._windows = sorted({m.sliding_window for m in attn}, key=lambda w: (w is not None, w or 0))
         self._host = torch.empty(0, dtype=torch.int32)
         self._dev = self._host
-        self._copied: torch.cuda.Event | None = None  # the last upload, before the host buffer is rewritten
+        self._copied = None  # the event of the last upload, before the host buffer is rewritten
 
     def _reserve(self, words: int) -> None:
         if words <= self._host.numel():
             return
         words = max(words, 2 * self._host.numel())
-        cuda = self.device.type == "cuda"
-        if cuda and self._copied is not None:
+        if self._copied is not None:
             self._copied.synchronize()
-        self._host = torch.empty(words, dtype=torch.int32, pin_memory=cuda)
-        self._dev = torch.empty(words, dtype=torch.int32, device=self.device) if cuda else self._host
+        self._host = self.runtime.host_buffer(words, torch.int32)
+        self._dev = self.runtime.device_mirror(self._host)
 
     def prepare(self, inp: ModelInput, kv_caches: KVCaches) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                                        torch.Tensor]:
@@ -74,7 +78,7 @@ class ModelRunner:
         fill_block_tables(host[o + 2 * s + 1:words].reshape(s, width), inp.block_tables)
         if self._dev is not self._host:
             self._dev[:words].copy_(self._host[:words], non_blocking=True)
-            self._copied = torch.cuda.Event()
+            self._copied = self.runtime.event()
             self._copied.record()
         d64 = self._dev[:2 * i64].view(torch.int64)
         dev = self._dev
@@ -95,8 +99,9 @@ class ModelRunner:
         if self._query_like is None or not kv_caches:
             return
         key_cache = kv_caches[0][0]
+        triton = ops.kernel_path(self.device) == "triton"
         for window in self._windows:
-            if self.device.type == "cuda":
+            if triton:
                 meta.work_plan(self._query_like, key_cache, window)
             else:
                 meta.cpu_plan(key_cache, window)

@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from fluidserve.engine.parallel import TensorParallel
+from fluidserve.engine.runtime import runtime_for
 from fluidserve.scheduler.budget import interrupts_step
 
 NO_STEP = -1
@@ -117,7 +118,7 @@ class Safepoints:
         self.every = int(2 * every_layers)  # in half-layers; 0: never checked
         self.flag = InterruptFlag()
         self.tp = tp
-        self.cuda = device.type == "cuda"
+        self.runtime = runtime_for(device)
         self.step_id = NO_STEP
         self._group = None
         self._vote = torch.zeros(1, dtype=torch.int32)
@@ -152,8 +153,7 @@ class Safepoints:
         if position % self.every:
             return False
         self.checks += 1
-        if self.cuda:
-            self._pace()
+        self._pace()
         stop = self.flag.is_set_for(self.step_id)
         if self._group is not None:
             self._vote[0] = int(stop)
@@ -162,10 +162,10 @@ class Safepoints:
         return stop
 
     def _pace(self) -> None:
-        # Not run in this project's CPU-only test suite: keeps the host at
-        # most one safepoint interval ahead of the device (an event's
-        # synchronize waits for that event only, not for later work).
-        previous, self._last_event = self._last_event, torch.cuda.Event()
+        # Keeps the host at most one safepoint interval ahead of the device
+        # (an event's synchronize waits for that event only, not for later
+        # work); on the CPU the events are done when recorded.
+        previous, self._last_event = self._last_event, self.runtime.event()
         self._last_event.record()
         if previous is not None:
             previous.synchronize()

@@ -27,12 +27,14 @@ import json
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
-import xgrammar as xgr
 
 from fluidserve.engine.sampling_params import StructuredOutputs
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +44,23 @@ MAX_JSON_WHITESPACE = 16
 MAX_CACHED_GRAMMARS = 256
 
 
+def xgrammar():
+    """The xgrammar module, imported on the first constrained request: an
+    engine that is never asked for a grammar (a GPU node without xgrammar)
+    starts and serves without it. Raises ValueError naming the package
+    where it is missing, which the server answers with a 400."""
+    try:
+        import xgrammar as module
+    except ImportError:
+        raise ValueError("structured_outputs: the 'xgrammar' package is not installed; structured output "
+                         "(response_format, guided decoding, forced tool calls) needs it: pip install xgrammar") from None
+    return module
+
+
 def _grammar(spec: StructuredOutputs) -> xgr.Grammar:
     """The spec as a tokenizer-independent grammar; raises ValueError naming
     what is wrong with it."""
+    xgr = xgrammar()
     try:
         if spec.json is not None:
             return xgr.Grammar.from_json_schema(spec.json, any_whitespace=True,
@@ -84,6 +100,7 @@ class GrammarCompiler:
     """Grammars compiled against one tokenizer, kept by spec (LRU)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        xgr = xgrammar()
         self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(set(stop_token_ids)))
@@ -117,7 +134,7 @@ class TokenMask:
         kernel for the whole batch (``logits``: [R, V] fp32)."""
         bitmask = self.bitmask.to(logits.device, non_blocking=True)
         indices = None if self.rows == list(range(logits.shape[0])) else self.rows
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(self.vocab_size, logits.shape[1]),
+        xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(self.vocab_size, logits.shape[1]),
                                         indices=indices)
         if logits.shape[1] > self.vocab_size:  # ids past the tokenizer's: never grammatical
             logits[self.rows, self.vocab_size:] = float("-inf")
@@ -149,12 +166,13 @@ class StructuredDecoder:
         self.stop_token_ids = list(stop_token_ids)
         self._compiler: GrammarCompiler | None = None
         self._seqs: dict[str, _SeqGrammar] = {}
-        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self._batch: xgr.BatchGrammarMatcher | None = None  # made with the compiler, on first use
 
     @property
     def compiler(self) -> GrammarCompiler:
         if self._compiler is None:
             self._compiler = GrammarCompiler(self._load_tokenizer(), self.vocab_size, self.stop_token_ids)
+            self._batch = xgrammar().BatchGrammarMatcher(max_threads=1)
         return self._compiler
 
     @property
@@ -172,6 +190,7 @@ class StructuredDecoder:
         if not rows:
             return None
         entries = self._synced([seq_ids[i] for i in rows], [samples[i] for i in rows])
+        xgr = xgrammar()
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # [C, W], all allowed
         live = [j for j, e in enumerate(entries) if not e.broken]
         # One call for the batch: per-row calls cost more in crossing into
@@ -192,6 +211,7 @@ class StructuredDecoder:
         Any other matcher is caught up from the history or, if the history
         no longer extends what it consumed (a recompute, a reused id), built
         anew and replayed."""
+        xgr = xgrammar()
         entries: list[_SeqGrammar] = []
         behind: list[tuple[str, _SeqGrammar, int]] = []  # one token to take
         for sid, sample in zip(seq_ids, samples):

@@ -21,31 +21,19 @@ import torch
 from fluidserve.engine.batch import ModelInput, SampleSpec, StepResult
 from fluidserve.engine.cache_engine import CacheEngine
 from fluidserve.engine.config import EngineConfig
-from fluidserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graphs_wanted
+from fluidserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_mode
 from fluidserve.engine.loader import (build_model, eos_token_ids, init_dummy_weights, load_hf_config, load_tokenizer,
                                       load_weights, model_context_length, resolve_dtype)
 from fluidserve.engine.model_runner import ModelRunner
 from fluidserve.engine.parallel import TensorParallel
 from fluidserve.engine.preemption import PausedForward, Safepoints, StepAbandoned
 from fluidserve.engine.prompt_logprobs import score_prompts
+from fluidserve.engine.runtime import pick_device, runtime_for
 from fluidserve.engine.sampler import SamplingRow, make_generator, sample
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.structured import StructuredDecoder
 
 log = logging.getLogger(__name__)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: 'cuda' was asked for but no CUDA device is available")
-    return torch.device(name)
-
-
-def gpu_name(device: torch.device) -> str:
-    """The accelerator's name as torch reports it ("" on CPU)."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
 
 
 def default_swap_space_gb() -> float:
@@ -63,8 +51,8 @@ class Worker:
         self.config = config
         self.tp = tp or TensorParallel()
         self.device = pick_device(config.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.runtime = runtime_for(self.device)
+        self.runtime.select()
         hf_config = load_hf_config(model_dir)
         self.hf_config = hf_config
         self.dtype = resolve_dtype(hf_config, config.dtype, self.device)
@@ -79,10 +67,10 @@ class Worker:
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
         self.cache: CacheEngine | None = None
-        self.runner = ModelRunner(self.model, self.device)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, self.runtime)
         # Decode CUDA graphs, captured by warm_up when asked for (off by default).
         self.graphs: DecodeGraphs | None = None
-        self._capture_graphs = graphs_wanted(config.enforce_eager, self.device, self.tp.size)
+        self._graph_mode = graph_mode(config.enforce_eager, self.runtime, self.tp.size)
         # Grammar matchers of constrained sequences; the tokenizer loads on first use.
         stops = [t for t in [self.eos_token_id, *eos_token_ids(hf_config, model_dir)] if t is not None]
         self.structured = StructuredDecoder(lambda: load_tokenizer(config.tokenizer or model_dir),
@@ -108,10 +96,10 @@ class Worker:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        if self.device.type == "cpu":
+        if not self.runtime.measures_memory:
             return max(1, int(cfg.cpu_kv_cache_gb * 2**30) // self.bytes_per_block())
         peak = self._profile_peak_memory()
-        free, total = torch.cuda.mem_get_info(self.device)
+        free, total = self.runtime.free_and_total_memory()
         budget = total * cfg.gpu_memory_utilization - (total - free) - peak
         blocks = int(budget // self.bytes_per_block())
         if blocks < 1:
@@ -125,17 +113,13 @@ class Worker:
         bs = self.config.block_size
         nblocks = -(-n // bs)
         self.init_cache(nblocks)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
         inp = ModelInput(
             input_ids=[0] * n, positions=list(range(n)), slot_mapping=list(range(n)),
             query_start_loc=[0, n], seq_lens=[n], block_tables=[list(range(nblocks))],
         )
-        self._forward(inp)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
+        peak = self.runtime.peak_memory(lambda: self._forward(inp))
         self.cache = None
-        torch.cuda.empty_cache()
+        self.runtime.release_cached_memory()
         return peak
 
     def available_host_blocks(self) -> int:
@@ -170,8 +154,8 @@ class Worker:
             input_ids=[0], positions=[n], slot_mapping=[n], query_start_loc=[0, 1], seq_lens=[n + 1],
             block_tables=[[0]], sample_indices=[0], samples=greedy, sample_ids=["warm-up"],
         ))
-        if self._capture_graphs:
-            self.graphs = self.decode_graphs(capture=True)
+        if self._graph_mode is not None:
+            self.graphs = self.decode_graphs(capture=self._graph_mode == "capture")
 
     def decode_graphs(self, capture: bool) -> DecodeGraphs:
         """Decode-only steps in batch-size buckets over this worker's cache:

@@ -1,5 +1,14 @@
-"""The one dispatch point the models call: Triton kernels on CUDA tensors, the
-torch reference everywhere else. Signatures and semantics are reference.py's.
+"""The one dispatch point the models call, and the switch that picks the
+kernels: the Triton kernels on CUDA tensors; elsewhere the CPU kernels
+(kernels/cpu_attention.py, which the engine's layers call themselves) or, in
+this module, the torch reference. Signatures and semantics are reference.py's.
+
+``FLUIDSERVE_KERNELS=triton`` (default ``auto``) sends CPU tensors down the
+GPU's path too: the same plans, the same kernels, run by Triton's
+interpreter. CI runs engine tests that way, so the code that only ran on a
+GPU runs on every commit. The interpreter must be chosen before Triton
+is imported (kernels/__init__.py sees to it) and the switch refuses to go on
+if Triton was imported for a GPU.
 
 The Triton modules are imported lazily so that CPU-only code paths (the
 scheduler, the tests of the engine on CPU) never pay for importing Triton.
@@ -7,9 +16,10 @@ scheduler, the tests of the engine on CPU) never pay for importing Triton.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -19,7 +29,51 @@ if TYPE_CHECKING:
     from fluidserve.kernels.packing import WorkPlan
 
 
+KERNELS_ENV = "FLUIDSERVE_KERNELS"
+KERNEL_CHOICES = ("auto", "triton")
+
 _reference_only = False
+_interpreter_checked = False
+
+KernelPath = Literal["triton", "cpu", "reference"]
+
+
+def kernel_choice() -> str:
+    """``FLUIDSERVE_KERNELS``, checked: ``auto`` (Triton on CUDA, the CPU
+    kernels elsewhere) or ``triton`` (Triton on every device)."""
+    choice = os.environ.get(KERNELS_ENV, "").strip().lower() or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNELS_ENV}={choice!r}: expected one of {', '.join(KERNEL_CHOICES)}")
+    return choice
+
+
+def kernel_path(device: torch.device) -> KernelPath:
+    """Which kernels serve tensors on ``device``: ``triton``, ``cpu`` (the
+    engine's CPU kernels) or ``reference`` (``reference_path``, tests)."""
+    if _reference_only:
+        return "reference"
+    if device.type == "cuda":
+        return "triton"
+    if kernel_choice() == "triton":
+        _require_interpreter()
+        return "triton"
+    return "cpu"
+
+
+def _require_interpreter() -> None:
+    """Off CUDA the Triton kernels can only run interpreted, and Triton
+    takes that choice when it is first imported (kernels/__init__.py turns
+    the interpreter on for FLUIDSERVE_KERNELS=triton): check it once."""
+    global _interpreter_checked
+    if _interpreter_checked:
+        return
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.standard.max, InterpretedFunction):
+        raise RuntimeError(f"{KERNELS_ENV}=triton on a CPU device runs Triton's interpreter, but Triton was "
+                           "imported without it: set TRITON_INTERPRET=1 before starting")
+    _interpreter_checked = True
 
 
 @contextmanager
@@ -35,8 +89,9 @@ def reference_path() -> Iterator[None]:
         _reference_only = before
 
 
-def _on_cuda(*tensors: torch.Tensor) -> bool:
-    return not _reference_only and all(t.is_cuda for t in tensors)
+def _on_triton(*tensors: torch.Tensor) -> bool:
+    device = tensors[0].device
+    return all(t.device.type == device.type for t in tensors) and kernel_path(device) == "triton"
 
 
 def reshape_and_cache(
@@ -46,7 +101,7 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = do not write
 ) -> None:
-    if _on_cuda(key, value, key_cache, value_cache, slot_mapping):
+    if _on_triton(key, value, key_cache, value_cache, slot_mapping):
         from fluidserve.kernels import cache_ops
 
         cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
@@ -66,8 +121,8 @@ def paged_attention(
     work: WorkPlan | None = None,
 ) -> torch.Tensor:
     """``work`` (a per-step plan from ``paged_attention.plan_for``) is used only
-    on CUDA; the reference needs none."""
-    if _on_cuda(query, key_cache, value_cache, block_tables):
+    by the Triton kernels; the reference needs none."""
+    if _on_triton(query, key_cache, value_cache, block_tables):
         from fluidserve.kernels import paged_attention as triton_attention
 
         return triton_attention.paged_attention(
@@ -82,7 +137,7 @@ def gather_blocks(
     cache: torch.Tensor,  # [num_blocks, ...]
     block_ids: torch.Tensor,  # [n]
 ) -> torch.Tensor:
-    if _on_cuda(cache, block_ids):
+    if _on_triton(cache, block_ids):
         from fluidserve.kernels import cache_ops
 
         return cache_ops.gather_blocks(cache, block_ids)
@@ -96,7 +151,7 @@ def scatter_blocks(
 ) -> None:
     # The staging buffer may sit in pinned host memory while the cache is on
     # the GPU; bring it over first so the kernel sees one device.
-    if _on_cuda(cache, block_ids):
+    if _on_triton(cache, block_ids):
         from fluidserve.kernels import cache_ops
 
         cache_ops.scatter_blocks(staging.to(cache.device, non_blocking=True), cache, block_ids)

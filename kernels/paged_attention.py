@@ -62,6 +62,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from fluidserve.kernels import packing
 from fluidserve.kernels.packing import WORK_FIELDS, WorkPlan
@@ -82,6 +83,9 @@ MAX_HEAD_DIM = 256
 # Persistent programs per SM assumed where the compiled kernel cannot be read
 # (the interpreter): decode-only and mixed variants.
 FALLBACK_PROGRAMS_PER_SM = {False: 4, True: 1}
+# Units per KV head off CUDA: enough for packing and split-K to have work to
+# spread, few enough for the interpreter.
+INTERPRETER_UNITS = 4
 
 # Arguments whose value follows the batch. Triton would compile a new variant
 # whenever one of them happens to be 1 or a multiple of 16 (a one-block table,
@@ -98,6 +102,19 @@ def _dim_mask(rows_ok, d, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
     if HEAD_PAD != HEAD_DIM:
         mask = mask & (d[None, :] < HEAD_DIM)
     return mask
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr):
+    """``tl.dot``; "widen" multiplies 16-bit operands as fp32, for Triton's
+    interpreter, which multiplies bfloat16 bit patterns (triton-lang/triton
+    #11584). Products of 16-bit floats are exact in fp32, so this is the
+    tensor cores' arithmetic (fp32 accumulation) up to summation order."""
+    if DOT_PRECISION == "widen":
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=DOT_PRECISION)
+    return out
 
 
 @triton.jit
@@ -155,7 +172,7 @@ def _attend_item(
             mask=kv_mask,
             other=0.0,
         )  # [BLOCK_N, HEAD_PAD]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         allowed = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
         if HAS_WINDOW:
             allowed = allowed & (kpos[None, :] > pos[:, None] - window)
@@ -173,7 +190,7 @@ def _attend_item(
             mask=kv_mask,
             other=0.0,
         )  # [BLOCK_N, HEAD_PAD]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -227,7 +244,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_FIELDS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32); "widen": see _dot
 ):
     unit = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -525,6 +542,17 @@ def _check_plan(plan: WorkPlan, query: torch.Tensor, key_cache: torch.Tensor, bl
         raise ValueError(f"block_tables is on {block_tables.device}, query on {query.device}")
 
 
+# Triton's interpreter (TRITON_INTERPRET=1, chosen when Triton is imported)
+# runs the kernels: CPU tensors, the kernel tests and the engine's CPU lane.
+INTERPRETED = isinstance(_paged_attention_kernel, InterpretedFunction)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32:
+        return "ieee"
+    return "widen" if INTERPRETED and dtype == torch.bfloat16 else "tf32"
+
+
 def _constexprs(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -549,7 +577,7 @@ def _constexprs(
         BLOCK_N=BLOCK_N,
         NUM_FIELDS=WORK_FIELDS,
         HAS_WINDOW=has_window,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=_dot_precision(query.dtype),
     )
 
 
@@ -652,12 +680,11 @@ def _run(launch: _Launch, grid_units: int) -> None:
         *launch.args.values(), **launch.constexprs, num_warps=launch.num_warps
     )
     device = launch.out.device
-    if device.type == "cuda":
-        key = _occupancy_key(launch.constexprs, launch.out.dtype, device)
-        if key not in _VARIANTS.programs_per_sm:
-            per_sm = _programs_per_sm(compiled, device)
-            if per_sm is not None:
-                _VARIANTS.programs_per_sm[key] = per_sm
+    key = _occupancy_key(launch.constexprs, launch.out.dtype, device)
+    if key not in _VARIANTS.programs_per_sm:
+        # The interpreter has no compiled kernel to read: the fallback stands in.
+        per_sm = _programs_per_sm(compiled, device) if device.type == "cuda" else None
+        _VARIANTS.programs_per_sm[key] = per_sm or FALLBACK_PROGRAMS_PER_SM[bool(launch.constexprs["HAS_PREFILL"])]
 
 
 def _run_merge(launch: _Launch, plan: WorkPlan, rows: int) -> None:
@@ -739,9 +766,9 @@ def programs_per_sm(
     *, compile: bool = True,
 ) -> int:
     """Resident programs per SM of the variant a plan with these properties
-    launches, read off the compiled kernel (compiled now if it is not yet)."""
-    if query.device.type != "cuda":
-        return FALLBACK_PROGRAMS_PER_SM[has_prefill]
+    launches, read off the compiled kernel (compiled now if it is not yet;
+    off CUDA, run once in the interpreter, which checks the layouts as a GPU
+    launch does, and answered by ``FALLBACK_PROGRAMS_PER_SM``)."""
     group = query.shape[1] // key_cache.shape[2]
     constexprs = _constexprs(
         query, key_cache, decode_tokens=decode_tokens_per_tile(group), tokens_per_tile=default_tokens_per_tile(group),
@@ -757,11 +784,12 @@ def default_num_units(
     query: torch.Tensor, key_cache: torch.Tensor, has_prefill: bool, sliding_window: int | None = None
 ) -> int:
     """Persistent programs per KV head: every SM filled with as many programs
-    of the launched variant as fit on it, over all KV heads."""
-    if query.device.type != "cuda":
-        return 4
-    sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+    of the launched variant as fit on it, over all KV heads. Off CUDA (the
+    interpreter) ``INTERPRETER_UNITS``, after the same variant check."""
     per_sm = programs_per_sm(query, key_cache, has_prefill, sliding_window)
+    if query.device.type != "cuda":
+        return INTERPRETER_UNITS
+    sms = torch.cuda.get_device_properties(query.device).multi_processor_count
     return max(1, math.ceil(sms * per_sm / key_cache.shape[2]))
 
 

@@ -1,6 +1,7 @@
 """Workloads for the simulator: arrival processes, length distributions, and
-the real length files and trace in ``../shared/workloads/`` (read in place,
-never copied into the repository).
+the real length files and trace the repository ships in
+``benchmarks/workloads/`` (their sources and licenses in its README), or any
+directory of the same files (``--workload-dir``).
 
 A workload is a list of ``Job`` (arrival time, prompt and output length).
 Everything is seeded (``random.Random``), so the same arguments give the same
@@ -17,8 +18,8 @@ from typing import Callable, Iterator
 
 from fluidserve.scheduler.request_state import RequestClass
 
-# <repo>/scheduler/workloads.py -> <repo>/../shared/workloads
-DEFAULT_WORKLOAD_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "workloads"
+# <repo>/scheduler/workloads.py -> <repo>/benchmarks/workloads
+DEFAULT_WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "workloads"
 SHAREGPT = "sharegpt8k_llama2tok_lengths.csv"
 ARXIV = "arxiv_summarization_llama2tok_lengths.csv"
 AZURE_CODE = "azure_llm2023_code_trace.csv"

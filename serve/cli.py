@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from fluidserve.engine.config import CUDA_GRAPHS_BY_DEFAULT, EngineConfig
 from fluidserve.serve.tool_parsers import TOOL_CALL_PARSERS
 if TYPE_CHECKING:
     from fluidserve.serve.inputs import ModelInfo
@@ -138,10 +139,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (Ray workers) per model")
     m.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (multi-node); default: start a local one on 127.0.0.1")
-    m.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="run every step eagerly (default: on, until decode CUDA graph capture has been verified "
-                        "on a GPU); --no-enforce-eager captures decode-only steps as CUDA graphs at start-up "
-                        "(CUDA only: elsewhere it logs so and runs eagerly)")
+    m.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=EngineConfig.enforce_eager,
+                   help=("run every step eagerly; --no-enforce-eager captures decode-only steps as CUDA graphs at "
+                         "start-up (CUDA only: elsewhere it logs so and runs eagerly). Default: "
+                         + ("graphs" if CUDA_GRAPHS_BY_DEFAULT else
+                            "eager, until the graph tests have passed on a GPU")))
     m.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="batch sizes captured as decode graphs (default: 1 2 4 ... 256, up to --max-num-seqs)")
     add_scheduler_args(p)

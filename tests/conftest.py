@@ -4,10 +4,19 @@ engines that are checked for leaked KV blocks when a test ends."""
 from __future__ import annotations
 
 import gc
+import os
 
-import pytest
+import torch
 
-from fluidserve.engine.tiny_model import build_tiny_model
+# Triton takes the interpreter or the compiler when it is first imported: on
+# a machine without CUDA every Triton kernel (the kernel tests, the engine's
+# FLUIDSERVE_KERNELS=triton lane) runs interpreted on CPU tensors.
+if "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
+
+import pytest  # noqa: E402
+
+from fluidserve.engine.tiny_model import build_tiny_model  # noqa: E402
 
 # arch -> config overrides; llama is GQA (4 query heads over 2 KV heads), opt is MHA.
 TINY_ARCHS = {

@@ -142,7 +142,6 @@ def test_workload_generators():
     assert [j.arrival_time for j in trace] == [0.0, 1.0]
 
 
-@pytest.mark.skipif(not (DEFAULT_WORKLOAD_DIR / SHAREGPT).exists(), reason="../shared/workloads not present")
 def test_sharegpt_lengths_load_and_simulate():
     pairs = clamp_lengths(load_lengths(DEFAULT_WORKLOAD_DIR / SHAREGPT), 8192)
     assert len(pairs) > 30_000

@@ -1,27 +1,140 @@
 """benchmarks/gpu_check.sh, the one GPU command, on a machine without CUDA:
 it must stop at once with a non-zero status and say why, before installing
-or running anything."""
+or running anything; its command line; the summary it builds from the
+steps' result files (benchmarks/gpu_check_report.py); and the imports of
+what it runs, on a GPU machine that has no server packages."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.sh"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPT = BENCHMARKS / "gpu_check.sh"
+REPORT = BENCHMARKS / "gpu_check_report.py"
+STEPS = ["install", "import", "engine GPU tests", "kernel GPU tests", "batch-1 decode", "throughput",
+         "kernel benchmark"]  # fmt: skip
+
+
+def gpu_check(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the script's real job")
-def test_gpu_check_fails_clearly_without_cuda(tmp_path):
-    done = subprocess.run(["bash", str(SCRIPT), "--results", str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+@pytest.mark.parametrize("extra", [[], ["--quick"], ["--throughput"]])  # --throughput: accepted, now a no-op
+def test_gpu_check_fails_clearly_without_cuda(tmp_path, extra):
+    done = gpu_check("--results", str(tmp_path), *extra, timeout=120)
     assert done.returncode == 1
     assert "no CUDA device" in done.stderr
     assert list(tmp_path.iterdir()) == []  # nothing installed, run or written
 
 
-def test_gpu_check_refuses_unknown_arguments():
-    done = subprocess.run(["bash", str(SCRIPT), "--no-such-flag"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "unknown argument --no-such-flag" in done.stderr
+@pytest.mark.parametrize("args, message", [
+    (["--no-such-flag"], "unknown argument --no-such-flag"),
+    (["--results"], "--results needs a directory"),
+    (["--budget", "soon"], "--budget needs a number of seconds"),
+])  # fmt: skip
+def test_gpu_check_refuses_bad_arguments(args, message):
+    done = gpu_check(*args)
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_gpu_check_help_lists_the_steps_in_order_with_their_limits(tmp_path):
+    done = gpu_check("--help", "--results", str(tmp_path))
+    assert done.returncode == 0 and list(tmp_path.iterdir()) == []
+    text = done.stdout
+    positions = [text.index(step) for step in STEPS]
+    assert positions == sorted(positions)
+    assert "465 s" in text and "225 s" in text and "--budget SECONDS" in text
+
+
+def report(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPORT), *map(str, args)], capture_output=True, text=True, timeout=60)
+
+
+def test_summary_reads_each_steps_fresh_result_and_ignores_stale_ones(tmp_path):
+    summary = tmp_path / "gpu_check_fake.json"
+    plan = ["engine_tests=engine GPU tests", "batch1_decode=batch-1 decode", "throughput=throughput",
+            "kernel_bench=kernel benchmark"]  # fmt: skip
+    assert report("init", "--summary", summary, "--device", "Fake GPU", "--versions", "v", "--budget", 465,
+                  "--plan", *plan).returncode == 0  # fmt: skip
+    assert "| kernel benchmark | not run |" in summary.with_suffix(".md").read_text()
+    started = time.time() - 1
+
+    junit = tmp_path / "engine.xml"  # as pytest leaves it when interrupted: the stopped test has no name
+    junit.write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_a" name="test_ok"/>'
+        '<testcase classname="tests.test_a" name="test_bad"><failure message="assert 1 == 2">x</failure></testcase>'
+        '<testcase classname="tests.test_a" name="test_skip"><skipped message="no"/></testcase>'
+        '<testcase time="0.0"/></testsuite></testsuites>'
+    )  # fmt: skip
+    tests_json = tmp_path / "gpu_tests_engine_fake.json"
+    report("step", "--summary", summary, "--key", "engine_tests", "--rc", 124, "--seconds", 150, "--limit", 150,
+           "--since", started, "--result", tests_json, "--junit", junit)  # fmt: skip
+    assert json.loads(tests_json.read_text())["failures"][0]["test"] == "tests.test_a::test_bad"
+
+    decode = tmp_path / "batch1_decode_fake.json"
+    decode.write_text(json.dumps(dict(roofline_ms=5.0, eager_over_graphs=2.0, modes=dict(
+        eager=dict(enforce_eager=True, ms_per_token=12.0, vs_roofline=2.4, graph_replays=None),
+        graphs=dict(enforce_eager=False, ms_per_token=6.0, vs_roofline=1.2, graph_replays=127)))))
+    report("step", "--summary", summary, "--key", "batch1_decode", "--rc", 0, "--seconds", 50, "--limit", 120,
+           "--since", started, "--result", decode)  # fmt: skip
+
+    stale = tmp_path / "throughput-fake-llama3-8b-graphs.json"  # an earlier run's, and this run wrote none
+    stale.write_text(json.dumps(dict(results=dict(fluidserve=dict(tokens_per_s=1.0)))))
+    os.utime(stale, (started - 3600, started - 3600))
+    report("step", "--summary", summary, "--key", "throughput", "--rc", 1, "--seconds", 9, "--limit", 150,
+           "--since", started, "--result", stale)  # fmt: skip
+    report("step", "--summary", summary, "--key", "kernel_bench", "--limit", 90, "--skipped", "no time left")
+
+    done = report("finish", "--summary", summary)
+    assert done.returncode == 1
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in done.stdout.splitlines() if line.startswith("| ")}
+    assert "TIMED OUT after 150 s" in rows["engine GPU tests"]
+    assert "1 passed, 1 failed, 1 skipped, cut off mid-test" in rows["engine GPU tests"]
+    assert "eager 12.00 ms/tok (2.40x roofline); graphs 6.00 ms/tok (1.20x roofline); eager/graphs 2.00x" in (
+        rows["batch-1 decode"])
+    assert "FAILED (exit 1)" in rows["throughput"] and "earlier run: not read" in rows["throughput"]
+    assert "skipped: no time left" in rows["kernel benchmark"]
+    record = json.loads(summary.read_text())
+    assert record["status"] == "failed"
+    assert record["steps"][1]["figures"]["graphs_ms_per_token"] == 6.0
+    assert record["steps"][2]["results"] == []  # the stale file is not this run's
+    md = summary.with_suffix(".md").read_text()
+    assert "# GPU check on Fake GPU" in md and "`tests.test_a::test_bad` (failure): assert 1 == 2" in md
+
+
+def test_summary_status_ok_only_when_every_step_ran_and_passed(tmp_path):
+    summary = tmp_path / "gpu_check_fake.json"
+    report("init", "--summary", summary, "--device", "Fake GPU", "--plan", "install=install", "import=import")
+    report("step", "--summary", summary, "--key", "install", "--rc", 0, "--seconds", 5, "--limit", 60)
+    assert report("finish", "--summary", summary).returncode == 1  # import never ran
+    assert json.loads(summary.read_text())["status"] == "incomplete"
+    report("step", "--summary", summary, "--key", "import", "--rc", 0, "--seconds", 3, "--limit", 45)
+    assert report("finish", "--summary", summary).returncode == 0
+
+
+def test_what_gpu_check_runs_imports_without_the_server_packages():
+    """The GPU machine has torch, Triton, transformers and pytest, but no
+    FastAPI, uvicorn, pydantic, Ray or xgrammar."""
+    code = f"""
+import importlib.abc, sys
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {{"fastapi", "uvicorn", "pydantic", "ray", "xgrammar"}}:
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, Missing())
+sys.path.insert(0, {str(BENCHMARKS)!r})
+import fluidserve.engine, fluidserve.kernels.paged_attention
+from fluidserve.engine import LLM, SamplingParams
+import kernels, throughput, gpu_check_report
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
