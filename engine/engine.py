@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fluidserve.kernels.ops import kernel_path
 from fluidserve.kvcache.manager import KVCacheManager
 from fluidserve.kvcache.prefix_cache import ROOT_KEY, block_keys, chain_key
 from fluidserve.scheduler.budget import prediction_margin
@@ -132,8 +133,10 @@ class LLMEngine:
         ttft = self.scheduler.config.online_ttft_slo_ms  # the SLOs live in the scheduler config
         self.preemption = PreemptionPolicy(self.executor.interrupt, None if ttft is None else ttft / 1e3,
                                            self.cost_model.prefill_time, lambda: prediction_margin(self.cost_model))
-        log.info("engine ready: %s, %d KV blocks of %d tokens (+%d on the host), max_model_len %d%s",
-                 self.model_name, self.kv.num_blocks, config.block_size, self.kv.num_host_blocks, self.max_model_len,
+        log.info("engine ready: %s on %s (%s attention kernels%s), %d KV blocks of %d tokens (+%d on the host), "
+                 "max_model_len %d%s", self.model_name, runtime_for(device).name or device, kernel_path(device),
+                 "" if config.enforce_eager else ", decode CUDA graphs where the device has them",
+                 self.kv.num_blocks, config.block_size, self.kv.num_host_blocks, self.max_model_len,
                  " (built-in tiny random-weight model)" if is_tiny_model(self.model_dir) else "")
 
     # -- requests ----------------------------------------------------------
