@@ -42,9 +42,10 @@ one layer of a few-hundred-token offline step takes 15-30 ms, a third of the
 online prompt's own TTFT; several values run the full design once for each).
 
     python benchmarks/coserving.py --real-engine   # ~4 min on 2 cores
-Writes benchmarks/results/coserving_real.{json,md}. ``--real-rounds N`` runs
+Writes benchmarks/results/coserving_real.{json,md} (``-designs`` when every
+design runs, ``-safepoints`` for several safepoint intervals). ``--real-rounds N`` runs
 every design N times, odd rounds in reverse order, and reports medians, each
-ratio paired with its own round's online-only run: on a shared machine whose
+ratio paired with its own round's online-only run: where the machine's
 speed drifts by 10-30% from one minute to the next, one round's ratios move
 by as much as the targets allow.
 """
@@ -60,7 +61,7 @@ from pathlib import Path
 
 # Before torch loads (the real engine runs in this process): idle OpenMP
 # threads sleep, as ``fluidserve serve`` sets them. Spinning threads on a
-# shared machine wait for each other and make each decode step several times
+# machine with other load wait for each other and make each decode step several times
 # slower, which would measure the machine, not the scheduling.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_swap_blocks_per_step=max(1, int(cm.min_iteration_time()
                                                     / cm.transfer_time(BLOCK * cm.model.kv_bytes_per_token))),
                 block_transfer_time=cm.transfer_time(BLOCK * cm.model.kv_bytes_per_token))
-    rate = args.load * estimate_capacity(pairs, cm, SimConfig(**base), num_jobs=300)
+    rate = args.load * estimate_capacity(pairs, cm, SimConfig.create(**base), num_jobs=300)
     online = synthesize(args.online_jobs, empirical_lengths(pairs), gamma_arrivals(rate, 4.0), seed=args.seed)
     off_lengths = empirical_lengths(pairs)
     import random
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     online_ids = {j.request_id for j in online}
     naive = [Job(j.request_id, j.arrival_time, j.prompt_tokens, j.output_tokens) for j in offline]
 
-    plain = {"kv_checkpoint_threshold": None}
+    plain = {"kv_checkpoint_threshold": None, "preemption_safepoint_layers": 0}
     budget = {"online_tpot_slo_ms": args.tpot_slo_ms, "online_ttft_slo_ms": args.ttft_slo_ms}
     runs = {
         "online only": (online, plain),
@@ -144,12 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         "naive (one queue)": (online + naive, plain),
         "priority": (online + offline, plain),
         "priority + budget": (online + offline, {**plain, **budget}),
-        "+ checkpointing": (online + offline, budget),
+        "+ checkpointing": (online + offline, {**budget, "preemption_safepoint_layers": 0}),
         "+ layer-wise preemption (full)": (online + offline, {
-            **budget, "preemption_safepoint_fraction": args.safepoint_layers / cm.model.num_layers}),
+            **budget, "preemption_safepoint_layers": args.safepoint_layers}),
     }
     offline_ids = {j.request_id for j in offline}  # the naive run's offline work is online-class
-    results = {name: simulate(jobs, "skip-join-mlfq", cm, SimConfig(**base, **extra), tracked=offline_ids)
+    results = {name: simulate(jobs, "skip-join-mlfq", cm, SimConfig.create(**base, **extra), tracked=offline_ids)
                for name, (jobs, extra) in runs.items()}
     end = max(r.finish_time for r in results["online only"].records)
     alone = results["offline only"].work_until(end)[2]
@@ -171,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ref = rows[0]
     out = ["# Co-serving in the simulator (ConServe)", "",
            f"Command: `python benchmarks/coserving.py {' '.join(argv if argv is not None else sys.argv[1:])}`. "
-           f"Llama-3-8B on one H100 (roofline), {args.online_jobs} online jobs (ShareGPT lengths, Gamma CV 4, trace seed {args.seed}, at "
+           f"Llama-3-8B on one H100 (roofline), {args.online_jobs} online jobs (ShareGPT lengths, Gamma CV 4, "
+           f"trace seed {args.seed}, at "
            f"{args.load:g} of the saturated rate, {rate:.2f} req/s), {args.offline_jobs} offline jobs at t = 0, "
            f"TPOT SLO {args.tpot_slo_ms:g} ms for the budget. Online window: {end:.0f} s; idle "
            f"capacity {idle:.0%} (1 - load).", "",
@@ -198,6 +200,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # -- the real engine ---------------------------------------------------------------------
+
+
+def real_stem(args: argparse.Namespace) -> str:
+    """The result file of a real-engine run, named by what it compares, so
+    the full design's figures, the comparison of every design and the A/B
+    of safepoint intervals each keep their own file."""
+    if len(args.real_safepoint_layers) > 1:
+        return "coserving_real-safepoints"
+    if set(args.real_designs) >= {"naive", "priority", "budget", "full"}:
+        return "coserving_real-designs"
+    return "coserving_real"
 
 # (design, online requests, offline backlog, offline enters as, SLOs on, safepoint layers, checkpointing)
 REAL_VARIANTS = [
@@ -233,7 +246,7 @@ async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on:
     # rest wait (or sit on the host), as a real backlog would.
     blocks = (min(args.real_offline, args.real_kv_requests) * (prompt_len + 64) + args.real_online * 128) // BLOCK + 64
     ttft_slo, tpot_slo = slos if slos else (None, None)
-    engine = LLMEngine(EngineConfig(
+    engine = LLMEngine(EngineConfig.create(
         model=str(model_dir), load_format="dummy", device="cpu", num_kv_blocks=blocks,
         max_num_batched_tokens=args.real_batched_tokens, enable_prefix_caching=False,
         online_tpot_slo_ms=tpot_slo, online_ttft_slo_ms=ttft_slo, preemption_safepoint_layers=safepoint_layers,
@@ -419,7 +432,8 @@ def real_engine(args, argv: list[str] | None) -> int:
            f"on the CPU ({platform.machine()}, {os.cpu_count()} cores, torch on {args.real_threads} thread(s)), "
            f"in-process through AsyncEngine. "
            f"Backlog: {args.real_offline} offline requests of {args.real_offline_prompt} prompt tokens and 32 "
-           f"output from t = 0 (device KV for {args.real_kv_requests} of them at once); {args.real_online} online requests (64 prompt tokens, 8 output) arriving as a "
+           f"output from t = 0 (device KV for {args.real_kv_requests} of them at once); {args.real_online} online "
+           f"requests (64 prompt tokens, 8 output) arriving as a "
            f"Poisson process, mean gap {args.real_gap_s:g} s; step budget {args.real_batched_tokens} tokens. "
            f"SLOs of the budget variants: TTFT {slos[0]:.0f} ms, TPOT {slos[1]:.1f} ms"
            + (f" ({1 + args.real_slo_slack:g}x the online-only P99s)" if not (args.real_ttft_slo_ms
@@ -430,7 +444,7 @@ def real_engine(args, argv: list[str] | None) -> int:
            f"resumes once online work drains). Idle capacity: {idle:.0%} of the window "
            f"(1 - the online-only run's busy time / its window).", "",
            f"Load average (1 min) at the start {load_start[0]:.2f}, at the end {load_end[0]:.2f}; "
-           f"{os.cpu_count()} cores shared with other work.", "",
+           f"{os.cpu_count()} cores.", "",
            "| design | online P99 TTFT (ms) | vs online only | P50 TTFT (ms) | online P99 TPOT (ms) | vs online only "
            "| offline tok/s in the window | share of offline only | share of offline only x idle "
            "| of them decode rows | steps interrupted | of them resumed | tokens computed again |"
@@ -451,15 +465,17 @@ def real_engine(args, argv: list[str] | None) -> int:
             cells.append(", ".join(f"{p['ttft_ratio']:.2f}x / {p['tpot_ratio']:.2f}x" if "ttft_ratio" in p else ""
                                    for p in per).strip(", ")
                          + ("; " if on and "offline_share" in r else "")
-                         + (", ".join(f"{p['offline_share_of_idle']:.0%}" for p in per) if "offline_share" in r else ""))
+                         + (", ".join(f"{p['offline_share_of_idle']:.0%}" for p in per)
+                            if "offline_share" in r else ""))
         out.append(f"| {r['design']} | " + " | ".join(cells) + " |")
     md = "\n".join(out) + "\n"
     dest = Path(args.out_dir)
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "coserving_real.json").write_text(json.dumps({"args": vars(args), "arrivals_s": arrivals, "slos_ms": slos,
-                                                          "idle_share": idle, "load_start": load_start,
-                                                          "load_end": load_end, "rows": rows, "rounds": rounds}, indent=1))
-    (dest / "coserving_real.md").write_text(md)
+    stem = real_stem(args)
+    (dest / f"{stem}.json").write_text(json.dumps({"args": vars(args), "arrivals_s": arrivals, "slos_ms": slos,
+                                                   "idle_share": idle, "load_start": load_start,
+                                                   "load_end": load_end, "rows": rows, "rounds": rounds}, indent=1))
+    (dest / f"{stem}.md").write_text(md)
     print(md)
     return 0
 

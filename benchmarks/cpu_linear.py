@@ -16,9 +16,9 @@ down. Ways timed, each over the same inputs:
   ``sgemm_compute`` (``torch.ops.mkl._mkl_reorder_linear_weight``).
 
 Rounds run every way once in turn (the order rotated each round) and the
-median per way is reported, so a noisy shared machine hits all alike. With
-one thread (the default) the time is the thread's CPU time, which other jobs
-on a shared machine disturb far less than wall time; ``--threads 2`` times
+median per way is reported, so load from other processes hits all alike.
+With one thread (the default) the time is the thread's CPU time, which other
+processes disturb far less than wall time; ``--threads 2`` times
 wall clock.
 
     python benchmarks/cpu_linear.py
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# Linear layers of one decoder layer on the CPU (ms per layer, median of rounds)", "",
              f"torch {torch.__version__}, {record['threads']} thread(s), "
              f"{'thread CPU time' if record['threads'] == 1 else 'wall time'}; load average at start "
-             f"{load_start[0]:.2f}, at end {record['load_average_end'][0]:.2f} (2 cores shared by five engineers).",
+             f"{load_start[0]:.2f}, at end {record['load_average_end'][0]:.2f} ({os.cpu_count()} cores).",
              "", "| dtype | tokens | " + " | ".join(ways) + " | best vs separate |",
              "|---|---:|" + "---:|" * (len(ways) + 1)]
     for row in rows:

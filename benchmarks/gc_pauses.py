@@ -30,7 +30,8 @@ from fluidserve.engine.engine import next_request_id
 from fluidserve.engine.tiny_model import build_tiny_model
 
 # (name, frozen, young threshold while frozen: None for the engine's own)
-WAYS = (("not frozen", False, None), ("frozen, default young threshold", True, 0), ("frozen (the engine's)", True, None))
+WAYS = (("not frozen", False, None), ("frozen, default young threshold", True, 0),
+        ("frozen (the engine's)", True, None))
 
 
 class CollectionClock:

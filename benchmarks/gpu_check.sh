@@ -34,7 +34,7 @@
 # anything. The status is 0 only if every step ran and passed.
 #
 # Usage: benchmarks/gpu_check.sh [--quick] [--budget SECONDS] [--results DIR] [--help]
-# (--throughput, from when that step was opt-in, is accepted and changes nothing.)
+# (--throughput is accepted for older callers and changes nothing: throughput always runs.)
 set -uo pipefail
 
 START=$SECONDS

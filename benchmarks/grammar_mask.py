@@ -105,7 +105,8 @@ def _text(rng: random.Random, lo: int = 1, hi: int = 6) -> str:
 def make_instance(kind: str, rng: random.Random) -> Any:
     """A random document valid against ``SCHEMAS[kind]``."""
     if kind == "person":
-        return {"name": _text(rng, 2, 3).title(), "age": rng.randint(0, 150), "email": f"{rng.choice(WORDS)}@example.org",
+        return {"name": _text(rng, 2, 3).title(), "age": rng.randint(0, 150),
+                "email": f"{rng.choice(WORDS)}@example.org",
                 "tags": [rng.choice(WORDS) for _ in range(rng.randint(0, 5))],
                 "address": {"street": f"{rng.randint(1, 999)} {_text(rng, 1, 2)}", "city": _text(rng, 1, 2),
                             "zip": f"{rng.randint(0, 99999):05d}"}}
@@ -399,7 +400,8 @@ def _markdown(meta: dict, rows: list[dict], ratios: list[dict]) -> str:
     ]
     for r in rows:
         compile_ms = ", ".join(f"{v:.0f}" for v in r["compile_ms"].values())
-        lines.append(f"| {r['backend']} | {r['vocab_size']} | {r['fill_ms_per_step_median']} | {r['fill_ms_per_step_p90']} "
+        lines.append(f"| {r['backend']} | {r['vocab_size']} | {r['fill_ms_per_step_median']} "
+                     f"| {r['fill_ms_per_step_p90']} "
                      f"| {r['fill_us_per_request_token']} | {r['accept_ms_per_step_median']} | {r['new_matcher_us']} "
                      f"| {compile_ms} | {r['mask_errors']} |")
     lines += ["", "| vocab | threads | llguidance fill / xgrammar fill |", "|---|---|---|"]

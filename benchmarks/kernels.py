@@ -361,7 +361,7 @@ def bench_batch1_decode_mode(model_dir: Path, enforce_eager: bool, prompt_len: i
         llm.engine.shutdown()
         # Engines sit in reference cycles: without a collection the first
         # one's 16 GB of weights outlive it while the second loads.
-        del llm
+        llm = None  # the run closure holds the engine too
         gc.collect()
         torch.cuda.empty_cache()
     return dict(enforce_eager=enforce_eager, ms_per_token=(t_many - t_one) / (output_len - 1) * 1e3,

@@ -67,7 +67,7 @@ def _step(num_seqs: int, tokens_each: int, context: int, block_size: int) -> Mod
 
 
 def single_rank(model_dir: Path, repeats: int) -> dict:
-    worker = Worker(EngineConfig(model=str(model_dir), load_format="dummy", device="cpu",
+    worker = Worker(EngineConfig.create(model=str(model_dir), load_format="dummy", device="cpu",
                                  preemption_safepoint_layers=1), str(model_dir))
     worker.init_cache(1100)  # the decode batch: 32 x 33 blocks
     layers = worker.num_layers
@@ -81,7 +81,7 @@ def single_rank(model_dir: Path, repeats: int) -> dict:
     out["check_s"] = (time.perf_counter() - t) / n
     shapes = {SHAPES[0]: _step(1, 512, 0, 16), SHAPES[1]: _step(32, 1, 512, 16)}
     # Time spent inside the checks of a real armed forward, measured around
-    # each check: a whole-forward A/B would drown ns in the shared machine's noise.
+    # each check: a whole-forward A/B would drown ns in the noise of other processes.
     spent = {"s": 0.0, "n": 0}
     check = worker.safepoints.stop_before
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     md = ["# Layer safepoints: cost against a layer", "",
           f"Command: `python benchmarks/preemption.py {cmd}`. Model preset `{args.preset}` "
           f"({one['num_layers']} layers, random weights), fp32 on CPU ({platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads), machine shared with other work.", "",
+          f"{torch.get_num_threads()} threads).", "",
           f"* one rank, one check (host-side flag read): {one['check_s'] * 1e9:.0f} ns",
           f"* tensor parallel 2, one vote (gloo all-reduce of one int between two processes): "
           f"{vote * 1e6:.0f} us",

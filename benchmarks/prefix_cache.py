@@ -90,7 +90,7 @@ def tenants(args, model_dir: Path, host_blocks: int) -> tuple[list[float], dict]
     from fluidserve.engine.config import EngineConfig
     from fluidserve.engine.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=str(model_dir), load_format="dummy", device="cpu", max_model_len=1024,
+    engine = LLMEngine(EngineConfig.create(model=str(model_dir), load_format="dummy", device="cpu", max_model_len=1024,
                                     num_kv_blocks=args.tenant_tokens // 16 * 2 + 16, num_host_blocks=host_blocks))
     rng = random.Random(2)
     systems = [[rng.randrange(3, engine.vocab_size) for _ in range(args.tenant_tokens)] for _ in range(args.tenants)]
@@ -98,7 +98,8 @@ def tenants(args, model_dir: Path, host_blocks: int) -> tuple[list[float], dict]
                for i in range(args.tenants * args.tenant_rounds)]
     ttfts = _ttfts(engine, prompts, 8)[args.tenants:]  # each tenant's first request fills the cache
     st = engine.kv.prefix_stats
-    figures = {"device_hit_rate": st.hit_tokens / st.query_tokens, "host_hit_rate": st.host_hit_tokens / st.query_tokens,
+    figures = {"device_hit_rate": st.hit_tokens / st.query_tokens,
+               "host_hit_rate": st.host_hit_tokens / st.query_tokens,
                "demoted_blocks": st.demoted_blocks, "num_kv_blocks": engine.kv.num_blocks}
     engine.shutdown()
     return ttfts, figures
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_model_dir(args.preset, Path(tempfile.mkdtemp(prefix="fluidserve-prefix-")))
     rows = {}
     for cache in (False, True):
-        engine = LLMEngine(EngineConfig(model=str(model_dir), load_format="dummy", device="cpu",
+        engine = LLMEngine(EngineConfig.create(model=str(model_dir), load_format="dummy", device="cpu",
                                         max_model_len=4096, num_kv_blocks=1024, enable_prefix_caching=cache))
         vocab = engine.vocab_size
         shared = _ttfts(engine, shared_system_prompt(random.Random(0), vocab, args.prefix_tokens, args.requests), 8)
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         "| prefix cache | mean TTFT (ms) | device hit | host hit | demoted blocks |", "|---|---|---|---|---|",
         *(f"| {label} | {r['mean_ttft_s'] * 1e3:.0f} | {r['device_hit_rate']:.0%} | {r['host_hit_rate']:.0%} | "
           f"{r['demoted_blocks']} |" for label, r in tenant_rows.items()),
-        f"| host tier speed-up | {tenant_rows['device only']['mean_ttft_s'] / tenant_rows['device + host']['mean_ttft_s']:.1f}x "
+        f"| host tier speed-up | "
+        f"{tenant_rows['device only']['mean_ttft_s'] / tenant_rows['device + host']['mean_ttft_s']:.1f}x "
         "| | | |", "",
         f"Scheduler CPU time per step at 256 decoding requests sharing a 512-token prefix: "
         f"{off['scheduler_s_per_step_256'] * 1e3:.2f} ms with the cache off, "

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = {"none": SamplingParams(max_tokens=1, temperature=0)}
     for n in args.top_n:
         variants[f"prompt_logprobs={n}"] = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=n)
-    load_before = os.getloadavg()  # the machine is shared: say how busy it was
+    load_before = os.getloadavg()  # how busy the cores were: the times depend on it
     timed(llm, prompts, variants["none"])  # warm-up
     times: dict[str, list[float]] = {k: [] for k in variants}
     head: list[float] = []
@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
               + " ".join(argv if argv is not None else sys.argv[1:]), "device": device_name(device),
               "preset": preset, "dtype": dtype, "prompt_len": args.prompt_len, "num_prompts": args.num_prompts,
               "max_num_batched_tokens": args.max_num_batched_tokens, "rounds": args.rounds, "rows": rows,
-              "lm_head_only_s": head_s, "raw_s": times, "load_average_before": load_before, "load_average_after": os.getloadavg()}
+              "lm_head_only_s": head_s, "raw_s": times, "load_average_before": load_before,
+              "load_average_after": os.getloadavg()}
     md = [f"# prompt_logprobs cost ({record['device']}, {preset}, {dtype})", "",
           f"`{record['command']}`: {args.num_prompts} prompts of {args.prompt_len} tokens, 1 output token each, "
           f"step budget {args.max_num_batched_tokens} tokens; medians of {args.rounds} alternating rounds; "

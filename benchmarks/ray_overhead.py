@@ -17,7 +17,7 @@ under ``executor="local"`` and under ``executor="ray"`` with one worker
 
 On CPU a Ray worker gets one thread (Ray sets OMP_NUM_THREADS to the actor's
 one CPU), so the local run is pinned to one thread too (``--threads``) for a
-like-for-like comparison. Writes JSON to benchmarks/results/.
+like-for-like comparison. Writes benchmarks/results/ray_overhead-<device>-<preset>.json.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import random
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -188,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} vs local: throughput x{c['tokens_per_s_ratio']:.3f}; extra time per decode step {steps}")
 
     args.out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d_%H%M%S")
-    path = args.out / f"ray_overhead_{device}_{stamp}.json"
+    path = args.out / f"ray_overhead-{device}-{preset}.json"
     record = {
         "benchmark": "ray_overhead", "device": device_name(device), "device_kind": device, "preset": preset,
         "model_shape": PRESETS[preset], "dtype": dtype, "torch": torch.__version__,

@@ -66,7 +66,7 @@ def _cost_model(profile: str | None) -> CostModel:
 
 def _run(task: dict) -> dict:
     cm = _cost_model(task["profile"])
-    cfg = SimConfig(**task["sim"])
+    cfg = SimConfig.create(**task["sim"])
     t0 = time.perf_counter()
     res = simulate(task["jobs"], task["policy"], cm, cfg, task["options"])
     row = {k: v for k, v in task.items() if k not in ("jobs", "sim", "profile")}
@@ -79,7 +79,7 @@ def _run(task: dict) -> dict:
 def build_tasks(args, cm: CostModel, sim: dict) -> tuple[list[dict], dict]:
     wdir = Path(args.workload_dir)
     base_pairs = clamp_lengths(load_lengths(wdir / SHAREGPT), MAX_MODEL_LEN)
-    cfg = SimConfig(**sim)
+    cfg = SimConfig.create(**sim)
     capacity: dict[str, float] = {}
     tasks: list[dict] = []
 
@@ -107,7 +107,7 @@ def build_tasks(args, cm: CostModel, sim: dict) -> tuple[list[dict], dict]:
     # the head-of-line blocking its MLFQ removes.
     if args.batch_cap:
         capped = {**sim, "max_num_seqs": args.batch_cap}
-        cap_capped = estimate_capacity(base_pairs, cm, SimConfig(**capped), num_jobs=args.capacity_jobs)
+        cap_capped = estimate_capacity(base_pairs, cm, SimConfig.create(**capped), num_jobs=args.capacity_jobs)
         capacity[f"sharegpt, cap {args.batch_cap}"] = cap_capped
         for load in args.loads:
             rate = load * cap_capped
@@ -133,7 +133,7 @@ def build_tasks(args, cm: CostModel, sim: dict) -> tuple[list[dict], dict]:
 def scheduler_overhead(cm: CostModel, policy: str, active: int, steps: int = 200) -> float:
     """CPU seconds per schedule() + update_from_output() with ``active`` decoding requests."""
     kv = KVCacheManager(active * 64 + 64, 16)
-    s = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048, policy=policy), kv,
+    s = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048, scheduling_policy=policy), kv,
                   make_policy(policy, cost_model=cm))
     for i in range(active):
         seq = SeqState(f"r{i}", 200 + (i * 37) % 600, 10_000, i * 1e-3)
@@ -158,7 +158,8 @@ def to_markdown(rows: list[dict], capacity: dict, overhead: dict, meta: dict) ->
     out = ["# Scheduling policies in the simulator (FastServe §6.3)", "",
            f"Model/device: {meta['cost_model']}. KV pool {meta['sim']['num_kv_blocks']} blocks x "
            f"{meta['sim']['block_size']} tokens, token budget {meta['sim']['max_num_batched_tokens']}, "
-           f"request cap {meta['sim']['max_num_seqs']} (except the -cap experiment). {meta['num_jobs']} jobs per run (trace: first "
+           f"request cap {meta['sim']['max_num_seqs']} (except the -cap experiment). "
+           f"{meta['num_jobs']} jobs per run (trace: first "
            f"{meta['trace_jobs']}), seed {meta['seed']}. ShareGPT-8k lengths (Llama-2 tokenizer, prompts "
            f"and outputs clamped to {MAX_MODEL_LEN} tokens in all). Load = arrival rate / saturated FCFS "
            "throughput of the same length mix: " +

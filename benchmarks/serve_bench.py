@@ -22,8 +22,9 @@ Frontend overhead (starts its own ``fluidserve serve`` on the built-in tiny mode
 It reports the requests/s the server sustains with a trivially small model,
 and the latency per token a client sees through HTTP/SSE minus what the same
 engine takes when called directly in-process. Writes
-benchmarks/results/serve_overhead.json (``--output`` to change it). The client shares the machine's cores with the server,
-so on a small box the numbers include the client's own cost.
+benchmarks/results/serve_overhead.json (``--output`` to change it). The
+client shares the machine's cores with the server, so on a small box the
+numbers include the client's own cost.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class DirectEngine:
         import torch
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-        self.engine = LLMEngine(EngineConfig(**config_kwargs))
+        self.engine = LLMEngine(EngineConfig.create(**config_kwargs))
         self.rounds = 0
 
     def run(self, prompt_len: int, output_len: int, concurrency: int) -> dict[str, float]:

@@ -94,7 +94,8 @@ def engine_case(preset: str, num_requests: int, family: int, prompt_len: int, ou
     default = cpu_attention.MIN_SHARED_SAVING
     results = {}
     for name, caching, value in (("rule", True, None), ("every family apart", True, 0), ("cache off", False, None)):
-        llm = LLM(model=str(model), load_format="dummy", device="cpu", num_kv_blocks=blocks, max_model_len=prompt_len + output_len + 16,
+        llm = LLM(model=str(model), load_format="dummy", device="cpu", num_kv_blocks=blocks,
+                  max_model_len=prompt_len + output_len + 16,
                   max_num_seqs=num_requests, enable_prefix_caching=caching)
         times: list[float] = []
         execute = llm.engine.executor.execute
@@ -117,7 +118,8 @@ def engine_case(preset: str, num_requests: int, family: int, prompt_len: int, ou
         results[name] = {"decode_step_ms": statistics.median(times) * 1e3 if times else None,
                          "decode_steps": len(times), "tok_per_s": num_requests * output_len / wall}
         del llm
-    return {"preset": preset, "requests": num_requests, "family": family, "prompt_len": prompt_len, "output_len": output_len,
+    return {"preset": preset, "requests": num_requests, "family": family, "prompt_len": prompt_len,
+            "output_len": output_len,
             **results}
 
 
@@ -139,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {k['family']} | {k['shared_blocks']} | {k['saved_tokens']} | " + " | ".join(cells)
                      + f" | {k['rule']['ms']:.1f} ms ({k['rule']['buckets']} buckets) |")
     eng = engine_case(args.engine_preset, args.requests, 4, 32, 64)
-    lines += ["", f"LLM.generate, {eng['preset']} preset, {eng['requests']} requests, each prompt ({eng['prompt_len']} tokens) "
+    lines += ["", f"LLM.generate, {eng['preset']} preset, {eng['requests']} requests, "
+                  f"each prompt ({eng['prompt_len']} tokens) "
               f"sent by {eng['family']}, {eng['output_len']} output tokens:", "",
               "| | median decode step | decode steps | output tok/s |", "|---|---|---|---|"]
     for name in ("rule", "every family apart", "cache off"):

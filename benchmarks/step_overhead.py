@@ -12,11 +12,12 @@ output before a request finishes, its text detokenized then) and streamed
 
 Times are medians over decode-only steps (the first prefill steps are
 dropped); means over the same steps are saved too, and for the final-only
-run they include the step where every request finishes and is detokenized. The bookkeeping parts (schedule, build_input, process_outputs, update) are
+run they include the step where every request finishes and is detokenized.
+The bookkeeping parts (schedule, build_input, process_outputs, update) are
 plain Python on the engine's thread: they are timed in that thread's CPU time,
-which other jobs on a shared machine disturb far less than wall time (wall
-medians are saved too); execute is wall time. Targets (issue 11): the four
-together < 1 ms at 256 requests, < 3 ms at 1024.
+which other processes disturb far less than wall time (wall medians are
+saved too); execute is wall time. Targets: the four together < 1 ms at 256
+requests, < 3 ms at 1024.
 Prints a table and writes JSON + markdown to benchmarks/results/.
 """
 
@@ -73,12 +74,12 @@ def run_streamed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> 
 def measure(llm: LLM, concurrency: int, output_len: int, prompt_len: int, streamed: bool) -> dict[str, float]:
     engine = llm.engine
     samples: dict[str, list[tuple[float, float]]] = {p: [] for p in PARTS}
-    originals = (engine.scheduler.schedule, engine._model_input, engine.executor.execute, engine._process,
-                 engine.scheduler.update_from_output)
+    originals = (engine.scheduler.schedule, engine._model_input, engine.executor.execute,
+                 engine.output_processor.process, engine.scheduler.update_from_output)
     engine.scheduler.schedule = timed(samples["schedule"], originals[0])
     engine._model_input = timed(samples["build_input"], originals[1])
     engine.executor.execute = timed(samples["execute"], originals[2])
-    engine._process = timed(samples["process_outputs"], originals[3])
+    engine.output_processor.process = timed(samples["process_outputs"], originals[3])
     engine.scheduler.update_from_output = timed(samples["update"], originals[4])
     try:
         prompts = [[(i * 7 + j) % 250 for j in range(prompt_len)] for i in range(concurrency)]
@@ -88,7 +89,7 @@ def measure(llm: LLM, concurrency: int, output_len: int, prompt_len: int, stream
         else:
             llm.generate(prompts, params)
     finally:
-        (engine.scheduler.schedule, engine._model_input, engine.executor.execute, engine._process,
+        (engine.scheduler.schedule, engine._model_input, engine.executor.execute, engine.output_processor.process,
          engine.scheduler.update_from_output) = originals
     skip = 5  # prefill steps
     row = {p: statistics.median(c for _, c in v[skip:]) * 1e3 for p, v in samples.items() if p in BOOKKEEPING}
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         need = max(args.concurrency) * -(-(args.prompt_len + args.output_len) // 16) + 16
         llm = LLM(model=str(model), device="cpu", num_kv_blocks=need, max_model_len=512,
                   max_num_seqs=max(args.concurrency))
-        rows = [{"concurrency": n, "mode": mode, **measure(llm, n, args.output_len, args.prompt_len, mode == "streamed")}
+        rows = [{"concurrency": n, "mode": mode,
+                 **measure(llm, n, args.output_len, args.prompt_len, mode == "streamed")}
                 for n in args.concurrency for mode in MODES]
 
     device = device_name("cpu")
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
              "streamed: every step's output read, as the server does. mean: process_outputs' mean over the same "
              "steps (for generate it includes the last step, where every request is detokenized).", "",
              f"Load average (1 min) at the start {load_start[0]:.2f}, at the end {load_end[0]:.2f}; "
-             f"{os.cpu_count()} cores shared with other jobs.", "",
+             f"{os.cpu_count()} cores.", "",
              "| concurrent requests | mode | " + " | ".join(cols) + " | process_outputs (mean) |",
              "|---:|---|" + "---:|" * (len(cols) + 1)]
     lines += [f"| {r['concurrency']} | {r['mode']} | " + " | ".join(f"{r[p]:.2f}" for p in cols)

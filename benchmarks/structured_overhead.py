@@ -196,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         f"the mask on the logits): **{100 * grammar_share:.2f}%** of JSON-mode decode wall time (median over "
         f"rounds).",
         "",
-        "The machine is shared (2 cores), so wall-clock rates swing between rounds; CPU time of this "
-        "process and the grammar's own timed share are the steadier figures.",
+        f"Wall-clock rates swing between rounds with whatever else runs on the {os.cpu_count()} cores; the CPU "
+        "time of this process and the grammar's own timed share are the steadier figures.",
         "",
     ])
     out.with_suffix(".md").write_text(md)

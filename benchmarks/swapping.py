@@ -83,7 +83,7 @@ def sim_config(cm: RooflineCostModel, pool: float, mode: str, proactive: bool) -
     block_bytes = BLOCK * cm.model.kv_bytes_per_token
     per_block = cm.transfer_time(block_bytes)
     swap = mode == "swap"
-    return SimConfig(
+    return SimConfig.create(
         num_kv_blocks=max(1, int(cm.num_kv_blocks(BLOCK) * pool)), block_size=BLOCK,
         max_num_batched_tokens=2048, max_num_seqs=256,
         num_host_blocks=HOST_GIB * 2**30 // block_bytes if swap else 0,

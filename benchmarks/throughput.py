@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
 
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = auto if args.device == "auto" else args.device
     gpu = device == "cuda"
     preset = args.preset or ("llama3-8b" if gpu else "cpu-small")
     dtype = args.dtype or ("bfloat16" if gpu else "float32")

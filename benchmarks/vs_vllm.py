@@ -23,7 +23,7 @@ Offline (``LLM.generate``, output tokens/s)::
 runs {64, 256} requests x {64, 128} output tokens x {bf16, fp32}, greedy,
 ``ignore_eos``. Both engines stay loaded side by side (one child process each,
 the idle one sleeps) and every point runs on each in turn, the order swapped
-on every repeat, so a noisy shared machine hits both alike; the ratio per
+on every repeat, so load from other processes hits both alike; the ratio per
 point is what to read.
 
 Prefix caching (offline, a long shared system prompt before every request's
@@ -122,8 +122,8 @@ def worker_main(system: str, model_dir: str, dtype: str, opts: dict) -> int:
 
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process and its live descendants (vLLM
-    runs its engine in a child process). On a shared machine wall time
-    swings with the neighbours' load; CPU time much less."""
+    runs its engine in a child process). Wall time swings with other
+    processes' load; CPU time much less."""
     tick = os.sysconf("SC_CLK_TCK")
     total, stack = 0.0, [pid]
     while stack:
@@ -327,7 +327,8 @@ def offline(args: argparse.Namespace) -> dict:
             "threads": args.threads}
     points: list[dict] = []
     record: dict = {"benchmark": "vs_vllm offline", "command": " ".join(map(shlex.quote, sys.argv)),
-                    "device": device_record(), "load_average_start": os.getloadavg(), "model_shape": SHAPE, "engine_options": opts,
+                    "device": device_record(), "load_average_start": os.getloadavg(), "model_shape": SHAPE,
+                    "engine_options": opts,
                     "prompts": {"source": "ShareGPT lengths", "scale": args.length_scale,
                                 "mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))},
                     "note": args.note, "tag": args.tag, "points": points}
@@ -362,7 +363,8 @@ def prefix_prompts(n: int, prefix_len: int, suffix_len: int, seed: int) -> list[
     rng = random.Random(seed)
     vocab = SHAPE["vocab_size"]
     shared = [rng.randrange(vocab // 4, vocab) for _ in range(prefix_len)]
-    return [shared + [rng.randrange(vocab // 4, vocab) for _ in range(rng.randint(suffix_len // 2, suffix_len * 3 // 2))]
+    return [shared + [rng.randrange(vocab // 4, vocab)
+                      for _ in range(rng.randint(suffix_len // 2, suffix_len * 3 // 2))]
             for _ in range(n)]
 
 
@@ -463,7 +465,7 @@ def _save_offline(record: dict, mode: str = "offline") -> None:
              "(best of repeats) | per repeat |" + (" baseline tok/s | baseline / vLLM |" if base else ""),
              "|---|---|---:|---:|---:|---|" + ("---:|---:|" if base else "")]
     cpu_table = ["", "Output tokens per CPU-second (the process tree's user + system time; steadier than wall "
-                 "time on a shared machine), best of repeats:", "",
+                 "time under other load), best of repeats:", "",
                  "| dtype | requests x output tokens | vLLM | fluidserve | fluidserve / vLLM |"
                  + (" baseline | baseline / vLLM |" if base else ""), "|---|---|---:|---:|---:|"
                  + ("---:|---:|" if base else "")]
@@ -528,7 +530,8 @@ def online(args: argparse.Namespace) -> dict:
         args.vllm_python = None
     dtype = args.dtypes[0]
     record: dict = {"benchmark": "vs_vllm online", "command": " ".join(map(shlex.quote, sys.argv)),
-                    "device": device_record(), "load_average_start": os.getloadavg(), "model_shape": SHAPE, "dtype": dtype, "note": args.note, "tag": args.tag,
+                    "device": device_record(), "load_average_start": os.getloadavg(), "model_shape": SHAPE,
+                    "dtype": dtype, "note": args.note, "tag": args.tag,
                     "load": {"num_requests": args.num_requests, "endpoint": "chat", "arrival": "poisson",
                              "prompt_words": f"{args.online_input_len} +-50% (uniform), about 2 tokens a word",
                              "output_tokens": f"{args.online_output_len} +-50% (uniform), ignore_eos",
@@ -575,7 +578,8 @@ def _load(bc, port: int, rate: float, args: argparse.Namespace, model: str | Non
     # the byte tokenizer makes the same text the same tokens everywhere.
     flags = ["--base-url", f"http://127.0.0.1:{port}", "--no-progress", "--endpoint", "chat",
              "--input-len", str(args.online_input_len), "--output-len", str(args.online_output_len),
-             "--length-dist", "uniform", "--length-range", "0.5", "--num-requests", str(num_requests or args.num_requests),
+             "--length-dist", "uniform", "--length-range", "0.5",
+             "--num-requests", str(num_requests or args.num_requests),
              "--request-rate", str(rate), "--seed", str(args.seed)]
     if model:  # a server whose /v1/models lists nothing (transformers serve) is asked for its model by name
         # It also refuses vLLM's ignore_eos (HTTP 422): the random model's
@@ -692,8 +696,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-transformers", action="store_true", help="online: leave out transformers serve")
     ap.add_argument("--baseline-src", type=Path, default=None,
                     help="offline: also run fluidserve from this source tree (a checkout before a change)")
-    ap.add_argument("--tag", default="", help="suffix of the result files (e.g. -run2)")
-    ap.add_argument("--note", default="", help="a line saved with the results (e.g. the machine was shared)")
+    ap.add_argument("--tag", default="",
+                    help="suffix of the result files (e.g. -transformers: fluidserve against transformers only)")
+    ap.add_argument("--note", default="", help="a line saved with the results (e.g. what the run changed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None,
                     help="offline/prefix: torch threads of fluidserve (default: torch's, every core); vLLM's CPU "

@@ -25,11 +25,10 @@ Ordering on CUDA (copies run on a side stream and overlap the forward):
 On CPU the same calls run as synchronous copies before the forward. Each
 layer's K and V move with one gather and one scatter for all of a step's
 blocks: a copy per block run and layer costs ~15 us of dispatch, 60 ms for a
-hundred scattered blocks of a 16-layer model. (A copy thread that ran them
-beside the forward, as the copy stream does, was tried; one test run in four
-then died of a segmentation fault at interpreter exit, so it is not used.)
-Every test on this machine exercises the maps and the ordering of swap-outs
-before swap-ins.
+hundred scattered blocks of a 16-layer model. (Copies on a thread beside
+the forward, as the copy stream runs them on CUDA, are not used: torch's CPU
+ops on two threads at interpreter exit can crash the process.) The CPU tests
+exercise the maps and the ordering of swap-outs before swap-ins.
 """
 
 from __future__ import annotations
@@ -87,9 +86,9 @@ class CacheEngine:
         if self.host_caches and not pin:
             # Write the host blocks a first copy will land in now, not in a
             # step: the host allocator hands out never-used blocks in id order,
-            # and a copy into untouched memory pays its page faults (on a
-            # 2-core test machine 0.16 ms a 256 KiB block against 0.04 once
-            # touched: a 174-block swap-out held an online arrival 28 ms).
+            # and a copy into untouched memory pays its page faults (0.16 ms a
+            # 256 KiB block against 0.04 once touched, on two x86 cores: a
+            # 174-block swap-out held an online arrival 28 ms).
             # As many as the device pool has: the host tier's first working
             # set; blocks beyond fault in as they are first used.
             warm = min(num_host_blocks, num_blocks)

@@ -1,14 +1,17 @@
 """LLMEngine: the iteration-level loop. Owns the live requests and turns each
-step's StepPlan into a ModelInput, runs it on the executor, and turns sampled
-tokens into RequestOutputs (stop checks, detokenization, finish reasons).
+step's StepPlan into a ModelInput, runs it on the executor, and hands the
+sampled tokens to its OutputProcessor (stop checks, detokenization,
+RequestOutputs; engine/output_processor.py).
 
 A step, read aloud: the scheduler plans (what runs, which KV moves), the
-executor runs it, each sampled token is appended to its sequence (stop
-checks, detokenization), and the scheduler is told what ran and what stopped.
+executor runs it, the output processor appends each sampled token to its
+sequence and builds the outputs, and the scheduler is told what ran and
+what stopped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -16,19 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fluidserve.kernels.ops import kernel_path
-from fluidserve.kvcache.manager import KVCacheManager
-from fluidserve.kvcache.prefix_cache import ROOT_KEY, block_keys, chain_key
+from fluidserve.kvcache.manager import slot_of, slots
 from fluidserve.scheduler.budget import prediction_margin
 from fluidserve.scheduler.cost_model import cost_model_for_engine, plan_shape
 from fluidserve.scheduler.plan import StepOutcome, StepPlan
 from fluidserve.scheduler.request_state import RequestClass, SeqState
-from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from fluidserve.scheduler.scheduler import Scheduler
 from fluidserve.engine.batch import ModelInput, PromptLogprobSpec, SampleSpec, StepResult
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.detokenizer import TextStream, byte_table
 from fluidserve.engine.executor import make_executor
-from fluidserve.engine.loader import eos_token_ids, is_tiny_model, load_hf_config, load_tokenizer, model_context_length, resolve_model_dir
-from fluidserve.engine.outputs import RequestOutput, TokenLogprobs
+from fluidserve.engine.loader import (eos_token_ids, is_tiny_model, load_hf_config, load_tokenizer,
+                                      model_context_length, resolve_model_dir)
+from fluidserve.engine.output_processor import OutputProcessor
+from fluidserve.engine.outputs import RequestOutput
 from fluidserve.engine.preemption import PreemptionPolicy, RunningStep, safepoint_interval_share
 from fluidserve.engine.request import Request, Sequence
 from fluidserve.engine.sampling_params import SamplingParams
@@ -76,7 +80,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.is_tiny_default = config.model is None
-        model_dir = default_tiny_model_dir() if config.model is None else resolve_model_dir(config.model, config.load_format)
+        model_dir = (default_tiny_model_dir() if config.model is None
+                     else resolve_model_dir(config.model, config.load_format))
         self.model_dir = Path(model_dir)
         self.model_name = config.served_model_name or (
             "fluidserve-tiny-random" if self.is_tiny_default else str(config.model)
@@ -91,12 +96,11 @@ class LLMEngine:
         # Every EOS id of config.json and generation_config.json ends a sequence.
         self.eos_token_ids = {t for t in [self.eos_token_id, *eos_token_ids(self.hf_config, self.model_dir)]
                               if t is not None}
-        self.kv = KVCacheManager(self.executor.num_kv_blocks, config.block_size, self.executor.num_host_blocks,
-                                 enable_prefix_caching=config.enable_prefix_caching)
+        cache = config.cache
         self.bytes_per_block = self.executor.bytes_per_block
-        if self.kv.num_blocks * config.block_size < self.max_model_len:
+        if self.executor.num_kv_blocks * cache.block_size < self.max_model_len:
             raise ValueError(
-                f"num_kv_blocks: {self.kv.num_blocks} blocks of {config.block_size} tokens cannot hold "
+                f"num_kv_blocks: {self.executor.num_kv_blocks} blocks of {cache.block_size} tokens cannot hold "
                 f"one sequence of max_model_len={self.max_model_len}"
             )
         # The policy consults the cost model (a measured profile, else the
@@ -104,31 +108,23 @@ class LLMEngine:
         device = pick_device(config.device)
         self.cost_model = cost_model_for_engine(config, self.hf_config, device.type,
                                                  runtime_for(device).name)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                policy=config.scheduling_policy,
-                policy_options=dict(config.policy_options),
-                preemption_mode=config.preemption_mode,
-                proactive_swap=config.proactive_swap,
-                max_swap_blocks_per_step=self._swap_blocks_per_step(),
-                online_tpot_slo_ms=config.online_tpot_slo_ms,
-                online_ttft_slo_ms=config.online_ttft_slo_ms,
-                safepoint_interval_share=self._safepoint_interval_share(),
-                kv_checkpoint_threshold=config.kv_checkpoint_threshold,
-                # The CPU path copies KV before the forward, on the same cores.
-                copies_beside_online=device.type != "cpu",
-            ),
-            self.kv,
+        # The scheduler owns the KV accounting over the blocks the executor found room for.
+        self.scheduler = Scheduler.create(
+            # What the device decides: the swap rate its host link allows;
+            # whether KV copies run beside the forward (the CPU copies before it, on the same cores).
+            dataclasses.replace(config.scheduler, max_swap_blocks_per_step=self._swap_blocks_per_step(),
+                                copies_beside_online=device.type != "cpu"),
+            cache, self.executor.num_kv_blocks, self.executor.num_host_blocks,
             cost_model=self.cost_model,
+            safepoint_interval_share=safepoint_interval_share(config.scheduler.preemption_safepoint_layers,
+                                                              self.hf_config),
         )
         self.requests: dict[str, Request] = {}
         self.seqs: dict[str, Sequence] = {}
         self._finished_constrained: list[str] = []  # told to the worker with the next step
         self.stats_ = EngineStats()
-        self._paused_input: ModelInput | None = None  # the input of the step the worker paused
+        self.output_processor = OutputProcessor(self.requests, self.seqs, self.eos_token_ids, self.stats_,
+                                                self.kv.block_size, self._block_filled, self._grammar_finished)
         self._lost_tokens = 0  # of abandoned steps whose state the worker did not keep
         ttft = self.scheduler.config.online_ttft_slo_ms  # the SLOs live in the scheduler config
         self.preemption = PreemptionPolicy(self.executor.interrupt, None if ttft is None else ttft / 1e3,
@@ -136,8 +132,14 @@ class LLMEngine:
         log.info("engine ready: %s on %s (%s attention kernels%s), %d KV blocks of %d tokens (+%d on the host), "
                  "max_model_len %d%s", self.model_name, runtime_for(device).name or device, kernel_path(device),
                  "" if config.enforce_eager else ", decode CUDA graphs where the device has them",
-                 self.kv.num_blocks, config.block_size, self.kv.num_host_blocks, self.max_model_len,
+                 self.kv.num_blocks, cache.block_size, self.kv.num_host_blocks, self.max_model_len,
                  " (built-in tiny random-weight model)" if is_tiny_model(self.model_dir) else "")
+
+    @property
+    def kv(self):
+        """The scheduler's KV accounting, to read (figures, tests): the
+        scheduler alone changes it."""
+        return self.scheduler.kv
 
     # -- requests ----------------------------------------------------------
     def add_request(
@@ -165,7 +167,7 @@ class LLMEngine:
         lazy_text = final_only and params.n == 1 and not params.stop
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # nothing predicts the first prompt token
-        keys = block_keys(token_ids, self.kv.block_size) if self.kv.prefix_caching else []
+        keys = self.scheduler.prompt_block_keys(token_ids)
         stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
         for i in range(params.n):
             # A request scoring its prompt must compute every position: it
@@ -226,11 +228,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def _safepoint_interval_share(self) -> float | None:
-        """The share of a step between two safepoints, the longest where they
-        split layers (None: no safepoints)."""
-        return safepoint_interval_share(self.config.preemption_safepoint_layers, self.hf_config)
-
     def _swap_blocks_per_step(self) -> int | None:
         """Blocks whose copy hides behind the cheapest step (FastServe §4.2:
         swaps overlap compute); None when the cost model knows no link speed."""
@@ -243,29 +240,31 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()
-        self._step_start = now  # first_scheduled_time of requests this step runs first
         plan = self.scheduler.schedule(now)
         if plan.is_empty:
             return []
-        result = self._execute(plan, now)
-        outputs, finished = self._process(plan, result)
+        result, inp = self._execute(plan, now)
+        outputs, finished = self.output_processor.process(result, now)
         self.scheduler.update_from_output(plan, StepOutcome(time.monotonic() - now, now, finished,
-                                                            abandoned=result.abandoned, paused=result.paused))
+                                                            abandoned=result.abandoned, paused=result.paused,
+                                                            # kept with the paused step until it resumes
+                                                            paused_input=inp if result.paused else None))
         self.stats_.num_steps += 1
         self.stats_.swap_stall_seconds += result.swap_stall_s
         return outputs
 
-    def _execute(self, plan: StepPlan, now: float) -> StepResult:
-        """Run the plan; a preemptible one is announced to the preemption
-        policy while it runs, so an online arrival can interrupt it."""
+    def _execute(self, plan: StepPlan, now: float) -> tuple[StepResult, ModelInput]:
+        """Run the plan (its result and the input it ran); a preemptible one
+        is announced to the preemption policy while it runs, so an online
+        arrival can interrupt it."""
         if plan.resumes:  # the paused step's input again: its tables and copies are already applied
-            inp = self._paused_input
+            inp = self.scheduler.paused.input
             inp.resume_of = inp.step_id
             inp.swap_out, inp.swap_in, inp.wait_for_swap_in, inp.finished_ids = [], [], False, []
         else:
             inp = self._model_input(plan)
-        if not plan.preemptible or self.config.preemption_safepoint_layers == 0 or not inp.input_ids:
-            return self.executor.execute(inp)
+        if not plan.preemptible or self.config.scheduler.preemption_safepoint_layers == 0 or not inp.input_ids:
+            return self.executor.execute(inp), inp
         inp.preemptible, inp.step_id = True, self.stats_.num_steps  # unique: counts every step run
         predicted = (self.cost_model.step_time(*(plan.shape or plan_shape(plan, self.scheduler.seqs)))
                      if self.preemption.ttft_slo_s is not None else 0.0)
@@ -277,18 +276,16 @@ class LLMEngine:
         if result.abandoned:
             self.stats_.num_steps_abandoned += 1
             self.stats_.num_abandoned_preemptions += len(plan.scheduled)
-            if result.paused:
-                self._paused_input = inp
-            else:
+            if not result.paused:
                 self._lost_tokens += plan.num_batched_tokens
-        return result
+        return result, inp
 
     def _model_input(self, plan: StepPlan) -> ModelInput:
         inp = ModelInput(swap_out=plan.swap_out, swap_in=plan.swap_in, finished_ids=self._finished_constrained)
         self._finished_constrained = []
         scored: dict[str, int] = {}  # request id -> prompt positions scored once this step has run
         bs = self.kv.block_size
-        seqs = self.seqs
+        seqs, tables = self.seqs, self.kv.block_tables  # the scheduler's tables, the one copy of each
         # Bound appends: a decode row is a handful of them (this loop runs
         # once per scheduled sequence per step).
         add_id, add_pos, add_slot = inp.input_ids.append, inp.positions.append, inp.slot_mapping.append
@@ -297,12 +294,7 @@ class LLMEngine:
         num_tokens = 0
         for item in plan.scheduled:
             seq = seqs[item.request_id]
-            if item.new_table:
-                seq.block_table = table = item.block_ids
-            else:
-                table = seq.block_table
-                if item.block_ids:
-                    table += item.block_ids
+            table = tables[item.request_id]
             start = seq.state.num_computed_tokens
             n = item.num_tokens
             req = seq.request
@@ -311,14 +303,14 @@ class LLMEngine:
                 prompt = req.prompt_token_ids
                 add_id(prompt[start] if start < len(prompt) else seq.output_token_ids[start - len(prompt)])
                 add_pos(start)
-                add_slot(table[start // bs] * bs + start % bs)
+                add_slot(slot_of(table, start, bs))
             else:
                 end = start + n
                 if req.prompt_logprobs is not None:
                     self._score_prompt(req, start, end, num_tokens, scored, inp)
                 inp.input_ids += seq.tokens(start, end)
                 inp.positions += range(start, end)
-                inp.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+                inp.slot_mapping += slots(table, start, end, bs)
             num_tokens += n
             add_qsl(num_tokens)
             add_len(start + n)
@@ -379,130 +371,16 @@ class LLMEngine:
             spec.seed = hash((seed, seq.index, n_out)) & 0x7FFF_FFFF_FFFF_FFFF
         return spec
 
-    def _process(self, plan: StepPlan, result: StepResult) -> tuple[list[RequestOutput], list[str]]:
-        """Append each sampled token to its sequence; the outputs of the
-        requests that moved, and the sequences that stopped."""
-        finished: list[str] = []
-        for rid, entries in result.prompt_logprobs.items():
-            req = self.requests.get(rid)
-            if req is None:  # aborted while the step ran
-                continue
-            decode = req.seqs[0].stream.decode_token
-            for entry in entries:
-                for t, lp in entry.items():
-                    lp.decoded = decode(t)
-            req.prompt_logprobs.extend(entries)
-        get = self.seqs.get
-        offline = RequestClass.OFFLINE
-        bs = self.kv.block_size
-        touched: list[Request] = []  # in the order of their first token this step
-        seen: set[str] = set()  # requests of n > 1 already in touched
-        num_appended = num_offline = 0
-        # Once per sampled row per step: appending a token is written out
-        # here, the rarer work (a filled block, logprobs, stops) is called.
-        for rid, token in result.sampled.items():
-            seq = get(rid)
-            if seq is None:
-                continue
-            num_appended += 1
-            tid = token.token_id
-            out = seq.output_token_ids
-            out.append(tid)
-            req = seq.request
-            lazy = seq.lazy_text
-            if not lazy:  # a lazy sequence's new tokens are set when it finishes (catch_up_text)
-                seq.new_token_ids.append(tid)
-            if (len(req.prompt_token_ids) + len(out)) % bs == 0:
-                self._extend_block_keys(seq)
-            if token.logprobs is not None and seq.logprobs is not None:
-                self._add_logprobs(seq, token.logprobs)
-            # _stop's three ways to end, tested here first so a lazy row
-            # that cannot end this step makes no call.
-            stopped = ((not lazy or tid in seq.stop_ids or len(out) >= seq.max_output_len)
-                       and self._stop(seq, tid))
-            if stopped:
-                finished.append(rid)
-            if req.klass is offline:
-                num_offline += 1
-            if len(req.seqs) == 1:
-                if stopped or not seq.lazy_text:  # a lazy one has no output before its last
-                    touched.append(req)
-            elif req.request_id not in seen:
-                seen.add(req.request_id)
-                touched.append(req)
-        self.stats_.generation_tokens_total += num_appended
-        self.stats_.offline_generation_tokens_total += num_offline
-        outputs = []
-        for req in touched:
-            out = self._output(req)
-            if out.finished or not req.final_only:
-                outputs.append(out)
-        return outputs, finished
-
-    def _output(self, req: Request) -> RequestOutput:
-        """The request's output after this step; a finished request leaves the engine."""
-        if len(req.seqs) == 1:  # the common case, without the loops
-            seq = req.seqs[0]
-            first = seq.state.first_scheduled_time
-            finished = seq.finish_reason is not None
-            if seq.lazy_text:
-                seq.catch_up_text()
-            completions = [seq.take_output()]
-        else:
-            first = None  # when any of its sequences first ran; this step if none has
-            for s in req.seqs:
-                t = s.state.first_scheduled_time
-                if t is not None and (first is None or t < first):
-                    first = t
-            finished = req.finished
-            completions = [s.take_output() for s in req.seqs]
-        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, None,
-                            getattr(self, "_step_start", None) if first is None else first, req.prompt_logprobs)
-        if finished:
-            self.requests.pop(req.request_id, None)
-        return out
-
-    @staticmethod
-    def _add_logprobs(seq: Sequence, logprobs: TokenLogprobs) -> None:
-        for t, lp in logprobs.items():
-            lp.decoded = seq.stream.decode_token(t)
-        seq.logprobs.append(logprobs)
-        seq.new_logprobs.append(logprobs)
-
-    def _stop(self, seq: Sequence, tid: int) -> bool:
-        """After ``tid`` was appended: True when the sequence stops on it
-        (a stop token, a stop string its text now ends in, its length)."""
-        if tid in seq.stop_ids:  # EOS (unless ignore_eos) or one of stop_token_ids
-            if tid not in self.eos_token_ids or seq.request.params.ignore_eos:
-                seq.stop_reason = tid
-            reason = "stop"
-        else:
-            reason = None
-            if not seq.lazy_text:  # a lazy stream has no stop strings: it takes its tokens at the end
-                matched = seq.stream.append(tid)
-                if matched is not None:
-                    seq.stop_reason = matched
-                    reason = "stop"
-            if reason is None:
-                if len(seq.output_token_ids) < seq.max_output_len:
-                    return False
-                reason = "length"
-        seq.finish_reason = reason
-        self.seqs.pop(seq.seq_id, None)
-        if seq.request.params.structured_outputs is not None:
-            self._finished_constrained.append(seq.seq_id)
-        return True
-
-    def _extend_block_keys(self, seq: Sequence) -> None:
-        """A block of prompt + outputs just filled: give it its prefix-cache
-        key, so a later prompt that repeats this conversation shares it."""
-        if not self.kv.prefix_caching:
-            return
-        keys = seq.state.block_keys
-        bs = self.kv.block_size
+    def _block_filled(self, seq: Sequence) -> None:
+        """Prompt + outputs just filled a KV block: the scheduler keys it."""
         n = len(seq.request.prompt_token_ids) + len(seq.output_token_ids)
-        if n % bs == 0 and len(keys) == n // bs - 1:
-            keys.append(chain_key(keys[-1] if keys else ROOT_KEY, seq.tokens(n - bs, n)))
+        bs = self.kv.block_size
+        self.scheduler.block_filled(seq.state, seq.tokens(n - bs, n), n)
+
+    def _grammar_finished(self, seq_id: str) -> None:
+        """A constrained sequence stopped: the worker drops its grammar
+        matcher with the next step's input."""
+        self._finished_constrained.append(seq_id)
 
     # -- figures -----------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -3,7 +3,7 @@
 A process that has imported torch, transformers (and, for the server,
 FastAPI and pydantic) holds some 400k tracked objects that live as long as it
 does. A full (generation 2) collection walks every one of them: 240 ms on
-the 2-core CPU machine, paid inside whichever step allocated the object that
+two x86 cores, paid inside whichever step allocated the object that
 set it off. Streaming 1024 requests sets one off every 25 steps or so, since
 each step makes a few thousand short-lived objects (outputs, token lists).
 

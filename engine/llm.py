@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.engine import LLMEngine, next_request_id
 from fluidserve.engine.heap import frozen_heap
@@ -13,11 +11,13 @@ from fluidserve.engine.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = set(kwargs) - fields
-        if unknown:
-            raise ValueError(f"unknown LLM argument(s): {sorted(unknown)}")
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        """``kwargs``: any setting of the config tree by its flat name
+        (``max_num_seqs``, ``block_size``, ``tensor_parallel_size``, ...)."""
+        try:
+            config = EngineConfig.create(model=model, **kwargs)
+        except TypeError as exc:
+            raise ValueError(f"unknown LLM argument(s): {exc}") from None
+        self.engine = LLMEngine(config)
 
     @property
     def tokenizer(self):

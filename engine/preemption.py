@@ -61,6 +61,7 @@ import torch.distributed as dist
 from fluidserve.engine.parallel import TensorParallel
 from fluidserve.engine.runtime import runtime_for
 from fluidserve.scheduler.budget import interrupts_step
+from fluidserve.scheduler.budget import safepoint_interval_share as interval_share
 
 NO_STEP = -1
 
@@ -250,20 +251,9 @@ def feed_forward_share(hf_config: Any) -> float:
 
 
 def safepoint_interval_share(every_layers: float, hf_config: Any) -> float | None:
-    """The longest stretch of a step between two safepoints every
-    ``every_layers`` layers, as a share of the step (None: no safepoints).
-    Where safepoints split layers, the intervals alternate between ending
-    after an attention and after an MLP; the longer of the two is what an
-    interrupted arrival may wait."""
+    """``budget.safepoint_interval_share`` of this model (None: no safepoints)."""
     layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
-    if every_layers <= 0 or layers <= 0:
-        return None
-    halves = int(2 * every_layers)
-    longest = halves // 2
-    if halves % 2:
-        mlp = feed_forward_share(hf_config)
-        longest += max(mlp, 1.0 - mlp)
-    return min(1.0, longest / layers)
+    return interval_share(every_layers, layers, feed_forward_share(hf_config))
 
 
 @dataclass

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(c) for c in args.contexts.split(",") if c]
     sizes = _powers_of_two(16, args.max_prefill)
     batches = _powers_of_two(1, args.max_batch)
-    engine = LLMEngine(EngineConfig(
+    engine = LLMEngine(EngineConfig.create(
         model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
         max_num_batched_tokens=max(args.max_prefill, args.max_batch), max_num_seqs=args.max_batch,
         scheduling_policy="fcfs", max_model_len=max(args.max_prefill, max(contexts)) + 64,

@@ -30,10 +30,7 @@ class Sequence:
     # Produced since the last RequestOutput of this request.
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprobs] | None = None
-    # The engine's copy of the device block table, kept from the block ids
-    # each StepPlan carries (the scheduler resends it whole after a move).
-    block_table: list[int] = field(default_factory=list)
-    # Worked out once, read every step (engine._process / _stop):
+    # Worked out once, read every step (engine/output_processor.py):
     # tokens that may end the sequence (EOS unless ignore_eos, stop_token_ids),
     # and the output length at which it ends ("length").
     stop_ids: frozenset[int] = frozenset()

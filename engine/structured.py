@@ -53,7 +53,8 @@ def xgrammar():
         import xgrammar as module
     except ImportError:
         raise ValueError("structured_outputs: the 'xgrammar' package is not installed; structured output "
-                         "(response_format, guided decoding, forced tool calls) needs it: pip install xgrammar") from None
+                         "(response_format, guided decoding, forced tool calls) needs it: "
+                         "pip install xgrammar") from None
     return module
 
 

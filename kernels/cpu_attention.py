@@ -21,7 +21,7 @@ makes the CPU path scale with the number of requests:
   visible to every query) and the chunk's own keys with ``is_causal``; the
   two merge by their log-sum-exp. One call with an explicit [chunk, context]
   mask reads the mask and computes the masked corner too: up to 1.3x slower
-  for long chunks in fp32 on the 2-core CPU, the same for a short chunk over
+  for long chunks in fp32 on two x86 cores, the same for a short chunk over
   a long prefix (benchmarks/cpu_chunked_prefill.py).
 * **Decodes batched, GQA folded.** All single-token rows of a length bucket go
   through one attention call. The ``g = Hq / Hk`` query heads that share a KV
@@ -69,7 +69,7 @@ MIN_SHARED_BLOCKS = 2
 # shared tokens x KV heads x head dim, before they get a bucket of their own.
 # A bucket costs about 0.15 ms a layer whatever its size (two attention calls,
 # a merge, its gathers); copying a token's K and V for a 2 x 64 fp32 head
-# costs about 0.14 us. Measured on the 2-core CPU machine
+# costs about 0.14 us, on two x86 cores
 # (benchmarks/shared_prefix_decode.py): families of 2-64 rows broke even at
 # 1,000-2,000 saved tokens of that width, and 128 families of 2 rows sharing
 # 2 blocks made a step of 256 decodes 17x slower than one bucket.

@@ -50,9 +50,6 @@ class BlockAllocator:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def pending_blocks(self) -> set[int]:
-        return set(self._pending)
-
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 

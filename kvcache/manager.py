@@ -532,3 +532,16 @@ class KVCacheManager:
             assert len(owned) + alloc.num_pending == alloc.num_used, (
                 f"{tier}: {alloc.num_used} blocks in use but {len(owned)} owned and {alloc.num_pending} pending"
             )
+
+
+# -- slots ----------------------------------------------------------------------
+
+
+def slot_of(table: list[int], position: int, block_size: int) -> int:
+    """The KV slot (block * block_size + offset) of a token position."""
+    return table[position // block_size] * block_size + position % block_size
+
+
+def slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The KV slots of positions ``start .. end - 1``."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -197,3 +197,18 @@ def interrupts_step(remaining_s: float, ttft_slo_s: float | None, own_prefill_s:
     arrival miss its TTFT SLO (the step's predicted remaining time exceeds the
     SLO less the arrival's own prefill). Without a TTFT SLO, always."""
     return ttft_slo_s is None or remaining_s > ttft_slo_s - own_prefill_s
+
+
+def safepoint_interval_share(every_layers: float, num_layers: int, mlp_share: float = 0.5) -> float | None:
+    """The longest stretch of a step between two safepoints every
+    ``every_layers`` layers, as a share of the step (None: no safepoints).
+    Where safepoints split layers, the intervals alternate between ending
+    after an attention and after an MLP (``mlp_share`` of a layer); the
+    longer of the two is what an interrupted arrival may wait."""
+    if every_layers <= 0 or num_layers <= 0:
+        return None
+    halves = int(2 * every_layers)
+    longest = halves // 2
+    if halves % 2:
+        longest += max(mlp_share, 1.0 - mlp_share)
+    return min(1.0, longest / num_layers)

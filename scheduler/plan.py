@@ -14,6 +14,7 @@ plan; ``Scheduler.update_from_output`` is its one reader.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)  # one per request per step: cheap to make
@@ -23,11 +24,6 @@ class ScheduledSeq:
     # True when this step computes the request's last uncomputed token, so a
     # new token is sampled for it (a middle prefill chunk samples nothing).
     samples: bool
-    # Device blocks to append to the engine's copy of the block table; when
-    # ``new_table`` is True they *are* the table (a new request, or one whose
-    # KV moved since the engine last saw it).
-    block_ids: list[int] = field(default_factory=list)
-    new_table: bool = False
 
 
 @dataclass
@@ -85,3 +81,26 @@ class StepOutcome:
     # plan's requests (runs nothing else of theirs, keeps their KV) and
     # resumes the plan when no online work is left.
     paused: bool = False
+    # The engine's input of a paused step, kept with it to be run again
+    # (opaque here: a ModelInput).
+    paused_input: Any = None
+
+
+@dataclass
+class PausedStep:
+    """A step layer-wise preemption stopped at a safepoint, the worker
+    keeping its state: everything about it lives here, in one place. Its
+    plan runs again from where it stopped (``resume``); its requests are
+    held (run nothing else, keep their KV) until then or until it is given
+    up; ``input`` is the engine's input of it, sent again as it was."""
+
+    plan: StepPlan
+    held: frozenset[str]
+    input: Any = None
+    steps_waited: int = 0  # steps run while it waited for online work to drain
+
+    def resume(self) -> StepPlan:
+        """The plan again, to run from where it stopped: the same requests
+        and tokens, no copies (those were done before it stopped)."""
+        p = self.plan
+        return StepPlan(scheduled=p.scheduled, preemptible=True, shape=p.shape, resumes=True)

@@ -37,11 +37,8 @@ class SeqState:
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0  # recomputes and swap-outs
-    # Entries of the device block table the engine has been sent; 0 after a
-    # move, so the next plan resends the whole table.
-    num_blocks_sent: int = 0
     # Prefix-cache keys of the full blocks of prompt + outputs so far (the
-    # engine appends one as each block of tokens fills); empty: not cached.
+    # scheduler appends one as each block of tokens fills); empty: not cached.
     block_keys: list[int] = field(default_factory=list)
     # False: the request computes every position (it scores its prompt), so it
     # takes no cache hits, but its blocks are still offered to the cache.
@@ -72,12 +69,6 @@ class SeqState:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def in_prefill(self) -> bool:
-        """True until the whole prompt (and, after a recompute, the outputs
-        so far) is in the cache."""
-        return self.num_uncomputed_tokens > 1 or self.num_output_tokens == 0
 
     @property
     def finished(self) -> bool:

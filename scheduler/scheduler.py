@@ -41,82 +41,26 @@ move larger than the bucket goes once the bucket is full.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from fluidserve.kvcache.config import CacheConfig
 from fluidserve.kvcache.manager import KVCacheManager
+from fluidserve.kvcache.prefix_cache import ROOT_KEY, block_keys, chain_key
 from fluidserve.scheduler.budget import SloBudget
 from fluidserve.scheduler.cost_model import CostModel, StepShape
-from fluidserve.scheduler.plan import ScheduledSeq, StepOutcome, StepPlan
-from fluidserve.scheduler.policies import DEFAULT_POLICY, Policy, make_policy
+from fluidserve.scheduler.plan import PausedStep, ScheduledSeq, StepOutcome, StepPlan
+from fluidserve.scheduler.config import SchedulerConfig
+from fluidserve.scheduler.policies import Policy, make_policy
 from fluidserve.scheduler.request_state import RequestClass, SeqState, SeqStatus
 
-PREEMPTION_MODES = ("swap", "recompute")
 _RESERVE_WINDOW_STEPS = 16  # arrivals remembered for the reserve
 _RESERVE_CAP = 0.25  # the reserve never exceeds this share of the device pool
-_NO_BLOCKS: list[int] = []  # shared, never mutated: the engine extends its own table with it
+_NO_BLOCKS: list[int] = []  # shared, never mutated
 _SWAP_BUCKET_STEPS = 2  # a move may run one step ahead of compute, no more
 # A paused offline step waits for online work to drain; under online traffic
 # that never drains it is dropped after this many steps (its tokens are then
 # computed again, in steps the SLO budget sizes).
 _MAX_PAUSED_STEPS = 512
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # token budget of one step
-    max_num_seqs: int = 256  # request cap of one step
-    enable_chunked_prefill: bool = True
-    # Fraction of the device pool a *new* request may not take: room for the
-    # running ones to grow before anyone is preempted (vLLM's watermark).
-    kv_watermark: float = 0.01
-    policy: str = DEFAULT_POLICY
-    policy_options: dict = field(default_factory=dict)  # make_policy(policy, **policy_options)
-    preemption_mode: str = "swap"  # swap | recompute (swap needs a host pool)
-    proactive_swap: bool = True  # prefetch and keep a reserve, not only swap on demand
-    max_swap_blocks_per_step: int | None = None  # None: unbounded
-    # ConServe's SLO-aware budget: offline work in a step with online work is
-    # cut so the step's predicted time stays within this (None: no cut).
-    online_tpot_slo_ms: float | None = None
-    # An online arrival that would miss this waiting for a running
-    # offline-only step interrupts it (the engine's layer-wise preemption).
-    online_ttft_slo_ms: float | None = None
-    # Layer-wise preemption's safepoints come every this share of a step
-    # (safepoint layers / layers; None: off). With a TTFT SLO, offline-only
-    # steps are cut so one interval fits it (scheduler/budget.py).
-    safepoint_interval_share: float | None = None
-    # ConServe §4.4: past this device-KV usage, offline requests' newly full
-    # blocks are copied to the host as they run, so evicting one later costs
-    # (almost) no copy. None: never.
-    kv_checkpoint_threshold: float | None = 0.5
-    # False where KV copies run on the compute path before the forward (the
-    # CPU): a copy made for later then lengthens a step that online requests
-    # wait on, so such steps make none of the offline ones: no checkpoint,
-    # no offline request swapped out to keep the arrival reserve free (an
-    # online arrival takes offline blocks at once anyway), no offline
-    # admission (which may swap others out) the SLO budget leaves no token
-    # to run. Offline-only steps, plentiful in idle time, make them. A GPU
-    # copies on its own stream, beside the forward.
-    copies_beside_online: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if not 0.0 <= self.kv_watermark < 1.0:
-            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.online_tpot_slo_ms is not None and not self.online_tpot_slo_ms > 0:
-            raise ValueError(f"online_tpot_slo_ms must be positive, got {self.online_tpot_slo_ms}")
-        if self.online_ttft_slo_ms is not None and not self.online_ttft_slo_ms > 0:
-            raise ValueError(f"online_ttft_slo_ms must be positive, got {self.online_ttft_slo_ms}")
-        if self.safepoint_interval_share is not None and not 0.0 < self.safepoint_interval_share <= 1.0:
-            raise ValueError(f"safepoint_interval_share must be in (0, 1], got {self.safepoint_interval_share}")
-        if self.kv_checkpoint_threshold is not None and not 0.0 <= self.kv_checkpoint_threshold <= 1.0:
-            raise ValueError(f"kv_checkpoint_threshold must be in [0, 1], got {self.kv_checkpoint_threshold}")
-        if self.max_swap_blocks_per_step is not None and self.max_swap_blocks_per_step < 1:
-            raise ValueError(f"max_swap_blocks_per_step must be positive, got {self.max_swap_blocks_per_step}")
 
 
 @dataclass
@@ -140,7 +84,7 @@ class SchedulerCounters:
 class _Step:
     """Scratch state of one ``schedule`` call."""
 
-    def __init__(self, plan: StepPlan, ranked: list[SeqState], now: float, held: set[str]) -> None:
+    def __init__(self, plan: StepPlan, ranked: list[SeqState], now: float, held: frozenset[str]) -> None:
         self.plan = plan
         self.now = now
         self.ranked = ranked
@@ -158,16 +102,21 @@ class _Step:
 
 
 class Scheduler:
-    """``policy`` overrides ``config.policy``; otherwise the policy is built
-    from the config with ``cost_model`` (None: the analytic default)."""
+    """``policy`` overrides ``config.scheduling_policy``; otherwise the
+    policy is built from the config with ``cost_model`` (None: the analytic
+    default). ``safepoint_interval_share``: the longest share of a step
+    between two layer safepoints, which the owner derives from
+    ``config.preemption_safepoint_layers`` and its model (None: none)."""
 
     def __init__(
         self, config: SchedulerConfig, kv: KVCacheManager, policy: Policy | None = None,
-        cost_model: CostModel | None = None,
+        cost_model: CostModel | None = None, safepoint_interval_share: float | None = None,
     ) -> None:
+        if safepoint_interval_share is not None and not 0.0 < safepoint_interval_share <= 1.0:
+            raise ValueError(f"safepoint_interval_share must be in (0, 1], got {safepoint_interval_share}")
         self.config = config
         self.kv = kv
-        self.policy = policy or make_policy(config.policy, cost_model=cost_model, **config.policy_options)
+        self.policy = policy or make_policy(config.scheduling_policy, cost_model=cost_model, **config.policy_options)
         self.seqs: dict[str, SeqState] = {}
         self.counters = SchedulerCounters()
         self.swap = config.preemption_mode == "swap" and kv.host is not None
@@ -182,9 +131,7 @@ class Scheduler:
         # Layer-wise preemption keeps an interrupted step's state on the worker:
         # the plan waits here and its requests are held (not run, not evicted)
         # until it resumes.
-        self._paused: StepPlan | None = None
-        self._held: set[str] = set()
-        self._paused_steps = 0
+        self.paused: PausedStep | None = None
         self._num_online = 0  # unfinished online requests
         # The last ranking, kept between steps (Policy.sort_key): None after
         # an arrival; departures are filtered out of it, and moves between
@@ -195,7 +142,7 @@ class Scheduler:
         self._num_added = 0
         tpot, ttft = config.online_tpot_slo_ms, config.online_ttft_slo_ms
         self.budget = (SloBudget(self.policy.cost, None if tpot is None else tpot / 1e3,
-                                 None if ttft is None else ttft / 1e3, config.safepoint_interval_share)
+                                 None if ttft is None else ttft / 1e3, safepoint_interval_share)
                        if tpot is not None or ttft is not None else None)
         # The engine feeds measured step times back to a calibrating cost
         # model: plans then carry their shape (free when the budget builds it).
@@ -207,6 +154,32 @@ class Scheduler:
         return self.counters.num_preemptions
 
     # -- membership -------------------------------------------------------
+    @classmethod
+    def create(cls, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, num_host_blocks: int = 0,
+               cost_model: CostModel | None = None, policy: Policy | None = None,
+               safepoint_interval_share: float | None = None) -> Scheduler:
+        """A scheduler with its own KV manager over ``num_blocks`` device and
+        ``num_host_blocks`` host blocks (what the executor found room for),
+        as ``cache`` configures it: the engine and the simulator build theirs
+        so, and reach the KV accounting only through the scheduler."""
+        kv = KVCacheManager(num_blocks, cache.block_size, num_host_blocks,
+                            enable_prefix_caching=cache.enable_prefix_caching, cache_on_host=cache.cache_on_host)
+        return cls(config, kv, policy=policy, cost_model=cost_model, safepoint_interval_share=safepoint_interval_share)
+
+    # -- prefix-cache keys ----------------------------------------------------------
+    def prompt_block_keys(self, prompt_token_ids: list[int]) -> list[int]:
+        """The prefix-cache keys of a prompt's full blocks (none when the
+        cache is off): a new SeqState's ``block_keys``."""
+        return block_keys(prompt_token_ids, self.kv.block_size) if self.kv.prefix_caching else []
+
+    def block_filled(self, seq: SeqState, block_tokens: list[int], num_tokens: int) -> None:
+        """Prompt + outputs of ``seq`` just reached ``num_tokens``, filling a
+        block whose tokens are ``block_tokens``: key it, so a later prompt
+        that repeats this conversation shares it."""
+        keys = seq.block_keys
+        if self.kv.prefix_caching and len(keys) == num_tokens // self.kv.block_size - 1:
+            keys.append(chain_key(keys[-1] if keys else ROOT_KEY, block_tokens))
+
     def add(self, seq: SeqState, now: float) -> None:
         if seq.request_id in self.seqs:
             raise ValueError(f"request id {seq.request_id!r} is already scheduled")
@@ -233,7 +206,7 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         self._ranking_has_finished = True
         self._num_online -= seq.klass is RequestClass.ONLINE
-        if request_id in self._held:  # its blocks are freed: the paused step must not write them
+        if request_id in self.held:  # its blocks are freed: the paused step must not write them
             self._drop_pause()
         self._unrun.discard(request_id)
         self.kv.free(request_id)
@@ -291,11 +264,12 @@ class Scheduler:
         self._recent_arrivals.append(self._arrived_blocks)
         self._arrived_blocks = 0
         self._swap_credit = min(self._swap_bucket, self._swap_credit + self._swap_refill)
-        if self._paused is not None:
+        if self.paused is not None:
             if not self._num_online:
-                return self._resume_plan()
-            self._paused_steps += 1
-            if self._paused_steps > _MAX_PAUSED_STEPS:
+                self.counters.num_resumes += 1
+                return self.paused.resume()
+            self.paused.steps_waited += 1
+            if self.paused.steps_waited > _MAX_PAUSED_STEPS:
                 self._drop_pause()
         plan = self._fill(now)
         if plan.is_empty and self.seqs and self._swap_credit < self._swap_bucket:
@@ -308,7 +282,7 @@ class Scheduler:
     def _fill(self, now: float) -> StepPlan:
         cfg = self.config
         ranked = self.ranked(now)
-        step = _Step(StepPlan(), ranked, now, self._held)
+        step = _Step(StepPlan(), ranked, now, self.held)
         if self.budget is not None:
             self.budget.begin_step()
         plan = step.plan
@@ -358,26 +332,20 @@ class Scheduler:
                 n = slo.offline_tokens(shape, seq, n, now)
                 if n <= 0:
                     continue
-            table = tables.get(rid, _NO_BLOCKS)
-            if status is running and len(table) * block_size >= seq.num_computed_tokens + n:
-                pass  # resident with room: most decodes, so no call for them
-            elif self._make_resident(seq, seq.num_computed_tokens + n, i, step):
-                table = tables[rid]
-            else:
+            resident_with_room = (status is running
+                                  and len(tables.get(rid, _NO_BLOCKS)) * block_size >= seq.num_computed_tokens + n)
+            # Most decodes are resident with room: no call for them.
+            if not resident_with_room and not self._make_resident(seq, seq.num_computed_tokens + n, i, step):
                 continue
             if record_shapes:
                 shape.add(seq, n)
-            sent = seq.num_blocks_sent
-            if sent and len(table) == sent:  # most steps add no block to a request
-                if n == 1 == uncomputed:  # a decode: the same item every step
-                    item = seq.decode_item
-                    if item is None:
-                        item = seq.decode_item = ScheduledSeq(rid, 1, True, _NO_BLOCKS)
-                    add(item)
-                else:
-                    add(ScheduledSeq(rid, n, n == uncomputed, _NO_BLOCKS))
+            if n == 1 == uncomputed:  # a decode: the same item every step
+                item = seq.decode_item
+                if item is None:
+                    item = seq.decode_item = ScheduledSeq(rid, 1, True)
+                add(item)
             else:
-                add(self._scheduled(seq, n, n == uncomputed, table))
+                add(ScheduledSeq(rid, n, n == uncomputed))
             budget -= n
         # Online requests rank above offline ones: the step carries online
         # work exactly when its first request is online.
@@ -400,14 +368,6 @@ class Scheduler:
             plan.prefills_online = shape.first_online_prefill_arrival is not None
         plan.preemptible = bool(plan.scheduled) and not online
         return plan
-
-    def _scheduled(self, seq: SeqState, n: int, samples: bool, table: list[int]) -> ScheduledSeq:
-        sent = seq.num_blocks_sent
-        new_table = sent == 0
-        # Most steps add no block to a request: no list to make then.
-        ids = list(table) if new_table else table[sent:] if len(table) > sent else _NO_BLOCKS
-        seq.num_blocks_sent = len(table)
-        return ScheduledSeq(seq.request_id, n, samples, ids, new_table)
 
     # -- residency ----------------------------------------------------------
     def _make_resident(self, seq: SeqState, num_tokens: int, pos: int, step: _Step) -> bool:
@@ -474,7 +434,6 @@ class Scheduler:
             self.counters.swap_in_blocks += len(got.swap_in)
         seq.num_computed_tokens = got.cached_tokens
         seq.num_cached_tokens = got.cached_tokens
-        seq.num_blocks_sent = 0
         seq.status = SeqStatus.RUNNING
         return True
 
@@ -492,10 +451,10 @@ class Scheduler:
             while self.kv.num_free_blocks + step.freeing < need:
                 victim = self._next_offline_victim(step)
                 if victim is None:
-                    if not self._held:
+                    if not self.held:
                         break
                     # Only the paused step's requests are left: give it up.
-                    step.moved -= self._held
+                    step.moved -= self.held
                     step.offline_cursor = None
                     self._drop_pause()
                     continue
@@ -615,7 +574,6 @@ class Scheduler:
         step.moved.add(seq.request_id)
         seq.status = SeqStatus.SWAPPED
         self._unrun.discard(seq.request_id)
-        seq.num_blocks_sent = 0
         seq.num_preemptions += 1
         self.counters.num_swap_outs += 1
 
@@ -628,7 +586,6 @@ class Scheduler:
         step.moved.add(rid)
         seq.status = status
         self._unrun.add(rid)
-        seq.num_blocks_sent = 0
         self.counters.num_swap_ins += 1
         self.counters.swap_in_blocks += len(moves)
 
@@ -637,7 +594,6 @@ class Scheduler:
         self.kv.free(seq.request_id)
         self._rewind(seq, 0)
         seq.status = SeqStatus.WAITING
-        seq.num_blocks_sent = 0
         seq.num_preemptions += 1
         self.counters.num_recomputes += 1
         step.plan.preempted.append(seq.request_id)
@@ -673,29 +629,27 @@ class Scheduler:
             self.counters.checkpoint_blocks += len(copies)
 
     # -- paused steps -------------------------------------------------------
-    def _resume_plan(self) -> StepPlan:
-        """The paused plan again, to run from where it stopped: the same
-        requests and tokens, no copies (those were done before it stopped)."""
-        p = self._paused
-        self.counters.num_resumes += 1
-        return StepPlan(scheduled=p.scheduled, preemptible=True, shape=p.shape, resumes=True)
+    @property
+    def held(self) -> frozenset[str]:
+        """Requests of the paused step: not run, not evicted, until it resumes."""
+        return self.paused.held if self.paused is not None else frozenset()
 
     def _drop_pause(self) -> None:
         """Give the paused step up: its requests run again like any others,
         that chunk computed again (the worker's kept state is never asked for)."""
-        p = self._paused
+        p = self.paused
         if p is None:
             return
         self.counters.num_dropped_pauses += 1
-        self.counters.dropped_pause_tokens += p.num_batched_tokens
+        self.counters.dropped_pause_tokens += p.plan.num_batched_tokens
         self._clear_pause()
 
     def _clear_pause(self) -> None:
-        self._paused, self._held, self._paused_steps = None, set(), 0
+        self.paused = None
 
     @property
     def paused_requests(self) -> int:
-        return len(self._held)
+        return len(self.held)
 
     # -- proactive moves ------------------------------------------------------
     def _enst(self, step: _Step) -> list[float]:
@@ -768,7 +722,7 @@ class Scheduler:
         if outcome.paused:
             held = {item.request_id for item in plan.scheduled}
             if held.issubset(self.seqs):  # none was aborted while it ran
-                self._paused, self._held = plan, held
+                self.paused = PausedStep(plan, frozenset(held), outcome.paused_input)
         for rid in plan.swapped_in:
             seq = self.seqs.get(rid)
             if seq is not None and seq.status is SeqStatus.SWAPPING_IN:

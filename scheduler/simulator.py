@@ -23,11 +23,10 @@ runs a request they bring back. That wait is the swap stall.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from fluidserve.kvcache.manager import KVCacheManager
-from fluidserve.kvcache.prefix_cache import block_keys
-from fluidserve.scheduler.budget import interrupts_step
+from fluidserve.kvcache.config import CacheConfig, ConfigTree
+from fluidserve.scheduler.budget import interrupts_step, safepoint_interval_share
 from fluidserve.scheduler.cost_model import CostModel, plan_shape
 from fluidserve.scheduler.plan import StepOutcome
 from fluidserve.scheduler.policies import make_policy
@@ -37,29 +36,24 @@ from fluidserve.scheduler.workloads import Job
 
 
 @dataclass(frozen=True)
-class SimConfig:
-    num_kv_blocks: int
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    enable_chunked_prefill: bool = True
-    num_host_blocks: int = 0  # host KV pool (0: no host tier, recompute only)
-    preemption_mode: str = "swap"
-    proactive_swap: bool = True
-    max_swap_blocks_per_step: int | None = None
+class SimConfig(ConfigTree):
+    """The engine's own scheduler and KV settings, and what only a simulated
+    machine has. ``SimConfig.create(num_kv_blocks=..., **flat)`` takes flat
+    names as ``EngineConfig.create`` does. ``cache.num_kv_blocks`` must be
+    set (the simulator has no memory to size it from); no
+    ``num_host_blocks`` means no host tier. The scheduler's policy is the
+    one ``Simulator`` is given."""
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     block_transfer_time: float = 0.0  # seconds to move one KV block over the host link
-    online_tpot_slo_ms: float | None = None  # ConServe's SLO-aware budget for offline work
-    online_ttft_slo_ms: float | None = None  # carried to SchedulerConfig (the engine's preemption reads it)
-    kv_checkpoint_threshold: float | None = 0.5  # ConServe's incremental checkpointing of offline KV
-    # Layer-wise preemption (ConServe §4.3): an offline-only step checks for
-    # an online arrival every this share of its compute (safepoint layers /
-    # layers) and is abandoned there; None: steps always run to the end.
-    preemption_safepoint_fraction: float | None = None
+    # Decoder layers of the simulated model, for the safepoints every
+    # ``preemption_safepoint_layers``: the cost model's where it has a
+    # model shape, else this (uniform layers).
+    model_layers: int = 1
     # An abandoned step is paused, as the engine's worker does: it resumes
     # where it stopped once online work drains (False: its work is lost).
     resume_paused_steps: bool = True
-    enable_prefix_caching: bool = False  # jobs with a shared_prefix share its KV
-    cache_on_host: bool = True  # with a host pool: the prefix cache spans both tiers
     check_integrity: bool = False  # kv.check_integrity() after every step (tests)
 
 
@@ -161,7 +155,10 @@ class Simulator:
     ) -> None:
         # Whose tokens the step log counts apart: these jobs, or (None) the offline class.
         self.tracked = tracked
-        capacity = config.num_kv_blocks * config.block_size
+        cache = config.cache
+        if cache.num_kv_blocks is None:
+            raise ValueError("num_kv_blocks: the simulator needs a device pool size")
+        capacity = cache.num_kv_blocks * cache.block_size
         for job in jobs:
             if job.prompt_tokens < 1 or job.output_tokens < 1:
                 raise ValueError(f"job {job.request_id}: lengths must be positive")
@@ -171,21 +168,18 @@ class Simulator:
         self.jobs = sorted(jobs, key=lambda j: j.arrival_time)  # stable
         self.cost = cost_model
         self.config = config
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.num_host_blocks,
-                                 enable_prefix_caching=config.enable_prefix_caching,
-                                 cache_on_host=config.cache_on_host)
-        sched_cfg = SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            enable_chunked_prefill=config.enable_chunked_prefill, policy=policy,
-            policy_options=dict(policy_options or {}), preemption_mode=config.preemption_mode,
-            proactive_swap=config.proactive_swap, max_swap_blocks_per_step=config.max_swap_blocks_per_step,
-            online_tpot_slo_ms=config.online_tpot_slo_ms,
-            online_ttft_slo_ms=config.online_ttft_slo_ms,
-            safepoint_interval_share=config.preemption_safepoint_fraction or None,
-            kv_checkpoint_threshold=config.kv_checkpoint_threshold,
-        )
-        self.scheduler = Scheduler(sched_cfg, self.kv, make_policy(policy, cost_model=cost_model,
-                                                                   **sched_cfg.policy_options))
+        sched_cfg = replace(config.scheduler, scheduling_policy=policy, policy_options=dict(policy_options or {}))
+        # The longest stretch between two safepoints, of the cost model's
+        # model (uniform layers where it names none).
+        shape = getattr(cost_model, "model", None)
+        shape = shape if hasattr(shape, "layer_params") else None
+        self.safepoint_share = safepoint_interval_share(
+            sched_cfg.preemption_safepoint_layers, shape.num_layers if shape else config.model_layers,
+            3 * shape.hidden_size * shape.intermediate_size / shape.layer_params if shape else 0.5)
+        self.scheduler = Scheduler.create(sched_cfg, cache, cache.num_kv_blocks, cache.num_host_blocks or 0,
+                                          policy=make_policy(policy, cost_model=cost_model, **sched_cfg.policy_options),
+                                          safepoint_interval_share=self.safepoint_share)
+        self.kv = self.scheduler.kv
         self.policy_name = policy
 
     def run(self, max_steps: int | None = None) -> SimResult:
@@ -202,7 +196,7 @@ class Simulator:
         while nxt < len(jobs) or sched.has_unfinished():
             while nxt < len(jobs) and jobs[nxt].arrival_time <= now:
                 j = jobs[nxt]
-                keys = block_keys(j.token_ids(), cfg.block_size) if cfg.enable_prefix_caching else []
+                keys = sched.prompt_block_keys(j.token_ids())
                 sched.add(SeqState(j.request_id, j.prompt_tokens, j.output_tokens, j.arrival_time, j.klass,
                                    block_keys=keys), now)
                 nxt += 1
@@ -289,11 +283,11 @@ class Simulator:
         of a ``full`` step's) at ``begin`` is abandoned: the first safepoint
         after an online arrival that waiting for the step would make miss its
         TTFT SLO (None: it runs through)."""
-        frac = self.config.preemption_safepoint_fraction
+        frac = self.safepoint_share
         if not (frac and plan.preemptible and plan.scheduled):
             return None
         end, slice_ = begin + compute, full * frac
-        slo = self.config.online_ttft_slo_ms
+        slo = self.config.scheduler.online_ttft_slo_ms
         for job in self.jobs[nxt:]:
             if job.arrival_time >= end:
                 return None

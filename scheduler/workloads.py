@@ -67,14 +67,6 @@ def load_trace(path: str | Path) -> list[tuple[float, int, int]]:
 
 
 # -- lengths ------------------------------------------------------------------
-def fixed_lengths(prompt: int, output: int) -> LengthSampler:
-    return lambda rng: (prompt, output)
-
-
-def uniform_lengths(prompt: tuple[int, int], output: tuple[int, int]) -> LengthSampler:
-    return lambda rng: (rng.randint(*prompt), rng.randint(*output))
-
-
 def empirical_lengths(pairs: list[tuple[int, int]]) -> LengthSampler:
     """Draw (prompt, output) pairs, with replacement, from real data."""
     if not pairs:

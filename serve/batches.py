@@ -19,25 +19,30 @@ committed result.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import email.message
+import io
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 from math import inf
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, BinaryIO, Callable, Iterator, Sequence
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from python_multipart.exceptions import FormParserError
+from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from fluidserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from fluidserve.engine.outputs import RequestOutput
 from fluidserve.serve.errors import APIError, bad_request, error_body
 from fluidserve.serve.inputs import check_model
 from fluidserve.serve.protocol import BATCH_ENDPOINTS, BatchCreateRequest, ChatCompletionRequest, CompletionRequest
-from fluidserve.serve.store import BatchLine, BatchRecord, FileRecord, LineResult, Store, StoreError, new_id
+from fluidserve.serve.store import (COPY_CHUNK, BatchLine, BatchRecord, FileRecord, LineResult, MissingContent, Store,
+                                    StoreError, new_id)
 
 if TYPE_CHECKING:
     from fluidserve.serve.api import _Server
@@ -67,31 +72,42 @@ def _line_error(code: str, message: str, line: int | None, param: str | None = N
     return {"code": code, "message": message, "param": param, "line": line}
 
 
-def parse_batch_input(content: bytes, endpoint: str | None,
+def parse_batch_input(content: bytes | BinaryIO, endpoint: str | None,
                       max_lines: int) -> tuple[list[BatchLine], list[dict[str, Any]]]:
-    """The request lines of a batch input file, or the errors OpenAI reports
-    in ``errors.data`` (line numbers 1-based, blank lines skipped). With no
+    """The request lines of a batch input file (its bytes, or a binary file
+    read one line at a time), or the errors OpenAI reports in
+    ``errors.data`` (line numbers 1-based, blank lines skipped). With no
     ``endpoint`` (``run-batch``) each line may use either endpoint."""
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return [], [_line_error("invalid_file_encoding", f"The input file is not UTF-8 ({exc.reason}).", None)]
+    source = io.BytesIO(content) if isinstance(content, (bytes, bytearray, memoryview)) else content
     lines: list[BatchLine] = []
     errors: list[dict[str, Any]] = []
+    num_errors = 0
     seen: set[str] = set()
-    for no, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            continue
-        obj, err = _check_line(raw, no, endpoint, seen)
-        if err is not None:
-            errors.append(err)
-        else:
-            lines.append(obj)
-    if not lines and not errors:
+    no = 0
+    # Lines are numbered as str.splitlines numbers the whole text: a UTF-8
+    # sequence never contains b"\n", and every splitlines break (b"\r\n"
+    # included) ends within the b"\n"-terminated piece it starts in.
+    for piece in source:
+        try:
+            text = piece.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return [], [_line_error("invalid_file_encoding", f"The input file is not UTF-8 ({exc.reason}).", None)]
+        for raw in text.splitlines():
+            no += 1
+            if not raw.strip():
+                continue
+            obj, err = _check_line(raw, no, endpoint, seen)
+            if err is not None:
+                num_errors += 1
+                if len(errors) < MAX_REPORTED_ERRORS:
+                    errors.append(err)
+            else:
+                lines.append(obj)
+    if not lines and not num_errors:
         errors.append(_line_error("empty_file", "The input file contains no requests.", None))
-    if len(lines) + len(errors) > max_lines:
+    if len(lines) + num_errors > max_lines:
         errors.insert(0, _line_error("too_many_requests", f"A batch may contain at most {max_lines} requests; "
-                                     f"this file has {len(lines) + len(errors)}.", None))
+                                     f"this file has {len(lines) + num_errors}.", None))
     return lines, errors[:MAX_REPORTED_ERRORS]
 
 
@@ -316,15 +332,21 @@ class BatchRunner:
             self._cancels.pop(bid, None)
 
     async def _validate(self, batch: BatchRecord) -> None:
-        content = await asyncio.to_thread(self.store.file_content, batch.input_file_id)
-        if content is None:
+        try:
+            source = await asyncio.to_thread(self.store.open_file, batch.input_file_id)
+        except MissingContent:
+            source = None
+        if source is None:
             errors = [_line_error("file_not_found", f"The input file {batch.input_file_id} no longer exists.",
                                   None, "input_file_id")]
             lines: list[BatchLine] = []
         else:
             # A 200 MB file takes seconds to parse: off the event loop.
-            lines, errors = await asyncio.to_thread(parse_batch_input, content, batch.endpoint,
-                                                    self.config.max_lines)
+            try:
+                lines, errors = await asyncio.to_thread(parse_batch_input, source, batch.endpoint,
+                                                        self.config.max_lines)
+            finally:
+                source.close()
         if errors:
             await asyncio.to_thread(self.store.fail_batch, batch.id, errors)
         else:
@@ -468,23 +490,31 @@ class BatchAPI:
         ctype = request.headers.get("content-type", "")
         if not ctype.lower().startswith("multipart/form-data"):
             raise bad_request("files must be uploaded as multipart/form-data", "file")
-        body = await _read_limited(request, self.config.max_file_bytes + 64 * 1024)
-        fields = parse_multipart(body, ctype)
-        unknown = sorted(set(fields) - {"file", "purpose"})
-        if unknown:
-            raise bad_request(f"{unknown[0]}: is not supported", unknown[0])
-        if "purpose" not in fields:
-            raise bad_request("purpose: is required", "purpose")
-        purpose = fields["purpose"][1].decode("utf-8", "replace")
-        if purpose != "batch":
-            raise bad_request(f"purpose: only 'batch' is supported, got '{purpose[:64]}'", "purpose")
-        if "file" not in fields:
-            raise bad_request("file: is required", "file")
-        filename, content = fields["file"]
-        if len(content) > self.config.max_file_bytes:
-            raise APIError(413, f"file: exceeds the limit of {self.config.max_file_bytes} bytes", param="file",
-                           code="file_too_large")
-        rec = await self._call(store.create_file, filename or "upload.jsonl", purpose, content)
+        form = await _read_form(request, self.config.max_file_bytes + 64 * 1024)
+        try:
+            unknown = sorted(set(form) - {"file", "purpose"})
+            if unknown:
+                raise bad_request(f"{unknown[0]}: is not supported", unknown[0])
+            if "purpose" not in form:
+                raise bad_request("purpose: is required", "purpose")
+            purpose = await _field_text(form["purpose"])
+            if purpose != "batch":
+                raise bad_request(f"purpose: only 'batch' is supported, got '{purpose[:64]}'", "purpose")
+            if "file" not in form:
+                raise bad_request("file: is required", "file")
+            upload = form["file"]
+            if isinstance(upload, UploadFile):
+                filename, source = upload.filename, upload.file
+            else:  # a plain field, which Starlette keeps in memory up to its 1 MB part limit
+                filename, source = None, io.BytesIO(upload.encode("utf-8"))
+            size = source.seek(0, io.SEEK_END)
+            source.seek(0)
+            if size > self.config.max_file_bytes:
+                raise APIError(413, f"file: exceeds the limit of {self.config.max_file_bytes} bytes", param="file",
+                               code="file_too_large")
+            rec = await self._call(store.add_file, filename or "upload.jsonl", purpose, source)
+        finally:
+            await form.close()
         return JSONResponse(file_json(rec))
 
     async def list_files(self, request: Request) -> JSONResponse:
@@ -508,9 +538,13 @@ class BatchAPI:
         return JSONResponse(file_json(await self._file(file_id)))
 
     async def file_content(self, file_id: str) -> Response:
-        await self._file(file_id)
-        content = await self._call(self._store().file_content, file_id)
-        return Response(content, media_type="application/octet-stream")
+        source = await self._call(self._store().open_file, file_id)
+        if source is None:
+            raise APIError(404, f"No such File object: {file_id}", param="id", code="not_found")
+        size = source.seek(0, io.SEEK_END)
+        source.seek(0)
+        return StreamingResponse(_read_chunks(source), media_type="application/octet-stream",
+                                 headers={"Content-Length": str(size)})
 
     async def delete_file(self, file_id: str) -> JSONResponse:
         await self._file(file_id)
@@ -599,55 +633,64 @@ def install_batch_api(app: FastAPI, server: "_Server", config: BatchConfig | Non
 # -- multipart ----------------------------------------------------------------
 
 
-async def _read_limited(request: Request, limit: int) -> bytes:
+class _UploadParser(MultiPartParser):
+    """Starlette's multipart parser (python-multipart underneath; file parts
+    spooled to temporary files past 1 MB), told whether the closing
+    boundary came: python-multipart takes a body cut short as complete."""
+
+    complete = False
+
+    def on_end(self) -> None:
+        self.complete = True
+
+
+async def _read_form(request: Request, limit: int) -> FormData:
+    """The multipart form of ``request``, refused with 413 as soon as the
+    body passes ``limit`` bytes, so an oversize upload is never spooled
+    whole. The caller closes the form."""
+
+    def too_large() -> APIError:
+        return APIError(413, f"file: upload exceeds the limit of {limit} bytes", param="file", code="file_too_large",
+                        headers={"Connection": "close"})
+
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"file: upload exceeds the limit of {limit} bytes", param="file", code="file_too_large",
-                       headers={"Connection": "close"})
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"file: upload exceeds the limit of {limit} bytes", param="file",
-                           code="file_too_large", headers={"Connection": "close"})
-    return bytes(body)
+        raise too_large()
+
+    async def body() -> AsyncIterator[bytes]:
+        seen = 0
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen > limit:
+                raise too_large()
+            yield chunk
+
+    async with contextlib.aclosing(body()) as stream:
+        parser = _UploadParser(request.headers, stream)
+        try:
+            form = await parser.parse()
+        except MultiPartException as exc:
+            raise bad_request(f"malformed multipart/form-data body: {exc.message}", "file") from None
+        except FormParserError as exc:  # older Starlette lets python-multipart's own errors through
+            raise bad_request(f"malformed multipart/form-data body: {exc}", "file") from None
+    if not parser.complete:
+        await form.close()
+        raise bad_request("malformed multipart/form-data body: no closing boundary", "file")
+    return form
 
 
-def parse_multipart(body: bytes, content_type: str) -> dict[str, tuple[str | None, bytes]]:
-    """``multipart/form-data`` as field name -> (filename, bytes).
+async def _field_text(value: str | UploadFile) -> str:
+    if isinstance(value, str):
+        return value
+    return (await value.read(1024)).decode("utf-8", "replace")
 
-    Parsed here rather than through Starlette's ``request.form()``, which
-    would add a dependency for two fields::
 
-        --BOUNDARY\\r\\n
-        Content-Disposition: form-data; name="file"; filename="in.jsonl"\\r\\n
-        \\r\\n
-        <bytes>\\r\\n
-        --BOUNDARY--\\r\\n
-    """
-    header = email.message.Message()
-    header["content-type"] = content_type
-    boundary = header.get_param("boundary")
-    if not isinstance(boundary, str) or not boundary:
-        raise bad_request("multipart/form-data without a boundary", "file")
-    delimiter = b"--" + boundary.encode("latin-1")
-    parts = body.split(delimiter)
-    if len(parts) < 3 or not parts[-1].startswith(b"--"):
-        raise bad_request("malformed multipart/form-data body", "file")
-    fields: dict[str, tuple[str | None, bytes]] = {}
-    for part in parts[1:-1]:
-        head, sep, data = part.removeprefix(b"\r\n").partition(b"\r\n\r\n")
-        if not sep or not data.endswith(b"\r\n"):
-            raise bad_request("malformed multipart/form-data part", "file")
-        headers = email.message.Message()
-        for raw in head.decode("utf-8", "replace").split("\r\n"):
-            name, _, value = raw.partition(":")
-            headers[name.strip()] = value.strip()
-        name = headers.get_param("name", header="content-disposition")
-        if not isinstance(name, str):
-            raise bad_request("multipart/form-data part without a name", "file")
-        fields[name] = (headers.get_filename(), data[:-2])
-    return fields
+def _read_chunks(source: BinaryIO) -> Iterator[bytes]:
+    try:
+        while chunk := source.read(COPY_CHUNK):
+            yield chunk
+    finally:
+        source.close()
 
 
 # -- fluidserve run-batch -----------------------------------------------------
@@ -695,11 +738,10 @@ def run_batch_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     try:
         with open(args.input_file, "rb") as f:
-            content = f.read()
+            lines, errors = parse_batch_input(f, None, max_lines=sys.maxsize)
     except OSError as exc:
         print(f"fluidserve run-batch: {exc}", file=sys.stderr)
         return 2
-    lines, errors = parse_batch_input(content, None, max_lines=sys.maxsize)
     if errors:
         for e in errors[:20]:
             where = f"line {e['line']}: " if e["line"] else ""

@@ -810,7 +810,8 @@ def result_path(args: argparse.Namespace, model: str, date: str) -> Path:
 
 
 def write_json(rep: dict[str, Any], path: str | Path | None, stem: str = "serve_bench") -> Path:
-    out = Path(path) if path else REPO_ROOT / "benchmarks" / "results" / f"{stem}_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    # Named by what it measures: a rerun replaces the figures (history is in git).
+    out = Path(path) if path else REPO_ROOT / "benchmarks" / "results" / f"{stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rep, indent=2, default=_json_default))
     return out

@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from fluidserve.engine.config import CUDA_GRAPHS_BY_DEFAULT, EngineConfig
 from fluidserve.serve.tool_parsers import TOOL_CALL_PARSERS
 if TYPE_CHECKING:
     from fluidserve.serve.inputs import ModelInfo
@@ -94,15 +93,13 @@ def _origins(text: str) -> list[str]:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from fluidserve.kvcache.options import add_cli_args as add_kv_args
-    from fluidserve.scheduler.options import add_cli_args as add_scheduler_args
+    from fluidserve.engine.args import add_engine_args
 
-    m = p.add_argument_group("model and engine")
+    m = add_engine_args(p)
     m.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="Hugging Face id or local path (same as --model)")
     m.add_argument("--model", default=None,
                    help="Hugging Face id or local path; omitted: the built-in tiny random-weight model")
-    m.add_argument("--tokenizer", default=None, help="tokenizer id or path (default: the model's)")
     m.add_argument("--revision", default=None, help="branch, tag or commit of a hub model")
     m.add_argument("--trust-remote-code", action="store_true",
                    help="let the checkpoint's own config/tokenizer classes load (the model always runs "
@@ -115,46 +112,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults for requests that leave them unset: 'auto' (the model's "
                         "generation_config.json), 'vllm' (none: temperature 1, top_p 1, ...) or a folder "
                         "holding a generation_config.json")
-    m.add_argument("--dtype", default="auto",
-                   choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
-                   help="auto: float32 on CPU, the checkpoint's half type on GPU; half = float16, "
-                        "float = float32")
-    m.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: random weights from the model's config")
-    m.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    m.add_argument("--max-num-seqs", type=int, default=256, help="request cap of one step")
-    m.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    m.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="split long prompts over several steps (default: on)")
-    m.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory the engine may use (weights + KV cache)")
-    m.add_argument("--num-kv-blocks", type=int, default=None, help="device KV blocks (overrides the sizing)")
-    m.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64])
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--profile", dest="profile_path", default=None, metavar="PROFILE_JSON",
-                   help="measured cost model from `fluidserve profile -o` (default: analytic roofline)")
-    m.add_argument("--executor", default="local", choices=["local", "ray"],
-                   help="local: in-process worker; ray: one Ray actor per GPU")
-    m.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (Ray workers) per model")
-    m.add_argument("--ray-address", default=None,
-                   help="join this Ray cluster (multi-node); default: start a local one on 127.0.0.1")
-    m.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=EngineConfig.enforce_eager,
-                   help=("run every step eagerly; --no-enforce-eager captures decode-only steps as CUDA graphs at "
-                         "start-up (CUDA only: elsewhere it logs so and runs eagerly). Default: "
-                         + ("graphs" if CUDA_GRAPHS_BY_DEFAULT else
-                            "eager, until the graph tests have passed on a GPU")))
-    m.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
-                   help="batch sizes captured as decode graphs (default: 1 2 4 ... 256, up to --max-num-seqs)")
-    add_scheduler_args(p)
-    add_kv_args(p)
 
     s = p.add_argument_group("server")
     # Loopback unless told otherwise; the container image sets FLUIDSERVE_HOST=0.0.0.0
     # because its fixed ENTRYPOINT leaves users no other way to bind outside.
     s.add_argument("--host", default=os.environ.get("FLUIDSERVE_HOST", "127.0.0.1"),
                    help="address to bind (default 127.0.0.1, or $FLUIDSERVE_HOST)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     s.add_argument("--api-key", default=os.environ.get("FLUIDSERVE_API_KEY") or None,
                    help="require 'Authorization: Bearer <key>' on /v1/* (default: $FLUIDSERVE_API_KEY)")
     s.add_argument("--allowed-origins", type=_origins, default=None,
@@ -191,16 +155,27 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests may take to finish after SIGTERM")
     s.add_argument("--watchdog-timeout", type=float, default=60.0,
                    help="/health turns 503 when the engine loop shows no heartbeat for this long")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log level of fluidserve's own loggers")
     s.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
                    help="log level of uvicorn itself (default: --log-level)")
+    show_defaults(p)
+
+
+def show_defaults(p: argparse.ArgumentParser) -> None:
+    """Every flag's help ends with its default, as the config's flags'
+    do (kvcache/config.py); the server's own flags say theirs here."""
+    for action in p._actions:
+        if not action.option_strings or action.help in (None, argparse.SUPPRESS) or "default" in action.help:
+            continue
+        value = action.default
+        shown = ("on" if value else "off") if isinstance(value, bool) else "none" if value is None else value
+        action.help += f" (default: {shown})"
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    from fluidserve.engine.config import EngineConfig
+    from fluidserve.engine.args import engine_config_from_args as from_flags
     from fluidserve.engine.loader import resolve_model_dir
-    from fluidserve.kvcache.options import options_from_args as kv_options
-    from fluidserve.scheduler.options import coserving_options_from_args, options_from_args
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"model: given twice, as {args.model_tag!r} and --model {args.model!r}")
@@ -210,19 +185,7 @@ def engine_config_from_args(args: argparse.Namespace):
         # A hub id at a revision becomes its local snapshot; clients keep the id.
         served = served or model
         model = str(resolve_model_dir(model, args.load_format, revision=args.revision))
-    policy, policy_options = options_from_args(args)
-    return EngineConfig(
-        model=model, tokenizer=args.tokenizer, served_model_name=served, dtype=args.dtype,
-        load_format=args.load_format, device=args.device, seed=args.seed,
-        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization, enable_chunked_prefill=args.enable_chunked_prefill,
-        scheduling_policy=policy, policy_options=policy_options, profile_path=args.profile_path,
-        executor=args.executor, tensor_parallel_size=args.tensor_parallel_size, ray_address=args.ray_address,
-        enforce_eager=args.enforce_eager,
-        cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
-        **coserving_options_from_args(args), **kv_options(args),
-    )
+    return from_flags(args, model=model, served_model_name=served)
 
 
 def model_info(engine, served_model_names: Sequence[str] | None = None,

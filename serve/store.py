@@ -10,10 +10,17 @@ the result rows in the same transaction that marks it done. After a
 
 Layout (one row each)::
 
-    files    id, bytes, created_at, filename, purpose, content
+    files    id, bytes, created_at, filename, purpose, content, on_disk
     batches  id, status, timestamps, counters, errors (JSON), metadata (JSON)
     lines    batch_id, line_no, custom_id, body (JSON)          input, parsed once
     results  batch_id, line_no, ok, line (JSON)                 one per finished line
+
+An uploaded file's content is ``<data_dir>/files/<id>`` (``on_disk``), so
+that a 200 MB upload is copied in chunks rather than held as one bytes
+object; output and error files stay in ``content``, written in the same
+transaction that finishes their batch. An upload becomes durable on disk
+before its row commits, so every row has its content; a crash in between
+leaves a file without a row, removed at the next start.
 
 A full disk or a corrupt database raises ``StoreError`` with a message that
 says so; a failed write rolls back and leaves every committed row in place.
@@ -21,6 +28,8 @@ says so; a failed write rolls back and leaves every committed row in place.
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import secrets
@@ -29,9 +38,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, BinaryIO, Iterator, Sequence
 
 DB_NAME = "fluidserve.sqlite3"
+FILES_DIR = "files"
+COPY_CHUNK = 1024 * 1024
 ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL_STATUSES = ("completed", "failed", "expired", "cancelled")
 
@@ -43,7 +54,8 @@ CREATE TABLE IF NOT EXISTS files (
     created_at INTEGER NOT NULL,
     filename TEXT NOT NULL,
     purpose TEXT NOT NULL,
-    content BLOB NOT NULL
+    content BLOB NOT NULL,
+    on_disk INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -92,6 +104,11 @@ CREATE TABLE IF NOT EXISTS results (
 class StoreError(RuntimeError):
     """The store cannot be read or written (disk full, corrupt, locked);
     nothing already committed was changed."""
+
+
+class MissingContent(StoreError):
+    """A file's row is there but its content file is not (removed by hand,
+    or a damaged disk): retrying cannot help."""
 
 
 def new_id(prefix: str) -> str:
@@ -173,9 +190,11 @@ class Store:
     def __init__(self, data_dir: str | os.PathLike, *, max_pages: int | None = None) -> None:
         self.dir = Path(data_dir)
         self.path = self.dir / DB_NAME
+        self.files_dir = self.dir / FILES_DIR
+        self.max_pages = max_pages
         self._lock = threading.Lock()
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.files_dir.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open the batch store {self.path}: {exc}") from None
@@ -186,6 +205,9 @@ class Store:
             raise StoreError(
                 f"the batch store {self.path} is unreadable ({exc}); it was left untouched: move it aside "
                 f"or restore it from a backup, then restart") from None
+        except OSError as exc:
+            self._db.close()
+            raise StoreError(f"cannot open the batch store's files {self.files_dir}: {exc}") from None
 
     def _open(self, max_pages: int | None) -> None:
         db = self._db
@@ -202,6 +224,17 @@ class Store:
         if max_pages is not None:  # a size cap, so tests can fill the "disk"
             db.execute(f"PRAGMA max_page_count={int(max_pages)}")
         db.executescript(_SCHEMA)
+        if "on_disk" not in {row[1] for row in db.execute("PRAGMA table_info(files)")}:
+            # A store from before uploads went to disk: its rows keep their content.
+            db.execute("ALTER TABLE files ADD COLUMN on_disk INTEGER NOT NULL DEFAULT 0")
+        self._remove_strays({row[0] for row in db.execute("SELECT id FROM files WHERE on_disk=1")})
+
+    def _remove_strays(self, ids: set[str]) -> None:
+        """Unfinished uploads and content whose row never committed (or was
+        deleted) when the last process stopped."""
+        for entry in self.files_dir.iterdir():
+            if entry.name not in ids and entry.is_file():
+                entry.unlink(missing_ok=True)
 
     def close(self) -> None:
         with self._lock:
@@ -239,19 +272,88 @@ class Store:
 
     # -- files --------------------------------------------------------------
     def create_file(self, filename: str, purpose: str, content: bytes) -> FileRecord:
-        rec = FileRecord(new_id("file-"), len(content), int(time.time()), filename, purpose)
-        self._write(lambda db: db.execute(
-            "INSERT INTO files (id, bytes, created_at, filename, purpose, content) VALUES (?,?,?,?,?,?)",
-            (rec.id, rec.bytes, rec.created_at, rec.filename, rec.purpose, content)))
+        return self.add_file(filename, purpose, io.BytesIO(content))
+
+    def add_file(self, filename: str, purpose: str, source: BinaryIO) -> FileRecord:
+        """Copy ``source`` (read from where it stands) into the files folder
+        a chunk at a time, make it durable, then commit its row. A failure at
+        any step leaves neither the file nor the row."""
+        rec_id = new_id("file-")
+        final = self.files_dir / rec_id
+        tmp = self.files_dir / f"{rec_id}.tmp"
+        room = self._room()
+        try:
+            size = 0
+            with open(tmp, "xb") as out:
+                while chunk := source.read(COPY_CHUNK):
+                    size += len(chunk)
+                    if room is not None and size > room:
+                        raise OSError(errno.ENOSPC, "the store's size cap is reached")
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, final)
+            _fsync_dir(self.files_dir)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            final.unlink(missing_ok=True)
+            raise _os_error(self.path, exc) from None
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            final.unlink(missing_ok=True)
+            raise
+        rec = FileRecord(rec_id, size, int(time.time()), filename, purpose)
+
+        def insert(db: sqlite3.Connection) -> None:
+            if self.max_pages is not None and _used_bytes(db) + size > self.max_pages * _page_size(db):
+                raise sqlite3.OperationalError("database or disk is full")  # the cap, as the disk would say it
+            db.execute("INSERT INTO files (id, bytes, created_at, filename, purpose, content, on_disk) "
+                       "VALUES (?,?,?,?,?,?,1)", (rec.id, rec.bytes, rec.created_at, rec.filename, rec.purpose, b""))
+
+        try:
+            self._write(insert)
+        except BaseException:
+            final.unlink(missing_ok=True)
+            raise
         return rec
+
+    def _room(self) -> int | None:
+        """Bytes a new file may take under ``max_pages``, which caps the
+        database and the uploaded files together; None when uncapped."""
+        if self.max_pages is None:
+            return None
+        with self._lock:
+            try:
+                return self.max_pages * _page_size(self._db) - _used_bytes(self._db)
+            except sqlite3.Error as exc:
+                raise _store_error(self.path, exc) from None
 
     def get_file(self, file_id: str) -> FileRecord | None:
         rows = self._read("SELECT id, bytes, created_at, filename, purpose FROM files WHERE id=?", (file_id,))
         return FileRecord(*rows[0]) if rows else None
 
-    def file_content(self, file_id: str) -> bytes | None:
-        rows = self._read("SELECT content FROM files WHERE id=?", (file_id,))
-        return bytes(rows[0][0]) if rows else None
+    def open_file(self, file_id: str) -> BinaryIO | None:
+        """A file's content to read from the start, or None when there is no
+        such file. Opened under the lock, so a concurrent ``delete_file``
+        either finds it open (and the reader keeps its content) or already
+        gone."""
+        with self._lock:
+            try:
+                rows = self._db.execute("SELECT on_disk, CASE WHEN on_disk THEN NULL ELSE content END "
+                                        "FROM files WHERE id=?", (file_id,)).fetchall()
+            except sqlite3.Error as exc:
+                raise _store_error(self.path, exc) from None
+            if not rows:
+                return None
+            on_disk, content = rows[0]
+            if not on_disk:
+                return io.BytesIO(content)
+            try:
+                return open(self.files_dir / file_id, "rb")
+            except FileNotFoundError:
+                raise MissingContent(f"the content of {file_id} is missing from {self.files_dir}") from None
+            except OSError as exc:
+                raise _os_error(self.path, exc) from None
 
     def list_files(self, *, after: str | None, limit: int, order: str, purpose: str | None) -> _Page:
         desc = order == "desc"
@@ -268,7 +370,18 @@ class Store:
         return _Page([FileRecord(*r) for r in rows[:limit]], len(rows) > limit)
 
     def delete_file(self, file_id: str) -> bool:
-        return self._write(lambda db: db.execute("DELETE FROM files WHERE id=?", (file_id,)).rowcount > 0)
+        def run(db: sqlite3.Connection) -> list[tuple]:
+            rows = db.execute("SELECT on_disk FROM files WHERE id=?", (file_id,)).fetchall()
+            db.execute("DELETE FROM files WHERE id=?", (file_id,))
+            return rows
+
+        rows = self._write(run)
+        if rows and rows[0][0]:
+            try:
+                (self.files_dir / file_id).unlink(missing_ok=True)
+            except OSError:
+                pass  # the row is gone: the next start removes the content
+        return bool(rows)
 
     # -- batches ------------------------------------------------------------
     def create_batch(self, rec: BatchRecord) -> None:
@@ -436,6 +549,30 @@ def _batch_from_row(row: tuple) -> BatchRecord:
         if data[key] is not None:
             data[key] = json.loads(data[key])
     return BatchRecord(**data)
+
+
+def _page_size(db: sqlite3.Connection) -> int:
+    return db.execute("PRAGMA page_size").fetchone()[0]
+
+
+def _used_bytes(db: sqlite3.Connection) -> int:
+    on_disk = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files WHERE on_disk=1").fetchone()[0]
+    return db.execute("PRAGMA page_count").fetchone()[0] * _page_size(db) + on_disk
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _os_error(path: Path, exc: OSError) -> StoreError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StoreError(f"the batch store {path} is full ({exc.strerror}): free disk space; "
+                          f"nothing committed was lost")
+    return StoreError(f"the batch store {path} failed: {exc}")
 
 
 def _store_error(path: Path, exc: sqlite3.Error) -> StoreError:

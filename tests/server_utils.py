@@ -51,7 +51,7 @@ def start_server(model_dir: str, settings: ServerSettings | None = None, stall_t
                  batch_config: Any = None, **engine_kwargs: Any) -> ThreadedServer:
     """The real app on a free localhost port in a background thread; with
     ``batch_config`` (serve.batches.BatchConfig), the Batch API too."""
-    config = EngineConfig(model=model_dir, **{**TEST_ENGINE_DEFAULTS, **engine_kwargs})
+    config = EngineConfig.create(model=model_dir, **{**TEST_ENGINE_DEFAULTS, **engine_kwargs})
     engine = LLMEngine(config)
     async_engine = AsyncEngine(engine, stall_timeout=stall_timeout)
     settings = settings or ServerSettings()
@@ -118,3 +118,14 @@ def read_metrics(base_url: str) -> dict[str, float]:
 def metric_sum(metrics: dict[str, float], name: str) -> float:
     """Sum of every labelled sample of ``name``."""
     return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+def wait_idle(server, timeout: float = 5.0) -> dict[str, float]:
+    """Metrics once the server holds no KV block and no request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = read_metrics(server.base_url)
+        if m['fluidserve_kv_blocks_used{tier="device"}'] == 0 and metric_sum(m, "fluidserve_num_requests") == 0:
+            return m
+        assert time.monotonic() < deadline, f"server not idle: {m}"
+        time.sleep(0.05)

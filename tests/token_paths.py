@@ -1,8 +1,28 @@
-"""Judging two kernel paths by their greedy tokens: the same model and
-weights once through one path (the Triton kernels) and once through another
-(the reference or the CPU kernels)."""
+"""Greedy tokens as the judge: the reference continuations of transformers,
+and two kernel paths compared (the same model and weights once through one
+path, the Triton kernels, and once through another, the reference or the
+CPU kernels)."""
 
 from __future__ import annotations
+
+import torch
+import transformers
+
+# Prompts of every shape the engine handles: short, long, one byte, non-ASCII.
+PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "a", "Long prompt " * 9, "你好, wörld"]
+
+
+def hf_greedy(model_dir: str, prompts, max_new_tokens: int = 16) -> list[list[int]]:
+    """Reference continuations, one prompt at a time (no padding in play)."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    out = []
+    for p in prompts:
+        ids = tok.encode(p) if isinstance(p, str) else p
+        gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                          do_sample=False, pad_token_id=tok.pad_token_id)
+        out.append(gen[0, len(ids):].tolist())
+    return out
 
 # Largest logprob gap (nats) between the reference's token and the other
 # path's at a position where they part. bf16 logits of magnitude 4-8 are

@@ -86,8 +86,9 @@ class OPTDecoder(nn.Module):
         proj_dim = config.word_embed_proj_dim
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim, tp)
         self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, config.hidden_size)
-        self.project_in = nn.Linear(proj_dim, config.hidden_size, bias=False) if proj_dim != config.hidden_size else None
-        self.project_out = nn.Linear(config.hidden_size, proj_dim, bias=False) if proj_dim != config.hidden_size else None
+        projected = proj_dim != config.hidden_size
+        self.project_in = nn.Linear(proj_dim, config.hidden_size, bias=False) if projected else None
+        self.project_out = nn.Linear(config.hidden_size, proj_dim, bias=False) if projected else None
         has_final = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
         affine = getattr(config, "layer_norm_elementwise_affine", True)
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine) if has_final else None

@@ -1,0 +1,804 @@
+"""Builds docs/benchmarks.md and its plots from the JSON in benchmarks/results/.
+
+    python benchmarks/report.py
+
+Rewrites docs/benchmarks.md and docs/*.png; the same results always give the
+same files (sorted inputs, fixed number formats, no timestamps in the PNGs).
+Every section reads one benchmark's files: its table, the hardware and the
+command come from the JSON, or, where an older script did not save the
+command there, from the markdown the same run wrote beside it. A results file
+no section claims still gets a generic section, so nothing measured goes
+missing from the page.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+DOCS = REPO / "docs"
+# The co-serving simulator saves no cost model in its JSON; it always runs
+# scheduler.cost_model.default_cost_model().
+SIM_DEFAULT = "simulated: Llama-3-8B on one H100 (roofline cost model)"
+
+# One colour per system, policy or design across every plot, so a reader
+# matches lines between figures without reading each legend.
+COLORS = {
+    "fluidserve": "tab:blue", "vllm": "tab:orange", "transformers": "tab:green",
+    "fcfs": "tab:gray", "fixed-priority": "tab:olive", "mlfq": "tab:purple", "skip-join-mlfq": "tab:blue",
+    "skip-join-mlfq α=3s": "tab:cyan",
+    "fcfs + recompute": "tab:gray", "skip-join + recompute": "tab:purple",
+    "skip-join + reactive swap": "tab:orange", "skip-join + proactive swap": "tab:blue",
+    "naive (one queue)": "tab:red", "priority": "tab:orange", "priority + budget": "tab:olive",
+    "+ checkpointing": "tab:cyan", "+ layer-wise preemption (full)": "tab:blue",
+    "full (+ layer preemption, checkpointing)": "tab:blue",
+}
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+def load(stem: str) -> dict | None:
+    path = RESULTS / f"{stem}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def md_command(stem: str) -> str | None:
+    """The command line a run wrote into its markdown (for JSON that lacks it)."""
+    path = RESULTS / f"{stem}.md"
+    if not path.exists():
+        return None
+    m = re.search(r"Command: `([^`]+)`|`(python3? benchmarks/[^`]+)`", path.read_text())
+    return (m.group(1) or m.group(2)).strip() if m else None
+
+
+def md_hardware(stem: str) -> str | None:
+    """The CPU a run named in its markdown (for JSON that lacks it)."""
+    path = RESULTS / f"{stem}.md"
+    m = re.search(r"on the CPU \(([^)]+\))", path.read_text()) if path.exists() else None
+    return f"CPU ({m.group(1)}" if m else None
+
+
+def command(stem: str, d: dict) -> str | None:
+    cmd = d.get("command") or (d.get("meta") or {}).get("command") or md_command(stem)
+    if not cmd:
+        return None
+    cmd = re.sub(r"\s+--out(-dir)?\s+\S+", "", cmd.strip())  # where the run wrote its files, not what it ran
+    cmd = re.sub(r"--vllm-python \S+", "--vllm-python VLLM_VENV/bin/python", cmd)
+    return cmd if cmd.startswith("python") else "python " + cmd
+
+
+def hardware(d: dict) -> str | None:
+    dev, meta = d.get("device"), d.get("meta") or {}
+    if isinstance(dev, dict):
+        parts = [dev.get("cpu"), f"{dev['cores']} cores" if dev.get("cores") else None,
+                 f"torch {dev['torch']}" if dev.get("torch") else None]
+        return ", ".join(p for p in parts if p)
+    if isinstance(dev, str) and dev not in ("cpu", "cuda"):
+        return dev + (f", torch {d['torch']}" if d.get("torch") else "")
+    if meta.get("cost_model"):
+        return f"simulated: {meta['cost_model']}"
+    if "roofline" in str(meta.get("device", "")):
+        return f"simulated: {meta['model']} on {meta['device']}"
+    if meta.get("machine"):
+        cpus = f", {meta['cpus']} cores" if meta.get("cpus") else ""
+        torch = f", torch {meta['torch']}" if meta.get("torch") else ""
+        return f"CPU ({meta['machine']}{cpus}{torch})"
+    if d.get("cpu_count"):
+        return f"CPU, {d['cpu_count']} cores"
+    return None
+
+
+# -- formatting ----------------------------------------------------------------------------
+
+
+def num(x: Any, digits: int = 3) -> str:
+    """A number to ``digits`` significant figures, thousands grouped; blanks stay blank."""
+    if x is None or x == "":
+        return ""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return str(x)
+    if x != x:  # NaN: the run had nothing to measure there
+        return "n/a"
+    if isinstance(x, int) or abs(x) >= 10 ** (digits - 1):
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}"
+
+
+def ratio(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}x"
+
+
+def pct(x: float | None) -> str:
+    return "" if x is None else f"{x:.0%}"
+
+
+def table(header: list[str], rows: list[list[Any]], align: str | None = None) -> list[str]:
+    align = align or "l" + "r" * (len(header) - 1)
+    sep = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+    cells = [[c if isinstance(c, str) else num(c) for c in r] for r in rows]
+    return ["| " + " | ".join(header) + " |", sep] + ["| " + " | ".join(r) + " |" for r in cells] + [""]
+
+
+def provenance(stem: str, d: dict, hw: str | None = None) -> list[str]:
+    """Where a table's figures come from: the file, the hardware (``hw`` where
+    the file does not say), the command."""
+    parts = [f"`benchmarks/results/{stem}.json`"]
+    hw, cmd = hardware(d) or hw, command(stem, d)
+    if hw:
+        parts.append(f"hardware: {hw}")
+    if cmd:
+        parts.append(f"command: `{cmd}`")
+    return ["- " + "; ".join(parts), ""]
+
+
+def plain_log(ax: plt.Axes) -> None:
+    """Log-axis ticks as plain numbers (20, 50, 100), not powers of ten."""
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    # Minor ticks labelled at 2, 3 and 5 only: every one of them crowds a short axis.
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+        lambda v, _: f"{v:g}" if f"{v:e}"[0] in "235" else ""))
+    ax.tick_params(axis="y", which="minor", labelsize=7)
+
+
+WRITTEN: set[str] = set()  # plots of this run; main removes any other docs/*.png
+
+
+def save_plot(fig: plt.Figure, name: str) -> str:
+    DOCS.mkdir(exist_ok=True)
+    WRITTEN.add(name)
+    fig.tight_layout()
+    fig.savefig(DOCS / name, dpi=100, metadata={"Software": None})  # no version stamp: same input, same bytes
+    plt.close(fig)
+    return f"![{name[:-4]}]({name})"
+
+
+# -- the simulator: scheduling, swapping, prefix cache -------------------------------------
+
+
+def scheduling(_: str) -> tuple[list[str], list[str]]:
+    d = load("scheduling")
+    policies = list(dict.fromkeys(r["policy"] for r in d["rows"]))
+    experiments = list(dict.fromkeys(r["experiment"] for r in d["rows"]))
+    xname = {"sharegpt-ratio": "in/out ratio", "azure-code-trace": "replay speed"}
+    out = ["Policies on the same jobs, FastServe §6.3: mean normalized latency (end-to-end time per output "
+           "token, ms) per policy; `α=3s` is skip-join MLFQ with a 3 s starvation limit. Load is the arrival "
+           "rate over the saturated FCFS throughput of the same length mix; `cap16` limits a step to 16 "
+           "requests (FastServe's fixed batch size); the ratio rows scale ShareGPT's input/output lengths; "
+           "the Azure rows replay the code trace faster.", ""]
+    out += provenance("scheduling", d)
+    rows = []
+    for exp in experiments:
+        sub = [r for r in d["rows"] if r["experiment"] == exp]
+        for x in sorted({r["x"] for r in sub}):
+            at = {r["policy"]: r["mean_norm_latency_s"] * 1e3 for r in sub if r["x"] == x}
+            best = min(at, key=at.get)
+            rows.append([exp, f"{xname.get(exp, 'load')} {x:g}", *(num(at.get(p)) for p in policies),
+                         best, ratio(at["fcfs"] / at["skip-join-mlfq"])])
+    out += table(["experiment", "point", *policies, "best", "fcfs / skip-join"], rows,
+                 "ll" + "r" * len(policies) + "lr")
+    cpu = d.get("scheduler_cpu_s_per_step") or {}
+    if cpu:
+        sizes = sorted({int(n) for v in cpu.values() for n in v})
+        out += ["Scheduler CPU time per step (schedule + update, decoding requests), ms:", ""]
+        out += table(["policy", *(f"{n} requests" for n in sizes)],
+                     [[p, *(cpu[p].get(str(n), 0) * 1e3 for n in sizes)] for p in cpu])
+
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7.5))
+    for ax, exp in zip(axes.flat, experiments):
+        sub = [r for r in d["rows"] if r["experiment"] == exp]
+        for p in policies:
+            pts = sorted((r["x"], r["mean_norm_latency_s"] * 1e3) for r in sub if r["policy"] == p)
+            ax.plot(*zip(*pts), marker="o", label=p, color=COLORS.get(p))
+        ax.set_title(exp, fontsize=10)
+        ax.set_xlabel({"sharegpt-ratio": "input/output length ratio",
+                       "azure-code-trace": "replay speed"}.get(exp, "load (fraction of capacity)"))
+        ax.set_ylabel("mean normalized latency (ms/token)")
+        ax.set_yscale("log")
+        plain_log(ax)
+        if exp in xname:
+            ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"Scheduling policies, latency vs load ({d['meta']['cost_model']}, simulated)", fontsize=11)
+    return out, [save_plot(fig, "scheduling.png")]
+
+
+def swapping(_: str) -> tuple[list[str], list[str]]:
+    d = load("swapping")
+    variants = list(dict.fromkeys(r["variant"] for r in d["rows"]))
+    presets = list(dict.fromkeys(r["preset"] for r in d["rows"]))
+    out = ["Two KV tiers, FastServe §4.2, on memory-bound presets: mean normalized latency (ms/token) per "
+           "variant; `fcfs + recompute` is vLLM's behaviour. The Azure rows replay the code trace at 1x and 2x.",
+           ""]
+    out += provenance("swapping", d, "simulated: roofline cost model of each preset's model and GPU")
+    rows = []
+    for preset in presets:
+        sub = [r for r in d["rows"] if r["preset"] == preset]
+        for x in sorted({r["x"] for r in sub}):
+            at = {r["variant"]: r for r in sub if r["x"] == x}
+            base, best = at["fcfs + recompute"], at["skip-join + proactive swap"]
+            rows.append([preset, f"{x:g}", *(num(at[v]["mean_norm_latency_s"] * 1e3) for v in variants),
+                         ratio(base["mean_norm_latency_s"] / best["mean_norm_latency_s"]),
+                         f"{num(base['p99_ttft_s'])} → {num(best['p99_ttft_s'])}",
+                         f"{best['stall_share']:.1%}"])
+    out += table(["preset", "load", *variants, "proactive vs fcfs + recompute", "P99 TTFT s (fcfs → proactive)",
+                  "proactive swap stall / run"], rows, "ll" + "r" * (len(variants) + 3))
+    fig, axes = plt.subplots(1, len(presets), figsize=(4 * len(presets), 3.8))
+    for ax, preset in zip(axes, presets):
+        for v in variants:
+            pts = sorted((r["x"], r["mean_norm_latency_s"] * 1e3) for r in d["rows"]
+                         if r["preset"] == preset and r["variant"] == v)
+            ax.plot(*zip(*pts), marker="o", label=v, color=COLORS.get(v))
+        ax.set_title(preset, fontsize=9)
+        ax.set_xlabel("replay speed" if "azure" in preset else "load (fraction of capacity)")
+        ax.set_ylabel("mean normalized latency (ms/token)")
+        ax.set_yscale("log")
+        plain_log(ax)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Two-tier KV: recompute vs reactive vs proactive swapping (simulated)", fontsize=11)
+    return out, [save_plot(fig, "swapping.png")]
+
+
+def prefix_cache_sim(_: str) -> tuple[list[str], list[str]]:
+    d = load("prefix_cache_sim")
+    m = d["meta"]
+    out = [f"Prefix caching across both tiers: {m['groups']} tenants' {m['prefix_tokens']}-token system prompts "
+           f"(Zipf popularity) before ShareGPT prompts, {m['pool']:g} of the device KV pool, skip-join MLFQ with "
+           "proactive swapping.", ""]
+    out += provenance("prefix_cache_sim", d)
+    base = {r["load"]: r["mean_ttft_s"] for r in d["rows"] if r["variant"] == "cache off"}
+    out += table(["load", "variant", "mean TTFT (s)", "P99 TTFT (s)", "req/s", "device hits", "host hits",
+                  "mean TTFT vs cache off"],
+                 [[f"{r['load']:g}", r["variant"], r["mean_ttft_s"], r["p99_ttft_s"], r["throughput_rps"],
+                   pct(r.get("device_hit_rate")), pct(r.get("host_hit_rate")),
+                   ratio(base[r["load"]] / r["mean_ttft_s"])]
+                  for r in d["rows"]], "ll" + "r" * 6)
+    return out, []
+
+
+# -- co-serving ----------------------------------------------------------------------------
+
+
+def coserving(_: str) -> tuple[list[str], list[str]]:
+    seeds = [("coserving", load("coserving"))] + [(f"coserving-seed{s}", load(f"coserving-seed{s}")) for s in (1, 2, 3)]
+    seeds = [(stem, d) for stem, d in seeds if d]
+    out = ["ConServe's designs on the same jobs, one added at a time: a standing offline backlog beside online "
+           "requests (Gamma arrivals, CV 4, at half the saturated rate) on Llama-3-8B / one H100 (roofline, "
+           "simulated). Each cell: online P99 TTFT and P99 TPOT as multiples of online-only, and the offline "
+           "tokens computed in the online window as a share of the idle capacity (1 - load) the backlog alone "
+           "would fill. One column per online trace (seed).", ""]
+    for stem, d in seeds:
+        out += provenance(stem, d, SIM_DEFAULT)
+    designs = [r["design"] for r in seeds[0][1]["rows"]]
+    rows = []
+    for design in designs:
+        cells = []
+        for _, d in seeds:
+            ref = d["rows"][0]
+            r = next(r for r in d["rows"] if r["design"] == design)
+            parts = []
+            if "p99_ttft_s" in r:
+                parts.append(f"{r['p99_ttft_s'] / ref['p99_ttft_s']:.2f}x / {r['p99_tpot_s'] / ref['p99_tpot_s']:.2f}x")
+            if "offline_share_of_idle" in r:
+                parts.append(pct(r["offline_share_of_idle"]))
+            cells.append(", ".join(parts))
+        rows.append([design, *cells])
+    out += table(["design", *(f"seed {d.get('seed', 0)}" for _, d in seeds)], rows, "l" + "r" * len(seeds))
+    return out, [coserving_plot(seeds)]
+
+
+def coserving_real(_: str) -> tuple[list[str], list[str]]:
+    out = ["The real engine on a CPU (preset `cpu-deep`: 16 layers, hidden 256, random weights, fp32), driven "
+           "through AsyncEngine as the server drives it: 96 offline prompts of 1024 tokens from t = 0, 20 online "
+           "requests arriving as a Poisson process (mean gap 1.5 s). The budget's SLOs are 1.1x the online-only "
+           "run's P99s. Ratios are medians over rounds, each paired with its own round's online-only run; "
+           "`share of idle` is the offline throughput in the online window over what the offline-only run "
+           "makes in the idle capacity.", ""]
+    for stem, what in (("coserving_real", "The full design, safepoints every half layer"),
+                       ("coserving_real-safepoints", "Safepoints every layer against every half layer"),
+                       ("coserving_real-designs", "Every design, safepoints every layer")):
+        d = load(stem)
+        if not d:
+            continue
+        threads = d["args"].get("real_threads")
+        out += [f"**{what}** ({len(d.get('rounds') or [1])} rounds):", ""]
+        out += provenance(stem, d, md_hardware(stem) or (f"CPU, torch on {threads} thread" if threads else None))
+        rows = []
+        for r in d["rows"]:
+            online = "p99_ttft_s" in r
+            rows.append([r["design"],
+                         num(r["p99_ttft_s"] * 1e3) if online else "", ratio(r.get("ttft_ratio")) if online else "",
+                         num(r["p99_tpot_s"] * 1e3) if online else "", ratio(r.get("tpot_ratio")) if online else "",
+                         num(r["offline_tokens_per_s"]) if r.get("offline_tokens_per_s") else "",
+                         pct(r.get("offline_share_of_idle")),
+                         num(r.get("steps_abandoned", 0)), num(r.get("steps_resumed", 0)),
+                         num(r.get("abandoned_tokens", 0))])
+        out += table(["design", "P99 TTFT (ms)", "vs online only", "P99 TPOT (ms)", "vs online only",
+                      "offline tok/s", "share of idle", "steps interrupted", "resumed", "tokens recomputed"], rows)
+    return out, []
+
+
+def coserving_plot(seeds: list[tuple[str, dict]]) -> str:
+    """Online tail against offline share, one point per design and run. The
+    one-queue design (and, on the real engine, priority alone) sits tens to
+    hundreds of times above the rest, so the y axis is logarithmic."""
+    fig, (sim, real) = plt.subplots(1, 2, figsize=(12, 5.6))
+    for (stem, d), marker in zip(seeds, "osD^"):
+        ref = d["rows"][0]
+        for r in d["rows"]:
+            if "p99_ttft_s" in r and "offline_share_of_idle" in r:
+                sim.scatter(100 * r["offline_share_of_idle"], r["p99_ttft_s"] / ref["p99_ttft_s"], marker=marker,
+                            color=COLORS.get(r["design"]), s=45,
+                            label=r["design"] if stem == seeds[0][0] else None)
+    sim.set_title("simulated: Llama-3-8B / H100; marker = online trace (4 seeds)", fontsize=9)
+    runs = (("coserving_real-designs", "o", "every design"), ("coserving_real-safepoints", "s", "safepoint A/B"),
+            ("coserving_real", "D", "full design"))
+    for stem, marker, what in runs:
+        d = load(stem)
+        if not d:
+            continue
+        for r in d["rows"]:
+            if "ttft_ratio" in r and "offline_share_of_idle" in r:
+                design, _, every = r["design"].partition(", safepoints every ")
+                label = design.split(" (")[0] + (f", safepoints every {every.split()[0]} layer" if every else "")
+                real.scatter(100 * r["offline_share_of_idle"], r["ttft_ratio"], marker=marker, s=45,
+                             color=COLORS.get(design), alpha=0.6 if every.startswith("1 ") else 1.0,
+                             label=f"{label} [{what}, {len(d.get('rounds') or [1])} rounds]")
+    real.set_title("real engine on a CPU (cpu-deep), medians over rounds", fontsize=9)
+    for ax in (sim, real):
+        ax.set_xlabel("offline throughput, % of the idle capacity")
+        ax.set_ylabel("online P99 TTFT / online only")
+        ax.set_yscale("log")
+        plain_log(ax)
+        ax.axhline(1.1, color="k", lw=0.8, ls="--")
+        ax.axvline(90, color="k", lw=0.8, ls=":")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
+    fig.suptitle("Co-serving: online tail vs offline share (dashed: 1.1x TTFT; dotted: 90% of idle)", fontsize=11)
+    return save_plot(fig, "coserving.png")
+
+
+# -- against other servers -----------------------------------------------------------------
+
+
+def vs_online(_: str) -> tuple[list[str], list[str]]:
+    files = [(s, load(s)) for s in ("vs_vllm-online-cpu", "vs_vllm-online-cpu-transformers")]
+    files = [(s, d) for s, d in files if d]
+    out = ["Streamed chat requests (Poisson arrivals) against each server in turn, same model and weights "
+           "(4 layers, hidden 512, GQA, vocab 32k, fp32), every server warmed first. `sustained` is the "
+           "highest offered rate whose P99 TTFT stayed within the bound (with every lower rate).", ""]
+    for stem, d in files:
+        load_ = d.get("load", {})
+        out += [f"**{', '.join(sorted(d['servers']))}**, {load_.get('num_requests', '?')} requests per rate:", ""]
+        out += provenance(stem, d)
+        rows = [[num(p["rate"]), p["system"], p["request_throughput"], p["ttft_ms"]["p99"], p["tpot_ms"]["p99"],
+                 p.get("goodput_req_s"), p.get("failed", 0)]
+                for p in sorted(d["points"], key=lambda p: (p["rate"], p["system"]))]
+        out += table(["offered req/s", "server", "served req/s", "P99 TTFT (ms)", "P99 TPOT (ms)",
+                      "goodput req/s", "failed"], rows, "rl" + "r" * 5)
+        if d.get("sustained"):
+            systems = sorted(d["servers"])
+            out += table(["P99 TTFT bound (ms)", *(f"{s} sustained req/s" for s in systems)],
+                         [[num(float(b)), *(num(v[s]) if v.get(s) is not None else "none" for s in systems)]
+                          for b, v in d["sustained"].items()])
+    fig, axes = plt.subplots(len(files), 2, figsize=(11, 3.8 * len(files)), squeeze=False)
+    for (stem, d), (served, ttft) in zip(files, axes):
+        for system in sorted(d["servers"]):
+            pts = sorted((p["rate"], p["request_throughput"], p["ttft_ms"]["p99"])
+                         for p in d["points"] if p["system"] == system)
+            rates, got, tail = zip(*pts)
+            served.plot(rates, got, marker="o", label=system, color=COLORS.get(system))
+            ttft.plot(rates, tail, marker="o", label=system, color=COLORS.get(system))
+        top = max(p["rate"] for p in d["points"])
+        served.plot([0, top], [0, top], color="k", lw=0.6, ls=":", label="offered")
+        served.set_ylabel("served req/s")
+        ttft.set_ylabel("P99 TTFT (ms)")
+        ttft.set_yscale("log")
+        plain_log(ttft)
+        for ax in (served, ttft):
+            ax.set_xlabel("offered req/s")
+            ax.set_title(stem, fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    hw = hardware(files[0][1]) if files else ""
+    fig.suptitle(f"Online serving against peers ({hw})", fontsize=11)
+    return out, [save_plot(fig, "vs_peers_online.png")]
+
+
+def vs_offline(_: str) -> tuple[list[str], list[str]]:
+    out = ["Offline generation, each system with its defaults, same model and weights (4 layers, hidden 512, "
+           "GQA, vocab 32k), greedy, `ignore_eos`; output tokens per second (best of repeats) and per CPU-second "
+           "(the process tree's user + system time). The prefix rows put a 1024-token shared system prompt "
+           "before every request, prefix caching on in both.", ""]
+    plots = []
+    for stem in ("vs_vllm-offline-cpu", "vs_vllm-prefix-cpu"):
+        d = load(stem)
+        if not d:
+            continue
+        what = "prefix caching on in both" if "prefix" in stem else "no prefix sharing"
+        out += [f"**Against vLLM {d.get('vllm_version', '')}'s CPU build**, {what}:", ""] + provenance(stem, d)
+        if d.get("note"):
+            out += [d["note"], ""]
+        rows = [[p["dtype"], f"{p['requests']} x {p['output_len']}", p["best_tokens_per_s"]["vllm"],
+                 p["best_tokens_per_s"]["fluidserve"], f"**{p['ratio_of_best']['fluidserve']:.2f}**",
+                 f"{p['cpu_ratio_of_best']['fluidserve']:.2f}"] for p in d["points"]]
+        out += table(["dtype", "requests x output tokens", "vLLM tok/s", "fluidserve tok/s", "fluidserve / vLLM",
+                      "per CPU-second"], rows, "ll" + "r" * 4)
+    thr = load("throughput-cpu-cpu-small")
+    if thr:
+        out += [f"**Against Hugging Face transformers** (`generate` on a padded batch, `generate_batch` with its "
+                f"continuous batching), {thr['num_prompts']} prompts of ShareGPT lengths x"
+                f"{thr['prompt_lengths']['scale']:g}, {thr['output_len']} output tokens each, "
+                f"preset {thr['preset']}, {thr['dtype']}:", ""]
+        out += provenance("throughput-cpu-cpu-small", thr)
+        out += table(["system", "output tok/s", "req/s", "fluidserve speed-up"],
+                     [[k, v["tokens_per_s"], v["requests_per_s"], ratio(thr["speedup"].get(k, 1.0))]
+                      for k, v in thr["results"].items()])
+    off = load("vs_vllm-offline-cpu")
+    if off or thr:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 1]})
+        if off:
+            short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+            labels = [f"{short.get(p['dtype'], p['dtype'])}\n{p['requests']}x{p['output_len']}" for p in off["points"]]
+            xs = range(len(labels))
+            for i, system in enumerate(("vllm", "fluidserve")):
+                axes[0].bar([x + (i - 0.5) * 0.38 for x in xs], [p["best_tokens_per_s"][system] for p in off["points"]],
+                            width=0.38, label=system, color=COLORS[system])
+            axes[0].set_xticks(list(xs), labels, fontsize=8)
+            axes[0].set_ylabel("output tok/s")
+            axes[0].set_title(f"vs vLLM's CPU build ({hardware(off)})", fontsize=9)
+            axes[0].legend(fontsize=8)
+        if thr:
+            names = list(thr["results"])
+            axes[1].bar(range(len(names)), [thr["results"][n]["tokens_per_s"] for n in names],
+                        color=[COLORS["fluidserve"] if n == "fluidserve" else COLORS["transformers"] for n in names])
+            axes[1].set_xticks(range(len(names)), [n.replace("hf_", "").replace("_", "\n") for n in names], fontsize=8)
+            axes[1].set_ylabel("output tok/s")
+            axes[1].set_title(f"vs transformers ({thr['preset']})", fontsize=9)
+        for ax in axes:
+            ax.grid(alpha=0.3, axis="y")
+        fig.suptitle("Offline throughput against peers", fontsize=11)
+        plots.append(save_plot(fig, "vs_peers_offline.png"))
+    return out, plots
+
+
+def long_prompt(stem: str) -> tuple[list[str], list[str]]:
+    d = load(stem)
+    out = [f"Time to first token of a lone {d['prompt_len']}-token prompt, median of {d['repeats']}: through "
+           "`fluidserve serve` (streamed, `max_tokens=1`), through `LLM.generate`, and one transformers forward "
+           "over the same prompt.", ""] + provenance(stem, d)
+    ref = d["median_s"]["transformers forward"]
+    out += table(["path", "median (s)", "vs transformers forward"],
+                 [[k, v, ratio(v / ref)] for k, v in d["median_s"].items()])
+    return out, []
+
+
+# -- engine costs on the CPU ---------------------------------------------------------------
+
+
+def step_overhead(stem: str) -> tuple[list[str], list[str]]:
+    d = load(stem)
+    parts = ["schedule", "build_input", "process_outputs", "update", "bookkeeping", "execute"]
+    out = [f"Engine bookkeeping per decode step (tiny model, {d['prompt_len']}-token prompts, {d['output_len']} "
+           "output tokens), ms per step: the scheduler, the input build, output processing and the scheduler's "
+           "update in the engine thread's CPU time, `execute` (the forward) in wall time. `generate`: "
+           "final-only outputs (`LLM.generate`); `streamed`: every step's outputs read, as the server reads them.",
+           ""] + provenance(stem, d)
+    out += table(["requests", "mode", *parts],
+                 [[r["concurrency"], r["mode"], *(f"{r[p]:.2f}" for p in parts)] for r in d["rows_ms"]],
+                 "rl" + "r" * len(parts))
+    return out, []
+
+
+def sched_step_cost(_: str) -> tuple[list[str], list[str]]:
+    out = ["Scheduler CPU time per step with requests decoding behind a shared 512-token prefix, the tree "
+           "the run measured against an older commit, each in its own process, interleaved (median of 5 "
+           "processes, each the median of 200 steps).", ""]
+    for stem in ("sched_step_cost", "sched_step_cost-1024"):
+        d = load(stem)
+        if not d:
+            continue
+        names = re.search(r"--names (\S+) (\S+)", d.get("command", ""))
+        label = {".": "the run's tree"}
+        if names:
+            label.update({p: n for p, n in zip([k for k in d["rows"] if k != "."], names.groups()[1:])})
+        out += provenance(stem, d)
+        out += table([f"{d['active']} requests", "cache off (ms)", "cache on (ms)"],
+                     [[label.get(k, k), v["cache_off_ms"], v["cache_on_ms"]] for k, v in d["rows"].items()])
+    return out, []
+
+
+def gc_pauses(stem: str) -> tuple[list[str], list[str]]:
+    d = load(stem)
+    out = [f"{d['requests']} streamed requests on the tiny model, three ways alternating: Python's collector "
+           "as is, the heap frozen with the default young threshold, and frozen as the engine runs.", ""]
+    out += provenance(stem, d)
+    out += table(["heap", "wall ms per step", "slowest step (ms)", "full collections", "their ms",
+                  "young collections", "their ms"],
+                 [[r["way"], r["wall_ms_per_step"], r["slowest_step_ms"], r["collections"][2],
+                   r["collection_ms"][2], r["collections"][0] + r["collections"][1],
+                   r["collection_ms"][0] + r["collection_ms"][1]] for r in d["rows"]])
+    return out, []
+
+
+def cpu_kernels(_: str) -> tuple[list[str], list[str]]:
+    out = []
+    d = load("cpu_decode_groups")
+    if d:
+        out += ["**Decode attention, a bucket's rows a few at a time** (at most "
+                f"{d['group_elements']:,} K elements gathered per call) against one gather and one call per "
+                "bucket, one thread, best of runs:", ""] + provenance("cpu_decode_groups", d)
+        out += table(["rows", "context", "KV heads x group x head dim", "dtype", "one call (ms)", "grouped (ms)",
+                      "speed-up"],
+                     [[r["rows"], r["context"], f"{r['kv_heads']} x {r['group']} x {r['head_dim']}", r["dtype"],
+                       r["best_ms"]["one call"], r["best_ms"]["grouped"], ratio(r["speedup"])] for r in d["kernel"]],
+                     "rrll" + "r" * 3)
+        e = d["engine"]["median_step_ms"]
+        out += [f"Engine (`cpu-deep`, 12 requests decoding at about 1k tokens of context): median decode step "
+                f"{num(e['one call'])} ms one call, {num(e['grouped'])} ms grouped "
+                f"({ratio(d['engine']['speedup'])}).", ""]
+    d = load("cpu_chunked_prefill")
+    if d:
+        out += ["**A prompt chunk over a cached prefix**: the prefix and the chunk's own keys in two unmasked "
+                "flash calls merged by log-sum-exp, against one call with a [chunk, context] mask:", ""]
+        out += provenance("cpu_chunked_prefill", d)
+        out += table(["chunk", "prefix", "dtype", "one masked call (ms)", "two calls (ms)", "speed-up",
+                      "max abs diff"],
+                     [[r["chunk"], r["prefix"], r["dtype"], r["best_ms"]["one masked call"], r["best_ms"]["two calls"],
+                       ratio(r["speedup"]), f"{r['max_abs_diff']:.1e}"] for r in d["kernel"]], "rrl" + "r" * 4)
+    d = load("shared_prefix_decode")
+    if d:
+        out += ["**Shared-prefix decode buckets**: a prefix family gets its own bucket only where the copies it "
+                "saves outweigh a bucket's fixed cost (the rule), against every family apart and none apart "
+                "(plan + 4 layers, 256 rows):", ""] + provenance("shared_prefix_decode", d)
+        out += table(["rows sharing", "shared blocks", "every family apart (ms)", "none apart (ms)", "rule (ms)"],
+                     [[r["family"], r["shared_blocks"], r["every family apart"]["ms"], r["none apart"]["ms"],
+                       r["rule"]["ms"]] for r in d["kernel"]])
+        e = d["engine"]
+        out += [f"`LLM.generate`, {e['requests']} requests, each {e['prompt_len']}-token prompt sent by "
+                f"{e['family']}: median decode step "
+                + ", ".join(f"{k} {num(v['decode_step_ms'])} ms" for k, v in e.items() if isinstance(v, dict))
+                + ".", ""]
+    d = load("cpu_linear")
+    if d:
+        ways = list(d["rows"][0]["ms"])
+        out += ["**Linear layers of one decoder layer** (hidden 512, GQA, MLP 1536), ms per layer, "
+                f"{d['threads']} thread:", ""] + provenance("cpu_linear", d)
+        out += table(["dtype", "tokens", *ways],
+                     [[r["dtype"], r["tokens"], *(r["ms"].get(w) for w in ways)] for r in d["rows"]],
+                     "lr" + "r" * len(ways))
+        out += table(["end to end", "packed tok per CPU-s", "F.linear tok per CPU-s", "packed / F.linear"],
+                     [[e["dtype"], e["median"]["packed"], e["median"]["F.linear"], ratio(e["packed_over_f_linear"])]
+                      for e in d["engine"]])
+    return out, []
+
+
+def grammar(_: str) -> tuple[list[str], list[str]]:
+    out = []
+    d = load("grammar_mask")
+    if d:
+        m = d["meta"]
+        out += [f"**Mask cost, xgrammar against llguidance**: {m['concurrency']} concurrent JSON-schema requests, "
+                f"{m['steps']} decode steps, one next-token bitmask per request per step (1t / 2t: threads).",
+                ""] + provenance("grammar_mask", d)
+        out += table(["library", "vocab", "fill ms/step (median)", "p90", "new matcher (µs)",
+                      "compile ms (per schema)"],
+                     [[r["backend"], r["vocab_size"], r["fill_ms_per_step_median"], r["fill_ms_per_step_p90"],
+                       r["new_matcher_us"], ", ".join(num(v) for v in r["compile_ms"].values())]
+                      for r in d["results"]], "lrrrrl")
+    for stem in ("structured_overhead-cpu", "structured_overhead-cpu-small"):
+        d = load(stem)
+        if not d:
+            continue
+        m = d["meta"]
+        out += [f"**JSON mode against unconstrained decoding**, {m['model']}, {m['concurrency']} concurrent "
+                f"requests of {m['tokens_per_request']} tokens, {m['rounds']} alternating rounds:", ""]
+        out += provenance(stem, d)
+        out += table(["JSON / unconstrained, tok per CPU-s", "paired rounds' median", "per wall second",
+                      "grammar share of decode time"],
+                     [[f"{d['json_over_unconstrained_cpu']:.3f}", f"{d['json_over_unconstrained_cpu_paired']:.3f}",
+                       f"{d['json_over_unconstrained_wall']:.3f}", f"{d['grammar_share_of_json_decode_wall']:.1%}"]],
+                     "rrrr")
+    d = load("prompt_logprobs-cpu")
+    if d:
+        out += [f"**prompt_logprobs**: {d['num_prompts']} prompts of {d['prompt_len']} tokens, 1 output token, "
+                f"preset {d['preset']}, {d['dtype']}; the LM head alone over the same positions takes "
+                f"{num(d['lm_head_only_s'])} s.", ""] + provenance("prompt_logprobs-cpu", d)
+        out += table(["variant", "time (s)", "prompt tok/s", "time vs none"],
+                     [[r["variant"], r["median_s"], r["prompt_tok_per_s"], ratio(r["time_vs_none"])]
+                      for r in d["rows"]])
+    return out, []
+
+
+def kv_real(_: str) -> tuple[list[str], list[str]]:
+    out = []
+    d = load("prefix_cache")
+    if d:
+        s, t = d["summary"], d["rows"].get("tenants", {})
+        out += [f"**Prefix caching on the real engine** (preset {d['meta']['preset']}), cache off then on in one "
+                "process:", ""] + provenance("prefix_cache", d)
+        rows = [["shared system prompt", s["shared_mean_ttft_off_s"] * 1e3, s["shared_mean_ttft_on_s"] * 1e3,
+                 ratio(s["shared_mean_ttft_off_s"] / s["shared_mean_ttft_on_s"])],
+                ["multi-turn chat resending its history", s["multi_turn_mean_ttft_off_s"] * 1e3,
+                 s["multi_turn_mean_ttft_on_s"] * 1e3,
+                 ratio(s["multi_turn_mean_ttft_off_s"] / s["multi_turn_mean_ttft_on_s"])]]
+        if "device only" in t and "device + host" in t:
+            a, b = t["device only"]["mean_ttft_s"], t["device + host"]["mean_ttft_s"]
+            rows.append([f"tenants cycling through a {t['device only']['num_kv_blocks']}-block device pool "
+                         "(device only → with the host tier)", a * 1e3, b * 1e3, ratio(a / b)])
+        out += table(["workload", "mean TTFT before (ms)", "mean TTFT after (ms)", "speed-up"], rows)
+    d = load("swap_serving")
+    if d:
+        out += ["**Two KV tiers on the real engine** (CPU server, 64 device blocks, ShareGPT lengths x0.2 near "
+                "capacity):", ""] + provenance("swap_serving", d)
+        base = d["rows"][0]["normalized_latency_ms_per_token"]["mean"]
+        out += table(["variant", "mean norm (ms/tok)", "P99 norm", "TTFT P99 (ms)", "TPOT P99 (ms)", "swaps",
+                      "vs fcfs + recompute"],
+                     [[r["variant"], r["normalized_latency_ms_per_token"]["mean"],
+                       r["normalized_latency_ms_per_token"]["p99"], r["ttft_ms"]["p99"], r["tpot_ms"]["p99"],
+                       r["swaps"], ratio(base / r["normalized_latency_ms_per_token"]["mean"])] for r in d["rows"]])
+    d = load("preemption")
+    if d:
+        sr = d["single_rank"]
+        out += [f"**What a layer safepoint costs** (preset {d['preset']}): one check on one rank "
+                f"{num(sr['check_s'] * 1e9)} ns ({num(sr['in_forward_check_s'] * 1e9)} ns inside a forward); "
+                f"one vote under tensor parallelism 2 (a gloo all-reduce of one int) {num(d['tp2_vote_s'] * 1e3)} ms; "
+                "a Ray step call with the interrupt's control thread "
+                + ratio(d["ray_call_s"]["actor with a control thread"] / d["ray_call_s"]["plain actor"])
+                + " of a plain actor's.", ""] + provenance("preemption", d)
+        out += table(["step", "layers per safepoint", "layer (ms)", "checks / step, one rank", "votes / step, TP 2",
+                      "longest wait (ms)"],
+                     [[r["shape"], r["k"], r["layer_ms"], f"{r['check_share']:.4%}", f"{r['vote_share']:.2%}",
+                       r["worst_wait_ms"]] for r in d["rows"]], "lrrrrr")
+    return out, []
+
+
+def frontend(_: str) -> tuple[list[str], list[str]]:
+    out = []
+    d = load("serve_overhead")
+    if d:
+        out += [f"**Frontend overhead**: {d['model']}, the server against the same engine called in-process "
+                f"(engine on {d['torch_threads']} torch thread; the client shares the cores).", ""]
+        out += provenance("serve_overhead", d)
+        out += table(["load", "req/s", "output tok/s"],
+                     [[k.replace("_", " "), v["req_per_s"], v["out_tok_per_s"]] for k, v in d["capacity"].items()])
+        out += table(["concurrent requests", "ms per token, direct", "ms per token, via HTTP/SSE",
+                      "added ms per token"],
+                     [[c, d["direct"][c]["tpot_ms"], d["server"][c]["tpot_ms_mean"], d["added_ms_per_token"][c]]
+                      for c in d["direct"]])
+    for stem in sorted(p.stem for p in RESULTS.glob("serve_bench-*.json")):
+        d = load(stem)
+        a = d["args"]
+        out += [f"**`fluidserve bench`** against the tiny model ({a['dataset']} lengths x{a['length_scale']:g}, "
+                f"{a['arrival']} arrivals, CV {a['cv']:g}, {a['request_rate']:g} req/s, {a['num_requests']} "
+                "requests):", ""] + provenance(stem, d)
+        out += table(["served req/s", "output tok/s", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "SLO attainment"],
+                     [[d["request_throughput"], d["output_token_throughput"],
+                       f"{num(d['ttft_ms']['p50'])} / {num(d['ttft_ms']['p99'])}",
+                       f"{num(d['tpot_ms']['p50'])} / {num(d['tpot_ms']['p99'])}", pct(d["slo_attainment"])]])
+    for stem in sorted(p.stem for p in RESULTS.glob("ray_overhead-*.json")):
+        d = load(stem)
+        s = d["settings"]
+        out += [f"**Ray executor against the local one**, preset {d['preset']} ({d['dtype']}), "
+                f"{s['num_prompts']} prompts x {s['output_len']} tokens, {s['threads']} torch thread per worker:",
+                ""] + provenance(stem, d)
+        batches = sorted({b for v in d["vs_local"].values() for b in v["step_overhead_ms"]}, key=int)
+        out += table(["executor", "throughput vs local", *(f"extra ms per decode step, batch {b}" for b in batches)],
+                     [[k, ratio(v["tokens_per_s_ratio"]), *(v["step_overhead_ms"].get(b) for b in batches)]
+                      for k, v in d["vs_local"].items()])
+    return out, []
+
+
+def kernels_compile(stem: str) -> tuple[list[str], list[str]]:
+    d = load(stem)
+    out = [f"The Triton attention variants compiled for sm_90 without a GPU (Triton {d['triton']}): registers "
+           "and local memory from the cubin, occupancy from an H100 SM's limits. No GPU timing is in the "
+           "results yet; `bash benchmarks/gpu_check.sh` runs the GPU benchmarks on a CUDA machine.", ""]
+    out += [f"- `benchmarks/results/{stem}.json`", ""]
+    out += table(["dtype", "head dim", "group", "variant", "warps", "registers", "shared bytes", "local bytes",
+                  "programs/SM"],
+                 [[v["dtype"], v["head_dim"], v["group"], v["variant"], v["num_warps"], v["registers"],
+                   v["shared_bytes"], v["local_bytes"], v["programs_per_sm"]] for v in d["variants"]], "lrrl" + "r" * 5)
+    return out, []
+
+
+# -- the page ------------------------------------------------------------------------------
+
+Renderer = Callable[[str], tuple[list[str], list[str]]]
+
+# (title, the result stems the section reads, renderer); order is the page's.
+SECTIONS: list[tuple[str, list[str], Renderer]] = [
+    ("Scheduling policies (simulator)", ["scheduling"], scheduling),
+    ("Two KV tiers (simulator)", ["swapping"], swapping),
+    ("Prefix caching across both tiers (simulator)", ["prefix_cache_sim"], prefix_cache_sim),
+    ("Co-serving (simulator)", ["coserving", "coserving-seed1", "coserving-seed2", "coserving-seed3"], coserving),
+    ("Co-serving on the real engine", ["coserving_real", "coserving_real-safepoints", "coserving_real-designs"],
+     coserving_real),
+    ("Online serving against vLLM and transformers", ["vs_vllm-online-cpu", "vs_vllm-online-cpu-transformers"],
+     vs_online),
+    ("Offline throughput against vLLM and transformers",
+     ["vs_vllm-offline-cpu", "vs_vllm-prefix-cpu", "throughput-cpu-cpu-small"], vs_offline),
+    ("A long prompt's time to first token", ["long_prompt"], long_prompt),
+    ("Engine bookkeeping per step", ["step_overhead-cpu"], step_overhead),
+    ("Scheduler CPU time per step", ["sched_step_cost", "sched_step_cost-1024"], sched_step_cost),
+    ("Garbage collection during steps", ["gc_pauses"], gc_pauses),
+    ("CPU kernels", ["cpu_decode_groups", "cpu_chunked_prefill", "shared_prefix_decode", "cpu_linear"], cpu_kernels),
+    ("Structured output and prompt logprobs",
+     ["grammar_mask", "structured_overhead-cpu", "structured_overhead-cpu-small", "prompt_logprobs-cpu"], grammar),
+    ("KV cache and preemption on the real engine", ["prefix_cache", "swap_serving", "preemption"], kv_real),
+    ("Frontend, load generator and Ray executor", ["serve_overhead", "serve_bench-*", "ray_overhead-*"], frontend),
+    ("Triton kernels compiled for sm_90", ["kernels_compile_sm90"], kernels_compile),
+]
+
+
+def claimed(stem: str) -> bool:
+    return any(re.fullmatch(p.replace("*", ".*"), stem) for _, stems, _ in SECTIONS for p in stems)
+
+
+def generic(stem: str) -> tuple[list[str], list[str]]:
+    """A results file no section knows: its scalar fields, and its rows if it has any."""
+    d = load(stem)
+    if not isinstance(d, dict):
+        return [f"- `benchmarks/results/{stem}.json`", ""], []
+    out = provenance(stem, d)
+    scalars = [[k, v] for k, v in d.items() if isinstance(v, (int, float, str)) and k not in ("command",)]
+    if scalars:
+        out += table(["field", "value"], scalars, "lr")
+    rows = d.get("rows")
+    if isinstance(rows, list) and rows and isinstance(rows[0], dict):
+        keys = [k for k in rows[0] if isinstance(rows[0][k], (int, float, str))]
+        out += table(keys, [[r.get(k, "") for k in keys] for r in rows])
+    return out, []
+
+
+def anchor(title: str) -> str:
+    return re.sub(r"[^a-z0-9 -]", "", title.lower()).replace(" ", "-")
+
+
+def build() -> str:
+    stems = sorted(p.stem for p in RESULTS.glob("*.json"))
+    sections = [(t, r, stems_[0]) for t, stems_, r in SECTIONS
+                if any(RESULTS.glob(f"{s}.json") for s in stems_)]  # a benchmark not run yet has no section
+    sections += [(f"Other results: {s}", generic, s) for s in stems if not claimed(s)]
+    head = ["# Benchmarks", "",
+            "Generated by `python benchmarks/report.py` from the JSON in `benchmarks/results/` (one file per "
+            "benchmark and configuration, each the latest run; earlier runs are in git history). Do not edit "
+            "by hand: rerun a benchmark, then the report.", "",
+            "Each section gives the figures, the hardware they were taken on and the command that took them. "
+            "The simulator sections model a GPU with a roofline cost model (see [design.md](design.md#testing)); "
+            "the others ran on the CPU they name.", ""]
+    body, toc = [], []
+    for title, render, stem in sections:
+        text, plots = render(stem)
+        toc.append(f"- [{title}](#{anchor(title)})")
+        body += [f"## {title}", ""] + text + [p + "\n" for p in plots]
+    lines = head + toc + [""] + body
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).rstrip("\n") + "\n"
+
+
+def main() -> int:
+    plt.rcParams.update({"font.size": 9})
+    DOCS.mkdir(exist_ok=True)
+    text = build()
+    (DOCS / "benchmarks.md").write_text(text)
+    for stale in DOCS.glob("*.png"):
+        if stale.name not in WRITTEN:
+            stale.unlink()
+    print(f"wrote {DOCS / 'benchmarks.md'} and {len(WRITTEN)} plots: {', '.join(sorted(WRITTEN))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""The config tree (engine/config.py, scheduler/config.py, kvcache/config.py):
+every setting declared once, the flags made from the declarations, flat
+names routed to the config that owns them."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from fluidserve.engine.args import CONFIGS
+from fluidserve.engine.config import EngineConfig, ParallelConfig
+from fluidserve.kvcache.config import CacheConfig, cli_fields, flag_name
+from fluidserve.scheduler.config import SchedulerConfig
+from fluidserve.scheduler.simulator import SimConfig
+from fluidserve.serve import cli
+
+
+def leaf_names(cls: type) -> list[str]:
+    names = []
+    for f in dataclasses.fields(cls):
+        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        names += leaf_names(sub) if dataclasses.is_dataclass(sub) else [f.name]
+    return names
+
+
+@pytest.mark.parametrize("tree", [EngineConfig, SimConfig])
+def test_every_setting_has_one_name_in_its_tree(tree):
+    names = leaf_names(tree)
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_the_simulator_embeds_the_engines_scheduler_and_cache_configs():
+    kinds = {f.name: f.default_factory for f in dataclasses.fields(SimConfig)
+             if f.default_factory is not dataclasses.MISSING}
+    assert kinds == {"scheduler": SchedulerConfig, "cache": CacheConfig}
+
+
+def test_serve_help_lists_every_setting_once_with_its_default():
+    parser = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
+    options = [o for a in parser._actions for o in a.option_strings]
+    assert len(options) == len(set(options))  # no flag twice
+    flags = [flag_name(f) for cls in CONFIGS for f in cli_fields(cls)]
+    assert len(flags) > 25 and set(flags) <= set(options)
+    text = parser.format_help()
+    for action in parser._actions:
+        if action.option_strings and action.option_strings[0] != "-h":
+            assert action.help and "default" in action.help, action.option_strings
+            assert action.option_strings[0] in text
+
+
+def test_flags_give_the_configs_defaults():
+    config = cli.engine_config_from_args(cli.build_parser().parse_args(["serve"]))
+    assert config.scheduler == SchedulerConfig() and config.cache == CacheConfig()
+    assert config.parallel == ParallelConfig()
+    assert config == EngineConfig()
+
+
+def test_flat_names_reach_the_config_that_owns_them():
+    c = EngineConfig.create(model="m", block_size=8, max_num_seqs=4, tensor_parallel_size=2, online_tpot_slo_ms=40.0)
+    assert (c.cache.block_size, c.scheduler.max_num_seqs, c.parallel.tensor_parallel_size) == (8, 4, 2)
+    assert (c.block_size, c.max_num_seqs, c.online_tpot_slo_ms) == (8, 4, 40.0)  # read through
+    d = c.replace(block_size=32, device="cpu", max_num_seqs=8)
+    assert (d.cache.block_size, d.device, d.max_num_seqs, d.tensor_parallel_size) == (32, "cpu", 8, 2)
+    assert pickle.loads(pickle.dumps(c)) == c  # it crosses to Ray actors
+    with pytest.raises(TypeError, match="unknown setting.*bogus"):
+        EngineConfig.create(bogus=1)
+    with pytest.raises(AttributeError, match="no setting 'bogus'"):
+        _ = c.bogus
+
+
+def test_each_setting_is_checked_where_it_is_declared():
+    with pytest.raises(ValueError, match="^max_num_seqs must be positive"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="^gpu_memory_utilization must be in"):
+        CacheConfig(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="^block_size must be one of"):  # the kernels' sizes: an engine check
+        EngineConfig.create(block_size=4)
+    assert CacheConfig(block_size=4).block_size == 4  # the accounting and the simulator take any
+    assert SchedulerConfig(kv_checkpoint_threshold=1.0).kv_checkpoint_threshold is None  # 1: off
+
+
+def test_a_bad_flag_value_names_the_flag():
+    parse = cli.build_parser().parse_args
+    with pytest.raises(ValueError, match="^--max-num-seqs must be positive"):
+        cli.engine_config_from_args(parse(["serve", "--max-num-seqs", "0"]))
+    with pytest.raises(ValueError, match="^--gpu-memory-utilization must be in"):
+        cli.engine_config_from_args(parse(["serve", "--gpu-memory-utilization", "2"]))
+    with pytest.raises(ValueError, match="^--tensor-parallel-size must be positive"):
+        cli.engine_config_from_args(parse(["serve", "-tp", "0"]))

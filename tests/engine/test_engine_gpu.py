@@ -1,0 +1,72 @@
+"""On a CUDA device the engine runs the Triton kernels; their greedy tokens
+must equal the reference path's. Skipped without a GPU (CI is CPU-only);
+run on a GPU machine with `python -m pytest -m gpu` (benchmarks/gpu_check.sh
+does)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fluidserve.engine import SamplingParams
+from token_paths import assert_agree_but_for_near_ties
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "a", "Long prompt " * 30]
+# (arch, config overrides): GQA with head_dim 64 and 128, and OPT (MHA) at
+# head_dim 64 and 80 (OPT-2.7B's; the kernel pads it to 128).
+ARCH_CASES = [
+    ("llama", {"head_dim": 64, "hidden_size": 256}),
+    ("qwen3", {"head_dim": 128, "hidden_size": 512}),
+    ("opt", {"hidden_size": 256}),
+    ("opt", {"hidden_size": 320, "word_embed_proj_dim": 320}),
+]
+
+
+@pytest.mark.parametrize("arch, overrides", ARCH_CASES, ids=["llama-64", "qwen3-128", "opt-64", "opt-80"])
+def test_triton_path_greedy_equals_reference_path(tiny_model, make_llm, arch, overrides):
+    path = tiny_model(arch, **overrides)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kwargs = dict(dtype="float32", max_num_batched_tokens=32, num_kv_blocks=256)
+    ref = make_llm(path, device="cpu", **kwargs).generate(PROMPTS, params)
+    gpu = make_llm(path, device="cuda", **kwargs).generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in ref]
+
+
+@pytest.mark.parametrize("arch, overrides", ARCH_CASES, ids=["llama-64", "qwen3-128", "opt-64", "opt-80"])
+def test_bf16_triton_path_matches_reference_path_token_for_token(tiny_model, make_llm, arch, overrides):
+    """bf16 end to end on one GPU: the same model, weights and matmuls, once
+    with the Triton kernels and once with the torch reference attention
+    (ops.reference_path). Greedy tokens agree token for token; the only
+    divergence allowed is at a near-tie of the reference's own logprobs,
+    after which the continuations legitimately differ."""
+    from fluidserve.kernels import ops
+
+    path = tiny_model(arch, **overrides)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+    kwargs = dict(device="cuda", dtype="bfloat16", max_num_batched_tokens=32, num_kv_blocks=256)
+    triton_out = make_llm(path, **kwargs).generate(PROMPTS, params)
+    with ops.reference_path():
+        ref_out = make_llm(path, **kwargs).generate(PROMPTS, params)
+    assert_agree_but_for_near_ties(triton_out, ref_out, arch)
+
+
+def test_engine_start_up_compiles_every_attention_variant(tiny_model, make_llm):
+    """The local executor's warm-up step compiles the attention variants at
+    start-up (engine/layers.py): a workload of varied batches afterwards
+    (lone prefills, chunked long prompts, decode-only and mixed steps)
+    compiles none. Unrun on CPU-only machines."""
+    from fluidserve.kernels import paged_attention as pa
+
+    llm = make_llm(tiny_model("llama"), device="cuda", dtype="bfloat16", max_num_batched_tokens=64,
+                   num_kv_blocks=512)
+    after_start = pa.num_variants()
+    assert after_start > 0
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm.generate(["a"], params)
+    llm.generate(PROMPTS + ["Another long prompt " * 40] * 3, params)
+    assert pa.num_variants() == after_start

@@ -1,0 +1,281 @@
+"""Tensor parallelism on Ray, on CPU: two gloo workers against the local
+executor (greedy tokens identical, chunked prefill included), and the failure
+contract — a worker killed or hung mid-generation fails the in-flight
+requests with a clear error and turns /health to 503 within 10 s.
+
+One Ray instance, started the way the daemon starts it (loopback only, no
+dashboard), serves the whole module; Ray's start is the slow part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from fluidserve.engine import LLM, SamplingParams
+from fluidserve.engine.config import EngineConfig
+from fluidserve.engine.engine import LLMEngine
+from fluidserve.engine.executor import ExecutorError
+from fluidserve.engine.loader import build_model, checkpoint_targets, load_hf_config, load_weights
+from fluidserve.engine.parallel import TensorParallel
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "a", "Long prompt " * 9, "你好, wörld"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+BUDGET = 8  # tokens per step: every prompt above 8 tokens is prefilled in chunks
+CPU = dict(device="cpu", num_kv_blocks=128, max_num_batched_tokens=BUDGET, max_num_seqs=4)
+TP2 = dict(executor="ray", tensor_parallel_size=2)
+DEADLINE_S = 10.0  # the failure contract
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from fluidserve.engine.executor.ray import start_local_ray
+
+    if ray.is_initialized():  # another module's instance: not ours to configure or stop
+        yield
+        return
+    start_local_ray(num_cpus=4)
+    yield
+    ray.shutdown()
+
+
+def _generate(model_dir: str, **kwargs) -> list[list[int]]:
+    llm = LLM(model=model_dir, **CPU, **kwargs)
+    try:
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert llm.engine.kv.num_used_blocks == 0
+        return [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.engine.shutdown()
+
+
+# -- correctness -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", {}),  # GQA, 2 KV heads: one per rank
+    ("opt", {}),  # MHA, biases on every projection, tied LM head
+    ("qwen2", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: replicated; q/k/v biases
+], ids=["llama-gqa", "opt", "qwen2-kv1"])
+@pytest.mark.slow
+def test_tp2_greedy_tokens_identical_to_local(ray_cluster, tiny_model, arch, overrides):
+    path = tiny_model(arch, **overrides)
+    local = _generate(path)
+    assert max(len(p) for p in PROMPTS) > BUDGET  # chunked prefill is in play
+    assert _generate(path, **TP2) == local
+
+
+@pytest.mark.slow
+def test_tp2_swapping_keeps_greedy_tokens(ray_cluster, tiny_model):
+    """A device pool too small for the batch: each rank swaps its own head
+    shard of the same blocks to host and back, tokens stay the local ones."""
+    path = tiny_model("llama")
+    small = dict(device="cpu", num_kv_blocks=10, block_size=8, max_model_len=64, num_host_blocks=64)
+    prompts = [p[:20] for p in PROMPTS] * 2
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    local = [o.outputs[0].token_ids for o in LLM(model=path, **small).generate(prompts, params)]
+    llm = LLM(model=path, **small, **TP2)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == local
+        counters = llm.engine.scheduler.counters
+        assert counters.num_swap_outs > 0 and counters.num_recomputes == 0
+        assert llm.engine.kv.num_used_blocks == 0 and llm.engine.kv.num_used_host_blocks == 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_tp2_prompt_logprobs_like_local(ray_cluster, tiny_model):
+    """Prompt logprobs project every prompt position through the LM head in
+    slices, each gathered on rank 0: every rank must take part in every
+    slice. A 300-token prompt spans two slices; the numbers are the local ones."""
+    from fluidserve.engine.prompt_logprobs import ROWS_PER_SLICE
+
+    path = tiny_model("llama")
+    ids = [(7 * j) % 250 + 3 for j in range(300)]
+    assert len(ids) > ROWS_PER_SLICE + 1
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    local = LLM(model=path, device="cpu", num_kv_blocks=64).generate([ids], params)[0].prompt_logprobs
+    llm = LLM(model=path, device="cpu", num_kv_blocks=64, **TP2)
+    try:
+        tp = llm.generate([ids], params)[0].prompt_logprobs
+    finally:
+        llm.engine.shutdown()
+    assert len(tp) == len(local) == 300 and tp[0] is None
+    for a, b in zip(tp[1:], local[1:]):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
+
+
+def test_daemon_started_ray_is_loopback_only(ray_cluster):
+    """What start_local_ray promises: Ray's control plane on 127.0.0.1 and
+    no Ray process listening on another interface."""
+    psutil = pytest.importorskip("psutil")
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    exposed = []
+    for conn in psutil.net_connections(kind="inet"):
+        if conn.status != psutil.CONN_LISTEN or conn.pid is None or conn.laddr.ip in ("127.0.0.1", "::1",
+                                                                                   "::ffff:127.0.0.1"):
+            continue
+        try:
+            name = " ".join(psutil.Process(conn.pid).cmdline())
+        except psutil.Error:
+            continue
+        if "ray" in name or "raylet" in name or "gcs_server" in name:
+            exposed.append((conn.laddr, name[:80]))
+    assert not exposed
+
+
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("opt", {}), ("qwen2", {"num_key_value_heads": 1})],
+                         ids=["llama-gqa", "opt", "qwen2-kv1"])
+def test_shards_reassemble_the_checkpoint(tiny_model, arch, overrides):
+    """Each rank loads only its slice; the slices of both ranks, concatenated
+    (padding cut off), are the whole checkpoint tensor, also inside the fused
+    q/k/v and gate/up weights (each rank holds its shard of each part).
+    Replicated tensors (norms, row-parallel biases, a lone KV head) are whole
+    on every rank."""
+    from safetensors.torch import load_file
+
+    path = tiny_model(arch, **overrides)
+    checkpoint = load_file(str(Path(path) / "model.safetensors"))
+    cfg = load_hf_config(path)
+    ranks = []
+    for rank in range(2):
+        m = build_model(cfg, torch.float32, torch.device("cpu"), TensorParallel(rank, 2))
+        load_weights(m, path)
+        ranks.append(checkpoint_targets(m))
+    checked = 0
+    for name, whole in checkpoint.items():
+        name = "model." + name if arch == "opt" and name.startswith("decoder.") else name
+        if name not in ranks[0]:
+            continue
+        parts = [r[name].view() for r in ranks]
+        spec = ranks[0][name].spec
+        if spec is None:
+            assert all(torch.equal(p, whole) for p in parts), name
+        else:
+            joined = torch.cat(parts, dim=spec.dim).narrow(spec.dim, 0, spec.full)
+            assert torch.equal(joined, whole), name
+        checked += 1
+    assert checked == len(ranks[0])  # every tensor the model reads was compared
+
+
+def test_size_that_does_not_split_the_heads_is_a_value_error(tiny_model):
+    # Checked before any actor starts (and before Ray is even needed).
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
+        LLMEngine(EngineConfig.create(model=tiny_model("llama"), device="cpu", executor="ray", tensor_parallel_size=3))
+
+
+# -- failure ---------------------------------------------------------------------
+
+
+def _stream_until_error(base_url: str, body: dict, first_token: threading.Event) -> str:
+    """Stream a completion; return the error message it ends with."""
+    with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=30) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                return event["error"]["message"]
+            first_token.set()
+    return "stream ended without an error"
+
+
+def test_killed_worker_fails_in_flight_requests_and_health_within_10s(ray_cluster, tiny_model):
+    from server_utils import start_server
+
+    server = start_server(tiny_model("llama"), **TP2, max_num_seqs=4)
+    try:
+        executor = server.engine.executor
+        victim = executor.worker_pids()[1]
+        body = {"model": server.engine.model_name, "prompt": "Hello there", "max_tokens": 200,
+                "temperature": 0, "ignore_eos": True}
+        first_token = threading.Event()
+        with ThreadPoolExecutor(2) as pool:
+            streaming = pool.submit(_stream_until_error, server.base_url, body, first_token)
+            plain = pool.submit(httpx.post, f"{server.base_url}/v1/completions", json=body, timeout=30)
+            assert first_token.wait(30), "generation never started"
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.monotonic()
+            stream_error = streaming.result(timeout=DEADLINE_S)
+            plain_resp = plain.result(timeout=DEADLINE_S)
+        assert time.monotonic() - killed_at < DEADLINE_S
+        assert "tensor-parallel worker rank" in stream_error
+        assert plain_resp.status_code == 503
+        assert "tensor-parallel worker rank" in plain_resp.json()["error"]["message"]
+        health = httpx.get(f"{server.base_url}/health", timeout=5)
+        assert health.status_code == 503
+        assert time.monotonic() - killed_at < DEADLINE_S
+        with pytest.raises(ExecutorError):
+            executor.check_health()
+    finally:
+        server.stop()
+        server.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_hung_worker_fails_the_step_within_10s(ray_cluster, tiny_model):
+    engine = LLMEngine(EngineConfig.create(model=tiny_model("opt"), **CPU, **TP2))
+    victim = engine.executor.worker_pids()[1]
+    try:
+        engine.add_request("r", "Hello there", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        engine.step()
+        os.kill(victim, signal.SIGSTOP)  # alive but stuck: only the step timeout can tell
+        stopped_at = time.monotonic()
+        with pytest.raises(ExecutorError, match="did not finish the step"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - stopped_at < DEADLINE_S
+        with pytest.raises(ExecutorError):  # stays failed: the daemon must not report healthy
+            engine.executor.check_health()
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(victim, sig)
+            except ProcessLookupError:
+                pass
+        engine.shutdown()
+
+
+def test_idle_worker_death_fails_the_health_check(ray_cluster, tiny_model):
+    """No request in flight: the engine loop's idle health poll still notices
+    the dead worker, so the AsyncEngine (what /health reads) reports dead."""
+    from fluidserve.engine.async_engine import AsyncEngine
+
+    import asyncio
+
+    engine = LLMEngine(EngineConfig.create(model=tiny_model("llama"), **CPU, **TP2))
+
+    async def scenario() -> None:
+        async_engine = AsyncEngine(engine, health_check_interval=0.2)
+        async_engine.start()
+        engine.executor.check_health()
+        assert async_engine.health().ok
+        os.kill(engine.executor.worker_pids()[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        while async_engine.health().ok and time.monotonic() - killed_at < DEADLINE_S:
+            await asyncio.sleep(0.1)
+        health = async_engine.health()
+        assert not health.ok and "rank 0 died" in health.reason, health
+        with pytest.raises(ExecutorError, match="rank 0 died"):  # no step runs on a failed executor
+            engine.executor.check_health()
+        await async_engine.shutdown()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()

@@ -1,0 +1,255 @@
+"""ConServe's SLO-aware budget: offline work beside online decodes never
+pushes a step's predicted time past the online TPOT SLO, offline work still
+finishes, and with no online work it takes the whole token budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from fluidserve.scheduler.cost_model import default_cost_model, plan_shape
+from fluidserve.scheduler.request_state import RequestClass
+from fluidserve.scheduler.simulator import SimConfig, Simulator
+from fluidserve.scheduler.workloads import Job
+
+CM = default_cost_model()  # Llama-3-8B on one H100
+
+
+def _jobs() -> list[Job]:
+    # A standing offline backlog of long prompts, and online chats arriving
+    # over time with long outputs (so online decodes share most steps).
+    offline = [Job(f"off{i}", 0.0, 3000, 20, RequestClass.OFFLINE) for i in range(12)]
+    online = [Job(f"on{i}", 0.3 + 0.05 * i, 200, 150) for i in range(20)]  # after a quiet start
+    return offline + online
+
+
+def _run(slo_ms: float | None) -> tuple[list[tuple[float, bool, int]], object]:
+    """(predicted step time, step has online work, offline tokens) of every step."""
+    sim = Simulator(_jobs(), "skip-join-mlfq", CM, SimConfig.create(num_kv_blocks=20000, online_tpot_slo_ms=slo_ms))
+    sched = sim.scheduler
+    steps = []
+    schedule = sched.schedule
+
+    def record(now):
+        plan = schedule(now)
+        klass = {s.request_id: sched.seqs[s.request_id].klass for s in plan.scheduled}
+        steps.append((CM.step_time(*plan_shape(plan, sched.seqs)),
+                      any(k is RequestClass.ONLINE for k in klass.values()),
+                      sum(s.num_tokens for s in plan.scheduled if klass[s.request_id] is RequestClass.OFFLINE)))
+        return plan
+
+    sched.schedule = record
+    return steps, sim.run()
+
+
+def test_offline_work_keeps_online_steps_within_the_tpot_slo():
+    slo = 0.030
+    steps, res = _run(slo * 1e3)
+    mixed = [t for t, online, off in steps if online and off]
+    assert mixed, "offline work never ran beside online work"
+    assert max(t for t, online, _ in steps if online) <= slo + 1e-9
+    assert all(r.finish_time is not None for r in res.records)  # the backlog still finishes
+    # Without online work, offline prefill takes the whole token budget.
+    assert max(off for _, online, off in steps if not online) == 2048
+    # The same load without the budget breaks the SLO: the test can fail.
+    unbounded, _ = _run(None)
+    assert max(t for t, online, off in unbounded if online and off) > slo
+
+
+def test_the_budget_needs_a_positive_slo():
+    from fluidserve.scheduler.scheduler import SchedulerConfig
+
+    with pytest.raises(ValueError, match="online_tpot_slo_ms"):
+        SchedulerConfig(online_tpot_slo_ms=0)
+
+
+def _run_ttft(ttft_ms: float | None) -> list[tuple[float, float, int]]:
+    """(predicted step time, TTFT cap left to the step's most-waited online
+    prefill, offline tokens) of every step that prefills an online request."""
+    offline = [Job(f"off{i}", 0.0, 3000, 20, RequestClass.OFFLINE) for i in range(12)]
+    online = [Job(f"on{i}", 0.3 + 0.05 * i, 1500, 4) for i in range(20)]
+    sim = Simulator(offline + online, "skip-join-mlfq", CM,
+                    SimConfig.create(num_kv_blocks=20000, online_ttft_slo_ms=ttft_ms))
+    sched = sim.scheduler
+    steps = []
+    schedule = sched.schedule
+
+    def record(now):
+        plan = schedule(now)
+        seqs = [sched.seqs[s.request_id] for s in plan.scheduled]
+        waiting = [now - q.arrival_time for q, s in zip(seqs, plan.scheduled)
+                   if q.klass is RequestClass.ONLINE and q.num_output_tokens == 0 and s.num_tokens > 1]
+        if waiting:
+            off = sum(s.num_tokens for q, s in zip(seqs, plan.scheduled) if q.klass is RequestClass.OFFLINE)
+            steps.append((CM.step_time(*plan_shape(plan, sched.seqs)), max(waiting), off))
+        return plan
+
+    sched.schedule = record
+    res = sim.run()
+    assert all(r.finish_time is not None for r in res.records)
+    return steps
+
+
+def test_offline_work_beside_an_online_prefill_keeps_it_within_the_ttft_slo():
+    slo = 0.060  # an online step alone here takes ~35 ms, with the offline fill ~50 ms
+    steps = _run_ttft(slo * 1e3)
+    beside = [(t, waited) for t, waited, off in steps if off]
+    assert beside, "offline work never ran beside an online prefill"
+    # Each such step ends within the SLO of the longest-waiting online prompt
+    # it prefills (the cost model's time: the budget's own measure).
+    assert all(t <= slo - waited + 1e-9 for t, waited in beside)
+    # Without the TTFT SLO offline chunks fill the step past it: the test can fail.
+    assert any(t > slo - waited + 1e-9 for t, waited, off in _run_ttft(None) if off)
+
+
+def test_the_budget_needs_an_slo():
+    from fluidserve.scheduler.budget import SloBudget
+
+    with pytest.raises(ValueError, match="TPOT or a TTFT"):
+        SloBudget(CM, None, None)
+    with pytest.raises(ValueError, match="TTFT SLO must be positive"):
+        SloBudget(CM, None, -1.0)
+
+
+def test_offline_only_steps_are_cut_so_a_safepoint_interval_fits_the_ttft_slo():
+    """With safepoints every 1/8 of a step, an online arrival waits for at
+    most one interval of the running offline-only step: the budget cuts
+    those steps so an interval fits the TTFT SLO less a typical online
+    prefill (the arrivals' mean), never below the step whose fixed cost is
+    10% of it; without safepoints it leaves them whole."""
+    from fluidserve.kvcache.manager import KVCacheManager
+    from fluidserve.scheduler.request_state import SeqState
+    from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    def offline_only_step(ttft_ms: float, share: float | None, online_prompt: int = 200) -> tuple[float, int]:
+        s = Scheduler(SchedulerConfig(max_num_batched_tokens=8192, online_ttft_slo_ms=ttft_ms),
+                      KVCacheManager(4096, 16), cost_model=CM, safepoint_interval_share=share)
+        s.add(SeqState("on", online_prompt, 1, 0.0, RequestClass.ONLINE), 0.0)
+        s.finish("on")  # seen, then gone: the step is offline only
+        for i in range(4):
+            s.add(SeqState(f"off{i}", 4000, 4, 0.0, RequestClass.OFFLINE), 0.0)
+        plan = s.schedule(1.0)
+        assert plan.preemptible
+        return CM.step_time(*plan.shape), plan.num_batched_tokens
+
+    slo = 0.020
+    t, n = offline_only_step(slo * 1e3, 1 / 8)
+    interval = (slo - CM.prefill_time(200)) * 8
+    assert t <= interval + 1e-9 and n < 8192
+    assert t > 0.9 * interval  # cut at the cap, not far below it
+    t_coarse, n_coarse = offline_only_step(slo * 1e3, 1 / 2)  # longer intervals: smaller steps
+    assert n_coarse < n
+    assert offline_only_step(slo * 1e3, None)[1] == 8192  # no safepoints: the whole token budget
+    # An SLO no step meets: the floor, a step whose fixed cost is 10% of it.
+    floor = offline_only_step(1.0, 1 / 8)[1]
+    fixed = CM.min_iteration_time()
+    assert fixed / CM.prefill_time(floor) <= 0.1 < fixed / CM.prefill_time(floor - 1)
+
+
+def test_offline_only_steps_plan_the_online_prefill_against_its_measured_tail():
+    """Online prefills the engine measured running slower than predicted
+    shrink the room an offline-only step's safepoint interval gets: the
+    cap keeps the interval plus the slow tail of an online prefill within
+    the TTFT SLO. The tail is the 95th percentile of the recent prefills,
+    the slowest while fewer than 20 ran, so one outlier among many does
+    not set it."""
+    from fluidserve.kvcache.manager import KVCacheManager
+    from fluidserve.scheduler.plan import StepOutcome
+    from fluidserve.scheduler.request_state import SeqState
+    from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    slo, share = 0.030, 1 / 8
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=8192, online_ttft_slo_ms=slo * 1e3),
+                  KVCacheManager(4096, 16), cost_model=CM, safepoint_interval_share=share)
+    budget = s.budget
+    own = CM.prefill_time(200)
+    s.add(SeqState("on0", 200, 1, 0.0, RequestClass.ONLINE), 0.0)
+    assert budget.offline_only_cap() == pytest.approx((slo - own) / share)  # nothing measured yet
+
+    # The engine runs the online prompt's step, and it takes 1.5x its prediction.
+    plan = s.schedule(0.0)
+    assert plan.prefills_online and not plan.preemptible
+    s.update_from_output(plan, StepOutcome(1.5 * CM.step_time(*plan.shape), 0.0, finished=["on0"]))
+    assert budget.online_prefill_margin() == pytest.approx(1.5)
+    assert budget.offline_only_cap() == pytest.approx((slo - 1.5 * own) / share)
+
+    # Offline-only steps are not online prefills, however slow they run.
+    s.add(SeqState("off", 4000, 4, 0.0, RequestClass.OFFLINE), 0.0)
+    plan = s.schedule(1.0)
+    assert plan.preemptible and not plan.prefills_online
+    s.update_from_output(plan, StepOutcome(3.0 * CM.step_time(*plan.shape), 1.0))
+    assert budget.online_prefill_margin() == pytest.approx(1.5)
+
+    # 39 more prefills on time: the one slow prefill is past the 95th percentile.
+    shape = (200, 0, 200, 200 * 201 // 2)
+    for _ in range(39):
+        budget.note_online_prefill(shape, CM.step_time(*shape))
+    assert budget.online_prefill_margin() == pytest.approx(1.0)
+    # Two more slow ones: with the first, 3 of 42, and the 95th percentile is theirs.
+    for _ in range(2):
+        budget.note_online_prefill(shape, 1.2 * CM.step_time(*shape))
+    assert budget.online_prefill_margin() == pytest.approx(1.2)
+
+
+def test_the_budget_plans_for_the_cost_models_error():
+    """A cost model that knows its predictions run 25% off: offline work
+    fills a step only up to the SLO over 1.25, so a step that slow still
+    keeps it."""
+    from fluidserve.scheduler.budget import SloBudget
+    from fluidserve.scheduler.cost_model import StepShape
+    from fluidserve.scheduler.request_state import SeqState
+
+    class Unsure:
+        def __init__(self, err: float) -> None:
+            self.err = err
+
+        def step_time(self, *shape):
+            return CM.step_time(*shape)
+
+        def uncertainty(self) -> float:
+            return self.err
+
+    online = SeqState("on", 200, 100, 0.0, RequestClass.ONLINE)
+    online.num_computed_tokens, online.num_output_tokens = 201, 1
+    offline = SeqState("off", 4000, 4, 0.0, RequestClass.OFFLINE)
+    slo = 0.030
+    took = {}
+    for err in (0.0, 0.25):
+        shape = StepShape()
+        shape.add(online, 1)
+        n = SloBudget(Unsure(err), slo, None).offline_tokens(shape, offline, 4000)
+        shape.add(offline, n)
+        took[err] = (n, CM.step_time(*shape.astuple()))
+    assert took[0.0][1] <= slo and took[0.25][1] <= slo / 1.25 + 1e-9
+    assert 0 < took[0.25][0] < took[0.0][0]
+
+
+def test_no_sliver_of_a_prompt_beside_online_work():
+    """Beside an online decode, an offline prompt chunk the SLO would cut
+    below ``min_chunk_beside_online`` tokens is not run at all (its fixed
+    cost is what the per-token terms miss); the rest of a prompt that fits
+    whole and an offline-only step are not held to it."""
+    from fluidserve.scheduler.budget import SloBudget
+    from fluidserve.scheduler.cost_model import StepShape
+    from fluidserve.scheduler.request_state import SeqState
+
+    online = SeqState("on", 200, 100, 0.0, RequestClass.ONLINE)
+    online.num_computed_tokens, online.num_output_tokens = 201, 1
+    beside = StepShape()
+    beside.add(online, 1)
+    offline = SeqState("off", 4000, 4, 0.0, RequestClass.OFFLINE)
+
+    def room_for(tokens: int) -> float:  # an SLO that leaves room for exactly this many prefill tokens
+        s = StepShape()
+        s.add(online, 1)
+        s.add(offline, tokens)
+        return CM.step_time(*s.astuple())
+
+    budget = SloBudget(CM, room_for(200), None)
+    assert budget.offline_tokens(beside, offline, 4000) == 200
+    assert budget.min_chunk_beside_online == 32
+    sliver = SloBudget(CM, room_for(20), None)
+    assert sliver.offline_tokens(beside, offline, 4000) == 0  # 20 would fit: below the floor
+    assert sliver.offline_tokens(beside, offline, 20) == 20  # the prompt's last 20 tokens: all of it
+    assert SloBudget(CM, room_for(20), None, min_chunk_beside_online=1).offline_tokens(beside, offline, 4000) == 20
+    alone = SloBudget(CM, room_for(20), None)
+    assert alone.offline_tokens(StepShape(), offline, 4000) == 4000  # no online work: no cut at all

@@ -1,0 +1,176 @@
+"""Simulator: exact answers on tiny cases, and properties (hypothesis) over
+random workloads: no job lost or duplicated, every job finishes with exactly
+its tokens, block accounting conserved, same seed -> same result."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fluidserve.scheduler.cost_model import LinearCoefficients, LinearCostModel, default_cost_model
+from fluidserve.scheduler.policies import POLICIES
+from fluidserve.scheduler.request_state import RequestClass
+from fluidserve.scheduler.simulator import SimConfig, Simulator, estimate_capacity, percentile, simulate
+from fluidserve.scheduler.workloads import (
+    DEFAULT_WORKLOAD_DIR, SHAREGPT, Job, clamp_lengths, empirical_lengths, gamma_arrivals,
+    load_lengths, poisson_arrivals, replay_trace, scale_ratio, synthesize,
+)
+
+STEP, PER_TOKEN = 0.01, 0.001
+CM = LinearCostModel(LinearCoefficients(base=STEP, per_prefill_token=PER_TOKEN, per_decode_seq=0.0,
+                                        per_context_token=0.0, per_attn_pair=0.0))
+
+
+def test_single_job_timeline_is_exact():
+    job = Job("a", 1.0, prompt_tokens=100, output_tokens=5)
+    res = simulate([job], "fcfs", CM, SimConfig.create(num_kv_blocks=64, block_size=16, max_num_batched_tokens=64))
+    (r,) = res.records
+    # prefill in chunks of 64 + 36 tokens, then 4 decode steps
+    prefill = (STEP + 64 * PER_TOKEN) + (STEP + 36 * PER_TOKEN)
+    assert r.ttft == pytest.approx(prefill)
+    assert r.e2e == pytest.approx(prefill + 4 * STEP)
+    assert r.max_token_gap == pytest.approx(STEP)
+    assert r.num_emitted == 5 and res.num_steps == 6
+
+
+def test_short_job_overtakes_long_prompt_under_skip_join_not_fcfs():
+    jobs = [Job("long", 0.0, 2000, 2), Job("short", 0.001, 10, 2)]
+    cfg = SimConfig.create(num_kv_blocks=512, block_size=16, max_num_batched_tokens=128)
+    fcfs = {r.request_id: r for r in simulate(jobs, "fcfs", CM, cfg).records}
+    sj = {r.request_id: r for r in simulate(jobs, "skip-join-mlfq", CM, cfg).records}
+    assert sj["short"].finish_time < fcfs["short"].finish_time / 4
+    assert sj["short"].finish_time < sj["long"].first_token_time
+
+
+def test_rejects_jobs_that_can_never_fit():
+    with pytest.raises(ValueError, match="KV"):
+        Simulator([Job("a", 0.0, 100, 100)], "fcfs", CM, SimConfig.create(num_kv_blocks=4, block_size=16))
+
+
+jobs_st = st.lists(
+    st.tuples(st.floats(0.0, 2.0), st.integers(1, 120), st.integers(1, 24), st.booleans()),
+    min_size=1, max_size=14,
+)
+
+
+def build(raw) -> list[Job]:
+    return [Job(f"j{i}", t, p, o, RequestClass.OFFLINE if off else RequestClass.ONLINE)
+            for i, (t, p, o, off) in enumerate(raw)]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    raw=jobs_st,
+    policy=st.sampled_from(sorted(POLICIES)),
+    block_size=st.sampled_from([4, 8, 16]),
+    spare_blocks=st.integers(0, 30),
+    budget=st.integers(1, 200),
+    cap=st.integers(1, 8),
+    chunked=st.booleans(),
+    starve_ms=st.sampled_from([None, 5.0, 1000.0]),
+    host_blocks=st.sampled_from([0, 3, 40]),
+    mode=st.sampled_from(["swap", "recompute"]),
+    proactive=st.booleans(),
+    swap_cap=st.sampled_from([None, 1, 4]),
+    transfer=st.sampled_from([0.0, 2e-3]),
+)
+def test_every_job_finishes_once_and_blocks_are_conserved(
+    raw, policy, block_size, spare_blocks, budget, cap, chunked, starve_ms, host_blocks, mode, proactive,
+    swap_cap, transfer,
+):
+    """Random arrivals through both KV tiers: every job finishes once with
+    exactly its tokens, and every block of both pools comes back."""
+    jobs = build(raw)
+    longest = max(j.prompt_tokens + j.output_tokens for j in jobs)
+    if not chunked:
+        budget = max(budget, longest)  # a prompt must fit one step unchunked
+    cfg = SimConfig.create(num_kv_blocks=-(-longest // block_size) + spare_blocks, block_size=block_size,
+                    max_num_batched_tokens=budget, max_num_seqs=cap, enable_chunked_prefill=chunked,
+                    num_host_blocks=host_blocks, preemption_mode=mode, proactive_swap=proactive,
+                    max_swap_blocks_per_step=swap_cap, block_transfer_time=transfer, check_integrity=True)
+    opts = {"starve_limit_ms": starve_ms} if starve_ms else {}
+    sim = Simulator(jobs, policy, CM, cfg, opts)
+    res = sim.run(max_steps=100_000)
+    ids = [r.request_id for r in res.records]
+    assert sorted(ids) == sorted(j.request_id for j in jobs)  # none lost, none duplicated
+    for job, r in zip(sorted(jobs, key=lambda j: j.arrival_time), res.records):
+        assert r.request_id == job.request_id
+        assert r.finish_time is not None, r
+        assert r.num_emitted == job.output_tokens  # exactly its tokens
+        assert job.arrival_time <= r.first_token_time <= r.finish_time
+    assert not sim.scheduler.has_unfinished()
+    assert sim.kv.num_used_blocks == 0  # every block back on the free list
+    assert sim.kv.num_used_host_blocks == 0
+    if mode == "recompute" or not host_blocks:
+        assert sim.scheduler.counters.num_swap_outs == 0
+    sim.kv.check_integrity()
+    again = Simulator(jobs, policy, CM, cfg, opts).run()
+    assert [dataclasses.astuple(r) for r in again.records] == [dataclasses.astuple(r) for r in res.records]
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**16), cv=st.sampled_from([1.0, 2.0, 4.0]))
+def test_identical_results_for_identical_seeds(seed, cv):
+    pairs = [(p, o) for p in (10, 50, 300) for o in (1, 5, 20)]
+    def run():
+        jobs = synthesize(25, empirical_lengths(pairs), gamma_arrivals(20.0, cv), seed=seed)
+        return simulate(jobs, "skip-join-mlfq", CM, SimConfig.create(num_kv_blocks=80, block_size=16,
+                                                              max_num_batched_tokens=128)).summary()
+    assert run() == run()
+
+
+def test_workload_generators():
+    jobs = synthesize(2000, empirical_lengths([(7, 3)]), poisson_arrivals(10.0), seed=1)
+    gaps = [b.arrival_time - a.arrival_time for a, b in zip(jobs, jobs[1:])]
+    mean = sum(gaps) / len(gaps)
+    assert mean == pytest.approx(0.1, rel=0.1)
+    g = synthesize(4000, empirical_lengths([(7, 3)]), gamma_arrivals(10.0, 4.0), seed=1)
+    ggaps = [b.arrival_time - a.arrival_time for a, b in zip(g, g[1:])]
+    gm = sum(ggaps) / len(ggaps)
+    cv = (sum((x - gm) ** 2 for x in ggaps) / len(ggaps)) ** 0.5 / gm
+    assert gm == pytest.approx(0.1, rel=0.25) and 3.0 < cv < 5.0
+    pairs = [(100, 10), (300, 30), (200, 20)]
+    scaled = scale_ratio(pairs, 1.0)
+    mp = sum(p for p, _ in scaled) / 3
+    mo = sum(o for _, o in scaled) / 3
+    assert mp == pytest.approx(mo, rel=0.02) and mp + mo == pytest.approx(220, rel=0.02)
+    assert clamp_lengths([(9000, 500)], 8192) == [(8191, 1)]
+    trace = replay_trace([(10.0, 5, 2), (12.0, 6, 3)], speed=2.0)
+    assert [j.arrival_time for j in trace] == [0.0, 1.0]
+
+
+def test_sharegpt_lengths_load_and_simulate():
+    pairs = clamp_lengths(load_lengths(DEFAULT_WORKLOAD_DIR / SHAREGPT), 8192)
+    assert len(pairs) > 30_000
+    cm = default_cost_model()
+    cfg = SimConfig.create(num_kv_blocks=cm.num_kv_blocks(16))
+    cap = estimate_capacity(pairs, cm, cfg, num_jobs=60)
+    assert 1.0 < cap < 100.0
+    assert percentile([1, 2, 3, 4], 50) == 2
+
+
+def test_shared_prefixes_hit_in_both_tiers_and_shorten_ttft():
+    """Jobs from more system prompts than a small device pool keeps cached:
+    with the host tier caching too, some prompts come back from the host,
+    blocks stay conserved every step, and mean TTFT is no worse than with a
+    device-only cache, which is no worse than no cache."""
+    cost = default_cost_model()
+    # One hot system prompt (every other job) and a cycle of six cold ones.
+    jobs = [Job(f"j{i}", 0.02 * i, 96 + (i % 5), 4, shared_prefix=(0 if i % 2 else 1 + i % 6, 80)) for i in range(60)]
+    cfg = SimConfig.create(num_kv_blocks=40, block_size=8, max_num_batched_tokens=256, num_host_blocks=200,
+                    block_transfer_time=1e-5, check_integrity=True)
+    ttft = {}
+    for label, caching, on_host in (("off", False, False), ("device", True, False), ("both", True, True)):
+        sim = Simulator(jobs, "skip-join-mlfq", cost, cfg.replace(enable_prefix_caching=caching,
+                                                                  cache_on_host=on_host))
+        res = sim.run()
+        assert all(r.finish_time is not None for r in res.records)
+        st = sim.kv.prefix_stats
+        assert (st.host_hit_tokens > 0) == (label == "both")
+        assert (st.hit_tokens > 0) == caching
+        ttft[label] = sum(r.ttft for r in res.records) / len(res.records)
+        assert sim.kv.num_used_blocks == 0 and sim.kv.num_used_host_blocks == 0
+    assert ttft["both"] <= ttft["device"] <= ttft["off"]

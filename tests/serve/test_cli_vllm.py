@@ -1,0 +1,164 @@
+"""``fluidserve serve`` takes a vLLM command line: the model as a positional
+argument, vLLM's flag names and meanings, and one clear line (exit 2, no
+traceback) for a vLLM flag we do not support."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from fluidserve.serve import cli
+from server_utils import free_port, start_subprocess_server
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fluidserve.serve.cli", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
+    (["--kv-cache-dtype=fp8_e5m2"], "--kv-cache-dtype fp8_e5m2"),
+    (["--tool-parser-plugin", "my_parser.py"], "--tool-parser-plugin my_parser.py"),
+    (["--guided-decoding-backend", "outlines"], "--guided-decoding-backend outlines"),
+    (["--quantization", "awq"], "--quantization awq"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
+])
+def test_unsupported_vllm_flag_is_one_line(flags, named):
+    proc = run_cli("serve", "some/model", *flags)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert named in lines[0] and "not supported" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_harmless_values_of_unsupported_flags_pass_the_check():
+    cli.check_unsupported(["serve", "m", "--kv-cache-dtype", "auto", "-pp", "1"])
+    with pytest.raises(cli.UnsupportedFlag, match="--kv-cache-dtype fp8"):
+        cli.check_unsupported(["serve", "m", "--kv-cache-dtype", "fp8"])
+
+
+def parse(*argv: str):
+    return cli.build_parser().parse_args(cli._map_policy_alias(["serve", *argv]))
+
+
+def test_flags_map_onto_the_engine_config(monkeypatch):
+    monkeypatch.setenv("FLUIDSERVE_API_KEY", "from-env")
+    args = parse("/models/x", "--dtype", "half", "--no-enable-chunked-prefill", "--scheduling-policy", "priority",
+                 "--served-model-name", "a", "b", "--tokenizer", "/tok", "-tp", "1",
+                 "--allowed-origins", '["https://x.example"]')
+    config = cli.engine_config_from_args(args)
+    assert config.model == "/models/x" and config.dtype == "half" and config.tokenizer == "/tok"
+    assert config.enable_chunked_prefill is False
+    assert config.scheduling_policy == "fcfs"  # vLLM's "priority": see _map_policy_alias
+    assert config.served_model_name == "a"
+    assert args.served_model_name == ["a", "b"] and args.allowed_origins == ["https://x.example"]
+    assert parse().api_key == "from-env"
+    assert cli.engine_config_from_args(parse("--model", "/m")).model == "/m"
+    assert cli.engine_config_from_args(parse("--scheduling-policy=priority")).scheduling_policy == "fcfs"
+    with pytest.raises(ValueError, match="model"):
+        cli.engine_config_from_args(parse("/m1", "--model", "/m2"))
+
+
+def test_chat_template_file_or_inline(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    assert cli.load_chat_template(str(path)) == "{{ messages[0]['content'] }}"
+    assert cli.load_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}").startswith("{%")
+    with pytest.raises(ValueError, match="chat_template"):
+        cli.load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def self_signed_cert(tmp_path) -> tuple[str, str]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    return str(key), str(cert)
+
+
+def wait_healthy_tls(base: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}"
+        try:
+            if httpx.get(f"{base}/health", verify=False, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(base)
+
+
+@pytest.mark.slow
+def test_vllm_command_line_starts_the_server(tiny_model, tmp_path):
+    """The quick-start line of vLLM's OpenAI-server docs, plus the flags a
+    vLLM deployment commonly carries; the key comes from the environment and
+    the server speaks HTTPS."""
+    model = tiny_model("llama")
+    key, cert = self_signed_cert(tmp_path)
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]")
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    args = [model, "--dtype", "auto", "--served-model-name", "served-a", "served-b",
+            "--chat-template", str(template), "--generation-config", "vllm", "--scheduling-policy", "priority",
+            "--enable-chunked-prefill", "--uvicorn-log-level", "warning", "--trust-remote-code",
+            "--disable-log-stats", "--max-model-len", "256", "--num-kv-blocks", "64", "--device", "cpu",
+            "--ssl-keyfile", key, "--ssl-certfile", cert, "--allowed-origins", '["https://ui.example"]',
+            "--enable-log-requests", "--max-log-len", "3",
+            "--swap-space", "0"]  # no host KV pool to size: a faster start
+    os.environ["FLUIDSERVE_API_KEY"] = "env-key"
+    try:
+        proc = start_subprocess_server(args, port, log_path)
+    finally:
+        del os.environ["FLUIDSERVE_API_KEY"]
+    base = f"https://127.0.0.1:{port}"
+    try:
+        wait_healthy_tls(base, proc)
+        client = httpx.Client(verify=False, timeout=60)
+        auth = {"Authorization": "Bearer env-key"}
+        assert client.get(f"{base}/v1/models").status_code == 401
+        models = client.get(f"{base}/v1/models", headers={**auth, "Origin": "https://ui.example"})
+        assert models.headers["access-control-allow-origin"] == "https://ui.example"
+        assert [m["id"] for m in models.json()["data"]] == ["served-a", "served-b"]
+        msgs = [{"role": "user", "content": "hi"}]
+        resp = client.post(f"{base}/v1/chat/completions", headers=auth,
+                           json={"model": "served-b", "messages": msgs, "max_tokens": 2, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["model"] == "served-a"
+        # The byte tokenizer: one token per byte of the rendered template.
+        assert body["usage"]["prompt_tokens"] == len("[user]hi[assistant]")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    log = log_path.read_text()
+    assert "--host 0.0.0.0" in log  # how to expose a loopback-only server
+    assert "https://127.0.0.1" in log
+    assert "prompt '[us'" in log  # --enable-log-requests, cut to --max-log-len
+    assert "Traceback" not in log
+
+
+def test_generation_config_modes(tmp_path):
+    from types import SimpleNamespace
+
+    model, other = tmp_path / "model", tmp_path / "other"
+    model.mkdir()
+    other.mkdir()
+    (model / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.9, "eos_token_id": [1, 2]}')
+    (other / "generation_config.json").write_text('{"do_sample": false, "top_k": 20}')
+    engine = SimpleNamespace(model_dir=model)
+    assert cli.sampling_defaults(engine, "auto") == {"temperature": 0.6, "top_p": 0.9}
+    assert cli.sampling_defaults(engine, "vllm") == {}
+    assert cli.sampling_defaults(engine, str(other)) == {"top_k": 20, "temperature": 0.0}
+    with pytest.raises(ValueError, match="generation_config"):
+        cli.sampling_defaults(engine, str(tmp_path))
