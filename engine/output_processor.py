@@ -127,8 +127,10 @@ class OutputProcessor:
                     first = t
             finished = req.finished
             completions = [s.take_output() for s in req.seqs]
+        # Prompt tokens the prefix cache gave (what admission found, per sequence: the most of them).
+        cached = max(s.state.num_cached_tokens for s in req.seqs)
         out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, None,
-                            step_start if first is None else first, req.prompt_logprobs)
+                            step_start if first is None else first, req.prompt_logprobs, num_cached_tokens=cached)
         if finished:
             self.requests.pop(req.request_id, None)
         return out

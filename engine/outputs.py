@@ -57,6 +57,9 @@ class RequestOutput:
     # Asked-for prompt logprobs: None for the first position (nothing predicts
     # it), then the prompt token plus the top-N at each later position.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Prompt tokens whose KV came from the prefix cache (usage's
+    # prompt_tokens_details.cached_tokens); None where the engine does not say.
+    num_cached_tokens: int | None = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -61,6 +62,11 @@ class ServerSettings:
     # --enable-auto-tool-choice with --tool-call-parser: the parser that finds
     # tool calls in replies under tool_choice "auto"; None: "auto" is refused.
     tool_call_parser: str | None = None
+    # vLLM's server options of the same names.
+    return_tokens_as_token_ids: bool = False  # default of the request field: logprob tokens as "token_id:N"
+    enable_force_include_usage: bool = False  # a usage chunk ends every stream, asked for or not
+    enable_request_id_headers: bool = False  # answer with X-Request-Id
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
 
 
 @dataclass
@@ -98,6 +104,8 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
+    if settings.enable_request_id_headers:
+        app.add_middleware(RequestIdHeader)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(ClientDisconnect, _client_gone)  # left while sending the body
     auth = [Depends(server.authenticate)]
@@ -105,6 +113,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     app.add_api_route("/v1/completions", server.completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
+    app.add_api_route("/v1/models/{model_id:path}", server.model_card, methods=["GET"], dependencies=auth)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
     app.add_api_route("/version", server.version, methods=["GET"])
@@ -185,16 +194,17 @@ class _Server:
         check_model(req.model, self.model)
         inputs = self.processor.completion(req)
         self.admit_capacity(len(inputs.prompts))
-        rid = f"cmpl-{req.request_id or uuid.uuid4().hex}"
+        rid = f"cmpl-{self.base_request_id(request, req.request_id)}"
         if self.settings.log_requests:
             log_request(rid, inputs, self.settings.max_log_len)
         timers = [RequestTimer(self.metrics) for _ in inputs.prompts]
         streams = await self.submit(rid, inputs)
         top_n = req.logprobs
         if req.stream:
+            include_usage, continuous = self.usage_options(req)
             streamer = CompletionStreamer(rid, self.model.name, inputs.prompts, n=req.n, echo=req.echo,
-                                          top_n=top_n, decode=self.decode, continuous_usage=req.continuous_usage)
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                                          top_n=top_n, decode=self.decode, continuous_usage=continuous,
+                                          as_ids=self.as_ids(req), token_ids=bool(req.return_token_ids))
             return self.sse(self._completion_events(streams, timers, streamer, inputs, include_usage))
         finals = await self.until_disconnect(request, self.collect(streams, timers), streams)
         return JSONResponse(self.completion_body(rid, req, inputs, finals).model_dump(mode="json"))
@@ -202,8 +212,9 @@ class _Server:
     def completion_body(self, rid: str, req: CompletionRequest, inputs: EngineInputs,
                         finals: list[RequestOutput]) -> CompletionResponse:
         choices = completion_choices(inputs.prompts, finals, n=req.n, echo=req.echo, top_n=req.logprobs,
-                                     decode=self.decode)
-        usage = make_usage(inputs.prompts, sum(o.num_generated_tokens for o in finals))
+                                     decode=self.decode, as_ids=self.as_ids(req),
+                                     token_ids=bool(req.return_token_ids))
+        usage = make_usage(inputs.prompts, sum(o.num_generated_tokens for o in finals), self.cached_tokens(finals))
         return CompletionResponse(id=rid, model=self.model.name, choices=choices, usage=usage)
 
     async def chat(self, request: Request) -> Response:
@@ -211,17 +222,18 @@ class _Server:
         check_model(req.model, self.model)
         inputs = self.processor.chat(req)
         self.admit_capacity(1)
-        rid = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
+        rid = f"chatcmpl-{self.base_request_id(request, req.request_id)}"
         if self.settings.log_requests:
             log_request(rid, inputs, self.settings.max_log_len)
         timers = [RequestTimer(self.metrics)]
         streams = await self.submit(rid, inputs)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         if req.stream:
+            include_usage, continuous = self.usage_options(req)
             streamer = ChatStreamer(rid, self.model.name, top_n=top_n, decode=self.decode,
-                                    prompt=inputs.prompts[0] if req.continuous_usage else None,
-                                    tool_mode=inputs.tool_mode)
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                                    prompt=inputs.prompts[0] if continuous else None,
+                                    tool_mode=inputs.tool_mode, role=req.reply_role, echo_text=_echo_text(req),
+                                    as_ids=self.as_ids(req), token_ids=bool(req.return_token_ids))
             return self.sse(self._chat_events(streams, timers, streamer, inputs, include_usage))
         finals = await self.until_disconnect(request, self.collect(streams, timers), streams)
         return JSONResponse(self.chat_body(rid, req, inputs, finals).model_dump(mode="json"))
@@ -229,11 +241,42 @@ class _Server:
     def chat_body(self, rid: str, req: ChatCompletionRequest, inputs: EngineInputs,
                   finals: list[RequestOutput]) -> ChatCompletionResponse:
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        usage = make_usage(inputs.prompts, finals[0].num_generated_tokens)
-        return ChatCompletionResponse(id=rid, model=self.model.name,
-                                      choices=chat_choices(finals[0], top_n=top_n, decode=self.decode,
-                                                           tool_mode=inputs.tool_mode),
-                                      usage=usage, prompt_logprobs=prompt_logprobs(finals[0].prompt_logprobs))
+        usage = make_usage(inputs.prompts, finals[0].num_generated_tokens, self.cached_tokens(finals))
+        choices = chat_choices(finals[0], top_n=top_n, decode=self.decode, tool_mode=inputs.tool_mode,
+                               role=req.reply_role, echo_text=_echo_text(req), as_ids=self.as_ids(req),
+                               token_ids=bool(req.return_token_ids))
+        return ChatCompletionResponse(id=rid, model=self.model.name, choices=choices, usage=usage,
+                                      prompt_logprobs=prompt_logprobs(finals[0].prompt_logprobs),
+                                      prompt_token_ids=list(inputs.prompts[0].token_ids) if req.return_token_ids
+                                      else None)
+
+    # -- vLLM's per-request options ----------------------------------------
+    def base_request_id(self, request: Request, body_id: str | None) -> str:
+        """vLLM's order: the X-Request-Id header, the body's request_id, a
+        fresh id. The header is checked as request_id is."""
+        header = request.headers.get("x-request-id")
+        if header is not None and not _REQUEST_ID.fullmatch(header):
+            raise APIError(400, "X-Request-Id: must be 1 to 128 of A-Z a-z 0-9 . _ : -", param="X-Request-Id",
+                           code="invalid_value")
+        base = header or body_id or uuid.uuid4().hex
+        request.scope.setdefault("state", {})[_ID_STATE] = base
+        return base
+
+    def usage_options(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+        """(a usage chunk at the end, usage on every chunk) of a stream."""
+        opts = req.stream_options
+        include = bool(opts and opts.include_usage) or self.settings.enable_force_include_usage
+        return include, include and bool(opts and opts.continuous_usage_stats)
+
+    def as_ids(self, req: CompletionRequest | ChatCompletionRequest) -> bool:
+        if req.return_tokens_as_token_ids is not None:
+            return req.return_tokens_as_token_ids
+        return self.settings.return_tokens_as_token_ids
+
+    def cached_tokens(self, finals: list[RequestOutput]) -> int | None:
+        if not self.settings.enable_prompt_tokens_details:
+            return None
+        return sum(o.num_cached_tokens or 0 for o in finals)
 
     # -- engine plumbing ----------------------------------------------------
     async def submit(self, rid: str, inputs: EngineInputs) -> list[RequestStream]:
@@ -306,12 +349,12 @@ class _Server:
             async for i, out in _merge(streams):
                 timers[i].on_output(out)
                 last[i] = out
-                chunk = streamer.chunk(i, out)
-                if chunk is not None:
+                for chunk in streamer.chunks(i, out):
                     yield _event(chunk)
             if include_usage:
                 used = sum(o.num_generated_tokens for o in last.values())
-                yield _event(streamer.usage_chunk(make_usage(inputs.prompts, used)))
+                yield _event(streamer.usage_chunk(make_usage(inputs.prompts, used,
+                                                             self.cached_tokens(list(last.values())))))
         except (EngineDeadError, RequestFailedError) as exc:
             yield _error_event(_as_api_error(exc))
         finally:
@@ -330,7 +373,8 @@ class _Server:
                     yield _event(chunk)
             if include_usage:
                 used = last.num_generated_tokens if last is not None else 0
-                yield _event(streamer.usage_chunk(make_usage(inputs.prompts, used)))
+                cached = self.cached_tokens([last] if last is not None else [])
+                yield _event(streamer.usage_chunk(make_usage(inputs.prompts, used, cached)))
         except (EngineDeadError, RequestFailedError) as exc:
             yield _error_event(_as_api_error(exc))
         finally:
@@ -338,9 +382,16 @@ class _Server:
         yield "data: [DONE]\n\n"
 
     # -- other routes -------------------------------------------------------
+    def _card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, root=self.model.root or self.model.name, max_model_len=self.model.max_model_len)
+
     async def models(self) -> JSONResponse:
-        cards = [ModelCard(id=name, max_model_len=self.model.max_model_len) for name in self.model.names]
+        cards = [self._card(name) for name in self.model.names]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+    async def model_card(self, model_id: str) -> JSONResponse:
+        check_model(model_id, self.model)
+        return JSONResponse(self._card(model_id).model_dump(mode="json"))
 
     async def health(self) -> Response:
         health = self.engine.health()
@@ -385,6 +436,40 @@ class _Server:
 
 
 # -- helpers ------------------------------------------------------------------
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_ID_STATE = "fluidserve_request_id"
+
+
+def _echo_text(req: ChatCompletionRequest) -> str:
+    """Chat ``echo``: the last message's content, when it has the reply's role."""
+    last = req.messages[-1]
+    return last.text() if req.echo and last.role == req.reply_role else ""
+
+
+class RequestIdHeader:
+    """``--enable-request-id-headers``: every response carries X-Request-Id,
+    the id its generation ran under, else the one the client sent, else a
+    fresh one. Plain ASGI, so streaming and disconnects pass untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = Request(scope).headers.get("x-request-id")
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                rid = scope.get("state", {}).get(_ID_STATE) or sent or uuid.uuid4().hex
+                message = {**message, "headers": [*message.get("headers", []),
+                                                   (b"x-request-id", rid.encode("latin-1", "replace"))]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
 
 
 def validate_body(data: Any, model_cls: type[M]) -> M:

@@ -139,6 +139,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "decides, and --tool-call-parser finds its calls")
     s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="the model's tool-call format: hermes (Hermes, Qwen 2.5/3) or llama3_json (Llama 3.x)")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprob tokens as "token_id:N" unless a request says otherwise')
+    s.add_argument("--enable-force-include-usage", action="store_true",
+                   help="end every stream with a usage chunk, asked for or not")
+    s.add_argument("--enable-request-id-headers", action="store_true",
+                   help="answer every request with an X-Request-Id header")
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage carries prompt_tokens_details.cached_tokens (prompt tokens from the prefix cache)")
     s.add_argument("--guided-decoding-backend", default="auto", choices=["auto", "xgrammar"],
                    help="structured output (response_format, forced tool calls) runs on xgrammar, the one "
                         "backend built in")
@@ -199,7 +207,8 @@ def model_info(engine, served_model_names: Sequence[str] | None = None,
     aliases = tuple(n for n in names if n != name)
     return ModelInfo(name=name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                      is_tiny_default=bool(getattr(engine, "is_tiny_default", False)), aliases=aliases,
-                     sampling_defaults=sampling_defaults(engine, generation_config))
+                     sampling_defaults=sampling_defaults(engine, generation_config),
+                     root=getattr(getattr(engine, "config", None), "model", None) or str(engine.model_dir))
 
 
 def sampling_defaults(engine, generation_config: str) -> dict:
@@ -292,7 +301,11 @@ def run_serve(args: argparse.Namespace) -> int:
                               max_queued_requests=args.max_queued_requests,
                               allowed_origins=tuple(args.allowed_origins or ()),
                               log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-                              tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                              tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                              return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                              enable_force_include_usage=args.enable_force_include_usage,
+                              enable_request_id_headers=args.enable_request_id_headers,
+                              enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     from fluidserve.serve.batches import BatchConfig
     from fluidserve.serve.store import StoreError
 

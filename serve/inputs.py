@@ -61,6 +61,7 @@ class ModelInfo:
     aliases: tuple[str, ...] = ()  # further --served-model-name values clients may use
     # generation_config.json's sampling fields, for requests that leave them unset
     sampling_defaults: dict = field(default_factory=dict)
+    root: str | None = None  # the model as given (hub id or path): model cards' "root"
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -139,9 +140,15 @@ class InputProcessor:
     def _render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> str:
         messages = [_template_message(m) for m in req.messages]
         tools = [t.model_dump(mode="json", exclude_none=True) for t in req.tools] if req.tools else None
+        extra = dict(req.chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(extra))
+        if reserved:
+            raise bad_request(f"chat_template_kwargs: {reserved[0]!r} cannot be set here (it is a request field "
+                              "or the renderer's own argument)", "chat_template_kwargs")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=req.add_generation_prompt
+                messages, tools=tools, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, **extra,
             )
         except Exception as exc:  # noqa: BLE001 - a template's own raise_exception is a client error
             raise bad_request(f"messages could not be rendered with the chat template: {exc}", "messages") from None
@@ -252,7 +259,7 @@ class InputProcessor:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 stop=req.stop_list,
-                stop_token_ids=list(req.stop_token_ids or []),
+                stop_token_ids=list(self._in_vocab(req.stop_token_ids, "stop_token_ids") or []),
                 ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
@@ -298,6 +305,16 @@ class InputProcessor:
                 if ids and ids not in out:
                     out.append(ids)
         return out
+
+
+# apply_chat_template's own arguments and the request fields that set them:
+# through chat_template_kwargs they would change the rendering's machinery
+# (tokenize, return types) or contradict the request's own field.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 
 
 def _schema_text(schema: dict | str | None) -> str | None:

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer, model_validator
 
 from fluidserve.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_SEQUENCES
 
 MAX_N = 16  # completions per prompt
 MAX_LOGIT_BIAS = 300  # entries of logit_bias
 MAX_BAD_WORDS = 64
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's seed range
 
 logger = logging.getLogger("fluidserve.serve")
 
@@ -62,8 +64,6 @@ _REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _off(False),
     "length_penalty": _off(1.0),
     "logits_processors": _off(),
-    "return_tokens_as_token_ids": _off(False),
-    "return_token_ids": _off(False),
     "cache_salt": _off(),
     "kv_transfer_params": _off(),
     "vllm_xargs": _off(),
@@ -102,10 +102,7 @@ _REFUSED_CHAT: dict[str, Callable[[Any], bool]] = {
     "reasoning_effort": _off(),
     "verbosity": _off(),
     "chat_template": _off(),
-    "chat_template_kwargs": _off(),
-    "continue_final_message": _off(False),
     "documents": _off(),
-    "echo": _off(False),
 }
 _REFUSED_MESSAGE: dict[str, Callable[[Any], bool]] = {
     "function_call": _off(),
@@ -238,7 +235,7 @@ class _SamplingFields(_Request):
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # only best_of == n: no ranking by score
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty = 0.0
@@ -279,6 +276,10 @@ class _SamplingFields(_Request):
     request_class: RequestClassName | None = Field(default=None, alias="class")
     # vLLM's: each prompt position's token logprob plus the top N (not streamed).
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's: the prompt's and each choice's token ids in the response.
+    return_token_ids: bool | None = None
+    # vLLM's: logprob tokens written "token_id:N" (None: the server's --return-tokens-as-token-ids).
+    return_tokens_as_token_ids: bool | None = None
 
     @model_validator(mode="after")
     def _check_shared(self) -> "_SamplingFields":
@@ -313,11 +314,6 @@ class _SamplingFields(_Request):
     @property
     def klass(self) -> str:
         return self._priority_class or self.request_class or "online"
-
-    @property
-    def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage
-                    and self.stream_options.continuous_usage_stats)
 
     @property
     def stop_list(self) -> list[str]:
@@ -362,7 +358,8 @@ class TextPart(_Wire):
 
 class ChatMessage(_Request):
     _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = _REFUSED_MESSAGE
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Any role, as vLLM takes it: the chat template decides what a custom one means.
+    role: Annotated[StrictStr, Field(min_length=1)]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallWire] | None = None  # an assistant turn's calls (tool history)
@@ -394,6 +391,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    # Render the last (assistant) message open, so the reply continues it.
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    # vLLM's: the reply is prefixed with the last message's content when the
+    # reply's role (assistant, or the last message's without a generation prompt) is its role.
+    echo: bool = False
     tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
@@ -401,7 +404,14 @@ class ChatCompletionRequest(_SamplingFields):
     def _check_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        _check_template_flags(self)
         return self
+
+    @property
+    def reply_role(self) -> str:
+        """vLLM's response role: assistant after a generation prompt, else the
+        role of the message being continued."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
     @model_validator(mode="after")
     def _check_tools(self) -> "ChatCompletionRequest":
@@ -434,9 +444,15 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+def _check_template_flags(req: Any) -> None:
+    # vLLM refuses the pair: a generation prompt would close the message that is to be continued.
+    if req.continue_final_message and req.add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be true together with add_generation_prompt "
+                         "(set add_generation_prompt to false)")
+
+
 _REFUSED_TOKENIZE_CHAT: dict[str, Callable[[Any], bool]] = {
-    k: _REFUSED_CHAT[k] for k in ("chat_template", "chat_template_kwargs", "continue_final_message",
-                                  "documents", "mm_processor_kwargs")
+    k: _REFUSED_CHAT[k] for k in ("chat_template", "documents", "mm_processor_kwargs")
 }
 
 
@@ -456,9 +472,16 @@ class TokenizeChatRequest(_Request):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
     return_token_strs: bool = False
     tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None  # rendered by the template
+
+    @model_validator(mode="after")
+    def _check_flags(self) -> "TokenizeChatRequest":
+        _check_template_flags(self)
+        return self
 
 
 class TokenizeRequest:
@@ -493,10 +516,25 @@ class LoadResponse(_Wire):
     server_load: int
 
 
+class PromptTokensDetails(_Wire):
+    cached_tokens: int = 0
+
+
 class Usage(_Wire):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # --enable-prompt-tokens-details: prompt tokens served from the prefix cache.
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_details(self, handler: Any) -> dict[str, Any]:
+        # Absent unless the server reports them, so usage objects compare
+        # equal whether or not a serializer drops nulls.
+        out = handler(self)
+        if out.get("prompt_tokens_details") is None:
+            out.pop("prompt_tokens_details", None)
+        return out
 
 
 class CompletionLogprobs(_Wire):
@@ -524,6 +562,8 @@ class CompletionChoice(_Wire):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or token id that ended it (None: EOS or length)
+    prompt_token_ids: list[int] | None = None  # return_token_ids (a stream's first chunk of the choice)
+    token_ids: list[int] | None = None  # return_token_ids: the choice's tokens (a chunk's new ones)
 
 
 class CompletionResponseChoice(CompletionChoice):
@@ -561,7 +601,7 @@ class ChatLogprobs(_Wire):
 
 
 class ChatResponseMessage(_Wire):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCallWire] = Field(default_factory=list)
 
@@ -586,6 +626,7 @@ class ChatChoice(_Wire):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(_Wire):
@@ -597,10 +638,11 @@ class ChatCompletionResponse(_Wire):
     usage: Usage | None = None
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatDelta(_Wire):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
@@ -611,6 +653,7 @@ class ChatChunkChoice(_Wire):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new tokens
 
 
 class ChatCompletionChunk(_Wire):
@@ -620,6 +663,7 @@ class ChatCompletionChunk(_Wire):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids, on each choice's role chunk
 
 
 class CompletionChunk(_Wire):
@@ -631,12 +675,32 @@ class CompletionChunk(_Wire):
     usage: Usage | None = None
 
 
+class ModelPermission(_Wire):
+    """vLLM's permission entry, fixed values: every served model allows sampling and logprobs."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=_now)
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(_Wire):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "fluidserve"
+    root: str | None = None  # the model the name serves (its path or hub id)
+    parent: str | None = None  # an adapter's base model; None for a base model
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(_Wire):

@@ -29,6 +29,7 @@ from fluidserve.serve.protocol import (
     CompletionResponseChoice,
     PromptLogprob,
     PromptLogprobs,
+    PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -38,10 +39,13 @@ from fluidserve.serve.tool_parsers import CallStream, ToolMode, parse_reply
 Decode = Callable[[int], str]
 
 
-def make_usage(prompts: list[Prompt], completion_tokens: int) -> Usage:
+def make_usage(prompts: list[Prompt], completion_tokens: int, cached_tokens: int | None = None) -> Usage:
+    """``cached_tokens``: given (and non-zero, as vLLM reports them) they
+    become ``prompt_tokens_details``."""
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens else None
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)
+                 total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
 
 def finish_reason(co: CompletionOutput) -> str | None:
@@ -56,6 +60,9 @@ def stop_reason(co: CompletionOutput) -> int | str | None:
 
 # -- logprobs -----------------------------------------------------------------
 
+# vLLM's floor: -inf has no JSON form.
+MIN_LOGPROB = -9999.0
+
 
 def _sampled(entry: TokenLogprobs, token_id: int, decode: Decode) -> Logprob:
     lp = entry.get(token_id)
@@ -67,20 +74,29 @@ def _top(entry: TokenLogprobs, top_n: int) -> list[tuple[int, Logprob]]:
     return [(t, lp) for t, lp in ranked if lp.rank <= top_n][:top_n]
 
 
-def _text(lp: Logprob, token_id: int, decode: Decode) -> str:
+def _text(lp: Logprob, token_id: int, decode: Decode, as_ids: bool = False) -> str:
+    if as_ids:
+        return f"token_id:{token_id}"
     return lp.decoded if lp.decoded else decode(token_id)
 
 
+def _floor(logprob: float) -> float:
+    return logprob if logprob != logprob else max(logprob, MIN_LOGPROB)
+
+
 def completion_logprobs(token_ids: list[int], entries: list[TokenLogprobs | None] | None, top_n: int,
-                        text_offset: int, decode: Decode) -> CompletionLogprobs:
+                        text_offset: int, decode: Decode, as_ids: bool = False) -> CompletionLogprobs:
     """OpenAI's completion logprobs; a None entry (the first prompt token of
-    an echo) has a null logprob and null top_logprobs."""
+    an echo) has a null logprob and null top_logprobs. Each position's
+    ``top_logprobs`` holds the chosen token first and then the ``top_n``
+    likeliest (vLLM's reading of OpenAI: up to ``top_n`` + 1 entries, so
+    ``logprobs=0`` gives the chosen token alone)."""
     out = CompletionLogprobs()
     offset = text_offset
     for token_id, entry in zip(token_ids, entries or []):
         if entry is None:
             text = decode(token_id)
-            out.tokens.append(text)
+            out.tokens.append(f"token_id:{token_id}" if as_ids else text)
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             out.text_offset.append(offset)
@@ -88,11 +104,13 @@ def completion_logprobs(token_ids: list[int], entries: list[TokenLogprobs | None
             continue
         lp = _sampled(entry, token_id, decode)
         text = _text(lp, token_id, decode)
-        out.tokens.append(text)
-        out.token_logprobs.append(lp.logprob)
+        out.tokens.append(_text(lp, token_id, decode, as_ids))
+        out.token_logprobs.append(_floor(lp.logprob))
         top: dict[str, float] = {}
+        if token_id in entry:
+            top[_text(lp, token_id, decode, as_ids)] = _floor(lp.logprob)
         for t, t_lp in _top(entry, top_n):  # tokens that decode alike keep the likeliest
-            top.setdefault(_text(t_lp, t, decode), t_lp.logprob)
+            top.setdefault(_text(t_lp, t, decode, as_ids), _floor(t_lp.logprob))
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(text)
@@ -100,10 +118,10 @@ def completion_logprobs(token_ids: list[int], entries: list[TokenLogprobs | None
 
 
 def echo_logprobs(prompt: Prompt, out: RequestOutput, generated: CompletionLogprobs, top_n: int,
-                  text_offset: int, decode: Decode) -> CompletionLogprobs:
+                  text_offset: int, decode: Decode, as_ids: bool = False) -> CompletionLogprobs:
     """Echo with logprobs: the prompt's tokens and their logprobs first, then
     the generated ones (whose offsets already count the echoed text)."""
-    head = completion_logprobs(prompt.token_ids, out.prompt_logprobs, top_n, text_offset, decode)
+    head = completion_logprobs(prompt.token_ids, out.prompt_logprobs, top_n, text_offset, decode, as_ids)
     return CompletionLogprobs(tokens=head.tokens + generated.tokens,
                               token_logprobs=head.token_logprobs + generated.token_logprobs,
                               top_logprobs=head.top_logprobs + generated.top_logprobs,
@@ -121,15 +139,16 @@ def prompt_logprobs(entries: list[TokenLogprobs | None] | None) -> PromptLogprob
 
 
 def chat_logprobs(token_ids: list[int], entries: list[TokenLogprobs] | None, top_n: int,
-                  decode: Decode) -> ChatLogprobs:
+                  decode: Decode, as_ids: bool = False) -> ChatLogprobs:
     content = []
     for token_id, entry in zip(token_ids, entries or []):
         lp = _sampled(entry, token_id, decode)
-        text = _text(lp, token_id, decode)
-        top = [TopLogprob(token=_text(t_lp, t, decode), logprob=t_lp.logprob,
-                          bytes=list(_text(t_lp, t, decode).encode()))
+        text = _text(lp, token_id, decode, as_ids)
+        top = [TopLogprob(token=_text(t_lp, t, decode, as_ids), logprob=_floor(t_lp.logprob),
+                          bytes=list(_text(t_lp, t, decode, as_ids).encode()))
                for t, t_lp in _top(entry, top_n)]
-        content.append(TokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
+        content.append(TokenLogprob(token=text, logprob=_floor(lp.logprob), bytes=list(text.encode()),
+                                    top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
@@ -137,36 +156,46 @@ def chat_logprobs(token_ids: list[int], entries: list[TokenLogprobs] | None, top
 
 
 def completion_choices(prompts: list[Prompt], finals: list[RequestOutput], *, n: int, echo: bool,
-                       top_n: int | None, decode: Decode) -> list[CompletionChoice]:
+                       top_n: int | None, decode: Decode, as_ids: bool = False,
+                       token_ids: bool = False) -> list[CompletionChoice]:
     choices = []
     for i, (prompt, out) in enumerate(zip(prompts, finals)):
         for co in sorted(out.outputs, key=lambda c: c.index):
             head = prompt.text if echo else ""
             logprobs = None
             if top_n is not None:
-                logprobs = completion_logprobs(co.token_ids, co.logprobs, top_n, len(head), decode)
+                logprobs = completion_logprobs(co.token_ids, co.logprobs, top_n, len(head), decode, as_ids)
                 if echo and out.prompt_logprobs is not None:
-                    logprobs = echo_logprobs(prompt, out, logprobs, top_n, 0, decode)
+                    logprobs = echo_logprobs(prompt, out, logprobs, top_n, 0, decode, as_ids)
             choices.append(CompletionResponseChoice(
                 index=i * n + co.index, text=head + co.text, logprobs=logprobs, finish_reason=finish_reason(co),
-                stop_reason=stop_reason(co), prompt_logprobs=prompt_logprobs(out.prompt_logprobs)))
+                stop_reason=stop_reason(co), prompt_logprobs=prompt_logprobs(out.prompt_logprobs),
+                prompt_token_ids=list(prompt.token_ids) if token_ids else None,
+                token_ids=list(co.token_ids) if token_ids else None))
     return choices
 
 
 def chat_choices(final: RequestOutput, *, top_n: int | None, decode: Decode,
-                 tool_mode: ToolMode | None = None) -> list[ChatChoice]:
+                 tool_mode: ToolMode | None = None, role: str = "assistant", echo_text: str = "",
+                 as_ids: bool = False, token_ids: bool = False) -> list[ChatChoice]:
+    """``echo_text``: chat ``echo``, the last message's content put before
+    each reply."""
     choices = []
     for co in sorted(final.outputs, key=lambda c: c.index):
-        logprobs = chat_logprobs(co.token_ids, co.logprobs, top_n, decode) if top_n is not None else None
+        logprobs = chat_logprobs(co.token_ids, co.logprobs, top_n, decode, as_ids) if top_n is not None else None
         content, calls = co.text, []
         # A forced call cut short by length is no call: the text stays content.
         if tool_mode is not None and (tool_mode.kind == "auto" or co.finish_reason == "stop"):
             content, calls = parse_reply(tool_mode, co.text)
-        message = ChatResponseMessage(content=content, tool_calls=[
+            if tool_mode.kind != "auto" and calls:
+                content = ""  # vLLM's: a forced call's reply is all call, its content empty
+        if echo_text:
+            content = echo_text + (content or "")
+        message = ChatResponseMessage(role=role, content=content, tool_calls=[
             ToolCallWire(id=c.id, function=FunctionCallWire(name=c.name, arguments=c.arguments)) for c in calls])
         reason = "tool_calls" if calls and co.finish_reason == "stop" else finish_reason(co)
         choices.append(ChatChoice(index=co.index, message=message, logprobs=logprobs, finish_reason=reason,
-                                  stop_reason=stop_reason(co)))
+                                  stop_reason=stop_reason(co), token_ids=list(co.token_ids) if token_ids else None))
     return choices
 
 
@@ -174,59 +203,71 @@ def chat_choices(final: RequestOutput, *, top_n: int | None, decode: Decode,
 
 
 class _ChoiceTracker:
-    """Per-choice stream state: started, finished, text sent so far."""
+    """Per-choice stream state: started, finished, text sent, tokens generated."""
 
     def __init__(self) -> None:
         self.started: set[int] = set()
         self.finished: set[int] = set()
         self.offset: dict[int, int] = {}
+        self.num_tokens: dict[int, int] = {}
 
     def news(self, co: CompletionOutput, index: int, with_logprobs: bool) -> bool:
         """Whether ``co`` has anything to send for choice ``index``: text, a
         finish reason, or (with logprobs) tokens — a token that ends inside
-        a UTF-8 character has no text yet."""
+        a UTF-8 character has no text yet. Counts the choice's tokens."""
         if index in self.finished:
             return False
+        # The delta, not len(co.token_ids): that list keeps growing on the engine thread.
+        self.num_tokens[index] = self.num_tokens.get(index, 0) + len(co.new_token_ids)
         return bool(co.text_delta or co.finish_reason or (with_logprobs and co.new_token_ids))
 
 
+def _chunk_usage(prompt: Prompt, completion_tokens: int) -> Usage:
+    return make_usage([prompt], completion_tokens)
+
+
 class CompletionStreamer:
-    """Turns the outputs of one /v1/completions request into chunks."""
+    """Turns the outputs of one /v1/completions request into chunks, one
+    choice per chunk (as vLLM streams them)."""
 
     def __init__(self, request_id: str, model: str, prompts: list[Prompt], *, n: int, echo: bool,
-                 top_n: int | None, decode: Decode, continuous_usage: bool = False) -> None:
+                 top_n: int | None, decode: Decode, continuous_usage: bool = False, as_ids: bool = False,
+                 token_ids: bool = False) -> None:
         self.id, self.model, self.prompts = request_id, model, prompts
         self.n, self.echo, self.top_n, self.decode = n, echo, top_n, decode
-        self.continuous_usage = continuous_usage  # usage of the chunk's prompt on every chunk
+        # Usage on every chunk: the chunk's prompt and its choice's tokens so far.
+        self.continuous_usage = continuous_usage
+        self.as_ids, self.token_ids = as_ids, token_ids
         self.track = _ChoiceTracker()
 
-    def chunk(self, prompt_index: int, out: RequestOutput) -> CompletionChunk | None:
-        choices = []
-        for co in out.outputs:
+    def chunks(self, prompt_index: int, out: RequestOutput) -> list[CompletionChunk]:
+        chunks = []
+        prompt = self.prompts[prompt_index]
+        for co in sorted(out.outputs, key=lambda c: c.index):
             index = prompt_index * self.n + co.index
             if not self.track.news(co, index, self.top_n is not None):
                 continue
-            head = self.prompts[prompt_index].text if self.echo and index not in self.track.started else ""
+            first = index not in self.track.started
+            head = prompt.text if self.echo and first else ""
             self.track.started.add(index)
             offset = self.track.offset.get(index, 0)
             logprobs = None
             if self.top_n is not None:
                 logprobs = completion_logprobs(co.new_token_ids, co.new_logprobs, self.top_n,
-                                               offset + len(head), self.decode)
+                                               offset + len(head), self.decode, self.as_ids)
                 if head and out.prompt_logprobs is not None:
-                    logprobs = echo_logprobs(self.prompts[prompt_index], out, logprobs, self.top_n, offset,
-                                             self.decode)
+                    logprobs = echo_logprobs(prompt, out, logprobs, self.top_n, offset, self.decode, self.as_ids)
             self.track.offset[index] = offset + len(head) + len(co.text_delta)
             if co.finish_reason:
                 self.track.finished.add(index)
-            choices.append(CompletionChoice(index=index, text=head + co.text_delta, logprobs=logprobs,
-                                            finish_reason=finish_reason(co), stop_reason=stop_reason(co)))
-        if not choices:
-            return None
-        usage = None
-        if self.continuous_usage:
-            usage = make_usage([self.prompts[prompt_index]], out.num_generated_tokens)
-        return CompletionChunk(id=self.id, model=self.model, choices=choices, usage=usage)
+            choice = CompletionChoice(
+                index=index, text=head + co.text_delta, logprobs=logprobs, finish_reason=finish_reason(co),
+                stop_reason=stop_reason(co),
+                prompt_token_ids=list(prompt.token_ids) if self.token_ids and first else None,
+                token_ids=list(co.new_token_ids) if self.token_ids else None)
+            usage = _chunk_usage(prompt, self.track.num_tokens[index]) if self.continuous_usage else None
+            chunks.append(CompletionChunk(id=self.id, model=self.model, choices=[choice], usage=usage))
+        return chunks
 
     def usage_chunk(self, usage: Usage) -> CompletionChunk:
         return CompletionChunk(id=self.id, model=self.model, choices=[], usage=usage)
@@ -236,11 +277,14 @@ class ChatStreamer:
     """Turns the outputs of one /v1/chat/completions request into chunks."""
 
     def __init__(self, request_id: str, model: str, *, top_n: int | None, decode: Decode,
-                 prompt: Prompt | None = None, tool_mode: ToolMode | None = None) -> None:
+                 prompt: Prompt | None = None, tool_mode: ToolMode | None = None, role: str = "assistant",
+                 echo_text: str = "", as_ids: bool = False, token_ids: bool = False) -> None:
         self.id, self.model, self.top_n, self.decode = request_id, model, top_n, decode
         self.prompt = prompt  # given: usage on every chunk (continuous_usage_stats)
         self.track = _ChoiceTracker()
         self.tool_mode = tool_mode
+        self.role, self.echo_text = role, echo_text
+        self.as_ids, self.token_ids = as_ids, token_ids
         self.calls: dict[int, CallStream] = {}  # choice index -> its tool-call stream
 
     def _delta(self, co: CompletionOutput) -> tuple[ChatDelta, str | None]:
@@ -256,28 +300,38 @@ class ChatStreamer:
         reason = "tool_calls" if stream.num_calls and co.finish_reason == "stop" else finish_reason(co)
         return ChatDelta(content=content or None, tool_calls=calls or None), reason
 
+    def _usage(self, completion_tokens: int) -> Usage | None:
+        return _chunk_usage(self.prompt, completion_tokens) if self.prompt is not None else None
+
     def chunk(self, out: RequestOutput) -> list[ChatCompletionChunk]:
         chunks = []
-        for co in out.outputs:
+        for co in sorted(out.outputs, key=lambda c: c.index):
             if not self.track.news(co, co.index, self.top_n is not None):
                 continue
-            usage = make_usage([self.prompt], out.num_generated_tokens) if self.prompt is not None else None
             if co.index not in self.track.started:
                 self.track.started.add(co.index)
-                first = ChatChunkChoice(index=co.index, delta=ChatDelta(role="assistant", content=""))
-                chunks.append(ChatCompletionChunk(id=self.id, model=self.model, choices=[first], usage=usage))
+                # The role-only chunk precedes every token: it counts none (vLLM's).
+                first = ChatChunkChoice(index=co.index, delta=ChatDelta(role=self.role, content=""))
+                prompt_ids = list(out.prompt_token_ids) if self.token_ids else None  # on each role chunk, as vLLM
+                chunks.append(ChatCompletionChunk(id=self.id, model=self.model, choices=[first],
+                                                  usage=self._usage(0), prompt_token_ids=prompt_ids))
+                if self.echo_text:
+                    echoed = ChatChunkChoice(index=co.index, delta=ChatDelta(content=self.echo_text))
+                    chunks.append(ChatCompletionChunk(id=self.id, model=self.model, choices=[echoed],
+                                                      usage=self._usage(0)))
             logprobs = None
             if self.top_n is not None:
-                logprobs = chat_logprobs(co.new_token_ids, co.new_logprobs, self.top_n, self.decode)
+                logprobs = chat_logprobs(co.new_token_ids, co.new_logprobs, self.top_n, self.decode, self.as_ids)
             if co.finish_reason:
                 self.track.finished.add(co.index)
             delta, reason = self._delta(co)
             if delta.content is None and delta.tool_calls is None and reason is None and logprobs is None:
                 continue  # text held back by a tool-call parser: nothing to send yet
             choice = ChatChunkChoice(index=co.index, delta=delta, logprobs=logprobs, finish_reason=reason,
-                                     stop_reason=stop_reason(co))
-
-            chunks.append(ChatCompletionChunk(id=self.id, model=self.model, choices=[choice], usage=usage))
+                                     stop_reason=stop_reason(co),
+                                     token_ids=list(co.new_token_ids) if self.token_ids else None)
+            chunks.append(ChatCompletionChunk(id=self.id, model=self.model, choices=[choice],
+                                              usage=self._usage(self.track.num_tokens[co.index])))
         return chunks
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:

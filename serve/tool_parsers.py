@@ -78,16 +78,35 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool.get("parameters") or {"type": "object", "properties": {}}
 
 
+def _rebased(node: Any, base: str) -> Any:
+    """``node`` with each local ``$ref`` ("#...") pointing below ``base``."""
+    if isinstance(node, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebased(v, base) for v in node]
+    return node
+
+
 def required_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """A JSON array of one or more calls, each naming a tool and carrying
-    arguments valid for it; one call only when ``parallel`` is false."""
-    items = [{
-        "type": "object",
-        "properties": {"name": {"type": "string", "enum": [t["name"]]}, "parameters": _parameters(t)},
-        "required": ["name", "parameters"],
-        "additionalProperties": False,
-    } for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    arguments valid for it; one call only when ``parallel`` is false.
+
+    Each tool's parameters sit under the array schema's ``$defs``, their
+    local references rebased there, so a ``$ref`` to the parameters' own
+    ``$defs`` (as pydantic writes them) still resolves."""
+    defs: dict[str, Any] = {}
+    items = []
+    for t in tools:
+        key = f"{t['name']}.parameters"  # function names hold no "/" or "~": a plain pointer segment
+        defs[key] = _rebased(_parameters(t), f"#/$defs/{key}")
+        items.append({
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [t["name"]]}, "parameters": {"$ref": f"#/$defs/{key}"}},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        })
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}, "$defs": defs}
     if not parallel:
         schema["maxItems"] = 1
     return schema

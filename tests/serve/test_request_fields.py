@@ -222,8 +222,10 @@ def check_echo(_s, body, b):
 
 def check_logprobs(_s, body, _b):
     lp = body["choices"][0]["logprobs"]
-    # The top 2 of the raw distribution (bytes that decode alike, as U+FFFD, merge into one entry).
-    assert len(lp["tokens"]) == 12 and all(1 <= len(t) <= 2 for t in lp["top_logprobs"])
+    # The chosen token and the top 2 of the raw distribution (bytes that decode alike, as U+FFFD,
+    # merge into one entry).
+    assert len(lp["tokens"]) == 12 and all(1 <= len(t) <= 3 for t in lp["top_logprobs"])
+    assert all(tok in top for tok, top in zip(lp["tokens"], lp["top_logprobs"]))
     assert len(lp["token_logprobs"]) == 12 and all(v <= 0 for v in lp["token_logprobs"])
 
 
@@ -242,6 +244,32 @@ def check_echo_logprobs(_s, body, b):
     assert lp["tokens"][:5] == list("Hello") and len(lp["tokens"]) == 5 + 12
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(v <= 0 for v in lp["token_logprobs"][1:])
+
+
+def check_token_ids(_s, body, b):
+    choice = body["choices"][0]
+    assert choice["prompt_token_ids"] == list(b"Hello") and bytes(choice["token_ids"]).decode() == text_of(b)
+
+
+def check_chat_token_ids(_s, body, b):
+    assert len(body["prompt_token_ids"]) == b["usage"]["prompt_tokens"]
+    assert bytes(body["choices"][0]["token_ids"]).decode() == text_of(b)
+
+
+def check_tokens_as_ids(_s, body, b):
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{ord(c)}" for c in text_of(b)]
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
+
+
+def check_continued(_s, body, b):
+    # The assistant turn "ab" is left open: no <|im_end|>, newline nor new header after it.
+    assert body["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"] + 2
+
+
+def check_chat_echo(_s, body, _b):
+    message = body["choices"][0]["message"]
+    assert message["role"] == "user" and message["content"].startswith("abc") and len(message["content"]) == 15
 
 
 def check_chat_logprobs(_s, body, _b):
@@ -336,6 +364,16 @@ ROWS: list[tuple[str, str, dict, Check, tuple[str, ...]]] = [
     ("chat_request_id", CHAT, {"request_id": "my-id.1"}, check_request_id, ()),
     ("chat_logit_bias", CHAT, {"logit_bias": {str(ord("q")): 100}}, check_logit_bias, ()),
     ("chat_prompt_logprobs", CHAT, {"prompt_logprobs": 1}, check_prompt_logprobs, ()),
+    ("return_token_ids", C, {"return_token_ids": True}, check_token_ids, ("return_token_ids",)),
+    ("chat_return_token_ids", CHAT, {"return_token_ids": True}, check_chat_token_ids, ()),
+    ("return_tokens_as_token_ids", C, {"logprobs": 1, "return_tokens_as_token_ids": True}, check_tokens_as_ids,
+     ("return_tokens_as_token_ids",)),
+    # A variable the template does not read changes nothing (test_vllm_parity.py has one it reads).
+    ("chat_template_kwargs", CHAT, {"chat_template_kwargs": {"unused": 1}}, same_text, ("chat_template_kwargs",)),
+    ("continue_final_message", CHAT, {"messages": [*MSGS, {"role": "assistant", "content": "ab"}],
+                                      "add_generation_prompt": False, "continue_final_message": True},
+     check_continued, ("continue_final_message",)),
+    ("chat_echo", CHAT, {"echo": True, "add_generation_prompt": False}, check_chat_echo, ()),
     # Output constraints (tests/serve/test_structured_output.py has the rest). EOS
     # must be reachable, so these drop BASE's ignore_eos and letter mask.
     ("guided_choice", C, {**UNMASKED, "guided_choice": ["yes", "no"]}, check_one_of("yes", "no"), ("guided_choice",)),
@@ -358,8 +396,6 @@ REFUSED: list[tuple[str, str, Any]] = [
     (C, "use_beam_search", True),
     (C, "length_penalty", 0.5),
     (C, "logits_processors", ["x"]),
-    (C, "return_tokens_as_token_ids", True),
-    (C, "return_token_ids", True),
     (C, "cache_salt", "salt"),
     (C, "kv_transfer_params", {"a": 1}),
     (C, "vllm_xargs", {"a": 1}),
@@ -381,10 +417,7 @@ REFUSED: list[tuple[str, str, Any]] = [
     (CHAT, "reasoning_effort", "high"),
     (CHAT, "verbosity", "low"),
     (CHAT, "chat_template", "{{ messages }}"),
-    (CHAT, "chat_template_kwargs", {"enable_thinking": False}),
-    (CHAT, "continue_final_message", True),
     (CHAT, "documents", [{"title": "t", "text": "x"}]),
-    (CHAT, "echo", True),
     (C, "best_of", 3),
     (C, "session_id", "s-1"),
     (C, "stream_interval", 4),
@@ -480,6 +513,9 @@ def test_unimplemented_nested_field_is_refused_by_name(server, name, overrides, 
     ({"priority": 3, "class": "online"}, "priority"),
     ({"request_id": "has space"}, "request_id"),
     ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"stop_token_ids": [99999]}, "stop_token_ids"),
 ])
 def test_bad_values_of_implemented_fields(server, body, param):
     resp = post(server, C, {**BASE, **body})
