@@ -37,6 +37,15 @@ arrival, and the slow prefills are what set the tail (on a CPU, online
 prefills ran up to 1.4x their prediction while the RMS error over all
 steps was 4-13%, and an interval planned against that put the P99 TTFT
 past the SLO).
+**Without SLOs** (``slowdown``, the default): the caps are relative to
+what the online work would cost alone. A step with online work may carry
+offline tokens while its predicted time stays within ``slowdown`` times its
+online part's (the cost model predicts both, so its own error mostly
+cancels); an offline-only step is cut so that one safepoint interval, what
+an online arrival waits for, is at most ``slowdown - 1`` of the predicted
+time of a typical online prefill plus a step, never below
+``min_step_tokens``. Explicit SLOs replace these caps.
+
 Pure Python.
 """
 
@@ -50,17 +59,22 @@ from fluidserve.scheduler.request_state import SeqState
 
 
 class SloBudget:
-    """``tpot_slo_s`` / ``ttft_slo_s``: the online SLOs (either may be None,
-    not both)."""
+    """``tpot_slo_s`` / ``ttft_slo_s``: the online SLOs; where both are
+    None, ``slowdown`` (> 1) sets relative caps instead."""
 
     def __init__(self, cost: CostModel, tpot_slo_s: float | None, ttft_slo_s: float | None = None,
                  interval_share: float | None = None, overhead_share: float = 0.1,
-                 min_chunk_beside_online: int = 32) -> None:
+                 min_chunk_beside_online: int = 32, slowdown: float | None = None) -> None:
         for name, slo in (("TPOT", tpot_slo_s), ("TTFT", ttft_slo_s)):
             if slo is not None and not slo > 0:
                 raise ValueError(f"online {name} SLO must be positive, got {slo}")
-        if tpot_slo_s is None and ttft_slo_s is None:
-            raise ValueError("an SLO budget needs a TPOT or a TTFT SLO")
+        if slowdown is not None and not slowdown > 1:
+            raise ValueError(f"the online slowdown cap must be above 1, got {slowdown}")
+        if tpot_slo_s is None and ttft_slo_s is None and slowdown is None:
+            raise ValueError("an SLO budget needs a TPOT or a TTFT SLO, or a slowdown cap")
+        # Relative caps only where no SLO is given: an explicit SLO is the user's word.
+        self.slowdown = slowdown if tpot_slo_s is None and ttft_slo_s is None else None
+        self._online_alone: float | None = None  # this step's online part, predicted, once asked
         if interval_share is not None and not 0 < interval_share <= 1:
             raise ValueError(f"interval_share must be in (0, 1], got {interval_share}")
         if not 0 < overhead_share < 1:
@@ -89,6 +103,7 @@ class SloBudget:
         """A new step is being filled: the offline-only limits are worked out
         again, once, when its first offline request asks."""
         self._offline_only = None
+        self._online_alone = None
 
     def note_online_arrival(self, prompt_tokens: int) -> None:
         """An online request of ``prompt_tokens`` arrived (the offline-only
@@ -131,6 +146,12 @@ class SloBudget:
 
     def offline_only_cap(self) -> float:
         """Predicted seconds an offline-only step may take (inf: no cap)."""
+        if self.slowdown is not None and self.interval_share is not None:
+            if self._online_prompt is None:  # no online traffic yet: no one to wait
+                return float("inf")
+            # What an arrival may wait: a share of its own prefill and first step.
+            own = self.cost.prefill_time(round(self._online_prompt))
+            return (self.slowdown - 1) * (own + self.cost.min_iteration_time()) / self.interval_share
         if self.ttft_slo is None or self.interval_share is None:
             return float("inf")
         own = self.cost.prefill_time(round(self._online_prompt)) if self._online_prompt else 0.0
@@ -139,6 +160,11 @@ class SloBudget:
 
     def cap(self, shape: StepShape, now: float) -> float:
         """Predicted seconds a step of ``shape`` (its online part) may take."""
+        if self.slowdown is not None:
+            if self._online_alone is None:  # the first offline request asks with the online part alone
+                self._online_alone = self.cost.step_time(shape.prefill_tokens, shape.decode_seqs, shape.context,
+                                                         shape.pairs)
+            return self.slowdown * self._online_alone
         cap = float("inf")
         if self.tpot_slo is not None and shape.online:
             cap = self.tpot_slo

@@ -59,6 +59,15 @@ class SchedulerConfig:
         None, "co-serving (ConServe): an online arrival interrupts a running offline-only step at its next "
               "layer safepoint when waiting for the step to end would miss this time to first token "
               "(default: any online arrival interrupts one)", metavar="MS")
+    # Protection without SLOs: online requests keep close to the latency
+    # they would have alone (scheduler/budget.py). The server turns it on
+    # with the Batch API (serve/cli.py, COSERVING_SLOWDOWN_CAP).
+    online_slowdown_cap: float | None = setting(
+        None, "co-serving (ConServe) without SLOs: offline work in a step with online requests is cut so the "
+              "step's predicted time stays within this multiple of its online part alone, and offline-only steps "
+              "so that an online arrival's wait at a safepoint stays within the same share of its own prefill; "
+              "explicit --online-*-slo-ms flags replace it; 0 turns it off (default: none; `fluidserve serve "
+              "--data-dir` takes 1.2 unless an SLO is given)", metavar="X")
     preemption_safepoint_layers: float = setting(
         DEFAULT_SAFEPOINT_LAYERS,
         "co-serving (ConServe): an offline-only step checks for an interrupt every K decoder layers, a whole or "
@@ -94,9 +103,13 @@ class SchedulerConfig:
              "must be positive"),
             ("online_tpot_slo_ms", self.online_tpot_slo_ms is None or self.online_tpot_slo_ms > 0, "must be positive"),
             ("online_ttft_slo_ms", self.online_ttft_slo_ms is None or self.online_ttft_slo_ms > 0, "must be positive"),
+            ("online_slowdown_cap", self.online_slowdown_cap in (None, 0) or self.online_slowdown_cap > 1,
+             "must be above 1 (or 0: off)"),
             ("preemption_safepoint_layers", k >= 0 and float(2 * k).is_integer(),
              "must be 0 (off) or a positive whole or half number of layers"),
             ("kv_checkpoint_threshold", threshold is None or 0.0 <= threshold <= 1.0, "must be in [0, 1]"),
         ])
         if threshold is not None and threshold >= 1.0:  # usage never passes it: off
             object.__setattr__(self, "kv_checkpoint_threshold", None)
+        if self.online_slowdown_cap == 0:
+            object.__setattr__(self, "online_slowdown_cap", None)

@@ -372,7 +372,8 @@ def cost_model_for_engine(config: Any, hf_config: Any, device: str, gpu_name: st
     ``device`` ("cpu" or "cuda", named ``gpu_name``) -- which, when
     ``config.calibrate_cost_model`` says so, learns from the steps the engine
     runs (``scheduler/calibration.py``). Unset (None), calibration is on when
-    an online SLO is set, since the SLO budget is only as good as the model."""
+    an online SLO or a slowdown cap is set, since the budget is only as good
+    as the model."""
     if getattr(config, "profile_path", None):
         return load_profile(config.profile_path)
     cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
@@ -381,8 +382,8 @@ def cost_model_for_engine(config: Any, hf_config: Any, device: str, gpu_name: st
     model = RooflineCostModel(ModelShape.from_hf_config(cfg, dtype_bytes), device_spec_for(device, gpu_name))
     calibrate = getattr(config, "calibrate_cost_model", None)
     if calibrate is None:
-        calibrate = (getattr(config, "online_tpot_slo_ms", None) is not None
-                     or getattr(config, "online_ttft_slo_ms", None) is not None)
+        calibrate = any(getattr(config, name, None) is not None
+                        for name in ("online_tpot_slo_ms", "online_ttft_slo_ms", "online_slowdown_cap"))
     if calibrate:
         from fluidserve.scheduler.calibration import CalibratingCostModel
 

@@ -140,10 +140,10 @@ class Scheduler:
         self._ranking_epoch = -1
         self._ranking_has_finished = False
         self._num_added = 0
-        tpot, ttft = config.online_tpot_slo_ms, config.online_ttft_slo_ms
+        tpot, ttft, slowdown = config.online_tpot_slo_ms, config.online_ttft_slo_ms, config.online_slowdown_cap
         self.budget = (SloBudget(self.policy.cost, None if tpot is None else tpot / 1e3,
-                                 None if ttft is None else ttft / 1e3, safepoint_interval_share)
-                       if tpot is not None or ttft is not None else None)
+                                 None if ttft is None else ttft / 1e3, safepoint_interval_share, slowdown=slowdown)
+                       if tpot is not None or ttft is not None or slowdown is not None else None)
         # The engine feeds measured step times back to a calibrating cost
         # model: plans then carry their shape (free when the budget builds it).
         self._observe = getattr(self.policy.cost, "observe", None)

@@ -55,6 +55,10 @@ _HARMLESS_VALUES = {"--kv-cache-dtype": {"auto"}, "--tokenizer-mode": {"auto"}, 
                     "-dp": {"1"}, "--pipeline-parallel-size": {"1"}, "-pp": {"1"},
                     "--guided-decoding-backend": {"auto", "xgrammar"}}
 _VALUELESS = {"--enable-lora"}
+# With --data-dir and no SLO flag, steps with online work may take at most
+# this multiple of their online part alone (measured through the server by
+# benchmarks/coserving_server.py, against 0: off, and 1.5).
+COSERVING_SLOWDOWN_CAP = 1.2
 # vLLM's scheduling policy names that we map onto ours (see ``--scheduling-policy``).
 POLICY_ALIASES = {"priority": "fcfs"}
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
@@ -193,7 +197,14 @@ def engine_config_from_args(args: argparse.Namespace):
         # A hub id at a revision becomes its local snapshot; clients keep the id.
         served = served or model
         model = str(resolve_model_dir(model, args.load_format, revision=args.revision))
-    return from_flags(args, model=model, served_model_name=served)
+    config = from_flags(args, model=model, served_model_name=served)
+    sched = config.scheduler
+    if (getattr(args, "data_dir", None) and args.online_slowdown_cap is None
+            and sched.online_tpot_slo_ms is None and sched.online_ttft_slo_ms is None):
+        # A Batch API beside online traffic: online requests are protected
+        # without the user knowing about SLO flags (benchmarks/coserving_server.py).
+        config = config.replace(online_slowdown_cap=COSERVING_SLOWDOWN_CAP)
+    return config
 
 
 def model_info(engine, served_model_names: Sequence[str] | None = None,

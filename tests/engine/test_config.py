@@ -89,3 +89,16 @@ def test_a_bad_flag_value_names_the_flag():
         cli.engine_config_from_args(parse(["serve", "--gpu-memory-utilization", "2"]))
     with pytest.raises(ValueError, match="^--tensor-parallel-size must be positive"):
         cli.engine_config_from_args(parse(["serve", "-tp", "0"]))
+
+
+def test_the_server_protects_online_requests_beside_the_batch_api_unless_told():
+    parse = cli.build_parser().parse_args
+
+    def cap(*argv: str):
+        return cli.engine_config_from_args(parse(["serve", *argv])).scheduler.online_slowdown_cap
+
+    assert cap() is None  # no Batch API: nothing offline to cut
+    assert cap("--data-dir", "/d") == cli.COSERVING_SLOWDOWN_CAP
+    assert cap("--data-dir", "/d", "--online-slowdown-cap", "0") is None  # off, as asked
+    assert cap("--data-dir", "/d", "--online-slowdown-cap", "1.5") == 1.5
+    assert cap("--data-dir", "/d", "--online-tpot-slo-ms", "30") is None  # an SLO replaces it

@@ -116,8 +116,11 @@ def test_echo_with_logprobs_prepends_the_prompt(client, server, hf_logprobs):
     for j in range(1, len(ids)):
         assert abs(lp.token_logprobs[j] - ref[j - 1, ids[j]].item()) < TOL
         top = ref[j - 1].topk(2)
-        expected: dict[str, float] = {}  # tokens that decode alike (bytes of U+FFFD) keep the likeliest
-        for t, v in zip(top.indices.tolist(), top.values.tolist()):
+        # As vLLM: the prompt token itself beside the top 2. Tokens that
+        # decode alike (bytes of U+FFFD) keep the likeliest.
+        expected: dict[str, float] = {}
+        for t, v in sorted([(ids[j], ref[j - 1, ids[j]].item()), *zip(top.indices.tolist(), top.values.tolist())],
+                           key=lambda tv: -tv[1]):
             expected.setdefault(server.engine.tokenizer.decode([t]), v)
         assert lp.top_logprobs[j] == pytest.approx(expected, abs=TOL)
     # The generated part: its own logprobs, offsets counting the echoed text.

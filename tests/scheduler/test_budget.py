@@ -253,3 +253,47 @@ def test_no_sliver_of_a_prompt_beside_online_work():
     assert SloBudget(CM, room_for(20), None, min_chunk_beside_online=1).offline_tokens(beside, offline, 4000) == 20
     alone = SloBudget(CM, room_for(20), None)
     assert alone.offline_tokens(StepShape(), offline, 4000) == 4000  # no online work: no cut at all
+
+
+def _slowdowns(**settings) -> tuple[list[float], object]:
+    """Predicted time / predicted time of its online part alone, of every
+    step that ran offline work beside online work."""
+    from fluidserve.scheduler.cost_model import StepShape
+
+    sim = Simulator(_jobs(), "skip-join-mlfq", CM, SimConfig.create(num_kv_blocks=20000, **settings))
+    sched = sim.scheduler
+    ratios, schedule = [], sched.schedule
+
+    def record(now):
+        plan = schedule(now)
+        online = StepShape()
+        for s in plan.scheduled:
+            seq = sched.seqs[s.request_id]
+            if seq.klass is RequestClass.ONLINE:
+                online.add(seq, s.num_tokens)
+        num_online = sum(sched.seqs[s.request_id].klass is RequestClass.ONLINE for s in plan.scheduled)
+        if online.online and len(plan.scheduled) > num_online:
+            alone = CM.step_time(online.prefill_tokens, online.decode_seqs, online.context, online.pairs)
+            ratios.append(CM.step_time(*plan_shape(plan, sched.seqs)) / alone)
+        return plan
+
+    sched.schedule = record
+    return ratios, sim.run()
+
+
+def test_without_slos_the_slowdown_cap_keeps_online_steps_near_their_cost_alone():
+    """No SLO given, a slowdown cap: a step with online work carries offline
+    tokens only while its predicted time stays within the cap times its
+    online part's; without the cap the same load goes past it."""
+    from fluidserve.scheduler.budget import SloBudget
+
+    cap = 1.2
+    ratios, res = _slowdowns(online_slowdown_cap=cap)
+    assert ratios, "offline work never ran beside online work"
+    assert max(ratios) <= cap + 1e-9
+    assert all(r.finish_time is not None for r in res.records)  # the backlog still finishes
+    assert max(_slowdowns()[0]) > cap  # the test can fail
+    # An explicit SLO replaces the relative cap.
+    assert SloBudget(CM, 0.05, None, slowdown=cap).slowdown is None
+    with pytest.raises(ValueError, match="above 1"):
+        SloBudget(CM, None, None, slowdown=1.0)
