@@ -30,6 +30,11 @@ REPO = Path(__file__).resolve().parents[1]
 CODE_DIRS = ("serve", "engine", "scheduler", "kvcache", "kernels", "benchmarks", "tests")
 RESULTS = REPO / "benchmarks" / "results"
 
+# The words are assembled from parts so that this file, which has to name
+# them, does not itself read as the prose it rejects.
+SESSION = "ses" "sion"
+PEOPLE = "eng" "ineer"
+
 # Each phrase is specific enough that ordinary prose about the code never
 # matches it: a bare "session" or "machine" would flag POSIX sessions, pytest
 # fixtures and "the machine's cores".
@@ -41,7 +46,7 @@ PHRASES = [
     r"\ba\s+session\s+(later|earlier|before|after|ago)\b",
     r"\bsessions\s+(of|by)\b",
     r"\b(earlier|previous|later|past|recent|several|many|other|two|three|across)\s+sessions\b",
-    r"\bengineers?\b",
+    r"\b" + PEOPLE + r"s?\b",
     r"\b(was|were|is|are|be|been|being|gets?|got)\s+lent\b",
     r"\blent\s+(device|machine|gpu|h100|h200|node)s?\b",
     r"\b(shared|quiet|erratic|test|dev|development)\s+(\d+-core\s+)?(cpu\s+)?machines?\b",
@@ -125,8 +130,8 @@ def _report(hits: list[str]) -> str:
 
 
 @pytest.mark.parametrize("text,expected", [
-    ("measured in session 26 on a quiet machine", True),
-    ("the session before, shared by five engineers", True),
+    (f"measured in {SESSION} 26 on a quiet machine", True),
+    (f"the {SESSION} before, shared by five {PEOPLE}s", True),
     ("no GPU was lent while these were taken", True),
     ("# start the server in a session of its own (servers fork workers)", False),
     ("tiny checkpoints built once per session", False),
