@@ -368,7 +368,7 @@ class Bucket:
             self._copied = self.runtime.event()
             self._copied.record()
 
-    def metadata(self) -> AttentionMetadata:
+    def metadata(self, kernels: str | None = None) -> AttentionMetadata:
         """Attention metadata over the static buffers; the Triton kernels
         find the static plans already made (``work_plan`` looks them up).
         The host query lengths of padding rows are 0, so the CPU attention
@@ -376,7 +376,8 @@ class Bucket:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping, block_tables=self.block_tables, seq_lens=self.seq_lens,
             query_start_loc=self.query_start_loc, host_q_lens=[1] * self.rows + [0] * (self.size - self.rows),
-            host_seq_lens=list(self.host_seq_lens), _plans={w: p.plan for w, p in self.plans.items()},
+            host_seq_lens=list(self.host_seq_lens), kernels=kernels,
+            _plans={w: p.plan for w, p in self.plans.items()},
         )
 
 
@@ -400,7 +401,8 @@ class DecodeGraphs:
         self.width = max_blocks_per_seq
         self.replays: dict[int, int] = {}  # steps run in each bucket
         self.fallbacks: dict[str, int] = {}  # steps run eagerly, by reason
-        spec = self._plan_spec() if ops.kernel_path(device) == "triton" else None
+        self.kernels = ops.kernel_path(device)  # read once, as the model runner does
+        spec = self._plan_spec() if self.kernels == "triton" else None
         self.buckets = {b: Bucket(b, self.width, block_size, device, spec) for b in self.sizes}
         if capture:
             self._capture_all()
@@ -421,7 +423,7 @@ class DecodeGraphs:
         return _PlanSpec(windows, units, a.num_heads // a.num_kv_heads, partials, a.num_heads, a.head_dim)
 
     def _forward_static(self, bucket: Bucket) -> torch.Tensor:
-        return self.model(bucket.input_ids, bucket.positions, self.kv_caches, bucket.metadata())
+        return self.model(bucket.input_ids, bucket.positions, self.kv_caches, bucket.metadata(self.kernels))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -433,7 +435,7 @@ class DecodeGraphs:
             bucket = self.buckets[b]
             bucket.write_padding()
             bucket.upload()
-            meta = bucket.metadata()
+            meta = bucket.metadata(self.kernels)
             bucket.replay = self.runtime.capture(
                 lambda bucket=bucket, meta=meta: self.model(bucket.input_ids, bucket.positions, self.kv_caches, meta),
                 pool)

@@ -28,13 +28,16 @@ class AttentionMetadata:
     # them once per step (per sliding window), never read back from the GPU.
     host_q_lens: list[int] = field(default_factory=list)
     host_seq_lens: list[int] = field(default_factory=list)
+    # Which kernels run the step (ops.kernel_path), resolved once by whoever
+    # builds the metadata rather than by every layer; None: ask per call.
+    kernels: str | None = None
     _plans: dict = field(default_factory=dict, repr=False)
     _cpu_plans: dict = field(default_factory=dict, repr=False)
 
     def work_plan(self, query: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None):
         """The packed attention work list of this step for the Triton kernels;
         None where other kernels run (they need none)."""
-        if ops.kernel_path(query.device) != "triton" or not self.host_q_lens:
+        if (self.kernels or ops.kernel_path(query.device)) != "triton" or not self.host_q_lens:
             return None
         if sliding_window not in self._plans:
             from ..kernels.paged_attention import plan_for
@@ -131,16 +134,17 @@ class PagedAttention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq * D]
         key_cache, value_cache = kv_cache
-        if ops.kernel_path(q.device) == "cpu":
+        path = meta.kernels or ops.kernel_path(q.device)
+        if path == "cpu":
             plan = meta.cpu_plan(key_cache, self.sliding_window)
             cpu_attention.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, plan.slots_all_valid)
             out = cpu_attention.paged_attention(q, key_cache, value_cache, plan, self.scale, k, v)
             return out.reshape(out.shape[0], -1)
         _compile_variants_once(q, key_cache, self.sliding_window)
-        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, path=path)
         out = ops.paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            self.scale, self.sliding_window, work=meta.work_plan(q, key_cache, self.sliding_window),
+            self.scale, self.sliding_window, work=meta.work_plan(q, key_cache, self.sliding_window), path=path,
         )
         return out.reshape(out.shape[0], -1)
 

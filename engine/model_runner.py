@@ -37,6 +37,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.runtime = runtime or runtime_for(device)
+        self.kernels = ops.kernel_path(device)  # FLUIDSERVE_KERNELS is read when the engine starts
         attn = [m for m in model.modules() if isinstance(m, PagedAttention)]
         # The planner checks a query's layout against the cache as a launch
         # does, so its stand-in carries the model's dtype.
@@ -89,6 +90,7 @@ class ModelRunner:
             query_start_loc=dev[o + s:o + 2 * s + 1],
             host_q_lens=[b - a for a, b in zip(inp.query_start_loc, inp.query_start_loc[1:])],
             host_seq_lens=inp.seq_lens,
+            kernels=self.kernels,
         )
         self._plan(meta, kv_caches)
         return d64[:t], d64[t:2 * t], meta, d64[3 * t:]
@@ -99,9 +101,8 @@ class ModelRunner:
         if self._query_like is None or not kv_caches:
             return
         key_cache = kv_caches[0][0]
-        triton = ops.kernel_path(self.device) == "triton"
         for window in self._windows:
-            if triton:
+            if self.kernels == "triton":
                 meta.work_plan(self._query_like, key_cache, window)
             else:
                 meta.cpu_plan(key_cache, window)

@@ -119,6 +119,7 @@ class OutputProcessor:
             if seq.lazy_text:
                 seq.catch_up_text()
             completions = [seq.take_output()]
+            cached = seq.state.num_cached_tokens  # what admission found in the prefix cache
         else:
             first = None  # when any of its sequences first ran; this step if none has
             for s in req.seqs:
@@ -127,8 +128,7 @@ class OutputProcessor:
                     first = t
             finished = req.finished
             completions = [s.take_output() for s in req.seqs]
-        # Prompt tokens the prefix cache gave (what admission found, per sequence: the most of them).
-        cached = max(s.state.num_cached_tokens for s in req.seqs)
+            cached = max(s.state.num_cached_tokens for s in req.seqs)
         out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, None,
                             step_start if first is None else first, req.prompt_logprobs, num_cached_tokens=cached)
         if finished:

@@ -100,8 +100,10 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = do not write
+    path: KernelPath | None = None,
 ) -> None:
-    if _on_triton(key, value, key_cache, value_cache, slot_mapping):
+    """``path``: the caller's ``kernel_path`` (None: worked out here)."""
+    if path == "triton" if path is not None else _on_triton(key, value, key_cache, value_cache, slot_mapping):
         from fluidserve.kernels import cache_ops
 
         cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
@@ -119,10 +121,12 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     work: WorkPlan | None = None,
+    path: KernelPath | None = None,
 ) -> torch.Tensor:
     """``work`` (a per-step plan from ``paged_attention.plan_for``) is used only
-    by the Triton kernels; the reference needs none."""
-    if _on_triton(query, key_cache, value_cache, block_tables):
+    by the Triton kernels; the reference needs none. ``path``: the caller's
+    ``kernel_path`` (None: worked out here)."""
+    if path == "triton" if path is not None else _on_triton(query, key_cache, value_cache, block_tables):
         from fluidserve.kernels import paged_attention as triton_attention
 
         return triton_attention.paged_attention(
