@@ -61,20 +61,28 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm with the reference's rounding (kernels/ops.rms_norm), and the
+    residual add before it fused in (``add_forward``): one launch each on the
+    Triton lane."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, as the reference does.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, path: ops.KernelPath | None = None) -> torch.Tensor:
+        # [..., D] -> [..., D]; x is left as it is
+        return ops.rms_norm(x, self.weight, self.eps, path=path)[0]
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
+                    path: ops.KernelPath | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``, the sum written over ``x``
+        (which the caller must own, e.g. a layer's fresh output)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual, path)
 
 
-# cos and sin of a step's positions, [T, 1, head_dim] each.
+# cos and sin of a step's positions, [T, head_dim] each, in the model's dtype;
+# the sine carries rotate_half's sign (kernels/rope_cache.py draws the layout).
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -98,24 +106,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """cos and sin of this step's positions, [T, 1, D] each: computed once
-        per step by the model and shared by every layer."""
+        """cos and sin of this step's positions, [T, D] each: computed once
+        per step by the model and shared by every layer. The values are the
+        reference's (``cat(freqs, freqs).cos() * scaling``, cast to dtype)."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.scaling).to(dtype).unsqueeze(1)
-        sin = (emb.sin() * self.scaling).to(dtype).unsqueeze(1)
-        return cos, sin
-
-
-def apply_rope(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-    # q: [T, Hq, D]; k: [T, Hk, D]; cos, sin: [T, 1, D]
-    cos, sin = rope
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        cos, sin = freqs.cos(), freqs.sin()
+        table = torch.cat((cos, cos, -sin, sin), dim=-1)  # [T, 2D]: cos | signed sin
+        if self.scaling != 1.0:
+            table = table * self.scaling
+        table = table.to(dtype)
+        half = table.shape[-1] // 2
+        return table[:, :half], table[:, half:]
 
 
 class PagedAttention(nn.Module):
@@ -131,17 +132,26 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq * D]
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                rope: Rope | None = None) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq * D]. With ``rope``, q
+        and k are rotated first, in place (the caller's projection output):
+        on the Triton lane in the same launch that writes the cache."""
         key_cache, value_cache = kv_cache
         path = meta.kernels or ops.kernel_path(q.device)
         if path == "cpu":
+            if rope is not None:
+                ops.rope_torch(q, *rope)
+                ops.rope_torch(k, *rope)
             plan = meta.cpu_plan(key_cache, self.sliding_window)
             cpu_attention.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, plan.slots_all_valid)
             out = cpu_attention.paged_attention(q, key_cache, value_cache, plan, self.scale, k, v)
             return out.reshape(out.shape[0], -1)
         _compile_variants_once(q, key_cache, self.sliding_window)
-        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, path=path)
+        if rope is not None:
+            ops.rope_and_cache(q, k, v, *rope, key_cache, value_cache, meta.slot_mapping, path=path)
+        else:
+            ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, path=path)
         out = ops.paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.scale, self.sliding_window, work=meta.work_plan(q, key_cache, self.sliding_window), path=path,

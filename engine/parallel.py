@@ -195,10 +195,21 @@ class _PrepackedLinear(nn.Module):
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 
-    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + bias``, plus ``residual`` [T, out] in the same kernel
+        where it can be: oneDNN's add post-op on the CPU, elsewhere a GEMM
+        that accumulates into the residual in place (so the caller must own
+        it). x: [T, in]."""
         if self._packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
+            if residual is not None:
+                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._packed, bias, "add")
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
-        return F.linear(x, self.weight, bias)
+        if residual is None:
+            return F.linear(x, self.weight, bias)
+        if bias is not None:  # the bias before the residual, as the unfused sum adds them
+            return F.linear(x, self.weight, bias).add_(residual)
+        return residual.addmm_(x, self.weight.t())
 
 
 def prepack_linears(model: nn.Module) -> None:
@@ -325,11 +336,16 @@ class RowParallelLinear(_PrepackedLinear):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + b`` [T, out], plus ``residual`` when given: fused into
+        the product on one rank (in place over it off the CPU, so the caller
+        must own it); added after the all-reduce on several, in the order
+        the unfused layer adds."""
         if self.tp.size == 1:
-            return self._linear(x, self.bias)  # nn.Linear's arithmetic
+            return self._linear(x, self.bias, residual)  # nn.Linear's arithmetic
         y = self.tp.all_reduce(self._linear(x, None))  # [T, out]
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if residual is None else y.add_(residual)
 
 
 def _vocab_shard(vocab: int, tp: TensorParallel) -> tuple[int, ShardSpec | None]:

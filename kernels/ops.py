@@ -161,3 +161,69 @@ def scatter_blocks(
         cache_ops.scatter_blocks(staging.to(cache.device, non_blocking=True), cache, block_ids)
     else:
         reference.scatter_blocks(staging, cache, block_ids)
+
+
+# -- the decoder layer's fused ops ----------------------------------------------------
+# Triton on its lane (one launch each); elsewhere the same arithmetic in as
+# few torch ops as it takes, in place where the caller owns the tensor.
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, D] (any leading dims off the Triton lane)
+    weight: torch.Tensor,  # [D]
+    eps: float,
+    residual: torch.Tensor | None = None,  # like x
+    path: KernelPath | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(s) * weight, s)`` with ``s = x + residual`` written over
+    ``x`` in place (``s = x`` without a residual), as the reference rounds:
+    the sum in x's dtype, the norm in fp32, cast back, then the weight."""
+    if x.dim() == 2 and (path == "triton" if path is not None else _on_triton(x, weight)):
+        from fluidserve.kernels import fused_norm
+
+        return fused_norm.rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        x = x.add_(residual)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps), x  # the reference's arithmetic, one op
+    return weight * torch.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype), x
+
+
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (any strides) in place by [T, D] tables laid out
+    as ``rope_cache`` describes: the halves swapped into a copy, then a
+    multiply and a fused multiply-add."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2 | x1]
+    return x.mul_(cos.unsqueeze(1)).addcmul_(swapped, sin.unsqueeze(1))
+
+
+def rope_and_cache(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hk, D]
+    v: torch.Tensor,  # [T, Hk, D]
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,  # [T, D], sign folded (kernels/rope_cache.py)
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int, -1 = do not write
+    path: KernelPath | None = None,
+) -> None:
+    """Rotate q and k in place, then write k and v into their cache slots."""
+    if path == "triton" if path is not None else _on_triton(q, key_cache, slot_mapping):
+        from fluidserve.kernels import rope_cache
+
+        rope_cache.rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping)
+        return
+    rope_torch(q, cos, sin)
+    rope_torch(k, cos, sin)
+    reference.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
+
+
+def silu_and_mul(x: torch.Tensor, path: KernelPath | None = None) -> torch.Tensor:
+    """[T, 2 * I] (gate | up) -> silu(gate) * up, [T, I]."""
+    if x.dim() == 2 and (path == "triton" if path is not None else _on_triton(x)):
+        from fluidserve.kernels import activation
+
+        return activation.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate).mul_(up)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from ..layers import AttentionMetadata, PagedAttention, RMSNorm, Rope, RotaryEmbedding, apply_rope
+from ...kernels import ops
+from ..layers import AttentionMetadata, PagedAttention, RMSNorm, Rope, RotaryEmbedding
 from ..preemption import LayerLoop
 from ..parallel import (
     MergedColumnParallelLinear,
@@ -70,13 +70,13 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq / tp, D]
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq / tp, D], a view of the qkv output
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hk / tp, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, rope)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+            q, k = self.q_norm(q, meta.kernels), self.k_norm(k, meta.kernels)
+        # rope rotates q and k in place, in the launch that writes the cache
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, rope))  # [T, hidden], all-reduced
 
 
 def _kv_sharding(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
@@ -109,10 +109,11 @@ class LlamaMLP(nn.Module):
                                                        False, tp)
         self.down_proj = RowParallelLinear(inter, hidden, False, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # [T, hidden] -> [T, inter / tp] -> [T, hidden] (all-reduced in down_proj)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                path: ops.KernelPath | None = None) -> torch.Tensor:
+        # [T, hidden] -> [T, 2 * inter / tp] -> [T, inter / tp] -> [T, hidden] (all-reduced
+        # in down_proj, which adds the residual, in place over it, in its own GEMM)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), path), residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -124,14 +125,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope, x, kv_cache, meta):
-        return self.feed_forward(self.attend(rope, x, kv_cache, meta))
+        # x: [T, hidden], left as it is. Nine launches on the Triton lane:
+        # norm, qkv GEMM, rope + KV write, attention, o_proj GEMM, residual
+        # add + norm, gate/up GEMM, SiLU-mul, down GEMM adding the residual.
+        path = meta.kernels
+        attn = self.self_attn(rope, self.input_layernorm(x, path), kv_cache, meta)
+        h, x = self.post_attention_layernorm.add_forward(attn, x, path)  # x = attn + x, over attn
+        return self.mlp(h, x, path)
 
-    # The two halves a safepoint may fall between (engine/preemption.py).
+    # The two halves a safepoint may fall between (engine/preemption.py):
+    # forward's arithmetic, the residual add and the norm after it in two
+    # steps, which round as the fused kernel does.
     def attend(self, rope, x, kv_cache, meta):
-        return x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
+        return self.self_attn(rope, self.input_layernorm(x, meta.kernels), kv_cache, meta).add_(x)
 
     def feed_forward(self, x):
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp(self.post_attention_layernorm(x), x)
 
 
 class LlamaModel(nn.Module):
@@ -149,7 +158,7 @@ class LlamaModel(nn.Module):
         rope = self.rotary(positions, x.dtype)  # once per step, shared by every layer
         x = self.layer_loop.run(self.layers, kv_caches, x, lambda layer, x, kv: layer(rope, x, kv, meta),
                                 lambda layer, x, kv: layer.attend(rope, x, kv, meta))
-        return self.norm(x)
+        return self.norm(x, meta.kernels)
 
 
 class LlamaForCausalLM(nn.Module):

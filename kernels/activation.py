@@ -1,0 +1,46 @@
+"""The gated MLP's activation in one kernel: ``silu(gate) * up`` over the
+fused gate/up projection's output ``[T, 2 * I]`` (gate columns first), where
+torch takes two ops and an intermediate tensor.
+
+Arithmetic is the reference's: the SiLU is rounded to the input dtype (as
+torch's ``silu`` output is) before the product, which is rounded again, as
+``ops.silu_and_mul`` does in torch off the Triton lane.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Output columns per program.
+BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,  # [T, 2 * I]: gate | up
+    out_ptr,  # [T, I]
+    stride_x, stride_o,
+    inter,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * I] (gate | up) -> [T, I]."""
+    if x.dim() != 2 or x.shape[1] % 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [num_tokens, 2 * intermediate] with contiguous rows, got {tuple(x.shape)}")
+    t, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
+    if t:
+        _silu_and_mul_kernel[(t, triton.cdiv(inter, BLOCK))](x, out, x.stride(0), out.stride(0), inter, BLOCK=BLOCK)
+    return out
+

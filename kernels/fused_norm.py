@@ -1,0 +1,72 @@
+"""RMSNorm, optionally after a residual add, in one kernel: the decoder
+layer's ``h = x + attn_out; n = rms_norm(h)`` as one read of each input and
+one write of each output, instead of the seven or so ops of the torch
+expression.
+
+Arithmetic is the Hugging Face reference's (``LlamaRMSNorm``): the residual
+sum is rounded to the input dtype (as ``x + y`` in that dtype rounds), the
+norm is taken in fp32 over the rounded sum, cast back to the input dtype, and
+only then multiplied by the weight, in that dtype. ``ops.rms_norm`` runs the
+same arithmetic in torch off the Triton lane.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [T, D]
+    residual_ptr,  # [T, D] (read only if HAS_RESIDUAL)
+    weight_ptr,  # [D]
+    out_ptr,  # [T, D]: the normalised rows
+    sum_ptr,  # [T, D]: x + residual (written only if HAS_RESIDUAL; may be x itself)
+    stride_x, stride_r, stride_o, stride_s,
+    dim,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < dim
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x32 * x32, axis=0) / dim + eps)
+    normed = (x32 * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [num_tokens, dim] with contiguous rows, got {tuple(x.shape)}")
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"weight {tuple(weight.shape)} must be [{x.shape[1]}]")
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1 or residual.dtype != x.dtype):
+        raise ValueError("residual must match x in shape and dtype, with contiguous rows")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(s), s)`` with ``s = x + residual`` (``s = x`` without a
+    residual). The sum is written over ``x`` in place, so ``x`` must be a
+    tensor the caller owns; x: [T, D] -> two [T, D] tensors."""
+    _check(x, weight, residual)
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        has_residual = residual is not None
+        r = residual if has_residual else x
+        _rms_norm_kernel[(x.shape[0],)](
+            x, r, weight, out, x, x.stride(0), r.stride(0), out.stride(0), x.stride(0), x.shape[1], float(eps),
+            HAS_RESIDUAL=has_residual, BLOCK_D=triton.next_power_of_2(x.shape[1]),
+        )  # fmt: skip
+    return out, x
+

@@ -1,0 +1,127 @@
+"""Rotary position embedding and the KV-cache write in one kernel: for each
+token, q and k rotated in place, and the rotated k and the v written into
+their slot of the paged cache. On the decode path that is one launch where
+the torch expression takes about a dozen ops and the cache write another.
+
+The rope tables are built once per step (``engine/layers.RotaryEmbedding``),
+``[T, D]`` each, in the model's dtype as the Hugging Face reference casts
+them, with the sign of ``rotate_half`` folded into the sine::
+
+    cos = [ cos(f) | cos(f) ]       sin = [ -sin(f) | sin(f) ]      f: [T, D/2]
+    rope(x) = x * cos + swap_halves(x) * sin
+            = [ x1 cos - x2 sin | x2 cos + x1 sin ]     (x = [ x1 | x2 ])
+
+which is the reference's ``x * cos + rotate_half(x) * sin`` term for term.
+The kernel computes it in fp32 and rounds once; off the Triton lane
+``ops.rope_torch`` rounds as torch's in-place ops do.
+Cache semantics are ``reference.reshape_and_cache``'s (slot -1: not written).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(x_ptr, cos1, sin1, cos2, sin2, h, d, mask, HALF: tl.constexpr):
+    """Rotate the [H, D] rows at ``x_ptr`` in place; returns the rotated
+    halves (fp32). Each element's two halves are loaded and stored by the
+    same program lanes, so the in-place write races with no read."""
+    x1 = tl.load(x_ptr + h + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + h + d + HALF, mask=mask, other=0.0).to(tl.float32)
+    y1 = x1 * cos1 + x2 * sin1
+    y2 = x2 * cos2 + x1 * sin2
+    tl.store(x_ptr + h + d, y1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(x_ptr + h + d + HALF, y2.to(x_ptr.dtype.element_ty), mask=mask)
+    return y1, y2
+
+
+@triton.jit
+def _rope_and_cache_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_ptr,  # [T, Hk, D]
+    v_ptr,  # [T, Hk, D]
+    cos_ptr,  # [T, D]
+    sin_ptr,  # [T, D], sign folded
+    key_cache_ptr,  # [num_blocks, block_size, Hk, D]
+    value_cache_ptr,
+    slot_ptr,  # [T] int, -1 = do not write
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,  # head_dim / 2
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    dmask = d < HALF
+    cos1 = tl.load(cos_ptr + tok * stride_ct + d, mask=dmask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + tok * stride_ct + d + HALF, mask=dmask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + tok * stride_st + d, mask=dmask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + tok * stride_st + d + HALF, mask=dmask, other=0.0).to(tl.float32)
+
+    hq = tl.arange(0, BLOCK_HQ)[:, None]
+    _rotate(q_ptr + tok * stride_qt, cos1, sin1, cos2, sin2, hq * stride_qh, d, (hq < NUM_Q_HEADS) & dmask, HALF)
+    hk = tl.arange(0, BLOCK_HK)[:, None]
+    kmask = (hk < NUM_KV_HEADS) & dmask
+    k1, k2 = _rotate(k_ptr + tok * stride_kt, cos1, sin1, cos2, sin2, hk * stride_kh, d, kmask, HALF)
+
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    # Padding slots (-1) mask the stores; the slot is broadcast to a tensor
+    # first (a scalar mask term trips the interpreter).
+    keep = kmask & ((slot + tl.zeros([BLOCK_HK, 1], tl.int64)) >= 0)
+    kc = key_cache_ptr + blk * stride_kcb + off * stride_kcs + hk * stride_kch + d
+    tl.store(kc, k1.to(key_cache_ptr.dtype.element_ty), mask=keep)
+    tl.store(kc + HALF, k2.to(key_cache_ptr.dtype.element_ty), mask=keep)
+    v = v_ptr + tok * stride_vt + hk * stride_vh + d
+    vc = value_cache_ptr + blk * stride_vcb + off * stride_vcs + hk * stride_vch + d
+    tl.store(vc, tl.load(v, mask=keep).to(value_cache_ptr.dtype.element_ty), mask=keep)
+    tl.store(vc + HALF, tl.load(v + HALF, mask=keep).to(value_cache_ptr.dtype.element_ty), mask=keep)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3 or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be [num_tokens, heads, head_dim] with contiguous head_dim")
+    t, _, d = q.shape
+    if d % 2 or k.shape[2] != d or k.shape != v.shape or k.shape[0] != t:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: one even head_dim, "
+                         "k and v alike")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.shape != (t, d) or table.stride(-1) != 1:
+            raise ValueError(f"{name} {tuple(table.shape)} must be [{t}, {d}] with contiguous rows")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape or key_cache.shape[2:] != k.shape[1:]:
+        raise ValueError("caches must be [num_blocks, block_size, num_kv_heads, head_dim] as k is")
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("caches must have contiguous head_dim")
+    if slot_mapping.shape != (t,):
+        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must hold one slot per token ({t})")
+
+
+def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] in place, and write k and v
+    [T, Hk, D] into their slots of the caches [blocks, block_size, Hk, D]."""
+    _check(q, k, v, cos, sin, key_cache, value_cache, slot_mapping)
+    t, num_q_heads, head_dim = q.shape
+    if t == 0:
+        return
+    _rope_and_cache_kernel[(t,)](
+        q, k, v, cos, sin, key_cache, value_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=k.shape[1], HALF=head_dim // 2,
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), BLOCK_SIZE=key_cache.shape[1],
+    )  # fmt: skip
+

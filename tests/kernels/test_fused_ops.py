@@ -1,0 +1,154 @@
+"""The decoder layer's fused kernels (residual add + RMSNorm, rope + KV
+write, SiLU-mul) against the Hugging Face reference's arithmetic written
+out here in torch, and the torch paths of ``ops`` against the same: fp32 in
+the interpreter, fp16/bf16 too on a GPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from fluidserve.kernels import activation, fused_norm, ops, reference, rope_cache
+
+DTYPES = [torch.float32] + ([torch.float16, torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def hf_rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """transformers' default rope and apply_rotary_pos_emb on one of q/k: [T, H, D]."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    freqs = positions.float().cpu()[:, None] * inv_freq  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1).to(x.device)
+    cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+    rotated = torch.cat((-x[..., dim // 2:], x[..., :dim // 2]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def tables(positions: torch.Tensor, base: float, head_dim: int, dtype: torch.dtype):
+    """The rope tables engine/layers.RotaryEmbedding builds for a step."""
+    from fluidserve.engine.layers import RotaryEmbedding
+
+    return RotaryEmbedding(SimpleNamespace(rope_theta=base), head_dim).to(positions.device)(positions, dtype)
+
+
+def close(dtype: torch.dtype) -> dict[str, float]:
+    # fp32: a few ulps of reduction order; half types: one rounding of the
+    # output either way (the kernels round once where torch rounds twice).
+    return {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+            torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,dim", [(1, 64), (7, 1024), (5, 80)])
+def test_rms_norm_with_and_without_residual(device, dtype, tokens, dim):
+    gen = torch.Generator().manual_seed(tokens * dim)
+    x = (3 * torch.randn(tokens, dim, generator=gen)).to(device, dtype)
+    residual = torch.randn(tokens, dim, generator=gen).to(device, dtype)
+    weight = (torch.rand(dim, generator=gen) + 0.5).to(device, dtype)
+    expected_sum = x + residual
+
+    out, same = fused_norm.rms_norm(x.clone(), weight, 1e-6)
+    torch.testing.assert_close(out, hf_rms_norm(x, weight, 1e-6), **close(dtype))
+    assert torch.equal(same, x)  # no residual: nothing written
+
+    owned = x.clone()
+    out, total = fused_norm.rms_norm(owned, weight, 1e-6, residual)
+    assert total.data_ptr() == owned.data_ptr()  # the sum is written over x
+    assert torch.equal(total, expected_sum)  # rounded as the dtype's add rounds
+    torch.testing.assert_close(out, hf_rms_norm(expected_sum, weight, 1e-6), **close(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_torch_path_matches_the_reference(dtype):
+    gen = torch.Generator().manual_seed(3)
+    x, residual = torch.randn(6, 96, generator=gen).to(dtype), torch.randn(6, 96, generator=gen).to(dtype)
+    weight = (torch.rand(96, generator=gen) + 0.5).to(dtype)
+    out, total = ops.rms_norm(x.clone(), weight, 1e-5, residual, path="reference")
+    assert torch.equal(total, x + residual)
+    torch.testing.assert_close(out, hf_rms_norm(x + residual, weight, 1e-5), **close(dtype))
+    per_head = ops.rms_norm(x.view(6, 3, 32), weight[:32], 1e-5, path="triton")[0]  # 3-D: the torch path
+    torch.testing.assert_close(per_head, hf_rms_norm(x.view(6, 3, 32), weight[:32], 1e-5), **close(dtype))
+
+
+def paged_cache(num_blocks: int, block_size: int, heads: int, head_dim: int, dtype, device):
+    gen = torch.Generator().manual_seed(11)
+    shape = (num_blocks, block_size, heads, head_dim)
+    return torch.randn(shape, generator=gen).to(device, dtype), torch.randn(shape, generator=gen).to(device, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(4, 2, 16), (8, 1, 128), (3, 3, 80)])
+def test_rope_and_cache_rotates_in_place_and_writes_the_slots(device, dtype, q_heads, kv_heads, head_dim):
+    """q and k views of one fused qkv row, rotated as the reference rotates;
+    rotated k and raw v land in their (shuffled) slots, a -1 slot nowhere."""
+    tokens, block_size, num_blocks = 9, 16, 6
+    gen = torch.Generator().manual_seed(q_heads * head_dim)
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split(
+        [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    positions = torch.tensor([0, 1, 2, 40, 41, 7, 300, 5, 6], device=device)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[4] = -1
+    slots = slots.to(device)
+    key_cache, value_cache = paged_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
+    ref_q, ref_k = hf_rope(q, positions, 10000.0), hf_rope(k, positions, 10000.0)
+    ref_kc, ref_vc = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(ref_k, v, ref_kc, ref_vc, slots)
+
+    rope_cache.rope_and_cache(q, k, v, *tables(positions, 10000.0, head_dim, dtype), key_cache, value_cache, slots)
+    torch.testing.assert_close(q, ref_q, **close(dtype))
+    torch.testing.assert_close(k, ref_k, **close(dtype))
+    torch.testing.assert_close(key_cache, ref_kc, **close(dtype))
+    assert torch.equal(value_cache, ref_vc)  # v is only moved
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0].cpu()] = True
+    untouched = paged_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)[0]
+    assert torch.equal(key_cache.view(-1, kv_heads, head_dim)[~written.to(device)],
+                       untouched.view(-1, kv_heads, head_dim)[~written.to(device)])
+
+
+def test_rope_torch_path_matches_the_reference():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 5, 64, generator=gen)
+    positions = torch.tensor([3, 0, 9, 1000, 2, 17])
+    expected = hf_rope(x, positions, 500000.0)
+    strided = torch.cat([x, x], dim=-1)[..., :64]  # a view with a row stride, as q of a qkv row
+    ops.rope_torch(strided, *tables(positions, 500000.0, 64, torch.float32))
+    torch.testing.assert_close(strided, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,inter", [(1, 64), (5, 1500), (3, 2048)])
+def test_silu_and_mul(device, dtype, tokens, inter):
+    gen = torch.Generator().manual_seed(inter)
+    x = (2 * torch.randn(tokens, 2 * inter, generator=gen)).to(device, dtype)
+    gate, up = x.chunk(2, dim=-1)
+    expected = F.silu(gate) * up  # transformers' LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
+    torch.testing.assert_close(activation.silu_and_mul(x), expected, **close(dtype))
+    torch.testing.assert_close(ops.silu_and_mul(x, path="reference"), expected, atol=0, rtol=0)
+
+
+def test_layouts_are_refused(device):
+    x = torch.randn(4, 64, device=device)
+    with pytest.raises(ValueError, match="weight"):
+        fused_norm.rms_norm(x, torch.ones(32, device=device), 1e-6)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        fused_norm.rms_norm(x.t(), torch.ones(4, device=device), 1e-6)
+    with pytest.raises(ValueError, match="2 \\* intermediate"):
+        activation.silu_and_mul(torch.randn(4, 63, device=device))
+    q = torch.randn(2, 2, 16, device=device)
+    cache = torch.zeros(2, 16, 2, 16, device=device)
+    cos = torch.ones(2, 16, device=device)
+    with pytest.raises(ValueError, match="one slot per token"):
+        rope_cache.rope_and_cache(q, q.clone(), q.clone(), cos, cos, cache, cache.clone(),
+                                  torch.zeros(3, dtype=torch.long, device=device))
