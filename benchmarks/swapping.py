@@ -1,27 +1,33 @@
 """Two-tier KV in the simulator (FastServe §4.2, §6.3): what swapping to host
 memory buys the scheduler when device KV is what binds.
 
-Four variants on the same jobs, same model, same device:
+Variants on the same jobs, same model, same device:
 
 * ``fcfs + recompute``       vLLM's behaviour: arrival order, a preempted job
                              loses its KV and prefills again
 * ``skip-join + recompute``  FastServe's MLFQ without a host tier
-* ``skip-join + reactive``   swaps to host on demand only (evict / bring back
-                             when the scheduler needs it this step)
 * ``skip-join + proactive``  also prefetches swapped KV ahead of its turn and
-                             keeps a reserve of free blocks for arrivals
+                             keeps a reserve of free blocks for arrivals: with
+                             the default flags (no token deadlines), and with
+                             ``--swap-tpot-slack 1.25`` (scheduler/token_gap.py);
+                             ``--slack-sweep`` runs other slacks, and
+                             ``--gap-sweep`` gap bounds (``--max-token-gap-ms``)
+                             of a few full-budget steps, without a slack
 
 Presets are memory-bound on purpose: OPT-13B on a 40 GB A100 (FastServe's
 setting), Llama-3-8B on an H100 with an eighth of its KV pool, Llama-3-8B with
 arXiv-summarization (long prompt) lengths and a quarter of the pool, and the
-Azure code trace on the small pool. The host link moves one block in
+Azure code trace on the small pool; Llama-3-8B with its whole pool on
+ShareGPT is where memory does not bind; ``chat`` is a conversational
+multi-turn mix (``chat_jobs``: long prompts of system prompt and history,
+short answers, bursty arrivals) on the small pool. The host link moves one block in
 ``block bytes / PCIe bandwidth`` (DeviceSpec), copies overlap compute, and a
 step stalls only on swap-ins it reads (see scheduler/simulator.py). Per-step
 swap traffic is bounded as the engine bounds it: the blocks that move in one
 minimum iteration. Load = arrival rate / saturated throughput of fcfs +
 recompute on the same lengths.
 
-    python benchmarks/swapping.py            # ~10 min on 2 cores
+    python benchmarks/swapping.py --loads 0.9 --speeds 1   # a few minutes on 2 cores
     python benchmarks/swapping.py --quick    # smoke run
 
 Writes benchmarks/results/swapping.{json,md}.
@@ -41,27 +47,70 @@ from pathlib import Path
 from fluidserve.scheduler.cost_model import DeviceSpec, ModelShape, RooflineCostModel
 from fluidserve.scheduler.simulator import SimConfig, estimate_capacity, simulate
 from fluidserve.scheduler.workloads import (
-    ARXIV, AZURE_CODE, DEFAULT_WORKLOAD_DIR, SHAREGPT, clamp_lengths, empirical_lengths, load_lengths,
+    ARXIV, AZURE_CODE, DEFAULT_WORKLOAD_DIR, SHAREGPT, Job, clamp_lengths, empirical_lengths, load_lengths,
     load_trace, poisson_arrivals, replay_trace, synthesize,
 )
 
 BLOCK = 16
 HOST_GIB = 64  # FastServe's host memory for swapped KV
 SKIP_JOIN = "skip-join-mlfq"
-VARIANTS = [  # (label, policy, preemption mode, proactive)
-    ("fcfs + recompute", "fcfs", "recompute", False),
-    ("skip-join + recompute", SKIP_JOIN, "recompute", False),
-    ("skip-join + reactive swap", SKIP_JOIN, "swap", False),
-    ("skip-join + proactive swap", SKIP_JOIN, "swap", True),
+# The deadline variant's slack: a request's TPOT within 1.25x of its own pace
+# (the P99 TPOT ratio asked of the scheduler, not a tuned value).
+SLACK = 1.25
+VARIANTS = [  # (label, policy, preemption mode, proactive, swap_tpot_slack; 0: none, the default flags)
+    ("fcfs + recompute", "fcfs", "recompute", False, 0.0),
+    ("skip-join + recompute", SKIP_JOIN, "recompute", False, 0.0),
+    ("skip-join + proactive swap (default flags)", SKIP_JOIN, "swap", True, 0.0),
+    (f"skip-join + proactive swap, slack {SLACK:g}", SKIP_JOIN, "swap", True, SLACK),
 ]
 METRICS = [("mean_norm_latency_s", "mean norm (ms/tok)", 1e3), ("p95_norm_latency_s", "P95 norm (ms/tok)", 1e3),
            ("mean_ttft_s", "mean TTFT (s)", 1.0), ("p99_ttft_s", "P99 TTFT (s)", 1.0),
-           ("p99_tpot_s", "P99 TPOT (ms)", 1e3)]
+           ("p99_tpot_s", "P99 TPOT (ms)", 1e3), ("p99_latency_bound_s", "P99 max token gap (ms)", 1e3)]
 
 
 def opt_13b() -> ModelShape:
     return ModelShape.from_hf_config({"num_hidden_layers": 40, "hidden_size": 5120, "ffn_dim": 20480,
                                       "num_attention_heads": 40, "vocab_size": 50272, "_name_or_path": "opt-13b"})
+
+
+# The conversational mix. Per turn, LMSYS-Chat-1M (Zheng et al. 2023, Table 1)
+# reports 2.0 turns per conversation, 69.5 tokens per user message and 214.5
+# per response on average; the system prompt is an assumption (a deployed
+# assistant's instructions and tool schemas), as are the think time and the
+# burstiness of conversation starts (gamma, CV 3).
+CHAT_TURNS, CHAT_USER, CHAT_REPLY, CHAT_SYSTEM, CHAT_THINK_S, CHAT_CV = 2.0, 69.5, 214.5, 1500, 8.0, 3.0
+
+
+def chat_pairs(num: int = 4000, seed: int = 1) -> list[tuple[int, int]]:
+    """(prompt, output) of the turns of ``num`` conversations, for capacity:
+    each turn's prompt is the system prompt, the history and the new message."""
+    return [(j.prompt_tokens, j.output_tokens) for j in chat_jobs(num, 1.0, seed)]
+
+
+def chat_jobs(num_conversations: int, rate: float, seed: int = 0) -> list[Job]:
+    """Turns of conversations starting at ``rate`` per second (gamma gaps,
+    CV ``CHAT_CV``); turn k comes ``CHAT_THINK_S`` on average after turn k-1
+    (exponential), its prompt all that came before it."""
+    import random
+
+    rng = random.Random(seed)
+    shape = 1.0 / CHAT_CV**2
+    jobs, t = [], 0.0
+    for c in range(num_conversations):
+        turns = 1
+        while rng.random() > 1.0 / CHAT_TURNS:  # geometric, mean CHAT_TURNS
+            turns += 1
+        history, at = CHAT_SYSTEM, t
+        for k in range(turns):
+            user = max(1, round(rng.expovariate(1 / CHAT_USER)))
+            reply = max(1, min(2048, round(rng.expovariate(1 / CHAT_REPLY))))
+            prompt = min(history + user, 8192 - reply)
+            jobs.append(Job(f"c{c}t{k}", at, prompt, reply))
+            history += user + reply
+            at += rng.expovariate(1 / CHAT_THINK_S)
+        t += rng.gammavariate(shape, 1.0 / (rate * shape))
+    jobs.sort(key=lambda j: j.arrival_time)
+    return jobs
 
 
 def presets(wdir: Path) -> dict[str, dict]:
@@ -76,10 +125,15 @@ def presets(wdir: Path) -> dict[str, dict]:
                                              pairs=clamp_lengths(load_lengths(wdir / ARXIV), 8192)),
         "llama-3-8b/h100 pool/8 azure-code": dict(model=ModelShape.llama3_8b(), device=DeviceSpec.h100(),
                                                   pool=1 / 8, trace=load_trace(wdir / AZURE_CODE)),
+        "llama-3-8b/h100 sharegpt (memory does not bind)": dict(
+            model=ModelShape.llama3_8b(), device=DeviceSpec.h100(), pool=1.0, pairs=clamp_lengths(sharegpt, 8192)),
+        "llama-3-8b/h100 pool/8 chat": dict(model=ModelShape.llama3_8b(), device=DeviceSpec.h100(), pool=1 / 8,
+                                            pairs=chat_pairs(), chat=True),
     }
 
 
-def sim_config(cm: RooflineCostModel, pool: float, mode: str, proactive: bool) -> SimConfig:
+def sim_config(cm: RooflineCostModel, pool: float, mode: str, proactive: bool, slack: float = 0.0,
+               gap_ms: float | None = None) -> SimConfig:
     block_bytes = BLOCK * cm.model.kv_bytes_per_token
     per_block = cm.transfer_time(block_bytes)
     swap = mode == "swap"
@@ -88,18 +142,30 @@ def sim_config(cm: RooflineCostModel, pool: float, mode: str, proactive: bool) -
         max_num_batched_tokens=2048, max_num_seqs=256,
         num_host_blocks=HOST_GIB * 2**30 // block_bytes if swap else 0,
         preemption_mode=mode, proactive_swap=proactive, block_transfer_time=per_block,
-        max_swap_blocks_per_step=max(1, int(cm.min_iteration_time() / per_block)),
+        max_swap_blocks_per_step=max(1, int(cm.min_iteration_time() / per_block)), swap_tpot_slack=slack,
+        max_token_gap_ms=gap_ms,
     )
+
+
+def gap_bound_ms(cm: RooflineCostModel, steps: float | None) -> float | None:
+    """A gap bound of ``steps`` full-budget steps (the longest step the
+    scheduler makes: a bound any shorter could not be kept even without
+    eviction)."""
+    return None if steps is None else steps * cm.prefill_time(2048) * 1e3
 
 
 def _run(task: dict) -> dict:
     cm = RooflineCostModel(task["model"], task["device"])
-    cfg = sim_config(cm, task["pool"], task["mode"], task["proactive"])
+    cfg = sim_config(cm, task["pool"], task["mode"], task["proactive"], task["slack"],
+                     gap_bound_ms(cm, task.get("gap_steps")))
     t0 = time.perf_counter()
     res = simulate(task["jobs"], task["policy"], cm, cfg)
     s = res.summary()
     row = {"preset": task["preset"], "x": task["x"], "variant": task["label"], "num_kv_blocks": cfg.num_kv_blocks,
-           "num_host_blocks": cfg.num_host_blocks, "max_swap_blocks_per_step": cfg.max_swap_blocks_per_step, **s}
+           "num_host_blocks": cfg.num_host_blocks, "max_swap_blocks_per_step": cfg.max_swap_blocks_per_step,
+           "swap_tpot_slack": task["slack"], "max_token_gap_ms": cfg.max_token_gap_ms, **s}
+    if cfg.max_token_gap_ms is not None:  # requests whose longest gap broke the bound
+        row["num_over_gap_bound"] = sum(r.max_token_gap * 1e3 > cfg.max_token_gap_ms for r in res.records)
     row["swap_gib"] = s["swap_blocks"] * BLOCK * cm.model.kv_bytes_per_token / 2**30
     row["stall_share"] = s["swap_stall_s"] / res.makespan if res.makespan else 0.0
     row["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -117,36 +183,107 @@ def build_tasks(args) -> tuple[list[dict], dict]:
             base = sim_config(cm, p["pool"], "recompute", False)
             cap = estimate_capacity(p["pairs"], cm, base, num_jobs=args.capacity_jobs)
             capacity[name] = cap
-            points = [(load, synthesize(args.num_jobs, empirical_lengths(p["pairs"]), poisson_arrivals(load * cap),
-                                        seed=args.seed)) for load in args.loads]
+            if p.get("chat"):  # conversations start at a rate that makes ``load`` turns per second
+                per_conv = len(p["pairs"]) / 4000
+                points = [(load, chat_jobs(max(1, round(args.num_jobs / per_conv)), load * cap / per_conv,
+                                           seed=args.seed)) for load in args.loads]
+            else:
+                points = [(load, synthesize(args.num_jobs, empirical_lengths(p["pairs"]),
+                                            poisson_arrivals(load * cap), seed=args.seed)) for load in args.loads]
+        top = max(x for x, _ in points)
         for x, jobs in points:
-            for label, policy, mode, proactive in VARIANTS:
+            variants = list(VARIANTS)
+            if x == top:
+                variants += [(f"skip-join + proactive swap, slack {k:g}", SKIP_JOIN, "swap", True, k)
+                             for k in args.slack_sweep if k != SLACK]
+            for label, policy, mode, proactive, slack in variants:
                 tasks.append({"preset": name, "x": x, "label": label, "policy": policy, "mode": mode,
-                              "proactive": proactive, "jobs": jobs, "model": p["model"], "device": p["device"],
-                              "pool": p["pool"]})
+                              "proactive": proactive, "slack": slack, "jobs": jobs, "model": p["model"],
+                              "device": p["device"], "pool": p["pool"]})
+            for k in args.gap_sweep if x == top else ():
+                label = f"skip-join + proactive swap, gap bound {k:g} steps ({gap_bound_ms(cm, k):.0f} ms)"
+                tasks.append({"preset": name, "x": x, "label": label,
+                              "policy": SKIP_JOIN, "mode": "swap", "proactive": True, "slack": 0.0,
+                              "gap_steps": k, "jobs": jobs, "model": p["model"],
+                              "device": p["device"], "pool": p["pool"]})
     return tasks, capacity
 
 
+# Presets where memory does not bind, or prompts do (the targets there: no
+# figure worse than fcfs + recompute); on the rest it binds.
+NOT_MEMORY_BOUND = ("memory does not bind", "arxiv")
+DEPENDS = """What the figures depend on: the pool fraction (how often memory binds at
+all: with the whole pool only bursts make the scheduler evict), the host
+link's speed (a round trip costs ``2 * blocks * block bytes / PCIe
+bandwidth``, and the per-step swap allowance is what the link moves in one
+minimum iteration: a slower link means fewer, costlier evictions and more
+stall), the load (the queue that skip-join lets short jobs pass) and, for
+the deadline variants, the slack: a streaming request may be away for
+``(slack - 1)`` steps per token it has streamed, so a larger slack buys the
+scheduler more evictions and costs the tail more. ``P99 max token gap`` is
+each request's longest wait between two tokens (its latency bound).
+"""
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """At the highest load or speed of each preset, the two swap variants
+    against fcfs + recompute, and whether each figure meets its target:
+    where memory binds, mean normalized latency >= 2x, P99 TTFT no worse,
+    P99 TPOT <= 1.25x; where it does not (and on arXiv), no figure worse;
+    swap stall under 3% of the makespan everywhere."""
+    out = ["## Targets at the highest load (or speed)", "",
+           "| preset | variant | mean norm (fcfs / this) | P99 TTFT (fcfs / this) | P99 TPOT (this / fcfs) "
+           "| swapped GiB | stall / makespan | met |", "|---|---|---|---|---|---|---|---|"]
+    swap_variants = [v[0] for v in VARIANTS if v[2] == "swap"]
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        sub = [r for r in rows if r["preset"] == preset]
+        top = max(r["x"] for r in sub)
+        base = next(r for r in sub if r["x"] == top and r["variant"] == VARIANTS[0][0])
+        bound = not any(k in preset for k in NOT_MEMORY_BOUND)
+        for r in sub:
+            if r["x"] != top or r["variant"] not in swap_variants:
+                continue
+            norm = base["mean_norm_latency_s"] / r["mean_norm_latency_s"]
+            ttft = base["p99_ttft_s"] / r["p99_ttft_s"]
+            tpot = r["p99_tpot_s"] / base["p99_tpot_s"]
+            checks = {"mean": norm >= (2.0 if bound else 1.0), "TTFT": ttft >= 1.0,
+                      "TPOT": tpot <= (1.25 if bound else 1.0), "stall": r["stall_share"] < 0.03}
+            missed = [k for k, ok in checks.items() if not ok]
+            out.append(f"| {preset} | {r['variant']} | {norm:.2f}x | {ttft:.2f}x | {tpot:.2f}x | "
+                       f"{r['swap_gib']:.0f} | {100 * r['stall_share']:.2f}% | "
+                       + ("all" if not missed else "not " + ", ".join(missed)) + " |")
+    return out + ["", DEPENDS]
+
+
 def to_markdown(rows: list[dict], capacity: dict, meta: dict) -> str:
-    out = ["# Two-tier KV in the simulator: recompute vs reactive vs proactive swapping", "",
+    out = ["# Two-tier KV in the simulator: recompute vs proactive swapping, with and without token deadlines", "",
            f"Roofline cost model; block {BLOCK} tokens; host pool {HOST_GIB} GiB; token budget 2048, request cap 256; "
            f"{meta['num_jobs']} jobs per synthetic run (trace: first {meta['trace_jobs']}), seed {meta['seed']}. "
            "Load = arrival rate / saturated fcfs + recompute throughput: "
            + ", ".join(f"{k} {v:.2f} req/s" for k, v in capacity.items()) + ".",
-           f"Command: `{meta['command']}` ({meta['wall_s']:.0f} s wall).", ""]
+           f"Command: `{meta['command']}` ({meta['wall_s']:.0f} s wall).",
+           f"Chat mix (`chat_jobs`): conversations start as a gamma process (CV {CHAT_CV:g}); turns per "
+           f"conversation geometric with mean {CHAT_TURNS:g}, user messages and replies exponential with means "
+           f"{CHAT_USER:g} and {CHAT_REPLY:g} tokens (LMSYS-Chat-1M, Zheng et al. 2023); each turn's prompt is a "
+           f"{CHAT_SYSTEM}-token system prompt plus the whole history; turns {CHAT_THINK_S:g} s apart on average "
+           "(the system prompt, think time and CV are assumptions).", ""]
+    out += targets(rows)
     for preset in dict.fromkeys(r["preset"] for r in rows):
         sub = [r for r in rows if r["preset"] == preset]
         xname = "speed" if "azure" in preset else "load"
         out += [f"## {preset} ({sub[0]['num_kv_blocks']} device blocks)", "",
                 f"| {xname} | variant | " + " | ".join(m[1] for m in METRICS)
-                + " | recomputes | swap-outs | swapped GiB | stall / makespan | vs fcfs+recompute (mean norm) |",
-                "|" + "---|" * (len(METRICS) + 7)]
-        base = {r["x"]: r["mean_norm_latency_s"] for r in sub if r["variant"] == VARIANTS[0][0]}
+                + " | recomputes | swap-outs | swapped GiB | stall / makespan | requests over the gap bound "
+                  "| fcfs+recompute / this: mean norm | P99 TTFT | this / fcfs+recompute: P99 TPOT |",
+                "|" + "---|" * (len(METRICS) + 10)]
+        base = {r["x"]: r for r in sub if r["variant"] == VARIANTS[0][0]}
         for r in sub:
+            b = base[r["x"]]
             vals = " | ".join(f"{r[k] * s:.3g}" for k, _, s in METRICS)
             out.append(f"| {r['x']:g} | {r['variant']} | {vals} | {r['num_recomputes']} | {r['num_swap_outs']} | "
-                       f"{r['swap_gib']:.1f} | {100 * r['stall_share']:.2f}% | "
-                       f"{base[r['x']] / r['mean_norm_latency_s']:.2f}x |")
+                       f"{r['swap_gib']:.1f} | {100 * r['stall_share']:.2f}% | {r.get('num_over_gap_bound', '-')} | "
+                       f"{b['mean_norm_latency_s'] / r['mean_norm_latency_s']:.2f}x | "
+                       f"{b['p99_ttft_s'] / r['p99_ttft_s']:.2f}x | {r['p99_tpot_s'] / b['p99_tpot_s']:.2f}x |")
         out.append("")
     return "\n".join(out)
 
@@ -163,7 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--slack-sweep", default="1.1,1.5,2,4",
+                    help="also run proactive swap at these --swap-tpot-slack values at the highest load or speed")
+    ap.add_argument("--gap-sweep", default="2,8",
+                    help="also run proactive swap with --max-token-gap-ms of these many full-budget steps "
+                         "(no slack) at the highest load or speed")
     args = ap.parse_args(argv)
+    args.slack_sweep = [float(x) for x in args.slack_sweep.split(",") if x]
+    args.gap_sweep = [float(x) for x in args.gap_sweep.split(",") if x]
     if args.quick:
         args.num_jobs, args.trace_jobs, args.capacity_jobs, args.loads, args.speeds = 150, 300, 120, "0.9", "1"
     args.loads = [float(x) for x in args.loads.split(",")]

@@ -68,6 +68,18 @@ class SchedulerConfig:
               "so that an online arrival's wait at a safepoint stays within the same share of its own prefill; "
               "explicit --online-*-slo-ms flags replace it; 0 turns it off (default: none; `fluidserve serve "
               "--data-dir` takes 1.2 unless an SLO is given)", metavar="X")
+    # The token-gap tail (scheduler/token_gap.py): a streaming request is
+    # evicted only while its deadline leaves room for the round trip, and
+    # runs ahead of its queue when skipping it would miss the deadline.
+    swap_tpot_slack: float | None = setting(
+        None, "swap mode: a request that has streamed tokens is evicted (or skipped) only while its time per output "
+              "token stays within this multiple of its own pace (one token a step), counting the time it will be "
+              "away; one that would exceed it runs ahead of its queue; --online-tpot-slo-ms, where set, is an "
+              "absolute budget instead; 0 turns it off (default: none)", metavar="X")
+    max_token_gap_ms: float | None = setting(
+        None, "swap mode: also bound each wait between two tokens of a streaming online request: one whose next "
+              "token would come later than this after its last is not evicted and runs ahead of its queue "
+              "(default: no bound)", metavar="MS")
     preemption_safepoint_layers: float = setting(
         DEFAULT_SAFEPOINT_LAYERS,
         "co-serving (ConServe): an offline-only step checks for an interrupt every K decoder layers, a whole or "
@@ -105,11 +117,16 @@ class SchedulerConfig:
             ("online_ttft_slo_ms", self.online_ttft_slo_ms is None or self.online_ttft_slo_ms > 0, "must be positive"),
             ("online_slowdown_cap", self.online_slowdown_cap in (None, 0) or self.online_slowdown_cap > 1,
              "must be above 1 (or 0: off)"),
+            ("swap_tpot_slack", self.swap_tpot_slack in (None, 0) or self.swap_tpot_slack >= 1,
+             "must be at least 1 (or 0: off)"),
+            ("max_token_gap_ms", self.max_token_gap_ms is None or self.max_token_gap_ms > 0, "must be positive"),
             ("preemption_safepoint_layers", k >= 0 and float(2 * k).is_integer(),
              "must be 0 (off) or a positive whole or half number of layers"),
             ("kv_checkpoint_threshold", threshold is None or 0.0 <= threshold <= 1.0, "must be in [0, 1]"),
         ])
         if threshold is not None and threshold >= 1.0:  # usage never passes it: off
             object.__setattr__(self, "kv_checkpoint_threshold", None)
+        if self.swap_tpot_slack == 0:
+            object.__setattr__(self, "swap_tpot_slack", None)
         if self.online_slowdown_cap == 0:
             object.__setattr__(self, "online_slowdown_cap", None)

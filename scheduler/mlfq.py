@@ -22,6 +22,7 @@ does not fit the step is preempted for that iteration.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from fluidserve.scheduler.cost_model import CostModel
@@ -148,6 +149,14 @@ class MLFQPolicy(Policy):
         if todo > 1:
             return self.cost.prefill_time(todo, done)
         return self.cost.decode_time(1, seq.num_tokens)
+
+    def quantum_tokens(self, seq: SeqState) -> int:
+        # The quantum of its level over what one decode of it costs alone:
+        # MLFQ's own guess of how long the job keeps running (the quantum
+        # grows with the service it has had), in steps, since a decode rides
+        # in every one.
+        step = self.cost.decode_time(1, seq.num_tokens)
+        return max(1, math.ceil(self.quanta[seq.policy_state["mlfq"].level] / step)) if step > 0 else 1
 
     # -- events -------------------------------------------------------------
     def on_arrival(self, seq: SeqState, now: float) -> None:

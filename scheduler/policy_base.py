@@ -64,6 +64,15 @@ class Policy(ABC):
         ranked ahead."""
         return [float(i // batch) for i in range(len(ranked))]
 
+    def quantum_tokens(self, seq: SeqState) -> int:
+        """Decode steps that make a quantum's worth of service for ``seq``:
+        the policy's guess of how long it keeps running once it runs. A
+        request swapped in is not evicted again for a higher-priority one
+        before it has run them (or the copies there and back bought
+        nothing), and a streaming victim must afford to be away as long as
+        its requester's. Without quanta, one step."""
+        return 1
+
     def queue_label(self, seq: SeqState) -> str:
         """The queue ``seq`` waits in, for metrics ("all" for single-queue policies)."""
         return "all"

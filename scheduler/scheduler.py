@@ -25,6 +25,15 @@ pool exists):
   threshold, the offline requests a step runs copy their newly full blocks
   to the host within the swap budget, so evicting one later copies (almost)
   nothing and frees its device blocks at once.
+* Token deadlines (scheduler/token_gap.py, off by default): with
+  ``--swap-tpot-slack``, ``--max-token-gap-ms`` or an online TPOT SLO, a
+  streaming request is evicted only when its deadline leaves room for the
+  round trip and for staying away until its requester could give way in
+  turn; one that would miss its deadline if skipped runs first (earliest
+  deadline first) and may evict requests with slack; a request with no
+  token out yet takes only device blocks that streaming requests away on
+  the host, due soon, do not need back; and a request swapped in is not
+  evicted again for a higher-priority one before it has run its quantum.
 * Recompute (discard the KV, prefill again later) only when the host pool is
   full, counted apart. ``preemption_mode="recompute"`` keeps vLLM's behaviour
   as a baseline: no host tier, a waiting request takes only free blocks, and
@@ -52,6 +61,7 @@ from fluidserve.scheduler.plan import PausedStep, ScheduledSeq, StepOutcome, Ste
 from fluidserve.scheduler.config import SchedulerConfig
 from fluidserve.scheduler.policies import Policy, make_policy
 from fluidserve.scheduler.request_state import RequestClass, SeqState, SeqStatus
+from fluidserve.scheduler.token_gap import INF, TokenDeadlines
 
 _RESERVE_WINDOW_STEPS = 16  # arrivals remembered for the reserve
 _RESERVE_CAP = 0.25  # the reserve never exceeds this share of the device pool
@@ -98,6 +108,17 @@ class _Step:
         # as the step began (see Scheduler._decodes_below).
         self.decodes_below: list[int] | None = None
         self.cursor = 0
+        # The first num_urgent of ``ranked`` run ahead of their queue to meet
+        # their token deadlines: they may evict any request with slack.
+        self.num_urgent = 0
+        # Per ``spare_unrun``: the fewest steps away a victim search found no
+        # one for; asking for as many or more finds no one either.
+        self.exhausted = [INF, INF]
+        # Device blocks that streaming requests away from the device need
+        # back before a request admitted now could give way to them: one
+        # with no token out yet takes only blocks beyond these.
+        self.owed = 0
+        self.owing: dict[str, int] = {}  # request id -> its blocks in ``owed``
         self.offline_cursor: int | None = None  # next offline victim, walking up from the bottom
 
 
@@ -127,7 +148,17 @@ class Scheduler:
         self._swap_refill = float("inf") if per_step is None else float(per_step)
         self._swap_bucket = self._swap_refill * _SWAP_BUCKET_STEPS
         self._swap_credit = self._swap_bucket
-        self._unrun: set[str] = set()  # swapped in, not run since
+        # Swapped in, and the computed-token count it must reach before it
+        # may be evicted again for a request of higher priority (or the copy
+        # there and back bought nothing).
+        self._guard: dict[str, int] = {}
+        min_iter = getattr(self.policy.cost, "min_iteration_time", None)
+        min_iter = min_iter() if min_iter is not None else self.policy.cost.decode_time(1, 1)
+        # Seconds one block takes over the host link: the engine and the
+        # simulator size the per-step allowance as what moves in one minimum iteration.
+        self._block_time = 0.0 if per_step is None else min_iter / per_step
+        self.deadlines = TokenDeadlines.from_config(config, min_iter) if self.swap else None
+        self.num_deadline_promotions = 0  # requests run ahead of their queue to meet a token deadline
         # Layer-wise preemption keeps an interrupted step's state on the worker:
         # the plan waits here and its requests are held (not run, not evicted)
         # until it resumes.
@@ -208,7 +239,9 @@ class Scheduler:
         self._num_online -= seq.klass is RequestClass.ONLINE
         if request_id in self.held:  # its blocks are freed: the paused step must not write them
             self._drop_pause()
-        self._unrun.discard(request_id)
+        self._guard.pop(request_id, None)
+        if self.deadlines is not None:
+            self.deadlines.forget(request_id)
         self.kv.free(request_id)
         self.policy.on_finish(seq)
 
@@ -283,6 +316,9 @@ class Scheduler:
         cfg = self.config
         ranked = self.ranked(now)
         step = _Step(StepPlan(), ranked, now, self.held)
+        if self.deadlines is not None and self.deadlines.first_token:
+            self._deadline_first(step)
+            ranked = step.ranked
         if self.budget is not None:
             self.budget.begin_step()
         plan = step.plan
@@ -387,10 +423,12 @@ class Scheduler:
             if room is None:  # nothing below it holds KV: give way to the requests above
                 self._evict(seq, step, allow_recompute=True)
             return bool(room) and self.kv.allocate(rid, num_tokens)
-        above = self._priority(seq)
+        above = self._priority(seq) if pos >= step.num_urgent else None
         if seq.status is SeqStatus.SWAPPED:
             n = self.kv.num_blocks_of(rid)
             need = max(n, self.kv.blocks_for(num_tokens)) + self._watermark_blocks
+            if not seq.num_output_tokens:
+                need += step.owed
             if not self._can_move(n) or not self._room(need, pos, step, allow_recompute=False, above=above,
                                                        online=seq.klass is RequestClass.ONLINE):
                 return False
@@ -416,9 +454,12 @@ class Scheduler:
         reserve = self._watermark_blocks if self.kv.num_used_blocks else 0
         if self.kv.num_used_blocks and seq.klass is RequestClass.OFFLINE and self.swap and self.config.proactive_swap:
             reserve = self.reserve_blocks()
+        if not seq.num_output_tokens:
+            reserve += step.owed
         if need + reserve > self.kv.num_free_blocks and not self.swap:
             return False
-        if not self._room(need + reserve, pos, step, allow_recompute=False, above=self._priority(seq),
+        above = self._priority(seq) if pos >= step.num_urgent else None
+        if not self._room(need + reserve, pos, step, allow_recompute=False, above=above,
                           online=seq.klass is RequestClass.ONLINE):
             return False
         # A prefix found on the host comes back by copy, within the swap budget.
@@ -459,8 +500,23 @@ class Scheduler:
                     self._drop_pause()
                     continue
                 self._evict_now(victim, step)
+        # Under token deadlines a streaming victim must afford the round trip
+        # and to stay away until the requester could give way in turn: its
+        # quantum, and the steps it takes to earn slack itself.
+        away = -1.0
         while self.kv.num_free_blocks + step.freeing < need:
-            victim = self._next_victim(pos, step, spare_unrun=above is not None)
+            if away < 0:
+                away = (max(self.policy.quantum_tokens(step.ranked[pos]), self.deadlines.steps_to_slack())
+                        if self.deadlines is not None else 0.0)
+            victim = self._next_victim(pos, step, spare_unrun=True, away=away)
+            if victim is None and above is None:
+                # A request that must run now (it grows, or its deadline is
+                # here) takes one that can afford just the round trip, and
+                # one that grows takes a request swapped in before its
+                # quantum rather than give its own place up.
+                victim = self._next_victim(pos, step, spare_unrun=True)
+                if victim is None and pos >= step.num_urgent:
+                    victim = self._next_victim(pos, step, spare_unrun=False)
             if victim is None:
                 return None if above is None else False
             if above is not None and self._priority(victim) <= above:
@@ -483,11 +539,15 @@ class Scheduler:
     def _priority(self, seq: SeqState) -> tuple[bool, float]:
         return seq.klass is RequestClass.OFFLINE, self.policy.priority(seq)
 
-    def _next_victim(self, pos: int, step: _Step, spare_unrun: bool) -> SeqState | None:
+    def _next_victim(self, pos: int, step: _Step, spare_unrun: bool, away: float = 0.0) -> SeqState | None:
         """The resident request below ``pos`` to evict next, largest ENST
-        first. ``spare_unrun``: not one whose KV came back from the host and
-        has not run since (evicting it would waste both copies); a request
-        that must grow to keep running may still take it."""
+        first, never a streaming one whose token deadline leaves no room for
+        the round trip and ``away`` more steps. ``spare_unrun``: not one
+        whose KV came back from the host and has not run a quantum's worth
+        since (evicting it would waste both copies); a request that must
+        grow to keep running may still take it."""
+        if away >= step.exhausted[spare_unrun]:
+            return None
         if step.victims is None:
             if self.swap:
                 enst = self._enst(step)
@@ -504,12 +564,72 @@ class Scheduler:
             j = victims[i]
             s = step.ranked[j]
             if j > pos and self.kv.holds(s.request_id) and s.request_id not in step.moved:
-                if not (spare_unrun and s.request_id in self._unrun):
+                if not (spare_unrun and self._guarded(s)) and self._can_be_away(s, step.now, away):
                     return s
             elif i == step.cursor:
                 step.cursor += 1
             i += 1
+        step.exhausted[spare_unrun] = away
         return None
+
+    def _guarded(self, seq: SeqState) -> bool:
+        g = self._guard.get(seq.request_id)
+        return g is not None and seq.num_computed_tokens < g
+
+    def _can_be_away(self, seq: SeqState, now: float, away: float) -> bool:
+        """Whether ``seq``, evicted now, still meets its token deadline: its
+        copy out and back, the steps of the round trip (this one, the one
+        its copy back overlaps, the one that runs it) and ``away`` more."""
+        d = self.deadlines
+        if d is None:
+            return True
+        due = d.deadline(seq, now)
+        if due == INF:
+            return True
+        copy = 2 * self.kv.num_blocks_of(seq.request_id) * self._block_time
+        return now + copy + (3 + away) * d.step_time <= due
+
+    def _deadline_first(self, step: _Step) -> None:
+        """Move the streaming requests that would miss their token deadline
+        if skipped this step to the front of ``step.ranked``, earliest
+        deadline first, and count what those away from the device, due
+        before a request admitted now could be evicted, need back
+        (``step.owed``). Skipped now, a resident request's next token comes
+        at the end of the next step at best; a swapped one (or one waiting
+        again after a recompute) also needs its copy back, which overlaps a
+        step."""
+        d, now = self.deadlines, step.now
+        est, seqs = d.step_time, self.seqs
+        horizon = now + (3 + d.steps_to_slack()) * est
+        resident, arriving = SeqStatus.RUNNING, SeqStatus.SWAPPING_IN
+        urgent: list[tuple[float, int, SeqState]] = []
+        for rid in d.first_token:
+            seq = seqs.get(rid)
+            if seq is None:
+                continue
+            due = d.deadline(seq, now)
+            if due == INF:
+                continue
+            status = seq.status
+            if status is resident or status is arriving:
+                late = now + 2 * est > due
+            else:
+                blocks = (self.kv.num_blocks_of(rid) if status is SeqStatus.SWAPPED
+                          else self.kv.blocks_for(seq.num_tokens))
+                late = now + 3 * est + blocks * self._block_time > due
+                if due < horizon:
+                    step.owing[rid] = blocks
+                    step.owed += blocks
+            if late:
+                urgent.append((due, seq.arrival_index, seq))
+        if not urgent:
+            return
+        urgent.sort(key=lambda u: (u[0], u[1]))
+        self.num_deadline_promotions += len(urgent)
+        first = [u[2] for u in urgent]
+        ids = {id(s) for s in first}
+        step.ranked = first + [s for s in step.ranked if id(s) not in ids]
+        step.num_urgent = len(first)
 
     def _next_offline_victim(self, step: _Step) -> SeqState | None:
         """The lowest-ranked offline request still holding device KV (offline
@@ -573,7 +693,7 @@ class Scheduler:
         step.plan.swapped_out.append(seq.request_id)
         step.moved.add(seq.request_id)
         seq.status = SeqStatus.SWAPPED
-        self._unrun.discard(seq.request_id)
+        self._guard.pop(seq.request_id, None)
         seq.num_preemptions += 1
         self.counters.num_swap_outs += 1
 
@@ -585,12 +705,18 @@ class Scheduler:
         self._swap_credit -= len(moves)
         step.moved.add(rid)
         seq.status = status
-        self._unrun.add(rid)
+        # Under token deadlines a victim must afford a long absence, so the
+        # copies are worth a quantum; without them one step, as the eviction
+        # order alone decides (a longer guard there moved more KV, not less).
+        self._guard[rid] = seq.num_tokens - 1 + (self.policy.quantum_tokens(seq) if self.deadlines is not None else 1)
+        if rid in step.owing:
+            step.owed -= step.owing.pop(rid)
         self.counters.num_swap_ins += 1
         self.counters.swap_in_blocks += len(moves)
 
     def _recompute(self, seq: SeqState, step: _Step) -> None:
         step.moved.add(seq.request_id)
+        self._guard.pop(seq.request_id, None)
         self.kv.free(seq.request_id)
         self._rewind(seq, 0)
         seq.status = SeqStatus.WAITING
@@ -697,7 +823,9 @@ class Scheduler:
                 return
             seq = step.ranked[j]
             rid = seq.request_id
-            if rid in running or rid in step.moved or rid in self._unrun or not self.kv.holds(rid):
+            if rid in running or rid in step.moved or self._guarded(seq) or not self.kv.holds(rid):
+                continue
+            if self.deadlines is not None and not self._can_be_away(seq, step.now, self.policy.quantum_tokens(seq)):
                 continue
             if not offline_copies and seq.klass is RequestClass.OFFLINE:
                 continue
@@ -729,7 +857,10 @@ class Scheduler:
                 seq.status = SeqStatus.RUNNING
         now, step_time = outcome.now, outcome.step_time
         bs = self.kv.block_size
-        get, unrun, running = self.seqs.get, self._unrun, SeqStatus.RUNNING
+        get, guard, running = self.seqs.get, self._guard, SeqStatus.RUNNING
+        deadlines = self.deadlines
+        if deadlines is not None and plan.scheduled and not outcome.abandoned:
+            deadlines.observe(step_time)
         step_done = self.policy.on_step_done
         # An abandoned step (layer-wise preemption) computed nothing: its
         # tokens run again later and its blocks stay out of the prefix cache.
@@ -740,13 +871,17 @@ class Scheduler:
             n = item.num_tokens
             done = seq.num_computed_tokens = seq.num_computed_tokens + n
             seq.status = running
-            if unrun:
-                unrun.discard(item.request_id)
+            if guard:
+                g = guard.get(item.request_id)
+                if g is not None and done >= g:
+                    del guard[item.request_id]
             # Index the blocks this step filled (most decode steps fill none).
             if seq.block_keys and done // bs != (done - n) // bs:
                 self.kv.cache_blocks(seq.request_id, seq.block_keys, done)
             if item.samples:
                 seq.num_output_tokens += 1
+                if deadlines is not None and seq.klass is not RequestClass.OFFLINE:
+                    deadlines.note_token(seq, now)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             seq.last_scheduled_time = now

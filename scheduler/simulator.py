@@ -9,7 +9,9 @@ It performs exactly the engine's calls, in the engine's order:
     scheduler.update_from_output(plan, StepOutcome(..., finished=[jobs with all their tokens]))
 
 so no policy and no swap decision has a second implementation here. Time
-advances only by steps and by idle jumps to the next arrival.
+advances only by steps and by idle jumps to the next arrival. ``run`` is
+``step`` until no work is left; ``scheduler/cluster.py`` calls ``step`` and
+``add_job`` itself to run several replicas on one clock.
 
 A copy engine models the KV moves (FastServe §4.2): one host<->device link
 that moves ``block_transfer_time`` seconds per block, copies serialised in
@@ -69,6 +71,7 @@ class JobRecord:
     max_token_gap: float = 0.0  # latency bound: longest wait between two tokens
     num_emitted: int = 0  # tokens sampled for it (must end equal to output_tokens)
     num_preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache (either tier)
 
     @property
     def e2e(self) -> float:
@@ -181,87 +184,123 @@ class Simulator:
                                           safepoint_interval_share=self.safepoint_share)
         self.kv = self.scheduler.kv
         self.policy_name = policy
+        self._start_run()
 
     def run(self, max_steps: int | None = None) -> SimResult:
-        sched, kv, cfg = self.scheduler, self.kv, self.config
-        records = {j.request_id: JobRecord(j.request_id, j.arrival_time, j.prompt_tokens, j.output_tokens)
-                   for j in self.jobs}
-        if len(records) != len(self.jobs):
-            raise ValueError("duplicate request ids in the workload")
-        now, busy, steps, nxt = 0.0, 0.0, 0, 0
-        copies_done, swap_stall, abandoned_steps = 0.0, 0.0, 0
-        paused_done = 0.0  # share of the paused step's compute done before it stopped
-        steps_log: list[tuple[float, float, int, int]] = []
-        jobs = self.jobs
-        while nxt < len(jobs) or sched.has_unfinished():
-            while nxt < len(jobs) and jobs[nxt].arrival_time <= now:
-                j = jobs[nxt]
-                keys = sched.prompt_block_keys(j.token_ids())
-                sched.add(SeqState(j.request_id, j.prompt_tokens, j.output_tokens, j.arrival_time, j.klass,
-                                   block_keys=keys), now)
-                nxt += 1
-            if not sched.has_unfinished():
-                now = jobs[nxt].arrival_time  # idle until the next arrival
-                continue
-            plan = sched.schedule(now)
-            if plan.is_empty:
-                if nxt < len(jobs):
-                    now = max(now, jobs[nxt].arrival_time)
-                    continue
-                raise RuntimeError(f"scheduler made no progress at t={now:.3f} with "
-                                   f"{len(sched.seqs)} requests left")
-            start = now
-            wait_until = copies_done  # every copy of the previous step
-            copy_free = max(now, copies_done) + cfg.block_transfer_time * (len(plan.swap_out) + len(plan.swap_in))
-            running = {item.request_id for item in plan.scheduled}
-            if any(rid in running for rid in plan.swapped_in):
-                wait_until = copy_free  # reactive swap-in: this step reads it
-            copies_done = copy_free
-            stall = max(0.0, wait_until - now) if plan.scheduled else 0.0
-            full = compute = self.cost.step_time(*plan_shape(plan, sched.seqs))
-            if plan.resumes:  # only the layers after the safepoint it stopped at
-                compute = full * (1.0 - paused_done)
-            cut = self._safepoint_cut(plan, nxt, now + stall, compute, full)
-            abandoned = cut is not None
-            if abandoned:  # the work up to the safepoint is kept (paused) or thrown away
-                paused_done = 1.0 - (now + stall + compute - cut) / full
-                busy += cut - (now + stall)
-                now = cut
-                abandoned_steps += 1
-            elif plan.scheduled:
-                now += stall + compute
-                busy += compute
-                offline = sum(i.num_tokens for i in plan.scheduled
-                              if (i.request_id in self.tracked if self.tracked is not None
-                                  else sched.seqs[i.request_id].klass is RequestClass.OFFLINE))
-                steps_log.append((now, compute, plan.num_batched_tokens, offline))
-            else:  # only copies: time passes until they are done
-                now = max(now, copy_free)
-            swap_stall += stall
-            steps += 1
-            finished = []
-            for item in () if abandoned else plan.scheduled:
-                if not item.samples:
-                    continue
-                seq = sched.seqs[item.request_id]
-                rec = records[item.request_id]
-                rec.num_emitted += 1
-                if rec.first_token_time is None:
-                    rec.first_token_time = now
-                else:
-                    rec.max_token_gap = max(rec.max_token_gap, now - rec.last_token_time)
-                rec.last_token_time = now
-                if seq.num_output_tokens + 1 >= seq.max_new_tokens:
-                    rec.finish_time = now
-                    rec.num_preemptions = seq.num_preemptions
-                    finished.append(item.request_id)
-            sched.update_from_output(plan, StepOutcome(step_time=now - start, now=now, finished=finished,
-                                                       abandoned=abandoned,
-                                                       paused=abandoned and cfg.resume_paused_steps))
-            if cfg.check_integrity:
-                kv.check_integrity()
-            if max_steps is not None and steps >= max_steps:
+        while self.has_work():
+            if self.step() and max_steps is not None and self.num_steps >= max_steps:
                 break
+        return self.result()
+
+    # -- one step at a time (scheduler/cluster.py drives several replicas so) --
+    def _start_run(self) -> None:
+        self.records = {j.request_id: JobRecord(j.request_id, j.arrival_time, j.prompt_tokens, j.output_tokens)
+                        for j in self.jobs}
+        if len(self.records) != len(self.jobs):
+            raise ValueError("duplicate request ids in the workload")
+        self.now, self.busy, self.num_steps, self._nxt = 0.0, 0.0, 0, 0
+        self._copies_done, self._swap_stall, self._abandoned_steps = 0.0, 0.0, 0
+        self._paused_done = 0.0  # share of the paused step's compute done before it stopped
+        self.steps_log: list[tuple[float, float, int, int]] = []
+        # Request ids of the last step: those that got their first token, and those that finished.
+        self.last_started: list[str] = []
+        self.last_finished: list[str] = []
+
+    def add_job(self, job: Job) -> None:
+        """A job that arrives after the run began (a router hands it over at
+        its arrival time, never earlier than the jobs already added)."""
+        if job.request_id in self.records:
+            raise ValueError(f"duplicate request id {job.request_id!r}")
+        if self.jobs and job.arrival_time < self.jobs[-1].arrival_time:
+            raise ValueError("jobs must be added in arrival order")
+        self.jobs.append(job)
+        self.records[job.request_id] = JobRecord(job.request_id, job.arrival_time, job.prompt_tokens,
+                                                 job.output_tokens)
+
+    def has_work(self) -> bool:
+        """Jobs not yet arrived or not finished."""
+        return self._nxt < len(self.jobs) or self.scheduler.has_unfinished()
+
+    def step(self) -> bool:
+        """Admit the jobs arrived by ``now`` and run one step (``now``
+        advances to its end), or jump idle to the next arrival. True when a
+        step was planned."""
+        sched, cfg, jobs = self.scheduler, self.config, self.jobs
+        self.last_started, self.last_finished = [], []
+        while self._nxt < len(jobs) and jobs[self._nxt].arrival_time <= self.now:
+            j = jobs[self._nxt]
+            keys = sched.prompt_block_keys(j.token_ids())
+            sched.add(SeqState(j.request_id, j.prompt_tokens, j.output_tokens, j.arrival_time, j.klass,
+                               block_keys=keys), self.now)
+            self._nxt += 1
+        if not sched.has_unfinished():
+            self.now = jobs[self._nxt].arrival_time  # idle until the next arrival
+            return False
+        now = self.now
+        plan = sched.schedule(now)
+        if plan.is_empty:
+            if self._nxt < len(jobs):
+                self.now = max(now, jobs[self._nxt].arrival_time)
+                return False
+            raise RuntimeError(f"scheduler made no progress at t={now:.3f} with "
+                               f"{len(sched.seqs)} requests left")
+        start = now
+        wait_until = self._copies_done  # every copy of the previous step
+        copy_free = max(now, self._copies_done) + cfg.block_transfer_time * (len(plan.swap_out) + len(plan.swap_in))
+        running = {item.request_id for item in plan.scheduled}
+        if any(rid in running for rid in plan.swapped_in):
+            wait_until = copy_free  # reactive swap-in: this step reads it
+        self._copies_done = copy_free
+        stall = max(0.0, wait_until - now) if plan.scheduled else 0.0
+        full = compute = self.cost.step_time(*plan_shape(plan, sched.seqs))
+        if plan.resumes:  # only the layers after the safepoint it stopped at
+            compute = full * (1.0 - self._paused_done)
+        cut = self._safepoint_cut(plan, self._nxt, now + stall, compute, full)
+        abandoned = cut is not None
+        if abandoned:  # the work up to the safepoint is kept (paused) or thrown away
+            self._paused_done = 1.0 - (now + stall + compute - cut) / full
+            self.busy += cut - (now + stall)
+            now = cut
+            self._abandoned_steps += 1
+        elif plan.scheduled:
+            now += stall + compute
+            self.busy += compute
+            offline = sum(i.num_tokens for i in plan.scheduled
+                          if (i.request_id in self.tracked if self.tracked is not None
+                              else sched.seqs[i.request_id].klass is RequestClass.OFFLINE))
+            self.steps_log.append((now, compute, plan.num_batched_tokens, offline))
+        else:  # only copies: time passes until they are done
+            now = max(now, copy_free)
+        self._swap_stall += stall
+        self.num_steps += 1
+        finished = self.last_finished
+        for item in () if abandoned else plan.scheduled:
+            if not item.samples:
+                continue
+            seq = sched.seqs[item.request_id]
+            rec = self.records[item.request_id]
+            rec.num_emitted += 1
+            if rec.first_token_time is None:
+                rec.first_token_time = now
+                rec.cached_tokens = seq.num_cached_tokens
+                self.last_started.append(item.request_id)
+            else:
+                rec.max_token_gap = max(rec.max_token_gap, now - rec.last_token_time)
+            rec.last_token_time = now
+            if seq.num_output_tokens + 1 >= seq.max_new_tokens:
+                rec.finish_time = now
+                rec.num_preemptions = seq.num_preemptions
+                finished.append(item.request_id)
+        self.now = now
+        sched.update_from_output(plan, StepOutcome(step_time=now - start, now=now, finished=finished,
+                                                   abandoned=abandoned,
+                                                   paused=abandoned and cfg.resume_paused_steps))
+        if cfg.check_integrity:
+            self.kv.check_integrity()
+        return True
+
+    def result(self) -> SimResult:
+        sched = self.scheduler
         stats = {}
         for attr in ("num_promotions", "num_demotions"):
             if hasattr(sched.policy, attr):
@@ -269,14 +308,13 @@ class Simulator:
         c = sched.counters
         swap_stats = {
             "num_recomputes": c.num_recomputes, "num_swap_outs": c.num_swap_outs, "num_swap_ins": c.num_swap_ins,
-            "swap_blocks": c.swap_out_blocks + c.swap_in_blocks, "swap_stall_s": swap_stall,
+            "swap_blocks": c.swap_out_blocks + c.swap_in_blocks, "swap_stall_s": self._swap_stall,
             "num_checkpoint_evictions": c.num_checkpoint_evictions, "checkpoint_blocks": c.checkpoint_blocks,
-            "num_steps_abandoned": abandoned_steps, "num_resumes": c.num_resumes,
-            "num_dropped_pauses": c.num_dropped_pauses,
+            "num_steps_abandoned": self._abandoned_steps, "num_resumes": c.num_resumes,
+            "num_dropped_pauses": c.num_dropped_pauses, "num_deadline_promotions": sched.num_deadline_promotions,
         }
-        return SimResult(self.policy_name, list(records.values()), steps, now, busy,
-                         sched.num_preemptions, stats, swap_stats, steps_log)
-
+        return SimResult(self.policy_name, list(self.records.values()), self.num_steps, self.now, self.busy,
+                         sched.num_preemptions, stats, swap_stats, self.steps_log)
 
     def _safepoint_cut(self, plan, nxt: int, begin: float, compute: float, full: float) -> float | None:
         """When a preemptible step starting its compute (``compute`` seconds

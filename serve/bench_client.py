@@ -663,9 +663,11 @@ def print_report(rep: dict[str, Any]) -> None:
         if _STAT_KEY.match(k):
             print(f"{k:<40} {value:<10.2f}")
     print("{:-^60}".format(" fluidserve figures "))
-    for key in ("normalized_latency_ms_per_token", "latency_bound_ms"):
+    # latency_bound_ms: each request's longest wait for a token (its max token gap; TTFT for one token).
+    for key, label in (("normalized_latency_ms_per_token", "normalized_latency_ms_per_token"),
+                       ("latency_bound_ms", "max_token_gap_ms (latency bound)")):
         s = rep[key]
-        print(f"{key:34s} mean {s['mean']:9.2f}  p50 {s['p50']:9.2f}  p99 {s['p99']:9.2f}")
+        print(f"{label:34s} mean {s['mean']:9.2f}  p50 {s['p50']:9.2f}  p99 {s['p99']:9.2f}")
     print(f"goodput  {rep['goodput_req_s']:.2f} req/s  {rep['goodput_tok_s']:.1f} tok/s  "
           f"(SLO attainment {rep['slo_attainment']:.1%})")
     for klass, fig in rep.get("coserving", {}).items():
