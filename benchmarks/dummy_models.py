@@ -76,6 +76,17 @@ def kernel_rows(kernel, shapes, rounds: int) -> list[dict]:
     return rows
 
 
+def model_choice(args: argparse.Namespace) -> tuple[str, str, str]:
+    """(device, preset, dtype) from ``add_model_args``'s flags, their
+    defaults filled in for the device torch sees."""
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    preset = args.preset or ("cpu-small" if device == "cpu" else "llama3-8b")
+    dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
+    return device, preset, dtype
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The flags every benchmark takes to choose its model and device."""
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,

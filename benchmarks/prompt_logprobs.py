@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from dummy_models import add_model_args, build_model_dir, device_name
+from dummy_models import add_model_args, build_model_dir, device_name, model_choice
 
 from fluidserve.engine import LLM, SamplingParams
 
@@ -73,10 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
-        "cpu" if args.device == "auto" else args.device)
-    preset = args.preset or ("cpu-small" if device == "cpu" else "llama3-8b")
-    dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
+    device, preset, dtype = model_choice(args)
     model_dir = build_model_dir(preset, Path(tempfile.mkdtemp(prefix="fluidserve-plp-")))
     llm = LLM(model=str(model_dir), load_format="dummy", device=device, dtype=dtype,
               max_model_len=args.prompt_len + 16, max_num_batched_tokens=args.max_num_batched_tokens,

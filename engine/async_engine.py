@@ -45,6 +45,8 @@ class RequestFailedError(RuntimeError):
 class Health:
     ok: bool
     reason: str = "ok"
+    # Data-parallel replicas: how many serve (``replicas_healthy``, ``replicas_total``).
+    detail: dict | None = None
 
 
 class RequestStream:
@@ -57,6 +59,7 @@ class RequestStream:
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
         self.got_output = False
+        self.engine = "0"  # the replica serving it (vLLM's ``engine`` label)
         self.admitted: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def _put(self, item: RequestOutput | BaseException) -> None:

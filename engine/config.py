@@ -19,6 +19,9 @@ from fluidserve.scheduler.config import SchedulerConfig
 # only a GPU run can confirm a captured graph leaves eager's tokens and KV.
 CUDA_GRAPHS_BY_DEFAULT = False
 
+# scheduler/router.py's policies (a test checks the two agree); spelled out
+# here so reading a config imports no router.
+ROUTING_POLICIES = ("prefix-aware", "least-loaded", "round-robin")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32", "fp16", "bf16", "fp32")
 
 
@@ -26,11 +29,25 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32", "fp16", "bf
 class ParallelConfig:
     executor: str = setting("local", "local: in-process worker; ray: one Ray actor per GPU", choices=("local", "ray"))
     tensor_parallel_size: int = setting(1, "GPUs (Ray workers) per model", aliases=("-tp",))
+    data_parallel_size: int = setting(
+        1, "engine replicas behind this one endpoint, each a whole engine (scheduler, KV cache, workers) in a "
+           "Ray actor of its own: data_parallel_size x tensor_parallel_size devices", aliases=("-dp",))
+    routing_policy: str = setting(
+        "prefix-aware", "how a request picks its replica (with --data-parallel-size > 1): prefix-aware sends it "
+                        "where its prompt's prefix is likely cached unless that replica is too far behind",
+        choices=ROUTING_POLICIES)
+    routing_balance_threshold_ms: float = setting(
+        1000.0, "prefix-aware routing: how much more predicted backlog than the least-loaded replica the "
+                "replica holding a prompt's prefix may have, beyond the prefill the hit saves, and still be "
+                "chosen (benchmarks/routing.py)", metavar="MS")
     ray_address: str | None = setting(None, "join this Ray cluster (multi-node); default: start a local one "
                                             "on 127.0.0.1", metavar="ADDRESS")
 
     def __post_init__(self) -> None:
-        check_all(self, [("tensor_parallel_size", self.tensor_parallel_size >= 1, "must be positive")])
+        check_all(self, [("tensor_parallel_size", self.tensor_parallel_size >= 1, "must be positive"),
+                         ("data_parallel_size", self.data_parallel_size >= 1, "must be positive"),
+                         ("routing_balance_threshold_ms", self.routing_balance_threshold_ms >= 0,
+                          "must be >= 0")])
 
 
 @dataclass(frozen=True)

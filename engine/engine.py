@@ -11,6 +11,7 @@ what stopped.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import logging
@@ -41,6 +42,10 @@ from fluidserve.engine.tiny_model import default_tiny_model_dir
 from fluidserve.engine.runtime import pick_device, runtime_for
 
 log = logging.getLogger(__name__)
+
+
+# vLLM's buckets of tokens per engine step (upper bounds, inclusive).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
@@ -74,6 +79,19 @@ class EngineStats:
     # and of paused steps given up before they resumed.
     abandoned_tokens: int = 0
     num_steps_resumed: int = 0  # paused steps continued from their safepoint
+    # Tokens per step (vLLM's iteration_tokens_total): steps per bucket of
+    # ITERATION_TOKEN_BUCKETS (the last for larger ones), and their sum. A
+    # tuple, replaced per step, so a copy of the stats is a snapshot.
+    iteration_tokens_buckets: tuple[int, ...] = (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
+    iteration_tokens_sum: int = 0
+    cache_config: dict[str, str] = field(default_factory=dict)  # vLLM's cache_config_info labels
+
+    def observe_iteration(self, num_tokens: int) -> None:
+        if num_tokens:  # a step of KV copies only runs no token
+            i = bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)
+            b = self.iteration_tokens_buckets
+            self.iteration_tokens_buckets = (*b[:i], b[i] + 1, *b[i + 1:])
+            self.iteration_tokens_sum += num_tokens
 
 
 class LLMEngine:
@@ -250,6 +268,7 @@ class LLMEngine:
                                                             # kept with the paused step until it resumes
                                                             paused_input=inp if result.paused else None))
         self.stats_.num_steps += 1
+        self.stats_.observe_iteration(plan.num_batched_tokens)
         self.stats_.swap_stall_seconds += result.swap_stall_s
         return outputs
 
@@ -404,6 +423,11 @@ class LLMEngine:
         s.prefix_cache_hit_tokens = self.kv.prefix_stats.hit_tokens
         s.prefix_cache_host_query_tokens = self.kv.prefix_stats.host_query_tokens
         s.prefix_cache_host_hit_tokens = self.kv.prefix_stats.host_hit_tokens
+        if not s.cache_config:  # as vLLM's CacheConfig.metrics_info(): every setting, and the pools' sizes
+            cache = self.config.cache
+            s.cache_config = {f.name: str(getattr(cache, f.name)) for f in dataclasses.fields(cache)}
+            s.cache_config.update(num_gpu_blocks=str(self.kv.num_blocks), num_cpu_blocks=str(self.kv.num_host_blocks),
+                                  cache_dtype=self.config.dtype)
         return s
 
     def check_health(self) -> None:

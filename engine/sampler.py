@@ -315,14 +315,32 @@ def _gather_logprobs(
         values, indices = lp.topk(min(top_n, lp.shape[1]), dim=-1)  # [S, N]
         top_vals, top_ids = values.tolist(), indices.tolist()
 
+    asked = _asked_token_logprobs(lp, [rows[i].params.logprob_token_ids for i in sel])
     out: dict[int, dict[int, Logprob]] = {}
     rows_lp = zip(sel, chosen.tolist(), chosen_lp.squeeze(1).tolist(), chosen_rank.tolist(), top_vals, top_ids)
-    for i, tok, tok_lp, tok_rank, vals, ids in rows_lp:
+    for k, (i, tok, tok_lp, tok_rank, vals, ids) in enumerate(rows_lp):
         entry = {tok: Logprob(logprob=tok_lp, rank=tok_rank)}
         n = rows[i].params.logprobs
         for rank, (alt, alt_lp) in enumerate(zip(ids[:n], vals[:n]), start=1):
             entry.setdefault(alt, Logprob(logprob=alt_lp, rank=rank))
+        for alt, (alt_lp, alt_rank) in asked.get(k, {}).items():
+            entry.setdefault(alt, Logprob(logprob=alt_lp, rank=alt_rank))
         out[i] = entry
+    return out
+
+
+def _asked_token_logprobs(lp: torch.Tensor, asked: list[list[int] | None]) -> dict[int, dict[int, tuple[float, int]]]:
+    """Row k of ``lp`` ([S, V]) -> {token id: (logprob, rank)} for the ids
+    ``asked[k]`` names (``logprob_token_ids``); ids past the logits' width
+    are skipped."""
+    out: dict[int, dict[int, tuple[float, int]]] = {}
+    for k, ids in enumerate(asked):
+        ids = [t for t in ids or () if t < lp.shape[1]]
+        if not ids:
+            continue
+        vals = lp[k, _index(ids, lp)]  # [K]
+        ranks = (lp[k].unsqueeze(0) > vals.unsqueeze(1)).sum(dim=-1) + 1  # [K]
+        out[k] = dict(zip(ids, zip(vals.tolist(), ranks.tolist())))
     return out
 
 

@@ -56,6 +56,9 @@ class SamplingParams:
     # field). A request asking for it never reads the prefix cache: every
     # prompt position must be computed to be scored.
     prompt_logprobs: int | None = None
+    # vLLM's: these token ids' logprobs at every generated position, beside
+    # the sampled token and the top-N (which ``logprobs`` still sets).
+    logprob_token_ids: list[int] | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -85,6 +88,8 @@ class SamplingParams:
         self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids or [] if w]
         if self.top_k == 0:
             self.top_k = -1
+        if self.logprob_token_ids and self.logprobs is None:
+            self.logprobs = 0  # the sampled token's entry carries the asked-for ids beside it
         self.validate()
 
     def with_extra_eos(self, eos_ids: set[int] | list[int]) -> "SamplingParams":
@@ -124,10 +129,14 @@ class SamplingParams:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        # No upper bound here: the cap is the server's --max-logprobs (MAX_LOGPROBS by default).
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", f"must be non-negative, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", f"must be non-negative, got {self.prompt_logprobs!r}")
+        if self.logprob_token_ids is not None and (
+                not self.logprob_token_ids or any(not isinstance(t, int) or t < 0 for t in self.logprob_token_ids)):
+            raise bad("logprob_token_ids", "must be a non-empty list of non-negative token ids")
         if len(self.stop) > MAX_STOP_SEQUENCES:
             raise bad("stop", f"accepts at most {MAX_STOP_SEQUENCES} sequences, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -84,7 +84,8 @@ class SchedulerConfig:
         DEFAULT_SAFEPOINT_LAYERS,
         "co-serving (ConServe): an offline-only step checks for an interrupt every K decoder layers, a whole or "
         "half number: 0.5 also checks between a layer's attention and its MLP, for a shorter wait where layers "
-        "are slow, as on a CPU; 0 turns layer-wise preemption off", metavar="K")
+        "are slow, as on a CPU (fluidserve serve takes 0.5 on a CPU with --data-dir); 0 turns layer-wise "
+        "preemption off", metavar="K")
     # ConServe §4.4: past this device-KV usage, offline requests' newly full
     # blocks are copied to the host as they run, so evicting one later costs
     # (almost) no copy. None (or 1) never.

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 
 from fluidserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
 from fluidserve.engine.outputs import RequestOutput
+from fluidserve.serve.beam_search import BeamSearchStream
 from fluidserve.serve.errors import APIError, error_body, from_validation_error, from_value_error, install_handlers
 from fluidserve.serve.inputs import EngineInputs, InputProcessor, ModelInfo, check_model, log_request
 from fluidserve.serve.metrics import RequestTimer, ServerMetrics
@@ -67,6 +68,7 @@ class ServerSettings:
     enable_force_include_usage: bool = False  # a usage chunk ends every stream, asked for or not
     enable_request_id_headers: bool = False  # answer with X-Request-Id
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (it shows the chat template)
 
 
 @dataclass
@@ -85,6 +87,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
               settings: ServerSettings | None = None, batch_config: Any = None) -> FastAPI:
     """``batch_config`` (a ``batches.BatchConfig``) enables the durable Batch API."""
     from fluidserve.serve.batches import install_batch_api
+    from fluidserve.serve.chat_batch import batch_chat_route
 
     settings = settings or ServerSettings()
     server = _Server(engine, InputProcessor(tokenizer, model, settings.tool_call_parser), model, settings)
@@ -100,6 +103,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     app = FastAPI(title="fluidserve", version=VERSION, lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.openapi = _openapi_with_bodies(app)
     app.state.server = server
+    router = getattr(engine, "router", None)  # data-parallel replicas: the router's counters
+    if router is not None:
+        server.metrics.set_router_source(router.counters)
     install_handlers(app)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
@@ -123,6 +129,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"], dependencies=auth)
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"], dependencies=auth)
     app.add_api_route("/invocations", server.invocations, methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/chat/completions/batch", batch_chat_route(server), methods=["POST"], dependencies=auth)
+    if settings.enable_tokenizer_info_endpoint:
+        app.add_api_route("/tokenizer_info", server.tokenizer_info, methods=["GET"], dependencies=auth)
     batch_runner = install_batch_api(app, server, batch_config, auth)
     return app
 
@@ -137,9 +146,10 @@ class _Server:
         self.model = model
         self.settings = settings
         self.state = ServerState()
-        self.metrics = ServerMetrics(model.name)
+        self.metrics = ServerMetrics(model.name, model.max_model_len)
         self.offline_queued: Callable[[], int] = lambda: 0  # set by the batch runner
         self.decode = lambda token_id: processor.tokenizer.decode([token_id])
+        self.decode_ids = lambda ids, skip: processor.tokenizer.decode(ids, skip_special_tokens=skip)
 
     # -- edge checks --------------------------------------------------------
     async def authenticate(self, request: Request) -> None:
@@ -197,9 +207,10 @@ class _Server:
         rid = f"cmpl-{self.base_request_id(request, req.request_id)}"
         if self.settings.log_requests:
             log_request(rid, inputs, self.settings.max_log_len)
-        timers = [RequestTimer(self.metrics) for _ in inputs.prompts]
+        timers = [self.timer(inputs) for _ in inputs.prompts]
         streams = await self.submit(rid, inputs)
-        top_n = req.logprobs
+        _routed(timers, streams)
+        top_n = req.top_n
         if req.stream:
             include_usage, continuous = self.usage_options(req)
             streamer = CompletionStreamer(rid, self.model.name, inputs.prompts, n=req.n, echo=req.echo,
@@ -211,7 +222,7 @@ class _Server:
 
     def completion_body(self, rid: str, req: CompletionRequest, inputs: EngineInputs,
                         finals: list[RequestOutput]) -> CompletionResponse:
-        choices = completion_choices(inputs.prompts, finals, n=req.n, echo=req.echo, top_n=req.logprobs,
+        choices = completion_choices(inputs.prompts, finals, n=req.n, echo=req.echo, top_n=req.top_n,
                                      decode=self.decode, as_ids=self.as_ids(req),
                                      token_ids=bool(req.return_token_ids))
         usage = make_usage(inputs.prompts, sum(o.num_generated_tokens for o in finals), self.cached_tokens(finals))
@@ -225,9 +236,10 @@ class _Server:
         rid = f"chatcmpl-{self.base_request_id(request, req.request_id)}"
         if self.settings.log_requests:
             log_request(rid, inputs, self.settings.max_log_len)
-        timers = [RequestTimer(self.metrics)]
+        timers = [self.timer(inputs)]
         streams = await self.submit(rid, inputs)
-        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        _routed(timers, streams)
+        top_n = req.top_n
         if req.stream:
             include_usage, continuous = self.usage_options(req)
             streamer = ChatStreamer(rid, self.model.name, top_n=top_n, decode=self.decode,
@@ -240,7 +252,7 @@ class _Server:
 
     def chat_body(self, rid: str, req: ChatCompletionRequest, inputs: EngineInputs,
                   finals: list[RequestOutput]) -> ChatCompletionResponse:
-        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        top_n = req.top_n
         usage = make_usage(inputs.prompts, finals[0].num_generated_tokens, self.cached_tokens(finals))
         choices = chat_choices(finals[0], top_n=top_n, decode=self.decode, tool_mode=inputs.tool_mode,
                                role=req.reply_role, echo_text=_echo_text(req), as_ids=self.as_ids(req),
@@ -279,6 +291,9 @@ class _Server:
         return sum(o.num_cached_tokens or 0 for o in finals)
 
     # -- engine plumbing ----------------------------------------------------
+    def timer(self, inputs: EngineInputs) -> RequestTimer:
+        return RequestTimer(self.metrics, n=inputs.params.n, max_tokens=inputs.params.max_tokens)
+
     async def submit(self, rid: str, inputs: EngineInputs) -> list[RequestStream]:
         """Admit one engine request per prompt; all or none."""
         streams: list[RequestStream] = []
@@ -286,6 +301,10 @@ class _Server:
         try:
             for i, prompt in enumerate(inputs.prompts):
                 sub_id = f"{rid}-{i}" if multi else rid
+                if inputs.beam is not None:  # searched above the engine, read as one final output
+                    streams.append(BeamSearchStream(self.engine, sub_id, prompt.token_ids, inputs.beam,
+                                                    self.decode_ids, inputs.klass))
+                    continue
                 streams.append(await self.engine.add_request(sub_id, prompt.token_ids, inputs.params,
                                                              inputs.klass, time.monotonic()))
         except BaseException as exc:
@@ -394,16 +413,24 @@ class _Server:
         return JSONResponse(self._card(model_id).model_dump(mode="json"))
 
     async def health(self) -> Response:
-        health = self.engine.health()
-        self.metrics.healthy.set(1.0 if health.ok else 0.0)
+        health = self._health()
         if not health.ok:
             return JSONResponse(error_body(503, health.reason, code="engine_unhealthy"), 503)
         if self.state.draining:
             return JSONResponse(error_body(503, "server is shutting down", code="shutting_down"), 503)
+        if health.detail is not None:  # data-parallel replicas: how many serve
+            return JSONResponse({"status": "ok", **health.detail})
         return PlainTextResponse("ok")
 
+    def _health(self):
+        health = self.engine.health()
+        self.metrics.healthy.set(1.0 if health.ok else 0.0)
+        if health.detail is not None:
+            self.metrics.set_replicas(health.detail["replicas_healthy"], health.detail["replicas_total"])
+        return health
+
     async def metrics_endpoint(self) -> Response:
-        self.metrics.healthy.set(1.0 if self.engine.health().ok else 0.0)
+        self._health()
         self.metrics.engine.update(await self.engine.get_stats())
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -424,6 +451,9 @@ class _Server:
         check_model(req.model, self.model)
         return JSONResponse(self.processor.detokenize(req).model_dump(mode="json"))
 
+    async def tokenizer_info(self) -> JSONResponse:
+        return JSONResponse(self.processor.tokenizer_info())
+
     async def invocations(self, request: Request) -> Response:
         """SageMaker's single route: a chat body (``messages``) or a completion body."""
         body = await self._read_body(request)
@@ -439,6 +469,12 @@ class _Server:
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _ID_STATE = "fluidserve_request_id"
+
+
+def _routed(timers: list[RequestTimer], streams: list[Any]) -> None:
+    """Per-request series go under the replica (vLLM's ``engine``) serving it."""
+    for timer, stream in zip(timers, streams):
+        timer.routed_to(getattr(stream, "engine", "0"))
 
 
 def _echo_text(req: ChatCompletionRequest) -> str:

@@ -41,8 +41,6 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--lora-modules": "LoRA adapters are not supported",
     "--pipeline-parallel-size": "only tensor parallelism is implemented",
     "-pp": "only tensor parallelism is implemented",
-    "--data-parallel-size": "data parallelism is not implemented",
-    "-dp": "data parallelism is not implemented",
     "--cpu-offload-gb": "weight offloading is not implemented",
     "--guided-decoding-backend": "structured output always runs on xgrammar",
     "--structured-outputs-config": "structured output always runs on xgrammar, with its defaults",
@@ -51,14 +49,18 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--rope-scaling": "overriding the model's RoPE scaling is not supported",
     "--hf-overrides": "overriding the model's config is not supported",
 }
-_HARMLESS_VALUES = {"--kv-cache-dtype": {"auto"}, "--tokenizer-mode": {"auto"}, "--data-parallel-size": {"1"},
-                    "-dp": {"1"}, "--pipeline-parallel-size": {"1"}, "-pp": {"1"},
+_HARMLESS_VALUES = {"--kv-cache-dtype": {"auto"}, "--tokenizer-mode": {"auto"},
+                    "--pipeline-parallel-size": {"1"}, "-pp": {"1"},
                     "--guided-decoding-backend": {"auto", "xgrammar"}}
 _VALUELESS = {"--enable-lora"}
 # With --data-dir and no SLO flag, steps with online work may take at most
-# this multiple of their online part alone (measured through the server by
-# benchmarks/coserving_server.py, against 0: off, and 1.5).
+# this multiple of their online part alone (benchmarks/coserving_server.py
+# --configs '' '--online-slowdown-cap 0' '--online-slowdown-cap 1.5' sets it
+# beside no cap and a looser one).
 COSERVING_SLOWDOWN_CAP = 1.2
+# With --data-dir on a CPU and no --preemption-safepoint-layers: half-layer
+# safepoints (see _safepoint_layers for the figures).
+COSERVING_CPU_SAFEPOINT_LAYERS = 0.5
 # vLLM's scheduling policy names that we map onto ours (see ``--scheduling-policy``).
 POLICY_ALIASES = {"priority": "fcfs"}
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
@@ -100,6 +102,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     from fluidserve.engine.args import add_engine_args
 
     m = add_engine_args(p)
+    # Unset unless given: with the Batch API on a CPU the server picks its own (engine_config_from_args).
+    p.set_defaults(preemption_safepoint_layers=None)
     m.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="Hugging Face id or local path (same as --model)")
     m.add_argument("--model", default=None,
@@ -151,6 +155,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="answer every request with an X-Request-Id header")
     s.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage carries prompt_tokens_details.cached_tokens (prompt tokens from the prefix cache)")
+    s.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs a request may ask for per position (logprobs, top_logprobs, "
+                        "prompt_logprobs); -1: the vocabulary size, which a request's -1 asks for")
+    s.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info: the tokenizer's configuration and chat template")
     s.add_argument("--guided-decoding-backend", default="auto", choices=["auto", "xgrammar"],
                    help="structured output (response_format, forced tool calls) runs on xgrammar, the one "
                         "backend built in")
@@ -197,6 +206,8 @@ def engine_config_from_args(args: argparse.Namespace):
         # A hub id at a revision becomes its local snapshot; clients keep the id.
         served = served or model
         model = str(resolve_model_dir(model, args.load_format, revision=args.revision))
+    if args.preemption_safepoint_layers is None:
+        args.preemption_safepoint_layers = _safepoint_layers(args)
     config = from_flags(args, model=model, served_model_name=served)
     sched = config.scheduler
     if (getattr(args, "data_dir", None) and args.online_slowdown_cap is None
@@ -207,10 +218,29 @@ def engine_config_from_args(args: argparse.Namespace):
     return config
 
 
+def _safepoint_layers(args: argparse.Namespace) -> float:
+    """Layers between an offline step's interrupt checks, when not given. A
+    CPU serving a Batch API checks twice a layer: its layers are slow enough
+    that waiting two of them costs an online arrival its TTFT (through the
+    server, medians of 2 paired rounds: online P99 TTFT 2.00x online-only
+    against 4.47x at 2 layers, P99 TPOT 1.15x against 1.24x, the batch at 54%
+    of its speed alone either way; benchmarks/coserving_server.py)."""
+    from fluidserve.scheduler.config import SchedulerConfig
+
+    default = SchedulerConfig().preemption_safepoint_layers
+    if not getattr(args, "data_dir", None):
+        return default
+    import torch
+
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    return COSERVING_CPU_SAFEPOINT_LAYERS if on_cpu else default
+
+
 def model_info(engine, served_model_names: Sequence[str] | None = None,
-               generation_config: str = "auto") -> "ModelInfo":
+               generation_config: str = "auto", max_logprobs: int = 20) -> "ModelInfo":
     """What the frontend knows of the served model; ``generation_config`` as
-    ``--generation-config`` takes it (auto | vllm | a folder)."""
+    ``--generation-config`` takes it (auto | vllm | a folder), ``max_logprobs``
+    as ``--max-logprobs``."""
     from fluidserve.serve.inputs import ModelInfo
 
     names = list(served_model_names or [])
@@ -219,7 +249,8 @@ def model_info(engine, served_model_names: Sequence[str] | None = None,
     return ModelInfo(name=name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                      is_tiny_default=bool(getattr(engine, "is_tiny_default", False)), aliases=aliases,
                      sampling_defaults=sampling_defaults(engine, generation_config),
-                     root=getattr(getattr(engine, "config", None), "model", None) or str(engine.model_dir))
+                     root=getattr(getattr(engine, "config", None), "model", None) or str(engine.model_dir),
+                     max_logprobs=max_logprobs, eos_token_ids=tuple(sorted(getattr(engine, "eos_token_ids", ()))))
 
 
 def sampling_defaults(engine, generation_config: str) -> dict:
@@ -295,10 +326,14 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"fluidserve serve: {exc}", file=sys.stderr)
         return 2
-    _share_cpu_with_frontend(config)
     try:
-        engine = LLMEngine(config)
-        info = model_info(engine, args.served_model_name, args.generation_config)
+        if config.data_parallel_size > 1:
+            engine = start_replicas(config)
+            model = engine.facts  # replica 0's: the front end loads no weights
+        else:
+            _share_cpu_with_frontend(config)
+            engine = model = LLMEngine(config)
+        info = model_info(model, args.served_model_name, args.generation_config, args.max_logprobs)
     except (ValueError, OSError) as exc:  # a bad model path, an impossible KV size, ...
         print(f"fluidserve serve: {exc}", file=sys.stderr)
         return 2
@@ -316,14 +351,15 @@ def run_serve(args: argparse.Namespace) -> int:
                               return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                               enable_force_include_usage=args.enable_force_include_usage,
                               enable_request_id_headers=args.enable_request_id_headers,
-                              enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                              enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                              enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     from fluidserve.serve.batches import BatchConfig
     from fluidserve.serve.store import StoreError
 
     batch_config = BatchConfig(args.data_dir, max_in_flight=args.batch_max_in_flight) if args.data_dir else None
     try:
-        app = build_app(AsyncEngine(engine, stall_timeout=args.watchdog_timeout),
-                        frontend_tokenizer(engine, chat_template), info, settings, batch_config=batch_config)
+        front = engine if config.data_parallel_size > 1 else AsyncEngine(engine, stall_timeout=args.watchdog_timeout)
+        app = build_app(front, frontend_tokenizer(model, chat_template), info, settings, batch_config=batch_config)
     except StoreError as exc:  # corrupt or unwritable: say so, touch nothing
         print(f"fluidserve serve: {exc}", file=sys.stderr)
         return 2
@@ -341,6 +377,20 @@ def run_serve(args: argparse.Namespace) -> int:
     with frozen_heap(collect_first=True):
         server.run()
     return 0
+
+
+def start_replicas(config):
+    """``--data-parallel-size N``: N engines in Ray actors behind one front.
+    On a Ray instance of this machine's own, the cores are split among the
+    replicas (a CPU replica computes on its share only); on a cluster each
+    replica takes Ray's default for its actor."""
+    import torch
+
+    from fluidserve.engine.data_parallel import DataParallelEngine
+
+    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
+    threads = max(1, (os.cpu_count() or 1) // config.data_parallel_size) if on_cpu and not config.ray_address else None
+    return DataParallelEngine(config, torch_threads=threads)
 
 
 def _share_cpu_with_frontend(config) -> None:

@@ -12,13 +12,15 @@ Sampling fields a request leaves unset take the model's defaults from its
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from fluidserve.engine.sampling_params import SamplingParams, StructuredOutputs
+from fluidserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 from fluidserve.engine.structured import check_structured_outputs
+from fluidserve.serve.beam_search import BeamSearchParams
 from fluidserve.serve.errors import APIError, bad_request, from_value_error
 from fluidserve.serve.protocol import (
     ChatCompletionRequest,
@@ -48,6 +50,7 @@ class EngineInputs:
     params: SamplingParams
     klass: str
     tool_mode: ToolMode | None = None  # chat with tools: how the reply becomes tool calls
+    beam: BeamSearchParams | None = None  # use_beam_search: run by serve/beam_search.py, not sampled
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,8 @@ class ModelInfo:
     # generation_config.json's sampling fields, for requests that leave them unset
     sampling_defaults: dict = field(default_factory=dict)
     root: str | None = None  # the model as given (hub id or path): model cards' "root"
+    max_logprobs: int = MAX_LOGPROBS  # vLLM's --max-logprobs: the most per position; -1: the vocabulary
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends a sequence (a beam, in beam search)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -80,7 +85,10 @@ class InputProcessor:
         prompts = [self._truncate(self._prompt(p, add_special), req.truncate_prompt_tokens, req.truncation_side)
                    for p in req.prompts()]
         max_tokens = self._max_tokens(prompts, req.max_tokens, "prompt")
-        return EngineInputs(prompts, self._params(req, max_tokens, req.logprobs, self._structured(req)), req.klass)
+        # Explicit ids replace the top N (vLLM): the engine then lists the sampled token and them.
+        logprobs = 0 if req.logprob_token_ids else self._logprobs_count(req.logprobs, "logprobs")
+        params = self._params(req, max_tokens, logprobs, self._structured(req))
+        return EngineInputs(prompts, params, req.klass, beam=self._beam(req, max_tokens, logprobs))
 
     def chat(self, req: ChatCompletionRequest) -> EngineInputs:
         text = self._render_chat(req)
@@ -90,10 +98,13 @@ class InputProcessor:
             raise bad_request("messages render to an empty prompt", "messages")
         prompt = self._truncate(prompt, req.truncate_prompt_tokens, req.truncation_side)
         max_tokens = self._max_tokens([prompt], req.max_new_tokens, "messages")
-        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        top_n = None
+        if req.logprobs:
+            top_n = 0 if req.logprob_token_ids else self._logprobs_count(req.top_logprobs or 0, "top_logprobs")
         tool_mode, structured = self._tool_mode(req)
         structured = structured or self._structured(req)
-        return EngineInputs([prompt], self._params(req, max_tokens, top_n, structured), req.klass, tool_mode)
+        return EngineInputs([prompt], self._params(req, max_tokens, top_n, structured), req.klass, tool_mode,
+                            beam=self._beam(req, max_tokens, top_n))
 
     def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         if isinstance(req, TokenizeChatRequest):
@@ -107,6 +118,18 @@ class InputProcessor:
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         ids = self._in_vocab(req.tokens, "tokens") or []
         return DetokenizeResponse(prompt=self.tokenizer.decode(ids))
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: the tokenizer's configuration as its
+        tokenizer_config.json gives it, less file paths, plus its class and
+        the chat template in use."""
+        kwargs = getattr(self.tokenizer, "init_kwargs", None) or {}
+        info = {k: _json_value(v) for k, v in kwargs.items() if not k.endswith("_file")}
+        info["tokenizer_class"] = type(self.tokenizer).__name__
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, str):
+            info["chat_template"] = template
+        return info
 
     # -- pieces -------------------------------------------------------------
     def _prompt(self, p: str | list[int], add_special_tokens: bool = True) -> Prompt:
@@ -152,6 +175,38 @@ class InputProcessor:
             )
         except Exception as exc:  # noqa: BLE001 - a template's own raise_exception is a client error
             raise bad_request(f"messages could not be rendered with the chat template: {exc}", "messages") from None
+
+    def _logprobs_count(self, asked: int | None, param: str, kind: str = "sample") -> int | None:
+        """vLLM's reading of a logprobs count: -1 is the whole vocabulary, and
+        a count past --max-logprobs (-1 there: the vocabulary size) is a 400."""
+        if asked is None:
+            return None
+        vocab = self.model.vocab_size
+        count = vocab if asked == -1 else asked
+        cap = vocab if self.model.max_logprobs == -1 else self.model.max_logprobs
+        if count > cap:
+            raise bad_request(f"Requested {kind} logprobs of {count}, which is greater than max allowed: {cap}",
+                              param)
+        return count
+
+    def _beam(self, req: _SamplingFields, max_tokens: int, top_n: int | None) -> BeamSearchParams | None:
+        """use_beam_search: n beams. Each step asks the engine for one token
+        with 2n logprobs per beam (vLLM's); more when the response lists more."""
+        if not req.use_beam_search:
+            return None
+        width = req.n
+        eos = self.model.eos_token_ids or tuple(t for t in [self.tokenizer.eos_token_id] if t is not None)
+        step = SamplingParams(max_tokens=1, temperature=self._default(req, "temperature", 1.0),
+                              logprobs=max(2 * width, top_n or 0), ignore_eos=True)
+        return BeamSearchParams(beam_width=width, max_tokens=max_tokens, step=step, eos_token_ids=frozenset(eos),
+                                ignore_eos=req.ignore_eos, length_penalty=req.length_penalty,
+                                include_stop_str_in_output=req.include_stop_str_in_output,
+                                skip_special_tokens=req.skip_special_tokens)
+
+    def _default(self, req: _SamplingFields, name: str, fallback: float) -> Any:
+        """The request's value, else the model's generation config's, else ``fallback``."""
+        value = getattr(req, name)
+        return value if value is not None else self.model.sampling_defaults.get(name, fallback)
 
     def _max_tokens(self, prompts: list[Prompt], asked: int | None, prompt_param: str) -> int:
         """``asked``, or all the room the longest prompt leaves; 400 when the
@@ -232,14 +287,9 @@ class InputProcessor:
 
     def _params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None,
                 structured: StructuredOutputs | None = None) -> SamplingParams:
-        defaults = self.model.sampling_defaults
-
-        def pick(name: str, fallback: float) -> Any:
-            value = getattr(req, name)
-            return value if value is not None else defaults.get(name, fallback)
-
+        pick = functools.partial(self._default, req)
         # Echo with logprobs scores the echoed prompt too (vLLM's reading).
-        prompt_logprobs = req.prompt_logprobs
+        prompt_logprobs = self._logprobs_count(req.prompt_logprobs, "prompt_logprobs", "prompt")
         if prompt_logprobs is None and getattr(req, "echo", False) and logprobs is not None:
             prompt_logprobs = logprobs
 
@@ -258,6 +308,7 @@ class InputProcessor:
                 repetition_penalty=pick("repetition_penalty", 1.0),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                logprob_token_ids=self._in_vocab(req.logprob_token_ids, "logprob_token_ids"),
                 stop=req.stop_list,
                 stop_token_ids=list(self._in_vocab(req.stop_token_ids, "stop_token_ids") or []),
                 ignore_eos=req.ignore_eos,
@@ -315,6 +366,19 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
+
+
+def _json_value(value: Any) -> Any:
+    """A tokenizer config value as JSON takes it: added tokens by their text."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
 
 
 def _schema_text(schema: dict | str | None) -> str | None:

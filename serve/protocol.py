@@ -22,12 +22,13 @@ from typing import Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer, model_validator
 
-from fluidserve.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_SEQUENCES
+from fluidserve.engine.sampling_params import MAX_STOP_SEQUENCES
 
 MAX_N = 16  # completions per prompt
 MAX_LOGIT_BIAS = 300  # entries of logit_bias
 MAX_BAD_WORDS = 64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's seed range
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 
 logger = logging.getLogger("fluidserve.serve")
 
@@ -61,8 +62,6 @@ def _off(*values: Any) -> Callable[[Any], bool]:
 
 # Fields both endpoints know but do not implement -> which values mean "off".
 _REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "use_beam_search": _off(False),
-    "length_penalty": _off(1.0),
     "logits_processors": _off(),
     "cache_salt": _off(),
     "kv_transfer_params": _off(),
@@ -81,7 +80,6 @@ _REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
     "include_reasoning": _off(True),  # no reasoning parser: nothing to leave out
     "thinking_token_budget": _off(),
     "watermarking": _off(False),
-    "logprob_token_ids": _off(),
     "media_io_kwargs": _off(),
     "routed_experts_prompt_start": _off(),
     "return_token_offsets": _off(False),
@@ -274,8 +272,16 @@ class _SamplingFields(_Request):
     # vLLM's int (lower runs first, default 0), or our class name.
     priority: StrictInt | RequestClassName | None = None
     request_class: RequestClassName | None = Field(default=None, alias="class")
-    # vLLM's: each prompt position's token logprob plus the top N (not streamed).
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's: each prompt position's token logprob plus the top N (not streamed);
+    # -1: the whole vocabulary. The cap is the server's --max-logprobs (inputs.py).
+    prompt_logprobs: Annotated[int, Field(ge=-1)] | None = None
+    # vLLM's: these ids' logprobs at every generated position, beside the
+    # sampled token, in place of the top N; needs logprobs.
+    logprob_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]],
+                                 Field(max_length=MAX_LOGPROB_TOKEN_IDS)] | None = None
+    # vLLM's beam search: n beams, scored cumulative logprob / length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # vLLM's: the prompt's and each choice's token ids in the response.
     return_token_ids: bool | None = None
     # vLLM's: logprob tokens written "token_id:N" (None: the server's --return-tokens-as-token-ids).
@@ -293,6 +299,12 @@ class _SamplingFields(_Request):
             raise ValueError("prompt_logprobs: is not available when stream is true")
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens: must be -1 or at least 1")
+        if self.logprob_token_ids is not None and not self.logprob_token_ids:
+            raise ValueError("logprob_token_ids: must not be an empty list")
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            raise ValueError("length_penalty: only applies with use_beam_search")
+        if self.use_beam_search:
+            self._check_beam_search()
         if self.priority is not None and self.request_class and self._priority_class != self.request_class:
             raise ValueError("priority: conflicts with class")
         given = [f for f in STRUCTURED_FIELDS if getattr(self, f) is not None]
@@ -301,6 +313,28 @@ class _SamplingFields(_Request):
         if len(given) > 1:
             raise ValueError(f"{given[1]}: cannot be combined with {given[0]} (one output constraint per request)")
         return self
+
+    def _check_beam_search(self) -> None:
+        """Beam search expands the model's likeliest tokens, as vLLM's does:
+        a field that would reshape the distribution or end a beam elsewhere
+        is refused rather than silently ignored (vLLM ignores them).
+        Sampling knobs (top_p, top_k, min_p, seed) have nothing to act on."""
+        if self.logprob_token_ids:
+            raise ValueError("logprob_token_ids: is not supported with beam search")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: is not supported with beam search")
+        unsupported = {
+            "stop": bool(self.stop_list), "stop_token_ids": bool(self.stop_token_ids),
+            "logit_bias": bool(self.logit_bias), "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words), "min_tokens": self.min_tokens > 0,
+            "presence_penalty": self.presence_penalty != 0.0, "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+            **{f: getattr(self, f) is not None and not (f == "response_format" and self.response_format.type == "text")
+               for f in STRUCTURED_FIELDS},
+        }
+        field = next((f for f, given in unsupported.items() if given), None)
+        if field is not None:
+            raise ValueError(f"{field}: is not supported with beam search")
 
     @property
     def _priority_class(self) -> str | None:
@@ -332,14 +366,24 @@ class CompletionRequest(_SamplingFields):
     # A string, a list of strings, a list of token ids, or a list of those.
     prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Field(ge=-1)] | None = None  # -1: the whole vocabulary
     echo: bool = False
 
     @model_validator(mode="after")
     def _check_prompt(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt: must not be empty")
+        if self.logprob_token_ids and self.logprobs is None:
+            raise ValueError("logprob_token_ids: needs logprobs to be set")
+        if self.use_beam_search and self.stream:
+            raise ValueError("stream: streaming is not supported with beam search")
         return self
+
+    @property
+    def top_n(self) -> int | None:
+        """Alternatives each logprobs position lists: -1 for every entry the
+        engine returned (the whole vocabulary, or the logprob_token_ids)."""
+        return -1 if self.logprob_token_ids else self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts, each a string or token ids."""
@@ -389,7 +433,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Field(ge=-1)] | None = None  # -1: the whole vocabulary
     add_generation_prompt: bool = True
     # Render the last (assistant) message open, so the reply continues it.
     continue_final_message: bool = False
@@ -404,8 +448,21 @@ class ChatCompletionRequest(_SamplingFields):
     def _check_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.logprob_token_ids and not self.logprobs:
+            raise ValueError("logprob_token_ids: requires logprobs to be true")
+        if self.use_beam_search and self.tool_choice_mode in ("required", "named"):
+            raise ValueError("tool_choice: a forced tool call is not supported with beam search")
         _check_template_flags(self)
         return self
+
+    @property
+    def top_n(self) -> int | None:
+        """Alternatives each logprobs position lists (None: no logprobs; -1:
+        every entry the engine returned, the whole vocabulary or the
+        logprob_token_ids)."""
+        if not self.logprobs:
+            return None
+        return -1 if self.logprob_token_ids else (self.top_logprobs or 0)
 
     @property
     def reply_role(self) -> str:
@@ -442,6 +499,37 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class BatchChatCompletionRequest(BaseModel):
+    """vLLM's /v1/chat/completions/batch: a chat body whose ``messages`` is a
+    list of conversations, one choice each (indexed in order). Only the
+    batch's own shape is checked here; each conversation is then validated
+    as a whole ``ChatCompletionRequest``, so every other field means what it
+    means there. Streaming, tools, beam search and n > 1 are refused, as vLLM
+    refuses them (vLLM ignores ``stream`` and ``tools``; a 400 says it)."""
+
+    model_config = ConfigDict(extra="allow")  # the other fields, for each conversation's own validation
+    messages: Annotated[list[Annotated[list[ChatMessage], Field(min_length=1)]], Field(min_length=1)]
+    n: int | None = 1
+    stream: bool | None = False
+    use_beam_search: bool = False
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> "BatchChatCompletionRequest":
+        if self.use_beam_search:
+            raise ValueError("use_beam_search: batch chat completions do not support beam search")
+        if self.n not in (None, 1):
+            raise ValueError("n: batch chat completions do not support n > 1")
+        if self.stream:
+            raise ValueError("stream: batch chat completions are not streamed")
+        if self.tools:
+            raise ValueError("tools: batch chat completions do not support tools")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError('tool_choice: batch chat completions only take "none"')
+        return self
 
 
 def _check_template_flags(req: Any) -> None:
@@ -723,6 +811,7 @@ REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
     "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
     "/detokenize": (DetokenizeRequest,),
     "/invocations": (CompletionRequest, ChatCompletionRequest),
+    "/v1/chat/completions/batch": (BatchChatCompletionRequest,),
 }
 
 

@@ -70,6 +70,11 @@ def _sampled(entry: TokenLogprobs, token_id: int, decode: Decode) -> Logprob:
 
 
 def _top(entry: TokenLogprobs, top_n: int) -> list[tuple[int, Logprob]]:
+    """The ``top_n`` likeliest of a position's entries; a negative ``top_n``
+    (-1: the whole vocabulary, or logprob_token_ids) lists every entry the
+    engine returned, in its order (the sampled token first), as vLLM does."""
+    if top_n < 0:
+        return list(entry.items())
     ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
     return [(t, lp) for t, lp in ranked if lp.rank <= top_n][:top_n]
 

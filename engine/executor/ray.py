@@ -193,10 +193,11 @@ class RayExecutor(Executor):
         return "cpu"
 
     def _reserve(self, device: str):
-        """One bundle per rank, packed onto as few nodes as possible (every
-        layer all-reduces, so ranks on one node talk fastest)."""
+        """One bundle per rank, all on one node (every layer all-reduces:
+        ranks on one node talk over NVLink or shared memory, not the
+        network). Data-parallel replicas are what spreads over nodes."""
         bundle = {"GPU": 1, "CPU": 1} if device == "cuda" else {"CPU": 1}
-        pg = placement_group([dict(bundle) for _ in range(self.size)], strategy="PACK")
+        pg = placement_group([dict(bundle) for _ in range(self.size)], strategy="STRICT_PACK")
         try:
             ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except GetTimeoutError:

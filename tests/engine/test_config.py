@@ -102,3 +102,35 @@ def test_the_server_protects_online_requests_beside_the_batch_api_unless_told():
     assert cap("--data-dir", "/d", "--online-slowdown-cap", "0") is None  # off, as asked
     assert cap("--data-dir", "/d", "--online-slowdown-cap", "1.5") == 1.5
     assert cap("--data-dir", "/d", "--online-tpot-slo-ms", "30") is None  # an SLO replaces it
+
+
+def test_a_cpu_server_with_the_batch_api_checks_for_online_arrivals_twice_a_layer():
+    parse = cli.build_parser().parse_args
+
+    def layers(*argv: str) -> float:
+        return cli.engine_config_from_args(parse(["serve", "--device", "cpu", *argv])).scheduler \
+            .preemption_safepoint_layers
+
+    default = SchedulerConfig().preemption_safepoint_layers
+    assert layers() == default  # nothing offline to interrupt
+    assert layers("--data-dir", "/d") == cli.COSERVING_CPU_SAFEPOINT_LAYERS
+    assert layers("--data-dir", "/d", "--preemption-safepoint-layers", "2") == 2  # as asked
+    assert layers("--data-dir", "/d", "--preemption-safepoint-layers", "0") == 0
+    on_gpu = cli.engine_config_from_args(parse(["serve", "--device", "cuda", "--data-dir", "/d"]))
+    assert on_gpu.scheduler.preemption_safepoint_layers == default
+
+
+def test_data_parallel_flags_and_the_routing_policies_the_router_knows():
+    from fluidserve.engine.config import ROUTING_POLICIES
+    from fluidserve.scheduler import router
+
+    assert ROUTING_POLICIES == router.ROUTING_POLICIES
+    assert EngineConfig().parallel.routing_balance_threshold_ms == router.DEFAULT_BALANCE_THRESHOLD_S * 1e3
+    parse = cli.build_parser().parse_args
+    config = cli.engine_config_from_args(parse(["serve", "-dp", "3", "--routing-policy", "least-loaded"]))
+    assert (config.data_parallel_size, config.routing_policy) == (3, "least-loaded")
+    assert config.replace(data_parallel_size=1).routing_policy == "least-loaded"
+    with pytest.raises(ValueError, match="^--data-parallel-size must be positive"):
+        cli.engine_config_from_args(parse(["serve", "--data-parallel-size", "0"]))
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parse(["serve", "--routing-policy", "random"])

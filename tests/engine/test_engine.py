@@ -168,7 +168,7 @@ def test_bad_input_raises_and_engine_keeps_serving(tiny_model, make_llm, prompt,
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"n": 0}, "n"),
-        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),  # the cap of 20 is the server's (--max-logprobs)
     ],
 )
 def test_bad_sampling_params_name_the_parameter(kwargs, param_name):

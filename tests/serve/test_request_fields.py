@@ -229,6 +229,23 @@ def check_logprobs(_s, body, _b):
     assert len(lp["token_logprobs"]) == 12 and all(v <= 0 for v in lp["token_logprobs"])
 
 
+def check_logprob_token_ids(_s, body, _b):
+    # The asked-for ids replace the top N: each position lists the sampled token and them.
+    lp = body["choices"][0]["logprobs"]
+    assert all(set(top) == {tok, "q", "z"} for tok, top in zip(lp["tokens"], lp["top_logprobs"]))
+
+
+def check_beam_width_one(s, body, _b):
+    # One beam over the unmasked vocabulary is greedy decoding (tests/serve/test_beam_search.py has the rest).
+    greedy = post(s, C, {**BASE, "allowed_token_ids": None}).json()
+    assert text_of(body) == text_of(greedy) and len(body["choices"]) == 1
+
+
+def check_two_beams(_s, body, _b):
+    first, second = body["choices"]  # (bytes that are no whole character all read U+FFFD: compare ids)
+    assert first["token_ids"] != second["token_ids"] and len(first["token_ids"]) == 12
+
+
 def check_prompt_logprobs(_s, body, b):
     # vLLM's shape: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}.
     entries = body["choices"][0]["prompt_logprobs"] if "text" in body["choices"][0] else body["prompt_logprobs"]
@@ -345,6 +362,13 @@ ROWS: list[tuple[str, str, dict, Check, tuple[str, ...]]] = [
     ("logprobs", C, {"logprobs": 2}, check_logprobs, ("logprobs",)),
     ("echo_logprobs", C, {"echo": True, "logprobs": 1}, check_echo_logprobs, ()),
     ("prompt_logprobs", C, {"prompt_logprobs": 1}, check_prompt_logprobs, ("prompt_logprobs",)),
+    ("logprob_token_ids", C, {"logprobs": 0, "logprob_token_ids": [ord("q"), ord("z")]}, check_logprob_token_ids,
+     ("logprob_token_ids",)),
+    ("use_beam_search", C, {"use_beam_search": True, "allowed_token_ids": None}, check_beam_width_one,
+     ("use_beam_search",)),
+    ("length_penalty", C, {"use_beam_search": True, "allowed_token_ids": None, "n": 2, "length_penalty": 0.5,
+                        "return_token_ids": True},
+     check_two_beams, ("length_penalty",)),
     ("prompt_ids", C, {"prompt": list(b"Hello")}, same_text, ("prompt",)),
     # Fields with no effect on generation by their own specification.
     ("user", C, {"user": "u-1"}, same_text, ("user",)),
@@ -393,8 +417,7 @@ ROWS: list[tuple[str, str, dict, Check, tuple[str, ...]]] = [
 
 # Known, not implemented: a value other than "off" is a 400 naming the field.
 REFUSED: list[tuple[str, str, Any]] = [
-    (C, "use_beam_search", True),
-    (C, "length_penalty", 0.5),
+    (C, "length_penalty", 0.5),  # without use_beam_search: nothing to act on
     (C, "logits_processors", ["x"]),
     (C, "cache_salt", "salt"),
     (C, "kv_transfer_params", {"a": 1}),

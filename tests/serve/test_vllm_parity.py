@@ -1,7 +1,9 @@
 """Behaviours that follow vLLM's OpenAI server point by point (issue #32):
 chat template variables, continued and echoed chat messages, streamed
-choices, usage, logprobs, model cards, validation, token ids in responses,
-vLLM's server options and forced tool calls with ``$defs``.
+choices, usage, logprobs (``logprob_token_ids``, -1 for the whole vocabulary,
+``--max-logprobs``), model cards, validation, token ids in responses, vLLM's
+server options, forced tool calls with ``$defs``, ``/tokenizer_info`` and
+``/v1/chat/completions/batch``. Beam search: tests/serve/test_beam_search.py.
 
 The tiny model's byte tokenizer makes ids readable: the id of a byte is the
 byte. Its chat template here also writes ``<think></think>`` when
@@ -10,6 +12,7 @@ byte. Its chat template here also writes ``<think></think>`` when
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -21,6 +24,7 @@ from fluidserve.engine.tiny_model import CHAT_TEMPLATE
 from fluidserve.serve.api import ServerSettings
 from fluidserve.serve.inputs import Prompt
 from fluidserve.serve.render import make_usage
+import server_utils
 from server_utils import start_server
 
 LETTERS = list(range(ord("a"), ord("z") + 1))
@@ -31,7 +35,9 @@ CHAT_BASE = {"messages": MSGS, "max_tokens": 8, "temperature": 0, "ignore_eos": 
 THINKING_TEMPLATE = (CHAT_TEMPLATE
                      + "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
 FLAGS = ServerSettings(return_tokens_as_token_ids=True, enable_force_include_usage=True,
-                       enable_request_id_headers=True, enable_prompt_tokens_details=True)
+                       enable_request_id_headers=True, enable_prompt_tokens_details=True,
+                       enable_tokenizer_info_endpoint=True)
+VOCAB = 261  # the tiny model's byte tokenizer: 256 bytes and 5 specials
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +62,17 @@ def server(model_dir):
 @pytest.fixture(scope="module")
 def flagged(model_dir):
     srv = start_server(model_dir, FLAGS, max_model_len=256)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def whole_vocab(model_dir):
+    """A server started as with ``--max-logprobs -1``: no cap below the vocabulary."""
+    real = server_utils.model_info
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(server_utils, "model_info", lambda engine: dataclasses.replace(real(engine), max_logprobs=-1))
+        srv = start_server(model_dir, max_model_len=256)
     yield srv
     srv.stop()
 
@@ -348,7 +365,8 @@ def test_server_flags_on_the_command_line(tiny_model, tmp_path):
     port = free_port()
     args = [tiny_model("llama"), "--max-model-len", "256", "--num-kv-blocks", "64", "--device", "cpu",
             "--swap-space", "0", "--return-tokens-as-token-ids", "--enable-force-include-usage",
-            "--enable-request-id-headers", "--enable-prompt-tokens-details"]
+            "--enable-request-id-headers", "--enable-prompt-tokens-details", "--max-logprobs", "5",
+            "--enable-tokenizer-info-endpoint"]
     proc = start_subprocess_server(args, port, tmp_path / "server.log")
     base = f"http://127.0.0.1:{port}"
     try:
@@ -359,6 +377,133 @@ def test_server_flags_on_the_command_line(tiny_model, tmp_path):
         with httpx.stream("POST", f"{base}{C}", json={**BASE, "stream": True}, timeout=60) as r:
             last = [ln for ln in r.iter_lines() if ln.startswith("data: {")][-1]
         assert json.loads(last[6:])["usage"]["completion_tokens"] == 8
+        assert httpx.post(f"{base}{C}", json={**BASE, "logprobs": 5}, timeout=60).status_code == 200
+        capped = httpx.post(f"{base}{C}", json={**BASE, "logprobs": 6}, timeout=60).json()["error"]
+        assert capped["message"].endswith("max allowed: 5") and capped["param"] == "logprobs"
+        assert httpx.get(f"{base}/tokenizer_info", timeout=10).json()["tokenizer_class"]
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+# -- 9. logprob_token_ids, -1 and --max-logprobs ------------------------------------------
+
+ASKED = [ord("q"), ord("z")]
+
+
+def test_logprob_token_ids_replace_the_top_n(server, whole_vocab):
+    as_ids = {"return_tokens_as_token_ids": True}
+    got = ok(server, C, {**BASE, **as_ids, "logprobs": 3, "logprob_token_ids": ASKED})["choices"][0]["logprobs"]
+    full = ok(whole_vocab, C, {**BASE, **as_ids, "logprobs": -1})["choices"][0]["logprobs"]
+    asked = {f"token_id:{t}" for t in ASKED}
+    for tok, top, all_of_them in zip(got["tokens"], got["top_logprobs"], full["top_logprobs"]):
+        assert set(top) == {tok} | asked  # the sampled token and the asked ids, not the top 3
+        assert top == pytest.approx({k: all_of_them[k] for k in top}, abs=1e-5)
+    chat = ok(server, CHAT, {**CHAT_BASE, "logprobs": True, "top_logprobs": 5, "logprob_token_ids": ASKED})
+    for pos in chat["choices"][0]["logprobs"]["content"]:
+        listed = [t["token"] for t in pos["top_logprobs"]]
+        assert listed == list(dict.fromkeys([pos["token"], "q", "z"]))  # vLLM's order: sampled, then as asked
+        assert pos["top_logprobs"][0]["logprob"] == pos["logprob"]
+
+
+@pytest.mark.parametrize("path, body", [
+    (C, {"logprob_token_ids": ASKED}),  # needs logprobs
+    (C, {"logprobs": 0, "logprob_token_ids": []}),
+    (C, {"logprobs": 0, "logprob_token_ids": [VOCAB]}),
+    (C, {"logprobs": 0, "logprob_token_ids": list(range(129))}),
+    (CHAT, {"logprob_token_ids": ASKED}),
+    (CHAT, {"logprobs": True, "logprob_token_ids": ASKED, "use_beam_search": True, "n": 2}),
+], ids=["no-logprobs", "empty", "past-vocab", "over-128", "chat-no-logprobs", "beam-search"])
+def test_bad_logprob_token_ids_are_400(server, path, body):
+    resp = post(server, path, {**(BASE if path == C else CHAT_BASE), **body})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "logprob_token_ids"
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    (C, {"logprobs": -1}, "logprobs", f"Requested sample logprobs of {VOCAB}, which is greater than max allowed: 20"),
+    (C, {"logprobs": 21}, "logprobs", "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    (CHAT, {"logprobs": True, "top_logprobs": -1}, "top_logprobs",
+     f"Requested sample logprobs of {VOCAB}, which is greater than max allowed: 20"),
+    (C, {"prompt_logprobs": -1}, "prompt_logprobs",
+     f"Requested prompt logprobs of {VOCAB}, which is greater than max allowed: 20"),
+    (C, {"echo": True, "logprobs": -1}, "logprobs", None),
+    (C, {"logprobs": -2}, "logprobs", None),
+    (CHAT, {"logprobs": True, "top_logprobs": -2}, "top_logprobs", None),
+])
+def test_logprobs_past_the_cap_are_400_as_vllm_says(server, path, body, param, message):
+    resp = post(server, path, {**(BASE if path == C else CHAT_BASE), **body})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and (message is None or err["message"] == message), err
+
+
+def test_minus_one_is_the_whole_vocabulary(whole_vocab):
+    import math
+
+    body = {**BASE, "max_tokens": 3, "return_tokens_as_token_ids": True}
+    lp = ok(whole_vocab, C, {**body, "logprobs": -1})["choices"][0]["logprobs"]
+    assert all(len(top) == VOCAB for top in lp["top_logprobs"])
+    assert all(sum(map(math.exp, top.values())) == pytest.approx(1.0, abs=1e-3) for top in lp["top_logprobs"])
+    chat = ok(whole_vocab, CHAT, {**CHAT_BASE, "max_tokens": 3, "logprobs": True, "top_logprobs": -1})
+    assert all(len(pos["top_logprobs"]) == VOCAB for pos in chat["choices"][0]["logprobs"]["content"])
+    prompt = ok(whole_vocab, C, {**body, "prompt_logprobs": -1})["choices"][0]["prompt_logprobs"]
+    assert prompt[0] is None and all(len(entry) == VOCAB for entry in prompt[1:])
+
+
+# -- 10. /tokenizer_info -------------------------------------------------------------------
+
+
+def test_tokenizer_info_behind_its_flag(server, flagged, model_dir):
+    from transformers import AutoTokenizer
+
+    assert httpx.get(f"{server.base_url}/tokenizer_info").status_code == 404
+    resp = httpx.get(f"{flagged.base_url}/tokenizer_info")
+    assert resp.status_code == 200, resp.text
+    info = resp.json()
+    assert info["tokenizer_class"] == type(AutoTokenizer.from_pretrained(model_dir)).__name__
+    assert info["chat_template"] == THINKING_TEMPLATE
+    assert info["eos_token"] == "<|eos|>" and info["bos_token"] == "<|bos|>"
+    assert not [k for k in info if k.endswith("_file")]  # no paths of the server's disk
+
+
+# -- 11. /v1/chat/completions/batch -------------------------------------------------------------
+
+CONVERSATIONS = [MSGS, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "xyz"}]]
+
+
+def test_chat_batch_answers_each_conversation(server):
+    shared = {k: v for k, v in CHAT_BASE.items() if k != "messages"}
+    shared.update(logprobs=True, top_logprobs=1, return_token_ids=True)
+    singles = [ok(server, CHAT, {**shared, "messages": conv}) for conv in CONVERSATIONS]
+    batch = ok(server, "/v1/chat/completions/batch", {**shared, "messages": CONVERSATIONS})
+    assert batch["object"] == "chat.completion" and batch["id"].startswith("chatcmpl-")
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    for got, single in zip(batch["choices"], singles):
+        want = single["choices"][0]
+        assert got["message"] == want["message"] and got["token_ids"] == want["token_ids"]
+        assert got["finish_reason"] == want["finish_reason"]
+        # Batched together the logits differ in the last float bits.
+        pairs = list(zip(got["logprobs"]["content"], want["logprobs"]["content"], strict=True))
+        assert all(a["token"] == b["token"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+                   and [t["token"] for t in a["top_logprobs"]] == [t["token"] for t in b["top_logprobs"]]
+                   for a, b in pairs)
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert batch["usage"][key] == sum(s["usage"][key] for s in singles)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n": 2}, "n"),
+    ({"stream": True}, "stream"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"tools": [UNIT_TOOL]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"messages": []}, "messages"),
+    ({"messages": [MSGS, []]}, "messages"),
+    ({"messages": MSGS}, "messages"),  # one conversation, not a list of them
+    ({"top_logprobs": 2}, "top_logprobs"),  # each conversation's own validation
+])
+def test_chat_batch_refuses_as_vllm_does(server, body, param):
+    resp = post(server, "/v1/chat/completions/batch", {"messages": CONVERSATIONS, "max_tokens": 2, **body})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param

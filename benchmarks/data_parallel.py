@@ -1,0 +1,175 @@
+"""Data-parallel replicas on the real engine, through the server: what
+``--data-parallel-size 2`` buys against one engine, side by side in one run.
+
+Both servers serve the same dummy-weight model (``--preset``, default
+``cpu-small``) and get the same load from ``fluidserve bench``; each figure
+is a ratio of the two in this run:
+
+* saturation: every request at once; output tokens/s (2 replicas of one torch
+  thread each against one engine of one torch thread: the replicas' gain is
+  what a second engine adds, not more threads for one);
+* shared prefix: requests sharing a long prefix, all at once; the prefix
+  cache hit rate summed over the replicas (``vllm:prefix_cache_*`` of every
+  ``engine``) against the single engine's, and the router's prefix share;
+* light load: requests one at a time at a low rate; mean TTFT (what the extra
+  hop from the front end to a replica's actor costs).
+
+    python benchmarks/data_parallel.py [--preset cpu-small] [--rounds 2]
+
+Writes benchmarks/results/data_parallel-<device>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from dummy_models import PRESETS, build_model_dir, device_slug, save_results
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVE_ARGS = ["--load-format", "dummy", "--device", "cpu", "--max-model-len", "2048", "--swap-space", "0",
+              "--max-num-seqs", "64"]
+WORKLOADS = {
+    "saturation": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64",
+                   "--num-requests", "96", "--request-rate", "inf"],
+    "shared-prefix": ["--dataset-name", "random", "--random-prefix-len", "512", "--random-input-len", "64",
+                      "--random-output-len", "16", "--num-requests", "64", "--request-rate", "inf"],
+    "light-load": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "16",
+                   "--num-requests", "16", "--request-rate", "0.5"],
+}
+SETUPS = {"one engine": [], "2 replicas": ["--data-parallel-size", "2"]}
+
+
+def start(model_dir: Path, extra: list[str], port: int, log: Path) -> subprocess.Popen:
+    # One torch thread per engine: the single engine's own, and (split by
+    # the server among the replicas) each replica's on two cores.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if not extra else dict(os.environ)
+    cmd = [sys.executable, "-m", "fluidserve.serve.cli", "serve", str(model_dir), *SERVE_ARGS, *extra,
+           "--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError("server did not become healthy")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def metrics(port: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def total(m: dict[str, float], name: str) -> float:
+    return sum(v for k, v in m.items() if k == name or k.startswith(name + "{"))
+
+
+def bench(port: int, model_dir: Path, workload: str, out: Path, seed: int) -> dict:
+    cmd = [sys.executable, "-m", "fluidserve.serve.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
+           "--tokenizer", str(model_dir), *WORKLOADS[workload], "--ignore-eos", "--seed", str(seed),
+           "--output", str(out), "--no-progress"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def run_setup(name: str, model_dir: Path, tmp: Path, port: int, seed: int) -> dict:
+    proc = start(model_dir, SETUPS[name], port, tmp / f"{name}.log")
+    try:
+        row: dict = {}
+        for k, workload in enumerate(WORKLOADS):
+            before = metrics(port)
+            # Each workload its own random prompts: none hits what an earlier one cached.
+            r = bench(port, model_dir, workload, tmp / f"{name}-{workload}.json", seed * len(WORKLOADS) + k)
+            after = metrics(port)
+            row[workload] = {
+                "output_throughput": r["output_throughput"], "mean_ttft_ms": r["mean_ttft_ms"],
+                "p99_ttft_ms": r["p99_ttft_ms"], "completed": r["completed"],
+                "prefix_hit_rate": (total(after, "vllm:prefix_cache_hits_total")
+                                    - total(before, "vllm:prefix_cache_hits_total"))
+                / max(1.0, total(after, "vllm:prefix_cache_queries_total")
+                      - total(before, "vllm:prefix_cache_queries_total")),
+                "routed_prefix": sum(v - before.get(k, 0.0) for k, v in after.items()
+                                     if k.startswith("fluidserve_router_requests_total") and 'reason="prefix"' in k),
+            }
+            print(f"{name:>10} {workload:>13}: {row[workload]}", flush=True)
+        return row
+    finally:
+        stop(proc)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
+    ap.add_argument("--rounds", type=int, default=2, help="each round runs both setups, alternating their order")
+    ap.add_argument("--port", type=int, default=8471)
+    ap.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "data_parallel-cpu")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        model_dir = build_model_dir(args.preset, tmp / "model")
+        rounds = []
+        for i in range(args.rounds):
+            order = list(SETUPS) if i % 2 == 0 else list(SETUPS)[::-1]
+            rounds.append({name: run_setup(name, model_dir, tmp, args.port, seed=i) for name in order})
+    one, two = "one engine", "2 replicas"
+
+    def med(workload: str, key: str, setup: str) -> float:
+        return statistics.median(r[setup][workload][key] for r in rounds)
+
+    figures = {
+        "throughput_ratio": med("saturation", "output_throughput", two) / med("saturation", "output_throughput", one),
+        "prefix_hit_rate": {one: med("shared-prefix", "prefix_hit_rate", one),
+                            two: med("shared-prefix", "prefix_hit_rate", two)},
+        "light_load_ttft_ratio": med("light-load", "mean_ttft_ms", two) / med("light-load", "mean_ttft_ms", one),
+    }
+    lines = [f"# Data-parallel replicas against one engine ({args.preset}, {len(rounds)} rounds, medians)", "",
+             "| workload | figure | one engine | 2 replicas | 2 replicas / one |", "|---|---|---|---|---|"]
+    for workload, key, unit in (("saturation", "output_throughput", "output tok/s"),
+                                ("shared-prefix", "prefix_hit_rate", "prefix hit rate"),
+                                ("shared-prefix", "mean_ttft_ms", "mean TTFT ms"),
+                                ("light-load", "mean_ttft_ms", "mean TTFT ms"),
+                                ("light-load", "p99_ttft_ms", "P99 TTFT ms")):
+        a, b = med(workload, key, one), med(workload, key, two)
+        lines.append(f"| {workload} | {unit} | {a:.3g} | {b:.3g} | {b / a if a else float('nan'):.2f}x |")
+    lines += ["", f"Saturation throughput: {figures['throughput_ratio']:.2f}x one engine (target >= 1.7x). "
+              f"Shared-prefix hit rate: {figures['prefix_hit_rate'][two]:.1%} against "
+              f"{figures['prefix_hit_rate'][one]:.1%} (target: within 10%). Light-load TTFT: "
+              f"{figures['light_load_ttft_ratio']:.2f}x (target: within 1.05x).",
+              "", "Each engine computes on one torch thread; `python benchmarks/data_parallel.py` "
+              f"on {os.cpu_count()} cores."]
+    record = {"preset": args.preset, "device": device_slug("cpu"), "cores": os.cpu_count(), "rounds": rounds,
+              "figures": figures, "workloads": WORKLOADS}
+    save_results(args.output, record, "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
