@@ -12,7 +12,11 @@ is a ratio of the two in this run:
   cache hit rate summed over the replicas (``vllm:prefix_cache_*`` of every
   ``engine``) against the single engine's, and the router's prefix share;
 * light load: requests one at a time at a low rate; mean TTFT (what the extra
-  hop from the front end to a replica's actor costs).
+  hop from the front end to a replica's actor costs, with the rest of the
+  server around it);
+* the hop alone, in this process: one-token requests on the built-in tiny
+  model, one at a time, through an in-process ``AsyncEngine`` and through 2
+  replicas (the add's round trip and the poll's return).
 
     python benchmarks/data_parallel.py [--preset cpu-small] [--rounds 2]
 
@@ -125,6 +129,36 @@ def run_setup(name: str, model_dir: Path, tmp: Path, port: int, seed: int) -> di
         stop(proc)
 
 
+def hop_latency(requests: int = 40) -> dict[str, float]:
+    """Median ms from add to the finished output of a one-token request."""
+    import asyncio
+
+    from fluidserve.engine.async_engine import AsyncEngine
+    from fluidserve.engine.config import EngineConfig
+    from fluidserve.engine.data_parallel import DataParallelEngine
+    from fluidserve.engine.engine import LLMEngine
+    from fluidserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    flags = dict(device="cpu", num_kv_blocks=64, max_model_len=128, swap_space=0)
+
+    async def measure(front) -> float:
+        front.start()
+        times = []
+        for i in range(requests):
+            start = time.perf_counter()
+            async for _ in await front.add_request(f"hop-{i}", [1, 2, 3, 4 + i % 50] * 8, params):
+                pass
+            times.append((time.perf_counter() - start) * 1e3)
+            await asyncio.sleep(0.05)
+        await front.shutdown()
+        return statistics.median(times[5:])  # the first few warm the caches
+
+    local = asyncio.run(measure(AsyncEngine(LLMEngine(EngineConfig.create(**flags)))))
+    replicas = DataParallelEngine(EngineConfig.create(**flags, data_parallel_size=2), torch_threads=1)
+    return {"in-process ms": local, "2 replicas ms": asyncio.run(measure(replicas))}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
@@ -132,6 +166,8 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8471)
     ap.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "data_parallel-cpu")
     args = ap.parse_args()
+    hop = hop_latency()
+    print(f"hop: {hop}", flush=True)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model_dir = build_model_dir(args.preset, tmp / "model")
@@ -149,6 +185,7 @@ def main() -> int:
         "prefix_hit_rate": {one: med("shared-prefix", "prefix_hit_rate", one),
                             two: med("shared-prefix", "prefix_hit_rate", two)},
         "light_load_ttft_ratio": med("light-load", "mean_ttft_ms", two) / med("light-load", "mean_ttft_ms", one),
+        "hop_ms": hop,
     }
     lines = [f"# Data-parallel replicas against one engine ({args.preset}, {len(rounds)} rounds, medians)", "",
              "| workload | figure | one engine | 2 replicas | 2 replicas / one |", "|---|---|---|---|---|"]
@@ -162,7 +199,9 @@ def main() -> int:
     lines += ["", f"Saturation throughput: {figures['throughput_ratio']:.2f}x one engine (target >= 1.7x). "
               f"Shared-prefix hit rate: {figures['prefix_hit_rate'][two]:.1%} against "
               f"{figures['prefix_hit_rate'][one]:.1%} (target: within 10%). Light-load TTFT: "
-              f"{figures['light_load_ttft_ratio']:.2f}x (target: within 1.05x).",
+              f"{figures['light_load_ttft_ratio']:.2f}x (target: within 1.05x). The hop alone (tiny model, "
+              f"one-token requests one at a time, median): {hop['in-process ms']:.1f} ms in-process against "
+              f"{hop['2 replicas ms']:.1f} ms through 2 replicas.",
               "", "Each engine computes on one torch thread; `python benchmarks/data_parallel.py` "
               f"on {os.cpu_count()} cores."]
     record = {"preset": args.preset, "device": device_slug("cpu"), "cores": os.cpu_count(), "rounds": rounds,
