@@ -422,7 +422,7 @@ class DataParallelEngine:
                 self._dispatch(replica, outputs)
             if stats is not None:
                 replica.stats = stats
-                self.router.report(replica.index, self._load(replica, stats))
+                self.router.report_kv_usage(replica.index, stats.kv_blocks_used / max(1, stats.kv_blocks_total))
             if unhealthy is not None:
                 self._mark_down(replica, unhealthy, kill=True)
 
@@ -442,21 +442,6 @@ class DataParallelEngine:
             if out.finished or out.error is not None:
                 self._requests.pop(out.request_id, None)
                 self._forget(flight)
-
-    def _load(self, replica: _Replica, stats: Any) -> Any:
-        from fluidserve.scheduler.router import ReplicaLoad
-
-        # Requests as this front end knows them at this instant (sent and
-        # no token back yet: queued; tokens coming: running), so a report
-        # never contradicts the router's own tally with a stale count; KV
-        # usage as the replica last measured it.
-        flights = [self._requests[rid] for rid in replica.requests if rid in self._requests]
-        waiting = [f for f in flights if not f.stream.got_output]
-        return ReplicaLoad(queued_prefill_tokens=sum(len(f.prompt) for f in waiting),
-                           running=len(flights) - len(waiting),
-                           kv_usage=stats.kv_blocks_used / max(1, stats.kv_blocks_total),
-                           queued_offline_prefill_tokens=sum(len(f.prompt) for f in waiting
-                                                             if f.klass == "offline"))
 
     # -- failure -------------------------------------------------------------------
     def _mark_down(self, replica: _Replica, reason: str, kill: bool = False) -> None:
@@ -482,7 +467,7 @@ class DataParallelEngine:
             else:
                 asyncio.ensure_future(self._resend(flight, replica.index))
         if kill:
-            self._restart(replica)
+            _kill(replica.actor, restart=True)
 
     async def _resend(self, flight: _InFlight, dead: int) -> None:
         try:
@@ -491,14 +476,6 @@ class DataParallelEngine:
             self._requests.pop(flight.request_id, None)
             err = exc if isinstance(exc, (EngineDeadError, RequestFailedError)) else RequestFailedError(str(exc))
             flight.stream._put(err)
-
-    def _restart(self, replica: _Replica) -> None:
-        import ray
-
-        try:
-            ray.kill(replica.actor, no_restart=False)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
 
     async def _await_restart(self, replica: _Replica) -> None:
         try:
@@ -520,13 +497,17 @@ class DataParallelEngine:
             flight.stream._put(exc)
 
     def _kill_all(self) -> None:
-        import ray
-
         for r in self.replicas:
-            try:
-                ray.kill(r.actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+            _kill(r.actor, restart=False)
+
+
+def _kill(actor: Any, restart: bool) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=not restart)
+    except Exception:  # noqa: BLE001 - already gone (or Ray is): nothing left to stop
+        pass
 
 
 async def _await_ref(ref: Any) -> Any:

@@ -307,6 +307,12 @@ class Router:
         self._adj_running[replica] = load.running - self._running[replica]
         self._kv_usage[replica] = load.kv_usage
 
+    def report_kv_usage(self, replica: int, kv_usage: float) -> None:
+        """Where the front end sees every request start and finish (the
+        engine's own front end), its tally is already the replica's queue:
+        only the KV usage is news."""
+        self._kv_usage[replica] = kv_usage
+
     def set_healthy(self, replica: int, healthy: bool) -> None:
         """An unhealthy replica is never chosen. Either way its prefix index
         and its last report are dropped: a restarted engine has an empty

@@ -248,3 +248,12 @@ def test_make_router_rejects_unknown_policies():
         make_router("random", 2, block_size=BS)
     with pytest.raises(ValueError):
         make_router("prefix-aware", 0, block_size=BS)
+
+
+def test_kv_usage_alone_steers_the_choice():
+    """The engine's front end tallies requests itself and reports only KV usage."""
+    r = make_router("least-loaded", 2, block_size=4)
+    assert r.route("a", list(range(8))).replica == 0  # a tie goes to the first
+    r.finished("a")
+    r.report_kv_usage(0, 0.99)  # nearly full: an arrival there would wait for room
+    assert r.route("b", list(range(8))).replica == 1
