@@ -13,6 +13,14 @@ Variants on the same jobs, same model, same device:
                              ``--slack-sweep`` runs other slacks, and
                              ``--gap-sweep`` gap bounds (``--max-token-gap-ms``)
                              of a few full-budget steps, without a slack
+* ``skip-join + proactive, KV loans``  ``--swap-loan-tokens 32``
+                             (scheduler/loans.py): streams keep their place;
+                             a request whose max_tokens is at most 32 may
+                             borrow KV from streams whose streamed tokens
+                             cover its stay; ``--loan-sweep`` runs other caps.
+                             The simulator's jobs carry their true output
+                             length as max_tokens: the figures are for
+                             clients that state a tight cap on short requests
 
 Presets are memory-bound on purpose: OPT-13B on a 40 GB A100 (FastServe's
 setting), Llama-3-8B on an H100 with an eighth of its KV pool, Llama-3-8B with
@@ -57,12 +65,25 @@ SKIP_JOIN = "skip-join-mlfq"
 # The deadline variant's slack: a request's TPOT within 1.25x of its own pace
 # (the P99 TPOT ratio asked of the scheduler, not a tuned value).
 SLACK = 1.25
-VARIANTS = [  # (label, policy, preemption mode, proactive, swap_tpot_slack; 0: none, the default flags)
-    ("fcfs + recompute", "fcfs", "recompute", False, 0.0),
-    ("skip-join + recompute", SKIP_JOIN, "recompute", False, 0.0),
-    ("skip-join + proactive swap (default flags)", SKIP_JOIN, "swap", True, 0.0),
-    (f"skip-join + proactive swap, slack {SLACK:g}", SKIP_JOIN, "swap", True, SLACK),
+# The loan variant's cap: requests of up to 32 output tokens borrow (not a
+# tuned value: --loan-sweep shows the others).
+LOAN_TOKENS = 32
+VARIANTS = [  # (label, policy, preemption mode, proactive, swap_tpot_slack (0: none), swap_loan_tokens (None: off))
+    ("fcfs + recompute", "fcfs", "recompute", False, 0.0, None),
+    ("skip-join + recompute", SKIP_JOIN, "recompute", False, 0.0, None),
+    ("skip-join + proactive swap (default flags)", SKIP_JOIN, "swap", True, 0.0, None),
+    (f"skip-join + proactive swap, slack {SLACK:g}", SKIP_JOIN, "swap", True, SLACK, None),
+    (f"skip-join + proactive swap, KV loans (max_tokens <= {LOAN_TOKENS})", SKIP_JOIN, "swap", True, 0.0,
+     LOAN_TOKENS),
 ]
+
+
+def loan_label(n: int) -> str:
+    if not n:
+        return "skip-join + proactive swap, streams keep their place (--swap-loan-tokens 0)"
+    return f"skip-join + proactive swap, KV loans (max_tokens <= {n})"
+
+
 METRICS = [("mean_norm_latency_s", "mean norm (ms/tok)", 1e3), ("p95_norm_latency_s", "P95 norm (ms/tok)", 1e3),
            ("mean_ttft_s", "mean TTFT (s)", 1.0), ("p99_ttft_s", "P99 TTFT (s)", 1.0),
            ("p99_tpot_s", "P99 TPOT (ms)", 1e3), ("p99_latency_bound_s", "P99 max token gap (ms)", 1e3)]
@@ -133,7 +154,7 @@ def presets(wdir: Path) -> dict[str, dict]:
 
 
 def sim_config(cm: RooflineCostModel, pool: float, mode: str, proactive: bool, slack: float = 0.0,
-               gap_ms: float | None = None) -> SimConfig:
+               gap_ms: float | None = None, loan_tokens: int | None = None) -> SimConfig:
     block_bytes = BLOCK * cm.model.kv_bytes_per_token
     per_block = cm.transfer_time(block_bytes)
     swap = mode == "swap"
@@ -143,7 +164,7 @@ def sim_config(cm: RooflineCostModel, pool: float, mode: str, proactive: bool, s
         num_host_blocks=HOST_GIB * 2**30 // block_bytes if swap else 0,
         preemption_mode=mode, proactive_swap=proactive, block_transfer_time=per_block,
         max_swap_blocks_per_step=max(1, int(cm.min_iteration_time() / per_block)), swap_tpot_slack=slack,
-        max_token_gap_ms=gap_ms,
+        max_token_gap_ms=gap_ms, swap_loan_tokens=loan_tokens,
     )
 
 
@@ -157,13 +178,14 @@ def gap_bound_ms(cm: RooflineCostModel, steps: float | None) -> float | None:
 def _run(task: dict) -> dict:
     cm = RooflineCostModel(task["model"], task["device"])
     cfg = sim_config(cm, task["pool"], task["mode"], task["proactive"], task["slack"],
-                     gap_bound_ms(cm, task.get("gap_steps")))
+                     gap_bound_ms(cm, task.get("gap_steps")), task.get("loan"))
     t0 = time.perf_counter()
     res = simulate(task["jobs"], task["policy"], cm, cfg)
     s = res.summary()
     row = {"preset": task["preset"], "x": task["x"], "variant": task["label"], "num_kv_blocks": cfg.num_kv_blocks,
            "num_host_blocks": cfg.num_host_blocks, "max_swap_blocks_per_step": cfg.max_swap_blocks_per_step,
-           "swap_tpot_slack": task["slack"], "max_token_gap_ms": cfg.max_token_gap_ms, **s}
+           "swap_tpot_slack": task["slack"], "max_token_gap_ms": cfg.max_token_gap_ms,
+           "swap_loan_tokens": task.get("loan"), **s}
     if cfg.max_token_gap_ms is not None:  # requests whose longest gap broke the bound
         row["num_over_gap_bound"] = sum(r.max_token_gap * 1e3 > cfg.max_token_gap_ms for r in res.records)
     row["swap_gib"] = s["swap_blocks"] * BLOCK * cm.model.kv_bytes_per_token / 2**30
@@ -194,17 +216,19 @@ def build_tasks(args) -> tuple[list[dict], dict]:
         for x, jobs in points:
             variants = list(VARIANTS)
             if x == top:
-                variants += [(f"skip-join + proactive swap, slack {k:g}", SKIP_JOIN, "swap", True, k)
+                variants += [(f"skip-join + proactive swap, slack {k:g}", SKIP_JOIN, "swap", True, k, None)
                              for k in args.slack_sweep if k != SLACK]
-            for label, policy, mode, proactive, slack in variants:
+                variants += [(loan_label(n), SKIP_JOIN, "swap", True, 0.0, n)
+                             for n in args.loan_sweep if n != LOAN_TOKENS]
+            for label, policy, mode, proactive, slack, loan in variants:
                 tasks.append({"preset": name, "x": x, "label": label, "policy": policy, "mode": mode,
-                              "proactive": proactive, "slack": slack, "jobs": jobs, "model": p["model"],
+                              "proactive": proactive, "slack": slack, "loan": loan, "jobs": jobs, "model": p["model"],
                               "device": p["device"], "pool": p["pool"]})
             for k in args.gap_sweep if x == top else ():
                 label = f"skip-join + proactive swap, gap bound {k:g} steps ({gap_bound_ms(cm, k):.0f} ms)"
                 tasks.append({"preset": name, "x": x, "label": label,
                               "policy": SKIP_JOIN, "mode": "swap", "proactive": True, "slack": 0.0,
-                              "gap_steps": k, "jobs": jobs, "model": p["model"],
+                              "loan": None, "gap_steps": k, "jobs": jobs, "model": p["model"],
                               "device": p["device"], "pool": p["pool"]})
     return tasks, capacity
 
@@ -220,8 +244,18 @@ minimum iteration: a slower link means fewer, costlier evictions and more
 stall), the load (the queue that skip-join lets short jobs pass) and, for
 the deadline variants, the slack: a streaming request may be away for
 ``(slack - 1)`` steps per token it has streamed, so a larger slack buys the
-scheduler more evictions and costs the tail more. ``P99 max token gap`` is
-each request's longest wait between two tokens (its latency bound).
+scheduler more evictions and costs the tail more. For the KV-loan variants,
+the cap (``--swap-loan-tokens``) and the share of requests whose
+``max_tokens`` is at most the cap: the simulator's jobs carry their true
+output length as ``max_tokens``, so every short request borrows; a client
+that sends a loose cap gets the keep-your-place rule alone (the sweep's
+``--swap-loan-tokens 0`` row).
+A stream lends a quarter of a step per token it has streamed
+(scheduler/loans.py ``LEND_SHARE``), and a request without a bound that has
+waited 6 times the mean admission wait (``STARVING_WAITS``, at least the MLFQ
+starve limit) keeps the blocks it needs from those ranked below it.
+``P99 max token gap`` is each request's longest wait between two tokens (its
+latency bound).
 """
 
 
@@ -302,12 +336,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--slack-sweep", default="1.1,1.5,2,4",
                     help="also run proactive swap at these --swap-tpot-slack values at the highest load or speed")
+    ap.add_argument("--loan-sweep", default="0,1,8,128",
+                    help="also run KV loans with these --swap-loan-tokens caps at the highest load or speed")
     ap.add_argument("--gap-sweep", default="2,8",
                     help="also run proactive swap with --max-token-gap-ms of these many full-budget steps "
                          "(no slack) at the highest load or speed")
     args = ap.parse_args(argv)
     args.slack_sweep = [float(x) for x in args.slack_sweep.split(",") if x]
     args.gap_sweep = [float(x) for x in args.gap_sweep.split(",") if x]
+    args.loan_sweep = [int(x) for x in args.loan_sweep.split(",") if x]
     if args.quick:
         args.num_jobs, args.trace_jobs, args.capacity_jobs, args.loads, args.speeds = 150, 300, 120, "0.9", "1"
     args.loads = [float(x) for x in args.loads.split(",")]

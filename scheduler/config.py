@@ -80,6 +80,13 @@ class SchedulerConfig:
         None, "swap mode: also bound each wait between two tokens of a streaming online request: one whose next "
               "token would come later than this after its last is not evicted and runs ahead of its queue "
               "(default: no bound)", metavar="MS")
+    # KV loans (scheduler/loans.py): streams keep their place, except for
+    # requests whose max_tokens cap bounds their stay on the device.
+    swap_loan_tokens: int | None = setting(
+        None, "swap mode: a request that has streamed its first token keeps its device KV against requests that "
+              "have not (they take only free blocks, after swapped streams), except a request whose max_tokens is "
+              "at most N: it may swap out streams that have streamed 4 tokens per step it will hold the device, and "
+              "they come back when it ends (0: no such request; default: off)", metavar="N")
     preemption_safepoint_layers: float = setting(
         DEFAULT_SAFEPOINT_LAYERS,
         "co-serving (ConServe): an offline-only step checks for an interrupt every K decoder layers, a whole or "
@@ -121,6 +128,7 @@ class SchedulerConfig:
             ("swap_tpot_slack", self.swap_tpot_slack in (None, 0) or self.swap_tpot_slack >= 1,
              "must be at least 1 (or 0: off)"),
             ("max_token_gap_ms", self.max_token_gap_ms is None or self.max_token_gap_ms > 0, "must be positive"),
+            ("swap_loan_tokens", self.swap_loan_tokens is None or self.swap_loan_tokens >= 0, "must be non-negative"),
             ("preemption_safepoint_layers", k >= 0 and float(2 * k).is_integer(),
              "must be 0 (off) or a positive whole or half number of layers"),
             ("kv_checkpoint_threshold", threshold is None or 0.0 <= threshold <= 1.0, "must be in [0, 1]"),

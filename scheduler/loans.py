@@ -1,0 +1,103 @@
+"""KVLoans: which requests may take device KV from streaming requests, and
+which streams may lend it (``--swap-loan-tokens N``, off by default).
+
+A request that has streamed its first token keeps its place. A request with
+no token out yet takes only device blocks that are free, not owed to streams
+away on the host (they come back first) and not the next block of each
+resident request (their growth then evicts no one). The exception is a
+*borrower*: a request whose ``max_new_tokens`` cap is at most ``N``. Its
+stay on the device is bounded before it starts (its prefill steps and at
+most ``N`` decodes), so the streams it evicts are away for a known number of
+steps and come back when it ends. A stream lends only while the steps it
+has been away in loans, this one's included, stay within ``LEND_SHARE`` of
+the tokens it has streamed: its TPOT stays within ``1 + LEND_SHARE`` times
+its own pace (one token a step). The same holds for streams parked to keep
+the arrival reserve free.
+
+Without eviction a long prompt can starve while shorter ones take each
+block that frees: a request with no bound on its stay that has waited
+``STARVING_WAITS`` times the mean wait of recent admissions (or of the
+policy's starve limit, if longer) keeps the blocks it needs from the
+requests ranked below it that have no bound either.
+
+The cap is the client's: a request that states a tight ``max_tokens``
+(scoring, classification, short completions) passes a queue of long
+streams; one with a loose cap waits for free memory, as under FCFS.
+
+The scheduler asks at admission (who may evict, and what is owed), in the
+victim search (who may lend) and in the proactive moves (which stream may
+be parked; swapped streams come back into any free block and evict no one).
+Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fluidserve.scheduler.request_state import RequestClass, SeqState
+
+INF = float("inf")
+# Share of its own streamed tokens a stream may spend away from the device
+# in loans: 0.25 holds its TPOT within 1.25x of running every step.
+LEND_SHARE = 0.25
+# Steps a loan's round trip adds to the borrower's stay: the step the
+# victim's copy out overlaps, the one its copy back overlaps, the one that
+# runs it again.
+ROUND_TRIP_STEPS = 3
+# A request without a bound that has waited this many times the mean wait
+# of recent admissions keeps its blocks from those ranked below it.
+STARVING_WAITS = 6.0
+_WAIT_MEAN_WEIGHT = 0.05  # of each admission's wait in the running mean
+
+
+@dataclass
+class KVLoans:
+    """``max_tokens``: the largest ``max_new_tokens`` cap of a borrower;
+    ``step_tokens``: the token budget of one step (a prefill's steps);
+    ``min_wait``: a floor under the mean wait when starvation is judged
+    (the policy's own starve limit, where it has one)."""
+
+    max_tokens: int
+    step_tokens: int
+    min_wait: float = 0.0
+    share: float = LEND_SHARE
+    lent: dict[str, float] = field(default_factory=dict)  # request id -> steps away in loans so far
+    mean_wait: float = 0.0  # seconds from arrival to admission, running mean
+
+    def stay(self, seq: SeqState) -> float:
+        """Steps a request with no token out holds the device at most, if it
+        borrows (inf: it does not): its prefill in chunks of a step's budget,
+        then one step per output token after the first (which the last
+        prefill step samples)."""
+        if seq.max_new_tokens > self.max_tokens:
+            return INF
+        prefill = max(1, math.ceil((seq.num_tokens - seq.num_computed_tokens) / self.step_tokens))
+        return float(prefill + seq.max_new_tokens - 1)
+
+    def can_lend(self, seq: SeqState, away: float) -> bool:
+        """Whether ``seq`` may be evicted for a request that keeps it
+        ``away`` steps beyond the round trip. An offline request always may;
+        one with no token out only while it has computed nothing (waiting
+        costs it no TPOT, and no copy is wasted)."""
+        if seq.klass is RequestClass.OFFLINE:
+            return True
+        n = seq.num_output_tokens
+        if not n:
+            return not seq.num_computed_tokens
+        return self.lent.get(seq.request_id, 0.0) + ROUND_TRIP_STEPS + away <= self.share * n
+
+    def note_lent(self, seq: SeqState, away: float) -> None:
+        """``seq`` was evicted for a request that keeps it ``away`` steps."""
+        if seq.num_output_tokens and seq.klass is not RequestClass.OFFLINE:
+            rid = seq.request_id
+            self.lent[rid] = self.lent.get(rid, 0.0) + ROUND_TRIP_STEPS + away
+
+    def note_admitted(self, seq: SeqState, now: float) -> None:
+        self.mean_wait += _WAIT_MEAN_WEIGHT * (now - seq.arrival_time - self.mean_wait)
+
+    def starving(self, seq: SeqState, now: float) -> bool:
+        return now - seq.arrival_time > STARVING_WAITS * max(self.mean_wait, self.min_wait)
+
+    def forget(self, request_id: str) -> None:
+        self.lent.pop(request_id, None)

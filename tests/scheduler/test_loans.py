@@ -1,0 +1,146 @@
+"""KV loans under swapping (scheduler/loans.py): a request that has streamed
+keeps its place against requests that have not, a request whose max_tokens
+bounds its stay borrows KV from streams that can afford it, and the streams
+it evicts keep close to their own pace."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from fluidserve.kvcache.config import CacheConfig, add_flags
+from fluidserve.scheduler.config import SchedulerConfig
+from fluidserve.scheduler.cost_model import LinearCoefficients, LinearCostModel
+from fluidserve.scheduler.loans import INF, LEND_SHARE, ROUND_TRIP_STEPS, KVLoans
+from fluidserve.scheduler.request_state import RequestClass, SeqState
+from fluidserve.scheduler.scheduler import Scheduler
+from fluidserve.scheduler.simulator import SimConfig, Simulator, simulate
+from fluidserve.scheduler.workloads import Job
+
+DT = 2.0**-6  # one step, whatever it runs: a request's own pace
+
+
+def cost() -> LinearCostModel:
+    return LinearCostModel(LinearCoefficients(base=DT, per_prefill_token=0.0, per_decode_seq=0.0,
+                                              per_context_token=0.0, per_attn_pair=0.0))
+
+
+def jobs() -> list[Job]:
+    """Three long streams fill most of the device; then one-token jobs with
+    long prompts (borrowers under a cap of 4) and 30-token jobs (not
+    borrowers) arrive in turn."""
+    return ([Job(f"long{i}", 0.0, 8, 80) for i in range(3)]
+            + [Job(f"s{i}", 0.5 + 0.1 * i, 40, 1) for i in range(8)]
+            + [Job(f"m{i}", 0.55 + 0.1 * i, 40, 30) for i in range(4)])
+
+
+def config(**kw) -> SimConfig:
+    # Copies take no time and every step takes DT: a request's TPOT over DT
+    # is its slowdown against running every step.
+    return SimConfig.create(num_kv_blocks=64, block_size=4, num_host_blocks=400, block_transfer_time=0.0,
+                            max_swap_blocks_per_step=64, check_integrity=True, **kw)
+
+
+def run(**kw) -> dict:
+    res = simulate(jobs(), "skip-join-mlfq", cost(), config(**kw))
+    assert all(r.finish_time is not None and r.num_emitted == r.output_tokens for r in res.records)
+    return {r.request_id: r for r in res.records}
+
+
+def test_borrowers_pass_the_queue_and_streams_keep_their_pace():
+    free, kept, loans = run(), run(swap_loan_tokens=0), run(swap_loan_tokens=4)
+    short = [f"s{i}" for i in range(8)]
+    streams = [r for r in loans.values() if r.output_tokens > 1]
+    # The default evicts streams for every arrival and leaves them away long.
+    assert max(free[r.request_id].tpot for r in streams) > (1 + LEND_SHARE) * DT
+    # Keeping their place, the one-token jobs wait for streams to end ...
+    assert sum(kept[s].ttft for s in short) > 10 * len(short) * DT
+    # ... borrowing, they pass: a few steps each.
+    assert sum(loans[s].ttft for s in short) < 4 * len(short) * DT
+    # The streams that lent stay within their share of their own pace.
+    assert max(r.tpot for r in streams) <= (1 + LEND_SHARE) * DT * (1 + 1e-9)
+
+
+def test_a_stream_keeps_its_place_against_requests_without_a_bound():
+    for loans in (run(swap_loan_tokens=0), run(swap_loan_tokens=4)):
+        # Nothing that arrives after them may evict the 30-token streams.
+        assert all(loans[f"m{i}"].tpot == pytest.approx(DT) for i in range(4))
+    assert max(run()[f"m{i}"].tpot for i in range(4)) > 1.2 * DT
+
+
+def test_no_stream_lends_beyond_its_share():
+    # The borrowers come while the streams are young (few tokens to lend on)
+    # and do not fit beside them.
+    early = [Job(f"long{i}", 0.0, 40, 80) for i in range(4)] + [Job(f"s{i}", 0.05 + 0.05 * i, 100, 1)
+                                                                for i in range(12)]
+    sim = Simulator(early, "skip-join-mlfq", cost(), config(swap_loan_tokens=4))
+    loans, lent = sim.scheduler.loans, 0
+    while sim.has_work():
+        sim.step()
+        for rid, steps in loans.lent.items():
+            assert steps <= LEND_SHARE * sim.scheduler.seqs[rid].num_output_tokens
+        lent = max(lent, len(loans.lent))
+    assert lent  # some did lend, once they could
+
+
+def seq(rid: str = "r", prompt: int = 100, max_new: int = 4, out: int = 0, computed: int = 0,
+        klass: RequestClass = RequestClass.ONLINE) -> SeqState:
+    s = SeqState(rid, prompt, max_new, 0.0, klass)
+    s.num_output_tokens, s.num_computed_tokens = out, computed
+    return s
+
+
+def test_stay_bounds_a_borrower_by_its_prefill_and_cap():
+    loans = KVLoans(max_tokens=8, step_tokens=64)
+    assert loans.stay(seq(prompt=100, max_new=4)) == 2 + 3  # two prefill steps, three decodes after the first token
+    assert loans.stay(seq(prompt=100, max_new=4, computed=64)) == 1 + 3
+    assert loans.stay(seq(prompt=10, max_new=8)) == 1 + 7
+    assert loans.stay(seq(prompt=10, max_new=9)) == INF  # not a borrower
+
+
+def test_a_stream_lends_only_what_its_tokens_cover():
+    loans = KVLoans(max_tokens=8, step_tokens=64)
+    away = 5.0
+    need = (ROUND_TRIP_STEPS + away) / LEND_SHARE  # tokens a stream must have streamed to lend once
+    young, old = seq("young", out=int(need) - 1), seq("old", out=int(need))
+    assert not loans.can_lend(young, away)
+    assert loans.can_lend(old, away)
+    loans.note_lent(old, away)
+    assert not loans.can_lend(old, away)  # its share is spent ...
+    old.num_output_tokens = 2 * int(need)
+    assert loans.can_lend(old, away)  # ... and earned again as it streams
+    loans.forget("old")
+    assert loans.lent == {}
+    # No TPOT to keep: offline work always lends; a request with no token
+    # out lends while it has computed nothing (no copy wasted).
+    assert loans.can_lend(seq(out=1, klass=RequestClass.OFFLINE), INF)
+    assert loans.can_lend(seq(), INF)
+    assert not loans.can_lend(seq(computed=16), 0.0)
+
+
+def test_starving_is_judged_against_the_mean_wait_and_its_floor():
+    loans = KVLoans(max_tokens=8, step_tokens=64, min_wait=0.5)
+    for _ in range(200):  # admissions that waited 1 s each
+        loans.note_admitted(seq(), 1.0)
+    assert loans.mean_wait == pytest.approx(1.0, rel=1e-3)
+    assert not loans.starving(seq(), 5.9)
+    assert loans.starving(seq(), 6.1)
+    loans.mean_wait = 0.01  # the policy's own limit is the floor
+    assert not loans.starving(seq(), 2.9) and loans.starving(seq(), 3.1)
+
+
+def test_the_flag_and_its_bounds():
+    assert SchedulerConfig().swap_loan_tokens is None
+    assert SchedulerConfig(swap_loan_tokens=0).swap_loan_tokens == 0
+    with pytest.raises(ValueError, match="swap_loan_tokens"):
+        SchedulerConfig(swap_loan_tokens=-1)
+    ap = argparse.ArgumentParser()
+    add_flags(ap, SchedulerConfig)
+    assert ap.parse_args(["--swap-loan-tokens", "32"]).swap_loan_tokens == 32
+
+
+def test_recompute_mode_has_no_loans():
+    cfg = SchedulerConfig(preemption_mode="recompute", swap_loan_tokens=4)
+    assert Scheduler.create(cfg, CacheConfig(block_size=4), 64, 0).loans is None
+    assert Scheduler.create(SchedulerConfig(swap_loan_tokens=4), CacheConfig(block_size=4), 64, 64).loans is not None
