@@ -146,9 +146,11 @@ class AsyncEngine:
         params: SamplingParams,
         klass: str = "online",
         arrival_time: float | None = None,
+        final_only: bool = False,
     ) -> RequestStream:
         """Admit a request; raises ``ValueError`` (bad input, from the engine)
-        or ``EngineDeadError``. Returns the stream of its outputs."""
+        or ``EngineDeadError``. Returns the stream of its outputs (with
+        ``final_only``, of its finished output alone)."""
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
@@ -159,9 +161,9 @@ class AsyncEngine:
         # request that arrives during a long step has been waiting since now
         # (the TTFT budget and the policies' ages count from it).
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self._commands.put(("add", request_id, prompt, params, klass, arrival_time, admitted))
+        self._commands.put(("add", request_id, prompt, params, klass, arrival_time, final_only, admitted))
         if str(getattr(klass, "value", klass)) == "online":
-            self._preempt_for(prompt)
+            self._preempt_for(prompt, arrival_time)
         try:
             await admitted
         except BaseException:
@@ -173,7 +175,7 @@ class AsyncEngine:
             raise
         return stream
 
-    def _preempt_for(self, prompt: str | list[int]) -> None:
+    def _preempt_for(self, prompt: str | list[int], arrival: float) -> None:
         """An online arrival may interrupt the offline-only step running now
         (layer-wise preemption): the one call into the engine made from the
         event loop, into its thread-safe preemption policy. The add command
@@ -181,7 +183,7 @@ class AsyncEngine:
         plans the next step."""
         policy = getattr(self.engine, "preemption", None)
         if policy is not None:
-            policy.on_online_arrival(len(prompt) if isinstance(prompt, list) else None)
+            policy.on_online_arrival(len(prompt) if isinstance(prompt, list) else None, arrival=arrival)
 
     def abort(self, request_id: str) -> None:
         """Abort now: no further outputs are delivered, and the engine loop
@@ -281,9 +283,10 @@ class AsyncEngine:
             self._post(_resolve, cmd[1], self.last_stats, None)
 
     def _add(self, request_id: str, prompt: Any, params: SamplingParams, klass: str,
-             arrival_time: float | None, admitted: asyncio.Future) -> None:
+             arrival_time: float | None, final_only: bool, admitted: asyncio.Future) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, klass=klass, arrival_time=arrival_time)
+            self.engine.add_request(request_id, prompt, params, klass=klass, arrival_time=arrival_time,
+                                    final_only=final_only)
         except (ValueError, TypeError) as exc:
             self._post(_resolve, admitted, None, ValueError(str(exc)))
             return

@@ -86,6 +86,7 @@ class _InFlight:
     klass: str
     arrival: float  # front end's monotonic clock
     stream: RequestStream
+    final_only: bool = False
     replica: int = -1
     sending: bool = False  # an add call is on its way: its sender retries it, not a replica's failure
 
@@ -149,9 +150,10 @@ def _replica_class():
                               e.kv.num_blocks + e.kv.num_host_blocks)
 
         async def add(self, request_id: str, prompt: list[int], params: SamplingParams, klass: str,
-                      waited_s: float) -> None:
+                      waited_s: float, final_only: bool = False) -> None:
             # Clocks differ between processes: the arrival is carried as an age.
-            await self._front().add_request(request_id, prompt, params, klass, time.monotonic() - waited_s)
+            await self._front().add_request(request_id, prompt, params, klass, time.monotonic() - waited_s,
+                                            final_only=final_only)
 
         async def abort(self, request_id: str) -> None:
             self._front().abort(request_id)
@@ -313,7 +315,8 @@ class DataParallelEngine:
         return sum(1 for f in self._requests.values() if not f.stream.got_output)
 
     async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                          klass: str = "online", arrival_time: float | None = None) -> RequestStream:
+                          klass: str = "online", arrival_time: float | None = None,
+                          final_only: bool = False) -> RequestStream:
         """Route and admit a request; raises ``ValueError`` (bad input, from
         the engine) or ``EngineDeadError`` (no replica serves)."""
         if request_id in self._requests:
@@ -321,7 +324,7 @@ class DataParallelEngine:
         klass = str(getattr(klass, "value", klass))
         stream = RequestStream(self, request_id)
         flight = _InFlight(request_id, list(prompt), params, klass,
-                           time.monotonic() if arrival_time is None else arrival_time, stream)
+                           time.monotonic() if arrival_time is None else arrival_time, stream, final_only)
         self._requests[request_id] = flight
         try:
             await self._send(flight, exclude=())
@@ -377,7 +380,7 @@ class DataParallelEngine:
             flight.sending = True
             try:
                 await _await_ref(replica.actor.add.remote(flight.request_id, flight.prompt, flight.params,
-                                                          flight.klass, waited))
+                                                          flight.klass, waited, flight.final_only))
                 return
             except BaseException as exc:
                 self._forget(flight)

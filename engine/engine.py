@@ -21,7 +21,7 @@ from pathlib import Path
 
 from fluidserve.kernels.ops import kernel_path
 from fluidserve.kvcache.manager import slot_of, slots
-from fluidserve.scheduler.budget import prediction_margin
+from fluidserve.scheduler.budget import TTFT_ENGINE_SHARE, prediction_margin
 from fluidserve.scheduler.cost_model import cost_model_for_engine, plan_shape
 from fluidserve.scheduler.plan import StepOutcome, StepPlan
 from fluidserve.scheduler.request_state import RequestClass, SeqState
@@ -145,8 +145,16 @@ class LLMEngine:
                                                 self.kv.block_size, self._block_filled, self._grammar_finished)
         self._lost_tokens = 0  # of abandoned steps whose state the worker did not keep
         ttft = self.scheduler.config.online_ttft_slo_ms  # the SLOs live in the scheduler config
-        self.preemption = PreemptionPolicy(self.executor.interrupt, None if ttft is None else ttft / 1e3,
-                                           self.cost_model.prefill_time, lambda: prediction_margin(self.cost_model))
+        # The engine's share of the SLO: what follows its first token (the
+        # event loop, the SSE write) takes the rest.
+        # An arrival's own prefill is planned as slow as online prefills have
+        # run against their predictions (the budget's measured tail).
+        budget = self.scheduler.budget
+        prefill = (self.cost_model.prefill_time if budget is None
+                   else lambda n: self.cost_model.prefill_time(n) * budget.online_prefill_margin())
+        self.preemption = PreemptionPolicy(self.executor.interrupt,
+                                           None if ttft is None else TTFT_ENGINE_SHARE * ttft / 1e3,
+                                           prefill, lambda: prediction_margin(self.cost_model))
         log.info("engine ready: %s on %s (%s attention kernels%s), %d KV blocks of %d tokens (+%d on the host), "
                  "max_model_len %d%s", self.model_name, runtime_for(device).name or device, kernel_path(device),
                  "" if config.enforce_eager else ", decode CUDA graphs where the device has them",

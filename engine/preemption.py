@@ -10,11 +10,14 @@ the scheduler counts none of the step's tokens as computed. The KV the
 finished layers wrote sits in slots past every sequence's computed length;
 the retried step overwrites it before anything reads it::
 
-    layers     0   1 | 2   3 | 4   5 | ...        k = 2
-    safepoint  ^       ^       ^                  checked before layers 0, 2, 4, ...
+    layers     0   1 | 2   3 | 4   5 | head       k = 2, 6 layers
+    safepoint  ^       ^       ^       ^          checked before layers 0, 2, 4 and the head
     interrupt            *                        arrives while layer 2 runs
     stop                       ^ layer 4          layers 0-3 wrote KV nobody reads yet
     resume                     ^ layer 4          from the kept input of layer 4
+
+The last safepoint, whatever ``k``, is after the last layer: the head (final
+norm, LM head, sampling) of a decode-heavy step is as long as several layers.
 
 ``k`` may be a multiple of a half: safepoints then also fall between a
 layer's attention and its MLP, each layer's two halves (``attend`` and
@@ -153,6 +156,14 @@ class Safepoints:
         rank gets the same answer)."""
         if position % self.every:
             return False
+        return self._check()
+
+    def stop_before_head(self) -> bool:
+        """Whether the armed step stops after its last layer, before the
+        head: checked whatever the interval (every rank gets the same answer)."""
+        return self._check()
+
+    def _check(self) -> bool:
         self.checks += 1
         self._pace()
         stop = self.flag.is_set_for(self.step_id)
@@ -206,8 +217,9 @@ class LayerLoop:
                 x = call(layer, x, kv)
             return x
         split = armed and sp.splits_layers
+        end = 0
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
-            at = 2 * i
+            at = end = 2 * i
             if at + 1 < start:
                 continue
             if at < start:  # resumed between this layer's halves
@@ -222,6 +234,13 @@ class LayerLoop:
             if sp.stop_before(at + 1):
                 raise StepAbandoned(at + 1, x)
             x = layer.feed_forward(x)
+        # The last safepoint: before the head (final norm, LM head, draw).
+        # The head of a decode-heavy step is a long stretch of its own (a row
+        # of the vocabulary-wide projection per sequence, about two layers'
+        # weights on Llama-3-8B, most of a small model's step).
+        end += 2
+        if armed and start < end and sp.stop_before_head():
+            raise StepAbandoned(end, x)
         return x
 
 
@@ -295,9 +314,12 @@ class PreemptionPolicy:
         with self._lock:
             self._running = None
 
-    def on_online_arrival(self, prompt_tokens: int | None, now: float | None = None) -> bool:
+    def on_online_arrival(self, prompt_tokens: int | None, now: float | None = None,
+                          arrival: float | None = None) -> bool:
         """Interrupt the running (preemptible) step for an online request of
-        ``prompt_tokens`` (None: not known yet); True when one was sent."""
+        ``prompt_tokens`` (None: not known yet) that arrived at ``arrival``
+        (the HTTP request's time: what it waited before the engine heard of
+        it counts against its SLO; None: now); True when one was sent."""
         with self._lock:
             step = self._running
             if step is None or self._requested == step.step_id:
@@ -311,7 +333,8 @@ class PreemptionPolicy:
                     # the step is taken to need as long again as it has run.
                     remaining = elapsed
                 own = self._prefill_time(prompt_tokens) if prompt_tokens else 0.0
-                if not interrupts_step(remaining, self.ttft_slo_s, own):
+                waited = max(0.0, now - arrival) if arrival is not None else 0.0
+                if not interrupts_step(remaining, self.ttft_slo_s - waited, own):
                     return False  # the step ends in time for this arrival's SLO
             self._requested = step.step_id
             self.num_requests += 1

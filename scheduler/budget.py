@@ -22,7 +22,7 @@ prefill. With a TTFT SLO and safepoints every ``interval_share`` of a step,
 an offline-only step is cut so that its interval fits the SLO less the
 prefill of a typical online prompt (a running mean of the arrivals'), as
 slow as the recent online prefills' tail ran against their predictions,
-but never below the size whose fixed per-step cost (the
+but never below the time of the step whose fixed per-step cost (the
 cheapest step's time) is ``overhead_share`` of it: below that, offline
 throughput would pay more than the SLO gains (on a GPU, whose layers are
 short, the cut rarely binds; on a CPU it is what keeps offline work going).
@@ -40,11 +40,16 @@ past the SLO).
 **Without SLOs** (``slowdown``, the default): the caps are relative to
 what the online work would cost alone. A step with online work may carry
 offline tokens while its predicted time stays within ``slowdown`` times its
-online part's (the cost model predicts both, so its own error mostly
-cancels); an offline-only step is cut so that one safepoint interval, what
+online part's (the cost model predicts both, so an error both share
+cancels; the one only steps with offline work beside online work show,
+measured against online steps alone, is planned for), less, where it runs an online prompt, the time that prompt has
+already waited: the wait for a safepoint and the offline tokens beside the
+prefill share one first token's slowdown; an offline-only step is cut so that one safepoint interval, what
 an online arrival waits for, is at most ``slowdown - 1`` of the predicted
-time of a typical online prefill plus a step, never below
-``min_step_tokens``. Explicit SLOs replace these caps.
+time of a typical online prefill plus a step, never below the time of a
+``min_step_tokens`` prefill (its fixed cost ``slowdown - 1`` of it: offline
+work pays the share online work is asked to). Explicit SLOs replace these
+caps.
 
 Pure Python.
 """
@@ -52,10 +57,23 @@ Pure Python.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 
 from fluidserve.scheduler.cost_model import CostModel, StepShape, attn_pairs
 from fluidserve.scheduler.request_state import SeqState
+
+# A TTFT SLO is kept by the engine's first token with this share of it to
+# spare: what comes after (handing the token to the event loop, the SSE
+# write, the client's read) took 3-8 ms of a 60-70 ms TTFT on a CPU.
+TTFT_ENGINE_SHARE = 0.9
+# How the offline-only cap follows the first tokens measured against the
+# SLO: cut by this factor at each miss, grown back by this step at each hit.
+# The cap settles where misses are a share a / (1 - c + a) of first tokens
+# (cut c, step a): 1%, so the SLO holds at P99.
+TTFT_MISS_CUT = 0.7
+TTFT_HIT_STEP = 0.003
+TTFT_MIN_SCALE = 0.05
 
 
 class SloBudget:
@@ -63,7 +81,7 @@ class SloBudget:
     None, ``slowdown`` (> 1) sets relative caps instead."""
 
     def __init__(self, cost: CostModel, tpot_slo_s: float | None, ttft_slo_s: float | None = None,
-                 interval_share: float | None = None, overhead_share: float = 0.1,
+                 interval_share: float | None = None, overhead_share: float | None = None,
                  min_chunk_beside_online: int = 32, slowdown: float | None = None) -> None:
         for name, slo in (("TPOT", tpot_slo_s), ("TTFT", ttft_slo_s)):
             if slo is not None and not slo > 0:
@@ -77,6 +95,12 @@ class SloBudget:
         self._online_alone: float | None = None  # this step's online part, predicted, once asked
         if interval_share is not None and not 0 < interval_share <= 1:
             raise ValueError(f"interval_share must be in (0, 1], got {interval_share}")
+        if overhead_share is None:
+            # With SLOs offline steps pay at most 10% in fixed cost; under a
+            # slowdown cap, the same share the online requests are asked to
+            # pay (1.2: 20%), which halves the floor and the wait for a
+            # safepoint an online arrival may pay.
+            overhead_share = min(0.5, self.slowdown - 1) if self.slowdown is not None else 0.1
         if not 0 < overhead_share < 1:
             raise ValueError(f"overhead_share must be in (0, 1), got {overhead_share}")
         self.cost = cost
@@ -97,13 +121,22 @@ class SloBudget:
         self._online_prompt: float | None = None  # running mean of online prompt tokens
         # Measured / predicted time of the recent steps that ran an online prefill.
         self._online_prefill_ratios: deque[float] = deque(maxlen=64)
-        self._offline_only: tuple[float, int] | None = None  # this step's (cap, floor), once asked
+        self._offline_only: float | None = None  # this step's offline-only cap, once asked
+        # Measured / predicted time of recent steps with online work, with
+        # offline work beside it and without (the slowdown cap's margin).
+        self._beside_ratios: deque[float] = deque(maxlen=64)
+        self._alone_ratios: deque[float] = deque(maxlen=64)
+        self._offline_beside = False  # this step carries offline tokens beside online work
+        # The offline-only cap's share of what the plan allows, steered by
+        # measured first tokens (1: as planned; see note_first_token).
+        self.ttft_scale = 1.0
 
     def begin_step(self) -> None:
         """A new step is being filled: the offline-only limits are worked out
         again, once, when its first offline request asks."""
         self._offline_only = None
         self._online_alone = None
+        self._offline_beside = False
 
     def note_online_arrival(self, prompt_tokens: int) -> None:
         """An online request of ``prompt_tokens`` arrived (the offline-only
@@ -111,13 +144,64 @@ class SloBudget:
         m = self._online_prompt
         self._online_prompt = float(prompt_tokens) if m is None else m + 0.1 * (prompt_tokens - m)
 
-    def note_online_prefill(self, shape: tuple[int, int, int, int], seconds: float) -> None:
-        """A step of ``shape`` that ran an online prompt took ``seconds``
-        (read before the cost model learns from it, so the ratio is the
-        error the plan was made with)."""
+    def note_online_step(self, shape: tuple[int, int, int, int], seconds: float, prefills_online: bool) -> None:
+        """The step just filled, of ``shape`` and with online work, took
+        ``seconds`` (read before the cost model learns from it, so each
+        ratio is the error the plan was made with). Only ``update_from_output``
+        calls it, after the step and before the next is filled."""
         predicted = self.cost.step_time(*shape)
-        if predicted > 0 and math.isfinite(seconds) and seconds > 0:
-            self._online_prefill_ratios.append(seconds / predicted)
+        if not (predicted > 0 and math.isfinite(seconds) and seconds > 0):
+            return
+        ratio = seconds / predicted
+        if prefills_online:
+            self._online_prefill_ratios.append(ratio)
+        (self._beside_ratios if self._offline_beside else self._alone_ratios).append(ratio)
+
+    def note_first_token(self, ttft_s: float) -> None:
+        """An online request's first token came ``ttft_s`` after its arrival
+        (the HTTP request's, in the server). With a TTFT SLO the offline-only
+        cap follows what first tokens really take, not only the plan: what
+        the plan leaves out (the head of a step after its last safepoint,
+        the frontend's time before the engine, a wait behind other online
+        steps) shows up here, and each first token past
+        ``TTFT_ENGINE_SHARE`` of the SLO cuts the cap."""
+        if self.ttft_slo is None or not math.isfinite(ttft_s):
+            return
+        if ttft_s > TTFT_ENGINE_SHARE * self.ttft_slo:
+            self.ttft_scale = max(TTFT_MIN_SCALE, self.ttft_scale * TTFT_MISS_CUT)
+        else:
+            self.ttft_scale = min(1.0, self.ttft_scale + TTFT_HIT_STEP)
+
+    def beside_online_margin(self) -> float:
+        """How much more the cost model underestimates steps that carry
+        offline work beside online work than steps of online work alone:
+        the 90th percentile of the first's measured / predicted time over
+        the median of the second's, at least 1 (1 until 8 of each ran).
+
+        The slowdown cap compares two predictions, so an error both share
+        cancels; one only the mixed steps have does not. On a CPU an offline
+        decode beside an online one (a second attention group per layer, a
+        long context) ran 1.4x the online step alone where 1.2x was
+        planned."""
+        tail, alone = self._beside_tail(), self._alone_ratios
+        if tail is None or len(alone) < 8:
+            return 1.0
+        return max(1.0, tail / statistics.median(alone))
+
+    def slo_margin(self) -> float:
+        """How much slower than predicted a step with online work is planned
+        for against an absolute SLO: the cost model's margin, or the 90th
+        percentile of measured / predicted time of the steps that carried
+        offline work beside online work, whichever is larger."""
+        tail = self._beside_tail()
+        margin = prediction_margin(self.cost)
+        return margin if tail is None else max(margin, tail)
+
+    def _beside_tail(self) -> float | None:
+        beside = self._beside_ratios
+        if len(beside) < 8:
+            return None
+        return sorted(beside)[math.ceil(0.9 * len(beside)) - 1]
 
     def online_prefill_margin(self) -> float:
         """How much slower than predicted an online prefill is planned for:
@@ -144,6 +228,16 @@ class SloBudget:
                 lo = mid + 1
         return lo
 
+    def min_step_time(self) -> float:
+        """The shortest an offline-only step is cut to: a ``min_step_tokens``
+        prefill; where measured first tokens have cut the cap
+        (``ttft_scale``), that much shorter, down to twice the fixed cost
+        (an SLO the user set outranks offline throughput)."""
+        floor = self.cost.prefill_time(self.min_step_tokens())
+        if self.ttft_scale < 1.0:
+            floor = max(2 * self.cost.min_iteration_time(), self.ttft_scale * floor)
+        return floor
+
     def offline_only_cap(self) -> float:
         """Predicted seconds an offline-only step may take (inf: no cap)."""
         if self.slowdown is not None and self.interval_share is not None:
@@ -156,7 +250,7 @@ class SloBudget:
             return float("inf")
         own = self.cost.prefill_time(round(self._online_prompt)) if self._online_prompt else 0.0
         room = self.ttft_slo - own * self.online_prefill_margin()
-        return max(0.0, room) / (prediction_margin(self.cost) * self.interval_share)
+        return self.ttft_scale * max(0.0, room) / (prediction_margin(self.cost) * self.interval_share)
 
     def cap(self, shape: StepShape, now: float) -> float:
         """Predicted seconds a step of ``shape`` (its online part) may take."""
@@ -164,13 +258,19 @@ class SloBudget:
             if self._online_alone is None:  # the first offline request asks with the online part alone
                 self._online_alone = self.cost.step_time(shape.prefill_tokens, shape.decode_seqs, shape.context,
                                                          shape.pairs)
-            return self.slowdown * self._online_alone
+            cap = self.slowdown * self._online_alone
+            if shape.first_online_prefill_arrival is not None:
+                # A first token's budget is the same slowdown of what the step
+                # alone takes, less what the prompt has already waited (for
+                # a safepoint, or behind the online steps before it).
+                cap -= max(0.0, now - shape.first_online_prefill_arrival)
+            return cap / self.beside_online_margin()
         cap = float("inf")
         if self.tpot_slo is not None and shape.online:
             cap = self.tpot_slo
         if self.ttft_slo is not None and shape.first_online_prefill_arrival is not None:
             cap = min(cap, self.ttft_slo - (now - shape.first_online_prefill_arrival))
-        return cap / prediction_margin(self.cost)
+        return cap / self.slo_margin()
 
     def _time_with(self, shape: StepShape, seq: SeqState, m: int) -> float:
         done = seq.num_computed_tokens
@@ -183,20 +283,27 @@ class SloBudget:
     def offline_tokens(self, shape: StepShape, seq: SeqState, n: int, now: float = 0.0) -> int:
         """How many of the ``n`` tokens offline ``seq`` may run in a step of
         ``shape``: the most that keep the predicted step time within the cap
-        (0: none); without online work, within the offline-only cap, and at
-        least what brings the step to ``min_step_tokens``."""
-        floor = 0
+        (0: none); without online work, within the offline-only cap, which
+        is never below ``min_step_time``.
+
+        The floor is a time, not a token count: a decode costs a step far
+        more than a prompt token (its own attention over its context, its
+        row of the LM head, its draw), so a floor of tokens let 64 offline
+        decodes through (on a CPU, about three times the cap) and an online
+        arrival waited for their non-preemptible head and sampling."""
         if shape.online:
             cap = self.cap(shape, now)
         else:
             if self._offline_only is None:  # a binary search over the cost model: once a step
                 cap = self.offline_only_cap()
-                self._offline_only = (cap, self.min_step_tokens() if cap != float("inf") else 0)
-            cap, min_tokens = self._offline_only
+                if cap != float("inf"):
+                    cap = max(cap, self.min_step_time())
+                self._offline_only = cap
+            cap = self._offline_only
             if cap == float("inf"):
                 return n
-            floor = min(n, max(0, min_tokens - shape.prefill_tokens - shape.decode_seqs))
         if self._time_with(shape, seq, n) <= cap:
+            self._offline_beside |= shape.online
             return n
         lo, hi = 0, n - 1  # the largest m in [0, n) that fits; step time grows with m
         while lo < hi:
@@ -207,7 +314,8 @@ class SloBudget:
                 hi = mid - 1
         if shape.online and lo < self.min_chunk_beside_online:
             return 0
-        return max(lo, floor)
+        self._offline_beside |= shape.online and lo > 0
+        return lo
 
 
 def prediction_margin(cost: CostModel) -> float:

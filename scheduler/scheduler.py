@@ -34,6 +34,11 @@ pool exists):
   token out yet takes only device blocks that streaming requests away on
   the host, due soon, do not need back; and a request swapped in is not
   evicted again for a higher-priority one before it has run its quantum.
+* KV loans (scheduler/loans.py, off by default): with ``--swap-loan-tokens
+  N`` a request that has streamed keeps its place against requests that
+  have not, which take only free blocks not owed to swapped streams, except
+  a request whose ``max_tokens`` is at most ``N``: its stay is bounded, so it
+  may evict streams whose streamed tokens cover the time away.
 * Recompute (discard the KV, prefill again later) only when the host pool is
   full, counted apart. ``preemption_mode="recompute"`` keeps vLLM's behaviour
   as a baseline: no host tier, a waiting request takes only free blocks, and
@@ -57,6 +62,7 @@ from fluidserve.kvcache.manager import KVCacheManager
 from fluidserve.kvcache.prefix_cache import ROOT_KEY, block_keys, chain_key
 from fluidserve.scheduler.budget import SloBudget
 from fluidserve.scheduler.cost_model import CostModel, StepShape
+from fluidserve.scheduler.loans import KVLoans
 from fluidserve.scheduler.plan import PausedStep, ScheduledSeq, StepOutcome, StepPlan
 from fluidserve.scheduler.config import SchedulerConfig
 from fluidserve.scheduler.policies import Policy, make_policy
@@ -111,15 +117,17 @@ class _Step:
         # The first num_urgent of ``ranked`` run ahead of their queue to meet
         # their token deadlines: they may evict any request with slack.
         self.num_urgent = 0
-        # Per ``spare_unrun``: the fewest steps away a victim search found no
-        # one for; asking for as many or more finds no one either.
-        self.exhausted = [INF, INF]
+        # Per ``spare_unrun`` and loan (index spare_unrun + 2 * loan): the
+        # fewest steps away a victim search found no one for; asking for as
+        # many or more finds no one either.
+        self.exhausted = [INF] * 4
         # Device blocks that streaming requests away from the device need
         # back before a request admitted now could give way to them: one
         # with no token out yet takes only blocks beyond these.
         self.owed = 0
         self.owing: dict[str, int] = {}  # request id -> its blocks in ``owed``
         self.offline_cursor: int | None = None  # next offline victim, walking up from the bottom
+        self.starving = False  # KV loans: a starving request's blocks are already in ``owed``
 
 
 class Scheduler:
@@ -158,6 +166,9 @@ class Scheduler:
         # simulator size the per-step allowance as what moves in one minimum iteration.
         self._block_time = 0.0 if per_step is None else min_iter / per_step
         self.deadlines = TokenDeadlines.from_config(config, min_iter) if self.swap else None
+        self.loans = (KVLoans(config.swap_loan_tokens, config.max_num_batched_tokens,
+                              min_wait=getattr(self.policy, "starve_limit", 0.0))
+                      if self.swap and config.swap_loan_tokens is not None else None)
         self.num_deadline_promotions = 0  # requests run ahead of their queue to meet a token deadline
         # Layer-wise preemption keeps an interrupted step's state on the worker:
         # the plan waits here and its requests are held (not run, not evicted)
@@ -242,6 +253,8 @@ class Scheduler:
         self._guard.pop(request_id, None)
         if self.deadlines is not None:
             self.deadlines.forget(request_id)
+        if self.loans is not None:
+            self.loans.forget(request_id)
         self.kv.free(request_id)
         self.policy.on_finish(seq)
 
@@ -319,6 +332,8 @@ class Scheduler:
         if self.deadlines is not None and self.deadlines.first_token:
             self._deadline_first(step)
             ranked = step.ranked
+        if self.loans is not None and self.kv.num_swapped:
+            self._owe_swapped_streams(step)
         if self.budget is not None:
             self.budget.begin_step()
         plan = step.plan
@@ -429,8 +444,10 @@ class Scheduler:
             need = max(n, self.kv.blocks_for(num_tokens)) + self._watermark_blocks
             if not seq.num_output_tokens:
                 need += step.owed
+            # With loans it takes only free blocks (they are owed to it): streams keep their place.
             if not self._can_move(n) or not self._room(need, pos, step, allow_recompute=False, above=above,
-                                                       online=seq.klass is RequestClass.ONLINE):
+                                                       online=seq.klass is RequestClass.ONLINE,
+                                                       loan=None if self.loans is None else INF):
                 return False
             self._swap_in(seq, step)
             if not self.config.proactive_swap or n * self._batch_size(step) <= self._swap_refill:
@@ -454,13 +471,20 @@ class Scheduler:
         reserve = self._watermark_blocks if self.kv.num_used_blocks else 0
         if self.kv.num_used_blocks and seq.klass is RequestClass.OFFLINE and self.swap and self.config.proactive_swap:
             reserve = self.reserve_blocks()
-        if not seq.num_output_tokens:
-            reserve += step.owed
+        # KV loans: the steps it would hold the device (inf: no bound, it evicts no one).
+        loan = self.loans.stay(seq) if self.loans is not None and not seq.num_output_tokens else None
+        if loan == INF:  # one block for each resident request: their growth evicts no one
+            reserve += self._batch_size(step)
+        if not seq.num_output_tokens and (loan is None or loan == INF):
+            reserve += step.owed  # (a borrower's victims come back when it ends)
         if need + reserve > self.kv.num_free_blocks and not self.swap:
             return False
         above = self._priority(seq) if pos >= step.num_urgent else None
         if not self._room(need + reserve, pos, step, allow_recompute=False, above=above,
-                          online=seq.klass is RequestClass.ONLINE):
+                          online=seq.klass is RequestClass.ONLINE, loan=loan):
+            if loan == INF and not step.starving and self.loans.starving(seq, step.now):
+                step.starving = True  # requests ranked below without a bound leave its blocks free
+                step.owed += need
             return False
         # A prefix found on the host comes back by copy, within the swap budget.
         host = self.swap and self._can_move(need)
@@ -476,18 +500,23 @@ class Scheduler:
         seq.num_computed_tokens = got.cached_tokens
         seq.num_cached_tokens = got.cached_tokens
         seq.status = SeqStatus.RUNNING
+        if loan is not None:
+            self.loans.note_admitted(seq, step.now)
         return True
 
     def _room(
         self, need: int, pos: int, step: _Step, allow_recompute: bool, above: tuple[bool, float] | None = None,
-        online: bool = False,
+        online: bool = False, loan: float | None = None,
     ) -> bool | None:
         """Evict requests below ``pos`` until ``need`` device blocks are free
         now or once this step's swap-outs have left. True: free now. False:
         not this step (blocks in flight, or no one may be evicted for it).
         None: nothing below holds KV any more. For an ``online`` requester,
         offline victims give their blocks up at once (ConServe: online work
-        never waits on offline KV): back to their checkpoint, else discarded."""
+        never waits on offline KV): back to their checkpoint, else discarded.
+        ``loan`` (KV loans): the steps the requester holds the device; a
+        stream lends only what its streamed tokens cover; inf: only offline
+        requests give way."""
         if online:  # offline KV first, whatever the ENST order says of the online requests
             while self.kv.num_free_blocks + step.freeing < need:
                 victim = self._next_offline_victim(step)
@@ -500,6 +529,8 @@ class Scheduler:
                     self._drop_pause()
                     continue
                 self._evict_now(victim, step)
+        if loan == INF:  # KV loans: a request with no bound on its stay evicts no one
+            return self.kv.num_free_blocks >= need
         # Under token deadlines a streaming victim must afford the round trip
         # and to stay away until the requester could give way in turn: its
         # quantum, and the steps it takes to earn slack itself.
@@ -508,15 +539,18 @@ class Scheduler:
             if away < 0:
                 away = (max(self.policy.quantum_tokens(step.ranked[pos]), self.deadlines.steps_to_slack())
                         if self.deadlines is not None else 0.0)
-            victim = self._next_victim(pos, step, spare_unrun=True, away=away)
+                if loan is not None and loan < INF:
+                    away = max(away, float(loan))
+            lending = loan is not None
+            victim = self._next_victim(pos, step, spare_unrun=True, away=away, loan=lending)
             if victim is None and above is None:
                 # A request that must run now (it grows, or its deadline is
                 # here) takes one that can afford just the round trip, and
                 # one that grows takes a request swapped in before its
                 # quantum rather than give its own place up.
-                victim = self._next_victim(pos, step, spare_unrun=True)
+                victim = self._next_victim(pos, step, spare_unrun=True, loan=lending)
                 if victim is None and pos >= step.num_urgent:
-                    victim = self._next_victim(pos, step, spare_unrun=False)
+                    victim = self._next_victim(pos, step, spare_unrun=False, loan=lending)
             if victim is None:
                 return None if above is None else False
             if above is not None and self._priority(victim) <= above:
@@ -525,6 +559,8 @@ class Scheduler:
                 return False
             if not self._evict(victim, step, allow_recompute):
                 return False
+            if lending:
+                self.loans.note_lent(victim, away)
         return self.kv.num_free_blocks >= need
 
     def _batch_size(self, step: _Step) -> int:
@@ -539,14 +575,18 @@ class Scheduler:
     def _priority(self, seq: SeqState) -> tuple[bool, float]:
         return seq.klass is RequestClass.OFFLINE, self.policy.priority(seq)
 
-    def _next_victim(self, pos: int, step: _Step, spare_unrun: bool, away: float = 0.0) -> SeqState | None:
+    def _next_victim(
+        self, pos: int, step: _Step, spare_unrun: bool, away: float = 0.0, loan: bool = False,
+    ) -> SeqState | None:
         """The resident request below ``pos`` to evict next, largest ENST
         first, never a streaming one whose token deadline leaves no room for
         the round trip and ``away`` more steps. ``spare_unrun``: not one
         whose KV came back from the host and has not run a quantum's worth
         since (evicting it would waste both copies); a request that must
-        grow to keep running may still take it."""
-        if away >= step.exhausted[spare_unrun]:
+        grow to keep running may still take it. ``loan`` (KV loans): only
+        a request that can lend for ``away`` steps (KVLoans.can_lend)."""
+        slot = spare_unrun + 2 * loan
+        if away >= step.exhausted[slot]:
             return None
         if step.victims is None:
             if self.swap:
@@ -564,12 +604,13 @@ class Scheduler:
             j = victims[i]
             s = step.ranked[j]
             if j > pos and self.kv.holds(s.request_id) and s.request_id not in step.moved:
-                if not (spare_unrun and self._guarded(s)) and self._can_be_away(s, step.now, away):
+                if (not (spare_unrun and self._guarded(s)) and self._can_be_away(s, step.now, away)
+                        and not (loan and not self.loans.can_lend(s, away))):
                     return s
             elif i == step.cursor:
                 step.cursor += 1
             i += 1
-        step.exhausted[spare_unrun] = away
+        step.exhausted[slot] = away
         return None
 
     def _guarded(self, seq: SeqState) -> bool:
@@ -630,6 +671,16 @@ class Scheduler:
         ids = {id(s) for s in first}
         step.ranked = first + [s for s in step.ranked if id(s) not in ids]
         step.num_urgent = len(first)
+
+    def _owe_swapped_streams(self, step: _Step) -> None:
+        """KV loans: every stream on the host is owed its blocks back before
+        a request with no token out takes device memory."""
+        owing, swapped = step.owing, SeqStatus.SWAPPED
+        for seq in self.seqs.values():
+            rid = seq.request_id
+            if seq.status is swapped and seq.num_output_tokens and rid not in owing:
+                n = owing[rid] = self.kv.num_blocks_of(rid)
+                step.owed += n
 
     def _next_offline_victim(self, step: _Step) -> SeqState | None:
         """The lowest-ranked offline request still holding device KV (offline
@@ -799,7 +850,8 @@ class Scheduler:
         if not swapped:
             return
         enst = self._enst(step)
-        reserve = self.reserve_blocks()
+        # With loans the blocks are owed to them: no arrival takes them first.
+        reserve = self.reserve_blocks() if self.loans is None else self._watermark_blocks
         for j in sorted(swapped, key=lambda j: (enst[j], j)):
             seq = step.ranked[j]
             n = self.kv.num_blocks_of(seq.request_id)
@@ -827,11 +879,15 @@ class Scheduler:
                 continue
             if self.deadlines is not None and not self._can_be_away(seq, step.now, self.policy.quantum_tokens(seq)):
                 continue
+            if self.loans is not None and not self.loans.can_lend(seq, 0.0):  # a stream keeps its place
+                continue
             if not offline_copies and seq.klass is RequestClass.OFFLINE:
                 continue
             if not self.kv.can_swap_out(rid) or not self._can_move(self.kv.num_blocks_of(rid)):
                 return
             self._swap_out(seq, step)
+            if self.loans is not None:
+                self.loans.note_lent(seq, 0.0)
 
     # -- after the step -------------------------------------------------------
     def update_from_output(self, plan: StepPlan, outcome: StepOutcome) -> None:
@@ -841,8 +897,8 @@ class Scheduler:
         self.kv.release_pending()
         # A resumed step ran only its last layers: its time says nothing of its shape.
         if plan.shape is not None and not outcome.abandoned and not plan.resumes:
-            if plan.prefills_online and self.budget is not None:
-                self.budget.note_online_prefill(plan.shape, outcome.step_time)
+            if self.budget is not None and plan.scheduled and not plan.preemptible:  # online work
+                self.budget.note_online_step(plan.shape, outcome.step_time, plan.prefills_online)
             if self._observe is not None:
                 self._observe(plan.shape, outcome.step_time)
         if plan.resumes:
@@ -882,6 +938,8 @@ class Scheduler:
                 seq.num_output_tokens += 1
                 if deadlines is not None and seq.klass is not RequestClass.OFFLINE:
                     deadlines.note_token(seq, now)
+                if seq.num_output_tokens == 1 and self.budget is not None and seq.klass is RequestClass.ONLINE:
+                    self.budget.note_first_token(now + step_time - seq.arrival_time)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             seq.last_scheduled_time = now

@@ -200,6 +200,7 @@ class _Server:
 
     # -- generation routes --------------------------------------------------
     async def completions(self, request: Request) -> Response:
+        received = time.monotonic()  # the engine's TTFT budgets count the parsing and tokenizing too
         req = await self.parse(request, CompletionRequest)
         check_model(req.model, self.model)
         inputs = self.processor.completion(req)
@@ -207,8 +208,8 @@ class _Server:
         rid = f"cmpl-{self.base_request_id(request, req.request_id)}"
         if self.settings.log_requests:
             log_request(rid, inputs, self.settings.max_log_len)
-        timers = [self.timer(inputs) for _ in inputs.prompts]
-        streams = await self.submit(rid, inputs)
+        timers = [self.timer(inputs, received) for _ in inputs.prompts]
+        streams = await self.submit(rid, inputs, received)
         _routed(timers, streams)
         top_n = req.top_n
         if req.stream:
@@ -229,6 +230,7 @@ class _Server:
         return CompletionResponse(id=rid, model=self.model.name, choices=choices, usage=usage)
 
     async def chat(self, request: Request) -> Response:
+        received = time.monotonic()  # the engine's TTFT budgets count the template and tokenizing too
         req = await self.parse(request, ChatCompletionRequest)
         check_model(req.model, self.model)
         inputs = self.processor.chat(req)
@@ -236,8 +238,8 @@ class _Server:
         rid = f"chatcmpl-{self.base_request_id(request, req.request_id)}"
         if self.settings.log_requests:
             log_request(rid, inputs, self.settings.max_log_len)
-        timers = [self.timer(inputs)]
-        streams = await self.submit(rid, inputs)
+        timers = [self.timer(inputs, received)]
+        streams = await self.submit(rid, inputs, received)
         _routed(timers, streams)
         top_n = req.top_n
         if req.stream:
@@ -291,11 +293,12 @@ class _Server:
         return sum(o.num_cached_tokens or 0 for o in finals)
 
     # -- engine plumbing ----------------------------------------------------
-    def timer(self, inputs: EngineInputs) -> RequestTimer:
-        return RequestTimer(self.metrics, n=inputs.params.n, max_tokens=inputs.params.max_tokens)
+    def timer(self, inputs: EngineInputs, start: float | None = None) -> RequestTimer:
+        return RequestTimer(self.metrics, start, n=inputs.params.n, max_tokens=inputs.params.max_tokens)
 
-    async def submit(self, rid: str, inputs: EngineInputs) -> list[RequestStream]:
-        """Admit one engine request per prompt; all or none."""
+    async def submit(self, rid: str, inputs: EngineInputs, received: float | None = None) -> list[RequestStream]:
+        """Admit one engine request per prompt; all or none. ``received``:
+        when the HTTP request arrived (the engine's arrival time; now if None)."""
         streams: list[RequestStream] = []
         multi = len(inputs.prompts) > 1
         try:
@@ -305,8 +308,9 @@ class _Server:
                     streams.append(BeamSearchStream(self.engine, sub_id, prompt.token_ids, inputs.beam,
                                                     self.decode_ids, inputs.klass))
                     continue
+                arrival = time.monotonic() if received is None else received
                 streams.append(await self.engine.add_request(sub_id, prompt.token_ids, inputs.params,
-                                                             inputs.klass, time.monotonic()))
+                                                             inputs.klass, arrival, final_only=inputs.final_only))
         except BaseException as exc:
             for s in streams:
                 s.abort()

@@ -185,7 +185,7 @@ class LineExecutor:
                 req = validate_body(body, ChatCompletionRequest)
                 check_model(req.model, s.model)
                 inputs = s.processor.chat(req)
-            inputs = dataclasses.replace(inputs, klass="offline")
+            inputs = dataclasses.replace(inputs, klass="offline", final_only=True)
             if s.state.draining:
                 raise _Transient("server is draining")
             waiting = [len(inputs.prompts)]
@@ -209,13 +209,14 @@ class LineExecutor:
         from fluidserve.serve.api import _as_api_error
 
         async def one(stream: RequestStream) -> RequestOutput:
-            last = None
-            async for out in stream:
+            last, counted = None, 0
+            async for out in stream:  # the finished output alone (final_only)
                 if last is None:
                     waiting[0] -= 1
                     self.num_queued -= 1
-                self.on_tokens(sum(len(co.new_token_ids) for co in out.outputs))
-                last = out
+                total = sum(len(co.token_ids) for co in out.outputs)
+                self.on_tokens(total - counted)
+                last, counted = out, total
             assert last is not None
             return last
 

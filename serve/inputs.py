@@ -51,6 +51,9 @@ class EngineInputs:
     klass: str
     tool_mode: ToolMode | None = None  # chat with tools: how the reply becomes tool calls
     beam: BeamSearchParams | None = None  # use_beam_search: run by serve/beam_search.py, not sampled
+    # Only the finished output comes back (Batch API lines): the engine skips
+    # the per-token text and outputs nobody reads.
+    final_only: bool = False
 
 
 @dataclass(frozen=True)

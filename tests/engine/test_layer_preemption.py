@@ -188,13 +188,13 @@ def _run_interrupted(llm, inp: ModelInput, module: torch.nn.Module, target: int)
 
 def test_interrupt_stops_at_the_next_safepoint(tiny_model, make_llm):
     """The worker reports the layer it stopped before: the first safepoint
-    after the interrupt arrived. A step whose last safepoint has passed, a
-    step that is not preemptible, and an interrupt meant for another step all
-    run to the end and sample."""
+    after the interrupt arrived, the last one before the head (layer 6 of 6).
+    A step interrupted in its head, a step that is not preemptible, and an
+    interrupt meant for another step all run to the end and sample."""
     llm = make_llm(tiny_model("llama", num_hidden_layers=LAYERS), num_kv_blocks=32, preemption_safepoint_layers=K)
     worker = llm.engine.executor.worker
-    layers = list(worker.model.model.layers)
-    expected = {0: 2, 1: 2, 2: 4, 3: 4, 4: None, 5: None}  # interrupt while layer i runs -> stop before
+    layers = list(worker.model.model.layers) + [worker.model.lm_head]
+    expected = {0: 2, 1: 2, 2: 4, 3: 4, 4: 6, 5: 6, 6: None}  # interrupt while layer i (6: the head) runs -> stop
     for i, (at, stop) in enumerate(expected.items()):
         result = _run_interrupted(llm, _prompt_step(100 + i), layers[at], 100 + i)
         assert result.abandoned_at_layer == stop, at
@@ -208,8 +208,8 @@ def test_interrupt_stops_at_the_next_safepoint(tiny_model, make_llm):
 
 @pytest.mark.parametrize("k,expected", [
     # (layer, half the interrupt lands in) -> where the step stops (x.5: before layer x's MLP)
-    (0.5, {(0, "self_attn"): 0.5, (0, "mlp"): 1, (2, "self_attn"): 2.5, (5, "self_attn"): 5.5, (5, "mlp"): None}),
-    (1.5, {(0, "self_attn"): 1.5, (1, "self_attn"): 1.5, (1, "mlp"): 3, (3, "mlp"): 4.5, (4, "mlp"): None}),
+    (0.5, {(0, "self_attn"): 0.5, (0, "mlp"): 1, (2, "self_attn"): 2.5, (5, "self_attn"): 5.5, (5, "mlp"): 6}),
+    (1.5, {(0, "self_attn"): 1.5, (1, "self_attn"): 1.5, (1, "mlp"): 3, (3, "mlp"): 4.5, (4, "mlp"): 6}),
 ])
 def test_half_layer_safepoints_stop_between_attention_and_mlp(tiny_model, make_llm, k, expected):
     """Safepoints every half a layer (or one and a half) also fall between a
@@ -323,7 +323,8 @@ def test_aborting_a_paused_request_frees_its_blocks(tiny_model, make_llm):
 def test_ttft_slo_decides_when_an_arrival_interrupts():
     """Without a TTFT SLO any online arrival interrupts a running
     preemptible step; with one, only an arrival that waiting for the step
-    would make miss it. One interrupt per step; none between steps."""
+    would make miss it, counting what it waited before the engine heard of
+    it. One interrupt per step; none between steps."""
     sent: list[int] = []
     prefill = lambda n: 0.001 * n  # noqa: E731 - 1 ms per prompt token
     policy = PreemptionPolicy(sent.append, ttft_slo_s=0.5, prefill_time=prefill)
@@ -341,8 +342,12 @@ def test_ttft_slo_decides_when_an_arrival_interrupts():
     assert not policy.on_online_arrival(10, now=20.3)  # overdue: 0.3 s more, taken as within 0.5 - 0.01
     assert policy.on_online_arrival(10, now=20.6)  # overdue: 0.6 s more would miss it
     policy.step_ended()
+    policy.step_started(RunningStep(step_id=5, started=30.0, predicted_s=1.0))
+    assert not policy.on_online_arrival(10, now=30.6, arrival=30.55)  # 0.4 s left, 0.05 s waited: in time
+    assert policy.on_online_arrival(10, now=30.6, arrival=30.5)  # 0.4 s left > 0.5 - 0.1 waited - 0.01
+    policy.step_ended()
     assert not policy.on_online_arrival(10, now=11.0)
-    assert sent == [1, 2, 4]
+    assert sent == [1, 2, 4, 5]
     # A cost model whose predictions run 50% off: a step predicted to end
     # in time (0.3 s left by the prediction) may not (0.8 s left at 1.5x).
     stopped: list[int] = []
@@ -354,7 +359,7 @@ def test_ttft_slo_decides_when_an_arrival_interrupts():
     assert stopped == [6]
     eager = PreemptionPolicy(sent.append, ttft_slo_s=None, prefill_time=prefill)
     eager.step_started(RunningStep(step_id=3, started=0.0, predicted_s=0.0))
-    assert eager.on_online_arrival(10, now=5.0) and sent == [1, 2, 4, 3]
+    assert eager.on_online_arrival(10, now=5.0) and sent == [1, 2, 4, 5, 3]
 
 
 def test_flags_reach_the_engine_config():

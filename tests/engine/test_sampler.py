@@ -13,6 +13,8 @@ from fluidserve.engine.sampler import (
     SamplingRow,
     _apply_presence_frequency_penalties,
     _apply_repetition_penalty,
+    _exponential_noise,
+    _inverse_cdf_draw,
     make_generator,
     sample,
 )
@@ -229,6 +231,32 @@ def test_sampling_frequencies_follow_distribution() -> None:
         freq = torch.bincount(drawn, minlength=5).float() / n
         # 4 standard errors at n=20000 is < 0.015 for every p here
         assert torch.allclose(freq, torch.tensor(expected), atol=0.015), (params, freq)
+
+
+@pytest.mark.parametrize("draw", ["inverse cdf (CPU)", "exponential race (CUDA)"])
+def test_both_draws_follow_the_distribution_and_skip_zeroed_tokens(draw: str) -> None:
+    """The CPU's one-uniform-per-row draw and the exponential race the CUDA
+    path runs pick token i with probability p_i / sum(p) from unnormalised,
+    partly zeroed rows (filters zero tokens at either end and inside)."""
+    torch.manual_seed(8)
+    n = 20000
+    unnormalised = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.1, 0.0, 0.2, 0.0]) * 0.7
+    probs = unnormalised.expand(n, -1).contiguous()
+    if draw.startswith("inverse"):
+        drawn = _inverse_cdf_draw(probs, [None] * n)
+    else:
+        drawn = (probs / _exponential_noise(probs, [None] * n)).argmax(dim=-1)
+    freq = torch.bincount(drawn, minlength=8).float() / n
+    assert freq[unnormalised == 0].sum() == 0
+    assert torch.allclose(freq, unnormalised / unnormalised.sum(), atol=0.015), freq
+
+
+def test_inverse_cdf_draw_never_returns_a_zeroed_last_token(monkeypatch) -> None:
+    """Where u * mass rounds up to the whole mass the draw falls past the
+    end: it takes the last token with mass, not a filtered one."""
+    probs = torch.tensor([[0.25, 0.75, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0]])
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.ones(*shape, dtype=torch.float64))  # u = 1
+    assert _inverse_cdf_draw(probs, [None, None]).tolist() == [1, 2]
 
 
 # ---------------------------------------------------------------- seeds
