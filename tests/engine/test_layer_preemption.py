@@ -382,10 +382,13 @@ def test_flags_reach_the_engine_config():
 
 def test_engine_passes_its_ttft_slo_to_the_preemption_rule(tiny_model, make_llm):
     """A TTFT SLO no step can endanger: the same scripted arrivals that
-    interrupt steps without an SLO interrupt none."""
+    interrupt steps without an SLO interrupt none. The rule plans against the
+    engine's share of the SLO (the rest is for what follows its first token)."""
+    from fluidserve.scheduler.budget import TTFT_ENGINE_SHARE
+
     llm = make_llm(tiny_model("llama", num_hidden_layers=LAYERS), num_kv_blocks=64, max_num_batched_tokens=16,
                    online_ttft_slo_ms=1e9)
-    assert llm.engine.preemption.ttft_slo_s == 1e6
+    assert llm.engine.preemption.ttft_slo_s == pytest.approx(TTFT_ENGINE_SHARE * 1e6)
     _, seen = _run_offline(llm, lambda i: GREEDY, {1, 2, 3})
     assert seen["n"] > 3 and seen["sent"] == 0 and llm.engine.stats().num_steps_abandoned == 0
 
