@@ -126,6 +126,8 @@ class SloBudget:
         # offline work beside it and without (the slowdown cap's margin).
         self._beside_ratios: deque[float] = deque(maxlen=64)
         self._alone_ratios: deque[float] = deque(maxlen=64)
+        self._beside_tail: float | None = None  # their 90th percentile, once 8 ran
+        self._alone_median: float | None = None  # their median, once 8 ran
         self._offline_beside = False  # this step carries offline tokens beside online work
         # The offline-only cap's share of what the plan allows, steered by
         # measured first tokens (1: as planned; see note_first_token).
@@ -155,7 +157,16 @@ class SloBudget:
         ratio = seconds / predicted
         if prefills_online:
             self._online_prefill_ratios.append(ratio)
-        (self._beside_ratios if self._offline_beside else self._alone_ratios).append(ratio)
+        # The figures the caps read, worked out here, once a step, not at
+        # each of the step's offline requests that asks.
+        if self._offline_beside:
+            self._beside_ratios.append(ratio)
+            if len(self._beside_ratios) >= 8:
+                self._beside_tail = _percentile(self._beside_ratios, 0.9)
+        else:
+            self._alone_ratios.append(ratio)
+            if len(self._alone_ratios) >= 8:
+                self._alone_median = statistics.median(self._alone_ratios)
 
     def note_first_token(self, ttft_s: float) -> None:
         """An online request's first token came ``ttft_s`` after its arrival
@@ -183,25 +194,17 @@ class SloBudget:
         decode beside an online one (a second attention group per layer, a
         long context) ran 1.4x the online step alone where 1.2x was
         planned."""
-        tail, alone = self._beside_tail(), self._alone_ratios
-        if tail is None or len(alone) < 8:
+        if self._beside_tail is None or self._alone_median is None:
             return 1.0
-        return max(1.0, tail / statistics.median(alone))
+        return max(1.0, self._beside_tail / self._alone_median)
 
     def slo_margin(self) -> float:
         """How much slower than predicted a step with online work is planned
         for against an absolute SLO: the cost model's margin, or the 90th
         percentile of measured / predicted time of the steps that carried
         offline work beside online work, whichever is larger."""
-        tail = self._beside_tail()
         margin = prediction_margin(self.cost)
-        return margin if tail is None else max(margin, tail)
-
-    def _beside_tail(self) -> float | None:
-        beside = self._beside_ratios
-        if len(beside) < 8:
-            return None
-        return sorted(beside)[math.ceil(0.9 * len(beside)) - 1]
+        return margin if self._beside_tail is None else max(margin, self._beside_tail)
 
     def online_prefill_margin(self) -> float:
         """How much slower than predicted an online prefill is planned for:
@@ -212,8 +215,7 @@ class SloBudget:
         ratios = self._online_prefill_ratios
         if not ratios:
             return margin
-        tail = sorted(ratios)[math.ceil(0.95 * len(ratios)) - 1]
-        return max(margin, tail)
+        return max(margin, _percentile(ratios, 0.95))
 
     def min_step_tokens(self) -> int:
         """The fewest prefill tokens of an offline-only step: the smallest
@@ -316,6 +318,11 @@ class SloBudget:
             return 0
         self._offline_beside |= shape.online and lo > 0
         return lo
+
+
+def _percentile(values: deque[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (the largest while they are few)."""
+    return sorted(values)[math.ceil(q * len(values)) - 1]
 
 
 def prediction_margin(cost: CostModel) -> float:

@@ -129,3 +129,17 @@ def wait_idle(server, timeout: float = 5.0) -> dict[str, float]:
             return m
         assert time.monotonic() < deadline, f"server not idle: {m}"
         time.sleep(0.05)
+
+
+def post(srv, path: str, body: dict, **kw) -> "httpx.Response":
+    """POST ``body`` as JSON to ``path`` of a started server."""
+    import httpx
+
+    return httpx.post(f"{srv.base_url}{path}", json=body, timeout=120, **kw)
+
+
+def ok(srv, path: str, body: dict) -> dict:
+    """POST and expect 200: the JSON answer."""
+    resp = post(srv, path, body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()

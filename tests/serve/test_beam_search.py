@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from server_utils import start_server
+from server_utils import ok, post, start_server
 
 EOS = 257  # "<|eos|>"
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -49,16 +49,6 @@ def hf(model_dir):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-
-
-def post(srv, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{srv.base_url}{path}", json=body, timeout=120)
-
-
-def ok(srv, path: str, body: dict) -> dict:
-    resp = post(srv, path, body)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
 def beams(srv, prompt: str, n: int, max_tokens: int, **extra) -> list[dict]:

@@ -25,7 +25,7 @@ from fluidserve.serve.api import ServerSettings
 from fluidserve.serve.inputs import Prompt
 from fluidserve.serve.render import make_usage
 import server_utils
-from server_utils import start_server
+from server_utils import ok, post, start_server
 
 LETTERS = list(range(ord("a"), ord("z") + 1))
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -75,16 +75,6 @@ def whole_vocab(model_dir):
         srv = start_server(model_dir, max_model_len=256)
     yield srv
     srv.stop()
-
-
-def post(srv, path: str, body: dict, **kw) -> httpx.Response:
-    return httpx.post(f"{srv.base_url}{path}", json=body, timeout=60, **kw)
-
-
-def ok(srv, path: str, body: dict) -> dict:
-    resp = post(srv, path, body)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
 def sse(srv, path: str, body: dict) -> list[dict]:
