@@ -8,7 +8,9 @@ load (serve/bench_client.py: ShareGPT lengths, Poisson arrivals, streamed).
 
 Variants: fcfs + recompute (vLLM's behaviour), skip-join + recompute,
 skip-join + proactive swap (the default flags), and the same with token
-deadlines (``--swap-tpot-slack 1.25``, scheduler/token_gap.py). The server and the
+deadlines (``--swap-tpot-slack 1.25``, scheduler/token_gap.py) or KV loans
+(``--swap-loan-tokens 32``, scheduler/loans.py; the client sends each
+request's sampled output length as ``max_tokens``). The server and the
 client share the machine's cores; every variant sees the same request
 sequence (same seed). Writes benchmarks/results/swap_serving.{json,md}.
 """
@@ -31,6 +33,7 @@ VARIANTS = [
     ("skip-join + recompute", ["--preemption-mode", "recompute"]),
     ("skip-join + proactive swap (default flags)", []),
     ("skip-join + proactive swap, slack 1.25", ["--swap-tpot-slack", "1.25"]),
+    ("skip-join + proactive swap, KV loans (max_tokens <= 32)", ["--swap-loan-tokens", "32"]),
 ]
 
 
@@ -43,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-rate", type=float, default=4.0)
     ap.add_argument("--length-scale", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", nargs="+", type=int, default=None,
+                    help="indices into the variants to run (default: all; the first is the baseline)")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
+    variants = VARIANTS if args.variants is None else [VARIANTS[i] for i in args.variants]
     model_dir = build_model_dir(args.preset, Path(tempfile.mkdtemp(prefix="fluidserve-swap-")))
     engine_flags = ["--model", str(model_dir), "--load-format", "dummy", "--device", "cpu",
                     "--num-kv-blocks", str(args.num_kv_blocks), "--num-host-blocks", str(args.num_host_blocks),
@@ -54,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                   "--num-requests", str(args.num_requests), "--request-rate", str(args.request_rate),
                   "--seed", str(args.seed), "--output", "/dev/null"]
     rows = []
-    for label, flags in VARIANTS:
+    for label, flags in variants:
         port = bc_free_port()
         proc = start_server(port, engine_flags + flags)
         try:
