@@ -20,6 +20,11 @@ the lines done, which move a wave of in-flight lines at a time), for
 
     python benchmarks/coserving_server.py         # defaults (--data-dir: a 1.2 slowdown cap), the cap off, 1.5
     python benchmarks/coserving_server.py --configs "" "--online-tpot-slo-ms 30"
+    python benchmarks/coserving_server.py --configs "" slo:1.2
+
+A configuration ``slo:X`` sets ``--online-ttft-slo-ms`` and
+``--online-tpot-slo-ms`` to X times the round's online-only P99s, and the
+report says whether each SLO held.
 
 Writes benchmarks/results/coserving_server.{json,md}.
 """
@@ -178,6 +183,23 @@ def run_config(args, model_dir: Path, flags: list[str], online: bool, batch: boo
     return res
 
 
+def _flags_of(config: str, alone: dict) -> tuple[list[str], tuple[float, float] | None]:
+    """Server flags of a configuration, and the SLOs (TTFT, TPOT ms) where
+    it is ``slo:X``: X times this round's online-only P99s."""
+    if not config.startswith("slo:"):
+        return shlex.split(config), None
+    x = float(config[len("slo:"):])
+    ttft, tpot = x * alone["p99_ttft_ms"], x * alone["p99_tpot_ms"]
+    return ["--online-ttft-slo-ms", f"{ttft:.1f}", "--online-tpot-slo-ms", f"{tpot:.1f}"], (ttft, tpot)
+
+
+def _held(res: dict) -> str:
+    """Whether a round kept its SLOs: P99 TTFT and P99 TPOT against them."""
+    def mark(p99: float, slo: float) -> str:
+        return f"{p99:.1f}/{slo:.1f} ms {'yes' if p99 <= slo else 'no'}"
+    return f"{mark(res['p99_ttft_ms'], res['slo_ttft_ms'])}; {mark(res['p99_tpot_ms'], res['slo_tpot_ms'])}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="cpu-small", help="benchmarks/dummy_models.py preset")
@@ -208,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         batch = run_config(args, model_dir, [], False, True, arrivals, alone["window_s"], work, f"r{r}-batch")
         both = {}
         for i, flags in enumerate(args.configs):
-            res = run_config(args, model_dir, shlex.split(flags), True, True, arrivals, None, work, f"r{r}-c{i}")
+            argv_i, slos = _flags_of(flags, alone)
+            res = run_config(args, model_dir, argv_i, True, True, arrivals, None, work, f"r{r}-c{i}")
+            if slos:
+                res.update(slo_ttft_ms=slos[0], slo_tpot_ms=slos[1], slo_flags=" ".join(argv_i))
             alone_rate = batch["offline_tokens"] / batch["window_s"]
             lines_rate = batch["lines_done"] / batch["window_s"]
             nan = float("nan")
@@ -232,14 +257,17 @@ def main(argv: list[str] | None = None) -> int:
              "", "Harvest: the tokens the engine generated for the batch in the window against the batch alone "
              "(lines finish in waves of `--batch-max-in-flight`, so lines done, also shown, moves a wave at a time).",
              "", "| server flags | online P99 TTFT vs online only | online P99 TPOT vs online only | "
-             "batch tokens vs the batch alone | batch lines done vs alone |", "|---|---:|---:|---:|---:|"]
+             "batch tokens vs the batch alone | batch lines done vs alone | SLOs held (TTFT, TPOT), per round |",
+             "|---|---:|---:|---:|---:|---|"]
     for flags in [c or "defaults" for c in args.configs]:
         per = [rd["coserved"][flags] for rd in rounds]
         med = {k: statistics.median(p[k] for p in per) for k in ("ttft_x", "tpot_x", "batch_share", "lines_share")}
         ref = rounds[0]["online_only"]
+        held = ", ".join(_held(p) for p in per) if "slo_ttft_ms" in per[0] else ""
         lines.append(f"| `{flags}` | {med['ttft_x']:.2f}x ({ref['p99_ttft_ms']:.0f} -> "
                      f"{per[0]['p99_ttft_ms']:.0f} ms) | {med['tpot_x']:.2f}x ({ref['p99_tpot_ms']:.1f} -> "
-                     f"{per[0]['p99_tpot_ms']:.1f} ms) | {med['batch_share']:.0%} | {med['lines_share']:.0%} |")
+                     f"{per[0]['p99_tpot_ms']:.1f} ms) | {med['batch_share']:.0%} | {med['lines_share']:.0%} | "
+                     f"{held} |")
     text = "\n".join(lines) + "\n"
     save_results(args.out_dir / "coserving_server", {"benchmark": "coserving_server", "args": vars(args) | {
         "out_dir": str(args.out_dir)}, "rounds": rounds}, text)

@@ -163,7 +163,7 @@ class AsyncEngine:
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self._commands.put(("add", request_id, prompt, params, klass, arrival_time, final_only, admitted))
         if str(getattr(klass, "value", klass)) == "online":
-            self._preempt_for(prompt, arrival_time)
+            self._preempt_for()
         try:
             await admitted
         except BaseException:
@@ -175,7 +175,7 @@ class AsyncEngine:
             raise
         return stream
 
-    def _preempt_for(self, prompt: str | list[int], arrival: float) -> None:
+    def _preempt_for(self) -> None:
         """An online arrival may interrupt the offline-only step running now
         (layer-wise preemption): the one call into the engine made from the
         event loop, into its thread-safe preemption policy. The add command
@@ -183,7 +183,7 @@ class AsyncEngine:
         plans the next step."""
         policy = getattr(self.engine, "preemption", None)
         if policy is not None:
-            policy.on_online_arrival(len(prompt) if isinstance(prompt, list) else None, arrival=arrival)
+            policy.on_online_arrival()
 
     def abort(self, request_id: str) -> None:
         """Abort now: no further outputs are delivered, and the engine loop

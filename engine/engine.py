@@ -21,8 +21,7 @@ from pathlib import Path
 
 from fluidserve.kernels.ops import kernel_path
 from fluidserve.kvcache.manager import slot_of, slots
-from fluidserve.scheduler.budget import TTFT_ENGINE_SHARE, prediction_margin
-from fluidserve.scheduler.cost_model import cost_model_for_engine, plan_shape
+from fluidserve.scheduler.cost_model import cost_model_for_engine
 from fluidserve.scheduler.plan import StepOutcome, StepPlan
 from fluidserve.scheduler.request_state import RequestClass, SeqState
 from fluidserve.scheduler.scheduler import Scheduler
@@ -34,7 +33,8 @@ from fluidserve.engine.loader import (eos_token_ids, is_tiny_model, load_hf_conf
                                       model_context_length, resolve_model_dir)
 from fluidserve.engine.output_processor import OutputProcessor
 from fluidserve.engine.outputs import RequestOutput
-from fluidserve.engine.preemption import PreemptionPolicy, RunningStep, safepoint_interval_share
+from fluidserve.engine.preemption import (PreemptionPolicy, RunningStep, safepoint_attention_share,
+                                          safepoint_interval_share)
 from fluidserve.engine.request import Request, Sequence
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.structured import xgrammar
@@ -136,6 +136,8 @@ class LLMEngine:
             cost_model=self.cost_model,
             safepoint_interval_share=safepoint_interval_share(config.scheduler.preemption_safepoint_layers,
                                                               self.hf_config),
+            safepoint_attention_share=safepoint_attention_share(config.scheduler.preemption_safepoint_layers,
+                                                                self.hf_config),
         )
         self.requests: dict[str, Request] = {}
         self.seqs: dict[str, Sequence] = {}
@@ -144,17 +146,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.requests, self.seqs, self.eos_token_ids, self.stats_,
                                                 self.kv.block_size, self._block_filled, self._grammar_finished)
         self._lost_tokens = 0  # of abandoned steps whose state the worker did not keep
-        ttft = self.scheduler.config.online_ttft_slo_ms  # the SLOs live in the scheduler config
-        # The engine's share of the SLO: what follows its first token (the
-        # event loop, the SSE write) takes the rest.
-        # An arrival's own prefill is planned as slow as online prefills have
-        # run against their predictions (the budget's measured tail).
-        budget = self.scheduler.budget
-        prefill = (self.cost_model.prefill_time if budget is None
-                   else lambda n: self.cost_model.prefill_time(n) * budget.online_prefill_margin())
-        self.preemption = PreemptionPolicy(self.executor.interrupt,
-                                           None if ttft is None else TTFT_ENGINE_SHARE * ttft / 1e3,
-                                           prefill, lambda: prediction_margin(self.cost_model))
+        self.preemption = PreemptionPolicy(self.executor.interrupt)
         log.info("engine ready: %s on %s (%s attention kernels%s), %d KV blocks of %d tokens (+%d on the host), "
                  "max_model_len %d%s", self.model_name, runtime_for(device).name or device, kernel_path(device),
                  "" if config.enforce_eager else ", decode CUDA graphs where the device has them",
@@ -293,9 +285,7 @@ class LLMEngine:
         if not plan.preemptible or self.config.scheduler.preemption_safepoint_layers == 0 or not inp.input_ids:
             return self.executor.execute(inp), inp
         inp.preemptible, inp.step_id = True, self.stats_.num_steps  # unique: counts every step run
-        predicted = (self.cost_model.step_time(*(plan.shape or plan_shape(plan, self.scheduler.seqs)))
-                     if self.preemption.ttft_slo_s is not None else 0.0)
-        self.preemption.step_started(RunningStep(inp.step_id, now, predicted))
+        self.preemption.step_started(RunningStep(inp.step_id, now))
         try:
             result = self.executor.execute(inp)
         finally:

@@ -54,7 +54,6 @@ group, so every rank stops at the same layer or none does.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -63,7 +62,7 @@ import torch.distributed as dist
 
 from fluidserve.engine.parallel import TensorParallel
 from fluidserve.engine.runtime import runtime_for
-from fluidserve.scheduler.budget import interrupts_step
+from fluidserve.scheduler.budget import safepoint_attention_share as attention_share
 from fluidserve.scheduler.budget import safepoint_interval_share as interval_share
 
 NO_STEP = -1
@@ -275,31 +274,33 @@ def safepoint_interval_share(every_layers: float, hf_config: Any) -> float | Non
     return interval_share(every_layers, layers, feed_forward_share(hf_config))
 
 
+def safepoint_attention_share(every_layers: float, hf_config: Any) -> float | None:
+    """``budget.safepoint_attention_share`` of this model (None: no safepoints)."""
+    return attention_share(every_layers, int(getattr(hf_config, "num_hidden_layers", 0) or 0))
+
+
 @dataclass
 class RunningStep:
     step_id: int
     started: float  # time.monotonic()
-    predicted_s: float  # the cost model's time for the whole step
 
 
 class PreemptionPolicy:
     """When an online arrival interrupts the running step (ConServe
-    Algorithm 2's PreemptRunning). The engine loop reports each step's start
-    and end; the event loop reports online arrivals. Without a TTFT SLO any
-    online arrival interrupts a preemptible step; with one, only an arrival
-    that waiting for the step would make miss it: the step's predicted
-    remaining time exceeds the SLO less the arrival's own predicted prefill.
-    The prediction is stretched by the cost model's measured error, and a
-    step past even that is taken to need as long again as it has run."""
+    Algorithm 2's PreemptRunning): the first online arrival during a
+    preemptible step stops it at its next safepoint, with or without a TTFT
+    SLO. ConServe stops a step only where waiting for its predicted end
+    would make the arrival miss its TTFT SLO, because a stopped step's work
+    is redone; ours pauses and resumes where it stopped, so stopping costs a
+    resume, while waiting costs the arrival the step's remaining time, which
+    the cost model predicts least well (decode-heavy offline steps on a CPU
+    ran 1.6x their prediction; through the server, arrivals that let such a
+    step run on waited past 100 ms under a 70 ms TTFT SLO). The engine loop
+    reports each step's start and end; the event loop reports online
+    arrivals."""
 
-    def __init__(self, interrupt: Callable[[int], None], ttft_slo_s: float | None,
-                 prefill_time: Callable[[int], float], margin: Callable[[], float] | None = None) -> None:
+    def __init__(self, interrupt: Callable[[int], None]) -> None:
         self._interrupt = interrupt
-        self.ttft_slo_s = ttft_slo_s
-        self._prefill_time = prefill_time
-        # How much slower than predicted a step is taken to run (the budget's
-        # prediction_margin; stopping one is cheap: it resumes).
-        self._margin = margin
         self._lock = threading.Lock()
         self._running: RunningStep | None = None
         self._requested = NO_STEP
@@ -314,28 +315,13 @@ class PreemptionPolicy:
         with self._lock:
             self._running = None
 
-    def on_online_arrival(self, prompt_tokens: int | None, now: float | None = None,
-                          arrival: float | None = None) -> bool:
-        """Interrupt the running (preemptible) step for an online request of
-        ``prompt_tokens`` (None: not known yet) that arrived at ``arrival``
-        (the HTTP request's time: what it waited before the engine heard of
-        it counts against its SLO; None: now); True when one was sent."""
+    def on_online_arrival(self) -> bool:
+        """Interrupt the running (preemptible) step for an online arrival;
+        True when one was sent (one per step)."""
         with self._lock:
             step = self._running
             if step is None or self._requested == step.step_id:
                 return False
-            if self.ttft_slo_s is not None:
-                now = time.monotonic() if now is None else now
-                elapsed = now - step.started
-                remaining = step.predicted_s * (self._margin() if self._margin is not None else 1.0) - elapsed
-                if remaining <= 0:
-                    # Past its predicted end: the prediction was wrong, so
-                    # the step is taken to need as long again as it has run.
-                    remaining = elapsed
-                own = self._prefill_time(prompt_tokens) if prompt_tokens else 0.0
-                waited = max(0.0, now - arrival) if arrival is not None else 0.0
-                if not interrupts_step(remaining, self.ttft_slo_s - waited, own):
-                    return False  # the step ends in time for this arrival's SLO
             self._requested = step.step_id
             self.num_requests += 1
         self._interrupt(step.step_id)

@@ -135,11 +135,14 @@ class Scheduler:
     policy is built from the config with ``cost_model`` (None: the analytic
     default). ``safepoint_interval_share``: the longest share of a step
     between two layer safepoints, which the owner derives from
-    ``config.preemption_safepoint_layers`` and its model (None: none)."""
+    ``config.preemption_safepoint_layers`` and its model (None: none);
+    ``safepoint_attention_share``: the share of a step's attention time in
+    that stretch (``budget.safepoint_attention_share``; None: the same)."""
 
     def __init__(
         self, config: SchedulerConfig, kv: KVCacheManager, policy: Policy | None = None,
         cost_model: CostModel | None = None, safepoint_interval_share: float | None = None,
+        safepoint_attention_share: float | None = None,
     ) -> None:
         if safepoint_interval_share is not None and not 0.0 < safepoint_interval_share <= 1.0:
             raise ValueError(f"safepoint_interval_share must be in (0, 1], got {safepoint_interval_share}")
@@ -184,7 +187,8 @@ class Scheduler:
         self._num_added = 0
         tpot, ttft, slowdown = config.online_tpot_slo_ms, config.online_ttft_slo_ms, config.online_slowdown_cap
         self.budget = (SloBudget(self.policy.cost, None if tpot is None else tpot / 1e3,
-                                 None if ttft is None else ttft / 1e3, safepoint_interval_share, slowdown=slowdown)
+                                 None if ttft is None else ttft / 1e3, safepoint_interval_share, slowdown=slowdown,
+                                 attention_share=safepoint_attention_share)
                        if tpot is not None or ttft is not None or slowdown is not None else None)
         # The engine feeds measured step times back to a calibrating cost
         # model: plans then carry their shape (free when the budget builds it).
@@ -199,14 +203,16 @@ class Scheduler:
     @classmethod
     def create(cls, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, num_host_blocks: int = 0,
                cost_model: CostModel | None = None, policy: Policy | None = None,
-               safepoint_interval_share: float | None = None) -> Scheduler:
+               safepoint_interval_share: float | None = None,
+               safepoint_attention_share: float | None = None) -> Scheduler:
         """A scheduler with its own KV manager over ``num_blocks`` device and
         ``num_host_blocks`` host blocks (what the executor found room for),
         as ``cache`` configures it: the engine and the simulator build theirs
         so, and reach the KV accounting only through the scheduler."""
         kv = KVCacheManager(num_blocks, cache.block_size, num_host_blocks,
                             enable_prefix_caching=cache.enable_prefix_caching, cache_on_host=cache.cache_on_host)
-        return cls(config, kv, policy=policy, cost_model=cost_model, safepoint_interval_share=safepoint_interval_share)
+        return cls(config, kv, policy=policy, cost_model=cost_model, safepoint_interval_share=safepoint_interval_share,
+                   safepoint_attention_share=safepoint_attention_share)
 
     # -- prefix-cache keys ----------------------------------------------------------
     def prompt_block_keys(self, prompt_token_ids: list[int]) -> list[int]:

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from fluidserve.kvcache.config import CacheConfig, ConfigTree
-from fluidserve.scheduler.budget import interrupts_step, safepoint_interval_share
+from fluidserve.scheduler.budget import safepoint_attention_share, safepoint_interval_share
 from fluidserve.scheduler.cost_model import CostModel, plan_shape
 from fluidserve.scheduler.plan import StepOutcome
 from fluidserve.scheduler.policies import make_policy
@@ -176,12 +176,15 @@ class Simulator:
         # model (uniform layers where it names none).
         shape = getattr(cost_model, "model", None)
         shape = shape if hasattr(shape, "layer_params") else None
+        layers = shape.num_layers if shape else config.model_layers
         self.safepoint_share = safepoint_interval_share(
-            sched_cfg.preemption_safepoint_layers, shape.num_layers if shape else config.model_layers,
+            sched_cfg.preemption_safepoint_layers, layers,
             3 * shape.hidden_size * shape.intermediate_size / shape.layer_params if shape else 0.5)
-        self.scheduler = Scheduler.create(sched_cfg, cache, cache.num_kv_blocks, cache.num_host_blocks or 0,
-                                          policy=make_policy(policy, cost_model=cost_model, **sched_cfg.policy_options),
-                                          safepoint_interval_share=self.safepoint_share)
+        self.scheduler = Scheduler.create(
+            sched_cfg, cache, cache.num_kv_blocks, cache.num_host_blocks or 0,
+            policy=make_policy(policy, cost_model=cost_model, **sched_cfg.policy_options),
+            safepoint_interval_share=self.safepoint_share,
+            safepoint_attention_share=safepoint_attention_share(sched_cfg.preemption_safepoint_layers, layers))
         self.kv = self.scheduler.kv
         self.policy_name = policy
         self._start_run()
@@ -319,22 +322,20 @@ class Simulator:
     def _safepoint_cut(self, plan, nxt: int, begin: float, compute: float, full: float) -> float | None:
         """When a preemptible step starting its compute (``compute`` seconds
         of a ``full`` step's) at ``begin`` is abandoned: the first safepoint
-        after an online arrival that waiting for the step would make miss its
-        TTFT SLO (None: it runs through)."""
+        after an online arrival (None: it runs through)."""
         frac = self.safepoint_share
         if not (frac and plan.preemptible and plan.scheduled):
             return None
         end, slice_ = begin + compute, full * frac
-        slo = self.config.scheduler.online_ttft_slo_ms
         for job in self.jobs[nxt:]:
             if job.arrival_time >= end:
                 return None
             if job.klass is not RequestClass.ONLINE:
                 continue
+            # Any online arrival stops the step (engine.preemption.PreemptionPolicy).
             at = max(job.arrival_time, begin)
-            if interrupts_step(end - at, None if slo is None else slo / 1e3, self.cost.prefill_time(job.prompt_tokens)):
-                cut = begin + math.ceil((at - begin) / slice_) * slice_
-                return cut if cut < end else None
+            cut = begin + math.ceil((at - begin) / slice_) * slice_
+            return cut if cut < end else None
         return None
 
 

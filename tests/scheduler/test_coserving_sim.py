@@ -77,13 +77,16 @@ def test_layer_wise_preemption_in_the_simulator_cuts_online_ttft():
     assert lost.swap_stats["num_resumes"] == 0 and lost.busy_time > plain.busy_time + step / 8
 
 
-def test_a_ttft_slo_the_step_can_meet_does_not_interrupt_it():
+def test_an_arrival_interrupts_whatever_the_ttft_slo():
+    """A TTFT SLO the running step could meet still lets the arrival stop it
+    at the next safepoint (the step resumes: no compute is lost)."""
     offline = [Job(f"off{i}", 0.0, 2000, 4, RequestClass.OFFLINE) for i in range(3)]
     online = [Job("on", 0.5, 16, 4)]
     cfg = SimConfig.create(num_kv_blocks=1024, block_size=16, max_num_batched_tokens=2048,
                            model_layers=8, preemption_safepoint_layers=1, online_ttft_slo_ms=5000.0)
     res = simulate(offline + online, "skip-join-mlfq", CM, cfg)
-    assert res.swap_stats["num_steps_abandoned"] == 0
+    assert res.swap_stats["num_steps_abandoned"] >= 1
+    assert res.swap_stats["num_resumes"] == res.swap_stats["num_steps_abandoned"]
 
 
 def test_online_arrival_takes_offline_kv_before_online_kv():
