@@ -294,7 +294,7 @@ class PreemptionPolicy:
     is redone; ours pauses and resumes where it stopped, so stopping costs a
     resume, while waiting costs the arrival the step's remaining time, which
     the cost model predicts least well (decode-heavy offline steps on a CPU
-    ran 1.6x their prediction; through the server, arrivals that let such a
+    ran up to 1.9x their prediction; through the server, arrivals that let such a
     step run on waited past 100 ms under a 70 ms TTFT SLO). The engine loop
     reports each step's start and end; the event loop reports online
     arrivals."""
