@@ -145,6 +145,23 @@ def test_offline_only_steps_are_cut_so_a_safepoint_interval_fits_the_ttft_slo():
     assert fixed / CM.prefill_time(floor) <= 0.2 < fixed / CM.prefill_time(floor - 1)
 
 
+def _fill_with_decodes(budget, context: int):
+    """An offline-only step filled with offline decodes over ``context``
+    tokens each until the budget takes no more: (its shape, the decodes)."""
+    from fluidserve.scheduler.cost_model import StepShape
+    from fluidserve.scheduler.request_state import SeqState
+
+    shape, n = StepShape(), 0
+    while n < 4096:
+        seq = SeqState(f"off{n}", context, 64, 0.0, RequestClass.OFFLINE, num_output_tokens=1,
+                       num_computed_tokens=context)
+        if budget.offline_tokens(shape, seq, 1) == 0:
+            break
+        shape.add(seq, 1)
+        n += 1
+    return shape, n
+
+
 def test_offline_only_decodes_are_cut_by_the_floors_time_not_its_tokens():
     """An offline-only step of decodes is held to the offline-only cap (or
     the floor's time, the larger): a decode costs a step far more than a
@@ -158,14 +175,7 @@ def test_offline_only_decodes_are_cut_by_the_floors_time_not_its_tokens():
     budget.note_online_arrival(200)
     budget.begin_step()
     limit = max(budget.offline_only_cap(), CM.prefill_time(budget.min_step_tokens()))
-    shape, admitted = StepShape(), 0
-    for i in range(4096):
-        seq = SeqState(f"off{i}", 8000, 64, 0.0, RequestClass.OFFLINE, num_output_tokens=1,
-                       num_computed_tokens=8000)
-        if budget.offline_tokens(shape, seq, 1) == 0:
-            break
-        shape.add(seq, 1)
-        admitted += 1
+    shape, admitted = _fill_with_decodes(budget, 8000)
     assert 0 < admitted < budget.min_step_tokens()  # fewer decodes than the floor's tokens
     assert CM.step_time(*shape.astuple()) <= limit + 1e-12
     extra = SeqState("one-more", 8000, 64, 0.0, RequestClass.OFFLINE, num_output_tokens=1, num_computed_tokens=8000)
@@ -219,14 +229,7 @@ def test_offline_only_decodes_over_long_contexts_are_cut_by_one_layers_attention
         budget = SloBudget(CM, None, 0.2, interval_share=1 / 8, attention_share=attention_share)
         budget.note_online_arrival(100)
         budget.begin_step()
-        shape, n = StepShape(), 0
-        while n < 4096:
-            seq = SeqState(f"off{n}", 32000, 64, 0.0, RequestClass.OFFLINE, num_output_tokens=1,
-                           num_computed_tokens=32000)
-            if budget.offline_tokens(shape, seq, 1) == 0:
-                break
-            shape.add(seq, 1)
-            n += 1
+        shape, n = _fill_with_decodes(budget, 32000)
         total = CM.step_time(*shape.astuple())
         attention = total - CM.step_time(0, shape.decode_seqs, 0, 0)
         return n, (total - attention) / 8 + attention / 4
