@@ -56,9 +56,9 @@ class SchedulerConfig:
         None, "co-serving (ConServe): offline work in a step with online requests is cut so the step's "
               "predicted time stays within this time per output token (default: no cut)", metavar="MS")
     online_ttft_slo_ms: float | None = setting(
-        None, "co-serving (ConServe): an online arrival interrupts a running offline-only step at its next "
-              "layer safepoint when waiting for the step to end would miss this time to first token "
-              "(default: any online arrival interrupts one)", metavar="MS")
+        None, "co-serving (ConServe): offline work is cut so an online request's first token comes within "
+              "this time: beside its prefill, and in offline-only steps, whose safepoint interval an arrival "
+              "waits for (any online arrival interrupts one; default: no cut)", metavar="MS")
     # Protection without SLOs: online requests keep close to the latency
     # they would have alone (scheduler/budget.py). The server turns it on
     # with the Batch API (serve/cli.py, COSERVING_SLOWDOWN_CAP).
