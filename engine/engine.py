@@ -33,8 +33,7 @@ from fluidserve.engine.loader import (eos_token_ids, is_tiny_model, load_hf_conf
                                       model_context_length, resolve_model_dir)
 from fluidserve.engine.output_processor import OutputProcessor
 from fluidserve.engine.outputs import RequestOutput
-from fluidserve.engine.preemption import (PreemptionPolicy, RunningStep, safepoint_attention_share,
-                                          safepoint_interval_share)
+from fluidserve.engine.preemption import PreemptionPolicy, safepoint_attention_share, safepoint_interval_share
 from fluidserve.engine.request import Request, Sequence
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.structured import xgrammar
@@ -261,7 +260,7 @@ class LLMEngine:
         plan = self.scheduler.schedule(now)
         if plan.is_empty:
             return []
-        result, inp = self._execute(plan, now)
+        result, inp = self._execute(plan)
         outputs, finished = self.output_processor.process(result, now)
         self.scheduler.update_from_output(plan, StepOutcome(time.monotonic() - now, now, finished,
                                                             abandoned=result.abandoned, paused=result.paused,
@@ -272,7 +271,7 @@ class LLMEngine:
         self.stats_.swap_stall_seconds += result.swap_stall_s
         return outputs
 
-    def _execute(self, plan: StepPlan, now: float) -> tuple[StepResult, ModelInput]:
+    def _execute(self, plan: StepPlan) -> tuple[StepResult, ModelInput]:
         """Run the plan (its result and the input it ran); a preemptible one
         is announced to the preemption policy while it runs, so an online
         arrival can interrupt it."""
@@ -285,7 +284,7 @@ class LLMEngine:
         if not plan.preemptible or self.config.scheduler.preemption_safepoint_layers == 0 or not inp.input_ids:
             return self.executor.execute(inp), inp
         inp.preemptible, inp.step_id = True, self.stats_.num_steps  # unique: counts every step run
-        self.preemption.step_started(RunningStep(inp.step_id, now))
+        self.preemption.step_started(inp.step_id)
         try:
             result = self.executor.execute(inp)
         finally:

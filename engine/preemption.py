@@ -279,12 +279,6 @@ def safepoint_attention_share(every_layers: float, hf_config: Any) -> float | No
     return attention_share(every_layers, int(getattr(hf_config, "num_hidden_layers", 0) or 0))
 
 
-@dataclass
-class RunningStep:
-    step_id: int
-    started: float  # time.monotonic()
-
-
 class PreemptionPolicy:
     """When an online arrival interrupts the running step (ConServe
     Algorithm 2's PreemptRunning): the first online arrival during a
@@ -302,27 +296,27 @@ class PreemptionPolicy:
     def __init__(self, interrupt: Callable[[int], None]) -> None:
         self._interrupt = interrupt
         self._lock = threading.Lock()
-        self._running: RunningStep | None = None
+        self._running = NO_STEP  # the preemptible step running now
         self._requested = NO_STEP
         self.num_requests = 0  # interrupts sent (a step may end before it reads one)
 
-    def step_started(self, step: RunningStep) -> None:
+    def step_started(self, step_id: int) -> None:
         """A preemptible step is running (only those are announced)."""
         with self._lock:
-            self._running = step
+            self._running = step_id
 
     def step_ended(self) -> None:
         with self._lock:
-            self._running = None
+            self._running = NO_STEP
 
     def on_online_arrival(self) -> bool:
         """Interrupt the running (preemptible) step for an online arrival;
         True when one was sent (one per step)."""
         with self._lock:
-            step = self._running
-            if step is None or self._requested == step.step_id:
+            step_id = self._running
+            if step_id == NO_STEP or self._requested == step_id:
                 return False
-            self._requested = step.step_id
+            self._requested = step_id
             self.num_requests += 1
-        self._interrupt(step.step_id)
+        self._interrupt(step_id)
         return True

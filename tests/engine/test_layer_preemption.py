@@ -24,7 +24,7 @@ from fluidserve.engine.async_engine import AsyncEngine
 from fluidserve.engine.batch import ModelInput, SampleSpec
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.engine import LLMEngine
-from fluidserve.engine.preemption import PreemptionPolicy, RunningStep
+from fluidserve.engine.preemption import PreemptionPolicy
 from fluidserve.kvcache.prefix_cache import block_keys
 
 pytestmark = pytest.mark.timeout(180)
@@ -328,12 +328,12 @@ def test_any_online_arrival_interrupts_a_running_step_once():
     sent: list[int] = []
     policy = PreemptionPolicy(sent.append)
     assert not policy.on_online_arrival()  # nothing running
-    policy.step_started(RunningStep(step_id=1, started=0.0))
+    policy.step_started(1)
     assert policy.on_online_arrival()
     assert not policy.on_online_arrival()  # already interrupted
     policy.step_ended()
     assert not policy.on_online_arrival()
-    policy.step_started(RunningStep(step_id=2, started=10.0))
+    policy.step_started(2)
     assert policy.on_online_arrival()
     policy.step_ended()
     assert sent == [1, 2] and policy.num_requests == 2
