@@ -8,12 +8,12 @@ so tokens/s compare like for like. Prompt lengths are sampled from a real
 length file (ShareGPT by default) and scaled down with ``--length-scale``.
 
     python benchmarks/throughput.py                      # CPU preset: 4-layer, hidden-512 dummy Llama, 64 prompts
-    python benchmarks/throughput.py --preset llama3-8b   # on a GPU: Llama-3-8B-shaped dummy model
-    python benchmarks/throughput.py --preset llama3-8b --no-enforce-eager   # fluidserve with decode CUDA graphs
+    python benchmarks/throughput.py --preset llama3-8b   # on a GPU: Llama-3-8B-shaped dummy model, decode graphs
+    python benchmarks/throughput.py --preset llama3-8b --enforce-eager   # fluidserve without CUDA graphs
 
 Prints the ratios and writes JSON + a markdown table to benchmarks/results/:
 ``throughput-cpu-<preset>`` on CPU, ``throughput-<device>-<preset>`` on a GPU
-(``-graphs`` appended with ``--no-enforce-eager``), rewritten as each system
+(``-graphs`` appended unless ``--enforce-eager``), rewritten as each system
 finishes so a run cut off keeps the systems done.
 """
 
@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--skip-continuous", action="store_true", help="skip transformers' generate_batch")
-    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                    help="fluidserve eager (the engine's default); --no-enforce-eager captures decode CUDA graphs")
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                    help="fluidserve eager; by default (the engine's) it captures decode CUDA graphs on a GPU")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from fluidserve.kvcache.config import BLOCK_SIZES, CacheConfig, ConfigTree, check_all, setting
 from fluidserve.scheduler.config import SchedulerConfig
 
-# Decode CUDA graphs unless --enforce-eager, as vLLM does: False until the
-# graph tests (tests/engine/test_cuda_graphs.py -m gpu) have passed on a GPU, since
-# only a GPU run can confirm a captured graph leaves eager's tokens and KV.
-CUDA_GRAPHS_BY_DEFAULT = False
+# Decode CUDA graphs unless --enforce-eager, as vLLM does: the graph tests
+# (tests/engine/test_cuda_graphs.py -m gpu) pass on an H100, which is what
+# confirms a captured graph leaves eager's tokens and KV (benchmarks/gpu_check.sh).
+CUDA_GRAPHS_BY_DEFAULT = True
 
 # scheduler/router.py's policies (a test checks the two agree); spelled out
 # here so reading a config imports no router.
@@ -71,9 +71,10 @@ class EngineConfig(ConfigTree):
     calibrate_cost_model: bool | None = setting(None, cli=False)
     enforce_eager: bool = setting(
         not CUDA_GRAPHS_BY_DEFAULT,
-        "run every step eagerly; --no-enforce-eager captures decode-only steps as CUDA graphs at start-up "
-        "(CUDA only: elsewhere it logs so and runs eagerly)"
-        + ("" if CUDA_GRAPHS_BY_DEFAULT else ". Eager by default until the graph tests have passed on a GPU"))
+        "run every step eagerly; --no-enforce-eager"
+        + (" (the default)" if CUDA_GRAPHS_BY_DEFAULT else "")
+        + " captures decode-only steps as CUDA graphs at start-up (CUDA, one GPU: elsewhere every step runs "
+          "eagerly)")
     cuda_graph_sizes: tuple[int, ...] | None = setting(
         None, "batch sizes captured as decode graphs (default: 1 2 4 ... 256, up to --max-num-seqs)")
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)

@@ -5,7 +5,7 @@ graph instead of a few hundred kernels.
 Owns the buckets, their static input buffers, the fixed-shape attention plans
 the captured Triton kernels read, the padding of a step up to its bucket, and
 the choice between a bucket and the eager ``ModelRunner`` path. Capture is
-off unless ``EngineConfig.enforce_eager`` is False
+on unless ``EngineConfig.enforce_eager`` is True
 (``config.CUDA_GRAPHS_BY_DEFAULT`` says which way the flag defaults).
 
 A step runs in a bucket when every sequence has exactly one query token, it
@@ -477,9 +477,12 @@ def graph_mode(enforce_eager: bool, runtime: DeviceRuntime, tp_size: int) -> str
     if tp_size > 1:
         log.warning("CUDA graphs are not yet supported with tensor parallelism: running eagerly")
         return None
+    path = ops.kernel_path(runtime.device)
+    if path == "reference":
+        return None  # the torch reference reads each batch's lengths on the host: no graph can hold it
     if runtime.can_capture_graphs:
         return "capture"
-    if ops.kernel_path(runtime.device) == "triton":
+    if path == "triton":
         return "eager"
     log.info("CUDA graphs run only on CUDA devices: running eagerly on %s", runtime.device)
     return None

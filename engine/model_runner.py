@@ -10,7 +10,10 @@ All integer inputs of a step travel in one buffer, one host-to-device copy
     [ input_ids | positions | slot_mapping | sample_idx ]   int64, T, T, T, S_s
     [ seq_lens | query_start_loc | block_tables (S x W) ]   int32, S, S+1, S*W
 
-and viewed on the device without further copies. The buffers grow (never
+each section starting on a 16-byte boundary, and viewed on the device without
+further copies. The boundary matters on a GPU: Triton specialises a kernel on
+whether each pointer is 16-byte aligned, so a view whose alignment followed
+the batch's size would compile a second variant in the middle of serving. The buffers grow (never
 shrink) when a step needs more, so in steady serving nothing is allocated
 per step. On CPU the host buffer is the device buffer.
 """
@@ -62,21 +65,24 @@ class ModelRunner:
         """(input_ids, positions, metadata with its work plans, sample indices)."""
         t, s, n_samp = len(inp.input_ids), len(inp.seq_lens), len(inp.sample_indices)
         width = max(len(b) for b in inp.block_tables)
-        i64 = 3 * t + n_samp  # int64 values, at word 0
-        words = 2 * i64 + s + (s + 1) + s * width
+        t2 = t + t % 2  # int64 sections start on 16 bytes
+        i64 = 3 * t2 + n_samp  # int64 values, at word 0
+        sl = _aligned(2 * i64)  # int32 word offsets: seq_lens, query_start_loc, block tables
+        qsl = sl + _aligned(s)
+        bt = qsl + _aligned(s + 1)
+        words = bt + s * width
         self._reserve(words)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's upload may still read the host buffer
         host = self._host.numpy()
         h64 = host[:2 * i64].view(np.int64)
         h64[:t] = inp.input_ids
-        h64[t:2 * t] = inp.positions
-        h64[2 * t:3 * t] = inp.slot_mapping
-        h64[3 * t:] = inp.sample_indices
-        o = 2 * i64
-        host[o:o + s] = inp.seq_lens
-        host[o + s:o + 2 * s + 1] = inp.query_start_loc
-        fill_block_tables(host[o + 2 * s + 1:words].reshape(s, width), inp.block_tables)
+        h64[t2:t2 + t] = inp.positions
+        h64[2 * t2:2 * t2 + t] = inp.slot_mapping
+        h64[3 * t2:] = inp.sample_indices
+        host[sl:sl + s] = inp.seq_lens
+        host[qsl:qsl + s + 1] = inp.query_start_loc
+        fill_block_tables(host[bt:words].reshape(s, width), inp.block_tables)
         if self._dev is not self._host:
             self._dev[:words].copy_(self._host[:words], non_blocking=True)
             self._copied = self.runtime.event()
@@ -84,16 +90,16 @@ class ModelRunner:
         d64 = self._dev[:2 * i64].view(torch.int64)
         dev = self._dev
         meta = AttentionMetadata(
-            slot_mapping=d64[2 * t:3 * t],
-            block_tables=dev[o + 2 * s + 1:words].view(s, width),
-            seq_lens=dev[o:o + s],
-            query_start_loc=dev[o + s:o + 2 * s + 1],
+            slot_mapping=d64[2 * t2:2 * t2 + t],
+            block_tables=dev[bt:words].view(s, width),
+            seq_lens=dev[sl:sl + s],
+            query_start_loc=dev[qsl:qsl + s + 1],
             host_q_lens=[b - a for a, b in zip(inp.query_start_loc, inp.query_start_loc[1:])],
             host_seq_lens=inp.seq_lens,
             kernels=self.kernels,
         )
         self._plan(meta, kv_caches)
-        return d64[:t], d64[t:2 * t], meta, d64[3 * t:]
+        return d64[:t], d64[t2:t2 + t], meta, d64[3 * t2:]
 
     def _plan(self, meta: AttentionMetadata, kv_caches: KVCaches) -> None:
         """Build the step's attention plans now, one per sliding window, so
@@ -111,6 +117,11 @@ class ModelRunner:
         """Hidden states of the step ``[T, hidden]`` and the sample indices."""
         input_ids, positions, meta, sample_idx = self.prepare(inp, kv_caches)
         return self.model(input_ids, positions, kv_caches, meta), sample_idx
+
+
+def _aligned(words: int) -> int:
+    """``words`` 32-bit words rounded up to a whole 16 bytes."""
+    return -(-words // 4) * 4
 
 
 def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> None:

@@ -260,10 +260,10 @@ def test_steps_that_do_not_fit_run_eagerly(tiny_model, make_llm):
 # -- configuration ------------------------------------------------------------------
 
 
-def test_eager_by_default_and_graphs_are_cuda_only(tiny_model, make_llm, caplog):
+def test_graphs_by_default_and_graphs_are_cuda_only(tiny_model, make_llm, caplog):
     from fluidserve.engine.config import CUDA_GRAPHS_BY_DEFAULT
 
-    assert EngineConfig().enforce_eager is (not CUDA_GRAPHS_BY_DEFAULT)
+    assert CUDA_GRAPHS_BY_DEFAULT and EngineConfig().enforce_eager is False
     path = tiny_model("llama")
     assert make_llm(path).engine.executor.worker.graphs is None
     with caplog.at_level(logging.INFO, logger="fluidserve.engine.cuda_graphs"):
@@ -376,3 +376,20 @@ def test_gpu_init_cache_drops_the_graphs(tiny_model, make_llm):
     assert set(worker.graphs.buckets) == {1, 2}
     worker.init_cache(64)
     assert worker.graphs is None
+
+
+def test_the_reference_path_is_never_captured():
+    """The torch reference attention reads each batch's lengths on the host
+    (tests compare the Triton path with it on one GPU): a graph would freeze
+    the capture batch's, so a worker on that path runs eagerly."""
+    from fluidserve.engine.cuda_graphs import graph_mode
+    from fluidserve.kernels import ops
+
+    class Capturing:  # what a CUDA runtime answers; graph_mode reads no more
+        can_capture_graphs = True
+        device = torch.device("cpu")
+
+    assert graph_mode(False, Capturing(), 1) == "capture"
+    with ops.reference_path():
+        assert graph_mode(False, Capturing(), 1) is None
+    assert graph_mode(True, Capturing(), 1) is None

@@ -62,11 +62,14 @@ def test_engine_start_up_compiles_every_attention_variant(tiny_model, make_llm):
     compiles none. Unrun on CPU-only machines."""
     from fluidserve.kernels import paged_attention as pa
 
+    # Triton's own cache counts the compiles: it holds every specialisation,
+    # the 16-byte alignment of each pointer included (engine/model_runner.py
+    # keeps the step's block tables aligned whatever the batch's size).
     llm = make_llm(tiny_model("llama"), device="cuda", dtype="bfloat16", max_num_batched_tokens=64,
                    num_kv_blocks=512)
-    after_start = pa.num_variants()
-    assert after_start > 0
+    after_start = pa.triton_compiled_count()
+    assert after_start
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm.generate(["a"], params)
-    llm.generate(PROMPTS + ["Another long prompt " * 40] * 3, params)
-    assert pa.num_variants() == after_start
+    llm.generate(PROMPTS + ["Another long prompt " * 20] * 3, params)
+    assert pa.triton_compiled_count() == after_start
