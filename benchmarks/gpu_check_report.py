@@ -146,14 +146,29 @@ def _fmt_kernels(r: dict) -> tuple[str, dict]:
     return "; ".join(parts), figures
 
 
-READERS = {"tests": _fmt_tests, "batch1_decode": _fmt_batch1, "throughput": _fmt_throughput, "kernels": _fmt_kernels}
+def _fmt_profile(r: dict) -> tuple[str, dict]:
+    parts, figures = [], {}
+    for mode, m in r.get("modes", {}).items():
+        if "error" in m:
+            parts.append(f"{mode}: error {m['error'][:80]}")
+            continue
+        idle = 1 - m["kernel_ms_per_token"] / m["wall_ms_per_token"]
+        parts.append(f"{mode} GPU idle {idle:.0%} ({m['kernel_launches_per_token']:.0f} launches/tok)")
+        figures[f"{mode}_gpu_idle"] = idle
+        figures[f"{mode}_kernel_ms_per_token"] = m["kernel_ms_per_token"]
+    return "; ".join(parts) or "no mode finished", figures
+
+
+READERS = {"tests": _fmt_tests, "batch1_decode": _fmt_batch1, "throughput": _fmt_throughput, "kernels": _fmt_kernels,
+           "profile": _fmt_profile}  # fmt: skip
 
 
 def reader_for(result: Path):
     name = result.name
     if name.startswith("gpu_tests_"):
         return READERS["tests"]
-    for prefix, kind in (("batch1_decode_", "batch1_decode"), ("throughput-", "throughput"), ("kernels_", "kernels")):
+    for prefix, kind in (("batch1_decode_", "batch1_decode"), ("throughput-", "throughput"), ("kernels_", "kernels"),
+                         ("profile_decode_", "profile")):
         if name.startswith(prefix):
             return READERS[kind]
     return None

@@ -11,8 +11,9 @@ Three measurements, all in one process on one device:
   where torch has it, K/V expanded to the query heads) on the same shapes.
   FLOPs count only the causal half: 4 * heads * head_dim * L(L+1)/2.
 * **mixed**: one 8k-token prefill chunk + 128 decodes of random contexts,
-  with FluidInfer packing (LPT onto persistent units, split-K) and without
-  (one program per tile, no split).
+  with FluidInfer packing (LPT onto persistent units, split-K), without
+  (one program per tile, no split), and split at 2k keys with one program
+  per piece (the hardware's scheduler balancing instead of LPT).
 
 It also reports the compiled variants (how many specialisation keys the
 launchers produced over the whole sweep, and how many kernels Triton
@@ -24,8 +25,8 @@ Run: ``python benchmarks/kernels.py`` (``--quick`` for a short sweep). Needs
 CUDA; on a machine without it the script says so and exits with status 1.
 
 ``--batch1-decode`` instead times batch-1 greedy decode of a Llama-3-8B-shaped
-dummy model through the engine, eager (``enforce_eager=True``, the default)
-and with decode CUDA graphs (``enforce_eager=False``), one engine after the
+dummy model through the engine, eager (``enforce_eager=True``) and with
+decode CUDA graphs (``enforce_eager=False``, the default), one engine after the
 other in this process, each against the HBM roofline: the bytes one token
 must read (every weight but the embedding table, plus its KV) over the copy
 bandwidth measured in the same run (``batch1_decode_<device>.json``/``.md``,
@@ -223,7 +224,8 @@ def bench_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[float
 
 
 def bench_mixed(
-    shape: Shape, chunk: int = 8192, decodes: int = 128, contexts: tuple[int, int] = (512, 32768), seed: int = 0
+    shape: Shape, chunk: int = 8192, decodes: int = 128, contexts: tuple[int, int] = (512, 32768), seed: int = 0,
+    split_keys: int = 2048,
 ) -> dict:
     from fluidserve.kernels import paged_attention as pa
 
@@ -232,8 +234,9 @@ def bench_mixed(
     seq_lens = [chunk] + [rng.randint(*contexts) for _ in range(decodes)]
     batch = make_cache_batch(shape, q_lens, seq_lens)
     result = {}
-    for name, pack in (("packed", True), ("unpacked", False)):
-        plan = pa.plan_for(batch["query"], batch["key_cache"], q_lens, seq_lens, pack=pack)
+    plans = (("packed", True, None), ("unpacked", False, None), ("split_unpacked", False, split_keys))
+    for name, pack, kv_chunk in plans:
+        plan = pa.plan_for(batch["query"], batch["key_cache"], q_lens, seq_lens, pack=pack, kv_chunk=kv_chunk)
         ms = bench_ms(partial(run_attention, batch, shape, plan))
         result[name] = dict(ms=ms, items=plan.num_items, units=plan.num_units, max_splits=plan.max_splits)
         print(f"mixed {name:9s} {ms:8.3f} ms  items={plan.num_items} units={plan.num_units}")
@@ -260,8 +263,11 @@ def markdown(report: dict) -> str:
     lines += ["", "## Mixed batch: one 8k prefill chunk + 128 decodes (contexts 512–32k)", "",
               "| plan | ms | items | units |", "|---|---:|---:|---:|",
               f"| packed (LPT + split-K) | {m['packed']['ms']:.3f} | {m['packed']['items']} | {m['packed']['units']} |",
-              f"| unpacked | {m['unpacked']['ms']:.3f} | {m['unpacked']['items']} | {m['unpacked']['units']} |",
-              "", f"Packing speedup: **{m['speedup']:.2f}x**", ""]  # fmt: skip
+              f"| unpacked | {m['unpacked']['ms']:.3f} | {m['unpacked']['items']} | {m['unpacked']['units']} |"]
+    if "split_unpacked" in m:  # runs before the third plan have two
+        su = m["split_unpacked"]
+        lines.append(f"| split-K, one program per piece | {su['ms']:.3f} | {su['items']} | {su['units']} |")
+    lines += ["", f"Packing speedup: **{m['speedup']:.2f}x**", ""]  # fmt: skip
     v = report["variants"]
     lines += ["## Compiled variants", "",
               f"Start-up compile (decode-only, mixed, merge): {v['warmup_s']:.1f} s. Specialisation keys after "
@@ -274,10 +280,13 @@ def markdown(report: dict) -> str:
                      f"{o['units_per_kv_head']} |")  # fmt: skip
     t = report["targets"]
     lines += ["", "## Against the targets", "",
-              f"* decode at the longest context measured: {t['decode_pct_of_copy']:.1f}% of copy bandwidth "
-              "(target >= 85%)",
-              f"* prefill at the longest length: {t['prefill_vs_sdpa']:.2f}x SDPA's speed (target >= 0.8x)",
-              f"* mixed batch: packing {m['speedup']:.2f}x faster than no packing", ""]  # fmt: skip
+              f"* decode at the longest context measured, largest batch: {t['decode_pct_of_copy']:.1f}% of copy "
+              "bandwidth (target >= 85%)",
+              f"* decode at the longest context measured, batch 1: {t['decode_batch1_pct_of_copy']:.1f}% of copy "
+              "bandwidth (target >= 70%)",
+              f"* prefill at the longest length: {t['prefill_vs_sdpa']:.2f}x SDPA's speed (target >= 1.0x)",
+              f"* mixed batch: packing {m['speedup']:.2f}x faster than no packing (target >= 1.1x, or packing "
+              "chosen per step only where it wins)", ""]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -295,8 +304,10 @@ def variants_report(shape: Shape, warmup_s: float, keys_warm: int, triton_warm: 
 def targets(report: dict) -> dict:
     decode = [r for r in report["decode"] if "skipped" not in r]
     longest = max(r["context"] for r in decode)
+    at_longest = [r for r in decode if r["context"] == longest]
     return dict(
-        decode_pct_of_copy=max(r["pct_of_copy"] for r in decode if r["context"] == longest),
+        decode_pct_of_copy=max(at_longest, key=lambda r: r["batch"])["pct_of_copy"],
+        decode_batch1_pct_of_copy=min(at_longest, key=lambda r: r["batch"])["pct_of_copy"],
         prefill_vs_sdpa=max(report["prefill"], key=lambda r: r["len"])["vs_sdpa"],
     )
 
@@ -314,9 +325,9 @@ def decode_bytes_per_token(cfg: dict, context: int, elem: int = 2) -> int:
     return elem * (layers * per_layer + lm_head + h + kv)
 
 
-# The two decode paths the engine offers: enforce_eager=True (its default)
-# launches every kernel from Python each step; False replays a decode CUDA
-# graph captured at start-up.
+# The two decode paths the engine offers: enforce_eager=True launches every
+# kernel from Python each step; False (the default on CUDA) replays a decode
+# CUDA graph captured at start-up.
 DECODE_MODES = {"eager": True, "graphs": False}
 
 
@@ -402,7 +413,7 @@ def bench_batch1_decode(
                 r = bench_batch1_decode_mode(Path(root), DECODE_MODES[mode], prompt_len, output_len)
                 r["vs_roofline"] = r["ms_per_token"] / roofline_ms
                 print(f"  {mode:6s}: {r['ms_per_token']:.2f} ms/token, {r['vs_roofline']:.2f}x roofline "
-                      f"(target <= 1.15x); start-up {r['startup_s']:.1f} s; graph replays {r['graph_replays']}")
+                      f"(target <= 1.3x); start-up {r['startup_s']:.1f} s; graph replays {r['graph_replays']}")
             except Exception as exc:  # the other mode's figure is still worth having
                 r = dict(enforce_eager=DECODE_MODES[mode], error=f"{type(exc).__name__}: {exc}"[:500])
                 print(f"  {mode:6s}: {r['error']}")
@@ -425,7 +436,7 @@ def batch1_markdown(result: dict) -> str:
              f"new tokens, greedy; ms/token = (time for {result['output_len']} tokens - time for 1) / "
              f"{result['output_len'] - 1}. HBM roofline {result['roofline_ms']:.2f} ms/token: "
              f"{result['bytes_per_token'] / 1e9:.2f} GB per token at the measured copy bandwidth "
-             f"{result['copy_gb_s']:.0f} GB/s (target <= 1.15x).", "",
+             f"{result['copy_gb_s']:.0f} GB/s (target <= 1.3x).", "",
              "| mode | ms/token | x roofline | engine start-up s | graph replays |",
              "|---|---:|---:|---:|---:|"]  # fmt: skip
     names = {"eager": "eager (enforce_eager=True)", "graphs": "decode CUDA graphs (enforce_eager=False)"}

@@ -710,13 +710,29 @@ def frontend(_: str) -> tuple[list[str], list[str]]:
 def kernels_compile(stem: str) -> tuple[list[str], list[str]]:
     d = load(stem)
     out = [f"The Triton attention variants compiled for sm_90 without a GPU (Triton {d['triton']}): registers "
-           "and local memory from the cubin, occupancy from an H100 SM's limits. No GPU timing is in the "
-           "results yet; `bash benchmarks/gpu_check.sh` runs the GPU benchmarks on a CUDA machine.", ""]
+           "and local memory from the cubin, occupancy from an H100 SM's limits; the timings on a GPU are in "
+           "[On a GPU](#on-a-gpu).", ""]
     out += [f"- `benchmarks/results/{stem}.json`", ""]
     out += table(["dtype", "head dim", "group", "variant", "warps", "registers", "shared bytes", "local bytes",
                   "programs/SM"],
                  [[v["dtype"], v["head_dim"], v["group"], v["variant"], v["num_warps"], v["registers"],
                    v["shared_bytes"], v["local_bytes"], v["programs_per_sm"]] for v in d["variants"]], "lrrl" + "r" * 5)
+    return out, []
+
+
+GPU_STEMS = ["gpu_check_*", "batch1_decode_*", "throughput-nvidia*", "kernels_nvidia*", "profile_decode_nvidia*",
+             "op_counts-nvidia*", "gpu_tests_*"]
+
+
+def gpu(_: str) -> tuple[list[str], list[str]]:
+    """Every GPU run's own markdown, its headings pushed two levels down; the
+    test reports (JSON only) are summed up by the GPU check's table."""
+    out = ["The GPU runs, each as its script wrote it (`bash benchmarks/gpu_check.sh` runs them in one call "
+           "on a CUDA machine).", ""]
+    for pattern in GPU_STEMS[:-1]:
+        for path in sorted(RESULTS.glob(f"{pattern}.md")):
+            text = re.sub(r"^(#+) ", lambda m: "#" * (len(m.group(1)) + 2) + " ", path.read_text(), flags=re.M)
+            out += [f"- `benchmarks/results/{path.name}`", "", text.strip(), ""]
     return out, []
 
 
@@ -746,6 +762,7 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("KV cache and preemption on the real engine", ["prefix_cache", "swap_serving", "preemption"], kv_real),
     ("Frontend, load generator and Ray executor", ["serve_overhead", "serve_bench-*", "ray_overhead-*"], frontend),
     ("Triton kernels compiled for sm_90", ["kernels_compile_sm90"], kernels_compile),
+    ("On a GPU", GPU_STEMS, gpu),
 ]
 
 

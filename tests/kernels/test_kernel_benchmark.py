@@ -48,11 +48,13 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device):
         device="test", config={}, copy_gb_s=100.0,
         decode=bench.bench_decode(shape, [1, 3], [40, 200], 100.0),
         prefill=bench.bench_prefill(shape, [50]),
-        mixed=bench.bench_mixed(shape, chunk=40, decodes=4, contexts=(20, 300)),
+        mixed=bench.bench_mixed(shape, chunk=40, decodes=4, contexts=(20, 300), split_keys=64),
     )  # fmt: skip
     assert pa.variant_keys() == warm
-    assert len(bench.calls) == 4 + 2 * 1 + 2  # decode points, ours + SDPA, packed + unpacked
-    assert report["mixed"]["unpacked"]["units"] == report["mixed"]["unpacked"]["items"]  # one program per item
+    assert len(bench.calls) == 4 + 2 * 1 + 3  # decode points, ours + SDPA, packed + unpacked + split unpacked
+    for plan in ("unpacked", "split_unpacked"):
+        assert report["mixed"][plan]["units"] == report["mixed"][plan]["items"]  # one program per item
+    assert report["mixed"]["split_unpacked"]["max_splits"] > 1 >= report["mixed"]["unpacked"]["max_splits"]
     report["variants"] = dict(warmup_s=0.0, keys_after_warmup=pa.num_variants(), keys_after_sweep=pa.num_variants(),
                               triton_after_warmup=None, triton_after_sweep=None, occupancy=[])  # fmt: skip
     report["targets"] = bench.targets(report)
