@@ -3,7 +3,8 @@
 
 Both servers serve the same dummy-weight model (``--preset``, default
 ``cpu-small``) and get the same load from ``fluidserve bench``; each figure
-is a ratio of the two in this run:
+is a ratio of the two in this run, after a warm-up load on each server that
+is not measured:
 
 * saturation: every request at once; output tokens/s (2 replicas of one torch
   thread each against one engine of one torch thread: the replicas' gain is
@@ -51,6 +52,11 @@ WORKLOADS = {
     "light-load": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "16",
                    "--num-requests", "16", "--request-rate", "0.5"],
 }
+# Run first on every server and not measured: a cold server's first steps
+# (allocator growth, thread pools, each replica actor's first calls) would
+# otherwise land in whichever workload runs first.
+WARM_UP = ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "16",
+           "--num-requests", "32", "--request-rate", "inf"]
 SETUPS = {"one engine": [], "2 replicas": ["--data-parallel-size", "2"]}
 
 
@@ -97,8 +103,9 @@ def total(m: dict[str, float], name: str) -> float:
 
 
 def bench(port: int, model_dir: Path, workload: str, out: Path, seed: int) -> dict:
+    load = WARM_UP if workload == "warm-up" else WORKLOADS[workload]
     cmd = [sys.executable, "-m", "fluidserve.serve.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
-           "--tokenizer", str(model_dir), *WORKLOADS[workload], "--ignore-eos", "--seed", str(seed),
+           "--tokenizer", str(model_dir), *load, "--ignore-eos", "--seed", str(seed),
            "--output", str(out), "--no-progress"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
@@ -108,6 +115,7 @@ def run_setup(name: str, model_dir: Path, tmp: Path, port: int, seed: int) -> di
     proc = start(model_dir, SETUPS[name], port, tmp / f"{name}.log")
     try:
         row: dict = {}
+        bench(port, model_dir, "warm-up", tmp / f"{name}-warm-up.json", 10_000 + seed)
         for k, workload in enumerate(WORKLOADS):
             before = metrics(port)
             # Each workload its own random prompts: none hits what an earlier one cached.
