@@ -18,6 +18,8 @@
 #   decode profile         60 / 45 s   benchmarks/profile_decode.py: torch's profiler
 #                                      over batch-1 decode, eager and graphs (GPU idle
 #                                      time, launches, top kernels and host ops)
+#   swap copy              45 / 30 s   benchmarks/swap_copy.py: KV swaps against a
+#                                      pinned copy, and a step beside a swap
 #
 # The whole run has a budget: 465 s (--quick 225 s), so it ends within 8 (4)
 # minutes; --budget SECONDS sets another (a machine with less time left). A
@@ -33,6 +35,7 @@
 #   throughput-<device>-llama3-8b-graphs.json, .md
 #   kernels_<device>.json, .md
 #   profile_decode_<device>.json, .md
+#   swap_copy_<device>.json, .md
 # <device> is torch.cuda.get_device_name() in lower case, other characters
 # as _. Without CUDA it stops at once (status 1) before installing or writing
 # anything. The status is 0 only if every step ran and passed.
@@ -66,17 +69,19 @@ done
 if [ "$QUICK" -eq 1 ]; then
     MODE=quick BUDGET=225
     INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=120 KERNEL_TESTS_LIMIT=90
-    DECODE_LIMIT=90 THROUGHPUT_LIMIT=90 BENCH_LIMIT=60 PROFILE_LIMIT=45
+    DECODE_LIMIT=90 THROUGHPUT_LIMIT=90 BENCH_LIMIT=60 PROFILE_LIMIT=45 SWAP_LIMIT=30
     THROUGHPUT_SIZE=(--num-prompts 32 --output-len 64 --skip-continuous)
     BENCH_ARGS=(--quick)
     PROFILE_ARGS=(--output-len 32 --python-top 0)
+    SWAP_ARGS=(--repeats 5)
 else
     MODE=full BUDGET=465
     INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=150 KERNEL_TESTS_LIMIT=150
-    DECODE_LIMIT=120 THROUGHPUT_LIMIT=150 BENCH_LIMIT=90 PROFILE_LIMIT=60
+    DECODE_LIMIT=120 THROUGHPUT_LIMIT=150 BENCH_LIMIT=90 PROFILE_LIMIT=60 SWAP_LIMIT=45
     THROUGHPUT_SIZE=(--num-prompts 64 --output-len 128)
     BENCH_ARGS=()
     PROFILE_ARGS=()
+    SWAP_ARGS=()
 fi
 BUDGET=${BUDGET_ARG:-$BUDGET}
 GRACE=10     # timeout's TERM, then KILL this much later
@@ -136,8 +141,9 @@ declare -A NAMES=(
     [throughput]="throughput vs transformers, graphs"
     [kernel_bench]="kernel benchmark"
     [profile]="decode profile"
+    [swap_copy]="swap copy"
 )
-ORDER=(install import engine_tests kernel_tests batch1_decode throughput kernel_bench profile)
+ORDER=(install import engine_tests kernel_tests batch1_decode throughput kernel_bench profile swap_copy)
 PLAN=()
 for key in "${ORDER[@]}"; do PLAN+=("$key=${NAMES[$key]}"); done
 "${REPORT[@]}" init --summary "$SUMMARY" --device "$DEVICE" --versions "$VERSIONS" --commit "$COMMIT" \
@@ -224,6 +230,9 @@ run_step kernel_bench "$BENCH_LIMIT" "$RESULTS/kernels_${SLUG}.json" "" \
 
 run_step profile "$PROFILE_LIMIT" "$RESULTS/profile_decode_${SLUG}.json" "" \
     "$PY" benchmarks/profile_decode.py --out "$RESULTS" "${PROFILE_ARGS[@]}"
+
+run_step swap_copy "$SWAP_LIMIT" "$RESULTS/swap_copy_${SLUG}.json" "" \
+    "$PY" benchmarks/swap_copy.py --out "$RESULTS" "${SWAP_ARGS[@]}"
 
 "${REPORT[@]}" finish --summary "$SUMMARY"
 status=$?

@@ -159,8 +159,19 @@ def _fmt_profile(r: dict) -> tuple[str, dict]:
     return "; ".join(parts) or "no mode finished", figures
 
 
+def _fmt_swap(r: dict) -> tuple[str, dict]:
+    parts, figures = [], {}
+    for run in r.get("runs", []):
+        n = run["run"]
+        parts.append(f"runs of {n}: out {run['swap_out_vs_pinned']:.0%} / in {run['swap_in_vs_pinned']:.0%} "
+                     f"of pinned, step {run['step_slowdown']:.2f}x beside a swap")
+        for key in ("swap_out_vs_pinned", "swap_in_vs_pinned", "step_slowdown"):
+            figures[f"run{n}_{key}"] = run[key]
+    return "; ".join(parts) or "no run finished", figures
+
+
 READERS = {"tests": _fmt_tests, "batch1_decode": _fmt_batch1, "throughput": _fmt_throughput, "kernels": _fmt_kernels,
-           "profile": _fmt_profile}  # fmt: skip
+           "profile": _fmt_profile, "swap": _fmt_swap}  # fmt: skip
 
 
 def reader_for(result: Path):
@@ -168,7 +179,7 @@ def reader_for(result: Path):
     if name.startswith("gpu_tests_"):
         return READERS["tests"]
     for prefix, kind in (("batch1_decode_", "batch1_decode"), ("throughput-", "throughput"), ("kernels_", "kernels"),
-                         ("profile_decode_", "profile")):
+                         ("profile_decode_", "profile"), ("swap_copy_", "swap")):
         if name.startswith(prefix):
             return READERS[kind]
     return None

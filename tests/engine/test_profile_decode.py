@@ -1,7 +1,8 @@
-"""benchmarks/profile_decode.py, which gpu_check.sh runs last on a GPU, on
-the CPU lane: it profiles a tiny model's decode end to end, counts per
-token what the profile holds, and reports the Python functions cProfile saw.
-On a GPU the same code adds kernel times and launches."""
+"""benchmarks/profile_decode.py and benchmarks/swap_copy.py, which
+gpu_check.sh runs last on a GPU, on the CPU lane: the profile of a tiny
+model's decode, counted per token, with the Python functions cProfile saw;
+and the swap benchmark's two block layouts. On a GPU the same code adds
+kernel times, launches and the copy stream's overlap."""
 
 from __future__ import annotations
 
@@ -42,3 +43,20 @@ def test_profile_of_a_cpu_decode(bench, tmp_path):
     assert sum(f["own_share"] for f in functions) <= 1.0 + 1e-9
     text = written.with_suffix(".md").read_text()
     assert "| eager |" in text and "Python functions by their own time" in text
+
+
+def test_swap_copy_runs_on_the_cpu(tmp_path):
+    """benchmarks/swap_copy.py, gpu_check.sh's swap step, on the CPU lane:
+    both block layouts run through CacheEngine.swap and report every figure."""
+    spec = importlib.util.spec_from_file_location("fluidserve_bench_swap_copy", BENCH.with_name("swap_copy.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--device", "cpu", "--preset", "tiny", "--blocks", "6", "--runs", "3", "1", "--batch", "2",
+                        "--repeats", "2", "--out", str(tmp_path)]) == 0  # fmt: skip
+    (written,) = tmp_path.glob("swap_copy_*.json")
+    runs = json.loads(written.read_text())["runs"]
+    assert [r["run"] for r in runs] == [3, 1]
+    for r in runs:
+        assert r["bytes"] == 6 * r["block_mib"] * 2**20
+        for key in ("swap_out_gb_s", "swap_in_gb_s", "pinned_d2h_gb_s", "pinned_h2d_gb_s", "step_slowdown"):
+            assert r[key] > 0, key

@@ -20,7 +20,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPT = BENCHMARKS / "gpu_check.sh"
 REPORT = BENCHMARKS / "gpu_check_report.py"
 STEPS = ["install", "import", "engine GPU tests", "kernel GPU tests", "batch-1 decode", "throughput",
-         "kernel benchmark", "decode profile"]  # fmt: skip
+         "kernel benchmark", "decode profile", "swap copy"]  # fmt: skip
 
 
 def gpu_check(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -62,7 +62,7 @@ def report(*args: str) -> subprocess.CompletedProcess:
 def test_summary_reads_each_steps_fresh_result_and_ignores_stale_ones(tmp_path):
     summary = tmp_path / "gpu_check_fake.json"
     plan = ["engine_tests=engine GPU tests", "batch1_decode=batch-1 decode", "throughput=throughput",
-            "kernel_bench=kernel benchmark", "profile=decode profile"]  # fmt: skip
+            "kernel_bench=kernel benchmark", "profile=decode profile", "swap_copy=swap copy"]  # fmt: skip
     assert report("init", "--summary", summary, "--device", "Fake GPU", "--versions", "v", "--budget", 465,
                   "--plan", *plan).returncode == 0  # fmt: skip
     assert "| kernel benchmark | not run |" in summary.with_suffix(".md").read_text()
@@ -99,6 +99,11 @@ def test_summary_reads_each_steps_fresh_result_and_ignores_stale_ones(tmp_path):
         graphs=dict(wall_ms_per_token=7.5, kernel_ms_per_token=6.0, kernel_launches_per_token=10.0)))))
     report("step", "--summary", summary, "--key", "profile", "--rc", 0, "--seconds", 40, "--limit", 60,
            "--since", started, "--result", profile)  # fmt: skip
+    swap = tmp_path / "swap_copy_fake.json"
+    swap.write_text(json.dumps(dict(runs=[dict(run=64, swap_out_vs_pinned=0.9, swap_in_vs_pinned=0.85,
+                                               step_slowdown=1.05)])))
+    report("step", "--summary", summary, "--key", "swap_copy", "--rc", 0, "--seconds", 20, "--limit", 45,
+           "--since", started, "--result", swap)  # fmt: skip
 
     done = report("finish", "--summary", summary)
     assert done.returncode == 1
@@ -110,6 +115,7 @@ def test_summary_reads_each_steps_fresh_result_and_ignores_stale_ones(tmp_path):
     assert "FAILED (exit 1)" in rows["throughput"] and "earlier run: not read" in rows["throughput"]
     assert "skipped: no time left" in rows["kernel benchmark"]
     assert "eager GPU idle 70% (365 launches/tok); graphs GPU idle 20% (10 launches/tok)" in rows["decode profile"]
+    assert "runs of 64: out 90% / in 85% of pinned, step 1.05x beside a swap" in rows["swap copy"]
     record = json.loads(summary.read_text())
     assert record["status"] == "failed"
     assert record["steps"][1]["figures"]["graphs_ms_per_token"] == 6.0
@@ -141,7 +147,7 @@ sys.meta_path.insert(0, Missing())
 sys.path.insert(0, {str(BENCHMARKS)!r})
 import fluidserve.engine, fluidserve.kernels.paged_attention
 from fluidserve.engine import LLM, SamplingParams
-import kernels, throughput, gpu_check_report, profile_decode
+import kernels, throughput, gpu_check_report, profile_decode, swap_copy
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
