@@ -16,7 +16,7 @@ heads of 128, bf16, blocks of 16 tokens: 2 MiB a block over all layers):
   them) timed on the compute stream alone, then with the swap-out and
   swap-in of ``--blocks`` blocks issued on the copy stream just before it.
 
-Targets (issue 28): the swap path at >= 80% of the pinned copy's bandwidth;
+Targets: the swap path at >= 80% of the pinned copy's bandwidth;
 a step with a concurrent swap <= 1.1x the step alone. On the CPU (``--device
 cpu``, small shapes) the same code runs with synchronous copies and no
 overlap: a check that it works, not a measurement of anything a GPU does.
