@@ -48,6 +48,20 @@ def device_name(device: str) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads)"
 
 
+def run_record(script: str, device: str, **fields) -> dict | None:
+    """The head of a GPU benchmark's record (the device as torch names it,
+    time, torch) with ``fields``; None, after saying why on stderr, where
+    CUDA is asked for and torch sees none."""
+    import sys
+    import time
+
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"{script}: torch sees no CUDA device; use --device cpu", file=sys.stderr)
+        return None
+    return dict(device=device_name(device), time=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,
+                **fields)  # fmt: skip
+
+
 def device_slug(name: str) -> str:
     """A device name as result files carry it: ``NVIDIA H100 80GB HBM3`` ->
     ``nvidia_h100_80gb_hbm3`` (as benchmarks/kernels.py and gpu_check.sh

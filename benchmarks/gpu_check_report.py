@@ -94,12 +94,18 @@ def _fmt_tests(r: dict) -> tuple[str, dict]:
     return ", ".join(parts), figures
 
 
-def _fmt_batch1(r: dict) -> tuple[str, dict]:
-    parts, figures = [], {}
+def _finished_modes(r: dict, parts: list[str]):
+    """(mode, figures) of each mode that finished; a failed one goes to ``parts``."""
     for mode, m in r.get("modes", {}).items():
         if "error" in m:
             parts.append(f"{mode}: error {m['error'][:80]}")
-            continue
+        else:
+            yield mode, m
+
+
+def _fmt_batch1(r: dict) -> tuple[str, dict]:
+    parts, figures = [], {}
+    for mode, m in _finished_modes(r, parts):
         note = ""
         if not m.get("enforce_eager", True) and not m.get("graph_replays"):
             note = ", no graph replayed"  # the graphs figure would then be eager's
@@ -148,10 +154,7 @@ def _fmt_kernels(r: dict) -> tuple[str, dict]:
 
 def _fmt_profile(r: dict) -> tuple[str, dict]:
     parts, figures = [], {}
-    for mode, m in r.get("modes", {}).items():
-        if "error" in m:
-            parts.append(f"{mode}: error {m['error'][:80]}")
-            continue
+    for mode, m in _finished_modes(r, parts):
         idle = 1 - m["kernel_ms_per_token"] / m["wall_ms_per_token"]
         parts.append(f"{mode} GPU idle {idle:.0%} ({m['kernel_launches_per_token']:.0f} launches/tok)")
         figures[f"{mode}_gpu_idle"] = idle

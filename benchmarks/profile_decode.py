@@ -36,7 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dummy_models import PRESETS, build_model_dir, device_name, device_slug  # noqa: E402
+from dummy_models import PRESETS, build_model_dir, device_slug, run_record  # noqa: E402
 
 DECODE_MODES = {"eager": True, "graphs": False}
 # Host calls that put work on the GPU: one per kernel, one per graph replay.
@@ -180,13 +180,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("profile_decode: torch sees no CUDA device; use --device cpu", file=sys.stderr)
+    record = run_record("profile_decode", args.device, preset=args.preset, batch=args.batch,
+                        prompt_len=args.prompt_len, output_len=args.output_len, modes={})  # fmt: skip
+    if record is None:
         return 1
-    name = device_name(args.device)
-    record = dict(device=name, time=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,
-                  preset=args.preset, batch=args.batch, prompt_len=args.prompt_len, output_len=args.output_len,
-                  modes={})  # fmt: skip
+    name = record["device"]
     modes = [m for m in args.modes if m != "graphs" or args.device == "cuda"]  # CUDA graphs exist on CUDA alone
     suffix = "" if modes == list(DECODE_MODES) else "-" + "-".join(modes)
     stem = args.out / f"profile_decode_{device_slug(name)}{suffix}"

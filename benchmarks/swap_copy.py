@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dummy_models import PRESETS, device_name, device_slug  # noqa: E402
+from dummy_models import PRESETS, device_slug, run_record  # noqa: E402
 
 from fluidserve.engine.cache_engine import CacheEngine  # noqa: E402
 
@@ -212,12 +212,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("swap_copy: torch sees no CUDA device; use --device cpu", file=sys.stderr)
+    record = run_record("swap_copy", args.device, runs=[])
+    if record is None:
         return 1
-    name = device_name(args.device)
-    record = dict(device=name, time=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__, runs=[])
-    stem = args.out / f"swap_copy_{device_slug(name)}"
+    stem = args.out / f"swap_copy_{device_slug(record['device'])}"
     args.out.mkdir(parents=True, exist_ok=True)
     for run_len in args.runs:
         args.run = run_len
