@@ -33,7 +33,7 @@ from fluidserve.engine.loader import (eos_token_ids, is_tiny_model, load_hf_conf
                                       model_context_length, resolve_model_dir)
 from fluidserve.engine.output_processor import OutputProcessor
 from fluidserve.engine.outputs import RequestOutput
-from fluidserve.engine.preemption import PreemptionPolicy, safepoint_attention_share, safepoint_interval_share
+from fluidserve.engine.preemption import PreemptionPolicy, safepoint_shares
 from fluidserve.engine.request import Request, Sequence
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.structured import xgrammar
@@ -126,6 +126,7 @@ class LLMEngine:
         self.cost_model = cost_model_for_engine(config, self.hf_config, device.type,
                                                  runtime_for(device).name)
         # The scheduler owns the KV accounting over the blocks the executor found room for.
+        interval, attention = safepoint_shares(config.scheduler.preemption_safepoint_layers, self.hf_config)
         self.scheduler = Scheduler.create(
             # What the device decides: the swap rate its host link allows;
             # whether KV copies run beside the forward (the CPU copies before it, on the same cores).
@@ -133,10 +134,7 @@ class LLMEngine:
                                 copies_beside_online=device.type != "cpu"),
             cache, self.executor.num_kv_blocks, self.executor.num_host_blocks,
             cost_model=self.cost_model,
-            safepoint_interval_share=safepoint_interval_share(config.scheduler.preemption_safepoint_layers,
-                                                              self.hf_config),
-            safepoint_attention_share=safepoint_attention_share(config.scheduler.preemption_safepoint_layers,
-                                                                self.hf_config),
+            safepoint_interval_share=interval, safepoint_attention_share=attention,
         )
         self.requests: dict[str, Request] = {}
         self.seqs: dict[str, Sequence] = {}

@@ -13,9 +13,9 @@ All integer inputs of a step travel in one buffer, one host-to-device copy
 each section starting on a 16-byte boundary, and viewed on the device without
 further copies. The boundary matters on a GPU: Triton specialises a kernel on
 whether each pointer is 16-byte aligned, so a view whose alignment followed
-the batch's size would compile a second variant in the middle of serving. The buffers grow (never
-shrink) when a step needs more, so in steady serving nothing is allocated
-per step. On CPU the host buffer is the device buffer.
+the batch's size would compile a second variant in the middle of serving.
+The buffers grow (never shrink) when a step needs more, so in steady serving
+nothing is allocated per step. On CPU the host buffer is the device buffer.
 """
 
 from __future__ import annotations

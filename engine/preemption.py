@@ -268,15 +268,12 @@ def feed_forward_share(hf_config: Any) -> float:
     return mlp / (attention + mlp)
 
 
-def safepoint_interval_share(every_layers: float, hf_config: Any) -> float | None:
-    """``budget.safepoint_interval_share`` of this model (None: no safepoints)."""
+def safepoint_shares(every_layers: float, hf_config: Any) -> tuple[float | None, float | None]:
+    """``budget.safepoint_interval_share`` and ``budget.safepoint_attention_share``
+    of this model, as the scheduler takes them (None: no safepoints)."""
     layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
-    return interval_share(every_layers, layers, feed_forward_share(hf_config))
-
-
-def safepoint_attention_share(every_layers: float, hf_config: Any) -> float | None:
-    """``budget.safepoint_attention_share`` of this model (None: no safepoints)."""
-    return attention_share(every_layers, int(getattr(hf_config, "num_hidden_layers", 0) or 0))
+    return (interval_share(every_layers, layers, feed_forward_share(hf_config)),
+            attention_share(every_layers, layers))
 
 
 class PreemptionPolicy:

@@ -347,8 +347,7 @@ class SloBudget:
         total = self._time_with(shape, seq, m)
         if total <= floor:
             return True
-        if self.interval_share is None:
-            return total <= cap
+        # (A finite cap implies safepoints: offline_only_cap is inf without them.)
         # The step's time without its attention terms (no context, no pairs).
         if StepShape.is_decode(seq, m):
             flat = self.cost.step_time(shape.prefill_tokens, shape.decode_seqs + 1, 0, 0)

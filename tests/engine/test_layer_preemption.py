@@ -240,7 +240,7 @@ def test_the_budget_plans_for_the_longer_half_of_a_layer():
     is 9/13 of a layer; OPT's MLP of 2 x 256 x 1024, 2/3)."""
     from types import SimpleNamespace
 
-    from fluidserve.engine.preemption import feed_forward_share, safepoint_interval_share
+    from fluidserve.engine.preemption import feed_forward_share, safepoint_shares
 
     llama = SimpleNamespace(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
                             intermediate_size=768, num_hidden_layers=16)
@@ -248,11 +248,14 @@ def test_the_budget_plans_for_the_longer_half_of_a_layer():
     assert feed_forward_share(llama) == pytest.approx(9 / 13)
     assert feed_forward_share(opt) == pytest.approx(2 / 3)
     assert feed_forward_share(SimpleNamespace(num_hidden_layers=4)) == 0.5  # the config does not say
-    assert safepoint_interval_share(2, llama) == 2 / 16
-    assert safepoint_interval_share(0.5, llama) == pytest.approx(9 / 13 / 16)
-    assert safepoint_interval_share(1.5, llama) == pytest.approx((1 + 9 / 13) / 16)
-    assert safepoint_interval_share(0, llama) is None
-    assert safepoint_interval_share(40, opt) == 1.0
+    assert safepoint_shares(2, llama)[0] == 2 / 16
+    assert safepoint_shares(0.5, llama)[0] == pytest.approx(9 / 13 / 16)
+    assert safepoint_shares(1.5, llama)[0] == pytest.approx((1 + 9 / 13) / 16)
+    assert safepoint_shares(0, llama)[0] is None
+    assert safepoint_shares(40, opt)[0] == 1.0
+    # The attention's share: the layers a stretch holds whole, of the model's.
+    assert safepoint_shares(2, llama)[1] == 2 / 16 and safepoint_shares(0.5, llama)[1] == 1 / 16
+    assert safepoint_shares(0, llama) == (None, None)
 
 
 def test_prefix_cache_registers_no_block_of_an_abandoned_step(tiny_model, make_llm):
