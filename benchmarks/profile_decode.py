@@ -102,7 +102,7 @@ def profile_mode(model_dir: Path, args: argparse.Namespace, enforce_eager: bool)
             llm.generate(prompts, params)
             sync()
             wall_s = time.perf_counter() - t0
-        if args.python_top and enforce_eager:
+        if args.python_top:
             python_top = python_profile(lambda: (llm.generate(prompts, params), sync()), args)
     finally:
         llm.engine.shutdown()
@@ -173,7 +173,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", default=list(DECODE_MODES), choices=list(DECODE_MODES))
     p.add_argument("--top", type=int, default=15, help="kernels and host ops listed per mode")
     p.add_argument("--python-top", type=int, default=30,
-                   help="eager mode: Python functions listed from one more run under cProfile (0: none)")
+                   help="Python functions listed per mode from one more run under cProfile (0: none)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     return p.parse_args(argv)
 

@@ -721,7 +721,7 @@ def kernels_compile(stem: str) -> tuple[list[str], list[str]]:
 
 
 GPU_STEMS = ["gpu_check_*", "batch1_decode_*", "throughput-nvidia*", "kernels_nvidia*", "profile_decode_nvidia*",
-             "op_counts-nvidia*", "swap_copy_*", "gpu_tests_*"]
+             "attention_tuning_*", "op_counts-nvidia*", "swap_copy_*", "gpu_tests_*"]
 
 
 def gpu(_: str) -> tuple[list[str], list[str]]:

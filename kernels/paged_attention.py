@@ -18,7 +18,7 @@ share every K/V load::
 
 Two tile heights: a **decode tile** of ``DECODE_ROWS`` (16) rows for items of
 at most ``decode_tokens_per_tile`` tokens, and a **prefill tile** of
-``PREFILL_ROWS`` (128) rows for the rest. A decode-only step launches a
+``TILES.prefill_rows`` (128) rows for the rest. A decode-only step launches a
 variant that holds only the decode tile (few registers, several programs per
 SM); a mixed step launches one holding both, and each item picks its tile by
 its length. The grid is sized from the occupancy of the variant launched, read
@@ -54,6 +54,7 @@ Triton's rules from the very arguments launched; on a GPU
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,14 +69,9 @@ from fluidserve.kernels import packing
 from fluidserve.kernels.packing import WORK_FIELDS, WorkPlan
 
 LOG2E = 1.4426950408889634
-# Rows of a prefill tile (tokens_per_tile * group); 128 keeps the tensor cores
-# fed while the fp32 accumulator [128, head_dim] fits in registers.
-PREFILL_ROWS = 128
 # Rows of a decode tile: the smallest tile tl.dot takes. A decode item of a
 # GQA group of 4 fills 4 of them; a 128-row tile would waste 124.
 DECODE_ROWS = 16
-# Keys per inner iteration.
-BLOCK_N = 64
 # Partials the merge kernel combines per iteration.
 SPLIT_CHUNK = 16
 # Widest head the tiles hold in registers.
@@ -86,6 +82,41 @@ FALLBACK_PROGRAMS_PER_SM = {False: 4, True: 1}
 # Units per KV head off CUDA: enough for packing and split-K to have work to
 # spread, few enough for the interpreter.
 INTERPRETER_UNITS = 4
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The launch shape a tuning sweep varies (``benchmarks/kernels.py
+    --tune``); every field changes the compiled variant, none the result
+    beyond summation order."""
+
+    # Rows of a prefill tile (tokens_per_tile * group); 128 keeps the tensor
+    # cores fed while the fp32 accumulator [128, head_dim] fits in registers.
+    prefill_rows: int = 128
+    # Keys per inner iteration.
+    block_n: int = 64
+    # Warps of a variant whose widest tile has more than 64 rows, and of one
+    # with none wider. Four for the 128-row prefill tile too: on an H100 it
+    # runs prefill twice as fast as eight (attention_tuning_<device>.md).
+    wide_warps: int = 4
+    narrow_warps: int = 4
+    # Software-pipeline depth of the key loop; None: Triton's default.
+    num_stages: int | None = None
+
+
+TILES = Tiles()
+
+
+@contextmanager
+def tiles(**changes: int | None) -> Iterator[Tiles]:
+    """Launch with ``changes`` to the tiles inside the block (a sweep)."""
+    global TILES
+    before = TILES
+    TILES = dataclasses.replace(before, **changes)
+    try:
+        yield TILES
+    finally:
+        TILES = before
 
 # Arguments whose value follows the batch. Triton would compile a new variant
 # whenever one of them happens to be 1 or a multiple of 16 (a one-block table,
@@ -487,8 +518,8 @@ def decode_tokens_per_tile(group: int) -> int:
 
 
 def default_tokens_per_tile(group: int) -> int:
-    """Tokens of a prefill tile (``PREFILL_ROWS`` rows)."""
-    return max(1, PREFILL_ROWS // group)
+    """Tokens of a prefill tile (``TILES.prefill_rows`` rows)."""
+    return max(1, TILES.prefill_rows // group)
 
 
 def _tile_rows(tokens: int, group: int) -> int:
@@ -574,7 +605,7 @@ def _constexprs(
         DECODE_M=_tile_rows(decode_tokens, group),
         PREFILL_M=_tile_rows(tokens_per_tile, group),
         HAS_PREFILL=has_prefill,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=TILES.block_n,
         NUM_FIELDS=WORK_FIELDS,
         HAS_WINDOW=has_window,
         DOT_PRECISION=_dot_precision(query.dtype),
@@ -590,7 +621,12 @@ def _plan_constexprs(query: torch.Tensor, key_cache: torch.Tensor, plan: WorkPla
 
 def _num_warps(constexprs: dict[str, object]) -> int:
     widest = constexprs["PREFILL_M"] if constexprs["HAS_PREFILL"] else constexprs["DECODE_M"]
-    return 4 if widest <= 64 else 8
+    return TILES.narrow_warps if widest <= 64 else TILES.wide_warps
+
+
+def _launch_options(num_warps: int) -> dict[str, int]:
+    return {"num_warps": num_warps} if TILES.num_stages is None else {"num_warps": num_warps,
+                                                                      "num_stages": TILES.num_stages}
 
 
 @dataclass
@@ -676,11 +712,11 @@ def _occupancy_key(constexprs: dict[str, object], dtype: torch.dtype, device: to
 def _run(launch: _Launch, grid_units: int) -> None:
     _record("attention", {**launch.args, **launch.constexprs}, _ATTENTION_DYNAMIC, launch.num_warps)
     num_kv_heads = launch.args["k_cache_ptr"].shape[2]
-    compiled = _paged_attention_kernel[(grid_units, num_kv_heads)](
-        *launch.args.values(), **launch.constexprs, num_warps=launch.num_warps
-    )
+    options = _launch_options(launch.num_warps)
+    compiled = _paged_attention_kernel[(grid_units, num_kv_heads)](*launch.args.values(), **launch.constexprs,
+                                                                   **options)
     device = launch.out.device
-    key = _occupancy_key(launch.constexprs, launch.out.dtype, device)
+    key = _occupancy_key({**launch.constexprs, **options}, launch.out.dtype, device)
     if key not in _VARIANTS.programs_per_sm:
         # The interpreter has no compiled kernel to read: the fallback stands in.
         per_sm = _programs_per_sm(compiled, device) if device.type == "cuda" else None
@@ -774,7 +810,7 @@ def programs_per_sm(
         query, key_cache, decode_tokens=decode_tokens_per_tile(group), tokens_per_tile=default_tokens_per_tile(group),
         has_prefill=has_prefill, has_window=sliding_window is not None,
     )  # fmt: skip
-    key = _occupancy_key(constexprs, query.dtype, query.device)
+    key = _occupancy_key({**constexprs, **_launch_options(_num_warps(constexprs))}, query.dtype, query.device)
     if key not in _VARIANTS.programs_per_sm and compile:
         warmup(query, key_cache, sliding_window, variants=(has_prefill,))
     return _VARIANTS.programs_per_sm.get(key, FALLBACK_PROGRAMS_PER_SM[has_prefill])
@@ -808,7 +844,7 @@ def plan_for(
     """The default plan for a batch, already on the query's device. The engine
     calls this once per step with host-side lengths and passes the plan to
     every layer. Decode tiles are ``decode_tokens_per_tile(group)`` tokens,
-    prefill tiles ``tokens_per_tile`` (default ``PREFILL_ROWS // group``)."""
+    prefill tiles ``tokens_per_tile`` (default ``TILES.prefill_rows // group``)."""
     group = query.shape[1] // key_cache.shape[2]
     tpt = tokens_per_tile or default_tokens_per_tile(group)
     dtpt = min(decode_tokens_per_tile(group), tpt)

@@ -33,6 +33,7 @@ def bench(monkeypatch, device):
         return 1.0
 
     monkeypatch.setattr(module, "bench_ms", one_call)
+    monkeypatch.setattr(module, "graph_ms", one_call)  # and the in-graph timer's
     monkeypatch.setattr(module, "make_cache_batch", partial(module.make_cache_batch, device=device))
     module.calls = calls
     return module
@@ -51,7 +52,8 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device):
         mixed=bench.bench_mixed(shape, chunk=40, decodes=4, contexts=(20, 300), split_keys=64),
     )  # fmt: skip
     assert pa.variant_keys() == warm
-    assert len(bench.calls) == 4 + 2 * 1 + 3  # decode points, ours + SDPA, packed + unpacked + split unpacked
+    # decode points launched and in a graph, ours + SDPA, packed + unpacked + split unpacked
+    assert len(bench.calls) == 2 * 4 + 2 * 1 + 3
     for plan in ("unpacked", "split_unpacked"):
         assert report["mixed"][plan]["units"] == report["mixed"][plan]["items"]  # one program per item
     assert report["mixed"]["split_unpacked"]["max_splits"] > 1 >= report["mixed"]["unpacked"]["max_splits"]
@@ -59,7 +61,7 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device):
                               triton_after_warmup=None, triton_after_sweep=None, occupancy=[])  # fmt: skip
     report["targets"] = bench.targets(report)
     text = bench.markdown(report)
-    assert "| 3 | 200 |" in text and "Packing speedup" in text
+    assert "| 3 | 200 |" in text and "Packing speedup" in text and "in a graph" in text
 
 
 def test_decode_bytes_per_token_of_llama3_8b(bench):

@@ -201,6 +201,20 @@ def test_decode_and_prefill_tiles_in_one_step(device, make_batch, oracle):
     torch.testing.assert_close(run(batch, plan), oracle(batch), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("changes", [dict(block_n=32, prefill_rows=64), dict(block_n=128, num_stages=2)])
+def test_every_launch_shape_a_sweep_tries_gives_the_same_attention(device, make_batch, oracle, changes):
+    """``benchmarks/attention_tuning.py`` times other tiles than the
+    defaults; each must still be the reference's attention, and the
+    defaults come back after the block."""
+    specs = [(1, 90), (1, 300), (40, 200), (70, 70)]
+    batch = make_batch(specs, num_kv_heads=1, group=4, head_dim=32, block_size=16, device=device, seed=7)
+    with pa.tiles(**changes) as tiles:
+        plan = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), kv_chunk=64)
+        assert plan.tokens_per_tile == tiles.prefill_rows // 4 and plan.max_splits > 1
+        torch.testing.assert_close(run(batch, plan), oracle(batch), atol=ATOL, rtol=RTOL)
+    assert pa.TILES == pa.Tiles()
+
+
 def test_host_checks_name_the_mismatch(device, make_batch):
     """Block-table width, rows, plan device and cache shapes are checked
     before any launch: the kernel would read another sequence's blocks."""

@@ -1,0 +1,208 @@
+"""Which launch shape of the Triton paged attention runs fastest on this GPU:
+a sweep over ``kernels.paged_attention.Tiles`` (prefill tile rows, keys per
+iteration, warps, pipeline depth) and, for batch-1 decode, the persistent
+programs per KV head.
+
+* **prefill**: whole prompts of ``--prefill-lens`` tokens, against torch's
+  flash SDPA on the same shapes (as ``kernels.py`` measures it);
+* **decode, batch 1**: one sequence of ``--contexts`` keys, timed as a CUDA
+  graph replays it (the engine's default decode path), against the
+  device-to-device copy bandwidth.
+
+Every configuration's output is compared with the default configuration's
+(bf16: max abs difference, stated per row); one that fails to compile or
+launch is recorded with its error. The sweep stops starting new points once
+``--budget`` seconds have passed and saves what it measured.
+
+    python benchmarks/attention_tuning.py [--budget 150]
+
+Writes ``attention_tuning_<device>.json`` and ``.md`` to ``--out``. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import (  # noqa: E402
+    RESULTS_DIR, Shape, bench_ms, bench_sdpa, copy_bandwidth_gbs, device_slug, graph_ms, make_cache_batch,
+    run_attention,
+)
+
+PREFILL_GRID = dict(prefill_rows=(64, 128), block_n=(64, 128), wide_warps=(4, 8), num_stages=(2, 3, 4))
+DECODE_GRID = dict(block_n=(32, 64, 128), num_stages=(2, 3, 4), units_scale=(1, 2, 4))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prefill-lens", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--contexts", type=int, nargs="+", default=[16384])
+    p.add_argument("--budget", type=float, default=150.0, help="seconds after which no new point starts")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    return p.parse_args(argv)
+
+
+def grid(axes: dict[str, tuple]) -> list[dict]:
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
+class Sweep:
+    """Runs points until the budget is spent; keeps each row as it ends."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.deadline = time.monotonic() + budget_s
+        self.rows: list[dict] = []
+        self.skipped = 0
+
+    def point(self, row: dict, measure) -> None:
+        if time.monotonic() > self.deadline:
+            self.skipped += 1
+            return
+        try:
+            row.update(measure())
+        except Exception as exc:  # a shape this GPU cannot run: recorded, the sweep goes on
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        self.rows.append(row)
+        print(json.dumps(row))
+
+
+def _output(batch: dict, shape: Shape, plan) -> torch.Tensor:
+    from fluidserve.kernels import paged_attention as pa
+
+    return pa.paged_attention(batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+                              batch["seq_lens"], batch["query_start_loc"], shape.head_dim**-0.5, work=plan)
+
+
+def tune_prefill(shape: Shape, lens: list[int], sweep: Sweep) -> None:
+    from fluidserve.kernels import paged_attention as pa
+
+    for L in lens:
+        batch = make_cache_batch(shape, [L], [L])
+        flops = 4 * shape.num_q_heads * shape.head_dim * L * (L + 1) / 2
+        nb = -(-L // shape.block_size)
+        blocks = batch["block_tables"][0, :nb].long()
+        k = batch["key_cache"][blocks].reshape(-1, shape.num_kv_heads, shape.head_dim)[:L]
+        v = batch["value_cache"][blocks].reshape(-1, shape.num_kv_heads, shape.head_dim)[:L]
+        k, v = (t.repeat_interleave(shape.group, dim=1) for t in (k, v))
+        q_s, k_s, v_s = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (batch["query"], k, v))
+        sdpa_ms, backend = bench_sdpa(q_s, k_s, v_s)
+        reference = _output(batch, shape, pa.plan_for(batch["query"], batch["key_cache"], [L], [L]))
+        for cfg in grid(PREFILL_GRID):
+            def measure(cfg=cfg, batch=batch, reference=reference) -> dict:
+                with pa.tiles(**cfg):
+                    plan = pa.plan_for(batch["query"], batch["key_cache"], [L], [L])
+                    diff = (_output(batch, shape, plan).float() - reference.float()).abs().max().item()
+                    ms = bench_ms(partial(run_attention, batch, shape, plan))
+                return dict(ms=ms, tflops=flops / ms / 1e9, vs_sdpa=sdpa_ms / ms, max_abs_diff=diff)
+
+            sweep.point(dict(kind="prefill", len=L, sdpa_ms=sdpa_ms, sdpa_backend=backend, **cfg), measure)
+        del batch, reference
+        torch.cuda.empty_cache()
+
+
+def tune_decode(shape: Shape, contexts: list[int], copy_gbs: float, sweep: Sweep) -> None:
+    from fluidserve.kernels import paged_attention as pa
+
+    elem = torch.finfo(shape.dtype).bits // 8
+    for ctx in contexts:
+        batch = make_cache_batch(shape, [1], [ctx])
+        nbytes = 2 * ctx * shape.num_kv_heads * shape.head_dim * elem + 2 * shape.num_q_heads * shape.head_dim * elem
+        reference = _output(batch, shape, pa.plan_for(batch["query"], batch["key_cache"], [1], [ctx]))
+        for cfg in grid(DECODE_GRID):
+            def measure(cfg=cfg, batch=batch, reference=reference) -> dict:
+                tiles = {k: v for k, v in cfg.items() if k != "units_scale"}
+                with pa.tiles(**tiles):
+                    units = pa.default_num_units(batch["query"], batch["key_cache"], False) * cfg["units_scale"]
+                    plan = pa.plan_for(batch["query"], batch["key_cache"], [1], [ctx], num_units=units)
+                    diff = (_output(batch, shape, plan).float() - reference.float()).abs().max().item()
+                    ms = graph_ms(partial(run_attention, batch, shape, plan))
+                gbs = nbytes / (ms * 1e-3) / 1e9
+                return dict(units=units, splits=plan.max_splits, graph_ms=ms, pct_of_copy=100 * gbs / copy_gbs,
+                            max_abs_diff=diff)
+
+            sweep.point(dict(kind="decode", batch=1, context=ctx, **cfg), measure)
+        del batch, reference
+        torch.cuda.empty_cache()
+
+
+def best(rows: list[dict], kind: str, key: str, by: str, higher: bool) -> dict[int, dict]:
+    """The fastest correct row per ``key`` value."""
+    out: dict[int, dict] = {}
+    for r in rows:
+        if r["kind"] != kind or "error" in r or r["max_abs_diff"] > 0.05:
+            continue
+        cur = out.get(r[key])
+        if cur is None or (r[by] > cur[by] if higher else r[by] < cur[by]):
+            out[r[key]] = r
+    return out
+
+
+def markdown(report: dict) -> str:
+    from fluidserve.kernels.paged_attention import Tiles
+
+    d = Tiles()
+    lines = [f"# Attention launch shapes on {report['device']}", "",
+             f"Defaults: prefill_rows {d.prefill_rows}, block_n {d.block_n}, warps {d.wide_warps} (wide) / "
+             f"{d.narrow_warps} (narrow), num_stages {d.num_stages or 'Triton default'}; device-to-device copy "
+             f"{report['copy_gb_s']:.0f} GB/s. {len(report['rows'])} points measured, {report['skipped']} left "
+             f"when the {report['budget_s']:.0f} s budget ran out. Max abs difference: against the default "
+             "configuration's output (bf16).", "",
+             "## Prefill (ratio: torch flash SDPA time / ours)", "",
+             "| length | prefill_rows | block_n | warps | stages | ms | TFLOP/s | vs SDPA | max abs diff |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in sorted((r for r in report["rows"] if r["kind"] == "prefill"), key=lambda r: (r["len"], r.get("ms", 1e9))):
+        tail = ([f"{r['ms']:.3f}", f"{r['tflops']:.1f}", f"{r['vs_sdpa']:.2f}", f"{r['max_abs_diff']:.3g}"]
+                if "error" not in r else [r["error"], "", "", ""])  # fmt: skip
+        cells = [r["len"], r["prefill_rows"], r["block_n"], r["wide_warps"], r["num_stages"], *tail]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    lines += ["", "## Decode, batch 1, in a CUDA graph", "",
+              "| context | block_n | stages | units per KV head | splits | ms | % of copy | max abs diff |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in sorted((r for r in report["rows"] if r["kind"] == "decode"),
+                    key=lambda r: (r["context"], r.get("graph_ms", 1e9))):  # fmt: skip
+        tail = ([r["units"], r["splits"], f"{r['graph_ms']:.4f}", f"{r['pct_of_copy']:.1f}", f"{r['max_abs_diff']:.3g}"]
+                if "error" not in r else ["", "", r["error"], "", ""])  # fmt: skip
+        lines.append("| " + " | ".join(map(str, [r["context"], r["block_n"], r["num_stages"], *tail])) + " |")
+    lines += ["", "## Best per shape", ""]
+    for L, r in sorted(best(report["rows"], "prefill", "len", "vs_sdpa", True).items()):
+        lines.append(f"* prefill {L}: prefill_rows {r['prefill_rows']}, block_n {r['block_n']}, warps "
+                     f"{r['wide_warps']}, stages {r['num_stages']}: {r['vs_sdpa']:.2f}x SDPA")
+    for ctx, r in sorted(best(report["rows"], "decode", "context", "pct_of_copy", True).items()):
+        lines.append(f"* decode batch 1, {ctx} keys: block_n {r['block_n']}, stages {r['num_stages']}, units x"
+                     f"{r['units_scale']}: {r['pct_of_copy']:.1f}% of copy")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/attention_tuning.py needs a CUDA GPU (none found); nothing measured.", file=sys.stderr)
+        return 1
+    shape = Shape(num_kv_heads=8, group=4, head_dim=128, block_size=16, dtype=torch.bfloat16)
+    name = torch.cuda.get_device_name()
+    copy_gbs = copy_bandwidth_gbs()
+    sweep = Sweep(args.budget)
+    tune_decode(shape, args.contexts, copy_gbs, sweep)
+    tune_prefill(shape, args.prefill_lens, sweep)
+    report = dict(device=name, time=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,
+                  triton=__import__("triton").__version__, copy_gb_s=copy_gbs, budget_s=args.budget,
+                  skipped=sweep.skipped, rows=sweep.rows)  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"attention_tuning_{device_slug(name)}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    stem.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    print(f"wrote {stem}.json and {stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
