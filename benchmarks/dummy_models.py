@@ -30,6 +30,17 @@ PRESETS = {
                       rope_theta=500000.0),
 }
 
+# The decode paths the engine offers, as engine settings: ``eager`` launches
+# every kernel from Python each step; ``graphs`` (the default on CUDA)
+# replays a decode CUDA graph captured at start-up; ``graphs-async`` also
+# queues each decode step before the previous step's tokens are read
+# (--async-scheduling), so the host's work hides behind the device's.
+DECODE_MODES = {
+    "eager": dict(enforce_eager=True),
+    "graphs": dict(enforce_eager=False),
+    "graphs-async": dict(enforce_eager=False, async_scheduling=True),
+}
+
 
 def build_model_dir(preset: str, root: Path) -> Path:
     """Write the preset's Llama config and the byte tokenizer to ``root``."""

@@ -9,14 +9,15 @@
 #   engine GPU tests      150 / 120 s  pytest -m gpu over every test module outside
 #                                      tests/kernels that has gpu tests
 #   kernel GPU tests      150 / 90 s   pytest -m gpu tests/kernels (the whole suite)
-#   batch-1 decode        120 / 90 s   Llama-3-8B-shaped dummy model, eager and with
-#                                      decode CUDA graphs, against the HBM roofline
+#   batch-1 decode        120 / 90 s   Llama-3-8B-shaped dummy model, eager, with
+#                                      decode CUDA graphs, and graphs with async
+#                                      scheduling, against the HBM roofline
 #   throughput            150 / 90 s   offline, graphs on, against transformers:
 #                                      64 prompts x 128 tokens (--quick: 32 x 64,
 #                                      no generate_batch)
 #   kernel benchmark       90 / 60 s   benchmarks/kernels.py (--quick: short sweep)
-#   decode profile         60 / 45 s   benchmarks/profile_decode.py: torch's profiler
-#                                      over batch-1 decode, eager and graphs (GPU idle
+#   decode profile         90 / 60 s   benchmarks/profile_decode.py: torch's profiler
+#                                      over batch-1 decode in the same three modes (GPU idle
 #                                      time, launches, top kernels and host ops)
 #   swap copy              45 / 30 s   benchmarks/swap_copy.py: KV swaps against a
 #                                      pinned copy, and a step beside a swap
@@ -69,7 +70,7 @@ done
 if [ "$QUICK" -eq 1 ]; then
     MODE=quick BUDGET=225
     INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=120 KERNEL_TESTS_LIMIT=90
-    DECODE_LIMIT=90 THROUGHPUT_LIMIT=90 BENCH_LIMIT=60 PROFILE_LIMIT=45 SWAP_LIMIT=30
+    DECODE_LIMIT=90 THROUGHPUT_LIMIT=90 BENCH_LIMIT=60 PROFILE_LIMIT=60 SWAP_LIMIT=30
     THROUGHPUT_SIZE=(--num-prompts 32 --output-len 64 --skip-continuous)
     BENCH_ARGS=(--quick)
     PROFILE_ARGS=(--output-len 32 --python-top 0)
@@ -77,7 +78,7 @@ if [ "$QUICK" -eq 1 ]; then
 else
     MODE=full BUDGET=540
     INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=150 KERNEL_TESTS_LIMIT=150
-    DECODE_LIMIT=120 THROUGHPUT_LIMIT=150 BENCH_LIMIT=90 PROFILE_LIMIT=60 SWAP_LIMIT=45
+    DECODE_LIMIT=120 THROUGHPUT_LIMIT=150 BENCH_LIMIT=90 PROFILE_LIMIT=90 SWAP_LIMIT=45
     THROUGHPUT_SIZE=(--num-prompts 64 --output-len 128)
     BENCH_ARGS=()
     PROFILE_ARGS=()
@@ -137,7 +138,7 @@ declare -A NAMES=(
     [import]="import"
     [engine_tests]="engine GPU tests"
     [kernel_tests]="kernel GPU tests"
-    [batch1_decode]="batch-1 decode, eager and graphs"
+    [batch1_decode]="batch-1 decode, eager, graphs, graphs + async"
     [throughput]="throughput vs transformers, graphs"
     [kernel_bench]="kernel benchmark"
     [profile]="decode profile"
@@ -219,7 +220,7 @@ run_step kernel_tests "$KERNEL_TESTS_LIMIT" "$RESULTS/gpu_tests_kernels_${SLUG}.
     "${PYTEST[@]}" --junitxml="$SCRATCH/kernels.xml" tests/kernels
 
 run_step batch1_decode "$DECODE_LIMIT" "$RESULTS/batch1_decode_${SLUG}.json" "" \
-    "$PY" benchmarks/kernels.py --batch1-decode --decode-modes eager graphs --out "$RESULTS"
+    "$PY" benchmarks/kernels.py --batch1-decode --decode-modes eager graphs graphs-async --out "$RESULTS"
 
 run_step throughput "$THROUGHPUT_LIMIT" "$RESULTS/throughput-${SLUG}-llama3-8b-graphs.json" "" \
     "$PY" benchmarks/throughput.py --preset llama3-8b --device cuda --no-enforce-eager "${THROUGHPUT_SIZE[@]}" \

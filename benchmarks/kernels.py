@@ -52,6 +52,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dummy_models import DECODE_MODES  # noqa: E402
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # Skip decode points whose KV cache would not fit comfortably.
 MAX_CACHE_BYTES = 40 * 2**30
@@ -83,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a few points of each sweep")
     p.add_argument("--batch1-decode", action="store_true",
                    help="batch-1 decode of a Llama-3-8B-shaped dummy model against the HBM roofline")
-    p.add_argument("--decode-modes", nargs="+", choices=sorted(DECODE_MODES), default=["eager", "graphs"],
+    p.add_argument("--decode-modes", nargs="+", choices=sorted(DECODE_MODES), default=list(DECODE_MODES),
                    help="with --batch1-decode: the engine paths to time, in this order")
     p.add_argument("--compile-only", action="store_true",
                    help="no GPU needed: compile every variant for sm_90 and report its resources")
@@ -383,10 +386,6 @@ def decode_bytes_per_token(cfg: dict, context: int, elem: int = 2) -> int:
     return elem * (layers * per_layer + lm_head + h + kv)
 
 
-# The two decode paths the engine offers: enforce_eager=True launches every
-# kernel from Python each step; False (the default on CUDA) replays a decode
-# CUDA graph captured at start-up.
-DECODE_MODES = {"eager": True, "graphs": False}
 
 
 def _graph_replays(llm) -> int | None:
@@ -398,7 +397,7 @@ def _graph_replays(llm) -> int | None:
     return None if replays is None else int(sum(replays.values()))
 
 
-def bench_batch1_decode_mode(model_dir: Path, enforce_eager: bool, prompt_len: int, output_len: int) -> dict:
+def bench_batch1_decode_mode(model_dir: Path, settings: dict, prompt_len: int, output_len: int) -> dict:
     """Greedy batch-1 decode through one engine: time per token from two runs
     (1 and ``output_len`` new tokens) so prefill and start-up cancel."""
     import gc
@@ -409,7 +408,7 @@ def bench_batch1_decode_mode(model_dir: Path, enforce_eager: bool, prompt_len: i
     # swap_space=0: no pinned host pool to allocate; one sequence never swaps.
     llm = LLM(model=str(model_dir), load_format="dummy", device="cuda", dtype="bfloat16", max_num_seqs=1,
               max_model_len=prompt_len + output_len + 16, num_kv_blocks=64, swap_space=0,
-              enforce_eager=enforce_eager)  # fmt: skip
+              **settings)  # fmt: skip
     startup_s = time.perf_counter() - t0
     prompt = [[5 + (37 * i) % 250 for i in range(prompt_len)]]  # byte-token ids: any vocabulary holds them
 
@@ -433,7 +432,7 @@ def bench_batch1_decode_mode(model_dir: Path, enforce_eager: bool, prompt_len: i
         llm = None  # the run closure holds the engine too
         gc.collect()
         torch.cuda.empty_cache()
-    return dict(enforce_eager=enforce_eager, ms_per_token=(t_many - t_one) / (output_len - 1) * 1e3,
+    return dict(**settings, ms_per_token=(t_many - t_one) / (output_len - 1) * 1e3,
                 t_one_s=t_one, t_many_s=t_many, startup_s=startup_s, graph_replays=replays)  # fmt: skip
 
 
@@ -441,7 +440,7 @@ def bench_batch1_decode(
     preset: str = "llama3-8b",
     prompt_len: int = 128,
     output_len: int = 128,
-    modes: tuple[str, ...] = ("eager", "graphs"),
+    modes: tuple[str, ...] = tuple(DECODE_MODES),
     on_mode=None,
 ) -> dict:
     """Batch-1 decode of a ``preset``-shaped dummy model in each of ``modes``
@@ -473,7 +472,7 @@ def bench_batch1_decode(
                 print(f"  {mode:6s}: {r['ms_per_token']:.2f} ms/token, {r['vs_roofline']:.2f}x roofline "
                       f"(target <= 1.3x); start-up {r['startup_s']:.1f} s; graph replays {r['graph_replays']}")
             except Exception as exc:  # the other mode's figure is still worth having
-                r = dict(enforce_eager=DECODE_MODES[mode], error=f"{type(exc).__name__}: {exc}"[:500])
+                r = dict(**DECODE_MODES[mode], error=f"{type(exc).__name__}: {exc}"[:500])
                 print(f"  {mode:6s}: {r['error']}")
             if "error" in r:  # what a failed start-up allocated is garbage only now
                 gc.collect()
@@ -497,7 +496,8 @@ def batch1_markdown(result: dict) -> str:
              f"{result['copy_gb_s']:.0f} GB/s (target <= 1.3x).", "",
              "| mode | ms/token | x roofline | engine start-up s | graph replays |",
              "|---|---:|---:|---:|---:|"]  # fmt: skip
-    names = {"eager": "eager (enforce_eager=True)", "graphs": "decode CUDA graphs (enforce_eager=False)"}
+    names = {"eager": "eager (enforce_eager=True)", "graphs": "decode CUDA graphs (enforce_eager=False)",
+             "graphs-async": "decode CUDA graphs, async scheduling (async_scheduling=True)"}
     for mode, r in result["modes"].items():
         if "error" in r:
             lines.append(f"| {names.get(mode, mode)} | error: {r['error'][:120]} | | | |")

@@ -36,9 +36,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dummy_models import PRESETS, build_model_dir, device_slug, run_record  # noqa: E402
+from dummy_models import DECODE_MODES, PRESETS, build_model_dir, device_slug, run_record  # noqa: E402
 
-DECODE_MODES = {"eager": True, "graphs": False}
 # Host calls that put work on the GPU: one per kernel, one per graph replay.
 KERNEL_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
@@ -81,14 +80,14 @@ def summarize(prof, tokens: int, wall_s: float, top: int) -> dict:
     )
 
 
-def profile_mode(model_dir: Path, args: argparse.Namespace, enforce_eager: bool) -> dict:
+def profile_mode(model_dir: Path, args: argparse.Namespace, settings: dict) -> dict:
     from fluidserve.engine import LLM, SamplingParams
 
     on_gpu = args.device == "cuda"
     llm = LLM(model=str(model_dir), load_format="dummy", device=args.device,
               dtype="bfloat16" if on_gpu else "float32", max_num_seqs=args.batch,
               max_model_len=args.prompt_len + args.output_len + 16, swap_space=0,
-              enforce_eager=enforce_eager)  # fmt: skip
+              **settings)  # fmt: skip
     prompts = [[5 + (37 * i + 11 * b) % 250 for i in range(args.prompt_len)] for b in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
@@ -185,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if record is None:
         return 1
     name = record["device"]
-    modes = [m for m in args.modes if m != "graphs" or args.device == "cuda"]  # CUDA graphs exist on CUDA alone
+    modes = [m for m in args.modes if not m.startswith("graphs") or args.device == "cuda"]  # CUDA graphs: CUDA alone
     suffix = "" if modes == list(DECODE_MODES) else "-" + "-".join(modes)
     stem = args.out / f"profile_decode_{device_slug(name)}{suffix}"
     args.out.mkdir(parents=True, exist_ok=True)

@@ -74,6 +74,10 @@ class ModelInput:
     # Constrained sequences that finished or were aborted since the last
     # step: the worker drops their grammar matchers.
     finished_ids: list[str] = field(default_factory=list)
+    # Async scheduling: a row whose input id is ``-j - 1`` is fed, on the
+    # device, the token the step launched before this one sampled in its
+    # sample row ``j`` (its value is not known on the host yet).
+    fed: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -451,16 +451,20 @@ class DecodeGraphs:
             return None
         return pick_bucket(len(inp.input_ids), self.sizes)
 
-    def forward(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def forward(self, inp: ModelInput, feed: Callable[[torch.Tensor], None] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Hidden states ``[n, hidden]`` and sample indices of a step run in
         its bucket, or None: run it eagerly. The hidden states are a view of
-        the bucket's output, valid until the bucket's next replay."""
+        the bucket's output, valid until the bucket's next replay. ``feed``
+        rewrites the step's uploaded input ids on the device before the replay."""
         b = self.bucket_for(inp)
         if b is None:
             return None
         bucket = self.buckets[b]
         bucket.write(inp)
         bucket.upload()
+        if feed is not None:
+            feed(bucket.input_ids[:len(inp.input_ids)])
         hidden = bucket.replay() if bucket.replay is not None else self._forward_static(bucket)
         self.replays[b] = self.replays.get(b, 0) + 1
         return hidden[:len(inp.input_ids)], bucket.sample_idx[:len(inp.sample_indices)]

@@ -35,6 +35,7 @@ from fluidserve.engine.output_processor import OutputProcessor
 from fluidserve.engine.outputs import RequestOutput
 from fluidserve.engine.preemption import PreemptionPolicy, safepoint_shares
 from fluidserve.engine.request import Request, Sequence
+from fluidserve.engine.sampler import device_only
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.structured import xgrammar
 from fluidserve.engine.tiny_model import default_tiny_model_dir
@@ -78,6 +79,8 @@ class EngineStats:
     # and of paused steps given up before they resumed.
     abandoned_tokens: int = 0
     num_steps_resumed: int = 0  # paused steps continued from their safepoint
+    # Async scheduling: decode steps queued before the previous step's tokens were read.
+    num_steps_launched_ahead: int = 0
     # Tokens per step (vLLM's iteration_tokens_total): steps per bucket of
     # ITERATION_TOKEN_BUCKETS (the last for larger ones), and their sum. A
     # tuple, replaced per step, so a copy of the stats is a snapshot.
@@ -91,6 +94,16 @@ class EngineStats:
             b = self.iteration_tokens_buckets
             self.iteration_tokens_buckets = (*b[:i], b[i] + 1, *b[i + 1:])
             self.iteration_tokens_sum += num_tokens
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device whose tokens have not been read."""
+
+    plan: StepPlan
+    handle: object  # Executor.launch's: .result() waits for the tokens
+    sample_ids: list[str]  # the request of each sample row, in order
+    start: float
 
 
 class LLMEngine:
@@ -144,6 +157,12 @@ class LLMEngine:
                                                 self.kv.block_size, self._block_filled, self._grammar_finished)
         self._lost_tokens = 0  # of abandoned steps whose state the worker did not keep
         self.preemption = PreemptionPolicy(self.executor.interrupt)
+        self._async = config.async_scheduling and self.executor.can_launch
+        if config.async_scheduling and not self._async:
+            log.warning("--async-scheduling needs the in-process executor (--executor local, one GPU): "
+                        "steps run synchronously")
+        self._pending: _Launched | None = None  # async scheduling: the step queued, unread
+        self._read_at = 0.0  # when the last launched step's tokens were read
         log.info("engine ready: %s on %s (%s attention kernels%s), %d KV blocks of %d tokens (+%d on the host), "
                  "max_model_len %d%s", self.model_name, runtime_for(device).name or device, kernel_path(device),
                  "" if config.enforce_eager else ", decode CUDA graphs where the device has them",
@@ -178,7 +197,8 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
         now = time.monotonic() if arrival_time is None else arrival_time
-        req = Request(request_id, text, token_ids, params, klass, now, max_tokens, final_only=final_only)
+        req = Request(request_id, text, token_ids, params, klass, now, max_tokens, final_only=final_only,
+                      launchable=params.prompt_logprobs is None and device_only(params))
         lazy_text = final_only and params.n == 1 and not params.stop
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # nothing predicts the first prompt token
@@ -241,7 +261,7 @@ class LLMEngine:
                 self._finished_constrained.append(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._pending is not None
 
     def _swap_blocks_per_step(self) -> int | None:
         """Blocks whose copy hides behind the cheapest step (FastServe §4.2:
@@ -254,10 +274,16 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._pending is not None:
+            return self._read_launched()
         now = time.monotonic()
         plan = self.scheduler.schedule(now)
         if plan.is_empty:
             return []
+        if self._async and self._launchable(plan):
+            inp = self._model_input(plan)
+            self._pending = _Launched(plan, self.executor.launch(inp), inp.sample_ids, now)
+            return self._read_launched()
         result, inp = self._execute(plan)
         outputs, finished = self.output_processor.process(result, now)
         self.scheduler.update_from_output(plan, StepOutcome(time.monotonic() - now, now, finished,
@@ -268,6 +294,60 @@ class LLMEngine:
         self.stats_.observe_iteration(plan.num_batched_tokens)
         self.stats_.swap_stall_seconds += result.swap_stall_s
         return outputs
+
+    # -- async scheduling ------------------------------------------------------
+    def _launchable(self, plan: StepPlan) -> bool:
+        """A decode-only step of plain rows, with nothing else for the worker
+        to do: it may run through ``Executor.launch``."""
+        if plan.has_copies or plan.preemptible or plan.resumes or self._finished_constrained or not plan.scheduled:
+            return False
+        seqs = self.seqs
+        for item in plan.scheduled:
+            if item.num_tokens != 1 or not item.samples or not seqs[item.request_id].request.launchable:
+                return False
+        return True
+
+    def _read_launched(self) -> list[RequestOutput]:
+        """Queue the step after the launched one where the scheduler can plan
+        it blind (``Scheduler.continue_decodes``), then read the launched
+        step's tokens and process them: this host work overlaps the device's
+        on the step just queued. A sequence that stopped on the token read
+        here ran one more token in that step; it is dropped unread."""
+        cur, self._pending = self._pending, None
+        nxt = self._launch_after(cur)
+        result = cur.handle.result()
+        read_at = time.monotonic()
+        # The device began this step when it was queued or when the one
+        # before it ended (read back then), whichever came later.
+        step_time = read_at - max(cur.start, self._read_at)
+        self._read_at = read_at
+        outputs, finished = self.output_processor.process(result, cur.start)
+        self.scheduler.update_from_output(cur.plan, StepOutcome(step_time, cur.start, finished))
+        self.stats_.num_steps += 1
+        self.stats_.observe_iteration(cur.plan.num_batched_tokens)
+        if nxt is not None:
+            if any(item.request_id in self.seqs for item in nxt.plan.scheduled):
+                self._pending = nxt
+            else:  # every sequence it ran has stopped: nothing to read of it
+                nxt.handle.result()
+        return outputs
+
+    def _launch_after(self, cur: _Launched) -> _Launched | None:
+        seqs = self.seqs
+        ahead: dict[str, int] = {}  # sequence -> its sample row in ``cur``
+        for row, sid in enumerate(cur.sample_ids):
+            seq = seqs.get(sid)
+            # Gone (stopped, aborted), or stopping on the token ``cur`` samples: nothing after it.
+            if seq is not None and len(seq.output_token_ids) + 1 < seq.max_output_len:
+                ahead[sid] = row
+        if not ahead or self._finished_constrained:
+            return None
+        plan = self.scheduler.continue_decodes(cur.plan, list(ahead))
+        if plan is None:
+            return None
+        inp = self._model_input(plan, ahead)
+        self.stats_.num_steps_launched_ahead += 1
+        return _Launched(plan, self.executor.launch(inp), inp.sample_ids, time.monotonic())
 
     def _execute(self, plan: StepPlan) -> tuple[StepResult, ModelInput]:
         """Run the plan (its result and the input it ran); a preemptible one
@@ -294,8 +374,13 @@ class LLMEngine:
                 self._lost_tokens += plan.num_batched_tokens
         return result, inp
 
-    def _model_input(self, plan: StepPlan) -> ModelInput:
-        inp = ModelInput(swap_out=plan.swap_out, swap_in=plan.swap_in, finished_ids=self._finished_constrained)
+    def _model_input(self, plan: StepPlan, ahead: dict[str, int] | None = None) -> ModelInput:
+        """The step's input. ``ahead``: the plan continues a launched step
+        whose tokens are unread (async scheduling): each sequence decodes one
+        position past what the scheduler has counted, fed on the device the
+        token of its sample row in that step."""
+        inp = ModelInput(swap_out=plan.swap_out, swap_in=plan.swap_in, finished_ids=self._finished_constrained,
+                         fed=ahead is not None)
         self._finished_constrained = []
         scored: dict[str, int] = {}  # request id -> prompt positions scored once this step has run
         bs = self.kv.block_size
@@ -312,7 +397,12 @@ class LLMEngine:
             start = seq.state.num_computed_tokens
             n = item.num_tokens
             req = seq.request
-            if n == 1 and req.prompt_logprobs is None:
+            if ahead is not None:
+                start += 1
+                add_id(-1 - ahead[item.request_id])
+                add_pos(start)
+                add_slot(slot_of(table, start, bs))
+            elif n == 1 and req.prompt_logprobs is None:
                 # A decode (or a one-token chunk): the token at position start.
                 prompt = req.prompt_token_ids
                 add_id(prompt[start] if start < len(prompt) else seq.output_token_ids[start - len(prompt)])

@@ -21,6 +21,7 @@ nothing is allocated per step. On CPU the host buffer is the device buffer.
 from __future__ import annotations
 
 import itertools
+from typing import Callable
 
 import numpy as np
 import torch
@@ -113,9 +114,13 @@ class ModelRunner:
             else:
                 meta.cpu_plan(key_cache, window)
 
-    def forward(self, inp: ModelInput, kv_caches: KVCaches) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states of the step ``[T, hidden]`` and the sample indices."""
+    def forward(self, inp: ModelInput, kv_caches: KVCaches,
+                feed: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states of the step ``[T, hidden]`` and the sample indices.
+        ``feed`` rewrites the uploaded input ids on the device first."""
         input_ids, positions, meta, sample_idx = self.prepare(inp, kv_caches)
+        if feed is not None:
+            feed(input_ids)
         return self.model(input_ids, positions, kv_caches, meta), sample_idx
 
 

@@ -107,6 +107,10 @@ class Request:
     # Only the finished output is handed back (LLM.generate): no output of
     # the steps before is built.
     final_only: bool = False
+    # Every token it samples depends on the logits alone (sampler.device_only)
+    # and it scores no prompt: its decodes may be queued before the step
+    # ahead of them is read (async scheduling).
+    launchable: bool = False
 
     @property
     def finished(self) -> bool:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -29,7 +31,7 @@ from fluidserve.engine.parallel import TensorParallel
 from fluidserve.engine.preemption import PausedForward, Safepoints, StepAbandoned
 from fluidserve.engine.prompt_logprobs import score_prompts
 from fluidserve.engine.runtime import pick_device, runtime_for
-from fluidserve.engine.sampler import SamplingRow, make_generator, sample
+from fluidserve.engine.sampler import SampledToken, SamplingRow, make_generator, sample, sample_on_device
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.structured import StructuredDecoder
 
@@ -44,6 +46,20 @@ def default_swap_space_gb() -> float:
     except (ValueError, OSError):
         return 4.0
     return min(4.0, avail / 4)
+
+
+@dataclass
+class PendingStep:
+    """A step ``Worker.launch`` queued: its forward and draws are on the
+    device, its tokens on their way to ``host``; ``result`` waits for them."""
+
+    sample_ids: list[str]
+    host: torch.Tensor  # [S] int64, filled by a copy that ``done`` marks
+    done: Any
+
+    def result(self) -> StepResult:
+        self.done.synchronize()
+        return StepResult(sampled={rid: SampledToken(t, None) for rid, t in zip(self.sample_ids, self.host.tolist())})
 
 
 class Worker:
@@ -78,6 +94,13 @@ class Worker:
         self.safepoints = Safepoints(config.preemption_safepoint_layers, self.tp, self.device)
         self.paused: PausedForward | None = None  # the last interrupted step's state, until resumed
         self.model.layer_loop.safepoints = self.safepoints
+        # Async scheduling: the tokens the last launched step sampled (on the
+        # device), which the next launched step's fed rows read, and two
+        # host buffers the launched steps' tokens come back in, in turn (a
+        # step's tokens are read after the next step is launched).
+        self._last_tokens: torch.Tensor | None = None
+        self._token_buffers: list[torch.Tensor] = []
+        self._launches = 0
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -168,17 +191,55 @@ class Worker:
         return DecodeGraphs(self.model, self.device, self.kv_caches, sizes, width, cfg.block_size, capture=capture)
 
     # -- one step ----------------------------------------------------------
-    def _forward(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, inp: ModelInput,
+                 feed: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.graphs is not None:
-            out = self.graphs.forward(inp)  # None: the step does not fit a bucket
+            out = self.graphs.forward(inp, feed)  # None: the step does not fit a bucket
             if out is not None:
                 return out
-        return self.runner.forward(inp, self.kv_caches)
+        return self.runner.forward(inp, self.kv_caches, feed)
+
+    def _feed(self, input_ids: torch.Tensor) -> None:
+        """Rows whose id is ``-j - 1`` take the token the last launched step
+        sampled in its row ``j``, on the device: nothing waits for it."""
+        last = self._last_tokens
+        fed = input_ids < 0
+        src = last[(-input_ids - 1).clamp_(0, last.numel() - 1)]
+        input_ids.copy_(torch.where(fed, src, input_ids))
+
+    @torch.inference_mode()
+    def launch(self, inp: ModelInput) -> PendingStep:
+        """Queue a plain decode step and return before its tokens are read
+        (async scheduling): no KV moves, grammar, prompt logprobs or
+        preemption, and rows ``sampler.device_only`` can draw; with
+        ``inp.fed``, rows with a negative id are fed the tokens of the step
+        launched before. One worker alone (no tensor parallelism)."""
+        if inp.swap_out or inp.swap_in or inp.prompt_logprobs or inp.preemptible or self.tp.size != 1:
+            raise ValueError("launch takes a plain decode step of one worker")
+        if inp.fed and self._last_tokens is None:
+            raise ValueError("a fed step must follow a launched one")
+        self.structured.release(inp.finished_ids)
+        hidden, sample_idx = self._forward(inp, self._feed if inp.fed else None)
+        logits = self.model.compute_logits(hidden[sample_idx])
+        rows = [SamplingRow(params=s.params, prompt_token_ids=[], output_token_ids=[], generator=None)
+                for s in inp.samples]
+        tokens = sample_on_device(logits, rows)
+        self._last_tokens = tokens
+        if not self._token_buffers or self._token_buffers[0].numel() < tokens.numel():
+            size = max(tokens.numel(), self.config.max_num_seqs)
+            self._token_buffers = [self.runtime.host_buffer(size, torch.int64) for _ in range(2)]
+        host = self._token_buffers[self._launches % 2][:tokens.numel()]
+        self._launches += 1
+        host.copy_(tokens, non_blocking=True)
+        done = self.runtime.event()
+        done.record()
+        return PendingStep(list(inp.sample_ids), host, done)
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> StepResult:
         """Run one step: its KV moves, then the forward; the sampled tokens
         on rank 0, none on the other ranks."""
+        self._last_tokens = None  # a fed step follows a launched one only
         stall = self.cache.swap(inp.swap_out, inp.swap_in, inp.wait_for_swap_in)
         result = StepResult(swap_stall_s=stall)
         self.structured.release(inp.finished_ids)

@@ -331,6 +331,40 @@ class Scheduler:
             plan = self._fill(now)
         return plan
 
+    def continue_decodes(self, plan: StepPlan, keep: list[str]) -> StepPlan | None:
+        """The step after ``plan`` planned before ``plan``'s tokens are back
+        (async scheduling: the engine queues it while the device still runs
+        ``plan``): the requests in ``keep``, each one decode token further,
+        with KV for that token allocated here. Only where ``plan`` decoded
+        every unfinished request and nothing else could run: None when
+        another request waits, is swapped or paused, ``plan`` moved KV, or a
+        block is lacking; ``schedule`` then plans the step after the tokens
+        are read, as always. Called before ``update_from_output(plan)``."""
+        if self.paused is not None or plan.has_copies or plan.preemptible or not keep:
+            return None
+        if len(self.seqs) > len(plan.scheduled):
+            return None  # a request waits for a step of its own
+        in_plan = {item.request_id for item in plan.scheduled if item.num_tokens == 1 and item.samples}
+        seqs, running = self.seqs, SeqStatus.RUNNING
+        if any(rid not in in_plan for rid in seqs) or any(rid not in seqs for rid in keep):
+            return None
+        # ``plan``'s token and this step's: two past what update_from_output has counted.
+        totals = [(rid, seqs[rid].num_computed_tokens + 2) for rid in keep]
+        if any(seqs[rid].status is not running for rid in keep):
+            return None
+        if sum(self.kv.num_new_blocks(rid, n) for rid, n in totals) > self.kv.num_free_blocks:
+            return None
+        scheduled = []
+        for rid, n in totals:
+            if not self.kv.allocate(rid, n):
+                raise AssertionError(f"{rid!r}: the blocks counted free are not")
+            seq = seqs[rid]
+            item = seq.decode_item
+            if item is None:
+                item = seq.decode_item = ScheduledSeq(rid, 1, True)
+            scheduled.append(item)
+        return StepPlan(scheduled=scheduled)
+
     def _fill(self, now: float) -> StepPlan:
         cfg = self.config
         ranked = self.ranked(now)

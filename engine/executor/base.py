@@ -23,6 +23,15 @@ class Executor(ABC):
         token of each sampling row keyed by request id. Raises ExecutorError
         when a worker cannot complete it."""
 
+    # Async scheduling: whether ``launch`` queues a step and returns before
+    # its tokens are read (one in-process worker).
+    can_launch: bool = False
+
+    def launch(self, inp: ModelInput):
+        """Queue a plain decode step (``Worker.launch``); returns a handle
+        whose ``result()`` is the step's StepResult. Only where ``can_launch``."""
+        raise NotImplementedError(f"{type(self).__name__} runs steps synchronously")
+
     def interrupt(self, step_id: int) -> None:
         """Ask the workers to abandon step ``step_id`` at its next layer
         safepoint (a preemptible step only; one that has ended ignores it).

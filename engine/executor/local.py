@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fluidserve.engine.batch import ModelInput, StepResult
 from fluidserve.engine.executor.base import Executor
-from fluidserve.engine.worker import Worker
+from fluidserve.engine.worker import PendingStep, Worker
 
 
 class LocalExecutor(Executor):
@@ -19,8 +19,13 @@ class LocalExecutor(Executor):
         self.worker.warm_up()  # on CUDA this compiles the attention variants before serving
         self.eos_token_id = self.worker.eos_token_id
 
+    can_launch = True
+
     def execute(self, inp: ModelInput) -> StepResult:
         return self.worker.execute(inp)
+
+    def launch(self, inp: ModelInput) -> PendingStep:
+        return self.worker.launch(inp)
 
     def interrupt(self, step_id: int) -> None:
         self.worker.interrupt(step_id)  # a host-side flag the layer loop reads
