@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dummy_models import save_results  # noqa: E402
 from kernels import (  # noqa: E402
-    RESULTS_DIR, Shape, bench_ms, bench_sdpa, copy_bandwidth_gbs, device_slug, graph_ms, make_cache_batch,
+    RESULTS_DIR, Shape, bench_ms, bench_sdpa_prefill, copy_bandwidth_gbs, device_slug, graph_ms, make_cache_batch,
     run_attention,
 )
 
@@ -87,13 +88,7 @@ def tune_prefill(shape: Shape, lens: list[int], sweep: Sweep) -> None:
     for L in lens:
         batch = make_cache_batch(shape, [L], [L])
         flops = 4 * shape.num_q_heads * shape.head_dim * L * (L + 1) / 2
-        nb = -(-L // shape.block_size)
-        blocks = batch["block_tables"][0, :nb].long()
-        k = batch["key_cache"][blocks].reshape(-1, shape.num_kv_heads, shape.head_dim)[:L]
-        v = batch["value_cache"][blocks].reshape(-1, shape.num_kv_heads, shape.head_dim)[:L]
-        k, v = (t.repeat_interleave(shape.group, dim=1) for t in (k, v))
-        q_s, k_s, v_s = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (batch["query"], k, v))
-        sdpa_ms, backend = bench_sdpa(q_s, k_s, v_s)
+        sdpa_ms, backend = bench_sdpa_prefill(batch, shape, L)
         reference = _output(batch, shape, pa.plan_for(batch["query"], batch["key_cache"], [L], [L]))
         for cfg in grid(PREFILL_GRID):
             def measure(cfg=cfg, batch=batch, reference=reference) -> dict:
@@ -195,11 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     report = dict(device=name, time=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,
                   triton=__import__("triton").__version__, copy_gb_s=copy_gbs, budget_s=args.budget,
                   skipped=sweep.skipped, rows=sweep.rows)  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"attention_tuning_{device_slug(name)}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    stem.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    save_results(stem, report, markdown(report))
     print(f"wrote {stem}.json and {stem}.md")
     return 0
 

@@ -234,14 +234,7 @@ def bench_prefill(shape: Shape, lens: list[int]) -> list[dict]:
         plan = pa.plan_for(batch["query"], batch["key_cache"], [L], [L])
         flops = 4 * shape.num_q_heads * shape.head_dim * L * (L + 1) / 2
         ms = bench_ms(partial(run_attention, batch, shape, plan))
-        # SDPA sees the same K/V contiguous, expanded to the query heads: [1, Hq, L, D].
-        nb = -(-L // shape.block_size)
-        blocks = batch["block_tables"][0, :nb].long()
-        k = batch["key_cache"][blocks].reshape(-1, shape.num_kv_heads, shape.head_dim)[:L]
-        v = batch["value_cache"][blocks].reshape(-1, shape.num_kv_heads, shape.head_dim)[:L]
-        k, v = (t.repeat_interleave(shape.group, dim=1) for t in (k, v))
-        q_s, k_s, v_s = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (batch["query"], k, v))
-        ms_sdpa, backend = bench_sdpa(q_s, k_s, v_s)
+        ms_sdpa, backend = bench_sdpa_prefill(batch, shape, L)
         rows.append(dict(len=L, ms=ms, tflops=flops / ms / 1e9, sdpa_ms=ms_sdpa, sdpa_tflops=flops / ms_sdpa / 1e9,
                          sdpa_backend=backend, vs_sdpa=ms_sdpa / ms))  # fmt: skip
         print(f"prefill L={L:6d}  ours {flops / ms / 1e9:6.1f} TFLOP/s  sdpa ({backend}) "
@@ -249,6 +242,18 @@ def bench_prefill(shape: Shape, lens: list[int]) -> list[dict]:
         del batch
         torch.cuda.empty_cache()
     return rows
+
+
+def bench_sdpa_prefill(batch: dict, shape: Shape, length: int) -> tuple[float, str]:
+    """Causal SDPA over the prompt of a one-sequence ``batch``: the same K/V,
+    contiguous and expanded to the query heads ([1, Hq, L, D])."""
+    nb = -(-length // shape.block_size)
+    blocks = batch["block_tables"][0, :nb].long()
+    k = batch["key_cache"][blocks].reshape(-1, shape.num_kv_heads, shape.head_dim)[:length]
+    v = batch["value_cache"][blocks].reshape(-1, shape.num_kv_heads, shape.head_dim)[:length]
+    k, v = (t.repeat_interleave(shape.group, dim=1) for t in (k, v))
+    q_s, k_s, v_s = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (batch["query"], k, v))
+    return bench_sdpa(q_s, k_s, v_s)
 
 
 def bench_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[float, str]:
