@@ -7,7 +7,11 @@ programs per KV head.
   flash SDPA on the same shapes (as ``kernels.py`` measures it);
 * **decode, batch 1**: one sequence of ``--contexts`` keys, timed as a CUDA
   graph replays it (the engine's default decode path), against the
-  device-to-device copy bandwidth.
+  device-to-device copy bandwidth;
+* **plans**: mixed steps of one prefill chunk and a few to many decodes
+  (``PLAN_SHAPES``), each with the packed plan (LPT + split-K), unpacked,
+  and split at 2k keys unpacked: where packing wins, if anywhere, for a rule
+  the engine can choose plans by.
 
 Every configuration's output is compared with the default configuration's
 (bf16: max abs difference, stated per row); one that fails to compile or
@@ -34,12 +38,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dummy_models import save_results  # noqa: E402
 from kernels import (  # noqa: E402
-    RESULTS_DIR, Shape, bench_ms, bench_sdpa_prefill, copy_bandwidth_gbs, device_slug, graph_ms, make_cache_batch,
-    run_attention,
+    RESULTS_DIR, Shape, bench_mixed, bench_ms, bench_sdpa_prefill, copy_bandwidth_gbs, device_slug, graph_ms,
+    make_cache_batch, run_attention,
 )
 
 PREFILL_GRID = dict(prefill_rows=(64, 128), block_n=(64, 128), wide_warps=(4, 8), num_stages=(2, 3, 4))
 DECODE_GRID = dict(block_n=(32, 64, 128), num_stages=(2, 3, 4), units_scale=(1, 2, 4))
+# (prefill chunk, decodes, longest decode context) of the plan comparison.
+PLAN_SHAPES = [(c, d, ctx) for c in (512, 2048, 8192) for d in (16, 128) for ctx in (4096, 32768)]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -128,6 +134,16 @@ def tune_decode(shape: Shape, contexts: list[int], copy_gbs: float, sweep: Sweep
         torch.cuda.empty_cache()
 
 
+def tune_plans(shape: Shape, sweep: Sweep) -> None:
+    for chunk, decodes, longest in PLAN_SHAPES:
+        def measure(chunk=chunk, decodes=decodes, longest=longest) -> dict:
+            m = bench_mixed(shape, chunk=chunk, decodes=decodes, contexts=(512, longest))
+            return {f"{plan}_ms": m[plan]["ms"] for plan in ("packed", "unpacked", "split_unpacked")}
+
+        sweep.point(dict(kind="plans", chunk=chunk, decodes=decodes, longest_context=longest), measure)
+        torch.cuda.empty_cache()
+
+
 def best(rows: list[dict], kind: str, key: str, by: str, higher: bool) -> dict[int, dict]:
     """The fastest correct row per ``key`` value."""
     out: dict[int, dict] = {}
@@ -166,6 +182,16 @@ def markdown(report: dict) -> str:
         tail = ([r["units"], r["splits"], f"{r['graph_ms']:.4f}", f"{r['pct_of_copy']:.1f}", f"{r['max_abs_diff']:.3g}"]
                 if "error" not in r else ["", "", r["error"], "", ""])  # fmt: skip
         lines.append("| " + " | ".join(map(str, [r["context"], r["block_n"], r["num_stages"], *tail])) + " |")
+    plans = [r for r in report["rows"] if r["kind"] == "plans"]
+    if plans:
+        lines += ["", "## Plans of a mixed step (ms; speed-up: unpacked / packed)", "",
+                  "| prefill chunk | decodes | decode contexts | packed | unpacked | split 2k, unpacked | speed-up |",
+                  "|---:|---:|---|---:|---:|---:|---:|"]  # fmt: skip
+        for r in plans:
+            cells = ([f"{r['packed_ms']:.3f}", f"{r['unpacked_ms']:.3f}", f"{r['split_unpacked_ms']:.3f}",
+                      f"{r['unpacked_ms'] / r['packed_ms']:.2f}x"] if "error" not in r else [r["error"], "", "", ""])
+            lines.append("| " + " | ".join(map(str, [r["chunk"], r["decodes"], f"512-{r['longest_context']}",
+                                                      *cells])) + " |")
     lines += ["", "## Best per shape", ""]
     for L, r in sorted(best(report["rows"], "prefill", "len", "vs_sdpa", True).items()):
         lines.append(f"* prefill {L}: prefill_rows {r['prefill_rows']}, block_n {r['block_n']}, warps "
@@ -187,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep = Sweep(args.budget)
     tune_decode(shape, args.contexts, copy_gbs, sweep)
     tune_prefill(shape, args.prefill_lens, sweep)
+    tune_plans(shape, sweep)
     report = dict(device=name, time=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,
                   triton=__import__("triton").__version__, copy_gb_s=copy_gbs, budget_s=args.budget,
                   skipped=sweep.skipped, rows=sweep.rows)  # fmt: skip
