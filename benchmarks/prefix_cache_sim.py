@@ -30,7 +30,6 @@ import platform
 import random
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from swapping import BLOCK, sim_config
@@ -69,7 +68,7 @@ def make_jobs(n: int, rate: float, pairs: list[tuple[int, int]], groups: int, pr
 
 
 def run_variant(jobs: list[Job], cm: RooflineCostModel, pool: float, caching: bool, on_host: bool) -> dict:
-    cfg = replace(sim_config(cm, pool, "swap", True), enable_prefix_caching=caching, cache_on_host=on_host)
+    cfg = sim_config(cm, pool, "swap", True).replace(enable_prefix_caching=caching, cache_on_host=on_host)
     sim = Simulator(jobs, POLICY, cm, cfg)
     t0 = time.perf_counter()
     res = sim.run()
