@@ -96,6 +96,55 @@ def test_arrivals_and_aborts_between_steps(tiny_model, make_llm):
     assert engine.stats().num_steps_launched_ahead > 0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_random_traffic_gives_synchronous_tokens(tiny_model, make_llm, seed):
+    """Random arrivals, lengths, stop tokens, n=2 and aborts, step by step:
+    every request that was not aborted ends with the tokens synchronous
+    steps give it, and an aborted one yields nothing after its abort."""
+    import random
+
+    path = tiny_model("llama")
+    rng = random.Random(seed)
+    plan = []  # per step: (arrivals, aborts)
+    names = []
+    for step in range(40):
+        arrivals = []
+        for _ in range(rng.choice([0, 0, 0, 1, 2])):
+            name = f"r{len(names)}"
+            names.append(name)
+            prompt = [rng.randrange(1, 250) for _ in range(rng.randint(1, 30))]
+            stop = [rng.randrange(1, 250) for _ in range(rng.randint(0, 3))]
+            params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 24), stop_token_ids=stop,
+                                    n=rng.choice([1, 1, 2]))
+            arrivals.append((name, prompt, params))
+        aborts = [rng.choice(names)] if names and rng.random() < 0.1 else []
+        plan.append((arrivals, aborts))
+
+    def drive(async_scheduling: bool):
+        llm = make_llm(path, async_scheduling=async_scheduling, **KWARGS)
+        engine, done, aborted, late = llm.engine, {}, set(), []
+        for step in range(400):
+            arrivals, aborts = plan[step] if step < len(plan) else ([], [])
+            for name, prompt, params in arrivals:
+                engine.add_request(name, prompt, params)
+            for name in aborts:
+                engine.abort(name)
+                aborted.add(name)
+            for out in engine.step():
+                if out.request_id in aborted:
+                    late.append(out.request_id)
+                if out.finished:
+                    done[out.request_id] = [c.token_ids for c in out.outputs]
+            if step >= len(plan) and not engine.has_unfinished_requests():
+                break
+        return {k: v for k, v in done.items() if k not in aborted}, late, engine
+
+    sync, _, _ = drive(False)
+    ahead, late, engine = drive(True)
+    assert ahead == sync and late == []
+    assert engine.kv.num_used_blocks == 0 and engine.stats().num_steps_launched_ahead > 0
+
+
 def test_only_plain_rows_are_launched(tiny_model, make_llm):
     """Rows whose token needs the host (a seed, logprobs, a penalty) run
     synchronously; plain random draws are launched."""
