@@ -120,7 +120,8 @@ def _fmt_batch1(r: dict) -> tuple[str, dict]:
 
 
 def _fmt_throughput(r: dict) -> tuple[str, dict]:
-    names = {"fluidserve": "fluidserve", "hf_generate_padded": "HF generate", "hf_generate_batch": "HF generate_batch"}
+    names = {"fluidserve": "fluidserve", "fluidserve_async": "fluidserve async", "hf_generate_padded": "HF generate",
+             "hf_generate_batch": "HF generate_batch"}
     parts, figures = [], {}
     for name, v in r.get("results", {}).items():
         label = names.get(name, name)

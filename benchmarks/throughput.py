@@ -52,13 +52,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_fluidserve(model_dir: Path, prompts, output_len: int, device: str, dtype: str, args) -> dict:
+def run_fluidserve(model_dir: Path, prompts, output_len: int, device: str, dtype: str, args,
+                   async_scheduling: bool = False) -> dict:
     from fluidserve.engine import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), load_format="dummy", device=device, dtype=dtype,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               num_kv_blocks=args.num_kv_blocks, max_model_len=max(map(len, prompts)) + output_len,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     sync(device)
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-continuous", action="store_true", help="skip transformers' generate_batch")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                     help="fluidserve eager; by default (the engine's) it captures decode CUDA graphs on a GPU")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="also run fluidserve with --async-scheduling, right after the default run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
@@ -175,8 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"device: {device_name(device)}; model preset {preset} ({dtype}); {len(prompts)} prompts, "
               f"mean prompt {sum(map(len, prompts)) / len(prompts):.0f} tokens, {output_len} output tokens each; "
               f"fluidserve {'eager' if args.enforce_eager else 'with decode CUDA graphs where the device has them'}")
-        runs = [("fluidserve", lambda: run_fluidserve(model_dir, prompts, output_len, device, dtype, args)),
-                ("hf_generate_padded", lambda: run_hf_padded(model_dir, prompts, output_len, device, dtype,
+        runs = [("fluidserve", lambda: run_fluidserve(model_dir, prompts, output_len, device, dtype, args))]
+        if args.async_scheduling:
+            runs.append(("fluidserve_async", lambda: run_fluidserve(model_dir, prompts, output_len, device, dtype,
+                                                                    args, async_scheduling=True)))
+        runs += [("hf_generate_padded", lambda: run_hf_padded(model_dir, prompts, output_len, device, dtype,
                                                               args.hf_batch_size or len(prompts)))]
         if not args.skip_continuous:
             runs.append(("hf_generate_batch", lambda: run_hf_continuous(model_dir, prompts, output_len, device, dtype)))
