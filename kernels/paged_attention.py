@@ -621,7 +621,11 @@ def _plan_constexprs(query: torch.Tensor, key_cache: torch.Tensor, plan: WorkPla
 
 def _num_warps(constexprs: dict[str, object]) -> int:
     widest = constexprs["PREFILL_M"] if constexprs["HAS_PREFILL"] else constexprs["DECODE_M"]
-    return TILES.narrow_warps if widest <= 64 else TILES.wide_warps
+    if widest <= 64:
+        return TILES.narrow_warps
+    # The fp32 accumulator is widest x HEAD_PAD: past 128 x 128 (a 256-wide
+    # head) four warps would hold 256 values each, so eight at least.
+    return TILES.wide_warps if widest * constexprs["HEAD_PAD"] <= 128 * 128 else max(TILES.wide_warps, 8)
 
 
 def _launch_options(num_warps: int) -> dict[str, int]:
