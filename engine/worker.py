@@ -218,6 +218,9 @@ class Worker:
             raise ValueError("launch takes a plain decode step of one worker")
         if inp.fed and self._last_tokens is None:
             raise ValueError("a fed step must follow a launched one")
+        # No moves of its own, but the forward still waits for the last
+        # step's copies: blocks its swap-outs freed may be written now.
+        self.cache.swap([], [], False)
         self.structured.release(inp.finished_ids)
         hidden, sample_idx = self._forward(inp, self._feed if inp.fed else None)
         logits = self.model.compute_logits(hidden[sample_idx])

@@ -145,6 +145,41 @@ def test_random_traffic_gives_synchronous_tokens(tiny_model, make_llm, seed):
     assert engine.kv.num_used_blocks == 0 and engine.stats().num_steps_launched_ahead > 0
 
 
+def test_launched_steps_among_swaps_keep_the_copy_order(tiny_model, make_llm):
+    """A device pool too small for the running set: requests swap out and
+    back between launched decode steps. Every step, launched ones too,
+    passes through the cache engine first (where the forward waits for the
+    last step's copies, whose freed blocks it may write), and the tokens are
+    the synchronous steps'."""
+    path = tiny_model("llama")
+    pool = dict(num_kv_blocks=10, block_size=8, max_model_len=64, num_host_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [p[:20] for p in PROMPTS] * 2
+
+    def run(async_scheduling: bool):
+        llm = make_llm(path, async_scheduling=async_scheduling, **pool)
+        worker = llm.engine.executor.worker
+        calls = {"swap": 0, "step": 0}
+        swap, execute, launch = worker.cache.swap, worker.execute, worker.launch
+
+        def counted(fn, key):
+            def wrapper(*args, **kwargs):
+                calls[key] += 1
+                return fn(*args, **kwargs)
+            return wrapper
+
+        worker.cache.swap = counted(swap, "swap")
+        worker.execute, worker.launch = counted(execute, "step"), counted(launch, "step")
+        outs = llm.generate(prompts, params)
+        return tokens(outs), calls, llm.engine.stats()
+
+    sync, _, _ = run(False)
+    ahead, calls, stats = run(True)
+    assert ahead == sync
+    assert stats.num_swaps > 0 and stats.num_steps_launched_ahead > 0
+    assert calls["swap"] == calls["step"]
+
+
 def test_only_plain_rows_are_launched(tiny_model, make_llm):
     """Rows whose token needs the host (a seed, logprobs, a penalty) run
     synchronously; plain random draws are launched."""
