@@ -60,8 +60,7 @@ class ModelInput:
     sample_ids: list[str] = field(default_factory=list)  # request id of each sampling row
     # Only requests that asked for prompt logprobs: others keep one logits row each.
     prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
-    # KV moves, issued before the forward: swap-ins first (the forward waits
-    # for them only where it reads them), then swap-outs.
+    # KV moves, applied before the forward: swap-outs first, then swap-ins.
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     wait_for_swap_in: bool = False  # the forward reads blocks this step's swap-ins fill

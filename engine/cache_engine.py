@@ -18,12 +18,9 @@ Ordering on CUDA (copies run on a side stream and overlap the forward):
                                                         has landed)
              copy stream waits for compute so far      (KV written by earlier
                                                         steps is complete)
-             copy stream: swap-ins; event I(N); swap-outs; event E(N)
-             the host waits for I(N) only if the step runs a request swapped
-             in by this very step (a reactive swap-in: the swap stall); never
-             for this step's swap-outs, which nothing in the step reads (the
-             blocks they free are reused from step N+1 on, the host blocks a
-             swap-in reads only once its step has completed)
+             copy stream: swap-outs, then swap-ins; event E(N)
+             compute waits for E(N) only if the step runs a request swapped in
+             by this very step (a reactive swap-in: the swap stall)
 
 On CPU the same calls run as synchronous copies before the forward. Each
 layer's K and V move with one gather and one scatter for all of a step's
@@ -31,7 +28,7 @@ blocks: a copy per block run and layer costs ~15 us of dispatch, 60 ms for a
 hundred scattered blocks of a 16-layer model. (Copies on a thread beside
 the forward, as the copy stream runs them on CUDA, are not used: torch's CPU
 ops on two threads at interpreter exit can crash the process.) The CPU tests
-exercise the maps and the order of the moves.
+exercise the maps and the ordering of swap-outs before swap-ins.
 """
 
 from __future__ import annotations
@@ -106,16 +103,16 @@ class CacheEngine:
         return self.host_caches[0][0].shape[0] if self.host_caches else 0
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], wait: bool) -> float:
-        """Issue one step's moves: ``swap_in`` (host block, device block)
-        pairs, then ``swap_out`` (device block, host block) pairs. ``wait``:
+        """Issue one step's moves: ``swap_out`` (device block, host block)
+        pairs, then ``swap_in`` (host block, device block) pairs. ``wait``:
         the coming forward reads blocks that ``swap_in`` fills. Returns the
         seconds the caller was held up by copies (the swap stall)."""
         if (swap_out or swap_in) and not self.host_caches:
             raise ValueError("a swap was planned but this worker has no host KV pool")
         if self._copy_stream is None:
             t0 = time.perf_counter()
-            self._gather_scatter(swap_in, self.host_caches, self.device_caches)
             self._gather_scatter(swap_out, self.device_caches, self.host_caches)
+            self._gather_scatter(swap_in, self.host_caches, self.device_caches)
             return time.perf_counter() - t0
         compute = self.runtime.current_stream()
         if self._last_copies is not None:
@@ -125,19 +122,16 @@ class CacheEngine:
             return 0.0
         self._copy_stream.wait_stream(compute)
         with self.runtime.on_stream(self._copy_stream):
-            self._copy(swap_in, self.host_caches, self.device_caches)
-            landed = self.runtime.event()
-            landed.record(self._copy_stream)
             self._copy(swap_out, self.device_caches, self.host_caches)
+            self._copy(swap_in, self.host_caches, self.device_caches)
             done = self.runtime.event()
             done.record(self._copy_stream)
         self._last_copies = done
         if not wait:
             return 0.0
-        # The forward reads what the swap-ins bring: it cannot start before
-        # they land; the swap-outs queued behind them go on beside it.
+        # The forward reads what the swap-ins bring: it cannot start before they land.
         t0 = time.perf_counter()
-        landed.synchronize()
+        done.synchronize()
         return time.perf_counter() - t0
 
     @staticmethod

@@ -4,8 +4,8 @@
 uncomputed tokens run this step (a prefill chunk, a whole prompt, or one
 decode token) and the device blocks the engine has not been told of yet. KV
 moves travel as plain lists of block pairs; only the worker's cache engine copies
-memory. Order on the worker: swap-ins, then swap-outs, beside the forward,
-which waits only for the swap-ins of requests it runs.
+memory. Order on the worker: swap-outs, then swap-ins, then the forward, which
+waits only for the swap-ins of requests it runs.
 
 ``StepOutcome`` (engine -> scheduler): what the engine learnt from running the
 plan; ``Scheduler.update_from_output`` is its one reader.

@@ -14,13 +14,12 @@ advances only by steps and by idle jumps to the next arrival. ``run`` is
 ``add_job`` itself to run several replicas on one clock.
 
 A copy engine models the KV moves (FastServe §4.2): one host<->device link
-that moves ``block_transfer_time`` seconds per block, copies serialised
-(swap-ins, then swap-outs, as the worker issues them) and overlapping
-compute. The forward of a step waits, as the worker's compute stream does,
-for every copy of the previous step (a block freed by a swap-out is reused
-only once it has left; a prefetched request's KV has landed) and for this
-step's swap-ins when it runs a request they bring back, but not for this
-step's swap-outs, which nothing in the step reads. That wait is the swap stall.
+that moves ``block_transfer_time`` seconds per block, copies serialised in
+plan order (swap-outs, then swap-ins) and overlapping compute. The forward of
+a step waits, as the worker's compute stream does, for every copy of the
+previous step (a block freed by a swap-out is reused only once it has left;
+a prefetched request's KV has landed) and for this step's own swap-ins when it
+runs a request they bring back. That wait is the swap stall.
 """
 
 from __future__ import annotations
@@ -250,11 +249,10 @@ class Simulator:
                                f"{len(sched.seqs)} requests left")
         start = now
         wait_until = self._copies_done  # every copy of the previous step
-        ins_done = max(now, self._copies_done) + cfg.block_transfer_time * len(plan.swap_in)
-        copy_free = ins_done + cfg.block_transfer_time * len(plan.swap_out)
+        copy_free = max(now, self._copies_done) + cfg.block_transfer_time * (len(plan.swap_out) + len(plan.swap_in))
         running = {item.request_id for item in plan.scheduled}
         if any(rid in running for rid in plan.swapped_in):
-            wait_until = ins_done  # reactive swap-in: this step reads it (swap-outs go after it)
+            wait_until = copy_free  # reactive swap-in: this step reads it
         self._copies_done = copy_free
         stall = max(0.0, wait_until - now) if plan.scheduled else 0.0
         full = compute = self.cost.step_time(*plan_shape(plan, sched.seqs))
