@@ -215,6 +215,22 @@ def test_every_launch_shape_a_sweep_tries_gives_the_same_attention(device, make_
     assert pa.TILES == pa.Tiles()
 
 
+def test_warps_per_tile_keep_the_accumulator_in_registers():
+    """Four warps for tiles of up to 128 x 128 (the prefill tile of a
+    128-wide head ran twice as fast so on an H100), eight once the fp32
+    accumulator is wider (a 256-wide head), four for decode tiles."""
+    def warps(head_dim: int, has_prefill: bool) -> int:
+        query = torch.empty((0, 8, head_dim))
+        key_cache = torch.empty((1, 16, 2, head_dim))
+        return pa._num_warps(pa._constexprs(query, key_cache, decode_tokens=4, tokens_per_tile=32,
+                                            has_prefill=has_prefill, has_window=False))
+
+    assert [warps(d, True) for d in (64, 128, 256)] == [4, 4, 8]
+    assert [warps(d, False) for d in (64, 128, 256)] == [4, 4, 4]
+    with pa.tiles(wide_warps=8):
+        assert warps(128, True) == 8
+
+
 def test_host_checks_name_the_mismatch(device, make_batch):
     """Block-table width, rows, plan device and cache shapes are checked
     before any launch: the kernel would read another sequence's blocks."""
