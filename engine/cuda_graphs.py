@@ -81,7 +81,7 @@ from torch import nn
 
 from fluidserve.engine.batch import ModelInput
 from fluidserve.engine.layers import AttentionMetadata, PagedAttention
-from fluidserve.engine.model_runner import fill_block_tables
+from fluidserve.engine.model_runner import aligned_words, fill_block_tables
 from fluidserve.engine.runtime import DeviceRuntime, runtime_for
 from fluidserve.kernels import ops, packing
 from fluidserve.kernels.packing import WORK_FIELDS, WorkPlan
@@ -97,12 +97,6 @@ DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # fp32 each): 64 MiB for 32 heads of 128. Buckets up to 64 rows keep
 # MAX_SPLITS; a bucket of more rows than this still gets one piece a row.
 PARTIAL_ROWS = 4096
-
-
-def _aligned(words: int) -> int:
-    """Words rounded up to 16 bytes: every tensor a kernel reads starts
-    aligned, as a fresh allocation does (Triton specialises on alignment)."""
-    return -(-words // 4) * 4
 
 
 # -- buckets --------------------------------------------------------------------
@@ -207,7 +201,7 @@ class StaticDecodePlan:
 
     @staticmethod
     def num_words(size: int, num_units: int, max_splits: int) -> int:
-        return _aligned(num_units + 1) + 2 * _aligned(size) + size * max_splits * WORK_FIELDS
+        return aligned_words(num_units + 1) + 2 * aligned_words(size) + size * max_splits * WORK_FIELDS
 
     def __init__(self, host: np.ndarray, dev: torch.Tensor, *, size: int, num_units: int, max_splits: int,
                  group: int, sliding_window: int | None, max_seq_len: int,
@@ -216,9 +210,9 @@ class StaticDecodePlan:
 
         self.size, self.num_units, self.max_splits, self.sliding_window = size, num_units, max_splits, sliding_window
         b = size
-        o_tok = _aligned(num_units + 1)
-        o_split = o_tok + _aligned(b)
-        o_work = o_split + _aligned(b)
+        o_tok = aligned_words(num_units + 1)
+        o_split = o_tok + aligned_words(b)
+        o_work = o_split + aligned_words(b)
         end = o_work + b * max_splits * WORK_FIELDS
         self._offsets, self._splits, self._work = host[:num_units + 1], host[o_split:o_split + b], host[o_work:end]
         host[o_tok:o_tok + b] = np.arange(b, dtype=np.int32)  # merge row m is row m's: fixed for good
@@ -285,15 +279,15 @@ class Bucket:
     def __post_init__(self) -> None:
         self.runtime = runtime_for(self.device)
         b, w = self.size, self.width
-        i64 = _aligned(2 * b)  # words of one int64 array
+        i64 = aligned_words(2 * b)  # words of one int64 array
         self._o_seq = 4 * i64
-        self._o_qsl = self._o_seq + _aligned(b)
-        self._o_bt = self._o_qsl + _aligned(b + 1)
-        words = self._o_bt + _aligned(b * w)
+        self._o_qsl = self._o_seq + aligned_words(b)
+        self._o_bt = self._o_qsl + aligned_words(b + 1)
+        words = self._o_bt + aligned_words(b * w)
         cap = max_splits_for(b)
         plan_words = 0
         if self.spec is not None:
-            plan_words = _aligned(StaticDecodePlan.num_words(b, max(self.spec.num_units.values()), cap))
+            plan_words = aligned_words(StaticDecodePlan.num_words(b, max(self.spec.num_units.values()), cap))
             words += len(self.spec.windows) * plan_words
         self.host = self.runtime.host_buffer(words, torch.int32, zeroed=True)
         self.dev = self.runtime.device_mirror(self.host, zeroed=True)
@@ -309,7 +303,7 @@ class Bucket:
         self.query_start_loc = self.dev[self._o_qsl:self._o_qsl + b + 1]
         self.block_tables = self.dev[self._o_bt:self._o_bt + b * w].view(b, w)
         if self.spec is not None:
-            self._make_plans(h, self._o_bt + _aligned(b * w), plan_words, cap)
+            self._make_plans(h, self._o_bt + aligned_words(b * w), plan_words, cap)
         self.write_padding()
 
     def _make_plans(self, h: np.ndarray, at: int, plan_words: int, cap: int) -> None:

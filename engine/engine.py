@@ -100,9 +100,8 @@ class EngineStats:
 class _Launched:
     """A step queued on the device whose tokens have not been read."""
 
-    plan: StepPlan
+    plan: StepPlan  # decodes only: its sample rows are its scheduled sequences, in order
     handle: object  # Executor.launch's: .result() waits for the tokens
-    sample_ids: list[str]  # the request of each sample row, in order
     start: float
 
 
@@ -282,7 +281,7 @@ class LLMEngine:
             return []
         if self._async and self._launchable(plan):
             inp = self._model_input(plan)
-            self._pending = _Launched(plan, self.executor.launch(inp), inp.sample_ids, now)
+            self._pending = _Launched(plan, self.executor.launch(inp), now)
             return self._read_launched()
         result, inp = self._execute(plan)
         outputs, finished = self.output_processor.process(result, now)
@@ -335,7 +334,8 @@ class LLMEngine:
     def _launch_after(self, cur: _Launched) -> _Launched | None:
         seqs = self.seqs
         ahead: dict[str, int] = {}  # sequence -> its sample row in ``cur``
-        for row, sid in enumerate(cur.sample_ids):
+        for row, item in enumerate(cur.plan.scheduled):
+            sid = item.request_id
             seq = seqs.get(sid)
             # Gone (stopped, aborted), or stopping on the token ``cur`` samples: nothing after it.
             if seq is not None and len(seq.output_token_ids) + 1 < seq.max_output_len:
@@ -347,7 +347,7 @@ class LLMEngine:
             return None
         inp = self._model_input(plan, ahead)
         self.stats_.num_steps_launched_ahead += 1
-        return _Launched(plan, self.executor.launch(inp), inp.sample_ids, time.monotonic())
+        return _Launched(plan, self.executor.launch(inp), time.monotonic())
 
     def _execute(self, plan: StepPlan) -> tuple[StepResult, ModelInput]:
         """Run the plan (its result and the input it ran); a preemptible one

@@ -68,9 +68,9 @@ class ModelRunner:
         width = max(len(b) for b in inp.block_tables)
         t2 = t + t % 2  # int64 sections start on 16 bytes
         i64 = 3 * t2 + n_samp  # int64 values, at word 0
-        sl = _aligned(2 * i64)  # int32 word offsets: seq_lens, query_start_loc, block tables
-        qsl = sl + _aligned(s)
-        bt = qsl + _aligned(s + 1)
+        sl = aligned_words(2 * i64)  # int32 word offsets: seq_lens, query_start_loc, block tables
+        qsl = sl + aligned_words(s)
+        bt = qsl + aligned_words(s + 1)
         words = bt + s * width
         self._reserve(words)
         if self._copied is not None:
@@ -124,8 +124,10 @@ class ModelRunner:
         return self.model(input_ids, positions, kv_caches, meta), sample_idx
 
 
-def _aligned(words: int) -> int:
-    """``words`` 32-bit words rounded up to a whole 16 bytes."""
+def aligned_words(words: int) -> int:
+    """``words`` 32-bit words rounded up to a whole 16 bytes: every tensor a
+    kernel reads starts aligned, as a fresh allocation does (Triton
+    specialises on alignment)."""
     return -(-words // 4) * 4
 
 

@@ -94,11 +94,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
 
 def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """[R] int64 next tokens, left on the logits' device (nothing is read
-    back): rows that need no stage of ``sample`` beyond the draw itself
-    (``device_only``), for a step whose tokens are read after the next one
-    is queued."""
-    if not all(device_only(row.params) for row in rows):
-        raise ValueError("sample_on_device takes plain rows only: no logprobs, seed, penalties, masks or bias")
+    back), for a step whose tokens are read after the next one is queued.
+    Every row must be ``device_only`` (the engine decides that once per
+    request): no stage of ``sample`` but the draw applies to it."""
     if all(row.params.greedy for row in rows):
         return logits.float().argmax(dim=-1)
     return _choose_tokens(logits.to(torch.float32, copy=True), rows)
@@ -106,18 +104,20 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
 def device_only(p: SamplingParams) -> bool:
     """The row's token depends on its logits alone (and the global RNG):
-    no logprobs to read back, no per-request seed, nothing that reads the
-    outputs so far or rewrites logits."""
-    return (p.logprobs is None and p.seed is None and p.allowed_token_ids is None and not p.logit_bias
-            and not p.bad_words_token_ids and not p.min_tokens and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and p.structured_outputs is None)
+    no per-request seed or grammar, and no logits stage."""
+    return _no_logits_stage(p) and p.seed is None and p.structured_outputs is None
 
 
 def _plain_greedy(p: SamplingParams) -> bool:
     """Greedy, and nothing of the stages below applies to the row."""
-    return (p.greedy and p.logprobs is None and p.allowed_token_ids is None and not p.logit_bias
-            and not p.bad_words_token_ids and not p.min_tokens and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty)
+    return p.greedy and _no_logits_stage(p)
+
+
+def _no_logits_stage(p: SamplingParams) -> bool:
+    """No logprobs to gather, and nothing that masks, biases or penalises logits."""
+    return (p.logprobs is None and p.allowed_token_ids is None and not p.logit_bias and not p.bad_words_token_ids
+            and not p.min_tokens and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty)
 
 
 # ---------------------------------------------------------------- logits stages

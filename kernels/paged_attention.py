@@ -86,9 +86,9 @@ INTERPRETER_UNITS = 4
 
 @dataclass(frozen=True)
 class Tiles:
-    """The launch shape a tuning sweep varies (``benchmarks/kernels.py
-    --tune``); every field changes the compiled variant, none the result
-    beyond summation order."""
+    """The launch shape a tuning sweep varies (``benchmarks/attention_tuning.py``);
+    every field changes the compiled variant, none the result beyond
+    summation order."""
 
     # Rows of a prefill tile (tokens_per_tile * group); 128 keeps the tensor
     # cores fed while the fp32 accumulator [128, head_dim] fits in registers.
@@ -439,7 +439,7 @@ def num_variants() -> int:
 def occupancies() -> list[dict[str, object]]:
     """Programs per SM of each attention variant compiled on a GPU so far."""
     rows = []
-    for (constexprs, dtype, device), per_sm in _VARIANTS.programs_per_sm.items():
+    for (constexprs, _options, dtype, device), per_sm in _VARIANTS.programs_per_sm.items():
         c = dict(constexprs)
         rows.append(dict(device=device, dtype=dtype, head_dim=c["HEAD_DIM"], group=c["GROUP"],
                          has_prefill=c["HAS_PREFILL"], has_window=c["HAS_WINDOW"], programs_per_sm=per_sm))  # fmt: skip
@@ -628,9 +628,13 @@ def _num_warps(constexprs: dict[str, object]) -> int:
     return TILES.wide_warps if widest * constexprs["HEAD_PAD"] <= 128 * 128 else max(TILES.wide_warps, 8)
 
 
-def _launch_options(num_warps: int) -> dict[str, int]:
-    return {"num_warps": num_warps} if TILES.num_stages is None else {"num_warps": num_warps,
-                                                                      "num_stages": TILES.num_stages}
+def _launch_options(constexprs: dict[str, object]) -> dict[str, int]:
+    """The launch options of a variant beside its constexprs: warps, and the
+    pipeline depth where a sweep sets one."""
+    options = {"num_warps": _num_warps(constexprs)}
+    if TILES.num_stages is not None:
+        options["num_stages"] = TILES.num_stages
+    return options
 
 
 @dataclass
@@ -639,10 +643,14 @@ class _Launch:
 
     args: dict[str, object]
     constexprs: dict[str, object]
-    num_warps: int
+    options: dict[str, int]  # _launch_options
     out: torch.Tensor
     part_out: torch.Tensor
     part_lse: torch.Tensor
+
+    @property
+    def num_warps(self) -> int:
+        return self.options["num_warps"]
 
 
 def _partials(
@@ -690,7 +698,7 @@ def _prepare(
         stride_bt=block_tables.stride(0),
     )  # fmt: skip
     constexprs = _plan_constexprs(query, key_cache, plan)
-    return _Launch(args, constexprs, _num_warps(constexprs), out, part_out, part_lse)
+    return _Launch(args, constexprs, _launch_options(constexprs), out, part_out, part_lse)
 
 
 def _merge_args(launch: _Launch, plan: WorkPlan) -> dict[str, object]:
@@ -709,18 +717,18 @@ def _merge_constexprs(launch: _Launch) -> dict[str, object]:
                 SPLIT_CHUNK=SPLIT_CHUNK)  # fmt: skip
 
 
-def _occupancy_key(constexprs: dict[str, object], dtype: torch.dtype, device: torch.device) -> tuple:
-    return (tuple(sorted(constexprs.items())), str(dtype), str(device))
+def _occupancy_key(constexprs: dict[str, object], options: dict[str, int], dtype: torch.dtype,
+                   device: torch.device) -> tuple:
+    return (tuple(sorted(constexprs.items())), tuple(options.items()), str(dtype), str(device))
 
 
 def _run(launch: _Launch, grid_units: int) -> None:
     _record("attention", {**launch.args, **launch.constexprs}, _ATTENTION_DYNAMIC, launch.num_warps)
     num_kv_heads = launch.args["k_cache_ptr"].shape[2]
-    options = _launch_options(launch.num_warps)
     compiled = _paged_attention_kernel[(grid_units, num_kv_heads)](*launch.args.values(), **launch.constexprs,
-                                                                   **options)
+                                                                   **launch.options)
     device = launch.out.device
-    key = _occupancy_key({**launch.constexprs, **options}, launch.out.dtype, device)
+    key = _occupancy_key(launch.constexprs, launch.options, launch.out.dtype, device)
     if key not in _VARIANTS.programs_per_sm:
         # The interpreter has no compiled kernel to read: the fallback stands in.
         per_sm = _programs_per_sm(compiled, device) if device.type == "cuda" else None
@@ -814,7 +822,7 @@ def programs_per_sm(
         query, key_cache, decode_tokens=decode_tokens_per_tile(group), tokens_per_tile=default_tokens_per_tile(group),
         has_prefill=has_prefill, has_window=sliding_window is not None,
     )  # fmt: skip
-    key = _occupancy_key({**constexprs, **_launch_options(_num_warps(constexprs))}, query.dtype, query.device)
+    key = _occupancy_key(constexprs, _launch_options(constexprs), query.dtype, query.device)
     if key not in _VARIANTS.programs_per_sm and compile:
         warmup(query, key_cache, sliding_window, variants=(has_prefill,))
     return _VARIANTS.programs_per_sm.get(key, FALLBACK_PROGRAMS_PER_SM[has_prefill])

@@ -340,25 +340,28 @@ class Scheduler:
         another request waits, is swapped or paused, ``plan`` moved KV, or a
         block is lacking; ``schedule`` then plans the step after the tokens
         are read, as always. Called before ``update_from_output(plan)``."""
+        seqs = self.seqs
         if self.paused is not None or plan.has_copies or plan.preemptible or not keep:
             return None
-        if len(self.seqs) > len(plan.scheduled):
-            return None  # a request waits for a step of its own
-        in_plan = {item.request_id for item in plan.scheduled if item.num_tokens == 1 and item.samples}
-        seqs, running = self.seqs, SeqStatus.RUNNING
-        if any(rid not in in_plan for rid in seqs) or any(rid not in seqs for rid in keep):
+        # Every unfinished request decoded in ``plan``: none waits for a step of its own.
+        if len(seqs) > len(plan.scheduled) or not {
+                item.request_id for item in plan.scheduled if item.num_tokens == 1}.issuperset(seqs):
             return None
-        # ``plan``'s token and this step's: two past what update_from_output has counted.
-        totals = [(rid, seqs[rid].num_computed_tokens + 2) for rid in keep]
-        if any(seqs[rid].status is not running for rid in keep):
-            return None
-        if sum(self.kv.num_new_blocks(rid, n) for rid, n in totals) > self.kv.num_free_blocks:
+        running = SeqStatus.RUNNING
+        need = 0
+        for rid in keep:
+            seq = seqs.get(rid)
+            if seq is None or seq.status is not running:
+                return None
+            # ``plan``'s token and this step's: two past what update_from_output has counted.
+            need += self.kv.num_new_blocks(rid, seq.num_computed_tokens + 2)
+        if need > self.kv.num_free_blocks:
             return None
         scheduled = []
-        for rid, n in totals:
-            if not self.kv.allocate(rid, n):
-                raise AssertionError(f"{rid!r}: the blocks counted free are not")
+        for rid in keep:
             seq = seqs[rid]
+            if not self.kv.allocate(rid, seq.num_computed_tokens + 2):
+                raise AssertionError(f"{rid!r}: the blocks counted free are not")
             item = seq.decode_item
             if item is None:
                 item = seq.decode_item = ScheduledSeq(rid, 1, True)
