@@ -344,28 +344,33 @@ class Scheduler:
         if self.paused is not None or plan.has_copies or plan.preemptible or not keep:
             return None
         # Every unfinished request decoded in ``plan``: none waits for a step of its own.
-        if len(seqs) > len(plan.scheduled) or not {
-                item.request_id for item in plan.scheduled if item.num_tokens == 1}.issuperset(seqs):
+        live = 0
+        for item in plan.scheduled:
+            if item.request_id in seqs:
+                if item.num_tokens != 1:
+                    return None
+                live += 1
+        if live != len(seqs):
             return None
-        running = SeqStatus.RUNNING
-        need = 0
+        running, tables, block_size = SeqStatus.RUNNING, self.kv.block_tables, self.kv.block_size
+        scheduled, grow = [], []
         for rid in keep:
             seq = seqs.get(rid)
             if seq is None or seq.status is not running:
                 return None
             # ``plan``'s token and this step's: two past what update_from_output has counted.
-            need += self.kv.num_new_blocks(rid, seq.num_computed_tokens + 2)
-        if need > self.kv.num_free_blocks:
-            return None
-        scheduled = []
-        for rid in keep:
-            seq = seqs[rid]
-            if not self.kv.allocate(rid, seq.num_computed_tokens + 2):
-                raise AssertionError(f"{rid!r}: the blocks counted free are not")
+            total = seq.num_computed_tokens + 2
+            if len(tables.get(rid, _NO_BLOCKS)) * block_size < total:  # most have room: no call for them
+                grow.append((rid, total))
             item = seq.decode_item
             if item is None:
                 item = seq.decode_item = ScheduledSeq(rid, 1, True)
             scheduled.append(item)
+        if sum(self.kv.num_new_blocks(rid, total) for rid, total in grow) > self.kv.num_free_blocks:
+            return None
+        for rid, total in grow:
+            if not self.kv.allocate(rid, total):
+                raise AssertionError(f"{rid!r}: the blocks counted free are not")
         return StepPlan(scheduled=scheduled)
 
     def _fill(self, now: float) -> StepPlan:

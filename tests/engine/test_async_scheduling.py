@@ -236,3 +236,16 @@ def test_continuation_leaves_the_step_to_schedule_when_anything_else_waits():
     free = sched.kv.num_free_blocks
     assert free == 0 and sched.continue_decodes(plan, ["r0", "r1"]) is None
     assert sched.kv.num_free_blocks == free  # nothing was allocated on the way
+
+
+def test_continuation_cost_benchmark_plans_every_request():
+    """benchmarks/continuation_cost.py times both planners on a state where
+    the blind plan is taken for every request (it raises otherwise)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from continuation_cost import measure
+
+    row = measure(16, 3)
+    assert row["requests"] == 16 and row["schedule_ms"] > 0 and row["continue_decodes_ms"] > 0
