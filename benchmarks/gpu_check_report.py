@@ -133,9 +133,14 @@ def _fmt_throughput(r: dict) -> tuple[str, dict]:
             text += " (graphs" + ("" if v.get("graph_replays") else ", none replayed") + ")"
         if name in r.get("speedup", {}):
             text += f" ({r['speedup'][name]:.2f}x)"
+        if name == "fluidserve_async" and "fluidserve" in r.get("async_speedup", {}):
+            same = v.get("same_tokens_as_fluidserve")
+            text += (f" ({r['async_speedup']['fluidserve']:.2f}x the default run"
+                     + ("" if same is None else f", {same:.0%} same tokens") + ")")
         parts.append(text)
         figures[f"{name}_tokens_per_s"] = v["tokens_per_s"]
     figures.update({f"speedup_vs_{k}": v for k, v in r.get("speedup", {}).items()})
+    figures.update({f"async_speedup_vs_{k}": v for k, v in r.get("async_speedup", {}).items()})
     return "; ".join(parts) or "no system finished", figures
 
 

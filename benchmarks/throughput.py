@@ -13,7 +13,8 @@ length file (ShareGPT by default) and scaled down with ``--length-scale``.
 
 Prints the ratios and writes JSON + a markdown table to benchmarks/results/:
 ``throughput-cpu-<preset>`` on CPU, ``throughput-<device>-<preset>`` on a GPU
-(``-graphs`` appended unless ``--enforce-eager``), rewritten as each system
+(``-graphs`` appended unless ``--enforce-eager``, ``-<n>prompts`` unless
+there are 64), rewritten as each system
 finishes so a run cut off keeps the systems done.
 """
 
@@ -68,14 +69,16 @@ def run_fluidserve(model_dir: Path, prompts, output_len: int, device: str, dtype
     sync(device)
     elapsed = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    steps = llm.engine.stats().num_steps
+    stats = llm.engine.stats()
     # Engine internals, read only to confirm the graphs path ran: None when
     # the engine holds no graphs (eager, or not on CUDA).
     graphs = getattr(getattr(llm.engine.executor, "worker", None), "graphs", None)
     replays = getattr(graphs, "replays", None)
     llm.engine.shutdown()
-    return {"elapsed_s": elapsed, "output_tokens": tokens, "steps": steps,
-            "graph_replays": None if replays is None else sum(replays.values())}
+    return {"elapsed_s": elapsed, "output_tokens": tokens, "steps": stats.num_steps,
+            "steps_launched_ahead": stats.num_steps_launched_ahead,
+            "graph_replays": None if replays is None else sum(replays.values()),
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
 
 
 def _hf_model(model_dir: Path, device: str, dtype: str, attn: str | None = None):
@@ -136,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--length-scale", type=float, default=None,
                     help="multiply sampled prompt lengths (default 0.05 CPU / 0.25 GPU)")
     ap.add_argument("--max-prompt-len", type=int, default=2048)
-    ap.add_argument("--hf-batch-size", type=int, default=None, help="padded batch size (default: all prompts)")
+    ap.add_argument("--hf-batch-size", type=int, default=None,
+                    help="padded batch size (default: all prompts, at most 64; 256 padded prompts of up to "
+                         "2k tokens do not fit an 8B model's KV and logits on one GPU)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
@@ -166,12 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "throughput", "device": device_name(device), "preset": preset, "dtype": dtype,
         "enforce_eager": args.enforce_eager, "model_shape": PRESETS[preset], "num_prompts": len(prompts),
         "output_len": output_len,
-        "prompt_lengths": {"source": str(args.lengths), "scale": scale,
+        "prompt_lengths": {"source": _shown(args.lengths), "scale": scale,
                            "mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))},
         "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     graphs = "" if args.enforce_eager or not gpu else "-graphs"
-    stem = args.out / f"throughput-{device_slug(base['device']) if gpu else 'cpu'}-{preset}{graphs}"
+    size = "" if len(prompts) == 64 else f"-{len(prompts)}prompts"
+    stem = args.out / f"throughput-{device_slug(base['device']) if gpu else 'cpu'}-{preset}{graphs}{size}"
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model_dir(preset, Path(tmp))
@@ -183,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(("fluidserve_async", lambda: run_fluidserve(model_dir, prompts, output_len, device, dtype,
                                                                     args, async_scheduling=True)))
         runs += [("hf_generate_padded", lambda: run_hf_padded(model_dir, prompts, output_len, device, dtype,
-                                                              args.hf_batch_size or len(prompts)))]
+                                                              args.hf_batch_size or min(len(prompts), 64)))]
         if not args.skip_continuous:
             runs.append(("hf_generate_batch", lambda: run_hf_continuous(model_dir, prompts, output_len, device, dtype)))
+        reference: list[list[int]] = []
         for name, fn in runs:
             try:
                 r = fn()
@@ -193,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
                 r["requests_per_s"] = len(prompts) / r["elapsed_s"]
             except Exception as exc:  # a baseline that cannot run here is reported, not fatal
                 r = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            ids = r.pop("token_ids", None)
+            if ids is not None and name == "fluidserve":
+                reference = ids
+            elif ids is not None:
+                # Greedy over the same steps: any other run of ours must give
+                # the default run's tokens (a figure here, a test on the GPU).
+                r["same_tokens_as_fluidserve"] = sum(a == b for a, b in zip(ids, reference)) / len(ids)
             results[name] = r
             print(f"{name:>22}: " + (f"{r['tokens_per_s']:9.1f} tok/s  {r['requests_per_s']:7.2f} req/s  "
                                      f"({r['elapsed_s']:.2f} s)" if "error" not in r else r["error"]))
@@ -203,21 +217,39 @@ def main(argv: list[str] | None = None) -> int:
             if gpu:
                 torch.cuda.empty_cache()
 
-    for k, v in speedups(results).items():
-        print(f"fluidserve / {k}: {v:.2f}x")
+    for ours, ratios in speedups(results).items():
+        for k, v in ratios.items():
+            print(f"{ours} / {k}: {v:.2f}x")
     print(f"wrote {stem}.json")
     return 1 if "error" in results["fluidserve"] else 0  # a baseline's error is only reported
 
 
-def speedups(results: dict) -> dict:
-    ours = results.get("fluidserve", {}).get("tokens_per_s")
-    return {k: ours / v["tokens_per_s"] for k, v in results.items()
-            if k != "fluidserve" and ours and "tokens_per_s" in v}
+def _shown(path: Path) -> str:
+    """The lengths file as the results name it: repository-relative."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return path.name
+
+
+def speedups(results: dict) -> dict[str, dict[str, float]]:
+    """Each run of ours over every run before it that is not ours, and the
+    async run over the default one: ``{ours: {other: ratio}}``."""
+    out: dict[str, dict[str, float]] = {}
+    for ours in ("fluidserve", "fluidserve_async"):
+        mine = results.get(ours, {}).get("tokens_per_s")
+        if mine:
+            out[ours] = {k: mine / v["tokens_per_s"] for k, v in results.items()
+                         if k != ours and "tokens_per_s" in v and (ours != "fluidserve" or k.startswith("hf_"))}
+    return out
 
 
 def write_results(stem: Path, base: dict, results: dict) -> None:
-    ratios = speedups(results)
+    every = speedups(results)
+    ratios = every.get("fluidserve", {})
     record = {**base, "results": results, "speedup": ratios}
+    if "fluidserve_async" in every:
+        record["async_speedup"] = every["fluidserve_async"]
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(record, indent=2))
     ours = results.get("fluidserve", {})
@@ -234,8 +266,16 @@ def write_results(stem: Path, base: dict, results: dict) -> None:
         if "error" in v:
             lines.append(f"| {k} | error: {v['error'][:80]} | | |")
         else:
-            sp = "1.00x" if k == "fluidserve" else f"{ratios.get(k, float('nan')):.2f}x"
+            sp = "1.00x" if k == "fluidserve" else f"{ratios[k]:.2f}x" if k in ratios else "(below)"
             lines.append(f"| {k} | {v['tokens_per_s']:.1f} | {v['requests_per_s']:.2f} | {sp} |")
+    async_run = results.get("fluidserve_async", {})
+    if "tokens_per_s" in async_run:
+        over = ", ".join(f"{v:.2f}x {k}" for k, v in record["async_speedup"].items())
+        line = f"fluidserve with async scheduling: {over}"
+        if "steps_launched_ahead" in async_run:  # older result files lack the two checks
+            line += (f"; {async_run['steps_launched_ahead']} of {async_run['steps']} steps queued ahead; "
+                     f"{async_run['same_tokens_as_fluidserve']:.0%} of prompts gave the default run's tokens")
+        lines += ["", line + "."]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -4,13 +4,15 @@ before the previous step's tokens are read, its input ids fed on the device.
 On CPU nothing overlaps (the forward runs as it is issued), but every piece
 of the pipeline runs: the scheduler's blind continuation, the fed input rows
 (eager and through the decode buckets), the tokens read a step late, the
-token a sequence that stopped on its last read runs and drops. Each test
-compares with synchronous steps token for token; ``make_llm`` checks at
-teardown that every KV block came back."""
+token a sequence that stopped on its last read runs and drops. The
+end-to-end tests run on CUDA too (marked gpu), where the queued step does
+overlap the read. Each test compares with synchronous steps token for
+token; ``make_llm`` checks at teardown that every KV block came back."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fluidserve.engine import SamplingParams
 from fluidserve.kvcache.config import CacheConfig
@@ -21,23 +23,32 @@ from fluidserve.scheduler.scheduler import Scheduler
 
 PROMPTS = ["Hello there", "The quick brown fox jumps over", "a", "Long prompt " * 6, "xyz", "one two three"]
 KWARGS = dict(num_kv_blocks=96, block_size=8, max_model_len=256)
+# On CUDA the queued step really runs while the host reads the last one's
+# tokens: the Triton kernels, captured decode graphs, the copy stream.
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="needs a CUDA device")])
+DEVICES = ["cpu", CUDA]
 
 
 def tokens(outs) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
-def run(make_llm, path, prompts, params, async_scheduling: bool, graphs: bool = False):
-    llm = make_llm(path, async_scheduling=async_scheduling, **KWARGS)
-    if graphs:  # the decode buckets, run eagerly over their static buffers
+def run(make_llm, path, prompts, params, async_scheduling: bool, graphs: bool = False, device: str = "cpu"):
+    if device == "cuda":  # graphs captured as the engine does by default
+        llm = make_llm(path, async_scheduling=async_scheduling, device=device, enforce_eager=not graphs, **KWARGS)
+    else:
+        llm = make_llm(path, async_scheduling=async_scheduling, **KWARGS)
+    if graphs and device == "cpu":  # the decode buckets, run eagerly over their static buffers
         worker = llm.engine.executor.worker
         worker.graphs = worker.decode_graphs(capture=False)
     outs = llm.generate(prompts, params)
     return outs, llm.engine
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "buckets"])
-def test_greedy_tokens_equal_synchronous_steps(tiny_model, make_llm, graphs):
+def test_greedy_tokens_equal_synchronous_steps(tiny_model, make_llm, graphs, device):
     """Lengths from 3 to 40 tokens, n=2, and stop tokens taken from the
     synchronous run's own outputs, so some sequences stop on a token only
     the read reveals (their extra token in the step already queued is
@@ -46,13 +57,13 @@ def test_greedy_tokens_equal_synchronous_steps(tiny_model, make_llm, graphs):
     lengths = [3, 40, 17, 25, 9, 31]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, n=2 if i == 1 else 1)
               for i, n in enumerate(lengths)]
-    sync, _ = run(make_llm, path, PROMPTS, params, False)
+    sync, _ = run(make_llm, path, PROMPTS, params, False, device=device)
     # A token from the middle of two outputs stops those sequences there.
     for i in (3, 5):
         out = sync[i].outputs[0].token_ids
         params[i] = SamplingParams(temperature=0, max_tokens=lengths[i], stop_token_ids=[out[len(out) // 2]])
-    sync, _ = run(make_llm, path, PROMPTS, params, False)
-    ahead, engine = run(make_llm, path, PROMPTS, params, True, graphs)
+    sync, _ = run(make_llm, path, PROMPTS, params, False, graphs, device)
+    ahead, engine = run(make_llm, path, PROMPTS, params, True, graphs, device)
     assert tokens(ahead) == tokens(sync)
     assert [[c.finish_reason for c in o.outputs] for o in ahead] == [[c.finish_reason for c in o.outputs]
                                                                      for o in sync]
@@ -62,7 +73,8 @@ def test_greedy_tokens_equal_synchronous_steps(tiny_model, make_llm, graphs):
         assert engine.executor.worker.graphs.replays  # the fed rows went through the buckets
 
 
-def test_arrivals_and_aborts_between_steps(tiny_model, make_llm):
+@pytest.mark.parametrize("device", DEVICES)
+def test_arrivals_and_aborts_between_steps(tiny_model, make_llm, device):
     """Requests arriving mid-decode (the continuation stops so they are
     planned), one aborted while a step it is in is queued: the same tokens
     per request as synchronous steps, nothing for the aborted one after its
@@ -71,7 +83,7 @@ def test_arrivals_and_aborts_between_steps(tiny_model, make_llm):
     lengths = [12, 30, 5, 22, 17]
 
     def drive(async_scheduling: bool):
-        llm = make_llm(path, async_scheduling=async_scheduling, **KWARGS)
+        llm = make_llm(path, async_scheduling=async_scheduling, device=device, **KWARGS)
         engine, done, after_abort = llm.engine, {}, []
         for step in range(300):
             if step < len(lengths) * 4 and step % 4 == 0:
@@ -96,8 +108,9 @@ def test_arrivals_and_aborts_between_steps(tiny_model, make_llm):
     assert engine.stats().num_steps_launched_ahead > 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(4))
-def test_random_traffic_gives_synchronous_tokens(tiny_model, make_llm, seed):
+def test_random_traffic_gives_synchronous_tokens(tiny_model, make_llm, seed, device):
     """Random arrivals, lengths, stop tokens, n=2 and aborts, step by step:
     every request that was not aborted ends with the tokens synchronous
     steps give it, and an aborted one yields nothing after its abort."""
@@ -121,7 +134,7 @@ def test_random_traffic_gives_synchronous_tokens(tiny_model, make_llm, seed):
         plan.append((arrivals, aborts))
 
     def drive(async_scheduling: bool):
-        llm = make_llm(path, async_scheduling=async_scheduling, **KWARGS)
+        llm = make_llm(path, async_scheduling=async_scheduling, device=device, **KWARGS)
         engine, done, aborted, late = llm.engine, {}, set(), []
         for step in range(400):
             arrivals, aborts = plan[step] if step < len(plan) else ([], [])
@@ -145,7 +158,8 @@ def test_random_traffic_gives_synchronous_tokens(tiny_model, make_llm, seed):
     assert engine.kv.num_used_blocks == 0 and engine.stats().num_steps_launched_ahead > 0
 
 
-def test_launched_steps_among_swaps_keep_the_copy_order(tiny_model, make_llm):
+@pytest.mark.parametrize("device", DEVICES)
+def test_launched_steps_among_swaps_keep_the_copy_order(tiny_model, make_llm, device):
     """A device pool too small for the running set: requests swap out and
     back between launched decode steps. Every step, launched ones too,
     passes through the cache engine first (where the forward waits for the
@@ -157,7 +171,7 @@ def test_launched_steps_among_swaps_keep_the_copy_order(tiny_model, make_llm):
     prompts = [p[:20] for p in PROMPTS] * 2
 
     def run(async_scheduling: bool):
-        llm = make_llm(path, async_scheduling=async_scheduling, **pool)
+        llm = make_llm(path, async_scheduling=async_scheduling, device=device, **pool)
         worker = llm.engine.executor.worker
         calls = {"swap": 0, "step": 0}
         swap, execute, launch = worker.cache.swap, worker.execute, worker.launch
