@@ -29,7 +29,9 @@ Pipeline::
   programs: take the costliest item left and give it to the least loaded unit.
   This is the greedy of FluidInfer's Figure 9b: long prefill work is placed
   first and the short decode items fill the bubbles beside it. LPT's makespan
-  is at most ``4/3 - 1/(3 * num_units)`` times the optimum.
+  is at most ``4/3 - 1/(3 * num_units)`` times the optimum. An item costs the
+  keys it visits, a prefill tile's counted ``PREFILL_KEY_COST`` times, plus
+  ``ITEM_OVERHEAD``.
 
 The packing never changes the numbers: an item's result does not depend on the
 unit that runs it, and the merge visits splits in index order. The split
@@ -52,6 +54,14 @@ F_SEQ, F_Q_LO, F_Q_HI, F_POS0, F_KV_LO, F_KV_HI, F_MERGE_ROW, F_SPLIT = range(WO
 # Fixed cost of an item (loading its queries, writing its output), in units of
 # "one key visited"; keeps the planner from cutting work into slivers.
 ITEM_OVERHEAD = 64
+# A key visited by a prefill tile (128 query rows: two tensor-core products
+# per key) against one visited by a decode tile (16 rows, bound by loading
+# the key). The kernels benchmark on an H200 gives 3.3M-4.0M prefill-tile
+# keys/ms (2k and 8k prompts) against 6.8M decode-tile keys/ms (batch 64 at
+# 16k): 1.7-2.1x. Counting both as one, LPT piled prefill tiles on some
+# programs and the packed plan lost to plain split-K on mixed steps of a 2k
+# chunk and long decodes (0.87 against 0.66 ms, attention_tuning).
+PREFILL_KEY_COST = 2
 # Shortest KV piece the auto split makes, and the most pieces of one tile:
 # bounds the merge kernel's work and its partial buffers.
 MIN_KV_CHUNK = 256
@@ -89,10 +99,11 @@ class WorkItem:
     kv_hi: int
     merge_row: int = -1
     split: int = 0
+    prefill: bool = False  # a prefill tile (the kernel's 128-row tile), not a decode tile
 
     @property
     def cost(self) -> int:
-        return (self.kv_hi - self.kv_lo) + ITEM_OVERHEAD
+        return (self.kv_hi - self.kv_lo) * (PREFILL_KEY_COST if self.prefill else 1) + ITEM_OVERHEAD
 
     def as_row(self) -> list[int]:
         return [self.seq, self.q_lo, self.q_hi, self.pos0, self.kv_lo, self.kv_hi, self.merge_row, self.split]
@@ -153,7 +164,8 @@ class WorkPlan:
 
     def items(self) -> list[WorkItem]:
         """The work list as Python objects (tests, debugging)."""
-        return [WorkItem(*row) for row in self.work.tolist()]
+        return [WorkItem(*row, prefill=row[F_Q_HI] - row[F_Q_LO] > self.decode_tokens_per_tile)
+                for row in self.work.tolist()]
 
 
 def make_tiles(
@@ -185,7 +197,7 @@ def make_tiles(
             p0 = seq_len - q_len + t0
             kv_lo = 0 if sliding_window is None else max(0, p0 - sliding_window + 1)
             kv_hi = seq_len - q_len + t1  # last query position + 1
-            tiles.append(WorkItem(seq, q_lo + t0, q_lo + t1, p0, kv_lo, kv_hi))
+            tiles.append(WorkItem(seq, q_lo + t0, q_lo + t1, p0, kv_lo, kv_hi, prefill=t1 - t0 > short))
         q_lo += q_len
     return tiles
 
@@ -229,7 +241,7 @@ def split_tiles(tiles: list[WorkItem], kv_chunk: int) -> tuple[list[WorkItem], l
         row = len(merge_rows)
         merge_rows.extend((tok, n) for tok in range(t.q_lo, t.q_hi))
         for j in range(n):
-            items.append(WorkItem(t.seq, t.q_lo, t.q_hi, t.pos0, bounds[j], bounds[j + 1], row, j))
+            items.append(replace(t, kv_lo=bounds[j], kv_hi=bounds[j + 1], merge_row=row, split=j))
     return items, merge_rows
 
 

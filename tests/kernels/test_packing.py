@@ -121,6 +121,38 @@ def test_mixed_batch_is_balanced_and_beats_no_packing():
     assert max(loads) < max(slots)
 
 
+def test_prefill_tiles_cost_more_per_key_and_lpt_balances_them(monkeypatch):
+    """A 2k chunk beside 16 decodes of up to 32k keys, the mixed step where
+    a plan counting every key alike lost to plain split-K on an H200 (0.87
+    against 0.66 ms, benchmarks/results/attention_tuning_*). Costing each
+    item as the kernel pays it, that plan's makespan is above split-K at 2k
+    keys run in launch order, and the plan with prefill keys weighted is
+    below it."""
+    rng = random.Random(0)
+    q_lens = [2048] + [1] * 16
+    seq_lens = [2048] + [rng.randint(512, 32768) for _ in range(16)]
+    kwargs = dict(num_units=33, tokens_per_tile=32, decode_tokens_per_tile=4)
+    plan = packing.plan_attention(q_lens, seq_lens, **kwargs)
+    items = plan.items()
+    assert sum(it.prefill for it in items) == 2048 // 32  # decodes and no tail: every other item is a decode tile
+    for it in items:
+        keys = it.kv_hi - it.kv_lo
+        assert it.cost == keys * (packing.PREFILL_KEY_COST if it.prefill else 1) + packing.ITEM_OVERHEAD
+    # The plan's recorded loads are its items' costs, prefill weights included.
+    bounds = plan.unit_offsets.tolist()
+    assert list(plan.unit_costs) == [sum(it.cost for it in items[a:b]) for a, b in zip(bounds, bounds[1:])]
+    split = packing.plan_attention(q_lens, seq_lens, pack=False, kv_chunk=2048, **kwargs)
+    slots = [0] * 33
+    for it in split.items():
+        slots[slots.index(min(slots))] += it.cost
+    with monkeypatch.context() as m:
+        m.setattr(packing, "PREFILL_KEY_COST", 1)
+        alike = packing.plan_attention(q_lens, seq_lens, **kwargs)
+    alike_items, alike_bounds = alike.items(), alike.unit_offsets.tolist()
+    alike_makespan = max(sum(it.cost for it in alike_items[a:b]) for a, b in zip(alike_bounds, alike_bounds[1:]))
+    assert max(plan.unit_costs) < max(slots) < alike_makespan
+
+
 def test_attention_cost_counts_allowed_pairs():
     for q_len, seq_len, window in [(1, 1, None), (1, 100, None), (7, 50, None), (50, 50, None), (9, 40, 8)]:
         pos = torch.arange(seq_len - q_len, seq_len)[:, None]
