@@ -7,10 +7,12 @@ load (serve/bench_client.py: ShareGPT lengths, Poisson arrivals, streamed).
     python benchmarks/swap_serving.py --num-requests 40  # smoke run
 
 Variants: fcfs + recompute (vLLM's behaviour), skip-join + recompute,
-skip-join + proactive swap (the default flags), and the same with token
-deadlines (``--swap-tpot-slack 1.25``, scheduler/token_gap.py) or KV loans
-(``--swap-loan-tokens 32``, scheduler/loans.py; the client sends each
-request's sampled output length as ``max_tokens``). The server and the
+skip-join + proactive swap with KV loans off (``--swap-loan-tokens -1``:
+FastServe's rule, a request ranked higher may evict any stream), the same
+with token deadlines (``--swap-tpot-slack 1.25``, scheduler/token_gap.py),
+and the default flags: KV loans (``--swap-loan-tokens 32``,
+scheduler/loans.py; the client sends each request's sampled output length
+as ``max_tokens``). The server and the
 client share the machine's cores; every variant sees the same request
 sequence (same seed). Writes benchmarks/results/swap_serving.{json,md}.
 """
@@ -31,9 +33,9 @@ from serve_bench import bc_free_port, load, start_server, stop_server
 VARIANTS = [
     ("fcfs + recompute", ["--scheduling-policy", "fcfs", "--preemption-mode", "recompute"]),
     ("skip-join + recompute", ["--preemption-mode", "recompute"]),
-    ("skip-join + proactive swap (default flags)", []),
-    ("skip-join + proactive swap, slack 1.25", ["--swap-tpot-slack", "1.25"]),
-    ("skip-join + proactive swap, KV loans (max_tokens <= 32)", ["--swap-loan-tokens", "32"]),
+    ("skip-join + proactive swap, loans off", ["--swap-loan-tokens", "-1"]),
+    ("skip-join + proactive swap, slack 1.25", ["--swap-tpot-slack", "1.25", "--swap-loan-tokens", "-1"]),
+    ("skip-join + proactive swap, KV loans (max_tokens <= 32; default flags)", []),
 ]
 
 

@@ -7,14 +7,16 @@ Variants on the same jobs, same model, same device:
                              loses its KV and prefills again
 * ``skip-join + recompute``  FastServe's MLFQ without a host tier
 * ``skip-join + proactive``  also prefetches swapped KV ahead of its turn and
-                             keeps a reserve of free blocks for arrivals: with
-                             the default flags (no token deadlines), and with
-                             ``--swap-tpot-slack 1.25`` (scheduler/token_gap.py);
-                             ``--slack-sweep`` runs other slacks, and
-                             ``--gap-sweep`` gap bounds (``--max-token-gap-ms``)
-                             of a few full-budget steps, without a slack
-* ``skip-join + proactive, KV loans``  ``--swap-loan-tokens 32``
-                             (scheduler/loans.py): streams keep their place;
+                             keeps a reserve of free blocks for arrivals, with
+                             KV loans off (``--swap-loan-tokens -1``: a request
+                             ranked higher may evict any stream, FastServe's
+                             rule): alone, and with ``--swap-tpot-slack 1.25``
+                             (scheduler/token_gap.py); ``--slack-sweep`` runs
+                             other slacks, and ``--gap-sweep`` gap bounds
+                             (``--max-token-gap-ms``) of a few full-budget
+                             steps, without a slack
+* ``skip-join + proactive, KV loans``  the default flags (``--swap-loan-tokens
+                             32``, scheduler/loans.py): streams keep their place;
                              a request whose max_tokens is at most 32 may
                              borrow KV from streams whose streamed tokens
                              cover its stay; ``--loan-sweep`` runs other caps.
@@ -52,6 +54,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from fluidserve.scheduler.config import DEFAULT_LOAN_TOKENS
 from fluidserve.scheduler.cost_model import DeviceSpec, ModelShape, RooflineCostModel
 from fluidserve.scheduler.simulator import SimConfig, estimate_capacity, simulate
 from fluidserve.scheduler.workloads import (
@@ -65,23 +68,26 @@ SKIP_JOIN = "skip-join-mlfq"
 # The deadline variant's slack: a request's TPOT within 1.25x of its own pace
 # (the P99 TPOT ratio asked of the scheduler, not a tuned value).
 SLACK = 1.25
-# The loan variant's cap: requests of up to 32 output tokens borrow (not a
-# tuned value: --loan-sweep shows the others).
-LOAN_TOKENS = 32
-VARIANTS = [  # (label, policy, preemption mode, proactive, swap_tpot_slack (0: none), swap_loan_tokens (None: off))
-    ("fcfs + recompute", "fcfs", "recompute", False, 0.0, None),
-    ("skip-join + recompute", SKIP_JOIN, "recompute", False, 0.0, None),
-    ("skip-join + proactive swap (default flags)", SKIP_JOIN, "swap", True, 0.0, None),
-    (f"skip-join + proactive swap, slack {SLACK:g}", SKIP_JOIN, "swap", True, SLACK, None),
-    (f"skip-join + proactive swap, KV loans (max_tokens <= {LOAN_TOKENS})", SKIP_JOIN, "swap", True, 0.0,
-     LOAN_TOKENS),
-]
+# The loan variant's cap, the default: requests of up to 32 output tokens
+# borrow (not a tuned value: --loan-sweep shows the others).
+LOAN_TOKENS = DEFAULT_LOAN_TOKENS
+LOANS_OFF = "skip-join + proactive swap, loans off"
 
 
 def loan_label(n: int) -> str:
     if not n:
         return "skip-join + proactive swap, streams keep their place (--swap-loan-tokens 0)"
-    return f"skip-join + proactive swap, KV loans (max_tokens <= {n})"
+    default = "; default flags" if n == DEFAULT_LOAN_TOKENS else ""
+    return f"skip-join + proactive swap, KV loans (max_tokens <= {n}{default})"
+
+
+VARIANTS = [  # (label, policy, preemption mode, proactive, swap_tpot_slack (0: none), swap_loan_tokens (None: off))
+    ("fcfs + recompute", "fcfs", "recompute", False, 0.0, None),
+    ("skip-join + recompute", SKIP_JOIN, "recompute", False, 0.0, None),
+    (LOANS_OFF, SKIP_JOIN, "swap", True, 0.0, None),
+    (f"skip-join + proactive swap, slack {SLACK:g}", SKIP_JOIN, "swap", True, SLACK, None),
+    (loan_label(LOAN_TOKENS), SKIP_JOIN, "swap", True, 0.0, LOAN_TOKENS),
+]
 
 
 METRICS = [("mean_norm_latency_s", "mean norm (ms/tok)", 1e3), ("p95_norm_latency_s", "P95 norm (ms/tok)", 1e3),
@@ -154,7 +160,8 @@ def presets(wdir: Path) -> dict[str, dict]:
 
 
 def sim_config(cm: RooflineCostModel, pool: float, mode: str, proactive: bool, slack: float = 0.0,
-               gap_ms: float | None = None, loan_tokens: int | None = None) -> SimConfig:
+               gap_ms: float | None = None, loan_tokens: int | None = DEFAULT_LOAN_TOKENS) -> SimConfig:
+    """The engine's flags for a preset; ``loan_tokens=None``: KV loans off."""
     block_bytes = BLOCK * cm.model.kv_bytes_per_token
     per_block = cm.transfer_time(block_bytes)
     swap = mode == "swap"

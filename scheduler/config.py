@@ -25,6 +25,10 @@ PREEMPTION_MODES = ("swap", "recompute")
 # of queued kernels is too little to hide the host's launch time; an
 # interrupt waits at most 2 layers.
 DEFAULT_SAFEPOINT_LAYERS = 2.0
+# KV loans' cap (scheduler/loans.py): requests of up to 32 output tokens
+# borrow. Not tuned: benchmarks/swapping.py's --loan-sweep gives 1-128 within
+# a few percent of each other.
+DEFAULT_LOAN_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -82,11 +86,17 @@ class SchedulerConfig:
               "(default: no bound)", metavar="MS")
     # KV loans (scheduler/loans.py): streams keep their place, except for
     # requests whose max_tokens cap bounds their stay on the device.
+    # On by default: without it a request ranked higher may evict any
+    # stream, and streams stall mid-answer (P99 TPOT 3.7-15x FCFS's in the
+    # simulator, 2.9x on the real engine: benchmarks/results/swapping.md,
+    # swap_serving.md), for a lower mean latency than loans give too.
     swap_loan_tokens: int | None = setting(
-        None, "swap mode: a request that has streamed its first token keeps its device KV against requests that "
-              "have not (they take only free blocks, after swapped streams), except a request whose max_tokens is "
-              "at most N: it may swap out streams that have streamed 4 tokens per step it will hold the device, and "
-              "they come back when it ends (0: no such request; default: off)", metavar="N")
+        DEFAULT_LOAN_TOKENS,
+        "swap mode: a request that has streamed its first token keeps its device KV against requests that "
+        "have not (they take only free blocks, after swapped streams), except a request whose max_tokens is "
+        "at most N: it may swap out streams that have streamed 4 tokens per step it will hold the device, and "
+        "they come back when it ends (0: no such request; a negative N turns loans off: a request ranked "
+        "higher may evict any stream, FastServe's rule)", metavar="N")
     preemption_safepoint_layers: float = setting(
         DEFAULT_SAFEPOINT_LAYERS,
         "co-serving (ConServe): an offline-only step checks for an interrupt every K decoder layers, a whole or "
@@ -128,7 +138,6 @@ class SchedulerConfig:
             ("swap_tpot_slack", self.swap_tpot_slack in (None, 0) or self.swap_tpot_slack >= 1,
              "must be at least 1 (or 0: off)"),
             ("max_token_gap_ms", self.max_token_gap_ms is None or self.max_token_gap_ms > 0, "must be positive"),
-            ("swap_loan_tokens", self.swap_loan_tokens is None or self.swap_loan_tokens >= 0, "must be non-negative"),
             ("preemption_safepoint_layers", k >= 0 and float(2 * k).is_integer(),
              "must be 0 (off) or a positive whole or half number of layers"),
             ("kv_checkpoint_threshold", threshold is None or 0.0 <= threshold <= 1.0, "must be in [0, 1]"),
@@ -137,5 +146,7 @@ class SchedulerConfig:
             object.__setattr__(self, "kv_checkpoint_threshold", None)
         if self.swap_tpot_slack == 0:
             object.__setattr__(self, "swap_tpot_slack", None)
+        if self.swap_loan_tokens is not None and self.swap_loan_tokens < 0:
+            object.__setattr__(self, "swap_loan_tokens", None)
         if self.online_slowdown_cap == 0:
             object.__setattr__(self, "online_slowdown_cap", None)

@@ -1,5 +1,6 @@
 """KVLoans: which requests may take device KV from streaming requests, and
-which streams may lend it (``--swap-loan-tokens N``, off by default).
+which streams may lend it (``--swap-loan-tokens N``, 32 by default; a
+negative N turns them off).
 
 A request that has streamed its first token keeps its place. A request with
 no token out yet takes only device blocks that are free, not owed to streams
@@ -19,6 +20,10 @@ block that frees: a request with no bound on its stay that has waited
 ``STARVING_WAITS`` times the mean wait of recent admissions (or of the
 policy's starve limit, if longer) keeps the blocks it needs from the
 requests ranked below it that have no bound either.
+
+Offline requests (co-serving) are neither owed nor protected against
+online ones: an online request takes their blocks as ever (ConServe: online
+work never waits on offline KV).
 
 The cap is the client's: a request that states a tight ``max_tokens``
 (scoring, classification, short completions) passes a queue of long

@@ -34,8 +34,8 @@ pool exists):
   token out yet takes only device blocks that streaming requests away on
   the host, due soon, do not need back; and a request swapped in is not
   evicted again for a higher-priority one before it has run its quantum.
-* KV loans (scheduler/loans.py, off by default): with ``--swap-loan-tokens
-  N`` a request that has streamed keeps its place against requests that
+* KV loans (scheduler/loans.py, on by default): with ``--swap-loan-tokens
+  N`` (32) a request that has streamed keeps its place against requests that
   have not, which take only free blocks not owed to swapped streams, except
   a request whose ``max_tokens`` is at most ``N``: its stay is bounded, so it
   may evict streams whose streamed tokens cover the time away.
@@ -126,8 +126,16 @@ class _Step:
         # with no token out yet takes only blocks beyond these.
         self.owed = 0
         self.owing: dict[str, int] = {}  # request id -> its blocks in ``owed``
+        # The part of ``owed`` owed to offline streams: an online request
+        # never waits on offline KV (ConServe), so it takes these blocks too.
+        self.owed_offline = 0
         self.offline_cursor: int | None = None  # next offline victim, walking up from the bottom
         self.starving = False  # KV loans: a starving request's blocks are already in ``owed``
+
+
+def _owed_to(step: _Step, seq: SeqState) -> int:
+    """Blocks owed to streams away on the host that ``seq`` must leave free."""
+    return step.owed - step.owed_offline if seq.klass is RequestClass.ONLINE else step.owed
 
 
 class Scheduler:
@@ -491,7 +499,7 @@ class Scheduler:
             n = self.kv.num_blocks_of(rid)
             need = max(n, self.kv.blocks_for(num_tokens)) + self._watermark_blocks
             if not seq.num_output_tokens:
-                need += step.owed
+                need += _owed_to(step, seq)
             # With loans it takes only free blocks (they are owed to it): streams keep their place.
             if not self._can_move(n) or not self._room(need, pos, step, allow_recompute=False, above=above,
                                                        online=seq.klass is RequestClass.ONLINE,
@@ -524,7 +532,7 @@ class Scheduler:
         if loan == INF:  # one block for each resident request: their growth evicts no one
             reserve += self._batch_size(step)
         if not seq.num_output_tokens and (loan is None or loan == INF):
-            reserve += step.owed  # (a borrower's victims come back when it ends)
+            reserve += _owed_to(step, seq)  # (a borrower's victims come back when it ends)
         if need + reserve > self.kv.num_free_blocks and not self.swap:
             return False
         above = self._priority(seq) if pos >= step.num_urgent else None
@@ -533,6 +541,8 @@ class Scheduler:
             if loan == INF and not step.starving and self.loans.starving(seq, step.now):
                 step.starving = True  # requests ranked below without a bound leave its blocks free
                 step.owed += need
+                if seq.klass is RequestClass.OFFLINE:
+                    step.owed_offline += need
             return False
         # A prefix found on the host comes back by copy, within the swap budget.
         host = self.swap and self._can_move(need)
@@ -729,6 +739,8 @@ class Scheduler:
             if seq.status is swapped and seq.num_output_tokens and rid not in owing:
                 n = owing[rid] = self.kv.num_blocks_of(rid)
                 step.owed += n
+                if seq.klass is RequestClass.OFFLINE:
+                    step.owed_offline += n
 
     def _next_offline_victim(self, step: _Step) -> SeqState | None:
         """The lowest-ranked offline request still holding device KV (offline
@@ -809,7 +821,10 @@ class Scheduler:
         # order alone decides (a longer guard there moved more KV, not less).
         self._guard[rid] = seq.num_tokens - 1 + (self.policy.quantum_tokens(seq) if self.deadlines is not None else 1)
         if rid in step.owing:
-            step.owed -= step.owing.pop(rid)
+            n = step.owing.pop(rid)
+            step.owed -= n
+            if seq.klass is RequestClass.OFFLINE:
+                step.owed_offline -= n
         self.counters.num_swap_ins += 1
         self.counters.swap_in_blocks += len(moves)
 

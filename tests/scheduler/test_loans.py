@@ -49,10 +49,10 @@ def run(**kw) -> dict:
 
 
 def test_borrowers_pass_the_queue_and_streams_keep_their_pace():
-    free, kept, loans = run(), run(swap_loan_tokens=0), run(swap_loan_tokens=4)
+    free, kept, loans = run(swap_loan_tokens=-1), run(swap_loan_tokens=0), run(swap_loan_tokens=4)
     short = [f"s{i}" for i in range(8)]
     streams = [r for r in loans.values() if r.output_tokens > 1]
-    # The default evicts streams for every arrival and leaves them away long.
+    # Without loans streams are evicted for every arrival and stay away long.
     assert max(free[r.request_id].tpot for r in streams) > (1 + LEND_SHARE) * DT
     # Keeping their place, the one-token jobs wait for streams to end ...
     assert sum(kept[s].ttft for s in short) > 10 * len(short) * DT
@@ -130,17 +130,44 @@ def test_starving_is_judged_against_the_mean_wait_and_its_floor():
     assert not loans.starving(seq(), 2.9) and loans.starving(seq(), 3.1)
 
 
-def test_the_flag_and_its_bounds():
-    assert SchedulerConfig().swap_loan_tokens is None
+def test_the_flag_its_default_and_off():
+    """On by default (cap 32); 0 keeps streams in place with no borrower; a
+    negative cap, on the command line too, turns loans off."""
+    assert SchedulerConfig().swap_loan_tokens == 32
     assert SchedulerConfig(swap_loan_tokens=0).swap_loan_tokens == 0
-    with pytest.raises(ValueError, match="swap_loan_tokens"):
-        SchedulerConfig(swap_loan_tokens=-1)
+    assert SchedulerConfig(swap_loan_tokens=-1).swap_loan_tokens is None
+    assert SchedulerConfig(swap_loan_tokens=None).swap_loan_tokens is None
     ap = argparse.ArgumentParser()
     add_flags(ap, SchedulerConfig)
-    assert ap.parse_args(["--swap-loan-tokens", "32"]).swap_loan_tokens == 32
+    assert ap.parse_args([]).swap_loan_tokens == 32
+    assert ap.parse_args(["--swap-loan-tokens", "8"]).swap_loan_tokens == 8
+    off = ap.parse_args(["--swap-loan-tokens", "-1"]).swap_loan_tokens
+    assert SchedulerConfig(swap_loan_tokens=off).swap_loan_tokens is None
+    assert Scheduler.create(SchedulerConfig(swap_loan_tokens=off), CacheConfig(block_size=4), 64, 64).loans is None
+    assert Scheduler.create(SchedulerConfig(), CacheConfig(block_size=4), 64, 64).loans is not None
 
 
 def test_recompute_mode_has_no_loans():
     cfg = SchedulerConfig(preemption_mode="recompute", swap_loan_tokens=4)
     assert Scheduler.create(cfg, CacheConfig(block_size=4), 64, 0).loans is None
     assert Scheduler.create(SchedulerConfig(swap_loan_tokens=4), CacheConfig(block_size=4), 64, 64).loans is not None
+
+
+def test_online_requests_take_the_blocks_of_offline_streams_on_the_host():
+    """Co-serving with loans (the default): offline streams fill the device
+    and checkpoint their KV; online arrivals with no bound on their stay
+    (40 tokens, above the cap) evict them to the host, and the next arrival
+    is not kept from the freed blocks as if they were owed to those offline
+    streams (it was: up to 10 steps). Online first tokens come as fast as
+    with loans off."""
+    offline = [Job(f"off{i}", 0.0, 16, 120, RequestClass.OFFLINE) for i in range(12)]
+    online = [Job(f"on{i}", 0.3 + 0.2 * i, 24, 40) for i in range(8)]
+
+    def ttfts(**kw) -> list[float]:
+        res = simulate(offline + online, "skip-join-mlfq", cost(), config(**kw))
+        assert res.swap_stats["num_swap_outs"] > 0
+        return [r.ttft for r in res.records if r.request_id.startswith("on")]
+
+    with_loans, without = ttfts(), ttfts(swap_loan_tokens=-1)
+    assert max(with_loans) <= max(without) + 2 * DT
+    assert max(with_loans) < 4 * DT

@@ -37,7 +37,10 @@ def jobs() -> list[Job]:
 
 def config(**kw) -> SimConfig:
     # Copies take no time: a step's length is DT, so a request's TPOT over DT
-    # is its slowdown against running every step.
+    # is its slowdown against running every step. The deadlines bound
+    # FastServe's own rule (a request ranked higher may evict any stream):
+    # KV loans, on by default, keep streams in place by other means.
+    kw.setdefault("swap_loan_tokens", -1)
     return SimConfig.create(num_kv_blocks=64, block_size=4, num_host_blocks=400, block_transfer_time=0.0,
                             max_swap_blocks_per_step=64, check_integrity=True, **kw)
 
