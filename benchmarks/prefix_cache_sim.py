@@ -3,7 +3,8 @@ agents), each with its own long system prompt, more system prompts than the
 device KV pool can keep cached next to the running work.
 
 Three variants on the same jobs (Llama-3-8B on an H100 with a fraction of its
-KV pool, skip-join MLFQ with proactive swapping, a 64 GiB host pool):
+KV pool, skip-join MLFQ with proactive swapping and KV loans, a 64 GiB host
+pool):
 
 * ``cache off``             every prompt is computed from its first token
 * ``device cache``          prefix caching on the device only: a system prompt
@@ -86,7 +87,7 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
     out = ["# Prefix caching across both KV tiers, in the simulator", "",
            f"{meta['model']} on {meta['device']} with {meta['pool']:g} of its KV pool "
            f"({rows[0]['num_kv_blocks']} blocks of {BLOCK} tokens), 64 GiB host pool, {POLICY} with proactive "
-           f"swapping. {meta['num_jobs']} jobs; each prompt = one of {meta['groups']} system prompts of "
+           f"swapping and KV loans (the default flags). {meta['num_jobs']} jobs; each prompt = one of {meta['groups']} system prompts of "
            f"{meta['prefix_tokens']} tokens (Zipf popularity) + its own ShareGPT prompt; ShareGPT outputs. "
            f"Load = arrival rate / saturated throughput with the cache off ({meta['capacity_rps']:.2f} req/s).",
            f"Command: `{meta['command']}` ({meta['wall_s']:.0f} s wall).", "",

@@ -2,7 +2,8 @@
 prefix-aware routers (scheduler/router.py) in front of N replicas
 (scheduler/cluster.py). Each replica is the Llama-3-8B / H100 preset of the
 prefix-cache and swapping benchmarks (roofline cost model, an eighth of the
-device KV pool so memory binds, skip-join MLFQ with proactive swapping) with
+device KV pool so memory binds, skip-join MLFQ with proactive swapping and KV
+loans, the default flags) with
 the engine's default 4 GiB host tier (``--host-gib``) and prefix caching on
 both tiers.
 
@@ -235,7 +236,7 @@ def to_markdown(rows: list[dict], checks: list[dict], decisions: dict, meta: dic
     out = ["# Data-parallel routing in the simulator", "",
            f"Llama-3-8B on H100 per replica (roofline), {meta['pool']:g} of its KV pool "
            f"({meta['num_kv_blocks']} blocks of {BLOCK} tokens) and a {meta['host_gib']:g} GiB host tier, prefix "
-           f"caching on both, {POLICY} with proactive swapping; replicas report their load every 100 ms. "
+           f"caching on both, {POLICY} with proactive swapping and KV loans (the default flags); replicas report their load every 100 ms. "
            f"{meta['jobs_per_replica']} jobs per replica (at least {meta['min_jobs']}) per run, Poisson arrivals, "
            f"seed {meta['seed']}; the first "
            f"{100 * meta['warmup']:.0f}% of arrivals warm the caches and are not counted. "
