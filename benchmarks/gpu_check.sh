@@ -6,7 +6,7 @@
 #   install                60 / 60 s   pip install --no-deps --no-build-isolation -e .
 #                                      over the machine's torch and Triton
 #   import                 45 / 45 s   fluidserve.engine and the Triton kernels import
-#   engine GPU tests      150 / 120 s  pytest -m gpu over every test module outside
+#   engine GPU tests      180 / 120 s  pytest -m gpu over every test module outside
 #                                      tests/kernels that has gpu tests
 #   kernel GPU tests      150 / 90 s   pytest -m gpu tests/kernels (the whole suite)
 #   batch-1 decode        120 / 90 s   Llama-3-8B-shaped dummy model, eager, with
@@ -78,7 +78,7 @@ if [ "$QUICK" -eq 1 ]; then
     SWAP_ARGS=(--repeats 5)
 else
     MODE=full BUDGET=540
-    INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=150 KERNEL_TESTS_LIMIT=150
+    INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=180 KERNEL_TESTS_LIMIT=150
     DECODE_LIMIT=120 THROUGHPUT_LIMIT=180 BENCH_LIMIT=90 PROFILE_LIMIT=90 SWAP_LIMIT=45
     THROUGHPUT_SIZE=(--num-prompts 64 --output-len 128 --async-scheduling)
     BENCH_ARGS=()
