@@ -21,9 +21,11 @@ block that frees: a request with no bound on its stay that has waited
 policy's starve limit, if longer) keeps the blocks it needs from the
 requests ranked below it that have no bound either.
 
-Offline requests (co-serving) are neither owed nor protected against
-online ones: an online request takes their blocks as ever (ConServe: online
-work never waits on offline KV).
+Loans protect what a user watches stream. Offline requests (co-serving)
+are outside them: they keep no place, are owed no blocks and borrow none;
+among themselves they evict by priority as without loans, and an online
+request takes their KV as ever (ConServe: online work never waits on
+offline KV).
 
 The cap is the client's: a request that states a tight ``max_tokens``
 (scoring, classification, short completions) passes a queue of long

@@ -126,16 +126,8 @@ class _Step:
         # with no token out yet takes only blocks beyond these.
         self.owed = 0
         self.owing: dict[str, int] = {}  # request id -> its blocks in ``owed``
-        # The part of ``owed`` owed to offline streams: an online request
-        # never waits on offline KV (ConServe), so it takes these blocks too.
-        self.owed_offline = 0
         self.offline_cursor: int | None = None  # next offline victim, walking up from the bottom
         self.starving = False  # KV loans: a starving request's blocks are already in ``owed``
-
-
-def _owed_to(step: _Step, seq: SeqState) -> int:
-    """Blocks owed to streams away on the host that ``seq`` must leave free."""
-    return step.owed - step.owed_offline if seq.klass is RequestClass.ONLINE else step.owed
 
 
 class Scheduler:
@@ -499,11 +491,11 @@ class Scheduler:
             n = self.kv.num_blocks_of(rid)
             need = max(n, self.kv.blocks_for(num_tokens)) + self._watermark_blocks
             if not seq.num_output_tokens:
-                need += _owed_to(step, seq)
+                need += step.owed
             # With loans it takes only free blocks (they are owed to it): streams keep their place.
             if not self._can_move(n) or not self._room(need, pos, step, allow_recompute=False, above=above,
                                                        online=seq.klass is RequestClass.ONLINE,
-                                                       loan=None if self.loans is None else INF):
+                                                       loan=self._loan(seq, INF)):
                 return False
             self._swap_in(seq, step)
             if not self.config.proactive_swap or n * self._batch_size(step) <= self._swap_refill:
@@ -528,11 +520,11 @@ class Scheduler:
         if self.kv.num_used_blocks and seq.klass is RequestClass.OFFLINE and self.swap and self.config.proactive_swap:
             reserve = self.reserve_blocks()
         # KV loans: the steps it would hold the device (inf: no bound, it evicts no one).
-        loan = self.loans.stay(seq) if self.loans is not None and not seq.num_output_tokens else None
+        loan = self._loan(seq, None) if not seq.num_output_tokens else None
         if loan == INF:  # one block for each resident request: their growth evicts no one
             reserve += self._batch_size(step)
         if not seq.num_output_tokens and (loan is None or loan == INF):
-            reserve += _owed_to(step, seq)  # (a borrower's victims come back when it ends)
+            reserve += step.owed  # (a borrower's victims come back when it ends)
         if need + reserve > self.kv.num_free_blocks and not self.swap:
             return False
         above = self._priority(seq) if pos >= step.num_urgent else None
@@ -541,8 +533,6 @@ class Scheduler:
             if loan == INF and not step.starving and self.loans.starving(seq, step.now):
                 step.starving = True  # requests ranked below without a bound leave its blocks free
                 step.owed += need
-                if seq.klass is RequestClass.OFFLINE:
-                    step.owed_offline += need
             return False
         # A prefix found on the host comes back by copy, within the swap budget.
         host = self.swap and self._can_move(need)
@@ -620,6 +610,15 @@ class Scheduler:
             if lending:
                 self.loans.note_lent(victim, away)
         return self.kv.num_free_blocks >= need
+
+    def _loan(self, seq: SeqState, otherwise: float | None) -> float | None:
+        """KV loans' bound on a request's stay (inf: none; it evicts no
+        stream). They protect what a user watches stream: an offline
+        request neither keeps a place nor is bounded by them, and ranks its
+        evictions by priority alone, as without loans."""
+        if self.loans is None or seq.klass is RequestClass.OFFLINE:
+            return None
+        return self.loans.stay(seq) if otherwise is None else otherwise
 
     def _batch_size(self, step: _Step) -> int:
         """Requests the step will run, about: those holding device KV."""
@@ -731,16 +730,14 @@ class Scheduler:
         step.num_urgent = len(first)
 
     def _owe_swapped_streams(self, step: _Step) -> None:
-        """KV loans: every stream on the host is owed its blocks back before
-        a request with no token out takes device memory."""
-        owing, swapped = step.owing, SeqStatus.SWAPPED
+        """KV loans: every online stream on the host is owed its blocks back
+        before a request with no token out takes device memory."""
+        owing, swapped, online = step.owing, SeqStatus.SWAPPED, RequestClass.ONLINE
         for seq in self.seqs.values():
             rid = seq.request_id
-            if seq.status is swapped and seq.num_output_tokens and rid not in owing:
+            if seq.status is swapped and seq.num_output_tokens and seq.klass is online and rid not in owing:
                 n = owing[rid] = self.kv.num_blocks_of(rid)
                 step.owed += n
-                if seq.klass is RequestClass.OFFLINE:
-                    step.owed_offline += n
 
     def _next_offline_victim(self, step: _Step) -> SeqState | None:
         """The lowest-ranked offline request still holding device KV (offline
@@ -821,10 +818,7 @@ class Scheduler:
         # order alone decides (a longer guard there moved more KV, not less).
         self._guard[rid] = seq.num_tokens - 1 + (self.policy.quantum_tokens(seq) if self.deadlines is not None else 1)
         if rid in step.owing:
-            n = step.owing.pop(rid)
-            step.owed -= n
-            if seq.klass is RequestClass.OFFLINE:
-                step.owed_offline -= n
+            step.owed -= step.owing.pop(rid)
         self.counters.num_swap_ins += 1
         self.counters.swap_in_blocks += len(moves)
 

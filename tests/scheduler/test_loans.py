@@ -171,3 +171,18 @@ def test_online_requests_take_the_blocks_of_offline_streams_on_the_host():
     with_loans, without = ttfts(), ttfts(swap_loan_tokens=-1)
     assert max(with_loans) <= max(without) + 2 * DT
     assert max(with_loans) < 4 * DT
+
+
+def test_offline_work_alone_runs_as_without_loans():
+    """Loans protect what a user watches stream: offline requests neither
+    keep a place nor borrow, so a batch alone, memory-bound, swaps and
+    finishes exactly as with loans off."""
+    batch = [Job(f"off{i}", 0.05 * i, 16 + 8 * (i % 3), 10 + 30 * (i % 4), RequestClass.OFFLINE) for i in range(16)]
+
+    def run(**kw):
+        res = simulate(batch, "skip-join-mlfq", cost(), config(**kw))
+        return [(r.request_id, r.first_token_time, r.finish_time) for r in res.records], res.swap_stats
+
+    (default, swaps), (off, _) = run(), run(swap_loan_tokens=-1)
+    assert swaps["num_swap_outs"] > 0
+    assert default == off
