@@ -26,8 +26,8 @@ PREEMPTION_MODES = ("swap", "recompute")
 # interrupt waits at most 2 layers.
 DEFAULT_SAFEPOINT_LAYERS = 2.0
 # KV loans' cap (scheduler/loans.py): requests of up to 32 output tokens
-# borrow. Not tuned: benchmarks/swapping.py's --loan-sweep gives 1-128 within
-# a few percent of each other.
+# borrow. Not tuned: benchmarks/swapping.py's --loan-sweep puts caps of 1 to
+# 128 within 6% of each other on mean latency.
 DEFAULT_LOAN_TOKENS = 32
 
 
@@ -87,9 +87,9 @@ class SchedulerConfig:
     # KV loans (scheduler/loans.py): streams keep their place, except for
     # requests whose max_tokens cap bounds their stay on the device.
     # On by default: without it a request ranked higher may evict any
-    # stream, and streams stall mid-answer (P99 TPOT 3.7-15x FCFS's in the
+    # stream, and streams stall mid-answer (P99 TPOT 1.3-15x FCFS's in the
     # simulator, 2.9x on the real engine: benchmarks/results/swapping.md,
-    # swap_serving.md), for a lower mean latency than loans give too.
+    # swap_serving.md), with a lower mean gain than loans give as well.
     swap_loan_tokens: int | None = setting(
         DEFAULT_LOAN_TOKENS,
         "swap mode: a request that has streamed its first token keeps its device KV against requests that "
