@@ -87,7 +87,8 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
     out = ["# Prefix caching across both KV tiers, in the simulator", "",
            f"{meta['model']} on {meta['device']} with {meta['pool']:g} of its KV pool "
            f"({rows[0]['num_kv_blocks']} blocks of {BLOCK} tokens), 64 GiB host pool, {POLICY} with proactive "
-           f"swapping and KV loans (the default flags). {meta['num_jobs']} jobs; each prompt = one of {meta['groups']} system prompts of "
+           f"swapping and KV loans (the default flags). {meta['num_jobs']} jobs; each prompt = one of "
+           f"{meta['groups']} system prompts of "
            f"{meta['prefix_tokens']} tokens (Zipf popularity) + its own ShareGPT prompt; ShareGPT outputs. "
            f"Load = arrival rate / saturated throughput with the cache off ({meta['capacity_rps']:.2f} req/s).",
            f"Command: `{meta['command']}` ({meta['wall_s']:.0f} s wall).", "",

@@ -236,7 +236,8 @@ def to_markdown(rows: list[dict], checks: list[dict], decisions: dict, meta: dic
     out = ["# Data-parallel routing in the simulator", "",
            f"Llama-3-8B on H100 per replica (roofline), {meta['pool']:g} of its KV pool "
            f"({meta['num_kv_blocks']} blocks of {BLOCK} tokens) and a {meta['host_gib']:g} GiB host tier, prefix "
-           f"caching on both, {POLICY} with proactive swapping and KV loans (the default flags); replicas report their load every 100 ms. "
+           f"caching on both, {POLICY} with proactive swapping and KV loans (the default flags); replicas "
+           f"report their load every 100 ms. "
            f"{meta['jobs_per_replica']} jobs per replica (at least {meta['min_jobs']}) per run, Poisson arrivals, "
            f"seed {meta['seed']}; the first "
            f"{100 * meta['warmup']:.0f}% of arrivals warm the caches and are not counted. "
