@@ -495,7 +495,7 @@ class Scheduler:
             # With loans it takes only free blocks (they are owed to it): streams keep their place.
             if not self._can_move(n) or not self._room(need, pos, step, allow_recompute=False, above=above,
                                                        online=seq.klass is RequestClass.ONLINE,
-                                                       loan=self._loan(seq, INF)):
+                                                       loan=None if self._loans_for(seq) is None else INF):
                 return False
             self._swap_in(seq, step)
             if not self.config.proactive_swap or n * self._batch_size(step) <= self._swap_refill:
@@ -520,7 +520,8 @@ class Scheduler:
         if self.kv.num_used_blocks and seq.klass is RequestClass.OFFLINE and self.swap and self.config.proactive_swap:
             reserve = self.reserve_blocks()
         # KV loans: the steps it would hold the device (inf: no bound, it evicts no one).
-        loan = self._loan(seq, None) if not seq.num_output_tokens else None
+        loans = self._loans_for(seq)
+        loan = loans.stay(seq) if loans is not None and not seq.num_output_tokens else None
         if loan == INF:  # one block for each resident request: their growth evicts no one
             reserve += self._batch_size(step)
         if not seq.num_output_tokens and (loan is None or loan == INF):
@@ -611,14 +612,11 @@ class Scheduler:
                 self.loans.note_lent(victim, away)
         return self.kv.num_free_blocks >= need
 
-    def _loan(self, seq: SeqState, otherwise: float | None) -> float | None:
-        """KV loans' bound on a request's stay (inf: none; it evicts no
-        stream). They protect what a user watches stream: an offline
-        request neither keeps a place nor is bounded by them, and ranks its
-        evictions by priority alone, as without loans."""
-        if self.loans is None or seq.klass is RequestClass.OFFLINE:
-            return None
-        return self.loans.stay(seq) if otherwise is None else otherwise
+    def _loans_for(self, seq: SeqState) -> KVLoans | None:
+        """KV loans where they apply to ``seq``. They protect what a user
+        watches stream: an offline request neither keeps a place nor is
+        bounded by them, and ranks its evictions by priority alone."""
+        return None if seq.klass is RequestClass.OFFLINE else self.loans
 
     def _batch_size(self, step: _Step) -> int:
         """Requests the step will run, about: those holding device KV."""
