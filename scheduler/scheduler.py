@@ -905,11 +905,13 @@ class Scheduler:
         if not swapped:
             return
         enst = self._enst(step)
-        # With loans the blocks are owed to them: no arrival takes them first.
-        reserve = self.reserve_blocks() if self.loans is None else self._watermark_blocks
+        arrivals = self.reserve_blocks()
         for j in sorted(swapped, key=lambda j: (enst[j], j)):
             seq = step.ranked[j]
             n = self.kv.num_blocks_of(seq.request_id)
+            # A stream under loans is owed its blocks: no arrival takes them
+            # first. Anything else (offline work) leaves the arrival reserve free.
+            reserve = self._watermark_blocks if self._loans_for(seq) is not None else arrivals
             if self.kv.num_free_blocks - n < reserve or not self._can_move(n):
                 break
             self._swap_in(seq, step, status=SeqStatus.SWAPPING_IN)

@@ -173,6 +173,27 @@ def test_online_requests_take_the_blocks_of_offline_streams_on_the_host():
     assert max(with_loans) < 4 * DT
 
 
+@pytest.mark.parametrize("gap,burst", [(0.2, 1), (0.2, 2), (0.4, 1), (0.4, 2)])
+def test_offline_prefetch_leaves_the_arrival_reserve_as_without_loans(gap, burst):
+    """Offline streams on the host are owed nothing: bringing them back
+    leaves free the blocks kept for online bursts, as with loans off. (They
+    were prefetched into that reserve as if owed, and online first tokens
+    and the batch's progress both moved.) Copies cost time here, so where
+    the reserve goes shows."""
+    offline = [Job(f"off{i}", 0.0, 16, 120, RequestClass.OFFLINE) for i in range(12)]
+    online = [Job(f"on{b}_{k}", 0.3 + gap * b, 24, 12) for b in range(6) for k in range(burst)]
+
+    def run(**kw):
+        cfg = SimConfig.create(num_kv_blocks=64, block_size=4, num_host_blocks=400, block_transfer_time=DT / 8,
+                               max_swap_blocks_per_step=8, check_integrity=True, **kw)
+        res = simulate(offline + online, "skip-join-mlfq", cost(), cfg)
+        return [(r.request_id, r.first_token_time, r.finish_time) for r in res.records], res.swap_stats
+
+    (default, swaps), (off, _) = run(), run(swap_loan_tokens=-1)
+    assert swaps["num_swap_ins"] > 0
+    assert default == off
+
+
 def test_offline_work_alone_runs_as_without_loans():
     """Loans protect what a user watches stream: offline requests neither
     keep a place nor borrow, so a batch alone, memory-bound, swaps and
