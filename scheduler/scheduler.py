@@ -456,10 +456,11 @@ class Scheduler:
         if (self.swap and cfg.kv_checkpoint_threshold is not None and len(self.seqs) > self._num_online
                 and offline_copies and self.kv.usage >= cfg.kv_checkpoint_threshold):
             self._checkpoint(step)
-        if self.swap and self._swap_credit > 0:
+        if self.swap and self._spare_credit() > 0:
             # Freed cached blocks go to the host while copies are in budget,
-            # so a prefix the device reuses survives there.
-            demoted = self.kv.demote(self._swap_credit)
+            # so a prefix the device reuses survives there. A copy nobody
+            # waits for yet: it takes only the spare credit, as checkpoints do.
+            demoted = self.kv.demote(self._spare_credit())
             plan.swap_out.extend(demoted)
             self._swap_credit -= len(demoted)
         if self.record_shapes:
@@ -623,6 +624,15 @@ class Scheduler:
         if step.batch is None:
             step.batch = sum(1 for q in step.ranked if self.kv.holds(q.request_id))
         return max(1, min(step.batch, self.config.max_num_seqs))
+
+    def _spare_credit(self) -> int | float:
+        """Swap credit for the link's lowest-priority uses (checkpoints,
+        demoting freed cached blocks): the credit beyond one step's refill,
+        so the next step never waits behind them, whether for its own
+        swap-ins or for a short step's copies to land."""
+        if self._swap_refill == float("inf"):
+            return self._swap_credit
+        return self._swap_credit - self._swap_refill
 
     def _can_move(self, n: int) -> bool:
         return n <= self._swap_credit or self._swap_credit >= self._swap_bucket
@@ -843,9 +853,7 @@ class Scheduler:
         to the host, within the swap budget (ConServe §4.4): they are the
         ones an online arrival evicts, and a checkpointed one leaves the
         device without a copy."""
-        # The link's lowest-priority use: it takes only the credit beyond one
-        # step's refill, so the next step's swap-ins never wait behind it.
-        spare = self._swap_credit - self._swap_refill if self._swap_refill != float("inf") else self._swap_credit
+        spare = self._spare_credit()
         for item in step.plan.scheduled:
             if spare <= 0:
                 return

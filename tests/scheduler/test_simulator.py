@@ -176,6 +176,24 @@ def test_shared_prefixes_hit_in_both_tiers_and_shorten_ttft():
     assert ttft["both"] <= ttft["device"] <= ttft["off"]
 
 
+def test_demoting_freed_cached_blocks_never_makes_a_step_wait():
+    """Freed cached blocks go to the host on the link's spare credit only:
+    their copies fit behind the step that carries them, so where memory
+    never binds a run of unique prompts demotes blocks and no step waits on
+    the link. (Demotions took the whole credit, two steps' worth, and the
+    next step waited for them.)"""
+    dt = 2.0**-6  # every step, whatever it runs
+    cost = LinearCostModel(LinearCoefficients(base=dt, per_prefill_token=0.0, per_decode_seq=0.0,
+                                              per_context_token=0.0, per_attn_pair=0.0))
+    jobs = [Job(f"j{i}", 0.1 * i, 64, 8) for i in range(24)]
+    cfg = SimConfig.create(num_kv_blocks=256, block_size=4, max_num_batched_tokens=64, num_host_blocks=512,
+                           block_transfer_time=dt / 4, max_swap_blocks_per_step=4, check_integrity=True)
+    sim = Simulator(jobs, "skip-join-mlfq", cost, cfg)
+    res = sim.run()
+    assert sim.kv.prefix_stats.demoted_blocks > 0
+    assert res.summary()["swap_stall_s"] == 0.0
+
+
 def test_prefix_cache_benchmark_runs(tmp_path):
     """benchmarks/prefix_cache_sim.py --quick end to end: it builds its
     configs through the same API as the simulator (a rename there once broke
