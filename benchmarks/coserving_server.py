@@ -21,12 +21,13 @@ the lines done, which move a wave of in-flight lines at a time), for
     python benchmarks/coserving_server.py         # defaults (--data-dir: a 1.2 slowdown cap), the cap off, 1.5
     python benchmarks/coserving_server.py --configs "" "--online-tpot-slo-ms 30"
     python benchmarks/coserving_server.py --configs "" slo:1.2
+    python benchmarks/coserving_server.py --flags="--swap-loan-tokens 32" --tag=-kv-loans
 
 A configuration ``slo:X`` sets ``--online-ttft-slo-ms`` and
 ``--online-tpot-slo-ms`` to X times the round's online-only P99s, and the
 report says whether each SLO held.
 
-Writes benchmarks/results/coserving_server.{json,md}.
+Writes benchmarks/results/coserving_server{--tag}.{json,md}.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def p99(values: list[float]) -> float:
 def run_config(args, model_dir: Path, flags: list[str], online: bool, batch: bool, arrivals: list[float],
                window: float | None, work: Path, name: str) -> dict:
     data = Path(tempfile.mkdtemp(dir=work))
-    server = Server(model_dir, data, flags, work / f"{name}.log")
+    server = Server(model_dir, data, [*shlex.split(args.flags), *flags], work / f"{name}.log")
     model = httpx.get(f"{server.base}/v1/models", timeout=10).json()["data"][0]["id"]
     try:
         # Warm the server (first steps compile nothing on CPU, but allocate).
@@ -211,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-tokens", type=int, default=64)
     ap.add_argument("--configs", nargs="+", default=["", "--online-slowdown-cap 0", "--online-slowdown-cap 1.5"],
                     help="server flags of each co-served configuration ('' = defaults)")
+    ap.add_argument("--flags", default="", help="server flags added to every server, the references' too")
+    ap.add_argument("--tag", default="", help="suffix of the results files' names")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
@@ -254,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.batch_lines} completions of ~{args.batch_prompt} tokens, {args.batch_tokens} out; "
              f"{args.rounds} round(s), medians of the ratios paired within a round. Command: "
              f"`python benchmarks/coserving_server.py {' '.join(shlex.quote(a) for a in (argv or sys.argv[1:]))}`",
-             "", "Harvest: the tokens the engine generated for the batch in the window against the batch alone "
+             "", *([f"Every server, the references' too, runs with `{args.flags}`.", ""] if args.flags else []),
+             "Harvest: the tokens the engine generated for the batch in the window against the batch alone "
              "(lines finish in waves of `--batch-max-in-flight`, so lines done, also shown, moves a wave at a time).",
              "", "| server flags | online P99 TTFT vs online only | online P99 TPOT vs online only | "
              "batch tokens vs the batch alone | batch lines done vs alone | SLOs held (TTFT, TPOT), per round |",
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{per[0]['p99_tpot_ms']:.1f} ms) | {med['batch_share']:.0%} | {med['lines_share']:.0%} | "
                      f"{held} |")
     text = "\n".join(lines) + "\n"
-    save_results(args.out_dir / "coserving_server", {"benchmark": "coserving_server", "args": vars(args) | {
+    save_results(args.out_dir / f"coserving_server{args.tag}", {"benchmark": "coserving_server", "args": vars(args) | {
         "out_dir": str(args.out_dir)}, "rounds": rounds}, text)
     return 0
 
