@@ -218,6 +218,9 @@ def scheduling(_: str) -> tuple[list[str], list[str]]:
 
 def swapping(_: str) -> tuple[list[str], list[str]]:
     d = load("swapping")
+    # The first seed's runs: the other seeds run the main variants at the highest load only.
+    first = d["meta"].get("seeds", [0])[0]
+    d = d | {"rows": [r for r in d["rows"] if r.get("seed", first) == first]}
     presets = list(dict.fromkeys(r["preset"] for r in d["rows"]))
     # The variants every preset ran (the sweeps run on some only); the full set is in the results file.
     variants = [v for v in dict.fromkeys(r["variant"] for r in d["rows"])
