@@ -31,7 +31,7 @@ from fluidserve.kvcache.config import CacheConfig, ConfigTree
 from fluidserve.scheduler.budget import safepoint_attention_share, safepoint_interval_share
 from fluidserve.scheduler.cost_model import CostModel, plan_shape
 from fluidserve.scheduler.plan import StepOutcome
-from fluidserve.scheduler.policies import make_policy
+from fluidserve.scheduler.policies import Policy, make_policy
 from fluidserve.scheduler.request_state import RequestClass, SeqState
 from fluidserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from fluidserve.scheduler.workloads import Job
@@ -153,9 +153,11 @@ class SimResult:
 
 class Simulator:
     def __init__(
-        self, jobs: list[Job], policy: str, cost_model: CostModel, config: SimConfig,
+        self, jobs: list[Job], policy: str | Policy, cost_model: CostModel, config: SimConfig,
         policy_options: dict | None = None, tracked: set[str] | None = None,
     ) -> None:
+        """``policy``: a registered policy's name, or a policy object (a
+        reference the engine does not offer, for benchmarks)."""
         # Whose tokens the step log counts apart: these jobs, or (None) the offline class.
         self.tracked = tracked
         cache = config.cache
@@ -171,7 +173,9 @@ class Simulator:
         self.jobs = sorted(jobs, key=lambda j: j.arrival_time)  # stable
         self.cost = cost_model
         self.config = config
-        sched_cfg = replace(config.scheduler, scheduling_policy=policy, policy_options=dict(policy_options or {}))
+        named = isinstance(policy, str)
+        sched_cfg = replace(config.scheduler, policy_options=dict(policy_options or {}),
+                            **({"scheduling_policy": policy} if named else {}))
         # The longest stretch between two safepoints, of the cost model's
         # model (uniform layers where it names none).
         shape = getattr(cost_model, "model", None)
@@ -182,11 +186,11 @@ class Simulator:
             3 * shape.hidden_size * shape.intermediate_size / shape.layer_params if shape else 0.5)
         self.scheduler = Scheduler.create(
             sched_cfg, cache, cache.num_kv_blocks, cache.num_host_blocks or 0,
-            policy=make_policy(policy, cost_model=cost_model, **sched_cfg.policy_options),
+            policy=make_policy(policy, cost_model=cost_model, **sched_cfg.policy_options) if named else policy,
             safepoint_interval_share=self.safepoint_share,
             safepoint_attention_share=safepoint_attention_share(sched_cfg.preemption_safepoint_layers, layers))
         self.kv = self.scheduler.kv
-        self.policy_name = policy
+        self.policy_name = policy if named else policy.name
         self._start_run()
 
     def run(self, max_steps: int | None = None) -> SimResult:
@@ -339,7 +343,7 @@ class Simulator:
         return None
 
 
-def simulate(jobs: list[Job], policy: str, cost_model: CostModel, config: SimConfig,
+def simulate(jobs: list[Job], policy: str | Policy, cost_model: CostModel, config: SimConfig,
              policy_options: dict | None = None, tracked: set[str] | None = None) -> SimResult:
     return Simulator(jobs, policy, cost_model, config, policy_options, tracked).run()
 

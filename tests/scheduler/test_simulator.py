@@ -194,6 +194,22 @@ def test_demoting_freed_cached_blocks_never_makes_a_step_wait():
     assert res.summary()["swap_stall_s"] == 0.0
 
 
+def test_a_policy_object_runs_as_its_registered_name_does():
+    """Benchmarks pass reference policies the engine does not offer as
+    objects: an object of a registered policy must run exactly as its name."""
+    from fluidserve.scheduler.policies import SkipJoinMLFQPolicy
+
+    cost = default_cost_model()
+    jobs = [Job(f"j{i}", 0.01 * i, 40 + 30 * (i % 4), 3 + 5 * (i % 3)) for i in range(30)]
+    cfg = SimConfig.create(num_kv_blocks=24, block_size=8, max_num_batched_tokens=128, num_host_blocks=64,
+                           block_transfer_time=1e-5, check_integrity=True)
+    by_name = simulate(jobs, "skip-join-mlfq", cost, cfg)
+    by_object = simulate(jobs, SkipJoinMLFQPolicy(cost_model=cost), cost, cfg)
+    assert by_object.policy == by_name.policy == "skip-join-mlfq"
+    assert [(r.request_id, r.first_token_time, r.finish_time) for r in by_object.records] == \
+        [(r.request_id, r.first_token_time, r.finish_time) for r in by_name.records]
+
+
 def test_prefix_cache_benchmark_runs(tmp_path):
     """benchmarks/prefix_cache_sim.py --quick end to end: it builds its
     configs through the same API as the simulator (a rename there once broke
