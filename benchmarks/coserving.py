@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_host_blocks=64 * 2**30 // (BLOCK * cm.model.kv_bytes_per_token),
                 max_swap_blocks_per_step=max(1, int(cm.min_iteration_time()
                                                     / cm.transfer_time(BLOCK * cm.model.kv_bytes_per_token))),
-                block_transfer_time=cm.transfer_time(BLOCK * cm.model.kv_bytes_per_token),
-                swap_loan_tokens=None)  # KV loans off, as `fluidserve serve --data-dir` leaves them
+                block_transfer_time=cm.transfer_time(BLOCK * cm.model.kv_bytes_per_token))
     rate = args.load * estimate_capacity(pairs, cm, SimConfig.create(**base), num_jobs=300)
     online = synthesize(args.online_jobs, empirical_lengths(pairs), gamma_arrivals(rate, 4.0), seed=args.seed)
     off_lengths = empirical_lengths(pairs)

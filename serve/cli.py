@@ -103,7 +103,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
     m = add_engine_args(p)
     # Unset unless given: with the Batch API the server picks its own (engine_config_from_args).
-    p.set_defaults(preemption_safepoint_layers=None, swap_loan_tokens=None)
+    p.set_defaults(preemption_safepoint_layers=None)
     m.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="Hugging Face id or local path (same as --model)")
     m.add_argument("--model", default=None,
@@ -208,15 +208,6 @@ def engine_config_from_args(args: argparse.Namespace):
         model = str(resolve_model_dir(model, args.load_format, revision=args.revision))
     if args.preemption_safepoint_layers is None:
         args.preemption_safepoint_layers = _safepoint_layers(args)
-    if args.swap_loan_tokens is None:
-        # Beside a Batch API, KV loans stay off unless asked for: through the
-        # server they cost online requests their TTFT SLO (benchmarks/
-        # coserving_server.py --configs slo:1.2, 3 paired rounds: P99 TTFT
-        # 1.58x online-only, the SLO missed in every round, against 1.10x and
-        # held in every round without them).
-        from fluidserve.scheduler.config import DEFAULT_LOAN_TOKENS
-
-        args.swap_loan_tokens = -1 if getattr(args, "data_dir", None) else DEFAULT_LOAN_TOKENS
     config = from_flags(args, model=model, served_model_name=served)
     sched = config.scheduler
     if (getattr(args, "data_dir", None) and args.online_slowdown_cap is None

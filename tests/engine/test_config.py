@@ -104,7 +104,7 @@ def test_the_server_protects_online_requests_beside_the_batch_api_unless_told():
     assert cap("--data-dir", "/d", "--online-tpot-slo-ms", "30") is None  # an SLO replaces it
 
 
-def test_kv_loans_are_on_unless_the_server_has_a_batch_api():
+def test_kv_loans_are_on_by_default_with_or_without_a_batch_api():
     parse = cli.build_parser().parse_args
 
     def loans(*argv: str):
@@ -113,8 +113,8 @@ def test_kv_loans_are_on_unless_the_server_has_a_batch_api():
     assert loans() == SchedulerConfig().swap_loan_tokens == 32
     assert loans("--swap-loan-tokens", "8") == 8
     assert loans("--swap-loan-tokens", "-1") is None  # off
-    assert loans("--data-dir", "/d") is None  # beside a Batch API: off unless asked for
-    assert loans("--data-dir", "/d", "--swap-loan-tokens", "32") == 32
+    assert loans("--data-dir", "/d") == 32  # beside a Batch API too (coserving_server-kv-loans.md)
+    assert loans("--data-dir", "/d", "--swap-loan-tokens", "-1") is None
 
 
 def test_a_cpu_server_with_the_batch_api_checks_for_online_arrivals_twice_a_layer():
