@@ -386,10 +386,10 @@ def to_markdown(rows: list[dict], capacity: dict, meta: dict) -> str:
         for r in sub:
             b = base[r["x"]]
             vals = " | ".join(f"{r[k] * s:.3g}" for k, _, s in METRICS)
+            ratios = " | ".join(f"{x:.2f}x" for x in _ratios(b, r))
             out.append(f"| {r['x']:g} | {r['variant']} | {vals} | {r['num_recomputes']} | {r['num_swap_outs']} | "
                        f"{r['swap_gib']:.1f} | {100 * r['stall_share']:.2f}% | {r.get('num_over_gap_bound', '-')} | "
-                       f"{b['mean_norm_latency_s'] / r['mean_norm_latency_s']:.2f}x | "
-                       f"{b['p99_ttft_s'] / r['p99_ttft_s']:.2f}x | {r['p99_tpot_s'] / b['p99_tpot_s']:.2f}x |")
+                       f"{ratios} |")
         out.append("")
     return "\n".join(out)
 

@@ -96,7 +96,7 @@ class SchedulerConfig:
         "have not (they take only free blocks, after swapped streams), except a request whose max_tokens is "
         "at most N: it may swap out streams that have streamed 4 tokens per step it will hold the device, and "
         "they come back when it ends (0: no such request; a negative N turns loans off: a request ranked "
-        "higher may evict any stream, FastServe's rule; default: 32, off with --data-dir unless given)",
+        "higher may evict any stream, FastServe's rule)",
         metavar="N")
     preemption_safepoint_layers: float = setting(
         DEFAULT_SAFEPOINT_LAYERS,

@@ -456,11 +456,12 @@ class Scheduler:
         if (self.swap and cfg.kv_checkpoint_threshold is not None and len(self.seqs) > self._num_online
                 and offline_copies and self.kv.usage >= cfg.kv_checkpoint_threshold):
             self._checkpoint(step)
-        if self.swap and self._spare_credit() > 0:
+        spare = self._spare_credit() if self.swap else 0
+        if spare > 0:
             # Freed cached blocks go to the host while copies are in budget,
             # so a prefix the device reuses survives there. A copy nobody
             # waits for yet: it takes only the spare credit, as checkpoints do.
-            demoted = self.kv.demote(self._spare_credit())
+            demoted = self.kv.demote(spare)
             plan.swap_out.extend(demoted)
             self._swap_credit -= len(demoted)
         if self.record_shapes:

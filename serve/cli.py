@@ -102,7 +102,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     from fluidserve.engine.args import add_engine_args
 
     m = add_engine_args(p)
-    # Unset unless given: with the Batch API the server picks its own (engine_config_from_args).
+    # Unset unless given: with the Batch API on a CPU the server picks its own (engine_config_from_args).
     p.set_defaults(preemption_safepoint_layers=None)
     m.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="Hugging Face id or local path (same as --model)")
