@@ -229,3 +229,26 @@ def test_prefix_cache_benchmark_runs(tmp_path):
         assert r["num_finished"] == r["num_jobs"]
         assert (r["device_hit_rate"] > 0) == (r["variant"] != "cache off")
         assert (r["host_hit_rate"] > 0) == (r["variant"] == "device + host cache")
+
+
+def test_first_token_guard_reference_keeps_arrival_order_only_without_slack():
+    """benchmarks/ttft_tail.py's reference guard: with no slack a long
+    prompt that arrived first has none to give, so a short prompt after it
+    waits as under FCFS; with a slack of thousands of tokens it passes, as
+    under skip-join."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "ttft_tail.py"
+    spec = importlib.util.spec_from_file_location("ttft_tail", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    jobs = [Job("long", 0.0, 2000, 2), Job("short", 0.001, 10, 2)]
+    cfg = SimConfig.create(num_kv_blocks=512, block_size=16, max_num_batched_tokens=128)
+    fcfs = {r.request_id: r for r in simulate(jobs, "fcfs", CM, cfg).records}
+    tight = {r.request_id: r for r in simulate(jobs, mod.FirstTokenGuard(CM, 0, step_tokens=128), CM, cfg).records}
+    loose = {r.request_id: r for r in simulate(jobs, mod.FirstTokenGuard(CM, 4096, step_tokens=128), CM, cfg).records}
+    for rid in ("long", "short"):
+        assert tight[rid].first_token_time == pytest.approx(fcfs[rid].first_token_time)
+    assert tight["short"].first_token_time >= tight["long"].first_token_time
+    assert loose["short"].finish_time < loose["long"].first_token_time
