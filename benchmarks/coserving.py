@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="real engine: run every design this many times (odd rounds in reverse order) and report "
                          "medians, ratios paired within a round")
     ap.add_argument("--real-designs", nargs="+", default=["naive", "priority", "budget", "full"],
-                    choices=["naive", "priority", "budget", "full"],
+                    choices=["naive", "priority", "budget", "full", "full-loans-off"],
                     help="real engine: the designs run beside the online-only and offline-only references")
     ap.add_argument("--real-gap-s", type=float, default=1.5, help="real engine: mean gap between online arrivals")
     ap.add_argument("--real-offline", type=int, default=96,
@@ -210,25 +210,31 @@ def real_stem(args: argparse.Namespace) -> str:
         return "coserving_real-safepoints"
     if set(args.real_designs) >= {"naive", "priority", "budget", "full"}:
         return "coserving_real-designs"
+    if "full-loans-off" in args.real_designs:
+        return "coserving_real-loans"
     return "coserving_real"
 
-# (design, online requests, offline backlog, offline enters as, SLOs on, safepoint layers, checkpointing)
+# (design, online requests, offline backlog, offline enters as, SLOs on, safepoint layers, checkpointing,
+#  --swap-loan-tokens: None for the default)
 REAL_VARIANTS = [
-    ("online only", True, False, "offline", False, 0, False),
-    ("offline only", False, True, "offline", False, 0, False),
-    ("naive (one queue)", True, True, "online", False, 0, False),
-    ("priority", True, True, "offline", False, 0, False),
-    ("priority + budget", True, True, "offline", True, 0, False),
-    ("full (+ layer preemption, checkpointing)", True, True, "offline", True, None, True),
+    ("online only", True, False, "offline", False, 0, False, None),
+    ("offline only", False, True, "offline", False, 0, False, None),
+    ("naive (one queue)", True, True, "online", False, 0, False, None),
+    ("priority", True, True, "offline", False, 0, False, None),
+    ("priority + budget", True, True, "offline", True, 0, False, None),
+    ("full (+ layer preemption, checkpointing)", True, True, "offline", True, None, True, None),
+    ("full, KV loans off (--swap-loan-tokens -1)", True, True, "offline", True, None, True, -1),
 ]
 # --real-designs names the designs beyond the two references by these keys.
 DESIGN_KEYS = {"naive (one queue)": "naive", "priority": "priority", "priority + budget": "budget",
-               "full (+ layer preemption, checkpointing)": "full"}
+               "full (+ layer preemption, checkpointing)": "full",
+               "full, KV loans off (--swap-loan-tokens -1)": "full-loans-off"}
 
 
 async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on: bool, backlog: bool,
                         offline_klass: str, slos: tuple[float, float] | None, safepoint_layers: float,
-                        checkpointing: bool, window_s: float | None = None) -> dict:
+                        checkpointing: bool, window_s: float | None = None,
+                        loan_tokens: int | None = None) -> dict:
     """One variant on the real engine; the online requests arrive at
     ``arrivals`` (seconds after the backlog was queued); without online
     requests the backlog runs for ``window_s``."""
@@ -250,7 +256,8 @@ async def _real_variant(model_dir: Path, args, arrivals: list[float], online_on:
         model=str(model_dir), load_format="dummy", device="cpu", num_kv_blocks=blocks,
         max_num_batched_tokens=args.real_batched_tokens, enable_prefix_caching=False,
         online_tpot_slo_ms=tpot_slo, online_ttft_slo_ms=ttft_slo, preemption_safepoint_layers=safepoint_layers,
-        kv_checkpoint_threshold=0.5 if checkpointing else None))
+        kv_checkpoint_threshold=0.5 if checkpointing else None,
+        **({} if loan_tokens is None else {"swap_loan_tokens": loan_tokens})))
     busy = {"s": 0.0}
     step = engine.step
 
@@ -384,7 +391,7 @@ def real_engine(args, argv: list[str] | None) -> int:
             continue
         for k in args.real_safepoint_layers:
             name = v[0] if len(args.real_safepoint_layers) == 1 else f"{v[0]}, safepoints every {k:g} layers"
-            variants.append((name, *v[1:5], k, v[6]))
+            variants.append((name, *v[1:5], k, *v[6:]))
     # The offline-only run lasts as long as the online arrivals (and a second
     # for the last to finish): a rate over about the online window.
     window_s = arrivals[-1] + 1.0
@@ -396,14 +403,14 @@ def real_engine(args, argv: list[str] | None) -> int:
         order = [variants[1], variants[0], *variants[2:]]
         order = order if rnd % 2 == 0 else order[::-1]
         results: dict[str, dict] = {}
-        for name, online_on, backlog, klass, with_slo, k, ckpt in order:
+        for name, online_on, backlog, klass, with_slo, k, ckpt, loans in order:
             if with_slo and slos is None:
                 ref = results[REAL_VARIANTS[0][0]]  # online only: the SLOs hold online latency to (1 + slack) of it
                 slos = (args.real_ttft_slo_ms or (1 + args.real_slo_slack) * ref["p99_ttft_s"] * 1e3,
                         args.real_tpot_slo_ms or (1 + args.real_slo_slack) * ref["p99_tpot_s"] * 1e3)
             res = asyncio.run(_real_variant(
                 model_dir, args, arrivals, online_on, backlog, klass, slos if with_slo else None,
-                k, ckpt, window_s=window_s))
+                k, ckpt, window_s=window_s, loan_tokens=loans))
             results[name] = {"design": name, **res}
             print(f"round {rnd + 1}, {name}: "
                   + (f"P99 TTFT {res['p99_ttft_s'] * 1e3:.0f} ms, P99 TPOT {res['p99_tpot_s'] * 1e3:.1f} ms, "
