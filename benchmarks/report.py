@@ -337,7 +337,8 @@ def coserving_real(_: str) -> tuple[list[str], list[str]]:
            "makes in the idle capacity.", ""]
     for stem, what in (("coserving_real", "The full design, safepoints every half layer"),
                        ("coserving_real-safepoints", "Safepoints every layer against every half layer"),
-                       ("coserving_real-designs", "Every design, safepoints every layer")):
+                       ("coserving_real-designs", "Every design, safepoints every layer"),
+                       ("coserving_real-loans", "The full design with KV loans on (the default) and off")):
         d = load(stem)
         if not d:
             continue
@@ -770,7 +771,8 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("The TTFT tail where memory does not bind (simulator)", ["ttft_tail"], ttft_tail),
     ("Prefix caching across both tiers (simulator)", ["prefix_cache_sim"], prefix_cache_sim),
     ("Co-serving (simulator)", ["coserving", "coserving-seed1", "coserving-seed2", "coserving-seed3"], coserving),
-    ("Co-serving on the real engine", ["coserving_real", "coserving_real-safepoints", "coserving_real-designs"],
+    ("Co-serving on the real engine",
+     ["coserving_real", "coserving_real-safepoints", "coserving_real-designs", "coserving_real-loans"],
      coserving_real),
     ("Online serving against vLLM and transformers", ["vs_vllm-online-cpu", "vs_vllm-online-cpu-transformers"],
      vs_online),
