@@ -14,9 +14,9 @@ missing from the page.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
-import re
 from pathlib import Path
 from typing import Any, Callable
 

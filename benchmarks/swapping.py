@@ -238,6 +238,21 @@ def _run(task: dict) -> dict:
     return row
 
 
+def preset_capacity(p: dict, cm: RooflineCostModel, num_jobs: int) -> float:
+    """Saturated fcfs + recompute throughput (req/s) on a synthetic preset's lengths: what load 1 means."""
+    return estimate_capacity(p["pairs"], cm, sim_config(cm, p["pool"], "recompute", False), num_jobs=num_jobs)
+
+
+def preset_jobs(p: dict, num_jobs: int, rate: float, seed: int) -> list[Job]:
+    """About ``num_jobs`` jobs of a synthetic preset arriving at ``rate``
+    per second: Poisson, or for the chat mix conversations starting at the
+    rate that makes ``rate`` turns per second."""
+    if p.get("chat"):
+        per_conv = len(p["pairs"]) / 4000
+        return chat_jobs(max(1, round(num_jobs / per_conv)), rate / per_conv, seed=seed)
+    return synthesize(num_jobs, empirical_lengths(p["pairs"]), poisson_arrivals(rate), seed=seed)
+
+
 def build_tasks(args) -> tuple[list[dict], dict]:
     """Every variant at every load (or speed) and the sweeps, on the first
     seed; the main variants at the highest load on the other seeds (a trace
@@ -249,18 +264,10 @@ def build_tasks(args) -> tuple[list[dict], dict]:
             points = [(speed, args.seeds[0], replay_trace(p["trace"], speed=speed, limit=args.trace_jobs,
                                                           max_model_len=8192)) for speed in args.speeds]
         else:
-            base = sim_config(cm, p["pool"], "recompute", False)
-            cap = estimate_capacity(p["pairs"], cm, base, num_jobs=args.capacity_jobs)
-            capacity[name] = cap
-            runs = [(load, seed) for seed in args.seeds for load in args.loads
-                    if seed == args.seeds[0] or load == max(args.loads)]
-            if p.get("chat"):  # conversations start at a rate that makes ``load`` turns per second
-                per_conv = len(p["pairs"]) / 4000
-                points = [(load, seed, chat_jobs(max(1, round(args.num_jobs / per_conv)), load * cap / per_conv,
-                                                 seed=seed)) for load, seed in runs]
-            else:
-                points = [(load, seed, synthesize(args.num_jobs, empirical_lengths(p["pairs"]),
-                                                  poisson_arrivals(load * cap), seed=seed)) for load, seed in runs]
+            cap = capacity[name] = preset_capacity(p, cm, args.capacity_jobs)
+            points = [(load, seed, preset_jobs(p, args.num_jobs, load * cap, seed))
+                      for seed in args.seeds for load in args.loads
+                      if seed == args.seeds[0] or load == max(args.loads)]
         top = max(x for x, _, _ in points)
         for x, seed, jobs in points:
             variants = list(VARIANTS)

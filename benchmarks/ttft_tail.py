@@ -37,15 +37,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from swapping import LOAN_TOKENS, chat_jobs, presets, sim_config  # noqa: E402
+from swapping import LOAN_TOKENS, preset_capacity, preset_jobs, presets, sim_config  # noqa: E402
 
 from fluidserve.scheduler.cost_model import RooflineCostModel  # noqa: E402
 from fluidserve.scheduler.mlfq import SkipJoinMLFQPolicy  # noqa: E402
 from fluidserve.scheduler.request_state import RequestClass, SeqStatus  # noqa: E402
-from fluidserve.scheduler.simulator import estimate_capacity, percentile, simulate  # noqa: E402
-from fluidserve.scheduler.workloads import (  # noqa: E402
-    DEFAULT_WORKLOAD_DIR, empirical_lengths, poisson_arrivals, synthesize,
-)
+from fluidserve.scheduler.simulator import percentile, simulate  # noqa: E402
+from fluidserve.scheduler.workloads import DEFAULT_WORKLOAD_DIR  # noqa: E402
 
 # A prompt is lifted when its deadline is within one full step of the default budget.
 STEP_TOKENS = 2048
@@ -111,8 +109,7 @@ class FirstTokenGuard(SkipJoinMLFQPolicy):
             self.backlog -= g.left
             g.left = 0
 
-    def _lift(self, seqs) -> None:
-        seqs = list(seqs)
+    def _lift(self, seqs: list) -> None:
         held = (SeqStatus.SWAPPED, SeqStatus.SWAPPING_IN)
         for s in seqs:
             if s.klass is RequestClass.ONLINE and (
@@ -140,12 +137,11 @@ class FirstTokenGuard(SkipJoinMLFQPolicy):
 
 
 def _run(task: dict) -> dict:
-    p = task
-    cm = RooflineCostModel(p["model"], p["device"])
+    cm = RooflineCostModel(task["model"], task["device"])
     if task["variant"] == BASELINE:
-        cfg, policy = sim_config(cm, p["pool"], "recompute", False, loan_tokens=None), "fcfs"
+        cfg, policy = sim_config(cm, task["pool"], "recompute", False, loan_tokens=None), "fcfs"
     else:
-        cfg = sim_config(cm, p["pool"], "swap", True, loan_tokens=LOAN_TOKENS)
+        cfg = sim_config(cm, task["pool"], "swap", True, loan_tokens=LOAN_TOKENS)
         policy = "skip-join-mlfq" if task["slack"] is None else FirstTokenGuard(cm, task["slack"])
     res = simulate(task["jobs"], policy, cm, cfg)
     ttfts = [r.ttft for r in res.records]
@@ -163,15 +159,9 @@ def build_tasks(args) -> tuple[list[dict], dict]:
     for name in PRESETS:
         p = all_presets[name]
         cm = RooflineCostModel(p["model"], p["device"])
-        cap = capacity[name] = estimate_capacity(p["pairs"], cm, sim_config(cm, p["pool"], "recompute", False),
-                                                 num_jobs=args.capacity_jobs)
+        cap = capacity[name] = preset_capacity(p, cm, args.capacity_jobs)
         for seed in args.seeds:
-            if p.get("chat"):
-                per_conv = len(p["pairs"]) / 4000
-                jobs = chat_jobs(max(1, round(args.num_jobs / per_conv)), args.load * cap / per_conv, seed=seed)
-            else:
-                jobs = synthesize(args.num_jobs, empirical_lengths(p["pairs"]), poisson_arrivals(args.load * cap),
-                                  seed=seed)
+            jobs = preset_jobs(p, args.num_jobs, args.load * cap, seed)
             for label, slack in variants:
                 tasks.append({"preset": name, "seed": seed, "variant": label, "slack": slack, "jobs": jobs,
                               "model": p["model"], "device": p["device"], "pool": p["pool"]})
