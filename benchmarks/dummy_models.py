@@ -31,13 +31,13 @@ PRESETS = {
 }
 
 # The decode paths the engine offers, as engine settings: ``eager`` launches
-# every kernel from Python each step; ``graphs`` (the default on CUDA)
-# replays a decode CUDA graph captured at start-up; ``graphs-async`` also
-# queues each decode step before the previous step's tokens are read
+# every kernel from Python each step; ``graphs`` replays a decode CUDA graph
+# captured at start-up; ``graphs-async`` (the default on CUDA) also queues
+# each decode step before the previous step's tokens are read
 # (--async-scheduling), so the host's work hides behind the device's.
 DECODE_MODES = {
-    "eager": dict(enforce_eager=True),
-    "graphs": dict(enforce_eager=False),
+    "eager": dict(enforce_eager=True, async_scheduling=False),
+    "graphs": dict(enforce_eager=False, async_scheduling=False),
     "graphs-async": dict(enforce_eager=False, async_scheduling=True),
 }
 

@@ -8,7 +8,7 @@
 #   import                 45 / 45 s   fluidserve.engine and the Triton kernels import
 #   engine GPU tests      180 / 120 s  pytest -m gpu over every test module outside
 #                                      tests/kernels that has gpu tests
-#   kernel GPU tests      150 / 90 s   pytest -m gpu tests/kernels (the whole suite)
+#   kernel GPU tests      180 / 90 s   pytest -m gpu tests/kernels (the whole suite)
 #   batch-1 decode        120 / 90 s   Llama-3-8B-shaped dummy model, eager, with
 #                                      decode CUDA graphs, and graphs with async
 #                                      scheduling, against the HBM roofline
@@ -17,6 +17,9 @@
 #                                      async scheduling (--quick: 32 x 64, no
 #                                      generate_batch, no async run)
 #   kernel benchmark       90 / 60 s   benchmarks/kernels.py (--quick: short sweep)
+#   batch-1 linears        60 / 45 s   benchmarks/linear_bandwidth.py: each linear of a
+#                                      decode token with cuBLAS and with kernels/gemv.py
+#                                      at several launch shapes, against the HBM roofline
 #   decode profile         90 / 60 s   benchmarks/profile_decode.py: torch's profiler
 #                                      over batch-1 decode in the same three modes (GPU idle
 #                                      time, launches, top kernels and host ops)
@@ -36,6 +39,7 @@
 #   batch1_decode_<device>.json, .md
 #   throughput-<device>-llama3-8b-graphs.json, .md
 #   kernels_<device>.json, .md
+#   linear_bandwidth_<device>.json, .md
 #   profile_decode_<device>.json, .md
 #   swap_copy_<device>.json, .md
 # <device> is torch.cuda.get_device_name() in lower case, other characters
@@ -71,15 +75,15 @@ done
 if [ "$QUICK" -eq 1 ]; then
     MODE=quick BUDGET=225
     INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=120 KERNEL_TESTS_LIMIT=90
-    DECODE_LIMIT=90 THROUGHPUT_LIMIT=90 BENCH_LIMIT=60 PROFILE_LIMIT=60 SWAP_LIMIT=30
+    DECODE_LIMIT=90 THROUGHPUT_LIMIT=90 BENCH_LIMIT=60 LINEAR_LIMIT=45 PROFILE_LIMIT=60 SWAP_LIMIT=30
     THROUGHPUT_SIZE=(--num-prompts 32 --output-len 64 --skip-continuous)
     BENCH_ARGS=(--quick)
     PROFILE_ARGS=(--output-len 32 --python-top 0)
     SWAP_ARGS=(--repeats 5)
 else
     MODE=full BUDGET=540
-    INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=180 KERNEL_TESTS_LIMIT=150
-    DECODE_LIMIT=120 THROUGHPUT_LIMIT=180 BENCH_LIMIT=90 PROFILE_LIMIT=90 SWAP_LIMIT=45
+    INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=180 KERNEL_TESTS_LIMIT=180
+    DECODE_LIMIT=120 THROUGHPUT_LIMIT=180 BENCH_LIMIT=90 LINEAR_LIMIT=60 PROFILE_LIMIT=90 SWAP_LIMIT=45
     THROUGHPUT_SIZE=(--num-prompts 64 --output-len 128 --async-scheduling)
     BENCH_ARGS=()
     PROFILE_ARGS=()
@@ -142,10 +146,11 @@ declare -A NAMES=(
     [batch1_decode]="batch-1 decode, eager, graphs, graphs + async"
     [throughput]="throughput vs transformers, graphs"
     [kernel_bench]="kernel benchmark"
+    [linears]="batch-1 linears"
     [profile]="decode profile"
     [swap_copy]="swap copy"
 )
-ORDER=(install import engine_tests kernel_tests batch1_decode throughput kernel_bench profile swap_copy)
+ORDER=(install import engine_tests kernel_tests batch1_decode throughput kernel_bench linears profile swap_copy)
 PLAN=()
 for key in "${ORDER[@]}"; do PLAN+=("$key=${NAMES[$key]}"); done
 "${REPORT[@]}" init --summary "$SUMMARY" --device "$DEVICE" --versions "$VERSIONS" --commit "$COMMIT" \
@@ -229,6 +234,9 @@ run_step throughput "$THROUGHPUT_LIMIT" "$RESULTS/throughput-${SLUG}-llama3-8b-g
 
 run_step kernel_bench "$BENCH_LIMIT" "$RESULTS/kernels_${SLUG}.json" "" \
     "$PY" benchmarks/kernels.py --out "$RESULTS" "${BENCH_ARGS[@]}"
+
+run_step linears "$LINEAR_LIMIT" "$RESULTS/linear_bandwidth_${SLUG}.json" "" \
+    "$PY" benchmarks/linear_bandwidth.py --out "$RESULTS"
 
 run_step profile "$PROFILE_LIMIT" "$RESULTS/profile_decode_${SLUG}.json" "" \
     "$PY" benchmarks/profile_decode.py --out "$RESULTS" "${PROFILE_ARGS[@]}"

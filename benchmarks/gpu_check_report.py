@@ -135,7 +135,7 @@ def _fmt_throughput(r: dict) -> tuple[str, dict]:
             text += f" ({r['speedup'][name]:.2f}x)"
         if name == "fluidserve_async" and "fluidserve" in r.get("async_speedup", {}):
             same = v.get("same_tokens_as_fluidserve")
-            text += (f" ({r['async_speedup']['fluidserve']:.2f}x the default run"
+            text += (f" ({r['async_speedup']['fluidserve']:.2f}x the synchronous run"
                      + ("" if same is None else f", {same:.0%} same tokens") + ")")
         parts.append(text)
         figures[f"{name}_tokens_per_s"] = v["tokens_per_s"]
@@ -179,8 +179,19 @@ def _fmt_swap(r: dict) -> tuple[str, dict]:
     return "; ".join(parts) or "no run finished", figures
 
 
+def _fmt_linears(r: dict) -> tuple[str, dict]:
+    s = r.get("summary") or {}
+    if "cublas_vs_roofline" not in s:
+        return "no summary", {}
+    text = f"linears of a token: cuBLAS {s['cublas_vs_roofline']:.2f}x roofline"
+    if s.get("gemv_vs_roofline") is not None:
+        text += f", gemv kernel {s['gemv_vs_roofline']:.2f}x"
+    figures = {k: s[k] for k in ("cublas_vs_roofline", "gemv_vs_roofline", "best_vs_roofline") if s.get(k) is not None}
+    return text, figures
+
+
 READERS = {"tests": _fmt_tests, "batch1_decode": _fmt_batch1, "throughput": _fmt_throughput, "kernels": _fmt_kernels,
-           "profile": _fmt_profile, "swap": _fmt_swap}  # fmt: skip
+           "linears": _fmt_linears, "profile": _fmt_profile, "swap": _fmt_swap}  # fmt: skip
 
 
 def reader_for(result: Path):
@@ -188,7 +199,7 @@ def reader_for(result: Path):
     if name.startswith("gpu_tests_"):
         return READERS["tests"]
     for prefix, kind in (("batch1_decode_", "batch1_decode"), ("throughput-", "throughput"), ("kernels_", "kernels"),
-                         ("profile_decode_", "profile"), ("swap_copy_", "swap")):
+                         ("linear_bandwidth_", "linears"), ("profile_decode_", "profile"), ("swap_copy_", "swap")):
         if name.startswith(prefix):
             return READERS[kind]
     return None

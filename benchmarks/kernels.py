@@ -501,8 +501,9 @@ def batch1_markdown(result: dict) -> str:
              f"{result['copy_gb_s']:.0f} GB/s (target <= 1.3x).", "",
              "| mode | ms/token | x roofline | engine start-up s | graph replays |",
              "|---|---:|---:|---:|---:|"]  # fmt: skip
-    names = {"eager": "eager (enforce_eager=True)", "graphs": "decode CUDA graphs (enforce_eager=False)",
-             "graphs-async": "decode CUDA graphs, async scheduling (async_scheduling=True)"}
+    names = {"eager": "eager, synchronous (--enforce-eager --no-async-scheduling)",
+             "graphs": "decode CUDA graphs, synchronous (--no-async-scheduling)",
+             "graphs-async": "decode CUDA graphs, async scheduling (the default on CUDA)"}
     for mode, r in result["modes"].items():
         if "error" in r:
             lines.append(f"| {names.get(mode, mode)} | error: {r['error'][:120]} | | | |")

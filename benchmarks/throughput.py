@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                     help="fluidserve eager; by default (the engine's) it captures decode CUDA graphs on a GPU")
     ap.add_argument("--async-scheduling", action="store_true",
-                    help="also run fluidserve with --async-scheduling, right after the default run")
+                    help="also run fluidserve with async scheduling (the default with CUDA), right after the "
+                         "synchronous run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 reference = ids
             elif ids is not None:
                 # Greedy over the same steps: any other run of ours must give
-                # the default run's tokens (a figure here, a test on the GPU).
+                # the synchronous run's tokens (a figure here, a test on the GPU).
                 r["same_tokens_as_fluidserve"] = sum(a == b for a, b in zip(ids, reference)) / len(ids)
             results[name] = r
             print(f"{name:>22}: " + (f"{r['tokens_per_s']:9.1f} tok/s  {r['requests_per_s']:7.2f} req/s  "
@@ -274,7 +275,7 @@ def write_results(stem: Path, base: dict, results: dict) -> None:
         line = f"fluidserve with async scheduling: {over}"
         if "steps_launched_ahead" in async_run:  # older result files lack the two checks
             line += (f"; {async_run['steps_launched_ahead']} of {async_run['steps']} steps queued ahead; "
-                     f"{async_run['same_tokens_as_fluidserve']:.0%} of prompts gave the default run's tokens")
+                     f"{async_run['same_tokens_as_fluidserve']:.0%} of prompts gave the synchronous run's tokens")
         lines += ["", line + "."]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 

@@ -75,11 +75,13 @@ class EngineConfig(ConfigTree):
         + (" (the default)" if CUDA_GRAPHS_BY_DEFAULT else "")
         + " captures decode-only steps as CUDA graphs at start-up (CUDA, one GPU: elsewhere every step runs "
           "eagerly)")
-    async_scheduling: bool = setting(
-        False, "queue a decode-only step before the previous step's tokens are read, so the host's work "
-               "(outputs, stop checks, the next input) overlaps the device's (one in-process worker; plain "
-               "sampling rows: no logprobs, seed, penalties or grammar); a stream that stops on EOS or a stop "
-               "string costs one discarded token")
+    # None: on where the device is CUDA (where the host's work per step is
+    # what batch-1 decode waits on), off on the CPU.
+    async_scheduling: bool | None = setting(
+        None, "queue a decode-only step before the previous step's tokens are read, so the host's work "
+              "(outputs, stop checks, the next input) overlaps the device's (one in-process worker; plain "
+              "sampling rows: no logprobs, seed, penalties or grammar); a stream that stops on EOS or a stop "
+              "string costs one discarded token (default: on with CUDA, off on the CPU)")
     cuda_graph_sizes: tuple[int, ...] | None = setting(
         None, "batch sizes captured as decode graphs (default: 1 2 4 ... 256, up to --max-num-seqs)")
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)

@@ -156,7 +156,8 @@ class LLMEngine:
                                                 self.kv.block_size, self._block_filled, self._grammar_finished)
         self._lost_tokens = 0  # of abandoned steps whose state the worker did not keep
         self.preemption = PreemptionPolicy(self.executor.interrupt)
-        self._async = config.async_scheduling and self.executor.can_launch
+        wanted = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
+        self._async = wanted and self.executor.can_launch
         if config.async_scheduling and not self._async:
             log.warning("--async-scheduling needs the in-process executor (--executor local, one GPU): "
                         "steps run synchronously")

@@ -25,7 +25,8 @@ Linears over the same input are fused (q/k/v, gate/up): the fused parameter
 carries one ``Piece`` per checkpoint tensor, each with its own shard.
 
 On the CPU every linear runs oneDNN's kernel on a weight reordered once,
-after loading (``prepack_linears``); elsewhere ``F.linear``.
+after loading (``prepack_linears``); elsewhere ``kernels.ops.linear``
+(cuBLAS, or a Triton GEMV for one row inside a decode graph).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+
+from fluidserve.kernels import ops
 
 
 @dataclass(frozen=True)
@@ -201,15 +204,14 @@ class _PrepackedLinear(nn.Module):
         where it can be: oneDNN's add post-op on the CPU, elsewhere a GEMM
         that accumulates into the residual in place (so the caller must own
         it). x: [T, in]."""
-        if self._packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
+        # One row on the Triton lane (FLUIDSERVE_KERNELS=triton) takes the
+        # GPU's batch-1 kernel, so that the CPU runs the GPU's code path.
+        if (self._packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu"
+                and not (x.shape[0] == 1 and ops.kernel_path(x.device) == "triton")):
             if residual is not None:
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._packed, bias, "add")
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
-        if residual is None:
-            return F.linear(x, self.weight, bias)
-        if bias is not None:  # the bias before the residual, as the unfused sum adds them
-            return F.linear(x, self.weight, bias).add_(residual)
-        return residual.addmm_(x, self.weight.t())
+        return ops.linear(x, self.weight, bias, residual)
 
 
 def prepack_linears(model: nn.Module) -> None:

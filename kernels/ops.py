@@ -163,6 +163,39 @@ def scatter_blocks(
         reference.scatter_blocks(staging, cache, block_ids)
 
 
+# -- linears ---------------------------------------------------------------------------
+
+
+def linear(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    residual: torch.Tensor | None = None,  # [T, N], accumulated into in place
+) -> torch.Tensor:
+    """``x W^T + bias``, plus ``residual`` where given: without a bias in
+    the same kernel, written over ``residual`` (which the caller must own);
+    with one the linear is rounded before the add, as the unfused sum is.
+
+    One row on the Triton lane runs kernels/gemv.py, which reads the weight
+    at up to 1.3x cuBLAS's rate at batch 1 (``linear_bandwidth_*.md``); on
+    CUDA only while a graph is being captured, since eagerly the Triton
+    launch's host time outweighs what the device saves. Elsewhere cuBLAS
+    (or whatever torch runs on the device)."""
+    if x.shape[0] == 1 and _on_triton(x, weight) and (x.device.type != "cuda"
+                                                       or torch.cuda.is_current_stream_capturing()):
+        from fluidserve.kernels import gemv
+
+        fused = residual if bias is None else None
+        if gemv.supports(x, weight, bias, fused):
+            y = gemv.gemv(x, weight, bias, fused)
+            return y if residual is None or fused is not None else y.add_(residual)
+    if residual is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    if bias is not None:
+        return torch.nn.functional.linear(x, weight, bias).add_(residual)
+    return residual.addmm_(x, weight.t())
+
+
 # -- the decoder layer's fused ops ----------------------------------------------------
 # Triton on its lane (one launch each); elsewhere the same arithmetic in as
 # few torch ops as it takes, in place where the caller owns the tensor.

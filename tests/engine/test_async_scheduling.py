@@ -215,6 +215,22 @@ def test_only_plain_rows_are_launched(tiny_model, make_llm):
         assert tokens(outs) == tokens(sync)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_on_by_default_with_cuda_and_off_on_the_cpu(tiny_model, make_llm, device):
+    """Left unset, async scheduling follows the device: on with CUDA (where
+    the host's work per step is what batch-1 decode waits on), off on the
+    CPU (where nothing overlaps); either way a flag overrides it."""
+    path = tiny_model("llama")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = make_llm(path, device=device, **KWARGS)
+    assert llm.engine.config.async_scheduling is None
+    llm.generate(PROMPTS[:2], params)
+    assert (llm.engine.stats().num_steps_launched_ahead > 0) == (device == "cuda")
+    flipped = make_llm(path, device=device, async_scheduling=device != "cuda", **KWARGS)
+    flipped.generate(PROMPTS[:2], params)
+    assert (flipped.engine.stats().num_steps_launched_ahead > 0) == (device != "cuda")
+
+
 # -- the scheduler's blind continuation ---------------------------------------------
 
 

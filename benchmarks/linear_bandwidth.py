@@ -1,0 +1,205 @@
+"""How close batch-1 decode's matrix-vector products come to the HBM
+roofline: each linear of a Llama-3-8B-shaped layer (fused QKV, output,
+fused gate/up, down) and the LM head, with one row of activations, timed as
+a CUDA graph replays it (the engine's decode path) after an L2 flush.
+
+Variants, each on the same weight and input:
+
+* ``F.linear``: what the engine runs (cuBLAS, weight [out, in]);
+* ``addmm_``: the output and down projections as the engine runs them,
+  accumulating into the residual in place;
+* ``triton BLOCK_NxBLOCK_K/warps``: kernels/gemv.py's kernel (one program
+  per ``BLOCK_N`` output rows, reading its rows of the weight once, in
+  order) at each launch shape; the engine runs it inside decode graphs at
+  ``gemv.BLOCK_N`` x ``gemv.MAX_BLOCK_K`` / ``gemv.NUM_WARPS``.
+
+A row's bandwidth is the weight's bytes over its time, against the
+device-to-device copy measured in the same run; the per-token figures add
+up every layer's linears and the LM head: with cuBLAS, with the kernel at
+the engine's launch shape, and with each linear's fastest variant. Triton
+outputs are checked against ``F.linear`` (bf16, relative to the output's
+largest magnitude).
+
+    python benchmarks/linear_bandwidth.py [--preset llama3-8b] [--out benchmarks/results]
+
+Writes ``linear_bandwidth_<device>.json`` and ``.md``. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from fluidserve.kernels import gemv
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dummy_models import PRESETS, save_results  # noqa: E402
+from kernels import RESULTS_DIR, copy_bandwidth_gbs, device_slug, graph_ms  # noqa: E402
+
+# Two warps never won on an H100 (and collapsed at 32x512); the engine's launch shape is among these.
+TRITON_CONFIGS = [(bn, bk, 4) for bn in (4, 8, 16, 32) for bk in (128, 256, 512)]
+
+
+def triton_gemv(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int, num_warps: int
+) -> torch.Tensor:
+    n, k = w.shape
+    if x.shape != (1, k) or k % block_k or w.stride(1) != 1:
+        raise ValueError(f"triton_gemv: x {tuple(x.shape)}, w {tuple(w.shape)}, BLOCK_K {block_k}")
+    gemv._gemv_kernel[(triton.cdiv(n, block_n),)](x, w, out, out, out, n, k, w.stride(0), HAS_BIAS=False,
+                                                  HAS_RESIDUAL=False, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                  num_warps=num_warps)  # fmt: skip
+    return out
+
+
+def layer_shapes(cfg: dict) -> list[tuple[str, int, int, int]]:
+    """(name, out, in, calls per token) of each linear a decode token runs."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hq, hkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    return [("qkv", (hq + 2 * hkv) * d, h, layers), ("o", h, hq * d, layers),
+            ("gate_up", 2 * inter, h, layers), ("down", h, inter, layers),
+            ("lm_head", cfg["vocab_size"], h, 1)]  # fmt: skip
+
+
+def bench_shape(name: str, n: int, k: int, copy_gbs: float) -> list[dict]:
+    torch.manual_seed(0)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x, w)
+    scale = ref.abs().max().item()
+    nbytes = w.numel() * w.element_size()
+    rows = []
+
+    def row(variant: str, fn, err: float | None = None) -> None:
+        ms = graph_ms(fn, reps=10)
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        rows.append(dict(linear=name, out=n, inp=k, variant=variant, ms=ms, gb_s=gbs,
+                         pct_copy=100 * gbs / copy_gbs, rel_err=err))  # fmt: skip
+        print(
+            f"  {name:8s} {variant:22s} {ms * 1e3:8.1f} us  {gbs:6.0f} GB/s  {100 * gbs / copy_gbs:5.1f}% of copy"
+            + ("" if err is None else f"  rel err {err:.1e}"),
+            flush=True,
+        )
+
+    row("F.linear", lambda: F.linear(x, w))
+    if name in ("o", "down"):
+        residual = torch.zeros(1, n, device="cuda", dtype=torch.bfloat16)
+        row("addmm_", lambda: residual.addmm_(x, w.t()))
+    out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    for bn, bk, warps in TRITON_CONFIGS:
+        if k % bk:
+            continue
+        label = f"triton {bn}x{bk}/{warps}"
+        try:
+            triton_gemv(x, w, out, bn, bk, warps)
+            err = ((out.float() - ref.float()).abs().max() / scale).item()
+            row(label, lambda bn=bn, bk=bk, warps=warps: triton_gemv(x, w, out, bn, bk, warps), err)
+        except Exception as exc:  # a config that fails to compile is recorded, the rest still run
+            rows.append(dict(linear=name, out=n, inp=k, variant=label, error=f"{type(exc).__name__}: {exc}"[:300]))
+            print(f"  {name:8s} {label:22s} {rows[-1]['error']}", flush=True)
+    return rows
+
+
+def summarize(rows: list[dict], shapes: list[tuple[str, int, int, int]], copy_gbs: float) -> dict:
+    """Per-token time of every linear as the engine runs it (F.linear, and
+    addmm_ where the residual is fused) and with each linear's fastest
+    variant, against those weights' bytes at the copy bandwidth."""
+    ok = [r for r in rows if "ms" in r]
+    calls = {name: c for name, _, _, c in shapes}
+    weight_bytes = sum(2 * n * k * c for _, n, k, c in shapes)
+    cublas_ms = best_ms = 0.0
+    best = {}
+    for name, *_ in shapes:
+        mine = [r for r in ok if r["linear"] == name]
+        ran = next(r for r in mine if r["variant"] == ("addmm_" if name in ("o", "down") else "F.linear"))
+        fastest = min(mine, key=lambda r: r["ms"])
+        best[name] = fastest["variant"]
+        cublas_ms += calls[name] * ran["ms"]
+        best_ms += calls[name] * fastest["ms"]
+    roofline_ms = weight_bytes / (copy_gbs * 1e9) * 1e3
+    shape = engine_shape()
+    gemv_rows = {r["linear"]: r["ms"] for r in ok if r["variant"] == shape}
+    gemv_ms = sum(calls[name] * gemv_rows[name] for name in calls) if len(gemv_rows) == len(calls) else None
+    return dict(weight_gb=weight_bytes / 1e9, roofline_ms=roofline_ms, cublas_ms=cublas_ms, best_ms=best_ms,
+                cublas_vs_roofline=cublas_ms / roofline_ms, best_vs_roofline=best_ms / roofline_ms,
+                best_variant=best, gemv_variant=shape, gemv_ms=gemv_ms,
+                gemv_vs_roofline=None if gemv_ms is None else gemv_ms / roofline_ms)  # fmt: skip
+
+
+def engine_shape() -> str:
+    """The variant label of the launch shape the engine's decode graphs use."""
+    return f"triton {gemv.BLOCK_N}x{gemv.MAX_BLOCK_K}/{gemv.NUM_WARPS}"
+
+
+def markdown(report: dict) -> str:
+    s = report["summary"]
+    lines = [
+        f"# Batch-1 linears against the HBM roofline: {report['device']}",
+        "",
+        f"{report['preset']}-shaped weights, bf16, one row of activations, each call timed as a CUDA graph "
+        f"replays it after an L2 flush; device-to-device copy {report['copy_gb_s']:.0f} GB/s. Relative error: "
+        "max |triton - F.linear| over max |F.linear|.",
+        "",
+        "| linear | out x in | variant | us | GB/s | % of copy | rel err |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        if "ms" not in r:
+            lines.append(f"| {r['linear']} | {r['out']} x {r['inp']} | {r['variant']} | failed: {r['error']} | | | |")
+            continue
+        err = "" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
+        lines.append(
+            f"| {r['linear']} | {r['out']} x {r['inp']} | {r['variant']} | {r['ms'] * 1e3:.1f} | "
+            f"{r['gb_s']:.0f} | {r['pct_copy']:.1f} | {err} |"
+        )
+    lines += [
+        "",
+        f"Per token, every linear ({s['weight_gb']:.2f} GB of weights, roofline {s['roofline_ms']:.2f} ms): "
+        f"with cuBLAS (F.linear, addmm_ where the residual is fused) **{s['cublas_ms']:.2f} ms "
+        f"({s['cublas_vs_roofline']:.2f}x)**; "
+        + (
+            ""
+            if s.get("gemv_ms") is None
+            else f"with the kernel at the engine's launch shape ({s['gemv_variant']}) "
+            f"**{s['gemv_ms']:.2f} ms ({s['gemv_vs_roofline']:.2f}x)**; "
+        )
+        + f"each linear's fastest variant {s['best_ms']:.2f} ms ({s['best_vs_roofline']:.2f}x): "
+        + ", ".join(f"{k} {v}" for k, v in s["best_variant"].items())
+        + ".",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("linear_bandwidth: needs a CUDA device", file=sys.stderr)
+        return 1
+    cfg = PRESETS[args.preset]
+    copy_gbs = copy_bandwidth_gbs()
+    torch.cuda.empty_cache()
+    device = torch.cuda.get_device_name()
+    print(f"linear_bandwidth: {device}, copy {copy_gbs:.0f} GB/s", flush=True)
+    shapes = layer_shapes(cfg)
+    rows = []
+    for name, n, k, _ in shapes:
+        rows += bench_shape(name, n, k, copy_gbs)
+        torch.cuda.empty_cache()  # the last shape's weight
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    report = dict(device=device, preset=args.preset, copy_gb_s=copy_gbs, versions=versions, rows=rows,
+                  summary=summarize(rows, shapes, copy_gbs))  # fmt: skip
+    save_results(args.out / f"linear_bandwidth_{device_slug(device)}", report, markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

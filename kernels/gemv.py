@@ -1,0 +1,101 @@
+"""One row of activations times a weight matrix, ``y = x W^T (+ bias)
+(+ residual)``: the linears of batch-1 decode, where reading the weight
+once from HBM is the whole cost.
+
+cuBLAS reaches 60-75% of the copy bandwidth on the decoder layer's smaller
+matrices at one row (the output and QKV projections of a Llama-3-8B layer on
+an H100: ``benchmarks/results/linear_bandwidth_*.md``); this kernel reads
+each program's ``BLOCK_N`` rows of the weight front to back and reaches
+73-98%. Its Triton launch costs more host time than cuBLAS's, so the engine
+runs it only where the launch is free: inside a captured CUDA graph
+(``ops.linear``).
+
+Arithmetic: fp32 products and sums, then bias and residual added in fp32,
+rounded once to the output dtype, as cuBLAS's epilogue with ``beta = 1``
+rounds ``addmm_``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 16  # output rows per program: 256+ programs on an 8B model's smallest matrix
+MAX_BLOCK_K = 512  # the fastest on every Llama-3-8B shape measured; smaller where K needs it
+NUM_WARPS = 4
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [K]
+    w_ptr,  # [N, K], rows contiguous
+    bias_ptr,  # [N] (read only if HAS_BIAS)
+    residual_ptr,  # [N] (read only if HAS_RESIDUAL)
+    y_ptr,  # [N]
+    N, K, stride_wn,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    cols = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+    # One accumulator per lane, summed across K once at the end: the loop
+    # body is loads and FMAs only. K is a multiple of BLOCK_K (the caller's
+    # choice), so no load needs a mask along K.
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        # The weight is read once and never again in this step: keep it out
+        # of L2's way.
+        w = tl.load(w_rows + (k + cols)[None, :], mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptr + k + cols)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        y += tl.load(residual_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+def block_k(k: int) -> int | None:
+    """The widest power-of-two step up to ``MAX_BLOCK_K`` that divides ``k``
+    (None below 16: such a matrix is not worth a kernel of its own)."""
+    step = MAX_BLOCK_K
+    while step >= 16:
+        if k % step == 0:
+            return step
+        step //= 2
+    return None
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             residual: torch.Tensor | None) -> bool:  # fmt: skip
+    """Whether ``gemv`` takes these: one contiguous row of x, a weight with
+    contiguous rows, all of one dtype and device, K a multiple of 16."""
+    n, k = weight.shape
+    return (x.dim() == 2 and x.shape == (1, k) and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and x.dtype == weight.dtype and block_k(k) is not None
+            and all(t is None or (t.dtype == x.dtype and t.device == x.device and t.is_contiguous()
+                                  and t.numel() == n) for t in (bias, residual)))  # fmt: skip
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``x W^T + bias``, [1, K] x [N, K] -> [1, N]; with ``residual`` [1, N]
+    the result is accumulated into it in place and returned (the caller
+    must own it), as ``residual.addmm_(x, W.t())`` does."""
+    if not supports(x, weight, bias, residual):
+        raise ValueError(f"gemv: x {tuple(x.shape)} ({x.dtype}), weight {tuple(weight.shape)} ({weight.dtype}): "
+                         "needs one contiguous row, matching dtypes and K a multiple of 16")
+    n, k = weight.shape
+    out = residual if residual is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
+        x, weight, bias if bias is not None else out, out, out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        BLOCK_N=BLOCK_N, BLOCK_K=block_k(k), num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,113 @@
+"""The batch-1 linear kernel (kernels/gemv.py) and ``ops.linear``, which
+runs it: against the product in float64, with and without a bias and a
+residual, fp32 in the interpreter and fp16/bf16 too on a GPU; which inputs
+it takes; and on a GPU that a captured decode graph runs it while eager
+calls keep cuBLAS."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from fluidserve.kernels import gemv, ops
+
+DTYPES = [torch.float32] + ([torch.float16, torch.bfloat16] if torch.cuda.is_available() else [])
+# (atol, rtol) against float64 of unit-variance inputs scaled by K^-1/2
+# (outputs ~1): fp32 is reduction order alone; half types one rounding of
+# the output (2^-11, 2^-8 relative), plus the residual's magnitude.
+CLOSE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def operands(device, dtype, n: int, k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device, dtype)
+    x = torch.randn(1, k, generator=gen).to(device, dtype)
+    bias = torch.randn(n, generator=gen).to(device, dtype)
+    residual = torch.randn(1, n, generator=gen).to(device, dtype)
+    return x, w, bias, residual
+
+
+def exact(x, w, bias=None, residual=None) -> torch.Tensor:
+    y = x.double() @ w.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    if residual is not None:
+        y = y + residual.double()
+    return y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(37, 64), (96, 1536), (5, 48)])  # ragged rows; BLOCK_K 64, 512, 16
+def test_gemv_matches_the_product_with_bias_and_residual(device, dtype, n, k):
+    x, w, bias, residual = operands(device, dtype, n, k, seed=n * k)
+    atol, rtol = CLOSE[dtype]
+    for b, r in [(None, None), (bias, None), (None, residual), (bias, residual)]:
+        into = None if r is None else r.clone()
+        y = gemv.gemv(x, w, b, into)
+        assert y.shape == (1, n) and y.dtype == dtype
+        torch.testing.assert_close(y.double(), exact(x, w, b, r), atol=atol, rtol=rtol)
+        if r is not None:
+            assert y.data_ptr() == into.data_ptr()  # accumulated in place, as addmm_ does
+
+
+def test_gemv_refuses_what_it_cannot_run(device):
+    x, w, bias, residual = operands(device, torch.float32, 32, 64, seed=1)
+    assert gemv.supports(x, w, None, None)
+    refused = [
+        (torch.cat([x, x]), w, None, None),  # two rows
+        (x[:, :40], w[:, :40], None, None),  # K = 40, no power-of-two step >= 16 divides it
+        (x.double(), w, None, None),  # dtypes differ
+        (x, w.t().contiguous().t(), None, None),  # weight rows not contiguous
+        (x, w, bias[:16], None),  # bias of the wrong length
+        (x, w, None, residual.t().contiguous()[:16].t()),  # residual too short
+    ]
+    for args in refused:
+        assert not gemv.supports(*args)
+    with pytest.raises(ValueError, match="one contiguous row"):
+        gemv.gemv(torch.cat([x, x]), w)
+
+
+def test_ops_linear_runs_the_gemv_for_one_row_on_the_triton_lane(device, monkeypatch):
+    """On CPU tensors with FLUIDSERVE_KERNELS=triton (CI's GPU-path lane),
+    one row takes the kernel and more rows keep torch; the residual is
+    accumulated in place either way, and a bias with a residual is rounded
+    before the add, as the unfused sum is."""
+    if device == "cuda":
+        pytest.skip("on a GPU the graph test below covers the dispatch")
+    monkeypatch.setenv(ops.KERNELS_ENV, "triton")
+    x, w, bias, residual = operands(device, torch.float32, 48, 64, seed=2)
+    torch.testing.assert_close(ops.linear(x, w), gemv.gemv(x, w), atol=0, rtol=0)
+    into = residual.clone()
+    assert ops.linear(x, w, None, into).data_ptr() == into.data_ptr()
+    torch.testing.assert_close(into, gemv.gemv(x, w, None, residual.clone()), atol=0, rtol=0)
+    torch.testing.assert_close(ops.linear(x, w, bias, residual), gemv.gemv(x, w, bias) + residual, atol=0, rtol=0)
+    two = torch.cat([x, -x])
+    torch.testing.assert_close(ops.linear(two, w, bias), F.linear(two, w, bias), atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_captured_graph_runs_the_gemv_and_eager_keeps_cublas(dtype):
+    """A Llama-3-8B-sized output projection with its residual: inside a
+    captured graph ``ops.linear`` is the kernel's result to the bit, eager
+    it is ``addmm_``'s; both within one rounding of the exact product."""
+    x, w, _, residual = operands(torch.device("cuda"), dtype, 4096, 4096, seed=3)
+    eager = ops.linear(x, w, None, residual.clone())
+    torch.testing.assert_close(eager, residual.clone().addmm_(x, w.t()), atol=0, rtol=0)
+    into = residual.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compile) outside the capture
+        gemv.gemv(x, w, None, residual.clone())
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.linear(x, w, None, into)
+    into.copy_(residual)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(into, gemv.gemv(x, w, None, residual.clone()), atol=0, rtol=0)
+    atol, rtol = CLOSE[dtype]
+    for y in (into, eager):
+        torch.testing.assert_close(y.double(), exact(x, w, None, residual), atol=atol, rtol=rtol)
