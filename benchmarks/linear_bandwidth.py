@@ -1,7 +1,8 @@
 """How close batch-1 decode's matrix-vector products come to the HBM
 roofline: each linear of a Llama-3-8B-shaped layer (fused QKV, output,
 fused gate/up, down) and the LM head, with one row of activations, timed as
-a CUDA graph replays it (the engine's decode path) after an L2 flush.
+a CUDA graph replays it (the engine's decode path) after an L2 flush;
+cuBLAS also at 2, 4 and 8 rows (a small decode batch reads the same weight).
 
 Variants, each on the same weight and input:
 
@@ -43,6 +44,7 @@ from kernels import RESULTS_DIR, copy_bandwidth_gbs, device_slug, graph_ms  # no
 
 # Two warps never won on an H100 (and collapsed at 32x512); the engine's launch shape is among these.
 TRITON_CONFIGS = [(bn, bk, 4) for bn in (4, 8, 16, 32) for bk in (128, 256, 512)]
+MORE_ROWS = (2, 4, 8)
 
 
 def triton_gemv(
@@ -75,10 +77,10 @@ def bench_shape(name: str, n: int, k: int, copy_gbs: float) -> list[dict]:
     nbytes = w.numel() * w.element_size()
     rows = []
 
-    def row(variant: str, fn, err: float | None = None) -> None:
+    def row(variant: str, fn, err: float | None = None, m: int = 1) -> None:
         ms = graph_ms(fn, reps=10)
         gbs = nbytes / (ms * 1e-3) / 1e9
-        rows.append(dict(linear=name, out=n, inp=k, variant=variant, ms=ms, gb_s=gbs,
+        rows.append(dict(linear=name, out=n, inp=k, variant=variant, rows=m, ms=ms, gb_s=gbs,
                          pct_copy=100 * gbs / copy_gbs, rel_err=err))  # fmt: skip
         print(
             f"  {name:8s} {variant:22s} {ms * 1e3:8.1f} us  {gbs:6.0f} GB/s  {100 * gbs / copy_gbs:5.1f}% of copy"
@@ -102,6 +104,11 @@ def bench_shape(name: str, n: int, k: int, copy_gbs: float) -> list[dict]:
         except Exception as exc:  # a config that fails to compile is recorded, the rest still run
             rows.append(dict(linear=name, out=n, inp=k, variant=label, error=f"{type(exc).__name__}: {exc}"[:300]))
             print(f"  {name:8s} {label:22s} {rows[-1]['error']}", flush=True)
+    # cuBLAS at a few more rows, the same weight read for a small decode
+    # batch: what a kernel for those batches would have to beat.
+    for m in MORE_ROWS:
+        xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        row(f"F.linear, {m} rows", lambda xm=xm: F.linear(xm, w), m=m)
     return rows
 
 
@@ -109,7 +116,7 @@ def summarize(rows: list[dict], shapes: list[tuple[str, int, int, int]], copy_gb
     """Per-token time of every linear as the engine runs it (F.linear, and
     addmm_ where the residual is fused) and with each linear's fastest
     variant, against those weights' bytes at the copy bandwidth."""
-    ok = [r for r in rows if "ms" in r]
+    ok = [r for r in rows if "ms" in r and r.get("rows", 1) == 1]
     calls = {name: c for name, _, _, c in shapes}
     weight_bytes = sum(2 * n * k * c for _, n, k, c in shapes)
     cublas_ms = best_ms = 0.0
