@@ -2,7 +2,9 @@
 roofline: each linear of a Llama-3-8B-shaped layer (fused QKV, output,
 fused gate/up, down) and the LM head, with one row of activations, timed as
 a CUDA graph replays it (the engine's decode path) after an L2 flush;
-cuBLAS also at 2, 4 and 8 rows (a small decode batch reads the same weight).
+cuBLAS also at 2, 4 and 8 rows (a small decode batch reads the same weight),
+beside a Triton candidate for them (one small tensor-core product per step,
+each program reading its rows of the weight once).
 
 Variants, each on the same weight and input:
 
@@ -35,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
 from fluidserve.kernels import gemv
 
@@ -45,6 +48,36 @@ from kernels import RESULTS_DIR, copy_bandwidth_gbs, device_slug, graph_ms  # no
 # Two warps never won on an H100 (and collapsed at 32x512); the engine's launch shape is among these.
 TRITON_CONFIGS = [(bn, bk, 4) for bn in (4, 8, 16, 32) for bk in (128, 256, 512)]
 MORE_ROWS = (2, 4, 8)
+SKINNY_CONFIGS = [(bn, bk) for bn in (16, 32, 64) for bk in (128, 256)]
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # y[m, n] = sum_k x[m, k] w[n, k] for a few rows m: each program reads
+    # its BLOCK_N rows of the weight once, for every row of x, through one
+    # small tensor-core product per step (BLOCK_M >= 16 pads the rows).
+    rows = tl.arange(0, BLOCK_M)
+    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + (k + cols)[None, :], mask=rows[:, None] < M, other=0.0)
+        w = tl.load(w_ptr + outs[:, None].to(tl.int64) * stride_wn + (k + cols)[None, :], mask=outs[:, None] < N,
+                    other=0.0, eviction_policy="evict_first")  # fmt: skip
+        acc += tl.dot(x, tl.trans(w))
+    tl.store(y_ptr + rows[:, None] * stride_ym + outs[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (outs[None, :] < N))  # fmt: skip
+
+
+def triton_skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """``x W^T`` for 2-16 rows of x, a candidate for small decode batches."""
+    (m, k), n = x.shape, w.shape[0]
+    if m > 16 or k % block_k or w.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"triton_skinny: x {tuple(x.shape)}, w {tuple(w.shape)}, BLOCK_K {block_k}")
+    _skinny_kernel[(triton.cdiv(n, block_n),)](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+                                               BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)  # fmt: skip
+    return out
 
 
 def triton_gemv(
@@ -109,6 +142,18 @@ def bench_shape(name: str, n: int, k: int, copy_gbs: float) -> list[dict]:
     for m in MORE_ROWS:
         xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         row(f"F.linear, {m} rows", lambda xm=xm: F.linear(xm, w), m=m)
+        ref_m = F.linear(xm, w)
+        out_m = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        for bn, bk in SKINNY_CONFIGS:
+            label = f"triton dot {bn}x{bk}, {m} rows"
+            try:
+                triton_skinny(xm, w, out_m, bn, bk)
+                err = ((out_m.float() - ref_m.float()).abs().max() / ref_m.abs().max()).item()
+                row(label, lambda xm=xm, out_m=out_m, bn=bn, bk=bk: triton_skinny(xm, w, out_m, bn, bk), err, m=m)
+            except Exception as exc:  # recorded; the rest still run
+                rows.append(dict(linear=name, out=n, inp=k, variant=label, rows=m,
+                                 error=f"{type(exc).__name__}: {exc}"[:300]))  # fmt: skip
+                print(f"  {name:8s} {label:22s} {rows[-1]['error']}", flush=True)
     return rows
 
 
@@ -135,7 +180,26 @@ def summarize(rows: list[dict], shapes: list[tuple[str, int, int, int]], copy_gb
     return dict(weight_gb=weight_bytes / 1e9, roofline_ms=roofline_ms, cublas_ms=cublas_ms, best_ms=best_ms,
                 cublas_vs_roofline=cublas_ms / roofline_ms, best_vs_roofline=best_ms / roofline_ms,
                 best_variant=best, gemv_variant=shape, gemv_ms=gemv_ms,
-                gemv_vs_roofline=None if gemv_ms is None else gemv_ms / roofline_ms)  # fmt: skip
+                gemv_vs_roofline=None if gemv_ms is None else gemv_ms / roofline_ms,
+                small_batches=small_batches(rows, calls, roofline_ms))  # fmt: skip
+
+
+def small_batches(rows: list[dict], calls: dict[str, int], roofline_ms: float) -> dict[str, dict]:
+    """Per row count above one: a token step's linears with cuBLAS and with
+    each linear's fastest Triton candidate, against the batch-1 roofline
+    (the weights are read once either way)."""
+    out = {}
+    for m in sorted({r.get("rows", 1) for r in rows} - {1}):
+        mine = [r for r in rows if r.get("rows", 1) == m and "ms" in r]
+        cublas = {r["linear"]: r["ms"] for r in mine if r["variant"].startswith("F.linear")}
+        triton_best = {name: min((r["ms"] for r in mine if r["linear"] == name and r["variant"].startswith("triton")),
+                                 default=None) for name in calls}  # fmt: skip
+        if len(cublas) < len(calls) or None in triton_best.values():
+            continue
+        c = sum(calls[name] * cublas[name] for name in calls)
+        t = sum(calls[name] * min(cublas[name], triton_best[name]) for name in calls)
+        out[str(m)] = dict(cublas_ms=c, best_ms=t, cublas_vs_roofline=c / roofline_ms, best_vs_roofline=t / roofline_ms)
+    return out
 
 
 def engine_shape() -> str:
@@ -180,6 +244,10 @@ def markdown(report: dict) -> str:
         + ".",
         "",
     ]
+    for m, b in (s.get("small_batches") or {}).items():
+        lines += [f"{m} rows: every linear with cuBLAS {b['cublas_ms']:.2f} ms ({b['cublas_vs_roofline']:.2f}x the "
+                  f"batch-1 roofline); with the faster of cuBLAS and the Triton candidate per linear "
+                  f"{b['best_ms']:.2f} ms ({b['best_vs_roofline']:.2f}x).", ""]  # fmt: skip
     return "\n".join(lines)
 
 

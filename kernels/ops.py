@@ -177,7 +177,7 @@ def linear(
     with one the linear is rounded before the add, as the unfused sum is.
 
     One row on the Triton lane runs kernels/gemv.py, which reads the weight
-    at up to 1.3x cuBLAS's rate at batch 1 (``linear_bandwidth_*.md``); on
+    at up to 1.2x cuBLAS's rate at batch 1 (``linear_bandwidth_*.md``); on
     CUDA only while a graph is being captured, since eagerly the Triton
     launch's host time outweighs what the device saves. Elsewhere cuBLAS
     (or whatever torch runs on the device)."""
