@@ -35,7 +35,9 @@ rewritten after each mode).
 ``--compile-only`` needs no GPU: it compiles every attention variant for
 sm_90 (H100/H200) with the arguments a real launch passes, reads registers,
 shared memory and spills off the cubin, and gives the occupancy the launcher
-would size the grid with (``kernels_compile_sm90.json``/``.md``).
+would size the grid with; and the batch-1 GEMV (kernels/gemv.py) at the
+engine's launch shape and the others ``linear_bandwidth.py`` times, for
+their registers and spills (``kernels_compile_sm90.json``/``.md``).
 """
 
 from __future__ import annotations
@@ -589,16 +591,51 @@ def compile_report(num_kv_heads: int, block_size: int) -> list[dict]:
     return rows
 
 
+# (BLOCK_N, BLOCK_K, warps) of the GEMV compiled offline: the engine's, and
+# linear_bandwidth.py's sweep corners (32x512 with two warps collapsed to
+# 8-10% of copy on an H100).
+GEMV_SHAPES = [(16, 512, 4), (4, 512, 4), (8, 512, 4), (32, 512, 4), (16, 256, 4), (32, 512, 2), (16, 512, 2)]
+
+
+def gemv_compile_report() -> list[dict]:
+    from fluidserve.kernels import gemv
+
+    rows = []
+    w = torch.empty((4096, 4096), dtype=torch.bfloat16)
+    x, y = torch.empty((1, 4096), dtype=torch.bfloat16), torch.empty((1, 4096), dtype=torch.bfloat16)
+    for block_n, block_k, warps in GEMV_SHAPES:
+        args = dict(x_ptr=x, w_ptr=w, bias_ptr=y, residual_ptr=y, y_ptr=y, N=4096, K=4096, stride_wn=4096)
+        constexprs = dict(HAS_BIAS=False, HAS_RESIDUAL=True, BLOCK_N=block_n, BLOCK_K=block_k)
+        res = _compile_offline(gemv._gemv_kernel, args, constexprs, (), warps)
+        engine = (block_n, block_k, warps) == (gemv.BLOCK_N, gemv.MAX_BLOCK_K, gemv.NUM_WARPS)
+        res.update(kernel="gemv", variant=f"{block_n}x{block_k}/{warps}" + (" (the engine's)" if engine else ""))
+        rows.append(res)
+        print(f"gemv {res['variant']:24s} regs={res['registers']} stack={res['stack_bytes']} "
+              f"local={res['local_bytes']} ({res['compile_s']:.1f} s)")  # fmt: skip
+    return rows
+
+
 def compile_markdown(rows: list[dict], triton_version: str) -> str:
-    lines = ["# Attention variants compiled for sm_90, no GPU", "",
+    lines = ["# Attention and GEMV variants compiled for sm_90, no GPU", "",
              f"Triton {triton_version}; registers and local memory from the cubin (cuobjdump), occupancy from "
              "paged_attention.occupancy with an H100 SM's limits (64K registers, 2048 threads, 228 KiB shared).",
              "", "| dtype | head_dim | group | variant | warps | registers | shared B | local B | programs/SM |",
              "|---|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
+        if r.get("kernel", "attention") != "attention":
+            continue
         cells = (r["dtype"], r["head_dim"], r["group"], r["variant"], r["num_warps"], r["registers"],
                  r["shared_bytes"], r["local_bytes"], r["programs_per_sm"])  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
+    gemvs = [r for r in rows if r.get("kernel") == "gemv"]
+    if gemvs:
+        lines += ["", "## Batch-1 GEMV (kernels/gemv.py), bf16, residual fused", "",
+                  "BLOCK_N x BLOCK_K / warps. Stack and local bytes are spills: a shape that spills reads its "
+                  "accumulator back from memory on every step.", "",
+                  "| launch shape | registers | shared B | stack B | local B |",
+                  "|---|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {r['variant']} | {r['registers']} | {r['shared_bytes']} | {r['stack_bytes']} | "
+                  f"{r['local_bytes']} |" for r in gemvs]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -610,7 +647,7 @@ def compile_main(args: argparse.Namespace) -> int:
         return 1
     import triton
 
-    rows = compile_report(args.num_kv_heads, args.block_size)
+    rows = compile_report(args.num_kv_heads, args.block_size) + gemv_compile_report()
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / "kernels_compile_sm90"
     stem.with_suffix(".json").write_text(json.dumps(dict(triton=triton.__version__, variants=rows), indent=2))

@@ -737,10 +737,19 @@ def kernels_compile(stem: str) -> tuple[list[str], list[str]]:
            "and local memory from the cubin, occupancy from an H100 SM's limits; the timings on a GPU are in "
            "[On a GPU](#on-a-gpu).", ""]
     out += [f"- `benchmarks/results/{stem}.json`", ""]
+    attention = [v for v in d["variants"] if v.get("kernel", "attention") == "attention"]
     out += table(["dtype", "head dim", "group", "variant", "warps", "registers", "shared bytes", "local bytes",
                   "programs/SM"],
                  [[v["dtype"], v["head_dim"], v["group"], v["variant"], v["num_warps"], v["registers"],
-                   v["shared_bytes"], v["local_bytes"], v["programs_per_sm"]] for v in d["variants"]], "lrrl" + "r" * 5)
+                   v["shared_bytes"], v["local_bytes"], v["programs_per_sm"]] for v in attention], "lrrl" + "r" * 5)
+    gemv = [v for v in d["variants"] if v.get("kernel") == "gemv"]
+    if gemv:
+        out += ["The batch-1 GEMV (kernels/gemv.py, bf16, residual fused) at the engine's launch shape and the "
+                "others `linear_bandwidth.py` times (BLOCK_N x BLOCK_K / warps); stack and local bytes are spills.",
+                ""]
+        out += table(["launch shape", "registers", "shared bytes", "stack bytes", "local bytes"],
+                     [[v["variant"], v["registers"], v["shared_bytes"], v["stack_bytes"], v["local_bytes"]]
+                      for v in gemv], "lrrrr")
     return out, []
 
 
