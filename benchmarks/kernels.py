@@ -36,7 +36,7 @@ rewritten after each mode).
 sm_90 (H100/H200) with the arguments a real launch passes, reads registers,
 shared memory and spills off the cubin, and gives the occupancy the launcher
 would size the grid with; and the batch-1 GEMV (kernels/gemv.py) at the
-engine's launch shape and the others ``linear_bandwidth.py`` times, for
+engine's launch shape and others ``linear_bandwidth.py`` timed, for
 their registers and spills (``kernels_compile_sm90.json``/``.md``).
 """
 
@@ -592,8 +592,8 @@ def compile_report(num_kv_heads: int, block_size: int) -> list[dict]:
 
 
 # (BLOCK_N, BLOCK_K, warps) of the GEMV compiled offline: the engine's, and
-# linear_bandwidth.py's sweep corners (32x512 with two warps collapsed to
-# 8-10% of copy on an H100).
+# shapes linear_bandwidth.py timed on an H100 (32x512 with two warps ran at
+# 8-10% of copy there).
 GEMV_SHAPES = [(16, 512, 4), (4, 512, 4), (8, 512, 4), (32, 512, 4), (16, 256, 4), (32, 512, 2), (16, 512, 2)]
 
 

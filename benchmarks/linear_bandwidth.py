@@ -83,13 +83,9 @@ def triton_skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_n: 
 def triton_gemv(
     x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int, num_warps: int
 ) -> torch.Tensor:
-    n, k = w.shape
-    if x.shape != (1, k) or k % block_k or w.stride(1) != 1:
+    if not gemv.supports(x, w, None, None) or w.shape[1] % block_k:
         raise ValueError(f"triton_gemv: x {tuple(x.shape)}, w {tuple(w.shape)}, BLOCK_K {block_k}")
-    gemv._gemv_kernel[(triton.cdiv(n, block_n),)](x, w, out, out, out, n, k, w.stride(0), HAS_BIAS=False,
-                                                  HAS_RESIDUAL=False, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                  num_warps=num_warps)  # fmt: skip
-    return out
+    return gemv.launch(x, w, None, None, out=out, block_n=block_n, k_step=block_k, num_warps=num_warps)
 
 
 def layer_shapes(cfg: dict) -> list[tuple[str, int, int, int]]:

@@ -744,8 +744,8 @@ def kernels_compile(stem: str) -> tuple[list[str], list[str]]:
                    v["shared_bytes"], v["local_bytes"], v["programs_per_sm"]] for v in attention], "lrrl" + "r" * 5)
     gemv = [v for v in d["variants"] if v.get("kernel") == "gemv"]
     if gemv:
-        out += ["The batch-1 GEMV (kernels/gemv.py, bf16, residual fused) at the engine's launch shape and the "
-                "others `linear_bandwidth.py` times (BLOCK_N x BLOCK_K / warps); stack and local bytes are spills.",
+        out += ["The batch-1 GEMV (kernels/gemv.py, bf16, residual fused) at the engine's launch shape and "
+                "others `linear_bandwidth.py` timed (BLOCK_N x BLOCK_K / warps); stack and local bytes are spills.",
                 ""]
         out += table(["launch shape", "registers", "shared bytes", "stack bytes", "local bytes"],
                      [[v["variant"], v["registers"], v["shared_bytes"], v["stack_bytes"], v["local_bytes"]]

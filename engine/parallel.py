@@ -25,8 +25,9 @@ Linears over the same input are fused (q/k/v, gate/up): the fused parameter
 carries one ``Piece`` per checkpoint tensor, each with its own shard.
 
 On the CPU every linear runs oneDNN's kernel on a weight reordered once,
-after loading (``prepack_linears``); elsewhere ``kernels.ops.linear``
-(cuBLAS, or a Triton GEMV for one row inside a decode graph).
+after loading (``prepack_linears``); elsewhere, and on the CPU's Triton
+lane, ``kernels.ops.linear`` (cuBLAS, or a Triton GEMV for one row inside a
+decode graph).
 """
 
 from __future__ import annotations
@@ -194,7 +195,9 @@ class _PrepackedLinear(nn.Module):
         """Pack the weight as it is now; later changes to it are not seen
         (the loader packs once, after the last write)."""
         self._packed = None
-        if can_prepack(self.weight):
+        # The Triton lane (FLUIDSERVE_KERNELS=triton) runs the GPU's linears,
+        # the batch-1 kernel included, so it keeps the weight as loaded.
+        if can_prepack(self.weight) and ops.kernel_path(self.weight.device) != "triton":
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 
@@ -204,10 +207,7 @@ class _PrepackedLinear(nn.Module):
         where it can be: oneDNN's add post-op on the CPU, elsewhere a GEMM
         that accumulates into the residual in place (so the caller must own
         it). x: [T, in]."""
-        # One row on the Triton lane (FLUIDSERVE_KERNELS=triton) takes the
-        # GPU's batch-1 kernel, so that the CPU runs the GPU's code path.
-        if (self._packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu"
-                and not (x.shape[0] == 1 and ops.kernel_path(x.device) == "triton")):
+        if self._packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
             if residual is not None:
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._packed, bias, "add")
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")

@@ -91,11 +91,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if not supports(x, weight, bias, residual):
         raise ValueError(f"gemv: x {tuple(x.shape)} ({x.dtype}), weight {tuple(weight.shape)} ({weight.dtype}): "
                          "needs one contiguous row, matching dtypes and K a multiple of 16")
+    return launch(x, weight, bias, residual)
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+           out: torch.Tensor | None = None, block_n: int = BLOCK_N, k_step: int | None = None,
+           num_warps: int = NUM_WARPS) -> torch.Tensor:  # fmt: skip
+    """``gemv`` for inputs ``supports`` has passed, unchecked (the dispatch
+    checks once); ``out`` (default: ``residual``, else a new [1, N]) and the
+    launch shape are for benchmarks: the engine's is the default."""
     n, k = weight.shape
-    out = residual if residual is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
-        x, weight, bias if bias is not None else out, out, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        BLOCK_N=BLOCK_N, BLOCK_K=block_k(k), num_warps=NUM_WARPS,
+    if out is None:
+        out = residual if residual is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else out, residual if residual is not None else out, out,
+        n, k, weight.stride(0), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        BLOCK_N=block_n, BLOCK_K=k_step or block_k(k), num_warps=num_warps,
     )  # fmt: skip
     return out

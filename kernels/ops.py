@@ -185,10 +185,10 @@ def linear(
                                                        or torch.cuda.is_current_stream_capturing()):
         from fluidserve.kernels import gemv
 
-        fused = residual if bias is None else None
+        fused = residual if bias is None else None  # with a bias, rounded before the add as below
         if gemv.supports(x, weight, bias, fused):
-            y = gemv.gemv(x, weight, bias, fused)
-            return y if residual is None or fused is not None else y.add_(residual)
+            y = gemv.launch(x, weight, bias, fused)
+            return y if fused is residual else y.add_(residual)
     if residual is None:
         return torch.nn.functional.linear(x, weight, bias)
     if bias is not None:
