@@ -12,6 +12,9 @@
 #   batch-1 decode        120 / 90 s   Llama-3-8B-shaped dummy model, eager, with
 #                                      decode CUDA graphs, and graphs with async
 #                                      scheduling, against the HBM roofline
+#   mixed steps            90 / 60 s   benchmarks/mixed_steps.py: prefill chunks beside
+#                                      decodes, eager against piecewise graphs (and
+#                                      decode-only against decode graphs)
 #   throughput            180 / 90 s   offline, graphs on, against transformers:
 #                                      64 prompts x 128 tokens, and again with
 #                                      async scheduling (--quick: 32 x 64, no
@@ -37,6 +40,7 @@
 #   gpu_check_<device>.log         every step's output
 #   gpu_tests_engine_<device>.json, gpu_tests_kernels_<device>.json
 #   batch1_decode_<device>.json, .md
+#   mixed_steps_<device>.json, .md
 #   throughput-<device>-llama3-8b-graphs.json, .md
 #   kernels_<device>.json, .md
 #   linear_bandwidth_<device>.json, .md
@@ -76,6 +80,7 @@ if [ "$QUICK" -eq 1 ]; then
     MODE=quick BUDGET=225
     INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=120 KERNEL_TESTS_LIMIT=90
     DECODE_LIMIT=90 THROUGHPUT_LIMIT=90 BENCH_LIMIT=60 LINEAR_LIMIT=45 PROFILE_LIMIT=60 SWAP_LIMIT=30
+    MIXED_LIMIT=60 MIXED_ARGS=(--reps 10)
     THROUGHPUT_SIZE=(--num-prompts 32 --output-len 64 --skip-continuous)
     BENCH_ARGS=(--quick)
     PROFILE_ARGS=(--output-len 32 --python-top 0)
@@ -84,6 +89,7 @@ else
     MODE=full BUDGET=540
     INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=180 KERNEL_TESTS_LIMIT=180
     DECODE_LIMIT=120 THROUGHPUT_LIMIT=180 BENCH_LIMIT=90 LINEAR_LIMIT=60 PROFILE_LIMIT=90 SWAP_LIMIT=45
+    MIXED_LIMIT=90 MIXED_ARGS=()
     THROUGHPUT_SIZE=(--num-prompts 64 --output-len 128 --async-scheduling)
     BENCH_ARGS=()
     PROFILE_ARGS=()
@@ -144,13 +150,15 @@ declare -A NAMES=(
     [engine_tests]="engine GPU tests"
     [kernel_tests]="kernel GPU tests"
     [batch1_decode]="batch-1 decode, eager, graphs, graphs + async"
+    [mixed_steps]="mixed steps, eager vs piecewise graphs"
     [throughput]="throughput vs transformers, graphs"
     [kernel_bench]="kernel benchmark"
     [linears]="batch-1 linears"
     [profile]="decode profile"
     [swap_copy]="swap copy"
 )
-ORDER=(install import engine_tests kernel_tests batch1_decode throughput kernel_bench linears profile swap_copy)
+ORDER=(install import engine_tests kernel_tests batch1_decode mixed_steps throughput kernel_bench linears profile
+       swap_copy)
 PLAN=()
 for key in "${ORDER[@]}"; do PLAN+=("$key=${NAMES[$key]}"); done
 "${REPORT[@]}" init --summary "$SUMMARY" --device "$DEVICE" --versions "$VERSIONS" --commit "$COMMIT" \
@@ -227,6 +235,9 @@ run_step kernel_tests "$KERNEL_TESTS_LIMIT" "$RESULTS/gpu_tests_kernels_${SLUG}.
 
 run_step batch1_decode "$DECODE_LIMIT" "$RESULTS/batch1_decode_${SLUG}.json" "" \
     "$PY" benchmarks/kernels.py --batch1-decode --decode-modes eager graphs graphs-async --out "$RESULTS"
+
+run_step mixed_steps "$MIXED_LIMIT" "$RESULTS/mixed_steps_${SLUG}.json" "" \
+    "$PY" benchmarks/mixed_steps.py --out "$RESULTS" "${MIXED_ARGS[@]}"
 
 run_step throughput "$THROUGHPUT_LIMIT" "$RESULTS/throughput-${SLUG}-llama3-8b-graphs.json" "" \
     "$PY" benchmarks/throughput.py --preset llama3-8b --device cuda --no-enforce-eager "${THROUGHPUT_SIZE[@]}" \

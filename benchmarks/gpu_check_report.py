@@ -190,8 +190,20 @@ def _fmt_linears(r: dict) -> tuple[str, dict]:
     return text, figures
 
 
+def _fmt_mixed(r: dict) -> tuple[str, dict]:
+    rows = r.get("rows") or []
+    if not rows:
+        return "no step timed", {}
+    parts = [f"{x['chunk']}+{x['decodes']}: eager {x['eager_over_piecewise']:.2f}x piecewise" for x in rows]
+    figures = {f"eager_over_piecewise_{x['chunk']}_{x['decodes']}": x["eager_over_piecewise"] for x in rows}
+    for x in rows:
+        if "piecewise_over_graph" in x:
+            figures[f"piecewise_over_graph_{x['decodes']}"] = x["piecewise_over_graph"]
+    return "; ".join(parts), figures
+
+
 READERS = {"tests": _fmt_tests, "batch1_decode": _fmt_batch1, "throughput": _fmt_throughput, "kernels": _fmt_kernels,
-           "linears": _fmt_linears, "profile": _fmt_profile, "swap": _fmt_swap}  # fmt: skip
+           "linears": _fmt_linears, "profile": _fmt_profile, "swap": _fmt_swap, "mixed": _fmt_mixed}  # fmt: skip
 
 
 def reader_for(result: Path):
@@ -199,7 +211,8 @@ def reader_for(result: Path):
     if name.startswith("gpu_tests_"):
         return READERS["tests"]
     for prefix, kind in (("batch1_decode_", "batch1_decode"), ("throughput-", "throughput"), ("kernels_", "kernels"),
-                         ("linear_bandwidth_", "linears"), ("profile_decode_", "profile"), ("swap_copy_", "swap")):
+                         ("linear_bandwidth_", "linears"), ("profile_decode_", "profile"), ("swap_copy_", "swap"),
+                         ("mixed_steps_", "mixed")):
         if name.startswith(prefix):
             return READERS[kind]
     return None

@@ -753,8 +753,9 @@ def kernels_compile(stem: str) -> tuple[list[str], list[str]]:
     return out, []
 
 
-GPU_STEMS = ["gpu_check_*", "batch1_decode_*", "linear_bandwidth_*", "throughput-nvidia*", "kernels_nvidia*",
-             "profile_decode_nvidia*", "attention_tuning_*", "op_counts-nvidia*", "swap_copy_*", "gpu_tests_*"]
+GPU_STEMS = ["gpu_check_*", "batch1_decode_*", "mixed_steps_nvidia*", "linear_bandwidth_*", "throughput-nvidia*",
+             "kernels_nvidia*", "profile_decode_nvidia*", "attention_tuning_*", "op_counts-nvidia*", "swap_copy_*",
+             "gpu_tests_*"]
 
 
 def gpu(_: str) -> tuple[list[str], list[str]]:

@@ -84,6 +84,10 @@ class EngineConfig(ConfigTree):
               "string costs one discarded token (default: on with CUDA, off on the CPU)")
     cuda_graph_sizes: tuple[int, ...] | None = setting(
         None, "batch sizes captured as decode graphs (default: 1 2 4 ... 256, up to --max-num-seqs)")
+    piecewise_graphs: bool = setting(
+        False, "also capture, for steps of up to 512 tokens that decode graphs do not take (prefill chunks, "
+               "mixed steps), every stretch between two attention calls as a CUDA graph, attention eager "
+               "between them (Llama family, with decode graphs)")
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)

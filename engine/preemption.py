@@ -199,6 +199,11 @@ class LayerLoop:
         forward that failed before its layers cannot pass it on)."""
         self._resume = paused
 
+    @property
+    def resuming(self) -> bool:
+        """Whether the next ``run`` starts part-way, from a paused step."""
+        return self._resume is not None
+
     def run(self, layers: Iterable[Any], kv_caches: Iterable[Any], x: torch.Tensor,
             call: Callable[[Any, torch.Tensor, Any], torch.Tensor],
             attend: Callable[[Any, torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:

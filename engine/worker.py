@@ -24,6 +24,8 @@ from fluidserve.engine.batch import ModelInput, SampleSpec, StepResult
 from fluidserve.engine.cache_engine import CacheEngine
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_mode
+from fluidserve.engine.piecewise import PiecewiseGraphs, token_sizes
+from fluidserve.engine.piecewise import supports as supports_piecewise
 from fluidserve.engine.loader import (build_model, eos_token_ids, init_dummy_weights, load_hf_config, load_tokenizer,
                                       load_weights, model_context_length, resolve_dtype)
 from fluidserve.engine.model_runner import ModelRunner
@@ -86,6 +88,8 @@ class Worker:
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.runtime)
         # Decode CUDA graphs, captured by warm_up when asked for (off by default).
         self.graphs: DecodeGraphs | None = None
+        # Piecewise graphs of the other steps (--piecewise-graphs), captured beside them.
+        self.piecewise: PiecewiseGraphs | None = None
         self._graph_mode = graph_mode(config.enforce_eager, self.runtime, self.tp.size)
         # Grammar matchers of constrained sequences; the tokenizer loads on first use.
         stops = [t for t in [self.eos_token_id, *eos_token_ids(hf_config, model_dir)] if t is not None]
@@ -155,7 +159,7 @@ class Worker:
         return int(gib * 2**30) // self.bytes_per_block()
 
     def init_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
-        self.graphs = None  # graphs hold the old cache's addresses
+        self.graphs = self.piecewise = None  # graphs hold the old cache's addresses
         self.cache = None  # free the old tensors before the new ones are made
         self.cache = CacheEngine(self.num_layers, self.config.block_size, self.num_kv_heads, self.head_dim,
                                  self.dtype, self.device, num_blocks, num_host_blocks)
@@ -179,6 +183,12 @@ class Worker:
         ))
         if self._graph_mode is not None:
             self.graphs = self.decode_graphs(capture=self._graph_mode == "capture")
+        if self.config.piecewise_graphs:
+            if self._graph_mode == "capture" and supports_piecewise(self.model):
+                self.piecewise = self.piecewise_graphs(capture=True)
+            else:
+                log.warning("--piecewise-graphs needs CUDA graphs (one GPU, no --enforce-eager) and a model "
+                            "family that cuts its forward into pieces (Llama): running mixed steps eagerly")
 
     def decode_graphs(self, capture: bool) -> DecodeGraphs:
         """Decode-only steps in batch-size buckets over this worker's cache:
@@ -190,13 +200,21 @@ class Worker:
         sizes = capture_sizes(cfg.max_num_seqs, cfg.cuda_graph_sizes)
         return DecodeGraphs(self.model, self.device, self.kv_caches, sizes, width, cfg.block_size, capture=capture)
 
+    def piecewise_graphs(self, capture: bool) -> PiecewiseGraphs:
+        """The steps decode graphs do not take, in token buckets, attention
+        eager between graphed pieces; ``capture=False`` runs the pieces
+        eagerly over the same static buffers (tests on CPU)."""
+        sizes = token_sizes(self.config.max_num_batched_tokens)
+        return PiecewiseGraphs(self.model, self.runner, self.device, self.kv_caches, sizes, capture=capture)
+
     # -- one step ----------------------------------------------------------
     def _forward(self, inp: ModelInput,
                  feed: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.graphs is not None:
-            out = self.graphs.forward(inp, feed)  # None: the step does not fit a bucket
-            if out is not None:
-                return out
+        for graphs in (self.graphs, self.piecewise):
+            if graphs is not None:
+                out = graphs.forward(inp, feed)  # None: the step does not fit a bucket
+                if out is not None:
+                    return out
         return self.runner.forward(inp, self.kv_caches, feed)
 
     def _feed(self, input_ids: torch.Tensor) -> None:

@@ -68,15 +68,21 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        return self.o_proj(self.attend(rope, self.qkv_proj(x), kv_cache, meta))  # [T, hidden], all-reduced
+
+    def attend(self, rope: Rope, qkv: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """[T, (Hq + 2 Hk) D / tp] projected rows -> [T, Hq D / tp]: the KV
+        write and the attention, the part of a layer whose work depends on
+        every sequence's length (piecewise graphs run it between graphs)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split(self.qkv_proj.sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq / tp, D], a view of the qkv output
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hk / tp, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q, meta.kernels), self.k_norm(k, meta.kernels)
         # rope rotates q and k in place, in the launch that writes the cache
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta, rope))  # [T, hidden], all-reduced
+        return self.attn(q, k, v, kv_cache, meta, rope)
 
 
 def _kv_sharding(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
@@ -142,6 +148,15 @@ class LlamaDecoderLayer(nn.Module):
     def feed_forward(self, x):
         return self.mlp(self.post_attention_layernorm(x), x)
 
+    # The stretches around attention, for piecewise graphs (engine/piecewise.py):
+    # project, [attention], finish; forward's arithmetic in the same order.
+    def project(self, x, path):
+        return self.self_attn.qkv_proj(self.input_layernorm(x, path))
+
+    def finish(self, attended, x, path):
+        h, x = self.post_attention_layernorm.add_forward(self.self_attn.o_proj(attended), x, path)
+        return self.mlp(h, x, path)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config, tp: TensorParallel) -> None:
@@ -159,6 +174,24 @@ class LlamaModel(nn.Module):
         x = self.layer_loop.run(self.layers, kv_caches, x, lambda layer, x, kv: layer(rope, x, kv, meta),
                                 lambda layer, x, kv: layer.attend(rope, x, kv, meta))
         return self.norm(x, meta.kernels)
+
+    # Piecewise graphs (engine/piecewise.py): forward cut at every attention,
+    # the same arithmetic in the same order. A piece returns what the next
+    # needs; attention runs between pieces on the step's real rows.
+    def piece_first(self, input_ids, positions, path):
+        """Embedding, the step's rope table, layer 0's norm and QKV: (x, cos, sin, qkv)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        return x, cos, sin, self.layers[0].project(x, path)
+
+    def piece_between(self, i, attended, x, path):
+        """Layer ``i - 1`` after its attention, then layer ``i``'s norm and QKV: (x, qkv)."""
+        x = self.layers[i - 1].finish(attended, x, path)
+        return x, self.layers[i].project(x, path)
+
+    def piece_last(self, attended, x, path):
+        """The last layer after its attention, and the final norm: [T, hidden]."""
+        return self.norm(self.layers[-1].finish(attended, x, path), path)
 
 
 class LlamaForCausalLM(nn.Module):

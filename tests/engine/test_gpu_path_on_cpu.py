@@ -194,6 +194,32 @@ def test_lane_decode_buckets_give_eager_tokens_and_kv_bit_for_bit(tiny_model, ma
 
 
 @lane_only
+def test_lane_piecewise_steps_give_eager_tokens_and_kv(tiny_model, make_llm, triton_lane):
+    """Piecewise graphs' pieces in the lane (Triton norms, rope and KV write,
+    attention between them on the step's real rows), run over the padded
+    static buffers a capture reads, beside the lane's decode buckets: a
+    prefill chunk and a mixed step give the eager Triton path's tokens, and
+    its KV cache to fp32 rounding."""
+    path = tiny_model("llama")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kwargs = dict(LANE_KWARGS, dtype="float32", block_size=8, scheduling_policy="fcfs")
+    eager_llm = make_llm(path, **kwargs)
+    piece_llm = make_llm(path, **kwargs)
+    worker = piece_llm.engine.executor.worker
+    worker.piecewise = worker.piecewise_graphs(capture=False)
+    eager = [o.outputs[0].token_ids for o in eager_llm.generate(PROMPTS[:3], params)]
+    pieces = [o.outputs[0].token_ids for o in piece_llm.generate(PROMPTS[:3], params)]
+    assert pieces == eager
+    assert set(worker.piecewise.replays) == {16, 32}  # the prefill chunk, then the mixed step
+    assert sum(worker.graphs.replays.values()) >= 4  # the lane's decode buckets took the decode steps
+    # The lane's GEMMs (F.linear) round by their row count: 11 rows padded
+    # to 16 differ from 11 in the last bit, as cuBLAS's do on a GPU.
+    for (k1, v1), (k2, v2) in zip(eager_llm.engine.executor.worker.kv_caches, worker.kv_caches):
+        torch.testing.assert_close(k2, k1, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-6)
+
+
+@lane_only
 def test_partial_buffers_hold_every_bucket_when_the_split_cap_binds(tiny_model, make_llm, triton_lane,
                                                                      monkeypatch):
     """With the split-K budget below the largest bucket (8 rows against a
