@@ -17,8 +17,9 @@
 #                                      decode-only against decode graphs)
 #   throughput            180 / 90 s   offline, graphs on, against transformers:
 #                                      64 prompts x 128 tokens, and again with
-#                                      async scheduling (--quick: 32 x 64, no
-#                                      generate_batch, no async run)
+#                                      async scheduling, and (last) with piecewise
+#                                      graphs (--quick: 32 x 64, no generate_batch,
+#                                      no async or piecewise run)
 #   kernel benchmark       90 / 60 s   benchmarks/kernels.py (--quick: short sweep)
 #   batch-1 linears        60 / 45 s   benchmarks/linear_bandwidth.py: each linear of a
 #                                      decode token with cuBLAS and with kernels/gemv.py
@@ -90,7 +91,7 @@ else
     INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=180 KERNEL_TESTS_LIMIT=180
     DECODE_LIMIT=120 THROUGHPUT_LIMIT=180 BENCH_LIMIT=90 LINEAR_LIMIT=60 PROFILE_LIMIT=90 SWAP_LIMIT=45
     MIXED_LIMIT=90 MIXED_ARGS=()
-    THROUGHPUT_SIZE=(--num-prompts 64 --output-len 128 --async-scheduling)
+    THROUGHPUT_SIZE=(--num-prompts 64 --output-len 128 --async-scheduling --piecewise-graphs)
     BENCH_ARGS=()
     PROFILE_ARGS=()
     SWAP_ARGS=()

@@ -54,13 +54,13 @@ def sync(device: str) -> None:
 
 
 def run_fluidserve(model_dir: Path, prompts, output_len: int, device: str, dtype: str, args,
-                   async_scheduling: bool = False) -> dict:
+                   async_scheduling: bool = False, piecewise: bool = False) -> dict:
     from fluidserve.engine import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), load_format="dummy", device=device, dtype=dtype,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               num_kv_blocks=args.num_kv_blocks, max_model_len=max(map(len, prompts)) + output_len,
-              enforce_eager=args.enforce_eager, async_scheduling=async_scheduling)
+              enforce_eager=args.enforce_eager, async_scheduling=async_scheduling, piecewise_graphs=piecewise)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     sync(device)
@@ -72,12 +72,14 @@ def run_fluidserve(model_dir: Path, prompts, output_len: int, device: str, dtype
     stats = llm.engine.stats()
     # Engine internals, read only to confirm the graphs path ran: None when
     # the engine holds no graphs (eager, or not on CUDA).
-    graphs = getattr(getattr(llm.engine.executor, "worker", None), "graphs", None)
-    replays = getattr(graphs, "replays", None)
+    worker = getattr(llm.engine.executor, "worker", None)
+    replays = getattr(getattr(worker, "graphs", None), "replays", None)
+    pieces = getattr(getattr(worker, "piecewise", None), "replays", None)
     llm.engine.shutdown()
     return {"elapsed_s": elapsed, "output_tokens": tokens, "steps": stats.num_steps,
             "steps_launched_ahead": stats.num_steps_launched_ahead,
             "graph_replays": None if replays is None else sum(replays.values()),
+            "piecewise_replays": None if pieces is None else sum(pieces.values()),
             "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
 
 
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--async-scheduling", action="store_true",
                     help="also run fluidserve with async scheduling (the default with CUDA), right after the "
                          "synchronous run")
+    ap.add_argument("--piecewise-graphs", action="store_true",
+                    help="also run fluidserve with --piecewise-graphs (synchronous, as the first run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
@@ -193,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                                                               args.hf_batch_size or min(len(prompts), 64)))]
         if not args.skip_continuous:
             runs.append(("hf_generate_batch", lambda: run_hf_continuous(model_dir, prompts, output_len, device, dtype)))
+        if args.piecewise_graphs:  # last: a run cut off short loses it, not a baseline
+            runs.append(("fluidserve_piecewise", lambda: run_fluidserve(model_dir, prompts, output_len, device,
+                                                                        dtype, args, piecewise=True)))
         reference: list[list[int]] = []
         for name, fn in runs:
             try:
@@ -235,9 +242,9 @@ def _shown(path: Path) -> str:
 
 def speedups(results: dict) -> dict[str, dict[str, float]]:
     """Each run of ours over every run before it that is not ours, and the
-    async run over the default one: ``{ours: {other: ratio}}``."""
+    async and piecewise runs over the default one: ``{ours: {other: ratio}}``."""
     out: dict[str, dict[str, float]] = {}
-    for ours in ("fluidserve", "fluidserve_async"):
+    for ours in ("fluidserve", "fluidserve_async", "fluidserve_piecewise"):
         mine = results.get(ours, {}).get("tokens_per_s")
         if mine:
             out[ours] = {k: mine / v["tokens_per_s"] for k, v in results.items()
@@ -251,6 +258,8 @@ def write_results(stem: Path, base: dict, results: dict) -> None:
     record = {**base, "results": results, "speedup": ratios}
     if "fluidserve_async" in every:
         record["async_speedup"] = every["fluidserve_async"]
+    if "fluidserve_piecewise" in every:
+        record["piecewise_speedup"] = every["fluidserve_piecewise"]
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(record, indent=2))
     ours = results.get("fluidserve", {})
@@ -277,6 +286,13 @@ def write_results(stem: Path, base: dict, results: dict) -> None:
             line += (f"; {async_run['steps_launched_ahead']} of {async_run['steps']} steps queued ahead; "
                      f"{async_run['same_tokens_as_fluidserve']:.0%} of prompts gave the synchronous run's tokens")
         lines += ["", line + "."]
+    piece_run = results.get("fluidserve_piecewise", {})
+    if "tokens_per_s" in piece_run:
+        over = ", ".join(f"{v:.2f}x {k}" for k, v in record["piecewise_speedup"].items())
+        replayed = (f"{piece_run['piecewise_replays']} of {piece_run['steps']} steps replayed piecewise"
+                    if piece_run.get("piecewise_replays") is not None else "no piecewise graphs on this device")
+        lines += ["", f"fluidserve with piecewise graphs: {over}; {replayed}; "
+                      f"{piece_run['same_tokens_as_fluidserve']:.0%} of prompts gave the synchronous run's tokens."]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
