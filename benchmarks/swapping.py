@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity-jobs", type=int, default=300)
     ap.add_argument("--loads", default="0.7,0.9")
     ap.add_argument("--speeds", default="1,2")
-    ap.add_argument("--seeds", default="0,1,2",
+    ap.add_argument("--seeds", default="0,1,2,3,4,5,6",
                     help="synthetic jobs' seeds: the first runs everything, the others the main variants at the "
                          "highest load; the targets take the median")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
