@@ -184,11 +184,11 @@ class Worker:
         if self._graph_mode is not None:
             self.graphs = self.decode_graphs(capture=self._graph_mode == "capture")
         if self.config.piecewise_graphs:
-            if self._graph_mode == "capture" and supports_piecewise(self.model):
-                self.piecewise = self.piecewise_graphs(capture=True)
+            if self._graph_mode is not None and supports_piecewise(self.model):
+                self.piecewise = self.piecewise_graphs(capture=self._graph_mode == "capture")
             else:
-                log.warning("--piecewise-graphs needs CUDA graphs (one GPU, no --enforce-eager) and a model "
-                            "family that cuts its forward into pieces (Llama): running mixed steps eagerly")
+                log.warning("--piecewise-graphs needs decode graphs (CUDA, one GPU, no --enforce-eager) and a "
+                            "model family that cuts its forward into pieces (Llama): running mixed steps eagerly")
 
     def decode_graphs(self, capture: bool) -> DecodeGraphs:
         """Decode-only steps in batch-size buckets over this worker's cache:
