@@ -145,3 +145,20 @@ def test_mixed_steps_benchmark_runs_and_reports(tmp_path):
         sys.path.pop(0)
     text, figures = reader_for(record_path)(record)
     assert "448+64: eager" in text and "eager_over_piecewise_448_64" in figures
+
+
+def test_async_fed_rows_through_the_pieces(tiny_model, make_llm):
+    """With async scheduling the queued decode steps' input ids are fed on
+    the device from the last step's tokens; without decode graphs those
+    steps come here, and the fed ids must reach the static buffers: tokens
+    equal synchronous eager steps'."""
+    path = tiny_model("llama")
+    kwargs = dict(num_kv_blocks=96, block_size=8, max_model_len=256)
+    sync = make_llm(path, async_scheduling=False, **kwargs).generate(PROMPTS, GREEDY)
+    llm = make_llm(path, async_scheduling=True, **kwargs)
+    worker = llm.engine.executor.worker
+    worker.piecewise = worker.piecewise_graphs(capture=False)
+    ahead = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in ahead] == [o.outputs[0].token_ids for o in sync]
+    assert llm.engine.stats().num_steps_launched_ahead >= 5
+    assert sum(worker.piecewise.replays.values()) >= 10
