@@ -419,23 +419,16 @@ class DecodeGraphs:
     def _forward_static(self, bucket: Bucket) -> torch.Tensor:
         return self.model(bucket.input_ids, bucket.positions, self.kv_caches, bucket.metadata(self.kernels))
 
-    @torch.inference_mode()
     def _capture_all(self) -> None:
-        """One graph per bucket, largest first, all in one memory pool:
-        graphs replay one at a time, so their activations may share it."""
-        start = time.monotonic()
-        pool = self.runtime.graph_pool()
-        for b in sorted(self.sizes, reverse=True):
-            bucket = self.buckets[b]
-            bucket.write_padding()
-            bucket.upload()
-            meta = bucket.metadata(self.kernels)
-            bucket.replay = self.runtime.capture(
-                lambda bucket=bucket, meta=meta: self.model(bucket.input_ids, bucket.positions, self.kv_caches, meta),
-                pool)
-        self.runtime.synchronize()
-        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", list(self.sizes),
-                 time.monotonic() - start)
+        capture_largest_first(self.runtime, self.sizes, self._capture_bucket, "decode CUDA graphs for batch sizes")
+
+    def _capture_bucket(self, b: int, pool: Any) -> None:
+        bucket = self.buckets[b]
+        bucket.write_padding()
+        bucket.upload()
+        meta = bucket.metadata(self.kernels)
+        bucket.replay = self.runtime.capture(
+            lambda: self.model(bucket.input_ids, bucket.positions, self.kv_caches, meta), pool)
 
     def bucket_for(self, inp: ModelInput) -> int | None:
         """The bucket a step runs in; None (and the reason counted) if eager."""
@@ -462,6 +455,20 @@ class DecodeGraphs:
         hidden = bucket.replay() if bucket.replay is not None else self._forward_static(bucket)
         self.replays[b] = self.replays.get(b, 0) + 1
         return hidden[:len(inp.input_ids)], bucket.sample_idx[:len(inp.sample_indices)]
+
+
+@torch.inference_mode()
+def capture_largest_first(runtime: DeviceRuntime, sizes: tuple[int, ...], capture: Callable[[int, Any], None],
+                          what: str) -> None:
+    """``capture(size, pool)`` for every bucket size, largest first, all into
+    one memory pool: graphs replay one at a time, so their activations may
+    share it (decode graphs and piecewise graphs alike)."""
+    start = time.monotonic()
+    pool = runtime.graph_pool()
+    for size in sorted(sizes, reverse=True):
+        capture(size, pool)
+    runtime.synchronize()
+    log.info("captured %s %s in %.1f s", what, list(sizes), time.monotonic() - start)
 
 
 def graph_mode(enforce_eager: bool, runtime: DeviceRuntime, tp_size: int) -> str | None:

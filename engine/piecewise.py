@@ -31,19 +31,16 @@ The model family supplies the pieces (``piece_first``, ``piece_between``,
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Callable
 
 import torch
 from torch import nn
 
 from fluidserve.engine.batch import ModelInput
+from fluidserve.engine.cuda_graphs import capture_largest_first
 from fluidserve.engine.layers import AttentionMetadata
 from fluidserve.engine.runtime import runtime_for
 from fluidserve.kernels import ops
-
-log = logging.getLogger(__name__)
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -77,7 +74,8 @@ class PiecewiseGraphs:
         self.runtime = runtime_for(device)
         if capture and not self.runtime.can_capture_graphs:
             raise ValueError("CUDA graphs need a CUDA device")
-        self.model, self.inner, self.runner = model, model.model, runner
+        self.inner, self.runner = model.model, runner
+        self.layer_loop = getattr(model, "layer_loop", None)  # a paused step resumes there
         self.kv_caches = kv_caches
         self.sizes = tuple(sorted(sizes))
         self.path = ops.kernel_path(device)
@@ -139,17 +137,12 @@ class PiecewiseGraphs:
         runs = [first] + [between(i) for i in range(1, len(inner.layers))] + [last]
         return runs if record is None else [record(run) for run in runs]
 
-    @torch.inference_mode()
     def _capture_all(self) -> None:
-        """Every bucket's pieces, largest first, all in one memory pool:
-        pieces replay one at a time, so their intermediates may share it."""
-        start = time.monotonic()
-        pool = self.runtime.graph_pool()
-        for p in sorted(self.sizes, reverse=True):
-            self._pieces[p] = self._build(p, lambda run: self.runtime.capture(run, pool))
-        self.runtime.synchronize()
-        log.info("captured piecewise CUDA graphs for %s tokens (%d graphs each) in %.1f s", list(self.sizes),
-                 len(self.inner.layers) + 1, time.monotonic() - start)
+        capture_largest_first(self.runtime, self.sizes, self._capture_bucket,
+                              f"piecewise CUDA graphs ({len(self.inner.layers) + 1} a bucket) for token buckets")
+
+    def _capture_bucket(self, p: int, pool) -> None:
+        self._pieces[p] = self._build(p, lambda run: self.runtime.capture(run, pool))
 
     # -- steps --------------------------------------------------------------
     def ineligible(self, inp: ModelInput) -> str | None:
@@ -160,8 +153,7 @@ class PiecewiseGraphs:
             return "larger than the largest bucket"
         if inp.preemptible:  # safepoints sit between layers: the layer loop runs them
             return "preemptible"
-        loop = getattr(self.model, "layer_loop", None)
-        if loop is not None and loop.resuming:
+        if self.layer_loop is not None and self.layer_loop.resuming:
             return "resumed"
         return None
 
@@ -185,11 +177,10 @@ class PiecewiseGraphs:
             self.input_ids[t:p].zero_()
             self.positions[t:p].zero_()
         pieces = self._pieces[p]
-        with torch.inference_mode():
-            for i, piece in enumerate(pieces[:-1]):
-                piece()
-                self._attend(i, t, meta)
-            hidden = pieces[-1]()
+        for i, piece in enumerate(pieces[:-1]):
+            piece()
+            self._attend(i, t, meta)
+        hidden = pieces[-1]()
         self.replays[p] = self.replays.get(p, 0) + 1
         return hidden[:t], sample_idx
 

@@ -135,7 +135,9 @@ class LlamaDecoderLayer(nn.Module):
         # norm, qkv GEMM, rope + KV write, attention, o_proj GEMM, residual
         # add + norm, gate/up GEMM, SiLU-mul, down GEMM adding the residual.
         path = meta.kernels
-        attn = self.self_attn(rope, self.input_layernorm(x, path), kv_cache, meta)
+        return self._after_attention(self.self_attn(rope, self.input_layernorm(x, path), kv_cache, meta), x, path)
+
+    def _after_attention(self, attn, x, path):
         h, x = self.post_attention_layernorm.add_forward(attn, x, path)  # x = attn + x, over attn
         return self.mlp(h, x, path)
 
@@ -148,14 +150,14 @@ class LlamaDecoderLayer(nn.Module):
     def feed_forward(self, x):
         return self.mlp(self.post_attention_layernorm(x), x)
 
-    # The stretches around attention, for piecewise graphs (engine/piecewise.py):
-    # project, [attention], finish; forward's arithmetic in the same order.
+    # forward's stretches around attention, which piecewise graphs
+    # (engine/piecewise.py) capture: project, [attention], finish. forward
+    # itself calls the attention module whole (its hooks run there).
     def project(self, x, path):
         return self.self_attn.qkv_proj(self.input_layernorm(x, path))
 
     def finish(self, attended, x, path):
-        h, x = self.post_attention_layernorm.add_forward(self.self_attn.o_proj(attended), x, path)
-        return self.mlp(h, x, path)
+        return self._after_attention(self.self_attn.o_proj(attended), x, path)
 
 
 class LlamaModel(nn.Module):

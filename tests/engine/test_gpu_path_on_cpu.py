@@ -194,6 +194,23 @@ def test_lane_decode_buckets_give_eager_tokens_and_kv_bit_for_bit(tiny_model, ma
 
 
 @lane_only
+def test_lane_decode_buckets_through_the_capture_loop(tiny_model, make_llm, triton_lane):
+    """The capture loop (``capture_largest_first``) over the CPU runtime's
+    stand-in, whose replay re-runs what it was given with the metadata of
+    the capture, as a graph replays its launches: tokens are eager's."""
+    path = tiny_model("llama")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kwargs = dict(LANE_KWARGS, dtype="float32", block_size=8, scheduling_policy="fcfs")
+    eager = [o.outputs[0].token_ids for o in make_llm(path, **kwargs).generate(PROMPTS[:3], params)]
+    graph_llm = make_llm(path, enforce_eager=False, **kwargs)
+    graphs = graph_llm.engine.executor.worker.graphs
+    graphs._capture_all()  # what capture=True runs on CUDA
+    assert all(b.replay is not None for b in graphs.buckets.values())
+    assert [o.outputs[0].token_ids for o in graph_llm.generate(PROMPTS[:3], params)] == eager
+    assert graphs.replays.get(4, 0) >= 5
+
+
+@lane_only
 def test_lane_piecewise_steps_give_eager_tokens_and_kv(tiny_model, make_llm, triton_lane):
     """Piecewise graphs' pieces in the lane (Triton norms, rope and KV write,
     attention between them on the step's real rows), run over the padded

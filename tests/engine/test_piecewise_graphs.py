@@ -67,6 +67,24 @@ def test_piecewise_takes_what_decode_graphs_leave(tiny_model, make_llm):
     assert "not decode-only" in worker.graphs.fallbacks
 
 
+def test_the_capture_path_over_the_cpu_stand_in(tiny_model, make_llm):
+    """The capture loop both kinds of graph share (``capture_largest_first``)
+    over the CPU runtime, whose capture records nothing and replays the run
+    itself: the pieces it leaves give eager's tokens. (The decode buckets'
+    turn is on the Triton lane, test_gpu_path_on_cpu.py: the CPU kernels
+    read host lengths a captured bucket cannot hold.)"""
+    path = tiny_model("llama")
+    eager, _ = run(make_llm, path, PROMPTS[:3], piecewise=False, max_num_batched_tokens=64)
+    llm = make_llm(path, num_kv_blocks=96, block_size=8, max_model_len=256, max_num_batched_tokens=64)
+    worker = llm.engine.executor.worker
+    worker.piecewise = worker.piecewise_graphs(capture=False)
+    worker.piecewise._pieces.clear()
+    worker.piecewise._capture_all()  # what capture=True runs on CUDA
+    assert sorted(worker.piecewise._pieces) == list(worker.piecewise.sizes)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY)] == eager
+    assert sum(worker.piecewise.replays.values()) >= 10
+
+
 def test_ineligible_steps_and_families(tiny_model, make_llm):
     llm = make_llm(tiny_model("llama"), num_kv_blocks=96, block_size=8, max_model_len=256,
                    max_num_batched_tokens=40)
