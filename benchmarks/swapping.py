@@ -19,7 +19,11 @@ Variants on the same jobs, same model, same device:
                              32``, scheduler/loans.py): streams keep their place;
                              a request whose max_tokens is at most 32 may
                              borrow KV from streams whose streamed tokens
-                             cover its stay; ``--loan-sweep`` runs other caps.
+                             cover its stay; ``--loan-sweep`` runs other caps,
+                             and ``--starving-sweep`` other multiples of the
+                             mean admission wait after which a request
+                             without a bound keeps the blocks it needs
+                             (``STARVING_WAITS``), on every seed
                              The simulator's jobs carry their true output
                              length as max_tokens: the figures are for
                              clients that state a tight cap on short requests
@@ -59,6 +63,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from fluidserve.scheduler import loans
 from fluidserve.scheduler.config import DEFAULT_LOAN_TOKENS
 from fluidserve.scheduler.policy_base import Policy
 from fluidserve.scheduler.cost_model import DeviceSpec, ModelShape, RooflineCostModel
@@ -78,6 +83,11 @@ SLACK = 1.25
 # borrow (not a tuned value: --loan-sweep shows the others).
 LOAN_TOKENS = DEFAULT_LOAN_TOKENS
 LOANS_OFF = "skip-join + proactive swap, loans off"
+STARVING_WAITS = loans.STARVING_WAITS  # the engine's: a sweep point sets the module's for its run alone
+
+
+def starving_label(n: float) -> str:
+    return f"skip-join + proactive swap, KV loans, starving after {n:g} mean waits"
 
 
 def loan_label(n: int) -> str:
@@ -219,6 +229,7 @@ def gap_bound_ms(cm: RooflineCostModel, steps: float | None) -> float | None:
 
 def _run(task: dict) -> dict:
     cm = RooflineCostModel(task["model"], task["device"])
+    loans.STARVING_WAITS = task.get("starving") or STARVING_WAITS  # read where the rule is applied
     cfg = sim_config(cm, task["pool"], task["mode"], task["proactive"], task["slack"],
                      gap_bound_ms(cm, task.get("gap_steps")), task.get("loan"))
     t0 = time.perf_counter()
@@ -280,6 +291,10 @@ def build_tasks(args) -> tuple[list[dict], dict]:
                 tasks.append({"preset": name, "x": x, "seed": seed, "label": label, "policy": policy, "mode": mode,
                               "proactive": proactive, "slack": slack, "loan": loan, "jobs": jobs, "model": p["model"],
                               "device": p["device"], "pool": p["pool"]})
+            for n in args.starving_sweep if x == top else ():
+                tasks.append({"preset": name, "x": x, "seed": seed, "label": starving_label(n), "policy": SKIP_JOIN,
+                              "mode": "swap", "proactive": True, "slack": 0.0, "loan": LOAN_TOKENS, "starving": n,
+                              "jobs": jobs, "model": p["model"], "device": p["device"], "pool": p["pool"]})
             for k in args.gap_sweep if x == top and seed == args.seeds[0] else ():
                 label = f"skip-join + proactive swap, gap bound {k:g} steps ({gap_bound_ms(cm, k):.0f} ms)"
                 tasks.append({"preset": name, "x": x, "seed": seed, "label": label,
@@ -344,6 +359,8 @@ def targets(rows: list[dict]) -> list[str]:
            "| preset | variant | mean norm (fcfs / this) | P99 TTFT (fcfs / this) | P99 TPOT (this / fcfs) "
            "| swapped GiB | stall / makespan | met |", "|---|---|---|---|---|---|---|---|"]
     swap_variants = [v[0] for v in VARIANTS if v[2] == "swap"]
+    swap_variants += sorted({r["variant"] for r in rows if "starving after" in r["variant"]},
+                            key=lambda v: float(v.split("after ")[1].split()[0]))
 
     def cell(values: list[float], fmt: str, unit: str = "x") -> str:
         med = f"{statistics.median(values):{fmt}}{unit}"
@@ -423,12 +440,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run proactive swap at these --swap-tpot-slack values at the highest load or speed")
     ap.add_argument("--loan-sweep", default="0,1,8,128",
                     help="also run KV loans with these --swap-loan-tokens caps at the highest load or speed")
+    ap.add_argument("--starving-sweep", default="2,3,12",
+                    help="also run the default flags with scheduler/loans.py's STARVING_WAITS at these values "
+                         "(default 6), at the highest load on every seed")
     ap.add_argument("--gap-sweep", default="2,8",
                     help="also run proactive swap with --max-token-gap-ms of these many full-budget steps "
                          "(no slack) at the highest load or speed")
     args = ap.parse_args(argv)
     args.slack_sweep = [float(x) for x in args.slack_sweep.split(",") if x]
     args.gap_sweep = [float(x) for x in args.gap_sweep.split(",") if x]
+    args.starving_sweep = [float(x) for x in args.starving_sweep.split(",") if x]
     args.loan_sweep = [int(x) for x in args.loan_sweep.split(",") if x]
     if args.quick:
         args.num_jobs, args.trace_jobs, args.capacity_jobs, args.loads, args.speeds = 150, 300, 120, "0.9", "1"
