@@ -269,9 +269,9 @@ def ttft_tail(_: str) -> tuple[list[str], list[str]]:
     from ttft_tail import FINDINGS, medians
 
     out = ["Skip-join's P99 TTFT where memory does not bind, over many seeds, against fcfs + recompute "
-           "(higher is better), and a first-token guard that would bound each prompt's first token by "
-           "first-come-first-served's (a reference, not a flag). Per-seed figures: "
-           "`benchmarks/results/ttft_tail.md`.", ""]
+           "(higher is better): FastServe's skip-join alone, and with the first-token guard that bounds each "
+           "prompt's first token by first-come-first-served's (`--mlfq-first-token-slack`, 0 by default). "
+           "Per-seed figures: `benchmarks/results/ttft_tail.md`.", ""]
     out += provenance("ttft_tail", d, "simulated: roofline cost model")
     rows = [[preset, variant, *(ratio(statistics.median(c)) for c in cols),
              f"{sum(v >= 1.0 for v in cols[1])} of {len(cols[1])}"] for preset, variant, cols in medians(d["rows"])]

@@ -12,7 +12,8 @@ FastServe's rule, a request ranked higher may evict any stream), the same
 with token deadlines (``--swap-tpot-slack 1.25``, scheduler/token_gap.py),
 and the default flags: KV loans (``--swap-loan-tokens 32``,
 scheduler/loans.py; the client sends each request's sampled output length
-as ``max_tokens``). The server and the
+as ``max_tokens``), with skip-join's first-token guard on; and the default
+flags with the guard off (``--mlfq-first-token-slack off``). The server and the
 client share the machine's cores; every variant sees the same request
 sequence (same seed). Writes benchmarks/results/swap_serving.{json,md}.
 """
@@ -36,6 +37,7 @@ VARIANTS = [
     ("skip-join + proactive swap, loans off", ["--swap-loan-tokens", "-1"]),
     ("skip-join + proactive swap, slack 1.25", ["--swap-tpot-slack", "1.25", "--swap-loan-tokens", "-1"]),
     ("skip-join + proactive swap, KV loans (max_tokens <= 32; default flags)", []),
+    ("default flags but first-token guard off", ["--mlfq-first-token-slack", "off"]),
 ]
 
 

@@ -19,11 +19,18 @@ Variants on the same jobs, same model, same device:
                              32``, scheduler/loans.py): streams keep their place;
                              a request whose max_tokens is at most 32 may
                              borrow KV from streams whose streamed tokens
-                             cover its stay; ``--loan-sweep`` runs other caps,
-                             and ``--starving-sweep`` other multiples of the
-                             mean admission wait after which a request
-                             without a bound keeps the blocks it needs
-                             (``STARVING_WAITS``), on every seed
+                             cover its stay; ``--loan-sweep`` runs other caps
+* ``default flags but ...``  one threshold moved, on every seed:
+                             ``--starving-sweep`` the multiple of the mean
+                             admission wait after which a request without a
+                             bound keeps the blocks it needs
+                             (scheduler/loans.py ``STARVING_WAITS``, 2),
+                             ``--growth-sweep`` the steps of resident growth
+                             an admission leaves room for (scheduler.py
+                             ``GROWTH_STEPS``, 8; 16 covers every resident),
+                             ``--guard-sweep`` the first-token guard's slack
+                             (``--mlfq-first-token-slack``, 0; ``off`` is
+                             FastServe's skip-join alone)
                              The simulator's jobs carry their true output
                              length as max_tokens: the figures are for
                              clients that state a tight cap on short requests
@@ -64,6 +71,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from fluidserve.scheduler import loans
+from fluidserve.scheduler import scheduler as scheduler_module
 from fluidserve.scheduler.config import DEFAULT_LOAN_TOKENS
 from fluidserve.scheduler.policy_base import Policy
 from fluidserve.scheduler.cost_model import DeviceSpec, ModelShape, RooflineCostModel
@@ -83,11 +91,18 @@ SLACK = 1.25
 # borrow (not a tuned value: --loan-sweep shows the others).
 LOAN_TOKENS = DEFAULT_LOAN_TOKENS
 LOANS_OFF = "skip-join + proactive swap, loans off"
-STARVING_WAITS = loans.STARVING_WAITS  # the engine's: a sweep point sets the module's for its run alone
+# The engine's thresholds: a sweep point sets the module's for its run alone.
+STARVING_WAITS = loans.STARVING_WAITS
+GROWTH_STEPS = scheduler_module.GROWTH_STEPS
+SWEPT = "default flags but "
 
 
-def starving_label(n: float) -> str:
-    return f"skip-join + proactive swap, KV loans, starving after {n:g} mean waits"
+def sweep_label(knob: str, value) -> str:
+    if knob == "starving":
+        return f"{SWEPT}starving after {value:g} mean waits"
+    if knob == "growth":
+        return f"{SWEPT}growth reserve {value} steps"
+    return f"{SWEPT}first-token guard {'off' if value is None else f'slack {value} tokens'}"
 
 
 def loan_label(n: int) -> str:
@@ -229,12 +244,15 @@ def gap_bound_ms(cm: RooflineCostModel, steps: float | None) -> float | None:
 
 def _run(task: dict) -> dict:
     cm = RooflineCostModel(task["model"], task["device"])
-    loans.STARVING_WAITS = task.get("starving") or STARVING_WAITS  # read where the rule is applied
+    sweep = task.get("sweep", {})  # read where each rule is applied
+    loans.STARVING_WAITS = sweep.get("starving", STARVING_WAITS)
+    scheduler_module.GROWTH_STEPS = sweep.get("growth", GROWTH_STEPS)
+    options = {"first_token_slack": sweep["guard"]} if "guard" in sweep else {}
     cfg = sim_config(cm, task["pool"], task["mode"], task["proactive"], task["slack"],
                      gap_bound_ms(cm, task.get("gap_steps")), task.get("loan"))
     t0 = time.perf_counter()
     policy = ClairvoyantPolicy(cm) if task["policy"] == ClairvoyantPolicy.name else task["policy"]
-    res = simulate(task["jobs"], policy, cm, cfg)
+    res = simulate(task["jobs"], policy, cm, cfg, policy_options=options)
     s = res.summary()
     row = {"preset": task["preset"], "x": task["x"], "seed": task["seed"], "variant": task["label"],
            "num_kv_blocks": cfg.num_kv_blocks,
@@ -291,10 +309,13 @@ def build_tasks(args) -> tuple[list[dict], dict]:
                 tasks.append({"preset": name, "x": x, "seed": seed, "label": label, "policy": policy, "mode": mode,
                               "proactive": proactive, "slack": slack, "loan": loan, "jobs": jobs, "model": p["model"],
                               "device": p["device"], "pool": p["pool"]})
-            for n in args.starving_sweep if x == top else ():
-                tasks.append({"preset": name, "x": x, "seed": seed, "label": starving_label(n), "policy": SKIP_JOIN,
-                              "mode": "swap", "proactive": True, "slack": 0.0, "loan": LOAN_TOKENS, "starving": n,
-                              "jobs": jobs, "model": p["model"], "device": p["device"], "pool": p["pool"]})
+            sweeps = [("starving", n) for n in args.starving_sweep] + [("growth", n) for n in args.growth_sweep]
+            sweeps += [("guard", n) for n in args.guard_sweep]
+            for knob, value in sweeps if x == top else ():
+                tasks.append({"preset": name, "x": x, "seed": seed, "label": sweep_label(knob, value),
+                              "policy": SKIP_JOIN, "mode": "swap", "proactive": True, "slack": 0.0,
+                              "loan": LOAN_TOKENS, "sweep": {knob: value}, "jobs": jobs, "model": p["model"],
+                              "device": p["device"], "pool": p["pool"]})
             for k in args.gap_sweep if x == top and seed == args.seeds[0] else ():
                 label = f"skip-join + proactive swap, gap bound {k:g} steps ({gap_bound_ms(cm, k):.0f} ms)"
                 tasks.append({"preset": name, "x": x, "seed": seed, "label": label,
@@ -323,8 +344,15 @@ that sends a loose cap gets the keep-your-place rule alone (the sweep's
 ``--swap-loan-tokens 0`` row).
 A stream lends a quarter of a step per token it has streamed
 (scheduler/loans.py ``LEND_SHARE``), and a request without a bound that has
-waited 6 times the mean admission wait (``STARVING_WAITS``, at least the MLFQ
-starve limit) keeps the blocks it needs from those ranked below it.
+waited twice the mean admission wait (``STARVING_WAITS``, at least the MLFQ
+starve limit) keeps the blocks it needs from those ranked below it. Such a
+request is admitted with a block to spare for each resident that needs one
+within 8 decodes (``GROWTH_STEPS``): fewer admit more in a burst and leave
+the residents' growth to the eviction rules (more swap traffic). The
+first-token guard (slack 0 tokens) decides where memory does not bind: there
+P99 TTFT no worse than fcfs means fcfs's prefill order, and the guard gives
+each prompt that order unless an older prompt has slack to give; it stands
+aside while an online request is held off the device.
 ``P99 max token gap`` is each request's longest wait between two tokens (its
 latency bound).
 """
@@ -359,8 +387,7 @@ def targets(rows: list[dict]) -> list[str]:
            "| preset | variant | mean norm (fcfs / this) | P99 TTFT (fcfs / this) | P99 TPOT (this / fcfs) "
            "| swapped GiB | stall / makespan | met |", "|---|---|---|---|---|---|---|---|"]
     swap_variants = [v[0] for v in VARIANTS if v[2] == "swap"]
-    swap_variants += sorted({r["variant"] for r in rows if "starving after" in r["variant"]},
-                            key=lambda v: float(v.split("after ")[1].split()[0]))
+    swap_variants += [v for v in dict.fromkeys(r["variant"] for r in rows) if v.startswith(SWEPT)]
 
     def cell(values: list[float], fmt: str, unit: str = "x") -> str:
         med = f"{statistics.median(values):{fmt}}{unit}"
@@ -440,9 +467,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run proactive swap at these --swap-tpot-slack values at the highest load or speed")
     ap.add_argument("--loan-sweep", default="0,1,8,128",
                     help="also run KV loans with these --swap-loan-tokens caps at the highest load or speed")
-    ap.add_argument("--starving-sweep", default="2,3,12",
+    ap.add_argument("--starving-sweep", default="3,6,12",
                     help="also run the default flags with scheduler/loans.py's STARVING_WAITS at these values "
-                         "(default 6), at the highest load on every seed")
+                         f"(default {STARVING_WAITS:g}), at the highest load on every seed")
+    ap.add_argument("--growth-sweep", default="0,4,16",
+                    help="also run the default flags with scheduler.py's GROWTH_STEPS at these values "
+                         f"(default {GROWTH_STEPS}; 16: every resident), at the highest load on every seed")
+    ap.add_argument("--guard-sweep", default="off,2048",
+                    help="also run the default flags with the first-token guard at these slacks in tokens "
+                         "('off': FastServe's skip-join alone; default 0), at the highest load on every seed")
     ap.add_argument("--gap-sweep", default="2,8",
                     help="also run proactive swap with --max-token-gap-ms of these many full-budget steps "
                          "(no slack) at the highest load or speed")
@@ -450,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     args.slack_sweep = [float(x) for x in args.slack_sweep.split(",") if x]
     args.gap_sweep = [float(x) for x in args.gap_sweep.split(",") if x]
     args.starving_sweep = [float(x) for x in args.starving_sweep.split(",") if x]
+    args.growth_sweep = [int(x) for x in args.growth_sweep.split(",") if x]
+    args.guard_sweep = [None if x == "off" else int(x) for x in args.guard_sweep.split(",") if x]
     args.loan_sweep = [int(x) for x in args.loan_sweep.split(",") if x]
     if args.quick:
         args.num_jobs, args.trace_jobs, args.capacity_jobs, args.loads, args.speeds = 150, 300, 120, "0.9", "1"

@@ -5,7 +5,8 @@ negative N turns them off).
 A request that has streamed its first token keeps its place. A request with
 no token out yet takes only device blocks that are free, not owed to streams
 away on the host (they come back first) and not the next block of each
-resident request (their growth then evicts no one). The exception is a
+resident request that needs one within a few decodes (scheduler.py
+``GROWTH_STEPS``: their growth then evicts no one). The exception is a
 *borrower*: a request whose ``max_new_tokens`` cap is at most ``N``. Its
 stay on the device is bounded before it starts (its prefill steps and at
 most ``N`` decodes), so the streams it evicts are away for a known number of
@@ -53,8 +54,12 @@ LEND_SHARE = 0.25
 # runs it again.
 ROUND_TRIP_STEPS = 3
 # A request without a bound that has waited this many times the mean wait
-# of recent admissions keeps its blocks from those ranked below it.
-STARVING_WAITS = 6.0
+# of recent admissions keeps its blocks from those ranked below it. Skip-join
+# admits short prompts within a few steps, so the mean is short, and at 2
+# the long prompts that FCFS would have served long ago stop waiting behind
+# every short one (benchmarks/swapping.py --starving-sweep: OPT-13B's P99
+# TTFT is 0.82x FCFS's at 6 and 1.08x at 2).
+STARVING_WAITS = 2.0
 _WAIT_MEAN_WEIGHT = 0.05  # of each admission's wait in the running mean
 
 

@@ -18,6 +18,17 @@ does not fit the step is preempted for that iteration.
   restarts at 0 in the new level. The last level never demotes.
 * Starvation: a job not scheduled for longer than the starve limit α is
   promoted to Q1 (attained service reset), which bounds any job's wait.
+* First-token guard (skip-join's default, ``first_token_slack`` tokens): each
+  online prompt gets a deadline in prefill tokens, the online prompt tokens
+  queued ahead of it at arrival plus its own plus the slack, the point where
+  first-come-first-served would have given it its first token. While no
+  online request is held off the device (swapped out, or waiting after a
+  recompute), a prompt whose deadline is a step away runs in Q1, in arrival
+  order, until its first token. Skip-join's mean TTFT gain and its P99 TTFT
+  loss where memory does not bind are one trade (benchmarks/ttft_tail.py):
+  with slack 0 a prompt passes an older one only where the older one has
+  slack to give. While memory binds, skip-join's ranking decides (which
+  request may evict which is the KV rules' business).
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ from collections.abc import Iterable
 
 from fluidserve.scheduler.cost_model import CostModel
 from fluidserve.scheduler.policy_base import Policy
-from fluidserve.scheduler.request_state import SeqState
+from fluidserve.scheduler.request_state import RequestClass, SeqState, SeqStatus
 
 # FastServe's default α (300 ms) was 10 iterations of its model (its SLO, 10x
 # an iteration). Without a flag the starve limit is 10 iterations of this
@@ -36,6 +47,17 @@ from fluidserve.scheduler.request_state import SeqState
 _STARVE_ITERATIONS = 10.0
 _REFERENCE_STEP_TOKENS = 2048
 _DECODE_SPAN = 16
+CLASS_DEFAULT = object()  # ``first_token_slack`` not given: the class's own (None is "off")
+
+
+class _FirstToken:
+    """A prompt's first-token deadline: online prompt tokens computed (the
+    policy's ``prefilled``) by which FCFS would have given it its first token."""
+
+    __slots__ = ("deadline", "left", "urgent")
+
+    def __init__(self, deadline: int, left: int) -> None:
+        self.deadline, self.left, self.urgent = deadline, left, False
 
 
 class _MLFQEntry:
@@ -83,7 +105,9 @@ class MLFQPolicy(Policy):
     skip_join = False
     # Levels move by demotion and promotion, each bumping order_epoch.
     sort_key = staticmethod(_mlfq_key)
-    OPTIONS = ("num_queues", "base_quantum_ms", "starve_limit_ms")
+    OPTIONS = ("num_queues", "base_quantum_ms", "starve_limit_ms", "first_token_slack")
+    # Naive MLFQ joins every prompt to Q1 already: no guard unless asked.
+    DEFAULT_FIRST_TOKEN_SLACK: int | None = None
 
     def __init__(
         self,
@@ -91,10 +115,21 @@ class MLFQPolicy(Policy):
         num_queues: int = 8,
         base_quantum_ms: float | None = None,
         starve_limit_ms: float | None = None,
+        first_token_slack: int | None | object = CLASS_DEFAULT,
     ) -> None:
         super().__init__(cost_model)
         if num_queues < 1:
             raise ValueError(f"num_queues must be positive, got {num_queues}")
+        if first_token_slack is CLASS_DEFAULT:
+            first_token_slack = self.DEFAULT_FIRST_TOKEN_SLACK
+        if first_token_slack is not None and not (isinstance(first_token_slack, int) and first_token_slack >= 0):
+            raise ValueError(f"first_token_slack must be >= 0 tokens (or None: off), got {first_token_slack}")
+        self.first_token_slack = first_token_slack
+        self.prefilled = 0  # online prompt tokens computed toward first tokens
+        self.backlog = 0  # online prompt tokens still to compute before first tokens
+        self._first: dict[str, SeqState] = {}  # online prompts before their first token, not yet lifted
+        self.num_lifted = 0
+        self.step_tokens = _REFERENCE_STEP_TOKENS  # a prompt is lifted a step before its deadline
         q1 = base_quantum_ms / 1e3 if base_quantum_ms is not None else self._min_iteration_time()
         if not q1 > 0:
             raise ValueError(f"base_quantum_ms must be positive, got {base_quantum_ms}")
@@ -120,9 +155,12 @@ class MLFQPolicy(Policy):
     def num_queues(self) -> int:
         return len(self.quanta)
 
+    def set_step_tokens(self, num_tokens: int) -> None:
+        self.step_tokens = num_tokens
+
     def describe(self) -> dict:
         return {"name": self.name, "quanta_ms": [q * 1e3 for q in self.quanta],
-                "starve_limit_ms": self.starve_limit * 1e3}
+                "starve_limit_ms": self.starve_limit * 1e3, "first_token_slack": self.first_token_slack}
 
     # -- levels -------------------------------------------------------------
     def level_for_time(self, t: float) -> int:
@@ -163,8 +201,44 @@ class MLFQPolicy(Policy):
         seq.policy_state["mlfq"] = _MLFQEntry(self._join_level(seq), now)
         if now < self._served_floor:
             self._served_floor = now
+        if self.first_token_slack is not None and seq.klass is RequestClass.ONLINE and not seq.num_output_tokens:
+            left = max(1, seq.num_prompt_tokens - seq.num_cached_tokens)
+            self.backlog += left
+            seq.policy_state["first"] = _FirstToken(self.prefilled + self.backlog + self.first_token_slack, left)
+            self._first[seq.request_id] = seq
+
+    def _prefilled(self, seq: SeqState, f: _FirstToken, num_tokens: int) -> None:
+        done = f.left if seq.num_computed_tokens >= seq.num_prompt_tokens else min(f.left, num_tokens)
+        f.left -= done
+        self.prefilled += done
+        self.backlog -= done
+        if not f.left:
+            f.urgent = False
+            self._first.pop(seq.request_id, None)
+
+    def on_finish(self, seq: SeqState) -> None:
+        f = seq.policy_state.get("first")
+        if f is not None and f.left:
+            self.backlog -= f.left
+            f.left = 0
+            self._first.pop(seq.request_id, None)
 
     def on_step_done(self, seq: SeqState, num_tokens: int, step_time: float, now: float) -> None:
+        # A prompt's steps up to the one that samples its first token are the
+        # guard's; decodes skip the lookup.
+        f = seq.policy_state.get("first") if seq.num_output_tokens <= 1 else None
+        if f is not None and f.left:
+            self._prefilled(seq, f, num_tokens)
+            if f.urgent:  # no demotion before its first token
+                self._step_done(seq, num_tokens, now)
+                e = seq.policy_state["mlfq"]
+                if e.level:
+                    e.level, e.attained = 0, 0.0
+                    self.order_epoch += 1
+                return
+        self._step_done(seq, num_tokens, now)
+
+    def _step_done(self, seq: SeqState, num_tokens: int, now: float) -> None:
         e: _MLFQEntry = seq.policy_state["mlfq"]
         context = seq.num_computed_tokens - num_tokens
         if seq.policy_due:
@@ -227,10 +301,39 @@ class MLFQPolicy(Policy):
             self._charge_skipped(seq.policy_state["mlfq"], seq.num_computed_tokens)
 
     def order(self, seqs: list[SeqState], now: float) -> list[SeqState]:
+        if self._first and seqs and seqs[0].klass is RequestClass.ONLINE:  # one class: the guard is for online
+            seqs = self._lift(seqs)
         self._promote_starved(seqs, now)  # ``seqs`` may be one class only: the floor is not for them
         return sorted(seqs, key=_mlfq_key)
 
+    def _lift(self, seqs: Iterable[SeqState]) -> Iterable[SeqState]:
+        """Lift to Q1 each prompt whose first-token deadline is a step
+        away, unless an online request is held off the device; ``seqs``
+        again (as a list, if it had to be read)."""
+        limit = self.prefilled + self.step_tokens
+        due = [s for s in self._first.values() if s.policy_state["first"].deadline - s.policy_state["first"].left
+               <= limit]
+        if not due:
+            return seqs
+        seqs = list(seqs)
+        held = (SeqStatus.SWAPPED, SeqStatus.SWAPPING_IN)
+        for s in seqs:
+            if s.klass is RequestClass.ONLINE and (
+                    s.status in held or (s.status is SeqStatus.WAITING and s.num_preemptions)):
+                return seqs  # memory binds: skip-join's ranking decides
+        for s in due:
+            s.policy_state["first"].urgent = True
+            del self._first[s.request_id]
+            self.num_lifted += 1
+            e: _MLFQEntry = s.policy_state["mlfq"]
+            if e.level:
+                e.level, e.attained = 0, 0.0
+                self.order_epoch += 1
+        return seqs
+
     def age(self, seqs: Iterable[SeqState], now: float) -> None:
+        if self._first:
+            seqs = self._lift(seqs)
         if now - self.starve_limit < self._served_floor:
             return  # every job below Q1 was served since: none starves yet
         self._served_floor = self._promote_starved(seqs, now)
@@ -286,6 +389,7 @@ class SkipJoinMLFQPolicy(MLFQPolicy):
 
     name = "skip-join-mlfq"
     skip_join = True
+    DEFAULT_FIRST_TOKEN_SLACK = 0
 
     def _join_level(self, seq: SeqState) -> int:
         # What is left to compute: a cached prefix makes a long prompt a short job.

@@ -30,6 +30,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="MLFQ: a job not scheduled for this long is promoted to Q1 (default: "
              "FastServe's 300 ms = 10 iterations, scaled to this model: 10 x the predicted time of a 2048-token step)",
     )
+    g.add_argument(
+        "--mlfq-first-token-slack", default=None, metavar="TOKENS|off",
+        help="skip-join MLFQ: while memory does not bind, no prompt's first token comes later than "
+             "first-come-first-served would give it, plus this many prefill tokens (default 0; 'off': "
+             "FastServe's skip-join alone, which trades the P99 TTFT for the mean)",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> tuple[str, dict]:
@@ -43,4 +49,13 @@ def options_from_args(args: argparse.Namespace) -> tuple[str, dict]:
     for name, value in options.items():
         if value is not None and not value > 0:
             raise ValueError(f"--mlfq-{name.replace('_', '-')} must be positive, got {value}")
-    return args.scheduling_policy, {k: v for k, v in options.items() if v is not None}
+    options = {k: v for k, v in options.items() if v is not None}
+    slack = getattr(args, "mlfq_first_token_slack", None)
+    if slack is not None:
+        if slack == "off":
+            options["first_token_slack"] = None
+        elif not slack.isdigit():
+            raise ValueError(f"--mlfq-first-token-slack must be a number of tokens >= 0 or 'off', got {slack!r}")
+        else:
+            options["first_token_slack"] = int(slack)
+    return args.scheduling_policy, options

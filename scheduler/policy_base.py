@@ -23,6 +23,10 @@ class Policy(ABC):
     def __init__(self, cost_model: CostModel | None = None) -> None:
         self.cost: CostModel = cost_model if cost_model is not None else default_cost_model()
 
+    def set_step_tokens(self, num_tokens: int) -> None:
+        """The scheduler's token budget per step, for a policy that counts
+        in tokens; the scheduler tells it once, at start."""
+
     def on_arrival(self, seq: SeqState, now: float) -> None:
         """A request joined the scheduler."""
 

@@ -71,6 +71,14 @@ from fluidserve.scheduler.token_gap import INF, TokenDeadlines
 
 _RESERVE_WINDOW_STEPS = 16  # arrivals remembered for the reserve
 _RESERVE_CAP = 0.25  # the reserve never exceeds this share of the device pool
+# KV loans: a request with no bound on its stay is admitted only with a block
+# to spare for each resident request that needs a new one within this many
+# decodes, so their growth over the next steps evicts no one. At the block
+# size (16) it covers every resident; fewer admit more in a burst and leave
+# later growth to the eviction rules. 8 is the midpoint, not a fit:
+# benchmarks/swapping.py --growth-sweep moves the P99 TTFT of arXiv lengths
+# and the chat mix by a few hundredths, within the seeds' spread.
+GROWTH_STEPS = 8
 _NO_BLOCKS: list[int] = []  # shared, never mutated
 _SWAP_BUCKET_STEPS = 2  # a move may run one step ahead of compute, no more
 # A paused offline step waits for online work to drain; under online traffic
@@ -108,6 +116,7 @@ class _Step:
         self.moved: set[str] = set(held)
         self.freeing = 0  # device blocks this step's swap-outs free for the next step
         self.batch: int | None = None  # resident requests when first asked
+        self.growth: int | None = None  # resident requests a block short within GROWTH_STEPS, when first asked
         self.enst: list[float] | None = None
         self.victims: list[int] | None = None  # positions, largest ENST first
         # decodes_below[i]: resident decodes ranked at position i or after,
@@ -149,6 +158,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.policy = policy or make_policy(config.scheduling_policy, cost_model=cost_model, **config.policy_options)
+        self.policy.set_step_tokens(config.max_num_batched_tokens)
         self.seqs: dict[str, SeqState] = {}
         self.counters = SchedulerCounters()
         self.swap = config.preemption_mode == "swap" and kv.host is not None
@@ -524,8 +534,8 @@ class Scheduler:
         # KV loans: the steps it would hold the device (inf: no bound, it evicts no one).
         loans = self._loans_for(seq)
         loan = loans.stay(seq) if loans is not None and not seq.num_output_tokens else None
-        if loan == INF:  # one block for each resident request: their growth evicts no one
-            reserve += self._batch_size(step)
+        if loan == INF:  # a block for each resident request that needs one soon
+            reserve += self._growth_blocks(step)
         if not seq.num_output_tokens and (loan is None or loan == INF):
             reserve += step.owed  # (a borrower's victims come back when it ends)
         if need + reserve > self.kv.num_free_blocks and not self.swap:
@@ -551,6 +561,8 @@ class Scheduler:
         seq.num_computed_tokens = got.cached_tokens
         seq.num_cached_tokens = got.cached_tokens
         seq.status = SeqStatus.RUNNING
+        if step.growth is not None and self._grows_soon(seq):
+            step.growth += 1
         if loan is not None:
             self.loans.note_admitted(seq, step.now)
         return True
@@ -625,6 +637,16 @@ class Scheduler:
         if step.batch is None:
             step.batch = sum(1 for q in step.ranked if self.kv.holds(q.request_id))
         return max(1, min(step.batch, self.config.max_num_seqs))
+
+    def _growth_blocks(self, step: _Step) -> int:
+        """Resident requests that need a new block within ``GROWTH_STEPS``
+        decodes: those as the step began, and those it admitted."""
+        if step.growth is None:
+            step.growth = sum(1 for q in step.ranked if self.kv.holds(q.request_id) and self._grows_soon(q))
+        return step.growth
+
+    def _grows_soon(self, seq: SeqState) -> bool:
+        return self.kv.num_blocks_of(seq.request_id) * self.kv.block_size - seq.num_tokens < GROWTH_STEPS
 
     def _spare_credit(self) -> int | float:
         """Swap credit for the link's lowest-priority uses (checkpoints,

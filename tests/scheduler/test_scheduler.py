@@ -79,7 +79,9 @@ def test_naive_mlfq_puts_every_job_in_q1():
 
 
 def test_skip_join_ranks_short_prompt_ahead_of_earlier_long_one():
-    p = make_policy("skip-join-mlfq", cost_model=cost())
+    # FastServe's skip-join alone: the first-token guard would keep arrival
+    # order here, the long prompt having no slack to give (tested below).
+    p = make_policy("skip-join-mlfq", cost_model=cost(), first_token_slack=None)
     long, short = seq("long", prompt=4000, t=0.0), seq("short", prompt=4, t=1.0)
     p.on_arrival(long, 0.0)
     p.on_arrival(short, 1.0)
@@ -133,10 +135,95 @@ def test_skip_join_demotion_skips_levels_the_next_iteration_would_use_up():
     assert naive.level(t) == 1
 
 
+# -- first-token guard ------------------------------------------------------------
+def guarded(step_tokens: int = 64, slack: int = 0) -> SkipJoinMLFQPolicy:
+    p = SkipJoinMLFQPolicy(cost(), num_queues=8, starve_limit_ms=1e9, first_token_slack=slack)
+    p.set_step_tokens(step_tokens)
+    return p
+
+
+def test_guard_lifts_a_prompt_whose_fcfs_turn_is_a_step_away():
+    """The long prompt came first: FCFS would start it now, within one
+    256-token step, so it leads; FCFS would start the later long prompt 400
+    tokens on, so the short one passes it."""
+    p = guarded(step_tokens=256)
+    first, second, short = seq("first", prompt=400, t=0.0), seq("second", prompt=400, t=0.1), seq("short", t=0.2)
+    for s in (first, second, short):
+        p.on_arrival(s, s.arrival_time)
+    assert [s.request_id for s in p.order([first, second, short], 0.3)] == ["first", "short", "second"]
+    assert p.level(first) == 0 and p.level(second) == 6 and p.num_lifted == 1
+    # Off, FastServe's skip-join ranks by predicted prefill alone.
+    off = SkipJoinMLFQPolicy(cost(), num_queues=8, starve_limit_ms=1e9, first_token_slack=None)
+    for s in (first, second, short):
+        off.on_arrival(s, s.arrival_time)
+    assert [s.request_id for s in off.order([first, second, short], 0.3)] == ["short", "first", "second"]
+
+
+def test_guard_stands_aside_while_an_online_request_is_held_off_the_device():
+    p = guarded(step_tokens=256)
+    long, short, away = seq("long", prompt=400), seq("short", t=0.1), seq("away")
+    away.num_computed_tokens, away.num_output_tokens = 4, 1  # streaming: no first token to guard
+    for s in (away, long, short):
+        p.on_arrival(s, s.arrival_time)
+    away.status = SeqStatus.SWAPPED  # memory binds: skip-join's ranking decides
+    assert [s.request_id for s in p.order([long, short, away], 0.2)][:2] == ["away", "short"]
+    assert p.num_lifted == 0
+    away.status = SeqStatus.RUNNING
+    p.age([long, short, away], 0.3)
+    assert p.level(long) == 0 and p.num_lifted == 1
+
+
+def test_a_lifted_prompt_is_not_demoted_before_its_first_token():
+    p = guarded(step_tokens=256)
+    s = seq("long", prompt=400)
+    p.on_arrival(s, 0.0)
+    p.order([s], 0.0)
+    s.num_computed_tokens = 200  # a chunk far beyond Q1's quantum
+    p.on_step_done(s, 200, DT, 0.1)
+    assert p.level(s) == 0
+    s.num_computed_tokens = 400  # the last chunk samples its first token: MLFQ's rules again
+    p.on_step_done(s, 200, DT, 0.2)
+    assert p.level(s) > 0 and p.prefilled == 400 and p.backlog == 0
+
+
+def test_guard_deadlines_count_the_online_prompts_ahead_and_forget_aborted_ones():
+    p = guarded(slack=10)
+    a, b = seq("a", prompt=100), seq("b", prompt=50, t=0.1)
+    off = seq("off", prompt=1000, t=0.05, klass=RequestClass.OFFLINE)
+    for s in (a, off, b):
+        p.on_arrival(s, s.arrival_time)
+    assert "first" not in off.policy_state  # offline work has no first token to guard
+    assert a.policy_state["first"].deadline == 110 and b.policy_state["first"].deadline == 160
+    p.on_finish(a)  # aborted: its tokens no longer stand ahead of later arrivals
+    c = seq("c", prompt=20, t=0.2)
+    p.on_arrival(c, 0.2)
+    assert p.backlog == 70 and c.policy_state["first"].deadline == 80
+
+
+def test_first_token_slack_option_and_flag():
+    assert SkipJoinMLFQPolicy(cost()).first_token_slack == 0  # on by default
+    assert MLFQPolicy(cost()).first_token_slack is None  # naive MLFQ joins Q1 already
+    with pytest.raises(ValueError, match="first_token_slack"):
+        SkipJoinMLFQPolicy(cost(), first_token_slack=-5)
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    assert options_from_args(parser.parse_args(["--mlfq-first-token-slack", "off"]))[1] == {"first_token_slack": None}
+    assert options_from_args(parser.parse_args(["--mlfq-first-token-slack", "2048"]))[1] == {
+        "first_token_slack": 2048}
+    with pytest.raises(ValueError, match="first-token-slack"):
+        options_from_args(parser.parse_args(["--mlfq-first-token-slack", "-1"]))
+    assert make_policy("skip-join-mlfq", first_token_slack=None).first_token_slack is None
+
+
+def test_the_scheduler_tells_the_policy_its_token_budget():
+    s = sched("skip-join-mlfq", blocks=64, max_num_batched_tokens=96)
+    assert s.policy.step_tokens == 96
+
+
 # -- starvation -----------------------------------------------------------------
 def test_promotion_to_q1_after_the_starve_limit():
     alpha = 0.5
-    p = SkipJoinMLFQPolicy(cost(), num_queues=8, starve_limit_ms=alpha / MS)
+    p = SkipJoinMLFQPolicy(cost(), num_queues=8, starve_limit_ms=alpha / MS, first_token_slack=None)
     s = seq("long", prompt=400, t=0.0)
     p.on_arrival(s, 0.0)
     assert p.level(s) == 6

@@ -40,7 +40,8 @@ def test_short_job_overtakes_long_prompt_under_skip_join_not_fcfs():
     jobs = [Job("long", 0.0, 2000, 2), Job("short", 0.001, 10, 2)]
     cfg = SimConfig.create(num_kv_blocks=512, block_size=16, max_num_batched_tokens=128)
     fcfs = {r.request_id: r for r in simulate(jobs, "fcfs", CM, cfg).records}
-    sj = {r.request_id: r for r in simulate(jobs, "skip-join-mlfq", CM, cfg).records}
+    sj = {r.request_id: r for r in simulate(jobs, "skip-join-mlfq", CM, cfg,
+                                            policy_options={"first_token_slack": None}).records}
     assert sj["short"].finish_time < fcfs["short"].finish_time / 4
     assert sj["short"].finish_time < sj["long"].first_token_time
 
@@ -231,23 +232,17 @@ def test_prefix_cache_benchmark_runs(tmp_path):
         assert (r["host_hit_rate"] > 0) == (r["variant"] == "device + host cache")
 
 
-def test_first_token_guard_reference_keeps_arrival_order_only_without_slack():
-    """benchmarks/ttft_tail.py's reference guard: with no slack a long
-    prompt that arrived first has none to give, so a short prompt after it
-    waits as under FCFS; with a slack of thousands of tokens it passes, as
-    under skip-join."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "ttft_tail.py"
-    spec = importlib.util.spec_from_file_location("ttft_tail", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_first_token_guard_keeps_arrival_order_only_without_slack():
+    """The engine's skip-join with its first-token guard (the default, slack
+    0): a long prompt that arrived first has no slack to give, so a short
+    prompt after it waits as under FCFS; with a slack of thousands of tokens
+    it passes, as under FastServe's skip-join."""
     jobs = [Job("long", 0.0, 2000, 2), Job("short", 0.001, 10, 2)]
     cfg = SimConfig.create(num_kv_blocks=512, block_size=16, max_num_batched_tokens=128)
     fcfs = {r.request_id: r for r in simulate(jobs, "fcfs", CM, cfg).records}
-    tight = {r.request_id: r for r in simulate(jobs, mod.FirstTokenGuard(CM, 0, step_tokens=128), CM, cfg).records}
-    loose = {r.request_id: r for r in simulate(jobs, mod.FirstTokenGuard(CM, 4096, step_tokens=128), CM, cfg).records}
+    tight = {r.request_id: r for r in simulate(jobs, "skip-join-mlfq", CM, cfg).records}
+    loose = {r.request_id: r for r in simulate(jobs, "skip-join-mlfq", CM, cfg,
+                                               policy_options={"first_token_slack": 4096}).records}
     for rid in ("long", "short"):
         assert tight[rid].first_token_time == pytest.approx(fcfs[rid].first_token_time)
     assert tight["short"].first_token_time >= tight["long"].first_token_time
