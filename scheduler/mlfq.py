@@ -47,7 +47,7 @@ from fluidserve.scheduler.request_state import RequestClass, SeqState, SeqStatus
 _STARVE_ITERATIONS = 10.0
 _REFERENCE_STEP_TOKENS = 2048
 _DECODE_SPAN = 16
-CLASS_DEFAULT = object()  # ``first_token_slack`` not given: the class's own (None is "off")
+_CLASS_DEFAULT = object()  # ``first_token_slack`` not given: the class's own (None is "off")
 
 
 class _FirstToken:
@@ -94,6 +94,14 @@ def _last_served(seq: SeqState, e: _MLFQEntry) -> float:
     return e.last_served if t is None or t < e.last_served else t
 
 
+def _held_off(seq: SeqState) -> bool:
+    """An online request whose KV is away: swapped to the host, or dropped
+    by a recompute (memory binds)."""
+    return seq.klass is RequestClass.ONLINE and (
+        seq.status is SeqStatus.SWAPPED or seq.status is SeqStatus.SWAPPING_IN
+        or (seq.status is SeqStatus.WAITING and seq.num_preemptions > 0))
+
+
 def _mlfq_key(seq: SeqState) -> tuple[int, float, int]:
     return seq.policy_state["mlfq"].level, seq.arrival_time, seq.arrival_index
 
@@ -115,19 +123,21 @@ class MLFQPolicy(Policy):
         num_queues: int = 8,
         base_quantum_ms: float | None = None,
         starve_limit_ms: float | None = None,
-        first_token_slack: int | None | object = CLASS_DEFAULT,
+        first_token_slack: int | None | object = _CLASS_DEFAULT,
     ) -> None:
         super().__init__(cost_model)
         if num_queues < 1:
             raise ValueError(f"num_queues must be positive, got {num_queues}")
-        if first_token_slack is CLASS_DEFAULT:
+        if first_token_slack is _CLASS_DEFAULT:
             first_token_slack = self.DEFAULT_FIRST_TOKEN_SLACK
         if first_token_slack is not None and not (isinstance(first_token_slack, int) and first_token_slack >= 0):
             raise ValueError(f"first_token_slack must be >= 0 tokens (or None: off), got {first_token_slack}")
         self.first_token_slack = first_token_slack
         self.prefilled = 0  # online prompt tokens computed toward first tokens
         self.backlog = 0  # online prompt tokens still to compute before first tokens
-        self._first: dict[str, SeqState] = {}  # online prompts before their first token, not yet lifted
+        # Online prompts before their first token, not yet lifted, with their deadlines.
+        self._first: dict[str, tuple[SeqState, _FirstToken]] = {}
+        self._held: SeqState | None = None  # the online request last found off the device
         self.num_lifted = 0
         self.step_tokens = _REFERENCE_STEP_TOKENS  # a prompt is lifted a step before its deadline
         q1 = base_quantum_ms / 1e3 if base_quantum_ms is not None else self._min_iteration_time()
@@ -204,8 +214,8 @@ class MLFQPolicy(Policy):
         if self.first_token_slack is not None and seq.klass is RequestClass.ONLINE and not seq.num_output_tokens:
             left = max(1, seq.num_prompt_tokens - seq.num_cached_tokens)
             self.backlog += left
-            seq.policy_state["first"] = _FirstToken(self.prefilled + self.backlog + self.first_token_slack, left)
-            self._first[seq.request_id] = seq
+            f = seq.policy_state["first"] = _FirstToken(self.prefilled + self.backlog + self.first_token_slack, left)
+            self._first[seq.request_id] = seq, f
 
     def _prefilled(self, seq: SeqState, f: _FirstToken, num_tokens: int) -> None:
         done = f.left if seq.num_computed_tokens >= seq.num_prompt_tokens else min(f.left, num_tokens)
@@ -311,18 +321,19 @@ class MLFQPolicy(Policy):
         away, unless an online request is held off the device; ``seqs``
         again (as a list, if it had to be read)."""
         limit = self.prefilled + self.step_tokens
-        due = [s for s in self._first.values() if s.policy_state["first"].deadline - s.policy_state["first"].left
-               <= limit]
+        due = [(s, f) for s, f in self._first.values() if f.deadline - f.left <= limit]
         if not due:
             return seqs
+        # While memory binds the same request usually stays held step after
+        # step: looking at it first spares a scan of every request.
+        if self._held is not None and _held_off(self._held):
+            return seqs  # memory binds: skip-join's ranking decides
         seqs = list(seqs)
-        held = (SeqStatus.SWAPPED, SeqStatus.SWAPPING_IN)
-        for s in seqs:
-            if s.klass is RequestClass.ONLINE and (
-                    s.status in held or (s.status is SeqStatus.WAITING and s.num_preemptions)):
-                return seqs  # memory binds: skip-join's ranking decides
-        for s in due:
-            s.policy_state["first"].urgent = True
+        self._held = next((s for s in seqs if _held_off(s)), None)
+        if self._held is not None:
+            return seqs
+        for s, f in due:
+            f.urgent = True
             del self._first[s.request_id]
             self.num_lifted += 1
             e: _MLFQEntry = s.policy_state["mlfq"]
