@@ -44,7 +44,7 @@ setting), Llama-3-8B on an H100 with an eighth of its KV pool, Llama-3-8B with
 arXiv-summarization (long prompt) lengths and a quarter of the pool, and the
 Azure code trace on the small pool; Llama-3-8B with its whole pool on
 ShareGPT is where memory does not bind; ``chat`` is a conversational
-multi-turn mix (``chat_jobs``: long prompts of system prompt and history,
+multi-turn mix (``chat_jobs``: long prompts of opening context and history,
 short answers, bursty arrivals) on the small pool. The host link moves one block in
 ``block bytes / PCIe bandwidth`` (DeviceSpec), copies overlap compute, and a
 step stalls only on swap-ins it reads (see scheduler/simulator.py). Per-step
@@ -75,7 +75,7 @@ from fluidserve.scheduler import scheduler as scheduler_module
 from fluidserve.scheduler.config import DEFAULT_LOAN_TOKENS
 from fluidserve.scheduler.policy_base import Policy
 from fluidserve.scheduler.cost_model import DeviceSpec, ModelShape, RooflineCostModel
-from fluidserve.scheduler.simulator import SimConfig, estimate_capacity, simulate
+from fluidserve.scheduler.simulator import SimConfig, estimate_capacity, saturated_rate, simulate
 from fluidserve.scheduler.workloads import (
     ARXIV, AZURE_CODE, DEFAULT_WORKLOAD_DIR, SHAREGPT, Job, clamp_lengths, empirical_lengths, load_lengths,
     load_trace, poisson_arrivals, replay_trace, synthesize,
@@ -102,6 +102,8 @@ def sweep_label(knob: str, value) -> str:
         return f"{SWEPT}starving after {value:g} mean waits"
     if knob == "growth":
         return f"{SWEPT}growth reserve {value} steps"
+    if knob == "cache":
+        return f"{SWEPT}prefix cache {'on the device only' if value == 'device' else 'off'}"
     return f"{SWEPT}first-token guard {'off' if value is None else f'slack {value} tokens'}"
 
 
@@ -162,22 +164,27 @@ def opt_13b() -> ModelShape:
 
 # The conversational mix. Per turn, LMSYS-Chat-1M (Zheng et al. 2023, Table 1)
 # reports 2.0 turns per conversation, 69.5 tokens per user message and 214.5
-# per response on average; the system prompt is an assumption (a deployed
-# assistant's instructions and tool schemas), as are the think time and the
-# burstiness of conversation starts (gamma, CV 3).
-CHAT_TURNS, CHAT_USER, CHAT_REPLY, CHAT_SYSTEM, CHAT_THINK_S, CHAT_CV = 2.0, 69.5, 214.5, 1500, 8.0, 3.0
+# per response on average; each conversation's opening context is an
+# assumption (its instructions, retrieved documents and tool schemas: its
+# own, so the prefix cache shares it only between the turns of one
+# conversation), as are the think time and the burstiness of conversation
+# starts (gamma, CV 3). With one system prompt for every conversation the
+# cache holds it once and memory stops binding on an eighth of the pool.
+CHAT_TURNS, CHAT_USER, CHAT_REPLY, CHAT_CONTEXT, CHAT_THINK_S, CHAT_CV = 2.0, 69.5, 214.5, 1500, 8.0, 3.0
 
 
 def chat_pairs(num: int = 4000, seed: int = 1) -> list[tuple[int, int]]:
     """(prompt, output) of the turns of ``num`` conversations, for capacity:
-    each turn's prompt is the system prompt, the history and the new message."""
+    each turn's prompt is the opening context, the history and the new message."""
     return [(j.prompt_tokens, j.output_tokens) for j in chat_jobs(num, 1.0, seed)]
 
 
 def chat_jobs(num_conversations: int, rate: float, seed: int = 0) -> list[Job]:
     """Turns of conversations starting at ``rate`` per second (gamma gaps,
     CV ``CHAT_CV``); turn k comes ``CHAT_THINK_S`` on average after turn k-1
-    (exponential), its prompt all that came before it."""
+    (exponential), its prompt all that came before it: it extends the
+    previous turn's prompt, so a turn finds that prefix wherever the prefix
+    cache still holds it (the device, or the host tier where there is one)."""
     import random
 
     rng = random.Random(seed)
@@ -187,12 +194,12 @@ def chat_jobs(num_conversations: int, rate: float, seed: int = 0) -> list[Job]:
         turns = 1
         while rng.random() > 1.0 / CHAT_TURNS:  # geometric, mean CHAT_TURNS
             turns += 1
-        history, at = CHAT_SYSTEM, t
+        history, at = CHAT_CONTEXT, t
         for k in range(turns):
             user = max(1, round(rng.expovariate(1 / CHAT_USER)))
             reply = max(1, min(2048, round(rng.expovariate(1 / CHAT_REPLY))))
             prompt = min(history + user, 8192 - reply)
-            jobs.append(Job(f"c{c}t{k}", at, prompt, reply))
+            jobs.append(Job(f"c{c}t{k}", at, prompt, reply, conversation=c))
             history += user + reply
             at += rng.expovariate(1 / CHAT_THINK_S)
         t += rng.gammavariate(shape, 1.0 / (rate * shape))
@@ -250,6 +257,9 @@ def _run(task: dict) -> dict:
     options = {"first_token_slack": sweep["guard"]} if "guard" in sweep else {}
     cfg = sim_config(cm, task["pool"], task["mode"], task["proactive"], task["slack"],
                      gap_bound_ms(cm, task.get("gap_steps")), task.get("loan"))
+    if "cache" in sweep:  # the host tier's share of a conversation's reuse, then the cache's
+        cfg = cfg.replace(cache_on_host=False) if sweep["cache"] == "device" else cfg.replace(
+            enable_prefix_caching=False)
     t0 = time.perf_counter()
     policy = ClairvoyantPolicy(cm) if task["policy"] == ClairvoyantPolicy.name else task["policy"]
     res = simulate(task["jobs"], policy, cm, cfg, policy_options=options)
@@ -268,8 +278,14 @@ def _run(task: dict) -> dict:
 
 
 def preset_capacity(p: dict, cm: RooflineCostModel, num_jobs: int) -> float:
-    """Saturated fcfs + recompute throughput (req/s) on a synthetic preset's lengths: what load 1 means."""
-    return estimate_capacity(p["pairs"], cm, sim_config(cm, p["pool"], "recompute", False), num_jobs=num_jobs)
+    """Saturated fcfs + recompute throughput (req/s) on a synthetic preset's lengths: what load 1 means.
+    The chat mix's turns share prompt tokens, so its capacity is timed on
+    conversations rather than on a length mix."""
+    cfg = sim_config(cm, p["pool"], "recompute", False)
+    if p.get("chat"):
+        per_conv = len(p["pairs"]) / 4000
+        return saturated_rate(chat_jobs(max(1, round(num_jobs / per_conv)), 1.0, seed=1), cm, cfg)
+    return estimate_capacity(p["pairs"], cm, cfg, num_jobs=num_jobs)
 
 
 def preset_jobs(p: dict, num_jobs: int, rate: float, seed: int) -> list[Job]:
@@ -311,6 +327,7 @@ def build_tasks(args) -> tuple[list[dict], dict]:
                               "device": p["device"], "pool": p["pool"]})
             sweeps = [("starving", n) for n in args.starving_sweep] + [("growth", n) for n in args.growth_sweep]
             sweeps += [("guard", n) for n in args.guard_sweep]
+            sweeps += [("cache", n) for n in args.cache_sweep if p.get("chat")]  # only its turns share prompts
             for knob, value in sweeps if x == top else ():
                 tasks.append({"preset": name, "x": x, "seed": seed, "label": sweep_label(knob, value),
                               "policy": SKIP_JOIN, "mode": "swap", "proactive": True, "slack": 0.0,
@@ -400,6 +417,8 @@ def targets(rows: list[dict]) -> list[str]:
         bound = not any(k in preset for k in NOT_MEMORY_BOUND)
         for variant in swap_variants:
             runs = [r for r in sub if r["x"] == top and r["variant"] == variant]
+            if not runs:  # a sweep of one preset's alone
+                continue
             ratios = list(zip(*(_ratios(base[r["seed"]], r) for r in runs)))
             norm, ttft, tpot = (statistics.median(v) for v in ratios)
             stall = statistics.median(r["stall_share"] for r in runs)
@@ -424,9 +443,11 @@ def to_markdown(rows: list[dict], capacity: dict, meta: dict) -> str:
            f"Command: `{meta['command']}` ({meta['wall_s']:.0f} s wall).",
            f"Chat mix (`chat_jobs`): conversations start as a gamma process (CV {CHAT_CV:g}); turns per "
            f"conversation geometric with mean {CHAT_TURNS:g}, user messages and replies exponential with means "
-           f"{CHAT_USER:g} and {CHAT_REPLY:g} tokens (LMSYS-Chat-1M, Zheng et al. 2023); each turn's prompt is a "
-           f"{CHAT_SYSTEM}-token system prompt plus the whole history; turns {CHAT_THINK_S:g} s apart on average "
-           "(the system prompt, think time and CV are assumptions).", ""]
+           f"{CHAT_USER:g} and {CHAT_REPLY:g} tokens (LMSYS-Chat-1M, Zheng et al. 2023); each turn's prompt is "
+           f"the conversation's own {CHAT_CONTEXT}-token opening context plus the whole history, so it extends "
+           "the previous turn's prompt and the prefix cache (on, as in the engine, for fcfs + recompute too: "
+           "device only there, no host pool) serves what it still holds; turns "
+           f"{CHAT_THINK_S:g} s apart on average (the context, think time and CV are assumptions).", ""]
     out += targets(rows)
     rows = [r for r in rows if r["seed"] == meta["seeds"][0]]
     for preset in dict.fromkeys(r["preset"] for r in rows):
@@ -476,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--guard-sweep", default="off,2048",
                     help="also run the default flags with the first-token guard at these slacks in tokens "
                          "('off': FastServe's skip-join alone; default 0), at the highest load on every seed")
+    ap.add_argument("--cache-sweep", default="device,off",
+                    help="also run the default flags on the chat mix with the prefix cache on the device only "
+                         "('device') or off ('off'), at the highest load on every seed")
     ap.add_argument("--gap-sweep", default="2,8",
                     help="also run proactive swap with --max-token-gap-ms of these many full-budget steps "
                          "(no slack) at the highest load or speed")
@@ -486,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     args.growth_sweep = [int(x) for x in args.growth_sweep.split(",") if x]
     args.guard_sweep = [None if x == "off" else int(x) for x in args.guard_sweep.split(",") if x]
     args.loan_sweep = [int(x) for x in args.loan_sweep.split(",") if x]
+    args.cache_sweep = [x for x in args.cache_sweep.split(",") if x]
     if args.quick:
         args.num_jobs, args.trace_jobs, args.capacity_jobs, args.loads, args.speeds = 150, 300, 120, "0.9", "1"
     args.loads = [float(x) for x in args.loads.split(",")]

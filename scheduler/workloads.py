@@ -35,13 +35,18 @@ class Job:
     # (group, tokens): the prompt starts with ``tokens`` tokens shared by every
     # job of the group (a system prompt); the rest is the job's own.
     shared_prefix: tuple[int, int] | None = None
+    # The turns of one conversation: each prompt is the one before it plus
+    # the reply and a new message, so past the shared prefix they agree
+    # token by token for as long as both run.
+    conversation: int | None = None
 
     def token_ids(self) -> list[int]:
         """Stand-in prompt tokens, equal where prompts are (prefix caching)."""
         group, shared = self.shared_prefix or (0, 0)
         shared = min(shared, self.prompt_tokens)
+        own = self.request_id if self.conversation is None else ("conversation", self.conversation)
         return ([hash(("prefix", group, i)) for i in range(shared)]
-                + [hash((self.request_id, i)) for i in range(shared, self.prompt_tokens)])
+                + [hash((own, i)) for i in range(shared, self.prompt_tokens)])
 
 
 LengthSampler = Callable[[random.Random], tuple[int, int]]

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from fluidserve.scheduler.cost_model import LinearCoefficients, LinearCostModel, default_cost_model
 from fluidserve.scheduler.policies import POLICIES
 from fluidserve.scheduler.request_state import RequestClass
-from fluidserve.scheduler.simulator import SimConfig, Simulator, estimate_capacity, percentile, simulate
+from fluidserve.scheduler.simulator import (
+    SimConfig, Simulator, estimate_capacity, percentile, saturated_rate, simulate,
+)
 from fluidserve.scheduler.workloads import (
     DEFAULT_WORKLOAD_DIR, SHAREGPT, Job, clamp_lengths, empirical_lengths, gamma_arrivals,
     load_lengths, poisson_arrivals, replay_trace, scale_ratio, synthesize,
@@ -175,6 +177,28 @@ def test_shared_prefixes_hit_in_both_tiers_and_shorten_ttft():
         ttft[label] = sum(r.ttft for r in res.records) / len(res.records)
         assert sim.kv.num_used_blocks == 0 and sim.kv.num_used_host_blocks == 0
     assert ttft["both"] <= ttft["device"] <= ttft["off"]
+
+
+def test_a_conversations_turns_find_their_history_in_the_prefix_cache():
+    """Each turn's prompt extends the previous turn's: with the cache on, a
+    later turn finds the earlier prompt's full blocks and computes only the
+    rest, while another conversation's turn of the same length finds
+    nothing; so the same jobs run faster saturated than if no turn shared."""
+    turns = [Job("c0t0", 0.0, 100, 20, conversation=0), Job("c1t0", 0.0, 100, 20, conversation=1),
+             Job("c0t1", 5.0, 150, 20, conversation=0), Job("c2t0", 5.0, 150, 20, conversation=2)]
+    assert turns[2].token_ids()[:100] == turns[0].token_ids()
+    assert not set(turns[3].token_ids()) & set(turns[0].token_ids() + turns[1].token_ids())
+    cfg = SimConfig.create(num_kv_blocks=64, block_size=16, max_num_batched_tokens=256, check_integrity=True)
+    cached = {r.request_id: r.cached_tokens for r in simulate(turns, "fcfs", CM, cfg).records}
+    assert cached == {"c0t0": 0, "c1t0": 0, "c0t1": 96, "c2t0": 0}  # six full blocks of the first turn
+    # Saturated, the second turns (queued behind every first turn) reuse
+    # the first turns' prompts; without the conversations nothing is shared.
+    chats = [Job(f"c{c}t{k}", 0.0, 400 + 200 * k, 8, conversation=c) for k in range(2) for c in range(20)]
+    alone = [dataclasses.replace(j, conversation=None) for j in chats]
+    big = cfg.replace(num_kv_blocks=1024)  # every first turn stays cached
+    assert saturated_rate(chats, CM, big) > 1.3 * saturated_rate(alone, CM, big)
+    assert saturated_rate(chats, CM, big.replace(enable_prefix_caching=False)) == pytest.approx(
+        saturated_rate(alone, CM, big))
 
 
 def test_demoting_freed_cached_blocks_never_makes_a_step_wait():
