@@ -181,10 +181,11 @@ def chat_pairs(num: int = 4000, seed: int = 1) -> list[tuple[int, int]]:
 
 def chat_jobs(num_conversations: int, rate: float, seed: int = 0) -> list[Job]:
     """Turns of conversations starting at ``rate`` per second (gamma gaps,
-    CV ``CHAT_CV``); turn k comes ``CHAT_THINK_S`` on average after turn k-1
-    (exponential), its prompt all that came before it: it extends the
-    previous turn's prompt, so a turn finds that prefix wherever the prefix
-    cache still holds it (the device, or the host tier where there is one)."""
+    CV ``CHAT_CV``); turn k comes ``CHAT_THINK_S`` on average (exponential)
+    after the reply to turn k-1 has finished, its prompt all that came
+    before it: it extends the previous turn's prompt, so a turn finds that
+    prefix wherever the prefix cache still holds it (the device, or the host
+    tier where there is one)."""
     import random
 
     rng = random.Random(seed)
@@ -194,14 +195,15 @@ def chat_jobs(num_conversations: int, rate: float, seed: int = 0) -> list[Job]:
         turns = 1
         while rng.random() > 1.0 / CHAT_TURNS:  # geometric, mean CHAT_TURNS
             turns += 1
-        history, at = CHAT_CONTEXT, t
+        history = CHAT_CONTEXT
         for k in range(turns):
             user = max(1, round(rng.expovariate(1 / CHAT_USER)))
             reply = max(1, min(2048, round(rng.expovariate(1 / CHAT_REPLY))))
             prompt = min(history + user, 8192 - reply)
-            jobs.append(Job(f"c{c}t{k}", at, prompt, reply, conversation=c))
+            think = rng.expovariate(1 / CHAT_THINK_S)  # after the reply before it
+            jobs.append(Job(f"c{c}t{k}", t, prompt, reply, conversation=c, follows=f"c{c}t{k - 1}" if k else None,
+                            think_time=think if k else 0.0))
             history += user + reply
-            at += rng.expovariate(1 / CHAT_THINK_S)
         t += rng.gammavariate(shape, 1.0 / (rate * shape))
     jobs.sort(key=lambda j: j.arrival_time)
     return jobs
@@ -282,9 +284,12 @@ def preset_capacity(p: dict, cm: RooflineCostModel, num_jobs: int) -> float:
     The chat mix's turns share prompt tokens, so its capacity is timed on
     conversations rather than on a length mix."""
     cfg = sim_config(cm, p["pool"], "recompute", False)
-    if p.get("chat"):
+    if p.get("chat"):  # every first turn, then every second turn, ...: each queued behind the one it follows
         per_conv = len(p["pairs"]) / 4000
-        return saturated_rate(chat_jobs(max(1, round(num_jobs / per_conv)), 1.0, seed=1), cm, cfg)
+        jobs, depth = chat_jobs(max(1, round(num_jobs / per_conv)), 1.0, seed=1), {}
+        for j in jobs:
+            depth[j.request_id] = 0 if j.follows is None else depth[j.follows] + 1
+        return saturated_rate(sorted(jobs, key=lambda j: depth[j.request_id]), cm, cfg)
     return estimate_capacity(p["pairs"], cm, cfg, num_jobs=num_jobs)
 
 
@@ -446,8 +451,9 @@ def to_markdown(rows: list[dict], capacity: dict, meta: dict) -> str:
            f"{CHAT_USER:g} and {CHAT_REPLY:g} tokens (LMSYS-Chat-1M, Zheng et al. 2023); each turn's prompt is "
            f"the conversation's own {CHAT_CONTEXT}-token opening context plus the whole history, so it extends "
            "the previous turn's prompt and the prefix cache (on, as in the engine, for fcfs + recompute too: "
-           "device only there, no host pool) serves what it still holds; turns "
-           f"{CHAT_THINK_S:g} s apart on average (the context, think time and CV are assumptions).", ""]
+           "device only there, no host pool) serves what it still holds; a turn comes "
+           f"{CHAT_THINK_S:g} s on average after the reply before it has finished (the context, think time "
+           "and CV are assumptions).", ""]
     out += targets(rows)
     rows = [r for r in rows if r["seed"] == meta["seeds"][0]]
     for preset in dict.fromkeys(r["preset"] for r in rows):

@@ -9,7 +9,9 @@ It performs exactly the engine's calls, in the engine's order:
     scheduler.update_from_output(plan, StepOutcome(..., finished=[jobs with all their tokens]))
 
 so no policy and no swap decision has a second implementation here. Time
-advances only by steps and by idle jumps to the next arrival. ``run`` is
+advances only by steps and by idle jumps to the next arrival. A job may
+follow another (a conversation's next turn): it arrives its think time after
+that one finishes, so the workload answers the server's speed. ``run`` is
 ``step`` until no work is left; ``scheduler/cluster.py`` calls ``step`` and
 ``add_job`` itself to run several replicas on one clock.
 
@@ -24,6 +26,7 @@ runs a request they bring back. That wait is the swap stall.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field, replace
 
@@ -170,7 +173,15 @@ class Simulator:
             if job.prompt_tokens + job.output_tokens > capacity:
                 raise ValueError(f"job {job.request_id} needs {job.prompt_tokens + job.output_tokens} "
                                  f"tokens of KV, the pool holds {capacity}")
-        self.jobs = sorted(jobs, key=lambda j: j.arrival_time)  # stable
+        # Turns that answer a reply arrive when it has finished (Job.follows).
+        self._followers: dict[str, list[Job]] = {}
+        for job in jobs:
+            if job.follows is not None:
+                self._followers.setdefault(job.follows, []).append(job)
+        ids = {j.request_id for j in jobs}
+        if not ids.issuperset(self._followers):
+            raise ValueError(f"jobs follow requests not in the workload: {sorted(set(self._followers) - ids)}")
+        self.jobs = sorted((j for j in jobs if j.follows is None), key=lambda j: j.arrival_time)  # stable
         self.cost = cost_model
         self.config = config
         named = isinstance(policy, str)
@@ -203,7 +214,10 @@ class Simulator:
     def _start_run(self) -> None:
         self.records = {j.request_id: JobRecord(j.request_id, j.arrival_time, j.prompt_tokens, j.output_tokens)
                         for j in self.jobs}
-        if len(self.records) != len(self.jobs):
+        num_followers = sum(map(len, self._followers.values()))
+        for j in (j for group in self._followers.values() for j in group):  # arrival set when released
+            self.records[j.request_id] = JobRecord(j.request_id, math.nan, j.prompt_tokens, j.output_tokens)
+        if len(self.records) != len(self.jobs) + num_followers:
             raise ValueError("duplicate request ids in the workload")
         self.now, self.busy, self.num_steps, self._nxt = 0.0, 0.0, 0, 0
         self._copies_done, self._swap_stall, self._abandoned_steps = 0.0, 0.0, 0
@@ -218,6 +232,8 @@ class Simulator:
         its arrival time, never earlier than the jobs already added)."""
         if job.request_id in self.records:
             raise ValueError(f"duplicate request id {job.request_id!r}")
+        if job.follows is not None:
+            raise ValueError("a job handed over at its arrival cannot wait for another (Job.follows)")
         if self.jobs and job.arrival_time < self.jobs[-1].arrival_time:
             raise ValueError("jobs must be added in arrival order")
         self.jobs.append(job)
@@ -298,6 +314,7 @@ class Simulator:
                 rec.finish_time = now
                 rec.num_preemptions = seq.num_preemptions
                 finished.append(item.request_id)
+                self._release_followers(item.request_id, now)
         self.now = now
         sched.update_from_output(plan, StepOutcome(step_time=now - start, now=now, finished=finished,
                                                    abandoned=abandoned,
@@ -305,6 +322,14 @@ class Simulator:
         if cfg.check_integrity:
             self.kv.check_integrity()
         return True
+
+    def _release_followers(self, request_id: str, now: float) -> None:
+        """The turns answering ``request_id``'s reply join the arrivals, each
+        its think time after ``now`` (never before an arrival already let in)."""
+        for job in self._followers.pop(request_id, ()):
+            job = replace(job, arrival_time=now + job.think_time, follows=None)
+            self.records[job.request_id].arrival_time = job.arrival_time
+            bisect.insort(self.jobs, job, lo=self._nxt, key=lambda j: j.arrival_time)
 
     def result(self) -> SimResult:
         sched = self.scheduler
@@ -365,8 +390,10 @@ def estimate_capacity(
 def saturated_rate(jobs: list[Job], cost_model: CostModel, config: SimConfig) -> float:
     """Requests/s of ``jobs`` all present at t = 0 in their order, served
     FCFS, timed over the middle 80% of completions (``estimate_capacity`` for
-    jobs whose prompts share tokens, which a length mix cannot say)."""
-    jobs = [replace(j, arrival_time=0.0) for j in jobs]
+    jobs whose prompts share tokens, which a length mix cannot say). A turn
+    that follows another is queued with the rest: saturated, the server
+    never waits on a user."""
+    jobs = [replace(j, arrival_time=0.0, follows=None, think_time=0.0) for j in jobs]
     res = simulate(jobs, "fcfs", cost_model, config)
     ends = sorted(r.finish_time for r in res.records)
     lo, hi = int(0.1 * len(jobs)), int(0.9 * len(jobs)) - 1

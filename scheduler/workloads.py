@@ -39,6 +39,11 @@ class Job:
     # the reply and a new message, so past the shared prefix they agree
     # token by token for as long as both run.
     conversation: int | None = None
+    # A turn that answers ``follows``'s reply arrives ``think_time`` seconds
+    # after that request finishes (the simulator sets its arrival_time then),
+    # so a server that answers later also hears the next turn later.
+    follows: str | None = None
+    think_time: float = 0.0
 
     def token_ids(self) -> list[int]:
         """Stand-in prompt tokens, equal where prompts are (prefix caching)."""

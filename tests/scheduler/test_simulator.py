@@ -201,6 +201,28 @@ def test_a_conversations_turns_find_their_history_in_the_prefix_cache():
         saturated_rate(alone, CM, big))
 
 
+def test_a_turn_that_follows_a_reply_arrives_its_think_time_after_it_ends():
+    """Closed-loop conversations: a follow-up turn arrives ``think_time``
+    after the reply it answers has finished, so its timeline is the one it
+    would have had as a job arriving then; a chain of turns waits link by
+    link; a follower of a request not in the workload, or one handed over at
+    its arrival, is refused."""
+    cfg = SimConfig.create(num_kv_blocks=64, block_size=16, max_num_batched_tokens=64)
+    first = Job("a", 1.0, 100, 5)
+    turns = [first, Job("b", 0.0, 120, 3, follows="a", think_time=2.0), Job("c", 0.0, 60, 2, follows="b",
+                                                                           think_time=0.5)]
+    rec = {r.request_id: r for r in simulate(turns, "fcfs", CM, cfg).records}
+    assert rec["b"].arrival_time == pytest.approx(rec["a"].finish_time + 2.0)
+    assert rec["c"].arrival_time == pytest.approx(rec["b"].finish_time + 0.5)
+    (alone,) = simulate([Job("b", rec["b"].arrival_time, 120, 3)], "fcfs", CM, cfg).records
+    assert (rec["b"].ttft, rec["b"].e2e) == pytest.approx((alone.ttft, alone.e2e))
+    with pytest.raises(ValueError, match="not in the workload"):
+        Simulator([Job("x", 0.0, 10, 2, follows="nobody")], "fcfs", CM, cfg)
+    sim = Simulator([first], "fcfs", CM, cfg)
+    with pytest.raises(ValueError, match="follows"):
+        sim.add_job(Job("y", 2.0, 10, 2, follows="a"))
+
+
 def test_demoting_freed_cached_blocks_never_makes_a_step_wait():
     """Freed cached blocks go to the host on the link's spare credit only:
     their copies fit behind the step that carries them, so where memory
