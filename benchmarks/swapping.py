@@ -273,7 +273,8 @@ def _run(task: dict) -> dict:
            "swap_loan_tokens": task.get("loan"), **s}
     if cfg.max_token_gap_ms is not None:  # requests whose longest gap broke the bound
         row["num_over_gap_bound"] = sum(r.max_token_gap * 1e3 > cfg.max_token_gap_ms for r in res.records)
-    row["swap_gib"] = s["swap_blocks"] * BLOCK * cm.model.kv_bytes_per_token / 2**30
+    row["swap_gib"], row["demoted_gib"] = (n * BLOCK * cm.model.kv_bytes_per_token / 2**30
+                                           for n in (s["swap_blocks"], s["demoted_blocks"]))
     row["stall_share"] = s["swap_stall_s"] / res.makespan if res.makespan else 0.0
     row["wall_s"] = round(time.perf_counter() - t0, 2)
     return row
@@ -376,7 +377,10 @@ P99 TTFT no worse than fcfs means fcfs's prefill order, and the guard gives
 each prompt that order unless an older prompt has slack to give; it stands
 aside while an online request is held off the device.
 ``P99 max token gap`` is each request's longest wait between two tokens (its
-latency bound).
+latency bound). ``swapped GiB`` counts the copies of evictions both ways
+and of prefixes brought back from the host; ``demoted GiB`` the freed
+cached blocks the prefix cache copies to the host with the link's spare
+credit (every run's requests key their prompts, so every preset demotes).
 """
 
 
@@ -407,7 +411,7 @@ def targets(rows: list[dict]) -> list[str]:
            f"Medians over seeds {', '.join(map(str, seeds))} (a trace replays its jobs: one run), "
            "each seed's run against fcfs + recompute on the same jobs; the seeds' own ratios in brackets.", "",
            "| preset | variant | mean norm (fcfs / this) | P99 TTFT (fcfs / this) | P99 TPOT (this / fcfs) "
-           "| swapped GiB | stall / makespan | met |", "|---|---|---|---|---|---|---|---|"]
+           "| swapped GiB | demoted GiB | stall / makespan | met |", "|---|---|---|---|---|---|---|---|---|"]
     swap_variants = [v[0] for v in VARIANTS if v[2] == "swap"]
     swap_variants += [v for v in dict.fromkeys(r["variant"] for r in rows) if v.startswith(SWEPT)]
 
@@ -434,6 +438,7 @@ def targets(rows: list[dict]) -> list[str]:
                    else "all" if not missed else "not " + ", ".join(missed))
             out.append(f"| {preset} | {variant} | {cell(ratios[0], '.2f')} | {cell(ratios[1], '.2f')} | "
                        f"{cell(ratios[2], '.2f')} | {cell([r['swap_gib'] for r in runs], '.0f', '')} | "
+                       f"{cell([r['demoted_gib'] for r in runs], '.0f', '')} | "
                        f"{cell([100 * r['stall_share'] for r in runs], '.2f', '%')} | {met} |")
     return out + ["", CLAIRVOYANT_NOTE, "", DEPENDS]
 
@@ -461,16 +466,18 @@ def to_markdown(rows: list[dict], capacity: dict, meta: dict) -> str:
         xname = "speed" if "azure" in preset else "load"
         out += [f"## {preset} ({sub[0]['num_kv_blocks']} device blocks)", "",
                 f"| {xname} | variant | " + " | ".join(m[1] for m in METRICS)
-                + " | recomputes | swap-outs | swapped GiB | stall / makespan | requests over the gap bound "
-                  "| fcfs+recompute / this: mean norm | P99 TTFT | this / fcfs+recompute: P99 TPOT |",
-                "|" + "---|" * (len(METRICS) + 10)]
+                + " | recomputes | swap-outs | swapped GiB | demoted GiB | stall / makespan "
+                  "| requests over the gap bound | fcfs+recompute / this: mean norm | P99 TTFT "
+                  "| this / fcfs+recompute: P99 TPOT |",
+                "|" + "---|" * (len(METRICS) + 11)]
         base = {r["x"]: r for r in sub if r["variant"] == VARIANTS[0][0]}
         for r in sub:
             b = base[r["x"]]
             vals = " | ".join(f"{r[k] * s:.3g}" for k, _, s in METRICS)
             ratios = " | ".join(f"{x:.2f}x" for x in _ratios(b, r))
             out.append(f"| {r['x']:g} | {r['variant']} | {vals} | {r['num_recomputes']} | {r['num_swap_outs']} | "
-                       f"{r['swap_gib']:.1f} | {100 * r['stall_share']:.2f}% | {r.get('num_over_gap_bound', '-')} | "
+                       f"{r['swap_gib']:.1f} | {r['demoted_gib']:.1f} | {100 * r['stall_share']:.2f}% | "
+                       f"{r.get('num_over_gap_bound', '-')} | "
                        f"{ratios} |")
         out.append("")
     return "\n".join(out)

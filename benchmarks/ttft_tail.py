@@ -113,7 +113,7 @@ guard at slack 0, the default, brings the P99 to first-come-first-served's
 (1.00x) and the mean gain goes with it; a larger slack buys back mean TTFT
 at the tail's cost. On arXiv (a quarter of the pool) and chat (an eighth)
 the guard changes little: it stands aside while memory binds, as it does in
-those presets' bursts (their P99 1.00x and 1.14x with it, 1.03x and 1.12x
+those presets' bursts (their P99 1.00x and 1.18x with it, 1.03x and 1.13x
 without). Every
 variant runs the engine's other defaults (KV loans, the starving rule)."""
 

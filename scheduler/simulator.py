@@ -182,6 +182,9 @@ class Simulator:
         if not ids.issuperset(self._followers):
             raise ValueError(f"jobs follow requests not in the workload: {sorted(set(self._followers) - ids)}")
         self.jobs = sorted((j for j in jobs if j.follows is None), key=lambda j: j.arrival_time)  # stable
+        # A conversation's replies are keyed as the engine keys generated
+        # tokens: its next turn repeats them (other jobs' replies never recur).
+        self._replies = {j.request_id: j for j in jobs if j.conversation is not None}
         self.cost = cost_model
         self.config = config
         named = isinstance(policy, str)
@@ -296,13 +299,16 @@ class Simulator:
             now = max(now, copy_free)
         self._swap_stall += stall
         self.num_steps += 1
-        finished = self.last_finished
+        finished, bs = self.last_finished, self.kv.block_size
         for item in () if abandoned else plan.scheduled:
             if not item.samples:
                 continue
             seq = sched.seqs[item.request_id]
             rec = self.records[item.request_id]
             rec.num_emitted += 1
+            job = self._replies.get(item.request_id)
+            if job is not None and not (n := rec.prompt_tokens + rec.num_emitted) % bs:
+                sched.block_filled(seq, job.token_ids(n - bs, n), n)
             if rec.first_token_time is None:
                 rec.first_token_time = now
                 rec.cached_tokens = seq.num_cached_tokens
@@ -341,6 +347,8 @@ class Simulator:
         swap_stats = {
             "num_recomputes": c.num_recomputes, "num_swap_outs": c.num_swap_outs, "num_swap_ins": c.num_swap_ins,
             "swap_blocks": c.swap_out_blocks + c.swap_in_blocks, "swap_stall_s": self._swap_stall,
+            # Freed cached blocks copied to the host: the link's other traffic.
+            "demoted_blocks": self.kv.prefix_stats.demoted_blocks,
             "num_checkpoint_evictions": c.num_checkpoint_evictions, "checkpoint_blocks": c.checkpoint_blocks,
             "num_steps_abandoned": self._abandoned_steps, "num_resumes": c.num_resumes,
             "num_dropped_pauses": c.num_dropped_pauses, "num_deadline_promotions": sched.num_deadline_promotions,

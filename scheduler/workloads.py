@@ -45,13 +45,15 @@ class Job:
     follows: str | None = None
     think_time: float = 0.0
 
-    def token_ids(self) -> list[int]:
-        """Stand-in prompt tokens, equal where prompts are (prefix caching)."""
+    def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Stand-in tokens at positions ``start`` to ``end`` (the prompt's
+        end by default; past it, the reply's), equal where prompts are
+        (prefix caching): a conversation's next turn repeats this reply."""
         group, shared = self.shared_prefix or (0, 0)
         shared = min(shared, self.prompt_tokens)
         own = self.request_id if self.conversation is None else ("conversation", self.conversation)
-        return ([hash(("prefix", group, i)) for i in range(shared)]
-                + [hash((own, i)) for i in range(shared, self.prompt_tokens)])
+        end = self.prompt_tokens if end is None else end
+        return [hash(("prefix", group, i) if i < shared else (own, i)) for i in range(start, end)]
 
 
 LengthSampler = Callable[[random.Random], tuple[int, int]]

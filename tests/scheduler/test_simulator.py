@@ -186,11 +186,13 @@ def test_a_conversations_turns_find_their_history_in_the_prefix_cache():
     nothing; so the same jobs run faster saturated than if no turn shared."""
     turns = [Job("c0t0", 0.0, 100, 20, conversation=0), Job("c1t0", 0.0, 100, 20, conversation=1),
              Job("c0t1", 5.0, 150, 20, conversation=0), Job("c2t0", 5.0, 150, 20, conversation=2)]
-    assert turns[2].token_ids()[:100] == turns[0].token_ids()
+    assert turns[2].token_ids()[:120] == turns[0].token_ids(0, 120)  # its prompt and reply
     assert not set(turns[3].token_ids()) & set(turns[0].token_ids() + turns[1].token_ids())
     cfg = SimConfig.create(num_kv_blocks=64, block_size=16, max_num_batched_tokens=256, check_integrity=True)
     cached = {r.request_id: r.cached_tokens for r in simulate(turns, "fcfs", CM, cfg).records}
-    assert cached == {"c0t0": 0, "c1t0": 0, "c0t1": 96, "c2t0": 0}  # six full blocks of the first turn
+    # The first turn's prompt and the reply's first 12 tokens: 7 full blocks
+    # (as the engine keys generated tokens: the 8th holds only 8 of the reply).
+    assert cached == {"c0t0": 0, "c1t0": 0, "c0t1": 112, "c2t0": 0}
     # Saturated, the second turns (queued behind every first turn) reuse
     # the first turns' prompts; without the conversations nothing is shared.
     chats = [Job(f"c{c}t{k}", 0.0, 400 + 200 * k, 8, conversation=c) for k in range(2) for c in range(20)]
