@@ -3,7 +3,9 @@ the real length files and trace the repository ships in
 ``benchmarks/workloads/`` (their sources and licenses in its README), or any
 directory of the same files (``--workload-dir``).
 
-A workload is a list of ``Job`` (arrival time, prompt and output length).
+A workload is a list of ``Job`` (arrival time, prompt and output length);
+a conversation's turns share their history token by token and may each
+follow the reply before it (``Job.conversation``, ``Job.follows``).
 Everything is seeded (``random.Random``), so the same arguments give the same
 jobs.
 """
