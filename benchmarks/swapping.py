@@ -173,7 +173,10 @@ def opt_13b() -> ModelShape:
 CHAT_TURNS, CHAT_USER, CHAT_REPLY, CHAT_CONTEXT, CHAT_THINK_S, CHAT_CV = 2.0, 69.5, 214.5, 1500, 8.0, 3.0
 
 
-def chat_pairs(num: int = 4000, seed: int = 1) -> list[tuple[int, int]]:
+CHAT_PAIRS_CONVERSATIONS = 4000
+
+
+def chat_pairs(num: int = CHAT_PAIRS_CONVERSATIONS, seed: int = 1) -> list[tuple[int, int]]:
     """(prompt, output) of the turns of ``num`` conversations, for capacity:
     each turn's prompt is the opening context, the history and the new message."""
     return [(j.prompt_tokens, j.output_tokens) for j in chat_jobs(num, 1.0, seed)]
@@ -280,14 +283,18 @@ def _run(task: dict) -> dict:
     return row
 
 
+def _turns_per_conversation(p: dict) -> float:
+    """The chat mix's mean (its pairs are the turns of ``CHAT_PAIRS_CONVERSATIONS``)."""
+    return len(p["pairs"]) / CHAT_PAIRS_CONVERSATIONS
+
+
 def preset_capacity(p: dict, cm: RooflineCostModel, num_jobs: int) -> float:
     """Saturated fcfs + recompute throughput (req/s) on a synthetic preset's lengths: what load 1 means.
     The chat mix's turns share prompt tokens, so its capacity is timed on
     conversations rather than on a length mix."""
     cfg = sim_config(cm, p["pool"], "recompute", False)
     if p.get("chat"):  # every first turn, then every second turn, ...: each queued behind the one it follows
-        per_conv = len(p["pairs"]) / 4000
-        jobs, depth = chat_jobs(max(1, round(num_jobs / per_conv)), 1.0, seed=1), {}
+        jobs, depth = chat_jobs(max(1, round(num_jobs / _turns_per_conversation(p))), 1.0, seed=1), {}
         for j in jobs:
             depth[j.request_id] = 0 if j.follows is None else depth[j.follows] + 1
         return saturated_rate(sorted(jobs, key=lambda j: depth[j.request_id]), cm, cfg)
@@ -299,7 +306,7 @@ def preset_jobs(p: dict, num_jobs: int, rate: float, seed: int) -> list[Job]:
     per second: Poisson, or for the chat mix conversations starting at the
     rate that makes ``rate`` turns per second."""
     if p.get("chat"):
-        per_conv = len(p["pairs"]) / 4000
+        per_conv = _turns_per_conversation(p)
         return chat_jobs(max(1, round(num_jobs / per_conv)), rate / per_conv, seed=seed)
     return synthesize(num_jobs, empirical_lengths(p["pairs"]), poisson_arrivals(rate), seed=seed)
 

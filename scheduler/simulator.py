@@ -215,12 +215,11 @@ class Simulator:
 
     # -- one step at a time (scheduler/cluster.py drives several replicas so) --
     def _start_run(self) -> None:
-        self.records = {j.request_id: JobRecord(j.request_id, j.arrival_time, j.prompt_tokens, j.output_tokens)
-                        for j in self.jobs}
-        num_followers = sum(map(len, self._followers.values()))
-        for j in (j for group in self._followers.values() for j in group):  # arrival set when released
-            self.records[j.request_id] = JobRecord(j.request_id, math.nan, j.prompt_tokens, j.output_tokens)
-        if len(self.records) != len(self.jobs) + num_followers:
+        # A follower's arrival is set when the reply it answers ends.
+        jobs = [*self.jobs, *(j for group in self._followers.values() for j in group)]
+        self.records = {j.request_id: JobRecord(j.request_id, math.nan if j.follows else j.arrival_time,
+                                                j.prompt_tokens, j.output_tokens) for j in jobs}
+        if len(self.records) != len(jobs):
             raise ValueError("duplicate request ids in the workload")
         self.now, self.busy, self.num_steps, self._nxt = 0.0, 0.0, 0, 0
         self._copies_done, self._swap_stall, self._abandoned_steps = 0.0, 0.0, 0
