@@ -313,7 +313,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from fluidserve.engine.heap import frozen_heap
     from fluidserve.engine.loader import set_trust_remote_code
     from fluidserve.serve.api import ServerSettings, build_app
-    from fluidserve.serve.server import make_server
+    from fluidserve.serve.server import bind_socket, make_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_trust_remote_code(args.trust_remote_code)
@@ -326,6 +326,15 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"fluidserve serve: {exc}", file=sys.stderr)
         return 2
+    # The port is taken before any engine starts: a busy one fails in a
+    # second, not after the weights load, and nothing the engines open (Ray's
+    # replicas bind ports of their own) can take it in between.
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"fluidserve serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    sock.set_inheritable(False)  # no engine process keeps the port after the server ends
     try:
         if config.data_parallel_size > 1:
             engine = start_replicas(config)
@@ -375,7 +384,7 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.info("listening on loopback only: to accept other machines, pass --host 0.0.0.0 "
                     "(with --api-key, or FLUIDSERVE_API_KEY, to require a key)")
     with frozen_heap(collect_first=True):
-        server.run()
+        server.run(sockets=[sock])
     return 0
 
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from fluidserve.serve import cli
+from fluidserve.serve.server import bind_socket
 from server_utils import free_port, start_subprocess_server
 
 
@@ -37,6 +38,22 @@ def test_unsupported_vllm_flag_is_one_line(flags, named):
     assert len(lines) == 1, proc.stderr
     assert named in lines[0] and "not supported" in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_busy_port_is_one_line_before_any_engine_starts():
+    """The server takes its port first: one that is taken ends the run with
+    exit 2 and one line naming it, before an engine loads (so nothing an
+    engine opens, such as Ray's ports for replicas, can take it later)."""
+    busy = bind_socket("127.0.0.1", 0)
+    try:
+        port = busy.getsockname()[1]
+        proc = run_cli("serve", "--host", "127.0.0.1", "--port", str(port))
+    finally:
+        busy.close()
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [lines[0]] and f"cannot listen on 127.0.0.1:{port}" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "serving" not in proc.stderr
 
 
 def test_harmless_values_of_unsupported_flags_pass_the_check():
