@@ -1,9 +1,14 @@
 """Two-tier KV on the real engine: the preemption variants of
 benchmarks/swapping.py, each a real ``fluidserve serve`` process on the CPU
 with a device KV pool far smaller than the load, under the same open-loop
-load (serve/bench_client.py: ShareGPT lengths, Poisson arrivals, streamed).
+load (serve/bench_client.py: ShareGPT lengths, Poisson arrivals, streamed),
+or with ``--workload chat`` closed-loop conversations (the simulator's chat
+mix, benchmarks/swapping.py: each turn resends the conversation's opening
+context and history, the replies as the server returned them, so the prefix
+cache, device and host tiers, serves what it still holds).
 
     python benchmarks/swap_serving.py                    # ~10 min on 2 cores
+    python benchmarks/swap_serving.py --workload chat    # conversations
     python benchmarks/swap_serving.py --num-requests 40  # smoke run
 
 Variants: fcfs + recompute (vLLM's behaviour), skip-join + recompute,
@@ -15,7 +20,8 @@ scheduler/loans.py; the client sends each request's sampled output length
 as ``max_tokens``), with skip-join's first-token guard on; and the default
 flags with the guard off (``--mlfq-first-token-slack off``). The server and the
 client share the machine's cores; every variant sees the same request
-sequence (same seed). Writes benchmarks/results/swap_serving.{json,md}.
+sequence (same seed). Writes benchmarks/results/swap_serving.{json,md}
+(swap_serving_chat.* for the conversations).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -44,12 +51,15 @@ VARIANTS = [
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="cpu-small")
+    ap.add_argument("--workload", choices=["sharegpt", "chat"], default="sharegpt")
     ap.add_argument("--num-kv-blocks", type=int, default=64, help="device KV pool (blocks of 16 tokens)")
     ap.add_argument("--num-host-blocks", type=int, default=4096)
     ap.add_argument("--num-requests", type=int, default=150)
     ap.add_argument("--request-rate", type=float, default=4.0)
     ap.add_argument("--length-scale", type=float, default=0.2)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--think-s", type=float, default=8.0, help="chat: mean think time between turns")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0],
+                    help="one run of every variant per seed; the summary gives the medians of the paired ratios")
     ap.add_argument("--variants", nargs="+", type=int, default=None,
                     help="indices into the variants to run (default: all; the first is the baseline)")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
@@ -59,25 +69,27 @@ def main(argv: list[str] | None = None) -> int:
     engine_flags = ["--model", str(model_dir), "--load-format", "dummy", "--device", "cpu",
                     "--num-kv-blocks", str(args.num_kv_blocks), "--num-host-blocks", str(args.num_host_blocks),
                     "--max-model-len", str(args.num_kv_blocks * 16)]
-    load_flags = ["--dataset", "sharegpt", "--length-scale", str(args.length_scale),
+    workload = ["--dataset", "sharegpt"] if args.workload == "sharegpt" else [
+        "--dataset", "chat", "--chat-think-s", str(args.think_s)]
+    load_flags = [*workload, "--length-scale", str(args.length_scale),
                   "--max-input-len", str(args.num_kv_blocks * 8), "--max-output-len", str(args.num_kv_blocks * 4),
                   "--num-requests", str(args.num_requests), "--request-rate", str(args.request_rate),
-                  "--seed", str(args.seed), "--output", "/dev/null"]
+                  "--output", "/dev/null"]
     rows = []
-    for label, flags in variants:
+    for seed, (label, flags) in ((seed, v) for seed in args.seeds for v in variants):
         port = bc_free_port()
         proc = start_server(port, engine_flags + flags)
         try:
             t0 = time.perf_counter()
-            rep = load(f"http://127.0.0.1:{port}", load_flags)
+            rep = load(f"http://127.0.0.1:{port}", [*load_flags, "--seed", str(seed)])
             metrics = _metrics(port)
         finally:
             stop_server(proc)
-        row = {"variant": label, "flags": flags, "wall_s": time.perf_counter() - t0, **metrics,
+        row = {"variant": label, "seed": seed, "flags": flags, "wall_s": time.perf_counter() - t0, **metrics,
                **{k: rep[k] for k in ("completed", "failed", "request_throughput", "output_token_throughput")},
                **{k: rep[k] for k in ("ttft_ms", "tpot_ms", "normalized_latency_ms_per_token", "latency_bound_ms")}}
         rows.append(row)
-        print(f"{label:44s} norm mean {row['normalized_latency_ms_per_token']['mean']:8.1f} ms/tok  "
+        print(f"seed {seed} {label:44s} norm mean {row['normalized_latency_ms_per_token']['mean']:8.1f} ms/tok  "
               f"TTFT p50 {row['ttft_ms']['p50']:8.1f} p99 {row['ttft_ms']['p99']:8.1f} ms  "
               f"TPOT p99 {row['tpot_ms']['p99']:7.1f} ms  max gap p99 {row['latency_bound_ms']['p99']:8.1f} ms  "
               f"{row['request_throughput']:.2f} req/s  swaps {row['swaps']:.0f} recomputes {row['recomputes']:.0f}",
@@ -87,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             "machine": platform.processor() or platform.machine()}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "swap_serving.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (out / "swap_serving.md").write_text(to_markdown(rows, meta))
+    stem = "swap_serving" if args.workload == "sharegpt" else "swap_serving_chat"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "summary": summary(rows), "rows": rows}, indent=1))
+    (out / f"{stem}.md").write_text(to_markdown(rows, meta))
     print(to_markdown(rows, meta))
     return 0
 
@@ -98,10 +111,15 @@ def _metrics(port: int) -> dict[str, float]:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {"swaps": 0.0, "recomputes": 0.0, "swap_stall_s": 0.0}
+    out = {"swaps": 0.0, "recomputes": 0.0, "swap_stall_s": 0.0, "prompt_tokens": 0.0, "device_hits": 0.0,
+           "host_hits": 0.0}
     for fam in text_string_to_metric_families(httpx.get(f"http://127.0.0.1:{port}/metrics").text):
         for s in fam.samples:
-            if s.name == "fluidserve_swaps_total":
+            if s.name == "fluidserve_prefix_cache_queries_total" and s.labels.get("tier") == "device":
+                out["prompt_tokens"] = s.value  # every prompt token is looked up on the device first
+            elif s.name == "fluidserve_prefix_cache_hits_total":
+                out[f"{s.labels.get('tier')}_hits"] = s.value
+            elif s.name == "fluidserve_swaps_total":
                 out["swaps"] = s.value
             elif s.name == "fluidserve_preemptions_by_kind_total" and s.labels.get("kind") == "recompute":
                 out["recomputes"] = s.value
@@ -110,22 +128,62 @@ def _metrics(port: int) -> dict[str, float]:
     return out
 
 
+def _cached(r: dict) -> str:
+    if not r.get("prompt_tokens"):
+        return "-"
+    n = r["prompt_tokens"]
+    return f"{(r['device_hits'] + r['host_hits']) / n:.0%} ({r['host_hits'] / n:.0%} host)"
+
+
+def ratios(row: dict, base: dict) -> tuple[float, float, float]:
+    """fcfs + recompute / this on mean normalized latency and P99 TTFT (above
+    1: better), this / fcfs + recompute on P99 TPOT (below 1: better)."""
+    n, t, p = row["normalized_latency_ms_per_token"], row["ttft_ms"], row["tpot_ms"]
+    bn, bt, bp = base["normalized_latency_ms_per_token"], base["ttft_ms"], base["tpot_ms"]
+    return bn["mean"] / n["mean"], bt["p99"] / t["p99"], p["p99"] / bp["p99"]
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per variant, each seed's three ratios against the first variant on
+    the same seed, and their medians."""
+    base_of = {r["seed"]: r for r in rows if r["variant"] == rows[0]["variant"]}
+    out = []
+    for label in dict.fromkeys(r["variant"] for r in rows):
+        per_seed = [ratios(r, base_of[r["seed"]]) for r in rows if r["variant"] == label]
+        keys = ("mean_norm", "p99_ttft", "p99_tpot")
+        out.append({"variant": label, **{k: statistics.median(x) for k, x in zip(keys, zip(*per_seed))},
+                    **{f"{k}_seeds": list(x) for k, x in zip(keys, zip(*per_seed))}})
+    return out
+
+
 def to_markdown(rows: list[dict], meta: dict) -> str:
-    b = rows[0]
+    seeds = sorted({r["seed"] for r in rows})
     out = ["# Two-tier KV on the real engine (CPU)", "",
            f"Command: `{meta['command']}`. Server flags: `{' '.join(meta['engine_flags'])}`; load: "
-           f"`{' '.join(meta['load_flags'])}`. Server and client share the machine ({meta['machine']}).", "",
-           "| variant | mean norm (ms/tok) | P99 norm | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p99 (ms) "
-           "| max token gap p99 (ms) | req/s | swaps | recomputes | swap stall (s) "
-           "| fcfs+recompute / this: mean norm | P99 TTFT | this / fcfs+recompute: P99 TPOT |", "|" + "---|" * 14]
-    bn, bt, bp = b["normalized_latency_ms_per_token"], b["ttft_ms"], b["tpot_ms"]
+           f"`{' '.join(meta['load_flags'])}` (seeds {', '.join(map(str, seeds))}). Server and client share the "
+           f"machine ({meta['machine']}).", ""]
+    base_of = {r["seed"]: r for r in rows if r["variant"] == rows[0]["variant"]}
+    if len(seeds) > 1:
+        out += [f"Medians over seeds of each seed's ratio against {rows[0]['variant']} (the seeds' own in brackets).",
+                "", "| variant | mean norm (fcfs / this) | P99 TTFT (fcfs / this) | P99 TPOT (this / fcfs) |",
+                "|---|---|---|---|"]
+        for s in summary(rows):
+            cells = [f"{s[k]:.2f}x [{' / '.join(f'{v:.2f}' for v in s[k + '_seeds'])}]"
+                     for k in ("mean_norm", "p99_ttft", "p99_tpot")]
+            out.append(f"| {s['variant']} | {' | '.join(cells)} |")
+        out.append("")
+    out += ["| seed | variant | mean norm (ms/tok) | P99 norm | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p99 (ms) "
+           "| max token gap p99 (ms) | req/s | swaps | recomputes | swap stall (s) | prompt tokens cached "
+           "| fcfs+recompute / this: mean norm | P99 TTFT | this / fcfs+recompute: P99 TPOT |", "|" + "---|" * 16]
     for r in rows:
         n, t, p = r["normalized_latency_ms_per_token"], r["ttft_ms"], r["tpot_ms"]
         gap = r.get("latency_bound_ms", {}).get("p99", float("nan"))
-        out.append(f"| {r['variant']} | {n['mean']:.1f} | {n['p99']:.1f} | {t['p50']:.0f} | {t['p99']:.0f} | "
+        rn, rt, rp = ratios(r, base_of[r["seed"]])
+        out.append(f"| {r['seed']} | {r['variant']} | {n['mean']:.1f} | {n['p99']:.1f} | {t['p50']:.0f} | "
+                   f"{t['p99']:.0f} | "
                    f"{p['p99']:.1f} | {gap:.0f} | {r['request_throughput']:.2f} | {r['swaps']:.0f} | "
-                   f"{r['recomputes']:.0f} | {r['swap_stall_s']:.2f} | {bn['mean'] / n['mean']:.2f}x | "
-                   f"{bt['p99'] / t['p99']:.2f}x | {p['p99'] / bp['p99']:.2f}x |")
+                   f"{r['recomputes']:.0f} | {r['swap_stall_s']:.2f} | {_cached(r)} | {rn:.2f}x | "
+                   f"{rt:.2f}x | {rp:.2f}x |")
     return "\n".join(out) + "\n"
 
 

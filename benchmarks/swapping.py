@@ -78,7 +78,7 @@ from fluidserve.scheduler.cost_model import DeviceSpec, ModelShape, RooflineCost
 from fluidserve.scheduler.simulator import SimConfig, estimate_capacity, saturated_rate, simulate
 from fluidserve.scheduler.workloads import (
     ARXIV, AZURE_CODE, DEFAULT_WORKLOAD_DIR, SHAREGPT, Job, clamp_lengths, empirical_lengths, load_lengths,
-    load_trace, poisson_arrivals, replay_trace, synthesize,
+    LMSYS_CHAT, load_trace, poisson_arrivals, replay_trace, synthesize, conversations,
 )
 
 BLOCK = 16
@@ -162,17 +162,7 @@ def opt_13b() -> ModelShape:
                                       "num_attention_heads": 40, "vocab_size": 50272, "_name_or_path": "opt-13b"})
 
 
-# The conversational mix. Per turn, LMSYS-Chat-1M (Zheng et al. 2023, Table 1)
-# reports 2.0 turns per conversation, 69.5 tokens per user message and 214.5
-# per response on average; each conversation's opening context is an
-# assumption (its instructions, retrieved documents and tool schemas: its
-# own, so the prefix cache shares it only between the turns of one
-# conversation), as are the think time and the burstiness of conversation
-# starts (gamma, CV 3). With one system prompt for every conversation the
-# cache holds it once and memory stops binding on an eighth of the pool.
-CHAT_TURNS, CHAT_USER, CHAT_REPLY, CHAT_CONTEXT, CHAT_THINK_S, CHAT_CV = 2.0, 69.5, 214.5, 1500, 8.0, 3.0
-
-
+CHAT = LMSYS_CHAT
 CHAT_PAIRS_CONVERSATIONS = 4000
 
 
@@ -183,31 +173,19 @@ def chat_pairs(num: int = CHAT_PAIRS_CONVERSATIONS, seed: int = 1) -> list[tuple
 
 
 def chat_jobs(num_conversations: int, rate: float, seed: int = 0) -> list[Job]:
-    """Turns of conversations starting at ``rate`` per second (gamma gaps,
-    CV ``CHAT_CV``); turn k comes ``CHAT_THINK_S`` on average (exponential)
-    after the reply to turn k-1 has finished, its prompt all that came
-    before it: it extends the previous turn's prompt, so a turn finds that
-    prefix wherever the prefix cache still holds it (the device, or the host
-    tier where there is one)."""
-    import random
-
-    rng = random.Random(seed)
-    shape = 1.0 / CHAT_CV**2
-    jobs, t = [], 0.0
-    for c in range(num_conversations):
-        turns = 1
-        while rng.random() > 1.0 / CHAT_TURNS:  # geometric, mean CHAT_TURNS
-            turns += 1
-        history = CHAT_CONTEXT
-        for k in range(turns):
-            user = max(1, round(rng.expovariate(1 / CHAT_USER)))
-            reply = max(1, min(2048, round(rng.expovariate(1 / CHAT_REPLY))))
-            prompt = min(history + user, 8192 - reply)
-            think = rng.expovariate(1 / CHAT_THINK_S)  # after the reply before it
-            jobs.append(Job(f"c{c}t{k}", t, prompt, reply, conversation=c, follows=f"c{c}t{k - 1}" if k else None,
-                            think_time=think if k else 0.0))
-            history += user + reply
-        t += rng.gammavariate(shape, 1.0 / (rate * shape))
+    """Turns of ``workloads.conversations`` as jobs: each turn's prompt is
+    all that came before it, so it extends the previous turn's prompt and
+    finds that prefix wherever the prefix cache still holds it (the device,
+    or the host tier where there is one); a follow-up arrives its think time
+    after the reply before it has finished."""
+    jobs = []
+    for c, conv in enumerate(conversations(num_conversations, rate, seed, CHAT)):
+        history = CHAT.context
+        for k, turn in enumerate(conv.turns):
+            prompt = min(history + turn.user, 8192 - turn.reply)
+            jobs.append(Job(f"c{c}t{k}", conv.start, prompt, turn.reply, conversation=c,
+                            follows=f"c{c}t{k - 1}" if k else None, think_time=turn.think_s))
+            history += turn.user + turn.reply
     jobs.sort(key=lambda j: j.arrival_time)
     return jobs
 
@@ -458,13 +436,13 @@ def to_markdown(rows: list[dict], capacity: dict, meta: dict) -> str:
            "Load = arrival rate / saturated fcfs + recompute throughput: "
            + ", ".join(f"{k} {v:.2f} req/s" for k, v in capacity.items()) + ".",
            f"Command: `{meta['command']}` ({meta['wall_s']:.0f} s wall).",
-           f"Chat mix (`chat_jobs`): conversations start as a gamma process (CV {CHAT_CV:g}); turns per "
-           f"conversation geometric with mean {CHAT_TURNS:g}, user messages and replies exponential with means "
-           f"{CHAT_USER:g} and {CHAT_REPLY:g} tokens (LMSYS-Chat-1M, Zheng et al. 2023); each turn's prompt is "
-           f"the conversation's own {CHAT_CONTEXT}-token opening context plus the whole history, so it extends "
+           f"Chat mix (`chat_jobs`): conversations start as a gamma process (CV {CHAT.cv:g}); turns per "
+           f"conversation geometric with mean {CHAT.turns:g}, user messages and replies exponential with means "
+           f"{CHAT.user:g} and {CHAT.reply:g} tokens (LMSYS-Chat-1M, Zheng et al. 2023); each turn's prompt is "
+           f"the conversation's own {CHAT.context}-token opening context plus the whole history, so it extends "
            "the previous turn's prompt and the prefix cache (on, as in the engine, for fcfs + recompute too: "
            "device only there, no host pool) serves what it still holds; a turn comes "
-           f"{CHAT_THINK_S:g} s on average after the reply before it has finished (the context, think time "
+           f"{CHAT.think_s:g} s on average after the reply before it has finished (the context, think time "
            "and CV are assumptions).", ""]
     out += targets(rows)
     rows = [r for r in rows if r["seed"] == meta["seeds"][0]]

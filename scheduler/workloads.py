@@ -5,7 +5,10 @@ directory of the same files (``--workload-dir``).
 
 A workload is a list of ``Job`` (arrival time, prompt and output length);
 a conversation's turns share their history token by token and may each
-follow the reply before it (``Job.conversation``, ``Job.follows``).
+follow the reply before it (``Job.conversation``, ``Job.follows``). The
+multi-turn mix (``conversations``, ``LMSYS_CHAT``) is shared with the load
+generator (serve/bench_client.py ``--dataset chat``), so the simulator and a
+real server hear the same conversations.
 Everything is seeded (``random.Random``), so the same arguments give the same
 jobs.
 """
@@ -59,6 +62,74 @@ class Job:
 
 
 LengthSampler = Callable[[random.Random], tuple[int, int]]
+
+
+# -- conversations ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatMix:
+    """A multi-turn mix: turns per conversation geometric with mean
+    ``turns``; user messages and replies exponential with means ``user`` and
+    ``reply`` tokens (replies at most ``max_reply``); each conversation opens
+    with ``context`` tokens of its own; a follow-up comes ``think_s`` on
+    average (exponential) after the reply before it; conversations start as
+    a gamma process with coefficient of variation ``cv``."""
+
+    turns: float
+    user: float
+    reply: float
+    context: int
+    think_s: float
+    cv: float
+    max_reply: int = 2048
+
+
+# Per turn, LMSYS-Chat-1M (Zheng et al. 2023, Table 1) reports 2.0 turns per
+# conversation, 69.5 tokens per user message and 214.5 per response on
+# average. The opening context is an assumption (instructions, retrieved
+# documents and tool schemas: each conversation's own, so a prefix cache
+# shares it only between the turns of one conversation), as are the think
+# time and the burstiness of conversation starts. With one system prompt for
+# every conversation a cache holds it once and memory binds far less.
+LMSYS_CHAT = ChatMix(turns=2.0, user=69.5, reply=214.5, context=1500, think_s=8.0, cv=3.0)
+
+
+@dataclass(frozen=True)
+class Turn:
+    user: int  # tokens of the new message
+    reply: int  # tokens of the answer
+    think_s: float  # after the previous reply ends (0 for the first turn)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    start: float  # the first turn's arrival
+    turns: tuple[Turn, ...]
+
+
+def conversations(num: int, rate: float, seed: int = 0, mix: ChatMix = LMSYS_CHAT) -> list[Conversation]:
+    """``num`` conversations starting at ``rate`` per second. The lengths do
+    not depend on ``rate`` (a gamma draw's scale only multiplies it), so the
+    same seed gives the same conversations at every rate."""
+    if rate <= 0 or num < 0:
+        raise ValueError(f"rate must be positive and num non-negative, got {rate}, {num}")
+    rng = random.Random(seed)
+    shape = 1.0 / mix.cv**2
+    out, t = [], 0.0
+    for _ in range(num):
+        count = 1
+        while rng.random() > 1.0 / mix.turns:
+            count += 1
+        turns = []
+        for k in range(count):
+            user = max(1, round(rng.expovariate(1 / mix.user)))
+            reply = max(1, min(mix.max_reply, round(rng.expovariate(1 / mix.reply))))
+            think = rng.expovariate(1 / mix.think_s)
+            turns.append(Turn(user, reply, think if k else 0.0))
+        out.append(Conversation(t, tuple(turns)))
+        t += rng.gammavariate(shape, 1.0 / (rate * shape))
+    return out
 
 
 # -- files --------------------------------------------------------------------

@@ -7,7 +7,10 @@ Owns the open-loop client: the workload (vLLM's datasets ``random``,
 lengths), ``custom`` (a JSONL of prompts); or our length sources: fixed /
 uniform / lognormal lengths, or a CSV of real lengths scaled and clipped),
 arrivals (Poisson, Gamma of a given burstiness or CV, or a trace's own times,
-capped by ``--max-concurrency``), and the report.
+capped by ``--max-concurrency``), and the report. ``--dataset chat`` is
+closed-loop multi-turn traffic: each turn resends its conversation's history
+(the previous prompt, the reply's token ids as the server returned them, a
+new message) after a think time that starts when the reply before it ends.
 
 The report carries vLLM's flat keys (``mean_ttft_ms``, ``p99_tpot_ms``,
 ``output_throughput``, ``request_goodput``, ...: numpy mean / median / std /
@@ -39,7 +42,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fluidserve.scheduler.workloads import ARXIV, AZURE_CODE, DEFAULT_WORKLOAD_DIR, SHAREGPT, gamma_arrivals, read_rows
+from fluidserve.scheduler.workloads import (
+    ARXIV, AZURE_CODE, DEFAULT_WORKLOAD_DIR, LMSYS_CHAT, SHAREGPT, conversations, gamma_arrivals, read_rows,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATASETS = {"sharegpt": SHAREGPT, "azure-code": AZURE_CODE, "arxiv": ARXIV}  # our lengths CSVs (--dataset)
@@ -57,6 +62,11 @@ class RequestSpec:
     arrival_s: float  # offset from the start of the run
     prompt: str | list[int] | None = None  # text or token ids; None: random ids of prompt_len
     offline: bool = False  # sent with priority 1 (the co-serving backlog)
+    # --dataset chat: the turns of one conversation go in order, each prompt
+    # the history so far plus ``prompt`` (its new tokens), a follow-up
+    # ``think_s`` after the reply before it ends (its arrival_s is unused).
+    conversation: int | None = None
+    think_s: float = 0.0
 
 
 @dataclass
@@ -72,6 +82,7 @@ class RequestResult:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     offline: bool = False
+    token_ids: list[int] | None = None  # the reply's ids, kept for a conversation's next turn
 
     @property
     def itls(self) -> list[float]:
@@ -130,6 +141,8 @@ def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
     if args.use_trace_arrivals and args.dataset_name is not None:
         raise ValueError("--use-trace-arrivals reads the arrival_s column of --dataset CSVs, not --dataset-name")
     rng = random.Random(args.seed)
+    if args.dataset == "chat" and args.dataset_name is None:
+        return _chat_workload(args, rng)
     n_online = _num_arrivals(args)
     rows = _sample_requests(args, rng, n_online + args.offline_prompts)
     online, offline = rows[:n_online], rows[n_online:]
@@ -142,6 +155,55 @@ def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
     if args.duration is not None:
         specs = [s for s in specs if s.arrival_s < args.duration]
     return specs + [RequestSpec(p, o, 0.0, prompt, offline=True) for prompt, p, o, _ in offline]
+
+
+def _chat_workload(args: argparse.Namespace, rng: random.Random) -> list[RequestSpec]:
+    """``--num-prompts`` turns of LMSYS-Chat-like conversations
+    (``workloads.LMSYS_CHAT``, lengths times ``--length-scale``), starting
+    at ``--request-rate`` / (turns per conversation) so turns are offered at
+    the given rate. A conversation ends before a turn whose prompt would pass
+    ``--max-input-len`` (as a user starts afresh at the context limit)."""
+    if args.use_trace_arrivals or args.offline_prompts or _endpoint(args) == "chat":
+        raise ValueError("--dataset chat sends token ids to /v1/completions: no --use-trace-arrivals, "
+                         "--offline-prompts or chat endpoint")
+    mix, scale = LMSYS_CHAT, args.length_scale
+    context = round(mix.context * scale) if args.chat_context_len is None else args.chat_context_len
+    think = mix.think_s if args.chat_think_s is None else args.chat_think_s
+    if context + 1 > args.max_input_len:
+        raise ValueError(f"--dataset chat: the opening context ({context} tokens) leaves no room for a message "
+                         f"under --max-input-len {args.max_input_len} (see --chat-context-len)")
+    lo, hi = args.prompt_token_range
+    want, num = _num_arrivals(args), _num_arrivals(args)
+    while True:  # a longer list of the same seed starts with the shorter one
+        convs = []
+        for conv in conversations(num, 1.0, args.seed, mix):  # one start per second; rescaled below
+            turns, history = [], context
+            for turn in conv.turns:
+                user = max(1, round(turn.user * scale))
+                reply = _clip(turn.reply * scale, 1, args.max_output_len)
+                if history + user > args.max_input_len:
+                    break
+                turns.append((history + user, reply, user + (context if not turns else 0),
+                              turn.think_s * think / mix.think_s))
+                history += user + reply
+            if turns:
+                convs.append((conv.start, turns))
+        if sum(len(c) for _, c in convs) >= want:
+            break
+        num *= 2
+    conv_rate = args.request_rate * len(convs) / sum(len(c) for _, c in convs)
+    specs, n = [], 0
+    for c, (start, turns) in enumerate(convs):
+        t = 0.0 if math.isinf(conv_rate) else start / conv_rate
+        if args.duration is not None and t >= args.duration:
+            break
+        for prompt_len, reply, new, think_s in turns[: want - n]:
+            specs.append(RequestSpec(prompt_len, reply, t, [rng.randrange(lo, hi) for _ in range(new)],
+                                     conversation=c, think_s=think_s))
+        n = len(specs)
+        if n >= want:
+            break
+    return specs
 
 
 def _cumulative(gaps: list[float]) -> list[float]:
@@ -416,6 +478,8 @@ def _on_event(data: str, result: RequestResult) -> None:
         if not result.token_times:
             result.ttft = now
         result.token_times.append(now)
+        if result.token_ids is not None:  # parsed only where a conversation needs the reply's ids
+            result.token_ids += json.loads(data)["choices"][0].get("token_ids") or []
 
 
 def _carries_token(data: str) -> bool:
@@ -451,11 +515,14 @@ async def run_load(args: argparse.Namespace, specs: list[RequestSpec]) -> tuple[
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         t0 = time.perf_counter()
 
-        async def launch(spec: RequestSpec, result: RequestResult) -> None:
+        async def launch(spec: RequestSpec, result: RequestResult, history: list[int] | None = None) -> None:
             delay = spec.arrival_s - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
             url, body = _payload(args, model, spec, rng)
+            if history is not None:  # a conversation's turn: everything said so far, then the new message
+                body["prompt"], body["return_token_ids"] = history + body["prompt"], True
+                result.token_ids = []
             if gate is None:
                 await send_one(client, url, body, result, headers)
             else:
@@ -464,7 +531,32 @@ async def run_load(args: argparse.Namespace, specs: list[RequestSpec]) -> tuple[
             if bar is not None:
                 bar.update(1)
 
-        await asyncio.gather(*(launch(s, r) for s, r in zip(specs, results)))
+        async def converse(turns: list[tuple[RequestSpec, RequestResult]]) -> None:
+            history: list[int] = []
+            for k, (spec, result) in enumerate(turns):
+                if k:
+                    await asyncio.sleep(spec.think_s)
+                await launch(spec, result, history)
+                if result.ok and len(result.token_ids or []) != result.completion_tokens:
+                    result.ok, result.error = False, (
+                        f"the reply carried {len(result.token_ids or [])} token ids for {result.completion_tokens} "
+                        "tokens: --dataset chat needs a server that returns them (return_token_ids)")
+                if not result.ok:  # the conversation cannot go on without the reply
+                    for _, later in turns[k + 1:]:
+                        later.error = "not sent: an earlier turn of its conversation failed"
+                    if bar is not None:
+                        bar.update(len(turns) - k - 1)
+                    return
+                history = history + list(spec.prompt or []) + (result.token_ids or [])
+
+        chains: dict[int, list[tuple[RequestSpec, RequestResult]]] = {}
+        singles = []
+        for s, r in zip(specs, results):
+            if s.conversation is None:
+                singles.append(launch(s, r))
+            else:
+                chains.setdefault(s.conversation, []).append((s, r))
+        await asyncio.gather(*singles, *(converse(turns) for turns in chains.values()))
         elapsed = time.perf_counter() - t0
         if bar is not None:
             bar.close()
@@ -716,7 +808,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--output-len", type=int, default=None, help="random: --random-output-len; ours: 32 by default")
     w = p.add_argument_group("workload (ours)")
     w.add_argument("--dataset", default="synthetic",
-                   help=f"synthetic, one of {sorted(DATASETS)} (lengths CSVs from --workloads-dir), or a CSV path")
+                   help=f"synthetic, one of {sorted(DATASETS)} (lengths CSVs from --workloads-dir), a CSV path, "
+                        "or chat (closed-loop conversations: each turn resends the history)")
+    w.add_argument("--chat-context-len", type=int, default=None,
+                   help="chat: each conversation's opening context in tokens (default 1500 x --length-scale)")
+    w.add_argument("--chat-think-s", type=float, default=None,
+                   help="chat: mean think time before a follow-up turn (default 8 s)")
     w.add_argument("--workloads-dir", default=str(DEFAULT_WORKLOAD_DIR))
     w.add_argument("--use-trace-arrivals", action="store_true", help="use the CSV's arrival_s column")
     w.add_argument("--time-scale", type=float, default=1.0, help="trace arrivals sped up by this factor")

@@ -216,15 +216,16 @@ class _ChoiceTracker:
         self.offset: dict[int, int] = {}
         self.num_tokens: dict[int, int] = {}
 
-    def news(self, co: CompletionOutput, index: int, with_logprobs: bool) -> bool:
+    def news(self, co: CompletionOutput, index: int, per_token: bool) -> bool:
         """Whether ``co`` has anything to send for choice ``index``: text, a
-        finish reason, or (with logprobs) tokens — a token that ends inside
-        a UTF-8 character has no text yet. Counts the choice's tokens."""
+        finish reason, or (``per_token``: the client reads each token's id,
+        logprob or time) new tokens, which may have no text yet (a token
+        that ends inside a UTF-8 character). Counts the choice's tokens."""
         if index in self.finished:
             return False
         # The delta, not len(co.token_ids): that list keeps growing on the engine thread.
         self.num_tokens[index] = self.num_tokens.get(index, 0) + len(co.new_token_ids)
-        return bool(co.text_delta or co.finish_reason or (with_logprobs and co.new_token_ids))
+        return bool(co.text_delta or co.finish_reason or (per_token and co.new_token_ids))
 
 
 def _chunk_usage(prompt: Prompt, completion_tokens: int) -> Usage:
@@ -250,7 +251,10 @@ class CompletionStreamer:
         prompt = self.prompts[prompt_index]
         for co in sorted(out.outputs, key=lambda c: c.index):
             index = prompt_index * self.n + co.index
-            if not self.track.news(co, index, self.top_n is not None):
+            # vLLM's completions stream a chunk for every step that made a
+            # token, text or not: a client times tokens (and keeps their
+            # ids) by chunk.
+            if not self.track.news(co, index, per_token=True):
                 continue
             first = index not in self.track.started
             head = prompt.text if self.echo and first else ""
@@ -311,7 +315,7 @@ class ChatStreamer:
     def chunk(self, out: RequestOutput) -> list[ChatCompletionChunk]:
         chunks = []
         for co in sorted(out.outputs, key=lambda c: c.index):
-            if not self.track.news(co, co.index, self.top_n is not None):
+            if not self.track.news(co, co.index, per_token=self.top_n is not None or self.token_ids):
                 continue
             if co.index not in self.track.started:
                 self.track.started.add(co.index)
@@ -330,11 +334,12 @@ class ChatStreamer:
             if co.finish_reason:
                 self.track.finished.add(co.index)
             delta, reason = self._delta(co)
-            if delta.content is None and delta.tool_calls is None and reason is None and logprobs is None:
-                continue  # text held back by a tool-call parser: nothing to send yet
+            ids = list(co.new_token_ids) if self.token_ids else None
+            if delta.content is None and delta.tool_calls is None and reason is None and logprobs is None and not ids:
+                continue  # no text yet (held back by a tool-call parser, or mid-character): nothing to send
             choice = ChatChunkChoice(index=co.index, delta=delta, logprobs=logprobs, finish_reason=reason,
                                      stop_reason=stop_reason(co),
-                                     token_ids=list(co.new_token_ids) if self.token_ids else None)
+                                     token_ids=ids)
             chunks.append(ChatCompletionChunk(id=self.id, model=self.model, choices=[choice],
                                               usage=self._usage(self.track.num_tokens[co.index])))
         return chunks

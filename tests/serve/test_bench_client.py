@@ -155,11 +155,80 @@ def test_offline_backlog_is_reported_apart(server, tmp_path):
     (["--metric-percentiles", "99,x"], "--metric-percentiles"),
     (["--endpoint", "/v1/embeddings"], "--endpoint"),
     (["--dataset-name", "random", "--use-trace-arrivals"], "--use-trace-arrivals"),
+    (["--dataset", "chat", "--endpoint", "chat"], "--dataset chat"),
+    (["--dataset", "chat", "--chat-context-len", "600", "--max-input-len", "100"], "--chat-context-len"),
 ])
 def test_bad_flags_fail_with_a_message(server, flags, message, capsys):
     assert bc.main(["--base-url", server.base_url, "--no-progress", "--num-prompts", "1", "--output",
                     "/dev/null", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+CHAT_FLAGS = ["--dataset", "chat", "--chat-context-len", "40", "--length-scale", "0.05", "--max-input-len", "150",
+              "--max-output-len", "8", "--chat-think-s", "0.05", "--request-rate", "20", "--seed", "4"]
+
+
+def chat_args(server, *flags: str):
+    return bc.build_parser().parse_args(["--base-url", server.base_url, "--no-progress", *CHAT_FLAGS, *flags])
+
+
+def test_chat_workload_is_conversations_that_extend_their_history(server):
+    specs = bc.build_workload(chat_args(server, "--num-prompts", "40"))
+    assert len(specs) == 40 and all(s.prompt_len <= 150 and 1 <= s.output_len <= 8 for s in specs)
+    by_conv: dict[int, list] = {}
+    for s in specs:
+        by_conv.setdefault(s.conversation, []).append(s)
+    assert 5 < len(by_conv) < 40  # several turns per conversation on average (LMSYS: 2)
+    for turns in by_conv.values():
+        first, rest = turns[0], turns[1:]
+        assert first.think_s == 0 and len(first.prompt) == first.prompt_len > 40  # context and a message
+        for before, turn in zip(turns, rest):
+            assert turn.prompt_len == before.prompt_len + before.output_len + len(turn.prompt)
+            assert turn.arrival_s == first.arrival_s and turn.think_s > 0
+    starts = sorted(t[0].arrival_s for t in by_conv.values())
+    assert starts[0] == 0 and 0 < starts[-1] < 40 / 20 * 3  # 40 turns offered at 20/s
+
+
+def test_chat_turns_resend_history_and_wait_for_the_reply(server):
+    """Closed loop: each follow-up goes after the reply before it (plus its
+    think time), its prompt that turn's prompt, the reply's ids the server
+    returned and the new message, so the server's prefix cache finds it."""
+    args = chat_args(server, "--num-prompts", "16")
+    specs = bc.build_workload(args)
+    hits_before = _prefix_hits(server)
+    results, elapsed = asyncio.run(bc.run_load(args, specs))
+    assert all(r.ok for r in results), [r.error for r in results if r.error]
+    reused = 0
+    for i, (spec, r) in enumerate(zip(specs, results)):
+        prev = [j for j in range(i) if specs[j].conversation == spec.conversation]
+        if not prev:
+            assert r.prompt_tokens == spec.prompt_len
+            continue
+        b, rb = specs[prev[-1]], results[prev[-1]]
+        assert r.prompt_tokens == rb.prompt_tokens + rb.completion_tokens + len(spec.prompt) == spec.prompt_len
+        assert len(rb.token_ids) == rb.completion_tokens == b.output_len
+        assert r.start >= rb.start + rb.e2e + spec.think_s - 1e-3
+        reused += (rb.prompt_tokens + rb.completion_tokens) // 16 * 16 - 16  # its history's full blocks, less one
+    assert reused > 0 and _prefix_hits(server) - hits_before >= reused
+
+
+def _prefix_hits(server) -> float:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.base_url}/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "fluidserve_prefix_cache_hits_total" and s.labels.get("tier") == "device")
+
+
+def test_a_failed_turn_ends_its_conversation(server):
+    """A follow-up cannot be sent without the reply it resends: the rest of
+    the conversation is reported failed, not silently dropped."""
+    args = chat_args(server, "--num-prompts", "12", "--extra-body", '{"max_tokens": 100000}')
+    results, _ = asyncio.run(bc.run_load(args, bc.build_workload(args)))
+    assert not any(r.ok for r in results)
+    assert any("not sent: an earlier turn" in r.error for r in results)
+    assert all(r.error.startswith("HTTP 400") for r in results if "not sent" not in r.error)
 
 
 def test_older_interface_keeps_working(server):

@@ -271,6 +271,20 @@ def test_return_token_ids_streamed(server):
     assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
 
 
+@pytest.mark.parametrize("path", [C, CHAT])
+def test_streamed_token_ids_are_whole_when_tokens_have_no_text(server, path):
+    """UTF-8 lead bytes alone decode to no text: vLLM's completions still
+    stream a chunk per token (clients time tokens by chunk), and with
+    return_token_ids neither endpoint drops a token's id."""
+    body = {**(BASE if path == C else CHAT_BASE), "allowed_token_ids": [0xC3], "return_token_ids": True}
+    whole = ok(server, path, body)["choices"][0]["token_ids"]
+    chunks = sse(server, path, {**body, "stream": True})
+    streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+    assert whole == [0xC3] * 8 and streamed == whole
+    if path == C:  # one chunk per generated token, each with no text but the last's replacement characters
+        assert len([c for c in chunks if c["choices"]]) == 8
+
+
 def test_tokens_as_token_ids_from_the_server_flag(server, flagged):
     body = {**CHAT_BASE, "logprobs": True, "top_logprobs": 1}
     named = ok(flagged, CHAT, body)["choices"][0]["logprobs"]["content"]
