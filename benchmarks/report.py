@@ -220,9 +220,13 @@ def scheduling(_: str) -> tuple[list[str], list[str]]:
 
 def swapping(_: str) -> tuple[list[str], list[str]]:
     d = load("swapping")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from swapping import ALONE, where_the_mean_goes
+
+    shares = where_the_mean_goes(d["rows"])
     # The first seed's runs: the other seeds run the main variants at the highest load only.
     first = d["meta"].get("seeds", [0])[0]
-    d = d | {"rows": [r for r in d["rows"] if r.get("seed", first) == first]}
+    d = d | {"rows": [r for r in d["rows"] if r.get("seed", first) == first and r["variant"] != ALONE]}
     presets = list(dict.fromkeys(r["preset"] for r in d["rows"]))
     # The variants every preset ran (the sweeps run on some only); the full set is in the results file.
     variants = [v for v in dict.fromkeys(r["variant"] for r in d["rows"])
@@ -260,7 +264,8 @@ def swapping(_: str) -> tuple[list[str], list[str]]:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle("Two-tier KV: recompute vs proactive swapping (simulated)", fontsize=11)
-    return out, [save_plot(fig, "swapping.png")]
+    shares[0] = "#" + shares[0]  # a subsection of this one
+    return out + [""] + shares, [save_plot(fig, "swapping.png")]
 
 
 def ttft_tail(_: str) -> tuple[list[str], list[str]]:

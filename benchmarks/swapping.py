@@ -61,6 +61,7 @@ Writes benchmarks/results/swapping.{json,md}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -137,6 +138,7 @@ class ClairvoyantPolicy(Policy):
         return self._key(seq)
 
 
+ALONE = "each job alone (a floor, not a policy)"
 CLAIRVOYANT = "clairvoyant reference + swap (knows output lengths; loans off)"
 CLAIRVOYANT_LOANS = "clairvoyant reference + swap, KV loans (knows output lengths; default flags)"
 
@@ -257,8 +259,37 @@ def _run(task: dict) -> dict:
     row["swap_gib"], row["demoted_gib"] = (n * BLOCK * cm.model.kv_bytes_per_token / 2**30
                                            for n in (s["swap_blocks"], s["demoted_blocks"]))
     row["stall_share"] = s["swap_stall_s"] / res.makespan if res.makespan else 0.0
+    row.update(mean_shares(res.records))
     row["wall_s"] = round(time.perf_counter() - t0, 2)
     return row
+
+
+def mean_shares(records) -> dict:
+    """Mean normalized latency split in two: the wait for the first token
+    (TTFT / output tokens: the part a ranking decides) and the time from it
+    to the last (the steps every resident pays, prefill chunks riding in
+    them included)."""
+    done = [r for r in records if r.finish_time is not None]
+    return {"mean_ttft_share_s": sum(r.ttft / r.output_tokens for r in done) / len(done),
+            "mean_decode_share_s": sum((r.e2e - r.ttft) / r.output_tokens for r in done) / len(done)}
+
+
+def _run_alone(task: dict) -> dict:
+    """Each job on its own, arriving at an idle device: no wait, no batch
+    to share. No policy does better for any job, so the mean is a floor
+    under every variant's (not for the chat mix, whose turns find earlier
+    turns' prefixes in the cache)."""
+    cm = RooflineCostModel(task["model"], task["device"])
+    cfg = sim_config(cm, task["pool"], "recompute", False)
+    records = [simulate([dataclasses.replace(j, arrival_time=0.0)], "fcfs", cm, cfg).records[0]
+               for j in task["jobs"]]
+    norm = [r.normalized_latency for r in records]
+    return {"preset": task["preset"], "x": task["x"], "seed": task["seed"], "variant": ALONE,
+            "mean_norm_latency_s": sum(norm) / len(norm), **mean_shares(records)}
+
+
+def run_task(task: dict) -> dict:
+    return _run_alone(task) if task["label"] == ALONE else _run(task)
 
 
 def _turns_per_conversation(p: dict) -> float:
@@ -306,6 +337,9 @@ def build_tasks(args) -> tuple[list[dict], dict]:
                       if seed == args.seeds[0] or load == max(args.loads)]
         top = max(x for x, _, _ in points)
         for x, seed, jobs in points:
+            if x == top and not p.get("chat"):
+                tasks.append({"preset": name, "x": x, "seed": seed, "label": ALONE, "jobs": jobs,
+                              "model": p["model"], "device": p["device"], "pool": p["pool"]})
             variants = list(VARIANTS)
             if x == top and seed == args.seeds[0]:
                 variants += [(f"skip-join + proactive swap, slack {k:g}", SKIP_JOIN, "swap", True, k, None)
@@ -428,6 +462,48 @@ def targets(rows: list[dict]) -> list[str]:
     return out + ["", CLAIRVOYANT_NOTE, "", DEPENDS]
 
 
+SHARES_NOTE = """A ranking decides the first part: who waits for a first token. The second
+is the time between a request's tokens, which every resident pays for the
+batch it rides in and the prefill chunks that share its steps; a ranking
+moves it only as far as it changes those batches. The ceiling of a
+variant is fcfs + recompute's mean over its decode share: what its
+ranking would gain with no wait for first tokens at all, its batches
+unchanged. The jobs alone, each on an idle device, are a floor no
+scheduler passes, and their ceiling (fcfs + recompute's mean over theirs)
+bounds every scheduler's gain (no floor for the chat mix, whose turns find
+earlier turns in the prefix cache)."""
+
+SHARE_VARIANTS = (VARIANTS[0][0], LOANS_OFF, loan_label(LOAN_TOKENS), CLAIRVOYANT_LOANS, ALONE)
+
+
+def where_the_mean_goes(rows: list[dict]) -> list[str]:
+    """Each memory-bound preset's mean normalized latency at the highest
+    load as its wait for the first token and its decode time (medians over
+    seeds, ms per output token)."""
+    out = ["## Where the mean goes", "",
+           "Mean normalized latency = mean of TTFT / output tokens + mean of (last token - first token) / "
+           "output tokens, at the highest load or speed; medians over the seeds (ms per output token).", "",
+           "| preset | variant | mean norm | first-token share | decode share | ceiling over fcfs + recompute |",
+           "|---|---|---|---|---|---|"]
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        if any(k in preset for k in NOT_MEMORY_BOUND):
+            continue
+        sub = [r for r in rows if r["preset"] == preset]
+        top = max(r["x"] for r in sub)
+        base = {r["seed"]: r for r in sub if r["x"] == top and r["variant"] == VARIANTS[0][0]}
+        for variant in SHARE_VARIANTS:
+            runs = [r for r in sub if r["x"] == top and r["variant"] == variant and "mean_ttft_share_s" in r]
+            if not runs:
+                continue
+            med = {k: 1e3 * statistics.median(r[k] for r in runs)
+                   for k in ("mean_norm_latency_s", "mean_ttft_share_s", "mean_decode_share_s")}
+            part = "mean_norm_latency_s" if variant == ALONE else "mean_decode_share_s"
+            reach = statistics.median(base[r["seed"]]["mean_norm_latency_s"] / r[part] for r in runs)
+            out.append(f"| {preset} | {variant} | {med['mean_norm_latency_s']:.2f} | "
+                       f"{med['mean_ttft_share_s']:.2f} | {med['mean_decode_share_s']:.2f} | {reach:.2f}x |")
+    return out + ["", SHARES_NOTE]
+
+
 def to_markdown(rows: list[dict], capacity: dict, meta: dict) -> str:
     out = ["# Two-tier KV in the simulator: recompute vs proactive swapping, with and without token deadlines", "",
            f"Roofline cost model; block {BLOCK} tokens; host pool {HOST_GIB} GiB; token budget 2048, request cap 256; "
@@ -444,8 +520,8 @@ def to_markdown(rows: list[dict], capacity: dict, meta: dict) -> str:
            "device only there, no host pool) serves what it still holds; a turn comes "
            f"{CHAT.think_s:g} s on average after the reply before it has finished (the context, think time "
            "and CV are assumptions).", ""]
-    out += targets(rows)
-    rows = [r for r in rows if r["seed"] == meta["seeds"][0]]
+    out += targets(rows) + [""] + where_the_mean_goes(rows)
+    rows = [r for r in rows if r["seed"] == meta["seeds"][0] and r["variant"] != ALONE]
     for preset in dict.fromkeys(r["preset"] for r in rows):
         sub = [r for r in rows if r["preset"] == preset]
         xname = "speed" if "azure" in preset else "load"
@@ -518,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     tasks, capacity = build_tasks(args)
     print(f"{len(tasks)} simulations on {args.workers} workers ...", file=sys.stderr)
     with ProcessPoolExecutor(args.workers) as pool:
-        rows = list(pool.map(_run, tasks, chunksize=1))
+        rows = list(pool.map(run_task, tasks, chunksize=1))
     meta = {"num_jobs": args.num_jobs, "trace_jobs": args.trace_jobs, "seeds": args.seeds,
             "command": "python benchmarks/swapping.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "wall_s": time.perf_counter() - t0, "python": platform.python_version()}

@@ -295,3 +295,29 @@ def test_first_token_guard_keeps_arrival_order_only_without_slack():
         assert tight[rid].first_token_time == pytest.approx(fcfs[rid].first_token_time)
     assert tight["short"].first_token_time >= tight["long"].first_token_time
     assert loose["short"].finish_time < loose["long"].first_token_time
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    raw=st.lists(st.tuples(st.floats(0.0, 0.05), st.integers(1, 3000), st.integers(1, 40)), min_size=2, max_size=12),
+    policy=st.sampled_from(sorted(POLICIES)),
+    mode=st.sampled_from(["swap", "recompute"]),
+    spare_blocks=st.integers(0, 40),
+)
+def test_no_job_finishes_sooner_in_company_than_alone(raw, policy, mode, spare_blocks):
+    """On the roofline model every step a job shares costs at least what its
+    own part would alone, and sharing only splits its prefill into more
+    chunks: so no policy serves a job faster than an idle device does. The
+    floor ``benchmarks/swapping.py`` reports under every variant rests on it."""
+    cm = default_cost_model()
+    jobs = [Job(f"j{i}", t, p, o) for i, (t, p, o) in enumerate(raw)]
+    blocks = max(-(-(j.prompt_tokens + j.output_tokens) // 16) for j in jobs) + spare_blocks
+    cfg = SimConfig.create(num_kv_blocks=blocks, block_size=16, max_num_batched_tokens=512, num_host_blocks=400,
+                           preemption_mode=mode, proactive_swap=mode == "swap",
+                           block_transfer_time=cm.transfer_time(16 * cm.model.kv_bytes_per_token))
+    together = {r.request_id: r for r in simulate(jobs, policy, cm, cfg).records}
+    for j in jobs:
+        (alone,) = simulate([dataclasses.replace(j, arrival_time=0.0)], policy, cm, cfg).records
+        r = together[j.request_id]
+        assert r.ttft >= alone.ttft * (1 - 1e-9), (j, r, alone)
+        assert r.e2e >= alone.e2e * (1 - 1e-9), (j, r, alone)
