@@ -657,6 +657,28 @@ def grammar(_: str) -> tuple[list[str], list[str]]:
     return out, []
 
 
+SWAP_MORE_SEEDS = ("swap_serving-default-seeds-3-6", "swap_serving_chat-default-seeds-3-6")
+
+
+def pooled_seeds(names: tuple[str, ...]) -> list[str]:
+    """The variants every run of ``names`` has, over all their seeds: the
+    medians of the paired ratios (each seed's pair ran in one invocation)."""
+    runs = [d["summary"] for d in map(load, names) if d and "summary" in d]
+    if len(runs) < 2:
+        return []
+    keys = ("mean_norm_seeds", "p99_ttft_seeds", "p99_tpot_seeds")
+    rows = []
+    for s in runs[0]:
+        same = [next((t for t in r if t["variant"] == s["variant"]), None) for r in runs]
+        if all(same):
+            pooled = [sum((t[k] for t in same), []) for k in keys]
+            rows.append([s["variant"], len(pooled[0]), *(f"{ratio(statistics.median(v))} "
+                                                        f"({min(v):.2f}-{max(v):.2f})" for v in pooled)])
+    return [f"Pooled over the seeds of {' and '.join(f'`{n}`' for n in names)} (median, and the seeds' range):", ""] + \
+        table(["variant", "seeds", "mean norm (fcfs / this)", "P99 TTFT (fcfs / this)", "P99 TPOT (this / fcfs)"],
+              rows, "lrrrr")
+
+
 def kv_real(_: str) -> tuple[list[str], list[str]]:
     out = []
     d = load("prefix_cache")
@@ -674,8 +696,10 @@ def kv_real(_: str) -> tuple[list[str], list[str]]:
             rows.append([f"tenants cycling through a {t['device only']['num_kv_blocks']}-block device pool "
                          "(device only → with the host tier)", a * 1e3, b * 1e3, ratio(a / b)])
         out += table(["workload", "mean TTFT before (ms)", "mean TTFT after (ms)", "speed-up"], rows)
-    for name, what in (("swap_serving", "ShareGPT lengths x0.2 near capacity"),
-                       ("swap_serving_chat", "closed-loop conversations resending their history")):
+    more = "the same load on more seeds, default flags and fcfs only"
+    for name, what in (("swap_serving", "ShareGPT lengths x0.2 near capacity"), (SWAP_MORE_SEEDS[0], more),
+                       ("swap_serving_chat", "closed-loop conversations resending their history"),
+                       (SWAP_MORE_SEEDS[1], more)):
         d = load(name)
         if d and "summary" in d:
             seeds = sorted({r["seed"] for r in d["rows"]})
@@ -684,6 +708,8 @@ def kv_real(_: str) -> tuple[list[str], list[str]]:
             out += table(["variant", "mean norm (fcfs / this)", "P99 TTFT (fcfs / this)", "P99 TPOT (this / fcfs)"],
                          [[s["variant"], ratio(s["mean_norm"]), ratio(s["p99_ttft"]), ratio(s["p99_tpot"])]
                           for s in d["summary"]])
+        if name in SWAP_MORE_SEEDS:
+            out += pooled_seeds((name.split("-")[0], name))
     d = load("preemption")
     if d:
         sr = d["single_rank"]
@@ -800,7 +826,7 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("CPU kernels", ["cpu_decode_groups", "cpu_chunked_prefill", "shared_prefix_decode", "cpu_linear"], cpu_kernels),
     ("Structured output and prompt logprobs",
      ["grammar_mask", "structured_overhead-cpu", "structured_overhead-cpu-small", "prompt_logprobs-cpu"], grammar),
-    ("KV cache and preemption on the real engine", ["prefix_cache", "swap_serving", "preemption"], kv_real),
+    ("KV cache and preemption on the real engine", ["prefix_cache", "swap_serving", "swap_serving_chat", *SWAP_MORE_SEEDS, "preemption"], kv_real),
     ("Frontend, load generator and Ray executor", ["serve_overhead", "serve_bench-*", "ray_overhead-*"], frontend),
     ("Triton kernels compiled for sm_90", ["kernels_compile_sm90"], kernels_compile),
     ("On a GPU", GPU_STEMS, gpu),

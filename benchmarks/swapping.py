@@ -45,7 +45,10 @@ arXiv-summarization (long prompt) lengths and a quarter of the pool, and the
 Azure code trace on the small pool; Llama-3-8B with its whole pool on
 ShareGPT is where memory does not bind; ``chat`` is a conversational
 multi-turn mix (``chat_jobs``: long prompts of opening context and history,
-short answers, bursty arrivals) on the small pool. The host link moves one block in
+short answers, bursty arrivals) on the small pool; ``cpu-small/cpu 64 blocks`` is the
+real engine's regime in ``benchmarks/swap_serving.py`` (its model in fp32 on
+the CPU device model, 64 device blocks, ShareGPT lengths x0.2 cut to 512 and
+256 tokens), for setting the simulator's figures beside the engine's. The host link moves one block in
 ``block bytes / PCIe bandwidth`` (DeviceSpec), copies overlap compute, and a
 step stalls only on swap-ins it reads (see scheduler/simulator.py). Per-step
 swap traffic is bounded as the engine bounds it: the blocks that move in one
@@ -164,6 +167,23 @@ def opt_13b() -> ModelShape:
                                       "num_attention_heads": 40, "vocab_size": 50272, "_name_or_path": "opt-13b"})
 
 
+def cpu_small() -> ModelShape:
+    """benchmarks/dummy_models.py's ``cpu-small``, in fp32 as the CPU engine runs it."""
+    return ModelShape.from_hf_config({"num_hidden_layers": 4, "hidden_size": 512, "intermediate_size": 1536,
+                                      "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 32000,
+                                      "_name_or_path": "cpu-small"}, dtype_bytes=4)
+
+
+# benchmarks/swap_serving.py's engine and load: 64 device blocks, ShareGPT
+# lengths x0.2 cut to 512 prompt and 256 output tokens.
+REAL_ENGINE_BLOCKS, REAL_ENGINE_SCALE, REAL_ENGINE_MAX = 64, 0.2, (512, 256)
+
+
+def real_engine_pairs(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    (mp, mo), k = REAL_ENGINE_MAX, REAL_ENGINE_SCALE
+    return [(min(mp, max(1, round(p * k))), min(mo, max(1, round(o * k)))) for p, o in pairs]
+
+
 CHAT = LMSYS_CHAT
 CHAT_PAIRS_CONVERSATIONS = 4000
 
@@ -208,6 +228,11 @@ def presets(wdir: Path) -> dict[str, dict]:
             model=ModelShape.llama3_8b(), device=DeviceSpec.h100(), pool=1.0, pairs=clamp_lengths(sharegpt, 8192)),
         "llama-3-8b/h100 pool/8 chat": dict(model=ModelShape.llama3_8b(), device=DeviceSpec.h100(), pool=1 / 8,
                                             pairs=chat_pairs(), chat=True),
+        # The real engine's regime (benchmarks/swap_serving.py): the pool holds
+        # one and a third of the largest requests.
+        "cpu-small/cpu 64 blocks sharegpt x0.2 (swap_serving)": dict(
+            model=cpu_small(), device=DeviceSpec.cpu(), pairs=real_engine_pairs(sharegpt),
+            pool=(REAL_ENGINE_BLOCKS + 0.5) / RooflineCostModel(cpu_small(), DeviceSpec.cpu()).num_kv_blocks(BLOCK)),
     }
 
 
