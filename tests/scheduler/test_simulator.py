@@ -280,6 +280,40 @@ def test_prefix_cache_benchmark_runs(tmp_path):
         assert (r["host_hit_rate"] > 0) == (r["variant"] == "device + host cache")
 
 
+def test_swapping_benchmark_splits_the_mean_above_its_floor(tmp_path):
+    """benchmarks/swapping.py --quick, one seed and no sweeps, end to end:
+    every run finishes its jobs, each mean normalized latency is its
+    first-token share plus its decode share, and each job alone on an idle
+    device is a floor under every variant of its preset (none for the chat
+    mix, whose turns find earlier turns in the prefix cache)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "swapping.py"
+    none = ["--slack-sweep", "", "--loan-sweep", "", "--starving-sweep", "", "--growth-sweep", "", "--guard-sweep",
+            "", "--cache-sweep", "", "--gap-sweep", ""]
+    done = subprocess.run([sys.executable, str(script), "--quick", "--seeds", "0", "--workers", "1",
+                           "--out-dir", str(tmp_path), *none], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "swapping_quick.json").read_text())["rows"]
+    alone = {r["preset"]: r for r in rows if r["variant"].startswith("each job alone")}
+    presets = {r["preset"] for r in rows}
+    assert set(alone) == {p for p in presets if not p.endswith(" chat")}
+    for r in rows:
+        assert r["mean_ttft_share_s"] + r["mean_decode_share_s"] == pytest.approx(r["mean_norm_latency_s"])
+        if r in alone.values():
+            continue
+        assert r["num_finished"] == r["num_jobs"]
+        if r["preset"] in alone:
+            assert r["mean_norm_latency_s"] >= alone[r["preset"]]["mean_norm_latency_s"]
+    md = (tmp_path / "swapping_quick.md").read_text()
+    shares = md.split("## Where the mean goes")[1].split("\n## ")[0]
+    for p in presets:
+        assert (f"| {p} | each job alone" in shares) == (p in alone and "arxiv" not in p and "does not bind" not in p)
+
+
 def test_first_token_guard_keeps_arrival_order_only_without_slack():
     """The engine's skip-join with its first-token guard (the default, slack
     0): a long prompt that arrived first has no slack to give, so a short
