@@ -657,7 +657,9 @@ def grammar(_: str) -> tuple[list[str], list[str]]:
     return out, []
 
 
-SWAP_MORE_SEEDS = ("swap_serving-default-seeds-3-6", "swap_serving_chat-default-seeds-3-6")
+# More seeds of a real-engine run, default flags and fcfs only -> the run they extend.
+SWAP_MORE_SEEDS = {"swap_serving-default-seeds-3-6": "swap_serving",
+                   "swap_serving_chat-default-seeds-3-6": "swap_serving_chat"}
 
 
 def pooled_seeds(names: tuple[str, ...]) -> list[str]:
@@ -697,9 +699,10 @@ def kv_real(_: str) -> tuple[list[str], list[str]]:
                          "(device only → with the host tier)", a * 1e3, b * 1e3, ratio(a / b)])
         out += table(["workload", "mean TTFT before (ms)", "mean TTFT after (ms)", "speed-up"], rows)
     more = "the same load on more seeds, default flags and fcfs only"
-    for name, what in (("swap_serving", "ShareGPT lengths x0.2 near capacity"), (SWAP_MORE_SEEDS[0], more),
+    for name, what in (("swap_serving", "ShareGPT lengths x0.2 near capacity"),
+                       ("swap_serving-default-seeds-3-6", more),
                        ("swap_serving_chat", "closed-loop conversations resending their history"),
-                       (SWAP_MORE_SEEDS[1], more)):
+                       ("swap_serving_chat-default-seeds-3-6", more)):
         d = load(name)
         if d and "summary" in d:
             seeds = sorted({r["seed"] for r in d["rows"]})
@@ -709,7 +712,7 @@ def kv_real(_: str) -> tuple[list[str], list[str]]:
                          [[s["variant"], ratio(s["mean_norm"]), ratio(s["p99_ttft"]), ratio(s["p99_tpot"])]
                           for s in d["summary"]])
         if name in SWAP_MORE_SEEDS:
-            out += pooled_seeds((name.split("-")[0], name))
+            out += pooled_seeds((SWAP_MORE_SEEDS[name], name))
     d = load("preemption")
     if d:
         sr = d["single_rank"]

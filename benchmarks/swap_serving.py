@@ -38,6 +38,17 @@ from pathlib import Path
 from dummy_models import build_model_dir
 from serve_bench import bc_free_port, load, start_server, stop_server
 
+# The engine's device pool and the load's lengths (benchmarks/swapping.py
+# models the same regime): ShareGPT lengths x0.2, prompts cut to half the
+# pool and outputs to a quarter.
+NUM_KV_BLOCKS, LENGTH_SCALE = 64, 0.2
+
+
+def length_limits(num_kv_blocks: int) -> tuple[int, int]:
+    """--max-input-len and --max-output-len of the load on a pool of ``num_kv_blocks`` blocks of 16 tokens."""
+    return num_kv_blocks * 8, num_kv_blocks * 4
+
+
 VARIANTS = [
     ("fcfs + recompute", ["--scheduling-policy", "fcfs", "--preemption-mode", "recompute"]),
     ("skip-join + recompute", ["--preemption-mode", "recompute"]),
@@ -52,11 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="cpu-small")
     ap.add_argument("--workload", choices=["sharegpt", "chat"], default="sharegpt")
-    ap.add_argument("--num-kv-blocks", type=int, default=64, help="device KV pool (blocks of 16 tokens)")
+    ap.add_argument("--num-kv-blocks", type=int, default=NUM_KV_BLOCKS, help="device KV pool (blocks of 16 tokens)")
     ap.add_argument("--num-host-blocks", type=int, default=4096)
     ap.add_argument("--num-requests", type=int, default=150)
     ap.add_argument("--request-rate", type=float, default=4.0)
-    ap.add_argument("--length-scale", type=float, default=0.2)
+    ap.add_argument("--length-scale", type=float, default=LENGTH_SCALE)
     ap.add_argument("--think-s", type=float, default=8.0, help="chat: mean think time between turns")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0],
                     help="one run of every variant per seed; the summary gives the medians of the paired ratios")
@@ -71,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
                     "--max-model-len", str(args.num_kv_blocks * 16)]
     workload = ["--dataset", "sharegpt"] if args.workload == "sharegpt" else [
         "--dataset", "chat", "--chat-think-s", str(args.think_s)]
+    max_input, max_output = length_limits(args.num_kv_blocks)
     load_flags = [*workload, "--length-scale", str(args.length_scale),
-                  "--max-input-len", str(args.num_kv_blocks * 8), "--max-output-len", str(args.num_kv_blocks * 4),
+                  "--max-input-len", str(max_input), "--max-output-len", str(max_output),
                   "--num-requests", str(args.num_requests), "--request-rate", str(args.request_rate),
                   "--output", "/dev/null"]
     rows = []

@@ -74,12 +74,16 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from dummy_models import PRESETS as MODEL_PRESETS
+from swap_serving import LENGTH_SCALE, NUM_KV_BLOCKS, length_limits
+
 from fluidserve.scheduler import loans
 from fluidserve.scheduler import scheduler as scheduler_module
 from fluidserve.scheduler.config import DEFAULT_LOAN_TOKENS
 from fluidserve.scheduler.policy_base import Policy
 from fluidserve.scheduler.cost_model import DeviceSpec, ModelShape, RooflineCostModel
 from fluidserve.scheduler.simulator import SimConfig, estimate_capacity, saturated_rate, simulate
+from fluidserve.serve.bench_client import scaled_lengths
 from fluidserve.scheduler.workloads import (
     ARXIV, AZURE_CODE, DEFAULT_WORKLOAD_DIR, SHAREGPT, Job, clamp_lengths, empirical_lengths, load_lengths,
     LMSYS_CHAT, load_trace, poisson_arrivals, replay_trace, synthesize, conversations,
@@ -169,19 +173,13 @@ def opt_13b() -> ModelShape:
 
 def cpu_small() -> ModelShape:
     """benchmarks/dummy_models.py's ``cpu-small``, in fp32 as the CPU engine runs it."""
-    return ModelShape.from_hf_config({"num_hidden_layers": 4, "hidden_size": 512, "intermediate_size": 1536,
-                                      "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 32000,
-                                      "_name_or_path": "cpu-small"}, dtype_bytes=4)
-
-
-# benchmarks/swap_serving.py's engine and load: 64 device blocks, ShareGPT
-# lengths x0.2 cut to 512 prompt and 256 output tokens.
-REAL_ENGINE_BLOCKS, REAL_ENGINE_SCALE, REAL_ENGINE_MAX = 64, 0.2, (512, 256)
+    return ModelShape.from_hf_config({**MODEL_PRESETS["cpu-small"], "_name_or_path": "cpu-small"}, dtype_bytes=4)
 
 
 def real_engine_pairs(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    (mp, mo), k = REAL_ENGINE_MAX, REAL_ENGINE_SCALE
-    return [(min(mp, max(1, round(p * k))), min(mo, max(1, round(o * k)))) for p, o in pairs]
+    """The lengths benchmarks/swap_serving.py's load sends for ``pairs``."""
+    limits = length_limits(NUM_KV_BLOCKS)
+    return [scaled_lengths(p, o, LENGTH_SCALE, *limits) for p, o in pairs]
 
 
 CHAT = LMSYS_CHAT
@@ -232,7 +230,7 @@ def presets(wdir: Path) -> dict[str, dict]:
         # one and a third of the largest requests.
         "cpu-small/cpu 64 blocks sharegpt x0.2 (swap_serving)": dict(
             model=cpu_small(), device=DeviceSpec.cpu(), pairs=real_engine_pairs(sharegpt),
-            pool=(REAL_ENGINE_BLOCKS + 0.5) / RooflineCostModel(cpu_small(), DeviceSpec.cpu()).num_kv_blocks(BLOCK)),
+            pool=(NUM_KV_BLOCKS + 0.5) / RooflineCostModel(cpu_small(), DeviceSpec.cpu()).num_kv_blocks(BLOCK)),
     }
 
 
@@ -308,9 +306,9 @@ def _run_alone(task: dict) -> dict:
     cfg = sim_config(cm, task["pool"], "recompute", False)
     records = [simulate([dataclasses.replace(j, arrival_time=0.0)], "fcfs", cm, cfg).records[0]
                for j in task["jobs"]]
-    norm = [r.normalized_latency for r in records]
+    shares = mean_shares(records)
     return {"preset": task["preset"], "x": task["x"], "seed": task["seed"], "variant": ALONE,
-            "mean_norm_latency_s": sum(norm) / len(norm), **mean_shares(records)}
+            "mean_norm_latency_s": shares["mean_ttft_share_s"] + shares["mean_decode_share_s"], **shares}
 
 
 def run_task(task: dict) -> dict:

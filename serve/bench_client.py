@@ -248,8 +248,14 @@ def _sample_lengths(args: argparse.Namespace, rng: random.Random, n: int) -> lis
             rows = table[: n]
         else:
             rows = [rng.choice(table) for _ in range(n)]
-    s = args.length_scale
-    return [(_clip(p * s, 1, args.max_input_len), _clip(o * s, 1, args.max_output_len), a) for p, o, a in rows]
+    return [(*scaled_lengths(p, o, args.length_scale, args.max_input_len, args.max_output_len), a)
+            for p, o, a in rows]
+
+
+def scaled_lengths(prompt: int, output: int, scale: float, max_input: int, max_output: int) -> tuple[int, int]:
+    """A length row times ``--length-scale``, cut to ``--max-input-len`` and
+    ``--max-output-len`` (benchmarks/swapping.py models the same load)."""
+    return _clip(prompt * scale, 1, max_input), _clip(output * scale, 1, max_output)
 
 
 # -- workload: vLLM's datasets ------------------------------------------------------
