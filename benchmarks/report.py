@@ -658,8 +658,7 @@ def grammar(_: str) -> tuple[list[str], list[str]]:
 
 
 # More seeds of a real-engine run, default flags and fcfs only -> the run they extend.
-SWAP_MORE_SEEDS = {"swap_serving-default-seeds-3-6": "swap_serving",
-                   "swap_serving_chat-default-seeds-3-6": "swap_serving_chat"}
+SWAP_MORE_SEEDS = {"swap_serving_chat-default-seeds-3-6": "swap_serving_chat"}
 
 
 def pooled_seeds(names: tuple[str, ...]) -> list[str]:
@@ -700,7 +699,8 @@ def kv_real(_: str) -> tuple[list[str], list[str]]:
         out += table(["workload", "mean TTFT before (ms)", "mean TTFT after (ms)", "speed-up"], rows)
     more = "the same load on more seeds, default flags and fcfs only"
     for name, what in (("swap_serving", "ShareGPT lengths x0.2 near capacity"),
-                       ("swap_serving-default-seeds-3-6", more),
+                       ("swap_serving-default-seeds-0-6", "the same load on seeds 0-6, default flags and fcfs only, "
+                                                           "every request's figures kept"),
                        ("swap_serving_chat", "closed-loop conversations resending their history"),
                        ("swap_serving_chat-default-seeds-3-6", more)):
         d = load(name)
@@ -708,9 +708,25 @@ def kv_real(_: str) -> tuple[list[str], list[str]]:
             seeds = sorted({r["seed"] for r in d["rows"]})
             out += [f"**Two KV tiers on the real engine** (CPU server, 64 device blocks, {what}; seeds "
                     f"{', '.join(map(str, seeds))}, medians of the ratios paired by seed):", ""] + provenance(name, d)
-            out += table(["variant", "mean norm (fcfs / this)", "P99 TTFT (fcfs / this)", "P99 TPOT (this / fcfs)"],
-                         [[s["variant"], ratio(s["mean_norm"]), ratio(s["p99_ttft"]), ratio(s["p99_tpot"])]
-                          for s in d["summary"]])
+            heads = ["variant", "mean norm (fcfs / this)", "P99 TTFT (fcfs / this)", "P99 TPOT (this / fcfs)"]
+            keys = ["mean_norm", "p99_ttft", "p99_tpot"]
+            if all("pooled_requests" in s for s in d["summary"]):  # every seed's requests together
+                heads += ["pooled: mean norm", "pooled: P99 TTFT", "pooled: P99 TPOT", "requests"]
+                keys += ["pooled_mean_norm", "pooled_p99_ttft", "pooled_p99_tpot"]
+            out += table(heads, [[s["variant"], *(ratio(s[k]) for k in keys),
+                                  *([s["pooled_requests"]] if "pooled_requests" in s else [])]
+                                 for s in d["summary"]])
+            from swap_serving import ttft_by_prompt  # rebuilds each seed's requests from the load flags
+
+            split = ttft_by_prompt(d["rows"], d["meta"]["load_flags"])
+            if split:
+                cap = split[0]["cap"]
+                out += [f"Where its TTFT goes, every seed's requests together: prompts cut to {cap} tokens and the "
+                        "shorter rest:", ""]
+                out += table(["variant", f"at {cap}: requests", "mean TTFT (ms)", "P99 TTFT (ms)", "shorter: requests",
+                              "mean TTFT (ms)", "P99 TTFT (ms)"],
+                             [[x["variant"], *(x[f"{k}_{stat}"] for k in ("capped", "shorter")
+                                               for stat in ("n", "mean", "p99"))] for x in split])
         if name in SWAP_MORE_SEEDS:
             out += pooled_seeds((SWAP_MORE_SEEDS[name], name))
     d = load("preemption")

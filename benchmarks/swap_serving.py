@@ -20,8 +20,11 @@ scheduler/loans.py; the client sends each request's sampled output length
 as ``max_tokens``), with skip-join's first-token guard on; and the default
 flags with the guard off (``--mlfq-first-token-slack off``). The server and the
 client share the machine's cores; every variant sees the same request
-sequence (same seed). Writes benchmarks/results/swap_serving.{json,md}
-(swap_serving_chat.* for the conversations).
+sequence (same seed). Each run keeps its requests' figures, so the summary
+gives the ratios both as medians over seeds and over all seeds' requests
+pooled, and splits the TTFT of a ShareGPT load by prompt length. Writes
+benchmarks/results/swap_serving.{json,md} (swap_serving_chat.* for the
+conversations).
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
+
+from fluidserve.serve import bench_client as bc
 
 from dummy_models import build_model_dir
 from serve_bench import bc_free_port, load, start_server, stop_server
@@ -93,13 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         proc = start_server(port, engine_flags + flags)
         try:
             t0 = time.perf_counter()
-            rep = load(f"http://127.0.0.1:{port}", [*load_flags, "--seed", str(seed)])
+            rep = load(f"http://127.0.0.1:{port}", [*load_flags, "--seed", str(seed)], per_request=True)
             metrics = _metrics(port)
         finally:
             stop_server(proc)
         row = {"variant": label, "seed": seed, "flags": flags, "wall_s": time.perf_counter() - t0, **metrics,
                **{k: rep[k] for k in ("completed", "failed", "request_throughput", "output_token_throughput")},
-               **{k: rep[k] for k in ("ttft_ms", "tpot_ms", "normalized_latency_ms_per_token", "latency_bound_ms")}}
+               **{k: rep[k] for k in ("ttft_ms", "tpot_ms", "normalized_latency_ms_per_token", "latency_bound_ms",
+                                      "per_request")}}
         rows.append(row)
         print(f"seed {seed} {label:44s} norm mean {row['normalized_latency_ms_per_token']['mean']:8.1f} ms/tok  "
               f"TTFT p50 {row['ttft_ms']['p50']:8.1f} p99 {row['ttft_ms']['p99']:8.1f} ms  "
@@ -164,7 +172,56 @@ def summary(rows: list[dict]) -> list[dict]:
         per_seed = [ratios(r, base_of[r["seed"]]) for r in rows if r["variant"] == label]
         keys = ("mean_norm", "p99_ttft", "p99_tpot")
         out.append({"variant": label, **{k: statistics.median(x) for k, x in zip(keys, zip(*per_seed))},
-                    **{f"{k}_seeds": list(x) for k, x in zip(keys, zip(*per_seed))}})
+                    **{f"{k}_seeds": list(x) for k, x in zip(keys, zip(*per_seed))},
+                    **pooled(rows, label)})
+    return out
+
+
+def pooled(rows: list[dict], label: str) -> dict:
+    """The same three ratios with every seed's requests pooled before the
+    mean and the percentiles are taken (a seed's P99 of 120 requests is its
+    second-worst request; pooled, it is a percentile of them all). Empty
+    where a row lacks its requests' figures."""
+    mine = [r for r in rows if r["variant"] == label]
+    base = [r for r in rows if r["variant"] == rows[0]["variant"] and r["seed"] in {m["seed"] for m in mine}]
+    if not all("per_request" in r for r in mine + base):
+        return {}
+
+    def fig(rs: list[dict], key: str, stat: str) -> float:
+        xs = [x for r in rs for x in r["per_request"][key]]
+        return float(np.mean(xs)) if stat == "mean" else float(np.percentile(xs, 99))
+
+    return {"pooled_requests": sum(len(r["per_request"]["ttft_ms"]) for r in mine),
+            "pooled_mean_norm": fig(base, "norm_ms", "mean") / fig(mine, "norm_ms", "mean"),
+            "pooled_p99_ttft": fig(base, "ttft_ms", "p99") / fig(mine, "ttft_ms", "p99"),
+            "pooled_p99_tpot": fig(mine, "tpot_ms", "p99") / fig(base, "tpot_ms", "p99")}
+
+
+def ttft_by_prompt(rows: list[dict], load_flags: list[str]) -> list[dict]:
+    """Per variant, TTFT over every seed's requests split by prompt length:
+    prompts cut to ``--max-input-len`` and the shorter rest. Each seed's
+    request sequence is rebuilt from the load flags (the client's workload is
+    a function of them and the seed), in the order the figures were kept.
+    Empty for conversations or rows without their requests' figures."""
+    if "sharegpt" not in load_flags or not all("per_request" in r for r in rows):
+        return []
+    prompts = {}
+    for seed in {r["seed"] for r in rows}:
+        args = bc.build_parser().parse_args(["--base-url", "http://127.0.0.1:1", *load_flags, "--seed", str(seed)])
+        prompts[seed] = [spec.prompt_len for spec in bc.build_workload(args)]
+    cap = int(load_flags[load_flags.index("--max-input-len") + 1])
+    out = []
+    for label in dict.fromkeys(r["variant"] for r in rows):
+        split: dict[bool, list[float]] = {True: [], False: []}
+        for r in (r for r in rows if r["variant"] == label):
+            if r["failed"]:  # the kept figures are the completed requests': no longer aligned
+                return []
+            for ttft, n in zip(r["per_request"]["ttft_ms"], prompts[r["seed"]], strict=True):
+                split[n >= cap].append(ttft)
+        out.append({"variant": label, "cap": cap, **{
+            f"{key}_{stat}": (len(xs) if stat == "n" else float(np.mean(xs)) if stat == "mean"
+                              else float(np.percentile(xs, 99))) if xs else float("nan")
+            for key, xs in (("capped", split[True]), ("shorter", split[False])) for stat in ("n", "mean", "p99")}})
     return out
 
 
@@ -176,13 +233,26 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
            f"machine ({meta['machine']}).", ""]
     base_of = {r["seed"]: r for r in rows if r["variant"] == rows[0]["variant"]}
     if len(seeds) > 1:
-        out += [f"Medians over seeds of each seed's ratio against {rows[0]['variant']} (the seeds' own in brackets).",
-                "", "| variant | mean norm (fcfs / this) | P99 TTFT (fcfs / this) | P99 TPOT (this / fcfs) |",
-                "|---|---|---|---|"]
+        out += [f"Medians over seeds of each seed's ratio against {rows[0]['variant']} (the seeds' own in brackets); "
+                "pooled: the ratios of the figures over every seed's requests together.",
+                "", "| variant | mean norm (fcfs / this) | P99 TTFT (fcfs / this) | P99 TPOT (this / fcfs) "
+                "| pooled: mean norm / P99 TTFT / P99 TPOT |", "|---|---|---|---|---|"]
         for s in summary(rows):
             cells = [f"{s[k]:.2f}x [{' / '.join(f'{v:.2f}' for v in s[k + '_seeds'])}]"
                      for k in ("mean_norm", "p99_ttft", "p99_tpot")]
+            cells.append(" / ".join(f"{s[k]:.2f}x" for k in ("pooled_mean_norm", "pooled_p99_ttft", "pooled_p99_tpot"))
+                         + f" ({s['pooled_requests']} requests)" if "pooled_requests" in s else "-")
             out.append(f"| {s['variant']} | {' | '.join(cells)} |")
+        out.append("")
+    split = ttft_by_prompt(rows, meta["load_flags"])
+    if split:
+        cap = split[0]["cap"]
+        out += [f"TTFT by prompt length, every seed's requests together: prompts cut to {cap} tokens "
+                "(`--max-input-len`) and the shorter rest.", "",
+                f"| variant | at {cap}: requests | mean TTFT (ms) | P99 TTFT (ms) | shorter: requests | mean TTFT (ms) "
+                "| P99 TTFT (ms) |", "|---|---|---|---|---|---|---|"]
+        out += [f"| {d['variant']} | {d['capped_n']} | {d['capped_mean']:.0f} | {d['capped_p99']:.0f} | "
+                f"{d['shorter_n']} | {d['shorter_mean']:.0f} | {d['shorter_p99']:.0f} |" for d in split]
         out.append("")
     out += ["| seed | variant | mean norm (ms/tok) | P99 norm | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p99 (ms) "
            "| max token gap p99 (ms) | req/s | swaps | recomputes | swap stall (s) | prompt tokens cached "

@@ -257,3 +257,33 @@ def test_only_chunks_with_output_start_ttft_or_count_as_tokens(chunk, token):
     result = bc.RequestResult(prompt_len=1, output_len=1)
     bc._on_event(chunk, result)
     assert bool(result.token_times) is token
+
+
+def test_per_request_figures_pool_into_the_same_ratios(server):
+    """benchmarks/swap_serving.py pools seeds' requests before taking
+    percentiles: the per-request figures a load returns reproduce its own
+    report (same units), and pooled over one seed the ratios are that seed's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        import swap_serving
+        from serve_bench import load
+    finally:
+        sys.path.pop(0)
+    flags = ["--input-len", "8", "--output-len", "4", "--length-dist", "uniform", "--length-range", "0.5",
+             "--num-requests", "6", "--request-rate", "50", "--seed", "1"]
+    rows = []
+    for label in ("base", "other"):
+        rep = load(server.base_url, flags, per_request=True)
+        per = rep["per_request"]
+        assert len(per["ttft_ms"]) == len(per["norm_ms"]) == rep["completed"] == 6
+        assert np.percentile(per["ttft_ms"], 99) == pytest.approx(rep["ttft_ms"]["p99"])
+        assert np.percentile(per["tpot_ms"], 99) == pytest.approx(rep["tpot_ms"]["p99"])
+        assert np.mean(per["norm_ms"]) == pytest.approx(rep["normalized_latency_ms_per_token"]["mean"])
+        rows.append({"variant": label, "seed": 0, **rep})
+    base, other = swap_serving.summary(rows)
+    assert base["pooled_p99_ttft"] == pytest.approx(1.0) and base["pooled_requests"] == 6
+    for k in ("mean_norm", "p99_ttft", "p99_tpot"):
+        assert other[f"pooled_{k}"] == pytest.approx(other[k])
