@@ -657,29 +657,6 @@ def grammar(_: str) -> tuple[list[str], list[str]]:
     return out, []
 
 
-# More seeds of a real-engine run, default flags and fcfs only -> the run they extend.
-SWAP_MORE_SEEDS = {"swap_serving_chat-default-seeds-3-6": "swap_serving_chat"}
-
-
-def pooled_seeds(names: tuple[str, ...]) -> list[str]:
-    """The variants every run of ``names`` has, over all their seeds: the
-    medians of the paired ratios (each seed's pair ran in one invocation)."""
-    runs = [d["summary"] for d in map(load, names) if d and "summary" in d]
-    if len(runs) < 2:
-        return []
-    keys = ("mean_norm_seeds", "p99_ttft_seeds", "p99_tpot_seeds")
-    rows = []
-    for s in runs[0]:
-        same = [next((t for t in r if t["variant"] == s["variant"]), None) for r in runs]
-        if all(same):
-            pooled = [sum((t[k] for t in same), []) for k in keys]
-            rows.append([s["variant"], len(pooled[0]), *(f"{ratio(statistics.median(v))} "
-                                                        f"({min(v):.2f}-{max(v):.2f})" for v in pooled)])
-    return [f"Pooled over the seeds of {' and '.join(f'`{n}`' for n in names)} (median, and the seeds' range):", ""] + \
-        table(["variant", "seeds", "mean norm (fcfs / this)", "P99 TTFT (fcfs / this)", "P99 TPOT (this / fcfs)"],
-              rows, "lrrrr")
-
-
 def kv_real(_: str) -> tuple[list[str], list[str]]:
     out = []
     d = load("prefix_cache")
@@ -697,12 +674,11 @@ def kv_real(_: str) -> tuple[list[str], list[str]]:
             rows.append([f"tenants cycling through a {t['device only']['num_kv_blocks']}-block device pool "
                          "(device only → with the host tier)", a * 1e3, b * 1e3, ratio(a / b)])
         out += table(["workload", "mean TTFT before (ms)", "mean TTFT after (ms)", "speed-up"], rows)
-    more = "the same load on more seeds, default flags and fcfs only"
+    more = "the same load on seeds 0-6, default flags and fcfs only, every request's figures kept"
     for name, what in (("swap_serving", "ShareGPT lengths x0.2 near capacity"),
-                       ("swap_serving-default-seeds-0-6", "the same load on seeds 0-6, default flags and fcfs only, "
-                                                           "every request's figures kept"),
+                       ("swap_serving-default-seeds-0-6", more),
                        ("swap_serving_chat", "closed-loop conversations resending their history"),
-                       ("swap_serving_chat-default-seeds-3-6", more)):
+                       ("swap_serving_chat-default-seeds-0-6", more)):
         d = load(name)
         if d and "summary" in d:
             seeds = sorted({r["seed"] for r in d["rows"]})
@@ -727,8 +703,6 @@ def kv_real(_: str) -> tuple[list[str], list[str]]:
                               "mean TTFT (ms)", "P99 TTFT (ms)"],
                              [[x["variant"], *(x[f"{k}_{stat}"] for k in ("capped", "shorter")
                                                for stat in ("n", "mean", "p99"))] for x in split])
-        if name in SWAP_MORE_SEEDS:
-            out += pooled_seeds((SWAP_MORE_SEEDS[name], name))
     d = load("preemption")
     if d:
         sr = d["single_rank"]
@@ -846,7 +820,8 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Structured output and prompt logprobs",
      ["grammar_mask", "structured_overhead-cpu", "structured_overhead-cpu-small", "prompt_logprobs-cpu"], grammar),
     ("KV cache and preemption on the real engine",
-     ["prefix_cache", "swap_serving", "swap_serving_chat", *SWAP_MORE_SEEDS, "preemption"], kv_real),
+     ["prefix_cache", "swap_serving", "swap_serving_chat", "swap_serving-default-seeds-0-6",
+      "swap_serving_chat-default-seeds-0-6", "preemption"], kv_real),
     ("Frontend, load generator and Ray executor", ["serve_overhead", "serve_bench-*", "ray_overhead-*"], frontend),
     ("Triton kernels compiled for sm_90", ["kernels_compile_sm90"], kernels_compile),
     ("On a GPU", GPU_STEMS, gpu),
