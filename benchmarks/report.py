@@ -674,6 +674,9 @@ def kv_real(_: str) -> tuple[list[str], list[str]]:
             rows.append([f"tenants cycling through a {t['device only']['num_kv_blocks']}-block device pool "
                          "(device only → with the host tier)", a * 1e3, b * 1e3, ratio(a / b)])
         out += table(["workload", "mean TTFT before (ms)", "mean TTFT after (ms)", "speed-up"], rows)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from swap_serving import split_table, ttft_by_prompt
+
     more = "the same load on seeds 0-6, default flags and fcfs only, every request's figures kept"
     for name, what in (("swap_serving", "ShareGPT lengths x0.2 near capacity"),
                        ("swap_serving-default-seeds-0-6", more),
@@ -692,17 +695,11 @@ def kv_real(_: str) -> tuple[list[str], list[str]]:
             out += table(heads, [[s["variant"], *(ratio(s[k]) for k in keys),
                                   *([s["pooled_requests"]] if "pooled_requests" in s else [])]
                                  for s in d["summary"]])
-            from swap_serving import ttft_by_prompt  # rebuilds each seed's requests from the load flags
-
             split = ttft_by_prompt(d["rows"], d["meta"]["load_flags"])
             if split:
-                cap = split[0]["cap"]
-                out += [f"Where its TTFT goes, every seed's requests together: prompts cut to {cap} tokens and the "
-                        "shorter rest:", ""]
-                out += table(["variant", f"at {cap}: requests", "mean TTFT (ms)", "P99 TTFT (ms)", "shorter: requests",
-                              "mean TTFT (ms)", "P99 TTFT (ms)"],
-                             [[x["variant"], *(x[f"{k}_{stat}"] for k in ("capped", "shorter")
-                                               for stat in ("n", "mean", "p99"))] for x in split])
+                out += [f"Where its TTFT goes, every seed's requests together: prompts cut to {split[0]['cap']} "
+                        "tokens and the shorter rest:", ""]
+                out += table(*split_table(split))
     d = load("preemption")
     if d:
         sr = d["single_rank"]

@@ -132,15 +132,16 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def load(base_url: str, flags: list[str], per_request: bool = False) -> dict[str, Any]:
     """The client's report of one load; ``per_request``: with each completed
-    request's figures (``per_request``: TTFT, TPOT, normalized latency in
-    ms), so runs can be pooled before percentiles are taken."""
+    request's figures (``per_request``: the prompt length it was sent with;
+    TTFT, TPOT, normalized latency in ms), so runs can be pooled before
+    percentiles are taken."""
     args = bc.build_parser().parse_args(["--base-url", base_url, "--no-progress", *flags])
     specs = bc.build_workload(args)
     results, elapsed = asyncio.run(bc.run_load(args, specs))
     rep = bc.report(results, elapsed, args)
     if per_request:
         ok = [r for r in results if r.ok]
-        rep["per_request"] = {"ttft_ms": [r.ttft * 1e3 for r in ok],
+        rep["per_request"] = {"prompt_len": [r.prompt_len for r in ok], "ttft_ms": [r.ttft * 1e3 for r in ok],
                               "tpot_ms": [r.tpot * 1e3 for r in ok if r.completion_tokens > 1],
                               "norm_ms": [r.e2e / r.completion_tokens * 1e3 for r in ok]}
     return rep

@@ -40,8 +40,6 @@ from pathlib import Path
 
 import numpy as np
 
-from fluidserve.serve import bench_client as bc
-
 from dummy_models import build_model_dir
 from serve_bench import bc_free_port, load, start_server, stop_server
 
@@ -199,30 +197,32 @@ def pooled(rows: list[dict], label: str) -> dict:
 
 def ttft_by_prompt(rows: list[dict], load_flags: list[str]) -> list[dict]:
     """Per variant, TTFT over every seed's requests split by prompt length:
-    prompts cut to ``--max-input-len`` and the shorter rest. Each seed's
-    request sequence is rebuilt from the load flags (the client's workload is
-    a function of them and the seed), in the order the figures were kept.
-    Empty for conversations or rows without their requests' figures."""
-    if "sharegpt" not in load_flags or not all("per_request" in r for r in rows):
+    prompts cut to ``--max-input-len`` and the shorter rest. Empty for
+    conversations (a turn's prompt is its history) or rows without their
+    requests' figures."""
+    if "sharegpt" not in load_flags or not all("prompt_len" in r.get("per_request", {}) for r in rows):
         return []
-    prompts = {}
-    for seed in {r["seed"] for r in rows}:
-        args = bc.build_parser().parse_args(["--base-url", "http://127.0.0.1:1", *load_flags, "--seed", str(seed)])
-        prompts[seed] = [spec.prompt_len for spec in bc.build_workload(args)]
     cap = int(load_flags[load_flags.index("--max-input-len") + 1])
     out = []
     for label in dict.fromkeys(r["variant"] for r in rows):
         split: dict[bool, list[float]] = {True: [], False: []}
         for r in (r for r in rows if r["variant"] == label):
-            if r["failed"]:  # the kept figures are the completed requests': no longer aligned
-                return []
-            for ttft, n in zip(r["per_request"]["ttft_ms"], prompts[r["seed"]], strict=True):
+            for ttft, n in zip(r["per_request"]["ttft_ms"], r["per_request"]["prompt_len"], strict=True):
                 split[n >= cap].append(ttft)
         out.append({"variant": label, "cap": cap, **{
             f"{key}_{stat}": (len(xs) if stat == "n" else float(np.mean(xs)) if stat == "mean"
                               else float(np.percentile(xs, 99))) if xs else float("nan")
             for key, xs in (("capped", split[True]), ("shorter", split[False])) for stat in ("n", "mean", "p99")}})
     return out
+
+
+def split_table(split: list[dict]) -> tuple[list[str], list[list]]:
+    """``ttft_by_prompt``'s figures as a table's header and rows."""
+    cap = split[0]["cap"]
+    heads = ["variant", f"at {cap}: requests", "mean TTFT (ms)", "P99 TTFT (ms)", "shorter: requests",
+             "mean TTFT (ms)", "P99 TTFT (ms)"]
+    return heads, [[d["variant"], *(d[f"{k}_{stat}"] for k in ("capped", "shorter") for stat in ("n", "mean", "p99"))]
+                   for d in split]
 
 
 def to_markdown(rows: list[dict], meta: dict) -> str:
@@ -246,13 +246,11 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
         out.append("")
     split = ttft_by_prompt(rows, meta["load_flags"])
     if split:
-        cap = split[0]["cap"]
-        out += [f"TTFT by prompt length, every seed's requests together: prompts cut to {cap} tokens "
+        heads, cells = split_table(split)
+        out += [f"TTFT by prompt length, every seed's requests together: prompts cut to {split[0]['cap']} tokens "
                 "(`--max-input-len`) and the shorter rest.", "",
-                f"| variant | at {cap}: requests | mean TTFT (ms) | P99 TTFT (ms) | shorter: requests | mean TTFT (ms) "
-                "| P99 TTFT (ms) |", "|---|---|---|---|---|---|---|"]
-        out += [f"| {d['variant']} | {d['capped_n']} | {d['capped_mean']:.0f} | {d['capped_p99']:.0f} | "
-                f"{d['shorter_n']} | {d['shorter_mean']:.0f} | {d['shorter_p99']:.0f} |" for d in split]
+                "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+        out += ["| " + " | ".join(c if isinstance(c, str) else f"{c:.0f}" for c in row) + " |" for row in cells]
         out.append("")
     out += ["| seed | variant | mean norm (ms/tok) | P99 norm | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p99 (ms) "
            "| max token gap p99 (ms) | req/s | swaps | recomputes | swap stall (s) | prompt tokens cached "

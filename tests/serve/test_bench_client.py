@@ -279,6 +279,8 @@ def test_per_request_figures_pool_into_the_same_ratios(server):
         rep = load(server.base_url, flags, per_request=True)
         per = rep["per_request"]
         assert len(per["ttft_ms"]) == len(per["norm_ms"]) == rep["completed"] == 6
+        sent = bc.build_workload(bc.build_parser().parse_args(["--base-url", server.base_url, *flags]))
+        assert per["prompt_len"] == [spec.prompt_len for spec in sent]  # each figure stays with its request
         assert np.percentile(per["ttft_ms"], 99) == pytest.approx(rep["ttft_ms"]["p99"])
         assert np.percentile(per["tpot_ms"], 99) == pytest.approx(rep["tpot_ms"]["p99"])
         assert np.mean(per["norm_ms"]) == pytest.approx(rep["normalized_latency_ms_per_token"]["mean"])
