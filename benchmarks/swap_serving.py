@@ -10,6 +10,7 @@ cache, device and host tiers, serves what it still holds).
     python benchmarks/swap_serving.py                    # ~10 min on 2 cores
     python benchmarks/swap_serving.py --workload chat    # conversations
     python benchmarks/swap_serving.py --num-requests 40  # smoke run
+    python benchmarks/swap_serving.py --load 0.9         # 0.9 of what fcfs serves here
 
 Variants: fcfs + recompute (vLLM's behaviour), skip-join + recompute,
 skip-join + proactive swap with KV loans off (``--swap-loan-tokens -1``:
@@ -18,7 +19,10 @@ with token deadlines (``--swap-tpot-slack 1.25``, scheduler/token_gap.py),
 and the default flags: KV loans (``--swap-loan-tokens 32``,
 scheduler/loans.py; the client sends each request's sampled output length
 as ``max_tokens``), with skip-join's first-token guard on; and the default
-flags with the guard off (``--mlfq-first-token-slack off``). The server and the
+flags with the guard off (``--mlfq-first-token-slack off``); and the default
+flags with backfilling off (``--no-swap-backfill``: a request with no token
+out waits for the blocks owed to streams on the host even where it would
+leave before they could come back). The server and the
 client share the machine's cores; every variant sees the same request
 sequence (same seed). Each run keeps its requests' figures, so the summary
 gives the ratios both as medians over seeds and over all seeds' requests
@@ -61,6 +65,7 @@ VARIANTS = [
     ("skip-join + proactive swap, slack 1.25", ["--swap-tpot-slack", "1.25", "--swap-loan-tokens", "-1"]),
     ("skip-join + proactive swap, KV loans (max_tokens <= 32; default flags)", []),
     ("default flags but first-token guard off", ["--mlfq-first-token-slack", "off"]),
+    ("default flags but backfilling off", ["--no-swap-backfill"]),
 ]
 
 
@@ -72,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-host-blocks", type=int, default=4096)
     ap.add_argument("--num-requests", type=int, default=150)
     ap.add_argument("--request-rate", type=float, default=4.0)
+    ap.add_argument("--load", type=float, default=None,
+                    help="ShareGPT: offer this fraction of what fcfs + recompute serves, measured first on this "
+                         "machine (the load's requests all at once, the first seed), instead of --request-rate")
     ap.add_argument("--length-scale", type=float, default=LENGTH_SCALE)
     ap.add_argument("--think-s", type=float, default=8.0, help="chat: mean think time between turns")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0],
@@ -88,10 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     workload = ["--dataset", "sharegpt"] if args.workload == "sharegpt" else [
         "--dataset", "chat", "--chat-think-s", str(args.think_s)]
     max_input, max_output = length_limits(args.num_kv_blocks)
-    load_flags = [*workload, "--length-scale", str(args.length_scale),
-                  "--max-input-len", str(max_input), "--max-output-len", str(max_output),
-                  "--num-requests", str(args.num_requests), "--request-rate", str(args.request_rate),
-                  "--output", "/dev/null"]
+    lengths = [*workload, "--length-scale", str(args.length_scale), "--max-input-len", str(max_input),
+               "--max-output-len", str(max_output), "--num-requests", str(args.num_requests), "--output", "/dev/null"]
+    capacity = None
+    if args.load is not None:
+        if args.workload != "sharegpt":
+            ap.error("--load: ShareGPT only (a conversation's turns wait for their replies)")
+        capacity = measure_capacity(engine_flags, [*lengths, "--seed", str(args.seeds[0])])
+        args.request_rate = round(args.load * capacity, 3)
+        print(f"fcfs + recompute serves {capacity:.3f} req/s: offering {args.request_rate} req/s", flush=True)
+    load_flags = [*lengths, "--request-rate", str(args.request_rate)]
     rows = []
     for seed, (label, flags) in ((seed, v) for seed in args.seeds for v in variants):
         port = bc_free_port()
@@ -113,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['request_throughput']:.2f} req/s  swaps {row['swaps']:.0f} recomputes {row['recomputes']:.0f}",
               flush=True)
     meta = {"command": "python benchmarks/swap_serving.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "engine_flags": engine_flags, "load_flags": load_flags, "python": platform.python_version(),
+            "engine_flags": engine_flags, "load_flags": load_flags, "load": args.load, "capacity_rps": capacity,
+            "python": platform.python_version(),
             "machine": platform.processor() or platform.machine()}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -122,6 +137,20 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{stem}.md").write_text(to_markdown(rows, meta))
     print(to_markdown(rows, meta))
     return 0
+
+
+def measure_capacity(engine_flags: list[str], load_flags: list[str]) -> float:
+    """Requests per second fcfs + recompute completes when the load's
+    requests all arrive at once: the rate ``--load`` is a fraction of."""
+    port = bc_free_port()
+    proc = start_server(port, engine_flags + VARIANTS[0][1])
+    try:
+        rep = load(f"http://127.0.0.1:{port}", [*load_flags, "--request-rate", "inf"])
+    finally:
+        stop_server(proc)
+    if rep["failed"]:
+        raise RuntimeError(f"capacity run: {rep['failed']} requests failed")
+    return rep["request_throughput"]
 
 
 def _metrics(port: int) -> dict[str, float]:
@@ -231,6 +260,9 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
            f"Command: `{meta['command']}`. Server flags: `{' '.join(meta['engine_flags'])}`; load: "
            f"`{' '.join(meta['load_flags'])}` (seeds {', '.join(map(str, seeds))}). Server and client share the "
            f"machine ({meta['machine']}).", ""]
+    if meta.get("load") is not None:
+        out[-2] += (f" The rate is {meta['load']:g} of the {meta['capacity_rps']:.3f} req/s fcfs + recompute "
+                    "completed with the same requests all sent at once, measured first.")
     base_of = {r["seed"]: r for r in rows if r["variant"] == rows[0]["variant"]}
     if len(seeds) > 1:
         out += [f"Medians over seeds of each seed's ratio against {rows[0]['variant']} (the seeds' own in brackets); "

@@ -30,7 +30,8 @@ Variants on the same jobs, same model, same device:
                              ``GROWTH_STEPS``, 8; 16 covers every resident),
                              ``--guard-sweep`` the first-token guard's slack
                              (``--mlfq-first-token-slack``, 0; ``off`` is
-                             FastServe's skip-join alone)
+                             FastServe's skip-join alone), ``--backfill-sweep``
+                             backfilling off (``--no-swap-backfill``)
                              The simulator's jobs carry their true output
                              length as max_tokens: the figures are for
                              clients that state a tight cap on short requests
@@ -112,6 +113,8 @@ def sweep_label(knob: str, value) -> str:
         return f"{SWEPT}growth reserve {value} steps"
     if knob == "cache":
         return f"{SWEPT}prefix cache {'on the device only' if value == 'device' else 'off'}"
+    if knob == "backfill":
+        return f"{SWEPT}backfilling {'on' if value else 'off'}"
     return f"{SWEPT}first-token guard {'off' if value is None else f'slack {value} tokens'}"
 
 
@@ -265,6 +268,8 @@ def _run(task: dict) -> dict:
     options = {"first_token_slack": sweep["guard"]} if "guard" in sweep else {}
     cfg = sim_config(cm, task["pool"], task["mode"], task["proactive"], task["slack"],
                      gap_bound_ms(cm, task.get("gap_steps")), task.get("loan"))
+    if "backfill" in sweep:
+        cfg = cfg.replace(swap_backfill=sweep["backfill"])
     if "cache" in sweep:  # the host tier's share of a conversation's reuse, then the cache's
         cfg = cfg.replace(cache_on_host=False) if sweep["cache"] == "device" else cfg.replace(
             enable_prefix_caching=False)
@@ -374,7 +379,7 @@ def build_tasks(args) -> tuple[list[dict], dict]:
                               "proactive": proactive, "slack": slack, "loan": loan, "jobs": jobs, "model": p["model"],
                               "device": p["device"], "pool": p["pool"]})
             sweeps = [("starving", n) for n in args.starving_sweep] + [("growth", n) for n in args.growth_sweep]
-            sweeps += [("guard", n) for n in args.guard_sweep]
+            sweeps += [("guard", n) for n in args.guard_sweep] + [("backfill", b) for b in args.backfill_sweep]
             sweeps += [("cache", n) for n in args.cache_sweep if p.get("chat")]  # only its turns share prompts
             for knob, value in sweeps if x == top else ():
                 tasks.append({"preset": name, "x": x, "seed": seed, "label": sweep_label(knob, value),
@@ -413,7 +418,10 @@ waited twice the mean admission wait (``STARVING_WAITS``, at least the MLFQ
 starve limit) keeps the blocks it needs from those ranked below it. Such a
 request is admitted with a block to spare for each resident that needs one
 within 8 decodes (``GROWTH_STEPS``): fewer admit more in a burst and leave
-the residents' growth to the eviction rules (more swap traffic). The
+the residents' growth to the eviction rules (more swap traffic). It also
+takes blocks owed to streams on the host (or to a starving request) when its
+max_tokens ends its stay before the residents, by theirs, free enough for
+any of them (backfilling): the tighter the clients' caps, the more it acts. The
 first-token guard (slack 0 tokens) decides where memory does not bind: there
 P99 TTFT no worse than fcfs means fcfs's prefill order, and the guard gives
 each prompt that order unless an older prompt has slack to give; it stands
@@ -594,6 +602,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--guard-sweep", default="off,2048",
                     help="also run the default flags with the first-token guard at these slacks in tokens "
                          "('off': FastServe's skip-join alone; default 0), at the highest load on every seed")
+    ap.add_argument("--backfill-sweep", default="off",
+                    help="also run the default flags with backfilling 'off' (--no-swap-backfill), at the highest "
+                         "load on every seed ('' : not)")
     ap.add_argument("--cache-sweep", default="device,off",
                     help="also run the default flags on the chat mix with the prefix cache on the device only "
                          "('device') or off ('off'), at the highest load on every seed")
@@ -608,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     args.guard_sweep = [None if x == "off" else int(x) for x in args.guard_sweep.split(",") if x]
     args.loan_sweep = [int(x) for x in args.loan_sweep.split(",") if x]
     args.cache_sweep = [x for x in args.cache_sweep.split(",") if x]
+    args.backfill_sweep = [x == "on" for x in args.backfill_sweep.split(",") if x]
     if args.quick:
         args.num_jobs, args.trace_jobs, args.capacity_jobs, args.loads, args.speeds = 150, 300, 120, "0.9", "1"
     args.loads = [float(x) for x in args.loads.split(",")]

@@ -98,6 +98,15 @@ class SchedulerConfig:
         "they come back when it ends (0: no such request; a negative N turns loans off: a request ranked "
         "higher may evict any stream, FastServe's rule)",
         metavar="N")
+    # Backfilling under KV loans (Scheduler._backfills): blocks owed to
+    # streams on the host go meanwhile to a request whose cap ends its stay
+    # before they could come back.
+    swap_backfill: bool = setting(
+        True, "swap mode with KV loans: a request that has streamed nothing may take device blocks owed to streams "
+              "on the host (or to a starving request) while they could not come back anyway: when its max_tokens "
+              "ends its stay before the requests on the device, by their own max_tokens, free enough blocks for "
+              "any of them, and its blocks fit beside theirs as they grow (--no-swap-backfill: it waits until "
+              "they are back)")
     preemption_safepoint_layers: float = setting(
         DEFAULT_SAFEPOINT_LAYERS,
         "co-serving (ConServe): an offline-only step checks for an interrupt every K decoder layers, a whole or "

@@ -6,7 +6,13 @@ A request that has streamed its first token keeps its place. A request with
 no token out yet takes only device blocks that are free, not owed to streams
 away on the host (they come back first) and not the next block of each
 resident request that needs one within a few decodes (scheduler.py
-``GROWTH_STEPS``: their growth then evicts no one). The exception is a
+``GROWTH_STEPS``: their growth then evicts no one). It takes owed blocks
+only to backfill (EASY backfilling, Lifka 1995; ``--no-swap-backfill`` turns
+it off): when its own ``max_new_tokens`` ends its stay (``steps_left``)
+before the requests on the device, by theirs, could free enough blocks for
+any stream owed them, and its blocks to that cap fit beside what those
+residents grow meanwhile. Then it has left before any of them could have come
+back, and no stream waits longer for it. The exception is a
 *borrower*: a request whose ``max_new_tokens`` cap is at most ``N``. Its
 stay on the device is bounded before it starts (its prefill steps and at
 most ``N`` decodes), so the streams it evicts are away for a known number of
@@ -84,8 +90,14 @@ class KVLoans:
         prefill step samples)."""
         if seq.max_new_tokens > self.max_tokens:
             return INF
-        prefill = max(1, math.ceil((seq.num_tokens - seq.num_computed_tokens) / self.step_tokens))
-        return float(prefill + seq.max_new_tokens - 1)
+        return float(self.steps_left(seq))
+
+    def steps_left(self, seq: SeqState) -> int:
+        """Steps until ``seq`` leaves the device at its ``max_new_tokens``
+        cap, run every step: its uncomputed tokens in chunks of a step's
+        budget (the last samples a token), then one step per token after it."""
+        chunks = max(1, math.ceil((seq.num_tokens - seq.num_computed_tokens) / self.step_tokens))
+        return chunks + seq.max_new_tokens - seq.num_output_tokens - 1
 
     def can_lend(self, seq: SeqState, away: float) -> bool:
         """Whether ``seq`` may be evicted for a request that keeps it

@@ -38,7 +38,10 @@ pool exists):
   N`` (32) a request that has streamed keeps its place against requests that
   have not, which take only free blocks not owed to swapped streams, except
   a request whose ``max_tokens`` is at most ``N``: its stay is bounded, so it
-  may evict streams whose streamed tokens cover the time away.
+  may evict streams whose streamed tokens cover the time away. Owed blocks
+  are backfilled (``--swap-backfill``): a request whose ``max_tokens`` ends
+  its stay before the residents, by theirs, could free enough for any claim
+  on them takes them meanwhile.
 * Recompute (discard the KV, prefill again later) only when the host pool is
   full, counted apart. ``preemption_mode="recompute"`` keeps vLLM's behaviour
   as a baseline: no host tier, a waiting request takes only free blocks, and
@@ -55,7 +58,7 @@ move larger than the bucket goes once the bucket is full.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fluidserve.kvcache.config import CacheConfig
 from fluidserve.kvcache.manager import KVCacheManager
@@ -98,6 +101,7 @@ class SchedulerCounters:
     num_checkpoint_evictions: int = 0  # swap-outs of requests that had a checkpoint
     num_resumes: int = 0  # paused steps resumed where they stopped
     num_dropped_pauses: int = 0  # paused steps given up (their requests recompute that chunk)
+    num_backfills: int = 0  # admissions into device blocks owed to others (KV loans)
     dropped_pause_tokens: int = 0
 
     @property
@@ -137,6 +141,67 @@ class _Step:
         self.owing: dict[str, int] = {}  # request id -> its blocks in ``owed``
         self.offline_cursor: int | None = None  # next offline victim, walking up from the bottom
         self.starving = False  # KV loans: a starving request's blocks are already in ``owed``
+        self.starving_need = 0  # ... and how many
+        self.backfill: _Backfill | None = None  # the residents as backfilling reads them, while they stay so
+
+
+@dataclass
+class _Backfill:
+    """What ``Scheduler._backfills`` reads of the resident requests, for as
+    long as no admission or eviction changes them: ``shadow``, the fewest
+    steps after which those leaving by their caps free enough blocks for
+    the smallest claim on owed blocks (inf: never), and each resident's
+    tokens, blocks and steps left, for its growth through a stay."""
+
+    key: tuple[int, int, int]  # free blocks, requests moved this step, blocks owed
+    shadow: float
+    residents: list[tuple[int, int, int]]  # (tokens, blocks, steps left)
+    block_size: int
+    grown: dict[int, int] = field(default_factory=dict)  # stay -> blocks the residents grow through it
+    no_room: float | None = None  # the shortest stay through which they grow into every free block
+
+    @classmethod
+    def of(cls, sched: Scheduler, step: _Step, free: int, claim: float) -> _Backfill:
+        kv, left = sched.kv, sched.loans.steps_left
+        residents = sorted(((q.num_tokens, kv.num_blocks_of(q.request_id), left(q))
+                            for q in step.ranked if kv.holds(q.request_id)), key=lambda r: r[2])
+        # Free blocks (those a backfill would take included) less the
+        # smallest claim, then as the residents leave, the first to leave first.
+        short = free - claim - sched._watermark()
+        shadow = 0.0 if short >= 0 else INF  # inf: no claim fits even with every resident gone
+        if claim == INF:  # no claim (none owed): nothing to backfill
+            shadow, short = -INF, 0
+        for _, held, steps in residents if short < 0 else ():
+            short += held
+            if short >= 0:
+                shadow = steps
+                break
+        return cls((free, len(step.moved), step.owed), shadow, residents, kv.block_size)
+
+    def growth(self, stay: int) -> int:
+        grown = self.grown.get(stay)
+        if grown is None:
+            bs = self.block_size
+            grown = self.grown[stay] = sum(max(0, -(-(tokens + min(stay, steps)) // bs) - held)
+                                           for tokens, held, steps in self.residents)
+        return grown
+
+    def fits(self, blocks: int, stay: int, free: int) -> bool:
+        """Whether ``blocks`` (one at least) fit in ``free`` beside the
+        residents' growth through ``stay`` steps. Growth only rises with the stay: the
+        shortest stay that leaves no block is found once, by bisection, so
+        each request asking after it costs nothing (a long queue asks each
+        step)."""
+        if self.no_room is None:
+            lo, hi = 0, max((steps for _, _, steps in self.residents), default=0) + 1
+            while lo < hi:  # the first stay whose growth takes every free block
+                mid = (lo + hi) // 2
+                if self.growth(mid) >= free:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            self.no_room = lo if self.growth(lo) >= free else INF
+        return stay < self.no_room and blocks + self.growth(stay) <= free
 
 
 class Scheduler:
@@ -501,7 +566,7 @@ class Scheduler:
         above = self._priority(seq) if pos >= step.num_urgent else None
         if seq.status is SeqStatus.SWAPPED:
             n = self.kv.num_blocks_of(rid)
-            need = max(n, self.kv.blocks_for(num_tokens)) + self._watermark_blocks
+            need = max(n, self.kv.blocks_for(num_tokens)) + self._watermark()
             if not seq.num_output_tokens:
                 need += step.owed
             # With loans it takes only free blocks (they are owed to it): streams keep their place.
@@ -525,10 +590,8 @@ class Scheduler:
         memory chunk by chunk and then evict to finish them."""
         keys = seq.block_keys if self.kv.prefix_caching and seq.reads_cache else []
         need = self.kv.admission_blocks(keys, seq.num_tokens)
-        # The watermark only guards running requests; with none, any
-        # request that fits the pool at all must be admitted. Offline work
-        # also leaves the arrival reserve free: it is there for online bursts.
-        reserve = self._watermark_blocks if self.kv.num_used_blocks else 0
+        # Offline work also leaves the arrival reserve free: it is there for online bursts.
+        reserve = self._watermark()
         if self.kv.num_used_blocks and seq.klass is RequestClass.OFFLINE and self.swap and self.config.proactive_swap:
             reserve = self.reserve_blocks()
         # KV loans: the steps it would hold the device (inf: no bound, it evicts no one).
@@ -536,8 +599,12 @@ class Scheduler:
         loan = loans.stay(seq) if loans is not None and not seq.num_output_tokens else None
         if loan == INF:  # a block for each resident request that needs one soon
             reserve += self._growth_blocks(step)
-        if not seq.num_output_tokens and (loan is None or loan == INF):
-            reserve += step.owed  # (a borrower's victims come back when it ends)
+        backfill = False
+        if step.owed and not seq.num_output_tokens and (loan is None or loan == INF):
+            # (A borrower's victims come back when it ends.)
+            backfill = need + reserve + step.owed > self.kv.num_free_blocks and self._backfills(seq, step)
+            if not backfill:
+                reserve += step.owed
         if need + reserve > self.kv.num_free_blocks and not self.swap:
             return False
         above = self._priority(seq) if pos >= step.num_urgent else None
@@ -545,6 +612,7 @@ class Scheduler:
                           online=seq.klass is RequestClass.ONLINE, loan=loan):
             if loan == INF and not step.starving and self.loans.starving(seq, step.now):
                 step.starving = True  # requests ranked below without a bound leave its blocks free
+                step.starving_need = need
                 step.owed += need
             return False
         # A prefix found on the host comes back by copy, within the swap budget.
@@ -561,6 +629,7 @@ class Scheduler:
         seq.num_computed_tokens = got.cached_tokens
         seq.num_cached_tokens = got.cached_tokens
         seq.status = SeqStatus.RUNNING
+        self.counters.num_backfills += backfill
         if step.growth is not None and self._grows_soon(seq):
             step.growth += 1
         if loan is not None:
@@ -637,6 +706,31 @@ class Scheduler:
         if step.batch is None:
             step.batch = sum(1 for q in step.ranked if self.kv.holds(q.request_id))
         return max(1, min(step.batch, self.config.max_num_seqs))
+
+    def _backfills(self, seq: SeqState, step: _Step) -> bool:
+        """KV loans: whether ``seq``, with no token out, may take device
+        blocks owed to others (EASY backfilling, Lifka 1995: a job may jump
+        the queue into a reservation it ends before). Its ``max_new_tokens``
+        cap bounds its stay, the residents' caps when they leave: it may
+        when it leaves the device before the residents leaving meanwhile
+        could free enough for the smallest claim on ``owed`` (a stream on
+        the host, a starving request), so it delays none of them, and when
+        its blocks, to its cap, fit beside what the residents grow through
+        its stay, so it evicts no one."""
+        if self.loans is None or not self.config.swap_backfill:
+            return False
+        kv, fill = self.kv, step.backfill
+        free = kv.num_free_blocks + step.freeing
+        if fill is None or fill.key != (free, len(step.moved), step.owed):  # changed since: look again
+            claim = min(step.owing.values(), default=INF)
+            if step.starving:
+                claim = min(claim, step.starving_need)
+            fill = step.backfill = _Backfill.of(self, step, free, claim)
+        stay = self.loans.steps_left(seq)
+        if stay > fill.shadow:
+            return False
+        to_cap = kv.blocks_for(seq.num_tokens + seq.max_new_tokens - seq.num_output_tokens)
+        return fill.fits(to_cap - kv.num_blocks_of(seq.request_id), stay, free)
 
     def _growth_blocks(self, step: _Step) -> int:
         """Resident requests that need a new block within ``GROWTH_STEPS``
@@ -920,6 +1014,11 @@ class Scheduler:
             step.enst = self.policy.enst(step.ranked, step.now, self.config.max_num_seqs)
         return step.enst
 
+    def _watermark(self) -> int:
+        """Free blocks kept for the running requests' growth: with none
+        resident, a request that fits the pool at all must get in."""
+        return self._watermark_blocks if self.kv.num_used_blocks else 0
+
     def reserve_blocks(self) -> int:
         """Free device blocks to keep for online arrivals: the largest burst
         of their prompt blocks between two recent steps, capped."""
@@ -942,7 +1041,7 @@ class Scheduler:
             n = self.kv.num_blocks_of(seq.request_id)
             # A stream under loans is owed its blocks: no arrival takes them
             # first. Anything else (offline work) leaves the arrival reserve free.
-            reserve = self._watermark_blocks if self._loans_for(seq) is not None else arrivals
+            reserve = self._watermark() if self._loans_for(seq) is not None else arrivals
             if self.kv.num_free_blocks - n < reserve or not self._can_move(n):
                 break
             self._swap_in(seq, step, status=SeqStatus.SWAPPING_IN)

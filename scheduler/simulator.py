@@ -351,6 +351,7 @@ class Simulator:
             "num_checkpoint_evictions": c.num_checkpoint_evictions, "checkpoint_blocks": c.checkpoint_blocks,
             "num_steps_abandoned": self._abandoned_steps, "num_resumes": c.num_resumes,
             "num_dropped_pauses": c.num_dropped_pauses, "num_deadline_promotions": sched.num_deadline_promotions,
+            "num_backfills": c.num_backfills,
         }
         return SimResult(self.policy_name, list(self.records.values()), self.num_steps, self.now, self.busy,
                          sched.num_preemptions, stats, swap_stats, self.steps_log)

@@ -97,6 +97,9 @@ def test_stay_bounds_a_borrower_by_its_prefill_and_cap():
     assert loans.stay(seq(prompt=100, max_new=4, computed=64)) == 1 + 3
     assert loans.stay(seq(prompt=10, max_new=8)) == 1 + 7
     assert loans.stay(seq(prompt=10, max_new=9)) == INF  # not a borrower
+    # Not a borrower, its cap bounds its stay all the same (backfilling reads it).
+    assert loans.steps_left(seq(prompt=10, max_new=9)) == 1 + 8
+    assert loans.steps_left(seq(prompt=10, max_new=9, out=3, computed=12)) == 9 - 3  # decoding: a token a step
 
 
 def test_a_stream_lends_only_what_its_tokens_cover():
@@ -234,3 +237,55 @@ def test_admission_leaves_room_for_the_residents_that_grow_soon(monkeypatch):
     assert soon["w"].ttft == pytest.approx(DT)  # admitted on arrival
     assert every["w"].ttft > 60 * DT  # after a stream ends
     assert every["a"].tpot == pytest.approx(DT) and every["b"].tpot < 1.05 * DT
+
+
+def test_a_request_that_ends_first_takes_the_blocks_owed_to_a_stream_meanwhile():
+    """Streams ``a`` and ``b`` fill the pool; ``a`` grows and evicts ``b``,
+    which is owed its blocks but cannot come back until ``a`` ends (step
+    150). ``w`` arrives at step 60 and fits the blocks that are free: with 8
+    tokens to stream it leaves long before ``a`` does, so it takes them at
+    once (without backfilling it waits for ``a``); ``b`` comes back and
+    streams exactly as it would have. With 200 tokens ``w`` would outstay
+    ``a``: it waits either way."""
+
+    def run(w_tokens: int, backfill: bool) -> tuple[dict, dict]:
+        jobs = [Job("a", 0.0, 100, 150), Job("b", 0.0, 100, 150), Job("w", 60 * DT, 16, w_tokens)]
+        cfg = SimConfig.create(num_kv_blocks=16, block_size=16, num_host_blocks=400, block_transfer_time=0.0,
+                               max_swap_blocks_per_step=64, check_integrity=True, swap_loan_tokens=4,
+                               swap_backfill=backfill)
+        res = simulate(jobs, "skip-join-mlfq", cost(), cfg)
+        assert all(r.num_emitted == r.output_tokens for r in res.records)
+        return {r.request_id: r for r in res.records}, res.swap_stats
+
+    (on, on_stats), (off, off_stats) = run(8, True), run(8, False)
+    assert on["b"].num_preemptions == 1 and on["b"].max_token_gap > 100 * DT  # the case: b waits for a
+    assert on_stats["num_backfills"] == 1 and off_stats["num_backfills"] == 0
+    assert on["w"].ttft == pytest.approx(DT)
+    assert off["w"].ttft > 80 * DT
+    for rid in ("a", "b"):
+        assert (on[rid].first_token_time, on[rid].finish_time, on[rid].max_token_gap) == \
+            (off[rid].first_token_time, off[rid].finish_time, off[rid].max_token_gap)
+    (on, on_stats), (off, _) = run(200, True), run(200, False)
+    assert on_stats["num_backfills"] == 0
+    assert on["w"].ttft == off["w"].ttft > 80 * DT
+
+
+def test_backfill_growth_check_by_bisection_matches_counting_every_stay():
+    """``_Backfill.fits`` finds once the shortest stay through which the
+    residents grow into every free block and answers each request from
+    it: the same answers as summing the residents' growth for each stay."""
+    import random
+
+    from fluidserve.scheduler.scheduler import _Backfill
+
+    rng = random.Random(0)
+    for _ in range(200):
+        bs = rng.choice([1, 4, 16])
+        residents = [(t, -(-t // bs) + rng.randrange(2), rng.randrange(0, 300))
+                     for t in (rng.randrange(1, 400) for _ in range(rng.randrange(0, 12)))]
+        free = rng.randrange(0, 60)
+        fill = _Backfill((0, 0, 0), INF, residents, bs)
+        for _ in range(20):
+            blocks, stay = rng.randrange(1, 20), rng.randrange(0, 400)  # a request needs a block at least
+            grown = sum(max(0, -(-(t + min(stay, left)) // bs) - held) for t, held, left in residents)
+            assert fill.fits(blocks, stay, free) == (blocks + grown <= free)

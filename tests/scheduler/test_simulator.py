@@ -331,6 +331,21 @@ def test_first_token_guard_keeps_arrival_order_only_without_slack():
     assert loose["short"].finish_time < loose["long"].first_token_time
 
 
+def test_a_request_swapped_out_of_a_pool_it_fills_comes_back_once_alone():
+    """A job whose KV fills the whole pool is swapped out for a short one
+    that arrives as it decodes; once that ends, the pool is empty and it must
+    come back: the watermark guards the growth of running requests, and
+    with none running it keeps no block from it."""
+    cm = default_cost_model()
+    jobs = [Job("big", 0.0, 2606, 21), Job("small", 0.03125, 17, 2)]  # 2627 tokens: 165 blocks of 16
+    cfg = SimConfig.create(num_kv_blocks=165, block_size=16, max_num_batched_tokens=512, num_host_blocks=400,
+                           preemption_mode="swap", proactive_swap=True,
+                           block_transfer_time=cm.transfer_time(16 * cm.model.kv_bytes_per_token))
+    res = simulate(jobs, "fixed-priority", cm, cfg)
+    assert res.swap_stats["num_swap_outs"] == 1  # the case: "big" did leave the pool
+    assert all(r.num_emitted == r.output_tokens for r in res.records)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     raw=st.lists(st.tuples(st.floats(0.0, 0.05), st.integers(1, 3000), st.integers(1, 40)), min_size=2, max_size=12),
@@ -342,7 +357,10 @@ def test_no_job_finishes_sooner_in_company_than_alone(raw, policy, mode, spare_b
     """On the roofline model every step a job shares costs at least what its
     own part would alone, and sharing only splits its prefill into more
     chunks: so no policy serves a job faster than an idle device does. The
-    floor ``benchmarks/swapping.py`` reports under every variant rests on it."""
+    floor ``benchmarks/swapping.py`` reports under every variant rests on it.
+    Up to a hair: a job beside it can move where its prompt's chunks end, so
+    a later chunk reads a few tokens less context (513 tokens alone run as
+    512 + 1, beside a five-token prompt as 507 + 6)."""
     cm = default_cost_model()
     jobs = [Job(f"j{i}", t, p, o) for i, (t, p, o) in enumerate(raw)]
     blocks = max(-(-(j.prompt_tokens + j.output_tokens) // 16) for j in jobs) + spare_blocks
@@ -353,5 +371,5 @@ def test_no_job_finishes_sooner_in_company_than_alone(raw, policy, mode, spare_b
     for j in jobs:
         (alone,) = simulate([dataclasses.replace(j, arrival_time=0.0)], policy, cm, cfg).records
         r = together[j.request_id]
-        assert r.ttft >= alone.ttft * (1 - 1e-9), (j, r, alone)
-        assert r.e2e >= alone.e2e * (1 - 1e-9), (j, r, alone)
+        assert r.ttft >= alone.ttft * (1 - 1e-3), (j, r, alone)
+        assert r.e2e >= alone.e2e * (1 - 1e-3), (j, r, alone)
