@@ -358,9 +358,12 @@ def test_no_job_finishes_sooner_in_company_than_alone(raw, policy, mode, spare_b
     own part would alone, and sharing only splits its prefill into more
     chunks: so no policy serves a job faster than an idle device does. The
     floor ``benchmarks/swapping.py`` reports under every variant rests on it.
-    Up to a hair: a job beside it can move where its prompt's chunks end, so
-    a later chunk reads a few tokens less context (513 tokens alone run as
-    512 + 1, beside a five-token prompt as 507 + 6)."""
+    Up to a hair: a job beside it can move where its prompt's chunks end.
+    513 tokens alone run as 512 + 1, beside a five-token prompt as 507 + 6;
+    the 5 tokens moved take their attention over the context out of a
+    compute-bound step into a memory-bound one, where it is free. At most
+    the other jobs' tokens of attention over the job's whole length, and of
+    context read in each of its steps."""
     cm = default_cost_model()
     jobs = [Job(f"j{i}", t, p, o) for i, (t, p, o) in enumerate(raw)]
     blocks = max(-(-(j.prompt_tokens + j.output_tokens) // 16) for j in jobs) + spare_blocks
@@ -368,8 +371,14 @@ def test_no_job_finishes_sooner_in_company_than_alone(raw, policy, mode, spare_b
                            preemption_mode=mode, proactive_swap=mode == "swap",
                            block_transfer_time=cm.transfer_time(16 * cm.model.kv_bytes_per_token))
     together = {r.request_id: r for r in simulate(jobs, policy, cm, cfg).records}
+    m, d = cm.model, cm.device
+    pair_time = 4 * m.num_layers * m.num_heads * m.hd / (d.peak_flops * d.flops_efficiency)  # QK^T and PV
+    token_read_time = m.kv_bytes_per_token / (d.hbm_bandwidth * d.memory_efficiency)
     for j in jobs:
         (alone,) = simulate([dataclasses.replace(j, arrival_time=0.0)], policy, cm, cfg).records
         r = together[j.request_id]
-        assert r.ttft >= alone.ttft * (1 - 1e-3), (j, r, alone)
-        assert r.e2e >= alone.e2e * (1 - 1e-3), (j, r, alone)
+        others = sum(o.prompt_tokens + o.output_tokens for o in jobs if o is not j)
+        length, steps = j.prompt_tokens + j.output_tokens, -(-j.prompt_tokens // 512) + j.output_tokens
+        hair = others * (length * pair_time + steps * token_read_time)
+        assert r.ttft >= alone.ttft - hair, (j, r, alone)
+        assert r.e2e >= alone.e2e - hair, (j, r, alone)
