@@ -140,8 +140,7 @@ class _Step:
         self.owed = 0
         self.owing: dict[str, int] = {}  # request id -> its blocks in ``owed``
         self.offline_cursor: int | None = None  # next offline victim, walking up from the bottom
-        self.starving = False  # KV loans: a starving request's blocks are already in ``owed``
-        self.starving_need = 0  # ... and how many
+        self.starving: int | None = None  # KV loans: a starving request's blocks, already in ``owed``
         self.backfill: _Backfill | None = None  # the residents as backfilling reads them, while they stay so
 
 
@@ -161,7 +160,7 @@ class _Backfill:
     no_room: float | None = None  # the shortest stay through which they grow into every free block
 
     @classmethod
-    def of(cls, sched: Scheduler, step: _Step, free: int, claim: float) -> _Backfill:
+    def of(cls, sched: Scheduler, step: _Step, free: int, claim: int) -> _Backfill:
         kv, left = sched.kv, sched.loans.steps_left
         residents = sorted(((q.num_tokens, kv.num_blocks_of(q.request_id), left(q))
                             for q in step.ranked if kv.holds(q.request_id)), key=lambda r: r[2])
@@ -169,8 +168,6 @@ class _Backfill:
         # smallest claim, then as the residents leave, the first to leave first.
         short = free - claim - sched._watermark()
         shadow = 0.0 if short >= 0 else INF  # inf: no claim fits even with every resident gone
-        if claim == INF:  # no claim (none owed): nothing to backfill
-            shadow, short = -INF, 0
         for _, held, steps in residents if short < 0 else ():
             short += held
             if short >= 0:
@@ -610,9 +607,8 @@ class Scheduler:
         above = self._priority(seq) if pos >= step.num_urgent else None
         if not self._room(need + reserve, pos, step, allow_recompute=False, above=above,
                           online=seq.klass is RequestClass.ONLINE, loan=loan):
-            if loan == INF and not step.starving and self.loans.starving(seq, step.now):
-                step.starving = True  # requests ranked below without a bound leave its blocks free
-                step.starving_need = need
+            if loan == INF and step.starving is None and self.loans.starving(seq, step.now):
+                step.starving = need  # requests ranked below without a bound leave its blocks free
                 step.owed += need
             return False
         # A prefix found on the host comes back by copy, within the swap budget.
@@ -722,9 +718,8 @@ class Scheduler:
         kv, fill = self.kv, step.backfill
         free = kv.num_free_blocks + step.freeing
         if fill is None or fill.key != (free, len(step.moved), step.owed):  # changed since: look again
-            claim = min(step.owing.values(), default=INF)
-            if step.starving:
-                claim = min(claim, step.starving_need)
+            # Blocks are owed (the caller asks only then): to a stream on the host or a starving request.
+            claim = min([*step.owing.values(), *([] if step.starving is None else [step.starving])])
             fill = step.backfill = _Backfill.of(self, step, free, claim)
         stay = self.loans.steps_left(seq)
         if stay > fill.shadow:
