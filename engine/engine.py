@@ -61,6 +61,9 @@ class EngineStats:
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     swap_stall_seconds: float = 0.0
+    # KV loans: requests admitted into device blocks owed to streams parked on
+    # the host (or to a starving request), because they leave before any claim could be met.
+    num_backfills: int = 0
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     prefix_cache_host_query_tokens: int = 0
@@ -501,6 +504,7 @@ class LLMEngine:
         s.num_checkpoint_evictions = c.num_checkpoint_evictions
         s.abandoned_tokens = self._lost_tokens + c.dropped_pause_tokens
         s.num_steps_resumed = c.num_resumes
+        s.num_backfills = c.num_backfills
         s.checkpoint_bytes = c.checkpoint_blocks * self.bytes_per_block
         s.num_swaps = c.num_swap_outs + c.num_swap_ins
         s.swap_out_bytes = c.swap_out_blocks * self.bytes_per_block

@@ -135,6 +135,9 @@ _ENGINE_COUNTERS = (
     ("swap_out_bytes", "swap_out_bytes", "KV bytes copied from device to host"),
     ("swap_in_bytes", "swap_in_bytes", "KV bytes copied from host to device"),
     ("swap_stall_seconds", "swap_stall_seconds", "Time steps waited on KV copies before the forward"),
+    ("backfills", "num_backfills",
+     "Requests admitted into device KV owed to streams on the host, leaving by their max_tokens before any could "
+     "come back (KV loans' backfilling)"),
     ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed"),
     ("generation_tokens", "generation_tokens_total", "Tokens generated"),
     ("offline_engine_generation_tokens", "offline_generation_tokens_total",
