@@ -22,7 +22,10 @@ as ``max_tokens``), with skip-join's first-token guard on; and the default
 flags with the guard off (``--mlfq-first-token-slack off``); and the default
 flags with backfilling off (``--no-swap-backfill``: a request with no token
 out waits for the blocks owed to streams on the host even where it would
-leave before they could come back). The server and the
+leave before they could come back). ``--baseline-again`` runs the baseline
+once more on each seed, last: near capacity a run's tail turns on which
+long prompts happen to queue together, and the baseline against itself shows
+how far a figure moves between two runs of one server. The server and the
 client share the machine's cores; every variant sees the same request
 sequence (same seed). Each run keeps its requests' figures, so the summary
 gives the ratios both as medians over seeds and over all seeds' requests
@@ -86,9 +89,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="one run of every variant per seed; the summary gives the medians of the paired ratios")
     ap.add_argument("--variants", nargs="+", type=int, default=None,
                     help="indices into the variants to run (default: all; the first is the baseline)")
+    ap.add_argument("--baseline-again", action="store_true",
+                    help="run the baseline a second time on every seed, last: its ratios against the first run "
+                         "are what the same server's figures move between two runs (the noise floor)")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
     variants = VARIANTS if args.variants is None else [VARIANTS[i] for i in args.variants]
+    if args.baseline_again:
+        variants = [*variants, (f"{variants[0][0]}, again", variants[0][1])]
     model_dir = build_model_dir(args.preset, Path(tempfile.mkdtemp(prefix="fluidserve-swap-")))
     engine_flags = ["--model", str(model_dir), "--load-format", "dummy", "--device", "cpu",
                     "--num-kv-blocks", str(args.num_kv_blocks), "--num-host-blocks", str(args.num_host_blocks),
