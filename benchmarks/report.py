@@ -683,6 +683,9 @@ def kv_real(_: str) -> tuple[list[str], list[str]]:
     for name, what in (("swap_serving", "ShareGPT lengths x0.2 near capacity"),
                        ("swap_serving-default-seeds-0-6", more),
                        ("swap_serving-load-0.9-seeds-0-6", at_load),
+                       ("swap_serving-load-0.9-baseline-again", at_load + "; fcfs + recompute run twice per seed, "
+                        "the second run's ratios to the first are what a figure moves between two runs of one "
+                        "server"),
                        ("swap_serving_chat", "closed-loop conversations resending their history"),
                        ("swap_serving_chat-default-seeds-0-6", more)):
         d = load(name)
@@ -698,6 +701,12 @@ def kv_real(_: str) -> tuple[list[str], list[str]]:
             out += table(heads, [[s["variant"], *(ratio(s[k]) for k in keys),
                                   *([s["pooled_requests"]] if "pooled_requests" in s else [])]
                                  for s in d["summary"]])
+            both = [s for s in d["summary"] if "pooled_both_requests" in s]
+            if both:
+                out += ["Against both fcfs + recompute runs' requests pooled:", ""]
+                out += table(["variant", "mean norm", "P99 TTFT", "P99 TPOT"],
+                             [[s["variant"], *(ratio(s[f"pooled_both_{k}"]) for k in ("mean_norm", "p99_ttft",
+                                                                                     "p99_tpot"))] for s in both])
             split = ttft_by_prompt(d["rows"], d["meta"]["load_flags"])
             if split:
                 out += [f"Where its TTFT goes, every seed's requests together: prompts cut to {split[0]['cap']} "
@@ -821,7 +830,8 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
      ["grammar_mask", "structured_overhead-cpu", "structured_overhead-cpu-small", "prompt_logprobs-cpu"], grammar),
     ("KV cache and preemption on the real engine",
      ["prefix_cache", "swap_serving", "swap_serving_chat", "swap_serving-default-seeds-0-6",
-      "swap_serving-load-0.9-seeds-0-6", "swap_serving_chat-default-seeds-0-6", "preemption"], kv_real),
+      "swap_serving-load-0.9-seeds-0-6", "swap_serving-load-0.9-baseline-again", "swap_serving_chat-default-seeds-0-6",
+      "preemption"], kv_real),
     ("Frontend, load generator and Ray executor", ["serve_overhead", "serve_bench-*", "ray_overhead-*"], frontend),
     ("Triton kernels compiled for sm_90", ["kernels_compile_sm90"], kernels_compile),
     ("On a GPU", GPU_STEMS, gpu),

@@ -209,16 +209,23 @@ def summary(rows: list[dict]) -> list[dict]:
         out.append({"variant": label, **{k: statistics.median(x) for k, x in zip(keys, zip(*per_seed))},
                     **{f"{k}_seeds": list(x) for k, x in zip(keys, zip(*per_seed))},
                     **pooled(rows, label)})
+        again = f"{rows[0]['variant']}, again"
+        if label not in (rows[0]["variant"], again) and any(r["variant"] == again for r in rows):
+            # Both baseline runs' requests together: a baseline that moves between runs counted once each way.
+            both = pooled(rows, label, (rows[0]["variant"], again))
+            out[-1].update({k.replace("pooled_", "pooled_both_"): v for k, v in both.items()})
     return out
 
 
-def pooled(rows: list[dict], label: str) -> dict:
+def pooled(rows: list[dict], label: str, base_labels: tuple[str, ...] | None = None) -> dict:
     """The same three ratios with every seed's requests pooled before the
     mean and the percentiles are taken (a seed's P99 of 120 requests is its
-    second-worst request; pooled, it is a percentile of them all). Empty
+    second-worst request; pooled, it is a percentile of them all), against
+    the rows of ``base_labels`` (the first variant's by default). Empty
     where a row lacks its requests' figures."""
     mine = [r for r in rows if r["variant"] == label]
-    base = [r for r in rows if r["variant"] == rows[0]["variant"] and r["seed"] in {m["seed"] for m in mine}]
+    base_labels = base_labels or (rows[0]["variant"],)
+    base = [r for r in rows if r["variant"] in base_labels and r["seed"] in {m["seed"] for m in mine}]
     if not all("per_request" in r for r in mine + base):
         return {}
 
@@ -284,6 +291,13 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
                          + f" ({s['pooled_requests']} requests)" if "pooled_requests" in s else "-")
             out.append(f"| {s['variant']} | {' | '.join(cells)} |")
         out.append("")
+        both = [s for s in summary(rows) if "pooled_both_requests" in s]
+        if both:
+            out += [f"Against both runs of {rows[0]['variant']} pooled (every seed's requests of each):", "",
+                    "| variant | mean norm | P99 TTFT | P99 TPOT |", "|---|---|---|---|"]
+            out += [f"| {s['variant']} | " + " | ".join(f"{s['pooled_both_' + k]:.2f}x" for k in
+                                                        ("mean_norm", "p99_ttft", "p99_tpot")) + " |" for s in both]
+            out.append("")
     split = ttft_by_prompt(rows, meta["load_flags"])
     if split:
         heads, cells = split_table(split)

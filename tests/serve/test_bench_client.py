@@ -289,3 +289,31 @@ def test_per_request_figures_pool_into_the_same_ratios(server):
     assert base["pooled_p99_ttft"] == pytest.approx(1.0) and base["pooled_requests"] == 6
     for k in ("mean_norm", "p99_ttft", "p99_tpot"):
         assert other[f"pooled_{k}"] == pytest.approx(other[k])
+
+
+def test_baseline_run_twice_pools_both_runs_against_each_variant():
+    """swap_serving.py --baseline-again: a variant's figures also stand
+    against both baseline runs' requests together, each run counted once."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        import swap_serving
+    finally:
+        sys.path.pop(0)
+
+    def row(label: str, ttft: list[float], norm: list[float]) -> dict:
+        per = {"ttft_ms": ttft, "norm_ms": norm, "tpot_ms": norm}
+        figs = {"ttft_ms": {"p99": float(np.percentile(ttft, 99))},
+                "tpot_ms": {"p99": float(np.percentile(norm, 99))},
+                "normalized_latency_ms_per_token": {"mean": float(np.mean(norm))}}
+        return {"variant": label, "seed": 0, "per_request": per, **figs}
+
+    rows = [row("fcfs", [10.0] * 4, [4.0] * 4), row("other", [10.0] * 4, [2.0] * 4),
+            row("fcfs, again", [10.0] * 4, [2.0] * 4)]
+    base, other, again = swap_serving.summary(rows)
+    assert other["pooled_mean_norm"] == pytest.approx(2.0) and again["pooled_mean_norm"] == pytest.approx(2.0)
+    assert other["pooled_both_mean_norm"] == pytest.approx(1.5)  # (4 + 2) / 2 over 2
+    assert other["pooled_both_p99_ttft"] == pytest.approx(1.0) and other["pooled_both_requests"] == 4
+    assert "pooled_both_mean_norm" not in base and "pooled_both_mean_norm" not in again
