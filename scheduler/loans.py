@@ -7,16 +7,16 @@ no token out yet takes only device blocks that are free, not owed to streams
 away on the host (they come back first) and not the next block of each
 resident request that needs one within a few decodes (scheduler.py
 ``GROWTH_STEPS``: their growth then evicts no one). It takes owed blocks
-only to backfill (EASY backfilling, Lifka 1995; ``--no-swap-backfill`` turns
-it off): when its own ``max_new_tokens`` ends its stay (``steps_left``)
-before the requests on the device, by theirs, could free enough blocks for
-any stream owed them, and its blocks to that cap fit beside what those
-residents grow meanwhile. Then it has left before any of them could have come
-back, and no stream waits longer for it. The exception is a
-*borrower*: a request whose ``max_new_tokens`` cap is at most ``N``. Its
-stay on the device is bounded before it starts (its prefill steps and at
-most ``N`` decodes), so the streams it evicts are away for a known number of
-steps and come back when it ends. A stream lends only while the steps it
+only to backfill (``Backfill``; EASY backfilling, Lifka 1995;
+``--no-swap-backfill`` turns it off): when its own ``max_new_tokens`` ends
+its stay (``steps_left``) before the requests on the device, by theirs,
+could free enough blocks for any stream owed them, and its blocks to that
+cap fit beside what those residents grow meanwhile. Then it has left before
+any of them could have come back, and no stream waits longer for it. The
+exception is a *borrower*: a request whose ``max_new_tokens`` cap is at most
+``N``. Its stay on the device is bounded before it starts (its prefill steps
+and at most ``N`` decodes), so the streams it evicts are away for a known
+number of steps and come back when it ends. A stream lends only while the steps it
 has been away in loans, this one's included, stay within ``LEND_SHARE`` of
 the tokens it has streamed: its TPOT stays within ``1 + LEND_SHARE`` times
 its own pace (one token a step). The same holds for streams parked to keep
@@ -125,3 +125,59 @@ class KVLoans:
 
     def forget(self, request_id: str) -> None:
         self.lent.pop(request_id, None)
+
+
+@dataclass
+class Backfill:
+    """What backfilling reads of the requests on the device, for as long as
+    no admission or eviction changes them (``key``): ``shadow``, the fewest
+    steps after which those leaving by their caps free enough blocks for
+    the smallest claim on owed blocks (inf: never), and each resident's
+    tokens, blocks and steps left, for its growth through a stay. A request
+    backfills when its stay ends by the shadow and ``fits``."""
+
+    key: tuple
+    shadow: float
+    residents: list[tuple[int, int, int]]  # (tokens, blocks, steps left)
+    block_size: int
+    grown: dict[int, int] = field(default_factory=dict)  # stay -> blocks the residents grow through it
+    no_room: float | None = None  # the shortest stay through which they grow into every free block
+
+    @classmethod
+    def of(cls, key: tuple, residents: list[tuple[int, int, int]], short: int, block_size: int) -> Backfill:
+        """``short``: free blocks (those a backfill would take included)
+        less the smallest claim and the watermark; then, as the residents
+        leave, the first to leave first."""
+        residents = sorted(residents, key=lambda r: r[2])
+        shadow = 0.0 if short >= 0 else INF  # inf: no claim fits even with every resident gone
+        for _, held, steps in residents if short < 0 else ():
+            short += held
+            if short >= 0:
+                shadow = steps
+                break
+        return cls(key, shadow, residents, block_size)
+
+    def growth(self, stay: int) -> int:
+        grown = self.grown.get(stay)
+        if grown is None:
+            bs = self.block_size
+            grown = self.grown[stay] = sum(max(0, -(-(tokens + min(stay, steps)) // bs) - held)
+                                           for tokens, held, steps in self.residents)
+        return grown
+
+    def fits(self, blocks: int, stay: int, free: int) -> bool:
+        """Whether ``blocks`` (one at least) fit in ``free`` beside the
+        residents' growth through ``stay`` steps. Growth only rises with the
+        stay: the shortest stay that leaves no block is found once, by
+        bisection, so each request asking after it costs nothing (a long
+        queue asks each step)."""
+        if self.no_room is None:
+            lo, hi = 0, max((steps for _, _, steps in self.residents), default=0) + 1
+            while lo < hi:  # the first stay whose growth takes every free block
+                mid = (lo + hi) // 2
+                if self.growth(mid) >= free:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            self.no_room = lo if self.growth(lo) >= free else INF
+        return stay < self.no_room and blocks + self.growth(stay) <= free

@@ -58,14 +58,14 @@ move larger than the bucket goes once the bucket is full.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fluidserve.kvcache.config import CacheConfig
 from fluidserve.kvcache.manager import KVCacheManager
 from fluidserve.kvcache.prefix_cache import ROOT_KEY, block_keys, chain_key
 from fluidserve.scheduler.budget import SloBudget
 from fluidserve.scheduler.cost_model import CostModel, StepShape
-from fluidserve.scheduler.loans import KVLoans
+from fluidserve.scheduler.loans import Backfill, KVLoans
 from fluidserve.scheduler.plan import PausedStep, ScheduledSeq, StepOutcome, StepPlan
 from fluidserve.scheduler.config import SchedulerConfig
 from fluidserve.scheduler.policies import Policy, make_policy
@@ -141,64 +141,7 @@ class _Step:
         self.owing: dict[str, int] = {}  # request id -> its blocks in ``owed``
         self.offline_cursor: int | None = None  # next offline victim, walking up from the bottom
         self.starving: int | None = None  # KV loans: a starving request's blocks, already in ``owed``
-        self.backfill: _Backfill | None = None  # the residents as backfilling reads them, while they stay so
-
-
-@dataclass
-class _Backfill:
-    """What ``Scheduler._backfills`` reads of the resident requests, for as
-    long as no admission or eviction changes them: ``shadow``, the fewest
-    steps after which those leaving by their caps free enough blocks for
-    the smallest claim on owed blocks (inf: never), and each resident's
-    tokens, blocks and steps left, for its growth through a stay."""
-
-    key: tuple[int, int, int]  # free blocks, requests moved this step, blocks owed
-    shadow: float
-    residents: list[tuple[int, int, int]]  # (tokens, blocks, steps left)
-    block_size: int
-    grown: dict[int, int] = field(default_factory=dict)  # stay -> blocks the residents grow through it
-    no_room: float | None = None  # the shortest stay through which they grow into every free block
-
-    @classmethod
-    def of(cls, sched: Scheduler, step: _Step, free: int, claim: int) -> _Backfill:
-        kv, left = sched.kv, sched.loans.steps_left
-        residents = sorted(((q.num_tokens, kv.num_blocks_of(q.request_id), left(q))
-                            for q in step.ranked if kv.holds(q.request_id)), key=lambda r: r[2])
-        # Free blocks (those a backfill would take included) less the
-        # smallest claim, then as the residents leave, the first to leave first.
-        short = free - claim - sched._watermark()
-        shadow = 0.0 if short >= 0 else INF  # inf: no claim fits even with every resident gone
-        for _, held, steps in residents if short < 0 else ():
-            short += held
-            if short >= 0:
-                shadow = steps
-                break
-        return cls((free, len(step.moved), step.owed), shadow, residents, kv.block_size)
-
-    def growth(self, stay: int) -> int:
-        grown = self.grown.get(stay)
-        if grown is None:
-            bs = self.block_size
-            grown = self.grown[stay] = sum(max(0, -(-(tokens + min(stay, steps)) // bs) - held)
-                                           for tokens, held, steps in self.residents)
-        return grown
-
-    def fits(self, blocks: int, stay: int, free: int) -> bool:
-        """Whether ``blocks`` (one at least) fit in ``free`` beside the
-        residents' growth through ``stay`` steps. Growth only rises with the stay: the
-        shortest stay that leaves no block is found once, by bisection, so
-        each request asking after it costs nothing (a long queue asks each
-        step)."""
-        if self.no_room is None:
-            lo, hi = 0, max((steps for _, _, steps in self.residents), default=0) + 1
-            while lo < hi:  # the first stay whose growth takes every free block
-                mid = (lo + hi) // 2
-                if self.growth(mid) >= free:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            self.no_room = lo if self.growth(lo) >= free else INF
-        return stay < self.no_room and blocks + self.growth(stay) <= free
+        self.backfill: Backfill | None = None  # the residents as backfilling reads them, while they stay so
 
 
 class Scheduler:
@@ -717,10 +660,13 @@ class Scheduler:
             return False
         kv, fill = self.kv, step.backfill
         free = kv.num_free_blocks + step.freeing
-        if fill is None or fill.key != (free, len(step.moved), step.owed):  # changed since: look again
+        key = (free, len(step.moved), step.owed)
+        if fill is None or fill.key != key:  # changed since: look again
             # Blocks are owed (the caller asks only then): to a stream on the host or a starving request.
             claim = min([*step.owing.values(), *([] if step.starving is None else [step.starving])])
-            fill = step.backfill = _Backfill.of(self, step, free, claim)
+            residents = [(q.num_tokens, kv.num_blocks_of(q.request_id), self.loans.steps_left(q))
+                         for q in step.ranked if kv.holds(q.request_id)]
+            fill = step.backfill = Backfill.of(key, residents, free - claim - self._watermark(), kv.block_size)
         stay = self.loans.steps_left(seq)
         if stay > fill.shadow:
             return False

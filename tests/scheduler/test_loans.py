@@ -271,12 +271,12 @@ def test_a_request_that_ends_first_takes_the_blocks_owed_to_a_stream_meanwhile()
 
 
 def test_backfill_growth_check_by_bisection_matches_counting_every_stay():
-    """``_Backfill.fits`` finds once the shortest stay through which the
+    """``Backfill.fits`` finds once the shortest stay through which the
     residents grow into every free block and answers each request from
     it: the same answers as summing the residents' growth for each stay."""
     import random
 
-    from fluidserve.scheduler.scheduler import _Backfill
+    from fluidserve.scheduler.loans import Backfill
 
     rng = random.Random(0)
     for _ in range(200):
@@ -284,7 +284,7 @@ def test_backfill_growth_check_by_bisection_matches_counting_every_stay():
         residents = [(t, -(-t // bs) + rng.randrange(2), rng.randrange(0, 300))
                      for t in (rng.randrange(1, 400) for _ in range(rng.randrange(0, 12)))]
         free = rng.randrange(0, 60)
-        fill = _Backfill((0, 0, 0), INF, residents, bs)
+        fill = Backfill((0, 0, 0), INF, residents, bs)
         for _ in range(20):
             blocks, stay = rng.randrange(1, 20), rng.randrange(0, 400)  # a request needs a block at least
             grown = sum(max(0, -(-(t + min(stay, left)) // bs) - held) for t, held, left in residents)
