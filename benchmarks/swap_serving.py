@@ -284,14 +284,15 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
                 "pooled: the ratios of the figures over every seed's requests together.",
                 "", "| variant | mean norm (fcfs / this) | P99 TTFT (fcfs / this) | P99 TPOT (this / fcfs) "
                 "| pooled: mean norm / P99 TTFT / P99 TPOT |", "|---|---|---|---|---|"]
-        for s in summary(rows):
+        summed = summary(rows)
+        for s in summed:
             cells = [f"{s[k]:.2f}x [{' / '.join(f'{v:.2f}' for v in s[k + '_seeds'])}]"
                      for k in ("mean_norm", "p99_ttft", "p99_tpot")]
             cells.append(" / ".join(f"{s[k]:.2f}x" for k in ("pooled_mean_norm", "pooled_p99_ttft", "pooled_p99_tpot"))
                          + f" ({s['pooled_requests']} requests)" if "pooled_requests" in s else "-")
             out.append(f"| {s['variant']} | {' | '.join(cells)} |")
         out.append("")
-        both = [s for s in summary(rows) if "pooled_both_requests" in s]
+        both = [s for s in summed if "pooled_both_requests" in s]
         if both:
             out += [f"Against both runs of {rows[0]['variant']} pooled (every seed's requests of each):", "",
                     "| variant | mean norm | P99 TTFT | P99 TPOT |", "|---|---|---|---|"]

@@ -130,13 +130,14 @@ class KVLoans:
 @dataclass
 class Backfill:
     """What backfilling reads of the requests on the device, for as long as
-    no admission or eviction changes them (``key``): ``shadow``, the fewest
+    no admission or eviction changes them (``free``, ``key``): ``shadow``, the fewest
     steps after which those leaving by their caps free enough blocks for
     the smallest claim on owed blocks (inf: never), and each resident's
     tokens, blocks and steps left, for its growth through a stay. A request
     backfills when its stay ends by the shadow and ``fits``."""
 
-    key: tuple
+    key: tuple  # what else it was read under (the scheduler's: requests moved this step, blocks owed)
+    free: int  # free blocks, those a backfill would take included
     shadow: float
     residents: list[tuple[int, int, int]]  # (tokens, blocks, steps left)
     block_size: int
@@ -144,18 +145,20 @@ class Backfill:
     no_room: float | None = None  # the shortest stay through which they grow into every free block
 
     @classmethod
-    def of(cls, key: tuple, residents: list[tuple[int, int, int]], short: int, block_size: int) -> Backfill:
-        """``short``: free blocks (those a backfill would take included)
-        less the smallest claim and the watermark; then, as the residents
-        leave, the first to leave first."""
+    def of(cls, key: tuple, residents: list[tuple[int, int, int]], free: int, claim: int,
+           block_size: int) -> Backfill:
+        """``claim``: the smallest claim on owed blocks, with the blocks
+        kept free beside it; it is met once the free blocks and those of
+        the residents leaving, the first to leave first, cover it."""
         residents = sorted(residents, key=lambda r: r[2])
+        short = free - claim
         shadow = 0.0 if short >= 0 else INF  # inf: no claim fits even with every resident gone
         for _, held, steps in residents if short < 0 else ():
             short += held
             if short >= 0:
                 shadow = steps
                 break
-        return cls(key, shadow, residents, block_size)
+        return cls(key, free, shadow, residents, block_size)
 
     def growth(self, stay: int) -> int:
         grown = self.grown.get(stay)
@@ -165,12 +168,13 @@ class Backfill:
                                            for tokens, held, steps in self.residents)
         return grown
 
-    def fits(self, blocks: int, stay: int, free: int) -> bool:
-        """Whether ``blocks`` (one at least) fit in ``free`` beside the
-        residents' growth through ``stay`` steps. Growth only rises with the
+    def fits(self, blocks: int, stay: int) -> bool:
+        """Whether ``blocks`` (one at least) fit in the free blocks beside
+        the residents' growth through ``stay`` steps. Growth only rises with the
         stay: the shortest stay that leaves no block is found once, by
         bisection, so each request asking after it costs nothing (a long
         queue asks each step)."""
+        free = self.free
         if self.no_room is None:
             lo, hi = 0, max((steps for _, _, steps in self.residents), default=0) + 1
             while lo < hi:  # the first stay whose growth takes every free block

@@ -660,18 +660,18 @@ class Scheduler:
             return False
         kv, fill = self.kv, step.backfill
         free = kv.num_free_blocks + step.freeing
-        key = (free, len(step.moved), step.owed)
-        if fill is None or fill.key != key:  # changed since: look again
+        key = (len(step.moved), step.owed)
+        if fill is None or fill.free != free or fill.key != key:  # changed since: look again
             # Blocks are owed (the caller asks only then): to a stream on the host or a starving request.
             claim = min([*step.owing.values(), *([] if step.starving is None else [step.starving])])
             residents = [(q.num_tokens, kv.num_blocks_of(q.request_id), self.loans.steps_left(q))
                          for q in step.ranked if kv.holds(q.request_id)]
-            fill = step.backfill = Backfill.of(key, residents, free - claim - self._watermark(), kv.block_size)
+            fill = step.backfill = Backfill.of(key, residents, free, claim + self._watermark(), kv.block_size)
         stay = self.loans.steps_left(seq)
         if stay > fill.shadow:
             return False
         to_cap = kv.blocks_for(seq.num_tokens + seq.max_new_tokens - seq.num_output_tokens)
-        return fill.fits(to_cap - kv.num_blocks_of(seq.request_id), stay, free)
+        return fill.fits(to_cap - kv.num_blocks_of(seq.request_id), stay)
 
     def _growth_blocks(self, step: _Step) -> int:
         """Resident requests that need a new block within ``GROWTH_STEPS``

@@ -284,8 +284,8 @@ def test_backfill_growth_check_by_bisection_matches_counting_every_stay():
         residents = [(t, -(-t // bs) + rng.randrange(2), rng.randrange(0, 300))
                      for t in (rng.randrange(1, 400) for _ in range(rng.randrange(0, 12)))]
         free = rng.randrange(0, 60)
-        fill = Backfill((0, 0, 0), INF, residents, bs)
+        fill = Backfill((0, 0), free, INF, residents, bs)
         for _ in range(20):
             blocks, stay = rng.randrange(1, 20), rng.randrange(0, 400)  # a request needs a block at least
             grown = sum(max(0, -(-(t + min(stay, left)) // bs) - held) for t, held, left in residents)
-            assert fill.fits(blocks, stay, free) == (blocks + grown <= free)
+            assert fill.fits(blocks, stay) == (blocks + grown <= free)
