@@ -268,6 +268,27 @@ def swapping(_: str) -> tuple[list[str], list[str]]:
     return out + [""] + shares, [save_plot(fig, "swapping.png")]
 
 
+def token_budget(_: str) -> tuple[list[str], list[str]]:
+    d = load("token_budget")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from token_budget import FINDINGS
+
+    out = ["The two-tier comparison at each step token budget (`--max-num-batched-tokens`), both sides on the same "
+           "arrivals: fcfs + recompute against itself at 2048, the default flags against fcfs + recompute at 2048 "
+           "and at the same budget. Each cell: mean normalized latency / P99 TTFT (higher is better) / P99 TPOT "
+           "(lower is better), medians of the seeds' ratios. Per-run figures: "
+           "`benchmarks/results/token_budget.json`.", ""]
+    out += provenance("token_budget", d, "simulated: roofline cost model of each preset's model and GPU")
+    three = " / ".join
+    rows = [[r["preset"], d["presets"][r["preset"]]["knee_tokens"], r["budget"],
+             *(three(ratio(x) for x in r[k]) for k in ("fcfs_vs_fcfs_base", "default_vs_fcfs_base",
+                                                       "default_vs_fcfs_same"))]
+            for r in d["summary"]]
+    out += table(["preset", "knee (tokens)", "budget", "fcfs + recompute vs itself at 2048",
+                  "default vs fcfs + recompute at 2048", "default vs fcfs + recompute, same budget"], rows, "lrrlll")
+    return out + [" ".join(FINDINGS.split()), ""], []
+
+
 def ttft_tail(_: str) -> tuple[list[str], list[str]]:
     d = load("ttft_tail")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -811,6 +832,7 @@ Renderer = Callable[[str], tuple[list[str], list[str]]]
 SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Scheduling policies (simulator)", ["scheduling"], scheduling),
     ("Two KV tiers (simulator)", ["swapping"], swapping),
+    ("The step token budget (simulator)", ["token_budget"], token_budget),
     ("The TTFT tail where memory does not bind (simulator)", ["ttft_tail"], ttft_tail),
     ("Prefix caching across both tiers (simulator)", ["prefix_cache_sim"], prefix_cache_sim),
     ("Co-serving (simulator)", ["coserving", "coserving-seed1", "coserving-seed2", "coserving-seed3"], coserving),

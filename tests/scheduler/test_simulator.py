@@ -314,6 +314,42 @@ def test_swapping_benchmark_splits_the_mean_above_its_floor(tmp_path):
         assert (f"| {p} | each job alone" in shares) == (p in alone and "arxiv" not in p and "does not bind" not in p)
 
 
+def test_token_budget_benchmark_runs_both_sides_at_each_budget(tmp_path):
+    """benchmarks/token_budget.py --quick on the 1/8 pool, end to end: both
+    variants run at both budgets on the same jobs and finish them; a
+    smaller budget cuts fcfs + recompute's prompts into more steps and
+    lowers its P99 TPOT (each step carrying a chunk is shorter); and the
+    knee it reports is where a chunk beside a decode starts to cost it: half
+    the knee leaves the step within 5% of the decode alone, four knees make
+    it over 2.5x."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fluidserve.scheduler.cost_model import DeviceSpec, ModelShape, RooflineCostModel
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "token_budget.py"
+    done = subprocess.run([sys.executable, str(script), "--quick", "--presets", "pool/8 sharegpt", "--budgets", "512",
+                           "--workers", "1", "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads((tmp_path / "token_budget_quick.json").read_text())
+    rows = {(r["budget"], r["variant"]): r for r in data["rows"]}
+    assert {b for b, _ in rows} == {512, 2048} and len(rows) == 4
+    assert all(r["num_steps"] > 0 for r in rows.values())
+    fcfs = {b: r for (b, v), r in rows.items() if v.startswith("fcfs")}
+    assert fcfs[512]["num_steps"] > fcfs[2048]["num_steps"]
+    assert fcfs[512]["p99_tpot_s"] < fcfs[2048]["p99_tpot_s"]
+    (small,) = [s for s in data["summary"] if s["budget"] == 512]
+    assert small["fcfs_vs_fcfs_base"][2] == pytest.approx(fcfs[512]["p99_tpot_s"] / fcfs[2048]["p99_tpot_s"])
+    knee = next(iter(data["presets"].values()))["knee_tokens"]
+    cm = RooflineCostModel(ModelShape.llama3_8b(), DeviceSpec.h100())
+    alone = cm.step_time(0, 1, 512)
+    assert cm.step_time(knee // 2, 1, 512) < 1.05 * alone
+    assert cm.step_time(4 * knee, 1, 512) > 2.5 * alone
+    assert "| 512 |" in (tmp_path / "token_budget_quick.md").read_text()
+
+
 def test_first_token_guard_keeps_arrival_order_only_without_slack():
     """The engine's skip-join with its first-token guard (the default, slack
     0): a long prompt that arrived first has no slack to give, so a short
