@@ -62,7 +62,7 @@ import math
 import statistics
 from collections import deque
 
-from fluidserve.scheduler.cost_model import CostModel, StepShape, attn_pairs
+from fluidserve.scheduler.cost_model import CostModel, StepShape, attn_pairs, tokens_for_time
 from fluidserve.scheduler.request_state import SeqState
 
 # A TTFT SLO is kept by the engine's first token with this share of it to
@@ -237,15 +237,7 @@ class SloBudget:
     def min_step_tokens(self) -> int:
         """The fewest prefill tokens of an offline-only step: the smallest
         step whose fixed cost is at most ``overhead_share`` of its time."""
-        want = self.cost.min_iteration_time() / self.overhead_share
-        lo, hi = 1, 1 << 16
-        while lo < hi:  # prefill time grows with its tokens
-            mid = (lo + hi) // 2
-            if self.cost.prefill_time(mid) >= want:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        return tokens_for_time(self.cost, self.cost.min_iteration_time() / self.overhead_share)
 
     def min_step_time(self) -> float:
         """The shortest an offline-only step is cut to: a ``min_step_tokens``

@@ -82,8 +82,9 @@ class SchedulerConfig:
               "absolute budget instead; 0 turns it off (default: none)", metavar="X")
     max_token_gap_ms: float | None = setting(
         None, "swap mode: also bound each wait between two tokens of a streaming online request: one whose next "
-              "token would come later than this after its last is not evicted and runs ahead of its queue "
-              "(default: no bound)", metavar="MS")
+              "token would come later than this after its last is not evicted and runs ahead of its queue, and "
+              "prompt chunks beside decodes are cut so the step's predicted time keeps it (never below the chunk "
+              "whose fixed cost is half its time) (default: no bound)", metavar="MS")
     # KV loans (scheduler/loans.py): streams keep their place, except for
     # requests whose max_tokens cap bounds their stay on the device.
     # On by default: without it a request ranked higher may evict any

@@ -71,6 +71,18 @@ class _StepShapeMixin:
         return self.decode_time(1, 1)
 
 
+def tokens_for_time(cost: CostModel, seconds: float) -> int:
+    """The fewest prefill tokens whose chunk alone takes at least ``seconds``."""
+    lo, hi = 1, 1 << 16
+    while lo < hi:  # prefill time grows with its tokens
+        mid = (lo + hi) // 2
+        if cost.prefill_time(mid) >= seconds:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 # ---------------------------------------------------------------------------
 # Analytic roofline
 

@@ -34,6 +34,9 @@ pool exists):
   token out yet takes only device blocks that streaming requests away on
   the host, due soon, do not need back; and a request swapped in is not
   evicted again for a higher-priority one before it has run its quantum.
+  A gap bound also sizes the step: prompt chunks beside decodes are cut so
+  the step's predicted time keeps it, since every stream's next token
+  waits for the step's end (``_gap_room``).
 * KV loans (scheduler/loans.py, on by default): with ``--swap-loan-tokens
   N`` (32) a request that has streamed keeps its place against requests that
   have not, which take only free blocks not owed to swapped streams, except
@@ -64,7 +67,7 @@ from fluidserve.kvcache.config import CacheConfig
 from fluidserve.kvcache.manager import KVCacheManager
 from fluidserve.kvcache.prefix_cache import ROOT_KEY, block_keys, chain_key
 from fluidserve.scheduler.budget import SloBudget
-from fluidserve.scheduler.cost_model import CostModel, StepShape
+from fluidserve.scheduler.cost_model import CostModel, StepShape, attn_pairs, tokens_for_time
 from fluidserve.scheduler.loans import Backfill, KVLoans
 from fluidserve.scheduler.plan import PausedStep, ScheduledSeq, StepOutcome, StepPlan
 from fluidserve.scheduler.config import SchedulerConfig
@@ -88,6 +91,11 @@ _SWAP_BUCKET_STEPS = 2  # a move may run one step ahead of compute, no more
 # that never drains it is dropped after this many steps (its tokens are then
 # computed again, in steps the SLO budget sizes).
 _MAX_PAUSED_STEPS = 512
+# Under --max-token-gap-ms a prefill chunk is cut so the step stays within
+# the bound, but never below the chunk whose fixed per-step cost (the
+# weights' read, the launch) is this share of its time: prefill then runs at
+# half its full-chunk rate or better.
+GAP_FLOOR_OVERHEAD = 0.5
 
 
 @dataclass
@@ -184,6 +192,7 @@ class Scheduler:
         # simulator size the per-step allowance as what moves in one minimum iteration.
         self._block_time = 0.0 if per_step is None else min_iter / per_step
         self.deadlines = TokenDeadlines.from_config(config, min_iter) if self.swap else None
+        self._gap_floor: int | None = None  # GAP_FLOOR_OVERHEAD's chunk, when a gap bound first cuts one
         self.loans = (KVLoans(config.swap_loan_tokens, config.max_num_batched_tokens,
                               min_wait=getattr(self.policy, "starve_limit", 0.0))
                       if self.swap and config.swap_loan_tokens is not None else None)
@@ -401,6 +410,8 @@ class Scheduler:
             self.budget.begin_step()
         plan = step.plan
         budget = cfg.max_num_batched_tokens
+        # Prefill tokens the token-gap bound leaves the step (None: not asked yet).
+        room = None if self.deadlines is not None and self.deadlines.gap_s is not None else budget
         shape = StepShape()  # of what is in the step so far (for the SLO budget)
         running = SeqStatus.RUNNING
         offline = RequestClass.OFFLINE
@@ -420,6 +431,8 @@ class Scheduler:
                 continue  # gave its KV away this step
             status = seq.status
             if status is waiting:
+                if room is not None and room <= 0:
+                    continue  # no prefill token left to run it: it would hold blocks and compute nothing
                 # Admission may swap others out to make room: where that copy
                 # lengthens the step (copies_beside_online off), not for an
                 # offline request the budget then leaves no token to run.
@@ -440,6 +453,9 @@ class Scheduler:
                     held = min(self._decodes_below(step)[i + 1], max_seqs - len(scheduled) - 1,
                                cfg.max_num_batched_tokens // 2)
                     n = min(n, budget - held)
+                    if room is None:
+                        room = self._gap_room(seq, step)
+                    n = min(n, room)
                     if n <= 0:
                         continue
             if slo is not None and seq.klass is offline:
@@ -460,6 +476,8 @@ class Scheduler:
                 add(item)
             else:
                 add(ScheduledSeq(rid, n, n == uncomputed))
+                if n > 1:
+                    room -= n
             budget -= n
         # Online requests rank above offline ones: the step carries online
         # work exactly when its first request is online.
@@ -752,6 +770,38 @@ class Scheduler:
             return True
         copy = 2 * self.kv.num_blocks_of(seq.request_id) * self._block_time
         return now + copy + (3 + away) * d.step_time <= due
+
+    def _gap_room(self, seq: SeqState, step: _Step) -> int:
+        """Prefill tokens a step may carry under ``--max-token-gap-ms``:
+        the most whose step, beside every resident decode, the cost model
+        predicts within the bound, since each stream's next token waits for
+        the step's end. Never fewer than the chunk whose fixed cost is
+        ``GAP_FLOOR_OVERHEAD`` of its time alone: where the decodes leave
+        less, the bound gives way, since prompts cut finer would be computed
+        slower than they arrive and the queue would grow without end."""
+        budget = self.config.max_num_batched_tokens
+        decodes = self._decodes_below(step)[0]
+        if not decodes:
+            return budget
+        gap, cost = self.deadlines.gap_s, self.policy.cost
+        if self._gap_floor is None:
+            self._gap_floor = min(budget, tokens_for_time(cost, cost.min_iteration_time() / GAP_FLOOR_OVERHEAD))
+        bs = self.kv.block_size
+        context, cached = self.kv.num_used_blocks * bs, seq.num_computed_tokens
+
+        def fits(n: int) -> bool:
+            return cost.step_time(n, decodes, context, attn_pairs(n, cached)) <= gap
+
+        floor = self._gap_floor
+        if fits(budget):
+            return budget
+        if not fits(floor):
+            return floor
+        lo, hi = floor, budget  # fits(lo), not fits(hi)
+        while hi - lo > bs:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
     def _deadline_first(self, step: _Step) -> None:
         """Move the streaming requests that would miss their token deadline

@@ -19,7 +19,9 @@ The scheduler reads deadlines two ways (scheduler/scheduler.py):
   room for the time it will be away (its copy out and back, by the host
   link's time per block, and the steps the round trip takes);
 * order: a request whose deadline would pass if it were skipped this step
-  runs ahead of its policy's order, and may evict requests that have slack.
+  runs ahead of its policy's order, and may evict requests that have slack;
+* step size (the gap bound only): prompt chunks beside decodes are cut so
+  the step's predicted time keeps the bound.
 
 Offline requests and requests with no token out yet have no deadline.
 Pure Python.

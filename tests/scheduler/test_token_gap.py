@@ -12,7 +12,9 @@ import pytest
 from fluidserve.engine import SamplingParams
 from fluidserve.kvcache.config import add_flags
 from fluidserve.scheduler.config import SchedulerConfig
-from fluidserve.scheduler.cost_model import LinearCoefficients, LinearCostModel
+from fluidserve.scheduler.cost_model import (
+    DeviceSpec, LinearCoefficients, LinearCostModel, ModelShape, RooflineCostModel, tokens_for_time,
+)
 from fluidserve.scheduler.simulator import SimConfig, Simulator, simulate
 from fluidserve.scheduler.token_gap import TokenDeadlines
 from fluidserve.scheduler.workloads import Job
@@ -151,3 +153,93 @@ def test_the_engine_under_deadlines_generates_the_same_tokens(tiny_model, make_l
     c = llm.engine.scheduler.counters
     assert c.num_swap_outs > 0 and c.num_swap_ins == c.num_swap_outs
     assert not llm.engine.scheduler.deadlines.first_token  # finished requests leave no state behind
+
+
+def _h100() -> RooflineCostModel:
+    return RooflineCostModel(ModelShape.llama3_8b(), DeviceSpec.h100())
+
+
+def test_the_gap_bound_cuts_prompt_chunks_beside_streams():
+    """A gap bound shorter than a full-budget step: a stream's next token
+    waits for the step's end, so a prompt arriving beside streams is cut
+    into chunks whose steps keep the bound, and every stream's gaps keep
+    it; without the bound the prompt's full-budget chunk breaks it. The
+    prompt alone (no stream beside it) still takes the whole budget."""
+    cm = _h100()
+    full = cm.step_time(2048, 4, 4 * 64)
+    bound = full / 2
+    work = [Job(f"s{i}", 0.0, 32, 200) for i in range(4)] + [Job("p", 0.2, 6000, 4)]
+
+    def run(**kw):
+        cfg = SimConfig.create(num_kv_blocks=4096, block_size=16, num_host_blocks=64, max_num_batched_tokens=2048,
+                               block_transfer_time=1e-5, **kw)
+        return {r.request_id: r for r in simulate(work, "skip-join-mlfq", cm, cfg).records}
+
+    free, bounded = run(), run(max_token_gap_ms=bound * 1e3)
+    assert max(free[f"s{i}"].max_token_gap for i in range(4)) > bound
+    assert all(r.finish_time is not None for r in bounded.values())
+    assert max(bounded[f"s{i}"].max_token_gap for i in range(4)) <= bound * (1 + 1e-9)
+    # Cut finer, the prompt's first token comes later, but within a few steps more.
+    assert free["p"].ttft < bounded["p"].ttft < free["p"].ttft + 8 * bound
+    alone = simulate([Job("p", 0.0, 6000, 4)], "skip-join-mlfq", cm,
+                     SimConfig.create(num_kv_blocks=4096, block_size=16, num_host_blocks=64,
+                                      max_num_batched_tokens=2048, max_token_gap_ms=bound * 1e3)).records[0]
+    assert alone.ttft == pytest.approx(sum(cm.prefill_time(n, c) for n, c in ((2048, 0), (2048, 2048), (1904, 4096))))
+
+
+def test_a_gap_bound_the_decodes_alone_break_still_lets_prompts_progress():
+    """Where the decodes alone take longer than the bound, the bound gives
+    way: prompts are cut to the chunk whose fixed cost is half its time
+    (scheduler.GAP_FLOOR_OVERHEAD), not finer, so they keep up at half
+    their full-chunk rate or better and every request finishes."""
+    from fluidserve.scheduler import scheduler as scheduler_module
+
+    cm = _h100()
+    floor = tokens_for_time(cm, cm.min_iteration_time() / scheduler_module.GAP_FLOOR_OVERHEAD)
+    assert 64 < floor < 2048
+    bound = cm.min_iteration_time() / 2  # shorter than any step
+    work = [Job(f"s{i}", 0.0, 32, 100) for i in range(8)] + [Job("p", 0.05, 3000, 4)]
+    cfg = SimConfig.create(num_kv_blocks=4096, block_size=16, num_host_blocks=64, max_num_batched_tokens=2048,
+                           block_transfer_time=1e-5, max_token_gap_ms=bound * 1e3)
+    sim = Simulator(work, "skip-join-mlfq", cm, cfg)
+    chunks: list[int] = []
+    schedule = sim.scheduler.schedule
+
+    def watch(now):
+        plan = schedule(now)
+        chunks.extend(item.num_tokens for item in plan.scheduled if item.request_id == "p" and item.num_tokens > 1)
+        return plan
+
+    sim.scheduler.schedule = watch
+    res = sim.run()
+    assert all(r.finish_time is not None for r in res.records)
+    assert chunks[:-1] == [floor] * (len(chunks) - 1) and sum(chunks) == 3000
+
+
+def test_the_engine_cuts_prompts_beside_streams_and_keeps_its_tokens(tiny_model, make_llm):
+    """The real engine under a gap bound no step can keep, with the floor
+    set to 4 tokens: prompts admitted beside streams are computed in
+    chunks of 4, and greedy tokens still equal transformers'."""
+    path = tiny_model("llama")
+    llm = make_llm(path, num_kv_blocks=24, block_size=8, max_model_len=160, num_host_blocks=64,
+                   max_token_gap_ms=1e-3)
+    sched = llm.engine.scheduler
+    sched._gap_floor = 4
+    cut: list[int] = []
+    schedule = sched.schedule
+
+    def watch(now):
+        plan = schedule(now)
+        decodes = sum(1 for item in plan.scheduled if item.num_tokens == 1)
+        for item in plan.scheduled:
+            seq = sched.seqs[item.request_id]
+            if decodes and 1 < item.num_tokens < seq.num_prompt_tokens - seq.num_computed_tokens:
+                cut.append(item.num_tokens)
+        return plan
+
+    sched.schedule = watch
+    prompts = [f"request {i}: " + PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 16)
+    assert len(cut) >= 4 and set(cut) == {4}
+    assert sched.kv.num_used_blocks == 0
