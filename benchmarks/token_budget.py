@@ -32,7 +32,6 @@ Writes benchmarks/results/token_budget.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -41,6 +40,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from dummy_models import save_results
 from swapping import LOAN_TOKENS, SKIP_JOIN, preset_capacity, preset_jobs, presets, sim_config
 
 from fluidserve.scheduler.cost_model import RooflineCostModel
@@ -182,14 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     run = {"command": "python benchmarks/token_budget.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "wall_s": time.perf_counter() - t0, "seeds": args.seeds, "num_jobs": args.num_jobs,
            "trace_jobs": args.trace_jobs, "load": LOAD, "python": platform.python_version()}
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "token_budget_quick" if args.quick else "token_budget"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": run, "presets": meta, "summary": summary, "rows": rows},
-                                                 indent=1))
-    md = to_markdown(summary, meta, run)
-    (out / f"{stem}.md").write_text(md)
-    print(md)
+    stem = Path(args.out_dir) / ("token_budget_quick" if args.quick else "token_budget")
+    record = {"meta": run, "presets": meta, "summary": summary, "rows": rows}
+    save_results(stem, record, to_markdown(summary, meta, run))
     return 0
 
 
