@@ -26,11 +26,7 @@ Without eviction a long prompt can starve while shorter ones take each
 block that frees: a request with no bound on its stay that has waited
 ``STARVING_WAITS`` times the mean wait of recent admissions (or of the
 policy's starve limit, if longer) keeps the blocks it needs from the
-requests ranked below it that have no bound either. One whose claim is
-``DRAIN_SHARE`` of the device pool or more keeps them from its arrival:
-two such claims never fit together, so it starts only once the pool
-drains, and a pool that the requests ranked below it keep refilling does
-not drain for it (FCFS drains it in its turn).
+requests ranked below it that have no bound either.
 
 Loans protect what a user watches stream. Offline requests (co-serving)
 are outside them: they keep no place, are owed no blocks and borrow none;
@@ -70,11 +66,6 @@ ROUND_TRIP_STEPS = 3
 # every short one (benchmarks/swapping.py --starving-sweep: OPT-13B's P99
 # TTFT is 0.82x FCFS's at 6 and 1.08x at 2).
 STARVING_WAITS = 2.0
-# A claim of this share of the device pool or more waits for a drain: it
-# keeps its blocks from the requests ranked below it from arrival on (in
-# benchmarks/swapping.py only the real engine's regime, 64 blocks and
-# prompts cut to 512 tokens, has such claims).
-DRAIN_SHARE = 0.5
 _WAIT_MEAN_WEIGHT = 0.05  # of each admission's wait in the running mean
 
 
@@ -83,13 +74,11 @@ class KVLoans:
     """``max_tokens``: the largest ``max_new_tokens`` cap of a borrower;
     ``step_tokens``: the token budget of one step (a prefill's steps);
     ``min_wait``: a floor under the mean wait when starvation is judged
-    (the policy's own starve limit, where it has one); ``pool_blocks``:
-    the device pool (0: no claim needs a drain)."""
+    (the policy's own starve limit, where it has one)."""
 
     max_tokens: int
     step_tokens: int
     min_wait: float = 0.0
-    pool_blocks: int = 0
     share: float = LEND_SHARE
     lent: dict[str, float] = field(default_factory=dict)  # request id -> steps away in loans so far
     mean_wait: float = 0.0  # seconds from arrival to admission, running mean
@@ -131,11 +120,7 @@ class KVLoans:
     def note_admitted(self, seq: SeqState, now: float) -> None:
         self.mean_wait += _WAIT_MEAN_WEIGHT * (now - seq.arrival_time - self.mean_wait)
 
-    def starving(self, seq: SeqState, now: float, claim: int) -> bool:
-        """Whether ``seq``, waiting for ``claim`` device blocks, keeps them
-        from the requests ranked below it."""
-        if self.pool_blocks and claim >= DRAIN_SHARE * self.pool_blocks:
-            return True
+    def starving(self, seq: SeqState, now: float) -> bool:
         return now - seq.arrival_time > STARVING_WAITS * max(self.mean_wait, self.min_wait)
 
     def forget(self, request_id: str) -> None:

@@ -194,7 +194,7 @@ class Scheduler:
         self.deadlines = TokenDeadlines.from_config(config, min_iter) if self.swap else None
         self._gap_floor: int | None = None  # GAP_FLOOR_OVERHEAD's chunk, when a gap bound first cuts one
         self.loans = (KVLoans(config.swap_loan_tokens, config.max_num_batched_tokens,
-                              min_wait=getattr(self.policy, "starve_limit", 0.0), pool_blocks=kv.num_blocks)
+                              min_wait=getattr(self.policy, "starve_limit", 0.0))
                       if self.swap and config.swap_loan_tokens is not None else None)
         self.num_deadline_promotions = 0  # requests run ahead of their queue to meet a token deadline
         # Layer-wise preemption keeps an interrupted step's state on the worker:
@@ -568,7 +568,7 @@ class Scheduler:
         above = self._priority(seq) if pos >= step.num_urgent else None
         if not self._room(need + reserve, pos, step, allow_recompute=False, above=above,
                           online=seq.klass is RequestClass.ONLINE, loan=loan):
-            if loan == INF and step.starving is None and self.loans.starving(seq, step.now, need):
+            if loan == INF and step.starving is None and self.loans.starving(seq, step.now):
                 step.starving = need  # requests ranked below without a bound leave its blocks free
                 step.owed += need
             return False

@@ -12,7 +12,7 @@ import pytest
 from fluidserve.kvcache.config import CacheConfig, add_flags
 from fluidserve.scheduler.config import SchedulerConfig
 from fluidserve.scheduler.cost_model import LinearCoefficients, LinearCostModel
-from fluidserve.scheduler.loans import DRAIN_SHARE, INF, LEND_SHARE, ROUND_TRIP_STEPS, STARVING_WAITS, KVLoans
+from fluidserve.scheduler.loans import INF, LEND_SHARE, ROUND_TRIP_STEPS, STARVING_WAITS, KVLoans
 from fluidserve.scheduler.request_state import RequestClass, SeqState
 from fluidserve.scheduler.scheduler import Scheduler
 from fluidserve.scheduler.simulator import SimConfig, Simulator, simulate
@@ -128,22 +128,10 @@ def test_starving_is_judged_against_the_mean_wait_and_its_floor():
         loans.note_admitted(seq(), 1.0)
     assert loans.mean_wait == pytest.approx(1.0, rel=1e-3)
     n = STARVING_WAITS
-    assert not loans.starving(seq(), n - 0.1, 4)
-    assert loans.starving(seq(), n + 0.1, 4)
+    assert not loans.starving(seq(), n - 0.1)
+    assert loans.starving(seq(), n + 0.1)
     loans.mean_wait = 0.01  # the policy's own limit is the floor
-    assert not loans.starving(seq(), n * 0.5 - 0.1, 4) and loans.starving(seq(), n * 0.5 + 0.1, 4)
-
-
-def test_a_claim_of_half_the_pool_keeps_its_blocks_from_arrival():
-    """Two claims of half the pool never fit together: such a request
-    waits for a drain, so it keeps its blocks from the start; smaller
-    claims wait their STARVING_WAITS as before. No pool given: no claim
-    needs a drain."""
-    loans = KVLoans(max_tokens=8, step_tokens=64, min_wait=0.5, pool_blocks=64)
-    assert DRAIN_SHARE == 0.5
-    assert loans.starving(seq(), 0.0, 32) and loans.starving(seq(), 0.0, 40)
-    assert not loans.starving(seq(), 0.0, 31)
-    assert not KVLoans(max_tokens=8, step_tokens=64, min_wait=0.5).starving(seq(), 0.0, 64)
+    assert not loans.starving(seq(), n * 0.5 - 0.1) and loans.starving(seq(), n * 0.5 + 0.1)
 
 
 def test_the_flag_its_default_and_off():
@@ -301,32 +289,3 @@ def test_backfill_growth_check_by_bisection_matches_counting_every_stay():
             blocks, stay = rng.randrange(1, 20), rng.randrange(0, 400)  # a request needs a block at least
             grown = sum(max(0, -(-(t + min(stay, left)) // bs) - held) for t, held, left in residents)
             assert fill.fits(blocks, stay) == (blocks + grown <= free)
-
-
-def test_a_claim_that_needs_a_drain_waits_for_one_not_for_every_later_arrival(monkeypatch):
-    """Streams ``a`` and ``b`` hold 12 of 16 blocks; ``g`` arrives needing 9
-    (over half the pool), then a short prompt every 0.1 s, none with a cap
-    that bounds its stay. ``g`` keeps the blocks that free from the prompts
-    ranked below it, so it starts the step after the streams end and no
-    later prompt passes it; with the rule off (DRAIN_SHARE above 1) the
-    short prompts take the freed blocks and ``g`` waits until it starves."""
-    from fluidserve.scheduler import loans as loans_module
-
-    work = ([Job("a", 0.0, 90, 30), Job("b", 0.0, 90, 30), Job("g", 0.05, 130, 40)]
-            + [Job(f"s{i}", 0.06 + 0.1 * i, 20, 40) for i in range(40)])
-
-    def run(drain: float) -> dict:
-        monkeypatch.setattr(loans_module, "DRAIN_SHARE", drain)
-        cfg = SimConfig.create(num_kv_blocks=16, block_size=16, num_host_blocks=400, block_transfer_time=0.0,
-                               max_swap_blocks_per_step=64, check_integrity=True)
-        res = simulate(work, "skip-join-mlfq", cost(), cfg, policy_options={"starve_limit_ms": 1e3 * 100 * DT})
-        assert all(r.num_emitted == r.output_tokens for r in res.records)
-        return {r.request_id: r for r in res.records}
-
-    def passed(by: dict) -> int:
-        return sum(r.first_token_time < by["g"].first_token_time for k, r in by.items() if k.startswith("s"))
-
-    held, starved = run(0.5), run(2.0)
-    assert held["g"].first_token_time <= max(held["a"].finish_time, held["b"].finish_time) + 2 * DT
-    assert passed(held) == 0
-    assert passed(starved) >= 10 and starved["g"].first_token_time > held["g"].first_token_time + 1.0
