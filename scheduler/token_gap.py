@@ -13,7 +13,7 @@ token by ``t1 + slo * n`` (``t1`` the first token's time).
 The deadline is the earliest of those that apply; steps convert to seconds
 by the running mean of measured step times.
 
-The scheduler reads deadlines two ways (scheduler/scheduler.py):
+The scheduler reads deadlines three ways (scheduler/scheduler.py):
 
 * eviction: a streaming request is evicted only when its deadline leaves
   room for the time it will be away (its copy out and back, by the host
