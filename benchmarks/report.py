@@ -28,6 +28,7 @@ import matplotlib.ticker  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+sys.path.insert(0, str(REPO / "benchmarks"))  # the sections import the benchmarks' own texts
 DOCS = REPO / "docs"
 # The co-serving simulator saves no cost model in its JSON; it always runs
 # scheduler.cost_model.default_cost_model().
@@ -220,7 +221,6 @@ def scheduling(_: str) -> tuple[list[str], list[str]]:
 
 def swapping(_: str) -> tuple[list[str], list[str]]:
     d = load("swapping")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from swapping import ALONE, where_the_mean_goes
 
     shares = where_the_mean_goes(d["rows"])
@@ -270,7 +270,6 @@ def swapping(_: str) -> tuple[list[str], list[str]]:
 
 def token_budget(_: str) -> tuple[list[str], list[str]]:
     d = load("token_budget")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from token_budget import FINDINGS
 
     out = ["The two-tier comparison at each step token budget (`--max-num-batched-tokens`), both sides on the same "
@@ -291,7 +290,6 @@ def token_budget(_: str) -> tuple[list[str], list[str]]:
 
 def ttft_tail(_: str) -> tuple[list[str], list[str]]:
     d = load("ttft_tail")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from ttft_tail import FINDINGS, medians
 
     out = ["Skip-join's P99 TTFT where memory does not bind, over many seeds, against fcfs + recompute "
@@ -695,7 +693,6 @@ def kv_real(_: str) -> tuple[list[str], list[str]]:
             rows.append([f"tenants cycling through a {t['device only']['num_kv_blocks']}-block device pool "
                          "(device only → with the host tier)", a * 1e3, b * 1e3, ratio(a / b)])
         out += table(["workload", "mean TTFT before (ms)", "mean TTFT after (ms)", "speed-up"], rows)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from swap_serving import split_table, ttft_by_prompt
 
     kept = "seeds 0-6, every request's figures kept"

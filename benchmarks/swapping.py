@@ -444,7 +444,7 @@ credit (every run's requests key their prompts, so every preset demotes).
 """
 
 
-def _ratios(base: dict, r: dict) -> tuple[float, float, float]:
+def figure_ratios(base: dict, r: dict) -> tuple[float, float, float]:
     """mean normalized latency and P99 TTFT as fcfs + recompute's over
     this variant's (higher is better), P99 TPOT as this over fcfs'."""
     return (base["mean_norm_latency_s"] / r["mean_norm_latency_s"], base["p99_ttft_s"] / r["p99_ttft_s"],
@@ -488,7 +488,7 @@ def targets(rows: list[dict]) -> list[str]:
             runs = [r for r in sub if r["x"] == top and r["variant"] == variant]
             if not runs:  # a sweep of one preset's alone
                 continue
-            ratios = list(zip(*(_ratios(base[r["seed"]], r) for r in runs)))
+            ratios = list(zip(*(figure_ratios(base[r["seed"]], r) for r in runs)))
             norm, ttft, tpot = (statistics.median(v) for v in ratios)
             stall = statistics.median(r["stall_share"] for r in runs)
             checks = {"mean": norm >= (2.0 if bound else 1.0), "TTFT": ttft >= 1.0,
@@ -576,7 +576,7 @@ def to_markdown(rows: list[dict], capacity: dict, meta: dict) -> str:
         for r in sub:
             b = base[r["x"]]
             vals = " | ".join(f"{r[k] * s:.3g}" for k, _, s in METRICS)
-            ratios = " | ".join(f"{x:.2f}x" for x in _ratios(b, r))
+            ratios = " | ".join(f"{x:.2f}x" for x in figure_ratios(b, r))
             out.append(f"| {r['x']:g} | {r['variant']} | {vals} | {r['num_recomputes']} | {r['num_swap_outs']} | "
                        f"{r['swap_gib']:.1f} | {r['demoted_gib']:.1f} | {100 * r['stall_share']:.2f}% | "
                        f"{r.get('num_over_gap_bound', '-')} | "

@@ -41,7 +41,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from dummy_models import save_results
-from swapping import LOAN_TOKENS, SKIP_JOIN, preset_capacity, preset_jobs, presets, sim_config
+from swapping import LOAN_TOKENS, SKIP_JOIN, figure_ratios, preset_capacity, preset_jobs, presets, sim_config
 
 from fluidserve.scheduler.cost_model import RooflineCostModel
 from fluidserve.scheduler.simulator import simulate
@@ -94,11 +94,6 @@ def build_tasks(args) -> tuple[list[dict], dict]:
     return tasks, meta
 
 
-def _ratio(base: dict, r: dict) -> tuple[float, float, float]:
-    return (base["mean_norm_latency_s"] / r["mean_norm_latency_s"], base["p99_ttft_s"] / r["p99_ttft_s"],
-            r["p99_tpot_s"] / base["p99_tpot_s"])
-
-
 def summarize(rows: list[dict]) -> list[dict]:
     """Per preset and budget, the medians over seeds of the three comparisons."""
     by = {(r["preset"], r["seed"], r["budget"], r["variant"]): r for r in rows}
@@ -115,7 +110,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             }
             row = {"preset": preset, "budget": budget, "seeds": seeds}
             for key, pairs in comparisons.items():
-                ratios = [_ratio(base, r) for r, base in pairs]
+                ratios = [figure_ratios(base, r) for r, base in pairs]
                 row[key] = [statistics.median(x[i] for x in ratios) for i in range(3)]
             for variant, tag in ((FCFS, "fcfs"), (DEFAULT, "default")):
                 row[f"{tag}_throughput_rps"] = statistics.median(by[preset, s, budget, variant]["throughput_rps"]

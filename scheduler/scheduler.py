@@ -192,7 +192,10 @@ class Scheduler:
         # simulator size the per-step allowance as what moves in one minimum iteration.
         self._block_time = 0.0 if per_step is None else min_iter / per_step
         self.deadlines = TokenDeadlines.from_config(config, min_iter) if self.swap else None
-        self._gap_floor: int | None = None  # GAP_FLOOR_OVERHEAD's chunk, when a gap bound first cuts one
+        # The fewest prompt tokens a gap bound leaves a step (None: no bound).
+        self._gap_floor = (min(config.max_num_batched_tokens, tokens_for_time(
+            self.policy.cost, self.policy.cost.min_iteration_time() / GAP_FLOOR_OVERHEAD))
+            if self.deadlines is not None and self.deadlines.gap_s is not None else None)
         self.loans = (KVLoans(config.swap_loan_tokens, config.max_num_batched_tokens,
                               min_wait=getattr(self.policy, "starve_limit", 0.0))
                       if self.swap and config.swap_loan_tokens is not None else None)
@@ -410,8 +413,9 @@ class Scheduler:
             self.budget.begin_step()
         plan = step.plan
         budget = cfg.max_num_batched_tokens
-        # Prefill tokens the token-gap bound leaves the step (None: not asked yet).
-        room = None if self.deadlines is not None and self.deadlines.gap_s is not None else budget
+        # Prompt tokens a gap bound leaves the step: asked at its first chunk (None: not yet, or no bound).
+        room = None
+        bounded = self._gap_floor is not None
         shape = StepShape()  # of what is in the step so far (for the SLO budget)
         running = SeqStatus.RUNNING
         offline = RequestClass.OFFLINE
@@ -453,9 +457,10 @@ class Scheduler:
                     held = min(self._decodes_below(step)[i + 1], max_seqs - len(scheduled) - 1,
                                cfg.max_num_batched_tokens // 2)
                     n = min(n, budget - held)
-                    if room is None:
-                        room = self._gap_room(seq, step)
-                    n = min(n, room)
+                    if bounded:
+                        if room is None:
+                            room = self._gap_room(seq, step)
+                        n = min(n, room)
                     if n <= 0:
                         continue
             if slo is not None and seq.klass is offline:
@@ -476,7 +481,7 @@ class Scheduler:
                 add(item)
             else:
                 add(ScheduledSeq(rid, n, n == uncomputed))
-                if n > 1:
+                if room is not None and n > 1:
                     room -= n
             budget -= n
         # Online requests rank above offline ones: the step carries online
@@ -783,16 +788,13 @@ class Scheduler:
         decodes = self._decodes_below(step)[0]
         if not decodes:
             return budget
-        gap, cost = self.deadlines.gap_s, self.policy.cost
-        if self._gap_floor is None:
-            self._gap_floor = min(budget, tokens_for_time(cost, cost.min_iteration_time() / GAP_FLOOR_OVERHEAD))
+        gap, cost, floor = self.deadlines.gap_s, self.policy.cost, self._gap_floor
         bs = self.kv.block_size
         context, cached = self.kv.num_used_blocks * bs, seq.num_computed_tokens
 
         def fits(n: int) -> bool:
             return cost.step_time(n, decodes, context, attn_pairs(n, cached)) <= gap
 
-        floor = self._gap_floor
         if fits(budget):
             return budget
         if not fits(floor):
