@@ -221,9 +221,10 @@ def scheduling(_: str) -> tuple[list[str], list[str]]:
 
 def swapping(_: str) -> tuple[list[str], list[str]]:
     d = load("swapping")
-    from swapping import ALONE, where_the_mean_goes
+    from swapping import ALONE, output_left, where_the_mean_goes
 
     shares = where_the_mean_goes(d["rows"])
+    left = output_left(d["meta"])
     # The first seed's runs: the other seeds run the main variants at the highest load only.
     first = d["meta"].get("seeds", [0])[0]
     d = d | {"rows": [r for r in d["rows"] if r.get("seed", first) == first and r["variant"] != ALONE]}
@@ -264,8 +265,10 @@ def swapping(_: str) -> tuple[list[str], list[str]]:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle("Two-tier KV: recompute vs proactive swapping (simulated)", fontsize=11)
-    shares[0] = "#" + shares[0]  # a subsection of this one
-    return out + [""] + shares, [save_plot(fig, "swapping.png")]
+    for part in (shares, left):  # subsections of this one
+        if part:
+            part[0] = "#" + part[0]
+    return out + [""] + shares + [""] + left, [save_plot(fig, "swapping.png")]
 
 
 def token_budget(_: str) -> tuple[list[str], list[str]]:

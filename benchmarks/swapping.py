@@ -41,6 +41,14 @@ Variants on the same jobs, same model, same device:
                              remaining time first on the true output length
                              (``ClairvoyantPolicy``), with swap, loans off and
                              on; how far ranking alone could move the mean
+* ``size-blind reference``   not a policy of the engine either: the Gittins
+                             index for mean normalized latency
+                             (``SizeBlindPolicy``), which knows the preset's
+                             output-length distribution but not each job's
+                             length (a server could learn it from the
+                             requests it has finished); with swap and loans on;
+                             how far a ranking that learns the lengths' shape
+                             could move the mean
 
 Presets are memory-bound on purpose: OPT-13B on a 40 GB A100 (FastServe's
 setting), Llama-3-8B on an H100 with an eighth of its KV pool, Llama-3-8B with
@@ -69,14 +77,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import numpy as np
 from dummy_models import PRESETS as MODEL_PRESETS
 from swap_serving import LENGTH_SCALE, NUM_KV_BLOCKS, length_limits
 
@@ -152,9 +163,77 @@ class ClairvoyantPolicy(Policy):
         return self._key(seq)
 
 
+class SizeBlindPolicy(Policy):
+    """A reference the engine does not offer: a ranking that knows each job's
+    prompt and the distribution of output lengths, but not the job's own
+    output length. It is the Gittins index with each completion worth 1 /
+    its output tokens: queueing theory's index order for jobs of unknown
+    length on one machine, the optimal such order for the mean response
+    time (Scully and Harchol-Balter, "The Gittins policy in the M/G/1
+    queue", 2021). A job that has emitted ``a`` tokens, with ``pre``
+    seconds of prompt left, is worth serving for as far as the best stretch
+    to ``b`` tokens pays:
+
+        index = max over b of  E[1/X ; a < X <= b] / E[pre + d * (min(X, b) - a) ; X > a]
+
+    X the output length, ``d`` a decode's share of a batched step (as
+    ``ClairvoyantPolicy`` counts it). Where the lengths' hazard rises (the
+    longer a job has run, the less it has left) the index rises with ``a``
+    and the order keeps serving who started; where it falls it is
+    skip-join's least-attained-first."""
+
+    name = "size-blind"
+
+    def __init__(self, cost_model, output_lengths: Sequence[int], batch: int = 16) -> None:
+        super().__init__(cost_model)
+        lengths, counts = np.unique(np.asarray(output_lengths), return_counts=True)
+        self._x = lengths.astype(float)
+        self._p = counts / counts.sum()
+        self._decode = cost_model.min_iteration_time() / batch
+        self._memo: dict[tuple[int, int], float] = {}  # (a, prompt tokens left) -> index
+
+    def index(self, emitted: int, prompt_left: float) -> float:
+        """The Gittins index of a job with ``emitted`` tokens out and
+        ``prompt_left`` seconds of prompt to compute."""
+        alive = self._x > emitted
+        if not alive.any():  # longer than every length seen: about to end
+            return math.inf
+        x, p = self._x[alive], self._p[alive]
+        gain = np.cumsum(p / x)  # stopping at b = x[k]: the jobs done by then, each weighted 1/X
+        served = np.cumsum((x - emitted) * p) + (x - emitted) * (p.sum() - np.cumsum(p))
+        return float((gain / (prompt_left * p.sum() + self._decode * served)).max())
+
+    def _key(self, seq) -> float:
+        left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+        memo = (seq.num_output_tokens, left)
+        v = self._memo.get(memo)
+        if v is None:
+            v = self._memo[memo] = -self.index(seq.num_output_tokens, self.cost.prefill_time(left) if left else 0.0)
+        return v
+
+    def order(self, seqs, now):
+        return sorted(seqs, key=lambda s: (self._key(s), s.arrival_time, s.arrival_index))
+
+    def priority(self, seq) -> float:
+        return self._key(seq)
+
+
+def mean_remaining(output_lengths: Sequence[int], after: Sequence[int]) -> list[tuple[int, float, float]]:
+    """(a, share of jobs longer than a, their mean output tokens left after a)
+    for each a in ``after``: what having emitted a tokens says of a job."""
+    x = np.asarray(output_lengths, dtype=float)
+    out = []
+    for a in after:
+        alive = x[x > a]
+        out.append((a, len(alive) / len(x), float((alive - a).mean()) if len(alive) else 0.0))
+    return out
+
+
 ALONE = "each job alone (a floor, not a policy)"
 CLAIRVOYANT = "clairvoyant reference + swap (knows output lengths; loans off)"
 CLAIRVOYANT_LOANS = "clairvoyant reference + swap, KV loans (knows output lengths; default flags)"
+SIZE_BLIND_LOANS = "size-blind reference + swap, KV loans (knows the lengths' distribution; default flags)"
+REFERENCES = (CLAIRVOYANT, CLAIRVOYANT_LOANS, SIZE_BLIND_LOANS)
 
 
 VARIANTS = [  # (label, policy, preemption mode, proactive, swap_tpot_slack (0: none), swap_loan_tokens (None: off))
@@ -165,6 +244,7 @@ VARIANTS = [  # (label, policy, preemption mode, proactive, swap_tpot_slack (0: 
     (loan_label(LOAN_TOKENS), SKIP_JOIN, "swap", True, 0.0, LOAN_TOKENS),
     (CLAIRVOYANT, ClairvoyantPolicy.name, "swap", True, 0.0, None),
     (CLAIRVOYANT_LOANS, ClairvoyantPolicy.name, "swap", True, 0.0, LOAN_TOKENS),
+    (SIZE_BLIND_LOANS, SizeBlindPolicy.name, "swap", True, 0.0, LOAN_TOKENS),
 ]
 
 
@@ -279,7 +359,11 @@ def _run(task: dict) -> dict:
         cfg = cfg.replace(cache_on_host=False) if sweep["cache"] == "device" else cfg.replace(
             enable_prefix_caching=False)
     t0 = time.perf_counter()
-    policy = ClairvoyantPolicy(cm) if task["policy"] == ClairvoyantPolicy.name else task["policy"]
+    policy = task["policy"]
+    if policy == ClairvoyantPolicy.name:
+        policy = ClairvoyantPolicy(cm)
+    elif policy == SizeBlindPolicy.name:
+        policy = SizeBlindPolicy(cm, task["output_lengths"])
     res = simulate(task["jobs"], policy, cm, cfg, policy_options=options)
     s = res.summary()
     row = {"preset": task["preset"], "x": task["x"], "seed": task["seed"], "variant": task["label"],
@@ -353,17 +437,20 @@ def preset_jobs(p: dict, num_jobs: int, rate: float, seed: int) -> list[Job]:
     return synthesize(num_jobs, empirical_lengths(p["pairs"]), poisson_arrivals(rate), seed=seed)
 
 
-def build_tasks(args) -> tuple[list[dict], dict]:
+def build_tasks(args) -> tuple[list[dict], dict, dict]:
     """Every variant at every load (or speed) and the sweeps, on the first
     seed; the main variants at the highest load on the other seeds (a trace
-    replays the same jobs whatever the seed: it runs once)."""
-    tasks, capacity = [], {}
+    replays the same jobs whatever the seed: it runs once). Also each
+    preset's output lengths: the distribution the size-blind reference knows."""
+    tasks, capacity, lengths = [], {}, {}
     for name, p in presets(Path(args.workload_dir)).items():
         cm = RooflineCostModel(p["model"], p["device"])
         if "trace" in p:
             points = [(speed, args.seeds[0], replay_trace(p["trace"], speed=speed, limit=args.trace_jobs,
                                                           max_model_len=8192)) for speed in args.speeds]
+            lengths[name] = [j.output_tokens for j in points[0][2]]
         else:
+            lengths[name] = [o for _, o in p["pairs"]]
             cap = capacity[name] = preset_capacity(p, cm, args.capacity_jobs)
             points = [(load, seed, preset_jobs(p, args.num_jobs, load * cap, seed))
                       for seed in args.seeds for load in args.loads
@@ -383,6 +470,8 @@ def build_tasks(args) -> tuple[list[dict], dict]:
                 tasks.append({"preset": name, "x": x, "seed": seed, "label": label, "policy": policy, "mode": mode,
                               "proactive": proactive, "slack": slack, "loan": loan, "jobs": jobs, "model": p["model"],
                               "device": p["device"], "pool": p["pool"]})
+                if policy == SizeBlindPolicy.name:
+                    tasks[-1]["output_lengths"] = lengths[name]
             sweeps = [("starving", n) for n in args.starving_sweep] + [("growth", n) for n in args.growth_sweep]
             sweeps += [("guard", n) for n in args.guard_sweep] + [("backfill", b) for b in args.backfill_sweep]
             sweeps += [("cache", n) for n in args.cache_sweep if p.get("chat")]  # only its turns share prompts
@@ -392,7 +481,7 @@ def build_tasks(args) -> tuple[list[dict], dict]:
                               "policy": SKIP_JOIN, "mode": "swap", "proactive": True, "slack": 0.0,
                               "loan": LOAN_TOKENS, "sweep": {knob: value}, "jobs": jobs, "model": p["model"],
                               "device": p["device"], "pool": p["pool"]})
-    return tasks, capacity
+    return tasks, capacity, lengths
 
 
 # Presets where memory does not bind, or prompts do (the targets there: no
@@ -456,7 +545,41 @@ output length (weighted shortest remaining time first, the order that
 minimizes mean normalized latency on one machine): it shows how far ranking
 alone can move the mean on a preset, and what that order does to the
 tails; with KV loans (the default flags) it shows the same beside the
-engine's memory rules."""
+engine's memory rules. The size-blind reference ranks by what a server
+could learn from the requests it has finished: the distribution of output
+lengths, not each job's (the Gittins index for mean normalized latency,
+``SizeBlindPolicy``: queueing theory's index order for jobs of unknown
+length on one machine). Beside the engine's memory rules it shows how far
+a ranking that learned the lengths' shape could go, and its gap to the
+clairvoyant reference is what only knowing each length buys."""
+
+REMAINING_AFTER = (0, 32, 128, 256, 512)
+REMAINING_NOTE = """Skip-join demotes a job as it is served: it bets that a job which has
+run long has long to go. Where the mean left grows as a job runs (OPT-13B's
+ShareGPT lengths cut at 2048: half the jobs end within 32 tokens, the rest
+have 374 left; arXiv past 128 tokens) the bet pays. Where it falls (the
+ShareGPT lengths as the Llama and CPU presets cut them) the job served
+longest is the nearest to its end, and no ranking that sees only how long
+each job has run picks the short ones out; where it stays flat (the chat
+mix's exponential replies) having run says nothing. A ranking that learns
+the distribution (the size-blind reference) takes whichever of these the
+lengths show, and weighs the prompt it knows against them."""
+
+
+def output_left(meta: dict) -> list[str]:
+    """Each preset's output lengths: of the jobs that have emitted ``a``
+    tokens, how many are left and how much they have left."""
+    left = meta.get("output_left")
+    if not left:
+        return []
+    out = ["## What having run says of a job", "",
+           "Of each preset's output lengths (the distribution the size-blind reference knows): the share of jobs "
+           "longer than a tokens, and their mean tokens left after a.", "",
+           "| preset | " + " | ".join(f"a = {a}" for a in REMAINING_AFTER) + " |",
+           "|---|" + "---|" * len(REMAINING_AFTER)]
+    for preset, points in left.items():
+        out.append(f"| {preset} | " + " | ".join(f"{share:.0%}: {mean:.0f}" for _, share, mean in points) + " |")
+    return out + ["", REMAINING_NOTE]
 
 
 def targets(rows: list[dict]) -> list[str]:
@@ -494,7 +617,7 @@ def targets(rows: list[dict]) -> list[str]:
             checks = {"mean": norm >= (2.0 if bound else 1.0), "TTFT": ttft >= 1.0,
                       "TPOT": tpot <= (1.25 if bound else 1.0), "stall": stall < 0.03}
             missed = [k for k, ok in checks.items() if not ok]
-            met = ("reference" if variant in (CLAIRVOYANT, CLAIRVOYANT_LOANS)
+            met = ("reference" if variant in REFERENCES
                    else "all" if not missed else "not " + ", ".join(missed))
             out.append(f"| {preset} | {variant} | {cell(ratios[0], '.2f')} | {cell(ratios[1], '.2f')} | "
                        f"{cell(ratios[2], '.2f')} | {cell([r['swap_gib'] for r in runs], '.0f', '')} | "
@@ -514,7 +637,7 @@ scheduler passes, and their ceiling (fcfs + recompute's mean over theirs)
 bounds every scheduler's gain (no floor for the chat mix, whose turns find
 earlier turns in the prefix cache)."""
 
-SHARE_VARIANTS = (VARIANTS[0][0], LOANS_OFF, loan_label(LOAN_TOKENS), CLAIRVOYANT_LOANS, ALONE)
+SHARE_VARIANTS = (VARIANTS[0][0], LOANS_OFF, loan_label(LOAN_TOKENS), CLAIRVOYANT_LOANS, SIZE_BLIND_LOANS, ALONE)
 
 
 def where_the_mean_goes(rows: list[dict]) -> list[str]:
@@ -561,7 +684,7 @@ def to_markdown(rows: list[dict], capacity: dict, meta: dict) -> str:
            "device only there, no host pool) serves what it still holds; a turn comes "
            f"{CHAT.think_s:g} s on average after the reply before it has finished (the context, think time "
            "and CV are assumptions).", ""]
-    out += targets(rows) + [""] + where_the_mean_goes(rows)
+    out += targets(rows) + [""] + where_the_mean_goes(rows) + [""] + output_left(meta)
     rows = [r for r in rows if r["seed"] == meta["seeds"][0] and r["variant"] != ALONE]
     for preset in dict.fromkeys(r["preset"] for r in rows):
         sub = [r for r in rows if r["preset"] == preset]
@@ -636,13 +759,14 @@ def main(argv: list[str] | None = None) -> int:
     args.seeds = [int(x) for x in args.seeds.split(",") if x]
     args.speeds = [float(x) for x in args.speeds.split(",")]
     t0 = time.perf_counter()
-    tasks, capacity = build_tasks(args)
+    tasks, capacity, lengths = build_tasks(args)
     print(f"{len(tasks)} simulations on {args.workers} workers ...", file=sys.stderr)
     with ProcessPoolExecutor(args.workers) as pool:
         rows = list(pool.map(run_task, tasks, chunksize=1))
     meta = {"num_jobs": args.num_jobs, "trace_jobs": args.trace_jobs, "seeds": args.seeds,
             "command": "python benchmarks/swapping.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "wall_s": time.perf_counter() - t0, "python": platform.python_version()}
+            "wall_s": time.perf_counter() - t0, "python": platform.python_version(),
+            "output_left": {name: mean_remaining(x, REMAINING_AFTER) for name, x in lengths.items()}}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "swapping_quick" if args.quick else "swapping"

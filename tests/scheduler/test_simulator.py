@@ -5,6 +5,7 @@ its tokens, block accounting conserved, same seed -> same result."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -418,3 +419,58 @@ def test_no_job_finishes_sooner_in_company_than_alone(raw, policy, mode, spare_b
         hair = others * (length * pair_time + steps * token_read_time)
         assert r.ttft >= alone.ttft - hair, (j, r, alone)
         assert r.e2e >= alone.e2e - hair, (j, r, alone)
+
+
+def _swapping_module():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import swapping
+
+    return swapping
+
+
+def test_size_blind_reference_follows_the_lengths_shape():
+    """benchmarks/swapping.py's size-blind reference (the Gittins index for
+    mean normalized latency on a known length distribution): on half
+    1-token and half 100-token jobs, a new job's index is the 1-token half's
+    (1/2 done per decode, 1/2 weight each), and one that has emitted a token
+    is a 100-token job for sure, (1/100 weight)/(99 decodes) of it: served
+    least first, as skip-join does. Where the hazard rises (lengths 100-200
+    uniform) the index rises with the tokens emitted: it keeps serving who
+    started. A prompt still to compute lowers a new job's index."""
+    sw = _swapping_module()
+    cm = default_cost_model()
+    d = cm.min_iteration_time() / 16
+    two = sw.SizeBlindPolicy(cm, [1, 100])
+    assert two.index(0, 0.0) == pytest.approx(0.5 / d)
+    assert two.index(1, 0.0) == pytest.approx(0.5 / 100 / (0.5 * 99 * d))
+    assert two.index(100, 0.0) == math.inf
+    rising = sw.SizeBlindPolicy(cm, range(100, 201))
+    marks = [rising.index(a, 0.0) for a in (0, 50, 100, 150, 199)]
+    assert marks == sorted(marks) and marks[0] < marks[-1]
+    assert two.index(0, cm.prefill_time(512)) < two.index(0, 0.0)
+    # mean_remaining: what the markdown's table reports.
+    assert sw.mean_remaining([1, 100], [0, 1, 100]) == [(0, 1.0, 50.5), (1, 0.5, 99.0), (100, 0.0, 0.0)]
+
+
+def test_size_blind_reference_orders_by_the_lengths_shape():
+    """Its ranking (what the simulator asks of a policy object): a job that
+    has emitted 150 tokens ranks above a new one where every length is
+    100-200 tokens (it is nearer its end), below it where nine in ten jobs
+    end at their first token (the new one is likely one of them)."""
+    from fluidserve.scheduler.request_state import SeqState
+
+    sw = _swapping_module()
+    cm = default_cost_model()
+
+    def seqs():
+        started = SeqState("started", 32, 400, 0.0, num_output_tokens=150, num_computed_tokens=181, arrival_index=0)
+        new = SeqState("new", 32, 400, 1.0, arrival_index=1)
+        return [started, new]
+
+    rising = sw.SizeBlindPolicy(cm, range(100, 201))
+    falling = sw.SizeBlindPolicy(cm, [1] * 90 + [200] * 10)
+    assert [s.request_id for s in rising.order(seqs(), 1.0)] == ["started", "new"]
+    assert [s.request_id for s in falling.order(seqs(), 1.0)] == ["new", "started"]
