@@ -10,7 +10,8 @@ No request field is silently dropped. Every field OpenAI or vLLM defines for
 the two generation endpoints is either a model field here (implemented) or in
 a ``_REFUSED`` table: sent with anything but its "off" value it is a 400 whose
 ``param`` names it. A key neither knows is logged as a warning and ignored,
-as the official API tolerates newer clients.
+as vLLM does: an SDK newer than the server sends fields it has never heard
+of (OpenAI's own API refuses them instead).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ logger = logging.getLogger("fluidserve.serve")
 
 
 class _Wire(BaseModel):
-    # Unknown fields are ignored, as the official API tolerates newer clients.
+    # Unknown fields are logged and ignored, as vLLM does (see the module docstring).
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
