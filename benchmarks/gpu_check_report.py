@@ -154,7 +154,7 @@ def _fmt_kernels(r: dict) -> tuple[str, dict]:
     if t.get("prefill_vs_sdpa") is not None:
         parts.append(f"prefill {t['prefill_vs_sdpa']:.2f}x SDPA")
     if m.get("speedup") is not None:
-        parts.append(f"packing {m['speedup']:.2f}x")
+        parts.append(f"mixed step {m['speedup']:.2f}x unpacked ({m.get('default', 'packed')} plan)")
     return "; ".join(parts), figures
 
 

@@ -32,6 +32,13 @@ Pipeline::
   is at most ``4/3 - 1/(3 * num_units)`` times the optimum. An item costs the
   keys it visits, a prefill tile's counted ``PREFILL_KEY_COST`` times, plus
   ``ITEM_OVERHEAD``.
+* A step with both kinds of tile can instead be planned as **two launches**
+  (``decode_units``): its decode tiles packed onto the units of the
+  decode-only kernel variant (``WorkPlan.decode_part``), its prefill tiles
+  onto the mixed variant's, one merge after both. On an H200 the mixed
+  variant ran long decodes about 1.2x slower than the decode-only one
+  (``paged_attention.SEPARATE_DECODE_KEYS``), more than the bubbles packing
+  fills are worth; ``paged_attention.plan_for`` decides per step.
 
 The packing never changes the numbers: an item's result does not depend on the
 unit that runs it, and the merge visits splits in index order. The split
@@ -131,6 +138,10 @@ class WorkPlan:
     num_seqs: int  # block-table rows the kernel reads
     max_seq_len: int  # longest KV length: block-table columns needed = ceil(/ block_size)
     unit_costs: tuple[int, ...] = field(default=())  # planned load of each unit
+    # A two-launch plan's decode tiles, for the decode-only variant: its own
+    # work list and units; its merge rows are numbered in (and merged by) this
+    # plan's. None: one launch runs every item.
+    decode_part: WorkPlan | None = None
     # Split-K partial buffers, allocated by the first layer that launches
     # with this plan and reused by the others (one stream: layer i's merge
     # has run before layer i + 1 writes them again).
@@ -142,7 +153,8 @@ class WorkPlan:
 
     @property
     def num_items(self) -> int:
-        return self.work.shape[0]
+        """Items of every launch of the plan."""
+        return self.work.shape[0] + (self.decode_part.num_items if self.decode_part is not None else 0)
 
     @property
     def num_merge_rows(self) -> int:
@@ -159,13 +171,16 @@ class WorkPlan:
             unit_offsets=move(self.unit_offsets),
             merge_tokens=move(self.merge_tokens),
             merge_num_splits=move(self.merge_num_splits),
+            decode_part=self.decode_part.to(device) if self.decode_part is not None else None,
             scratch={},
         )
 
     def items(self) -> list[WorkItem]:
-        """The work list as Python objects (tests, debugging)."""
-        return [WorkItem(*row, prefill=row[F_Q_HI] - row[F_Q_LO] > self.decode_tokens_per_tile)
-                for row in self.work.tolist()]
+        """The work list as Python objects (tests, debugging): this launch's
+        items, then the decode part's."""
+        own = [WorkItem(*row, prefill=row[F_Q_HI] - row[F_Q_LO] > self.decode_tokens_per_tile)
+               for row in self.work.tolist()]
+        return own + (self.decode_part.items() if self.decode_part is not None else [])
 
 
 def make_tiles(
@@ -210,14 +225,16 @@ def auto_kv_chunk(tiles: list[WorkItem], num_units: int, align: int = 64) -> int
     return -(-target // align) * align
 
 
-def split_tiles(tiles: list[WorkItem], kv_chunk: int) -> tuple[list[WorkItem], list[tuple[int, int]]]:
+def split_tiles(
+    tiles: list[WorkItem], kv_chunk: int, first_row: int = 0
+) -> tuple[list[WorkItem], list[tuple[int, int]]]:
     """Split every tile whose span exceeds ``kv_chunk`` into pieces.
 
     Piece boundaries sit on absolute multiples of the chunk length, so a piece
     never straddles the same keys as its neighbour and the pieces of a tile
     cover ``[kv_lo, kv_hi)`` exactly. At most ``MAX_SPLITS`` pieces per tile
     (the chunk grows for very long spans). Returns the items and the merge rows
-    as ``(flat token, num_splits)``.
+    as ``(flat token, num_splits)``, numbered from ``first_row``.
     """
     items: list[WorkItem] = []
     merge_rows: list[tuple[int, int]] = []
@@ -238,7 +255,7 @@ def split_tiles(tiles: list[WorkItem], kv_chunk: int) -> tuple[list[WorkItem], l
         if n == 1:
             items.append(t)
             continue
-        row = len(merge_rows)
+        row = first_row + len(merge_rows)
         merge_rows.extend((tok, n) for tok in range(t.q_lo, t.q_hi))
         for j in range(n):
             items.append(replace(t, kv_lo=bounds[j], kv_hi=bounds[j + 1], merge_row=row, split=j))
@@ -271,6 +288,7 @@ def plan_attention(
     kv_chunk: int | None = None,
     pack: bool = True,
     decode_tokens_per_tile: int | None = None,
+    decode_units: int | None = None,
 ) -> WorkPlan:
     """Plan one step's attention work.
 
@@ -281,6 +299,10 @@ def plan_attention(
     baseline without FluidInfer packing: no splits unless ``kv_chunk`` is given,
     and one item per program in batch order. ``decode_tokens_per_tile``
     (default: ``tokens_per_tile``, one tile size) is the longest decode tile.
+    ``decode_units`` (packed plans only) plans a step that has both kinds of
+    tile as two launches: its decode tiles on this many units of the
+    decode-only variant (``decode_part``), the rest on ``num_units``; each
+    part picks its own split length unless ``kv_chunk`` fixes both.
     """
     if num_units < 1 or tokens_per_tile < 1:
         raise ValueError("num_units and tokens_per_tile must be positive")
@@ -289,32 +311,53 @@ def plan_attention(
         raise ValueError("decode_tokens_per_tile must be positive")
     if len(q_lens) != len(seq_lens):
         raise ValueError(f"{len(q_lens)} query lengths for {len(seq_lens)} sequences")
+    if decode_units is not None and decode_units < 1:
+        raise ValueError("decode_units must be positive")
     tiles = make_tiles(q_lens, seq_lens, tokens_per_tile, sliding_window, short)
-    if kv_chunk is None:
-        kv_chunk = auto_kv_chunk(tiles, num_units) if pack else 1 << 62
-    items, merge_rows = split_tiles(tiles, kv_chunk)
-    if pack:
-        num_units = min(num_units, max(len(items), 1))  # no idle programs
-        units, loads = pack_lpt(items, num_units)
+    common = dict(num_tokens=sum(q_lens), tokens_per_tile=tokens_per_tile, decode_tokens_per_tile=short,
+                  sliding_window=sliding_window, num_seqs=len(seq_lens), max_seq_len=max(seq_lens, default=0))
+    decode_tiles = [t for t in tiles if not t.prefill]
+    decode_part = None
+    if pack and decode_units is not None and decode_tiles and len(decode_tiles) < len(tiles):
+        tiles = [t for t in tiles if t.prefill]
+        items, merge_rows = split_tiles(tiles, kv_chunk or auto_kv_chunk(tiles, num_units))
+        decode_items, decode_rows = split_tiles(decode_tiles, kv_chunk or auto_kv_chunk(decode_tiles, decode_units),
+                                                first_row=len(merge_rows))  # fmt: skip
+        merge_rows += decode_rows
+        work, offsets, loads = _lay_out(*pack_lpt(decode_items, min(decode_units, len(decode_items))))
+        decode_part = WorkPlan(work=work, unit_offsets=offsets, merge_tokens=_i32([]), merge_num_splits=_i32([]),
+                               has_prefill_tiles=False, max_splits=0, unit_costs=loads, **common)  # fmt: skip
     else:
-        units, loads = [[it] for it in items], [it.cost for it in items]
+        if kv_chunk is None:
+            kv_chunk = auto_kv_chunk(tiles, num_units) if pack else 1 << 62
+        items, merge_rows = split_tiles(tiles, kv_chunk)
+    if pack:
+        units, loads_ = pack_lpt(items, min(num_units, max(len(items), 1)))  # no idle programs
+    else:
+        units, loads_ = [[it] for it in items], [it.cost for it in items]
+    work, offsets, loads = _lay_out(units, loads_)
+    return WorkPlan(
+        work=work,
+        unit_offsets=offsets,
+        merge_tokens=_i32([tok for tok, _ in merge_rows]),
+        merge_num_splits=_i32([n for _, n in merge_rows]),
+        has_prefill_tiles=any(t.prefill for t in tiles),
+        max_splits=max((n for _, n in merge_rows), default=0),
+        unit_costs=loads,
+        decode_part=decode_part,
+        **common,
+    )
+
+
+def _i32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _lay_out(units: list[list[WorkItem]], loads: list[int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """Units' items as the kernel reads them: the work rows grouped by unit
+    and the row pointer, with the planned loads."""
     rows = [it.as_row() for unit in units for it in unit]
     offsets = [0]
     for unit in units:
         offsets.append(offsets[-1] + len(unit))
-    i32 = torch.int32
-    return WorkPlan(
-        work=torch.tensor(rows, dtype=i32).reshape(-1, WORK_FIELDS),
-        unit_offsets=torch.tensor(offsets, dtype=i32),
-        merge_tokens=torch.tensor([tok for tok, _ in merge_rows], dtype=i32),
-        merge_num_splits=torch.tensor([n for _, n in merge_rows], dtype=i32),
-        num_tokens=sum(q_lens),
-        tokens_per_tile=tokens_per_tile,
-        decode_tokens_per_tile=short,
-        has_prefill_tiles=any(t.q_hi - t.q_lo > short for t in tiles),
-        max_splits=max((n for _, n in merge_rows), default=0),
-        sliding_window=sliding_window,
-        num_seqs=len(seq_lens),
-        max_seq_len=max(seq_lens, default=0),
-        unit_costs=tuple(loads),
-    )
+    return _i32(rows).reshape(-1, WORK_FIELDS), _i32(offsets), tuple(loads)

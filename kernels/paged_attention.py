@@ -22,7 +22,9 @@ at most ``decode_tokens_per_tile`` tokens, and a **prefill tile** of
 variant that holds only the decode tile (few registers, several programs per
 SM); a mixed step launches one holding both, and each item picks its tile by
 its length. The grid is sized from the occupancy of the variant launched, read
-off the compiled kernel (registers, shared memory, warps).
+off the compiled kernel (registers, shared memory, warps). A mixed step whose
+decodes are long runs its decode tiles in a launch of their own, of the
+decode-only variant (``plan_for``, ``SEPARATE_DECODE_KEYS``).
 
 head_dim need not be a power of two: tiles are ``HEAD_PAD`` (next power of two)
 wide and the extra columns are masked (zeros in Q and K add nothing to a dot,
@@ -82,6 +84,16 @@ FALLBACK_PROGRAMS_PER_SM = {False: 4, True: 1}
 # Units per KV head off CUDA: enough for packing and split-K to have work to
 # spread, few enough for the interpreter.
 INTERPRETER_UNITS = 4
+# Keys per KV head a mixed step's decode tiles visit, from which they run in
+# a launch of their own (the decode-only variant) rather than packed beside
+# the prefill tiles. On an H200 (kernels_nvidia_h200.md, attention_tuning),
+# 128 decodes of 2.3M keys took 3.14-3.27 ms inside the mixed variant (a step's
+# time less its prefill chunk's alone) against 2.69 ms predicted for the
+# decode-only variant at its measured 0.86M keys/ms: about 1.2x slower. From
+# 2^19 keys (128 decodes of 4k) the decodes alone take about 0.6 ms a layer,
+# more than an eager layer's host work, so the step waits on the GPU and the
+# ~0.1 ms saved outweighs the second launch's host time (tens of microseconds).
+SEPARATE_DECODE_KEYS = 1 << 19
 
 
 @dataclass(frozen=True)
@@ -717,6 +729,14 @@ def _merge_constexprs(launch: _Launch) -> dict[str, object]:
                 SPLIT_CHUNK=SPLIT_CHUNK)  # fmt: skip
 
 
+def _decode_launch(launch: _Launch, part: WorkPlan) -> _Launch:
+    """A two-launch plan's decode launch: the same batch, output and
+    partials, the decode part's work list, the decode-only variant."""
+    constexprs = dict(launch.constexprs, HAS_PREFILL=False)
+    args = dict(launch.args, work_ptr=part.work, unit_offsets_ptr=part.unit_offsets)
+    return dataclasses.replace(launch, args=args, constexprs=constexprs, options=_launch_options(constexprs))
+
+
 def _occupancy_key(constexprs: dict[str, object], options: dict[str, int], dtype: torch.dtype,
                    device: torch.device) -> tuple:
     return (tuple(sorted(constexprs.items())), tuple(options.items()), str(dtype), str(device))
@@ -754,6 +774,8 @@ def _launch(
     launch = _prepare(query, key_cache, value_cache, block_tables, scale, plan)
     if plan.num_items == 0:
         return launch.out
+    if plan.decode_part is not None:
+        _run(_decode_launch(launch, plan.decode_part), plan.decode_part.num_units)
     _run(launch, plan.num_units)
     if plan.num_merge_rows:
         _run_merge(launch, plan, plan.num_merge_rows)
@@ -852,17 +874,30 @@ def plan_for(
     num_units: int | None = None,
     tokens_per_tile: int | None = None,
     kv_chunk: int | None = None,
+    separate: bool | None = None,
+    decode_units: int | None = None,
 ) -> WorkPlan:
     """The default plan for a batch, already on the query's device. The engine
     calls this once per step with host-side lengths and passes the plan to
     every layer. Decode tiles are ``decode_tokens_per_tile(group)`` tokens,
-    prefill tiles ``tokens_per_tile`` (default ``TILES.prefill_rows // group``)."""
+    prefill tiles ``tokens_per_tile`` (default ``TILES.prefill_rows // group``).
+
+    ``separate`` runs a packed step's decode tiles in a launch of their own
+    (on ``decode_units``, by default the decode-only variant's units) when
+    the step also has prefill tiles: None decides by the decodes' keys
+    (``SEPARATE_DECODE_KEYS``), True and False force it."""
     group = query.shape[1] // key_cache.shape[2]
     tpt = tokens_per_tile or default_tokens_per_tile(group)
     dtpt = min(decode_tokens_per_tile(group), tpt)
+    has_prefill = max(q_lens, default=0) > dtpt
     if num_units is None:
-        has_prefill = max(q_lens, default=0) > dtpt
         num_units = default_num_units(query, key_cache, has_prefill, sliding_window)
+    if separate is None:
+        separate = has_prefill and _decode_keys(q_lens, seq_lens, dtpt, sliding_window) >= SEPARATE_DECODE_KEYS
+    if not (separate and pack and has_prefill):
+        decode_units = None
+    elif decode_units is None:
+        decode_units = default_num_units(query, key_cache, False, sliding_window)
     plan = packing.plan_attention(
         q_lens,
         seq_lens,
@@ -872,8 +907,16 @@ def plan_for(
         sliding_window=sliding_window,
         kv_chunk=kv_chunk,
         pack=pack,
+        decode_units=decode_units,
     )
     return plan.to(query.device)
+
+
+def _decode_keys(q_lens: list[int], seq_lens: list[int], decode_tokens: int, sliding_window: int | None) -> int:
+    """Keys per KV head the decode tiles of a step visit (one per token and
+    key, as the kernel's 16-row decode tile loads each key once)."""
+    cap = sliding_window or 1 << 62
+    return sum(min(s, cap) for q, s in zip(q_lens, seq_lens) if q <= decode_tokens)
 
 
 def paged_attention(

@@ -237,6 +237,27 @@ def test_lane_piecewise_steps_give_eager_tokens_and_kv(tiny_model, make_llm, tri
 
 
 @lane_only
+def test_lane_mixed_steps_in_two_launches_give_one_launch_tokens(tiny_model, make_llm, triton_lane, monkeypatch):
+    """Every mixed step planned as two launches (decode tiles in the
+    decode-only variant, prefill tiles in the mixed one) gives the tokens of
+    one launch through the engine, for full attention and a sliding window."""
+    from fluidserve.kernels import paged_attention as pa
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kwargs = dict(LANE_KWARGS, dtype="float32", scheduling_policy="fcfs")
+    for arch, overrides in (("llama", {}), ("mistral", dict(sliding_window=24))):
+        path = tiny_model(arch, **overrides)
+        one = [o.outputs[0].token_ids for o in generate(make_llm, path, params, **kwargs)]
+        decode_launches = []
+        with monkeypatch.context() as patch:
+            patch.setattr(pa, "SEPARATE_DECODE_KEYS", 1)
+            patch.setattr(pa, "_decode_launch", lambda *a, f=pa._decode_launch: decode_launches.append(1) or f(*a))
+            two = [o.outputs[0].token_ids for o in generate(make_llm, path, params, **kwargs)]
+        assert decode_launches, "no step ran its decode tiles in a launch of their own"
+        assert two == one
+
+
+@lane_only
 def test_partial_buffers_hold_every_bucket_when_the_split_cap_binds(tiny_model, make_llm, triton_lane,
                                                                      monkeypatch):
     """With the split-K budget below the largest bucket (8 rows against a

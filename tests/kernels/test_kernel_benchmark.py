@@ -52,16 +52,19 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device):
         mixed=bench.bench_mixed(shape, chunk=40, decodes=4, contexts=(20, 300), split_keys=64),
     )  # fmt: skip
     assert pa.variant_keys() == warm
-    # decode points launched and in a graph, ours + SDPA, packed + unpacked + split unpacked
-    assert len(bench.calls) == 2 * 4 + 2 * 1 + 3
+    # decode points launched and in a graph, ours + SDPA, packed in one and two launches, unpacked, split unpacked
+    assert len(bench.calls) == 2 * 4 + 2 * 1 + 4
     for plan in ("unpacked", "split_unpacked"):
         assert report["mixed"][plan]["units"] == report["mixed"][plan]["items"]  # one program per item
     assert report["mixed"]["split_unpacked"]["max_splits"] > 1 >= report["mixed"]["unpacked"]["max_splits"]
+    assert "decode_units" in report["mixed"]["separate"] and "decode_units" not in report["mixed"]["packed"]
+    assert report["mixed"]["default"] == "packed"  # 4 short decodes: one launch
     report["variants"] = dict(warmup_s=0.0, keys_after_warmup=pa.num_variants(), keys_after_sweep=pa.num_variants(),
                               triton_after_warmup=None, triton_after_sweep=None, occupancy=[])  # fmt: skip
     report["targets"] = bench.targets(report)
     text = bench.markdown(report)
-    assert "| 3 | 200 |" in text and "Packing speedup" in text and "in a graph" in text
+    assert "| 3 | 200 |" in text and "The engine's plan (packed (LPT" in text and "in a graph" in text
+    assert "decode tiles in a launch of their own" in text
 
 
 def test_decode_bytes_per_token_of_llama3_8b(bench):

@@ -16,9 +16,15 @@ from fluidserve.kernels.packing import WorkItem
 def check_plan(plan: packing.WorkPlan, q_lens: list[int], seq_lens: list[int], window: int | None) -> None:
     """Every query token's causal/window KV range is covered exactly once, by
     one direct item or by the pieces of one merge row."""
-    items = plan.items()
-    offsets = plan.unit_offsets.tolist()
-    assert offsets[0] == 0 and offsets[-1] == len(items) and offsets == sorted(offsets)
+    items = plan.items()  # both launches' items of a two-launch plan
+    for part in (plan, plan.decode_part):
+        if part is not None:
+            offsets = part.unit_offsets.tolist()
+            assert offsets[0] == 0 and offsets[-1] == part.work.shape[0] and offsets == sorted(offsets)
+    if plan.decode_part is not None:
+        assert plan.decode_part.merge_tokens.numel() == 0  # its merge rows are the plan's
+        assert all(not it.prefill for it in plan.decode_part.items())
+        assert all(it.prefill for it in items[:plan.work.shape[0]])
     starts = [0, *itertools.accumulate(q_lens)]
     merge_tokens = plan.merge_tokens.tolist()
     merge_splits = plan.merge_num_splits.tolist()
@@ -68,6 +74,13 @@ def test_plan_covers_every_token_exactly(q_lens, seq_lens, window, num_units, to
     unpacked = packing.plan_attention(q_lens, seq_lens, num_units=num_units, tokens_per_tile=tokens_per_tile,
                                       sliding_window=window, pack=False)  # fmt: skip
     check_plan(unpacked, q_lens, seq_lens, window)
+    two = packing.plan_attention(q_lens, seq_lens, num_units=num_units, tokens_per_tile=tokens_per_tile,
+                                 decode_tokens_per_tile=4, sliding_window=window, kv_chunk=kv_chunk,
+                                 decode_units=5)  # fmt: skip
+    check_plan(two, q_lens, seq_lens, window)
+    one = packing.plan_attention(q_lens, seq_lens, num_units=num_units, tokens_per_tile=tokens_per_tile,
+                                 decode_tokens_per_tile=4, sliding_window=window, kv_chunk=kv_chunk)  # fmt: skip
+    assert (two.decode_part is not None) == ({it.prefill for it in one.items()} == {True, False})
 
 
 def test_split_pieces_sit_on_chunk_multiples():

@@ -201,6 +201,53 @@ def test_decode_and_prefill_tiles_in_one_step(device, make_batch, oracle):
     torch.testing.assert_close(run(batch, plan), oracle(batch), atol=ATOL, rtol=RTOL)
 
 
+def test_two_launch_plan_gives_the_one_launch_bits(device, make_batch, oracle):
+    """A mixed step's decode tiles in a launch of their own (the decode-only
+    variant) give the same splits packed into one launch: the same bits in
+    the interpreter (one source for the decode tile); on a GPU two compiled
+    variants, so fp32 rounding. With each part's own split length, the
+    reference's answer."""
+    specs = [(1, 300), (36, 36), (1, 90), (4, 40), (40, 200), (1, 17)]
+    batch = make_batch(specs, num_kv_heads=2, group=4, head_dim=32, block_size=16, device=device)
+    one = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), kv_chunk=64, separate=False)
+    two = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), kv_chunk=64, separate=True,
+                      decode_units=3)  # fmt: skip
+    assert one.decode_part is None and two.decode_part is not None
+    assert two.has_prefill_tiles and not two.decode_part.has_prefill_tiles
+    assert two.decode_part.num_units == 3 and two.num_merge_rows == one.num_merge_rows > 0
+
+    def pieces(plan):  # the items but for their merge rows' numbering
+        return sorted((it.seq, it.q_lo, it.q_hi, it.kv_lo, it.kv_hi, it.split) for it in plan.items())
+
+    assert pieces(two) == pieces(one)
+    if pa.INTERPRETED:
+        assert torch.equal(run(batch, two), run(batch, one))
+    else:
+        torch.testing.assert_close(run(batch, two), run(batch, one), atol=1e-6, rtol=1e-6)
+    auto = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), separate=True)
+    assert auto.decode_part is not None
+    torch.testing.assert_close(run(batch, auto), oracle(batch), atol=ATOL, rtol=RTOL)
+
+
+def test_long_decodes_beside_a_prefill_get_their_own_launch(device, make_batch):
+    """plan_for separates by the decodes' keys: a mixed step from
+    SEPARATE_DECODE_KEYS on, never a decode-only step, never an unpacked
+    plan. Planning reads only shapes, so a small cache stands in."""
+    batch = make_batch([(1, 8)], num_kv_heads=2, group=4, head_dim=32, block_size=16, device=device)
+    keys = pa.SEPARATE_DECODE_KEYS
+
+    def plan(q_lens, seq_lens, **kw):
+        return pa.plan_for(batch.query, batch.key_cache, q_lens, seq_lens, **kw)
+
+    assert plan([512, 1, 1], [512, keys // 2, keys // 2]).decode_part is not None
+    assert plan([512, 1, 1], [512, keys // 2, keys // 2 - 1]).decode_part is None
+    assert plan([1, 1], [keys, keys]).decode_part is None  # decode-only: one launch, its own variant
+    assert plan([512, 1], [512, keys], pack=False).decode_part is None
+    assert plan([512, 1], [512, keys], separate=False).decode_part is None
+    # A sliding window caps the keys a decode visits.
+    assert plan([512, 1, 1], [512, keys, keys], sliding_window=1024).decode_part is None
+
+
 @pytest.mark.parametrize("changes", [dict(block_n=32, prefill_rows=64), dict(block_n=128, num_stages=2)])
 def test_every_launch_shape_a_sweep_tries_gives_the_same_attention(device, make_batch, oracle, changes):
     """``benchmarks/attention_tuning.py`` times other tiles than the
@@ -275,31 +322,34 @@ def test_occupancy_from_the_compiled_kernel():
 VARIANT_SHAPE = dict(num_kv_heads=1, group=2, head_dim=32, block_size=16)
 
 
-def variant_workload() -> list[tuple[list[tuple[int, int]], int | None]]:
-    """(specs, kv_chunk) of batches as serving sees them: 1 to 16
+def variant_workload() -> list[tuple[list[tuple[int, int]], dict]]:
+    """(specs, plan_for options) of batches as serving sees them: 1 to 16
     sequences, one-block tables (row stride 1) and 16-block ones, decode-only
-    and mixed steps, 0 to 8 KV splits."""
+    and mixed steps, 0 to 8 KV splits, one launch or two."""
     rng = random.Random(7)
     return [
-        ([(1, 5)], None),  # block table [1, 1]: row stride 1
-        ([(1, 5), (1, 9), (1, 16)], None),
-        ([(1, 250), (1, 3)], 32),  # 16 blocks: row stride 16; 8 splits
-        ([(1, rng.randint(1, 120)) for _ in range(16)], None),
-        ([(1, 500)], 64),  # 8 splits: partial-buffer strides multiples of 16
-        ([(1, 300), (1, 70)], 128),
-        ([(30, 30), (1, 200), (1, 17)], None),  # mixed
-        ([(7, 7)], None),
-        ([(40, 90), (1, 33)], 32),  # mixed, split prefill tiles
+        ([(1, 5)], {}),  # block table [1, 1]: row stride 1
+        ([(1, 5), (1, 9), (1, 16)], {}),
+        ([(1, 250), (1, 3)], dict(kv_chunk=32)),  # 16 blocks: row stride 16; 8 splits
+        ([(1, rng.randint(1, 120)) for _ in range(16)], {}),
+        ([(1, 500)], dict(kv_chunk=64)),  # 8 splits: partial-buffer strides multiples of 16
+        ([(1, 300), (1, 70)], dict(kv_chunk=128)),
+        ([(30, 30), (1, 200), (1, 17)], {}),  # mixed
+        ([(7, 7)], {}),
+        ([(40, 90), (1, 33)], dict(kv_chunk=32)),  # mixed, split prefill tiles
+        ([(30, 30), (1, 200), (1, 17)], dict(separate=True)),  # mixed in two launches
+        ([(40, 90), (1, 250)], dict(kv_chunk=32, separate=True)),  # both parts split
     ]
 
 
 def launch_workload(make_batch, device: str, oracle=None) -> None:
-    for i, (specs, kv_chunk) in enumerate(variant_workload()):
+    for i, (specs, options) in enumerate(variant_workload()):
         batch = make_batch(specs, device=device, seed=i, **VARIANT_SHAPE)
         # Tables exactly as wide as the longest sequence needs.
         width = max(-(-s // VARIANT_SHAPE["block_size"]) for s in specs_s(specs))
         batch.block_tables = batch.block_tables[:, :width].contiguous()
-        plan = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), kv_chunk=kv_chunk)
+        plan = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), **options)
+        assert (plan.decode_part is not None) == options.get("separate", False)
         out = run(batch, plan)
         if oracle is not None:
             torch.testing.assert_close(out, oracle(batch), atol=ATOL, rtol=RTOL)
@@ -323,15 +373,17 @@ def test_variant_count_would_catch_a_specialised_batch_argument(device, make_bat
     several keys per variant (a one-block table, 16-multiple split strides):
     the check above can fail."""
     exempt, none = set(), set()
-    for i, (specs, kv_chunk) in enumerate(variant_workload()):
+    for i, (specs, options) in enumerate(variant_workload()):
         batch = make_batch(specs, device=device, seed=i, **VARIANT_SHAPE)
         width = max(-(-s // VARIANT_SHAPE["block_size"]) for s in specs_s(specs))
         batch.block_tables = batch.block_tables[:, :width].contiguous()
-        plan = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), kv_chunk=kv_chunk)
+        plan = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), **options)
         launch = pa._prepare(batch.query, batch.key_cache, batch.value_cache, batch.block_tables, 1.0, plan)
-        args = {**launch.args, **launch.constexprs}
-        exempt.add(pa.specialization_key(args, pa._ATTENTION_DYNAMIC))
-        none.add(pa.specialization_key(args, ()))
+        launches = [launch] + ([pa._decode_launch(launch, plan.decode_part)] if plan.decode_part else [])
+        for each in launches:
+            args = {**each.args, **each.constexprs}
+            exempt.add(pa.specialization_key(args, pa._ATTENTION_DYNAMIC))
+            none.add(pa.specialization_key(args, ()))
     assert len(exempt) == 2  # decode-only and mixed
     assert len(none) > len(exempt)
     assert pa.specialization_key({"x": 1}, ()) != pa.specialization_key({"x": 7}, ())
