@@ -579,28 +579,43 @@ def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...],
 
 
 def compile_report(num_kv_heads: int, block_size: int) -> list[dict]:
-    from fluidserve.kernels import paged_attention as pa
-
+    """Every attention variant the engine launches, at its default tiles;
+    then the mixed variant of a Llama-3-8B head (bf16, 128 wide, group 4) at
+    the launch shapes ``attention_tuning.py`` sweeps."""
     rows = []
     for dtype in (torch.bfloat16, torch.float16):
         for head_dim, group in COMPILE_SHAPES:
-            query = torch.empty((1, num_kv_heads * group, head_dim), dtype=dtype)
-            cache = torch.empty((4, block_size, num_kv_heads, head_dim), dtype=dtype)
-            tables = torch.zeros((1, 1), dtype=torch.int32)
             for has_prefill in (False, True):
-                plan = pa._empty_plan(query.device, group, has_prefill, None)
-                launch = pa._prepare(query[:0], cache, cache, tables, 1.0, plan)
-                res = _compile_offline(pa._paged_attention_kernel, launch.args, launch.constexprs,
-                                       pa._ATTENTION_DYNAMIC, launch.num_warps)  # fmt: skip
-                res.update(kernel="attention", dtype=str(dtype).removeprefix("torch."), head_dim=head_dim, group=group,
-                           variant="mixed" if has_prefill else "decode-only",
-                           programs_per_sm=pa.occupancy(res["registers"], res["num_warps"], res["shared_bytes"],
-                                                        pa.SmLimits()))  # fmt: skip
-                rows.append(res)
-                print(f"{res['dtype']} head_dim={head_dim} group={group} {res['variant']:11s} warps={res['num_warps']} "
-                      f"regs={res['registers']} shared={res['shared_bytes']} local={res['local_bytes']} "
-                      f"-> {res['programs_per_sm']}/SM ({res['compile_s']:.1f} s)")  # fmt: skip
+                rows.append(_compile_attention(num_kv_heads, block_size, dtype, head_dim, group, has_prefill))
+    for changes in MIXED_SHAPES:
+        rows.append(_compile_attention(num_kv_heads, block_size, torch.bfloat16, 128, 4, True, **changes))
     return rows
+
+
+# Launch shapes of the mixed variant compiled beside the default: keys per
+# step and warps (the tuning sweep's axes).
+MIXED_SHAPES = [dict(block_n=32), dict(block_n=128), dict(wide_warps=8), dict(block_n=128, wide_warps=8)]
+
+
+def _compile_attention(num_kv_heads: int, block_size: int, dtype: torch.dtype, head_dim: int, group: int,
+                       has_prefill: bool, **changes: int) -> dict:
+    from fluidserve.kernels import paged_attention as pa
+
+    query = torch.empty((1, num_kv_heads * group, head_dim), dtype=dtype)
+    cache = torch.empty((4, block_size, num_kv_heads, head_dim), dtype=dtype)
+    tables = torch.zeros((1, 1), dtype=torch.int32)
+    with pa.tiles(**changes) as shape:
+        plan = pa._empty_plan(query.device, group, has_prefill, None)
+        launch = pa._prepare(query[:0], cache, cache, tables, 1.0, plan)
+    res = _compile_offline(pa._paged_attention_kernel, launch.args, launch.constexprs, pa._ATTENTION_DYNAMIC,
+                           launch.num_warps)  # fmt: skip
+    res.update(kernel="attention", dtype=str(dtype).removeprefix("torch."), head_dim=head_dim, group=group,
+               variant="mixed" if has_prefill else "decode-only", block_n=shape.block_n, tuned=bool(changes),
+               programs_per_sm=pa.occupancy(res["registers"], res["num_warps"], res["shared_bytes"], pa.SmLimits()))
+    print(f"{res['dtype']} head_dim={head_dim} group={group} {res['variant']:11s} block_n={shape.block_n} "
+          f"warps={res['num_warps']} regs={res['registers']} stack={res['stack_bytes']} shared={res['shared_bytes']} "
+          f"-> {res['programs_per_sm']}/SM ({res['compile_s']:.1f} s)")  # fmt: skip
+    return res
 
 
 # (BLOCK_N, BLOCK_K, warps) of the GEMV compiled offline: the engine's, and
@@ -629,16 +644,25 @@ def gemv_compile_report() -> list[dict]:
 
 def compile_markdown(rows: list[dict], triton_version: str) -> str:
     lines = ["# Attention and GEMV variants compiled for sm_90, no GPU", "",
-             f"Triton {triton_version}; registers and local memory from the cubin (cuobjdump), occupancy from "
-             "paged_attention.occupancy with an H100 SM's limits (64K registers, 2048 threads, 228 KiB shared).",
-             "", "| dtype | head_dim | group | variant | warps | registers | shared B | local B | programs/SM |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for r in rows:
-        if r.get("kernel", "attention") != "attention":
-            continue
-        cells = (r["dtype"], r["head_dim"], r["group"], r["variant"], r["num_warps"], r["registers"],
-                 r["shared_bytes"], r["local_bytes"], r["programs_per_sm"])  # fmt: skip
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
+             f"Triton {triton_version}; registers, stack and local memory from the cubin (cuobjdump), occupancy "
+             "from paged_attention.occupancy with an H100 SM's limits (64K registers, 2048 threads, 228 KiB "
+             "shared). Stack bytes are registers spilled to memory (read back on the way through the key loop).",
+             "", "| dtype | head_dim | group | variant | warps | registers | stack B | shared B | local B "
+             "| programs/SM |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    attention = [r for r in rows if r.get("kernel", "attention") == "attention"]
+
+    def cells(r: dict, *first: object) -> str:
+        return "| " + " | ".join(map(str, (*first, r["num_warps"], r["registers"], r.get("stack_bytes", "–"),
+                                           r["shared_bytes"], r["local_bytes"], r["programs_per_sm"]))) + " |"
+
+    lines += [cells(r, r["dtype"], r["head_dim"], r["group"], r["variant"]) for r in attention if not r.get("tuned")]
+    tuned = [r for r in attention if r.get("tuned") or (r["variant"] == "mixed" and r["dtype"] == "bfloat16"
+                                                        and (r["head_dim"], r["group"]) == (128, 4))]
+    if len(tuned) > 1:
+        lines += ["", "## The mixed variant at the tuning sweep's launch shapes (bf16, head_dim 128, group 4)", "",
+                  "| keys per step | warps | registers | stack B | shared B | local B | programs/SM |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [cells(r, r.get("block_n", "–")) for r in tuned]
     gemvs = [r for r in rows if r.get("kernel") == "gemv"]
     if gemvs:
         lines += ["", "## Batch-1 GEMV (kernels/gemv.py), bf16, residual fused", "",

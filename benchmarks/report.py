@@ -805,15 +805,17 @@ def frontend(_: str) -> tuple[list[str], list[str]]:
 
 def kernels_compile(stem: str) -> tuple[list[str], list[str]]:
     d = load(stem)
-    out = [f"The Triton attention variants compiled for sm_90 without a GPU (Triton {d['triton']}): registers "
-           "and local memory from the cubin, occupancy from an H100 SM's limits; the timings on a GPU are in "
-           "[On a GPU](#on-a-gpu).", ""]
+    out = [f"The Triton attention variants compiled for sm_90 without a GPU (Triton {d['triton']}): registers, "
+           "spills (stack bytes) and local memory from the cubin, occupancy from an H100 SM's limits; the timings "
+           "on a GPU are in [On a GPU](#on-a-gpu).", ""]
     out += [f"- `benchmarks/results/{stem}.json`", ""]
     attention = [v for v in d["variants"] if v.get("kernel", "attention") == "attention"]
-    out += table(["dtype", "head dim", "group", "variant", "warps", "registers", "shared bytes", "local bytes",
-                  "programs/SM"],
-                 [[v["dtype"], v["head_dim"], v["group"], v["variant"], v["num_warps"], v["registers"],
-                   v["shared_bytes"], v["local_bytes"], v["programs_per_sm"]] for v in attention], "lrrl" + "r" * 5)
+    out += table(["dtype", "head dim", "group", "variant", "keys per step", "warps", "registers", "stack bytes",
+                  "shared bytes", "local bytes", "programs/SM"],
+                 [[v["dtype"], v["head_dim"], v["group"], v["variant"] + (" (sweep)" if v.get("tuned") else ""),
+                   v.get("block_n", "–"), v["num_warps"], v["registers"], v.get("stack_bytes", "–"),
+                   v["shared_bytes"], v["local_bytes"], v["programs_per_sm"]] for v in attention],
+                 "lrrl" + "r" * 7)
     gemv = [v for v in d["variants"] if v.get("kernel") == "gemv"]
     if gemv:
         out += ["The batch-1 GEMV (kernels/gemv.py, bf16, residual fused) at the engine's launch shape and "

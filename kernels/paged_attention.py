@@ -109,7 +109,10 @@ class Tiles:
     block_n: int = 64
     # Warps of a variant whose widest tile has more than 64 rows, and of one
     # with none wider. Four for the 128-row prefill tile too: on an H100 it
-    # runs prefill twice as fast as eight (attention_tuning_<device>.md).
+    # runs prefill twice as fast as eight (attention_tuning_<device>.md),
+    # though four spill part of the tile (784 stack bytes for sm_90 with a
+    # 128-wide head, kernels_compile_sm90.md) where eight hold it in 252
+    # registers, at one program per SM instead of two.
     wide_warps: int = 4
     narrow_warps: int = 4
     # Software-pipeline depth of the key loop; None: Triton's default.
@@ -161,6 +164,61 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _attend_keys(
+    q, m_i, l_i, acc, start, kv_hi, pos,
+    k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One step of the online softmax: the tile against keys
+    [start, start + BLOCK_N). Unmasked (``MASKED`` False), every row of the
+    tile may see every one of those keys: no causal or window test, and
+    every score is finite, so neither is the running max."""
+    d = tl.arange(0, HEAD_PAD)
+    kpos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    k_ok = kpos < kv_hi
+    # Page walk: logical block -> physical block, per key.
+    blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    off = kpos % BLOCK_SIZE
+    kv_mask = _dim_mask(k_ok, d, HEAD_DIM, HEAD_PAD)
+    k = tl.load(
+        k_cache_ptr + (blk * stride_kb + off * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )  # [BLOCK_N, HEAD_PAD]
+    s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    if MASKED:
+        allowed = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & (kpos[None, :] > pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no allowed key yet keeps m = -inf; shift by 0 instead
+        # so that exp2(-inf - -inf) never produces NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = m_new
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(s - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_cache_ptr + (blk * stride_vb + off * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )  # [BLOCK_N, HEAD_PAD]
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_item(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     bt_row,  # this sequence's block-table row
@@ -180,14 +238,20 @@ def _attend_item(
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SPLIT_MASK: tl.constexpr = False,
 ):
     """One work item with a BLOCK_M-row tile: attention of tokens
-    [q_lo, q_hi) over keys [kv_lo, kv_hi), output or partial written."""
+    [q_lo, q_hi) over keys [kv_lo, kv_hi), output or partial written.
+
+    ``SPLIT_MASK`` (the prefill tile) runs the key blocks every row may see
+    (at or before the tile's first position) without the causal test, and
+    only the blocks from there on with it: a long prompt's tile tests one
+    block in many, not all of them. The scores are the same either way, so
+    are the bits."""
     rows = tl.arange(0, BLOCK_M)
     tok_local = rows // GROUP  # [BLOCK_M] token of the tile
     head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
     d = tl.arange(0, HEAD_PAD)
-    cols = tl.arange(0, BLOCK_N)
 
     tok = q_lo + tok_local  # [BLOCK_M] flat token index
     row_ok = tok < q_hi
@@ -203,38 +267,22 @@ def _attend_item(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        kpos = start + cols  # [BLOCK_N]
-        k_ok = kpos < kv_hi
-        # Page walk: logical block -> physical block, per key.
-        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        off = kpos % BLOCK_SIZE
-        kv_mask = _dim_mask(k_ok, d, HEAD_DIM, HEAD_PAD)
-        k = tl.load(
-            k_cache_ptr + (blk * stride_kb + off * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, HEAD_PAD]
-        s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        allowed = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            allowed = allowed & (kpos[None, :] > pos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with no allowed key yet keeps m = -inf; shift by 0 instead
-        # so that exp2(-inf - -inf) never produces NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(s - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + (blk * stride_vb + off * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, HEAD_PAD]
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
-        m_i = m_new
+    masked_lo = kv_lo
+    if SPLIT_MASK and not HAS_WINDOW:
+        # Whole blocks of keys before min(pos0 + 1, kv_hi): allowed to every row.
+        masked_lo = kv_lo + tl.maximum(tl.minimum(pos0 + 1, kv_hi) - kv_lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(kv_lo, masked_lo, BLOCK_N):
+            m_i, l_i, acc = _attend_keys(
+                q, m_i, l_i, acc, start, kv_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, False,
+            )  # fmt: skip
+    for start in range(masked_lo, kv_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(
+            q, m_i, l_i, acc, start, kv_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, True,
+        )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -313,7 +361,7 @@ def _paged_attention_kernel(
                     q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window,
                     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls,
-                    BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, PREFILL_M, BLOCK_N, HAS_WINDOW, DOT_PRECISION,
+                    BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, PREFILL_M, BLOCK_N, HAS_WINDOW, DOT_PRECISION, True,
                 )  # fmt: skip
             else:
                 _attend_item(

@@ -75,3 +75,28 @@ def test_decode_bytes_per_token_of_llama3_8b(bench):
     weights = bench.decode_bytes_per_token(cfg, 0)
     assert 14.9e9 < weights < 15.1e9
     assert bench.decode_bytes_per_token(cfg, 1000) - weights == 2 * 2 * 32 * 1000 * 8 * 128
+
+
+def test_decode_variant_compiles_for_hopper_without_spilling():
+    """``--compile-only`` needs no GPU: compiled for sm_90 (a subprocess, as
+    Triton picks the interpreter at import), the decode-only variant of a
+    Llama-3-8B head keeps its tile in registers (no stack bytes: a spill would
+    be read back on every step of the key loop) at three programs per SM."""
+    import json
+    import os
+    import subprocess
+
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (tools / "cuobjdump").exists() or not (tools / "ptxas").exists():
+        pytest.skip("this Triton ships no CUDA tools to compile with")
+    script = (f"import json, sys, torch; sys.path.insert(0, {str(BENCH.parent)!r}); import kernels; "
+              "print(json.dumps(kernels._compile_attention(8, 16, torch.bfloat16, 128, 4, False)))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["variant"] == "decode-only" and row["num_warps"] == 4
+    assert row["stack_bytes"] == 0 and row["local_bytes"] == 0
+    assert row["programs_per_sm"] >= 3
