@@ -827,6 +827,26 @@ def kernels_compile(stem: str) -> tuple[list[str], list[str]]:
     return out, []
 
 
+def plan_model(_: str) -> tuple[list[str], list[str]]:
+    out = []
+    for path in sorted(RESULTS.glob("plan_model_*.json")):
+        stem = path.stem
+        d = load(stem)
+        out += [f"**{d['device']}.** `benchmarks/plan_model.py` fits a model of an attention plan's time (items "
+                "costed by kind, the busiest unit, a floor per launch) to the stored timings: a decode tile runs "
+                f"{ratio(d['decode_slowdown_in_mixed_variant'])} the decode-only variant's time per key in the mixed "
+                f"variant; prediction error median {d['median_abs_error']:.1%}, largest {d['max_abs_error']:.1%} over "
+                f"{len(d['rows'])} timed plans. The two-launch plan's times here are its predictions.", ""]
+        out += [f"- `benchmarks/results/{stem}.json`", ""]
+        out += table(["mixed step", "decode keys", "packed ms", "unpacked ms", "two launches, predicted ms",
+                      "vs packed", "vs unpacked", "two launches, measured ms"],
+                     [[s["shape"], s["decode_keys"], s["packed_ms"], s["unpacked_ms"], s["two_launch_predicted_ms"],
+                       ratio(s["vs_packed"]), ratio(s["vs_unpacked"]),
+                       s.get("two_launch_measured_ms") or "not yet timed"] for s in d["two_launch"]],
+                     "lrrrrrrr")
+    return out, []
+
+
 GPU_STEMS = ["gpu_check_*", "batch1_decode_*", "mixed_steps_nvidia*", "linear_bandwidth_*", "throughput-nvidia*",
              "kernels_nvidia*", "profile_decode_nvidia*", "attention_tuning_*", "op_counts-nvidia*", "swap_copy_*",
              "gpu_tests_*"]
@@ -878,6 +898,7 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
       "preemption"], kv_real),
     ("Frontend, load generator and Ray executor", ["serve_overhead", "serve_bench-*", "ray_overhead-*"], frontend),
     ("Triton kernels compiled for sm_90", ["kernels_compile_sm90"], kernels_compile),
+    ("Attention plans: a model fitted to the GPU timings", ["plan_model_*"], plan_model),
     ("On a GPU", GPU_STEMS, gpu),
 ]
 

@@ -35,10 +35,11 @@ Pipeline::
 * A step with both kinds of tile can instead be planned as **two launches**
   (``decode_units``): its decode tiles packed onto the units of the
   decode-only kernel variant (``WorkPlan.decode_part``), its prefill tiles
-  onto the mixed variant's, one merge after both. On an H200 the mixed
-  variant ran long decodes about 1.2x slower than the decode-only one
-  (``paged_attention.SEPARATE_DECODE_KEYS``), more than the bubbles packing
-  fills are worth; ``paged_attention.plan_for`` decides per step.
+  onto the mixed variant's, one merge after both: each kind runs in the
+  variant built for it and is balanced among its own kind, which the fitted
+  model of the GPU timings (``benchmarks/plan_model.py``) predicts is worth
+  more than the bubbles packing both together fills;
+  ``paged_attention.plan_for`` decides per step (``SEPARATE_DECODE_KEYS``).
 
 The packing never changes the numbers: an item's result does not depend on the
 unit that runs it, and the merge visits splits in index order. The split

@@ -86,13 +86,16 @@ FALLBACK_PROGRAMS_PER_SM = {False: 4, True: 1}
 INTERPRETER_UNITS = 4
 # Keys per KV head a mixed step's decode tiles visit, from which they run in
 # a launch of their own (the decode-only variant) rather than packed beside
-# the prefill tiles. On an H200 (kernels_nvidia_h200.md, attention_tuning),
-# 128 decodes of 2.3M keys took 3.14-3.27 ms inside the mixed variant (a step's
-# time less its prefill chunk's alone) against 2.69 ms predicted for the
-# decode-only variant at its measured 0.86M keys/ms: about 1.2x slower. From
-# 2^19 keys (128 decodes of 4k) the decodes alone take about 0.6 ms a layer,
-# more than an eager layer's host work, so the step waits on the GPU and the
-# ~0.1 ms saved outweighs the second launch's host time (tens of microseconds).
+# the prefill tiles. benchmarks/plan_model.py, fitted to the stored GPU
+# timings, finds one launch losing twice: a decode tile runs 1.10x slower in
+# the mixed variant (H200; 1.00x from the H100's one mixed step), and LPT
+# balances the two kinds badly (a prefill tile's fixed cost fits at ~28 us,
+# some 700 decode keys, where the planner counts 64). It predicts two
+# launches 1.03-1.54x faster than one on all 13 timed H200 mixed steps (1.11x
+# for an 8k chunk beside 128 long decodes) and 1.09x on the H100's. From 2^19
+# keys (128 decodes of 4k) the decodes alone take about 0.6 ms a layer on an
+# H200, more than an eager layer's host work, so the second launch's host
+# time (tens of microseconds) stays hidden behind the GPU.
 SEPARATE_DECODE_KEYS = 1 << 19
 
 

@@ -209,3 +209,24 @@ def test_short_runs_get_decode_tiles():
     assert one_size.decode_tokens_per_tile == 32 and not one_size.has_prefill_tiles
     with pytest.raises(ValueError, match="query lengths"):
         packing.plan_attention([1, 1], [5], num_units=1, tokens_per_tile=4)
+
+
+def test_plan_model_fits_the_stored_gpu_timings(tmp_path):
+    """benchmarks/plan_model.py on the stored H200 timings: every timed plan
+    (decode steps, prompts, mixed steps in three plans) within 35% of the
+    fitted model, and a predicted two-launch time for each mixed step."""
+    import json
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        import plan_model
+    finally:
+        sys.path.remove(str(bench))
+    assert plan_model.main(["--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "plan_model_nvidia_h200.json").read_text())
+    assert len(report["rows"]) >= 70 and report["max_abs_error"] < 0.35
+    assert len(report["two_launch"]) == 13
+    assert all(s["two_launch_predicted_ms"] > 0 for s in report["two_launch"])
