@@ -32,8 +32,13 @@ buffer, so the step's input tensors count as device-resident from the moment
 ``prepare`` returns them: a read of them in the forward is a sync, while the
 CPU kernels' plan, built inside ``prepare`` from those buffers, reads host
 memory (those kernels only run on a CPU).
+``--host-timing`` adds a timing of the Triton lane's decode step with every
+launch stubbed: the host work the GPU path pays around its kernels (its
+Python, checks, argument building and torch ops), beside Triton's own launch
+cost, which only a GPU can time (``profile_decode.py``).
+
 Writes benchmarks/results/op_counts.json and .md (op_counts-<gpu>.* with
-``--lanes cuda``).
+``--lanes cuda``; ``--tag T`` appends ``-T``).
 """
 
 from __future__ import annotations
@@ -421,9 +426,18 @@ def count_step(model_dir: Path, dtype: str, batch: int, device: str = "cpu") -> 
     return {name: t.record() for name, t in counter.tallies.items()}
 
 
-def time_step(model_dir: Path, dtype: str, batch: int, rounds: int) -> dict[str, list[float]]:
+def time_step(model_dir: Path, dtype: str, batch: int, rounds: int,
+              stub_launches: bool = False) -> dict[str, list[float]]:
     """Wall and process-CPU seconds of each of ``rounds`` eager decode steps
-    (``Worker.execute``); CPU time is the less disturbed by other processes."""
+    (``Worker.execute``); CPU time is the less disturbed by other processes.
+    ``stub_launches`` (the Triton lane): every Triton launch returns at once,
+    so what is timed is the host work around the kernels (the step's Python,
+    its checks and argument building, the torch ops), which a GPU pays on
+    top of Triton's own launch cost."""
+    if stub_launches:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        _patch(InterpretedFunction, "run", lambda original: lambda *a, **k: None)
     worker = make_worker(model_dir, dtype, batch)
     prefill, decode = decode_inputs(batch)
     worker.execute(prefill)
@@ -452,7 +466,7 @@ def measure(job: dict) -> dict:
         import torch
 
         torch.set_num_threads(job["threads"])
-        return time_step(model_dir, job["dtype"], job["batch"], job["rounds"])
+        return time_step(model_dir, job["dtype"], job["batch"], job["rounds"], stub_launches=job["lane"] == "triton")
 
 
 def run_job(job: dict, tree: Path | None) -> dict:
@@ -562,8 +576,9 @@ def render(record: dict) -> str:
 
 
 def render_timing(tm: dict, trees: list[str], batches: list[int]) -> list[str]:
-    lines = ["## Eager decode step time, CPU lane", "",
-             f"`Worker.execute` of one decode step on the CPU kernels, median over {tm['repeats']} alternating "
+    lines = ["## Eager decode step time", "",
+             f"`Worker.execute` of one decode step on the CPU kernels (and, where a row says so, on the Triton "
+             f"lane with every launch stubbed), median over {tm['repeats']} alternating "
              f"runs per tree x {tm['rounds']} steps, {tm['device']}. Wall time, and the process's CPU time "
              "(user + system, less disturbed by other load). Models: "
              + "; ".join(f"**{name}** {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, "
@@ -572,7 +587,7 @@ def render_timing(tm: dict, trees: list[str], batches: list[int]) -> list[str]:
              "| model | batch | clock | " + " | ".join(f"{t} ms" for t in trees)
              + (" | before / after |" if len(trees) > 1 else " |"),
              "|---|---|---|" + "---|" * (len(trees) + (len(trees) > 1))]
-    for shape in TIMING_SHAPES:
+    for shape in tm["median_ms"]:
         for batch in batches:
             for clock in CLOCKS:
                 ms = [tm["median_ms"][shape][clock][t][str(batch)] for t in trees]
@@ -601,22 +616,33 @@ def count_all(trees: dict, args) -> dict:
     return counts
 
 
+# The host lane: the Triton lane's eager decode step with every launch stubbed.
+HOST_LANE = " (Triton lane, launches not run: the GPU path's host work)"
+
+
+def timing_key(shape: str, lane: str) -> str:
+    return shape + (HOST_LANE if lane == "triton" else "")
+
+
 def time_all(trees: dict, args) -> dict:
     """Every tree's runs alternate, and which goes first flips each round,
     so neither a change in the machine's load nor going first or second
     (the measured bias is a few percent) falls on one tree."""
-    samples = {shape: {c: {n: {str(b): [] for b in args.batches} for n in trees} for c in CLOCKS}
-               for shape in TIMING_SHAPES}
+    timed = [(shape, "cpu") for shape in TIMING_SHAPES]
+    if args.host_timing:
+        timed.append(("overhead-bound", "triton"))
+    samples = {timing_key(shape, lane): {c: {n: {str(b): [] for b in args.batches} for n in trees} for c in CLOCKS}
+               for shape, lane in timed}
     for i in range(args.repeats):
         order = list(trees.items())[::-1 if i % 2 else 1]
-        for shape in TIMING_SHAPES:
+        for shape, lane in timed:
             for batch in args.batches:
                 for name, tree in order:
-                    job = {"kind": "time", "lane": "cpu", "shape": shape, "dtype": args.dtype, "batch": batch,
+                    job = {"kind": "time", "lane": lane, "shape": shape, "dtype": args.dtype, "batch": batch,
                            "rounds": args.rounds, "threads": args.threads}
                     seconds = run_job(job, tree)
                     for clock in CLOCKS:
-                        samples[shape][clock][name][str(batch)] += seconds[clock]
+                        samples[timing_key(shape, lane)][clock][name][str(batch)] += seconds[clock]
 
     def ms(f):
         return {shape: {c: {n: {b: f(v) for b, v in per.items()} for n, per in by_clock.items()}
@@ -643,6 +669,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of the timed steps (one: a parallel region on a loaded machine waits "
                          "for its slowest thread)")
+    ap.add_argument("--host-timing", action="store_true",
+                    help="also time the Triton lane's decode step with its launches stubbed (the host work a GPU "
+                         "pays around its kernels)")
+    ap.add_argument("--tag", default="", help="suffix of the results' file name")
     ap.add_argument("--job", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.job:
@@ -661,6 +691,7 @@ def main() -> None:
     from dummy_models import device_name, device_slug, save_results
 
     stem = "op_counts" + (f"-{device_slug(device_name('cuda'))}" if "cuda" in args.lanes else "")
+    stem += f"-{args.tag}" if args.tag else ""
     save_results(RESULTS / stem, record, render(record))
 
 
