@@ -744,52 +744,40 @@ def _prepare(
     """Check the batch against the plan, allocate output and partials, and
     build the kernel's arguments. Every layer of a step passes the same
     layout with the same plan: the checks, strides and variant are worked
-    out for the first and kept in the plan, so the others only swap in their
-    tensors (host time an eager step pays per layer)."""
+    out for the first and kept in the plan (a prototype without tensors),
+    so the others only swap in their tensors (host time an eager step pays
+    per layer)."""
     layout = ("launch", query.shape, query.stride(), query.dtype, query.device, key_cache.shape, key_cache.stride(),
               key_cache.dtype, value_cache.stride(), value_cache.dtype, block_tables.shape, block_tables.stride(),
               scale, TILES)  # fmt: skip
     proto = plan.scratch.get(layout)
     if proto is None:
-        proto = plan.scratch[layout] = _prototype(query, key_cache, value_cache, block_tables, scale, plan)
+        _check_layouts(query, key_cache, value_cache, block_tables)
+        _check_plan(plan, query, key_cache, block_tables)
+        num_q_heads, head_dim = query.shape[1], query.shape[2]
+        out_strides = torch.empty_like(query).stride()  # as every layer's output of this layout is laid out
+        part_out, part_lse = _partials(plan, num_q_heads, head_dim, query.device)
+        args = dict(
+            q_ptr=None, k_cache_ptr=None, v_cache_ptr=None, out_ptr=None,
+            part_out_ptr=part_out, part_lse_ptr=part_lse, block_tables_ptr=None,
+            work_ptr=plan.work, unit_offsets_ptr=plan.unit_offsets,
+            qk_scale=float(scale * LOG2E), window=int(plan.sliding_window or 0),
+            stride_qt=query.stride(0), stride_qh=query.stride(1),
+            stride_kb=key_cache.stride(0), stride_ks=key_cache.stride(1), stride_kh=key_cache.stride(2),
+            stride_vb=value_cache.stride(0), stride_vs=value_cache.stride(1), stride_vh=value_cache.stride(2),
+            stride_ot=out_strides[0], stride_oh=out_strides[1],
+            stride_pm=part_out.stride(0), stride_ps=part_out.stride(1), stride_ph=part_out.stride(2),
+            stride_lm=part_lse.stride(0), stride_ls=part_lse.stride(1),
+            stride_bt=block_tables.stride(0),
+        )  # fmt: skip
+        constexprs = _plan_constexprs(query, key_cache, plan)
+        options = _launch_options(constexprs)
+        proto = plan.scratch[layout] = _Launch(args, constexprs, options, None, part_out, part_lse,
+                                               _occupancy_key(constexprs, options, query.dtype, query.device))
     out = torch.empty_like(query)  # [T, Hq, D]
     args = dict(proto.args, q_ptr=query, k_cache_ptr=key_cache, v_cache_ptr=value_cache, out_ptr=out,
                 block_tables_ptr=block_tables)  # fmt: skip
     return dataclasses.replace(proto, args=args, out=out)
-
-
-def _prototype(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    plan: WorkPlan,
-) -> _Launch:
-    """A layout's launch but for its tensors (``_prepare``): checked, its
-    strides and partials, its variant."""
-    _check_layouts(query, key_cache, value_cache, block_tables)
-    _check_plan(plan, query, key_cache, block_tables)
-    num_q_heads, head_dim = query.shape[1], query.shape[2]
-    out_strides = torch.empty_like(query).stride()  # as every layer's output of this layout is laid out
-    part_out, part_lse = _partials(plan, num_q_heads, head_dim, query.device)
-    args = dict(
-        q_ptr=None, k_cache_ptr=None, v_cache_ptr=None, out_ptr=None,
-        part_out_ptr=part_out, part_lse_ptr=part_lse, block_tables_ptr=None,
-        work_ptr=plan.work, unit_offsets_ptr=plan.unit_offsets,
-        qk_scale=float(scale * LOG2E), window=int(plan.sliding_window or 0),
-        stride_qt=query.stride(0), stride_qh=query.stride(1),
-        stride_kb=key_cache.stride(0), stride_ks=key_cache.stride(1), stride_kh=key_cache.stride(2),
-        stride_vb=value_cache.stride(0), stride_vs=value_cache.stride(1), stride_vh=value_cache.stride(2),
-        stride_ot=out_strides[0], stride_oh=out_strides[1],
-        stride_pm=part_out.stride(0), stride_ps=part_out.stride(1), stride_ph=part_out.stride(2),
-        stride_lm=part_lse.stride(0), stride_ls=part_lse.stride(1),
-        stride_bt=block_tables.stride(0),
-    )  # fmt: skip
-    constexprs = _plan_constexprs(query, key_cache, plan)
-    options = _launch_options(constexprs)
-    return _Launch(args, constexprs, options, None, part_out, part_lse,
-                   _occupancy_key(constexprs, options, query.dtype, query.device))
 
 
 def _merge_args(launch: _Launch, plan: WorkPlan) -> dict[str, object]:
