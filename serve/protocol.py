@@ -21,7 +21,16 @@ import time
 import uuid
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from fluidserve.engine.sampling_params import MAX_STOP_SEQUENCES
 
@@ -409,6 +418,18 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCallWire] | None = None  # an assistant turn's calls (tool history)
     tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # Name the part this server cannot take, instead of pydantic's
+        # account of every way the union failed.
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"content part {i} is of type {kind!r}: this server takes text parts only")
+        return content
 
     @model_validator(mode="after")
     def _check_content(self) -> "ChatMessage":

@@ -523,6 +523,22 @@ def test_unimplemented_nested_field_is_refused_by_name(server, name, overrides, 
     assert err["param"] in ("messages", "stream_options") and field in err["message"], err
 
 
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+                                  {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}])
+def test_non_text_content_part_is_refused_by_its_type(server, part):
+    """A content part this text-only server cannot take is a 400 naming the
+    part and its type (not pydantic's account of the whole union); text
+    parts beside it are not the problem."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "abc"}, part]}]
+    resp = post(server, CHAT, {**CHAT_BASE, "messages": messages})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "messages" and err["type"] == "invalid_request_error"
+    assert f"content part 1 is of type '{part['type']}'" in err["message"] and "text parts only" in err["message"]
+    ok = post(server, CHAT, {**CHAT_BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": "abc"}]}]})
+    assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize("body, param", [
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"1": 101}}, "logit_bias"),
