@@ -15,12 +15,13 @@
 #   mixed steps            90 / 60 s   benchmarks/mixed_steps.py: prefill chunks beside
 #                                      decodes, eager against piecewise graphs (and
 #                                      decode-only against decode graphs)
+#   kernel benchmark       90 / 60 s   benchmarks/kernels.py (--quick: short sweep):
+#                                      decode, prefill against SDPA, a mixed step's plans
 #   throughput            180 / 90 s   offline, graphs on, against transformers:
 #                                      64 prompts x 128 tokens, and again with
 #                                      async scheduling, and (last) with piecewise
 #                                      graphs (--quick: 32 x 64, no generate_batch,
 #                                      no async or piecewise run)
-#   kernel benchmark       90 / 60 s   benchmarks/kernels.py (--quick: short sweep)
 #   batch-1 linears        60 / 45 s   benchmarks/linear_bandwidth.py: each linear of a
 #                                      decode token with cuBLAS and with kernels/gemv.py
 #                                      at several launch shapes, against the HBM roofline
@@ -158,7 +159,7 @@ declare -A NAMES=(
     [profile]="decode profile"
     [swap_copy]="swap copy"
 )
-ORDER=(install import engine_tests kernel_tests batch1_decode mixed_steps throughput kernel_bench linears profile
+ORDER=(install import engine_tests kernel_tests batch1_decode mixed_steps kernel_bench throughput linears profile
        swap_copy)
 PLAN=()
 for key in "${ORDER[@]}"; do PLAN+=("$key=${NAMES[$key]}"); done
@@ -208,10 +209,11 @@ run_step() {
 # its report of the tests that ran before the limit.
 PYTEST=("${REPORT[@]}" pytest -q -m gpu -p no:cacheprovider -rfEs)
 # Most of the tests' time is Triton compiling a kernel variant per tested
-# shape, one CPU core each: spread them over workers where pytest-xdist is
-# installed (the workers share Triton's on-disk cache).
+# shape, one CPU core each: spread them over a worker per core (up to 16)
+# where pytest-xdist is installed (the workers share Triton's on-disk cache;
+# the tests' models are small, so 16 CUDA contexts fit one GPU).
 if "$PY" -c "import xdist" 2>/dev/null; then
-    PYTEST+=(-n "$(( $(nproc) < 8 ? $(nproc) : 8 ))")
+    PYTEST+=(-n "$(( $(nproc) < 16 ? $(nproc) : 16 ))")
 fi
 
 run_step install "$INSTALL_LIMIT" "" "" \
@@ -240,12 +242,12 @@ run_step batch1_decode "$DECODE_LIMIT" "$RESULTS/batch1_decode_${SLUG}.json" "" 
 run_step mixed_steps "$MIXED_LIMIT" "$RESULTS/mixed_steps_${SLUG}.json" "" \
     "$PY" benchmarks/mixed_steps.py --out "$RESULTS" "${MIXED_ARGS[@]}"
 
+run_step kernel_bench "$BENCH_LIMIT" "$RESULTS/kernels_${SLUG}.json" "" \
+    "$PY" benchmarks/kernels.py --out "$RESULTS" "${BENCH_ARGS[@]}"
+
 run_step throughput "$THROUGHPUT_LIMIT" "$RESULTS/throughput-${SLUG}-llama3-8b-graphs.json" "" \
     "$PY" benchmarks/throughput.py --preset llama3-8b --device cuda --no-enforce-eager "${THROUGHPUT_SIZE[@]}" \
     --out "$RESULTS"
-
-run_step kernel_bench "$BENCH_LIMIT" "$RESULTS/kernels_${SLUG}.json" "" \
-    "$PY" benchmarks/kernels.py --out "$RESULTS" "${BENCH_ARGS[@]}"
 
 run_step linears "$LINEAR_LIMIT" "$RESULTS/linear_bandwidth_${SLUG}.json" "" \
     "$PY" benchmarks/linear_bandwidth.py --out "$RESULTS"

@@ -19,8 +19,8 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPT = BENCHMARKS / "gpu_check.sh"
 REPORT = BENCHMARKS / "gpu_check_report.py"
-STEPS = ["install", "import", "engine GPU tests", "kernel GPU tests", "batch-1 decode", "throughput",
-         "kernel benchmark", "decode profile", "swap copy"]  # fmt: skip
+STEPS = ["install", "import", "engine GPU tests", "kernel GPU tests", "batch-1 decode", "kernel benchmark",
+         "throughput", "decode profile", "swap copy"]  # fmt: skip
 
 
 def gpu_check(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
