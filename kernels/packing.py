@@ -317,9 +317,9 @@ def plan_attention(
     tiles = make_tiles(q_lens, seq_lens, tokens_per_tile, sliding_window, short)
     common = dict(num_tokens=sum(q_lens), tokens_per_tile=tokens_per_tile, decode_tokens_per_tile=short,
                   sliding_window=sliding_window, num_seqs=len(seq_lens), max_seq_len=max(seq_lens, default=0))
-    decode_tiles = [t for t in tiles if not t.prefill]
+    decode_tiles = [t for t in tiles if not t.prefill] if pack and decode_units is not None else []
     decode_part = None
-    if pack and decode_units is not None and decode_tiles and len(decode_tiles) < len(tiles):
+    if 0 < len(decode_tiles) < len(tiles):  # both kinds: two launches
         tiles = [t for t in tiles if t.prefill]
         items, merge_rows = split_tiles(tiles, kv_chunk or auto_kv_chunk(tiles, num_units))
         decode_items, decode_rows = split_tiles(decode_tiles, kv_chunk or auto_kv_chunk(decode_tiles, decode_units),

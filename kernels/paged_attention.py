@@ -707,10 +707,10 @@ class _Launch:
     args: dict[str, object]
     constexprs: dict[str, object]
     options: dict[str, int]  # _launch_options
-    out: torch.Tensor
+    out: torch.Tensor | None  # None in a layout's prototype (``_prepare``)
     part_out: torch.Tensor
     part_lse: torch.Tensor
-    occupancy_key: tuple = ()  # _occupancy_key of the variant, once per layout
+    occupancy_key: tuple  # _occupancy_key of the variant, worked out once per layout
 
     @property
     def num_warps(self) -> int:
@@ -820,12 +820,12 @@ def _run(launch: _Launch, grid_units: int) -> None:
     num_kv_heads = launch.args["k_cache_ptr"].shape[2]
     compiled = _paged_attention_kernel[(grid_units, num_kv_heads)](*launch.args.values(), **launch.constexprs,
                                                                    **launch.options)
-    device = launch.out.device
-    key = launch.occupancy_key or _occupancy_key(launch.constexprs, launch.options, launch.out.dtype, device)
-    if key not in _VARIANTS.programs_per_sm:
+    if launch.occupancy_key not in _VARIANTS.programs_per_sm:
         # The interpreter has no compiled kernel to read: the fallback stands in.
+        device = launch.out.device
         per_sm = _programs_per_sm(compiled, device) if device.type == "cuda" else None
-        _VARIANTS.programs_per_sm[key] = per_sm or FALLBACK_PROGRAMS_PER_SM[bool(launch.constexprs["HAS_PREFILL"])]
+        fallback = FALLBACK_PROGRAMS_PER_SM[bool(launch.constexprs["HAS_PREFILL"])]
+        _VARIANTS.programs_per_sm[launch.occupancy_key] = per_sm or fallback
 
 
 def _run_merge(launch: _Launch, plan: WorkPlan, rows: int) -> None:
