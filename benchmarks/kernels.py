@@ -618,24 +618,28 @@ def _compile_attention(num_kv_heads: int, block_size: int, dtype: torch.dtype, h
     return res
 
 
-# (BLOCK_N, BLOCK_K, warps) of the GEMV compiled offline: the engine's, and
-# shapes linear_bandwidth.py timed on an H100 (32x512 with two warps ran at
-# 8-10% of copy there).
-GEMV_SHAPES = [(16, 512, 4), (4, 512, 4), (8, 512, 4), (32, 512, 4), (16, 256, 4), (32, 512, 2), (16, 512, 2)]
+# (BLOCK_N, BLOCK_K, warps, gated) of the GEMV compiled offline: the
+# engine's, shapes linear_bandwidth.py timed on an H100 (32x512 with two warps
+# ran at 8-10% of copy there), and the gate/up launch with SiLU-mul fused,
+# at the engine's shape (BLOCK_N / 2 rows of each half) and a full BLOCK_N.
+GEMV_SHAPES = [(16, 512, 4, False), (4, 512, 4, False), (8, 512, 4, False), (32, 512, 4, False),
+               (16, 256, 4, False), (32, 512, 2, False), (16, 512, 2, False), (8, 512, 4, True), (16, 512, 4, True)]
 
 
 def gemv_compile_report() -> list[dict]:
     from fluidserve.kernels import gemv
 
     rows = []
-    w = torch.empty((4096, 4096), dtype=torch.bfloat16)
     x, y = torch.empty((1, 4096), dtype=torch.bfloat16), torch.empty((1, 4096), dtype=torch.bfloat16)
-    for block_n, block_k, warps in GEMV_SHAPES:
+    for block_n, block_k, warps, gated in GEMV_SHAPES:
+        w = torch.empty((2 * 4096 if gated else 4096, 4096), dtype=torch.bfloat16)
         args = dict(x_ptr=x, w_ptr=w, bias_ptr=y, residual_ptr=y, y_ptr=y, N=4096, K=4096, stride_wn=4096)
-        constexprs = dict(HAS_BIAS=False, HAS_RESIDUAL=True, BLOCK_N=block_n, BLOCK_K=block_k)
+        constexprs = dict(HAS_BIAS=False, HAS_RESIDUAL=not gated, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k)
         res = _compile_offline(gemv._gemv_kernel, args, constexprs, (), warps)
-        engine = (block_n, block_k, warps) == (gemv.BLOCK_N, gemv.MAX_BLOCK_K, gemv.NUM_WARPS)
-        res.update(kernel="gemv", variant=f"{block_n}x{block_k}/{warps}" + (" (the engine's)" if engine else ""))
+        engine = (block_n, block_k, warps) == (gemv.BLOCK_N // 2 if gated else gemv.BLOCK_N, gemv.MAX_BLOCK_K,
+                                               gemv.NUM_WARPS)  # fmt: skip
+        res.update(kernel="gemv", variant=f"{block_n}x{block_k}/{warps}" + (", gate/up + SiLU-mul" if gated else "")
+                   + (" (the engine's)" if engine else ""))  # fmt: skip
         rows.append(res)
         print(f"gemv {res['variant']:24s} regs={res['registers']} stack={res['stack_bytes']} "
               f"local={res['local_bytes']} ({res['compile_s']:.1f} s)")  # fmt: skip
@@ -665,8 +669,9 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
         lines += [cells(r, r.get("block_n", "–")) for r in tuned]
     gemvs = [r for r in rows if r.get("kernel") == "gemv"]
     if gemvs:
-        lines += ["", "## Batch-1 GEMV (kernels/gemv.py), bf16, residual fused", "",
-                  "BLOCK_N x BLOCK_K / warps. Stack and local bytes are spills: a shape that spills reads its "
+        lines += ["", "## Batch-1 GEMV (kernels/gemv.py), bf16, residual or SiLU-mul fused", "",
+                  "BLOCK_N x BLOCK_K / warps (gated: BLOCK_N rows of the gate half and as many of the up "
+                  "half). Stack and local bytes are spills: a shape that spills reads its "
                   "accumulator back from memory on every step.", "",
                   "| launch shape | registers | shared B | stack B | local B |",
                   "|---|---:|---:|---:|---:|"]  # fmt: skip

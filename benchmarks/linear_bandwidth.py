@@ -14,7 +14,11 @@ Variants, each on the same weight and input:
 * ``triton BLOCK_NxBLOCK_K/warps``: kernels/gemv.py's kernel (one program
   per ``BLOCK_N`` output rows, reading its rows of the weight once, in
   order) at each launch shape; the engine runs it inside decode graphs at
-  ``gemv.BLOCK_N`` x ``gemv.MAX_BLOCK_K`` / ``gemv.NUM_WARPS``.
+  ``gemv.BLOCK_N`` x ``gemv.MAX_BLOCK_K`` / ``gemv.NUM_WARPS``;
+* for gate/up, the engine's GEMV followed by the SiLU-mul kernel against the
+  one launch the engine runs (the activation in the GEMV's epilogue, the
+  same bits): these two rows include the activation and stay out of the
+  per-token sums of the linears.
 
 A row's bandwidth is the weight's bytes over its time, against the
 device-to-device copy measured in the same run; the per-token figures add
@@ -48,6 +52,8 @@ from kernels import RESULTS_DIR, copy_bandwidth_gbs, device_slug, graph_ms  # no
 # Two warps never won on an H100 (and collapsed at 32x512); the engine's launch shape is among these.
 TRITON_CONFIGS = [(bn, bk, 4) for bn in (4, 8, 16, 32) for bk in (128, 256, 512)]
 MORE_ROWS = (2, 4, 8)
+# gate_up rows that include the activation (kept out of the linears' sums).
+SILU_APART, SILU_FUSED = "engine GEMV, then SiLU-mul", "gate/up GEMV + SiLU-mul, one launch"
 SKINNY_CONFIGS = [(bn, bk) for bn in (16, 32, 64) for bk in (128, 256)]
 
 
@@ -133,6 +139,15 @@ def bench_shape(name: str, n: int, k: int, copy_gbs: float) -> list[dict]:
         except Exception as exc:  # a config that fails to compile is recorded, the rest still run
             rows.append(dict(linear=name, out=n, inp=k, variant=label, error=f"{type(exc).__name__}: {exc}"[:300]))
             print(f"  {name:8s} {label:22s} {rows[-1]['error']}", flush=True)
+    if name == "gate_up":  # the engine's gate/up GEMV with the SiLU-mul after it, and in its epilogue
+        from fluidserve.kernels import activation
+
+        apart = activation.silu_and_mul(gemv.gemv(x, w))
+        act = torch.empty(1, n // 2, device="cuda", dtype=torch.bfloat16)
+        fused = gemv.launch(x, w, None, None, out=act, gated=True)
+        err = ((fused.float() - apart.float()).abs().max() / apart.abs().max()).item()  # 0: the same bits
+        row(SILU_APART, lambda: activation.silu_and_mul(gemv.launch(x, w, None, None, out=out)))
+        row(SILU_FUSED, lambda: gemv.launch(x, w, None, None, out=act, gated=True), err)
     # cuBLAS at a few more rows, the same weight read for a small decode
     # batch: what a kernel for those batches would have to beat.
     for m in MORE_ROWS:
@@ -157,7 +172,7 @@ def summarize(rows: list[dict], shapes: list[tuple[str, int, int, int]], copy_gb
     """Per-token time of every linear as the engine runs it (F.linear, and
     addmm_ where the residual is fused) and with each linear's fastest
     variant, against those weights' bytes at the copy bandwidth."""
-    ok = [r for r in rows if "ms" in r and r.get("rows", 1) == 1]
+    ok = [r for r in rows if "ms" in r and r.get("rows", 1) == 1 and r["variant"] not in (SILU_APART, SILU_FUSED)]
     calls = {name: c for name, _, _, c in shapes}
     weight_bytes = sum(2 * n * k * c for _, n, k, c in shapes)
     cublas_ms = best_ms = 0.0
@@ -177,7 +192,15 @@ def summarize(rows: list[dict], shapes: list[tuple[str, int, int, int]], copy_gb
                 cublas_vs_roofline=cublas_ms / roofline_ms, best_vs_roofline=best_ms / roofline_ms,
                 best_variant=best, gemv_variant=shape, gemv_ms=gemv_ms,
                 gemv_vs_roofline=None if gemv_ms is None else gemv_ms / roofline_ms,
-                small_batches=small_batches(rows, calls, roofline_ms))  # fmt: skip
+                small_batches=small_batches(rows, calls, roofline_ms), silu=silu_fusion(rows, calls))  # fmt: skip
+
+
+def silu_fusion(rows: list[dict], calls: dict[str, int]) -> dict | None:
+    """The gate/up GEMV and the SiLU-mul per token: two launches against one."""
+    ms = {r["variant"]: r["ms"] for r in rows if r.get("linear") == "gate_up" and "ms" in r}
+    if SILU_APART not in ms or SILU_FUSED not in ms:
+        return None
+    return dict(apart_ms=calls["gate_up"] * ms[SILU_APART], fused_ms=calls["gate_up"] * ms[SILU_FUSED])
 
 
 def small_batches(rows: list[dict], calls: dict[str, int], roofline_ms: float) -> dict[str, dict]:
@@ -240,6 +263,11 @@ def markdown(report: dict) -> str:
         + ".",
         "",
     ]
+    if s.get("silu"):
+        f = s["silu"]
+        lines += [f"The gate/up GEMV with the SiLU-mul in its epilogue, per token: **{f['fused_ms']:.3f} ms** in one "
+                  f"launch against {f['apart_ms']:.3f} ms for the GEMV then the activation kernel "
+                  f"({f['apart_ms'] / f['fused_ms']:.2f}x).", ""]  # fmt: skip
     for m, b in (s.get("small_batches") or {}).items():
         lines += [f"{m} rows: every linear with cuBLAS {b['cublas_ms']:.2f} ms ({b['cublas_vs_roofline']:.2f}x the "
                   f"batch-1 roofline); with the faster of cuBLAS and the Triton candidate per linear "

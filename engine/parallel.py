@@ -319,6 +319,17 @@ class MergedColumnParallelLinear(_PrepackedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)  # [T, sum of parts / shards]; split by self.sizes
 
+    def forward_silu_and_mul(self, x: torch.Tensor, path: ops.KernelPath | None = None) -> torch.Tensor:
+        """``silu(gate) * up`` of a gate/up pair, [T, in] -> [T, inter / tp]:
+        at batch 1 on the Triton lane one launch (the activation in the
+        GEMV's epilogue, ``ops.linear_silu_and_mul``), elsewhere the product
+        then the activation."""
+        if len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
+            raise ValueError(f"silu_and_mul needs two equal parts (gate, up), this linear has {self.sizes}")
+        if self._packed is not None:
+            return ops.silu_and_mul(self._linear(x, self.bias), path)
+        return ops.linear_silu_and_mul(x, self.weight, self.bias, path)
+
 
 class RowParallelLinear(_PrepackedLinear):
     """``y = x W^T + b`` with W's input columns split: this rank holds

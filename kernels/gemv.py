@@ -13,6 +13,13 @@ runs it only where the launch is free: inside a captured CUDA graph
 Arithmetic: fp32 products and sums, then bias and residual added in fp32,
 rounded once to the output dtype, as cuBLAS's epilogue with ``beta = 1``
 rounds ``addmm_``.
+
+The gated MLP's gate/up projection runs with its activation in the
+epilogue (``gated``): each program reads its rows of the gate half and the
+same rows of the up half, and writes ``silu(gate) * up``, rounded as the
+projection and kernels/activation.py round it apart (gate and up to the
+output dtype, the SiLU again, then the product): the same bits in one
+launch, and the ``[1, 2 * I]`` intermediate never reaches memory.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ def _gemv_kernel(
     N, K, stride_wn,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    GATED: tl.constexpr,  # y = silu(rows [0, N)) * rows [N, 2N) of the weight
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -43,21 +51,32 @@ def _gemv_kernel(
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+    up_rows = w_ptr + (rows + N)[:, None].to(tl.int64) * stride_wn  # read only if GATED
     # One accumulator per lane, summed across K once at the end: the loop
     # body is loads and FMAs only. K is a multiple of BLOCK_K (the caller's
     # choice), so no load needs a mask along K.
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K) if GATED else (1, 1), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         # The weight is read once and never again in this step: keep it out
         # of L2's way.
         w = tl.load(w_rows + (k + cols)[None, :], mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptr + k + cols)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if GATED:
+            u = tl.load(up_rows + (k + cols)[None, :], mask=row_ok[:, None], other=0.0,
+                        eviction_policy="evict_first")  # fmt: skip
+            acc_up += u.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         y += tl.load(residual_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    if GATED:  # rounded where the unfused projection and activation round
+        gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = tl.sum(acc_up, axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
+        y = silu * up
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -94,18 +113,41 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return launch(x, weight, bias, residual)
 
 
+def supports_gated(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``gemv_silu_and_mul`` takes these: ``supports`` without bias
+    or residual, and a weight of two equal halves."""
+    return weight.shape[0] % 2 == 0 and supports(x, weight, None, None)
+
+
+def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu(x G^T) * (x U^T)`` for the stacked weight ``[G; U]`` [2I, K]:
+    [1, K] -> [1, I], bit for bit ``silu_and_mul(gemv(x, weight))``."""
+    if not supports_gated(x, weight):
+        raise ValueError(f"gemv_silu_and_mul: x {tuple(x.shape)} ({x.dtype}), weight {tuple(weight.shape)} "
+                         f"({weight.dtype}): needs one contiguous row, matching dtypes, K a multiple of 16 "
+                         "and an even number of weight rows")
+    return launch(x, weight, None, None, gated=True)
+
+
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-           out: torch.Tensor | None = None, block_n: int = BLOCK_N, k_step: int | None = None,
-           num_warps: int = NUM_WARPS) -> torch.Tensor:  # fmt: skip
-    """``gemv`` for inputs ``supports`` has passed, unchecked (the dispatch
-    checks once); ``out`` (default: ``residual``, else a new [1, N]) and the
-    launch shape are for benchmarks: the engine's is the default."""
+           out: torch.Tensor | None = None, block_n: int | None = None, k_step: int | None = None,
+           num_warps: int = NUM_WARPS, gated: bool = False) -> torch.Tensor:  # fmt: skip
+    """``gemv`` (``gated``: ``gemv_silu_and_mul``, no bias or residual) for
+    inputs ``supports`` has passed, unchecked (the dispatch checks once);
+    ``out`` (default: ``residual``, else a new [1, N]) and the launch shape
+    are for benchmarks: the engine's is the default."""
     n, k = weight.shape
+    n = n // 2 if gated else n  # output columns
+    # A gated program reads BLOCK_N / 2 gate rows and as many up rows: the
+    # plain kernel's loads per step, in 132 registers on sm_90 (the plain
+    # kernel's 167: three programs per SM either way); a full BLOCK_N of
+    # each takes 246, two per SM (kernels_compile_sm90.md).
+    block_n = block_n or (BLOCK_N // 2 if gated else BLOCK_N)
     if out is None:
         out = residual if residual is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else out, residual if residual is not None else out, out,
-        n, k, weight.stride(0), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        n, k, weight.stride(0), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, GATED=gated,
         BLOCK_N=block_n, BLOCK_K=k_step or block_k(k), num_warps=num_warps,
     )  # fmt: skip
     return out

@@ -177,12 +177,10 @@ def linear(
     with one the linear is rounded before the add, as the unfused sum is.
 
     One row on the Triton lane runs kernels/gemv.py, which reads the weight
-    at up to 1.2x cuBLAS's rate at batch 1 (``linear_bandwidth_*.md``); on
-    CUDA only while a graph is being captured, since eagerly the Triton
-    launch's host time outweighs what the device saves. Elsewhere cuBLAS
-    (or whatever torch runs on the device)."""
-    if x.shape[0] == 1 and _on_triton(x, weight) and (x.device.type != "cuda"
-                                                       or torch.cuda.is_current_stream_capturing()):
+    at up to 1.2x cuBLAS's rate at batch 1 (``linear_bandwidth_*.md``),
+    where ``_gemv_row`` says. Elsewhere cuBLAS (or whatever torch runs on
+    the device)."""
+    if _gemv_row(x, weight):
         from fluidserve.kernels import gemv
 
         fused = residual if bias is None else None  # with a bias, rounded before the add as below
@@ -194,6 +192,32 @@ def linear(
     if bias is not None:
         return torch.nn.functional.linear(x, weight, bias).add_(residual)
     return residual.addmm_(x, weight.t())
+
+
+def linear_silu_and_mul(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [2I, K]: gate rows, then up rows
+    bias: torch.Tensor | None = None,  # [2I]
+    path: KernelPath | None = None,
+) -> torch.Tensor:
+    """``silu_and_mul(linear(x, weight, bias))``, [T, K] -> [T, I]: the
+    gated MLP's first half. One row on the Triton lane (where ``linear``
+    runs the GEMV) is one launch, the activation in the GEMV's epilogue,
+    with the same bits as the two launches."""
+    if bias is None and _gemv_row(x, weight):
+        from fluidserve.kernels import gemv
+
+        if gemv.supports_gated(x, weight):
+            return gemv.launch(x, weight, None, None, gated=True)
+    return silu_and_mul(linear(x, weight, bias), path)
+
+
+def _gemv_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One row on the Triton lane, where the GEMV pays: on CUDA only while a
+    graph is being captured, since eagerly the Triton launch's host time
+    outweighs what the device saves."""
+    return x.shape[0] == 1 and _on_triton(x, weight) and (x.device.type != "cuda"
+                                                          or torch.cuda.is_current_stream_capturing())
 
 
 # -- the decoder layer's fused ops ----------------------------------------------------

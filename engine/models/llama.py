@@ -119,7 +119,7 @@ class LlamaMLP(nn.Module):
                 path: ops.KernelPath | None = None) -> torch.Tensor:
         # [T, hidden] -> [T, 2 * inter / tp] -> [T, inter / tp] -> [T, hidden] (all-reduced
         # in down_proj, which adds the residual, in place over it, in its own GEMM)
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x), path), residual)
+        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, path), residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -133,7 +133,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, rope, x, kv_cache, meta):
         # x: [T, hidden], left as it is. Nine launches on the Triton lane:
         # norm, qkv GEMM, rope + KV write, attention, o_proj GEMM, residual
-        # add + norm, gate/up GEMM, SiLU-mul, down GEMM adding the residual.
+        # add + norm, gate/up GEMM, SiLU-mul, down GEMM adding the residual;
+        # eight at batch 1, where the gate/up GEMV applies the SiLU-mul.
         path = meta.kernels
         return self._after_attention(self.self_attn(rope, self.input_layernorm(x, path), kv_cache, meta), x, path)
 

@@ -111,3 +111,83 @@ def test_a_captured_graph_runs_the_gemv_and_eager_keeps_cublas(dtype):
     atol, rtol = CLOSE[dtype]
     for y in (into, eager):
         torch.testing.assert_close(y.double(), exact(x, w, None, residual), atol=atol, rtol=rtol)
+
+
+# -- the gate/up projection with SiLU-mul in its epilogue ----------------------------
+
+
+# bf16 in the interpreter too: where the fused epilogue rounds is what fp32 cannot show
+@pytest.mark.parametrize("dtype", sorted({*DTYPES, torch.bfloat16}, key=str))
+@pytest.mark.parametrize("inter,k", [(37, 64), (96, 1536), (5, 48)])  # ragged halves; BLOCK_K 64, 512, 16
+def test_gated_gemv_is_the_projection_then_the_activation_to_the_bit(device, dtype, inter, k):
+    """One launch gives what the gate/up GEMV followed by the SiLU-mul
+    kernel gives, bit for bit (the MLP's tokens cannot change with the
+    fusion), and that is silu(gate) * up of the exact product within the
+    dtype's rounding."""
+    from fluidserve.kernels import activation
+
+    x, w, _, _ = operands(device, dtype, 2 * inter, k, seed=inter + k)
+    fused = gemv.gemv_silu_and_mul(x, w)
+    assert fused.shape == (1, inter) and fused.dtype == dtype
+    torch.testing.assert_close(fused, activation.silu_and_mul(gemv.gemv(x, w)), atol=0, rtol=0)
+    gate, up = exact(x, w).chunk(2, dim=-1)
+    atol, rtol = CLOSE[dtype]
+    torch.testing.assert_close(fused.double(), F.silu(gate) * up, atol=atol, rtol=rtol)
+
+
+def test_gated_gemv_refuses_what_it_cannot_run(device):
+    x, w, _, _ = operands(device, torch.float32, 33, 64, seed=4)
+    assert not gemv.supports_gated(x, w)  # 33 rows do not halve
+    with pytest.raises(ValueError, match="even number of weight rows"):
+        gemv.gemv_silu_and_mul(x, w)
+    assert not gemv.supports_gated(torch.cat([x, x]), w[:32])
+
+
+def test_ops_linear_silu_and_mul_is_one_launch_for_one_row_on_the_triton_lane(device, monkeypatch):
+    """On the Triton lane one row takes the gated GEMV, one launch; more
+    rows, or a bias, keep the product and the activation apart. Every
+    route gives the unfused ops' result to the bit."""
+    if device == "cuda":
+        pytest.skip("on a GPU the graph test below covers the dispatch")
+    from fluidserve.kernels import activation
+
+    monkeypatch.setenv(ops.KERNELS_ENV, "triton")
+    x, w, bias, _ = operands(device, torch.float32, 96, 64, seed=5)
+    launches = []
+    for kernel in (gemv._gemv_kernel, activation._silu_and_mul_kernel):
+        monkeypatch.setattr(kernel, "run", (lambda run, name: lambda *a, **k: launches.append(name) or run(*a, **k))(
+            kernel.run, kernel.fn.__name__))
+    unfused = ops.silu_and_mul(ops.linear(x, w))
+    assert launches == ["_gemv_kernel", "_silu_and_mul_kernel"]
+    launches.clear()
+    torch.testing.assert_close(ops.linear_silu_and_mul(x, w), unfused, atol=0, rtol=0)
+    assert launches == ["_gemv_kernel"]
+    two = torch.cat([x, -x])
+    torch.testing.assert_close(ops.linear_silu_and_mul(two, w), ops.silu_and_mul(F.linear(two, w)), atol=0, rtol=0)
+    torch.testing.assert_close(ops.linear_silu_and_mul(x, w, bias), ops.silu_and_mul(ops.linear(x, w, bias)),
+                               atol=0, rtol=0)  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_captured_graph_runs_the_gated_gemv_to_the_bit(dtype):
+    """A Llama-3-8B-sized gate/up projection (2 x 14336 rows): captured, the
+    one launch equals the GEMV and the SiLU-mul kernel run apart, bit for
+    bit; eager keeps cuBLAS and the activation kernel."""
+    from fluidserve.kernels import activation
+
+    x, w, _, _ = operands(torch.device("cuda"), dtype, 2 * 14336, 4096, seed=6)
+    apart = activation.silu_and_mul(gemv.gemv(x, w))
+    eager = ops.linear_silu_and_mul(x, w)
+    torch.testing.assert_close(eager, ops.silu_and_mul(F.linear(x, w)), atol=0, rtol=0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compile) outside the capture
+        gemv.gemv_silu_and_mul(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.linear_silu_and_mul(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, apart, atol=0, rtol=0)

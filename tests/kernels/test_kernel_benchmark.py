@@ -77,11 +77,9 @@ def test_decode_bytes_per_token_of_llama3_8b(bench):
     assert bench.decode_bytes_per_token(cfg, 1000) - weights == 2 * 2 * 32 * 1000 * 8 * 128
 
 
-def test_decode_variant_compiles_for_hopper_without_spilling():
-    """``--compile-only`` needs no GPU: compiled for sm_90 (a subprocess, as
-    Triton picks the interpreter at import), the decode-only variant of a
-    Llama-3-8B head keeps its tile in registers (no stack bytes: a spill would
-    be read back on every step of the key loop) at three programs per SM."""
+def compile_for_hopper(call: str):
+    """``kernels.<call>`` run in a subprocess without the interpreter (Triton
+    picks it at import), compiling for sm_90; its result, read back as JSON."""
     import json
     import os
     import subprocess
@@ -92,11 +90,31 @@ def test_decode_variant_compiles_for_hopper_without_spilling():
     if not (tools / "cuobjdump").exists() or not (tools / "ptxas").exists():
         pytest.skip("this Triton ships no CUDA tools to compile with")
     script = (f"import json, sys, torch; sys.path.insert(0, {str(BENCH.parent)!r}); import kernels; "
-              "print(json.dumps(kernels._compile_attention(8, 16, torch.bfloat16, 128, 4, False)))")
+              f"print(json.dumps(kernels.{call}))")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    row = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_decode_variant_compiles_for_hopper_without_spilling():
+    """``--compile-only`` needs no GPU: compiled for sm_90, the decode-only
+    variant of a Llama-3-8B head keeps its tile in registers (no stack
+    bytes: a spill would be read back on every step of the key loop) at
+    three programs per SM."""
+    row = compile_for_hopper("_compile_attention(8, 16, torch.bfloat16, 128, 4, False)")
     assert row["variant"] == "decode-only" and row["num_warps"] == 4
     assert row["stack_bytes"] == 0 and row["local_bytes"] == 0
     assert row["programs_per_sm"] >= 3
+
+
+def test_batch1_gemvs_compile_for_hopper_without_spilling():
+    """The engine's two GEMV launches, plain and gate/up with the SiLU-mul,
+    compiled for sm_90: no spills, and registers for three programs of four
+    warps per SM (64K registers), so fusing the activation costs the
+    projection none of the loads it keeps in flight."""
+    rows = {r["variant"]: r for r in compile_for_hopper("gemv_compile_report()")}
+    for variant in ("16x512/4 (the engine's)", "8x512/4, gate/up + SiLU-mul (the engine's)"):
+        row = rows[variant]
+        assert row["stack_bytes"] == 0 and row["local_bytes"] == 0, row
+        assert row["registers"] * 128 * 3 <= 65536, row
