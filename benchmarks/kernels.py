@@ -618,12 +618,15 @@ def _compile_attention(num_kv_heads: int, block_size: int, dtype: torch.dtype, h
     return res
 
 
-# (BLOCK_N, BLOCK_K, warps, gated) of the GEMV compiled offline: the
+# (BLOCK_N, BLOCK_K, warps, gated, norm) of the GEMV compiled offline: the
 # engine's, shapes linear_bandwidth.py timed on an H100 (32x512 with two warps
-# ran at 8-10% of copy there), and the gate/up launch with SiLU-mul fused,
-# at the engine's shape (BLOCK_N / 2 rows of each half) and a full BLOCK_N.
-GEMV_SHAPES = [(16, 512, 4, False), (4, 512, 4, False), (8, 512, 4, False), (32, 512, 4, False),
-               (16, 256, 4, False), (32, 512, 2, False), (16, 512, 2, False), (8, 512, 4, True), (16, 512, 4, True)]
+# ran at 8-10% of copy there), the gate/up launch with SiLU-mul fused, at the
+# engine's shape (BLOCK_N / 2 rows of each half) and a full BLOCK_N, and the
+# batch-1 layer's launches with the RMSNorm in the prologue (qkv, gate/up).
+GEMV_SHAPES = [(16, 512, 4, False, False), (4, 512, 4, False, False), (8, 512, 4, False, False),
+               (32, 512, 4, False, False), (16, 256, 4, False, False), (32, 512, 2, False, False),
+               (16, 512, 2, False, False), (8, 512, 4, True, False), (16, 512, 4, True, False),
+               (16, 512, 4, False, True), (8, 512, 4, True, True)]  # fmt: skip
 
 
 def gemv_compile_report() -> list[dict]:
@@ -631,15 +634,17 @@ def gemv_compile_report() -> list[dict]:
 
     rows = []
     x, y = torch.empty((1, 4096), dtype=torch.bfloat16), torch.empty((1, 4096), dtype=torch.bfloat16)
-    for block_n, block_k, warps, gated in GEMV_SHAPES:
+    for block_n, block_k, warps, gated, norm in GEMV_SHAPES:
         w = torch.empty((2 * 4096 if gated else 4096, 4096), dtype=torch.bfloat16)
-        args = dict(x_ptr=x, w_ptr=w, bias_ptr=y, residual_ptr=y, y_ptr=y, N=4096, K=4096, stride_wn=4096)
-        constexprs = dict(HAS_BIAS=False, HAS_RESIDUAL=not gated, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k)
+        args = dict(x_ptr=x, w_ptr=w, bias_ptr=y, residual_ptr=y, norm_ptr=y, y_ptr=y, N=4096, K=4096,
+                    stride_wn=4096, eps=1e-5)  # fmt: skip
+        constexprs = dict(HAS_BIAS=False, HAS_RESIDUAL=not (gated or norm), ROUND_BEFORE_RESIDUAL=False,
+                          GATED=gated, NORM=norm, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_D=4096 if norm else 1)
         res = _compile_offline(gemv._gemv_kernel, args, constexprs, (), warps)
         engine = (block_n, block_k, warps) == (gemv.BLOCK_N // 2 if gated else gemv.BLOCK_N, gemv.MAX_BLOCK_K,
                                                gemv.NUM_WARPS)  # fmt: skip
-        res.update(kernel="gemv", variant=f"{block_n}x{block_k}/{warps}" + (", gate/up + SiLU-mul" if gated else "")
-                   + (" (the engine's)" if engine else ""))  # fmt: skip
+        res.update(kernel="gemv", variant=f"{block_n}x{block_k}/{warps}" + (", RMSNorm prologue" if norm else "")
+                   + (", gate/up + SiLU-mul" if gated else "") + (" (the engine's)" if engine else ""))  # fmt: skip
         rows.append(res)
         print(f"gemv {res['variant']:24s} regs={res['registers']} stack={res['stack_bytes']} "
               f"local={res['local_bytes']} ({res['compile_s']:.1f} s)")  # fmt: skip
@@ -669,7 +674,7 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
         lines += [cells(r, r.get("block_n", "–")) for r in tuned]
     gemvs = [r for r in rows if r.get("kernel") == "gemv"]
     if gemvs:
-        lines += ["", "## Batch-1 GEMV (kernels/gemv.py), bf16, residual or SiLU-mul fused", "",
+        lines += ["", "## Batch-1 GEMV (kernels/gemv.py), bf16, with what it fuses (residual, RMSNorm, SiLU-mul)", "",
                   "BLOCK_N x BLOCK_K / warps (gated: BLOCK_N rows of the gate half and as many of the up "
                   "half). Stack and local bytes are spills: a shape that spills reads its "
                   "accumulator back from memory on every step.", "",

@@ -324,11 +324,26 @@ class MergedColumnParallelLinear(_PrepackedLinear):
         at batch 1 on the Triton lane one launch (the activation in the
         GEMV's epilogue, ``ops.linear_silu_and_mul``), elsewhere the product
         then the activation."""
-        if len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
-            raise ValueError(f"silu_and_mul needs two equal parts (gate, up), this linear has {self.sizes}")
+        self._check_gated()
         if self._packed is not None:
             return ops.silu_and_mul(self._linear(x, self.bias), path)
         return ops.linear_silu_and_mul(x, self.weight, self.bias, path)
+
+    def forward_normed(self, x: torch.Tensor, norm: nn.Module, gated: bool = False,
+                       path: ops.KernelPath | None = None) -> torch.Tensor:  # fmt: skip
+        """``forward(norm(x))`` (``gated``: ``forward_silu_and_mul`` of it),
+        x left as it is: one launch where the batch-1 GEMV runs (the norm in
+        its prologue, ``ops.norm_linear``). ``norm``: an RMSNorm."""
+        if gated:
+            self._check_gated()
+        if self._packed is not None:
+            normed = norm(x, path)
+            return self.forward_silu_and_mul(normed, path) if gated else self.forward(normed)
+        return ops.norm_linear(x, norm.weight, norm.eps, self.weight, self.bias, gated, path)
+
+    def _check_gated(self) -> None:
+        if len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
+            raise ValueError(f"silu_and_mul needs two equal parts (gate, up), this linear has {self.sizes}")
 
 
 class RowParallelLinear(_PrepackedLinear):
@@ -359,6 +374,14 @@ class RowParallelLinear(_PrepackedLinear):
         y = self.tp.all_reduce(self._linear(x, None))  # [T, out]
         y = y if self.bias is None else y + self.bias
         return y if residual is None else y.add_(residual)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``forward(x) + residual`` as a new tensor, residual left as it is,
+        rounded as that separate add rounds: one launch where the batch-1
+        GEMV runs on one rank (``ops.linear_add``)."""
+        if self.tp.size == 1 and self._packed is None:
+            return ops.linear_add(x, self.weight, residual, self.bias)
+        return self.forward(x).add_(residual)
 
 
 def _vocab_shard(vocab: int, tp: TensorParallel) -> tuple[int, ShardSpec | None]:

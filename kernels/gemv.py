@@ -14,12 +14,24 @@ Arithmetic: fp32 products and sums, then bias and residual added in fp32,
 rounded once to the output dtype, as cuBLAS's epilogue with ``beta = 1``
 rounds ``addmm_``.
 
-The gated MLP's gate/up projection runs with its activation in the
-epilogue (``gated``): each program reads its rows of the gate half and the
-same rows of the up half, and writes ``silu(gate) * up``, rounded as the
-projection and kernels/activation.py round it apart (gate and up to the
-output dtype, the SiLU again, then the product): the same bits in one
-launch, and the ``[1, 2 * I]`` intermediate never reaches memory.
+What a batch-1 decoder layer does around its projections goes into the
+same launch, rounded where the separate kernels round, so a layer is six
+launches instead of nine (engine/models/llama.py):
+
+* ``gated``: the gate/up projection with its activation in the epilogue.
+  Each program reads its rows of the gate half and the same rows of the up
+  half and writes ``silu(gate) * up``, rounded as the projection and
+  kernels/activation.py round it apart (gate and up to the output dtype, the
+  SiLU again, then the product); the ``[1, 2 * I]`` intermediate never
+  reaches memory.
+* ``norm``: the RMSNorm before the qkv and gate/up projections, in the
+  prologue. Each program takes the row's sum of squares itself (K values,
+  read from L2 by all but the first) and normalises every step of x as
+  kernels/fused_norm.py does. Only the order of that sum may differ from the
+  norm kernel's (in the interpreter it does not).
+* ``round_before_residual`` into a fresh output: the o projection plus the
+  residual stream, rounded as the separate add rounds, the residual left as
+  it is (the down projection keeps ``addmm_``'s one rounding, in place).
 """
 
 from __future__ import annotations
@@ -39,14 +51,23 @@ def _gemv_kernel(
     w_ptr,  # [N, K], rows contiguous
     bias_ptr,  # [N] (read only if HAS_BIAS)
     residual_ptr,  # [N] (read only if HAS_RESIDUAL)
+    norm_ptr,  # [K]: the RMSNorm's weight (read only if NORM)
     y_ptr,  # [N]
     N, K, stride_wn,
+    eps,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    ROUND_BEFORE_RESIDUAL: tl.constexpr,  # the residual added to the rounded product, as a separate add
     GATED: tl.constexpr,  # y = silu(rows [0, N)) * rows [N, 2N) of the weight
+    NORM: tl.constexpr,  # x is RMS-normalised first (norm_ptr, eps)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # next power of two of K (NORM's one-load reduction)
 ):  # fmt: skip
+    if NORM:  # every program takes the row's norm itself: K values, from L2 after the first
+        d = tl.arange(0, BLOCK_D)
+        whole = tl.load(x_ptr + d, mask=d < K, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(whole * whole, axis=0) / K + eps)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
@@ -62,6 +83,9 @@ def _gemv_kernel(
         # of L2's way.
         w = tl.load(w_rows + (k + cols)[None, :], mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptr + k + cols)
+        if NORM:  # rounded where kernels/fused_norm.py rounds: the normalised x, then times the weight
+            normed = (x.to(tl.float32) * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (tl.load(norm_ptr + k + cols).to(tl.float32) * normed).to(x_ptr.dtype.element_ty)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         if GATED:
             u = tl.load(up_rows + (k + cols)[None, :], mask=row_ok[:, None], other=0.0,
@@ -71,6 +95,8 @@ def _gemv_kernel(
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
+        if ROUND_BEFORE_RESIDUAL:
+            y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
         y += tl.load(residual_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     if GATED:  # rounded where the unfused projection and activation round
         gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -119,6 +145,12 @@ def supports_gated(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return weight.shape[0] % 2 == 0 and supports(x, weight, None, None)
 
 
+def supports_norm(x: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    """Whether the GEMV can RMS-normalise ``x`` with this weight first."""
+    return (norm_weight.shape == (x.shape[-1],) and norm_weight.dtype == x.dtype and norm_weight.stride(-1) == 1
+            and norm_weight.device == x.device)  # fmt: skip
+
+
 def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``silu(x G^T) * (x U^T)`` for the stacked weight ``[G; U]`` [2I, K]:
     [1, K] -> [1, I], bit for bit ``silu_and_mul(gemv(x, weight))``."""
@@ -131,11 +163,17 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
            out: torch.Tensor | None = None, block_n: int | None = None, k_step: int | None = None,
-           num_warps: int = NUM_WARPS, gated: bool = False) -> torch.Tensor:  # fmt: skip
+           num_warps: int = NUM_WARPS, gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
+           round_before_residual: bool = False) -> torch.Tensor:  # fmt: skip
     """``gemv`` (``gated``: ``gemv_silu_and_mul``, no bias or residual) for
-    inputs ``supports`` has passed, unchecked (the dispatch checks once);
-    ``out`` (default: ``residual``, else a new [1, N]) and the launch shape
-    are for benchmarks: the engine's is the default."""
+    inputs ``supports`` has passed, unchecked (the dispatch checks once).
+    ``norm`` (weight [K], eps): x RMS-normalised first, as
+    kernels/fused_norm.py rounds it. ``round_before_residual``: the product
+    rounded before the residual's add, as a separate add rounds (default:
+    one rounding, as ``addmm_``). ``out`` (default: ``residual``, else a
+    new [1, N]) may be a fresh tensor with a residual, leaving the residual
+    as it is. The launch shape is for benchmarks: the engine's is the
+    default."""
     n, k = weight.shape
     n = n // 2 if gated else n  # output columns
     # A gated program reads BLOCK_N / 2 gate rows and as many up rows: the
@@ -145,9 +183,12 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     block_n = block_n or (BLOCK_N // 2 if gated else BLOCK_N)
     if out is None:
         out = residual if residual is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
+    norm_weight, eps = norm if norm is not None else (out, 0.0)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else out, residual if residual is not None else out, out,
-        n, k, weight.stride(0), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, GATED=gated,
-        BLOCK_N=block_n, BLOCK_K=k_step or block_k(k), num_warps=num_warps,
+        x, weight, bias if bias is not None else out, residual if residual is not None else out, norm_weight, out,
+        n, k, weight.stride(0), float(eps), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        ROUND_BEFORE_RESIDUAL=round_before_residual, GATED=gated, NORM=norm is not None, BLOCK_N=block_n,
+        BLOCK_K=k_step or block_k(k), BLOCK_D=triton.next_power_of_2(k) if norm is not None else 1,
+        num_warps=num_warps,
     )  # fmt: skip
     return out

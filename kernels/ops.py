@@ -178,9 +178,9 @@ def linear(
 
     One row on the Triton lane runs kernels/gemv.py, which reads the weight
     at up to 1.2x cuBLAS's rate at batch 1 (``linear_bandwidth_*.md``),
-    where ``_gemv_row`` says. Elsewhere cuBLAS (or whatever torch runs on
+    where ``gemv_row`` says. Elsewhere cuBLAS (or whatever torch runs on
     the device)."""
-    if _gemv_row(x, weight):
+    if gemv_row(x, weight):
         from fluidserve.kernels import gemv
 
         fused = residual if bias is None else None  # with a bias, rounded before the add as below
@@ -204,7 +204,7 @@ def linear_silu_and_mul(
     gated MLP's first half. One row on the Triton lane (where ``linear``
     runs the GEMV) is one launch, the activation in the GEMV's epilogue,
     with the same bits as the two launches."""
-    if bias is None and _gemv_row(x, weight):
+    if bias is None and gemv_row(x, weight):
         from fluidserve.kernels import gemv
 
         if gemv.supports_gated(x, weight):
@@ -212,7 +212,48 @@ def linear_silu_and_mul(
     return silu_and_mul(linear(x, weight, bias), path)
 
 
-def _gemv_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def norm_linear(
+    x: torch.Tensor,  # [T, K], left as it is
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K] ([2I, K] gated)
+    bias: torch.Tensor | None = None,
+    gated: bool = False,
+    path: KernelPath | None = None,
+) -> torch.Tensor:
+    """``linear(rms_norm(x), weight, bias)`` (``gated``: its
+    ``silu_and_mul``). Where ``gemv_row`` says, one launch: the GEMV takes
+    the row's norm in its prologue, rounded as ``rms_norm`` rounds; only
+    the order of the sum of squares may differ (not at all in the
+    interpreter)."""
+    if gemv_row(x, weight) and not (gated and bias is not None):
+        from fluidserve.kernels import gemv
+
+        fits = gemv.supports_gated(x, weight) if gated else gemv.supports(x, weight, bias, None)
+        if fits and gemv.supports_norm(x, norm_weight):
+            return gemv.launch(x, weight, bias, None, gated=gated, norm=(norm_weight, eps))
+    normed = rms_norm(x, norm_weight, eps, path=path)[0]
+    return linear_silu_and_mul(normed, weight, bias, path) if gated else linear(normed, weight, bias)
+
+
+def linear_add(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K]
+    residual: torch.Tensor,  # [T, N], left as it is
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``linear(x, weight, bias) + residual`` as a new tensor, rounded as
+    that separate add rounds (the product first): at one row where the GEMV
+    runs, one launch."""
+    if bias is None and gemv_row(x, weight):
+        from fluidserve.kernels import gemv
+
+        if gemv.supports(x, weight, None, residual):
+            return gemv.launch(x, weight, None, residual, out=torch.empty_like(residual), round_before_residual=True)
+    return linear(x, weight, bias).add_(residual)
+
+
+def gemv_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """One row on the Triton lane, where the GEMV pays: on CUDA only while a
     graph is being captured, since eagerly the Triton launch's host time
     outweighs what the device saves."""

@@ -133,10 +133,19 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, rope, x, kv_cache, meta):
         # x: [T, hidden], left as it is. Nine launches on the Triton lane:
         # norm, qkv GEMM, rope + KV write, attention, o_proj GEMM, residual
-        # add + norm, gate/up GEMM, SiLU-mul, down GEMM adding the residual;
-        # eight at batch 1, where the gate/up GEMV applies the SiLU-mul.
+        # add + norm, gate/up GEMM, SiLU-mul, down GEMM adding the residual.
         path = meta.kernels
-        return self._after_attention(self.self_attn(rope, self.input_layernorm(x, path), kv_cache, meta), x, path)
+        attn = self.self_attn
+        if ops.gemv_row(x, attn.qkv_proj.weight):
+            # One row where the batch-1 GEMV runs (decode graphs): six. The
+            # norms run in the GEMVs' prologues, the SiLU-mul in the gate/up
+            # GEMV's epilogue, the residual adds in the o and down GEMVs,
+            # each rounded where the nine round.
+            qkv = attn.qkv_proj.forward_normed(x, self.input_layernorm, path=path)
+            h = attn.o_proj.forward_add(attn.attend(rope, qkv, kv_cache, meta), x)  # x + attention
+            act = self.mlp.gate_up_proj.forward_normed(h, self.post_attention_layernorm, gated=True, path=path)
+            return self.mlp.down_proj(act, h)  # h + MLP, over h
+        return self._after_attention(attn(rope, self.input_layernorm(x, path), kv_cache, meta), x, path)
 
     def _after_attention(self, attn, x, path):
         h, x = self.post_attention_layernorm.add_forward(attn, x, path)  # x = attn + x, over attn

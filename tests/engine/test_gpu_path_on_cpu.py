@@ -258,6 +258,43 @@ def test_lane_mixed_steps_in_two_launches_give_one_launch_tokens(tiny_model, mak
 
 
 @lane_only
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lane_batch1_layers_in_six_launches_give_the_nine_launch_bits(tiny_model, make_llm, triton_lane,
+                                                                      monkeypatch, dtype):  # fmt: skip
+    """A decode step of one row runs each decoder layer as the batch-1
+    GEMVs with the norms, the residual adds and the SiLU-mul folded in (six
+    launches, as a decode graph does). Through the engine, for a GQA Llama
+    and a Qwen3 (q/k norms, head_dim 128), its tokens and its whole KV cache
+    equal the nine-launch layer's bit for bit in fp32 and bf16: the fused
+    launches round where the unfused ones do."""
+    from types import SimpleNamespace
+
+    from fluidserve.engine import parallel
+    from fluidserve.engine.models import llama
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kwargs = dict(LANE_KWARGS, dtype=dtype, scheduling_policy="fcfs")
+    for arch, overrides in LANE_CASES[:2]:
+        path = tiny_model(arch, **overrides)
+        normed = []
+        with monkeypatch.context() as patch:
+            patch.setattr(parallel.MergedColumnParallelLinear, "forward_normed",
+                          lambda *a, f=parallel.MergedColumnParallelLinear.forward_normed, **k:
+                          normed.append(1) or f(*a, **k))  # fmt: skip
+            six_llm = make_llm(path, **kwargs)
+            six = six_llm.generate(PROMPTS[1:2], params)[0].outputs[0].token_ids
+        assert len(normed) >= 2 * 7  # two per layer in every decode step
+        with monkeypatch.context() as patch:
+            patch.setattr(llama, "ops", SimpleNamespace(gemv_row=lambda x, w: False))  # the nine-launch layer
+            nine_llm = make_llm(path, **kwargs)
+            nine = nine_llm.generate(PROMPTS[1:2], params)[0].outputs[0].token_ids
+        assert six == nine, arch
+        for (k1, v1), (k2, v2) in zip(six_llm.engine.executor.worker.kv_caches,
+                                      nine_llm.engine.executor.worker.kv_caches):  # fmt: skip
+            assert torch.equal(k1, k2) and torch.equal(v1, v2), arch
+
+
+@lane_only
 def test_partial_buffers_hold_every_bucket_when_the_split_cap_binds(tiny_model, make_llm, triton_lane,
                                                                      monkeypatch):
     """With the split-K budget below the largest bucket (8 rows against a

@@ -168,6 +168,48 @@ def test_ops_linear_silu_and_mul_is_one_launch_for_one_row_on_the_triton_lane(de
                                atol=0, rtol=0)  # fmt: skip
 
 
+# -- the batch-1 layer's other fusions: the RMSNorm in the prologue, an unfused add ----
+
+
+@pytest.mark.parametrize("dtype", sorted({*DTYPES, torch.bfloat16}, key=str))
+@pytest.mark.parametrize("n,k", [(74, 64), (96, 1536), (10, 48)])  # even rows, for the gated launch too
+def test_gemv_with_the_norm_in_its_prologue_is_the_norm_then_the_gemv(device, dtype, n, k):
+    """``norm=``: the row RMS-normalised as kernels/fused_norm.py does it,
+    then multiplied; plain and gated. In the interpreter the same bits as
+    the two (three) launches; compiled, the sum of squares may be taken in
+    another order, so within a rounding of the output."""
+    from fluidserve.kernels import activation, fused_norm
+
+    x, w, bias, _ = operands(device, dtype, n, k, seed=n + k)
+    x = x * 3  # a norm that is not ~1
+    gen = torch.Generator().manual_seed(k)
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(device, dtype)
+    normed = fused_norm.rms_norm(x.clone(), norm_weight, 1e-5)[0]
+    exact_bits = device == "cpu"
+    atol, rtol = (0, 0) if exact_bits else CLOSE[dtype]
+    for b in (None, bias):
+        fused = gemv.launch(x, w, b, None, norm=(norm_weight, 1e-5))
+        torch.testing.assert_close(fused, gemv.gemv(normed, w, b), atol=atol, rtol=rtol)
+    fused = gemv.launch(x, w, None, None, norm=(norm_weight, 1e-5), gated=True)
+    torch.testing.assert_close(fused, activation.silu_and_mul(gemv.gemv(normed, w)), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", sorted({*DTYPES, torch.bfloat16}, key=str))
+def test_gemv_adding_a_residual_as_a_separate_add_leaves_it_as_it_is(device, dtype):
+    """``round_before_residual`` into a fresh ``out``: the product rounded,
+    then the residual added, as the residual-add kernel adds
+    (kernels/fused_norm.py), bit for bit; the residual is untouched."""
+    from fluidserve.kernels import fused_norm
+
+    x, w, _, residual = operands(device, dtype, 96, 1536, seed=7)
+    kept = residual.clone()
+    out = gemv.launch(x, w, None, residual, out=torch.empty_like(residual), round_before_residual=True)
+    assert torch.equal(residual, kept) and out.data_ptr() != residual.data_ptr()
+    apart = fused_norm.rms_norm(gemv.gemv(x, w), torch.ones(96, dtype=dtype, device=device), 1e-5, residual)[1]
+    torch.testing.assert_close(out, apart, atol=0, rtol=0)
+    assert not torch.equal(out, gemv.gemv(x, w, None, residual.clone())) or dtype == torch.float32  # one rounding
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_captured_graph_runs_the_gated_gemv_to_the_bit(dtype):
