@@ -258,23 +258,25 @@ def test_lane_mixed_steps_in_two_launches_give_one_launch_tokens(tiny_model, mak
 
 
 @lane_only
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype, cases", [("float32", LANE_CASES[:1]), ("bfloat16", LANE_CASES[:2])],
+                         ids=["float32-llama", "bfloat16-llama-qwen3"])  # fmt: skip
 def test_lane_batch1_layers_in_six_launches_give_the_nine_launch_bits(tiny_model, make_llm, triton_lane,
-                                                                      monkeypatch, dtype):  # fmt: skip
+                                                                      monkeypatch, dtype, cases):  # fmt: skip
     """A decode step of one row runs each decoder layer as the batch-1
     GEMVs with the norms, the residual adds and the SiLU-mul folded in (six
     launches, as a decode graph does). Through the engine, for a GQA Llama
-    and a Qwen3 (q/k norms, head_dim 128), its tokens and its whole KV cache
-    equal the nine-launch layer's bit for bit in fp32 and bf16: the fused
-    launches round where the unfused ones do."""
+    (fp32, bf16) and a Qwen3 (q/k norms, head_dim 128; bf16, where a
+    misplaced rounding shows), its tokens and its whole KV cache equal the
+    nine-launch layer's bit for bit: the fused launches round where the
+    unfused ones do."""
     from types import SimpleNamespace
 
     from fluidserve.engine import parallel
     from fluidserve.engine.models import llama
 
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     kwargs = dict(LANE_KWARGS, dtype=dtype, scheduling_policy="fcfs")
-    for arch, overrides in LANE_CASES[:2]:
+    for arch, overrides in cases:
         path = tiny_model(arch, **overrides)
         normed = []
         with monkeypatch.context() as patch:
@@ -283,7 +285,7 @@ def test_lane_batch1_layers_in_six_launches_give_the_nine_launch_bits(tiny_model
                           normed.append(1) or f(*a, **k))  # fmt: skip
             six_llm = make_llm(path, **kwargs)
             six = six_llm.generate(PROMPTS[1:2], params)[0].outputs[0].token_ids
-        assert len(normed) >= 2 * 7  # two per layer in every decode step
+        assert len(normed) >= 2 * 5  # two per layer in every decode step
         with monkeypatch.context() as patch:
             patch.setattr(llama, "ops", SimpleNamespace(gemv_row=lambda x, w: False))  # the nine-launch layer
             nine_llm = make_llm(path, **kwargs)
