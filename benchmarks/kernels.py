@@ -40,7 +40,10 @@ sm_90 (H100/H200) with the arguments a real launch passes, reads registers,
 shared memory and spills off the cubin, and gives the occupancy the launcher
 would size the grid with; and the batch-1 GEMV (kernels/gemv.py) at the
 engine's launch shape and others ``linear_bandwidth.py`` timed, for
-their registers and spills (``kernels_compile_sm90.json``/``.md``).
+their registers and spills (``kernels_compile_sm90.json``/``.md``). The
+GPU machines run Triton 3.6, whose code differs: the same command under it
+(any venv with that Triton) with ``--tag=-triton3.6`` writes
+``kernels_compile_sm90-triton3.6.*`` beside.
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-only", action="store_true",
                    help="no GPU needed: compile every variant for sm_90 and report its resources")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--tag", default="", help="suffix of --compile-only's file name, e.g. -triton3.6 for another "
+                   "Triton's compile (the GPU machines run 3.6)")  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.batch_sizes, args.contexts, args.prefill_lens = [1, 64], [2048, 16384], [2048]
@@ -695,9 +700,9 @@ def compile_main(args: argparse.Namespace) -> int:
 
     rows = compile_report(args.num_kv_heads, args.block_size) + gemv_compile_report()
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / "kernels_compile_sm90"
-    stem.with_suffix(".json").write_text(json.dumps(dict(triton=triton.__version__, variants=rows), indent=2))
-    stem.with_suffix(".md").write_text(compile_markdown(rows, triton.__version__))
+    stem = args.out / f"kernels_compile_sm90{args.tag}"  # the tag may hold a dot: no with_suffix
+    Path(f"{stem}.json").write_text(json.dumps(dict(triton=triton.__version__, variants=rows), indent=2))
+    Path(f"{stem}.md").write_text(compile_markdown(rows, triton.__version__))
     print(f"wrote {stem}.json and {stem}.md")
     return 0
 
