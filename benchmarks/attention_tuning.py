@@ -44,7 +44,8 @@ from kernels import (  # noqa: E402
 )
 
 PREFILL_GRID = dict(prefill_rows=(64, 128), block_n=(64, 128), wide_warps=(4, 8), num_stages=(2, 3, 4))
-DECODE_GRID = dict(block_n=(32, 64, 128), num_stages=(2, 3, 4), units_scale=(1, 2, 4))
+# max_registers 168: three programs per SM of the decode-only variant under Triton 3.6 (two uncapped).
+DECODE_GRID = dict(block_n=(32, 64, 128), num_stages=(2, 3, 4), units_scale=(1, 2, 4), max_registers=(None, 168))
 # (prefill chunk, decodes, longest decode context) of the plan comparison.
 PLAN_SHAPES = [(c, d, ctx) for c in (512, 2048, 8192) for d in (16, 128) for ctx in (4096, 32768)]
 
@@ -176,13 +177,14 @@ def markdown(report: dict) -> str:
         cells = [r["len"], r["prefill_rows"], r["block_n"], r["wide_warps"], r["num_stages"], *tail]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "## Decode, batch 1, in a CUDA graph", "",
-              "| context | block_n | stages | units per KV head | splits | ms | % of copy | max abs diff |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+              "| context | block_n | stages | register cap | units per KV head | splits | ms | % of copy "
+              "| max abs diff |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in sorted((r for r in report["rows"] if r["kind"] == "decode"),
                     key=lambda r: (r["context"], r.get("graph_ms", 1e9))):  # fmt: skip
         tail = ([r["units"], r["splits"], f"{r['graph_ms']:.4f}", f"{r['pct_of_copy']:.1f}", f"{r['max_abs_diff']:.3g}"]
                 if "error" not in r else ["", "", r["error"], "", ""])  # fmt: skip
-        lines.append("| " + " | ".join(map(str, [r["context"], r["block_n"], r["num_stages"], *tail])) + " |")
+        cap = r.get("max_registers") or "–"  # sweeps before the cap lack it
+        lines.append("| " + " | ".join(map(str, [r["context"], r["block_n"], r["num_stages"], cap, *tail])) + " |")
     plans = [r for r in report["rows"] if r["kind"] == "plans"]
     if plans:
         lines += ["", "## Plans of a mixed step (ms; speed-up: unpacked / the faster packed plan)", "",
@@ -201,8 +203,8 @@ def markdown(report: dict) -> str:
         lines.append(f"* prefill {L}: prefill_rows {r['prefill_rows']}, block_n {r['block_n']}, warps "
                      f"{r['wide_warps']}, stages {r['num_stages']}: {r['vs_sdpa']:.2f}x SDPA")
     for ctx, r in sorted(best(report["rows"], "decode", "context", "pct_of_copy", True).items()):
-        lines.append(f"* decode batch 1, {ctx} keys: block_n {r['block_n']}, stages {r['num_stages']}, units x"
-                     f"{r['units_scale']}: {r['pct_of_copy']:.1f}% of copy")
+        lines.append(f"* decode batch 1, {ctx} keys: block_n {r['block_n']}, stages {r['num_stages']}, register cap "
+                     f"{r.get('max_registers') or 'none'}, units x{r['units_scale']}: {r['pct_of_copy']:.1f}% of copy")
     return "\n".join(lines) + "\n"
 
 

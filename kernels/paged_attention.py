@@ -120,6 +120,12 @@ class Tiles:
     narrow_warps: int = 4
     # Software-pipeline depth of the key loop; None: Triton's default.
     num_stages: int | None = None
+    # Register cap per thread (ptxas maxnreg); None: the compiler's choice.
+    # Triton 3.6, on the GPU machines, builds the decode-only variant (bf16,
+    # 128-wide head, group 4) in 200 registers, two programs per SM; capped
+    # at 168 it holds three without spilling (kernels_compile_sm90-triton3.6
+    # and a compile at the cap). attention_tuning.py times both.
+    max_registers: int | None = None
 
 
 TILES = Tiles()
@@ -693,10 +699,12 @@ def _num_warps(constexprs: dict[str, object]) -> int:
 
 def _launch_options(constexprs: dict[str, object]) -> dict[str, int]:
     """The launch options of a variant beside its constexprs: warps, and the
-    pipeline depth where a sweep sets one."""
+    pipeline depth and register cap where a sweep sets them."""
     options = {"num_warps": _num_warps(constexprs)}
     if TILES.num_stages is not None:
         options["num_stages"] = TILES.num_stages
+    if TILES.max_registers is not None:
+        options["maxnreg"] = TILES.max_registers
     return options
 
 
