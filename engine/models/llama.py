@@ -130,17 +130,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope, x, kv_cache, meta):
+    def forward(self, rope, x, kv_cache, meta, row: bool = False):
         # x: [T, hidden], left as it is. Nine launches on the Triton lane:
         # norm, qkv GEMM, rope + KV write, attention, o_proj GEMM, residual
         # add + norm, gate/up GEMM, SiLU-mul, down GEMM adding the residual.
         path = meta.kernels
         attn = self.self_attn
-        if ops.gemv_row(x, attn.qkv_proj.weight):
-            # One row where the batch-1 GEMV runs (decode graphs): six. The
-            # norms run in the GEMVs' prologues, the SiLU-mul in the gate/up
-            # GEMV's epilogue, the residual adds in the o and down GEMVs,
-            # each rounded where the nine round.
+        if row:
+            # One row where the batch-1 GEMV runs (``ops.gemv_row``, asked
+            # once per step by the model; decode graphs): six. The norms run
+            # in the GEMVs' prologues, the SiLU-mul in the gate/up GEMV's
+            # epilogue, the residual adds in the o and down GEMVs, each
+            # rounded where the nine round.
             qkv = attn.qkv_proj.forward_normed(x, self.input_layernorm, path=path)
             h = attn.o_proj.forward_add(attn.attend(rope, qkv, kv_cache, meta), x)  # x + attention
             act = self.mlp.gate_up_proj.forward_normed(h, self.post_attention_layernorm, gated=True, path=path)
@@ -183,7 +184,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary(positions, x.dtype)  # once per step, shared by every layer
-        x = self.layer_loop.run(self.layers, kv_caches, x, lambda layer, x, kv: layer(rope, x, kv, meta),
+        # Every layer's batch-1 fusions or none: the same answer for the whole step.
+        row = ops.gemv_row(x, self.layers[0].self_attn.qkv_proj.weight) if self.layers else False
+        x = self.layer_loop.run(self.layers, kv_caches, x, lambda layer, x, kv: layer(rope, x, kv, meta, row),
                                 lambda layer, x, kv: layer.attend(rope, x, kv, meta))
         return self.norm(x, meta.kernels)
 
