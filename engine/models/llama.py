@@ -130,7 +130,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope, x, kv_cache, meta, row: bool = False):
+    def forward(self, rope, x, kv_cache, meta, *, row: bool = False):
         # x: [T, hidden], left as it is. Nine launches on the Triton lane:
         # norm, qkv GEMM, rope + KV write, attention, o_proj GEMM, residual
         # add + norm, gate/up GEMM, SiLU-mul, down GEMM adding the residual.
@@ -186,7 +186,7 @@ class LlamaModel(nn.Module):
         rope = self.rotary(positions, x.dtype)  # once per step, shared by every layer
         # Every layer's batch-1 fusions or none: the same answer for the whole step.
         row = ops.gemv_row(x, self.layers[0].self_attn.qkv_proj.weight) if self.layers else False
-        x = self.layer_loop.run(self.layers, kv_caches, x, lambda layer, x, kv: layer(rope, x, kv, meta, row),
+        x = self.layer_loop.run(self.layers, kv_caches, x, lambda layer, x, kv: layer(rope, x, kv, meta, row=row),
                                 lambda layer, x, kv: layer.attend(rope, x, kv, meta))
         return self.norm(x, meta.kernels)
 
