@@ -37,6 +37,11 @@ PRESETS = {
 # (--async-scheduling), so the host's work hides behind the device's.
 DECODE_MODES = {
     "eager": dict(enforce_eager=True, async_scheduling=False),
+    # The eager step with one of its host savings undone, to time each:
+    # cuBLAS linears and separate norms (no batch-1 row kernels), and
+    # Triton's own launch path (no relaunching, kernels/launch.py).
+    "eager-cublas": dict(enforce_eager=True, async_scheduling=False, row_kernels=False),
+    "eager-no-relaunch": dict(enforce_eager=True, async_scheduling=False, relaunch=False),
     "graphs": dict(enforce_eager=False, async_scheduling=False),
     "graphs-async": dict(enforce_eager=False, async_scheduling=True),
 }

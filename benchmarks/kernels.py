@@ -423,7 +423,22 @@ def _graph_replays(llm) -> int | None:
 
 def bench_batch1_decode_mode(model_dir: Path, settings: dict, prompt_len: int, output_len: int) -> dict:
     """Greedy batch-1 decode through one engine: time per token from two runs
-    (1 and ``output_len`` new tokens) so prefill and start-up cancel."""
+    (1 and ``output_len`` new tokens) so prefill and start-up cancel.
+    ``row_kernels`` and ``relaunch`` in ``settings`` are process switches
+    (kernels/ops.py, kernels/launch.py), set for this engine only."""
+    from fluidserve.kernels import launch, ops
+
+    engine_settings = {k: v for k, v in settings.items() if k not in ("row_kernels", "relaunch")}
+    row_kernels = ops.set_eager_row_kernels(settings.get("row_kernels", True))
+    relaunch = launch.set_enabled(settings.get("relaunch", True))
+    try:
+        return _batch1_decode_run(model_dir, engine_settings, prompt_len, output_len)
+    finally:
+        ops.set_eager_row_kernels(row_kernels)
+        launch.set_enabled(relaunch)
+
+
+def _batch1_decode_run(model_dir: Path, settings: dict, prompt_len: int, output_len: int) -> dict:
     import gc
 
     from fluidserve.engine import LLM, SamplingParams
@@ -521,6 +536,8 @@ def batch1_markdown(result: dict) -> str:
              "| mode | ms/token | x roofline | engine start-up s | graph replays |",
              "|---|---:|---:|---:|---:|"]  # fmt: skip
     names = {"eager": "eager, synchronous (--enforce-eager --no-async-scheduling)",
+             "eager-cublas": "eager, synchronous, without the batch-1 row kernels (cuBLAS, separate norms)",
+             "eager-no-relaunch": "eager, synchronous, every launch through Triton's JIT path",
              "graphs": "decode CUDA graphs, synchronous (--no-async-scheduling)",
              "graphs-async": "decode CUDA graphs, async scheduling (the default on CUDA)"}
     for mode, r in result["modes"].items():

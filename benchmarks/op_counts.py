@@ -295,7 +295,13 @@ def counting(counter: OpCounter):
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
-        undo += [_patch(InterpretedFunction, "run", launcher), _patch(JITFunction, "run", launcher)]
+        from fluidserve.kernels import launch
+
+        # Relaunching skips JITFunction.run, where launches are counted; it
+        # launches the same kernels, so counting takes Triton's path.
+        was_on = launch.set_enabled(False)
+        undo += [_patch(InterpretedFunction, "run", launcher), _patch(JITFunction, "run", launcher),
+                 lambda: launch.set_enabled(was_on)]
     try:
         with Mode():
             yield counter

@@ -803,6 +803,25 @@ def frontend(_: str) -> tuple[list[str], list[str]]:
     return out, []
 
 
+def launch_overhead(_: str) -> tuple[list[str], list[str]]:
+    out = ["Host time of one Triton launch before its launcher: Triton's JIT path against a relaunch of the kernel "
+           "it compiled for the same arguments (kernels/launch.py), side by side, with Triton's driver stood in "
+           "for; the arguments are of each kernel's arity and kinds. The real launches on a GPU are in "
+           "[On a GPU](#on-a-gpu) once timed.", ""]
+    for stem in ("launch_overhead", "launch_overhead-triton3.6"):
+        d = load(stem)
+        if not d:
+            continue
+        out += [f"**Triton {d['triton']}**", ""] + provenance(stem, d)
+        out += table(["kernel", "JIT path us", "relaunch us", "JIT / relaunch"],
+                     [[r["kernel"], r["jit_us"], r["relaunch_us"], ratio(r["jit_us"] / r["relaunch_us"])]
+                      for r in d["rows"]], "lrrr")
+        out += [f"A batch-1 eager decoder layer's six launches: {d['batch1_layer_jit_us']:.0f} us on the JIT path, "
+                f"{d['batch1_layer_relaunch_us']:.0f} us relaunched; {d['llama3_8b_token_saving_ms']:.2f} ms less "
+                "host time per Llama-3-8B token (32 layers).", ""]
+    return out, []
+
+
 def kernels_compile(stem: str) -> tuple[list[str], list[str]]:
     d = load(stem)
     out = [f"The Triton attention variants compiled for sm_90 without a GPU (Triton {d['triton']}): registers, "
@@ -849,7 +868,7 @@ def plan_model(_: str) -> tuple[list[str], list[str]]:
 
 GPU_STEMS = ["gpu_check_*", "batch1_decode_*", "mixed_steps_nvidia*", "linear_bandwidth_*", "throughput-nvidia*",
              "kernels_nvidia*", "profile_decode_nvidia*", "attention_tuning_*", "op_counts-nvidia*", "swap_copy_*",
-             "gpu_tests_*"]
+             "launch_overhead-nvidia*", "gpu_tests_*"]
 
 
 def gpu(_: str) -> tuple[list[str], list[str]]:
@@ -898,6 +917,7 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
       "preemption"], kv_real),
     ("Frontend, load generator and Ray executor", ["serve_overhead", "serve_bench-*", "ray_overhead-*"], frontend),
     ("Triton kernels compiled for sm_90", ["kernels_compile_sm90"], kernels_compile),
+    ("Host time of a Triton launch", ["launch_overhead", "launch_overhead-triton3.6"], launch_overhead),
     ("Attention plans: a model fitted to the GPU timings", ["plan_model_*"], plan_model),
     ("On a GPU", GPU_STEMS, gpu),
 ]

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fluidserve.kernels.launch import Relaunch
+
 # Output columns per program.
 BLOCK = 1024
 
@@ -34,6 +36,9 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_o + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_SILU_AND_MUL = Relaunch(_silu_and_mul_kernel)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2 * I] (gate | up) -> [T, I]."""
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(-1) != 1:
@@ -41,6 +46,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     t, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
     if t:
-        _silu_and_mul_kernel[(t, triton.cdiv(inter, BLOCK))](x, out, x.stride(0), out.stride(0), inter, BLOCK=BLOCK)
+        _SILU_AND_MUL[(t, triton.cdiv(inter, BLOCK))](x, out, x.stride(0), out.stride(0), inter, BLOCK=BLOCK)
     return out
 

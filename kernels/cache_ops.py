@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fluidserve.kernels.launch import Relaunch
+
 # Elements of one block row copied per program of the block movers.
 COPY_BLOCK = 1024
 
@@ -58,6 +60,9 @@ def _reshape_and_cache_kernel(
     )
 
 
+_RESHAPE_AND_CACHE = Relaunch(_reshape_and_cache_kernel)
+
+
 @triton.jit
 def _copy_blocks_kernel(
     src_ptr,
@@ -86,6 +91,9 @@ def _copy_blocks_kernel(
     tl.store(dst_ptr + dst_row * stride_dst + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
+_COPY_BLOCKS = Relaunch(_copy_blocks_kernel)
+
+
 def _check_token_layout(t: torch.Tensor, name: str) -> None:
     if t.dim() != 3 or t.stride(-1) != 1:
         raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_dim] with contiguous head_dim")
@@ -111,7 +119,7 @@ def _launch_reshape_and_cache(
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    _reshape_and_cache_kernel[(num_tokens,)](
+    _RESHAPE_AND_CACHE[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1),
         value.stride(0), value.stride(1),
@@ -144,7 +152,7 @@ def _launch_copy_blocks(
         return
     row_numel = src[0].numel()
     grid = (n, triton.cdiv(row_numel, COPY_BLOCK))
-    _copy_blocks_kernel[grid](
+    _COPY_BLOCKS[grid](
         src, dst, ids, ids, row_numel, src.stride(0), dst.stride(0),
         SRC_DIRECT=not cache_is_src,
         DST_DIRECT=cache_is_src,

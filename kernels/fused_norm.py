@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fluidserve.kernels.launch import Relaunch
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -45,6 +47,9 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_RMS_NORM = Relaunch(_rms_norm_kernel)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [num_tokens, dim] with contiguous rows, got {tuple(x.shape)}")
@@ -64,7 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if x.shape[0]:
         has_residual = residual is not None
         r = residual if has_residual else x
-        _rms_norm_kernel[(x.shape[0],)](
+        _RMS_NORM[(x.shape[0],)](
             x, r, weight, out, x, x.stride(0), r.stride(0), out.stride(0), x.stride(0), x.shape[1], float(eps),
             HAS_RESIDUAL=has_residual, BLOCK_D=triton.next_power_of_2(x.shape[1]),
         )  # fmt: skip

@@ -6,9 +6,8 @@ cuBLAS reaches 60-75% of the copy bandwidth on the decoder layer's smaller
 matrices at one row (the output and QKV projections of a Llama-3-8B layer on
 an H100: ``benchmarks/results/linear_bandwidth_*.md``); this kernel reads
 each program's ``BLOCK_N`` rows of the weight front to back and reaches
-73-98%. Its Triton launch costs more host time than cuBLAS's, so the engine
-runs it only where the launch is free: inside a captured CUDA graph
-(``ops.linear``).
+73-98%. The engine runs it for every one-row linear on the Triton lane,
+eager steps and decode graphs alike (``ops.gemv_row`` says why).
 
 Arithmetic: fp32 products and sums, then bias and residual added in fp32,
 rounded once to the output dtype, as cuBLAS's epilogue with ``beta = 1``
@@ -39,6 +38,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from fluidserve.kernels.launch import Relaunch
 
 BLOCK_N = 16  # output rows per program: 256+ programs on an 8B model's smallest matrix
 MAX_BLOCK_K = 512  # the fastest on every Llama-3-8B shape measured; smaller where K needs it
@@ -104,6 +105,9 @@ def _gemv_kernel(
         silu = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
         y = silu * up
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+_GEMV = Relaunch(_gemv_kernel)
 
 
 def block_k(k: int) -> int | None:
@@ -184,7 +188,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     if out is None:
         out = residual if residual is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
     norm_weight, eps = norm if norm is not None else (out, 0.0)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _GEMV[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else out, residual if residual is not None else out, norm_weight, out,
         n, k, weight.stride(0), float(eps), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         ROUND_BEFORE_RESIDUAL=round_before_residual, GATED=gated, NORM=norm is not None, BLOCK_N=block_n,

@@ -253,11 +253,27 @@ def linear_add(
     return linear(x, weight, bias).add_(residual)
 
 
+# Whether an eager CUDA step runs the batch-1 row kernels (a decode graph
+# always does). Process-wide: benchmarks time the eager layer both ways
+# (kernels.py --batch1-decode, mode eager-cublas).
+_eager_row_kernels = True
+
+
+def set_eager_row_kernels(on: bool) -> bool:
+    """Turn the row kernels of eager CUDA steps on or off; returns the old setting."""
+    global _eager_row_kernels
+    old, _eager_row_kernels = _eager_row_kernels, bool(on)
+    return old
+
+
 def gemv_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row on the Triton lane, where the GEMV pays: on CUDA only while a
-    graph is being captured, since eagerly the Triton launch's host time
-    outweighs what the device saves."""
-    return x.shape[0] == 1 and _on_triton(x, weight) and (x.device.type != "cuda"
+    """One row on the Triton lane: the batch-1 GEMV and, in the decoder
+    layer, its six-launch form. Eagerly on CUDA too: the eager H100 profile
+    (profile_decode_*-eager.md) puts a cuBLAS linear's host time at or
+    above a Triton launch's, and the row layer replaces seven launches
+    (three linears, addmm_, two norms, the SiLU-mul) with four GEMVs that
+    also read the weights faster (linear_bandwidth_*.md)."""
+    return x.shape[0] == 1 and _on_triton(x, weight) and (x.device.type != "cuda" or _eager_row_kernels
                                                           or torch.cuda.is_current_stream_capturing())
 
 

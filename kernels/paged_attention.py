@@ -68,6 +68,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from fluidserve.kernels import packing
+from fluidserve.kernels.launch import Relaunch, arg_class
 from fluidserve.kernels.packing import WORK_FIELDS, WorkPlan
 
 LOG2E = 1.4426950408889634
@@ -390,6 +391,9 @@ def _paged_attention_kernel(
             )  # fmt: skip
 
 
+_PAGED_ATTENTION = Relaunch(_paged_attention_kernel)
+
+
 @triton.jit(do_not_specialize=_MERGE_DYNAMIC)
 def _merge_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
@@ -439,33 +443,28 @@ def _merge_kernel(
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+_MERGE = Relaunch(_merge_kernel)
+
+
 # --------------------------------------------------------------------------
 # Variants: what a launch compiles, and how many programs of it fit an SM.
 
 
-def _int_type(v: int) -> str:
-    if -(2**31) <= v < 2**31:
-        return "i32"
-    return "u64" if v >= 2**63 else "i64"
-
-
 def specialization_key(args: dict[str, object], dynamic: tuple[str, ...]) -> tuple:
     """The part of Triton's compile-cache key that the arguments decide:
-    tensors by dtype and 16-byte alignment, integers by type and (unless
-    listed in ``dynamic``, i.e. ``do_not_specialize``) by being 1 or a
-    multiple of 16, floats as fp32, constexprs by value."""
+    constexprs (bools, None, strings) by value, the rest by their class
+    (launch.arg_class: tensors by dtype and 16-byte alignment, integers by
+    width and, unless listed in ``dynamic``, i.e. ``do_not_specialize``, by
+    being 1 or a multiple of 16, floats as fp32)."""
     key = []
     for name, v in args.items():
-        if isinstance(v, torch.Tensor):
-            key.append((name, str(v.dtype), v.data_ptr() % 16 == 0))
-        elif isinstance(v, bool) or v is None or isinstance(v, str):
+        if isinstance(v, bool) or v is None or isinstance(v, str):
             key.append((name, v))
-        elif isinstance(v, int):
-            key.append((name, _int_type(v)) if name in dynamic else (name, _int_type(v), v == 1, v % 16 == 0))
-        elif isinstance(v, float):
-            key.append((name, "fp32"))
-        else:
+            continue
+        c = arg_class(v, specialize=name not in dynamic)
+        if c is None:
             raise TypeError(f"argument {name}: unexpected {type(v).__name__}")
+        key.append((name, *c))
     return tuple(key)
 
 
@@ -826,7 +825,7 @@ def _occupancy_key(constexprs: dict[str, object], options: dict[str, int], dtype
 def _run(launch: _Launch, grid_units: int) -> None:
     _record("attention", {**launch.args, **launch.constexprs}, _ATTENTION_DYNAMIC, launch.num_warps)
     num_kv_heads = launch.args["k_cache_ptr"].shape[2]
-    compiled = _paged_attention_kernel[(grid_units, num_kv_heads)](*launch.args.values(), **launch.constexprs,
+    compiled = _PAGED_ATTENTION[(grid_units, num_kv_heads)](*launch.args.values(), **launch.constexprs,
                                                                    **launch.options)
     if launch.occupancy_key not in _VARIANTS.programs_per_sm:
         # The interpreter has no compiled kernel to read: the fallback stands in.
@@ -840,7 +839,7 @@ def _run_merge(launch: _Launch, plan: WorkPlan, rows: int) -> None:
     args = _merge_args(launch, plan)
     consts = _merge_constexprs(launch)
     _record("merge", {**args, **consts}, _MERGE_DYNAMIC, 4)
-    _merge_kernel[(rows, launch.out.shape[1])](*args.values(), **consts, num_warps=4)
+    _MERGE[(rows, launch.out.shape[1])](*args.values(), **consts, num_warps=4)
 
 
 def _launch(

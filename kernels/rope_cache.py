@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fluidserve.kernels.launch import Relaunch
+
 
 @triton.jit
 def _rotate(x_ptr, cos1, sin1, cos2, sin2, h, d, mask, HALF: tl.constexpr):
@@ -87,6 +89,9 @@ def _rope_and_cache_kernel(
     tl.store(vc + HALF, tl.load(v + HALF, mask=keep).to(value_cache_ptr.dtype.element_ty), mask=keep)
 
 
+_ROPE_AND_CACHE = Relaunch(_rope_and_cache_kernel)
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -115,7 +120,7 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     t, num_q_heads, head_dim = q.shape
     if t == 0:
         return
-    _rope_and_cache_kernel[(t,)](
+    _ROPE_AND_CACHE[(t,)](
         q, k, v, cos, sin, key_cache, value_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

@@ -1,0 +1,200 @@
+"""Launching a compiled Triton kernel again without Triton's per-call binding.
+
+``JITFunction.run`` works out, on every call, each argument's
+specialisation (a pointer's dtype and 16-byte alignment; an int's width and
+whether it is 1 or a multiple of 16), hashes it with the options into its
+cache key, checks the kernel's globals and builds launch metadata, and only
+then calls the launcher. An eager decode step launches six to nine Triton
+kernels per decoder layer, so that work is a large share of the host time
+the eager step pays (profile_decode_*.md: ``jit.py run`` and
+``native_specialize_impl`` among the top entries).
+
+``Relaunch`` wraps a kernel and keeps the ``CompiledKernel`` Triton returns
+from a launch, under a key of what Triton's specialisation reads (the
+constexprs and options as given, the arguments' types, each tensor's dtype
+and 16-byte alignment) and of each scalar's exact value; when a later call
+has the same key it calls that kernel's launcher directly. Every layer of
+a step launches a kernel with the same key (its weights differ, their
+dtype and alignment do not), so only a step's first layer pays Triton's
+path. The key is at least as fine as Triton's specialisation
+(tests/kernels/test_launch.py checks it against Triton's own binder for
+every kernel we wrap), so a relaunch never runs a binary compiled on
+assumptions its arguments break. Triton's process-wide compile knobs
+(debug, instrumentation) are taken as fixed for the process.
+
+Off the fast path (Triton's interpreter, CPU tensors, a launch hook such
+as a profiler's, a Triton older than 3.4, ROCm, runtime
+arguments passed by name, or ``FLUIDSERVE_TRITON_RELAUNCH=0``) a call is
+Triton's own ``kernel[grid](...)``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from operator import itemgetter
+from typing import Any
+
+import torch
+import triton
+
+RELAUNCH_ENV = "FLUIDSERVE_TRITON_RELAUNCH"
+
+# Read once: the switch is for comparing the two paths (benchmarks set it
+# through ``set_enabled``), not for flipping per request.
+_enabled = os.environ.get(RELAUNCH_ENV, "1").strip() != "0"
+
+# Triton 3.4 moved the launch hooks to ``triton.knobs``; the launcher's
+# arguments have been these since 3.3. Older Triton, and ROCm (whose
+# launcher this has not been run against), take the JIT path.
+_knobs = getattr(triton, "knobs", None)
+_SUPPORTED = _knobs is not None and torch.version.hip is None
+
+_I32 = 1 << 31
+_I64 = 1 << 63
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn relaunching on or off for this process; returns the old setting."""
+    global _enabled
+    old, _enabled = _enabled, bool(on)
+    return old
+
+
+def arg_class(value: Any, specialize: bool = True, align: bool = True) -> tuple | None:
+    """Triton's class of a runtime argument: what its specialisation
+    depends on, or None for a type this module does not know. Ints: the
+    width Triton picks (i32, i64, u64) and, unless the parameter is
+    ``do_not_specialize``, whether the value is 1 (baked in as a constant)
+    or a multiple of 16. Pointers: the dtype and, unless
+    ``do_not_specialize_on_alignment``, 16-byte alignment. The attention's
+    record of compiled variants keys on it (paged_attention.
+    specialization_key); a relaunch keys finer, on exact scalars."""
+    kind = type(value)
+    if kind is bool:  # before int: True == 1 hashes as 1
+        return ("u1",)
+    if kind is int:
+        width = 0 if -_I32 <= value < _I32 else 1 if -_I64 <= value < _I64 else 2
+        if not specialize:
+            return ("i", width)
+        return ("i", width, value == 1, value % 16 == 0)
+    if kind is float:
+        return ("f",)
+    if value is None:
+        return ("none",)
+    if isinstance(value, torch.Tensor):
+        return ("p", value.dtype, align and value.data_ptr() % 16 == 0)
+    return None
+
+
+_SCALARS = frozenset((int, float, bool, type(None)))
+# A kernel kept per key; past this many (a scalar argument that never
+# repeats) the cache starts again rather than grow.
+MAX_KEPT = 256
+
+
+def _getter(positions: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple]:
+    if len(positions) > 1:
+        return itemgetter(*positions)
+    if positions:
+        return lambda args, i=positions[0]: (args[i],)
+    return lambda args: ()
+
+
+class Relaunch:
+    """``Relaunch(kernel)[grid](*runtime_args, **constexprs_and_options)``
+    behaves as ``kernel[grid](...)`` and returns the ``CompiledKernel``
+    (None on the interpreter). Runtime arguments go by position, in the
+    kernel's order; constexprs and launch options by name.
+
+    The key holds the constexprs and options as given, the arguments'
+    Python types, every scalar's exact value (finer than Triton's class of
+    it, and as cheap to take: a kernel's scalars are strides and sizes that
+    repeat) and every tensor's dtype and 16-byte alignment, which is all
+    Triton's specialisation of a tensor reads."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self._compiled: dict[tuple, tuple[Any, tuple]] = {}
+        # Per tuple of argument types: getters of the tensors and of the
+        # scalars, or None for a type this module does not know.
+        self._splits: dict[tuple[type, ...], tuple[Callable, Callable] | None] = {}
+        params = getattr(fn, "params", None)  # a JITFunction's; the interpreter's wrapper has none
+        self._arity: int | None = None
+        self._constexprs: tuple[tuple[str, Any], ...] = ()
+        if params is not None:
+            n = sum(1 for p in params if not p.is_constexpr)
+            if all(not p.is_constexpr for p in params[:n]):  # runtime parameters first, constexprs after
+                self._arity = n
+                self._constexprs = tuple((p.name, p.default) for p in params[n:])
+        self._device: Callable[[], int] | None = None
+        self._stream: Callable[[int], int] | None = None
+
+    def __getitem__(self, grid: Sequence[int]) -> Callable[..., Any]:
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def key(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple | None:
+        """The cache key of a call, or None where it must take the JIT path."""
+        if len(args) != self._arity or not _enabled:
+            return None
+        types = tuple(map(type, args))
+        split = self._splits.get(types, False)
+        if split is False:
+            split = self._splits[types] = self._split(types)
+        if split is None:
+            return None
+        tensors_of, scalars_of = split
+        tensors = tensors_of(args)
+        return (types, tuple(kwargs.items()), scalars_of(args), tuple([t.dtype for t in tensors]),
+                tuple([t.data_ptr() & 15 == 0 for t in tensors]))  # fmt: skip
+
+    @staticmethod
+    def _split(types: tuple[type, ...]) -> tuple[Callable, Callable] | None:
+        tensors = tuple(i for i, t in enumerate(types) if issubclass(t, torch.Tensor))
+        scalars = tuple(i for i, t in enumerate(types) if t in _SCALARS)
+        if len(tensors) + len(scalars) != len(types):
+            return None
+        return _getter(tensors), _getter(scalars)
+
+    def launch(self, grid: Sequence[int], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        first = args[0] if args else None
+        if (not _SUPPORTED or not isinstance(first, torch.Tensor) or first.device.type != "cuda"
+                or _knobs.runtime.launch_enter_hook is not None
+                or _knobs.runtime.launch_exit_hook is not None):  # fmt: skip
+            return self.fn[grid](*args, **kwargs)
+        return self.relaunch(grid, args, kwargs)
+
+    def relaunch(self, grid: Sequence[int], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """The cached path, for arguments ``launch`` found eligible: the
+        kept kernel's launcher if the key holds one, else Triton's launch,
+        whose kernel is kept."""
+        if self._device is None:
+            from triton.runtime import driver
+
+            self._device, self._stream = driver.active.get_current_device, driver.active.get_current_stream
+        try:
+            key = self.key(args, kwargs)
+            if key is not None:
+                key = (self._device(), *key)  # a kernel is loaded on the device current when it was compiled
+            entry = self._compiled.get(key) if key is not None else None
+        except TypeError:  # an unhashable constexpr: Triton's path copes
+            key = entry = None
+        if entry is None:
+            compiled = self.fn[grid](*args, **kwargs)
+            if key is not None and compiled is not None:
+                tail = tuple(kwargs.get(name, default) for name, default in self._constexprs)
+                if len(self._compiled) >= MAX_KEPT:
+                    self._compiled.clear()
+                self._compiled[key] = (compiled, tail)
+            return compiled
+        compiled, tail = entry
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        # The JIT path's call, less its launch metadata and hooks (None: no hook is set).
+        compiled.run(grid[0], g1, g2, self._stream(key[0]), compiled.function, compiled.packed_metadata, None,
+                     None, None, *args, *tail)  # fmt: skip
+        return compiled
+
+    def cached(self) -> int:
+        """How many compiled variants the fast path holds."""
+        return len(self._compiled)

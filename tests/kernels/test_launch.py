@@ -1,0 +1,156 @@
+"""kernels/launch.py: a relaunch reuses a compiled kernel only for
+arguments Triton would have compiled the same binary for.
+
+On CPU the key is checked against Triton's own binder (built for an sm_90
+target, as the JIT path builds it on a GPU), for every kernel we wrap; on a
+GPU a relaunch is compared bit for bit with Triton's launch."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from fluidserve.kernels import activation, cache_ops, fused_norm, gemv, launch, paged_attention, rope_cache
+from fluidserve.kernels.launch import Relaunch, arg_class
+
+BACKEND = make_backend(GPUTarget("cuda", 90, 32))
+WRAPPED = {f"{m.__name__}.{name}": v for m in (activation, cache_ops, fused_norm, gemv, paged_attention, rope_cache)
+           for name, v in vars(m).items() if isinstance(v, Relaunch)}  # fmt: skip
+INTS = [0, 1, 2, 3, 15, 16, 17, 32, 48, 4096, 4097, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16,
+        -(2**31), -(2**31) - 16, 2**40 + 1, 2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 1]  # fmt: skip
+FLOATS = [0.0, 1.0, 0.5, 1e-6, -3.25]
+
+
+def _tensors() -> list[torch.Tensor]:
+    """Tensors of several dtypes, at aligned and unaligned addresses."""
+    out = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.int8):
+        base = torch.zeros(64, dtype=dtype)
+        out += [base, base[1:], base[4:], base[8:], base[16:], torch.nn.Parameter(base.float(), requires_grad=False)]
+    return out
+
+
+def _jit(fn) -> JITFunction:
+    """The JIT function behind a kernel (the interpreter wraps the same Python)."""
+    return fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **fn.kwargs)
+
+
+def _pool(name: str) -> list:
+    if name.endswith("_ptr"):
+        return _tensors()
+    return FLOATS if name in ("eps", "qk_scale") else INTS
+
+
+def test_an_arg_class_is_at_least_as_fine_as_tritons_specialisation():
+    values = INTS + FLOATS + _tensors() + [True, False, None]
+    for specialize, align in itertools.product((True, False), repeat=2):
+        by_class: dict[tuple, set] = {}
+        for v in values:
+            c = arg_class(v, specialize, align)
+            assert c is not None, v
+            by_class.setdefault(c, set()).add(native_specialize_impl(BACKEND, v, False, specialize, align))
+        mixed = {c: specs for c, specs in by_class.items() if len(specs) > 1}
+        assert not mixed, (specialize, align, mixed)
+    assert arg_class(True) != arg_class(1)  # equal and equally hashed in Python; i1 against a constant 1 in Triton
+    assert arg_class(object()) is None  # unknown: the JIT path
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPED))
+def test_every_wrapped_kernel_takes_the_fast_path_and_its_key_refines_the_binder(name):
+    jit = _jit(WRAPPED[name].fn)
+    relaunch = Relaunch(jit)
+    runtime = [p for p in jit.params if not p.is_constexpr]
+    assert relaunch._arity == len(runtime), "runtime parameters must lead"
+    binder = create_function_from_signature(jit.signature, jit.params, BACKEND)
+    constexprs = {p.name: 16 for p in jit.params if p.is_constexpr}
+    base = [_pool(p.name)[4] for p in runtime]  # one valid call: every pool's fifth entry
+    for i, p in enumerate(runtime):
+        seen: dict[tuple, tuple] = {}
+        for v in _pool(p.name):
+            args = base[:i] + [v] + base[i + 1:]
+            key = relaunch.key(args, dict(constexprs, num_warps=4))
+            spec = binder(*args, **constexprs, num_warps=4)[1]
+            assert seen.setdefault(key, spec) == spec, f"{p.name}={v!r}: one key, two specialisations"
+    key = relaunch.key(base, dict(constexprs, num_warps=4))
+    assert key != relaunch.key(base, dict(constexprs, num_warps=8))
+    # Another layer's tensors (other storage, same dtype and alignment) share the key: the point of keeping it.
+    other = [torch.zeros(64, dtype=v.dtype) if isinstance(v, torch.Tensor) else v for v in base]
+    assert relaunch.key(other, dict(constexprs, num_warps=4)) == key
+    assert relaunch.key([object(), *base[1:]], dict(constexprs, num_warps=4)) is None  # unknown type: JIT path
+    assert relaunch.key(base[:-1], constexprs) is None  # a runtime argument by name: the JIT path
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="relaunching needs a GPU")
+
+
+def _gemv_call(kernel, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    kernel[(triton.cdiv(n, gemv.BLOCK_N),)](
+        x, w, out, out, out, out, n, k, w.stride(0), 0.0, HAS_BIAS=False, HAS_RESIDUAL=False,
+        ROUND_BEFORE_RESIDUAL=False, GATED=False, NORM=False, BLOCK_N=gemv.BLOCK_N, BLOCK_K=gemv.block_k(k),
+        BLOCK_D=1, num_warps=gemv.NUM_WARPS,
+    )  # fmt: skip
+    return out
+
+
+@needs_cuda
+def test_a_relaunch_computes_what_tritons_launch_computes():
+    torch.manual_seed(0)
+    dev, dtype = "cuda", torch.bfloat16
+    w = torch.randn(512, 256, dtype=dtype, device=dev)
+    buf = torch.randn(1, 260, dtype=dtype, device=dev)
+    relaunch = Relaunch(gemv._gemv_kernel)
+    aligned = [torch.randn(1, 256, dtype=dtype, device=dev) for _ in range(3)]
+    for i, x in enumerate(aligned):
+        assert torch.equal(_gemv_call(relaunch, x, w), _gemv_call(gemv._gemv_kernel, x, w))
+        assert relaunch.cached() == 1, i  # the first call compiled through Triton; the others reused it
+    unaligned = buf[:, 1:257]  # two bytes off: Triton compiles another binary for it
+    assert unaligned.data_ptr() % 16
+    assert torch.equal(_gemv_call(relaunch, unaligned, w), _gemv_call(gemv._gemv_kernel, unaligned, w))
+    assert relaunch.cached() == 2
+
+
+@needs_cuda
+def test_a_relaunch_is_captured_by_a_cuda_graph():
+    w = torch.randn(256, 128, device="cuda")
+    x = torch.randn(1, 128, device="cuda")
+    relaunch = Relaunch(gemv._gemv_kernel)
+    _gemv_call(relaunch, x, w)  # compile and keep it, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _gemv_call(relaunch, x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, _gemv_call(gemv._gemv_kernel, x, w))
+
+
+@needs_cuda
+def test_a_launch_hook_or_the_switch_sends_calls_through_triton():
+    """A profiler's launch hook sees every launch: relaunching steps aside."""
+    w = torch.randn(256, 128, device="cuda")
+    x = torch.randn(1, 128, device="cuda")
+    relaunch = Relaunch(gemv._gemv_kernel)
+    _gemv_call(relaunch, x, w)
+    seen = []
+    triton.knobs.runtime.launch_enter_hook = seen.append
+    try:
+        _gemv_call(relaunch, x, w)
+    finally:
+        triton.knobs.runtime.launch_enter_hook = None
+    assert len(seen) == 1
+    was_on = launch.set_enabled(False)
+    try:
+        fresh = Relaunch(gemv._gemv_kernel)
+        assert torch.equal(_gemv_call(fresh, x, w), _gemv_call(gemv._gemv_kernel, x, w))
+        assert fresh.cached() == 0
+    finally:
+        launch.set_enabled(was_on)
