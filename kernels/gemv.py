@@ -35,6 +35,8 @@ launches instead of nine (engine/models/llama.py):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -110,6 +112,7 @@ def _gemv_kernel(
 _GEMV = Relaunch(_gemv_kernel)
 
 
+@functools.cache
 def block_k(k: int) -> int | None:
     """The widest power-of-two step up to ``MAX_BLOCK_K`` that divides ``k``
     (None below 16: such a matrix is not worth a kernel of its own)."""
@@ -128,8 +131,12 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     n, k = weight.shape
     return (x.dim() == 2 and x.shape == (1, k) and x.stride(-1) == 1 and weight.stride(-1) == 1
             and x.dtype == weight.dtype and block_k(k) is not None
-            and all(t is None or (t.dtype == x.dtype and t.device == x.device and t.is_contiguous()
-                                  and t.numel() == n) for t in (bias, residual)))  # fmt: skip
+            and (bias is None or _fits(bias, x, n)) and (residual is None or _fits(residual, x, n)))  # fmt: skip
+
+
+def _fits(t: torch.Tensor, x: torch.Tensor, n: int) -> bool:
+    """A bias or residual: x's dtype and device, n contiguous elements."""
+    return t.dtype == x.dtype and t.device == x.device and t.is_contiguous() and t.numel() == n
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -178,21 +185,28 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     new [1, N]) may be a fresh tensor with a residual, leaving the residual
     as it is. The launch shape is for benchmarks: the engine's is the
     default."""
-    n, k = weight.shape
-    n = n // 2 if gated else n  # output columns
+    rows, k = weight.shape
+    n, grid, block_n, block_d = _shape(rows, k, gated, norm is not None, block_n)
+    if out is None:
+        out = residual if residual is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
+    norm_weight, eps = norm if norm is not None else (out, 0.0)
+    _GEMV[grid](
+        x, weight, bias if bias is not None else out, residual if residual is not None else out, norm_weight, out,
+        n, k, weight.stride(0), float(eps), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        ROUND_BEFORE_RESIDUAL=round_before_residual, GATED=gated, NORM=norm is not None, BLOCK_N=block_n,
+        BLOCK_K=k_step or block_k(k), BLOCK_D=block_d, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+@functools.cache
+def _shape(rows: int, k: int, gated: bool, norm: bool, block_n: int | None) -> tuple[int, tuple[int], int, int]:
+    """(output columns, grid, BLOCK_N, BLOCK_D) of a launch: worked out once
+    per weight shape, since every layer of a step asks again."""
+    n = rows // 2 if gated else rows
     # A gated program reads BLOCK_N / 2 gate rows and as many up rows: the
     # plain kernel's loads per step, in 132 registers on sm_90 (the plain
     # kernel's 167: three programs per SM either way); a full BLOCK_N of
     # each takes 246, two per SM (kernels_compile_sm90.md).
     block_n = block_n or (BLOCK_N // 2 if gated else BLOCK_N)
-    if out is None:
-        out = residual if residual is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
-    norm_weight, eps = norm if norm is not None else (out, 0.0)
-    _GEMV[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else out, residual if residual is not None else out, norm_weight, out,
-        n, k, weight.stride(0), float(eps), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        ROUND_BEFORE_RESIDUAL=round_before_residual, GATED=gated, NORM=norm is not None, BLOCK_N=block_n,
-        BLOCK_K=k_step or block_k(k), BLOCK_D=triton.next_power_of_2(k) if norm is not None else 1,
-        num_warps=num_warps,
-    )  # fmt: skip
-    return out
+    return n, (triton.cdiv(n, block_n),), block_n, triton.next_power_of_2(k) if norm else 1

@@ -138,7 +138,7 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.self_attn
         if row:
             # One row where the batch-1 GEMV runs (``ops.gemv_row``, asked
-            # once per step by the model; decode graphs): six. The norms run
+            # once per step by the model; eager and in decode graphs): six. The norms run
             # in the GEMVs' prologues, the SiLU-mul in the gate/up GEMV's
             # epilogue, the residual adds in the o and down GEMVs, each
             # rounded where the nine round.
