@@ -11,6 +11,8 @@ import argparse
 import json
 import platform
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -37,14 +39,35 @@ PRESETS = {
 # (--async-scheduling), so the host's work hides behind the device's.
 DECODE_MODES = {
     "eager": dict(enforce_eager=True, async_scheduling=False),
+    "graphs": dict(enforce_eager=False, async_scheduling=False),
+    "graphs-async": dict(enforce_eager=False, async_scheduling=True),
     # The eager step with one of its host savings undone, to time each:
     # cuBLAS linears and separate norms (no batch-1 row kernels), and
     # Triton's own launch path (no relaunching, kernels/launch.py).
     "eager-cublas": dict(enforce_eager=True, async_scheduling=False, row_kernels=False),
     "eager-no-relaunch": dict(enforce_eager=True, async_scheduling=False, relaunch=False),
-    "graphs": dict(enforce_eager=False, async_scheduling=False),
-    "graphs-async": dict(enforce_eager=False, async_scheduling=True),
 }
+# The engine's own decode paths (the other modes: eager with a switch off).
+ENGINE_DECODE_MODES = ("eager", "graphs", "graphs-async")
+
+
+@contextmanager
+def decode_mode(mode: str) -> Iterator[dict]:
+    """The engine settings of ``mode``, with the process switches it names
+    (``row_kernels``: kernels/ops.py; ``relaunch``: kernels/launch.py) set
+    while the block runs."""
+    from fluidserve.kernels import launch, ops
+
+    settings = dict(DECODE_MODES[mode])
+    undo = []
+    for name, switch in (("row_kernels", ops.set_eager_row_kernels), ("relaunch", launch.set_enabled)):
+        if name in settings:
+            undo.append((switch, switch(settings.pop(name))))
+    try:
+        yield settings
+    finally:
+        for switch, was in undo:
+            switch(was)
 
 
 def build_model_dir(preset: str, root: Path) -> Path:

@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dummy_models import DECODE_MODES  # noqa: E402
+from dummy_models import DECODE_MODES, decode_mode  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # Skip decode points whose KV cache would not fit comfortably.
@@ -423,22 +423,7 @@ def _graph_replays(llm) -> int | None:
 
 def bench_batch1_decode_mode(model_dir: Path, settings: dict, prompt_len: int, output_len: int) -> dict:
     """Greedy batch-1 decode through one engine: time per token from two runs
-    (1 and ``output_len`` new tokens) so prefill and start-up cancel.
-    ``row_kernels`` and ``relaunch`` in ``settings`` are process switches
-    (kernels/ops.py, kernels/launch.py), set for this engine only."""
-    from fluidserve.kernels import launch, ops
-
-    engine_settings = {k: v for k, v in settings.items() if k not in ("row_kernels", "relaunch")}
-    row_kernels = ops.set_eager_row_kernels(settings.get("row_kernels", True))
-    relaunch = launch.set_enabled(settings.get("relaunch", True))
-    try:
-        return _batch1_decode_run(model_dir, engine_settings, prompt_len, output_len)
-    finally:
-        ops.set_eager_row_kernels(row_kernels)
-        launch.set_enabled(relaunch)
-
-
-def _batch1_decode_run(model_dir: Path, settings: dict, prompt_len: int, output_len: int) -> dict:
+    (1 and ``output_len`` new tokens) so prefill and start-up cancel."""
     import gc
 
     from fluidserve.engine import LLM, SamplingParams
@@ -506,7 +491,8 @@ def bench_batch1_decode(
         build_model_dir(preset, Path(root))
         for mode in modes:
             try:
-                r = bench_batch1_decode_mode(Path(root), DECODE_MODES[mode], prompt_len, output_len)
+                with decode_mode(mode) as settings:
+                    r = bench_batch1_decode_mode(Path(root), settings, prompt_len, output_len)
                 r["vs_roofline"] = r["ms_per_token"] / roofline_ms
                 print(f"  {mode:6s}: {r['ms_per_token']:.2f} ms/token, {r['vs_roofline']:.2f}x roofline "
                       f"(target <= 1.3x); start-up {r['startup_s']:.1f} s; graph replays {r['graph_replays']}")

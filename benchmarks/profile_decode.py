@@ -36,7 +36,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dummy_models import DECODE_MODES, PRESETS, build_model_dir, device_slug, run_record  # noqa: E402
+from dummy_models import (  # noqa: E402
+    DECODE_MODES, ENGINE_DECODE_MODES, PRESETS, build_model_dir, decode_mode, device_slug, run_record,
+)
 
 # Host calls that put work on the GPU: one per kernel, one per graph replay.
 KERNEL_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
@@ -169,7 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--modes", nargs="+", default=list(DECODE_MODES), choices=list(DECODE_MODES))
+    p.add_argument("--modes", nargs="+", default=list(ENGINE_DECODE_MODES), choices=list(DECODE_MODES))
     p.add_argument("--top", type=int, default=15, help="kernels and host ops listed per mode")
     p.add_argument("--python-top", type=int, default=30,
                    help="Python functions listed per mode from one more run under cProfile (0: none)")
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     name = record["device"]
     modes = [m for m in args.modes if not m.startswith("graphs") or args.device == "cuda"]  # CUDA graphs: CUDA alone
-    suffix = "" if modes == list(DECODE_MODES) else "-" + "-".join(modes)
+    suffix = "" if modes == list(ENGINE_DECODE_MODES) else "-" + "-".join(modes)
     stem = args.out / f"profile_decode_{device_slug(name)}{suffix}"
     args.out.mkdir(parents=True, exist_ok=True)
     failed = False
@@ -193,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         build_model_dir(args.preset, Path(root))
         for mode in modes:
             try:
-                record["modes"][mode] = profile_mode(Path(root), args, DECODE_MODES[mode])
+                with decode_mode(mode) as settings:
+                    record["modes"][mode] = profile_mode(Path(root), args, settings)
             except Exception as exc:  # the other mode's profile is still worth having
                 failed = True
                 record["modes"][mode] = dict(error=f"{type(exc).__name__}: {exc}"[:500])

@@ -119,3 +119,23 @@ def test_batch1_gemvs_compile_for_hopper_without_spilling():
     for row in rows:
         assert row["stack_bytes"] == 0 and row["local_bytes"] == 0, row
         assert row["registers"] * 128 * 3 <= 65536, row
+
+
+def test_a_decode_mode_sets_its_switches_for_its_block_only(bench):
+    """The eager variants the batch-1 benchmark times flip a process switch
+    for their engine alone, and hand the engine only engine settings."""
+    import dummy_models
+
+    from fluidserve.kernels import launch, ops
+
+    before = (ops._eager_row_kernels, launch._enabled)
+    with dummy_models.decode_mode("eager-cublas") as settings:
+        assert settings == dict(enforce_eager=True, async_scheduling=False)
+        assert ops._eager_row_kernels is False and launch._enabled == before[1]
+    with dummy_models.decode_mode("eager-no-relaunch") as settings:
+        assert "relaunch" not in settings and launch._enabled is False and ops._eager_row_kernels == before[0]
+    with pytest.raises(RuntimeError), dummy_models.decode_mode("eager-cublas"):
+        raise RuntimeError("an engine that failed to start")
+    assert (ops._eager_row_kernels, launch._enabled) == before
+    with dummy_models.decode_mode("graphs") as settings:
+        assert settings == dummy_models.DECODE_MODES["graphs"]
