@@ -17,6 +17,7 @@ import json
 import re
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,6 +57,14 @@ COLORS = {
 def load(stem: str) -> dict | None:
     path = RESULTS / f"{stem}.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def loaded(*stems: str) -> Iterator[tuple[str, dict]]:
+    """(stem, results) of each of ``stems`` that has a results file."""
+    for stem in stems:
+        d = load(stem)
+        if d:
+            yield stem, d
 
 
 def md_command(stem: str) -> str | None:
@@ -498,10 +507,7 @@ def vs_offline(_: str) -> tuple[list[str], list[str]]:
            "(the process tree's user + system time). The prefix rows put a 1024-token shared system prompt "
            "before every request, prefix caching on in both.", ""]
     plots = []
-    for stem in ("vs_vllm-offline-cpu", "vs_vllm-prefix-cpu"):
-        d = load(stem)
-        if not d:
-            continue
+    for stem, d in loaded("vs_vllm-offline-cpu", "vs_vllm-prefix-cpu"):
         what = "prefix caching on in both" if "prefix" in stem else "no prefix sharing"
         out += [f"**Against vLLM {d.get('vllm_version', '')}'s CPU build**, {what}:", ""] + provenance(stem, d)
         if d.get("note"):
@@ -581,10 +587,7 @@ def sched_step_cost(_: str) -> tuple[list[str], list[str]]:
     out = ["Scheduler CPU time per step with requests decoding behind a shared 512-token prefix, the tree "
            "the run measured against an older commit, each in its own process, interleaved (median of 5 "
            "processes, each the median of 200 steps).", ""]
-    for stem in ("sched_step_cost", "sched_step_cost-1024"):
-        d = load(stem)
-        if not d:
-            continue
+    for stem, d in loaded("sched_step_cost", "sched_step_cost-1024"):
         names = re.search(r"--names (\S+) (\S+)", d.get("command", ""))
         label = {".": "the run's tree"}
         if names:
@@ -673,10 +676,7 @@ def grammar(_: str) -> tuple[list[str], list[str]]:
                      [[r["backend"], r["vocab_size"], r["fill_ms_per_step_median"], r["fill_ms_per_step_p90"],
                        r["new_matcher_us"], ", ".join(num(v) for v in r["compile_ms"].values())]
                       for r in d["results"]], "lrrrrl")
-    for stem in ("structured_overhead-cpu", "structured_overhead-cpu-small"):
-        d = load(stem)
-        if not d:
-            continue
+    for stem, d in loaded("structured_overhead-cpu", "structured_overhead-cpu-small"):
         m = d["meta"]
         out += [f"**JSON mode against unconstrained decoding**, {m['model']}, {m['concurrency']} concurrent "
                 f"requests of {m['tokens_per_request']} tokens, {m['rounds']} alternating rounds:", ""]
@@ -808,10 +808,7 @@ def launch_overhead(_: str) -> tuple[list[str], list[str]]:
            "it compiled for the same arguments (kernels/launch.py), side by side, with Triton's driver stood in "
            "for; the arguments are of each kernel's arity and kinds. The real launches on a GPU are in "
            "[On a GPU](#on-a-gpu) once timed.", ""]
-    for stem in ("launch_overhead", "launch_overhead-triton3.6"):
-        d = load(stem)
-        if not d:
-            continue
+    for stem, d in loaded("launch_overhead", "launch_overhead-triton3.6"):
         out += [f"**Triton {d['triton']}**", ""] + provenance(stem, d)
         out += table(["kernel", "JIT path us", "relaunch us", "JIT / relaunch"],
                      [[r["kernel"], r["jit_us"], r["relaunch_us"], ratio(r["jit_us"] / r["relaunch_us"])]
