@@ -84,6 +84,10 @@ def test_every_wrapped_kernel_takes_the_fast_path_and_its_key_refines_the_binder
     other = [torch.zeros(64, dtype=v.dtype) if isinstance(v, torch.Tensor) else v for v in base]
     assert relaunch.key(other, dict(constexprs, num_warps=4)) == key
     assert relaunch.key([object(), *base[1:]], dict(constexprs, num_warps=4)) is None  # unknown type: JIT path
+    # 1, 1.0 and True are equal and hash alike in Python; Triton makes a constant, an fp32 and an i1 of them.
+    i = next(i for i, p in enumerate(runtime) if not p.name.endswith("_ptr"))
+    keys = {relaunch.key(base[:i] + [v] + base[i + 1:], constexprs) for v in (1, 1.0, True)}
+    assert len(keys) == 3
     assert relaunch.key(base[:-1], constexprs) is None  # a runtime argument by name: the JIT path
 
 
