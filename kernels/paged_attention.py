@@ -526,9 +526,12 @@ def triton_compiled_count() -> int | None:
     return total
 
 
-def _record(kernel: str, args: dict[str, object], dynamic: tuple[str, ...], num_warps: int) -> None:
+def _record(kernel: str, args: dict[str, object], constexprs: dict[str, object], dynamic: tuple[str, ...],
+            num_warps: int) -> None:  # fmt: skip
+    # Arguments and constexprs merged only while recording: every launch of a step calls this.
     if _VARIANTS.recording:
-        _VARIANTS.keys[kernel].add((*specialization_key(args, dynamic), ("num_warps", num_warps)))
+        key = specialization_key({**args, **constexprs}, dynamic)
+        _VARIANTS.keys[kernel].add((*key, ("num_warps", num_warps)))
 
 
 @dataclass(frozen=True)
@@ -823,10 +826,10 @@ def _occupancy_key(constexprs: dict[str, object], options: dict[str, int], dtype
 
 
 def _run(launch: _Launch, grid_units: int) -> None:
-    _record("attention", {**launch.args, **launch.constexprs}, _ATTENTION_DYNAMIC, launch.num_warps)
+    _record("attention", launch.args, launch.constexprs, _ATTENTION_DYNAMIC, launch.num_warps)
     num_kv_heads = launch.args["k_cache_ptr"].shape[2]
     compiled = _PAGED_ATTENTION[(grid_units, num_kv_heads)](*launch.args.values(), **launch.constexprs,
-                                                                   **launch.options)
+                                                            **launch.options)
     if launch.occupancy_key not in _VARIANTS.programs_per_sm:
         # The interpreter has no compiled kernel to read: the fallback stands in.
         device = launch.out.device
@@ -838,7 +841,7 @@ def _run(launch: _Launch, grid_units: int) -> None:
 def _run_merge(launch: _Launch, plan: WorkPlan, rows: int) -> None:
     args = _merge_args(launch, plan)
     consts = _merge_constexprs(launch)
-    _record("merge", {**args, **consts}, _MERGE_DYNAMIC, 4)
+    _record("merge", args, consts, _MERGE_DYNAMIC, 4)
     _MERGE[(rows, launch.out.shape[1])](*args.values(), **consts, num_warps=4)
 
 
