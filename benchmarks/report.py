@@ -819,6 +819,21 @@ def launch_overhead(_: str) -> tuple[list[str], list[str]]:
     return out, []
 
 
+def plan_host_time(stem: str) -> tuple[list[str], list[str]]:
+    d = load(stem)
+    if d is None:
+        return [], []
+    first, *rest = d["trees"]
+    out = ["Host time of the attention planner per step (Llama-3-8B shapes on an H100/H200, 33 units per KV "
+           "head): the tree the run measured against an older commit, each in its own process, interleaved; "
+           "thread CPU time, the median of the processes' medians. Eager: `packing.plan_attention`; graph: "
+           "`cuda_graphs.plan_decode`, before every decode graph replay.", ""] + provenance(stem, d)
+    out += table(["step", *(f"{n} (ms)" for n in d["trees"]), *(f"{n} / {first}" for n in rest)],
+                 [[r["shape"], *(r[n] for n in d["trees"]), *(ratio(r[n] / r[first]) for n in rest)]
+                  for r in d["rows"]])
+    return out, []
+
+
 def kernels_compile(stem: str) -> tuple[list[str], list[str]]:
     d = load(stem)
     out = [f"The Triton attention variants compiled for sm_90 without a GPU (Triton {d['triton']}): registers, "
@@ -915,6 +930,7 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Frontend, load generator and Ray executor", ["serve_overhead", "serve_bench-*", "ray_overhead-*"], frontend),
     ("Triton kernels compiled for sm_90", ["kernels_compile_sm90"], kernels_compile),
     ("Host time of a Triton launch", ["launch_overhead", "launch_overhead-triton3.6"], launch_overhead),
+    ("Host time of the attention planner", ["plan_host_time"], plan_host_time),
     ("Attention plans: a model fitted to the GPU timings", ["plan_model_*"], plan_model),
     ("On a GPU", GPU_STEMS, gpu),
 ]

@@ -72,7 +72,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -170,23 +170,13 @@ def plan_decode(seq_lens: list[int], *, num_units: int, max_splits: int,
     ``packing.plan_attention``'s for the same lengths while ``max_splits``
     is ``MAX_SPLITS``."""
     n = len(seq_lens)
-    tiles = packing.make_tiles([1] * n, seq_lens, 1, sliding_window, 1)
-    kv_chunk = packing.auto_kv_chunk(tiles, num_units)
-    items: list[packing.WorkItem] = []
-    num_splits = [0] * n
-    for t in tiles:
-        # At most max_splits pieces: one less than the cap, as split_tiles
-        # does, since an unaligned start adds one.
-        chunk = max(kv_chunk, -(-(t.kv_hi - t.kv_lo) // max(max_splits - 1, 1)))
-        pieces, _ = packing.split_tiles([t], chunk)
-        num_splits[t.q_lo] = len(pieces)
-        items.extend(replace(p, merge_row=t.q_lo, split=j) for j, p in enumerate(pieces))
-    units, _ = packing.pack_lpt(items, num_units)
-    rows = np.array([it.as_row() for unit in units for it in unit], dtype=np.int32).reshape(-1, WORK_FIELDS)
-    offsets = [0]
-    for unit in units:
-        offsets.append(offsets[-1] + len(unit))
-    return DecodeWork(rows, offsets, num_splits)
+    tiles = packing.tile_rows([1] * n, seq_lens, 1, sliding_window, 1)
+    kv_chunk = packing.auto_kv_chunk(packing.item_costs(tiles, 1), num_units)
+    items, _, _ = packing.split_rows(tiles, kv_chunk, max_splits=max_splits)
+    items[:, packing.F_MERGE_ROW] = items[:, packing.F_SEQ]  # every row merges, into its own merge row
+    order, offsets, _ = packing.pack_lpt(packing.item_costs(items, 1), num_units)
+    num_splits = np.bincount(items[:, packing.F_SEQ], minlength=n)
+    return DecodeWork(items[order].astype(np.int32), offsets.tolist(), num_splits.tolist())
 
 
 class StaticDecodePlan:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,12 +86,48 @@ def test_plan_covers_every_token_exactly(q_lens, seq_lens, window, num_units, to
 
 
 def test_split_pieces_sit_on_chunk_multiples():
-    tile = WorkItem(seq=0, q_lo=0, q_hi=1, pos0=999, kv_lo=70, kv_hi=1000)
-    items, merge_rows = packing.split_tiles([tile], kv_chunk=256)
-    assert [(it.kv_lo, it.kv_hi) for it in items] == [(70, 256), (256, 512), (512, 768), (768, 1000)]
-    assert [it.split for it in items] == [0, 1, 2, 3] and merge_rows == [(0, 4)]
-    items, merge_rows = packing.split_tiles([tile], kv_chunk=2000)
-    assert items == [tile] and merge_rows == []
+    tile = np.array([WorkItem(seq=0, q_lo=0, q_hi=1, pos0=999, kv_lo=70, kv_hi=1000).as_row()])
+    items, merge_tokens, merge_splits = packing.split_rows(tile, kv_chunk=256)
+    assert [(lo, hi) for lo, hi in items[:, [packing.F_KV_LO, packing.F_KV_HI]].tolist()] == [
+        (70, 256), (256, 512), (512, 768), (768, 1000)]
+    assert items[:, packing.F_SPLIT].tolist() == [0, 1, 2, 3] and items[:, packing.F_MERGE_ROW].tolist() == [0] * 4
+    assert merge_tokens.tolist() == [0] and merge_splits.tolist() == [4]
+    items, merge_tokens, _ = packing.split_rows(tile, kv_chunk=2000)
+    assert items.tolist() == tile.tolist() and merge_tokens.size == 0
+
+
+def naive_split(tiles: list[WorkItem], kv_chunk: int, first_row: int) -> tuple[list[WorkItem], list[int], list[int]]:
+    """The split rule one tile at a time: boundaries on multiples of the
+    chunk, the chunk widened to keep ``MAX_SPLITS`` pieces at most."""
+    items, tokens, splits = [], [], []
+    for t in tiles:
+        chunk = max(kv_chunk, -(-(t.kv_hi - t.kv_lo) // (packing.MAX_SPLITS - 1)))
+        bounds = [t.kv_lo, *range((t.kv_lo // chunk + 1) * chunk, t.kv_hi, chunk), t.kv_hi]
+        if t.kv_hi - t.kv_lo <= chunk:
+            items.append(t)
+            continue
+        row = first_row + len(tokens)
+        tokens += range(t.q_lo, t.q_hi)
+        splits += [len(bounds) - 1] * (t.q_hi - t.q_lo)
+        pieces = zip(bounds, bounds[1:])
+        items += [replace(t, kv_lo=a, kv_hi=b, merge_row=row, split=j) for j, (a, b) in enumerate(pieces)]
+    return items, tokens, splits
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_array_split_matches_the_rule_tile_by_tile(seed):
+    """The planner splits every tile at once (numpy); each piece, merge row
+    and piece count is the one-tile-at-a-time rule's."""
+    rng = random.Random(seed)
+    q_lens = [rng.choice([1, 1, 3, rng.randint(1, 700)]) for _ in range(rng.randint(1, 40))]
+    seq_lens = [q + rng.randint(0, rng.choice([50, 5000, 300000])) for q in q_lens]
+    window = rng.choice([None, 100])
+    tiles = packing.tile_rows(q_lens, seq_lens, 16, window, 4)
+    kv_chunk, first_row = rng.choice([64, 256, 1000]), rng.randint(0, 5)
+    items, tokens, splits = packing.split_rows(tiles, kv_chunk, first_row)
+    want_items, want_tokens, want_splits = naive_split([WorkItem(*r) for r in tiles.tolist()], kv_chunk, first_row)
+    assert [WorkItem(*r) for r in items.tolist()] == want_items
+    assert tokens.tolist() == want_tokens and splits.tolist() == want_splits
 
 
 def brute_force_makespan(costs: list[int], m: int) -> int:
@@ -107,12 +145,39 @@ def test_lpt_within_graham_bound_of_optimum(seed):
     rng = random.Random(seed)
     m = rng.randint(2, 3)
     costs = [rng.randint(1, 5000) for _ in range(rng.randint(m + 1, 7))]
-    items = [WorkItem(0, 0, 1, 0, 0, c - packing.ITEM_OVERHEAD) for c in costs]
-    assert [it.cost for it in items] == costs
-    units, loads = packing.pack_lpt(items, m)
-    assert sorted(id(it) for u in units for it in u) == sorted(map(id, items))  # each item once
-    assert loads == [sum(it.cost for it in u) for u in units]
+    order, offsets, loads = packing.pack_lpt(np.array(costs), m)
+    assert sorted(order.tolist()) == list(range(len(costs)))  # each item once
+    bounds = offsets.tolist()
+    assert list(loads) == [sum(costs[i] for i in order[a:b]) for a, b in zip(bounds, bounds[1:])]
     assert max(loads) <= (4 / 3 - 1 / (3 * m)) * brute_force_makespan(costs, m) + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_lpt_places_as_the_plain_greedy_does(seed):
+    """Costliest item first (the earlier on a tie) to the least loaded unit
+    (the lower on a tie), each unit's items in the order it took them: the
+    plain loop's units, item for item, with many equal costs."""
+    rng = random.Random(seed)
+    m = rng.randint(1, 40)
+    costs = [rng.choice([64, 320, 1000, rng.randint(1, 9000)]) for _ in range(rng.randint(0, 300))]
+    units: list[list[int]] = [[] for _ in range(m)]
+    loads = [0] * m
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        u = loads.index(min(loads))
+        units[u].append(i)
+        loads[u] += costs[i]
+    order, offsets, got_loads = packing.pack_lpt(np.array(costs, dtype=np.int64), m)
+    bounds = offsets.tolist()
+    assert [order[a:b].tolist() for a, b in zip(bounds, bounds[1:])] == units
+    assert list(got_loads) == loads
+
+
+def test_item_costs_are_the_items_costs():
+    q_lens, seq_lens = [1, 3, 40, 100], [50, 60, 40, 300]
+    rows = packing.tile_rows(q_lens, seq_lens, 32, None, 4)
+    items = [WorkItem(*r, prefill=r[packing.F_Q_HI] - r[packing.F_Q_LO] > 4) for r in rows.tolist()]
+    assert packing.item_costs(rows, 4).tolist() == [it.cost for it in items]
+    assert any(it.prefill for it in items) and not all(it.prefill for it in items)
 
 
 def test_mixed_batch_is_balanced_and_beats_no_packing():

@@ -1,0 +1,132 @@
+"""Host time of the attention planner per step, for one or more source trees
+side by side (say this tree and a git checkout of an older commit), each in
+its own process so their packages never mix.
+
+The Triton attention kernel reads a work plan that the host builds before
+every step: ``packing.plan_attention`` for an eager step (decode-only,
+prompts, mixed), ``cuda_graphs.plan_decode`` for a decode step replayed from
+a CUDA graph. Both run on the engine's thread between steps, so their time
+adds to every eager step's latency and, under asynchronous scheduling, eats
+into the host's lead over the device. The shapes are a Llama-3-8B layer's on
+an H100/H200 (8 KV heads, group 4: 32-token prefill tiles, 4-token decode
+tiles, 33 units per KV head of either kernel variant) at the batch sizes and
+contexts of ``kernels.py`` and ``attention_tuning.py``; a mixed step whose
+decodes visit at least ``SEPARATE_DECODE_KEYS`` keys is planned as two
+launches, as ``plan_for`` would.
+
+    git archive REV | tar -x -C /tmp/old
+    python benchmarks/plan_host_time.py . /tmp/old --names new old
+
+Each figure is the median thread CPU time of 200 calls (after 20), with the
+heap frozen as the server freezes it (engine/heap.py); the median of
+``--rounds`` processes per tree, interleaved. Writes
+benchmarks/results/plan_host_time.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+_PROBE = r'''
+import gc, json, random, sys, time, types
+root = sys.argv[1]
+pkg = types.ModuleType("fluidserve"); pkg.__path__ = [root]; sys.modules["fluidserve"] = pkg  # the tree's packages
+from fluidserve.engine import cuda_graphs
+from fluidserve.kernels import packing, paged_attention
+
+UNITS, TILE, DECODE_TILE = 33, 32, 4
+
+
+def lens(chunk, decodes, lo, hi):
+    rng = random.Random(0)
+    head = [chunk] if chunk else []
+    return head + [1] * decodes, head + [rng.randint(lo, hi) for _ in range(decodes)]
+
+
+def eager(q, s):
+    decode_keys = sum(s[i] for i, n in enumerate(q) if n <= DECODE_TILE)
+    two = max(q) > DECODE_TILE and decode_keys >= paged_attention.SEPARATE_DECODE_KEYS
+    kw = dict(num_units=UNITS, tokens_per_tile=TILE, decode_tokens_per_tile=DECODE_TILE,
+              decode_units=UNITS if two else None)
+    return lambda: packing.plan_attention(q, s, **kw)
+
+
+def graph(s):
+    splits = cuda_graphs.max_splits_for(len(s))
+    return lambda: cuda_graphs.plan_decode(s, num_units=UNITS, max_splits=splits, sliding_window=None)
+
+
+cases = {}
+for b, lo, hi in [(1, 16384, 16384), (8, 4096, 4096), (64, 512, 4096), (256, 512, 4096), (256, 512, 32768)]:
+    q, s = lens(0, b, lo, hi)
+    shape = f"{b} x {lo}" if lo == hi else f"{b} x {lo}-{hi}"
+    cases[f"decode {shape}, eager"] = eager(q, s)
+    cases[f"decode {shape}, graph"] = graph(s)
+for n in (2048, 8192):
+    cases[f"prompt {n}"] = eager([n], [n])
+for chunk, decodes, hi in [(512, 16, 4096), (2048, 128, 32768), (8192, 128, 32768)]:
+    cases[f"mixed {chunk} + {decodes} x 512-{hi}"] = eager(*lens(chunk, decodes, 512, hi))
+
+gc.collect(); gc.freeze(); gc.set_threshold(20_000, *gc.get_threshold()[1:])
+out = {}
+for name, call in cases.items():
+    times = []
+    for k in range(220):
+        t0 = time.thread_time()
+        call()
+        if k >= 20:
+            times.append(time.thread_time() - t0)
+    out[name] = sorted(times)[len(times) // 2]
+print(json.dumps(out))
+'''
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trees", nargs="+", help="source trees (the repository root of each)")
+    ap.add_argument("--rounds", type=int, default=3, help="processes per tree, interleaved")
+    ap.add_argument("--names", nargs="+", help="a label per tree for the table (default: the paths)")
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args(argv)
+    names = dict(zip(args.trees, args.names or args.trees))
+    runs: dict[str, list[dict[str, float]]] = {t: [] for t in args.trees}
+    load_start = os.getloadavg()
+    for _ in range(args.rounds):
+        for tree in args.trees:  # interleaved, so a neighbour's load hits every tree alike
+            out = subprocess.run([sys.executable, "-c", _PROBE, str(Path(tree).resolve())], check=True,
+                                 capture_output=True, text=True).stdout
+            runs[tree].append(json.loads(out.splitlines()[-1]))
+    shapes = list(runs[args.trees[0]][0])
+    rows = [{"shape": shape, **{names[t]: statistics.median(r[shape] for r in rs) * 1e3 for t, rs in runs.items()}}
+            for shape in shapes]
+    cmd = "python benchmarks/plan_host_time.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    first, rest = names[args.trees[0]], [names[t] for t in args.trees[1:]]
+    md = ["# Host time of the attention planner per step", "",
+          f"Command: `{cmd}`; thread CPU time, median of {args.rounds} processes per tree (each the median of "
+          f"200 calls); load average {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. "
+          "Llama-3-8B shapes on an H100/H200 (33 units per KV head); eager: `packing.plan_attention`, "
+          "graph: `cuda_graphs.plan_decode`.", "",
+          "| step | " + " | ".join(f"{n} (ms)" for n in (first, *rest)) + "".join(f" | {n} / {first}" for n in rest)
+          + " |",
+          "|---|" + "---:|" * (1 + 2 * len(rest))]
+    for r in rows:
+        md.append(f"| {r['shape']} | " + " | ".join(f"{r[n]:.3f}" for n in (first, *rest))
+                  + "".join(f" | {r[n] / r[first]:.1f}x" for n in rest) + " |")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "plan_host_time.json").write_text(json.dumps(
+        {"command": cmd, "trees": [names[t] for t in args.trees], "rows": rows,
+         "runs": {names[t]: rs for t, rs in runs.items()}}, indent=1) + "\n")
+    (out_dir / "plan_host_time.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
