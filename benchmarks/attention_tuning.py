@@ -8,11 +8,7 @@ prefill, so a short budget cuts the prefill grid.
   flash SDPA on the same shapes (as ``kernels.py`` measures it);
 * **decode, batch 1**: one sequence of ``--contexts`` keys, timed as a CUDA
   graph replays it (the engine's default decode path), against the
-  device-to-device copy bandwidth; and one of ``--short-contexts`` keys at
-  the default tiles, split at the planner's length (``MIN_KV_CHUNK`` keys
-  at least) and at ``SHORT_KV_CHUNKS``: a short context's pieces leave
-  most programs idle, and a decode graph merges every row anyway, so
-  shorter pieces cost no launch there;
+  device-to-device copy bandwidth;
 * **plans**: mixed steps of one prefill chunk and a few to many decodes
   (``PLAN_SHAPES``), each with the packed plan (LPT + split-K) in one
   launch and in two (decode tiles in the decode-only variant), unpacked,
@@ -51,11 +47,6 @@ from kernels import (  # noqa: E402
 PREFILL_GRID = dict(prefill_rows=(64, 128), block_n=(64, 128), wide_warps=(4, 8), num_stages=(2, 3, 4))
 # max_registers 168: three programs per SM of the decode-only variant under Triton 3.6 (two uncapped).
 DECODE_GRID = dict(block_n=(32, 64, 128), num_stages=(2, 3, 4), units_scale=(1, 2, 4), max_registers=(None, 168))
-# Split lengths of a short context's batch-1 decode, beside the planner's
-# (None): the plan model fitted to the H100 and H200 timings (plan_model.py)
-# predicts 17-18 us at 256-key pieces against 9-10 at 64 for 512-2048 keys,
-# the measured 14-16 us; the sweep times it.
-SHORT_KV_CHUNKS = (None, 128, 64)
 # (prefill chunk, decodes, longest decode context) of the plan comparison.
 PLAN_SHAPES = [(c, d, ctx) for c in (512, 2048, 8192) for d in (16, 128) for ctx in (4096, 32768)]
 
@@ -64,7 +55,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prefill-lens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--contexts", type=int, nargs="+", default=[16384])
-    p.add_argument("--short-contexts", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--budget", type=float, default=150.0, help="seconds after which no new point starts")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     return p.parse_args(argv)
@@ -122,10 +112,7 @@ def tune_prefill(shape: Shape, lens: list[int], sweep: Sweep) -> None:
         torch.cuda.empty_cache()
 
 
-def tune_decode(shape: Shape, contexts: list[int], points: list[dict], copy_gbs: float, sweep: Sweep) -> None:
-    """Batch-1 decode at each context and configuration: tiles, a units
-    multiple (``units_scale``) and a fixed split length (``kv_chunk``, None:
-    the planner's)."""
+def tune_decode(shape: Shape, contexts: list[int], copy_gbs: float, sweep: Sweep) -> None:
     from fluidserve.kernels import paged_attention as pa
 
     elem = torch.finfo(shape.dtype).bits // 8
@@ -133,13 +120,12 @@ def tune_decode(shape: Shape, contexts: list[int], points: list[dict], copy_gbs:
         batch = make_cache_batch(shape, [1], [ctx])
         nbytes = 2 * ctx * shape.num_kv_heads * shape.head_dim * elem + 2 * shape.num_q_heads * shape.head_dim * elem
         reference = _output(batch, shape, pa.plan_for(batch["query"], batch["key_cache"], [1], [ctx]))
-        for cfg in points:
+        for cfg in grid(DECODE_GRID):
             def measure(cfg=cfg, batch=batch, reference=reference) -> dict:
-                tiles = {k: v for k, v in cfg.items() if k not in ("units_scale", "kv_chunk")}
+                tiles = {k: v for k, v in cfg.items() if k != "units_scale"}
                 with pa.tiles(**tiles):
                     units = pa.default_num_units(batch["query"], batch["key_cache"], False) * cfg["units_scale"]
-                    plan = pa.plan_for(batch["query"], batch["key_cache"], [1], [ctx], num_units=units,
-                                       kv_chunk=cfg["kv_chunk"])
+                    plan = pa.plan_for(batch["query"], batch["key_cache"], [1], [ctx], num_units=units)
                     diff = (_output(batch, shape, plan).float() - reference.float()).abs().max().item()
                     ms = graph_ms(partial(run_attention, batch, shape, plan))
                 gbs = nbytes / (ms * 1e-3) / 1e9
@@ -192,16 +178,14 @@ def markdown(report: dict) -> str:
         cells = [r["len"], r["prefill_rows"], r["block_n"], r["wide_warps"], r["num_stages"], *tail]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "## Decode, batch 1, in a CUDA graph", "",
-              "| context | block_n | stages | register cap | KV chunk | units per KV head | splits | ms "
-              "| % of copy | max abs diff |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+              "| context | block_n | stages | register cap | units per KV head | splits | ms | % of copy "
+              "| max abs diff |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in sorted((r for r in report["rows"] if r["kind"] == "decode"),
                     key=lambda r: (r["context"], r.get("graph_ms", 1e9))):  # fmt: skip
         tail = ([r["units"], r["splits"], f"{r['graph_ms']:.4f}", f"{r['pct_of_copy']:.1f}", f"{r['max_abs_diff']:.3g}"]
                 if "error" not in r else ["", "", r["error"], "", ""])  # fmt: skip
         cap = r.get("max_registers") or "–"  # sweeps before the cap lack it
-        chunk = r.get("kv_chunk") or "as planned"
-        lines.append("| " + " | ".join(map(str, [r["context"], r["block_n"], r["num_stages"], cap, chunk, *tail]))
-                     + " |")
+        lines.append("| " + " | ".join(map(str, [r["context"], r["block_n"], r["num_stages"], cap, *tail])) + " |")
     plans = [r for r in report["rows"] if r["kind"] == "plans"]
     if plans:
         lines += ["", "## Plans of a mixed step (ms; speed-up: unpacked / the faster packed plan)", "",
@@ -221,9 +205,7 @@ def markdown(report: dict) -> str:
                      f"{r['wide_warps']}, stages {r['num_stages']}: {r['vs_sdpa']:.2f}x SDPA")
     for ctx, r in sorted(best(report["rows"], "decode", "context", "pct_of_copy", True).items()):
         lines.append(f"* decode batch 1, {ctx} keys: block_n {r['block_n']}, stages {r['num_stages']}, register cap "
-                     f"{r.get('max_registers') or 'none'}, units x{r['units_scale']}, KV chunk "
-                     f"{r.get('kv_chunk') or 'as planned'}: {r['pct_of_copy']:.1f}% of copy, "
-                     f"{r['graph_ms'] * 1e3:.1f} us")
+                     f"{r.get('max_registers') or 'none'}, units x{r['units_scale']}: {r['pct_of_copy']:.1f}% of copy")
     return "\n".join(lines) + "\n"
 
 
@@ -238,13 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep = Sweep(args.budget)
     # The plans first: their two-launch column is what the budget must not cut.
     tune_plans(shape, sweep)
-    from fluidserve.kernels.paged_attention import Tiles
-
-    defaults = Tiles()
-    short = [dict(block_n=defaults.block_n, num_stages=defaults.num_stages, max_registers=defaults.max_registers,
-                  units_scale=1, kv_chunk=c) for c in SHORT_KV_CHUNKS]
-    tune_decode(shape, args.short_contexts, short, copy_gbs, sweep)
-    tune_decode(shape, args.contexts, [dict(cfg, kv_chunk=None) for cfg in grid(DECODE_GRID)], copy_gbs, sweep)
+    tune_decode(shape, args.contexts, copy_gbs, sweep)
     tune_prefill(shape, args.prefill_lens, sweep)
     report = dict(device=name, time=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,
                   triton=__import__("triton").__version__, copy_gb_s=copy_gbs, budget_s=args.budget,

@@ -207,6 +207,16 @@ def run_attention(batch: dict, shape: Shape, plan) -> None:
     )  # fmt: skip
 
 
+# A short step's decode splits into pieces of packing.MIN_KV_CHUNK (256) keys
+# at least, so at batch 1 and 512 keys two programs per KV head of 33 work.
+# A decode graph merges every row anyway, so shorter pieces cost it no
+# launch: steps of at most SHORT_STEP_KEYS keys are also timed in a graph
+# split at SHORT_SPLIT keys. The plan model fitted to the H100 and H200
+# timings (plan_model.py) predicts 17-18 us against 9-10 at 512-2048 keys.
+SHORT_SPLIT = 64
+SHORT_STEP_KEYS = 8 * 2048
+
+
 def bench_decode(shape: Shape, batch_sizes: list[int], contexts: list[int], copy_gbs: float) -> list[dict]:
     from fluidserve.kernels import paged_attention as pa
 
@@ -230,6 +240,12 @@ def bench_decode(shape: Shape, batch_sizes: list[int], contexts: list[int], copy
                              splits=plan.max_splits, units=plan.num_units))  # fmt: skip
             print(f"decode b={b:4d} ctx={ctx:6d}  {ms:8.3f} ms  {gbs:7.1f} GB/s  ({100 * gbs / copy_gbs:5.1f}% of "
                   f"copy); in a graph {in_graph:8.3f} ms ({100 * graph_gbs / copy_gbs:5.1f}%)")
+            if b * ctx <= SHORT_STEP_KEYS:
+                short = pa.plan_for(batch["query"], batch["key_cache"], q_lens, seq_lens, kv_chunk=SHORT_SPLIT)
+                rows[-1].update(short_split_graph_ms=graph_ms(partial(run_attention, batch, shape, short)),
+                                short_split_splits=short.max_splits)
+                print(f"  split at {SHORT_SPLIT} keys ({short.max_splits} pieces): in a graph "
+                      f"{rows[-1]['short_split_graph_ms']:8.3f} ms")
             del batch
             torch.cuda.empty_cache()
     return rows
@@ -320,6 +336,19 @@ def markdown(report: dict) -> str:
             graph = ((f"{r['graph_ms']:.3f}", f"{r['graph_gb_s']:.0f}", f"{r['graph_pct_of_copy']:.1f}")
                      if "graph_ms" in r else ("–",) * 3)  # fmt: skip
             cells = (r["batch"], r["context"], f"{r['ms']:.3f}", f"{r['gb_s']:.0f}", f"{r['pct_of_copy']:.1f}", *graph)
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
+    short = [r for r in report["decode"] if "short_split_graph_ms" in r]
+    if short:
+        from fluidserve.kernels import packing
+
+        lines += ["", f"Short steps, in a graph, as planned (pieces of {packing.MIN_KV_CHUNK} keys at least) and "
+                  f"split at {SHORT_SPLIT} keys:", "",
+                  "| batch | context | pieces | ms | pieces | ms | planned / shorter |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in short:
+            cells = (r["batch"], r["context"], max(r["splits"], 1), f"{r['graph_ms']:.4f}",  # 0 splits: one piece
+                     max(r["short_split_splits"], 1), f"{r['short_split_graph_ms']:.4f}",
+                     f"{r['graph_ms'] / r['short_split_graph_ms']:.2f}x")
             lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "## Prefill attention (causal FLOPs)", "",
               "| length | ours ms | ours TFLOP/s | SDPA ms | SDPA TFLOP/s |", "|---:|---:|---:|---:|---:|"]  # fmt: skip

@@ -52,8 +52,11 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device):
         mixed=bench.bench_mixed(shape, chunk=40, decodes=4, contexts=(20, 300), split_keys=64),
     )  # fmt: skip
     assert pa.variant_keys() == warm
-    # decode points launched and in a graph, ours + SDPA, packed in one and two launches, unpacked, split unpacked
-    assert len(bench.calls) == 2 * 4 + 2 * 1 + 4
+    # decode points launched and in a graph, and in a graph split at 64 keys (every point is a short step),
+    # ours + SDPA, packed in one and two launches, unpacked, split unpacked
+    assert len(bench.calls) == 3 * 4 + 2 * 1 + 4
+    # 40 keys stay whole (0: no split), 200 keys in four 64-key pieces
+    assert [r["short_split_splits"] for r in report["decode"]] == [0, 4, 0, 4]
     for plan in ("unpacked", "split_unpacked"):
         assert report["mixed"][plan]["units"] == report["mixed"][plan]["items"]  # one program per item
     assert report["mixed"]["split_unpacked"]["max_splits"] > 1 >= report["mixed"]["unpacked"]["max_splits"]
@@ -65,6 +68,7 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device):
     text = bench.markdown(report)
     assert "| 3 | 200 |" in text and "The engine's plan (packed (LPT" in text and "in a graph" in text
     assert "decode tiles in a launch of their own" in text
+    assert "split at 64 keys" in text and "| 3 | 200 | 1 | 1.0000 | 4 | 1.0000 | 1.00x |" in text
 
 
 def test_decode_bytes_per_token_of_llama3_8b(bench):
