@@ -3,16 +3,16 @@ side by side (say this tree and a git checkout of an older commit), each in
 its own process so their packages never mix.
 
 The Triton attention kernel reads a work plan that the host builds before
-every step: ``packing.plan_attention`` for an eager step (decode-only,
+every step: ``paged_attention.plan_for`` for an eager step (decode-only,
 prompts, mixed), ``cuda_graphs.plan_decode`` for a decode step replayed from
 a CUDA graph. Both run on the engine's thread between steps, so their time
 adds to every eager step's latency and, under asynchronous scheduling, eats
 into the host's lead over the device. The shapes are a Llama-3-8B layer's on
 an H100/H200 (8 KV heads, group 4: 32-token prefill tiles, 4-token decode
 tiles, 33 units per KV head of either kernel variant) at the batch sizes and
-contexts of ``kernels.py`` and ``attention_tuning.py``; a mixed step whose
-decodes visit at least ``SEPARATE_DECODE_KEYS`` keys is planned as two
-launches, as ``plan_for`` would.
+contexts of ``kernels.py`` and ``attention_tuning.py``; ``plan_for``
+plans a mixed step as two launches where its rule (``SEPARATE_DECODE_KEYS``)
+says so.
 
     git archive REV | tar -x -C /tmp/old
     python benchmarks/plan_host_time.py . /tmp/old --names new old
@@ -37,10 +37,15 @@ _PROBE = r'''
 import gc, json, random, sys, time, types
 root = sys.argv[1]
 pkg = types.ModuleType("fluidserve"); pkg.__path__ = [root]; sys.modules["fluidserve"] = pkg  # the tree's packages
+import torch
 from fluidserve.engine import cuda_graphs
-from fluidserve.kernels import packing, paged_attention
+from fluidserve.kernels import paged_attention
 
-UNITS, TILE, DECODE_TILE = 33, 32, 4
+UNITS = 33
+# A Llama-3-8B layer's query and cache: 32 query heads over 8 KV heads of 128 (32-token prefill tiles, 4-token
+# decode tiles). Empty: the planner reads their shapes only.
+QUERY = torch.empty((0, 32, 128), dtype=torch.bfloat16)
+KEY_CACHE = torch.empty((0, 16, 8, 128), dtype=torch.bfloat16)
 
 
 def lens(chunk, decodes, lo, hi):
@@ -49,12 +54,8 @@ def lens(chunk, decodes, lo, hi):
     return head + [1] * decodes, head + [rng.randint(lo, hi) for _ in range(decodes)]
 
 
-def eager(q, s):
-    decode_keys = sum(s[i] for i, n in enumerate(q) if n <= DECODE_TILE)
-    two = max(q) > DECODE_TILE and decode_keys >= paged_attention.SEPARATE_DECODE_KEYS
-    kw = dict(num_units=UNITS, tokens_per_tile=TILE, decode_tokens_per_tile=DECODE_TILE,
-              decode_units=UNITS if two else None)
-    return lambda: packing.plan_attention(q, s, **kw)
+def eager(q, s):  # the engine's call before an eager step, two launches where its rule picks them
+    return lambda: paged_attention.plan_for(QUERY, KEY_CACHE, q, s, num_units=UNITS, decode_units=UNITS)
 
 
 def graph(s):
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     md = ["# Host time of the attention planner per step", "",
           f"Command: `{cmd}`; thread CPU time, median of {args.rounds} processes per tree (each the median of "
           f"200 calls); load average {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. "
-          "Llama-3-8B shapes on an H100/H200 (33 units per KV head); eager: `packing.plan_attention`, "
+          "Llama-3-8B shapes on an H100/H200 (33 units per KV head); eager: `paged_attention.plan_for`, "
           "graph: `cuda_graphs.plan_decode`.", "",
           "| step | " + " | ".join(f"{n} (ms)" for n in (first, *rest)) + "".join(f" | {n} / {first}" for n in rest)
           + " |",

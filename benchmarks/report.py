@@ -826,7 +826,7 @@ def plan_host_time(stem: str) -> tuple[list[str], list[str]]:
     first, *rest = d["trees"]
     out = ["Host time of the attention planner per step (Llama-3-8B shapes on an H100/H200, 33 units per KV "
            "head): the tree the run measured against an older commit, each in its own process, interleaved; "
-           "thread CPU time, the median of the processes' medians. Eager: `packing.plan_attention`; graph: "
+           "thread CPU time, the median of the processes' medians. Eager: `paged_attention.plan_for`; graph: "
            "`cuda_graphs.plan_decode`, before every decode graph replay.", ""] + provenance(stem, d)
     out += table(["step", *(f"{n} (ms)" for n in d["trees"]), *(f"{n} / {first}" for n in rest)],
                  [[r["shape"], *(r[n] for n in d["trees"]), *(ratio(r[n] / r[first]) for n in rest)]

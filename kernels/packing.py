@@ -10,8 +10,8 @@ step, between the device's steps, so it works on whole arrays: tiles and
 items are rows of an int64 numpy array in the kernel's column order
 (``WORK_FIELDS``), each stage a few numpy operations over all of them, and
 only the LPT loop is per item (ints on a heap). With a Python object per
-item, planning a 256-decode step took 0.9 ms (1.7 ms before a graph
-replay); as arrays, 0.13 ms (0.11) (benchmarks/plan_host_time.py). torch is
+item, planning a 256-decode step took 1.0 ms (1.7 ms before a graph
+replay); as arrays, 0.15 ms (0.11) (benchmarks/plan_host_time.py). torch is
 used only to hand the result to the kernel as int32 tensors.
 ``WorkItem`` is one row as an object, for tests and debugging.
 
