@@ -398,6 +398,10 @@ def regions(counter: OpCounter, worker):
         # runner's host buffer is its device buffer, so they are marked here).
         counter.mark_device(input_ids, positions, sample_idx, meta.slot_mapping, meta.block_tables,
                             meta.seq_lens, meta.query_start_loc)
+        for plan in meta._plans.values():  # the work plans travel in the same upload
+            while plan is not None:
+                counter.mark_device(plan.work, plan.unit_offsets, plan.merge_tokens, plan.merge_num_splits)
+                plan = plan.decode_part
         return input_ids, positions, meta, sample_idx
 
     def sampling(*a, **k):

@@ -81,10 +81,10 @@ from torch import nn
 
 from fluidserve.engine.batch import ModelInput
 from fluidserve.engine.layers import AttentionMetadata, PagedAttention
-from fluidserve.engine.model_runner import aligned_words, fill_block_tables
+from fluidserve.engine.model_runner import fill_block_tables
 from fluidserve.engine.runtime import DeviceRuntime, runtime_for
 from fluidserve.kernels import ops, packing
-from fluidserve.kernels.packing import WORK_FIELDS, WorkPlan
+from fluidserve.kernels.packing import WORK_FIELDS, WorkPlan, aligned_words
 
 log = logging.getLogger(__name__)
 

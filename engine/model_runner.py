@@ -9,6 +9,7 @@ All integer inputs of a step travel in one buffer, one host-to-device copy
 
     [ input_ids | positions | slot_mapping | sample_idx ]   int64, T, T, T, S_s
     [ seq_lens | query_start_loc | block_tables (S x W) ]   int32, S, S+1, S*W
+    [ work plan of each sliding window (Triton kernels) ]   int32, WorkPlan.num_words
 
 each section starting on a 16-byte boundary, and viewed on the device without
 further copies. The boundary matters on a GPU: Triton specialises a kernel on
@@ -31,6 +32,7 @@ from fluidserve.engine.batch import ModelInput
 from fluidserve.engine.layers import AttentionMetadata, PagedAttention
 from fluidserve.engine.runtime import DeviceRuntime, runtime_for
 from fluidserve.kernels import ops
+from fluidserve.kernels.packing import aligned_words
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -66,16 +68,19 @@ class ModelRunner:
         """(input_ids, positions, metadata with its work plans, sample indices)."""
         t, s, n_samp = len(inp.input_ids), len(inp.seq_lens), len(inp.sample_indices)
         width = max(len(b) for b in inp.block_tables)
+        q_lens = [b - a for a, b in zip(inp.query_start_loc, inp.query_start_loc[1:])]
+        plans = self._host_plans(q_lens, inp.seq_lens, kv_caches)
         t2 = t + t % 2  # int64 sections start on 16 bytes
         i64 = 3 * t2 + n_samp  # int64 values, at word 0
-        sl = aligned_words(2 * i64)  # int32 word offsets: seq_lens, query_start_loc, block tables
+        sl = aligned_words(2 * i64)  # int32 word offsets: seq_lens, query_start_loc, block tables, plans
         qsl = sl + aligned_words(s)
         bt = qsl + aligned_words(s + 1)
-        words = bt + s * width
+        at = bt + aligned_words(s * width)
+        words = at + sum(plan.num_words() for plan in plans.values())
         self._reserve(words)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's upload may still read the host buffer
-        host = self._host.numpy()
+        host, dev = self._host.numpy(), self._dev
         h64 = host[:2 * i64].view(np.int64)
         h64[:t] = inp.input_ids
         h64[t2:t2 + t] = inp.positions
@@ -83,36 +88,41 @@ class ModelRunner:
         h64[3 * t2:] = inp.sample_indices
         host[sl:sl + s] = inp.seq_lens
         host[qsl:qsl + s + 1] = inp.query_start_loc
-        fill_block_tables(host[bt:words].reshape(s, width), inp.block_tables)
-        if self._dev is not self._host:
-            self._dev[:words].copy_(self._host[:words], non_blocking=True)
+        fill_block_tables(host[bt:bt + s * width].reshape(s, width), inp.block_tables)
+        for window, plan in plans.items():
+            plans[window] = plan.stage(host, dev, at)
+            at += plan.num_words()
+        if dev is not self._host:
+            dev[:words].copy_(self._host[:words], non_blocking=True)
             self._copied = self.runtime.event()
             self._copied.record()
-        d64 = self._dev[:2 * i64].view(torch.int64)
-        dev = self._dev
+        d64 = dev[:2 * i64].view(torch.int64)
         meta = AttentionMetadata(
             slot_mapping=d64[2 * t2:2 * t2 + t],
-            block_tables=dev[bt:words].view(s, width),
+            block_tables=dev[bt:bt + s * width].view(s, width),
             seq_lens=dev[sl:sl + s],
             query_start_loc=dev[qsl:qsl + s + 1],
-            host_q_lens=[b - a for a, b in zip(inp.query_start_loc, inp.query_start_loc[1:])],
+            host_q_lens=q_lens,
             host_seq_lens=inp.seq_lens,
             kernels=self.kernels,
+            _plans=plans,
         )
-        self._plan(meta, kv_caches)
+        if self.kernels != "triton" and self._query_like is not None and kv_caches:
+            for window in self._windows:  # built now, so the layers only look them up
+                meta.cpu_plan(kv_caches[0][0], window)
         return d64[:t], d64[t2:t2 + t], meta, d64[3 * t2:]
 
-    def _plan(self, meta: AttentionMetadata, kv_caches: KVCaches) -> None:
-        """Build the step's attention plans now, one per sliding window, so
-        the layers only look them up."""
-        if self._query_like is None or not kv_caches:
-            return
+    def _host_plans(self, q_lens: list[int], seq_lens: list[int], kv_caches: KVCaches) -> dict:
+        """The Triton kernels' work plan of the step for each sliding window
+        the model uses, on the host, for ``prepare`` to upload with the
+        inputs; none for the other kernels."""
+        if self.kernels != "triton" or self._query_like is None or not kv_caches or not q_lens:
+            return {}
+        from fluidserve.kernels.paged_attention import plan_for
+
         key_cache = kv_caches[0][0]
-        for window in self._windows:
-            if self.kernels == "triton":
-                meta.work_plan(self._query_like, key_cache, window)
-            else:
-                meta.cpu_plan(key_cache, window)
+        return {window: plan_for(self._query_like, key_cache, q_lens, seq_lens, window, on_host=True)
+                for window in self._windows}
 
     def forward(self, inp: ModelInput, kv_caches: KVCaches,
                 feed: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,13 +132,6 @@ class ModelRunner:
         if feed is not None:
             feed(input_ids)
         return self.model(input_ids, positions, kv_caches, meta), sample_idx
-
-
-def aligned_words(words: int) -> int:
-    """``words`` 32-bit words rounded up to a whole 16 bytes: every tensor a
-    kernel reads starts aligned, as a fresh allocation does (Triton
-    specialises on alignment)."""
-    return -(-words // 4) * 4
 
 
 def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> None:

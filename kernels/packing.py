@@ -84,6 +84,15 @@ MIN_KV_CHUNK = 256
 MAX_SPLITS = 64
 
 
+def aligned_words(words: int) -> int:
+    """``words`` 32-bit words rounded up to a whole 16 bytes, so that every
+    tensor laid out after them in a shared int32 buffer starts aligned, as
+    a fresh allocation does: Triton specialises a kernel on whether each
+    pointer is 16-byte aligned, and a view whose alignment followed the
+    batch's size would compile a second variant in the middle of serving."""
+    return -(-words // 4) * 4
+
+
 def attention_cost(q_len: int, seq_len: int, sliding_window: int | None = None) -> int:
     """Number of (query, key) pairs one sequence's step computes: the
     FluidInfer cost model. A decode token costs ``seq_len`` (linear in the
@@ -123,6 +132,10 @@ class WorkItem:
 
     def as_row(self) -> list[int]:
         return [self.seq, self.q_lo, self.q_hi, self.pos0, self.kv_lo, self.kv_hi, self.merge_row, self.split]
+
+
+# The tensors of a WorkPlan, in the order ``WorkPlan.stage`` lays them out.
+_ARRAYS = ("work", "unit_offsets", "merge_tokens", "merge_num_splits")
 
 
 @dataclass(frozen=True)
@@ -183,6 +196,29 @@ class WorkPlan:
             decode_part=self.decode_part.to(device) if self.decode_part is not None else None,
             scratch={},
         )
+
+    def num_words(self) -> int:
+        """32-bit words ``stage`` lays the plan out in, every launch's."""
+        own = sum(aligned_words(getattr(self, name).numel()) for name in _ARRAYS)
+        return own + (self.decode_part.num_words() if self.decode_part is not None else 0)
+
+    def stage(self, host: np.ndarray, dev: torch.Tensor, at: int) -> WorkPlan:
+        """The same plan with its tensors views of the int32 buffer ``dev``
+        from word ``at`` on (``num_words()`` words), written through
+        ``host``, the host side of the same words: the plan travels in the
+        caller's upload of the step's inputs instead of in four (a two-launch
+        plan eight) small pageable copies of its own. Every tensor starts on
+        16 bytes (``aligned_words``), as a fresh allocation does."""
+        views = {}
+        base = dev.storage_offset()
+        for name in _ARRAYS:
+            t = getattr(self, name)
+            n = t.numel()
+            host[at:at + n] = t.numpy().reshape(-1)
+            views[name] = dev.as_strided(t.shape, t.stride(), base + at)  # one op, where slicing takes two
+            at += aligned_words(n)
+        part = self.decode_part.stage(host, dev, at) if self.decode_part is not None else None
+        return replace(self, **views, decode_part=part, scratch={})
 
     def items(self) -> list[WorkItem]:
         """The work list as Python objects (tests, debugging): this launch's

@@ -938,12 +938,27 @@ def default_num_units(
 ) -> int:
     """Persistent programs per KV head: every SM filled with as many programs
     of the launched variant as fit on it, over all KV heads. Off CUDA (the
-    interpreter) ``INTERPRETER_UNITS``, after the same variant check."""
-    per_sm = programs_per_sm(query, key_cache, has_prefill, sliding_window)
-    if query.device.type != "cuda":
-        return INTERPRETER_UNITS
-    sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-    return max(1, math.ceil(sms * per_sm / key_cache.shape[2]))
+    interpreter) ``INTERPRETER_UNITS``, after the same variant check.
+
+    Every eager step asks (once per launch it plans), and working the answer
+    out builds the variant's constexprs and key, about 20 us of host time;
+    so it is kept per variant, keyed by all that decides it (the shapes,
+    dtypes and device, the variant, and the launch shape ``TILES``)."""
+    key = (tuple(query.shape[1:]), query.dtype, query.device, tuple(key_cache.shape[1:]), key_cache.dtype,
+           has_prefill, sliding_window is not None, TILES)
+    units = _UNITS.get(key)
+    if units is None:
+        per_sm = programs_per_sm(query, key_cache, has_prefill, sliding_window)
+        if query.device.type != "cuda":
+            units = INTERPRETER_UNITS
+        else:
+            sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+            units = max(1, math.ceil(sms * per_sm / key_cache.shape[2]))
+        _UNITS[key] = units
+    return units
+
+
+_UNITS: dict[tuple, int] = {}  # default_num_units' answers
 
 
 def plan_for(
@@ -959,11 +974,14 @@ def plan_for(
     kv_chunk: int | None = None,
     separate: bool | None = None,
     decode_units: int | None = None,
+    on_host: bool = False,
 ) -> WorkPlan:
-    """The default plan for a batch, already on the query's device. The engine
-    calls this once per step with host-side lengths and passes the plan to
-    every layer. Decode tiles are ``decode_tokens_per_tile(group)`` tokens,
-    prefill tiles ``tokens_per_tile`` (default ``TILES.prefill_rows // group``).
+    """The default plan for a batch, already on the query's device (with
+    ``on_host``, still on the host, for a caller that uploads it with its
+    own inputs: ``WorkPlan.stage``). The engine calls this once per step
+    with host-side lengths and passes the plan to every layer. Decode tiles
+    are ``decode_tokens_per_tile(group)`` tokens, prefill tiles
+    ``tokens_per_tile`` (default ``TILES.prefill_rows // group``).
 
     ``separate`` runs a packed step's decode tiles in a launch of their own
     (on ``decode_units``, by default the decode-only variant's units) when
@@ -992,7 +1010,7 @@ def plan_for(
         pack=pack,
         decode_units=decode_units,
     )
-    return plan.to(query.device)
+    return plan if on_host else plan.to(query.device)
 
 
 def _decode_keys(q_lens: list[int], seq_lens: list[int], decode_tokens: int, sliding_window: int | None) -> int:

@@ -338,3 +338,61 @@ def test_kernel_switch_is_checked():
             os.environ.pop(ops.KERNELS_ENV, None)
         else:
             os.environ[ops.KERNELS_ENV] = before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_step_plans_travel_in_the_step_upload(triton_lane, device):
+    """An eager step's attention work plans (one per sliding window, a
+    two-launch plan's decode part too) are views of the step's one input
+    buffer, the storage the input ids live in, each starting on 16 bytes,
+    and hold what ``plan_for`` plans for the same lengths: they reach the
+    device in the step's one copy, not in copies of their own."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("a GPU runs the real path")
+    from fluidserve.engine.batch import ModelInput
+    from fluidserve.engine.layers import PagedAttention
+    from fluidserve.engine.model_runner import ModelRunner
+    from fluidserve.kernels import paged_attention as pa
+
+    dev = torch.device(device)
+    model = torch.nn.ModuleList([PagedAttention(8, 2, 64, 0.125), PagedAttention(8, 2, 64, 0.125, sliding_window=24)])
+    cache = torch.empty((64, 16, 2, 64), dtype=torch.bfloat16, device=dev)
+    runner = ModelRunner(model, dev, torch.bfloat16)
+    # A 40-token prompt chunk beside three decodes (two launches when forced), then decodes alone.
+    steps = [([40, 1, 1, 1], [40, 300, 17, 1000]), ([1, 1], [41, 301])]
+    two_launch = 0
+    for separate_keys in (1 << 62, 1):
+        for q_lens, seq_lens in steps:
+            starts = [0]
+            for n in q_lens:
+                starts.append(starts[-1] + n)
+            t = starts[-1]
+            inp = ModelInput(input_ids=list(range(t)), positions=list(range(t)), slot_mapping=list(range(t)),
+                             query_start_loc=starts, seq_lens=seq_lens,
+                             block_tables=[list(range(-(-s // 16))) for s in seq_lens],
+                             sample_indices=[s - 1 for s in starts[1:]])  # fmt: skip
+            pa.SEPARATE_DECODE_KEYS, before = separate_keys, pa.SEPARATE_DECODE_KEYS
+            try:
+                input_ids, _, meta, _ = runner.prepare(inp, [(cache, cache)])
+                query = torch.empty((0, 8, 64), dtype=torch.bfloat16, device=dev)
+                for window in (None, 24):
+                    plan = meta.work_plan(query, cache, window)
+                    want = pa.plan_for(query, cache, q_lens, seq_lens, window)
+                    parts = [(plan, want)]
+                    if want.decode_part is not None:
+                        parts.append((plan.decode_part, want.decode_part))
+                        two_launch += 1
+                    assert (plan.decode_part is not None) == (want.decode_part is not None)
+                    for got, ref in parts:
+                        for name in ("work", "unit_offsets", "merge_tokens", "merge_num_splits"):
+                            view, expect = getattr(got, name), getattr(ref, name)
+                            assert view.device == dev and view.data_ptr() % 16 == 0, name
+                            assert view.untyped_storage().data_ptr() == input_ids.untyped_storage().data_ptr(), name
+                            assert torch.equal(view.cpu(), expect.cpu()), name
+                        assert got.unit_costs == ref.unit_costs and got.max_splits == ref.max_splits
+            finally:
+                pa.SEPARATE_DECODE_KEYS = before
+    assert two_launch == 2  # the mixed step, forced, for both windows
