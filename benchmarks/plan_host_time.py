@@ -1,6 +1,6 @@
-"""Host time of the attention planner per step, for one or more source trees
-side by side (say this tree and a git checkout of an older commit), each in
-its own process so their packages never mix.
+"""Host time of the attention planner and of a step's inputs per step, for
+one or more source trees side by side (say this tree and a git checkout of
+an older commit), each in its own process so their packages never mix.
 
 The Triton attention kernel reads a work plan that the host builds before
 every step: ``paged_attention.plan_for`` for an eager step (decode-only,
@@ -14,13 +14,19 @@ contexts of ``kernels.py`` and ``attention_tuning.py``; ``plan_for``
 plans a mixed step as two launches where its rule (``SEPARATE_DECODE_KEYS``)
 says so.
 
+The "inputs" rows time ``ModelRunner.prepare`` of an eager step on the
+Triton kernels' path: the whole host side of a step's inputs (token ids,
+positions, slots, the block tables of 16-token blocks, the plan) laid out
+for the device, everything but the copy itself (the CPU's buffer is its
+device buffer).
+
     git archive REV | tar -x -C /tmp/old
     python benchmarks/plan_host_time.py . /tmp/old --names new old
 
-Each figure is the median thread CPU time of 200 calls (after 20), with the
-heap frozen as the server freezes it (engine/heap.py); the median of
-``--rounds`` processes per tree, interleaved. Writes
-benchmarks/results/plan_host_time.{json,md}.
+Each figure is the median thread CPU time of 200 calls (after 20; 50 after 5
+for the inputs), with the heap frozen as the server freezes it
+(engine/heap.py); the median of ``--rounds`` processes per tree,
+interleaved. Writes benchmarks/results/plan_host_time.{json,md}.
 """
 
 from __future__ import annotations
@@ -34,11 +40,15 @@ import sys
 from pathlib import Path
 
 _PROBE = r'''
-import gc, json, random, sys, time, types
+import gc, json, os, random, sys, time, types
 root = sys.argv[1]
 pkg = types.ModuleType("fluidserve"); pkg.__path__ = [root]; sys.modules["fluidserve"] = pkg  # the tree's packages
+os.environ.update(FLUIDSERVE_KERNELS="triton", TRITON_INTERPRET="1")  # the runner takes the GPU's path
 import torch
 from fluidserve.engine import cuda_graphs
+from fluidserve.engine.batch import ModelInput
+from fluidserve.engine.layers import PagedAttention
+from fluidserve.engine.model_runner import ModelRunner
 from fluidserve.kernels import paged_attention
 
 UNITS = 33
@@ -63,6 +73,25 @@ def graph(s):
     return lambda: cuda_graphs.plan_decode(s, num_units=UNITS, max_splits=splits, sliding_window=None)
 
 
+paged_attention.INTERPRETER_UNITS = UNITS  # the runner plans for an H100/H200's units too
+RUNNER = ModelRunner(torch.nn.ModuleList([PagedAttention(32, 8, 128, 128 ** -0.5)]), torch.device("cpu"),
+                     torch.bfloat16)
+CACHES = [(KEY_CACHE, KEY_CACHE)]
+
+
+def inputs(q, s):  # the engine's eager step: ModelRunner.prepare of these lengths
+    starts, blocks, tables = [0], 1, []
+    for n, length in zip(q, s):
+        starts.append(starts[-1] + n)
+        tables.append(list(range(blocks, blocks + -(-length // 16))))
+        blocks += len(tables[-1])
+    t = starts[-1]
+    pos = [p for n, length in zip(q, s) for p in range(length - n, length)]
+    inp = ModelInput(input_ids=[7] * t, positions=pos, slot_mapping=pos, query_start_loc=starts, seq_lens=s,
+                     block_tables=tables, sample_indices=[e - 1 for e in starts[1:]])
+    return lambda: RUNNER.prepare(inp, CACHES)
+
+
 cases = {}
 for b, lo, hi in [(1, 16384, 16384), (8, 4096, 4096), (64, 512, 4096), (256, 512, 4096), (256, 512, 32768)]:
     q, s = lens(0, b, lo, hi)
@@ -73,15 +102,20 @@ for n in (2048, 8192):
     cases[f"prompt {n}"] = eager([n], [n])
 for chunk, decodes, hi in [(512, 16, 4096), (2048, 128, 32768), (8192, 128, 32768)]:
     cases[f"mixed {chunk} + {decodes} x 512-{hi}"] = eager(*lens(chunk, decodes, 512, hi))
+for chunk, b, lo, hi in [(0, 1, 16384, 16384), (0, 64, 512, 4096), (0, 256, 512, 4096), (0, 256, 512, 32768),
+                         (2048, 128, 512, 32768)]:
+    shape = (f"{b} x {lo}" if lo == hi else f"{b} x {lo}-{hi}") + (f" + a {chunk}-token chunk" if chunk else "")
+    cases[f"inputs: decode {shape}"] = inputs(*lens(chunk, b, lo, hi))
 
 gc.collect(); gc.freeze(); gc.set_threshold(20_000, *gc.get_threshold()[1:])
 out = {}
 for name, call in cases.items():
     times = []
-    for k in range(220):
+    warm, calls = (5, 50) if name.startswith("inputs") else (20, 200)
+    for k in range(warm + calls):
         t0 = time.thread_time()
         call()
-        if k >= 20:
+        if k >= warm:
             times.append(time.thread_time() - t0)
     out[name] = sorted(times)[len(times) // 2]
 print(json.dumps(out))
@@ -104,21 +138,28 @@ def main(argv: list[str] | None = None) -> int:
                                  capture_output=True, text=True).stdout
             runs[tree].append(json.loads(out.splitlines()[-1]))
     shapes = list(runs[args.trees[0]][0])
-    rows = [{"shape": shape, **{names[t]: statistics.median(r[shape] for r in rs) * 1e3 for t, rs in runs.items()}}
+    # Per tree: the median over its processes, and the lowest process: a process now and then runs
+    # 1.5-2x slower throughout (the machine's other load), which moves a median of few processes.
+    rows = [{"shape": shape,
+             **{names[t]: statistics.median(r[shape] for r in rs) * 1e3 for t, rs in runs.items()},
+             "lowest": {names[t]: min(r[shape] for r in rs) * 1e3 for t, rs in runs.items()}}
             for shape in shapes]
     cmd = "python benchmarks/plan_host_time.py " + " ".join(argv if argv is not None else sys.argv[1:])
     first, rest = names[args.trees[0]], [names[t] for t in args.trees[1:]]
-    md = ["# Host time of the attention planner per step", "",
+    md = ["# Host time of the attention planner and of the step's inputs per step", "",
           f"Command: `{cmd}`; thread CPU time, median of {args.rounds} processes per tree (each the median of "
-          f"200 calls); load average {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. "
+          f"200 calls), in brackets the lowest process's (a process now and then runs 1.5-2x slower "
+          f"throughout); load average {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. "
           "Llama-3-8B shapes on an H100/H200 (33 units per KV head); eager: `paged_attention.plan_for`, "
-          "graph: `cuda_graphs.plan_decode`.", "",
+          "graph: `cuda_graphs.plan_decode`; inputs: `ModelRunner.prepare` of an eager step on the Triton "
+          "kernels' path (its plan and the block tables of 16-token blocks included; medians of 50 calls).", "",
           "| step | " + " | ".join(f"{n} (ms)" for n in (first, *rest)) + "".join(f" | {n} / {first}" for n in rest)
           + " |",
           "|---|" + "---:|" * (1 + 2 * len(rest))]
     for r in rows:
-        md.append(f"| {r['shape']} | " + " | ".join(f"{r[n]:.3f}" for n in (first, *rest))
-                  + "".join(f" | {r[n] / r[first]:.1f}x" for n in rest) + " |")
+        low = r["lowest"]
+        md.append(f"| {r['shape']} | " + " | ".join(f"{r[n]:.3f} ({low[n]:.3f})" for n in (first, *rest))
+                  + "".join(f" | {r[n] / r[first]:.1f}x ({low[n] / low[first]:.1f}x)" for n in rest) + " |")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "plan_host_time.json").write_text(json.dumps(

@@ -824,12 +824,23 @@ def plan_host_time(stem: str) -> tuple[list[str], list[str]]:
     if d is None:
         return [], []
     first, *rest = d["trees"]
-    out = ["Host time of the attention planner per step (Llama-3-8B shapes on an H100/H200, 33 units per KV "
-           "head): the tree the run measured against an older commit, each in its own process, interleaved; "
-           "thread CPU time, the median of the processes' medians. Eager: `paged_attention.plan_for`; graph: "
-           "`cuda_graphs.plan_decode`, before every decode graph replay.", ""] + provenance(stem, d)
+    out = ["Host time of the attention planner and of a step's inputs per step (Llama-3-8B shapes on an "
+           "H100/H200, 33 units per KV head): the tree the run measured against older commits, each in its own "
+           "process, interleaved; thread CPU time, the median of the processes' medians, in brackets the "
+           "lowest process's. Eager: `paged_attention.plan_for`; graph: `cuda_graphs.plan_decode`, before every "
+           "decode graph replay; inputs: `ModelRunner.prepare` of an eager step on the Triton kernels' path "
+           "(plan and block tables included).", ""] + provenance(stem, d)
+
+    def cell(r: dict, n: str) -> str:
+        low = r.get("lowest", {}).get(n)
+        return f"{r[n]:.3f}" + (f" ({low:.3f})" if low is not None else "")
+
+    def ratios(r: dict, n: str) -> str:
+        low = r.get("lowest", {})
+        return ratio(r[n] / r[first]) + (f" ({ratio(low[n] / low[first])})" if n in low else "")
+
     out += table(["step", *(f"{n} (ms)" for n in d["trees"]), *(f"{n} / {first}" for n in rest)],
-                 [[r["shape"], *(r[n] for n in d["trees"]), *(ratio(r[n] / r[first]) for n in rest)]
+                 [[r["shape"], *(cell(r, n) for n in d["trees"]), *(ratios(r, n) for n in rest)]
                   for r in d["rows"]])
     return out, []
 
@@ -930,7 +941,7 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Frontend, load generator and Ray executor", ["serve_overhead", "serve_bench-*", "ray_overhead-*"], frontend),
     ("Triton kernels compiled for sm_90", ["kernels_compile_sm90"], kernels_compile),
     ("Host time of a Triton launch", ["launch_overhead", "launch_overhead-triton3.6"], launch_overhead),
-    ("Host time of the attention planner", ["plan_host_time"], plan_host_time),
+    ("Host time of the attention planner and the step's inputs", ["plan_host_time"], plan_host_time),
     ("Attention plans: a model fitted to the GPU timings", ["plan_model_*"], plan_model),
     ("On a GPU", GPU_STEMS, gpu),
 ]
