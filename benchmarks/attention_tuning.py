@@ -44,7 +44,7 @@ from kernels import (  # noqa: E402
     make_cache_batch, run_attention,
 )
 
-PREFILL_GRID = dict(prefill_rows=(64, 128), block_n=(64, 128), wide_warps=(4, 8), num_stages=(2, 3, 4))
+PREFILL_GRID = dict(prefill_rows=(64, 128), block_n=(32, 64, 128), wide_warps=(4, 8), num_stages=(2, 3, 4))
 # max_registers 168: three programs per SM of the decode-only variant under Triton 3.6 (two uncapped).
 DECODE_GRID = dict(block_n=(32, 64, 128), num_stages=(2, 3, 4), units_scale=(1, 2, 4), max_registers=(None, 168))
 # (prefill chunk, decodes, longest decode context) of the plan comparison.

@@ -251,6 +251,14 @@ def bench_decode(shape: Shape, batch_sizes: list[int], contexts: list[int], copy
     return rows
 
 
+# The prefill tile's key loop at 64 keys a step spills 131 local-memory
+# instructions an iteration when compiled for sm_90 by Triton 3.6, none at
+# 32 (kernels_compile_sm90-triton3.6.md); 32 also rescales the accumulator
+# twice as often. Each prompt is also timed with the prefill tile at
+# PREFILL_ALT_BLOCK_N keys a step (the decode tile keeps its own).
+PREFILL_ALT_BLOCK_N = 32
+
+
 def bench_prefill(shape: Shape, lens: list[int]) -> list[dict]:
     from fluidserve.kernels import paged_attention as pa
 
@@ -265,6 +273,13 @@ def bench_prefill(shape: Shape, lens: list[int]) -> list[dict]:
                          sdpa_backend=backend, vs_sdpa=ms_sdpa / ms))  # fmt: skip
         print(f"prefill L={L:6d}  ours {flops / ms / 1e9:6.1f} TFLOP/s  sdpa ({backend}) "
               f"{flops / ms_sdpa / 1e9:6.1f} TFLOP/s  ratio {ms_sdpa / ms:.2f}")
+        if (pa.TILES.prefill_block_n or pa.TILES.block_n) != PREFILL_ALT_BLOCK_N:
+            with pa.tiles(prefill_block_n=PREFILL_ALT_BLOCK_N):
+                alt = pa.plan_for(batch["query"], batch["key_cache"], [L], [L])
+                alt_ms = bench_ms(partial(run_attention, batch, shape, alt))
+            rows[-1].update(alt_block_n_ms=alt_ms, alt_block_n_vs_sdpa=ms_sdpa / alt_ms)
+            print(f"  prefill tile at {PREFILL_ALT_BLOCK_N} keys a step: {flops / alt_ms / 1e9:6.1f} TFLOP/s  "
+                  f"ratio {ms_sdpa / alt_ms:.2f}")
         del batch
         torch.cuda.empty_cache()
     return rows
@@ -351,9 +366,15 @@ def markdown(report: dict) -> str:
                      f"{r['graph_ms'] / r['short_split_graph_ms']:.2f}x")
             lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "## Prefill attention (causal FLOPs)", "",
-              "| length | ours ms | ours TFLOP/s | SDPA ms | SDPA TFLOP/s |", "|---:|---:|---:|---:|---:|"]  # fmt: skip
+              f"Beside the default tile, the prefill tile at {PREFILL_ALT_BLOCK_N} keys a step (no spills in its "
+              "key loops compiled for sm_90, kernels_compile_sm90-triton3.6.md).", "",
+              f"| length | ours ms | ours TFLOP/s | SDPA ms | SDPA TFLOP/s | vs SDPA | {PREFILL_ALT_BLOCK_N}-key ms "
+              f"| {PREFILL_ALT_BLOCK_N}-key vs SDPA |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in report["prefill"]:
-        cells = (r["len"], f"{r['ms']:.3f}", f"{r['tflops']:.1f}", f"{r['sdpa_ms']:.3f}", f"{r['sdpa_tflops']:.1f}")
+        alt = ((f"{r['alt_block_n_ms']:.3f}", f"{r['alt_block_n_vs_sdpa']:.2f}x") if "alt_block_n_ms" in r
+               else ("–", "–"))  # fmt: skip
+        cells = (r["len"], f"{r['ms']:.3f}", f"{r['tflops']:.1f}", f"{r['sdpa_ms']:.3f}", f"{r['sdpa_tflops']:.1f}",
+                 f"{r['vs_sdpa']:.2f}x", *alt)  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     m = report["mixed"]
     lines += ["", "## Mixed batch: one 8k prefill chunk + 128 decodes (contexts 512–32k)", "",
@@ -607,12 +628,33 @@ def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...],
         f.write(compiled.asm["cubin"])
         f.flush()
         usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
     if found is None:
         raise RuntimeError(f"cuobjdump gave no resource usage:\n{usage}")
     regs, stack, local = map(int, found.groups())
     return dict(registers=regs, stack_bytes=stack, local_bytes=local, shared_bytes=compiled.metadata.shared,
-                num_warps=num_warps, compile_s=seconds)  # fmt: skip
+                num_warps=num_warps, compile_s=seconds, loop_spills=loop_spills(sass))  # fmt: skip
+
+
+def loop_spills(sass: str) -> list[int]:
+    """Local-memory instructions (spill stores and reloads: ``STL``, ``LDL``)
+    in each innermost loop of a kernel's SASS, in address order: a loop is
+    the span from a backward branch's target to the branch, innermost when
+    it holds no other. For the attention kernel those are its key loops (the
+    prefill tile's two, without and with the causal test, and the decode
+    tile's), where a spill costs its traffic on every iteration; spills
+    outside them cost once per work item."""
+    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
+                                                     sass)]  # fmt: skip
+    loops = []
+    for addr, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA[^;]*?(0x[0-9a-f]+)", sass):
+        lo, hi = int(text, 16), int(addr, 16)
+        if lo < hi:
+            loops.append((lo, hi))
+    inner = [(lo, hi) for lo, hi in loops if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
+    local = [a for a, op in code if op.split(".")[0] in ("LDL", "STL")]
+    return [sum(1 for a in local if lo <= a <= hi) for lo, hi in sorted(inner)]
 
 
 def compile_report(num_kv_heads: int, block_size: int) -> list[dict]:
@@ -631,7 +673,8 @@ def compile_report(num_kv_heads: int, block_size: int) -> list[dict]:
 
 # Launch shapes of the mixed variant compiled beside the default: keys per
 # step and warps (the tuning sweep's axes).
-MIXED_SHAPES = [dict(block_n=32), dict(block_n=128), dict(wide_warps=8), dict(block_n=128, wide_warps=8)]
+MIXED_SHAPES = [dict(prefill_block_n=32), dict(block_n=32), dict(block_n=128), dict(wide_warps=8),
+                dict(block_n=128, wide_warps=8)]
 
 
 def _compile_attention(num_kv_heads: int, block_size: int, dtype: torch.dtype, head_dim: int, group: int,
@@ -647,10 +690,12 @@ def _compile_attention(num_kv_heads: int, block_size: int, dtype: torch.dtype, h
     res = _compile_offline(pa._paged_attention_kernel, launch.args, launch.constexprs, pa._ATTENTION_DYNAMIC,
                            launch.num_warps)  # fmt: skip
     res.update(kernel="attention", dtype=str(dtype).removeprefix("torch."), head_dim=head_dim, group=group,
-               variant="mixed" if has_prefill else "decode-only", block_n=shape.block_n, tuned=bool(changes),
+               variant="mixed" if has_prefill else "decode-only", block_n=shape.block_n,
+               prefill_block_n=shape.prefill_block_n or shape.block_n, tuned=bool(changes),
                programs_per_sm=pa.occupancy(res["registers"], res["num_warps"], res["shared_bytes"], pa.SmLimits()))
     print(f"{res['dtype']} head_dim={head_dim} group={group} {res['variant']:11s} block_n={shape.block_n} "
-          f"warps={res['num_warps']} regs={res['registers']} stack={res['stack_bytes']} shared={res['shared_bytes']} "
+          f"prefill_block_n={res['prefill_block_n']} warps={res['num_warps']} regs={res['registers']} "
+          f"stack={res['stack_bytes']} shared={res['shared_bytes']} key-loop spills={res['loop_spills']} "
           f"-> {res['programs_per_sm']}/SM ({res['compile_s']:.1f} s)")  # fmt: skip
     return res
 
@@ -692,23 +737,30 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
     lines = ["# Attention and GEMV variants compiled for sm_90, no GPU", "",
              f"Triton {triton_version}; registers, stack and local memory from the cubin (cuobjdump), occupancy "
              "from paged_attention.occupancy with an H100 SM's limits (64K registers, 2048 threads, 228 KiB "
-             "shared). Stack bytes are registers spilled to memory (read back on the way through the key loop).",
+             "shared). Stack bytes are registers spilled to memory. Spills per key-loop iteration: the "
+             "local-memory instructions (spill stores and reloads) a thread runs in each key loop, where a "
+             "spill costs its traffic on every iteration (the mixed variant's loops: the prefill tile's without "
+             "and with the causal test, then the decode tile's; the decode-only variant has the last).",
              "", "| dtype | head_dim | group | variant | warps | registers | stack B | shared B | local B "
-             "| programs/SM |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| programs/SM | spills per key-loop iteration |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     attention = [r for r in rows if r.get("kernel", "attention") == "attention"]
 
     def cells(r: dict, *first: object) -> str:
+        spills = " / ".join(map(str, r["loop_spills"])) if "loop_spills" in r else "–"
         return "| " + " | ".join(map(str, (*first, r["num_warps"], r["registers"], r.get("stack_bytes", "–"),
-                                           r["shared_bytes"], r["local_bytes"], r["programs_per_sm"]))) + " |"
+                                           r["shared_bytes"], r["local_bytes"], r["programs_per_sm"], spills))) + " |"
 
     lines += [cells(r, r["dtype"], r["head_dim"], r["group"], r["variant"]) for r in attention if not r.get("tuned")]
     tuned = [r for r in attention if r.get("tuned") or (r["variant"] == "mixed" and r["dtype"] == "bfloat16"
                                                         and (r["head_dim"], r["group"]) == (128, 4))]
     if len(tuned) > 1:
         lines += ["", "## The mixed variant at the tuning sweep's launch shapes (bf16, head_dim 128, group 4)", "",
-                  "| keys per step | warps | registers | stack B | shared B | local B | programs/SM |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-        lines += [cells(r, r.get("block_n", "–")) for r in tuned]
+                  "| keys per step (decode / prefill tile) | warps | registers | stack B | shared B | local B "
+                  "| programs/SM | spills per key-loop iteration |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [cells(r, f"{r.get('block_n', '–')} / {r.get('prefill_block_n', r.get('block_n', '–'))}")
+                  for r in tuned]
     gemvs = [r for r in rows if r.get("kernel") == "gemv"]
     if gemvs:
         lines += ["", "## Batch-1 GEMV (kernels/gemv.py), bf16, with what it fuses (residual, RMSNorm, SiLU-mul)", "",

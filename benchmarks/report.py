@@ -852,12 +852,15 @@ def kernels_compile(stem: str) -> tuple[list[str], list[str]]:
            "on a GPU are in [On a GPU](#on-a-gpu).", ""]
     out += [f"- `benchmarks/results/{stem}.json`", ""]
     attention = [v for v in d["variants"] if v.get("kernel", "attention") == "attention"]
-    out += table(["dtype", "head dim", "group", "variant", "keys per step", "warps", "registers", "stack bytes",
-                  "shared bytes", "local bytes", "programs/SM"],
+    out += table(["dtype", "head dim", "group", "variant", "keys per step (decode / prefill tile)", "warps",
+                  "registers", "stack bytes", "shared bytes", "local bytes", "programs/SM",
+                  "spills per key-loop iteration"],
                  [[v["dtype"], v["head_dim"], v["group"], v["variant"] + (" (sweep)" if v.get("tuned") else ""),
-                   v.get("block_n", "–"), v["num_warps"], v["registers"], v.get("stack_bytes", "–"),
-                   v["shared_bytes"], v["local_bytes"], v["programs_per_sm"]] for v in attention],
-                 "lrrl" + "r" * 7)
+                   f"{v.get('block_n', '–')} / {v.get('prefill_block_n', v.get('block_n', '–'))}", v["num_warps"],
+                   v["registers"], v.get("stack_bytes", "–"), v["shared_bytes"], v["local_bytes"],
+                   v["programs_per_sm"], " / ".join(map(str, v.get("loop_spills", []))) or "–"]
+                  for v in attention],
+                 "lrrl" + "r" * 8)
     gemv = [v for v in d["variants"] if v.get("kernel") == "gemv"]
     if gemv:
         out += ["The batch-1 GEMV (kernels/gemv.py, bf16, residual fused) at the engine's launch shape and "

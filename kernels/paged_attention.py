@@ -111,6 +111,15 @@ class Tiles:
     prefill_rows: int = 128
     # Keys per inner iteration.
     block_n: int = 64
+    # Keys per inner iteration of the 128-row prefill tile; None: block_n.
+    # Compiled for sm_90 (Triton 3.6, four warps, bf16, 128-wide head) the
+    # prefill tile's key loops at 64 keys spill 63 registers and load them
+    # back every iteration (131 local-memory instructions a thread beside 24
+    # tensor-core ones); at 32 keys they spill none
+    # (kernels_compile_sm90-triton3.6.md, "spill instructions per key-loop
+    # iteration"). 32 keys also rescale the accumulator twice as often, so
+    # kernels.py times both on a GPU before either becomes the default.
+    prefill_block_n: int | None = None
     # Warps of a variant whose widest tile has more than 64 rows, and of one
     # with none wider. Four for the 128-row prefill tile too: on an H100 it
     # runs prefill twice as fast as eight (attention_tuning_<device>.md),
@@ -343,6 +352,7 @@ def _paged_attention_kernel(
     PREFILL_M: tl.constexpr,
     HAS_PREFILL: tl.constexpr,  # compile the prefill tile (mixed steps) or not (decode-only)
     BLOCK_N: tl.constexpr,
+    PREFILL_BLOCK_N: tl.constexpr,  # keys per iteration of the prefill tile
     NUM_FIELDS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32); "widen": see _dot
@@ -371,7 +381,8 @@ def _paged_attention_kernel(
                     q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window,
                     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls,
-                    BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, PREFILL_M, BLOCK_N, HAS_WINDOW, DOT_PRECISION, True,
+                    BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, PREFILL_M, PREFILL_BLOCK_N, HAS_WINDOW, DOT_PRECISION,
+                    True,
                 )  # fmt: skip
             else:
                 _attend_item(
@@ -677,6 +688,7 @@ def _constexprs(
         PREFILL_M=_tile_rows(tokens_per_tile, group),
         HAS_PREFILL=has_prefill,
         BLOCK_N=TILES.block_n,
+        PREFILL_BLOCK_N=TILES.prefill_block_n or TILES.block_n,
         NUM_FIELDS=WORK_FIELDS,
         HAS_WINDOW=has_window,
         DOT_PRECISION=_dot_precision(query.dtype),

@@ -53,8 +53,10 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device):
     )  # fmt: skip
     assert pa.variant_keys() == warm
     # decode points launched and in a graph, and in a graph split at 64 keys (every point is a short step),
-    # ours + SDPA, packed in one and two launches, unpacked, split unpacked
-    assert len(bench.calls) == 3 * 4 + 2 * 1 + 4
+    # ours + SDPA + ours with the prefill tile at 32 keys a step, packed in one and two launches, unpacked,
+    # split unpacked
+    assert len(bench.calls) == 3 * 4 + 3 * 1 + 4
+    assert pa.TILES == pa.Tiles()  # the 32-key prefill tile only inside its timing
     # 40 keys stay whole (0: no split), 200 keys in four 64-key pieces
     assert [r["short_split_splits"] for r in report["decode"]] == [0, 4, 0, 4]
     for plan in ("unpacked", "split_unpacked"):
@@ -69,6 +71,7 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device):
     assert "| 3 | 200 |" in text and "The engine's plan (packed (LPT" in text and "in a graph" in text
     assert "decode tiles in a launch of their own" in text
     assert "split at 64 keys" in text and "| 3 | 200 | 1 | 1.0000 | 4 | 1.0000 | 1.00x |" in text
+    assert "| 50 | 1.000 |" in text and "| 1.000 | 1.00x |" in text  # the prefill row with its 32-key timing
 
 
 def test_decode_bytes_per_token_of_llama3_8b(bench):
@@ -110,6 +113,20 @@ def test_decode_variant_compiles_for_hopper_without_spilling():
     assert row["variant"] == "decode-only" and row["num_warps"] == 4
     assert row["stack_bytes"] == 0 and row["local_bytes"] == 0
     assert row["programs_per_sm"] >= 3
+
+
+def test_prefill_tile_at_32_keys_a_step_spills_nothing_in_its_main_key_loop():
+    """The mixed variant of a Llama-3-8B head compiled for sm_90: at 64
+    keys a step the prefill tile's key loops reload spilled registers on
+    every iteration; at 32 (``Tiles.prefill_block_n``, the alternative
+    kernels.py times on a GPU) its loop over the keys every row sees spills
+    nothing, and every key loop spills less."""
+    default, alt = (compile_for_hopper(f"_compile_attention(8, 16, torch.bfloat16, 128, 4, True{extra})")
+                    for extra in ("", ", prefill_block_n=32"))
+    assert default["prefill_block_n"] == 64 and alt["prefill_block_n"] == 32 and alt["block_n"] == 64
+    assert len(default["loop_spills"]) == len(alt["loop_spills"]) == 3  # prefill tile unmasked, masked; decode tile
+    assert default["loop_spills"][0] > 0 and alt["loop_spills"][0] == 0
+    assert all(a < d for a, d in zip(alt["loop_spills"], default["loop_spills"])), (default, alt)
 
 
 def test_batch1_gemvs_compile_for_hopper_without_spilling():

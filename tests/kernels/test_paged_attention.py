@@ -249,7 +249,7 @@ def test_long_decodes_beside_a_prefill_get_their_own_launch(device, make_batch):
 
 
 @pytest.mark.parametrize("changes", [dict(block_n=32, prefill_rows=64), dict(block_n=128, num_stages=2),
-                                     dict(max_registers=168)])
+                                     dict(max_registers=168), dict(prefill_block_n=32)])
 def test_every_launch_shape_a_sweep_tries_gives_the_same_attention(device, make_batch, oracle, changes):
     """``benchmarks/attention_tuning.py`` times other tiles than the
     defaults; each must still be the reference's attention, and the
