@@ -54,8 +54,8 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device):
     assert pa.variant_keys() == warm
     # decode points launched and in a graph, and in a graph split at 64 keys (every point is a short step),
     # ours + SDPA + ours with the prefill tile at 32 keys a step, packed in one and two launches, unpacked,
-    # split unpacked
-    assert len(bench.calls) == 3 * 4 + 3 * 1 + 4
+    # split unpacked, and both packed plans again with the prefill tile at 32 keys
+    assert len(bench.calls) == 3 * 4 + 3 * 1 + 4 + 2
     assert pa.TILES == pa.Tiles()  # the 32-key prefill tile only inside its timing
     # 40 keys stay whole (0: no split), 200 keys in four 64-key pieces
     assert [r["short_split_splits"] for r in report["decode"]] == [0, 4, 0, 4]
@@ -72,6 +72,11 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device):
     assert "decode tiles in a launch of their own" in text
     assert "split at 64 keys" in text and "| 3 | 200 | 1 | 1.0000 | 4 | 1.0000 | 1.00x |" in text
     assert "| 50 | 1.000 |" in text and "| 1.000 | 1.00x |" in text  # the prefill row with its 32-key timing
+    section = text.split("## Mixed batch")[1].splitlines()
+    mixed = {line.split(" | ")[0]: line for line in section if line.startswith("|")}
+    assert mixed["| packed (LPT + split-K), one launch"].endswith("| 1.000 |")  # timed at 32 keys too
+    assert mixed["| packed, decode tiles in a launch of their own"].endswith("| 1.000 |")
+    assert mixed["| unpacked"].endswith("| – |")
 
 
 def test_decode_bytes_per_token_of_llama3_8b(bench):
