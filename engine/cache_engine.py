@@ -22,6 +22,11 @@ Ordering on CUDA (copies run on a side stream and overlap the forward):
              compute waits for E(N) only if the step runs a request swapped in
              by this very step (a reactive swap-in: the swap stall)
 
+A copy moves a run of blocks adjacent on both sides; device blocks that
+churn has scattered are first gathered into a staging tensor (or scattered
+from one) on the copy stream, so that only the host side's runs cross the
+bus (``_copy``).
+
 On CPU the same calls run as synchronous copies before the forward. Each
 layer's K and V move with one gather and one scatter for all of a step's
 blocks: a copy per block run and layer costs ~15 us of dispatch, 60 ms for a
@@ -122,8 +127,8 @@ class CacheEngine:
             return 0.0
         self._copy_stream.wait_stream(compute)
         with self.runtime.on_stream(self._copy_stream):
-            self._copy(swap_out, self.device_caches, self.host_caches)
-            self._copy(swap_in, self.host_caches, self.device_caches)
+            self._copy(swap_out, self.device_caches, self.host_caches, host_is_src=False)
+            self._copy(swap_in, self.host_caches, self.device_caches, host_is_src=True)
             done = self.runtime.event()
             done.record(self._copy_stream)
         self._last_copies = done
@@ -144,11 +149,61 @@ class CacheEngine:
             dk.index_copy_(0, di, sk.index_select(0, si))
             dv.index_copy_(0, di, sv.index_select(0, si))
 
-    @staticmethod
-    def _copy(pairs: list[tuple[int, int]], src: KVCaches, dst: KVCaches) -> None:
+    def _copy(self, pairs: list[tuple[int, int]], src: KVCaches, dst: KVCaches, host_is_src: bool) -> None:
+        """Queue one direction's moves on the current (copy) stream.
+
+        A host-device copy costs about 10 us however small: blocks that are
+        adjacent on both sides (``block_runs``) move in one copy per layer
+        each, but a device pool fragmented by churn leaves runs of one
+        block, and 32 KiB copies reached 6% of a pinned copy's bandwidth on
+        an H200 (swap_copy_nvidia_h200.md). Where that takes more copies
+        than the host side's own runs, the device side is gathered into a
+        contiguous staging tensor (or scattered from one) by one kernel per
+        layer and tensor, and only the host side's runs cross the bus."""
         if not pairs:
             return
-        for s, d, n in block_runs(pairs):
-            for (sk, sv), (dk, dv) in zip(src, dst):
-                dk[d:d + n].copy_(sk[s:s + n], non_blocking=True)
-                dv[d:d + n].copy_(sv[s:s + n], non_blocking=True)
+        direct = block_runs(pairs)
+        host_of = (lambda p: p[0]) if host_is_src else (lambda p: p[1])
+        order = sorted(pairs, key=host_of)
+        host_runs = _runs([host_of(p) for p in order])
+        if len(direct) <= len(host_runs) + 1:
+            for s, d, n in direct:
+                for (sk, sv), (dk, dv) in zip(src, dst):
+                    dk[d:d + n].copy_(sk[s:s + n], non_blocking=True)
+                    dv[d:d + n].copy_(sv[s:s + n], non_blocking=True)
+            return
+        per_chunk = max(1, STAGING_BYTES // src[0][0][0].nbytes)  # bounds the staging tensors' memory
+        for lo in range(0, len(order), per_chunk):
+            chunk = order[lo:lo + per_chunk]
+            device_ids = torch.tensor([p[1] if host_is_src else p[0] for p in chunk], dtype=torch.int64,
+                                      pin_memory=self.runtime.pin_memory).to(self.device, non_blocking=True)
+            runs = _runs([host_of(p) for p in chunk])
+            for layer_src, layer_dst in zip(src, dst):
+                for s_cache, d_cache in zip(layer_src, layer_dst):
+                    if host_is_src:  # host runs -> staging -> scattered device blocks
+                        staging = torch.empty((len(chunk), *d_cache.shape[1:]), dtype=d_cache.dtype,
+                                              device=d_cache.device)
+                        for h, at, n in runs:
+                            staging[at:at + n].copy_(s_cache[h:h + n], non_blocking=True)
+                        d_cache.index_copy_(0, device_ids, staging)
+                    else:  # scattered device blocks -> staging -> host runs
+                        staging = s_cache.index_select(0, device_ids)
+                        for h, at, n in runs:
+                            d_cache[h:h + n].copy_(staging[at:at + n], non_blocking=True)
+
+
+# Device memory the staged copies may hold at once, per tensor (one layer's
+# K or V of a chunk of blocks).
+STAGING_BYTES = 64 * 2**20
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(first id, index of the first, length)`` of each run of consecutive
+    ids in ``ids`` (in order)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(ids):
+        if runs and b == runs[-1][0] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((b, i, 1))
+    return runs

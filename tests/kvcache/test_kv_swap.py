@@ -333,3 +333,78 @@ def test_cpu_moves_gather_and_scatter_every_block_at_once():
             assert torch.equal(k[d], hk0[h]) and torch.equal(v[d], hv0[h])
         assert torch.equal(k[[1, 3, 4, 5, 6, 7]], k0[[1, 3, 4, 5, 6, 7]])
         assert torch.equal(hk[[4, 6]], hk0[[4, 6]])
+
+
+@pytest.mark.parametrize("staging_blocks", [None, 2], ids=["one-chunk", "chunks-of-2"])
+def test_scattered_copies_cross_the_bus_once_per_host_run(monkeypatch, staging_blocks):
+    """The copy stream's moves (``CacheEngine._copy``, run here on CPU
+    tensors): device blocks scattered by churn, host blocks in a run, go
+    through a staging gather (out) or scatter (in), so each layer's K and V
+    cross in one copy per host run rather than one per block; adjacent pairs
+    still move in one copy per run, and every block lands where its pair
+    says, a device block leaving twice included."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fluidserve.engine import cache_engine
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Copies.count += func is torch.ops.aten.copy_.default
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layers = 3
+    ce = CacheEngine(num_layers=layers, block_size=4, num_kv_heads=1, head_dim=4, dtype=torch.float32,
+                     device=torch.device("cpu"), num_blocks=16, num_host_blocks=16)
+    if staging_blocks:
+        monkeypatch.setattr(cache_engine, "STAGING_BYTES", staging_blocks * ce.device_caches[0][0][0].nbytes)
+    for (k, v), (hk, hv) in zip(ce.device_caches, ce.host_caches):
+        for t in (k, v, hk, hv):
+            t.copy_(torch.randn_like(t))
+    before = [[t.clone() for t in (k, v, hk, hv)] for (k, v), (hk, hv) in zip(ce.device_caches, ce.host_caches)]
+    out = [(9, 4), (1, 5), (13, 6), (5, 7), (1, 8)]  # scattered device blocks (1 twice) -> host 4..8
+    back = [(0, 3), (1, 11), (2, 7), (3, 14)]  # host 0..3 -> scattered device blocks
+    runs = [(5, 12), (6, 13)]  # adjacent on both sides: one run
+    chunks = -(-len(out) // staging_blocks) if staging_blocks else 1
+    expect = (chunks * 2 * layers, (-(-len(back) // staging_blocks) if staging_blocks else 1) * 2 * layers,
+              2 * layers)
+    for pairs, host_is_src, copies in zip((out, back, runs), (False, True, False), expect):
+        src, dst = (ce.host_caches, ce.device_caches) if host_is_src else (ce.device_caches, ce.host_caches)
+        Copies.count = 0
+        with Copies():
+            ce._copy(pairs, src, dst, host_is_src=host_is_src)
+        assert Copies.count == copies, (pairs, Copies.count)
+    for ((k, v), (hk, hv)), (k0, v0, hk0, hv0) in zip(zip(ce.device_caches, ce.host_caches), before):
+        for d, h in out + runs:
+            assert torch.equal(hk[h], k0[d]) and torch.equal(hv[h], v0[d])
+        for h, d in back:
+            assert torch.equal(k[d], hk0[h]) and torch.equal(v[d], hv0[h])
+        untouched_dev = [b for b in range(16) if b not in {d for _, d in back}]
+        untouched_host = [b for b in range(16) if b not in {h for _, h in out + runs}]
+        assert torch.equal(k[untouched_dev], k0[untouched_dev]) and torch.equal(hv[untouched_host], hv0[untouched_host])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_swaps_of_scattered_blocks_land_on_the_copy_stream():
+    """On CUDA the moves run on the copy stream, scattered device blocks
+    through staging: after the step's event every block is where its pair
+    says, in both directions, in the order swap-outs then swap-ins."""
+    torch.manual_seed(0)
+    ce = CacheEngine(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                     device=torch.device("cuda", torch.cuda.current_device()), num_blocks=64, num_host_blocks=64)
+    for (k, v), (hk, hv) in zip(ce.device_caches, ce.host_caches):
+        for t in (k, v, hk, hv):
+            t.copy_(torch.randn_like(t, device=t.device))
+    before = [[t.cpu().clone() for t in (k, v, hk, hv)] for (k, v), (hk, hv) in zip(ce.device_caches, ce.host_caches)]
+    out = [(d, 10 + i) for i, d in enumerate(range(1, 40, 3))]  # every third device block -> host 10..22
+    back = [(40 + i, d) for i, d in enumerate(range(2, 40, 5))]  # host 40.. -> every fifth device block
+    ce.swap(out, back, wait=True)
+    torch.cuda.synchronize()
+    for ((k, v), (hk, hv)), (k0, v0, hk0, hv0) in zip(zip(ce.device_caches, ce.host_caches), before):
+        for d, h in out:  # read before the swap-ins wrote the device
+            assert torch.equal(hk[h], k0[d]) and torch.equal(hv[h], v0[d])
+        for h, d in back:
+            assert torch.equal(k[d].cpu(), hk0[h]) and torch.equal(v[d].cpu(), hv0[h])
