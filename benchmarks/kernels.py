@@ -273,7 +273,7 @@ def bench_prefill(shape: Shape, lens: list[int]) -> list[dict]:
                          sdpa_backend=backend, vs_sdpa=ms_sdpa / ms))  # fmt: skip
         print(f"prefill L={L:6d}  ours {flops / ms / 1e9:6.1f} TFLOP/s  sdpa ({backend}) "
               f"{flops / ms_sdpa / 1e9:6.1f} TFLOP/s  ratio {ms_sdpa / ms:.2f}")
-        if (pa.TILES.prefill_block_n or pa.TILES.block_n) != PREFILL_ALT_BLOCK_N:
+        if pa.TILES.prefill_step != PREFILL_ALT_BLOCK_N:
             with pa.tiles(prefill_block_n=PREFILL_ALT_BLOCK_N):
                 alt = pa.plan_for(batch["query"], batch["key_cache"], [L], [L])
                 alt_ms = bench_ms(partial(run_attention, batch, shape, alt))
@@ -334,7 +334,7 @@ def bench_mixed(
     chosen = pa.plan_for(batch["query"], batch["key_cache"], q_lens, seq_lens)
     result["default"] = "separate" if chosen.decode_part is not None else "packed"
     result["speedup"] = result["unpacked"]["ms"] / result[result["default"]]["ms"]
-    if (pa.TILES.prefill_block_n or pa.TILES.block_n) != PREFILL_ALT_BLOCK_N:
+    if pa.TILES.prefill_step != PREFILL_ALT_BLOCK_N:
         # The mixed variant at the alternative prefill tile also spills less in its decode tile's loop.
         with pa.tiles(prefill_block_n=PREFILL_ALT_BLOCK_N):
             for name, options in plans[:2]:  # the packed plans: every launch with prefill tiles
@@ -701,7 +701,7 @@ def _compile_attention(num_kv_heads: int, block_size: int, dtype: torch.dtype, h
                            launch.num_warps)  # fmt: skip
     res.update(kernel="attention", dtype=str(dtype).removeprefix("torch."), head_dim=head_dim, group=group,
                variant="mixed" if has_prefill else "decode-only", block_n=shape.block_n,
-               prefill_block_n=shape.prefill_block_n or shape.block_n, tuned=bool(changes),
+               prefill_block_n=shape.prefill_step, tuned=bool(changes),
                programs_per_sm=pa.occupancy(res["registers"], res["num_warps"], res["shared_bytes"], pa.SmLimits()))
     print(f"{res['dtype']} head_dim={head_dim} group={group} {res['variant']:11s} block_n={shape.block_n} "
           f"prefill_block_n={res['prefill_block_n']} warps={res['num_warps']} regs={res['registers']} "

@@ -47,19 +47,25 @@ from fluidserve.engine.runtime import runtime_for
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (K, V)
 
 
+def runs(keys: list[tuple[int, ...]]) -> list[tuple[tuple[int, ...], int, int]]:
+    """``(first key, index of the first, length)`` of each run of ``keys``
+    (in their order) whose every component goes up by one from key to key."""
+    out: list[tuple[tuple[int, ...], int, int]] = []
+    for i, key in enumerate(keys):
+        if out:
+            first, at, n = out[-1]
+            if all(k == f + n for k, f in zip(key, first)):
+                out[-1] = (first, at, n + 1)
+                continue
+        out.append((key, i, 1))
+    return out
+
+
 def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """Coalesce ``(src, dst)`` block pairs into ``(src, dst, length)`` runs of
     consecutive blocks on both sides, so a request whose blocks are adjacent
     moves in one copy per layer instead of one per block."""
-    runs: list[tuple[int, int, int]] = []
-    for src, dst in sorted(pairs):
-        if runs:
-            s, d, n = runs[-1]
-            if src == s + n and dst == d + n:
-                runs[-1] = (s, d, n + 1)
-                continue
-        runs.append((src, dst, 1))
-    return runs
+    return [(s, d, n) for (s, d), _, n in runs(sorted(pairs))]
 
 
 class CacheEngine:
@@ -165,8 +171,7 @@ class CacheEngine:
         direct = block_runs(pairs)
         host_of = (lambda p: p[0]) if host_is_src else (lambda p: p[1])
         order = sorted(pairs, key=host_of)
-        host_runs = _runs([host_of(p) for p in order])
-        if len(direct) <= len(host_runs) + 1:
+        if len(direct) <= len(runs([(host_of(p),) for p in order])) + 1:
             for s, d, n in direct:
                 for (sk, sv), (dk, dv) in zip(src, dst):
                     dk[d:d + n].copy_(sk[s:s + n], non_blocking=True)
@@ -177,18 +182,18 @@ class CacheEngine:
             chunk = order[lo:lo + per_chunk]
             device_ids = torch.tensor([p[1] if host_is_src else p[0] for p in chunk], dtype=torch.int64,
                                       pin_memory=self.runtime.pin_memory).to(self.device, non_blocking=True)
-            runs = _runs([host_of(p) for p in chunk])
+            host_runs = [(h, at, n) for (h,), at, n in runs([(host_of(p),) for p in chunk])]
             for layer_src, layer_dst in zip(src, dst):
                 for s_cache, d_cache in zip(layer_src, layer_dst):
                     if host_is_src:  # host runs -> staging -> scattered device blocks
                         staging = torch.empty((len(chunk), *d_cache.shape[1:]), dtype=d_cache.dtype,
                                               device=d_cache.device)
-                        for h, at, n in runs:
+                        for h, at, n in host_runs:
                             staging[at:at + n].copy_(s_cache[h:h + n], non_blocking=True)
                         d_cache.index_copy_(0, device_ids, staging)
                     else:  # scattered device blocks -> staging -> host runs
                         staging = s_cache.index_select(0, device_ids)
-                        for h, at, n in runs:
+                        for h, at, n in host_runs:
                             d_cache[h:h + n].copy_(staging[at:at + n], non_blocking=True)
 
 
@@ -196,14 +201,3 @@ class CacheEngine:
 # K or V of a chunk of blocks).
 STAGING_BYTES = 64 * 2**20
 
-
-def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
-    """``(first id, index of the first, length)`` of each run of consecutive
-    ids in ``ids`` (in order)."""
-    runs: list[tuple[int, int, int]] = []
-    for i, b in enumerate(ids):
-        if runs and b == runs[-1][0] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((b, i, 1))
-    return runs

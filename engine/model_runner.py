@@ -76,7 +76,8 @@ class ModelRunner:
         qsl = sl + aligned_words(s)
         bt = qsl + aligned_words(s + 1)
         at = bt + aligned_words(s * width)
-        words = at + sum(plan.num_words() for plan in plans.values())
+        plan_words = {window: plan.num_words() for window, plan in plans.items()}
+        words = at + sum(plan_words.values())
         self._reserve(words)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's upload may still read the host buffer
@@ -91,7 +92,7 @@ class ModelRunner:
         fill_block_tables(host[bt:bt + s * width].reshape(s, width), inp.block_tables)
         for window, plan in plans.items():
             plans[window] = plan.stage(host, dev, at)
-            at += plan.num_words()
+            at += plan_words[window]
         if dev is not self._host:
             dev[:words].copy_(self._host[:words], non_blocking=True)
             self._copied = self.runtime.event()

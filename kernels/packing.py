@@ -338,19 +338,16 @@ def pack_lpt(costs: np.ndarray, num_units: int) -> tuple[np.ndarray, np.ndarray,
     loaded unit. Ties go to the lower unit and the earlier item, so plans are
     deterministic. Returns the items' order grouped by unit (each unit's in
     the order it took them), the row pointer and each unit's load."""
-    n = costs.size
     order = np.argsort(-costs, kind="stable")
     # One int per unit, load * num_units + unit: the heap's least is the
     # least loaded unit, the lower on a tie, with no tuple per step.
     heap = list(range(num_units))
-    unit_of = np.empty(n, dtype=np.int64)
     taken = []
     for c in costs[order].tolist():
         key = heap[0]
         taken.append(key % num_units)
         heapq.heapreplace(heap, key + c * num_units)
-    if n:
-        unit_of[:] = taken
+    unit_of = np.array(taken, dtype=np.int64)
     by_unit = order[np.argsort(unit_of, kind="stable")]
     offsets = np.zeros(num_units + 1, dtype=np.int64)
     np.cumsum(np.bincount(unit_of, minlength=num_units), out=offsets[1:])

@@ -137,6 +137,11 @@ class Tiles:
     # and a compile at the cap). attention_tuning.py times both.
     max_registers: int | None = None
 
+    @property
+    def prefill_step(self) -> int:
+        """Keys per inner iteration of the prefill tile, as launched."""
+        return self.prefill_block_n or self.block_n
+
 
 TILES = Tiles()
 
@@ -688,7 +693,7 @@ def _constexprs(
         PREFILL_M=_tile_rows(tokens_per_tile, group),
         HAS_PREFILL=has_prefill,
         BLOCK_N=TILES.block_n,
-        PREFILL_BLOCK_N=TILES.prefill_block_n or TILES.block_n,
+        PREFILL_BLOCK_N=TILES.prefill_step,
         NUM_FIELDS=WORK_FIELDS,
         HAS_WINDOW=has_window,
         DOT_PRECISION=_dot_precision(query.dtype),

@@ -376,25 +376,22 @@ def test_step_plans_travel_in_the_step_upload(monkeypatch, device):
                              query_start_loc=starts, seq_lens=seq_lens,
                              block_tables=[list(range(-(-s // 16))) for s in seq_lens],
                              sample_indices=[s - 1 for s in starts[1:]])  # fmt: skip
-            pa.SEPARATE_DECODE_KEYS, before = separate_keys, pa.SEPARATE_DECODE_KEYS
-            try:
-                input_ids, _, meta, _ = runner.prepare(inp, [(cache, cache)])
-                query = torch.empty((0, 8, 64), dtype=torch.bfloat16, device=dev)
-                for window in (None, 24):
-                    plan = meta.work_plan(query, cache, window)
-                    want = pa.plan_for(query, cache, q_lens, seq_lens, window)
-                    parts = [(plan, want)]
-                    if want.decode_part is not None:
-                        parts.append((plan.decode_part, want.decode_part))
-                        two_launch += 1
-                    assert (plan.decode_part is not None) == (want.decode_part is not None)
-                    for got, ref in parts:
-                        for name in ("work", "unit_offsets", "merge_tokens", "merge_num_splits"):
-                            view, expect = getattr(got, name), getattr(ref, name)
-                            assert view.device.type == dev.type and view.data_ptr() % 16 == 0, name
-                            assert view.untyped_storage().data_ptr() == input_ids.untyped_storage().data_ptr(), name
-                            assert torch.equal(view.cpu(), expect.cpu()), name
-                        assert got.unit_costs == ref.unit_costs and got.max_splits == ref.max_splits
-            finally:
-                pa.SEPARATE_DECODE_KEYS = before
+            monkeypatch.setattr(pa, "SEPARATE_DECODE_KEYS", separate_keys)
+            input_ids, _, meta, _ = runner.prepare(inp, [(cache, cache)])
+            query = torch.empty((0, 8, 64), dtype=torch.bfloat16, device=dev)
+            for window in (None, 24):
+                plan = meta.work_plan(query, cache, window)
+                want = pa.plan_for(query, cache, q_lens, seq_lens, window)
+                parts = [(plan, want)]
+                if want.decode_part is not None:
+                    parts.append((plan.decode_part, want.decode_part))
+                    two_launch += 1
+                assert (plan.decode_part is not None) == (want.decode_part is not None)
+                for got, ref in parts:
+                    for name in ("work", "unit_offsets", "merge_tokens", "merge_num_splits"):
+                        view, expect = getattr(got, name), getattr(ref, name)
+                        assert view.device.type == dev.type and view.data_ptr() % 16 == 0, name
+                        assert view.untyped_storage().data_ptr() == input_ids.untyped_storage().data_ptr(), name
+                        assert torch.equal(view.cpu(), expect.cpu()), name
+                    assert got.unit_costs == ref.unit_costs and got.max_splits == ref.max_splits
     assert two_launch == 2  # the mixed step, forced, for both windows
