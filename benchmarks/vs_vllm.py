@@ -75,9 +75,9 @@ bytes each decode to a short text. ``transformers serve`` needs the
 ``accelerate`` package; without it that peer is reported as not started. Prompt lengths are
 ShareGPT's scaled by ``--length-scale``. JSON + a markdown table go to
 ``benchmarks/results/vs_vllm-<mode>-cpu.{json,md}`` with the device, the
-versions and the command line; ``--baseline-src DIR`` adds a third offline
-system, fluidserve imported from another source tree (a checkout from before
-a change), for before/after figures from the same run.
+versions and the command line; ``--baseline-src DIR`` adds another system
+(offline and online), fluidserve imported from another source tree (a
+checkout from before a change), for before/after figures from the same run.
 """
 
 from __future__ import annotations
@@ -517,6 +517,10 @@ def server_commands(args: argparse.Namespace, model_dir: Path, dtype: str, ports
                         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-enable-prefix-caching",
                         "--log-level", "warning"], {}),
     }
+    if args.baseline_src:  # the same server from another source tree, for before/after through HTTP
+        cmd = list(cmds["fluidserve"][0])
+        cmd[cmd.index("--port") + 1] = str(ports["baseline"])
+        cmds["baseline"] = (cmd, _baseline_env(args.baseline_src, scratch))
     if args.vllm_python:
         cmds["vllm"] = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                          "--host", "127.0.0.1", "--port", str(ports["vllm"]), "--dtype", dtype,
@@ -560,7 +564,7 @@ def online(args: argparse.Namespace) -> dict:
         model_dir = Path(args.model) if args.model else build_model(Path(tmp) / "model")
         from serve_bench import bc_free_port, stop_server
 
-        ports = {k: bc_free_port() for k in ("fluidserve", "vllm", "transformers")}
+        ports = {k: bc_free_port() for k in ("fluidserve", "baseline", "vllm", "transformers")}
         procs: dict[str, subprocess.Popen] = {}
         try:
             for name, (cmd, env) in server_commands(args, model_dir, dtype, ports, Path(tmp)).items():
@@ -722,7 +726,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--skip-transformers", action="store_true", help="online: leave out transformers serve")
     ap.add_argument("--baseline-src", type=Path, default=None,
-                    help="offline: also run fluidserve from this source tree (a checkout before a change)")
+                    help="also run fluidserve from this source tree (a checkout before a change), offline "
+                    "and online")
     ap.add_argument("--tag", default="",
                     help="suffix of the result files (e.g. -transformers: fluidserve against transformers only)")
     ap.add_argument("--note", default="", help="a line saved with the results (e.g. what the run changed)")
