@@ -12,7 +12,7 @@ import json
 import platform
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -46,6 +46,10 @@ DECODE_MODES = {
     # Triton's own launch path (no relaunching, kernels/launch.py).
     "eager-cublas": dict(enforce_eager=True, async_scheduling=False, row_kernels=False),
     "eager-no-relaunch": dict(enforce_eager=True, async_scheduling=False, relaunch=False),
+    # Decode graphs whose split-K pieces merge inside the attention launch
+    # (kernels/paged_attention.py, Tiles.fused_merge): a graph's plan merges
+    # every row, so this drops a launch a layer from every decode step.
+    "graphs-fused-merge": dict(enforce_eager=False, async_scheduling=False, fused_merge=True),
 }
 # The engine's own decode paths (the other modes: eager with a switch off).
 ENGINE_DECODE_MODES = ("eager", "graphs", "graphs-async")
@@ -54,20 +58,19 @@ ENGINE_DECODE_MODES = ("eager", "graphs", "graphs-async")
 @contextmanager
 def decode_mode(mode: str) -> Iterator[dict]:
     """The engine settings of ``mode``, with the process switches it names
-    (``row_kernels``: kernels/ops.py; ``relaunch``: kernels/launch.py) set
-    while the block runs."""
+    (``row_kernels``: kernels/ops.py; ``relaunch``: kernels/launch.py;
+    ``fused_merge``: the attention tiles) set while the block runs."""
     from fluidserve.kernels import launch, ops
+    from fluidserve.kernels import paged_attention as pa
 
     settings = dict(DECODE_MODES[mode])
-    undo = []
-    for name, switch in (("row_kernels", ops.set_eager_row_kernels), ("relaunch", launch.set_enabled)):
-        if name in settings:
-            undo.append((switch, switch(settings.pop(name))))
-    try:
+    with ExitStack() as undo:
+        for name, switch in (("row_kernels", ops.set_eager_row_kernels), ("relaunch", launch.set_enabled)):
+            if name in settings:
+                undo.callback(switch, switch(settings.pop(name)))
+        if "fused_merge" in settings:
+            undo.enter_context(pa.tiles(fused_merge=settings.pop("fused_merge")))
         yield settings
-    finally:
-        for switch, was in undo:
-            switch(was)
 
 
 def build_model_dir(preset: str, root: Path) -> Path:

@@ -12,8 +12,9 @@
 #   batch-1 decode        120 / 90 s   Llama-3-8B-shaped dummy model, eager, with
 #                                      decode CUDA graphs, and graphs with async
 #                                      scheduling, against the HBM roofline; then
-#                                      eager without the row kernels and without
-#                                      relaunching (what each saves)
+#                                      graphs with split-K merged in the attention
+#                                      launch, and eager without the row kernels
+#                                      and without relaunching (what each saves)
 #   mixed steps            90 / 60 s   benchmarks/mixed_steps.py: prefill chunks beside
 #                                      decodes, eager against piecewise graphs (and
 #                                      decode-only against decode graphs)
@@ -153,7 +154,7 @@ declare -A NAMES=(
     [import]="import"
     [engine_tests]="engine GPU tests"
     [kernel_tests]="kernel GPU tests"
-    [batch1_decode]="batch-1 decode, eager, graphs, graphs + async, eager variants"
+    [batch1_decode]="batch-1 decode, eager, graphs, graphs + async, fused merge, eager variants"
     [mixed_steps]="mixed steps, eager vs piecewise graphs"
     [throughput]="throughput vs transformers, graphs"
     [kernel_bench]="kernel benchmark"
@@ -239,8 +240,8 @@ run_step kernel_tests "$KERNEL_TESTS_LIMIT" "$RESULTS/gpu_tests_kernels_${SLUG}.
     "${PYTEST[@]}" --junitxml="$SCRATCH/kernels.xml" tests/kernels
 
 run_step batch1_decode "$DECODE_LIMIT" "$RESULTS/batch1_decode_${SLUG}.json" "" \
-    "$PY" benchmarks/kernels.py --batch1-decode --decode-modes eager graphs graphs-async eager-cublas eager-no-relaunch \
-    --out "$RESULTS"
+    "$PY" benchmarks/kernels.py --batch1-decode --decode-modes eager graphs graphs-async graphs-fused-merge \
+    eager-cublas eager-no-relaunch --out "$RESULTS"
 
 run_step mixed_steps "$MIXED_LIMIT" "$RESULTS/mixed_steps_${SLUG}.json" "" \
     "$PY" benchmarks/mixed_steps.py --out "$RESULTS" "${MIXED_ARGS[@]}"

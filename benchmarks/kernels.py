@@ -215,6 +215,10 @@ def run_attention(batch: dict, shape: Shape, plan) -> None:
 # timings (plan_model.py) predicts 17-18 us against 9-10 at 512-2048 keys.
 SHORT_SPLIT = 64
 SHORT_STEP_KEYS = 8 * 2048
+# Decode steps of at most FUSED_MERGE_BATCH rows are also timed with their
+# splits merged inside the attention launch (Tiles.fused_merge): the merge
+# launch is a fixed cost, which small batches feel.
+FUSED_MERGE_BATCH = 8
 
 
 def bench_decode(shape: Shape, batch_sizes: list[int], contexts: list[int], copy_gbs: float) -> list[dict]:
@@ -246,6 +250,13 @@ def bench_decode(shape: Shape, batch_sizes: list[int], contexts: list[int], copy
                                 short_split_splits=short.max_splits)
                 print(f"  split at {SHORT_SPLIT} keys ({short.max_splits} pieces): in a graph "
                       f"{rows[-1]['short_split_graph_ms']:8.3f} ms")
+            if b <= FUSED_MERGE_BATCH and plan.max_splits:
+                with pa.tiles(fused_merge=True):
+                    fused = pa.plan_for(batch["query"], batch["key_cache"], q_lens, seq_lens)
+                    rows[-1].update(fused_ms=bench_ms(partial(run_attention, batch, shape, fused)),
+                                    fused_graph_ms=graph_ms(partial(run_attention, batch, shape, fused)))
+                print(f"  merged in the attention launch: {rows[-1]['fused_ms']:8.3f} ms; in a graph "
+                      f"{rows[-1]['fused_graph_ms']:8.3f} ms")
             del batch
             torch.cuda.empty_cache()
     return rows
@@ -373,6 +384,17 @@ def markdown(report: dict) -> str:
                      max(r["short_split_splits"], 1), f"{r['short_split_graph_ms']:.4f}",
                      f"{r['graph_ms'] / r['short_split_graph_ms']:.2f}x")
             lines.append("| " + " | ".join(map(str, cells)) + " |")
+    fused = [r for r in report["decode"] if "fused_graph_ms" in r]
+    if fused:
+        lines += ["", "Split-K pieces merged by the merge kernel (the default) and inside the attention launch "
+                  "(`Tiles.fused_merge`), ms:", "",
+                  "| batch | context | pieces | launched | fused, launched | in a graph | fused, in a graph "
+                  "| graph: merge kernel / fused |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in fused:
+            ratio = r["graph_ms"] / r["fused_graph_ms"]
+            cells = (r["batch"], r["context"], r["splits"], f"{r['ms']:.4f}", f"{r['fused_ms']:.4f}",
+                     f"{r['graph_ms']:.4f}", f"{r['fused_graph_ms']:.4f}", f"{ratio:.2f}x")
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "## Prefill attention (causal FLOPs)", "",
               f"Beside the default tile, the prefill tile at {PREFILL_ALT_BLOCK_N} keys a step (no spills in its "
               "key loops compiled for sm_90, kernels_compile_sm90-triton3.6.md).", "",
@@ -402,8 +424,11 @@ def markdown(report: dict) -> str:
     v = report["variants"]
     lines += ["## Compiled variants", "",
               f"Start-up compile (decode-only, mixed, merge): {v['warmup_s']:.1f} s. Specialisation keys after "
-              f"warm-up: {v['keys_after_warmup']}; after the whole sweep: {v['keys_after_sweep']}. Kernels Triton "
-              f"compiled after warm-up: {v['triton_after_warmup']}; after the sweep: {v['triton_after_sweep']}.", "",
+              f"warm-up: {v['keys_after_warmup']}; with the alternatives timed beside the engine's variants "
+              f"compiled too: {v.get('keys_with_alternatives', '–')}; after the whole sweep: "
+              f"{v['keys_after_sweep']}. Kernels Triton compiled after warm-up: {v['triton_after_warmup']}; with "
+              f"the alternatives: {v.get('triton_with_alternatives', '–')}; after the sweep: "
+              f"{v['triton_after_sweep']}.", "",
               "| variant | programs per SM | units per KV head |", "|---|---:|---:|"]  # fmt: skip
     for o in v["occupancy"]:
         kind = "mixed (decode + prefill tiles)" if o["has_prefill"] else "decode-only"
@@ -424,14 +449,30 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def variants_report(shape: Shape, warmup_s: float, keys_warm: int, triton_warm: int | None) -> dict:
+def warm_alternatives(query: torch.Tensor, key_cache: torch.Tensor) -> None:
+    """Compile, as a warm-up would, the variants the sweep times beside the
+    engine's (the prefill tile at PREFILL_ALT_BLOCK_N keys a step, the
+    decode-only variant with its merge fused), so that a variant the sweep
+    adds beyond these is a recompile while serving."""
+    from fluidserve.kernels import paged_attention as pa
+
+    with pa.recording_variants():
+        with pa.tiles(prefill_block_n=PREFILL_ALT_BLOCK_N):
+            pa.warmup(query, key_cache, variants=(True,))
+        with pa.tiles(fused_merge=True):
+            pa.warmup(query, key_cache, variants=(False,))
+
+
+def variants_report(shape: Shape, warmup_s: float, keys_warm: int, triton_warm: int | None, keys_alt: int,
+                    triton_alt: int | None) -> dict:  # fmt: skip
     from fluidserve.kernels import paged_attention as pa
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     occupancy = [dict(o, units_per_kv_head=-(-sms * o["programs_per_sm"] // shape.num_kv_heads))
                  for o in pa.occupancies()]  # fmt: skip
-    return dict(warmup_s=warmup_s, keys_after_warmup=keys_warm, keys_after_sweep=pa.num_variants(),
-                triton_after_warmup=triton_warm, triton_after_sweep=pa.triton_compiled_count(),
+    return dict(warmup_s=warmup_s, keys_after_warmup=keys_warm, keys_with_alternatives=keys_alt,
+                keys_after_sweep=pa.num_variants(), triton_after_warmup=triton_warm,
+                triton_with_alternatives=triton_alt, triton_after_sweep=pa.triton_compiled_count(),
                 occupancy=occupancy)  # fmt: skip
 
 
@@ -585,7 +626,8 @@ def batch1_markdown(result: dict) -> str:
              "eager-cublas": "eager, synchronous, without the batch-1 row kernels (cuBLAS, separate norms)",
              "eager-no-relaunch": "eager, synchronous, every launch through Triton's JIT path",
              "graphs": "decode CUDA graphs, synchronous (--no-async-scheduling)",
-             "graphs-async": "decode CUDA graphs, async scheduling (the default on CUDA)"}
+             "graphs-async": "decode CUDA graphs, async scheduling (the default on CUDA)",
+             "graphs-fused-merge": "decode CUDA graphs, synchronous, split-K merged in the attention launch"}
     for mode, r in result["modes"].items():
         if "error" in r:
             lines.append(f"| {names.get(mode, mode)} | error: {r['error'][:120]} | | | |")
@@ -602,9 +644,11 @@ def batch1_markdown(result: dict) -> str:
 COMPILE_SHAPES = [(128, 4), (128, 1), (64, 8), (80, 1), (96, 4)]
 
 
-def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...], num_warps: int) -> dict:
+def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...], num_warps: int,
+                     maxnreg: int | None = None) -> dict:
     """Compile one kernel for sm_90 with the signature and divisibility a
-    real launch of these arguments gets, and read its resources."""
+    real launch of these arguments gets (and ptxas' register cap, if one),
+    and read its resources."""
     import subprocess
     import tempfile
 
@@ -631,7 +675,8 @@ def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...],
             attrs[(i,)] = [["tt.divisibility", 16]]
     t0 = time.perf_counter()
     compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))  # fmt: skip
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {})))
     seconds = time.perf_counter() - t0
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -676,13 +721,17 @@ def compile_report(num_kv_heads: int, block_size: int) -> list[dict]:
         for head_dim, group in COMPILE_SHAPES:
             for has_prefill in (False, True):
                 rows.append(_compile_attention(num_kv_heads, block_size, dtype, head_dim, group, has_prefill))
+    for changes in DECODE_SHAPES:
+        rows.append(_compile_attention(num_kv_heads, block_size, torch.bfloat16, 128, 4, False, **changes))
     for changes in MIXED_SHAPES:
         rows.append(_compile_attention(num_kv_heads, block_size, torch.bfloat16, 128, 4, True, **changes))
     return rows
 
 
-# Launch shapes of the mixed variant compiled beside the default: keys per
-# step and warps (the tuning sweep's axes).
+# Launch shapes compiled beside the defaults: of the decode-only variant, the
+# register cap and the merge inside the launch; of the mixed variant, keys
+# per step and warps (the tuning sweep's axes).
+DECODE_SHAPES = [dict(max_registers=168), dict(fused_merge=True)]
 MIXED_SHAPES = [dict(prefill_block_n=32), dict(block_n=32), dict(block_n=128), dict(wide_warps=8),
                 dict(block_n=128, wide_warps=8)]
 
@@ -698,10 +747,11 @@ def _compile_attention(num_kv_heads: int, block_size: int, dtype: torch.dtype, h
         plan = pa._empty_plan(query.device, group, has_prefill, None)
         launch = pa._prepare(query[:0], cache, cache, tables, 1.0, plan)
     res = _compile_offline(pa._paged_attention_kernel, launch.args, launch.constexprs, pa._ATTENTION_DYNAMIC,
-                           launch.num_warps)  # fmt: skip
+                           launch.num_warps, launch.options.get("maxnreg"))  # fmt: skip
     res.update(kernel="attention", dtype=str(dtype).removeprefix("torch."), head_dim=head_dim, group=group,
                variant="mixed" if has_prefill else "decode-only", block_n=shape.block_n,
                prefill_block_n=shape.prefill_step, tuned=bool(changes),
+               changes=", ".join(f"{k}={v}" for k, v in changes.items()),
                programs_per_sm=pa.occupancy(res["registers"], res["num_warps"], res["shared_bytes"], pa.SmLimits()))
     print(f"{res['dtype']} head_dim={head_dim} group={group} {res['variant']:11s} block_n={shape.block_n} "
           f"prefill_block_n={res['prefill_block_n']} warps={res['num_warps']} regs={res['registers']} "
@@ -762,14 +812,16 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
                                            r["shared_bytes"], r["local_bytes"], r["programs_per_sm"], spills))) + " |"
 
     lines += [cells(r, r["dtype"], r["head_dim"], r["group"], r["variant"]) for r in attention if not r.get("tuned")]
-    tuned = [r for r in attention if r.get("tuned") or (r["variant"] == "mixed" and r["dtype"] == "bfloat16"
+    tuned = [r for r in attention if r.get("tuned") or (r["dtype"] == "bfloat16"
                                                         and (r["head_dim"], r["group"]) == (128, 4))]
-    if len(tuned) > 1:
-        lines += ["", "## The mixed variant at the tuning sweep's launch shapes (bf16, head_dim 128, group 4)", "",
-                  "| keys per step (decode / prefill tile) | warps | registers | stack B | shared B | local B "
-                  "| programs/SM | spills per key-loop iteration |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-        lines += [cells(r, f"{r.get('block_n', '–')} / {r.get('prefill_block_n', r.get('block_n', '–'))}")
+    tuned.sort(key=lambda r: (r["variant"] == "mixed", bool(r.get("tuned"))))  # each variant's default first
+    if len(tuned) > 2:
+        lines += ["", "## Other launch shapes (bf16, head_dim 128, group 4)", "",
+                  "| variant | launch shape | keys per step (decode / prefill tile) | warps | registers | stack B "
+                  "| shared B | local B | programs/SM | spills per key-loop iteration |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [cells(r, r["variant"], r.get("changes") or "default",
+                        f"{r.get('block_n', '–')} / {r.get('prefill_block_n', r.get('block_n', '–'))}")
                   for r in tuned]
     gemvs = [r for r in rows if r.get("kernel") == "gemv"]
     if gemvs:
@@ -842,6 +894,8 @@ def main(argv: list[str] | None = None) -> int:
     warmup_s = time.perf_counter() - t0
     keys_warm, triton_warm = pa.num_variants(), pa.triton_compiled_count()
     print(f"warm-up: {warmup_s:.1f} s, {keys_warm} variants; occupancy {pa.occupancies()}")
+    warm_alternatives(probe["query"], probe["key_cache"])
+    keys_alt, triton_alt = pa.num_variants(), pa.triton_compiled_count()
     report = dict(
         device=name,
         time=time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -852,7 +906,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill=bench_prefill(shape, args.prefill_lens),
         mixed=bench_mixed(shape),
     )
-    report["variants"] = variants_report(shape, warmup_s, keys_warm, triton_warm)
+    report["variants"] = variants_report(shape, warmup_s, keys_warm, triton_warm, keys_alt, triton_alt)
     report["targets"] = targets(report)
     print(f"variants: {report['variants']}")
     print(f"targets: {report['targets']}")

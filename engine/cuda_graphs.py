@@ -42,7 +42,9 @@ units (``default_num_units`` of the decode-only variant; units past the
 step's work get empty ranges), room for ``b * C`` items (``C`` split-K pieces
 per row at most), and *every* row is a merge row, ``merge_tokens = 0..b-1``:
 an unsplit row writes one partial and the merge copies it out exactly (its
-weight is ``2^0 = 1``), a padding row has no pieces and the merge writes 0.
+weight is ``2^0 = 1``), a padding row has one piece over no keys and the
+merge writes 0 (so does a merge inside the attention launch,
+``Tiles.fused_merge``, which only a row's pieces can start).
 Splits are cut as the eager planner cuts them (``auto_kv_chunk`` over the
 real rows, pieces on multiples of the chunk), so the attention output equals
 the eager path's bit for bit unless the cap ``C`` binds; ``C`` is
@@ -163,19 +165,28 @@ class DecodeWork:
 
 
 def plan_decode(seq_lens: list[int], *, num_units: int, max_splits: int,
-                sliding_window: int | None) -> DecodeWork:
+                sliding_window: int | None, size: int | None = None) -> DecodeWork:
     """Plan a decode-only batch (one query per sequence) onto exactly
     ``num_units`` units with every row a merge row and at most
     ``max_splits`` pieces per row. The split boundaries are
     ``packing.plan_attention``'s for the same lengths while ``max_splits``
-    is ``MAX_SPLITS``."""
+    is ``MAX_SPLITS``. Rows from ``len(seq_lens)`` to ``size`` are padding:
+    one piece each over no keys, which every merge turns into zeros (the
+    merge kernel, and a merge inside the attention launch, which only a
+    piece can start)."""
     n = len(seq_lens)
     tiles = packing.tile_rows([1] * n, seq_lens, 1, sliding_window, 1)
     kv_chunk = packing.auto_kv_chunk(packing.item_costs(tiles, 1), num_units)
     items, _, _ = packing.split_rows(tiles, kv_chunk, max_splits=max_splits)
+    if size is not None and size > n:
+        pad = np.zeros((size - n, WORK_FIELDS), dtype=items.dtype)
+        rows = np.arange(n, size)
+        pad[:, packing.F_SEQ] = pad[:, packing.F_Q_LO] = rows
+        pad[:, packing.F_Q_HI] = rows + 1
+        items = np.concatenate([items, pad])
     items[:, packing.F_MERGE_ROW] = items[:, packing.F_SEQ]  # every row merges, into its own merge row
     order, offsets, _ = packing.pack_lpt(packing.item_costs(items, 1), num_units)
-    num_splits = np.bincount(items[:, packing.F_SEQ], minlength=n)
+    num_splits = np.bincount(items[:, packing.F_SEQ], minlength=max(n, size or 0))
     return DecodeWork(items[order].astype(np.int32), offsets.tolist(), num_splits.tolist())
 
 
@@ -195,7 +206,7 @@ class StaticDecodePlan:
 
     def __init__(self, host: np.ndarray, dev: torch.Tensor, *, size: int, num_units: int, max_splits: int,
                  group: int, sliding_window: int | None, max_seq_len: int,
-                 partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         from fluidserve.kernels.paged_attention import decode_tokens_per_tile, default_tokens_per_tile
 
         self.size, self.num_units, self.max_splits, self.sliding_window = size, num_units, max_splits, sliding_window
@@ -220,19 +231,16 @@ class StaticDecodePlan:
             self.plan.scratch[(part_out.shape[2], part_out.shape[3], str(part_out.device))] = partials
 
     def clear(self) -> None:
-        """No work at all: every unit empty, every row merged from 0 pieces."""
-        self._offsets.fill(0)
-        self._splits.fill(0)
+        """Every row padding: one empty piece each, merged to zeros."""
+        self.fill([])
 
     def fill(self, seq_lens: list[int]) -> None:
         """Write the plan of a batch whose first ``len(seq_lens)`` rows are
         real (the rest padding) into the host region."""
         work = plan_decode(seq_lens, num_units=self.num_units, max_splits=self.max_splits,
-                           sliding_window=self.sliding_window)
-        n = len(seq_lens)
+                           sliding_window=self.sliding_window, size=self.size)
         self._offsets[:] = work.unit_offsets
-        self._splits[:n] = work.num_splits
-        self._splits[n:] = 0
+        self._splits[:] = work.num_splits
         self._work[:work.rows.size] = work.rows.ravel()
 
 
@@ -246,9 +254,12 @@ class _PlanSpec:
     windows: list[int | None]
     num_units: dict  # window -> units of the decode-only variant
     group: int
-    partials: tuple[torch.Tensor, torch.Tensor]  # flat [partial_rows * Hq * D], [partial_rows * Hq] fp32
+    # flat [partial_rows * Hq * D], [partial_rows * Hq] fp32; the fused merge's
+    # counters, [max size * Hkv] int32 zeros
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     num_q_heads: int
     head_dim: int
+    num_kv_heads: int
 
 
 @dataclass
@@ -300,12 +311,13 @@ class Bucket:
         s, b = self.spec, self.size
         part_out = s.partials[0][:b * cap * s.num_q_heads * s.head_dim].view(b, cap, s.num_q_heads, s.head_dim)
         part_lse = s.partials[1][:b * cap * s.num_q_heads].view(b, cap, s.num_q_heads)
+        counts = s.partials[2][:b * s.num_kv_heads].view(b, s.num_kv_heads)
         for window in s.windows:
             units = s.num_units[window]
             n = StaticDecodePlan.num_words(b, units, cap)
             self.plans[window] = StaticDecodePlan(
                 h[at:at + n], self.dev[at:at + n], size=b, num_units=units, max_splits=cap, group=s.group,
-                sliding_window=window, max_seq_len=self.width * self.block_size, partials=(part_out, part_lse))
+                sliding_window=window, max_seq_len=self.width * self.block_size, partials=(part_out, part_lse, counts))
             at += plan_words
 
     # -- host side ---------------------------------------------------------------
@@ -403,8 +415,10 @@ class DecodeGraphs:
         units = {w: default_num_units(query_like, key_cache, False, w) for w in windows}
         f32 = dict(dtype=torch.float32, device=key_cache.device)
         rows = partial_rows(self.sizes)
-        partials = (torch.empty(rows * a.num_heads * a.head_dim, **f32), torch.empty(rows * a.num_heads, **f32))
-        return _PlanSpec(windows, units, a.num_heads // a.num_kv_heads, partials, a.num_heads, a.head_dim)
+        partials = (torch.empty(rows * a.num_heads * a.head_dim, **f32), torch.empty(rows * a.num_heads, **f32),
+                    torch.zeros(max(self.sizes) * a.num_kv_heads, dtype=torch.int32, device=key_cache.device))
+        return _PlanSpec(windows, units, a.num_heads // a.num_kv_heads, partials, a.num_heads, a.head_dim,
+                         a.num_kv_heads)
 
     def _forward_static(self, bucket: Bucket) -> torch.Tensor:
         return self.model(bucket.input_ids, bucket.positions, self.kv_caches, bucket.metadata(self.kernels))

@@ -136,6 +136,18 @@ class Tiles:
     # at 168 it holds three without spilling (kernels_compile_sm90-triton3.6
     # and a compile at the cap). attention_tuning.py times both.
     max_registers: int | None = None
+    # Decode-only steps merge their split-K pieces inside the attention
+    # kernel: each piece counts itself done on an atomic per tile, and the
+    # tile's last piece combines them (``_merge_pieces``) while they are
+    # still in L2. It drops the merge launch: one launch a layer fewer for
+    # an eager step with splits, and one launch plus its cold reads off the
+    # ~14 us a layer that a batch-1 decode spends in a graph beyond moving
+    # its KV (kernels_nvidia_h200.md: 0.014 ms at 512 keys). Not the mixed
+    # variant: already at 255 registers for sm_90, the merge code spills
+    # more inside its prefill key loop (kernels_compile_sm90.md). kernels.py
+    # times it against the merge kernel on a GPU before it becomes the
+    # default.
+    fused_merge: bool = False
 
     @property
     def prefill_step(self) -> int:
@@ -328,6 +340,62 @@ def _attend_item(
         tl.store(part_lse_ptr + mrow * stride_lm + split * stride_ls + head, lse, mask=row_ok)
 
 
+@triton.jit
+def _merge_pieces(
+    out_ptr, part_out_ptr, part_lse_ptr, merge_count_ptr, merge_num_splits_ptr,
+    q_lo, q_hi, merge_row, kv_head,
+    stride_ot, stride_oh,
+    stride_pm, stride_ps, stride_ph,
+    stride_lm, stride_ls,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    MERGE_M: tl.constexpr,
+):
+    """Count this piece of a split tile done; the tile's last piece merges
+    all of them into the output (``_merge_kernel``'s arithmetic, a row
+    block of MERGE_M (token, head) rows at a time) and rearms the counter
+    for the next launch. No program waits on another: the merge is done by
+    whichever piece finishes last, so no schedule of the grid can stall."""
+    # Every thread's partial stores come before the count (one thread does
+    # the atomic): the release then publishes them to the last piece.
+    tl.debug_barrier()
+    count = merge_count_ptr + merge_row.to(tl.int64) * tl.num_programs(1) + kv_head
+    n = tl.load(merge_num_splits_ptr + merge_row)
+    if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n - 1:
+        tl.store(count, 0)
+        d = tl.arange(0, HEAD_PAD)
+        for r0 in range(0, (q_hi - q_lo) * GROUP, MERGE_M):
+            rows = r0 + tl.arange(0, MERGE_M)
+            tok_local = rows // GROUP
+            head = kv_head * GROUP + rows % GROUP
+            row_ok = tok_local < q_hi - q_lo
+            mrow = (merge_row + tok_local).to(tl.int64)
+            lse_row = part_lse_ptr + mrow * stride_lm + head
+            out_row = part_out_ptr + mrow[:, None] * stride_pm + head[:, None] * stride_ph + d[None, :]
+            mask = _dim_mask(row_ok, d, HEAD_DIM, HEAD_PAD)
+            # Other SMs wrote the partials: read them from L2 (".cg"), never
+            # from this SM's L1.
+            big = tl.full([MERGE_M], float("-inf"), tl.float32)
+            for s in range(n):
+                big = tl.maximum(big, tl.load(lse_row + s * stride_ls, mask=row_ok, other=float("-inf"),
+                                              cache_modifier=".cg"))
+            # A masked row has no finite lse; shift it by 0, not -inf.
+            big = tl.where(big == float("-inf"), 0.0, big)
+            num = tl.zeros([MERGE_M, HEAD_PAD], tl.float32)
+            den = tl.zeros([MERGE_M], tl.float32)
+            for s in range(n):
+                wgt = tl.exp2(tl.load(lse_row + s * stride_ls, mask=row_ok, other=float("-inf"),
+                                      cache_modifier=".cg") - big)
+                o = tl.load(out_row + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+                num += wgt[:, None] * o
+                den += wgt
+            merged = num / tl.where(den > 0.0, den, 1.0)[:, None]
+            tok64 = (q_lo + tok_local).to(tl.int64)
+            tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     merged.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=_ATTENTION_DYNAMIC)
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim]
@@ -339,6 +407,8 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [S, max_blocks_per_seq] int32
     work_ptr,  # [num_items, WORK_FIELDS] int32
     unit_offsets_ptr,  # [num_units + 1] int32
+    merge_count_ptr,  # [num_merge_rows, num_kv_heads] int32, zeros between launches (FUSED_MERGE)
+    merge_num_splits_ptr,  # [num_merge_rows] int32 (FUSED_MERGE)
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window (used only if HAS_WINDOW)
     stride_qt, stride_qh,
@@ -361,6 +431,7 @@ def _paged_attention_kernel(
     NUM_FIELDS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32); "widen": see _dot
+    FUSED_MERGE: tl.constexpr,  # split pieces merge here (_merge_pieces), not in _merge_kernel
 ):
     unit = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -405,6 +476,13 @@ def _paged_attention_kernel(
                 stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls,
                 BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, DECODE_M, BLOCK_N, HAS_WINDOW, DOT_PRECISION,
             )  # fmt: skip
+        if FUSED_MERGE:
+            if merge_row >= 0:
+                _merge_pieces(
+                    out_ptr, part_out_ptr, part_lse_ptr, merge_count_ptr, merge_num_splits_ptr,
+                    q_lo, q_hi, merge_row, kv_head, stride_ot, stride_oh, stride_pm, stride_ps, stride_ph,
+                    stride_lm, stride_ls, GROUP, HEAD_DIM, HEAD_PAD, DECODE_M,
+                )  # fmt: skip
 
 
 _PAGED_ATTENTION = Relaunch(_paged_attention_kernel)
@@ -438,8 +516,11 @@ def _merge_kernel(
     for s0 in range(0, n, SPLIT_CHUNK):
         sp = s0 + chunk
         run_max = tl.maximum(run_max, tl.load(lse_row + sp * stride_ls, mask=sp < n, other=float("-inf")))
-    # The piece holding the row's own position is never empty, so M is finite.
+    # The piece holding a row's own position is never empty, so M is finite;
+    # but a graph's padding row has only an empty piece: shift by 0, and its
+    # weights are 0 rather than NaN.
     big = tl.max(run_max, 0)
+    big = tl.where(big == float("-inf"), 0.0, big)
     num = tl.zeros([HEAD_PAD], tl.float32)
     den = tl.zeros([SPLIT_CHUNK], tl.float32)
     for s0 in range(0, n, SPLIT_CHUNK):
@@ -697,6 +778,7 @@ def _constexprs(
         NUM_FIELDS=WORK_FIELDS,
         HAS_WINDOW=has_window,
         DOT_PRECISION=_dot_precision(query.dtype),
+        FUSED_MERGE=TILES.fused_merge and not has_prefill,
     )
 
 
@@ -745,9 +827,11 @@ class _Launch:
 
 
 def _partials(
-    plan: WorkPlan, num_q_heads: int, head_dim: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plan's split-K buffers, once per step rather than once per layer."""
+    plan: WorkPlan, num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan's split-K buffers, once per step rather than once per layer:
+    partial outputs, their lse, and the fused merge's counters (zeros, and
+    zeros again after every launch, which rearms those it used)."""
     key = (num_q_heads, head_dim, str(device))
     if key not in plan.scratch:
         # Partials only for split rows; dummies keep the kernel signature fixed.
@@ -756,6 +840,7 @@ def _partials(
         plan.scratch[key] = (
             torch.empty((rows, splits, num_q_heads, head_dim), dtype=torch.float32, device=device),
             torch.empty((rows, splits, num_q_heads), dtype=torch.float32, device=device),
+            torch.zeros((rows, num_kv_heads), dtype=torch.int32, device=device),
         )
     return plan.scratch[key]
 
@@ -783,11 +868,12 @@ def _prepare(
         _check_plan(plan, query, key_cache, block_tables)
         num_q_heads, head_dim = query.shape[1], query.shape[2]
         out_strides = torch.empty_like(query).stride()  # as every layer's output of this layout is laid out
-        part_out, part_lse = _partials(plan, num_q_heads, head_dim, query.device)
+        part_out, part_lse, merge_counts = _partials(plan, num_q_heads, key_cache.shape[2], head_dim, query.device)
         args = dict(
             q_ptr=None, k_cache_ptr=None, v_cache_ptr=None, out_ptr=None,
             part_out_ptr=part_out, part_lse_ptr=part_lse, block_tables_ptr=None,
             work_ptr=plan.work, unit_offsets_ptr=plan.unit_offsets,
+            merge_count_ptr=merge_counts, merge_num_splits_ptr=plan.merge_num_splits,
             qk_scale=float(scale * LOG2E), window=int(plan.sliding_window or 0),
             stride_qt=query.stride(0), stride_qh=query.stride(1),
             stride_kb=key_cache.stride(0), stride_ks=key_cache.stride(1), stride_kh=key_cache.stride(2),
@@ -825,7 +911,8 @@ def _merge_constexprs(launch: _Launch) -> dict[str, object]:
 
 def _decode_launch(launch: _Launch, part: WorkPlan) -> _Launch:
     """A two-launch plan's decode launch: the same batch, output and
-    partials, the decode part's work list, the decode-only variant."""
+    partials, the decode part's work list, the decode-only variant (merged
+    as the whole plan is: by the merge kernel)."""
     variant = part.scratch.get(launch.occupancy_key)  # the same for every layer of the step
     if variant is None:
         constexprs = dict(launch.constexprs, HAS_PREFILL=False)
@@ -833,6 +920,8 @@ def _decode_launch(launch: _Launch, part: WorkPlan) -> _Launch:
         variant = part.scratch[launch.occupancy_key] = (
             constexprs, options, _occupancy_key(constexprs, options, launch.out.dtype, launch.out.device))
     constexprs, options, key = variant
+    # Its merge rows number on from the other part's: the whole plan's
+    # splits, partials and counters serve both.
     args = dict(launch.args, work_ptr=part.work, unit_offsets_ptr=part.unit_offsets)
     return dataclasses.replace(launch, args=args, constexprs=constexprs, options=options, occupancy_key=key)
 
@@ -877,7 +966,7 @@ def _launch(
     if plan.decode_part is not None:
         _run(_decode_launch(launch, plan.decode_part), plan.decode_part.num_units)
     _run(launch, plan.num_units)
-    if plan.num_merge_rows:
+    if plan.num_merge_rows and not launch.constexprs["FUSED_MERGE"]:
         _run_merge(launch, plan, plan.num_merge_rows)
     return launch.out
 
@@ -926,7 +1015,8 @@ def warmup(
         launch.out = torch.empty((1, *query.shape[1:]), dtype=query.dtype, device=device)
         launch.args.update(out_ptr=launch.out, stride_ot=launch.out.stride(0), stride_oh=launch.out.stride(1))
         _run(launch, 1)
-        _run_merge(launch, plan, 1)  # one merge variant serves both
+        if not launch.constexprs["FUSED_MERGE"]:
+            _run_merge(launch, plan, 1)  # one merge variant serves both
         occupancy[has_prefill] = programs_per_sm(query, key_cache, has_prefill, sliding_window, compile=False)
     return occupancy
 

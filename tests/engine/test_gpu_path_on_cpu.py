@@ -194,20 +194,27 @@ def test_lane_decode_buckets_give_eager_tokens_and_kv_bit_for_bit(tiny_model, ma
 
 
 @lane_only
-def test_lane_decode_buckets_through_the_capture_loop(tiny_model, make_llm, triton_lane):
+@pytest.mark.parametrize("fused_merge", [False, True], ids=["merge-kernel", "fused-merge"])
+def test_lane_decode_buckets_through_the_capture_loop(tiny_model, make_llm, triton_lane, fused_merge):
     """The capture loop (``capture_largest_first``) over the CPU runtime's
     stand-in, whose replay re-runs what it was given with the metadata of
-    the capture, as a graph replays its launches: tokens are eager's."""
+    the capture, as a graph replays its launches: tokens are eager's. So
+    too with every row's pieces merged inside the attention launch, whose
+    counters each layer and each replay finds at zero."""
+    from fluidserve.kernels import paged_attention as pa
+
     path = tiny_model("llama")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     kwargs = dict(LANE_KWARGS, dtype="float32", block_size=8, scheduling_policy="fcfs")
     eager = [o.outputs[0].token_ids for o in make_llm(path, **kwargs).generate(PROMPTS[:3], params)]
-    graph_llm = make_llm(path, enforce_eager=False, **kwargs)
-    graphs = graph_llm.engine.executor.worker.graphs
-    graphs._capture_all()  # what capture=True runs on CUDA
-    assert all(b.replay is not None for b in graphs.buckets.values())
-    assert [o.outputs[0].token_ids for o in graph_llm.generate(PROMPTS[:3], params)] == eager
+    with pa.tiles(fused_merge=fused_merge):
+        graph_llm = make_llm(path, enforce_eager=False, **kwargs)
+        graphs = graph_llm.engine.executor.worker.graphs
+        graphs._capture_all()  # what capture=True runs on CUDA
+        assert all(b.replay is not None for b in graphs.buckets.values())
+        assert [o.outputs[0].token_ids for o in graph_llm.generate(PROMPTS[:3], params)] == eager
     assert graphs.replays.get(4, 0) >= 5
+    assert not next(iter(graphs.buckets.values())).spec.partials[2].any()
 
 
 @lane_only
@@ -313,8 +320,8 @@ def test_partial_buffers_hold_every_bucket_when_the_split_cap_binds(tiny_model, 
     assert graphs.sizes[-1] == 16 and cuda_graphs.partial_rows(graphs.sizes) == 16
     for b, bucket in graphs.buckets.items():
         part_out = bucket.plans[None].plan.scratch
-        (out, lse), = part_out.values()
-        assert out.shape[:2] == lse.shape[:2] == (b, cuda_graphs.max_splits_for(b))
+        (out, lse, counts), = part_out.values()
+        assert out.shape[:2] == lse.shape[:2] == (b, cuda_graphs.max_splits_for(b)) and counts.shape[0] == b
     graphed = [o.outputs[0].token_ids for o in graph_llm.generate(PROMPTS, params)]
     eager = [o.outputs[0].token_ids for o in make_llm(path, **kwargs).generate(PROMPTS, params)]
     assert graphed == eager and sum(graphs.replays.values()) >= 4

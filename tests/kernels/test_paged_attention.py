@@ -229,6 +229,34 @@ def test_two_launch_plan_gives_the_one_launch_bits(device, make_batch, oracle):
     torch.testing.assert_close(run(batch, auto), oracle(batch), atol=ATOL, rtol=RTOL)
 
 
+def test_fused_merge_is_the_merge_kernels_attention_without_its_launch(device, make_batch, oracle, monkeypatch):
+    """``Tiles.fused_merge``: in a decode-only step the last piece of each
+    split tile merges, in the attention launch. Decodes split many ways
+    (eleven pieces, a last piece of one key, unsplit rows beside them): the
+    reference's answer, no merge launch, every counter rearmed to zero, and
+    the same bits launch after launch (the next layer finds the counters as
+    the first did). A mixed step, whose variant has no registers to spare,
+    still merges in the merge kernel."""
+    merges, merge = [], pa._run_merge
+    monkeypatch.setattr(pa, "_run_merge", lambda launch, plan, rows: merges.append(plan) or merge(launch, plan, rows))
+    specs = [(1, 700), (1, 65), (1, 30), (1, 300), (1, 641)]
+    batch = make_batch(specs, num_kv_heads=2, group=4, head_dim=32, block_size=16, device=device, seed=3)
+    with pa.tiles(fused_merge=True):
+        plan = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), kv_chunk=64)
+        first, again = run(batch, plan), run(batch, plan)
+    assert plan.max_splits == 11 and not plan.has_prefill_tiles
+    counts = plan.scratch[(batch.query.shape[1], batch.query.shape[2], str(batch.query.device))][2]
+    assert counts.shape == (plan.num_merge_rows, 2) and not counts.any()
+    torch.testing.assert_close(first, oracle(batch), atol=ATOL, rtol=RTOL)
+    assert torch.equal(first, again) and not [p for p in merges if p.num_items]  # warm-up's empty plans aside
+    mixed = [(1, 700), (40, 200), (1, 65)]
+    batch = make_batch(mixed, num_kv_heads=2, group=4, head_dim=32, block_size=16, device=device, seed=4)
+    with pa.tiles(fused_merge=True):
+        plan = pa.plan_for(batch.query, batch.key_cache, specs_q(mixed), specs_s(mixed), kv_chunk=64)
+        torch.testing.assert_close(run(batch, plan), oracle(batch), atol=ATOL, rtol=RTOL)
+    assert merges[-1] is plan
+
+
 def test_long_decodes_beside_a_prefill_get_their_own_launch(device, make_batch):
     """plan_for separates by the decodes' keys: a mixed step from
     SEPARATE_DECODE_KEYS on, never a decode-only step, never an unpacked

@@ -1,16 +1,17 @@
 """The static decode plan of a CUDA-graph bucket (engine/cuda_graphs.py)
 through the Triton attention kernel: a fixed grid, every row a merge row,
-padding rows with no work. Without CUDA the kernel runs in the interpreter,
+padding rows one empty piece each. Without CUDA the kernel runs in the interpreter,
 so these are the CPU's check of what a captured graph launches; with CUDA
 they run on the GPU.
 
 Against the eager plan of the same lengths the real rows are bit-identical
 (same split boundaries; an unsplit row's partial is merged with weight 1),
-against the reference within fp32 tolerance; padding rows come out 0."""
+against the reference within fp32 tolerance; padding rows come out 0, as
+much with the merge inside the attention launch (``Tiles.fused_merge``) as
+with the merge kernel."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -66,18 +67,20 @@ def run_static(batch, plan, region, bucket: int, width: int, window) -> torch.Te
                               window, work=plan.plan).float().cpu()
 
 
+@pytest.mark.parametrize("fused_merge", [False, True])
 @pytest.mark.parametrize("window", [None, 150])
 @pytest.mark.parametrize("lens, bucket", [([70, 1000, 5], 4), ([700, 33, 16, 17, 260], 8), ([1], 1)])
-def test_static_plan_rows_equal_the_eager_plan(device, make_batch, oracle, lens, bucket, window):
+def test_static_plan_rows_equal_the_eager_plan(device, make_batch, oracle, lens, bucket, window, fused_merge):
     batch = make_batch([(1, s) for s in lens], num_kv_heads=2, group=2, head_dim=32, block_size=16, device=device)
     width = batch.block_tables.shape[1] + 3
-    plan, region = static_plan(batch, bucket, width, window)
-    out = run_static(batch, plan, region, bucket, width, window)
-    eager = pa.paged_attention(*batch.args, sliding_window=window).float().cpu()
+    with pa.tiles(fused_merge=fused_merge):
+        plan, region = static_plan(batch, bucket, width, window)
+        out = run_static(batch, plan, region, bucket, width, window)
+        eager = pa.paged_attention(*batch.args, sliding_window=window).float().cpu()
     n = len(lens)
     assert torch.equal(out[:n], eager)
     torch.testing.assert_close(out[:n], oracle(batch, window), atol=ATOL, rtol=RTOL)
-    assert (out[n:] == 0).all()  # padding rows: no pieces, merged to 0
+    assert (out[n:] == 0).all()  # padding rows: an empty piece, merged to 0
     if bucket > 1 and window is None:
         assert max(plan._splits) > 1  # the long rows did split
 
@@ -147,15 +150,19 @@ def test_plan_layout_is_aligned_and_fixed():
         assert t.data_ptr() % 16 == 0
     assert p.merge_tokens.tolist() == [0, 1, 2]
     plan.fill([40, 7])
-    assert p.unit_offsets.tolist()[-1] == sum(p.merge_num_splits.tolist()) and p.merge_num_splits.tolist()[2] == 0
-    plan.clear()
-    assert not np.any(host[:units + 1].numpy()) and p.merge_num_splits.tolist() == [0, 0, 0]
+    assert p.unit_offsets.tolist()[-1] == sum(p.merge_num_splits.tolist()) and p.merge_num_splits.tolist()[2] == 1
+    plan.clear()  # every row padding: one piece over no keys
+    assert p.unit_offsets.tolist()[-1] == 3 and p.merge_num_splits.tolist() == [1, 1, 1]
+    assert all(it.kv_lo == it.kv_hi == 0 and it.merge_row == it.seq for it in p.items())
 
 
-def test_bucket_buffers_feed_the_kernel(device, make_batch, oracle):
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_bucket_buffers_feed_the_kernel(device, make_batch, oracle, fused_merge):
     """A whole bucket as the CUDA path builds it (one buffer with the inputs
-    and a static plan per sliding window, partials viewed from one shared
-    buffer) run through the kernel over the bucket's own block tables."""
+    and a static plan per sliding window, partials and merge counters viewed
+    from shared buffers) run through the kernel over the bucket's own block
+    tables, with either merge; layer after layer, the fused merge's counters
+    come back to zero."""
     from fluidserve.engine.batch import ModelInput
     from fluidserve.engine.cuda_graphs import Bucket, _PlanSpec
 
@@ -164,8 +171,10 @@ def test_bucket_buffers_feed_the_kernel(device, make_batch, oracle):
                        device=device)
     hq, d = batch.query.shape[1], batch.query.shape[2]
     f32 = {"dtype": torch.float32, "device": device}
+    counts = torch.zeros(4 * 2, dtype=torch.int32, device=device)
     spec = _PlanSpec(windows=[None, window], num_units={None: 5, window: 3}, group=2, num_q_heads=hq, head_dim=d,
-                     partials=(torch.empty(4096 * hq * d, **f32), torch.empty(4096 * hq, **f32)))
+                     partials=(torch.empty(4096 * hq * d, **f32), torch.empty(4096 * hq, **f32), counts),
+                     num_kv_heads=2)
     bucket = Bucket(4, width, block_size, torch.device(device), spec)
     tables = [row[:-(-s // block_size)] for row, s in zip(batch.block_tables.tolist(), lens)]
     bucket.write(ModelInput(input_ids=[1, 2, 3], positions=[s - 1 for s in lens], slot_mapping=[-1] * 3,
@@ -176,10 +185,12 @@ def test_bucket_buffers_feed_the_kernel(device, make_batch, oracle):
     assert bucket.slot_mapping.tolist() == [-1] * 4 and bucket.sample_idx[:3].tolist() == [0, 1, 2]
     meta = bucket.metadata()
     query = torch.cat([batch.query, torch.randn_like(batch.query[:1])])
-    for w in (None, window):
+    for w in (None, window, None):
         plan = meta.work_plan(query, batch.key_cache, w) if device == "cuda" else meta._plans[w]
         assert plan is bucket.plans[w].plan and plan.scratch  # partials come from the shared buffer
-        out = pa.paged_attention(query, batch.key_cache, batch.value_cache, bucket.block_tables, bucket.seq_lens,
-                                 bucket.query_start_loc, batch.scale, w, work=plan).float().cpu()
+        with pa.tiles(fused_merge=fused_merge):
+            out = pa.paged_attention(query, batch.key_cache, batch.value_cache, bucket.block_tables,
+                                     bucket.seq_lens, bucket.query_start_loc, batch.scale, w, work=plan).float().cpu()
         torch.testing.assert_close(out[:3], oracle(batch, w), atol=ATOL, rtol=RTOL)
-        assert (out[3] == 0).all()
+        assert not counts.any()
+        assert (out[3] == 0).all()  # the padding row
