@@ -12,8 +12,9 @@ prefill, so a short budget cuts the prefill grid.
 * **plans**: mixed steps of one prefill chunk and a few to many decodes
   (``PLAN_SHAPES``), each with the packed plan (LPT + split-K) in one
   launch and in two (decode tiles in the decode-only variant), unpacked,
-  and split at 2k keys unpacked: which plan wins where, for the rule the
-  engine chooses plans by (``paged_attention.SEPARATE_DECODE_KEYS``).
+  and split at 2k keys unpacked: which plan wins where, for the cost model
+  the engine chooses plans by (``packing.PLAN_COSTS``, refitted by
+  ``plan_model.py`` from these timings).
 
 Every configuration's output is compared with the default configuration's
 (bf16: max abs difference, stated per row); one that fails to compile or

@@ -11,8 +11,8 @@ into the host's lead over the device. The shapes are a Llama-3-8B layer's on
 an H100/H200 (8 KV heads, group 4: 32-token prefill tiles, 4-token decode
 tiles, 33 units per KV head of either kernel variant) at the batch sizes and
 contexts of ``kernels.py`` and ``attention_tuning.py``; ``plan_for``
-plans a mixed step as two launches where its rule (``SEPARATE_DECODE_KEYS``)
-says so.
+plans a mixed step with decode tiles both ways (one launch, two) and keeps
+the one its cost model predicts faster (``packing.predicted_us``).
 
 The "inputs" rows time ``ModelRunner.prepare`` of an eager step on the
 Triton kernels' path: the whole host side of a step's inputs (token ids,

@@ -192,6 +192,23 @@ def fit(cases: list[Case], slots: int, rounds: int = 30) -> np.ndarray:
     return x
 
 
+def engine_plan(q: list[int], s: list[int], units: int) -> str:
+    """The plan ``paged_attention.plan_for`` keeps for the step: both ways
+    predicted by the engine's constants (``packing.PLAN_COSTS``)."""
+    one, two = plan(q, s, units), plan(q, s, units, decode_units=units)
+    split = two.decode_part is not None and packing.predicted_us(two) < packing.predicted_us(one)
+    return "two launches" if split else "one launch"
+
+
+def engine_costs_vs_fit(params: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """``packing.PLAN_COSTS`` beside this fit's parameters (ns per key as us)."""
+    c = packing.PLAN_COSTS
+    pairs = dict(decode_key=("a_decode", c.decode_key), decode_item=("b_decode", c.decode_item),
+                 mixed_decode_key=("a_mixed", c.mixed_decode_key), prefill_key=("a_prefill", c.prefill_key),
+                 prefill_item=("b_prefill", c.prefill_item), launch=("launch", c.launch))  # fmt: skip
+    return {name: (engine, params[fitted]) for name, (fitted, engine) in pairs.items()}
+
+
 def two_launch_ms(q: list[int], s: list[int], units: int, x: np.ndarray, slots: int) -> float:
     """The two-launch plan's predicted time: decode tiles on the decode-only
     variant, prefill tiles on the mixed one, then one merge."""
@@ -228,10 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         two = two_launch_ms(q, s, args.units, x, args.slots)
         shapes.append(dict(shape=name, decode_keys=sum(s[1:]), packed_ms=c.measured_ms,
                            unpacked_ms=unpacked, two_launch_predicted_ms=two, vs_packed=c.measured_ms / two,
-                           vs_unpacked=unpacked / two, two_launch_measured_ms=two_launch_measured.get(name)))
+                           vs_unpacked=unpacked / two, two_launch_measured_ms=two_launch_measured.get(name),
+                           engine_plan=engine_plan(q, s, args.units)))
     report = dict(device=args.device, units=args.units, slots=args.slots, params=params,
                   decode_slowdown_in_mixed_variant=slowdown, median_abs_error=statistics.median(errors),
-                  max_abs_error=max(errors), rows=rows, two_launch=shapes)  # fmt: skip
+                  max_abs_error=max(errors), rows=rows, two_launch=shapes,
+                  engine_costs_vs_fit=engine_costs_vs_fit(params))  # fmt: skip
     text = markdown(report)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -256,26 +275,27 @@ def markdown(r: dict) -> str:
              f"largest {r['max_abs_error']:.1%}.", "",
              "## Mixed steps: measured one-launch plans, predicted two-launch plan", "",
              "Predictions, not timings: `kernels.py` and `attention_tuning.py` time the two-launch plan on a GPU. "
-             f"The engine runs two launches from {packing_rule()} decode keys per KV head.", "",
+             "The engine plans a mixed step both ways and keeps the one `packing.predicted_us` finds faster "
+             "with its constants (`packing.PLAN_COSTS`, the H200 fit's; against this fit below), one more eager "
+             "launch's host time "
+             f"({packing.PLAN_COSTS.host_launch:.0f} us) included: its choice is the last column.", "",
              "| step | decode keys | packed ms | unpacked ms | two launches, predicted ms | vs packed | vs unpacked "
-             "| two launches, measured ms |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| two launches, measured ms | the engine's plan |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for s in r["two_launch"]:
         measured = s.get("two_launch_measured_ms")
         lines.append(f"| {s['shape']} | {s['decode_keys']:,} | {s['packed_ms']:.3f} | {s['unpacked_ms']:.3f} | "
                      f"{s['two_launch_predicted_ms']:.3f} | {s['vs_packed']:.2f}x | {s['vs_unpacked']:.2f}x | "
-                     f"{f'{measured:.3f}' if measured else 'not yet timed'} |")
+                     f"{f'{measured:.3f}' if measured else 'not yet timed'} | {s.get('engine_plan', '–')} |")
+    if "engine_costs_vs_fit" in r:
+        lines += ["", "The engine's constants (`packing.PLAN_COSTS`, us) against this fit: " + "; ".join(
+            f"{name} {engine:g} / {fitted:.4g}" for name, (engine, fitted) in r["engine_costs_vs_fit"].items()) + "."]
     lines += ["", "## Every timed plan against the model", "", "| plan | measured ms | predicted ms | error |",
               "|---|---:|---:|---:|"]  # fmt: skip
     for row in r["rows"]:
         lines.append(f"| {row['case']} | {row['measured_ms']:.3f} | {row['predicted_ms']:.3f} | "
                      f"{row['predicted_ms'] / row['measured_ms'] - 1:+.1%} |")
     return "\n".join(lines) + "\n"
-
-
-def packing_rule() -> str:
-    from fluidserve.kernels import paged_attention as pa
-
-    return f"{pa.SEPARATE_DECODE_KEYS:,}"
 
 
 if __name__ == "__main__":

@@ -45,8 +45,10 @@ Pipeline::
   onto the mixed variant's, one merge after both: each kind runs in the
   variant built for it and is balanced among its own kind, which the fitted
   model of the GPU timings (``benchmarks/plan_model.py``) predicts is worth
-  more than the bubbles packing both together fills;
-  ``paged_attention.plan_for`` decides per step (``SEPARATE_DECODE_KEYS``).
+  more than the bubbles packing both together fills on every timed mixed
+  step, but not on a small one, where one more launch costs the host more
+  than it saves. ``paged_attention.plan_for`` plans a mixed step both ways
+  and keeps the one ``predicted_us`` finds faster (``PLAN_COSTS``).
 
 The packing never changes the numbers: an item's result does not depend on the
 unit that runs it, and the merge visits splits in index order. The split
@@ -78,6 +80,55 @@ ITEM_OVERHEAD = 64
 # programs and the packed plan lost to plain split-K on mixed steps of a 2k
 # chunk and long decodes (0.87 against 0.66 ms, attention_tuning).
 PREFILL_KEY_COST = 2
+
+
+@dataclass(frozen=True)
+class PlanCosts:
+    """Microseconds the attention kernel spends on a plan, as
+    ``benchmarks/plan_model.py`` fits them to a GPU's stored timings: per
+    key and per item by the kind of tile (a decode tile in the decode-only
+    variant, in the mixed variant; a prefill tile), and a floor per launch.
+    Beside them, the host time one more launch adds to an eager layer: the
+    relaunched attention launch's 5.4 us before the launcher
+    (launch_overhead-triton3.6.md) and about as much in the driver; a
+    graph replays it for nothing, but mixed steps run eager."""
+
+    decode_key: float = 0.0376
+    decode_item: float = 3.58
+    mixed_decode_key: float = 0.0414
+    prefill_key: float = 0.0568
+    prefill_item: float = 28.5
+    launch: float = 3.9
+    host_launch: float = 10.0
+
+
+# Fitted to 73 plans timed on an H200 (plan_model_nvidia_h200.md, median
+# error 4%); the H100's fit (37 plans) differs most in the decode tile's
+# per-key rate, the same in both variants there.
+PLAN_COSTS = PlanCosts()
+
+
+def predicted_us(plan: WorkPlan, costs: PlanCosts | None = None) -> float:
+    """Kernel time of a packed plan still on the host, by ``costs`` (default
+    ``PLAN_COSTS``): each launch takes its busiest unit's items (its
+    programs run in one wave) plus the floor, and every launch after the
+    first adds ``host_launch``."""
+    costs = costs or PLAN_COSTS
+    total, part, first = 0.0, plan, True
+    while part is not None:
+        rows = part.work.numpy()
+        keys = rows[:, F_KV_HI] - rows[:, F_KV_LO]
+        prefill = rows[:, F_Q_HI] - rows[:, F_Q_LO] > part.decode_tokens_per_tile
+        decode_key = costs.mixed_decode_key if part.has_prefill_tiles else costs.decode_key
+        item = np.where(prefill, costs.prefill_key * keys + costs.prefill_item, decode_key * keys + costs.decode_item)
+        done = np.concatenate([[0.0], np.cumsum(item)])
+        offsets = part.unit_offsets.numpy()
+        total += float((done[offsets[1:]] - done[offsets[:-1]]).max(initial=0.0)) + costs.launch
+        total += 0.0 if first else costs.host_launch
+        part, first = part.decode_part, False
+    return total
+
+
 # Shortest KV piece the auto split makes, and the most pieces of one tile:
 # bounds the merge kernel's work and its partial buffers.
 MIN_KV_CHUNK = 256

@@ -24,7 +24,8 @@ SM); a mixed step launches one holding both, and each item picks its tile by
 its length. The grid is sized from the occupancy of the variant launched, read
 off the compiled kernel (registers, shared memory, warps). A mixed step whose
 decodes are long runs its decode tiles in a launch of their own, of the
-decode-only variant (``plan_for``, ``SEPARATE_DECODE_KEYS``).
+decode-only variant, where the fitted cost of the two plans says it pays
+(``plan_for``, ``packing.predicted_us``).
 
 head_dim need not be a power of two: tiles are ``HEAD_PAD`` (next power of two)
 wide and the extra columns are masked (zeros in Q and K add nothing to a dot,
@@ -85,19 +86,6 @@ FALLBACK_PROGRAMS_PER_SM = {False: 4, True: 1}
 # Units per KV head off CUDA: enough for packing and split-K to have work to
 # spread, few enough for the interpreter.
 INTERPRETER_UNITS = 4
-# Keys per KV head a mixed step's decode tiles visit, from which they run in
-# a launch of their own (the decode-only variant) rather than packed beside
-# the prefill tiles. benchmarks/plan_model.py, fitted to the stored GPU
-# timings, finds one launch losing twice: a decode tile runs 1.10x slower in
-# the mixed variant (H200; 1.00x from the H100's one mixed step), and LPT
-# balances the two kinds badly (a prefill tile's fixed cost fits at ~28 us,
-# some 700 decode keys, where the planner counts 64). It predicts two
-# launches 1.03-1.54x faster than one on all 13 timed H200 mixed steps (1.11x
-# for an 8k chunk beside 128 long decodes) and 1.09x on the H100's. From 2^19
-# keys (128 decodes of 4k) the decodes alone take about 0.6 ms a layer on an
-# H200, more than an eager layer's host work, so the second launch's host
-# time (tens of microseconds) stays hidden behind the GPU.
-SEPARATE_DECODE_KEYS = 1 << 19
 
 
 @dataclass(frozen=True)
@@ -1092,39 +1080,31 @@ def plan_for(
 
     ``separate`` runs a packed step's decode tiles in a launch of their own
     (on ``decode_units``, by default the decode-only variant's units) when
-    the step also has prefill tiles: None decides by the decodes' keys
-    (``SEPARATE_DECODE_KEYS``), True and False force it."""
+    the step also has prefill tiles. None plans such a step both ways and
+    keeps the plan ``packing.predicted_us`` finds faster, one more launch's
+    host time included; True and False force it."""
     group = query.shape[1] // key_cache.shape[2]
     tpt = tokens_per_tile or default_tokens_per_tile(group)
     dtpt = min(decode_tokens_per_tile(group), tpt)
     has_prefill = max(q_lens, default=0) > dtpt
     if num_units is None:
         num_units = default_num_units(query, key_cache, has_prefill, sliding_window)
-    if separate is None:
-        separate = has_prefill and _decode_keys(q_lens, seq_lens, dtpt, sliding_window) >= SEPARATE_DECODE_KEYS
-    if not (separate and pack and has_prefill):
-        decode_units = None
-    elif decode_units is None:
-        decode_units = default_num_units(query, key_cache, False, sliding_window)
-    plan = packing.plan_attention(
-        q_lens,
-        seq_lens,
-        num_units=num_units,
-        tokens_per_tile=tpt,
-        decode_tokens_per_tile=dtpt,
-        sliding_window=sliding_window,
-        kv_chunk=kv_chunk,
-        pack=pack,
-        decode_units=decode_units,
-    )
-    return plan if on_host else plan.to(query.device)
 
+    def plan(units: int | None) -> packing.WorkPlan:
+        return packing.plan_attention(
+            q_lens, seq_lens, num_units=num_units, tokens_per_tile=tpt, decode_tokens_per_tile=dtpt,
+            sliding_window=sliding_window, kv_chunk=kv_chunk, pack=pack, decode_units=units,
+        )  # fmt: skip
 
-def _decode_keys(q_lens: list[int], seq_lens: list[int], decode_tokens: int, sliding_window: int | None) -> int:
-    """Keys per KV head the decode tiles of a step visit (one per token and
-    key, as the kernel's 16-row decode tile loads each key once)."""
-    cap = sliding_window or 1 << 62
-    return sum(min(s, cap) for q, s in zip(q_lens, seq_lens) if q <= decode_tokens)
+    if separate is False or not (pack and has_prefill):
+        work = plan(None)
+    else:
+        work = plan(decode_units or default_num_units(query, key_cache, False, sliding_window))
+        if separate is None and work.decode_part is not None:
+            one = plan(None)
+            if packing.predicted_us(one) <= packing.predicted_us(work):
+                work = one
+    return work if on_host else work.to(query.device)
 
 
 def paged_attention(

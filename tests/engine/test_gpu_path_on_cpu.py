@@ -16,6 +16,7 @@ tests/engine/test_cuda_graphs.py), so the lane is skipped there.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -248,8 +249,11 @@ def test_lane_mixed_steps_in_two_launches_give_one_launch_tokens(tiny_model, mak
     """Every mixed step planned as two launches (decode tiles in the
     decode-only variant, prefill tiles in the mixed one) gives the tokens of
     one launch through the engine, for full attention and a sliding window."""
+    from fluidserve.kernels import packing
     from fluidserve.kernels import paged_attention as pa
 
+    # A launch that repays its host time: every step with both kinds of tile splits.
+    split_all = dataclasses.replace(packing.PLAN_COSTS, host_launch=-1e9)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     kwargs = dict(LANE_KWARGS, dtype="float32", scheduling_policy="fcfs")
     for arch, overrides in (("llama", {}), ("mistral", dict(sliding_window=24))):
@@ -257,7 +261,7 @@ def test_lane_mixed_steps_in_two_launches_give_one_launch_tokens(tiny_model, mak
         one = [o.outputs[0].token_ids for o in generate(make_llm, path, params, **kwargs)]
         decode_launches = []
         with monkeypatch.context() as patch:
-            patch.setattr(pa, "SEPARATE_DECODE_KEYS", 1)
+            patch.setattr(packing, "PLAN_COSTS", split_all)
             patch.setattr(pa, "_decode_launch", lambda *a, f=pa._decode_launch: decode_launches.append(1) or f(*a))
             two = [o.outputs[0].token_ids for o in generate(make_llm, path, params, **kwargs)]
         assert decode_launches, "no step ran its decode tiles in a launch of their own"
@@ -364,6 +368,7 @@ def test_step_plans_travel_in_the_step_upload(monkeypatch, device):
     from fluidserve.engine.batch import ModelInput
     from fluidserve.engine.layers import PagedAttention
     from fluidserve.engine.model_runner import ModelRunner
+    from fluidserve.kernels import packing
     from fluidserve.kernels import paged_attention as pa
 
     dev = torch.device(device)
@@ -373,7 +378,7 @@ def test_step_plans_travel_in_the_step_upload(monkeypatch, device):
     # A 40-token prompt chunk beside three decodes (two launches when forced), then decodes alone.
     steps = [([40, 1, 1, 1], [40, 300, 17, 1000]), ([1, 1], [41, 301])]
     two_launch = 0
-    for separate_keys in (1 << 62, 1):
+    for host_launch in (1e9, -1e9):  # one launch, then two wherever a step has both kinds of tile
         for q_lens, seq_lens in steps:
             starts = [0]
             for n in q_lens:
@@ -383,7 +388,8 @@ def test_step_plans_travel_in_the_step_upload(monkeypatch, device):
                              query_start_loc=starts, seq_lens=seq_lens,
                              block_tables=[list(range(-(-s // 16))) for s in seq_lens],
                              sample_indices=[s - 1 for s in starts[1:]])  # fmt: skip
-            monkeypatch.setattr(pa, "SEPARATE_DECODE_KEYS", separate_keys)
+            costs = dataclasses.replace(packing.PLAN_COSTS, host_launch=host_launch)
+            monkeypatch.setattr(packing, "PLAN_COSTS", costs)
             input_ids, _, meta, _ = runner.prepare(inp, [(cache, cache)])
             query = torch.empty((0, 8, 64), dtype=torch.bfloat16, device=dev)
             for window in (None, 24):

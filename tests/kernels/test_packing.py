@@ -279,7 +279,8 @@ def test_short_runs_get_decode_tiles():
 def test_plan_model_fits_the_stored_gpu_timings(tmp_path):
     """benchmarks/plan_model.py on the stored H200 timings: every timed plan
     (decode steps, prompts, mixed steps in three plans) within 35% of the
-    fitted model, and a predicted two-launch time for each mixed step."""
+    fitted model, a predicted two-launch time for each mixed step, and the
+    engine's plan costs (``packing.PLAN_COSTS``) equal to the fit."""
     import json
     import sys
     from pathlib import Path
@@ -295,3 +296,6 @@ def test_plan_model_fits_the_stored_gpu_timings(tmp_path):
     assert len(report["rows"]) >= 70 and report["max_abs_error"] < 0.35
     assert len(report["two_launch"]) == 13
     assert all(s["two_launch_predicted_ms"] > 0 for s in report["two_launch"])
+    # The engine's plan costs are this fit's, to the digits they keep.
+    for name, (engine, fitted) in report["engine_costs_vs_fit"].items():
+        assert engine == pytest.approx(fitted, rel=0.015), name

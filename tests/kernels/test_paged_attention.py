@@ -11,6 +11,9 @@ mask or a split is off by O(1).
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
@@ -257,23 +260,49 @@ def test_fused_merge_is_the_merge_kernels_attention_without_its_launch(device, m
     assert merges[-1] is plan
 
 
-def test_long_decodes_beside_a_prefill_get_their_own_launch(device, make_batch):
-    """plan_for separates by the decodes' keys: a mixed step from
-    SEPARATE_DECODE_KEYS on, never a decode-only step, never an unpacked
-    plan. Planning reads only shapes, so a small cache stands in."""
+def test_a_mixed_step_takes_the_plan_predicted_faster(device, make_batch, monkeypatch):
+    """plan_for plans a step with prefill and decode tiles both ways and
+    keeps the one ``packing.predicted_us`` finds faster: long decodes beside
+    a prompt chunk get a launch of their own, a short step stays in one
+    (two launches run one after the other, where one runs every tile at
+    once). Never a
+    decode-only step, an unpacked plan or a forced one launch. Planning
+    reads only shapes, so a small cache stands in."""
     batch = make_batch([(1, 8)], num_kv_heads=2, group=4, head_dim=32, block_size=16, device=device)
-    keys = pa.SEPARATE_DECODE_KEYS
 
     def plan(q_lens, seq_lens, **kw):
-        return pa.plan_for(batch.query, batch.key_cache, q_lens, seq_lens, **kw)
+        return pa.plan_for(batch.query, batch.key_cache, q_lens, seq_lens, on_host=True, **kw)
 
-    assert plan([512, 1, 1], [512, keys // 2, keys // 2]).decode_part is not None
-    assert plan([512, 1, 1], [512, keys // 2, keys // 2 - 1]).decode_part is None
-    assert plan([1, 1], [keys, keys]).decode_part is None  # decode-only: one launch, its own variant
-    assert plan([512, 1], [512, keys], pack=False).decode_part is None
-    assert plan([512, 1], [512, keys], separate=False).decode_part is None
-    # A sliding window caps the keys a decode visits.
-    assert plan([512, 1, 1], [512, keys, keys], sliding_window=1024).decode_part is None
+    long_step = ([512] + [1] * 32, [512] + [4096] * 32)
+    short_step = ([40, 1, 1], [40, 90, 17])
+    for q, s in (long_step, short_step):
+        one, two = plan(q, s, separate=False), plan(q, s, separate=True)
+        assert one.decode_part is None and two.decode_part is not None
+        faster = min((one, two), key=packing.predicted_us)
+        assert (plan(q, s).decode_part is None) == (faster is one)
+    assert plan(*long_step).decode_part is not None and plan(*short_step).decode_part is None
+    assert plan([1, 1], [4096, 4096]).decode_part is None  # decode-only: one launch, its own variant
+    assert plan(*long_step, pack=False).decode_part is None
+    # One more launch's host time counts: were it dear, no step would split.
+    monkeypatch.setattr(packing, "PLAN_COSTS", dataclasses.replace(packing.PLAN_COSTS, host_launch=1e9))
+    assert plan(*long_step).decode_part is None
+
+
+def test_predicted_time_is_the_busiest_unit_of_each_launch():
+    """``predicted_us`` by hand: one launch of three units, one item each
+    (a prefill tile of 100 keys; decode tiles of 300 and 50 keys at the
+    mixed variant's rate), then the same step as two launches (the decode
+    tiles on two units of the decode-only variant)."""
+    c = packing.PLAN_COSTS
+    step = dict(num_units=3, tokens_per_tile=8, decode_tokens_per_tile=1, kv_chunk=1 << 20)
+    one = packing.plan_attention([8, 1, 1], [100, 300, 50], **step)
+    assert [len(u) for u in np.split(np.arange(3), one.unit_offsets[1:-1].numpy())] == [1, 1, 1]
+    prefill = c.prefill_key * 100 + c.prefill_item
+    assert packing.predicted_us(one) == pytest.approx(
+        max(prefill, c.mixed_decode_key * 300 + c.decode_item) + c.launch)
+    two = packing.plan_attention([8, 1, 1], [100, 300, 50], decode_units=2, **step)
+    decode = c.decode_key * 300 + c.decode_item  # the busier of the decode part's two units
+    assert packing.predicted_us(two) == pytest.approx(prefill + decode + 2 * c.launch + c.host_launch)
 
 
 @pytest.mark.parametrize("changes", [dict(block_n=32, prefill_rows=64), dict(block_n=128, num_stages=2),
