@@ -206,8 +206,13 @@ class StaticDecodePlan:
 
     def __init__(self, host: np.ndarray, dev: torch.Tensor, *, size: int, num_units: int, max_splits: int,
                  group: int, sliding_window: int | None, max_seq_len: int,
-                 partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-        from fluidserve.kernels.paged_attention import decode_tokens_per_tile, default_tokens_per_tile
+                 partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 merge_counts: torch.Tensor | None = None) -> None:
+        from fluidserve.kernels.paged_attention import (
+            decode_tokens_per_tile,
+            default_tokens_per_tile,
+            merge_counts_key,
+        )
 
         self.size, self.num_units, self.max_splits, self.sliding_window = size, num_units, max_splits, sliding_window
         b = size
@@ -229,6 +234,8 @@ class StaticDecodePlan:
         if partials is not None:
             part_out = partials[0]  # [b, C, Hq, D]: the key _partials looks up
             self.plan.scratch[(part_out.shape[2], part_out.shape[3], str(part_out.device))] = partials
+        if merge_counts is not None:  # [b, Hkv]: the key _merge_counts looks up
+            self.plan.scratch[merge_counts_key(merge_counts.shape[1], merge_counts.device)] = merge_counts
 
     def clear(self) -> None:
         """Every row padding: one empty piece each, merged to zeros."""
@@ -254,12 +261,11 @@ class _PlanSpec:
     windows: list[int | None]
     num_units: dict  # window -> units of the decode-only variant
     group: int
-    # flat [partial_rows * Hq * D], [partial_rows * Hq] fp32; the fused merge's
-    # counters, [max size * Hkv] int32 zeros
-    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    partials: tuple[torch.Tensor, torch.Tensor]  # flat [partial_rows * Hq * D], [partial_rows * Hq] fp32
     num_q_heads: int
     head_dim: int
     num_kv_heads: int
+    merge_counts: torch.Tensor  # the fused merge's counters, flat [max size * Hkv] int32 zeros
 
 
 @dataclass
@@ -311,13 +317,14 @@ class Bucket:
         s, b = self.spec, self.size
         part_out = s.partials[0][:b * cap * s.num_q_heads * s.head_dim].view(b, cap, s.num_q_heads, s.head_dim)
         part_lse = s.partials[1][:b * cap * s.num_q_heads].view(b, cap, s.num_q_heads)
-        counts = s.partials[2][:b * s.num_kv_heads].view(b, s.num_kv_heads)
+        counts = s.merge_counts[:b * s.num_kv_heads].view(b, s.num_kv_heads)
         for window in s.windows:
             units = s.num_units[window]
             n = StaticDecodePlan.num_words(b, units, cap)
             self.plans[window] = StaticDecodePlan(
                 h[at:at + n], self.dev[at:at + n], size=b, num_units=units, max_splits=cap, group=s.group,
-                sliding_window=window, max_seq_len=self.width * self.block_size, partials=(part_out, part_lse, counts))
+                sliding_window=window, max_seq_len=self.width * self.block_size, partials=(part_out, part_lse),
+                merge_counts=counts)
             at += plan_words
 
     # -- host side ---------------------------------------------------------------
@@ -415,10 +422,10 @@ class DecodeGraphs:
         units = {w: default_num_units(query_like, key_cache, False, w) for w in windows}
         f32 = dict(dtype=torch.float32, device=key_cache.device)
         rows = partial_rows(self.sizes)
-        partials = (torch.empty(rows * a.num_heads * a.head_dim, **f32), torch.empty(rows * a.num_heads, **f32),
-                    torch.zeros(max(self.sizes) * a.num_kv_heads, dtype=torch.int32, device=key_cache.device))
+        partials = (torch.empty(rows * a.num_heads * a.head_dim, **f32), torch.empty(rows * a.num_heads, **f32))
+        counts = torch.zeros(max(self.sizes) * a.num_kv_heads, dtype=torch.int32, device=key_cache.device)
         return _PlanSpec(windows, units, a.num_heads // a.num_kv_heads, partials, a.num_heads, a.head_dim,
-                         a.num_kv_heads)
+                         a.num_kv_heads, counts)
 
     def _forward_static(self, bucket: Bucket) -> torch.Tensor:
         return self.model(bucket.input_ids, bucket.positions, self.kv_caches, bucket.metadata(self.kernels))

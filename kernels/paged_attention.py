@@ -815,11 +815,9 @@ class _Launch:
 
 
 def _partials(
-    plan: WorkPlan, num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The plan's split-K buffers, once per step rather than once per layer:
-    partial outputs, their lse, and the fused merge's counters (zeros, and
-    zeros again after every launch, which rearms those it used)."""
+    plan: WorkPlan, num_q_heads: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's split-K buffers, once per step rather than once per layer."""
     key = (num_q_heads, head_dim, str(device))
     if key not in plan.scratch:
         # Partials only for split rows; dummies keep the kernel signature fixed.
@@ -828,8 +826,23 @@ def _partials(
         plan.scratch[key] = (
             torch.empty((rows, splits, num_q_heads, head_dim), dtype=torch.float32, device=device),
             torch.empty((rows, splits, num_q_heads), dtype=torch.float32, device=device),
-            torch.zeros((rows, num_kv_heads), dtype=torch.int32, device=device),
         )
+    return plan.scratch[key]
+
+
+def merge_counts_key(num_kv_heads: int, device: torch.device | str) -> tuple:
+    """Where a plan's ``scratch`` keeps the fused merge's counters."""
+    return ("merge_counts", num_kv_heads, str(device))
+
+
+def _merge_counts(plan: WorkPlan, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """The fused merge's counter per merge row and KV head: zeros, and zeros
+    again after every launch (the last piece of a tile rearms its own), so
+    every layer of the step shares them."""
+    key = merge_counts_key(num_kv_heads, device)
+    if key not in plan.scratch:
+        plan.scratch[key] = torch.zeros((max(plan.num_merge_rows, 1), num_kv_heads), dtype=torch.int32,
+                                        device=device)
     return plan.scratch[key]
 
 
@@ -856,7 +869,11 @@ def _prepare(
         _check_plan(plan, query, key_cache, block_tables)
         num_q_heads, head_dim = query.shape[1], query.shape[2]
         out_strides = torch.empty_like(query).stride()  # as every layer's output of this layout is laid out
-        part_out, part_lse, merge_counts = _partials(plan, num_q_heads, key_cache.shape[2], head_dim, query.device)
+        part_out, part_lse = _partials(plan, num_q_heads, head_dim, query.device)
+        constexprs = _plan_constexprs(query, key_cache, plan)
+        # Without the fused merge the counters are never touched: any int32 tensor keeps the signature.
+        merge_counts = (_merge_counts(plan, key_cache.shape[2], query.device) if constexprs["FUSED_MERGE"]
+                        else plan.merge_num_splits)
         args = dict(
             q_ptr=None, k_cache_ptr=None, v_cache_ptr=None, out_ptr=None,
             part_out_ptr=part_out, part_lse_ptr=part_lse, block_tables_ptr=None,
@@ -871,7 +888,6 @@ def _prepare(
             stride_lm=part_lse.stride(0), stride_ls=part_lse.stride(1),
             stride_bt=block_tables.stride(0),
         )  # fmt: skip
-        constexprs = _plan_constexprs(query, key_cache, plan)
         options = _launch_options(constexprs)
         proto = plan.scratch[layout] = _Launch(args, constexprs, options, None, part_out, part_lse,
                                                _occupancy_key(constexprs, options, query.dtype, query.device))

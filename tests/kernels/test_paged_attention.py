@@ -248,7 +248,7 @@ def test_fused_merge_is_the_merge_kernels_attention_without_its_launch(device, m
         plan = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), kv_chunk=64)
         first, again = run(batch, plan), run(batch, plan)
     assert plan.max_splits == 11 and not plan.has_prefill_tiles
-    counts = plan.scratch[(batch.query.shape[1], batch.query.shape[2], str(batch.query.device))][2]
+    counts = plan.scratch[pa.merge_counts_key(2, batch.query.device)]
     assert counts.shape == (plan.num_merge_rows, 2) and not counts.any()
     torch.testing.assert_close(first, oracle(batch), atol=ATOL, rtol=RTOL)
     assert torch.equal(first, again) and not [p for p in merges if p.num_items]  # warm-up's empty plans aside

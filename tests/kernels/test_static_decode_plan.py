@@ -173,8 +173,8 @@ def test_bucket_buffers_feed_the_kernel(device, make_batch, oracle, fused_merge)
     f32 = {"dtype": torch.float32, "device": device}
     counts = torch.zeros(4 * 2, dtype=torch.int32, device=device)
     spec = _PlanSpec(windows=[None, window], num_units={None: 5, window: 3}, group=2, num_q_heads=hq, head_dim=d,
-                     partials=(torch.empty(4096 * hq * d, **f32), torch.empty(4096 * hq, **f32), counts),
-                     num_kv_heads=2)
+                     partials=(torch.empty(4096 * hq * d, **f32), torch.empty(4096 * hq, **f32)),
+                     num_kv_heads=2, merge_counts=counts)
     bucket = Bucket(4, width, block_size, torch.device(device), spec)
     tables = [row[:-(-s // block_size)] for row, s in zip(batch.block_tables.tolist(), lens)]
     bucket.write(ModelInput(input_ids=[1, 2, 3], positions=[s - 1 for s in lens], slot_mapping=[-1] * 3,
