@@ -436,6 +436,13 @@ def _paged_attention_kernel(
         merge_row = tl.load(item + 6)
         split = tl.load(item + 7)
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        if FUSED_MERGE:
+            # A merge row of one piece (a graph plan merges every row) is
+            # its own output: written directly, the same bits as merged
+            # with weight 1, without the partial, the count and the read back.
+            if merge_row >= 0:
+                if tl.load(merge_num_splits_ptr + merge_row) == 1:
+                    merge_row = -1
         # The decode-only variant never compiles the prefill tile, so its
         # register budget (and so its occupancy) is the decode tile's.
         if HAS_PREFILL:
