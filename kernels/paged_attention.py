@@ -127,10 +127,12 @@ class Tiles:
     # Decode-only steps merge their split-K pieces inside the attention
     # kernel: each piece counts itself done on an atomic per tile, and the
     # tile's last piece combines them (``_merge_pieces``) while they are
-    # still in L2. It drops the merge launch: one launch a layer fewer for
-    # an eager step with splits, and one launch plus its cold reads off the
-    # ~14 us a layer that a batch-1 decode spends in a graph beyond moving
-    # its KV (kernels_nvidia_h200.md: 0.014 ms at 512 keys). Not the mixed
+    # still in L2; a row of one piece (a graph plan makes every row a merge
+    # row) writes its output directly. It drops the merge launch: one launch
+    # a layer fewer for an eager step with splits, and one launch plus its
+    # cold reads off the ~14 us a layer that a batch-1 decode spends in a
+    # graph beyond moving its KV (kernels_nvidia_h200.md: 0.014 ms at 512
+    # keys). Not the mixed
     # variant: already at 255 registers for sm_90, the merge code spills
     # more inside its prefill key loop (kernels_compile_sm90.md). kernels.py
     # times it against the merge kernel on a GPU before it becomes the
