@@ -215,6 +215,10 @@ class WorkPlan:
     # work list and units; its merge rows are numbered in (and merged by) this
     # plan's. None: one launch runs every item.
     decode_part: WorkPlan | None = None
+    # The last merge rows, the decode part's: those a decode-only launch that
+    # merges its own pieces (paged_attention.Tiles.fused_merge) leaves the
+    # merge kernel without.
+    decode_merge_rows: int = 0
     # Split-K partial buffers, allocated by the first layer that launches
     # with this plan and reused by the others (one stream: layer i's merge
     # has run before layer i + 1 writes them again).
@@ -448,12 +452,13 @@ def plan_attention(
                   sliding_window=sliding_window, num_seqs=len(seq_lens), max_seq_len=max(seq_lens, default=0))
     costs = item_costs(tiles, short)
     prefill = tiles[:, F_Q_HI] - tiles[:, F_Q_LO] > short
-    decode_part = None
+    decode_part, decode_rows = None, 0
     if pack and decode_units is not None and 0 < int(prefill.sum()) < len(tiles):  # both kinds: two launches
         decode_tiles, tiles, decode_costs, costs = tiles[~prefill], tiles[prefill], costs[~prefill], costs[prefill]
         items, merge_tokens, merge_splits = split_rows(tiles, kv_chunk or auto_kv_chunk(costs, num_units))
         decode_items, decode_tokens, decode_splits = split_rows(
             decode_tiles, kv_chunk or auto_kv_chunk(decode_costs, decode_units), first_row=len(merge_tokens))
+        decode_rows = len(decode_tokens)
         merge_tokens = np.concatenate([merge_tokens, decode_tokens])
         merge_splits = np.concatenate([merge_splits, decode_splits])
         order, offsets, loads = pack_lpt(item_costs(decode_items, short), min(decode_units, len(decode_items)))
@@ -479,6 +484,7 @@ def plan_attention(
         max_splits=int(merge_splits.max(initial=0)),
         unit_costs=loads,
         decode_part=decode_part,
+        decode_merge_rows=decode_rows,
         **common,
     )
 

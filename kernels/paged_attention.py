@@ -124,19 +124,19 @@ class Tiles:
     # at 168 it holds three without spilling (kernels_compile_sm90-triton3.6
     # and a compile at the cap). attention_tuning.py times both.
     max_registers: int | None = None
-    # Decode-only steps merge their split-K pieces inside the attention
-    # kernel: each piece counts itself done on an atomic per tile, and the
-    # tile's last piece combines them (``_merge_pieces``) while they are
-    # still in L2; a row of one piece (a graph plan makes every row a merge
-    # row) writes its output directly. It drops the merge launch: one launch
-    # a layer fewer for an eager step with splits, and one launch plus its
-    # cold reads off the ~14 us a layer that a batch-1 decode spends in a
-    # graph beyond moving its KV (kernels_nvidia_h200.md: 0.014 ms at 512
-    # keys). Not the mixed
-    # variant: already at 255 registers for sm_90, the merge code spills
-    # more inside its prefill key loop (kernels_compile_sm90.md). kernels.py
-    # times it against the merge kernel on a GPU before it becomes the
-    # default.
+    # Launches of the decode-only variant (a decode-only step's, and a
+    # two-launch mixed step's decode launch) merge their split-K pieces
+    # inside the attention kernel: each piece counts itself done on an
+    # atomic per tile, and the tile's last piece combines them
+    # (``_merge_pieces``) while they are still in L2; a row of one piece (a
+    # graph plan makes every row a merge row) writes its output directly.
+    # It drops the merge launch: one launch a layer fewer for an eager step
+    # with splits, and one launch plus its cold reads off the ~14 us a layer
+    # that a batch-1 decode spends in a graph beyond moving its KV
+    # (kernels_nvidia_h200.md: 0.014 ms at 512 keys). Not the mixed variant:
+    # already at 255 registers for sm_90, the merge code spills more inside
+    # its prefill key loop (kernels_compile_sm90.md). kernels.py times it
+    # against the merge kernel on a GPU before it becomes the default.
     fused_merge: bool = False
 
     @property
@@ -922,20 +922,25 @@ def _merge_constexprs(launch: _Launch) -> dict[str, object]:
                 SPLIT_CHUNK=SPLIT_CHUNK)  # fmt: skip
 
 
-def _decode_launch(launch: _Launch, part: WorkPlan) -> _Launch:
+def _decode_launch(launch: _Launch, plan: WorkPlan) -> _Launch:
     """A two-launch plan's decode launch: the same batch, output and
-    partials, the decode part's work list, the decode-only variant (merged
-    as the whole plan is: by the merge kernel)."""
-    variant = part.scratch.get(launch.occupancy_key)  # the same for every layer of the step
+    partials, the decode part's work list, the decode-only variant (which,
+    with ``Tiles.fused_merge``, merges the decode part's rows itself, as a
+    decode-only step's launch does)."""
+    part = plan.decode_part
+    cached = (launch.occupancy_key, TILES.fused_merge)
+    variant = part.scratch.get(cached)  # the same for every layer of the step
     if variant is None:
-        constexprs = dict(launch.constexprs, HAS_PREFILL=False)
+        constexprs = dict(launch.constexprs, HAS_PREFILL=False, FUSED_MERGE=TILES.fused_merge)
         options = _launch_options(constexprs)
-        variant = part.scratch[launch.occupancy_key] = (
+        variant = part.scratch[cached] = (
             constexprs, options, _occupancy_key(constexprs, options, launch.out.dtype, launch.out.device))
     constexprs, options, key = variant
     # Its merge rows number on from the other part's: the whole plan's
     # splits, partials and counters serve both.
     args = dict(launch.args, work_ptr=part.work, unit_offsets_ptr=part.unit_offsets)
+    if constexprs["FUSED_MERGE"]:
+        args["merge_count_ptr"] = _merge_counts(plan, launch.args["k_cache_ptr"].shape[2], launch.out.device)
     return dataclasses.replace(launch, args=args, constexprs=constexprs, options=options, occupancy_key=key)
 
 
@@ -976,11 +981,15 @@ def _launch(
     launch = _prepare(query, key_cache, value_cache, block_tables, scale, plan)
     if plan.num_items == 0:
         return launch.out
+    rows = 0 if launch.constexprs["FUSED_MERGE"] else plan.num_merge_rows  # left to the merge kernel
     if plan.decode_part is not None:
-        _run(_decode_launch(launch, plan.decode_part), plan.decode_part.num_units)
+        decode = _decode_launch(launch, plan)
+        _run(decode, plan.decode_part.num_units)
+        if decode.constexprs["FUSED_MERGE"]:
+            rows -= plan.decode_merge_rows  # the last rows: the merge kernel's grid stops before them
     _run(launch, plan.num_units)
-    if plan.num_merge_rows and not launch.constexprs["FUSED_MERGE"]:
-        _run_merge(launch, plan, plan.num_merge_rows)
+    if rows:
+        _run_merge(launch, plan, rows)
     return launch.out
 
 

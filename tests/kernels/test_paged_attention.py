@@ -239,9 +239,11 @@ def test_fused_merge_is_the_merge_kernels_attention_without_its_launch(device, m
     reference's answer, no merge launch, every counter rearmed to zero, and
     the same bits launch after launch (the next layer finds the counters as
     the first did). A mixed step, whose variant has no registers to spare,
-    still merges in the merge kernel."""
+    still merges in the merge kernel; in two launches, its decode launch
+    merges the decode tiles' rows and the merge kernel only the others."""
     merges, merge = [], pa._run_merge
-    monkeypatch.setattr(pa, "_run_merge", lambda launch, plan, rows: merges.append(plan) or merge(launch, plan, rows))
+    monkeypatch.setattr(pa, "_run_merge",
+                        lambda launch, plan, rows: merges.append((plan, rows)) or merge(launch, plan, rows))
     specs = [(1, 700), (1, 65), (1, 30), (1, 300), (1, 641)]
     batch = make_batch(specs, num_kv_heads=2, group=4, head_dim=32, block_size=16, device=device, seed=3)
     with pa.tiles(fused_merge=True):
@@ -251,13 +253,19 @@ def test_fused_merge_is_the_merge_kernels_attention_without_its_launch(device, m
     counts = plan.scratch[pa.merge_counts_key(2, batch.query.device)]
     assert counts.shape == (plan.num_merge_rows, 2) and not counts.any()
     torch.testing.assert_close(first, oracle(batch), atol=ATOL, rtol=RTOL)
-    assert torch.equal(first, again) and not [p for p in merges if p.num_items]  # warm-up's empty plans aside
+    assert torch.equal(first, again) and not [p for p, _ in merges if p.num_items]  # warm-up's empty plans aside
     mixed = [(1, 700), (40, 200), (1, 65)]
     batch = make_batch(mixed, num_kv_heads=2, group=4, head_dim=32, block_size=16, device=device, seed=4)
-    with pa.tiles(fused_merge=True):
-        plan = pa.plan_for(batch.query, batch.key_cache, specs_q(mixed), specs_s(mixed), kv_chunk=64)
-        torch.testing.assert_close(run(batch, plan), oracle(batch), atol=ATOL, rtol=RTOL)
-    assert merges[-1] is plan
+    expected = oracle(batch)
+    for separate in (False, True):
+        with pa.tiles(fused_merge=True):
+            plan = pa.plan_for(batch.query, batch.key_cache, specs_q(mixed), specs_s(mixed), kv_chunk=64,
+                               separate=separate, decode_units=3)  # fmt: skip
+            out = run(batch, plan)
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+        assert (plan.decode_part is not None) == separate and plan.decode_merge_rows == (2 if separate else 0)
+        assert merges[-1][0] is plan and merges[-1][1] == plan.num_merge_rows - plan.decode_merge_rows
+        assert not plan.scratch.get(pa.merge_counts_key(2, batch.query.device), torch.zeros(1)).any()
 
 
 def test_a_mixed_step_takes_the_plan_predicted_faster(device, make_batch, monkeypatch):
@@ -413,11 +421,14 @@ def launch_workload(make_batch, device: str, oracle=None) -> None:
             torch.testing.assert_close(out, oracle(batch), atol=ATOL, rtol=RTOL)
 
 
-def test_varied_batches_compile_no_new_variant_after_warmup(device, make_batch, oracle):
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_varied_batches_compile_no_new_variant_after_warmup(device, make_batch, oracle, fused_merge):
     """Start-up compiles the fixed set (decode-only, mixed, merge); a
-    workload of varied batches then launches no new specialisation."""
+    workload of varied batches then launches no new specialisation, with the
+    split-K merge in its own kernel or, for decode tiles, in the launch (a
+    two-launch plan's decode part then runs the decode-only step's variant)."""
     base = make_batch([(1, 8)], device=device, **VARIANT_SHAPE)
-    with pa.recording_variants():
+    with pa.tiles(fused_merge=fused_merge), pa.recording_variants():
         pa.warmup(base.query, base.key_cache)
         warm = pa.variant_keys()
         compiled = pa.triton_compiled_count()  # None in the interpreter
@@ -437,7 +448,7 @@ def test_variant_count_would_catch_a_specialised_batch_argument(device, make_bat
         batch.block_tables = batch.block_tables[:, :width].contiguous()
         plan = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), **options)
         launch = pa._prepare(batch.query, batch.key_cache, batch.value_cache, batch.block_tables, 1.0, plan)
-        launches = [launch] + ([pa._decode_launch(launch, plan.decode_part)] if plan.decode_part else [])
+        launches = [launch] + ([pa._decode_launch(launch, plan)] if plan.decode_part else [])
         for each in launches:
             args = {**each.args, **each.constexprs}
             exempt.add(pa.specialization_key(args, pa._ATTENTION_DYNAMIC))
