@@ -238,7 +238,11 @@ def bench_decode(shape: Shape, batch_sizes: list[int], contexts: list[int], copy
             ms = bench_ms(partial(run_attention, batch, shape, plan))
             in_graph = graph_ms(partial(run_attention, batch, shape, plan))
             q_bytes = 2 * b * shape.num_q_heads * shape.head_dim * elem  # read Q, write O
-            gbs, graph_gbs = ((kv_bytes + q_bytes) / (t * 1e-3) / 1e9 for t in (ms, in_graph))
+
+            def gb_s(t_ms: float, moved: int = kv_bytes + q_bytes) -> float:
+                return moved / (t_ms * 1e-3) / 1e9
+
+            gbs, graph_gbs = gb_s(ms), gb_s(in_graph)
             rows.append(dict(batch=b, context=ctx, ms=ms, gb_s=gbs, pct_of_copy=100 * gbs / copy_gbs,
                              graph_ms=in_graph, graph_gb_s=graph_gbs, graph_pct_of_copy=100 * graph_gbs / copy_gbs,
                              splits=plan.max_splits, units=plan.num_units))  # fmt: skip
@@ -255,8 +259,7 @@ def bench_decode(shape: Shape, batch_sizes: list[int], contexts: list[int], copy
                     fused = pa.plan_for(batch["query"], batch["key_cache"], q_lens, seq_lens)
                     rows[-1].update(fused_ms=bench_ms(partial(run_attention, batch, shape, fused)),
                                     fused_graph_ms=graph_ms(partial(run_attention, batch, shape, fused)))
-                fused_gbs = (kv_bytes + q_bytes) / (rows[-1]["fused_graph_ms"] * 1e-3) / 1e9
-                rows[-1]["fused_graph_pct_of_copy"] = 100 * fused_gbs / copy_gbs
+                rows[-1]["fused_graph_pct_of_copy"] = 100 * gb_s(rows[-1]["fused_graph_ms"]) / copy_gbs
                 print(f"  merged in the attention launch: {rows[-1]['fused_ms']:8.3f} ms; in a graph "
                       f"{rows[-1]['fused_graph_ms']:8.3f} ms")
             del batch

@@ -195,9 +195,8 @@ def fit(cases: list[Case], slots: int, rounds: int = 30) -> np.ndarray:
 def engine_plan(q: list[int], s: list[int], units: int) -> str:
     """The plan ``paged_attention.plan_for`` keeps for the step: both ways
     predicted by the engine's constants (``packing.PLAN_COSTS``)."""
-    one, two = plan(q, s, units), plan(q, s, units, decode_units=units)
-    split = two.decode_part is not None and packing.predicted_us(two) < packing.predicted_us(one)
-    return "two launches" if split else "one launch"
+    chosen = packing.faster_plan(plan(q, s, units, decode_units=units), lambda: plan(q, s, units), units)
+    return "two launches" if chosen.decode_part is not None else "one launch"
 
 
 def engine_costs_vs_fit(params: dict[str, float]) -> dict[str, tuple[float, float]]:

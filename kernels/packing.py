@@ -60,6 +60,7 @@ whatever their ``num_units``.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -108,6 +109,13 @@ class PlanCosts:
 PLAN_COSTS = PlanCosts()
 
 
+def _item_us(rows: np.ndarray, decode_tokens_per_tile: int, mixed: bool, costs: PlanCosts) -> np.ndarray:
+    """Each row's predicted microseconds, in the mixed variant or not."""
+    keys, prefill = _keys_and_kind(rows, decode_tokens_per_tile)
+    decode_key = costs.mixed_decode_key if mixed else costs.decode_key
+    return np.where(prefill, costs.prefill_key * keys + costs.prefill_item, decode_key * keys + costs.decode_item)
+
+
 def predicted_us(plan: WorkPlan, costs: PlanCosts | None = None) -> float:
     """Kernel time of a packed plan still on the host, by ``costs`` (default
     ``PLAN_COSTS``): each launch takes its busiest unit's items (its
@@ -116,17 +124,47 @@ def predicted_us(plan: WorkPlan, costs: PlanCosts | None = None) -> float:
     costs = costs or PLAN_COSTS
     total, part, first = 0.0, plan, True
     while part is not None:
-        rows = part.work.numpy()
-        keys = rows[:, F_KV_HI] - rows[:, F_KV_LO]
-        prefill = rows[:, F_Q_HI] - rows[:, F_Q_LO] > part.decode_tokens_per_tile
-        decode_key = costs.mixed_decode_key if part.has_prefill_tiles else costs.decode_key
-        item = np.where(prefill, costs.prefill_key * keys + costs.prefill_item, decode_key * keys + costs.decode_item)
+        item = _item_us(part.work.numpy(), part.decode_tokens_per_tile, part.has_prefill_tiles, costs)
         done = np.concatenate([[0.0], np.cumsum(item)])
         offsets = part.unit_offsets.numpy()
         total += float((done[offsets[1:]] - done[offsets[:-1]]).max(initial=0.0)) + costs.launch
         total += 0.0 if first else costs.host_launch
         part, first = part.decode_part, False
     return total
+
+
+def one_launch_floor_us(plan: WorkPlan, num_units: int, costs: PlanCosts | None = None) -> float:
+    """A floor under ``predicted_us`` of the one-launch plan of the same
+    step, read off any plan of it (its tiles are the same; only their
+    pieces differ): every tile in the mixed variant once (a tile's pieces
+    share its keys, and each piece beyond the first adds an item's cost),
+    spread evenly over ``num_units`` (the busiest unit carries at least the
+    mean), plus the launch. A two-launch plan predicted below it wins
+    without the one-launch plan being built."""
+    costs = costs or PLAN_COSTS
+    total, part = 0.0, plan
+    while part is not None:
+        rows = part.work.numpy()
+        keys, prefill = _keys_and_kind(rows, part.decode_tokens_per_tile)
+        first = rows[:, F_SPLIT] == 0  # a tile's first piece: one per tile
+        total += float((np.where(prefill, costs.prefill_key, costs.mixed_decode_key) * keys).sum()
+                       + (np.where(prefill, costs.prefill_item, costs.decode_item) * first).sum())
+        part = part.decode_part
+    return total / num_units + costs.launch
+
+
+def faster_plan(two: WorkPlan, one: Callable[[], WorkPlan], num_units: int) -> WorkPlan:
+    """A step's two-launch plan ``two`` or its one-launch plan, which
+    ``one()`` builds, whichever ``predicted_us`` finds faster (one launch on
+    a tie); ``one()`` runs only where ``one_launch_floor_us`` leaves it a
+    chance. ``num_units``: the one-launch plan's units."""
+    if two.decode_part is None:
+        return two
+    two_us = predicted_us(two)
+    if two_us < one_launch_floor_us(two, num_units):
+        return two
+    alone = one()
+    return alone if predicted_us(alone) <= two_us else two
 
 
 # Shortest KV piece the auto split makes, and the most pieces of one tile:
@@ -331,11 +369,16 @@ def tile_rows(
     return rows
 
 
+def _keys_and_kind(rows: np.ndarray, decode_tokens_per_tile: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each work row's keys, and whether it is a prefill tile (more than
+    ``decode_tokens_per_tile`` queries)."""
+    return rows[:, F_KV_HI] - rows[:, F_KV_LO], rows[:, F_Q_HI] - rows[:, F_Q_LO] > decode_tokens_per_tile
+
+
 def item_costs(rows: np.ndarray, decode_tokens_per_tile: int) -> np.ndarray:
-    """``WorkItem.cost`` of every row: its keys, a prefill tile's (more than
-    ``decode_tokens_per_tile`` queries) weighted, plus the item overhead."""
-    keys = rows[:, F_KV_HI] - rows[:, F_KV_LO]
-    prefill = rows[:, F_Q_HI] - rows[:, F_Q_LO] > decode_tokens_per_tile
+    """``WorkItem.cost`` of every row: its keys, a prefill tile's weighted,
+    plus the item overhead."""
+    keys, prefill = _keys_and_kind(rows, decode_tokens_per_tile)
     return np.where(prefill, keys * PREFILL_KEY_COST, keys) + ITEM_OVERHEAD
 
 

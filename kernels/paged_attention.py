@@ -1134,10 +1134,8 @@ def plan_for(
         work = plan(None)
     else:
         work = plan(decode_units or default_num_units(query, key_cache, False, sliding_window))
-        if separate is None and work.decode_part is not None:
-            one = plan(None)
-            if packing.predicted_us(one) <= packing.predicted_us(work):
-                work = one
+        if separate is None:
+            work = packing.faster_plan(work, lambda: plan(None), num_units)
     return work if on_host else work.to(query.device)
 
 

@@ -296,6 +296,27 @@ def test_a_mixed_step_takes_the_plan_predicted_faster(device, make_batch, monkey
     assert plan(*long_step).decode_part is None
 
 
+def test_one_launch_floor_spares_building_a_plan_that_cannot_win(device, make_batch, monkeypatch):
+    """``packing.one_launch_floor_us``, read off the two-launch plan, is never
+    above the one-launch plan's predicted time; where the two-launch plan
+    beats it, plan_for keeps two launches without planning the step again
+    (the choice is the one comparing both plans would make)."""
+    rng = random.Random(0)
+    step = dict(num_units=33, tokens_per_tile=32, decode_tokens_per_tile=4)
+    for chunk, n, longest in [(16, 2, 1024), (512, 16, 4096), (2048, 128, 32768), (8192, 128, 4096)]:
+        q, s = [chunk] + [1] * n, [chunk] + [rng.randint(512, longest) for _ in range(n)]
+        one = packing.plan_attention(q, s, **step)
+        two = packing.plan_attention(q, s, decode_units=33, **step)
+        assert packing.one_launch_floor_us(two, 33) <= packing.predicted_us(one)
+    batch = make_batch([(1, 8)], num_kv_heads=2, group=4, head_dim=32, block_size=16, device=device)
+    planned, plan_attention = [], packing.plan_attention
+    monkeypatch.setattr(packing, "plan_attention", lambda *a, **k: planned.append(k["decode_units"])
+                        or plan_attention(*a, **k))
+    long_step = ([2048] + [1] * 128, [2048] + [32768] * 128)
+    work = pa.plan_for(batch.query, batch.key_cache, *long_step, num_units=33, decode_units=33, on_host=True)
+    assert work.decode_part is not None and planned == [33]  # the two-launch plan alone
+
+
 def test_predicted_time_is_the_busiest_unit_of_each_launch():
     """``predicted_us`` by hand: one launch of three units, one item each
     (a prefill tile of 100 keys; decode tiles of 300 and 50 keys at the
