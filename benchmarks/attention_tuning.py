@@ -1,11 +1,12 @@
 """Which launch shape of the Triton paged attention runs fastest on this GPU:
 a sweep over ``kernels.paged_attention.Tiles`` (prefill tile rows, keys per
-iteration, warps, pipeline depth, a register cap) and, for batch-1 decode,
-the persistent programs per KV head. The plans run first, then decode, then
+iteration, warps, pipeline depth, register caps, the merge inside the launch)
+and, for batch-1 decode, the persistent programs per KV head. The plans run first, then decode, then
 prefill, so a short budget cuts the prefill grid.
 
-* **prefill**: whole prompts of ``--prefill-lens`` tokens, against torch's
-  flash SDPA on the same shapes (as ``kernels.py`` measures it);
+* **prefill**: whole prompts of ``--prefill-lens`` tokens at each launch
+  shape ``PREFILL_SHAPES`` lists, against torch's flash SDPA on the same
+  shapes (as ``kernels.py`` measures it);
 * **decode, batch 1**: one sequence of ``--contexts`` keys, timed as a CUDA
   graph replays it (the engine's default decode path), against the
   device-to-device copy bandwidth;
@@ -45,9 +46,27 @@ from kernels import (  # noqa: E402
     make_cache_batch, run_attention,
 )
 
-PREFILL_GRID = dict(prefill_rows=(64, 128), block_n=(32, 64, 128), wide_warps=(4, 8), num_stages=(2, 3, 4))
-# max_registers 168: three programs per SM of the decode-only variant under Triton 3.6 (two uncapped).
-DECODE_GRID = dict(block_n=(32, 64, 128), num_stages=(2, 3, 4), units_scale=(1, 2, 4), max_registers=(None, 168))
+# The prefill launch shapes timed, the default first: the H200's full grid
+# (rows x keys x warps x stages) left 128-key iterations and uncapped eight
+# warps at 0.2-0.6x SDPA, and eight warps do nothing for a 64-row tile (it
+# runs the narrow warps). What is left: keys per iteration of the prefill
+# tile, pipeline depth, and eight warps under a register cap that keeps two
+# programs per SM (Tiles.mixed_max_registers; spills per key-loop
+# iteration of each in kernels_compile_sm90-triton3.6.md).
+PREFILL_SHAPES = [
+    {}, dict(prefill_block_n=32), dict(wide_warps=8, mixed_max_registers=128, prefill_block_n=32),
+    dict(wide_warps=8, mixed_max_registers=128), dict(wide_warps=8, mixed_max_registers=168),
+    dict(num_stages=2), dict(num_stages=4), dict(prefill_block_n=32, num_stages=2),
+    dict(prefill_block_n=32, num_stages=4),
+    dict(wide_warps=8, mixed_max_registers=128, prefill_block_n=32, num_stages=4),
+    dict(prefill_rows=64), dict(prefill_rows=64, num_stages=2),
+]  # fmt: skip
+# max_registers 168: three programs per SM of the decode-only variant under
+# Triton 3.6 (two uncapped); fused_merge: the split-K merge inside the
+# launch. Four units per KV head and a fourth stage never beat two and three
+# on the H200 at 16k keys.
+DECODE_GRID = dict(block_n=(32, 64, 128), num_stages=(2, 3), units_scale=(1, 2), max_registers=(None, 168),
+                   fused_merge=(False, True))
 # (prefill chunk, decodes, longest decode context) of the plan comparison.
 PLAN_SHAPES = [(c, d, ctx) for c in (512, 2048, 8192) for d in (16, 128) for ctx in (4096, 32768)]
 
@@ -100,7 +119,7 @@ def tune_prefill(shape: Shape, lens: list[int], sweep: Sweep) -> None:
         flops = 4 * shape.num_q_heads * shape.head_dim * L * (L + 1) / 2
         sdpa_ms, backend = bench_sdpa_prefill(batch, shape, L)
         reference = _output(batch, shape, pa.plan_for(batch["query"], batch["key_cache"], [L], [L]))
-        for cfg in grid(PREFILL_GRID):
+        for cfg in PREFILL_SHAPES:
             def measure(cfg=cfg, batch=batch, reference=reference) -> dict:
                 with pa.tiles(**cfg):
                     plan = pa.plan_for(batch["query"], batch["key_cache"], [L], [L])
@@ -108,9 +127,21 @@ def tune_prefill(shape: Shape, lens: list[int], sweep: Sweep) -> None:
                     ms = bench_ms(partial(run_attention, batch, shape, plan))
                 return dict(ms=ms, tflops=flops / ms / 1e9, vs_sdpa=sdpa_ms / ms, max_abs_diff=diff)
 
-            sweep.point(dict(kind="prefill", len=L, sdpa_ms=sdpa_ms, sdpa_backend=backend, **cfg), measure)
+            sweep.point(dict(kind="prefill", len=L, sdpa_ms=sdpa_ms, sdpa_backend=backend, **prefill_shape(cfg)),
+                        measure)
         del batch, reference
         torch.cuda.empty_cache()
+
+
+def prefill_shape(changes: dict) -> dict:
+    """A prefill point's launch shape in full: what it changes, over the defaults."""
+    from fluidserve.kernels.paged_attention import Tiles
+
+    t = Tiles(**changes)
+    # A tile of 64 rows or fewer runs the narrow warps (paged_attention._num_warps).
+    return dict(changes=", ".join(f"{k}={v}" for k, v in changes.items()) or "default", prefill_rows=t.prefill_rows,
+                block_n=t.prefill_step, warps=t.wide_warps if t.prefill_rows > 64 else t.narrow_warps,
+                num_stages=t.num_stages, mixed_max_registers=t.mixed_max_registers)  # fmt: skip
 
 
 def tune_decode(shape: Shape, contexts: list[int], copy_gbs: float, sweep: Sweep) -> None:
@@ -171,22 +202,26 @@ def markdown(report: dict) -> str:
              f"when the {report['budget_s']:.0f} s budget ran out. Max abs difference: against the default "
              "configuration's output (bf16).", "",
              "## Prefill (ratio: torch flash SDPA time / ours)", "",
-             "| length | prefill_rows | block_n | warps | stages | ms | TFLOP/s | vs SDPA | max abs diff |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| length | rows | keys per iteration | warps | stages | register cap | ms | TFLOP/s | vs SDPA "
+             "| max abs diff |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in sorted((r for r in report["rows"] if r["kind"] == "prefill"), key=lambda r: (r["len"], r.get("ms", 1e9))):
         tail = ([f"{r['ms']:.3f}", f"{r['tflops']:.1f}", f"{r['vs_sdpa']:.2f}", f"{r['max_abs_diff']:.3g}"]
                 if "error" not in r else [r["error"], "", "", ""])  # fmt: skip
-        cells = [r["len"], r["prefill_rows"], r["block_n"], r["wide_warps"], r["num_stages"], *tail]
+        # Sweeps before the register cap name their warps wide_warps and have no cap.
+        cells = [r["len"], r["prefill_rows"], r["block_n"], r.get("warps", r.get("wide_warps")),
+                 r["num_stages"] or "default", r.get("mixed_max_registers") or "–", *tail]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "## Decode, batch 1, in a CUDA graph", "",
-              "| context | block_n | stages | register cap | units per KV head | splits | ms | % of copy "
-              "| max abs diff |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+              "| context | block_n | stages | register cap | merge | units per KV head | splits | ms | % of copy "
+              "| max abs diff |", "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in sorted((r for r in report["rows"] if r["kind"] == "decode"),
                     key=lambda r: (r["context"], r.get("graph_ms", 1e9))):  # fmt: skip
         tail = ([r["units"], r["splits"], f"{r['graph_ms']:.4f}", f"{r['pct_of_copy']:.1f}", f"{r['max_abs_diff']:.3g}"]
                 if "error" not in r else ["", "", r["error"], "", ""])  # fmt: skip
         cap = r.get("max_registers") or "–"  # sweeps before the cap lack it
-        lines.append("| " + " | ".join(map(str, [r["context"], r["block_n"], r["num_stages"], cap, *tail])) + " |")
+        merge = "in the launch" if r.get("fused_merge") else "merge kernel"
+        lines.append("| " + " | ".join(map(str, [r["context"], r["block_n"], r["num_stages"], cap, merge, *tail]))
+                     + " |")  # fmt: skip
     plans = [r for r in report["rows"] if r["kind"] == "plans"]
     if plans:
         lines += ["", "## Plans of a mixed step (ms; speed-up: unpacked / the faster packed plan)", "",
@@ -202,11 +237,16 @@ def markdown(report: dict) -> str:
                                                       *cells])) + " |")
     lines += ["", "## Best per shape", ""]
     for L, r in sorted(best(report["rows"], "prefill", "len", "vs_sdpa", True).items()):
-        lines.append(f"* prefill {L}: prefill_rows {r['prefill_rows']}, block_n {r['block_n']}, warps "
-                     f"{r['wide_warps']}, stages {r['num_stages']}: {r['vs_sdpa']:.2f}x SDPA")
+        default = next((d for d in report["rows"] if d["kind"] == "prefill" and d["len"] == L
+                        and d.get("changes") == "default" and "error" not in d), None)  # fmt: skip
+        against = f" ({default['ms'] / r['ms']:.2f}x the default's speed)" if default else ""
+        shape = r.get("changes") or (f"rows {r['prefill_rows']}, {r['block_n']} keys, {r['wide_warps']} warps, "
+                                     f"stages {r['num_stages']}")  # a sweep before the named changes
+        lines.append(f"* prefill {L}: {shape}: {r['vs_sdpa']:.2f}x SDPA{against}")
     for ctx, r in sorted(best(report["rows"], "decode", "context", "pct_of_copy", True).items()):
         lines.append(f"* decode batch 1, {ctx} keys: block_n {r['block_n']}, stages {r['num_stages']}, register cap "
-                     f"{r.get('max_registers') or 'none'}, units x{r['units_scale']}: {r['pct_of_copy']:.1f}% of copy")
+                     f"{r.get('max_registers') or 'none'}, {'fused' if r.get('fused_merge') else 'separate'} merge, "
+                     f"units x{r['units_scale']}: {r['pct_of_copy']:.1f}% of copy")
     return "\n".join(lines) + "\n"
 
 

@@ -653,11 +653,10 @@ def batch1_markdown(result: dict) -> str:
 COMPILE_SHAPES = [(128, 4), (128, 1), (64, 8), (80, 1), (96, 4)]
 
 
-def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...], num_warps: int,
-                     maxnreg: int | None = None) -> dict:
+def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...], options: dict[str, int]) -> dict:
     """Compile one kernel for sm_90 with the signature and divisibility a
-    real launch of these arguments gets (and ptxas' register cap, if one),
-    and read its resources."""
+    real launch of these arguments gets, and its launch ``options`` (warps,
+    and any pipeline depth or register cap), and read its resources."""
     import subprocess
     import tempfile
 
@@ -684,8 +683,7 @@ def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...],
             attrs[(i,)] = [["tt.divisibility", 16]]
     t0 = time.perf_counter()
     compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {})))
+                              target=GPUTarget("cuda", 90, 32), options=dict(options))
     seconds = time.perf_counter() - t0
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -698,7 +696,7 @@ def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...],
         raise RuntimeError(f"cuobjdump gave no resource usage:\n{usage}")
     regs, stack, local = map(int, found.groups())
     return dict(registers=regs, stack_bytes=stack, local_bytes=local, shared_bytes=compiled.metadata.shared,
-                num_warps=num_warps, compile_s=seconds, loop_spills=loop_spills(sass))  # fmt: skip
+                num_warps=options["num_warps"], compile_s=seconds, loop_spills=loop_spills(sass))  # fmt: skip
 
 
 def loop_spills(sass: str) -> list[int]:
@@ -742,7 +740,9 @@ def compile_report(num_kv_heads: int, block_size: int) -> list[dict]:
 # per step and warps (the tuning sweep's axes).
 DECODE_SHAPES = [dict(max_registers=168), dict(fused_merge=True)]
 MIXED_SHAPES = [dict(prefill_block_n=32), dict(block_n=32), dict(block_n=128), dict(wide_warps=8),
-                dict(block_n=128, wide_warps=8)]
+                dict(block_n=128, wide_warps=8), dict(wide_warps=8, mixed_max_registers=128),
+                dict(wide_warps=8, mixed_max_registers=168),
+                dict(wide_warps=8, mixed_max_registers=128, prefill_block_n=32)]
 
 
 def _compile_attention(num_kv_heads: int, block_size: int, dtype: torch.dtype, head_dim: int, group: int,
@@ -756,7 +756,7 @@ def _compile_attention(num_kv_heads: int, block_size: int, dtype: torch.dtype, h
         plan = pa._empty_plan(query.device, group, has_prefill, None)
         launch = pa._prepare(query[:0], cache, cache, tables, 1.0, plan)
     res = _compile_offline(pa._paged_attention_kernel, launch.args, launch.constexprs, pa._ATTENTION_DYNAMIC,
-                           launch.num_warps, launch.options.get("maxnreg"))  # fmt: skip
+                           launch.options)
     res.update(kernel="attention", dtype=str(dtype).removeprefix("torch."), head_dim=head_dim, group=group,
                variant="mixed" if has_prefill else "decode-only", block_n=shape.block_n,
                prefill_block_n=shape.prefill_step, tuned=bool(changes),
@@ -791,7 +791,7 @@ def gemv_compile_report() -> list[dict]:
                     stride_wn=4096, eps=1e-5)  # fmt: skip
         constexprs = dict(HAS_BIAS=False, HAS_RESIDUAL=not (gated or norm), ROUND_BEFORE_RESIDUAL=False,
                           GATED=gated, NORM=norm, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_D=4096 if norm else 1)
-        res = _compile_offline(gemv._gemv_kernel, args, constexprs, (), warps)
+        res = _compile_offline(gemv._gemv_kernel, args, constexprs, (), dict(num_warps=warps))
         engine = (block_n, block_k, warps) == (gemv.BLOCK_N // 2 if gated else gemv.BLOCK_N, gemv.MAX_BLOCK_K,
                                                gemv.NUM_WARPS)  # fmt: skip
         res.update(kernel="gemv", variant=f"{block_n}x{block_k}/{warps}" + (", RMSNorm prologue" if norm else "")

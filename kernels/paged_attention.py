@@ -118,12 +118,21 @@ class Tiles:
     narrow_warps: int = 4
     # Software-pipeline depth of the key loop; None: Triton's default.
     num_stages: int | None = None
-    # Register cap per thread (ptxas maxnreg); None: the compiler's choice.
-    # Triton 3.6, on the GPU machines, builds the decode-only variant (bf16,
-    # 128-wide head, group 4) in 200 registers, two programs per SM; capped
-    # at 168 it holds three without spilling (kernels_compile_sm90-triton3.6
-    # and a compile at the cap). attention_tuning.py times both.
+    # Register cap per thread of the decode-only variant (ptxas maxnreg);
+    # None: the compiler's choice. Triton 3.6, on the GPU machines, builds
+    # it (bf16, 128-wide head, group 4) in 200 registers, two programs per
+    # SM; capped at 168 it holds three without spilling
+    # (kernels_compile_sm90-triton3.6.md). attention_tuning.py times both.
     max_registers: int | None = None
+    # The same for the mixed variant (the one with prefill tiles). Compiled
+    # for sm_90 (Triton 3.6, bf16, 128-wide head), eight warps hold the
+    # 128-row prefill tile in 252 registers, one program per SM (0.44x
+    # flash SDPA at 8k on the H200, attention_tuning_nvidia_h200.md).
+    # Capped at 128, two programs per SM fit: the prefill key loops spill 29
+    # and 25 local-memory instructions an iteration (four warps: 131 and
+    # 97), and none at 32 keys an iteration (kernels_compile_sm90-triton3.6.md).
+    # attention_tuning.py times them.
+    mixed_max_registers: int | None = None
     # Launches of the decode-only variant (a decode-only step's, and a
     # two-launch mixed step's decode launch) merge their split-K pieces
     # inside the attention kernel: each piece counts itself done on an
@@ -801,8 +810,9 @@ def _launch_options(constexprs: dict[str, object]) -> dict[str, int]:
     options = {"num_warps": _num_warps(constexprs)}
     if TILES.num_stages is not None:
         options["num_stages"] = TILES.num_stages
-    if TILES.max_registers is not None:
-        options["maxnreg"] = TILES.max_registers
+    cap = TILES.mixed_max_registers if constexprs["HAS_PREFILL"] else TILES.max_registers
+    if cap is not None:
+        options["maxnreg"] = cap
     return options
 
 

@@ -335,7 +335,8 @@ def test_predicted_time_is_the_busiest_unit_of_each_launch():
 
 
 @pytest.mark.parametrize("changes", [dict(block_n=32, prefill_rows=64), dict(block_n=128, num_stages=2),
-                                     dict(max_registers=168), dict(prefill_block_n=32)])
+                                     dict(max_registers=168, fused_merge=True), dict(prefill_block_n=32),
+                                     dict(wide_warps=8, mixed_max_registers=128, prefill_block_n=32, num_stages=4)])
 def test_every_launch_shape_a_sweep_tries_gives_the_same_attention(device, make_batch, oracle, changes):
     """``benchmarks/attention_tuning.py`` times other tiles than the
     defaults; each must still be the reference's attention, and the
@@ -347,6 +348,22 @@ def test_every_launch_shape_a_sweep_tries_gives_the_same_attention(device, make_
         assert plan.tokens_per_tile == tiles.prefill_rows // 4 and plan.max_splits > 1
         torch.testing.assert_close(run(batch, plan), oracle(batch), atol=ATOL, rtol=RTOL)
     assert pa.TILES == pa.Tiles()
+
+
+def test_each_variant_takes_its_own_register_cap():
+    """``max_registers`` caps the decode-only variant and
+    ``mixed_max_registers`` the one with prefill tiles: a cap tuned for one
+    must not reach the other, whose registers hold another tile."""
+    def maxnreg(has_prefill: bool) -> int | None:
+        constexprs = pa._constexprs(torch.empty((0, 8, 128)), torch.empty((1, 16, 2, 128)), decode_tokens=4,
+                                    tokens_per_tile=32, has_prefill=has_prefill, has_window=False)
+        return pa._launch_options(constexprs).get("maxnreg")
+
+    assert (maxnreg(False), maxnreg(True)) == (None, None)
+    with pa.tiles(max_registers=168):
+        assert (maxnreg(False), maxnreg(True)) == (168, None)
+    with pa.tiles(mixed_max_registers=128, wide_warps=8):
+        assert (maxnreg(False), maxnreg(True)) == (None, 128)
 
 
 def test_warps_per_tile_keep_the_accumulator_in_registers():
