@@ -454,26 +454,21 @@ def _paged_attention_kernel(
             if merge_row >= 0:
                 if tl.load(merge_num_splits_ptr + merge_row) == 1:
                     merge_row = -1
-        # The decode-only variant never compiles the prefill tile, so its
-        # register budget (and so its occupancy) is the decode tile's.
+        # The decode-only variant never compiles the prefill tile (``wide``
+        # stays a constexpr False there), so its register budget (and so its
+        # occupancy) is the decode tile's.
+        wide = False
         if HAS_PREFILL:
-            if q_hi - q_lo > DECODE_TOKENS:
-                _attend_item(
-                    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_row,
-                    q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window,
-                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls,
-                    BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, PREFILL_M, PREFILL_BLOCK_N, HAS_WINDOW, DOT_PRECISION,
-                    True,
-                )  # fmt: skip
-            else:
-                _attend_item(
-                    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_row,
-                    q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window,
-                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls,
-                    BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, DECODE_M, BLOCK_N, HAS_WINDOW, DOT_PRECISION,
-                )  # fmt: skip
+            wide = q_hi - q_lo > DECODE_TOKENS
+        if wide:
+            _attend_item(
+                q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_row,
+                q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window,
+                stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls,
+                BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, PREFILL_M, PREFILL_BLOCK_N, HAS_WINDOW, DOT_PRECISION,
+                True,
+            )  # fmt: skip
         else:
             _attend_item(
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_row,
