@@ -10,9 +10,11 @@ adds to every eager step's latency and, under asynchronous scheduling, eats
 into the host's lead over the device. The shapes are a Llama-3-8B layer's on
 an H100/H200 (8 KV heads, group 4: 32-token prefill tiles, 4-token decode
 tiles, 33 units per KV head of either kernel variant) at the batch sizes and
-contexts of ``kernels.py`` and ``attention_tuning.py``; ``plan_for``
-plans a mixed step with decode tiles both ways (one launch, two) and keeps
-the one its cost model predicts faster (``packing.predicted_us``).
+contexts of ``kernels.py`` and ``attention_tuning.py``, and a short mixed
+step (a small prompt beside a few decodes); ``plan_for`` gives a mixed step
+the plan, one launch or two, its cost model predicts faster
+(``packing.predicted_us``), building the second only where its floor
+leaves it a chance.
 
 The "inputs" rows time ``ModelRunner.prepare`` of an eager step on the
 Triton kernels' path: the whole host side of a step's inputs (token ids,
@@ -100,7 +102,7 @@ for b, lo, hi in [(1, 16384, 16384), (8, 4096, 4096), (64, 512, 4096), (256, 512
     cases[f"decode {shape}, graph"] = graph(s)
 for n in (2048, 8192):
     cases[f"prompt {n}"] = eager([n], [n])
-for chunk, decodes, hi in [(512, 16, 4096), (2048, 128, 32768), (8192, 128, 32768)]:
+for chunk, decodes, hi in [(128, 4, 1024), (512, 16, 4096), (2048, 128, 32768), (8192, 128, 32768)]:
     cases[f"mixed {chunk} + {decodes} x 512-{hi}"] = eager(*lens(chunk, decodes, 512, hi))
 for chunk, b, lo, hi in [(0, 1, 16384, 16384), (0, 64, 512, 4096), (0, 256, 512, 4096), (0, 256, 512, 32768),
                          (2048, 128, 512, 32768)]:

@@ -195,7 +195,7 @@ def fit(cases: list[Case], slots: int, rounds: int = 30) -> np.ndarray:
 def engine_plan(q: list[int], s: list[int], units: int) -> str:
     """The plan ``paged_attention.plan_for`` keeps for the step: both ways
     predicted by the engine's constants (``packing.PLAN_COSTS``)."""
-    chosen = packing.faster_plan(plan(q, s, units, decode_units=units), lambda: plan(q, s, units), units)
+    chosen = plan(q, s, units, decode_units=units, choose=True)
     return "two launches" if chosen.decode_part is not None else "one launch"
 
 

@@ -47,8 +47,10 @@ Pipeline::
   model of the GPU timings (``benchmarks/plan_model.py``) predicts is worth
   more than the bubbles packing both together fills on every timed mixed
   step, but not on a small one, where one more launch costs the host more
-  than it saves. ``paged_attention.plan_for`` plans a mixed step both ways
-  and keeps the one ``predicted_us`` finds faster (``PLAN_COSTS``).
+  than it saves. ``paged_attention.plan_for`` gives a mixed step the plan
+  ``predicted_us`` finds faster (``plan_attention``'s ``choose``,
+  ``PLAN_COSTS``), building the second only where its floor leaves it a
+  chance.
 
 The packing never changes the numbers: an item's result does not depend on the
 unit that runs it, and the merge visits splits in index order. The split
@@ -60,7 +62,6 @@ whatever their ``num_units``.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -133,38 +134,25 @@ def predicted_us(plan: WorkPlan, costs: PlanCosts | None = None) -> float:
     return total
 
 
-def one_launch_floor_us(plan: WorkPlan, num_units: int, costs: PlanCosts | None = None) -> float:
-    """A floor under ``predicted_us`` of the one-launch plan of the same
-    step, read off any plan of it (its tiles are the same; only their
-    pieces differ): every tile in the mixed variant once (a tile's pieces
-    share its keys, and each piece beyond the first adds an item's cost),
-    spread evenly over ``num_units`` (the busiest unit carries at least the
-    mean), plus the launch. A two-launch plan predicted below it wins
-    without the one-launch plan being built."""
-    costs = costs or PLAN_COSTS
-    total, part = 0.0, plan
-    while part is not None:
-        rows = part.work.numpy()
-        keys, prefill = _keys_and_kind(rows, part.decode_tokens_per_tile)
-        first = rows[:, F_SPLIT] == 0  # a tile's first piece: one per tile
-        total += float((np.where(prefill, costs.prefill_key, costs.mixed_decode_key) * keys).sum()
-                       + (np.where(prefill, costs.prefill_item, costs.decode_item) * first).sum())
-        part = part.decode_part
-    return total / num_units + costs.launch
-
-
-def faster_plan(two: WorkPlan, one: Callable[[], WorkPlan], num_units: int) -> WorkPlan:
-    """A step's two-launch plan ``two`` or its one-launch plan, which
-    ``one()`` builds, whichever ``predicted_us`` finds faster (one launch on
-    a tie); ``one()`` runs only where ``one_launch_floor_us`` leaves it a
-    chance. ``num_units``: the one-launch plan's units."""
-    if two.decode_part is None:
-        return two
-    two_us = predicted_us(two)
-    if two_us < one_launch_floor_us(two, num_units):
-        return two
-    alone = one()
-    return alone if predicted_us(alone) <= two_us else two
+def launch_floors_us(tiles: np.ndarray, decode_tokens_per_tile: int, num_units: int, decode_units: int,
+                     costs: PlanCosts | None = None) -> tuple[float, float]:
+    """Floors under ``predicted_us`` of a step's one-launch plan and of its
+    two-launch plan (decode tiles on ``decode_units``), read off its tiles
+    (unsplit work rows) before either is built. A launch's busiest unit
+    carries at least the mean of its tiles' costs (split pieces share their
+    tile's keys, and each piece past the first adds an item's cost) and at
+    least one item of the dearer kind it holds."""
+    c = costs or PLAN_COSTS
+    keys, prefill = _keys_and_kind(tiles, decode_tokens_per_tile)
+    prefill_keys, num_prefill = float(keys[prefill].sum()), int(prefill.sum())
+    decode_keys, num_decode = float(keys.sum()) - prefill_keys, len(keys) - num_prefill
+    prefill_us = c.prefill_key * prefill_keys + c.prefill_item * num_prefill
+    least = c.prefill_item if num_prefill else c.decode_item
+    one = max((prefill_us + c.mixed_decode_key * decode_keys + c.decode_item * num_decode) / num_units, least)
+    two = (max(prefill_us / num_units, c.prefill_item if num_prefill else 0.0)
+           + max((c.decode_key * decode_keys + c.decode_item * num_decode) / decode_units,
+                 c.decode_item if num_decode else 0.0) + c.launch + c.host_launch)  # fmt: skip
+    return one + c.launch, two + c.launch
 
 
 # Shortest KV piece the auto split makes, and the most pieces of one tile:
@@ -466,6 +454,7 @@ def plan_attention(
     pack: bool = True,
     decode_tokens_per_tile: int | None = None,
     decode_units: int | None = None,
+    choose: bool = False,
 ) -> WorkPlan:
     """Plan one step's attention work.
 
@@ -479,7 +468,11 @@ def plan_attention(
     ``decode_units`` (packed plans only) plans a step that has both kinds of
     tile as two launches: its decode tiles on this many units of the
     decode-only variant (``decode_part``), the rest on ``num_units``; each
-    part picks its own split length unless ``kv_chunk`` fixes both.
+    part picks its own split length unless ``kv_chunk`` fixes both. With
+    ``choose``, such a step gets the two-launch plan or the one-launch plan,
+    whichever ``predicted_us`` finds faster (one launch on a tie); the plan
+    with the lower floor (``launch_floors_us``) is built first, and the other only
+    where its floor leaves it a chance, so most steps plan once.
     """
     if num_units < 1 or tokens_per_tile < 1:
         raise ValueError("num_units and tokens_per_tile must be positive")
@@ -493,10 +486,34 @@ def plan_attention(
     tiles = tile_rows(q_lens, seq_lens, tokens_per_tile, sliding_window, short)
     common = dict(num_tokens=sum(q_lens), tokens_per_tile=tokens_per_tile, decode_tokens_per_tile=short,
                   sliding_window=sliding_window, num_seqs=len(seq_lens), max_seq_len=max(seq_lens, default=0))
-    costs = item_costs(tiles, short)
     prefill = tiles[:, F_Q_HI] - tiles[:, F_Q_LO] > short
+    if not (pack and decode_units is not None and 0 < int(prefill.sum()) < len(tiles)):
+        return _pack(tiles, prefill, None, num_units, kv_chunk, pack, common)
+    if not choose:
+        return _pack(tiles, prefill, decode_units, num_units, kv_chunk, pack, common)
+    floor_one, floor_two = launch_floors_us(tiles, short, num_units, decode_units)
+    # Build the plan with the lower floor; the other costs at least its
+    # floor, so it is built only where that leaves it a chance.
+    first, other, other_floor = (None, decode_units, floor_two) if floor_one <= floor_two else \
+        (decode_units, None, floor_one)  # fmt: skip
+    plan = _pack(tiles, prefill, first, num_units, kv_chunk, pack, common)
+    first_us = predicted_us(plan)
+    if first_us < other_floor or (first is None and first_us == other_floor):
+        return plan
+    rival = _pack(tiles, prefill, other, num_units, kv_chunk, pack, common)
+    one, two = (plan, rival) if first is None else (rival, plan)
+    return one if predicted_us(one) <= predicted_us(two) else two
+
+
+def _pack(tiles: np.ndarray, prefill: np.ndarray, decode_units: int | None, num_units: int, kv_chunk: int | None,
+          pack: bool, common: dict) -> WorkPlan:  # fmt: skip
+    """``plan_attention``'s plan of the step's tiles: in one launch, or in
+    two where ``decode_units`` is given (the caller checks the step has
+    both kinds of tile)."""
+    short = common["decode_tokens_per_tile"]
+    costs = item_costs(tiles, short)
     decode_part, decode_rows = None, 0
-    if pack and decode_units is not None and 0 < int(prefill.sum()) < len(tiles):  # both kinds: two launches
+    if decode_units is not None:
         decode_tiles, tiles, decode_costs, costs = tiles[~prefill], tiles[prefill], costs[~prefill], costs[prefill]
         items, merge_tokens, merge_splits = split_rows(tiles, kv_chunk or auto_kv_chunk(costs, num_units))
         decode_items, decode_tokens, decode_splits = split_rows(

@@ -1119,9 +1119,10 @@ def plan_for(
 
     ``separate`` runs a packed step's decode tiles in a launch of their own
     (on ``decode_units``, by default the decode-only variant's units) when
-    the step also has prefill tiles. None plans such a step both ways and
-    keeps the plan ``packing.predicted_us`` finds faster, one more launch's
-    host time included; True and False force it."""
+    the step also has prefill tiles. None gives such a step the plan
+    ``packing.predicted_us`` finds faster, one more launch's host time
+    included (``packing.plan_attention``'s ``choose``); True and False
+    force it."""
     group = query.shape[1] // key_cache.shape[2]
     tpt = tokens_per_tile or default_tokens_per_tile(group)
     dtpt = min(decode_tokens_per_tile(group), tpt)
@@ -1129,18 +1130,15 @@ def plan_for(
     if num_units is None:
         num_units = default_num_units(query, key_cache, has_prefill, sliding_window)
 
-    def plan(units: int | None) -> packing.WorkPlan:
-        return packing.plan_attention(
-            q_lens, seq_lens, num_units=num_units, tokens_per_tile=tpt, decode_tokens_per_tile=dtpt,
-            sliding_window=sliding_window, kv_chunk=kv_chunk, pack=pack, decode_units=units,
-        )  # fmt: skip
-
-    if separate is False or not (pack and has_prefill):
-        work = plan(None)
+    if separate is not False and pack and has_prefill:
+        decode_units = decode_units or default_num_units(query, key_cache, False, sliding_window)
     else:
-        work = plan(decode_units or default_num_units(query, key_cache, False, sliding_window))
-        if separate is None:
-            work = packing.faster_plan(work, lambda: plan(None), num_units)
+        decode_units = None
+    work = packing.plan_attention(
+        q_lens, seq_lens, num_units=num_units, tokens_per_tile=tpt, decode_tokens_per_tile=dtpt,
+        sliding_window=sliding_window, kv_chunk=kv_chunk, pack=pack, decode_units=decode_units,
+        choose=separate is None,
+    )  # fmt: skip
     return work if on_host else work.to(query.device)
 
 

@@ -296,25 +296,31 @@ def test_a_mixed_step_takes_the_plan_predicted_faster(device, make_batch, monkey
     assert plan(*long_step).decode_part is None
 
 
-def test_one_launch_floor_spares_building_a_plan_that_cannot_win(device, make_batch, monkeypatch):
-    """``packing.one_launch_floor_us``, read off the two-launch plan, is never
-    above the one-launch plan's predicted time; where the two-launch plan
-    beats it, plan_for keeps two launches without planning the step again
-    (the choice is the one comparing both plans would make)."""
+def test_launch_floors_spare_building_a_plan_that_cannot_win(device, make_batch, monkeypatch):
+    """``packing.launch_floors_us``, read off a step's tiles, are never
+    above the predicted times of its one-launch and two-launch plans;
+    where the plan built first beats the other's floor, plan_for keeps it
+    without building the other (the choice is the one comparing both plans
+    would make)."""
     rng = random.Random(0)
     step = dict(num_units=33, tokens_per_tile=32, decode_tokens_per_tile=4)
     for chunk, n, longest in [(16, 2, 1024), (512, 16, 4096), (2048, 128, 32768), (8192, 128, 4096)]:
         q, s = [chunk] + [1] * n, [chunk] + [rng.randint(512, longest) for _ in range(n)]
+        floor_one, floor_two = packing.launch_floors_us(packing.tile_rows(q, s, 32, None, 4), 4, 33, 33)
         one = packing.plan_attention(q, s, **step)
         two = packing.plan_attention(q, s, decode_units=33, **step)
-        assert packing.one_launch_floor_us(two, 33) <= packing.predicted_us(one)
+        assert floor_one <= packing.predicted_us(one) and floor_two <= packing.predicted_us(two)
     batch = make_batch([(1, 8)], num_kv_heads=2, group=4, head_dim=32, block_size=16, device=device)
-    planned, plan_attention = [], packing.plan_attention
-    monkeypatch.setattr(packing, "plan_attention", lambda *a, **k: planned.append(k["decode_units"])
-                        or plan_attention(*a, **k))
-    long_step = ([2048] + [1] * 128, [2048] + [32768] * 128)
+    built, pack = [], packing._pack
+    monkeypatch.setattr(packing, "_pack", lambda tiles, prefill, decode_units, *a: built.append(decode_units)
+                        or pack(tiles, prefill, decode_units, *a))
+    long_step = ([2048] + [1] * 128, [2048] + [32768] * 128)  # two launches win by more than the floors differ
     work = pa.plan_for(batch.query, batch.key_cache, *long_step, num_units=33, decode_units=33, on_host=True)
-    assert work.decode_part is not None and planned == [33]  # the two-launch plan alone
+    assert work.decode_part is not None and built == [33]
+    built.clear()
+    short_step = ([32] + [1] * 4, [32] + [512] * 4)  # one launch wins by more than a launch's host time
+    work = pa.plan_for(batch.query, batch.key_cache, *short_step, num_units=33, decode_units=33, on_host=True)
+    assert work.decode_part is None and built == [None]
 
 
 def test_predicted_time_is_the_busiest_unit_of_each_launch():
