@@ -147,11 +147,13 @@ def launch_floors_us(tiles: np.ndarray, decode_tokens_per_tile: int, num_units: 
     prefill_keys, num_prefill = float(keys[prefill].sum()), int(prefill.sum())
     decode_keys, num_decode = float(keys.sum()) - prefill_keys, len(keys) - num_prefill
     prefill_us = c.prefill_key * prefill_keys + c.prefill_item * num_prefill
-    least = c.prefill_item if num_prefill else c.decode_item
-    one = max((prefill_us + c.mixed_decode_key * decode_keys + c.decode_item * num_decode) / num_units, least)
-    two = (max(prefill_us / num_units, c.prefill_item if num_prefill else 0.0)
-           + max((c.decode_key * decode_keys + c.decode_item * num_decode) / decode_units,
-                 c.decode_item if num_decode else 0.0) + c.launch + c.host_launch)  # fmt: skip
+    one_prefill = c.prefill_item if num_prefill else 0.0  # the least a unit holding one item carries
+    one_decode = c.decode_item if num_decode else 0.0
+    one = max((prefill_us + c.mixed_decode_key * decode_keys + c.decode_item * num_decode) / num_units,
+              one_prefill, one_decode)  # fmt: skip
+    two = (max(prefill_us / num_units, one_prefill)
+           + max((c.decode_key * decode_keys + c.decode_item * num_decode) / decode_units, one_decode)
+           + c.launch + c.host_launch)  # fmt: skip
     return one + c.launch, two + c.launch
 
 
@@ -471,8 +473,8 @@ def plan_attention(
     part picks its own split length unless ``kv_chunk`` fixes both. With
     ``choose``, such a step gets the two-launch plan or the one-launch plan,
     whichever ``predicted_us`` finds faster (one launch on a tie); the plan
-    with the lower floor (``launch_floors_us``) is built first, and the other only
-    where its floor leaves it a chance, so most steps plan once.
+    with the lower floor (``launch_floors_us``) is built first, and the
+    other only where its floor leaves it a chance, so most steps plan once.
     """
     if num_units < 1 or tokens_per_tile < 1:
         raise ValueError("num_units and tokens_per_tile must be positive")
