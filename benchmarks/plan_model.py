@@ -193,8 +193,8 @@ def fit(cases: list[Case], slots: int, rounds: int = 30) -> np.ndarray:
 
 
 def engine_plan(q: list[int], s: list[int], units: int) -> str:
-    """The plan ``paged_attention.plan_for`` keeps for the step: both ways
-    predicted by the engine's constants (``packing.PLAN_COSTS``)."""
+    """The plan ``paged_attention.plan_for`` gives the step: the one the
+    engine's constants (``packing.PLAN_COSTS``) predict faster."""
     chosen = plan(q, s, units, decode_units=units, choose=True)
     return "two launches" if chosen.decode_part is not None else "one launch"
 
@@ -274,7 +274,7 @@ def markdown(r: dict) -> str:
              f"largest {r['max_abs_error']:.1%}.", "",
              "## Mixed steps: measured one-launch plans, predicted two-launch plan", "",
              "Predictions, not timings: `kernels.py` and `attention_tuning.py` time the two-launch plan on a GPU. "
-             "The engine plans a mixed step both ways and keeps the one `packing.predicted_us` finds faster "
+             "The engine gives a mixed step the plan, one launch or two, `packing.predicted_us` finds faster "
              "with its constants (`packing.PLAN_COSTS`, the H200 fit's; against this fit below), one more eager "
              "launch's host time "
              f"({packing.PLAN_COSTS.host_launch:.0f} us) included: its choice is the last column.", "",

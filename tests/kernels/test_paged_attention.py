@@ -269,8 +269,8 @@ def test_fused_merge_is_the_merge_kernels_attention_without_its_launch(device, m
 
 
 def test_a_mixed_step_takes_the_plan_predicted_faster(device, make_batch, monkeypatch):
-    """plan_for plans a step with prefill and decode tiles both ways and
-    keeps the one ``packing.predicted_us`` finds faster: long decodes beside
+    """plan_for gives a step with prefill and decode tiles the plan, one
+    launch or two, ``packing.predicted_us`` finds faster: long decodes beside
     a prompt chunk get a launch of their own, a short step stays in one
     (two launches run one after the other, where one runs every tile at
     once). Never a
