@@ -63,8 +63,8 @@ PREFILL_SHAPES = [
 ]  # fmt: skip
 # max_registers 168: three programs per SM of the decode-only variant under
 # Triton 3.6 (two uncapped); fused_merge: the split-K merge inside the
-# launch. Four units per KV head and a fourth stage never beat two and three
-# on the H200 at 16k keys.
+# launch. On the H200 at 16k keys, neither four units per KV head nor a
+# fourth stage beat the best of the other points for any block_n.
 DECODE_GRID = dict(block_n=(32, 64, 128), num_stages=(2, 3), units_scale=(1, 2), max_registers=(None, 168),
                    fused_merge=(False, True))
 # (prefill chunk, decodes, longest decode context) of the plan comparison.
