@@ -1,0 +1,55 @@
+"""benchmarks/attention_tuning.py before its GPU run: every launch shape it
+sweeps is one the kernel module takes (a misspelt field would turn the
+point into an error row and spend the GPU's minutes on nothing), and its
+report names each shape's changes and ranks them against the default."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from fluidserve.kernels import paged_attention as pa
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_tuning.py"
+
+
+@pytest.fixture
+def tuning(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # it imports kernels.py and dummy_models.py beside it
+    spec = importlib.util.spec_from_file_location("fluidserve_bench_attention_tuning", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_swept_shape_is_a_launch_shape_of_the_kernel(tuning):
+    decode = [{k: v for k, v in cfg.items() if k != "units_scale"} for cfg in tuning.grid(tuning.DECODE_GRID)]
+    assert len(tuning.PREFILL_SHAPES) == len({tuple(sorted(c.items())) for c in tuning.PREFILL_SHAPES})
+    for cfg in [*tuning.PREFILL_SHAPES, *decode]:
+        with pa.tiles(**cfg) as tiles:
+            assert all(getattr(tiles, k) == v for k, v in cfg.items())
+    assert pa.TILES == pa.Tiles()
+    # The warps a point records are the ones its prefill tile runs: a 64-row tile takes the narrow warps.
+    assert tuning.prefill_shape(dict(prefill_rows=64, wide_warps=8))["warps"] == pa.Tiles().narrow_warps
+    assert tuning.prefill_shape(dict(wide_warps=8, mixed_max_registers=128)) == dict(
+        changes="wide_warps=8, mixed_max_registers=128", prefill_rows=128, block_n=64, warps=8, num_stages=None,
+        mixed_max_registers=128)  # fmt: skip
+
+
+def test_the_report_ranks_each_length_against_the_default(tuning):
+    def prefill(changes: dict, ms: float | None = None, error: str | None = None) -> dict:
+        measured = dict(error=error) if error else dict(ms=ms, tflops=1.0, vs_sdpa=1.0 / ms, max_abs_diff=0.0)
+        return dict(kind="prefill", len=8192, sdpa_ms=1.0, sdpa_backend="flash", **tuning.prefill_shape(changes),
+                    **measured)  # fmt: skip
+
+    rows = [prefill({}, 1.2), prefill(dict(prefill_block_n=32), 0.96),
+            prefill(dict(wide_warps=8, mixed_max_registers=128), error="OutOfResources: shared")]
+    report = dict(device="Fake GPU", copy_gb_s=4000.0, budget_s=150.0, skipped=0, rows=rows)
+    md = tuning.markdown(report)
+    assert "* prefill 8192: prefill_block_n=32: 1.04x SDPA (1.25x the default's speed)" in md
+    assert "| 8192 | 128 | 32 | 4 | default | – | 0.960 |" in md
+    assert "OutOfResources: shared" in md
