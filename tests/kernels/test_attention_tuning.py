@@ -13,16 +13,20 @@ import pytest
 
 from fluidserve.kernels import paged_attention as pa
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_tuning.py"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture
 def tuning(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # it imports kernels.py and dummy_models.py beside it
-    spec = importlib.util.spec_from_file_location("fluidserve_bench_attention_tuning", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
+    """The script, loaded as it runs: its ``from kernels import`` and
+    ``from dummy_models import`` find the benchmarks beside it, not the
+    repository's ``kernels`` folder another test may have imported."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    for name in ("kernels", "attention_tuning"):
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)  # put back as it was after the test
+        spec.loader.exec_module(module)
     return module
 
 
