@@ -140,20 +140,17 @@ def launch_floors_us(tiles: np.ndarray, decode_tokens_per_tile: int, num_units: 
     two-launch plan (decode tiles on ``decode_units``), read off its tiles
     (unsplit work rows) before either is built. A launch's busiest unit
     carries at least the mean of its tiles' costs (split pieces share their
-    tile's keys, and each piece past the first adds an item's cost) and at
-    least one item of the dearer kind it holds."""
+    tile's keys, and each piece past the first adds an item's cost), and
+    the unit holding an item carries at least that item's fixed cost."""
     c = costs or PLAN_COSTS
-    keys, prefill = _keys_and_kind(tiles, decode_tokens_per_tile)
-    prefill_keys, num_prefill = float(keys[prefill].sum()), int(prefill.sum())
-    decode_keys, num_decode = float(keys.sum()) - prefill_keys, len(keys) - num_prefill
-    prefill_us = c.prefill_key * prefill_keys + c.prefill_item * num_prefill
-    one_prefill = c.prefill_item if num_prefill else 0.0  # the least a unit holding one item carries
-    one_decode = c.decode_item if num_decode else 0.0
-    one = max((prefill_us + c.mixed_decode_key * decode_keys + c.decode_item * num_decode) / num_units,
-              one_prefill, one_decode)  # fmt: skip
-    two = (max(prefill_us / num_units, one_prefill)
-           + max((c.decode_key * decode_keys + c.decode_item * num_decode) / decode_units, one_decode)
-           + c.launch + c.host_launch)  # fmt: skip
+    prefill = _keys_and_kind(tiles, decode_tokens_per_tile)[1]
+    mixed = _item_us(tiles, decode_tokens_per_tile, True, c)
+    prefill_us = float(mixed[prefill].sum())
+    alone_us = float(_item_us(tiles[~prefill], decode_tokens_per_tile, False, c).sum())  # decode-only variant
+    one_prefill = c.prefill_item if prefill.any() else 0.0
+    one_decode = c.decode_item if not prefill.all() else 0.0
+    one = max(float(mixed.sum()) / num_units, one_prefill, one_decode)
+    two = max(prefill_us / num_units, one_prefill) + max(alone_us / decode_units, one_decode) + c.launch + c.host_launch
     return one + c.launch, two + c.launch
 
 

@@ -341,7 +341,8 @@ def _attend_item(
 
 @triton.jit
 def _merge_pieces(
-    out_ptr, part_out_ptr, part_lse_ptr, merge_count_ptr, merge_num_splits_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, merge_count_ptr,
+    n,  # the tile's pieces (its merge row's split count, loaded by the caller)
     q_lo, q_hi, merge_row, kv_head,
     stride_ot, stride_oh,
     stride_pm, stride_ps, stride_ph,
@@ -360,7 +361,6 @@ def _merge_pieces(
     # the atomic): the release then publishes them to the last piece.
     tl.debug_barrier()
     count = merge_count_ptr + merge_row.to(tl.int64) * tl.num_programs(1) + kv_head
-    n = tl.load(merge_num_splits_ptr + merge_row)
     if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n - 1:
         tl.store(count, 0)
         d = tl.arange(0, HEAD_PAD)
@@ -451,8 +451,10 @@ def _paged_attention_kernel(
             # A merge row of one piece (a graph plan merges every row) is
             # its own output: written directly, the same bits as merged
             # with weight 1, without the partial, the count and the read back.
+            pieces = 1
             if merge_row >= 0:
-                if tl.load(merge_num_splits_ptr + merge_row) == 1:
+                pieces = tl.load(merge_num_splits_ptr + merge_row)
+                if pieces == 1:
                     merge_row = -1
         # The decode-only variant never compiles the prefill tile (``wide``
         # stays a constexpr False there), so its register budget (and so its
@@ -480,7 +482,7 @@ def _paged_attention_kernel(
         if FUSED_MERGE:
             if merge_row >= 0:
                 _merge_pieces(
-                    out_ptr, part_out_ptr, part_lse_ptr, merge_count_ptr, merge_num_splits_ptr,
+                    out_ptr, part_out_ptr, part_lse_ptr, merge_count_ptr, pieces,
                     q_lo, q_hi, merge_row, kv_head, stride_ot, stride_oh, stride_pm, stride_ps, stride_ph,
                     stride_lm, stride_ls, GROUP, HEAD_DIM, HEAD_PAD, DECODE_M,
                 )  # fmt: skip
