@@ -103,6 +103,14 @@ class PlanCosts:
     launch: float = 3.9
     host_launch: float = 10.0
 
+    def tiles_us(self, keys: float | np.ndarray, items: int, prefill: bool, mixed: bool) -> float | np.ndarray:
+        """Microseconds of ``items`` tiles of one kind visiting ``keys`` keys
+        in all (scalars, or arrays of one tile each), in the mixed variant
+        or not."""
+        if prefill:
+            return self.prefill_key * keys + self.prefill_item * items
+        return (self.mixed_decode_key if mixed else self.decode_key) * keys + self.decode_item * items
+
 
 # Fitted to 73 plans timed on an H200 (plan_model_nvidia_h200.md, median
 # error 4%); the H100's fit (37 plans) differs most in the decode tile's
@@ -113,8 +121,7 @@ PLAN_COSTS = PlanCosts()
 def _item_us(rows: np.ndarray, decode_tokens_per_tile: int, mixed: bool, costs: PlanCosts) -> np.ndarray:
     """Each row's predicted microseconds, in the mixed variant or not."""
     keys, prefill = _keys_and_kind(rows, decode_tokens_per_tile)
-    decode_key = costs.mixed_decode_key if mixed else costs.decode_key
-    return np.where(prefill, costs.prefill_key * keys + costs.prefill_item, decode_key * keys + costs.decode_item)
+    return np.where(prefill, costs.tiles_us(keys, 1, True, mixed), costs.tiles_us(keys, 1, False, mixed))
 
 
 def predicted_us(plan: WorkPlan, costs: PlanCosts | None = None) -> float:
@@ -143,14 +150,15 @@ def launch_floors_us(tiles: np.ndarray, decode_tokens_per_tile: int, num_units: 
     tile's keys, and each piece past the first adds an item's cost), and
     the unit holding an item carries at least that item's fixed cost."""
     c = costs or PLAN_COSTS
-    prefill = _keys_and_kind(tiles, decode_tokens_per_tile)[1]
-    mixed = _item_us(tiles, decode_tokens_per_tile, True, c)
-    prefill_us = float(mixed[prefill].sum())
-    alone_us = float(_item_us(tiles[~prefill], decode_tokens_per_tile, False, c).sum())  # decode-only variant
-    one_prefill = c.prefill_item if prefill.any() else 0.0
-    one_decode = c.decode_item if not prefill.all() else 0.0
-    one = max(float(mixed.sum()) / num_units, one_prefill, one_decode)
-    two = max(prefill_us / num_units, one_prefill) + max(alone_us / decode_units, one_decode) + c.launch + c.host_launch
+    keys, prefill = _keys_and_kind(tiles, decode_tokens_per_tile)
+    prefill_keys, num_prefill = float(keys[prefill].sum()), int(prefill.sum())
+    decode_keys, num_decode = float(keys.sum()) - prefill_keys, len(keys) - num_prefill
+    prefill_us = c.tiles_us(prefill_keys, num_prefill, True, True)
+    one_prefill = c.prefill_item if num_prefill else 0.0
+    one_decode = c.decode_item if num_decode else 0.0
+    one = max((prefill_us + c.tiles_us(decode_keys, num_decode, False, True)) / num_units, one_prefill, one_decode)
+    two = (max(prefill_us / num_units, one_prefill) + c.launch + c.host_launch
+           + max(c.tiles_us(decode_keys, num_decode, False, False) / decode_units, one_decode))  # fmt: skip
     return one + c.launch, two + c.launch
 
 
