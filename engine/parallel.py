@@ -375,12 +375,13 @@ class RowParallelLinear(_PrepackedLinear):
         y = y if self.bias is None else y + self.bias
         return y if residual is None else y.add_(residual)
 
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor,
+                    path: ops.KernelPath | None = None) -> torch.Tensor:  # fmt: skip
         """``forward(x) + residual`` as a new tensor, residual left as it is,
         rounded as that separate add rounds: one launch where the batch-1
         GEMV runs on one rank (``ops.linear_add``)."""
         if self.tp.size == 1 and self._packed is None:
-            return ops.linear_add(x, self.weight, residual, self.bias)
+            return ops.linear_add(x, self.weight, residual, self.bias, path)
         return self.forward(x).add_(residual)
 
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fluidserve.kernels.launch import Relaunch
+from fluidserve.kernels.launch import Relaunch, cdiv
 
 # Output columns per program.
 BLOCK = 1024
@@ -46,6 +46,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     t, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
     if t:
-        _SILU_AND_MUL[(t, triton.cdiv(inter, BLOCK))](x, out, x.stride(0), out.stride(0), inter, BLOCK=BLOCK)
+        _SILU_AND_MUL[(t, cdiv(inter, BLOCK))](x, out, x.stride(0), out.stride(0), inter, BLOCK=BLOCK)
     return out
 

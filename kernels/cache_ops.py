@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fluidserve.kernels.launch import Relaunch
+from fluidserve.kernels.launch import Relaunch, cdiv, next_power_of_2
 
 # Elements of one block row copied per program of the block movers.
 COPY_BLOCK = 1024
@@ -127,8 +127,8 @@ def _launch_reshape_and_cache(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_power_of_2(num_heads),
+        BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=key_cache.shape[1],
     )  # fmt: skip
 
@@ -151,7 +151,7 @@ def _launch_copy_blocks(
     if n == 0:
         return
     row_numel = src[0].numel()
-    grid = (n, triton.cdiv(row_numel, COPY_BLOCK))
+    grid = (n, cdiv(row_numel, COPY_BLOCK))
     _COPY_BLOCKS[grid](
         src, dst, ids, ids, row_numel, src.stride(0), dst.stride(0),
         SRC_DIRECT=not cache_is_src,

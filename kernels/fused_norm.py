@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fluidserve.kernels.launch import Relaunch
+from fluidserve.kernels.launch import Relaunch, next_power_of_2
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         r = residual if has_residual else x
         _RMS_NORM[(x.shape[0],)](
             x, r, weight, out, x, x.stride(0), r.stride(0), out.stride(0), x.stride(0), x.shape[1], float(eps),
-            HAS_RESIDUAL=has_residual, BLOCK_D=triton.next_power_of_2(x.shape[1]),
+            HAS_RESIDUAL=has_residual, BLOCK_D=next_power_of_2(x.shape[1]),
         )  # fmt: skip
     return out, x
 

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fluidserve.kernels.launch import Relaunch
+from fluidserve.kernels.launch import Relaunch, cdiv, next_power_of_2
 
 BLOCK_N = 16  # output rows per program: 256+ programs on an 8B model's smallest matrix
 MAX_BLOCK_K = 512  # the fastest on every Llama-3-8B shape measured; smaller where K needs it
@@ -209,4 +209,4 @@ def _shape(rows: int, k: int, gated: bool, norm: bool, block_n: int | None) -> t
     # kernel's 167: three programs per SM either way); a full BLOCK_N of
     # each takes 246, two per SM (kernels_compile_sm90.md).
     block_n = block_n or (BLOCK_N // 2 if gated else BLOCK_N)
-    return n, (triton.cdiv(n, block_n),), block_n, triton.next_power_of_2(k) if norm else 1
+    return n, (cdiv(n, block_n),), block_n, next_power_of_2(k) if norm else 1

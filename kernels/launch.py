@@ -54,6 +54,22 @@ _I32 = 1 << 31
 _I64 = 1 << 63
 
 
+# A launch's grid and block sizes, worked out on the host. Triton's own
+# ``triton.cdiv`` and ``triton.next_power_of_2`` are ConstexprFunctions
+# (Triton 3.5 on): about 2 us a call unwrapping constexprs, several calls
+# per decoder layer of an eager step; these are plain integer arithmetic.
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints, as ``triton.cdiv``."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (n >= 1), as ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length()
+
+
 def set_enabled(on: bool) -> bool:
     """Turn relaunching on or off for this process; returns the old setting."""
     global _enabled

@@ -207,7 +207,7 @@ def linear_silu_and_mul(
     gated MLP's first half. One row on the Triton lane (where ``linear``
     runs the GEMV) is one launch, the activation in the GEMV's epilogue,
     with the same bits as the two launches."""
-    if bias is None and gemv_row(x, weight):
+    if bias is None and gemv_row(x, weight, path):
         from fluidserve.kernels import gemv
 
         if gemv.supports_gated(x, weight):
@@ -229,7 +229,7 @@ def norm_linear(
     the row's norm in its prologue, rounded as ``rms_norm`` rounds; only
     the order of the sum of squares may differ (not at all in the
     interpreter)."""
-    if gemv_row(x, weight) and not (gated and bias is not None):
+    if gemv_row(x, weight, path) and not (gated and bias is not None):
         from fluidserve.kernels import gemv
 
         fits = gemv.supports_gated(x, weight) if gated else gemv.supports(x, weight, bias, None)
@@ -244,11 +244,12 @@ def linear_add(
     weight: torch.Tensor,  # [N, K]
     residual: torch.Tensor,  # [T, N], left as it is
     bias: torch.Tensor | None = None,
+    path: KernelPath | None = None,
 ) -> torch.Tensor:
     """``linear(x, weight, bias) + residual`` as a new tensor, rounded as
     that separate add rounds (the product first): at one row where the GEMV
     runs, one launch."""
-    if bias is None and gemv_row(x, weight):
+    if bias is None and gemv_row(x, weight, path):
         from fluidserve.kernels import gemv
 
         if gemv.supports(x, weight, None, residual):
@@ -269,15 +270,17 @@ def set_eager_row_kernels(on: bool) -> bool:
     return old
 
 
-def gemv_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def gemv_row(x: torch.Tensor, weight: torch.Tensor, path: KernelPath | None = None) -> bool:
     """One row on the Triton lane: the batch-1 GEMV and, in the decoder
     layer, its six-launch form. Eagerly on CUDA too: the eager H100 profile
     (profile_decode_*-eager.md) puts a cuBLAS linear's host time at or
     above a Triton launch's, and the row layer replaces seven launches
     (three linears, addmm_, two norms, the SiLU-mul) with four GEMVs that
-    also read the weights faster (linear_bandwidth_*.md)."""
-    return x.shape[0] == 1 and _on_triton(x, weight) and (x.device.type != "cuda" or _eager_row_kernels
-                                                          or torch.cuda.is_current_stream_capturing())
+    also read the weights faster (linear_bandwidth_*.md). ``path``: the
+    caller's ``kernel_path`` (None: worked out here)."""
+    if x.shape[0] != 1 or not (path == "triton" if path is not None else _on_triton(x, weight)):
+        return False
+    return x.device.type != "cuda" or _eager_row_kernels or torch.cuda.is_current_stream_capturing()
 
 
 # -- the decoder layer's fused ops ----------------------------------------------------

@@ -69,7 +69,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from fluidserve.kernels import packing
-from fluidserve.kernels.launch import Relaunch, arg_class
+from fluidserve.kernels.launch import Relaunch, arg_class, next_power_of_2
 from fluidserve.kernels.packing import WORK_FIELDS, WorkPlan
 
 LOG2E = 1.4426950408889634
@@ -679,7 +679,7 @@ def _programs_per_sm(compiled, device: torch.device) -> int | None:
 
 def head_pad(head_dim: int) -> int:
     """Tile width of a head: the next power of two, at least 16 (tl.dot's K)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def decode_tokens_per_tile(group: int) -> int:
@@ -694,7 +694,7 @@ def default_tokens_per_tile(group: int) -> int:
 
 
 def _tile_rows(tokens: int, group: int) -> int:
-    return max(16, triton.next_power_of_2(tokens * group))
+    return max(16, next_power_of_2(tokens * group))
 
 
 def _check_layouts(
@@ -829,6 +829,12 @@ class _Launch:
     def num_warps(self) -> int:
         return self.options["num_warps"]
 
+    def with_tensors(self, args: dict[str, object], out: torch.Tensor) -> _Launch:
+        """This launch with a layer's own arguments and output (a layout's
+        prototype made a layer's launch: the constructor, since
+        ``dataclasses.replace`` costs a few us of host time per layer)."""
+        return _Launch(args, self.constexprs, self.options, out, self.part_out, self.part_lse, self.occupancy_key)
+
 
 def _partials(
     plan: WorkPlan, num_q_heads: int, head_dim: int, device: torch.device
@@ -910,7 +916,7 @@ def _prepare(
     out = torch.empty_like(query)  # [T, Hq, D]
     args = dict(proto.args, q_ptr=query, k_cache_ptr=key_cache, v_cache_ptr=value_cache, out_ptr=out,
                 block_tables_ptr=block_tables)  # fmt: skip
-    return dataclasses.replace(proto, args=args, out=out)
+    return proto.with_tensors(args, out)
 
 
 def _merge_args(launch: _Launch, plan: WorkPlan) -> dict[str, object]:

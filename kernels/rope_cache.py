@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fluidserve.kernels.launch import Relaunch
+from fluidserve.kernels.launch import Relaunch, next_power_of_2
 
 
 @triton.jit
@@ -126,7 +126,7 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=k.shape[1], HALF=head_dim // 2,
-        BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(k.shape[1]),
+        BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_SIZE=key_cache.shape[1],
     )  # fmt: skip
 

@@ -143,7 +143,7 @@ class LlamaDecoderLayer(nn.Module):
             # epilogue, the residual adds in the o and down GEMVs, each
             # rounded where the nine round.
             qkv = attn.qkv_proj.forward_normed(x, self.input_layernorm, path=path)
-            h = attn.o_proj.forward_add(attn.attend(rope, qkv, kv_cache, meta), x)  # x + attention
+            h = attn.o_proj.forward_add(attn.attend(rope, qkv, kv_cache, meta), x, path)  # x + attention
             act = self.mlp.gate_up_proj.forward_normed(h, self.post_attention_layernorm, gated=True, path=path)
             return self.mlp.down_proj(act, h)  # h + MLP, over h
         return self._after_attention(attn(rope, self.input_layernorm(x, path), kv_cache, meta), x, path)

@@ -62,6 +62,17 @@ def test_an_arg_class_is_at_least_as_fine_as_tritons_specialisation():
     assert arg_class(object()) is None  # unknown: the JIT path
 
 
+def test_the_host_grid_helpers_answer_as_tritons():
+    # The wrappers size grids and blocks with these instead of Triton's
+    # ConstexprFunctions (host time per layer); a block size that differed
+    # would compile a different kernel.
+    for n in range(1, 5000):
+        assert launch.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 64, 1024):
+            assert launch.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    assert launch.next_power_of_2(2**40 + 1) == triton.next_power_of_2(2**40 + 1) == 2**41
+
+
 @pytest.mark.parametrize("name", sorted(WRAPPED))
 def test_every_wrapped_kernel_takes_the_fast_path_and_its_key_refines_the_binder(name):
     jit = _jit(WRAPPED[name].fn)
