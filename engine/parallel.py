@@ -201,8 +201,8 @@ class _PrepackedLinear(nn.Module):
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 
-    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
+                path: ops.KernelPath | None = None) -> torch.Tensor:  # fmt: skip
         """``x W^T + bias``, plus ``residual`` [T, out] in the same kernel
         where it can be: oneDNN's add post-op on the CPU, elsewhere a GEMM
         that accumulates into the residual in place (so the caller must own
@@ -211,7 +211,7 @@ class _PrepackedLinear(nn.Module):
             if residual is not None:
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._packed, bias, "add")
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
-        return ops.linear(x, self.weight, bias, residual)
+        return ops.linear(x, self.weight, bias, residual, path)
 
 
 def prepack_linears(model: nn.Module) -> None:
@@ -364,14 +364,16 @@ class RowParallelLinear(_PrepackedLinear):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                path: ops.KernelPath | None = None) -> torch.Tensor:  # fmt: skip
         """``x W^T + b`` [T, out], plus ``residual`` when given: fused into
         the product on one rank (in place over it off the CPU, so the caller
         must own it); added after the all-reduce on several, in the order
-        the unfused layer adds."""
+        the unfused layer adds. ``path``: the step's ``ops.kernel_path``
+        (None: asked per call)."""
         if self.tp.size == 1:
-            return self._linear(x, self.bias, residual)  # nn.Linear's arithmetic
-        y = self.tp.all_reduce(self._linear(x, None))  # [T, out]
+            return self._linear(x, self.bias, residual, path)  # nn.Linear's arithmetic
+        y = self.tp.all_reduce(self._linear(x, None, path=path))  # [T, out]
         y = y if self.bias is None else y + self.bias
         return y if residual is None else y.add_(residual)
 

@@ -174,6 +174,7 @@ def linear(
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
     residual: torch.Tensor | None = None,  # [T, N], accumulated into in place
+    path: KernelPath | None = None,
 ) -> torch.Tensor:
     """``x W^T + bias``, plus ``residual`` where given: without a bias in
     the same kernel, written over ``residual`` (which the caller must own);
@@ -182,8 +183,9 @@ def linear(
     One row on the Triton lane runs kernels/gemv.py, which reads the weight
     at up to 1.2x cuBLAS's rate at batch 1 (``linear_bandwidth_*.md``),
     where ``gemv_row`` says. Elsewhere cuBLAS (or whatever torch runs on
-    the device)."""
-    if gemv_row(x, weight):
+    the device). ``path``: the caller's ``kernel_path`` (None: worked out
+    here)."""
+    if gemv_row(x, weight, path):
         from fluidserve.kernels import gemv
 
         fused = residual if bias is None else None  # with a bias, rounded before the add as below

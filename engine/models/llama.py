@@ -119,7 +119,7 @@ class LlamaMLP(nn.Module):
                 path: ops.KernelPath | None = None) -> torch.Tensor:
         # [T, hidden] -> [T, 2 * inter / tp] -> [T, inter / tp] -> [T, hidden] (all-reduced
         # in down_proj, which adds the residual, in place over it, in its own GEMM)
-        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, path), residual)
+        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, path), residual, path)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -145,7 +145,7 @@ class LlamaDecoderLayer(nn.Module):
             qkv = attn.qkv_proj.forward_normed(x, self.input_layernorm, path=path)
             h = attn.o_proj.forward_add(attn.attend(rope, qkv, kv_cache, meta), x, path)  # x + attention
             act = self.mlp.gate_up_proj.forward_normed(h, self.post_attention_layernorm, gated=True, path=path)
-            return self.mlp.down_proj(act, h)  # h + MLP, over h
+            return self.mlp.down_proj(act, h, path)  # h + MLP, over h
         return self._after_attention(attn(rope, self.input_layernorm(x, path), kv_cache, meta), x, path)
 
     def _after_attention(self, attn, x, path):
