@@ -10,6 +10,12 @@ prefill, so a short budget cuts the prefill grid.
 * **decode, batch 1**: one sequence of ``--contexts`` keys, timed as a CUDA
   graph replays it (the engine's default decode path), against the
   device-to-device copy bandwidth;
+* **decode floor, batch 1**: what the same sequence's keys and values
+  take to read with no attention around them (``_kv_read_kernel``: each
+  program sums its share of one KV head's keys, tile by tile as the
+  attention iterates), through the block table and in order, and what one
+  empty kernel takes in a graph: how much of the attention's gap to the
+  copy bandwidth is reading the cache this way, and how much the rest;
 * **plans**: mixed steps of one prefill chunk and a few to many decodes
   (``PLAN_SHAPES``), each with the packed plan (LPT + split-K) in one
   launch and in two (decode tiles in the decode-only variant), unpacked,
@@ -38,6 +44,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dummy_models import save_results  # noqa: E402
@@ -67,6 +75,9 @@ PREFILL_SHAPES = [
 # fourth stage beat the best of the other points for any block_n.
 DECODE_GRID = dict(block_n=(32, 64, 128), num_stages=(2, 3), units_scale=(1, 2), max_registers=(None, 168),
                    fused_merge=(False, True))
+# The reads of the decode floor: programs per KV head as a multiple of the
+# attention's default, keys per iteration, through the block table or not.
+FLOOR_GRID = dict(units_scale=(1, 2, 4), block_n=(64, 128), paged=(True, False))
 # (prefill chunk, decodes, longest decode context) of the plan comparison.
 PLAN_SHAPES = [(c, d, ctx) for c in (512, 2048, 8192) for d in (16, 128) for ctx in (4096, 32768)]
 
@@ -169,6 +180,93 @@ def tune_decode(shape: Shape, contexts: list[int], copy_gbs: float, sweep: Sweep
         torch.cuda.empty_cache()
 
 
+@triton.jit
+def _kv_read_kernel(k_ptr, v_ptr, block_table_ptr, out_ptr, seq_len, keys_per_unit, num_heads,
+                    stride_kb, stride_ks, stride_kh,
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr):
+    """Program (unit, head) sums keys ``[unit * keys_per_unit, ...)`` of one
+    sequence's KV head ``head``, K and V, ``BLOCK_N`` keys an iteration:
+    the attention's reads without its arithmetic. ``PAGED``: each key's
+    block from the block table, as the attention finds it; otherwise
+    blocks 0, 1, 2, ... in order (as many bytes, no table)."""
+    unit = tl.program_id(0)
+    head = tl.program_id(1)
+    lo = unit * keys_per_unit
+    hi = tl.minimum(lo + keys_per_unit, seq_len)
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        ok = pos < hi
+        if PAGED:
+            block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        else:
+            block = (pos // BLOCK_SIZE).to(tl.int64)
+        rows = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + head * stride_kh
+        tile = rows[:, None] + d[None, :]
+        acc += tl.load(k_ptr + tile, mask=ok[:, None], other=0.0).to(tl.float32)
+        acc += tl.load(v_ptr + tile, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + (unit * num_heads + head) * HEAD_DIM + d, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _empty_kernel(out_ptr):
+    tl.store(out_ptr, 1)
+
+
+def kv_read(batch: dict, seq_len: int, units: int, block_n: int, paged: bool) -> torch.Tensor:
+    """Sequence 0's first ``seq_len`` keys and values summed per (unit, KV
+    head): [units, Hkv, D] fp32 partial sums (``_kv_read_kernel``)."""
+    k, v = batch["key_cache"], batch["value_cache"]
+    _, block_size, heads, head_dim = k.shape
+    out = torch.empty((units, heads, head_dim), dtype=torch.float32, device=k.device)
+    _kv_read_kernel[(units, heads)](
+        k, v, batch["block_tables"][0], out, seq_len, -(-seq_len // units), heads,
+        k.stride(0), k.stride(1), k.stride(2),
+        HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, PAGED=paged,
+    )  # fmt: skip
+    return out
+
+
+def kv_read_reference(batch: dict, seq_len: int, paged: bool) -> torch.Tensor:
+    """[Hkv, D]: what ``kv_read``'s partial sums add up to, in fp32."""
+    block_size = batch["key_cache"].shape[1]
+    blocks = -(-seq_len // block_size)
+    ids = batch["block_tables"][0, :blocks].long() if paged else torch.arange(blocks, device=batch["key_cache"].device)
+    total = torch.zeros(batch["key_cache"].shape[2:], dtype=torch.float32, device=batch["key_cache"].device)
+    for cache in (batch["key_cache"], batch["value_cache"]):
+        total += cache[ids].flatten(0, 1)[:seq_len].float().sum(0)
+    return total
+
+
+def tune_floor(shape: Shape, contexts: list[int], copy_gbs: float, sweep: Sweep) -> None:
+    from fluidserve.kernels import paged_attention as pa
+
+    elem = torch.finfo(shape.dtype).bits // 8
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    sweep.point(dict(kind="floor", read="empty kernel"), lambda: dict(graph_ms=graph_ms(partial(
+        _empty_kernel[(1,)], flag))))
+    for ctx in contexts:
+        batch = make_cache_batch(shape, [1], [ctx])
+        nbytes = 2 * ctx * shape.num_kv_heads * shape.head_dim * elem
+        default_units = pa.default_num_units(batch["query"], batch["key_cache"], False)
+        references = {paged: kv_read_reference(batch, ctx, paged) for paged in (True, False)}
+        for cfg in grid(FLOOR_GRID):
+            def measure(cfg=cfg, batch=batch, references=references) -> dict:
+                units = default_units * cfg["units_scale"]
+                run = partial(kv_read, batch, ctx, units, cfg["block_n"], cfg["paged"])
+                ref = references[cfg["paged"]]
+                err = ((run().sum(0) - ref).abs().max() / ref.abs().max()).item()
+                ms = graph_ms(run)
+                return dict(units=units, graph_ms=ms, pct_of_copy=100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs,
+                            rel_err=err)
+
+            read = "through the block table" if cfg["paged"] else "blocks in order"
+            sweep.point(dict(kind="floor", read=read, context=ctx, **cfg), measure)
+        del batch, references
+        torch.cuda.empty_cache()
+
+
 def tune_plans(shape: Shape, sweep: Sweep) -> None:
     for chunk, decodes, longest in PLAN_SHAPES:
         def measure(chunk=chunk, decodes=decodes, longest=longest) -> dict:
@@ -222,6 +320,17 @@ def markdown(report: dict) -> str:
         merge = "in the launch" if r.get("fused_merge") else "merge kernel"
         lines.append("| " + " | ".join(map(str, [r["context"], r["block_n"], r["num_stages"], cap, merge, *tail]))
                      + " |")  # fmt: skip
+    floor = [r for r in report["rows"] if r["kind"] == "floor"]
+    if floor:
+        lines += ["", "## Decode floor, batch 1: the keys and values read alone, in a CUDA graph", "",
+                  "| context | read | keys per iteration | units per KV head | ms | % of copy | rel err |",
+                  "|---:|---|---:|---:|---:|---:|---:|"]
+        for r in sorted(floor, key=lambda r: (r.get("context", 0), r.get("graph_ms", 1e9))):
+            pct = f"{r['pct_of_copy']:.1f}" if "pct_of_copy" in r else "–"  # the empty kernel reads nothing
+            tail = ([r.get("units", "–"), f"{r['graph_ms']:.4f}", pct, f"{r['rel_err']:.1e}" if "rel_err" in r else "–"]
+                    if "error" not in r else ["", r["error"], "", ""])  # fmt: skip
+            cells = [r.get("context", "–"), r["read"], r.get("block_n", "–"), *tail]
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
     plans = [r for r in report["rows"] if r["kind"] == "plans"]
     if plans:
         lines += ["", "## Plans of a mixed step (ms; speed-up: unpacked / the faster packed plan)", "",
@@ -247,6 +356,16 @@ def markdown(report: dict) -> str:
         lines.append(f"* decode batch 1, {ctx} keys: block_n {r['block_n']}, stages {r['num_stages']}, register cap "
                      f"{r.get('max_registers') or 'none'}, {'fused' if r.get('fused_merge') else 'separate'} merge, "
                      f"units x{r['units_scale']}: {r['pct_of_copy']:.1f}% of copy")
+    for ctx in sorted({r["context"] for r in floor if "context" in r}):
+        reads = [r for r in floor if r.get("context") == ctx and "error" not in r and r["rel_err"] < 1e-3]
+        for read in ("through the block table", "blocks in order"):
+            fastest = max((r for r in reads if r["read"] == read), key=lambda r: r["pct_of_copy"], default=None)
+            if fastest:
+                lines.append(f"* reading {ctx} keys alone, {read}: {fastest['pct_of_copy']:.1f}% of copy "
+                             f"({fastest['block_n']} keys per iteration, units x{fastest['units_scale']})")
+    empty = next((r for r in floor if r["read"] == "empty kernel" and "error" not in r), None)
+    if empty:
+        lines.append(f"* one empty kernel in a graph: {1e3 * empty['graph_ms']:.1f} us")
     return "\n".join(lines) + "\n"
 
 
@@ -261,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep = Sweep(args.budget)
     # The plans first: their two-launch column is what the budget must not cut.
     tune_plans(shape, sweep)
+    tune_floor(shape, args.contexts, copy_gbs, sweep)
     tune_decode(shape, args.contexts, copy_gbs, sweep)
     tune_prefill(shape, args.prefill_lens, sweep)
     report = dict(device=name, time=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,

@@ -57,3 +57,34 @@ def test_the_report_ranks_each_length_against_the_default(tuning):
     assert "* prefill 8192: prefill_block_n=32: 1.04x SDPA (1.25x the default's speed)" in md
     assert "| 8192 | 128 | 32 | 4 | default | – | 0.960 |" in md
     assert "OutOfResources: shared" in md
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_the_decode_floors_read_sums_every_key_and_value_once(tuning, paged):
+    # The floor's reads stand for the attention's: each of a sequence's keys
+    # and values read exactly once, split over units as the attention splits
+    # them (a short last unit included), through the block table or in order.
+    import torch
+
+    shape = tuning.Shape(num_kv_heads=2, group=1, head_dim=16, block_size=16, dtype=torch.float32)
+    batch = tuning.make_cache_batch(shape, [1], [100], device="cpu")
+    want = tuning.kv_read_reference(batch, 100, paged)
+    for units, block_n in ((1, 16), (3, 16), (4, 32)):
+        got = tuning.kv_read(batch, 100, units, block_n, paged)
+        assert got.shape == (units, 2, 16)
+        torch.testing.assert_close(got.sum(0), want, rtol=1e-5, atol=1e-4)
+    other = tuning.kv_read_reference(batch, 100, not paged)
+    assert (want - other).abs().max() > 1.0  # the two reads cover different blocks of the cache
+
+
+def test_the_report_puts_the_attention_beside_its_reads_alone(tuning):
+    rows = [dict(kind="floor", read="empty kernel", graph_ms=0.0021),
+            dict(kind="floor", read="through the block table", context=16384, units_scale=2, block_n=64, paged=True,
+                 units=66, graph_ms=0.020, pct_of_copy=78.5, rel_err=1e-6),
+            dict(kind="floor", read="blocks in order", context=16384, units_scale=1, block_n=128, paged=False,
+                 units=33, graph_ms=0.018, pct_of_copy=88.0, rel_err=1e-6)]  # fmt: skip
+    md = tuning.markdown(dict(device="Fake GPU", copy_gb_s=4000.0, budget_s=150.0, skipped=0, rows=rows))
+    assert "* reading 16384 keys alone, through the block table: 78.5% of copy (64 keys per iteration, units x2)" in md
+    assert "* reading 16384 keys alone, blocks in order: 88.0% of copy (128 keys per iteration, units x1)" in md
+    assert "* one empty kernel in a graph: 2.1 us" in md
+    assert "| 16384 | through the block table | 64 | 66 | 0.0200 | 78.5 | 1.0e-06 |" in md
