@@ -13,9 +13,10 @@ prefill, so a short budget cuts the prefill grid.
 * **decode floor, batch 1**: what the same sequence's keys and values
   take to read with no attention around them (``_kv_read_kernel``: each
   program sums its share of one KV head's keys, tile by tile as the
-  attention iterates), through the block table and in order, and what one
-  empty kernel takes in a graph: how much of the attention's gap to the
-  copy bandwidth is reading the cache this way, and how much the rest;
+  attention iterates), through the block table and in order, in the
+  engine's cache layout and head-major, and what one empty kernel takes in
+  a graph: how much of the attention's gap to the copy bandwidth is
+  reading the cache this way, and how much the rest;
 * **plans**: mixed steps of one prefill chunk and a few to many decodes
   (``PLAN_SHAPES``), each with the packed plan (LPT + split-K) in one
   launch and in two (decode tiles in the decode-only variant), unpacked,
@@ -76,8 +77,11 @@ PREFILL_SHAPES = [
 DECODE_GRID = dict(block_n=(32, 64, 128), num_stages=(2, 3), units_scale=(1, 2), max_registers=(None, 168),
                    fused_merge=(False, True))
 # The reads of the decode floor: programs per KV head as a multiple of the
-# attention's default, keys per iteration, through the block table or not.
-FLOOR_GRID = dict(units_scale=(1, 2, 4), block_n=(64, 128), paged=(True, False))
+# attention's default, keys per iteration, through the block table or not,
+# and the cache's bytes taken as [blocks, heads, block_size, head_dim]
+# (a block's rows of one head contiguous) instead of the engine's
+# [blocks, block_size, heads, head_dim] (each row its own 2*head_dim bytes).
+FLOOR_GRID = dict(units_scale=(1, 2, 4), block_n=(64, 128), paged=(True, False), head_major=(False, True))
 # (prefill chunk, decodes, longest decode context) of the plan comparison.
 PLAN_SHAPES = [(c, d, ctx) for c in (512, 2048, 8192) for d in (16, 128) for ctx in (4096, 32768)]
 
@@ -214,10 +218,21 @@ def _empty_kernel(out_ptr):
     tl.store(out_ptr, 1)
 
 
-def kv_read(batch: dict, seq_len: int, units: int, block_n: int, paged: bool) -> torch.Tensor:
+def _caches(batch: dict, head_major: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's caches indexed [block, slot, head, dim]; ``head_major``:
+    their memory read as [blocks, heads, block_size, head_dim] instead."""
+    caches = (batch["key_cache"], batch["value_cache"])
+    if not head_major:
+        return caches
+    nb, bs, h, d = caches[0].shape
+    return tuple(c.view(nb, h, bs, d).transpose(1, 2) for c in caches)
+
+
+def kv_read(batch: dict, seq_len: int, units: int, block_n: int, paged: bool,
+            head_major: bool = False) -> torch.Tensor:  # fmt: skip
     """Sequence 0's first ``seq_len`` keys and values summed per (unit, KV
     head): [units, Hkv, D] fp32 partial sums (``_kv_read_kernel``)."""
-    k, v = batch["key_cache"], batch["value_cache"]
+    k, v = _caches(batch, head_major)
     _, block_size, heads, head_dim = k.shape
     out = torch.empty((units, heads, head_dim), dtype=torch.float32, device=k.device)
     _kv_read_kernel[(units, heads)](
@@ -228,13 +243,15 @@ def kv_read(batch: dict, seq_len: int, units: int, block_n: int, paged: bool) ->
     return out
 
 
-def kv_read_reference(batch: dict, seq_len: int, paged: bool) -> torch.Tensor:
+def kv_read_reference(batch: dict, seq_len: int, paged: bool, head_major: bool = False) -> torch.Tensor:
     """[Hkv, D]: what ``kv_read``'s partial sums add up to, in fp32."""
-    block_size = batch["key_cache"].shape[1]
+    caches = _caches(batch, head_major)
+    _, block_size, heads, head_dim = caches[0].shape
     blocks = -(-seq_len // block_size)
-    ids = batch["block_tables"][0, :blocks].long() if paged else torch.arange(blocks, device=batch["key_cache"].device)
-    total = torch.zeros(batch["key_cache"].shape[2:], dtype=torch.float32, device=batch["key_cache"].device)
-    for cache in (batch["key_cache"], batch["value_cache"]):
+    device = caches[0].device
+    ids = batch["block_tables"][0, :blocks].long() if paged else torch.arange(blocks, device=device)
+    total = torch.zeros((heads, head_dim), dtype=torch.float32, device=device)
+    for cache in caches:
         total += cache[ids].flatten(0, 1)[:seq_len].float().sum(0)
     return total
 
@@ -250,18 +267,20 @@ def tune_floor(shape: Shape, contexts: list[int], copy_gbs: float, sweep: Sweep)
         batch = make_cache_batch(shape, [1], [ctx])
         nbytes = 2 * ctx * shape.num_kv_heads * shape.head_dim * elem
         default_units = pa.default_num_units(batch["query"], batch["key_cache"], False)
-        references = {paged: kv_read_reference(batch, ctx, paged) for paged in (True, False)}
+        references = {(paged, major): kv_read_reference(batch, ctx, paged, major)
+                      for paged in (True, False) for major in (False, True)}  # fmt: skip
         for cfg in grid(FLOOR_GRID):
             def measure(cfg=cfg, batch=batch, references=references) -> dict:
                 units = default_units * cfg["units_scale"]
-                run = partial(kv_read, batch, ctx, units, cfg["block_n"], cfg["paged"])
-                ref = references[cfg["paged"]]
+                run = partial(kv_read, batch, ctx, units, cfg["block_n"], cfg["paged"], cfg["head_major"])
+                ref = references[cfg["paged"], cfg["head_major"]]
                 err = ((run().sum(0) - ref).abs().max() / ref.abs().max()).item()
                 ms = graph_ms(run)
                 return dict(units=units, graph_ms=ms, pct_of_copy=100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs,
                             rel_err=err)
 
-            read = "through the block table" if cfg["paged"] else "blocks in order"
+            read = ("through the block table" if cfg["paged"] else "blocks in order") + (
+                ", head-major" if cfg["head_major"] else "")
             sweep.point(dict(kind="floor", read=read, context=ctx, **cfg), measure)
         del batch, references
         torch.cuda.empty_cache()
@@ -358,7 +377,7 @@ def markdown(report: dict) -> str:
                      f"units x{r['units_scale']}: {r['pct_of_copy']:.1f}% of copy")
     for ctx in sorted({r["context"] for r in floor if "context" in r}):
         reads = [r for r in floor if r.get("context") == ctx and "error" not in r and r["rel_err"] < 1e-3]
-        for read in ("through the block table", "blocks in order"):
+        for read in sorted({r["read"] for r in reads}):
             fastest = max((r for r in reads if r["read"] == read), key=lambda r: r["pct_of_copy"], default=None)
             if fastest:
                 lines.append(f"* reading {ctx} keys alone, {read}: {fastest['pct_of_copy']:.1f}% of copy "

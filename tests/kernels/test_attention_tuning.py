@@ -60,21 +60,25 @@ def test_the_report_ranks_each_length_against_the_default(tuning):
 
 
 @pytest.mark.parametrize("paged", [True, False])
-def test_the_decode_floors_read_sums_every_key_and_value_once(tuning, paged):
+@pytest.mark.parametrize("head_major", [False, True])
+def test_the_decode_floors_read_sums_every_key_and_value_once(tuning, paged, head_major):
     # The floor's reads stand for the attention's: each of a sequence's keys
     # and values read exactly once, split over units as the attention splits
-    # them (a short last unit included), through the block table or in order.
+    # them (a short last unit included), through the block table or in
+    # order, in the engine's layout or head-major.
     import torch
 
     shape = tuning.Shape(num_kv_heads=2, group=1, head_dim=16, block_size=16, dtype=torch.float32)
     batch = tuning.make_cache_batch(shape, [1], [100], device="cpu")
-    want = tuning.kv_read_reference(batch, 100, paged)
+    want = tuning.kv_read_reference(batch, 100, paged, head_major)
     for units, block_n in ((1, 16), (3, 16), (4, 32)):
-        got = tuning.kv_read(batch, 100, units, block_n, paged)
+        got = tuning.kv_read(batch, 100, units, block_n, paged, head_major)
         assert got.shape == (units, 2, 16)
         torch.testing.assert_close(got.sum(0), want, rtol=1e-5, atol=1e-4)
-    other = tuning.kv_read_reference(batch, 100, not paged)
-    assert (want - other).abs().max() > 1.0  # the two reads cover different blocks of the cache
+    # Each read covers its own elements of the cache: the other order or layout sums to something else.
+    for other in (tuning.kv_read_reference(batch, 100, not paged, head_major),
+                  tuning.kv_read_reference(batch, 100, paged, not head_major)):
+        assert (want - other).abs().max() > 1.0
 
 
 def test_the_report_puts_the_attention_beside_its_reads_alone(tuning):
