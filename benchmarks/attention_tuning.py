@@ -389,6 +389,8 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fluidserve.kernels import packing
+
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/attention_tuning.py needs a CUDA GPU (none found); nothing measured.", file=sys.stderr)
@@ -404,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     tune_prefill(shape, args.prefill_lens, sweep)
     report = dict(device=name, time=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,
                   triton=__import__("triton").__version__, copy_gb_s=copy_gbs, budget_s=args.budget,
+                  lpt_costs=packing.LPT_COSTS,  # how the timed plans were balanced (plan_model.py rebuilds them so)
                   skipped=sweep.skipped, rows=sweep.rows)  # fmt: skip
     stem = args.out / f"attention_tuning_{device_slug(name)}"
     save_results(stem, report, markdown(report))

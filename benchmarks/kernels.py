@@ -887,6 +887,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.batch1_decode:
         return batch1_main(args)
+    from fluidserve.kernels import packing
     from fluidserve.kernels import paged_attention as pa
 
     shape = Shape(args.num_kv_heads, args.group, args.head_dim, args.block_size, getattr(torch, args.dtype))
@@ -911,6 +912,7 @@ def main(argv: list[str] | None = None) -> int:
         torch=torch.__version__,
         config={**asdict(shape), "dtype": args.dtype},
         copy_gb_s=copy_gbs,
+        lpt_costs=packing.LPT_COSTS,  # how the timed plans were balanced (plan_model.py rebuilds them so)
         decode=bench_decode(shape, args.batch_sizes, args.contexts, copy_gbs),
         prefill=bench_prefill(shape, args.prefill_lens),
         mixed=bench_mixed(shape),

@@ -38,6 +38,8 @@ import json
 import random
 import statistics
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +85,26 @@ def items_of(plan: packing.WorkPlan, variant_has_prefill: bool) -> list[list[tup
     return out
 
 
+@contextmanager
+def keys_balanced() -> Iterator[None]:
+    """The planner as it balanced plans before it took ``PLAN_COSTS``
+    (stored runs without ``lpt_costs``): LPT balanced the items by the
+    split length's key counts (``packing.split_costs``). A timed plan is
+    rebuilt as it was built, or the fit would explain one plan's timing by
+    another plan's items."""
+    saved = packing.item_costs
+    packing.item_costs = lambda rows, decode_tokens_per_tile, mixed: packing.split_costs(rows, decode_tokens_per_tile)
+    try:
+        yield
+    finally:
+        packing.item_costs = saved
+
+
+def as_built(record: dict):
+    """The planner a stored run's plans were built by."""
+    return nullcontext() if record.get("lpt_costs") == packing.LPT_COSTS else keys_balanced()
+
+
 def plan(q_lens: list[int], seq_lens: list[int], units: int, **kw) -> packing.WorkPlan:
     return packing.plan_attention(q_lens, seq_lens, num_units=units, tokens_per_tile=PREFILL_TOKENS,
                                   decode_tokens_per_tile=DECODE_TOKENS, **kw)  # fmt: skip
@@ -105,30 +127,34 @@ def load_cases(device: str, units: int) -> tuple[list[Case], dict[str, float]]:
     its prediction)."""
     kern = json.loads((RESULTS / f"kernels_{device}.json").read_text())
     cases = []
-    for r in kern["decode"]:
-        if "graph_ms" in r:
-            b, ctx = r["batch"], r["context"]
-            cases.append(case(f"decode {b} x {ctx}", r["graph_ms"], plan([1] * b, [ctx] * b, units), True))
-    for r in kern["prefill"]:
-        cases.append(case(f"prompt {r['len']}", r["ms"], plan([r["len"]], [r["len"]], units), True))
-    mixed = [(8192, 128, 32768, kern["mixed"], " (kernels.py)")]
+    with as_built(kern):
+        for r in kern["decode"]:
+            if "graph_ms" in r:
+                b, ctx = r["batch"], r["context"]
+                cases.append(case(f"decode {b} x {ctx}", r["graph_ms"], plan([1] * b, [ctx] * b, units), True))
+        for r in kern["prefill"]:
+            cases.append(case(f"prompt {r['len']}", r["ms"], plan([r["len"]], [r["len"]], units), True))
+    mixed = [(8192, 128, 32768, kern["mixed"], " (kernels.py)", kern)]
     tuning = RESULTS / f"attention_tuning_{device}.json"
     if tuning.exists():
-        for r in json.loads(tuning.read_text())["rows"]:
+        run = json.loads(tuning.read_text())
+        for r in run["rows"]:
             if r["kind"] == "plans" and "error" not in r:
                 mixed.append((r["chunk"], r["decodes"], r["longest_context"],
-                              {k.removesuffix("_ms"): {"ms": v} for k, v in r.items() if k.endswith("_ms")}, ""))
+                              {k.removesuffix("_ms"): {"ms": v} for k, v in r.items() if k.endswith("_ms")}, "", run))
     two_launch = {}
-    for chunk, decodes, longest, m, source in mixed:
+    for chunk, decodes, longest, m, source, record in mixed:
         name = f"{chunk} + {decodes} x 512-{longest}{source}"
         if "separate" in m:
             two_launch[name] = m["separate"]["ms"]
         q, s = mixed_lens(chunk, decodes, longest)
-        cases.append(case(f"{name} packed", m["packed"]["ms"], plan(q, s, units), True, (chunk, decodes, longest)))
-        cases.append(case(f"{name} unpacked", m["unpacked"]["ms"], plan(q, s, units, pack=False), False))
-        if "split_unpacked" in m:
-            cases.append(case(f"{name} split unpacked", m["split_unpacked"]["ms"],
-                              plan(q, s, units, pack=False, kv_chunk=2048), False))
+        with as_built(record):
+            cases.append(case(f"{name} packed", m["packed"]["ms"], plan(q, s, units), True,
+                              (chunk, decodes, longest)))  # fmt: skip
+            cases.append(case(f"{name} unpacked", m["unpacked"]["ms"], plan(q, s, units, pack=False), False))
+            if "split_unpacked" in m:
+                cases.append(case(f"{name} split unpacked", m["split_unpacked"]["ms"],
+                                  plan(q, s, units, pack=False, kv_chunk=2048), False))
     return cases, two_launch
 
 
@@ -242,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         name = c.label.removesuffix(" packed")
         unpacked = next(r["measured_ms"] for r in rows if r["case"] == f"{name} unpacked")
         two = two_launch_ms(q, s, args.units, x, args.slots)
+        # The one-launch plan as the planner balances it now, beside the timed one, both predicted.
+        as_timed = next(r["predicted_ms"] for r in rows if r["case"] == c.label)
+        now = predict_ms(case("", 1.0, plan(q, s, args.units), True), x, args.slots)
         shapes.append(dict(shape=name, decode_keys=sum(s[1:]), packed_ms=c.measured_ms,
+                           packed_predicted_ms=as_timed, one_launch_now_predicted_ms=now,
                            unpacked_ms=unpacked, two_launch_predicted_ms=two, vs_packed=c.measured_ms / two,
                            vs_unpacked=unpacked / two, two_launch_measured_ms=two_launch_measured.get(name),
                            engine_plan=engine_plan(q, s, args.units)))
@@ -286,6 +316,17 @@ def markdown(r: dict) -> str:
         lines.append(f"| {s['shape']} | {s['decode_keys']:,} | {s['packed_ms']:.3f} | {s['unpacked_ms']:.3f} | "
                      f"{s['two_launch_predicted_ms']:.3f} | {s['vs_packed']:.2f}x | {s['vs_unpacked']:.2f}x | "
                      f"{f'{measured:.3f}' if measured else 'not yet timed'} | {s.get('engine_plan', '–')} |")
+    now = [s for s in r["two_launch"] if "one_launch_now_predicted_ms" in s]
+    if now:
+        lines += ["", "## One launch, balanced by the predicted time of each item", "",
+                  "The packed one-launch plans above were balanced by keys (a prefill key counted twice, 64 per "
+                  "item); LPT now balances each item's `PLAN_COSTS` time. Both plans of each step through this "
+                  "fit (predictions):", "",
+                  "| step | as timed, predicted ms | as balanced now, predicted ms | speed-up |",
+                  "|---|---:|---:|---:|"]  # fmt: skip
+        for s in now:
+            lines.append(f"| {s['shape']} | {s['packed_predicted_ms']:.3f} | {s['one_launch_now_predicted_ms']:.3f} "
+                         f"| {s['packed_predicted_ms'] / s['one_launch_now_predicted_ms']:.2f}x |")
     if "engine_costs_vs_fit" in r:
         lines += ["", "The engine's constants (`packing.PLAN_COSTS`, us) against this fit: " + "; ".join(
             f"{name} {engine:g} / {fitted:.4g}" for name, (engine, fitted) in r["engine_costs_vs_fit"].items()) + "."]

@@ -176,7 +176,7 @@ def plan_decode(seq_lens: list[int], *, num_units: int, max_splits: int,
     piece can start)."""
     n = len(seq_lens)
     tiles = packing.tile_rows([1] * n, seq_lens, 1, sliding_window, 1)
-    kv_chunk = packing.auto_kv_chunk(packing.item_costs(tiles, 1), num_units)
+    kv_chunk = packing.auto_kv_chunk(packing.split_costs(tiles, 1), num_units)
     items, _, _ = packing.split_rows(tiles, kv_chunk, max_splits=max_splits)
     if size is not None and size > n:
         pad = np.zeros((size - n, WORK_FIELDS), dtype=items.dtype)
@@ -185,7 +185,7 @@ def plan_decode(seq_lens: list[int], *, num_units: int, max_splits: int,
         pad[:, packing.F_Q_HI] = rows + 1
         items = np.concatenate([items, pad])
     items[:, packing.F_MERGE_ROW] = items[:, packing.F_SEQ]  # every row merges, into its own merge row
-    order, offsets, _ = packing.pack_lpt(packing.item_costs(items, 1), num_units)
+    order, offsets, _ = packing.pack_lpt(packing.item_costs(items, 1, False), num_units)
     num_splits = np.bincount(items[:, packing.F_SEQ], minlength=max(n, size or 0))
     return DecodeWork(items[order].astype(np.int32), offsets.tolist(), num_splits.tolist())
 

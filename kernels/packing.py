@@ -36,9 +36,11 @@ Pipeline::
   programs: take the costliest item left and give it to the least loaded unit.
   This is the greedy of FluidInfer's Figure 9b: long prefill work is placed
   first and the short decode items fill the bubbles beside it. LPT's makespan
-  is at most ``4/3 - 1/(3 * num_units)`` times the optimum. An item costs the
-  keys it visits, a prefill tile's counted ``PREFILL_KEY_COST`` times, plus
-  ``ITEM_OVERHEAD``.
+  is at most ``4/3 - 1/(3 * num_units)`` times the optimum. An item costs
+  the time ``PLAN_COSTS`` predicts for it in the variant that runs it (per
+  key and per item, by the kind of tile; in whole nanoseconds): the model
+  that picks a step's plan also balances its units. The split length is
+  counted in keys (``split_costs``).
 * A step with both kinds of tile can instead be planned as **two launches**
   (``decode_units``): its decode tiles packed onto the units of the
   decode-only kernel variant (``WorkPlan.decode_part``), its prefill tiles
@@ -71,16 +73,16 @@ import torch
 WORK_FIELDS = 8
 F_SEQ, F_Q_LO, F_Q_HI, F_POS0, F_KV_LO, F_KV_HI, F_MERGE_ROW, F_SPLIT = range(WORK_FIELDS)
 
-# Fixed cost of an item (loading its queries, writing its output), in units of
-# "one key visited"; keeps the planner from cutting work into slivers.
+# What the split length counts (``split_costs``): a tile's keys, a prefill
+# tile's PREFILL_KEY_COST times, plus ITEM_OVERHEAD for loading its queries
+# and writing its output, which keeps the splits from cutting work into
+# slivers. A prefill-tile key takes 1.7-2.1x a decode-tile key on the
+# H200's kernel benchmark (1.4x in the fitted PLAN_COSTS). LPT itself
+# balances predicted time (``item_costs``). Splitting by the fitted costs
+# instead moves split lengths by an alignment step here and there, which
+# unbalances some even decode batches (eight 2k decodes on 33 units: 576-key
+# pieces where 512 fill the units), so the split keeps these weights.
 ITEM_OVERHEAD = 64
-# A key visited by a prefill tile (128 query rows: two tensor-core products
-# per key) against one visited by a decode tile (16 rows, bound by loading
-# the key). The kernels benchmark on an H200 gives 3.3M-4.0M prefill-tile
-# keys/ms (2k and 8k prompts) against 6.8M decode-tile keys/ms (batch 64 at
-# 16k): 1.7-2.1x. Counting both as one, LPT piled prefill tiles on some
-# programs and the packed plan lost to plain split-K on mixed steps of a 2k
-# chunk and long decodes (0.87 against 0.66 ms, attention_tuning).
 PREFILL_KEY_COST = 2
 
 
@@ -121,6 +123,8 @@ PLAN_COSTS = PlanCosts()
 def _item_us(rows: np.ndarray, decode_tokens_per_tile: int, mixed: bool, costs: PlanCosts) -> np.ndarray:
     """Each row's predicted microseconds, in the mixed variant or not."""
     keys, prefill = _keys_and_kind(rows, decode_tokens_per_tile)
+    if not prefill.any() or prefill.all():  # one kind (decode steps, prompts): half the array work
+        return costs.tiles_us(keys, 1, bool(prefill[:1].any()), mixed)
     return np.where(prefill, costs.tiles_us(keys, 1, True, mixed), costs.tiles_us(keys, 1, False, mixed))
 
 
@@ -210,9 +214,10 @@ class WorkItem:
     split: int = 0
     prefill: bool = False  # a prefill tile (the kernel's 128-row tile), not a decode tile
 
-    @property
-    def cost(self) -> int:
-        return (self.kv_hi - self.kv_lo) * (PREFILL_KEY_COST if self.prefill else 1) + ITEM_OVERHEAD
+    def cost(self, mixed: bool) -> int:
+        """What LPT balances: the item's predicted nanoseconds in the mixed
+        variant or the decode-only one (``item_costs``)."""
+        return int(1000 * PLAN_COSTS.tiles_us(self.kv_hi - self.kv_lo, 1, self.prefill, mixed))
 
     def as_row(self) -> list[int]:
         return [self.seq, self.q_lo, self.q_hi, self.pos0, self.kv_lo, self.kv_hi, self.merge_row, self.split]
@@ -243,7 +248,7 @@ class WorkPlan:
     sliding_window: int | None
     num_seqs: int  # block-table rows the kernel reads
     max_seq_len: int  # longest KV length: block-table columns needed = ceil(/ block_size)
-    unit_costs: tuple[int, ...] = field(default=())  # planned load of each unit
+    unit_costs: tuple[int, ...] = field(default=())  # planned load of each unit (item_costs, ns)
     # A two-launch plan's decode tiles, for the decode-only variant: its own
     # work list and units; its merge rows are numbered in (and merged by) this
     # plan's. None: one launch runs every item.
@@ -370,16 +375,32 @@ def _keys_and_kind(rows: np.ndarray, decode_tokens_per_tile: int) -> tuple[np.nd
     return rows[:, F_KV_HI] - rows[:, F_KV_LO], rows[:, F_Q_HI] - rows[:, F_Q_LO] > decode_tokens_per_tile
 
 
-def item_costs(rows: np.ndarray, decode_tokens_per_tile: int) -> np.ndarray:
-    """``WorkItem.cost`` of every row: its keys, a prefill tile's weighted,
-    plus the item overhead."""
+# What LPT balances, as the benchmarks record it beside plans they time:
+# benchmarks/plan_model.py rebuilds a stored plan the way it was built.
+LPT_COSTS = "plan_costs"
+
+
+def item_costs(rows: np.ndarray, decode_tokens_per_tile: int, mixed: bool) -> np.ndarray:
+    """``WorkItem.cost`` of every row, in the mixed variant or the
+    decode-only one: what ``PLAN_COSTS`` predicts it takes, in whole
+    nanoseconds. Balancing by the fitted costs rather than by keys matters
+    where the kinds share a launch: a prefill key takes 1.4x a decode key,
+    and a prefill tile's fixed cost is worth ~700 decode keys, a decode
+    tile's ~90 (plan_model_nvidia_h200.md)."""
+    return (1000 * _item_us(rows, decode_tokens_per_tile, mixed, PLAN_COSTS)).astype(np.int64)
+
+
+def split_costs(rows: np.ndarray, decode_tokens_per_tile: int) -> np.ndarray:
+    """Each row's keys, a prefill tile's counted ``PREFILL_KEY_COST`` times,
+    plus ``ITEM_OVERHEAD``: what ``auto_kv_chunk`` spreads over the units."""
     keys, prefill = _keys_and_kind(rows, decode_tokens_per_tile)
     return np.where(prefill, keys * PREFILL_KEY_COST, keys) + ITEM_OVERHEAD
 
 
 def auto_kv_chunk(costs: np.ndarray, num_units: int, align: int = 64) -> int:
-    """Split length that lets LPT balance: no item longer than the average
-    unit load, but no piece shorter than ``MIN_KV_CHUNK`` keys."""
+    """Split length that lets LPT balance (``costs``: ``split_costs``): no
+    item longer than the average unit load, but no piece shorter than
+    ``MIN_KV_CHUNK`` keys."""
     target = max(MIN_KV_CHUNK, int(costs.sum()) // max(num_units, 1))
     return -(-target // align) * align
 
@@ -518,25 +539,28 @@ def _pack(tiles: np.ndarray, prefill: np.ndarray, decode_units: int | None, num_
     two where ``decode_units`` is given (the caller checks the step has
     both kinds of tile)."""
     short = common["decode_tokens_per_tile"]
-    costs = item_costs(tiles, short)
+    mixed = bool(prefill.any())  # the variant that runs the (first) launch
     decode_part, decode_rows = None, 0
     if decode_units is not None:
-        decode_tiles, tiles, decode_costs, costs = tiles[~prefill], tiles[prefill], costs[~prefill], costs[prefill]
-        items, merge_tokens, merge_splits = split_rows(tiles, kv_chunk or auto_kv_chunk(costs, num_units))
+        decode_tiles, tiles = tiles[~prefill], tiles[prefill]
+        items, merge_tokens, merge_splits = split_rows(
+            tiles, kv_chunk or auto_kv_chunk(split_costs(tiles, short), num_units))
         decode_items, decode_tokens, decode_splits = split_rows(
-            decode_tiles, kv_chunk or auto_kv_chunk(decode_costs, decode_units), first_row=len(merge_tokens))
+            decode_tiles, kv_chunk or auto_kv_chunk(split_costs(decode_tiles, short), decode_units),
+            first_row=len(merge_tokens))  # fmt: skip
         decode_rows = len(decode_tokens)
         merge_tokens = np.concatenate([merge_tokens, decode_tokens])
         merge_splits = np.concatenate([merge_splits, decode_splits])
-        order, offsets, loads = pack_lpt(item_costs(decode_items, short), min(decode_units, len(decode_items)))
+        order, offsets, loads = pack_lpt(item_costs(decode_items, short, False),
+                                         min(decode_units, len(decode_items)))  # fmt: skip
         decode_part = WorkPlan(work=_i32(decode_items[order]), unit_offsets=_i32(offsets), merge_tokens=_i32([]),
                                merge_num_splits=_i32([]), has_prefill_tiles=False, max_splits=0, unit_costs=loads,
                                **common)  # fmt: skip
     else:
         if kv_chunk is None:
-            kv_chunk = auto_kv_chunk(costs, num_units) if pack else 1 << 62
+            kv_chunk = auto_kv_chunk(split_costs(tiles, short), num_units) if pack else 1 << 62
         items, merge_tokens, merge_splits = split_rows(tiles, kv_chunk)
-    item_cost = item_costs(items, short)
+    item_cost = item_costs(items, short, mixed)
     if pack:
         order, offsets, loads = pack_lpt(item_cost, min(num_units, max(len(items), 1)))  # no idle programs
         items = items[order]

@@ -176,8 +176,16 @@ def test_item_costs_are_the_items_costs():
     q_lens, seq_lens = [1, 3, 40, 100], [50, 60, 40, 300]
     rows = packing.tile_rows(q_lens, seq_lens, 32, None, 4)
     items = [WorkItem(*r, prefill=r[packing.F_Q_HI] - r[packing.F_Q_LO] > 4) for r in rows.tolist()]
-    assert packing.item_costs(rows, 4).tolist() == [it.cost for it in items]
+    for mixed in (True, False):
+        assert packing.item_costs(rows, 4, mixed).tolist() == [it.cost(mixed) for it in items]
     assert any(it.prefill for it in items) and not all(it.prefill for it in items)
+    # The predicted nanoseconds of each item: PLAN_COSTS per key and per item, by kind and variant.
+    c = packing.PLAN_COSTS
+    for it in items:
+        keys = it.kv_hi - it.kv_lo
+        want = (c.prefill_key * keys + c.prefill_item if it.prefill
+                else c.mixed_decode_key * keys + c.decode_item)  # fmt: skip
+        assert it.cost(True) == int(1000 * want)
 
 
 def test_mixed_batch_is_balanced_and_beats_no_packing():
@@ -187,7 +195,7 @@ def test_mixed_batch_is_balanced_and_beats_no_packing():
     seq_lens = [8192] + [rng.randint(512, 32768) for _ in range(128)]
     plan = packing.plan_attention(q_lens, seq_lens, num_units=33, tokens_per_tile=16)
     loads = plan.unit_costs
-    lower_bound = max(sum(loads) / len(loads), max(it.cost for it in plan.items()))
+    lower_bound = max(sum(loads) / len(loads), max(it.cost(True) for it in plan.items()))
     assert max(loads) <= 1.05 * lower_bound
     # Without packing every tile is its own program and the hardware hands
     # them to free SMs in launch order: list scheduling in batch order, with
@@ -195,17 +203,20 @@ def test_mixed_batch_is_balanced_and_beats_no_packing():
     unpacked = packing.plan_attention(q_lens, seq_lens, num_units=33, tokens_per_tile=16, pack=False)
     slots = [0] * 33
     for it in unpacked.items():
-        slots[slots.index(min(slots))] += it.cost
+        slots[slots.index(min(slots))] += it.cost(True)
     assert max(loads) < max(slots)
 
 
-def test_prefill_tiles_cost_more_per_key_and_lpt_balances_them(monkeypatch):
+def test_lpt_balances_the_predicted_time_of_both_kinds_of_tile():
     """A 2k chunk beside 16 decodes of up to 32k keys, the mixed step where
     a plan counting every key alike lost to plain split-K on an H200 (0.87
-    against 0.66 ms, benchmarks/results/attention_tuning_*). Costing each
-    item as the kernel pays it, that plan's makespan is above split-K at 2k
-    keys run in launch order, and the plan with prefill keys weighted is
-    below it."""
+    against 0.66 ms, benchmarks/results/attention_tuning_*). LPT balances
+    each item's predicted time (``PLAN_COSTS``: a prefill key 1.4x a decode
+    key, a prefill tile's fixed cost ~8x a decode tile's): by that measure
+    the plan's busiest unit sits within 2% of the lower bound, under
+    split-K at 2k keys run in launch order, and under the same pieces
+    balanced by their keys (alike, or a prefill key counted twice plus 64
+    per item, the weights LPT had before it took the fitted costs)."""
     rng = random.Random(0)
     q_lens = [2048] + [1] * 16
     seq_lens = [2048] + [rng.randint(512, 32768) for _ in range(16)]
@@ -213,22 +224,20 @@ def test_prefill_tiles_cost_more_per_key_and_lpt_balances_them(monkeypatch):
     plan = packing.plan_attention(q_lens, seq_lens, **kwargs)
     items = plan.items()
     assert sum(it.prefill for it in items) == 2048 // 32  # decodes and no tail: every other item is a decode tile
-    for it in items:
-        keys = it.kv_hi - it.kv_lo
-        assert it.cost == keys * (packing.PREFILL_KEY_COST if it.prefill else 1) + packing.ITEM_OVERHEAD
-    # The plan's recorded loads are its items' costs, prefill weights included.
+    # The plan's recorded loads are its items' costs in the mixed variant.
     bounds = plan.unit_offsets.tolist()
-    assert list(plan.unit_costs) == [sum(it.cost for it in items[a:b]) for a, b in zip(bounds, bounds[1:])]
+    assert list(plan.unit_costs) == [sum(it.cost(True) for it in items[a:b]) for a, b in zip(bounds, bounds[1:])]
+    cost = packing.item_costs(plan.work.numpy().astype(np.int64), 4, True)
+    assert max(plan.unit_costs) <= 1.02 * max(cost.sum() / 33, cost.max())
     split = packing.plan_attention(q_lens, seq_lens, pack=False, kv_chunk=2048, **kwargs)
     slots = [0] * 33
     for it in split.items():
-        slots[slots.index(min(slots))] += it.cost
-    with monkeypatch.context() as m:
-        m.setattr(packing, "PREFILL_KEY_COST", 1)
-        alike = packing.plan_attention(q_lens, seq_lens, **kwargs)
-    alike_items, alike_bounds = alike.items(), alike.unit_offsets.tolist()
-    alike_makespan = max(sum(it.cost for it in alike_items[a:b]) for a, b in zip(alike_bounds, alike_bounds[1:]))
-    assert max(plan.unit_costs) < max(slots) < alike_makespan
+        slots[slots.index(min(slots))] += it.cost(True)
+    assert max(plan.unit_costs) < max(slots)
+    keys, prefill = packing._keys_and_kind(plan.work.numpy().astype(np.int64), 4)
+    for by_keys in (keys + 64, np.where(prefill, 2 * keys, keys) + 64):
+        order, offsets, _ = packing.pack_lpt(by_keys, 33)
+        assert max(plan.unit_costs) < max(cost[order[a:b]].sum() for a, b in zip(offsets[:-1], offsets[1:]))
 
 
 def test_attention_cost_counts_allowed_pairs():
@@ -296,6 +305,13 @@ def test_plan_model_fits_the_stored_gpu_timings(tmp_path):
     assert len(report["rows"]) >= 70 and report["max_abs_error"] < 0.35
     assert len(report["two_launch"]) == 13
     assert all(s["two_launch_predicted_ms"] > 0 for s in report["two_launch"])
+    # The stored plans are rebuilt as they were balanced (by keys); LPT by
+    # predicted time makes none of them slower by the model, and the small
+    # chunk beside a few short decodes a good deal faster.
+    for s in report["two_launch"]:
+        assert s["one_launch_now_predicted_ms"] <= s["packed_predicted_ms"] * 1.001, s["shape"]
+    small = next(s for s in report["two_launch"] if s["shape"] == "512 + 16 x 512-4096")
+    assert small["packed_predicted_ms"] > 1.3 * small["one_launch_now_predicted_ms"]
     # The engine's plan costs are this fit's, to the digits they keep.
     for name, (engine, fitted) in report["engine_costs_vs_fit"].items():
         assert engine == pytest.approx(fitted, rel=0.015), name
