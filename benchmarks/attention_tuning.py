@@ -73,8 +73,9 @@ PREFILL_SHAPES = [
 # max_registers 168: three programs per SM of the decode-only variant under
 # Triton 3.6 (two uncapped); fused_merge: the split-K merge inside the
 # launch. On the H200 at 16k keys, neither four units per KV head nor a
-# fourth stage beat the best of the other points for any block_n.
-DECODE_GRID = dict(block_n=(32, 64, 128), num_stages=(2, 3), units_scale=(1, 2), max_registers=(None, 168),
+# fourth stage beat the best of the other points for any block_n, and 32
+# keys an iteration ran no faster than 64 or 128 (46-47% of copy).
+DECODE_GRID = dict(block_n=(64, 128), num_stages=(2, 3), units_scale=(1, 2), max_registers=(None, 168),
                    fused_merge=(False, True))
 # The reads of the decode floor: programs per KV head as a multiple of the
 # attention's default, keys per iteration, through the block table or not,
