@@ -319,9 +319,9 @@ def markdown(r: dict) -> str:
     now = [s for s in r["two_launch"] if "one_launch_now_predicted_ms" in s]
     if now:
         lines += ["", "## One launch, balanced by the predicted time of each item", "",
-                  "The packed one-launch plans above were balanced by keys (a prefill key counted twice, 64 per "
-                  "item); LPT now balances each item's `PLAN_COSTS` time. Both plans of each step through this "
-                  "fit (predictions):", "",
+                  "The packed one-launch plan as the stored run balanced it (by keys, a prefill key counted twice "
+                  "and 64 per item, in runs that do not record `lpt_costs`) against the plan LPT makes now, "
+                  "balancing each item's `PLAN_COSTS` time; both through this fit (predictions):", "",
                   "| step | as timed, predicted ms | as balanced now, predicted ms | speed-up |",
                   "|---|---:|---:|---:|"]  # fmt: skip
         for s in now:
