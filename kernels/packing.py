@@ -123,8 +123,11 @@ PLAN_COSTS = PlanCosts()
 def _item_us(rows: np.ndarray, decode_tokens_per_tile: int, mixed: bool, costs: PlanCosts) -> np.ndarray:
     """Each row's predicted microseconds, in the mixed variant or not."""
     keys, prefill = _keys_and_kind(rows, decode_tokens_per_tile)
-    if not prefill.any() or prefill.all():  # one kind (decode steps, prompts): half the array work
-        return costs.tiles_us(keys, 1, bool(prefill[:1].any()), mixed)
+    # One kind (decode steps, prompts): half the array work.
+    if not prefill.any():
+        return costs.tiles_us(keys, 1, False, mixed)
+    if prefill.all():
+        return costs.tiles_us(keys, 1, True, mixed)
     return np.where(prefill, costs.tiles_us(keys, 1, True, mixed), costs.tiles_us(keys, 1, False, mixed))
 
 
@@ -539,7 +542,7 @@ def _pack(tiles: np.ndarray, prefill: np.ndarray, decode_units: int | None, num_
     two where ``decode_units`` is given (the caller checks the step has
     both kinds of tile)."""
     short = common["decode_tokens_per_tile"]
-    mixed = bool(prefill.any())  # the variant that runs the (first) launch
+    mixed = bool(prefill.any())  # the variant that runs the (first) launch: the one with prefill tiles
     decode_part, decode_rows = None, 0
     if decode_units is not None:
         decode_tiles, tiles = tiles[~prefill], tiles[prefill]
@@ -571,7 +574,7 @@ def _pack(tiles: np.ndarray, prefill: np.ndarray, decode_units: int | None, num_
         unit_offsets=_i32(offsets),
         merge_tokens=_i32(merge_tokens),
         merge_num_splits=_i32(merge_splits),
-        has_prefill_tiles=bool(prefill.any()),
+        has_prefill_tiles=mixed,
         max_splits=int(merge_splits.max(initial=0)),
         unit_costs=loads,
         decode_part=decode_part,
