@@ -18,6 +18,21 @@ import pytest  # noqa: E402
 
 from fluidserve.engine.tiny_model import build_tiny_model  # noqa: E402
 
+
+def pytest_configure(config):
+    """Stop at once, with the fix, where the interpreter cannot run the
+    kernels beside this numpy (a hundred tests would otherwise fail with a
+    TypeError inside Triton)."""
+    if os.environ["TRITON_INTERPRET"] == "1":
+        import numpy
+        import triton
+
+        from fluidserve.kernels.ops import interpreter_incompatibility
+
+        problem = interpreter_incompatibility(triton.__version__, numpy.__version__)
+        if problem:
+            raise pytest.UsageError(problem)
+
 # arch -> config overrides; llama is GQA (4 query heads over 2 KV heads), opt is MHA.
 TINY_ARCHS = {
     "llama": {},

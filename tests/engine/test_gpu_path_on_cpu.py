@@ -332,6 +332,19 @@ def test_partial_buffers_hold_every_bucket_when_the_split_cap_binds(tiny_model, 
     assert graphed == eager and sum(graphs.replays.values()) >= 4
 
 
+def test_an_interpreter_that_cannot_run_beside_numpy_is_named():
+    # Triton before 3.7 reads run-time loop bounds with int() of a
+    # one-element array, which numpy 2.4 refuses: the lane (and the test
+    # suite, tests/conftest.py) stops with the two versions and the fix.
+    problem = ops.interpreter_incompatibility("3.6.0", "2.4.6")
+    assert problem is not None
+    assert all(s in problem for s in ("Triton 3.6.0", "numpy 2.4.6", "numpy<2.4", "triton>=3.7"))
+    assert ops.interpreter_incompatibility("3.5.1", "2.4.0") is not None
+    for triton_version, numpy_version in [("3.7.0", "2.4.6"), ("3.6.0", "2.3.5"), ("3.10.0+git1234", "2.5.0"),
+                                          ("3.2.0", "1.26.4"), ("3.7.0rc1", "2.4.0")]:
+        assert ops.interpreter_incompatibility(triton_version, numpy_version) is None
+
+
 def test_kernel_switch_is_checked():
     import os
 
