@@ -189,8 +189,10 @@ def chat_choices(final: RequestOutput, *, top_n: int | None, decode: Decode,
     for co in sorted(final.outputs, key=lambda c: c.index):
         logprobs = chat_logprobs(co.token_ids, co.logprobs, top_n, decode, as_ids) if top_n is not None else None
         content, calls = co.text, []
-        # A forced call cut short by length is no call: the text stays content.
-        if tool_mode is not None and (tool_mode.kind == "auto" or co.finish_reason == "stop"):
+        # Read as the stream reads it, whatever ended the reply: a named call
+        # cut short by length is its arguments so far (as vLLM returns it),
+        # a "required" array cut short does not parse and stays content.
+        if tool_mode is not None:
             content, calls = parse_reply(tool_mode, co.text)
             if tool_mode.kind != "auto" and calls:
                 content = ""  # vLLM's: a forced call's reply is all call, its content empty

@@ -182,6 +182,20 @@ def test_named_tool_call_is_schema_valid(client, stream):
     jsonschema.validate(json.loads(calls[0]["arguments"]), TOOL_SCHEMAS["get_time"])
 
 
+def test_a_named_call_cut_short_is_the_same_partial_call_streamed_or_not(client):
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    kw = dict(tools=[WEATHER, TIME], tool_choice=choice, temperature=0)
+    _, full, _ = chat(client, False, **kw)
+    whole = chat(client, False, max_tokens=3, **kw)
+    streamed = chat(client, True, max_tokens=3, **kw)
+    assert whole[0] == "" and streamed[0] is None  # no content: the reply is the call's arguments
+    for _, calls, finish in (whole, streamed):
+        assert finish == "length" and [c["name"] for c in calls] == ["get_time"]
+    partial = whole[1][0]["arguments"]
+    assert partial == streamed[1][0]["arguments"] and partial and full[0]["arguments"].startswith(partial)
+    assert partial != full[0]["arguments"]
+
+
 def test_tool_history_round_trip(client):
     """A conversation carrying an assistant's tool call and the tool's answer
     is accepted and rendered; the next forced call is valid again."""
