@@ -68,27 +68,30 @@ def _require_interpreter() -> None:
     global _interpreter_checked
     if _interpreter_checked:
         return
-    import numpy
-    import triton
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(tl.standard.max, InterpretedFunction):
         raise RuntimeError(f"{KERNELS_ENV}=triton on a CPU device runs Triton's interpreter, but Triton was "
                            "imported without it: set TRITON_INTERPRET=1 before starting")
-    problem = interpreter_incompatibility(triton.__version__, numpy.__version__)
+    problem = interpreter_incompatibility()
     if problem:
         raise RuntimeError(problem)
     _interpreter_checked = True
 
 
-def interpreter_incompatibility(triton_version: str, numpy_version: str) -> str | None:
-    """Why this Triton's interpreter cannot run our kernels beside this
-    numpy, or None. Triton before 3.7 turns a loop bound passed at run time
-    (``range(0, K, BLOCK_K)``) into an int with ``int()`` of a one-element
-    array, which numpy 2.4 refuses (deprecated since 1.25); every kernel
-    with such a loop then fails inside the interpreter with a TypeError
-    that names neither package."""
+def interpreter_incompatibility(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
+    """Why Triton's interpreter cannot run our kernels beside numpy at these
+    versions (default: the installed ones), or None. Triton before 3.7
+    turns a loop bound passed at run time (``range(0, K, BLOCK_K)``) into
+    an int with ``int()`` of a one-element array, which numpy 2.4 refuses
+    (deprecated since 1.25); every kernel with such a loop then fails inside
+    the interpreter with a TypeError that names neither package."""
+    import numpy
+    import triton
+
+    triton_version = triton_version or triton.__version__
+    numpy_version = numpy_version or numpy.__version__
     if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
         return (f"Triton {triton_version}'s interpreter cannot run with numpy {numpy_version} (Triton before 3.7 "
                 "calls int() on one-element arrays, which numpy 2.4 refuses): install numpy<2.4 or triton>=3.7")
