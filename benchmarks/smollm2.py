@@ -17,8 +17,10 @@ with the ``gguf`` package and dequantizes the weights (Q4_1) to fp32::
 localhost), sends chat prompts through the OpenAI client, greedy, once
 whole and once streamed, and compares each reply with transformers'
 ``generate`` on the same chat template: the text must be the same, and the
-stream must spell the whole reply. Writes
-``benchmarks/results/smollm2_greedy.{json,md}``::
+stream must spell the whole reply. Then it sends the same prompts all at
+once to servers whose device KV holds one sequence (``TIGHT_KV``), with
+swap and with recompute preemption: each reply must still be transformers'.
+Writes ``benchmarks/results/smollm2_greedy.{json,md}``::
 
     python benchmarks/smollm2.py check /path/to/SmolLM2-135M-Instruct
 
@@ -45,6 +47,13 @@ PROMPTS = [
     "Translate 'good morning' into French and Spanish.",
     "Give me two tips for writing clear emails.",
 ]
+
+
+# Device KV blocks (of 16 tokens) and context of the preemption runs: one
+# prompt and its reply fit, the six together do not, so requests are evicted
+# and brought back (swapped or recomputed) while they decode.
+TIGHT_KV = ["--num-kv-blocks", "12", "--max-model-len", "192"]
+PREEMPTION_MODES = {"swap": [], "recompute": ["--preemption-mode", "recompute", "--no-enable-prefix-caching"]}
 
 
 def gguf_dir() -> Path:
@@ -114,8 +123,47 @@ def check(model_dir: Path, max_tokens: int) -> dict:
                              "latency_s": latency})
         finally:
             stop_server(proc)
+        expected = {r["prompt"]: r["expected"] for r in rows}
+        preemption = {mode: concurrent_replies(cmd, TIGHT_KV + flags, port, expected, max_tokens, Path(tmp))
+                      for mode, flags in PREEMPTION_MODES.items()}
     return {"model": model_dir.name, "max_tokens": max_tokens, "command": " ".join(sys.argv), "rows": rows,
-            "matched": sum(r["same"] and r["stream_same"] for r in rows)}
+            "matched": sum(r["same"] and r["stream_same"] for r in rows), "preemption": preemption}
+
+
+def concurrent_replies(cmd: list[str], flags: list[str], port: int, expected: dict[str, str], max_tokens: int,
+                       tmp: Path) -> dict:
+    """Every prompt at once to the server ``cmd`` starts with ``flags``: how many replies
+    equal ``expected``, how many preemptions it took, KV blocks left in use."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import openai
+    from serve_bench import launch, stop_server
+
+    proc = launch(cmd + flags, f"http://127.0.0.1:{port}/v1/models", log=tmp / "server.log", timeout=300,
+                  name="fluidserve")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        served = client.models.list().data[0].id
+
+        def reply(prompt: str) -> str:
+            out = client.chat.completions.create(model=served, messages=[{"role": "user", "content": prompt}],
+                                                 max_tokens=max_tokens, temperature=0)
+            return out.choices[0].message.content
+
+        with ThreadPoolExecutor(len(expected)) as pool:
+            replies = dict(zip(expected, pool.map(reply, expected)))
+        metrics = {}
+        for line in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name.startswith(("fluidserve_preemptions_total", "fluidserve_kv_blocks_used")):
+                metrics[name] = float(value)
+    finally:
+        stop_server(proc)
+    return {"flags": flags, "requests": len(expected),
+            "matched": sum(replies[p] == expected[p] for p in expected),
+            "preemptions": int(metrics.get("fluidserve_preemptions_total", 0)),
+            "blocks_in_use_after": int(sum(v for k, v in metrics.items() if k.startswith("fluidserve_kv_blocks_used")))}
 
 
 def to_markdown(record: dict) -> str:
@@ -130,6 +178,12 @@ def to_markdown(record: dict) -> str:
         out.append(f"| {r['prompt']} | {'yes' if r['same'] else 'no'} | {'yes' if r['stream_same'] else 'no'} | "
                    f"{r['finish_reason']} | {r['completion_tokens']} / {r['expected_tokens']} | "
                    f"{r['prompt_tokens']} | {reply} |")
+    out += ["", "## The same prompts at once, device KV for one sequence", "",
+            "| preemption | flags | replies equal to transformers | preemptions | KV blocks in use after |",
+            "|---|---|---:|---:|---:|"]
+    for mode, run in record["preemption"].items():
+        out.append(f"| {mode} | `{' '.join(run['flags'])}` | {run['matched']} of {run['requests']} | "
+                   f"{run['preemptions']} | {run['blocks_in_use_after']} |")
     return "\n".join(out) + "\n"
 
 
@@ -150,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     md = to_markdown(record)
     (RESULTS / "smollm2_greedy.md").write_text(md)
     print(md)
-    return 0 if record["matched"] == len(record["rows"]) else 1
+    preempted_ok = all(run["matched"] == run["requests"] for run in record["preemption"].values())
+    return 0 if record["matched"] == len(record["rows"]) and preempted_ok else 1
 
 
 if __name__ == "__main__":
