@@ -498,6 +498,11 @@ def real_model(stem: str) -> tuple[list[str], list[str]]:
     out += table(["prompt", "same text", "stream same", "finish", "tokens (ours / transformers)"],
                  [[r["prompt"], "yes" if r["same"] else "no", "yes" if r["stream_same"] else "no", r["finish_reason"],
                    f"{r['completion_tokens']} / {r['expected_tokens']}"] for r in d["rows"]])
+    if d.get("preemption"):  # runs recorded before the preemption pass have none
+        out += ["The same prompts at once, on device KV for one sequence, each reply against transformers':", ""]
+        out += table(["preemption", "flags", "replies equal", "preemptions", "KV blocks in use after"],
+                     [[mode, f"`{' '.join(run['flags'])}`", f"{run['matched']} of {run['requests']}",
+                       run["preemptions"], run["blocks_in_use_after"]] for mode, run in d["preemption"].items()])
     return out, []
 
 
