@@ -134,9 +134,16 @@ class TokenMask:
         """Disallowed tokens of the constrained rows to -inf, in place, in one
         kernel for the whole batch (``logits``: [R, V] fp32)."""
         bitmask = self.bitmask.to(logits.device, non_blocking=True)
-        indices = None if self.rows == list(range(logits.shape[0])) else self.rows
-        xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(self.vocab_size, logits.shape[1]),
-                                        indices=indices)
+        # xgrammar reads bitmask row i for logits row i (its ``indices`` pick
+        # rows of both), while ours holds the constrained rows alone. So the
+        # mask goes onto those rows as a block: a view where they are
+        # consecutive, else a gathered copy written back.
+        rows, first = self.rows, self.rows[0]
+        consecutive = rows[-1] - first + 1 == len(rows)  # rows ascend, no repeats
+        block = logits[first:first + len(rows)] if consecutive else logits[rows]
+        xgrammar().apply_token_bitmask_inplace(block, bitmask, vocab_size=min(self.vocab_size, logits.shape[1]))
+        if not consecutive:
+            logits[rows] = block
         if logits.shape[1] > self.vocab_size:  # ids past the tokenizer's: never grammatical
             logits[self.rows, self.vocab_size:] = float("-inf")
 

@@ -151,6 +151,21 @@ def _in(text: str, options: list[str]) -> None:
     assert text in options, text
 
 
+def test_a_plain_request_beside_a_streaming_constrained_one(server, client):
+    """A plain completion sent while a constrained one streams shares its
+    steps: both are answered, and the server stays healthy."""
+    model = client.models.list().data[0].id
+    stream = client.completions.create(model=model, prompt="x", max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"structured_outputs": {"regex": "[ab]{200}"}})
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text  # decoding now
+    plain = client.completions.create(model=model, prompt="hello there", max_tokens=8, temperature=0)
+    text += "".join(c.choices[0].text for c in chunks if c.choices)
+    assert plain.choices[0].finish_reason in ("stop", "length") and plain.usage.completion_tokens >= 1
+    assert len(text) == 200 and set(text) <= {"a", "b"}
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
 def test_unconstrained_reply_is_not_json(client):
     """The control: the same request without response_format is noise."""
     content, _, _ = chat(client, False, temperature=0, max_tokens=40)
@@ -270,6 +285,54 @@ def test_grammar_allows_eos_exactly_where_it_can_end(make_llm, tiny_model):
         mask.apply(logits)
         allowed.append(set(torch.nonzero(logits[0] > float("-inf")).flatten().tolist()))
     assert allowed == [{ord("a")}, {ord("b")}, {ord("c"), EOS}, {EOS}]
+
+
+@pytest.mark.parametrize("rows", [[1, 3], [1, 2], [0, 2, 3]], ids=["apart", "consecutive", "from-the-first"])
+def test_mask_reaches_its_own_rows_among_unconstrained_ones(rows):
+    """A step's constrained rows may sit anywhere among its sampling rows:
+    each gets its own mask row, and every other row is left as it was."""
+    from fluidserve.engine.structured import TokenMask
+
+    vocab = 70
+    bitmask = torch.zeros(len(rows), 3, dtype=torch.int32)  # nothing allowed...
+    for j in range(len(rows)):
+        bitmask[j, 0] = 1 << j  # ...but token j in the j-th constrained row
+    logits = torch.randn(4, vocab)
+    before = logits.clone()
+    TokenMask(bitmask, rows, vocab_size=64).apply(logits)  # two ids past the tokenizer's
+    for r in range(4):
+        if r not in rows:
+            assert torch.equal(logits[r], before[r])
+            continue
+        j = rows.index(r)
+        assert torch.isfinite(logits[r]).nonzero().flatten().tolist() == [j]
+        assert logits[r, j] == before[r, j]
+
+
+def test_plain_request_joining_a_constrained_one(make_llm, tiny_model):
+    """An unconstrained request that arrives while a constrained one decodes
+    runs ahead of it in the batch (skip-join MLFQ ranks the newcomer first),
+    so the constrained row is not the first: both finish, each as it would
+    alone."""
+    llm = make_llm(tiny_model("llama"))
+    engine = llm.engine
+    constrained = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputs(regex="[ab]{40}"))
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone_c = llm.generate(["x"], constrained)[0].outputs[0].token_ids
+    alone_p = llm.generate(["hello there"], plain)[0].outputs[0].token_ids
+    done = {}
+    engine.add_request("c", "x", constrained)
+    for step in range(200):
+        if step == 3:
+            engine.add_request("p", "hello there", plain)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            break
+    assert set(done) == {"c", "p"}
+    assert done["c"] == alone_c and done["p"] == alone_p
+    assert set(done["c"]) <= {ord("a"), ord("b")} and len(done["c"]) == 40
 
 
 def test_matcher_follows_the_engine_history():
