@@ -106,7 +106,8 @@ _REFUSED_CHAT: dict[str, Callable[[Any], bool]] = {
     "audio": _off(),
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": _off(),
-    "web_search_options": _off(),
+    # Even {} asks for a search (with the default context size): only null is off.
+    "web_search_options": lambda v: v is None,
     "reasoning_effort": _off(),
     "verbosity": _off(),
     "chat_template": _off(),

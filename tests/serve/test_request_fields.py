@@ -437,6 +437,7 @@ REFUSED: list[tuple[str, str, Any]] = [
     (CHAT, "modalities", ["text", "audio"]),
     (CHAT, "prediction", {"type": "content", "content": "x"}),
     (CHAT, "web_search_options", {"search_context_size": "low"}),
+    (CHAT, "web_search_options", {}),  # a search with the defaults
     (CHAT, "reasoning_effort", "high"),
     (CHAT, "verbosity", "low"),
     (CHAT, "chat_template", "{{ messages }}"),
@@ -463,6 +464,7 @@ OFF_VALUES: list[tuple[str, str, Any]] = [
     (C, "guided_decoding_backend", "xgrammar"),
     (C, "use_beam_search", False), (C, "length_penalty", 1.0), (C, "store", False),
     (C, "service_tier", "auto"), (CHAT, "modalities", ["text"]), (CHAT, "continue_final_message", False),
+    (CHAT, "web_search_options", None),
 ]
 # Fields of nested objects: messages[i] and stream_options.
 REFUSED_NESTED: list[tuple[str, dict, str]] = [
