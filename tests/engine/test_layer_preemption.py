@@ -34,6 +34,10 @@ K = 2  # safepoints before layers 0, 2, 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
 PROMPTS = ["hello world " * 6, "abc " * 20, "the quick brown fox"]
+# The starve limit is wall time: on a busy machine a job can starve and jump
+# the queue, which changes how steps are made up and so how often a layer
+# runs. Tests that count layer calls against a reference run turn it off.
+NO_STARVING = dict(policy_options={"starve_limit_ms": 1e9})
 
 
 def _layers(engine: LLMEngine) -> list[torch.nn.Module]:
@@ -91,7 +95,7 @@ def test_paused_steps_resume_where_they_stopped(tiny_model, make_llm, arch, k):
     runs twice. With k = 0.5 every stop falls between layer 3's attention
     and its MLP, and the resumed step starts with that MLP."""
     path = tiny_model(arch, num_hidden_layers=LAYERS)
-    cfg = dict(num_kv_blocks=64, max_num_batched_tokens=16)
+    cfg = dict(num_kv_blocks=64, max_num_batched_tokens=16, **NO_STARVING)
     params_of = lambda i: SEEDED if i == 1 else GREEDY  # noqa: E731
     reference, ref_seen = _run_offline(make_llm(path, **cfg, preemption_safepoint_layers=K), params_of)
     llm = make_llm(path, **cfg, preemption_safepoint_layers=k)
@@ -121,7 +125,7 @@ def test_a_worker_without_the_paused_state_runs_the_step_again(tiny_model, make_
     nothing (here: dropped by hand after every pause) runs the resumed step
     from layer 0 and the tokens are the same."""
     path = tiny_model("llama", num_hidden_layers=LAYERS)
-    cfg = dict(num_kv_blocks=64, max_num_batched_tokens=16, preemption_safepoint_layers=K)
+    cfg = dict(num_kv_blocks=64, max_num_batched_tokens=16, preemption_safepoint_layers=K, **NO_STARVING)
     reference, ref_seen = _run_offline(make_llm(path, **cfg), lambda i: GREEDY)
     llm = make_llm(path, **cfg)
     worker = llm.engine.executor.worker

@@ -228,7 +228,10 @@ def test_restart_keeps_accepted_files_and_drops_unfinished_ones(tiny_model, tmp_
         b = wait_batch(c, c.batches.create(input_file_id=kept.id, endpoint="/v1/completions",
                                            completion_window="24h").id, statuses=("in_progress", "completed"))
         assert b.request_counts.total == 100
-        wait_batch(c, c.batches.cancel(b.id).id)
+        try:  # no need to run the rest
+            wait_batch(c, c.batches.cancel(b.id).id)
+        except openai.ConflictError:  # it completed first
+            pass
     finally:
         srv.stop()
 
