@@ -506,14 +506,24 @@ def real_model(stem: str) -> tuple[list[str], list[str]]:
     return out, []
 
 
+OFFLINE_STEMS = ("vs_vllm-offline-cpu", "vs_vllm-prefix-cpu", "vs_vllm-offline-cpu-smollm2-small-batches",
+                 "vs_vllm-offline-cpu-smollm2-small-batches-one-thread")
+
+
 def vs_offline(_: str) -> tuple[list[str], list[str]]:
-    out = ["Offline generation, each system with its defaults, same model and weights (4 layers, hidden 512, "
-           "GQA, vocab 32k), greedy, `ignore_eos`; output tokens per second (best of repeats) and per CPU-second "
-           "(the process tree's user + system time). The prefix rows put a 1024-token shared system prompt "
+    from vs_vllm import RANDOM_MODEL
+
+    out = ["Offline generation, each system with its defaults, same model and weights (unless named, 4 layers, "
+           "hidden 512, GQA, vocab 32k), greedy, `ignore_eos`; output tokens per second (best of repeats) and per "
+           "CPU-second (the process tree's user + system time). The prefix rows put a 1024-token shared system prompt "
            "before every request, prefix caching on in both.", ""]
     plots = []
-    for stem, d in loaded("vs_vllm-offline-cpu", "vs_vllm-prefix-cpu"):
+    for stem, d in loaded(*OFFLINE_STEMS):
         what = "prefix caching on in both" if "prefix" in stem else "no prefix sharing"
+        if d.get("model", RANDOM_MODEL) != RANDOM_MODEL:
+            threads = d.get("threads", {}).get("fluidserve")
+            what = (f"a real model ({Path(d['model']).name}, its own weights in both), small batches, fluidserve on "
+                    f"{threads} torch thread{'s' if threads != 1 else ''}")
         out += [f"**Against vLLM {d.get('vllm_version', '')}'s CPU build**, {what}:", ""] + provenance(stem, d)
         if d.get("note"):
             out += [d["note"], ""]
@@ -934,7 +944,7 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Online serving against vLLM and transformers", ONLINE_STEMS,
      vs_online),
     ("Offline throughput against vLLM and transformers",
-     ["vs_vllm-offline-cpu", "vs_vllm-prefix-cpu", "throughput-cpu-cpu-small"], vs_offline),
+     [*OFFLINE_STEMS, "throughput-cpu-cpu-small"], vs_offline),
     ("A long prompt's time to first token", ["long_prompt"], long_prompt),
     ("Engine bookkeeping per step", ["step_overhead-cpu"], step_overhead),
     ("Scheduler CPU time per step", ["sched_step_cost", "sched_step_cost-1024"], sched_step_cost),

@@ -24,7 +24,13 @@ runs {64, 256} requests x {64, 128} output tokens x {bf16, fp32}, greedy,
 ``ignore_eos``. Both engines stay loaded side by side (one child process each,
 the idle one sleeps) and every point runs on each in turn, the order swapped
 on every repeat, so load from other processes hits both alike; the ratio per
-point is what to read.
+point is what to read. ``offline --model DIR`` runs a real model instead (its
+vocabulary must hold the prompts' ids, below 32k); small batches there time
+each system's decode step itself, with no server around it::
+
+    python benchmarks/vs_vllm.py offline --vllm-python /work/vllm-venv/bin/python \
+        --model /path/to/SmolLM2-135M-Instruct --dtypes float32 --requests 1 4 --output-lens 128 \
+        --repeats 3 --threads 1 --tag=-smollm2-small-batches
 
 Prefix caching (offline, a long shared system prompt before every request's
 own suffix; ``enable_prefix_caching=True`` in vLLM, fluidserve's default)::
@@ -340,13 +346,14 @@ def offline(args: argparse.Namespace) -> dict:
             "threads": args.threads}
     points: list[dict] = []
     record: dict = {"benchmark": "vs_vllm offline", "command": " ".join(map(shlex.quote, sys.argv)),
-                    "device": device_record(), "load_average_start": os.getloadavg(), "model_shape": SHAPE,
-                    "engine_options": opts,
+                    "device": device_record(), "load_average_start": os.getloadavg(),
+                    "model": str(args.model) if args.model else RANDOM_MODEL,
+                    "model_shape": _shape(args.model) if args.model else SHAPE, "engine_options": opts,
                     "prompts": {"source": "ShareGPT lengths", "scale": args.length_scale,
                                 "mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))},
                     "note": args.note, "tag": args.tag, "points": points}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(Path(tmp) / "model")
+        model_dir = Path(args.model) if args.model else build_model(Path(tmp) / "model")
         log = RESULTS / "vs_vllm-workers.log"
         baseline_env = _baseline_env(args.baseline_src, Path(tmp)) if args.baseline_src else None
         for dtype in args.dtypes:
@@ -716,8 +723,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--online-input-len", type=int, default=128, help="online: mean prompt words")
     ap.add_argument("--online-output-len", type=int, default=64, help="online: mean output tokens")
     ap.add_argument("--max-model-len", type=int, default=4096, help="online: servers' context length")
-    ap.add_argument("--model", default=None, help="online: a real model's directory, served by every server "
-                    "(default: a random-weight Llama built here)")
+    ap.add_argument("--model", default=None, help="online and offline: a real model's directory, run by every "
+                    "system (default: a random-weight Llama built here)")
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--sustain-ttft-ms", type=float, nargs="+", default=[250.0, 500.0, 1000.0],
                     help="online: P99 TTFT bounds for the sustained-rate summary")
@@ -738,8 +745,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens of the shared system prompt")
     ap.add_argument("--suffix-len", type=int, default=32, help="prefix: mean tokens after it (uniform +-50%%)")
     args = ap.parse_args(argv)
-    if args.model and args.mode != "online":
-        ap.error("--model: online mode only (offline and prefix compare token ids from the random model)")
+    if args.model and args.mode == "prefix":
+        ap.error("--model: online and offline modes only")
+    if args.model and args.mode == "offline" and (_shape(args.model)["vocab_size"] or 0) < SHAPE["vocab_size"]:
+        ap.error(f"--model: offline prompts are token ids below {SHAPE['vocab_size']}, past this model's vocabulary")
     {"offline": offline, "prefix": prefix, "online": online}[args.mode](args)
     return 0
 
