@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
@@ -92,9 +93,15 @@ def _kind(spec: StructuredOutputs) -> str:
     return "structured_outputs.json_object"
 
 
+# xgrammar's C++ errors open with a time and a source location, as in
+# "[00:33:41] /project/cpp/regex_converter.cc:94: Regex parsing error ...":
+# of no use to whoever sent the grammar.
+_NATIVE_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: ")
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
+    return _NATIVE_PREFIX.sub("", text.splitlines()[0])[:300]
 
 
 class GrammarCompiler:

@@ -254,6 +254,16 @@ def test_unsupported_combinations_are_400_naming_the_field(server, body, param):
     assert resp.json()["error"]["param"] == param, resp.json()
 
 
+def test_a_grammar_that_does_not_compile_is_a_400_saying_why(server):
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": MSGS, "guided_regex": "[a-"},
+                      timeout=30)
+    assert resp.status_code == 400
+    # xgrammar's own words ("... Regex parsing error at position 4: Unclosed '['"), without the
+    # time and source file its native errors open with
+    message = resp.json()["error"]["message"]
+    assert "position 4" in message and ".cc:" not in message and "[00:" not in message, message
+
+
 def test_auto_tool_choice_needs_the_server_flag(tiny_model):
     srv = start_server(tiny_model("llama"))  # no --enable-auto-tool-choice
     try:
