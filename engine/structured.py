@@ -141,16 +141,18 @@ class TokenMask:
         """Disallowed tokens of the constrained rows to -inf, in place, in one
         kernel for the whole batch (``logits``: [R, V] fp32)."""
         bitmask = self.bitmask.to(logits.device, non_blocking=True)
-        # xgrammar reads bitmask row i for logits row i (its ``indices`` pick
-        # rows of both), while ours holds the constrained rows alone. So the
-        # mask goes onto those rows as a block: a view where they are
-        # consecutive, else a gathered copy written back.
+        vocab = min(self.vocab_size, logits.shape[1])
+        # xgrammar reads bitmask row r for logits row r (its ``indices`` pick
+        # rows of both), while ours holds the constrained rows alone.
         rows, first = self.rows, self.rows[0]
-        consecutive = rows[-1] - first + 1 == len(rows)  # rows ascend, no repeats
-        block = logits[first:first + len(rows)] if consecutive else logits[rows]
-        xgrammar().apply_token_bitmask_inplace(block, bitmask, vocab_size=min(self.vocab_size, logits.shape[1]))
-        if not consecutive:
-            logits[rows] = block
+        if rows[-1] - first + 1 == len(rows):  # consecutive (rows ascend): the mask fits a view of them
+            xgrammar().apply_token_bitmask_inplace(logits[first:first + len(rows)], bitmask, vocab_size=vocab)
+        else:
+            # Each mask row moved to its logits row's place; xgrammar reads
+            # no other, so the rows between are left unwritten.
+            spread = bitmask.new_empty((rows[-1] + 1, bitmask.shape[1]))
+            spread[rows] = bitmask
+            xgrammar().apply_token_bitmask_inplace(logits, spread, vocab_size=vocab, indices=rows)
         if logits.shape[1] > self.vocab_size:  # ids past the tokenizer's: never grammatical
             logits[self.rows, self.vocab_size:] = float("-inf")
 
