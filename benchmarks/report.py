@@ -701,6 +701,16 @@ def grammar(_: str) -> tuple[list[str], list[str]]:
                      [[f"{d['json_over_unconstrained_cpu']:.3f}", f"{d['json_over_unconstrained_cpu_paired']:.3f}",
                        f"{d['json_over_unconstrained_wall']:.3f}", f"{d['grammar_share_of_json_decode_wall']:.1%}"]],
                      "rrrr")
+    d = load("grammar_mask_apply-cpu")
+    if d:
+        out += [f"**Masks onto a step's logits** (vocabulary {d['vocab']}), by where the constrained rows sit "
+                "among the step's sampling rows: `TokenMask.apply` (a view of consecutive rows; for rows apart, "
+                "each mask row moved to its logits row's place) beside gathering the constrained logits rows, "
+                f"masking them and writing them back; median of {d['rounds']} alternating rounds.", ""]
+        out += provenance("grammar_mask_apply-cpu", d)
+        out += table(["sampling rows", "constrained", "placed", "apply µs", "gathered µs", "gathered / apply"],
+                     [[r["rows"], r["constrained"], "consecutive" if r["consecutive"] else "apart", r["engine_us"],
+                       r["gathered_us"], ratio(r["gathered_over_engine"])] for r in d["results"]], "rrlrrr")
     d = load("prompt_logprobs-cpu")
     if d:
         out += [f"**prompt_logprobs**: {d['num_prompts']} prompts of {d['prompt_len']} tokens, 1 output token, "
@@ -951,7 +961,8 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Garbage collection during steps", ["gc_pauses"], gc_pauses),
     ("CPU kernels", ["cpu_decode_groups", "cpu_chunked_prefill", "shared_prefix_decode", "cpu_linear"], cpu_kernels),
     ("Structured output and prompt logprobs",
-     ["grammar_mask", "structured_overhead-cpu", "structured_overhead-cpu-small", "prompt_logprobs-cpu"], grammar),
+     ["grammar_mask", "structured_overhead-cpu", "structured_overhead-cpu-small", "grammar_mask_apply-cpu",
+      "prompt_logprobs-cpu"], grammar),
     ("KV cache and preemption on the real engine",
      ["prefix_cache", "swap_serving", "swap_serving_chat", "swap_serving-default-seeds-0-6",
       "swap_serving-load-0.9-seeds-0-6", "swap_serving-load-0.9-baseline-again", "swap_serving_chat-default-seeds-0-6",
