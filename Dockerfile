@@ -54,7 +54,8 @@ WORKDIR /home/fluidserve
 EXPOSE 8000
 
 # /health is 503 as soon as generation is dead (engine loop or a worker);
-# the start period covers downloading and loading a large model.
+# a dead engine loop also ends the process (status 1): run with --restart.
+# The start period covers downloading and loading a large model.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
 

@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fluidserve.engine.outputs import RequestOutput
 from fluidserve.engine.sampling_params import SamplingParams
@@ -82,8 +82,12 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: Any, *, stall_timeout: float = 60.0, idle_poll: float = 0.25,
-                 health_check_interval: float = 1.0) -> None:
+                 health_check_interval: float = 1.0,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        # Called on the event loop once the engine loop has died and every
+        # request has been failed (``fluidserve serve`` exits then).
+        self.on_death = on_death
         self.stall_timeout = stall_timeout
         self.health_check_interval = health_check_interval
         self.idle_poll = idle_poll
@@ -259,6 +263,8 @@ class AsyncEngine:
             logger.exception("engine loop died")
             self._error = exc
             self._post(self._fail_all, EngineDeadError(f"engine loop died: {type(exc).__name__}: {exc}"))
+            if self.on_death is not None:
+                self._post(self.on_death, exc)
 
     def _apply_commands(self, block: bool) -> None:
         try:

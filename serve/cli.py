@@ -366,8 +366,22 @@ def run_serve(args: argparse.Namespace) -> int:
     from fluidserve.serve.store import StoreError
 
     batch_config = BatchConfig(args.data_dir, max_in_flight=args.batch_max_in_flight) if args.data_dir else None
+    died: list[BaseException] = []
+
+    def exit_on_death(exc: BaseException) -> None:
+        # Every request has had its 503 by now. A dead engine loop does not
+        # come back, and under plain `docker run --restart` an unhealthy
+        # container is never restarted: exit, for the supervisor to start a
+        # fresh server (accepted batch lines resume from --data-dir).
+        died.append(exc)
+        logger.error("the engine loop died (%s: %s): draining, then exiting with status 1",
+                     type(exc).__name__, exc)
+        server.should_exit = True
+        server.on_drain()
+
     try:
-        front = engine if config.data_parallel_size > 1 else AsyncEngine(engine, stall_timeout=args.watchdog_timeout)
+        front = (engine if config.data_parallel_size > 1
+                 else AsyncEngine(engine, stall_timeout=args.watchdog_timeout, on_death=exit_on_death))
         app = build_app(front, frontend_tokenizer(model, chat_template), info, settings, batch_config=batch_config)
     except StoreError as exc:  # corrupt or unwritable: say so, touch nothing
         print(f"fluidserve serve: {exc}", file=sys.stderr)
@@ -385,7 +399,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     "(with --api-key, or FLUIDSERVE_API_KEY, to require a key)")
     with frozen_heap(collect_first=True):
         server.run(sockets=[sock])
-    return 0
+    return 1 if died else 0
 
 
 def start_replicas(config):

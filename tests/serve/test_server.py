@@ -509,3 +509,48 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path):
     log = log_path.read_text()
     assert "built-in tiny random-weight model" in log
     assert "SIGTERM received" in log
+
+
+# A step that raises once the trigger file exists (a device fault, a lost
+# worker), put into a real `fluidserve serve` process before its main runs.
+_DYING_SERVER = """
+import os, sys
+from fluidserve.engine.engine import LLMEngine
+real_step = LLMEngine.step
+def step(self):
+    if os.path.exists({trigger!r}):
+        raise RuntimeError("simulated device failure")
+    return real_step(self)
+LLMEngine.step = step
+from fluidserve.serve.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_dead_engine_fails_in_flight_requests_and_the_process_exits_1(tmp_path):
+    """A dead engine loop does not come back and plain `docker run --restart`
+    does not restart an unhealthy container: the server answers what it
+    holds with a 503, drains and exits with status 1, for its supervisor to
+    start a fresh one."""
+    import subprocess
+    import sys
+
+    port, trigger = free_port(), tmp_path / "die"
+    log = (tmp_path / "server.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-c", _DYING_SERVER.format(trigger=str(trigger)), "serve", "--host",
+                             "127.0.0.1", "--port", str(port), "--device", "cpu", "--max-model-len", "256"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, timeout=120, proc=proc)
+        assert httpx.post(f"{base}/v1/completions", json={"prompt": "alive", "max_tokens": 3}).status_code == 200
+        trigger.touch()
+        err = assert_error_shape(httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 3},
+                                            timeout=30), 503)
+        assert "simulated device failure" in err["message"]
+        assert proc.wait(timeout=60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "engine loop died" in (tmp_path / "server.log").read_text()
