@@ -139,7 +139,7 @@ class TokenMask:
 
     def apply(self, logits: torch.Tensor) -> None:
         """Disallowed tokens of the constrained rows to -inf, in place, in one
-        kernel for the whole batch (``logits``: [R, V] fp32)."""
+        kernel for all of them (``logits``: [R, V] fp32, every sampling row)."""
         bitmask = self.bitmask.to(logits.device, non_blocking=True)
         vocab = min(self.vocab_size, logits.shape[1])
         # xgrammar reads bitmask row r for logits row r (its ``indices`` pick
