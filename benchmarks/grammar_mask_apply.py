@@ -18,15 +18,18 @@ Writes benchmarks/results/grammar_mask_apply-<device>.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from fluidserve.engine.structured import TokenMask, xgrammar
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dummy_models import device_slug, run_record, save_results  # noqa: E402
+
+from fluidserve.engine.structured import TokenMask, xgrammar  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -55,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=50)
     args = ap.parse_args(argv)
+    command = " ".join(map(shlex.quote, ["python3", "benchmarks/grammar_mask_apply.py",
+                                         *(sys.argv[1:] if argv is None else argv)]))
+    record = run_record("grammar_mask_apply", args.device, benchmark="grammar mask apply", vocab=args.vocab,
+                        rounds=args.rounds, calls=args.calls, command=command)
+    if record is None:
+        return 1
     device = torch.device(args.device)
     cases = [(16, list(range(c))) for c in (1, 4, 8)] + [(16, list(range(1, 2 * c, 2))) for c in (4, 8)]
     cases += [(256, list(range(0, 256, 32))), (256, list(range(1, 256, 2)))]
@@ -78,26 +87,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(constrained):3d} of {num_rows:3d} rows, {'consecutive' if consecutive else 'apart':11s}: "
               f"engine {med['engine']:8.1f} us, gathered {med['gathered']:8.1f} us "
               f"({med['gathered'] / med['engine']:.1f}x)", flush=True)
-    slug = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).lower().replace(" ", "_")
-    record = {"benchmark": "grammar mask apply", "device": slug, "vocab": args.vocab, "rounds": args.rounds,
-              "calls": args.calls, "torch": torch.__version__, "python": platform.python_version(),
-              "command": "python3 benchmarks/grammar_mask_apply.py" + ("" if argv is None else " " + " ".join(argv)),
-              "results": rows_out}
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"grammar_mask_apply-{slug}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=2))
+    slug = "cpu" if device.type == "cpu" else device_slug(record["device"])
+    record["results"] = rows_out
     lines = ["# Grammar masks onto a step's logits, by where the constrained rows sit", "",
-             f"Vocabulary {args.vocab}, {slug}, torch {torch.__version__}; median of {args.rounds} alternating "
-             f"rounds of {args.calls} calls each. `engine`: `TokenMask.apply` (a view of consecutive rows; mask "
-             "rows moved to their places for rows apart); `gathered`: the constrained logits rows gathered, "
-             "masked and written back.", "",
-             f"Command: `{record['command']}`", "",
+             f"Vocabulary {args.vocab}, {record['device']}, torch {torch.__version__}; median of {args.rounds} "
+             f"alternating rounds of {args.calls} calls each. `engine`: `TokenMask.apply` (a view of consecutive "
+             "rows; mask rows moved to their places for rows apart); `gathered`: the constrained logits rows "
+             "gathered, masked and written back.", "",
+             f"Command: `{command}`", "",
              "| sampling rows | constrained | placed | engine us | gathered us | gathered / engine |",
              "|---:|---:|---|---:|---:|---:|"]
     lines += [f"| {r['rows']} | {r['constrained']} | {'consecutive' if r['consecutive'] else 'apart'} | "
               f"{r['engine_us']:.1f} | {r['gathered_us']:.1f} | {r['gathered_over_engine']:.1f}x |" for r in rows_out]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {stem}.json and .md")
+    save_results(RESULTS / f"grammar_mask_apply-{slug}", record, "\n".join(lines) + "\n")
     return 0
 
 

@@ -154,7 +154,7 @@ class TokenMask:
             spread[rows] = bitmask
             xgrammar().apply_token_bitmask_inplace(logits, spread, vocab_size=vocab, indices=rows)
         if logits.shape[1] > self.vocab_size:  # ids past the tokenizer's: never grammatical
-            logits[self.rows, self.vocab_size:] = float("-inf")
+            logits[rows, self.vocab_size:] = float("-inf")
 
 
 @dataclass
