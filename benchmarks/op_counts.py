@@ -419,20 +419,29 @@ def regions(counter: OpCounter, worker):
             h.remove()
 
 
+def _execute(worker, inp):
+    """``Worker.execute``, raising if the step failed: the worker would
+    serve on, but a measurement of a failed step measures the wrong thing."""
+    result = worker.execute(inp)
+    if result.failed or result.failed_rows:
+        raise RuntimeError(f"the measured step failed: {result.failed or result.failed_rows}")
+    return result
+
+
 def count_step(model_dir: Path, dtype: str, batch: int, device: str = "cpu") -> dict:
     """Op counts of one decode step (after a prefill and one uncounted decode)."""
     import torch
 
     worker = make_worker(model_dir, dtype, batch, device)
     prefill, decode = decode_inputs(batch)
-    worker.execute(prefill)
-    worker.execute(decode)  # first-use work (plans' caches, Triton's rewrite) stays out of the count
+    _execute(worker, prefill)
+    _execute(worker, decode)  # first-use work (plans' caches, Triton's rewrite) stays out of the count
     counter = OpCounter()
     counter.mark_device(*worker.model.parameters(), *worker.model.buffers(),
                         *(t for kv in worker.kv_caches for t in kv))
     with torch.inference_mode(), regions(counter, worker), counting(counter):
         result = worker.execute(decode)
-    assert len(result.sampled) == batch
+    assert result.failed is None and len(result.sampled) == batch
     return {name: t.record() for name, t in counter.tallies.items()}
 
 
@@ -450,15 +459,16 @@ def time_step(model_dir: Path, dtype: str, batch: int, rounds: int,
         _patch(InterpretedFunction, "run", lambda original: lambda *a, **k: None)
     worker = make_worker(model_dir, dtype, batch)
     prefill, decode = decode_inputs(batch)
-    worker.execute(prefill)
+    _execute(worker, prefill)
     for _ in range(3):
-        worker.execute(decode)
+        _execute(worker, decode)
     wall, cpu = [], []
     for _ in range(rounds):
         t0, c0 = time.perf_counter(), time.process_time()
-        worker.execute(decode)
+        result = worker.execute(decode)
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+        assert result.failed is None and not result.failed_rows, result.failed or result.failed_rows
     return {"wall": wall, "cpu": cpu}
 
 

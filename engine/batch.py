@@ -84,6 +84,11 @@ class ModelInput:
         return len(self.input_ids)
 
 
+class StepFailed(RuntimeError):
+    """A launched step's forward or sampling raised, and the device is still
+    sound (``Worker.launch``; ``execute`` reports it as ``StepResult.failed``)."""
+
+
 @dataclass
 class StepResult:
     sampled: dict = field(default_factory=dict)  # request id -> SampledToken (rank 0 only)
@@ -97,6 +102,13 @@ class StepResult:
     # The worker kept the interrupted forward's state: sending the same input
     # again with ``resume_of`` set continues it from that layer.
     paused: bool = False
+    # The forward raised and the device is still sound: no tokens; the
+    # engine fails the step's requests and serves on. The exception, as
+    # ``"TypeName: message"``. None: the step did not fail.
+    failed: str | None = None
+    # Rows whose sampling raised, sampled alone (request id -> the
+    # exception): their requests fail, the other rows' tokens stand.
+    failed_rows: dict = field(default_factory=dict)
 
     @property
     def abandoned(self) -> bool:

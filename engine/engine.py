@@ -25,7 +25,7 @@ from fluidserve.scheduler.cost_model import cost_model_for_engine
 from fluidserve.scheduler.plan import StepOutcome, StepPlan
 from fluidserve.scheduler.request_state import RequestClass, SeqState
 from fluidserve.scheduler.scheduler import Scheduler
-from fluidserve.engine.batch import ModelInput, PromptLogprobSpec, SampleSpec, StepResult
+from fluidserve.engine.batch import ModelInput, PromptLogprobSpec, SampleSpec, StepFailed, StepResult
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.detokenizer import TextStream, byte_table
 from fluidserve.engine.executor import make_executor
@@ -46,6 +46,14 @@ log = logging.getLogger(__name__)
 
 # vLLM's buckets of tokens per engine step (upper bounds, inclusive).
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# A failed step fails its own requests and the engine serves on; this many
+# in a row say the fault is not in any request, and the engine stops.
+MAX_FAILED_STEPS_IN_A_ROW = 4
+
+
+class StepFailedError(RuntimeError):
+    """Steps keep failing whatever they run: the engine cannot serve."""
 
 
 @dataclass
@@ -84,6 +92,10 @@ class EngineStats:
     num_steps_resumed: int = 0  # paused steps continued from their safepoint
     # Async scheduling: decode steps queued before the previous step's tokens were read.
     num_steps_launched_ahead: int = 0
+    # Steps whose forward raised (the device sound), and the requests failed
+    # by them or by a row whose sampling raised; the engine served on.
+    num_failed_steps: int = 0
+    num_failed_requests: int = 0
     # Tokens per step (vLLM's iteration_tokens_total): steps per bucket of
     # ITERATION_TOKEN_BUCKETS (the last for larger ones), and their sum. A
     # tuple, replaced per step, so a copy of the stats is a snapshot.
@@ -106,6 +118,7 @@ class _Launched:
     plan: StepPlan  # decodes only: its sample rows are its scheduled sequences, in order
     handle: object  # Executor.launch's: .result() waits for the tokens
     start: float
+    failed: str | None = None  # the launch raised (StepFailed): no handle
 
 
 class LLMEngine:
@@ -165,6 +178,7 @@ class LLMEngine:
             log.warning("--async-scheduling needs the in-process executor (--executor local, one GPU): "
                         "steps run synchronously")
         self._pending: _Launched | None = None  # async scheduling: the step queued, unread
+        self._failed_in_a_row = 0
         self._read_at = 0.0  # when the last launched step's tokens were read
         log.info("engine ready: %s on %s (%s attention kernels%s), %d KV blocks of %d tokens (+%d on the host), "
                  "max_model_len %d%s", self.model_name, runtime_for(device).name or device, kernel_path(device),
@@ -284,11 +298,18 @@ class LLMEngine:
         if plan.is_empty:
             return []
         if self._async and self._launchable(plan):
-            inp = self._model_input(plan)
-            self._pending = _Launched(plan, self.executor.launch(inp), now)
+            launched = self._launch(plan, now)
+            if launched.failed is not None:
+                return self._fail_step(plan, launched.failed, now)
+            self._pending = launched
             return self._read_launched()
         result, inp = self._execute(plan)
+        if result.failed is not None:
+            return self._fail_step(plan, result.failed, now)
+        self._failed_in_a_row = 0
         outputs, finished = self.output_processor.process(result, now)
+        if result.failed_rows:
+            outputs += self._fail_rows(result.failed_rows, now, finished)
         self.scheduler.update_from_output(plan, StepOutcome(time.monotonic() - now, now, finished,
                                                             abandoned=result.abandoned, paused=result.paused,
                                                             # kept with the paused step until it resumes
@@ -324,12 +345,15 @@ class LLMEngine:
         # before it ended (read back then), whichever came later.
         step_time = read_at - max(cur.start, self._read_at)
         self._read_at = read_at
+        self._failed_in_a_row = 0
         outputs, finished = self.output_processor.process(result, cur.start)
         self.scheduler.update_from_output(cur.plan, StepOutcome(step_time, cur.start, finished))
         self.stats_.num_steps += 1
         self.stats_.observe_iteration(cur.plan.num_batched_tokens)
         if nxt is not None:
-            if any(item.request_id in self.seqs for item in nxt.plan.scheduled):
+            if nxt.failed is not None:
+                outputs += self._fail_step(nxt.plan, nxt.failed, nxt.start)
+            elif any(item.request_id in self.seqs for item in nxt.plan.scheduled):
                 self._pending = nxt
             else:  # every sequence it ran has stopped: nothing to read of it
                 nxt.handle.result()
@@ -349,9 +373,55 @@ class LLMEngine:
         plan = self.scheduler.continue_decodes(cur.plan, list(ahead))
         if plan is None:
             return None
-        inp = self._model_input(plan, ahead)
         self.stats_.num_steps_launched_ahead += 1
-        return _Launched(plan, self.executor.launch(inp), time.monotonic())
+        return self._launch(plan, time.monotonic(), ahead)
+
+    def _launch(self, plan: StepPlan, start: float, ahead: dict[str, int] | None = None) -> _Launched:
+        try:
+            return _Launched(plan, self.executor.launch(self._model_input(plan, ahead)), start)
+        except StepFailed as exc:
+            return _Launched(plan, None, start, failed=str(exc))
+
+    def _fail_step(self, plan: StepPlan, error: str, start: float) -> list[RequestOutput]:
+        """The step's forward raised (or its launch) and the device is sound: it
+        computed nothing (as an abandoned step: its KV copies stand, its
+        tokens do not, none of its blocks enters the prefix cache). Each
+        request it ran fails with ``error``, keeping the tokens it had, and
+        leaves; the rest are served on. A fault that is in no one request
+        fails every step: after a few in a row the engine stops."""
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+            raise StepFailedError(f"{self._failed_in_a_row} steps in a row failed, the last with {error}")
+        log.error("a step failed (%s): its requests fail, the engine serves on", error)
+        stopped: list[str] = []
+        outputs = self._fail_requests({item.request_id: error for item in plan.scheduled}, start, stopped)
+        self.scheduler.update_from_output(plan, StepOutcome(time.monotonic() - start, start, stopped,
+                                                            abandoned=True))
+        self.stats_.num_steps += 1  # also the step ids of preemptible steps: each must be new
+        self.stats_.num_failed_steps += 1
+        return outputs
+
+    def _fail_rows(self, failed_rows: dict[str, str], start: float, finished: list[str]) -> list[RequestOutput]:
+        """Rows whose sampling raised even alone: their requests fail; the
+        step's other rows stand. Not a failed step: the fault is the
+        request's."""
+        log.error("sampling failed for %d row(s) (%s): their requests fail", len(failed_rows),
+                  next(iter(failed_rows.values())))
+        return self._fail_requests(failed_rows, start, finished)
+
+    def _fail_requests(self, errors: dict[str, str], start: float, stopped: list[str]) -> list[RequestOutput]:
+        """Fail the request of each sequence in ``errors`` (sequence id ->
+        the error) with its error: their finished outputs. Every sequence of
+        theirs goes on ``stopped``, for the scheduler to release."""
+        failing: dict[str, tuple[Request, str]] = {}
+        for sid, error in errors.items():
+            seq = self.seqs.get(sid)
+            if seq is not None:  # not stopped or aborted already
+                failing.setdefault(seq.request.request_id, (seq.request, error))
+        outputs = [self.output_processor.fail(req, error, start) for req, error in failing.values()]
+        stopped += [seq.seq_id for req, _ in failing.values() for seq in req.seqs]
+        self.stats_.num_failed_requests += len(failing)
+        return outputs
 
     def _execute(self, plan: StepPlan) -> tuple[StepResult, ModelInput]:
         """Run the plan (its result and the input it ran); a preemptible one

@@ -9,6 +9,16 @@ from fluidserve.engine.outputs import RequestOutput
 from fluidserve.engine.sampling_params import SamplingParams
 
 
+class GenerationFailedError(RuntimeError):
+    """Some requests of a ``generate`` call failed (a step that raised):
+    ``outputs`` holds every request's output, in prompt order, the failed
+    ones with finish reason "error" and their ``error``."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+
+
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         """``kwargs``: any setting of the config tree by its flat name
@@ -30,7 +40,9 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. A bad
-        prompt raises ValueError before any of them runs."""
+        prompt raises ValueError before any of them runs; requests that
+        failed raise GenerationFailedError once all have ended (the engine
+        serves on)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -59,7 +71,12 @@ class LLM:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        return [final[rid] for rid in ids]
+        outputs = [final[rid] for rid in ids]
+        failed = [out for out in outputs if out.error is not None]
+        if failed:
+            raise GenerationFailedError(f"{len(failed)} of {len(outputs)} requests failed, the first with "
+                                        f"{failed[0].error}", outputs)
+        return outputs
 
 
 def _progress(total: int):

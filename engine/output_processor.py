@@ -135,6 +135,25 @@ class OutputProcessor:
             self.requests.pop(req.request_id, None)
         return out
 
+    def fail(self, req: Request, error: str, step_start: float) -> RequestOutput:
+        """End each unfinished sequence of ``req`` with finish reason
+        "error", its tokens so far kept: the request's finished output,
+        carrying ``error``. The request leaves the engine."""
+        for seq in req.seqs:
+            if seq.finish_reason is not None:
+                continue
+            if seq.lazy_text:  # its stream has no token yet: all of them, as a streamed one's would
+                for t in seq.output_token_ids:
+                    seq.stream.append(t)
+                seq.lazy_text = False
+            seq.finish_reason = "error"
+            self.seqs.pop(seq.seq_id, None)
+            if req.params.structured_outputs is not None:
+                self._grammar_finished(seq.seq_id)
+        out = self._output(req, step_start)
+        out.error = error
+        return out
+
     @staticmethod
     def _add_logprobs(seq: Sequence, logprobs: TokenLogprobs) -> None:
         for t, lp in logprobs.items():

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from fluidserve.engine.batch import ModelInput, SampleSpec, StepResult
+from fluidserve.engine.batch import ModelInput, SampleSpec, StepFailed, StepResult
 from fluidserve.engine.cache_engine import CacheEngine
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_mode
@@ -38,6 +38,13 @@ from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.structured import StructuredDecoder
 
 log = logging.getLogger(__name__)
+
+# Errors of the device itself: after one the context is unusable.
+_DEVICE_ERRORS = tuple(t for t in (getattr(torch, "AcceleratorError", None),) if t is not None)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def default_swap_space_gb() -> float:
@@ -105,6 +112,9 @@ class Worker:
         self._last_tokens: torch.Tensor | None = None
         self._token_buffers: list[torch.Tensor] = []
         self._launches = 0
+        # The step running now has passed its last collective (sampling is
+        # rank 0's alone): a failure from here on leaves no rank waiting.
+        self._past_collectives = False
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -172,15 +182,17 @@ class Worker:
         earlier steps wrote."""
         n = self.config.block_size // 2
         greedy = [SampleSpec(SamplingParams(temperature=0.0), seed=None)]
-        self.execute(ModelInput(
-            input_ids=[0] * n, positions=list(range(n)), slot_mapping=list(range(n)),
-            query_start_loc=[0, n], seq_lens=[n], block_tables=[[0]], sample_indices=[n - 1], samples=greedy,
-            sample_ids=["warm-up"],
-        ))
-        self.execute(ModelInput(
-            input_ids=[0], positions=[n], slot_mapping=[n], query_start_loc=[0, 1], seq_lens=[n + 1],
-            block_tables=[[0]], sample_indices=[0], samples=greedy, sample_ids=["warm-up"],
-        ))
+        # _run, not execute: a failure here must stop the start, not be survived.
+        with torch.inference_mode():
+            self._run(ModelInput(
+                input_ids=[0] * n, positions=list(range(n)), slot_mapping=list(range(n)),
+                query_start_loc=[0, n], seq_lens=[n], block_tables=[[0]], sample_indices=[n - 1], samples=greedy,
+                sample_ids=["warm-up"],
+            ), StepResult())
+            self._run(ModelInput(
+                input_ids=[0], positions=[n], slot_mapping=[n], query_start_loc=[0, 1], seq_lens=[n + 1],
+                block_tables=[[0]], sample_indices=[0], samples=greedy, sample_ids=["warm-up"],
+            ), StepResult())
         if self._graph_mode is not None:
             self.graphs = self.decode_graphs(capture=self._graph_mode == "capture")
         if self.config.piecewise_graphs:
@@ -240,6 +252,16 @@ class Worker:
         # step's copies: blocks its swap-outs freed may be written now.
         self.cache.swap([], [], False)
         self.structured.release(inp.finished_ids)
+        try:
+            return self._launch(inp)
+        except Exception as exc:
+            if not self._survivable(exc):
+                raise
+            # The traceback is told here: the engine hears the message alone.
+            log.error("a launched step failed; its requests fail", exc_info=exc)
+            raise StepFailed(_describe(exc)) from exc
+
+    def _launch(self, inp: ModelInput) -> PendingStep:
         hidden, sample_idx = self._forward(inp, self._feed if inp.fed else None)
         logits = self.model.compute_logits(hidden[sample_idx])
         rows = [SamplingRow(params=s.params, prompt_token_ids=[], output_token_ids=[], generator=None)
@@ -266,6 +288,21 @@ class Worker:
         self.structured.release(inp.finished_ids)
         if not inp.input_ids:
             return result  # a step of copies only
+        # A failure after the copies were queued: they stand (the scheduler
+        # counts them done), the step's tokens do not.
+        self._past_collectives = self.tp.size == 1
+        try:
+            return self._run(inp, result)
+        except Exception as exc:
+            # Under tensor parallelism a rank that stops before the step's
+            # last collective leaves the others waiting in it.
+            if not self._past_collectives or not self._survivable(exc):
+                raise
+            log.error("a step failed; its requests fail", exc_info=exc)
+            return StepResult(swap_stall_s=stall, failed=_describe(exc))
+
+    def _run(self, inp: ModelInput, result: StepResult) -> StepResult:
+        """The step's forward and sampling into ``result``."""
         # A paused forward waits through other steps for the one that resumes
         # it (or is replaced by the next pause: at most one is kept).
         if self.paused is not None and self.paused.step_id == inp.resume_of:
@@ -285,8 +322,14 @@ class Worker:
             self.safepoints.disarm()
             self.model.layer_loop.resume_next(None)
         # Grammar masks of constrained rows, made while a GPU still runs the
-        # forward queued above (rank 0 alone samples).
-        token_mask = self.structured.fill(inp.sample_ids, inp.samples) if self.tp.is_first else None
+        # forward queued above (rank 0 alone samples). A failure here waits
+        # for the logits (the other ranks are on their way to gather them).
+        mask_error = token_mask = None
+        if self.tp.is_first:
+            try:
+                token_mask = self.structured.fill(inp.sample_ids, inp.samples)
+            except Exception as exc:  # noqa: BLE001 - rows are sampled one by one below
+                mask_error = exc
         if inp.prompt_logprobs:
             result.prompt_logprobs = score_prompts(hidden, inp.prompt_logprobs, self.model.compute_logits) or {}
         if not inp.sample_indices:
@@ -294,7 +337,23 @@ class Worker:
         logits = self.model.compute_logits(hidden[sample_idx])  # [S, V] on rank 0
         if logits is None:
             return result
-        rows = [
+        self._past_collectives = True
+        if mask_error is None:
+            try:
+                tokens = sample(logits, self._rows(inp), self.eos_token_id, token_mask)  # on its own fp32 copy
+                result.sampled = dict(zip(inp.sample_ids, tokens))
+                return result
+            except Exception as exc:  # noqa: BLE001 - rows are sampled one by one below
+                mask_error = exc
+        if not self._survivable(mask_error):
+            raise mask_error
+        log.warning("sampling the step's rows together raised (%s): sampling each alone", _describe(mask_error))
+        self._sample_alone(inp, logits, result)
+        return result
+
+    def _rows(self, inp: ModelInput) -> list[SamplingRow]:
+        """The step's sampler rows; a seeded row's generator made afresh."""
+        return [
             SamplingRow(
                 params=s.params,
                 prompt_token_ids=s.prompt_token_ids,
@@ -303,9 +362,36 @@ class Worker:
             )
             for s in inp.samples
         ]
-        tokens = sample(logits, rows, self.eos_token_id, token_mask)  # the sampler makes its own fp32 copy
-        result.sampled = dict(zip(inp.sample_ids, tokens))
-        return result
+
+    def _sample_alone(self, inp: ModelInput, logits: torch.Tensor, result: StepResult) -> None:
+        """Sampling the step's rows together raised: each row again alone,
+        so that the one whose request holds the fault fails and the rest get
+        the token they would have had (fresh generators: a seeded row draws
+        as it would have in the batch)."""
+        for i, (sid, spec, row) in enumerate(zip(inp.sample_ids, inp.samples, self._rows(inp))):
+            try:
+                mask = self.structured.fill([sid], [spec])
+                result.sampled[sid] = sample(logits[i:i + 1], [row], self.eos_token_id, mask)[0]
+            except Exception as exc:  # noqa: BLE001 - this row's request fails, the others go on
+                if not self._survivable(exc):
+                    raise
+                log.error("sampling %s failed; its request fails", sid, exc_info=exc)
+                result.failed_rows[sid] = _describe(exc)
+
+    def _survivable(self, exc: Exception) -> bool:
+        """Whether the worker can serve on after ``exc`` ended a step: not
+        after a device error (CUDA's are sticky, every later call fails
+        too), which a synchronize brings out if the exception hid it."""
+        if isinstance(exc, _DEVICE_ERRORS):
+            return False
+        try:
+            self.runtime.synchronize()
+        except Exception:  # noqa: BLE001 - any error here means the device is gone
+            log.exception("the device failed with the step")
+            return False
+        if isinstance(exc, torch.OutOfMemoryError):
+            self.runtime.release_cached_memory()
+        return True
 
     def interrupt(self, step_id: int) -> None:
         """Stop step ``step_id`` at its next safepoint if it is preemptible

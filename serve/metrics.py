@@ -146,6 +146,9 @@ _ENGINE_COUNTERS = (
     ("steps_resumed", "num_steps_resumed",
      "Interrupted offline-only steps continued from their safepoint (no layer run twice)"),
     ("abandoned_tokens", "abandoned_tokens", "Tokens of interrupted steps computed again from layer 0 (not resumed)"),
+    ("steps_failed", "num_failed_steps",
+     "Steps whose forward or sampling raised, the device sound: their requests failed, the engine served on"),
+    ("requests_failed", "num_failed_requests", "Requests failed by a failed step (finish reason error)"),
 )
 
 

@@ -511,6 +511,45 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path):
     assert "SIGTERM received" in log
 
 
+def test_a_request_whose_sampling_raises_fails_alone(server, client, offline, monkeypatch):
+    """A fault in sampling that one request's parameters reach (injected
+    here: the sampler raises on a row with top_k 37) fails that request with
+    a 500 in OpenAI's shape, or an error event when streamed, while a
+    greedy stream beside it gets every token it gets alone; the server
+    stays healthy and counts the failures."""
+    import fluidserve.engine.worker as worker_module
+
+    real = worker_module.sample
+
+    def faulty(logits, rows, *args, **kwargs):
+        if any(row.params.top_k == 37 for row in rows):
+            raise RuntimeError("injected sampling fault")
+        return real(logits, rows, *args, **kwargs)
+
+    monkeypatch.setattr(worker_module, "sample", faulty)
+    before = read_metrics(server.base_url)
+    model = server.engine.model_name
+    stream = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text  # decoding now
+    marked = {"prompt": "x", "max_tokens": 5, "temperature": 1.0, "top_k": 37}
+    err = assert_error_shape(post(server, "/v1/completions", marked), 500)
+    assert err["code"] == "generation_failed" and "injected sampling fault" in err["message"]
+    streamed = post(server, "/v1/completions", {**marked, "stream": True})
+    assert streamed.status_code == 200
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "injected sampling fault" in events[-1]["error"]["message"]
+    text += "".join(c.choices[0].text for c in chunks if c.choices)
+    alone = offline.generate(PROMPTS[0], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))[0]
+    assert text == alone.outputs[0].text
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    after = read_metrics(server.base_url)
+    assert after["fluidserve_requests_failed_total"] - before["fluidserve_requests_failed_total"] == 2
+    assert after["fluidserve_steps_failed_total"] == before["fluidserve_steps_failed_total"]
+    assert_still_serves(server)
+
+
 # A step that raises once the trigger file exists (a device fault, a lost
 # worker), put into a real `fluidserve serve` process before its main runs.
 _DYING_SERVER = """
