@@ -210,16 +210,20 @@ def test_steps_that_keep_failing_stop_the_engine(tiny_model, faulty_forward):
 
 def test_generate_raises_for_failed_requests_and_the_llm_serves_on(tiny_model, make_llm, faulty_sampling):
     """``LLM.generate`` does not hand back a failed request as if it were an
-    answer: it raises once every request has ended, with every output, and
-    the next call is answered."""
-    faulty_sampling("sample")
+    answer: it raises once every request has ended, with every output (the
+    failed one's tokens and text those it had), and the next call is
+    answered."""
     llm = make_llm(tiny_model("llama"), **KWARGS)
-    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_k=MARK, max_tokens=6)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    marked = dict(temperature=1.0, seed=5, top_k=MARK, ignore_eos=True)
+    (two,) = llm.generate(PROMPTS[1], SamplingParams(max_tokens=2, **marked))  # its first two tokens
+    faulty_sampling("sample", after=3)
     with pytest.raises(GenerationFailedError, match="1 of 2 requests failed, the first with RuntimeError") as err:
-        llm.generate(PROMPTS[:2], params)
-    first, marked = err.value.outputs
+        llm.generate(PROMPTS[:2], [greedy, SamplingParams(max_tokens=6, **marked)])
+    first, failed = err.value.outputs
     assert first.error is None and len(first.outputs[0].token_ids) == 6
-    assert marked.outputs[0].finish_reason == "error"
-    (again,) = llm.generate(PROMPTS[:1], params[0])
+    assert failed.outputs[0].finish_reason == "error"
+    assert failed.outputs[0].token_ids == two.outputs[0].token_ids
+    assert failed.outputs[0].text == two.outputs[0].text
+    (again,) = llm.generate(PROMPTS[:1], greedy)
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
