@@ -922,16 +922,31 @@ GPU_STEMS = ["gpu_check_*", "batch1_decode_*", "mixed_steps_nvidia*", "linear_ba
              "launch_overhead-nvidia*", "gpu_tests_*"]
 
 
-def gpu(_: str) -> tuple[list[str], list[str]]:
-    """Every GPU run's own markdown, its headings pushed two levels down; the
-    test reports (JSON only) are summed up by the GPU check's table."""
-    out = ["The GPU runs, each as its script wrote it (`bash benchmarks/gpu_check.sh` runs them in one call "
-           "on a CUDA machine).", ""]
-    for pattern in GPU_STEMS[:-1]:
+def embedded(patterns: list[str]) -> list[str]:
+    """Each result's own markdown as its script wrote it, headings pushed
+    two levels down."""
+    out = []
+    for pattern in patterns:
         for path in sorted(RESULTS.glob(f"{pattern}.md")):
             text = re.sub(r"^(#+) ", lambda m: "#" * (len(m.group(1)) + 2) + " ", path.read_text(), flags=re.M)
             out += [f"- `benchmarks/results/{path.name}`", "", text.strip(), ""]
-    return out, []
+    return out
+
+
+def gpu(_: str) -> tuple[list[str], list[str]]:
+    """Every GPU run's own markdown; the test reports (JSON only) are summed
+    up by the GPU check's table."""
+    return ["The GPU runs, each as its script wrote it (`bash benchmarks/gpu_check.sh` runs them in one call "
+            "on a CUDA machine).", "", *embedded(GPU_STEMS[:-1])], []
+
+
+OP_COUNT_STEMS = ["op_counts", "op_counts-batch1-fusions", "op_counts-host", "op_counts-host-*"]
+
+
+def op_counts(_: str) -> tuple[list[str], list[str]]:
+    return ["`benchmarks/op_counts.py`: the torch ops, kernel launches and host syncs of an eager decode step "
+            "per decoder layer, and the step's time, this tree against another in alternating runs.", "",
+            *embedded(OP_COUNT_STEMS)], []
 
 
 # -- the page ------------------------------------------------------------------------------
@@ -971,6 +986,7 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Triton kernels compiled for sm_90", ["kernels_compile_sm90"], kernels_compile),
     ("Host time of a Triton launch", ["launch_overhead", "launch_overhead-triton3.6"], launch_overhead),
     ("Host time of the attention planner and the step's inputs", ["plan_host_time"], plan_host_time),
+    ("Ops, kernels and syncs of an eager decode step", OP_COUNT_STEMS, op_counts),
     ("Attention plans: a model fitted to the GPU timings", ["plan_model_*"], plan_model),
     ("On a GPU", GPU_STEMS, gpu),
 ]
