@@ -389,7 +389,7 @@ class Worker:
         except Exception:  # noqa: BLE001 - any error here means the device is gone
             log.exception("the device failed with the step")
             return False
-        if isinstance(exc, torch.OutOfMemoryError):
+        if isinstance(exc, torch.cuda.OutOfMemoryError):  # torch.OutOfMemoryError from 2.5 on
             self.runtime.release_cached_memory()
         return True
 
