@@ -60,9 +60,9 @@ import sys
 from pathlib import Path
 
 # Before torch loads (the real engine runs in this process): idle OpenMP
-# threads sleep, as ``fluidserve serve`` sets them. Spinning threads on a
-# machine with other load wait for each other and make each decode step several times
-# slower, which would measure the machine, not the scheduling.
+# threads sleep at once. Spinning threads on a machine with other load wait
+# for each other and make each decode step several times slower, which
+# would measure the machine, not the scheduling.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from fluidserve.scheduler.cost_model import default_cost_model

@@ -12,10 +12,10 @@ prefix-cache hits) and the median is reported. The server gets token ids on
 the request to the first streamed token. Nothing else of this benchmark runs
 while a server is timed (the in-process engines sit idle).
 
-This process sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads, as ``fluidserve
-serve`` does, so the in-process paths and the server compute alike and the
-difference is what the server path adds; the baseline server runs with the
-variable empty (OpenMP's default, as before the change).
+This process sets OpenMP's waiting before torch loads as ``fluidserve serve``
+does (``serve/cli.py``, ``set_openmp_waiting``), so the in-process paths and the
+server compute alike and the difference is what the server path adds; the
+baseline server runs with its own tree's setting.
 
 Writes JSON + markdown to ``benchmarks/results/long_prompt.{json,md}``.
 """
@@ -33,7 +33,9 @@ import time
 from pathlib import Path
 
 # Before torch loads OpenMP (see the module docstring).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from fluidserve.serve.cli import set_openmp_waiting  # noqa: E402 - loads no torch
+
+set_openmp_waiting()
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
@@ -132,8 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             root = Path(tmp) / "baseline_path"
             root.mkdir()
             (root / "fluidserve").symlink_to(args.baseline_src.resolve(), target_is_directory=True)
-            env = {"PYTHONPATH": str(root), "OMP_WAIT_POLICY": ""}
-            times["fluidserve serve (baseline tree)"] = time_server(model_dir, take(), env, log)
+            saved = {k: os.environ.pop(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
+            try:  # the baseline tree's server sets OpenMP's waiting as it does
+                times["fluidserve serve (baseline tree)"] = time_server(model_dir, take(), {"PYTHONPATH": str(root)},
+                                                                        log)
+            finally:
+                os.environ.update(saved)
             record["baseline_src"] = str(args.baseline_src)
     record["load_average_end"] = os.getloadavg()
     med = {k: statistics.median(v) for k, v in times.items()}

@@ -570,14 +570,35 @@ def vs_offline(_: str) -> tuple[list[str], list[str]]:
     return out, plots
 
 
-def long_prompt(stem: str) -> tuple[list[str], list[str]]:
+LONG_PROMPT_STEMS = ["long_prompt", "long_prompt-one-openmp-team"]
+
+
+def long_prompt(_: str) -> tuple[list[str], list[str]]:
+    out = []
+    for stem in LONG_PROMPT_STEMS:
+        d = load(stem)
+        if not d:
+            continue
+        note = d.get("note", "")
+        out += [f"Time to first token of a lone {d['prompt_len']}-token prompt, median of {d['repeats']}: through "
+                "`fluidserve serve` (streamed, `max_tokens=1`), through `LLM.generate`, and one transformers "
+                "forward over the same prompt." + (f" {note[:1].upper()}{note[1:]}." if note else ""), ""]
+        out += provenance(stem, d)
+        ref = d["median_s"]["transformers forward"]
+        out += table(["path", "median (s)", "vs transformers forward"],
+                     [[k, v, ratio(v / ref)] for k, v in d["median_s"].items()])
+    return out, []
+
+
+def omp_teams(stem: str) -> tuple[list[str], list[str]]:
     d = load(stem)
-    out = [f"Time to first token of a lone {d['prompt_len']}-token prompt, median of {d['repeats']}: through "
-           "`fluidserve serve` (streamed, `max_tokens=1`), through `LLM.generate`, and one transformers forward "
-           "over the same prompt.", ""] + provenance(stem, d)
-    ref = d["median_s"]["transformers forward"]
-    out += table(["path", "median (s)", "vs transformers forward"],
-                 [[k, v, ratio(v / ref)] for k, v in d["median_s"].items()])
+    out = [f"A CPU decode step of {d['model']} (fp32, stepped on a second thread as `fluidserve serve` does), by "
+           "where the engine was built and how idle OpenMP threads wait; the best of "
+           f"{d['repeats']} runs of {d['tokens']} tokens, each configuration in a fresh process.", ""]
+    out += provenance(stem, d)
+    out += table(["configuration", "batch", "ms / step", "runs"],
+                 [[r["config"], r["batch"], r["best_ms"], ", ".join(f"{x:.1f}" for x in r["ms_per_step"])]
+                  for r in d["rows"]], "lrrl")
     return out, []
 
 
@@ -954,7 +975,8 @@ def op_counts(_: str) -> tuple[list[str], list[str]]:
 Renderer = Callable[[str], tuple[list[str], list[str]]]
 
 # (title, the result stems the section reads, renderer); order is the page's.
-ONLINE_STEMS = ["vs_vllm-online-cpu", "vs_vllm-online-cpu-transformers", "vs_vllm-online-cpu-smollm2"]
+ONLINE_STEMS = ["vs_vllm-online-cpu", "vs_vllm-online-cpu-transformers", "vs_vllm-online-cpu-smollm2",
+                "vs_vllm-online-cpu-smollm2-one-openmp-team"]
 SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Scheduling policies (simulator)", ["scheduling"], scheduling),
     ("Two KV tiers (simulator)", ["swapping"], swapping),
@@ -970,7 +992,8 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
      vs_online),
     ("Offline throughput against vLLM and transformers",
      [*OFFLINE_STEMS, "throughput-cpu-cpu-small"], vs_offline),
-    ("A long prompt's time to first token", ["long_prompt"], long_prompt),
+    ("A long prompt's time to first token", LONG_PROMPT_STEMS, long_prompt),
+    ("OpenMP teams and waiting on the CPU", ["omp_teams"], omp_teams),
     ("Engine bookkeeping per step", ["step_overhead-cpu"], step_overhead),
     ("Scheduler CPU time per step", ["sched_step_cost", "sched_step_cost-1024"], sched_step_cost),
     ("Garbage collection during steps", ["gc_pauses"], gc_pauses),

@@ -19,6 +19,7 @@ server built on it never reports healthy while generation is dead.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import logging
 import queue
@@ -80,11 +81,50 @@ class RequestStream:
             self._owner.abort(self.request_id)
 
 
+class EngineThread:
+    """The thread that builds the engine (``build``) and later runs its loop
+    (``AsyncEngine.start``). On CPU, OpenMP gives each thread that computes
+    a team of its own; with two teams it counts more threads than cores and
+    cuts every idle thread's spin short, so a decode step pays a wake-up on
+    every op (SmolLM2, batch 1, two cores: 36.3 ms a step built on the main
+    thread against 22.8 ms built on this one, ``benchmarks/omp_teams.py``).
+    One thread computing, from the weights' load on, keeps one team."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="fluidserve-engine-loop", daemon=True)
+        self.thread.start()
+
+    def build(self, factory: Callable[..., Any], *args: Any) -> Any:
+        """``factory(*args)`` run on this thread; its result, or its exception raised here."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((factory, args, done))
+        return done.result()
+
+    def hand_over(self, loop: Callable[[], None]) -> None:
+        """Run ``loop`` on this thread; the thread ends with it."""
+        self._calls.put((loop, (), None))
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, done = self._calls.get()
+            if done is None:
+                fn()
+                return
+            try:
+                done.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - the caller of build raises it
+                done.set_exception(exc)
+
+
 class AsyncEngine:
     def __init__(self, engine: Any, *, stall_timeout: float = 60.0, idle_poll: float = 0.25,
                  health_check_interval: float = 1.0,
-                 on_death: Callable[[BaseException], None] | None = None) -> None:
+                 on_death: Callable[[BaseException], None] | None = None,
+                 thread: EngineThread | None = None) -> None:
         self.engine = engine
+        # The thread the engine was built on, to run its loop (else a new one).
+        self._host = thread
         # Called on the event loop once the engine loop has died and every
         # request has been failed (``fluidserve serve`` exits then).
         self.on_death = on_death
@@ -107,6 +147,10 @@ class AsyncEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._beat = time.monotonic()
+        if self._host is not None:
+            self._thread = self._host.thread
+            self._host.hand_over(self._run)
+            return
         self._thread = threading.Thread(target=self._run, name="fluidserve-engine-loop", daemon=True)
         self._thread.start()
 

@@ -726,10 +726,10 @@ def run_batch_main(argv: Sequence[str]) -> int:
     import sys
 
     from fluidserve.engine.async_engine import AsyncEngine
-    from fluidserve.engine.engine import LLMEngine
     from fluidserve.engine.heap import frozen_heap
     from fluidserve.serve.api import ServerSettings, build_app
-    from fluidserve.serve.cli import add_serve_args, engine_config_from_args, frontend_tokenizer, model_info
+    from fluidserve.serve.cli import (add_serve_args, build_engine, engine_config_from_args, frontend_tokenizer,
+                                      model_info)
 
     parser = argparse.ArgumentParser(prog="fluidserve run-batch",
                                      description="run an OpenAI batch input file offline, without a server")
@@ -749,11 +749,12 @@ def run_batch_main(argv: Sequence[str]) -> int:
             print(f"fluidserve run-batch: {where}{e['message']} ({e['code']})", file=sys.stderr)
         return 2
     try:
-        engine = LLMEngine(engine_config_from_args(args))
+        engine, thread = build_engine(engine_config_from_args(args))
     except (ValueError, OSError) as exc:
         print(f"fluidserve run-batch: {exc}", file=sys.stderr)
         return 2
-    app = build_app(AsyncEngine(engine), frontend_tokenizer(engine), model_info(engine), ServerSettings())
+    app = build_app(AsyncEngine(engine, thread=thread), frontend_tokenizer(engine), model_info(engine),
+                    ServerSettings())
     server = app.state.server
     start = time.monotonic()
 

@@ -309,7 +309,6 @@ def _check_ssl(args: argparse.Namespace) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from fluidserve.engine.async_engine import AsyncEngine
-    from fluidserve.engine.engine import LLMEngine
     from fluidserve.engine.heap import frozen_heap
     from fluidserve.engine.loader import set_trust_remote_code
     from fluidserve.serve.api import ServerSettings, build_app
@@ -336,12 +335,14 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     sock.set_inheritable(False)  # no engine process keeps the port after the server ends
     try:
+        engine_thread = None
         if config.data_parallel_size > 1:
             engine = start_replicas(config)
             model = engine.facts  # replica 0's: the front end loads no weights
         else:
             _share_cpu_with_frontend(config)
-            engine = model = LLMEngine(config)
+            engine, engine_thread = build_engine(config)
+            model = engine
         info = model_info(model, args.served_model_name, args.generation_config, args.max_logprobs)
     except (ValueError, OSError) as exc:  # a bad model path, an impossible KV size, ...
         print(f"fluidserve serve: {exc}", file=sys.stderr)
@@ -381,7 +382,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         front = (engine if config.data_parallel_size > 1
-                 else AsyncEngine(engine, stall_timeout=args.watchdog_timeout, on_death=exit_on_death))
+                 else AsyncEngine(engine, stall_timeout=args.watchdog_timeout, on_death=exit_on_death,
+                                  thread=engine_thread))
         app = build_app(front, frontend_tokenizer(model, chat_template), info, settings, batch_config=batch_config)
     except StoreError as exc:  # corrupt or unwritable: say so, touch nothing
         print(f"fluidserve serve: {exc}", file=sys.stderr)
@@ -402,6 +404,20 @@ def run_serve(args: argparse.Namespace) -> int:
     return 1 if died else 0
 
 
+def build_engine(config):
+    """The engine and the thread to step it on: an in-process worker is
+    built on an ``EngineThread`` (one OpenMP team computes, from the
+    weights' load on); Ray's workers compute in processes of their own (no
+    thread: ``AsyncEngine`` starts one)."""
+    from fluidserve.engine.async_engine import EngineThread
+    from fluidserve.engine.engine import LLMEngine
+
+    if config.executor != "local":
+        return LLMEngine(config), None
+    thread = EngineThread()
+    return thread.build(LLMEngine, config), thread
+
+
 def start_replicas(config):
     """``--data-parallel-size N``: N engines in Ray actors behind one front.
     On a Ray instance of this machine's own, the cores are split among the
@@ -416,14 +432,36 @@ def start_replicas(config):
     return DataParallelEngine(config, torch_threads=threads)
 
 
+# Spin rounds of an idle OpenMP thread before it sleeps: about 0.1 ms.
+SPIN_ROUNDS = "10000"
+
+
+def set_openmp_waiting() -> None:
+    """Idle OpenMP threads spin a short while, then sleep; a policy the user
+    set (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``) wins. Read once, when torch
+    loads OpenMP: call before it does.
+
+    A decode step's ops come microseconds apart. Threads that sleep at once
+    (``OMP_WAIT_POLICY=PASSIVE``) pay a wake-up on every op: SmolLM2 decodes
+    at 33.6 ms a step at batch 1 on two cores, 22.8 ms with threads spinning
+    10,000 rounds (``benchmarks/omp_teams.py``; the engine must be built on
+    the thread that steps it, ``EngineThread``). Threads that spin on
+    (OpenMP's default 300,000 rounds, or ``ACTIVE``) hold cores the event
+    loop needs, and where other jobs share the cores they burn their time
+    slices waiting for each other."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_ROUNDS)
+
+
 def _share_cpu_with_frontend(config) -> None:
     """On CPU, torch's threads and the event loop that streams tokens share
-    the cores. With idle threads sleeping (``OMP_WAIT_POLICY=PASSIVE``, which
-    ``main`` sets) torch computes on every core and the loop still gets one
-    when it has work; threads told to spin (``ACTIVE``) leave it one core."""
+    the cores. Idle threads that spin a short while (``set_openmp_waiting``)
+    or sleep at once (``PASSIVE``) let torch compute on every core and the
+    loop still get one when it has work; threads told to spin on
+    (``ACTIVE``) leave it one core."""
     import torch
 
-    if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() != "ACTIVE":
         return
     if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
@@ -461,12 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Read once, when torch loads OpenMP: idle compute threads sleep instead of
-    # spinning. Spinning threads take the core the event loop needs, and where
-    # other jobs share the cores two of them burn their time slices waiting
-    # for each other (a lone 2,374-token prefill: 3x the CPU time, 3-4x the
-    # wall time; benchmarks/long_prompt.py).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_openmp_waiting()
     # bench and profile own their flags: hand them the rest of the line.
     if argv and argv[0] == "bench":
         return run_bench(argv[1:])
