@@ -147,12 +147,9 @@ class AsyncEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._beat = time.monotonic()
-        if self._host is not None:
-            self._thread = self._host.thread
-            self._host.hand_over(self._run)
-            return
-        self._thread = threading.Thread(target=self._run, name="fluidserve-engine-loop", daemon=True)
-        self._thread.start()
+        host = self._host or EngineThread()
+        self._thread = host.thread
+        host.hand_over(self._run)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine loop (in-flight requests are aborted), then the

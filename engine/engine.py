@@ -52,7 +52,7 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 MAX_FAILED_STEPS_IN_A_ROW = 4
 
 
-class StepFailedError(RuntimeError):
+class StepsKeepFailingError(RuntimeError):
     """Steps keep failing whatever they run: the engine cannot serve."""
 
 
@@ -391,7 +391,7 @@ class LLMEngine:
         fails every step: after a few in a row the engine stops."""
         self._failed_in_a_row += 1
         if self._failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
-            raise StepFailedError(f"{self._failed_in_a_row} steps in a row failed, the last with {error}")
+            raise StepsKeepFailingError(f"{self._failed_in_a_row} steps in a row failed, the last with {error}")
         log.error("a step failed (%s): its requests fail, the engine serves on", error)
         stopped: list[str] = []
         outputs = self._fail_requests({item.request_id: error for item in plan.scheduled}, start, stopped)

@@ -112,9 +112,6 @@ class Worker:
         self._last_tokens: torch.Tensor | None = None
         self._token_buffers: list[torch.Tensor] = []
         self._launches = 0
-        # The step running now has passed its last collective (sampling is
-        # rank 0's alone): a failure from here on leaves no rank waiting.
-        self._past_collectives = False
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -182,17 +179,16 @@ class Worker:
         earlier steps wrote."""
         n = self.config.block_size // 2
         greedy = [SampleSpec(SamplingParams(temperature=0.0), seed=None)]
-        # _run, not execute: a failure here must stop the start, not be survived.
-        with torch.inference_mode():
-            self._run(ModelInput(
-                input_ids=[0] * n, positions=list(range(n)), slot_mapping=list(range(n)),
-                query_start_loc=[0, n], seq_lens=[n], block_tables=[[0]], sample_indices=[n - 1], samples=greedy,
-                sample_ids=["warm-up"],
-            ), StepResult())
-            self._run(ModelInput(
-                input_ids=[0], positions=[n], slot_mapping=[n], query_start_loc=[0, 1], seq_lens=[n + 1],
-                block_tables=[[0]], sample_indices=[0], samples=greedy, sample_ids=["warm-up"],
-            ), StepResult())
+        for inp in (
+            ModelInput(input_ids=[0] * n, positions=list(range(n)), slot_mapping=list(range(n)),
+                       query_start_loc=[0, n], seq_lens=[n], block_tables=[[0]], sample_indices=[n - 1],
+                       samples=greedy, sample_ids=["warm-up"]),
+            ModelInput(input_ids=[0], positions=[n], slot_mapping=[n], query_start_loc=[0, 1], seq_lens=[n + 1],
+                       block_tables=[[0]], sample_indices=[0], samples=greedy, sample_ids=["warm-up"]),
+        ):
+            result = self.execute(inp)
+            if result.failed or result.failed_rows:  # served on in a step, it must stop the start
+                raise RuntimeError(f"the warm-up step failed: {result.failed or result.failed_rows}")
         if self._graph_mode is not None:
             self.graphs = self.decode_graphs(capture=self._graph_mode == "capture")
         if self.config.piecewise_graphs:
@@ -290,13 +286,13 @@ class Worker:
             return result  # a step of copies only
         # A failure after the copies were queued: they stand (the scheduler
         # counts them done), the step's tokens do not.
-        self._past_collectives = self.tp.size == 1
         try:
             return self._run(inp, result)
         except Exception as exc:
-            # Under tensor parallelism a rank that stops before the step's
-            # last collective leaves the others waiting in it.
-            if not self._past_collectives or not self._survivable(exc):
+            # Sampling, past the last collective, catches its own: under
+            # tensor parallelism what reaches here stopped this rank before a
+            # collective the other ranks now wait in.
+            if self.tp.size != 1 or not self._survivable(exc):
                 raise
             log.error("a step failed; its requests fail", exc_info=exc)
             return StepResult(swap_stall_s=stall, failed=_describe(exc))
@@ -337,7 +333,6 @@ class Worker:
         logits = self.model.compute_logits(hidden[sample_idx])  # [S, V] on rank 0
         if logits is None:
             return result
-        self._past_collectives = True
         if mask_error is None:
             try:
                 tokens = sample(logits, self._rows(inp), self.eos_token_id, token_mask)  # on its own fp32 copy

@@ -6,7 +6,7 @@ the worker samples the step's rows again one by one, and every other row
 gets the token it would have had. A fault in the forward fails the step's
 requests, keeping the tokens they had; the step counts as computing
 nothing, so none of its blocks enters the prefix cache. Steps that keep
-failing whatever they run stop the engine (``StepFailedError``), which
+failing whatever they run stop the engine (``StepsKeepFailingError``), which
 ends the server for its supervisor to restart.
 
 The faults are injected: the worker's sampler (or forward) raises for a
@@ -19,7 +19,7 @@ import pytest
 
 import fluidserve.engine.worker as worker_module
 from fluidserve.engine import LLM, SamplingParams
-from fluidserve.engine.engine import MAX_FAILED_STEPS_IN_A_ROW, StepFailedError
+from fluidserve.engine.engine import MAX_FAILED_STEPS_IN_A_ROW, StepsKeepFailingError
 from fluidserve.engine.llm import GenerationFailedError
 from fluidserve.engine.sampling_params import StructuredOutputs
 from fluidserve.engine.worker import Worker
@@ -204,7 +204,7 @@ def test_steps_that_keep_failing_stop_the_engine(tiny_model, faulty_forward):
     for _ in range(MAX_FAILED_STEPS_IN_A_ROW - 1):
         (out,) = engine.step()
         assert out.finished and out.error == "RuntimeError: injected forward fault"
-    with pytest.raises(StepFailedError, match=f"{MAX_FAILED_STEPS_IN_A_ROW} steps in a row failed"):
+    with pytest.raises(StepsKeepFailingError, match=f"{MAX_FAILED_STEPS_IN_A_ROW} steps in a row failed"):
         engine.step()
 
 
