@@ -419,13 +419,9 @@ def regions(counter: OpCounter, worker):
             h.remove()
 
 
-def _execute(worker, inp):
-    """``Worker.execute``, raising if the step failed: the worker would
-    serve on, but a measurement of a failed step measures the wrong thing."""
-    return _succeeded(worker.execute(inp))
-
-
 def _succeeded(result):
+    """A step's result, raising if the step failed: the worker would serve
+    on, but a measurement of a failed step measures the wrong thing."""
     # getattr: a baseline tree's StepResult may predate these fields.
     failure = getattr(result, "failed", None) or getattr(result, "failed_rows", None)
     if failure:
@@ -439,8 +435,8 @@ def count_step(model_dir: Path, dtype: str, batch: int, device: str = "cpu") -> 
 
     worker = make_worker(model_dir, dtype, batch, device)
     prefill, decode = decode_inputs(batch)
-    _execute(worker, prefill)
-    _execute(worker, decode)  # first-use work (plans' caches, Triton's rewrite) stays out of the count
+    _succeeded(worker.execute(prefill))
+    _succeeded(worker.execute(decode))  # first-use work (plans' caches, Triton's rewrite) stays out of the count
     counter = OpCounter()
     counter.mark_device(*worker.model.parameters(), *worker.model.buffers(),
                         *(t for kv in worker.kv_caches for t in kv))
@@ -464,9 +460,9 @@ def time_step(model_dir: Path, dtype: str, batch: int, rounds: int,
         _patch(InterpretedFunction, "run", lambda original: lambda *a, **k: None)
     worker = make_worker(model_dir, dtype, batch)
     prefill, decode = decode_inputs(batch)
-    _execute(worker, prefill)
+    _succeeded(worker.execute(prefill))
     for _ in range(3):
-        _execute(worker, decode)
+        _succeeded(worker.execute(decode))
     wall, cpu = [], []
     for _ in range(rounds):
         t0, c0 = time.perf_counter(), time.process_time()
