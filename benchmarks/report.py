@@ -592,13 +592,33 @@ def long_prompt(_: str) -> tuple[list[str], list[str]]:
 
 def omp_teams(stem: str) -> tuple[list[str], list[str]]:
     d = load(stem)
-    out = [f"A CPU decode step of {d['model']} (fp32, stepped on a second thread as `fluidserve serve` does), by "
-           "where the engine was built and how idle OpenMP threads wait; the best of "
-           f"{d['repeats']} runs of {d['tokens']} tokens, each configuration in a fresh process.", ""]
+    whats = list(d["rows"][0]["median_ms"]["alone"])
+    out = [f"CPU steps of {d['model']} (fp32, stepped on a second thread as `fluidserve serve` does), by where "
+           "the engine was built, how long idle OpenMP threads spin, and whether `--yield-busy-cores` moves the "
+           f"thread count: decode ms per step over {d['tokens']} tokens, the prefill of one "
+           f"{d['prompt_tokens']}-token prompt in ms, medians of {d['repeats']} runs, each configuration in a "
+           "fresh process; each cell alone / beside one process spinning on a core.", ""]
     out += provenance(stem, d)
-    out += table(["configuration", "batch", "ms / step", "runs"],
-                 [[r["config"], r["batch"], r["best_ms"], ", ".join(f"{x:.1f}" for x in r["ms_per_step"])]
-                  for r in d["rows"]], "lrrl")
+    out += table(["configuration", "built on", *whats],
+                 [[r["config"], f"{r['built_on']} thread",
+                   *(f"{r['median_ms']['alone'][w]:.1f} / {r['median_ms']['beside a busy process'][w]:.1f}"
+                     for w in whats)] for r in d["rows"]], "ll" + "r" * len(whats))
+    return out, []
+
+
+def busy_neighbour(stem: str) -> tuple[list[str], list[str]]:
+    d = load(stem)
+    out = [f"`fluidserve serve` on {d['model']} (fp32) with `--yield-busy-cores` (the default) and with "
+           f"`--no-yield-busy-cores`, both alive in one run, {d['num_requests']} streamed chats at "
+           f"{num(d['rate'])} req/s each, alone and beside {d['neighbours']} process(es) spinning on a core; "
+           "thread changes: `fluidserve_cpu_thread_changes_total` over the load.", ""]
+    out += provenance(stem, d)
+    out += table(["server", "busy beside", "round", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "out tok/s",
+                  "thread changes"],
+                 [[p["server"], p["neighbours"], p.get("round", 0) + 1,
+                   f"{p['ttft_ms']['p50']:.0f} / {p['ttft_ms']['p99']:.0f}",
+                   f"{p['tpot_ms']['p50']:.1f} / {p['tpot_ms']['p99']:.1f}", p["output_token_throughput"],
+                   num(p["thread_changes"])] for p in d["points"]], "lrrrrrr")
     return out, []
 
 
@@ -976,7 +996,7 @@ Renderer = Callable[[str], tuple[list[str], list[str]]]
 
 # (title, the result stems the section reads, renderer); order is the page's.
 ONLINE_STEMS = ["vs_vllm-online-cpu", "vs_vllm-online-cpu-transformers", "vs_vllm-online-cpu-smollm2",
-                "vs_vllm-online-cpu-smollm2-one-openmp-team"]
+                "vs_vllm-online-cpu-smollm2-one-openmp-team", "vs_vllm-online-cpu-smollm2-yield-busy-cores"]
 SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Scheduling policies (simulator)", ["scheduling"], scheduling),
     ("Two KV tiers (simulator)", ["swapping"], swapping),
@@ -994,6 +1014,7 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
      [*OFFLINE_STEMS, "throughput-cpu-cpu-small"], vs_offline),
     ("A long prompt's time to first token", LONG_PROMPT_STEMS, long_prompt),
     ("OpenMP teams and waiting on the CPU", ["omp_teams"], omp_teams),
+    ("Serving beside busy processes", ["busy_neighbour"], busy_neighbour),
     ("Engine bookkeeping per step", ["step_overhead-cpu"], step_overhead),
     ("Scheduler CPU time per step", ["sched_step_cost", "sched_step_cost-1024"], sched_step_cost),
     ("Garbage collection during steps", ["gc_pauses"], gc_pauses),

@@ -598,6 +598,26 @@ def online(args: argparse.Namespace) -> dict:
     return record
 
 
+def wait_quiet(limit_s: float = 15.0, busy_below: float = 0.3) -> float:
+    """Seconds waited until this machine's cores were busy, over a window,
+    for under ``busy_below`` of a core: a server may keep a core busy for a
+    second after its load ends (vLLM's CPU engine does), and each load
+    should start on an idle machine, not on the tail of the last."""
+    from fluidserve.engine.cpu_share import WINDOW_S, read_sample
+
+    if not os.path.exists("/proc/stat"):
+        return 0.0
+    cpus = frozenset(os.sched_getaffinity(0))
+    start = last = read_sample(cpus)
+    while last.at - start.at < limit_s:
+        time.sleep(WINDOW_S)
+        now = read_sample(cpus)
+        if (now.busy_s - last.busy_s) / (now.at - last.at) < busy_below:
+            break
+        last = now
+    return round(time.monotonic() - start.at, 2)
+
+
 def _load(bc, port: int, rate: float, args: argparse.Namespace, model: str | None = None,
           num_requests: int | None = None) -> dict:
     import asyncio
@@ -622,6 +642,7 @@ def _load(bc, port: int, rate: float, args: argparse.Namespace, model: str | Non
         flags += ["--slo-tpot-ms", str(args.slo_tpot_ms)]
     bargs = bc.build_parser().parse_args(flags)
     specs = bc.build_workload(bargs)
+    quiet_after_s = wait_quiet()
     results, elapsed = asyncio.run(bc.run_load(bargs, specs))
     # A server that sends no usage chunk still streamed its tokens: count them.
     for r in results:
@@ -630,7 +651,7 @@ def _load(bc, port: int, rate: float, args: argparse.Namespace, model: str | Non
     rep = bc.report(results, elapsed, bargs)
     keep = ("completed", "failed", "errors", "duration_s", "request_throughput", "output_token_throughput",
             "ttft_ms", "tpot_ms", "e2e_ms", "slo_attainment", "goodput_req_s")
-    return {k: rep[k] for k in keep}
+    return {**{k: rep[k] for k in keep}, "quiet_after_s": quiet_after_s}
 
 
 def _shape(model_dir: str) -> dict:
@@ -665,6 +686,12 @@ def _save_online(record: dict) -> None:
     for bound, best in record["sustained"].items():
         ratios = ", ".join(_ratio(best.get("fluidserve"), best.get(s), lowest, s) for s in systems if s != "fluidserve")
         table.append(f"| {bound} | " + " | ".join(str(best.get(s) or "none") for s in systems) + f" | {ratios} |")
+    waits = [p["quiet_after_s"] for p in record["points"] if "quiet_after_s" in p]
+    if waits:
+        from fluidserve.engine.cpu_share import WINDOW_S
+
+        table += ["", f"Each load started once the cores had been busy for under 0.3 of a core over {WINDOW_S:g} s "
+                  f"(`wait_quiet`): after {min(waits):.1f}-{max(waits):.1f} s of waiting."]
     write("online", record, table)
 
 

@@ -86,8 +86,8 @@ class EngineThread:
     (``AsyncEngine.start``). On CPU, OpenMP gives each thread that computes
     a team of its own; with two teams it counts more threads than cores and
     cuts every idle thread's spin short, so a decode step pays a wake-up on
-    every op (SmolLM2, batch 1, two cores: 36.3 ms a step built on the main
-    thread against 22.8 ms built on this one, ``benchmarks/omp_teams.py``).
+    every op (SmolLM2, batch 1, two cores: 40.7 ms a step built on the main
+    thread against 24.3 ms built on this one, ``benchmarks/omp_teams.py``).
     One thread computing, from the weights' load on, keeps one team."""
 
     def __init__(self) -> None:
@@ -293,7 +293,11 @@ class AsyncEngine:
                     outputs = self.engine.step()
                     if outputs:
                         self._post(self._dispatch, outputs)
-                elif self._beat - last_check >= self.health_check_interval:
+                    continue
+                idle = getattr(self.engine, "idle", None)
+                if idle is not None:
+                    idle()
+                if self._beat - last_check >= self.health_check_interval:
                     # An idle engine runs no step that would notice a dead
                     # worker: ask the executor, so /health turns 503 anyway.
                     last_check = self._beat

@@ -82,6 +82,13 @@ class EngineConfig(ConfigTree):
               "(outputs, stop checks, the next input) overlaps the device's (one in-process worker; plain "
               "sampling rows: no logprobs, seed, penalties or grammar); a stream that stops on EOS or a stop "
               "string costs one discarded token (default: on with CUDA, off on the CPU)")
+    # None: on in `fluidserve serve`, whose idle OpenMP threads spin
+    # (serve/cli.py); off in LLM, a run that owns its machine, whose numbers
+    # then never depend on what else runs.
+    yield_busy_cores: bool | None = setting(
+        None, "CPU, in-process worker: compute on fewer of torch's threads while other processes keep this "
+              "process's cores busy, so no op waits on a thread that shares its core (engine/cpu_share.py) "
+              "(default: on in `fluidserve serve`, off in LLM)")
     cuda_graph_sizes: tuple[int, ...] | None = setting(
         None, "batch sizes captured as decode graphs (default: 1 2 4 ... 256, up to --max-num-seqs)")
     piecewise_graphs: bool = setting(

@@ -27,6 +27,7 @@ from fluidserve.scheduler.request_state import RequestClass, SeqState
 from fluidserve.scheduler.scheduler import Scheduler
 from fluidserve.engine.batch import ModelInput, PromptLogprobSpec, SampleSpec, StepFailed, StepResult
 from fluidserve.engine.config import EngineConfig
+from fluidserve.engine.cpu_share import CpuShare
 from fluidserve.engine.detokenizer import TextStream, byte_table
 from fluidserve.engine.executor import make_executor
 from fluidserve.engine.loader import (eos_token_ids, is_tiny_model, load_hf_config, load_tokenizer,
@@ -96,6 +97,10 @@ class EngineStats:
     # by them or by a row whose sampling raised; the engine served on.
     num_failed_steps: int = 0
     num_failed_requests: int = 0
+    # --yield-busy-cores: the threads the last step computed on (0: not
+    # watched), and how often other processes' load changed that number.
+    cpu_threads: int = 0
+    num_cpu_thread_changes: int = 0
     # Tokens per step (vLLM's iteration_tokens_total): steps per bucket of
     # ITERATION_TOKEN_BUCKETS (the last for larger ones), and their sum. A
     # tuple, replaced per step, so a copy of the stats is a snapshot.
@@ -178,6 +183,9 @@ class LLMEngine:
             log.warning("--async-scheduling needs the in-process executor (--executor local, one GPU): "
                         "steps run synchronously")
         self._pending: _Launched | None = None  # async scheduling: the step queued, unread
+        # Built on the thread that steps the engine (EngineThread), which owns its OpenMP team.
+        self._cpu_share = (CpuShare.for_this_thread() if config.yield_busy_cores and device.type == "cpu"
+                           and config.executor == "local" else None)
         self._failed_in_a_row = 0
         self._read_at = 0.0  # when the last launched step's tokens were read
         log.info("engine ready: %s on %s (%s attention kernels%s), %d KV blocks of %d tokens (+%d on the host), "
@@ -291,6 +299,8 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._cpu_share is not None:
+            self._share_cpu()
         if self._pending is not None:
             return self._read_launched()
         now = time.monotonic()
@@ -318,6 +328,21 @@ class LLMEngine:
         self.stats_.observe_iteration(plan.num_batched_tokens)
         self.stats_.swap_stall_seconds += result.swap_stall_s
         return outputs
+
+    def idle(self) -> None:
+        """Between requests, on the engine's thread: keeps the CPU watch's
+        windows short (``--yield-busy-cores``), so the next request's first
+        step acts on the load around it, not on an average since the last step."""
+        if self._cpu_share is not None:
+            self._share_cpu()
+
+    def _share_cpu(self) -> None:
+        before = self._cpu_share.threads
+        self.stats_.cpu_threads = self._cpu_share.tick()
+        if self.stats_.cpu_threads != before:
+            self.stats_.num_cpu_thread_changes += 1
+            log.debug("other processes keep %.2f cores busy: stepping on %d of %d threads",
+                      self._cpu_share.others_busy, self.stats_.cpu_threads, self._cpu_share.ceiling)
 
     # -- async scheduling ------------------------------------------------------
     def _launchable(self, plan: StepPlan) -> bool:

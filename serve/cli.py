@@ -209,6 +209,8 @@ def engine_config_from_args(args: argparse.Namespace):
     if args.preemption_safepoint_layers is None:
         args.preemption_safepoint_layers = _safepoint_layers(args)
     config = from_flags(args, model=model, served_model_name=served)
+    if config.yield_busy_cores is None:  # the server lets idle OpenMP threads spin (set_openmp_waiting)
+        config = config.replace(yield_busy_cores=True)
     sched = config.scheduler
     if (getattr(args, "data_dir", None) and args.online_slowdown_cap is None
             and sched.online_tpot_slo_ms is None and sched.online_ttft_slo_ms is None):
@@ -443,12 +445,13 @@ def set_openmp_waiting() -> None:
 
     A decode step's ops come microseconds apart. Threads that sleep at once
     (``OMP_WAIT_POLICY=PASSIVE``) pay a wake-up on every op: SmolLM2 decodes
-    at 33.6 ms a step at batch 1 on two cores, 22.8 ms with threads spinning
+    at 43.8 ms a step at batch 1 on two cores, 24.3 ms with threads spinning
     10,000 rounds (``benchmarks/omp_teams.py``; the engine must be built on
     the thread that steps it, ``EngineThread``). Threads that spin on
     (OpenMP's default 300,000 rounds, or ``ACTIVE``) hold cores the event
-    loop needs, and where other jobs share the cores they burn their time
-    slices waiting for each other."""
+    loop needs. Where another process keeps a core busy, even a short spin
+    makes every op wait on the teammate sharing that core: the server steps
+    on the cores left free (``--yield-busy-cores``, engine/cpu_share.py)."""
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", SPIN_ROUNDS)
 

@@ -149,6 +149,8 @@ _ENGINE_COUNTERS = (
     ("steps_failed", "num_failed_steps",
      "Steps whose forward or sampling raised, the device sound: their requests failed, the engine served on"),
     ("requests_failed", "num_failed_requests", "Requests failed by a failed step (finish reason error)"),
+    ("cpu_thread_changes", "num_cpu_thread_changes",
+     "Times other processes' load on the cores changed the threads a CPU step computes on (--yield-busy-cores)"),
 )
 
 
@@ -198,6 +200,11 @@ class EngineStatsCollector:
         for engine in self.by_engine:
             self._add(rate, engine, (), self.offline_rates[engine].rate())
         yield rate
+        threads = self._family(GaugeMetricFamily, "cpu_threads",
+                               "Threads the last CPU step computed on (--yield-busy-cores; 0: not watched)")
+        for engine, s in self.by_engine.items():
+            self._add(threads, engine, (), getattr(s, "cpu_threads", 0))
+        yield threads
         for name, attr, doc in _ENGINE_COUNTERS:
             fam = self._family(CounterMetricFamily, name, doc)
             for engine, s in self.by_engine.items():

@@ -54,7 +54,9 @@ def test_flags_give_the_configs_defaults():
     config = cli.engine_config_from_args(cli.build_parser().parse_args(["serve"]))
     assert config.scheduler == SchedulerConfig() and config.cache == CacheConfig()
     assert config.parallel == ParallelConfig()
-    assert config == EngineConfig()
+    # The server alone yields cores other processes keep busy (its idle OpenMP threads spin).
+    assert config == EngineConfig(yield_busy_cores=True)
+    assert EngineConfig().yield_busy_cores is None
 
 
 def test_flat_names_reach_the_config_that_owns_them():
