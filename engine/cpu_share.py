@@ -18,6 +18,7 @@ client's burst, the kernel's tick falling unevenly) moves no thread.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -39,6 +40,8 @@ WINDOW_S = 0.2
 BUSY_FROM = 0.6
 # Weight of the latest window in the load acted on; the rest is the past's.
 LATEST = 0.75
+
+log = logging.getLogger(__name__)
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
@@ -82,6 +85,7 @@ class CpuShare:
         self.ceiling = ceiling
         self.cpus = cpus
         self.threads = ceiling
+        self.changes = 0  # how often other processes' load moved the thread count
         self._set_threads = set_threads
         self._sample = sample
         self._last = sample()
@@ -99,10 +103,9 @@ class CpuShare:
             return None
         cpus = frozenset(os.sched_getaffinity(0))
         try:
-            read_sample(cpus)
+            return cls(ceiling, cpus, torch.set_num_threads, lambda: read_sample(cpus))
         except (OSError, ValueError, IndexError):
             return None
-        return cls(ceiling, cpus, torch.set_num_threads, lambda: read_sample(cpus))
 
     def tick(self) -> int:
         """The thread count for the next step; changed only once a window
@@ -118,4 +121,7 @@ class CpuShare:
         if want != self.threads:
             self._set_threads(want)
             self.threads = want
+            self.changes += 1
+            log.debug("other processes keep %.2f cores busy: stepping on %d of %d threads",
+                      self.others_busy, want, self.ceiling)
         return self.threads

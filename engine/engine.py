@@ -97,8 +97,8 @@ class EngineStats:
     # by them or by a row whose sampling raised; the engine served on.
     num_failed_steps: int = 0
     num_failed_requests: int = 0
-    # --yield-busy-cores: the threads the last step computed on (0: not
-    # watched), and how often other processes' load changed that number.
+    # --yield-busy-cores: the threads steps compute on now (0: not watched),
+    # and how often other processes' load changed that number.
     cpu_threads: int = 0
     num_cpu_thread_changes: int = 0
     # Tokens per step (vLLM's iteration_tokens_total): steps per bucket of
@@ -300,7 +300,7 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self._cpu_share is not None:
-            self._share_cpu()
+            self._cpu_share.tick()
         if self._pending is not None:
             return self._read_launched()
         now = time.monotonic()
@@ -334,15 +334,7 @@ class LLMEngine:
         windows short (``--yield-busy-cores``), so the next request's first
         step acts on the load around it, not on an average since the last step."""
         if self._cpu_share is not None:
-            self._share_cpu()
-
-    def _share_cpu(self) -> None:
-        before = self._cpu_share.threads
-        self.stats_.cpu_threads = self._cpu_share.tick()
-        if self.stats_.cpu_threads != before:
-            self.stats_.num_cpu_thread_changes += 1
-            log.debug("other processes keep %.2f cores busy: stepping on %d of %d threads",
-                      self._cpu_share.others_busy, self.stats_.cpu_threads, self._cpu_share.ceiling)
+            self._cpu_share.tick()
 
     # -- async scheduling ------------------------------------------------------
     def _launchable(self, plan: StepPlan) -> bool:
@@ -608,6 +600,8 @@ class LLMEngine:
         s.prefix_cache_hit_tokens = self.kv.prefix_stats.hit_tokens
         s.prefix_cache_host_query_tokens = self.kv.prefix_stats.host_query_tokens
         s.prefix_cache_host_hit_tokens = self.kv.prefix_stats.host_hit_tokens
+        if self._cpu_share is not None:
+            s.cpu_threads, s.num_cpu_thread_changes = self._cpu_share.threads, self._cpu_share.changes
         if not s.cache_config:  # as vLLM's CacheConfig.metrics_info(): every setting, and the pools' sizes
             cache = self.config.cache
             s.cache_config = {f.name: str(getattr(cache, f.name)) for f in dataclasses.fields(cache)}

@@ -99,20 +99,20 @@ def test_a_real_neighbour_takes_a_thread_from_the_engine():
     llm = LLM(None, device="cpu", yield_busy_cores=True, seed=0)
     try:
         alone = llm.generate("a quiet machine", params)[0].outputs[0].token_ids
-        assert llm.engine.stats_.cpu_threads == threads
+        assert llm.engine.stats().cpu_threads == threads
         procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
         try:
             deadline = time.monotonic() + 40 * WINDOW_S  # the load is averaged over windows: a few steps
-            while llm.engine.stats_.cpu_threads == threads and time.monotonic() < deadline:
+            while llm.engine.stats().cpu_threads == threads and time.monotonic() < deadline:
                 beside = llm.generate("a quiet machine", params)[0].outputs[0].token_ids
                 time.sleep(WINDOW_S / 2)
-            assert llm.engine.stats_.cpu_threads < threads
+            assert llm.engine.stats().cpu_threads < threads
             beside = llm.generate("a quiet machine", params)[0].outputs[0].token_ids
         finally:
             for p in procs:
                 p.kill()
                 p.wait()
-        assert llm.engine.stats_.num_cpu_thread_changes >= 1
+        assert llm.engine.stats().num_cpu_thread_changes >= 1
         assert beside == alone
     finally:
         torch.set_num_threads(threads)
@@ -131,23 +131,26 @@ def test_an_idle_server_engine_follows_the_load_between_requests():
     engine = host.build(LLMEngine, EngineConfig.create(device="cpu", yield_busy_cores=True))
     front = AsyncEngine(engine, thread=host)
 
+    async def threads_now() -> int:  # as /metrics reads it, through the engine's thread
+        return (await front.get_stats()).cpu_threads
+
     async def watch() -> tuple[int, int]:
         front.start()
         try:
             procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
             try:
                 deadline = time.monotonic() + 40 * WINDOW_S
-                while engine.stats_.cpu_threads in (0, threads) and time.monotonic() < deadline:
+                while await threads_now() in (0, threads) and time.monotonic() < deadline:
                     await asyncio.sleep(WINDOW_S / 2)
-                busy = engine.stats_.cpu_threads
+                busy = await threads_now()
             finally:
                 for p in procs:
                     p.kill()
                     p.wait()
             deadline = time.monotonic() + 40 * WINDOW_S
-            while engine.stats_.cpu_threads != threads and time.monotonic() < deadline:
+            while await threads_now() != threads and time.monotonic() < deadline:
                 await asyncio.sleep(WINDOW_S / 2)
-            return busy, engine.stats_.cpu_threads
+            return busy, await threads_now()
         finally:
             await front.shutdown()
 
@@ -162,4 +165,4 @@ def test_an_idle_server_engine_follows_the_load_between_requests():
 def test_llm_leaves_torch_threads_alone_by_default():
     llm = LLM(None, device="cpu")
     llm.generate("hello", SamplingParams(max_tokens=2, ignore_eos=True))
-    assert llm.engine._cpu_share is None and llm.engine.stats_.cpu_threads == 0
+    assert llm.engine._cpu_share is None and llm.engine.stats().cpu_threads == 0
