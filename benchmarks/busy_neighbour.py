@@ -4,9 +4,12 @@ processes leave free, ``engine/cpu_share.py``) against the same server with
 ``--no-yield-busy-cores`` (every step on all of torch's threads), both alive
 in one run, each under the same Poisson load of streamed chats twice: alone,
 and beside ``--neighbours`` processes that spin on a core each (a batch job,
-another server's busy loop)::
+another server's busy loop), or, with ``--duty BUSY_MS SLEEP_MS``, that
+compute for BUSY_MS and sleep for SLEEP_MS in turn (a service handling its
+own requests: a third of a core, held milliseconds at a time, costs a team
+of spinning threads more than its share)::
 
-    python benchmarks/busy_neighbour.py [--model DIR]
+    python benchmarks/busy_neighbour.py [--model DIR] [--duty 2 3 --tag=-duty]
 
 Each load starts once the cores are quiet (``vs_vllm.wait_quiet``); the two
 servers take turns, each round in the opposite order of the last. Writes
@@ -30,8 +33,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from core_waits import neighbour_command  # noqa: E402
 from serve_bench import bc_free_port, launch, load, stop_server  # noqa: E402
 from vs_vllm import RESULTS, build_model, device_record, wait_quiet  # noqa: E402
+
+def chat_flags(num_requests: int, rate: float, seed: int, real_model: bool, input_len: int = 128,
+               output_len: int = 64) -> list[str]:
+    """The load generator's flags for streamed chats of about ``input_len``
+    words and ``output_len`` tokens."""
+    return ["--endpoint", "chat", "--input-len", str(input_len), "--output-len", str(output_len),
+            "--length-dist", "uniform", "--length-range", "0.5", "--num-requests", str(num_requests),
+            "--request-rate", str(rate), "--seed", str(seed),
+            *(["--no-ignore-eos"] if real_model else [])]  # a real model ends its turns
+
 
 def thread_changes(url: str) -> float:
     """The server's ``fluidserve_cpu_thread_changes_total``."""
@@ -50,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="a model directory (default: the vs_vllm shape, random weights)")
     ap.add_argument("--rate", type=float, default=1.0, help="requests per second")
     ap.add_argument("--num-requests", type=int, default=30)
-    ap.add_argument("--neighbours", type=int, default=1, help="processes spinning beside the server")
+    ap.add_argument("--neighbours", type=int, default=1, help="busy processes beside the server")
+    ap.add_argument("--duty", type=float, nargs=2, metavar=("BUSY_MS", "SLEEP_MS"), default=None,
+                    help="each neighbour computes BUSY_MS, then sleeps SLEEP_MS, in turn (default: spins)")
     ap.add_argument("--input-len", type=int, default=128, help="mean prompt words")
     ap.add_argument("--output-len", type=int, default=64, help="mean output tokens")
     ap.add_argument("--repeats", type=int, default=2, help="loads of each server per condition, in turns")
@@ -58,14 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     def flags(num_requests: int, rate: float, seed: int) -> list[str]:
-        return ["--endpoint", "chat", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                "--length-dist", "uniform", "--length-range", "0.5", "--num-requests", str(num_requests),
-                "--request-rate", str(rate), "--seed", str(seed),
-                *(["--no-ignore-eos"] if args.model else [])]  # a real model ends its turns
+        return chat_flags(num_requests, rate, seed, real_model=bool(args.model), input_len=args.input_len,
+                          output_len=args.output_len)
 
     record: dict = {"benchmark": "serving beside busy processes", "command": " ".join(map(shlex.quote, sys.argv)),
                     "device": device_record(), "rate": args.rate, "num_requests": args.num_requests,
-                    "neighbours": args.neighbours, "points": []}
+                    "neighbours": args.neighbours, "duty_ms": args.duty, "points": []}
+    neighbour = neighbour_command(tuple(args.duty) if args.duty else None)
+    kind = ("spinning on a core each" if args.duty is None else
+            f"each computing {args.duty[0]:g} ms and sleeping {args.duty[1]:g} ms in turn")
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(build_model(Path(tmp) / "model"))
         record["model"] = Path(args.model).name if args.model else "vs_vllm shape, random weights"
@@ -84,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             for beside, round_ in itertools.product((0, args.neighbours), range(args.repeats)):
                 for name in order:
                     wait_quiet()
-                    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(beside)]
+                    spinners = [subprocess.Popen(neighbour) for _ in range(beside)]
                     changes = thread_changes(urls[name])
                     try:
                         time.sleep(1.0)  # the neighbours at work, the servers' watch caught up
@@ -109,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# Serving beside busy processes ({args.num_requests} streamed chats at {args.rate:g} req/s)", "",
              f"Command: `{record['command']}`", "",
              f"Model: {record['model']}, fp32, {os.cpu_count()} cores. Each server alone, then beside "
-             f"{args.neighbours} process(es) spinning on a core each.", "",
+             f"{args.neighbours} process(es) {kind}.", "",
              "| server | busy processes beside | round | TTFT p50 / p99 ms | TPOT p50 / p99 ms | out tok/s | failed | "
              "thread changes |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for p in record["points"]:

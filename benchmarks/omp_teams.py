@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                                  args.tokens, args.repeats)))
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from dummy_models import save_results
     from vs_vllm import RESULTS, build_model, device_record
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         m = r["median_ms"]
         lines.append(f"| {r['config']} | {r['built_on']} thread | " + " | ".join(
             f"{m['alone'][w]:.1f} / {m['beside a busy process'][w]:.1f}" for w in whats) + " |")
-    (RESULTS / "omp_teams.json").write_text(json.dumps(record, indent=2) + "\n")
-    (RESULTS / "omp_teams.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results(RESULTS / "omp_teams", record, "\n".join(lines) + "\n")
     return 0
 
 

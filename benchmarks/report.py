@@ -606,11 +606,28 @@ def omp_teams(stem: str) -> tuple[list[str], list[str]]:
     return out, []
 
 
+def replica_team(stem: str) -> tuple[list[str], list[str]]:
+    d = load(stem)
+    ms = d["ms_per_token"]
+    floor = statistics.median(next(iter(ms.values())))
+    out = [f"One data-parallel replica (a Ray actor) decoding one request of {d['model']} (fp32) on "
+           f"{d['threads']} torch threads, {d['tokens']} greedy tokens, by the thread its engine was built on; "
+           "the same engine in-process on an `EngineThread` is the floor. ms per token, each round a fresh "
+           "process.", ""] + provenance(stem, d)
+    out += table(["system", "ms/token, each round", "vs in-process"],
+                 [[name, " / ".join(f"{x:.1f}" for x in got), ratio(statistics.median(got) / floor)]
+                  for name, got in ms.items()], "lrr")
+    return out, []
+
+
 def busy_neighbour(stem: str) -> tuple[list[str], list[str]]:
     d = load(stem)
+    duty = d.get("duty_ms")
+    kind = ("spinning on a core" if not duty else
+            f"computing {num(duty[0])} ms and sleeping {num(duty[1])} ms in turn")
     out = [f"`fluidserve serve` on {d['model']} (fp32) with `--yield-busy-cores` (the default) and with "
            f"`--no-yield-busy-cores`, both alive in one run, {d['num_requests']} streamed chats at "
-           f"{num(d['rate'])} req/s each, alone and beside {d['neighbours']} process(es) spinning on a core; "
+           f"{num(d['rate'])} req/s each, alone and beside {d['neighbours']} process(es) {kind}; "
            "thread changes: `fluidserve_cpu_thread_changes_total` over the load.", ""]
     out += provenance(stem, d)
     out += table(["server", "busy beside", "round", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "out tok/s",
@@ -619,6 +636,35 @@ def busy_neighbour(stem: str) -> tuple[list[str], list[str]]:
                    f"{p['ttft_ms']['p50']:.0f} / {p['ttft_ms']['p99']:.0f}",
                    f"{p['tpot_ms']['p50']:.1f} / {p['tpot_ms']['p99']:.1f}", p["output_token_throughput"],
                    num(p["thread_changes"])] for p in d["points"]], "lrrrrrr")
+    return out, []
+
+
+def core_waits(stem: str) -> tuple[list[str], list[str]]:
+    d = load(stem)
+    med = statistics.median
+    n = d["ceiling"]
+    out = [f"What `--yield-busy-cores` reads: the cores' worth of this process's threads runnable but not running "
+           f"(`/proc/self/task/*/schedstat`), and what each thread count costs. {d['model']} (fp32), decode at "
+           "batch 1 stepped on a second thread with idle threads spinning 10,000 rounds, beside each neighbour "
+           "(medians).", ""] + provenance(stem, d)
+    out += table(["neighbour", f"ms/token, {n} threads", f"waiting, {n} threads", "ms/token, 1 thread",
+                  f"neighbour's load (cores), beside {n} / 1"],
+                 [[r["neighbour"], f"{med(r[f'decode_ms_{n}']):.1f}", f"{med(r[f'waiting_{n}']):.2f}",
+                   f"{med(r['decode_ms_1']):.1f}",
+                   f"{med(r[f'others_busy_{n}']):.2f} / {med(r['others_busy_1']):.2f}"] for r in d["fixed"]],
+                 "lrrrr")
+    out += ["", "The switch, each setting in a fresh process (decode ms/token and the prefill's ms, on / off):", ""]
+    out += table(["neighbour", "decode, on / off", "prefill, on / off", "threads after (on)"],
+                 [[on["neighbour"], f"{med(on['decode_ms']):.1f} / {med(off['decode_ms']):.1f}",
+                   f"{med(on['prefill_ms']):.0f} / {med(off['prefill_ms']):.0f}", on["threads_after"]]
+                  for on, off in zip(d["switch"]["on"], d["switch"]["off"])], "lrrr")
+    if d.get("server"):
+        out += ["", "`fluidserve serve --no-yield-busy-cores` with the load generator streaming chats from the "
+                "same cores: its threads' waiting per 0.2 s window.", ""]
+        out += table(["client rate", "waiting, mean", "median", "largest window", "median TPOT (ms)"],
+                     [[f"{num(r['rate'])} req/s", f"{statistics.mean(r['windows']):.2f}",
+                       f"{med(r['windows']):.2f}", f"{max(r['windows']):.2f}", f"{r['tpot_ms_p50']:.1f}"]
+                      for r in d["server"]], "rrrrr")
     return out, []
 
 
@@ -1014,7 +1060,9 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
      [*OFFLINE_STEMS, "throughput-cpu-cpu-small"], vs_offline),
     ("A long prompt's time to first token", LONG_PROMPT_STEMS, long_prompt),
     ("OpenMP teams and waiting on the CPU", ["omp_teams"], omp_teams),
-    ("Serving beside busy processes", ["busy_neighbour"], busy_neighbour),
+    ("Waiting for cores beside another process", ["core_waits"], core_waits),
+    ("A data-parallel replica's CPU step", ["replica_team"], replica_team),
+    ("Serving beside busy processes", ["busy_neighbour", "busy_neighbour-duty"], busy_neighbour),
     ("Engine bookkeeping per step", ["step_overhead-cpu"], step_overhead),
     ("Scheduler CPU time per step", ["sched_step_cost", "sched_step_cost-1024"], sched_step_cost),
     ("Garbage collection during steps", ["gc_pauses"], gc_pauses),

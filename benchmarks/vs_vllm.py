@@ -603,15 +603,16 @@ def wait_quiet(limit_s: float = 15.0, busy_below: float = 0.3) -> float:
     for under ``busy_below`` of a core: a server may keep a core busy for a
     second after its load ends (vLLM's CPU engine does), and each load
     should start on an idle machine, not on the tail of the last."""
-    from fluidserve.engine.cpu_share import WINDOW_S, read_sample
+    from fluidserve.engine.cpu_share import WINDOW_S, ThreadWaits, read_sample
 
     if not os.path.exists("/proc/stat"):
         return 0.0
     cpus = frozenset(os.sched_getaffinity(0))
-    start = last = read_sample(cpus)
+    waits = ThreadWaits()
+    start = last = read_sample(cpus, waits)
     while last.at - start.at < limit_s:
         time.sleep(WINDOW_S)
-        now = read_sample(cpus)
+        now = read_sample(cpus, waits)
         if (now.busy_s - last.busy_s) / (now.at - last.at) < busy_below:
             break
         last = now

@@ -86,8 +86,9 @@ class EngineConfig(ConfigTree):
     # (serve/cli.py); off in LLM, a run that owns its machine, whose numbers
     # then never depend on what else runs.
     yield_busy_cores: bool | None = setting(
-        None, "CPU, in-process worker: compute on fewer of torch's threads while other processes keep this "
-              "process's cores busy, so no op waits on a thread that shares its core (engine/cpu_share.py) "
+        None, "CPU, in-process worker: compute on fewer of torch's threads while this process's threads wait "
+              "for cores other work holds, so no op waits on a teammate that shares its core; back on all of "
+              "them when the neighbour leaves or a probe finds the cores free (engine/cpu_share.py) "
               "(default: on in `fluidserve serve`, off in LLM)")
     cuda_graph_sizes: tuple[int, ...] | None = setting(
         None, "batch sizes captured as decode graphs (default: 1 2 4 ... 256, up to --max-num-seqs)")

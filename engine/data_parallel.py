@@ -98,6 +98,7 @@ class _Replica:
     healthy: bool = False
     pid: int | None = None
     node_id: str | None = None
+    torch_threads: int | None = None  # what its engine's thread computes on
     requests: set[str] = field(default_factory=set)
     stats: Any = None
     restarts: int = 0
@@ -119,19 +120,19 @@ def _replica_class():
         the engine steps on its own thread, as in the single-engine server."""
 
         def __init__(self, config: EngineConfig, index: int, torch_threads: int | None) -> None:
-            import torch
+            from fluidserve.engine.async_engine import EngineThread
 
-            from fluidserve.engine.engine import LLMEngine
-
-            if torch_threads:
-                torch.set_num_threads(torch_threads)
             self.index = index
-            self.engine = LLMEngine(config)
+            # Built on the thread that will step it, as the single-engine
+            # server does: one OpenMP team computes, from the weights' load on.
+            self.host = EngineThread()
+            self.engine = self.host.build(_build_replica_engine, config, torch_threads)
+            self.threads = self.host.build(_torch_threads)  # torch's count is the calling thread's
             self.front: _OutboxEngine | None = None
 
         def _front(self) -> "_OutboxEngine":
             if self.front is None:  # first call on the actor's event loop
-                self.front = _OutboxEngine(self.engine, stall_timeout=STALL_TIMEOUT_S)
+                self.front = _OutboxEngine(self.engine, stall_timeout=STALL_TIMEOUT_S, thread=self.host)
                 self.front.start()
             return self.front
 
@@ -139,7 +140,8 @@ def _replica_class():
             import ray as _ray
 
             self._front()
-            return {"pid": os.getpid(), "node_id": _ray.get_runtime_context().get_node_id(), "index": self.index}
+            return {"pid": os.getpid(), "node_id": _ray.get_runtime_context().get_node_id(), "index": self.index,
+                    "torch_threads": self.threads}
 
         async def facts(self) -> ModelFacts:
             from fluidserve.scheduler.router import BacklogCost
@@ -175,6 +177,22 @@ def _replica_class():
                 await self.front.shutdown()
 
     return EngineReplica
+
+
+def _build_replica_engine(config: EngineConfig, torch_threads: int | None):
+    import torch
+
+    from fluidserve.engine.engine import LLMEngine
+
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    return LLMEngine(config)
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 class _OutboxEngine(AsyncEngine):
@@ -258,8 +276,10 @@ class DataParallelEngine:
                                   cost=self.facts.backlog_cost, index_blocks=self.facts.kv_blocks, **options)
         for replica, info in zip(self.replicas, infos):
             replica.healthy, replica.pid, replica.node_id = True, info["pid"], info["node_id"]
-        log.info("%d engine replicas ready (%s routing) on %d node(s)", self.size, self.routing_policy,
-                 len({r.node_id for r in self.replicas}))
+            replica.torch_threads = info["torch_threads"]
+        log.info("%d engine replicas ready (%s routing) on %d node(s), on %s torch threads", self.size,
+                 self.routing_policy, len({r.node_id for r in self.replicas}),
+                 "/".join(str(r.torch_threads) for r in self.replicas))
 
     @staticmethod
     def _actor_options(ray: Any, config: EngineConfig, max_restarts: int) -> dict:
@@ -489,6 +509,7 @@ class DataParallelEngine:
             await asyncio.sleep(RESTART_POLL_S)
             return
         replica.pid, replica.node_id = info["pid"], info["node_id"]
+        replica.torch_threads = info["torch_threads"]
         replica.healthy, replica.stats = True, None
         replica.restarts += 1
         self.router.set_healthy(replica.index, True)

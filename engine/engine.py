@@ -98,7 +98,7 @@ class EngineStats:
     num_failed_steps: int = 0
     num_failed_requests: int = 0
     # --yield-busy-cores: the threads steps compute on now (0: not watched),
-    # and how often other processes' load changed that number.
+    # and how often it changed (a thread left while the team waited for cores, or came back).
     cpu_threads: int = 0
     num_cpu_thread_changes: int = 0
     # Tokens per step (vLLM's iteration_tokens_total): steps per bucket of

@@ -150,7 +150,8 @@ _ENGINE_COUNTERS = (
      "Steps whose forward or sampling raised, the device sound: their requests failed, the engine served on"),
     ("requests_failed", "num_failed_requests", "Requests failed by a failed step (finish reason error)"),
     ("cpu_thread_changes", "num_cpu_thread_changes",
-     "Times other processes' load on the cores changed the threads a CPU step computes on (--yield-busy-cores)"),
+     "Times the threads a CPU step computes on changed: one left while they waited for cores, or one came back "
+     "(--yield-busy-cores)"),
 )
 
 

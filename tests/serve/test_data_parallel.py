@@ -260,6 +260,8 @@ def test_two_node_cluster_places_one_replica_per_node(tiny_model):
         try:
             nodes = {r.node_id for r in engine.replicas}
             assert len(nodes) == 2, nodes
+            # the count is read on each replica's engine thread, the one that steps it
+            assert [r.torch_threads for r in engine.replicas] == [1, 1]
 
             async def main():
                 engine.start()
