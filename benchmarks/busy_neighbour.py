@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import re
 import shlex
@@ -33,9 +32,31 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from core_waits import neighbour_command  # noqa: E402
+from dummy_models import save_results  # noqa: E402
 from serve_bench import bc_free_port, launch, load, stop_server  # noqa: E402
 from vs_vllm import RESULTS, build_model, device_record, wait_quiet  # noqa: E402
+
+
+def neighbour_command(duty: tuple[float, float] | None) -> list[str]:
+    """A process that spins (``duty`` None) or computes ``duty[0]`` ms and
+    sleeps ``duty[1]`` ms in turn."""
+    if duty is None:
+        return [sys.executable, "-c", "while True: pass"]
+    busy, asleep = duty[0] / 1e3, duty[1] / 1e3
+    return [sys.executable, "-c", "import time\nwhile True:\n    end = time.perf_counter() + "
+            f"{busy}\n    while time.perf_counter() < end: pass\n    time.sleep({asleep})"]
+
+
+def cpu_server(model: str, *extra: str, name: str = "server") -> tuple[subprocess.Popen, str]:
+    """``fluidserve serve`` on the CPU in fp32 with no prefix cache (every
+    prompt computed), started and healthy; the process and its URL."""
+    port = bc_free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "fluidserve.serve.cli", "serve", "--model", model, "--host", "127.0.0.1",
+           "--port", str(port), "--device", "cpu", "--dtype", "float32", "--no-enable-prefix-caching",
+           "--log-level", "warning", *extra]
+    return launch(cmd, f"{url}/health", timeout=600, name=name), url
+
 
 def chat_flags(num_requests: int, rate: float, seed: int, real_model: bool, input_len: int = 128,
                output_len: int = 64) -> list[str]:
@@ -89,12 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         procs, urls = {}, {}
         try:
             for name, extra in SERVERS.items():
-                port = bc_free_port()
-                cmd = [sys.executable, "-m", "fluidserve.serve.cli", "serve", "--model", model, "--host",
-                       "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
-                       "--no-enable-prefix-caching", "--log-level", "warning", *extra]
-                urls[name] = f"http://127.0.0.1:{port}"
-                procs[name] = launch(cmd, f"{urls[name]}/health", timeout=600, name=name)
+                procs[name], urls[name] = cpu_server(model, *extra, name=name)
             for name in SERVERS:  # first requests pay one-off costs, not the load's
                 load(urls[name], flags(8, float("inf"), 1))
             order = list(SERVERS)
@@ -134,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{p['ttft_ms']['p50']:.0f} / {p['ttft_ms']['p99']:.0f} "
                      f"| {p['tpot_ms']['p50']:.1f} / {p['tpot_ms']['p99']:.1f} | "
                      f"{p['output_token_throughput']:.0f} | {p['failed']} | {p['thread_changes']:.0f} |")
-    (RESULTS / f"busy_neighbour{args.tag}.json").write_text(json.dumps(record, indent=2) + "\n")
-    (RESULTS / f"busy_neighbour{args.tag}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results(RESULTS / f"busy_neighbour{args.tag}", record, "\n".join(lines) + "\n")
     return 0
 
 

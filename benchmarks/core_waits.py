@@ -40,6 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from busy_neighbour import chat_flags, cpu_server, neighbour_command  # noqa: E402
+
 # (label, duty: (ms computing, ms asleep) in turn, or None for a spinner); the first runs nothing beside.
 NEIGHBOURS = [
     ("none", None),
@@ -49,16 +51,6 @@ NEIGHBOURS = [
     ("5 ms busy, 10 ms asleep", (5.0, 10.0)),
 ]
 ENGINE = {"dtype": "float32", "device": "cpu", "enable_prefix_caching": False}
-
-
-def neighbour_command(duty: tuple[float, float] | None) -> list[str]:
-    """A process that spins (``duty`` None) or computes ``duty[0]`` ms and
-    sleeps ``duty[1]`` ms in turn."""
-    if duty is None:
-        return [sys.executable, "-c", "while True: pass"]
-    busy, asleep = duty[0] / 1e3, duty[1] / 1e3
-    return [sys.executable, "-c", "import time\nwhile True:\n    end = time.perf_counter() + "
-            f"{busy}\n    while time.perf_counter() < end: pass\n    time.sleep({asleep})"]
 
 
 class Meter:
@@ -151,17 +143,12 @@ def run_job(model: str, job: str, args: argparse.Namespace) -> list[dict]:
 def server_waits(model: str, rates: list[float], num_requests: int, real_model: bool) -> list[dict]:
     """The waits of a server on all its threads while the load generator,
     on the same cores, streams chats at each rate."""
-    from busy_neighbour import chat_flags
-    from serve_bench import bc_free_port, launch, load, stop_server
+    from serve_bench import load, stop_server
     from vs_vllm import wait_quiet
 
     from fluidserve.engine.cpu_share import WINDOW_S, ThreadWaits
 
-    port = bc_free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = launch([sys.executable, "-m", "fluidserve.serve.cli", "serve", "--model", model, "--host", "127.0.0.1",
-                   "--port", str(port), "--device", "cpu", "--dtype", "float32", "--no-enable-prefix-caching",
-                   "--log-level", "warning", "--no-yield-busy-cores"], f"{url}/health", timeout=600, name="server")
+    proc, url = cpu_server(model, "--no-yield-busy-cores")
     server = ThreadWaits(Path("/proc") / str(proc.pid))
     rows = []
     try:

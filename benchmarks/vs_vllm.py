@@ -603,16 +603,15 @@ def wait_quiet(limit_s: float = 15.0, busy_below: float = 0.3) -> float:
     for under ``busy_below`` of a core: a server may keep a core busy for a
     second after its load ends (vLLM's CPU engine does), and each load
     should start on an idle machine, not on the tail of the last."""
-    from fluidserve.engine.cpu_share import WINDOW_S, ThreadWaits, read_sample
+    from fluidserve.engine.cpu_share import WINDOW_S, read_sample
 
     if not os.path.exists("/proc/stat"):
         return 0.0
     cpus = frozenset(os.sched_getaffinity(0))
-    waits = ThreadWaits()
-    start = last = read_sample(cpus, waits)
+    start = last = read_sample(cpus)
     while last.at - start.at < limit_s:
         time.sleep(WINDOW_S)
-        now = read_sample(cpus, waits)
+        now = read_sample(cpus)
         if (now.busy_s - last.busy_s) / (now.at - last.at) < busy_below:
             break
         last = now

@@ -116,10 +116,10 @@ class ThreadWaits:
             pass
 
 
-def read_sample(cpus: frozenset[int], waits: ThreadWaits, proc: Path = Path("/proc")) -> CpuSample:
+def read_sample(cpus: frozenset[int], waits: ThreadWaits | None = None, proc: Path = Path("/proc")) -> CpuSample:
     """Busy time of ``cpus`` (user, nice, system, irq, softirq: not idle,
-    iowait or time the hypervisor stole), this process's own time and its
-    threads' waiting."""
+    iowait or time the hypervisor stole), this process's own time and, given
+    ``waits``, its threads' waiting (else 0)."""
     busy = 0
     for line in (proc / "stat").read_text().splitlines():
         name, *fields = line.split()
@@ -129,17 +129,16 @@ def read_sample(cpus: frozenset[int], waits: ThreadWaits, proc: Path = Path("/pr
         busy += user + nice + system + irq + softirq
     own = (proc / "self" / "stat").read_text()
     utime, stime = map(int, own[own.rindex(")") + 2:].split()[11:13])
-    return CpuSample(time.monotonic(), busy * _TICK_S, (utime + stime) * _TICK_S, waits.read())
+    return CpuSample(time.monotonic(), busy * _TICK_S, (utime + stime) * _TICK_S,
+                     waits.read() if waits is not None else 0.0)
 
 
 class CpuShare:
     """Call ``tick()`` on the thread that steps the engine (OpenMP's team
     size belongs to the calling thread), before each step and while idle."""
 
-    def __init__(self, ceiling: int, cpus: frozenset[int], set_threads: Callable[[int], None],
-                 sample: Callable[[], CpuSample]) -> None:
+    def __init__(self, ceiling: int, set_threads: Callable[[int], None], sample: Callable[[], CpuSample]) -> None:
         self.ceiling = ceiling
-        self.cpus = cpus
         self.threads = ceiling
         self.changes = 0  # how often the thread count moved
         self.waiting = 0.0  # cores' worth of this process's threads waiting, averaged since the last change
@@ -167,7 +166,7 @@ class CpuShare:
         cpus = frozenset(os.sched_getaffinity(0))
         waits = ThreadWaits()
         try:
-            return cls(ceiling, cpus, torch.set_num_threads, lambda: read_sample(cpus, waits))
+            return cls(ceiling, torch.set_num_threads, lambda: read_sample(cpus, waits))
         except (OSError, ValueError, IndexError):
             return None
 

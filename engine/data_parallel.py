@@ -126,8 +126,7 @@ def _replica_class():
             # Built on the thread that will step it, as the single-engine
             # server does: one OpenMP team computes, from the weights' load on.
             self.host = EngineThread()
-            self.engine = self.host.build(_build_replica_engine, config, torch_threads)
-            self.threads = self.host.build(_torch_threads)  # torch's count is the calling thread's
+            self.engine, self.threads = self.host.build(_build_replica_engine, config, torch_threads)
             self.front: _OutboxEngine | None = None
 
         def _front(self) -> "_OutboxEngine":
@@ -179,20 +178,16 @@ def _replica_class():
     return EngineReplica
 
 
-def _build_replica_engine(config: EngineConfig, torch_threads: int | None):
+def _build_replica_engine(config: EngineConfig, torch_threads: int | None) -> tuple[Any, int]:
+    """The engine, and the threads it computes on: torch's count belongs to
+    the calling thread, so both are read on the one that will step it."""
     import torch
 
     from fluidserve.engine.engine import LLMEngine
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
-    return LLMEngine(config)
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
+    return LLMEngine(config), torch.get_num_threads()
 
 
 class _OutboxEngine(AsyncEngine):

@@ -35,7 +35,7 @@ class Watch:
         self.at = self.busy = self.ours = self.waited = 0.0
         self.set_to: list[int] = []
         self.set_at: list[float] = []  # when each change was made
-        self.share = CpuShare(ceiling, frozenset(range(ceiling)), self.set_threads, self.sample)
+        self.share = CpuShare(ceiling, self.set_threads, self.sample)
 
     def set_threads(self, n: int) -> None:
         self.set_to.append(n)
@@ -137,7 +137,7 @@ def test_no_look_inside_a_window():
         looks += 1
         return CpuSample(time.monotonic(), 0.0, 0.0, 0.0)
 
-    share = CpuShare(2, frozenset({0, 1}), lambda n: None, sample)
+    share = CpuShare(2, lambda n: None, sample)
     for _ in range(100):
         share.tick()
     assert looks == 1  # the first, at construction: steps microseconds apart read /proc once a window
