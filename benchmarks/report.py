@@ -1042,7 +1042,8 @@ Renderer = Callable[[str], tuple[list[str], list[str]]]
 
 # (title, the result stems the section reads, renderer); order is the page's.
 ONLINE_STEMS = ["vs_vllm-online-cpu", "vs_vllm-online-cpu-transformers", "vs_vllm-online-cpu-smollm2",
-                "vs_vllm-online-cpu-smollm2-one-openmp-team", "vs_vllm-online-cpu-smollm2-yield-busy-cores"]
+                "vs_vllm-online-cpu-smollm2-one-openmp-team", "vs_vllm-online-cpu-smollm2-yield-busy-cores",
+                "vs_vllm-online-cpu-smollm2-core-waits"]
 SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Scheduling policies (simulator)", ["scheduling"], scheduling),
     ("Two KV tiers (simulator)", ["swapping"], swapping),
@@ -1062,7 +1063,8 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("OpenMP teams and waiting on the CPU", ["omp_teams"], omp_teams),
     ("Waiting for cores beside another process", ["core_waits"], core_waits),
     ("A data-parallel replica's CPU step", ["replica_team"], replica_team),
-    ("Serving beside busy processes", ["busy_neighbour", "busy_neighbour-duty"], busy_neighbour),
+    ("Serving beside busy processes", ["busy_neighbour", "busy_neighbour-duty", "busy_neighbour-alone"],
+     busy_neighbour),
     ("Engine bookkeeping per step", ["step_overhead-cpu"], step_overhead),
     ("Scheduler CPU time per step", ["sched_step_cost", "sched_step_cost-1024"], sched_step_cost),
     ("Garbage collection during steps", ["gc_pauses"], gc_pauses),
