@@ -5,10 +5,16 @@ answers new requests on open connections with 503, lets in-flight requests
 finish for up to ``drain_timeout`` seconds, stops the engine loop and
 returns — so the process exits 0 (stock uvicorn re-raises the signal, which
 would make the exit status 143). A second SIGINT forces the exit.
+
+Idle keep-alive connections close at once, TLS ones too: closing a TLS
+connection waits for the client's reply to our close_notify, which an idle
+client (a pooled connection nobody reads) never sends, and the drain would
+then last its whole timeout with no request in flight.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -19,8 +25,34 @@ from typing import Callable, Iterator
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 logger = logging.getLogger("fluidserve.serve")
+
+# How long the client of an idle TLS connection has to answer our
+# close_notify at shutdown before the connection is dropped: a client that
+# reads its socket answers in a round trip; asyncio's own wait is 30 s.
+TLS_CLOSE_WAIT_S = 1.0
+
+
+class DrainingHTTP(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+    """uvicorn's HTTP protocol whose shutdown of an idle TLS connection
+    drops it once its client has had ``TLS_CLOSE_WAIT_S`` to answer."""
+
+    def shutdown(self) -> None:
+        super().shutdown()  # an idle connection closes; one mid-request finishes its response first
+        transport: asyncio.Transport = self.transport
+        if transport.is_closing() and transport.get_extra_info("sslcontext") is not None:
+            self.loop.call_later(TLS_CLOSE_WAIT_S, self._drop_when_written)
+
+    def _drop_when_written(self) -> None:
+        """Drop the closing TLS connection once what it holds to send has
+        gone (a slow reader keeps the end of its last response); a no-op
+        once the client has answered and the connection closed."""
+        if self.transport.get_write_buffer_size():
+            self.loop.call_later(TLS_CLOSE_WAIT_S, self._drop_when_written)
+        else:
+            self.transport.abort()
 
 
 class DrainingServer(uvicorn.Server):
@@ -57,7 +89,7 @@ def make_server(app: FastAPI, host: str, port: int, *, drain_timeout: float = 30
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=access_log,
         timeout_graceful_shutdown=max(1, int(round(drain_timeout))), lifespan="on",
-        timeout_keep_alive=30,
+        timeout_keep_alive=30, http=DrainingHTTP,
     )
 
     def on_drain() -> None:

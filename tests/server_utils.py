@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from fluidserve.engine.async_engine import AsyncEngine
 from fluidserve.engine.config import EngineConfig
@@ -68,17 +70,28 @@ def start_server(model_dir: str, settings: ServerSettings | None = None, stall_t
 
 
 def wait_healthy(base_url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    """Until ``/health`` answers 200 (an https URL: any certificate)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
         try:
-            if httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200:
+            if httpx.get(f"{base_url}/health", timeout=1.0, verify=False).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
     raise TimeoutError(f"{base_url} did not become healthy in {timeout} s")
+
+
+def self_signed_cert(directory: Path) -> tuple[str, str]:
+    """A key and certificate for 127.0.0.1 (openssl's command line)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = directory / "key.pem", directory / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    return str(key), str(cert)
 
 
 def free_port() -> int:

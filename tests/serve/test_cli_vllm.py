@@ -5,17 +5,15 @@ traceback) for a vLLM flag we do not support."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from fluidserve.serve import cli
 from fluidserve.serve.server import bind_socket
-from server_utils import free_port, start_subprocess_server
+from server_utils import free_port, self_signed_cert, start_subprocess_server, wait_healthy
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -93,28 +91,6 @@ def test_chat_template_file_or_inline(tmp_path):
         cli.load_chat_template(str(tmp_path / "missing.jinja"))
 
 
-def self_signed_cert(tmp_path) -> tuple[str, str]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
-    return str(key), str(cert)
-
-
-def wait_healthy_tls(base: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited with {proc.returncode}"
-        try:
-            if httpx.get(f"{base}/health", verify=False, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(base)
-
-
 @pytest.mark.slow
 def test_vllm_command_line_starts_the_server(tiny_model, tmp_path):
     """The quick-start line of vLLM's OpenAI-server docs, plus the flags a
@@ -140,7 +116,7 @@ def test_vllm_command_line_starts_the_server(tiny_model, tmp_path):
         del os.environ["FLUIDSERVE_API_KEY"]
     base = f"https://127.0.0.1:{port}"
     try:
-        wait_healthy_tls(base, proc)
+        wait_healthy(base, timeout=120, proc=proc)
         client = httpx.Client(verify=False, timeout=60)
         auth = {"Authorization": "Bearer env-key"}
         assert client.get(f"{base}/v1/models").status_code == 401

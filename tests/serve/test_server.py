@@ -22,6 +22,7 @@ from fluidserve.serve.api import ServerSettings
 from server_utils import (
     free_port,
     read_metrics,
+    self_signed_cert,
     start_server,
     wait_idle,
     start_subprocess_server,
@@ -509,6 +510,43 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path):
     log = log_path.read_text()
     assert "built-in tiny random-weight model" in log
     assert "SIGTERM received" in log
+
+
+def test_sigterm_over_tls_finishes_the_stream_and_does_not_wait_on_idle_clients(tmp_path):
+    """An idle keep-alive TLS client never answers the server's close_notify
+    (nothing reads its socket): the drain drops that connection instead of
+    waiting out its timeout, while a stream in flight over TLS still gets
+    every token."""
+    port = free_port()
+    key, cert = self_signed_cert(tmp_path)
+    proc = start_subprocess_server(["--device", "cpu", "--num-kv-blocks", "128", "--max-model-len", "256",
+                                    "--drain-timeout", "60", "--ssl-keyfile", key, "--ssl-certfile", cert],
+                                   port, tmp_path / "server.log")
+    base = f"https://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, timeout=120, proc=proc)
+        idle = httpx.Client(verify=False, timeout=60)  # its connection stays open in the pool, unread
+        model = idle.get(f"{base}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "drain me", "max_tokens": 100, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        chunks, usage = 0, None
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60, verify=False) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                chunks += bool(event["choices"])
+                if chunks == 2 and event["choices"]:
+                    proc.send_signal(signal.SIGTERM)
+                usage = event.get("usage") or usage
+        assert usage["completion_tokens"] == 100
+        # Well inside the 60 s drain: waiting on the idle client would take all of it.
+        assert proc.wait(timeout=30) == 0
+        idle.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_request_whose_sampling_raises_fails_alone(server, client, offline, monkeypatch):
