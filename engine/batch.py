@@ -109,6 +109,9 @@ class StepResult:
     # Rows whose sampling raised, sampled alone (request id -> the
     # exception): their requests fail, the other rows' tokens stand.
     failed_rows: dict = field(default_factory=dict)
+    # Requests whose prompt logprobs raised, scored alone (engine request id
+    # -> the exception): they fail whole, the step's other requests stand.
+    failed_requests: dict = field(default_factory=dict)
 
     @property
     def abandoned(self) -> bool:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from fluidserve.engine.batch import ModelInput, SampleSpec, StepFailed, StepResult
+from fluidserve.engine.batch import ModelInput, PromptLogprobSpec, SampleSpec, StepFailed, StepResult
 from fluidserve.engine.cache_engine import CacheEngine
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_mode
@@ -327,7 +327,7 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - rows are sampled one by one below
                 mask_error = exc
         if inp.prompt_logprobs:
-            result.prompt_logprobs = score_prompts(hidden, inp.prompt_logprobs, self.model.compute_logits) or {}
+            result.prompt_logprobs = self._score_prompts(hidden, inp.prompt_logprobs, result)
         if not inp.sample_indices:
             return result
         logits = self.model.compute_logits(hidden[sample_idx])  # [S, V] on rank 0
@@ -345,6 +345,32 @@ class Worker:
         log.warning("sampling the step's rows together raised (%s): sampling each alone", _describe(mask_error))
         self._sample_alone(inp, logits, result)
         return result
+
+    def _score_prompts(self, hidden: torch.Tensor, specs: list[PromptLogprobSpec], result: StepResult) -> dict:
+        """The step's prompt logprobs. Scoring the requests together raised
+        (a request's parameters reaching a fault, or a long prompt's logits
+        running out of memory): each request is scored again alone, and
+        the one that raises again fails (``result.failed_requests``) while
+        the others keep their scores. Under tensor parallelism the logits
+        are a collective that every rank reaches alike, so there a fault
+        stays the step's."""
+        try:
+            return score_prompts(hidden, specs, self.model.compute_logits) or {}
+        except Exception as exc:  # noqa: BLE001 - requests are scored one by one below
+            if self.tp.size != 1 or not self._survivable(exc):
+                raise
+            log.warning("scoring the step's prompts together raised (%s): scoring each request alone", _describe(exc))
+        scores: dict = {}
+        for rid in dict.fromkeys(spec.request_id for spec in specs):
+            try:
+                alone = [spec for spec in specs if spec.request_id == rid]
+                scores |= score_prompts(hidden, alone, self.model.compute_logits) or {}
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                if not self._survivable(exc):
+                    raise
+                log.error("scoring the prompt of %s failed; it fails", rid, exc_info=exc)
+                result.failed_requests[rid] = _describe(exc)
+        return scores
 
     def _rows(self, inp: ModelInput) -> list[SamplingRow]:
         """The step's sampler rows; a seeded row's generator made afresh."""

@@ -3,13 +3,14 @@
 A fault in sampling (a feature's bug that one request's parameters reach,
 as structured output's row mapping once did) fails that request alone:
 the worker samples the step's rows again one by one, and every other row
-gets the token it would have had. A fault in the forward fails the step's
-requests, keeping the tokens they had; the step counts as computing
+gets the token it would have had. A fault in one request's prompt logprobs
+fails that request alone the same way. A fault in the forward fails the
+step's requests, keeping the tokens they had; the step counts as computing
 nothing, so none of its blocks enters the prefix cache. Steps that keep
 failing whatever they run stop the engine (``StepsKeepFailingError``), which
 ends the server for its supervisor to restart.
 
-The faults are injected: the worker's sampler (or forward) raises for a
+The faults are injected: the worker's sampler (prompt scoring, forward) raises for a
 marked request, which no shipped code path does. ``make_llm`` checks at
 teardown that every KV block came back."""
 
@@ -25,6 +26,7 @@ from fluidserve.engine.sampling_params import StructuredOutputs
 from fluidserve.engine.worker import Worker
 
 MARK = 37  # the top_k that marks the request whose sampling raises
+MARK_TOP_N = 7  # the prompt_logprobs that mark the request whose scoring raises
 POISON = 250  # a prompt token whose forward raises
 KWARGS = dict(num_kv_blocks=64, block_size=8, max_model_len=256)
 PROMPTS = ["Hello there", "The quick brown fox", "one two three", "abc " * 6]
@@ -119,6 +121,42 @@ def test_a_request_whose_sampling_raises_fails_alone(tiny_model, make_llm, fault
     for rid, _, _ in others:
         assert done[rid].error is None and done[rid].outputs[0].finish_reason in ("stop", "length"), rid
         assert done[rid].outputs[0].token_ids == reference[rid], rid
+    stats = llm.engine.stats()
+    assert (stats.num_failed_requests, stats.num_failed_steps) == (1, 0)
+
+
+def test_a_request_whose_prompt_logprobs_raise_fails_alone(tiny_model, make_llm, monkeypatch):
+    """Three prompts in one step, two scoring their prompt logprobs: when
+    scoring raises for one of them (injected: for top_n ``MARK_TOP_N``), the
+    worker scores each request again alone, and only that request fails,
+    answered once with the error and no token; the other's prompt logprobs
+    and every other request's tokens equal a run without the fault."""
+    path = tiny_model("llama")
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    requests = [("scored", PROMPTS[1], SamplingParams(prompt_logprobs=2, **greedy)),
+                ("marked", PROMPTS[3], SamplingParams(prompt_logprobs=MARK_TOP_N, **greedy)),
+                ("plain", PROMPTS[0], SamplingParams(**greedy))]
+    reference = _serve(make_llm(path, **KWARGS).engine, {0: requests})
+    real, calls = worker_module.score_prompts, []
+
+    def faulty(hidden, specs, compute_logits):
+        calls.append(sorted(spec.request_id for spec in specs))
+        if any(spec.top_n == MARK_TOP_N for spec in specs):
+            raise RuntimeError("injected scoring fault")
+        return real(hidden, specs, compute_logits)
+
+    monkeypatch.setattr(worker_module, "score_prompts", faulty)
+    llm = make_llm(path, **KWARGS)
+    done = _serve(llm.engine, {0: requests})
+
+    assert calls == [["marked", "scored"], ["scored"], ["marked"]]  # together, then each alone
+    failed = done["marked"]
+    assert failed.error == "RuntimeError: injected scoring fault"
+    assert failed.outputs[0].finish_reason == "error" and failed.outputs[0].token_ids == []
+    for rid in ("scored", "plain"):
+        assert done[rid].error is None
+        assert done[rid].outputs[0].token_ids == reference[rid].outputs[0].token_ids
+    assert done["scored"].prompt_logprobs == reference["scored"].prompt_logprobs
     stats = llm.engine.stats()
     assert (stats.num_failed_requests, stats.num_failed_steps) == (1, 0)
 
