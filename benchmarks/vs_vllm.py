@@ -260,11 +260,16 @@ def vllm_problem(python: str | None) -> str | None:
         return "this CPU has no AVX-512 (grep -o avx512f /proc/cpuinfo is empty): vLLM's CPU ops would die"
     if not python or not Path(python).exists():
         return f"no vLLM interpreter (--vllm-python); make one with: {SETUP_HINT}"
-    probe = subprocess.run([python, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
-                           capture_output=True, text=True, env={**os.environ, **VLLM_ENV})
+    probe = _probe_vllm(python)
     if probe.returncode != 0:
         return f"{python} cannot import vllm: {probe.stderr.strip()[-300:]}; make it with: {SETUP_HINT}"
     return None
+
+
+def _probe_vllm(python: str) -> subprocess.CompletedProcess:
+    """vLLM's and its torch's versions, as ``"<vllm> <torch>"`` on stdout."""
+    return subprocess.run([python, "-c", "import vllm, torch, sys; sys.stdout.write(vllm.__version__ + ' ' + "
+                           "torch.__version__)"], capture_output=True, text=True, env={**os.environ, **VLLM_ENV})
 
 
 def build_model(root: Path) -> Path:
@@ -553,11 +558,13 @@ def online(args: argparse.Namespace) -> dict:
         print(f"vLLM left out: {problem}")
         args.vllm_python = None
     dtype = args.dtypes[0]
+    vllm_versions = _probe_vllm(args.vllm_python).stdout.split() if args.vllm_python else ["n/a", "n/a"]
     record: dict = {"benchmark": "vs_vllm online", "command": " ".join(map(shlex.quote, sys.argv)),
                     "device": device_record(), "load_average_start": os.getloadavg(),
                     "model": str(args.model) if args.model else RANDOM_MODEL,
                     "model_shape": _shape(args.model) if args.model else SHAPE,
                     "dtype": dtype, "note": args.note, "tag": args.tag,
+                    "vllm_version": vllm_versions[0], "vllm_torch": vllm_versions[1],
                     "load": {"num_requests": args.num_requests, "endpoint": "chat", "arrival": "poisson",
                              "prompt_words": f"{args.online_input_len} +-50% (uniform), about 2 tokens a word",
                              "output_tokens": (f"{args.online_output_len} +-50% (uniform) at most, greedy to the "
