@@ -218,8 +218,8 @@ class InputProcessor:
         longest = max(len(p.token_ids) for p in prompts)
         if longest >= limit:
             raise bad_request(
-                f"This model's maximum context length is {limit} tokens; the {prompt_param} has {longest} "
-                f"tokens, leaving no room for a completion", prompt_param,
+                f"This model's maximum context length is {limit} tokens; the {longest} tokens of the "
+                f"{prompt_param} leave no room for a completion", prompt_param,
             )
         if asked is None:
             return limit - longest
