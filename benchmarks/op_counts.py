@@ -35,7 +35,8 @@ memory (those kernels only run on a CPU).
 ``--host-timing`` adds a timing of the Triton lane's decode step with every
 launch stubbed: the host work the GPU path pays around its kernels (its
 Python, checks, argument building and torch ops), beside Triton's own launch
-cost, which only a GPU can time (``profile_decode.py``).
+cost, which only a GPU can time (``profile_decode.py``); at 8 and at 32
+layers, whose difference is the host work of one decoder layer.
 
 Writes benchmarks/results/op_counts.json and .md (op_counts-<gpu>.* with
 ``--lanes cuda``; ``--tag T`` appends ``-T``).
@@ -75,6 +76,10 @@ TIMING_SHAPES = {
     "cpu-small-gqa": dict(SHAPE, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                           num_attention_heads=8, num_key_value_heads=2, head_dim=64),
 }
+# The host lane's models: the overhead-bound one at two depths, so that the
+# difference, per layer, is what a decoder layer costs the host.
+HOST_SHAPES = {"overhead-bound": TIMING_SHAPES["overhead-bound"],
+               "overhead-bound, 32 layers": dict(TIMING_SHAPES["overhead-bound"], num_hidden_layers=32)}
 CONTEXT = 48  # tokens of each sequence before the counted decode step
 BLOCK_SIZE = 16
 
@@ -480,7 +485,7 @@ def measure(job: dict) -> dict:
     """Run one job: {"kind": "count", lane, dtype, batch} or {"kind": "time", shape, dtype, batch, rounds,
     threads}; the lane ``cuda`` counts on the GPU."""
     with tempfile.TemporaryDirectory() as tmp:
-        shape = SHAPE if job["kind"] == "count" else TIMING_SHAPES[job["shape"]]
+        shape = SHAPE if job["kind"] == "count" else {**TIMING_SHAPES, **HOST_SHAPES}[job["shape"]]
         model_dir = build_model_dir(Path(tmp), shape)
         if job["kind"] == "count":
             return count_step(model_dir, job["dtype"], job["batch"], "cuda" if job["lane"] == "cuda" else "cpu")
@@ -542,11 +547,14 @@ def git_label() -> str:
 
 def render(record: dict) -> str:
     trees = list(record["trees"])
+    named = "; ".join(f"**{t}** = {record['trees'][t]}" for t in trees)
+    if not record["lanes"]:  # timings alone
+        return "\n".join(["# Eager decode step: host time", "", f"Trees: {named}.", "",
+                          *render_timing(record["timing"], trees, record["batches"])])
     lines = ["# Eager decode step: ops, kernels and syncs", "",
              f"Llama-shaped model ({SHAPE['num_hidden_layers']} layers, hidden {SHAPE['hidden_size']}, "
              f"{SHAPE['num_attention_heads']} query / {SHAPE['num_key_value_heads']} KV heads of "
-             f"{SHAPE['head_dim']}), {CONTEXT}-token contexts, dtype {record['dtype']}. Trees: "
-             + "; ".join(f"**{t}** = {record['trees'][t]}" for t in trees) + ".", "",
+             f"{SHAPE['head_dim']}), {CONTEXT}-token contexts, dtype {record['dtype']}. Trees: {named}.", "",
              "**kernels** = ops that launch a GPU kernel (no views, aliases, allocations) + Triton launches; "
              "**syncs** = host reads of device data; **waits** = host waits on the device. "
              "`_linear_pointwise` is oneDNN's linear standing in for a GEMM (one `mm` launch on a GPU). "
@@ -616,8 +624,22 @@ def render_timing(tm: dict, trees: list[str], batches: list[int]) -> list[str]:
                 row = f"| {shape} | {batch} | {clock} | " + " | ".join(
                     f"{m:.2f} ({lo:.2f}-{hi:.2f})" for m, (lo, hi) in zip(ms, spread))
                 lines.append(row + (f" | {ms[0] / ms[1]:.2f}x |" if len(trees) > 1 else " |"))
-    return lines + ["", "In brackets: the lowest and highest median of one run, the spread the load of the "
-                        "machine puts on one figure.", ""]
+    lines += ["", "In brackets: the lowest and highest median of one run, the spread the load of the "
+                  "machine puts on one figure.", ""]
+    shallow, deep = (timing_key(shape, "triton") for shape in HOST_SHAPES)
+    if deep in tm["median_ms"]:
+        layers = HOST_SHAPES["overhead-bound, 32 layers"]["num_hidden_layers"] - \
+            HOST_SHAPES["overhead-bound"]["num_hidden_layers"]
+        cpu = {shape: tm["median_ms"][shape]["cpu"] for shape in (shallow, deep)}
+        per_layer = {(t, b): 1e3 * (cpu[deep][t][str(b)] - cpu[shallow][t][str(b)]) / layers
+                     for t in trees for b in batches}
+        lines += ["Host work of one decoder layer on the Triton lane (launches stubbed; the 32-layer step less the "
+                  f"8-layer one, over {layers} layers, CPU time): "
+                  + "; ".join(f"{t}, batch {b}: {us:.0f} us" for (t, b), us in per_layer.items())
+                  + ". Triton's own launch cost comes on top (`launch_overhead.md`). A batch of one row runs its "
+                  "linears as Triton GEMVs (stubbed here); larger batches run them as torch linears, which the "
+                  "CPU computes for real, so their figure holds that compute too.", ""]
+    return lines
 
 
 def run_range(samples: list[float], rounds: int) -> tuple[float, float]:
@@ -651,7 +673,7 @@ def time_all(trees: dict, args) -> dict:
     (the measured bias is a few percent) falls on one tree."""
     timed = [(shape, "cpu") for shape in TIMING_SHAPES]
     if args.host_timing:
-        timed.append(("overhead-bound", "triton"))
+        timed += [(shape, "triton") for shape in HOST_SHAPES]
     samples = {timing_key(shape, lane): {c: {n: {str(b): [] for b in args.batches} for n in trees} for c in CLOCKS}
                for shape, lane in timed}
     for i in range(args.repeats):
@@ -683,8 +705,9 @@ def main() -> None:
     ap.add_argument("--baseline-label", default=None, help="what the baseline tree is (default: its path)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--lanes", nargs="+", default=["triton", "cpu"], choices=["triton", "cpu", "cuda"],
-                    help="cuda: count on a GPU (with --repeats 0, since the timing is the CPU lane's)")
+    ap.add_argument("--lanes", nargs="*", default=["triton", "cpu"], choices=["triton", "cpu", "cuda"],
+                    help="cuda: count on a GPU (with --repeats 0, since the timing is the CPU lane's); none: "
+                         "timings alone (a tree too old for the counter's hooks)")
     ap.add_argument("--rounds", type=int, default=15, help="timed decode steps per run")
     ap.add_argument("--repeats", type=int, default=5, help="alternating timing runs per tree (0: no timing)")
     ap.add_argument("--threads", type=int, default=1,
@@ -708,7 +731,8 @@ def main() -> None:
     counts = count_all(trees, args)
     timing = time_all(trees, args) if args.repeats else None
     record = {"trees": labels, "dtype": args.dtype, "batches": args.batches, "lanes": args.lanes,
-              "shape": SHAPE, "timing_shapes": TIMING_SHAPES, "context": CONTEXT, "counts": counts, "timing": timing}
+              "shape": SHAPE, "timing_shapes": TIMING_SHAPES, "host_shapes": HOST_SHAPES, "context": CONTEXT,
+              "counts": counts, "timing": timing}
     from dummy_models import device_name, device_slug, save_results
 
     stem = "op_counts" + (f"-{device_slug(device_name('cuda'))}" if "cuda" in args.lanes else "")
