@@ -38,7 +38,7 @@ SIM_DEFAULT = "simulated: Llama-3-8B on one H100 (roofline cost model)"
 # One colour per system, policy or design across every plot, so a reader
 # matches lines between figures without reading each legend.
 COLORS = {
-    "fluidserve": "tab:blue", "vllm": "tab:orange", "transformers": "tab:green",
+    "fluidserve": "tab:blue", "vllm": "tab:orange", "transformers": "tab:green", "baseline": "tab:gray",
     "fcfs": "tab:gray", "fixed-priority": "tab:olive", "mlfq": "tab:purple", "skip-join-mlfq": "tab:blue",
     "skip-join-mlfq α=3s": "tab:cyan",
     "fcfs + recompute": "tab:gray", "skip-join + recompute": "tab:purple",
@@ -1043,7 +1043,7 @@ Renderer = Callable[[str], tuple[list[str], list[str]]]
 # (title, the result stems the section reads, renderer); order is the page's.
 ONLINE_STEMS = ["vs_vllm-online-cpu", "vs_vllm-online-cpu-transformers", "vs_vllm-online-cpu-smollm2",
                 "vs_vllm-online-cpu-smollm2-one-openmp-team", "vs_vllm-online-cpu-smollm2-yield-busy-cores",
-                "vs_vllm-online-cpu-smollm2-core-waits"]
+                "vs_vllm-online-cpu-smollm2-core-waits", "vs_vllm-online-cpu-switch-beside-client"]
 SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Scheduling policies (simulator)", ["scheduling"], scheduling),
     ("Two KV tiers (simulator)", ["swapping"], swapping),

@@ -532,7 +532,7 @@ def server_commands(args: argparse.Namespace, model_dir: Path, dtype: str, ports
     if args.baseline_src:  # the same server from another source tree, for before/after through HTTP
         cmd = list(cmds["fluidserve"][0])
         cmd[cmd.index("--port") + 1] = str(ports["baseline"])
-        cmds["baseline"] = (cmd, _baseline_env(args.baseline_src, scratch))
+        cmds["baseline"] = (cmd + shlex.split(args.baseline_flags), _baseline_env(args.baseline_src, scratch))
     if args.vllm_python:
         cmds["vllm"] = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                          "--host", "127.0.0.1", "--port", str(ports["vllm"]), "--dtype", dtype,
@@ -595,6 +595,8 @@ def online(args: argparse.Namespace) -> dict:
             for rate in args.rates:
                 for name in order:
                     rep = _load(bc, ports[name], rate, args, str(model_dir) if name == "transformers" else None)
+                    if name in ("fluidserve", "baseline"):
+                        rep.update(_cpu_threads(ports[name]))
                     record["points"].append({"system": name, "rate": rate, **rep})
                     _print_online(name, rate, rep)
                     _save_online(record)
@@ -603,6 +605,21 @@ def online(args: argparse.Namespace) -> dict:
             for proc in procs.values():
                 stop_server(proc)
     return record
+
+
+def _cpu_threads(port: int) -> dict:
+    """The threads a fluidserve server's CPU steps compute on after a load,
+    and how often that count has changed since it started
+    (``--yield-busy-cores``); empty where its /metrics has neither."""
+    import httpx
+
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    wanted = {"fluidserve_cpu_threads": "cpu_threads", "fluidserve_cpu_thread_changes_total": "cpu_thread_changes"}
+    return {wanted[name]: float(value) for name, _, value in (line.partition(" ") for line in text.splitlines())
+            if name in wanted}
 
 
 def wait_quiet(limit_s: float = 15.0, busy_below: float = 0.3) -> float:
@@ -693,6 +710,12 @@ def _save_online(record: dict) -> None:
     for bound, best in record["sustained"].items():
         ratios = ", ".join(_ratio(best.get("fluidserve"), best.get(s), lowest, s) for s in systems if s != "fluidserve")
         table.append(f"| {bound} | " + " | ".join(str(best.get(s) or "none") for s in systems) + f" | {ratios} |")
+    threads = [p for p in record["points"] if "cpu_threads" in p]
+    if threads:
+        table += ["", "fluidserve's CPU threads after each load, and the changes `--yield-busy-cores` had made by "
+                  "then (counted from the server's start): " + "; ".join(
+                      f"{p['system']} at {p['rate']:g} req/s: {p['cpu_threads']:.0f} ({p['cpu_thread_changes']:.0f})"
+                      for p in threads) + "."]
     waits = [p["quiet_after_s"] for p in record["points"] if "quiet_after_s" in p]
     if waits:
         from fluidserve.engine.cpu_share import WINDOW_S
@@ -769,6 +792,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-src", type=Path, default=None,
                     help="also run fluidserve from this source tree (a checkout before a change), offline "
                     "and online")
+    ap.add_argument("--baseline-flags", default="",
+                    help="online: flags added to the baseline server's command line (with --baseline-src . the "
+                         "same tree with other flags, e.g. '--no-yield-busy-cores')")
     ap.add_argument("--tag", default="",
                     help="suffix of the result files (e.g. -transformers: fluidserve against transformers only)")
     ap.add_argument("--note", default="", help="a line saved with the results (e.g. what the run changed)")
