@@ -19,9 +19,11 @@ steps:
 Neighbours: none, one process spinning, and processes that compute for a
 few milliseconds and sleep in turn (a service busy with its own requests)::
 
-    python benchmarks/core_waits.py [--model DIR]
+    python benchmarks/core_waits.py [--model DIR] [--batch N --tag=-batchN]
 
-Writes ``benchmarks/results/core_waits.{json,md}``.
+``--batch N`` decodes N sequences together (a loaded server's steps),
+where more of each op is compute. Writes
+``benchmarks/results/core_waits{TAG}.{json,md}``.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class Meter:
                 "others_busy": max(0.0, end.busy_s - self._start.busy_s - ours) / s}
 
 
-def in_process(model: str, job: str, tokens: int, prompt_tokens: int, repeats: int) -> list[dict]:
+def in_process(model: str, job: str, tokens: int, prompt_tokens: int, repeats: int, batch: int = 1) -> list[dict]:
     """One row per neighbour: ``job`` "fixed" (all threads, then one, in
     turns), or "on"/"off" (``yield_busy_cores``)."""
     import torch
@@ -91,7 +93,7 @@ def in_process(model: str, job: str, tokens: int, prompt_tokens: int, repeats: i
 
         def decode_ms() -> tuple[float, dict[str, float]]:
             meter = Meter()
-            llm.generate(["Tell me a long story about dragons."], decode)
+            llm.generate(["Tell me a long story about dragons."] * batch, decode)
             got = meter.stop()
             return got["seconds"] / tokens * 1e3, got
 
@@ -135,7 +137,8 @@ def run_job(model: str, job: str, args: argparse.Namespace) -> list[dict]:
     env.setdefault("GOMP_SPINCOUNT", "10000")  # as serve/cli.py sets it
     spec = json.dumps({"model": model, "job": job})
     out = subprocess.run([sys.executable, __file__, "--job", spec, "--tokens", str(args.tokens),
-                          "--prompt-tokens", str(args.prompt_tokens), "--repeats", str(args.repeats)],
+                          "--prompt-tokens", str(args.prompt_tokens), "--repeats", str(args.repeats),
+                          "--batch", str(args.batch)],
                          env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -187,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=48, help="decode: tokens per timed run")
     ap.add_argument("--prompt-tokens", type=int, default=200, help="prefill: the prompt's length")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1, help="decode: sequences stepped together (ms per step)")
+    ap.add_argument("--tag", default="", help="suffix of the results' file name")
     ap.add_argument("--rates", type=float, nargs="+", default=[1.0, 4.0], help="the client's requests per second")
     ap.add_argument("--num-requests", type=int, default=30)
     ap.add_argument("--skip-server", action="store_true")
@@ -194,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.job:
         job = json.loads(args.job)
-        print(json.dumps(in_process(job["model"], job["job"], args.tokens, args.prompt_tokens, args.repeats)))
+        print(json.dumps(in_process(job["model"], job["job"], args.tokens, args.prompt_tokens, args.repeats,
+                                    args.batch)))
         return 0
     from dummy_models import save_results
     from vs_vllm import RESULTS, build_model, device_record
@@ -217,10 +223,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"yield {job:>3}, {row['neighbour']:>28}: decode {med(row['decode_ms']):.1f} ms/token, "
                       f"prefill {med(row['prefill_ms']):.0f} ms, {row['threads_after']} threads after", flush=True)
         served = [] if args.skip_server else server_waits(model, args.rates, args.num_requests, bool(args.model))
-    record.update(ceiling=ceiling, fixed=fixed, switch=switch, server=served)
+    record.update(ceiling=ceiling, batch=args.batch, fixed=fixed, switch=switch, server=served)
     lines = ["# Core waits: what `--yield-busy-cores` reads, and what each thread count costs", "",
              f"Command: `{record['command']}`", "",
-             f"Model: {record['model']}, fp32, {os.cpu_count()} cores, decode at batch 1 ({args.tokens} tokens) "
+             f"Model: {record['model']}, fp32, {os.cpu_count()} cores, decode at batch {args.batch} ({args.tokens} "
+             "steps; ms per step) "
              f"stepped on a second thread, idle threads spinning 10,000 rounds; medians of {args.repeats}. "
              "Waiting: cores' worth of this process's threads runnable but not running "
              "(`/proc/self/task/*/schedstat`), per second.", "",
@@ -251,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             w = row["windows"]
             lines.append(f"| {row['rate']:g} req/s | {statistics.mean(w):.2f} | {med(w):.2f} | {max(w):.2f} | "
                          f"{row['tpot_ms_p50']:.1f} |")
-    save_results(RESULTS / "core_waits", record, "\n".join(lines) + "\n")
+    save_results(RESULTS / f"core_waits{args.tag}", record, "\n".join(lines) + "\n")
     return 0
 
 

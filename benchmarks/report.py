@@ -645,8 +645,8 @@ def core_waits(stem: str) -> tuple[list[str], list[str]]:
     n = d["ceiling"]
     out = [f"What `--yield-busy-cores` reads: the cores' worth of this process's threads runnable but not running "
            f"(`/proc/self/task/*/schedstat`), and what each thread count costs. {d['model']} (fp32), decode at "
-           "batch 1 stepped on a second thread with idle threads spinning 10,000 rounds, beside each neighbour "
-           "(medians).", ""] + provenance(stem, d)
+           f"batch {d.get('batch', 1)} stepped on a second thread with idle threads spinning 10,000 rounds, "
+           "beside each neighbour (medians).", ""] + provenance(stem, d)
     out += table(["neighbour", f"ms/token, {n} threads", f"waiting, {n} threads", "ms/token, 1 thread",
                   f"neighbour's load (cores), beside {n} / 1"],
                  [[r["neighbour"], f"{med(r[f'decode_ms_{n}']):.1f}", f"{med(r[f'waiting_{n}']):.2f}",
@@ -1062,6 +1062,7 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("A long prompt's time to first token", LONG_PROMPT_STEMS, long_prompt),
     ("OpenMP teams and waiting on the CPU", ["omp_teams"], omp_teams),
     ("Waiting for cores beside another process", ["core_waits"], core_waits),
+    ("Waiting for cores beside another process, decode at batch 32", ["core_waits-batch32"], core_waits),
     ("A data-parallel replica's CPU step", ["replica_team"], replica_team),
     ("Serving beside busy processes", ["busy_neighbour", "busy_neighbour-duty", "busy_neighbour-alone"],
      busy_neighbour),
