@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dummy_models import save_results  # noqa: E402
 from serve_bench import bc_free_port, launch, load, stop_server  # noqa: E402
-from vs_vllm import RESULTS, build_model, device_record, wait_quiet  # noqa: E402
+from vs_vllm import RESULTS, build_model, cpu_threads, device_record, wait_quiet  # noqa: E402
 
 
 def neighbour_command(duty: tuple[float, float] | None) -> list[str]:
@@ -66,15 +65,6 @@ def chat_flags(num_requests: int, rate: float, seed: int, real_model: bool, inpu
             "--length-dist", "uniform", "--length-range", "0.5", "--num-requests", str(num_requests),
             "--request-rate", str(rate), "--seed", str(seed),
             *(["--no-ignore-eos"] if real_model else [])]  # a real model ends its turns
-
-
-def thread_changes(url: str) -> float:
-    """The server's ``fluidserve_cpu_thread_changes_total``."""
-    import httpx
-
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    found = re.search(r"^fluidserve_cpu_thread_changes_total(?:\{[^}]*\})? (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
 
 
 SERVERS = {"yield busy cores (default)": [], "all threads always": ["--no-yield-busy-cores"]}
@@ -118,11 +108,11 @@ def main(argv: list[str] | None = None) -> int:
                 for name in order:
                     wait_quiet()
                     spinners = [subprocess.Popen(neighbour) for _ in range(beside)]
-                    changes = thread_changes(urls[name])
+                    changes = cpu_threads(urls[name]).get("cpu_thread_changes", 0.0)
                     try:
                         time.sleep(1.0)  # the neighbours at work, the servers' watch caught up
                         rep = load(urls[name], flags(args.num_requests, args.rate, 0))
-                        changes = thread_changes(urls[name]) - changes
+                        changes = cpu_threads(urls[name]).get("cpu_thread_changes", 0.0) - changes
                     finally:
                         for p in spinners:
                             p.kill()

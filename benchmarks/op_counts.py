@@ -626,15 +626,15 @@ def render_timing(tm: dict, trees: list[str], batches: list[int]) -> list[str]:
                 lines.append(row + (f" | {ms[0] / ms[1]:.2f}x |" if len(trees) > 1 else " |"))
     lines += ["", "In brackets: the lowest and highest median of one run, the spread the load of the "
                   "machine puts on one figure.", ""]
-    shallow, deep = (timing_key(shape, "triton") for shape in HOST_SHAPES)
+    (shallow, low), (deep, high) = ((timing_key(name, "triton"), shape) for name, shape in HOST_SHAPES.items())
     if deep in tm["median_ms"]:
-        layers = HOST_SHAPES["overhead-bound, 32 layers"]["num_hidden_layers"] - \
-            HOST_SHAPES["overhead-bound"]["num_hidden_layers"]
-        cpu = {shape: tm["median_ms"][shape]["cpu"] for shape in (shallow, deep)}
-        per_layer = {(t, b): 1e3 * (cpu[deep][t][str(b)] - cpu[shallow][t][str(b)]) / layers
+        layers = high["num_hidden_layers"] - low["num_hidden_layers"]
+        cpu = tm["median_ms"][shallow]["cpu"], tm["median_ms"][deep]["cpu"]
+        per_layer = {(t, b): 1e3 * (cpu[1][t][str(b)] - cpu[0][t][str(b)]) / layers
                      for t in trees for b in batches}
-        lines += ["Host work of one decoder layer on the Triton lane (launches stubbed; the 32-layer step less the "
-                  f"8-layer one, over {layers} layers, CPU time): "
+        lines += ["Host work of one decoder layer on the Triton lane (launches stubbed; the "
+                  f"{high['num_hidden_layers']}-layer step less the {low['num_hidden_layers']}-layer one, over "
+                  f"{layers} layers, CPU time): "
                   + "; ".join(f"{t}, batch {b}: {us:.0f} us" for (t, b), us in per_layer.items())
                   + ". Triton's own launch cost comes on top (`launch_overhead.md`). A batch of one row runs its "
                   "linears as Triton GEMVs (stubbed here); larger batches run them as torch linears, which the "

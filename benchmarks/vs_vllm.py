@@ -89,10 +89,12 @@ checkout from before a change), for before/after figures from the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 import random
+import re
 import shlex
 import subprocess
 import sys
@@ -266,8 +268,10 @@ def vllm_problem(python: str | None) -> str | None:
     return None
 
 
+@functools.cache
 def _probe_vllm(python: str) -> subprocess.CompletedProcess:
-    """vLLM's and its torch's versions, as ``"<vllm> <torch>"`` on stdout."""
+    """vLLM's and its torch's versions, as ``"<vllm> <torch>"`` on stdout
+    (one import of vLLM, seconds long, per interpreter)."""
     return subprocess.run([python, "-c", "import vllm, torch, sys; sys.stdout.write(vllm.__version__ + ' ' + "
                            "torch.__version__)"], capture_output=True, text=True, env={**os.environ, **VLLM_ENV})
 
@@ -596,7 +600,7 @@ def online(args: argparse.Namespace) -> dict:
                 for name in order:
                     rep = _load(bc, ports[name], rate, args, str(model_dir) if name == "transformers" else None)
                     if name in ("fluidserve", "baseline"):
-                        rep.update(_cpu_threads(ports[name]))
+                        rep.update(cpu_threads(f"http://127.0.0.1:{ports[name]}"))
                     record["points"].append({"system": name, "rate": rate, **rep})
                     _print_online(name, rate, rep)
                     _save_online(record)
@@ -607,19 +611,22 @@ def online(args: argparse.Namespace) -> dict:
     return record
 
 
-def _cpu_threads(port: int) -> dict:
-    """The threads a fluidserve server's CPU steps compute on after a load,
-    and how often that count has changed since it started
-    (``--yield-busy-cores``); empty where its /metrics has neither."""
+def cpu_threads(url: str) -> dict[str, float]:
+    """A fluidserve server's ``fluidserve_cpu_threads`` (the threads its CPU
+    steps compute on) and ``fluidserve_cpu_thread_changes_total`` (how often
+    ``--yield-busy-cores`` has changed them since it started), as
+    ``cpu_threads`` and ``cpu_thread_changes``; those its /metrics lacks are
+    left out."""
     import httpx
 
-    try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return {}
-    wanted = {"fluidserve_cpu_threads": "cpu_threads", "fluidserve_cpu_thread_changes_total": "cpu_thread_changes"}
-    return {wanted[name]: float(value) for name, _, value in (line.partition(" ") for line in text.splitlines())
-            if name in wanted}
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = {}
+    for key, metric in (("cpu_threads", "fluidserve_cpu_threads"),
+                        ("cpu_thread_changes", "fluidserve_cpu_thread_changes_total")):
+        match = re.search(rf"^{metric}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        if match:
+            found[key] = float(match.group(1))
+    return found
 
 
 def wait_quiet(limit_s: float = 15.0, busy_below: float = 0.3) -> float:

@@ -317,10 +317,11 @@ class LLMEngine:
         if result.failed is not None:
             return self._fail_step(plan, result.failed, now)
         self._failed_in_a_row = 0
-        failed_rows = self._failed_rows(result)
+        if result.failed_requests:
+            self._fail_whole_requests(result)
         outputs, finished = self.output_processor.process(result, now)
-        if failed_rows:
-            outputs += self._fail_rows(failed_rows, now, finished)
+        if result.failed_rows:
+            outputs += self._fail_rows(result.failed_rows, now, finished)
         self.scheduler.update_from_output(plan, StepOutcome(time.monotonic() - now, now, finished,
                                                             abandoned=result.abandoned, paused=result.paused,
                                                             # kept with the paused step until it resumes
@@ -419,18 +420,15 @@ class LLMEngine:
         self.stats_.num_failed_steps += 1
         return outputs
 
-    def _failed_rows(self, result: StepResult) -> dict[str, str]:
-        """Sequence id -> error of each row the worker failed: rows whose
-        sampling raised even alone, and every sequence of a request whose
-        prompt logprobs did (its token of this step is dropped: the request
-        is answered once, with the error)."""
-        failed = dict(result.failed_rows)
+    def _fail_whole_requests(self, result: StepResult) -> None:
+        """Requests whose prompt logprobs raised even alone join the failed
+        rows, every sequence of theirs, their tokens of the step dropped:
+        each is answered once, with the error."""
         for rid, error in result.failed_requests.items():
             req = self.requests.get(rid)
             for seq in req.seqs if req is not None else ():
-                failed[seq.seq_id] = error
+                result.failed_rows[seq.seq_id] = error
                 result.sampled.pop(seq.seq_id, None)
-        return failed
 
     def _fail_rows(self, failed_rows: dict[str, str], start: float, finished: list[str]) -> list[RequestOutput]:
         """Rows whose sampling or prompt scoring raised even alone: their

@@ -10,8 +10,8 @@ nothing, so none of its blocks enters the prefix cache. Steps that keep
 failing whatever they run stop the engine (``StepsKeepFailingError``), which
 ends the server for its supervisor to restart.
 
-The faults are injected: the worker's sampler (prompt scoring, forward) raises for a
-marked request, which no shipped code path does. ``make_llm`` checks at
+The faults are injected: the worker's sampler (prompt scoring, forward)
+raises for a marked request, which no shipped code path does. ``make_llm`` checks at
 teardown that every KV block came back."""
 
 from __future__ import annotations
