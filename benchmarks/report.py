@@ -1043,7 +1043,8 @@ Renderer = Callable[[str], tuple[list[str], list[str]]]
 # (title, the result stems the section reads, renderer); order is the page's.
 ONLINE_STEMS = ["vs_vllm-online-cpu", "vs_vllm-online-cpu-transformers", "vs_vllm-online-cpu-smollm2",
                 "vs_vllm-online-cpu-smollm2-one-openmp-team", "vs_vllm-online-cpu-smollm2-yield-busy-cores",
-                "vs_vllm-online-cpu-smollm2-core-waits", "vs_vllm-online-cpu-switch-beside-client"]
+                "vs_vllm-online-cpu-smollm2-core-waits", "vs_vllm-online-cpu-switch-beside-client",
+                "vs_vllm-online-cpu-smollm2-final-check"]
 SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Scheduling policies (simulator)", ["scheduling"], scheduling),
     ("Two KV tiers (simulator)", ["swapping"], swapping),
