@@ -14,23 +14,37 @@ So the signal is the stall itself: the kernel counts, per thread, the time
 it was runnable but not running (``/proc/self/task/*/schedstat``, its
 second field). Summed over this process's threads per second of wall time,
 it is the share of the step the team stood waiting: 0.37-0.77 beside such
-neighbours, 0.05-0.10 with a client streaming chats at 1-4 req/s from the
-same cores. Between steps, once a window has passed, ``CpuShare`` reads it,
-and from ``WAIT_FROM`` on the team loses a thread. On fewer threads the
-team no longer waits, so the wait cannot say when the neighbour leaves; a
-thread comes back when other processes' load (``/proc/stat`` less this
-process's own time) halves from what it was after the drop, or when a
-probe, taken only while steps run, finds the cores free. The hold before a
-probe doubles each time one meets the neighbour again.
+neighbours, 0.05-0.10 on average with a client streaming chats at 1-4 req/s
+from the same cores. Between steps, once a window has passed, ``CpuShare``
+reads it, and from ``WAIT_FROM`` on a trial begins.
+
+Waiting alone does not say a thread should go: a team that waits a share w
+of the time runs about 1/(1-w) slower, so one thread fewer pays only where
+that exceeds what the thread is worth to the step (one thread's step time
+over two's: 1.13 for SmolLM2 at batch 1, 1.41 at batch 32), and a bursty
+neighbour (a load generator on the same cores) crosses the line in bursts
+its average stays under. So a trial measures it: the next steps alternate
+between the two team sizes, and each two neighbouring steps of like work
+give one thread count's time over the other's, beside the same load. The
+faster count stays. Waits that lose a trial start another only after a hold
+(2 s, doubling to 32 s while trials keep losing).
+
+On fewer threads the team no longer waits, so the wait cannot say when the
+neighbour leaves; a thread comes back when other processes' load
+(``/proc/stat`` less this process's own time) halves from what it was after
+the drop, or when a trial begun after a hold (only while steps run) finds the
+larger team faster again. The hold before that probe doubles each time one
+meets the neighbour again.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # Long enough that the kernel's tick (10 ms on most systems) is a small part
@@ -59,6 +73,17 @@ HOLD_S = (2.0, 32.0)
 # A team busy for less than this share of its threads' time is not
 # stepping enough for a probe to say anything.
 STEPPING = 0.5
+# A trial is judged on this many pairs of neighbouring steps of like work
+# (token counts within SAME_WORK of each other), or on the pairs it has
+# after TRIAL_MAX_STEPS steps; a trial with no step for TRIAL_IDLE_S (the
+# engine idle) ends where it began. About 10 decode steps of a small model.
+TRIAL_PAIRS = 8
+TRIAL_MAX_STEPS = 32
+SAME_WORK = 1.1
+TRIAL_IDLE_S = 1.0
+# The smaller team wins a trial when its steps take at most this share of
+# the larger team's (the median over the pairs): a tie keeps the threads.
+FEWER_WINS = 0.95
 
 log = logging.getLogger(__name__)
 
@@ -133,24 +158,64 @@ def read_sample(cpus: frozenset[int], waits: ThreadWaits | None = None, proc: Pa
                      waits.read() if waits is not None else 0.0)
 
 
+@dataclass
+class _Trial:
+    """Steps alternating between a team of ``more`` threads and one of
+    ``more - 1``, beside the load that is there now; the count the team had
+    when it began is ``start``."""
+
+    more: int
+    start: int
+    probe: bool  # begun by the hold ending (the team smaller); else by the team's waits
+    last_at: float  # when it began or its last step ended
+    steps: list[tuple[int, int, float]] = field(default_factory=list)  # (threads, tokens, seconds)
+
+    def ratios(self) -> list[float]:
+        """Seconds on fewer threads over seconds on more, of each two
+        neighbouring steps of like work."""
+        out = []
+        for (t0, n0, s0), (t1, n1, s1) in zip(self.steps, self.steps[1:]):
+            if t0 != t1 and min(s0, s1) > 0 and max(n0, n1) <= SAME_WORK * min(n0, n1):
+                out.append(s0 / s1 if t0 < t1 else s1 / s0)
+        return out
+
+    def winner(self) -> int | None:
+        """The count that computed faster, once the steps say (None: not yet)."""
+        ratios = self.ratios()
+        if len(ratios) < TRIAL_PAIRS and len(self.steps) < TRIAL_MAX_STEPS:
+            return None
+        if not ratios:  # no two like steps: the start count stands
+            return self.start
+        # A tie goes to the larger team: it is the faster one on free cores.
+        return self.more - 1 if statistics.median(ratios) <= FEWER_WINS else self.more
+
+
 class CpuShare:
     """Call ``tick()`` on the thread that steps the engine (OpenMP's team
-    size belongs to the calling thread), before each step and while idle."""
+    size belongs to the calling thread), before each step and while idle,
+    and ``step_done()`` after each step."""
 
-    def __init__(self, ceiling: int, set_threads: Callable[[int], None], sample: Callable[[], CpuSample]) -> None:
+    def __init__(self, ceiling: int, set_threads: Callable[[int], None], sample: Callable[[], CpuSample],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``sample`` reads the CPUs at ``clock``'s time (monotonic seconds)."""
         self.ceiling = ceiling
-        self.threads = ceiling
-        self.changes = 0  # how often the thread count moved
+        self.threads = ceiling  # for the next step
+        self.held = ceiling  # the count steps compute on, a trial's alternating steps aside
+        self.changes = 0  # how often the thread count moved, trials' alternation aside
+        self.trials = 0  # trials begun
         self.waiting = 0.0  # cores' worth of this process's threads waiting, averaged since the last change
         self.others_busy = 0.0  # cores' worth other processes kept busy, averaged since the last change
         self._set_threads = set_threads
         self._sample = sample
+        self._clock = clock
         self._last = sample()
         self._windows = 0  # windows seen at the present count
         self._others_after_drop: float | None = None  # the load beside the smaller team, once settled
-        self._hold_s = HOLD_S[0]
+        self._hold_s = HOLD_S[0]  # before the next probe
         self._probe_at = 0.0
-        self._probing = False  # the last change was a probe
+        self._drop_hold_s = HOLD_S[0]  # before waits may begin another trial, after one the larger team won
+        self._drop_at = 0.0
+        self._trial: _Trial | None = None
 
     @classmethod
     def for_this_thread(cls) -> CpuShare | None:
@@ -171,9 +236,14 @@ class CpuShare:
             return None
 
     def tick(self) -> int:
-        """The thread count for the next step; changed only once a window
-        has passed since the last look."""
-        if time.monotonic() - self._last.at < WINDOW_S:
+        """The thread count for the next step; a trial aside, changed only
+        once a window has passed since the last look."""
+        trial = self._trial
+        if trial is not None:
+            if self._clock() - trial.last_at >= TRIAL_IDLE_S:  # the engine went idle: nothing to judge by
+                self._end_trial(trial.start)
+            return self.threads
+        if self._clock() - self._last.at < WINDOW_S:
             return self.threads
         now = self._sample()
         last, self._last = self._last, now
@@ -187,33 +257,77 @@ class CpuShare:
             self.others_busy = LATEST * others + (1 - LATEST) * self.others_busy
             self.waiting = LATEST * waiting + (1 - LATEST) * self.waiting
         self._windows += 1
-        if self._windows < (1 if self._probing else SETTLE):  # a probe is judged on its first window
+        if self._windows < SETTLE:
             return self.threads
         if self.threads > 1 and self.waiting >= WAIT_FROM:
-            # A probe that meets the neighbour again waits twice as long for the next.
-            self._hold_s = min(2 * self._hold_s, HOLD_S[1]) if self._probing else HOLD_S[0]
-            self._probe_at = now.at + self._hold_s
-            self._change(self.threads - 1, probing=False,
-                         why=f"its threads waited {self.waiting:.2f} cores' worth for a core")
+            if now.at >= self._drop_at:
+                self._begin_trial(self.threads, probe=False,
+                                  why=f"its threads waited {self.waiting:.2f} cores' worth for a core")
             return self.threads
-        self._probing = False  # settled without waiting: a probe that found the cores free
         if self.threads == self.ceiling:
             return self.threads
         if self._others_after_drop is None:
             self._others_after_drop = self.others_busy
         if self._others_after_drop >= LEFT_FROM and self.others_busy <= self._others_after_drop / 2:
+            # The neighbour's leaving seen whole: no trial needed (and none
+            # could run while the engine is idle).
             self._hold_s = HOLD_S[0]
-            self._change(self.threads + 1, probing=False,
-                         why=f"other processes' load fell to {self.others_busy:.2f} cores")
+            self._change(self.threads + 1, why=f"other processes' load fell to {self.others_busy:.2f} cores")
         elif now.at >= self._probe_at and ours / elapsed >= STEPPING * self.threads:
-            self._change(self.threads + 1, probing=True, why="a probe")
+            self._begin_trial(self.threads + 1, probe=True, why="the hold ended")
         return self.threads
 
-    def _change(self, threads: int, probing: bool, why: str) -> None:
-        self._set_threads(threads)
-        self.threads = threads
-        self.changes += 1
+    def step_done(self, tokens: int, seconds: float) -> None:
+        """A step of ``tokens`` tokens took ``seconds`` on the present team:
+        during a trial, the next step runs on the other count, or the
+        trial ends."""
+        trial = self._trial
+        if trial is None:
+            return
+        trial.steps.append((self.threads, tokens, seconds))
+        trial.last_at = self._clock()
+        winner = trial.winner()
+        if winner is not None:
+            self._end_trial(winner)
+        else:
+            self._set(trial.more - 1 if self.threads == trial.more else trial.more)
+
+    def _begin_trial(self, more: int, probe: bool, why: str) -> None:
+        self.trials += 1
+        self._trial = _Trial(more, self.threads, probe, self._clock())
+        log.debug("%s: a trial of %d against %d threads", why, more, more - 1)
+        self._set(more if self.threads < more else more - 1)  # the first step on the count not yet run
+
+    def _end_trial(self, threads: int) -> None:
+        trial, self._trial = self._trial, None
+        now = self._clock()
+        fewer = threads < trial.more
+        if trial.probe:  # a probe that meets the neighbour again waits twice as long for the next
+            self._hold_s = min(2 * self._hold_s, HOLD_S[1]) if fewer else HOLD_S[0]
+        elif fewer:
+            self._hold_s = self._drop_hold_s = HOLD_S[0]
+            self._drop_at = now
+        else:  # the waits were not worth a thread: they need not be tried again at once
+            self._drop_at = now + self._drop_hold_s
+            self._drop_hold_s = min(2 * self._drop_hold_s, HOLD_S[1])
+        if fewer:
+            self._probe_at = now + self._hold_s
+        ratios = trial.ratios()
+        self._change(threads, why=f"a trial of {len(trial.steps)} steps (fewer threads' time over more's: median "
+                                  f"{statistics.median(ratios) if ratios else float('nan'):.2f})")
+
+    def _change(self, threads: int, why: str) -> None:
+        """The count now holds: averages and the settling start again."""
+        if threads != self.threads:
+            self._set(threads)
         self._windows = 0
         self._others_after_drop = None
-        self._probing = probing
-        log.debug("%s: stepping on %d of %d threads", why, threads, self.ceiling)
+        self._last = self._sample()
+        if threads != self.held:
+            self.held = threads
+            self.changes += 1
+            log.debug("%s: stepping on %d of %d threads", why, threads, self.ceiling)
+
+    def _set(self, threads: int) -> None:
+        self._set_threads(threads)
+        self.threads = threads

@@ -98,9 +98,11 @@ class EngineStats:
     num_failed_steps: int = 0
     num_failed_requests: int = 0
     # --yield-busy-cores: the threads steps compute on now (0: not watched),
-    # and how often it changed (a thread left while the team waited for cores, or came back).
+    # how often it changed (a thread left while the team waited for cores, or
+    # came back), and the trials of one thread fewer or more that decided it.
     cpu_threads: int = 0
     num_cpu_thread_changes: int = 0
+    num_cpu_thread_trials: int = 0
     # Tokens per step (vLLM's iteration_tokens_total): steps per bucket of
     # ITERATION_TOKEN_BUCKETS (the last for larger ones), and their sum. A
     # tuple, replaced per step, so a copy of the stats is a snapshot.
@@ -322,12 +324,15 @@ class LLMEngine:
         outputs, finished = self.output_processor.process(result, now)
         if result.failed_rows:
             outputs += self._fail_rows(result.failed_rows, now, finished)
-        self.scheduler.update_from_output(plan, StepOutcome(time.monotonic() - now, now, finished,
+        took, tokens = time.monotonic() - now, plan.num_batched_tokens
+        self.scheduler.update_from_output(plan, StepOutcome(took, now, finished,
                                                             abandoned=result.abandoned, paused=result.paused,
                                                             # kept with the paused step until it resumes
                                                             paused_input=inp if result.paused else None))
+        if self._cpu_share is not None:
+            self._cpu_share.step_done(tokens, took)
         self.stats_.num_steps += 1
-        self.stats_.observe_iteration(plan.num_batched_tokens)
+        self.stats_.observe_iteration(tokens)
         self.stats_.swap_stall_seconds += result.swap_stall_s
         return outputs
 
@@ -367,8 +372,11 @@ class LLMEngine:
         self._failed_in_a_row = 0
         outputs, finished = self.output_processor.process(result, cur.start)
         self.scheduler.update_from_output(cur.plan, StepOutcome(step_time, cur.start, finished))
+        tokens = cur.plan.num_batched_tokens
+        if self._cpu_share is not None:
+            self._cpu_share.step_done(tokens, step_time)
         self.stats_.num_steps += 1
-        self.stats_.observe_iteration(cur.plan.num_batched_tokens)
+        self.stats_.observe_iteration(tokens)
         if nxt is not None:
             if nxt.failed is not None:
                 outputs += self._fail_step(nxt.plan, nxt.failed, nxt.start)
@@ -612,7 +620,9 @@ class LLMEngine:
         s.prefix_cache_host_query_tokens = self.kv.prefix_stats.host_query_tokens
         s.prefix_cache_host_hit_tokens = self.kv.prefix_stats.host_hit_tokens
         if self._cpu_share is not None:
-            s.cpu_threads, s.num_cpu_thread_changes = self._cpu_share.threads, self._cpu_share.changes
+            share = self._cpu_share
+            s.cpu_threads, s.num_cpu_thread_changes, s.num_cpu_thread_trials = (share.held, share.changes,
+                                                                                 share.trials)
         if not s.cache_config:  # as vLLM's CacheConfig.metrics_info(): every setting, and the pools' sizes
             cache = self.config.cache
             s.cache_config = {f.name: str(getattr(cache, f.name)) for f in dataclasses.fields(cache)}

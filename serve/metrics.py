@@ -152,6 +152,9 @@ _ENGINE_COUNTERS = (
     ("cpu_thread_changes", "num_cpu_thread_changes",
      "Times the threads a CPU step computes on changed: one left while they waited for cores, or one came back "
      "(--yield-busy-cores)"),
+    ("cpu_thread_trials", "num_cpu_thread_trials",
+     "Trials of steps alternating between two thread counts, begun when the threads waited for cores or to probe "
+     "whether a neighbour left (--yield-busy-cores); the faster count stayed"),
 )
 
 
@@ -202,7 +205,8 @@ class EngineStatsCollector:
             self._add(rate, engine, (), self.offline_rates[engine].rate())
         yield rate
         threads = self._family(GaugeMetricFamily, "cpu_threads",
-                               "Threads the last CPU step computed on (--yield-busy-cores; 0: not watched)")
+                               "Threads CPU steps compute on, a trial's alternating steps aside "
+                               "(--yield-busy-cores; 0: not watched)")
         for engine, s in self.by_engine.items():
             self._add(threads, engine, (), getattr(s, "cpu_threads", 0))
         yield threads

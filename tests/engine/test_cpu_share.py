@@ -1,7 +1,8 @@
 """--yield-busy-cores (engine/cpu_share.py): a CPU step computes on fewer
 threads while this process's threads wait for cores other work holds (the
-kernel's per-thread run-queue delay), and on all of them again once the
-neighbour leaves or a probe finds the cores free."""
+kernel's per-thread run-queue delay) and a trial of steps on both counts
+finds the smaller team faster; on all of them again once the neighbour
+leaves or a probe's trial finds the larger team faster."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,22 +22,48 @@ from fluidserve.engine import LLM, SamplingParams
 from fluidserve.engine.async_engine import AsyncEngine, EngineThread
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.engine import LLMEngine
-from fluidserve.engine.cpu_share import (HOLD_S, LEFT_FROM, SETTLE, WAIT_FROM, WINDOW_S, CpuSample, CpuShare,
-                                         ThreadWaits, read_sample)
+from fluidserve.engine.cpu_share import (FEWER_WINS, HOLD_S, LEFT_FROM, SETTLE, TRIAL_IDLE_S, TRIAL_MAX_STEPS,
+                                         TRIAL_PAIRS, WAIT_FROM, WINDOW_S, CpuSample, CpuShare, ThreadWaits, _Trial,
+                                         read_sample)
 
 linux_proc = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux's /proc")
 
 
+@dataclass(frozen=True)
+class Beside:
+    """What a load does to a team of each size: other processes' busy
+    cores, this process's, its threads' waiting (cores' worth), and the
+    seconds a step takes."""
+
+    others: dict[int, float]
+    ours: dict[int, float]
+    waiting: dict[int, float]
+    step_s: dict[int, float]
+
+
+# SmolLM2-like decode steps on two cores (benchmarks/core_waits.md): alone,
+# two threads beat one; beside a spinning process, one beats two by 3x.
+ALONE = Beside({2: 0.0, 1: 0.0}, {2: 2.0, 1: 1.0}, {2: 0.02, 1: 0.0}, {2: 0.021, 1: 0.024})
+SPINNER = Beside({2: 0.8, 1: 1.0}, {2: 1.2, 1: 1.0}, {2: 0.7, 1: 0.0}, {2: 0.070, 1: 0.022})
+# A load generator on the same cores: its bursts make the team wait past
+# WAIT_FROM, but a thread is worth more to the step than the waits cost.
+CLIENT = Beside({2: 0.3, 1: 0.3}, {2: 1.7, 1: 1.0}, {2: 0.45, 1: 0.05}, {2: 0.025, 1: 0.034})
+# The team's own threads waiting (nobody else busy), where one thread is faster.
+OWN_WAITS = Beside({2: 0.0, 1: 0.0}, {2: 2.0, 1: 1.0}, {2: 0.6, 1: 0.0}, {2: 0.040, 1: 0.024})
+
+
 class Watch:
-    """CpuSamples for a CpuShare: each ``window(...)`` is WINDOW_S of wall
-    time in which other processes kept ``others`` cores busy, this process
-    ``ours`` cores, and its threads waited ``waiting`` cores' worth."""
+    """A CpuShare on a clock of its own, fed CpuSamples of the load
+    around it: ``steps`` runs the engine's steps (tick, step, step_done),
+    ``idle`` ticks with no step."""
 
     def __init__(self, ceiling: int = 2) -> None:
         self.at = self.busy = self.ours = self.waited = 0.0
         self.set_to: list[int] = []
-        self.set_at: list[float] = []  # when each change was made
-        self.share = CpuShare(ceiling, self.set_threads, self.sample)
+        self.set_at: list[float] = []  # when each set was made
+        self.trial_at: list[float] = []  # when each trial began
+        self.on: list[int] = []  # the team of each step run
+        self.share = CpuShare(ceiling, self.set_threads, self.sample, clock=lambda: self.at)
 
     def set_threads(self, n: int) -> None:
         self.set_to.append(n)
@@ -44,89 +72,136 @@ class Watch:
     def sample(self) -> CpuSample:
         return CpuSample(self.at, self.busy, self.ours, self.waited)
 
-    def window(self, others: float = 0.0, ours: float = 2.0, waiting: float = 0.0, seconds: float = WINDOW_S) -> int:
+    def _advance(self, seconds: float, others: float, ours: float, waiting: float) -> None:
         self.at += seconds
         self.busy += (others + ours) * seconds
         self.ours += ours * seconds
         self.waited += waiting * seconds
-        return self.share.tick()
 
-    def windows(self, n: int, **load: float) -> list[int]:
-        return [self.window(**load) for _ in range(n)]
+    def _tick(self) -> int:
+        trials = self.share.trials
+        threads = self.share.tick()
+        if self.share.trials > trials:
+            self.trial_at.append(self.at)
+        return threads
+
+    def steps(self, load: Beside, seconds: float, tokens: int = 1) -> int:
+        end = self.at + seconds
+        while self.at < end:
+            n = self._tick()
+            self.on.append(n)
+            self._advance(load.step_s[n], load.others[n], load.ours[n], load.waiting[n])
+            self.share.step_done(tokens, load.step_s[n])
+        return self.share.threads
+
+    def idle(self, seconds: float, others: float = 0.0) -> int:
+        end = self.at + seconds
+        while self.at < end:
+            self._advance(WINDOW_S / 4, others, 0.05, 0.0)
+            self._tick()
+        return self.share.threads
 
 
-def test_a_waiting_team_loses_a_thread_and_gets_it_back_when_the_neighbour_leaves():
+def test_a_team_that_steps_faster_on_fewer_threads_beside_a_neighbour_loses_one_until_it_leaves():
     w = Watch()
-    assert w.windows(10, others=0.1, waiting=0.10) == [2] * 10  # a client streaming: its waits stay under the line
-    assert w.window(others=0.8, ours=1.2, waiting=0.7) == 1  # a neighbour holds a core: the team stood waiting
-    # Beside the smaller team it is seen whole, and nothing waits.
-    assert w.windows(3, others=1.0, ours=1.0) == [1] * 3
-    assert w.window(others=0.0, ours=1.0) == 2  # it left: its load halved, before any probe was due
-    assert w.set_to == [1, 2]  # torch told only on a change
-    assert w.share.changes == 2
+    assert w.steps(ALONE, 3.0) == 2 and w.share.trials == 0  # its own waits stay under the line
+    assert w.steps(SPINNER, 1.0) == 1  # the team waited; a trial found one thread 3x faster
+    assert w.share.trials == 1 and w.share.changes == 1
+    assert w.on[-5:] == [1] * 5  # the trial over, every step on one thread
+    assert w.steps(ALONE, 1.0) == 2  # it left: the load beside the team fell from 1.0 to 0, no probe needed
+    assert w.share.changes == 2 and w.share.trials == 1
 
 
-def test_one_windows_blip_moves_no_thread():
+def test_bursts_of_waits_that_a_thread_is_worth_keep_it_and_are_tried_ever_more_rarely():
+    assert CLIENT.waiting[2] > WAIT_FROM
     w = Watch()
-    assert w.windows(4, waiting=0.05) == [2] * 4
-    assert w.window(waiting=0.5) == 2  # averaged with the quiet windows before it: under the line
-    assert w.windows(4, waiting=0.05) == [2] * 4
-    assert w.windows(2, waiting=WAIT_FROM + 0.1) == [2, 1]  # two in a row well over it are not a blip
-    assert w.share.changes == 1
+    assert w.steps(CLIENT, 100.0) == 2
+    assert w.share.changes == 0  # every trial found two threads faster
+    gaps = [b - a for a, b in zip(w.trial_at, w.trial_at[1:])]
+    # The waits come back at once; the next trial only after the hold, doubling to its cap.
+    holds = [min(HOLD_S[0] * 2 ** k, HOLD_S[1]) for k in range(len(gaps))]
+    assert len(w.trial_at) >= 4 and holds[-1] == HOLD_S[1]
+    assert gaps == pytest.approx(holds, abs=SETTLE * WINDOW_S + 0.5)  # + settling windows and the trial's steps
+    assert w.on.count(1) / len(w.on) < 0.02  # the trials' steps on one thread: a small share of the load
 
 
-BESIDE_TWO = dict(others=0.8, ours=1.2, waiting=0.7)  # a neighbour holding a core beside a team of two
-BESIDE_ONE = dict(others=1.0, ours=1.0)  # the same beside one thread: seen whole, nothing waits
+def test_one_windows_blip_starts_no_trial():
+    w = Watch()
+    w.steps(ALONE, 1.0)
+    blip = Beside(ALONE.others, ALONE.ours, {2: 0.5, 1: 0.0}, ALONE.step_s)
+    w.steps(blip, WINDOW_S)  # averaged with the quiet windows before it: under the line
+    assert w.steps(ALONE, 1.0) == 2 and w.share.trials == 0
+    w.steps(SPINNER, SETTLE * WINDOW_S + 0.1)
+    assert w.share.trials == 1  # a run of windows well over it
 
 
 def test_a_probe_that_meets_the_neighbour_waits_twice_as_long_for_the_next():
     w = Watch()
-    assert w.windows(SETTLE, **BESIDE_TWO)[-1] == 1
-    on_two = []
-    for n in range(400):  # 80 s beside a neighbour that never leaves
-        if w.window(**(BESIDE_TWO if w.share.threads == 2 else BESIDE_ONE)) == 2:
-            on_two.append(n)
-    probes = [n for n in on_two if n - 1 not in on_two]
-    assert len(on_two) == len(probes) == 5  # a probe is judged on its first window
+    assert w.steps(SPINNER, 80.0) == 1
+    probes = w.trial_at[1:]  # the first trial was the drop
+    assert w.share.changes == 1 and len(probes) == 5
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
     holds = [min(HOLD_S[0] * 2 ** k, HOLD_S[1]) for k in range(1, 5)]
     assert holds[-1] == HOLD_S[1]  # doubled to the cap
-    gaps = [(b - a) * WINDOW_S for a, b in zip(probes, probes[1:])]
-    assert gaps == pytest.approx([WINDOW_S + h for h in holds], abs=WINDOW_S + 0.01)
+    assert gaps == pytest.approx(holds, abs=WINDOW_S + 0.5)  # + the trial's steps
+    assert w.on.count(2) / len(w.on) < 0.05
 
 
 def test_no_probe_while_no_step_runs():
     w = Watch()
-    assert w.windows(SETTLE, **BESIDE_TWO)[-1] == 1
-    assert w.windows(50, others=1.0, ours=0.1) == [1] * 50  # idle for 10 s: nothing to measure a probe by
-    assert w.window(**BESIDE_ONE) == 2  # steps run: the probe, overdue, is taken
+    assert w.steps(SPINNER, 1.0) == 1
+    assert w.idle(10.0, others=1.0) == 1 and w.share.trials == 1  # idle beside it: nothing to judge a probe by
+    w.steps(SPINNER, 2 * WINDOW_S + 0.01)
+    assert w.share.trials == 2  # steps run: the probe, overdue, begins once a window of them is seen
+    assert w.steps(SPINNER, 1.0) == 1
 
 
-def test_waits_with_nobody_else_busy_come_back_only_by_probe():
+def test_a_trial_the_engine_leaves_idle_ends_where_it_began():
     w = Watch()
-    assert w.windows(SETTLE, others=0.0, ours=2.0, waiting=0.6)[-1] == 1  # this process's own threads
+    w.steps(SPINNER, SETTLE * WINDOW_S + 0.05)
+    assert w.share.trials == 1 and w.share._trial is not None  # begun, undecided
+    assert w.idle(TRIAL_IDLE_S + WINDOW_S, others=1.0) == 2
+    assert w.share._trial is None and w.share.changes == 0
+
+
+def test_waits_with_nobody_else_busy_come_back_only_by_a_probe_that_finds_two_threads_faster():
+    w = Watch()
+    assert w.steps(OWN_WAITS, 1.0) == 1
     # The load beside it is under LEFT_FROM: its halving is noise, not a neighbour leaving.
-    looks = w.windows(3, others=LEFT_FROM / 2, ours=1.0) + w.windows(3, others=0.0, ours=1.0)
-    assert looks == [1] * 6
-    hold = int(HOLD_S[0] / WINDOW_S)
-    assert 2 in w.windows(hold, others=0.0, ours=1.0)  # the probe, after HOLD_S[0]
+    assert OWN_WAITS.others[1] < LEFT_FROM
+    first = w.trial_at[-1]
+    assert w.steps(ALONE, HOLD_S[0] - 0.3) == 1 and len(w.trial_at) == 1
+    assert w.steps(ALONE, 1.0) == 2  # the probe, after HOLD_S[0]: two threads are faster again
+    assert w.trial_at[-1] - first == pytest.approx(HOLD_S[0], abs=0.5)
+    # A new neighbour after that: the hold before its first probe is HOLD_S[0] again.
+    assert w.steps(SPINNER, 1.0) == 1
+    dropped = w.trial_at[-1]
+    w.steps(SPINNER, HOLD_S[0] + 1.0)
+    assert w.trial_at[-1] - dropped == pytest.approx(HOLD_S[0], abs=0.7)  # + the trial's steps
 
 
-def test_a_probe_that_finds_the_cores_free_resets_the_hold():
+def test_a_trial_compares_neighbouring_steps_of_like_work_only():
+    trial = _Trial(more=2, start=2, probe=False, last_at=0.0)
+    # (threads, tokens, seconds): a prefill chunk beside decodes pairs with nothing.
+    trial.steps = [(1, 1, 0.02), (2, 1, 0.04), (1, 512, 0.5), (2, 1, 0.04), (1, 1, 0.02)]
+    assert trial.ratios() == pytest.approx([0.5, 0.5])
+    assert trial.winner() is None  # too few pairs to say
+    trial.steps = [(1 + i % 2, 1 + 100 * i, 0.02) for i in range(TRIAL_MAX_STEPS)]
+    assert trial.winner() == 2  # no two like steps in all its steps: the count it began with
+    trial.steps = [(1 + i % 2, 8, 0.02 if i % 2 else 0.02 * FEWER_WINS) for i in range(TRIAL_PAIRS + 1)]
+    assert trial.winner() == 1  # at FEWER_WINS the smaller team wins
+    trial.steps = [(1 + i % 2, 8, 0.02) for i in range(TRIAL_PAIRS + 1)]
+    assert trial.winner() == 2  # a tie keeps the threads
+
+
+def test_a_trials_steps_alternate_and_torch_is_told_only_on_a_change():
     w = Watch()
-
-    def hold() -> float:  # from the last drop to the probe that follows
-        while w.window(**BESIDE_ONE) == 1:
-            pass
-        return w.set_at[-1] - w.set_at[-2]
-
-    assert w.windows(SETTLE, **BESIDE_TWO)[-1] == 1
-    first = hold()
-    assert first == pytest.approx(HOLD_S[0], abs=WINDOW_S + 0.01)
-    assert w.windows(SETTLE, **BESIDE_TWO)[-1] == 1  # the neighbour is still there
-    assert hold() == pytest.approx(2 * first, abs=WINDOW_S + 0.01)
-    assert w.windows(4, others=0.0, ours=2.0) == [2] * 4  # it had left: the probe found the cores free
-    assert w.windows(SETTLE, **BESIDE_TWO)[-1] == 1  # a new neighbour
-    assert hold() == pytest.approx(first, abs=WINDOW_S + 0.01)  # back to HOLD_S[0]
+    w.steps(CLIENT, SETTLE * WINDOW_S + 0.5)
+    assert w.share.trials == 1 and w.share.changes == 0
+    trial_steps = w.on[-TRIAL_PAIRS - 5:]
+    assert 1 in trial_steps
+    assert w.set_to == [1, 2] * (len(w.set_to) // 2)  # alternating, ending on the winner
+    assert w.share.threads == 2
 
 
 def test_no_look_inside_a_window():
