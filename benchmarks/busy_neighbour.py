@@ -14,7 +14,8 @@ of spinning threads more than its share)::
 Each load starts once the cores are quiet (``vs_vllm.wait_quiet``); the two
 servers take turns, each round in the opposite order of the last. Writes
 ``benchmarks/results/busy_neighbour{--tag}.{json,md}``, with how often each load
-changed the threads a step computes on (``fluidserve_cpu_thread_changes_total``).
+changed the threads a step computes on (``fluidserve_cpu_thread_changes_total``)
+and the trials that decided it (``fluidserve_cpu_thread_trials_total``).
 """
 
 from __future__ import annotations
@@ -108,22 +109,26 @@ def main(argv: list[str] | None = None) -> int:
                 for name in order:
                     wait_quiet()
                     spinners = [subprocess.Popen(neighbour) for _ in range(beside)]
-                    changes = cpu_threads(urls[name]).get("cpu_thread_changes", 0.0)
+                    before = cpu_threads(urls[name])
                     try:
                         time.sleep(1.0)  # the neighbours at work, the servers' watch caught up
                         rep = load(urls[name], flags(args.num_requests, args.rate, 0))
-                        changes = cpu_threads(urls[name]).get("cpu_thread_changes", 0.0) - changes
+                        after = cpu_threads(urls[name])
+                        changes, trials = (after.get(k, 0.0) - before.get(k, 0.0)
+                                           for k in ("cpu_thread_changes", "cpu_thread_trials"))
                     finally:
                         for p in spinners:
                             p.kill()
                             p.wait()
                     point = {"server": name, "neighbours": beside, "round": round_, "thread_changes": changes,
+                             "thread_trials": trials,
                              **{k: rep[k] for k in ("completed", "failed", "ttft_ms", "tpot_ms",
                                                     "output_token_throughput")}}
                     record["points"].append(point)
                     print(f"{name:>28}, {beside} busy beside: TTFT p50/p99 {rep['ttft_ms']['p50']:.0f} / "
                           f"{rep['ttft_ms']['p99']:.0f} ms, TPOT p50/p99 {rep['tpot_ms']['p50']:.1f} / "
-                          f"{rep['tpot_ms']['p99']:.1f} ms, failed {rep['failed']}, thread changes {changes:.0f}",
+                          f"{rep['tpot_ms']['p99']:.1f} ms, failed {rep['failed']}, thread changes {changes:.0f} "
+                          f"(trials {trials:.0f})",
                           flush=True)
                 order.reverse()
         finally:
@@ -134,12 +139,13 @@ def main(argv: list[str] | None = None) -> int:
              f"Model: {record['model']}, fp32, {os.cpu_count()} cores. Each server alone, then beside "
              f"{args.neighbours} process(es) {kind}.", "",
              "| server | busy processes beside | round | TTFT p50 / p99 ms | TPOT p50 / p99 ms | out tok/s | failed | "
-             "thread changes |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "thread changes (trials) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for p in record["points"]:
         lines.append(f"| {p['server']} | {p['neighbours']} | {p['round'] + 1} | "
                      f"{p['ttft_ms']['p50']:.0f} / {p['ttft_ms']['p99']:.0f} "
                      f"| {p['tpot_ms']['p50']:.1f} / {p['tpot_ms']['p99']:.1f} | "
-                     f"{p['output_token_throughput']:.0f} | {p['failed']} | {p['thread_changes']:.0f} |")
+                     f"{p['output_token_throughput']:.0f} | {p['failed']} | {p['thread_changes']:.0f} "
+                     f"({p['thread_trials']:.0f}) |")
     save_results(RESULTS / f"busy_neighbour{args.tag}", record, "\n".join(lines) + "\n")
     return 0
 

@@ -625,17 +625,20 @@ def busy_neighbour(stem: str) -> tuple[list[str], list[str]]:
     duty = d.get("duty_ms")
     kind = ("spinning on a core" if not duty else
             f"computing {num(duty[0])} ms and sleeping {num(duty[1])} ms in turn")
+    trials = all("thread_trials" in p for p in d["points"])
     out = [f"`fluidserve serve` on {d['model']} (fp32) with `--yield-busy-cores` (the default) and with "
            f"`--no-yield-busy-cores`, both alive in one run, {d['num_requests']} streamed chats at "
            f"{num(d['rate'])} req/s each, alone and beside {d['neighbours']} process(es) {kind}; "
-           "thread changes: `fluidserve_cpu_thread_changes_total` over the load.", ""]
+           "thread changes: `fluidserve_cpu_thread_changes_total` over the load"
+           + (" (trials: `fluidserve_cpu_thread_trials_total`)." if trials else "."), ""]
     out += provenance(stem, d)
     out += table(["server", "busy beside", "round", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "out tok/s",
-                  "thread changes"],
+                  "thread changes" + (" (trials)" if trials else "")],
                  [[p["server"], p["neighbours"], p.get("round", 0) + 1,
                    f"{p['ttft_ms']['p50']:.0f} / {p['ttft_ms']['p99']:.0f}",
                    f"{p['tpot_ms']['p50']:.1f} / {p['tpot_ms']['p99']:.1f}", p["output_token_throughput"],
-                   num(p["thread_changes"])] for p in d["points"]], "lrrrrrr")
+                   num(p["thread_changes"]) + (f" ({num(p['thread_trials'])})" if trials else "")]
+                  for p in d["points"]], "lrrrrrr")
     return out, []
 
 

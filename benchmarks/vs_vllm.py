@@ -613,16 +613,18 @@ def online(args: argparse.Namespace) -> dict:
 
 def cpu_threads(url: str) -> dict[str, float]:
     """A fluidserve server's ``fluidserve_cpu_threads`` (the threads its CPU
-    steps compute on) and ``fluidserve_cpu_thread_changes_total`` (how often
-    ``--yield-busy-cores`` has changed them since it started), as
-    ``cpu_threads`` and ``cpu_thread_changes``; those its /metrics lacks are
-    left out."""
+    steps compute on), ``fluidserve_cpu_thread_changes_total`` (how often
+    ``--yield-busy-cores`` has changed them since it started) and
+    ``fluidserve_cpu_thread_trials_total`` (the trials that decided it), as
+    ``cpu_threads``, ``cpu_thread_changes`` and ``cpu_thread_trials``; those
+    its /metrics lacks are left out."""
     import httpx
 
     text = httpx.get(f"{url}/metrics", timeout=10).text
     found = {}
     for key, metric in (("cpu_threads", "fluidserve_cpu_threads"),
-                        ("cpu_thread_changes", "fluidserve_cpu_thread_changes_total")):
+                        ("cpu_thread_changes", "fluidserve_cpu_thread_changes_total"),
+                        ("cpu_thread_trials", "fluidserve_cpu_thread_trials_total")):
         match = re.search(rf"^{metric}(?:{{[^}}]*}})? (\S+)$", text, re.M)
         if match:
             found[key] = float(match.group(1))
@@ -719,10 +721,11 @@ def _save_online(record: dict) -> None:
         table.append(f"| {bound} | " + " | ".join(str(best.get(s) or "none") for s in systems) + f" | {ratios} |")
     threads = [p for p in record["points"] if "cpu_threads" in p]
     if threads:
+        trials = all("cpu_thread_trials" in p for p in threads)
         table += ["", "fluidserve's CPU threads after each load, and the changes `--yield-busy-cores` had made by "
-                  "then (counted from the server's start): " + "; ".join(
-                      f"{p['system']} at {p['rate']:g} req/s: {p['cpu_threads']:.0f} ({p['cpu_thread_changes']:.0f})"
-                      for p in threads) + "."]
+                  f"then{' (and the trials it ran)' if trials else ''}, counted from the server's start: " + "; ".join(
+                      f"{p['system']} at {p['rate']:g} req/s: {p['cpu_threads']:.0f} ({p['cpu_thread_changes']:.0f}"
+                      + (f", {p['cpu_thread_trials']:.0f})" if trials else ")") for p in threads) + "."]
     waits = [p["quiet_after_s"] for p in record["points"] if "quiet_after_s" in p]
     if waits:
         from fluidserve.engine.cpu_share import WINDOW_S
