@@ -81,6 +81,11 @@ TRIAL_PAIRS = 8
 TRIAL_MAX_STEPS = 32
 SAME_WORK = 1.1
 TRIAL_IDLE_S = 1.0
+# Pairs enough where each says one team is at least twice as fast as the
+# other: beside a spinning neighbour two threads step 8x slower than one,
+# and a probe's trial should not run many such steps to see it again.
+CLEAR_PAIRS = 2
+CLEAR = 0.5
 # The smaller team wins a trial when its steps take at most this share of
 # the larger team's (the median over the pairs): a tie keeps the threads.
 FEWER_WINS = 0.95
@@ -182,7 +187,8 @@ class _Trial:
     def winner(self) -> int | None:
         """The count that computed faster, once the steps say (None: not yet)."""
         ratios = self.ratios()
-        if len(ratios) < TRIAL_PAIRS and len(self.steps) < TRIAL_MAX_STEPS:
+        clear = len(ratios) >= CLEAR_PAIRS and (max(ratios) <= CLEAR or min(ratios) >= 1 / CLEAR)
+        if len(ratios) < TRIAL_PAIRS and len(self.steps) < TRIAL_MAX_STEPS and not clear:
             return None
         if not ratios:  # no two like steps: the start count stands
             return self.start
@@ -293,10 +299,11 @@ class CpuShare:
             self._set(trial.more - 1 if self.threads == trial.more else trial.more)
 
     def _begin_trial(self, more: int, probe: bool, why: str) -> None:
+        # Its first step runs on the present count: two pairs then cost one
+        # step on the other, which beside a spinner is the slow one.
         self.trials += 1
         self._trial = _Trial(more, self.threads, probe, self._clock())
         log.debug("%s: a trial of %d against %d threads", why, more, more - 1)
-        self._set(more if self.threads < more else more - 1)  # the first step on the count not yet run
 
     def _end_trial(self, threads: int) -> None:
         trial, self._trial = self._trial, None

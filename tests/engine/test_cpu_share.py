@@ -62,6 +62,7 @@ class Watch:
         self.set_to: list[int] = []
         self.set_at: list[float] = []  # when each set was made
         self.trial_at: list[float] = []  # when each trial began
+        self.trial_step: list[int] = []  # and at which step (an index into ``on``)
         self.on: list[int] = []  # the team of each step run
         self.share = CpuShare(ceiling, self.set_threads, self.sample, clock=lambda: self.at)
 
@@ -83,6 +84,7 @@ class Watch:
         threads = self.share.tick()
         if self.share.trials > trials:
             self.trial_at.append(self.at)
+            self.trial_step.append(len(self.on))
         return threads
 
     def steps(self, load: Beside, seconds: float, tokens: int = 1) -> int:
@@ -144,7 +146,9 @@ def test_a_probe_that_meets_the_neighbour_waits_twice_as_long_for_the_next():
     holds = [min(HOLD_S[0] * 2 ** k, HOLD_S[1]) for k in range(1, 5)]
     assert holds[-1] == HOLD_S[1]  # doubled to the cap
     assert gaps == pytest.approx(holds, abs=WINDOW_S + 0.5)  # + the trial's steps
-    assert w.on.count(2) / len(w.on) < 0.05
+    # Two clear pairs decide: the drop's trial ran two steps on two threads
+    # (the present count first), each probe's one.
+    assert w.on[w.trial_step[0]:].count(2) == 2 + len(probes)
 
 
 def test_no_probe_while_no_step_runs():
@@ -183,9 +187,15 @@ def test_waits_with_nobody_else_busy_come_back_only_by_a_probe_that_finds_two_th
 def test_a_trial_compares_neighbouring_steps_of_like_work_only():
     trial = _Trial(more=2, start=2, probe=False, last_at=0.0)
     # (threads, tokens, seconds): a prefill chunk beside decodes pairs with nothing.
-    trial.steps = [(1, 1, 0.02), (2, 1, 0.04), (1, 512, 0.5), (2, 1, 0.04), (1, 1, 0.02)]
-    assert trial.ratios() == pytest.approx([0.5, 0.5])
+    trial.steps = [(1, 1, 0.03), (2, 1, 0.04), (1, 512, 0.5), (2, 1, 0.04), (1, 1, 0.03)]
+    assert trial.ratios() == pytest.approx([0.75, 0.75])
     assert trial.winner() is None  # too few pairs to say
+    trial.steps = [(1, 1, 0.02), (2, 1, 0.16), (1, 1, 0.02)]
+    assert trial.winner() == 1  # two pairs are enough where each says twice as fast, or more
+    trial.steps = [(1, 1, 0.08), (2, 1, 0.02), (1, 1, 0.08)]
+    assert trial.winner() == 2
+    trial.steps = [(1, 1, 0.02), (2, 1, 0.16), (1, 1, 0.15)]
+    assert trial.winner() is None  # one pair of two is not clear
     trial.steps = [(1 + i % 2, 1 + 100 * i, 0.02) for i in range(TRIAL_MAX_STEPS)]
     assert trial.winner() == 2  # no two like steps in all its steps: the count it began with
     trial.steps = [(1 + i % 2, 8, 0.02 if i % 2 else 0.02 * FEWER_WINS) for i in range(TRIAL_PAIRS + 1)]
