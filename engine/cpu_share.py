@@ -165,8 +165,8 @@ def read_sample(cpus: frozenset[int], waits: ThreadWaits | None = None, proc: Pa
 
 @dataclass
 class _Trial:
-    """Steps alternating between a team of ``more`` threads and one of
-    ``more - 1``, beside the load that is there now; the count the team had
+    """Steps alternating between a team of ``more - 1`` threads and one of
+    ``more``, beside the load that is there now; the count the team had
     when it began is ``start``."""
 
     more: int
@@ -299,11 +299,13 @@ class CpuShare:
             self._set(trial.more - 1 if self.threads == trial.more else trial.more)
 
     def _begin_trial(self, more: int, probe: bool, why: str) -> None:
-        # Its first step runs on the present count: two pairs then cost one
-        # step on the other, which beside a spinner is the slow one.
+        # Its first step runs on the smaller team: two pairs then cost one
+        # step on the larger, which beside a spinner is 8x slower.
         self.trials += 1
         self._trial = _Trial(more, self.threads, probe, self._clock())
         log.debug("%s: a trial of %d against %d threads", why, more, more - 1)
+        if self.threads != more - 1:
+            self._set(more - 1)
 
     def _end_trial(self, threads: int) -> None:
         trial, self._trial = self._trial, None

@@ -146,9 +146,8 @@ def test_a_probe_that_meets_the_neighbour_waits_twice_as_long_for_the_next():
     holds = [min(HOLD_S[0] * 2 ** k, HOLD_S[1]) for k in range(1, 5)]
     assert holds[-1] == HOLD_S[1]  # doubled to the cap
     assert gaps == pytest.approx(holds, abs=WINDOW_S + 0.5)  # + the trial's steps
-    # Two clear pairs decide: the drop's trial ran two steps on two threads
-    # (the present count first), each probe's one.
-    assert w.on[w.trial_step[0]:].count(2) == 2 + len(probes)
+    # Two clear pairs decide, the smaller team first: each trial ran one step on two threads.
+    assert w.on[w.trial_step[0]:].count(2) == 1 + len(probes)
 
 
 def test_no_probe_while_no_step_runs():
