@@ -1047,7 +1047,8 @@ Renderer = Callable[[str], tuple[list[str], list[str]]]
 ONLINE_STEMS = ["vs_vllm-online-cpu", "vs_vllm-online-cpu-transformers", "vs_vllm-online-cpu-smollm2",
                 "vs_vllm-online-cpu-smollm2-one-openmp-team", "vs_vllm-online-cpu-smollm2-yield-busy-cores",
                 "vs_vllm-online-cpu-smollm2-core-waits", "vs_vllm-online-cpu-switch-beside-client",
-                "vs_vllm-online-cpu-smollm2-final-check"]
+                "vs_vllm-online-cpu-smollm2-final-check", "vs_vllm-online-cpu-switch-beside-client-trials",
+                "vs_vllm-online-cpu-smollm2-trials-check"]
 SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Scheduling policies (simulator)", ["scheduling"], scheduling),
     ("Two KV tiers (simulator)", ["swapping"], swapping),
@@ -1068,7 +1069,11 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Waiting for cores beside another process", ["core_waits"], core_waits),
     ("Waiting for cores beside another process, decode at batch 32", ["core_waits-batch32"], core_waits),
     ("A data-parallel replica's CPU step", ["replica_team"], replica_team),
-    ("Serving beside busy processes", ["busy_neighbour", "busy_neighbour-duty", "busy_neighbour-alone"],
+    ("Serving beside busy processes", ["busy_neighbour"], busy_neighbour),
+    ("Serving beside a process busy 2 ms in every 5", ["busy_neighbour-duty"], busy_neighbour),
+    ("Serving with no busy process beside", ["busy_neighbour-alone"], busy_neighbour),
+    ("Serving beside busy processes, thread counts decided by trial", ["busy_neighbour-trials"], busy_neighbour),
+    ("Serving beside a process busy 2 ms in every 5, thread counts decided by trial", ["busy_neighbour-duty-trials"],
      busy_neighbour),
     ("Engine bookkeeping per step", ["step_overhead-cpu"], step_overhead),
     ("Scheduler CPU time per step", ["sched_step_cost", "sched_step_cost-1024"], sched_step_cost),
