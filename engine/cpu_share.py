@@ -27,7 +27,8 @@ its average stays under. So a trial measures it: the next steps alternate
 between the two team sizes, and each two neighbouring steps of like work
 give one thread count's time over the other's, beside the same load. The
 faster count stays. Waits that lose a trial start another only after a hold
-(2 s, doubling to 32 s while trials keep losing).
+(2 s, doubling to 32 s while trials keep losing), or once other processes'
+load has grown by half a core since: a new neighbour.
 
 On fewer threads the team no longer waits, so the wait cannot say when the
 neighbour leaves; a thread comes back when other processes' load
@@ -86,6 +87,10 @@ TRIAL_IDLE_S = 1.0
 # and a probe's trial should not run many such steps to see it again.
 CLEAR_PAIRS = 2
 CLEAR = 0.5
+# Other processes' load (cores) above that beside the last trial the larger
+# team won, from which waits begin a trial before the hold ends: a new
+# neighbour, not the load that trial judged.
+NEW_LOAD = 0.5
 # The smaller team wins a trial when its steps take at most this share of
 # the larger team's (the median over the pairs): a tie keeps the threads.
 FEWER_WINS = 0.95
@@ -173,6 +178,7 @@ class _Trial:
     start: int
     probe: bool  # begun by the hold ending (the team smaller); else by the team's waits
     last_at: float  # when it began or its last step ended
+    beside: float = 0.0  # other processes' load (cores) when it began
     steps: list[tuple[int, int, float]] = field(default_factory=list)  # (threads, tokens, seconds)
 
     def ratios(self) -> list[float]:
@@ -221,6 +227,7 @@ class CpuShare:
         self._probe_at = 0.0
         self._drop_hold_s = HOLD_S[0]  # before waits may begin another trial, after one the larger team won
         self._drop_at = 0.0
+        self._lost_beside: float | None = None  # other processes' load when the larger team last won
         self._trial: _Trial | None = None
 
     @classmethod
@@ -266,7 +273,10 @@ class CpuShare:
         if self._windows < SETTLE:
             return self.threads
         if self.threads > 1 and self.waiting >= WAIT_FROM:
-            if now.at >= self._drop_at:
+            held_back = now.at < self._drop_at
+            if held_back and self._lost_beside is not None and self.others_busy >= self._lost_beside + NEW_LOAD:
+                held_back = False  # not the load the last trial judged: a new neighbour
+            if not held_back:
                 self._begin_trial(self.threads, probe=False,
                                   why=f"its threads waited {self.waiting:.2f} cores' worth for a core")
             return self.threads
@@ -302,7 +312,7 @@ class CpuShare:
         # Its first step runs on the smaller team: two pairs then cost one
         # step on the larger, which beside a spinner is 8x slower.
         self.trials += 1
-        self._trial = _Trial(more, self.threads, probe, self._clock())
+        self._trial = _Trial(more, self.threads, probe, self._clock(), self.others_busy)
         log.debug("%s: a trial of %d against %d threads", why, more, more - 1)
         if self.threads != more - 1:
             self._set(more - 1)
@@ -316,9 +326,11 @@ class CpuShare:
         elif fewer:
             self._hold_s = self._drop_hold_s = HOLD_S[0]
             self._drop_at = now
+            self._lost_beside = None
         else:  # the waits were not worth a thread: they need not be tried again at once
             self._drop_at = now + self._drop_hold_s
             self._drop_hold_s = min(2 * self._drop_hold_s, HOLD_S[1])
+            self._lost_beside = trial.beside
         if fewer:
             self._probe_at = now + self._hold_s
         ratios = trial.ratios()

@@ -127,6 +127,17 @@ def test_bursts_of_waits_that_a_thread_is_worth_keep_it_and_are_tried_ever_more_
     assert w.on.count(1) / len(w.on) < 0.02  # the trials' steps on one thread: a small share of the load
 
 
+def test_a_new_neighbour_beside_a_load_whose_trials_kept_the_threads_is_tried_before_the_hold_ends():
+    w = Watch()
+    w.steps(CLIENT, 40.0)
+    assert w.share.changes == 0 and w.share._drop_hold_s == HOLD_S[1]  # trials lost: the hold is long
+    # A process spinning on a core joins the load generator: its load is new.
+    both = Beside({2: CLIENT.others[2] + 0.8, 1: CLIENT.others[1] + 1.0}, SPINNER.ours, SPINNER.waiting,
+                  SPINNER.step_s)
+    assert w.steps(both, 2.0) == 1 and w.share.changes == 1
+    assert w.trial_at[-1] - 40.0 < 1.0
+
+
 def test_one_windows_blip_starts_no_trial():
     w = Watch()
     w.steps(ALONE, 1.0)
