@@ -118,7 +118,8 @@ def in_process(model: str, job: str, tokens: int, prompt_tokens: int, repeats: i
                         llm.generate([long_prompt], first)
                         row.setdefault("prefill_ms", []).append((time.perf_counter() - t0) * 1e3)
                     stats = llm.engine.stats()
-                    row.update(threads_after=stats.cpu_threads, thread_changes=stats.num_cpu_thread_changes)
+                    row.update(threads_after=stats.cpu_threads, thread_changes=stats.num_cpu_thread_changes,
+                               thread_trials=stats.num_cpu_thread_trials)
                 rows.append(row)
             finally:
                 if beside is not None:
@@ -242,12 +243,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{med(row['others_busy_1']):.2f} |")
     lines += ["", "## The switch (`yield_busy_cores`), each in a fresh process", "",
               "| neighbour | decode ms/token, on / off | "
-              f"prefill of {args.prompt_tokens} tokens ms, on / off | threads after (on) | thread changes (on) |",
+              f"prefill of {args.prompt_tokens} tokens ms, on / off | threads after (on) | "
+              "thread changes (trials), on |",
               "|---|---:|---:|---:|---:|"]
     for on, off in zip(switch["on"], switch["off"]):
         lines.append(f"| {on['neighbour']} | **{med(on['decode_ms']):.1f}** / {med(off['decode_ms']):.1f} | "
                      f"**{med(on['prefill_ms']):.0f}** / {med(off['prefill_ms']):.0f} | {on['threads_after']} | "
-                     f"{on['thread_changes']} |")
+                     f"{on['thread_changes']} ({on['thread_trials']}) |")
     if served:
         lines += ["", "## A client streaming chats from the same cores", "",
                   "`fluidserve serve --no-yield-busy-cores`, the load generator on the same cores; the server's "
