@@ -85,7 +85,9 @@ TRIAL_IDLE_S = 1.0
 # Pairs enough where each says one team is at least twice as fast as the
 # other: beside a spinning neighbour two threads step 8x slower than one,
 # and a probe's trial should not run many such steps to see it again.
-CLEAR_PAIRS = 2
+# Neighbouring pairs share a step: three pairs are two steps on each count,
+# so one step a burst of the neighbour slowed cannot decide alone.
+CLEAR_PAIRS = 3
 CLEAR = 0.5
 # Other processes' load (cores) above that beside the last trial the larger
 # team won, from which waits begin a trial before the hold ends: a new
@@ -309,8 +311,9 @@ class CpuShare:
             self._set(trial.more - 1 if self.threads == trial.more else trial.more)
 
     def _begin_trial(self, more: int, probe: bool, why: str) -> None:
-        # Its first step runs on the smaller team: two pairs then cost one
-        # step on the larger, which beside a spinner is 8x slower.
+        # Its first step runs on the smaller team: the three pairs that can
+        # decide then cost two steps on the larger, which beside a spinner
+        # are 8x slower.
         self.trials += 1
         self._trial = _Trial(more, self.threads, probe, self._clock(), self.others_busy)
         log.debug("%s: a trial of %d against %d threads", why, more, more - 1)
