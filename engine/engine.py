@@ -324,17 +324,22 @@ class LLMEngine:
         outputs, finished = self.output_processor.process(result, now)
         if result.failed_rows:
             outputs += self._fail_rows(result.failed_rows, now, finished)
-        took, tokens = time.monotonic() - now, plan.num_batched_tokens
+        took = time.monotonic() - now
         self.scheduler.update_from_output(plan, StepOutcome(took, now, finished,
                                                             abandoned=result.abandoned, paused=result.paused,
                                                             # kept with the paused step until it resumes
                                                             paused_input=inp if result.paused else None))
-        if self._cpu_share is not None:
-            self._cpu_share.step_done(tokens, took)
-        self.stats_.num_steps += 1
-        self.stats_.observe_iteration(tokens)
+        self._count_step(plan, took)
         self.stats_.swap_stall_seconds += result.swap_stall_s
         return outputs
+
+    def _count_step(self, plan: StepPlan, seconds: float) -> None:
+        """A step that computed: into the stats and, for its trials, the CPU watch."""
+        tokens = plan.num_batched_tokens
+        if self._cpu_share is not None:
+            self._cpu_share.step_done(tokens, seconds)
+        self.stats_.num_steps += 1
+        self.stats_.observe_iteration(tokens)
 
     def idle(self) -> None:
         """Between requests, on the engine's thread: keeps the CPU watch's
@@ -372,11 +377,7 @@ class LLMEngine:
         self._failed_in_a_row = 0
         outputs, finished = self.output_processor.process(result, cur.start)
         self.scheduler.update_from_output(cur.plan, StepOutcome(step_time, cur.start, finished))
-        tokens = cur.plan.num_batched_tokens
-        if self._cpu_share is not None:
-            self._cpu_share.step_done(tokens, step_time)
-        self.stats_.num_steps += 1
-        self.stats_.observe_iteration(tokens)
+        self._count_step(cur.plan, step_time)
         if nxt is not None:
             if nxt.failed is not None:
                 outputs += self._fail_step(nxt.plan, nxt.failed, nxt.start)
