@@ -36,6 +36,7 @@ from fluidserve.serve.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    IGNORE_UNKNOWN_FIELDS,
     DetokenizeRequest,
     LoadResponse,
     ModelCard,
@@ -69,6 +70,7 @@ class ServerSettings:
     enable_request_id_headers: bool = False  # answer with X-Request-Id
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (it shows the chat template)
+    ignore_unknown_fields: bool = False  # drop request keys no API defines (vLLM's way) instead of a 400
 
 
 @dataclass
@@ -168,7 +170,7 @@ class _Server:
             data = json.loads(body)
         except (ValueError, RecursionError):
             raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
-        return validate_body(data, model_cls)
+        return validate_body(data, model_cls, self.settings.ignore_unknown_fields)
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
@@ -512,12 +514,13 @@ class RequestIdHeader:
 
 
 
-def validate_body(data: Any, model_cls: type[M]) -> M:
-    """A decoded JSON body as ``model_cls``; a 400 naming the bad field."""
+def validate_body(data: Any, model_cls: type[M], ignore_unknown_fields: bool = False) -> M:
+    """A decoded JSON body as ``model_cls``; a 400 naming the bad field (an
+    unknown one too, unless ``ignore_unknown_fields``)."""
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     try:
-        return model_cls.model_validate(data)
+        return model_cls.model_validate(data, context={IGNORE_UNKNOWN_FIELDS: ignore_unknown_fields})
     except ValidationError as exc:
         raise from_validation_error(exc) from None
     except RecursionError:

@@ -178,11 +178,11 @@ class LineExecutor:
             if body.get("stream"):
                 raise bad_request("stream: is not supported in a batch", "stream")
             if endpoint == "/v1/completions":
-                req: Any = validate_body(body, CompletionRequest)
+                req: Any = validate_body(body, CompletionRequest, s.settings.ignore_unknown_fields)
                 check_model(req.model, s.model)
                 inputs = s.processor.completion(req)
             else:
-                req = validate_body(body, ChatCompletionRequest)
+                req = validate_body(body, ChatCompletionRequest, s.settings.ignore_unknown_fields)
                 check_model(req.model, s.model)
                 inputs = s.processor.chat(req)
             inputs = dataclasses.replace(inputs, klass="offline", final_only=True)

@@ -31,17 +31,18 @@ def batch_chat_route(server: Any) -> Callable[[Request], Awaitable[Response]]:
     return create_batch_chat_completion
 
 
-def conversations(batch: BatchChatCompletionRequest) -> list[ChatCompletionRequest]:
+def conversations(batch: BatchChatCompletionRequest, ignore_unknown_fields: bool = False,
+                  ) -> list[ChatCompletionRequest]:
     """One chat request per conversation, with the batch's other fields."""
     shared = dict(batch.model_extra or {})
     return [validate_body({**shared, "messages": [m.model_dump(mode="json", exclude_none=True) for m in conv]},
-                          ChatCompletionRequest)
+                          ChatCompletionRequest, ignore_unknown_fields)
             for conv in batch.messages]
 
 
 async def batch_chat(server: Any, request: Request) -> Response:
     batch = await server.parse(request, BatchChatCompletionRequest)
-    reqs = conversations(batch)
+    reqs = conversations(batch, server.settings.ignore_unknown_fields)
     check_model(reqs[0].model, server.model)
     inputs = [server.processor.chat(req) for req in reqs]
     server.admit_capacity(len(inputs))

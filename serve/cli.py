@@ -167,6 +167,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
                    help="requests waiting for their first token before new ones get 429")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
+    s.add_argument("--ignore-unknown-fields", action="store_true",
+                   help="log and drop request fields neither OpenAI nor vLLM defines, as vLLM does; without it "
+                        "they are a 400 naming the field, as OpenAI answers (a misspelt field never runs silently)")
     s.add_argument("--data-dir", default=None,
                    help="directory of the Batch API's SQLite store (files, batches, results); "
                         "omitted: /v1/files and /v1/batches are disabled")
@@ -364,7 +367,8 @@ def run_serve(args: argparse.Namespace) -> int:
                               enable_force_include_usage=args.enable_force_include_usage,
                               enable_request_id_headers=args.enable_request_id_headers,
                               enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                              enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                              enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                              ignore_unknown_fields=args.ignore_unknown_fields)
     from fluidserve.serve.batches import BatchConfig
     from fluidserve.serve.store import StoreError
 

@@ -9,9 +9,12 @@ here so a bad value is a 400 naming its parameter before the engine sees it.
 No request field is silently dropped. Every field OpenAI or vLLM defines for
 the two generation endpoints is either a model field here (implemented) or in
 a ``_REFUSED`` table: sent with anything but its "off" value it is a 400 whose
-``param`` names it. A key neither knows is logged as a warning and ignored,
-as vLLM does: an SDK newer than the server sends fields it has never heard
-of (OpenAI's own API refuses them instead).
+``param`` names it. A key neither knows is a 400 naming it too, as OpenAI's
+own API answers ("Unrecognized request argument"): a misspelt ``max_token``
+or ``temprature`` must not run with the default it meant to change. A server
+started with ``--ignore-unknown-fields`` (validation context
+``IGNORE_UNKNOWN_FIELDS``) logs such keys and drops them instead, as vLLM
+does, for clients that send fields of their own.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pydantic import (
     Field,
     StrictInt,
     StrictStr,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -42,9 +46,14 @@ MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 
 logger = logging.getLogger("fluidserve.serve")
 
+# Validation-context key: true drops unknown request keys with a warning
+# instead of refusing them (``--ignore-unknown-fields``).
+IGNORE_UNKNOWN_FIELDS = "ignore_unknown_fields"
+
 
 class _Wire(BaseModel):
-    # Unknown fields are logged and ignored, as vLLM does (see the module docstring).
+    # Response bodies, and request parts echoed from one (a tool call's
+    # history): keys of a newer API are dropped there, nothing acts on them.
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
@@ -112,12 +121,16 @@ _REFUSED_CHAT: dict[str, Callable[[Any], bool]] = {
     "verbosity": _off(),
     "chat_template": _off(),
     "documents": _off(),
+    "moderation": _off(),
+    "prompt_cache_options": _off(),
+    "prompt_cache_retention": _off("in_memory"),  # what the prefix cache is; 24h is not kept
 }
 _REFUSED_MESSAGE: dict[str, Callable[[Any], bool]] = {
     "function_call": _off(),
     "audio": _off(),
     "refusal": _off(),
     "reasoning_content": _off(),
+    "annotations": _off(),  # on a reply echoed back as history
 }
 _REFUSED_STREAM_OPTIONS: dict[str, Callable[[Any], bool]] = {"include_obfuscation": _off(False)}
 _REFUSED_STRUCTURED: dict[str, Callable[[Any], bool]] = {
@@ -132,14 +145,15 @@ _REFUSED_STRUCTURED: dict[str, Callable[[Any], bool]] = {
 
 class _Request(BaseModel):
     """A request body: known-but-unimplemented fields are refused by name,
-    unknown ones logged and dropped (see the module docstring)."""
+    and so are unknown ones unless the context says to drop them (see the
+    module docstring)."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
     _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = {}
 
     @model_validator(mode="before")
     @classmethod
-    def _screen_fields(cls, data: Any) -> Any:
+    def _screen_fields(cls, data: Any, info: ValidationInfo) -> Any:
         if not isinstance(data, dict):
             return data
         known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
@@ -149,11 +163,14 @@ class _Request(BaseModel):
                 continue
             harmless = cls._REFUSED.get(key)
             if harmless is None:
-                unknown.append(key)
+                unknown.append(str(key))
             elif not harmless(value):
                 raise ValueError(f"{key}: is not supported by this server")
         if unknown:
-            logger.warning("%s: ignoring unknown field(s) %s", cls.__name__, ", ".join(map(repr, unknown[:16])))
+            named = ", ".join(repr(k[:64]) for k in unknown[:16]) + (", ..." if len(unknown) > 16 else "")
+            if not (info.context or {}).get(IGNORE_UNKNOWN_FIELDS):
+                raise ValueError(f"{unknown[0][:64]}: unrecognized request argument(s) supplied: {named}")
+            logger.warning("%s: ignoring unknown field(s) %s", cls.__name__, named)
         return data
 
 
@@ -599,9 +616,10 @@ class TokenizeRequest:
     """Either form of /tokenize, told apart by ``messages`` (as vLLM does)."""
 
     @staticmethod
-    def model_validate(data: dict) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    def model_validate(data: dict, context: dict[str, Any] | None = None,
+                       ) -> TokenizeCompletionRequest | TokenizeChatRequest:
         cls = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
-        return cls.model_validate(data)
+        return cls.model_validate(data, context=context)
 
 
 class DetokenizeRequest(_Request):

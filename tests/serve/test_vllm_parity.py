@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 
 import httpx
@@ -36,7 +37,7 @@ THINKING_TEMPLATE = (CHAT_TEMPLATE
                      + "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
 FLAGS = ServerSettings(return_tokens_as_token_ids=True, enable_force_include_usage=True,
                        enable_request_id_headers=True, enable_prompt_tokens_details=True,
-                       enable_tokenizer_info_endpoint=True)
+                       enable_tokenizer_info_endpoint=True, ignore_unknown_fields=True)
 VOCAB = 261  # the tiny model's byte tokenizer: 256 bytes and 5 specials
 
 
@@ -307,6 +308,23 @@ def test_force_include_usage(server, flagged):
         assert "usage" not in sse(server, path, {**base, "stream": True})[-1]
 
 
+def test_unknown_fields_dropped_behind_the_flag(server, flagged, caplog):
+    # vLLM's way, for clients that send keys of their own; without the flag a 400 names the key.
+    stamped = [{**MSGS[0], "timestamp": 1}]
+    for path, base, extra in ((C, BASE, {}), (CHAT, CHAT_BASE, {"messages": stamped})):
+        body = {**base, "frobnicate": 1, **extra}
+        with caplog.at_level(logging.WARNING, logger="fluidserve.serve"):
+            dropped = ok(flagged, path, body)
+        logged = " ".join(r.getMessage() for r in caplog.records)
+        assert "frobnicate" in logged and ("timestamp" in logged or not extra)
+        plain = ok(flagged, path, base)
+        assert dropped["choices"] == plain["choices"]
+        assert dropped["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+        refused = post(server, path, body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "frobnicate"
+        caplog.clear()
+
+
 def test_request_id_headers(server, flagged):
     resp = post(flagged, C, BASE, headers={"X-Request-Id": "abc-123"})
     assert resp.headers["x-request-id"] == "abc-123" and resp.json()["id"] == "cmpl-abc-123"
@@ -370,7 +388,7 @@ def test_server_flags_on_the_command_line(tiny_model, tmp_path):
     args = [tiny_model("llama"), "--max-model-len", "256", "--num-kv-blocks", "64", "--device", "cpu",
             "--swap-space", "0", "--return-tokens-as-token-ids", "--enable-force-include-usage",
             "--enable-request-id-headers", "--enable-prompt-tokens-details", "--max-logprobs", "5",
-            "--enable-tokenizer-info-endpoint"]
+            "--enable-tokenizer-info-endpoint", "--ignore-unknown-fields"]
     proc = start_subprocess_server(args, port, tmp_path / "server.log")
     base = f"http://127.0.0.1:{port}"
     try:
@@ -385,6 +403,7 @@ def test_server_flags_on_the_command_line(tiny_model, tmp_path):
         capped = httpx.post(f"{base}{C}", json={**BASE, "logprobs": 6}, timeout=60).json()["error"]
         assert capped["message"].endswith("max allowed: 5") and capped["param"] == "logprobs"
         assert httpx.get(f"{base}/tokenizer_info", timeout=10).json()["tokenizer_class"]
+        assert httpx.post(f"{base}{C}", json={**BASE, "frobnicate": 1}, timeout=60).status_code == 200
     finally:
         proc.terminate()
         proc.wait(timeout=60)
