@@ -54,9 +54,11 @@ import random
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -664,7 +666,8 @@ def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...],
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    elem = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
+    elem = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+            torch.int64: "i64"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -802,8 +805,73 @@ def gemv_compile_report() -> list[dict]:
     return rows
 
 
+def _launches_of(call: Callable[[], Any]) -> list[tuple[Any, dict, dict, dict]]:
+    """The Triton launches ``call`` makes through ``Relaunch``, recorded
+    instead of run (CPU tensors, no GPU): each as (kernel, runtime arguments
+    by name, constexprs with their defaults filled in, launch options), the
+    arguments the wrapper computes for a real launch."""
+    from fluidserve.kernels.launch import Relaunch
+
+    seen = []
+
+    def record(self: Relaunch, grid: Any, args: tuple, kwargs: dict) -> None:
+        params = self.fn.params
+        runtime = [p.name for p in params if not p.is_constexpr]
+        constexprs = {p.name: kwargs.get(p.name, p.default) for p in params if p.is_constexpr}
+        options = {"num_warps": 4, **{k: v for k, v in kwargs.items() if k not in constexprs}}  # Triton's default
+        seen.append((self.fn, dict(zip(runtime, args, strict=True)), constexprs, options))
+
+    real, Relaunch.launch = Relaunch.launch, record
+    try:
+        call()
+    finally:
+        Relaunch.launch = real
+    return seen
+
+
+def row_compile_report() -> list[dict]:
+    """The eager layer's other Triton kernels (RMSNorm with and without the
+    residual add, SiLU-mul, rope with the KV write, the cache write, the
+    swap's block copies), compiled for sm_90 with the arguments their
+    wrappers pass at a Llama-3-8B decode token (bf16, 32 query and 8 KV
+    heads of 128, hidden 4096, intermediate 14336, 16-token blocks). None
+    of them needs a GPU to compile, so a kernel that will not build under a
+    Triton is caught here, before a GPU run."""
+    from fluidserve.kernels import activation, cache_ops, fused_norm, rope_cache
+
+    bf16 = torch.bfloat16
+    x, residual = torch.empty((1, 4096), dtype=bf16), torch.empty((1, 4096), dtype=bf16)
+    weight = torch.empty(4096, dtype=bf16)
+    qkv = torch.empty((1, 6144), dtype=bf16)  # the fused QKV projection's output, split by views as the layer does
+    q, k, v = qkv[:, :4096].view(1, 32, 128), qkv[:, 4096:5120].view(1, 8, 128), qkv[:, 5120:].view(1, 8, 128)
+    cos, sin = torch.empty((1, 128), dtype=bf16), torch.empty((1, 128), dtype=bf16)
+    key_cache, value_cache = (torch.empty((64, 16, 8, 128), dtype=bf16) for _ in range(2))
+    slots, ids = torch.zeros(1, dtype=torch.int64), torch.arange(4, dtype=torch.int64)
+    cases = [
+        ("rms_norm", "residual add + RMSNorm", lambda: fused_norm.rms_norm(x, weight, 1e-5, residual)),
+        ("rms_norm", "RMSNorm", lambda: fused_norm.rms_norm(x, weight, 1e-5)),
+        ("silu_and_mul", "[1, 2 x 14336]", lambda: activation.silu_and_mul(torch.empty((1, 28672), dtype=bf16))),
+        ("rope_and_cache", "q, k rotated, k and v cached",
+         lambda: rope_cache.rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slots)),
+        ("reshape_and_cache", "k and v cached",
+         lambda: cache_ops.reshape_and_cache(k, v, key_cache, value_cache, slots)),
+        ("copy_blocks", "gather (swap out)", lambda: cache_ops.gather_blocks(key_cache, ids)),
+        ("copy_blocks", "scatter (swap in)",
+         lambda: cache_ops.scatter_blocks(torch.empty((4, 16, 8, 128), dtype=bf16), key_cache, ids)),
+    ]
+    rows = []
+    for kernel, variant, call in cases:
+        (fn, args, constexprs, options), = _launches_of(call)
+        res = _compile_offline(fn, args, constexprs, (), options)
+        res.update(kernel=kernel, variant=variant)
+        rows.append(res)
+        print(f"{kernel} {variant:30s} warps={res['num_warps']} regs={res['registers']} "
+              f"stack={res['stack_bytes']} local={res['local_bytes']} ({res['compile_s']:.1f} s)")
+    return rows
+
+
 def compile_markdown(rows: list[dict], triton_version: str) -> str:
-    lines = ["# Attention and GEMV variants compiled for sm_90, no GPU", "",
+    lines = ["# Triton kernels compiled for sm_90, no GPU", "",
              f"Triton {triton_version}; registers, stack and local memory from the cubin (cuobjdump), occupancy "
              "from paged_attention.occupancy with an H100 SM's limits (64K registers, 2048 threads, 228 KiB "
              "shared). Stack bytes are registers spilled to memory. Spills per key-loop iteration: the "
@@ -842,6 +910,15 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
                   "|---|---:|---:|---:|---:|"]  # fmt: skip
         lines += [f"| {r['variant']} | {r['registers']} | {r['shared_bytes']} | {r['stack_bytes']} | "
                   f"{r['local_bytes']} |" for r in gemvs]  # fmt: skip
+    others = [r for r in rows if r.get("kernel") not in (None, "attention", "gemv")]
+    if others:
+        lines += ["", "## The layer's other kernels, at a Llama-3-8B decode token (bf16)", "",
+                  "Each compiled with the arguments its wrapper passes (kernels/fused_norm.py, activation.py, "
+                  "rope_cache.py, cache_ops.py).", "",
+                  "| kernel | launch | warps | registers | shared B | stack B | local B |",
+                  "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {r['kernel']} | {r['variant']} | {r['num_warps']} | {r['registers']} | {r['shared_bytes']} | "
+                  f"{r['stack_bytes']} | {r['local_bytes']} |" for r in others]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -853,7 +930,7 @@ def compile_main(args: argparse.Namespace) -> int:
         return 1
     import triton
 
-    rows = compile_report(args.num_kv_heads, args.block_size) + gemv_compile_report()
+    rows = compile_report(args.num_kv_heads, args.block_size) + gemv_compile_report() + row_compile_report()
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"kernels_compile_sm90{args.tag}"  # the tag may hold a dot: no with_suffix
     Path(f"{stem}.json").write_text(json.dumps(dict(triton=triton.__version__, variants=rows), indent=2))

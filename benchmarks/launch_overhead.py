@@ -6,7 +6,10 @@ the engine wraps up to the launcher, with Triton's driver stood in for by
 one that returns device 0 and stream 0 and a kept kernel whose launcher
 returns at once: what is timed is the Python each path runs before the
 launcher, which is the part relaunching removes (the launcher itself and
-the device are the same on both paths). Arguments are of each kernel's
+the device are the same on both paths). The relaunch includes
+``Relaunch.launch``'s test for a launch hook, which decides the path on a
+GPU (Triton 3.5 on keeps an empty hook chain there, never None: a test for
+None sent every launch down the JIT path). Arguments are of each kernel's
 arity and kinds (tensors for pointers, ints, floats), not a real step's.
 
 ``--device cuda`` times real launches of three of the engine's kernels
@@ -23,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -115,10 +119,18 @@ def bench_cpu(calls: int, repeats: int) -> list[dict]:
             relaunch.relaunch(grid, args, kwargs)  # the miss: through Triton, which returns the kept kernel
             jit(*args, **kwargs)
             assert relaunch.cached() == 1 and len(kernel_cache) == 1  # both paths hit from here on
+            # Relaunch.launch's choice, less its device test (these tensors are on the CPU): a launch
+            # hook Triton reports as set sends the call down Triton's path, as on a GPU.
+            if launch.launch_hooks_set():
+                raise SystemExit("a Triton launch hook is set: every launch would take Triton's path")
+
+            def relaunched() -> Any:
+                return jit(*args, **kwargs) if launch.launch_hooks_set() else relaunch.relaunch(grid, args, kwargs)
+
             jit_us, re_us = [], []
             for _ in range(repeats):  # alternate the two paths
                 jit_us.append(_per_call_us(lambda: jit(*args, **kwargs), calls, 1))
-                re_us.append(_per_call_us(lambda: relaunch.relaunch(grid, args, kwargs), calls, 1))
+                re_us.append(_per_call_us(relaunched, calls, 1))
             rows.append({"kernel": name, "runtime_args": len(args), "constexprs": len(kwargs) - 1,
                          "jit_us": statistics.median(jit_us), "relaunch_us": statistics.median(re_us)})  # fmt: skip
     return rows

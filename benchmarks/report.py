@@ -965,7 +965,7 @@ def plan_host_time(stem: str) -> tuple[list[str], list[str]]:
 
 def kernels_compile(stem: str) -> tuple[list[str], list[str]]:
     d = load(stem)
-    out = [f"The Triton attention variants compiled for sm_90 without a GPU (Triton {d['triton']}): registers, "
+    out = [f"The Triton kernels compiled for sm_90 without a GPU (Triton {d['triton']}): registers, "
            "spills (stack bytes) and local memory from the cubin, occupancy from an H100 SM's limits; the timings "
            "on a GPU are in [On a GPU](#on-a-gpu).", ""]
     out += [f"- `benchmarks/results/{stem}.json`", ""]
@@ -987,6 +987,13 @@ def kernels_compile(stem: str) -> tuple[list[str], list[str]]:
         out += table(["launch shape", "registers", "shared bytes", "stack bytes", "local bytes"],
                      [[v["variant"], v["registers"], v["shared_bytes"], v["stack_bytes"], v["local_bytes"]]
                       for v in gemv], "lrrrr")
+    others = [v for v in d["variants"] if v.get("kernel") not in (None, "attention", "gemv")]
+    if others:
+        out += ["The layer's other kernels with the arguments their wrappers pass at a Llama-3-8B decode token "
+                "(bf16): RMSNorm, SiLU-mul, rope with the KV write, the cache write, the swap's block copies.", ""]
+        out += table(["kernel", "launch", "warps", "registers", "shared bytes", "stack bytes", "local bytes"],
+                     [[v["kernel"], v["variant"], v["num_warps"], v["registers"], v["shared_bytes"],
+                       v["stack_bytes"], v["local_bytes"]] for v in others], "llrrrrr")
     return out, []
 
 

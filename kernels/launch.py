@@ -70,6 +70,20 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _hook_set(hook: Any) -> bool:
+    # Triton 3.5 on holds each launch hook in a HookChain, never None: an
+    # empty chain is no hook (the launcher would call it and it would call
+    # nothing). Earlier, a hook is a plain callable or None.
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def launch_hooks_set() -> bool:
+    """Whether a launch hook (a profiler's, Proton's) is set: then every
+    launch must go through Triton, for the hook to see it."""
+    runtime = _knobs.runtime
+    return _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
+
+
 def set_enabled(on: bool) -> bool:
     """Turn relaunching on or off for this process; returns the old setting."""
     global _enabled
@@ -175,8 +189,7 @@ class Relaunch:
     def launch(self, grid: Sequence[int], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         first = args[0] if args else None
         if (not _SUPPORTED or not isinstance(first, torch.Tensor) or first.device.type != "cuda"
-                or _knobs.runtime.launch_enter_hook is not None
-                or _knobs.runtime.launch_exit_hook is not None):  # fmt: skip
+                or launch_hooks_set()):  # fmt: skip
             return self.fn[grid](*args, **kwargs)
         return self.relaunch(grid, args, kwargs)
 

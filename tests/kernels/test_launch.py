@@ -148,6 +148,28 @@ def test_a_relaunch_is_captured_by_a_cuda_graph():
     assert torch.equal(out, _gemv_call(gemv._gemv_kernel, x, w))
 
 
+def test_no_launch_hook_is_set_by_default_and_one_set_is_seen():
+    # Triton 3.5 on keeps each hook in a HookChain that is never None: an
+    # "is not None" test sent every launch down Triton's path.
+    runtime = triton.knobs.runtime
+    assert not launch.launch_hooks_set(), (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        chain = getattr(runtime, name)
+        if hasattr(chain, "add"):
+            chain.add(print)
+            try:
+                assert launch.launch_hooks_set(), name
+            finally:
+                chain.remove(print)
+            assert not launch.launch_hooks_set()
+        setattr(runtime, name, print)  # a plain callable, as Triton before 3.5 held it
+        try:
+            assert launch.launch_hooks_set(), name
+        finally:
+            setattr(runtime, name, chain)
+    assert not launch.launch_hooks_set()
+
+
 @needs_cuda
 def test_a_launch_hook_or_the_switch_sends_calls_through_triton():
     """A profiler's launch hook sees every launch: relaunching steps aside."""
@@ -155,12 +177,14 @@ def test_a_launch_hook_or_the_switch_sends_calls_through_triton():
     x = torch.randn(1, 128, device="cuda")
     relaunch = Relaunch(gemv._gemv_kernel)
     _gemv_call(relaunch, x, w)
+    assert relaunch.cached() == 1
     seen = []
+    chain = triton.knobs.runtime.launch_enter_hook
     triton.knobs.runtime.launch_enter_hook = seen.append
     try:
         _gemv_call(relaunch, x, w)
     finally:
-        triton.knobs.runtime.launch_enter_hook = None
+        triton.knobs.runtime.launch_enter_hook = chain
     assert len(seen) == 1
     was_on = launch.set_enabled(False)
     try:
