@@ -902,24 +902,29 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
                   for r in tuned]
     gemvs = [r for r in rows if r.get("kernel") == "gemv"]
     if gemvs:
-        lines += ["", "## Batch-1 GEMV (kernels/gemv.py), bf16, with what it fuses (residual, RMSNorm, SiLU-mul)", "",
-                  "BLOCK_N x BLOCK_K / warps (gated: BLOCK_N rows of the gate half and as many of the up "
-                  "half). Stack and local bytes are spills: a shape that spills reads its "
-                  "accumulator back from memory on every step.", "",
-                  "| launch shape | registers | shared B | stack B | local B |",
-                  "|---|---:|---:|---:|---:|"]  # fmt: skip
-        lines += [f"| {r['variant']} | {r['registers']} | {r['shared_bytes']} | {r['stack_bytes']} | "
-                  f"{r['local_bytes']} |" for r in gemvs]  # fmt: skip
+        lines += _resource_section(
+            "Batch-1 GEMV (kernels/gemv.py), bf16, with what it fuses (residual, RMSNorm, SiLU-mul)",
+            "BLOCK_N x BLOCK_K / warps (gated: BLOCK_N rows of the gate half and as many of the up half). Stack and "
+            "local bytes are spills: a shape that spills reads its accumulator back from memory on every step.",
+            {"launch shape": "variant"}, gemvs)
     others = [r for r in rows if r.get("kernel") not in (None, "attention", "gemv")]
     if others:
-        lines += ["", "## The layer's other kernels, at a Llama-3-8B decode token (bf16)", "",
-                  "Each compiled with the arguments its wrapper passes (kernels/fused_norm.py, activation.py, "
-                  "rope_cache.py, cache_ops.py).", "",
-                  "| kernel | launch | warps | registers | shared B | stack B | local B |",
-                  "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-        lines += [f"| {r['kernel']} | {r['variant']} | {r['num_warps']} | {r['registers']} | {r['shared_bytes']} | "
-                  f"{r['stack_bytes']} | {r['local_bytes']} |" for r in others]  # fmt: skip
+        lines += _resource_section(
+            "The layer's other kernels, at a Llama-3-8B decode token (bf16)",
+            "Each compiled with the arguments its wrapper passes (kernels/fused_norm.py, activation.py, "
+            "rope_cache.py, cache_ops.py).",
+            {"kernel": "kernel", "launch": "variant", "warps": "num_warps"}, others)
     return "\n".join(lines) + "\n"
+
+
+def _resource_section(title: str, intro: str, named: dict[str, str], rows: list[dict]) -> list[str]:
+    """A markdown section: the ``named`` columns (header -> row key), then
+    each kernel's registers, shared memory and spills."""
+    columns = {**named, "registers": "registers", "shared B": "shared_bytes", "stack B": "stack_bytes",
+               "local B": "local_bytes"}
+    align = ["---" if key in ("kernel", "variant") else "---:" for key in columns.values()]
+    return ["", f"## {title}", "", intro, "", "| " + " | ".join(columns) + " |", "|" + "|".join(align) + "|",
+            *("| " + " | ".join(str(r[key]) for key in columns.values()) + " |" for r in rows)]
 
 
 def compile_main(args: argparse.Namespace) -> int:
