@@ -25,11 +25,14 @@ assumptions its arguments break. Triton's process-wide compile knobs
 Off the fast path (Triton's interpreter, CPU tensors, a launch hook such
 as a profiler's, a Triton older than 3.4, ROCm, runtime
 arguments passed by name, or ``FLUIDSERVE_TRITON_RELAUNCH=0``) a call is
-Triton's own ``kernel[grid](...)``.
+Triton's own ``kernel[grid](...)``. A launcher that refuses a relaunch's
+arguments (a Triton whose launcher changed) turns relaunching off for the
+process, with a warning, and that call goes through Triton.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from operator import itemgetter
@@ -39,6 +42,8 @@ import torch
 import triton
 
 RELAUNCH_ENV = "FLUIDSERVE_TRITON_RELAUNCH"
+
+logger = logging.getLogger("fluidserve.kernels")
 
 # Read once: the switch is for comparing the two paths (benchmarks set it
 # through ``set_enabled``), not for flipping per request.
@@ -219,9 +224,19 @@ class Relaunch:
         compiled, tail = entry
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        # The JIT path's call, less its launch metadata and hooks (None: no hook is set).
-        compiled.run(grid[0], g1, g2, self._stream(key[0]), compiled.function, compiled.packed_metadata, None,
-                     None, None, *args, *tail)  # fmt: skip
+        try:
+            # The JIT path's call, less its launch metadata and hooks (None: no hook is set).
+            compiled.run(grid[0], g1, g2, self._stream(key[0]), compiled.function, compiled.packed_metadata, None,
+                         None, None, *args, *tail)  # fmt: skip
+        except TypeError as exc:
+            # The launcher parses its arguments before it launches anything:
+            # a TypeError is a Triton whose launcher takes other arguments
+            # than these. Triton's own path still launches; relaunching stops.
+            set_enabled(False)
+            name = getattr(self.fn, "__name__", self.fn)
+            logger.warning("relaunching Triton kernels is off for this process: %s's launcher refused the "
+                           "relaunch (%s); every launch takes Triton's path", name, exc)
+            return self.fn[grid](*args, **kwargs)
         return compiled
 
     def cached(self) -> int:

@@ -193,3 +193,53 @@ def test_a_launch_hook_or_the_switch_sends_calls_through_triton():
         assert fresh.cached() == 0
     finally:
         launch.set_enabled(was_on)
+
+
+class _Param:
+    def __init__(self, name: str, is_constexpr: bool = False) -> None:
+        self.name, self.is_constexpr, self.default = name, is_constexpr, None
+
+
+class _Compiled:
+    """A kept kernel whose launcher takes other arguments than a relaunch passes."""
+
+    function, packed_metadata = 0, ()
+
+    def run(self, *args):
+        raise TypeError("function takes exactly 12 arguments")
+
+
+class _Kernel:
+    """Stands in for a JIT kernel: records Triton's-path launches."""
+
+    __name__ = "_kernel"
+    params = [_Param("x_ptr"), _Param("n"), _Param("BLOCK", True)]
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches += 1
+            return _Compiled()
+
+        return launch
+
+
+def test_a_launcher_that_refuses_a_relaunch_turns_relaunching_off(caplog):
+    # A Triton whose launcher wants other arguments must cost the process the fast path, not its launches.
+    kernel = _Kernel()
+    relaunch = Relaunch(kernel)
+    relaunch._device, relaunch._stream = (lambda: 0), (lambda device: 0)
+    args, kwargs = (torch.zeros(4), 3), {"BLOCK": 16}
+    was_on = launch.set_enabled(True)
+    try:
+        relaunch.relaunch((1,), args, kwargs)  # the miss: Triton's path, whose kernel is kept
+        assert (kernel.launches, relaunch.cached()) == (1, 1)
+        with caplog.at_level("WARNING", logger="fluidserve.kernels"):
+            relaunch.relaunch((1,), args, kwargs)
+        assert kernel.launches == 2, "the refused relaunch must still launch, through Triton"
+        assert not launch._enabled and "refused the relaunch" in caplog.text
+        assert relaunch.key(args, kwargs) is None  # from here on every call takes Triton's path
+    finally:
+        launch.set_enabled(was_on)
