@@ -337,8 +337,11 @@ class CpuShare:
         if fewer:
             self._probe_at = now + self._hold_s
         ratios = trial.ratios()
-        self._change(threads, why=f"a trial of {len(trial.steps)} steps (fewer threads' time over more's: median "
-                                  f"{statistics.median(ratios) if ratios else float('nan'):.2f})")
+        why = (f"a trial of {len(trial.steps)} steps (fewer threads' time over more's: median "
+               f"{statistics.median(ratios) if ratios else float('nan'):.2f})")
+        if threads == self.held:  # a lost trial is logged too: the waits it judged were not worth a thread
+            log.debug("%s: %d of %d threads stay", why, threads, self.ceiling)
+        self._change(threads, why=why)
 
     def _change(self, threads: int, why: str) -> None:
         """The count now holds: averages and the settling start again."""

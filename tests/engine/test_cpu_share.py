@@ -7,7 +7,9 @@ leaves or a probe's trial finds the larger team faster."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -304,10 +306,16 @@ def test_a_thread_that_waits_for_a_core_is_counted():
 
 
 @linux_proc
-def test_a_real_neighbour_takes_a_thread_from_the_engine():
+def test_a_real_neighbour_takes_a_thread_from_the_engine(caplog):
     """A tiny model's engine with --yield-busy-cores, stepped beside a
-    process spinning on each core: its steps compute on fewer threads, the
-    tokens stay the greedy ones, and the count is in its stats."""
+    process spinning on each core: its threads' real waits begin a trial,
+    the trial's steps on both counts give the greedy tokens, and the count
+    the trial measured faster is the one it steps on, in its stats.
+
+    Which count is faster is the machine's to say (here, beside a spinner,
+    one thread's steps take 0.2-0.6 of two's); the engine must follow what
+    its trials measured, and on a machine where one of them found one
+    thread faster it must have dropped it."""
     threads = torch.get_num_threads()
     cpus = len(os.sched_getaffinity(0))
     spinners = cpus  # every core shared: the team waits whether its idle threads spin or sleep
@@ -315,23 +323,36 @@ def test_a_real_neighbour_takes_a_thread_from_the_engine():
         pytest.skip(f"{threads} torch threads on {cpus} CPUs")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = LLM(None, device="cpu", yield_busy_cores=True, seed=0)
+    share = llm.engine._cpu_share
     try:
         alone = llm.generate("a quiet machine", params)[0].outputs[0].token_ids
         assert llm.engine.stats().cpu_threads == threads
         procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
+        besides = []
         try:
-            deadline = time.monotonic() + 40 * WINDOW_S  # the load is averaged over windows: a few steps
-            while llm.engine.stats().cpu_threads == threads and time.monotonic() < deadline:
-                beside = llm.generate("a quiet machine", params)[0].outputs[0].token_ids
-                time.sleep(WINDOW_S / 2)
-            assert llm.engine.stats().cpu_threads < threads
-            beside = llm.generate("a quiet machine", params)[0].outputs[0].token_ids
+            with caplog.at_level(logging.DEBUG, logger="fluidserve.engine.cpu_share"):
+                # The load is averaged over windows; a trial the larger team
+                # wins (a burst of noise) holds the next back 2 s, then 4 s.
+                deadline = time.monotonic() + 100 * WINDOW_S
+                while llm.engine.stats().cpu_threads == threads and time.monotonic() < deadline:
+                    besides.append(llm.generate("a quiet machine", params)[0].outputs[0].token_ids)
+                    time.sleep(WINDOW_S / 2)
+                besides.append(llm.generate("a quiet machine", params)[0].outputs[0].token_ids)
         finally:
             for p in procs:
                 p.kill()
                 p.wait()
-        assert llm.engine.stats().num_cpu_thread_changes >= 1
-        assert beside == alone
+        stats = llm.engine.stats()
+        medians = [float(m) for m in re.findall(r"median ([0-9.]+)\)", caplog.text)]
+        seen = (f"waiting {share.waiting:.2f} cores' worth, others busy {share.others_busy:.2f}; "
+                f"{stats.num_cpu_thread_trials} trials, medians {medians}")
+        assert stats.num_cpu_thread_trials >= 1, f"the waits began no trial: {seen}"
+        assert len(medians) >= 1, f"no trial ended: {seen}"
+        if any(m <= FEWER_WINS for m in medians):
+            assert stats.num_cpu_thread_changes >= 1 and stats.cpu_threads < threads, seen
+        else:  # every trial found the larger team as fast: it keeps its threads
+            assert stats.num_cpu_thread_changes == 0 and stats.cpu_threads == threads, seen
+        assert all(tokens == alone for tokens in besides)  # each step's count, a trial's alternation too
     finally:
         torch.set_num_threads(threads)
 
