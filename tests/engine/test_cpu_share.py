@@ -305,6 +305,12 @@ def test_a_thread_that_waits_for_a_core_is_counted():
     assert waited[0] > 0.2
 
 
+def trial_medians(log_text: str) -> list[float]:
+    """Each ended trial's median of fewer threads' step time over more's, as
+    CpuShare logs it (a trial with no like steps has none)."""
+    return [float(m) for m in re.findall(r"median ([0-9.]+)\)", log_text)]
+
+
 @linux_proc
 def test_a_real_neighbour_takes_a_thread_from_the_engine(caplog):
     """A tiny model's engine with --yield-busy-cores, stepped beside a
@@ -343,7 +349,7 @@ def test_a_real_neighbour_takes_a_thread_from_the_engine(caplog):
                 p.kill()
                 p.wait()
         stats = llm.engine.stats()
-        medians = [float(m) for m in re.findall(r"median ([0-9.]+)\)", caplog.text)]
+        medians = trial_medians(caplog.text)
         seen = (f"waiting {share.waiting:.2f} cores' worth, others busy {share.others_busy:.2f}; "
                 f"{stats.num_cpu_thread_trials} trials, medians {medians}")
         assert stats.num_cpu_thread_trials >= 1, f"the waits began no trial: {seen}"
@@ -358,11 +364,14 @@ def test_a_real_neighbour_takes_a_thread_from_the_engine(caplog):
 
 
 @linux_proc
-def test_an_idle_server_engine_keeps_the_smaller_team_and_grows_back_when_the_neighbour_leaves():
+def test_an_idle_server_engine_keeps_the_smaller_team_and_grows_back_when_the_neighbour_leaves(caplog):
     """The server's loop looks at the cores while no request runs too: a
     team made smaller by a neighbour stays so while idle beside it (no
     probe without steps), and grows back once the neighbour leaves, before
-    the next request's first step."""
+    the next request's first step. It needs a trial that found one thread
+    faster: where every trial beside the spinners found two as fast, there
+    is no smaller team to watch (the real-neighbour test checks that the
+    engine kept its threads then)."""
     threads = torch.get_num_threads()
     cpus = len(os.sched_getaffinity(0))
     spinners = cpus  # every core shared: the team waits whether its idle threads spin or sleep
@@ -402,8 +411,12 @@ def test_an_idle_server_engine_keeps_the_smaller_team_and_grows_back_when_the_ne
             await front.shutdown()
 
     try:
-        busy, idle_beside, quiet = asyncio.run(watch())
-        assert 1 <= busy < threads and idle_beside == busy and quiet == threads
+        with caplog.at_level(logging.DEBUG, logger="fluidserve.engine.cpu_share"):
+            busy, idle_beside, quiet = asyncio.run(watch())
+        medians = trial_medians(caplog.text)
+        if busy == threads and medians and min(medians) > FEWER_WINS:
+            pytest.skip(f"every trial beside the spinners found {threads} threads as fast as fewer: {medians}")
+        assert 1 <= busy < threads and idle_beside == busy and quiet == threads, medians
     finally:
         torch.set_num_threads(threads)
 
