@@ -329,6 +329,15 @@ class SloBudget:
                 hi = mid - 1
         if shape.online and lo < self.min_chunk_beside_online:
             return 0
+        if lo == 0 and not shape.online and shape.prefill_tokens == shape.decode_seqs == 0:
+            # The cap bounds how much an offline-only step carries, never
+            # whether it runs: an empty step changes none of the figures the
+            # cap is worked out from (no step time to learn from), so a cap
+            # no lone item fits -- a calibrated fit that puts a step's cost
+            # in its context can make one -- would hold the offline work
+            # back forever. The first item runs, as small as a chunk beside
+            # online work may be.
+            return min(n, self.min_chunk_beside_online)
         self._offline_beside |= shape.online and lo > 0
         return lo
 

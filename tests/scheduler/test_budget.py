@@ -470,3 +470,40 @@ def test_without_slos_the_slowdown_cap_keeps_online_steps_near_their_cost_alone(
     assert SloBudget(CM, 0.05, None, slowdown=cap).slowdown is None
     with pytest.raises(ValueError, match="above 1"):
         SloBudget(CM, None, None, slowdown=1.0)
+
+
+def test_an_offline_only_step_always_runs_something():
+    """The offline-only cap bounds how much a step carries, never whether
+    it runs: where not even one offline decode fits the cap or the floor
+    (a fit that puts a step's cost in its context, as a CPU's calibration
+    can), the step still takes the first one, or nothing would change the
+    budget's figures again and the offline work would wait forever."""
+    from fluidserve.scheduler.budget import SloBudget
+    from fluidserve.scheduler.cost_model import LinearCoefficients, LinearCostModel, StepShape
+    from fluidserve.scheduler.request_state import SeqState
+
+    context_bound = LinearCostModel(LinearCoefficients(base=2e-3, per_prefill_token=0.0, per_decode_seq=1e-4,
+                                                       per_context_token=1e-4, per_attn_pair=0.0))
+    budget = SloBudget(context_bound, None, None, interval_share=0.5, slowdown=1.2)
+    budget.note_online_arrival(20)
+    budget.begin_step()
+
+    def decode(rid: str) -> SeqState:
+        return SeqState(rid, 200, 64, 0.0, RequestClass.OFFLINE, num_output_tokens=1, num_computed_tokens=200)
+
+    lone = context_bound.decode_time(1, 201)
+    assert lone > budget.min_step_time() and lone * 0.5 > budget.offline_only_cap() * 0.5  # fits neither
+    shape = StepShape()
+    assert budget.offline_tokens(shape, decode("a"), 1) == 1  # the first runs
+    shape.add(decode("a"), 1)
+    assert budget.offline_tokens(shape, decode("b"), 1) == 0  # the cap still holds the rest back
+    prompt = SeqState("p", 4000, 8, 0.0, RequestClass.OFFLINE, num_computed_tokens=3000)
+    assert budget.offline_tokens(StepShape(), prompt, 1000) >= 1  # a chunk over a long context too
+
+    # Through the simulator: an online chat, then an offline backlog alone.
+    jobs = [Job("chat", 0.0, 20, 4)] + [Job(f"off{i}", 0.1, 200, 40, RequestClass.OFFLINE) for i in range(8)]
+    sim = Simulator(jobs, "skip-join-mlfq", context_bound,
+                    SimConfig.create(num_kv_blocks=4000, online_slowdown_cap=1.2, model_layers=2,
+                                     preemption_safepoint_layers=1))
+    res = sim.run()
+    assert all(r.finish_time is not None and r.num_emitted == r.output_tokens for r in res.records)
