@@ -244,7 +244,12 @@ class SloBudget:
         prefill; where measured first tokens have cut the cap
         (``ttft_scale``), that much shorter, down to twice the fixed cost
         (an SLO the user set outranks offline throughput)."""
-        floor = self.cost.prefill_time(self.min_step_tokens())
+        # At least the time whose fixed cost is that share: a fit in which
+        # prompt tokens cost nothing (the calibration of a tiny model's CPU
+        # steps gave base 7.2 ms, 68 us a decode, nothing per token) has no
+        # such prefill, and its longest one is only the fixed cost.
+        floor = max(self.cost.prefill_time(self.min_step_tokens()),
+                    self.cost.min_iteration_time() / self.overhead_share)
         if self.ttft_scale < 1.0:
             floor = max(2 * self.cost.min_iteration_time(), self.ttft_scale * floor)
         return floor

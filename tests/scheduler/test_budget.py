@@ -500,6 +500,18 @@ def test_an_offline_only_step_always_runs_something():
     prompt = SeqState("p", 4000, 8, 0.0, RequestClass.OFFLINE, num_computed_tokens=3000)
     assert budget.offline_tokens(StepShape(), prompt, 1000) >= 1  # a chunk over a long context too
 
+    # A fit with no cost per prompt token (the server's calibration of a tiny
+    # model's CPU steps gave one): no prefill reaches the floor's time, which
+    # is still the step whose fixed cost is the overhead share of it, so the
+    # decodes fill it.
+    flat = LinearCostModel(LinearCoefficients(base=7.2e-3, per_prefill_token=0.0, per_decode_seq=6.8e-5,
+                                              per_context_token=0.0, per_attn_pair=0.0))
+    budget = SloBudget(flat, None, None, interval_share=0.5, slowdown=1.2)
+    budget.note_online_arrival(20)
+    budget.begin_step()
+    assert budget.min_step_time() == pytest.approx(flat.min_iteration_time() / budget.overhead_share)
+    assert _fill_with_decodes(budget, 200)[1] > 100
+
     # Through the simulator: an online chat, then an offline backlog alone.
     jobs = [Job("chat", 0.0, 20, 4)] + [Job(f"off{i}", 0.1, 200, 40, RequestClass.OFFLINE) for i in range(8)]
     sim = Simulator(jobs, "skip-join-mlfq", context_bound,
