@@ -337,11 +337,8 @@ class CpuShare:
         if fewer:
             self._probe_at = now + self._hold_s
         ratios = trial.ratios()
-        why = (f"a trial of {len(trial.steps)} steps (fewer threads' time over more's: median "
-               f"{statistics.median(ratios) if ratios else float('nan'):.2f})")
-        if threads == self.held:  # a lost trial is logged too: the waits it judged were not worth a thread
-            log.debug("%s: %d of %d threads stay", why, threads, self.ceiling)
-        self._change(threads, why=why)
+        self._change(threads, why=f"a trial of {len(trial.steps)} steps (fewer threads' time over more's: median "
+                                  f"{statistics.median(ratios) if ratios else float('nan'):.2f})")
 
     def _change(self, threads: int, why: str) -> None:
         """The count now holds: averages and the settling start again."""
@@ -354,6 +351,8 @@ class CpuShare:
             self.held = threads
             self.changes += 1
             log.debug("%s: stepping on %d of %d threads", why, threads, self.ceiling)
+        else:  # a trial that kept the count is logged too, with its median
+            log.debug("%s: %d of %d threads stay", why, threads, self.ceiling)
 
     def _set(self, threads: int) -> None:
         self._set_threads(threads)
