@@ -29,6 +29,20 @@ def pytest_configure(config):
         problem = interpreter_incompatibility()
         if problem:
             raise pytest.UsageError(problem)
+        from triton_interpreter import install
+
+        config.stash[_INTERPRETER_PATCH] = install()
+
+
+_INTERPRETER_PATCH = pytest.StashKey[str | None]()
+
+
+def pytest_report_header(config):
+    if _INTERPRETER_PATCH in config.stash:
+        why = config.stash[_INTERPRETER_PATCH]
+        return "triton interpreter: " + ("patches the language once a launch" if why is None
+                                         else f"as shipped, patching it at every device-function call ({why})")
+    return None
 
 # arch -> config overrides; llama is GQA (4 query heads over 2 KV heads), opt is MHA.
 TINY_ARCHS = {

@@ -295,7 +295,8 @@ def test_swapping_benchmark_splits_the_mean_above_its_floor(tmp_path):
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "swapping.py"
     none = ["--slack-sweep", "", "--loan-sweep", "", "--starving-sweep", "", "--growth-sweep", "", "--guard-sweep",
             "", "--cache-sweep", "", "--gap-sweep", ""]
-    done = subprocess.run([sys.executable, str(script), "--quick", "--seeds", "0", "--workers", "1",
+    # Two workers: the suite runs one test at a time on CI's two cores.
+    done = subprocess.run([sys.executable, str(script), "--quick", "--seeds", "0", "--workers", "2",
                            "--out-dir", str(tmp_path), *none], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((tmp_path / "swapping_quick.json").read_text())["rows"]

@@ -1,0 +1,57 @@
+"""The test suite's patch of Triton's interpreter (tests/triton_interpreter.py):
+kernels that call other jit functions compute what they did, the language is
+patched once a launch, not once a call, and nothing stays patched after it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs Triton's interpreter")
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+
+@triton.jit
+def _scaled(x, scale):
+    return x * scale
+
+
+@triton.jit
+def _helpers_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    acc = tl.zeros([BLOCK], tl.float32)  # triton.language.standard: a jit function that sees tl.core
+    acc += _scaled(tl.load(x_ptr + offs, mask=ok, other=0.0), 3.0)  # one of this module's
+    acc = tl.maximum(acc, 0.0)
+    tl.store(y_ptr + offs, acc + tl.cdiv(n, BLOCK), mask=ok)
+
+
+def test_device_function_calls_patch_the_language_once_a_launch(monkeypatch):
+    from triton.runtime import interpreter
+
+    from triton_interpreter import install
+
+    why = install()
+    if why is not None:
+        pytest.skip(f"the patch is not installed on this Triton: {why}")
+    calls = []
+    monkeypatch.setattr(interpreter, "_patch_lang",
+                        lambda fn, f=interpreter._patch_lang: calls.append(fn.__name__) or f(fn))  # fmt: skip
+    x = torch.linspace(-2.0, 2.0, 100)
+    y = torch.empty_like(x)
+    programs = 100 // 8 + 1
+    _helpers_kernel[(programs,)](x, y, 100, BLOCK=8)
+    torch.testing.assert_close(y, torch.clamp(3.0 * x, min=0.0) + programs, rtol=0, atol=0)
+    # The launch's own patch, and tl.core's for triton.language.standard's
+    # zeros, in one program of thirteen; Triton patches at all 26 calls.
+    assert calls == ["_helpers_kernel", "zeros"]
+    # What the launch patched is restored (Triton leaves the inner calls' patches in place).
+    for fn in (tl.core.full, tl.full, tl.core.tensor.__add__, tl.maximum):
+        assert tl.core.is_builtin(fn), fn
+    calls.clear()
+    _helpers_kernel[(programs,)](x, y, 100, BLOCK=8)  # the next launch patches afresh
+    assert calls == ["_helpers_kernel", "zeros"]
