@@ -4,7 +4,7 @@ Under ``TRITON_INTERPRET=1`` every call of a ``@triton.jit`` function from
 inside a kernel (our helpers such as ``_dot`` and ``_attend_keys``, and
 ``tl.zeros``, ``tl.cdiv`` and the rest of ``triton.language.standard``)
 re-patches the language: ``inspect.getmembers`` over ``tl``, ``tl.tensor``
-and ``tl.math`` and a wrapper set on each builtin, about a millisecond a
+and ``tl.math`` and a wrapper set on each builtin, about 0.4 ms a
 call, in every program of the grid. The kernel's launch has already patched
 those modules and keeps them patched until it ends, so the scan finds nothing
 new; Triton also never restores what the inner calls patch.
@@ -14,10 +14,10 @@ language modules it has patched, and a device-function call patches only a
 module not yet patched in that launch (``tl.core``, which ``tl.standard``'s
 functions see but a kernel module usually does not), restoring it when the
 launch ends. The kernels run the same code on the same values; the engine
-lane's tests (tests/engine/test_gpu_path_on_cpu.py) take about 40% less time.
+lane's tests (tests/engine/test_gpu_path_on_cpu.py) take about a quarter less time.
 
 A Triton whose interpreter differs from the one this was written against
-(3.9: ``GridExecutor.__call__`` patches the kernel's language for the
+(3.6 and 3.9: ``GridExecutor.__call__`` patches the kernel's language for the
 launch, ``InterpretedFunction.__call__`` calls ``_patch_lang(self.fn)`` then
 ``self.rewrite()``) is left as it is, and ``install`` says why (pytest's
 header shows it).
