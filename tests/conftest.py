@@ -19,10 +19,15 @@ import pytest  # noqa: E402
 from fluidserve.engine.tiny_model import build_tiny_model  # noqa: E402
 
 
+# Why the suite's patch of Triton's interpreter is not in force (None: it is).
+_INTERPRETER_PATCH = pytest.StashKey[str | None]()
+
+
 def pytest_configure(config):
     """Stop at once, with the fix, where the interpreter cannot run the
     kernels beside this numpy (a hundred tests would otherwise fail with a
-    TypeError inside Triton)."""
+    TypeError inside Triton); else patch it to patch the language once a
+    launch (tests/triton_interpreter.py)."""
     if os.environ["TRITON_INTERPRET"] == "1":
         from fluidserve.kernels.ops import interpreter_incompatibility
 
@@ -34,15 +39,13 @@ def pytest_configure(config):
         config.stash[_INTERPRETER_PATCH] = install()
 
 
-_INTERPRETER_PATCH = pytest.StashKey[str | None]()
-
-
 def pytest_report_header(config):
     if _INTERPRETER_PATCH in config.stash:
         why = config.stash[_INTERPRETER_PATCH]
         return "triton interpreter: " + ("patches the language once a launch" if why is None
                                          else f"as shipped, patching it at every device-function call ({why})")
     return None
+
 
 # arch -> config overrides; llama is GQA (4 query heads over 2 KV heads), opt is MHA.
 TINY_ARCHS = {
