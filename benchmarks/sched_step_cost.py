@@ -44,9 +44,9 @@ def shared_prefix_scheduler(cache: bool, active: int = 256, coserving: bool = Fa
     kv = KVCacheManager(active * 64 + 64, bs, enable_prefix_caching=cache)
     config = SchedulerConfig(max_num_seqs=active, max_num_batched_tokens=max(2048, 2 * active),
                              online_slowdown_cap=1.2 if coserving else None)
-    s = Scheduler(config, kv, cost_model=default_cost_model() if coserving else None,
-                  safepoint_interval_share=safepoint_interval_share(1, 32) if coserving else None,
-                  safepoint_attention_share=safepoint_attention_share(1, 32) if coserving else None)
+    budget = dict(cost_model=default_cost_model(), safepoint_interval_share=safepoint_interval_share(1, 32),
+                  safepoint_attention_share=safepoint_attention_share(1, 32)) if coserving else {}
+    s = Scheduler(config, kv, **budget)
     if coserving:
         s.budget.note_online_arrival(200)  # a chat seen: offline-only steps are cut for the next
     klass = RequestClass.OFFLINE if coserving else RequestClass.ONLINE

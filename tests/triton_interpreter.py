@@ -74,9 +74,9 @@ def install() -> str | None:
         patched = getattr(local, "patched", None)
         if patched is None:
             interpreter._patch_lang(self.fn)  # outside a launch: as Triton does
-        elif not langs(self.fn) <= patched:
+        elif not (needed := langs(self.fn)) <= patched:
             local.scopes.append(interpreter._patch_lang(self.fn))
-            patched |= langs(self.fn)
+            patched |= needed
         fn = self.rewrite()
         try:
             return fn(*args, **kwargs)
