@@ -74,8 +74,11 @@ PREFILL_SHAPES = [
 # Triton 3.6 (two uncapped); fused_merge: the split-K merge inside the
 # launch. On the H200 at 16k keys, neither four units per KV head nor a
 # fourth stage beat the best of the other points for any block_n, and 32
-# keys an iteration ran no faster than 64 or 128 (46-47% of copy).
-DECODE_GRID = dict(block_n=(64, 128), num_stages=(2, 3), units_scale=(1, 2), max_registers=(None, 168),
+# keys an iteration ran no faster than 64 or 128 (46-47% of copy). Five
+# stages: the first depth at which Triton's pipeliner double-buffers the
+# decode key loop's K and V (Tiles.decode_num_stages; at 2-4 it keeps one
+# buffer, "tile buffers" in kernels_compile_sm90-triton3.6.md).
+DECODE_GRID = dict(block_n=(64, 128), num_stages=(2, 3, 5), units_scale=(1, 2), max_registers=(None, 168),
                    fused_merge=(False, True))
 # The reads of the decode floor: programs per KV head as a multiple of the
 # attention's default, keys per iteration, through the block table or not,

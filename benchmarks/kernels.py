@@ -37,8 +37,9 @@ rewritten after each mode).
 
 ``--compile-only`` needs no GPU: it compiles every attention variant for
 sm_90 (H100/H200) with the arguments a real launch passes, reads registers,
-shared memory and spills off the cubin, and gives the occupancy the launcher
-would size the grid with; and the batch-1 GEMV (kernels/gemv.py) at the
+shared memory and spills off the cubin, and per key-loop iteration the spill,
+tensor-core and barrier instructions off its SASS, and gives the occupancy
+the launcher would size the grid with; and the batch-1 GEMV (kernels/gemv.py) at the
 engine's launch shape and others ``linear_bandwidth.py`` timed, for
 their registers and spills (``kernels_compile_sm90.json``/``.md``). The
 GPU machines run Triton 3.6, whose code differs: the same command under it
@@ -698,18 +699,35 @@ def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...],
     if found is None:
         raise RuntimeError(f"cuobjdump gave no resource usage:\n{usage}")
     regs, stack, local = map(int, found.groups())
+    loops = loop_counts(sass)
     return dict(registers=regs, stack_bytes=stack, local_bytes=local, shared_bytes=compiled.metadata.shared,
-                num_warps=options["num_warps"], compile_s=seconds, loop_spills=loop_spills(sass))  # fmt: skip
+                num_warps=options["num_warps"], compile_s=seconds, loop_spills=loops["spills"],
+                loop_tensor_ops=loops["tensor_ops"], loop_barriers=loops["barriers"],
+                tile_buffers=tile_buffers(compiled.asm["ttgir"]))  # fmt: skip
 
 
-def loop_spills(sass: str) -> list[int]:
-    """Local-memory instructions (spill stores and reloads: ``STL``, ``LDL``)
-    in each innermost loop of a kernel's SASS, in address order: a loop is
-    the span from a backward branch's target to the branch, innermost when
-    it holds no other. For the attention kernel those are its key loops (the
-    prefill tile's two, without and with the causal test, and the decode
-    tile's), where a spill costs its traffic on every iteration; spills
-    outside them cost once per work item."""
+def tile_buffers(ttgir: str) -> int:
+    """The most copies of one 2-D tile the software pipeline keeps in
+    shared memory (the leading dimension of its tile buffers in Triton's GPU
+    IR); 0, a kernel without such buffers. In the attention's key loops, 1
+    means each tile is waited for before the next one's load is issued, so
+    no load overlaps the loop's arithmetic."""
+    return max(map(int, re.findall(r"memdesc<(\d+)x\d+x\d+x[a-z0-9]+, [^>]*mutable>", ttgir)), default=0)
+
+
+# SASS opcodes counted per key-loop iteration: spill stores and reloads,
+# tensor-core products (HGMMA: Hopper's warpgroup MMA; HMMA: the warp-level
+# one), and barriers.
+LOOP_OPCODES = {"spills": ("LDL", "STL"), "tensor_ops": ("HGMMA", "HMMA"), "barriers": ("BAR",)}
+
+
+def loop_counts(sass: str) -> dict[str, list[int]]:
+    """Instructions of each ``LOOP_OPCODES`` kind in each innermost loop of
+    a kernel's SASS, in address order: a loop is the span from a backward
+    branch's target to the branch, innermost when it holds no other. For the
+    attention kernel those are its key loops (the prefill tile's two,
+    without and with the causal test, and the decode tile's), where each
+    counts on every iteration; outside them, once per work item."""
     code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
                                                      sass)]  # fmt: skip
     loops = []
@@ -717,9 +735,13 @@ def loop_spills(sass: str) -> list[int]:
         lo, hi = int(text, 16), int(addr, 16)
         if lo < hi:
             loops.append((lo, hi))
-    inner = [(lo, hi) for lo, hi in loops if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
-    local = [a for a, op in code if op.split(".")[0] in ("LDL", "STL")]
-    return [sum(1 for a in local if lo <= a <= hi) for lo, hi in sorted(inner)]
+    inner = sorted((lo, hi) for lo, hi in loops
+                   if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops))
+    counts = {}
+    for kind, opcodes in LOOP_OPCODES.items():
+        found = [a for a, op in code if op.split(".")[0] in opcodes]
+        counts[kind] = [sum(1 for a in found if lo <= a <= hi) for lo, hi in inner]
+    return counts
 
 
 def compile_report(num_kv_heads: int, block_size: int) -> list[dict]:
@@ -739,9 +761,11 @@ def compile_report(num_kv_heads: int, block_size: int) -> list[dict]:
 
 
 # Launch shapes compiled beside the defaults: of the decode-only variant, the
-# register cap and the merge inside the launch; of the mixed variant, keys
+# register cap, the merge inside the launch and a pipeline deep enough to
+# double-buffer its key loop; of the mixed variant, keys
 # per step and warps (the tuning sweep's axes).
-DECODE_SHAPES = [dict(max_registers=168), dict(fused_merge=True)]
+DECODE_SHAPES = [dict(max_registers=168), dict(fused_merge=True), dict(decode_num_stages=5),
+                 dict(decode_num_stages=5, fused_merge=True)]
 MIXED_SHAPES = [dict(prefill_block_n=32), dict(block_n=32), dict(block_n=128), dict(wide_warps=8),
                 dict(block_n=128, wide_warps=8), dict(wide_warps=8, mixed_max_registers=128),
                 dict(wide_warps=8, mixed_max_registers=168),
@@ -870,6 +894,18 @@ def row_compile_report() -> list[dict]:
     return rows
 
 
+# The per-key-loop columns of the compile report (``loop_counts``), each a
+# list over the kernel's key loops; reports saved before a column existed show –.
+LOOP_COLUMNS = {"loop_spills": "spills", "loop_tensor_ops": "tensor-core", "loop_barriers": "barriers"}
+LOOP_HEADER = " | ".join(f"{name} per key-loop iteration" for name in LOOP_COLUMNS.values()) + " | tile buffers"
+
+
+def loop_cells(r: dict) -> list[str]:
+    """A compiled variant's per-key-loop counts, one cell a kind (``a / b /
+    c``), then its deepest tile buffer."""
+    return [*(" / ".join(map(str, r[key])) if key in r else "–" for key in LOOP_COLUMNS), r.get("tile_buffers", "–")]
+
+
 def compile_markdown(rows: list[dict], triton_version: str) -> str:
     lines = ["# Triton kernels compiled for sm_90, no GPU", "",
              f"Triton {triton_version}; registers, stack and local memory from the cubin (cuobjdump), occupancy "
@@ -877,16 +913,21 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
              "shared). Stack bytes are registers spilled to memory. Spills per key-loop iteration: the "
              "local-memory instructions (spill stores and reloads) a thread runs in each key loop, where a "
              "spill costs its traffic on every iteration (the mixed variant's loops: the prefill tile's without "
-             "and with the causal test, then the decode tile's; the decode-only variant has the last).",
+             "and with the causal test, then the decode tile's; the decode-only variant has the last). In the "
+             "same loops, per thread: tensor-core instructions (HGMMA, Hopper's warpgroup products, or HMMA, "
+             "the warp-level ones; none would mean the loop lost the tensor cores) and barriers (BAR: every "
+             "warp of the program waits at each; programs sharing an SM never wait for one another). Tile buffers: "
+             "the most copies of one K/V tile the software pipeline keeps in shared memory; at 1 every load is "
+             "waited for before the next is issued, and none overlaps the arithmetic.",
              "", "| dtype | head_dim | group | variant | warps | registers | stack B | shared B | local B "
-             "| programs/SM | spills per key-loop iteration |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             f"| programs/SM | {LOOP_HEADER} |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     attention = [r for r in rows if r.get("kernel", "attention") == "attention"]
 
     def cells(r: dict, *first: object) -> str:
-        spills = " / ".join(map(str, r["loop_spills"])) if "loop_spills" in r else "–"
         return "| " + " | ".join(map(str, (*first, r["num_warps"], r["registers"], r.get("stack_bytes", "–"),
-                                           r["shared_bytes"], r["local_bytes"], r["programs_per_sm"], spills))) + " |"
+                                           r["shared_bytes"], r["local_bytes"], r["programs_per_sm"],
+                                           *loop_cells(r)))) + " |"
 
     lines += [cells(r, r["dtype"], r["head_dim"], r["group"], r["variant"]) for r in attention if not r.get("tuned")]
     tuned = [r for r in attention if r.get("tuned") or (r["dtype"] == "bfloat16"
@@ -895,8 +936,8 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
     if len(tuned) > 2:
         lines += ["", "## Other launch shapes (bf16, head_dim 128, group 4)", "",
                   "| variant | launch shape | keys per step (decode / prefill tile) | warps | registers | stack B "
-                  "| shared B | local B | programs/SM | spills per key-loop iteration |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+                  f"| shared B | local B | programs/SM | {LOOP_HEADER} |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         lines += [cells(r, r["variant"], r.get("changes") or "default",
                         f"{r.get('block_n', '–')} / {r.get('prefill_block_n', r.get('block_n', '–'))}")
                   for r in tuned]

@@ -966,19 +966,24 @@ def plan_host_time(stem: str) -> tuple[list[str], list[str]]:
 def kernels_compile(stem: str) -> tuple[list[str], list[str]]:
     d = load(stem)
     out = [f"The Triton kernels compiled for sm_90 without a GPU (Triton {d['triton']}): registers, "
-           "spills (stack bytes) and local memory from the cubin, occupancy from an H100 SM's limits; the timings "
-           "on a GPU are in [On a GPU](#on-a-gpu).", ""]
+           "spills (stack bytes) and local memory from the cubin, occupancy from an H100 SM's limits, per "
+           "key-loop iteration a thread's spill, tensor-core (HGMMA, HMMA) and barrier (BAR) instructions, and "
+           "the most copies of a K/V tile the software pipeline buffers (1: no load overlaps the arithmetic); "
+           "the timings on a GPU are in [On a GPU](#on-a-gpu).", ""]
     out += [f"- `benchmarks/results/{stem}.json`", ""]
     attention = [v for v in d["variants"] if v.get("kernel", "attention") == "attention"]
     out += table(["dtype", "head dim", "group", "variant", "keys per step (decode / prefill tile)", "warps",
                   "registers", "stack bytes", "shared bytes", "local bytes", "programs/SM",
-                  "spills per key-loop iteration"],
+                  *(f"{name} per key-loop iteration" for name in ("spills", "tensor-core", "barriers")),
+                  "tile buffers"],
                  [[v["dtype"], v["head_dim"], v["group"], v["variant"] + (" (sweep)" if v.get("tuned") else ""),
                    f"{v.get('block_n', '–')} / {v.get('prefill_block_n', v.get('block_n', '–'))}", v["num_warps"],
                    v["registers"], v.get("stack_bytes", "–"), v["shared_bytes"], v["local_bytes"],
-                   v["programs_per_sm"], " / ".join(map(str, v.get("loop_spills", []))) or "–"]
+                   v["programs_per_sm"],
+                   *(" / ".join(map(str, v.get(key, []))) or "–"
+                     for key in ("loop_spills", "loop_tensor_ops", "loop_barriers")), v.get("tile_buffers", "–")]
                   for v in attention],
-                 "lrrl" + "r" * 8)
+                 "lrrl" + "r" * 11)
     gemv = [v for v in d["variants"] if v.get("kernel") == "gemv"]
     if gemv:
         out += ["The batch-1 GEMV (kernels/gemv.py, bf16, residual fused) at the engine's launch shape and "

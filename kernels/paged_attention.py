@@ -118,6 +118,18 @@ class Tiles:
     narrow_warps: int = 4
     # Software-pipeline depth of the key loop; None: Triton's default.
     num_stages: int | None = None
+    # Pipeline depth of the decode-only variant; None: ``num_stages``. Its
+    # key loop reads K and V through the block table (an index load, then
+    # the gather it addresses), and Triton's pipeliner spends two stages on
+    # that chain: compiled for sm_90 (Triton 3.6) at its default depth of 3,
+    # or 4, the loop holds one K/V buffer and waits for every copy at the top
+    # of each iteration, so no load overlaps the arithmetic and one
+    # program's reads are one tile at a time; at 5 it holds two and keeps
+    # the next tile in flight (kernels_compile_sm90-triton3.6.md, "tile
+    # buffers"), for 72 KiB of shared memory against 39. The batch-1 long
+    # decode, whose 16k keys take 8 iterations a program, is where the
+    # latency it hides should show; attention_tuning.py times it.
+    decode_num_stages: int | None = None
     # Register cap per thread of the decode-only variant (ptxas maxnreg);
     # None: the compiler's choice. Triton 3.6, on the GPU machines, builds
     # it (bf16, 128-wide head, group 4) in 200 registers, two programs per
@@ -805,8 +817,9 @@ def _launch_options(constexprs: dict[str, object]) -> dict[str, int]:
     """The launch options of a variant beside its constexprs: warps, and the
     pipeline depth and register cap where a sweep sets them."""
     options = {"num_warps": _num_warps(constexprs)}
-    if TILES.num_stages is not None:
-        options["num_stages"] = TILES.num_stages
+    stages = TILES.num_stages if constexprs["HAS_PREFILL"] else TILES.decode_num_stages or TILES.num_stages
+    if stages is not None:
+        options["num_stages"] = stages
     cap = TILES.mixed_max_registers if constexprs["HAS_PREFILL"] else TILES.max_registers
     if cap is not None:
         options["maxnreg"] = cap

@@ -105,6 +105,30 @@ def test_decode_bytes_per_token_of_llama3_8b(bench):
     assert bench.decode_bytes_per_token(cfg, 1000) - weights == 2 * 2 * 32 * 1000 * 8 * 128
 
 
+def test_loop_counts_read_each_innermost_loop_of_the_sass(bench):
+    """The compile report's per-key-loop columns: an outer loop holding an
+    inner one counts only the inner one's instructions (its spills, tensor-
+    core products and barriers, predicated or not); straight-line code
+    counts nowhere; loops come in address order."""
+    sass = """
+        /*0000*/                   LDL R1, [R2] ;
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0030*/                   HGMMA.64x128x16.F32.BF16 R88, gdesc[UR8], R88 ;
+        /*0040*/                   STL [R1], R3 ;
+        /*0050*/              @!P0 LDL.64 R4, [R1+0x8] ;
+        /*0060*/                   BAR.ARV 0x1, 0x100 ;
+        /*0070*/               @P1 BRA 0x10 ;
+        /*0080*/                   HMMA.16816.F32.BF16 R8, R12, R14, R8 ;
+        /*0090*/                   LDL R6, [R1] ;
+        /*00a0*/                   BRA 0x80 ;
+        /*00b0*/                   BRA 0x0 ;
+        /*00c0*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+    """
+    assert bench.loop_counts(sass) == {"spills": [2, 1], "tensor_ops": [2, 1], "barriers": [2, 0]}
+    assert bench.loop_counts("/*0000*/ EXIT ;") == {"spills": [], "tensor_ops": [], "barriers": []}
+
+
 def compile_for_hopper(call: str):
     """``kernels.<call>`` run in a subprocess without the interpreter (Triton
     picks it at import), compiling for sm_90; its result, read back as JSON."""
@@ -132,7 +156,8 @@ def test_decode_variant_compiles_for_hopper_without_spilling():
     programs to an SM: at the compiler's own register count (Triton 3.9:
     147), or under the cap ``Tiles.max_registers`` offers a compiler that
     takes more (Triton 3.6, the GPU machines': 200, so two). With the merge
-    fused into it, its key loop still spills nothing, at no fewer programs."""
+    fused into it, its key loop still spills nothing, at no fewer programs;
+    five pipeline stages double-buffer its K and V without spilling."""
     call = "_compile_attention(8, 16, torch.bfloat16, 128, 4, False{})"
     row = compile_for_hopper(call.format(""))
     assert row["variant"] == "decode-only" and row["num_warps"] == 4
@@ -142,6 +167,12 @@ def test_decode_variant_compiles_for_hopper_without_spilling():
     fused = compile_for_hopper(call.format(", fused_merge=True"))
     assert fused["loop_spills"][0] == 0 and fused["local_bytes"] == 0  # the key loop comes first
     assert fused["programs_per_sm"] >= row["programs_per_sm"]
+    # The key loop reads K and V through the block table: at Triton's
+    # default depth the pipeline keeps one buffer of each (every load waited
+    # for before the next is issued); at Tiles.decode_num_stages=5, two.
+    piped = compile_for_hopper(call.format(", decode_num_stages=5"))
+    assert row["tile_buffers"] == 1 and piped["tile_buffers"] == 2, (row, piped)
+    assert piped["stack_bytes"] == 0 and piped["programs_per_sm"] >= 2
 
 
 def test_prefill_tile_at_32_keys_a_step_spills_nothing_in_its_main_key_loop():
@@ -156,6 +187,9 @@ def test_prefill_tile_at_32_keys_a_step_spills_nothing_in_its_main_key_loop():
     assert len(default["loop_spills"]) == len(alt["loop_spills"]) == 3  # prefill tile unmasked, masked; decode tile
     assert default["loop_spills"][0] > 0 and alt["loop_spills"][0] == 0
     assert all(a < d for a, d in zip(alt["loop_spills"], default["loop_spills"])), (default, alt)
+    # Every key loop multiplies on the tensor cores: a loop without them
+    # would have fallen back to FMAs.
+    assert all(n > 0 for n in default["loop_tensor_ops"] + alt["loop_tensor_ops"]), (default, alt)
 
 
 def test_batch1_gemvs_compile_for_hopper_without_spilling():
