@@ -699,11 +699,9 @@ def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...],
     if found is None:
         raise RuntimeError(f"cuobjdump gave no resource usage:\n{usage}")
     regs, stack, local = map(int, found.groups())
-    loops = loop_counts(sass)
     return dict(registers=regs, stack_bytes=stack, local_bytes=local, shared_bytes=compiled.metadata.shared,
-                num_warps=options["num_warps"], compile_s=seconds, loop_spills=loops["spills"],
-                loop_tensor_ops=loops["tensor_ops"], loop_barriers=loops["barriers"],
-                tile_buffers=tile_buffers(compiled.asm["ttgir"]))  # fmt: skip
+                num_warps=options["num_warps"], compile_s=seconds, tile_buffers=tile_buffers(compiled.asm["ttgir"]),
+                **{f"loop_{kind}": counts for kind, counts in loop_counts(sass).items()})  # fmt: skip
 
 
 def tile_buffers(ttgir: str) -> int:
@@ -894,9 +892,11 @@ def row_compile_report() -> list[dict]:
     return rows
 
 
-# The per-key-loop columns of the compile report (``loop_counts``), each a
-# list over the kernel's key loops; reports saved before a column existed show –.
-LOOP_COLUMNS = {"loop_spills": "spills", "loop_tensor_ops": "tensor-core", "loop_barriers": "barriers"}
+# The per-key-loop columns of the compile report (``loop_counts``, saved as
+# ``loop_<kind>``), each a list over the kernel's key loops; reports saved
+# before a column existed show –.
+LOOP_COLUMNS = {f"loop_{kind}": name for kind, name in zip(LOOP_OPCODES, ("spills", "tensor-core", "barriers"),
+                                                             strict=True)}
 LOOP_HEADER = " | ".join(f"{name} per key-loop iteration" for name in LOOP_COLUMNS.values()) + " | tile buffers"
 
 
