@@ -78,6 +78,17 @@ LOG2E = 1.4426950408889634
 DECODE_ROWS = 16
 # Partials the merge kernel combines per iteration.
 SPLIT_CHUNK = 16
+# Partial values (fp32) the merge inside the attention launch
+# (``_merge_pieces``) reads at a time, at most MAX_MERGE_SPLITS pieces of a
+# row: 32 registers a thread at four warps, 8 pieces of a GQA group of 4
+# with a 128-wide head. Compiled for sm_90 (Triton 3.6), all of a chunk's
+# loads are issued before the first is used; at 8192 values the capped
+# variant (``Tiles.max_registers`` 168) spills inside its key loop, at 4096
+# it does not. Its first pass, which reads only the lse, takes
+# MERGE_LSE_SPLITS pieces at a time.
+MERGE_TILE = 4096
+MAX_MERGE_SPLITS = 32
+MERGE_LSE_SPLITS = 64
 # Widest head the tiles hold in registers.
 MAX_HEAD_DIM = 256
 # Persistent programs per SM assumed where the compiled kernel cannot be read
@@ -362,13 +373,22 @@ def _merge_pieces(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
-    MERGE_M: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
+    MERGE_LSE_SPLITS: tl.constexpr,
 ):
     """Count this piece of a split tile done; the tile's last piece merges
-    all of them into the output (``_merge_kernel``'s arithmetic, a row
-    block of MERGE_M (token, head) rows at a time) and rearms the counter
-    for the next launch. No program waits on another: the merge is done by
-    whichever piece finishes last, so no schedule of the grid can stall."""
+    all of them into the output (``_merge_kernel``'s arithmetic) and rearms
+    the counter for the next launch. No program waits on another: the merge
+    is done by whichever piece finishes last, so no schedule of the grid
+    can stall.
+
+    The partials are read MERGE_ROWS (token, head) rows by MERGE_SPLITS
+    pieces at a time (their lse MERGE_LSE_SPLITS at a time). Compiled for
+    sm_90, an iteration waits for its own loads: a loop over single pieces
+    waits for an L2 round trip per piece, twice over (the max, then the
+    sums), 40 for a batch-1 decode split 32 ways, on the step's critical
+    path; in chunks, 5."""
     # Every thread's partial stores come before the count (one thread does
     # the atomic): the release then publishes them to the last piece.
     tl.debug_barrier()
@@ -376,35 +396,49 @@ def _merge_pieces(
     if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n - 1:
         tl.store(count, 0)
         d = tl.arange(0, HEAD_PAD)
-        for r0 in range(0, (q_hi - q_lo) * GROUP, MERGE_M):
-            rows = r0 + tl.arange(0, MERGE_M)
+        chunk = tl.arange(0, MERGE_SPLITS)
+        lse_chunk = tl.arange(0, MERGE_LSE_SPLITS)
+        for r0 in range(0, (q_hi - q_lo) * GROUP, MERGE_ROWS):
+            rows = r0 + tl.arange(0, MERGE_ROWS)
             tok_local = rows // GROUP
             head = kv_head * GROUP + rows % GROUP
             row_ok = tok_local < q_hi - q_lo
             mrow = (merge_row + tok_local).to(tl.int64)
-            lse_row = part_lse_ptr + mrow * stride_lm + head
-            out_row = part_out_ptr + mrow[:, None] * stride_pm + head[:, None] * stride_ph + d[None, :]
-            mask = _dim_mask(row_ok, d, HEAD_DIM, HEAD_PAD)
+            lse_row = part_lse_ptr + mrow * stride_lm + head  # [MERGE_ROWS]
+            out_row = part_out_ptr + mrow * stride_pm + head * stride_ph  # [MERGE_ROWS]
             # Other SMs wrote the partials: read them from L2 (".cg"), never
-            # from this SM's L1.
-            big = tl.full([MERGE_M], float("-inf"), tl.float32)
-            for s in range(n):
-                big = tl.maximum(big, tl.load(lse_row + s * stride_ls, mask=row_ok, other=float("-inf"),
-                                              cache_modifier=".cg"))
+            # from this SM's L1. Row maxima and sums are taken after the
+            # loops, as _merge_kernel takes them (a row reduction carried by
+            # a loop and read twice after it fails Triton 3.6's
+            # thread-locality pass for sm_90).
+            run_max = tl.full([MERGE_ROWS, MERGE_LSE_SPLITS], float("-inf"), tl.float32)
+            for s0 in range(0, n, MERGE_LSE_SPLITS):
+                sp = s0 + lse_chunk
+                ok = row_ok[:, None] & (sp < n)[None, :]  # [MERGE_ROWS, MERGE_LSE_SPLITS]
+                run_max = tl.maximum(run_max, tl.load(lse_row[:, None] + sp[None, :] * stride_ls, mask=ok,
+                                                      other=float("-inf"), cache_modifier=".cg"))
+            big = tl.max(run_max, 1)
             # A masked row has no finite lse; shift it by 0, not -inf.
             big = tl.where(big == float("-inf"), 0.0, big)
-            num = tl.zeros([MERGE_M, HEAD_PAD], tl.float32)
-            den = tl.zeros([MERGE_M], tl.float32)
-            for s in range(n):
-                wgt = tl.exp2(tl.load(lse_row + s * stride_ls, mask=row_ok, other=float("-inf"),
-                                      cache_modifier=".cg") - big)
-                o = tl.load(out_row + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
-                num += wgt[:, None] * o
+            num = tl.zeros([MERGE_ROWS, HEAD_PAD], tl.float32)
+            den = tl.zeros([MERGE_ROWS, MERGE_SPLITS], tl.float32)
+            for s0 in range(0, n, MERGE_SPLITS):
+                sp = s0 + chunk
+                ok = row_ok[:, None] & (sp < n)[None, :]
+                wgt = tl.exp2(tl.load(lse_row[:, None] + sp[None, :] * stride_ls, mask=ok, other=float("-inf"),
+                                      cache_modifier=".cg") - big[:, None])  # [MERGE_ROWS, MERGE_SPLITS]
+                o_ok = ok[:, :, None]
+                if HEAD_PAD != HEAD_DIM:
+                    o_ok = o_ok & (d < HEAD_DIM)[None, None, :]
+                o = tl.load(out_row[:, None, None] + sp[None, :, None] * stride_ps + d[None, None, :], mask=o_ok,
+                            other=0.0, cache_modifier=".cg")  # [MERGE_ROWS, MERGE_SPLITS, HEAD_PAD]
+                num += tl.sum(wgt[:, :, None] * o, 1)
                 den += wgt
-            merged = num / tl.where(den > 0.0, den, 1.0)[:, None]
+            total = tl.sum(den, 1)
+            merged = num / tl.where(total > 0.0, total, 1.0)[:, None]
             tok64 = (q_lo + tok_local).to(tl.int64)
             tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                     merged.to(out_ptr.dtype.element_ty), mask=mask)
+                     merged.to(out_ptr.dtype.element_ty), mask=_dim_mask(row_ok, d, HEAD_DIM, HEAD_PAD))
 
 
 @triton.jit(do_not_specialize=_ATTENTION_DYNAMIC)
@@ -443,6 +477,9 @@ def _paged_attention_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32); "widen": see _dot
     FUSED_MERGE: tl.constexpr,  # split pieces merge here (_merge_pieces), not in _merge_kernel
+    MERGE_ROWS: tl.constexpr,  # (token, head) rows _merge_pieces merges at a time
+    MERGE_SPLITS: tl.constexpr,  # and pieces of each it reads at a time
+    MERGE_LSE_SPLITS: tl.constexpr,  # pieces of each whose lse it reads at a time
 ):
     unit = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -496,7 +533,8 @@ def _paged_attention_kernel(
                 _merge_pieces(
                     out_ptr, part_out_ptr, part_lse_ptr, merge_count_ptr, pieces,
                     q_lo, q_hi, merge_row, kv_head, stride_ot, stride_oh, stride_pm, stride_ps, stride_ph,
-                    stride_lm, stride_ls, GROUP, HEAD_DIM, HEAD_PAD, DECODE_M,
+                    stride_lm, stride_ls, GROUP, HEAD_DIM, HEAD_PAD, MERGE_ROWS, MERGE_SPLITS,
+                    MERGE_LSE_SPLITS,
                 )  # fmt: skip
 
 
@@ -779,13 +817,15 @@ def _constexprs(
     """The compile-time values of one attention variant."""
     group = query.shape[1] // key_cache.shape[2]
     head_dim = query.shape[2]
+    decode_m = _tile_rows(decode_tokens, group)
+    merge_rows = min(decode_m, next_power_of_2(group))
     return dict(
         BLOCK_SIZE=key_cache.shape[1],
         GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_PAD=head_pad(head_dim),
         DECODE_TOKENS=decode_tokens,
-        DECODE_M=_tile_rows(decode_tokens, group),
+        DECODE_M=decode_m,
         PREFILL_M=_tile_rows(tokens_per_tile, group),
         HAS_PREFILL=has_prefill,
         BLOCK_N=TILES.block_n,
@@ -794,6 +834,9 @@ def _constexprs(
         HAS_WINDOW=has_window,
         DOT_PRECISION=_dot_precision(query.dtype),
         FUSED_MERGE=TILES.fused_merge and not has_prefill,
+        MERGE_ROWS=merge_rows,
+        MERGE_SPLITS=max(1, min(MAX_MERGE_SPLITS, MERGE_TILE // (merge_rows * head_pad(head_dim)))),
+        MERGE_LSE_SPLITS=MERGE_LSE_SPLITS,
     )
 
 

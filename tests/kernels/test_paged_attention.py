@@ -268,6 +268,35 @@ def test_fused_merge_is_the_merge_kernels_attention_without_its_launch(device, m
         assert not plan.scratch.get(pa.merge_counts_key(2, batch.query.device), torch.zeros(1)).any()
 
 
+def test_fused_merge_reads_its_pieces_a_chunk_at_a_time(device, make_batch, oracle, monkeypatch):
+    """The last piece reads the partials MERGE_ROWS rows by MERGE_SPLITS
+    pieces at a time (the lse, MERGE_LSE_SPLITS at a time). Made small here
+    so that every boundary is crossed: eleven and seven pieces end inside a
+    chunk of two and of four; items of two and three tokens of a GQA group
+    of 3 (a 12-row decode tile) span three row blocks of 4, whose rows
+    straddle tokens; a 24-wide head pads to 32 columns. The merge kernel
+    gives the same attention, and the reference does."""
+    specs = [(2, 700), (3, 400), (1, 30), (1, 641)]
+    batch = make_batch(specs, num_kv_heads=2, group=3, head_dim=24, block_size=16, device=device, seed=5)
+    monkeypatch.setattr(pa, "MERGE_TILE", 4 * 32 * 2)
+    monkeypatch.setattr(pa, "MERGE_LSE_SPLITS", 4)
+    plans = {}
+    for fused in (True, False):
+        with pa.tiles(fused_merge=fused):
+            plans[fused] = plan = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs),
+                                              kv_chunk=64)
+            out = run(batch, plan)
+            constexprs = pa._plan_constexprs(batch.query, batch.key_cache, plan)
+        if fused:
+            fused_out = out
+            assert (constexprs["MERGE_ROWS"], constexprs["MERGE_SPLITS"], constexprs["MERGE_LSE_SPLITS"]) == (4, 2, 4)
+            assert constexprs["DECODE_M"] == 16 and constexprs["HEAD_PAD"] == 32
+    assert plans[True].max_splits == 11 and not plans[True].has_prefill_tiles
+    assert not plans[True].scratch[pa.merge_counts_key(2, batch.query.device)].any()
+    torch.testing.assert_close(fused_out, out, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(fused_out, oracle(batch), atol=ATOL, rtol=RTOL)
+
+
 def test_a_mixed_step_takes_the_plan_predicted_faster(device, make_batch, monkeypatch):
     """plan_for gives a step with prefill and decode tiles the plan, one
     launch or two, ``packing.predicted_us`` finds faster: long decodes beside
