@@ -55,6 +55,10 @@ from kernels import (  # noqa: E402
     make_cache_batch, run_attention,
 )
 
+def grid(axes: dict[str, tuple]) -> list[dict]:
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
 # The prefill launch shapes timed, the default first: the H200's full grid
 # (rows x keys x warps x stages) left 128-key iterations and uncapped eight
 # warps at 0.2-0.6x SDPA, and eight warps do nothing for a 64-row tile (it
@@ -74,12 +78,21 @@ PREFILL_SHAPES = [
 # Triton 3.6 (two uncapped); fused_merge: the split-K merge inside the
 # launch. On the H200 at 16k keys, neither four units per KV head nor a
 # fourth stage beat the best of the other points for any block_n, and 32
-# keys an iteration ran no faster than 64 or 128 (46-47% of copy). Five
+# keys an iteration ran no faster than 64 or 128 (46-47% of copy), so the
+# grid keeps 64. Five
 # stages: the first depth at which Triton's pipeliner double-buffers the
 # decode key loop's K and V (Tiles.decode_num_stages; at 2-4 it keeps one
 # buffer, "tile buffers" in kernels_compile_sm90-triton3.6.md).
-DECODE_GRID = dict(block_n=(64, 128), num_stages=(2, 3, 5), units_scale=(1, 2), max_registers=(None, 168),
+DECODE_GRID = dict(block_n=(64,), num_stages=(2, 3, 5), units_scale=(1, 2), max_registers=(None, 168),
                    fused_merge=(False, True))
+# Two warps a program (Tiles.narrow_warps): compiled for sm_90 by Triton 3.6,
+# 224 registers and no spill, four programs per SM against four warps' two,
+# so twice the programs with a tile in flight; under the register cap they
+# spill (43 local-memory instructions a key-loop iteration), so uncapped only.
+DECODE_POINTS = grid(DECODE_GRID) + [
+    dict(block_n=64, num_stages=stages, units_scale=1, max_registers=None, fused_merge=fused, narrow_warps=2)
+    for stages in (3, 5) for fused in (False, True)
+]  # fmt: skip
 # The reads of the decode floor: programs per KV head as a multiple of the
 # attention's default, keys per iteration, through the block table or not,
 # and the cache's bytes taken as [blocks, heads, block_size, head_dim]
@@ -97,10 +110,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=150.0, help="seconds after which no new point starts")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     return p.parse_args(argv)
-
-
-def grid(axes: dict[str, tuple]) -> list[dict]:
-    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
 class Sweep:
@@ -171,7 +180,7 @@ def tune_decode(shape: Shape, contexts: list[int], copy_gbs: float, sweep: Sweep
         batch = make_cache_batch(shape, [1], [ctx])
         nbytes = 2 * ctx * shape.num_kv_heads * shape.head_dim * elem + 2 * shape.num_q_heads * shape.head_dim * elem
         reference = _output(batch, shape, pa.plan_for(batch["query"], batch["key_cache"], [1], [ctx]))
-        for cfg in grid(DECODE_GRID):
+        for cfg in DECODE_POINTS:
             def measure(cfg=cfg, batch=batch, reference=reference) -> dict:
                 tiles = {k: v for k, v in cfg.items() if k != "units_scale"}
                 with pa.tiles(**tiles):
@@ -333,16 +342,16 @@ def markdown(report: dict) -> str:
                  r["num_stages"] or "default", r.get("mixed_max_registers") or "–", *tail]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "## Decode, batch 1, in a CUDA graph", "",
-              "| context | block_n | stages | register cap | merge | units per KV head | splits | ms | % of copy "
-              "| max abs diff |", "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+              "| context | block_n | warps | stages | register cap | merge | units per KV head | splits | ms "
+              "| % of copy | max abs diff |", "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in sorted((r for r in report["rows"] if r["kind"] == "decode"),
                     key=lambda r: (r["context"], r.get("graph_ms", 1e9))):  # fmt: skip
         tail = ([r["units"], r["splits"], f"{r['graph_ms']:.4f}", f"{r['pct_of_copy']:.1f}", f"{r['max_abs_diff']:.3g}"]
                 if "error" not in r else ["", "", r["error"], "", ""])  # fmt: skip
         cap = r.get("max_registers") or "–"  # sweeps before the cap lack it
         merge = "in the launch" if r.get("fused_merge") else "merge kernel"
-        lines.append("| " + " | ".join(map(str, [r["context"], r["block_n"], r["num_stages"], cap, merge, *tail]))
-                     + " |")  # fmt: skip
+        cells = [r["context"], r["block_n"], decode_warps(r), r["num_stages"], cap, merge, *tail]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     floor = [r for r in report["rows"] if r["kind"] == "floor"]
     if floor:
         lines += ["", "## Decode floor, batch 1: the keys and values read alone, in a CUDA graph", "",
@@ -376,7 +385,8 @@ def markdown(report: dict) -> str:
                                      f"stages {r['num_stages']}")  # a sweep before the named changes
         lines.append(f"* prefill {L}: {shape}: {r['vs_sdpa']:.2f}x SDPA{against}")
     for ctx, r in sorted(best(report["rows"], "decode", "context", "pct_of_copy", True).items()):
-        lines.append(f"* decode batch 1, {ctx} keys: block_n {r['block_n']}, stages {r['num_stages']}, register cap "
+        lines.append(f"* decode batch 1, {ctx} keys: block_n {r['block_n']}, {decode_warps(r)} warps, "
+                     f"stages {r['num_stages']}, register cap "
                      f"{r.get('max_registers') or 'none'}, {'fused' if r.get('fused_merge') else 'separate'} merge, "
                      f"units x{r['units_scale']}: {r['pct_of_copy']:.1f}% of copy")
     for ctx in sorted({r["context"] for r in floor if "context" in r}):
@@ -390,6 +400,13 @@ def markdown(report: dict) -> str:
     if empty:
         lines.append(f"* one empty kernel in a graph: {1e3 * empty['graph_ms']:.1f} us")
     return "\n".join(lines) + "\n"
+
+
+def decode_warps(row: dict) -> int:
+    """Warps of a decode point's programs (points before the two-warp ones ran the default)."""
+    from fluidserve.kernels import paged_attention as pa
+
+    return row.get("narrow_warps") or pa.Tiles().narrow_warps
 
 
 def main(argv: list[str] | None = None) -> int:

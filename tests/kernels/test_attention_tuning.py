@@ -31,7 +31,9 @@ def tuning(monkeypatch):
 
 
 def test_every_swept_shape_is_a_launch_shape_of_the_kernel(tuning):
-    decode = [{k: v for k, v in cfg.items() if k != "units_scale"} for cfg in tuning.grid(tuning.DECODE_GRID)]
+    points = tuning.DECODE_POINTS
+    assert len(points) == len({tuple(sorted(c.items())) for c in points})
+    decode = [{k: v for k, v in cfg.items() if k != "units_scale"} for cfg in points]
     assert len(tuning.PREFILL_SHAPES) == len({tuple(sorted(c.items())) for c in tuning.PREFILL_SHAPES})
     for cfg in [*tuning.PREFILL_SHAPES, *decode]:
         with pa.tiles(**cfg) as tiles:
