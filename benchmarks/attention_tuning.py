@@ -85,13 +85,22 @@ PREFILL_SHAPES = [
 # buffer, "tile buffers" in kernels_compile_sm90-triton3.6.md).
 DECODE_GRID = dict(block_n=(64,), num_stages=(2, 3, 5), units_scale=(1, 2), max_registers=(None, 168),
                    fused_merge=(False, True))
-# Two warps a program (Tiles.narrow_warps): compiled for sm_90 by Triton 3.6,
-# 224 registers and no spill, four programs per SM against four warps' two,
-# so twice the programs with a tile in flight; under the register cap they
-# spill (43 local-memory instructions a key-loop iteration), so uncapped only.
+# Fewer warps a program (Tiles.narrow_warps), compiled for sm_90 by Triton
+# 3.6 (kernels_compile_sm90-triton3.6.md): two hold the 64-key tile in 224
+# registers without spilling, four programs per SM against four warps' two;
+# one holds a 16-key tile in 197, ten per SM (eight double-buffered), or a
+# 32-key tile in 255 (two spill instructions an iteration), eight per SM.
+# Keys in flight per SM: 128 by default, 256 at one warp and 32 keys, so
+# each program runs half the iterations for a long sequence; a warp alone
+# also keeps its row max and sum out of shared memory (two barriers a
+# key-loop iteration against nine). Under the register cap they spill, and
+# one warp's fused merge spills inside its key loop: uncapped, and one warp
+# with the merge kernel only.
 DECODE_POINTS = grid(DECODE_GRID) + [
-    dict(block_n=64, num_stages=stages, units_scale=1, max_registers=None, fused_merge=fused, narrow_warps=2)
-    for stages in (3, 5) for fused in (False, True)
+    *(dict(block_n=64, num_stages=stages, units_scale=1, max_registers=None, fused_merge=fused, narrow_warps=2)
+      for stages in (3, 5) for fused in (False, True)),
+    *(dict(block_n=block_n, num_stages=stages, units_scale=1, max_registers=None, fused_merge=False, narrow_warps=1)
+      for block_n, stages in ((16, 3), (16, 5), (32, 3))),
 ]  # fmt: skip
 # The reads of the decode floor: programs per KV head as a multiple of the
 # attention's default, keys per iteration, through the block table or not,

@@ -76,8 +76,11 @@ LOG2E = 1.4426950408889634
 # Rows of a decode tile: the smallest tile tl.dot takes. A decode item of a
 # GQA group of 4 fills 4 of them; a 128-row tile would waste 124.
 DECODE_ROWS = 16
-# Partials the merge kernel combines per iteration.
-SPLIT_CHUNK = 16
+# Partials the merge kernel combines per iteration (and whose lse its first
+# pass reads per iteration, MERGE_LSE_SPLITS): an iteration waits for its own
+# loads, so a row of many pieces (one warp a program puts 132 on a batch-1
+# sequence) takes one round trip per chunk.
+SPLIT_CHUNK = 32
 # Partial values (fp32) the merge inside the attention launch
 # (``_merge_pieces``) reads at a time, at most MAX_MERGE_SPLITS pieces of a
 # row: 32 registers a thread at four warps, 8 pieces of a GQA group of 4
@@ -554,6 +557,7 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
+    LSE_CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -565,9 +569,10 @@ def _merge_kernel(
     out_row = part_out_ptr + row * stride_pm + head * stride_ph
     # The split count is a loop bound, not a constexpr: one compiled merge
     # serves every number of splits. Two passes: the max, then the sums.
-    run_max = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
-    for s0 in range(0, n, SPLIT_CHUNK):
-        sp = s0 + chunk
+    lse_chunk = tl.arange(0, LSE_CHUNK)
+    run_max = tl.full([LSE_CHUNK], float("-inf"), tl.float32)
+    for s0 in range(0, n, LSE_CHUNK):
+        sp = s0 + lse_chunk
         run_max = tl.maximum(run_max, tl.load(lse_row + sp * stride_ls, mask=sp < n, other=float("-inf")))
     # The piece holding a row's own position is never empty, so M is finite;
     # but a graph's padding row has only an empty piece: shift by 0, and its
@@ -988,7 +993,7 @@ def _merge_args(launch: _Launch, plan: WorkPlan) -> dict[str, object]:
 
 def _merge_constexprs(launch: _Launch) -> dict[str, object]:
     return dict(HEAD_DIM=launch.constexprs["HEAD_DIM"], HEAD_PAD=launch.constexprs["HEAD_PAD"],
-                SPLIT_CHUNK=SPLIT_CHUNK)  # fmt: skip
+                SPLIT_CHUNK=SPLIT_CHUNK, LSE_CHUNK=MERGE_LSE_SPLITS)  # fmt: skip
 
 
 def _decode_launch(launch: _Launch, plan: WorkPlan) -> _Launch:

@@ -268,18 +268,20 @@ def test_fused_merge_is_the_merge_kernels_attention_without_its_launch(device, m
         assert not plan.scratch.get(pa.merge_counts_key(2, batch.query.device), torch.zeros(1)).any()
 
 
-def test_fused_merge_reads_its_pieces_a_chunk_at_a_time(device, make_batch, oracle, monkeypatch):
+def test_both_merges_read_the_pieces_a_chunk_at_a_time(device, make_batch, oracle, monkeypatch):
     """The last piece reads the partials MERGE_ROWS rows by MERGE_SPLITS
     pieces at a time (the lse, MERGE_LSE_SPLITS at a time). Made small here
     so that every boundary is crossed: eleven and seven pieces end inside a
     chunk of two and of four; items of two and three tokens of a GQA group
     of 3 (a 12-row decode tile) span three row blocks of 4, whose rows
-    straddle tokens; a 24-wide head pads to 32 columns. The merge kernel
-    gives the same attention, and the reference does."""
+    straddle tokens; a 24-wide head pads to 32 columns. The merge kernel,
+    its chunks made as small (SPLIT_CHUNK, and the lse's), gives the same
+    attention, and the reference does."""
     specs = [(2, 700), (3, 400), (1, 30), (1, 641)]
     batch = make_batch(specs, num_kv_heads=2, group=3, head_dim=24, block_size=16, device=device, seed=5)
     monkeypatch.setattr(pa, "MERGE_TILE", 4 * 32 * 2)
     monkeypatch.setattr(pa, "MERGE_LSE_SPLITS", 4)
+    monkeypatch.setattr(pa, "SPLIT_CHUNK", 2)
     plans = {}
     for fused in (True, False):
         with pa.tiles(fused_merge=fused):
@@ -371,6 +373,7 @@ def test_predicted_time_is_the_busiest_unit_of_each_launch():
 
 @pytest.mark.parametrize("changes", [dict(block_n=32, prefill_rows=64), dict(block_n=128, num_stages=2),
                                      dict(max_registers=168, fused_merge=True), dict(prefill_block_n=32),
+                                     dict(narrow_warps=1, block_n=16, num_stages=5),
                                      dict(wide_warps=8, mixed_max_registers=128, prefill_block_n=32, num_stages=4)])
 def test_every_launch_shape_a_sweep_tries_gives_the_same_attention(device, make_batch, oracle, changes):
     """``benchmarks/attention_tuning.py`` times other tiles than the
