@@ -822,13 +822,16 @@ def _constexprs(
     """The compile-time values of one attention variant."""
     group = query.shape[1] // key_cache.shape[2]
     head_dim = query.shape[2]
+    pad = head_pad(head_dim)
     decode_m = _tile_rows(decode_tokens, group)
+    # Every variant carries the merge tile: a two-launch step's decode
+    # launch takes the mixed launch's constexprs and merges with them.
     merge_rows = min(decode_m, next_power_of_2(group))
     return dict(
         BLOCK_SIZE=key_cache.shape[1],
         GROUP=group,
         HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad(head_dim),
+        HEAD_PAD=pad,
         DECODE_TOKENS=decode_tokens,
         DECODE_M=decode_m,
         PREFILL_M=_tile_rows(tokens_per_tile, group),
@@ -840,7 +843,7 @@ def _constexprs(
         DOT_PRECISION=_dot_precision(query.dtype),
         FUSED_MERGE=TILES.fused_merge and not has_prefill,
         MERGE_ROWS=merge_rows,
-        MERGE_SPLITS=max(1, min(MAX_MERGE_SPLITS, MERGE_TILE // (merge_rows * head_pad(head_dim)))),
+        MERGE_SPLITS=max(1, min(MAX_MERGE_SPLITS, MERGE_TILE // (merge_rows * pad))),
         MERGE_LSE_SPLITS=MERGE_LSE_SPLITS,
     )
 

@@ -282,21 +282,18 @@ def test_both_merges_read_the_pieces_a_chunk_at_a_time(device, make_batch, oracl
     monkeypatch.setattr(pa, "MERGE_TILE", 4 * 32 * 2)
     monkeypatch.setattr(pa, "MERGE_LSE_SPLITS", 4)
     monkeypatch.setattr(pa, "SPLIT_CHUNK", 2)
-    plans = {}
+    plans, outs = {}, {}
     for fused in (True, False):
         with pa.tiles(fused_merge=fused):
-            plans[fused] = plan = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs),
-                                              kv_chunk=64)
-            out = run(batch, plan)
-            constexprs = pa._plan_constexprs(batch.query, batch.key_cache, plan)
-        if fused:
-            fused_out = out
-            assert (constexprs["MERGE_ROWS"], constexprs["MERGE_SPLITS"], constexprs["MERGE_LSE_SPLITS"]) == (4, 2, 4)
-            assert constexprs["DECODE_M"] == 16 and constexprs["HEAD_PAD"] == 32
+            plans[fused] = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), kv_chunk=64)
+            outs[fused] = run(batch, plans[fused])
+    c = pa._plan_constexprs(batch.query, batch.key_cache, plans[True])
+    assert (c["MERGE_ROWS"], c["MERGE_SPLITS"], c["MERGE_LSE_SPLITS"]) == (4, 2, 4)
+    assert c["DECODE_M"] == 16 and c["HEAD_PAD"] == 32
     assert plans[True].max_splits == 11 and not plans[True].has_prefill_tiles
     assert not plans[True].scratch[pa.merge_counts_key(2, batch.query.device)].any()
-    torch.testing.assert_close(fused_out, out, atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(fused_out, oracle(batch), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(outs[True], outs[False], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(outs[True], oracle(batch), atol=ATOL, rtol=RTOL)
 
 
 def test_a_mixed_step_takes_the_plan_predicted_faster(device, make_batch, monkeypatch):
