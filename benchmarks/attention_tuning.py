@@ -6,7 +6,7 @@ prefill, so a short budget cuts the prefill grid.
 
 * **prefill**: whole prompts of ``--prefill-lens`` tokens at each launch
   shape ``PREFILL_SHAPES`` lists, against torch's flash SDPA on the same
-  shapes (as ``kernels.py`` measures it);
+  shapes (as ``kernel_bench.py`` measures it);
 * **decode, batch 1**: one sequence of ``--contexts`` keys, timed as a CUDA
   graph replays it (the engine's default decode path), against the
   device-to-device copy bandwidth;
@@ -50,7 +50,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dummy_models import save_results  # noqa: E402
-from kernels import (  # noqa: E402
+from kernel_bench import (  # noqa: E402
     RESULTS_DIR, Shape, bench_mixed, bench_ms, bench_sdpa_prefill, copy_bandwidth_gbs, device_slug, graph_ms,
     make_cache_batch, run_attention,
 )

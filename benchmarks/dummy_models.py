@@ -106,7 +106,7 @@ def run_record(script: str, device: str, **fields) -> dict | None:
 
 def device_slug(name: str) -> str:
     """A device name as result files carry it: ``NVIDIA H100 80GB HBM3`` ->
-    ``nvidia_h100_80gb_hbm3`` (as benchmarks/kernels.py and gpu_check.sh
+    ``nvidia_h100_80gb_hbm3`` (as benchmarks/kernel_bench.py and gpu_check.sh
     name theirs)."""
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 

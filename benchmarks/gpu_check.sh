@@ -18,7 +18,7 @@
 #   mixed steps            90 / 60 s   benchmarks/mixed_steps.py: prefill chunks beside
 #                                      decodes, eager against piecewise graphs (and
 #                                      decode-only against decode graphs)
-#   kernel benchmark       90 / 60 s   benchmarks/kernels.py (--quick: short sweep):
+#   kernel benchmark       90 / 60 s   benchmarks/kernel_bench.py (--quick: short sweep):
 #                                      decode, prefill against SDPA, a mixed step's plans
 #   throughput            180 / 90 s   offline, graphs on, against transformers:
 #                                      64 prompts x 128 tokens, and again with
@@ -128,7 +128,7 @@ try:
 except ImportError:
     triton_version = "absent"
 print(name)
-print(re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_"))  # as benchmarks/kernels.py names its files
+print(re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_"))  # as benchmarks/kernel_bench.py names its files
 print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton_version}")
 EOF
 )
@@ -240,14 +240,14 @@ run_step kernel_tests "$KERNEL_TESTS_LIMIT" "$RESULTS/gpu_tests_kernels_${SLUG}.
     "${PYTEST[@]}" --junitxml="$SCRATCH/kernels.xml" tests/kernels
 
 run_step batch1_decode "$DECODE_LIMIT" "$RESULTS/batch1_decode_${SLUG}.json" "" \
-    "$PY" benchmarks/kernels.py --batch1-decode --decode-modes eager graphs graphs-async graphs-fused-merge \
+    "$PY" benchmarks/kernel_bench.py --batch1-decode --decode-modes eager graphs graphs-async graphs-fused-merge \
     eager-cublas eager-no-relaunch --out "$RESULTS"
 
 run_step mixed_steps "$MIXED_LIMIT" "$RESULTS/mixed_steps_${SLUG}.json" "" \
     "$PY" benchmarks/mixed_steps.py --out "$RESULTS" "${MIXED_ARGS[@]}"
 
 run_step kernel_bench "$BENCH_LIMIT" "$RESULTS/kernels_${SLUG}.json" "" \
-    "$PY" benchmarks/kernels.py --out "$RESULTS" "${BENCH_ARGS[@]}"
+    "$PY" benchmarks/kernel_bench.py --out "$RESULTS" "${BENCH_ARGS[@]}"
 
 run_step throughput "$THROUGHPUT_LIMIT" "$RESULTS/throughput-${SLUG}-llama3-8b-graphs.json" "" \
     "$PY" benchmarks/throughput.py --preset llama3-8b --device cuda --no-enforce-eager "${THROUGHPUT_SIZE[@]}" \

@@ -47,7 +47,7 @@ from fluidserve.kernels import gemv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dummy_models import PRESETS, save_results  # noqa: E402
-from kernels import RESULTS_DIR, copy_bandwidth_gbs, device_slug, graph_ms  # noqa: E402
+from kernel_bench import RESULTS_DIR, copy_bandwidth_gbs, device_slug, graph_ms  # noqa: E402
 
 # Two warps never won on an H100 (and collapsed at 32x512); the engine's launch shape is among these.
 TRITON_CONFIGS = [(bn, bk, 4) for bn in (4, 8, 16, 32) for bk in (128, 256, 512)]

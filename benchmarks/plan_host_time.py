@@ -10,7 +10,7 @@ adds to every eager step's latency and, under asynchronous scheduling, eats
 into the host's lead over the device. The shapes are a Llama-3-8B layer's on
 an H100/H200 (8 KV heads, group 4: 32-token prefill tiles, 4-token decode
 tiles, 33 units per KV head of either kernel variant) at the batch sizes and
-contexts of ``kernels.py`` and ``attention_tuning.py``, and a short mixed
+contexts of ``kernel_bench.py`` and ``attention_tuning.py``, and a short mixed
 step (a small prompt beside a few decodes); ``plan_for`` gives a mixed step
 the plan, one launch or two, its cost model predicts faster
 (``packing.predicted_us``), building the second only where its floor

@@ -21,7 +21,7 @@ It prints and saves the fit (each figure against its prediction), the
 fitted decode tile's slowdown inside the mixed variant, and the predicted
 time of the two-launch plan (``paged_attention.plan_for``'s choice for long
 decodes) beside the measured one-launch plans. These are predictions from a
-fitted model, not timings; ``kernels.py`` and ``attention_tuning.py`` time
+fitted model, not timings; ``kernel_bench.py`` and ``attention_tuning.py`` time
 the two-launch plan itself on a GPU.
 
     python benchmarks/plan_model.py                      # nvidia_h200
@@ -116,7 +116,7 @@ def case(label: str, ms: float, p: packing.WorkPlan, packed: bool, step: tuple[i
 
 
 def mixed_lens(chunk: int, decodes: int, longest: int) -> tuple[list[int], list[int]]:
-    """The mixed step kernels.py times (its seed-0 contexts)."""
+    """The mixed step kernel_bench.py times (its seed-0 contexts)."""
     rng = random.Random(0)
     return [chunk] + [1] * decodes, [chunk] + [rng.randint(512, longest) for _ in range(decodes)]
 
@@ -134,7 +134,7 @@ def load_cases(device: str, units: int) -> tuple[list[Case], dict[str, float]]:
                 cases.append(case(f"decode {b} x {ctx}", r["graph_ms"], plan([1] * b, [ctx] * b, units), True))
         for r in kern["prefill"]:
             cases.append(case(f"prompt {r['len']}", r["ms"], plan([r["len"]], [r["len"]], units), True))
-    mixed = [(8192, 128, 32768, kern["mixed"], " (kernels.py)", kern)]
+    mixed = [(8192, 128, 32768, kern["mixed"], " (kernel_bench.py)", kern)]
     tuning = RESULTS / f"attention_tuning_{device}.json"
     if tuning.exists():
         run = json.loads(tuning.read_text())
@@ -303,7 +303,7 @@ def markdown(r: dict) -> str:
              f"variant's time per key.** Prediction error: median {r['median_abs_error']:.1%}, "
              f"largest {r['max_abs_error']:.1%}.", "",
              "## Mixed steps: measured one-launch plans, predicted two-launch plan", "",
-             "Predictions, not timings: `kernels.py` and `attention_tuning.py` time the two-launch plan on a GPU. "
+             "Predictions, not timings: `kernel_bench.py` and `attention_tuning.py` time the two-launch plan on a GPU. "
              "The engine gives a mixed step the plan, one launch or two, `packing.predicted_us` finds faster "
              "with its constants (`packing.PLAN_COSTS`, the H200 fit's; against this fit below), one more eager "
              "launch's host time "

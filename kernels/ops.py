@@ -288,7 +288,7 @@ def linear_add(
 
 # Whether an eager CUDA step runs the batch-1 row kernels (a decode graph
 # always does). Process-wide: benchmarks time the eager layer both ways
-# (kernels.py --batch1-decode, mode eager-cublas).
+# (kernel_bench.py --batch1-decode, mode eager-cublas).
 _eager_row_kernels = True
 
 

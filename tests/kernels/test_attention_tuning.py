@@ -18,11 +18,10 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 @pytest.fixture
 def tuning(monkeypatch):
-    """The script, loaded as it runs: its ``from kernels import`` and
-    ``from dummy_models import`` find the benchmarks beside it, not the
-    repository's ``kernels`` folder another test may have imported."""
+    """The script, loaded as it runs: its ``from kernel_bench import`` and
+    ``from dummy_models import`` find the benchmarks beside it."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    for name in ("kernels", "attention_tuning"):
+    for name in ("kernel_bench", "attention_tuning"):
         spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         monkeypatch.setitem(sys.modules, name, module)  # put back as it was after the test

@@ -147,7 +147,7 @@ sys.meta_path.insert(0, Missing())
 sys.path.insert(0, {str(BENCHMARKS)!r})
 import fluidserve.engine, fluidserve.kernels.paged_attention
 from fluidserve.engine import LLM, SamplingParams
-import kernels, throughput, gpu_check_report, profile_decode, swap_copy, attention_tuning, linear_bandwidth
+import kernel_bench, throughput, gpu_check_report, profile_decode, swap_copy, attention_tuning, linear_bandwidth
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

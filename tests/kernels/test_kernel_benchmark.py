@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py before its first GPU run: the decode, prefill and
+"""benchmarks/kernel_bench.py before its first GPU run: the decode, prefill and
 mixed sweeps run end to end on tiny shapes (in the interpreter without CUDA,
 with a call count standing in for the GPU timer), launch no new kernel
 variant after the start-up warm-up, and render their report."""
@@ -15,7 +15,7 @@ import torch
 
 from fluidserve.kernels import paged_attention as pa
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_bench.py"
 
 
 @pytest.fixture
@@ -130,7 +130,7 @@ def test_loop_counts_read_each_innermost_loop_of_the_sass(bench):
 
 
 def compile_for_hopper(call: str):
-    """``kernels.<call>`` run in a subprocess without the interpreter (Triton
+    """``kernel_bench.<call>`` run in a subprocess without the interpreter (Triton
     picks it at import), compiling for sm_90; its result, read back as JSON."""
     import json
     import os
@@ -141,8 +141,8 @@ def compile_for_hopper(call: str):
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     if not (tools / "cuobjdump").exists() or not (tools / "ptxas").exists():
         pytest.skip("this Triton ships no CUDA tools to compile with")
-    script = (f"import json, sys, torch; sys.path.insert(0, {str(BENCH.parent)!r}); import kernels; "
-              f"print(json.dumps(kernels.{call}))")  # fmt: skip
+    script = (f"import json, sys, torch; sys.path.insert(0, {str(BENCH.parent)!r}); import kernel_bench; "
+              f"print(json.dumps(kernel_bench.{call}))")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -179,7 +179,7 @@ def test_prefill_tile_at_32_keys_a_step_spills_nothing_in_its_main_key_loop():
     """The mixed variant of a Llama-3-8B head compiled for sm_90: at 64
     keys a step the prefill tile's key loops reload spilled registers on
     every iteration; at 32 (``Tiles.prefill_block_n``, the alternative
-    kernels.py times on a GPU) its loop over the keys every row sees spills
+    kernel_bench.py times on a GPU) its loop over the keys every row sees spills
     nothing, and every key loop spills less."""
     default, alt = (compile_for_hopper(f"_compile_attention(8, 16, torch.bfloat16, 128, 4, True{extra})")
                     for extra in ("", ", prefill_block_n=32"))

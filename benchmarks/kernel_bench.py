@@ -24,8 +24,11 @@ compiled: a sweep of varied batches must not add any after warm-up) and the
 occupancy read off each variant.
 
 Results go to ``benchmarks/results/kernels_<device>.json`` and ``.md``.
-Run: ``python benchmarks/kernels.py`` (``--quick`` for a short sweep). Needs
-CUDA; on a machine without it the script says so and exits with status 1.
+Run: ``python benchmarks/kernel_bench.py`` (``--quick`` for a short sweep).
+Needs CUDA; on a machine without it the script says so and exits with
+status 1. (Not ``kernels.py``: the benchmarks' folder comes first on the path
+of a benchmark run as a script, where a ``kernels`` module would hide PyPI's,
+which transformers imports.)
 
 ``--batch1-decode`` instead times batch-1 greedy decode of a Llama-3-8B-shaped
 dummy model through the engine, eager (``enforce_eager=True``) and with
@@ -1011,7 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_only:
         return compile_main(args)
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU (none found); nothing measured.", file=sys.stderr)
+        print("benchmarks/kernel_bench.py needs a CUDA GPU (none found); nothing measured.", file=sys.stderr)
         return 1
     if args.batch1_decode:
         return batch1_main(args)
