@@ -74,29 +74,33 @@ PREFILL_SHAPES = [
     dict(wide_warps=8, mixed_max_registers=128, prefill_block_n=32, num_stages=4),
     dict(prefill_rows=64), dict(prefill_rows=64, num_stages=2),
 ]  # fmt: skip
-# max_registers 168: three programs per SM of the decode-only variant under
-# Triton 3.6 (two uncapped); fused_merge: the split-K merge inside the
-# launch. On the H200 at 16k keys, neither four units per KV head nor a
-# fourth stage beat the best of the other points for any block_n, and 32
-# keys an iteration ran no faster than 64 or 128 (46-47% of copy), so the
-# grid keeps 64. Five
-# stages: the first depth at which Triton's pipeliner double-buffers the
-# decode key loop's K and V (Tiles.decode_num_stages; at 2-4 it keeps one
-# buffer, "tile buffers" in kernels_compile_sm90-triton3.6.md).
-DECODE_GRID = dict(block_n=(64,), num_stages=(2, 3, 5), units_scale=(1, 2), max_registers=(None, 168),
+# fused_merge: the split-K merge inside the launch. Compiled for sm_90 by
+# Triton 3.6 (kernels_compile_sm90-triton3.6.md) the decode-only variant
+# takes 160 registers, three programs per SM, 168 at five stages and with
+# the fused merge, so the register cap (max_registers 168) changes the
+# occupancy of one point only, five stages with the fused merge (214
+# uncapped, two per SM): the grid runs uncapped, that point both ways. On
+# the H200 at 16k keys, neither four units per KV head nor a fourth stage
+# beat the best of the other points for any block_n, and 32 keys an
+# iteration ran no faster than 64 or 128 (46-47% of copy), so the grid
+# keeps 64. Five stages: the first depth at which Triton's pipeliner
+# double-buffers the decode key loop's K and V (Tiles.decode_num_stages; at
+# 2-4 it keeps one buffer, "tile buffers" in kernels_compile_sm90-triton3.6.md).
+DECODE_GRID = dict(block_n=(64,), num_stages=(2, 3, 5), units_scale=(1, 2), max_registers=(None,),
                    fused_merge=(False, True))
 # Fewer warps a program (Tiles.narrow_warps), compiled for sm_90 by Triton
-# 3.6 (kernels_compile_sm90-triton3.6.md): two hold the 64-key tile in 224
-# registers without spilling, four programs per SM against four warps' two;
-# one holds a 16-key tile in 197, ten per SM (eight double-buffered), or a
+# 3.6 (kernels_compile_sm90-triton3.6.md): two hold the 64-key tile in 225
+# registers without spilling, four programs per SM against four warps' three;
+# one holds a 16-key tile in 196, ten per SM (eight double-buffered), or a
 # 32-key tile in 255 (two spill instructions an iteration), eight per SM.
-# Keys in flight per SM: 128 by default, 256 at one warp and 32 keys, so
+# Keys in flight per SM: 192 by default, 256 at one warp and 32 keys, so
 # each program runs half the iterations for a long sequence; a warp alone
 # also keeps its row max and sum out of shared memory (two barriers a
 # key-loop iteration against nine). Under the register cap they spill, and
 # one warp's fused merge spills inside its key loop: uncapped, and one warp
 # with the merge kernel only.
 DECODE_POINTS = grid(DECODE_GRID) + [
+    dict(block_n=64, num_stages=5, units_scale=1, max_registers=168, fused_merge=True),
     *(dict(block_n=64, num_stages=stages, units_scale=1, max_registers=None, fused_merge=fused, narrow_warps=2)
       for stages in (3, 5) for fused in (False, True)),
     *(dict(block_n=block_n, num_stages=stages, units_scale=1, max_registers=None, fused_merge=False, narrow_warps=1)

@@ -763,12 +763,14 @@ def compile_report(num_kv_heads: int, block_size: int) -> list[dict]:
 
 # Launch shapes compiled beside the defaults: of the decode-only variant, the
 # register cap, the merge inside the launch (alone and under the cap), a
-# pipeline deep enough to double-buffer its key loop, two warps a program
+# pipeline deep enough to double-buffer its key loop (alone, with the merge,
+# and both under the cap), two warps a program
 # (alone, under the cap and double-buffered) and one (16 and 32 keys an
 # iteration); of the mixed variant, keys per step and warps (the tuning
 # sweep's axes).
 DECODE_SHAPES = [dict(max_registers=168), dict(fused_merge=True), dict(max_registers=168, fused_merge=True),
-                 dict(decode_num_stages=5), dict(decode_num_stages=5, fused_merge=True), dict(narrow_warps=2),
+                 dict(decode_num_stages=5), dict(decode_num_stages=5, fused_merge=True),
+                 dict(decode_num_stages=5, max_registers=168, fused_merge=True), dict(narrow_warps=2),
                  dict(narrow_warps=2, max_registers=168), dict(narrow_warps=2, decode_num_stages=5),
                  dict(narrow_warps=1, block_n=16), dict(narrow_warps=1, block_n=16, decode_num_stages=5),
                  dict(narrow_warps=1, block_n=32)]

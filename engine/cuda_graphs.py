@@ -50,8 +50,9 @@ real rows, pieces on multiples of the chunk), so the attention output equals
 the eager path's bit for bit unless the cap ``C`` binds; ``C`` is
 ``MAX_SPLITS`` for buckets up to 64 rows and shrinks above so that the
 split-K partial buffers (shared by every bucket and window) stay near
-``PARTIAL_ROWS`` rows of ``[Hq, D]`` fp32: ``partial_rows`` sizes them and
-every bucket's views, from the one formula ``b * max_splits_for(b)``.
+``PARTIAL_ROWS`` rows of ``[Hq, D]`` fp32: ``split_buffer_sizes`` of
+``b`` rows by ``max_splits_for(b)`` pieces sizes them, and ``split_buffers``
+cuts every bucket's views by the same formula.
 
 **Capture** runs at start-up (``Worker.warm_up``), after the KV cache exists
 (a graph holds the cache's addresses; a new cache drops the graphs), largest
@@ -144,12 +145,6 @@ def ineligible(inp: ModelInput, largest: int, width: int) -> str | None:
 def max_splits_for(bucket: int) -> int:
     """Split-K pieces per row a bucket's static plan holds (``C``)."""
     return max(1, min(packing.MAX_SPLITS, PARTIAL_ROWS // bucket))
-
-
-def partial_rows(sizes: tuple[int, ...]) -> int:
-    """Rows of the shared split-K buffers: enough for every bucket's
-    ``[b, C]`` view (``PARTIAL_ROWS`` unless a bucket is larger)."""
-    return max(b * max_splits_for(b) for b in sizes)
 
 
 # -- the static attention plan -----------------------------------------------------
@@ -261,7 +256,7 @@ class _PlanSpec:
     windows: list[int | None]
     num_units: dict  # window -> units of the decode-only variant
     group: int
-    partials: tuple[torch.Tensor, torch.Tensor]  # flat [partial_rows * Hq * D], [partial_rows * Hq] fp32
+    partials: tuple[torch.Tensor, torch.Tensor]  # flat fp32 storage of split_buffers, sized for every bucket
     num_q_heads: int
     head_dim: int
     num_kv_heads: int
@@ -314,9 +309,10 @@ class Bucket:
         self.write_padding()
 
     def _make_plans(self, h: np.ndarray, at: int, plan_words: int, cap: int) -> None:
+        from fluidserve.kernels.paged_attention import split_buffers
+
         s, b = self.spec, self.size
-        part_out = s.partials[0][:b * cap * s.num_q_heads * s.head_dim].view(b, cap, s.num_q_heads, s.head_dim)
-        part_lse = s.partials[1][:b * cap * s.num_q_heads].view(b, cap, s.num_q_heads)
+        part_out, part_lse = split_buffers(b, cap, s.num_q_heads, s.head_dim, storage=s.partials)
         counts = s.merge_counts[:b * s.num_kv_heads].view(b, s.num_kv_heads)
         for window in s.windows:
             units = s.num_units[window]
@@ -411,7 +407,7 @@ class DecodeGraphs:
             self._capture_all()
 
     def _plan_spec(self) -> _PlanSpec | None:
-        from fluidserve.kernels.paged_attention import default_num_units
+        from fluidserve.kernels.paged_attention import default_num_units, split_buffer_sizes
 
         attn = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         if not attn or not self.kv_caches:
@@ -421,8 +417,9 @@ class DecodeGraphs:
         query_like = torch.empty((0, a.num_heads, a.head_dim), dtype=key_cache.dtype, device=key_cache.device)
         units = {w: default_num_units(query_like, key_cache, False, w) for w in windows}
         f32 = dict(dtype=torch.float32, device=key_cache.device)
-        rows = partial_rows(self.sizes)
-        partials = (torch.empty(rows * a.num_heads * a.head_dim, **f32), torch.empty(rows * a.num_heads, **f32))
+        # One flat pair of split-K buffers, viewed [b, C, Hq, D] and [b, C, Hq] by every bucket.
+        sizes = [split_buffer_sizes(b, max_splits_for(b), a.num_heads, a.head_dim) for b in self.sizes]
+        partials = tuple(torch.empty(max(n), **f32) for n in zip(*sizes))
         counts = torch.zeros(max(self.sizes) * a.num_kv_heads, dtype=torch.int32, device=key_cache.device)
         return _PlanSpec(windows, units, a.num_heads // a.num_kv_heads, partials, a.num_heads, a.head_dim,
                          a.num_kv_heads, counts)

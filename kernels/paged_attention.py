@@ -82,13 +82,15 @@ DECODE_ROWS = 16
 # sequence) takes one round trip per chunk.
 SPLIT_CHUNK = 32
 # Partial values (fp32) the merge inside the attention launch
-# (``_merge_pieces``) reads at a time, at most MAX_MERGE_SPLITS pieces of a
-# row: 32 registers a thread at four warps, 8 pieces of a GQA group of 4
-# with a 128-wide head. Compiled for sm_90 (Triton 3.6), all of a chunk's
-# loads are issued before the first is used; at 8192 values the capped
-# variant (``Tiles.max_registers`` 168) spills inside its key loop, at 4096
-# it does not. Its first pass, which reads only the lse, takes
-# MERGE_LSE_SPLITS pieces at a time.
+# (``_merge_pieces``) reads at a time: up to MAX_MERGE_SPLITS pieces of a
+# (token, head) row, then as many rows as fit, 32 registers a thread at
+# four warps (32 pieces of one row with a 128-wide head). Compiled for sm_90
+# (Triton 3.6), all of a chunk's loads are issued before the first is used;
+# at 8192 values the capped variant (``Tiles.max_registers`` 168) spills
+# inside its key loop, at 4096 it does not. A tile of 8 pieces by 4 rows
+# took Triton 3.9 to 229 registers, two programs per SM, where a row at a
+# time keeps three under either Triton. Its first pass, which reads only
+# the lse, takes MERGE_LSE_SPLITS pieces at a time.
 MERGE_TILE = 4096
 MAX_MERGE_SPLITS = 32
 MERGE_LSE_SPLITS = 64
@@ -120,7 +122,7 @@ class Tiles:
     # tensor-core ones); at 32 keys they spill none
     # (kernels_compile_sm90-triton3.6.md, "spill instructions per key-loop
     # iteration"). 32 keys also rescale the accumulator twice as often, so
-    # kernels.py times both on a GPU before either becomes the default.
+    # kernel_bench.py times both on a GPU before either becomes the default.
     prefill_block_n: int | None = None
     # Warps of a variant whose widest tile has more than 64 rows, and of one
     # with none wider. Four for the 128-row prefill tile too: on an H100 it
@@ -146,8 +148,9 @@ class Tiles:
     decode_num_stages: int | None = None
     # Register cap per thread of the decode-only variant (ptxas maxnreg);
     # None: the compiler's choice. Triton 3.6, on the GPU machines, builds
-    # it (bf16, 128-wide head, group 4) in 200 registers, two programs per
-    # SM; capped at 168 it holds three without spilling
+    # it (bf16, 128-wide head, group 4) in 160 registers, three programs per
+    # SM, but at five stages with the fused merge in 214, two; capped at 168
+    # that one holds three without spilling in its key loop
     # (kernels_compile_sm90-triton3.6.md). attention_tuning.py times both.
     max_registers: int | None = None
     # The same for the mixed variant (the one with prefill tiles). Compiled
@@ -170,7 +173,7 @@ class Tiles:
     # that a batch-1 decode spends in a graph beyond moving its KV
     # (kernels_nvidia_h200.md: 0.014 ms at 512 keys). Not the mixed variant:
     # already at 255 registers for sm_90, the merge code spills more inside
-    # its prefill key loop (kernels_compile_sm90.md). kernels.py times it
+    # its prefill key loop (kernels_compile_sm90.md). kernel_bench.py times it
     # against the merge kernel on a GPU before it becomes the default.
     fused_merge: bool = False
 
@@ -197,8 +200,22 @@ def tiles(**changes: int | None) -> Iterator[Tiles]:
 # Arguments whose value follows the batch. Triton would compile a new variant
 # whenever one of them happens to be 1 or a multiple of 16 (a one-block table,
 # a split count that changes the partial buffer's stride).
-_ATTENTION_DYNAMIC = ("window", "stride_bt", "stride_pm", "stride_lm")
-_MERGE_DYNAMIC = ("stride_pm", "stride_lm")
+_ATTENTION_DYNAMIC = ("window", "stride_bt", "stride_pmu", "stride_lmu")
+_MERGE_DYNAMIC = ("stride_pmu", "stride_lmu")
+# Elements the split buffers' rows are padded to (see _split_row_strides).
+SPLIT_ROW_ALIGN = tl.constexpr(16)
+
+
+@triton.jit
+def _split_row_strides(stride_pmu, stride_lmu):
+    """The split buffers' row strides from their values in units of
+    ``SPLIT_ROW_ALIGN`` elements (``split_buffers`` pads the rows to it).
+    They follow the batch, so Triton does not specialise them; passed as
+    multiples of a constant, they are known multiples of 16: with the other
+    strides specialised, a row of partials starts 16-byte aligned, and the
+    kernels read and write it 16 bytes an instruction rather than 4 (SASS
+    for sm_90: LDG.E.128 and STG.E.128, not LDG.E and STG.E)."""
+    return stride_pmu * SPLIT_ROW_ALIGN, stride_lmu * SPLIT_ROW_ALIGN
 
 
 @triton.jit
@@ -391,7 +408,8 @@ def _merge_pieces(
     sm_90, an iteration waits for its own loads: a loop over single pieces
     waits for an L2 round trip per piece, twice over (the max, then the
     sums), 40 for a batch-1 decode split 32 ways, on the step's critical
-    path; in chunks, 5."""
+    path; a row's 32 pieces at a time, 2 a (token, head) row, 8 for a GQA
+    group of 4."""
     # Every thread's partial stores come before the count (one thread does
     # the atomic): the release then publishes them to the last piece.
     tl.debug_barrier()
@@ -423,7 +441,7 @@ def _merge_pieces(
             big = tl.max(run_max, 1)
             # A masked row has no finite lse; shift it by 0, not -inf.
             big = tl.where(big == float("-inf"), 0.0, big)
-            num = tl.zeros([MERGE_ROWS, HEAD_PAD], tl.float32)
+            num = tl.zeros([MERGE_ROWS, MERGE_SPLITS, HEAD_PAD], tl.float32)
             den = tl.zeros([MERGE_ROWS, MERGE_SPLITS], tl.float32)
             for s0 in range(0, n, MERGE_SPLITS):
                 sp = s0 + chunk
@@ -435,10 +453,10 @@ def _merge_pieces(
                     o_ok = o_ok & (d < HEAD_DIM)[None, None, :]
                 o = tl.load(out_row[:, None, None] + sp[None, :, None] * stride_ps + d[None, None, :], mask=o_ok,
                             other=0.0, cache_modifier=".cg")  # [MERGE_ROWS, MERGE_SPLITS, HEAD_PAD]
-                num += tl.sum(wgt[:, :, None] * o, 1)
+                num += wgt[:, :, None] * o
                 den += wgt
             total = tl.sum(den, 1)
-            merged = num / tl.where(total > 0.0, total, 1.0)[:, None]
+            merged = tl.sum(num, 1) / tl.where(total > 0.0, total, 1.0)[:, None]
             tok64 = (q_lo + tok_local).to(tl.int64)
             tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      merged.to(out_ptr.dtype.element_ty), mask=_dim_mask(row_ok, d, HEAD_DIM, HEAD_PAD))
@@ -463,8 +481,8 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh,
-    stride_pm, stride_ps, stride_ph,
-    stride_lm, stride_ls,
+    stride_pmu, stride_ps, stride_ph,  # stride_pmu, stride_lmu: see _split_row_strides
+    stride_lmu, stride_ls,
     stride_bt,
     BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
@@ -486,6 +504,7 @@ def _paged_attention_kernel(
 ):
     unit = tl.program_id(0)
     kv_head = tl.program_id(1)
+    stride_pm, stride_lm = _split_row_strides(stride_pmu, stride_lmu)
     w_begin = tl.load(unit_offsets_ptr + unit)
     w_end = tl.load(unit_offsets_ptr + unit + 1)
     for w in range(w_begin, w_end):
@@ -552,8 +571,8 @@ def _merge_kernel(
     merge_tokens_ptr,  # [num_merge_rows] int32
     merge_num_splits_ptr,  # [num_merge_rows] int32
     stride_ot, stride_oh,
-    stride_pm, stride_ps, stride_ph,
-    stride_lm, stride_ls,
+    stride_pmu, stride_ps, stride_ph,  # stride_pmu, stride_lmu: see _split_row_strides
+    stride_lmu, stride_ls,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
@@ -561,6 +580,7 @@ def _merge_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    stride_pm, stride_lm = _split_row_strides(stride_pmu, stride_lmu)
     tok = tl.load(merge_tokens_ptr + row).to(tl.int64)
     n = tl.load(merge_num_splits_ptr + row)
     d = tl.arange(0, HEAD_PAD)
@@ -825,8 +845,10 @@ def _constexprs(
     pad = head_pad(head_dim)
     decode_m = _tile_rows(decode_tokens, group)
     # Every variant carries the merge tile: a two-launch step's decode
-    # launch takes the mixed launch's constexprs and merges with them.
-    merge_rows = min(decode_m, next_power_of_2(group))
+    # launch takes the mixed launch's constexprs and merges with them. It
+    # takes a row's pieces first, then as many rows as the tile has room for.
+    merge_splits = max(1, min(MAX_MERGE_SPLITS, MERGE_TILE // pad))
+    merge_rows = max(1, min(decode_m, next_power_of_2(group), MERGE_TILE // (merge_splits * pad)))
     return dict(
         BLOCK_SIZE=key_cache.shape[1],
         GROUP=group,
@@ -843,7 +865,7 @@ def _constexprs(
         DOT_PRECISION=_dot_precision(query.dtype),
         FUSED_MERGE=TILES.fused_merge and not has_prefill,
         MERGE_ROWS=merge_rows,
-        MERGE_SPLITS=max(1, min(MAX_MERGE_SPLITS, MERGE_TILE // (merge_rows * pad))),
+        MERGE_SPLITS=merge_splits,
         MERGE_LSE_SPLITS=MERGE_LSE_SPLITS,
     )
 
@@ -907,13 +929,42 @@ def _partials(
     key = (num_q_heads, head_dim, str(device))
     if key not in plan.scratch:
         # Partials only for split rows; dummies keep the kernel signature fixed.
-        splits = max(plan.max_splits, 1)
-        rows = max(plan.num_merge_rows, 1)
-        plan.scratch[key] = (
-            torch.empty((rows, splits, num_q_heads, head_dim), dtype=torch.float32, device=device),
-            torch.empty((rows, splits, num_q_heads), dtype=torch.float32, device=device),
-        )
+        plan.scratch[key] = split_buffers(max(plan.num_merge_rows, 1), max(plan.max_splits, 1), num_q_heads,
+                                          head_dim, device=device)
     return plan.scratch[key]
+
+
+def _row_stride(row: int) -> int:
+    return -(-row // SPLIT_ROW_ALIGN.value) * SPLIT_ROW_ALIGN.value
+
+
+def split_buffer_sizes(merge_rows: int, splits: int, num_q_heads: int, head_dim: int) -> tuple[int, int]:
+    """Elements of the flat storage ``split_buffers`` views: partials, lse."""
+    return (merge_rows * _row_stride(splits * num_q_heads * head_dim), merge_rows * _row_stride(splits * num_q_heads))
+
+
+def split_buffers(
+    merge_rows: int, splits: int, num_q_heads: int, head_dim: int, *, device: torch.device | None = None,
+    storage: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K buffers, fp32: partials [merge_rows, splits, Hq, D] and
+    their lse [merge_rows, splits, Hq], each merge row starting at a multiple
+    of ``SPLIT_ROW_ALIGN`` elements, as the kernels assume. New on ``device``,
+    or views of flat ``storage`` (as long as ``split_buffer_sizes`` at least)
+    that plans of several shapes share."""
+    sizes = split_buffer_sizes(merge_rows, splits, num_q_heads, head_dim)
+    if storage is None:
+        storage = tuple(torch.empty(n, dtype=torch.float32, device=device) for n in sizes)
+    views = []
+    for flat, n, shape in zip(storage, sizes, ((splits, num_q_heads, head_dim), (splits, num_q_heads))):
+        if flat.dtype != torch.float32 or flat.dim() != 1 or flat.numel() < n:
+            raise ValueError(f"split-K storage needs {n} fp32 elements in one dimension, got {tuple(flat.shape)} "
+                             f"{flat.dtype}")
+        inner = [1]
+        for extent in reversed(shape[1:]):
+            inner.insert(0, inner[0] * extent)
+        views.append(flat.as_strided((merge_rows, *shape), (_row_stride(math.prod(shape)), *inner)))
+    return views[0], views[1]
 
 
 def merge_counts_key(num_kv_heads: int, device: torch.device | str) -> tuple:
@@ -970,8 +1021,9 @@ def _prepare(
             stride_kb=key_cache.stride(0), stride_ks=key_cache.stride(1), stride_kh=key_cache.stride(2),
             stride_vb=value_cache.stride(0), stride_vs=value_cache.stride(1), stride_vh=value_cache.stride(2),
             stride_ot=out_strides[0], stride_oh=out_strides[1],
-            stride_pm=part_out.stride(0), stride_ps=part_out.stride(1), stride_ph=part_out.stride(2),
-            stride_lm=part_lse.stride(0), stride_ls=part_lse.stride(1),
+            stride_pmu=part_out.stride(0) // SPLIT_ROW_ALIGN.value, stride_ps=part_out.stride(1),
+            stride_ph=part_out.stride(2), stride_lmu=part_lse.stride(0) // SPLIT_ROW_ALIGN.value,
+            stride_ls=part_lse.stride(1),
             stride_bt=block_tables.stride(0),
         )  # fmt: skip
         options = _launch_options(constexprs)
@@ -989,8 +1041,9 @@ def _merge_args(launch: _Launch, plan: WorkPlan) -> dict[str, object]:
         out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,
         merge_tokens_ptr=plan.merge_tokens, merge_num_splits_ptr=plan.merge_num_splits,
         stride_ot=out.stride(0), stride_oh=out.stride(1),
-        stride_pm=part_out.stride(0), stride_ps=part_out.stride(1), stride_ph=part_out.stride(2),
-        stride_lm=part_lse.stride(0), stride_ls=part_lse.stride(1),
+        stride_pmu=part_out.stride(0) // SPLIT_ROW_ALIGN.value, stride_ps=part_out.stride(1),
+        stride_ph=part_out.stride(2), stride_lmu=part_lse.stride(0) // SPLIT_ROW_ALIGN.value,
+        stride_ls=part_lse.stride(1),
     )  # fmt: skip
 
 

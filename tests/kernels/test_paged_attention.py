@@ -276,10 +276,12 @@ def test_both_merges_read_the_pieces_a_chunk_at_a_time(device, make_batch, oracl
     of 3 (a 12-row decode tile) span three row blocks of 4, whose rows
     straddle tokens; a 24-wide head pads to 32 columns. The merge kernel,
     its chunks made as small (SPLIT_CHUNK, and the lse's), gives the same
-    attention, and the reference does."""
+    attention, and the reference does. The lse's rows (11 pieces x 6 heads)
+    are padded from 66 to 80 elements, which both merges must follow."""
     specs = [(2, 700), (3, 400), (1, 30), (1, 641)]
     batch = make_batch(specs, num_kv_heads=2, group=3, head_dim=24, block_size=16, device=device, seed=5)
     monkeypatch.setattr(pa, "MERGE_TILE", 4 * 32 * 2)
+    monkeypatch.setattr(pa, "MAX_MERGE_SPLITS", 2)  # and so 4 rows a tile
     monkeypatch.setattr(pa, "MERGE_LSE_SPLITS", 4)
     monkeypatch.setattr(pa, "SPLIT_CHUNK", 2)
     plans, outs = {}, {}
@@ -292,8 +294,28 @@ def test_both_merges_read_the_pieces_a_chunk_at_a_time(device, make_batch, oracl
     assert c["DECODE_M"] == 16 and c["HEAD_PAD"] == 32
     assert plans[True].max_splits == 11 and not plans[True].has_prefill_tiles
     assert not plans[True].scratch[pa.merge_counts_key(2, batch.query.device)].any()
+    part_out, part_lse = plans[True].scratch[(6, 24, str(batch.query.device))]
+    assert part_lse.stride() == (80, 6, 1) and part_out.stride() == (11 * 6 * 24, 6 * 24, 24, 1)
     torch.testing.assert_close(outs[True], outs[False], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(outs[True], oracle(batch), atol=ATOL, rtol=RTOL)
+
+
+def test_split_buffers_start_each_merge_row_on_16_elements():
+    """The kernels take the split buffers' row strides in units of
+    SPLIT_ROW_ALIGN (16 elements, so 16-byte accesses): rows are padded up
+    to it, views of shared flat storage are cut the same way, and storage
+    too short for a shape is refused rather than overrun."""
+    out, lse = pa.split_buffers(3, 5, 3, 24, device="cpu")
+    assert out.shape == (3, 5, 3, 24) and out.stride() == (368, 72, 24, 1)  # 360 -> 368
+    assert lse.shape == (3, 5, 3) and lse.stride() == (16, 3, 1)  # 15 -> 16
+    sizes = pa.split_buffer_sizes(3, 5, 3, 24)
+    assert sizes == (3 * 368, 3 * 16)
+    storage = tuple(torch.zeros(n + 7) for n in sizes)
+    out, lse = pa.split_buffers(3, 5, 3, 24, storage=storage)
+    out[2, 4, 2, 23], lse[2, 4, 2] = 1.0, 2.0
+    assert storage[0][2 * 368 + 4 * 72 + 2 * 24 + 23] == 1.0 and storage[1][2 * 16 + 14] == 2.0
+    with pytest.raises(ValueError, match="needs 1104 fp32 elements"):
+        pa.split_buffers(3, 5, 3, 24, storage=(torch.zeros(1103), storage[1]))
 
 
 def test_a_mixed_step_takes_the_plan_predicted_faster(device, make_batch, monkeypatch):
