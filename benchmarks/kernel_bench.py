@@ -704,6 +704,7 @@ def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...],
     regs, stack, local = map(int, found.groups())
     return dict(registers=regs, stack_bytes=stack, local_bytes=local, shared_bytes=compiled.metadata.shared,
                 num_warps=options["num_warps"], compile_s=seconds, tile_buffers=tile_buffers(compiled.asm["ttgir"]),
+                wide_accesses=len(re.findall(r"\b(?:LDG|STG)\.E\.128\b", sass)),
                 **{f"loop_{kind}": counts for kind, counts in loop_counts(sass).items()})  # fmt: skip
 
 
@@ -864,7 +865,7 @@ def _launches_of(call: Callable[[], Any]) -> list[tuple[Any, dict, dict, dict]]:
 def row_compile_report() -> list[dict]:
     """The eager layer's other Triton kernels (RMSNorm with and without the
     residual add, SiLU-mul, rope with the KV write, the cache write, the
-    swap's block copies), compiled for sm_90 with the arguments their
+    swap's block copies, the split-K merge), compiled for sm_90 with the arguments their
     wrappers pass at a Llama-3-8B decode token (bf16, 32 query and 8 KV
     heads of 128, hidden 4096, intermediate 14336, 16-token blocks). None
     of them needs a GPU to compile, so a kernel that will not build under a
@@ -897,9 +898,27 @@ def row_compile_report() -> list[dict]:
         res = _compile_offline(fn, args, constexprs, (), options)
         res.update(kernel=kernel, variant=variant)
         rows.append(res)
-        print(f"{kernel} {variant:30s} warps={res['num_warps']} regs={res['registers']} "
+    rows.append(_compile_merge(8, 16, bf16, 128, 4))
+    for res in rows:
+        print(f"{res['kernel']} {res['variant']:30s} warps={res['num_warps']} regs={res['registers']} "
               f"stack={res['stack_bytes']} local={res['local_bytes']} ({res['compile_s']:.1f} s)")
     return rows
+
+
+def _compile_merge(num_kv_heads: int, block_size: int, dtype: torch.dtype, head_dim: int, group: int) -> dict:
+    """The split-K merge kernel (every decode graph step runs it), with
+    the arguments the attention's launcher passes it."""
+    from fluidserve.kernels import paged_attention as pa
+
+    query = torch.empty((1, num_kv_heads * group, head_dim), dtype=dtype)
+    cache = torch.empty((4, block_size, num_kv_heads, head_dim), dtype=dtype)
+    plan = pa._empty_plan(query.device, group, False, None)
+    launch = pa._prepare(query[:0], cache, cache, torch.zeros((1, 1), dtype=torch.int32), 1.0, plan)
+    launch = launch.with_tensors(launch.args, torch.empty_like(query))
+    res = _compile_offline(pa._merge_kernel, pa._merge_args(launch, plan), pa._merge_constexprs(launch),
+                           pa._MERGE_DYNAMIC, dict(num_warps=pa.MERGE_WARPS))
+    res.update(kernel="merge", variant=f"split-K merge, head {head_dim}")
+    return res
 
 
 # The per-key-loop columns of the compile report (``loop_counts``, saved as
@@ -963,7 +982,7 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
         lines += _resource_section(
             "The layer's other kernels, at a Llama-3-8B decode token (bf16)",
             "Each compiled with the arguments its wrapper passes (kernels/fused_norm.py, activation.py, "
-            "rope_cache.py, cache_ops.py).",
+            "rope_cache.py, cache_ops.py, and paged_attention.py's split-K merge).",
             {"kernel": "kernel", "launch": "variant", "warps": "num_warps"}, others)
     return "\n".join(lines) + "\n"
 

@@ -93,6 +93,8 @@ SPLIT_CHUNK = 32
 # the lse, takes MERGE_LSE_SPLITS pieces at a time.
 MERGE_TILE = 4096
 MAX_MERGE_SPLITS = 32
+# Warps of a merge kernel program (one (row, head) pair).
+MERGE_WARPS = 4
 MERGE_LSE_SPLITS = 64
 # Widest head the tiles hold in registers.
 MAX_HEAD_DIM = 256
@@ -599,7 +601,10 @@ def _merge_kernel(
     # weights are 0 rather than NaN.
     big = tl.max(run_max, 0)
     big = tl.where(big == float("-inf"), 0.0, big)
-    num = tl.zeros([HEAD_PAD], tl.float32)
+    # Sums kept per piece of the chunk and reduced after the loop: with
+    # 16-byte loads a warp holds whole rows of a piece, so a sum over the
+    # pieces inside the loop would cross warps (a barrier an iteration).
+    num = tl.zeros([SPLIT_CHUNK, HEAD_PAD], tl.float32)
     den = tl.zeros([SPLIT_CHUNK], tl.float32)
     for s0 in range(0, n, SPLIT_CHUNK):
         sp = s0 + chunk
@@ -610,11 +615,11 @@ def _merge_kernel(
             mask=_dim_mask(sp_ok, d, HEAD_DIM, HEAD_PAD),
             other=0.0,
         )  # [SPLIT_CHUNK, HEAD_PAD]
-        num += tl.sum(wgt[:, None] * o, 0)
+        num += wgt[:, None] * o
         den += wgt
     total = tl.sum(den, 0)
     # No splits (the start-up warm-up's scratch row) gives 0, not 0/0.
-    merged = num / tl.where(total > 0.0, total, 1.0)
+    merged = tl.sum(num, 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -1095,8 +1100,8 @@ def _run(launch: _Launch, grid_units: int) -> None:
 def _run_merge(launch: _Launch, plan: WorkPlan, rows: int) -> None:
     args = _merge_args(launch, plan)
     consts = _merge_constexprs(launch)
-    _record("merge", args, consts, _MERGE_DYNAMIC, 4)
-    _MERGE[(rows, launch.out.shape[1])](*args.values(), **consts, num_warps=4)
+    _record("merge", args, consts, _MERGE_DYNAMIC, MERGE_WARPS)
+    _MERGE[(rows, launch.out.shape[1])](*args.values(), **consts, num_warps=MERGE_WARPS)
 
 
 def _launch(

@@ -177,6 +177,23 @@ def test_decode_variant_compiles_for_hopper_without_spilling():
     assert piped["stack_bytes"] == 0 and piped["programs_per_sm"] >= 2
 
 
+def test_partials_move_16_bytes_an_instruction_and_the_merge_waits_at_no_barrier():
+    """Compiled for sm_90: the split buffers' row strides are known
+    multiples of 16 elements, so the decode tile writes its partials with
+    16-byte stores and the merge kernel reads them with 16-byte loads
+    (unknown alignment gives 4-byte ones, four times the instructions), and
+    the merge's loops run no barrier (its sums over the pieces are reduced
+    after them) nor spill."""
+    decode = compile_for_hopper("_compile_attention(8, 16, torch.bfloat16, 128, 4, False)")
+    merge = compile_for_hopper("_compile_merge(8, 16, torch.bfloat16, 128, 4)")
+    # The decode tile: 16-byte loads of Q and stores of its output either
+    # way (2 + 2), and its partial [16, 128] fp32 (16 values a thread) in
+    # 4 more; the merge: a chunk of [32, 128] fp32, 8 a thread.
+    assert decode["wide_accesses"] >= 8 and merge["wide_accesses"] >= 8, (decode, merge)
+    assert merge["loop_barriers"] and not any(merge["loop_barriers"]) and not any(merge["loop_spills"]), merge
+    assert merge["stack_bytes"] == 0
+
+
 def test_prefill_tile_at_32_keys_a_step_spills_nothing_in_its_main_key_loop():
     """The mixed variant of a Llama-3-8B head compiled for sm_90: at 64
     keys a step the prefill tile's key loops reload spilled registers on
