@@ -93,9 +93,9 @@ SPLIT_CHUNK = 32
 # the lse, takes MERGE_LSE_SPLITS pieces at a time.
 MERGE_TILE = 4096
 MAX_MERGE_SPLITS = 32
+MERGE_LSE_SPLITS = 64
 # Warps of a merge kernel program (one (row, head) pair).
 MERGE_WARPS = 4
-MERGE_LSE_SPLITS = 64
 # Widest head the tiles hold in registers.
 MAX_HEAD_DIM = 256
 # Persistent programs per SM assumed where the compiled kernel cannot be read
@@ -939,13 +939,21 @@ def _partials(
     return plan.scratch[key]
 
 
-def _row_stride(row: int) -> int:
-    return -(-row // SPLIT_ROW_ALIGN.value) * SPLIT_ROW_ALIGN.value
+def _split_rows(splits: int, num_q_heads: int, head_dim: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of a merge row of the partials and of their lse."""
+    return (splits, num_q_heads, head_dim), (splits, num_q_heads)
+
+
+def _row_stride(row_shape: tuple[int, ...]) -> int:
+    """Elements from one merge row to the next: the row, padded to ``SPLIT_ROW_ALIGN``."""
+    align = SPLIT_ROW_ALIGN.value
+    return -(-math.prod(row_shape) // align) * align
 
 
 def split_buffer_sizes(merge_rows: int, splits: int, num_q_heads: int, head_dim: int) -> tuple[int, int]:
     """Elements of the flat storage ``split_buffers`` views: partials, lse."""
-    return (merge_rows * _row_stride(splits * num_q_heads * head_dim), merge_rows * _row_stride(splits * num_q_heads))
+    out, lse = (merge_rows * _row_stride(shape) for shape in _split_rows(splits, num_q_heads, head_dim))
+    return out, lse
 
 
 def split_buffers(
@@ -957,19 +965,27 @@ def split_buffers(
     of ``SPLIT_ROW_ALIGN`` elements, as the kernels assume. New on ``device``,
     or views of flat ``storage`` (as long as ``split_buffer_sizes`` at least)
     that plans of several shapes share."""
-    sizes = split_buffer_sizes(merge_rows, splits, num_q_heads, head_dim)
+    shapes = _split_rows(splits, num_q_heads, head_dim)
     if storage is None:
-        storage = tuple(torch.empty(n, dtype=torch.float32, device=device) for n in sizes)
+        storage = tuple(torch.empty(merge_rows * _row_stride(shape), dtype=torch.float32, device=device)
+                        for shape in shapes)
     views = []
-    for flat, n, shape in zip(storage, sizes, ((splits, num_q_heads, head_dim), (splits, num_q_heads))):
+    for flat, shape in zip(storage, shapes, strict=True):
+        n = merge_rows * _row_stride(shape)
         if flat.dtype != torch.float32 or flat.dim() != 1 or flat.numel() < n:
             raise ValueError(f"split-K storage needs {n} fp32 elements in one dimension, got {tuple(flat.shape)} "
                              f"{flat.dtype}")
-        inner = [1]
-        for extent in reversed(shape[1:]):
-            inner.insert(0, inner[0] * extent)
-        views.append(flat.as_strided((merge_rows, *shape), (_row_stride(math.prod(shape)), *inner)))
+        inner = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))  # contiguous within a row
+        views.append(flat.as_strided((merge_rows, *shape), (_row_stride(shape), *inner)))
     return views[0], views[1]
+
+
+def _split_strides(part_out: torch.Tensor, part_lse: torch.Tensor) -> dict[str, int]:
+    """The split buffers' strides as the kernels take them (row strides in
+    units of ``SPLIT_ROW_ALIGN``: ``_split_row_strides``)."""
+    align = SPLIT_ROW_ALIGN.value
+    return dict(stride_pmu=part_out.stride(0) // align, stride_ps=part_out.stride(1), stride_ph=part_out.stride(2),
+                stride_lmu=part_lse.stride(0) // align, stride_ls=part_lse.stride(1))
 
 
 def merge_counts_key(num_kv_heads: int, device: torch.device | str) -> tuple:
@@ -1026,9 +1042,7 @@ def _prepare(
             stride_kb=key_cache.stride(0), stride_ks=key_cache.stride(1), stride_kh=key_cache.stride(2),
             stride_vb=value_cache.stride(0), stride_vs=value_cache.stride(1), stride_vh=value_cache.stride(2),
             stride_ot=out_strides[0], stride_oh=out_strides[1],
-            stride_pmu=part_out.stride(0) // SPLIT_ROW_ALIGN.value, stride_ps=part_out.stride(1),
-            stride_ph=part_out.stride(2), stride_lmu=part_lse.stride(0) // SPLIT_ROW_ALIGN.value,
-            stride_ls=part_lse.stride(1),
+            **_split_strides(part_out, part_lse),
             stride_bt=block_tables.stride(0),
         )  # fmt: skip
         options = _launch_options(constexprs)
@@ -1041,14 +1055,13 @@ def _prepare(
 
 
 def _merge_args(launch: _Launch, plan: WorkPlan) -> dict[str, object]:
-    out, part_out, part_lse = launch.out, launch.part_out, launch.part_lse
+    # The strides are the attention launch's, worked out once per layout.
+    a = launch.args
     return dict(
-        out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,
+        out_ptr=launch.out, part_out_ptr=launch.part_out, part_lse_ptr=launch.part_lse,
         merge_tokens_ptr=plan.merge_tokens, merge_num_splits_ptr=plan.merge_num_splits,
-        stride_ot=out.stride(0), stride_oh=out.stride(1),
-        stride_pmu=part_out.stride(0) // SPLIT_ROW_ALIGN.value, stride_ps=part_out.stride(1),
-        stride_ph=part_out.stride(2), stride_lmu=part_lse.stride(0) // SPLIT_ROW_ALIGN.value,
-        stride_ls=part_lse.stride(1),
+        stride_ot=a["stride_ot"], stride_oh=a["stride_oh"], stride_pmu=a["stride_pmu"], stride_ps=a["stride_ps"],
+        stride_ph=a["stride_ph"], stride_lmu=a["stride_lmu"], stride_ls=a["stride_ls"],
     )  # fmt: skip
 
 

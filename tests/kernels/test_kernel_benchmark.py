@@ -155,11 +155,10 @@ def test_decode_variant_compiles_for_hopper_without_spilling():
     bytes: a spill would be read back on every step of the key loop), three
     programs to an SM: at the compiler's own register count (Triton 3.9:
     147; 3.6, the GPU machines': 160), or under the cap
-    ``Tiles.max_registers`` offers a compiler that takes more (Triton 3.6
-    took 200, two programs, while the split buffers' row stride was not
-    known to be a multiple of 16). With the merge fused into it, its key
-    loop still spills nothing, at no fewer programs; five pipeline stages
-    double-buffer its K and V without spilling."""
+    ``Tiles.max_registers`` offers a compiler that takes more. With the
+    merge fused into it, its key loop still spills nothing, at no fewer
+    programs; five pipeline stages double-buffer its K and V without
+    spilling."""
     call = "_compile_attention(8, 16, torch.bfloat16, 128, 4, False{})"
     row = compile_for_hopper(call.format(""))
     assert row["variant"] == "decode-only" and row["num_warps"] == 4
