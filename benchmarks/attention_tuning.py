@@ -63,11 +63,13 @@ def grid(axes: dict[str, tuple]) -> list[dict]:
 # (rows x keys x warps x stages) left 128-key iterations and uncapped eight
 # warps at 0.2-0.6x SDPA, and eight warps do nothing for a 64-row tile (it
 # runs the narrow warps). What is left: keys per iteration of the prefill
-# tile, pipeline depth, and eight warps under a register cap that keeps two
-# programs per SM (Tiles.mixed_max_registers; spills per key-loop
-# iteration of each in kernels_compile_sm90-triton3.6.md).
+# tile, pipeline depth, eight warps under a register cap that keeps two
+# programs per SM (Tiles.mixed_max_registers), and the 128-row tile as two
+# halves of its rows sharing each K/V load (Tiles.prefill_halves); spills
+# per key-loop iteration of each in kernels_compile_sm90-triton3.6.md.
 PREFILL_SHAPES = [
-    {}, dict(prefill_block_n=32), dict(wide_warps=8, mixed_max_registers=128, prefill_block_n=32),
+    {}, dict(prefill_halves=2), dict(prefill_block_n=32), dict(prefill_halves=2, prefill_block_n=32),
+    dict(wide_warps=8, mixed_max_registers=128, prefill_block_n=32),
     dict(wide_warps=8, mixed_max_registers=128), dict(wide_warps=8, mixed_max_registers=168),
     dict(num_stages=2), dict(num_stages=4), dict(prefill_block_n=32, num_stages=2),
     dict(prefill_block_n=32, num_stages=4),
@@ -182,7 +184,8 @@ def prefill_shape(changes: dict) -> dict:
     # A tile of 64 rows or fewer runs the narrow warps (paged_attention._num_warps).
     return dict(changes=", ".join(f"{k}={v}" for k, v in changes.items()) or "default", prefill_rows=t.prefill_rows,
                 block_n=t.prefill_step, warps=t.wide_warps if t.prefill_rows > 64 else t.narrow_warps,
-                num_stages=t.num_stages, mixed_max_registers=t.mixed_max_registers)  # fmt: skip
+                num_stages=t.num_stages, mixed_max_registers=t.mixed_max_registers,
+                halves=t.prefill_halves if t.prefill_rows >= 32 else 1)  # fmt: skip
 
 
 def tune_decode(shape: Shape, contexts: list[int], copy_gbs: float, sweep: Sweep) -> None:
@@ -345,13 +348,13 @@ def markdown(report: dict) -> str:
              f"when the {report['budget_s']:.0f} s budget ran out. Max abs difference: against the default "
              "configuration's output (bf16).", "",
              "## Prefill (ratio: torch flash SDPA time / ours)", "",
-             "| length | rows | keys per iteration | warps | stages | register cap | ms | TFLOP/s | vs SDPA "
-             "| max abs diff |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| length | rows | halves | keys per iteration | warps | stages | register cap | ms | TFLOP/s "
+             "| vs SDPA | max abs diff |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in sorted((r for r in report["rows"] if r["kind"] == "prefill"), key=lambda r: (r["len"], r.get("ms", 1e9))):
         tail = ([f"{r['ms']:.3f}", f"{r['tflops']:.1f}", f"{r['vs_sdpa']:.2f}", f"{r['max_abs_diff']:.3g}"]
                 if "error" not in r else [r["error"], "", "", ""])  # fmt: skip
         # Sweeps before the register cap name their warps wide_warps and have no cap.
-        cells = [r["len"], r["prefill_rows"], r["block_n"], r.get("warps", r.get("wide_warps")),
+        cells = [r["len"], r["prefill_rows"], r.get("halves", 1), r["block_n"], r.get("warps", r.get("wide_warps")),
                  r["num_stages"] or "default", r.get("mixed_max_registers") or "–", *tail]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "## Decode, batch 1, in a CUDA graph", "",

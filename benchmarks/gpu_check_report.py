@@ -157,7 +157,12 @@ def _fmt_kernels(r: dict) -> tuple[str, dict]:
                                                                    if b1[1] is not None else ""))
         figures.update(decode_batch1_16k_graph_pct_of_copy=b1[0], decode_batch1_16k_fused_graph_pct_of_copy=b1[1])
     if t.get("prefill_vs_sdpa") is not None:
-        parts.append(f"prefill {t['prefill_vs_sdpa']:.2f}x SDPA")
+        alternatives = t.get("prefill_alternatives_vs_sdpa", {})
+        parts.append(f"prefill {t['prefill_vs_sdpa']:.2f}x SDPA" + (
+            " (prefill tile, " + ", ".join(f"{name}: {ratio:.2f}x" for name, ratio in alternatives.items()) + ")"
+            if alternatives else ""))
+        if alternatives:
+            figures["prefill_alternatives_vs_sdpa"] = alternatives
     if m.get("speedup") is not None:
         parts.append(f"mixed step {m['speedup']:.2f}x unpacked ({m.get('default', 'packed')} plan)")
     return "; ".join(parts), figures

@@ -58,7 +58,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -273,12 +273,30 @@ def bench_decode(shape: Shape, batch_sizes: list[int], contexts: list[int], copy
     return rows
 
 
-# The prefill tile's key loop at 64 keys a step spills 131 local-memory
-# instructions an iteration when compiled for sm_90 by Triton 3.6, none at
-# 32 (kernels_compile_sm90-triton3.6.md); 32 also rescales the accumulator
-# twice as often. Each prompt is also timed with the prefill tile at
-# PREFILL_ALT_BLOCK_N keys a step (the decode tile keeps its own).
+# The prefill tile's key loop at 64 keys a step spills 135 local-memory
+# instructions an iteration when compiled for sm_90 by Triton 3.6
+# (kernels_compile_sm90-triton3.6.md). Each prompt and the mixed batch are
+# also timed with the tiles that spill less: PREFILL_ALT_BLOCK_N keys a step
+# (none, but the accumulator rescaled twice as often; the decode tile keeps
+# its own), and the tile as two halves of its rows sharing each K/V load
+# (3, at the same tensor-core instructions a key). By result key: the
+# change, and its name in the tables.
 PREFILL_ALT_BLOCK_N = 32
+PREFILL_ALTERNATIVES = {
+    "alt_block_n": (dict(prefill_block_n=PREFILL_ALT_BLOCK_N), f"{PREFILL_ALT_BLOCK_N} keys a step"),
+    "halves": (dict(prefill_halves=2), "two halves of rows"),
+}
+
+
+def _prefill_alternatives() -> Iterator[tuple[str, str]]:
+    """(result key, name) of each alternative prefill tile the engine does
+    not already run, launched with that tile inside the loop's body."""
+    from fluidserve.kernels import paged_attention as pa
+
+    for key, (changes, name) in PREFILL_ALTERNATIVES.items():
+        if any(getattr(pa.TILES, field) != value for field, value in changes.items()):
+            with pa.tiles(**changes):
+                yield key, name
 
 
 def bench_prefill(shape: Shape, lens: list[int]) -> list[dict]:
@@ -295,13 +313,11 @@ def bench_prefill(shape: Shape, lens: list[int]) -> list[dict]:
                          sdpa_backend=backend, vs_sdpa=ms_sdpa / ms))  # fmt: skip
         print(f"prefill L={L:6d}  ours {flops / ms / 1e9:6.1f} TFLOP/s  sdpa ({backend}) "
               f"{flops / ms_sdpa / 1e9:6.1f} TFLOP/s  ratio {ms_sdpa / ms:.2f}")
-        if pa.TILES.prefill_step != PREFILL_ALT_BLOCK_N:
-            with pa.tiles(prefill_block_n=PREFILL_ALT_BLOCK_N):
-                alt = pa.plan_for(batch["query"], batch["key_cache"], [L], [L])
-                alt_ms = bench_ms(partial(run_attention, batch, shape, alt))
-            rows[-1].update(alt_block_n_ms=alt_ms, alt_block_n_vs_sdpa=ms_sdpa / alt_ms)
-            print(f"  prefill tile at {PREFILL_ALT_BLOCK_N} keys a step: {flops / alt_ms / 1e9:6.1f} TFLOP/s  "
-                  f"ratio {ms_sdpa / alt_ms:.2f}")
+        for key, name in _prefill_alternatives():
+            alt = pa.plan_for(batch["query"], batch["key_cache"], [L], [L])
+            alt_ms = bench_ms(partial(run_attention, batch, shape, alt))
+            rows[-1].update({f"{key}_ms": alt_ms, f"{key}_vs_sdpa": ms_sdpa / alt_ms})
+            print(f"  prefill tile, {name}: {flops / alt_ms / 1e9:6.1f} TFLOP/s  ratio {ms_sdpa / alt_ms:.2f}")
         del batch
         torch.cuda.empty_cache()
     return rows
@@ -356,14 +372,13 @@ def bench_mixed(
     chosen = pa.plan_for(batch["query"], batch["key_cache"], q_lens, seq_lens)
     result["default"] = "separate" if chosen.decode_part is not None else "packed"
     result["speedup"] = result["unpacked"]["ms"] / result[result["default"]]["ms"]
-    if pa.TILES.prefill_step != PREFILL_ALT_BLOCK_N:
-        # The mixed variant at the alternative prefill tile also spills less in its decode tile's loop.
-        with pa.tiles(prefill_block_n=PREFILL_ALT_BLOCK_N):
-            for name, options in plans[:2]:  # the packed plans: every launch with prefill tiles
-                plan = pa.plan_for(batch["query"], batch["key_cache"], q_lens, seq_lens, **options)
-                ms = bench_ms(partial(run_attention, batch, shape, plan))
-                result[name]["alt_block_n_ms"] = ms
-                print(f"mixed {name:14s} {ms:8.3f} ms  with the prefill tile at {PREFILL_ALT_BLOCK_N} keys a step")
+    # The mixed variant with an alternative prefill tile also spills less in its decode tile's loop.
+    for key, alt_name in _prefill_alternatives():
+        for name, options in plans[:2]:  # the packed plans: every launch with prefill tiles
+            plan = pa.plan_for(batch["query"], batch["key_cache"], q_lens, seq_lens, **options)
+            ms = bench_ms(partial(run_attention, batch, shape, plan))
+            result[name][f"{key}_ms"] = ms
+            print(f"mixed {name:14s} {ms:8.3f} ms  with the prefill tile: {alt_name}")
     return result
 
 
@@ -406,21 +421,24 @@ def markdown(report: dict) -> str:
             cells = (r["batch"], r["context"], r["splits"], f"{r['ms']:.4f}", f"{r['fused_ms']:.4f}",
                      f"{r['graph_ms']:.4f}", f"{r['fused_graph_ms']:.4f}", f"{ratio:.2f}x")
             lines.append("| " + " | ".join(map(str, cells)) + " |")
+    alts = [(key, name) for key, (_, name) in PREFILL_ALTERNATIVES.items()
+            if any(f"{key}_ms" in r for r in report["prefill"])]  # a run saves the alternatives it timed
     lines += ["", "## Prefill attention (causal FLOPs)", "",
-              f"Beside the default tile, the prefill tile at {PREFILL_ALT_BLOCK_N} keys a step (no spills in its "
-              "key loops compiled for sm_90, kernels_compile_sm90-triton3.6.md).", "",
-              f"| length | ours ms | ours TFLOP/s | SDPA ms | SDPA TFLOP/s | vs SDPA | {PREFILL_ALT_BLOCK_N}-key ms "
-              f"| {PREFILL_ALT_BLOCK_N}-key vs SDPA |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+              "Beside the default tile, the prefill tiles that spill less in their key loops compiled for sm_90 "
+              "(kernels_compile_sm90-triton3.6.md): " + ", ".join(name for _, name in alts or [("", "none")]) + ".",
+              "", "| length | ours ms | ours TFLOP/s | SDPA ms | SDPA TFLOP/s | vs SDPA"
+              + "".join(f" | {name}: ms | vs SDPA" for _, name in alts) + " |",
+              "|---:|---:|---:|---:|---:|---:" + "|---:|---:" * len(alts) + "|"]  # fmt: skip
     for r in report["prefill"]:
-        alt = ((f"{r['alt_block_n_ms']:.3f}", f"{r['alt_block_n_vs_sdpa']:.2f}x") if "alt_block_n_ms" in r
-               else ("–", "–"))  # fmt: skip
+        alt = [cell for key, _ in alts for cell in ((f"{r[f'{key}_ms']:.3f}", f"{r[f'{key}_vs_sdpa']:.2f}x")
+                                                    if f"{key}_ms" in r else ("–", "–"))]  # fmt: skip
         cells = (r["len"], f"{r['ms']:.3f}", f"{r['tflops']:.1f}", f"{r['sdpa_ms']:.3f}", f"{r['sdpa_tflops']:.1f}",
                  f"{r['vs_sdpa']:.2f}x", *alt)  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     m = report["mixed"]
     lines += ["", "## Mixed batch: one 8k prefill chunk + 128 decodes (contexts 512–32k)", "",
-              f"| plan | ms | items | units | ms, prefill tile at {PREFILL_ALT_BLOCK_N} keys a step |",
-              "|---|---:|---:|---:|---:|"]
+              "| plan | ms | items | units" + "".join(f" | ms, prefill tile: {name}" for _, name in alts) + " |",
+              "|---|---:|---:|---:" + "|---:" * len(alts) + "|"]
     names = {"packed": "packed (LPT + split-K), one launch",
              "separate": "packed, decode tiles in a launch of their own",
              "unpacked": "unpacked", "split_unpacked": "split-K, one program per piece"}  # fmt: skip
@@ -428,8 +446,8 @@ def markdown(report: dict) -> str:
         if key in m:  # runs before the two-launch plan have fewer rows
             r = m[key]
             units = f"{r['units']} + {r['decode_units']}" if "decode_units" in r else r["units"]
-            alt = f"{r['alt_block_n_ms']:.3f}" if "alt_block_n_ms" in r else "–"
-            lines.append(f"| {label} | {r['ms']:.3f} | {r['items']} | {units} | {alt} |")
+            alt = "".join(f" | {r[f'{key}_ms']:.3f}" if f"{key}_ms" in r else " | –" for key, _ in alts)
+            lines.append(f"| {label} | {r['ms']:.3f} | {r['items']} | {units}{alt} |")
     default = m.get("default", "packed")
     lines += ["", f"The engine's plan ({names[default]}) against no packing: **{m['speedup']:.2f}x**", ""]
     v = report["variants"]
@@ -457,7 +475,9 @@ def markdown(report: dict) -> str:
                     f"{_pct(t['decode_batch1_16k_fused_graph_pct_of_copy'])} in a graph"
                     if t.get("decode_batch1_16k_fused_graph_pct_of_copy") is not None else "")]
                 if "decode_batch1_16k_pct_of_copy" in t else []),
-              f"* prefill at the longest length: {t['prefill_vs_sdpa']:.2f}x SDPA's speed (target >= 1.0x)",
+              f"* prefill at the longest length: {t['prefill_vs_sdpa']:.2f}x SDPA's speed (target >= 1.0x)"
+              + "".join(f"; prefill tile, {name}: {ratio:.2f}x"
+                        for name, ratio in t.get("prefill_alternatives_vs_sdpa", {}).items()),
               f"* mixed batch: the engine's plan {m['speedup']:.2f}x faster than no packing (target >= 1.1x, or "
               "packing chosen per step only where it wins)", ""]  # fmt: skip
     return "\n".join(lines)
@@ -465,13 +485,13 @@ def markdown(report: dict) -> str:
 
 def warm_alternatives(query: torch.Tensor, key_cache: torch.Tensor) -> None:
     """Compile, as a warm-up would, the variants the sweep times beside the
-    engine's (the prefill tile at PREFILL_ALT_BLOCK_N keys a step, the
+    engine's (the alternative prefill tiles, the
     decode-only variant with its merge fused), so that a variant the sweep
     adds beyond these is a recompile while serving."""
     from fluidserve.kernels import paged_attention as pa
 
     with pa.recording_variants():
-        with pa.tiles(prefill_block_n=PREFILL_ALT_BLOCK_N):
+        for _ in _prefill_alternatives():
             pa.warmup(query, key_cache, variants=(True,))
         with pa.tiles(fused_merge=True):
             pa.warmup(query, key_cache, variants=(False,))
@@ -499,11 +519,15 @@ def targets(report: dict) -> dict:
     longest = max(r["context"] for r in decode)
     at_longest = [r for r in decode if r["context"] == longest]
     batch1 = min(at_longest, key=lambda r: r["batch"])
+    longest_prefill = max(report["prefill"], key=lambda r: r["len"])
     out = dict(
         decode_pct_of_copy=max(at_longest, key=lambda r: r["batch"])["pct_of_copy"],
         decode_batch1_pct_of_copy=batch1["pct_of_copy"],
         decode_batch1_graph_pct_of_copy=batch1.get("graph_pct_of_copy"),
-        prefill_vs_sdpa=max(report["prefill"], key=lambda r: r["len"])["vs_sdpa"],
+        prefill_vs_sdpa=longest_prefill["vs_sdpa"],
+        prefill_alternatives_vs_sdpa={name: longest_prefill[f"{key}_vs_sdpa"]
+                                      for key, (_, name) in PREFILL_ALTERNATIVES.items()
+                                      if f"{key}_vs_sdpa" in longest_prefill},
     )
     at_16k = [r for r in decode if r["context"] == 16384 and r["batch"] == 1]
     if at_16k:  # the context the target names
@@ -767,8 +791,8 @@ def compile_report(num_kv_heads: int, block_size: int) -> list[dict]:
 # pipeline deep enough to double-buffer its key loop (alone, with the merge,
 # and both under the cap), two warps a program
 # (alone, under the cap and double-buffered) and one (16 and 32 keys an
-# iteration); of the mixed variant, keys per step and warps (the tuning
-# sweep's axes).
+# iteration); of the mixed variant, keys per step, warps and the prefill
+# tile in halves (the tuning sweep's axes).
 DECODE_SHAPES = [dict(max_registers=168), dict(fused_merge=True), dict(max_registers=168, fused_merge=True),
                  dict(decode_num_stages=5), dict(decode_num_stages=5, fused_merge=True),
                  dict(decode_num_stages=5, max_registers=168, fused_merge=True), dict(narrow_warps=2),
@@ -778,7 +802,8 @@ DECODE_SHAPES = [dict(max_registers=168), dict(fused_merge=True), dict(max_regis
 MIXED_SHAPES = [dict(prefill_block_n=32), dict(block_n=32), dict(block_n=128), dict(wide_warps=8),
                 dict(block_n=128, wide_warps=8), dict(wide_warps=8, mixed_max_registers=128),
                 dict(wide_warps=8, mixed_max_registers=168),
-                dict(wide_warps=8, mixed_max_registers=128, prefill_block_n=32)]
+                dict(wide_warps=8, mixed_max_registers=128, prefill_block_n=32), dict(prefill_halves=2),
+                dict(prefill_halves=2, prefill_block_n=32)]
 
 
 def _compile_attention(num_kv_heads: int, block_size: int, dtype: torch.dtype, head_dim: int, group: int,

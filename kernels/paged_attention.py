@@ -21,8 +21,10 @@ at most ``decode_tokens_per_tile`` tokens, and a **prefill tile** of
 ``TILES.prefill_rows`` (128) rows for the rest. A decode-only step launches a
 variant that holds only the decode tile (few registers, several programs per
 SM); a mixed step launches one holding both, and each item picks its tile by
-its length. The grid is sized from the occupancy of the variant launched, read
-off the compiled kernel (registers, shared memory, warps). A mixed step whose
+its length. The prefill tile may run as two halves of its rows that share
+each K/V load (``Tiles.prefill_halves``), one half's scores live at a time.
+The grid is sized from the occupancy of the variant launched, read off the
+compiled kernel (registers, shared memory, warps). A mixed step whose
 decodes are long runs its decode tiles in a launch of their own, of the
 decode-only variant, where the fitted cost of the two plans says it pays
 (``plan_for``, ``packing.predicted_us``).
@@ -178,6 +180,18 @@ class Tiles:
     # its prefill key loop (kernels_compile_sm90.md). kernel_bench.py times it
     # against the merge kernel on a GPU before it becomes the default.
     fused_merge: bool = False
+    # 2: the prefill tile runs as two halves of its rows that share each K
+    # and V load, one half's scores and probabilities live at a time
+    # (``_attend_item_halves``). With four warps the 128-row tile's
+    # accumulator takes 128 registers a thread and its 128 x 64 scores 64
+    # more. Compiled for sm_90 by Triton 3.6 (bf16, 128-wide head), one
+    # tile's prefill key loops spill 135 and 101 local-memory instructions
+    # an iteration, halves' 3 and 20, at the same 24 tensor-core
+    # instructions and two programs per SM (Triton 3.9: 66 and 68, 17 and
+    # 45; kernels_compile_sm90*.md). Halves keep the tile's K/V reuse, and
+    # so its L2 traffic. kernel_bench.py and attention_tuning.py time it
+    # beside one tile on a GPU before it becomes the default.
+    prefill_halves: int = 1
 
     @property
     def prefill_step(self) -> int:
@@ -244,35 +258,32 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _attend_keys(
-    q, m_i, l_i, acc, start, kv_hi, pos,
-    k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """One step of the online softmax: the tile against keys
-    [start, start + BLOCK_N). Unmasked (``MASKED`` False), every row of the
-    tile may see every one of those keys: no causal or window test, and
-    every score is finite, so neither is the running max."""
-    d = tl.arange(0, HEAD_PAD)
+def _kv_tile(cache_ptr, blk, off, kv_head, kv_mask, d, stride_b, stride_s, stride_h):
+    """[BLOCK_N, HEAD_PAD] keys or values of one key block, through the page walk."""
+    return tl.load(cache_ptr + (blk * stride_b + off * stride_s + kv_head * stride_h)[:, None] + d[None, :],
+                   mask=kv_mask, other=0.0)
+
+
+@triton.jit
+def _page_walk(start, kv_hi, bt_row, d,
+               BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [start, start + BLOCK_N): positions, which exist, their
+    physical blocks and offsets, and the K/V tiles' mask."""
     kpos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     k_ok = kpos < kv_hi
     # Page walk: logical block -> physical block, per key.
     blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-    off = kpos % BLOCK_SIZE
-    kv_mask = _dim_mask(k_ok, d, HEAD_DIM, HEAD_PAD)
-    k = tl.load(
-        k_cache_ptr + (blk * stride_kb + off * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )  # [BLOCK_N, HEAD_PAD]
+    return kpos, k_ok, blk, kpos % BLOCK_SIZE, _dim_mask(k_ok, d, HEAD_DIM, HEAD_PAD)
+
+
+@triton.jit
+def _softmax_step(q, k, m_i, l_i, kpos, k_ok, pos, qk_scale, window,
+                  HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """Scores of the rows ``q`` against ``k`` and the online softmax's
+    update: (m, l, p, alpha), the accumulator to be scaled by alpha and
+    added p @ V. Unmasked (``MASKED`` False), every row may see every key:
+    no causal or window test, and every score is finite, so neither is the
+    running max."""
     s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
         allowed = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
@@ -288,14 +299,121 @@ def _attend_keys(
         m_shift = m_new
     alpha = tl.exp2(m_i - m_shift)
     p = tl.exp2(s - m_shift[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(
-        v_cache_ptr + (blk * stride_vb + off * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )  # [BLOCK_N, HEAD_PAD]
+    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
+def _attend_keys(
+    q, m_i, l_i, acc, start, kv_hi, pos,
+    k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One step of the online softmax: the tile against keys
+    [start, start + BLOCK_N)."""
+    d = tl.arange(0, HEAD_PAD)
+    kpos, k_ok, blk, off, kv_mask = _page_walk(start, kv_hi, bt_row, d, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N)
+    k = _kv_tile(k_cache_ptr, blk, off, kv_head, kv_mask, d, stride_kb, stride_ks, stride_kh)
+    m_new, l_i, p, alpha = _softmax_step(q, k, m_i, l_i, kpos, k_ok, pos, qk_scale, window, HAS_WINDOW,
+                                         DOT_PRECISION, MASKED)
+    v = _kv_tile(v_cache_ptr, blk, off, kv_head, kv_mask, d, stride_vb, stride_vs, stride_vh)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_keys_halves(
+    q0, m0, l0, acc0, pos_0, q1, m1, l1, acc1, pos_1, start, kv_hi,
+    k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """``_attend_keys`` for a tile held as two halves of rows: one K and V
+    load, each half's scores and update in turn, so only one half's scores
+    and probabilities are live at a time."""
+    d = tl.arange(0, HEAD_PAD)
+    kpos, k_ok, blk, off, kv_mask = _page_walk(start, kv_hi, bt_row, d, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N)
+    k = _kv_tile(k_cache_ptr, blk, off, kv_head, kv_mask, d, stride_kb, stride_ks, stride_kh)
+    v = _kv_tile(v_cache_ptr, blk, off, kv_head, kv_mask, d, stride_vb, stride_vs, stride_vh)
+    m0, l0, p0, alpha0 = _softmax_step(q0, k, m0, l0, kpos, k_ok, pos_0, qk_scale, window, HAS_WINDOW,
+                                       DOT_PRECISION, MASKED)
+    acc0 = acc0 * alpha0[:, None] + _dot(p0.to(v.dtype), v, DOT_PRECISION)
+    m1, l1, p1, alpha1 = _softmax_step(q1, k, m1, l1, kpos, k_ok, pos_1, qk_scale, window, HAS_WINDOW,
+                                       DOT_PRECISION, MASKED)
+    acc1 = acc1 * alpha1[:, None] + _dot(p1.to(v.dtype), v, DOT_PRECISION)
+    return m0, l0, acc0, m1, l1, acc1
+
+
+@triton.jit
+def _row_indices(q_lo, q_hi, pos0, kv_head, ROW0: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
+    """Rows [ROW0, ROW0 + ROWS) of a tile: (token in the tile, query head,
+    flat token as int64, row exists, position in the sequence)."""
+    rows = ROW0 + tl.arange(0, ROWS)
+    tok_local = rows // GROUP  # token of the tile
+    head = kv_head * GROUP + rows % GROUP  # query head
+    tok = q_lo + tok_local  # flat token index
+    # 64-bit offsets: tokens x row stride passes 2^31 for long fused-QKV batches.
+    return tok_local, head, tok.to(tl.int64), tok < q_hi, pos0 + tok_local
+
+
+@triton.jit
+def _load_queries(q_ptr, tok64, head, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    d = tl.arange(0, HEAD_PAD)
+    return tl.load(q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                   mask=_dim_mask(row_ok, d, HEAD_DIM, HEAD_PAD), other=0.0)
+
+
+@triton.jit
+def _store_rows(
+    acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, tok_local, head, tok64, row_ok, merge_row, split,
+    stride_ot, stride_oh,
+    stride_pm, stride_ps, stride_ph,
+    stride_lm, stride_ls,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+):
+    """Normalise the rows and write them: the output where the item is a
+    whole row's keys, else the partial and its lse for the merge."""
+    d = tl.arange(0, HEAD_PAD)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    out_mask = _dim_mask(row_ok, d, HEAD_DIM, HEAD_PAD)
+    if merge_row < 0:
+        tl.store(
+            out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+    else:
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        mrow = (merge_row + tok_local).to(tl.int64)
+        tl.store(
+            part_out_ptr + mrow[:, None] * stride_pm + split * stride_ps + head[:, None] * stride_ph + d[None, :],
+            o,
+            mask=out_mask,
+        )
+        tl.store(part_lse_ptr + mrow * stride_lm + split * stride_ls + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _unmasked_end(kv_lo, kv_hi, pos0, BLOCK_N: tl.constexpr):
+    """End of the whole key blocks before min(pos0 + 1, kv_hi): allowed to
+    every row of a tile whose first position is pos0."""
+    return kv_lo + tl.maximum(tl.minimum(pos0 + 1, kv_hi) - kv_lo, 0) // BLOCK_N * BLOCK_N
 
 
 @triton.jit
@@ -328,29 +446,15 @@ def _attend_item(
     only the blocks from there on with it: a long prompt's tile tests one
     block in many, not all of them. The scores are the same either way, so
     are the bits."""
-    rows = tl.arange(0, BLOCK_M)
-    tok_local = rows // GROUP  # [BLOCK_M] token of the tile
-    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
-    d = tl.arange(0, HEAD_PAD)
-
-    tok = q_lo + tok_local  # [BLOCK_M] flat token index
-    row_ok = tok < q_hi
-    # 64-bit offsets: tokens x row stride passes 2^31 for long fused-QKV batches.
-    tok64 = tok.to(tl.int64)
-    pos = pos0 + tok_local  # [BLOCK_M] position in the sequence
-    q = tl.load(
-        q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=_dim_mask(row_ok, d, HEAD_DIM, HEAD_PAD),
-        other=0.0,
-    )  # [BLOCK_M, HEAD_PAD]
+    tok_local, head, tok64, row_ok, pos = _row_indices(q_lo, q_hi, pos0, kv_head, 0, BLOCK_M, GROUP)
+    q = _load_queries(q_ptr, tok64, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEAD_PAD)  # [BLOCK_M, HEAD_PAD]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     masked_lo = kv_lo
     if SPLIT_MASK and not HAS_WINDOW:
-        # Whole blocks of keys before min(pos0 + 1, kv_hi): allowed to every row.
-        masked_lo = kv_lo + tl.maximum(tl.minimum(pos0 + 1, kv_hi) - kv_lo, 0) // BLOCK_N * BLOCK_N
+        masked_lo = _unmasked_end(kv_lo, kv_hi, pos0, BLOCK_N)
         for start in range(kv_lo, masked_lo, BLOCK_N):
             m_i, l_i, acc = _attend_keys(
                 q, m_i, l_i, acc, start, kv_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
@@ -363,25 +467,68 @@ def _attend_item(
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, True,
         )  # fmt: skip
+    _store_rows(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, tok_local, head, tok64, row_ok, merge_row, split,
+                stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls, HEAD_DIM, HEAD_PAD)
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    out_mask = _dim_mask(row_ok, d, HEAD_DIM, HEAD_PAD)
-    if merge_row < 0:
-        tl.store(
-            out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=out_mask,
-        )
-    else:
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        mrow = (merge_row + tok_local).to(tl.int64)  # [BLOCK_M]
-        tl.store(
-            part_out_ptr + mrow[:, None] * stride_pm + split * stride_ps + head[:, None] * stride_ph + d[None, :],
-            o,
-            mask=out_mask,
-        )
-        tl.store(part_lse_ptr + mrow * stride_lm + split * stride_ls + head, lse, mask=row_ok)
+
+@triton.jit
+def _attend_item_halves(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    bt_row,
+    q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head,
+    qk_scale, window,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_pm, stride_ps, stride_ph,
+    stride_lm, stride_ls,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``_attend_item`` of the prefill tile (``SPLIT_MASK`` on) held as two
+    halves of BLOCK_M / 2 rows that share each K/V load
+    (``Tiles.prefill_halves``): each row's arithmetic is the same as in one
+    tile, up to the order a GPU sums in."""
+    HALF: tl.constexpr = BLOCK_M // 2
+    tok0, head0, tok64_0, ok0, pos_0 = _row_indices(q_lo, q_hi, pos0, kv_head, 0, HALF, GROUP)
+    tok1, head1, tok64_1, ok1, pos_1 = _row_indices(q_lo, q_hi, pos0, kv_head, HALF, HALF, GROUP)
+    q0 = _load_queries(q_ptr, tok64_0, head0, ok0, stride_qt, stride_qh, HEAD_DIM, HEAD_PAD)
+    q1 = _load_queries(q_ptr, tok64_1, head1, ok1, stride_qt, stride_qh, HEAD_DIM, HEAD_PAD)
+
+    m0 = tl.full([HALF], float("-inf"), tl.float32)
+    l0 = tl.zeros([HALF], tl.float32)
+    acc0 = tl.zeros([HALF, HEAD_PAD], tl.float32)
+    m1 = tl.full([HALF], float("-inf"), tl.float32)
+    l1 = tl.zeros([HALF], tl.float32)
+    acc1 = tl.zeros([HALF, HEAD_PAD], tl.float32)
+    masked_lo = kv_lo
+    if not HAS_WINDOW:
+        masked_lo = _unmasked_end(kv_lo, kv_hi, pos0, BLOCK_N)
+        for start in range(kv_lo, masked_lo, BLOCK_N):
+            m0, l0, acc0, m1, l1, acc1 = _attend_keys_halves(
+                q0, m0, l0, acc0, pos_0, q1, m1, l1, acc1, pos_1, start, kv_hi,
+                k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, False,
+            )  # fmt: skip
+    for start in range(masked_lo, kv_hi, BLOCK_N):
+        m0, l0, acc0, m1, l1, acc1 = _attend_keys_halves(
+            q0, m0, l0, acc0, pos_0, q1, m1, l1, acc1, pos_1, start, kv_hi,
+            k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, True,
+        )  # fmt: skip
+    _store_rows(acc0, m0, l0, out_ptr, part_out_ptr, part_lse_ptr, tok0, head0, tok64_0, ok0, merge_row, split,
+                stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls, HEAD_DIM, HEAD_PAD)
+    _store_rows(acc1, m1, l1, out_ptr, part_out_ptr, part_lse_ptr, tok1, head1, tok64_1, ok1, merge_row, split,
+                stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls, HEAD_DIM, HEAD_PAD)
 
 
 @triton.jit
@@ -496,6 +643,7 @@ def _paged_attention_kernel(
     HAS_PREFILL: tl.constexpr,  # compile the prefill tile (mixed steps) or not (decode-only)
     BLOCK_N: tl.constexpr,
     PREFILL_BLOCK_N: tl.constexpr,  # keys per iteration of the prefill tile
+    PREFILL_HALVES: tl.constexpr,  # 2: the prefill tile runs as two halves of rows (_attend_item_halves)
     NUM_FIELDS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32); "widen": see _dot
@@ -535,7 +683,15 @@ def _paged_attention_kernel(
         wide = False
         if HAS_PREFILL:
             wide = q_hi - q_lo > DECODE_TOKENS
-        if wide:
+        if wide and PREFILL_HALVES == 2:
+            _attend_item_halves(
+                q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_row,
+                q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window,
+                stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls,
+                BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, PREFILL_M, PREFILL_BLOCK_N, HAS_WINDOW, DOT_PRECISION,
+            )  # fmt: skip
+        elif wide:
             _attend_item(
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_row,
                 q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window,
@@ -849,6 +1005,7 @@ def _constexprs(
     head_dim = query.shape[2]
     pad = head_pad(head_dim)
     decode_m = _tile_rows(decode_tokens, group)
+    prefill_m = _tile_rows(tokens_per_tile, group)
     # Every variant carries the merge tile: a two-launch step's decode
     # launch takes the mixed launch's constexprs and merges with them. It
     # takes a row's pieces first, then as many rows as the tile has room for.
@@ -861,10 +1018,13 @@ def _constexprs(
         HEAD_PAD=pad,
         DECODE_TOKENS=decode_tokens,
         DECODE_M=decode_m,
-        PREFILL_M=_tile_rows(tokens_per_tile, group),
+        PREFILL_M=prefill_m,
         HAS_PREFILL=has_prefill,
         BLOCK_N=TILES.block_n,
         PREFILL_BLOCK_N=TILES.prefill_step,
+        # Halves of at least 16 rows, tl.dot's smallest; 1 in the decode-only
+        # variant, which has no prefill tile, so that it compiles once either way.
+        PREFILL_HALVES=TILES.prefill_halves if has_prefill and prefill_m >= 32 else 1,
         NUM_FIELDS=WORK_FIELDS,
         HAS_WINDOW=has_window,
         DOT_PRECISION=_dot_precision(query.dtype),
@@ -1079,7 +1239,7 @@ def _decode_launch(launch: _Launch, plan: WorkPlan) -> _Launch:
     cached = (launch.occupancy_key, TILES.fused_merge)
     variant = part.scratch.get(cached)  # the same for every layer of the step
     if variant is None:
-        constexprs = dict(launch.constexprs, HAS_PREFILL=False, FUSED_MERGE=TILES.fused_merge)
+        constexprs = dict(launch.constexprs, HAS_PREFILL=False, FUSED_MERGE=TILES.fused_merge, PREFILL_HALVES=1)
         options = _launch_options(constexprs)
         variant = part.scratch[cached] = (
             constexprs, options, _occupancy_key(constexprs, options, launch.out.dtype, launch.out.device))

@@ -42,7 +42,8 @@ def test_every_swept_shape_is_a_launch_shape_of_the_kernel(tuning):
     assert tuning.prefill_shape(dict(prefill_rows=64, wide_warps=8))["warps"] == pa.Tiles().narrow_warps
     assert tuning.prefill_shape(dict(wide_warps=8, mixed_max_registers=128)) == dict(
         changes="wide_warps=8, mixed_max_registers=128", prefill_rows=128, block_n=64, warps=8, num_stages=None,
-        mixed_max_registers=128)  # fmt: skip
+        mixed_max_registers=128, halves=1)  # fmt: skip
+    assert tuning.prefill_shape(dict(prefill_halves=2))["halves"] == 2
 
 
 def test_the_report_ranks_each_length_against_the_default(tuning):
@@ -52,11 +53,13 @@ def test_the_report_ranks_each_length_against_the_default(tuning):
                     **measured)  # fmt: skip
 
     rows = [prefill({}, 1.2), prefill(dict(prefill_block_n=32), 0.96),
-            prefill(dict(wide_warps=8, mixed_max_registers=128), error="OutOfResources: shared")]
+            prefill(dict(wide_warps=8, mixed_max_registers=128), error="OutOfResources: shared"),
+            prefill(dict(prefill_halves=2), 1.0)]
     report = dict(device="Fake GPU", copy_gb_s=4000.0, budget_s=150.0, skipped=0, rows=rows)
     md = tuning.markdown(report)
     assert "* prefill 8192: prefill_block_n=32: 1.04x SDPA (1.25x the default's speed)" in md
-    assert "| 8192 | 128 | 32 | 4 | default | – | 0.960 |" in md
+    assert "| 8192 | 128 | 1 | 32 | 4 | default | – | 0.960 |" in md
+    assert "| 8192 | 128 | 2 | 64 | 4 | default | – | 1.000 |" in md
     assert "OutOfResources: shared" in md
 
 

@@ -48,7 +48,8 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device, monkeypatch):
     default = pa.variant_keys()
     bench.warm_alternatives(probe["query"], probe["key_cache"])
     warm = pa.variant_keys()
-    assert len(warm["attention"]) == len(default["attention"]) + 1  # the fused merge's (32 keys: the same class)
+    # the fused merge's and the prefill tile in halves' (32 keys: the same class as 64)
+    assert len(warm["attention"]) == len(default["attention"]) + 2
     report = dict(
         device="test", config={}, copy_gb_s=100.0,
         # 300 keys at batch 1 is the one point the default plan splits (two pieces on the interpreter's units)
@@ -59,10 +60,10 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device, monkeypatch):
     assert pa.variant_keys() == warm
     # decode points launched and in a graph, and in a graph split at 64 keys (every point is a short step),
     # the split point again with the merge fused (launched and in a graph), ours + SDPA + ours with the
-    # prefill tile at 32 keys a step, packed in one and two launches, unpacked, split unpacked, and both
-    # packed plans again with the prefill tile at 32 keys
-    assert len(bench.calls) == 3 * 5 + 2 + 3 * 1 + 4 + 2
-    assert pa.TILES == pa.Tiles()  # the 32-key prefill tile only inside its timing
+    # prefill tile at 32 keys a step and in halves, packed in one and two launches, unpacked, split unpacked,
+    # and both packed plans again with each alternative prefill tile
+    assert len(bench.calls) == 3 * 5 + 2 + 4 * 1 + 4 + 2 * 2
+    assert pa.TILES == pa.Tiles()  # the alternative prefill tiles only inside their timing
     # 40 keys stay whole (0: no split), 200 keys in four 64-key pieces
     assert [r["short_split_splits"] for r in report["decode"]] == [0, 4, 0, 4, 5]
     assert [r["splits"] for r in report["decode"]] == [0, 0, 0, 0, 2]
@@ -87,12 +88,16 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device, monkeypatch):
     assert "decode tiles in a launch of their own" in text
     assert "split at 64 keys" in text and "| 3 | 200 | 1 | 1.0000 | 4 | 1.0000 | 1.00x |" in text
     assert "| 1 | 300 | 2 | 1.0000 | 1.0000 | 1.0000 | 1.0000 | 1.00x |" in text  # merge kernel / fused
-    assert "| 50 | 1.000 |" in text and "| 1.000 | 1.00x |" in text  # the prefill row with its 32-key timing
+    # the prefill row with its timings at 32 keys a step and in halves
+    assert "| 50 | 1.000 | " in text and text.count("| 1.000 | 1.00x | 1.000 | 1.00x |") == 1, text
+    assert "| 32 keys a step: ms | vs SDPA | two halves of rows: ms | vs SDPA |" in text
+    assert ("prefill at the longest length: 1.00x SDPA's speed (target >= 1.0x); prefill tile, 32 keys a step: "
+            "1.00x; prefill tile, two halves of rows: 1.00x") in text
     section = text.split("## Mixed batch")[1].splitlines()
     mixed = {line.split(" | ")[0]: line for line in section if line.startswith("|")}
-    assert mixed["| packed (LPT + split-K), one launch"].endswith("| 1.000 |")  # timed at 32 keys too
-    assert mixed["| packed, decode tiles in a launch of their own"].endswith("| 1.000 |")
-    assert mixed["| unpacked"].endswith("| – |")
+    assert mixed["| packed (LPT + split-K), one launch"].endswith("| 1.000 | 1.000 |")  # each alternative too
+    assert mixed["| packed, decode tiles in a launch of their own"].endswith("| 1.000 | 1.000 |")
+    assert mixed["| unpacked"].endswith("| – | – |")
 
 
 def test_decode_bytes_per_token_of_llama3_8b(bench):
@@ -193,18 +198,26 @@ def test_partials_move_16_bytes_an_instruction_and_the_merge_waits_at_no_barrier
     assert merge["stack_bytes"] == 0
 
 
-def test_prefill_tile_at_32_keys_a_step_spills_nothing_in_its_main_key_loop():
+def test_alternative_prefill_tiles_spill_less_in_their_key_loops():
     """The mixed variant of a Llama-3-8B head compiled for sm_90: at 64
-    keys a step the prefill tile's key loops reload spilled registers on
-    every iteration; at 32 (``Tiles.prefill_block_n``, the alternative
-    kernel_bench.py times on a GPU) its loop over the keys every row sees spills
-    nothing, and every key loop spills less."""
-    default, alt = (compile_for_hopper(f"_compile_attention(8, 16, torch.bfloat16, 128, 4, True{extra})")
-                    for extra in ("", ", prefill_block_n=32"))
+    keys a step the 128-row prefill tile's key loops reload spilled
+    registers on every iteration. The alternatives kernel_bench.py times on
+    a GPU spill less in every key loop: 32 keys a step
+    (``Tiles.prefill_block_n``) nothing in the loop over the keys every row
+    sees; the tile in two halves of its rows (``Tiles.prefill_halves``) at
+    the same tensor-core instructions an iteration and programs per SM
+    (Triton 3.6: 135 and 101 spill instructions in the prefill tile's
+    loops, 3 and 20 in halves; 3.9: 66 and 68, 17 and 45)."""
+    default, alt, halves = (compile_for_hopper(f"_compile_attention(8, 16, torch.bfloat16, 128, 4, True{extra})")
+                            for extra in ("", ", prefill_block_n=32", ", prefill_halves=2"))
     assert default["prefill_block_n"] == 64 and alt["prefill_block_n"] == 32 and alt["block_n"] == 64
-    assert len(default["loop_spills"]) == len(alt["loop_spills"]) == 3  # prefill tile unmasked, masked; decode tile
+    # prefill tile unmasked, masked; decode tile
+    assert len(default["loop_spills"]) == len(alt["loop_spills"]) == len(halves["loop_spills"]) == 3
     assert default["loop_spills"][0] > 0 and alt["loop_spills"][0] == 0
-    assert all(a < d for a, d in zip(alt["loop_spills"], default["loop_spills"])), (default, alt)
+    for other in (alt, halves):
+        assert all(a < d for a, d in zip(other["loop_spills"], default["loop_spills"])), (default, other)
+    assert halves["loop_tensor_ops"] == default["loop_tensor_ops"], (default, halves)
+    assert halves["programs_per_sm"] == default["programs_per_sm"] and halves["stack_bytes"] < default["stack_bytes"]
     # Every key loop multiplies on the tensor cores: a loop without them
     # would have fallen back to FMAs.
     assert all(n > 0 for n in default["loop_tensor_ops"] + alt["loop_tensor_ops"]), (default, alt)

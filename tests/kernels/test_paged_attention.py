@@ -392,6 +392,7 @@ def test_predicted_time_is_the_busiest_unit_of_each_launch():
 
 @pytest.mark.parametrize("changes", [dict(block_n=32, prefill_rows=64), dict(block_n=128, num_stages=2),
                                      dict(max_registers=168, fused_merge=True), dict(prefill_block_n=32),
+                                     dict(prefill_halves=2),
                                      dict(narrow_warps=1, block_n=16, num_stages=5),
                                      dict(wide_warps=8, mixed_max_registers=128, prefill_block_n=32, num_stages=4)])
 def test_every_launch_shape_a_sweep_tries_gives_the_same_attention(device, make_batch, oracle, changes):
@@ -405,6 +406,41 @@ def test_every_launch_shape_a_sweep_tries_gives_the_same_attention(device, make_
         assert plan.tokens_per_tile == tiles.prefill_rows // 4 and plan.max_splits > 1
         torch.testing.assert_close(run(batch, plan), oracle(batch), atol=ATOL, rtol=RTOL)
     assert pa.TILES == pa.Tiles()
+
+
+@pytest.mark.parametrize("window", [None, 37])
+def test_prefill_tile_in_halves_is_the_one_tile_attention(device, make_batch, oracle, window):
+    """``Tiles.prefill_halves``: the prefill tile as two halves of its rows
+    sharing each K/V load. A GQA group of 3 puts one token's heads on both
+    sides of the cut (row 31 of 64 is token 10's second head, row 32 its
+    third), a 24-wide head is padded to 32, and pieces of 64 keys (16 in a
+    37-key window) make merge rows of prefill tiles, some pieces before the
+    rows' positions (no allowed key); a 40-token chunk follows a 160-token
+    prefix. Both halves must
+    give what one tile gives, and the reference's attention."""
+    specs = [(40, 200), (70, 70), (1, 90), (21, 21)]
+    batch = make_batch(specs, num_kv_heads=2, group=3, head_dim=24, block_size=16, device=device, seed=11)
+    expected = oracle(batch, sliding_window=window)
+
+    def attention() -> torch.Tensor:
+        plan = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), window,
+                           tokens_per_tile=21, kv_chunk=64 if window is None else 16)  # fmt: skip
+        assert plan.max_splits > 1
+        return run(batch, plan, sliding_window=window)
+
+    one_tile = attention()
+    with pa.tiles(prefill_halves=2):
+        constexprs = pa._constexprs(batch.query, batch.key_cache, decode_tokens=1, tokens_per_tile=21,
+                                    has_prefill=True, has_window=window is not None)  # fmt: skip
+        assert constexprs["PREFILL_M"] == 64 and constexprs["PREFILL_HALVES"] == 2
+        halves = attention()
+    torch.testing.assert_close(halves, expected, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(halves, one_tile, atol=1e-6, rtol=1e-6)
+    # A tile of 16 rows has no halves of 16 (tl.dot's smallest): it runs whole.
+    with pa.tiles(prefill_halves=2):
+        small = pa._constexprs(batch.query, batch.key_cache, decode_tokens=1, tokens_per_tile=5, has_prefill=True,
+                               has_window=False)  # fmt: skip
+    assert small["PREFILL_M"] == 16 and small["PREFILL_HALVES"] == 1
 
 
 def test_each_variant_takes_its_own_register_cap():
@@ -516,14 +552,16 @@ def launch_workload(make_batch, device: str, oracle=None) -> None:
             torch.testing.assert_close(out, oracle(batch), atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("fused_merge", [False, True])
-def test_varied_batches_compile_no_new_variant_after_warmup(device, make_batch, oracle, fused_merge):
+@pytest.mark.parametrize("changes", [{}, dict(fused_merge=True), dict(prefill_halves=2)])
+def test_varied_batches_compile_no_new_variant_after_warmup(device, make_batch, oracle, changes):
     """Start-up compiles the fixed set (decode-only, mixed, merge); a
     workload of varied batches then launches no new specialisation, with the
     split-K merge in its own kernel or, for decode tiles, in the launch (a
-    two-launch plan's decode part then runs the decode-only step's variant)."""
+    two-launch plan's decode part then runs the decode-only step's variant),
+    and with the prefill tile in halves (which the decode-only variant,
+    a two-launch plan's decode part's included, does not carry)."""
     base = make_batch([(1, 8)], device=device, **VARIANT_SHAPE)
-    with pa.tiles(fused_merge=fused_merge), pa.recording_variants():
+    with pa.tiles(**changes), pa.recording_variants():
         pa.warmup(base.query, base.key_cache)
         warm = pa.variant_keys()
         compiled = pa.triton_compiled_count()  # None in the interpreter
