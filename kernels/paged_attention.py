@@ -182,7 +182,7 @@ class Tiles:
     fused_merge: bool = False
     # 2: the prefill tile runs as two halves of its rows that share each K
     # and V load, one half's scores and probabilities live at a time
-    # (``_attend_item_halves``). With four warps the 128-row tile's
+    # (``_attend_item``'s ``HALVES``). With four warps the 128-row tile's
     # accumulator takes 128 registers a thread and its 128 x 64 scores 64
     # more. Compiled for sm_90 by Triton 3.6 (bf16, 128-wide head), one
     # tile's prefill key loops spill 135 and 101 local-memory instructions
@@ -437,6 +437,7 @@ def _attend_item(
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SPLIT_MASK: tl.constexpr = False,
+    HALVES: tl.constexpr = 1,
 ):
     """One work item with a BLOCK_M-row tile: attention of tokens
     [q_lo, q_hi) over keys [kv_lo, kv_hi), output or partial written.
@@ -445,90 +446,71 @@ def _attend_item(
     (at or before the tile's first position) without the causal test, and
     only the blocks from there on with it: a long prompt's tile tests one
     block in many, not all of them. The scores are the same either way, so
-    are the bits."""
-    tok_local, head, tok64, row_ok, pos = _row_indices(q_lo, q_hi, pos0, kv_head, 0, BLOCK_M, GROUP)
-    q = _load_queries(q_ptr, tok64, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEAD_PAD)  # [BLOCK_M, HEAD_PAD]
+    are the bits.
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    masked_lo = kv_lo
-    if SPLIT_MASK and not HAS_WINDOW:
-        masked_lo = _unmasked_end(kv_lo, kv_hi, pos0, BLOCK_N)
-        for start in range(kv_lo, masked_lo, BLOCK_N):
-            m_i, l_i, acc = _attend_keys(
-                q, m_i, l_i, acc, start, kv_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, False,
-            )  # fmt: skip
-    for start in range(masked_lo, kv_hi, BLOCK_N):
-        m_i, l_i, acc = _attend_keys(
-            q, m_i, l_i, acc, start, kv_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, True,
-        )  # fmt: skip
-    _store_rows(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, tok_local, head, tok64, row_ok, merge_row, split,
-                stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls, HEAD_DIM, HEAD_PAD)
+    ``HALVES`` 2 (the prefill tile, ``Tiles.prefill_halves``) holds the
+    tile as two halves of BLOCK_M / 2 rows that share each K/V load: each
+    row's arithmetic is the same as in one tile, up to the order a GPU sums
+    in."""
+    if HALVES == 2:
+        HALF: tl.constexpr = BLOCK_M // 2
+        tok0, head0, tok64_0, ok0, pos_0 = _row_indices(q_lo, q_hi, pos0, kv_head, 0, HALF, GROUP)
+        tok1, head1, tok64_1, ok1, pos_1 = _row_indices(q_lo, q_hi, pos0, kv_head, HALF, HALF, GROUP)
+        q0 = _load_queries(q_ptr, tok64_0, head0, ok0, stride_qt, stride_qh, HEAD_DIM, HEAD_PAD)
+        q1 = _load_queries(q_ptr, tok64_1, head1, ok1, stride_qt, stride_qh, HEAD_DIM, HEAD_PAD)
 
-
-@triton.jit
-def _attend_item_halves(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    bt_row,
-    q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head,
-    qk_scale, window,
-    stride_qt, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_ot, stride_oh,
-    stride_pm, stride_ps, stride_ph,
-    stride_lm, stride_ls,
-    BLOCK_SIZE: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """``_attend_item`` of the prefill tile (``SPLIT_MASK`` on) held as two
-    halves of BLOCK_M / 2 rows that share each K/V load
-    (``Tiles.prefill_halves``): each row's arithmetic is the same as in one
-    tile, up to the order a GPU sums in."""
-    HALF: tl.constexpr = BLOCK_M // 2
-    tok0, head0, tok64_0, ok0, pos_0 = _row_indices(q_lo, q_hi, pos0, kv_head, 0, HALF, GROUP)
-    tok1, head1, tok64_1, ok1, pos_1 = _row_indices(q_lo, q_hi, pos0, kv_head, HALF, HALF, GROUP)
-    q0 = _load_queries(q_ptr, tok64_0, head0, ok0, stride_qt, stride_qh, HEAD_DIM, HEAD_PAD)
-    q1 = _load_queries(q_ptr, tok64_1, head1, ok1, stride_qt, stride_qh, HEAD_DIM, HEAD_PAD)
-
-    m0 = tl.full([HALF], float("-inf"), tl.float32)
-    l0 = tl.zeros([HALF], tl.float32)
-    acc0 = tl.zeros([HALF, HEAD_PAD], tl.float32)
-    m1 = tl.full([HALF], float("-inf"), tl.float32)
-    l1 = tl.zeros([HALF], tl.float32)
-    acc1 = tl.zeros([HALF, HEAD_PAD], tl.float32)
-    masked_lo = kv_lo
-    if not HAS_WINDOW:
-        masked_lo = _unmasked_end(kv_lo, kv_hi, pos0, BLOCK_N)
-        for start in range(kv_lo, masked_lo, BLOCK_N):
+        m0 = tl.full([HALF], float("-inf"), tl.float32)
+        l0 = tl.zeros([HALF], tl.float32)
+        acc0 = tl.zeros([HALF, HEAD_PAD], tl.float32)
+        m1 = tl.full([HALF], float("-inf"), tl.float32)
+        l1 = tl.zeros([HALF], tl.float32)
+        acc1 = tl.zeros([HALF, HEAD_PAD], tl.float32)
+        masked_lo = kv_lo
+        if SPLIT_MASK and not HAS_WINDOW:
+            masked_lo = _unmasked_end(kv_lo, kv_hi, pos0, BLOCK_N)
+            for start in range(kv_lo, masked_lo, BLOCK_N):
+                m0, l0, acc0, m1, l1, acc1 = _attend_keys_halves(
+                    q0, m0, l0, acc0, pos_0, q1, m1, l1, acc1, pos_1, start, kv_hi,
+                    k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, False,
+                )  # fmt: skip
+        for start in range(masked_lo, kv_hi, BLOCK_N):
             m0, l0, acc0, m1, l1, acc1 = _attend_keys_halves(
                 q0, m0, l0, acc0, pos_0, q1, m1, l1, acc1, pos_1, start, kv_hi,
                 k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, False,
+                BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, True,
             )  # fmt: skip
-    for start in range(masked_lo, kv_hi, BLOCK_N):
-        m0, l0, acc0, m1, l1, acc1 = _attend_keys_halves(
-            q0, m0, l0, acc0, pos_0, q1, m1, l1, acc1, pos_1, start, kv_hi,
-            k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, True,
-        )  # fmt: skip
-    _store_rows(acc0, m0, l0, out_ptr, part_out_ptr, part_lse_ptr, tok0, head0, tok64_0, ok0, merge_row, split,
-                stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls, HEAD_DIM, HEAD_PAD)
-    _store_rows(acc1, m1, l1, out_ptr, part_out_ptr, part_lse_ptr, tok1, head1, tok64_1, ok1, merge_row, split,
-                stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls, HEAD_DIM, HEAD_PAD)
+        _store_rows(acc0, m0, l0, out_ptr, part_out_ptr, part_lse_ptr, tok0, head0, tok64_0, ok0, merge_row, split,
+                    stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls, HEAD_DIM, HEAD_PAD)
+        _store_rows(acc1, m1, l1, out_ptr, part_out_ptr, part_lse_ptr, tok1, head1, tok64_1, ok1, merge_row, split,
+                    stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls, HEAD_DIM, HEAD_PAD)
+    else:
+        tok_local, head, tok64, row_ok, pos = _row_indices(q_lo, q_hi, pos0, kv_head, 0, BLOCK_M, GROUP)
+        q = _load_queries(q_ptr, tok64, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEAD_PAD)  # [BLOCK_M, HEAD_PAD]
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        masked_lo = kv_lo
+        if SPLIT_MASK and not HAS_WINDOW:
+            masked_lo = _unmasked_end(kv_lo, kv_hi, pos0, BLOCK_N)
+            for start in range(kv_lo, masked_lo, BLOCK_N):
+                m_i, l_i, acc = _attend_keys(
+                    q, m_i, l_i, acc, start, kv_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, False,
+                )  # fmt: skip
+        for start in range(masked_lo, kv_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_keys(
+                q, m_i, l_i, acc, start, kv_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, True,
+            )  # fmt: skip
+        _store_rows(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, tok_local, head, tok64, row_ok, merge_row,
+                    split, stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls, HEAD_DIM,
+                    HEAD_PAD)
 
 
 @triton.jit
@@ -643,7 +625,7 @@ def _paged_attention_kernel(
     HAS_PREFILL: tl.constexpr,  # compile the prefill tile (mixed steps) or not (decode-only)
     BLOCK_N: tl.constexpr,
     PREFILL_BLOCK_N: tl.constexpr,  # keys per iteration of the prefill tile
-    PREFILL_HALVES: tl.constexpr,  # 2: the prefill tile runs as two halves of rows (_attend_item_halves)
+    PREFILL_HALVES: tl.constexpr,  # 2: the prefill tile runs as two halves of its rows (_attend_item)
     NUM_FIELDS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32); "widen": see _dot
@@ -683,22 +665,14 @@ def _paged_attention_kernel(
         wide = False
         if HAS_PREFILL:
             wide = q_hi - q_lo > DECODE_TOKENS
-        if wide and PREFILL_HALVES == 2:
-            _attend_item_halves(
-                q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_row,
-                q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window,
-                stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls,
-                BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, PREFILL_M, PREFILL_BLOCK_N, HAS_WINDOW, DOT_PRECISION,
-            )  # fmt: skip
-        elif wide:
+        if wide:
             _attend_item(
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_row,
                 q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window,
                 stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls,
                 BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, PREFILL_M, PREFILL_BLOCK_N, HAS_WINDOW, DOT_PRECISION,
-                True,
+                True, PREFILL_HALVES,
             )  # fmt: skip
         else:
             _attend_item(
