@@ -185,7 +185,7 @@ def prefill_shape(changes: dict) -> dict:
     return dict(changes=", ".join(f"{k}={v}" for k, v in changes.items()) or "default", prefill_rows=t.prefill_rows,
                 block_n=t.prefill_step, warps=t.wide_warps if t.prefill_rows > 64 else t.narrow_warps,
                 num_stages=t.num_stages, mixed_max_registers=t.mixed_max_registers,
-                halves=t.prefill_halves if t.prefill_rows >= 32 else 1)  # fmt: skip
+                halves=t.prefill_halves)  # fmt: skip
 
 
 def tune_decode(shape: Shape, contexts: list[int], copy_gbs: float, sweep: Sweep) -> None:

@@ -258,32 +258,38 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(cache_ptr, blk, off, kv_head, kv_mask, d, stride_b, stride_s, stride_h):
-    """[BLOCK_N, HEAD_PAD] keys or values of one key block, through the page walk."""
-    return tl.load(cache_ptr + (blk * stride_b + off * stride_s + kv_head * stride_h)[:, None] + d[None, :],
-                   mask=kv_mask, other=0.0)
-
-
-@triton.jit
-def _page_walk(start, kv_hi, bt_row, d,
-               BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys [start, start + BLOCK_N): positions, which exist, their
-    physical blocks and offsets, and the K/V tiles' mask."""
+def _load_kv(
+    start, kv_hi, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Keys [start, start + BLOCK_N) through the page walk: (positions,
+    which exist, K and V as [BLOCK_N, HEAD_PAD] tiles)."""
+    d = tl.arange(0, HEAD_PAD)
     kpos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     k_ok = kpos < kv_hi
     # Page walk: logical block -> physical block, per key.
     blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-    return kpos, k_ok, blk, kpos % BLOCK_SIZE, _dim_mask(k_ok, d, HEAD_DIM, HEAD_PAD)
+    off = kpos % BLOCK_SIZE
+    kv_mask = _dim_mask(k_ok, d, HEAD_DIM, HEAD_PAD)
+    k = tl.load(k_cache_ptr + (blk * stride_kb + off * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + (blk * stride_vb + off * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0)
+    return kpos, k_ok, k, v
 
 
 @triton.jit
-def _softmax_step(q, k, m_i, l_i, kpos, k_ok, pos, qk_scale, window,
-                  HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
-    """Scores of the rows ``q`` against ``k`` and the online softmax's
-    update: (m, l, p, alpha), the accumulator to be scaled by alpha and
-    added p @ V. Unmasked (``MASKED`` False), every row may see every key:
-    no causal or window test, and every score is finite, so neither is the
-    running max."""
+def _attend_keys(q, m_i, l_i, acc, k, v, kpos, k_ok, pos, qk_scale, window,
+                 HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """One step of the online softmax: the rows ``q`` against one block of
+    keys ``k`` and values ``v``. Unmasked (``MASKED`` False), every row may
+    see every key: no causal or window test, and every score is finite, so
+    neither is the running max."""
     s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
         allowed = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
@@ -299,63 +305,9 @@ def _softmax_step(q, k, m_i, l_i, kpos, k_ok, pos, qk_scale, window,
         m_shift = m_new
     alpha = tl.exp2(m_i - m_shift)
     p = tl.exp2(s - m_shift[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
-
-
-@triton.jit
-def _attend_keys(
-    q, m_i, l_i, acc, start, kv_hi, pos,
-    k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """One step of the online softmax: the tile against keys
-    [start, start + BLOCK_N)."""
-    d = tl.arange(0, HEAD_PAD)
-    kpos, k_ok, blk, off, kv_mask = _page_walk(start, kv_hi, bt_row, d, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N)
-    k = _kv_tile(k_cache_ptr, blk, off, kv_head, kv_mask, d, stride_kb, stride_ks, stride_kh)
-    m_new, l_i, p, alpha = _softmax_step(q, k, m_i, l_i, kpos, k_ok, pos, qk_scale, window, HAS_WINDOW,
-                                         DOT_PRECISION, MASKED)
-    v = _kv_tile(v_cache_ptr, blk, off, kv_head, kv_mask, d, stride_vb, stride_vs, stride_vh)
+    l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _attend_keys_halves(
-    q0, m0, l0, acc0, pos_0, q1, m1, l1, acc1, pos_1, start, kv_hi,
-    k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """``_attend_keys`` for a tile held as two halves of rows: one K and V
-    load, each half's scores and update in turn, so only one half's scores
-    and probabilities are live at a time."""
-    d = tl.arange(0, HEAD_PAD)
-    kpos, k_ok, blk, off, kv_mask = _page_walk(start, kv_hi, bt_row, d, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N)
-    k = _kv_tile(k_cache_ptr, blk, off, kv_head, kv_mask, d, stride_kb, stride_ks, stride_kh)
-    v = _kv_tile(v_cache_ptr, blk, off, kv_head, kv_mask, d, stride_vb, stride_vs, stride_vh)
-    m0, l0, p0, alpha0 = _softmax_step(q0, k, m0, l0, kpos, k_ok, pos_0, qk_scale, window, HAS_WINDOW,
-                                       DOT_PRECISION, MASKED)
-    acc0 = acc0 * alpha0[:, None] + _dot(p0.to(v.dtype), v, DOT_PRECISION)
-    m1, l1, p1, alpha1 = _softmax_step(q1, k, m1, l1, kpos, k_ok, pos_1, qk_scale, window, HAS_WINDOW,
-                                       DOT_PRECISION, MASKED)
-    acc1 = acc1 * alpha1[:, None] + _dot(p1.to(v.dtype), v, DOT_PRECISION)
-    return m0, l0, acc0, m1, l1, acc1
 
 
 @triton.jit
@@ -449,68 +401,47 @@ def _attend_item(
     are the bits.
 
     ``HALVES`` 2 (the prefill tile, ``Tiles.prefill_halves``) holds the
-    tile as two halves of BLOCK_M / 2 rows that share each K/V load: each
-    row's arithmetic is the same as in one tile, up to the order a GPU sums
-    in."""
+    tile as two halves of BLOCK_M / 2 rows that share each K/V load, one
+    half's scores and probabilities live at a time: each row's arithmetic is
+    the same as in one tile, up to the order a GPU sums in."""
+    ROWS: tl.constexpr = BLOCK_M // HALVES
+    tok0, head0, tok64_0, ok0, pos_0 = _row_indices(q_lo, q_hi, pos0, kv_head, 0, ROWS, GROUP)
+    q0 = _load_queries(q_ptr, tok64_0, head0, ok0, stride_qt, stride_qh, HEAD_DIM, HEAD_PAD)  # [ROWS, HEAD_PAD]
+    m0 = tl.full([ROWS], float("-inf"), tl.float32)
+    l0 = tl.zeros([ROWS], tl.float32)
+    acc0 = tl.zeros([ROWS, HEAD_PAD], tl.float32)
     if HALVES == 2:
-        HALF: tl.constexpr = BLOCK_M // 2
-        tok0, head0, tok64_0, ok0, pos_0 = _row_indices(q_lo, q_hi, pos0, kv_head, 0, HALF, GROUP)
-        tok1, head1, tok64_1, ok1, pos_1 = _row_indices(q_lo, q_hi, pos0, kv_head, HALF, HALF, GROUP)
-        q0 = _load_queries(q_ptr, tok64_0, head0, ok0, stride_qt, stride_qh, HEAD_DIM, HEAD_PAD)
+        tok1, head1, tok64_1, ok1, pos_1 = _row_indices(q_lo, q_hi, pos0, kv_head, ROWS, ROWS, GROUP)
         q1 = _load_queries(q_ptr, tok64_1, head1, ok1, stride_qt, stride_qh, HEAD_DIM, HEAD_PAD)
-
-        m0 = tl.full([HALF], float("-inf"), tl.float32)
-        l0 = tl.zeros([HALF], tl.float32)
-        acc0 = tl.zeros([HALF, HEAD_PAD], tl.float32)
-        m1 = tl.full([HALF], float("-inf"), tl.float32)
-        l1 = tl.zeros([HALF], tl.float32)
-        acc1 = tl.zeros([HALF, HEAD_PAD], tl.float32)
-        masked_lo = kv_lo
-        if SPLIT_MASK and not HAS_WINDOW:
-            masked_lo = _unmasked_end(kv_lo, kv_hi, pos0, BLOCK_N)
-            for start in range(kv_lo, masked_lo, BLOCK_N):
-                m0, l0, acc0, m1, l1, acc1 = _attend_keys_halves(
-                    q0, m0, l0, acc0, pos_0, q1, m1, l1, acc1, pos_1, start, kv_hi,
-                    k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, False,
-                )  # fmt: skip
-        for start in range(masked_lo, kv_hi, BLOCK_N):
-            m0, l0, acc0, m1, l1, acc1 = _attend_keys_halves(
-                q0, m0, l0, acc0, pos_0, q1, m1, l1, acc1, pos_1, start, kv_hi,
-                k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, True,
-            )  # fmt: skip
-        _store_rows(acc0, m0, l0, out_ptr, part_out_ptr, part_lse_ptr, tok0, head0, tok64_0, ok0, merge_row, split,
-                    stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls, HEAD_DIM, HEAD_PAD)
+        m1 = tl.full([ROWS], float("-inf"), tl.float32)
+        l1 = tl.zeros([ROWS], tl.float32)
+        acc1 = tl.zeros([ROWS, HEAD_PAD], tl.float32)
+    masked_lo = kv_lo
+    if SPLIT_MASK and not HAS_WINDOW:
+        masked_lo = _unmasked_end(kv_lo, kv_hi, pos0, BLOCK_N)
+        for start in range(kv_lo, masked_lo, BLOCK_N):
+            kpos, k_ok, k, v = _load_kv(start, kv_hi, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
+                                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                        BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N)
+            m0, l0, acc0 = _attend_keys(q0, m0, l0, acc0, k, v, kpos, k_ok, pos_0, qk_scale, window, HAS_WINDOW,
+                                        DOT_PRECISION, False)
+            if HALVES == 2:
+                m1, l1, acc1 = _attend_keys(q1, m1, l1, acc1, k, v, kpos, k_ok, pos_1, qk_scale, window, HAS_WINDOW,
+                                            DOT_PRECISION, False)
+    for start in range(masked_lo, kv_hi, BLOCK_N):
+        kpos, k_ok, k, v = _load_kv(start, kv_hi, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
+                                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                    BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N)
+        m0, l0, acc0 = _attend_keys(q0, m0, l0, acc0, k, v, kpos, k_ok, pos_0, qk_scale, window, HAS_WINDOW,
+                                    DOT_PRECISION, True)
+        if HALVES == 2:
+            m1, l1, acc1 = _attend_keys(q1, m1, l1, acc1, k, v, kpos, k_ok, pos_1, qk_scale, window, HAS_WINDOW,
+                                        DOT_PRECISION, True)
+    _store_rows(acc0, m0, l0, out_ptr, part_out_ptr, part_lse_ptr, tok0, head0, tok64_0, ok0, merge_row, split,
+                stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls, HEAD_DIM, HEAD_PAD)
+    if HALVES == 2:
         _store_rows(acc1, m1, l1, out_ptr, part_out_ptr, part_lse_ptr, tok1, head1, tok64_1, ok1, merge_row, split,
                     stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls, HEAD_DIM, HEAD_PAD)
-    else:
-        tok_local, head, tok64, row_ok, pos = _row_indices(q_lo, q_hi, pos0, kv_head, 0, BLOCK_M, GROUP)
-        q = _load_queries(q_ptr, tok64, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEAD_PAD)  # [BLOCK_M, HEAD_PAD]
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-        masked_lo = kv_lo
-        if SPLIT_MASK and not HAS_WINDOW:
-            masked_lo = _unmasked_end(kv_lo, kv_hi, pos0, BLOCK_N)
-            for start in range(kv_lo, masked_lo, BLOCK_N):
-                m_i, l_i, acc = _attend_keys(
-                    q, m_i, l_i, acc, start, kv_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, False,
-                )  # fmt: skip
-        for start in range(masked_lo, kv_hi, BLOCK_N):
-            m_i, l_i, acc = _attend_keys(
-                q, m_i, l_i, acc, start, kv_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, qk_scale, window,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N, HAS_WINDOW, DOT_PRECISION, True,
-            )  # fmt: skip
-        _store_rows(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, tok_local, head, tok64, row_ok, merge_row,
-                    split, stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls, HEAD_DIM,
-                    HEAD_PAD)
 
 
 @triton.jit
@@ -997,7 +928,7 @@ def _constexprs(
         BLOCK_N=TILES.block_n,
         PREFILL_BLOCK_N=TILES.prefill_step,
         # Halves of at least 16 rows, tl.dot's smallest; 1 in the decode-only
-        # variant, which has no prefill tile, so that it compiles once either way.
+        # variant, which has no prefill tile.
         PREFILL_HALVES=TILES.prefill_halves if has_prefill and prefill_m >= 32 else 1,
         NUM_FIELDS=WORK_FIELDS,
         HAS_WINDOW=has_window,
@@ -1213,7 +1144,8 @@ def _decode_launch(launch: _Launch, plan: WorkPlan) -> _Launch:
     cached = (launch.occupancy_key, TILES.fused_merge)
     variant = part.scratch.get(cached)  # the same for every layer of the step
     if variant is None:
-        constexprs = dict(launch.constexprs, HAS_PREFILL=False, FUSED_MERGE=TILES.fused_merge, PREFILL_HALVES=1)
+        # The decode part's own plan (no prefill tiles) gives what a decode-only step launches.
+        constexprs = _plan_constexprs(launch.args["q_ptr"], launch.args["k_cache_ptr"], part)
         options = _launch_options(constexprs)
         variant = part.scratch[cached] = (
             constexprs, options, _occupancy_key(constexprs, options, launch.out.dtype, launch.out.device))
