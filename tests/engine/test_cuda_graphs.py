@@ -27,6 +27,7 @@ from fluidserve.engine.cuda_graphs import (
     plan_decode,
 )
 from fluidserve.kernels import packing
+from padded_rows import assert_as_eager
 
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 PROMPTS = ["Hello there", "The quick brown fox jumps over", "a", "Long prompt " * 6, "xyz", "one two three",
@@ -151,7 +152,8 @@ def run_llm(make_llm, path, prompts, graphs: bool, params: SamplingParams = GREE
 def test_bucketed_decode_tokens_equal_eager(tiny_model, make_llm, arch, num_prompts, bucket):
     """Padded buckets over 30 decode steps, block tables growing by a block
     every 8 tokens: the greedy tokens and the whole KV cache afterwards are
-    exactly the eager path's, so padding rows wrote nothing."""
+    the eager path's (bit for bit where the CPU linear allows:
+    tests/padded_rows.py), so padding rows wrote nothing."""
     path = tiny_model(arch)
     prompts = PROMPTS[:num_prompts]
     eager, w_eager = run_llm(make_llm, path, prompts, graphs=False)
@@ -160,7 +162,8 @@ def test_bucketed_decode_tokens_equal_eager(tiny_model, make_llm, arch, num_prom
     assert bucket in w_graph.graphs.replays and w_graph.graphs.replays[bucket] >= 20
     assert w_graph.graphs.fallbacks.get("not decode-only", 0) >= 1  # the prefill ran eagerly
     for (k1, v1), (k2, v2) in zip(w_eager.kv_caches, w_graph.kv_caches):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        assert_as_eager(k2, k1)
+        assert_as_eager(v2, v1)
 
 
 def test_arrivals_mid_decode_move_between_buckets_and_eager(tiny_model, make_llm):
@@ -222,21 +225,27 @@ def one_step_eager_then_bucketed(worker, capture: bool):
 
 def assert_only_real_slots_written_as_eager_wrote(worker, before, eager_caches, inp) -> None:
     for (k, v), (ke, ve), (k0, _) in zip(worker.kv_caches, eager_caches, before):
-        assert torch.equal(k, ke) and torch.equal(v, ve)
+        if k.is_cuda:  # a replayed bucket wrote eager's bits on the GPUs run so far
+            assert torch.equal(k, ke) and torch.equal(v, ve)
+        else:
+            assert_as_eager(k, ke)
+            assert_as_eager(v, ve)
         slots = (k != k0).reshape(-1, *k.shape[2:]).flatten(1).any(1).nonzero().flatten().tolist()
         assert slots == sorted(inp.slot_mapping)
 
 
 def test_one_padded_step_matches_eager_and_writes_only_real_slots(tiny_model):
     """A single decode step of 3 rows in bucket 4 over a cache of random
-    values: hidden states equal the eager forward's bit for bit, and the
-    only cache slots that change are the 3 in the slot mapping."""
+    values: hidden states equal the eager forward's (bit for bit where the
+    CPU linear allows: tests/padded_rows.py), and the only cache slots that
+    change are the 3 in the slot mapping."""
     from fluidserve.engine.worker import Worker
 
     path = tiny_model("llama")
     worker = Worker(EngineConfig.create(model=path, device="cpu", num_kv_blocks=24, block_size=8), path)
     (hidden, idx), (out, out_idx), before, eager_caches, inp = one_step_eager_then_bucketed(worker, capture=False)
-    assert out.shape == hidden.shape and torch.equal(out, hidden)
+    assert out.shape == hidden.shape
+    assert_as_eager(out, hidden)
     assert out_idx.tolist() == idx.tolist() == [0, 1, 2]
     assert_only_real_slots_written_as_eager_wrote(worker, before, eager_caches, inp)
 
