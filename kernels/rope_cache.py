@@ -27,16 +27,18 @@ from fluidserve.kernels.launch import Relaunch, next_power_of_2
 
 
 @triton.jit
-def _rotate(x_ptr, cos1, sin1, cos2, sin2, h, d, mask, HALF: tl.constexpr):
-    """Rotate the [H, D] rows at ``x_ptr`` in place; returns the rotated
-    halves (fp32). Each element's two halves are loaded and stored by the
-    same program lanes, so the in-place write races with no read."""
-    x1 = tl.load(x_ptr + h + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + h + d + HALF, mask=mask, other=0.0).to(tl.float32)
+def _rotate(x, cos1, sin1, cos2, sin2, mask, HALF: tl.constexpr):
+    """Rotate in place the [H, D/2] first halves at pointers ``x`` and the
+    second halves HALF further on; returns the rotated halves (fp32). Each
+    element's two halves are loaded and stored by the same program lanes, so
+    the in-place write races with no read."""
+    x_hi = x + HALF
+    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_hi, mask=mask, other=0.0).to(tl.float32)
     y1 = x1 * cos1 + x2 * sin1
     y2 = x2 * cos2 + x1 * sin2
-    tl.store(x_ptr + h + d, y1.to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(x_ptr + h + d + HALF, y2.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(x, y1.to(x.dtype.element_ty), mask=mask)
+    tl.store(x_hi, y2.to(x.dtype.element_ty), mask=mask)
     return y1, y2
 
 
@@ -60,26 +62,31 @@ def _rope_and_cache_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
+    # Each address is formed once and offset by HALF for the second half:
+    # the compiled kernel is the same either way, and Triton's interpreter,
+    # which runs every program of the grid op by op, runs fewer ops.
     tok = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)[None, :]
     dmask = d < HALF
-    cos1 = tl.load(cos_ptr + tok * stride_ct + d, mask=dmask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + tok * stride_ct + d + HALF, mask=dmask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + tok * stride_st + d, mask=dmask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + tok * stride_st + d + HALF, mask=dmask, other=0.0).to(tl.float32)
+    cos_row = cos_ptr + tok * stride_ct + d
+    sin_row = sin_ptr + tok * stride_st + d
+    cos1 = tl.load(cos_row, mask=dmask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_row + HALF, mask=dmask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_row, mask=dmask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_row + HALF, mask=dmask, other=0.0).to(tl.float32)
 
     hq = tl.arange(0, BLOCK_HQ)[:, None]
-    _rotate(q_ptr + tok * stride_qt, cos1, sin1, cos2, sin2, hq * stride_qh, d, (hq < NUM_Q_HEADS) & dmask, HALF)
+    _rotate(q_ptr + tok * stride_qt + hq * stride_qh + d, cos1, sin1, cos2, sin2, (hq < NUM_Q_HEADS) & dmask, HALF)
     hk = tl.arange(0, BLOCK_HK)[:, None]
     kmask = (hk < NUM_KV_HEADS) & dmask
-    k1, k2 = _rotate(k_ptr + tok * stride_kt, cos1, sin1, cos2, sin2, hk * stride_kh, d, kmask, HALF)
+    k1, k2 = _rotate(k_ptr + tok * stride_kt + hk * stride_kh + d, cos1, sin1, cos2, sin2, kmask, HALF)
 
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
-    # Padding slots (-1) mask the stores; the slot is broadcast to a tensor
+    # Padding slots (-1) mask the stores; the slot is broadcast to the heads
     # first (a scalar mask term trips the interpreter).
-    keep = kmask & ((slot + tl.zeros([BLOCK_HK, 1], tl.int64)) >= 0)
+    keep = kmask & (hk * 0 + slot >= 0)
     kc = key_cache_ptr + blk * stride_kcb + off * stride_kcs + hk * stride_kch + d
     tl.store(kc, k1.to(key_cache_ptr.dtype.element_ty), mask=keep)
     tl.store(kc + HALF, k2.to(key_cache_ptr.dtype.element_ty), mask=keep)

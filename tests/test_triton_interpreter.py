@@ -55,3 +55,24 @@ def test_device_function_calls_patch_the_language_once_a_launch(monkeypatch):
     calls.clear()
     _helpers_kernel[(programs,)](x, y, 100, BLOCK=8)  # the next launch patches afresh
     assert calls == ["_helpers_kernel", "zeros"]
+
+
+def test_remembered_numpy_dtypes_are_the_interpreters():
+    """Every Triton type the kernels use, scalar, pointer and block, maps to
+    the numpy dtype Triton's own function gives, asked once or many times."""
+    from triton.runtime import interpreter
+
+    from triton_interpreter import install
+
+    why = install()
+    if why is not None:
+        pytest.skip(f"the patch is not installed on this Triton: {why}")
+    original = getattr(interpreter._get_np_dtype, "original", None)
+    assert original is not None, "install() left _get_np_dtype as Triton's"
+    scalars = [tl.int1, tl.int8, tl.int16, tl.int32, tl.int64, tl.uint8, tl.uint32, tl.uint64, tl.float16,
+               tl.bfloat16, tl.float32, tl.float64]
+    types = [*scalars, *(tl.pointer_type(t) for t in scalars), *(tl.block_type(t, [4, 8]) for t in scalars),
+             tl.block_type(tl.pointer_type(tl.bfloat16), [16])]
+    for _ in range(2):
+        for t in types:
+            assert interpreter._get_np_dtype(t) == original(t), t

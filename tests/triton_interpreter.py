@@ -16,6 +16,11 @@ functions see but a kernel module usually does not), restoring it when the
 launch ends. The kernels run the same code on the same values; the engine
 lane's tests (tests/engine/test_gpu_path_on_cpu.py) take about a quarter less time.
 
+It also keeps the answers of ``_get_np_dtype``, the numpy dtype of a Triton
+type, which the interpreter asks at almost every op and which builds a
+table of nineteen types (hashing each) to answer: a type's numpy dtype
+never changes, so each scalar type's is worked out once.
+
 A Triton whose interpreter differs from the one this was written against
 (3.6 and 3.9: ``GridExecutor.__call__`` patches the kernel's language for the
 launch, ``InterpretedFunction.__call__`` calls ``_patch_lang(self.fn)`` then
@@ -86,4 +91,26 @@ def install() -> str | None:
     call._patches_once = True
     interpreter.GridExecutor.__call__ = launch
     interpreter.InterpretedFunction.__call__ = call
+    if callable(getattr(interpreter, "_get_np_dtype", None)):
+        interpreter._get_np_dtype = _remembered(interpreter._get_np_dtype, lang)
     return None
+
+
+def _remembered(np_dtype_of, lang):
+    """``np_dtype_of`` answered once a scalar type, by name (Triton's types
+    are equal when their names are). A block's answer is its element's; a
+    pointer's, or a block of them, is left to ``np_dtype_of``, which answers
+    those before it builds its table."""
+    known: dict[str, object] = {}
+
+    def np_dtype(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, lang.block_type) else tt_dtype
+        if isinstance(scalar, lang.pointer_type):
+            return np_dtype_of(tt_dtype)
+        found = known.get(scalar.name)
+        if found is None:
+            found = known[scalar.name] = np_dtype_of(scalar)
+        return found
+
+    np_dtype.original = np_dtype_of
+    return np_dtype
