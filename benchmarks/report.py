@@ -694,14 +694,16 @@ def step_overhead(stem: str) -> tuple[list[str], list[str]]:
 def sched_step_cost(_: str) -> tuple[list[str], list[str]]:
     out = ["Scheduler CPU time per step with requests decoding behind a shared 512-token prefix, the tree "
            "the run measured against an older commit, each in its own process, interleaved (median of 5 "
-           "processes, each the median of 200 steps).", ""]
-    for stem, d in loaded("sched_step_cost", "sched_step_cost-1024"):
+           "processes, each the median of 200 steps); with requests queued behind them, a host tier and a "
+           "device pool that holds about the decoding ones: each step tries to admit every queued request.", ""]
+    for stem, d in loaded("sched_step_cost", "sched_step_cost-1024", "sched_step_cost-64-queued-2000"):
         names = re.search(r"--names (\S+) (\S+)", d.get("command", ""))
         label = {".": "the run's tree"}
         if names:
             label.update({p: n for p, n in zip([k for k in d["rows"] if k != "."], names.groups()[1:])})
         out += provenance(stem, d)
-        out += table([f"{d['active']} requests", "cache off (ms)", "cache on (ms)"],
+        queued = f" + {d['queued']} queued" if d.get("queued") else ""
+        out += table([f"{d['active']} requests{queued}", "cache off (ms)", "cache on (ms)"],
                      [[label.get(k, k), v["cache_off_ms"], v["cache_on_ms"]] for k, v in d["rows"].items()])
     return out, []
 
@@ -1093,7 +1095,8 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Serving beside a process busy 2 ms in every 5, thread counts decided by trial", ["busy_neighbour-duty-trials"],
      busy_neighbour),
     ("Engine bookkeeping per step", ["step_overhead-cpu"], step_overhead),
-    ("Scheduler CPU time per step", ["sched_step_cost", "sched_step_cost-1024"], sched_step_cost),
+    ("Scheduler CPU time per step", ["sched_step_cost", "sched_step_cost-1024", "sched_step_cost-64-queued-2000"],
+     sched_step_cost),
     ("Garbage collection during steps", ["gc_pauses"], gc_pauses),
     ("CPU kernels", ["cpu_decode_groups", "cpu_chunked_prefill", "shared_prefix_decode", "cpu_linear"], cpu_kernels),
     ("Structured output and prompt logprobs",

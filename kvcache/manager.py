@@ -226,6 +226,25 @@ class KVCacheManager:
         on_device = [b for b, on_host in hits if not on_host]
         return self.blocks_for(num_tokens) - len(on_device) + sum(map(self.allocator.is_free, on_device))
 
+    def admission_floor(self, keys: list[int], num_tokens: int, stop: int = -1) -> int:
+        """A floor under ``admission_blocks`` at the cost of two lookups: as
+        if every block it could share were on the device and in use. Those
+        are the blocks of ``keys`` before ``stop`` when that key is in
+        neither tier, for the walk of hits ends there (``stop``: where an
+        earlier walk ended, ``admission``'s hint), else all of ``keys``."""
+        if self.prefix is None:
+            return self.blocks_for(num_tokens)
+        shared = min(len(keys), (num_tokens - 1) // self.block_size)
+        if 0 <= stop < shared and self._device_copy(keys[stop]) is None and self._host_copy(keys[stop]) is None:
+            shared = stop
+        return self.blocks_for(num_tokens) - shared
+
+    def admission(self, keys: list[int], num_tokens: int) -> tuple[int, int]:
+        """``admission_blocks`` (host hits included), and where its walk of
+        ``keys`` ended: ``admission_floor``'s ``stop``."""
+        hits = self._hits(keys, num_tokens)
+        return self._blocks_to_admit(hits, num_tokens), len(hits)
+
     def admission_blocks(self, keys: list[int], num_tokens: int, host: bool = True) -> int:
         """Free device blocks admitting a new request of ``num_tokens`` would
         use: new blocks for what is not cached on the device (host hits come

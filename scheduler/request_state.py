@@ -43,6 +43,9 @@ class SeqState:
     # False: the request computes every position (it scores its prompt), so it
     # takes no cache hits, but its blocks are still offered to the cache.
     reads_cache: bool = True
+    # Where admission's last walk of ``block_keys`` through the prefix cache
+    # ended (-1: never walked): KVCacheManager.admission_floor's hint.
+    prefix_stop: int = -1
     # Prompt tokens found cached: at arrival an estimate (for the policy), at
     # admission what was actually shared.
     num_cached_tokens: int = 0

@@ -551,28 +551,51 @@ class Scheduler:
         after a recompute), sharing its cached prefix: those tokens count as
         computed. A priority policy that starts many prompts must not commit
         memory chunk by chunk and then evict to finish them."""
-        keys = seq.block_keys if self.kv.prefix_caching and seq.reads_cache else []
-        need = self.kv.admission_blocks(keys, seq.num_tokens)
+        kv = self.kv
+        keys = seq.block_keys if kv.prefix_caching and seq.reads_cache else []
+        # The blocks it takes (``need``) walk its prompt's keys through the
+        # prefix index. Under a long queue that memory holds back, every
+        # waiting request is tried each step, and a floor under ``need``
+        # (its prefix up to where its last walk ended taken as shared) refuses
+        # most before the index, or backfilling, is asked: the same answers
+        # and side effects as with ``need`` itself.
+        floor = kv.admission_floor(keys, seq.num_tokens, seq.prefix_stop)
+        free = kv.num_free_blocks
         # Offline work also leaves the arrival reserve free: it is there for online bursts.
         reserve = self._watermark()
-        if self.kv.num_used_blocks and seq.klass is RequestClass.OFFLINE and self.swap and self.config.proactive_swap:
+        if kv.num_used_blocks and seq.klass is RequestClass.OFFLINE and self.swap and self.config.proactive_swap:
             reserve = self.reserve_blocks()
         # KV loans: the steps it would hold the device (inf: no bound, it evicts no one).
         loans = self._loans_for(seq)
         loan = loans.stay(seq) if loans is not None and not seq.num_output_tokens else None
         if loan == INF:  # a block for each resident request that needs one soon
             reserve += self._growth_blocks(step)
+        online = seq.klass is RequestClass.ONLINE
+        if floor + reserve > free:
+            # Blocks owed to others only add to the reserve. Where all that
+            # can happen is a comparison with the free blocks (no host tier to
+            # evict to; or no bound on its stay, so it evicts no one, and no
+            # offline KV an online request would take first), it is no.
+            if not self.swap:
+                return False
+            if loan == INF and (not online or (not self.held and (
+                    step.offline_cursor == -1 or self._num_online == len(self.seqs)))):
+                if step.starving is None and self.loans.starving(seq, step.now):
+                    need, seq.prefix_stop = kv.admission(keys, seq.num_tokens)
+                    step.starving = need  # requests ranked below without a bound leave its blocks free
+                    step.owed += need
+                return False
+        need, seq.prefix_stop = kv.admission(keys, seq.num_tokens)
         backfill = False
         if step.owed and not seq.num_output_tokens and (loan is None or loan == INF):
             # (A borrower's victims come back when it ends.)
-            backfill = need + reserve + step.owed > self.kv.num_free_blocks and self._backfills(seq, step)
+            backfill = need + reserve + step.owed > free and self._backfills(seq, step)
             if not backfill:
                 reserve += step.owed
-        if need + reserve > self.kv.num_free_blocks and not self.swap:
+        if need + reserve > free and not self.swap:
             return False
         above = self._priority(seq) if pos >= step.num_urgent else None
-        if not self._room(need + reserve, pos, step, allow_recompute=False, above=above,
-                          online=seq.klass is RequestClass.ONLINE, loan=loan):
+        if not self._room(need + reserve, pos, step, allow_recompute=False, above=above, online=online, loan=loan):
             if loan == INF and step.starving is None and self.loans.starving(seq, step.now):
                 step.starving = need  # requests ranked below without a bound leave its blocks free
                 step.owed += need
