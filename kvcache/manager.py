@@ -227,11 +227,11 @@ class KVCacheManager:
         return self.blocks_for(num_tokens) - len(on_device) + sum(map(self.allocator.is_free, on_device))
 
     def admission_floor(self, keys: list[int], num_tokens: int, stop: int = -1) -> int:
-        """A floor under ``admission_blocks`` at the cost of two lookups: as
+        """A floor under ``admission``'s blocks at the cost of two lookups: as
         if every block it could share were on the device and in use. Those
         are the blocks of ``keys`` before ``stop`` when that key is in
         neither tier, for the walk of hits ends there (``stop``: where an
-        earlier walk ended, ``admission``'s hint), else all of ``keys``."""
+        earlier walk ended), else all of ``keys``."""
         if self.prefix is None:
             return self.blocks_for(num_tokens)
         shared = min(len(keys), (num_tokens - 1) // self.block_size)
@@ -240,16 +240,12 @@ class KVCacheManager:
         return self.blocks_for(num_tokens) - shared
 
     def admission(self, keys: list[int], num_tokens: int) -> tuple[int, int]:
-        """``admission_blocks`` (host hits included), and where its walk of
-        ``keys`` ended: ``admission_floor``'s ``stop``."""
-        hits = self._hits(keys, num_tokens)
-        return self._blocks_to_admit(hits, num_tokens), len(hits)
-
-    def admission_blocks(self, keys: list[int], num_tokens: int, host: bool = True) -> int:
         """Free device blocks admitting a new request of ``num_tokens`` would
         use: new blocks for what is not cached on the device (host hits come
-        back into new blocks), plus cached device blocks that are free."""
-        return self._blocks_to_admit(self._hits(keys, num_tokens, host), num_tokens)
+        back into new blocks), plus cached device blocks that are free; and
+        where the walk of ``keys`` ended (``admission_floor``'s ``stop``)."""
+        hits = self._hits(keys, num_tokens)
+        return self._blocks_to_admit(hits, num_tokens), len(hits)
 
     def admit(self, request_id: str, keys: list[int], num_tokens: int, host: bool = True) -> Admission | None:
         """Give a request with no KV a table for ``num_tokens`` tokens, sharing

@@ -571,20 +571,13 @@ class Scheduler:
         if loan == INF:  # a block for each resident request that needs one soon
             reserve += self._growth_blocks(step)
         online = seq.klass is RequestClass.ONLINE
-        if floor + reserve > free:
-            # Blocks owed to others only add to the reserve. Where all that
-            # can happen is a comparison with the free blocks (no host tier to
-            # evict to; or no bound on its stay, so it evicts no one, and no
-            # offline KV an online request would take first), it is no.
-            if not self.swap:
-                return False
-            if loan == INF and (not online or (not self.held and (
-                    step.offline_cursor == -1 or self._num_online == len(self.seqs)))):
-                if step.starving is None and self.loans.starving(seq, step.now):
-                    need, seq.prefix_stop = kv.admission(keys, seq.num_tokens)
-                    step.starving = need  # requests ranked below without a bound leave its blocks free
-                    step.owed += need
-                return False
+        # Blocks owed to others only add to the reserve: where all that can
+        # happen is a comparison with the free blocks (no host tier to evict
+        # to; or no bound on its stay, so it evicts no one, and no offline KV
+        # it would take first), the floor may say no.
+        if floor + reserve > free and (not self.swap or (
+                loan == INF and not (online and self._offline_kv_to_take(step)))):
+            return self._refuse(seq, keys, loan, step)
         need, seq.prefix_stop = kv.admission(keys, seq.num_tokens)
         backfill = False
         if step.owed and not seq.num_output_tokens and (loan is None or loan == INF):
@@ -596,10 +589,7 @@ class Scheduler:
             return False
         above = self._priority(seq) if pos >= step.num_urgent else None
         if not self._room(need + reserve, pos, step, allow_recompute=False, above=above, online=online, loan=loan):
-            if loan == INF and step.starving is None and self.loans.starving(seq, step.now):
-                step.starving = need  # requests ranked below without a bound leave its blocks free
-                step.owed += need
-            return False
+            return self._refuse(seq, keys, loan, step, need)
         # A prefix found on the host comes back by copy, within the swap budget.
         host = self.swap and self._can_move(need)
         got = self.kv.admit(seq.request_id, keys, seq.num_tokens, host=host)
@@ -620,6 +610,18 @@ class Scheduler:
         if loan is not None:
             self.loans.note_admitted(seq, step.now)
         return True
+
+    def _refuse(self, seq: SeqState, keys: list[int], loan: float | None, step: _Step,
+                need: int | None = None) -> bool:
+        """Not admitted this step (False). A request with no bound on its
+        stay that has waited too long claims its blocks: requests ranked
+        below without a bound leave them free."""
+        if loan == INF and step.starving is None and self.loans.starving(seq, step.now):
+            if need is None:
+                need, seq.prefix_stop = self.kv.admission(keys, seq.num_tokens)
+            step.starving = need
+            step.owed += need
+        return False
 
     def _room(
         self, need: int, pos: int, step: _Step, allow_recompute: bool, above: tuple[bool, float] | None = None,
@@ -879,6 +881,12 @@ class Scheduler:
             if seq.status is swapped and seq.num_output_tokens and seq.klass is online and rid not in owing:
                 n = owing[rid] = self.kv.num_blocks_of(rid)
                 step.owed += n
+
+    def _offline_kv_to_take(self, step: _Step) -> bool:
+        """Whether an online request short of blocks may find offline KV
+        to take (``_room``): a paused step's, or an offline request's that
+        this step's search has not yet found gone."""
+        return bool(self.held) or (step.offline_cursor != -1 and self._num_online != len(self.seqs))
 
     def _next_offline_victim(self, step: _Step) -> SeqState | None:
         """The lowest-ranked offline request still holding device KV (offline
