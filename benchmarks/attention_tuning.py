@@ -64,11 +64,11 @@ def grid(axes: dict[str, tuple]) -> list[dict]:
 # warps at 0.2-0.6x SDPA, and eight warps do nothing for a 64-row tile (it
 # runs the narrow warps). What is left: keys per iteration of the prefill
 # tile, pipeline depth, eight warps under a register cap that keeps two
-# programs per SM (Tiles.mixed_max_registers), and the 128-row tile as two
-# halves of its rows sharing each K/V load (Tiles.prefill_halves); spills
-# per key-loop iteration of each in kernels_compile_sm90-triton3.6.md.
+# programs per SM (Tiles.mixed_max_registers), and the 128-row tile whole
+# rather than as the default's two halves of its rows (Tiles.prefill_halves);
+# spills per key-loop iteration of each in kernels_compile_sm90-triton3.6.md.
 PREFILL_SHAPES = [
-    {}, dict(prefill_halves=2), dict(prefill_block_n=32), dict(prefill_halves=2, prefill_block_n=32),
+    {}, dict(prefill_halves=1), dict(prefill_block_n=32), dict(prefill_halves=1, prefill_block_n=32),
     dict(wide_warps=8, mixed_max_registers=128, prefill_block_n=32),
     dict(wide_warps=8, mixed_max_registers=128), dict(wide_warps=8, mixed_max_registers=168),
     dict(num_stages=2), dict(num_stages=4), dict(prefill_block_n=32, num_stages=2),

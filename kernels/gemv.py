@@ -46,6 +46,9 @@ from fluidserve.kernels.launch import Relaunch, cdiv, next_power_of_2
 BLOCK_N = 16  # output rows per program: 256+ programs on an 8B model's smallest matrix
 MAX_BLOCK_K = 512  # the fastest on every Llama-3-8B shape measured; smaller where K needs it
 NUM_WARPS = 4
+# From this K step a tile of BLOCK_N / 2 rows still gives every thread a whole
+# 16-byte vector, as the plain kernel's tile does: Triton lays both out alike.
+HALF_ROWS_MIN_K = 256
 
 
 @triton.jit
@@ -186,7 +189,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     as it is. The launch shape is for benchmarks: the engine's is the
     default."""
     rows, k = weight.shape
-    n, grid, block_n, block_d = _shape(rows, k, gated, norm is not None, block_n)
+    k_step = k_step or block_k(k)
+    n, grid, block_n, block_d = _shape(rows, k, gated, norm is not None, block_n, k_step)
     if out is None:
         out = residual if residual is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
     norm_weight, eps = norm if norm is not None else (out, 0.0)
@@ -194,19 +198,25 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
         x, weight, bias if bias is not None else out, residual if residual is not None else out, norm_weight, out,
         n, k, weight.stride(0), float(eps), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         ROUND_BEFORE_RESIDUAL=round_before_residual, GATED=gated, NORM=norm is not None, BLOCK_N=block_n,
-        BLOCK_K=k_step or block_k(k), BLOCK_D=block_d, num_warps=num_warps,
+        BLOCK_K=k_step, BLOCK_D=block_d, num_warps=num_warps,
     )  # fmt: skip
     return out
 
 
 @functools.cache
-def _shape(rows: int, k: int, gated: bool, norm: bool, block_n: int | None) -> tuple[int, tuple[int], int, int]:
+def _shape(rows: int, k: int, gated: bool, norm: bool, block_n: int | None,
+           k_step: int) -> tuple[int, tuple[int], int, int]:  # fmt: skip
     """(output columns, grid, BLOCK_N, BLOCK_D) of a launch: worked out once
     per weight shape, since every layer of a step asks again."""
     n = rows // 2 if gated else rows
     # A gated program reads BLOCK_N / 2 gate rows and as many up rows: the
     # plain kernel's loads per step, in 132 registers on sm_90 (the plain
     # kernel's 167: three programs per SM either way); a full BLOCK_N of
-    # each takes 246, two per SM (kernels_compile_sm90.md).
-    block_n = block_n or (BLOCK_N // 2 if gated else BLOCK_N)
+    # each takes 246, two per SM (kernels_compile_sm90.md). Only from a K
+    # step of HALF_ROWS_MIN_K: Triton spreads a tile over the threads by its
+    # size, so a smaller tile of half the rows sums each row in another
+    # order than the plain kernel, and the fused MLP no longer rounds as the
+    # unfused one does (fp32 on an H200, K step 16).
+    if block_n is None:
+        block_n = BLOCK_N // 2 if gated and k_step >= HALF_ROWS_MIN_K else BLOCK_N
     return n, (cdiv(n, block_n),), block_n, next_power_of_2(k) if norm else 1

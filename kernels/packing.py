@@ -97,12 +97,12 @@ class PlanCosts:
     (launch_overhead-triton3.6.md) and about as much in the driver; a
     graph replays it for nothing, but mixed steps run eager."""
 
-    decode_key: float = 0.0376
-    decode_item: float = 3.58
-    mixed_decode_key: float = 0.0414
-    prefill_key: float = 0.0568
-    prefill_item: float = 28.5
-    launch: float = 3.9
+    decode_key: float = 0.0410
+    decode_item: float = 3.06
+    mixed_decode_key: float = 0.0421
+    prefill_key: float = 0.0559
+    prefill_item: float = 26.8
+    launch: float = 3.45
     host_launch: float = 10.0
 
     def tiles_us(self, keys: float | np.ndarray, items: int, prefill: bool, mixed: bool) -> float | np.ndarray:
@@ -115,8 +115,10 @@ class PlanCosts:
 
 
 # Fitted to 73 plans timed on an H200 (plan_model_nvidia_h200.md, median
-# error 4%); the H100's fit (37 plans) differs most in the decode tile's
-# per-key rate, the same in both variants there.
+# error 6%); the H100's fit (37 plans) differs most in the decode tile's
+# per-key rate, the same in both variants there. The prefill tiles timed
+# ran whole, before the halves became the default (1.27-1.34x faster
+# prompts, kernels_nvidia_h200.md): the prefill rates are one tile's.
 PLAN_COSTS = PlanCosts()
 
 

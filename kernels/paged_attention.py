@@ -189,9 +189,12 @@ class Tiles:
     # an iteration, halves' 3 and 20, at the same 24 tensor-core
     # instructions and two programs per SM (Triton 3.9: 66 and 68, 17 and
     # 45; kernels_compile_sm90*.md). Halves keep the tile's K/V reuse, and
-    # so its L2 traffic. kernel_bench.py and attention_tuning.py time it
-    # beside one tile on a GPU before it becomes the default.
-    prefill_halves: int = 1
+    # so its L2 traffic. On an H200 (bf16, Llama-3-8B heads) halves ran
+    # prefill 1.27-1.34x faster than one tile from 1k to 8k tokens (1.16x
+    # flash SDPA at 8k, against one tile's 0.86x) and a packed mixed step
+    # 1.27x faster (kernels_nvidia_h200.md); kernel_bench.py still times
+    # one tile beside them.
+    prefill_halves: int = 2
 
     @property
     def prefill_step(self) -> int:

@@ -84,6 +84,11 @@ def make_llm():
     def make(model: str, **kwargs):
         kwargs.setdefault("device", "cpu")
         kwargs.setdefault("num_kv_blocks", 128)
+        if kwargs["device"] != "cpu" and "num_host_blocks" not in kwargs:
+            # The default host tier is 4 GiB, pinned on CUDA: resident from the
+            # start. Sixteen test workers holding two or three engines each
+            # would pin more than the machine has.
+            kwargs.setdefault("swap_space", 0.25)
         llm = LLM(model=model, **kwargs)
         made.append(llm)
         return llm

@@ -42,8 +42,8 @@ def test_every_swept_shape_is_a_launch_shape_of_the_kernel(tuning):
     assert tuning.prefill_shape(dict(prefill_rows=64, wide_warps=8))["warps"] == pa.Tiles().narrow_warps
     assert tuning.prefill_shape(dict(wide_warps=8, mixed_max_registers=128)) == dict(
         changes="wide_warps=8, mixed_max_registers=128", prefill_rows=128, block_n=64, warps=8, num_stages=None,
-        mixed_max_registers=128, halves=1)  # fmt: skip
-    assert tuning.prefill_shape(dict(prefill_halves=2))["halves"] == 2
+        mixed_max_registers=128, halves=2)  # fmt: skip
+    assert tuning.prefill_shape(dict(prefill_halves=1))["halves"] == 1
 
 
 def test_the_report_ranks_each_length_against_the_default(tuning):
@@ -54,18 +54,18 @@ def test_the_report_ranks_each_length_against_the_default(tuning):
 
     rows = [prefill({}, 1.2), prefill(dict(prefill_block_n=32), 0.96),
             prefill(dict(wide_warps=8, mixed_max_registers=128), error="OutOfResources: shared"),
-            prefill(dict(prefill_halves=2), 1.0)]
+            prefill(dict(prefill_halves=1), 1.0)]
     report = dict(device="Fake GPU", copy_gb_s=4000.0, budget_s=150.0, skipped=0, rows=rows)
     md = tuning.markdown(report)
     assert "* prefill 8192: prefill_block_n=32: 1.04x SDPA (1.25x the default's speed)" in md
-    assert "| 8192 | 128 | 1 | 32 | 4 | default | – | 0.960 |" in md
-    assert "| 8192 | 128 | 2 | 64 | 4 | default | – | 1.000 |" in md
+    assert "| 8192 | 128 | 2 | 32 | 4 | default | – | 0.960 |" in md
+    assert "| 8192 | 128 | 1 | 64 | 4 | default | – | 1.000 |" in md
     assert "OutOfResources: shared" in md
 
 
 @pytest.mark.parametrize("paged", [True, False])
 @pytest.mark.parametrize("head_major", [False, True])
-def test_the_decode_floors_read_sums_every_key_and_value_once(tuning, paged, head_major):
+def test_the_decode_floors_read_sums_every_key_and_value_once(tuning, device, paged, head_major):
     # The floor's reads stand for the attention's: each of a sequence's keys
     # and values read exactly once, split over units as the attention splits
     # them (a short last unit included), through the block table or in
@@ -73,7 +73,7 @@ def test_the_decode_floors_read_sums_every_key_and_value_once(tuning, paged, hea
     import torch
 
     shape = tuning.Shape(num_kv_heads=2, group=1, head_dim=16, block_size=16, dtype=torch.float32)
-    batch = tuning.make_cache_batch(shape, [1], [100], device="cpu")
+    batch = tuning.make_cache_batch(shape, [1], [100], device=device)
     want = tuning.kv_read_reference(batch, 100, paged, head_major)
     for units, block_n in ((1, 16), (3, 16), (4, 32)):
         got = tuning.kv_read(batch, 100, units, block_n, paged, head_major)

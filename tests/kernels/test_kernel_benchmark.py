@@ -48,7 +48,7 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device, monkeypatch):
     default = pa.variant_keys()
     bench.warm_alternatives(probe["query"], probe["key_cache"])
     warm = pa.variant_keys()
-    # the fused merge's and the prefill tile in halves' (32 keys: the same class as 64)
+    # the fused merge's and the prefill tile as one tile's (32 keys: the same class as 64)
     assert len(warm["attention"]) == len(default["attention"]) + 2
     report = dict(
         device="test", config={}, copy_gb_s=100.0,
@@ -60,7 +60,7 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device, monkeypatch):
     assert pa.variant_keys() == warm
     # decode points launched and in a graph, and in a graph split at 64 keys (every point is a short step),
     # the split point again with the merge fused (launched and in a graph), ours + SDPA + ours with the
-    # prefill tile at 32 keys a step and in halves, packed in one and two launches, unpacked, split unpacked,
+    # prefill tile at 32 keys a step and as one tile, packed in one and two launches, unpacked, split unpacked,
     # and both packed plans again with each alternative prefill tile
     assert len(bench.calls) == 3 * 5 + 2 + 4 * 1 + 4 + 2 * 2
     assert pa.TILES == pa.Tiles()  # the alternative prefill tiles only inside their timing
@@ -88,11 +88,11 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device, monkeypatch):
     assert "decode tiles in a launch of their own" in text
     assert "split at 64 keys" in text and "| 3 | 200 | 1 | 1.0000 | 4 | 1.0000 | 1.00x |" in text
     assert "| 1 | 300 | 2 | 1.0000 | 1.0000 | 1.0000 | 1.0000 | 1.00x |" in text  # merge kernel / fused
-    # the prefill row with its timings at 32 keys a step and in halves
+    # the prefill row with its timings at 32 keys a step and as one tile
     assert "| 50 | 1.000 | " in text and text.count("| 1.000 | 1.00x | 1.000 | 1.00x |") == 1, text
-    assert "| 32 keys a step: ms | vs SDPA | two halves of rows: ms | vs SDPA |" in text
+    assert "| 32 keys a step: ms | vs SDPA | one tile of rows: ms | vs SDPA |" in text
     assert ("prefill at the longest length: 1.00x SDPA's speed (target >= 1.0x); prefill tile, 32 keys a step: "
-            "1.00x; prefill tile, two halves of rows: 1.00x") in text
+            "1.00x; prefill tile, one tile of rows: 1.00x") in text
     section = text.split("## Mixed batch")[1].splitlines()
     mixed = {line.split(" | ")[0]: line for line in section if line.startswith("|")}
     assert mixed["| packed (LPT + split-K), one launch"].endswith("| 1.000 | 1.000 |")  # each alternative too
@@ -209,7 +209,8 @@ def test_alternative_prefill_tiles_spill_less_in_their_key_loops():
     (Triton 3.6: 135 and 101 spill instructions in the prefill tile's
     loops, 3 and 20 in halves; 3.9: 66 and 68, 17 and 45)."""
     default, alt, halves = (compile_for_hopper(f"_compile_attention(8, 16, torch.bfloat16, 128, 4, True{extra})")
-                            for extra in ("", ", prefill_block_n=32", ", prefill_halves=2"))
+                            for extra in (", prefill_halves=1", ", prefill_halves=1, prefill_block_n=32",
+                                          ", prefill_halves=2"))
     assert default["prefill_block_n"] == 64 and alt["prefill_block_n"] == 32 and alt["block_n"] == 64
     # prefill tile unmasked, masked; decode tile
     assert len(default["loop_spills"]) == len(alt["loop_spills"]) == len(halves["loop_spills"]) == 3

@@ -364,7 +364,7 @@ def test_launch_floors_spare_building_a_plan_that_cannot_win(device, make_batch,
     built, pack = [], packing._pack
     monkeypatch.setattr(packing, "_pack", lambda tiles, prefill, decode_units, *a: built.append(decode_units)
                         or pack(tiles, prefill, decode_units, *a))
-    long_step = ([2048] + [1] * 128, [2048] + [32768] * 128)  # two launches win by more than the floors differ
+    long_step = ([2048] + [1] * 32, [2048] + [32768] * 32)  # two launches win by more than the floors differ
     work = pa.plan_for(batch.query, batch.key_cache, *long_step, num_units=33, decode_units=33, on_host=True)
     assert work.decode_part is not None and built == [33]
     built.clear()
