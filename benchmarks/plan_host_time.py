@@ -9,7 +9,8 @@ a CUDA graph. Both run on the engine's thread between steps, so their time
 adds to every eager step's latency and, under asynchronous scheduling, eats
 into the host's lead over the device. The shapes are a Llama-3-8B layer's on
 an H100/H200 (8 KV heads, group 4: 32-token prefill tiles, 4-token decode
-tiles, 33 units per KV head of either kernel variant) at the batch sizes and
+tiles, 33 units per KV head for a launch with prefill tiles, 50 for a
+decode-only one, as the engine sizes them on a 132-SM card) at the batch sizes and
 contexts of ``kernel_bench.py`` and ``attention_tuning.py``, and a short mixed
 step (a small prompt beside a few decodes); ``plan_for`` gives a mixed step
 the plan, one launch or two, its cost model predicts faster
@@ -28,7 +29,7 @@ device buffer).
 Each figure is the median thread CPU time of 200 calls (after 20; 50 after 5
 for the inputs), with the heap frozen as the server freezes it
 (engine/heap.py); the median of ``--rounds`` processes per tree,
-interleaved. Writes benchmarks/results/plan_host_time.{json,md}.
+interleaved. Writes benchmarks/results/plan_host_time{--tag}.{json,md}.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from fluidserve.engine.layers import PagedAttention
 from fluidserve.engine.model_runner import ModelRunner
 from fluidserve.kernels import paged_attention
 
-UNITS = 33
+UNITS = 33  # a launch with prefill tiles: two programs per SM
+DECODE_UNITS = 50  # a decode-only launch: three
 # A Llama-3-8B layer's query and cache: 32 query heads over 8 KV heads of 128 (32-token prefill tiles, 4-token
 # decode tiles). Empty: the planner reads their shapes only.
 QUERY = torch.empty((0, 32, 128), dtype=torch.bfloat16)
@@ -67,12 +69,13 @@ def lens(chunk, decodes, lo, hi):
 
 
 def eager(q, s):  # the engine's call before an eager step, two launches where its rule picks them
-    return lambda: paged_attention.plan_for(QUERY, KEY_CACHE, q, s, num_units=UNITS, decode_units=UNITS)
+    units = DECODE_UNITS if max(q) == 1 else UNITS
+    return lambda: paged_attention.plan_for(QUERY, KEY_CACHE, q, s, num_units=units, decode_units=DECODE_UNITS)
 
 
 def graph(s):
     splits = cuda_graphs.max_splits_for(len(s))
-    return lambda: cuda_graphs.plan_decode(s, num_units=UNITS, max_splits=splits, sliding_window=None)
+    return lambda: cuda_graphs.plan_decode(s, num_units=DECODE_UNITS, max_splits=splits, sliding_window=None)
 
 
 paged_attention.INTERPRETER_UNITS = UNITS  # the runner plans for an H100/H200's units too
@@ -95,7 +98,8 @@ def inputs(q, s):  # the engine's eager step: ModelRunner.prepare of these lengt
 
 
 cases = {}
-for b, lo, hi in [(1, 16384, 16384), (8, 4096, 4096), (64, 512, 4096), (256, 512, 4096), (256, 512, 32768)]:
+for b, lo, hi in [(1, 16384, 16384), (8, 4096, 4096), (64, 512, 4096), (64, 16384, 16384), (128, 16384, 16384),
+                  (256, 512, 4096), (256, 512, 32768)]:
     q, s = lens(0, b, lo, hi)
     shape = f"{b} x {lo}" if lo == hi else f"{b} x {lo}-{hi}"
     cases[f"decode {shape}, eager"] = eager(q, s)
@@ -130,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="processes per tree, interleaved")
     ap.add_argument("--names", nargs="+", help="a label per tree for the table (default: the paths)")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--tag", default="", help="appended to the result files' name")
     args = ap.parse_args(argv)
     names = dict(zip(args.trees, args.names or args.trees))
     runs: dict[str, list[dict[str, float]]] = {t: [] for t in args.trees}
@@ -152,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
           f"Command: `{cmd}`; thread CPU time, median of {args.rounds} processes per tree (each the median of "
           f"200 calls), in brackets the lowest process's (a process now and then runs 1.5-2x slower "
           f"throughout); load average {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. "
-          "Llama-3-8B shapes on an H100/H200 (33 units per KV head); eager: `paged_attention.plan_for`, "
+          "Llama-3-8B shapes on an H100/H200 (33 units per KV head with prefill tiles, 50 decode-only); eager: "
+          "`paged_attention.plan_for`, "
           "graph: `cuda_graphs.plan_decode`; inputs: `ModelRunner.prepare` of an eager step on the Triton "
           "kernels' path (its plan and the block tables of 16-token blocks included; medians of 50 calls).", "",
           "| step | " + " | ".join(f"{n} (ms)" for n in (first, *rest)) + "".join(f" | {n} / {first}" for n in rest)
@@ -164,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                   + "".join(f" | {r[n] / r[first]:.1f}x ({low[n] / low[first]:.1f}x)" for n in rest) + " |")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "plan_host_time.json").write_text(json.dumps(
+    (out_dir / f"plan_host_time{args.tag}.json").write_text(json.dumps(
         {"command": cmd, "trees": [names[t] for t in args.trees], "rows": rows,
          "runs": {names[t]: rs for t, rs in runs.items()}}, indent=1) + "\n")
-    (out_dir / "plan_host_time.md").write_text("\n".join(md) + "\n")
+    (out_dir / f"plan_host_time{args.tag}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0
 

@@ -171,7 +171,7 @@ def plan_decode(seq_lens: list[int], *, num_units: int, max_splits: int,
     piece can start)."""
     n = len(seq_lens)
     tiles = packing.tile_rows([1] * n, seq_lens, 1, sliding_window, 1)
-    kv_chunk = packing.auto_kv_chunk(packing.split_costs(tiles, 1), num_units)
+    kv_chunk = packing.auto_kv_chunk(packing.split_costs(tiles, 1), num_units, decode_only=True)
     items, _, _ = packing.split_rows(tiles, kv_chunk, max_splits=max_splits)
     if size is not None and size > n:
         pad = np.zeros((size - n, WORK_FIELDS), dtype=items.dtype)

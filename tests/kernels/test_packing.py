@@ -240,6 +240,39 @@ def test_lpt_balances_the_predicted_time_of_both_kinds_of_tile():
         assert max(plan.unit_costs) < max(cost[order[a:b]].sum() for a, b in zip(offsets[:-1], offsets[1:]))
 
 
+@pytest.mark.parametrize("batch,context", [(64, 16384), (64, 2048), (80, 8192), (128, 16384), (256, 8192)])
+def test_more_decode_rows_than_units_are_cut_into_whole_waves(batch, context):
+    """Equal decode rows outnumbering the units: whole rows leave some units
+    one row more than the rest (64 on 50: the busiest carries 1.56x the
+    mean, the batch-64 decode that ran 79% of copy bandwidth on an H200).
+    The rows are cut so the pieces share out evenly: the busiest unit
+    within 10% of the mean, every key still covered once, and the plan
+    faster by the fitted cost model."""
+    q_lens, seq_lens = [1] * batch, [context] * batch
+    kwargs = dict(num_units=50, tokens_per_tile=32, decode_tokens_per_tile=4)
+    plan = packing.plan_attention(q_lens, seq_lens, **kwargs)
+    check_plan(plan, q_lens, seq_lens, None)
+    whole = packing.plan_attention(q_lens, seq_lens, kv_chunk=context, **kwargs)  # rows left whole
+    assert whole.max_splits == 0 and max(whole.unit_costs) >= 1.15 * np.mean(whole.unit_costs)
+    assert plan.max_splits >= 2 and max(plan.unit_costs) <= 1.1 * np.mean(plan.unit_costs)
+    assert packing.predicted_us(plan) < 0.95 * packing.predicted_us(whole)
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", [
+    ([1] * 64, [512] * 64),  # a gain under one eager merge launch's host time
+    ([1] * 48, [16384] * 48),  # fewer rows than units: split as before
+    ([1] * 128, [512 + 250 * i for i in range(128)]),  # ragged rows: LPT pairs long with short
+    ([256] + [1] * 64, [256] + [16384] * 64),  # prefill tiles beside them: the mixed plans as timed
+])  # fmt: skip
+def test_whole_waves_leave_other_steps_as_they_were(q_lens, seq_lens):
+    """The finer cut changes nothing where it cannot pay: the chunk is the
+    average unit load, as for every step before it."""
+    tiles = packing.tile_rows(q_lens, seq_lens, 32, None, 4)
+    costs = packing.split_costs(tiles, 4)
+    average = -(-max(packing.MIN_KV_CHUNK, int(costs.sum()) // 50) // 64) * 64
+    assert packing.auto_kv_chunk(costs, 50, decode_only=len(q_lens) == sum(q_lens)) == average
+
+
 def test_attention_cost_counts_allowed_pairs():
     for q_len, seq_len, window in [(1, 1, None), (1, 100, None), (7, 50, None), (50, 50, None), (9, 40, 8)]:
         pos = torch.arange(seq_len - q_len, seq_len)[:, None]
