@@ -111,6 +111,22 @@ def test_split_k_with_empty_pieces(device, make_batch, oracle):
     torch.testing.assert_close(run(batch, plan), oracle(batch), atol=ATOL, rtol=RTOL)
 
 
+def test_decode_rows_cut_into_whole_waves_give_the_whole_rows_attention(device, make_batch, oracle):
+    """Six equal decode rows on four units: the default plan cuts them into
+    pieces that share out evenly (``packing.auto_kv_chunk``), and the
+    pieces, merged, give the reference's attention, as the plan that
+    keeps every row whole does."""
+    specs = [(1, 1024)] * 6
+    batch = make_batch(specs, num_kv_heads=1, group=4, head_dim=32, block_size=32, device=device)
+    plan = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), num_units=4)
+    whole = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), num_units=4, kv_chunk=1024)
+    assert plan.max_splits >= 2 and whole.max_splits == 0
+    assert max(plan.unit_costs) < max(whole.unit_costs)
+    got = run(batch, plan)
+    torch.testing.assert_close(got, oracle(batch), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(got, run(batch, whole), atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize("window,block_size", [(16, 16), (37, 32)])
 def test_sliding_window(device, make_batch, oracle, window, block_size):
     specs = [(1, 1), (1, 300), (40, 200), (block_size + 1, block_size + 1)]

@@ -69,7 +69,9 @@ def run_static(batch, plan, region, bucket: int, width: int, window) -> torch.Te
 
 @pytest.mark.parametrize("fused_merge", [False, True])
 @pytest.mark.parametrize("window", [None, 150])
-@pytest.mark.parametrize("lens, bucket", [([70, 1000, 5], 4), ([700, 33, 16, 17, 260], 8), ([1], 1)])
+# [1000] * 6: more equal rows than units, cut into whole waves as the eager plan cuts them
+@pytest.mark.parametrize("lens, bucket", [([70, 1000, 5], 4), ([700, 33, 16, 17, 260], 8), ([1], 1),
+                                          ([1000] * 6, 8)])
 def test_static_plan_rows_equal_the_eager_plan(device, make_batch, oracle, lens, bucket, window, fused_merge):
     batch = make_batch([(1, s) for s in lens], num_kv_heads=2, group=2, head_dim=32, block_size=16, device=device)
     width = batch.block_tables.shape[1] + 3
