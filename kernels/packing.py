@@ -405,10 +405,9 @@ def split_costs(rows: np.ndarray, decode_tokens_per_tile: int) -> np.ndarray:
 # Pieces per tile ``auto_kv_chunk`` weighs when there are more decode tiles
 # than units, the gain its estimate must show before it cuts finer, and how
 # ragged the tiles may be for the estimate to hold.
-WAVE_SPLITS = (1, 2, 3, 4, 6, 8)
+WAVE_SPLITS = np.array((1, 2, 3, 4, 6, 8), dtype=np.int64)
 WAVE_GAIN = 0.95
 WAVE_SPREAD = 1.5  # the longest tile at most this many times the shortest
-_WAVE_SPLITS = np.array(WAVE_SPLITS, dtype=np.int64)
 
 
 def auto_kv_chunk(costs: np.ndarray, num_units: int, align: int = 64, decode_only: bool = False) -> int:
@@ -441,7 +440,7 @@ def auto_kv_chunk(costs: np.ndarray, num_units: int, align: int = 64, decode_onl
     keys = costs - ITEM_OVERHEAD
     if keys.max() > WAVE_SPREAD * keys.min():
         return chunk
-    chunks = np.maximum(MIN_KV_CHUNK, -(-(target // _WAVE_SPLITS) // align) * align)
+    chunks = np.maximum(MIN_KV_CHUNK, -(-(target // WAVE_SPLITS) // align) * align)
     pieces = np.maximum(1, -(-keys[:, None] // chunks)).sum(axis=0)
     estimates = (-(-pieces // units) * (keys.sum() + pieces * ITEM_OVERHEAD) / pieces).tolist()
     best, best_est = chunk, estimates[0]  # WAVE_SPLITS[0] is 1: the average load itself
