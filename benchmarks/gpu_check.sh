@@ -55,7 +55,12 @@
 # as _. Without CUDA it stops at once (status 1) before installing or writing
 # anything. The status is 0 only if every step ran and passed.
 #
-# Usage: benchmarks/gpu_check.sh [--quick] [--budget SECONDS] [--results DIR] [--help]
+# --skip STEP[,STEP...] leaves steps out (recorded as skipped), by the keys
+# of the summary: engine_tests kernel_tests batch1_decode mixed_steps
+# kernel_bench throughput linears profile swap_copy; for a rerun that spends
+# a short lease on what changed.
+#
+# Usage: benchmarks/gpu_check.sh [--quick] [--budget SECONDS] [--skip STEPS] [--results DIR] [--help]
 # (--throughput is accepted for older callers and changes nothing: throughput always runs.)
 set -uo pipefail
 
@@ -65,6 +70,7 @@ PY=${PYTHON:-python3}
 RESULTS=benchmarks/results
 QUICK=0
 BUDGET_ARG=""
+SKIP=","
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -76,6 +82,9 @@ while [ $# -gt 0 ]; do
         --budget)
             [[ $# -ge 2 && $2 =~ ^[0-9]+$ ]] || { echo "gpu_check: --budget needs a number of seconds" >&2; exit 2; }
             BUDGET_ARG=$2; shift 2 ;;
+        --skip)
+            [ $# -ge 2 ] || { echo "gpu_check: --skip needs step names, comma-separated" >&2; exit 2; }
+            SKIP="$SKIP$2,"; shift 2 ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -164,6 +173,10 @@ declare -A NAMES=(
 )
 ORDER=(install import engine_tests kernel_tests batch1_decode mixed_steps kernel_bench throughput linears profile
        swap_copy)
+IFS=, read -ra SKIPPED <<< "${SKIP#,}"
+for key in "${SKIPPED[@]}"; do
+    [[ -n ${NAMES[$key]+set} ]] || fail "--skip: no step named $key (see --help)"
+done
 PLAN=()
 for key in "${ORDER[@]}"; do PLAN+=("$key=${NAMES[$key]}"); done
 "${REPORT[@]}" init --summary "$SUMMARY" --device "$DEVICE" --versions "$VERSIONS" --commit "$COMMIT" \
@@ -184,6 +197,11 @@ run_step() {
     local key=$1 cap=$2 result=$3 junit=$4
     shift 4
     local name=${NAMES[$key]} limit rc t0 took
+    if [[ $SKIP == *",$key,"* ]]; then
+        echo "== $name: skipped (--skip)" | tee -a "$LOG"
+        "${REPORT[@]}" step --summary "$SUMMARY" --key "$key" --skipped "left out with --skip"
+        return 0
+    fi
     if [ -n "$SETUP_FAILED$STOPPED" ]; then
         "${REPORT[@]}" step --summary "$SUMMARY" --key "$key" --skipped "${STOPPED:-$SETUP_FAILED}"
         return 1
