@@ -37,6 +37,7 @@ Writes ``attention_tuning_<device>.json`` and ``.md`` to ``--out``. Needs CUDA.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -443,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     tune_prefill(shape, args.prefill_lens, sweep)
     report = dict(device=name, time=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,
                   triton=__import__("triton").__version__, copy_gb_s=copy_gbs, budget_s=args.budget,
+                  plan_costs=dataclasses.asdict(packing.PLAN_COSTS),  # the costs LPT balanced by
                   lpt_costs=packing.LPT_COSTS,  # how the timed plans were balanced (plan_model.py rebuilds them so)
                   skipped=sweep.skipped, rows=sweep.rows)  # fmt: skip
     stem = args.out / f"attention_tuning_{device_slug(name)}"

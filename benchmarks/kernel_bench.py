@@ -53,6 +53,7 @@ GPU machines run Triton 3.6, whose code differs: the same command under it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import re
@@ -505,7 +506,7 @@ def variants_report(shape: Shape, warmup_s: float, keys_warm: int, triton_warm: 
     from fluidserve.kernels import paged_attention as pa
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    occupancy = [dict(o, units_per_kv_head=-(-sms * o["programs_per_sm"] // shape.num_kv_heads))
+    occupancy = [dict(o, units_per_kv_head=pa.units_per_kv_head(sms, o["programs_per_sm"], shape.num_kv_heads))
                  for o in pa.occupancies()]  # fmt: skip
     return dict(warmup_s=warmup_s, keys_after_warmup=keys_warm, keys_with_alternatives=keys_alt,
                 keys_after_sweep=pa.num_variants(), triton_after_warmup=triton_warm,
@@ -1092,6 +1093,7 @@ def main(argv: list[str] | None = None) -> int:
         torch=torch.__version__,
         config={**asdict(shape), "dtype": args.dtype},
         copy_gb_s=copy_gbs,
+        plan_costs=dataclasses.asdict(packing.PLAN_COSTS),  # the costs LPT balanced by
         lpt_costs=packing.LPT_COSTS,  # how the timed plans were balanced (plan_model.py rebuilds them so)
         decode=bench_decode(shape, args.batch_sizes, args.contexts, copy_gbs),
         prefill=bench_prefill(shape, args.prefill_lens),

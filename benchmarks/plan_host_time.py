@@ -9,7 +9,7 @@ a CUDA graph. Both run on the engine's thread between steps, so their time
 adds to every eager step's latency and, under asynchronous scheduling, eats
 into the host's lead over the device. The shapes are a Llama-3-8B layer's on
 an H100/H200 (8 KV heads, group 4: 32-token prefill tiles, 4-token decode
-tiles, 33 units per KV head for a launch with prefill tiles, 50 for a
+tiles, 33 units per KV head for a launch with prefill tiles, 49 for a
 decode-only one, as the engine sizes them on a 132-SM card) at the batch sizes and
 contexts of ``kernel_bench.py`` and ``attention_tuning.py``, and a short mixed
 step (a small prompt beside a few decodes); ``plan_for`` gives a mixed step
@@ -55,7 +55,7 @@ from fluidserve.engine.model_runner import ModelRunner
 from fluidserve.kernels import paged_attention
 
 UNITS = 33  # a launch with prefill tiles: two programs per SM
-DECODE_UNITS = 50  # a decode-only launch: three
+DECODE_UNITS = 49  # a decode-only launch: three
 # A Llama-3-8B layer's query and cache: 32 query heads over 8 KV heads of 128 (32-token prefill tiles, 4-token
 # decode tiles). Empty: the planner reads their shapes only.
 QUERY = torch.empty((0, 32, 128), dtype=torch.bfloat16)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
           f"Command: `{cmd}`; thread CPU time, median of {args.rounds} processes per tree (each the median of "
           f"200 calls), in brackets the lowest process's (a process now and then runs 1.5-2x slower "
           f"throughout); load average {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. "
-          "Llama-3-8B shapes on an H100/H200 (33 units per KV head with prefill tiles, 50 decode-only); eager: "
+          "Llama-3-8B shapes on an H100/H200 (33 units per KV head with prefill tiles, 49 decode-only); eager: "
           "`paged_attention.plan_for`, "
           "graph: `cuda_graphs.plan_decode`; inputs: `ModelRunner.prepare` of an eager step on the Triton "
           "kernels' path (its plan and the block tables of 16-token blocks included; medians of 50 calls).", "",

@@ -25,7 +25,7 @@ fitted model, not timings; ``kernel_bench.py`` and ``attention_tuning.py`` time
 the two-launch plan itself on a GPU.
 
     python benchmarks/plan_model.py                      # nvidia_h200
-    python benchmarks/plan_model.py --device nvidia_h200 --units 33 --slots 264
+    python benchmarks/plan_model.py --device nvidia_h200 --units 33 --decode-units 49 --slots 264
 
 Writes ``benchmarks/results/plan_model_<device>.json`` and ``.md``.
 """
@@ -39,7 +39,7 @@ import random
 import statistics
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,9 +100,32 @@ def keys_balanced() -> Iterator[None]:
         packing.item_costs = saved
 
 
+@contextmanager
+def costs_as(costs: packing.PlanCosts) -> Iterator[None]:
+    """The planner under other plan costs (those a stored run recorded)."""
+    saved = packing.PLAN_COSTS
+    packing.PLAN_COSTS = costs
+    try:
+        yield
+    finally:
+        packing.PLAN_COSTS = saved
+
+
+# The plan costs of the planner that balanced the stored runs which record
+# how (``lpt_costs``) but not by what values: the planner had these until
+# runs recorded their own (``plan_costs``).
+UNRECORDED_PLAN_COSTS = packing.PlanCosts(decode_key=0.0410, decode_item=3.06, mixed_decode_key=0.0421,
+                                          prefill_key=0.0559, prefill_item=26.8, launch=3.45)  # fmt: skip
+
+
 def as_built(record: dict):
-    """The planner a stored run's plans were built by."""
-    return nullcontext() if record.get("lpt_costs") == packing.LPT_COSTS else keys_balanced()
+    """The planner a stored run's plans were built by: by keys, or by the
+    plan costs the run recorded. A timed plan is rebuilt as it was built,
+    and the fit then does not move with the engine's costs."""
+    if record.get("lpt_costs") != packing.LPT_COSTS:
+        return keys_balanced()
+    costs = record.get("plan_costs")
+    return costs_as(packing.PlanCosts(**costs) if costs else UNRECORDED_PLAN_COSTS)
 
 
 def plan(q_lens: list[int], seq_lens: list[int], units: int, **kw) -> packing.WorkPlan:
@@ -121,17 +144,18 @@ def mixed_lens(chunk: int, decodes: int, longest: int) -> tuple[list[int], list[
     return [chunk] + [1] * decodes, [chunk] + [rng.randint(512, longest) for _ in range(decodes)]
 
 
-def load_cases(device: str, units: int) -> tuple[list[Case], dict[str, float]]:
+def load_cases(device: str, units: int, decode_units: int) -> tuple[list[Case], dict[str, float]]:
     """The timed plans the model is fitted to, and the two-launch plan's
     timings where the stored run has them (kept out of the fit: they test
-    its prediction)."""
+    its prediction). Decode-only steps ran on the decode-only variant's
+    units, the rest on the mixed variant's."""
     kern = json.loads((RESULTS / f"kernels_{device}.json").read_text())
     cases = []
     with as_built(kern):
         for r in kern["decode"]:
             if "graph_ms" in r:
                 b, ctx = r["batch"], r["context"]
-                cases.append(case(f"decode {b} x {ctx}", r["graph_ms"], plan([1] * b, [ctx] * b, units), True))
+                cases.append(case(f"decode {b} x {ctx}", r["graph_ms"], plan([1] * b, [ctx] * b, decode_units), True))
         for r in kern["prefill"]:
             cases.append(case(f"prompt {r['len']}", r["ms"], plan([r["len"]], [r["len"]], units), True))
     mixed = [(8192, 128, 32768, kern["mixed"], " (kernel_bench.py)", kern)]
@@ -218,10 +242,10 @@ def fit(cases: list[Case], slots: int, rounds: int = 30) -> np.ndarray:
     return x
 
 
-def engine_plan(q: list[int], s: list[int], units: int) -> str:
+def engine_plan(q: list[int], s: list[int], units: int, decode_units: int) -> str:
     """The plan ``paged_attention.plan_for`` gives the step: the one the
     engine's constants (``packing.PLAN_COSTS``) predict faster."""
-    chosen = plan(q, s, units, decode_units=units, choose=True)
+    chosen = plan(q, s, units, decode_units=decode_units, choose=True)
     return "two launches" if chosen.decode_part is not None else "one launch"
 
 
@@ -234,10 +258,10 @@ def engine_costs_vs_fit(params: dict[str, float]) -> dict[str, tuple[float, floa
     return {name: (engine, params[fitted]) for name, (fitted, engine) in pairs.items()}
 
 
-def two_launch_ms(q: list[int], s: list[int], units: int, x: np.ndarray, slots: int) -> float:
+def two_launch_ms(q: list[int], s: list[int], units: int, decode_units: int, x: np.ndarray, slots: int) -> float:
     """The two-launch plan's predicted time: decode tiles on the decode-only
     variant, prefill tiles on the mixed one, then one merge."""
-    p = plan(q, s, units, decode_units=units)
+    p = plan(q, s, units, decode_units=decode_units)
     main = Case("", 1.0, tuple(tuple(u) for u in items_of(p, True)), True, launches=1, merges=0)
     part = Case("", 1.0, tuple(tuple(u) for u in items_of(p.decode_part, False)), True, launches=1,
                 merges=int(p.num_merge_rows > 0))
@@ -247,14 +271,16 @@ def two_launch_ms(q: list[int], s: list[int], units: int, x: np.ndarray, slots: 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="nvidia_h200", help="slug of the stored results (kernels_<device>.json)")
-    ap.add_argument("--units", type=int, default=33, help="units per KV head of both variants on that device")
+    ap.add_argument("--units", type=int, default=33, help="units per KV head of the mixed variant on that device")
+    ap.add_argument("--decode-units", type=int, default=49,
+                    help="units per KV head of the decode-only variant (H200: 132 SMs x 3 programs // 8 heads)")
     ap.add_argument("--slots", type=int, default=264, help="programs resident at once (SMs x programs per SM)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if not (RESULTS / f"kernels_{args.device}.json").exists():
         print(f"no stored kernels_{args.device}.json in {RESULTS}", file=sys.stderr)
         return 1
-    cases, two_launch_measured = load_cases(args.device, args.units)
+    cases, two_launch_measured = load_cases(args.device, args.units, args.decode_units)
     x = fit(cases, args.slots)
     rows = [dict(case=c.label, measured_ms=c.measured_ms, predicted_ms=predict_ms(c, x, args.slots)) for c in cases]
     errors = [abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows]
@@ -267,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         q, s = mixed_lens(*c.step)
         name = c.label.removesuffix(" packed")
         unpacked = next(r["measured_ms"] for r in rows if r["case"] == f"{name} unpacked")
-        two = two_launch_ms(q, s, args.units, x, args.slots)
+        two = two_launch_ms(q, s, args.units, args.decode_units, x, args.slots)
         # The one-launch plan as the planner balances it now, beside the timed one, both predicted.
         as_timed = next(r["predicted_ms"] for r in rows if r["case"] == c.label)
         now = predict_ms(case("", 1.0, plan(q, s, args.units), True), x, args.slots)
@@ -275,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                            packed_predicted_ms=as_timed, one_launch_now_predicted_ms=now,
                            unpacked_ms=unpacked, two_launch_predicted_ms=two, vs_packed=c.measured_ms / two,
                            vs_unpacked=unpacked / two, two_launch_measured_ms=two_launch_measured.get(name),
-                           engine_plan=engine_plan(q, s, args.units)))
-    report = dict(device=args.device, units=args.units, slots=args.slots, params=params,
+                           engine_plan=engine_plan(q, s, args.units, args.decode_units)))
+    report = dict(device=args.device, units=args.units, decode_units=args.decode_units, slots=args.slots, params=params,
                   decode_slowdown_in_mixed_variant=slowdown, median_abs_error=statistics.median(errors),
                   max_abs_error=max(errors), rows=rows, two_launch=shapes,
                   engine_costs_vs_fit=engine_costs_vs_fit(params))  # fmt: skip
@@ -294,7 +320,8 @@ def markdown(r: dict) -> str:
     p = r["params"]
     lines = [f"# Attention plans: a fitted model of the stored {r['device']} timings", "",
              f"{len(r['rows'])} timed plans (kernels_{r['device']}.json, attention_tuning_{r['device']}.json), "
-             f"{r['units']} units per KV head, {r['slots']} resident programs. Fitted, per item: "
+             f"{r['units']} units per KV head ({r.get('decode_units', r['units'])} for decode-only steps), "
+             f"{r['slots']} resident programs. Fitted, per item: "
              f"{p['a_decode'] * 1e3:.3f} ns per key + {p['b_decode']:.2f} us (decode tile, decode-only variant), "
              f"{p['a_mixed'] * 1e3:.3f} ns per key (decode tile, mixed variant), "
              f"{p['a_prefill'] * 1e3:.3f} ns per key + {p['b_prefill']:.2f} us (prefill tile); "

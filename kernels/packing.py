@@ -77,7 +77,7 @@ F_SEQ, F_Q_LO, F_Q_HI, F_POS0, F_KV_LO, F_KV_HI, F_MERGE_ROW, F_SPLIT = range(WO
 # tile's PREFILL_KEY_COST times, plus ITEM_OVERHEAD for loading its queries
 # and writing its output, which keeps the splits from cutting work into
 # slivers. A prefill-tile key takes 1.7-2.1x a decode-tile key on the
-# H200's kernel benchmark (1.4x in the fitted PLAN_COSTS). LPT itself
+# H200's kernel benchmark (1.1x in the fitted PLAN_COSTS). LPT itself
 # balances predicted time (``item_costs``). Splitting by the fitted costs
 # instead moves split lengths by an alignment step here and there, which
 # unbalances some even decode batches (eight 2k decodes on 33 units: 576-key
@@ -97,12 +97,12 @@ class PlanCosts:
     (launch_overhead-triton3.6.md) and about as much in the driver; a
     graph replays it for nothing, but mixed steps run eager."""
 
-    decode_key: float = 0.0410
-    decode_item: float = 3.06
-    mixed_decode_key: float = 0.0421
-    prefill_key: float = 0.0559
-    prefill_item: float = 26.8
-    launch: float = 3.45
+    decode_key: float = 0.0459
+    decode_item: float = 5.14
+    mixed_decode_key: float = 0.0369
+    prefill_key: float = 0.0406
+    prefill_item: float = 24.7
+    launch: float = 0.0
     host_launch: float = 10.0
 
     def tiles_us(self, keys: float | np.ndarray, items: int, prefill: bool, mixed: bool) -> float | np.ndarray:
@@ -114,11 +114,14 @@ class PlanCosts:
         return (self.mixed_decode_key if mixed else self.decode_key) * keys + self.decode_item * items
 
 
-# Fitted to 73 plans timed on an H200 (plan_model_nvidia_h200.md, median
-# error 6%); the H100's fit (37 plans) differs most in the decode tile's
-# per-key rate, the same in both variants there. The prefill tiles timed
-# ran whole, before the halves became the default (1.27-1.34x faster
-# prompts, kernels_nvidia_h200.md): the prefill rates are one tile's.
+# Fitted to 71 plans timed on an H200 (plan_model_nvidia_h200.md, median
+# error 4%), prefill tiles in halves (the default). Per key, a decode tile
+# costs its program less in the mixed variant (33 programs a KV head) than
+# in the decode-only one (49): fewer programs share the bandwidth, so each
+# gets more of it, though all together get less. The launch floor fits to
+# zero: every fitted plan is one launch, so it cannot be told apart from
+# the items' constants. The H100's fit (37 plans) differs most in the
+# decode tile's per-key rate, the same in both variants there.
 PLAN_COSTS = PlanCosts()
 
 
@@ -389,9 +392,9 @@ def item_costs(rows: np.ndarray, decode_tokens_per_tile: int, mixed: bool) -> np
     """``WorkItem.cost`` of every row, in the mixed variant or the
     decode-only one: what ``PLAN_COSTS`` predicts it takes, in whole
     nanoseconds. Balancing by the fitted costs rather than by keys matters
-    where the kinds share a launch: a prefill key takes 1.4x a decode key,
-    and a prefill tile's fixed cost is worth ~700 decode keys, a decode
-    tile's ~90 (plan_model_nvidia_h200.md)."""
+    where the kinds share a launch: a prefill key takes 1.1x a decode key,
+    and a prefill tile's fixed cost is worth ~670 decode keys, a decode
+    tile's ~140 (plan_model_nvidia_h200.md)."""
     return (1000 * _item_us(rows, decode_tokens_per_tile, mixed, PLAN_COSTS)).astype(np.int64)
 
 
@@ -417,10 +420,10 @@ def auto_kv_chunk(costs: np.ndarray, num_units: int, align: int = 64, decode_onl
 
     With more decode tiles than units (``decode_only``: a launch without
     prefill tiles) nothing is longer than the average load, but whole tiles
-    may still not share out evenly: 64 equal decode rows on 50 units leave
-    14 units two rows and the rest one, the busiest 1.56x the mean load
-    (the H200's batch-64 decode at 16k ran 79% of copy bandwidth, against
-    94% at batch 32, whose pieces LPT shares out; kernels_nvidia_h200.md). There
+    may still not share out evenly: 64 equal decode rows on an H200's 49
+    units leave 15 units two rows and the rest one, the busiest 1.53x the
+    mean load (batch 64 at 16k ran 80.8% of copy bandwidth whole, 99.0%
+    cut; decode_grid_nvidia_h200.md). There
     the chunk is the average load cut into k pieces, for the k whose
     estimate, units busy for ``ceil(pieces / units)`` mean pieces, is
     lowest, each piece paying ``ITEM_OVERHEAD``; a finer cut wins only

@@ -1279,6 +1279,17 @@ def programs_per_sm(
     return _VARIANTS.programs_per_sm.get(key, FALLBACK_PROGRAMS_PER_SM[has_prefill])
 
 
+def units_per_kv_head(sms: int, programs_per_sm: int, num_kv_heads: int) -> int:
+    """Persistent programs per KV head such that all of them (``units x
+    heads``) are resident at once. Rounded down, not up: a program past the
+    resident slots starts only when a first-wave program ends, so its unit's
+    work runs after the step's busiest unit, not beside it. On an H200 (132
+    SMs, three decode programs each, 8 KV heads) 50 units leave four of 400
+    programs for a second wave, and 64 x 16k decode ran at 67% of copy
+    bandwidth against 99% with 49 (``decode_grid_nvidia_h200.md``)."""
+    return max(1, sms * programs_per_sm // num_kv_heads)
+
+
 def default_num_units(
     query: torch.Tensor, key_cache: torch.Tensor, has_prefill: bool, sliding_window: int | None = None
 ) -> int:
@@ -1299,7 +1310,7 @@ def default_num_units(
             units = INTERPRETER_UNITS
         else:
             sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-            units = max(1, math.ceil(sms * per_sm / key_cache.shape[2]))
+            units = units_per_kv_head(sms, per_sm, key_cache.shape[2])
         _UNITS[key] = units
     return units
 

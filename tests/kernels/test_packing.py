@@ -202,8 +202,8 @@ def test_mixed_batch_is_balanced_and_beats_no_packing():
     # the longest decodes unsplit.
     unpacked = packing.plan_attention(q_lens, seq_lens, num_units=33, tokens_per_tile=16, pack=False)
     slots = [0] * 33
-    for it in unpacked.items():
-        slots[slots.index(min(slots))] += it.cost(True)
+    for it in unpacked.items():  # priced in the variant the packed loads are (decode tiles alone: decode-only)
+        slots[slots.index(min(slots))] += it.cost(plan.has_prefill_tiles)
     assert max(loads) < max(slots)
 
 
@@ -211,8 +211,8 @@ def test_lpt_balances_the_predicted_time_of_both_kinds_of_tile():
     """A 2k chunk beside 16 decodes of up to 32k keys, the mixed step where
     a plan counting every key alike lost to plain split-K on an H200 (0.87
     against 0.66 ms, benchmarks/results/attention_tuning_*). LPT balances
-    each item's predicted time (``PLAN_COSTS``: a prefill key 1.4x a decode
-    key, a prefill tile's fixed cost ~8x a decode tile's): by that measure
+    each item's predicted time (``PLAN_COSTS``: a prefill key 1.1x a decode
+    key, a prefill tile's fixed cost ~5x a decode tile's): by that measure
     the plan's busiest unit sits within 2% of the lower bound, under
     split-K at 2k keys run in launch order, and under the same pieces
     balanced by their keys (alike, or a prefill key counted twice plus 64
@@ -243,17 +243,17 @@ def test_lpt_balances_the_predicted_time_of_both_kinds_of_tile():
 @pytest.mark.parametrize("batch,context", [(64, 16384), (64, 2048), (80, 8192), (128, 16384), (256, 8192)])
 def test_more_decode_rows_than_units_are_cut_into_whole_waves(batch, context):
     """Equal decode rows outnumbering the units: whole rows leave some units
-    one row more than the rest (64 on 50: the busiest carries 1.56x the
-    mean, the batch-64 decode that ran 79% of copy bandwidth on an H200).
-    The rows are cut so the pieces share out evenly: the busiest unit
-    within 10% of the mean, every key still covered once, and the plan
-    faster by the fitted cost model."""
+    one row more than the rest (64 on an H200's 49: the busiest carries
+    1.53x the mean). The rows are cut so the pieces share out evenly: the
+    busiest unit within 10% of the mean, every key still covered once, and
+    the plan faster by the fitted cost model. On the H200, batch 64 at 16k
+    ran 99.0% of copy bandwidth cut, 80.8% whole (decode_grid_nvidia_h200.md)."""
     q_lens, seq_lens = [1] * batch, [context] * batch
-    kwargs = dict(num_units=50, tokens_per_tile=32, decode_tokens_per_tile=4)
+    kwargs = dict(num_units=49, tokens_per_tile=32, decode_tokens_per_tile=4)
     plan = packing.plan_attention(q_lens, seq_lens, **kwargs)
     check_plan(plan, q_lens, seq_lens, None)
     whole = packing.plan_attention(q_lens, seq_lens, kv_chunk=context, **kwargs)  # rows left whole
-    assert whole.max_splits == 0 and max(whole.unit_costs) >= 1.15 * np.mean(whole.unit_costs)
+    assert whole.max_splits == 0 and max(whole.unit_costs) >= 1.14 * np.mean(whole.unit_costs)
     assert plan.max_splits >= 2 and max(plan.unit_costs) <= 1.1 * np.mean(plan.unit_costs)
     assert packing.predicted_us(plan) < 0.95 * packing.predicted_us(whole)
 
@@ -269,8 +269,8 @@ def test_whole_waves_leave_other_steps_as_they_were(q_lens, seq_lens):
     average unit load, as for every step before it."""
     tiles = packing.tile_rows(q_lens, seq_lens, 32, None, 4)
     costs = packing.split_costs(tiles, 4)
-    average = -(-max(packing.MIN_KV_CHUNK, int(costs.sum()) // 50) // 64) * 64
-    assert packing.auto_kv_chunk(costs, 50, decode_only=len(q_lens) == sum(q_lens)) == average
+    average = -(-max(packing.MIN_KV_CHUNK, int(costs.sum()) // 49) // 64) * 64
+    assert packing.auto_kv_chunk(costs, 49, decode_only=len(q_lens) == sum(q_lens)) == average
 
 
 def test_attention_cost_counts_allowed_pairs():
@@ -338,13 +338,14 @@ def test_plan_model_fits_the_stored_gpu_timings(tmp_path):
     assert len(report["rows"]) >= 70 and report["max_abs_error"] < 0.35
     assert len(report["two_launch"]) == 13
     assert all(s["two_launch_predicted_ms"] > 0 for s in report["two_launch"])
-    # The stored plans are rebuilt as they were balanced (by keys); LPT by
-    # predicted time makes none of them slower by the model, and the small
-    # chunk beside a few short decodes a good deal faster.
+    # The stored plans are rebuilt as they were balanced; LPT by today's
+    # costs makes none of them slower by the model.
     for s in report["two_launch"]:
         assert s["one_launch_now_predicted_ms"] <= s["packed_predicted_ms"] * 1.001, s["shape"]
-    small = next(s for s in report["two_launch"] if s["shape"] == "512 + 16 x 512-4096")
-    assert small["packed_predicted_ms"] > 1.3 * small["one_launch_now_predicted_ms"]
+    # The two-launch plan is kept out of the fit; kernel_bench.py timed it
+    # with the decode-only variant on the units the model gives it (49).
+    timed = next(s for s in report["two_launch"] if s["shape"].endswith("(kernel_bench.py)"))
+    assert timed["two_launch_predicted_ms"] == pytest.approx(timed["two_launch_measured_ms"], rel=0.1)
     # The engine's plan costs are this fit's, to the digits they keep.
     for name, (engine, fitted) in report["engine_costs_vs_fit"].items():
         assert engine == pytest.approx(fitted, rel=0.015), name

@@ -334,6 +334,11 @@ def test_split_buffers_start_each_merge_row_on_16_elements():
         pa.split_buffers(3, 5, 3, 24, storage=(torch.zeros(1103), storage[1]))
 
 
+# Units per KV head on an H200 for Llama-3-8B's attention: 132 SMs x 2
+# programs of the mixed variant // 8 heads, and x 3 of the decode-only one.
+H200_UNITS = dict(num_units=33, decode_units=49)
+
+
 def test_a_mixed_step_takes_the_plan_predicted_faster(device, make_batch, monkeypatch):
     """plan_for gives a step with prefill and decode tiles the plan, one
     launch or two, ``packing.predicted_us`` finds faster: long decodes beside
@@ -341,11 +346,15 @@ def test_a_mixed_step_takes_the_plan_predicted_faster(device, make_batch, monkey
     (two launches run one after the other, where one runs every tile at
     once). Never a
     decode-only step, an unpacked plan or a forced one launch. Planning
-    reads only shapes, so a small cache stands in."""
+    reads only shapes, so a small cache stands in, with the units an H200
+    gives Llama-3-8B's attention (33 a KV head in the mixed variant, 49 in
+    the decode-only one: ``H200_UNITS``); a GPU's own would give this
+    cache's two KV heads over a hundred a head."""
     batch = make_batch([(1, 8)], num_kv_heads=2, group=4, head_dim=32, block_size=16, device=device)
+    units = H200_UNITS
 
     def plan(q_lens, seq_lens, **kw):
-        return pa.plan_for(batch.query, batch.key_cache, q_lens, seq_lens, on_host=True, **kw)
+        return pa.plan_for(batch.query, batch.key_cache, q_lens, seq_lens, on_host=True, **units, **kw)
 
     long_step = ([512] + [1] * 32, [512] + [4096] * 32)
     short_step = ([40, 1, 1], [40, 90, 17])
@@ -372,20 +381,20 @@ def test_launch_floors_spare_building_a_plan_that_cannot_win(device, make_batch,
     step = dict(num_units=33, tokens_per_tile=32, decode_tokens_per_tile=4)
     for chunk, n, longest in [(16, 2, 1024), (512, 16, 4096), (2048, 128, 32768), (8192, 128, 4096)]:
         q, s = [chunk] + [1] * n, [chunk] + [rng.randint(512, longest) for _ in range(n)]
-        floor_one, floor_two = packing.launch_floors_us(packing.tile_rows(q, s, 32, None, 4), 4, 33, 33)
+        floor_one, floor_two = packing.launch_floors_us(packing.tile_rows(q, s, 32, None, 4), 4, 33, 49)
         one = packing.plan_attention(q, s, **step)
-        two = packing.plan_attention(q, s, decode_units=33, **step)
+        two = packing.plan_attention(q, s, decode_units=49, **step)
         assert floor_one <= packing.predicted_us(one) and floor_two <= packing.predicted_us(two)
     batch = make_batch([(1, 8)], num_kv_heads=2, group=4, head_dim=32, block_size=16, device=device)
     built, pack = [], packing._pack
     monkeypatch.setattr(packing, "_pack", lambda tiles, prefill, decode_units, *a: built.append(decode_units)
                         or pack(tiles, prefill, decode_units, *a))
     long_step = ([2048] + [1] * 32, [2048] + [32768] * 32)  # two launches win by more than the floors differ
-    work = pa.plan_for(batch.query, batch.key_cache, *long_step, num_units=33, decode_units=33, on_host=True)
-    assert work.decode_part is not None and built == [33]
+    work = pa.plan_for(batch.query, batch.key_cache, *long_step, **H200_UNITS, on_host=True)
+    assert work.decode_part is not None and built == [49]
     built.clear()
     short_step = ([32] + [1] * 4, [32] + [512] * 4)  # one launch wins by more than a launch's host time
-    work = pa.plan_for(batch.query, batch.key_cache, *short_step, num_units=33, decode_units=33, on_host=True)
+    work = pa.plan_for(batch.query, batch.key_cache, *short_step, **H200_UNITS, on_host=True)
     assert work.decode_part is None and built == [None]
 
 
@@ -613,13 +622,15 @@ def test_variant_count_would_catch_a_specialised_batch_argument(device, make_bat
 def test_gpu_grid_follows_the_compiled_occupancy(cuda_only, make_batch):
     """On a GPU the occupancy comes from the compiled kernels, and the
     decode-only variant (no 128-row tile) fits at least as many programs per
-    SM as the mixed one; the default plan's units follow from it."""
+    SM as the mixed one; the default plan's units follow from it, every
+    program of the grid resident at once."""
     batch = make_batch([(1, 64)], num_kv_heads=8, group=4, head_dim=128, block_size=16, dtype=torch.bfloat16,
                        device="cuda")  # fmt: skip
     per_sm = pa.warmup(batch.query, batch.key_cache)
     assert per_sm[False] >= per_sm[True] >= 1
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert pa.default_num_units(batch.query, batch.key_cache, False) == -(-sms * per_sm[False] // 8)
+    units = pa.default_num_units(batch.query, batch.key_cache, False)
+    assert units == sms * per_sm[False] // 8 and units * 8 <= sms * per_sm[False]
     assert any(o["programs_per_sm"] == per_sm[False] and not o["has_prefill"] for o in pa.occupancies())
 
 
