@@ -50,6 +50,10 @@ DECODE_MODES = {
     # (kernels/paged_attention.py, Tiles.fused_merge): a graph's plan merges
     # every row, so this drops a launch a layer from every decode step.
     "graphs-fused-merge": dict(enforce_eager=False, async_scheduling=False, fused_merge=True),
+    # The default (graphs, async scheduling) without the direct graphs a
+    # step that splits no row replays (engine/cuda_graphs.py): every step
+    # then merges, one launch a layer more.
+    "graphs-async-always-merge": dict(enforce_eager=False, async_scheduling=True, direct_plans=False),
 }
 # The engine's own decode paths (the other modes: eager with a switch off).
 ENGINE_DECODE_MODES = ("eager", "graphs", "graphs-async")
@@ -59,13 +63,16 @@ ENGINE_DECODE_MODES = ("eager", "graphs", "graphs-async")
 def decode_mode(mode: str) -> Iterator[dict]:
     """The engine settings of ``mode``, with the process switches it names
     (``row_kernels``: kernels/ops.py; ``relaunch``: kernels/launch.py;
-    ``fused_merge``: the attention tiles) set while the block runs."""
+    ``fused_merge``: the attention tiles; ``direct_plans``:
+    engine/cuda_graphs.py) set while the block runs."""
+    from fluidserve.engine import cuda_graphs
     from fluidserve.kernels import launch, ops
     from fluidserve.kernels import paged_attention as pa
 
     settings = dict(DECODE_MODES[mode])
     with ExitStack() as undo:
-        for name, switch in (("row_kernels", ops.set_eager_row_kernels), ("relaunch", launch.set_enabled)):
+        for name, switch in (("row_kernels", ops.set_eager_row_kernels), ("relaunch", launch.set_enabled),
+                             ("direct_plans", cuda_graphs.set_direct_plans)):
             if name in settings:
                 undo.callback(switch, switch(settings.pop(name)))
         if "fused_merge" in settings:

@@ -13,8 +13,9 @@
 #                                      decode CUDA graphs, and graphs with async
 #                                      scheduling, against the HBM roofline; then
 #                                      graphs with split-K merged in the attention
-#                                      launch, and eager without the row kernels
-#                                      and without relaunching (what each saves)
+#                                      launch, eager without the row kernels and
+#                                      without relaunching, and graphs without the
+#                                      direct (merge-free) graphs (what each saves)
 #   mixed steps            90 / 60 s   benchmarks/mixed_steps.py: prefill chunks beside
 #                                      decodes, eager against piecewise graphs (and
 #                                      decode-only against decode graphs)
@@ -259,7 +260,7 @@ run_step kernel_tests "$KERNEL_TESTS_LIMIT" "$RESULTS/gpu_tests_kernels_${SLUG}.
 
 run_step batch1_decode "$DECODE_LIMIT" "$RESULTS/batch1_decode_${SLUG}.json" "" \
     "$PY" benchmarks/kernel_bench.py --batch1-decode --decode-modes eager graphs graphs-async graphs-fused-merge \
-    eager-cublas eager-no-relaunch --out "$RESULTS"
+    eager-cublas eager-no-relaunch graphs-async-always-merge --out "$RESULTS"
 
 run_step mixed_steps "$MIXED_LIMIT" "$RESULTS/mixed_steps_${SLUG}.json" "" \
     "$PY" benchmarks/mixed_steps.py --out "$RESULTS" "${MIXED_ARGS[@]}"

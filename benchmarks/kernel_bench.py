@@ -556,12 +556,13 @@ def decode_bytes_per_token(cfg: dict, context: int, elem: int = 2) -> int:
 
 
 
-def _graph_replays(llm) -> int | None:
-    """Decode steps the engine ran as graph replays (None: it holds no
+def _graph_replays(llm, kind: str = "replays") -> int | None:
+    """Decode steps the engine ran as graph replays (``kind``
+    ``direct_replays``: of those, over the direct plans; None: it holds no
     graphs). Read through engine internals, so tolerant of their changing:
     the figure only confirms the graphs path really ran."""
     graphs = getattr(getattr(getattr(llm.engine, "executor", None), "worker", None), "graphs", None)
-    replays = getattr(graphs, "replays", None)
+    replays = getattr(graphs, kind, None)
     return None if replays is None else int(sum(replays.values()))
 
 
@@ -592,7 +593,7 @@ def bench_batch1_decode_mode(model_dir: Path, settings: dict, prompt_len: int, o
         run(8)  # warm-up: compiles, allocator
         t_one = min(run(1) for _ in range(3))
         t_many = min(run(output_len) for _ in range(2))
-        replays = _graph_replays(llm)
+        replays, direct = _graph_replays(llm), _graph_replays(llm, "direct_replays")
     finally:
         llm.engine.shutdown()
         # Engines sit in reference cycles: without a collection the first
@@ -601,7 +602,8 @@ def bench_batch1_decode_mode(model_dir: Path, settings: dict, prompt_len: int, o
         gc.collect()
         torch.cuda.empty_cache()
     return dict(**settings, ms_per_token=(t_many - t_one) / (output_len - 1) * 1e3,
-                t_one_s=t_one, t_many_s=t_many, startup_s=startup_s, graph_replays=replays)  # fmt: skip
+                t_one_s=t_one, t_many_s=t_many, startup_s=startup_s, graph_replays=replays,
+                direct_replays=direct)  # fmt: skip
 
 
 def bench_batch1_decode(
@@ -639,7 +641,8 @@ def bench_batch1_decode(
                     r = bench_batch1_decode_mode(Path(root), settings, prompt_len, output_len)
                 r["vs_roofline"] = r["ms_per_token"] / roofline_ms
                 print(f"  {mode:6s}: {r['ms_per_token']:.2f} ms/token, {r['vs_roofline']:.2f}x roofline "
-                      f"(target <= 1.3x); start-up {r['startup_s']:.1f} s; graph replays {r['graph_replays']}")
+                      f"(target <= 1.3x); start-up {r['startup_s']:.1f} s; graph replays {r['graph_replays']} "
+                      f"(direct {r['direct_replays']})")
             except Exception as exc:  # the other mode's figure is still worth having
                 r = dict(**DECODE_MODES[mode], error=f"{type(exc).__name__}: {exc}"[:500])
                 print(f"  {mode:6s}: {r['error']}")
@@ -663,20 +666,23 @@ def batch1_markdown(result: dict) -> str:
              f"{result['output_len'] - 1}. HBM roofline {result['roofline_ms']:.2f} ms/token: "
              f"{result['bytes_per_token'] / 1e9:.2f} GB per token at the measured copy bandwidth "
              f"{result['copy_gb_s']:.0f} GB/s (target <= 1.3x).", "",
-             "| mode | ms/token | x roofline | engine start-up s | graph replays |",
+             "| mode | ms/token | x roofline | engine start-up s | graph replays (direct) |",
              "|---|---:|---:|---:|---:|"]  # fmt: skip
     names = {"eager": "eager, synchronous (--enforce-eager --no-async-scheduling)",
              "eager-cublas": "eager, synchronous, without the batch-1 row kernels (cuBLAS, separate norms)",
              "eager-no-relaunch": "eager, synchronous, every launch through Triton's JIT path",
              "graphs": "decode CUDA graphs, synchronous (--no-async-scheduling)",
              "graphs-async": "decode CUDA graphs, async scheduling (the default on CUDA)",
-             "graphs-fused-merge": "decode CUDA graphs, synchronous, split-K merged in the attention launch"}
+             "graphs-fused-merge": "decode CUDA graphs, synchronous, split-K merged in the attention launch",
+             "graphs-async-always-merge": "decode CUDA graphs, async scheduling, without the direct graphs "
+                                          "(every step merges)"}
     for mode, r in result["modes"].items():
         if "error" in r:
             lines.append(f"| {names.get(mode, mode)} | error: {r['error'][:120]} | | | |")
         else:
+            replays = "-" if r["graph_replays"] is None else f"{r['graph_replays']} ({r.get('direct_replays', '-')})"
             lines.append(f"| {names.get(mode, mode)} | {r['ms_per_token']:.2f} | {r['vs_roofline']:.2f} | "
-                         f"{r['startup_s']:.1f} | {r['graph_replays'] if r['graph_replays'] is not None else '-'} |")
+                         f"{r['startup_s']:.1f} | {replays} |")
     if "eager_over_graphs" in result:
         lines += ["", f"Eager / graphs: **{result['eager_over_graphs']:.2f}x**."]
     return "\n".join(lines) + "\n"

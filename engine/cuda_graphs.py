@@ -33,7 +33,8 @@ tensor does, so the kernels launch the variants eager steps compiled::
 
     [ input_ids | positions | slot_mapping | sample_idx ]  int64, b each
     [ seq_lens b | query_start_loc b+1 | block_tables b*W ]
-    [ per sliding window: unit_offsets U+1 | merge_tokens b | merge_num_splits b | work b*C*8 ]
+    [ per sliding window: unit_offsets U+1 | merge_tokens b | merge_num_splits b | work b*C*8
+      then direct: unit_offsets min(U, b)+1 | work b*8 ]
 
 **The static attention plan.** The Triton kernel's grid and its work list
 come from a per-step plan (kernels/packing.py) whose shapes follow the
@@ -47,12 +48,21 @@ merge writes 0 (so does a merge inside the attention launch,
 ``Tiles.fused_merge``, which only a row's pieces can start).
 Splits are cut as the eager planner cuts them (``auto_kv_chunk`` over the
 real rows, pieces on multiples of the chunk), so the attention output equals
-the eager path's bit for bit unless the cap ``C`` binds; ``C`` is
+the eager path's bit for bit unless the cap ``C`` binds. ``C`` is
 ``MAX_SPLITS`` for buckets up to 64 rows and shrinks above so that the
 split-K partial buffers (shared by every bucket and window) stay near
 ``PARTIAL_ROWS`` rows of ``[Hq, D]`` fp32: ``split_buffer_sizes`` of
 ``b`` rows by ``max_splits_for(b)`` pieces sizes them, and ``split_buffers``
 cuts every bucket's views by the same formula.
+
+**Direct plans.** With the Triton kernels every bucket is captured twice:
+over the plans above, and over direct plans whose rows are one piece each
+and write their own output, with no merge rows and no merge launch, on a
+grid of at most ``b`` units. A step that splits no row (short contexts,
+or more rows than units) replays the direct graph: a batch-1 decode at a
+few hundred keys otherwise spends a merge launch a layer copying one
+partial out. Both graphs give the same bits (an unsplit row's partial
+merges with weight 1).
 
 **Capture** runs at start-up (``Worker.warm_up``), after the KV cache exists
 (a graph holds the cache's addresses; a new cache drops the graphs), largest
@@ -100,6 +110,15 @@ DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # fp32 each): 64 MiB for 32 heads of 128. Buckets up to 64 rows keep
 # MAX_SPLITS; a bucket of more rows than this still gets one piece a row.
 PARTIAL_ROWS = 4096
+_direct_plans = True  # buckets built from now on get direct plans (set_direct_plans)
+
+
+def set_direct_plans(on: bool) -> bool:
+    """Give buckets built from now on direct plans and graphs (the
+    default), or not, to time what they save; returns the old setting."""
+    global _direct_plans
+    old, _direct_plans = _direct_plans, bool(on)
+    return old
 
 
 # -- buckets --------------------------------------------------------------------
@@ -159,27 +178,45 @@ class DecodeWork:
     num_splits: list[int]  # pieces of each row (its merge row is its own index)
 
 
+def decode_pieces(seq_lens: list[int], *, num_units: int, max_splits: int,
+                  sliding_window: int | None) -> np.ndarray:
+    """A decode-only batch's work items, split as ``packing.plan_attention``
+    splits the same lengths on ``num_units`` units (while ``max_splits`` is
+    ``MAX_SPLITS``): one item a row where no row is split."""
+    tiles = packing.tile_rows([1] * len(seq_lens), seq_lens, 1, sliding_window, 1)
+    kv_chunk = packing.auto_kv_chunk(packing.split_costs(tiles, 1), num_units, decode_only=True)
+    return packing.split_rows(tiles, kv_chunk, max_splits=max_splits)[0]
+
+
 def plan_decode(seq_lens: list[int], *, num_units: int, max_splits: int,
-                sliding_window: int | None, size: int | None = None) -> DecodeWork:
+                sliding_window: int | None, size: int | None = None, pieces: np.ndarray | None = None,
+                direct: bool = False) -> DecodeWork:
     """Plan a decode-only batch (one query per sequence) onto exactly
     ``num_units`` units with every row a merge row and at most
-    ``max_splits`` pieces per row. The split boundaries are
-    ``packing.plan_attention``'s for the same lengths while ``max_splits``
-    is ``MAX_SPLITS``. Rows from ``len(seq_lens)`` to ``size`` are padding:
-    one piece each over no keys, which every merge turns into zeros (the
-    merge kernel, and a merge inside the attention launch, which only a
-    piece can start)."""
+    ``max_splits`` pieces per row (``pieces``: ``decode_pieces`` of the
+    batch, where the caller has them). Rows from ``len(seq_lens)`` to
+    ``size`` are padding: one piece each over no keys, which every merge
+    turns into zeros (the merge kernel, and a merge inside the attention
+    launch, which only a piece can start).
+
+    ``direct``: the pieces are whole rows, and each writes its output
+    itself (no merge row; a padding row's piece over no keys writes 0), as
+    the eager plan of the same lengths does."""
     n = len(seq_lens)
-    tiles = packing.tile_rows([1] * n, seq_lens, 1, sliding_window, 1)
-    kv_chunk = packing.auto_kv_chunk(packing.split_costs(tiles, 1), num_units, decode_only=True)
-    items, _, _ = packing.split_rows(tiles, kv_chunk, max_splits=max_splits)
+    items = pieces if pieces is not None else decode_pieces(
+        seq_lens, num_units=num_units, max_splits=max_splits, sliding_window=sliding_window)
+    if direct and len(items) != n:
+        raise ValueError("a direct decode plan needs every row whole")
     if size is not None and size > n:
         pad = np.zeros((size - n, WORK_FIELDS), dtype=items.dtype)
         rows = np.arange(n, size)
         pad[:, packing.F_SEQ] = pad[:, packing.F_Q_LO] = rows
         pad[:, packing.F_Q_HI] = rows + 1
         items = np.concatenate([items, pad])
-    items[:, packing.F_MERGE_ROW] = items[:, packing.F_SEQ]  # every row merges, into its own merge row
+    else:
+        items = items.copy()
+    # Every row merges into its own merge row, or none does.
+    items[:, packing.F_MERGE_ROW] = -1 if direct else items[:, packing.F_SEQ]
     order, offsets, _ = packing.pack_lpt(packing.item_costs(items, 1, False), num_units)
     num_splits = np.bincount(items[:, packing.F_SEQ], minlength=max(n, size or 0))
     return DecodeWork(items[order].astype(np.int32), offsets.tolist(), num_splits.tolist())
@@ -193,16 +230,24 @@ class StaticDecodePlan:
     Region layout (int32 words)::
 
         [ unit_offsets U+1 | merge_tokens b | merge_num_splits b | work b*C*8 ]
+
+    ``direct``: a plan for steps that split no row, where every row's one
+    piece writes its output and no merge runs::
+
+        [ unit_offsets U+1 | work b*8 ]
     """
 
     @staticmethod
-    def num_words(size: int, num_units: int, max_splits: int) -> int:
+    def num_words(size: int, num_units: int, max_splits: int, direct: bool = False) -> int:
+        if direct:
+            return aligned_words(num_units + 1) + size * WORK_FIELDS
         return aligned_words(num_units + 1) + 2 * aligned_words(size) + size * max_splits * WORK_FIELDS
 
     def __init__(self, host: np.ndarray, dev: torch.Tensor, *, size: int, num_units: int, max_splits: int,
                  group: int, sliding_window: int | None, max_seq_len: int,
                  partials: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 merge_counts: torch.Tensor | None = None) -> None:
+                 merge_counts: torch.Tensor | None = None, direct: bool = False,
+                 split_units: int | None = None) -> None:
         from fluidserve.kernels.paged_attention import (
             decode_tokens_per_tile,
             default_tokens_per_tile,
@@ -210,20 +255,24 @@ class StaticDecodePlan:
         )
 
         self.size, self.num_units, self.max_splits, self.sliding_window = size, num_units, max_splits, sliding_window
+        self.direct = direct
+        self.split_units = split_units or num_units  # the units rows are split for (the eager plan's)
         b = size
         o_tok = aligned_words(num_units + 1)
-        o_split = o_tok + aligned_words(b)
-        o_work = o_split + aligned_words(b)
-        end = o_work + b * max_splits * WORK_FIELDS
-        self._offsets, self._splits, self._work = host[:num_units + 1], host[o_split:o_split + b], host[o_work:end]
-        host[o_tok:o_tok + b] = np.arange(b, dtype=np.int32)  # merge row m is row m's: fixed for good
+        o_split = o_tok + (0 if direct else aligned_words(b))
+        o_work = o_split + (0 if direct else aligned_words(b))
+        end = o_work + b * (1 if direct else max_splits) * WORK_FIELDS
+        m = 0 if direct else b  # merge rows
+        self._offsets, self._splits, self._work = host[:num_units + 1], host[o_split:o_split + m], host[o_work:end]
+        if not direct:
+            host[o_tok:o_tok + b] = np.arange(b, dtype=np.int32)  # merge row m is row m's: fixed for good
         self.clear()
         tpt = default_tokens_per_tile(group)
         self.plan = WorkPlan(
             work=dev[o_work:end].view(-1, WORK_FIELDS), unit_offsets=dev[:num_units + 1],
-            merge_tokens=dev[o_tok:o_tok + b], merge_num_splits=dev[o_split:o_split + b],
+            merge_tokens=dev[o_tok:o_tok + m], merge_num_splits=dev[o_split:o_split + m],
             num_tokens=b, tokens_per_tile=tpt, decode_tokens_per_tile=min(decode_tokens_per_tile(group), tpt),
-            has_prefill_tiles=False, max_splits=max_splits, sliding_window=sliding_window,
+            has_prefill_tiles=False, max_splits=0 if direct else max_splits, sliding_window=sliding_window,
             num_seqs=b, max_seq_len=max_seq_len,
         )
         if partials is not None:
@@ -236,13 +285,22 @@ class StaticDecodePlan:
         """Every row padding: one empty piece each, merged to zeros."""
         self.fill([])
 
-    def fill(self, seq_lens: list[int]) -> None:
+    def pieces(self, seq_lens: list[int]) -> np.ndarray:
+        """``decode_pieces`` of a batch, split as for this plan's rows."""
+        return decode_pieces(seq_lens, num_units=self.split_units, max_splits=self.max_splits,
+                             sliding_window=self.sliding_window)
+
+    def fill(self, seq_lens: list[int], pieces: np.ndarray | None = None) -> None:
         """Write the plan of a batch whose first ``len(seq_lens)`` rows are
-        real (the rest padding) into the host region."""
+        real (the rest padding) into the host region (``pieces``: the
+        batch's ``pieces``, where the caller has them)."""
+        if pieces is None and seq_lens:
+            pieces = self.pieces(seq_lens)
         work = plan_decode(seq_lens, num_units=self.num_units, max_splits=self.max_splits,
-                           sliding_window=self.sliding_window, size=self.size)
+                           sliding_window=self.sliding_window, size=self.size, pieces=pieces, direct=self.direct)
         self._offsets[:] = work.unit_offsets
-        self._splits[:] = work.num_splits
+        if not self.direct:
+            self._splits[:] = work.num_splits
         self._work[:work.rows.size] = work.rows.ravel()
 
 
@@ -273,9 +331,12 @@ class Bucket:
     device: torch.device
     spec: _PlanSpec | None = None
     replay: Callable[[], torch.Tensor] | None = None  # the captured forward: hidden states [size, hidden]
+    replay_direct: Callable[[], torch.Tensor] | None = None  # the same over the direct plans
     plans: dict = field(default_factory=dict)  # window -> StaticDecodePlan
+    direct_plans: dict = field(default_factory=dict)  # window -> StaticDecodePlan(direct=True)
     host_seq_lens: list[int] = field(default_factory=list)
     rows: int = 0  # real rows of the batch in the buffers
+    direct: bool = False  # the batch in the buffers splits no row: it runs over the direct plans
     _copied: Any = None  # the event of the last upload
 
     def __post_init__(self) -> None:
@@ -287,10 +348,13 @@ class Bucket:
         self._o_bt = self._o_qsl + aligned_words(b + 1)
         words = self._o_bt + aligned_words(b * w)
         cap = max_splits_for(b)
-        plan_words = 0
+        plan_words = direct_words = 0
         if self.spec is not None:
-            plan_words = aligned_words(StaticDecodePlan.num_words(b, max(self.spec.num_units.values()), cap))
-            words += len(self.spec.windows) * plan_words
+            units = max(self.spec.num_units.values())
+            plan_words = aligned_words(StaticDecodePlan.num_words(b, units, cap))
+            if _direct_plans:
+                direct_words = aligned_words(StaticDecodePlan.num_words(b, min(units, b), 1, direct=True))
+            words += len(self.spec.windows) * (plan_words + direct_words)
         self.host = self.runtime.host_buffer(words, torch.int32, zeroed=True)
         self.dev = self.runtime.device_mirror(self.host, zeroed=True)
         h = self.host.numpy()
@@ -305,23 +369,33 @@ class Bucket:
         self.query_start_loc = self.dev[self._o_qsl:self._o_qsl + b + 1]
         self.block_tables = self.dev[self._o_bt:self._o_bt + b * w].view(b, w)
         if self.spec is not None:
-            self._make_plans(h, self._o_bt + aligned_words(b * w), plan_words, cap)
+            self._make_plans(h, self._o_bt + aligned_words(b * w), plan_words, direct_words, cap)
         self.write_padding()
 
-    def _make_plans(self, h: np.ndarray, at: int, plan_words: int, cap: int) -> None:
+    def _make_plans(self, h: np.ndarray, at: int, plan_words: int, direct_words: int, cap: int) -> None:
+        """Per sliding window, the split plan and the direct one. The direct
+        plan's grid is no wider than the bucket's rows: whole rows need no
+        more units than that."""
         from fluidserve.kernels.paged_attention import split_buffers
 
         s, b = self.spec, self.size
         part_out, part_lse = split_buffers(b, cap, s.num_q_heads, s.head_dim, storage=s.partials)
         counts = s.merge_counts[:b * s.num_kv_heads].view(b, s.num_kv_heads)
+        common = dict(size=b, max_splits=cap, group=s.group, max_seq_len=self.width * self.block_size,
+                      partials=(part_out, part_lse), merge_counts=counts)
         for window in s.windows:
             units = s.num_units[window]
             n = StaticDecodePlan.num_words(b, units, cap)
-            self.plans[window] = StaticDecodePlan(
-                h[at:at + n], self.dev[at:at + n], size=b, num_units=units, max_splits=cap, group=s.group,
-                sliding_window=window, max_seq_len=self.width * self.block_size, partials=(part_out, part_lse),
-                merge_counts=counts)
+            self.plans[window] = StaticDecodePlan(h[at:at + n], self.dev[at:at + n], num_units=units,
+                                                  sliding_window=window, **common)
             at += plan_words
+            if not direct_words:
+                continue
+            n = StaticDecodePlan.num_words(b, min(units, b), 1, direct=True)
+            self.direct_plans[window] = StaticDecodePlan(
+                h[at:at + n], self.dev[at:at + n], num_units=min(units, b), sliding_window=window, direct=True,
+                split_units=units, **common)
+            at += direct_words
 
     # -- host side ---------------------------------------------------------------
     def _wait_for_upload(self) -> None:
@@ -338,7 +412,8 @@ class Bucket:
         self._h_bt.fill(0)
         self.host_seq_lens = [1] * self.size
         self.rows = 0
-        for plan in self.plans.values():
+        self.direct = False
+        for plan in (*self.plans.values(), *self.direct_plans.values()):
             plan.clear()
 
     def write(self, inp: ModelInput) -> None:
@@ -358,8 +433,11 @@ class Bucket:
         fill_block_tables(self._h_bt[:n], inp.block_tables)
         self.host_seq_lens = [*inp.seq_lens, *[1] * (self.size - n)]
         self.rows = n
-        for plan in self.plans.values():
-            plan.fill(inp.seq_lens)
+        pieces = {w: plan.pieces(inp.seq_lens) for w, plan in self.plans.items()}
+        # One graph holds every layer: direct only where no window splits a row.
+        self.direct = bool(self.direct_plans) and all(len(p) == n for p in pieces.values())
+        for w, plan in (self.direct_plans if self.direct else self.plans).items():
+            plan.fill(inp.seq_lens, pieces[w])
 
     def upload(self) -> None:
         if self.dev is not self.host:
@@ -367,16 +445,19 @@ class Bucket:
             self._copied = self.runtime.event()
             self._copied.record()
 
-    def metadata(self, kernels: str | None = None) -> AttentionMetadata:
+    def metadata(self, kernels: str | None = None, direct: bool | None = None) -> AttentionMetadata:
         """Attention metadata over the static buffers; the Triton kernels
-        find the static plans already made (``work_plan`` looks them up).
-        The host query lengths of padding rows are 0, so the CPU attention
-        plans no work for them and groups the real rows as eager does."""
+        find the static plans already made (``work_plan`` looks them up):
+        the direct ones if ``direct`` (by default, if the batch in the
+        buffers splits no row). The host query lengths of padding rows are
+        0, so the CPU attention plans no work for them and groups the real
+        rows as eager does."""
+        plans = self.direct_plans if (self.direct if direct is None else direct) else self.plans
         return AttentionMetadata(
             slot_mapping=self.slot_mapping, block_tables=self.block_tables, seq_lens=self.seq_lens,
             query_start_loc=self.query_start_loc, host_q_lens=[1] * self.rows + [0] * (self.size - self.rows),
             host_seq_lens=list(self.host_seq_lens), kernels=kernels,
-            _plans={w: p.plan for w, p in self.plans.items()},
+            _plans={w: p.plan for w, p in plans.items()},
         )
 
 
@@ -399,6 +480,7 @@ class DecodeGraphs:
         self.sizes = tuple(sorted(sizes))
         self.width = max_blocks_per_seq
         self.replays: dict[int, int] = {}  # steps run in each bucket
+        self.direct_replays: dict[int, int] = {}  # of those, steps over the direct plans (no row split)
         self.fallbacks: dict[str, int] = {}  # steps run eagerly, by reason
         self.kernels = ops.kernel_path(device)  # read once, as the model runner does
         spec = self._plan_spec() if self.kernels == "triton" else None
@@ -431,12 +513,19 @@ class DecodeGraphs:
         capture_largest_first(self.runtime, self.sizes, self._capture_bucket, "decode CUDA graphs for batch sizes")
 
     def _capture_bucket(self, b: int, pool: Any) -> None:
+        """The bucket's graph, and with the Triton kernels a second over its
+        direct plans: a step that splits no row then launches no merge."""
         bucket = self.buckets[b]
         bucket.write_padding()
         bucket.upload()
-        meta = bucket.metadata(self.kernels)
-        bucket.replay = self.runtime.capture(
-            lambda: self.model(bucket.input_ids, bucket.positions, self.kv_caches, meta), pool)
+
+        def capture(meta: AttentionMetadata) -> Callable[[], torch.Tensor]:
+            return self.runtime.capture(lambda: self.model(bucket.input_ids, bucket.positions, self.kv_caches, meta),
+                                        pool)
+
+        bucket.replay = capture(bucket.metadata(self.kernels, direct=False))
+        if bucket.direct_plans:
+            bucket.replay_direct = capture(bucket.metadata(self.kernels, direct=True))
 
     def bucket_for(self, inp: ModelInput) -> int | None:
         """The bucket a step runs in; None (and the reason counted) if eager."""
@@ -460,8 +549,11 @@ class DecodeGraphs:
         bucket.upload()
         if feed is not None:
             feed(bucket.input_ids[:len(inp.input_ids)])
-        hidden = bucket.replay() if bucket.replay is not None else self._forward_static(bucket)
+        replay = bucket.replay_direct if bucket.direct else bucket.replay
+        hidden = replay() if replay is not None else self._forward_static(bucket)
         self.replays[b] = self.replays.get(b, 0) + 1
+        if bucket.direct:
+            self.direct_replays[b] = self.direct_replays.get(b, 0) + 1
         return hidden[:len(inp.input_ids)], bucket.sample_idx[:len(inp.sample_indices)]
 
 

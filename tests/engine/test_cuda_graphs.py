@@ -356,8 +356,8 @@ def test_gpu_one_captured_padded_step_writes_only_real_slots(tiny_model, dtype):
 def test_gpu_long_contexts_split_inside_the_graph(tiny_model, make_llm, monkeypatch, partial_rows):
     """Contexts of thousands of tokens: the decode rows split into split-K
     pieces inside the graph (where the cap binds, bucket 4 holds 2 pieces a
-    row and the long rows run unsplit, unlike eager); greedy tokens are
-    eager's."""
+    row and the long rows run unsplit, unlike eager, over the direct plans);
+    greedy tokens are eager's."""
     from fluidserve.engine import cuda_graphs
 
     monkeypatch.setattr(cuda_graphs, "PARTIAL_ROWS", partial_rows)
@@ -371,6 +371,8 @@ def test_gpu_long_contexts_split_inside_the_graph(tiny_model, make_llm, monkeypa
     assert graphs.buckets[4].plans[None].max_splits == cuda_graphs.max_splits_for(4)
     assert [o.outputs[0].token_ids for o in graph_llm.generate(prompts, params)] == eager
     assert graphs.replays.get(4, 0) >= 20
+    direct = graphs.direct_replays.get(4, 0)
+    assert direct == 0 if partial_rows == PARTIAL_ROWS else direct == graphs.replays[4]
 
 
 @pytest.mark.gpu

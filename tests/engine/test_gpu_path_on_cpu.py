@@ -177,7 +177,8 @@ def test_lane_decode_buckets_give_eager_tokens_and_kv_bit_for_bit(tiny_model, ma
     """``enforce_eager=False`` in the lane runs decode steps in padded
     buckets over the static plans a captured graph reads (3 rows in bucket
     4): tokens and the whole KV cache are the eager Triton path's, so no
-    padding row wrote KV anywhere."""
+    padding row wrote KV anywhere. No row is long enough to split, so every
+    step runs over the direct plans (no merge)."""
     path = tiny_model("llama")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     kwargs = dict(LANE_KWARGS, dtype="float32", block_size=8, scheduling_policy="fcfs")
@@ -188,7 +189,7 @@ def test_lane_decode_buckets_give_eager_tokens_and_kv_bit_for_bit(tiny_model, ma
     eager = [o.outputs[0].token_ids for o in eager_llm.generate(PROMPTS[:3], params)]
     graphed = [o.outputs[0].token_ids for o in graph_llm.generate(PROMPTS[:3], params)]
     assert graphed == eager
-    assert graphs.replays.get(4, 0) >= 8
+    assert graphs.direct_replays.get(4, 0) == graphs.replays.get(4, 0) >= 8
     for (k1, v1), (k2, v2) in zip(eager_llm.engine.executor.worker.kv_caches,
                                   graph_llm.engine.executor.worker.kv_caches):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
@@ -196,25 +197,35 @@ def test_lane_decode_buckets_give_eager_tokens_and_kv_bit_for_bit(tiny_model, ma
 
 @lane_only
 @pytest.mark.parametrize("fused_merge", [False, True], ids=["merge-kernel", "fused-merge"])
-def test_lane_decode_buckets_through_the_capture_loop(tiny_model, make_llm, triton_lane, fused_merge):
+def test_lane_decode_buckets_through_the_capture_loop(tiny_model, make_llm, triton_lane, fused_merge,
+                                                    monkeypatch):
     """The capture loop (``capture_largest_first``) over the CPU runtime's
     stand-in, whose replay re-runs what it was given with the metadata of
     the capture, as a graph replays its launches: tokens are eager's. So
     too with every row's pieces merged inside the attention launch, whose
-    counters each layer and each replay finds at zero."""
+    counters each layer and each replay finds at zero. Rows split from 64
+    keys here (``MIN_KV_CHUNK`` 1, no ``ITEM_OVERHEAD``; eager's plans
+    too): the long prompt's
+    steps replay the split graph of bucket 4, and once it ends the two
+    short rows replay bucket 2's direct graph."""
+    from fluidserve.kernels import packing
     from fluidserve.kernels import paged_attention as pa
 
+    monkeypatch.setattr(packing, "MIN_KV_CHUNK", 1)
+    monkeypatch.setattr(packing, "ITEM_OVERHEAD", 0)
     path = tiny_model("llama")
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    short, long = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 3))
+    prompts, params = PROMPTS[1:], [short, short, long]  # the last prompt is 72 tokens long
     kwargs = dict(LANE_KWARGS, dtype="float32", block_size=8, scheduling_policy="fcfs")
-    eager = [o.outputs[0].token_ids for o in make_llm(path, **kwargs).generate(PROMPTS[:3], params)]
+    eager = [o.outputs[0].token_ids for o in make_llm(path, **kwargs).generate(prompts, params)]
     with pa.tiles(fused_merge=fused_merge):
         graph_llm = make_llm(path, enforce_eager=False, **kwargs)
         graphs = graph_llm.engine.executor.worker.graphs
         graphs._capture_all()  # what capture=True runs on CUDA
-        assert all(b.replay is not None for b in graphs.buckets.values())
-        assert [o.outputs[0].token_ids for o in graph_llm.generate(PROMPTS[:3], params)] == eager
-    assert graphs.replays.get(4, 0) >= 5
+        assert all(b.replay is not None and b.replay_direct is not None for b in graphs.buckets.values())
+        assert [o.outputs[0].token_ids for o in graph_llm.generate(prompts, params)] == eager
+    assert graphs.replays.get(4, 0) >= 2 and graphs.direct_replays.get(4, 0) == 0
+    assert graphs.direct_replays.get(2, 0) == graphs.replays.get(2, 0) >= 2
     assert not next(iter(graphs.buckets.values())).spec.merge_counts.any()
 
 

@@ -258,3 +258,8 @@ def test_a_decode_mode_sets_its_switches_for_its_block_only(bench):
     with dummy_models.decode_mode("graphs-fused-merge") as settings:
         assert settings == dummy_models.DECODE_MODES["graphs"] and pa.TILES.fused_merge
     assert pa.TILES == pa.Tiles()
+    from fluidserve.engine import cuda_graphs
+
+    with dummy_models.decode_mode("graphs-async-always-merge") as settings:
+        assert settings == dummy_models.DECODE_MODES["graphs-async"] and cuda_graphs._direct_plans is False
+    assert cuda_graphs._direct_plans is True

@@ -49,13 +49,15 @@ class Region:
             self.dev.copy_(self.host)
 
 
-def static_plan(batch, bucket: int, width: int, window, max_splits: int | None = None):
+def static_plan(batch, bucket: int, width: int, window, max_splits: int | None = None, direct: bool = False):
     group = batch.query.shape[1] // batch.key_cache.shape[2]
-    units = pa.default_num_units(batch.query, batch.key_cache, False, window)
+    split_units = pa.default_num_units(batch.query, batch.key_cache, False, window)
+    units = min(split_units, bucket) if direct else split_units  # as a bucket sizes its direct plans
     cap = max_splits or max_splits_for(bucket)
-    region = Region(StaticDecodePlan.num_words(bucket, units, cap), str(batch.query.device))
+    region = Region(StaticDecodePlan.num_words(bucket, units, cap, direct=direct), str(batch.query.device))
     plan = StaticDecodePlan(region.host.numpy(), region.dev, size=bucket, num_units=units, max_splits=cap,
-                            group=group, sliding_window=window, max_seq_len=width * batch.key_cache.shape[1])
+                            group=group, sliding_window=window, max_seq_len=width * batch.key_cache.shape[1],
+                            direct=direct, split_units=split_units)
     return plan, region
 
 
@@ -85,6 +87,40 @@ def test_static_plan_rows_equal_the_eager_plan(device, make_batch, oracle, lens,
     assert (out[n:] == 0).all()  # padding rows: an empty piece, merged to 0
     if bucket > 1 and window is None:
         assert max(plan._splits) > 1  # the long rows did split
+
+
+@pytest.mark.parametrize("fused_merge", [False, True])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("lens, bucket", [([70, 200, 5], 4), ([1], 1), ([256, 3], 2)])
+def test_direct_plan_rows_equal_the_eager_plan(device, make_batch, oracle, lens, bucket, window, fused_merge):
+    """Rows no plan splits (at most ``MIN_KV_CHUNK`` keys here), in the
+    bucket's direct plan: every row's one piece writes its output, no merge
+    row, no merge launch. The rows are the eager plan's bit for bit (it
+    writes unsplit rows directly too); padding rows write 0."""
+    batch = make_batch([(1, s) for s in lens], num_kv_heads=2, group=2, head_dim=32, block_size=16, device=device)
+    width = batch.block_tables.shape[1] + 3
+    with pa.tiles(fused_merge=fused_merge):
+        plan, region = static_plan(batch, bucket, width, window, direct=True)
+        assert len(plan.pieces(batch.seq_len_list)) == len(lens)  # no row splits: the bucket would go direct
+        out = run_static(batch, plan, region, bucket, width, window)
+        eager = pa.paged_attention(*batch.args, sliding_window=window).float().cpu()
+    n = len(lens)
+    assert plan.plan.num_merge_rows == 0 and plan.plan.max_splits == 0
+    assert all(it.merge_row == -1 for it in plan.plan.items())
+    assert torch.equal(out[:n], eager)
+    torch.testing.assert_close(out[:n], oracle(batch, window), atol=ATOL, rtol=RTOL)
+    assert (out[n:] == 0).all()
+
+
+def test_a_direct_plan_refuses_split_rows():
+    """A direct plan has no merge rows, so it cannot hold a split row."""
+    host = torch.zeros(StaticDecodePlan.num_words(2, 2, 4, direct=True), dtype=torch.int32)
+    plan = StaticDecodePlan(host.numpy(), host, size=2, num_units=2, max_splits=4, group=1, sliding_window=None,
+                            max_seq_len=4096, direct=True)
+    long_rows = [3000]  # one row on two units: split in two
+    assert len(plan.pieces(long_rows)) == 2
+    with pytest.raises(ValueError, match="every row whole"):
+        plan.fill(long_rows)
 
 
 def test_one_plan_refilled_for_changing_batches(device, make_batch, oracle):
@@ -187,6 +223,7 @@ def test_bucket_buffers_feed_the_kernel(device, make_batch, oracle, fused_merge)
     assert bucket.slot_mapping.tolist() == [-1] * 4 and bucket.sample_idx[:3].tolist() == [0, 1, 2]
     meta = bucket.metadata()
     query = torch.cat([batch.query, torch.randn_like(batch.query[:1])])
+    assert not bucket.direct  # the 700-key row splits
     for w in (None, window, None):
         plan = meta.work_plan(query, batch.key_cache, w) if device == "cuda" else meta._plans[w]
         assert plan is bucket.plans[w].plan and plan.scratch  # partials come from the shared buffer
@@ -196,3 +233,49 @@ def test_bucket_buffers_feed_the_kernel(device, make_batch, oracle, fused_merge)
         torch.testing.assert_close(out[:3], oracle(batch, w), atol=ATOL, rtol=RTOL)
         assert not counts.any()
         assert (out[3] == 0).all()  # the padding row
+    # Rows no window splits: the bucket's direct plans, whose grid is no wider than its rows.
+    short = [200, 33, 90]
+    batch = make_batch([(1, s) for s in short], num_kv_heads=2, group=2, head_dim=32, block_size=block_size,
+                       device=device, seed=3)
+    tables = [row[:-(-s // block_size)] for row, s in zip(batch.block_tables.tolist(), short)]
+    bucket.write(ModelInput(input_ids=[1, 2, 3], positions=[s - 1 for s in short], slot_mapping=[-1] * 3,
+                            query_start_loc=[0, 1, 2, 3], seq_lens=short, block_tables=tables,
+                            sample_indices=[0, 1, 2]))
+    bucket.upload()
+    assert bucket.direct
+    meta = bucket.metadata()
+    query = torch.cat([batch.query, torch.randn_like(batch.query[:1])])
+    for w in (None, window):
+        plan = meta.work_plan(query, batch.key_cache, w) if device == "cuda" else meta._plans[w]
+        assert plan is bucket.direct_plans[w].plan and plan.num_merge_rows == 0 and plan.num_units <= 4
+        assert meta._plans[w] is not bucket.metadata(direct=False)._plans[w]
+        with pa.tiles(fused_merge=fused_merge):
+            out = pa.paged_attention(query, batch.key_cache, batch.value_cache, bucket.block_tables,
+                                     bucket.seq_lens, bucket.query_start_loc, batch.scale, w, work=plan).float().cpu()
+        torch.testing.assert_close(out[:3], oracle(batch, w), atol=ATOL, rtol=RTOL)
+        assert (out[3] == 0).all()
+
+
+def test_buckets_built_without_direct_plans_always_merge():
+    """``set_direct_plans(False)`` (what the batch-1 benchmark times the
+    direct graphs against): buckets built then hold only the merging plans,
+    and a batch no plan splits runs over them."""
+    from fluidserve.engine import cuda_graphs
+    from fluidserve.engine.batch import ModelInput
+
+    spec = cuda_graphs._PlanSpec(windows=[None], num_units={None: 4}, group=2, num_q_heads=4, head_dim=32,
+                                 partials=(torch.empty(4096 * 4 * 32), torch.empty(4096 * 4)), num_kv_heads=2,
+                                 merge_counts=torch.zeros(8, dtype=torch.int32))
+    short = ModelInput(input_ids=[1, 2], positions=[9, 19], slot_mapping=[-1] * 2, query_start_loc=[0, 1, 2],
+                       seq_lens=[10, 20], block_tables=[[0], [1, 2]], sample_indices=[0, 1])
+    old = cuda_graphs.set_direct_plans(False)
+    try:
+        bucket = cuda_graphs.Bucket(2, 4, 16, torch.device("cpu"), spec)
+    finally:
+        assert cuda_graphs.set_direct_plans(old) is False
+    with_direct = cuda_graphs.Bucket(2, 4, 16, torch.device("cpu"), spec)
+    assert not bucket.direct_plans and with_direct.direct_plans
+    for b in (bucket, with_direct):
+        b.write(short)
+    assert not bucket.direct and bucket.metadata()._plans[None] is bucket.plans[None].plan
+    assert with_direct.direct and with_direct.metadata()._plans[None] is with_direct.direct_plans[None].plan
