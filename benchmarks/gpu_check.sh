@@ -8,7 +8,7 @@
 #   import                 45 / 45 s   fluidserve.engine and the Triton kernels import
 #   engine GPU tests      180 / 120 s  pytest -m gpu over every test module outside
 #                                      tests/kernels that has gpu tests
-#   kernel GPU tests      180 / 90 s   pytest -m gpu tests/kernels (the whole suite)
+#   kernel GPU tests      240 / 90 s   pytest -m gpu tests/kernels (the whole suite)
 #   batch-1 decode        120 / 90 s   Llama-3-8B-shaped dummy model, eager, with
 #                                      decode CUDA graphs, and graphs with async
 #                                      scheduling, against the HBM roofline; then
@@ -102,7 +102,7 @@ if [ "$QUICK" -eq 1 ]; then
     SWAP_ARGS=(--repeats 5)
 else
     MODE=full BUDGET=540
-    INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=180 KERNEL_TESTS_LIMIT=180
+    INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=180 KERNEL_TESTS_LIMIT=240
     DECODE_LIMIT=120 THROUGHPUT_LIMIT=180 BENCH_LIMIT=90 LINEAR_LIMIT=60 PROFILE_LIMIT=90 SWAP_LIMIT=45
     MIXED_LIMIT=90 MIXED_ARGS=()
     THROUGHPUT_SIZE=(--num-prompts 64 --output-len 128 --async-scheduling --piecewise-graphs)

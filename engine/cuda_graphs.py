@@ -213,8 +213,8 @@ def plan_decode(seq_lens: list[int], *, num_units: int, max_splits: int,
         pad[:, packing.F_SEQ] = pad[:, packing.F_Q_LO] = rows
         pad[:, packing.F_Q_HI] = rows + 1
         items = np.concatenate([items, pad])
-    else:
-        items = items.copy()
+    elif pieces is not None:
+        items = items.copy()  # the caller's: the merge rows below are this plan's
     # Every row merges into its own merge row, or none does.
     items[:, packing.F_MERGE_ROW] = -1 if direct else items[:, packing.F_SEQ]
     order, offsets, _ = packing.pack_lpt(packing.item_costs(items, 1, False), num_units)
