@@ -135,7 +135,10 @@ class RayWorker:
 def start_local_ray(num_cpus: int | None = None) -> None:
     """Start a single-node Ray instance reachable from this machine only:
     every Ray process bound to 127.0.0.1, no dashboard, no client server, no
-    usage reporting."""
+    usage reporting. A new one even where another Ray instance runs on this
+    machine: Ray's own default joins the one started last (or
+    ``RAY_ADDRESS``'s), another server's or another user's; joining one is
+    what ``ray_address`` asks for."""
     from ray._private import ray_constants
 
     saved_env = {k: os.environ.get(k) for k in _LOOPBACK_ENV}
@@ -145,7 +148,7 @@ def start_local_ray(num_cpus: int | None = None) -> None:
     saved_flag = getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                  configure_logging=False)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag

@@ -138,6 +138,27 @@ def test_daemon_started_ray_is_loopback_only(ray_cluster):
     assert not exposed
 
 
+def test_daemon_starts_its_own_ray_beside_another(ray_cluster):
+    """Another Ray instance on the machine (this module's, also named by
+    RAY_ADDRESS): a daemon without ``ray_address`` still starts its own,
+    loopback-only, rather than joining the one Ray finds (a second server's
+    replicas on the first server's cluster)."""
+    import subprocess
+    import sys
+
+    ours = ray.get_runtime_context().gcs_address
+    code = ("import ray\n"
+            "from fluidserve.engine.executor.ray import start_local_ray\n"
+            "start_local_ray(num_cpus=1)\n"
+            "print(ray.get_runtime_context().gcs_address)\n"
+            "ray.shutdown()\n")  # fmt: skip
+    env = dict(os.environ, RAY_ADDRESS=ours)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = done.stdout.strip().splitlines()[-1]
+    assert theirs.startswith("127.0.0.1:") and theirs != ours
+
+
 @pytest.mark.parametrize("arch, overrides", [("llama", {}), ("opt", {}), ("qwen2", {"num_key_value_heads": 1})],
                          ids=["llama-gqa", "opt", "qwen2-kv1"])
 def test_shards_reassemble_the_checkpoint(tiny_model, arch, overrides):
