@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -52,23 +52,6 @@ def whole_rows():
         packing.WAVE_SPLITS = saved
 
 
-@contextmanager
-def units_a_head(units: int):
-    """Every decode-only plan on ``units`` units a KV head (the answers
-    ``default_num_units`` keeps, overridden)."""
-    from fluidserve.kernels import paged_attention as pa
-
-    saved = dict(pa._UNITS)
-    for key in pa._UNITS:
-        if not key[5]:  # has_prefill
-            pa._UNITS[key] = units
-    try:
-        yield
-    finally:
-        pa._UNITS.clear()
-        pa._UNITS.update(saved)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=SHAPES, help="BATCHxCONTEXT")
@@ -87,19 +70,15 @@ def main(argv: list[str] | None = None) -> int:
         q, s = [1] * b, [ctx] * b
         batch = make_cache_batch(shape, q, s)
         kv_bytes = 2 * b * ctx * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
-        resident = pa.plan_for(batch["query"], batch["key_cache"], q, s).num_units
+        resident = pa.default_num_units(batch["query"], batch["key_cache"], False)
         row = dict(batch=b, context=ctx, resident_units=resident)
         for grid, units in (("resident", resident), ("one_more", resident + 1)):
-            with units_a_head(units):
-                for cut, ctx_manager in (("waves", None), ("whole", whole_rows)):
-                    if ctx_manager is None:
-                        plan = pa.plan_for(batch["query"], batch["key_cache"], q, s)
-                    else:
-                        with ctx_manager():
-                            plan = pa.plan_for(batch["query"], batch["key_cache"], q, s)
-                    ms = graph_ms(partial(run_attention, batch, shape, plan))
-                    row[f"{grid}_{cut}"] = dict(ms=ms, pct_of_copy=100 * kv_bytes / (ms * 1e-3) / 1e9 / copy,
-                                                splits=plan.max_splits, units=plan.num_units)  # fmt: skip
+            for cut in ("waves", "whole"):
+                with whole_rows() if cut == "whole" else nullcontext():
+                    plan = pa.plan_for(batch["query"], batch["key_cache"], q, s, num_units=units)
+                ms = graph_ms(partial(run_attention, batch, shape, plan))
+                row[f"{grid}_{cut}"] = dict(ms=ms, pct_of_copy=100 * kv_bytes / (ms * 1e-3) / 1e9 / copy,
+                                            splits=plan.max_splits, units=plan.num_units)  # fmt: skip
         rows.append(row)
         print(row, flush=True)
         del batch

@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 
@@ -100,17 +101,6 @@ def keys_balanced() -> Iterator[None]:
         packing.item_costs = saved
 
 
-@contextmanager
-def costs_as(costs: packing.PlanCosts) -> Iterator[None]:
-    """The planner under other plan costs (those a stored run recorded)."""
-    saved = packing.PLAN_COSTS
-    packing.PLAN_COSTS = costs
-    try:
-        yield
-    finally:
-        packing.PLAN_COSTS = saved
-
-
 # The plan costs of the planner that balanced the stored runs which record
 # how (``lpt_costs``) but not by what values: the planner had these until
 # runs recorded their own (``plan_costs``).
@@ -125,7 +115,7 @@ def as_built(record: dict):
     if record.get("lpt_costs") != packing.LPT_COSTS:
         return keys_balanced()
     costs = record.get("plan_costs")
-    return costs_as(packing.PlanCosts(**costs) if costs else UNRECORDED_PLAN_COSTS)
+    return patch.object(packing, "PLAN_COSTS", packing.PlanCosts(**costs) if costs else UNRECORDED_PLAN_COSTS)
 
 
 def plan(q_lens: list[int], seq_lens: list[int], units: int, **kw) -> packing.WorkPlan:

@@ -294,7 +294,7 @@ class StaticDecodePlan:
         """Write the plan of a batch whose first ``len(seq_lens)`` rows are
         real (the rest padding) into the host region (``pieces``: the
         batch's ``pieces``, where the caller has them)."""
-        if pieces is None and seq_lens:
+        if pieces is None:
             pieces = self.pieces(seq_lens)
         work = plan_decode(seq_lens, num_units=self.num_units, max_splits=self.max_splits,
                            sliding_window=self.sliding_window, size=self.size, pieces=pieces, direct=self.direct)

@@ -35,20 +35,19 @@ def test_every_program_of_the_grid_is_resident(sms, per_sm, heads):
         assert units == 49
 
 
-def _plan(batch_rows: int, context: int):
+def _plan(batch_rows: int, context: int, **kw):
     query = torch.zeros(batch_rows, 8, 16)
     key_cache = torch.zeros(4, 16, 2, 16)
-    return pa.plan_for(query, key_cache, [1] * batch_rows, [context] * batch_rows, on_host=True)
+    return pa.plan_for(query, key_cache, [1] * batch_rows, [context] * batch_rows, on_host=True, **kw)
 
 
 def test_decode_grid_knobs_change_the_plan_and_restore_the_planner():
-    """units_a_head sets the decode-only plan's units, whole_rows keeps rows
-    whole where the planner would cut them into whole waves; both undo
-    themselves."""
+    """A decode-only plan takes the units it is given (the grid one unit a
+    head wider), whole_rows keeps rows whole where the planner would cut
+    them into whole waves and undoes itself."""
     base = _plan(6, 1000)  # six equal rows on the interpreter's four units: cut into waves
     assert base.num_units == pa.INTERPRETER_UNITS and base.max_splits > 0
-    with decode_grid.units_a_head(pa.INTERPRETER_UNITS + 1):
-        assert _plan(6, 1000).num_units == pa.INTERPRETER_UNITS + 1
+    assert _plan(6, 1000, num_units=pa.INTERPRETER_UNITS + 1).num_units == pa.INTERPRETER_UNITS + 1
     with decode_grid.whole_rows():
         assert _plan(6, 1000).max_splits == 0
     again = _plan(6, 1000)
