@@ -21,7 +21,8 @@ The "inputs" rows time ``ModelRunner.prepare`` of an eager step on the
 Triton kernels' path: the whole host side of a step's inputs (token ids,
 positions, slots, the block tables of 16-token blocks, the plan) laid out
 for the device, everything but the copy itself (the CPU's buffer is its
-device buffer).
+device buffer); "graph step" rows the same for a decode step replayed from
+a CUDA graph (``Bucket.write``: the bucket's inputs and its static plan).
 
     git archive REV | tar -x -C /tmp/old
     python benchmarks/plan_host_time.py . /tmp/old --names new old
@@ -97,6 +98,20 @@ def inputs(q, s):  # the engine's eager step: ModelRunner.prepare of these lengt
     return lambda: RUNNER.prepare(inp, CACHES)
 
 
+def graph_step(s):  # a graphed decode step's host side: the bucket's inputs and static plan (Bucket.write)
+    size = cuda_graphs.pick_bucket(len(s), cuda_graphs.DEFAULT_CAPTURE_SIZES)
+    partials = paged_attention.split_buffer_sizes(size, cuda_graphs.max_splits_for(size), 32, 128)
+    spec = cuda_graphs._PlanSpec(windows=[None], num_units={None: DECODE_UNITS}, group=4, num_q_heads=32,
+                                 head_dim=128, partials=tuple(torch.empty(n) for n in partials), num_kv_heads=8,
+                                 merge_counts=torch.zeros(size * 8, dtype=torch.int32))
+    bucket = cuda_graphs.Bucket(size, -(-max(s) // 16), 16, torch.device("cpu"), spec)
+    tables = [list(range(-(-length // 16))) for length in s]
+    n = len(s)
+    inp = ModelInput(input_ids=[7] * n, positions=[x - 1 for x in s], slot_mapping=[x - 1 for x in s],
+                     query_start_loc=list(range(n + 1)), seq_lens=s, block_tables=tables, sample_indices=list(range(n)))
+    return lambda: bucket.write(inp)
+
+
 cases = {}
 for b, lo, hi in [(1, 16384, 16384), (8, 4096, 4096), (64, 512, 4096), (64, 16384, 16384), (128, 16384, 16384),
                   (256, 512, 4096), (256, 512, 32768)]:
@@ -112,6 +127,10 @@ for chunk, b, lo, hi in [(0, 1, 16384, 16384), (0, 64, 512, 4096), (0, 256, 512,
                          (2048, 128, 512, 32768)]:
     shape = (f"{b} x {lo}" if lo == hi else f"{b} x {lo}-{hi}") + (f" + a {chunk}-token chunk" if chunk else "")
     cases[f"inputs: decode {shape}"] = inputs(*lens(chunk, b, lo, hi))
+for b, lo, hi in [(1, 200, 200), (1, 16384, 16384), (8, 4096, 4096), (64, 512, 4096), (64, 16384, 16384),
+                  (256, 512, 4096)]:
+    shape = f"{b} x {lo}" if lo == hi else f"{b} x {lo}-{hi}"
+    cases[f"inputs: graph step, decode {shape}"] = graph_step(lens(0, b, lo, hi)[1])
 
 gc.collect(); gc.freeze(); gc.set_threshold(20_000, *gc.get_threshold()[1:])
 out = {}
@@ -160,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
           "Llama-3-8B shapes on an H100/H200 (33 units per KV head with prefill tiles, 49 decode-only); eager: "
           "`paged_attention.plan_for`, "
           "graph: `cuda_graphs.plan_decode`; inputs: `ModelRunner.prepare` of an eager step on the Triton "
-          "kernels' path (its plan and the block tables of 16-token blocks included; medians of 50 calls).", "",
+          "kernels' path (its plan and the block tables of 16-token blocks included; medians of 50 calls); "
+          "graph step: `Bucket.write` of a decode step replayed from a CUDA graph (its inputs and static "
+          "plan).", "",
           "| step | " + " | ".join(f"{n} (ms)" for n in (first, *rest)) + "".join(f" | {n} / {first}" for n in rest)
           + " |",
           "|---|" + "---:|" * (1 + 2 * len(rest))]

@@ -944,12 +944,13 @@ def plan_host_time(stem: str) -> tuple[list[str], list[str]]:
     if d is None:
         return [], []
     first, *rest = d["trees"]
-    out = ["Host time of the attention planner and of a step's inputs per step (Llama-3-8B shapes on an "
+    out = (["Host time of the attention planner and of a step's inputs per step (Llama-3-8B shapes on an "
            "H100/H200, 33 units per KV head): the tree the run measured against older commits, each in its own "
            "process, interleaved; thread CPU time, the median of the processes' medians, in brackets the "
            "lowest process's. Eager: `paged_attention.plan_for`; graph: `cuda_graphs.plan_decode`, before every "
            "decode graph replay; inputs: `ModelRunner.prepare` of an eager step on the Triton kernels' path "
-           "(plan and block tables included).", ""] + provenance(stem, d)
+           "(plan and block tables included); graph step: `Bucket.write` of a graph-replayed decode step.", ""]
+           + provenance(stem, d))
 
     def cell(r: dict, n: str) -> str:
         low = r.get("lowest", {}).get(n)

@@ -194,7 +194,7 @@ def plan_decode(seq_lens: list[int], *, num_units: int, max_splits: int,
     """Plan a decode-only batch (one query per sequence) onto exactly
     ``num_units`` units with every row a merge row and at most
     ``max_splits`` pieces per row (``pieces``: ``decode_pieces`` of the
-    batch, where the caller has them). Rows from ``len(seq_lens)`` to
+    batch, where the caller has them; their merge rows are overwritten). Rows from ``len(seq_lens)`` to
     ``size`` are padding: one piece each over no keys, which every merge
     turns into zeros (the merge kernel, and a merge inside the attention
     launch, which only a piece can start).
@@ -213,8 +213,6 @@ def plan_decode(seq_lens: list[int], *, num_units: int, max_splits: int,
         pad[:, packing.F_SEQ] = pad[:, packing.F_Q_LO] = rows
         pad[:, packing.F_Q_HI] = rows + 1
         items = np.concatenate([items, pad])
-    elif pieces is not None:
-        items = items.copy()  # the caller's: the merge rows below are this plan's
     # Every row merges into its own merge row, or none does.
     items[:, packing.F_MERGE_ROW] = -1 if direct else items[:, packing.F_SEQ]
     order, offsets, _ = packing.pack_lpt(packing.item_costs(items, 1, False), num_units)
