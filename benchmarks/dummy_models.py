@@ -54,7 +54,19 @@ DECODE_MODES = {
     # step that splits no row replays (engine/cuda_graphs.py): every step
     # then merges, one launch a layer more.
     "graphs-async-always-merge": dict(enforce_eager=False, async_scheduling=True, direct_plans=False),
+    # The default, and eager, with the batch-1 GEMVs launched as programmatic
+    # dependents (kernels/gemv.py, FLUIDSERVE_GEMV_PDL; off by default): each
+    # starts while the launch before it drains; "l2", each program first
+    # fetches more of its rows into L2; and with the attention letting the o
+    # projection start as it begins (Tiles.launch_dependents).
+    "graphs-async-pdl": dict(enforce_eager=False, async_scheduling=True, gemv_pdl="on"),
+    "graphs-async-pdl-l2": dict(enforce_eager=False, async_scheduling=True, gemv_pdl="l2"),
+    "graphs-async-pdl-l2-attention": dict(enforce_eager=False, async_scheduling=True, gemv_pdl="l2",
+                                          launch_dependents=True),
+    "eager-pdl": dict(enforce_eager=True, async_scheduling=False, gemv_pdl="on"),
 }
+# Settings of DECODE_MODES that are attention tiles (kernels/paged_attention.py).
+TILE_SETTINGS = ("fused_merge", "launch_dependents")
 # The engine's own decode paths (the other modes: eager with a switch off).
 ENGINE_DECODE_MODES = ("eager", "graphs", "graphs-async")
 
@@ -63,20 +75,23 @@ ENGINE_DECODE_MODES = ("eager", "graphs", "graphs-async")
 def decode_mode(mode: str) -> Iterator[dict]:
     """The engine settings of ``mode``, with the process switches it names
     (``row_kernels``: kernels/ops.py; ``relaunch``: kernels/launch.py;
-    ``fused_merge``: the attention tiles; ``direct_plans``:
-    engine/cuda_graphs.py) set while the block runs."""
+    ``TILE_SETTINGS``: the attention tiles; ``direct_plans``:
+    engine/cuda_graphs.py; ``gemv_pdl``: kernels/gemv.py) set while the
+    block runs."""
     from fluidserve.engine import cuda_graphs
-    from fluidserve.kernels import launch, ops
+    from fluidserve.kernels import gemv, launch, ops
     from fluidserve.kernels import paged_attention as pa
 
     settings = dict(DECODE_MODES[mode])
     with ExitStack() as undo:
         for name, switch in (("row_kernels", ops.set_eager_row_kernels), ("relaunch", launch.set_enabled),
-                             ("direct_plans", cuda_graphs.set_direct_plans)):
+                             ("direct_plans", cuda_graphs.set_direct_plans),
+                             ("gemv_pdl", gemv.set_dependent_launch)):
             if name in settings:
                 undo.callback(switch, switch(settings.pop(name)))
-        if "fused_merge" in settings:
-            undo.enter_context(pa.tiles(fused_merge=settings.pop("fused_merge")))
+        tiles = {name: settings.pop(name) for name in TILE_SETTINGS if name in settings}
+        if tiles:
+            undo.enter_context(pa.tiles(**tiles))
         yield settings
 
 

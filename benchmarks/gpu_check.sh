@@ -9,13 +9,20 @@
 #   engine GPU tests      180 / 120 s  pytest -m gpu over every test module outside
 #                                      tests/kernels that has gpu tests
 #   kernel GPU tests      240 / 90 s   pytest -m gpu tests/kernels (the whole suite)
-#   batch-1 decode        120 / 90 s   Llama-3-8B-shaped dummy model, eager, with
+#   batch-1 decode        150 / 90 s   Llama-3-8B-shaped dummy model, eager, with
 #                                      decode CUDA graphs, and graphs with async
 #                                      scheduling, against the HBM roofline; then
-#                                      graphs with split-K merged in the attention
-#                                      launch, eager without the row kernels and
-#                                      without relaunching, and graphs without the
-#                                      direct (merge-free) graphs (what each saves)
+#                                      eager without the row kernels and without
+#                                      relaunching, graphs without the direct
+#                                      (merge-free) graphs (what each saves), and
+#                                      graphs + async and eager with the GEMVs
+#                                      launched as programmatic dependents (with an
+#                                      L2 prefetch, and the attention letting the
+#                                      next launch start)
+#   batch-1 linears        60 / 45 s   benchmarks/linear_bandwidth.py --parts chain: a
+#                                      token's GEMVs in a row in one graph, launched
+#                                      plainly and as programmatic dependents (with
+#                                      and without the L2 prefetch)
 #   mixed steps            90 / 60 s   benchmarks/mixed_steps.py: prefill chunks beside
 #                                      decodes, eager against piecewise graphs (and
 #                                      decode-only against decode graphs)
@@ -26,9 +33,6 @@
 #                                      async scheduling, and (last) with piecewise
 #                                      graphs (--quick: 32 x 64, no generate_batch,
 #                                      no async or piecewise run)
-#   batch-1 linears        60 / 45 s   benchmarks/linear_bandwidth.py: each linear of a
-#                                      decode token with cuBLAS and with kernels/gemv.py
-#                                      at several launch shapes, against the HBM roofline
 #   decode profile         90 / 60 s   benchmarks/profile_decode.py: torch's profiler
 #                                      over batch-1 decode in the same three modes (GPU idle
 #                                      time, launches, top kernels and host ops)
@@ -57,8 +61,8 @@
 # anything. The status is 0 only if every step ran and passed.
 #
 # --skip STEP[,STEP...] leaves steps out (recorded as skipped), by the keys
-# of the summary: engine_tests kernel_tests batch1_decode mixed_steps
-# kernel_bench throughput linears profile swap_copy; for a rerun that spends
+# of the summary: engine_tests kernel_tests batch1_decode linears mixed_steps
+# kernel_bench throughput profile swap_copy; for a rerun that spends
 # a short lease on what changed.
 #
 # Usage: benchmarks/gpu_check.sh [--quick] [--budget SECONDS] [--skip STEPS] [--results DIR] [--help]
@@ -103,7 +107,7 @@ if [ "$QUICK" -eq 1 ]; then
 else
     MODE=full BUDGET=540
     INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=180 KERNEL_TESTS_LIMIT=240
-    DECODE_LIMIT=120 THROUGHPUT_LIMIT=180 BENCH_LIMIT=90 LINEAR_LIMIT=60 PROFILE_LIMIT=90 SWAP_LIMIT=45
+    DECODE_LIMIT=150 THROUGHPUT_LIMIT=180 BENCH_LIMIT=90 LINEAR_LIMIT=60 PROFILE_LIMIT=90 SWAP_LIMIT=45
     MIXED_LIMIT=90 MIXED_ARGS=()
     THROUGHPUT_SIZE=(--num-prompts 64 --output-len 128 --async-scheduling --piecewise-graphs)
     BENCH_ARGS=()
@@ -164,15 +168,15 @@ declare -A NAMES=(
     [import]="import"
     [engine_tests]="engine GPU tests"
     [kernel_tests]="kernel GPU tests"
-    [batch1_decode]="batch-1 decode, eager, graphs, graphs + async, fused merge, eager variants"
+    [batch1_decode]="batch-1 decode, eager, graphs, graphs + async, eager variants, dependent GEMVs"
     [mixed_steps]="mixed steps, eager vs piecewise graphs"
     [throughput]="throughput vs transformers, graphs"
     [kernel_bench]="kernel benchmark"
-    [linears]="batch-1 linears"
+    [linears]="batch-1 linears in a row, plain and dependent"
     [profile]="decode profile"
     [swap_copy]="swap copy"
 )
-ORDER=(install import engine_tests kernel_tests batch1_decode mixed_steps kernel_bench throughput linears profile
+ORDER=(install import engine_tests kernel_tests batch1_decode linears mixed_steps kernel_bench throughput profile
        swap_copy)
 IFS=, read -ra SKIPPED <<< "${SKIP#,}"
 for key in "${SKIPPED[@]}"; do
@@ -259,8 +263,12 @@ run_step kernel_tests "$KERNEL_TESTS_LIMIT" "$RESULTS/gpu_tests_kernels_${SLUG}.
     "${PYTEST[@]}" --junitxml="$SCRATCH/kernels.xml" tests/kernels
 
 run_step batch1_decode "$DECODE_LIMIT" "$RESULTS/batch1_decode_${SLUG}.json" "" \
-    "$PY" benchmarks/kernel_bench.py --batch1-decode --decode-modes eager graphs graphs-async graphs-fused-merge \
-    eager-cublas eager-no-relaunch graphs-async-always-merge --out "$RESULTS"
+    "$PY" benchmarks/kernel_bench.py --batch1-decode --decode-modes eager graphs graphs-async \
+    eager-cublas eager-no-relaunch graphs-async-always-merge graphs-async-pdl graphs-async-pdl-l2 \
+    graphs-async-pdl-l2-attention eager-pdl --out "$RESULTS"
+
+run_step linears "$LINEAR_LIMIT" "$RESULTS/linear_bandwidth_${SLUG}.json" "" \
+    "$PY" benchmarks/linear_bandwidth.py --parts chain --out "$RESULTS"
 
 run_step mixed_steps "$MIXED_LIMIT" "$RESULTS/mixed_steps_${SLUG}.json" "" \
     "$PY" benchmarks/mixed_steps.py --out "$RESULTS" "${MIXED_ARGS[@]}"
@@ -271,9 +279,6 @@ run_step kernel_bench "$BENCH_LIMIT" "$RESULTS/kernels_${SLUG}.json" "" \
 run_step throughput "$THROUGHPUT_LIMIT" "$RESULTS/throughput-${SLUG}-llama3-8b-graphs.json" "" \
     "$PY" benchmarks/throughput.py --preset llama3-8b --device cuda --no-enforce-eager "${THROUGHPUT_SIZE[@]}" \
     --out "$RESULTS"
-
-run_step linears "$LINEAR_LIMIT" "$RESULTS/linear_bandwidth_${SLUG}.json" "" \
-    "$PY" benchmarks/linear_bandwidth.py --out "$RESULTS"
 
 run_step profile "$PROFILE_LIMIT" "$RESULTS/profile_decode_${SLUG}.json" "" \
     "$PY" benchmarks/profile_decode.py --out "$RESULTS" "${PROFILE_ARGS[@]}"

@@ -190,14 +190,25 @@ def _fmt_swap(r: dict) -> tuple[str, dict]:
 
 
 def _fmt_linears(r: dict) -> tuple[str, dict]:
+    parts, figures = [], {}
+    c = (r.get("chain") or {}).get("modes")
+    if c and "off" in c:
+        kinds = [f"plain {c['off']['vs_roofline']:.3f}x roofline"]
+        for mode, m in c.items():
+            if mode != "off":
+                kinds.append(f"{mode} {m['vs_roofline']:.3f}x ({m['speedup']:.3f}x faster"
+                             + ("" if m["same_bits"] else ", NOT the same bits") + ")")  # fmt: skip
+            figures.update({f"chain_{mode}_{k}": m[k] for k in ("vs_roofline", "speedup", "same_bits")})
+        parts.append("a token's GEMVs in a row: " + ", ".join(kinds))
     s = r.get("summary") or {}
-    if "cublas_vs_roofline" not in s:
-        return "no summary", {}
-    text = f"linears of a token: cuBLAS {s['cublas_vs_roofline']:.2f}x roofline"
-    if s.get("gemv_vs_roofline") is not None:
-        text += f", gemv kernel {s['gemv_vs_roofline']:.2f}x"
-    figures = {k: s[k] for k in ("cublas_vs_roofline", "gemv_vs_roofline", "best_vs_roofline") if s.get(k) is not None}
-    return text, figures
+    if "cublas_vs_roofline" in s:
+        text = f"linears of a token: cuBLAS {s['cublas_vs_roofline']:.2f}x roofline"
+        if s.get("gemv_vs_roofline") is not None:
+            text += f", gemv kernel {s['gemv_vs_roofline']:.2f}x"
+        parts.append(text)
+        figures.update({k: s[k] for k in ("cublas_vs_roofline", "gemv_vs_roofline", "best_vs_roofline")
+                        if s.get(k) is not None})
+    return "; ".join(parts) or "no summary", figures
 
 
 def _fmt_mixed(r: dict) -> tuple[str, dict]:

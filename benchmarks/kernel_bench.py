@@ -675,7 +675,14 @@ def batch1_markdown(result: dict) -> str:
              "graphs-async": "decode CUDA graphs, async scheduling (the default on CUDA)",
              "graphs-fused-merge": "decode CUDA graphs, synchronous, split-K merged in the attention launch",
              "graphs-async-always-merge": "decode CUDA graphs, async scheduling, without the direct graphs "
-                                          "(every step merges)"}
+                                          "(every step merges)",
+             "graphs-async-pdl": "decode CUDA graphs, async scheduling, GEMVs as dependent launches "
+                                 "(FLUIDSERVE_GEMV_PDL=1)",
+             "graphs-async-pdl-l2": "decode CUDA graphs, async scheduling, GEMVs as dependent launches, each "
+                                    "program first fetching 64 KiB of its rows into L2 (FLUIDSERVE_GEMV_PDL=l2)",
+             "graphs-async-pdl-l2-attention": "as the row above, and the attention lets the o projection start "
+                                              "as it begins (Tiles.launch_dependents)",
+             "eager-pdl": "eager, synchronous, GEMVs as dependent launches (FLUIDSERVE_GEMV_PDL=1)"}
     for mode, r in result["modes"].items():
         if "error" in r:
             lines.append(f"| {names.get(mode, mode)} | error: {r['error'][:120]} | | | |")
@@ -737,6 +744,8 @@ def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...],
         raise RuntimeError(f"cuobjdump gave no resource usage:\n{usage}")
     regs, stack, local = map(int, found.groups())
     return dict(registers=regs, stack_bytes=stack, local_bytes=local, shared_bytes=compiled.metadata.shared,
+                grid_dependency="griddepcontrol.wait" in compiled.asm["ptx"],
+                l2_prefetches=compiled.asm["ptx"].count("cp.async.bulk.prefetch.L2"),
                 num_warps=options["num_warps"], compile_s=seconds, tile_buffers=tile_buffers(compiled.asm["ttgir"]),
                 wide_accesses=len(re.findall(r"\b(?:LDG|STG)\.E\.128\b", sass)),
                 **{f"loop_{kind}": counts for kind, counts in loop_counts(sass).items()})  # fmt: skip
@@ -801,14 +810,14 @@ def compile_report(num_kv_heads: int, block_size: int) -> list[dict]:
 # pipeline deep enough to double-buffer its key loop (alone, with the merge,
 # and both under the cap), two warps a program
 # (alone, under the cap and double-buffered) and one (16 and 32 keys an
-# iteration); of the mixed variant, keys per step, warps and the prefill
+# iteration), and letting the next launch start as it begins; of the mixed variant, keys per step, warps and the prefill
 # tile whole or in halves (the tuning sweep's axes).
 DECODE_SHAPES = [dict(max_registers=168), dict(fused_merge=True), dict(max_registers=168, fused_merge=True),
                  dict(decode_num_stages=5), dict(decode_num_stages=5, fused_merge=True),
                  dict(decode_num_stages=5, max_registers=168, fused_merge=True), dict(narrow_warps=2),
                  dict(narrow_warps=2, max_registers=168), dict(narrow_warps=2, decode_num_stages=5),
                  dict(narrow_warps=1, block_n=16), dict(narrow_warps=1, block_n=16, decode_num_stages=5),
-                 dict(narrow_warps=1, block_n=32)]
+                 dict(narrow_warps=1, block_n=32), dict(launch_dependents=True)]
 MIXED_SHAPES = [dict(prefill_block_n=32), dict(block_n=32), dict(block_n=128), dict(wide_warps=8),
                 dict(block_n=128, wide_warps=8), dict(wide_warps=8, mixed_max_registers=128),
                 dict(wide_warps=8, mixed_max_registers=168),
@@ -852,25 +861,42 @@ GEMV_SHAPES = [(16, 512, 4, False, False), (4, 512, 4, False, False), (8, 512, 4
 
 
 def gemv_compile_report() -> list[dict]:
+    """Every ``GEMV_SHAPES`` launch, then the engine's four again launched
+    as programmatic dependents in each mode (kernels/gemv.py: the first
+    weight step loaded before the wait for the kernel before; "l2", after
+    a bulk prefetch of more of the program's rows into L2)."""
     from fluidserve.kernels import gemv
 
     rows = []
     x, y = torch.empty((1, 4096), dtype=torch.bfloat16), torch.empty((1, 4096), dtype=torch.bfloat16)
-    for block_n, block_k, warps, gated, norm in GEMV_SHAPES:
+    engine = [s for s in GEMV_SHAPES if _engine_gemv(gemv, *s)]
+    for shape, mode in [(s, "off") for s in GEMV_SHAPES] + [(s, m) for m in ("on", "l2") for s in engine]:
+        block_n, block_k, warps, gated, norm = shape
         w = torch.empty((2 * 4096 if gated else 4096, 4096), dtype=torch.bfloat16)
         args = dict(x_ptr=x, w_ptr=w, bias_ptr=y, residual_ptr=y, norm_ptr=y, y_ptr=y, N=4096, K=4096,
                     stride_wn=4096, eps=1e-5)  # fmt: skip
+        chained = {"off": {}, "on": gemv._DEPENDENT, "l2": gemv._l2_shape(4096, block_n * (2 if gated else 1), 2)}
+        options = dict(num_warps=warps, **{k: v for k, v in chained[mode].items() if k == "launch_pdl"})
         constexprs = dict(HAS_BIAS=False, HAS_RESIDUAL=not (gated or norm), ROUND_BEFORE_RESIDUAL=False,
-                          GATED=gated, NORM=norm, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_D=4096 if norm else 1)
-        res = _compile_offline(gemv._gemv_kernel, args, constexprs, (), dict(num_warps=warps))
-        engine = (block_n, block_k, warps) == (gemv.BLOCK_N // 2 if gated else gemv.BLOCK_N, gemv.MAX_BLOCK_K,
-                                               gemv.NUM_WARPS)  # fmt: skip
-        res.update(kernel="gemv", variant=f"{block_n}x{block_k}/{warps}" + (", RMSNorm prologue" if norm else "")
-                   + (", gate/up + SiLU-mul" if gated else "") + (" (the engine's)" if engine else ""))  # fmt: skip
+                          GATED=gated, NORM=norm, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_D=4096 if norm else 1,
+                          PREFETCH=False, GDC=False, L2_K=0, L2_PART_BYTES=0)  # fmt: skip
+        constexprs.update({k: v for k, v in chained[mode].items() if k in constexprs})
+        res = _compile_offline(gemv._gemv_kernel, args, constexprs, (), options)
+        suffix = {"on": ", dependent launch", "l2": ", dependent launch, L2 prefetch"}.get(
+            mode, " (the engine's)" if shape in engine else "")
+        res.update(kernel="gemv", dependent=mode != "off", mode=mode,
+                   variant=f"{block_n}x{block_k}/{warps}" + (", RMSNorm prologue" if norm else "")
+                   + (", gate/up + SiLU-mul" if gated else "") + suffix)  # fmt: skip
         rows.append(res)
         print(f"gemv {res['variant']:24s} regs={res['registers']} stack={res['stack_bytes']} "
-              f"local={res['local_bytes']} ({res['compile_s']:.1f} s)")  # fmt: skip
+              f"local={res['local_bytes']} grid dependency={res['grid_dependency']} ({res['compile_s']:.1f} s)")
     return rows
+
+
+def _engine_gemv(gemv, block_n: int, block_k: int, warps: int, gated: bool, norm: bool) -> bool:
+    """Whether this is the launch shape the engine gives a Llama-3-8B GEMV."""
+    return (block_n, block_k, warps) == (gemv.BLOCK_N // 2 if gated else gemv.BLOCK_N, gemv.MAX_BLOCK_K,
+                                         gemv.NUM_WARPS)  # fmt: skip
 
 
 def _launches_of(call: Callable[[], Any]) -> list[tuple[Any, dict, dict, dict]]:
@@ -934,25 +960,29 @@ def row_compile_report() -> list[dict]:
         res.update(kernel=kernel, variant=variant)
         rows.append(res)
     rows.append(_compile_merge(8, 16, bf16, 128, 4))
+    rows.append(_compile_merge(8, 16, bf16, 128, 4, launch_dependents=True))
     for res in rows:
         print(f"{res['kernel']} {res['variant']:30s} warps={res['num_warps']} regs={res['registers']} "
               f"stack={res['stack_bytes']} local={res['local_bytes']} ({res['compile_s']:.1f} s)")
     return rows
 
 
-def _compile_merge(num_kv_heads: int, block_size: int, dtype: torch.dtype, head_dim: int, group: int) -> dict:
-    """The split-K merge kernel (every decode graph step runs it), with
-    the arguments the attention's launcher passes it."""
+def _compile_merge(num_kv_heads: int, block_size: int, dtype: torch.dtype, head_dim: int, group: int,
+                   launch_dependents: bool = False) -> dict:  # fmt: skip
+    """The split-K merge kernel (a decode step with split rows runs it),
+    with the arguments the attention's launcher passes it."""
     from fluidserve.kernels import paged_attention as pa
 
     query = torch.empty((1, num_kv_heads * group, head_dim), dtype=dtype)
     cache = torch.empty((4, block_size, num_kv_heads, head_dim), dtype=dtype)
     plan = pa._empty_plan(query.device, group, False, None)
-    launch = pa._prepare(query[:0], cache, cache, torch.zeros((1, 1), dtype=torch.int32), 1.0, plan)
+    with pa.tiles(launch_dependents=launch_dependents):
+        launch = pa._prepare(query[:0], cache, cache, torch.zeros((1, 1), dtype=torch.int32), 1.0, plan)
     launch = launch.with_tensors(launch.args, torch.empty_like(query))
     res = _compile_offline(pa._merge_kernel, pa._merge_args(launch, plan), pa._merge_constexprs(launch),
                            pa._MERGE_DYNAMIC, dict(num_warps=pa.MERGE_WARPS))
-    res.update(kernel="merge", variant=f"split-K merge, head {head_dim}")
+    res.update(kernel="merge", variant=f"split-K merge, head {head_dim}"
+               + (", lets the next launch start" if launch_dependents else ""))  # fmt: skip
     return res
 
 
@@ -1010,8 +1040,10 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
         lines += _resource_section(
             "Batch-1 GEMV (kernels/gemv.py), bf16, with what it fuses (residual, RMSNorm, SiLU-mul)",
             "BLOCK_N x BLOCK_K / warps (gated: BLOCK_N rows of the gate half and as many of the up half). Stack and "
-            "local bytes are spills: a shape that spills reads its accumulator back from memory on every step.",
-            {"launch shape": "variant"}, gemvs)
+            "local bytes are spills: a shape that spills reads its accumulator back from memory on every step. "
+            "Dependent launches (`FLUIDSERVE_GEMV_PDL`): the grid-dependency wait in the code, and the bulk L2 "
+            "prefetch instructions in it (one per weight half).",
+            {"launch shape": "variant", "wait": "grid_dependency", "L2 prefetches": "l2_prefetches"}, gemvs)
     others = [r for r in rows if r.get("kernel") not in (None, "attention", "gemv")]
     if others:
         lines += _resource_section(
@@ -1029,7 +1061,7 @@ def _resource_section(title: str, intro: str, named: dict[str, str], rows: list[
                "local B": "local_bytes"}
     align = ["---" if key in ("kernel", "variant") else "---:" for key in columns.values()]
     return ["", f"## {title}", "", intro, "", "| " + " | ".join(columns) + " |", "|" + "|".join(align) + "|",
-            *("| " + " | ".join(str(r[key]) for key in columns.values()) + " |" for r in rows)]
+            *("| " + " | ".join(str(r.get(key, "–")) for key in columns.values()) + " |" for r in rows)]
 
 
 def compile_main(args: argparse.Namespace) -> int:

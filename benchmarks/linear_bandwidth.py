@@ -20,6 +20,15 @@ Variants, each on the same weight and input:
   same bits): these two rows include the activation and stay out of the
   per-token sums of the linears.
 
+The chain (``--parts chain``, first): a decode token's GEMVs as the
+engine's batch-1 layer launches them (qkv with the RMSNorm, o adding the
+residual, gate/up with the norm and the SiLU-mul, down into the residual;
+each reading the one before's output), every layer's and then the LM
+head's, captured in one CUDA graph twice: launched plainly, and as
+programmatic dependents (kernels/gemv.py, ``FLUIDSERVE_GEMV_PDL``), which
+start while the launch before drains. Replays alternate between the two;
+both give the same bits (checked). No L2 flush: the weights are 15 GB.
+
 A row's bandwidth is the weight's bytes over its time, against the
 device-to-device copy measured in the same run; the per-token figures add
 up every layer's linears and the LM head: with cuBLAS, with the kernel at
@@ -27,7 +36,7 @@ the engine's launch shape, and with each linear's fastest variant. Triton
 outputs are checked against ``F.linear`` (bf16, relative to the output's
 largest magnitude).
 
-    python benchmarks/linear_bandwidth.py [--preset llama3-8b] [--out benchmarks/results]
+    python benchmarks/linear_bandwidth.py [--preset llama3-8b] [--parts chain sweep] [--out benchmarks/results]
 
 Writes ``linear_bandwidth_<device>.json`` and ``.md``. Needs CUDA.
 """
@@ -168,6 +177,88 @@ def bench_shape(name: str, n: int, k: int, copy_gbs: float) -> list[dict]:
     return rows
 
 
+def chain_weights(cfg: dict, layers: int) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor, torch.Tensor]:
+    """Random bf16 weights of ``layers`` decoder layers' linears, norm
+    weights (one for every norm) and the LM head."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hq, hkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+
+    def w(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+
+    torch.manual_seed(1)
+    per_layer = [(w((hq + 2 * hkv) * d, h), w(h, hq * d), w(2 * inter, h), w(h, inter)) for _ in range(layers)]
+    norm = 1 + 0.1 * torch.randn(h, device="cuda", dtype=torch.bfloat16)
+    return per_layer, norm, w(cfg["vocab_size"], h)
+
+
+def token_chain(x: torch.Tensor, per_layer, norm: torch.Tensor, lm_head: torch.Tensor, mode: str,
+                eps: float = 1e-5) -> torch.Tensor:  # fmt: skip
+    """One decode token's GEMVs in the engine's order and fusions
+    (engine/models/llama.py, the row path), attention left out: the o
+    projection reads the q part of the qkv output in its place. ``mode``:
+    how they launch (``gemv.DEPENDENT_MODES``)."""
+    hq_d = per_layer[0][1].shape[1]
+    for qkv_w, o_w, gate_up_w, down_w in per_layer:
+        qkv = gemv.launch(x, qkv_w, None, None, norm=(norm, eps), dependent=mode)
+        h = gemv.launch(qkv[:, :hq_d], o_w, None, x, out=torch.empty_like(x), round_before_residual=True,
+                        dependent=mode)  # fmt: skip
+        act = gemv.launch(h, gate_up_w, None, None, gated=True, norm=(norm, eps), dependent=mode)
+        x = gemv.launch(act, down_w, None, h, dependent=mode)  # h + MLP, over h
+    return gemv.launch(x, lm_head, None, None, norm=(norm, eps), dependent=mode)
+
+
+CHAIN_MODES = {"off": "plain", "on": "programmatic dependents (`FLUIDSERVE_GEMV_PDL=1`)",
+               "l2": "dependents, 64 KiB of each program's rows fetched into L2 first (`FLUIDSERVE_GEMV_PDL=l2`)"}
+
+
+def bench_chain(cfg: dict, copy_gbs: float, rounds: int = 10) -> dict:
+    """The token chain captured once per ``CHAIN_MODES`` launch kind;
+    median replay time of each (each round replays every kind, in an order
+    that turns round by round), against the weights' bytes at the copy
+    bandwidth."""
+    import statistics
+
+    layers = cfg["num_hidden_layers"]
+    per_layer, norm, lm_head = chain_weights(cfg, layers)
+    nbytes = sum(t.numel() * t.element_size() for ws in per_layer for t in ws) + lm_head.numel() * 2
+    x = torch.randn(1, cfg["hidden_size"], device="cuda", dtype=torch.bfloat16)
+    graphs, outs = {}, {}
+    for mode in CHAIN_MODES:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            token_chain(x, per_layer, norm, lm_head, mode)  # compiled outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs[mode] = token_chain(x, per_layer, norm, lm_head, mode)
+        graphs[mode] = graph
+    modes = list(CHAIN_MODES)
+    times = {mode: [] for mode in modes}
+    for i in range(rounds + 1):
+        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[mode].replay()
+            end.record()
+            end.synchronize()
+            if i:  # the first round warms up
+                times[mode].append(start.elapsed_time(end))
+    roofline_ms = nbytes / (copy_gbs * 1e9) * 1e3
+    result = dict(layers=layers, weight_gb=nbytes / 1e9, roofline_ms=roofline_ms, rounds=rounds,
+                  launches=4 * layers + 1, modes={})  # fmt: skip
+    plain_ms = statistics.median(times["off"])
+    for mode in modes:
+        ms = statistics.median(times[mode])
+        result["modes"][mode] = dict(ms=ms, vs_roofline=ms / roofline_ms, speedup=plain_ms / ms,
+                                     same_bits=torch.equal(outs[mode], outs["off"]))  # fmt: skip
+        print(f"  chain of {4 * layers + 1} GEMVs ({nbytes / 1e9:.2f} GB), {mode}: {ms:.3f} ms "
+              f"({ms / roofline_ms:.3f}x roofline, {plain_ms / ms:.3f}x plain); same bits: "
+              f"{result['modes'][mode]['same_bits']}", flush=True)
+    return result
+
+
 def summarize(rows: list[dict], shapes: list[tuple[str, int, int, int]], copy_gbs: float) -> dict:
     """Per-token time of every linear as the engine runs it (F.linear, and
     addmm_ where the residual is fused) and with each linear's fastest
@@ -226,14 +317,32 @@ def engine_shape() -> str:
     return f"triton {gemv.BLOCK_N}x{gemv.MAX_BLOCK_K}/{gemv.NUM_WARPS}"
 
 
+def chain_markdown(c: dict) -> list[str]:
+    lines = ["## A token's GEMVs in a row, plain and as dependent launches", "",
+             f"{c['launches']} launches ({c['layers']} layers x qkv, o, gate/up, down; then the LM head), "
+             f"{c['weight_gb']:.2f} GB of weights, roofline {c['roofline_ms']:.3f} ms; median of {c['rounds']} "
+             "graph replays each, the kinds taking turns.", "",
+             "| launches | ms | x roofline | x plain's speed | the plain chain's bits |", "|---|---:|---:|---:|---|"]
+    for mode, m in c["modes"].items():
+        lines.append(f"| {CHAIN_MODES.get(mode, mode)} | {m['ms']:.3f} | {m['vs_roofline']:.3f} | "
+                     f"{m['speedup']:.3f} | {'yes' if m['same_bits'] else '**no**'} |")
+    return lines + [""]
+
+
 def markdown(report: dict) -> str:
+    lines = [f"# Batch-1 linears against the HBM roofline: {report['device']}", "",
+             f"{report['preset']}-shaped weights, bf16, one row of activations; device-to-device copy "
+             f"{report['copy_gb_s']:.0f} GB/s; {report['versions']}.", ""]  # fmt: skip
+    if report.get("chain"):
+        lines += chain_markdown(report["chain"])
+    if not report.get("rows"):
+        return "\n".join(lines)
     s = report["summary"]
-    lines = [
-        f"# Batch-1 linears against the HBM roofline: {report['device']}",
+    lines += [
+        "## Each linear at each launch shape",
         "",
-        f"{report['preset']}-shaped weights, bf16, one row of activations, each call timed as a CUDA graph "
-        f"replays it after an L2 flush; device-to-device copy {report['copy_gb_s']:.0f} GB/s. Relative error: "
-        "max |triton - F.linear| over max |F.linear|.",
+        "Each call timed as a CUDA graph replays it after an L2 flush. Relative error: max |triton - F.linear| "
+        "over max |F.linear|.",
         "",
         "| linear | out x in | variant | us | GB/s | % of copy | rel err |",
         "|---|---|---|---:|---:|---:|---:|",
@@ -275,9 +384,15 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+PARTS = ("chain", "sweep")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="chain: a token's GEMVs in a row, plain and as dependent launches; sweep: each linear at "
+                        "each launch shape")  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -288,15 +403,21 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.empty_cache()
     device = torch.cuda.get_device_name()
     print(f"linear_bandwidth: {device}, copy {copy_gbs:.0f} GB/s", flush=True)
-    shapes = layer_shapes(cfg)
-    rows = []
-    for name, n, k, _ in shapes:
-        rows += bench_shape(name, n, k, copy_gbs)
-        torch.cuda.empty_cache()  # the last shape's weight
     versions = f"torch {torch.__version__}, triton {triton.__version__}"
-    report = dict(device=device, preset=args.preset, copy_gb_s=copy_gbs, versions=versions, rows=rows,
-                  summary=summarize(rows, shapes, copy_gbs))  # fmt: skip
-    save_results(args.out / f"linear_bandwidth_{device_slug(device)}", report, markdown(report))
+    report = dict(device=device, preset=args.preset, copy_gb_s=copy_gbs, versions=versions, parts=args.parts)
+    stem = args.out / f"linear_bandwidth_{device_slug(device)}"
+    if "chain" in args.parts:
+        report["chain"] = bench_chain(cfg, copy_gbs)
+        torch.cuda.empty_cache()  # 15 GB of weights and two graphs
+        save_results(stem, report, markdown(report))  # kept if the sweep is cut off
+    if "sweep" in args.parts:
+        shapes = layer_shapes(cfg)
+        rows = []
+        for name, n, k, _ in shapes:
+            rows += bench_shape(name, n, k, copy_gbs)
+            torch.cuda.empty_cache()  # the last shape's weight
+        report.update(rows=rows, summary=summarize(rows, shapes, copy_gbs))
+        save_results(stem, report, markdown(report))
     return 0
 
 

@@ -31,11 +31,27 @@ launches instead of nine (engine/models/llama.py):
 * ``round_before_residual`` into a fresh output: the o projection plus the
   residual stream, rounded as the separate add rounds, the residual left as
   it is (the down projection keeps ``addmm_``'s one rounding, in place).
+
+Dependent launch (``FLUIDSERVE_GEMV_PDL=1`` or ``l2``, sm_90 on; off until
+a GPU times it). A decode token is 4 x layers GEMVs in a row, each a few to
+a few hundred microseconds of weight reads, and between two of them HBM
+idles while the last programs of one drain and the next launch's first
+loads travel (on an H100, 4-6 us a launch of 15-360 us against the copy
+rate: linear_bandwidth_*.md). Launched as programmatic dependents, each
+GEMV's programs may start while the launch before it still runs: they load
+their first weight step, which no kernel writes, then wait for that launch
+to finish (``griddepcontrol.wait``) before reading x or writing anything,
+and let the next launch start in turn. With ``l2`` each program first has
+the L2 fetch up to ``L2_PREFETCH_BYTES`` of its rows (``cp.async.bulk.
+prefetch.L2``), so the time it waits moves more of the weight. With the
+attention's ``Tiles.launch_dependents`` the o projection's programs start
+as the attention does.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -49,6 +65,57 @@ NUM_WARPS = 4
 # From this K step a tile of BLOCK_N / 2 rows still gives every thread a whole
 # 16-byte vector, as the plain kernel's tile does: Triton lays both out alike.
 HALF_ROWS_MIN_K = 256
+
+PDL_ENV = "FLUIDSERVE_GEMV_PDL"
+# How GEMVs launch: "off" (plainly); "on" (as programmatic dependents, the
+# first weight step loaded ahead of the wait); "l2" (as "on", and first
+# each program has up to L2_PREFETCH_BYTES of its rows fetched into L2).
+DEPENDENT_MODES = ("off", "on", "l2")
+_ENV_MODES = {"0": "off", "1": "on", **{m: m for m in DEPENDENT_MODES}}
+_dependent_mode = _ENV_MODES.get(os.environ.get(PDL_ENV, "0").strip().lower(), "off")
+# Per program: at three resident programs an SM that is about 25 MB of
+# a 132-SM chip's 50 MB L2, room for the launch before's own reads.
+L2_PREFETCH_BYTES = 64 * 1024
+L2_PARTS = 8  # bulk prefetches a row's stretch is cut into: with BLOCK_N 16, one a thread of four warps
+_L2_PARTS = tl.constexpr(L2_PARTS)  # the same, for the kernel
+
+
+def set_dependent_launch(mode: bool | str) -> str:
+    """Launch GEMVs as programmatic dependents where the device can (the
+    module's docstring): a ``DEPENDENT_MODES`` name, or True ("on") /
+    False ("off"); returns the old mode."""
+    global _dependent_mode
+    mode = {True: "on", False: "off"}.get(mode, mode)
+    if mode not in DEPENDENT_MODES:
+        raise ValueError(f"dependent launch mode {mode!r}: one of {', '.join(DEPENDENT_MODES)}")
+    old, _dependent_mode = _dependent_mode, mode
+    return old
+
+
+@functools.cache
+def _can_depend(device_index: int) -> bool:
+    # Grid dependency control and the L2 bulk prefetch are sm_90's; Triton
+    # has the instructions and the launch option from 3.4 (the GPU machines
+    # run 3.6).
+    return (torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
+            and hasattr(tl.extra.cuda, "gdc_wait"))  # fmt: skip
+
+
+def dependent_launch(x: torch.Tensor) -> str:
+    """How a GEMV on ``x``'s device launches now: "off" where the device
+    cannot depend, else the process's mode."""
+    if _dependent_mode == "off" or not x.is_cuda or not _can_depend(x.device.index or 0):
+        return "off"
+    return _dependent_mode
+
+
+@triton.jit
+def _prefetch_l2(starts, nbytes: tl.constexpr):
+    """Fetch ``nbytes`` from each of ``starts`` (16-byte aligned) into L2:
+    one bulk prefetch per element, nothing waits for it."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                              [starts, tl.full(starts.shape, nbytes, tl.int32)], dtype=tl.int32, is_pure=False,
+                              pack=1)  # fmt: skip
 
 
 @triton.jit
@@ -69,34 +136,59 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,  # next power of two of K (NORM's one-load reduction)
+    PREFETCH: tl.constexpr = False,  # the first K step's weight loaded before anything that reads x
+    GDC: tl.constexpr = False,  # launched as a dependent (sm_90 on): wait for the kernel before only there
+    L2_K: tl.constexpr = 0,  # sm_90: the first L2_K values of each row fetched into L2 first (0: none)
+    L2_PART_BYTES: tl.constexpr = 0,  # bytes of each of the L2_PARTS stretches of a row's L2_K
 ):  # fmt: skip
-    if NORM:  # every program takes the row's norm itself: K values, from L2 after the first
-        d = tl.arange(0, BLOCK_D)
-        whole = tl.load(x_ptr + d, mask=d < K, other=0.0).to(tl.float32)
-        inv = tl.rsqrt(tl.sum(whole * whole, axis=0) / K + eps)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
     up_rows = w_ptr + (rows + N)[:, None].to(tl.int64) * stride_wn  # read only if GATED
+    if L2_K > 0:
+        # More of the weight on its way, into L2: the stretch a program
+        # reads next, for the time it waits (rows past N fetch row N - 1).
+        part = (tl.arange(0, _L2_PARTS) * (L2_K // _L2_PARTS))[None, :]
+        held = tl.minimum(rows, N - 1)
+        _prefetch_l2(w_ptr + held[:, None].to(tl.int64) * stride_wn + part, L2_PART_BYTES)
+        if GATED:
+            _prefetch_l2(w_ptr + (held + N)[:, None].to(tl.int64) * stride_wn + part, L2_PART_BYTES)
+    if PREFETCH:
+        # The weight is no earlier kernel's output: its first step is in
+        # flight while this program waits for the kernel before it (GDC)
+        # and reads x.
+        w_first = tl.load(w_rows + cols[None, :], mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+        u_first = w_first
+        if GATED:
+            u_first = tl.load(up_rows + cols[None, :], mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+    if GDC:
+        # Everything below may read what the kernel before wrote (x, the
+        # residual) or write what it reads (the output): only after it has
+        # finished. The next launch may start as this one runs.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    inv = 0.0
+    if NORM:  # every program takes the row's norm itself: K values, from L2 after the first
+        d = tl.arange(0, BLOCK_D)
+        whole = tl.load(x_ptr + d, mask=d < K, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(whole * whole, axis=0) / K + eps)
     # One accumulator per lane, summed across K once at the end: the loop
     # body is loads and FMAs only. K is a multiple of BLOCK_K (the caller's
     # choice), so no load needs a mask along K.
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K) if GATED else (1, 1), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    start = 0
+    if PREFETCH:  # the first step, as the loop would take it
+        acc, acc_up = _gemv_step(acc, acc_up, w_first, u_first, up_rows, row_ok, x_ptr, norm_ptr, inv, cols, 0,
+                                 GATED, NORM, True)  # fmt: skip
+        start = BLOCK_K
+    for k in range(start, K, BLOCK_K):
         # The weight is read once and never again in this step: keep it out
         # of L2's way.
         w = tl.load(w_rows + (k + cols)[None, :], mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptr + k + cols)
-        if NORM:  # rounded where kernels/fused_norm.py rounds: the normalised x, then times the weight
-            normed = (x.to(tl.float32) * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (tl.load(norm_ptr + k + cols).to(tl.float32) * normed).to(x_ptr.dtype.element_ty)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        if GATED:
-            u = tl.load(up_rows + (k + cols)[None, :], mask=row_ok[:, None], other=0.0,
-                        eviction_policy="evict_first")  # fmt: skip
-            acc_up += u.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc, acc_up = _gemv_step(acc, acc_up, w, w, up_rows, row_ok, x_ptr, norm_ptr, inv, cols, k, GATED, NORM,
+                                 False)  # fmt: skip
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -110,6 +202,24 @@ def _gemv_kernel(
         silu = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
         y = silu * up
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _gemv_step(acc, acc_up, w, u, up_rows, row_ok, x_ptr, norm_ptr, inv, cols, k, GATED: tl.constexpr,
+               NORM: tl.constexpr, UP_LOADED: tl.constexpr):  # fmt: skip
+    """One K step's products added to the accumulators: ``w`` the step's
+    weight rows (the gate half's, when GATED), ``u`` the up half's if
+    UP_LOADED, else loaded here, after x."""
+    x = tl.load(x_ptr + k + cols)
+    if NORM:  # rounded where kernels/fused_norm.py rounds: the normalised x, then times the weight
+        normed = (x.to(tl.float32) * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = (tl.load(norm_ptr + k + cols).to(tl.float32) * normed).to(x_ptr.dtype.element_ty)
+    acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if GATED:
+        if not UP_LOADED:
+            u = tl.load(up_rows + (k + cols)[None, :], mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+        acc_up += u.to(tl.float32) * x.to(tl.float32)[None, :]
+    return acc, acc_up
 
 
 _GEMV = Relaunch(_gemv_kernel)
@@ -178,7 +288,8 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
            out: torch.Tensor | None = None, block_n: int | None = None, k_step: int | None = None,
            num_warps: int = NUM_WARPS, gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
-           round_before_residual: bool = False) -> torch.Tensor:  # fmt: skip
+           round_before_residual: bool = False, dependent: bool | str | None = None,
+           prefetch: bool = False) -> torch.Tensor:  # fmt: skip
     """``gemv`` (``gated``: ``gemv_silu_and_mul``, no bias or residual) for
     inputs ``supports`` has passed, unchecked (the dispatch checks once).
     ``norm`` (weight [K], eps): x RMS-normalised first, as
@@ -186,19 +297,30 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     rounded before the residual's add, as a separate add rounds (default:
     one rounding, as ``addmm_``). ``out`` (default: ``residual``, else a
     new [1, N]) may be a fresh tensor with a residual, leaving the residual
-    as it is. The launch shape is for benchmarks: the engine's is the
-    default."""
+    as it is. ``dependent``: a ``DEPENDENT_MODES`` name (True: "on",
+    False: "off", None: ``dependent_launch(x)``); a dependent launch loads
+    the first weight step ahead, and ``prefetch`` does that in a plain one,
+    on any device (the interpreter has no grid dependency control). The
+    launch shape is for benchmarks: the engine's is the default."""
     rows, k = weight.shape
+    mode = dependent_launch(x) if dependent is None else {True: "on", False: "off"}.get(dependent, dependent)
     k_step = k_step or block_k(k)
     n, grid, block_n, block_d = _shape(rows, k, gated, norm is not None, block_n, k_step)
     if out is None:
         out = residual if residual is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
     norm_weight, eps = norm if norm is not None else (out, 0.0)
+    if mode == "off":
+        chained = _PREFETCH if prefetch else {}
+    else:
+        chained = _DEPENDENT
+        if mode == "l2":
+            chained = _l2_options(k, block_n * (2 if gated else 1), weight.element_size(), weight.stride(0),
+                                  weight.data_ptr())  # fmt: skip
     _GEMV[grid](
         x, weight, bias if bias is not None else out, residual if residual is not None else out, norm_weight, out,
         n, k, weight.stride(0), float(eps), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         ROUND_BEFORE_RESIDUAL=round_before_residual, GATED=gated, NORM=norm is not None, BLOCK_N=block_n,
-        BLOCK_K=k_step, BLOCK_D=block_d, num_warps=num_warps,
+        BLOCK_K=k_step, BLOCK_D=block_d, num_warps=num_warps, **chained,
     )  # fmt: skip
     return out
 
@@ -220,3 +342,27 @@ def _shape(rows: int, k: int, gated: bool, norm: bool, block_n: int | None,
     if block_n is None:
         block_n = BLOCK_N // 2 if gated and k_step >= HALF_ROWS_MIN_K else BLOCK_N
     return n, (cdiv(n, block_n),), block_n, next_power_of_2(k) if norm else 1
+
+
+_PREFETCH = dict(PREFETCH=True)
+_DEPENDENT = dict(PREFETCH=True, GDC=True, launch_pdl=True)
+
+
+def _l2_options(k: int, block_n: int, elem: int, stride: int, ptr: int) -> dict:
+    """The dependent launch's options with its L2 prefetch: the longest
+    stretch of each row, a multiple of L2_PARTS 16-byte pieces, that keeps
+    a program's ``block_n`` rows (gated: its gate and up rows) within
+    L2_PREFETCH_BYTES; none where a row's start is not 16-byte aligned,
+    which the bulk prefetch needs."""
+    if (stride * elem) % 16 or ptr % 16:
+        return _DEPENDENT
+    return _l2_shape(k, block_n, elem)
+
+
+@functools.cache
+def _l2_shape(k: int, block_n: int, elem: int) -> dict:
+    piece = L2_PARTS * 16 // elem  # values: every part a whole number of 16-byte pieces
+    l2_k = min(k, L2_PREFETCH_BYTES // (block_n * elem)) // piece * piece
+    if l2_k == 0:
+        return _DEPENDENT
+    return dict(_DEPENDENT, L2_K=l2_k, L2_PART_BYTES=l2_k // L2_PARTS * elem)

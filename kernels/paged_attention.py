@@ -157,13 +157,12 @@ class Tiles:
     # that one holds three without spilling in its key loop
     # (kernels_compile_sm90-triton3.6.md). attention_tuning.py times both.
     max_registers: int | None = None
-    # The same for the mixed variant (the one with prefill tiles). Compiled
-    # for sm_90 (Triton 3.6, bf16, 128-wide head), eight warps hold the
-    # 128-row prefill tile in 252 registers, one program per SM (0.44x
-    # flash SDPA at 8k on the H200, attention_tuning_nvidia_h200.md).
-    # Capped at 128, two programs per SM fit: the prefill key loops spill 29
-    # and 25 local-memory instructions an iteration (four warps: 131 and
-    # 97), and none at 32 keys an iteration (kernels_compile_sm90-triton3.6.md).
+    # The same for the mixed variant (the one with prefill tiles). Eight
+    # warps hold the 128-row prefill tile at one program per SM (0.44x
+    # flash SDPA at 8k on the H200 with the tile whole,
+    # attention_tuning_nvidia_h200.md); capped at 128 registers two fit, at
+    # the cost of spills in the prefill key loops (their counts per
+    # iteration, tile whole and in halves: kernels_compile_sm90-triton3.6.md).
     # attention_tuning.py times them.
     mixed_max_registers: int | None = None
     # Launches of the decode-only variant (a decode-only step's, and a
@@ -195,6 +194,16 @@ class Tiles:
     # 1.27x faster (kernels_nvidia_h200.md); kernel_bench.py still times
     # one tile beside them.
     prefill_halves: int = 2
+    # sm_90: each program of the attention and merge launches lets the next
+    # launch start as it begins (``griddepcontrol.launch_dependents``). It
+    # acts only where that launch is a programmatic dependent: the batch-1
+    # o projection's GEMV with kernels/gemv.py's dependent launches on,
+    # whose programs then take the SMs a short attention leaves idle (eight
+    # programs at batch 1 with short contexts) to load their weights while
+    # it runs. The dependent waits for the attention to finish before it
+    # reads its output. Off until a GPU times it (kernel_bench.py
+    # --batch1-decode, mode graphs-async-pdl-l2-attention).
+    launch_dependents: bool = False
 
     @property
     def prefill_step(self) -> int:
@@ -567,7 +576,10 @@ def _paged_attention_kernel(
     MERGE_ROWS: tl.constexpr,  # (token, head) rows _merge_pieces merges at a time
     MERGE_SPLITS: tl.constexpr,  # and pieces of each it reads at a time
     MERGE_LSE_SPLITS: tl.constexpr,  # pieces of each whose lse it reads at a time
+    LAUNCH_DEPENDENTS: tl.constexpr = False,  # Tiles.launch_dependents (sm_90)
 ):
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     unit = tl.program_id(0)
     kv_head = tl.program_id(1)
     stride_pm, stride_lm = _split_row_strides(stride_pmu, stride_lmu)
@@ -643,7 +655,10 @@ def _merge_kernel(
     HEAD_PAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     LSE_CHUNK: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,  # Tiles.launch_dependents (sm_90)
 ):
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     stride_pm, stride_lm = _split_row_strides(stride_pmu, stride_lmu)
@@ -940,6 +955,8 @@ def _constexprs(
         MERGE_ROWS=merge_rows,
         MERGE_SPLITS=merge_splits,
         MERGE_LSE_SPLITS=MERGE_LSE_SPLITS,
+        # The interpreter has no grid dependency control.
+        LAUNCH_DEPENDENTS=TILES.launch_dependents and not INTERPRETED,
     )
 
 
@@ -1135,7 +1152,8 @@ def _merge_args(launch: _Launch, plan: WorkPlan) -> dict[str, object]:
 
 def _merge_constexprs(launch: _Launch) -> dict[str, object]:
     return dict(HEAD_DIM=launch.constexprs["HEAD_DIM"], HEAD_PAD=launch.constexprs["HEAD_PAD"],
-                SPLIT_CHUNK=SPLIT_CHUNK, LSE_CHUNK=MERGE_LSE_SPLITS)  # fmt: skip
+                SPLIT_CHUNK=SPLIT_CHUNK, LSE_CHUNK=MERGE_LSE_SPLITS,
+                LAUNCH_DEPENDENTS=launch.constexprs["LAUNCH_DEPENDENTS"])  # fmt: skip
 
 
 def _decode_launch(launch: _Launch, plan: WorkPlan) -> _Launch:

@@ -380,6 +380,37 @@ def test_gpu_long_contexts_split_inside_the_graph(tiny_model, make_llm, monkeypa
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs sm_90")  # fmt: skip
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+@pytest.mark.parametrize("mode", ["on", "l2"])
+def test_gpu_dependent_gemv_launches_give_the_same_tokens(tiny_model, make_llm, enforce_eager, mode):
+    """With the batch-1 GEMVs launched as programmatic dependents
+    (kernels/gemv.py, either mode) and the attention letting them start
+    (``Tiles.launch_dependents``), one bf16 request decodes the same greedy
+    tokens with the same log-probabilities as with plain launches, eager and
+    replayed from decode graphs: the arithmetic is the same, and no GEMV
+    reads its input before the launch before it has written it."""
+    from fluidserve.kernels import gemv
+    from fluidserve.kernels import paged_attention as pa
+
+    path = tiny_model("llama")
+    kwargs = dict(GPU_KWARGS, dtype="bfloat16", num_kv_blocks=64, max_model_len=256, enforce_eager=enforce_eager)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+
+    def run(dependent: str):
+        was = gemv.set_dependent_launch(dependent)
+        try:
+            with pa.tiles(launch_dependents=dependent != "off"):
+                out = make_llm(path, **kwargs).generate(PROMPTS[:1], params)[0].outputs[0]
+        finally:
+            gemv.set_dependent_launch(was)
+        return out.token_ids, [sorted(step.items()) for step in out.logprobs]
+
+    assert run(mode) == run("off")
+
+
+@pytest.mark.gpu
 @needs_cuda
 def test_gpu_init_cache_drops_the_graphs(tiny_model, make_llm):
     """Graphs hold the cache's addresses: a new cache drops them."""

@@ -248,3 +248,148 @@ def test_a_captured_graph_runs_the_gated_gemv_to_the_bit(dtype):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, apart, atol=0, rtol=0)
+
+
+# -- dependent launch: the first weight step loaded ahead, the wait on sm_90 ----------
+
+
+def _every_launch(x, w, bias, residual, norm_weight, **how):
+    """Each launch the engine makes, on these operands: plain, with a bias,
+    accumulating a residual in place, the residual as a separate add, the
+    RMSNorm in the prologue, gate/up with the SiLU-mul, and both."""
+    norm = (norm_weight, 1e-5)
+    return [
+        gemv.launch(x, w, None, None, **how),
+        gemv.launch(x, w, bias, None, **how),
+        gemv.launch(x, w, None, residual.clone(), **how),
+        gemv.launch(x, w, None, residual, out=torch.empty_like(residual), round_before_residual=True, **how),
+        gemv.launch(x, w, None, None, norm=norm, **how),
+        gemv.launch(x, w, None, None, gated=True, **how),
+        gemv.launch(x, w, None, None, gated=True, norm=norm, **how),
+    ]
+
+
+@pytest.mark.parametrize("dtype", sorted({*DTYPES, torch.bfloat16}, key=str))
+@pytest.mark.parametrize("n,k", [(74, 64), (96, 1536), (10, 48)])  # one K step of 64; three of 512; three of 16
+def test_the_first_weight_step_loaded_ahead_gives_the_same_bits(device, dtype, n, k):
+    """``prefetch``, the order a dependent launch takes (the first K step's
+    weight loaded before x is read, then the rest in the loop): every
+    launch the engine makes gives the loop's bits, with one K step or
+    several."""
+    x, w, bias, residual = operands(device, dtype, n, k, seed=3 * n + k)
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(n))).to(device, dtype)
+    looped = _every_launch(x, w, bias, residual, norm_weight, dependent=False)
+    ahead = _every_launch(x, w, bias, residual, norm_weight, dependent=False, prefetch=True)
+    for a, b in zip(looped, ahead, strict=True):
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+
+
+def test_dependent_launch_stays_off_where_the_device_cannot(device):
+    """Switched on (either mode), a GEMV launches as a dependent only on a
+    CUDA device of compute capability 9 or more: never on CPU tensors (the
+    interpreter has no grid dependency control, so such a launch would
+    fail). The switch takes the modes by name, or True and False, refuses
+    any other, and is the process's until set back."""
+    x, w, _, _ = operands(device, torch.float32, 32, 64, seed=8)
+    on_sm90 = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    was = gemv.set_dependent_launch("l2")
+    try:
+        for mode in ("on", "l2"):
+            assert gemv.set_dependent_launch(mode == "on" or mode) in ("on", "l2")
+            assert gemv.dependent_launch(x) == (mode if on_sm90 else "off")
+            assert gemv.dependent_launch(x.cpu()) == "off"
+            torch.testing.assert_close(gemv.gemv(x, w), gemv.launch(x, w, None, None, dependent="off"), atol=0,
+                                       rtol=0)  # fmt: skip
+        with pytest.raises(ValueError, match="one of off, on, l2"):
+            gemv.set_dependent_launch("always")
+    finally:
+        assert gemv.set_dependent_launch(was) == "l2"
+    assert gemv.dependent_launch(x) == "off"
+
+
+def test_the_l2_prefetch_keeps_a_program_within_its_share_of_l2():
+    """The "l2" mode's launches, recorded rather than run (the interpreter
+    has no bulk prefetch): each program fetches at most L2_PREFETCH_BYTES,
+    the gated launch counting its up rows too, in L2_PARTS parts of whole
+    16-byte pieces, never past K; a weight whose rows do not start 16-byte
+    aligned, or a K too short for one piece a part, gets the dependent
+    launch without the prefetch."""
+    from fluidserve.kernels.launch import Relaunch
+
+    seen = []
+
+    def record(self, grid, args, kwargs):
+        seen.append(kwargs)
+
+    def options(x, w, **how):
+        seen.clear()
+        real, Relaunch.launch = Relaunch.launch, record
+        try:
+            gemv.launch(x, w, None, None, dependent="l2", **how)
+        finally:
+            Relaunch.launch = real
+        (kwargs,) = seen
+        assert kwargs["launch_pdl"] and kwargs["GDC"] and kwargs["PREFETCH"]
+        return kwargs
+
+    for dtype in (torch.bfloat16, torch.float32):
+        elem = torch.empty((), dtype=dtype).element_size()
+        for n, k, gated in [(64, 4096, False), (64, 14336, False), (64, 4096, True), (32, 1536, True)]:
+            x, w = torch.zeros(1, k, dtype=dtype), torch.zeros(n, k, dtype=dtype)
+            kw = options(x, w, gated=gated)
+            rows = kw["BLOCK_N"] * (2 if gated else 1)
+            assert 0 < kw["L2_K"] <= k and rows * kw["L2_K"] * elem <= gemv.L2_PREFETCH_BYTES
+            assert kw["L2_PART_BYTES"] % 16 == 0 and kw["L2_PART_BYTES"] * gemv.L2_PARTS == kw["L2_K"] * elem
+        assert "L2_K" not in options(torch.zeros(1, 16, dtype=dtype), torch.zeros(64, 16, dtype=dtype))
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    assert options(x, torch.zeros(64, 4096, dtype=torch.bfloat16))["L2_K"] == 2048  # 64 KiB over 16 rows of bf16
+    wide = torch.zeros(64, 4100, dtype=torch.bfloat16)[:, :4096]  # rows 8200 bytes apart: not 16-byte aligned
+    assert "L2_K" not in options(x, wide)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs sm_90")  # fmt: skip
+def test_a_chain_of_dependent_launches_waits_for_each_input_eager_and_captured():
+    """Dependent launches start before the launch before them ends, so a
+    GEMV that read its input before that launch had written it would read
+    what the memory held before. A chain of a Llama-3-8B layer's GEMVs, each
+    reading the output (and adding into the residual) of the one before,
+    eager and replayed from a captured graph, launched as dependents in
+    either mode, gives the bits of the same chain launched plainly. Two
+    inputs alternate, so every buffer holds the
+    other input's values when it is rewritten: a read before the wait
+    shows."""
+    dtype, device = torch.bfloat16, torch.device("cuda")
+    gen = torch.Generator().manual_seed(9)
+    hidden, inter, layers = 4096, 14336, 4
+    ws = [[(torch.randn(n, k, generator=gen) * k**-0.5).to(device, dtype)
+           for n, k in ((hidden, hidden), (2 * inter, hidden), (hidden, inter))] for _ in range(layers)]
+    norm_weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device, dtype)
+    inputs = [torch.randn(1, hidden, generator=gen).to(device, dtype) for _ in range(2)]
+
+    def chain(dependent: str, h: torch.Tensor) -> torch.Tensor:
+        for o, gate_up, down in ws:
+            a = gemv.launch(h, o, None, h, out=torch.empty_like(h), round_before_residual=True, dependent=dependent)
+            act = gemv.launch(a, gate_up, None, None, gated=True, norm=(norm_weight, 1e-5), dependent=dependent)
+            h = gemv.launch(act, down, None, a, dependent=dependent)  # into a, in place
+        return h
+
+    plain = [chain("off", x.clone()) for x in inputs]
+    assert not torch.equal(plain[0], plain[1])
+    for mode in ("on", "l2"):
+        for i in (0, 1, 0):  # the allocator hands the last chain's buffers on
+            torch.testing.assert_close(chain(mode, inputs[i].clone()), plain[i], atol=0, rtol=0)
+        static = inputs[0].clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain(mode, static.clone())  # compiled outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(mode, static)
+        for i in (0, 1, 0, 1):
+            static.copy_(inputs[i])
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out, plain[i], atol=0, rtol=0)

@@ -229,12 +229,23 @@ def test_batch1_gemvs_compile_for_hopper_without_spilling():
     gate/up with the SiLU-mul, both) compiled for sm_90: no spills, and
     registers for three programs of four warps per SM (64K registers), so
     what they fuse costs the projection none of the loads it keeps in
-    flight."""
-    rows = [r for r in compile_for_hopper("gemv_compile_report()") if "(the engine's)" in r["variant"]]
+    flight. The same four as programmatic dependents, with their first
+    weight step loaded ahead (and, in the "l2" mode, a bulk prefetch of
+    more into L2): the same, and the grid-dependency wait in their code."""
+    report = compile_for_hopper("gemv_compile_report()")
+    rows = [r for r in report if "(the engine's)" in r["variant"]]
     assert len(rows) == 4, [r["variant"] for r in rows]
-    for row in rows:
+    plain = [r["variant"].removesuffix(" (the engine's)") for r in rows]
+    for mode, suffix in (("on", ", dependent launch"), ("l2", ", dependent launch, L2 prefetch")):
+        assert [r["variant"].removesuffix(suffix) for r in report if r["mode"] == mode] == plain
+    for row in rows + [r for r in report if r["dependent"]]:
         assert row["stack_bytes"] == 0 and row["local_bytes"] == 0, row
         assert row["registers"] * 128 * 3 <= 65536, row
+        # the wait for the launch before is in the dependent launches' code, and only there; the L2
+        # prefetch in the l2 mode's, for the up rows too where gated
+        assert row["grid_dependency"] is row["dependent"], row
+        gated = "gate/up" in row["variant"]
+        assert row["l2_prefetches"] == (0 if row["mode"] != "l2" else 2 if gated else 1), row
 
 
 def test_a_decode_mode_sets_its_switches_for_its_block_only(bench):
@@ -255,6 +266,14 @@ def test_a_decode_mode_sets_its_switches_for_its_block_only(bench):
     assert (ops._eager_row_kernels, launch._enabled) == before
     with dummy_models.decode_mode("graphs") as settings:
         assert settings == dummy_models.DECODE_MODES["graphs"]
+    from fluidserve.kernels import gemv
+
+    with dummy_models.decode_mode("graphs-async-pdl") as settings:
+        assert settings == dummy_models.DECODE_MODES["graphs-async"] and gemv._dependent_mode == "on"
+    with dummy_models.decode_mode("graphs-async-pdl-l2-attention") as settings:
+        assert settings == dummy_models.DECODE_MODES["graphs-async"] and gemv._dependent_mode == "l2"
+        assert pa.TILES.launch_dependents and not pa.TILES.fused_merge
+    assert gemv._dependent_mode == "off" and not pa.TILES.launch_dependents
     with dummy_models.decode_mode("graphs-fused-merge") as settings:
         assert settings == dummy_models.DECODE_MODES["graphs"] and pa.TILES.fused_merge
     assert pa.TILES == pa.Tiles()
