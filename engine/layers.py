@@ -33,6 +33,10 @@ class AttentionMetadata:
     kernels: str | None = None
     _plans: dict = field(default_factory=dict, repr=False)
     _cpu_plans: dict = field(default_factory=dict, repr=False)
+    # Sliding windows whose attention variants a layer of this step has
+    # checked are compiled (``_compile_variants_once``): every layer of a
+    # step attends with the same query and cache layout, so the first asks.
+    _compiled: set = field(default_factory=set, repr=False)
 
     def work_plan(self, query: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None):
         """The packed attention work list of this step for the Triton kernels;
@@ -147,7 +151,9 @@ class PagedAttention(nn.Module):
             cpu_attention.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, plan.slots_all_valid)
             out = cpu_attention.paged_attention(q, key_cache, value_cache, plan, self.scale, k, v)
             return out.reshape(out.shape[0], -1)
-        _compile_variants_once(q, key_cache, self.sliding_window)
+        if self.sliding_window not in meta._compiled:
+            _compile_variants_once(q, key_cache, self.sliding_window)
+            meta._compiled.add(self.sliding_window)
         if rope is not None:
             ops.rope_and_cache(q, k, v, *rope, key_cache, value_cache, meta.slot_mapping, path=path)
         else:

@@ -215,9 +215,12 @@ class _PrepackedLinear(nn.Module):
 
 
 def prepack_linears(model: nn.Module) -> None:
-    """Pack every linear of ``model`` for the CPU (a no-op elsewhere)."""
+    """Pack every linear of ``model`` for the CPU (a no-op elsewhere), and
+    have every other module with a ``prepack`` (a decoder layer that reads
+    its weights once for the batch-1 row path) take the weights as they are
+    now."""
     for module in model.modules():
-        if isinstance(module, _PrepackedLinear):
+        if isinstance(module, _PrepackedLinear) or callable(getattr(type(module), "prepack", None)):
             module.prepack()
 
 

@@ -9,6 +9,8 @@ holds the one KV head its query heads read (replicated across ranks)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -122,6 +124,23 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, path), residual, path)
 
 
+@dataclass(frozen=True, slots=True)
+class _RowWeights:
+    """What a decoder layer's batch-1 row path launches its four GEMVs with,
+    read off the modules once (``LlamaDecoderLayer.prepack``)."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    input_norm: tuple[torch.Tensor, float]  # (weight, eps)
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    post_norm: tuple[torch.Tensor, float]
+    down: torch.Tensor
+
+
+_UNSET = object()
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -129,6 +148,42 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._row: _RowWeights | None | object = _UNSET
+
+    def prepack(self) -> None:
+        """Forget what the row path read off the modules: the loader calls
+        this after the last write of the weights (parallel.prepack_linears),
+        and the next row step reads them again."""
+        self._row = _UNSET
+
+    def _row_weights(self) -> _RowWeights | None:
+        """The row path's weights, or None where one of its four linears
+        would not take the GEMV with the norm, bias and residual it fuses
+        (several tensor-parallel ranks, an o or down bias, a weight the
+        kernel does not take): there the modules decide per call. Checked
+        once, on rows of the weights' own dtype and device, which is what a
+        step's row is (``forward`` checks) and every GEMV writes."""
+        if self._row is _UNSET:
+            from ...kernels import gemv
+
+            attn, mlp = self.self_attn, self.mlp
+            qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+            norms = self.input_layernorm, self.post_attention_layernorm
+
+            def row_of(weight: torch.Tensor) -> torch.Tensor:  # a row of the width a weight reads
+                return weight.new_empty((1, weight.shape[1]))
+
+            x = row_of(qkv.weight)
+            ok = (o.tp.size == 1 and down.tp.size == 1 and o.bias is None and down.bias is None
+                  and gate_up.bias is None and len(gate_up.sizes) == 2 and gate_up.sizes[0] == gate_up.sizes[1]
+                  and all(m._packed is None for m in (qkv, o, gate_up, down))
+                  and gemv.supports(x, qkv.weight, qkv.bias, None) and gemv.supports_norm(x, norms[0].weight)
+                  and gemv.supports(row_of(o.weight), o.weight, None, x) and gemv.supports_gated(x, gate_up.weight)
+                  and gemv.supports_norm(x, norms[1].weight)
+                  and gemv.supports(row_of(down.weight), down.weight, None, x))  # fmt: skip
+            self._row = _RowWeights(qkv.weight, qkv.bias, (norms[0].weight, norms[0].eps), o.weight, gate_up.weight,
+                                    (norms[1].weight, norms[1].eps), down.weight) if ok else None  # fmt: skip
+        return self._row
 
     def forward(self, rope, x, kv_cache, meta, *, row: bool = False):
         # x: [T, hidden], left as it is. Nine launches on the Triton lane:
@@ -142,6 +197,19 @@ class LlamaDecoderLayer(nn.Module):
             # in the GEMVs' prologues, the SiLU-mul in the gate/up GEMV's
             # epilogue, the residual adds in the o and down GEMVs, each
             # rounded where the nine round.
+            w = self._row_weights()
+            if w is not None and x.dtype == w.qkv.dtype and x.is_contiguous():
+                # The launches the modules below make, straight from the
+                # weights read once: an eager step's host work is most of
+                # its time, and the modules' dispatch and checks repeat per
+                # layer what the first step settled (op_counts.py --host-timing).
+                from ...kernels import gemv
+
+                qkv = gemv.launch(x, w.qkv, w.qkv_bias, None, norm=w.input_norm)
+                h = gemv.launch(attn.attend(rope, qkv, kv_cache, meta), w.o, None, x, out=torch.empty_like(x),
+                                round_before_residual=True)  # fmt: skip
+                act = gemv.launch(h, w.gate_up, None, None, gated=True, norm=w.post_norm)
+                return gemv.launch(act, w.down, None, h)  # h + MLP, over h
             qkv = attn.qkv_proj.forward_normed(x, self.input_layernorm, path=path)
             h = attn.o_proj.forward_add(attn.attend(rope, qkv, kv_cache, meta), x, path)  # x + attention
             act = self.mlp.gate_up_proj.forward_normed(h, self.post_attention_layernorm, gated=True, path=path)

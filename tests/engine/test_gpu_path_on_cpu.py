@@ -290,32 +290,71 @@ def test_lane_batch1_layers_in_six_launches_give_the_nine_launch_bits(tiny_model
     (fp32, bf16) and a Qwen3 (q/k norms, head_dim 128; bf16, where a
     misplaced rounding shows), its tokens and its whole KV cache equal the
     nine-launch layer's bit for bit: the fused launches round where the
-    unfused ones do."""
+    unfused ones do. The layer launches them from the weights it read once
+    (``LlamaDecoderLayer._row_weights``); through the modules, which check
+    every call, the bits are the same again."""
     from types import SimpleNamespace
 
-    from fluidserve.engine import parallel
     from fluidserve.engine.models import llama
+    from fluidserve.kernels import gemv
 
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     kwargs = dict(LANE_KWARGS, dtype=dtype, scheduling_policy="fcfs")
     for arch, overrides in cases:
         path = tiny_model(arch, **overrides)
-        normed = []
-        with monkeypatch.context() as patch:
-            patch.setattr(parallel.MergedColumnParallelLinear, "forward_normed",
-                          lambda *a, f=parallel.MergedColumnParallelLinear.forward_normed, **k:
-                          normed.append(1) or f(*a, **k))  # fmt: skip
-            six_llm = make_llm(path, **kwargs)
-            six = six_llm.generate(PROMPTS[1:2], params)[0].outputs[0].token_ids
-        assert len(normed) >= 2 * 5  # two per layer in every decode step
-        with monkeypatch.context() as patch:
-            patch.setattr(llama, "ops", SimpleNamespace(gemv_row=lambda x, w: False))  # the nine-launch layer
-            nine_llm = make_llm(path, **kwargs)
-            nine = nine_llm.generate(PROMPTS[1:2], params)[0].outputs[0].token_ids
-        assert six == nine, arch
-        for (k1, v1), (k2, v2) in zip(six_llm.engine.executor.worker.kv_caches,
-                                      nine_llm.engine.executor.worker.kv_caches):  # fmt: skip
-            assert torch.equal(k1, k2) and torch.equal(v1, v2), arch
+        runs = {}
+        for name, patches in [("six", []), ("six through the modules", [(llama.LlamaDecoderLayer, "_row_weights",
+                                                                          lambda self: None)]),
+                              ("nine", [(llama, "ops", SimpleNamespace(gemv_row=lambda x, w: False))])]:  # fmt: skip
+            normed = []
+            with monkeypatch.context() as patch:
+                patch.setattr(gemv, "launch", lambda *a, f=gemv.launch, **k: normed.append(k.get("norm")) or f(*a, **k))
+                for target, attr, value in patches:
+                    patch.setattr(target, attr, value)
+                llm = make_llm(path, **kwargs)
+                tokens = llm.generate(PROMPTS[1:2], params)[0].outputs[0].token_ids
+            runs[name] = tokens, llm.engine.executor.worker.kv_caches
+            # two GEMVs with the norm in their prologue per layer in every decode step of the six-launch layers
+            assert (sum(n is not None for n in normed) >= 2 * 5) is (name != "nine"), name
+        tokens, caches = runs["nine"]
+        for name in ("six", "six through the modules"):
+            assert runs[name][0] == tokens, (arch, name)
+            for (k1, v1), (k2, v2) in zip(runs[name][1], caches):
+                assert torch.equal(k1, k2) and torch.equal(v1, v2), (arch, name)
+
+
+def test_row_weights_are_read_once_per_load_and_only_where_every_linear_takes_the_gemv(triton_lane):
+    """On the Triton lane (the CPU kernels pack the weights for oneDNN and
+    take no row path), a layer's row path reads its four GEMVs' weights, norms and eps once
+    and keeps them until the loader writes the weights again
+    (``parallel.prepack_linears``, after every load). Where one linear would
+    not take the GEMV as the row path fuses it (an o projection with a
+    bias), the layer keeps none and its modules decide per call; a q/k/v
+    bias (Qwen2) rides in the qkv GEMV."""
+    from fluidserve.engine.models.llama import LlamaForCausalLM
+    from fluidserve.engine.parallel import prepack_linears
+    from fluidserve.engine.tiny_model import tiny_config
+
+    model = LlamaForCausalLM(tiny_config("llama"))
+    prepack_linears(model)  # as the loader does after writing the weights
+    layer = model.model.layers[0]
+    w = layer._row_weights()
+    attn, mlp = layer.self_attn, layer.mlp
+    assert (w.qkv, w.qkv_bias, w.o, w.gate_up, w.down) == (attn.qkv_proj.weight, None, attn.o_proj.weight,
+                                                           mlp.gate_up_proj.weight, mlp.down_proj.weight)
+    assert w.input_norm == (layer.input_layernorm.weight, layer.input_layernorm.eps)
+    assert w.post_norm == (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+    assert layer._row_weights() is w  # read once
+    layer.post_attention_layernorm.weight = torch.nn.Parameter(torch.full_like(w.post_norm[0], 2.0))
+    assert layer._row_weights() is w
+    prepack_linears(model)
+    assert layer._row_weights().post_norm[0] is layer.post_attention_layernorm.weight
+    with_o_bias = LlamaForCausalLM(tiny_config("llama", attention_bias=True))
+    prepack_linears(with_o_bias)
+    assert with_o_bias.model.layers[0]._row_weights() is None
+    qwen2 = LlamaForCausalLM(tiny_config("qwen2"))
+    prepack_linears(qwen2)
+    assert qwen2.model.layers[0]._row_weights().qkv_bias is qwen2.model.layers[0].self_attn.qkv_proj.bias
 
 
 @lane_only
