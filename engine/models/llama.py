@@ -127,7 +127,8 @@ class LlamaMLP(nn.Module):
 @dataclass(frozen=True, slots=True)
 class _RowWeights:
     """What a decoder layer's batch-1 row path launches its four GEMVs with,
-    read off the modules once (``LlamaDecoderLayer.prepack``)."""
+    read off the modules once (``LlamaDecoderLayer._row_weights``; after a
+    load, ``prepack`` has them read again)."""
 
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
