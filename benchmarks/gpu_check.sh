@@ -53,7 +53,7 @@
 #   mixed_steps_<device>.json, .md
 #   throughput-<device>-llama3-8b-graphs.json, .md
 #   kernels_<device>.json, .md
-#   linear_bandwidth_<device>.json, .md
+#   gemv_chain_<device>.json, .md
 #   profile_decode_<device>.json, .md
 #   swap_copy_<device>.json, .md
 # <device> is torch.cuda.get_device_name() in lower case, other characters
@@ -267,7 +267,7 @@ run_step batch1_decode "$DECODE_LIMIT" "$RESULTS/batch1_decode_${SLUG}.json" "" 
     eager-cublas eager-no-relaunch graphs-async-always-merge graphs-async-pdl graphs-async-pdl-l2 \
     graphs-async-pdl-l2-attention eager-pdl --out "$RESULTS"
 
-run_step linears "$LINEAR_LIMIT" "$RESULTS/linear_bandwidth_${SLUG}.json" "" \
+run_step linears "$LINEAR_LIMIT" "$RESULTS/gemv_chain_${SLUG}.json" "" \
     "$PY" benchmarks/linear_bandwidth.py --parts chain --out "$RESULTS"
 
 run_step mixed_steps "$MIXED_LIMIT" "$RESULTS/mixed_steps_${SLUG}.json" "" \

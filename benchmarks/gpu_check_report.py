@@ -232,7 +232,8 @@ def reader_for(result: Path):
     if name.startswith("gpu_tests_"):
         return READERS["tests"]
     for prefix, kind in (("batch1_decode_", "batch1_decode"), ("throughput-", "throughput"), ("kernels_", "kernels"),
-                         ("linear_bandwidth_", "linears"), ("profile_decode_", "profile"), ("swap_copy_", "swap"),
+                         ("linear_bandwidth_", "linears"), ("gemv_chain_", "linears"), ("profile_decode_", "profile"),
+                         ("swap_copy_", "swap"),
                          ("mixed_steps_", "mixed")):
         if name.startswith(prefix):
             return READERS[kind]

@@ -38,7 +38,8 @@ largest magnitude).
 
     python benchmarks/linear_bandwidth.py [--preset llama3-8b] [--parts chain sweep] [--out benchmarks/results]
 
-Writes ``linear_bandwidth_<device>.json`` and ``.md``. Needs CUDA.
+Writes ``gemv_chain_<device>.json`` and ``.md`` (the chain) and
+``linear_bandwidth_<device>.json`` and ``.md`` (the sweep). Needs CUDA.
 """
 
 from __future__ import annotations
@@ -317,32 +318,28 @@ def engine_shape() -> str:
     return f"triton {gemv.BLOCK_N}x{gemv.MAX_BLOCK_K}/{gemv.NUM_WARPS}"
 
 
-def chain_markdown(c: dict) -> list[str]:
-    lines = ["## A token's GEMVs in a row, plain and as dependent launches", "",
-             f"{c['launches']} launches ({c['layers']} layers x qkv, o, gate/up, down; then the LM head), "
-             f"{c['weight_gb']:.2f} GB of weights, roofline {c['roofline_ms']:.3f} ms; median of {c['rounds']} "
-             "graph replays each, the kinds taking turns.", "",
+def chain_markdown(report: dict) -> str:
+    c = report["chain"]
+    lines = [f"# A token's GEMVs in a row, plain and as dependent launches: {report['device']}", "",
+             f"{report['preset']}-shaped weights, bf16, one row of activations; device-to-device copy "
+             f"{report['copy_gb_s']:.0f} GB/s; {report['versions']}. {c['launches']} launches ({c['layers']} layers x "
+             f"qkv, o, gate/up, down; then the LM head), {c['weight_gb']:.2f} GB of weights, roofline "
+             f"{c['roofline_ms']:.3f} ms; median of {c['rounds']} graph replays each, the kinds taking turns.", "",
              "| launches | ms | x roofline | x plain's speed | the plain chain's bits |", "|---|---:|---:|---:|---|"]
     for mode, m in c["modes"].items():
         lines.append(f"| {CHAIN_MODES.get(mode, mode)} | {m['ms']:.3f} | {m['vs_roofline']:.3f} | "
                      f"{m['speedup']:.3f} | {'yes' if m['same_bits'] else '**no**'} |")
-    return lines + [""]
+    return "\n".join(lines) + "\n"
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Batch-1 linears against the HBM roofline: {report['device']}", "",
-             f"{report['preset']}-shaped weights, bf16, one row of activations; device-to-device copy "
-             f"{report['copy_gb_s']:.0f} GB/s; {report['versions']}.", ""]  # fmt: skip
-    if report.get("chain"):
-        lines += chain_markdown(report["chain"])
-    if not report.get("rows"):
-        return "\n".join(lines)
     s = report["summary"]
-    lines += [
-        "## Each linear at each launch shape",
+    lines = [
+        f"# Batch-1 linears against the HBM roofline: {report['device']}",
         "",
-        "Each call timed as a CUDA graph replays it after an L2 flush. Relative error: max |triton - F.linear| "
-        "over max |F.linear|.",
+        f"{report['preset']}-shaped weights, bf16, one row of activations, each call timed as a CUDA graph "
+        f"replays it after an L2 flush; device-to-device copy {report['copy_gb_s']:.0f} GB/s. Relative error: "
+        "max |triton - F.linear| over max |F.linear|.",
         "",
         "| linear | out x in | variant | us | GB/s | % of copy | rel err |",
         "|---|---|---|---:|---:|---:|---:|",
@@ -404,20 +401,20 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name()
     print(f"linear_bandwidth: {device}, copy {copy_gbs:.0f} GB/s", flush=True)
     versions = f"torch {torch.__version__}, triton {triton.__version__}"
-    report = dict(device=device, preset=args.preset, copy_gb_s=copy_gbs, versions=versions, parts=args.parts)
-    stem = args.out / f"linear_bandwidth_{device_slug(device)}"
+    head = dict(device=device, preset=args.preset, copy_gb_s=copy_gbs, versions=versions)
+    slug = device_slug(device)
     if "chain" in args.parts:
-        report["chain"] = bench_chain(cfg, copy_gbs)
-        torch.cuda.empty_cache()  # 15 GB of weights and two graphs
-        save_results(stem, report, markdown(report))  # kept if the sweep is cut off
+        record = dict(head, chain=bench_chain(cfg, copy_gbs))
+        torch.cuda.empty_cache()  # 15 GB of weights and the graphs
+        save_results(args.out / f"gemv_chain_{slug}", record, chain_markdown(record))
     if "sweep" in args.parts:
         shapes = layer_shapes(cfg)
         rows = []
         for name, n, k, _ in shapes:
             rows += bench_shape(name, n, k, copy_gbs)
             torch.cuda.empty_cache()  # the last shape's weight
-        report.update(rows=rows, summary=summarize(rows, shapes, copy_gbs))
-        save_results(stem, report, markdown(report))
+        record = dict(head, rows=rows, summary=summarize(rows, shapes, copy_gbs))
+        save_results(args.out / f"linear_bandwidth_{slug}", record, markdown(record))
     return 0
 
 

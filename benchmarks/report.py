@@ -1025,7 +1025,8 @@ def plan_model(_: str) -> tuple[list[str], list[str]]:
     return out, []
 
 
-GPU_STEMS = ["gpu_check_*", "batch1_decode_*", "mixed_steps_nvidia*", "linear_bandwidth_*", "throughput-nvidia*",
+GPU_STEMS = ["gpu_check_*", "batch1_decode_*", "mixed_steps_nvidia*", "linear_bandwidth_*", "gemv_chain_*",
+             "throughput-nvidia*",
              "kernels_nvidia*", "profile_decode_nvidia*", "attention_tuning_*", "op_counts-nvidia*", "swap_copy_*",
              "launch_overhead-nvidia*", "gpu_tests_*"]
 

@@ -176,8 +176,8 @@ def test_kernel_benchmark_headline_names_the_batch1_point_with_either_merge(tmp_
 
 def test_linears_step_reports_the_chain_with_and_without_dependent_launches(tmp_path):
     """``linear_bandwidth.py --parts chain`` (gpu_check's linears step)
-    records no per-shape sweep: its markdown has the chain's table alone,
-    and the summary line gives each launch kind against the roofline and
+    writes the chain to its own record: its markdown has each launch kind's
+    row, and the summary line gives each kind against the roofline and
     against plain launches, and says so where a kind's bits differ."""
     sys.path.insert(0, str(BENCHMARKS))
     import linear_bandwidth
@@ -188,14 +188,14 @@ def test_linears_step_reports_the_chain_with_and_without_dependent_launches(tmp_
     chain = dict(layers=32, launches=129, weight_gb=15.01, roofline_ms=3.55, rounds=10,
                  modes=dict(off=kind(3.95), on=kind(3.70), l2=kind(3.65, same=False)))  # fmt: skip
     record = dict(device="Fake GPU", preset="llama3-8b", copy_gb_s=4226.0, versions="torch x, triton y",
-                  parts=["chain"], chain=chain)  # fmt: skip
-    text = linear_bandwidth.markdown(record)
+                  chain=chain)  # fmt: skip
+    text = linear_bandwidth.chain_markdown(record)
+    assert "| plain | 3.950 | 1.113 | 1.000 | yes |" in text
     assert "| programmatic dependents (`FLUIDSERVE_GEMV_PDL=1`) | 3.700 | 1.042 | 1.068 | yes |" in text
     assert "(`FLUIDSERVE_GEMV_PDL=l2`) | 3.650 | 1.028 | 1.082 | **no** |" in text
-    assert "each launch shape" not in text
     summary = tmp_path / "gpu_check_fake.json"
     report("init", "--summary", summary, "--device", "Fake GPU", "--plan", "linears=batch-1 linears")
-    result = tmp_path / "linear_bandwidth_fake.json"
+    result = tmp_path / "gemv_chain_fake.json"
     result.write_text(json.dumps(record))
     report("step", "--summary", summary, "--key", "linears", "--rc", 0, "--seconds", 30, "--limit", 60,
            "--since", time.time() - 1, "--result", result)  # fmt: skip
