@@ -875,12 +875,12 @@ def gemv_compile_report() -> list[dict]:
         w = torch.empty((2 * 4096 if gated else 4096, 4096), dtype=torch.bfloat16)
         args = dict(x_ptr=x, w_ptr=w, bias_ptr=y, residual_ptr=y, norm_ptr=y, y_ptr=y, N=4096, K=4096,
                     stride_wn=4096, eps=1e-5)  # fmt: skip
-        chained = {"off": {}, "on": gemv._DEPENDENT, "l2": gemv._l2_shape(4096, block_n * (2 if gated else 1), 2)}
-        options = dict(num_warps=warps, **{k: v for k, v in chained[mode].items() if k == "launch_pdl"})
+        chained = gemv.chain_options(mode, False, 4096, block_n * (2 if gated else 1), w)
+        options = dict(num_warps=warps, **{k: v for k, v in chained.items() if k == "launch_pdl"})
         constexprs = dict(HAS_BIAS=False, HAS_RESIDUAL=not (gated or norm), ROUND_BEFORE_RESIDUAL=False,
                           GATED=gated, NORM=norm, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_D=4096 if norm else 1,
                           PREFETCH=False, GDC=False, L2_K=0, L2_PART_BYTES=0)  # fmt: skip
-        constexprs.update({k: v for k, v in chained[mode].items() if k in constexprs})
+        constexprs.update({k: v for k, v in chained.items() if k in constexprs})
         res = _compile_offline(gemv._gemv_kernel, args, constexprs, (), options)
         suffix = {"on": ", dependent launch", "l2": ", dependent launch, L2 prefetch"}.get(
             mode, " (the engine's)" if shape in engine else "")

@@ -219,8 +219,12 @@ def prepack_linears(model: nn.Module) -> None:
     have every other module with a ``prepack`` (a decoder layer that reads
     its weights once for the batch-1 row path) take the weights as they are
     now."""
-    for module in model.modules():
-        if isinstance(module, _PrepackedLinear) or callable(getattr(type(module), "prepack", None)):
+    modules = list(model.modules())
+    for module in modules:
+        if isinstance(module, _PrepackedLinear):
+            module.prepack()
+    for module in modules:  # after the linears: these may read what they packed
+        if not isinstance(module, _PrepackedLinear) and callable(getattr(type(module), "prepack", None)):
             module.prepack()
 
 

@@ -85,11 +85,16 @@ def set_dependent_launch(mode: bool | str) -> str:
     module's docstring): a ``DEPENDENT_MODES`` name, or True ("on") /
     False ("off"); returns the old mode."""
     global _dependent_mode
+    old, _dependent_mode = _dependent_mode, _mode_name(mode)
+    return old
+
+
+def _mode_name(mode: bool | str) -> str:
+    """A ``DEPENDENT_MODES`` name, from itself or True ("on") / False ("off")."""
     mode = {True: "on", False: "off"}.get(mode, mode)
     if mode not in DEPENDENT_MODES:
         raise ValueError(f"dependent launch mode {mode!r}: one of {', '.join(DEPENDENT_MODES)}")
-    old, _dependent_mode = _dependent_mode, mode
-    return old
+    return mode
 
 
 @functools.cache
@@ -303,19 +308,13 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     on any device (the interpreter has no grid dependency control). The
     launch shape is for benchmarks: the engine's is the default."""
     rows, k = weight.shape
-    mode = dependent_launch(x) if dependent is None else {True: "on", False: "off"}.get(dependent, dependent)
+    mode = dependent_launch(x) if dependent is None else _mode_name(dependent)
     k_step = k_step or block_k(k)
     n, grid, block_n, block_d = _shape(rows, k, gated, norm is not None, block_n, k_step)
     if out is None:
         out = residual if residual is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
     norm_weight, eps = norm if norm is not None else (out, 0.0)
-    if mode == "off":
-        chained = _PREFETCH if prefetch else {}
-    else:
-        chained = _DEPENDENT
-        if mode == "l2":
-            chained = _l2_options(k, block_n * (2 if gated else 1), weight.element_size(), weight.stride(0),
-                                  weight.data_ptr())  # fmt: skip
+    chained = chain_options(mode, prefetch, k, block_n * (2 if gated else 1), weight)
     _GEMV[grid](
         x, weight, bias if bias is not None else out, residual if residual is not None else out, norm_weight, out,
         n, k, weight.stride(0), float(eps), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
@@ -348,21 +347,25 @@ _PREFETCH = dict(PREFETCH=True)
 _DEPENDENT = dict(PREFETCH=True, GDC=True, launch_pdl=True)
 
 
-def _l2_options(k: int, block_n: int, elem: int, stride: int, ptr: int) -> dict:
-    """The dependent launch's options with its L2 prefetch: the longest
-    stretch of each row, a multiple of L2_PARTS 16-byte pieces, that keeps
-    a program's ``block_n`` rows (gated: its gate and up rows) within
-    L2_PREFETCH_BYTES; none where a row's start is not 16-byte aligned,
-    which the bulk prefetch needs."""
-    if (stride * elem) % 16 or ptr % 16:
+def chain_options(mode: str, prefetch: bool, k: int, rows: int, weight: torch.Tensor) -> dict:
+    """The constexprs and launch option of a launch in ``mode`` (``launch``'s
+    ``dependent`` and ``prefetch``), a program reading ``rows`` rows of
+    ``weight`` (gated: its gate and up rows) of K ``k``. The "l2" stretch is
+    the longest of each row, a multiple of L2_PARTS 16-byte pieces, that
+    keeps a program within L2_PREFETCH_BYTES; none where a row's start is
+    not 16-byte aligned, which the bulk prefetch needs."""
+    if mode == "off":
+        return _PREFETCH if prefetch else {}
+    elem = weight.element_size()
+    if mode == "on" or (weight.stride(0) * elem) % 16 or weight.data_ptr() % 16:
         return _DEPENDENT
-    return _l2_shape(k, block_n, elem)
+    return _l2_shape(k, rows, elem)
 
 
 @functools.cache
-def _l2_shape(k: int, block_n: int, elem: int) -> dict:
+def _l2_shape(k: int, rows: int, elem: int) -> dict:
     piece = L2_PARTS * 16 // elem  # values: every part a whole number of 16-byte pieces
-    l2_k = min(k, L2_PREFETCH_BYTES // (block_n * elem)) // piece * piece
+    l2_k = min(k, L2_PREFETCH_BYTES // (rows * elem)) // piece * piece
     if l2_k == 0:
         return _DEPENDENT
     return dict(_DEPENDENT, L2_K=l2_k, L2_PART_BYTES=l2_k // L2_PARTS * elem)

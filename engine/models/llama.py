@@ -127,8 +127,7 @@ class LlamaMLP(nn.Module):
 @dataclass(frozen=True, slots=True)
 class _RowWeights:
     """What a decoder layer's batch-1 row path launches its four GEMVs with,
-    read off the modules once (``LlamaDecoderLayer._row_weights``; after a
-    load, ``prepack`` has them read again)."""
+    read off the modules once per load (``LlamaDecoderLayer.prepack``)."""
 
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
@@ -139,9 +138,6 @@ class _RowWeights:
     down: torch.Tensor
 
 
-_UNSET = object()
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -149,42 +145,36 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._row: _RowWeights | None | object = _UNSET
+        self._row: _RowWeights | None = None  # until the weights are loaded
 
     def prepack(self) -> None:
-        """Forget what the row path read off the modules: the loader calls
-        this after the last write of the weights (parallel.prepack_linears),
-        and the next row step reads them again."""
-        self._row = _UNSET
-
-    def _row_weights(self) -> _RowWeights | None:
-        """The row path's weights, or None where one of its four linears
+        """Read the row path's weights off the modules: the loader calls this
+        after the last write of the weights, once the linears have packed
+        theirs (parallel.prepack_linears). None where one of the four linears
         would not take the GEMV with the norm, bias and residual it fuses
-        (several tensor-parallel ranks, an o or down bias, a weight the
-        kernel does not take): there the modules decide per call. Checked
-        once, on rows of the weights' own dtype and device, which is what a
-        step's row is (``forward`` checks) and every GEMV writes."""
-        if self._row is _UNSET:
-            from ...kernels import gemv
+        (several tensor-parallel ranks, an o or down bias, a packed weight, a
+        weight the kernel does not take): there the modules decide per call.
+        Checked on rows of the weights' own dtype and device, which is what a
+        step's row is (``LlamaModel.forward`` checks) and every GEMV writes."""
+        from ...kernels import gemv
 
-            attn, mlp = self.self_attn, self.mlp
-            qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-            norms = self.input_layernorm, self.post_attention_layernorm
+        attn, mlp = self.self_attn, self.mlp
+        qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        norms = self.input_layernorm, self.post_attention_layernorm
 
-            def row_of(weight: torch.Tensor) -> torch.Tensor:  # a row of the width a weight reads
-                return weight.new_empty((1, weight.shape[1]))
+        def row_of(weight: torch.Tensor) -> torch.Tensor:  # a row of the width a weight reads
+            return weight.new_empty((1, weight.shape[1]))
 
-            x = row_of(qkv.weight)
-            ok = (o.tp.size == 1 and down.tp.size == 1 and o.bias is None and down.bias is None
-                  and gate_up.bias is None and len(gate_up.sizes) == 2 and gate_up.sizes[0] == gate_up.sizes[1]
-                  and all(m._packed is None for m in (qkv, o, gate_up, down))
-                  and gemv.supports(x, qkv.weight, qkv.bias, None) and gemv.supports_norm(x, norms[0].weight)
-                  and gemv.supports(row_of(o.weight), o.weight, None, x) and gemv.supports_gated(x, gate_up.weight)
-                  and gemv.supports_norm(x, norms[1].weight)
-                  and gemv.supports(row_of(down.weight), down.weight, None, x))  # fmt: skip
-            self._row = _RowWeights(qkv.weight, qkv.bias, (norms[0].weight, norms[0].eps), o.weight, gate_up.weight,
-                                    (norms[1].weight, norms[1].eps), down.weight) if ok else None  # fmt: skip
-        return self._row
+        x = row_of(qkv.weight)
+        ok = (o.tp.size == 1 and down.tp.size == 1 and o.bias is None and down.bias is None
+              and gate_up.bias is None and len(gate_up.sizes) == 2 and gate_up.sizes[0] == gate_up.sizes[1]
+              and all(m._packed is None for m in (qkv, o, gate_up, down))
+              and gemv.supports(x, qkv.weight, qkv.bias, None) and gemv.supports_norm(x, norms[0].weight)
+              and gemv.supports(row_of(o.weight), o.weight, None, x) and gemv.supports_gated(x, gate_up.weight)
+              and gemv.supports_norm(x, norms[1].weight)
+              and gemv.supports(row_of(down.weight), down.weight, None, x))  # fmt: skip
+        self._row = _RowWeights(qkv.weight, qkv.bias, (norms[0].weight, norms[0].eps), o.weight, gate_up.weight,
+                                (norms[1].weight, norms[1].eps), down.weight) if ok else None  # fmt: skip
 
     def forward(self, rope, x, kv_cache, meta, *, row: bool = False):
         # x: [T, hidden], left as it is. Nine launches on the Triton lane:
@@ -198,8 +188,8 @@ class LlamaDecoderLayer(nn.Module):
             # in the GEMVs' prologues, the SiLU-mul in the gate/up GEMV's
             # epilogue, the residual adds in the o and down GEMVs, each
             # rounded where the nine round.
-            w = self._row_weights()
-            if w is not None and x.dtype == w.qkv.dtype and x.is_contiguous():
+            w = self._row
+            if w is not None:
                 # The launches the modules below make, straight from the
                 # weights read once: an eager step's host work is most of
                 # its time, and the modules' dispatch and checks repeat per
@@ -254,7 +244,10 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary(positions, x.dtype)  # once per step, shared by every layer
         # Every layer's batch-1 fusions or none: the same answer for the whole step.
-        row = ops.gemv_row(x, self.layers[0].self_attn.qkv_proj.weight) if self.layers else False
+        # A row of the weights' dtype, contiguous, as the layers' row paths
+        # read it (every GEMV writes such a row for the next).
+        w = self.layers[0].self_attn.qkv_proj.weight if self.layers else None
+        row = w is not None and ops.gemv_row(x, w) and x.dtype == w.dtype and x.is_contiguous()
         x = self.layer_loop.run(self.layers, kv_caches, x, lambda layer, x, kv: layer(rope, x, kv, meta, row=row),
                                 lambda layer, x, kv: layer.attend(rope, x, kv, meta))
         return self.norm(x, meta.kernels)

@@ -291,7 +291,7 @@ def test_lane_batch1_layers_in_six_launches_give_the_nine_launch_bits(tiny_model
     misplaced rounding shows), its tokens and its whole KV cache equal the
     nine-launch layer's bit for bit: the fused launches round where the
     unfused ones do. The layer launches them from the weights it read once
-    (``LlamaDecoderLayer._row_weights``); through the modules, which check
+    (``LlamaDecoderLayer.prepack``); through the modules, which check
     every call, the bits are the same again."""
     from types import SimpleNamespace
 
@@ -303,7 +303,7 @@ def test_lane_batch1_layers_in_six_launches_give_the_nine_launch_bits(tiny_model
     for arch, overrides in cases:
         path = tiny_model(arch, **overrides)
         runs = {}
-        for name, patches in [("six", []), ("six through the modules", [(llama.LlamaDecoderLayer, "_row_weights",
+        for name, patches in [("six", []), ("six through the modules", [(llama.LlamaDecoderLayer, "prepack",
                                                                           lambda self: None)]),
                               ("nine", [(llama, "ops", SimpleNamespace(gemv_row=lambda x, w: False))])]:  # fmt: skip
             normed = []
@@ -338,23 +338,23 @@ def test_row_weights_are_read_once_per_load_and_only_where_every_linear_takes_th
     model = LlamaForCausalLM(tiny_config("llama"))
     prepack_linears(model)  # as the loader does after writing the weights
     layer = model.model.layers[0]
-    w = layer._row_weights()
+    w = layer._row
     attn, mlp = layer.self_attn, layer.mlp
     assert (w.qkv, w.qkv_bias, w.o, w.gate_up, w.down) == (attn.qkv_proj.weight, None, attn.o_proj.weight,
                                                            mlp.gate_up_proj.weight, mlp.down_proj.weight)
     assert w.input_norm == (layer.input_layernorm.weight, layer.input_layernorm.eps)
     assert w.post_norm == (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-    assert layer._row_weights() is w  # read once
+    assert layer._row is w  # read once
     layer.post_attention_layernorm.weight = torch.nn.Parameter(torch.full_like(w.post_norm[0], 2.0))
-    assert layer._row_weights() is w
+    assert layer._row is w
     prepack_linears(model)
-    assert layer._row_weights().post_norm[0] is layer.post_attention_layernorm.weight
+    assert layer._row.post_norm[0] is layer.post_attention_layernorm.weight
     with_o_bias = LlamaForCausalLM(tiny_config("llama", attention_bias=True))
     prepack_linears(with_o_bias)
-    assert with_o_bias.model.layers[0]._row_weights() is None
+    assert with_o_bias.model.layers[0]._row is None
     qwen2 = LlamaForCausalLM(tiny_config("qwen2"))
     prepack_linears(qwen2)
-    assert qwen2.model.layers[0]._row_weights().qkv_bias is qwen2.model.layers[0].self_attn.qkv_proj.bias
+    assert qwen2.model.layers[0]._row.qkv_bias is qwen2.model.layers[0].self_attn.qkv_proj.bias
 
 
 @lane_only
