@@ -49,6 +49,8 @@
 #                                  figure (rewritten after every step)
 #   gpu_check_<device>.log         every step's output
 #   gpu_tests_engine_<device>.json, gpu_tests_kernels_<device>.json
+#                                  counts, failures, and where the time went:
+#                                  the slowest tests and modules
 #   batch1_decode_<device>.json, .md
 #   mixed_steps_<device>.json, .md
 #   throughput-<device>-llama3-8b-graphs.json, .md

@@ -40,17 +40,24 @@ NOT_RUN = "not run"
 # -- the tests' results ------------------------------------------------------------
 
 
+SLOWEST = 10  # tests and modules a test step's record lists by their time
+
+
 def junit_counts(xml_path: Path) -> dict:
     """Counts and failed test ids from pytest's JUnit XML. pytest writes it at
     the session's end, also when interrupted (what ran so far)."""
     root = ET.parse(xml_path).getroot()
     counts = dict(passed=0, failed=0, errors=0, skipped=0)
-    failures, interrupted = [], 0
+    failures, interrupted, seconds, modules = [], 0, [], {}
     for case in root.iter("testcase"):
         if case.get("name") is None:  # the test an interrupt stopped: pytest leaves it nameless
             interrupted += 1
             continue
         test_id = f"{case.get('classname', '')}::{case.get('name', '')}"
+        took = float(case.get("time") or 0.0)
+        seconds.append((took, test_id))
+        module = case.get("classname", "")
+        modules[module] = modules.get(module, 0.0) + took
         outcome = "passed"
         for child in case:
             if child.tag == "failure":
@@ -63,7 +70,12 @@ def junit_counts(xml_path: Path) -> dict:
                 message = (child.get("message") or child.text or "").strip().splitlines()
                 failures.append(dict(test=test_id, kind=child.tag, message=(message[0] if message else "")[:300]))
         counts[outcome] += 1
-    return dict(counts, total=sum(counts.values()), interrupted=interrupted, failures=failures)
+    # Where a step's time went (setup, call and teardown of each test, as
+    # pytest times them; summed over xdist's workers, so above the wall time).
+    slowest = [dict(test=t, seconds=round(s, 2)) for s, t in sorted(seconds, reverse=True)[:SLOWEST]]
+    by_module = [dict(module=m, seconds=round(s, 1)) for m, s in sorted(modules.items(), key=lambda i: -i[1])]
+    return dict(counts, total=sum(counts.values()), interrupted=interrupted, failures=failures,
+                test_seconds=round(sum(s for s, _ in seconds), 1), slowest=slowest, modules=by_module[:SLOWEST])
 
 
 def write_test_result(xml_path: Path, out: Path) -> dict:
@@ -311,6 +323,11 @@ def markdown(summary: dict) -> str:
         lines += [f"* {name}: `{f['test']}` ({f['kind']}): {f['message']}" for name, f in failures[:20]]
         if len(failures) > 20:
             lines.append(f"* ... {len(failures) - 20} more in the log")
+    for s in summary["steps"]:
+        if s.get("slowest"):
+            lines += ["", f"{s['name']}: {s['test_seconds']:.0f} s of tests (summed over workers); by module: "
+                      + ", ".join(f"`{m['module']}` {m['seconds']:.0f} s" for m in s["modules"]) + "; slowest: "
+                      + ", ".join(f"`{t['test']}` {t['seconds']:.1f} s" for t in s["slowest"]) + "."]  # fmt: skip
     files = sorted({r for s in summary["steps"] for r in s.get("results", [])})
     if files:
         lines += ["", "Result files beside this one: " + ", ".join(f"`{f}`" for f in files) + "."]
@@ -336,9 +353,11 @@ def cmd_step(args: argparse.Namespace) -> int:
         step = dict(key=args.key, name=args.key)
         summary["steps"].append(step)
     result = Path(args.result) if args.result else None
-    failures = []
+    failures, timings = [], {}
     if args.junit and result is not None:
-        failures = write_test_result(Path(args.junit), result).get("failures", [])
+        tests = write_test_result(Path(args.junit), result)
+        failures = tests.get("failures", [])
+        timings = {k: tests[k] for k in ("test_seconds", "slowest", "modules") if k in tests}
     if args.skipped:
         step.update(verdict=f"skipped: {args.skipped}", ok=False, seconds=None, limit_s=args.limit)
     else:
@@ -348,7 +367,7 @@ def cmd_step(args: argparse.Namespace) -> int:
     written = [f for f in ([result, result.with_suffix(".md")] if result is not None else [])
                if f.is_file() and (args.since is None or f.stat().st_mtime >= args.since)]  # fmt: skip
     step.update(command=args.command, headline=text, figures=figures, failures=failures,
-                results=[f.name for f in written])  # fmt: skip
+                results=[f.name for f in written], **timings)  # fmt: skip
     save(args.summary, summary)
     return 0
 

@@ -7,6 +7,7 @@ chunks and decode tokens of many requests concatenated, no padding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,10 @@ class AttentionMetadata:
     # checked are compiled (``_compile_variants_once``): every layer of a
     # step attends with the same query and cache layout, so the first asks.
     _compiled: set = field(default_factory=set, repr=False)
+    # A model's batch-1 row layers' buffers and launches (models/llama.py),
+    # per layer shape and window: built by the step's first such layer and
+    # shared by the rest.
+    _row_steps: dict = field(default_factory=dict, repr=False)
 
     def work_plan(self, query: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None):
         """The packed attention work list of this step for the Triton kernels;
@@ -88,6 +93,7 @@ class RMSNorm(nn.Module):
 # cos and sin of a step's positions, [T, head_dim] each, in the model's dtype;
 # the sine carries rotate_half's sign (kernels/rope_cache.py draws the layout).
 Rope = tuple[torch.Tensor, torch.Tensor]
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key cache, value cache)
 
 
 class RotaryEmbedding(nn.Module):
@@ -151,9 +157,7 @@ class PagedAttention(nn.Module):
             cpu_attention.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, plan.slots_all_valid)
             out = cpu_attention.paged_attention(q, key_cache, value_cache, plan, self.scale, k, v)
             return out.reshape(out.shape[0], -1)
-        if self.sliding_window not in meta._compiled:
-            _compile_variants_once(q, key_cache, self.sliding_window)
-            meta._compiled.add(self.sliding_window)
+        self._compile_variants(q, key_cache, meta)
         if rope is not None:
             ops.rope_and_cache(q, k, v, *rope, key_cache, value_cache, meta.slot_mapping, path=path)
         else:
@@ -163,6 +167,43 @@ class PagedAttention(nn.Module):
             self.scale, self.sliding_window, work=meta.work_plan(q, key_cache, self.sliding_window), path=path,
         )
         return out.reshape(out.shape[0], -1)
+
+
+    def _compile_variants(self, q: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        if self.sliding_window not in meta._compiled:
+            _compile_variants_once(q, key_cache, self.sliding_window)
+            meta._compiled.add(self.sliding_window)
+
+    def step_launches(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                      meta: AttentionMetadata, rope: Rope) -> Callable[[KVCache], torch.Tensor] | None:  # fmt: skip
+        """``forward``'s Triton launches for a step whose every layer of
+        this attention's shape and window rotates, writes and attends from
+        these q, k, v (views of one buffer every layer's QKV projection
+        writes: the batch-1 row layer's), worked out once: a callable
+        taking a layer's caches and returning [T, Hq * D], one buffer every
+        layer writes. The checks, strides and dispatch ``forward`` repeats
+        per layer are most of an eager layer's host time beside its
+        launches. None off the Triton kernels or without a work plan."""
+        key_cache, value_cache = kv_cache
+        if (meta.kernels or ops.kernel_path(q.device)) != "triton":
+            return None
+        plan = meta.work_plan(q, key_cache, self.sliding_window)
+        if plan is None:
+            return None
+        from ..kernels.paged_attention import StepAttention
+        from ..kernels.rope_cache import StepRopeAndCache
+
+        self._compile_variants(q, key_cache, meta)
+        write = StepRopeAndCache(q, k, v, *rope, key_cache, value_cache, meta.slot_mapping)
+        attend = StepAttention(q, key_cache, value_cache, meta.block_tables, self.scale, plan)
+        out = attend.out.view(q.shape[0], -1)
+
+        def launches(kv: KVCache) -> torch.Tensor:
+            write(*kv)
+            attend(*kv)
+            return out
+
+        return launches
 
 
 # Layouts whose Triton variants are compiled (see _compile_variants_once).

@@ -89,6 +89,14 @@ def launch_hooks_set() -> bool:
     return _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
 
 
+def cache_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
+    """What a launch worked out once for a step (``StepAttention``,
+    ``StepRopeAndCache``) reads of a layer's KV caches: another layer's
+    caches may take it where this is the same."""
+    return (key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device, value_cache.shape,
+            value_cache.stride(), value_cache.dtype)  # fmt: skip
+
+
 def set_enabled(on: bool) -> bool:
     """Turn relaunching on or off for this process; returns the old setting."""
     global _enabled

@@ -71,7 +71,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from fluidserve.kernels import packing
-from fluidserve.kernels.launch import Relaunch, arg_class, next_power_of_2
+from fluidserve.kernels.launch import Relaunch, arg_class, cache_layout, next_power_of_2
 from fluidserve.kernels.packing import WORK_FIELDS, WorkPlan
 
 LOG2E = 1.4426950408889634
@@ -1096,8 +1096,10 @@ def _prepare(
     block_tables: torch.Tensor,
     scale: float,
     plan: WorkPlan,
+    out: torch.Tensor | None = None,
 ) -> _Launch:
-    """Check the batch against the plan, allocate output and partials, and
+    """Check the batch against the plan, allocate output (``out``: the
+    caller's, laid out as ``torch.empty_like(query)``) and partials, and
     build the kernel's arguments. Every layer of a step passes the same
     layout with the same plan: the checks, strides and variant are worked
     out for the first and kept in the plan (a prototype without tensors),
@@ -1133,7 +1135,12 @@ def _prepare(
         options = _launch_options(constexprs)
         proto = plan.scratch[layout] = _Launch(args, constexprs, options, None, part_out, part_lse,
                                                _occupancy_key(constexprs, options, query.dtype, query.device))
-    out = torch.empty_like(query)  # [T, Hq, D]
+    if out is None:
+        out = torch.empty_like(query)  # [T, Hq, D]
+    elif (out.shape != query.shape or out.dtype != query.dtype or out.device != query.device
+          or out.stride() != (proto.args["stride_ot"], proto.args["stride_oh"], 1)):  # fmt: skip
+        raise ValueError(f"out {tuple(out.shape)} ({out.dtype}, strides {out.stride()}) must be laid out as "
+                         f"the query {tuple(query.shape)} ({query.dtype}) is")
     args = dict(proto.args, q_ptr=query, k_cache_ptr=key_cache, v_cache_ptr=value_cache, out_ptr=out,
                 block_tables_ptr=block_tables)  # fmt: skip
     return proto.with_tensors(args, out)
@@ -1213,7 +1220,12 @@ def _launch(
     plan: WorkPlan,
 ) -> torch.Tensor:
     """Check the plan against the batch, allocate partials, run both kernels."""
-    launch = _prepare(query, key_cache, value_cache, block_tables, scale, plan)
+    return _execute(_prepare(query, key_cache, value_cache, block_tables, scale, plan), plan)
+
+
+def _execute(launch: _Launch, plan: WorkPlan) -> torch.Tensor:
+    """Run a prepared launch: the attention (a two-launch plan's decode
+    part first) and the split-K merge where the attention leaves it."""
     if plan.num_items == 0:
         return launch.out
     rows = 0 if launch.constexprs["FUSED_MERGE"] else plan.num_merge_rows  # left to the merge kernel
@@ -1226,6 +1238,36 @@ def _launch(
     if rows:
         _run_merge(launch, plan, rows)
     return launch.out
+
+
+class StepAttention:
+    """``paged_attention`` for every layer of a step that attends from the
+    same query tensor with the same tables and plan, each layer over its
+    own caches (the batch-1 row layer's query: a view of one buffer every
+    layer's QKV GEMV writes). The first layer's checks, strides and
+    variant serve the rest; a layer passes only its caches, and every
+    layer writes ``out``, one buffer (each layer's reader runs before the
+    next layer's attention, in stream order). Caches laid out otherwise
+    than the first layer's take ``paged_attention``'s checked path."""
+
+    __slots__ = ("_query", "_tables", "_scale", "_plan", "_first", "_layout", "out")
+
+    def __init__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, scale: float, plan: WorkPlan) -> None:  # fmt: skip
+        self._query, self._tables, self._scale, self._plan = query, block_tables, scale, plan
+        self.out = torch.empty_like(query)
+        self._first = _prepare(query, key_cache, value_cache, block_tables, scale, plan, out=self.out)
+        self._layout = cache_layout(key_cache, value_cache)
+
+    def __call__(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
+        """Attend over this layer's caches into ``out``; returns it."""
+        if cache_layout(key_cache, value_cache) == self._layout:
+            first = self._first
+            launch = first.with_tensors(dict(first.args, k_cache_ptr=key_cache, v_cache_ptr=value_cache), self.out)
+        else:
+            launch = _prepare(self._query, key_cache, value_cache, self._tables, self._scale, self._plan,
+                              out=self.out)  # fmt: skip
+        return _execute(launch, self._plan)
 
 
 def _empty_plan(device: torch.device, group: int, has_prefill: bool, sliding_window: int | None) -> WorkPlan:

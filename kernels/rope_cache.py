@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fluidserve.kernels.launch import Relaunch, next_power_of_2
+from fluidserve.kernels.launch import Relaunch, cache_layout, next_power_of_2
 
 
 @triton.jit
@@ -119,21 +119,50 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must hold one slot per token ({t})")
 
 
+def _launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[tuple[int, ...], dict[str, int]]:
+    """The kernel's scalars after its tensors, and its constexprs."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    scalars = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+               sin.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+               value_cache.stride(0), value_cache.stride(1), value_cache.stride(2))  # fmt: skip
+    constexprs = dict(NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=k.shape[1], HALF=head_dim // 2,
+                      BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(k.shape[1]),
+                      BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_SIZE=key_cache.shape[1])  # fmt: skip
+    return scalars, constexprs
+
+
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place, and write k and v
     [T, Hk, D] into their slots of the caches [blocks, block_size, Hk, D]."""
     _check(q, k, v, cos, sin, key_cache, value_cache, slot_mapping)
-    t, num_q_heads, head_dim = q.shape
-    if t == 0:
+    if q.shape[0] == 0:
         return
-    _ROPE_AND_CACHE[(t,)](
-        q, k, v, cos, sin, key_cache, value_cache, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=k.shape[1], HALF=head_dim // 2,
-        BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(k.shape[1]),
-        BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_SIZE=key_cache.shape[1],
-    )  # fmt: skip
+    scalars, constexprs = _launch_args(q, k, v, cos, sin, key_cache, value_cache)
+    _ROPE_AND_CACHE[(q.shape[0],)](q, k, v, cos, sin, key_cache, value_cache, slot_mapping, *scalars, **constexprs)
 
+
+class StepRopeAndCache:
+    """``rope_and_cache`` for every layer of a step that rotates the same q
+    and k tensors (the batch-1 row layer's views of one buffer every
+    layer's QKV GEMV writes) by the same tables into the same slots, each
+    layer into its own caches: checked and laid out once, then a layer
+    passes only its caches. Caches laid out otherwise than the first
+    layer's take ``rope_and_cache``'s checked path."""
+
+    __slots__ = ("_tensors", "_slots", "_grid", "_scalars", "_constexprs", "_layout")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:  # fmt: skip
+        _check(q, k, v, cos, sin, key_cache, value_cache, slot_mapping)
+        self._tensors, self._slots, self._grid = (q, k, v, cos, sin), slot_mapping, (q.shape[0],)
+        self._scalars, self._constexprs = _launch_args(q, k, v, cos, sin, key_cache, value_cache)
+        self._layout = cache_layout(key_cache, value_cache)
+
+    def __call__(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+        if cache_layout(key_cache, value_cache) != self._layout:
+            rope_and_cache(*self._tensors, key_cache, value_cache, self._slots)
+        elif self._grid[0]:
+            _ROPE_AND_CACHE[self._grid](*self._tensors, key_cache, value_cache, self._slots, *self._scalars,
+                                        **self._constexprs)  # fmt: skip

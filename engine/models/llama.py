@@ -9,13 +9,14 @@ holds the one KV head its query heads read (replicated across ranks)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ...kernels import ops
-from ..layers import AttentionMetadata, PagedAttention, RMSNorm, Rope, RotaryEmbedding
+from ..layers import AttentionMetadata, KVCache, PagedAttention, RMSNorm, Rope, RotaryEmbedding
 from ..preemption import LayerLoop
 from ..parallel import (
     MergedColumnParallelLinear,
@@ -25,8 +26,6 @@ from ..parallel import (
     TensorParallel,
     VocabParallelEmbedding,
 )
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def _sliding_window(config, layer: int) -> int | None:
@@ -136,6 +135,24 @@ class _RowWeights:
     gate_up: torch.Tensor
     post_norm: tuple[torch.Tensor, float]
     down: torch.Tensor
+    # Layers of one key share a step's row buffers and launches (_RowStep):
+    # the widths of the QKV and gated outputs, their dtype and device, the
+    # attention's window; None where q and k are normed before rope
+    # (Qwen3), which the shared launches do not do.
+    step_key: tuple | None
+
+
+@dataclass(frozen=True, slots=True)
+class _RowStep:
+    """One step's batch-1 row buffers and attention launches, shared by
+    every layer of one ``_RowWeights.step_key``. A layer's launches read
+    each buffer before the next layer's write it, in stream order: the
+    reuse torch's caching allocator makes of per-layer tensors, without a
+    layer's allocations, split, views and attention checks."""
+
+    qkv: torch.Tensor  # [1, (Hq + 2 Hk) D]: every layer's QKV GEMV writes it
+    attend: Callable[[KVCache], torch.Tensor]  # rope, KV write, attention from qkv's views -> [1, Hq D]
+    act: torch.Tensor  # [1, I]: every layer's gate/up GEMV writes it
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -173,8 +190,30 @@ class LlamaDecoderLayer(nn.Module):
               and gemv.supports(row_of(o.weight), o.weight, None, x) and gemv.supports_gated(x, gate_up.weight)
               and gemv.supports_norm(x, norms[1].weight)
               and gemv.supports(row_of(down.weight), down.weight, None, x))  # fmt: skip
+        step_key = None if attn.qk_norm else (qkv.weight.shape[0], gate_up.weight.shape[0], qkv.weight.dtype,
+                                              qkv.weight.device, attn.attn.sliding_window)  # fmt: skip
         self._row = _RowWeights(qkv.weight, qkv.bias, (norms[0].weight, norms[0].eps), o.weight, gate_up.weight,
-                                (norms[1].weight, norms[1].eps), down.weight) if ok else None  # fmt: skip
+                                (norms[1].weight, norms[1].eps), down.weight, step_key) if ok else None  # fmt: skip
+
+    def _row_step(self, w: _RowWeights, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> _RowStep | None:
+        """This step's row buffers and launches for layers of ``w``'s key,
+        made by the first (None: the layer launches as the modules lay out,
+        per layer)."""
+        steps = meta._row_steps
+        if w.step_key in steps:
+            return steps[w.step_key]
+        step = None
+        if w.step_key is not None:
+            attn = self.self_attn
+            qkv = w.qkv.new_empty((1, w.qkv.shape[0]))
+            q, k, v = qkv.split(attn.qkv_proj.sizes, dim=-1)
+            attend = attn.attn.step_launches(q.view(1, attn.num_heads, attn.head_dim),
+                                             k.view(1, attn.num_kv_heads, attn.head_dim),
+                                             v.view(1, attn.num_kv_heads, attn.head_dim), kv_cache, meta, rope)
+            if attend is not None:
+                step = _RowStep(qkv, attend, w.gate_up.new_empty((1, w.gate_up.shape[0] // 2)))
+        steps[w.step_key] = step
+        return step
 
     def forward(self, rope, x, kv_cache, meta, *, row: bool = False):
         # x: [T, hidden], left as it is. Nine launches on the Triton lane:
@@ -196,6 +235,13 @@ class LlamaDecoderLayer(nn.Module):
                 # layer what the first step settled (op_counts.py --host-timing).
                 from ...kernels import gemv
 
+                step = self._row_step(w, rope, kv_cache, meta)
+                if step is not None:
+                    gemv.launch(x, w.qkv, w.qkv_bias, None, norm=w.input_norm, out=step.qkv)
+                    h = gemv.launch(step.attend(kv_cache), w.o, None, x, out=torch.empty_like(x),
+                                    round_before_residual=True)  # fmt: skip
+                    gemv.launch(h, w.gate_up, None, None, gated=True, norm=w.post_norm, out=step.act)
+                    return gemv.launch(step.act, w.down, None, h)  # h + MLP, over h
                 qkv = gemv.launch(x, w.qkv, w.qkv_bias, None, norm=w.input_norm)
                 h = gemv.launch(attn.attend(rope, qkv, kv_cache, meta), w.o, None, x, out=torch.empty_like(x),
                                 round_before_residual=True)  # fmt: skip

@@ -292,9 +292,13 @@ def test_lane_batch1_layers_in_six_launches_give_the_nine_launch_bits(tiny_model
     nine-launch layer's bit for bit: the fused launches round where the
     unfused ones do. The layer launches them from the weights it read once
     (``LlamaDecoderLayer.prepack``); through the modules, which check
-    every call, the bits are the same again."""
+    every call, the bits are the same again. A Llama's layers share one
+    step's buffers and attention launches (``PagedAttention.step_launches``,
+    made once a decode step, launched by every layer); a Qwen3's, whose q
+    and k are normed before rope, do not."""
     from types import SimpleNamespace
 
+    from fluidserve.engine.layers import PagedAttention
     from fluidserve.engine.models import llama
     from fluidserve.kernels import gemv
 
@@ -306,9 +310,16 @@ def test_lane_batch1_layers_in_six_launches_give_the_nine_launch_bits(tiny_model
         for name, patches in [("six", []), ("six through the modules", [(llama.LlamaDecoderLayer, "prepack",
                                                                           lambda self: None)]),
                               ("nine", [(llama, "ops", SimpleNamespace(gemv_row=lambda x, w: False))])]:  # fmt: skip
-            normed = []
+            normed, built, attended = [], [], []
+
+            def step_launches(self, *a, f=PagedAttention.step_launches, **k):
+                launches = f(self, *a, **k)
+                built.append(launches)
+                return launches and (lambda kv: attended.append(kv) or launches(kv))
+
             with monkeypatch.context() as patch:
                 patch.setattr(gemv, "launch", lambda *a, f=gemv.launch, **k: normed.append(k.get("norm")) or f(*a, **k))
+                patch.setattr(PagedAttention, "step_launches", step_launches)
                 for target, attr, value in patches:
                     patch.setattr(target, attr, value)
                 llm = make_llm(path, **kwargs)
@@ -316,6 +327,12 @@ def test_lane_batch1_layers_in_six_launches_give_the_nine_launch_bits(tiny_model
             runs[name] = tokens, llm.engine.executor.worker.kv_caches
             # two GEMVs with the norm in their prologue per layer in every decode step of the six-launch layers
             assert (sum(n is not None for n in normed) >= 2 * 5) is (name != "nine"), name
+            if name == "six" and arch == "llama":
+                # made once a decode step (five, and the start-up's warm-up), launched by every layer in turn
+                assert len(built) >= 5 and all(built)
+                assert [id(k) for k, _ in attended] == [id(k) for k, _ in runs[name][1]] * len(built)
+            else:
+                assert built == [], (arch, name)
         tokens, caches = runs["nine"]
         for name in ("six", "six through the modules"):
             assert runs[name][0] == tokens, (arch, name)

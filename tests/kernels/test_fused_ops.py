@@ -117,6 +117,42 @@ def test_rope_and_cache_rotates_in_place_and_writes_the_slots(device, dtype, q_h
                        untouched.view(-1, kv_heads, head_dim)[~written.to(device)])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_step_rope_and_cache_gives_every_layer_the_checked_launchs_bits(device, dtype):
+    """``StepRopeAndCache``: the batch-1 row layers' rope and KV write, laid
+    out once for a step's q/k/v views of one buffer and launched per layer
+    with only that layer's caches. Over three layers, each with new values
+    in the buffer (as its QKV GEMV writes them), q, k and both caches equal
+    ``rope_and_cache``'s bit for bit; a layer whose caches are laid out
+    otherwise (more blocks) takes the checked path and is right too, and
+    caches of the wrong head count are refused there, not launched on
+    the first layer's strides."""
+    q_heads, kv_heads, head_dim, block_size = 4, 2, 32, 16
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.empty(1, (q_heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype)
+    q, k, v = (t.view(1, -1, head_dim) for t in qkv.split(
+        [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    rope = tables(torch.tensor([37], device=device), 10000.0, head_dim, dtype)
+    slots = torch.tensor([21], device=device)
+    layers = [paged_cache(4, block_size, kv_heads, head_dim, dtype, device),
+              paged_cache(4, block_size, kv_heads, head_dim, dtype, device),
+              paged_cache(7, block_size, kv_heads, head_dim, dtype, device)]  # fmt: skip
+    step = rope_cache.StepRopeAndCache(q, k, v, *rope, *layers[0], slots)
+    for key_cache, value_cache in layers:
+        qkv.copy_(torch.randn(qkv.shape, generator=gen).to(device, dtype))
+        ref_qkv, ref_kc, ref_vc = qkv.clone(), key_cache.clone(), value_cache.clone()
+        rq, rk, rv = (t.view(1, -1, head_dim) for t in ref_qkv.split(
+            [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+        rope_cache.rope_and_cache(rq, rk, rv, *rope, ref_kc, ref_vc, slots)
+        step(key_cache, value_cache)
+        assert torch.equal(qkv, ref_qkv)  # q and k rotated in place, v as it was
+        assert torch.equal(key_cache, ref_kc) and torch.equal(value_cache, ref_vc)
+        assert torch.equal(value_cache.view(-1, kv_heads, head_dim)[21], v[0])  # the slot was written
+    wrong = paged_cache(4, block_size, kv_heads + 1, head_dim, dtype, device)
+    with pytest.raises(ValueError, match="caches must be"):
+        step(*wrong)
+
+
 def test_rope_torch_path_matches_the_reference():
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, 5, 64, generator=gen)

@@ -70,15 +70,22 @@ def test_summary_reads_each_steps_fresh_result_and_ignores_stale_ones(tmp_path):
 
     junit = tmp_path / "engine.xml"  # as pytest leaves it when interrupted: the stopped test has no name
     junit.write_text(
-        '<testsuites><testsuite><testcase classname="tests.test_a" name="test_ok"/>'
-        '<testcase classname="tests.test_a" name="test_bad"><failure message="assert 1 == 2">x</failure></testcase>'
-        '<testcase classname="tests.test_a" name="test_skip"><skipped message="no"/></testcase>'
+        '<testsuites><testsuite><testcase classname="tests.test_a" name="test_ok" time="2.5"/>'
+        '<testcase classname="tests.test_a" name="test_bad" time="0.25"><failure message="assert 1 == 2">x</failure>'
+        '</testcase><testcase classname="tests.test_b" name="test_skip" time="1.0"><skipped message="no"/></testcase>'
         '<testcase time="0.0"/></testsuite></testsuites>'
     )  # fmt: skip
     tests_json = tmp_path / "gpu_tests_engine_fake.json"
     report("step", "--summary", summary, "--key", "engine_tests", "--rc", 124, "--seconds", 150, "--limit", 150,
            "--since", started, "--result", tests_json, "--junit", junit)  # fmt: skip
-    assert json.loads(tests_json.read_text())["failures"][0]["test"] == "tests.test_a::test_bad"
+    tests = json.loads(tests_json.read_text())
+    assert tests["failures"][0]["test"] == "tests.test_a::test_bad"
+    # where the step's time went: the slowest tests first, and per module
+    assert tests["test_seconds"] == 3.8 and [t["test"] for t in tests["slowest"]] == [
+        "tests.test_a::test_ok", "tests.test_b::test_skip", "tests.test_a::test_bad"]  # fmt: skip
+    assert tests["modules"] == [dict(module="tests.test_a", seconds=2.8), dict(module="tests.test_b", seconds=1.0)]
+    assert "by module: `tests.test_a` 3 s, `tests.test_b` 1 s; slowest: `tests.test_a::test_ok` 2.5 s" in (
+        summary.with_suffix(".md").read_text())
 
     decode = tmp_path / "batch1_decode_fake.json"
     decode.write_text(json.dumps(dict(roofline_ms=5.0, eager_over_graphs=2.0, modes=dict(

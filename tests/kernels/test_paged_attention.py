@@ -68,6 +68,35 @@ def test_mixed_batch_matches_reference(device, make_batch, oracle, group, head_d
     torch.testing.assert_close(run(batch), oracle(batch), atol=ATOL, rtol=RTOL)
 
 
+def test_a_step_attention_gives_every_layer_the_checked_launchs_bits(device, make_batch, oracle):
+    """``StepAttention``: the attention of a step whose layers attend from
+    one query tensor, prepared once and launched per layer with only that
+    layer's caches, into one output buffer. Over three layers' caches (a
+    split long decode, a short one, a prefill chunk: the merge runs) each
+    layer's output equals ``paged_attention``'s bit for bit and the
+    reference's within tolerance; caches laid out otherwise (more blocks)
+    take the checked path, and caches of another head count are refused
+    there rather than read on the first layer's strides."""
+    batch = make_batch([(1, 300), (1, 17), (5, 40)], num_kv_heads=2, group=2, head_dim=32, block_size=16,
+                       device=device, seed=7)  # fmt: skip
+    plan = pa.plan_for(batch.query, batch.key_cache, batch.q_lens, batch.seq_len_list, num_units=4, kv_chunk=64)
+    assert plan.num_merge_rows > 0
+    gen = torch.Generator().manual_seed(8)
+    other = [torch.randn(batch.key_cache.shape, generator=gen).to(device) for _ in range(2)]
+    more = [torch.cat([c, torch.randn(c[:3].shape, generator=gen).to(device)]) for c in other]
+    step = pa.StepAttention(batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.scale, plan)
+    for key_cache, value_cache in [(batch.key_cache, batch.value_cache), other, more]:
+        expected = pa.paged_attention(batch.query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
+                                      batch.query_start_loc, batch.scale, work=plan)  # fmt: skip
+        out = step(key_cache, value_cache)
+        assert out is step.out and torch.equal(out, expected)
+        layer = dataclasses.replace(batch, key_cache=key_cache, value_cache=value_cache)
+        torch.testing.assert_close(out.float().cpu(), oracle(layer), atol=ATOL, rtol=RTOL)
+    wrong = torch.randn((*batch.key_cache.shape[:2], 3, 32), generator=gen).to(device)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        step(wrong, wrong)
+
+
 def test_ignoring_the_block_table_would_fail(device, make_batch, oracle):
     """The test batches are sensitive to the page walk: the same cache read
     through an identity table gives a clearly different answer."""
