@@ -307,21 +307,60 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     the first weight step ahead, and ``prefetch`` does that in a plain one,
     on any device (the interpreter has no grid dependency control). The
     launch shape is for benchmarks: the engine's is the default."""
-    rows, k = weight.shape
     mode = dependent_launch(x) if dependent is None else _mode_name(dependent)
-    k_step = k_step or block_k(k)
-    n, grid, block_n, block_d = _shape(rows, k, gated, norm is not None, block_n, k_step)
+    n, grid, scalars, norm_weight, constexprs = _spec(weight, bias, residual is not None, block_n, k_step, num_warps,
+                                                      gated, norm, round_before_residual, mode, prefetch)  # fmt: skip
     if out is None:
         out = residual if residual is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
-    norm_weight, eps = norm if norm is not None else (out, 0.0)
-    chained = chain_options(mode, prefetch, k, block_n * (2 if gated else 1), weight)
-    _GEMV[grid](
-        x, weight, bias if bias is not None else out, residual if residual is not None else out, norm_weight, out,
-        n, k, weight.stride(0), float(eps), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        ROUND_BEFORE_RESIDUAL=round_before_residual, GATED=gated, NORM=norm is not None, BLOCK_N=block_n,
-        BLOCK_K=k_step, BLOCK_D=block_d, num_warps=num_warps, **chained,
-    )  # fmt: skip
+    _GEMV[grid](x, weight, bias if bias is not None else out, residual if residual is not None else out,
+                norm_weight if norm_weight is not None else out, out, *scalars, **constexprs)  # fmt: skip
     return out
+
+
+def _spec(weight: torch.Tensor, bias: torch.Tensor | None, residual: bool, block_n: int | None, k_step: int | None,
+          num_warps: int, gated: bool, norm: tuple[torch.Tensor, float] | None, round_before_residual: bool,
+          mode: str, prefetch: bool) -> tuple[int, tuple[int], tuple, torch.Tensor | None, dict]:  # fmt: skip
+    """(output columns, grid, the scalars after the kernel's tensors, the
+    norm's weight, the constexprs and launch options) of ``launch``."""
+    rows, k = weight.shape
+    k_step = k_step or block_k(k)
+    n, grid, block_n, block_d = _shape(rows, k, gated, norm is not None, block_n, k_step)
+    norm_weight, eps = norm if norm is not None else (None, 0.0)
+    constexprs = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual, ROUND_BEFORE_RESIDUAL=round_before_residual,
+                      GATED=gated, NORM=norm is not None, BLOCK_N=block_n, BLOCK_K=k_step, BLOCK_D=block_d,
+                      num_warps=num_warps, **chain_options(mode, prefetch, k, block_n * (2 if gated else 1), weight))
+    return n, grid, (n, k, weight.stride(0), float(eps)), norm_weight, constexprs  # fmt: skip
+
+
+class PreparedGemv:
+    """``launch`` for one weight with its bias, norm, residual and launch
+    mode fixed, worked out once (grid, scalars, constexprs): a decoder
+    layer's batch-1 row path launches each of its GEMVs with only the
+    step's rows, every step, without ``launch``'s per-call work. For
+    inputs ``supports`` (and, with a norm, ``supports_norm``) has passed
+    on rows of the weight's dtype and device, unchecked."""
+
+    __slots__ = ("n", "residual", "_weight", "_bias", "_norm_weight", "_grid", "_scalars", "_constexprs")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, residual: bool = False,
+                 gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
+                 round_before_residual: bool = False, mode: str = "off") -> None:  # fmt: skip
+        self.residual = residual
+        self._weight, self._bias = weight, bias
+        self.n, self._grid, self._scalars, self._norm_weight, self._constexprs = _spec(
+            weight, bias, residual, None, None, NUM_WARPS, gated, norm, round_before_residual, _mode_name(mode),
+            False)  # fmt: skip
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [1, K] -> ``out`` [1, n] (plus ``residual`` [1, n] where prepared
+        with one; ``out`` may be the residual itself)."""
+        if (residual is not None) is not self.residual:
+            raise ValueError(f"a GEMV prepared {'with' if self.residual else 'without'} a residual")
+        bias, norm_weight = self._bias, self._norm_weight
+        _GEMV[self._grid](x, self._weight, bias if bias is not None else out, residual if residual is not None else out,
+                          norm_weight if norm_weight is not None else out, out, *self._scalars,
+                          **self._constexprs)  # fmt: skip
+        return out
 
 
 @functools.cache

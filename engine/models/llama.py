@@ -10,7 +10,8 @@ holds the one KV head its query heads read (replicated across ranks)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from ..parallel import (
     TensorParallel,
     VocabParallelEmbedding,
 )
+
+if TYPE_CHECKING:  # the Triton kernels are imported where a row step first needs them
+    from ...kernels.gemv import PreparedGemv
 
 
 def _sliding_window(config, layer: int) -> int | None:
@@ -140,6 +144,23 @@ class _RowWeights:
     # attention's window; None where q and k are normed before rope
     # (Qwen3), which the shared launches do not do.
     step_key: tuple | None
+    _gemvs: dict = field(default_factory=dict)  # launch mode -> the four GEMVs prepared (gemvs)
+
+    def gemvs(self, mode: str) -> tuple[PreparedGemv, PreparedGemv, PreparedGemv, PreparedGemv]:
+        """The QKV (input norm first), o (adding the residual, rounded
+        before it as the modules' separate add is), gate/up (post norm
+        first, SiLU-mul after) and down (adding the residual) GEMVs,
+        prepared once per launch mode (``gemv.dependent_launch``)."""
+        prepared = self._gemvs.get(mode)
+        if prepared is None:
+            from ...kernels.gemv import PreparedGemv
+
+            prepared = self._gemvs[mode] = (
+                PreparedGemv(self.qkv, self.qkv_bias, norm=self.input_norm, mode=mode),
+                PreparedGemv(self.o, residual=True, round_before_residual=True, mode=mode),
+                PreparedGemv(self.gate_up, gated=True, norm=self.post_norm, mode=mode),
+                PreparedGemv(self.down, residual=True, mode=mode))  # fmt: skip
+        return prepared
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +174,7 @@ class _RowStep:
     qkv: torch.Tensor  # [1, (Hq + 2 Hk) D]: every layer's QKV GEMV writes it
     attend: Callable[[KVCache], torch.Tensor]  # rope, KV write, attention from qkv's views -> [1, Hq D]
     act: torch.Tensor  # [1, I]: every layer's gate/up GEMV writes it
+    mode: str  # how the step's GEMVs launch (gemv.dependent_launch), asked once a step
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -204,6 +226,8 @@ class LlamaDecoderLayer(nn.Module):
             return steps[w.step_key]
         step = None
         if w.step_key is not None:
+            from ...kernels import gemv
+
             attn = self.self_attn
             qkv = w.qkv.new_empty((1, w.qkv.shape[0]))
             q, k, v = qkv.split(attn.qkv_proj.sizes, dim=-1)
@@ -211,7 +235,8 @@ class LlamaDecoderLayer(nn.Module):
                                              k.view(1, attn.num_kv_heads, attn.head_dim),
                                              v.view(1, attn.num_kv_heads, attn.head_dim), kv_cache, meta, rope)
             if attend is not None:
-                step = _RowStep(qkv, attend, w.gate_up.new_empty((1, w.gate_up.shape[0] // 2)))
+                step = _RowStep(qkv, attend, w.gate_up.new_empty((1, w.gate_up.shape[0] // 2)),
+                                gemv.dependent_launch(qkv))  # fmt: skip
         steps[w.step_key] = step
         return step
 
@@ -229,24 +254,25 @@ class LlamaDecoderLayer(nn.Module):
             # rounded where the nine round.
             w = self._row
             if w is not None:
-                # The launches the modules below make, straight from the
-                # weights read once: an eager step's host work is most of
-                # its time, and the modules' dispatch and checks repeat per
-                # layer what the first step settled (op_counts.py --host-timing).
-                from ...kernels import gemv
-
+                # The launches the modules below make, prepared once from
+                # the weights read once, into buffers and through attention
+                # launches the step's first layer sets up for the rest (a
+                # Qwen3's normed q and k aside): an eager step's host work
+                # is most of its time, and the modules' dispatch and checks
+                # repeat per layer what the first settled (op_counts.py --host-timing).
                 step = self._row_step(w, rope, kv_cache, meta)
                 if step is not None:
-                    gemv.launch(x, w.qkv, w.qkv_bias, None, norm=w.input_norm, out=step.qkv)
-                    h = gemv.launch(step.attend(kv_cache), w.o, None, x, out=torch.empty_like(x),
-                                    round_before_residual=True)  # fmt: skip
-                    gemv.launch(h, w.gate_up, None, None, gated=True, norm=w.post_norm, out=step.act)
-                    return gemv.launch(step.act, w.down, None, h)  # h + MLP, over h
-                qkv = gemv.launch(x, w.qkv, w.qkv_bias, None, norm=w.input_norm)
-                h = gemv.launch(attn.attend(rope, qkv, kv_cache, meta), w.o, None, x, out=torch.empty_like(x),
-                                round_before_residual=True)  # fmt: skip
-                act = gemv.launch(h, w.gate_up, None, None, gated=True, norm=w.post_norm)
-                return gemv.launch(act, w.down, None, h)  # h + MLP, over h
+                    qkv, o, gate_up, down = w.gemvs(step.mode)
+                    qkv(x, step.qkv)
+                    attended, act = step.attend(kv_cache), step.act
+                else:
+                    from ...kernels import gemv
+
+                    qkv, o, gate_up, down = w.gemvs(gemv.dependent_launch(x))
+                    attended = attn.attend(rope, qkv(x, x.new_empty((1, qkv.n))), kv_cache, meta)
+                    act = x.new_empty((1, gate_up.n))
+                h = o(attended, torch.empty_like(x), x)  # x + attention
+                return down(gate_up(h, act), h, h)  # h + MLP, over h
             qkv = attn.qkv_proj.forward_normed(x, self.input_layernorm, path=path)
             h = attn.o_proj.forward_add(attn.attend(rope, qkv, kv_cache, meta), x, path)  # x + attention
             act = self.mlp.gate_up_proj.forward_normed(h, self.post_attention_layernorm, gated=True, path=path)

@@ -270,6 +270,40 @@ def _every_launch(x, w, bias, residual, norm_weight, **how):
 
 
 @pytest.mark.parametrize("dtype", sorted({*DTYPES, torch.bfloat16}, key=str))
+def test_a_prepared_gemv_launches_what_launch_does(device, dtype):
+    """``PreparedGemv``, a launch worked out once for a weight (the row
+    layer's four GEMVs): each kind ``launch`` makes gives its bits, on
+    two rows in turn (the preparation holds no row), into the caller's
+    output or over the residual; a residual passed where none was
+    prepared, or none where one was, is refused rather than dropped."""
+    n, k = 96, 1536
+    x, w, bias, residual = operands(device, dtype, n, k, seed=5)
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(6))).to(device, dtype)
+    norm = (norm_weight, 1e-5)
+    kinds = [(dict(), dict()), (dict(bias=bias), dict()), (dict(residual=True), dict(residual=True)),
+             (dict(residual=True, round_before_residual=True), dict(residual=True, round_before_residual=True)),
+             (dict(norm=norm), dict(norm=norm)), (dict(gated=True), dict(gated=True)),
+             (dict(gated=True, norm=norm), dict(gated=True, norm=norm))]  # fmt: skip
+    for row in (x, torch.flip(x, dims=(1,)).contiguous()):
+        for prepared_with, launched_with in kinds:
+            prepared = gemv.PreparedGemv(w, **prepared_with)
+            launched = dict(launched_with)
+            add = residual if launched.pop("residual", False) else None
+            expected = gemv.launch(row, w, prepared_with.get("bias"), None if add is None else add.clone(),
+                                   **launched)  # fmt: skip
+            out = torch.empty(1, prepared.n, dtype=dtype, device=device)
+            assert prepared(row, out, add) is out and prepared.n == expected.shape[1]
+            torch.testing.assert_close(out, expected, atol=0, rtol=0)
+            if add is not None:  # in place over the residual, as the down projection runs
+                over = add.clone()
+                torch.testing.assert_close(prepared(row, over, over), expected, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="without a residual"):
+        gemv.PreparedGemv(w)(x, torch.empty_like(residual), residual)
+    with pytest.raises(ValueError, match="with a residual"):
+        gemv.PreparedGemv(w, residual=True)(x, torch.empty_like(residual))
+
+
+@pytest.mark.parametrize("dtype", sorted({*DTYPES, torch.bfloat16}, key=str))
 @pytest.mark.parametrize("n,k", [(74, 64), (96, 1536), (10, 48)])  # one K step of 64; three of 512; three of 16
 def test_the_first_weight_step_loaded_ahead_gives_the_same_bits(device, dtype, n, k):
     """``prefetch``, the order a dependent launch takes (the first K step's
