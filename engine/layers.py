@@ -168,7 +168,6 @@ class PagedAttention(nn.Module):
         )
         return out.reshape(out.shape[0], -1)
 
-
     def _compile_variants(self, q: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         if self.sliding_window not in meta._compiled:
             _compile_variants_once(q, key_cache, self.sliding_window)

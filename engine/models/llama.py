@@ -167,9 +167,9 @@ class _RowWeights:
 class _RowStep:
     """One step's batch-1 row buffers and attention launches, shared by
     every layer of one ``_RowWeights.step_key``. A layer's launches read
-    each buffer before the next layer's write it, in stream order: the
-    reuse torch's caching allocator makes of per-layer tensors, without a
-    layer's allocations, split, views and attention checks."""
+    each buffer before the next layer's launches write it, in stream
+    order: the reuse torch's caching allocator makes of per-layer tensors,
+    without a layer's allocations, split, views and attention checks."""
 
     qkv: torch.Tensor  # [1, (Hq + 2 Hk) D]: every layer's QKV GEMV writes it
     attend: Callable[[KVCache], torch.Tensor]  # rope, KV write, attention from qkv's views -> [1, Hq D]
