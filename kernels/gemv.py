@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fluidserve.kernels.launch import Relaunch, cdiv, next_power_of_2
+from fluidserve.kernels.launch import Relaunch, Site, aligned, cdiv, next_power_of_2
 
 BLOCK_N = 16  # output rows per program: 256+ programs on an 8B model's smallest matrix
 MAX_BLOCK_K = 512  # the fastest on every Llama-3-8B shape measured; smaller where K needs it
@@ -340,16 +340,19 @@ class PreparedGemv:
     inputs ``supports`` (and, with a norm, ``supports_norm``) has passed
     on rows of the weight's dtype and device, unchecked."""
 
-    __slots__ = ("n", "residual", "_weight", "_bias", "_norm_weight", "_grid", "_scalars", "_constexprs")
+    __slots__ = ("n", "residual", "_weight", "_bias", "_norm_weight", "_scalars", "_dtype", "_site")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, residual: bool = False,
                  gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
                  round_before_residual: bool = False, mode: str = "off") -> None:  # fmt: skip
         self.residual = residual
-        self._weight, self._bias = weight, bias
-        self.n, self._grid, self._scalars, self._norm_weight, self._constexprs = _spec(
+        self._weight, self._bias, self._dtype = weight, bias, weight.dtype
+        self.n, grid, self._scalars, self._norm_weight, constexprs = _spec(
             weight, bias, residual, None, None, NUM_WARPS, gated, norm, round_before_residual, _mode_name(mode),
             False)  # fmt: skip
+        # Its rows are the only arguments that change: on a GPU, rows of the
+        # weight's dtype, 16-byte aligned, launch without a key.
+        self._site = Site(_GEMV, grid, constexprs)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [1, K] -> ``out`` [1, n] (plus ``residual`` [1, n] where prepared
@@ -357,9 +360,11 @@ class PreparedGemv:
         if (residual is not None) is not self.residual:
             raise ValueError(f"a GEMV prepared {'with' if self.residual else 'without'} a residual")
         bias, norm_weight = self._bias, self._norm_weight
-        _GEMV[self._grid](x, self._weight, bias if bias is not None else out, residual if residual is not None else out,
-                          norm_weight if norm_weight is not None else out, out, *self._scalars,
-                          **self._constexprs)  # fmt: skip
+        args = (x, self._weight, bias if bias is not None else out, residual if residual is not None else out,
+                norm_weight if norm_weight is not None else out, out, *self._scalars)  # fmt: skip
+        dtype = self._dtype
+        self._site(args, x.dtype is dtype and out.dtype is dtype
+                   and (aligned(x, out) if residual is None else aligned(x, out, residual)))  # fmt: skip
         return out
 
 

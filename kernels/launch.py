@@ -89,6 +89,39 @@ def launch_hooks_set() -> bool:
     return _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
 
 
+class Site:
+    """One call site of a kernel whose launches differ only in tensors of
+    the same dtypes: its grid, constexprs, scalars and argument types are
+    the caller's own (a prepared GEMV, a step's rope). A call the caller
+    finds ``usual`` (its changing tensors of the dtypes it was made for,
+    each 16-byte aligned) goes to the launcher ``Relaunch.kept`` handed the
+    first usual call, with no key worked out; any other takes the key,
+    and leaves that launcher as it is."""
+
+    __slots__ = ("_relaunch", "_grid", "_kwargs", "_fast")
+
+    def __init__(self, relaunch: Relaunch, grid: Sequence[int], kwargs: dict[str, Any]) -> None:
+        self._relaunch, self._grid, self._kwargs = relaunch, grid, kwargs
+        self._fast: Callable[[tuple], None] | None = None
+
+    def __call__(self, args: tuple, usual: bool) -> None:
+        if usual and self._fast is not None:
+            self._fast(args)
+            return
+        fast = self._relaunch.kept(self._grid, args, self._kwargs)
+        if usual:
+            self._fast = fast
+
+
+def aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every one of ``tensors`` starts on a 16-byte boundary (what
+    Triton specialises a pointer on, beside its dtype)."""
+    bits = 0
+    for t in tensors:
+        bits |= t.data_ptr()
+    return not bits & 15
+
+
 def cache_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
     """What a launch worked out once for a step (``StepAttention``,
     ``StepRopeAndCache``) reads of a layer's KV caches: another layer's
@@ -246,6 +279,44 @@ class Relaunch:
                            "relaunch (%s); every launch takes Triton's path", name, exc)
             return self.fn[grid](*args, **kwargs)
         return compiled
+
+    def kept(self, grid: Sequence[int], args: Sequence[Any], kwargs: dict[str, Any]) -> Callable[[tuple], None] | None:
+        """Launch as ``launch`` does, and return a launcher of the kernel
+        that ran, for later calls of one site whose runtime arguments
+        differ from these only in tensors of the same dtypes and 16-byte
+        alignment: the caller's promise (``gemv.PreparedGemv``: its
+        weights, scalars and constexprs are its own, and it checks its
+        rows' dtype and alignment). ``launcher(args)`` launches on the
+        current stream without working out a key; where a launch hook is
+        set, relaunching is off or another device is current, it takes
+        ``launch``'s path. None where this call could not relaunch (the
+        interpreter, CPU tensors, a launch hook, relaunching off, an
+        argument of a type the key does not know)."""
+        first = args[0] if args else None
+        if (not _SUPPORTED or not isinstance(first, torch.Tensor) or first.device.type != "cuda"
+                or launch_hooks_set()):  # fmt: skip
+            self.fn[grid](*args, **kwargs)
+            return None
+        return self._keep(grid, args, kwargs)
+
+    def _keep(self, grid: Sequence[int], args: Sequence[Any], kwargs: dict[str, Any]) -> Callable[[tuple], None] | None:
+        # ``kept`` past its device test: the relaunch, then its kernel bound.
+        compiled = self.relaunch(grid, args, kwargs)
+        if compiled is None or not _enabled or self.key(args, kwargs) is None:
+            return None
+        device, stream = self._device(), self._stream
+        tail = tuple(kwargs.get(name, default) for name, default in self._constexprs)
+        g0, g1, g2 = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+        function, metadata, current = compiled.function, compiled.packed_metadata, self._device
+
+        def launcher(call_args: tuple) -> None:
+            if not _enabled or launch_hooks_set() or current() != device:
+                self.launch(grid, call_args, kwargs)
+                return
+            # Relaunch.relaunch's call, which the launcher took from this site's first call.
+            compiled.run(g0, g1, g2, stream(device), function, metadata, None, None, None, *call_args, *tail)
+
+        return launcher
 
     def cached(self) -> int:
         """How many compiled variants the fast path holds."""

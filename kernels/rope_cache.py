@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fluidserve.kernels.launch import Relaunch, cache_layout, next_power_of_2
+from fluidserve.kernels.launch import Relaunch, Site, aligned, cache_layout, next_power_of_2
 
 
 @triton.jit
@@ -151,7 +151,7 @@ class StepRopeAndCache:
     passes only its caches. Caches laid out otherwise than the first
     layer's take ``rope_and_cache``'s checked path."""
 
-    __slots__ = ("_tensors", "_slots", "_grid", "_scalars", "_constexprs", "_layout")
+    __slots__ = ("_tensors", "_slots", "_grid", "_scalars", "_constexprs", "_layout", "_site")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:  # fmt: skip
@@ -159,10 +159,12 @@ class StepRopeAndCache:
         self._tensors, self._slots, self._grid = (q, k, v, cos, sin), slot_mapping, (q.shape[0],)
         self._scalars, self._constexprs = _launch_args(q, k, v, cos, sin, key_cache, value_cache)
         self._layout = cache_layout(key_cache, value_cache)
+        # Only the caches change, of one layout: on a GPU, aligned ones launch without a key.
+        self._site = Site(_ROPE_AND_CACHE, self._grid, self._constexprs)
 
     def __call__(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         if cache_layout(key_cache, value_cache) != self._layout:
             rope_and_cache(*self._tensors, key_cache, value_cache, self._slots)
         elif self._grid[0]:
-            _ROPE_AND_CACHE[self._grid](*self._tensors, key_cache, value_cache, self._slots, *self._scalars,
-                                        **self._constexprs)  # fmt: skip
+            self._site((*self._tensors, key_cache, value_cache, self._slots, *self._scalars),
+                       aligned(key_cache, value_cache))  # fmt: skip

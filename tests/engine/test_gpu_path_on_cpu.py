@@ -323,6 +323,10 @@ def test_lane_batch1_layers_in_six_launches_give_the_nine_launch_bits(tiny_model
                 def __getitem__(self, grid, inner=gemv._GEMV):
                     return lambda *a, **k: normed.append(k["NORM"]) or inner[grid](*a, **k)
 
+                def kept(self, grid, args, kwargs, inner=gemv._GEMV):
+                    normed.append(kwargs["NORM"])
+                    return inner.kept(grid, args, kwargs)
+
             with monkeypatch.context() as patch:
                 patch.setattr(gemv, "_GEMV", NormsCounted())
                 patch.setattr(PagedAttention, "step_launches", step_launches)

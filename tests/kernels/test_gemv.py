@@ -303,6 +303,35 @@ def test_a_prepared_gemv_launches_what_launch_does(device, dtype):
         gemv.PreparedGemv(w, residual=True)(x, torch.empty_like(residual))
 
 
+def test_a_prepared_gemv_launches_aligned_rows_of_its_dtype_through_its_kept_launcher(monkeypatch):
+    """On a GPU a prepared GEMV's first launch with 16-byte aligned rows of
+    its weight's dtype keeps ``Relaunch.kept``'s launcher, and later such
+    launches go to it with the arguments the first had (its own tensors
+    and scalars, the call's rows); rows off 16 bytes, or of another dtype,
+    take the key again and leave the kept launcher as it is. The relaunch
+    is stood in for here (a CPU tensor never relaunches)."""
+    x, w, _, residual = operands("cpu", torch.float32, 32, 64, seed=2)
+    calls = []
+
+    def kept(grid, args, kwargs):  # the launcher says which call kept it
+        calls.append(("kept", [id(a) if isinstance(a, torch.Tensor) else a for a in args]))
+        return lambda args, n=len(calls): calls.append((f"fast {n}", [id(a) if isinstance(a, torch.Tensor) else a
+                                                                      for a in args]))  # fmt: skip
+
+    monkeypatch.setattr(gemv._GEMV, "kept", kept)
+    prepared = gemv.PreparedGemv(w, residual=True)
+    out = torch.empty_like(residual)
+    prepared(x, out, residual)
+    prepared(x, out, residual)
+    assert [kind for kind, _ in calls] == ["kept", "fast 1"] and calls[0][1] == calls[1][1]
+    assert calls[0][1][:6] == [id(x), id(w), id(out), id(residual), id(out), id(out)]  # no bias, no norm: out stands in
+    off = torch.zeros(1, 65)[:, 1:]
+    prepared(off, out, residual)  # 4 bytes off
+    prepared(x.double(), out, residual)
+    prepared(x, out, residual)
+    assert [kind for kind, _ in calls[2:]] == ["kept", "kept", "fast 1"]  # the first call's launcher still
+
+
 @pytest.mark.parametrize("dtype", sorted({*DTYPES, torch.bfloat16}, key=str))
 @pytest.mark.parametrize("n,k", [(74, 64), (96, 1536), (10, 48)])  # one K step of 64; three of 512; three of 16
 def test_the_first_weight_step_loaded_ahead_gives_the_same_bits(device, dtype, n, k):

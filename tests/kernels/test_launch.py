@@ -243,3 +243,76 @@ def test_a_launcher_that_refuses_a_relaunch_turns_relaunching_off(caplog):
         assert relaunch.key(args, kwargs) is None  # from here on every call takes Triton's path
     finally:
         launch.set_enabled(was_on)
+
+
+class _Recorded:
+    """A kept kernel whose launcher records what it is handed."""
+
+    function, packed_metadata = 0, ()
+
+    def __init__(self) -> None:
+        self.runs: list[tuple] = []
+
+    def run(self, *args) -> None:
+        self.runs.append(args)
+
+
+class _RecordingKernel(_Kernel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.compiled = _Recorded()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches += 1
+            return self.compiled
+
+        return launch
+
+
+def _ids(call: tuple) -> list:
+    return [id(a) if isinstance(a, torch.Tensor) else a for a in call]
+
+
+def test_a_kept_launcher_hands_the_launcher_what_a_relaunch_hands_it():
+    """``Relaunch.kept``: a site's launcher of the kernel its first call
+    ran (past the device test, which CPU tensors fail, with Triton's driver
+    stood in for). Its launch is the relaunch's, argument for argument, on
+    the stream current at the call; with a launch hook set, relaunching
+    off or another device current it takes ``launch``'s path, as a
+    relaunch does."""
+    kernel = _RecordingKernel()
+    relaunch = Relaunch(kernel)
+    streams = iter(range(100, 200))
+    devices = [0]
+    relaunch._device, relaunch._stream = (lambda: devices[0]), (lambda device: next(streams))
+    kwargs = {"BLOCK": 16}
+    launcher = relaunch._keep((2, 3), (torch.zeros(4), 3), kwargs)
+    assert launcher is not None and kernel.launches == 1  # the first call: Triton's path, its kernel kept
+    rows = (torch.ones(4), 3)
+    relaunch.relaunch((2, 3), rows, kwargs)
+    launcher(rows)
+    relaunched, kept = kernel.compiled.runs
+    assert _ids(kept[:3] + kept[4:]) == _ids(relaunched[:3] + relaunched[4:])  # all but the stream
+    assert _ids(kept[9:]) == _ids(rows) + [16] and kept[:3] == (2, 3, 1)
+    assert kept[3] == relaunched[3] + 1  # asked at each launch
+    hook = triton.knobs.runtime.launch_enter_hook
+    for leave in ("hook", "off", "device"):
+        if leave == "hook":
+            triton.knobs.runtime.launch_enter_hook = print
+        elif leave == "off":
+            was_on = launch.set_enabled(False)
+        else:
+            devices[0] = 1
+        try:
+            launcher(rows)  # CPU tensors: launch's path is Triton's
+        finally:
+            triton.knobs.runtime.launch_enter_hook = hook
+            devices[0] = 0
+            if leave == "off":
+                launch.set_enabled(was_on)
+        assert (kernel.launches, len(kernel.compiled.runs)) == (2 + ("hook", "off", "device").index(leave), 2), leave
+    assert relaunch._keep((2,), (torch.zeros(4), object()), kwargs) is None  # an argument the key does not know
+    # what a site calls usual, beside the dtypes: every changing tensor on a 16-byte boundary
+    base = torch.zeros(16)
+    assert launch.aligned(base, base[4:]) and not launch.aligned(base, base[1:]) and not launch.aligned(base[2:])
