@@ -177,6 +177,18 @@ def _getter(positions: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple]:
     return lambda args: ()
 
 
+def _relaunchable(args: Sequence[Any]) -> bool:
+    """Whether a call may take the cached path: a Triton that has it, CUDA
+    tensors, and no launch hook (which must see every launch)."""
+    first = args[0] if args else None
+    return (_SUPPORTED and isinstance(first, torch.Tensor) and first.device.type == "cuda"
+            and not launch_hooks_set())  # fmt: skip
+
+
+def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:
+    return grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+
+
 class Relaunch:
     """``Relaunch(kernel)[grid](*runtime_args, **constexprs_and_options)``
     behaves as ``kernel[grid](...)`` and returns the ``CompiledKernel``
@@ -233,9 +245,7 @@ class Relaunch:
         return _getter(tensors), _getter(scalars)
 
     def launch(self, grid: Sequence[int], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        first = args[0] if args else None
-        if (not _SUPPORTED or not isinstance(first, torch.Tensor) or first.device.type != "cuda"
-                or launch_hooks_set()):  # fmt: skip
+        if not _relaunchable(args):
             return self.fn[grid](*args, **kwargs)
         return self.relaunch(grid, args, kwargs)
 
@@ -243,6 +253,13 @@ class Relaunch:
         """The cached path, for arguments ``launch`` found eligible: the
         kept kernel's launcher if the key holds one, else Triton's launch,
         whose kernel is kept."""
+        return self._relaunch(grid, args, kwargs)[0]
+
+    def _relaunch(self, grid: Sequence[int], args: Sequence[Any],
+                  kwargs: dict[str, Any]) -> tuple[Any, tuple[int, tuple] | None]:  # fmt: skip
+        # ``relaunch``'s work: the kernel that ran and, where it is kept
+        # under a key (relaunching on, every argument of a known type),
+        # the device it is loaded on and the constexprs its launcher takes.
         if self._device is None:
             from triton.runtime import driver
 
@@ -256,18 +273,17 @@ class Relaunch:
             key = entry = None
         if entry is None:
             compiled = self.fn[grid](*args, **kwargs)
-            if key is not None and compiled is not None:
-                tail = tuple(kwargs.get(name, default) for name, default in self._constexprs)
-                if len(self._compiled) >= MAX_KEPT:
-                    self._compiled.clear()
-                self._compiled[key] = (compiled, tail)
-            return compiled
+            if key is None or compiled is None:
+                return compiled, None
+            tail = tuple(kwargs.get(name, default) for name, default in self._constexprs)
+            if len(self._compiled) >= MAX_KEPT:
+                self._compiled.clear()
+            self._compiled[key] = (compiled, tail)
+            return compiled, (key[0], tail)
         compiled, tail = entry
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
         try:
             # The JIT path's call, less its launch metadata and hooks (None: no hook is set).
-            compiled.run(grid[0], g1, g2, self._stream(key[0]), compiled.function, compiled.packed_metadata, None,
+            compiled.run(*_grid3(grid), self._stream(key[0]), compiled.function, compiled.packed_metadata, None,
                          None, None, *args, *tail)  # fmt: skip
         except TypeError as exc:
             # The launcher parses its arguments before it launches anything:
@@ -277,8 +293,8 @@ class Relaunch:
             name = getattr(self.fn, "__name__", self.fn)
             logger.warning("relaunching Triton kernels is off for this process: %s's launcher refused the "
                            "relaunch (%s); every launch takes Triton's path", name, exc)
-            return self.fn[grid](*args, **kwargs)
-        return compiled
+            return self.fn[grid](*args, **kwargs), None
+        return compiled, (key[0], tail)
 
     def kept(self, grid: Sequence[int], args: Sequence[Any], kwargs: dict[str, Any]) -> Callable[[tuple], None] | None:
         """Launch as ``launch`` does, and return a launcher of the kernel
@@ -292,22 +308,18 @@ class Relaunch:
         ``launch``'s path. None where this call could not relaunch (the
         interpreter, CPU tensors, a launch hook, relaunching off, an
         argument of a type the key does not know)."""
-        first = args[0] if args else None
-        if (not _SUPPORTED or not isinstance(first, torch.Tensor) or first.device.type != "cuda"
-                or launch_hooks_set()):  # fmt: skip
+        if not _relaunchable(args):
             self.fn[grid](*args, **kwargs)
             return None
         return self._keep(grid, args, kwargs)
 
     def _keep(self, grid: Sequence[int], args: Sequence[Any], kwargs: dict[str, Any]) -> Callable[[tuple], None] | None:
         # ``kept`` past its device test: the relaunch, then its kernel bound.
-        compiled = self.relaunch(grid, args, kwargs)
-        if compiled is None or not _enabled or self.key(args, kwargs) is None:
+        compiled, kept = self._relaunch(grid, args, kwargs)
+        if kept is None:
             return None
-        device, stream = self._device(), self._stream
-        tail = tuple(kwargs.get(name, default) for name, default in self._constexprs)
-        g0, g1, g2 = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
-        function, metadata, current = compiled.function, compiled.packed_metadata, self._device
+        (device, tail), (g0, g1, g2) = kept, _grid3(grid)
+        function, metadata, current, stream = compiled.function, compiled.packed_metadata, self._device, self._stream
 
         def launcher(call_args: tuple) -> None:
             if not _enabled or launch_hooks_set() or current() != device:

@@ -163,6 +163,9 @@ class _RowWeights:
         return prepared
 
 
+_UNBUILT = object()  # a step key whose _RowStep no layer of the step has asked for yet
+
+
 @dataclass(frozen=True, slots=True)
 class _RowStep:
     """One step's batch-1 row buffers and attention launches, shared by
@@ -222,8 +225,9 @@ class LlamaDecoderLayer(nn.Module):
         made by the first (None: the layer launches as the modules lay out,
         per layer)."""
         steps = meta._row_steps
-        if w.step_key in steps:
-            return steps[w.step_key]
+        step = steps.get(w.step_key, _UNBUILT)
+        if step is not _UNBUILT:
+            return step
         step = None
         if w.step_key is not None:
             from ...kernels import gemv
