@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fluidserve.kernels.launch import Relaunch, cdiv
+from fluidserve.kernels.launch import Relaunch, Site, aligned, cdiv
 
 # Output columns per program.
 BLOCK = 1024
@@ -49,3 +49,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _SILU_AND_MUL[(t, cdiv(inter, BLOCK))](x, out, x.stride(0), out.stride(0), inter, BLOCK=BLOCK)
     return out
 
+
+
+class StepSiluAndMul:
+    """``silu_and_mul`` for every layer of a step, from one [T, 2 * I]
+    buffer into one [T, I] buffer (a step's): laid out once, then each
+    layer launches with no argument worked out."""
+
+    __slots__ = ("_args", "_usual", "_site")
+
+    def __init__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        if x.dim() != 2 or x.shape[1] % 2 or not x.is_contiguous():
+            raise ValueError(f"x must be contiguous [num_tokens, 2 * intermediate], got {tuple(x.shape)}")
+        t, inter = x.shape[0], x.shape[1] // 2
+        if out.shape != (t, inter) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous [{t}, {inter}] of {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+        self._args, self._usual = (x, out, x.stride(0), out.stride(0), inter), aligned(x, out)
+        self._site = Site(_SILU_AND_MUL, (t, cdiv(inter, BLOCK)), dict(BLOCK=BLOCK))
+
+    def __call__(self) -> None:
+        """``out = silu(gate) * up`` of this step's buffers."""
+        self._site(self._args, self._usual)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fluidserve.kernels.launch import Relaunch, next_power_of_2
+from fluidserve.kernels.launch import Relaunch, Site, aligned, next_power_of_2
 
 
 @triton.jit
@@ -75,3 +75,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         )  # fmt: skip
     return out, x
 
+
+
+class StepNorm:
+    """``rms_norm`` for every layer of a step over rows of one shape, each
+    layer with its own weight, into an output of the caller's (a step's
+    buffer), with or without a residual: checked and laid out once, then a
+    layer passes only its tensors. For rows laid out as the first call's
+    (contiguous [T, D] of its dtype, which the caller's buffers are); a
+    weight or row of another dtype or address alignment takes the key,
+    still correct."""
+
+    __slots__ = ("_residual", "_eps", "_dtype", "_scalars", "_site")
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: bool) -> None:
+        _check(x, weight, x if residual else None)
+        if not x.is_contiguous():
+            raise ValueError("a step's norm takes contiguous rows")
+        t, d = x.shape
+        self._residual, self._eps, self._dtype = residual, float(eps), x.dtype
+        # Every row tensor of the step is contiguous [T, D]: one stride for all.
+        self._scalars = (d, d, d, d, d, self._eps)
+        self._site = Site(_RMS_NORM, (t,), dict(HAS_RESIDUAL=residual, BLOCK_D=next_power_of_2(d)))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """``out = rms_norm(s) * weight`` with ``s = x + residual`` written
+        over ``x`` (``s = x`` without one, ``x`` left as it is); returns
+        ``out``. Rows of the first call's shape, contiguous."""
+        if (residual is not None) is not self._residual:
+            raise ValueError(f"a norm prepared {'with' if self._residual else 'without'} a residual")
+        r = residual if residual is not None else x
+        dtype = self._dtype
+        self._site((x, r, weight, out, x, *self._scalars),
+                   x.dtype is dtype and r.dtype is dtype and out.dtype is dtype and weight.dtype is dtype
+                   and aligned(x, r, weight, out))  # fmt: skip
+        return out

@@ -71,7 +71,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from fluidserve.kernels import packing
-from fluidserve.kernels.launch import Relaunch, arg_class, cache_layout, next_power_of_2
+from fluidserve.kernels.launch import Relaunch, Site, aligned, arg_class, cache_layout, next_power_of_2
 from fluidserve.kernels.packing import WORK_FIELDS, WorkPlan
 
 LOG2E = 1.4426950408889634
@@ -1191,11 +1191,14 @@ def _occupancy_key(constexprs: dict[str, object], options: dict[str, int], dtype
     return (tuple(sorted(constexprs.items())), tuple(options.items()), str(dtype), str(device))
 
 
+def _attention_grid(launch: _Launch, grid_units: int) -> tuple[int, int]:
+    return grid_units, launch.args["k_cache_ptr"].shape[2]  # units x KV heads
+
+
 def _run(launch: _Launch, grid_units: int) -> None:
     _record("attention", launch.args, launch.constexprs, _ATTENTION_DYNAMIC, launch.num_warps)
-    num_kv_heads = launch.args["k_cache_ptr"].shape[2]
-    compiled = _PAGED_ATTENTION[(grid_units, num_kv_heads)](*launch.args.values(), **launch.constexprs,
-                                                            **launch.options)
+    compiled = _PAGED_ATTENTION[_attention_grid(launch, grid_units)](*launch.args.values(), **launch.constexprs,
+                                                                     **launch.options)
     if launch.occupancy_key not in _VARIANTS.programs_per_sm:
         # The interpreter has no compiled kernel to read: the fallback stands in.
         device = launch.out.device
@@ -1204,11 +1207,15 @@ def _run(launch: _Launch, grid_units: int) -> None:
         _VARIANTS.programs_per_sm[launch.occupancy_key] = per_sm or fallback
 
 
+def _merge_grid(launch: _Launch, rows: int) -> tuple[int, int]:
+    return rows, launch.out.shape[1]  # merge rows x query heads
+
+
 def _run_merge(launch: _Launch, plan: WorkPlan, rows: int) -> None:
     args = _merge_args(launch, plan)
     consts = _merge_constexprs(launch)
     _record("merge", args, consts, _MERGE_DYNAMIC, MERGE_WARPS)
-    _MERGE[(rows, launch.out.shape[1])](*args.values(), **consts, num_warps=MERGE_WARPS)
+    _MERGE[_merge_grid(launch, rows)](*args.values(), **consts, num_warps=MERGE_WARPS)
 
 
 def _launch(
@@ -1226,18 +1233,29 @@ def _launch(
 def _execute(launch: _Launch, plan: WorkPlan) -> torch.Tensor:
     """Run a prepared launch: the attention (a two-launch plan's decode
     part first) and the split-K merge where the attention leaves it."""
-    if plan.num_items == 0:
-        return launch.out
-    rows = 0 if launch.constexprs["FUSED_MERGE"] else plan.num_merge_rows  # left to the merge kernel
-    if plan.decode_part is not None:
-        decode = _decode_launch(launch, plan)
-        _run(decode, plan.decode_part.num_units)
-        if decode.constexprs["FUSED_MERGE"]:
-            rows -= plan.decode_merge_rows  # the last rows: the merge kernel's grid stops before them
-    _run(launch, plan.num_units)
+    attention, rows = _parts(launch, plan)
+    for part, units in attention:
+        _run(part, units)
     if rows:
         _run_merge(launch, plan, rows)
     return launch.out
+
+
+def _parts(launch: _Launch, plan: WorkPlan) -> tuple[list[tuple[_Launch, int]], int]:
+    """What a prepared launch runs: its attention launches with their units
+    (a two-launch plan's decode part first; none for a plan of no work)
+    and the rows left to the merge kernel (0: no merge launch)."""
+    if plan.num_items == 0:
+        return [], 0
+    rows = 0 if launch.constexprs["FUSED_MERGE"] else plan.num_merge_rows  # left to the merge kernel
+    attention = []
+    if plan.decode_part is not None:
+        decode = _decode_launch(launch, plan)
+        attention.append((decode, plan.decode_part.num_units))
+        if decode.constexprs["FUSED_MERGE"]:
+            rows -= plan.decode_merge_rows  # the last rows: the merge kernel's grid stops before them
+    attention.append((launch, plan.num_units))
+    return attention, rows
 
 
 class StepAttention:
@@ -1248,9 +1266,16 @@ class StepAttention:
     variant serve the rest; a layer passes only its caches, and every
     layer writes ``out``, one buffer (each layer's reader runs before the
     next layer's attention, in stream order). Caches laid out otherwise
-    than the first layer's take ``paged_attention``'s checked path."""
+    than the first layer's take ``paged_attention``'s checked path.
 
-    __slots__ = ("_query", "_tables", "_scale", "_plan", "_first", "_layout", "out")
+    The first layer runs the checked launch; from the second, each of its
+    kernels launches from a ``launch.Site`` of its own, whose arguments
+    differ between layers only in the caches: on a GPU, aligned caches of
+    the first layer's layout launch with no key worked out (while the
+    variants are being recorded, every layer takes the checked launch, so
+    each is recorded as it runs)."""
+
+    __slots__ = ("_query", "_tables", "_scale", "_plan", "_first", "_layout", "_sites", "out")
 
     def __init__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, scale: float, plan: WorkPlan) -> None:  # fmt: skip
@@ -1258,16 +1283,42 @@ class StepAttention:
         self.out = torch.empty_like(query)
         self._first = _prepare(query, key_cache, value_cache, block_tables, scale, plan, out=self.out)
         self._layout = cache_layout(key_cache, value_cache)
+        # Per kernel of the step: its site, the arguments before the caches
+        # (None: a merge, which reads no cache) and those after them.
+        self._sites: list[tuple[Site, tuple, tuple]] | None = None
 
     def __call__(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
         """Attend over this layer's caches into ``out``; returns it."""
-        if cache_layout(key_cache, value_cache) == self._layout:
-            first = self._first
-            launch = first.with_tensors(dict(first.args, k_cache_ptr=key_cache, v_cache_ptr=value_cache), self.out)
-        else:
+        if cache_layout(key_cache, value_cache) != self._layout:
             launch = _prepare(self._query, key_cache, value_cache, self._tables, self._scale, self._plan,
                               out=self.out)  # fmt: skip
-        return _execute(launch, self._plan)
+            return _execute(launch, self._plan)
+        sites = self._sites
+        if sites is None or _VARIANTS.recording:
+            first = self._first
+            launch = first.with_tensors(dict(first.args, k_cache_ptr=key_cache, v_cache_ptr=value_cache), self.out)
+            if sites is None:
+                self._sites = self._make_sites(launch)
+            return _execute(launch, self._plan)
+        usual = aligned(key_cache, value_cache)
+        for site, head, tail in sites:
+            site((*head, key_cache, value_cache, *tail) if head is not None else tail, usual)
+        return self.out
+
+    def _make_sites(self, launch: _Launch) -> list[tuple[Site, tuple, tuple]]:
+        # ``_execute``'s launches, each split around its caches (the
+        # attention's arguments start q, k cache, v cache).
+        attention, rows = _parts(launch, self._plan)
+        sites = []
+        for part, units in attention:
+            args = tuple(part.args.values())
+            sites.append((Site(_PAGED_ATTENTION, _attention_grid(part, units), {**part.constexprs, **part.options}),
+                          args[:1], args[3:]))  # fmt: skip
+        if rows:
+            kwargs = dict(_merge_constexprs(launch), num_warps=MERGE_WARPS)
+            sites.append((Site(_MERGE, _merge_grid(launch, rows), kwargs), None,
+                          tuple(_merge_args(launch, self._plan).values())))  # fmt: skip
+        return sites
 
 
 def _empty_plan(device: torch.device, group: int, has_prefill: bool, sliding_window: int | None) -> WorkPlan:

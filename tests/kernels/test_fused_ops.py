@@ -174,6 +174,45 @@ def test_silu_and_mul(device, dtype, tokens, inter):
     torch.testing.assert_close(ops.silu_and_mul(x, path="reference"), expected, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_steps_norms_and_silu_mul_give_every_layer_the_checked_launchs_bits(device, dtype):
+    """``StepNorm`` and ``StepSiluAndMul``: a step of several rows' norms
+    (with and without the residual add) and SiLU-mul, laid out once and
+    launched per layer into the step's buffers. Over three layers, each
+    with its own weight and new rows, the outputs and the residual sum
+    written over x equal ``rms_norm``'s and ``silu_and_mul``'s bit for bit
+    (a weight one element into a larger buffer, off Triton's 16-byte
+    specialisation, too); a residual where none was prepared, or none
+    where one was, is refused."""
+    tokens, dim, inter, eps = 5, 96, 80, 1e-5
+    gen = torch.Generator().manual_seed(11)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    rows, out = rand(tokens, dim), torch.empty(tokens, dim, device=device, dtype=dtype)
+    norm = fused_norm.StepNorm(rows, rand(dim), eps, residual=False)
+    add_norm = fused_norm.StepNorm(rows, rand(dim), eps, residual=True)
+    gate_up, act = rand(tokens, 2 * inter), torch.empty(tokens, inter, device=device, dtype=dtype)
+    silu_and_mul = activation.StepSiluAndMul(gate_up, act)
+    weights = [rand(dim), rand(dim), rand(dim + 1)[1:]]
+    for weight in weights:
+        x, residual = rand(tokens, dim), rand(tokens, dim)
+        expected, _ = fused_norm.rms_norm(x.clone(), weight, eps)
+        assert norm(x, weight, out) is out and torch.equal(out, expected)
+        summed = x.clone()
+        expected, _ = fused_norm.rms_norm(summed, weight, eps, residual)
+        add_norm(x, weight, out, residual)
+        assert torch.equal(out, expected) and torch.equal(x, summed)  # the sum written over x
+        gate_up.copy_(rand(tokens, 2 * inter))
+        silu_and_mul()
+        assert torch.equal(act, activation.silu_and_mul(gate_up))
+    with pytest.raises(ValueError, match="without a residual"):
+        norm(x, weights[0], out, residual)
+    with pytest.raises(ValueError, match="with a residual"):
+        add_norm(x, weights[0], out)
+
+
 def test_layouts_are_refused(device):
     x = torch.randn(4, 64, device=device)
     with pytest.raises(ValueError, match="weight"):

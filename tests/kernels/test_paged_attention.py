@@ -19,7 +19,7 @@ import torch
 
 import random
 
-from fluidserve.kernels import packing, reference
+from fluidserve.kernels import launch, packing, reference
 from fluidserve.kernels import paged_attention as pa
 
 ATOL, RTOL = 1e-4, 2e-4  # fp32: conftest.TOLERANCES[torch.float32]
@@ -68,24 +68,36 @@ def test_mixed_batch_matches_reference(device, make_batch, oracle, group, head_d
     torch.testing.assert_close(run(batch), oracle(batch), atol=ATOL, rtol=RTOL)
 
 
-def test_a_step_attention_gives_every_layer_the_checked_launchs_bits(device, make_batch, oracle):
+@pytest.mark.parametrize("two_launch", [False, True], ids=["split-decode", "two-launch"])
+def test_a_step_attention_gives_every_layer_the_checked_launchs_bits(device, make_batch, oracle, two_launch):
     """``StepAttention``: the attention of a step whose layers attend from
     one query tensor, prepared once and launched per layer with only that
-    layer's caches, into one output buffer. Over three layers' caches (a
-    split long decode, a short one, a prefill chunk: the merge runs) each
-    layer's output equals ``paged_attention``'s bit for bit and the
-    reference's within tolerance; caches laid out otherwise (more blocks)
-    take the checked path, and caches of another head count are refused
-    there rather than read on the first layer's strides."""
-    batch = make_batch([(1, 300), (1, 17), (5, 40)], num_kv_heads=2, group=2, head_dim=32, block_size=16,
-                       device=device, seed=7)  # fmt: skip
-    plan = pa.plan_for(batch.query, batch.key_cache, batch.q_lens, batch.seq_len_list, num_units=4, kv_chunk=64)
-    assert plan.num_merge_rows > 0
+    layer's caches, into one output buffer. The first layer runs the
+    checked launch, later ones their kernels' call sites. Over a step's
+    layers (two split long decodes, a short one, a prefill chunk: the
+    merge runs over two rows; or the decode tiles in a launch of their
+    own) each layer's output
+    equals ``paged_attention``'s bit for bit and the reference's within
+    tolerance, on caches of the first layer's layout (again, and at an
+    address off Triton's 16-byte specialisation) and on caches laid out
+    otherwise (more blocks), which take the checked path; caches of
+    another head count are refused there rather than read on the first
+    layer's strides."""
+    batch = make_batch([(1, 300), (1, 17), (1, 150), (20, 40)], num_kv_heads=2, group=2, head_dim=32,
+                       block_size=16, device=device, seed=7)  # fmt: skip
+    plan = pa.plan_for(batch.query, batch.key_cache, batch.q_lens, batch.seq_len_list, num_units=4, kv_chunk=64,
+                       separate=two_launch, decode_units=2)  # fmt: skip
+    assert plan.num_merge_rows > 1 and (plan.decode_part is not None) == two_launch
     gen = torch.Generator().manual_seed(8)
     other = [torch.randn(batch.key_cache.shape, generator=gen).to(device) for _ in range(2)]
     more = [torch.cat([c, torch.randn(c[:3].shape, generator=gen).to(device)]) for c in other]
+    # The same layout one element into a larger buffer: no longer 16-byte aligned.
+    shifted = [torch.randn(c.numel() + 1, generator=gen).to(device)[1:].view(c.shape) for c in other]
+    assert not any(launch.aligned(c) for c in shifted)
     step = pa.StepAttention(batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.scale, plan)
-    for key_cache, value_cache in [(batch.key_cache, batch.value_cache), other, more]:
+    layers = [(batch.key_cache, batch.value_cache), other, more, shifted, (batch.key_cache, batch.value_cache),
+              other]  # fmt: skip
+    for key_cache, value_cache in layers:
         expected = pa.paged_attention(batch.query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
                                       batch.query_start_loc, batch.scale, work=plan)  # fmt: skip
         out = step(key_cache, value_cache)
