@@ -24,8 +24,9 @@
 #                                      plainly and as programmatic dependents (with
 #                                      and without the L2 prefetch)
 #   mixed steps            90 / 60 s   benchmarks/mixed_steps.py: prefill chunks beside
-#                                      decodes, eager against piecewise graphs (and
-#                                      decode-only against decode graphs)
+#                                      decodes, eager (the layers' batch path, and
+#                                      through the modules) against piecewise graphs
+#                                      (and decode-only against decode graphs)
 #   kernel benchmark       90 / 60 s   benchmarks/kernel_bench.py (--quick: short sweep):
 #                                      decode, prefill against SDPA, a mixed step's plans
 #   throughput            180 / 90 s   offline, graphs on, against transformers:
@@ -171,7 +172,7 @@ declare -A NAMES=(
     [engine_tests]="engine GPU tests"
     [kernel_tests]="kernel GPU tests"
     [batch1_decode]="batch-1 decode, eager, graphs, graphs + async, eager variants, dependent GEMVs"
-    [mixed_steps]="mixed steps, eager vs piecewise graphs"
+    [mixed_steps]="mixed steps, eager (batch path, modules) vs piecewise graphs"
     [throughput]="throughput vs transformers, graphs"
     [kernel_bench]="kernel benchmark"
     [linears]="batch-1 linears in a row, plain and dependent"

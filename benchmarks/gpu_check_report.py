@@ -227,9 +227,15 @@ def _fmt_mixed(r: dict) -> tuple[str, dict]:
     rows = r.get("rows") or []
     if not rows:
         return "no step timed", {}
-    parts = [f"{x['chunk']}+{x['decodes']}: eager {x['eager_over_piecewise']:.2f}x piecewise" for x in rows]
-    figures = {f"eager_over_piecewise_{x['chunk']}_{x['decodes']}": x["eager_over_piecewise"] for x in rows}
+    parts, figures = [], {}
     for x in rows:
+        shape = f"{x['chunk']}_{x['decodes']}"
+        part = f"{x['chunk']}+{x['decodes']}: eager {x['eager_over_piecewise']:.2f}x piecewise"
+        figures[f"eager_over_piecewise_{shape}"] = x["eager_over_piecewise"]
+        if "modules_over_eager" in x:  # the layers through the modules against their batch path
+            part += f", modules {x['modules_over_eager']:.2f}x eager"
+            figures[f"modules_over_eager_{shape}"] = x["modules_over_eager"]
+        parts.append(part)
         if "piecewise_over_graph" in x:
             figures[f"piecewise_over_graph_{x['decodes']}"] = x["piecewise_over_graph"]
     return "; ".join(parts), figures

@@ -1,5 +1,8 @@
 """Steps decode graphs cannot hold, eager against piecewise graphs
-(``--piecewise-graphs``, engine/piecewise.py), on one engine in one run.
+(``--piecewise-graphs``, engine/piecewise.py), on one engine in one run;
+and eager with the decoder layers' batch path (a step of several rows run
+from buffers and launches its first layer prepares, the default) against
+the same step through the modules (``ops.set_batch_steps(False)``).
 
 A step here is one prefill chunk of C tokens beside D decodes over
 ``--context`` tokens each (C = 0: decode-only, which decode graphs also
@@ -30,6 +33,7 @@ from dummy_models import build_model_dir, device_slug, run_record, save_results
 
 from fluidserve.engine import LLM
 from fluidserve.engine.batch import ModelInput
+from fluidserve.kernels import ops
 
 # (prefill chunk tokens, decodes): every step at most 512 tokens, the
 # largest piecewise bucket.
@@ -107,15 +111,26 @@ def bench(args) -> dict:
         with torch.inference_mode():
             for chunk, decodes in SHAPES:
                 inp = step_input(chunk, decodes, args.context)
+
+                def modules(inp=inp):
+                    was = ops.set_batch_steps(False)
+                    try:
+                        return worker.runner.forward(inp, worker.kv_caches)[0]
+                    finally:
+                        ops.set_batch_steps(was)
+
                 paths = {"eager": lambda inp=inp: worker.runner.forward(inp, worker.kv_caches)[0],
-                         "piecewise": lambda inp=inp: worker.piecewise.forward(inp)[0]}
+                         "eager modules": modules, "piecewise": lambda inp=inp: worker.piecewise.forward(inp)[0]}
                 if not chunk and worker.graphs is not None:
                     paths["decode graph"] = lambda inp=inp: worker.graphs.forward(inp)[0]
-                diff = (paths["piecewise"]().float() - paths["eager"]().float()).abs().max().item()
-                row = dict(chunk=chunk, decodes=decodes, tokens=chunk + decodes, max_abs_diff=diff)
+                eager = paths["eager"]().float()
+                diff = (paths["piecewise"]().float() - eager).abs().max().item()
+                row = dict(chunk=chunk, decodes=decodes, tokens=chunk + decodes, max_abs_diff=diff,
+                           modules_abs_diff=(paths["eager modules"]().float() - eager).abs().max().item())
                 for name, run in paths.items():
                     row[f"{name}_ms"] = timed(run, args.reps, sync) * 1e3
                 row["eager_over_piecewise"] = row["eager_ms"] / row["piecewise_ms"]
+                row["modules_over_eager"] = row["eager modules_ms"] / row["eager_ms"]
                 if "decode graph_ms" in row:
                     row["piecewise_over_graph"] = row["piecewise_ms"] / row["decode graph_ms"]
                     row["eager_over_graph"] = row["eager_ms"] / row["decode graph_ms"]
@@ -132,15 +147,21 @@ def bench(args) -> dict:
 def to_markdown(record: dict) -> str:
     out = [f"# Mixed steps: eager against piecewise graphs, {record['device']}", "",
            f"Preset {record['preset']}, decodes at context {record['context']}; each step {record['reps']} times "
-           "back to back, time per step from the first launch to the last result. Command: "
+           "back to back, time per step from the first launch to the last result. **eager**: the default (a step "
+           "of several rows on the layers' batch path); **eager, modules**: the same step through the modules "
+           "(`ops.set_batch_steps(False)`; one row takes the row path either way). Max abs diff: piecewise "
+           "against eager; modules diff: eager through the modules against eager. Command: "
            f"`{record['command']}`.", "",
-           "| prefill chunk | decodes | tokens | eager ms | piecewise ms | decode graph ms | eager / piecewise "
-           "| piecewise / decode graph | max abs diff |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| prefill chunk | decodes | tokens | eager ms | eager, modules ms | modules / eager | piecewise ms "
+           "| decode graph ms | eager / piecewise | piecewise / decode graph | max abs diff | modules diff |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in record["rows"]:
         graph = f"{r['decode graph_ms']:.2f}" if "decode graph_ms" in r else "-"
         over = f"{r['piecewise_over_graph']:.2f}x" if "piecewise_over_graph" in r else "-"
-        out.append(f"| {r['chunk']} | {r['decodes']} | {r['tokens']} | {r['eager_ms']:.2f} | {r['piecewise_ms']:.2f} "
-                   f"| {graph} | {r['eager_over_piecewise']:.2f}x | {over} | {r['max_abs_diff']:.3g} |")
+        out.append(f"| {r['chunk']} | {r['decodes']} | {r['tokens']} | {r['eager_ms']:.2f} "
+                   f"| {r['eager modules_ms']:.2f} | {r['modules_over_eager']:.2f}x | {r['piecewise_ms']:.2f} "
+                   f"| {graph} | {r['eager_over_piecewise']:.2f}x | {over} | {r['max_abs_diff']:.3g} "
+                   f"| {r['modules_abs_diff']:.3g} |")
     if not record["device"].lower().startswith("nvidia") and "cuda" not in record["device"].lower():
         out += ["", "No graphs on this device: the pieces ran eagerly over their static buffers."]
     return "\n".join(out) + "\n"

@@ -299,6 +299,25 @@ def set_eager_row_kernels(on: bool) -> bool:
     return old
 
 
+# Whether a step of several rows on the Triton kernels runs its decoder
+# layers from buffers and launches the step's first layer prepares
+# (models/llama.py, the batch path) rather than through the modules.
+# Process-wide: benchmarks time both (mixed_steps.py).
+_batch_steps = True
+
+
+def set_batch_steps(on: bool) -> bool:
+    """Turn the layers' batch path on or off; returns the old setting."""
+    global _batch_steps
+    old, _batch_steps = _batch_steps, bool(on)
+    return old
+
+
+def batch_steps() -> bool:
+    """Whether the layers' batch path is on (``set_batch_steps``)."""
+    return _batch_steps
+
+
 def gemv_row(x: torch.Tensor, weight: torch.Tensor, path: KernelPath | None = None) -> bool:
     """One row on the Triton lane: the batch-1 GEMV and, in the decoder
     layer, its six-launch form. Eagerly on CUDA too: the eager H100 profile

@@ -28,7 +28,9 @@ from ..parallel import (
     VocabParallelEmbedding,
 )
 
-if TYPE_CHECKING:  # the Triton kernels are imported where a row step first needs them
+if TYPE_CHECKING:  # the Triton kernels are imported where a row or batch step first needs them
+    from ...kernels.activation import StepSiluAndMul
+    from ...kernels.fused_norm import StepNorm
     from ...kernels.gemv import PreparedGemv
 
 
@@ -140,9 +142,9 @@ class _RowWeights:
     post_norm: tuple[torch.Tensor, float]
     down: torch.Tensor
     # Layers of one key share a step's row buffers and launches (_RowStep):
-    # the widths of the QKV and gated outputs, their dtype and device, the
-    # attention's window; None where q and k are normed before rope
-    # (Qwen3), which the shared launches do not do.
+    # the QKV weight's shape (output, hidden), the gated output's width,
+    # their dtype and device, the attention's window; None where q and k are
+    # normed before rope (Qwen3), which the shared launches do not do.
     step_key: tuple | None
     _gemvs: dict = field(default_factory=dict)  # launch mode -> the four GEMVs prepared (gemvs)
 
@@ -178,6 +180,74 @@ class _RowStep:
     attend: Callable[[KVCache], torch.Tensor]  # rope, KV write, attention from qkv's views -> [1, Hq D]
     act: torch.Tensor  # [1, I]: every layer's gate/up GEMV writes it
     mode: str  # how the step's GEMVs launch (gemv.dependent_launch), asked once a step
+    # [1, hidden] x 2: a layer's output is whichever its input is not (_output_for).
+    hidden: tuple[torch.Tensor, torch.Tensor]
+
+
+def _output_for(hidden: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Of a step's two hidden-state buffers, the one a layer whose input is
+    ``x`` writes its output to: whichever ``x`` is not. An output so holds
+    until the layer after next; only the next layer reads it, as its input."""
+    first, second = hidden
+    return second if x.data_ptr() == first.data_ptr() else first
+
+
+@dataclass(frozen=True, slots=True)
+class _BatchWeights:
+    """What a decoder layer's batch path (a step of several rows on the
+    Triton kernels) launches with, read off the modules once per load
+    (``LlamaDecoderLayer.prepack``): the linears' weights transposed as
+    ``torch.mm`` takes them (the product ``F.linear`` makes, bit for bit,
+    into a buffer of the step's) and the norms."""
+
+    qkv_t: torch.Tensor  # [hidden, (Hq + 2 Hk) D]
+    qkv_bias: torch.Tensor | None
+    input_norm: torch.Tensor
+    o_t: torch.Tensor  # [Hq D, hidden]
+    gate_up_t: torch.Tensor  # [hidden, 2 I]
+    post_norm: torch.Tensor
+    down_t: torch.Tensor  # [I, hidden]
+    eps: tuple[float, float]  # the input and post-attention norms'
+    # Layers of one key share a step's buffers and launches (_BatchStep):
+    # the QKV weight's shape, the gated width, dtype and device, the
+    # attention's window and the two norms' eps.
+    step_key: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class _BatchStep:
+    """One step's buffers and launches for the layers of one
+    ``_BatchWeights.step_key`` when the step has several rows (a prefill
+    chunk, a mixed step, an eager decode batch): what the modules do per
+    layer (allocate every output, split and view the QKV rows, check and
+    lay out each Triton launch, dispatch through eight modules) done once.
+    Every layer's launches read each buffer before the next layer's write
+    it, in stream order, as with the batch-1 ``_RowStep``."""
+
+    normed: torch.Tensor  # [T, hidden]: each norm's output, read by the product after it
+    qkv: torch.Tensor  # [T, (Hq + 2 Hk) D]
+    attend: Callable[[KVCache], torch.Tensor]  # rope, KV write, attention from qkv's views -> [T, Hq D]
+    gate_up: torch.Tensor  # [T, 2 I]
+    act: torch.Tensor  # [T, I]
+    norm: StepNorm  # the input norm's launch
+    add_norm: StepNorm  # the residual add and post-attention norm's launch
+    silu_and_mul: StepSiluAndMul  # gate_up -> act
+    hidden: tuple[torch.Tensor, torch.Tensor]  # [T, hidden] x 2: the layers' outputs (_output_for)
+
+    def run(self, w: _BatchWeights, x: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """One layer over its weights and caches, x [T, hidden] left as it
+        is: the modules' nine launches with their arithmetic, in their order."""
+        normed = self.norm(x, w.input_norm, self.normed)
+        if w.qkv_bias is None:
+            torch.mm(normed, w.qkv_t, out=self.qkv)
+        else:
+            torch.addmm(w.qkv_bias, normed, w.qkv_t, out=self.qkv)
+        h = _output_for(self.hidden, x)
+        torch.mm(self.attend(kv_cache), w.o_t, out=h)
+        self.add_norm(h, w.post_norm, normed, x)  # h = attention + x, then its norm
+        torch.mm(normed, w.gate_up_t, out=self.gate_up)
+        self.silu_and_mul()
+        return h.addmm_(self.act, w.down_t)  # h + MLP, over h
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -188,11 +258,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._row: _RowWeights | None = None  # until the weights are loaded
+        self._batch: _BatchWeights | None = None
 
     def prepack(self) -> None:
-        """Read the row path's weights off the modules: the loader calls this
-        after the last write of the weights, once the linears have packed
-        theirs (parallel.prepack_linears). None where one of the four linears
+        """Read the row and batch paths' weights off the modules: the loader
+        calls this after the last write of the weights, once the linears have
+        packed theirs (parallel.prepack_linears). The batch path's: None on
+        several ranks, with an o or down bias, a packed weight or q/k norms.
+        The row path's: None where one of the four linears
         would not take the GEMV with the norm, bias and residual it fuses
         (several tensor-parallel ranks, an o or down bias, a packed weight, a
         weight the kernel does not take): there the modules decide per call.
@@ -208,14 +281,22 @@ class LlamaDecoderLayer(nn.Module):
             return weight.new_empty((1, weight.shape[1]))
 
         x = row_of(qkv.weight)
-        ok = (o.tp.size == 1 and down.tp.size == 1 and o.bias is None and down.bias is None
-              and gate_up.bias is None and len(gate_up.sizes) == 2 and gate_up.sizes[0] == gate_up.sizes[1]
-              and all(m._packed is None for m in (qkv, o, gate_up, down))
-              and gemv.supports(x, qkv.weight, qkv.bias, None) and gemv.supports_norm(x, norms[0].weight)
+        plain = (o.tp.size == 1 and down.tp.size == 1 and o.bias is None and down.bias is None
+                 and gate_up.bias is None and len(gate_up.sizes) == 2 and gate_up.sizes[0] == gate_up.sizes[1]
+                 and all(m._packed is None for m in (qkv, o, gate_up, down)))  # fmt: skip
+        # The batch path: the same modules, one rank, plain products; q and k
+        # not normed before rope (Qwen3), which its shared launches do not do.
+        self._batch = _BatchWeights(
+            qkv.weight.t(), qkv.bias, norms[0].weight, o.weight.t(), gate_up.weight.t(), norms[1].weight,
+            down.weight.t(), (norms[0].eps, norms[1].eps), (*qkv.weight.shape, gate_up.weight.shape[0],
+                                                             qkv.weight.dtype, qkv.weight.device,
+                                                             attn.attn.sliding_window, norms[0].eps, norms[1].eps),
+        ) if plain and not attn.qk_norm else None  # fmt: skip
+        ok = (plain and gemv.supports(x, qkv.weight, qkv.bias, None) and gemv.supports_norm(x, norms[0].weight)
               and gemv.supports(row_of(o.weight), o.weight, None, x) and gemv.supports_gated(x, gate_up.weight)
               and gemv.supports_norm(x, norms[1].weight)
               and gemv.supports(row_of(down.weight), down.weight, None, x))  # fmt: skip
-        step_key = None if attn.qk_norm else (qkv.weight.shape[0], gate_up.weight.shape[0], qkv.weight.dtype,
+        step_key = None if attn.qk_norm else (*qkv.weight.shape, gate_up.weight.shape[0], qkv.weight.dtype,
                                               qkv.weight.device, attn.attn.sliding_window)  # fmt: skip
         self._row = _RowWeights(qkv.weight, qkv.bias, (norms[0].weight, norms[0].eps), o.weight, gate_up.weight,
                                 (norms[1].weight, norms[1].eps), down.weight, step_key) if ok else None  # fmt: skip
@@ -239,13 +320,46 @@ class LlamaDecoderLayer(nn.Module):
                                              k.view(1, attn.num_kv_heads, attn.head_dim),
                                              v.view(1, attn.num_kv_heads, attn.head_dim), kv_cache, meta, rope)
             if attend is not None:
+                hidden = tuple(w.qkv.new_empty((1, w.qkv.shape[1])) for _ in range(2))  # each 16-byte aligned
                 step = _RowStep(qkv, attend, w.gate_up.new_empty((1, w.gate_up.shape[0] // 2)),
-                                gemv.dependent_launch(qkv))  # fmt: skip
+                                gemv.dependent_launch(qkv), hidden)  # fmt: skip
         steps[w.step_key] = step
         return step
 
-    def forward(self, rope, x, kv_cache, meta, *, row: bool = False):
-        # x: [T, hidden], left as it is. Nine launches on the Triton lane:
+    def _batch_step(self, w: _BatchWeights, rope: Rope, x: torch.Tensor, kv_cache: KVCache,
+                    meta: AttentionMetadata) -> _BatchStep | None:  # fmt: skip
+        """This step's buffers and launches for layers of ``w``'s key when
+        the step has several rows, made by the first from its input ``x``
+        (None: the layers run through the modules)."""
+        steps, key = meta._row_steps, ("batch", w.step_key)
+        step = steps.get(key, _UNBUILT)
+        if step is not _UNBUILT:
+            return step
+        from ...kernels.activation import StepSiluAndMul
+        from ...kernels.fused_norm import StepNorm
+
+        attn, t = self.self_attn, x.shape[0]
+        qkv = x.new_empty((t, w.qkv_t.shape[1]))
+        q, k, v = qkv.split(attn.qkv_proj.sizes, dim=-1)
+        attend = attn.attn.step_launches(q.view(t, attn.num_heads, attn.head_dim),
+                                         k.view(t, attn.num_kv_heads, attn.head_dim),
+                                         v.view(t, attn.num_kv_heads, attn.head_dim), kv_cache, meta, rope)
+        step = None
+        if attend is not None:
+            width = w.gate_up_t.shape[1]
+            gate_up, act = x.new_empty((t, width)), x.new_empty((t, width // 2))
+            step = _BatchStep(x.new_empty(x.shape), qkv, attend, gate_up, act,
+                              StepNorm(x, w.input_norm, w.eps[0], residual=False),
+                              StepNorm(x, w.post_norm, w.eps[1], residual=True), StepSiluAndMul(gate_up, act),
+                              (x.new_empty(x.shape), x.new_empty(x.shape)))  # fmt: skip
+        steps[key] = step
+        return step
+
+    def forward(self, rope, x, kv_cache, meta, *, row: bool = False, batch: bool = False):
+        # x: [T, hidden], left as it is (on the row and batch paths the
+        # output is one of the step's two hidden-state buffers, which the
+        # layer after next writes over: only the next layer reads it).
+        # Nine launches on the Triton lane:
         # norm, qkv GEMM, rope + KV write, attention, o_proj GEMM, residual
         # add + norm, gate/up GEMM, SiLU-mul, down GEMM adding the residual.
         path = meta.kernels
@@ -268,19 +382,27 @@ class LlamaDecoderLayer(nn.Module):
                 if step is not None:
                     qkv, o, gate_up, down = w.gemvs(step.mode)
                     qkv(x, step.qkv)
-                    attended, act = step.attend(kv_cache), step.act
+                    attended, act, h = step.attend(kv_cache), step.act, _output_for(step.hidden, x)
                 else:
                     from ...kernels import gemv
 
                     qkv, o, gate_up, down = w.gemvs(gemv.dependent_launch(x))
                     attended = attn.attend(rope, qkv(x, x.new_empty((1, qkv.n))), kv_cache, meta)
-                    act = x.new_empty((1, gate_up.n))
-                h = o(attended, torch.empty_like(x), x)  # x + attention
+                    act, h = x.new_empty((1, gate_up.n)), torch.empty_like(x)
+                o(attended, h, x)  # x + attention
                 return down(gate_up(h, act), h, h)  # h + MLP, over h
             qkv = attn.qkv_proj.forward_normed(x, self.input_layernorm, path=path)
             h = attn.o_proj.forward_add(attn.attend(rope, qkv, kv_cache, meta), x, path)  # x + attention
             act = self.mlp.gate_up_proj.forward_normed(h, self.post_attention_layernorm, gated=True, path=path)
             return self.mlp.down_proj(act, h, path)  # h + MLP, over h
+        if batch and self._batch is not None:
+            # Several rows where ``LlamaModel.forward`` found the batch path
+            # open: the nine launches below, from the step's buffers and
+            # launches its first layer made (an eager step's host work per
+            # layer, for a prefill chunk or a mixed step as for batch 1).
+            step = self._batch_step(self._batch, rope, x, kv_cache, meta)
+            if step is not None:
+                return step.run(self._batch, x, kv_cache)
         return self._after_attention(attn(rope, self.input_layernorm(x, path), kv_cache, meta), x, path)
 
     def _after_attention(self, attn, x, path):
@@ -319,13 +441,24 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary(positions, x.dtype)  # once per step, shared by every layer
+        # The layers' shared buffers and launches hold this forward's rope
+        # tables: a metadata run again (a graph's stand-in replaying its
+        # capture off CUDA) builds them again.
+        meta._row_steps.clear()
         # Every layer's batch-1 fusions or none: the same answer for the whole step.
         # A row of the weights' dtype, contiguous, as the layers' row paths
         # read it (every GEMV writes such a row for the next).
         w = self.layers[0].self_attn.qkv_proj.weight if self.layers else None
-        row = w is not None and ops.gemv_row(x, w) and x.dtype == w.dtype and x.is_contiguous()
-        x = self.layer_loop.run(self.layers, kv_caches, x, lambda layer, x, kv: layer(rope, x, kv, meta, row=row),
-                                lambda layer, x, kv: layer.attend(rope, x, kv, meta))
+        fits = w is not None and x.dtype == w.dtype and x.is_contiguous()
+        row = fits and ops.gemv_row(x, w)
+        # Several rows on the Triton kernels: the layers' batch path (one
+        # row where the row kernels are off stays with the modules, as the
+        # benchmarks' comparison of the two means).
+        batch = (fits and not row and x.shape[0] > 1 and ops.batch_steps()
+                 and (meta.kernels or ops.kernel_path(x.device)) == "triton")  # fmt: skip
+        x = self.layer_loop.run(self.layers, kv_caches, x,
+                                lambda layer, x, kv: layer(rope, x, kv, meta, row=row, batch=batch),
+                                lambda layer, x, kv: layer.attend(rope, x, kv, meta))  # fmt: skip
         return self.norm(x, meta.kernels)
 
     # Piecewise graphs (engine/piecewise.py): forward cut at every attention,

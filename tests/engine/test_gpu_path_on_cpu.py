@@ -311,7 +311,8 @@ def test_lane_batch1_layers_in_six_launches_give_the_nine_launch_bits(tiny_model
         runs = {}
         for name, patches in [("six", []), ("six through the modules", [(llama.LlamaDecoderLayer, "prepack",
                                                                           lambda self: None)]),
-                              ("nine", [(llama, "ops", SimpleNamespace(gemv_row=lambda x, w: False))])]:  # fmt: skip
+                              ("nine", [(llama, "ops", SimpleNamespace(gemv_row=lambda x, w: False,
+                                                                       batch_steps=lambda: False))])]:  # fmt: skip
             normed, built, attended = [], [], []
 
             def step_launches(self, *a, f=PagedAttention.step_launches, **k):
@@ -350,9 +351,99 @@ def test_lane_batch1_layers_in_six_launches_give_the_nine_launch_bits(tiny_model
                 assert torch.equal(k1, k2) and torch.equal(v1, v2), (arch, name)
 
 
+@lane_only
+@pytest.mark.parametrize("dtype, cases", [("float32", [LANE_CASES[0], LANE_CASES[3]]),
+                                          ("bfloat16", [LANE_CASES[0], ("qwen2", {}), LANE_CASES[1]])],
+                         ids=["float32-llama-mistral", "bfloat16-llama-qwen2-qwen3"])  # fmt: skip
+def test_lane_steps_of_several_rows_run_the_modules_bits_from_prepared_buffers(tiny_model, make_llm, triton_lane,
+                                                                              monkeypatch, dtype, cases):  # fmt: skip
+    """A step of several rows (prefill chunks, a chunk beside decodes,
+    decodes of several sequences) runs each decoder layer's nine launches
+    from buffers and launches the step's first layer prepares (the batch
+    path, ``_BatchStep``): the products into the step's buffers, the norms,
+    the SiLU-mul, rope, KV write and attention laid out once. Through the
+    engine, for a GQA Llama and a sliding-window Mistral (fp32) and a
+    Llama and a Qwen2 with its q/k/v bias (bf16), tokens and the whole KV
+    cache equal the modules' (``ops.set_batch_steps(False)``) bit for bit.
+    A Qwen3, whose q and k are normed before rope, keeps the modules."""
+    from fluidserve.engine.models import llama
+    from fluidserve.kernels import ops as kernel_ops
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 9, 4, 7)]
+    kwargs = dict(LANE_KWARGS, dtype=dtype, scheduling_policy="fcfs")
+    for arch, overrides in cases:
+        path = tiny_model(arch, **overrides)
+        runs = {}
+        for on in (True, False):
+            steps = []
+            with monkeypatch.context() as patch:
+                patch.setattr(llama._BatchStep, "run", lambda self, *a, f=llama._BatchStep.run: steps.append(
+                    self.qkv.shape[0]) or f(self, *a))  # fmt: skip
+                was = kernel_ops.set_batch_steps(on)
+                try:
+                    llm = make_llm(path, **kwargs)
+                    outs = llm.generate(PROMPTS, params)
+                finally:
+                    kernel_ops.set_batch_steps(was)
+            runs[on] = [o.outputs[0].token_ids for o in outs], llm.engine.executor.worker.kv_caches
+            if on and arch != "qwen3":
+                # chunks of the 72-token prompt (32 tokens a step) and decodes of four rows and fewer
+                assert {32, 4, 2} <= set(steps), (arch, sorted(set(steps)))
+            else:
+                assert steps == [], (arch, on)
+        assert runs[True][0] == runs[False][0], arch
+        for (k1, v1), (k2, v2) in zip(runs[True][1], runs[False][1]):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2), arch
+
+
+@lane_only
+def test_row_and_batch_layers_leave_their_input_and_alternate_between_two_step_buffers(tiny_model, make_llm,
+                                                                                       triton_lane):  # fmt: skip
+    """A step's layers on the row path (one row) and on the batch path
+    (several) write their outputs into two buffers the step keeps,
+    alternately, rather than a new tensor a layer: each layer leaves its
+    input as it was (the next layer's input is never the buffer it
+    writes), and a step's three layers use just the two."""
+    from fluidserve.engine.models.llama import LlamaDecoderLayer
+
+    path = tiny_model("llama", num_hidden_layers=3)
+    steps: list[tuple[str, list[tuple[int, int]]]] = []  # per step: its path, (input, output) addresses per layer
+    kept: dict[int, torch.Tensor] = {}
+
+    def kind(kwargs) -> str | None:
+        return "row" if kwargs.get("row") else "batch" if kwargs.get("batch") else None
+
+    def before(layer, args, kwargs):
+        if kind(kwargs):
+            if layer is layers[0]:
+                steps.append((kind(kwargs), []))
+            kept[id(layer)] = args[1].clone()
+
+    def after(layer, args, kwargs, out):
+        if kind(kwargs):
+            x = args[1]
+            assert torch.equal(x, kept.pop(id(layer))), "a layer wrote over its input"
+            steps[-1][1].append((x.data_ptr(), out.data_ptr()))
+
+    llm = make_llm(path, **LANE_KWARGS, dtype="float32", scheduling_policy="fcfs")
+    layers = [m for m in llm.engine.executor.worker.model.modules() if isinstance(m, LlamaDecoderLayer)]
+    assert len(layers) == 3
+    for layer in layers:
+        layer.register_forward_pre_hook(before, with_kwargs=True)
+        layer.register_forward_hook(after, with_kwargs=True)
+    # two rows a step, then one once the shorter request ends
+    llm.generate(PROMPTS[1:3], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 2)])
+    assert {k for k, _ in steps} == {"row", "batch"}
+    for _, step in steps:
+        outs = [o for _, o in step]
+        assert len(step) == 3 and all(i != o for i, o in step)
+        assert [i for i, _ in step[1:]] == outs[:-1] and outs[0] == outs[2] != outs[1]
+
+
 def test_row_weights_are_read_once_per_load_and_only_where_every_linear_takes_the_gemv(triton_lane):
     """On the Triton lane (the CPU kernels pack the weights for oneDNN and
-    take no row path), a layer's row path reads its four GEMVs' weights, norms and eps once
+    take no row path), a layer's row path reads its four GEMVs' weights, norms and eps once,
+    as its batch path reads the same weights transposed,
     and keeps them until the loader writes the weights again
     (``parallel.prepack_linears``, after every load). Where one linear would
     not take the GEMV as the row path fuses it (an o projection with a
@@ -376,12 +467,23 @@ def test_row_weights_are_read_once_per_load_and_only_where_every_linear_takes_th
     assert layer._row is w
     prepack_linears(model)
     assert layer._row.post_norm[0] is layer.post_attention_layernorm.weight
+    # the batch path's: the same weights, transposed views as torch.mm takes them, and the norms
+    b = layer._batch
+    for view, module in ((b.qkv_t, attn.qkv_proj), (b.o_t, attn.o_proj), (b.gate_up_t, mlp.gate_up_proj),
+                         (b.down_t, mlp.down_proj)):  # fmt: skip
+        assert view.data_ptr() == module.weight.data_ptr() and view.shape == module.weight.shape[::-1]
+    assert b.input_norm is layer.input_layernorm.weight and b.post_norm is layer.post_attention_layernorm.weight
+    assert b.eps == (layer.input_layernorm.eps, layer.post_attention_layernorm.eps)
     with_o_bias = LlamaForCausalLM(tiny_config("llama", attention_bias=True))
     prepack_linears(with_o_bias)
-    assert with_o_bias.model.layers[0]._row is None
+    assert with_o_bias.model.layers[0]._row is None and with_o_bias.model.layers[0]._batch is None
     qwen2 = LlamaForCausalLM(tiny_config("qwen2"))
     prepack_linears(qwen2)
-    assert qwen2.model.layers[0]._row.qkv_bias is qwen2.model.layers[0].self_attn.qkv_proj.bias
+    bias = qwen2.model.layers[0].self_attn.qkv_proj.bias
+    assert qwen2.model.layers[0]._row.qkv_bias is bias and qwen2.model.layers[0]._batch.qkv_bias is bias
+    qwen3 = LlamaForCausalLM(tiny_config("qwen3"))  # q and k normed before rope: the modules
+    prepack_linears(qwen3)
+    assert qwen3.model.layers[0]._batch is None
 
 
 @lane_only

@@ -145,7 +145,7 @@ def test_captured_pieces_give_eager_tokens(tiny_model, make_llm):
 
 def test_mixed_steps_benchmark_runs_and_reports(tmp_path):
     """benchmarks/mixed_steps.py, gpu_check.sh's mixed-steps step, on the
-    CPU: every shape runs both paths to the same hidden states, and the
+    CPU: every shape runs every path to the same hidden states, and the
     GPU check's summary reads the record."""
     import json
     import subprocess
@@ -160,6 +160,7 @@ def test_mixed_steps_benchmark_runs_and_reports(tmp_path):
     (record_path,) = tmp_path.glob("mixed_steps_*.json")
     record = json.loads(record_path.read_text())
     assert len(record["rows"]) == 7 and all(r["max_abs_diff"] <= max_padded_diff() for r in record["rows"])
+    assert all(r["modules_abs_diff"] == 0 for r in record["rows"])  # the same step through the modules
     assert sum(record["piecewise_replays"].values()) >= 7 * 5  # warm-ups, timed runs and the check
     sys.path.insert(0, str(root / "benchmarks"))
     try:
@@ -168,6 +169,7 @@ def test_mixed_steps_benchmark_runs_and_reports(tmp_path):
         sys.path.pop(0)
     text, figures = reader_for(record_path)(record)
     assert "448+64: eager" in text and "eager_over_piecewise_448_64" in figures
+    assert "x eager" in text and "modules_over_eager_448_64" in figures
 
 
 def test_async_fed_rows_through_the_pieces(tiny_model, make_llm):
