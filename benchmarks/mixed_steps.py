@@ -149,8 +149,8 @@ def to_markdown(record: dict) -> str:
            f"Preset {record['preset']}, decodes at context {record['context']}; each step {record['reps']} times "
            "back to back, time per step from the first launch to the last result. **eager**: the default (a step "
            "of several rows on the layers' batch path); **eager, modules**: the same step through the modules "
-           "(`ops.set_batch_steps(False)`; one row takes the row path either way). Max abs diff: piecewise "
-           "against eager; modules diff: eager through the modules against eager. Command: "
+           "(`ops.set_batch_steps(False)`, as `FLUIDSERVE_BATCH_STEPS=0`; one row takes the row path either way). "
+           "Max abs diff: piecewise against eager; modules diff: eager through the modules against eager. Command: "
            f"`{record['command']}`.", "",
            "| prefill chunk | decodes | tokens | eager ms | eager, modules ms | modules / eager | piecewise ms "
            "| decode graph ms | eager / piecewise | piecewise / decode graph | max abs diff | modules diff |",

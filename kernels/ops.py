@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 
 KERNELS_ENV = "FLUIDSERVE_KERNELS"
+BATCH_STEPS_ENV = "FLUIDSERVE_BATCH_STEPS"
 KERNEL_CHOICES = ("auto", "triton")
 
 _reference_only = False
@@ -302,8 +303,9 @@ def set_eager_row_kernels(on: bool) -> bool:
 # Whether a step of several rows on the Triton kernels runs its decoder
 # layers from buffers and launches the step's first layer prepares
 # (models/llama.py, the batch path) rather than through the modules.
-# Process-wide: benchmarks time both (mixed_steps.py).
-_batch_steps = True
+# Process-wide: benchmarks time both (mixed_steps.py); read once, for
+# ruling the path out, not for flipping per request.
+_batch_steps = os.environ.get(BATCH_STEPS_ENV, "1").strip() != "0"
 
 
 def set_batch_steps(on: bool) -> bool:

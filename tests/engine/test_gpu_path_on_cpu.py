@@ -396,6 +396,21 @@ def test_lane_steps_of_several_rows_run_the_modules_bits_from_prepared_buffers(t
             assert torch.equal(k1, k2) and torch.equal(v1, v2), arch
 
 
+def test_the_batch_path_is_on_by_default_and_an_environment_variable_rules_it_out():
+    """``FLUIDSERVE_BATCH_STEPS=0`` (read at import) sends steps of several
+    rows through the modules; unset or 1, the batch path."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from fluidserve.kernels import ops; print(ops.batch_steps())"
+    env = {k: v for k, v in os.environ.items() if k != "FLUIDSERVE_BATCH_STEPS"}
+    seen = [subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                           timeout=120).stdout.strip()
+            for extra in ({}, {"FLUIDSERVE_BATCH_STEPS": "1"}, {"FLUIDSERVE_BATCH_STEPS": "0"})]  # fmt: skip
+    assert seen == ["True", "True", "False"]
+
+
 @lane_only
 def test_row_and_batch_layers_leave_their_input_and_alternate_between_two_step_buffers(tiny_model, make_llm,
                                                                                        triton_lane):  # fmt: skip
