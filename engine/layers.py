@@ -189,17 +189,24 @@ class PagedAttention(nn.Module):
         plan = meta.work_plan(q, key_cache, self.sliding_window)
         if plan is None:
             return None
+        from ..kernels.launch import aligned, cache_layout
         from ..kernels.paged_attention import StepAttention
         from ..kernels.rope_cache import StepRopeAndCache
 
         self._compile_variants(q, key_cache, meta)
         write = StepRopeAndCache(q, k, v, *rope, key_cache, value_cache, meta.slot_mapping)
         attend = StepAttention(q, key_cache, value_cache, meta.block_tables, self.scale, plan)
-        out = attend.out.view(q.shape[0], -1)
+        out, layout = attend.out.view(q.shape[0], -1), cache_layout(key_cache, value_cache)
 
         def launches(kv: KVCache) -> torch.Tensor:
-            write(*kv)
-            attend(*kv)
+            # Both launches read the caches' layout: asked once for the two.
+            if cache_layout(*kv) == layout:
+                usual = aligned(*kv)
+                write.launch(*kv, usual)
+                attend.launch(*kv, usual)
+            else:  # laid out otherwise: each takes its checked path
+                write(*kv)
+                attend(*kv)
             return out
 
         return launches

@@ -86,16 +86,16 @@ class StepNorm:
     weight or row of another dtype or address alignment takes the key,
     still correct."""
 
-    __slots__ = ("_residual", "_eps", "_dtype", "_scalars", "_site")
+    __slots__ = ("_residual", "_dtype", "_scalars", "_site")
 
     def __init__(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: bool) -> None:
         _check(x, weight, x if residual else None)
         if not x.is_contiguous():
             raise ValueError("a step's norm takes contiguous rows")
         t, d = x.shape
-        self._residual, self._eps, self._dtype = residual, float(eps), x.dtype
+        self._residual, self._dtype = residual, x.dtype
         # Every row tensor of the step is contiguous [T, D]: one stride for all.
-        self._scalars = (d, d, d, d, d, self._eps)
+        self._scalars = (d, d, d, d, d, float(eps))
         self._site = Site(_RMS_NORM, (t,), dict(HAS_RESIDUAL=residual, BLOCK_D=next_power_of_2(d)))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,

@@ -1293,6 +1293,11 @@ class StepAttention:
             launch = _prepare(self._query, key_cache, value_cache, self._tables, self._scale, self._plan,
                               out=self.out)  # fmt: skip
             return _execute(launch, self._plan)
+        return self.launch(key_cache, value_cache, aligned(key_cache, value_cache))
+
+    def launch(self, key_cache: torch.Tensor, value_cache: torch.Tensor, aligned_caches: bool) -> torch.Tensor:
+        """``__call__`` for caches the caller has found of the first
+        layer's layout (``aligned_caches``: both 16-byte aligned)."""
         sites = self._sites
         if sites is None or _VARIANTS.recording:
             first = self._first
@@ -1300,9 +1305,8 @@ class StepAttention:
             if sites is None:
                 self._sites = self._make_sites(launch)
             return _execute(launch, self._plan)
-        usual = aligned(key_cache, value_cache)
         for site, head, tail in sites:
-            site((*head, key_cache, value_cache, *tail) if head is not None else tail, usual)
+            site((*head, key_cache, value_cache, *tail) if head is not None else tail, aligned_caches)
         return self.out
 
     def _make_sites(self, launch: _Launch) -> list[tuple[Site, tuple, tuple]]:

@@ -165,6 +165,11 @@ class StepRopeAndCache:
     def __call__(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         if cache_layout(key_cache, value_cache) != self._layout:
             rope_and_cache(*self._tensors, key_cache, value_cache, self._slots)
-        elif self._grid[0]:
-            self._site((*self._tensors, key_cache, value_cache, self._slots, *self._scalars),
-                       aligned(key_cache, value_cache))  # fmt: skip
+        else:
+            self.launch(key_cache, value_cache, aligned(key_cache, value_cache))
+
+    def launch(self, key_cache: torch.Tensor, value_cache: torch.Tensor, aligned_caches: bool) -> None:
+        """``__call__`` for caches the caller has found of the first
+        layer's layout (``aligned_caches``: both 16-byte aligned)."""
+        if self._grid[0]:
+            self._site((*self._tensors, key_cache, value_cache, self._slots, *self._scalars), aligned_caches)

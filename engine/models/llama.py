@@ -77,15 +77,25 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attend(rope, self.qkv_proj(x), kv_cache, meta))  # [T, hidden], all-reduced
 
+    def _views(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq / tp, D], k and v [T, Hk / tp, D]: views of the projected rows."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split(self.qkv_proj.sizes, dim=-1)
+        return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim))  # fmt: skip
+
+    def step_launches(self, qkv: torch.Tensor, rope: Rope, kv_cache: KVCache,
+                      meta: AttentionMetadata) -> Callable[[KVCache], torch.Tensor] | None:  # fmt: skip
+        """``attend``'s launches for a step whose every layer projects into
+        ``qkv`` (one buffer of the step's), worked out once
+        (``PagedAttention.step_launches``); None where they cannot be."""
+        return self.attn.step_launches(*self._views(qkv), kv_cache, meta, rope)
+
     def attend(self, rope: Rope, qkv: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """[T, (Hq + 2 Hk) D / tp] projected rows -> [T, Hq D / tp]: the KV
         write and the attention, the part of a layer whose work depends on
         every sequence's length (piecewise graphs run it between graphs)."""
-        t = qkv.shape[0]
-        q, k, v = qkv.split(self.qkv_proj.sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq / tp, D], a view of the qkv output
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hk / tp, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._views(qkv)
         if self.qk_norm:
             q, k = self.q_norm(q, meta.kernels), self.k_norm(k, meta.kernels)
         # rope rotates q and k in place, in the launch that writes the cache
@@ -165,7 +175,19 @@ class _RowWeights:
         return prepared
 
 
-_UNBUILT = object()  # a step key whose _RowStep no layer of the step has asked for yet
+_UNBUILT = object()  # a step key no layer of the step has asked for yet
+
+
+def _shared_step(meta: AttentionMetadata, key: object, build: Callable[..., object], *args: object) -> object:
+    """The step's buffers and launches under ``key`` (a ``_RowStep``, a
+    ``_BatchStep``, or None where the layers run through the modules), made
+    by ``build(*args)`` for the first layer that asks and kept in the step's
+    metadata for the rest."""
+    steps = meta._row_steps
+    step = steps.get(key, _UNBUILT)
+    if step is _UNBUILT:
+        step = steps[key] = build(*args)
+    return step
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,58 +324,41 @@ class LlamaDecoderLayer(nn.Module):
                                 (norms[1].weight, norms[1].eps), down.weight, step_key) if ok else None  # fmt: skip
 
     def _row_step(self, w: _RowWeights, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> _RowStep | None:
-        """This step's row buffers and launches for layers of ``w``'s key,
-        made by the first (None: the layer launches as the modules lay out,
-        per layer)."""
-        steps = meta._row_steps
-        step = steps.get(w.step_key, _UNBUILT)
-        if step is not _UNBUILT:
-            return step
-        step = None
-        if w.step_key is not None:
-            from ...kernels import gemv
+        """A step's row buffers and launches for layers of ``w``'s key
+        (``_shared_step`` keeps them for the rest; None: the layers launch
+        as the modules lay out, per layer)."""
+        if w.step_key is None:
+            return None
+        from ...kernels import gemv
 
-            attn = self.self_attn
-            qkv = w.qkv.new_empty((1, w.qkv.shape[0]))
-            q, k, v = qkv.split(attn.qkv_proj.sizes, dim=-1)
-            attend = attn.attn.step_launches(q.view(1, attn.num_heads, attn.head_dim),
-                                             k.view(1, attn.num_kv_heads, attn.head_dim),
-                                             v.view(1, attn.num_kv_heads, attn.head_dim), kv_cache, meta, rope)
-            if attend is not None:
-                hidden = tuple(w.qkv.new_empty((1, w.qkv.shape[1])) for _ in range(2))  # each 16-byte aligned
-                step = _RowStep(qkv, attend, w.gate_up.new_empty((1, w.gate_up.shape[0] // 2)),
-                                gemv.dependent_launch(qkv), hidden)  # fmt: skip
-        steps[w.step_key] = step
-        return step
+        qkv = w.qkv.new_empty((1, w.qkv.shape[0]))
+        attend = self.self_attn.step_launches(qkv, rope, kv_cache, meta)
+        if attend is None:
+            return None
+        hidden = tuple(w.qkv.new_empty((1, w.qkv.shape[1])) for _ in range(2))  # each 16-byte aligned
+        return _RowStep(qkv, attend, w.gate_up.new_empty((1, w.gate_up.shape[0] // 2)), gemv.dependent_launch(qkv),
+                        hidden)  # fmt: skip
 
     def _batch_step(self, w: _BatchWeights, rope: Rope, x: torch.Tensor, kv_cache: KVCache,
                     meta: AttentionMetadata) -> _BatchStep | None:  # fmt: skip
-        """This step's buffers and launches for layers of ``w``'s key when
-        the step has several rows, made by the first from its input ``x``
-        (None: the layers run through the modules)."""
-        steps, key = meta._row_steps, ("batch", w.step_key)
-        step = steps.get(key, _UNBUILT)
-        if step is not _UNBUILT:
-            return step
+        """A step's buffers and launches for layers of ``w``'s key when the
+        step has several rows, made from its first layer's input ``x``
+        (``_shared_step`` keeps them for the rest; None: the layers run
+        through the modules)."""
         from ...kernels.activation import StepSiluAndMul
         from ...kernels.fused_norm import StepNorm
 
-        attn, t = self.self_attn, x.shape[0]
+        t = x.shape[0]
         qkv = x.new_empty((t, w.qkv_t.shape[1]))
-        q, k, v = qkv.split(attn.qkv_proj.sizes, dim=-1)
-        attend = attn.attn.step_launches(q.view(t, attn.num_heads, attn.head_dim),
-                                         k.view(t, attn.num_kv_heads, attn.head_dim),
-                                         v.view(t, attn.num_kv_heads, attn.head_dim), kv_cache, meta, rope)
-        step = None
-        if attend is not None:
-            width = w.gate_up_t.shape[1]
-            gate_up, act = x.new_empty((t, width)), x.new_empty((t, width // 2))
-            step = _BatchStep(x.new_empty(x.shape), qkv, attend, gate_up, act,
-                              StepNorm(x, w.input_norm, w.eps[0], residual=False),
-                              StepNorm(x, w.post_norm, w.eps[1], residual=True), StepSiluAndMul(gate_up, act),
-                              (x.new_empty(x.shape), x.new_empty(x.shape)))  # fmt: skip
-        steps[key] = step
-        return step
+        attend = self.self_attn.step_launches(qkv, rope, kv_cache, meta)
+        if attend is None:
+            return None
+        width = w.gate_up_t.shape[1]
+        gate_up, act = x.new_empty((t, width)), x.new_empty((t, width // 2))
+        return _BatchStep(x.new_empty(x.shape), qkv, attend, gate_up, act,
+                          StepNorm(x, w.input_norm, w.eps[0], residual=False),
+                          StepNorm(x, w.post_norm, w.eps[1], residual=True), StepSiluAndMul(gate_up, act),
+                          (x.new_empty(x.shape), x.new_empty(x.shape)))  # fmt: skip
 
     def forward(self, rope, x, kv_cache, meta, *, row: bool = False, batch: bool = False):
         # x: [T, hidden], left as it is (on the row and batch paths the
@@ -378,7 +383,7 @@ class LlamaDecoderLayer(nn.Module):
                 # Qwen3's normed q and k aside): an eager step's host work
                 # is most of its time, and the modules' dispatch and checks
                 # repeat per layer what the first settled (op_counts.py --host-timing).
-                step = self._row_step(w, rope, kv_cache, meta)
+                step = _shared_step(meta, w.step_key, self._row_step, w, rope, kv_cache, meta)
                 if step is not None:
                     qkv, o, gate_up, down = w.gemvs(step.mode)
                     qkv(x, step.qkv)
@@ -400,9 +405,10 @@ class LlamaDecoderLayer(nn.Module):
             # open: the nine launches below, from the step's buffers and
             # launches its first layer made (an eager step's host work per
             # layer, for a prefill chunk or a mixed step as for batch 1).
-            step = self._batch_step(self._batch, rope, x, kv_cache, meta)
+            w = self._batch
+            step = _shared_step(meta, ("batch", w.step_key), self._batch_step, w, rope, x, kv_cache, meta)
             if step is not None:
-                return step.run(self._batch, x, kv_cache)
+                return step.run(w, x, kv_cache)
         return self._after_attention(attn(rope, self.input_layernorm(x, path), kv_cache, meta), x, path)
 
     def _after_attention(self, attn, x, path):
