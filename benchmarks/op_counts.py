@@ -318,11 +318,15 @@ def counting(counter: OpCounter):
 # -- the model and its decode step ---------------------------------------------
 
 
-def build_model_dir(root: Path, shape: dict) -> Path:
+# The families --arch counts: a Llama, and a Qwen3 (q and k RMS-normed per head before rope).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def build_model_dir(root: Path, shape: dict, arch: str = "llama") -> Path:
     from fluidserve.engine.tiny_model import save_byte_tokenizer, tiny_config
 
-    config = tiny_config("llama", **shape)
-    config.architectures = ["LlamaForCausalLM"]
+    config = tiny_config(arch, **shape)
+    config.architectures = [ARCHITECTURES[arch]]
     config.save_pretrained(root)
     save_byte_tokenizer(root)
     return root
@@ -486,7 +490,7 @@ def measure(job: dict) -> dict:
     threads}; the lane ``cuda`` counts on the GPU."""
     with tempfile.TemporaryDirectory() as tmp:
         shape = SHAPE if job["kind"] == "count" else {**TIMING_SHAPES, **HOST_SHAPES}[job["shape"]]
-        model_dir = build_model_dir(Path(tmp), shape)
+        model_dir = build_model_dir(Path(tmp), shape, job.get("arch", "llama"))
         if job["kind"] == "count":
             return count_step(model_dir, job["dtype"], job["batch"], "cuda" if job["lane"] == "cuda" else "cpu")
         import torch
@@ -549,10 +553,11 @@ def render(record: dict) -> str:
     trees = list(record["trees"])
     named = "; ".join(f"**{t}** = {record['trees'][t]}" for t in trees)
     if not record["lanes"]:  # timings alone
-        return "\n".join(["# Eager decode step: host time", "", f"Trees: {named}.", "",
+        return "\n".join(["# Eager decode step: host time", "", f"Trees: {named}; model family {record['arch']}.", "",
                           *render_timing(record["timing"], trees, record["batches"])])
+    family = {"qwen3": "Qwen3 (q and k normed per head)"}.get(record.get("arch", "llama"), "Llama")
     lines = ["# Eager decode step: ops, kernels and syncs", "",
-             f"Llama-shaped model ({SHAPE['num_hidden_layers']} layers, hidden {SHAPE['hidden_size']}, "
+             f"{family}-shaped model ({SHAPE['num_hidden_layers']} layers, hidden {SHAPE['hidden_size']}, "
              f"{SHAPE['num_attention_heads']} query / {SHAPE['num_key_value_heads']} KV heads of "
              f"{SHAPE['head_dim']}), {CONTEXT}-token contexts, dtype {record['dtype']}. Trees: {named}.", "",
              "**kernels** = ops that launch a GPU kernel (no views, aliases, allocations) + Triton launches; "
@@ -652,7 +657,7 @@ def count_all(trees: dict, args) -> dict:
     for lane in args.lanes:
         for batch in args.batches:
             for name, tree in trees.items():
-                job = {"kind": "count", "lane": lane, "dtype": args.dtype, "batch": batch}
+                job = {"kind": "count", "lane": lane, "dtype": args.dtype, "batch": batch, "arch": args.arch}
                 counts[name][lane][str(batch)] = s = summarise(run_job(job, tree))
                 print(f"{name:>9} {lane:>6} batch {batch}: per layer {s['per_layer']}, total {s['total']}",
                       flush=True)
@@ -682,7 +687,7 @@ def time_all(trees: dict, args) -> dict:
             for batch in args.batches:
                 for name, tree in order:
                     job = {"kind": "time", "lane": lane, "shape": shape, "dtype": args.dtype, "batch": batch,
-                           "rounds": args.rounds, "threads": args.threads}
+                           "rounds": args.rounds, "threads": args.threads, "arch": args.arch}
                     seconds = run_job(job, tree)
                     for clock in CLOCKS:
                         samples[timing_key(shape, lane)][clock][name][str(batch)] += seconds[clock]
@@ -705,6 +710,8 @@ def main() -> None:
     ap.add_argument("--baseline-label", default=None, help="what the baseline tree is (default: its path)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--arch", default="llama", choices=sorted(ARCHITECTURES),
+                    help="the model family (qwen3: q and k RMS-normed per head before rope)")
     ap.add_argument("--lanes", nargs="*", default=["triton", "cpu"], choices=["triton", "cpu", "cuda"],
                     help="cuda: count on a GPU (with --repeats 0, since the timing is the CPU lane's); none: "
                          "timings alone (a tree too old for the counter's hooks)")
@@ -730,7 +737,7 @@ def main() -> None:
               for name, tree in trees.items()}
     counts = count_all(trees, args)
     timing = time_all(trees, args) if args.repeats else None
-    record = {"trees": labels, "dtype": args.dtype, "batches": args.batches, "lanes": args.lanes,
+    record = {"trees": labels, "arch": args.arch, "dtype": args.dtype, "batches": args.batches, "lanes": args.lanes,
               "shape": SHAPE, "timing_shapes": TIMING_SHAPES, "host_shapes": HOST_SHAPES, "context": CONTEXT,
               "counts": counts, "timing": timing}
     from dummy_models import device_name, device_slug, save_results

@@ -94,6 +94,8 @@ class RMSNorm(nn.Module):
 # the sine carries rotate_half's sign (kernels/rope_cache.py draws the layout).
 Rope = tuple[torch.Tensor, torch.Tensor]
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key cache, value cache)
+# q's and k's per-head RMSNorm weights ([D] each) and its eps (Qwen3).
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]
 
 
 class RotaryEmbedding(nn.Module):
@@ -129,6 +131,11 @@ class RotaryEmbedding(nn.Module):
         return table[:, :half], table[:, half:]
 
 
+# A step's attention launches for a layer: its caches and (Qwen3) its q and k
+# norm weights -> [T, Hq * D] (``PagedAttention.step_launches``).
+StepLaunches = Callable[[KVCache, tuple[torch.Tensor, torch.Tensor] | None], torch.Tensor]
+
+
 class PagedAttention(nn.Module):
     """Writes this step's K/V into the paged cache, then attends over it."""
 
@@ -143,12 +150,17 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                rope: Rope | None = None) -> torch.Tensor:
+                rope: Rope | None = None, qk_norm: QKNorm | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq * D]. With ``rope``, q
         and k are rotated first, in place (the caller's projection output):
-        on the Triton lane in the same launch that writes the cache."""
+        on the Triton lane in the same launch that writes the cache, which
+        also norms each of their heads first where ``qk_norm`` is given."""
         key_cache, value_cache = kv_cache
         path = meta.kernels or ops.kernel_path(q.device)
+        if qk_norm is not None and (path == "cpu" or rope is None):
+            q_weight, k_weight, eps = qk_norm
+            q, k = ops.rms_norm(q, q_weight, eps, path=path)[0], ops.rms_norm(k, k_weight, eps, path=path)[0]
+            qk_norm = None
         if path == "cpu":
             if rope is not None:
                 ops.rope_torch(q, *rope)
@@ -159,7 +171,7 @@ class PagedAttention(nn.Module):
             return out.reshape(out.shape[0], -1)
         self._compile_variants(q, key_cache, meta)
         if rope is not None:
-            ops.rope_and_cache(q, k, v, *rope, key_cache, value_cache, meta.slot_mapping, path=path)
+            ops.rope_and_cache(q, k, v, *rope, key_cache, value_cache, meta.slot_mapping, path=path, qk_norm=qk_norm)
         else:
             ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, path=path)
         out = ops.paged_attention(
@@ -174,15 +186,17 @@ class PagedAttention(nn.Module):
             meta._compiled.add(self.sliding_window)
 
     def step_launches(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                      meta: AttentionMetadata, rope: Rope) -> Callable[[KVCache], torch.Tensor] | None:  # fmt: skip
+                      meta: AttentionMetadata, rope: Rope, qk_norm: QKNorm | None = None) -> StepLaunches | None:
         """``forward``'s Triton launches for a step whose every layer of
         this attention's shape and window rotates, writes and attends from
         these q, k, v (views of one buffer every layer's QKV projection
         writes: the batch-1 row layer's), worked out once: a callable
-        taking a layer's caches and returning [T, Hq * D], one buffer every
-        layer writes. The checks, strides and dispatch ``forward`` repeats
-        per layer are most of an eager layer's host time beside its
-        launches. None off the Triton kernels or without a work plan."""
+        taking a layer's caches (and, where ``qk_norm`` is given, the
+        layer's q and k norm weights; its eps is the step's) and returning
+        [T, Hq * D], one buffer every layer writes. The checks, strides and
+        dispatch ``forward`` repeats per layer are most of an eager layer's
+        host time beside its launches. None off the Triton kernels or
+        without a work plan."""
         key_cache, value_cache = kv_cache
         if (meta.kernels or ops.kernel_path(q.device)) != "triton":
             return None
@@ -194,18 +208,19 @@ class PagedAttention(nn.Module):
         from ..kernels.rope_cache import StepRopeAndCache
 
         self._compile_variants(q, key_cache, meta)
-        write = StepRopeAndCache(q, k, v, *rope, key_cache, value_cache, meta.slot_mapping)
+        write = StepRopeAndCache(q, k, v, *rope, key_cache, value_cache, meta.slot_mapping, qk_norm)
         attend = StepAttention(q, key_cache, value_cache, meta.block_tables, self.scale, plan)
         out, layout = attend.out.view(q.shape[0], -1), cache_layout(key_cache, value_cache)
 
-        def launches(kv: KVCache) -> torch.Tensor:
+        def launches(kv: KVCache, norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
             # Both launches read the caches' layout: asked once for the two.
             if cache_layout(*kv) == layout:
                 usual = aligned(*kv)
-                write.launch(*kv, usual)
+                # A layer's norm weights are its model's dtype, as the first layer's were checked to be.
+                write.launch(*kv, usual and (norm_weights is None or aligned(*norm_weights)), norm_weights)
                 attend.launch(*kv, usual)
             else:  # laid out otherwise: each takes its checked path
-                write(*kv)
+                write(*kv, norm_weights)
                 attend(*kv)
             return out
 

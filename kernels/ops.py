@@ -377,16 +377,32 @@ def rope_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int, -1 = do not write
     path: KernelPath | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # q's and k's [D] weights, eps
 ) -> None:
-    """Rotate q and k in place, then write k and v into their cache slots."""
+    """Rotate q and k in place, then write k and v into their cache slots;
+    with ``qk_norm``, each head of q and k RMS-normed first (Qwen3), in
+    place too."""
     if path == "triton" if path is not None else _on_triton(q, key_cache, slot_mapping):
         from fluidserve.kernels import rope_cache
 
-        rope_cache.rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping)
+        if qk_norm is not None and not (qk_norm[0].dtype == qk_norm[1].dtype == q.dtype):
+            _norm_heads(q, k, qk_norm)  # weights of another dtype than the heads: torch norms them
+            qk_norm = None
+        rope_cache.rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, qk_norm)
         return
+    if qk_norm is not None:
+        _norm_heads(q, k, qk_norm)
     rope_torch(q, cos, sin)
     rope_torch(k, cos, sin)
     reference.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
+
+
+def _norm_heads(q: torch.Tensor, k: torch.Tensor, qk_norm: tuple[torch.Tensor, torch.Tensor, float]) -> None:
+    """RMS-norm each head of q [T, Hq, D] and k [T, Hk, D] in place, as
+    ``rms_norm`` rounds."""
+    q_weight, k_weight, eps = qk_norm
+    q.copy_(rms_norm(q, q_weight, eps, path="reference")[0])
+    k.copy_(rms_norm(k, k_weight, eps, path="reference")[0])
 
 
 def silu_and_mul(x: torch.Tensor, path: KernelPath | None = None) -> torch.Tensor:

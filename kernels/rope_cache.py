@@ -15,6 +15,14 @@ which is the reference's ``x * cos + rotate_half(x) * sin`` term for term.
 The kernel computes it in fp32 and rounds once; off the Triton lane
 ``ops.rope_torch`` rounds as torch's in-place ops do.
 Cache semantics are ``reference.reshape_and_cache``'s (slot -1: not written).
+
+With ``qk_norm`` (Qwen3: RMSNorm over each head of q and k before rope) the
+same launch norms each head first, rounded where the reference's per-head
+RMSNorm rounds (``ops.rms_norm``: the normalised head to the dtype, then
+the weight's product to it again), so q and k reach the rotation with the
+values the separate norm would have written: the norms' eight torch ops a
+layer and their two new tensors become part of a launch the layer makes
+anyway, and the rotated heads go back into the projection's own buffer.
 """
 
 from __future__ import annotations
@@ -25,16 +33,28 @@ import triton.language as tl
 
 from fluidserve.kernels.launch import Relaunch, Site, aligned, cache_layout, next_power_of_2
 
+# q's and k's per-head norm weights ([D] each, the heads' dtype) and its eps.
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]
+
 
 @triton.jit
-def _rotate(x, cos1, sin1, cos2, sin2, mask, HALF: tl.constexpr):
+def _rotate(x, cos1, sin1, cos2, sin2, mask, norm_w, dmask, eps, HALF: tl.constexpr, NORM: tl.constexpr):
     """Rotate in place the [H, D/2] first halves at pointers ``x`` and the
     second halves HALF further on; returns the rotated halves (fp32). Each
     element's two halves are loaded and stored by the same program lanes, so
-    the in-place write races with no read."""
+    the in-place write races with no read. ``NORM``: each head RMS-normed
+    first, by the [1, D/2] weight halves at ``norm_w`` and ``norm_w + HALF``."""
     x_hi = x + HALF
     x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_hi, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        dtype = x.dtype.element_ty
+        # Masked lanes load 0 and add nothing to a head's sum of squares.
+        inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(norm_w, mask=dmask, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_w + HALF, mask=dmask, other=0.0).to(tl.float32)
+        x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     y1 = x1 * cos1 + x2 * sin1
     y2 = x2 * cos2 + x1 * sin2
     tl.store(x, y1.to(x.dtype.element_ty), mask=mask)
@@ -52,8 +72,11 @@ def _rope_and_cache_kernel(
     key_cache_ptr,  # [num_blocks, block_size, Hk, D]
     value_cache_ptr,
     slot_ptr,  # [T] int, -1 = do not write
+    q_norm_ptr,  # [D]: q's per-head norm weight (read only if QK_NORM)
+    k_norm_ptr,  # [D]: k's
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    eps,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,  # head_dim / 2
@@ -61,6 +84,7 @@ def _rope_and_cache_kernel(
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    QK_NORM: tl.constexpr = False,
 ):
     # Each address is formed once and offset by HALF for the second half:
     # the compiled kernel is the same either way, and Triton's interpreter,
@@ -76,10 +100,12 @@ def _rope_and_cache_kernel(
     sin2 = tl.load(sin_row + HALF, mask=dmask, other=0.0).to(tl.float32)
 
     hq = tl.arange(0, BLOCK_HQ)[:, None]
-    _rotate(q_ptr + tok * stride_qt + hq * stride_qh + d, cos1, sin1, cos2, sin2, (hq < NUM_Q_HEADS) & dmask, HALF)
+    _rotate(q_ptr + tok * stride_qt + hq * stride_qh + d, cos1, sin1, cos2, sin2, (hq < NUM_Q_HEADS) & dmask,
+            q_norm_ptr + d, dmask, eps, HALF, QK_NORM)
     hk = tl.arange(0, BLOCK_HK)[:, None]
     kmask = (hk < NUM_KV_HEADS) & dmask
-    k1, k2 = _rotate(k_ptr + tok * stride_kt + hk * stride_kh + d, cos1, sin1, cos2, sin2, kmask, HALF)
+    k1, k2 = _rotate(k_ptr + tok * stride_kt + hk * stride_kh + d, cos1, sin1, cos2, sin2, kmask,
+                     k_norm_ptr + d, dmask, eps, HALF, QK_NORM)
 
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     blk = slot // BLOCK_SIZE
@@ -100,7 +126,8 @@ _ROPE_AND_CACHE = Relaunch(_rope_and_cache_kernel)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+           key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+           qk_norm: QKNorm | None = None) -> None:  # fmt: skip
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3 or t.stride(-1) != 1:
             raise ValueError(f"{name} must be [num_tokens, heads, head_dim] with contiguous head_dim")
@@ -117,59 +144,94 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
         raise ValueError("caches must have contiguous head_dim")
     if slot_mapping.shape != (t,):
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must hold one slot per token ({t})")
+    if qk_norm is not None:
+        _check_norm_weights(q, qk_norm[:2])
+
+
+def _check_norm_weights(q: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor]) -> None:
+    for name, w in zip(("q", "k"), weights):
+        if w.shape != (q.shape[2],) or w.stride(0) != 1 or w.dtype != q.dtype or w.device != q.device:
+            raise ValueError(f"{name}'s norm weight {tuple(w.shape)} {w.dtype} must be [{q.shape[2]}], "
+                             f"contiguous, {q.dtype} on q's device")
 
 
 def _launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[tuple[int, ...], dict[str, int]]:
-    """The kernel's scalars after its tensors, and its constexprs."""
+                 key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 eps: float | None) -> tuple[tuple[int | float, ...], dict[str, int]]:  # fmt: skip
+    """The kernel's scalars after its tensors, and its constexprs (``eps``
+    None: no norm)."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     scalars = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
                sin.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-               value_cache.stride(0), value_cache.stride(1), value_cache.stride(2))  # fmt: skip
+               value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+               0.0 if eps is None else float(eps))  # fmt: skip
     constexprs = dict(NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=k.shape[1], HALF=head_dim // 2,
                       BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(k.shape[1]),
-                      BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_SIZE=key_cache.shape[1])  # fmt: skip
+                      BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_SIZE=key_cache.shape[1],
+                      QK_NORM=eps is not None)  # fmt: skip
     return scalars, constexprs
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                   key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   qk_norm: QKNorm | None = None) -> None:  # fmt: skip
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place, and write k and v
-    [T, Hk, D] into their slots of the caches [blocks, block_size, Hk, D]."""
-    _check(q, k, v, cos, sin, key_cache, value_cache, slot_mapping)
+    [T, Hk, D] into their slots of the caches [blocks, block_size, Hk, D];
+    with ``qk_norm`` (q's and k's weights, eps) each head of q and k is
+    RMS-normed before its rotation."""
+    _check(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, qk_norm)
     if q.shape[0] == 0:
         return
-    scalars, constexprs = _launch_args(q, k, v, cos, sin, key_cache, value_cache)
-    _ROPE_AND_CACHE[(q.shape[0],)](q, k, v, cos, sin, key_cache, value_cache, slot_mapping, *scalars, **constexprs)
+    scalars, constexprs = _launch_args(q, k, v, cos, sin, key_cache, value_cache,
+                                       None if qk_norm is None else qk_norm[2])
+    norms = qk_norm[:2] if qk_norm is not None else (q, q)  # not read without the norm
+    _ROPE_AND_CACHE[(q.shape[0],)](q, k, v, cos, sin, key_cache, value_cache, slot_mapping, *norms, *scalars,
+                                   **constexprs)
 
 
 class StepRopeAndCache:
     """``rope_and_cache`` for every layer of a step that rotates the same q
     and k tensors (the batch-1 row layer's views of one buffer every
     layer's QKV GEMV writes) by the same tables into the same slots, each
-    layer into its own caches: checked and laid out once, then a layer
-    passes only its caches. Caches laid out otherwise than the first
-    layer's take ``rope_and_cache``'s checked path."""
+    layer into its own caches and, with a ``qk_norm``, by its own norm
+    weights: checked and laid out once, then a layer passes only those.
+    Caches laid out otherwise than the first layer's take
+    ``rope_and_cache``'s checked path."""
 
-    __slots__ = ("_tensors", "_slots", "_grid", "_scalars", "_constexprs", "_layout", "_site")
+    __slots__ = ("_tensors", "_slots", "_grid", "_scalars", "_constexprs", "_layout", "_eps", "_site")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:  # fmt: skip
-        _check(q, k, v, cos, sin, key_cache, value_cache, slot_mapping)
+                 key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 qk_norm: QKNorm | None = None) -> None:  # fmt: skip
+        _check(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, qk_norm)
         self._tensors, self._slots, self._grid = (q, k, v, cos, sin), slot_mapping, (q.shape[0],)
-        self._scalars, self._constexprs = _launch_args(q, k, v, cos, sin, key_cache, value_cache)
+        self._eps = None if qk_norm is None else qk_norm[2]
+        self._scalars, self._constexprs = _launch_args(q, k, v, cos, sin, key_cache, value_cache, self._eps)
         self._layout = cache_layout(key_cache, value_cache)
-        # Only the caches change, of one layout: on a GPU, aligned ones launch without a key.
+        # Only the caches (and norm weights) change, of one layout: on a GPU, aligned ones launch without a key.
         self._site = Site(_ROPE_AND_CACHE, self._grid, self._constexprs)
 
-    def __call__(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    def __call__(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+        """One layer's launch: its caches and, where the step norms q and k,
+        its q and k norm weights (refused otherwise)."""
+        if (norm_weights is None) is not (self._eps is None):
+            raise ValueError(f"a step rope prepared {'without' if self._eps is None else 'with'} q/k norms")
         if cache_layout(key_cache, value_cache) != self._layout:
-            rope_and_cache(*self._tensors, key_cache, value_cache, self._slots)
-        else:
+            qk_norm = None if norm_weights is None else (*norm_weights, self._eps)
+            rope_and_cache(*self._tensors, key_cache, value_cache, self._slots, qk_norm)
+            return
+        if norm_weights is None:
             self.launch(key_cache, value_cache, aligned(key_cache, value_cache))
+        else:
+            _check_norm_weights(self._tensors[0], norm_weights)
+            self.launch(key_cache, value_cache, aligned(key_cache, value_cache, *norm_weights), norm_weights)
 
-    def launch(self, key_cache: torch.Tensor, value_cache: torch.Tensor, aligned_caches: bool) -> None:
+    def launch(self, key_cache: torch.Tensor, value_cache: torch.Tensor, usual: bool,
+               norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
         """``__call__`` for caches the caller has found of the first
-        layer's layout (``aligned_caches``: both 16-byte aligned)."""
+        layer's layout and norm weights of the first layer's (``usual``:
+        every one of them 16-byte aligned)."""
         if self._grid[0]:
-            self._site((*self._tensors, key_cache, value_cache, self._slots, *self._scalars), aligned_caches)
+            norms = norm_weights or self._tensors[:1] * 2  # not read without the norm
+            self._site((*self._tensors, key_cache, value_cache, self._slots, *norms, *self._scalars), usual)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ...kernels import ops
-from ..layers import AttentionMetadata, KVCache, PagedAttention, RMSNorm, Rope, RotaryEmbedding
+from ..layers import AttentionMetadata, KVCache, PagedAttention, QKNorm, RMSNorm, Rope, RotaryEmbedding, StepLaunches
 from ..preemption import LayerLoop
 from ..parallel import (
     MergedColumnParallelLinear,
@@ -84,22 +84,23 @@ class LlamaAttention(nn.Module):
         return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
                 v.view(t, self.num_kv_heads, self.head_dim))  # fmt: skip
 
+    def norms(self) -> QKNorm | None:
+        """The per-head q and k norms' weights and eps (Qwen3), or None."""
+        return (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+
     def step_launches(self, qkv: torch.Tensor, rope: Rope, kv_cache: KVCache,
-                      meta: AttentionMetadata) -> Callable[[KVCache], torch.Tensor] | None:  # fmt: skip
+                      meta: AttentionMetadata) -> StepLaunches | None:  # fmt: skip
         """``attend``'s launches for a step whose every layer projects into
         ``qkv`` (one buffer of the step's), worked out once
         (``PagedAttention.step_launches``); None where they cannot be."""
-        return self.attn.step_launches(*self._views(qkv), kv_cache, meta, rope)
+        return self.attn.step_launches(*self._views(qkv), kv_cache, meta, rope, self.norms())
 
     def attend(self, rope: Rope, qkv: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """[T, (Hq + 2 Hk) D / tp] projected rows -> [T, Hq D / tp]: the KV
         write and the attention, the part of a layer whose work depends on
         every sequence's length (piecewise graphs run it between graphs)."""
-        q, k, v = self._views(qkv)
-        if self.qk_norm:
-            q, k = self.q_norm(q, meta.kernels), self.k_norm(k, meta.kernels)
-        # rope rotates q and k in place, in the launch that writes the cache
-        return self.attn(q, k, v, kv_cache, meta, rope)
+        # rope rotates q and k in place (Qwen3's per-head norms first), in the launch that writes the cache
+        return self.attn(*self._views(qkv), kv_cache, meta, rope, self.norms())
 
 
 def _kv_sharding(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
@@ -151,11 +152,12 @@ class _RowWeights:
     gate_up: torch.Tensor
     post_norm: tuple[torch.Tensor, float]
     down: torch.Tensor
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None  # q's and k's per-head norm weights (Qwen3)
     # Layers of one key share a step's row buffers and launches (_RowStep):
     # the QKV weight's shape (output, hidden), the gated output's width,
-    # their dtype and device, the attention's window; None where q and k are
-    # normed before rope (Qwen3), which the shared launches do not do.
-    step_key: tuple | None
+    # their dtype and device, the attention's window, the q/k norms' eps
+    # (None: no such norms).
+    step_key: tuple
     _gemvs: dict = field(default_factory=dict)  # launch mode -> the four GEMVs prepared (gemvs)
 
     def gemvs(self, mode: str) -> tuple[PreparedGemv, PreparedGemv, PreparedGemv, PreparedGemv]:
@@ -199,7 +201,7 @@ class _RowStep:
     without a layer's allocations, split, views and attention checks."""
 
     qkv: torch.Tensor  # [1, (Hq + 2 Hk) D]: every layer's QKV GEMV writes it
-    attend: Callable[[KVCache], torch.Tensor]  # rope, KV write, attention from qkv's views -> [1, Hq D]
+    attend: StepLaunches  # (Qwen3's q/k norms,) rope, KV write, attention from qkv's views -> [1, Hq D]
     act: torch.Tensor  # [1, I]: every layer's gate/up GEMV writes it
     mode: str  # how the step's GEMVs launch (gemv.dependent_launch), asked once a step
     # [1, hidden] x 2: a layer's output is whichever its input is not (_output_for).
@@ -230,9 +232,10 @@ class _BatchWeights:
     post_norm: torch.Tensor
     down_t: torch.Tensor  # [I, hidden]
     eps: tuple[float, float]  # the input and post-attention norms'
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None  # q's and k's per-head norm weights (Qwen3)
     # Layers of one key share a step's buffers and launches (_BatchStep):
     # the QKV weight's shape, the gated width, dtype and device, the
-    # attention's window and the two norms' eps.
+    # attention's window, the two norms' eps and the q/k norms'.
     step_key: tuple
 
 
@@ -248,7 +251,7 @@ class _BatchStep:
 
     normed: torch.Tensor  # [T, hidden]: each norm's output, read by the product after it
     qkv: torch.Tensor  # [T, (Hq + 2 Hk) D]
-    attend: Callable[[KVCache], torch.Tensor]  # rope, KV write, attention from qkv's views -> [T, Hq D]
+    attend: StepLaunches  # (Qwen3's q/k norms,) rope, KV write, attention from qkv's views -> [T, Hq D]
     gate_up: torch.Tensor  # [T, 2 I]
     act: torch.Tensor  # [T, I]
     norm: StepNorm  # the input norm's launch
@@ -265,7 +268,7 @@ class _BatchStep:
         else:
             torch.addmm(w.qkv_bias, normed, w.qkv_t, out=self.qkv)
         h = _output_for(self.hidden, x)
-        torch.mm(self.attend(kv_cache), w.o_t, out=h)
+        torch.mm(self.attend(kv_cache, w.qk_norm), w.o_t, out=h)
         self.add_norm(h, w.post_norm, normed, x)  # h = attention + x, then its norm
         torch.mm(normed, w.gate_up_t, out=self.gate_up)
         self.silu_and_mul()
@@ -286,8 +289,10 @@ class LlamaDecoderLayer(nn.Module):
         """Read the row and batch paths' weights off the modules: the loader
         calls this after the last write of the weights, once the linears have
         packed theirs (parallel.prepack_linears). The batch path's: None on
-        several ranks, with an o or down bias, a packed weight or q/k norms.
-        The row path's: None where one of the four linears
+        several ranks, with an o or down bias, a packed weight, or q/k norms
+        whose weights are of another dtype than the heads (which the step's
+        rope launch, norming them, does not take). The row path's: None
+        there too, and where one of the four linears
         would not take the GEMV with the norm, bias and residual it fuses
         (several tensor-parallel ranks, an o or down bias, a packed weight, a
         weight the kernel does not take): there the modules decide per call.
@@ -303,32 +308,34 @@ class LlamaDecoderLayer(nn.Module):
             return weight.new_empty((1, weight.shape[1]))
 
         x = row_of(qkv.weight)
+        qk_norm = attn.norms()
+        # Qwen3's q/k norms go into the step's rope launch, which takes weights of the heads' dtype.
         plain = (o.tp.size == 1 and down.tp.size == 1 and o.bias is None and down.bias is None
                  and gate_up.bias is None and len(gate_up.sizes) == 2 and gate_up.sizes[0] == gate_up.sizes[1]
-                 and all(m._packed is None for m in (qkv, o, gate_up, down)))  # fmt: skip
-        # The batch path: the same modules, one rank, plain products; q and k
-        # not normed before rope (Qwen3), which its shared launches do not do.
+                 and all(m._packed is None for m in (qkv, o, gate_up, down))
+                 and (qk_norm is None or qk_norm[0].dtype == qk_norm[1].dtype == qkv.weight.dtype))  # fmt: skip
+        qk_weights, qk_eps = (None, None) if qk_norm is None else (qk_norm[:2], qk_norm[2])
+        # The batch path: the same modules, one rank, plain products.
         self._batch = _BatchWeights(
             qkv.weight.t(), qkv.bias, norms[0].weight, o.weight.t(), gate_up.weight.t(), norms[1].weight,
-            down.weight.t(), (norms[0].eps, norms[1].eps), (*qkv.weight.shape, gate_up.weight.shape[0],
-                                                             qkv.weight.dtype, qkv.weight.device,
-                                                             attn.attn.sliding_window, norms[0].eps, norms[1].eps),
-        ) if plain and not attn.qk_norm else None  # fmt: skip
+            down.weight.t(), (norms[0].eps, norms[1].eps), qk_weights,
+            (*qkv.weight.shape, gate_up.weight.shape[0], qkv.weight.dtype, qkv.weight.device,
+             attn.attn.sliding_window, norms[0].eps, norms[1].eps, qk_eps),
+        ) if plain else None  # fmt: skip
         ok = (plain and gemv.supports(x, qkv.weight, qkv.bias, None) and gemv.supports_norm(x, norms[0].weight)
               and gemv.supports(row_of(o.weight), o.weight, None, x) and gemv.supports_gated(x, gate_up.weight)
               and gemv.supports_norm(x, norms[1].weight)
               and gemv.supports(row_of(down.weight), down.weight, None, x))  # fmt: skip
-        step_key = None if attn.qk_norm else (*qkv.weight.shape, gate_up.weight.shape[0], qkv.weight.dtype,
-                                              qkv.weight.device, attn.attn.sliding_window)  # fmt: skip
+        step_key = (*qkv.weight.shape, gate_up.weight.shape[0], qkv.weight.dtype, qkv.weight.device,
+                    attn.attn.sliding_window, qk_eps)  # fmt: skip
         self._row = _RowWeights(qkv.weight, qkv.bias, (norms[0].weight, norms[0].eps), o.weight, gate_up.weight,
-                                (norms[1].weight, norms[1].eps), down.weight, step_key) if ok else None  # fmt: skip
+                                (norms[1].weight, norms[1].eps), down.weight, qk_weights,
+                                step_key) if ok else None  # fmt: skip
 
     def _row_step(self, w: _RowWeights, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> _RowStep | None:
         """A step's row buffers and launches for layers of ``w``'s key
         (``_shared_step`` keeps them for the rest; None: the layers launch
         as the modules lay out, per layer)."""
-        if w.step_key is None:
-            return None
         from ...kernels import gemv
 
         qkv = w.qkv.new_empty((1, w.qkv.shape[0]))
@@ -379,15 +386,15 @@ class LlamaDecoderLayer(nn.Module):
             if w is not None:
                 # The launches the modules below make, prepared once from
                 # the weights read once, into buffers and through attention
-                # launches the step's first layer sets up for the rest (a
-                # Qwen3's normed q and k aside): an eager step's host work
+                # launches the step's first layer sets up for the rest
+                # (Qwen3's q/k norms in its rope launch): an eager step's host work
                 # is most of its time, and the modules' dispatch and checks
                 # repeat per layer what the first settled (op_counts.py --host-timing).
                 step = _shared_step(meta, w.step_key, self._row_step, w, rope, kv_cache, meta)
                 if step is not None:
                     qkv, o, gate_up, down = w.gemvs(step.mode)
                     qkv(x, step.qkv)
-                    attended, act, h = step.attend(kv_cache), step.act, _output_for(step.hidden, x)
+                    attended, act, h = step.attend(kv_cache, w.qk_norm), step.act, _output_for(step.hidden, x)
                 else:
                     from ...kernels import gemv
 

@@ -82,14 +82,15 @@ def test_the_batch_path_gives_the_modules_bits_on_a_gpu(tiny_model, make_llm, dt
     KV write and attention from prepared launches) against the same steps
     through the modules (``ops.set_batch_steps(False)``): through prefill
     chunks, mixed steps and decode graphs of 2-4 rows, greedy tokens and
-    every KV cache are equal bit for bit, for a Llama and a Qwen2 (q/k/v
-    bias)."""
+    every KV cache are equal bit for bit, for a Llama, a Qwen2 (q/k/v
+    bias) and a Qwen3 (q/k norms in the rope launch)."""
     from fluidserve.kernels import ops
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 20, 8, 16)]
     kwargs = dict(device="cuda", dtype=dtype, max_num_batched_tokens=32, num_kv_blocks=256, max_num_seqs=4,
                   cuda_graph_sizes=(1, 2, 4))  # fmt: skip
-    for arch, overrides in (("llama", {"head_dim": 64, "hidden_size": 256}), ("qwen2", {})):
+    for arch, overrides in (("llama", {"head_dim": 64, "hidden_size": 256}), ("qwen2", {}),
+                            ("qwen3", {"head_dim": 128, "hidden_size": 256})):
         path = tiny_model(arch, **overrides)
         runs = {}
         for on in (True, False):

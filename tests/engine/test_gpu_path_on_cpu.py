@@ -293,11 +293,12 @@ def test_lane_batch1_layers_in_six_launches_give_the_nine_launch_bits(tiny_model
     nine-launch layer's bit for bit: the fused launches round where the
     unfused ones do. The layer launches them from the weights it read once
     (``LlamaDecoderLayer.prepack``); through the modules, which check
-    every call, the bits are the same again. A Llama's layers share one
-    step's buffers and attention launches (``PagedAttention.step_launches``,
-    made once a decode step, launched by every layer), as a Mistral's do
-    over a window the generation crosses; a Qwen3's, whose q and k are
-    normed before rope, do not."""
+    every call, the bits are the same again. Every family's layers share
+    one step's buffers and attention launches (``PagedAttention.step_launches``,
+    made once a decode step, launched by every layer), a Mistral's over a
+    window the generation crosses, a Qwen3's with each layer's q and k norm
+    weights (normed in the rope launch, as the modules' attention norms
+    them)."""
     from types import SimpleNamespace
 
     from fluidserve.engine.layers import PagedAttention
@@ -318,7 +319,7 @@ def test_lane_batch1_layers_in_six_launches_give_the_nine_launch_bits(tiny_model
             def step_launches(self, *a, f=PagedAttention.step_launches, **k):
                 launches = f(self, *a, **k)
                 built.append(launches)
-                return launches and (lambda kv: attended.append(kv) or launches(kv))
+                return launches and (lambda kv, norms: attended.append((kv, norms)) or launches(kv, norms))
 
             class NormsCounted:  # every GEMV launch, whichever way it is made: was the norm in its prologue?
                 def __getitem__(self, grid, inner=gemv._GEMV):
@@ -338,10 +339,15 @@ def test_lane_batch1_layers_in_six_launches_give_the_nine_launch_bits(tiny_model
             runs[name] = tokens, llm.engine.executor.worker.kv_caches
             # two GEMVs with the norm in their prologue per layer in every decode step of the six-launch layers
             assert (sum(normed) >= 2 * 5) is (name != "nine"), name
-            if name == "six" and arch != "qwen3":
+            if name == "six":
                 # made once a decode step (five, and the start-up's warm-up), launched by every layer in turn
                 assert len(built) >= 5 and all(built)
-                assert [id(k) for k, _ in attended] == [id(k) for k, _ in runs[name][1]] * len(built)
+                layers = [m.self_attn for m in llm.engine.executor.worker.model.modules()
+                          if isinstance(m, llama.LlamaDecoderLayer)]  # fmt: skip
+                assert [id(k) for (k, _), _ in attended] == [id(k) for k, _ in runs[name][1]] * len(built)
+                ids = [None if a.norms() is None else (id(a.q_norm.weight), id(a.k_norm.weight)) for a in layers]
+                assert [n and tuple(map(id, n)) for _, n in attended] == ids * len(built)
+                assert (ids[0] is not None) is (arch == "qwen3")
             else:
                 assert built == [], (arch, name)
         tokens, caches = runs["nine"]
@@ -363,9 +369,9 @@ def test_lane_steps_of_several_rows_run_the_modules_bits_from_prepared_buffers(t
     path, ``_BatchStep``): the products into the step's buffers, the norms,
     the SiLU-mul, rope, KV write and attention laid out once. Through the
     engine, for a GQA Llama and a sliding-window Mistral (fp32) and a
-    Llama and a Qwen2 with its q/k/v bias (bf16), tokens and the whole KV
-    cache equal the modules' (``ops.set_batch_steps(False)``) bit for bit.
-    A Qwen3, whose q and k are normed before rope, keeps the modules."""
+    Llama, a Qwen2 with its q/k/v bias and a Qwen3 with its q/k norms
+    (bf16), tokens and the whole KV cache equal the modules'
+    (``ops.set_batch_steps(False)``) bit for bit."""
     from fluidserve.engine.models import llama
     from fluidserve.kernels import ops as kernel_ops
 
@@ -386,7 +392,7 @@ def test_lane_steps_of_several_rows_run_the_modules_bits_from_prepared_buffers(t
                 finally:
                     kernel_ops.set_batch_steps(was)
             runs[on] = [o.outputs[0].token_ids for o in outs], llm.engine.executor.worker.kv_caches
-            if on and arch != "qwen3":
+            if on:
                 # chunks of the 72-token prompt (32 tokens a step) and decodes of four rows and fewer
                 assert {32, 4, 2} <= set(steps), (arch, sorted(set(steps)))
             else:
@@ -462,8 +468,9 @@ def test_row_weights_are_read_once_per_load_and_only_where_every_linear_takes_th
     and keeps them until the loader writes the weights again
     (``parallel.prepack_linears``, after every load). Where one linear would
     not take the GEMV as the row path fuses it (an o projection with a
-    bias), the layer keeps none and its modules decide per call; a q/k/v
-    bias (Qwen2) rides in the qkv GEMV."""
+    bias, q/k norm weights of another dtype than the heads), the layer keeps
+    none and its modules decide per call; a q/k/v bias (Qwen2) rides in the
+    qkv GEMV, q/k norms (Qwen3) in the step's rope launch."""
     from fluidserve.engine.models.llama import LlamaForCausalLM
     from fluidserve.engine.parallel import prepack_linears
     from fluidserve.engine.tiny_model import tiny_config
@@ -496,9 +503,16 @@ def test_row_weights_are_read_once_per_load_and_only_where_every_linear_takes_th
     prepack_linears(qwen2)
     bias = qwen2.model.layers[0].self_attn.qkv_proj.bias
     assert qwen2.model.layers[0]._row.qkv_bias is bias and qwen2.model.layers[0]._batch.qkv_bias is bias
-    qwen3 = LlamaForCausalLM(tiny_config("qwen3"))  # q and k normed before rope: the modules
+    qwen3 = LlamaForCausalLM(tiny_config("qwen3"))  # q and k normed in the step's rope launch, per layer
     prepack_linears(qwen3)
-    assert qwen3.model.layers[0]._batch is None
+    attn = qwen3.model.layers[1].self_attn
+    for w in (qwen3.model.layers[1]._row, qwen3.model.layers[1]._batch):
+        assert w.qk_norm[0] is attn.q_norm.weight and w.qk_norm[1] is attn.k_norm.weight
+        assert w.step_key[-1] == attn.q_norm.eps
+    assert qwen3.model.layers[0]._row.step_key == qwen3.model.layers[1]._row.step_key
+    qwen3.model.layers[1].self_attn.k_norm.weight.data = attn.k_norm.weight.data.double()
+    qwen3.model.layers[1].prepack()  # a norm weight of another dtype than the heads: the modules
+    assert qwen3.model.layers[1]._row is None and qwen3.model.layers[1]._batch is None
 
 
 @lane_only

@@ -153,6 +153,91 @@ def test_a_step_rope_and_cache_gives_every_layer_the_checked_launchs_bits(device
         step(*wrong)
 
 
+def qkv_views(tokens: int, q_heads: int, kv_heads: int, head_dim: int, dtype, device, gen):
+    """q, k, v as views of one projected qkv buffer (the engine's layout), and the buffer."""
+    qkv = (2 * torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen)).to(device, dtype)
+    return (*(t.view(tokens, -1, head_dim) for t in qkv.split(
+        [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)), qkv)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(4, 2, 16), (3, 3, 80)])
+def test_rope_and_cache_norms_each_head_first_where_asked(device, dtype, q_heads, kv_heads, head_dim):
+    """Qwen3's per-head RMSNorm of q and k, in the rope launch: q and k in
+    place equal transformers' order of ops (the norm on each head, then
+    rope) within the dtype's rounding, the cache holds k normed and rotated
+    and v as it was, a -1 slot is not written; the torch path (``ops``,
+    off the Triton lane) agrees. A head_dim of 80 pads each half to 64
+    lanes, which must add nothing to a head's sum of squares."""
+    tokens, block_size, num_blocks, eps = 6, 16, 4, 1e-6
+    gen = torch.Generator().manual_seed(q_heads + head_dim)
+    q, k, v, qkv = qkv_views(tokens, q_heads, kv_heads, head_dim, dtype, device, gen)
+    q_weight = (torch.rand(head_dim, generator=gen) + 0.5).to(device, dtype)
+    k_weight = (torch.rand(head_dim, generator=gen) + 0.5).to(device, dtype)
+    positions = torch.tensor([0, 3, 17, 40, 41, 900], device=device)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[2] = -1
+    slots = slots.to(device)
+    rope = tables(positions, 10000.0, head_dim, dtype)
+    key_cache, value_cache = paged_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
+    ref_q = hf_rope(hf_rms_norm(q, q_weight, eps), positions, 10000.0)
+    ref_k = hf_rope(hf_rms_norm(k, k_weight, eps), positions, 10000.0)
+    ref_kc, ref_vc = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(ref_k, v, ref_kc, ref_vc, slots)
+    torch_q, torch_k, torch_v, _ = (t.clone() for t in (q, k, v, qkv))
+    torch_kc = key_cache.clone()
+
+    rope_cache.rope_and_cache(q, k, v, *rope, key_cache, value_cache, slots, (q_weight, k_weight, eps))
+    torch.testing.assert_close(q, ref_q, **close(dtype))
+    torch.testing.assert_close(k, ref_k, **close(dtype))
+    torch.testing.assert_close(key_cache, ref_kc, **close(dtype))
+    assert torch.equal(value_cache, ref_vc)  # v only moved, the -1 slot nowhere
+    ops.rope_and_cache(torch_q, torch_k, torch_v, *rope, torch_kc, value_cache.clone(), slots, path="reference",
+                       qk_norm=(q_weight, k_weight, eps))  # fmt: skip
+    torch.testing.assert_close(torch_q, ref_q, **close(dtype))
+    torch.testing.assert_close(torch_kc, ref_kc, **close(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_step_rope_and_cache_norms_with_each_layers_weights(device, dtype):
+    """A step's rope launch prepared with q/k norms (a Qwen3's row or
+    batch step) norms every layer's q and k by that layer's weights: over
+    three layers, each with new rows and its own weights (one of them a
+    view one element into a larger buffer, off Triton's 16-byte
+    specialisation), q, k and the caches equal the checked launch's bit
+    for bit, as on caches laid out otherwise; a layer without weights, or
+    weights for a step prepared without norms, is refused, and so is a
+    weight of another width."""
+    q_heads, kv_heads, head_dim, tokens, eps = 4, 2, 32, 3, 1e-6
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, qkv = qkv_views(tokens, q_heads, kv_heads, head_dim, dtype, device, gen)
+
+    def weight(offset: int = 0) -> torch.Tensor:
+        return (torch.rand(head_dim + offset, generator=gen) + 0.5).to(device, dtype)[offset:]
+
+    rope = tables(torch.tensor([5, 6, 30], device=device), 10000.0, head_dim, dtype)
+    slots = torch.tensor([3, 40, 17], device=device)
+    layers = [(paged_cache(4, 16, kv_heads, head_dim, dtype, device), (weight(), weight())),
+              (paged_cache(4, 16, kv_heads, head_dim, dtype, device), (weight(1), weight())),
+              (paged_cache(6, 16, kv_heads, head_dim, dtype, device), (weight(), weight()))]  # fmt: skip
+    step = rope_cache.StepRopeAndCache(q, k, v, *rope, *layers[0][0], slots, (*layers[0][1], eps))
+    for (key_cache, value_cache), norms in layers:
+        qkv.copy_(torch.randn(qkv.shape, generator=gen).to(device, dtype))
+        ref_qkv, ref_kc, ref_vc = qkv.clone(), key_cache.clone(), value_cache.clone()
+        rq, rk, rv = (t.view(tokens, -1, head_dim) for t in ref_qkv.split(
+            [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+        rope_cache.rope_and_cache(rq, rk, rv, *rope, ref_kc, ref_vc, slots, (*norms, eps))
+        step(key_cache, value_cache, norms)
+        assert torch.equal(qkv, ref_qkv) and torch.equal(key_cache, ref_kc) and torch.equal(value_cache, ref_vc)
+    with pytest.raises(ValueError, match="prepared with q/k norms"):
+        step(*layers[0][0])
+    with pytest.raises(ValueError, match="norm weight"):
+        step(*layers[0][0], (weight(), torch.ones(head_dim + 2, device=device, dtype=dtype)))
+    plain = rope_cache.StepRopeAndCache(q, k, v, *rope, *layers[0][0], slots)
+    with pytest.raises(ValueError, match="prepared without q/k norms"):
+        plain(*layers[0][0], layers[0][1])
+
+
 def test_rope_torch_path_matches_the_reference():
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, 5, 64, generator=gen)
