@@ -521,7 +521,11 @@ def _save_offline(record: dict, mode: str = "offline") -> None:
 def start_server(name: str, cmd: list[str], port: int, env: dict, log: Path, timeout: float = 600) -> subprocess.Popen:
     from serve_bench import launch  # not at module level: the workers run under vLLM's interpreter
 
-    return launch(cmd, f"http://127.0.0.1:{port}/v1/models", env, log, timeout, f"{name} server", cwd=str(REPO))
+    # Outside the repository: ``python -m`` puts the working directory first on sys.path, where this
+    # repository's top-level folders would shadow PyPI packages of their names (transformers, in vLLM's
+    # server, probes for ``kernels``).
+    return launch(cmd, f"http://127.0.0.1:{port}/v1/models", env, log, timeout, f"{name} server",
+                  cwd=tempfile.gettempdir())
 
 
 def server_commands(args: argparse.Namespace, model_dir: Path, dtype: str, ports: dict, scratch: Path) -> dict:
