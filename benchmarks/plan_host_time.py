@@ -23,6 +23,11 @@ positions, slots, the block tables of 16-token blocks, the plan) laid out
 for the device, everything but the copy itself (the CPU's buffer is its
 device buffer); "graph step" rows the same for a decode step replayed from
 a CUDA graph (``Bucket.write``: the bucket's inputs and its static plan).
+Each call is the next step of the same rows: a sixteenth of them gained a
+block since the last, as 16-token blocks fill in decode, under the table
+keys the engine sends (a tree whose worker mirrors the tables copies only
+those); one row sends every table under a new key each step, the mirror's
+worst case.
 
     git archive REV | tar -x -C /tmp/old
     python benchmarks/plan_host_time.py . /tmp/old --names new old
@@ -85,7 +90,19 @@ RUNNER = ModelRunner(torch.nn.ModuleList([PagedAttention(32, 8, 128, 128 ** -0.5
 CACHES = [(KEY_CACHE, KEY_CACHE)]
 
 
-def inputs(q, s):  # the engine's eager step: ModelRunner.prepare of these lengths
+KEYED = "table_keys" in ModelInput.__dataclass_fields__  # a tree whose worker mirrors the block tables
+if KEYED:
+    from fluidserve.engine.block_tables import BlockTableMirror
+    MIRROR = BlockTableMirror()
+NEXT_KEY = [0]
+
+
+def decode_step(q, s, fresh_keys=False):
+    """A step of these lengths as the engine sends it, and a call that sends
+    it again as the next step: a sixteenth of the rows (in turn) gained a
+    block, as decoding 16-token blocks does; ``fresh_keys``: every table
+    under a key the worker has not seen (every row new to it, the mirror's
+    worst case)."""
     starts, blocks, tables = [0], 1, []
     for n, length in zip(q, s):
         starts.append(starts[-1] + n)
@@ -95,7 +112,22 @@ def inputs(q, s):  # the engine's eager step: ModelRunner.prepare of these lengt
     pos = [p for n, length in zip(q, s) for p in range(length - n, length)]
     inp = ModelInput(input_ids=[7] * t, positions=pos, slot_mapping=pos, query_start_loc=starts, seq_lens=s,
                      block_tables=tables, sample_indices=[e - 1 for e in starts[1:]])
-    return lambda: RUNNER.prepare(inp, CACHES)
+    turn = [0]
+
+    def next_step():
+        for table in tables[turn[0] % 16::16]:
+            table.append(table[-1] + 1)
+        turn[0] += 1
+        if KEYED and (fresh_keys or not inp.table_keys):
+            inp.table_keys = list(range(NEXT_KEY[0], NEXT_KEY[0] + len(tables)))
+            NEXT_KEY[0] += len(tables)
+        return inp
+    return next_step
+
+
+def inputs(q, s, fresh_keys=False):  # the engine's eager step: ModelRunner.prepare of these lengths
+    step = decode_step(q, s, fresh_keys)
+    return lambda: RUNNER.prepare(step(), CACHES)
 
 
 def graph_step(s):  # a graphed decode step's host side: the bucket's inputs and static plan (Bucket.write)
@@ -104,12 +136,9 @@ def graph_step(s):  # a graphed decode step's host side: the bucket's inputs and
     spec = cuda_graphs._PlanSpec(windows=[None], num_units={None: DECODE_UNITS}, group=4, num_q_heads=32,
                                  head_dim=128, partials=tuple(torch.empty(n) for n in partials), num_kv_heads=8,
                                  merge_counts=torch.zeros(size * 8, dtype=torch.int32))
-    bucket = cuda_graphs.Bucket(size, -(-max(s) // 16), 16, torch.device("cpu"), spec)
-    tables = [list(range(-(-length // 16))) for length in s]
-    n = len(s)
-    inp = ModelInput(input_ids=[7] * n, positions=[x - 1 for x in s], slot_mapping=[x - 1 for x in s],
-                     query_start_loc=list(range(n + 1)), seq_lens=s, block_tables=tables, sample_indices=list(range(n)))
-    return lambda: bucket.write(inp)
+    bucket = cuda_graphs.Bucket(size, -(-max(s) // 16) + 64, 16, torch.device("cpu"), spec)  # room to grow
+    step = decode_step([1] * len(s), s)
+    return (lambda: bucket.write(step(), MIRROR)) if KEYED else (lambda: bucket.write(step()))
 
 
 cases = {}
@@ -127,6 +156,7 @@ for chunk, b, lo, hi in [(0, 1, 16384, 16384), (0, 64, 512, 4096), (0, 256, 512,
                          (2048, 128, 512, 32768)]:
     shape = (f"{b} x {lo}" if lo == hi else f"{b} x {lo}-{hi}") + (f" + a {chunk}-token chunk" if chunk else "")
     cases[f"inputs: decode {shape}"] = inputs(*lens(chunk, b, lo, hi))
+cases["inputs: decode 256 x 512-32768, every table new"] = inputs(*lens(0, 256, 512, 32768), fresh_keys=True)
 for b, lo, hi in [(1, 200, 200), (1, 16384, 16384), (8, 4096, 4096), (64, 512, 4096), (64, 16384, 16384),
                   (256, 512, 4096)]:
     shape = f"{b} x {lo}" if lo == hi else f"{b} x {lo}-{hi}"

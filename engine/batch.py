@@ -55,6 +55,10 @@ class ModelInput:
     query_start_loc: list[int] = field(default_factory=lambda: [0])
     seq_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
+    # The KV manager's key of each row's table (kvcache/manager.py): under one
+    # key a table only grows, so the worker copies only what it gained
+    # (engine/block_tables.py). Empty: every table is copied whole.
+    table_keys: list[int] = field(default_factory=list)
     sample_indices: list[int] = field(default_factory=list)  # token index of each sampling row
     samples: list[SampleSpec] = field(default_factory=list)
     sample_ids: list[str] = field(default_factory=list)  # request id of each sampling row

@@ -94,7 +94,7 @@ from torch import nn
 
 from fluidserve.engine.batch import ModelInput
 from fluidserve.engine.layers import AttentionMetadata, PagedAttention
-from fluidserve.engine.model_runner import fill_block_tables
+from fluidserve.engine.block_tables import BlockTableMirror
 from fluidserve.engine.runtime import DeviceRuntime, runtime_for
 from fluidserve.kernels import ops, packing
 from fluidserve.kernels.packing import WORK_FIELDS, WorkPlan, aligned_words
@@ -408,14 +408,16 @@ class Bucket:
         self._slots.fill(-1)
         self._h_seq.fill(1)
         self._h_bt.fill(0)
+        self._bt_columns = 0
         self.host_seq_lens = [1] * self.size
         self.rows = 0
         self.direct = False
         for plan in (*self.plans.values(), *self.direct_plans.values()):
             plan.clear()
 
-    def write(self, inp: ModelInput) -> None:
-        """The step's inputs into the host buffer, padded to the bucket."""
+    def write(self, inp: ModelInput, tables: BlockTableMirror) -> None:
+        """The step's inputs into the host buffer, padded to the bucket;
+        ``tables`` lays out the block tables."""
         self._wait_for_upload()
         n = len(inp.input_ids)
         self._ids[:n] = inp.input_ids
@@ -427,8 +429,14 @@ class Bucket:
         self._samp[:len(inp.sample_indices)] = inp.sample_indices
         self._h_seq[:n] = inp.seq_lens
         self._h_seq[n:] = 1
-        self._h_bt[n:] = 0  # padding rows
-        fill_block_tables(self._h_bt[:n], inp.block_tables)
+        # Only the first ``_bt_columns`` columns may hold blocks: the rest of a
+        # long context's row (max_model_len's blocks) stays zero untouched.
+        width = max(map(len, inp.block_tables))
+        if self._bt_columns > width:
+            self._h_bt[:, width:self._bt_columns] = 0
+        self._h_bt[n:, :width] = 0  # padding rows
+        self._bt_columns = width
+        tables.fill(self._h_bt[:n, :width], inp.block_tables, inp.table_keys)
         self.host_seq_lens = [*inp.seq_lens, *[1] * (self.size - n)]
         self.rows = n
         pieces = {w: plan.pieces(inp.seq_lens) for w, plan in self.plans.items()}
@@ -470,13 +478,15 @@ class DecodeGraphs:
     static buffers (CPU, tests, ``FLUIDSERVE_KERNELS=triton``)."""
 
     def __init__(self, model: nn.Module, device: torch.device, kv_caches: KVCaches, sizes: tuple[int, ...],
-                 max_blocks_per_seq: int, block_size: int, *, capture: bool) -> None:
+                 max_blocks_per_seq: int, block_size: int, *, capture: bool,
+                 tables: BlockTableMirror | None = None) -> None:
         self.runtime = runtime_for(device)
         if capture and not self.runtime.can_capture_graphs:
             raise ValueError("CUDA graphs need a CUDA device")
         self.model, self.device, self.kv_caches = model, device, kv_caches
         self.sizes = tuple(sorted(sizes))
         self.width = max_blocks_per_seq
+        self.tables = tables if tables is not None else BlockTableMirror()  # the worker shares its eager steps' mirror
         self.replays: dict[int, int] = {}  # steps run in each bucket
         self.direct_replays: dict[int, int] = {}  # of those, steps over the direct plans (no row split)
         self.fallbacks: dict[str, int] = {}  # steps run eagerly, by reason
@@ -543,7 +553,7 @@ class DecodeGraphs:
         if b is None:
             return None
         bucket = self.buckets[b]
-        bucket.write(inp)
+        bucket.write(inp, self.tables)
         bucket.upload()
         if feed is not None:
             feed(bucket.input_ids[:len(inp.input_ids)])

@@ -495,12 +495,13 @@ class LLMEngine:
         self._finished_constrained = []
         scored: dict[str, int] = {}  # request id -> prompt positions scored once this step has run
         bs = self.kv.block_size
-        seqs, tables = self.seqs, self.kv.block_tables  # the scheduler's tables, the one copy of each
+        seqs, tables, keys = self.seqs, self.kv.block_tables, self.kv.table_keys  # the scheduler's: one copy of each
         # Bound appends: a decode row is a handful of them (this loop runs
         # once per scheduled sequence per step).
         add_id, add_pos, add_slot = inp.input_ids.append, inp.positions.append, inp.slot_mapping.append
         add_qsl, add_len, add_table = inp.query_start_loc.append, inp.seq_lens.append, inp.block_tables.append
         add_idx, add_spec, add_sid = inp.sample_indices.append, inp.samples.append, inp.sample_ids.append
+        add_key = inp.table_keys.append
         num_tokens = 0
         for item in plan.scheduled:
             seq = seqs[item.request_id]
@@ -530,6 +531,7 @@ class LLMEngine:
             add_qsl(num_tokens)
             add_len(start + n)
             add_table(table)
+            add_key(keys[item.request_id])
             if item.samples:
                 add_idx(num_tokens - 1)
                 spec = seq.sample_spec

@@ -21,7 +21,6 @@ nothing is allocated per step. On CPU the host buffer is the device buffer.
 
 from __future__ import annotations
 
-import itertools
 from typing import Callable
 
 import numpy as np
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from fluidserve.engine.batch import ModelInput
+from fluidserve.engine.block_tables import BlockTableMirror
 from fluidserve.engine.layers import AttentionMetadata, PagedAttention
 from fluidserve.engine.runtime import DeviceRuntime, runtime_for
 from fluidserve.kernels import ops
@@ -50,6 +50,7 @@ class ModelRunner:
         self._query_like = (torch.empty((0, attn[0].num_heads, attn[0].head_dim), dtype=dtype, device=device)
                             if attn else None)
         self._windows = sorted({m.sliding_window for m in attn}, key=lambda w: (w is not None, w or 0))
+        self.tables = BlockTableMirror()  # decode graphs fill their buckets from it too
         self._host = torch.empty(0, dtype=torch.int32)
         self._dev = self._host
         self._copied = None  # the event of the last upload, before the host buffer is rewritten
@@ -89,7 +90,7 @@ class ModelRunner:
         h64[3 * t2:] = inp.sample_indices
         host[sl:sl + s] = inp.seq_lens
         host[qsl:qsl + s + 1] = inp.query_start_loc
-        fill_block_tables(host[bt:bt + s * width].reshape(s, width), inp.block_tables)
+        self.tables.fill(host[bt:bt + s * width].reshape(s, width), inp.block_tables, inp.table_keys)
         for window, plan in plans.items():
             plans[window] = plan.stage(host, dev, at)
             at += plan_words[window]
@@ -134,18 +135,3 @@ class ModelRunner:
             feed(input_ids)
         return self.model(input_ids, positions, kv_caches, meta), sample_idx
 
-
-def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> None:
-    """Write ragged block tables into ``out`` [S, W], zero-padded, with a
-    fixed number of numpy calls: no Python-level work per row but a length."""
-    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))  # [S]
-    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
-    if lens.min(initial=out.shape[1]) == out.shape[1]:  # every table as wide as the widest: no padding
-        out.reshape(-1)[:] = flat
-        return
-    out.fill(0)
-    # Row r's blocks fill its first lens[r] columns: a mask of those cells
-    # takes the concatenated tables in order (a boolean assignment runs in
-    # row-major order), a fraction of the time of scattering them to
-    # computed (row, column) indices.
-    out[np.arange(out.shape[1]) < lens[:, None]] = flat

@@ -167,6 +167,7 @@ class Worker:
 
     def init_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.graphs = self.piecewise = None  # graphs hold the old cache's addresses
+        self.runner.tables.clear()  # tables of the old cache's blocks
         self.cache = None  # free the old tensors before the new ones are made
         self.cache = CacheEngine(self.num_layers, self.config.block_size, self.num_kv_heads, self.head_dim,
                                  self.dtype, self.device, num_blocks, num_host_blocks)
@@ -206,7 +207,8 @@ class Worker:
         max_len = cfg.max_model_len or model_context_length(self.hf_config)
         width = min(-(-max_len // cfg.block_size), self.kv_caches[0][0].shape[0])  # blocks one sequence may hold
         sizes = capture_sizes(cfg.max_num_seqs, cfg.cuda_graph_sizes)
-        return DecodeGraphs(self.model, self.device, self.kv_caches, sizes, width, cfg.block_size, capture=capture)
+        return DecodeGraphs(self.model, self.device, self.kv_caches, sizes, width, cfg.block_size, capture=capture,
+                            tables=self.runner.tables)
 
     def piecewise_graphs(self, capture: bool) -> PiecewiseGraphs:
         """The steps decode graphs do not take, in token buckets, attention

@@ -40,15 +40,28 @@ never changes again), so a later swap-out copies only what is not
 checkpointed yet and frees the rest of its device blocks at once, and
 ``drop_to_checkpoint`` takes it off the device at no copy cost at all (what
 came after the checkpoint is recomputed).
+
+A device table only ever grows in place (``allocate`` extends it); every
+other change replaces it with a new list (admission, swap-in) under a new
+*table key*, an integer never reused in the process. So a reader that has copied the first
+``n`` blocks of the table under a key needs only the blocks after ``n`` the
+next time it sees that key: the worker's block-table mirror
+(engine/block_tables.py) relies on it.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fluidserve.kvcache.allocator import BlockAllocator
 from fluidserve.kvcache.prefix_cache import PrefixIndex
+
+
+# Table keys are unique in the process, not just in a manager: a worker that a
+# rebuilt scheduler feeds must never see an old key for a new table.
+_TABLE_KEYS = itertools.count()
 
 
 @dataclass
@@ -82,6 +95,7 @@ class KVCacheManager:
         self.allocator = BlockAllocator(num_blocks)
         self.host = BlockAllocator(num_host_blocks) if num_host_blocks else None
         self._tables: dict[str, list[int]] = {}  # device blocks of resident requests
+        self._table_keys: dict[str, int] = {}  # the key of each device table (grows in place, else a new key)
         self._host_tables: dict[str, list[int]] = {}  # host blocks of swapped requests
         self.prefix = PrefixIndex() if enable_prefix_caching else None
         # cache_on_host=False keeps the cache device-only (a baseline to compare).
@@ -140,7 +154,9 @@ class KVCacheManager:
         need = self.num_new_blocks(request_id, num_tokens)
         if not self.allocator.can_allocate(need):
             return False
-        table = self._tables.setdefault(request_id, [])
+        table = self._tables.get(request_id)
+        if table is None:
+            table = self._set_table(request_id, [])
         if need:
             table.extend(self._allocate(need))
         return True
@@ -275,7 +291,7 @@ class KVCacheManager:
             else:
                 table.append(block)
         table += self._allocate(self.blocks_for(num_tokens) - len(hits))
-        self._tables[request_id] = table
+        self._set_table(request_id, table)
         # Copied-back blocks are indexed once the step has run (cache_blocks):
         # until the copy lands, no other request may read them.
         self._num_indexed[request_id] = len(hits) if indexed is None else indexed
@@ -322,6 +338,25 @@ class KVCacheManager:
         that reads a thousand of them a step (never to be changed)."""
         return self._tables
 
+    @property
+    def table_keys(self) -> Mapping[str, int]:
+        """The key of every resident request's device table, live: a new key
+        whenever the request gets a new table; under one key the table only
+        grows."""
+        return self._table_keys
+
+    def _set_table(self, request_id: str, table: list[int]) -> list[int]:
+        self._tables[request_id] = table
+        self._table_keys[request_id] = next(_TABLE_KEYS)
+        return table
+
+    def _drop_table(self, request_id: str) -> list[int]:
+        """Take the request's device table (empty if it has none) out of the
+        manager: its key and index progress go with it."""
+        self._table_keys.pop(request_id, None)
+        self._num_indexed.pop(request_id, None)
+        return self._tables.pop(request_id, [])
+
     def num_blocks_of(self, request_id: str) -> int:
         """Blocks the request's KV occupies, in whichever tier it is."""
         return len(self._tables.get(request_id) or self._host_tables.get(request_id, ()))
@@ -330,8 +365,7 @@ class KVCacheManager:
         """Release every block of the request in both tiers; returns how many.
         Called between steps (finish, abort) or for a recompute preemption of
         a request with no copy in flight, so the blocks are free at once."""
-        table = self._tables.pop(request_id, [])
-        self._num_indexed.pop(request_id, None)
+        table = self._drop_table(request_id)
         self._release_device(table)
         host = self._host_tables.pop(request_id, []) + self._checkpoints.pop(request_id, [])
         self._host_keys.pop(request_id, None)
@@ -393,8 +427,7 @@ class KVCacheManager:
         released now, and what came after the checkpoint is lost. Returns the
         tokens the checkpoint keeps (the request recomputes from there)."""
         ckpt = self._checkpoints.pop(request_id)
-        table = self._tables.pop(request_id)
-        self._num_indexed.pop(request_id, None)
+        table = self._drop_table(request_id)
         keys = [self.prefix.key_of(b) if self.prefix is not None else None for b in table[:len(ckpt)]]
         self._release_device(table)
         self._host_tables[request_id] = ckpt
@@ -442,8 +475,7 @@ class KVCacheManager:
         run; the rest are free at once."""
         if not self.can_swap_out(request_id):
             raise ValueError(f"host pool cannot hold request {request_id!r}")
-        table = self._tables.pop(request_id)
-        self._num_indexed.pop(request_id, None)
+        table = self._drop_table(request_id)
         keys = [self.prefix.key_of(b) for b in table] if self.prefix is not None else [None] * len(table)
         host = self._checkpoints.pop(request_id, [])  # leading blocks already there
         checkpointed = len(host)
@@ -501,7 +533,7 @@ class KVCacheManager:
             dst = self._allocate(1)[0]
             table.append(dst)
             copies.append((src, dst))
-        self._tables[request_id] = table
+        self._set_table(request_id, table)
         self._num_indexed[request_id] = len(table) if indexed is None else indexed
         self.host.free(host, deferred=True)
         return copies
@@ -519,6 +551,7 @@ class KVCacheManager:
         free; no request lives in both tiers; refcounts match ownership."""
         both = self._tables.keys() & self._host_tables.keys()
         assert not both, f"requests in both tiers: {sorted(both)[:4]}"
+        assert self._table_keys.keys() == self._tables.keys(), "a device table without its key, or a key without one"
         assert self._checkpoints.keys() <= self._tables.keys(), "a checkpoint of a request not resident"
         for rid, ckpt in self._checkpoints.items():
             assert len(ckpt) <= len(self._tables[rid]), f"{rid}: checkpoint longer than its table"

@@ -155,26 +155,6 @@ def test_stream_taking_over_after_a_prompt_cut_mid_character(tmp_path, monkeypat
     assert took_over > 0
 
 
-@pytest.mark.parametrize("spare", [0, 3], ids=["as-wide-as-the-widest", "wider"])
-@pytest.mark.parametrize("widths", [[3, 1, 4, 1, 5], [2, 2, 2], [0, 3], [1]])
-def test_block_tables_fill_like_row_by_row(widths, spare):
-    """The runner's vectorised fill of ragged block tables: each row its own
-    (shuffled) blocks, zero after them, whatever sat in the buffer before,
-    in a buffer as wide as the widest table or wider (a graph bucket's)."""
-    import random
-
-    import numpy as np
-
-    from fluidserve.engine.model_runner import fill_block_tables
-
-    rng = random.Random(sum(widths))
-    tables = [rng.sample(range(1, 100), w) for w in widths]
-    out = np.full((len(tables), max(widths) + spare), -7, dtype=np.int32)
-    fill_block_tables(out, tables)
-    for row, blocks in zip(out, tables):
-        assert row[:len(blocks)].tolist() == blocks and not row[len(blocks):].any()
-
-
 def test_step_inputs_start_on_16_bytes_whatever_the_batch_size():
     """Every section of the one-copy input buffer starts 16-byte aligned, for
     any token and sequence count: Triton compiles a variant per pointer

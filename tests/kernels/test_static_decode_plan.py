@@ -202,6 +202,7 @@ def test_bucket_buffers_feed_the_kernel(device, make_batch, oracle, fused_merge)
     tables, with either merge; layer after layer, the fused merge's counters
     come back to zero."""
     from fluidserve.engine.batch import ModelInput
+    from fluidserve.engine.block_tables import BlockTableMirror
     from fluidserve.engine.cuda_graphs import Bucket, _PlanSpec
 
     lens, window, block_size, width = [700, 33, 90], 40, 16, 50
@@ -214,10 +215,11 @@ def test_bucket_buffers_feed_the_kernel(device, make_batch, oracle, fused_merge)
                      partials=(torch.empty(4096 * hq * d, **f32), torch.empty(4096 * hq, **f32)),
                      num_kv_heads=2, merge_counts=counts)
     bucket = Bucket(4, width, block_size, torch.device(device), spec)
+    mirror = BlockTableMirror()
     tables = [row[:-(-s // block_size)] for row, s in zip(batch.block_tables.tolist(), lens)]
     bucket.write(ModelInput(input_ids=[1, 2, 3], positions=[s - 1 for s in lens], slot_mapping=[-1] * 3,
                             query_start_loc=[0, 1, 2, 3], seq_lens=lens, block_tables=tables,
-                            sample_indices=[0, 1, 2]))
+                            table_keys=[0, 1, 2], sample_indices=[0, 1, 2]), mirror)
     bucket.upload()
     assert bucket.block_tables.shape == (4, width) and bucket.seq_lens.tolist() == [*lens, 1]
     assert bucket.slot_mapping.tolist() == [-1] * 4 and bucket.sample_idx[:3].tolist() == [0, 1, 2]
@@ -240,8 +242,10 @@ def test_bucket_buffers_feed_the_kernel(device, make_batch, oracle, fused_merge)
     tables = [row[:-(-s // block_size)] for row, s in zip(batch.block_tables.tolist(), short)]
     bucket.write(ModelInput(input_ids=[1, 2, 3], positions=[s - 1 for s in short], slot_mapping=[-1] * 3,
                             query_start_loc=[0, 1, 2, 3], seq_lens=short, block_tables=tables,
-                            sample_indices=[0, 1, 2]))
+                            table_keys=[3, 4, 5], sample_indices=[0, 1, 2]), mirror)
     bucket.upload()
+    # Narrower tables than the last step's: the columns that step wrote are zero again.
+    assert bucket.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables] + [[0] * width]
     assert bucket.direct
     meta = bucket.metadata()
     query = torch.cat([batch.query, torch.randn_like(batch.query[:1])])
@@ -262,6 +266,7 @@ def test_buckets_built_without_direct_plans_always_merge():
     and a batch no plan splits runs over them."""
     from fluidserve.engine import cuda_graphs
     from fluidserve.engine.batch import ModelInput
+    from fluidserve.engine.block_tables import BlockTableMirror
 
     spec = cuda_graphs._PlanSpec(windows=[None], num_units={None: 4}, group=2, num_q_heads=4, head_dim=32,
                                  partials=(torch.empty(4096 * 4 * 32), torch.empty(4096 * 4)), num_kv_heads=2,
@@ -276,6 +281,6 @@ def test_buckets_built_without_direct_plans_always_merge():
     with_direct = cuda_graphs.Bucket(2, 4, 16, torch.device("cpu"), spec)
     assert not bucket.direct_plans and with_direct.direct_plans
     for b in (bucket, with_direct):
-        b.write(short)
+        b.write(short, BlockTableMirror())
     assert not bucket.direct and bucket.metadata()._plans[None] is bucket.plans[None].plan
     assert with_direct.direct and with_direct.metadata()._plans[None] is with_direct.direct_plans[None].plan
