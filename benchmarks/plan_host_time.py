@@ -27,7 +27,11 @@ Each call is the next step of the same rows: a sixteenth of them gained a
 block since the last, as 16-token blocks fill in decode, under the table
 keys the engine sends (a tree whose worker mirrors the tables copies only
 those); one row sends every table under a new key each step, the mirror's
-worst case.
+worst case. The "over Ray" rows add what the Ray executor does to a step's
+input on its way to a rank: cut to what the ranks lack (a tree whose
+executor sends tables' tails), pickled and unpickled (protocol 5, as Ray's
+serializer does plain data), then prepared: the engine's and one rank's
+host time together.
 
     git archive REV | tar -x -C /tmp/old
     python benchmarks/plan_host_time.py . /tmp/old --names new old
@@ -49,7 +53,7 @@ import sys
 from pathlib import Path
 
 _PROBE = r'''
-import gc, json, os, random, sys, time, types
+import dataclasses, gc, json, os, pickle, random, sys, time, types
 root = sys.argv[1]
 pkg = types.ModuleType("fluidserve"); pkg.__path__ = [root]; sys.modules["fluidserve"] = pkg  # the tree's packages
 os.environ.update(FLUIDSERVE_KERNELS="triton", TRITON_INTERPRET="1")  # the runner takes the GPU's path
@@ -92,8 +96,9 @@ CACHES = [(KEY_CACHE, KEY_CACHE)]
 
 KEYED = "table_keys" in ModelInput.__dataclass_fields__  # a tree whose worker mirrors the block tables
 if KEYED:
-    from fluidserve.engine.block_tables import BlockTableMirror
-    MIRROR = BlockTableMirror()
+    from fluidserve.engine import block_tables
+    MIRROR = block_tables.BlockTableMirror()
+SENDER = getattr(block_tables, "BlockTableSender", None) if KEYED else None  # a tree that sends tables' tails
 NEXT_KEY = [0]
 
 
@@ -114,20 +119,28 @@ def decode_step(q, s, fresh_keys=False):
                      block_tables=tables, sample_indices=[e - 1 for e in starts[1:]])
     turn = [0]
 
-    def next_step():
+    def next_step():  # a new input each step, as the engine sends
         for table in tables[turn[0] % 16::16]:
             table.append(table[-1] + 1)
         turn[0] += 1
+        step = dataclasses.replace(inp)
         if KEYED and (fresh_keys or not inp.table_keys):
-            inp.table_keys = list(range(NEXT_KEY[0], NEXT_KEY[0] + len(tables)))
+            step.retired_keys, inp.table_keys = inp.table_keys, list(range(NEXT_KEY[0], NEXT_KEY[0] + len(tables)))
+            step.table_keys = inp.table_keys
             NEXT_KEY[0] += len(tables)
-        return inp
+        return step
     return next_step
 
 
 def inputs(q, s, fresh_keys=False):  # the engine's eager step: ModelRunner.prepare of these lengths
     step = decode_step(q, s, fresh_keys)
     return lambda: RUNNER.prepare(step(), CACHES)
+
+
+def over_ray(q, s):  # a step through the Ray executor: what is sent, pickled and unpickled, then prepared
+    step = decode_step(q, s)
+    wire = SENDER().wire if SENDER is not None else (lambda inp: inp)
+    return lambda: RUNNER.prepare(pickle.loads(pickle.dumps(wire(step()), protocol=5)), CACHES)
 
 
 def graph_step(s):  # a graphed decode step's host side: the bucket's inputs and static plan (Bucket.write)
@@ -157,6 +170,8 @@ for chunk, b, lo, hi in [(0, 1, 16384, 16384), (0, 64, 512, 4096), (0, 256, 512,
     shape = (f"{b} x {lo}" if lo == hi else f"{b} x {lo}-{hi}") + (f" + a {chunk}-token chunk" if chunk else "")
     cases[f"inputs: decode {shape}"] = inputs(*lens(chunk, b, lo, hi))
 cases["inputs: decode 256 x 512-32768, every table new"] = inputs(*lens(0, 256, 512, 32768), fresh_keys=True)
+for b, lo, hi in [(64, 512, 4096), (256, 512, 32768)]:
+    cases[f"inputs over Ray: decode {b} x {lo}-{hi}"] = over_ray(*lens(0, b, lo, hi))
 for b, lo, hi in [(1, 200, 200), (1, 16384, 16384), (8, 4096, 4096), (64, 512, 4096), (64, 16384, 16384),
                   (256, 512, 4096)]:
     shape = f"{b} x {lo}" if lo == hi else f"{b} x {lo}-{hi}"
@@ -209,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
           "Llama-3-8B shapes on an H100/H200 (33 units per KV head with prefill tiles, 49 decode-only); eager: "
           "`paged_attention.plan_for`, "
           "graph: `cuda_graphs.plan_decode`; inputs: `ModelRunner.prepare` of an eager step on the Triton "
-          "kernels' path (its plan and the block tables of 16-token blocks included; medians of 50 calls); "
+          "kernels' path (its plan and the block tables of 16-token blocks included; medians of 50 calls), "
+          "each call the next step of the same rows, a sixteenth of them a block longer, under the engine's "
+          "table keys where the tree has them (\"every table new\": under new keys each step); over Ray: the "
+          "same, the input cut to what the ranks lack where the tree's executor does so, pickled and unpickled "
+          "first (the engine's and one rank's host time together); "
           "graph step: `Bucket.write` of a decode step replayed from a CUDA graph (its inputs and static "
           "plan).", "",
           "| step | " + " | ".join(f"{n} (ms)" for n in (first, *rest)) + "".join(f" | {n} / {first}" for n in rest)

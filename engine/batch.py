@@ -56,9 +56,14 @@ class ModelInput:
     seq_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     # The KV manager's key of each row's table (kvcache/manager.py): under one
-    # key a table only grows, so the worker copies only what it gained
+    # key a table only grows, so the worker converts only what it gained
     # (engine/block_tables.py). Empty: every table is copied whole.
     table_keys: list[int] = field(default_factory=list)
+    # With keys, where each row's list starts in its table: the worker holds
+    # the blocks before it (how the Ray executor sends tables). Empty: whole.
+    table_starts: list[int] = field(default_factory=list)
+    # Keys whose tables are gone since the last step: the worker drops them.
+    retired_keys: list[int] = field(default_factory=list)
     sample_indices: list[int] = field(default_factory=list)  # token index of each sampling row
     samples: list[SampleSpec] = field(default_factory=list)
     sample_ids: list[str] = field(default_factory=list)  # request id of each sampling row
@@ -82,6 +87,13 @@ class ModelInput:
     # device, the token the step launched before this one sampled in its
     # sample row ``j`` (its value is not known on the host yet).
     fed: bool = False
+
+    def longest_table(self) -> int:
+        """Blocks in the step's longest table (a row sent from block ``s`` on
+        holds ``s`` more than its list)."""
+        if self.table_starts:
+            return max((s + len(t) for s, t in zip(self.table_starts, self.block_tables)), default=0)
+        return max(map(len, self.block_tables), default=0)
 
     @property
     def num_tokens(self) -> int:

@@ -1,34 +1,39 @@
 """Block tables of a step laid out for the device: the worker's host mirror
-of every table it has been sent, and the plain fill for inputs that come
-without table keys.
+of every live table it has been sent, and the plain fill for inputs that
+come without table keys.
 
 A step's block tables are ragged Python lists, one per row, that the attention
 kernels read as one zero-padded int32 array [S, W]. Copying them element by
 element costs the host ~19 ns a block: 5.6 ms a step for 256 rows of 512 to
 32k tokens in 16-token blocks, every step, though a decode step adds one block
-to a row every 16 tokens at most. So the worker keeps a host copy of each
-table it has seen, one row per *table key* (kvcache/manager.py: under one key
-a table only grows in place; any other change gives it a new key), writes
-only the blocks a row gained since it last saw the key, and gathers the
-step's rows with one numpy ``take`` (a memory copy)::
+to a row every 16 tokens at most. So the worker keeps a numpy copy of each
+table it has seen, by *table key* (kvcache/manager.py: under one key a table
+only grows in place; any other change gives it a new key and retires the old
+one), converts only the blocks a table gained since it last saw the key, and
+lays out the step with a copy per row::
 
-    mirror (rows x C)             step's tables [S, W]
-    key 7  -> row 0  [ 3 9 4 0 .. ]   take rows [2, 0] ->  [ 5 6 1 8 ]   key 12
-    key 12 -> row 2  [ 5 6 1 8 .. ]                        [ 3 9 4 0 ]   key 7
-                      written: 4
+    mirror                               step's tables [S, W]
+    key 7  -> [ 3 9 4 . . . ]  n = 3       [ 5 6 1 8 ]   key 12
+    key 12 -> [ 5 6 1 8 . . ]  n = 4       [ 3 9 4 0 ]   key 7
 
-Rows past a table's length hold zeros, so the gather pads as the plain fill
-does. Rows belong to keys until the mirror runs out: then the rows of keys
-the current step does not use go back (a key that comes back is rewritten
-whole), and the mirror grows only when most of its rows serve this step, so
-it stays within a small multiple of the largest step.
+An input may carry a table from some block on (``ModelInput.table_starts``):
+the blocks before it are the ones the worker already holds under that key.
+That is how the Ray executor sends tables (engine/executor/ray.py): a
+decode step crosses to each rank with the blocks its rows gained, not whole
+tables. So the worker may never forget a key on its own; a key's copy goes
+when the engine says the table is gone (``ModelInput.retired_keys``, sent
+with the next step), and the mirror holds the resident requests' tables and
+those that went since the last step, no more.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
+
+from fluidserve.engine.batch import ModelInput
 
 
 def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> None:
@@ -48,85 +53,113 @@ def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> None:
 
 
 class BlockTableMirror:
-    """The worker's copy of the block tables it has been sent, by table key."""
+    """The worker's copy of the live block tables it has been sent, by key.
+    ``sync`` takes a step's input in (once per input, however often it is
+    laid out); ``fill`` writes the step's tables where the kernels read them."""
 
-    def __init__(self, rows: int = 64, columns: int = 64) -> None:
-        self._table = np.zeros((rows, columns), dtype=np.int32)  # [rows, C], zero past each written length
-        self._rows: dict[int, list[int]] = {}  # key -> [row, blocks written, step last used]
-        self._free = list(range(rows - 1, -1, -1))  # popped from the end: row 0 first
-        self._step = 0
-        self.rewritten_rows = 0  # rows written from their first block (new keys, reclaimed ones)
+    def __init__(self) -> None:
+        self._blocks: dict[int, np.ndarray] = {}  # key -> its blocks, with room to grow
+        self._held: dict[int, np.ndarray] = {}  # key -> the view of the blocks it holds
+        self._synced: ModelInput | None = None
+        self._rows: list[np.ndarray] = []  # the synced step's tables (views), in row order
+        self._plain: list[list[int]] | None = None  # the synced step's tables, when it came without keys
+        self.width = 0  # the synced step's longest table
+        self.converted_blocks = 0  # blocks turned from Python ints into the mirror's, over its life
+
+    def __len__(self) -> int:
+        return len(self._held)
 
     def clear(self) -> None:
         """Forget every table (the worker's cache was rebuilt)."""
-        self._table.fill(0)
-        self._rows.clear()
-        self._free = list(range(self._table.shape[0] - 1, -1, -1))
+        self._blocks.clear()
+        self._held.clear()
+        self._synced, self._rows, self._plain = None, [], None
 
-    @property
-    def num_rows(self) -> int:
-        return self._table.shape[0]
-
-    def fill(self, out: np.ndarray, tables: list[list[int]], keys: list[int]) -> None:
-        """Write the step's tables into ``out`` [S, W] (W at least the longest
-        table), zero-padded; ``keys[i]`` is the key of ``tables[i]``. Without
-        keys (warm-up steps, inputs built by hand) the tables are copied
-        whole and the mirror is left as it is."""
+    def sync(self, inp: ModelInput) -> int:
+        """Take in the step's tables (retired keys first); returns the
+        longest table's length. The worker takes each input in as it
+        arrives, and the step's layout asks again: a keyed input already
+        taken in is not gone through twice."""
+        if inp is self._synced and inp.table_keys:
+            return self.width
+        for key in inp.retired_keys:
+            self._blocks.pop(key, None)
+            self._held.pop(key, None)
+        tables, keys = inp.block_tables, inp.table_keys
         if not keys:
-            fill_block_tables(out, tables)
-            return
+            self._synced, self._rows, self._plain = inp, [], tables
+            self.width = inp.longest_table()
+            return self.width
         if len(keys) != len(tables):
             raise ValueError(f"{len(tables)} block tables but {len(keys)} table keys")
-        self._step += 1
-        rows = np.empty(len(tables), dtype=np.intp)
-        for i, (key, table) in enumerate(zip(keys, tables)):
-            rows[i] = self._sync(key, table)
-        width = min(out.shape[1], self._table.shape[1])
-        np.take(self._table[:, :width], rows, axis=0, out=out[:, :width], mode="clip")  # clip: unbuffered
-        out[:, width:] = 0
+        held, rows = self._held, []
+        for key, table, start in zip(keys, tables, inp.table_starts or itertools.repeat(0)):
+            view = held.get(key)
+            # Most rows of a decode step gained nothing: their view stands.
+            rows.append(view if view is not None and len(view) == start + len(table) else
+                        self._take(key, table, start))
+        self._synced, self._rows, self._plain = inp, rows, None
+        self.width = max(map(len, rows), default=0)
+        return self.width
 
-    def _sync(self, key: int, table: list[int]) -> int:
-        """The row holding ``table`` in full, after writing what it gained."""
-        entry = self._rows.get(key)
-        n = len(table)
-        if entry is None:
-            entry = self._rows[key] = [self._take_row(), 0, 0]
-            self.rewritten_rows += 1
-        row, written = entry[0], entry[1]
-        if n < written:
-            raise ValueError(f"block table of key {key} shrank from {written} to {n} blocks: "
+    def _take(self, key: int, table: list[int], start: int) -> np.ndarray:
+        """The view of key's blocks once ``table`` (its blocks from
+        ``start`` on) is in."""
+        view = self._held.get(key)
+        held = 0 if view is None else len(view)
+        if start > held:
+            raise ValueError(f"block table of key {key} sent from block {start}, but the worker holds {held} "
+                             "of its blocks")
+        n = start + len(table)
+        if n < held:
+            raise ValueError(f"block table of key {key} shrank from {held} to {n} blocks: "
                              "a table that changes other than by growing needs a new key")
-        if n > written:
-            if n > self._table.shape[1]:
-                self._widen(n)
-            # fromiter reads no further than n (the engine may be growing the list
-            # for its next step) and converts ~10% faster than a slice assignment.
-            self._table[row, written:n] = np.fromiter(table[written:n] if written else table, np.int32, n - written)
-            entry[1] = n
-        entry[2] = self._step
-        return row
+        blocks = self._blocks.get(key)
+        if blocks is None or n > len(blocks):
+            grown = np.empty(max(n, 2 * held, 16), dtype=np.int32)
+            grown[:held] = view if view is not None else ()
+            blocks = self._blocks[key] = grown
+        # count bounds the read: the engine may be growing the list for its next step.
+        blocks[held:n] = np.fromiter(table[held - start:] if held > start else table, np.int32, n - held)
+        self.converted_blocks += n - held
+        view = self._held[key] = blocks[:n]
+        return view
 
-    def _take_row(self) -> int:
-        if not self._free:
-            self._reclaim()
-        return self._free.pop()
+    def fill(self, out: np.ndarray) -> None:
+        """The synced step's tables into ``out`` [S, W >= width], zero-padded."""
+        if self._plain is not None:
+            fill_block_tables(out, self._plain)
+            return
+        out.fill(0)
+        for i, blocks in enumerate(self._rows):
+            out[i, :len(blocks)] = blocks
 
-    def _reclaim(self) -> None:
-        """Free the rows of keys this step has not used; grow the mirror
-        too when fewer than a quarter of its rows came free."""
-        stale = [key for key, (_, _, last) in self._rows.items() if last != self._step]
-        for key in stale:
-            row, written, _ = self._rows.pop(key)
-            self._table[row, :written] = 0
-            self._free.append(row)
-        rows = self._table.shape[0]
-        if 4 * len(self._free) < rows:
-            grown = np.zeros((2 * rows, self._table.shape[1]), dtype=np.int32)
-            grown[:rows] = self._table
-            self._table = grown
-            self._free[:0] = range(2 * rows - 1, rows - 1, -1)  # after the freed rows
 
-    def _widen(self, columns: int) -> None:
-        grown = np.zeros((self._table.shape[0], max(columns, 2 * self._table.shape[1])), dtype=np.int32)
-        grown[:, :self._table.shape[1]] = self._table
-        self._table = grown
+class BlockTableSender:
+    """The sending side of the mirror, for an executor whose workers live in
+    other processes: what it has sent of each key's table, so a step sends
+    each table from the first block the workers lack (``table_starts``).
+    Every worker must take every input it sends, in order."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, int] = {}  # key -> blocks the workers hold
+
+    def clear(self) -> None:
+        """The workers forgot every table (their caches were rebuilt)."""
+        self._sent.clear()
+
+    def wire(self, inp: ModelInput) -> ModelInput:
+        """``inp`` with each table cut to what the workers lack (the same
+        input when it has no keys)."""
+        if not inp.table_keys:
+            return inp
+        sent = self._sent
+        for key in inp.retired_keys:
+            sent.pop(key, None)
+        starts, tails = [], []
+        for key, table in zip(inp.table_keys, inp.block_tables):
+            start, n = sent.get(key, 0), len(table)
+            starts.append(start)
+            tails.append(table[start:n])
+            sent[key] = n
+        return dataclasses.replace(inp, block_tables=tails, table_starts=starts)

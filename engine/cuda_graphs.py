@@ -156,7 +156,7 @@ def ineligible(inp: ModelInput, largest: int, width: int) -> str | None:
         return "preemptible"
     if n > largest:
         return "larger than the largest bucket"
-    if max(len(t) for t in inp.block_tables) > width:
+    if inp.longest_table() > width:
         return "block table wider than max_model_len"
     return None
 
@@ -431,12 +431,12 @@ class Bucket:
         self._h_seq[n:] = 1
         # Only the first ``_bt_columns`` columns may hold blocks: the rest of a
         # long context's row (max_model_len's blocks) stays zero untouched.
-        width = max(map(len, inp.block_tables))
+        width = tables.sync(inp)
         if self._bt_columns > width:
             self._h_bt[:, width:self._bt_columns] = 0
         self._h_bt[n:, :width] = 0  # padding rows
         self._bt_columns = width
-        tables.fill(self._h_bt[:n, :width], inp.block_tables, inp.table_keys)
+        tables.fill(self._h_bt[:n, :width])
         self.host_seq_lens = [*inp.seq_lens, *[1] * (self.size - n)]
         self.rows = n
         pieces = {w: plan.pieces(inp.seq_lens) for w, plan in self.plans.items()}

@@ -468,6 +468,7 @@ class LLMEngine:
             inp = self.scheduler.paused.input
             inp.resume_of = inp.step_id
             inp.swap_out, inp.swap_in, inp.wait_for_swap_in, inp.finished_ids = [], [], False, []
+            inp.retired_keys = []
         else:
             inp = self._model_input(plan)
         if not plan.preemptible or self.config.scheduler.preemption_safepoint_layers == 0 or not inp.input_ids:
@@ -491,6 +492,7 @@ class LLMEngine:
         position past what the scheduler has counted, fed on the device the
         token of its sample row in that step."""
         inp = ModelInput(swap_out=plan.swap_out, swap_in=plan.swap_in, finished_ids=self._finished_constrained,
+                         retired_keys=self.kv.take_retired_keys(),
                          fed=ahead is not None)
         self._finished_constrained = []
         scored: dict[str, int] = {}  # request id -> prompt positions scored once this step has run

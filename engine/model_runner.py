@@ -68,7 +68,7 @@ class ModelRunner:
                                                                        torch.Tensor]:
         """(input_ids, positions, metadata with its work plans, sample indices)."""
         t, s, n_samp = len(inp.input_ids), len(inp.seq_lens), len(inp.sample_indices)
-        width = max(len(b) for b in inp.block_tables)
+        width = self.tables.sync(inp)
         q_lens = [b - a for a, b in zip(inp.query_start_loc, inp.query_start_loc[1:])]
         plans = self._host_plans(q_lens, inp.seq_lens, kv_caches)
         t2 = t + t % 2  # int64 sections start on 16 bytes
@@ -90,7 +90,7 @@ class ModelRunner:
         h64[3 * t2:] = inp.sample_indices
         host[sl:sl + s] = inp.seq_lens
         host[qsl:qsl + s + 1] = inp.query_start_loc
-        self.tables.fill(host[bt:bt + s * width].reshape(s, width), inp.block_tables, inp.table_keys)
+        self.tables.fill(host[bt:bt + s * width].reshape(s, width))
         for window, plan in plans.items():
             plans[window] = plan.stage(host, dev, at)
             at += plan_words[window]

@@ -246,6 +246,7 @@ class Worker:
             raise ValueError("launch takes a plain decode step of one worker")
         if inp.fed and self._last_tokens is None:
             raise ValueError("a fed step must follow a launched one")
+        self.runner.tables.sync(inp)
         # No moves of its own, but the forward still waits for the last
         # step's copies: blocks its swap-outs freed may be written now.
         self.cache.swap([], [], False)
@@ -281,6 +282,7 @@ class Worker:
         """Run one step: its KV moves, then the forward; the sampled tokens
         on rank 0, none on the other ranks."""
         self._last_tokens = None  # a fed step follows a launched one only
+        self.runner.tables.sync(inp)  # first: a step that fails later has still taken its tables in
         stall = self.cache.swap(inp.swap_out, inp.swap_in, inp.wait_for_swap_in)
         result = StepResult(swap_stall_s=stall)
         self.structured.release(inp.finished_ids)

@@ -46,7 +46,8 @@ other change replaces it with a new list (admission, swap-in) under a new
 *table key*, an integer never reused in the process. So a reader that has copied the first
 ``n`` blocks of the table under a key needs only the blocks after ``n`` the
 next time it sees that key: the worker's block-table mirror
-(engine/block_tables.py) relies on it.
+(engine/block_tables.py) relies on it, and forgets a key once
+``take_retired_keys`` says its table went.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class KVCacheManager:
         self.host = BlockAllocator(num_host_blocks) if num_host_blocks else None
         self._tables: dict[str, list[int]] = {}  # device blocks of resident requests
         self._table_keys: dict[str, int] = {}  # the key of each device table (grows in place, else a new key)
+        self._retired: list[int] | None = None  # keys whose tables went, once take_retired_keys is called
         self._host_tables: dict[str, list[int]] = {}  # host blocks of swapped requests
         self.prefix = PrefixIndex() if enable_prefix_caching else None
         # cache_on_host=False keeps the cache device-only (a baseline to compare).
@@ -345,6 +347,13 @@ class KVCacheManager:
         grows."""
         return self._table_keys
 
+    def take_retired_keys(self) -> list[int]:
+        """The keys whose tables went (freed, swapped out, dropped to their
+        checkpoint) since the last call; recorded from the first call on, so
+        a manager nobody asks (the simulator's) keeps none."""
+        retired, self._retired = self._retired or [], []
+        return retired
+
     def _set_table(self, request_id: str, table: list[int]) -> list[int]:
         self._tables[request_id] = table
         self._table_keys[request_id] = next(_TABLE_KEYS)
@@ -353,7 +362,9 @@ class KVCacheManager:
     def _drop_table(self, request_id: str) -> list[int]:
         """Take the request's device table (empty if it has none) out of the
         manager: its key and index progress go with it."""
-        self._table_keys.pop(request_id, None)
+        key = self._table_keys.pop(request_id, None)
+        if key is not None and self._retired is not None:
+            self._retired.append(key)
         self._num_indexed.pop(request_id, None)
         return self._tables.pop(request_id, [])
 

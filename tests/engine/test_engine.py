@@ -91,6 +91,12 @@ def test_kv_pressure_preempts_and_still_matches(tiny_model, make_llm):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 24)
+    # The worker's copy of the block tables forgets every table that went,
+    # a recomputed request's first one too, once the next step says so.
+    mirror = llm.engine.executor.worker.runner.tables
+    assert mirror.converted_blocks > 0
+    llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4))
+    assert len(mirror) == 1
 
 
 def test_seeded_sampling_is_reproducible(tiny_model, make_llm):
