@@ -45,17 +45,12 @@ interleaved. Writes benchmarks/results/plan_host_time{--tag}.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
-from pathlib import Path
 
-_PROBE = r'''
-import dataclasses, gc, json, os, pickle, random, sys, time, types
-root = sys.argv[1]
-pkg = types.ModuleType("fluidserve"); pkg.__path__ = [root]; sys.modules["fluidserve"] = pkg  # the tree's packages
+import tree_compare
+
+_PROBE = tree_compare.TREE_PACKAGES + r'''
+import dataclasses, gc, json, os, pickle, random, time
 os.environ.update(FLUIDSERVE_KERNELS="triton", TRITON_INTERPRET="1")  # the runner takes the GPU's path
 import torch
 from fluidserve.engine import cuda_graphs
@@ -194,33 +189,14 @@ print(json.dumps(out))
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("trees", nargs="+", help="source trees (the repository root of each)")
-    ap.add_argument("--rounds", type=int, default=3, help="processes per tree, interleaved")
-    ap.add_argument("--names", nargs="+", help="a label per tree for the table (default: the paths)")
-    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
-    ap.add_argument("--tag", default="", help="appended to the result files' name")
+    tree_compare.add_arguments(ap)
     args = ap.parse_args(argv)
-    names = dict(zip(args.trees, args.names or args.trees))
-    runs: dict[str, list[dict[str, float]]] = {t: [] for t in args.trees}
-    load_start = os.getloadavg()
-    for _ in range(args.rounds):
-        for tree in args.trees:  # interleaved, so a neighbour's load hits every tree alike
-            out = subprocess.run([sys.executable, "-c", _PROBE, str(Path(tree).resolve())], check=True,
-                                 capture_output=True, text=True).stdout
-            runs[tree].append(json.loads(out.splitlines()[-1]))
-    shapes = list(runs[args.trees[0]][0])
-    # Per tree: the median over its processes, and the lowest process: a process now and then runs
-    # 1.5-2x slower throughout (the machine's other load), which moves a median of few processes.
-    rows = [{"shape": shape,
-             **{names[t]: statistics.median(r[shape] for r in rs) * 1e3 for t, rs in runs.items()},
-             "lowest": {names[t]: min(r[shape] for r in rs) * 1e3 for t, rs in runs.items()}}
-            for shape in shapes]
+    result = tree_compare.run_trees(args, _PROBE)
     cmd = "python benchmarks/plan_host_time.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    first, rest = names[args.trees[0]], [names[t] for t in args.trees[1:]]
     md = ["# Host time of the attention planner and of the step's inputs per step", "",
           f"Command: `{cmd}`; thread CPU time, median of {args.rounds} processes per tree (each the median of "
           f"200 calls), in brackets the lowest process's (a process now and then runs 1.5-2x slower "
-          f"throughout); load average {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. "
+          f"throughout); {result.load()}. "
           "Llama-3-8B shapes on an H100/H200 (33 units per KV head with prefill tiles, 49 decode-only); eager: "
           "`paged_attention.plan_for`, "
           "graph: `cuda_graphs.plan_decode`; inputs: `ModelRunner.prepare` of an eager step on the Triton "
@@ -230,21 +206,8 @@ def main(argv: list[str] | None = None) -> int:
           "same, the input cut to what the ranks lack where the tree's executor does so, pickled and unpickled "
           "first (the engine's and one rank's host time together); "
           "graph step: `Bucket.write` of a decode step replayed from a CUDA graph (its inputs and static "
-          "plan).", "",
-          "| step | " + " | ".join(f"{n} (ms)" for n in (first, *rest)) + "".join(f" | {n} / {first}" for n in rest)
-          + " |",
-          "|---|" + "---:|" * (1 + 2 * len(rest))]
-    for r in rows:
-        low = r["lowest"]
-        md.append(f"| {r['shape']} | " + " | ".join(f"{r[n]:.3f} ({low[n]:.3f})" for n in (first, *rest))
-                  + "".join(f" | {r[n] / r[first]:.1f}x ({low[n] / low[first]:.1f}x)" for n in rest) + " |")
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"plan_host_time{args.tag}.json").write_text(json.dumps(
-        {"command": cmd, "trees": [names[t] for t in args.trees], "rows": rows,
-         "runs": {names[t]: rs for t, rs in runs.items()}}, indent=1) + "\n")
-    (out_dir / f"plan_host_time{args.tag}.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+          "plan).", "", *tree_compare.table(result.rows, result.first, result.rest)]
+    tree_compare.save(args.out_dir, f"plan_host_time{args.tag}", cmd, result, md)
     return 0
 
 

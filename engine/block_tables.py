@@ -7,10 +7,11 @@ kernels read as one zero-padded int32 array [S, W]. Copying them element by
 element costs the host ~19 ns a block: 5.6 ms a step for 256 rows of 512 to
 32k tokens in 16-token blocks, every step, though a decode step adds one block
 to a row every 16 tokens at most. So the worker keeps a numpy copy of each
-table it has seen, by *table key* (kvcache/manager.py: under one key a table
-only grows in place; any other change gives it a new key and retires the old
-one), converts only the blocks a table gained since it last saw the key, and
-lays out the step with a copy per row::
+table it has seen (engine/growing_lists.py), by *table key*
+(kvcache/manager.py: under one key a table only grows in place; any other
+change gives it a new key and retires the old one), converts only the blocks
+a table gained since it last saw the key, and lays out the step with a copy
+per row::
 
     mirror                               step's tables [S, W]
     key 7  -> [ 3 9 4 . . . ]  n = 3       [ 5 6 1 8 ]   key 12
@@ -34,6 +35,7 @@ import itertools
 import numpy as np
 
 from fluidserve.engine.batch import ModelInput
+from fluidserve.engine.growing_lists import GrowingLists
 
 
 def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> None:
@@ -58,21 +60,23 @@ class BlockTableMirror:
     laid out); ``fill`` writes the step's tables where the kernels read them."""
 
     def __init__(self) -> None:
-        self._blocks: dict[int, np.ndarray] = {}  # key -> its blocks, with room to grow
-        self._held: dict[int, np.ndarray] = {}  # key -> the view of the blocks it holds
+        self._tables = GrowingLists("block table")
         self._synced: ModelInput | None = None
         self._rows: list[np.ndarray] = []  # the synced step's tables (views), in row order
         self._plain: list[list[int]] | None = None  # the synced step's tables, when it came without keys
         self.width = 0  # the synced step's longest table
-        self.converted_blocks = 0  # blocks turned from Python ints into the mirror's, over its life
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._tables)
+
+    @property
+    def converted_blocks(self) -> int:
+        """Blocks turned from Python ints into the mirror's, over its life."""
+        return self._tables.converted
 
     def clear(self) -> None:
         """Forget every table (the worker's cache was rebuilt)."""
-        self._blocks.clear()
-        self._held.clear()
+        self._tables.clear()
         self._synced, self._rows, self._plain = None, [], None
 
     def sync(self, inp: ModelInput) -> int:
@@ -83,8 +87,7 @@ class BlockTableMirror:
         if inp is self._synced and inp.table_keys:
             return self.width
         for key in inp.retired_keys:
-            self._blocks.pop(key, None)
-            self._held.pop(key, None)
+            self._tables.drop(key)
         tables, keys = inp.block_tables, inp.table_keys
         if not keys:
             self._synced, self._rows, self._plain = inp, [], tables
@@ -92,38 +95,14 @@ class BlockTableMirror:
             return self.width
         if len(keys) != len(tables):
             raise ValueError(f"{len(tables)} block tables but {len(keys)} table keys")
-        held, rows = self._held, []
+        held, take, rows = self._tables.held, self._tables.take, []
         for key, table, start in zip(keys, tables, inp.table_starts or itertools.repeat(0)):
             view = held.get(key)
             # Most rows of a decode step gained nothing: their view stands.
-            rows.append(view if view is not None and len(view) == start + len(table) else
-                        self._take(key, table, start))
+            rows.append(view if view is not None and len(view) == start + len(table) else take(key, table, start))
         self._synced, self._rows, self._plain = inp, rows, None
         self.width = max(map(len, rows), default=0)
         return self.width
-
-    def _take(self, key: int, table: list[int], start: int) -> np.ndarray:
-        """The view of key's blocks once ``table`` (its blocks from
-        ``start`` on) is in."""
-        view = self._held.get(key)
-        held = 0 if view is None else len(view)
-        if start > held:
-            raise ValueError(f"block table of key {key} sent from block {start}, but the worker holds {held} "
-                             "of its blocks")
-        n = start + len(table)
-        if n < held:
-            raise ValueError(f"block table of key {key} shrank from {held} to {n} blocks: "
-                             "a table that changes other than by growing needs a new key")
-        blocks = self._blocks.get(key)
-        if blocks is None or n > len(blocks):
-            grown = np.empty(max(n, 2 * held, 16), dtype=np.int32)
-            grown[:held] = view if view is not None else ()
-            blocks = self._blocks[key] = grown
-        # count bounds the read: the engine may be growing the list for its next step.
-        blocks[held:n] = np.fromiter(table[held - start:] if held > start else table, np.int32, n - held)
-        self.converted_blocks += n - held
-        view = self._held[key] = blocks[:n]
-        return view
 
     def fill(self, out: np.ndarray) -> None:
         """The synced step's tables into ``out`` [S, W >= width], zero-padded."""

@@ -36,6 +36,7 @@ from fluidserve.engine.runtime import pick_device, runtime_for
 from fluidserve.engine.sampler import SampledToken, SamplingRow, make_generator, sample, sample_on_device
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.structured import StructuredDecoder
+from fluidserve.engine.token_history import TokenHistories
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class Worker:
             self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
         self.cache: CacheEngine | None = None
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.runtime)
+        self.histories = TokenHistories()  # the tokens the penalties count, kept as they grow
         # Decode CUDA graphs, captured by warm_up when asked for (off by default).
         self.graphs: DecodeGraphs | None = None
         # Piecewise graphs of the other steps (--piecewise-graphs), captured beside them.
@@ -384,8 +386,9 @@ class Worker:
                 prompt_token_ids=s.prompt_token_ids,
                 output_token_ids=s.output_token_ids,
                 generator=make_generator(s.seed, self.device) if s.seed is not None else None,
+                history=history,
             )
-            for s in inp.samples
+            for s, history in zip(inp.samples, self.histories.rows(inp.sample_ids, inp.samples))
         ]
 
     def _sample_alone(self, inp: ModelInput, logits: torch.Tensor, result: StepResult) -> None:

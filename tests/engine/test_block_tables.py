@@ -104,11 +104,11 @@ def test_only_the_blocks_a_table_gained_are_converted():
 def test_a_table_that_shrinks_or_skips_blocks_is_refused():
     mirror = BlockTableMirror()
     mirror.sync(ModelInput(block_tables=[[1, 2, 3]], table_keys=[0]))
-    with pytest.raises(ValueError, match="shrank from 3 to 2"):
+    with pytest.raises(ValueError, match="block table 0 shrank from 3 to 2"):
         mirror.sync(ModelInput(block_tables=[[1, 2]], table_keys=[0]))
-    with pytest.raises(ValueError, match="sent from block 4, but the worker holds 3"):
+    with pytest.raises(ValueError, match="block table 0 sent from item 4, but 3 of its items are held"):
         mirror.sync(ModelInput(block_tables=[[9]], table_keys=[0], table_starts=[4]))
-    with pytest.raises(ValueError, match="sent from block 1, but the worker holds 0"):
+    with pytest.raises(ValueError, match="block table 5 sent from item 1, but 0 of its items"):
         mirror.sync(ModelInput(block_tables=[[9]], table_keys=[5], table_starts=[1]))
     with pytest.raises(ValueError, match="2 block tables but 1 table keys"):
         mirror.sync(ModelInput(block_tables=[[1], [2]], table_keys=[0]))
@@ -120,7 +120,7 @@ def test_retired_keys_are_forgotten_even_by_a_step_of_copies_only():
     assert len(mirror) == 2
     mirror.sync(ModelInput(retired_keys=[0, 7]))  # 7: never sent (its table went before it ran)
     assert len(mirror) == 1
-    with pytest.raises(ValueError, match="worker holds 0"):
+    with pytest.raises(ValueError, match="but 0 of its items are held"):
         mirror.sync(ModelInput(block_tables=[[5]], table_keys=[0], table_starts=[2]))
 
 

@@ -144,6 +144,45 @@ def test_presence_frequency_penalty_hand_values() -> None:
     assert torch.allclose(logits, torch.tensor([[0.0, -1.25, -0.75, 0.0, 0.0], [0.0] * 5]))
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_penalties_equal_the_dense_formulas_bit_for_bit(seed) -> None:
+    """The penalties touch only the cells of seen tokens; the logits must come
+    out exactly as the dense formulas over [R, V] give them (HF's repetition
+    penalty, OpenAI's presence/frequency): rows with and without penalties,
+    repeated tokens, ids past the vocabulary, negative and positive logits,
+    negative penalties."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab, num_rows = 97, 7
+    logits = torch.randn(num_rows, vocab, generator=gen) * 3
+    rows = []
+    for r in range(num_rows):
+        params = SamplingParams(repetition_penalty=[1.0, 1.3, 0.7][r % 3], frequency_penalty=[0.0, 0.35, -0.2][r % 3],
+                                presence_penalty=[0.0, 0.6, 0.0, -0.4][r % 4])
+        tokens = torch.randint(0, vocab + 5, (40,), generator=gen).tolist()  # a few past the vocabulary
+        rows.append(row(params, prompt=tokens[:25], output=tokens[25:] if r != 4 else []))
+    want = logits.clone()
+    for r, rw in enumerate(rows):
+        p = rw.params
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        counts = torch.zeros(vocab)
+        for t in rw.prompt_token_ids + rw.output_token_ids:
+            if t < vocab:
+                seen[t] = True
+        for t in rw.output_token_ids:
+            if t < vocab:
+                counts[t] += 1
+        if p.repetition_penalty != 1.0:
+            pen = torch.tensor([p.repetition_penalty])
+            want[r] = torch.where(seen, torch.where(want[r] > 0, want[r] / pen, want[r] * pen), want[r])
+        if p.presence_penalty or p.frequency_penalty:
+            want[r] = want[r] - torch.tensor([p.frequency_penalty]) * counts - torch.tensor([p.presence_penalty]) * (
+                counts > 0).float()
+    got = logits.clone()
+    _apply_repetition_penalty(got, rows)
+    _apply_presence_frequency_penalties(got, rows)
+    assert torch.equal(got, want)
+
+
 def test_negative_presence_penalty_encourages() -> None:
     logits = torch.tensor([[1.0, 0.0, 0.0]])
     rows = [row(SamplingParams(temperature=0.0, presence_penalty=-2.0), output=[2])]
