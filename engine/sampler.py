@@ -84,7 +84,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
         return [SampledToken(t, None) for t in logits.float().argmax(dim=-1).tolist()]
     # One fp32 copy that every later stage may modify in place; the caller's
     # tensor is left untouched.
-    logits = logits.to(torch.float32, copy=True)  # [R, V]
+    logits = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)  # [R, V], flat-indexable
     raw_logprobs = None
     if any(row.params.logprobs is not None for row in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)  # [R, V]

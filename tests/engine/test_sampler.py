@@ -183,6 +183,18 @@ def test_penalties_equal_the_dense_formulas_bit_for_bit(seed) -> None:
     assert torch.equal(got, want)
 
 
+def test_penalties_take_logits_of_any_layout() -> None:
+    """The penalties index the logits' fp32 copy flat: a transposed
+    (non-contiguous) [R, V] gives the tokens its contiguous copy gives."""
+    torch.manual_seed(1)
+    logits = torch.randn(300, 5).t()  # [5, 300], column-major
+    rows = [row(SamplingParams(temperature=0.0, repetition_penalty=3.0, frequency_penalty=1.0),
+                prompt=logits[r].topk(3).indices.tolist(), output=logits[r].topk(5).indices.tolist()[3:])
+            for r in range(5)]
+    assert ids(sample(logits, rows, EOS)) == ids(sample(logits.contiguous(), rows, EOS))
+    assert ids(sample(logits, rows, EOS)) != logits.argmax(-1).tolist()  # the penalties moved the choice
+
+
 def test_negative_presence_penalty_encourages() -> None:
     logits = torch.tensor([[1.0, 0.0, 0.0]])
     rows = [row(SamplingParams(temperature=0.0, presence_penalty=-2.0), output=[2])]
