@@ -574,6 +574,7 @@ def online(args: argparse.Namespace) -> dict:
                     "dtype": dtype, "note": args.note, "tag": args.tag,
                     "vllm_version": vllm_versions[0], "vllm_torch": vllm_versions[1],
                     "load": {"num_requests": args.num_requests, "endpoint": "chat", "arrival": "poisson",
+                             "extra_body": args.extra_body,
                              "prompt_words": f"{args.online_input_len} +-50% (uniform), about 2 tokens a word",
                              "output_tokens": (f"{args.online_output_len} +-50% (uniform) at most, greedy to the "
                                                "model's end of turn" if args.model else
@@ -673,6 +674,8 @@ def _load(bc, port: int, rate: float, args: argparse.Namespace, model: str | Non
         flags += ["--model", model, "--no-ignore-eos"]
     elif args.model:  # a real model ends its turns: every server samples greedily to the same end
         flags += ["--no-ignore-eos"]
+    if args.extra_body:  # sampling fields every server is sent (a penalty, say)
+        flags += ["--extra-body", args.extra_body]
     if args.slo_ttft_ms:
         flags += ["--slo-ttft-ms", str(args.slo_ttft_ms)]
     if args.slo_tpot_ms:
@@ -802,6 +805,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-requests", type=int, default=8, help="online: sent to each server, all at once, "
                     "before the measured rates")
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    ap.add_argument("--extra-body", default=None,
+                    help='online: JSON merged into every request, e.g. \'{"repetition_penalty": 1.1}\'')
     ap.add_argument("--skip-transformers", action="store_true", help="online: leave out transformers serve")
     ap.add_argument("--baseline-src", type=Path, default=None,
                     help="also run fluidserve from this source tree (a checkout before a change), offline "
