@@ -29,11 +29,6 @@ import numpy as np
 from fluidserve.engine.growing_lists import GrowingLists
 
 
-def penalised(params: Any) -> bool:
-    """Whether a row's sampling counts its tokens (a penalty is set)."""
-    return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
-
-
 class TokenHistories:
     """Prompt + output tokens of the step's penalised rows, by sequence id."""
 
@@ -51,18 +46,21 @@ class TokenHistories:
     def rows(self, seq_ids: Sequence[str], samples: Sequence[Any]) -> list[np.ndarray | None]:
         """Each row's prompt + output tokens (the prompt where its
         SampleSpec carries one), None for a row no penalty reads."""
-        held, out = self._lists.held, []
-        for sid, spec in zip(seq_ids, samples):
-            if not penalised(spec.params):
-                out.append(None)
-                continue
+        out: list[np.ndarray | None] = [None] * len(samples)
+        # One pass with the test inline: most steps have no penalised row, and
+        # this runs for every step that samples.
+        penalised_rows = [i for i, s in enumerate(samples) if s.params.repetition_penalty != 1.0
+                          or s.params.presence_penalty or s.params.frequency_penalty]
+        held = self._lists.held
+        for i in penalised_rows:
+            sid, spec = seq_ids[i], samples[i]
             prompt, outputs = spec.prompt_token_ids, spec.output_token_ids
             view = held.get(sid)
             if view is None or len(view) != len(prompt) + len(outputs):
                 if view is None:
                     self._lists.take(sid, prompt)
                 view = self._lists.take(sid, outputs, len(prompt))
-            out.append(view)
+            out[i] = view
         if len(held) > len(seq_ids):
             keep = set(seq_ids)
             for sid in [s for s in held if s not in keep]:
