@@ -31,7 +31,12 @@ worst case. The "over Ray" rows add what the Ray executor does to a step's
 input on its way to a rank: cut to what the ranks lack (a tree whose
 executor sends tables' tails), pickled and unpickled (protocol 5, as Ray's
 serializer does plain data), then prepared: the engine's and one rank's
-host time together.
+host time together; at two ranks, so the input is pickled twice (Ray
+serialises each call's arguments), once for rank 0 and once for rank 1 (a
+tree that sends rank 0 alone the sampler rows it lacks sends rank 1 none).
+Rows marked "sampled" or with a penalty carry a SampleSpec a row as the
+engine keeps it, 64 outputs each, one more every step (and the prompt where
+the repetition penalty counts it).
 
     git archive REV | tar -x -C /tmp/old
     python benchmarks/plan_host_time.py . /tmp/old --names new old
@@ -54,7 +59,8 @@ import dataclasses, gc, json, os, pickle, random, time
 os.environ.update(FLUIDSERVE_KERNELS="triton", TRITON_INTERPRET="1")  # the runner takes the GPU's path
 import torch
 from fluidserve.engine import cuda_graphs
-from fluidserve.engine.batch import ModelInput
+from fluidserve.engine.batch import ModelInput, SampleSpec
+from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.layers import PagedAttention
 from fluidserve.engine.model_runner import ModelRunner
 from fluidserve.kernels import paged_attention
@@ -94,15 +100,22 @@ if KEYED:
     from fluidserve.engine import block_tables
     MIRROR = block_tables.BlockTableMirror()
 SENDER = getattr(block_tables, "BlockTableSender", None) if KEYED else None  # a tree that sends tables' tails
+if os.path.exists(os.path.join(sys.argv[1], "engine", "sample_specs.py")):  # a tree that sends rank 0 the rows it lacks
+    from fluidserve.engine import sample_specs as SAMPLES
+else:
+    SAMPLES = None
 NEXT_KEY = [0]
 
 
-def decode_step(q, s, fresh_keys=False):
+def decode_step(q, s, fresh_keys=False, params=None):
     """A step of these lengths as the engine sends it, and a call that sends
     it again as the next step: a sixteenth of the rows (in turn) gained a
     block, as decoding 16-token blocks does; ``fresh_keys``: every table
     under a key the worker has not seen (every row new to it, the mirror's
-    worst case)."""
+    worst case). ``params``: every row samples with them, its SampleSpec
+    as the engine keeps it (the last 64 tokens of its context its outputs,
+    one more each step; the prompt beside them where a repetition penalty
+    counts it)."""
     starts, blocks, tables = [0], 1, []
     for n, length in zip(q, s):
         starts.append(starts[-1] + n)
@@ -112,11 +125,24 @@ def decode_step(q, s, fresh_keys=False):
     pos = [p for n, length in zip(q, s) for p in range(length - n, length)]
     inp = ModelInput(input_ids=[7] * t, positions=pos, slot_mapping=pos, query_start_loc=starts, seq_lens=s,
                      block_tables=tables, sample_indices=[e - 1 for e in starts[1:]])
+    if params is not None:
+        rng = random.Random(1)
+        history = params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+        inp.samples = [SampleSpec(params=dataclasses.replace(params), seed=None,
+                                  prompt_token_ids=[rng.randrange(50_000) for _ in range(max(length - 64, 1))]
+                                  if params.repetition_penalty != 1.0 else [],
+                                  output_token_ids=[rng.randrange(50_000) for _ in range(64)] if history else [],
+                                  num_output_tokens=64) for length in s]
+        inp.sample_ids = [f"llm-{i}-0" for i in range(len(s))]
     turn = [0]
 
     def next_step():  # a new input each step, as the engine sends
         for table in tables[turn[0] % 16::16]:
             table.append(table[-1] + 1)
+        for spec in inp.samples:
+            if spec.output_token_ids:
+                spec.output_token_ids.append(7)
+            spec.num_output_tokens += 1
         turn[0] += 1
         step = dataclasses.replace(inp)
         if KEYED and (fresh_keys or not inp.table_keys):
@@ -132,10 +158,29 @@ def inputs(q, s, fresh_keys=False):  # the engine's eager step: ModelRunner.prep
     return lambda: RUNNER.prepare(step(), CACHES)
 
 
-def over_ray(q, s):  # a step through the Ray executor: what is sent, pickled and unpickled, then prepared
-    step = decode_step(q, s)
+def over_ray(q, s, params=None):
+    """A step through the Ray executor at two ranks: cut to what they lack,
+    pickled for each (Ray serialises each call's arguments), rank 0's
+    unpickled, its rows taken in, then prepared."""
+    step = decode_step(q, s, params=params)
     wire = SENDER().wire if SENDER is not None else (lambda inp: inp)
-    return lambda: RUNNER.prepare(pickle.loads(pickle.dumps(wire(step()), protocol=5)), CACHES)
+    if SAMPLES is None:
+        def ranks(inp):
+            return inp, inp
+    else:
+        sender, mirror = SAMPLES.SampleSpecSender(), SAMPLES.SampleSpecMirror()
+
+        def ranks(inp):
+            return sender.wire(inp), dataclasses.replace(inp, samples=[]) if inp.samples else inp
+
+    def call():
+        first, rest = ranks(wire(step()))
+        got = pickle.loads(pickle.dumps(first, protocol=5))
+        pickle.dumps(rest, protocol=5)
+        if SAMPLES is not None:
+            mirror.sync(got)
+        RUNNER.prepare(got, CACHES)
+    return call
 
 
 def graph_step(s):  # a graphed decode step's host side: the bucket's inputs and static plan (Bucket.write)
@@ -167,6 +212,14 @@ for chunk, b, lo, hi in [(0, 1, 16384, 16384), (0, 64, 512, 4096), (0, 256, 512,
 cases["inputs: decode 256 x 512-32768, every table new"] = inputs(*lens(0, 256, 512, 32768), fresh_keys=True)
 for b, lo, hi in [(64, 512, 4096), (256, 512, 32768)]:
     cases[f"inputs over Ray: decode {b} x {lo}-{hi}"] = over_ray(*lens(0, b, lo, hi))
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=1024)
+for b, lo, hi, params, what in [
+        (256, 512, 4096, SAMPLED, "sampled"),
+        (64, 512, 4096, dataclasses.replace(SAMPLED, repetition_penalty=1.1), "repetition penalty"),
+        (256, 512, 4096, dataclasses.replace(SAMPLED, frequency_penalty=0.5), "frequency penalty"),
+        (64, 16384, 16384, dataclasses.replace(SAMPLED, repetition_penalty=1.1), "repetition penalty")]:
+    shape = f"{b} x {lo}" if lo == hi else f"{b} x {lo}-{hi}"
+    cases[f"inputs over Ray: decode {shape}, {what}"] = over_ray(*lens(0, b, lo, hi), params=params)
 for b, lo, hi in [(1, 200, 200), (1, 16384, 16384), (8, 4096, 4096), (64, 512, 4096), (64, 16384, 16384),
                   (256, 512, 4096)]:
     shape = f"{b} x {lo}" if lo == hi else f"{b} x {lo}-{hi}"
@@ -203,8 +256,9 @@ def main(argv: list[str] | None = None) -> int:
           "kernels' path (its plan and the block tables of 16-token blocks included; medians of 50 calls), "
           "each call the next step of the same rows, a sixteenth of them a block longer, under the engine's "
           "table keys where the tree has them (\"every table new\": under new keys each step); over Ray: the "
-          "same, the input cut to what the ranks lack where the tree's executor does so, pickled and unpickled "
-          "first (the engine's and one rank's host time together); "
+          "same, the input cut to what the ranks lack where the tree's executor does so, pickled for two ranks, "
+          "rank 0's unpickled and taken in (the engine's and one rank's host time together; \"sampled\" or a "
+          "penalty: a SampleSpec a row, 64 outputs each, the prompt where a repetition penalty counts it); "
           "graph step: `Bucket.write` of a decode step replayed from a CUDA graph (its inputs and static "
           "plan).", "", *tree_compare.table(result.rows, result.first, result.rest)]
     tree_compare.save(args.out_dir, f"plan_host_time{args.tag}", cmd, result, md)

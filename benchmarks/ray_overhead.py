@@ -7,7 +7,8 @@ under ``executor="local"`` and under ``executor="ray"`` with one worker
 * throughput: ``--num-prompts`` prompts, exactly ``--output-len`` tokens each
   (EOS ignored), through ``LLM.generate`` — output tokens/s;
 * per-step time of pure decode steps at a few batch sizes (``--batches``):
-  mean and median of ``LLMEngine.step()``. The Ray path's extra time per step
+  mean and median of ``LLMEngine.step()``. ``--repetition-penalty``: every
+  request sets it, so each step's sampler rows carry prompt and outputs. The Ray path's extra time per step
   over the local path is its overhead: serialising the ModelInput, the actor
   call, the result's way back.
 
@@ -47,24 +48,27 @@ def make_llm(model_dir: Path, device: str, dtype: str, executor: str, tp: int, a
                max_model_len=args.prompt_len + max(args.output_len, args.decode_steps) + 16)
 
 
-def throughput(llm, prompts: list[list[int]], output_len: int) -> dict:
+def greedy(max_tokens: int, repetition_penalty: float):
     from fluidserve.engine import SamplingParams
 
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          repetition_penalty=repetition_penalty)
+
+
+def throughput(llm, prompts: list[list[int]], output_len: int, penalty: float) -> dict:
+    llm.generate(prompts[:2], greedy(4, penalty))  # warm-up
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
+    outs = llm.generate(prompts, greedy(output_len, penalty))
     elapsed = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"elapsed_s": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed,
             "steps": llm.engine.stats().num_steps}
 
 
-def decode_step_times(llm, prompts: list[list[int]], batch: int, steps: int) -> dict:
+def decode_step_times(llm, prompts: list[list[int]], batch: int, steps: int, penalty: float) -> dict:
     """Prefill ``batch`` requests, then time ``steps`` steps that are all decode."""
-    from fluidserve.engine import SamplingParams
-
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    params = greedy(steps + 8, penalty)
     ids = [f"bench-{batch}-{i}" for i in range(batch)]
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, prompt, params)
@@ -88,9 +92,11 @@ def measure(llms: dict, prompts, args) -> dict:
                      for name in llms}
     for _ in range(args.rounds):
         for name, llm in llms.items():
-            results[name]["throughput_rounds"].append(throughput(llm, prompts, args.output_len))
+            penalty = args.repetition_penalty
+            results[name]["throughput_rounds"].append(throughput(llm, prompts, args.output_len, penalty))
             for b in args.batches:
-                results[name]["decode_rounds"][b].append(decode_step_times(llm, prompts, b, args.decode_steps))
+                results[name]["decode_rounds"][b].append(decode_step_times(llm, prompts, b, args.decode_steps,
+                                                                        penalty))
     for name, r in results.items():
         r["tokens_per_s"] = statistics.median(t["tokens_per_s"] for t in r["throughput_rounds"])
         r["decode_median_ms"] = {b: statistics.median(d["median_ms"] for d in rounds)
@@ -129,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="per engine (default: sized for the prompts, so the engines fit side by side)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the local run on CPU")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="every request's: the sampler then counts each row's prompt and outputs")
+    ap.add_argument("--tag", default="", help="appended to the result file's name")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
 
@@ -187,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} vs local: throughput x{c['tokens_per_s_ratio']:.3f}; extra time per decode step {steps}")
 
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"ray_overhead-{device}-{preset}.json"
+    path = args.out / f"ray_overhead-{device}-{preset}{args.tag}.json"
     record = {
         "benchmark": "ray_overhead", "device": device_name(device), "device_kind": device, "preset": preset,
         "model_shape": PRESETS[preset], "dtype": dtype, "torch": torch.__version__,

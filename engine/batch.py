@@ -25,14 +25,32 @@ class SampleSpec:
     """What the sampler needs of one row; token histories travel only when a
     penalty or min_tokens reads them. The engine keeps one per sequence and
     updates it in place each step, and ``output_token_ids`` is its live
-    output list: a worker reads both within ``execute`` and keeps neither
-    (the Ray executor pickles them when the step is sent)."""
+    output list: a worker in the engine's process reads both within
+    ``execute`` and keeps neither. The Ray executor sends what the sampling
+    rank lacks of them instead (``SampleWire``)."""
 
     params: SamplingParams
     seed: int | None  # derived per step, so generation is stateless across workers
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
+
+
+@dataclass
+class SampleWire:
+    """A step's SampleSpecs as the Ray executor sends them to the rank that
+    samples, which keeps every sequence's spec it has been sent
+    (engine/sample_specs.py): a row's parameters and prompt cross once, its
+    outputs from the first token the rank lacks. Dicts are by row index."""
+
+    seeds: list[int | None]
+    num_output_tokens: list[int]
+    # Rows of sequences the rank does not hold: (params, prompt_token_ids).
+    new: dict[int, tuple[SamplingParams, list[int]]] = field(default_factory=dict)
+    # Rows whose outputs grew: (index of the first token sent, the tokens).
+    tails: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    # Sequence ids the rank forgets before taking the step in.
+    dropped: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -66,6 +84,9 @@ class ModelInput:
     retired_keys: list[int] = field(default_factory=list)
     sample_indices: list[int] = field(default_factory=list)  # token index of each sampling row
     samples: list[SampleSpec] = field(default_factory=list)
+    # Set instead of ``samples`` by the Ray executor; the worker turns it
+    # back into ``samples`` as it takes the step in.
+    sample_wire: SampleWire | None = None
     sample_ids: list[str] = field(default_factory=list)  # request id of each sampling row
     # Only requests that asked for prompt logprobs: others keep one logits row each.
     prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)

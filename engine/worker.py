@@ -33,6 +33,7 @@ from fluidserve.engine.parallel import TensorParallel
 from fluidserve.engine.preemption import PausedForward, Safepoints, StepAbandoned
 from fluidserve.engine.prompt_logprobs import score_prompts
 from fluidserve.engine.runtime import pick_device, runtime_for
+from fluidserve.engine.sample_specs import SampleSpecMirror
 from fluidserve.engine.sampler import SampledToken, SamplingRow, make_generator, sample, sample_on_device
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.structured import StructuredDecoder
@@ -95,6 +96,7 @@ class Worker:
         self.cache: CacheEngine | None = None
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.runtime)
         self.histories = TokenHistories()  # the tokens the penalties count, kept as they grow
+        self.sample_specs = SampleSpecMirror()  # each sequence's sampler row, as the Ray executor sends them
         # Decode CUDA graphs, captured by warm_up when asked for (off by default).
         self.graphs: DecodeGraphs | None = None
         # Piecewise graphs of the other steps (--piecewise-graphs), captured beside them.
@@ -229,6 +231,12 @@ class Worker:
                     return out
         return self.runner.forward(inp, self.kv_caches, feed)
 
+    def _take_in(self, inp: ModelInput) -> None:
+        """The step's block tables and sampler rows into the worker's copies
+        (sent as what the worker lacks of them, over Ray)."""
+        self.runner.tables.sync(inp)
+        self.sample_specs.sync(inp)
+
     def _feed(self, input_ids: torch.Tensor) -> None:
         """Rows whose id is ``-j - 1`` take the token the last launched step
         sampled in its row ``j``, on the device: nothing waits for it."""
@@ -248,7 +256,7 @@ class Worker:
             raise ValueError("launch takes a plain decode step of one worker")
         if inp.fed and self._last_tokens is None:
             raise ValueError("a fed step must follow a launched one")
-        self.runner.tables.sync(inp)
+        self._take_in(inp)
         # No moves of its own, but the forward still waits for the last
         # step's copies: blocks its swap-outs freed may be written now.
         self.cache.swap([], [], False)
@@ -284,7 +292,7 @@ class Worker:
         """Run one step: its KV moves, then the forward; the sampled tokens
         on rank 0, none on the other ranks."""
         self._last_tokens = None  # a fed step follows a launched one only
-        self.runner.tables.sync(inp)  # first: a step that fails later has still taken its tables in
+        self._take_in(inp)  # first: a step that fails later has still taken its tables and rows in
         stall = self.cache.swap(inp.swap_out, inp.swap_in, inp.wait_for_swap_in)
         result = StepResult(swap_stall_s=stall)
         self.structured.release(inp.finished_ids)

@@ -15,7 +15,10 @@ ModelInput's lists and ints, the SampledTokens' ids and logprobs. Block
 tables cross as what each rank lacks of them (engine/block_tables.py's
 sender): a decode step sends the blocks its rows gained, not whole tables,
 which for 256 rows of 512-32k tokens would be 1.3 MB to pickle, and ~14 ms
-to pickle and unpickle, every step.
+to pickle and unpickle, every step. The sampler rows cross to rank 0 alone,
+the one that samples, and as what it lacks of them too
+(engine/sample_specs.py): parameters and prompts once, outputs by the
+tokens a step added.
 
 Failure: a rank that dies makes its step's result an error at once (Ray
 reports the actor's death); a rank that hangs is caught by the step timeout.
@@ -52,6 +55,7 @@ from fluidserve.engine.batch import ModelInput, StepResult
 from fluidserve.engine.block_tables import BlockTableSender
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.loader import build_model, load_hf_config
+from fluidserve.engine.sample_specs import SampleSpecSender
 from fluidserve.engine.parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from fluidserve.engine.worker import Worker
 from fluidserve.engine.executor.base import Executor, ExecutorError
@@ -180,6 +184,7 @@ class RayExecutor(Executor):
         self._pg = None
         self._rendezvous_file: str | None = None
         self._tables = BlockTableSender()  # every rank takes every step, in order: one sender serves them all
+        self._samples = SampleSpecSender()  # rank 0's rows
         _check_shapes(model_dir, self.size)  # a bad size is a ValueError here, not a dead actor later
         self._owns_ray = _connect(config.ray_address)
         try:
@@ -255,7 +260,11 @@ class RayExecutor(Executor):
         # inlines into each call; a put object would cost every rank an extra
         # fetch from this process (measured: ~1.7 ms more per step at TP=2 on CPU).
         wire = self._tables.wire(inp)
-        results = self._call([w.execute.remote(wire) for w in self.workers], self.step_timeout_s, "step")
+        # Rank 0 alone samples: it gets the rows it lacks, the others none.
+        first = self._samples.wire(wire)
+        rest = dataclasses.replace(wire, samples=[]) if wire.samples and self.size > 1 else wire
+        results = self._call([w.execute.remote(first if rank == 0 else rest) for rank, w in enumerate(self.workers)],
+                             self.step_timeout_s, "step")
         stops = {r.abandoned_at_layer for r in results}
         if len(stops) > 1:  # the safepoint vote failed: the ranks' KV and collectives no longer line up
             raise self._fail(f"tensor-parallel ranks stopped an interrupted step at different layers: "

@@ -119,6 +119,32 @@ def test_tp2_prompt_logprobs_like_local(ray_cluster, tiny_model):
         assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
 
 
+@pytest.mark.slow
+def test_tp2_penalties_and_token_histories_like_local(ray_cluster, tiny_model):
+    """Rank 0 keeps each sequence's sampler row and is sent what it lacks
+    (engine/sample_specs.py): the penalties, min_tokens and bad words read
+    the prompt and outputs it rebuilt, so every token is the local one,
+    with more requests than run at once (rows that come and go)."""
+    path = tiny_model("llama")
+    kinds = [SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.5),
+             SamplingParams(temperature=0.0, max_tokens=20, frequency_penalty=0.9, presence_penalty=0.4),
+             SamplingParams(temperature=0.0, max_tokens=20, min_tokens=12, bad_words_token_ids=[[40, 41], [7]]),
+             SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]
+    prompts = PROMPTS * 2
+    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+    local = LLM(model=path, **CPU).generate(prompts, params)
+    plain = LLM(model=path, **CPU).generate(prompts, GREEDY)
+    penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.frequency_penalty]
+    assert any(local[i].outputs[0].token_ids[:16] != plain[i].outputs[0].token_ids for i in penalised)
+    llm = LLM(model=path, **CPU, **TP2)
+    try:
+        tp = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in tp] == [o.outputs[0].token_ids for o in local]
+        assert llm.engine.kv.num_used_blocks == 0
+    finally:
+        llm.engine.shutdown()
+
+
 def test_daemon_started_ray_is_loopback_only(ray_cluster):
     """What start_local_ray promises: Ray's control plane on 127.0.0.1 and
     no Ray process listening on another interface."""
