@@ -23,7 +23,9 @@ Outputs come back by long polling: one ``poll`` call per replica is always
 pending and returns as soon as a step has produced outputs (or after
 ``POLL_S`` with none, carrying the replica's load for the router and its
 health). What crosses is plain data: token ids and ``SamplingParams`` in,
-``RequestOutput`` lists out.
+``RequestOutput`` lists out, each after a request's first as what came since
+the one before (engine/output_wire.py): the prompt and a completion's whole
+text and tokens are not sent again every step.
 
 A replica's death: its pending ``poll`` fails at once (Ray reports the
 actor's process gone), so the router stops choosing it within that call.
@@ -47,6 +49,7 @@ from typing import Any
 from fluidserve.engine.async_engine import (AsyncEngine, EngineDeadError, Health, RequestFailedError,
                                             RequestStream, _resolve)
 from fluidserve.engine.config import EngineConfig
+from fluidserve.engine.output_wire import OutputSender, OutputTail, rebuild
 from fluidserve.engine.outputs import RequestOutput
 from fluidserve.engine.sampling_params import SamplingParams
 
@@ -89,6 +92,7 @@ class _InFlight:
     final_only: bool = False
     replica: int = -1
     sending: bool = False  # an add call is on its way: its sender retries it, not a replica's failure
+    output: RequestOutput | None = None  # its last output, whole: what the next one's tail extends
 
 
 @dataclass
@@ -128,6 +132,7 @@ def _replica_class():
             self.host = EngineThread()
             self.engine, self.threads = self.host.build(_build_replica_engine, config, torch_threads)
             self.front: _OutboxEngine | None = None
+            self.outputs = OutputSender()  # what the front holds of each request's output
 
         def _front(self) -> "_OutboxEngine":
             if self.front is None:  # first call on the actor's event loop
@@ -158,15 +163,17 @@ def _replica_class():
 
         async def abort(self, request_id: str) -> None:
             self._front().abort(request_id)
+            self.outputs.forget(request_id)
 
-        async def poll(self, timeout: float) -> tuple[list[RequestOutput], Any, str | None]:
+        async def poll(self, timeout: float) -> tuple[list[OutputTail], Any, str | None]:
             """Outputs since the last poll (waiting up to ``timeout`` for some),
-            the engine's last stats, and why it is unhealthy (None: healthy)."""
+            as what the front lacks of them, the engine's last stats, and why
+            it is unhealthy (None: healthy)."""
             front = self._front()
             outputs = await front.take(timeout)
             front.refresh_stats()
             health = front.health()
-            return outputs, front.last_stats, None if health.ok else health.reason
+            return self.outputs.wire(outputs), front.last_stats, None if health.ok else health.reason
 
         async def stats(self) -> Any:
             return await self._front().get_stats()
@@ -444,12 +451,18 @@ class DataParallelEngine:
             if unhealthy is not None:
                 self._mark_down(replica, unhealthy, kill=True)
 
-    def _dispatch(self, replica: _Replica, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            flight = self._requests.get(out.request_id)
+    def _dispatch(self, replica: _Replica, tails: list[OutputTail]) -> None:
+        for tail in tails:
+            flight = self._requests.get(tail.output.request_id)
             if flight is None or flight.replica != replica.index:
                 continue  # aborted meanwhile, or sent again elsewhere
             stream = flight.stream
+            try:
+                out = flight.output = rebuild(flight.output, tail)
+            except ValueError as exc:  # the replica's record and the front's disagree: this request fails
+                log.error("engine replica %d: %s", replica.index, exc)
+                out = RequestOutput(flight.request_id, None, flight.prompt, [], True, str(exc))
+                replica.actor.abort.remote(flight.request_id)
             if not stream.got_output:
                 stream.got_output = True
                 self.router.started(out.request_id)

@@ -123,6 +123,39 @@ def test_two_replicas_answer_concurrent_requests_as_one_engine_does(dp_server):
     assert health.json() == {"status": "ok", "replicas_healthy": 2, "replicas_total": 2}
 
 
+def test_streamed_and_whole_replies_agree_through_the_replicas(dp_server):
+    """After a request's first output a replica sends what came since the
+    one before (engine/output_wire.py), and the front rebuilds the rest:
+    seeded n=2 replies with logprobs, streamed and whole, agree choice by
+    choice in text, token ids and logprobs, and usage counts every token."""
+    _, base, _, _ = dp_server
+    body = {"model": _model_id(base), "prompt": "Long prompt " * 9, "max_tokens": 20, "temperature": 0.8,
+            "seed": 7, "n": 2, "logprobs": 2, "ignore_eos": True, "return_token_ids": True}
+    whole = _complete(base, body.pop("prompt"), **body)
+    chunks = []
+    with httpx.stream("POST", f"{base}/v1/completions", timeout=120,
+                      json={**body, "prompt": "Long prompt " * 9, "stream": True,
+                            "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    text, ids, tokens = {0: "", 1: ""}, {0: [], 1: []}, {0: [], 1: []}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            text[c["index"]] += c["text"]
+            ids[c["index"]] += c.get("token_ids") or []
+            tokens[c["index"]] += (c.get("logprobs") or {}).get("tokens") or []
+    assert len(chunks) > 20  # a chunk a step, not one reply
+    for c in whole["choices"]:
+        i = c["index"]
+        assert len(c["token_ids"]) == 20
+        assert (text[i], ids[i], tokens[i]) == (c["text"], c["token_ids"], c["logprobs"]["tokens"])
+    usage = chunks[-1]["usage"]  # the second may find the first's prompt cached: details aside
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (whole["usage"]["prompt_tokens"], 40)
+    assert whole["usage"]["completion_tokens"] == 40
+
+
 def test_requests_sharing_a_prefix_land_where_it_is_cached(dp_server):
     _, base, _, _ = dp_server
     name = _model_id(base)
