@@ -535,7 +535,7 @@ def server_commands(args: argparse.Namespace, model_dir: Path, dtype: str, ports
                         "--host", "127.0.0.1", "--port", str(ports["fluidserve"]), "--device", "cpu", "--dtype", dtype,
                         "--max-model-len", common_len, "--max-num-seqs", str(args.max_num_seqs),
                         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-enable-prefix-caching",
-                        "--log-level", "warning"], {}),
+                        "--log-level", "warning", *shlex.split(args.flags)], {}),
     }
     if args.baseline_src:  # the same server from another source tree, for before/after through HTTP
         cmd = list(cmds["fluidserve"][0])
@@ -811,6 +811,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-src", type=Path, default=None,
                     help="also run fluidserve from this source tree (a checkout before a change), offline "
                     "and online")
+    ap.add_argument("--flags", default="",
+                    help="online: flags added to every fluidserve server's command line, this tree's and the "
+                         "baseline's (e.g. '--data-parallel-size 2')")
     ap.add_argument("--baseline-flags", default="",
                     help="online: flags added to the baseline server's command line (with --baseline-src . the "
                          "same tree with other flags, e.g. '--no-yield-busy-cores')")
