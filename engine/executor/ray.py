@@ -55,8 +55,8 @@ from fluidserve.engine.batch import ModelInput, StepResult
 from fluidserve.engine.block_tables import BlockTableSender
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.loader import build_model, load_hf_config
-from fluidserve.engine.sample_specs import SampleSpecSender
 from fluidserve.engine.parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
+from fluidserve.engine.sample_specs import SampleSpecSender
 from fluidserve.engine.worker import Worker
 from fluidserve.engine.executor.base import Executor, ExecutorError
 
