@@ -45,38 +45,38 @@ class SampleSpecSender:
     spec. The rank must take every input ``wire`` makes, in order."""
 
     def __init__(self) -> None:
-        self._params: dict[str, SamplingParams] = {}  # sequence id -> the params object sent
-        self._outputs: dict[str, int] = {}  # sequence id -> outputs the rank holds
+        # sequence id -> (the params object sent, outputs the rank holds)
+        self._sent: dict[str, tuple[SamplingParams, int]] = {}
 
     def __len__(self) -> int:
-        return len(self._params)
+        return len(self._sent)
 
     def wire(self, inp: ModelInput) -> ModelInput:
         """``inp`` with its SampleSpecs cut to what the rank lacks (the same
         input when it samples no row)."""
         if not inp.samples:
             return inp
-        params_sent, outputs_sent = self._params, self._outputs
+        sent = self._sent
         new: dict[int, tuple[SamplingParams, list[int]]] = {}
         tails: dict[int, tuple[int, list[int]]] = {}
         for i, (sid, spec) in enumerate(zip(inp.sample_ids, inp.samples)):
             outputs, params = spec.output_token_ids, spec.params
-            held = outputs_sent.get(sid, 0)
+            params_held, held = sent.get(sid, (None, 0))
             n = len(outputs)
             # A sequence new to the rank, or one whose spec is not the one
             # sent (a list that did not only grow): sent whole.
-            if params_sent.get(sid) is not params or n < held:
+            if params_held is not params or n < held:
                 new[i] = (params, spec.prompt_token_ids)
-                params_sent[sid], held = params, 0
+                held = 0
             if n != held:
                 tails[i] = (held, outputs[held:n])
-            outputs_sent[sid] = n
+            sent[sid] = (params, n)
         dropped: list[str] = []
-        if len(params_sent) > HELD_PER_ROW * len(inp.sample_ids):
+        if len(sent) > HELD_PER_ROW * len(inp.sample_ids):
             step = set(inp.sample_ids)
-            dropped = [sid for sid in params_sent if sid not in step]
+            dropped = [sid for sid in sent if sid not in step]
             for sid in dropped:
-                del params_sent[sid], outputs_sent[sid]
+                del sent[sid]
         sample_wire = SampleWire(seeds=[s.seed for s in inp.samples],
                                  num_output_tokens=[s.num_output_tokens for s in inp.samples],
                                  new=new, tails=tails, dropped=dropped)
