@@ -9,8 +9,12 @@ under ``executor="local"`` and under ``executor="ray"`` with one worker
 * per-step time of pure decode steps at a few batch sizes (``--batches``):
   mean and median of ``LLMEngine.step()``. ``--repetition-penalty``: every
   request sets it, so each step's sampler rows carry prompt and outputs. The Ray path's extra time per step
-  over the local path is its overhead: serialising the ModelInput, the actor
-  call, the result's way back.
+  over the local path is its overhead: serialising the ModelInput, the
+  step's way to the workers, the result's way back.
+
+Each Ray size runs twice, side by side (``--transports``): steps over the
+Unix sockets the executor takes on one node (``ray-tpN``), and over Ray
+calls (``ray-tpN-calls``), what it takes where the workers are elsewhere.
 
     python benchmarks/ray_overhead.py                       # CPU: small dummy Llama
     python benchmarks/ray_overhead.py --preset llama3-8b    # one GPU: Llama-3-8B-shaped dummy model
@@ -18,7 +22,7 @@ under ``executor="local"`` and under ``executor="ray"`` with one worker
 
 On CPU a Ray worker gets one thread (Ray sets OMP_NUM_THREADS to the actor's
 one CPU), so the local run is pinned to one thread too (``--threads``) for a
-like-for-like comparison. Writes benchmarks/results/ray_overhead-<device>-<preset>.json.
+like-for-like comparison. Writes benchmarks/results/ray_overhead-<device>-<preset><tag>.json and .md.
 """
 
 from __future__ import annotations
@@ -39,12 +43,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 
-def make_llm(model_dir: Path, device: str, dtype: str, executor: str, tp: int, args):
+def make_llm(model_dir: Path, device: str, dtype: str, executor: str, tp: int, transport: str, args):
     from fluidserve.engine import LLM
 
     return LLM(model=str(model_dir), load_format="dummy", device=device, dtype=dtype, executor=executor,
-               tensor_parallel_size=tp, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,
+               tensor_parallel_size=tp, ray_step_transport=transport,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+               num_kv_blocks=args.num_kv_blocks,
                max_model_len=args.prompt_len + max(args.output_len, args.decode_steps) + 16)
 
 
@@ -119,6 +124,34 @@ def compare(results: dict) -> dict:
     }
 
 
+def markdown(record: dict) -> str:
+    s = record["settings"]
+    batches = s["batches"]
+    lines = [
+        f"# Ray executor against the local one: {record['device']}",
+        "",
+        f"Preset {record['preset']} ({record['dtype']}), torch {record['torch']}; {s['num_prompts']} prompts x "
+        f"{s['prompt_len']} tokens -> {s['output_len']} tokens for throughput; pure decode steps timed at batch "
+        f"{', '.join(map(str, batches))} ({s['decode_steps']} steps); repetition penalty {s['repetition_penalty']}; "
+        f"median of {s['rounds']} rounds, the engines taking turns. Decode step: median `LLMEngine.step()`; "
+        "extra: over the local run's.",
+        "",
+        "| run | output tok/s | vs local | " + " | ".join(f"step b={b} ms | extra b={b} ms" for b in batches) + " |",
+        "|---|---:|---:|" + "---:|---:|" * len(batches),
+    ]
+    base = record["runs"]["local"]
+    for name, r in record["runs"].items():
+        ratio = r["tokens_per_s"] / base["tokens_per_s"]
+        cells = []
+        for b in batches:
+            ms, local = r["decode_median_ms"][b], base["decode_median_ms"][b]
+            cells.append(f"{ms:.2f} | {ms - local:+.2f}")
+        lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {ratio:.2f}x | " + " | ".join(cells) + " |")
+    lines += ["", "ray-tpN: steps over a Unix socket a worker (`--ray-step-transport auto` on one node); "
+              "ray-tpN-calls: over Ray actor calls (`--ray-step-transport ray-calls`).", ""]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
@@ -137,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repetition-penalty", type=float, default=1.0,
                     help="every request's: the sampler then counts each row's prompt and outputs")
+    ap.add_argument("--transports", nargs="+", default=["auto", "ray-calls"], choices=["auto", "ray-calls"],
+                    help="--ray-step-transport of the Ray runs: auto (Unix sockets here; runs named ray-tpN) and "
+                         "ray-calls (runs named ray-tpN-calls), side by side")
     ap.add_argument("--tag", default="", help="appended to the result file's name")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
@@ -161,11 +197,12 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     # Logical CPUs for Ray's accounting: the engines live side by side, one CPU per worker.
-    start_local_ray(num_cpus=max(os.cpu_count() or 1, 1 + args.tp))
+    start_local_ray(num_cpus=max(os.cpu_count() or 1, len(args.transports) * (1 + args.tp)))
     ray_start_s = time.perf_counter() - t0
-    runs = [("local", "local", 1), ("ray-tp1", "ray", 1)]
-    if args.tp > 1:
-        runs.append((f"ray-tp{args.tp}", "ray", args.tp))
+    runs = [("local", "local", 1, "auto")]
+    for tp in [1] + ([args.tp] if args.tp > 1 else []):
+        for transport in args.transports:
+            runs.append((f"ray-tp{tp}" + ("-calls" if transport == "ray-calls" else ""), "ray", tp, transport))
     llms: dict = {}
     startup: dict = {}
     try:
@@ -176,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"Ray started in {ray_start_s:.1f} s")
             # All engines live side by side (KV sized explicitly), so the
             # rounds can interleave them.
-            for name, executor, tp in runs:
+            for name, executor, tp, transport in runs:
                 t0 = time.perf_counter()
-                llms[name] = make_llm(model_dir, device, dtype, executor, tp, args)
+                llms[name] = make_llm(model_dir, device, dtype, executor, tp, transport, args)
                 startup[name] = time.perf_counter() - t0
             results = measure(llms, prompts[: args.num_prompts], args)
             for name in results:
@@ -206,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         "note": "CPU numbers: 1 torch thread per worker and for the local run" if not gpu else "one GPU",
     }
     path.write_text(json.dumps(record, indent=2))
-    print(f"wrote {path}")
+    path.with_suffix(".md").write_text(markdown(record))
+    print(f"wrote {path} and {path.with_suffix('.md').name}")
     return 0
 
 

@@ -78,6 +78,26 @@ def test_tp2_greedy_tokens_identical_to_local(ray_cluster, tiny_model, arch, ove
     assert _generate(path, **TP2) == local
 
 
+def test_steps_take_unix_sockets_on_one_node_and_ray_calls_give_the_same_tokens(ray_cluster, tiny_model):
+    """Ranks on the engine's node take their steps over Unix sockets; Ray
+    calls (ranks elsewhere, or --ray-step-transport ray-calls) must agree."""
+    path = tiny_model("llama")
+    local = _generate(path)
+    transports = []
+
+    def generate(**kwargs) -> list[list[int]]:
+        llm = LLM(model=path, **CPU, **TP2, **kwargs)
+        try:
+            transports.append(llm.engine.executor.step_transport)
+            return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        finally:
+            llm.engine.shutdown()
+
+    assert generate() == local
+    assert generate(ray_step_transport="ray-calls") == local
+    assert transports == ["unix sockets", "ray calls"]
+
+
 @pytest.mark.slow
 def test_tp2_swapping_keeps_greedy_tokens(ray_cluster, tiny_model):
     """A device pool too small for the batch: each rank swaps its own head
@@ -261,7 +281,7 @@ def test_killed_worker_fails_in_flight_requests_and_health_within_10s(ray_cluste
             stream_error = streaming.result(timeout=DEADLINE_S)
             plain_resp = plain.result(timeout=DEADLINE_S)
         assert time.monotonic() - killed_at < DEADLINE_S
-        assert "tensor-parallel worker rank" in stream_error
+        assert "tensor-parallel worker rank 1 died during the step" in stream_error, stream_error
         assert plain_resp.status_code == 503
         assert "tensor-parallel worker rank" in plain_resp.json()["error"]["message"]
         health = httpx.get(f"{server.base_url}/health", timeout=5)
