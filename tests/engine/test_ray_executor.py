@@ -98,6 +98,22 @@ def test_steps_take_unix_sockets_on_one_node_and_ray_calls_give_the_same_tokens(
     assert transports == ["unix sockets", "ray calls"]
 
 
+@pytest.mark.parametrize("transport", ["auto", "ray-calls"])
+def test_a_step_that_raises_on_the_ranks_fails_the_executor_naming_the_error(ray_cluster, tiny_model, transport):
+    """A swap from a device block no rank holds: every rank's step raises;
+    the executor fails with the rank's exception, whichever way steps go."""
+    from fluidserve.engine.batch import ModelInput
+
+    llm = LLM(model=tiny_model("llama"), **CPU, **TP2, ray_step_transport=transport)
+    try:
+        with pytest.raises(ExecutorError, match=r"worker rank [01] failed the step: IndexError"):
+            llm.engine.executor.execute(ModelInput(swap_out=[(10**6, 0)]))
+        with pytest.raises(ExecutorError, match="failed the step"):  # stays failed
+            llm.engine.executor.check_health()
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.slow
 def test_tp2_swapping_keeps_greedy_tokens(ray_cluster, tiny_model):
     """A device pool too small for the batch: each rank swaps its own head
