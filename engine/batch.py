@@ -33,7 +33,6 @@ class SampleSpec:
     seed: int | None  # derived per step, so generation is stateless across workers
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
-    num_output_tokens: int = 0
 
 
 @dataclass
@@ -44,7 +43,6 @@ class SampleWire:
     outputs from the first token the rank lacks. Dicts are by row index."""
 
     seeds: list[int | None]
-    num_output_tokens: list[int]
     # Rows of sequences the rank does not hold: (params, prompt_token_ids).
     new: dict[int, tuple[SamplingParams, list[int]]] = field(default_factory=dict)
     # Rows whose outputs grew: (index of the first token sent, the tokens).

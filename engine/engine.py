@@ -537,9 +537,7 @@ class LLMEngine:
             if item.samples:
                 add_idx(num_tokens - 1)
                 spec = seq.sample_spec
-                if spec is not None and spec.seed is None:  # made before, unseeded: only the count moves
-                    spec.num_output_tokens = len(seq.output_token_ids)
-                else:
+                if spec is None or spec.seed is not None:  # unseeded, made before: nothing moves
                     spec = self._sample_spec(seq)
                 add_spec(spec)
                 add_sid(item.request_id)
@@ -582,7 +580,6 @@ class LLMEngine:
                 prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else [],
                 output_token_ids=seq.output_token_ids if needs_history else [],
             )
-        spec.num_output_tokens = n_out
         seed = spec.params.seed
         if seed is not None:
             # A fresh seed per (request seed, completion, position): reproducible

@@ -11,7 +11,7 @@ alone, 47 KB), and with a repetition penalty 29 ms for 256 rows of
 context, every step. Yet a sequence's parameters and prompt never change
 and its outputs only grow, by one token a decode step. So the rank that
 samples keeps each sequence's spec by sequence id, and a step sends
-(``SampleWire``) each row's seed and output count, the parameters and
+(``SampleWire``) each row's seed, the parameters and
 prompt of sequences the rank does not hold, and outputs from the first
 token it lacks::
 
@@ -77,9 +77,7 @@ class SampleSpecSender:
             dropped = [sid for sid in sent if sid not in step]
             for sid in dropped:
                 del sent[sid]
-        sample_wire = SampleWire(seeds=[s.seed for s in inp.samples],
-                                 num_output_tokens=[s.num_output_tokens for s in inp.samples],
-                                 new=new, tails=tails, dropped=dropped)
+        sample_wire = SampleWire(seeds=[s.seed for s in inp.samples], new=new, tails=tails, dropped=dropped)
         return dataclasses.replace(inp, samples=[], sample_wire=sample_wire)
 
 
@@ -104,7 +102,7 @@ class SampleSpecMirror:
             specs.pop(sid, None)
         new, tails = wire.new, wire.tails
         rows: list[SampleSpec] = []
-        for i, (sid, seed, count) in enumerate(zip(inp.sample_ids, wire.seeds, wire.num_output_tokens)):
+        for i, (sid, seed) in enumerate(zip(inp.sample_ids, wire.seeds)):
             fresh = new.get(i)
             if fresh is not None:
                 spec = specs[sid] = SampleSpec(params=fresh[0], seed=None, prompt_token_ids=fresh[1])
@@ -120,6 +118,6 @@ class SampleSpecMirror:
                     raise ValueError(f"sampling row {sid!r} sent outputs from token {start}, "
                                      f"but {len(held)} of them are held")
                 held += tokens
-            spec.seed, spec.num_output_tokens = seed, count
+            spec.seed = seed
             rows.append(spec)
         inp.samples, inp.sample_wire = rows, None

@@ -289,7 +289,7 @@ def test_grammar_allows_eos_exactly_where_it_can_end(make_llm, tiny_model):
     params = SamplingParams(temperature=0, structured_outputs=StructuredOutputs(choice=("ab", "abc")))
     allowed = []
     for prefix in ([], [ord("a")], [ord("a"), ord("b")], [ord("a"), ord("b"), ord("c")]):
-        spec = SampleSpec(params, None, output_token_ids=prefix, num_output_tokens=len(prefix))
+        spec = SampleSpec(params, None, output_token_ids=prefix)
         mask = worker.structured.fill([f"s{len(prefix)}"], [spec])
         logits = torch.zeros(1, worker.structured.vocab_size)
         mask.apply(logits)
@@ -358,7 +358,7 @@ def test_matcher_follows_the_engine_history():
         return [ord(c) for c in "".join(text)]
 
     def allowed(history: list[int]) -> set[int]:
-        mask = dec.fill(["s"], [SampleSpec(params, None, output_token_ids=history, num_output_tokens=len(history))])
+        mask = dec.fill(["s"], [SampleSpec(params, None, output_token_ids=history)])
         bits = [(int(mask.bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(261)]
         return {t for t, b in enumerate(bits) if b}
 
