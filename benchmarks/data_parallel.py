@@ -16,12 +16,14 @@ is not measured:
   hop from the front end to a replica's actor costs, with the rest of the
   server around it);
 * the hop alone, in this process: one-token requests on the built-in tiny
-  model, one at a time, through an in-process ``AsyncEngine`` and through 2
-  replicas (the add's round trip and the poll's return).
+  model, one at a time, and the gaps between streamed outputs, through an
+  in-process ``AsyncEngine`` and through 2 replicas, over the replica
+  channel and over Ray calls.
 
     python benchmarks/data_parallel.py [--preset cpu-small] [--rounds 2]
+    python benchmarks/data_parallel.py --hop-only
 
-Writes benchmarks/results/data_parallel-<device>.{json,md}.
+Writes benchmarks/results/data_parallel-<device>.{json,md} (data_parallel-hop.* with --hop-only).
 """
 
 from __future__ import annotations
@@ -137,9 +139,16 @@ def run_setup(name: str, model_dir: Path, tmp: Path, port: int, seed: int) -> di
         stop(proc)
 
 
-def hop_latency(requests: int = 40) -> dict[str, float]:
-    """Median ms from add to the finished output of a one-token request."""
+def hop_latency(requests: int = 60, streams: int = 10) -> dict[str, dict[str, float]]:
+    """Through an in-process ``AsyncEngine``, and through 2 replicas whose
+    requests and outputs take the replica channel (Unix sockets) or Ray
+    calls: the median ms from add to the finished output of a one-token
+    request, one at a time, and the gaps between the streamed outputs of
+    16-token requests (median and P90: outputs that wait for a poll come
+    bunched, a gap near zero after a long one)."""
     import asyncio
+
+    import numpy as np
 
     from fluidserve.engine.async_engine import AsyncEngine
     from fluidserve.engine.config import EngineConfig
@@ -147,24 +156,49 @@ def hop_latency(requests: int = 40) -> dict[str, float]:
     from fluidserve.engine.engine import LLMEngine
     from fluidserve.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    sixteen = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     flags = dict(device="cpu", num_kv_blocks=64, max_model_len=128, swap_space=0)
 
-    async def measure(front) -> float:
+    async def measure(front) -> dict[str, float]:
         front.start()
-        times = []
+        await asyncio.sleep(0.5)  # the replicas' channels open
+        hops, gaps = [], []
         for i in range(requests):
             start = time.perf_counter()
-            async for _ in await front.add_request(f"hop-{i}", [1, 2, 3, 4 + i % 50] * 8, params):
+            async for _ in await front.add_request(f"hop-{i}", [1, 2, 3, 4 + i % 50] * 8, one):
                 pass
-            times.append((time.perf_counter() - start) * 1e3)
-            await asyncio.sleep(0.05)
+            hops.append((time.perf_counter() - start) * 1e3)
+            await asyncio.sleep(0.02)
+        for i in range(streams):
+            last = None
+            async for _ in await front.add_request(f"stream-{i}", [5, 6, 7, 8 + i % 50] * 8, sixteen):
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append((now - last) * 1e3)
+                last = now
+            await asyncio.sleep(0.02)
         await front.shutdown()
-        return statistics.median(times[5:])  # the first few warm the caches
+        return {"hop_ms": statistics.median(hops[5:]),  # the first few warm the caches
+                "gap_median_ms": float(np.median(gaps)), "gap_p90_ms": float(np.percentile(gaps, 90))}
 
-    local = asyncio.run(measure(AsyncEngine(LLMEngine(EngineConfig.create(**flags)))))
-    replicas = DataParallelEngine(EngineConfig.create(**flags, data_parallel_size=2), torch_threads=1)
-    return {"in-process ms": local, "2 replicas ms": asyncio.run(measure(replicas))}
+    import ray
+    import torch
+
+    torch.set_num_threads(1)
+    figures = {"in-process": asyncio.run(measure(AsyncEngine(LLMEngine(EngineConfig.create(**flags)))))}
+    for name, transport in (("2 replicas, sockets", "auto"), ("2 replicas, Ray calls", "ray-calls")):
+        config = EngineConfig.create(**flags, data_parallel_size=2, ray_transport=transport)
+        figures[name] = asyncio.run(measure(DataParallelEngine(config, torch_threads=1)))
+        ray.shutdown()
+    return figures
+
+
+def hop_table(hop: dict[str, dict[str, float]]) -> list[str]:
+    lines = ["| path | one-token request ms | streamed gap median ms | streamed gap P90 ms |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {f['hop_ms']:.2f} | {f['gap_median_ms']:.2f} | {f['gap_p90_ms']:.2f} |"
+              for name, f in hop.items()]
+    return lines
 
 
 def main() -> int:
@@ -173,9 +207,22 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="each round runs both setups, alternating their order")
     ap.add_argument("--port", type=int, default=8471)
     ap.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "data_parallel-cpu")
+    ap.add_argument("--hop-only", action="store_true",
+                    help="only the hop, in this process: writes data_parallel-hop.{json,md}")
     args = ap.parse_args()
     hop = hop_latency()
-    print(f"hop: {hop}", flush=True)
+    print("\n".join(hop_table(hop)), flush=True)
+    if args.hop_only:
+        lines = ["# The hop to a data-parallel replica, in one process", "",
+                 "One-token requests one at a time (median of 55), and the gaps between the streamed outputs of "
+                 "ten 16-token requests, on the built-in tiny model (one torch thread an engine): an in-process "
+                 "`AsyncEngine` against 2 replicas whose requests and outputs take the replica channel "
+                 "(`--ray-transport auto`, Unix sockets, outputs pushed) or Ray calls (`--ray-transport "
+                 "ray-calls`, outputs by long polling).", "", *hop_table(hop), "",
+                 f"`python benchmarks/data_parallel.py --hop-only` on {os.cpu_count()} cores."]
+        save_results(args.output.parent / "data_parallel-hop", {"cores": os.cpu_count(), "hop": hop},
+                     "\n".join(lines) + "\n")
+        return 0
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model_dir = build_model_dir(args.preset, tmp / "model")
@@ -207,9 +254,10 @@ def main() -> int:
     lines += ["", f"Saturation throughput: {figures['throughput_ratio']:.2f}x one engine (target >= 1.7x). "
               f"Shared-prefix hit rate: {figures['prefix_hit_rate'][two]:.1%} against "
               f"{figures['prefix_hit_rate'][one]:.1%} (target: within 10%). Light-load TTFT: "
-              f"{figures['light_load_ttft_ratio']:.2f}x (target: within 1.05x). The hop alone (tiny model, "
-              f"one-token requests one at a time, median): {hop['in-process ms']:.1f} ms in-process against "
-              f"{hop['2 replicas ms']:.1f} ms through 2 replicas.",
+              f"{figures['light_load_ttft_ratio']:.2f}x (target: within 1.05x). The hop alone, in one process "
+              "(tiny model; one-token requests one at a time, medians; gaps between streamed outputs):", "",
+              *hop_table(hop), "",
+              "The servers' replicas take the replica channel (`--ray-transport auto`).",
               "", "Each engine computes on one torch thread; `python benchmarks/data_parallel.py` "
               f"on {os.cpu_count()} cores."]
     record = {"preset": args.preset, "device": device_slug("cpu"), "cores": os.cpu_count(), "rounds": rounds,

@@ -47,7 +47,7 @@ def make_llm(model_dir: Path, device: str, dtype: str, executor: str, tp: int, t
     from fluidserve.engine import LLM
 
     return LLM(model=str(model_dir), load_format="dummy", device=device, dtype=dtype, executor=executor,
-               tensor_parallel_size=tp, ray_step_transport=transport,
+               tensor_parallel_size=tp, ray_transport=transport,
                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                num_kv_blocks=args.num_kv_blocks,
                max_model_len=args.prompt_len + max(args.output_len, args.decode_steps) + 16)
@@ -147,8 +147,8 @@ def markdown(record: dict) -> str:
             ms, local = r["decode_median_ms"][b], base["decode_median_ms"][b]
             cells.append(f"{ms:.2f} | {ms - local:+.2f}")
         lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {ratio:.2f}x | " + " | ".join(cells) + " |")
-    lines += ["", "ray-tpN: steps over a Unix socket a worker (`--ray-step-transport auto` on one node); "
-              "ray-tpN-calls: over Ray actor calls (`--ray-step-transport ray-calls`).", ""]
+    lines += ["", "ray-tpN: steps over a Unix socket a worker (`--ray-transport auto` on one node); "
+              "ray-tpN-calls: over Ray actor calls (`--ray-transport ray-calls`).", ""]
     return "\n".join(lines)
 
 
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repetition-penalty", type=float, default=1.0,
                     help="every request's: the sampler then counts each row's prompt and outputs")
     ap.add_argument("--transports", nargs="+", default=["auto", "ray-calls"], choices=["auto", "ray-calls"],
-                    help="--ray-step-transport of the Ray runs: auto (Unix sockets here; runs named ray-tpN) and "
+                    help="--ray-transport of the Ray runs: auto (Unix sockets here; runs named ray-tpN) and "
                          "ray-calls (runs named ray-tpN-calls), side by side")
     ap.add_argument("--tag", default="", help="appended to the result file's name")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")

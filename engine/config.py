@@ -40,10 +40,11 @@ class ParallelConfig:
         1000.0, "prefix-aware routing: how much more predicted backlog than the least-loaded replica the "
                 "replica holding a prompt's prefix may have, beyond the prefill the hit saves, and still be "
                 "chosen (benchmarks/routing.py)", metavar="MS")
-    ray_step_transport: str = setting(
-        "auto", "how each step reaches the Ray workers: auto takes a Unix socket a worker where the workers share "
-                "the engine's node (~0.07 ms a step) and Ray calls elsewhere (~0.9 ms); ray-calls takes Ray calls "
-                "everywhere", choices=("auto", "ray-calls"))
+    ray_transport: str = setting(
+        "auto", "how steps reach the tensor-parallel Ray workers, and requests and outputs the data-parallel "
+                "replicas: auto takes a Unix socket each where they share this process's node (~0.07 ms a round "
+                "trip, outputs pushed as they come) and Ray calls elsewhere (~0.9 ms; outputs by long polling); "
+                "ray-calls takes Ray calls everywhere", choices=("auto", "ray-calls"))
     ray_address: str | None = setting(None, "join this Ray cluster (multi-node); default: start a local one "
                                             "on 127.0.0.1", metavar="ADDRESS")
 

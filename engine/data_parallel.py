@@ -19,16 +19,19 @@ metrics are the same code with one replica or many.
                   │ poll()              │                      │
                   └──── outputs, load, health ────► one poller task per replica
 
-Outputs come back by long polling: one ``poll`` call per replica is always
-pending and returns as soon as a step has produced outputs (or after
-``POLL_S`` with none, carrying the replica's load for the router and its
-health). What crosses is plain data: token ids and ``SamplingParams`` in,
-``RequestOutput`` lists out, each after a request's first as what came since
-the one before (engine/output_wire.py): the prompt and a completion's whole
-text and tokens are not sent again every step.
+A replica on this process's node takes requests and pushes outputs over a
+Unix socket (engine/replica_channel.py): each step's outputs as soon as they
+exist, or, every ``POLL_S`` with none, the replica's load for the router and
+its health. Elsewhere (or with ``ray_transport="ray-calls"``) requests are
+Ray calls and outputs come back by long polling: one ``poll`` call per
+replica always pending, returning what the push would have sent. What
+crosses is plain data: token ids and ``SamplingParams`` in, ``RequestOutput``
+lists out, each after a request's first as what came since the one before
+(engine/output_wire.py): the prompt and a completion's whole text and tokens
+are not sent again every step.
 
-A replica's death: its pending ``poll`` fails at once (Ray reports the
-actor's process gone), so the router stops choosing it within that call.
+A replica's death: its channel closes, or its pending ``poll`` fails (Ray
+reports the actor's process gone), at once, so the router stops choosing it within that call.
 Requests it held that had produced no token are sent again to another
 replica (the client sees nothing but a later first token); streams already
 started end with an error the routes turn into OpenAI's error event. Ray
@@ -50,6 +53,7 @@ from fluidserve.engine.async_engine import (AsyncEngine, EngineDeadError, Health
                                             RequestStream, _resolve)
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.output_wire import OutputSender, OutputTail, rebuild
+from fluidserve.engine.replica_channel import ReplicaGone, ReplicaLink
 from fluidserve.engine.outputs import RequestOutput
 from fluidserve.engine.sampling_params import SamplingParams
 
@@ -106,6 +110,8 @@ class _Replica:
     requests: set[str] = field(default_factory=set)
     stats: Any = None
     restarts: int = 0
+    link: Any = None  # its ReplicaLink while requests and outputs take the replica channel
+    channel_failed: bool = False  # its channel could not be made: Ray calls until it restarts
 
 
 def replica_config(config: EngineConfig) -> EngineConfig:
@@ -174,6 +180,15 @@ def _replica_class():
             front.refresh_stats()
             health = front.health()
             return self.outputs.wire(outputs), front.last_stats, None if health.ok else health.reason
+
+        async def open_channel(self) -> str:
+            """Where the front end connects to send requests and take the
+            outputs as they come (engine/replica_channel.py) instead of
+            calling ``add`` and ``poll``."""
+            from fluidserve.engine.replica_channel import listen_once, serve_front
+
+            return await listen_once(lambda reader, writer: serve_front(
+                reader, writer, add=self.add, abort=self.abort, poll=self.poll, poll_s=POLL_S))
 
         async def stats(self) -> Any:
             return await self._front().get_stats()
@@ -255,6 +270,8 @@ class DataParallelEngine:
         self.size = config.data_parallel_size
         self.routing_policy = routing_policy or config.routing_policy
         self._owns_ray = _connect(config.ray_address)
+        # Replicas on this node take the replica channel; others Ray calls.
+        self._link_node = ray.get_runtime_context().get_node_id() if config.ray_transport == "auto" else None
         self._requests: dict[str, _InFlight] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pollers: list[asyncio.Task] = []
@@ -314,6 +331,8 @@ class DataParallelEngine:
         for task in self._pollers:
             task.cancel()
         self._fail_all(EngineDeadError("engine is shut down"))
+        for r in self.replicas:
+            _close_link(r)
         alive = [r.actor.shutdown.remote() for r in self.replicas if r.healthy]
         if alive:
             await asyncio.to_thread(ray.wait, alive, num_returns=len(alive), timeout=timeout)
@@ -356,7 +375,7 @@ class DataParallelEngine:
             self._requests.pop(request_id, None)
             replica = self._forget(flight)
             if replica is not None and replica.healthy:
-                replica.actor.abort.remote(request_id)
+                _abort_on(replica, request_id)
             raise
         return stream
 
@@ -366,7 +385,7 @@ class DataParallelEngine:
             return
         replica = self._forget(flight)
         if replica is not None and replica.healthy:
-            replica.actor.abort.remote(request_id)
+            _abort_on(replica, request_id)
 
     async def get_stats(self, timeout: float = 2.0) -> dict[str, Any]:
         """Each replica's engine stats, keyed by its index as vLLM's
@@ -401,8 +420,11 @@ class DataParallelEngine:
             waited = max(0.0, time.monotonic() - flight.arrival)
             flight.sending = True
             try:
-                await _await_ref(replica.actor.add.remote(flight.request_id, flight.prompt, flight.params,
-                                                          flight.klass, waited, flight.final_only))
+                args = (flight.request_id, flight.prompt, flight.params, flight.klass, waited, flight.final_only)
+                if replica.link is not None:
+                    await replica.link.add(*args)
+                else:
+                    await _await_ref(replica.actor.add.remote(*args))
                 return
             except BaseException as exc:
                 self._forget(flight)
@@ -432,12 +454,20 @@ class DataParallelEngine:
 
     # -- outputs ---------------------------------------------------------------
     async def _poll_forever(self, replica: _Replica) -> None:
+        """Take the replica's outputs, pushed over its channel or by long
+        polling, until shutdown; a replica that goes is waited for and, back,
+        connected anew."""
         while not self._stopping:
             if not replica.healthy:
                 await self._await_restart(replica)
                 continue
             try:
-                outputs, stats, unhealthy = await _await_ref(replica.actor.poll.remote(POLL_S))
+                if replica.link is None and not replica.channel_failed and replica.node_id == self._link_node:
+                    replica.link = await self._connect(replica)
+                if replica.link is not None:
+                    outputs, stats, unhealthy = await replica.link.next_outputs()
+                else:
+                    outputs, stats, unhealthy = await _await_ref(replica.actor.poll.remote(POLL_S))
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - any failure of the call is the replica's death
@@ -451,6 +481,21 @@ class DataParallelEngine:
             if unhealthy is not None:
                 self._mark_down(replica, unhealthy, kill=True)
 
+    async def _connect(self, replica: _Replica) -> ReplicaLink | None:
+        """The replica's channel; None (Ray calls, then, until it restarts)
+        where the socket cannot be made though the replica lives, say with
+        no writable temporary directory. A dead replica's failure propagates."""
+        try:
+            return await ReplicaLink.connect(await _await_ref(replica.actor.open_channel.remote()))
+        except Exception as exc:  # noqa: BLE001 - anything but the replica's death: Ray calls serve it
+            if _is_actor_death(exc):
+                raise
+            cause = _cause(exc)
+            log.warning("engine replica %d: its channel failed (%s: %s); Ray calls carry its requests and "
+                        "outputs", replica.index, type(cause).__name__, cause)
+            replica.channel_failed = True
+            return None
+
     def _dispatch(self, replica: _Replica, tails: list[OutputTail]) -> None:
         for tail in tails:
             flight = self._requests.get(tail.output.request_id)
@@ -462,7 +507,7 @@ class DataParallelEngine:
             except ValueError as exc:  # the replica's record and the front's disagree: this request fails
                 log.error("engine replica %d: %s", replica.index, exc)
                 out = RequestOutput(flight.request_id, None, flight.prompt, [], True, str(exc))
-                replica.actor.abort.remote(flight.request_id)
+                _abort_on(replica, flight.request_id)
             if not stream.got_output:
                 stream.got_output = True
                 self.router.started(out.request_id)
@@ -483,6 +528,7 @@ class DataParallelEngine:
         if not replica.healthy:
             return
         replica.healthy = False
+        _close_link(replica)  # an add waiting on it fails now, and its sender tries another replica
         self.router.set_healthy(replica.index, False)
         log.warning("engine replica %d is down (%s): out of rotation until it is back", replica.index, reason)
         held = [self._requests[rid] for rid in list(replica.requests)
@@ -518,7 +564,7 @@ class DataParallelEngine:
             return
         replica.pid, replica.node_id = info["pid"], info["node_id"]
         replica.torch_threads = info["torch_threads"]
-        replica.healthy, replica.stats = True, None
+        replica.healthy, replica.stats, replica.channel_failed = True, None, False
         replica.restarts += 1
         self.router.set_healthy(replica.index, True)
         log.info("engine replica %d is back (pid %d): in rotation again", replica.index, replica.pid)
@@ -531,6 +577,19 @@ class DataParallelEngine:
     def _kill_all(self) -> None:
         for r in self.replicas:
             _kill(r.actor, restart=False)
+
+
+def _abort_on(replica: _Replica, request_id: str) -> None:
+    if replica.link is not None:
+        replica.link.abort(request_id)
+    else:
+        replica.actor.abort.remote(request_id)
+
+
+def _close_link(replica: _Replica) -> None:
+    link, replica.link = replica.link, None
+    if link is not None:
+        link.close()
 
 
 def _kill(actor: Any, restart: bool) -> None:
@@ -554,4 +613,4 @@ def _cause(exc: BaseException) -> BaseException:
 def _is_actor_death(exc: BaseException) -> bool:
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-    return isinstance(exc, (RayActorError, ActorDiedError, ActorUnavailableError))
+    return isinstance(exc, (RayActorError, ActorDiedError, ActorUnavailableError, ReplicaGone))

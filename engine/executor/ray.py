@@ -136,10 +136,20 @@ class RayWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def open_step_channel(self) -> str:
-        """Where the engine connects for its steps (step_channel.py)."""
-        self._listener = StepListener()
+    def open_step_channel(self) -> str | None:
+        """Where the engine connects for its steps (step_channel.py); None
+        where no socket can be made here."""
+        try:
+            self._listener = StepListener()
+        except OSError as exc:
+            log.warning("tensor-parallel worker: no step channel (%s)", exc)
+            return None
         return self._listener.path
+
+    def close_step_channel(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def serve_steps(self) -> None:
         """Run every step the engine sends over the channel, until it closes
@@ -215,7 +225,7 @@ class RayExecutor(Executor):
             self._pg = self._reserve(device)
             self._start(dataclasses.replace(config, device=device), str(model_dir))
             # The sockets need the ranks on this process's node.
-            if config.ray_step_transport == "auto" and self._ranks_share_this_node():
+            if config.ray_transport == "auto" and self._ranks_share_this_node():
                 self._open_step_channels()
             log.info("Ray executor: steps reach the ranks over %s", self.step_transport)
         except BaseException:
@@ -292,6 +302,9 @@ class RayExecutor(Executor):
 
     def _open_step_channels(self) -> None:
         paths = self._call([w.open_step_channel.remote() for w in self.workers], STARTUP_TIMEOUT_S, "startup")
+        if None in paths:  # a worker cannot make a socket (its log says why): all steps take Ray calls
+            self._call([w.close_step_channel.remote() for w in self.workers], STARTUP_TIMEOUT_S, "startup")
+            return
         for w, path in zip(self.workers, paths):
             self._serving.append(w.serve_steps.remote())
             self._links.append(StepLink(path))

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-_FRAME = struct.Struct("<Q")
+FRAME = struct.Struct("<Q")
 ACCEPT_TIMEOUT_S = 60.0  # the engine connects right after asking for the path
 FAILURE_GRACE_S = 0.5  # how long a failed step waits to learn that a peer died
 
@@ -56,7 +56,7 @@ class RankError(Exception):
 def pack(obj: Any) -> bytes:
     """One frame: ``send_packed`` it to as many ranks as take the same input."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return _FRAME.pack(len(data)) + data
+    return FRAME.pack(len(data)) + data
 
 
 def send(sock: socket.socket, obj: Any) -> None:
@@ -80,8 +80,25 @@ def _read_exact(sock: socket.socket, n: int) -> bytearray:
 
 def receive(sock: socket.socket) -> Any:
     """One whole frame, unpickled. Blocks under the socket's own timeout."""
-    (size,) = _FRAME.unpack(_read_exact(sock, _FRAME.size))
+    (size,) = FRAME.unpack(_read_exact(sock, FRAME.size))
     return pickle.loads(_read_exact(sock, size))
+
+
+# A Unix socket's path must fit in sockaddr_un (108 bytes on Linux, 104 on
+# macOS); a deep TMPDIR would not leave room.
+MAX_SOCKET_PATH = 100
+
+
+def socket_path(prefix: str, name: str) -> str:
+    """A path for a socket in a fresh directory only this user can enter
+    (mode 0700), under the temporary directory, or under /tmp where that
+    one's path is too long for a socket."""
+    directory = tempfile.mkdtemp(prefix=prefix)
+    path = os.path.join(directory, name)
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        os.rmdir(directory)
+        path = os.path.join(tempfile.mkdtemp(prefix=prefix, dir="/tmp"), name)
+    return path
 
 
 class StepListener:
@@ -89,8 +106,8 @@ class StepListener:
     path), serving once ``serve`` runs."""
 
     def __init__(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="fluidserve-step-")  # mode 0700: this user only
-        self.path = os.path.join(self._dir, "rank.sock")
+        self.path = socket_path("fluidserve-step-", "rank.sock")
+        self._dir = os.path.dirname(self.path)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)
         self._listener.listen(1)

@@ -80,7 +80,7 @@ def test_tp2_greedy_tokens_identical_to_local(ray_cluster, tiny_model, arch, ove
 
 def test_steps_take_unix_sockets_on_one_node_and_ray_calls_give_the_same_tokens(ray_cluster, tiny_model):
     """Ranks on the engine's node take their steps over Unix sockets; Ray
-    calls (ranks elsewhere, or --ray-step-transport ray-calls) must agree."""
+    calls (ranks elsewhere, or --ray-transport ray-calls) must agree."""
     path = tiny_model("llama")
     local = _generate(path)
     transports = []
@@ -94,7 +94,7 @@ def test_steps_take_unix_sockets_on_one_node_and_ray_calls_give_the_same_tokens(
             llm.engine.shutdown()
 
     assert generate() == local
-    assert generate(ray_step_transport="ray-calls") == local
+    assert generate(ray_transport="ray-calls") == local
     assert transports == ["unix sockets", "ray calls"]
 
 
@@ -104,7 +104,7 @@ def test_a_step_that_raises_on_the_ranks_fails_the_executor_naming_the_error(ray
     the executor fails with the rank's exception, whichever way steps go."""
     from fluidserve.engine.batch import ModelInput
 
-    llm = LLM(model=tiny_model("llama"), **CPU, **TP2, ray_step_transport=transport)
+    llm = LLM(model=tiny_model("llama"), **CPU, **TP2, ray_transport=transport)
     try:
         with pytest.raises(ExecutorError, match=r"worker rank [01] failed the step: IndexError"):
             llm.engine.executor.execute(ModelInput(swap_out=[(10**6, 0)]))

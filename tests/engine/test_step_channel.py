@@ -11,11 +11,13 @@ import os
 import signal
 import socket
 import stat
+import tempfile
 import time
 
 import pytest
 
-from fluidserve.engine.executor.step_channel import RankError, StepLink, StepListener, gather, pack
+from fluidserve.engine.executor.step_channel import (MAX_SOCKET_PATH, RankError, StepLink, StepListener, gather,
+                                                     pack)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -161,3 +163,16 @@ def test_only_the_first_engine_reaches_the_rank():
         assert proc.exitcode == 0  # the engine closing its end ends the rank's serving
     finally:
         proc.kill()
+
+
+def test_a_temporary_directory_too_deep_for_a_socket_falls_back_to_tmp(tmp_path, monkeypatch):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    listener = StepListener()
+    try:
+        assert listener.path.startswith("/tmp/fluidserve-step-") and len(listener.path) <= MAX_SOCKET_PATH
+        assert stat.S_IMODE(os.stat(os.path.dirname(listener.path)).st_mode) == 0o700
+        assert not any(deep.iterdir())  # the directory made there first is gone
+    finally:
+        listener.close()

@@ -273,7 +273,10 @@ def test_a_replica_killed_mid_load_fails_no_unstarted_request_and_rejoins(dp_ser
 
 def test_two_node_cluster_places_one_replica_per_node(tiny_model):
     """Two virtual nodes of one machine, joined with ``ray_address`` as
-    ``--ray-address`` joins a real cluster."""
+    ``--ray-address`` joins a real cluster. The replica on this process's
+    node takes the replica channel, the other Ray calls; both give one
+    engine's greedy tokens."""
+    from fluidserve.engine import LLM
     from ray.cluster_utils import Cluster
 
     from fluidserve.engine.config import EngineConfig
@@ -286,9 +289,12 @@ def test_two_node_cluster_places_one_replica_per_node(tiny_model):
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     try:
-        config = EngineConfig.create(model=tiny_model("llama"), device="cpu", num_kv_blocks=64,
-                                     max_model_len=128, swap_space=0, data_parallel_size=2,
-                                     ray_address=cluster.address)
+        flags = dict(model=tiny_model("llama"), device="cpu", num_kv_blocks=64, max_model_len=128, swap_space=0)
+        greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        prompts = [[1, 2, 3, 4 + i] for i in range(4)]
+        expected = [o.outputs[0].token_ids for o in LLM(**flags).generate(prompts, greedy)]
+        config = EngineConfig.create(**flags, data_parallel_size=2, ray_address=cluster.address,
+                                     routing_policy="round-robin")
         engine = DataParallelEngine(config, torch_threads=1)
         try:
             nodes = {r.node_id for r in engine.replicas}
@@ -298,21 +304,65 @@ def test_two_node_cluster_places_one_replica_per_node(tiny_model):
 
             async def main():
                 engine.start()
-                outs = []
-                for i in range(4):
-                    stream = await engine.add_request(f"r{i}", [1, 2, 3, 4 + i],
-                                                      SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+                outs, served_by = [], set()
+                for i, prompt in enumerate(prompts):
+                    stream = await engine.add_request(f"r{i}", prompt, greedy)
+                    served_by.add(engine._requests[f"r{i}"].replica)
                     async for out in stream:
                         last = out
                     outs.append(last.outputs[0].token_ids)
+                links = sorted(r.link is not None for r in engine.replicas)
                 await engine.shutdown()
-                return outs
+                return outs, served_by, links
 
-            outs = asyncio.run(main())
-            assert all(len(o) == 4 for o in outs)
+            outs, served_by, links = asyncio.run(main())
+            assert outs == expected
+            assert served_by == {0, 1}
+            assert links == [False, True]  # this node's replica on its channel, the other's on Ray calls
         finally:
             engine._kill_all()
     finally:
         if ray.is_initialized():
             ray.shutdown()
         cluster.shutdown()
+
+
+def test_replicas_under_a_deep_temporary_directory_still_take_their_channels(tiny_model, tmp_path):
+    """The replicas' TMPDIR is too deep for a Unix socket's path: their
+    channels are made under /tmp instead, with one engine's greedy tokens."""
+    from fluidserve.engine import LLM
+    from fluidserve.engine.config import EngineConfig
+    from fluidserve.engine.data_parallel import DataParallelEngine
+    from fluidserve.engine.sampling_params import SamplingParams
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"TMPDIR": str(deep)}})
+    try:
+        flags = dict(model=tiny_model("llama"), device="cpu", num_kv_blocks=64, max_model_len=128, swap_space=0)
+        greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        prompts = [[1, 2, 3, 4 + i] for i in range(4)]
+        expected = [o.outputs[0].token_ids for o in LLM(**flags).generate(prompts, greedy)]
+        engine = DataParallelEngine(EngineConfig.create(**flags, data_parallel_size=2, routing_policy="round-robin"),
+                                    torch_threads=1)
+        try:
+            async def main():
+                engine.start()
+                outs = []
+                for i, prompt in enumerate(prompts):
+                    async for out in await engine.add_request(f"r{i}", prompt, greedy):
+                        last = out
+                    outs.append(last.outputs[0].token_ids)
+                links = [r.link is not None for r in engine.replicas]
+                await engine.shutdown()
+                return outs, links
+
+            outs, links = asyncio.run(main())
+            assert outs == expected
+            assert links == [True, True]
+        finally:
+            engine._kill_all()
+    finally:
+        ray.shutdown()
