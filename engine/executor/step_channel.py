@@ -59,10 +59,6 @@ def pack(obj: Any) -> bytes:
     return FRAME.pack(len(data)) + data
 
 
-def send(sock: socket.socket, obj: Any) -> None:
-    sock.sendall(pack(obj))
-
-
 def _read_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -109,8 +105,12 @@ class StepListener:
         self.path = socket_path("fluidserve-step-", "rank.sock")
         self._dir = os.path.dirname(self.path)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)
-        self._listener.listen(1)
+        try:
+            self._listener.bind(self.path)
+            self._listener.listen(1)
+        except OSError:
+            self.close()
+            raise
 
     def serve(self, handle: Callable[[Any], Any]) -> None:
         """Answer each frame with ``("ok", handle(frame))`` or, where
@@ -128,11 +128,11 @@ class StepListener:
                     request = receive(conn)
                 except ChannelClosed:
                     return
-                try:
-                    reply = ("ok", handle(request))
+                try:  # a result that cannot be pickled fails its step too
+                    reply = pack(("ok", handle(request)))
                 except Exception as exc:  # the engine decides what a failed step means
-                    reply = ("error", f"{type(exc).__name__}: {exc}")
-                send(conn, reply)
+                    reply = pack(("error", f"{type(exc).__name__}: {exc}"))
+                conn.sendall(reply)
 
     def close(self) -> None:
         self._listener.close()

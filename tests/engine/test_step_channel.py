@@ -28,6 +28,8 @@ def _handle(request):
         raise ValueError(f"bad step {value}")
     if kind == "sleep":
         time.sleep(value)
+    if kind == "unpicklable":
+        return lambda: value
     if kind == "exit":
         time.sleep(value)
         os._exit(3)
@@ -93,6 +95,16 @@ def test_a_step_that_raises_names_the_rank_and_the_rank_serves_on(ranks):
     assert (err.value.rank, err.value.kind, err.value.detail) == (1, "failed", "ValueError: bad step 7")
     links[1].send_packed(pack(("echo", 2)))
     assert gather([links[1]], 10)[0]["echo"] == 2
+
+
+def test_a_result_that_cannot_be_pickled_fails_its_step_and_the_rank_serves_on(ranks):
+    (link,), _ = ranks(1)
+    link.send_packed(pack(("unpicklable", 1)))
+    with pytest.raises(RankError) as err:
+        gather([link], 10)
+    assert err.value.kind == "failed" and "pickle" in err.value.detail
+    link.send_packed(pack(("echo", 2)))
+    assert gather([link], 10)[0]["echo"] == 2
 
 
 def test_a_rank_that_dies_ends_the_wait_at_once_while_another_still_works(ranks):
