@@ -28,6 +28,7 @@ A replica that dies closes its end: the front's read ends at once with
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import pickle
 import shutil
@@ -35,6 +36,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fluidserve.engine.executor.step_channel import ACCEPT_TIMEOUT_S, FRAME, pack, socket_path
+
+log = logging.getLogger(__name__)
 
 
 class ReplicaGone(ConnectionError):
@@ -150,9 +153,18 @@ async def serve_front(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     done; outputs go out as ``poll`` yields them."""
 
     async def push() -> None:
-        while True:
-            writer.write(pack(("outputs", *await poll(poll_s))))
-            await writer.drain()
+        # A push that fails closes the channel: the front end then sees this
+        # replica gone, and Ray's restart brings it back.
+        try:
+            while True:
+                writer.write(pack(("outputs", *await poll(poll_s))))
+                await writer.drain()
+        except ConnectionError:  # the front end went: the read loop below ends too
+            pass
+        except Exception:
+            log.exception("replica channel: pushing outputs failed; closing the channel")
+        finally:
+            writer.close()
 
     async def admit(request_id: str, *args: Any) -> None:
         try:
@@ -164,9 +176,6 @@ async def serve_front(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
             writer.write(pack(("added", request_id, error)))
 
     pusher = asyncio.ensure_future(push())
-    # A push that fails (the engine's poll raised) closes the channel: the
-    # front end then sees this replica gone and Ray's restart brings it back.
-    pusher.add_done_callback(lambda task: task.cancelled() or writer.close())
     admissions: set[asyncio.Task] = set()
     try:
         while True:

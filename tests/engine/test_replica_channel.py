@@ -47,6 +47,8 @@ class StandIn:
         self.aborted.append(request_id)
 
     async def poll(self, timeout: float):
+        if self.aborted == ["break the engine"]:
+            raise RuntimeError("the engine's poll broke")
         try:
             out = [await asyncio.wait_for(self.outbox.get(), timeout)]
         except asyncio.TimeoutError:
@@ -107,6 +109,22 @@ def test_a_refused_request_raises_the_front_ends_own_exception():
 async def _drain(link: ReplicaLink) -> None:
     while True:
         await link.next_outputs()
+
+
+def test_a_replica_whose_outputs_cannot_be_taken_closes_its_channel(caplog):
+    """Its engine's poll raised: the replica says so in its log and closes
+    the channel, which the front end takes for the replica going."""
+    async def scenario():
+        replica = StandIn()
+        link, _ = await connected(replica)
+        link.abort("break the engine")
+        with pytest.raises(ReplicaGone):
+            await asyncio.wait_for(_drain(link), 5)
+        link.close()
+
+    with caplog.at_level("ERROR", logger="fluidserve.engine.replica_channel"):
+        asyncio.run(scenario())
+    assert "pushing outputs failed" in caplog.text and "the engine's poll broke" in caplog.text
 
 
 def _replica_process(paths) -> None:

@@ -89,6 +89,25 @@ def _routed(base: str) -> dict[tuple[str, str], float]:
     return out
 
 
+def _through_replicas(engine, prompts: list[list[int]], params) -> tuple[list[list[int]], set[int], list[bool]]:
+    """Each prompt in turn through a DataParallelEngine: its tokens, the
+    replicas that served, and which replicas hold a replica channel."""
+    async def main():
+        engine.start()
+        outs, served_by = [], set()
+        for i, prompt in enumerate(prompts):
+            stream = await engine.add_request(f"r{i}", prompt, params)
+            served_by.add(engine._requests[f"r{i}"].replica)
+            async for out in stream:
+                last = out
+            outs.append(last.outputs[0].token_ids)
+        links = [r.link is not None for r in engine.replicas]
+        await engine.shutdown()
+        return outs, served_by, links
+
+    return asyncio.run(main())
+
+
 def test_two_replicas_answer_concurrent_requests_as_one_engine_does(dp_server):
     model, base, _, _ = dp_server
     expected = _greedy_single(model)
@@ -302,23 +321,10 @@ def test_two_node_cluster_places_one_replica_per_node(tiny_model):
             # the count is read on each replica's engine thread, the one that steps it
             assert [r.torch_threads for r in engine.replicas] == [1, 1]
 
-            async def main():
-                engine.start()
-                outs, served_by = [], set()
-                for i, prompt in enumerate(prompts):
-                    stream = await engine.add_request(f"r{i}", prompt, greedy)
-                    served_by.add(engine._requests[f"r{i}"].replica)
-                    async for out in stream:
-                        last = out
-                    outs.append(last.outputs[0].token_ids)
-                links = sorted(r.link is not None for r in engine.replicas)
-                await engine.shutdown()
-                return outs, served_by, links
-
-            outs, served_by, links = asyncio.run(main())
+            outs, served_by, links = _through_replicas(engine, prompts, greedy)
             assert outs == expected
             assert served_by == {0, 1}
-            assert links == [False, True]  # this node's replica on its channel, the other's on Ray calls
+            assert sorted(links) == [False, True]  # this node's replica on its channel, the other's on Ray calls
         finally:
             engine._kill_all()
     finally:
@@ -327,42 +333,55 @@ def test_two_node_cluster_places_one_replica_per_node(tiny_model):
         cluster.shutdown()
 
 
-def test_replicas_under_a_deep_temporary_directory_still_take_their_channels(tiny_model, tmp_path):
-    """The replicas' TMPDIR is too deep for a Unix socket's path: their
-    channels are made under /tmp instead, with one engine's greedy tokens."""
+def _replicas_against_one_engine(model: str, **config) -> tuple[set[int], list[bool]]:
+    """Four prompts in turn through 2 replicas (round-robin; ``config``
+    added) on the Ray instance this process has joined. Asserts one engine's
+    greedy tokens; returns the replicas that served and which of them hold
+    a replica channel."""
     from fluidserve.engine import LLM
     from fluidserve.engine.config import EngineConfig
     from fluidserve.engine.data_parallel import DataParallelEngine
     from fluidserve.engine.sampling_params import SamplingParams
 
+    flags = dict(model=model, device="cpu", num_kv_blocks=64, max_model_len=128, swap_space=0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[1, 2, 3, 4 + i] for i in range(4)]
+    expected = [o.outputs[0].token_ids for o in LLM(**flags).generate(prompts, greedy)]
+    engine = DataParallelEngine(EngineConfig.create(**flags, data_parallel_size=2, routing_policy="round-robin",
+                                                    **config), torch_threads=1)
+    try:
+        outs, served_by, links = _through_replicas(engine, prompts, greedy)
+    finally:
+        engine._kill_all()
+    assert outs == expected
+    return served_by, links
+
+
+def test_replicas_under_a_deep_temporary_directory_still_take_their_channels(tiny_model, tmp_path):
+    """The replicas' TMPDIR is too deep for a Unix socket's path: their
+    channels are made under /tmp instead, with one engine's greedy tokens."""
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"TMPDIR": str(deep)}})
     try:
-        flags = dict(model=tiny_model("llama"), device="cpu", num_kv_blocks=64, max_model_len=128, swap_space=0)
-        greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        prompts = [[1, 2, 3, 4 + i] for i in range(4)]
-        expected = [o.outputs[0].token_ids for o in LLM(**flags).generate(prompts, greedy)]
-        engine = DataParallelEngine(EngineConfig.create(**flags, data_parallel_size=2, routing_policy="round-robin"),
-                                    torch_threads=1)
-        try:
-            async def main():
-                engine.start()
-                outs = []
-                for i, prompt in enumerate(prompts):
-                    async for out in await engine.add_request(f"r{i}", prompt, greedy):
-                        last = out
-                    outs.append(last.outputs[0].token_ids)
-                links = [r.link is not None for r in engine.replicas]
-                await engine.shutdown()
-                return outs, links
+        assert _replicas_against_one_engine(tiny_model("llama")) == ({0, 1}, [True, True])
+    finally:
+        ray.shutdown()
 
-            outs, links = asyncio.run(main())
-            assert outs == expected
-            assert links == [True, True]
-        finally:
-            engine._kill_all()
+
+def test_replicas_of_tensor_parallel_workers_give_one_engines_tokens(tiny_model):
+    """2 replicas x 2 tensor-parallel workers: each replica's engine drives
+    its workers over their step channels, the front end the replicas over
+    theirs."""
+    from fluidserve.engine.executor.ray import start_local_ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    start_local_ray(num_cpus=6)
+    try:
+        served_by, links = _replicas_against_one_engine(tiny_model("llama"), tensor_parallel_size=2, executor="ray")
+        assert (served_by, links) == ({0, 1}, [True, True])
     finally:
         ray.shutdown()
