@@ -31,8 +31,9 @@ lists out, each after a request's first as what came since the one before
 are not sent again every step.
 
 A replica's death: its channel closes, or its pending ``poll`` fails (Ray
-reports the actor's process gone), at once, so the router stops choosing it within that call.
-Requests it held that had produced no token are sent again to another
+reports the actor's process gone), at once, so the router stops choosing it
+within that call; an ``add`` waiting on it goes to another replica. Requests
+it held that had produced no token are sent again to another
 replica (the client sees nothing but a later first token); streams already
 started end with an error the routes turn into OpenAI's error event. Ray
 restarts the actor (``max_restarts``); when it answers again it rejoins the
@@ -53,8 +54,8 @@ from fluidserve.engine.async_engine import (AsyncEngine, EngineDeadError, Health
                                             RequestStream, _resolve)
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.output_wire import OutputSender, OutputTail, rebuild
-from fluidserve.engine.replica_channel import ReplicaGone, ReplicaLink
 from fluidserve.engine.outputs import RequestOutput
+from fluidserve.engine.replica_channel import ReplicaGone, ReplicaLink
 from fluidserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
