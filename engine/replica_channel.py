@@ -73,7 +73,11 @@ async def listen_once(on_connect: Callable[[asyncio.StreamReader, asyncio.Stream
         stop_listening()
         await on_connect(reader, writer)
 
-    server = await asyncio.start_unix_server(accept, path)
+    try:
+        server = await asyncio.start_unix_server(accept, path)
+    except OSError:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
     asyncio.get_running_loop().call_later(ACCEPT_TIMEOUT_S, lambda: None if taken else stop_listening())
     return path
 
