@@ -331,13 +331,16 @@ class RayExecutor(Executor):
 
     def _step_over_channels(self, first: ModelInput, rest: ModelInput) -> list[StepResult]:
         frames = [pack(first)] + ([pack(rest)] if self.size > 1 else [])
+        deadline = time.monotonic() + self.step_timeout_s
         try:
             for rank, link in enumerate(self._links):
                 try:
-                    link.send_packed(frames[min(rank, 1)])
+                    link.send_packed(frames[min(rank, 1)], max(deadline - time.monotonic(), 0.001))
+                except TimeoutError:
+                    raise RankError(rank, "hung", "did not take its step in") from None
                 except OSError as exc:  # its end is gone: the rank died
                     raise RankError(rank, "closed", str(exc)) from None
-            return gather(self._links, self.step_timeout_s)
+            return gather(self._links, max(deadline - time.monotonic(), 0.001))
         except RankError as err:
             raise self._rank_failed(err) from None
 

@@ -147,8 +147,10 @@ class StepLink:
         self.sock.settimeout(timeout_s)
         self.sock.connect(path)
 
-    def send_packed(self, frame: bytes) -> None:
-        self.sock.settimeout(None)
+    def send_packed(self, frame: bytes, timeout_s: float | None = None) -> None:
+        """Raises TimeoutError where the rank takes in less than the frame
+        within ``timeout_s`` (a hung rank with its socket's buffer full)."""
+        self.sock.settimeout(timeout_s)
         self.sock.sendall(frame)
 
     def close(self) -> None:

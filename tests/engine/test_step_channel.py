@@ -152,6 +152,17 @@ def test_a_stopped_rank_is_hung_at_the_timeout(ranks):
     assert (err.value.rank, err.value.kind) == (1, "hung")
 
 
+def test_a_stopped_rank_cannot_hold_up_the_sending_of_a_large_step(ranks):
+    """Its socket's buffer fills and stays full: the send gives up at its
+    timeout, which the executor takes for a hung rank."""
+    (link,), procs = ranks(1)
+    os.kill(procs[0].pid, signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        link.send_packed(pack(("echo", bytes(20_000_000))), 0.5)
+    assert 0.5 <= time.monotonic() - started < 3
+
+
 def test_only_the_first_engine_reaches_the_rank():
     listener = StepListener()
     try:  # nobody else can even reach the socket's name
