@@ -44,6 +44,14 @@ from torch.nn import functional as F
 from fluidserve.kernels import ops
 
 
+# gloo's all-reduce of a small tensor makes several round trips between the
+# ranks: 1.3 ms for 64 floats between two processes on one machine, where an
+# all-gather of the same tensor and a local sum take 0.5 ms (0.9 against 1.4 ms
+# at 65,536 floats; past 262,144 the all-reduce wins). A decode step's
+# all-reduces are [batch, hidden]: at hidden 4096, batches up to 16.
+GATHER_SUM_MAX_NUMEL = 65536
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """Where this worker sits in its tensor-parallel group."""
@@ -51,6 +59,10 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup; None when size == 1
+    # Small all-reduces as an all-gather and a sum in rank order (gloo, on
+    # the CPU): every rank adds the same parts in the same order, so every
+    # rank holds the same bits, as an all-reduce leaves them.
+    gather_small_sums: bool = False
 
     @property
     def is_first(self) -> bool:
@@ -65,7 +77,16 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the group, in place."""
-        if self.size > 1:
+        if self.size == 1:
+            return x
+        if self.gather_small_sums and x.numel() <= GATHER_SUM_MAX_NUMEL and x.is_contiguous():
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x, group=self.group)
+            total = parts[0]
+            for part in parts[1:]:
+                total += part
+            x.copy_(total)
+        else:
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -88,7 +109,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str,
         return TensorParallel()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
-    return TensorParallel(rank, size, dist.group.WORLD)
+    return TensorParallel(rank, size, dist.group.WORLD, gather_small_sums=backend == "gloo")
 
 
 def destroy_tensor_parallel() -> None:
