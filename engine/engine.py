@@ -537,7 +537,8 @@ class LLMEngine:
             if item.samples:
                 add_idx(num_tokens - 1)
                 spec = seq.sample_spec
-                if spec is None or spec.seed is not None:  # unseeded, made before: nothing moves
+                # Made before and unseeded: nothing in it moves (its outputs are the live list).
+                if spec is None or spec.params.seed is not None:
                     spec = self._sample_spec(seq)
                 add_spec(spec)
                 add_sid(item.request_id)

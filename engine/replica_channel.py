@@ -66,7 +66,7 @@ async def listen_once(on_connect: Callable[[asyncio.StreamReader, asyncio.Stream
 
     async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal taken
-        if taken:  # cannot happen once the name is gone; refused all the same
+        if taken:  # a second connection that came before the name was gone
             writer.close()
             return
         taken = True
