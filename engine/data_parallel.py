@@ -140,6 +140,7 @@ def _replica_class():
             self.engine, self.threads = self.host.build(_build_replica_engine, config, torch_threads)
             self.front: _OutboxEngine | None = None
             self.outputs = OutputSender()  # what the front holds of each request's output
+            self.channel: Any = None  # the FrontChannel serving the front end
 
         def _front(self) -> "_OutboxEngine":
             if self.front is None:  # first call on the actor's event loop
@@ -186,10 +187,35 @@ def _replica_class():
             """Where the front end connects to send requests and take the
             outputs as they come (engine/replica_channel.py) instead of
             calling ``add`` and ``poll``."""
-            from fluidserve.engine.replica_channel import listen_once, serve_front
+            from fluidserve.engine.replica_channel import FrontChannel, listen_once
 
-            return await listen_once(lambda reader, writer: serve_front(
-                reader, writer, add=self.add, abort=self.abort, poll=self.poll, poll_s=POLL_S))
+            async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                # Two channels' pushers would take outputs from one outbox:
+                # a new channel ends the one before.
+                self._end_channel()
+                self.channel = FrontChannel(reader, writer, add=self.add, abort=self.abort, poll=self.poll,
+                                            poll_s=POLL_S)
+                await self.channel.serve()
+
+            return await listen_once(serve)
+
+        def _end_channel(self) -> None:
+            if self.channel is not None:
+                self.channel.close()
+                self.channel = None
+
+        async def drop_all(self) -> int:
+            """Abort every request this replica holds; returns how many.
+            Called as it comes back into rotation: the front end has failed
+            or sent elsewhere all it held. A replica Ray restarted holds
+            nothing; one that lived on (its channel closed, or a call to it
+            failed) would otherwise run them to the end, on KV blocks the
+            requests sent to it next need."""
+            self._end_channel()  # the front end closed it: no output may go out on it now
+            dropped = self._front().abort_all()
+            for request_id in dropped:
+                self.outputs.forget(request_id)
+            return len(dropped)
 
         async def stats(self) -> Any:
             return await self._front().get_stats()
@@ -237,6 +263,15 @@ class _OutboxEngine(AsyncEngine):
         for stream in streams.values():
             _resolve(stream.admitted, None, exc)  # an add waiting for admission fails now
         self._ready.set()  # the poll returns now and reports the loop's death
+
+    def abort_all(self) -> list[str]:
+        """Abort every request held, and drop the outputs not yet taken;
+        returns their ids."""
+        dropped = list(self._streams)
+        for request_id in dropped:
+            self.abort(request_id)
+        self._outbox.clear()
+        return dropped
 
     async def take(self, timeout: float) -> list[RequestOutput]:
         if not self._outbox:
@@ -525,7 +560,8 @@ class DataParallelEngine:
         """Take ``replica`` out of rotation now; send again what it held that
         has not started; fail what has. Ray restarts an actor whose process
         died; one alive with its engine loop dead (``kill``) is killed so
-        that Ray restarts it too."""
+        that Ray restarts it too; one alive otherwise comes back once it has
+        dropped what it held (``_await_restart``)."""
         if not replica.healthy:
             return
         replica.healthy = False
@@ -558,6 +594,7 @@ class DataParallelEngine:
     async def _await_restart(self, replica: _Replica) -> None:
         try:
             info = await asyncio.wait_for(_await_ref(replica.actor.ready.remote()), READY_TIMEOUT_S)
+            dropped = await asyncio.wait_for(_await_ref(replica.actor.drop_all.remote()), READY_TIMEOUT_S)
         except asyncio.CancelledError:
             raise
         except BaseException:  # noqa: BLE001 - not back yet (or restarting): ask again
@@ -568,7 +605,8 @@ class DataParallelEngine:
         replica.healthy, replica.stats, replica.channel_failed = True, None, False
         replica.restarts += 1
         self.router.set_healthy(replica.index, True)
-        log.info("engine replica %d is back (pid %d): in rotation again", replica.index, replica.pid)
+        log.info("engine replica %d is back (pid %d): in rotation again%s", replica.index, replica.pid,
+                 f"; it dropped the {dropped} request(s) it still held" if dropped else "")
 
     def _fail_all(self, exc: BaseException) -> None:
         flights, self._requests = self._requests, {}

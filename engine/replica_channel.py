@@ -149,50 +149,70 @@ def _rebuilt(type_name: str, message: str) -> BaseException:
     return cls(message) if cls is not None else RuntimeError(f"{type_name}: {message}")
 
 
-async def serve_front(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                      add: Callable[..., Awaitable[None]], abort: Callable[[str], Awaitable[None]],
-                      poll: Callable[[float], Awaitable[tuple]], poll_s: float) -> None:
-    """The replica's side, until the front end closes the channel: each
-    ``add`` runs as a task of its own (admission can wait) and answers when
-    done; outputs go out as ``poll`` yields them."""
+class FrontChannel:
+    """The replica's end of one channel: each ``add`` runs as a task of its
+    own (admission can wait) and answers when done; outputs go out as
+    ``poll`` yields them."""
 
-    async def push() -> None:
-        # A push that fails closes the channel: the front end then sees this
-        # replica gone, and Ray's restart brings it back.
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+                 add: Callable[..., Awaitable[None]], abort: Callable[[str], Awaitable[None]],
+                 poll: Callable[[float], Awaitable[tuple]], poll_s: float) -> None:
+        self._reader, self._writer = reader, writer
+        self._add, self._abort, self._poll, self._poll_s = add, abort, poll, poll_s
+        self._pusher: asyncio.Task | None = None
+
+    async def serve(self) -> None:
+        """Serve until the front end closes the channel (or ``close``)."""
+        self._pusher = asyncio.ensure_future(self._push())
+        admissions: set[asyncio.Task] = set()
         try:
             while True:
-                writer.write(pack(("outputs", *await poll(poll_s))))
-                await writer.drain()
-        except ConnectionError:  # the front end went: the read loop below ends too
+                try:
+                    frame = await read_frame(self._reader)
+                except ReplicaGone:
+                    return
+                if frame[0] == "add":
+                    task = asyncio.ensure_future(self._admit(*frame[1:]))
+                    admissions.add(task)
+                    task.add_done_callback(admissions.discard)
+                elif frame[0] == "abort":
+                    await self._abort(frame[1])
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """End the channel now. The pusher is cancelled at once, not at the
+        reader's next turn: outputs it took after this would be lost with
+        the channel, while another channel's pusher could have sent them."""
+        if self._pusher is not None:
+            self._pusher.cancel()
+        self._writer.close()
+
+    async def _push(self) -> None:
+        # A push that fails closes the channel: the front end then takes this
+        # replica out of rotation, and back once it has dropped what it held.
+        try:
+            while True:
+                self._writer.write(pack(("outputs", *await self._poll(self._poll_s))))
+                await self._writer.drain()
+        except ConnectionError:  # the front end went: the read loop ends too
             pass
         except Exception:
             log.exception("replica channel: pushing outputs failed; closing the channel")
         finally:
-            writer.close()
+            self._writer.close()
 
-    async def admit(request_id: str, *args: Any) -> None:
+    async def _admit(self, request_id: str, *args: Any) -> None:
         try:
-            await add(request_id, *args)
+            await self._add(request_id, *args)
             error = None
         except Exception as exc:  # the front end decides what a refusal means
             error = (type(exc).__name__, str(exc))
-        if not writer.is_closing():
-            writer.write(pack(("added", request_id, error)))
+        if not self._writer.is_closing():
+            self._writer.write(pack(("added", request_id, error)))
 
-    pusher = asyncio.ensure_future(push())
-    admissions: set[asyncio.Task] = set()
-    try:
-        while True:
-            try:
-                frame = await read_frame(reader)
-            except ReplicaGone:
-                return
-            if frame[0] == "add":
-                task = asyncio.ensure_future(admit(*frame[1:]))
-                admissions.add(task)
-                task.add_done_callback(admissions.discard)
-            elif frame[0] == "abort":
-                await abort(frame[1])
-    finally:
-        pusher.cancel()
-        writer.close()
+
+async def serve_front(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, **callbacks: Any) -> None:
+    """Serve one channel with ``FrontChannel(reader, writer, **callbacks)``
+    until the front end closes it."""
+    await FrontChannel(reader, writer, **callbacks).serve()

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from fluidserve.engine.async_engine import EngineDeadError
-from fluidserve.engine.replica_channel import ReplicaGone, ReplicaLink, listen_once, serve_front
+from fluidserve.engine.replica_channel import FrontChannel, ReplicaGone, ReplicaLink, listen_once, serve_front
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -187,5 +187,39 @@ def test_the_listening_directory_is_this_users_alone():
         assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
         _, writer = await asyncio.open_unix_connection(path)
         writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_output_made_as_a_channel_ends_goes_out_on_the_next_one():
+    """The replica ends its channel (it drops what it held, or a new front
+    end connection replaces it): its pusher stops at once, so an output made
+    in the same turn waits for the next channel instead of being lost with
+    the old one."""
+    async def scenario():
+        replica = StandIn()
+        channels: list[FrontChannel] = []
+
+        async def serve(reader, writer):
+            channels.append(FrontChannel(reader, writer, add=replica.add, abort=replica.abort,
+                                         poll=replica.poll, poll_s=0.05))
+            await channels[-1].serve()
+
+        old = await ReplicaLink.connect(await listen_once(serve))
+        reader = asyncio.ensure_future(next_nonempty(old))  # it answers the add too
+        await old.add("r1", [1], {}, "online", 0.0, False)
+        assert (await reader)[0] == [("r1", {}, "online", False)]
+        await asyncio.sleep(0.01)  # the pusher waits for the next output
+        channels[0].close()
+        replica.outbox.put_nowait(("r2", {}, "online", False))
+        seen = []
+        with pytest.raises(ReplicaGone):
+            while True:
+                seen += (await old.next_outputs())[0]
+        assert seen == []
+        new = await ReplicaLink.connect(await listen_once(serve))
+        outputs, _, _ = await asyncio.wait_for(next_nonempty(new), 5)
+        assert outputs == [("r2", {}, "online", False)]
+        new.close()
 
     asyncio.run(scenario())

@@ -385,3 +385,93 @@ def test_replicas_of_tensor_parallel_workers_give_one_engines_tokens(tiny_model)
         assert (served_by, links) == ({0, 1}, [True, True])
     finally:
         ray.shutdown()
+
+
+def test_replicas_and_workers_with_no_temporary_directory_serve_over_ray_calls(tiny_model, tmp_path):
+    """Where a replica or a tensor-parallel worker cannot make its socket
+    (here: no temporary directory it can write), Ray calls carry what the
+    socket would have, with the same greedy tokens."""
+    from fluidserve.engine import LLM
+    from fluidserve.engine.sampling_params import SamplingParams
+
+    gone = str(tmp_path / "gone")
+
+    def no_temporary_directory() -> None:
+        import tempfile
+        tempfile.tempdir = gone
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False,
+             runtime_env={"worker_process_setup_hook": no_temporary_directory})
+    try:
+        model = tiny_model("llama")
+        assert _replicas_against_one_engine(model) == ({0, 1}, [False, False])
+
+        flags = dict(model=model, device="cpu", num_kv_blocks=64, max_model_len=128, swap_space=0)
+        greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        prompts = [[1, 2, 3, 4 + i] for i in range(4)]
+        expected = [o.outputs[0].token_ids for o in LLM(**flags).generate(prompts, greedy)]
+        llm = LLM(**flags, executor="ray", tensor_parallel_size=2)
+        try:
+            assert llm.engine.executor.step_transport == "ray calls"
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == expected
+        finally:
+            llm.engine.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def test_a_replica_given_up_on_while_it_lives_drops_what_it_held(tiny_model):
+    """The front end takes a replica out of rotation while its process lives
+    (its channel closed, or a call to it failed): the request it was
+    generating fails, and the replica comes back in the same process
+    holding no request and no KV block, then serves one engine's tokens."""
+    from fluidserve.engine import LLM
+    from fluidserve.engine.async_engine import RequestFailedError
+    from fluidserve.engine.config import EngineConfig
+    from fluidserve.engine.data_parallel import DataParallelEngine
+    from fluidserve.engine.sampling_params import SamplingParams
+
+    if ray.is_initialized():
+        ray.shutdown()
+    flags = dict(model=tiny_model("llama"), device="cpu", num_kv_blocks=128, max_model_len=2048, swap_space=0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[1, 2, 3, 4 + i] for i in range(2)]
+    expected = [o.outputs[0].token_ids for o in LLM(**flags).generate(prompts, greedy)]
+    engine = DataParallelEngine(EngineConfig.create(**flags, data_parallel_size=2, routing_policy="round-robin"),
+                                torch_threads=1)
+
+    async def main():
+        engine.start()
+        # Long enough to be generating still when the replica is back.
+        stream = await engine.add_request("long", [5, 6, 7], SamplingParams(max_tokens=2000, ignore_eos=True))
+        replica = engine.replicas[engine._requests["long"].replica]
+        pid = replica.pid
+        outputs = stream.__aiter__()
+        await outputs.__anext__()  # it has started
+        assert replica.link is not None
+        engine._mark_down(replica, "given up on by the front end")
+        with pytest.raises(RequestFailedError, match="failed while this request was generating"):
+            async for _ in outputs:
+                pass
+        deadline = time.monotonic() + 60
+        while not replica.healthy:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        assert replica.pid == pid  # the same process: Ray restarted nothing
+        stats = (await engine.get_stats())[str(replica.index)]
+        assert (stats.requests, stats.kv_blocks_used) == ({}, 0)
+        outs = []
+        for i, prompt in enumerate(prompts):
+            async for out in await engine.add_request(f"after-{i}", prompt, greedy):
+                pass
+            outs.append(out.outputs[0].token_ids)
+        assert outs == expected
+        assert replica.link is not None  # a new channel
+        await engine.shutdown()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine._kill_all()
