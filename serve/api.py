@@ -46,6 +46,7 @@ from fluidserve.serve.protocol import (
 )
 from fluidserve.serve.render import (ChatStreamer, CompletionStreamer, chat_choices, completion_choices, make_usage,
                                      prompt_logprobs)
+from fluidserve.serve.responses import ResponseStore, responses_routes
 
 VERSION = "0.1.0"
 T = TypeVar("T")
@@ -71,6 +72,7 @@ class ServerSettings:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (it shows the chat template)
     ignore_unknown_fields: bool = False  # drop request keys no API defines (vLLM's way) instead of a 400
+    max_stored_responses: int = 10_000  # Responses API: replies kept for previous_response_id and GET
 
 
 @dataclass
@@ -132,6 +134,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"], dependencies=auth)
     app.add_api_route("/invocations", server.invocations, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions/batch", batch_chat_route(server), methods=["POST"], dependencies=auth)
+    for route, handler in responses_routes(server).items():
+        method, path = route.split(" ", 1)
+        app.add_api_route(path, handler, methods=[method], dependencies=auth)
     if settings.enable_tokenizer_info_endpoint:
         app.add_api_route("/tokenizer_info", server.tokenizer_info, methods=["GET"], dependencies=auth)
     batch_runner = install_batch_api(app, server, batch_config, auth)
@@ -150,6 +155,7 @@ class _Server:
         self.state = ServerState()
         self.metrics = ServerMetrics(model.name, model.max_model_len)
         self.offline_queued: Callable[[], int] = lambda: 0  # set by the batch runner
+        self.responses = ResponseStore(settings.max_stored_responses)  # Responses API: the replies kept
         self.decode = lambda token_id: processor.tokenizer.decode([token_id])
         self.decode_ids = lambda ids, skip: processor.tokenizer.decode(ids, skip_special_tokens=skip)
 

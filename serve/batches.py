@@ -40,7 +40,9 @@ from fluidserve.engine.async_engine import EngineDeadError, RequestFailedError, 
 from fluidserve.engine.outputs import RequestOutput
 from fluidserve.serve.errors import APIError, bad_request, error_body
 from fluidserve.serve.inputs import check_model
+from fluidserve.serve import responses
 from fluidserve.serve.protocol import BATCH_ENDPOINTS, BatchCreateRequest, ChatCompletionRequest, CompletionRequest
+from fluidserve.serve.responses import ResponsesRequest
 from fluidserve.serve.store import (COPY_CHUNK, BatchLine, BatchRecord, FileRecord, LineResult, MissingContent, Store,
                                     StoreError, new_id)
 
@@ -177,10 +179,15 @@ class LineExecutor:
         try:
             if body.get("stream"):
                 raise bad_request("stream: is not supported in a batch", "stream")
+            call = None
             if endpoint == "/v1/completions":
                 req: Any = validate_body(body, CompletionRequest, s.settings.ignore_unknown_fields)
                 check_model(req.model, s.model)
                 inputs = s.processor.completion(req)
+            elif endpoint == "/v1/responses":
+                req = validate_body(body, ResponsesRequest, s.settings.ignore_unknown_fields)
+                call = responses.begin(s, req, lambda chat: request_id)
+                inputs = call.inputs
             else:
                 req = validate_body(body, ChatCompletionRequest, s.settings.ignore_unknown_fields)
                 check_model(req.model, s.model)
@@ -195,12 +202,17 @@ class LineExecutor:
                 finals = await self._collect(streams, waiting)
             finally:
                 self.num_queued -= waiting[0]
-            render = s.completion_body if endpoint == "/v1/completions" else s.chat_body
-            response = render(request_id, req, inputs, finals)
+            if call is not None:
+                reply = responses.finish(s, call, finals[0])
+            else:
+                render = s.completion_body if endpoint == "/v1/completions" else s.chat_body
+                response = render(request_id, req, inputs, finals)
         except APIError as err:
             if err.code in ("engine_unavailable", "shutting_down"):
                 raise _Transient(err.message) from None
             return LineOutcome(err.status, error_body(err.status, err.message, err.param, err.code))
+        if call is not None:
+            return LineOutcome(200, reply, reply["usage"]["input_tokens"], reply["usage"]["output_tokens"])
         usage = response.usage
         return LineOutcome(200, response.model_dump(mode="json"), usage.prompt_tokens if usage else 0,
                            usage.completion_tokens if usage else 0)

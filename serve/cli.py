@@ -160,6 +160,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "prompt_logprobs); -1: the vocabulary size, which a request's -1 asks for")
     s.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info: the tokenizer's configuration and chat template")
+    s.add_argument("--max-stored-responses", type=int, default=10_000,
+                   help="Responses API: the most replies kept in memory for previous_response_id and "
+                        "GET /v1/responses/{id} (0: none kept)")
     s.add_argument("--guided-decoding-backend", default="auto", choices=["auto", "xgrammar"],
                    help="structured output (response_format, forced tool calls) runs on xgrammar, the one "
                         "backend built in")
@@ -368,7 +371,8 @@ def run_serve(args: argparse.Namespace) -> int:
                               enable_request_id_headers=args.enable_request_id_headers,
                               enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                               enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                              ignore_unknown_fields=args.ignore_unknown_fields)
+                              ignore_unknown_fields=args.ignore_unknown_fields,
+                              max_stored_responses=args.max_stored_responses)
     from fluidserve.serve.batches import BatchConfig
     from fluidserve.serve.store import StoreError
 

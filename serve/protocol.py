@@ -884,7 +884,7 @@ def add_request_schemas(schema: dict[str, Any]) -> dict[str, Any]:
 
 # -- Batch API ----------------------------------------------------------------
 
-BATCH_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+BATCH_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 MetadataKey = Annotated[str, Field(max_length=64)]
 MetadataValue = Annotated[StrictStr, Field(max_length=512)]
 

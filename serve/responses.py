@@ -1,0 +1,580 @@
+"""OpenAI's Responses API: ``POST /v1/responses`` (whole or streamed as typed
+events), ``GET`` and ``DELETE /v1/responses/{id}``, and conversations
+continued with ``previous_response_id``.
+
+Owns turning a Responses body into a chat request, validated as a whole
+``/v1/chat/completions`` body, so that every field means what it means on
+the chat route (template, sampling, structured output and tools are that
+route's); rendering the reply as a Response object and as the event stream
+OpenAI's SDK reads; and the responses kept for ``previous_response_id``.
+
+Kept responses live in this process's memory, the last
+``max_stored_responses`` of them (``--max-stored-responses``), and are
+gone after a restart, as in vLLM. Each keeps only its own turn (its input
+items and its reply) and the id of the one before: a conversation is read
+back by walking that chain, so a long one costs memory once, not once per
+turn.
+
+What the chat route cannot do is refused with a 400 naming the field:
+built-in tools (web search, file search, ...), image, file and audio
+inputs, reasoning options, background mode, ``truncation: "auto"``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Annotated, Any, AsyncIterator, Callable, ClassVar, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field, StrictStr, model_validator
+
+from fluidserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from fluidserve.engine.outputs import RequestOutput
+from fluidserve.serve.errors import APIError
+from fluidserve.serve.inputs import EngineInputs, check_model, log_request
+from fluidserve.serve.protocol import REQUEST_BODIES, ChatCompletionRequest, FunctionName, Prob, _off, _Request
+from fluidserve.serve.render import chat_choices, chat_logprobs
+
+MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+# Fields of the chat route a Responses body may carry too (vLLM's sampling
+# extensions, OpenAI's end-user identifiers): passed through as they are.
+_PASSED_TO_CHAT = ("user", "safety_identifier", "prompt_cache_key", "seed", "top_k", "min_p",
+                   "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "stop_token_ids",
+                   "ignore_eos", "min_tokens", "logit_bias", "priority", "chat_template_kwargs",
+                   "skip_special_tokens", "bad_words", "allowed_token_ids", "request_id")
+
+
+def _reasoning_off(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and all(v is None for v in value.values()))
+
+
+class ResponseFormatText(_Request):
+    """``text.format``: OpenAI's flat form of the chat route's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: FunctionName | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ResponseFormatText":
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("text.format: type json_schema needs a name and a schema")
+        return self
+
+    def as_chat(self) -> dict[str, Any] | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        schema = {"name": self.name, "schema": self.schema_, "description": self.description, "strict": self.strict}
+        return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
+
+
+class ResponseText(_Request):
+    _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = {"verbosity": _off("medium")}
+    format: ResponseFormatText | None = None
+
+
+class FunctionTool(_Request):
+    """A function tool, flat as the Responses API writes it."""
+
+    type: StrictStr
+    name: FunctionName | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "FunctionTool":
+        if self.type != "function":
+            raise ValueError(f"tools of type {self.type!r} are not supported by this server "
+                             "(function tools only)")
+        if self.name is None:
+            raise ValueError("a function tool needs a name")
+        return self
+
+    def as_chat(self) -> dict[str, Any]:
+        fn = {"name": self.name, "description": self.description, "parameters": self.parameters,
+              "strict": self.strict}
+        return {"type": "function", "function": {k: v for k, v in fn.items() if v is not None}}
+
+
+class NamedFunction(_Request):
+    type: Literal["function"]
+    name: FunctionName
+
+
+class ResponsesStreamOptions(_Request):
+    _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = {"include_obfuscation": _off(False)}
+
+
+class ResponsesRequest(_Request):
+    """A ``POST /v1/responses`` body."""
+
+    _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        "background": _off(False),
+        "reasoning": _reasoning_off,
+        "truncation": _off("disabled"),  # "auto" would drop turns from the middle: not done here
+        "max_tool_calls": _off(),
+        "conversation": _off(),
+        "prompt": _off(),  # stored prompt templates
+        "service_tier": _off("auto", "default"),
+        "context_management": _off(),
+    }
+    model: str | None = None
+    input: StrictStr | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Prob | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    include: list[StrictStr] | None = None
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    text: ResponseText | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool = True
+    previous_response_id: StrictStr | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None
+    # Passed to the chat route, which checks them (see _PASSED_TO_CHAT).
+    user: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    seed: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    stop: Any = None
+    stop_token_ids: Any = None
+    ignore_eos: Any = None
+    min_tokens: Any = None
+    logit_bias: Any = None
+    priority: Any = None
+    chat_template_kwargs: Any = None
+    skip_special_tokens: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    request_id: Any = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ResponsesRequest":
+        for entry in self.include or []:
+            if entry != LOGPROBS_INCLUDE:
+                raise ValueError(f"include: {entry!r} is not supported by this server (only {LOGPROBS_INCLUDE!r})")
+        meta = self.metadata or {}
+        if len(meta) > MAX_METADATA_PAIRS:
+            raise ValueError(f"metadata: at most {MAX_METADATA_PAIRS} pairs")
+        if any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in meta.items()):
+            raise ValueError(f"metadata: keys of at most {MAX_METADATA_KEY} characters, values of at most "
+                             f"{MAX_METADATA_VALUE}")
+        if self.previous_response_id is not None and not self.previous_response_id:
+            raise ValueError("previous_response_id: must not be empty")
+        return self
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs is not None
+
+
+REQUEST_BODIES["/v1/responses"] = (ResponsesRequest,)  # described in /openapi.json like the chat route's
+
+
+# -- input items as chat messages ---------------------------------------------------
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content: a string, or text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: content must be a string or a list of parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise ValueError(f"{where}.content[{j}]: parts of type {kind!r} are not supported by this server "
+                             "(text parts only)")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}.content[{j}]: a text part needs its text")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages of a Responses ``input``: messages, and function calls
+    with their outputs (consecutive calls are one assistant turn, as the
+    model made them)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise ValueError(f"{where}.role: must be user, assistant, system or developer")
+            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+            if not all(isinstance(x, str) for x in (call_id, name, arguments)):
+                raise ValueError(f"{where}: a function_call needs call_id, name and arguments (strings)")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise ValueError(f"{where}: a function_call_output needs the call_id it answers")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, where)})
+        else:
+            raise ValueError(f"{where}.type: input items of type {kind!r} are not supported by this server "
+                             "(message, function_call and function_call_output)")
+    return messages
+
+
+# -- kept responses --------------------------------------------------------------------
+
+
+@dataclass
+class Stored:
+    body: dict[str, Any]  # the Response object as returned
+    turn: list[dict[str, Any]]  # this turn's chat messages: its input, then its reply
+    previous: str | None
+
+
+class ResponseStore:
+    """The last ``capacity`` kept responses, in memory; reading one keeps
+    it (and the conversation it continues) fresh."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._kept: OrderedDict[str, Stored] = OrderedDict()
+
+    def put(self, response_id: str, stored: Stored) -> None:
+        if self.capacity <= 0:
+            return
+        self._kept[response_id] = stored
+        self._kept.move_to_end(response_id)
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def get(self, response_id: str) -> Stored | None:
+        stored = self._kept.get(response_id)
+        if stored is not None:
+            self._kept.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str) -> bool:
+        return self._kept.pop(response_id, None) is not None
+
+    def conversation(self, response_id: str) -> list[dict[str, Any]]:
+        """The chat messages of every turn up to and including
+        ``response_id``'s; a 400 where one is not kept."""
+        turns = []
+        seen: set[str] = set()
+        rid: str | None = response_id
+        while rid is not None and rid not in seen:
+            seen.add(rid)
+            stored = self.get(rid)
+            if stored is None:
+                which = "" if rid == response_id else f" (it continues {rid!r}, which is no longer kept)"
+                raise _not_found(response_id, which)
+            turns.append(stored.turn)
+            rid = stored.previous
+        return [m for turn in reversed(turns) for m in turn]
+
+
+def _not_found(response_id: str, why: str = "") -> APIError:
+    return APIError(400, f"Previous response with id {response_id!r} not found{why}.",
+                    param="previous_response_id", code="previous_response_not_found")
+
+
+# -- the request -------------------------------------------------------------------
+
+
+@dataclass
+class _Call:
+    """One Responses request on its way: what rendering and keeping need."""
+
+    req: ResponsesRequest
+    chat: ChatCompletionRequest
+    inputs: EngineInputs
+    turn: list[dict[str, Any]]  # this turn's input messages
+    response_id: str
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+
+def chat_request(req: ResponsesRequest, history: list[dict[str, Any]], turn: list[dict[str, Any]],
+                 ignore_unknown_fields: bool) -> ChatCompletionRequest:
+    """The chat body this Responses request stands for."""
+    from fluidserve.serve.api import validate_body
+
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else [])
+    body: dict[str, Any] = {"model": req.model, "messages": messages + history + turn,
+                            "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
+                            "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls}
+    if req.wants_logprobs:
+        body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
+    if req.text is not None and req.text.format is not None:
+        body["response_format"] = req.text.format.as_chat()
+    if req.tools:
+        body["tools"] = [t.as_chat() for t in req.tools]
+    if isinstance(req.tool_choice, NamedFunction):
+        body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
+    else:
+        body["tool_choice"] = req.tool_choice
+    for name in _PASSED_TO_CHAT:
+        body[name] = getattr(req, name)
+    return validate_body({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest,
+                         ignore_unknown_fields)
+
+
+def responses_routes(server: Any) -> dict[str, Callable]:
+    """Route handlers over ``server`` (api.py's ``_Server``, whose
+    ``responses`` store keeps them): {method and path: handler}."""
+    store: ResponseStore = server.responses
+
+    async def create_response(request: Request) -> Response:
+        return await _create(server, request)
+
+    async def get_response(response_id: str) -> JSONResponse:
+        stored = store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id",
+                           code="not_found")
+        return JSONResponse(stored.body)
+
+    async def delete_response(response_id: str) -> JSONResponse:
+        if not store.delete(response_id):
+            raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id",
+                           code="not_found")
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    return {"POST /v1/responses": create_response, "GET /v1/responses/{response_id}": get_response,
+            "DELETE /v1/responses/{response_id}": delete_response}
+
+
+def begin(server: Any, req: ResponsesRequest, response_id: Callable[[ChatCompletionRequest], str]) -> _Call:
+    """The request as the chat request it stands for and its engine inputs;
+    ``response_id`` names it from that chat request."""
+    check_model(req.model, server.model)
+    store: ResponseStore = server.responses
+    history = store.conversation(req.previous_response_id) if req.previous_response_id else []
+    try:
+        turn = input_messages(req.input)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="input") from None
+    if not history and not turn:
+        raise APIError(400, "input: must not be empty", param="input")
+    chat = chat_request(req, history, turn, server.settings.ignore_unknown_fields)
+    return _Call(req, chat, server.processor.chat(chat), turn, response_id(chat))
+
+
+async def _create(server: Any, request: Request) -> Response:
+    received = time.monotonic()
+    req = await server.parse(request, ResponsesRequest)
+    call = begin(server, req, lambda chat: f"resp_{server.base_request_id(request, chat.request_id)}")
+    inputs = call.inputs
+    server.admit_capacity(1)
+    if server.settings.log_requests:
+        log_request(call.response_id, inputs, server.settings.max_log_len)
+    timers = [server.timer(inputs, received)]
+    streams = await server.submit(call.response_id, inputs, received)
+    for timer, stream in zip(timers, streams):
+        timer.routed_to(getattr(stream, "engine", "0"))
+    if req.stream:
+        return server.sse(_events(server, call, streams[0], timers[0]))
+    (final,) = await server.until_disconnect(request, server.collect(streams, timers), streams)
+    return JSONResponse(finish(server, call, final))
+
+
+def finish(server: Any, call: _Call, final: RequestOutput) -> dict[str, Any]:
+    """The Response object of ``call``'s finished output, kept if asked."""
+    body, reply = _render(server, call, final)
+    if call.req.store:
+        server.responses.put(call.response_id, Stored(body, call.turn + [reply], call.req.previous_response_id))
+    return body
+
+
+# -- rendering -------------------------------------------------------------------------
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _envelope(server: Any, call: _Call, status: str) -> dict[str, Any]:
+    """The Response object's fields that do not depend on the reply."""
+    req = call.req
+    fmt = req.text.format if req.text is not None and req.text.format is not None else None
+    tools = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
+              "strict": t.strict} for t in req.tools or []]
+    tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction) else req.tool_choice
+    return {
+        "id": call.response_id, "object": "response", "created_at": call.created_at, "status": status,
+        "background": False, "error": None, "incomplete_details": None, "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens, "model": server.model.name, "output": [],
+        "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": None, "summary": None}, "store": req.store,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+        "tool_choice": tool_choice or "auto", "tools": tools, "top_logprobs": req.top_logprobs or 0,
+        "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled", "usage": None,
+        "user": req.user, "metadata": req.metadata or {},
+    }
+
+
+def _usage(call: _Call, final: RequestOutput) -> dict[str, Any]:
+    prompt = len(call.inputs.prompts[0].token_ids)
+    out = final.num_generated_tokens
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens or 0},
+            "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + out}
+
+
+def _logprobs(entries: Any) -> list[dict[str, Any]]:
+    """Chat logprob entries as output_text's."""
+    if entries is None or entries.content is None:
+        return []
+    return [{"token": e.token, "logprob": e.logprob, "bytes": e.bytes or [],
+             "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes or []}
+                              for t in e.top_logprobs]} for e in entries.content]
+
+
+def _output(server: Any, call: _Call, final: RequestOutput) -> tuple[list[dict[str, Any]], bool, dict[str, Any]]:
+    """(output items, cut short by max_output_tokens, the reply as a chat message)."""
+    top_n = call.chat.top_n
+    (choice,) = chat_choices(final, top_n=top_n, decode=server.decode, tool_mode=call.inputs.tool_mode)
+    message, calls = choice.message, choice.message.tool_calls
+    cut = choice.finish_reason == "length"
+    status = "incomplete" if cut else "completed"
+    items: list[dict[str, Any]] = []
+    if message.content or not calls:
+        part = {"type": "output_text", "text": message.content or "", "annotations": [],
+                "logprobs": _logprobs(choice.logprobs)}
+        items.append({"type": "message", "id": _new_id("msg"), "status": status, "role": "assistant",
+                      "content": [part]})
+    for c in calls:
+        items.append({"type": "function_call", "id": _new_id("fc"), "call_id": c.id, "name": c.function.name,
+                      "arguments": c.function.arguments, "status": "completed"})
+    reply: dict[str, Any] = {"role": "assistant", "content": message.content or None}
+    if calls:
+        reply["tool_calls"] = [c.model_dump(mode="json") for c in calls]
+    return items, cut, reply
+
+
+def _render(server: Any, call: _Call, final: RequestOutput) -> tuple[dict[str, Any], dict[str, Any]]:
+    items, cut, reply = _output(server, call, final)
+    body = _envelope(server, call, "incomplete" if cut else "completed")
+    body.update(output=items, usage=_usage(call, final),
+                incomplete_details={"reason": "max_output_tokens"} if cut else None)
+    return body, reply
+
+
+# -- streaming -------------------------------------------------------------------------
+
+
+class _Events:
+    """Numbered server-sent events of one response."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def __call__(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _item_events(event: _Events, index: int, item: dict[str, Any], sent_text: bool) -> list[str]:
+    """The events that add a whole item, ``sent_text``: a message item's
+    text already went out as deltas (its opening events too)."""
+    out = []
+    if item["type"] == "message":
+        part = item["content"][0]
+        if not sent_text:
+            out.append(event("response.output_item.added", output_index=index,
+                             item={**item, "status": "in_progress", "content": []}))
+            out.append(event("response.content_part.added", item_id=item["id"], output_index=index,
+                             content_index=0, part={**part, "text": "", "logprobs": []}))
+            if part["text"]:
+                out.append(event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                 content_index=0, delta=part["text"], logprobs=part["logprobs"]))
+        out.append(event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                         text=part["text"], logprobs=part["logprobs"]))
+        out.append(event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                         part=part))
+    else:
+        out.append(event("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
+                                                                                 "arguments": ""}))
+        out.append(event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                         delta=item["arguments"]))
+        out.append(event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                         arguments=item["arguments"]))
+    out.append(event("response.output_item.done", output_index=index, item=item))
+    return out
+
+
+async def _events(server: Any, call: _Call, stream: RequestStream, timer: Any) -> AsyncIterator[str]:
+    """The stream: created, in progress, the reply's items (a plain reply's
+    text as it is made; tool calls, which are only known whole, at the
+    end), then completed or incomplete with usage, or failed."""
+    from fluidserve.serve.api import _as_api_error
+
+    event = _Events()
+    envelope = _envelope(server, call, "in_progress")
+    yield event("response.created", response=envelope)
+    yield event("response.in_progress", response=envelope)
+    live = call.inputs.tool_mode is None  # text streamed as made; with tools, items whole at the end
+    message_id = _new_id("msg")
+    top_n = call.chat.top_n
+    final: RequestOutput | None = None
+    try:
+        if live:
+            yield event("response.output_item.added", output_index=0, item={
+                "type": "message", "id": message_id, "status": "in_progress", "role": "assistant", "content": []})
+            yield event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+        async for out in stream:
+            timer.on_output(out)
+            final = out
+            co = out.outputs[0]
+            if live and (co.text_delta or co.new_token_ids):
+                entries = (chat_logprobs(co.new_token_ids, co.new_logprobs, top_n, server.decode)
+                           if top_n is not None else None)
+                yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
+                            delta=co.text_delta, logprobs=_logprobs(entries))
+        assert final is not None
+        body = finish(server, call, final)
+        if live:
+            body["output"][0]["id"] = message_id
+        for index, item in enumerate(body["output"]):
+            for line in _item_events(event, index, item, sent_text=live and index == 0):
+                yield line
+        yield event("response.incomplete" if body["status"] == "incomplete" else "response.completed",
+                    response=body)
+    except (EngineDeadError, RequestFailedError) as exc:
+        err = _as_api_error(exc)
+        failed = _envelope(server, call, "failed")
+        failed["error"] = {"code": "server_error", "message": getattr(err, "message", str(err))}
+        yield event("response.failed", response=failed)
+    finally:
+        stream.abort()

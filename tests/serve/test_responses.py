@@ -1,0 +1,258 @@
+"""OpenAI's Responses API (``/v1/responses``) on a real uvicorn server with
+the tiny model, through the official ``openai`` client: a reply is the chat
+route's reply to the same conversation (instructions, history carried by
+``previous_response_id``, function calls and their outputs), streamed as
+OpenAI's typed events whose deltas add up to the whole reply, with logprobs,
+structured output and tool calls; kept responses are read back and
+deleted; what cannot be honoured is a 400 naming the field, and nothing is
+left in the engine.
+
+Greedy replies drawn from the letters (``allowed_token_ids``, passed to the
+chat route as vLLM's extension) with ``ignore_eos``: every reply runs to its
+token limit and reads as text.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from fluidserve.serve.api import ServerSettings
+from fluidserve.serve.responses import ResponseStore, Stored
+from server_utils import ok, start_server, wait_idle
+
+LETTERS = list(range(ord("a"), ord("z") + 1))
+GREEDY = {"allowed_token_ids": LETTERS, "ignore_eos": True}
+TOOL = {"type": "function", "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                       "required": ["city"]}}
+NAMED = {"type": "function", "name": "get_weather"}
+CHAT_TOOL = {"type": "function", "function": {"name": TOOL["name"], "parameters": TOOL["parameters"]}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    srv = start_server(tiny_model("llama"), ServerSettings(max_stored_responses=4), max_model_len=512)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture()
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def chat(server, messages: list[dict], max_tokens: int = 6, **extra) -> dict:
+    return ok(server, "/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                                                **GREEDY, **extra})
+
+
+def respond(client, max_output_tokens: int = 6, **fields):
+    model = client.models.list().data[0].id
+    return client.responses.create(model=model, max_output_tokens=max_output_tokens, temperature=0,
+                                   extra_body=GREEDY, **fields)
+
+
+def test_a_reply_is_the_chat_routes_reply_to_the_same_conversation(server, client):
+    r = respond(client, input="Hello there", instructions="Be brief.")
+    body = chat(server, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}])
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # ran to its limit
+    assert r.output_text == body["choices"][0]["message"]["content"] and len(r.output_text) == 6
+    (message,) = r.output
+    assert (message.type, message.role, message.content[0].type) == ("message", "assistant", "output_text")
+    assert r.usage.input_tokens == body["usage"]["prompt_tokens"]
+    assert r.usage.output_tokens == 6 and r.usage.total_tokens == r.usage.input_tokens + 6
+    assert (r.instructions, r.max_output_tokens, r.temperature) == ("Be brief.", 6, 0.0)
+
+    # Input as message items with text parts reads as the same conversation.
+    items = [{"role": "system", "content": [{"type": "input_text", "text": "Be brief."}]},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello "},
+                                                             {"type": "input_text", "text": "there"}]}]
+    assert respond(client, input=items).output_text == r.output_text
+    wait_idle(server)
+
+
+def test_previous_response_id_continues_the_conversation_and_kept_ones_read_back(server, client):
+    first = respond(client, input="abc", instructions="Only the first turn's.", metadata={"topic": "letters"})
+    second = respond(client, input="def", previous_response_id=first.id)
+    # A previous response's instructions are not carried over; its turns are.
+    body = chat(server, [{"role": "user", "content": "abc"},
+                         {"role": "assistant", "content": first.output_text},
+                         {"role": "user", "content": "def"}])
+    assert second.output_text == body["choices"][0]["message"]["content"]
+    assert second.usage.input_tokens == body["usage"]["prompt_tokens"]
+    assert second.previous_response_id == first.id
+
+    got = client.responses.retrieve(first.id)
+    assert (got.output_text, got.metadata) == (first.output_text, {"topic": "letters"})
+
+    # Deleting a turn breaks the chain of those that continue it, said as such.
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as err:
+        respond(client, input="ghi", previous_response_id=second.id)
+    assert err.value.body["param"] == "previous_response_id" and "no longer kept" in err.value.body["message"]
+
+    unkept = respond(client, input="abc", store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    with pytest.raises(openai.BadRequestError):
+        respond(client, input="x", previous_response_id=unkept.id)
+
+
+def test_a_streamed_reply_is_openais_event_sequence_adding_up_to_the_whole_reply(server, client, model):
+    whole = respond(client, input="Stream me", max_output_tokens=8)
+    events = list(client.responses.create(model=model, input="Stream me", max_output_tokens=8, temperature=0,
+                                          stream=True, extra_body=GREEDY))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]  # max_output_tokens reached
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert text == final.output_text == whole.output_text
+    assert final.usage.output_tokens == 8 and final.incomplete_details.reason == "max_output_tokens"
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    # The streamed response is kept like a whole one.
+    assert client.responses.retrieve(final.id).output_text == text
+
+    # A reply that ends by itself completes: the SDK's own stream helper reads it.
+    stop = whole.output_text[3:5]
+    with client.responses.stream(model=model, input="Stream me", max_output_tokens=8, temperature=0,
+                                 extra_body={"allowed_token_ids": LETTERS, "stop": [stop]}) as s:
+        for _ in s:
+            pass
+        done = s.get_final_response()
+    assert done.status == "completed" and done.output_text == whole.output_text[:whole.output_text.index(stop)]
+    wait_idle(server)
+
+
+def test_logprobs_whole_and_streamed(server, client, model):
+    asked = dict(input="Hello", max_output_tokens=4, top_logprobs=2, include=["message.output_text.logprobs"])
+    r = respond(client, **asked)
+    entries = r.output[0].content[0].logprobs
+    assert [e.token for e in entries] == list(r.output_text)  # the byte tokenizer: a token a letter
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+    events = list(client.responses.create(model=model, temperature=0, stream=True, extra_body=GREEDY, **asked))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(x.token, round(x.logprob, 4)) for x in streamed] == [(e.token, round(e.logprob, 4)) for e in entries]
+    # Without asking, none.
+    assert respond(client, input="Hello").output[0].content[0].logprobs == []
+
+
+def test_structured_output_follows_the_schema(server, client, model):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    r = client.responses.create(model=model, input="json please", max_output_tokens=60, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "thing", "schema": schema}})
+    assert r.status == "completed", r.output_text
+    assert set(json.loads(r.output_text)) == {"a"} and isinstance(json.loads(r.output_text)["a"], int)
+    assert r.text.format.type == "json_schema"
+
+
+def test_function_calls_and_their_outputs_round_trip(server, client, model):
+    r = client.responses.create(model=model, input="weather in Paris?", tools=[TOOL], tool_choice=NAMED,
+                                max_output_tokens=200, temperature=0)
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+    assert set(json.loads(call.arguments)) == {"city"}
+    assert call.call_id and call.id.startswith("fc_")
+
+    # Streamed, the same call: its arguments in one delta, then done.
+    events = list(client.responses.create(model=model, input="weather in Paris?", tools=[TOOL], tool_choice=NAMED,
+                                          max_output_tokens=200, temperature=0, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [call.arguments]
+    assert events[-1].type == "response.completed" and events[-1].response.output[0].name == "get_weather"
+
+    # The call and its output sent back read as the chat route's tool turn.
+    follow = respond(client, previous_response_id=r.id, tools=[TOOL], tool_choice="none", input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    body = chat(server, [{"role": "user", "content": "weather in Paris?"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": call.call_id, "type": "function",
+                              "function": {"name": "get_weather", "arguments": call.arguments}}]},
+                         {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}],
+                tools=[CHAT_TOOL], tool_choice="none")
+    assert follow.output_text == body["choices"][0]["message"]["content"]
+    assert follow.usage.input_tokens == body["usage"]["prompt_tokens"]
+    # The same turn sent whole, without the kept response.
+    again = respond(client, tools=[TOOL], tool_choice="none", input=[
+        {"role": "user", "content": "weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert again.output_text == follow.output_text
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input",
+     "input_image"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "reasoning"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "web_search"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "not supported"),
+    ({"input": "x", "background": True}, "background", "not supported"),
+    ({"input": "x", "truncation": "auto"}, "truncation", "not supported"),
+    ({"input": "x", "include": ["file_search_call.results"]}, "include", "file_search_call.results"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}}, "text", "needs a name and a schema"),
+    ({"input": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
+    ({"input": "x", "n": 2}, "n", "unrecognized"),
+    ({"input": "x", "model": "nope"}, "model", "does not exist"),
+    ({"input": []}, "input", "must not be empty"),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_it(server, fields, param, words):
+    r = httpx.post(f"{server.base_url}/v1/responses", json={"max_output_tokens": 2, **fields}, timeout=30)
+    assert r.status_code == (404 if "model" in fields else 400), r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    wait_idle(server)
+
+
+def test_a_client_that_leaves_mid_stream_leaves_nothing_in_the_engine(server):
+    body = {"input": "leave", "max_output_tokens": 200, "stream": True, **GREEDY}
+    with httpx.stream("POST", f"{server.base_url}/v1/responses", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if "output_text.delta" in line:
+                break
+    wait_idle(server, timeout=10)
+
+
+def test_the_store_keeps_the_last_ones_and_walks_a_conversation_back():
+    store = ResponseStore(capacity=2)
+    turn = lambda text: [{"role": "user", "content": text}, {"role": "assistant", "content": text.upper()}]  # noqa: E731
+    store.put("a", Stored({}, turn("a"), None))
+    store.put("b", Stored({}, turn("b"), "a"))
+    assert [m["content"] for m in store.conversation("b")] == ["a", "A", "b", "B"]
+    store.get("a")  # read: kept fresh
+    store.put("c", Stored({}, turn("c"), "b"))  # "b" goes, the least recently used
+    assert store.get("b") is None and store.get("a") is not None
+    with pytest.raises(Exception, match="'b', which is no longer kept"):
+        store.conversation("c")
+    assert ResponseStore(capacity=0).get("x") is None
+
+
+def test_openapi_describes_the_body(server):
+    schema = httpx.get(f"{server.base_url}/openapi.json").json()
+    op = schema["paths"]["/v1/responses"]["post"]
+    assert op["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ResponsesRequest"}
+    comps = schema["components"]["schemas"]
+    fields = set(comps["ResponsesRequest"]["properties"])
+    assert {"input", "instructions", "previous_response_id", "text", "tools"} <= fields
+    # the chat route's StreamOptions is still its own
+    assert "include_usage" in comps["StreamOptions"]["properties"]
+    assert {"get", "delete"} <= set(schema["paths"]["/v1/responses/{response_id}"])
