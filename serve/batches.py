@@ -38,7 +38,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from fluidserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from fluidserve.engine.outputs import RequestOutput
-from fluidserve.serve.errors import APIError, bad_request, error_body
+from fluidserve.serve.errors import APIError, bad_request, error_body, int_param, query_params
 from fluidserve.serve.inputs import check_model
 from fluidserve.serve import responses
 from fluidserve.serve.protocol import BATCH_ENDPOINTS, BatchCreateRequest, ChatCompletionRequest, CompletionRequest
@@ -447,26 +447,6 @@ def _page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
             "last_id": items[-1]["id"] if items else None, "has_more": has_more}
 
 
-def _query(request: Request, allowed: Sequence[str]) -> dict[str, str]:
-    unknown = sorted(set(request.query_params) - set(allowed))
-    if unknown:
-        raise bad_request(f"{unknown[0]}: unknown query parameter", unknown[0])
-    return dict(request.query_params)
-
-
-def _int_param(query: dict[str, str], name: str, default: int, lo: int, hi: int) -> int:
-    raw = query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise bad_request(f"{name}: must be an integer", name) from None
-    if not lo <= value <= hi:
-        raise bad_request(f"{name}: must be between {lo} and {hi}", name)
-    return value
-
-
 class BatchAPI:
     """The route handlers; with no config every route says how to enable it."""
 
@@ -532,8 +512,8 @@ class BatchAPI:
 
     async def list_files(self, request: Request) -> JSONResponse:
         store = self._store()
-        q = _query(request, ("after", "limit", "order", "purpose"))
-        limit = _int_param(q, "limit", 10_000, 1, 10_000)
+        q = query_params(request, ("after", "limit", "order", "purpose"))
+        limit = int_param(q, "limit", 10_000, 1, 10_000)
         order = q.get("order", "desc")
         if order not in ("asc", "desc"):
             raise bad_request("order: must be 'asc' or 'desc'", "order")
@@ -597,8 +577,8 @@ class BatchAPI:
 
     async def list_batches(self, request: Request) -> JSONResponse:
         store = self._store()
-        q = _query(request, ("after", "limit"))
-        limit = _int_param(q, "limit", 20, 1, 100)
+        q = query_params(request, ("after", "limit"))
+        limit = int_param(q, "limit", 20, 1, 100)
         page = await self._call(store.list_batches, after=q.get("after"), limit=limit)
         return JSONResponse(_page([batch_json(b) for b in page.items], page.has_more))
 

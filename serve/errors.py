@@ -1,14 +1,17 @@
 """Every error the server returns, in OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
 
-Owns the mapping from failures to status codes. A client mistake is always a
-4xx — the official client retries every 5xx, so a 5xx for bad input would be
-repeated. Messages are capped so a huge body can never echo back megabytes.
+Owns the mapping from failures to status codes, and the reading of query
+parameters (an unknown one, or a bad value, is a 400 naming it). A client
+mistake is always a 4xx — the official client retries every 5xx, so a 5xx for
+bad input would be repeated. Messages are capped so a huge body can never echo
+back megabytes.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -85,8 +88,12 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     """Pydantic's error list, without the offending input, as one 400."""
     parts: list[str] = []
     param: str | None = None
-    for e in exc.errors(include_url=False, include_input=False, include_context=False)[:8]:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    # FastAPI's own error (a bad query or path parameter) takes no options;
+    # only "loc" and "msg" are read, never the input.
+    errors = (exc.errors(include_url=False, include_input=False, include_context=False)
+              if isinstance(exc, ValidationError) else exc.errors())
+    for e in errors[:8]:
+        loc = [str(x) for x in e.get("loc", ()) if x not in ("body", "query", "path")]
         msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
         if loc:
             param = param or loc[0]
@@ -117,3 +124,24 @@ def install_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in request handler")
         return error_response(APIError(500, f"internal server error: {type(exc).__name__}"))
+
+
+def query_params(request: Request, allowed: Sequence[str]) -> dict[str, str]:
+    """The query string's parameters; an unknown one is a 400 naming it."""
+    unknown = sorted(set(request.query_params) - set(allowed))
+    if unknown:
+        raise bad_request(f"{unknown[0]}: unknown query parameter", unknown[0])
+    return dict(request.query_params)
+
+
+def int_param(query: dict[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise bad_request(f"{name}: must be an integer", name) from None
+    if not lo <= value <= hi:
+        raise bad_request(f"{name}: must be between {lo} and {hi}", name)
+    return value

@@ -1,6 +1,7 @@
 """OpenAI's Responses API: ``POST /v1/responses`` (whole or streamed as typed
-events), ``GET`` and ``DELETE /v1/responses/{id}``, and conversations
-continued with ``previous_response_id``.
+events), ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
+/v1/responses/{id}/input_items``, and conversations continued with
+``previous_response_id``.
 
 Owns turning a Responses body into a chat request, validated as a whole
 ``/v1/chat/completions`` body, so that every field means what it means on
@@ -35,7 +36,7 @@ from pydantic import Field, StrictStr, model_validator
 
 from fluidserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from fluidserve.engine.outputs import RequestOutput
-from fluidserve.serve.errors import APIError
+from fluidserve.serve.errors import APIError, int_param, query_params
 from fluidserve.serve.inputs import EngineInputs, check_model, log_request
 from fluidserve.serve.protocol import REQUEST_BODIES, ChatCompletionRequest, FunctionName, Prob, _off, _Request
 from fluidserve.serve.render import chat_choices, chat_logprobs
@@ -251,6 +252,22 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
+def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's input as OpenAI lists it back: each item whole, with an id."""
+    if isinstance(items, str):
+        items = [{"role": "user", "content": [{"type": "input_text", "text": items}]}]
+    listed = []
+    for item in items:
+        kind = item.get("type", "message")
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "item")
+        entry = {"id": _new_id(prefix), "type": kind, "status": "completed", **item}
+        if kind == "message" and isinstance(entry.get("content"), str):
+            part = "output_text" if entry.get("role") == "assistant" else "input_text"
+            entry["content"] = [{"type": part, "text": entry["content"]}]
+        listed.append(entry)
+    return listed
+
+
 # -- kept responses --------------------------------------------------------------------
 
 
@@ -259,6 +276,7 @@ class Stored:
     body: dict[str, Any]  # the Response object as returned
     turn: list[dict[str, Any]]  # this turn's chat messages: its input, then its reply
     previous: str | None
+    items: list[dict[str, Any]] = field(default_factory=list)  # its input items, as GET .../input_items lists them
 
 
 class ResponseStore:
@@ -363,6 +381,24 @@ def responses_routes(server: Any) -> dict[str, Callable]:
                            code="not_found")
         return JSONResponse(stored.body)
 
+    async def list_input_items(request: Request, response_id: str) -> JSONResponse:
+        q = query_params(request, ("after", "limit", "order"))
+        limit = int_param(q, "limit", 20, 1, 100)
+        order, after = q.get("order", "desc"), q.get("after")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order: must be 'asc' or 'desc'", param="order")
+        stored = store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id",
+                           code="not_found")
+        items = stored.items if order == "asc" else stored.items[::-1]
+        ids = [item["id"] for item in items]
+        start = ids.index(after) + 1 if after in ids else 0
+        page = items[start:start + limit]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None,
+                             "has_more": start + limit < len(items)})
+
     async def delete_response(response_id: str) -> JSONResponse:
         if not store.delete(response_id):
             raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id",
@@ -370,6 +406,7 @@ def responses_routes(server: Any) -> dict[str, Callable]:
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     return {"POST /v1/responses": create_response, "GET /v1/responses/{response_id}": get_response,
+            "GET /v1/responses/{response_id}/input_items": list_input_items,
             "DELETE /v1/responses/{response_id}": delete_response}
 
 
@@ -411,7 +448,8 @@ def finish(server: Any, call: _Call, final: RequestOutput) -> dict[str, Any]:
     """The Response object of ``call``'s finished output, kept if asked."""
     body, reply = _render(server, call, final)
     if call.req.store:
-        server.responses.put(call.response_id, Stored(body, call.turn + [reply], call.req.previous_response_id))
+        server.responses.put(call.response_id, Stored(body, call.turn + [reply], call.req.previous_response_id,
+                                                      input_items(call.req.input)))
     return body
 
 

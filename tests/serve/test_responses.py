@@ -111,6 +111,27 @@ def test_previous_response_id_continues_the_conversation_and_kept_ones_read_back
         respond(client, input="x", previous_response_id=unkept.id)
 
 
+def test_a_kept_responses_input_items_list_back_in_pages(server, client):
+    items = [{"role": "user", "content": "abc"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+             {"role": "user", "content": [{"type": "input_text", "text": "and now?"}]}]
+    r = respond(client, input=items)
+    listed = client.responses.input_items.list(r.id, order="asc")
+    assert [i.type for i in listed.data] == ["message", "function_call", "function_call_output", "message"]
+    assert listed.data[0].content[0].text == "abc" and listed.data[2].output == "sunny"
+    assert len({i.id for i in listed.data}) == 4 and listed.has_more is False
+    newest = client.responses.input_items.list(r.id, limit=2)  # newest first by default
+    assert [i.id for i in newest.data] == [i.id for i in listed.data[::-1][:2]] and newest.has_more
+    rest = client.responses.input_items.list(r.id, limit=2, after=newest.last_id)
+    assert [i.id for i in rest.data] == [i.id for i in listed.data[::-1][2:]] and not rest.has_more
+    for query, param in [({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"include": "x"}, "include")]:
+        bad = httpx.get(f"{server.base_url}/v1/responses/{r.id}/input_items", params=query, timeout=10)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+
+
 def test_a_streamed_reply_is_openais_event_sequence_adding_up_to_the_whole_reply(server, client, model):
     whole = respond(client, input="Stream me", max_output_tokens=8)
     events = list(client.responses.create(model=model, input="Stream me", max_output_tokens=8, temperature=0,

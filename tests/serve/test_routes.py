@@ -109,3 +109,26 @@ def test_openapi_describes_request_bodies_and_errors_stay_400(server):
     # described, yet still parsed by hand: a type error is a 400 naming the field, not a 422
     bad = post(server, "/v1/completions", {"prompt": "x", "max_tokens": "many"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_parameter_fastapi_validates_is_a_400_naming_it():
+    """Routes parse their bodies and queries by hand; one that declares a
+    typed parameter (FastAPI validates it) still answers a bad value with
+    OpenAI's 400, not a 422 or a 500."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from fluidserve.serve.errors import install_handlers
+
+    app = FastAPI()
+    install_handlers(app)
+
+    @app.get("/items")
+    async def items(limit: int = 20) -> dict:
+        return {"limit": limit}
+
+    client = TestClient(app)
+    assert client.get("/items", params={"limit": 3}).json() == {"limit": 3}
+    bad = client.get("/items", params={"limit": "many"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+    assert "integer" in bad.json()["error"]["message"]
