@@ -35,11 +35,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, StrictStr, model_validator
 
 from fluidserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
-from fluidserve.engine.outputs import RequestOutput
+from fluidserve.engine.outputs import CompletionOutput, RequestOutput
 from fluidserve.serve.errors import APIError, int_param, query_params
 from fluidserve.serve.inputs import EngineInputs, check_model, log_request
 from fluidserve.serve.protocol import REQUEST_BODIES, ChatCompletionRequest, FunctionName, Prob, _off, _Request
-from fluidserve.serve.render import chat_choices, chat_logprobs
+from fluidserve.serve.render import chat_choices, chat_logprobs, finish_reason
+from fluidserve.serve.tool_parsers import CallStream, StreamPiece
 
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY = 64
@@ -422,6 +423,9 @@ def begin(server: Any, req: ResponsesRequest, response_id: Callable[[ChatComplet
         raise APIError(400, str(exc), param="input") from None
     if not history and not turn:
         raise APIError(400, "input: must not be empty", param="input")
+    if req.wants_logprobs and req.tools:
+        param = "top_logprobs" if req.top_logprobs is not None else "include"
+        raise APIError(400, f"{param}: logprobs with tools are not supported by this server", param=param)
     chat = chat_request(req, history, turn, server.settings.ignore_unknown_fields)
     return _Call(req, chat, server.processor.chat(chat), turn, response_id(chat))
 
@@ -444,12 +448,16 @@ async def _create(server: Any, request: Request) -> Response:
     return JSONResponse(finish(server, call, final))
 
 
-def finish(server: Any, call: _Call, final: RequestOutput) -> dict[str, Any]:
-    """The Response object of ``call``'s finished output, kept if asked."""
-    body, reply = _render(server, call, final)
+def finish(server: Any, call: _Call, final: RequestOutput, reply: _Reply | None = None) -> dict[str, Any]:
+    """The Response object of ``call``'s finished output (its items as
+    ``reply`` has them, else read off the output), kept if asked."""
+    reply = reply or _reply_of(server, call, final)
+    body = _envelope(server, call, "incomplete" if reply.cut else "completed")
+    body.update(output=reply.items(), usage=_usage(call, final),
+                incomplete_details={"reason": "max_output_tokens"} if reply.cut else None)
     if call.req.store:
-        server.responses.put(call.response_id, Stored(body, call.turn + [reply], call.req.previous_response_id,
-                                                      input_items(call.req.input)))
+        server.responses.put(call.response_id, Stored(body, call.turn + [reply.message()],
+                                                      call.req.previous_response_id, input_items(call.req.input)))
     return body
 
 
@@ -497,34 +505,58 @@ def _logprobs(entries: Any) -> list[dict[str, Any]]:
                               for t in e.top_logprobs]} for e in entries.content]
 
 
-def _output(server: Any, call: _Call, final: RequestOutput) -> tuple[list[dict[str, Any]], bool, dict[str, Any]]:
-    """(output items, cut short by max_output_tokens, the reply as a chat message)."""
-    top_n = call.chat.top_n
-    (choice,) = chat_choices(final, top_n=top_n, decode=server.decode, tool_mode=call.inputs.tool_mode)
-    message, calls = choice.message, choice.message.tool_calls
-    cut = choice.finish_reason == "length"
-    status = "incomplete" if cut else "completed"
-    items: list[dict[str, Any]] = []
-    if message.content or not calls:
-        part = {"type": "output_text", "text": message.content or "", "annotations": [],
-                "logprobs": _logprobs(choice.logprobs)}
-        items.append({"type": "message", "id": _new_id("msg"), "status": status, "role": "assistant",
-                      "content": [part]})
+@dataclass
+class _Reply:
+    """A reply as output items: a message (its text and logprobs) and
+    function calls, in the order they were opened."""
+
+    text: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    calls: list[dict[str, str]] = field(default_factory=list)  # id, call_id, name, arguments
+    message_id: str | None = None  # once there is a message item
+    order: list[int] = field(default_factory=list)  # the items: -1 the message, i calls[i]
+    cut: bool = False  # max_output_tokens reached
+
+    def open_message(self) -> None:
+        self.message_id = _new_id("msg")
+        self.order.append(-1)
+
+    def open_call(self, call_id: str, name: str) -> dict[str, str]:
+        self.calls.append({"id": _new_id("fc"), "call_id": call_id, "name": name, "arguments": ""})
+        self.order.append(len(self.calls) - 1)
+        return self.calls[-1]
+
+    def item(self, key: int) -> dict[str, Any]:
+        if key < 0:
+            part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
+            return {"type": "message", "id": self.message_id, "status": "incomplete" if self.cut else "completed",
+                    "role": "assistant", "content": [part]}
+        c = self.calls[key]
+        return {"type": "function_call", **c, "status": "completed"}
+
+    def items(self) -> list[dict[str, Any]]:
+        return [self.item(key) for key in self.order]
+
+    def message(self) -> dict[str, Any]:
+        """The reply as a chat message: the kept conversation's next turn."""
+        out: dict[str, Any] = {"role": "assistant", "content": self.text or None}
+        if self.calls:
+            out["tool_calls"] = [{"id": c["call_id"], "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"]}} for c in self.calls]
+        return out
+
+
+def _reply_of(server: Any, call: _Call, final: RequestOutput) -> _Reply:
+    """A finished output's reply, read as the chat route reads it."""
+    (choice,) = chat_choices(final, top_n=call.chat.top_n, decode=server.decode, tool_mode=call.inputs.tool_mode)
+    reply = _Reply(cut=choice.finish_reason == "length")
+    calls = choice.message.tool_calls
+    if choice.message.content or not calls:
+        reply.open_message()
+        reply.text, reply.logprobs = choice.message.content or "", _logprobs(choice.logprobs)
     for c in calls:
-        items.append({"type": "function_call", "id": _new_id("fc"), "call_id": c.id, "name": c.function.name,
-                      "arguments": c.function.arguments, "status": "completed"})
-    reply: dict[str, Any] = {"role": "assistant", "content": message.content or None}
-    if calls:
-        reply["tool_calls"] = [c.model_dump(mode="json") for c in calls]
-    return items, cut, reply
-
-
-def _render(server: Any, call: _Call, final: RequestOutput) -> tuple[dict[str, Any], dict[str, Any]]:
-    items, cut, reply = _output(server, call, final)
-    body = _envelope(server, call, "incomplete" if cut else "completed")
-    body.update(output=items, usage=_usage(call, final),
-                incomplete_details={"reason": "max_output_tokens"} if cut else None)
-    return body, reply
+        reply.open_call(c.id, c.function.name)["arguments"] = c.function.arguments
+    return reply
 
 
 # -- streaming -------------------------------------------------------------------------
@@ -542,71 +574,101 @@ class _Events:
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def _item_events(event: _Events, index: int, item: dict[str, Any], sent_text: bool) -> list[str]:
-    """The events that add a whole item, ``sent_text``: a message item's
-    text already went out as deltas (its opening events too)."""
-    out = []
-    if item["type"] == "message":
-        part = item["content"][0]
-        if not sent_text:
-            out.append(event("response.output_item.added", output_index=index,
-                             item={**item, "status": "in_progress", "content": []}))
-            out.append(event("response.content_part.added", item_id=item["id"], output_index=index,
-                             content_index=0, part={**part, "text": "", "logprobs": []}))
-            if part["text"]:
-                out.append(event("response.output_text.delta", item_id=item["id"], output_index=index,
-                                 content_index=0, delta=part["text"], logprobs=part["logprobs"]))
-        out.append(event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                         text=part["text"], logprobs=part["logprobs"]))
-        out.append(event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                         part=part))
-    else:
-        out.append(event("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
-                                                                                 "arguments": ""}))
-        out.append(event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                         delta=item["arguments"]))
-        out.append(event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                         arguments=item["arguments"]))
-    out.append(event("response.output_item.done", output_index=index, item=item))
-    return out
+class _Streamer:
+    """One reply's events as its output grows: a message item opened at its
+    first text, a function call item at the call's first piece (as the
+    chat route's tool-call stream finds them), and each closed at the end."""
+
+    def __init__(self, server: Any, call: _Call) -> None:
+        self.event = _Events()
+        self.reply = _Reply()
+        self.decode, self.top_n = server.decode, call.chat.top_n
+        mode = call.inputs.tool_mode
+        self.tools = CallStream(mode) if mode is not None else None
+
+    def _at(self, key: int) -> dict[str, Any]:
+        return {"output_index": self.reply.order.index(key)}
+
+    def _open_message(self) -> list[str]:
+        self.reply.open_message()
+        item = {**self.reply.item(-1), "status": "in_progress", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [self.event("response.output_item.added", **self._at(-1), item=item),
+                self.event("response.content_part.added", item_id=item["id"], **self._at(-1), content_index=0,
+                           part=part)]
+
+    def feed(self, co: CompletionOutput) -> list[str]:
+        out: list[str] = []
+        if self.tools is None:
+            pieces = [StreamPiece(co.text_delta)]
+        else:
+            pieces = [self.tools.feed(co.text_delta)] + ([self.tools.finish()] if co.finish_reason else [])
+        entries = (_logprobs(chat_logprobs(co.new_token_ids, co.new_logprobs, self.top_n, self.decode))
+                   if self.top_n is not None else [])
+        reply = self.reply
+        for piece in pieces:
+            if piece.content or entries:  # logprobs come without tools only (begin refuses both)
+                if reply.message_id is None:
+                    out += self._open_message()
+                reply.text += piece.content
+                reply.logprobs += entries
+                out.append(self.event("response.output_text.delta", item_id=reply.message_id, **self._at(-1),
+                                      content_index=0, delta=piece.content, logprobs=entries))
+                entries = []
+            for d in piece.calls:
+                if d.id is not None:
+                    reply.open_call(d.id, d.name or "")
+                    item = {**reply.item(len(reply.calls) - 1), "status": "in_progress"}
+                    out.append(self.event("response.output_item.added", **self._at(d.index), item=item))
+                c = reply.calls[d.index]
+                if d.arguments:
+                    c["arguments"] += d.arguments
+                    out.append(self.event("response.function_call_arguments.delta", item_id=c["id"],
+                                          **self._at(d.index), delta=d.arguments))
+        if co.finish_reason is not None:
+            reply.cut = finish_reason(co) == "length"
+        return out
+
+    def close(self) -> list[str]:
+        """Every item's closing events; a reply of nothing is an empty message."""
+        out = [] if self.reply.order else self._open_message()
+        for key in self.reply.order:
+            item, at = self.reply.item(key), self._at(key)
+            if key < 0:
+                part = item["content"][0]
+                out.append(self.event("response.output_text.done", item_id=item["id"], **at, content_index=0,
+                                      text=part["text"], logprobs=part["logprobs"]))
+                out.append(self.event("response.content_part.done", item_id=item["id"], **at, content_index=0,
+                                      part=part))
+            else:
+                out.append(self.event("response.function_call_arguments.done", item_id=item["id"], **at,
+                                      arguments=item["arguments"]))
+            out.append(self.event("response.output_item.done", **at, item=item))
+        return out
 
 
 async def _events(server: Any, call: _Call, stream: RequestStream, timer: Any) -> AsyncIterator[str]:
-    """The stream: created, in progress, the reply's items (a plain reply's
-    text as it is made; tool calls, which are only known whole, at the
-    end), then completed or incomplete with usage, or failed."""
+    """The stream: created, in progress, the reply's items as they are
+    made, then completed (or incomplete at max_output_tokens) with usage,
+    or failed."""
     from fluidserve.serve.api import _as_api_error
 
-    event = _Events()
+    streamer = _Streamer(server, call)
+    event = streamer.event
     envelope = _envelope(server, call, "in_progress")
     yield event("response.created", response=envelope)
     yield event("response.in_progress", response=envelope)
-    live = call.inputs.tool_mode is None  # text streamed as made; with tools, items whole at the end
-    message_id = _new_id("msg")
-    top_n = call.chat.top_n
     final: RequestOutput | None = None
     try:
-        if live:
-            yield event("response.output_item.added", output_index=0, item={
-                "type": "message", "id": message_id, "status": "in_progress", "role": "assistant", "content": []})
-            yield event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
-                        part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
         async for out in stream:
             timer.on_output(out)
             final = out
-            co = out.outputs[0]
-            if live and (co.text_delta or co.new_token_ids):
-                entries = (chat_logprobs(co.new_token_ids, co.new_logprobs, top_n, server.decode)
-                           if top_n is not None else None)
-                yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                            delta=co.text_delta, logprobs=_logprobs(entries))
-        assert final is not None
-        body = finish(server, call, final)
-        if live:
-            body["output"][0]["id"] = message_id
-        for index, item in enumerate(body["output"]):
-            for line in _item_events(event, index, item, sent_text=live and index == 0):
+            for line in streamer.feed(out.outputs[0]):
                 yield line
+        assert final is not None
+        for line in streamer.close():
+            yield line
+        body = finish(server, call, final, streamer.reply)
         yield event("response.incomplete" if body["status"] == "incomplete" else "response.completed",
                     response=body)
     except (EngineDeadError, RequestFailedError) as exc:

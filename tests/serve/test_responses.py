@@ -193,12 +193,21 @@ def test_function_calls_and_their_outputs_round_trip(server, client, model):
     assert set(json.loads(call.arguments)) == {"city"}
     assert call.call_id and call.id.startswith("fc_")
 
-    # Streamed, the same call: its arguments in one delta, then done.
+    # Streamed, the same call, its arguments as they are made.
     events = list(client.responses.create(model=model, input="weather in Paris?", tools=[TOOL], tool_choice=NAMED,
                                           max_output_tokens=200, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[2] == "response.output_item.added" and events[2].item.type == "function_call"
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == call.arguments
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [e.arguments for e in done] == [call.arguments]
-    assert events[-1].type == "response.completed" and events[-1].response.output[0].name == "get_weather"
+    assert kinds[-2:] == ["response.output_item.done", "response.completed"]
+    (streamed,) = events[-1].response.output
+    assert (streamed.name, streamed.call_id, streamed.id) == ("get_weather", events[2].item.call_id, events[2].item.id)
+    # The kept turn holds the call under the id the stream gave.
+    kept = respond(client, previous_response_id=events[-1].response.id, tools=[TOOL], tool_choice="none", input=[
+        {"type": "function_call_output", "call_id": streamed.call_id, "output": "sunny"}])
 
     # The call and its output sent back read as the chat route's tool turn.
     follow = respond(client, previous_response_id=r.id, tools=[TOOL], tool_choice="none", input=[
@@ -209,7 +218,7 @@ def test_function_calls_and_their_outputs_round_trip(server, client, model):
                               "function": {"name": "get_weather", "arguments": call.arguments}}]},
                          {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}],
                 tools=[CHAT_TOOL], tool_choice="none")
-    assert follow.output_text == body["choices"][0]["message"]["content"]
+    assert follow.output_text == body["choices"][0]["message"]["content"] == kept.output_text
     assert follow.usage.input_tokens == body["usage"]["prompt_tokens"]
     # The same turn sent whole, without the kept response.
     again = respond(client, tools=[TOOL], tool_choice="none", input=[
@@ -234,6 +243,7 @@ def test_function_calls_and_their_outputs_round_trip(server, client, model):
     ({"input": "x", "n": 2}, "n", "unrecognized"),
     ({"input": "x", "model": "nope"}, "model", "does not exist"),
     ({"input": []}, "input", "must not be empty"),
+    ({"input": "x", "tools": [TOOL], "top_logprobs": 2}, "top_logprobs", "with tools"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(server, fields, param, words):
     r = httpx.post(f"{server.base_url}/v1/responses", json={"max_output_tokens": 2, **fields}, timeout=30)
