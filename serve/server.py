@@ -100,7 +100,12 @@ def make_server(app: FastAPI, host: str, port: int, *, drain_timeout: float = 30
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening socket; port 0 picks a free one (read ``getsockname()``)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP by name: each accepted socket carries the listener's proto,
+    # and asyncio sets TCP_NODELAY only on sockets whose proto says TCP. With
+    # proto 0, Nagle's algorithm held a response's body behind its headers
+    # until the client's delayed ACK: ~40 ms on every request of a kept-alive
+    # connection, which is how the OpenAI client sends them.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)

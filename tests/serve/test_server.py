@@ -631,3 +631,37 @@ def test_a_dead_engine_fails_in_flight_requests_and_the_process_exits_1(tmp_path
             proc.kill()
             proc.wait()
     assert "engine loop died" in (tmp_path / "server.log").read_text()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_accepted_connections_leave_nagle_off(host):
+    """The server's listener (``bind_socket``, what uvicorn serves on) gives
+    asyncio sockets it turns TCP_NODELAY on for. Left on, Nagle's algorithm
+    held a response's body behind its headers until the client's delayed
+    ACK: ~40 ms on each request of a kept-alive connection, the OpenAI
+    client's way (benchmarks/keepalive_latency.py)."""
+    import socket
+
+    from fluidserve.serve.server import bind_socket
+
+    try:
+        sock = bind_socket(host, 0)
+    except OSError:
+        pytest.skip(f"no {host} here")
+
+    async def main() -> int:
+        seen = asyncio.get_running_loop().create_future()
+
+        async def on_connection(reader, writer):
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connection, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        try:
+            return await asyncio.wait_for(seen, 5)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(main()) != 0
