@@ -527,12 +527,13 @@ class _Reply:
         return self.calls[-1]
 
     def item(self, key: int) -> dict[str, Any]:
+        # max_output_tokens cut the last item short: a message's text, or a call's arguments.
+        status = "incomplete" if self.cut and key == self.order[-1] else "completed"
         if key < 0:
             part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
-            return {"type": "message", "id": self.message_id, "status": "incomplete" if self.cut else "completed",
-                    "role": "assistant", "content": [part]}
-        c = self.calls[key]
-        return {"type": "function_call", **c, "status": "completed"}
+            return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
+                    "content": [part]}
+        return {"type": "function_call", **self.calls[key], "status": status}
 
     def items(self) -> list[dict[str, Any]]:
         return [self.item(key) for key in self.order]

@@ -92,6 +92,12 @@ def test_previous_response_id_continues_the_conversation_and_kept_ones_read_back
     assert second.usage.input_tokens == body["usage"]["prompt_tokens"]
     assert second.previous_response_id == first.id
 
+    # Without keeping: the first reply's output items sent back as input (store false, the Agents SDK's way).
+    sent_back = respond(client, store=False, input=[{"role": "user", "content": "abc"},
+                                                    *[item.model_dump() for item in first.output],
+                                                    {"role": "user", "content": "def"}])
+    assert sent_back.output_text == second.output_text
+
     got = client.responses.retrieve(first.id)
     assert (got.output_text, got.metadata) == (first.output_text, {"topic": "letters"})
 
@@ -227,6 +233,18 @@ def test_function_calls_and_their_outputs_round_trip(server, client, model):
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
     assert again.output_text == follow.output_text
     wait_idle(server)
+
+
+def test_a_call_cut_short_is_an_incomplete_item_whole_and_streamed(server, client, model):
+    asked = dict(model=model, input="weather in Paris?", tools=[TOOL], tool_choice=NAMED, max_output_tokens=3,
+                 temperature=0)
+    r = client.responses.create(**asked)
+    (call,) = r.output
+    assert (r.status, call.type, call.status, len(call.arguments)) == ("incomplete", "function_call", "incomplete", 3)
+    final = list(client.responses.create(**asked, stream=True))[-1]
+    assert final.type == "response.incomplete"
+    assert [(i.type, i.status, i.arguments) for i in final.response.output] == [
+        ("function_call", "incomplete", call.arguments)]
 
 
 @pytest.mark.parametrize("fields, param, words", [
