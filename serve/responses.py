@@ -375,12 +375,15 @@ def responses_routes(server: Any) -> dict[str, Callable]:
     async def create_response(request: Request) -> Response:
         return await _create(server, request)
 
-    async def get_response(response_id: str) -> JSONResponse:
+    def kept(response_id: str) -> Stored:
         stored = store.get(response_id)
         if stored is None:
             raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id",
                            code="not_found")
-        return JSONResponse(stored.body)
+        return stored
+
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(kept(response_id).body)
 
     async def list_input_items(request: Request, response_id: str) -> JSONResponse:
         q = query_params(request, ("after", "limit", "order"))
@@ -388,10 +391,7 @@ def responses_routes(server: Any) -> dict[str, Callable]:
         order, after = q.get("order", "desc"), q.get("after")
         if order not in ("asc", "desc"):
             raise APIError(400, "order: must be 'asc' or 'desc'", param="order")
-        stored = store.get(response_id)
-        if stored is None:
-            raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id",
-                           code="not_found")
+        stored = kept(response_id)
         items = stored.items if order == "asc" else stored.items[::-1]
         ids = [item["id"] for item in items]
         start = ids.index(after) + 1 if after in ids else 0
@@ -401,9 +401,8 @@ def responses_routes(server: Any) -> dict[str, Callable]:
                              "has_more": start + limit < len(items)})
 
     async def delete_response(response_id: str) -> JSONResponse:
-        if not store.delete(response_id):
-            raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id",
-                           code="not_found")
+        kept(response_id)
+        store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     return {"POST /v1/responses": create_response, "GET /v1/responses/{response_id}": get_response,
