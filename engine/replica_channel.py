@@ -210,9 +210,3 @@ class FrontChannel:
             error = (type(exc).__name__, str(exc))
         if not self._writer.is_closing():
             self._writer.write(pack(("added", request_id, error)))
-
-
-async def serve_front(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, **callbacks: Any) -> None:
-    """Serve one channel with ``FrontChannel(reader, writer, **callbacks)``
-    until the front end closes it."""
-    await FrontChannel(reader, writer, **callbacks).serve()

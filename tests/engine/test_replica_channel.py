@@ -17,7 +17,7 @@ import time
 import pytest
 
 from fluidserve.engine.async_engine import EngineDeadError
-from fluidserve.engine.replica_channel import FrontChannel, ReplicaGone, ReplicaLink, listen_once, serve_front
+from fluidserve.engine.replica_channel import FrontChannel, ReplicaGone, ReplicaLink, listen_once
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,8 +57,8 @@ class StandIn:
 
 
 async def connected(replica: StandIn) -> tuple[ReplicaLink, str]:
-    path = await listen_once(lambda r, w: serve_front(r, w, add=replica.add, abort=replica.abort,
-                                                      poll=replica.poll, poll_s=0.05))
+    path = await listen_once(lambda r, w: FrontChannel(r, w, add=replica.add, abort=replica.abort,
+                                                       poll=replica.poll, poll_s=0.05).serve())
     return await ReplicaLink.connect(path), path
 
 
@@ -130,8 +130,8 @@ def test_a_replica_whose_outputs_cannot_be_taken_closes_its_channel(caplog):
 def _replica_process(paths) -> None:
     async def main() -> None:
         replica = StandIn()
-        paths.put(await listen_once(lambda r, w: serve_front(r, w, add=replica.add, abort=replica.abort,
-                                                             poll=replica.poll, poll_s=0.05)))
+        paths.put(await listen_once(lambda r, w: FrontChannel(r, w, add=replica.add, abort=replica.abort,
+                                                              poll=replica.poll, poll_s=0.05).serve()))
         await asyncio.Event().wait()
 
     asyncio.run(main())
