@@ -38,11 +38,10 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from fluidserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from fluidserve.engine.outputs import RequestOutput
-from fluidserve.serve.errors import APIError, bad_request, error_body, int_param, query_params
+from fluidserve.serve.errors import APIError, bad_request, error_body, int_param, order_param, query_params
 from fluidserve.serve.inputs import check_model
 from fluidserve.serve import responses
 from fluidserve.serve.protocol import BATCH_ENDPOINTS, BatchCreateRequest, ChatCompletionRequest, CompletionRequest
-from fluidserve.serve.responses import ResponsesRequest
 from fluidserve.serve.store import (COPY_CHUNK, BatchLine, BatchRecord, FileRecord, LineResult, MissingContent, Store,
                                     StoreError, new_id)
 
@@ -185,7 +184,7 @@ class LineExecutor:
                 check_model(req.model, s.model)
                 inputs = s.processor.completion(req)
             elif endpoint == "/v1/responses":
-                req = validate_body(body, ResponsesRequest, s.settings.ignore_unknown_fields)
+                req = validate_body(body, responses.ResponsesRequest, s.settings.ignore_unknown_fields)
                 call = responses.begin(s, req, lambda chat: request_id)
                 inputs = call.inputs
             else:
@@ -514,9 +513,7 @@ class BatchAPI:
         store = self._store()
         q = query_params(request, ("after", "limit", "order", "purpose"))
         limit = int_param(q, "limit", 10_000, 1, 10_000)
-        order = q.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise bad_request("order: must be 'asc' or 'desc'", "order")
+        order = order_param(q)
         page = await self._call(store.list_files, after=q.get("after"), limit=limit, order=order,
                                 purpose=q.get("purpose"))
         return JSONResponse(_page([file_json(f) for f in page.items], page.has_more))

@@ -145,3 +145,11 @@ def int_param(query: dict[str, str], name: str, default: int, lo: int, hi: int) 
     if not lo <= value <= hi:
         raise bad_request(f"{name}: must be between {lo} and {hi}", name)
     return value
+
+
+def order_param(query: dict[str, str]) -> str:
+    """A list's ``order``: "asc" or "desc" (the default, newest first)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order: must be 'asc' or 'desc'", "order")
+    return order

@@ -36,7 +36,7 @@ from pydantic import Field, StrictStr, model_validator
 
 from fluidserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from fluidserve.engine.outputs import CompletionOutput, RequestOutput
-from fluidserve.serve.errors import APIError, int_param, query_params
+from fluidserve.serve.errors import APIError, int_param, order_param, query_params
 from fluidserve.serve.inputs import EngineInputs, check_model, log_request
 from fluidserve.serve.protocol import REQUEST_BODIES, ChatCompletionRequest, FunctionName, Prob, _off, _Request
 from fluidserve.serve.render import chat_choices, chat_logprobs, finish_reason
@@ -388,9 +388,7 @@ def responses_routes(server: Any) -> dict[str, Callable]:
     async def list_input_items(request: Request, response_id: str) -> JSONResponse:
         q = query_params(request, ("after", "limit", "order"))
         limit = int_param(q, "limit", 20, 1, 100)
-        order, after = q.get("order", "desc"), q.get("after")
-        if order not in ("asc", "desc"):
-            raise APIError(400, "order: must be 'asc' or 'desc'", param="order")
+        order, after = order_param(q), q.get("after")
         stored = kept(response_id)
         items = stored.items if order == "asc" else stored.items[::-1]
         ids = [item["id"] for item in items]
