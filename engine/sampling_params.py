@@ -25,6 +25,11 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None  # exactly one of these strings
     grammar: str | None = None  # an EBNF grammar (GBNF syntax)
+    # JSON kinds only: no whitespace outside strings, "," and ":" as the
+    # separators (vLLM's option of the same name). Fewer tokens, but not a
+    # cure for a model that loops: one that learned pretty-printed JSON is
+    # pushed off it (benchmarks/structured_whitespace.py).
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -36,6 +41,9 @@ class StructuredOutputs:
                              f"set, got {kinds or 'none'}")
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
             raise ValueError("structured_outputs: choice must be a non-empty list of strings")
+        if self.disable_any_whitespace and self.json is None and not self.json_object:
+            raise ValueError(f"structured_outputs: disable_any_whitespace applies to json and json_object, "
+                             f"not {kinds[0]}, which says itself where whitespace may go")
 
 
 @dataclass

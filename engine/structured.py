@@ -63,13 +63,15 @@ def _grammar(spec: StructuredOutputs) -> xgr.Grammar:
     """The spec as a tokenizer-independent grammar; raises ValueError naming
     what is wrong with it."""
     xgr = xgrammar()
+    # xgrammar's any_whitespace=False alone still puts a space after "," and
+    # ":"; compact JSON needs the separators named too.
+    layout = (dict(any_whitespace=False, separators=(",", ":")) if spec.disable_any_whitespace
+              else dict(any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE))
     try:
         if spec.json is not None:
-            return xgr.Grammar.from_json_schema(spec.json, any_whitespace=True,
-                                                max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            return xgr.Grammar.from_json_schema(spec.json, **layout)
         if spec.json_object:
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=True,
-                                                max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=False)
+            return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **layout)
         if spec.regex is not None:
             return xgr.Grammar.from_regex(spec.regex)
         if spec.choice is not None:

@@ -73,6 +73,7 @@ class ServerSettings:
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (it shows the chat template)
     ignore_unknown_fields: bool = False  # drop request keys no API defines (vLLM's way) instead of a 400
     max_stored_responses: int = 10_000  # Responses API: replies kept for previous_response_id and GET
+    disable_any_whitespace: bool = False  # JSON constraints compact unless a request says otherwise
 
 
 @dataclass
@@ -94,7 +95,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     from fluidserve.serve.chat_batch import batch_chat_route
 
     settings = settings or ServerSettings()
-    server = _Server(engine, InputProcessor(tokenizer, model, settings.tool_call_parser), model, settings)
+    processor = InputProcessor(tokenizer, model, settings.tool_call_parser,
+                               disable_any_whitespace=settings.disable_any_whitespace)
+    server = _Server(engine, processor, model, settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -716,9 +716,9 @@ def run_batch_main(argv: Sequence[str]) -> int:
 
     from fluidserve.engine.async_engine import AsyncEngine
     from fluidserve.engine.heap import frozen_heap
-    from fluidserve.serve.api import ServerSettings, build_app
+    from fluidserve.serve.api import build_app
     from fluidserve.serve.cli import (add_serve_args, build_engine, engine_config_from_args, frontend_tokenizer,
-                                      model_info)
+                                      load_chat_template, model_info, server_settings)
 
     parser = argparse.ArgumentParser(prog="fluidserve run-batch",
                                      description="run an OpenAI batch input file offline, without a server")
@@ -738,12 +738,16 @@ def run_batch_main(argv: Sequence[str]) -> int:
             print(f"fluidserve run-batch: {where}{e['message']} ({e['code']})", file=sys.stderr)
         return 2
     try:
+        # The server's own frontend flags: the same template, sampling
+        # defaults, names and tool parsing as the same lines served online.
+        settings = server_settings(args)
+        chat_template = load_chat_template(args.chat_template)
         engine, thread = build_engine(engine_config_from_args(args))
+        info = model_info(engine, args.served_model_name, args.generation_config, args.max_logprobs)
     except (ValueError, OSError) as exc:
         print(f"fluidserve run-batch: {exc}", file=sys.stderr)
         return 2
-    app = build_app(AsyncEngine(engine, thread=thread), frontend_tokenizer(engine), model_info(engine),
-                    ServerSettings())
+    app = build_app(AsyncEngine(engine, thread=thread), frontend_tokenizer(engine, chat_template), info, settings)
     server = app.state.server
     start = time.monotonic()
 

@@ -19,10 +19,11 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from fluidserve.serve.tool_parsers import TOOL_CALL_PARSERS
 if TYPE_CHECKING:
+    from fluidserve.serve.api import ServerSettings
     from fluidserve.serve.inputs import ModelInfo
 
 logger = logging.getLogger("fluidserve.serve")
@@ -43,7 +44,6 @@ UNSUPPORTED_VLLM_FLAGS = {
     "-pp": "only tensor parallelism is implemented",
     "--cpu-offload-gb": "weight offloading is not implemented",
     "--guided-decoding-backend": "structured output always runs on xgrammar",
-    "--structured-outputs-config": "structured output always runs on xgrammar, with its defaults",
     "--limit-mm-per-prompt": "multimodal inputs are not supported",
     "--tokenizer-mode": "tokenizers load through transformers' AutoTokenizer only",
     "--rope-scaling": "overriding the model's RoPE scaling is not supported",
@@ -82,6 +82,61 @@ def check_unsupported(argv: Sequence[str]) -> None:
             continue
         shown = name if name in _VALUELESS or not value else f"{name} {value}"
         raise UnsupportedFlag(f"{shown} is not supported ({UNSUPPORTED_VLLM_FLAGS[name]})")
+
+
+# --structured-outputs-config: vLLM's keys -> the values we run. backend and
+# disable_any_whitespace are ours to set; the rest are accepted at vLLM's
+# default, which is what runs here anyway.
+_STRUCTURED_OUTPUTS_KEYS: dict[str, tuple[Any, ...]] = {
+    "backend": ("auto", "xgrammar"),
+    "disable_any_whitespace": (False, True),
+    "disable_fallback": (False,),
+    "disable_additional_properties": (False,),
+    "reasoning_parser": ("",),
+    "enable_in_reasoning": (False,),
+}
+
+
+def _structured_outputs_config(text: str) -> dict[str, Any]:
+    """``--structured-outputs-config``: vLLM's JSON object, each key checked
+    against what runs here."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    for key, v in value.items():
+        allowed = _STRUCTURED_OUTPUTS_KEYS.get(key)
+        if allowed is None:
+            raise argparse.ArgumentTypeError(f"{key}: not a key this server knows "
+                                             f"({', '.join(_STRUCTURED_OUTPUTS_KEYS)})")
+        if not any(v == a and type(v) is type(a) for a in allowed):
+            raise argparse.ArgumentTypeError(f"{key}: {v!r} is not supported (supported: "
+                                             f"{', '.join(json.dumps(a) for a in allowed)})")
+    return value
+
+
+def _dotted_config_flags(argv: list[str]) -> list[str]:
+    """vLLM's ``--structured-outputs-config.KEY VALUE`` as the JSON form of
+    the same flag, which argparse knows (later flags win, as in vLLM)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        prefix = "--structured-outputs-config."
+        if name.startswith(prefix) and len(name) > len(prefix):
+            if not eq and i + 1 < len(argv):
+                i, value = i + 1, argv[i + 1]
+            try:
+                parsed = json.loads(value)
+            except ValueError:
+                parsed = value  # a bare word: vLLM reads it as a string
+            out += ["--structured-outputs-config", json.dumps({name[len(prefix):]: parsed})]
+        else:
+            out.append(argv[i])
+        i += 1
+    return out
 
 
 def _origins(text: str) -> list[str]:
@@ -166,6 +221,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--guided-decoding-backend", default="auto", choices=["auto", "xgrammar"],
                    help="structured output (response_format, forced tool calls) runs on xgrammar, the one "
                         "backend built in")
+    s.add_argument("--structured-outputs-config", type=_structured_outputs_config, action="append", default=[],
+                   metavar="JSON",
+                   help='vLLM\'s structured output options as a JSON object (or --structured-outputs-config.KEY '
+                        'VALUE): {"disable_any_whitespace": true} makes every JSON constraint (response_format, '
+                        'guided_json, forced tool calls) compact, no whitespace outside strings, unless a request\'s '
+                        'structured_outputs.disable_any_whitespace says otherwise; "backend": auto | xgrammar')
     s.add_argument("--max-queued-requests", type=int, default=1024,
 
                    help="requests waiting for their first token before new ones get 429")
@@ -315,19 +376,43 @@ def _check_ssl(args: argparse.Namespace) -> None:
             raise ValueError(f"ssl: {flag} {path!r} is not a file")
 
 
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The frontend's settings from the serve flags, for the server and for
+    ``run-batch`` alike; ValueError for flags that do not go together."""
+    from fluidserve.serve.api import ServerSettings
+
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    structured: dict[str, Any] = {}
+    for given in args.structured_outputs_config:
+        structured.update(given)
+    return ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                          max_queued_requests=args.max_queued_requests,
+                          allowed_origins=tuple(args.allowed_origins or ()),
+                          log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                          enable_force_include_usage=args.enable_force_include_usage,
+                          enable_request_id_headers=args.enable_request_id_headers,
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                          ignore_unknown_fields=args.ignore_unknown_fields,
+                          max_stored_responses=args.max_stored_responses,
+                          disable_any_whitespace=structured.get("disable_any_whitespace", False))
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from fluidserve.engine.async_engine import AsyncEngine
     from fluidserve.engine.heap import frozen_heap
     from fluidserve.engine.loader import set_trust_remote_code
-    from fluidserve.serve.api import ServerSettings, build_app
+    from fluidserve.serve.api import build_app
     from fluidserve.serve.server import bind_socket, make_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_trust_remote_code(args.trust_remote_code)
     try:
         _check_ssl(args)
-        if args.enable_auto_tool_choice and args.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        settings = server_settings(args)
         chat_template = load_chat_template(args.chat_template)
         config = engine_config_from_args(args)
     except (ValueError, OSError) as exc:
@@ -361,18 +446,6 @@ def run_serve(args: argparse.Namespace) -> int:
     if info.sampling_defaults:
         logger.info("sampling defaults from the generation config: %s (--generation-config vllm: none)",
                     info.sampling_defaults)
-    settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                              max_queued_requests=args.max_queued_requests,
-                              allowed_origins=tuple(args.allowed_origins or ()),
-                              log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-                              tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                              return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                              enable_force_include_usage=args.enable_force_include_usage,
-                              enable_request_id_headers=args.enable_request_id_headers,
-                              enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                              enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                              ignore_unknown_fields=args.ignore_unknown_fields,
-                              max_stored_responses=args.max_stored_responses)
     from fluidserve.serve.batches import BatchConfig
     from fluidserve.serve.store import StoreError
 
@@ -516,6 +589,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_bench(argv[1:])
     if argv and argv[0] == "profile":
         return run_profile(argv[1:])
+    argv = _dotted_config_flags(argv)
     if argv and argv[0] == "run-batch":
         from fluidserve.serve.batches import run_batch_main
 

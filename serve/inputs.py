@@ -77,10 +77,13 @@ class ModelInfo:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, model: ModelInfo, tool_parser: str | None = None) -> None:
+    def __init__(self, tokenizer: Any, model: ModelInfo, tool_parser: str | None = None, *,
+                 disable_any_whitespace: bool = False) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice; None: no "auto"
+        # --structured-outputs-config's: JSON constraints compact unless a request says otherwise.
+        self.disable_any_whitespace = disable_any_whitespace
 
     # -- endpoints ----------------------------------------------------------
     def completion(self, req: CompletionRequest) -> EngineInputs:
@@ -240,15 +243,19 @@ class InputProcessor:
             if fmt is not None and fmt.type != "text":
                 field_name = "response_format"
                 schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
-                spec = (StructuredOutputs(json=json.dumps(schema)) if fmt.type == "json_schema" and schema is not None
-                        else StructuredOutputs(json_object=True))
+                spec = self._json_spec(json.dumps(schema) if fmt.type == "json_schema" and schema is not None
+                                       else None)
             elif req.structured_outputs is not None:
                 field_name = "structured_outputs"
                 so = req.structured_outputs
+                compact = so.disable_any_whitespace
+                if compact is None:  # the server's default, for the kinds it means something to
+                    compact = self.disable_any_whitespace and (so.json_ is not None or bool(so.json_object))
                 spec = StructuredOutputs(json=_schema_text(so.json_), json_object=bool(so.json_object),
-                                         regex=so.regex, choice=so.choice, grammar=so.grammar)
+                                         regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                         disable_any_whitespace=compact)
             elif req.guided_json is not None:
-                field_name, spec = "guided_json", StructuredOutputs(json=_schema_text(req.guided_json))
+                field_name, spec = "guided_json", self._json_spec(_schema_text(req.guided_json))
             elif req.guided_regex is not None:
                 field_name, spec = "guided_regex", StructuredOutputs(regex=req.guided_regex)
             elif req.guided_choice is not None:
@@ -260,6 +267,11 @@ class InputProcessor:
         except ValueError as exc:
             raise bad_request(f"{field_name}: {str(exc).removeprefix('structured_outputs: ')}", field_name) from None
         return spec
+
+    def _json_spec(self, schema: str | None) -> StructuredOutputs:
+        """A JSON constraint: the schema's, or any object where None."""
+        return StructuredOutputs(json=schema, json_object=schema is None,
+                                 disable_any_whitespace=self.disable_any_whitespace)
 
     def _tool_mode(self, req: ChatCompletionRequest) -> tuple[ToolMode | None, StructuredOutputs | None]:
         """How the reply becomes tool calls, and the constraint a forced call
@@ -276,11 +288,11 @@ class InputProcessor:
         tools = [t.function.model_dump(mode="json", exclude_none=True) for t in req.tools or []]
         if mode == "required":
             schema = required_calls_schema(tools, parallel=req.parallel_tool_calls is not False)
-            tool_mode = ToolMode("required")
+            tool_mode = ToolMode("required", compact=self.disable_any_whitespace)
         else:
             name = req.tool_choice.function.name
             schema, tool_mode = named_call_schema(tools, name), ToolMode("named", function=name)
-        spec = StructuredOutputs(json=json.dumps(schema))
+        spec = self._json_spec(json.dumps(schema))
         try:
             check_structured_outputs(spec)
         except ValueError as exc:

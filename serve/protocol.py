@@ -137,7 +137,6 @@ _REFUSED_STRUCTURED: dict[str, Callable[[Any], bool]] = {
     "structural_tag": _off(),
     "backend": _off("xgrammar", "auto"),
     "disable_fallback": _off(False),
-    "disable_any_whitespace": _off(False),
     "disable_additional_properties": _off(False),
     "whitespace_pattern": _off(),
 }
@@ -214,6 +213,8 @@ class StructuredOutputsField(_Request):
     choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
     grammar: StrictStr | None = None
     json_object: bool | None = None
+    # None: the server's --structured-outputs-config default.
+    disable_any_whitespace: bool | None = None
 
 
 class FunctionDefinition(_Request):

@@ -69,6 +69,10 @@ class ToolMode:
     kind: str
     parser: str | None = None
     function: str | None = None
+    # "required": the calls' arguments, which are read out of the reply's
+    # array and written anew, written without whitespace, as the compact
+    # grammar (disable_any_whitespace) had the model write them.
+    compact: bool = False
 
 
 # -- schemas that force a call --------------------------------------------------
@@ -174,7 +178,7 @@ class CallStream:
                 return StreamPiece(calls=[CallDelta(0, "", self._named_id, self.mode.function)])
             return StreamPiece()
         if self.mode.kind == "required":
-            calls = _calls_from_array(self._buffer)
+            calls = _calls_from_array(self._buffer, self.mode.compact)
             if calls is None:  # cut short (length): what there is, as content
                 return StreamPiece(self._buffer)
             return StreamPiece(calls=self._number(calls))
@@ -189,18 +193,18 @@ class CallStream:
         return out
 
 
-def _calls_from_array(text: str) -> list[ToolCall] | None:
+def _calls_from_array(text: str, compact: bool = False) -> list[ToolCall] | None:
     try:
         value = json.loads(text)
     except ValueError:
         return None
     if not isinstance(value, list):
         return None
-    calls = [_call_from_object(v, "parameters") for v in value]
+    calls = [_call_from_object(v, "parameters", compact) for v in value]
     return None if any(c is None for c in calls) else calls
 
 
-def _call_from_object(value: Any, args_key: str) -> ToolCall | None:
+def _call_from_object(value: Any, args_key: str, compact: bool = False) -> ToolCall | None:
     """``{"name": str, args_key: object}`` (or ``arguments``) as a call."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -211,7 +215,7 @@ def _call_from_object(value: Any, args_key: str) -> ToolCall | None:
         return ToolCall(value["name"], args)
     if not isinstance(args, dict):
         return None
-    return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
+    return ToolCall(value["name"], json.dumps(args, ensure_ascii=False, separators=(",", ":") if compact else None))
 
 
 class _AutoParser:

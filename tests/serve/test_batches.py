@@ -364,6 +364,22 @@ def test_run_batch_cli(tiny_model, tmp_path, capsys):
     assert out["r3"]["response"]["body"]["usage"]["completion_tokens"] == 4
     assert out["bad"]["response"]["status_code"] == 400
     assert "7/7 requests, 1 failed" in capsys.readouterr().err
+    # The server's frontend flags hold offline too: names, template, structured output.
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
+    rows = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "alias", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+                      "temperature": 0, "response_format": fmt}}]
+    (tmp_path / "flags.jsonl").write_bytes(jsonl(rows))
+    rc = main(["run-batch", "-i", str(tmp_path / "flags.jsonl"), "-o", str(tmp_path / "flags-out.jsonl"),
+               "--model", tiny_model("llama"), "--device", "cpu", "--num-kv-blocks", "128", "--max-model-len", "256",
+               "--served-model-name", "alias", "--chat-template", "{{ messages[0].content }}!",
+               "--structured-outputs-config.disable_any_whitespace", "true"])
+    assert rc == 0
+    body = json.loads((tmp_path / "flags-out.jsonl").read_text())["response"]["body"]
+    assert body["model"] == "alias" and body["usage"]["prompt_tokens"] == len("hi!")
+    content = body["choices"][0]["message"]["content"]
+    assert content == json.dumps(json.loads(content), separators=(",", ":")), content
     (tmp_path / "bad.jsonl").write_text('{"custom_id": "a"}\n')
     assert main(["run-batch", "-i", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "o2.jsonl"),
                  "--model", tiny_model("llama"), "--device", "cpu"]) == 2

@@ -82,6 +82,32 @@ def test_flags_map_onto_the_engine_config(monkeypatch):
         cli.engine_config_from_args(parse("/m1", "--model", "/m2"))
 
 
+def test_structured_outputs_config_in_either_of_vllms_forms():
+    def compact(*argv: str) -> bool:
+        return cli.server_settings(parse(*cli._dotted_config_flags(list(argv)))).disable_any_whitespace
+
+    assert not compact()
+    assert compact("--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
+    assert compact("--structured-outputs-config.disable_any_whitespace", "true")
+    assert compact("--structured-outputs-config.disable_any_whitespace=true", "--structured-outputs-config.backend",
+                   "auto")
+    # Later flags win, as in vLLM.
+    assert not compact("--structured-outputs-config", '{"disable_any_whitespace": true}',
+                       "--structured-outputs-config.disable_any_whitespace", "false")
+
+
+@pytest.mark.parametrize("value, named", [
+    ('{"backend": "outlines"}', "backend: 'outlines' is not supported"),
+    ('{"disable_any_whitespace": "yes"}', "disable_any_whitespace: 'yes' is not supported"),
+    ('{"disable_fallback": true}', "disable_fallback: True is not supported"),
+    ('{"whitespace": true}', "whitespace: not a key this server knows"),
+    ("[1]", "not a JSON object"),
+])
+def test_structured_outputs_config_we_do_not_run_is_a_usage_error(value, named):
+    proc = run_cli("serve", "m", "--structured-outputs-config", value)
+    assert proc.returncode == 2 and named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_chat_template_file_or_inline(tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text("{{ messages[0]['content'] }}")

@@ -278,6 +278,101 @@ def test_auto_tool_choice_needs_the_server_flag(tiny_model):
         srv.stop()
 
 
+# -- compact JSON (disable_any_whitespace) ----------------------------------------
+
+
+def _compact(text: str) -> str:
+    return json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
+
+
+def test_compact_grammar_takes_no_whitespace_outside_strings(tiny_model):
+    """The grammar itself: the default takes whitespace between tokens (up
+    to its cap), the compact one only "," and ":" with nothing around them;
+    whitespace inside a string is the string's and stays allowed."""
+    import xgrammar as xgr
+
+    from fluidserve.engine.loader import load_tokenizer
+    from fluidserve.engine.structured import GrammarCompiler
+
+    compiler = GrammarCompiler(load_tokenizer(tiny_model("llama")), 261, [EOS])
+    schema = json.dumps(ANSWER_SCHEMA)
+    docs = ['{"answer":"yes","score":7,"ok":true}', '{"answer": "yes", "score": 7, "ok": true}',
+            '{ "answer":"no","score":1,"ok":false }', '{"answer":"maybe",\n"score":0,"ok":true}']
+
+    def takes(spec: StructuredOutputs, doc: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiler.compile(spec))
+        return matcher.accept_string(doc) and matcher.accept_token(EOS) and matcher.is_terminated()
+
+    assert [takes(StructuredOutputs(json=schema), d) for d in docs] == [True] * 4
+    assert [takes(StructuredOutputs(json=schema, disable_any_whitespace=True), d) for d in docs] == \
+        [True, False, False, False]
+    anything = StructuredOutputs(json_object=True, disable_any_whitespace=True)
+    assert takes(anything, '{"a b":[1,{"c":null}]}') and not takes(anything, '{"a b": [1]}')
+
+
+def test_disable_any_whitespace_per_request_gives_compact_json(server):
+    body = {"prompt": "Hello", "max_tokens": 200, "temperature": 1.0,
+            "structured_outputs": {"json": ANSWER_SCHEMA, "disable_any_whitespace": True}}
+    for seed in range(3):
+        resp = httpx.post(f"{server.base_url}/v1/completions", json={**body, "seed": seed}, timeout=60)
+        choice = resp.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        assert choice["text"] == _compact(choice["text"])
+        jsonschema.validate(json.loads(choice["text"]), ANSWER_SCHEMA)
+
+
+@pytest.mark.parametrize("so", [{"regex": "a+", "disable_any_whitespace": True},
+                                {"choice": ["a", "b"], "disable_any_whitespace": True}])
+def test_disable_any_whitespace_on_a_pattern_is_a_400(server, so):
+    resp = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x", "structured_outputs": so},
+                      timeout=30)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "structured_outputs" and "disable_any_whitespace" in error["message"], error
+
+
+def test_a_compact_server_gives_compact_json_unless_a_request_opts_out(tiny_model):
+    """--structured-outputs-config '{"disable_any_whitespace": true}': every
+    JSON constraint is compact (response_format, guided_json, a forced tool
+    call's arguments, whole and streamed: under "required" the calls read out
+    of the reply's array are written compact too); a request's own
+    structured_outputs flag wins, and patterns (regex, choice) are not JSON
+    and pass untouched."""
+    from fluidserve.serve.inputs import InputProcessor, ModelInfo
+    from fluidserve.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    srv = start_server(tiny_model("llama"), ServerSettings(disable_any_whitespace=True))
+    try:
+        c = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
+        fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+        for seed in range(3):
+            content, _, finish = chat(c, seed % 2 == 1, response_format=fmt, temperature=1.0, seed=seed)
+            assert finish == "stop" and content == _compact(content), content
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for stream, choice in ((False, named), (True, named), (False, "required"), (True, "required")):
+            _, calls, finish = chat(c, stream, tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False,
+                                    temperature=1.0, seed=1)
+            assert finish == "tool_calls" and calls[0]["arguments"] == _compact(calls[0]["arguments"]), calls
+        resp = httpx.post(f"{srv.base_url}/v1/completions", timeout=60, json={
+            "prompt": "x", "max_tokens": 8, "temperature": 0, "guided_regex": "[a-c] [a-c]"})
+        assert resp.status_code == 200 and len(resp.json()["choices"][0]["text"]) == 3, resp.text
+    finally:
+        srv.stop()
+
+    proc = InputProcessor(None, ModelInfo("m", 256, 261), disable_any_whitespace=True)  # no tokenizer needed
+
+    def compact(body: dict, chat: bool = False) -> bool:
+        req = (ChatCompletionRequest.model_validate({"messages": MSGS, **body}) if chat
+               else CompletionRequest.model_validate({"prompt": "x", **body}))
+        return proc._structured(req).disable_any_whitespace
+
+    assert compact({"guided_json": ANSWER_SCHEMA})
+    assert compact({"structured_outputs": {"json_object": True}})
+    assert compact({"response_format": {"type": "json_object"}}, chat=True)
+    assert not compact({"structured_outputs": {"json": ANSWER_SCHEMA, "disable_any_whitespace": False}})
+    assert not compact({"structured_outputs": {"regex": "a+"}})
+
+
 # -- the engine side --------------------------------------------------------------
 
 
