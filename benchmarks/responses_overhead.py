@@ -5,6 +5,7 @@ in turn as ``POST /v1/chat/completions`` and as ``POST /v1/responses``
 
     python benchmarks/responses_overhead.py                       # the built-in tiny model
     python benchmarks/responses_overhead.py --model ~/models/SmolLM2-135M-Instruct --dtype float32
+    python benchmarks/responses_overhead.py --model DIR --dtype float32 --with-data-dir
 
 Per route and reply length: the median client latency over ``--rounds``
 requests (whole: until the body; streamed: until the first text delta and
@@ -12,7 +13,10 @@ until the stream ends), the routes taking turns request by request so that
 both see the same machine. The Responses route turns its body into the chat
 body it stands for, renders the reply as a Response object and keeps it
 (``store``); the difference of medians is that work, plus its bigger
-response. Writes benchmarks/results/responses_overhead{--tag}.{json,md}.
+response. ``--with-data-dir`` starts the server a second time in the same
+run with ``--data-dir`` (a fresh folder), where each kept response is also
+written to SQLite (``synchronous=FULL``) before its reply goes out. Writes
+benchmarks/results/responses_overhead{--tag}.{json,md}.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,17 +101,19 @@ def measure(base: str, model: str, lengths: list[int], rounds: int) -> list[dict
 
 def to_markdown(record: dict) -> str:
     lines = ["# The Responses API beside the chat route", "",
-             f"One `fluidserve serve` ({record['model']}; flags: `{' '.join(record['flags']) or 'none'}`), "
+             f"`fluidserve serve` ({record['model']}; flags: `{' '.join(record['flags']) or 'none'}`"
+             f"{'; started again with `--data-dir`' if len(record['stores']) > 1 else ''}), "
              f"one request at a time, the two routes taking turns; medians of {record['rounds']} requests each. "
              "The same greedy conversation (a system message and a question; `ignore_eos`), "
-             "as `instructions` and `input` on `/v1/responses`.", "",
-             "| reply | tokens | chat ms | responses ms | responses - chat ms | chat first text ms | "
-             "responses first text ms |", "|---|---|---|---|---|---|---|"]
+             "as `instructions` and `input` on `/v1/responses`; kept responses in memory, or with `--data-dir` "
+             "in SQLite too.", "",
+             "| kept | reply | tokens | chat ms | responses ms | responses - chat ms | chat first text ms | "
+             "responses first text ms |", "|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         kind = "streamed" if r["stream"] else "whole"
         firsts = (f"{r['chat_first_ms']:.2f} | {r['responses_first_ms']:.2f}" if r["stream"] else "- | -")
-        lines.append(f"| {kind} | {r['max_tokens']} | {r['chat_ms']:.2f} | {r['responses_ms']:.2f} | "
-                     f"{r['extra_ms']:+.2f} | {firsts} |")
+        lines.append(f"| {r.get('kept', 'memory')} | {kind} | {r['max_tokens']} | {r['chat_ms']:.2f} | "
+                     f"{r['responses_ms']:.2f} | {r['extra_ms']:+.2f} | {firsts} |")
     lines += ["", f"`{record['command']}`", ""]
     return "\n".join(lines)
 
@@ -118,23 +125,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[1, 32])
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--port", type=int, default=8093)
+    p.add_argument("--with-data-dir", action="store_true",
+                   help="also run the server with --data-dir, where kept responses go to SQLite too")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     flags = ([args.model] if args.model else []) + (["--dtype", args.dtype] if args.dtype else [])
-    proc = serve_bench.start_server(args.port, flags)
+    stores = {"memory": []}
+    if args.with_data_dir:
+        stores["sqlite"] = ["--data-dir", tempfile.mkdtemp(prefix="responses-overhead-")]
     base = f"http://127.0.0.1:{args.port}"
-    try:
-        model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
-        rows = measure(base, model, args.lengths, args.rounds)
-    finally:
-        serve_bench.stop_server(proc)
+    rows = []
+    for kept, extra in stores.items():
+        proc = serve_bench.start_server(args.port, flags + extra)
+        try:
+            model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+            rows += [{"kept": kept, **row} for row in measure(base, model, args.lengths, args.rounds)]
+        finally:
+            serve_bench.stop_server(proc)
     name = Path(args.model).name if args.model else "tiny (built in)"
     given = list(argv if argv is not None else sys.argv[1:])
     if args.model:  # the directory is the reader's own
         given = [("DIR" if a == args.model else a) for a in given]
     command = " ".join(["python benchmarks/responses_overhead.py", *given])
     record = {"model": name, "flags": flags[1:] if args.model else flags, "rounds": args.rounds, "rows": rows,
-              "command": command}
+              "stores": list(stores), "command": command}
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"responses_overhead{args.tag}"
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")

@@ -143,6 +143,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     if settings.enable_tokenizer_info_endpoint:
         app.add_api_route("/tokenizer_info", server.tokenizer_info, methods=["GET"], dependencies=auth)
     batch_runner = install_batch_api(app, server, batch_config, auth)
+    server.responses.durable = batch_runner.store  # with --data-dir, kept responses outlive the process
     return app
 
 

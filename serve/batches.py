@@ -185,7 +185,7 @@ class LineExecutor:
                 inputs = s.processor.completion(req)
             elif endpoint == "/v1/responses":
                 req = validate_body(body, responses.ResponsesRequest, s.settings.ignore_unknown_fields)
-                call = responses.begin(s, req, lambda chat: request_id)
+                call = await responses.begin(s, req, lambda chat: request_id)
                 inputs = call.inputs
             else:
                 req = validate_body(body, ChatCompletionRequest, s.settings.ignore_unknown_fields)
@@ -202,7 +202,7 @@ class LineExecutor:
             finally:
                 self.num_queued -= waiting[0]
             if call is not None:
-                reply = responses.finish(s, call, finals[0])
+                reply = await responses.finish(s, call, finals[0])
             else:
                 render = s.completion_body if endpoint == "/v1/completions" else s.chat_body
                 response = render(request_id, req, inputs, finals)

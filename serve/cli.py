@@ -216,8 +216,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info: the tokenizer's configuration and chat template")
     s.add_argument("--max-stored-responses", type=int, default=10_000,
-                   help="Responses API: the most replies kept in memory for previous_response_id and "
-                        "GET /v1/responses/{id} (0: none kept)")
+                   help="Responses API: the most replies kept for previous_response_id and "
+                        "GET /v1/responses/{id}, the least recently made or continued going first (0: none kept)")
     s.add_argument("--guided-decoding-backend", default="auto", choices=["auto", "xgrammar"],
                    help="structured output (response_format, forced tool calls) runs on xgrammar, the one "
                         "backend built in")
@@ -235,8 +235,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="log and drop request fields neither OpenAI nor vLLM defines, as vLLM does; without it "
                         "they are a 400 naming the field, as OpenAI answers (a misspelt field never runs silently)")
     s.add_argument("--data-dir", default=None,
-                   help="directory of the Batch API's SQLite store (files, batches, results); "
-                        "omitted: /v1/files and /v1/batches are disabled")
+                   help="directory of the Batch API's SQLite store (files, batches, results), where the "
+                        "Responses API's kept responses outlive restarts too; omitted: /v1/files and /v1/batches "
+                        "are disabled and kept responses live in memory only")
     s.add_argument("--batch-max-in-flight", type=int, default=64,
                    help="batch lines in the engine at once (offline requests; online ones never wait on them)")
     s.add_argument("--drain-timeout", type=float, default=30.0,

@@ -9,9 +9,10 @@ the chat route (template, sampling, structured output and tools are that
 route's); rendering the reply as a Response object and as the event stream
 OpenAI's SDK reads; and the responses kept for ``previous_response_id``.
 
-Kept responses live in this process's memory, the last
-``max_stored_responses`` of them (``--max-stored-responses``), and are
-gone after a restart, as in vLLM. Each keeps only its own turn (its input
+Kept responses are the last ``max_stored_responses`` used
+(``--max-stored-responses``): in this process's memory, and with
+``--data-dir`` in the Batch API's SQLite store too, written before the reply
+goes out, so they outlive a restart. Each keeps only its own turn (its input
 items and its reply) and the id of the one before: a conversation is read
 back by walking that chain, so a long one costs memory once, not once per
 turn.
@@ -23,12 +24,14 @@ inputs, reasoning options, background mode, ``truncation: "auto"``.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Annotated, Any, AsyncIterator, Callable, ClassVar, Literal
+from typing import Annotated, Any, AsyncIterator, Callable, ClassVar, Literal, Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -40,7 +43,10 @@ from fluidserve.serve.errors import APIError, int_param, order_param, query_para
 from fluidserve.serve.inputs import EngineInputs, check_model, log_request
 from fluidserve.serve.protocol import REQUEST_BODIES, ChatCompletionRequest, FunctionName, Prob, _off, _Request
 from fluidserve.serve.render import chat_choices, chat_logprobs, finish_reason
+from fluidserve.serve.store import Store, StoreError
 from fluidserve.serve.tool_parsers import CallStream, StreamPiece
+
+logger = logging.getLogger(__name__)
 
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY = 64
@@ -281,45 +287,79 @@ class Stored:
 
 
 class ResponseStore:
-    """The last ``capacity`` kept responses, in memory; reading one keeps
-    it (and the conversation it continues) fresh."""
+    """The last ``capacity`` kept responses used, in memory: a response is
+    used when it is made and when a new one continues its conversation, so
+    a live conversation is kept whole (reading one back is not a use). With
+    ``durable`` (the SQLite store of ``--data-dir``) each is written there
+    before its reply goes out and outlives the process; memory is then a
+    cache of it, never holding one the store has dropped."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, durable: Store | None = None) -> None:
         self.capacity = capacity
+        self.durable = durable
         self._kept: OrderedDict[str, Stored] = OrderedDict()
 
-    def put(self, response_id: str, stored: Stored) -> None:
+    async def put(self, response_id: str, stored: Stored, continued: Sequence[str] = ()) -> None:
+        """Keep ``stored``; ``continued``: the kept turns it follows, which
+        count as used with it."""
         if self.capacity <= 0:
             return
+        for rid in reversed(continued):  # the conversation's oldest turn first, as the store orders them
+            if rid in self._kept:
+                self._kept.move_to_end(rid)
+        self._cache(response_id, stored)
+        if self.durable is None:
+            return
+        record = {"body": stored.body, "turn": stored.turn, "items": stored.items}
+        try:
+            dropped = await asyncio.to_thread(self.durable.put_response, response_id, stored.previous, record,
+                                              self.capacity, continued)
+        except StoreError as exc:
+            # The reply is made: it still goes out, and stays kept in memory.
+            logger.warning("response %s is kept in memory only: %s", response_id, exc)
+            return
+        for rid in dropped:
+            self._kept.pop(rid, None)
+
+    def _cache(self, response_id: str, stored: Stored) -> None:
         self._kept[response_id] = stored
         self._kept.move_to_end(response_id)
         while len(self._kept) > self.capacity:
             self._kept.popitem(last=False)
 
-    def get(self, response_id: str) -> Stored | None:
+    async def get(self, response_id: str) -> Stored | None:
         stored = self._kept.get(response_id)
-        if stored is not None:
-            self._kept.move_to_end(response_id)
+        if stored is None and self.durable is not None and self.capacity > 0:
+            row = await asyncio.to_thread(self.durable.get_response, response_id)
+            if row is not None:
+                previous, record = row
+                stored = Stored(record["body"], record["turn"], previous, record["items"])
+                self._cache(response_id, stored)
         return stored
 
-    def delete(self, response_id: str) -> bool:
-        return self._kept.pop(response_id, None) is not None
+    async def delete(self, response_id: str) -> bool:
+        deleted = self._kept.pop(response_id, None) is not None
+        if self.durable is not None:
+            deleted = await asyncio.to_thread(self.durable.delete_response, response_id) or deleted
+        return deleted
 
-    def conversation(self, response_id: str) -> list[dict[str, Any]]:
+    async def conversation(self, response_id: str) -> tuple[list[dict[str, Any]], list[str]]:
         """The chat messages of every turn up to and including
-        ``response_id``'s; a 400 where one is not kept."""
-        turns = []
+        ``response_id``'s, and the ids of those turns (latest first); a 400
+        where one is not kept."""
+        turns, ids = [], []
         seen: set[str] = set()
         rid: str | None = response_id
         while rid is not None and rid not in seen:
             seen.add(rid)
-            stored = self.get(rid)
+            stored = await self.get(rid)
             if stored is None:
                 which = "" if rid == response_id else f" (it continues {rid!r}, which is no longer kept)"
                 raise _not_found(response_id, which)
             turns.append(stored.turn)
+            ids.append(rid)
             rid = stored.previous
-        return [m for turn in reversed(turns) for m in turn]
+        return [m for turn in reversed(turns) for m in turn], ids
 
 
 def _not_found(response_id: str, why: str = "") -> APIError:
@@ -339,6 +379,7 @@ class _Call:
     inputs: EngineInputs
     turn: list[dict[str, Any]]  # this turn's input messages
     response_id: str
+    continued: list[str]  # the kept turns it follows (previous_response_id's chain), latest first
     created_at: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -375,21 +416,21 @@ def responses_routes(server: Any) -> dict[str, Callable]:
     async def create_response(request: Request) -> Response:
         return await _create(server, request)
 
-    def kept(response_id: str) -> Stored:
-        stored = store.get(response_id)
+    async def kept(response_id: str) -> Stored:
+        stored = await store.get(response_id)
         if stored is None:
             raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id",
                            code="not_found")
         return stored
 
     async def get_response(response_id: str) -> JSONResponse:
-        return JSONResponse(kept(response_id).body)
+        return JSONResponse((await kept(response_id)).body)
 
     async def list_input_items(request: Request, response_id: str) -> JSONResponse:
         q = query_params(request, ("after", "limit", "order"))
         limit = int_param(q, "limit", 20, 1, 100)
         order, after = order_param(q), q.get("after")
-        stored = kept(response_id)
+        stored = await kept(response_id)
         items = stored.items if order == "asc" else stored.items[::-1]
         ids = [item["id"] for item in items]
         start = ids.index(after) + 1 if after in ids else 0
@@ -399,8 +440,8 @@ def responses_routes(server: Any) -> dict[str, Callable]:
                              "has_more": start + limit < len(items)})
 
     async def delete_response(response_id: str) -> JSONResponse:
-        kept(response_id)
-        store.delete(response_id)
+        await kept(response_id)
+        await store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     return {"POST /v1/responses": create_response, "GET /v1/responses/{response_id}": get_response,
@@ -408,12 +449,12 @@ def responses_routes(server: Any) -> dict[str, Callable]:
             "DELETE /v1/responses/{response_id}": delete_response}
 
 
-def begin(server: Any, req: ResponsesRequest, response_id: Callable[[ChatCompletionRequest], str]) -> _Call:
+async def begin(server: Any, req: ResponsesRequest, response_id: Callable[[ChatCompletionRequest], str]) -> _Call:
     """The request as the chat request it stands for and its engine inputs;
     ``response_id`` names it from that chat request."""
     check_model(req.model, server.model)
     store: ResponseStore = server.responses
-    history = store.conversation(req.previous_response_id) if req.previous_response_id else []
+    history, continued = await store.conversation(req.previous_response_id) if req.previous_response_id else ([], [])
     try:
         turn = input_messages(req.input)
     except ValueError as exc:
@@ -424,13 +465,13 @@ def begin(server: Any, req: ResponsesRequest, response_id: Callable[[ChatComplet
         param = "top_logprobs" if req.top_logprobs is not None else "include"
         raise APIError(400, f"{param}: logprobs with tools are not supported by this server", param=param)
     chat = chat_request(req, history, turn, server.settings.ignore_unknown_fields)
-    return _Call(req, chat, server.processor.chat(chat), turn, response_id(chat))
+    return _Call(req, chat, server.processor.chat(chat), turn, response_id(chat), continued)
 
 
 async def _create(server: Any, request: Request) -> Response:
     received = time.monotonic()
     req = await server.parse(request, ResponsesRequest)
-    call = begin(server, req, lambda chat: f"resp_{server.base_request_id(request, chat.request_id)}")
+    call = await begin(server, req, lambda chat: f"resp_{server.base_request_id(request, chat.request_id)}")
     inputs = call.inputs
     server.admit_capacity(1)
     if server.settings.log_requests:
@@ -442,10 +483,10 @@ async def _create(server: Any, request: Request) -> Response:
     if req.stream:
         return server.sse(_events(server, call, streams[0], timers[0]))
     (final,) = await server.until_disconnect(request, server.collect(streams, timers), streams)
-    return JSONResponse(finish(server, call, final))
+    return JSONResponse(await finish(server, call, final))
 
 
-def finish(server: Any, call: _Call, final: RequestOutput, reply: _Reply | None = None) -> dict[str, Any]:
+async def finish(server: Any, call: _Call, final: RequestOutput, reply: _Reply | None = None) -> dict[str, Any]:
     """The Response object of ``call``'s finished output (its items as
     ``reply`` has them, else read off the output), kept if asked."""
     reply = reply or _reply_of(server, call, final)
@@ -453,8 +494,9 @@ def finish(server: Any, call: _Call, final: RequestOutput, reply: _Reply | None 
     body.update(output=reply.items(), usage=_usage(call, final),
                 incomplete_details={"reason": "max_output_tokens"} if reply.cut else None)
     if call.req.store:
-        server.responses.put(call.response_id, Stored(body, call.turn + [reply.message()],
-                                                      call.req.previous_response_id, input_items(call.req.input)))
+        stored = Stored(body, call.turn + [reply.message()], call.req.previous_response_id,
+                        input_items(call.req.input))
+        await server.responses.put(call.response_id, stored, call.continued)
     return body
 
 
@@ -666,7 +708,7 @@ async def _events(server: Any, call: _Call, stream: RequestStream, timer: Any) -
         assert final is not None
         for line in streamer.close():
             yield line
-        body = finish(server, call, final, streamer.reply)
+        body = await finish(server, call, final, streamer.reply)
         yield event("response.incomplete" if body["status"] == "incomplete" else "response.completed",
                     response=body)
     except (EngineDeadError, RequestFailedError) as exc:

@@ -1,5 +1,6 @@
 """Durable state of the Batch API: uploaded files, batches, their input lines
-and each line's result, in one SQLite database (WAL mode).
+and each line's result, in one SQLite database (WAL mode); and the
+Responses API's kept responses, which share it where ``--data-dir`` is set.
 
 Owns every write and the invariants that make a batch exactly-once across a
 crash: a line's result row and the batch's counters change in one
@@ -14,6 +15,7 @@ Layout (one row each)::
     batches  id, status, timestamps, counters, errors (JSON), metadata (JSON)
     lines    batch_id, line_no, custom_id, body (JSON)          input, parsed once
     results  batch_id, line_no, ok, line (JSON)                 one per finished line
+    responses id, previous, record (JSON), used                 a kept response; ``used`` orders the LRU
 
 An uploaded file's content is ``<data_dir>/files/<id>`` (``on_disk``), so
 that a 200 MB upload is copied in chunks rather than held as one bytes
@@ -98,6 +100,13 @@ CREATE TABLE IF NOT EXISTS results (
     line TEXT NOT NULL,
     PRIMARY KEY (batch_id, line_no)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    previous TEXT,
+    record TEXT NOT NULL,
+    used INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_by_use ON responses (used);
 """
 
 
@@ -482,6 +491,34 @@ class Store:
         for n, ok, line in self._read("SELECT line_no, ok, line FROM results WHERE batch_id=? ORDER BY line_no",
                                       (batch_id,)):
             yield n, bool(ok), json.loads(line)
+
+    # -- kept responses -----------------------------------------------------
+    def put_response(self, response_id: str, previous: str | None, record: dict[str, Any], capacity: int,
+                     continued: Sequence[str] = ()) -> list[str]:
+        """Keep a response as the most recently used, the turns it
+        continues (``continued``) just before it, and drop the least
+        recently used beyond ``capacity``: the ids dropped."""
+
+        def run(db: sqlite3.Connection) -> list[str]:
+            used = db.execute("SELECT COALESCE(MAX(used), 0) FROM responses").fetchone()[0]
+            db.executemany("UPDATE responses SET used=? WHERE id=?",
+                           [(used + 1 + i, rid) for i, rid in enumerate(reversed(continued))])
+            db.execute("INSERT OR REPLACE INTO responses (id, previous, record, used) VALUES (?,?,?,?)",
+                       (response_id, previous, json.dumps(record), used + 1 + len(continued)))
+            dropped = [row[0] for row in db.execute(
+                "SELECT id FROM responses ORDER BY used DESC LIMIT -1 OFFSET ?", (capacity,))]
+            db.executemany("DELETE FROM responses WHERE id=?", [(rid,) for rid in dropped])
+            return dropped
+
+        return self._write(run)
+
+    def get_response(self, response_id: str) -> tuple[str | None, dict[str, Any]] | None:
+        """(previous id, record) of a kept response."""
+        rows = self._read("SELECT previous, record FROM responses WHERE id=?", (response_id,))
+        return (rows[0][0], json.loads(rows[0][1])) if rows else None
+
+    def delete_response(self, response_id: str) -> bool:
+        return self._write(lambda db: db.execute("DELETE FROM responses WHERE id=?", (response_id,)).rowcount > 0)
 
 
 # -- transaction bodies (run inside Store._write) ---------------------------

@@ -14,6 +14,7 @@ token limit and reads as text.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -22,6 +23,7 @@ import pytest
 
 from fluidserve.serve.api import ServerSettings
 from fluidserve.serve.responses import ResponseStore, Stored
+from fluidserve.serve.store import Store
 from server_utils import ok, start_server, wait_idle
 
 LETTERS = list(range(ord("a"), ord("z") + 1))
@@ -115,6 +117,61 @@ def test_previous_response_id_continues_the_conversation_and_kept_ones_read_back
         client.responses.retrieve(unkept.id)
     with pytest.raises(openai.BadRequestError):
         respond(client, input="x", previous_response_id=unkept.id)
+
+
+def test_a_response_the_store_cannot_take_is_still_answered_and_kept_in_memory(tmp_path, caplog):
+    """A full disk: the reply is made, so it goes out; the response stays
+    kept in memory (and says so in the log), nothing committed is lost."""
+    store = Store(tmp_path)
+    asyncio.run(ResponseStore(4, store).put("small", Stored({"id": "small"}, [], None)))
+    pages = store._read("PRAGMA page_count")[0][0]
+    store.close()
+    full = ResponseStore(4, Store(tmp_path, max_pages=pages))  # no room to grow
+    big = Stored({"id": "big", "text": "x" * 200_000}, [], "small")
+    with caplog.at_level("WARNING", logger="fluidserve.serve.responses"):
+        asyncio.run(full.put("big", big, continued=["small"]))
+    assert "response big is kept in memory only" in caplog.text and "full" in caplog.text
+    assert asyncio.run(full.get("big")) is big
+    assert asyncio.run(ResponseStore(4, Store(tmp_path)).get("small")).body == {"id": "small"}
+
+
+def test_with_a_data_dir_kept_responses_outlive_the_server(tiny_model, tmp_path):
+    """--data-dir: a kept response is written before its reply goes out, so
+    a new server on the same folder reads it back, lists its input items and
+    continues its conversation as the first server would have; a deletion
+    holds across a restart too."""
+    from fluidserve.serve.batches import BatchConfig
+
+    def serve():
+        srv = start_server(tiny_model("llama"), max_model_len=512, batch_config=BatchConfig(str(tmp_path)))
+        c = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        return srv, c
+
+    srv, c = serve()
+    try:
+        first = respond(c, input="abc", instructions="Be brief.", metadata={"k": "v"})
+        second = respond(c, input="def", previous_response_id=first.id)
+        streamed = respond(c, input="xyz", stream=True)
+        kept_stream = [e.response for e in streamed if e.type == "response.incomplete"][0]
+        gone = respond(c, input="ghi")
+        c.responses.delete(gone.id)
+        continued_here = respond(c, input="jkl", previous_response_id=second.id, store=False)
+    finally:
+        srv.stop()
+
+    srv, c = serve()
+    try:
+        assert c.responses.retrieve(first.id).model_dump() == first.model_dump()
+        assert c.responses.retrieve(kept_stream.id).output_text == kept_stream.output_text
+        items = c.responses.input_items.list(second.id).data
+        assert [(i.role, i.content[0].text) for i in items] == [("user", "def")]
+        again = respond(c, input="jkl", previous_response_id=second.id, store=False)
+        assert again.output_text == continued_here.output_text
+        assert again.usage.input_tokens == continued_here.usage.input_tokens
+        with pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(gone.id)
+    finally:
+        srv.stop()
 
 
 def test_a_kept_responses_input_items_list_back_in_pages(server, client):
@@ -280,18 +337,35 @@ def test_a_client_that_leaves_mid_stream_leaves_nothing_in_the_engine(server):
     wait_idle(server, timeout=10)
 
 
-def test_the_store_keeps_the_last_ones_and_walks_a_conversation_back():
-    store = ResponseStore(capacity=2)
+@pytest.mark.parametrize("durable", [False, True], ids=["memory", "sqlite"])
+def test_the_store_keeps_the_last_ones_used_and_walks_a_conversation_back(tmp_path, durable):
+    """Made or continued counts as used; the least recently used goes first,
+    in memory and in the SQLite store alike, and the store's survive a new
+    process."""
     turn = lambda text: [{"role": "user", "content": text}, {"role": "assistant", "content": text.upper()}]  # noqa: E731
-    store.put("a", Stored({}, turn("a"), None))
-    store.put("b", Stored({}, turn("b"), "a"))
-    assert [m["content"] for m in store.conversation("b")] == ["a", "A", "b", "B"]
-    store.get("a")  # read: kept fresh
-    store.put("c", Stored({}, turn("c"), "b"))  # "b" goes, the least recently used
-    assert store.get("b") is None and store.get("a") is not None
-    with pytest.raises(Exception, match="'b', which is no longer kept"):
-        store.conversation("c")
-    assert ResponseStore(capacity=0).get("x") is None
+
+    async def run(store: ResponseStore) -> None:
+        await store.put("a", Stored({"id": "a"}, turn("a"), None))
+        await store.put("x", Stored({"id": "x"}, turn("x"), None))
+        assert (await store.conversation("a"))[1] == ["a"]
+        await store.put("b", Stored({"id": "b"}, turn("b"), "a"), continued=["a"])  # "a" used again: "x" goes
+        assert await store.get("x") is None
+        messages, ids = await store.conversation("b")
+        assert [m["content"] for m in messages] == ["a", "A", "b", "B"] and ids == ["b", "a"]
+        assert (await store.get("a")).body == {"id": "a"}  # a read is no use: "a" is still the oldest
+        await store.put("c", Stored({"id": "c"}, turn("c"), None))
+        assert await store.get("a") is None
+        with pytest.raises(Exception, match="'a', which is no longer kept"):
+            await store.conversation("b")
+        assert await store.delete("c") and not await store.delete("c")
+        assert await ResponseStore(capacity=0).get("x") is None
+
+    asyncio.run(run(ResponseStore(2, Store(tmp_path) if durable else None)))
+    if durable:
+        again = ResponseStore(2, Store(tmp_path))
+        kept = asyncio.run(again.get("b"))
+        assert kept.previous == "a" and kept.turn == turn("b") and kept.body == {"id": "b"}
+        assert [asyncio.run(again.get(rid)) for rid in "acx"] == [None, None, None]
 
 
 def test_openapi_describes_the_body(server):
