@@ -71,6 +71,10 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, headers=err.headers)
 
 
+# OpenAI's code for a prompt (and completion) longer than the context.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, code="invalid_value" if param else None)
 

@@ -21,7 +21,7 @@ from typing import Any
 from fluidserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 from fluidserve.engine.structured import check_structured_outputs
 from fluidserve.serve.beam_search import BeamSearchParams
-from fluidserve.serve.errors import APIError, bad_request, from_value_error
+from fluidserve.serve.errors import CONTEXT_LENGTH_EXCEEDED, APIError, bad_request, from_value_error
 from fluidserve.serve.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -220,18 +220,15 @@ class InputProcessor:
         limit = self.model.max_model_len
         longest = max(len(p.token_ids) for p in prompts)
         if longest >= limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens; the {longest} tokens of the "
-                f"{prompt_param} leave no room for a completion", prompt_param,
-            )
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; the {longest} tokens of "
+                           f"the {prompt_param} leave no room for a completion", param=prompt_param,
+                           code=CONTEXT_LENGTH_EXCEEDED)
         if asked is None:
             return limit - longest
         if longest + asked > limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{longest + asked} tokens ({longest} in the {prompt_param}, {asked} in the completion)",
-                "max_tokens",
-            )
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{longest + asked} tokens ({longest} in the {prompt_param}, {asked} in the completion)",
+                           param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED)
         return asked
 
     def _structured(self, req: _SamplingFields) -> StructuredOutputs | None:

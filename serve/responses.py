@@ -19,7 +19,7 @@ turn.
 
 What the chat route cannot do is refused with a 400 naming the field:
 built-in tools (web search, file search, ...), image, file and audio
-inputs, reasoning options, background mode, ``truncation: "auto"``.
+inputs, reasoning options, background mode.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pydantic import Field, StrictStr, model_validator
 
 from fluidserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from fluidserve.engine.outputs import CompletionOutput, RequestOutput
-from fluidserve.serve.errors import APIError, int_param, order_param, query_params
+from fluidserve.serve.errors import CONTEXT_LENGTH_EXCEEDED, APIError, int_param, order_param, query_params
 from fluidserve.serve.inputs import EngineInputs, check_model, log_request
 from fluidserve.serve.protocol import REQUEST_BODIES, ChatCompletionRequest, FunctionName, Prob, _off, _Request
 from fluidserve.serve.render import chat_choices, chat_logprobs, finish_reason
@@ -133,7 +133,6 @@ class ResponsesRequest(_Request):
     _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = {
         "background": _off(False),
         "reasoning": _reasoning_off,
-        "truncation": _off("disabled"),  # "auto" would drop turns from the middle: not done here
         "max_tool_calls": _off(),
         "conversation": _off(),
         "prompt": _off(),  # stored prompt templates
@@ -157,6 +156,8 @@ class ResponsesRequest(_Request):
     store: bool = True
     previous_response_id: StrictStr | None = None
     metadata: dict[StrictStr, StrictStr] | None = None
+    # "auto": the oldest turns of the conversation are dropped until the prompt fits.
+    truncation: Literal["auto", "disabled"] | None = None
     # Passed to the chat route, which checks them (see _PASSED_TO_CHAT).
     user: Any = None
     safety_identifier: Any = None
@@ -464,8 +465,34 @@ async def begin(server: Any, req: ResponsesRequest, response_id: Callable[[ChatC
     if req.wants_logprobs and req.tools:
         param = "top_logprobs" if req.top_logprobs is not None else "include"
         raise APIError(400, f"{param}: logprobs with tools are not supported by this server", param=param)
-    chat = chat_request(req, history, turn, server.settings.ignore_unknown_fields)
-    return _Call(req, chat, server.processor.chat(chat), turn, response_id(chat), continued)
+    chat, inputs = _fitted(server, req, history, turn)
+    return _Call(req, chat, inputs, turn, response_id(chat), continued)
+
+
+def _fitted(server: Any, req: ResponsesRequest, history: list[dict[str, Any]],
+            turn: list[dict[str, Any]]) -> tuple[ChatCompletionRequest, EngineInputs]:
+    """The chat request and its engine inputs. Where the prompt does not fit
+    the context and ``truncation`` is "auto", the conversation's oldest turns
+    are dropped, a whole turn at a time (a user message and what answered
+    it, tool calls with their outputs), until it fits, as OpenAI drops input
+    items from the conversation's middle: leading system messages and this
+    request's own input stay. A 400 naming ``input`` (or
+    ``max_output_tokens``) where even that does not fit."""
+    lead = next((i for i, m in enumerate(history) if m.get("role") not in ("system", "developer")), len(history))
+    while True:
+        chat = chat_request(req, history, turn, server.settings.ignore_unknown_fields)
+        try:
+            return chat, server.processor.chat(chat)
+        except APIError as err:
+            if err.code != CONTEXT_LENGTH_EXCEEDED:
+                raise
+            if req.truncation != "auto" or len(history) == lead:
+                hint = "" if req.truncation == "auto" else ' (truncation: "auto" drops the oldest turns to fit)'
+                raise APIError(400, err.message + hint, param="max_output_tokens" if err.param == "max_tokens"
+                               else "input", code=CONTEXT_LENGTH_EXCEEDED) from None
+        rest = history[lead + 1:]
+        next_turn = next((i for i, m in enumerate(rest) if m.get("role") == "user"), len(rest))
+        history = history[:lead] + rest[next_turn:]
 
 
 async def _create(server: Any, request: Request) -> Response:
@@ -523,7 +550,7 @@ def _envelope(server: Any, call: _Call, status: str) -> dict[str, Any]:
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
         "tool_choice": tool_choice or "auto", "tools": tools, "top_logprobs": req.top_logprobs or 0,
-        "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled", "usage": None,
+        "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": req.truncation or "disabled", "usage": None,
         "user": req.user, "metadata": req.metadata or {},
     }
 

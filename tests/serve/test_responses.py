@@ -304,6 +304,36 @@ def test_a_call_cut_short_is_an_incomplete_item_whole_and_streamed(server, clien
         ("function_call", "incomplete", call.arguments)]
 
 
+def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits(server, client):
+    """512-token context: three turns of 160 letters do not fit. Disabled
+    (the default) that is OpenAI's 400 context_length_exceeded naming
+    input; "auto" drops the oldest whole turn and answers as the chat route
+    answers the turns left; the kept chain is untouched by it."""
+    first = respond(client, input="a" * 160)
+    second = respond(client, input="b" * 160, previous_response_id=first.id)
+    with pytest.raises(openai.BadRequestError) as err:
+        respond(client, input="c" * 160, previous_response_id=second.id)
+    body = err.value.body
+    assert (body["code"], body["param"]) == ("context_length_exceeded", "input") and "truncation" in body["message"]
+
+    third = respond(client, input="c" * 160, previous_response_id=second.id, truncation="auto", store=False)
+    kept = chat(server, [{"role": "user", "content": "b" * 160}, {"role": "assistant", "content": second.output_text},
+                         {"role": "user", "content": "c" * 160}])
+    assert third.truncation == "auto" and third.output_text == kept["choices"][0]["message"]["content"]
+    assert third.usage.input_tokens == kept["usage"]["prompt_tokens"]
+    # Even the turn alone too long: the 400 stands, truncation or not.
+    with pytest.raises(openai.BadRequestError) as err:
+        respond(client, input="d" * 600, previous_response_id=second.id, truncation="auto")
+    assert (err.value.body["code"], err.value.body["param"]) == ("context_length_exceeded", "input")
+    with pytest.raises(openai.BadRequestError) as err:
+        respond(client, input="d", max_output_tokens=600, truncation="auto")
+    assert err.value.body["param"] == "max_output_tokens"
+    # The chat route says the same code.
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "e" * 600}]})
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "context_length_exceeded")
+
+
 @pytest.mark.parametrize("fields, param, words", [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input",
      "input_image"),
@@ -311,7 +341,7 @@ def test_a_call_cut_short_is_an_incomplete_item_whole_and_streamed(server, clien
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "web_search"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "not supported"),
     ({"input": "x", "background": True}, "background", "not supported"),
-    ({"input": "x", "truncation": "auto"}, "truncation", "not supported"),
+    ({"input": "x", "truncation": "middle"}, "truncation", "'auto' or 'disabled'"),
     ({"input": "x", "include": ["file_search_call.results"]}, "include", "file_search_call.results"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}}, "text", "needs a name and a schema"),
     ({"input": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
