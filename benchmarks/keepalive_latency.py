@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 
 import serve_bench
+from dummy_models import save_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -107,11 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         for req, t in per.items():
             lines.append(f"| {name} | {req} | {t['kept alive']:.1f} | {t['fresh']:.1f} | "
                          f"{t['kept alive'] / t['fresh']:.2f}x |")
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"keepalive_latency{args.tag}"
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results(RESULTS / f"keepalive_latency{args.tag}", record, "\n".join(lines) + "\n")
     return 0
 
 
