@@ -472,27 +472,46 @@ async def begin(server: Any, req: ResponsesRequest, response_id: Callable[[ChatC
 def _fitted(server: Any, req: ResponsesRequest, history: list[dict[str, Any]],
             turn: list[dict[str, Any]]) -> tuple[ChatCompletionRequest, EngineInputs]:
     """The chat request and its engine inputs. Where the prompt does not fit
-    the context and ``truncation`` is "auto", the conversation's oldest turns
-    are dropped, a whole turn at a time (a user message and what answered
-    it, tool calls with their outputs), until it fits, as OpenAI drops input
-    items from the conversation's middle: leading system messages and this
-    request's own input stay. A 400 naming ``input`` (or
+    the context and ``truncation`` is "auto", the fewest of the
+    conversation's oldest turns are dropped (whole turns: a user message and
+    what answered it, tool calls with their outputs) for it to fit, as
+    OpenAI drops input items from the conversation's middle: leading system
+    messages and this request's own input stay. A 400 naming ``input`` (or
     ``max_output_tokens``) where even that does not fit."""
     lead = next((i for i, m in enumerate(history) if m.get("role") not in ("system", "developer")), len(history))
-    while True:
-        chat = chat_request(req, history, turn, server.settings.ignore_unknown_fields)
+    starts = [i for i in range(lead, len(history)) if i == lead or history[i].get("role") == "user"]
+
+    def without(dropped: int) -> tuple[ChatCompletionRequest, EngineInputs] | APIError:
+        """The request with its ``dropped`` oldest turns left out, or the
+        context error it meets."""
+        kept = history[:lead] + (history[starts[dropped]:] if dropped < len(starts) else [])
+        chat = chat_request(req, kept, turn, server.settings.ignore_unknown_fields)
         try:
             return chat, server.processor.chat(chat)
         except APIError as err:
             if err.code != CONTEXT_LENGTH_EXCEEDED:
                 raise
-            if req.truncation != "auto" or len(history) == lead:
-                hint = "" if req.truncation == "auto" else ' (truncation: "auto" drops the oldest turns to fit)'
-                raise APIError(400, err.message + hint, param="max_output_tokens" if err.param == "max_tokens"
-                               else "input", code=CONTEXT_LENGTH_EXCEEDED) from None
-        rest = history[lead + 1:]
-        next_turn = next((i for i, m in enumerate(rest) if m.get("role") == "user"), len(rest))
-        history = history[:lead] + rest[next_turn:]
+            return err
+
+    fitted = without(0)
+    if isinstance(fitted, APIError) and req.truncation == "auto" and starts:
+        # Every turn dropped makes the prompt shorter: search for the fewest
+        # drops that fit, in a logarithmic number of renders.
+        fitted = without(len(starts))
+        if not isinstance(fitted, APIError):
+            low, high = 1, len(starts)  # dropping ``high`` fits (``fitted``); dropping ``low - 1`` does not
+            while low < high:
+                mid = (low + high) // 2
+                attempt = without(mid)
+                if isinstance(attempt, APIError):
+                    low = mid + 1
+                else:
+                    high, fitted = mid, attempt
+    if isinstance(fitted, APIError):
+        hint = "" if req.truncation == "auto" else ' (truncation: "auto" drops the oldest turns to fit)'
+        raise APIError(400, fitted.message + hint, param="max_output_tokens" if fitted.param == "max_tokens"
+                       else "input", code=CONTEXT_LENGTH_EXCEEDED)
+    return fitted
 
 
 async def _create(server: Any, request: Request) -> Response:

@@ -334,6 +334,29 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits(server, cl
     assert (r.status_code, r.json()["error"]["code"]) == (400, "context_length_exceeded")
 
 
+def test_truncation_auto_drops_the_fewest_turns(server, client):
+    """Three kept turns of 100 letters and a 200-letter input: all of it
+    does not fit 512 tokens, and "auto" drops only the oldest turn."""
+    turns, previous = [], None
+    for letter in "abc":
+        r = respond(client, input=letter * 100, previous_response_id=previous)
+        turns.append((letter * 100, r.output_text))
+        previous = r.id
+    r = respond(client, input="d" * 200, previous_response_id=previous, truncation="auto", store=False)
+
+    def messages(last: int) -> list[dict]:
+        said = [m for user, reply in turns[len(turns) - last:]
+                for m in ({"role": "user", "content": user}, {"role": "assistant", "content": reply})]
+        return said + [{"role": "user", "content": "d" * 200}]
+
+    whole = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=30, json={
+        "messages": messages(3), "max_tokens": 6, "temperature": 0, **GREEDY})
+    assert whole.status_code == 400  # the whole conversation does not fit
+    two = chat(server, messages(2))
+    assert (r.output_text, r.usage.input_tokens) == (two["choices"][0]["message"]["content"],
+                                                     two["usage"]["prompt_tokens"])
+
+
 @pytest.mark.parametrize("fields, param, words", [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input",
      "input_image"),
