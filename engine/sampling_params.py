@@ -14,6 +14,11 @@ MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
 
 
+# The structured output backends a request or a flag may name: xgrammar is
+# the one built in, and "auto" picks it.
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     """A grammar the generated text must follow; exactly one kind is set.

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from fluidserve.engine.sampling_params import STRUCTURED_OUTPUT_BACKENDS
 from fluidserve.serve.tool_parsers import TOOL_CALL_PARSERS
 if TYPE_CHECKING:
     from fluidserve.serve.api import ServerSettings
@@ -51,7 +52,7 @@ UNSUPPORTED_VLLM_FLAGS = {
 }
 _HARMLESS_VALUES = {"--kv-cache-dtype": {"auto"}, "--tokenizer-mode": {"auto"},
                     "--pipeline-parallel-size": {"1"}, "-pp": {"1"},
-                    "--guided-decoding-backend": {"auto", "xgrammar"}}
+                    "--guided-decoding-backend": set(STRUCTURED_OUTPUT_BACKENDS)}
 _VALUELESS = {"--enable-lora"}
 # With --data-dir and no SLO flag, steps with online work may take at most
 # this multiple of their online part alone (benchmarks/coserving_server.py
@@ -88,7 +89,7 @@ def check_unsupported(argv: Sequence[str]) -> None:
 # disable_any_whitespace are ours to set; the rest are accepted at vLLM's
 # default, which is what runs here anyway.
 _STRUCTURED_OUTPUTS_KEYS: dict[str, tuple[Any, ...]] = {
-    "backend": ("auto", "xgrammar"),
+    "backend": STRUCTURED_OUTPUT_BACKENDS,
     "disable_any_whitespace": (False, True),
     "disable_fallback": (False,),
     "disable_additional_properties": (False,),
@@ -218,7 +219,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-stored-responses", type=int, default=10_000,
                    help="Responses API: the most replies kept for previous_response_id and "
                         "GET /v1/responses/{id}, the least recently made or continued going first (0: none kept)")
-    s.add_argument("--guided-decoding-backend", default="auto", choices=["auto", "xgrammar"],
+    s.add_argument("--guided-decoding-backend", default="auto", choices=STRUCTURED_OUTPUT_BACKENDS,
                    help="structured output (response_format, forced tool calls) runs on xgrammar, the one "
                         "backend built in")
     s.add_argument("--structured-outputs-config", type=_structured_outputs_config, action="append", default=[],

@@ -36,7 +36,7 @@ from pydantic import (
     model_validator,
 )
 
-from fluidserve.engine.sampling_params import MAX_STOP_SEQUENCES
+from fluidserve.engine.sampling_params import MAX_STOP_SEQUENCES, STRUCTURED_OUTPUT_BACKENDS
 
 MAX_N = 16  # completions per prompt
 MAX_LOGIT_BIAS = 300  # entries of logit_bias
@@ -87,7 +87,7 @@ _REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
     "vllm_xargs": _off(),
     "prompt_embeds": _off(),
     "mm_processor_kwargs": _off(),
-    "guided_decoding_backend": _off("xgrammar", "auto"),  # the one backend we have
+    "guided_decoding_backend": _off(*STRUCTURED_OUTPUT_BACKENDS),
     "guided_whitespace_pattern": _off(),
     "structural_tag": _off(),
     "store": _off(False),  # nothing is stored, so metadata has no use either
@@ -135,7 +135,7 @@ _REFUSED_MESSAGE: dict[str, Callable[[Any], bool]] = {
 _REFUSED_STREAM_OPTIONS: dict[str, Callable[[Any], bool]] = {"include_obfuscation": _off(False)}
 _REFUSED_STRUCTURED: dict[str, Callable[[Any], bool]] = {
     "structural_tag": _off(),
-    "backend": _off("xgrammar", "auto"),
+    "backend": _off(*STRUCTURED_OUTPUT_BACKENDS),
     "disable_fallback": _off(False),
     "disable_additional_properties": _off(False),
     "whitespace_pattern": _off(),
