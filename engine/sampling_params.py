@@ -88,6 +88,10 @@ class SamplingParams:
     # Constrained decoding: only tokens the grammar allows are sampled, and
     # EOS only where the grammar may end.
     structured_outputs: StructuredOutputs | None = None
+    # The grammar reads only the output after this token's first appearance
+    # (a reasoning model's end of thinking: vLLM's structured output after
+    # reasoning); until it comes, decoding is free.
+    structured_after_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

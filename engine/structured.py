@@ -19,6 +19,10 @@ over llguidance by benchmarks/grammar_mask.py):
 
 EOS: the grammar's stop tokens are the model's EOS ids, so the mask allows
 EOS exactly where the grammar may end, and nothing else there.
+
+A thinking model's grammar waits for its end-of-thinking token
+(``SamplingParams.structured_after_token_id``): the reasoning before it is
+free, and the grammar reads the output from the token after it.
 """
 
 from __future__ import annotations
@@ -166,6 +170,7 @@ class _SeqGrammar:
     accepted: int = 0  # output tokens the matcher has consumed
     last_token: int = -1  # the last of them
     broken: bool = False  # the history held a token the grammar refused
+    start: int = 0  # where in the output the grammar starts (past a reasoning)
 
 
 class StructuredDecoder:
@@ -185,6 +190,8 @@ class StructuredDecoder:
         self.stop_token_ids = list(stop_token_ids)
         self._compiler: GrammarCompiler | None = None
         self._seqs: dict[str, _SeqGrammar] = {}
+        # Rows whose grammar waits for a token: (output scanned, its index or -1).
+        self._gates: dict[str, tuple[int, int]] = {}
         self._batch: xgr.BatchGrammarMatcher | None = None  # made with the compiler, on first use
 
     @property
@@ -201,14 +208,25 @@ class StructuredDecoder:
     def release(self, seq_ids: Iterable[str]) -> None:
         for sid in seq_ids:
             self._seqs.pop(sid, None)
+            self._gates.pop(sid, None)
 
     def fill(self, seq_ids: Sequence[str], samples: Sequence[Any]) -> TokenMask | None:
         """The bitmask of this step's constrained rows (``samples`` are the
-        step's SampleSpecs, row by row), or None when no row is constrained."""
-        rows = [i for i, s in enumerate(samples) if s.params.structured_outputs is not None]
+        step's SampleSpecs, row by row), or None when no row is constrained.
+        A row whose grammar waits for a token (``structured_after_token_id``:
+        a reasoning model still thinking) is not constrained yet."""
+        rows: list[int] = []
+        starts: list[int] = []
+        for i, s in enumerate(samples):
+            if s.params.structured_outputs is None:
+                continue
+            start = self._grammar_start(seq_ids[i], s)
+            if start is not None:
+                rows.append(i)
+                starts.append(start)
         if not rows:
             return None
-        entries = self._synced([seq_ids[i] for i in rows], [samples[i] for i in rows])
+        entries = self._synced([seq_ids[i] for i in rows], [samples[i] for i in rows], starts)
         xgr = xgrammar()
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # [C, W], all allowed
         live = [j for j, e in enumerate(entries) if not e.broken]
@@ -220,9 +238,32 @@ class StructuredDecoder:
                 self._only_stop_tokens(bitmask, j)
         return TokenMask(bitmask, rows, self.vocab_size)
 
+    def _grammar_start(self, sid: str, sample: Any) -> int | None:
+        """Where the row's grammar starts in its output: 0, or just past the
+        first ``structured_after_token_id``; None while that has not come.
+        The search resumes where the last step's ended, so a long reasoning
+        costs each step only its new tokens."""
+        gate = sample.params.structured_after_token_id
+        if gate is None:
+            return 0
+        history: list[int] = sample.output_token_ids
+        scanned, found = self._gates.get(sid, (0, -1))
+        if found >= 0 and (found >= len(history) or history[found] != gate):
+            scanned, found = 0, -1  # a history that is not the one scanned (a reused id)
+        if found < 0:
+            scanned = min(scanned, len(history))
+            try:
+                found = history.index(gate, scanned)
+            except ValueError:
+                self._gates[sid] = (len(history), -1)
+                return None
+            self._gates[sid] = (found + 1, found)
+        return found + 1
+
     # -- keeping matchers in step with the engine ------------------------------
-    def _synced(self, seq_ids: list[str], samples: list[Any]) -> list[_SeqGrammar]:
-        """Each row's matcher after exactly the engine's outputs so far.
+    def _synced(self, seq_ids: list[str], samples: list[Any], starts: list[int]) -> list[_SeqGrammar]:
+        """Each row's matcher after exactly the engine's outputs so far (from
+        the row's grammar start on).
 
         ``output_token_ids`` is a constrained sequence's whole output (the
         engine sends it): usually the matcher is one token behind, last
@@ -233,20 +274,21 @@ class StructuredDecoder:
         xgr = xgrammar()
         entries: list[_SeqGrammar] = []
         behind: list[tuple[str, _SeqGrammar, int]] = []  # one token to take
-        for sid, sample in zip(seq_ids, samples):
+        for sid, sample, start in zip(seq_ids, samples, starts):
             spec = sample.params.structured_outputs
             history: list[int] = sample.output_token_ids
+            length = len(history) - start  # the tokens the grammar reads
             entry = self._seqs.get(sid)
             n = entry.accepted if entry is not None else 0
-            if entry is None or not (entry.spec is spec or entry.spec == spec) or n > len(history) or (
-                    n and history[n - 1] != entry.last_token):
-                entry = _SeqGrammar(spec, xgr.GrammarMatcher(self.compiler.compile(spec)))
+            if entry is None or not (entry.spec is spec or entry.spec == spec) or entry.start != start or \
+                    n > length or (n and history[start + n - 1] != entry.last_token):
+                entry = _SeqGrammar(spec, xgr.GrammarMatcher(self.compiler.compile(spec)), start=start)
                 self._seqs[sid] = entry
                 n = 0
-            if n + 1 == len(history) and not entry.broken:
+            if n + 1 == length and not entry.broken:
                 behind.append((sid, entry, history[-1]))
             else:
-                for tok in history[n:]:
+                for tok in history[start + n:]:
                     if entry.broken:
                         break
                     self._take(sid, entry, tok, entry.matcher.accept_token(tok))

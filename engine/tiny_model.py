@@ -27,6 +27,21 @@ CHAT_TEMPLATE = (
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt")
 
+# A thinking model's markers, added after the specials (ids 261 and 262) in
+# ``build_tiny_thinking_model``, and its Qwen3-style template: the reply
+# thinks unless ``enable_thinking`` is false (then the prompt closes an empty
+# thinking), and an earlier turn's reasoning is written back.
+THINK_TOKENS = ["<think>", "</think>"]
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' and message.get('reasoning_content') %}"
+    "<think>{{ message['reasoning_content'] }}</think>{% endif %}"
+    "{{ message['content'] or '' }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+
 
 def save_byte_tokenizer(path: Path) -> None:
     """A byte-level BPE tokenizer with no merges: one token per UTF-8 byte."""
@@ -123,3 +138,17 @@ def default_tiny_model_dir() -> Path:
     if not (root / "config.json").exists() or not (root / "tokenizer_config.json").exists():
         build_tiny_model(root, "llama", seed=0)
     return root
+
+
+def build_tiny_thinking_model(path: str | Path, arch: str = "qwen3", **overrides) -> Path:
+    """A tiny model whose vocabulary also holds ``<think>`` and ``</think>``
+    (plain added tokens, as Qwen3's and DeepSeek-R1's are) and whose chat
+    template is ``THINKING_TEMPLATE``: for ``--reasoning-parser``."""
+    from transformers import AutoTokenizer
+
+    path = build_tiny_model(path, arch, vocab_size=BYTE_VOCAB_SIZE + len(THINK_TOKENS), **overrides)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_tokens(THINK_TOKENS)
+    tok.chat_template = THINKING_TEMPLATE
+    tok.save_pretrained(path)
+    return path

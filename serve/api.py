@@ -44,8 +44,9 @@ from fluidserve.serve.protocol import (
     TokenizeRequest,
     add_request_schemas,
 )
+from fluidserve.serve.reasoning import ReasoningParser
 from fluidserve.serve.render import (ChatStreamer, CompletionStreamer, chat_choices, completion_choices, make_usage,
-                                     prompt_logprobs)
+                                     prompt_logprobs, reasoning_tokens)
 from fluidserve.serve.responses import ResponseStore, responses_routes
 
 VERSION = "0.1.0"
@@ -74,6 +75,8 @@ class ServerSettings:
     ignore_unknown_fields: bool = False  # drop request keys no API defines (vLLM's way) instead of a 400
     max_stored_responses: int = 10_000  # Responses API: replies kept for previous_response_id and GET
     disable_any_whitespace: bool = False  # JSON constraints compact unless a request says otherwise
+    reasoning_parser: str | None = None  # --reasoning-parser: replies split into reasoning and content
+    enable_in_reasoning: bool = False  # a grammar constrains the reasoning too (else it starts after it)
 
 
 @dataclass
@@ -95,8 +98,10 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     from fluidserve.serve.chat_batch import batch_chat_route
 
     settings = settings or ServerSettings()
+    reasoning = ReasoningParser.load(settings.reasoning_parser, tokenizer) if settings.reasoning_parser else None
     processor = InputProcessor(tokenizer, model, settings.tool_call_parser,
-                               disable_any_whitespace=settings.disable_any_whitespace)
+                               disable_any_whitespace=settings.disable_any_whitespace, reasoning_parser=reasoning,
+                               enable_in_reasoning=settings.enable_in_reasoning)
     server = _Server(engine, processor, model, settings)
 
     @asynccontextmanager
@@ -259,7 +264,8 @@ class _Server:
             streamer = ChatStreamer(rid, self.model.name, top_n=top_n, decode=self.decode,
                                     prompt=inputs.prompts[0] if continuous else None,
                                     tool_mode=inputs.tool_mode, role=req.reply_role, echo_text=_echo_text(req),
-                                    as_ids=self.as_ids(req), token_ids=bool(req.return_token_ids))
+                                    as_ids=self.as_ids(req), token_ids=bool(req.return_token_ids),
+                                    reasoning=inputs.reasoning)
             return self.sse(self._chat_events(streams, timers, streamer, inputs, include_usage))
         finals = await self.until_disconnect(request, self.collect(streams, timers), streams)
         return JSONResponse(self.chat_body(rid, req, inputs, finals).model_dump(mode="json"))
@@ -267,10 +273,11 @@ class _Server:
     def chat_body(self, rid: str, req: ChatCompletionRequest, inputs: EngineInputs,
                   finals: list[RequestOutput]) -> ChatCompletionResponse:
         top_n = req.top_n
-        usage = make_usage(inputs.prompts, finals[0].num_generated_tokens, self.cached_tokens(finals))
+        usage = make_usage(inputs.prompts, finals[0].num_generated_tokens, self.cached_tokens(finals),
+                           self.reasoning_tokens(inputs, finals[0]))
         choices = chat_choices(finals[0], top_n=top_n, decode=self.decode, tool_mode=inputs.tool_mode,
                                role=req.reply_role, echo_text=_echo_text(req), as_ids=self.as_ids(req),
-                               token_ids=bool(req.return_token_ids))
+                               token_ids=bool(req.return_token_ids), reasoning=inputs.reasoning)
         return ChatCompletionResponse(id=rid, model=self.model.name, choices=choices, usage=usage,
                                       prompt_logprobs=prompt_logprobs(finals[0].prompt_logprobs),
                                       prompt_token_ids=list(inputs.prompts[0].token_ids) if req.return_token_ids
@@ -298,6 +305,13 @@ class _Server:
         if req.return_tokens_as_token_ids is not None:
             return req.return_tokens_as_token_ids
         return self.settings.return_tokens_as_token_ids
+
+    def reasoning_tokens(self, inputs: EngineInputs, final: RequestOutput | None) -> int | None:
+        """usage's ``reasoning_tokens``: reported (zero too) once the server
+        has a reasoning parser, as vLLM reports them."""
+        if self.processor.reasoning_parser is None:
+            return None
+        return reasoning_tokens(inputs.reasoning, final.outputs if final is not None else [])
 
     def cached_tokens(self, finals: list[RequestOutput]) -> int | None:
         if not self.settings.enable_prompt_tokens_details:
@@ -409,7 +423,8 @@ class _Server:
             if include_usage:
                 used = last.num_generated_tokens if last is not None else 0
                 cached = self.cached_tokens([last] if last is not None else [])
-                yield _event(streamer.usage_chunk(make_usage(inputs.prompts, used, cached)))
+                yield _event(streamer.usage_chunk(make_usage(inputs.prompts, used, cached,
+                                                             self.reasoning_tokens(inputs, last))))
         except (EngineDeadError, RequestFailedError) as exc:
             yield _error_event(_as_api_error(exc))
         finally:

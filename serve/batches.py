@@ -744,10 +744,11 @@ def run_batch_main(argv: Sequence[str]) -> int:
         chat_template = load_chat_template(args.chat_template)
         engine, thread = build_engine(engine_config_from_args(args))
         info = model_info(engine, args.served_model_name, args.generation_config, args.max_logprobs)
+        app = build_app(AsyncEngine(engine, thread=thread), frontend_tokenizer(engine, chat_template), info,
+                        settings)
     except (ValueError, OSError) as exc:
         print(f"fluidserve run-batch: {exc}", file=sys.stderr)
         return 2
-    app = build_app(AsyncEngine(engine, thread=thread), frontend_tokenizer(engine, chat_template), info, settings)
     server = app.state.server
     start = time.monotonic()
 

@@ -500,7 +500,8 @@ def _carries_token(data: str) -> bool:
     except ValueError:
         return True
     delta = choices[0].get("delta") or {}
-    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+    return bool(delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content")
+                or delta.get("tool_calls"))
 
 
 async def run_load(args: argparse.Namespace, specs: list[RequestSpec]) -> tuple[list[RequestResult], float]:

@@ -63,9 +63,10 @@ async def batch_chat(server: Any, request: Request) -> Response:
     for i, (req, final) in enumerate(zip(reqs, finals)):
         (choice,) = chat_choices(final, top_n=req.top_n, decode=server.decode, role=req.reply_role,
                                  echo_text=_echo_text(req), as_ids=server.as_ids(req),
-                                 token_ids=bool(req.return_token_ids))
+                                 token_ids=bool(req.return_token_ids), reasoning=inputs[i].reasoning)
         choices.append(choice.model_copy(update={"index": i}))
+    thought = [server.reasoning_tokens(one, final) for one, final in zip(inputs, finals)]
     usage = make_usage([one.prompts[0] for one in inputs], sum(f.num_generated_tokens for f in finals),
-                       server.cached_tokens(finals))
+                       server.cached_tokens(finals), None if None in thought else sum(thought))
     body = ChatCompletionResponse(id=rid, model=server.model.name, choices=choices, usage=usage)
     return JSONResponse(body.model_dump(mode="json"))

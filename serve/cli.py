@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from fluidserve.engine.sampling_params import STRUCTURED_OUTPUT_BACKENDS
+from fluidserve.serve.reasoning import REASONING_PARSERS
 from fluidserve.serve.tool_parsers import TOOL_CALL_PARSERS
 if TYPE_CHECKING:
     from fluidserve.serve.api import ServerSettings
@@ -35,7 +36,6 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--kv-cache-dtype": "the KV cache is kept in the model's dtype",
     "--tool-parser-plugin": "tool-call parser plugins are not supported (built in: --tool-call-parser "
                             "hermes | llama3_json)",
-    "--reasoning-parser": "reasoning output parsing is not implemented",
     "--quantization": "quantized checkpoints are not supported",
     "-q": "quantized checkpoints are not supported",
     "--speculative-config": "speculative decoding is not implemented",
@@ -93,8 +93,8 @@ _STRUCTURED_OUTPUTS_KEYS: dict[str, tuple[Any, ...]] = {
     "disable_any_whitespace": (False, True),
     "disable_fallback": (False,),
     "disable_additional_properties": (False,),
-    "reasoning_parser": ("",),
-    "enable_in_reasoning": (False,),
+    "reasoning_parser": ("", *REASONING_PARSERS),
+    "enable_in_reasoning": (False, True),
 }
 
 
@@ -203,6 +203,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "decides, and --tool-call-parser finds its calls")
     s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="the model's tool-call format: hermes (Hermes, Qwen 2.5/3) or llama3_json (Llama 3.x)")
+    s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a thinking model's replies into reasoning and content (deepseek_r1: DeepSeek-R1 "
+                        "and its distills; qwen3: Qwen3, QwQ); structured output then starts after the thinking")
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprob tokens as "token_id:N" unless a request says otherwise')
     s.add_argument("--enable-force-include-usage", action="store_true",
@@ -400,7 +403,9 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                           ignore_unknown_fields=args.ignore_unknown_fields,
                           max_stored_responses=args.max_stored_responses,
-                          disable_any_whitespace=structured.get("disable_any_whitespace", False))
+                          disable_any_whitespace=structured.get("disable_any_whitespace", False),
+                          reasoning_parser=args.reasoning_parser or structured.get("reasoning_parser") or None,
+                          enable_in_reasoning=structured.get("enable_in_reasoning", False))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -470,7 +475,7 @@ def run_serve(args: argparse.Namespace) -> int:
                  else AsyncEngine(engine, stall_timeout=args.watchdog_timeout, on_death=exit_on_death,
                                   thread=engine_thread))
         app = build_app(front, frontend_tokenizer(model, chat_template), info, settings, batch_config=batch_config)
-    except StoreError as exc:  # corrupt or unwritable: say so, touch nothing
+    except (StoreError, ValueError) as exc:  # a store corrupt or unwritable, a model without think tokens
         print(f"fluidserve serve: {exc}", file=sys.stderr)
         return 2
     server = make_server(app, args.host, args.port, drain_timeout=args.drain_timeout,

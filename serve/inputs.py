@@ -33,6 +33,7 @@ from fluidserve.serve.protocol import (
     TokenizeResponse,
     _SamplingFields,
 )
+from fluidserve.serve.reasoning import Reasoning, ReasoningParser
 from fluidserve.serve.tool_parsers import ToolMode, named_call_schema, required_calls_schema
 
 logger = logging.getLogger("fluidserve.serve")
@@ -51,6 +52,7 @@ class EngineInputs:
     klass: str
     tool_mode: ToolMode | None = None  # chat with tools: how the reply becomes tool calls
     beam: BeamSearchParams | None = None  # use_beam_search: run by serve/beam_search.py, not sampled
+    reasoning: Reasoning | None = None  # --reasoning-parser, on a thinking reply: how it is split
     # Only the finished output comes back (Batch API lines): the engine skips
     # the per-token text and outputs nobody reads.
     final_only: bool = False
@@ -78,12 +80,16 @@ class ModelInfo:
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, model: ModelInfo, tool_parser: str | None = None, *,
-                 disable_any_whitespace: bool = False) -> None:
+                 disable_any_whitespace: bool = False, reasoning_parser: ReasoningParser | None = None,
+                 enable_in_reasoning: bool = False) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice; None: no "auto"
         # --structured-outputs-config's: JSON constraints compact unless a request says otherwise.
         self.disable_any_whitespace = disable_any_whitespace
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser
+        # --structured-outputs-config's: a grammar constrains the reasoning too.
+        self.enable_in_reasoning = enable_in_reasoning
 
     # -- endpoints ----------------------------------------------------------
     def completion(self, req: CompletionRequest) -> EngineInputs:
@@ -109,8 +115,11 @@ class InputProcessor:
             top_n = 0 if req.logprob_token_ids else self._logprobs_count(req.top_logprobs or 0, "top_logprobs")
         tool_mode, structured = self._tool_mode(req)
         structured = structured or self._structured(req)
-        return EngineInputs([prompt], self._params(req, max_tokens, top_n, structured), req.klass, tool_mode,
-                            beam=self._beam(req, max_tokens, top_n))
+        reasoning = self._reasoning(req, prompt)
+        # A thinking reply's grammar starts once the thinking has ended.
+        after = reasoning.parser.end_id if reasoning and structured and not self.enable_in_reasoning else None
+        return EngineInputs([prompt], self._params(req, max_tokens, top_n, structured, after), req.klass, tool_mode,
+                            beam=self._beam(req, max_tokens, top_n), reasoning=reasoning)
 
     def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         if isinstance(req, TokenizeChatRequest):
@@ -166,14 +175,39 @@ class InputProcessor:
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
+    def _reasoning(self, req: ChatCompletionRequest, prompt: Prompt) -> Reasoning | None:
+        """How the reply is split into reasoning and content; None when the
+        server has no reasoning parser, the request turned thinking off, or
+        the prompt already closed it."""
+        parser = self.reasoning_parser
+        if parser is None or not parser.thinking(self._template_kwargs(req)) or parser.ended_in(prompt.token_ids):
+            return None
+        return Reasoning(parser, include=req.include_reasoning)
+
+    @staticmethod
+    def _template_kwargs(req: ChatCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+        """The chat template's extra variables: the request's own, and
+        vLLM's ``reasoning_effort`` with ``enable_thinking`` read from it."""
+        extra = dict(req.chat_template_kwargs or {})
+        effort = getattr(req, "reasoning_effort", None)
+        if effort is not None:
+            extra["reasoning_effort"] = effort
+            extra.setdefault("enable_thinking", effort != "none")
+        return extra
+
     def _render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> str:
         messages = [_template_message(m) for m in req.messages]
         tools = [t.model_dump(mode="json", exclude_none=True) for t in req.tools] if req.tools else None
-        extra = dict(req.chat_template_kwargs or {})
-        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(extra))
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {}))
         if reserved:
             raise bad_request(f"chat_template_kwargs: {reserved[0]!r} cannot be set here (it is a request field "
                               "or the renderer's own argument)", "chat_template_kwargs")
+        extra = self._template_kwargs(req)
+        if getattr(req, "reasoning_effort", None) is not None:
+            template = getattr(self.tokenizer, "chat_template", None)
+            if not any(name in str(template) for name in ("reasoning_effort", "enable_thinking")):
+                raise bad_request("reasoning_effort: the chat template reads neither reasoning_effort nor "
+                                  "enable_thinking, so the field would change nothing", "reasoning_effort")
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=False, add_generation_prompt=req.add_generation_prompt,
@@ -298,7 +332,7 @@ class InputProcessor:
         return tool_mode, spec
 
     def _params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None,
-                structured: StructuredOutputs | None = None) -> SamplingParams:
+                structured: StructuredOutputs | None = None, structured_after: int | None = None) -> SamplingParams:
         pick = functools.partial(self._default, req)
         # Echo with logprobs scores the echoed prompt too (vLLM's reading).
         prompt_logprobs = self._logprobs_count(req.prompt_logprobs, "prompt_logprobs", "prompt")
@@ -331,6 +365,7 @@ class InputProcessor:
                 allowed_token_ids=self._in_vocab(req.allowed_token_ids, "allowed_token_ids"),
                 bad_words_token_ids=self._bad_words(req.bad_words),
                 structured_outputs=structured,
+                structured_after_token_id=structured_after,
             )
         except ValueError as exc:
             raise from_value_error(exc) from None
@@ -403,6 +438,8 @@ def _template_message(m: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.name:
         out["name"] = m.name
+    if m.reasoning_text is not None:  # both names, as templates read one or the other (vLLM's)
+        out["reasoning"] = out["reasoning_content"] = m.reasoning_text
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     if m.tool_calls:

@@ -96,7 +96,6 @@ _REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
     "suffix": _off(),
     "session_id": _off(),
     "stream_interval": _off(1),
-    "include_reasoning": _off(True),  # no reasoning parser: nothing to leave out
     "thinking_token_budget": _off(),
     "watermarking": _off(False),
     "media_io_kwargs": _off(),
@@ -117,7 +116,6 @@ _REFUSED_CHAT: dict[str, Callable[[Any], bool]] = {
     "prediction": _off(),
     # Even {} asks for a search (with the default context size): only null is off.
     "web_search_options": lambda v: v is None,
-    "reasoning_effort": _off(),
     "verbosity": _off(),
     "chat_template": _off(),
     "documents": _off(),
@@ -129,7 +127,6 @@ _REFUSED_MESSAGE: dict[str, Callable[[Any], bool]] = {
     "function_call": _off(),
     "audio": _off(),
     "refusal": _off(),
-    "reasoning_content": _off(),
     "annotations": _off(),  # on a reply echoed back as history
 }
 _REFUSED_STREAM_OPTIONS: dict[str, Callable[[Any], bool]] = {"include_obfuscation": _off(False)}
@@ -437,6 +434,10 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCallWire] | None = None  # an assistant turn's calls (tool history)
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # An assistant turn's reasoning, as a reasoning parser returned it (vLLM
+    # takes both names); the chat template decides whether the model sees it.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -458,7 +459,13 @@ class ChatMessage(_Request):
             raise ValueError("tool_calls: only an assistant message carries tool calls")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError("tool_call_id: only a tool message answers a tool call")
+        if (self.reasoning is not None or self.reasoning_content is not None) and self.role != "assistant":
+            raise ValueError("reasoning: only an assistant message carries reasoning")
         return self
+
+    @property
+    def reasoning_text(self) -> str | None:
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
     def text(self) -> str:
         if self.content is None:
@@ -484,6 +491,12 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False
     tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # With --reasoning-parser: false leaves the reasoning out of the reply
+    # (it is still made, and its tokens counted).
+    include_reasoning: bool = True
+    # Given to the chat template, as vLLM does, with enable_thinking set to
+    # whether it is "none" unless chat_template_kwargs sets it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> "ChatCompletionRequest":
@@ -650,20 +663,27 @@ class PromptTokensDetails(_Wire):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_Wire):
+    reasoning_tokens: int = 0
+
+
 class Usage(_Wire):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     # --enable-prompt-tokens-details: prompt tokens served from the prefix cache.
     prompt_tokens_details: PromptTokensDetails | None = None
+    # --reasoning-parser, on chat replies: the tokens that were reasoning.
+    completion_tokens_details: CompletionTokensDetails | None = None
 
     @model_serializer(mode="wrap")
     def _omit_details(self, handler: Any) -> dict[str, Any]:
         # Absent unless the server reports them, so usage objects compare
         # equal whether or not a serializer drops nulls.
         out = handler(self)
-        if out.get("prompt_tokens_details") is None:
-            out.pop("prompt_tokens_details", None)
+        for key in ("prompt_tokens_details", "completion_tokens_details"):
+            if out.get(key) is None:
+                out.pop(key, None)
         return out
 
 
@@ -733,6 +753,7 @@ class ChatLogprobs(_Wire):
 class ChatResponseMessage(_Wire):
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None  # --reasoning-parser: the reply's thinking (vLLM's field)
     tool_calls: list[ToolCallWire] = Field(default_factory=list)
 
 
@@ -774,6 +795,7 @@ class ChatCompletionResponse(_Wire):
 class ChatDelta(_Wire):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

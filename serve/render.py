@@ -20,6 +20,7 @@ from fluidserve.serve.protocol import (
     ChatLogprobs,
     ChatResponseMessage,
     CompletionChoice,
+    CompletionTokensDetails,
     CompletionChunk,
     CompletionLogprobs,
     FunctionCallDelta,
@@ -34,18 +35,29 @@ from fluidserve.serve.protocol import (
     TopLogprob,
     Usage,
 )
+from fluidserve.serve.reasoning import Reasoning, ReasoningStream
 from fluidserve.serve.tool_parsers import CallStream, ToolMode, parse_reply
 
 Decode = Callable[[int], str]
 
 
-def make_usage(prompts: list[Prompt], completion_tokens: int, cached_tokens: int | None = None) -> Usage:
+def make_usage(prompts: list[Prompt], completion_tokens: int, cached_tokens: int | None = None,
+               reasoning_tokens: int | None = None) -> Usage:
     """``cached_tokens``: given (and non-zero, as vLLM reports them) they
-    become ``prompt_tokens_details``."""
+    become ``prompt_tokens_details``; ``reasoning_tokens`` (given by a
+    server with a reasoning parser, zero included) ``completion_tokens_details``."""
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens else None
+    completion_details = (None if reasoning_tokens is None
+                          else CompletionTokensDetails(reasoning_tokens=reasoning_tokens))
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+                 total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details,
+                 completion_tokens_details=completion_details)
+
+
+def reasoning_tokens(reasoning: Reasoning | None, outputs: list[CompletionOutput]) -> int:
+    """The tokens of the outputs' reasoning (none where the reply did not think)."""
+    return 0 if reasoning is None else sum(reasoning.parser.reasoning_tokens(co.token_ids) for co in outputs)
 
 
 def finish_reason(co: CompletionOutput) -> str | None:
@@ -182,23 +194,31 @@ def completion_choices(prompts: list[Prompt], finals: list[RequestOutput], *, n:
 
 def chat_choices(final: RequestOutput, *, top_n: int | None, decode: Decode,
                  tool_mode: ToolMode | None = None, role: str = "assistant", echo_text: str = "",
-                 as_ids: bool = False, token_ids: bool = False) -> list[ChatChoice]:
+                 as_ids: bool = False, token_ids: bool = False,
+                 reasoning: Reasoning | None = None) -> list[ChatChoice]:
     """``echo_text``: chat ``echo``, the last message's content put before
-    each reply."""
+    each reply. ``reasoning``: the reply thinks first; its reasoning is cut
+    off before its content is read for tool calls."""
     choices = []
     for co in sorted(final.outputs, key=lambda c: c.index):
         logprobs = chat_logprobs(co.token_ids, co.logprobs, top_n, decode, as_ids) if top_n is not None else None
-        content, calls = co.text, []
+        content: str | None = co.text
+        thought, calls = None, []
+        if reasoning is not None:
+            thought, content = reasoning.split(co.text)
+            thought = (thought or None) if reasoning.include else None
         # Read as the stream reads it, whatever ended the reply: a named call
         # cut short by length is its arguments so far (as vLLM returns it),
         # a "required" array cut short does not parse and stays content.
-        if tool_mode is not None:
-            content, calls = parse_reply(tool_mode, co.text)
+        if tool_mode is not None and content is not None:
+            content, calls = parse_reply(tool_mode, content)
             if tool_mode.kind != "auto" and calls:
                 content = ""  # vLLM's: a forced call's reply is all call, its content empty
+        if reasoning is not None and tool_mode is None:
+            content = content or None  # vLLM's: a reply that is all thinking has null content
         if echo_text:
             content = echo_text + (content or "")
-        message = ChatResponseMessage(role=role, content=content, tool_calls=[
+        message = ChatResponseMessage(role=role, content=content, reasoning=thought, tool_calls=[
             ToolCallWire(id=c.id, function=FunctionCallWire(name=c.name, arguments=c.arguments)) for c in calls])
         reason = "tool_calls" if calls and co.finish_reason == "stop" else finish_reason(co)
         choices.append(ChatChoice(index=co.index, message=message, logprobs=logprobs, finish_reason=reason,
@@ -289,7 +309,8 @@ class ChatStreamer:
 
     def __init__(self, request_id: str, model: str, *, top_n: int | None, decode: Decode,
                  prompt: Prompt | None = None, tool_mode: ToolMode | None = None, role: str = "assistant",
-                 echo_text: str = "", as_ids: bool = False, token_ids: bool = False) -> None:
+                 echo_text: str = "", as_ids: bool = False, token_ids: bool = False,
+                 reasoning: Reasoning | None = None) -> None:
         self.id, self.model, self.top_n, self.decode = request_id, model, top_n, decode
         self.prompt = prompt  # given: usage on every chunk (continuous_usage_stats)
         self.track = _ChoiceTracker()
@@ -297,19 +318,28 @@ class ChatStreamer:
         self.role, self.echo_text = role, echo_text
         self.as_ids, self.token_ids = as_ids, token_ids
         self.calls: dict[int, CallStream] = {}  # choice index -> its tool-call stream
+        self.reasoning = reasoning
+        self.thoughts: dict[int, ReasoningStream] = {}  # choice index -> its reasoning split
 
     def _delta(self, co: CompletionOutput) -> tuple[ChatDelta, str | None]:
-        """The choice's delta (text, or tool-call pieces) and finish reason."""
-        if self.tool_mode is None:
-            return ChatDelta(content=co.text_delta or None), finish_reason(co)
+        """The choice's delta (reasoning, text, or tool-call pieces) and finish reason."""
+        text, thought, thinking = co.text_delta, "", False
+        if self.reasoning is not None:
+            split = self.thoughts.setdefault(co.index, ReasoningStream(self.reasoning.parser))
+            pieces = [split.feed(text)] + ([split.finish()] if co.finish_reason else [])
+            thought, text = "".join(p[0] for p in pieces), "".join(p[1] for p in pieces)
+            thought = thought if self.reasoning.include else ""
+            thinking = split.in_reasoning  # no content yet: nothing for a tool-call parser
+        if self.tool_mode is None or thinking:
+            return ChatDelta(content=text or None, reasoning=thought or None), finish_reason(co)
         stream = self.calls.setdefault(co.index, CallStream(self.tool_mode))
-        pieces = [stream.feed(co.text_delta)] + ([stream.finish()] if co.finish_reason else [])
+        pieces = [stream.feed(text)] + ([stream.finish()] if co.finish_reason else [])
         content = "".join(p.content for p in pieces)
         calls = [ToolCallDelta(index=d.index, id=d.id, type="function" if d.id else None,
                                function=FunctionCallDelta(name=d.name, arguments=d.arguments))
                  for p in pieces for d in p.calls]
         reason = "tool_calls" if stream.num_calls and co.finish_reason == "stop" else finish_reason(co)
-        return ChatDelta(content=content or None, tool_calls=calls or None), reason
+        return ChatDelta(content=content or None, reasoning=thought or None, tool_calls=calls or None), reason
 
     def _usage(self, completion_tokens: int) -> Usage | None:
         return _chunk_usage(self.prompt, completion_tokens) if self.prompt is not None else None
@@ -337,7 +367,8 @@ class ChatStreamer:
                 self.track.finished.add(co.index)
             delta, reason = self._delta(co)
             ids = list(co.new_token_ids) if self.token_ids else None
-            if delta.content is None and delta.tool_calls is None and reason is None and logprobs is None and not ids:
+            if delta.content is None and delta.reasoning is None and delta.tool_calls is None and reason is None \
+                    and logprobs is None and not ids:
                 continue  # no text yet (held back by a tool-call parser, or mid-character): nothing to send
             choice = ChatChunkChoice(index=co.index, delta=delta, logprobs=logprobs, finish_reason=reason,
                                      stop_reason=stop_reason(co),

@@ -17,9 +17,14 @@ items and its reply) and the id of the one before: a conversation is read
 back by walking that chain, so a long one costs memory once, not once per
 turn.
 
+With ``--reasoning-parser`` a thinking reply's reasoning is a ``reasoning``
+output item (its text as ``reasoning_text`` content) before the message,
+streamed with ``response.reasoning_text.delta`` events; reasoning input items
+go back to the template with the assistant turn they led to.
+
 What the chat route cannot do is refused with a 400 naming the field:
 built-in tools (web search, file search, ...), image, file and audio
-inputs, reasoning options, background mode.
+inputs, reasoning summaries and encrypted reasoning, background mode.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ from fluidserve.engine.outputs import CompletionOutput, RequestOutput
 from fluidserve.serve.errors import CONTEXT_LENGTH_EXCEEDED, APIError, int_param, order_param, query_params
 from fluidserve.serve.inputs import EngineInputs, check_model, log_request
 from fluidserve.serve.protocol import REQUEST_BODIES, ChatCompletionRequest, FunctionName, Prob, _off, _Request
-from fluidserve.serve.render import chat_choices, chat_logprobs, finish_reason
+from fluidserve.serve.reasoning import ReasoningStream
+from fluidserve.serve.render import chat_choices, chat_logprobs, finish_reason, reasoning_tokens
 from fluidserve.serve.store import Store, StoreError
 from fluidserve.serve.tool_parsers import CallStream, StreamPiece
 
@@ -52,6 +58,7 @@ MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_REASONING = -2  # the reasoning item's key in a reply's order (-1: the message, i: calls[i])
 
 # Fields of the chat route a Responses body may carry too (vLLM's sampling
 # extensions, OpenAI's end-user identifiers): passed through as they are.
@@ -61,8 +68,12 @@ _PASSED_TO_CHAT = ("user", "safety_identifier", "prompt_cache_key", "seed", "top
                    "skip_special_tokens", "bad_words", "allowed_token_ids", "request_id")
 
 
-def _reasoning_off(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and all(v is None for v in value.values()))
+class ReasoningOptions(_Request):
+    """``reasoning``: ``effort`` is the chat route's ``reasoning_effort``;
+    no summaries are written."""
+
+    _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = {"summary": _off(), "generate_summary": _off()}
+    effort: Any = None  # checked by the chat route
 
 
 class ResponseFormatText(_Request):
@@ -132,7 +143,6 @@ class ResponsesRequest(_Request):
 
     _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = {
         "background": _off(False),
-        "reasoning": _reasoning_off,
         "max_tool_calls": _off(),
         "conversation": _off(),
         "prompt": _off(),  # stored prompt templates
@@ -156,6 +166,7 @@ class ResponsesRequest(_Request):
     store: bool = True
     previous_response_id: StrictStr | None = None
     metadata: dict[StrictStr, StrictStr] | None = None
+    reasoning: ReasoningOptions | None = None
     # "auto": the oldest turns of the conversation are dropped until the prompt fits.
     truncation: Literal["auto", "disabled"] | None = None
     # Passed to the chat route, which checks them (see _PASSED_TO_CHAT).
@@ -231,24 +242,40 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
+    thought: tuple[str, str] | None = None  # a reasoning item's text, for the assistant turn it led to
+
+    def assistant(message: dict[str, Any]) -> dict[str, Any]:
+        nonlocal thought
+        if thought is not None:
+            message["reasoning"], thought = thought[1], None
+        return message
+
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
+        if thought is not None and not (kind == "function_call" or (kind == "message"
+                                                                     and item.get("role") == "assistant")):
+            raise ValueError(f"{thought[0]}: a reasoning item must come just before the assistant message or "
+                             "function call it led to")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ValueError(f"{where}.role: must be user, assistant, system or developer")
-            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+            message = {"role": role, "content": _text_of(item.get("content"), where)}
+            messages.append(assistant(message) if role == "assistant" else message)
+        elif kind == "reasoning":
+            thought = (where, _reasoning_text(item, where))
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
             if not all(isinstance(x, str) for x in (call_id, name, arguments)):
                 raise ValueError(f"{where}: a function_call needs call_id, name and arguments (strings)")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
+            if thought is None and last is not None and last["role"] == "assistant" and last.get("tool_calls") \
+                    and not last["content"]:
                 last["tool_calls"].append(call)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append(assistant({"role": "assistant", "content": None, "tool_calls": [call]}))
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
@@ -256,8 +283,28 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, where)})
         else:
             raise ValueError(f"{where}.type: input items of type {kind!r} are not supported by this server "
-                             "(message, function_call and function_call_output)")
+                             "(message, reasoning, function_call and function_call_output)")
+    if thought is not None:
+        raise ValueError(f"{thought[0]}: a reasoning item must come just before the assistant message or "
+                         "function call it led to")
     return messages
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its ``reasoning_text`` content, else its
+    summary's text. Encrypted reasoning is another server's to read."""
+    if item.get("encrypted_content") is not None:
+        raise ValueError(f"{where}.encrypted_content: encrypted reasoning is not supported by this server")
+    content, summary = item.get("content"), item.get("summary")
+    parts, kind = (content, "reasoning_text") if content else (summary or [], "summary_text")
+    if not isinstance(parts, list):
+        raise ValueError(f"{where}: content and summary must be lists of parts")
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != kind or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}: parts must be {kind} parts with their text")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -267,7 +314,8 @@ def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     listed = []
     for item in items:
         kind = item.get("type", "message")
-        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "item")
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                  "reasoning": "rs"}.get(kind, "item")
         entry = {"id": _new_id(prefix), "type": kind, "status": "completed", **item}
         if kind == "message" and isinstance(entry.get("content"), str):
             part = "output_text" if entry.get("role") == "assistant" else "input_text"
@@ -399,6 +447,8 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]], turn: lis
         body["response_format"] = req.text.format.as_chat()
     if req.tools:
         body["tools"] = [t.as_chat() for t in req.tools]
+    if req.reasoning is not None:
+        body["reasoning_effort"] = req.reasoning.effort
     if isinstance(req.tool_choice, NamedFunction):
         body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
     else:
@@ -466,6 +516,10 @@ async def begin(server: Any, req: ResponsesRequest, response_id: Callable[[ChatC
         param = "top_logprobs" if req.top_logprobs is not None else "include"
         raise APIError(400, f"{param}: logprobs with tools are not supported by this server", param=param)
     chat, inputs = _fitted(server, req, history, turn)
+    if req.wants_logprobs and inputs.reasoning is not None:
+        param = "top_logprobs" if req.top_logprobs is not None else "include"
+        raise APIError(400, f"{param}: logprobs of a thinking reply are not supported on this route (the chat "
+                       "route gives them, or turn thinking off)", param=param)
     return _Call(req, chat, inputs, turn, response_id(chat), continued)
 
 
@@ -493,7 +547,13 @@ def _fitted(server: Any, req: ResponsesRequest, history: list[dict[str, Any]],
                 raise
             return err
 
-    fitted = without(0)
+    try:
+        fitted = without(0)
+    except APIError as err:
+        if err.param != "reasoning_effort":
+            raise
+        raise APIError(err.status, err.message.replace("reasoning_effort", "reasoning.effort", 1), param="reasoning",
+                       code=err.code) from None
     if isinstance(fitted, APIError) and req.truncation == "auto" and starts:
         # Every turn dropped makes the prompt shorter: search for the fewest
         # drops that fit, in a logarithmic number of renders.
@@ -565,7 +625,8 @@ def _envelope(server: Any, call: _Call, status: str) -> dict[str, Any]:
         "background": False, "error": None, "incomplete_details": None, "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens, "model": server.model.name, "output": [],
         "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": req.previous_response_id,
-        "reasoning": {"effort": None, "summary": None}, "store": req.store,
+        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+        "store": req.store,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
         "tool_choice": tool_choice or "auto", "tools": tools, "top_logprobs": req.top_logprobs or 0,
@@ -577,8 +638,9 @@ def _envelope(server: Any, call: _Call, status: str) -> dict[str, Any]:
 def _usage(call: _Call, final: RequestOutput) -> dict[str, Any]:
     prompt = len(call.inputs.prompts[0].token_ids)
     out = final.num_generated_tokens
+    thought = reasoning_tokens(call.inputs.reasoning, final.outputs)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens or 0},
-            "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + out}
+            "output_tokens": out, "output_tokens_details": {"reasoning_tokens": thought}, "total_tokens": prompt + out}
 
 
 def _logprobs(entries: Any) -> list[dict[str, Any]]:
@@ -592,15 +654,21 @@ def _logprobs(entries: Any) -> list[dict[str, Any]]:
 
 @dataclass
 class _Reply:
-    """A reply as output items: a message (its text and logprobs) and
-    function calls, in the order they were opened."""
+    """A reply as output items: its reasoning, a message (its text and
+    logprobs) and function calls, in the order they were opened."""
 
+    reasoning: str = ""
+    reasoning_id: str | None = None  # once there is a reasoning item
     text: str = ""
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     calls: list[dict[str, str]] = field(default_factory=list)  # id, call_id, name, arguments
     message_id: str | None = None  # once there is a message item
-    order: list[int] = field(default_factory=list)  # the items: -1 the message, i calls[i]
+    order: list[int] = field(default_factory=list)  # the items: -2 the reasoning, -1 the message, i calls[i]
     cut: bool = False  # max_output_tokens reached
+
+    def open_reasoning(self) -> None:
+        self.reasoning_id = _new_id("rs")
+        self.order.append(_REASONING)
 
     def open_message(self) -> None:
         self.message_id = _new_id("msg")
@@ -614,6 +682,10 @@ class _Reply:
     def item(self, key: int) -> dict[str, Any]:
         # max_output_tokens cut the last item short: a message's text, or a call's arguments.
         status = "incomplete" if self.cut and key == self.order[-1] else "completed"
+        if key == _REASONING:
+            return {"type": "reasoning", "id": self.reasoning_id, "summary": [],
+                    "content": [{"type": "reasoning_text", "text": self.reasoning}], "encrypted_content": None,
+                    "status": status}
         if key < 0:
             part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
             return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
@@ -626,6 +698,8 @@ class _Reply:
     def message(self) -> dict[str, Any]:
         """The reply as a chat message: the kept conversation's next turn."""
         out: dict[str, Any] = {"role": "assistant", "content": self.text or None}
+        if self.reasoning:
+            out["reasoning"] = self.reasoning  # the template decides whether a later turn sees it
         if self.calls:
             out["tool_calls"] = [{"id": c["call_id"], "type": "function",
                                   "function": {"name": c["name"], "arguments": c["arguments"]}} for c in self.calls]
@@ -634,10 +708,14 @@ class _Reply:
 
 def _reply_of(server: Any, call: _Call, final: RequestOutput) -> _Reply:
     """A finished output's reply, read as the chat route reads it."""
-    (choice,) = chat_choices(final, top_n=call.chat.top_n, decode=server.decode, tool_mode=call.inputs.tool_mode)
+    (choice,) = chat_choices(final, top_n=call.chat.top_n, decode=server.decode, tool_mode=call.inputs.tool_mode,
+                             reasoning=call.inputs.reasoning)
     reply = _Reply(cut=choice.finish_reason == "length")
+    if choice.message.reasoning:
+        reply.open_reasoning()
+        reply.reasoning = choice.message.reasoning
     calls = choice.message.tool_calls
-    if choice.message.content or not calls:
+    if choice.message.content or not (calls or reply.reasoning_id):  # a reply of nothing: an empty message
         reply.open_message()
         reply.text, reply.logprobs = choice.message.content or "", _logprobs(choice.logprobs)
     for c in calls:
@@ -671,6 +749,8 @@ class _Streamer:
         self.decode, self.top_n = server.decode, call.chat.top_n
         mode = call.inputs.tool_mode
         self.tools = CallStream(mode) if mode is not None else None
+        reasoning = call.inputs.reasoning
+        self.thinking = ReasoningStream(reasoning.parser) if reasoning is not None else None
 
     def _at(self, key: int) -> dict[str, Any]:
         return {"output_index": self.reply.order.index(key)}
@@ -683,12 +763,34 @@ class _Streamer:
                 self.event("response.content_part.added", item_id=item["id"], **self._at(-1), content_index=0,
                            part=part)]
 
+    def _think(self, text: str) -> list[str]:
+        reply = self.reply
+        out = []
+        if reply.reasoning_id is None:
+            reply.open_reasoning()
+            item = {**reply.item(_REASONING), "status": "in_progress", "content": []}
+            out += [self.event("response.output_item.added", **self._at(_REASONING), item=item),
+                    self.event("response.content_part.added", item_id=reply.reasoning_id, **self._at(_REASONING),
+                               content_index=0, part={"type": "reasoning_text", "text": ""})]
+        reply.reasoning += text
+        out.append(self.event("response.reasoning_text.delta", item_id=reply.reasoning_id, **self._at(_REASONING),
+                              content_index=0, delta=text))
+        return out
+
     def feed(self, co: CompletionOutput) -> list[str]:
         out: list[str] = []
+        text = co.text_delta
+        if self.thinking is not None:
+            split = [self.thinking.feed(text)] + ([self.thinking.finish()] if co.finish_reason else [])
+            thought, text = "".join(p[0] for p in split), "".join(p[1] for p in split)
+            if thought:
+                out += self._think(thought)
         if self.tools is None:
-            pieces = [StreamPiece(co.text_delta)]
+            pieces = [StreamPiece(text)]
+        elif self.thinking is not None and self.thinking.in_reasoning:
+            pieces = []  # no content yet: nothing for a tool-call parser
         else:
-            pieces = [self.tools.feed(co.text_delta)] + ([self.tools.finish()] if co.finish_reason else [])
+            pieces = [self.tools.feed(text)] + ([self.tools.finish()] if co.finish_reason else [])
         entries = (_logprobs(chat_logprobs(co.new_token_ids, co.new_logprobs, self.top_n, self.decode))
                    if self.top_n is not None else [])
         reply = self.reply
@@ -720,7 +822,13 @@ class _Streamer:
         out = [] if self.reply.order else self._open_message()
         for key in self.reply.order:
             item, at = self.reply.item(key), self._at(key)
-            if key < 0:
+            if key == _REASONING:
+                part = item["content"][0]
+                out.append(self.event("response.reasoning_text.done", item_id=item["id"], **at, content_index=0,
+                                      text=part["text"]))
+                out.append(self.event("response.content_part.done", item_id=item["id"], **at, content_index=0,
+                                      part=part))
+            elif key < 0:
                 part = item["content"][0]
                 out.append(self.event("response.output_text.done", item_id=item["id"], **at, content_index=0,
                                       text=part["text"], logprobs=part["logprobs"]))

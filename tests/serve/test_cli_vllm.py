@@ -96,7 +96,27 @@ def test_structured_outputs_config_in_either_of_vllms_forms():
                        "--structured-outputs-config.disable_any_whitespace", "false")
 
 
+def test_reasoning_parser_flags():
+    settings = cli.server_settings(parse("--reasoning-parser", "qwen3"))
+    assert (settings.reasoning_parser, settings.enable_in_reasoning) == ("qwen3", False)
+    settings = cli.server_settings(parse(*cli._dotted_config_flags([
+        "--structured-outputs-config.reasoning_parser", "deepseek_r1",
+        "--structured-outputs-config.enable_in_reasoning", "true"])))
+    assert (settings.reasoning_parser, settings.enable_in_reasoning) == ("deepseek_r1", True)
+    assert cli.server_settings(parse()).reasoning_parser is None
+
+
+def test_a_reasoning_parser_for_a_model_without_think_tokens_is_one_line():
+    """The built-in tiny model has no <think>: exit 2 once its tokenizer is
+    read, before the server listens."""
+    proc = run_cli("serve", "--reasoning-parser", "deepseek_r1", "--port", str(free_port()))
+    assert proc.returncode == 2, proc.stderr
+    assert "--reasoning-parser deepseek_r1: the tokenizer has no '<think>' token" in proc.stderr
+    assert "Traceback" not in proc.stderr and "/v1 (max_model_len" not in proc.stderr
+
+
 @pytest.mark.parametrize("value, named", [
+    ('{"reasoning_parser": "granite"}', "reasoning_parser: 'granite' is not supported"),
     ('{"backend": "outlines"}', "backend: 'outlines' is not supported"),
     ('{"disable_any_whitespace": "yes"}', "disable_any_whitespace: 'yes' is not supported"),
     ('{"disable_fallback": true}', "disable_fallback: True is not supported"),

@@ -393,6 +393,8 @@ ROWS: list[tuple[str, str, dict, Check, tuple[str, ...]]] = [
      ("return_tokens_as_token_ids",)),
     # A variable the template does not read changes nothing (test_vllm_parity.py has one it reads).
     ("chat_template_kwargs", CHAT, {"chat_template_kwargs": {"unused": 1}}, same_text, ("chat_template_kwargs",)),
+    # No reasoning parser here: nothing to leave out (test_reasoning.py has the parsers).
+    ("include_reasoning", CHAT, {"include_reasoning": False}, same_text, ("include_reasoning",)),
     ("continue_final_message", CHAT, {"messages": [*MSGS, {"role": "assistant", "content": "ab"}],
                                       "add_generation_prompt": False, "continue_final_message": True},
      check_continued, ("continue_final_message",)),
@@ -437,14 +439,13 @@ REFUSED: list[tuple[str, str, Any]] = [
     (CHAT, "prediction", {"type": "content", "content": "x"}),
     (CHAT, "web_search_options", {"search_context_size": "low"}),
     (CHAT, "web_search_options", {}),  # a search with the defaults
-    (CHAT, "reasoning_effort", "high"),
+    (CHAT, "reasoning_effort", "high"),  # the tiny model's template reads no effort
     (CHAT, "verbosity", "low"),
     (CHAT, "chat_template", "{{ messages }}"),
     (CHAT, "documents", [{"title": "t", "text": "x"}]),
     (C, "best_of", 3),
     (C, "session_id", "s-1"),
     (C, "stream_interval", 4),
-    (CHAT, "include_reasoning", False),
     (C, "thinking_token_budget", 100),
     (C, "watermarking", True),
     (C, "logprob_token_ids", [1, 2]),
@@ -475,8 +476,6 @@ REFUSED_NESTED: list[tuple[str, dict, str]] = [
                                             {"role": "user", "content": "x"}]}, "function_call"),
     ("refusal", {"messages": [{"role": "assistant", "content": "x", "refusal": "no"},
                               {"role": "user", "content": "x"}]}, "refusal"),
-    ("reasoning_content", {"messages": [{"role": "assistant", "content": "x", "reasoning_content": "hm"},
-                                        {"role": "user", "content": "x"}]}, "reasoning_content"),
     ("message_audio", {"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a"}},
                                     {"role": "user", "content": "x"}]}, "audio"),
     ("annotations", {"messages": [{"role": "assistant", "content": "x", "annotations": [{"type": "url_citation"}]},
@@ -636,6 +635,7 @@ def test_stream_stop_reason(server, base):
 
 def test_table_covers_every_known_field():
     exercised = {f for row in ROWS for f in row[4]} | {"stream_options"}  # streaming tests above
+    exercised |= {"reasoning_effort"}  # refused here (REFUSED), honoured in test_reasoning.py
     refused = {f for _, f, _ in REFUSED}
     for model, refused_table in ((CompletionRequest, protocol._REFUSED_COMMON),
                                  (ChatCompletionRequest, protocol._REFUSED_CHAT)):

@@ -360,9 +360,10 @@ def test_truncation_auto_drops_the_fewest_turns(server, client):
 @pytest.mark.parametrize("fields, param, words", [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input",
      "input_image"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "reasoning"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "reasoning item must come just before"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "web_search"),
-    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "not supported"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "reasoning.effort: the chat template reads"),
+    ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning", "summary"),
     ({"input": "x", "background": True}, "background", "not supported"),
     ({"input": "x", "truncation": "middle"}, "truncation", "'auto' or 'disabled'"),
     ({"input": "x", "include": ["file_search_call.results"]}, "include", "file_search_call.results"),

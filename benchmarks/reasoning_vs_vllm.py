@@ -1,0 +1,141 @@
+"""Reasoning output side by side with vLLM: the same model, the same greedy
+requests, each reply's ``reasoning``, ``content`` and reasoning token count
+from fluidserve and from vLLM, under each reasoning parser both have.
+
+    python benchmarks/reasoning_vs_vllm.py --vllm-python ~/vllm-venv/bin/python
+
+The model is the tiny random one with ``<think>`` and ``</think>`` added
+(``engine/tiny_model.py``'s ``build_tiny_thinking_model``), in fp32, so both
+servers pick the same greedy tokens; the requests steer it (``logit_bias``
+on the markers, letters only) so that replies think, answer, repeat a
+marker, never close their thinking, or come with thinking turned off, and
+one asks for a JSON schema that applies after the thinking. A request
+counts as agreeing when both servers gave the same tokens and the same
+split of them, whole and streamed. Disagreements are printed in full.
+Writes benchmarks/results/reasoning_vs_vllm{--tag}.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+import serve_bench
+from dummy_models import save_results
+from fluidserve.engine.tiny_model import BYTE_VOCAB_SIZE, build_tiny_thinking_model
+
+RESULTS = Path(__file__).resolve().parent / "results"
+THINK, END = BYTE_VOCAB_SIZE, BYTE_VOCAB_SIZE + 1
+LETTERS = list(range(ord("a"), ord("z") + 1)) + [ord(" ")]
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+          "required": ["answer"], "additionalProperties": False}
+PARSERS = ("deepseek_r1", "qwen3")
+
+
+def cases(model: str) -> dict[str, dict]:
+    """Named chat bodies: greedy, letters and markers only, markers favoured
+    by a different amount in each."""
+    out = {}
+    for i, (prompt, bias) in enumerate([("Think first.", 1.5), ("Why is the sky blue?", 2.5),
+                                        ("Count to three.", 3.5), ("Hello", 0.0), ("Plan a trip.", 5.0)]):
+        out[f"steered {i} (bias {bias})"] = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 40,
+                                             "allowed_token_ids": LETTERS + [THINK, END],
+                                             "logit_bias": {str(THINK): bias, str(END): bias}}
+    out["thinking off"] = {**out["steered 1 (bias 2.5)"], "chat_template_kwargs": {"enable_thinking": False}}
+    out["schema after thinking"] = {
+        "messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": 40,
+        "allowed_token_ids": list(range(33, 127)) + [END, THINK, 257], "logit_bias": {str(END): 3.0},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}
+    return {name: {"model": model, "temperature": 0, "return_token_ids": True, **body} for name, body in out.items()}
+
+
+def ask(base: str, body: dict) -> dict:
+    """One reply, whole and streamed: its tokens, reasoning, content and reasoning tokens."""
+    whole = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300).json()
+    if "choices" not in whole:
+        return {"error": whole.get("error", whole)}
+    choice, usage = whole["choices"][0], whole["usage"]
+    got = {"token_ids": choice["token_ids"], "reasoning": choice["message"].get("reasoning"),
+           "content": choice["message"].get("content"), "finish_reason": choice["finish_reason"],
+           "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")}
+    streamed = {"reasoning": "", "content": ""}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    for key in streamed:
+                        streamed[key] += c["delta"].get(key) or ""
+    got["streamed"] = streamed
+    return got
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vllm-python", required=True, help="a Python with vLLM installed")
+    p.add_argument("--port", type=int, default=8096)
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    scratch = Path(tempfile.mkdtemp(prefix="reasoning-vs-vllm-"))
+    model = str(build_tiny_thinking_model(scratch / "model"))
+    base = f"http://127.0.0.1:{args.port}"
+    port = ["--host", "127.0.0.1", "--port", str(args.port)]
+    results: dict[str, dict[str, dict[str, dict]]] = {}
+    for parser in PARSERS:
+        servers = {
+            "fluidserve": ([sys.executable, "-m", "fluidserve.serve.cli", "serve", model, *port, "--dtype", "float32",
+                            "--reasoning-parser", parser, "--log-level", "warning"], {}),
+            "vLLM": ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *port,
+                      "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--reasoning-parser", parser],
+                     {"VLLM_CPU_KVCACHE_SPACE": "1"}),
+        }
+        for name, (cmd, env) in servers.items():
+            # Started outside the repository: its top-level folders would shadow vLLM's imports.
+            proc = serve_bench.launch(cmd, f"{base}/health", env, log=scratch / f"{name}-{parser}.log", timeout=600,
+                                      name=name, cwd=str(scratch))
+            try:
+                served = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+                results.setdefault(parser, {})[name] = {case: ask(base, body) for case, body in cases(served).items()}
+            finally:
+                serve_bench.stop_server(proc)
+    lines = ["# Reasoning output beside vLLM", "",
+             "The tiny random model with `<think>` and `</think>` added (fp32), greedy requests steered towards the "
+             "markers, one server at a time in one run, each with `--reasoning-parser` set. Same: both servers gave "
+             "the same tokens and the same `reasoning`, `content` and `reasoning_tokens`, whole and streamed.", "",
+             "| parser | case | tokens same | reasoning / content same | streamed same | reasoning tokens "
+             "(fluidserve / vLLM) |", "|---|---|---|---|---|---|"]
+    agree = total = 0
+    summary: dict[str, dict[str, dict]] = {}  # the record keeps the comparison, not the (noise) text
+    for parser, per in results.items():
+        ours, theirs = per["fluidserve"], per["vLLM"]
+        for case in ours:
+            a, b = ours[case], theirs[case]
+            if "error" in a or "error" in b:
+                lines.append(f"| {parser} | {case} | error: {a.get('error') or b.get('error')} | | | |")
+                total += 1
+                continue
+            same_tokens = a["token_ids"] == b["token_ids"]
+            same_split = (a["reasoning"], a["content"]) == (b["reasoning"], b["content"])
+            same_stream = a["streamed"] == b["streamed"]
+            summary.setdefault(parser, {})[case] = {
+                "tokens_same": same_tokens, "split_same": same_split, "streamed_same": same_stream,
+                "tokens": [len(a["token_ids"]), len(b["token_ids"])],
+                "reasoning_tokens": [a["reasoning_tokens"], b["reasoning_tokens"]]}
+            total += 1
+            agree += same_tokens and same_split and same_stream and a["reasoning_tokens"] == b["reasoning_tokens"]
+            lines.append(f"| {parser} | {case} | {'yes' if same_tokens else 'no'} | {'yes' if same_split else 'no'} "
+                         f"| {'yes' if same_stream else 'no'} | {a['reasoning_tokens']} / {b['reasoning_tokens']} |")
+            if not (same_split and same_stream):
+                print(f"{parser} / {case}:\n  fluidserve {json.dumps(a)}\n  vLLM       {json.dumps(b)}")
+    lines += ["", f"{agree} of {total} replies the same in every respect."]
+    record = {"parsers": list(PARSERS), "agree": agree, "total": total, "results": summary}
+    save_results(RESULTS / f"reasoning_vs_vllm{args.tag}", record, "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
