@@ -5,9 +5,9 @@ from fluidserve and from vLLM, under each reasoning parser both have.
     python benchmarks/reasoning_vs_vllm.py --vllm-python ~/vllm-venv/bin/python
 
 The model is the tiny random one with ``<think>`` and ``</think>`` added
-(``engine/tiny_model.py``'s ``build_tiny_thinking_model``), in fp32, so both
+(``engine/tiny_model.py``'s ``build_tiny_thinking_model``, heads of 64), in fp32, so both
 servers pick the same greedy tokens; the requests steer it (``logit_bias``
-on the markers, letters only) so that replies think, answer, repeat a
+on the markers, letters only) so that replies think and answer, repeat a
 marker, never close their thinking, or come with thinking turned off, and
 one asks for a JSON schema that applies after the thinking. A request
 counts as agreeing when both servers gave the same tokens and the same
@@ -38,15 +38,17 @@ PARSERS = ("deepseek_r1", "qwen3")
 
 
 def cases(model: str) -> dict[str, dict]:
-    """Named chat bodies: greedy, letters and markers only, markers favoured
-    by a different amount in each."""
+    """Named chat bodies: greedy, letters and markers only, each marker's
+    logit moved by its own amount, so that replies think and answer, never
+    close their thinking, open it again, or close it at once."""
     out = {}
-    for i, (prompt, bias) in enumerate([("Think first.", 1.5), ("Why is the sky blue?", 2.5),
-                                        ("Count to three.", 3.5), ("Hello", 0.0), ("Plan a trip.", 5.0)]):
-        out[f"steered {i} (bias {bias})"] = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 40,
-                                             "allowed_token_ids": LETTERS + [THINK, END],
-                                             "logit_bias": {str(THINK): bias, str(END): bias}}
-    out["thinking off"] = {**out["steered 1 (bias 2.5)"], "chat_template_kwargs": {"enable_thinking": False}}
+    for prompt, think, end in [("Think first.", 0, 1), ("Think first.", 0, 2), ("Think first.", -5, 2),
+                               ("Hello", 0, 1), ("Hello", -5, 2), ("Why is the sky blue?", -5, 2),
+                               ("Count to three.", 0, 2)]:
+        out[f"{prompt} <think> {think:+d}, </think> {end:+d}"] = {
+            "messages": [{"role": "user", "content": prompt}], "max_tokens": 40,
+            "allowed_token_ids": LETTERS + [THINK, END], "logit_bias": {str(THINK): think, str(END): end}}
+    out["thinking off"] = {**out["Hello <think> -5, </think> +2"], "chat_template_kwargs": {"enable_thinking": False}}
     out["schema after thinking"] = {
         "messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": 40,
         "allowed_token_ids": list(range(33, 127)) + [END, THINK, 257], "logit_bias": {str(END): 3.0},
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="reasoning-vs-vllm-"))
-    model = str(build_tiny_thinking_model(scratch / "model"))
+    # vLLM's CPU attention takes no head of 16 (the tiny model's default).
+    model = str(build_tiny_thinking_model(scratch / "model", head_dim=64))
     base = f"http://127.0.0.1:{args.port}"
     port = ["--host", "127.0.0.1", "--port", str(args.port)]
     results: dict[str, dict[str, dict[str, dict]]] = {}
@@ -103,36 +106,44 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 serve_bench.stop_server(proc)
     lines = ["# Reasoning output beside vLLM", "",
-             "The tiny random model with `<think>` and `</think>` added (fp32), greedy requests steered towards the "
-             "markers, one server at a time in one run, each with `--reasoning-parser` set. Same: both servers gave "
-             "the same tokens and the same `reasoning`, `content` and `reasoning_tokens`, whole and streamed.", "",
-             "| parser | case | tokens same | reasoning / content same | streamed same | reasoning tokens "
-             "(fluidserve / vLLM) |", "|---|---|---|---|---|---|"]
-    agree = total = 0
+             "The tiny random model with `<think>` and `</think>` added (fp32, heads of 64), greedy requests steered "
+             "towards the markers, one server at a time in one run, each with `--reasoning-parser` set. Whole: the "
+             "two servers' `reasoning` and `content` of the whole reply agree; streamed: their `delta.reasoning` "
+             "and `delta.content` joined agree; whole = streamed: a server's two forms of the same reply agree.", "",
+             "| parser | case | tokens same | whole same | streamed same | fluidserve whole = streamed "
+             "| vLLM whole = streamed | reasoning tokens (fluidserve / vLLM) |",
+             "|---|---|---|---|---|---|---|---|"]
     summary: dict[str, dict[str, dict]] = {}  # the record keeps the comparison, not the (noise) text
+
+    def whole(r: dict) -> dict:
+        return {"reasoning": r["reasoning"] or "", "content": r["content"] or ""}
+
     for parser, per in results.items():
         ours, theirs = per["fluidserve"], per["vLLM"]
         for case in ours:
             a, b = ours[case], theirs[case]
             if "error" in a or "error" in b:
-                lines.append(f"| {parser} | {case} | error: {a.get('error') or b.get('error')} | | | |")
-                total += 1
+                lines.append(f"| {parser} | {case} | error: {a.get('error') or b.get('error')} | | | | | |")
+                summary.setdefault(parser, {})[case] = {"error": str(a.get("error") or b.get("error"))}
                 continue
-            same_tokens = a["token_ids"] == b["token_ids"]
-            same_split = (a["reasoning"], a["content"]) == (b["reasoning"], b["content"])
-            same_stream = a["streamed"] == b["streamed"]
-            summary.setdefault(parser, {})[case] = {
-                "tokens_same": same_tokens, "split_same": same_split, "streamed_same": same_stream,
-                "tokens": [len(a["token_ids"]), len(b["token_ids"])],
-                "reasoning_tokens": [a["reasoning_tokens"], b["reasoning_tokens"]]}
-            total += 1
-            agree += same_tokens and same_split and same_stream and a["reasoning_tokens"] == b["reasoning_tokens"]
-            lines.append(f"| {parser} | {case} | {'yes' if same_tokens else 'no'} | {'yes' if same_split else 'no'} "
-                         f"| {'yes' if same_stream else 'no'} | {a['reasoning_tokens']} / {b['reasoning_tokens']} |")
-            if not (same_split and same_stream):
+            row = {"tokens_same": a["token_ids"] == b["token_ids"], "whole_same": whole(a) == whole(b),
+                   "streamed_same": a["streamed"] == b["streamed"],
+                   "fluidserve_consistent": whole(a) == a["streamed"], "vllm_consistent": whole(b) == b["streamed"],
+                   "tokens": [len(a["token_ids"]), len(b["token_ids"])],
+                   "reasoning_tokens": [a["reasoning_tokens"], b["reasoning_tokens"]]}
+            summary.setdefault(parser, {})[case] = row
+            lines.append(f"| {parser} | {case} | " + " | ".join("yes" if row[k] else "no" for k in (
+                "tokens_same", "whole_same", "streamed_same", "fluidserve_consistent", "vllm_consistent"))
+                + f" | {a['reasoning_tokens']} / {b['reasoning_tokens']} |")
+            if not (row["whole_same"] and row["streamed_same"]):
                 print(f"{parser} / {case}:\n  fluidserve {json.dumps(a)}\n  vLLM       {json.dumps(b)}")
-    lines += ["", f"{agree} of {total} replies the same in every respect."]
-    record = {"parsers": list(PARSERS), "agree": agree, "total": total, "results": summary}
+    counts = {k: sum(r.get(k, False) for per in summary.values() for r in per.values())
+              for k in ("tokens_same", "whole_same", "streamed_same", "fluidserve_consistent", "vllm_consistent")}
+    total = sum(len(per) for per in summary.values())
+    lines += ["", f"Of {total} replies: tokens the same {counts['tokens_same']}, whole split the same "
+              f"{counts['whole_same']}, streamed split the same {counts['streamed_same']}; whole = streamed "
+              f"{counts['fluidserve_consistent']} for fluidserve, {counts['vllm_consistent']} for vLLM."]
+    record = {"parsers": list(PARSERS), "total": total, **counts, "results": summary}
     save_results(RESULTS / f"reasoning_vs_vllm{args.tag}", record, "\n".join(lines) + "\n")
     return 0
 
