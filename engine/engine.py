@@ -575,7 +575,7 @@ class LLMEngine:
             # be rebuilt from) the outputs so far.
             needs_history = (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                              or p.min_tokens or any(len(w) > 1 for w in p.bad_words_token_ids)
-                             or p.structured_outputs is not None)
+                             or p.structured_outputs is not None or p.thinking_token_budget is not None)
             spec = seq.sample_spec = SampleSpec(
                 params=p, seed=None,
                 prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else [],

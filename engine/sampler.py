@@ -2,7 +2,8 @@
 
 Owns the per-step sampling pipeline and nothing else: logprobs of the raw
 distribution, allowed_token_ids / logit_bias / bad_words, min_tokens masking,
-repetition / presence / frequency penalties, the grammar's token mask of
+repetition / presence / frequency penalties, a thinking budget's forced end,
+the grammar's token mask of
 constrained rows (structured output), then greedy argmax or
 temperature -> top_k -> top_p -> min_p -> draw. Rows are
 independent sequences; each may carry its own ``torch.Generator`` so a seeded
@@ -94,6 +95,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
     _mask_stop_tokens_before_min(logits, rows, eos_token_id)
     _apply_repetition_penalty(logits, rows)
     _apply_presence_frequency_penalties(logits, rows)
+    _force_thinking_end(logits, rows)
     if token_mask is not None:
         token_mask.apply(logits)  # last: no later stage may lift a -inf the grammar set
     token_ids = _choose_tokens(logits, rows)  # [R] int64
@@ -128,7 +130,7 @@ def _no_logits_stage(p: SamplingParams) -> bool:
     """No logprobs to gather, and nothing that masks, biases or penalises logits."""
     return (p.logprobs is None and p.allowed_token_ids is None and not p.logit_bias and not p.bad_words_token_ids
             and not p.min_tokens and p.repetition_penalty == 1.0 and not p.presence_penalty
-            and not p.frequency_penalty)
+            and not p.frequency_penalty and p.thinking_token_budget is None)
 
 
 # ---------------------------------------------------------------- logits stages
@@ -176,6 +178,23 @@ def _mask_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
                 tok_idx.append(last)
     if row_idx:
         logits[_index(row_idx, logits), _index(tok_idx, logits)] = float("-inf")
+
+
+def _force_thinking_end(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """A thinking row at its ``thinking_token_budget`` without the end of its
+    thinking: that end marker is its one allowed token. The look for the
+    marker starts only once the budget is reached, and stops at it (it sits
+    at most at the budget's index), so a long reply costs no more."""
+    for i, row in enumerate(rows):
+        budget = row.params.thinking_token_budget
+        if budget is None or len(row.output_token_ids) < budget:
+            continue
+        end = row.params.thinking_end_token_id
+        try:
+            row.output_token_ids.index(end, 0, budget + 1)
+        except ValueError:
+            logits[i].fill_(float("-inf"))
+            logits[i, end] = 0.0
 
 
 def _mask_stop_tokens_before_min(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None) -> None:

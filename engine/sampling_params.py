@@ -92,6 +92,10 @@ class SamplingParams:
     # (a reasoning model's end of thinking: vLLM's structured output after
     # reasoning); until it comes, decoding is free.
     structured_after_token_id: int | None = None
+    # A thinking reply's budget: once its output holds this many tokens and
+    # no ``thinking_end_token_id``, that token is the only one it may take.
+    thinking_token_budget: int | None = None
+    thinking_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -140,6 +144,10 @@ class SamplingParams:
             raise bad("top_k", f"must be -1 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.thinking_token_budget is not None and (self.thinking_token_budget < 0
+                                                       or self.thinking_end_token_id is None):
+            raise bad("thinking_token_budget", f"must be at least 0, with the token that ends the thinking, "
+                      f"got {self.thinking_token_budget!r}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

@@ -12,6 +12,7 @@ Sampling fields a request leaves unset take the model's defaults from its
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -118,8 +119,32 @@ class InputProcessor:
         reasoning = self._reasoning(req, prompt)
         # A thinking reply's grammar starts once the thinking has ended.
         after = reasoning.parser.end_id if reasoning and structured and not self.enable_in_reasoning else None
-        return EngineInputs([prompt], self._params(req, max_tokens, top_n, structured, after), req.klass, tool_mode,
-                            beam=self._beam(req, max_tokens, top_n), reasoning=reasoning)
+        params = self._params(req, max_tokens, top_n, structured, after)
+        budget = self._thinking_budget(req, reasoning, structured)
+        if budget is not None:
+            params = dataclasses.replace(params, thinking_token_budget=budget,
+                                         thinking_end_token_id=reasoning.parser.end_id)
+        return EngineInputs([prompt], params, req.klass, tool_mode, beam=self._beam(req, max_tokens, top_n),
+                            reasoning=reasoning)
+
+    def _thinking_budget(self, req: ChatCompletionRequest, reasoning: Reasoning | None,
+                         structured: StructuredOutputs | None) -> int | None:
+        """``thinking_token_budget`` as the engine takes it: None for no
+        limit, or where the reply does not think (nothing to limit)."""
+        budget = req.thinking_token_budget
+        if budget is None or budget == -1:
+            return None
+        if self.reasoning_parser is None:
+            raise bad_request("thinking_token_budget: needs a server started with --reasoning-parser, which "
+                              "says where the thinking ends", "thinking_token_budget")
+        if reasoning is None:
+            return None
+        if structured is not None and self.enable_in_reasoning:
+            raise bad_request("thinking_token_budget: cannot force the end of the thinking where the grammar "
+                              "constrains the thinking too (enable_in_reasoning)", "thinking_token_budget")
+        if req.use_beam_search:
+            raise bad_request("thinking_token_budget: not supported with beam search", "thinking_token_budget")
+        return budget
 
     def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         if isinstance(req, TokenizeChatRequest):

@@ -108,7 +108,8 @@ _REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
     "repetition_detection": _off(),
 }
 _REFUSED_CHAT: dict[str, Callable[[Any], bool]] = {
-    **_REFUSED_COMMON,
+    # A thinking budget needs to know where the thinking ends: chat replies only.
+    **{k: v for k, v in _REFUSED_COMMON.items() if k != "thinking_token_budget"},
     "functions": _off(),
     "function_call": _off("none"),
     "audio": _off(),
@@ -497,6 +498,9 @@ class ChatCompletionRequest(_SamplingFields):
     # Given to the chat template, as vLLM does, with enable_thinking set to
     # whether it is "none" unless chat_template_kwargs sets it.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # vLLM's: at most this many tokens of thinking, then the end marker is
+    # forced; -1 is no limit.
+    thinking_token_budget: Annotated[StrictInt, Field(ge=-1)] | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> "ChatCompletionRequest":

@@ -47,6 +47,17 @@ def test_bad_words_single_token_and_sequence():
     assert pick([row(seq, output=[2, 4])]) == [3]
 
 
+def test_thinking_budget_forces_the_end_marker_once():
+    """Budget 2, end marker 6: a row with two tokens of thinking takes 6
+    whatever its logits say; before the budget, or once 6 has come, it
+    samples freely; other rows never feel it."""
+    budget = greedy(thinking_token_budget=2, thinking_end_token_id=6)
+    assert pick([row(budget, [1]), row(budget, [1, 2]), row(greedy(), [1, 2])]) == [3, 6, 3]
+    assert pick([row(budget, [1, 2, 6]), row(budget, [1, 6, 3, 3]), row(budget, [6])]) == [3, 3, 3]
+    zero = greedy(thinking_token_budget=0, thinking_end_token_id=6)
+    assert pick([row(zero), row(zero, [6]), row(zero, [6, 3])]) == [6, 3, 3]
+
+
 def test_logprobs_still_describe_the_model():
     params = SamplingParams(temperature=0.0, allowed_token_ids=[1], logprobs=1)
     out = sample(LOGITS.unsqueeze(0).clone(), [row(params)], eos_token_id=None)[0]

@@ -294,6 +294,43 @@ def test_grammar_in_the_reasoning_with_enable_in_reasoning(thinking_model):
         srv.stop()
 
 
+def test_thinking_token_budget_forces_the_end_of_thinking(server):
+    """With the end marker never chosen freely, a budget of N gives N tokens
+    of thinking, then ``</think>``, then the answer; a grammar takes over
+    after it; -1 is no limit; 0 ends the thinking at once."""
+    free = {"messages": MSGS, "max_tokens": 20, "temperature": 0, "return_token_ids": True,
+            "allowed_token_ids": LETTERS + [END], "logit_bias": {str(END): -50}}
+    url = f"{server.base_url}/v1/chat/completions"
+    for budget in (0, 5):
+        r = httpx.post(url, json={**free, "thinking_token_budget": budget}, timeout=60).json()
+        choice = r["choices"][0]
+        assert choice["token_ids"].index(END) == budget and choice["token_ids"].count(END) == 1
+        assert r["usage"]["completion_tokens_details"]["reasoning_tokens"] == budget
+        assert (choice["message"]["reasoning"] or "") == "".join(map(chr, choice["token_ids"][:budget]))
+        assert choice["message"]["content"] == "".join(map(chr, choice["token_ids"][budget + 1:]))
+    unlimited = httpx.post(url, json={**free, "thinking_token_budget": -1}, timeout=60).json()["choices"][0]
+    assert END not in unlimited["token_ids"] and unlimited["message"]["content"] is None
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}}
+    r = httpx.post(url, timeout=60, json={**free, **COMPACT, "max_tokens": 60, "response_format": fmt,
+                                          "logit_bias": {str(END): -50}, "thinking_token_budget": 3}).json()
+    choice = r["choices"][0]
+    assert choice["token_ids"][3] == END and choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), ANSWER_SCHEMA)
+
+
+@pytest.mark.parametrize("path, body, words", [
+    ("/v1/chat/completions", {"thinking_token_budget": -2}, "greater than or equal to -1"),
+    ("/v1/chat/completions", {"thinking_token_budget": 1.5}, "integer"),
+    ("/v1/completions", {"thinking_token_budget": 4}, "thinking_token_budget"),
+])
+def test_thinking_token_budget_refusals(server, path, body, words):
+    base = {"messages": MSGS} if path.endswith("chat/completions") else {"prompt": "x"}
+    r = httpx.post(f"{server.base_url}{path}", json={**base, "max_tokens": 2, **body}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget", r.text
+    assert words in r.json()["error"]["message"]
+
+
 def test_reasoning_in_history_reaches_the_template(server):
     """An assistant turn's ``reasoning`` (or ``reasoning_content``) goes to
     the template under both names; only an assistant turn may carry it."""
@@ -308,12 +345,15 @@ def test_reasoning_in_history_reaches_the_template(server):
     assert bad.status_code == 400 and "reasoning" in bad.json()["error"]["message"]
 
 
-def test_reasoning_effort_needs_a_template_that_reads_it(tiny_model):
+def test_reasoning_fields_on_a_server_without_a_parser(tiny_model):
     srv = start_server(tiny_model("llama"))
     try:
         r = httpx.post(f"{srv.base_url}/v1/chat/completions", timeout=30,
                        json={"messages": MSGS, "max_tokens": 2, "reasoning_effort": "low"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+        r = httpx.post(f"{srv.base_url}/v1/chat/completions", timeout=30,
+                       json={"messages": MSGS, "max_tokens": 2, "thinking_token_budget": 4})
+        assert r.status_code == 400 and "--reasoning-parser" in r.json()["error"]["message"]
         ok = httpx.post(f"{srv.base_url}/v1/chat/completions", timeout=30,
                         json={"messages": MSGS, "max_tokens": 2, "include_reasoning": False})
         assert ok.status_code == 200

@@ -635,7 +635,8 @@ def test_stream_stop_reason(server, base):
 
 def test_table_covers_every_known_field():
     exercised = {f for row in ROWS for f in row[4]} | {"stream_options"}  # streaming tests above
-    exercised |= {"reasoning_effort"}  # refused here (REFUSED), honoured in test_reasoning.py
+    # Refused here (REFUSED, or no reasoning parser), honoured in test_reasoning.py.
+    exercised |= {"reasoning_effort", "thinking_token_budget"}
     refused = {f for _, f, _ in REFUSED}
     for model, refused_table in ((CompletionRequest, protocol._REFUSED_COMMON),
                                  (ChatCompletionRequest, protocol._REFUSED_CHAT)):
