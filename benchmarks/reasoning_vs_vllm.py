@@ -8,8 +8,9 @@ The model is the tiny random one with ``<think>`` and ``</think>`` added
 (``engine/tiny_model.py``'s ``build_tiny_thinking_model``, heads of 64), in fp32, so both
 servers pick the same greedy tokens; the requests steer it (``logit_bias``
 on the markers, letters only) so that replies think and answer, repeat a
-marker, never close their thinking, or come with thinking turned off, and
-one asks for a JSON schema that applies after the thinking. A request
+marker, never close their thinking, or come with thinking turned off; one
+caps the thinking with ``thinking_token_budget``, and one asks for a JSON
+schema that applies after the thinking. A request
 counts as agreeing when both servers gave the same tokens and the same
 split of them, whole and streamed. Disagreements are printed in full.
 Writes benchmarks/results/reasoning_vs_vllm{--tag}.{json,md}.
@@ -49,6 +50,9 @@ def cases(model: str) -> dict[str, dict]:
             "messages": [{"role": "user", "content": prompt}], "max_tokens": 40,
             "allowed_token_ids": LETTERS + [THINK, END], "logit_bias": {str(THINK): think, str(END): end}}
     out["thinking off"] = {**out["Hello <think> -5, </think> +2"], "chat_template_kwargs": {"enable_thinking": False}}
+    # The end marker never chosen freely: only the budget ends the thinking.
+    out["thinking_token_budget 5"] = {**out["Hello <think> +0, </think> +1"], "thinking_token_budget": 5,
+                                      "logit_bias": {str(END): -50}}
     out["schema after thinking"] = {
         "messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": 40,
         "allowed_token_ids": list(range(33, 127)) + [END, THINK, 257], "logit_bias": {str(END): 3.0},

@@ -182,19 +182,20 @@ def _mask_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 def _force_thinking_end(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """A thinking row at its ``thinking_token_budget`` without the end of its
-    thinking: that end marker is its one allowed token. The look for the
-    marker starts only once the budget is reached, and stops at it (it sits
-    at most at the budget's index), so a long reply costs no more."""
+    thinking: that end marker is its one allowed token. Thinking tokens are
+    counted as usage counts reasoning tokens, start markers left out. Rows
+    short of the budget cost nothing; past it, the look for the marker stops
+    where it sits (just past the budget)."""
     for i, row in enumerate(rows):
-        budget = row.params.thinking_token_budget
-        if budget is None or len(row.output_token_ids) < budget:
+        p = row.params
+        out = row.output_token_ids
+        if p.thinking_token_budget is None or len(out) < p.thinking_token_budget:
             continue
-        end = row.params.thinking_end_token_id
-        try:
-            row.output_token_ids.index(end, 0, budget + 1)
-        except ValueError:
+        if p.thinking_end_token_id in out:
+            continue
+        if len(out) - out.count(p.thinking_start_token_id) >= p.thinking_token_budget:
             logits[i].fill_(float("-inf"))
-            logits[i, end] = 0.0
+            logits[i, p.thinking_end_token_id] = 0.0
 
 
 def _mask_stop_tokens_before_min(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None) -> None:

@@ -92,9 +92,11 @@ class SamplingParams:
     # (a reasoning model's end of thinking: vLLM's structured output after
     # reasoning); until it comes, decoding is free.
     structured_after_token_id: int | None = None
-    # A thinking reply's budget: once its output holds this many tokens and
-    # no ``thinking_end_token_id``, that token is the only one it may take.
+    # A thinking reply's budget: once its output holds this many tokens of
+    # thinking (``thinking_start_token_id`` s not counted) and no
+    # ``thinking_end_token_id``, that token is the only one it may take.
     thinking_token_budget: int | None = None
+    thinking_start_token_id: int | None = None
     thinking_end_token_id: int | None = None
 
     def __post_init__(self) -> None:

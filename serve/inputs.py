@@ -123,6 +123,7 @@ class InputProcessor:
         budget = self._thinking_budget(req, reasoning, structured)
         if budget is not None:
             params = dataclasses.replace(params, thinking_token_budget=budget,
+                                         thinking_start_token_id=reasoning.parser.start_id,
                                          thinking_end_token_id=reasoning.parser.end_id)
         return EngineInputs([prompt], params, req.klass, tool_mode, beam=self._beam(req, max_tokens, top_n),
                             reasoning=reasoning)

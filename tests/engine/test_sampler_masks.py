@@ -51,9 +51,10 @@ def test_thinking_budget_forces_the_end_marker_once():
     """Budget 2, end marker 6: a row with two tokens of thinking takes 6
     whatever its logits say; before the budget, or once 6 has come, it
     samples freely; other rows never feel it."""
-    budget = greedy(thinking_token_budget=2, thinking_end_token_id=6)
+    budget = greedy(thinking_token_budget=2, thinking_start_token_id=7, thinking_end_token_id=6)
     assert pick([row(budget, [1]), row(budget, [1, 2]), row(greedy(), [1, 2])]) == [3, 6, 3]
     assert pick([row(budget, [1, 2, 6]), row(budget, [1, 6, 3, 3]), row(budget, [6])]) == [3, 3, 3]
+    assert pick([row(budget, [7, 1]), row(budget, [7, 1, 7, 2])]) == [3, 6]  # start markers are not thinking
     zero = greedy(thinking_token_budget=0, thinking_end_token_id=6)
     assert pick([row(zero), row(zero, [6]), row(zero, [6, 3])]) == [6, 3, 3]
 

@@ -308,6 +308,14 @@ def test_thinking_token_budget_forces_the_end_of_thinking(server):
         assert r["usage"]["completion_tokens_details"]["reasoning_tokens"] == budget
         assert (choice["message"]["reasoning"] or "") == "".join(map(chr, choice["token_ids"][:budget]))
         assert choice["message"]["content"] == "".join(map(chr, choice["token_ids"][budget + 1:]))
+    # A <think> the reply writes is no thinking, as usage counts it.
+    thinks = {**free, "max_tokens": 40, "allowed_token_ids": LETTERS + [THINK, END],
+              "logit_bias": {str(END): -50, str(THINK): 1}}
+    r = httpx.post(url, json={**thinks, "thinking_token_budget": 5}, timeout=60).json()
+    ids = r["choices"][0]["token_ids"]
+    head = ids[:ids.index(END)]
+    assert THINK in head and len(head) - head.count(THINK) == 5
+    assert r["usage"]["completion_tokens_details"]["reasoning_tokens"] == 5
     unlimited = httpx.post(url, json={**free, "thinking_token_budget": -1}, timeout=60).json()["choices"][0]
     assert END not in unlimited["token_ids"] and unlimited["message"]["content"] is None
 
