@@ -57,6 +57,7 @@ from fluidserve.engine.output_wire import OutputSender, OutputTail, rebuild
 from fluidserve.engine.outputs import RequestOutput
 from fluidserve.engine.replica_channel import ReplicaGone, ReplicaLink
 from fluidserve.engine.sampling_params import SamplingParams
+from fluidserve.kvcache.prefix_cache import salted_root
 
 log = logging.getLogger(__name__)
 
@@ -447,7 +448,7 @@ class DataParallelEngine:
         while True:
             try:
                 route = self.router.route(flight.request_id, flight.prompt, offline=flight.klass == "offline",
-                                          exclude=tried)
+                                          exclude=tried, root=salted_root(flight.params.cache_salt))
             except NoReplicaError:
                 raise EngineDeadError(f"no engine replica is healthy (0 of {self.size})") from None
             replica = self.replicas[route.replica]

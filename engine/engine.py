@@ -21,6 +21,7 @@ from pathlib import Path
 
 from fluidserve.kernels.ops import kernel_path
 from fluidserve.kvcache.manager import slot_of, slots
+from fluidserve.kvcache.prefix_cache import salted_root
 from fluidserve.scheduler.cost_model import cost_model_for_engine
 from fluidserve.scheduler.plan import StepOutcome, StepPlan
 from fluidserve.scheduler.request_state import RequestClass, SeqState
@@ -229,13 +230,14 @@ class LLMEngine:
         lazy_text = final_only and params.n == 1 and not params.stop
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # nothing predicts the first prompt token
-        keys = self.scheduler.prompt_block_keys(token_ids)
+        root = salted_root(params.cache_salt)
+        keys = self.scheduler.prompt_block_keys(token_ids, root)
         stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
         for i in range(params.n):
             # A request scoring its prompt must compute every position: it
             # takes no prefix-cache hits, but offers its blocks to others.
             state = SeqState(f"{request_id}#{i}", len(token_ids), max_tokens, now, klass, block_keys=list(keys),
-                             reads_cache=req.prompt_logprobs is None)
+                             reads_cache=req.prompt_logprobs is None, cache_root=root)
             seq = Sequence(i, state, req, TextStream(self.tokenizer, token_ids, params),
                            logprobs=[] if params.logprobs is not None else None,
                            new_logprobs=[] if params.logprobs is not None else None,

@@ -98,6 +98,10 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     thinking_start_token_id: int | None = None
     thinking_end_token_id: int | None = None
+    # vLLM's: cached prompt blocks are shared only among requests of the same
+    # salt (kvcache/prefix_cache.py), so one tenant cannot time another's
+    # prompts through the prefix cache.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -146,6 +150,8 @@ class SamplingParams:
             raise bad("top_k", f"must be -1 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise bad("cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
         if self.thinking_token_budget is not None and (self.thinking_token_budget < 0
                                                        or self.thinking_end_token_id is None):
             raise bad("thinking_token_budget", f"must be at least 0, with the token that ends the thinking, "

@@ -6,7 +6,10 @@ A full block's key hashes its tokens together with its parent's key (the
 block before it in the sequence) and an ``extra`` value for anything else that
 changes KV (an adapter id, say; nothing today), so equal keys mean an equal
 prefix up to and including that block. Only full blocks get keys: a partial
-block is still being written.
+block is still being written. A request's ``cache_salt`` (vLLM's) is the root
+its first block hangs from (``salted_root``): requests share cached blocks
+only with requests of the same salt, so one tenant cannot time another's
+prompts through the cache.
 
 The index only points at blocks; what keeps a block alive is its reference
 count in the allocator. A block whose count drops to 0 stays in the index
@@ -22,13 +25,18 @@ from collections.abc import Hashable, Sequence
 ROOT_KEY = 0  # the parent of a sequence's first block
 
 
+def salted_root(salt: str | None) -> int:
+    """The parent of the first block of a request with this ``cache_salt``."""
+    return ROOT_KEY if salt is None else hash(("cache_salt", salt))
+
+
 def block_keys(token_ids: Sequence[int], block_size: int, keys: list[int] | None = None,
-               extra: Hashable = 0) -> list[int]:
+               extra: Hashable = 0, root: int = ROOT_KEY) -> list[int]:
     """Keys of every full block of ``token_ids``; with ``keys`` (the keys of
     a prefix of it), only the missing ones are computed and appended."""
     keys = [] if keys is None else keys
     for start in range(len(keys) * block_size, len(token_ids) - block_size + 1, block_size):
-        keys.append(chain_key(keys[-1] if keys else ROOT_KEY, token_ids[start:start + block_size], extra))
+        keys.append(chain_key(keys[-1] if keys else root, token_ids[start:start + block_size], extra))
     return keys
 
 

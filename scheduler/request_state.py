@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from fluidserve.kvcache.prefix_cache import ROOT_KEY
+
 
 class RequestClass(str, enum.Enum):
     ONLINE = "online"
@@ -43,6 +45,7 @@ class SeqState:
     # False: the request computes every position (it scores its prompt), so it
     # takes no cache hits, but its blocks are still offered to the cache.
     reads_cache: bool = True
+    cache_root: int = ROOT_KEY  # the parent of its first block's key: its cache_salt's (kvcache/prefix_cache.py)
     # Where admission's last walk of ``block_keys`` through the prefix cache
     # ended (-1: never walked): KVCacheManager.admission_floor's hint.
     prefix_stop: int = -1

@@ -182,13 +182,13 @@ def _record(found: dict[int, int], bits: int, depth: int) -> None:
         bits ^= low
 
 
-def prompt_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """``block_keys(token_ids, block_size)``, the engine's prefix-cache keys,
-    with ``chain_key`` inlined over one tuple of the prompt: this runs on
-    every request."""
+def prompt_keys(token_ids: Sequence[int], block_size: int, root: int = ROOT_KEY) -> list[int]:
+    """``block_keys(token_ids, block_size, root=root)``, the engine's
+    prefix-cache keys, with ``chain_key`` inlined over one tuple of the
+    prompt: this runs on every request."""
     ids = tuple(token_ids)
     keys: list[int] = []
-    parent = ROOT_KEY
+    parent = root
     for start in range(0, len(ids) - block_size + 1, block_size):
         parent = hash((parent, ids[start:start + block_size], 0))
         keys.append(parent)
@@ -246,9 +246,10 @@ class Router:
 
     # -- the frontend's calls ------------------------------------------------
     def route(self, request_id: str, prompt_token_ids: Sequence[int], *, offline: bool = False,
-              exclude: Collection[int] = ()) -> Route:
+              exclude: Collection[int] = (), root: int = ROOT_KEY) -> Route:
         """Pick a healthy replica not in ``exclude`` for a new request (or a
-        request sent again: its earlier route is forgotten first)."""
+        request sent again: its earlier route is forgotten first); ``root``:
+        its cache salt's, as the engines key its blocks."""
         self.finished(request_id)
         mask = self._healthy_mask
         for r in exclude:
@@ -256,7 +257,7 @@ class Router:
                 mask &= ~(1 << r)
         if not mask:
             raise NoReplicaError("no healthy replica to route to")
-        keys = prompt_keys(prompt_token_ids, self.block_size)
+        keys = prompt_keys(prompt_token_ids, self.block_size, root)
         held = self.index.match(keys, mask)
         replica, reason = self._choose(mask, held, len(prompt_token_ids), offline)
         cached = min(held.get(replica, 0) * self.block_size, len(prompt_token_ids))

@@ -242,10 +242,11 @@ class Scheduler:
                    safepoint_attention_share=safepoint_attention_share)
 
     # -- prefix-cache keys ----------------------------------------------------------
-    def prompt_block_keys(self, prompt_token_ids: list[int]) -> list[int]:
+    def prompt_block_keys(self, prompt_token_ids: list[int], root: int = ROOT_KEY) -> list[int]:
         """The prefix-cache keys of a prompt's full blocks (none when the
-        cache is off): a new SeqState's ``block_keys``."""
-        return block_keys(prompt_token_ids, self.kv.block_size) if self.kv.prefix_caching else []
+        cache is off), hung from ``root`` (a cache salt's): a new SeqState's
+        ``block_keys``."""
+        return block_keys(prompt_token_ids, self.kv.block_size, root=root) if self.kv.prefix_caching else []
 
     def block_filled(self, seq: SeqState, block_tokens: list[int], num_tokens: int) -> None:
         """Prompt + outputs of ``seq`` just reached ``num_tokens``, filling a
@@ -253,7 +254,7 @@ class Scheduler:
         that repeats this conversation shares it."""
         keys = seq.block_keys
         if self.kv.prefix_caching and len(keys) == num_tokens // self.kv.block_size - 1:
-            keys.append(chain_key(keys[-1] if keys else ROOT_KEY, block_tokens))
+            keys.append(chain_key(keys[-1] if keys else seq.cache_root, block_tokens))
 
     def add(self, seq: SeqState, now: float) -> None:
         if seq.request_id in self.seqs:

@@ -262,8 +262,10 @@ class InputProcessor:
             return None
         width = req.n
         eos = self.model.eos_token_ids or tuple(t for t in [self.tokenizer.eos_token_id] if t is not None)
+        # Each step's requests reuse the last step's KV through the prefix
+        # cache: under the request's salt, never another's.
         step = SamplingParams(max_tokens=1, temperature=self._default(req, "temperature", 1.0),
-                              logprobs=max(2 * width, top_n or 0), ignore_eos=True)
+                              logprobs=max(2 * width, top_n or 0), ignore_eos=True, cache_salt=req.cache_salt)
         return BeamSearchParams(beam_width=width, max_tokens=max_tokens, step=step, eos_token_ids=frozenset(eos),
                                 ignore_eos=req.ignore_eos, length_penalty=req.length_penalty,
                                 include_stop_str_in_output=req.include_stop_str_in_output,
@@ -392,6 +394,7 @@ class InputProcessor:
                 bad_words_token_ids=self._bad_words(req.bad_words),
                 structured_outputs=structured,
                 structured_after_token_id=structured_after,
+                cache_salt=req.cache_salt,
             )
         except ValueError as exc:
             raise from_value_error(exc) from None

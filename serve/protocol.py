@@ -82,7 +82,6 @@ def _off(*values: Any) -> Callable[[Any], bool]:
 # Fields both endpoints know but do not implement -> which values mean "off".
 _REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
     "logits_processors": _off(),
-    "cache_salt": _off(),
     "kv_transfer_params": _off(),
     "vllm_xargs": _off(),
     "prompt_embeds": _off(),
@@ -298,6 +297,8 @@ class _SamplingFields(_Request):
     request_id: Annotated[StrictStr, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
     # vLLM's int (lower runs first, default 0), or our class name.
     priority: StrictInt | RequestClassName | None = None
+    # vLLM's: cached prompt blocks are shared only among requests of the same salt.
+    cache_salt: Annotated[StrictStr, Field(min_length=1)] | None = None
     request_class: RequestClassName | None = Field(default=None, alias="class")
     # vLLM's: each prompt position's token logprob plus the top N (not streamed);
     # -1: the whole vocabulary. The cap is the server's --max-logprobs (inputs.py).

@@ -65,7 +65,7 @@ _REASONING = -2  # the reasoning item's key in a reply's order (-1: the message,
 _PASSED_TO_CHAT = ("user", "safety_identifier", "prompt_cache_key", "seed", "top_k", "min_p",
                    "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "stop_token_ids",
                    "ignore_eos", "min_tokens", "logit_bias", "priority", "chat_template_kwargs",
-                   "skip_special_tokens", "bad_words", "allowed_token_ids", "request_id")
+                   "skip_special_tokens", "bad_words", "allowed_token_ids", "request_id", "cache_salt")
 
 
 class ReasoningOptions(_Request):
@@ -190,6 +190,7 @@ class ResponsesRequest(_Request):
     bad_words: Any = None
     allowed_token_ids: Any = None
     request_id: Any = None
+    cache_salt: Any = None
 
     @model_validator(mode="after")
     def _check(self) -> "ResponsesRequest":

@@ -56,6 +56,33 @@ def test_a_prompt_fully_cached_still_computes_its_last_token(tiny_model, make_ll
     assert llm.engine.kv.prefix_stats.hit_tokens - hits == 24  # 3 of 4 blocks: the last is recomputed
 
 
+def test_cache_salt_keeps_tenants_apart_and_keys_their_answers(tiny_model, make_llm):
+    """A salt is the root of a request's key chain: the same prompt under
+    another salt (or none) takes no hit, under its own it does, answers
+    included (the blocks an answer fills are keyed under its salt), and the
+    tokens are the same whatever the salt."""
+    import dataclasses
+
+    path = tiny_model("llama")
+    llm = make_llm(path, block_size=8)
+    salted = {s: dataclasses.replace(GREEDY, cache_salt=s) for s in ("a", "b")}
+    stats = llm.engine.kv.prefix_stats
+
+    def run(prompt, params) -> tuple[list[int], int]:
+        before = stats.hit_tokens
+        out = llm.generate([prompt], params)[0].outputs[0].token_ids
+        return list(out), stats.hit_tokens - before
+
+    plain, _ = run(SYSTEM, GREEDY)
+    assert run(SYSTEM, salted["a"]) == (plain, 0)
+    assert run(SYSTEM, salted["b"]) == (plain, 0)
+    assert run(SYSTEM, salted["a"]) == (plain, 32)
+    assert run(SYSTEM, GREEDY) == (plain, 32)
+    turn2 = SYSTEM + plain + [30]  # the answer's blocks were keyed under "b"'s root
+    assert run(turn2, salted["b"])[1] == 48
+    assert run(turn2, dataclasses.replace(GREEDY, cache_salt="c"))[1] == 0
+
+
 def test_multi_turn_prompt_reuses_the_previous_answer(tiny_model, make_llm):
     """Turn 2 sends turn 1's prompt and answer back: the answer's full blocks
     were keyed as they were generated, so they are shared too."""

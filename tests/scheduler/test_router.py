@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fluidserve.kvcache.prefix_cache import block_keys
+from fluidserve.kvcache.prefix_cache import block_keys, salted_root
 from fluidserve.scheduler.router import (
     ROUTING_POLICIES, AffinityIndex, BacklogCost, NoReplicaError, ReplicaLoad, make_router, prompt_keys,
 )
@@ -30,6 +30,17 @@ def test_prompt_keys_are_the_engine_prefix_cache_keys():
     assert prompt_keys(ids, BS) == block_keys(ids, BS)
     assert prompt_keys(ids, 8) == block_keys(ids, 8)
     assert prompt_keys(ids[:15], BS) == []
+    root = salted_root("tenant")
+    assert prompt_keys(ids, BS, root) == block_keys(ids, BS, root=root)
+    assert not set(prompt_keys(ids, BS, root)) & set(prompt_keys(ids, BS))
+
+
+def test_a_salted_prompt_is_not_routed_by_the_unsalted_prefix():
+    r = router()
+    first = r.route("a0", prompt(1, 0))
+    assert r.route("a1", prompt(1, 1)).replica == first.replica
+    salted = r.route("s0", prompt(1, 2), root=salted_root("tenant"))
+    assert salted.cached_tokens == 0 and salted.reason == "least-loaded"
 
 
 def test_shared_prefix_sticks_to_one_replica_while_loads_are_even():

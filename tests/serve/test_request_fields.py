@@ -395,6 +395,8 @@ ROWS: list[tuple[str, str, dict, Check, tuple[str, ...]]] = [
     ("chat_template_kwargs", CHAT, {"chat_template_kwargs": {"unused": 1}}, same_text, ("chat_template_kwargs",)),
     # No reasoning parser here: nothing to leave out (test_reasoning.py has the parsers).
     ("include_reasoning", CHAT, {"include_reasoning": False}, same_text, ("include_reasoning",)),
+    # Which cached blocks a prompt may share, never its text (test_vllm_parity.py has the hits).
+    ("cache_salt", C, {"cache_salt": "tenant"}, same_text, ("cache_salt",)),
     ("continue_final_message", CHAT, {"messages": [*MSGS, {"role": "assistant", "content": "ab"}],
                                       "add_generation_prompt": False, "continue_final_message": True},
      check_continued, ("continue_final_message",)),
@@ -420,7 +422,6 @@ ROWS: list[tuple[str, str, dict, Check, tuple[str, ...]]] = [
 REFUSED: list[tuple[str, str, Any]] = [
     (C, "length_penalty", 0.5),  # without use_beam_search: nothing to act on
     (C, "logits_processors", ["x"]),
-    (C, "cache_salt", "salt"),
     (C, "kv_transfer_params", {"a": 1}),
     (C, "vllm_xargs", {"a": 1}),
     (C, "prompt_embeds", "AAAA"),

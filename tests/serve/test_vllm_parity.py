@@ -359,6 +359,32 @@ def test_prompt_tokens_details_on_a_prefix_cache_hit(flagged):
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32  # three full blocks of 16
 
 
+def test_cache_salt_shares_cached_prompts_only_within_a_salt(flagged):
+    """vLLM's ``cache_salt``: a salted prompt takes no hit from the same
+    prompt cached unsalted or under another salt, and hits under its own;
+    the route (with the Responses route's) passes it, and an empty one is a
+    400."""
+    body = {**BASE, "prompt": "klmnopqrst" * 5, "max_tokens": 2}
+
+    def cached(**salt) -> int:
+        usage = ok(flagged, C, {**body, **salt})["usage"]
+        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    assert cached() == 0
+    assert cached() >= 32
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached(cache_salt="tenant-a") >= 32
+    chat = ok(flagged, CHAT, {**CHAT_BASE, "messages": [{"role": "user", "content": "uvwxyz" * 8}],
+                              "cache_salt": "tenant-c"})
+    assert "prompt_tokens_details" not in chat["usage"]
+    again = ok(flagged, CHAT, {**CHAT_BASE, "messages": [{"role": "user", "content": "uvwxyz" * 8}],
+                               "cache_salt": "tenant-c"})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    r = post(flagged, C, {**body, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
 # -- 9. forced tool calls ------------------------------------------------------------------------
 
 UNIT_TOOL = {"type": "function", "function": {"name": "temperature", "parameters": {
