@@ -47,7 +47,7 @@ from fluidserve.serve.protocol import (
 from fluidserve.serve.reasoning import ReasoningParser
 from fluidserve.serve.render import (ChatStreamer, CompletionStreamer, chat_choices, completion_choices, make_usage,
                                      prompt_logprobs, reasoning_tokens)
-from fluidserve.serve.responses import ResponseStore, responses_routes
+from fluidserve.serve.responses import BackgroundRuns, ResponseStore, responses_routes
 
 VERSION = "0.1.0"
 T = TypeVar("T")
@@ -108,7 +108,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
         batch_runner.start()
+        await server.background.resume()
         yield
+        await server.background.stop()
         await batch_runner.stop()
         await engine.shutdown()
 
@@ -165,6 +167,7 @@ class _Server:
         self.metrics = ServerMetrics(model.name, model.max_model_len)
         self.offline_queued: Callable[[], int] = lambda: 0  # set by the batch runner
         self.responses = ResponseStore(settings.max_stored_responses)  # Responses API: the replies kept
+        self.background = BackgroundRuns(self)  # Responses API: background: true
         self.decode = lambda token_id: processor.tokenizer.decode([token_id])
         self.decode_ids = lambda ids, skip: processor.tokenizer.decode(ids, skip_special_tokens=skip)
 

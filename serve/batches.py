@@ -178,6 +178,9 @@ class LineExecutor:
         try:
             if body.get("stream"):
                 raise bad_request("stream: is not supported in a batch", "stream")
+            if body.get("background"):  # a line runs in the batch, whose output file is its answer
+                raise bad_request("background: is not supported in a batch (every line runs in the background)",
+                                  "background")
             call = None
             if endpoint == "/v1/completions":
                 req: Any = validate_body(body, CompletionRequest, s.settings.ignore_unknown_fields)

@@ -22,14 +22,21 @@ output item (its text as ``reasoning_text`` content) before the message,
 streamed with ``response.reasoning_text.delta`` events; reasoning input items
 go back to the template with the assistant turn they led to.
 
+``background: true`` is answered at once as ``queued`` and run here
+(``BackgroundRuns``), read back with ``GET`` and stopped with ``POST
+/v1/responses/{id}/cancel``; with ``--data-dir`` an accepted one survives a
+restart.
+
 What the chat route cannot do is refused with a 400 naming the field:
 built-in tools (web search, file search, ...), image, file and audio
-inputs, reasoning summaries and encrypted reasoning, background mode.
+inputs, reasoning summaries and encrypted reasoning, streamed background
+responses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -59,6 +66,7 @@ MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _REASONING = -2  # the reasoning item's key in a reply's order (-1: the message, i: calls[i])
+_UNFINISHED = ("queued", "in_progress")  # a background response's statuses before its reply
 
 # Fields of the chat route a Responses body may carry too (vLLM's sampling
 # extensions, OpenAI's end-user identifiers): passed through as they are.
@@ -142,7 +150,6 @@ class ResponsesRequest(_Request):
     """A ``POST /v1/responses`` body."""
 
     _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = {
-        "background": _off(False),
         "max_tool_calls": _off(),
         "conversation": _off(),
         "prompt": _off(),  # stored prompt templates
@@ -167,6 +174,8 @@ class ResponsesRequest(_Request):
     previous_response_id: StrictStr | None = None
     metadata: dict[StrictStr, StrictStr] | None = None
     reasoning: ReasoningOptions | None = None
+    # Answered at once as "queued"; the reply is read with GET (BackgroundRuns).
+    background: bool = False
     # "auto": the oldest turns of the conversation are dropped until the prompt fits.
     truncation: Literal["auto", "disabled"] | None = None
     # Passed to the chat route, which checks them (see _PASSED_TO_CHAT).
@@ -205,6 +214,11 @@ class ResponsesRequest(_Request):
                              f"{MAX_METADATA_VALUE}")
         if self.previous_response_id is not None and not self.previous_response_id:
             raise ValueError("previous_response_id: must not be empty")
+        if self.background and not self.store:
+            raise ValueError("store: a background response is read back with GET, so it must be stored")
+        if self.background and self.stream:
+            raise ValueError("stream: background responses are not streamed by this server (poll GET "
+                             "/v1/responses/{id} until its status is final)")
         return self
 
     @property
@@ -349,9 +363,11 @@ class ResponseStore:
         self.durable = durable
         self._kept: OrderedDict[str, Stored] = OrderedDict()
 
-    async def put(self, response_id: str, stored: Stored, continued: Sequence[str] = ()) -> None:
+    async def put(self, response_id: str, stored: Stored, continued: Sequence[str] = (),
+                  request: dict[str, Any] | None = None) -> None:
         """Keep ``stored``; ``continued``: the kept turns it follows, which
-        count as used with it."""
+        count as used with it; ``request``: a background response's body,
+        kept (durably) until it is put again finished."""
         if self.capacity <= 0:
             return
         for rid in reversed(continued):  # the conversation's oldest turn first, as the store orders them
@@ -363,13 +379,20 @@ class ResponseStore:
         record = {"body": stored.body, "turn": stored.turn, "items": stored.items}
         try:
             dropped = await asyncio.to_thread(self.durable.put_response, response_id, stored.previous, record,
-                                              self.capacity, continued)
+                                              self.capacity, continued, request)
         except StoreError as exc:
             # The reply is made: it still goes out, and stays kept in memory.
             logger.warning("response %s is kept in memory only: %s", response_id, exc)
             return
         for rid in dropped:
             self._kept.pop(rid, None)
+
+    def mark(self, response_id: str, status: str) -> None:
+        """A kept response's status, in memory only: a background response
+        found unfinished after a restart is queued again, as it reads."""
+        stored = self._kept.get(response_id)
+        if stored is not None:
+            stored.body["status"] = status
 
     def _cache(self, response_id: str, stored: Stored) -> None:
         self._kept[response_id] = stored
@@ -406,6 +429,9 @@ class ResponseStore:
             if stored is None:
                 which = "" if rid == response_id else f" (it continues {rid!r}, which is no longer kept)"
                 raise _not_found(response_id, which)
+            if stored.body.get("status") in _UNFINISHED:
+                raise APIError(400, f"Previous response with id {rid!r} is still {stored.body['status']}: "
+                               "continue it once it has finished.", param="previous_response_id")
             turns.append(stored.turn)
             ids.append(rid)
             rid = stored.previous
@@ -493,12 +519,22 @@ def responses_routes(server: Any) -> dict[str, Callable]:
 
     async def delete_response(response_id: str) -> JSONResponse:
         await kept(response_id)
+        await server.background.cancel(response_id)  # a running one stops first
         await store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
+    async def cancel_response(response_id: str) -> JSONResponse:
+        stored = await kept(response_id)
+        if not stored.body.get("background"):
+            raise APIError(400, "Only responses created with background=true can be cancelled.",
+                           param="response_id")
+        body = await server.background.cancel(response_id)
+        return JSONResponse(body if body is not None else (await kept(response_id)).body)
+
     return {"POST /v1/responses": create_response, "GET /v1/responses/{response_id}": get_response,
             "GET /v1/responses/{response_id}/input_items": list_input_items,
-            "DELETE /v1/responses/{response_id}": delete_response}
+            "DELETE /v1/responses/{response_id}": delete_response,
+            "POST /v1/responses/{response_id}/cancel": cancel_response}
 
 
 async def begin(server: Any, req: ResponsesRequest, response_id: Callable[[ChatCompletionRequest], str]) -> _Call:
@@ -581,6 +617,8 @@ async def _create(server: Any, request: Request) -> Response:
     call = await begin(server, req, lambda chat: f"resp_{server.base_request_id(request, chat.request_id)}")
     inputs = call.inputs
     server.admit_capacity(1)
+    if req.background:
+        return JSONResponse(await server.background.start(call))
     if server.settings.log_requests:
         log_request(call.response_id, inputs, server.settings.max_log_len)
     timers = [server.timer(inputs, received)]
@@ -623,7 +661,7 @@ def _envelope(server: Any, call: _Call, status: str) -> dict[str, Any]:
     tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction) else req.tool_choice
     return {
         "id": call.response_id, "object": "response", "created_at": call.created_at, "status": status,
-        "background": False, "error": None, "incomplete_details": None, "instructions": req.instructions,
+        "background": req.background, "error": None, "incomplete_details": None, "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens, "model": server.model.name, "output": [],
         "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": req.previous_response_id,
         "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
@@ -873,3 +911,123 @@ async def _events(server: Any, call: _Call, stream: RequestStream, timer: Any) -
         yield event("response.failed", response=failed)
     finally:
         stream.abort()
+
+
+# -- background responses ----------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    call: _Call
+    task: asyncio.Task | None = None
+    cancelled: bool = False  # by the client (not by shutdown, which leaves the job to the next start)
+
+
+class BackgroundRuns:
+    """``background: true``: the response is kept as ``queued`` and answered
+    at once; its generation runs here, and the kept response becomes
+    ``in_progress``, then ``completed``, ``incomplete``, ``failed`` or
+    ``cancelled`` (``POST .../cancel``). Nobody waits on its tokens, so it
+    runs as offline work (behind every online request, inside the
+    co-serving budget) unless its ``priority`` says otherwise, and only its
+    final output comes back from the engine.
+
+    With ``--data-dir`` the request is kept beside the queued response in
+    the same transaction, so nothing accepted is lost: a server stopped or
+    killed before the reply was kept runs the request again when it starts
+    (``resume``), under the same id. Without it, as every kept response,
+    they live in memory only."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self._jobs: dict[str, _Job] = {}
+
+    @property
+    def running(self) -> int:
+        return len(self._jobs)
+
+    async def start(self, call: _Call) -> dict[str, Any]:
+        """Keep ``call``'s response as queued, start it, and return the body."""
+        body = _envelope(self.server, call, "queued")
+        request = call.req.model_dump(mode="json", by_alias=True, exclude_unset=True)
+        stored = Stored(body, call.turn, call.req.previous_response_id, input_items(call.req.input))
+        await self.server.responses.put(call.response_id, stored, call.continued, request=request)
+        self._launch(call)
+        return body
+
+    def _launch(self, call: _Call) -> None:
+        klass = "offline" if call.req.priority is None else call.inputs.klass
+        call.inputs = dataclasses.replace(call.inputs, klass=klass, final_only=True)
+        job = self._jobs[call.response_id] = _Job(call)
+        job.task = asyncio.get_running_loop().create_task(self._run(job), name=f"background {call.response_id}")
+
+    async def _run(self, job: _Job) -> None:
+        server, call = self.server, job.call
+        streams: list[RequestStream] = []
+        try:
+            timers = [server.timer(call.inputs)]
+            streams = await server.submit(call.response_id, call.inputs)
+            server.responses.mark(call.response_id, "in_progress")
+            (final,) = await server.collect(streams, timers)
+            await finish(server, call, final)
+        except asyncio.CancelledError:
+            if job.cancelled:
+                await self._end(call, "cancelled")
+            raise
+        except Exception as exc:  # noqa: BLE001 - the response fails, and says why
+            from fluidserve.serve.api import _as_api_error
+
+            err = _as_api_error(exc)
+            logger.warning("background response %s failed: %s", call.response_id, exc)
+            await self._end(call, "failed", {"code": "server_error", "message": getattr(err, "message", str(err))})
+        finally:
+            for stream in streams:
+                stream.abort()
+            self._jobs.pop(call.response_id, None)
+
+    async def _end(self, call: _Call, status: str, error: dict[str, str] | None = None) -> None:
+        body = _envelope(self.server, call, status)
+        body["error"] = error
+        await self.server.responses.put(call.response_id, Stored(body, call.turn, call.req.previous_response_id,
+                                                                  input_items(call.req.input)))
+
+    async def cancel(self, response_id: str) -> dict[str, Any] | None:
+        """Stop a running background response; its kept body (cancelled), or
+        None where it was not running (already finished: left as it is)."""
+        job = self._jobs.get(response_id)
+        if job is None or job.task is None:
+            return None
+        job.cancelled = True
+        job.task.cancel()
+        await asyncio.gather(job.task, return_exceptions=True)
+        stored = await self.server.responses.get(response_id)
+        return stored.body if stored is not None else None
+
+    async def resume(self) -> None:
+        """At start: run again every background response a stopped server
+        accepted and did not finish (``--data-dir``)."""
+        from fluidserve.serve.api import validate_body
+
+        store = self.server.responses
+        if store.durable is None:
+            return
+        for rid, previous, record, request in await asyncio.to_thread(store.durable.pending_responses):
+            try:
+                req = validate_body(request, ResponsesRequest, self.server.settings.ignore_unknown_fields)
+                call = await begin(self.server, req, lambda chat, rid=rid: rid)
+            except APIError as err:
+                body = {**record["body"], "status": "failed",
+                        "error": {"code": "server_error", "message": f"not resumed after a restart: {err.message}"}}
+                await store.put(rid, Stored(body, record["turn"], previous, record["items"]))
+                continue
+            call.created_at = record["body"]["created_at"]
+            logger.info("resuming background response %s", rid)
+            self._launch(call)
+
+    async def stop(self) -> None:
+        """At shutdown: stop the running jobs, leaving them kept as queued
+        for the next start to run (with ``--data-dir``)."""
+        jobs = [job.task for job in self._jobs.values() if job.task is not None]
+        for task in jobs:
+            task.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)

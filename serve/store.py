@@ -16,6 +16,7 @@ Layout (one row each)::
     lines    batch_id, line_no, custom_id, body (JSON)          input, parsed once
     results  batch_id, line_no, ok, line (JSON)                 one per finished line
     responses id, previous, record (JSON), used                 a kept response; ``used`` orders the LRU
+    background id, request (JSON)                               a background response not yet finished
 
 An uploaded file's content is ``<data_dir>/files/<id>`` (``on_disk``), so
 that a 200 MB upload is copied in chunks rather than held as one bytes
@@ -107,6 +108,10 @@ CREATE TABLE IF NOT EXISTS responses (
     used INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS responses_by_use ON responses (used);
+CREATE TABLE IF NOT EXISTS background (
+    id TEXT PRIMARY KEY,
+    request TEXT NOT NULL
+) WITHOUT ROWID;
 """
 
 
@@ -494,10 +499,12 @@ class Store:
 
     # -- kept responses -----------------------------------------------------
     def put_response(self, response_id: str, previous: str | None, record: dict[str, Any], capacity: int,
-                     continued: Sequence[str] = ()) -> list[str]:
+                     continued: Sequence[str] = (), request: dict[str, Any] | None = None) -> list[str]:
         """Keep a response as the most recently used, the turns it
         continues (``continued``) just before it, and drop the least
-        recently used beyond ``capacity``: the ids dropped."""
+        recently used beyond ``capacity``: the ids dropped. ``request``: a
+        background response accepted and not yet finished, kept with the
+        body it is to be run from (after a restart too); None: finished."""
 
         def run(db: sqlite3.Connection) -> list[str]:
             used = db.execute("SELECT COALESCE(MAX(used), 0) FROM responses").fetchone()[0]
@@ -505,12 +512,25 @@ class Store:
                            [(used + 1 + i, rid) for i, rid in enumerate(reversed(continued))])
             db.execute("INSERT OR REPLACE INTO responses (id, previous, record, used) VALUES (?,?,?,?)",
                        (response_id, previous, json.dumps(record), used + 1 + len(continued)))
+            if request is not None:
+                db.execute("INSERT OR REPLACE INTO background (id, request) VALUES (?,?)",
+                           (response_id, json.dumps(request)))
+            else:
+                db.execute("DELETE FROM background WHERE id=?", (response_id,))
             dropped = [row[0] for row in db.execute(
                 "SELECT id FROM responses ORDER BY used DESC LIMIT -1 OFFSET ?", (capacity,))]
             db.executemany("DELETE FROM responses WHERE id=?", [(rid,) for rid in dropped])
+            db.executemany("DELETE FROM background WHERE id=?", [(rid,) for rid in dropped])
             return dropped
 
         return self._write(run)
+
+    def pending_responses(self) -> list[tuple[str, str | None, dict[str, Any], dict[str, Any]]]:
+        """(id, previous id, record, request) of every background response
+        accepted and not finished, oldest first: to run after a restart."""
+        rows = self._read("SELECT r.id, r.previous, r.record, b.request FROM background b "
+                          "JOIN responses r ON r.id = b.id ORDER BY r.used")
+        return [(rid, previous, json.loads(record), json.loads(request)) for rid, previous, record, request in rows]
 
     def get_response(self, response_id: str) -> tuple[str | None, dict[str, Any]] | None:
         """(previous id, record) of a kept response."""
@@ -518,7 +538,11 @@ class Store:
         return (rows[0][0], json.loads(rows[0][1])) if rows else None
 
     def delete_response(self, response_id: str) -> bool:
-        return self._write(lambda db: db.execute("DELETE FROM responses WHERE id=?", (response_id,)).rowcount > 0)
+        def run(db: sqlite3.Connection) -> bool:
+            db.execute("DELETE FROM background WHERE id=?", (response_id,))
+            return db.execute("DELETE FROM responses WHERE id=?", (response_id,)).rowcount > 0
+
+        return self._write(run)
 
 
 # -- transaction bodies (run inside Store._write) ---------------------------

@@ -145,18 +145,21 @@ def test_responses_lines_answer_as_the_online_route_and_are_kept(client, batch_s
     online = httpx.post(batch_server.base_url + "/v1/responses", json=body, timeout=30).json()
     rows = [{"custom_id": "r", "method": "POST", "url": "/v1/responses", "body": body},
             {"custom_id": "bad", "method": "POST", "url": "/v1/responses",
-             "body": {**body, "tools": [{"type": "web_search"}]}}]
+             "body": {**body, "tools": [{"type": "web_search"}]}},
+            {"custom_id": "background", "method": "POST", "url": "/v1/responses",
+             "body": {**body, "background": True}}]
     up = client.files.create(file=("r.jsonl", jsonl(rows)), purpose="batch")
     b = wait_batch(client, client.batches.create(input_file_id=up.id, endpoint="/v1/responses",
                                                  completion_window="24h").id)
-    assert (b.status, b.request_counts.completed, b.request_counts.failed) == ("completed", 1, 1)
+    assert (b.status, b.request_counts.completed, b.request_counts.failed) == ("completed", 1, 2)
     got = read_lines(client, b.output_file_id)[0]["response"]["body"]
     assert got["object"] == "response" and got["output"][0]["content"][0]["text"] == \
         online["output"][0]["content"][0]["text"]
     assert got["usage"]["input_tokens"] == online["usage"]["input_tokens"]
     assert client.responses.retrieve(got["id"]).id == got["id"]
-    (error,) = read_lines(client, b.error_file_id)
-    assert error["response"]["status_code"] == 400 and error["response"]["body"]["error"]["param"] == "tools"
+    errors = read_lines(client, b.error_file_id)
+    assert [(e["custom_id"], e["response"]["status_code"], e["response"]["body"]["error"]["param"])
+            for e in errors] == [("bad", 400, "tools"), ("background", 400, "background")]
 
 
 def test_validation_errors_per_line(client):

@@ -364,7 +364,6 @@ def test_truncation_auto_drops_the_fewest_turns(server, client):
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "web_search"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "reasoning.effort: the chat template reads"),
     ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning", "summary"),
-    ({"input": "x", "background": True}, "background", "not supported"),
     ({"input": "x", "truncation": "middle"}, "truncation", "'auto' or 'disabled'"),
     ({"input": "x", "include": ["file_search_call.results"]}, "include", "file_search_call.results"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}}, "text", "needs a name and a schema"),
@@ -433,3 +432,117 @@ def test_openapi_describes_the_body(server):
     # the chat route's StreamOptions is still its own
     assert "include_usage" in comps["StreamOptions"]["properties"]
     assert {"get", "delete"} <= set(schema["paths"]["/v1/responses/{response_id}"])
+
+
+# -- background responses -------------------------------------------------------------
+
+
+def _until_final(client, response_id: str, timeout: float = 60.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.responses.retrieve(response_id)
+        if r.status not in ("queued", "in_progress"):
+            return r
+        assert time.monotonic() < deadline, f"still {r.status}"
+        time.sleep(0.05)
+
+
+def _slowed(srv, seconds: float) -> None:
+    """Every engine step of ``srv`` takes ``seconds`` longer: a reply of
+    many tokens is still running when the test acts on it."""
+    import time
+
+    engine = srv.engine
+    real = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return real()
+
+    engine.step = slow_step
+
+
+def test_a_background_response_is_queued_at_once_and_read_back_when_done(server, client):
+    """background: true answers at once with status queued; GET reads it
+    in progress and then completed (here incomplete: it ran to its limit),
+    the same reply a foreground request gets; it continues a conversation
+    once finished, and not before."""
+    fg = respond(client, input="Background work", max_output_tokens=8)
+    bg = respond(client, input="Background work", max_output_tokens=8, background=True)
+    assert bg.background is True and bg.status in ("queued", "in_progress") and bg.output == []
+    done = _until_final(client, bg.id)
+    assert done.status == "incomplete" and done.output_text == fg.output_text and done.background is True
+    assert done.usage.output_tokens == 8 and done.created_at == bg.created_at
+    follow = respond(client, input="and then?", previous_response_id=bg.id)
+    assert follow.usage.input_tokens > fg.usage.input_tokens
+    wait_idle(server)
+
+
+def test_a_running_background_response_is_cancelled_and_frees_the_engine(tiny_model):
+    srv = start_server(tiny_model("llama"), max_model_len=512)
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    try:
+        _slowed(srv, 0.02)
+        bg = respond(client, input="Long work", max_output_tokens=400, background=True)
+        early = httpx.post(f"{srv.base_url}/v1/responses", timeout=30, json={
+            "input": "x", "max_output_tokens": 2, "previous_response_id": bg.id})
+        assert early.status_code == 400 and "still" in early.json()["error"]["message"]
+        cancelled = client.responses.cancel(bg.id)
+        assert cancelled.status == "cancelled" and client.responses.retrieve(bg.id).status == "cancelled"
+        wait_idle(srv)  # its request left the engine, its KV blocks freed
+        again = client.responses.cancel(bg.id)  # cancelling a finished one changes nothing
+        assert again.status == "cancelled"
+        fg = respond(client, input="not background")
+        r = httpx.post(f"{srv.base_url}/v1/responses/{fg.id}/cancel", timeout=30)
+        assert r.status_code == 400 and "background" in r.json()["error"]["message"]
+        assert httpx.post(f"{srv.base_url}/v1/responses/resp_nope/cancel", timeout=30).status_code == 404
+        running = respond(client, input="Long work", max_output_tokens=400, background=True)
+        client.responses.delete(running.id)  # a running one stops, then goes
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(running.id)
+        wait_idle(srv)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"background": True, "stream": True}, "stream"),
+    ({"background": True, "store": False}, "store"),
+])
+def test_background_refusals(server, fields, param):
+    r = httpx.post(f"{server.base_url}/v1/responses", json={"input": "x", "max_output_tokens": 2, **fields},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_background_response_left_running_is_run_again_by_the_next_server(tiny_model, tmp_path):
+    """--data-dir: the request is kept with its queued response when it is
+    accepted, so a server stopped mid-generation leaves it for the next one,
+    which runs it under the same id to the reply a foreground request gets."""
+    from fluidserve.serve.batches import BatchConfig
+
+    def serve():
+        srv = start_server(tiny_model("llama"), max_model_len=512, batch_config=BatchConfig(str(tmp_path)))
+        return srv, openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    srv, c = serve()
+    try:
+        _slowed(srv, 0.05)  # 40 tokens: two seconds at least
+        bg = respond(c, input="Survive a restart", max_output_tokens=40, background=True)
+    finally:
+        srv.stop()
+    (pending,) = Store(str(tmp_path)).pending_responses()
+    assert pending[0] == bg.id and pending[3]["input"] == "Survive a restart"
+
+    srv, c = serve()
+    try:
+        done = _until_final(c, bg.id)
+        fg = respond(c, input="Survive a restart", max_output_tokens=40)
+        assert done.status == "incomplete" and done.output_text == fg.output_text
+        assert done.created_at == bg.created_at and done.usage.output_tokens == 40
+        assert Store(str(tmp_path)).pending_responses() == []
+        wait_idle(srv)
+    finally:
+        srv.stop()
