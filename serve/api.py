@@ -44,6 +44,7 @@ from fluidserve.serve.protocol import (
     TokenizeRequest,
     add_request_schemas,
 )
+from fluidserve.serve.messages import messages_routes
 from fluidserve.serve.reasoning import ReasoningParser
 from fluidserve.serve.render import (ChatStreamer, CompletionStreamer, chat_choices, completion_choices, make_usage,
                                      prompt_logprobs, reasoning_tokens)
@@ -144,7 +145,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"], dependencies=auth)
     app.add_api_route("/invocations", server.invocations, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions/batch", batch_chat_route(server), methods=["POST"], dependencies=auth)
-    for route, handler in responses_routes(server).items():
+    for route, handler in [*responses_routes(server).items(), *messages_routes(server).items()]:
         method, path = route.split(" ", 1)
         app.add_api_route(path, handler, methods=[method], dependencies=auth)
     if settings.enable_tokenizer_info_endpoint:
@@ -179,6 +180,8 @@ class _Server:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+        anthropic = request.headers.get("x-api-key")  # how Anthropic's SDK sends the key
+        ok = ok or (anthropic is not None and hmac.compare_digest(anthropic.strip().encode(), key.encode()))
         if not ok:
             raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
 

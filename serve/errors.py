@@ -1,5 +1,7 @@
 """Every error the server returns, in OpenAI's shape:
-``{"error": {"message", "type", "param", "code"}}``.
+``{"error": {"message", "type", "param", "code"}}``, or on Anthropic's
+routes (``/v1/messages``) in Anthropic's: ``{"type": "error", "error":
+{"type", "message"}}``.
 
 Owns the mapping from failures to status codes, and the reading of query
 parameters (an unknown one, or a bad value, is a 400 naming it). A client
@@ -67,8 +69,21 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return ErrorResponse(error=info).model_dump(mode="json")
 
 
-def error_response(err: APIError) -> JSONResponse:
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    if path.startswith(ANTHROPIC_ROUTES):
+        return JSONResponse(anthropic_error_body(err.status, err.message), err.status, headers=err.headers)
     return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, headers=err.headers)
+
+
+ANTHROPIC_ROUTES = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": cap(message)}}
 
 
 # OpenAI's code for a prompt (and completion) longer than the context.
@@ -112,22 +127,22 @@ def install_handlers(app: FastAPI) -> None:
     """Route every exception FastAPI can raise through OpenAI's error shape."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(from_validation_error(exc))
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(from_validation_error(exc), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
-        return error_response(err)
+        return error_response(err, request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in request handler")
-        return error_response(APIError(500, f"internal server error: {type(exc).__name__}"))
+        return error_response(APIError(500, f"internal server error: {type(exc).__name__}"), request.url.path)
 
 
 def query_params(request: Request, allowed: Sequence[str]) -> dict[str, str]:
