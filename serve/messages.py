@@ -36,7 +36,7 @@ from typing import Annotated, Any, AsyncIterator, Callable, ClassVar, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field, StrictStr
+from pydantic import Field, StrictStr, model_validator
 
 from fluidserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from fluidserve.engine.outputs import CompletionOutput, RequestOutput
@@ -59,6 +59,12 @@ _PASSED_TO_CHAT = ("top_k", "min_p", "seed", "repetition_penalty", "presence_pen
 class ThinkingConfig(_Request):
     type: Literal["enabled", "disabled"]
     budget_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ThinkingConfig":
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("thinking: type enabled needs budget_tokens")
+        return self
 
 
 class ToolChoice(_Request):

@@ -165,6 +165,8 @@ def test_tool_use_and_results_in_the_history_reach_the_template_as_the_chat_rout
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled",
                                                                                    "budget_tokens": 4}},
      "--reasoning-parser"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled"}},
+     "budget_tokens"),
 ])
 def test_errors_take_anthropics_shape(server, body, words):
     r = httpx.post(f"{server.base_url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
