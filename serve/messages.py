@@ -361,15 +361,19 @@ def message_body(server: Any, msg_id: str, inputs: EngineInputs, final: RequestO
 def messages_routes(server: Any) -> dict[str, Callable]:
     """Route handlers over ``server`` (api.py's ``_Server``): {method and path: handler}."""
 
-    async def create_message(request: Request) -> Response:
-        received = time.monotonic()
-        req = await server.parse(request, MessagesRequest)
+    async def parsed(request: Request, model_cls: type) -> tuple[Any, EngineInputs]:
+        """The body and the engine inputs of the chat request it stands for."""
+        req = await server.parse(request, model_cls)
         check_model(req.model, server.model)
         chat = chat_request(req, server.settings.ignore_unknown_fields)
         try:
-            inputs = server.processor.chat(chat)
+            return req, server.processor.chat(chat)
         except APIError as err:
             raise _renamed(err) from None
+
+    async def create_message(request: Request) -> Response:
+        received = time.monotonic()
+        req, inputs = await parsed(request, MessagesRequest)
         server.admit_capacity(1)
         msg_id = _new_id("msg")
         if server.settings.log_requests:
@@ -382,13 +386,7 @@ def messages_routes(server: Any) -> dict[str, Callable]:
         return JSONResponse(message_body(server, msg_id, inputs, final))
 
     async def count_tokens(request: Request) -> JSONResponse:
-        req = await server.parse(request, CountTokensRequest)
-        check_model(req.model, server.model)
-        chat = chat_request(req, server.settings.ignore_unknown_fields)
-        try:
-            inputs = server.processor.chat(chat)
-        except APIError as err:
-            raise _renamed(err) from None
+        _, inputs = await parsed(request, CountTokensRequest)
         return JSONResponse({"input_tokens": len(inputs.prompts[0].token_ids)})
 
     return {"POST /v1/messages": create_message, "POST /v1/messages/count_tokens": count_tokens}
