@@ -15,6 +15,8 @@ on the chat route (template, sampling, tools, reasoning are that route's):
   ``tool``, ``none``, ``disable_parallel_tool_use``) become the chat form;
 * ``thinking`` (``enabled`` with ``budget_tokens``, or ``disabled``) becomes
   ``enable_thinking`` for the template and ``thinking_token_budget``;
+* ``output_config`` (``format``: a JSON schema, ``effort``) becomes
+  ``response_format`` and ``reasoning_effort``;
 * ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``max_tokens``
   and ``metadata.user_id`` keep their meaning.
 
@@ -84,6 +86,19 @@ class Tool(_Request):
     input_schema: dict[str, Any]
 
 
+class OutputFormat(_Request):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Request):
+    """``format``: the reply's text follows a JSON schema (the chat route's
+    ``response_format``); ``effort``: the chat route's ``reasoning_effort``."""
+
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class Metadata(_Request):
     user_id: str | None = None
 
@@ -109,6 +124,7 @@ class MessagesRequest(_Request):
     tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
     metadata: Metadata | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # Passed to the chat route, which checks them (see _PASSED_TO_CHAT).
@@ -135,6 +151,7 @@ class CountTokensRequest(_Request):
     tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -267,6 +284,12 @@ def chat_request(req: MessagesRequest | CountTokensRequest, ignore_unknown_field
             body["thinking_token_budget"] = req.thinking.budget_tokens
     if kwargs:
         body["chat_template_kwargs"] = kwargs
+    config = req.output_config
+    if config is not None and config.format is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
+                                                                          "schema": config.format.schema_}}
+    if config is not None and config.effort is not None:
+        body["reasoning_effort"] = config.effort
     if req.tools:
         body["tools"] = _tools(req.tools)
     choice = req.tool_choice
@@ -295,7 +318,8 @@ def chat_request(req: MessagesRequest | CountTokensRequest, ignore_unknown_field
 
 # The chat route's names of this API's fields.
 _PARAMS = {"thinking_token_budget": "thinking", "max_completion_tokens": "max_tokens", "stop": "stop_sequences",
-           "chat_template_kwargs": "thinking", "parallel_tool_calls": "tool_choice"}
+           "chat_template_kwargs": "thinking", "parallel_tool_calls": "tool_choice",
+           "response_format": "output_config", "reasoning_effort": "output_config"}
 
 
 def _renamed(err: APIError) -> APIError:

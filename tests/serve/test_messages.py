@@ -126,6 +126,14 @@ def test_a_forced_tool_use_is_schema_valid_whole_and_streamed(client, model, cho
     assert [b.type for b in final.content] == ["tool_use"] and final.stop_reason == "tool_use"
 
 
+def test_output_format_makes_the_text_follow_the_schema(client, model):
+    schema = WEATHER["input_schema"]
+    r = client.messages.create(model=model, max_tokens=80, extra_body={**COMPACT, "output_config": {
+        "format": {"type": "json_schema", "schema": schema}}}, messages=[{"role": "user", "content": "JSON, please."}])
+    assert [b.type for b in r.content] == ["text"] and r.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(r.content[0].text), schema)
+
+
 def test_tool_use_and_results_in_the_history_reach_the_template_as_the_chat_route_sends_them(server, client,
                                                                                              model):
     history = [
@@ -167,6 +175,8 @@ def test_tool_use_and_results_in_the_history_reach_the_template_as_the_chat_rout
      "--reasoning-parser"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled"}},
      "budget_tokens"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "output_config": {"effort": "high"}},
+     "the chat template reads neither"),
 ])
 def test_errors_take_anthropics_shape(server, body, words):
     r = httpx.post(f"{server.base_url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
