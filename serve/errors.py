@@ -69,13 +69,15 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return ErrorResponse(error=info).model_dump(mode="json")
 
 
+ANTHROPIC_ROUTES = "/v1/messages"  # their errors take Anthropic's shape
+
+
 def error_response(err: APIError, path: str = "") -> JSONResponse:
     if path.startswith(ANTHROPIC_ROUTES):
         return JSONResponse(anthropic_error_body(err.status, err.message), err.status, headers=err.headers)
     return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, headers=err.headers)
 
 
-ANTHROPIC_ROUTES = "/v1/messages"
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                     503: "overloaded_error"}

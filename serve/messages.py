@@ -255,13 +255,13 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from fluidserve.serve.api import validate_body
+
     out = []
     for i, raw in enumerate(tools):
         if raw.get("type") not in (None, "custom"):
             raise _bad(f"tools[{i}]: tools of type {raw.get('type')!r} run on Anthropic's servers, not on this "
                        "one (client tools with an input_schema only)", "tools")
-        from fluidserve.serve.api import validate_body
-
         tool = validate_body(raw, Tool)
         fn = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description is not None:
@@ -459,8 +459,7 @@ class _Streamer:
         out: list[str] = []
         text = co.text_delta
         if self.thinking is not None:
-            split = [self.thinking.feed(text)] + ([self.thinking.finish()] if co.finish_reason else [])
-            thought, text = "".join(p[0] for p in split), "".join(p[1] for p in split)
+            thought, text = self.thinking.step(text, last=bool(co.finish_reason))
             if thought:
                 out += self._delta("thinking", {"type": "thinking", "thinking": "", "signature": ""},
                                    {"type": "thinking_delta", "thinking": thought})
@@ -469,7 +468,7 @@ class _Streamer:
         if self.tools is None:
             pieces = [StreamPiece(text)]
         else:
-            pieces = [self.tools.feed(text)] + ([self.tools.finish()] if co.finish_reason else [])
+            pieces = self.tools.step(text, last=bool(co.finish_reason))
         for piece in pieces:
             if piece.content:
                 out += self._delta("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": piece.content})

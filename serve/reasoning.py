@@ -101,9 +101,8 @@ class Reasoning:
         """(reasoning, content) of a whole reply; content is None when the
         reply never finished thinking (cut by its length)."""
         stream = ReasoningStream(self.parser)
-        pieces = [stream.feed(text), stream.finish()]
-        content = "".join(p[1] for p in pieces)
-        return "".join(p[0] for p in pieces), None if stream.in_reasoning else content
+        reasoning, content = stream.step(text, last=True)
+        return reasoning, None if stream.in_reasoning else content
 
 
 @dataclass
@@ -143,6 +142,14 @@ class ReasoningStream:
             elif self.parser.implicit_end and text.startswith(self.parser.implicit_end):
                 self.in_reasoning = False  # the marker is the answer's first text
         return "".join(reasoning), "".join(content)
+
+    def step(self, delta: str, last: bool) -> tuple[str, str]:
+        """``feed``, and on the reply's ``last`` delta ``finish`` too."""
+        reasoning, content = self.feed(delta)
+        if last:
+            tail = self.finish()
+            reasoning, content = reasoning + tail[0], content + tail[1]
+        return reasoning, content
 
     def finish(self) -> tuple[str, str]:
         """What was held back, once the reply has ended."""

@@ -326,14 +326,13 @@ class ChatStreamer:
         text, thought, thinking = co.text_delta, "", False
         if self.reasoning is not None:
             split = self.thoughts.setdefault(co.index, ReasoningStream(self.reasoning.parser))
-            pieces = [split.feed(text)] + ([split.finish()] if co.finish_reason else [])
-            thought, text = "".join(p[0] for p in pieces), "".join(p[1] for p in pieces)
+            thought, text = split.step(text, last=bool(co.finish_reason))
             thought = thought if self.reasoning.include else ""
             thinking = split.in_reasoning  # no content yet: nothing for a tool-call parser
         if self.tool_mode is None or thinking:
             return ChatDelta(content=text or None, reasoning=thought or None), finish_reason(co)
         stream = self.calls.setdefault(co.index, CallStream(self.tool_mode))
-        pieces = [stream.feed(text)] + ([stream.finish()] if co.finish_reason else [])
+        pieces = stream.step(text, last=bool(co.finish_reason))
         content = "".join(p.content for p in pieces)
         calls = [ToolCallDelta(index=d.index, id=d.id, type="function" if d.id else None,
                                function=FunctionCallDelta(name=d.name, arguments=d.arguments))

@@ -820,8 +820,7 @@ class _Streamer:
         out: list[str] = []
         text = co.text_delta
         if self.thinking is not None:
-            split = [self.thinking.feed(text)] + ([self.thinking.finish()] if co.finish_reason else [])
-            thought, text = "".join(p[0] for p in split), "".join(p[1] for p in split)
+            thought, text = self.thinking.step(text, last=bool(co.finish_reason))
             if thought:
                 out += self._think(thought)
         if self.tools is None:
@@ -829,7 +828,7 @@ class _Streamer:
         elif self.thinking is not None and self.thinking.in_reasoning:
             pieces = []  # no content yet: nothing for a tool-call parser
         else:
-            pieces = [self.tools.feed(text)] + ([self.tools.finish()] if co.finish_reason else [])
+            pieces = self.tools.step(text, last=bool(co.finish_reason))
         entries = (_logprobs(chat_logprobs(co.new_token_ids, co.new_logprobs, self.top_n, self.decode))
                    if self.top_n is not None else [])
         reply = self.reply
@@ -916,6 +915,12 @@ async def _events(server: Any, call: _Call, stream: RequestStream, timer: Any) -
 # -- background responses ----------------------------------------------------------------
 
 
+def _unanswered(call: _Call, body: dict[str, Any]) -> Stored:
+    """A background response kept without a reply (queued, failed or
+    cancelled): its turn is its input alone."""
+    return Stored(body, call.turn, call.req.previous_response_id, input_items(call.req.input))
+
+
 @dataclass
 class _Job:
     call: _Call
@@ -950,8 +955,7 @@ class BackgroundRuns:
         """Keep ``call``'s response as queued, start it, and return the body."""
         body = _envelope(self.server, call, "queued")
         request = call.req.model_dump(mode="json", by_alias=True, exclude_unset=True)
-        stored = Stored(body, call.turn, call.req.previous_response_id, input_items(call.req.input))
-        await self.server.responses.put(call.response_id, stored, call.continued, request=request)
+        await self.server.responses.put(call.response_id, _unanswered(call, body), call.continued, request=request)
         self._launch(call)
         return body
 
@@ -988,8 +992,7 @@ class BackgroundRuns:
     async def _end(self, call: _Call, status: str, error: dict[str, str] | None = None) -> None:
         body = _envelope(self.server, call, status)
         body["error"] = error
-        await self.server.responses.put(call.response_id, Stored(body, call.turn, call.req.previous_response_id,
-                                                                  input_items(call.req.input)))
+        await self.server.responses.put(call.response_id, _unanswered(call, body))
 
     async def cancel(self, response_id: str) -> dict[str, Any] | None:
         """Stop a running background response; its kept body (cancelled), or

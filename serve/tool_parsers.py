@@ -170,6 +170,10 @@ class CallStream:
         content, calls = self._auto.feed(delta)
         return StreamPiece(content, self._number(calls))
 
+    def step(self, delta: str, last: bool) -> list[StreamPiece]:
+        """``feed``, and on the reply's ``last`` delta ``finish`` too."""
+        return [self.feed(delta)] + ([self.finish()] if last else [])
+
     def finish(self) -> StreamPiece:
         if self.mode.kind == "named":
             if self._named_id is None:  # an empty reply is still the (empty) arguments
