@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import argparse
 
-from fluidserve.engine.config import EngineConfig, ParallelConfig
+from fluidserve.engine.config import EngineConfig, LoRAConfig, ParallelConfig
 from fluidserve.kvcache.config import CacheConfig, add_flags, flag_error, flag_values
 from fluidserve.kvcache.options import add_cli_args as add_cache_args
 from fluidserve.scheduler.config import SchedulerConfig
 from fluidserve.scheduler.options import add_cli_args as add_scheduler_args
 from fluidserve.scheduler.options import options_from_args as policy_options_from_args
 
-CONFIGS = (EngineConfig, SchedulerConfig, CacheConfig, ParallelConfig)
+CONFIGS = (EngineConfig, SchedulerConfig, CacheConfig, ParallelConfig, LoRAConfig)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -23,6 +23,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     engine = parser.add_argument_group("model and engine")
     add_flags(engine, EngineConfig)
     add_flags(parser.add_argument_group("parallelism"), ParallelConfig)
+    add_flags(parser.add_argument_group("LoRA adapters"), LoRAConfig)
     add_scheduler_args(parser)
     add_cache_args(parser)
     return engine

@@ -248,6 +248,15 @@ class AsyncEngine:
         except asyncio.TimeoutError:
             return self.last_stats
 
+    async def call(self, method: str, *args: Any) -> Any:
+        """``engine.<method>(*args)`` run on the engine loop between steps
+        (the engine's state is the loop's alone), its result or its
+        exception returned here."""
+        self._check_alive()
+        fut = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", method, args, fut))
+        return await fut
+
     def _check_alive(self) -> None:
         health = self.health()
         if not health.ok:
@@ -332,6 +341,13 @@ class AsyncEngine:
         elif kind == "stats":
             self.last_stats = copy.copy(self.engine.stats())  # a snapshot, not the live object
             self._post(_resolve, cmd[1], self.last_stats, None)
+        elif kind == "call":
+            _, method, args, fut = cmd
+            try:
+                result, exc = getattr(self.engine, method)(*args), None
+            except Exception as err:  # noqa: BLE001 - the caller's error, not the loop's
+                result, exc = None, err
+            self._post(_resolve, fut, result, exc)
 
     def _add(self, request_id: str, prompt: Any, params: SamplingParams, klass: str,
              arrival_time: float | None, final_only: bool, admitted: asyncio.Future) -> None:

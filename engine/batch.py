@@ -106,6 +106,11 @@ class ModelInput:
     # device, the token the step launched before this one sampled in its
     # sample row ``j`` (its value is not known on the host yet).
     fed: bool = False
+    # LoRA (engine/lora.py): each row's adapter slot, -1 for the base model
+    # (empty: every row is); and adapters to put into slots before the
+    # step, (slot, lora.Adapter), sent once to every worker.
+    lora_slots: list[int] = field(default_factory=list)
+    lora_loads: list[tuple] = field(default_factory=list)
 
     def longest_table(self) -> int:
         """Blocks in the step's longest table (a row sent from block ``s`` on

@@ -56,6 +56,26 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = setting(False, "serve LoRA adapters (PEFT's format) beside the base model: a request "
+                                       "names one as its model")
+    max_loras: int = setting(1, "adapter slots kept on the device, every one usable in every step (raised to "
+                                "the number of --lora-modules)")
+    max_lora_rank: int = setting(16, "the largest rank an adapter may have (every slot is this wide)")
+    # (name, folder) of the adapters loaded at start: serve/cli.py's --lora-modules.
+    lora_modules: tuple[tuple[str, str], ...] = setting((), cli=False)
+
+    def __post_init__(self) -> None:
+        check_all(self, [("max_loras", self.max_loras >= 1, "must be positive"),
+                         ("max_lora_rank", self.max_lora_rank >= 1, "must be positive"),
+                         ("lora_modules", not self.lora_modules or self.enable_lora, "need --enable-lora")])
+
+    @property
+    def lora_slots(self) -> int:
+        return max(self.max_loras, len(self.lora_modules))
+
+
+@dataclass(frozen=True)
 class EngineConfig(ConfigTree):
     # Local HF directory or hub id; None: the built-in tiny model. The server
     # takes it as its positional argument or --model (serve/cli.py).
@@ -104,6 +124,7 @@ class EngineConfig(ConfigTree):
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         sizes = self.cuda_graph_sizes

@@ -31,6 +31,7 @@ from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.cpu_share import CpuShare
 from fluidserve.engine.detokenizer import TextStream, byte_table
 from fluidserve.engine.executor import make_executor
+from fluidserve.engine.lora import AdapterRegistry, Loaded
 from fluidserve.engine.loader import (eos_token_ids, is_tiny_model, load_hf_config, load_tokenizer,
                                       model_context_length, resolve_model_dir)
 from fluidserve.engine.output_processor import OutputProcessor
@@ -191,6 +192,12 @@ class LLMEngine:
                            and config.executor == "local" else None)
         self._failed_in_a_row = 0
         self._read_at = 0.0  # when the last launched step's tokens were read
+        # LoRA adapters by served name (--enable-lora); those given at start are loaded now.
+        lora = config.lora
+        self.adapters = (AdapterRegistry(self.hf_config, lora.lora_slots, lora.max_lora_rank)
+                         if lora.enable_lora else None)  # fmt: skip
+        for name, path in lora.lora_modules:
+            self.add_lora(name, path)
         log.info("engine ready: %s on %s (%s attention kernels%s), %d KV blocks of %d tokens (+%d on the host), "
                  "max_model_len %d%s", self.model_name, runtime_for(device).name or device, kernel_path(device),
                  "" if config.enforce_eager else ", decode CUDA graphs where the device has them",
@@ -222,15 +229,22 @@ class LLMEngine:
         klass = RequestClass(klass)
         if params.structured_outputs is not None:
             xgrammar()  # a missing package is this request's error, not a failed step
+        lora = None
+        if params.lora is not None:
+            lora = self.adapters.loaded.get(params.lora) if self.adapters is not None else None
+            if lora is None:
+                raise ValueError(f"model: no LoRA adapter named {params.lora!r} is loaded")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
         now = time.monotonic() if arrival_time is None else arrival_time
         req = Request(request_id, text, token_ids, params, klass, now, max_tokens, final_only=final_only,
-                      launchable=params.prompt_logprobs is None and device_only(params))
+                      launchable=params.prompt_logprobs is None and device_only(params),
+                      lora_slot=-1 if lora is None else lora.slot)
         lazy_text = final_only and params.n == 1 and not params.stop
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # nothing predicts the first prompt token
-        root = salted_root(params.cache_salt)
+        # An adapter's KV differs from the base model's: its prefix-cache entries hang from a root of its own.
+        root = salted_root(params.cache_salt, None if lora is None else lora.cache_key)
         keys = self.scheduler.prompt_block_keys(token_ids, root)
         stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
         for i in range(params.n):
@@ -249,6 +263,33 @@ class LLMEngine:
             self.seqs[seq.seq_id] = seq
             self.scheduler.add(seq.state, now)
         self.stats_.prompt_tokens_total += len(token_ids) * params.n
+
+    # -- LoRA adapters -------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> Loaded:
+        """Serve the PEFT adapter in folder ``path`` as ``name``: requests
+        whose params name it generate with it from the next step on. Raises
+        ValueError naming what is wrong (no --enable-lora, a name in use,
+        no free slot, an adapter that does not fit the model)."""
+        if self.adapters is None:
+            raise ValueError("lora_name: LoRA adapters need --enable-lora")
+        if name == self.model_name:
+            raise ValueError(f"lora_name: {name!r} is the base model's name")
+        busy = {req.lora_slot for req in self.requests.values() if req.lora_slot >= 0}
+        loaded = self.adapters.add(name, path, busy)
+        log.info("LoRA adapter %s loaded from %s into slot %d", name, loaded.path, loaded.slot)
+        return loaded
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``; requests already generating with it
+        finish with it. ValueError when no such adapter is loaded."""
+        if self.adapters is None or name not in self.adapters.loaded:
+            raise ValueError(f"lora_name: no LoRA adapter named {name!r} is loaded")
+        self.adapters.remove(name)
+        log.info("LoRA adapter %s unloaded", name)
+
+    def lora_names(self) -> dict[str, str]:
+        """The adapters served now: name -> the folder each was read from."""
+        return {} if self.adapters is None else {a.name: a.path for a in self.adapters.loaded.values()}
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -471,6 +512,7 @@ class LLMEngine:
             inp.resume_of = inp.step_id
             inp.swap_out, inp.swap_in, inp.wait_for_swap_in, inp.finished_ids = [], [], False, []
             inp.retired_keys = []
+            inp.lora_loads = []  # sent with the step that paused; a slot may hold another adapter since
         else:
             inp = self._model_input(plan)
         if not plan.preemptible or self.config.scheduler.preemption_safepoint_layers == 0 or not inp.input_ids:
@@ -496,6 +538,8 @@ class LLMEngine:
         inp = ModelInput(swap_out=plan.swap_out, swap_in=plan.swap_in, finished_ids=self._finished_constrained,
                          retired_keys=self.kv.take_retired_keys(),
                          fed=ahead is not None)
+        if self.adapters is not None:
+            inp.lora_loads = self.adapters.take_loads()
         self._finished_constrained = []
         scored: dict[str, int] = {}  # request id -> prompt positions scored once this step has run
         bs = self.kv.block_size
@@ -536,6 +580,8 @@ class LLMEngine:
             add_len(start + n)
             add_table(table)
             add_key(keys[item.request_id])
+            if self.adapters is not None:
+                inp.lora_slots.append(req.lora_slot)
             if item.samples:
                 add_idx(num_tokens - 1)
                 spec = seq.sample_spec

@@ -32,6 +32,10 @@ class AttentionMetadata:
     # Which kernels run the step (ops.kernel_path), resolved once by whoever
     # builds the metadata rather than by every layer; None: ask per call.
     kernels: str | None = None
+    # The step's rows grouped by LoRA adapter (engine/lora.py), None where
+    # every row runs the base model: with adapter rows, every layer runs
+    # through its modules, whose linears add the adapters' products.
+    lora: object | None = None
     _plans: dict = field(default_factory=dict, repr=False)
     _cpu_plans: dict = field(default_factory=dict, repr=False)
     # Sliding windows whose attention variants a layer of this step has

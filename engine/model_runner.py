@@ -30,6 +30,7 @@ from torch import nn
 from fluidserve.engine.batch import ModelInput
 from fluidserve.engine.block_tables import BlockTableMirror
 from fluidserve.engine.layers import AttentionMetadata, PagedAttention
+from fluidserve.engine.lora import LoRAStep
 from fluidserve.engine.runtime import DeviceRuntime, runtime_for
 from fluidserve.kernels import ops
 from fluidserve.kernels.packing import aligned_words
@@ -107,6 +108,7 @@ class ModelRunner:
             host_q_lens=q_lens,
             host_seq_lens=inp.seq_lens,
             kernels=self.kernels,
+            lora=LoRAStep.build(inp.lora_slots, inp.query_start_loc, self.device) if inp.lora_slots else None,
             _plans=plans,
         )
         if self.kernels != "triton" and self._query_like is not None and kv_caches:
@@ -133,5 +135,12 @@ class ModelRunner:
         input_ids, positions, meta, sample_idx = self.prepare(inp, kv_caches)
         if feed is not None:
             feed(input_ids)
-        return self.model(input_ids, positions, kv_caches, meta), sample_idx
+        if meta.lora is None:
+            return self.model(input_ids, positions, kv_caches, meta), sample_idx
+        state = self.model.lora_slots.state  # what every adapted linear reads, for this forward only
+        state.step = meta.lora
+        try:
+            return self.model(input_ids, positions, kv_caches, meta), sample_idx
+        finally:
+            state.step = None
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from fluidserve.kernels import ops
+
+if TYPE_CHECKING:
+    from fluidserve.engine.lora import LoRAWeights
 
 
 # gloo's all-reduce of a small tensor makes several round trips between the
@@ -211,6 +214,9 @@ class _PrepackedLinear(nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     _packed: torch.Tensor | None = None
+    # Adapter slots (engine/lora.py), with --enable-lora: a step with
+    # adapter rows adds their low-rank products to every product here.
+    lora: "LoRAWeights | None" = None
 
     def prepack(self) -> None:
         """Pack the weight as it is now; later changes to it are not seen
@@ -230,9 +236,17 @@ class _PrepackedLinear(nn.Module):
         it). x: [T, in]."""
         if self._packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
             if residual is not None:
-                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._packed, bias, "add")
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
-        return ops.linear(x, self.weight, bias, residual, path)
+                y = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._packed, bias, "add")
+            else:
+                y = torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        else:
+            y = ops.linear(x, self.weight, bias, residual, path)
+        return y if self.lora is None else self.lora.add_to(x, y)
+
+    def _adapted(self) -> bool:
+        """This step adds adapter products here: the fused launches, which
+        have no place for them, give way to the plain product."""
+        return self.lora is not None and self.lora.active
 
 
 def prepack_linears(model: nn.Module) -> None:
@@ -353,7 +367,7 @@ class MergedColumnParallelLinear(_PrepackedLinear):
         GEMV's epilogue, ``ops.linear_silu_and_mul``), elsewhere the product
         then the activation."""
         self._check_gated()
-        if self._packed is not None:
+        if self._packed is not None or self._adapted():
             return ops.silu_and_mul(self._linear(x, self.bias), path)
         return ops.linear_silu_and_mul(x, self.weight, self.bias, path)
 
@@ -364,7 +378,7 @@ class MergedColumnParallelLinear(_PrepackedLinear):
         its prologue, ``ops.norm_linear``). ``norm``: an RMSNorm."""
         if gated:
             self._check_gated()
-        if self._packed is not None:
+        if self._packed is not None or self._adapted():
             normed = norm(x, path)
             return self.forward_silu_and_mul(normed, path) if gated else self.forward(normed)
         return ops.norm_linear(x, norm.weight, norm.eps, self.weight, self.bias, gated, path)
@@ -410,7 +424,7 @@ class RowParallelLinear(_PrepackedLinear):
         """``forward(x) + residual`` as a new tensor, residual left as it is,
         rounded as that separate add rounds: one launch where the batch-1
         GEMV runs on one rank (``ops.linear_add``)."""
-        if self.tp.size == 1 and self._packed is None:
+        if self.tp.size == 1 and self._packed is None and not self._adapted():
             return ops.linear_add(x, self.weight, residual, self.bias, path)
         return self.forward(x).add_(residual)
 

@@ -111,6 +111,7 @@ class Request:
     # and it scores no prompt: its decodes may be queued before the step
     # ahead of them is read (async scheduling).
     launchable: bool = False
+    lora_slot: int = -1  # the adapter slot it generates with (engine/lora.py); -1: the base model
 
     @property
     def finished(self) -> bool:

@@ -102,6 +102,9 @@ class SamplingParams:
     # salt (kvcache/prefix_cache.py), so one tenant cannot time another's
     # prompts through the prefix cache.
     cache_salt: str | None = None
+    # The LoRA adapter to generate with, by its served name (engine/lora.py);
+    # None: the base model.
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -152,6 +155,8 @@ class SamplingParams:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise bad("lora", f"must be a non-empty adapter name, got {self.lora!r}")
         if self.thinking_token_budget is not None and (self.thinking_token_budget < 0
                                                        or self.thinking_end_token_id is None):
             raise bad("thinking_token_budget", f"must be at least 0, with the token that ends the thinking, "

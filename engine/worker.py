@@ -28,6 +28,7 @@ from fluidserve.engine.piecewise import PiecewiseGraphs, token_sizes
 from fluidserve.engine.piecewise import supports as supports_piecewise
 from fluidserve.engine.loader import (build_model, eos_token_ids, init_dummy_weights, load_hf_config, load_tokenizer,
                                       load_weights, model_context_length, resolve_dtype)
+from fluidserve.engine.lora import LoRASlots
 from fluidserve.engine.model_runner import ModelRunner
 from fluidserve.engine.parallel import TensorParallel
 from fluidserve.engine.preemption import PausedForward, Safepoints, StepAbandoned
@@ -89,6 +90,9 @@ class Worker:
             init_dummy_weights(self.model, config.seed)
         else:
             load_weights(self.model, model_dir)
+        # Adapter slots on every linear (--enable-lora): adapters arrive with the steps (ModelInput.lora_loads).
+        self.lora = (LoRASlots(self.model, config.lora.lora_slots, config.max_lora_rank) if config.enable_lora
+                     else None)  # fmt: skip
         self.num_layers, self.num_kv_heads, self.head_dim = self.model.kv_shape  # this rank's KV heads
         self.eos_token_id = getattr(hf_config, "eos_token_id", None)
         if isinstance(self.eos_token_id, list):
@@ -224,8 +228,9 @@ class Worker:
     # -- one step ----------------------------------------------------------
     def _forward(self, inp: ModelInput,
                  feed: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        adapted = inp.lora_slots and max(inp.lora_slots) >= 0  # adapter rows run eagerly (engine/lora.py)
         for graphs in (self.graphs, self.piecewise):
-            if graphs is not None:
+            if graphs is not None and not adapted:
                 out = graphs.forward(inp, feed)  # None: the step does not fit a bucket
                 if out is not None:
                     return out
@@ -236,6 +241,8 @@ class Worker:
         (sent as what the worker lacks of them, over Ray)."""
         self.runner.tables.sync(inp)
         self.sample_specs.sync(inp)
+        for slot, adapter in inp.lora_loads:
+            self.lora.load(slot, adapter)
 
     def _feed(self, input_ids: torch.Tensor) -> None:
         """Rows whose id is ``-j - 1`` take the token the last launched step

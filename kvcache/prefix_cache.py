@@ -3,13 +3,13 @@ to the block that holds it (one index per tier: kvcache/manager.py keeps a
 device index and, with a host pool, a host index).
 
 A full block's key hashes its tokens together with its parent's key (the
-block before it in the sequence) and an ``extra`` value for anything else that
-changes KV (an adapter id, say; nothing today), so equal keys mean an equal
-prefix up to and including that block. Only full blocks get keys: a partial
-block is still being written. A request's ``cache_salt`` (vLLM's) is the root
-its first block hangs from (``salted_root``): requests share cached blocks
-only with requests of the same salt, so one tenant cannot time another's
-prompts through the cache.
+block before it in the sequence), so equal keys mean an equal prefix up to
+and including that block. Only full blocks get keys: a partial block is
+still being written. A request's ``cache_salt`` (vLLM's) and its LoRA
+adapter pick the root its first block hangs from (``salted_root``):
+requests share cached blocks only with requests of the same salt, so one
+tenant cannot time another's prompts through the cache, and of the same
+adapter, whose KV differs from every other's.
 
 The index only points at blocks; what keeps a block alive is its reference
 count in the allocator. A block whose count drops to 0 stays in the index
@@ -25,8 +25,12 @@ from collections.abc import Hashable, Sequence
 ROOT_KEY = 0  # the parent of a sequence's first block
 
 
-def salted_root(salt: str | None) -> int:
-    """The parent of the first block of a request with this ``cache_salt``."""
+def salted_root(salt: str | None, adapter: int | None = None) -> int:
+    """The parent of the first block of a request with this ``cache_salt``,
+    generating with the LoRA adapter of cache key ``adapter`` (None: the
+    base model, whose KV no adapter's matches)."""
+    if adapter is not None:
+        return hash(("lora", adapter, salt))
     return ROOT_KEY if salt is None else hash(("cache_salt", salt))
 
 

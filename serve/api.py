@@ -44,6 +44,7 @@ from fluidserve.serve.protocol import (
     TokenizeRequest,
     add_request_schemas,
 )
+from fluidserve.serve.lora import lora_routes
 from fluidserve.serve.messages import messages_routes
 from fluidserve.serve.reasoning import ReasoningParser
 from fluidserve.serve.render import (ChatStreamer, CompletionStreamer, chat_choices, completion_choices, make_usage,
@@ -78,6 +79,9 @@ class ServerSettings:
     disable_any_whitespace: bool = False  # JSON constraints compact unless a request says otherwise
     reasoning_parser: str | None = None  # --reasoning-parser: replies split into reasoning and content
     enable_in_reasoning: bool = False  # a grammar constrains the reasoning too (else it starts after it)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serve/lora.py): vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING, read by the CLI.
+    runtime_lora_updating: bool = False
 
 
 @dataclass
@@ -148,6 +152,10 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     for route, handler in [*responses_routes(server).items(), *messages_routes(server).items()]:
         method, path = route.split(" ", 1)
         app.add_api_route(path, handler, methods=[method], dependencies=auth)
+    if settings.runtime_lora_updating:
+        for route, handler in lora_routes(server).items():
+            method, path = route.split(" ", 1)
+            app.add_api_route(path, handler, methods=[method], dependencies=auth)
     if settings.enable_tokenizer_info_endpoint:
         app.add_api_route("/tokenizer_info", server.tokenizer_info, methods=["GET"], dependencies=auth)
     batch_runner = install_batch_api(app, server, batch_config, auth)
@@ -237,7 +245,7 @@ class _Server:
         top_n = req.top_n
         if req.stream:
             include_usage, continuous = self.usage_options(req)
-            streamer = CompletionStreamer(rid, self.model.name, inputs.prompts, n=req.n, echo=req.echo,
+            streamer = CompletionStreamer(rid, self.model.reply_name(req.model), inputs.prompts, n=req.n, echo=req.echo,
                                           top_n=top_n, decode=self.decode, continuous_usage=continuous,
                                           as_ids=self.as_ids(req), token_ids=bool(req.return_token_ids))
             return self.sse(self._completion_events(streams, timers, streamer, inputs, include_usage))
@@ -250,7 +258,7 @@ class _Server:
                                      decode=self.decode, as_ids=self.as_ids(req),
                                      token_ids=bool(req.return_token_ids))
         usage = make_usage(inputs.prompts, sum(o.num_generated_tokens for o in finals), self.cached_tokens(finals))
-        return CompletionResponse(id=rid, model=self.model.name, choices=choices, usage=usage)
+        return CompletionResponse(id=rid, model=self.model.reply_name(req.model), choices=choices, usage=usage)
 
     async def chat(self, request: Request) -> Response:
         received = time.monotonic()  # the engine's TTFT budgets count the template and tokenizing too
@@ -267,7 +275,7 @@ class _Server:
         top_n = req.top_n
         if req.stream:
             include_usage, continuous = self.usage_options(req)
-            streamer = ChatStreamer(rid, self.model.name, top_n=top_n, decode=self.decode,
+            streamer = ChatStreamer(rid, self.model.reply_name(req.model), top_n=top_n, decode=self.decode,
                                     prompt=inputs.prompts[0] if continuous else None,
                                     tool_mode=inputs.tool_mode, role=req.reply_role, echo_text=_echo_text(req),
                                     as_ids=self.as_ids(req), token_ids=bool(req.return_token_ids),
@@ -284,7 +292,7 @@ class _Server:
         choices = chat_choices(finals[0], top_n=top_n, decode=self.decode, tool_mode=inputs.tool_mode,
                                role=req.reply_role, echo_text=_echo_text(req), as_ids=self.as_ids(req),
                                token_ids=bool(req.return_token_ids), reasoning=inputs.reasoning)
-        return ChatCompletionResponse(id=rid, model=self.model.name, choices=choices, usage=usage,
+        return ChatCompletionResponse(id=rid, model=self.model.reply_name(req.model), choices=choices, usage=usage,
                                       prompt_logprobs=prompt_logprobs(finals[0].prompt_logprobs),
                                       prompt_token_ids=list(inputs.prompts[0].token_ids) if req.return_token_ids
                                       else None)
@@ -439,7 +447,11 @@ class _Server:
 
     # -- other routes -------------------------------------------------------
     def _card(self, name: str) -> ModelCard:
-        return ModelCard(id=name, root=self.model.root or self.model.name, max_model_len=self.model.max_model_len)
+        model = self.model
+        if name in model.lora_modules:  # vLLM's card of an adapter: its folder, under the base model
+            return ModelCard(id=name, root=model.lora_modules[name], parent=model.name,
+                             max_model_len=model.max_model_len)
+        return ModelCard(id=name, root=model.root or model.name, max_model_len=model.max_model_len)
 
     async def models(self) -> JSONResponse:
         cards = [self._card(name) for name in self.model.names]

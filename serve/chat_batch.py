@@ -68,5 +68,5 @@ async def batch_chat(server: Any, request: Request) -> Response:
     thought = [server.reasoning_tokens(one, final) for one, final in zip(inputs, finals)]
     usage = make_usage([one.prompts[0] for one in inputs], sum(f.num_generated_tokens for f in finals),
                        server.cached_tokens(finals), None if None in thought else sum(thought))
-    body = ChatCompletionResponse(id=rid, model=server.model.name, choices=choices, usage=usage)
+    body = ChatCompletionResponse(id=rid, model=server.model.reply_name(reqs[0].model), choices=choices, usage=usage)
     return JSONResponse(body.model_dump(mode="json"))

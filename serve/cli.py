@@ -39,8 +39,6 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--quantization": "quantized checkpoints are not supported",
     "-q": "quantized checkpoints are not supported",
     "--speculative-config": "speculative decoding is not implemented",
-    "--enable-lora": "LoRA adapters are not supported",
-    "--lora-modules": "LoRA adapters are not supported",
     "--pipeline-parallel-size": "only tensor parallelism is implemented",
     "-pp": "only tensor parallelism is implemented",
     "--cpu-offload-gb": "weight offloading is not implemented",
@@ -53,7 +51,7 @@ UNSUPPORTED_VLLM_FLAGS = {
 _HARMLESS_VALUES = {"--kv-cache-dtype": {"auto"}, "--tokenizer-mode": {"auto"},
                     "--pipeline-parallel-size": {"1"}, "-pp": {"1"},
                     "--guided-decoding-backend": set(STRUCTURED_OUTPUT_BACKENDS)}
-_VALUELESS = {"--enable-lora"}
+_VALUELESS: set[str] = set()
 # With --data-dir and no SLO flag, steps with online work may take at most
 # this multiple of their online part alone (benchmarks/coserving_server.py
 # --configs '' '--online-slowdown-cap 0' '--online-slowdown-cap 1.5' sets it
@@ -154,6 +152,30 @@ def _origins(text: str) -> list[str]:
     return [o.strip() for o in text.split(",") if o.strip()]
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """One ``--lora-modules`` value: ``name=path`` or vLLM's JSON object
+    with ``name`` and ``path`` (its ``base_model_name`` must be unset)."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}") from None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(
+                value.get("path"), str):
+            raise argparse.ArgumentTypeError(f"needs string name and path: {text!r}")
+        unknown = set(value) - {"name", "path", "base_model_name"}
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown key(s) {sorted(unknown)} in {text!r}")
+        name, path = value["name"], value["path"]
+    else:
+        name, eq, path = text.partition("=")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"expected a non-empty name and path, got {text!r}")
+    return name, path
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from fluidserve.engine.args import add_engine_args
 
@@ -170,6 +192,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "on fluidserve's built-in implementations)")
     m.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients use; the first is the one responses carry (default: the model)")
+    m.add_argument("--lora-modules", nargs="+", default=None, type=lora_module, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) to serve from the start, with --enable-lora: name=path, "
+                        "or vLLM's JSON form '{\"name\": ..., \"path\": ...}'; a request names one as its "
+                        "model")
     m.add_argument("--chat-template", default=None,
                    help="Jinja chat template: a file, or the template itself (default: the tokenizer's)")
     m.add_argument("--generation-config", default="auto",
@@ -280,7 +306,8 @@ def engine_config_from_args(args: argparse.Namespace):
         model = str(resolve_model_dir(model, args.load_format, revision=args.revision))
     if args.preemption_safepoint_layers is None:
         args.preemption_safepoint_layers = _safepoint_layers(args)
-    config = from_flags(args, model=model, served_model_name=served)
+    config = from_flags(args, model=model, served_model_name=served,
+                        lora_modules=tuple(getattr(args, "lora_modules", None) or ()))
     if config.yield_busy_cores is None:  # the server lets idle OpenMP threads spin (set_openmp_waiting)
         config = config.replace(yield_busy_cores=True)
     sched = config.scheduler
@@ -324,7 +351,18 @@ def model_info(engine, served_model_names: Sequence[str] | None = None,
                      is_tiny_default=bool(getattr(engine, "is_tiny_default", False)), aliases=aliases,
                      sampling_defaults=sampling_defaults(engine, generation_config),
                      root=getattr(getattr(engine, "config", None), "model", None) or str(engine.model_dir),
-                     max_logprobs=max_logprobs, eos_token_ids=tuple(sorted(getattr(engine, "eos_token_ids", ()))))
+                     max_logprobs=max_logprobs, eos_token_ids=tuple(sorted(getattr(engine, "eos_token_ids", ()))),
+                     lora_modules=lora_modules(engine))
+
+
+def lora_modules(engine) -> dict[str, str]:
+    """The adapters an engine (or data-parallel replica 0's facts) serves
+    at start: name -> folder."""
+    names = getattr(engine, "lora_names", None)
+    if callable(names):
+        return dict(names())
+    config = getattr(engine, "config", None)
+    return {name: path for name, path in (config.lora.lora_modules if config is not None else ())}
 
 
 def sampling_defaults(engine, generation_config: str) -> dict:
@@ -385,6 +423,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     """The frontend's settings from the serve flags, for the server and for
     ``run-batch`` alike; ValueError for flags that do not go together."""
     from fluidserve.serve.api import ServerSettings
+    from fluidserve.serve.lora import runtime_updating_allowed
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
@@ -405,7 +444,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           max_stored_responses=args.max_stored_responses,
                           disable_any_whitespace=structured.get("disable_any_whitespace", False),
                           reasoning_parser=args.reasoning_parser or structured.get("reasoning_parser") or None,
-                          enable_in_reasoning=structured.get("enable_in_reasoning", False))
+                          enable_in_reasoning=structured.get("enable_in_reasoning", False),
+                          runtime_lora_updating=runtime_updating_allowed())
 
 
 def run_serve(args: argparse.Namespace) -> int:

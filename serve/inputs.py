@@ -73,10 +73,23 @@ class ModelInfo:
     root: str | None = None  # the model as given (hub id or path): model cards' "root"
     max_logprobs: int = MAX_LOGPROBS  # vLLM's --max-logprobs: the most per position; -1: the vocabulary
     eos_token_ids: tuple[int, ...] = ()  # every id that ends a sequence (a beam, in beam search)
+    # LoRA adapters served beside the model (--lora-modules, and those loaded
+    # at runtime): name -> the folder it was read from. The frontend's own
+    # view, changed only by the load and unload routes on the event loop.
+    lora_modules: dict[str, str] = field(default_factory=dict)
 
     @property
     def names(self) -> tuple[str, ...]:
-        return (self.name, *self.aliases)
+        return (self.name, *self.aliases, *self.lora_modules)
+
+    def adapter(self, requested: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names; None: the base model."""
+        return requested if requested in self.lora_modules else None
+
+    def reply_name(self, requested: str | None) -> str:
+        """The ``model`` a reply carries: the adapter a request named, else
+        the model's own name."""
+        return self.adapter(requested) or self.name
 
 
 class InputProcessor:
@@ -265,7 +278,8 @@ class InputProcessor:
         # Each step's requests reuse the last step's KV through the prefix
         # cache: under the request's salt, never another's.
         step = SamplingParams(max_tokens=1, temperature=self._default(req, "temperature", 1.0),
-                              logprobs=max(2 * width, top_n or 0), ignore_eos=True, cache_salt=req.cache_salt)
+                              logprobs=max(2 * width, top_n or 0), ignore_eos=True, cache_salt=req.cache_salt,
+                              lora=self.model.adapter(req.model))
         return BeamSearchParams(beam_width=width, max_tokens=max_tokens, step=step, eos_token_ids=frozenset(eos),
                                 ignore_eos=req.ignore_eos, length_penalty=req.length_penalty,
                                 include_stop_str_in_output=req.include_stop_str_in_output,
@@ -395,6 +409,7 @@ class InputProcessor:
                 structured_outputs=structured,
                 structured_after_token_id=structured_after,
                 cache_salt=req.cache_salt,
+                lora=self.model.adapter(req.model),
             )
         except ValueError as exc:
             raise from_value_error(exc) from None

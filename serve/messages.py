@@ -375,7 +375,8 @@ def message_body(server: Any, msg_id: str, inputs: EngineInputs, final: RequestO
             continue
         content.append({"type": "tool_use", "id": call.id, "name": call.function.name, "input": args})
     reason, sequence = _stop_reason(final.outputs[0], bool(choice.message.tool_calls))
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": server.model.name, "content": content,
+    model = server.model.reply_name(inputs.params.lora)
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(inputs, final)}
 
 
@@ -491,7 +492,8 @@ async def _events(server: Any, msg_id: str, inputs: EngineInputs, stream: Reques
     from fluidserve.serve.api import _as_api_error
 
     streamer = _Streamer(inputs)
-    start = {"id": msg_id, "type": "message", "role": "assistant", "model": server.model.name, "content": [],
+    model = server.model.reply_name(inputs.params.lora)
+    start = {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
              "stop_reason": None, "stop_sequence": None,
              "usage": {"input_tokens": len(inputs.prompts[0].token_ids), "output_tokens": 0}}
     yield _event("message_start", message=start)

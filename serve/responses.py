@@ -662,7 +662,7 @@ def _envelope(server: Any, call: _Call, status: str) -> dict[str, Any]:
     return {
         "id": call.response_id, "object": "response", "created_at": call.created_at, "status": status,
         "background": req.background, "error": None, "incomplete_details": None, "instructions": req.instructions,
-        "max_output_tokens": req.max_output_tokens, "model": server.model.name, "output": [],
+        "max_output_tokens": req.max_output_tokens, "model": server.model.reply_name(req.model), "output": [],
         "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": req.previous_response_id,
         "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
         "store": req.store,

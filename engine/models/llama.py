@@ -462,7 +462,7 @@ class LlamaModel(nn.Module):
         # A row of the weights' dtype, contiguous, as the layers' row paths
         # read it (every GEMV writes such a row for the next).
         w = self.layers[0].self_attn.qkv_proj.weight if self.layers else None
-        fits = w is not None and x.dtype == w.dtype and x.is_contiguous()
+        fits = w is not None and x.dtype == w.dtype and x.is_contiguous() and meta.lora is None
         row = fits and ops.gemv_row(x, w)
         # Several rows on the Triton kernels: the layers' batch path (one
         # row where the row kernels are off stays with the modules, as the

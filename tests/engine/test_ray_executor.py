@@ -9,6 +9,7 @@ dashboard), serves the whole module; Ray's start is the slow part.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -129,6 +130,28 @@ def test_tp2_swapping_keeps_greedy_tokens(ray_cluster, tiny_model):
         counters = llm.engine.scheduler.counters
         assert counters.num_swap_outs > 0 and counters.num_recomputes == 0
         assert llm.engine.kv.num_used_blocks == 0 and llm.engine.kv.num_used_host_blocks == 0
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_tp2_lora_adapters_like_peft(ray_cluster, tiny_model, tmp_path):
+    """LoRA under tensor parallelism: each rank holds its slice of every
+    adapter (engine/lora.py), one loaded at start and one while serving
+    (sent with a step to both ranks); base and adapter rows share the
+    steps, and each keeps PEFT's tokens."""
+    from lora_utils import make_adapter, peft_greedy
+
+    path = tiny_model("qwen2", num_key_value_heads=1)  # a KV head replicated on both ranks; q/k/v biases
+    a1, a2 = make_adapter(path, tmp_path / "a1", seed=1), make_adapter(path, tmp_path / "a2", seed=2, r=8)
+    llm = LLM(model=path, **CPU, **TP2, enable_lora=True, max_loras=2, max_lora_rank=8, lora_modules=(("a1", a1),))
+    try:
+        llm.engine.add_lora("a2", a2)
+        cases = [(name, p) for p in PROMPTS[:3] for name in (None, "a1", "a2")]
+        outs = llm.generate([p for _, p in cases], [dataclasses.replace(GREEDY, lora=n) for n, _ in cases])
+        got = [o.outputs[0].token_ids for o in outs]
+        refs = {n: peft_greedy(path, a, PROMPTS[:3], 16) for n, a in [(None, None), ("a1", a1), ("a2", a2)]}
+        assert got == [refs[n][PROMPTS.index(p)] for n, p in cases]
     finally:
         llm.engine.shutdown()
 
