@@ -152,3 +152,24 @@ def build_tiny_thinking_model(path: str | Path, arch: str = "qwen3", **overrides
     tok.chat_template = THINKING_TEMPLATE
     tok.save_pretrained(path)
     return path
+
+
+def build_random_adapter(model_dir: str | Path, path: str | Path, seed: int = 0, r: int = 4,
+                         targets: object = "all-linear", scale: float = 0.15, **config) -> Path:  # fmt: skip
+    """A LoRA adapter of the checkpoint in ``model_dir``, made by PEFT (a
+    test and benchmark dependency) and saved in its format to ``path``,
+    with random A and B: PEFT starts B at zero, which would change no
+    token. ``config``: further ``LoraConfig`` fields (``use_rslora``,
+    ``rank_pattern``, ``use_dora``, ...)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir))
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, **config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, scale)
+    model.save_pretrained(str(path))
+    return Path(path)

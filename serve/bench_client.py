@@ -425,6 +425,8 @@ def _ignore_eos(args: argparse.Namespace) -> bool:
 
 
 def _payload(args: argparse.Namespace, model: str, spec: RequestSpec, rng: random.Random) -> tuple[str, dict]:
+    if args.lora_modules:
+        model = rng.choice(args.lora_modules)
     body: dict[str, Any] = {
         "model": model, "max_tokens": spec.output_len, "stream": True, "stream_options": {"include_usage": True},
     }
@@ -794,6 +796,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default=None, help="model name sent, and tokenizer when --tokenizer is not "
                                                  "given; default: the server's first model")
     c.add_argument("--served-model-name", default=None, help="model name sent, when it differs from --model")
+    c.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapters the server serves: each request names one of them, drawn at random (vLLM's "
+                        "flag; the base model's name among them sends some requests to it)")
     c.add_argument("--tokenizer", default=None, help="tokenizer to count dataset tokens (sharegpt, custom)")
     c.add_argument("--trust-remote-code", action="store_true")
     c.add_argument("--api-key", default=None)

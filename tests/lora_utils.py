@@ -9,23 +9,12 @@ from pathlib import Path
 import torch
 import transformers
 
+from fluidserve.engine.tiny_model import build_random_adapter
 
-def make_adapter(model_dir: str, out: str | Path, seed: int, r: int = 4, targets: object = "all-linear",
-                 scale: float = 0.15, **config) -> str:  # fmt: skip
-    """A PEFT LoRA adapter of ``model_dir`` with random A and B (PEFT starts
-    B at zero, which would leave the base model's tokens), saved to ``out``.
-    ``config``: further ``LoraConfig`` fields (``use_rslora``, ``rank_pattern``, ...)."""
-    from peft import LoraConfig, get_peft_model
 
-    torch.manual_seed(seed)
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, **config))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, scale)
-    model.save_pretrained(str(out))
-    return str(out)
+def make_adapter(model_dir: str, out: str | Path, seed: int, **kwargs) -> str:
+    """``build_random_adapter``'s folder, as a string (a --lora-modules path)."""
+    return str(build_random_adapter(model_dir, out, seed, **kwargs))
 
 
 def peft_greedy(model_dir: str, adapter: str | None, prompts, max_new_tokens: int = 12) -> list[list[int]]:

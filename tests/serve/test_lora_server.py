@@ -103,3 +103,25 @@ def test_runtime_routes_exist_only_when_allowed(tiny_model):
         assert resp.status_code == 404
     finally:
         server.stop()
+
+
+def test_the_load_generator_spreads_requests_over_the_adapters(lora_server, tmp_path):
+    """``fluidserve bench --lora-modules`` (vLLM's flag): each request names
+    one of the given models, drawn at random, and the server serves them all."""
+    import json
+    import random
+
+    from fluidserve.serve import bench_client as bc
+
+    server, _, _ = lora_server
+    base = server.engine.model_name
+    args = bc.build_parser().parse_args(["--lora-modules", "a1", base])
+    rng = random.Random(0)
+    sent = [bc._payload(args, "unused", bc.RequestSpec(8, 4, 0.0), rng)[1]["model"] for _ in range(40)]
+    assert set(sent) == {"a1", base}
+    rc = bc.main(["--base-url", server.base_url, "--no-progress", "--save-result", "--result-dir", str(tmp_path),
+                  "--result-filename", "run.json", "--num-prompts", "12", "--random-input-len", "16",
+                  "--random-output-len", "4", "--lora-modules", "a1", base])
+    assert rc == 0
+    result = json.loads((tmp_path / "run.json").read_text())
+    assert (result["completed"], result["failed"]) == (12, 0)
