@@ -11,7 +11,8 @@ K --max-lora-rank R --lora-modules a0=... a{K-1}=...`` and takes:
   adapter (``--max-tokens`` tokens each, ``ignore_eos``): whether the two
   servers give the same tokens, and how many replies an adapter changed
   from the base model's (an adapter that changed none would prove nothing);
-* two loads from the same client (``fluidserve bench``, vLLM's random
+* after a burst of 16 requests over every model (not measured), two
+  loads from the same client (``fluidserve bench``, vLLM's random
   dataset at ``--rate`` requests/s): every request to the base model, then
   every request to an adapter drawn at random (``--lora-modules``, vLLM's
   bench flag). Their ratio is what serving adapters costs each server.
@@ -55,11 +56,13 @@ def replies(base: str, model: str, max_tokens: int) -> list[list[int] | str]:
     return out
 
 
-def load(base: str, models: list[str], args: argparse.Namespace) -> dict:
+def load(base: str, models: list[str], args: argparse.Namespace, warmup: bool = False) -> dict:
+    """The client's figures of one load; ``warmup``: 16 requests at once."""
+    count, rate = ("16", "inf") if warmup else (str(args.num_requests), str(args.rate))
     rep = serve_bench.load(base, ["--dataset-name", "random", "--random-input-len", str(args.input_len),
-                                  "--random-output-len", str(args.output_len), "--num-prompts",
-                                  str(args.num_requests), "--request-rate", str(args.rate), "--seed", str(args.seed),
-                                  "--ignore-eos", "--lora-modules", *models])
+                                  "--random-output-len", str(args.output_len), "--num-prompts", count,
+                                  "--request-rate", rate, "--seed", str(args.seed), "--ignore-eos",
+                                  "--lora-modules", *models])
     return {k: rep.get(k) for k in LOAD_KEYS}
 
 
@@ -72,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=float, default=0.03, help="the adapters' weights: normal with this deviation")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-tokens", type=int, default=24, help="greedy comparison: tokens per reply")
-    p.add_argument("--rate", type=float, default=4.0, help="load: requests/s")
-    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--rate", type=float, default=2.0, help="load: requests/s")
+    p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                                   name=name, cwd=str(scratch))
         try:
             base = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
+            load(base_url, [base, *names], args, warmup=True)  # every model once in a full step, not measured
             got = {"base": replies(base_url, base, args.max_tokens)}
             got.update({n: replies(base_url, n, args.max_tokens) for n in names})
             loads = {"base": load(base_url, [base], args), "adapters": load(base_url, names, args)}

@@ -24,7 +24,7 @@ from fluidserve.kvcache.manager import slot_of, slots
 from fluidserve.kvcache.prefix_cache import salted_root
 from fluidserve.scheduler.cost_model import cost_model_for_engine
 from fluidserve.scheduler.plan import StepOutcome, StepPlan
-from fluidserve.scheduler.request_state import RequestClass, SeqState
+from fluidserve.scheduler.request_state import RequestClass, SeqState, SeqStatus
 from fluidserve.scheduler.scheduler import Scheduler
 from fluidserve.engine.batch import ModelInput, PromptLogprobSpec, SampleSpec, StepFailed, StepResult
 from fluidserve.engine.config import EngineConfig
@@ -111,6 +111,9 @@ class EngineStats:
     iteration_tokens_buckets: tuple[int, ...] = (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
     iteration_tokens_sum: int = 0
     cache_config: dict[str, str] = field(default_factory=dict)  # vLLM's cache_config_info labels
+    # With --enable-lora, vLLM's lora_requests_info: (adapter slots, adapters
+    # with requests waiting, adapters with requests running), names sorted.
+    lora_info: tuple[int, tuple[str, ...], tuple[str, ...]] | None = None
 
     def observe_iteration(self, num_tokens: int) -> None:
         if num_tokens:  # a step of KV copies only runs no token
@@ -674,6 +677,14 @@ class LLMEngine:
             share = self._cpu_share
             s.cpu_threads, s.num_cpu_thread_changes, s.num_cpu_thread_trials = (share.held, share.changes,
                                                                                  share.trials)
+        if self.adapters is not None:
+            running: set[str] = set()
+            waiting: set[str] = set()
+            for req in self.requests.values():
+                if req.params.lora is not None:
+                    on_device = any(seq.state.status is SeqStatus.RUNNING for seq in req.seqs)
+                    (running if on_device else waiting).add(req.params.lora)
+            s.lora_info = (self.adapters.slots, tuple(sorted(waiting)), tuple(sorted(running)))
         if not s.cache_config:  # as vLLM's CacheConfig.metrics_info(): every setting, and the pools' sizes
             cache = self.config.cache
             s.cache_config = {f.name: str(getattr(cache, f.name)) for f in dataclasses.fields(cache)}

@@ -12,8 +12,14 @@ Owns three things:
 * the adapter slots of each linear (``LoRASlots``): every adapter is kept
   on the device, its A and B matrices stacked per slot beside the base
   weight, B scaled once on loading;
-* a step's rows grouped by adapter (``LoRAStep``), which every linear adds
-  to its base product: ``y += (x A_s^T) B_s^T`` for the rows of slot ``s``.
+* a step's rows by adapter slot (``LoRAStep``), which every linear adds to
+  its base product: ``y += (x A_s^T) B_s^T`` for the rows of slot ``s``. A
+  step whose adapter rows are one run of one adapter takes one product pair
+  on them; a step mixing adapters takes every slot's shrink for every row in
+  one product, masked to each row's own slot, then one expand: three
+  launches a linear whatever the mix and order of its rows (Punica's BGMV
+  without a kernel of its own), or, past ``DENSE_MAX_WIDTH``, each slot's
+  rows on their own.
 
 A fused linear (q/k/v, gate/up) holds one rank block per part: part ``p``
 uses ranks ``[p R, p R + r)`` of the slot, and its B rows are the part's
@@ -195,13 +201,25 @@ def read_adapter(path: str | Path, model: nn.Module, max_rank: int) -> Adapter:
     return adapter
 
 
+# A step mixing adapters computes every slot's rank columns for every row
+# (three launches a linear) while a linear's slots are at most this wide
+# (slots x parts x R); wider, it gathers each slot's rows (four launches a
+# slot), which costs the rank work of the slots present only.
+DENSE_MAX_WIDTH = 1024
+
+
 @dataclass
 class LoRAStep:
-    """A step's token rows grouped by adapter slot: (slot, rows), rows a
-    slice where the slot's rows are one run, else an index tensor on the
-    device. Rows of the base model are in no group."""
+    """A step's token rows by adapter slot, in the form the linears add
+    them in: ``run`` where every adapter row is one run of one slot (one
+    adapter, or one request's chunk), else ``slot_of_row`` [T] on the device
+    (-1: the base model) and ``groups``, each slot present with its rows (a
+    slice where they are one run, else an index tensor)."""
 
-    groups: list[tuple[int, slice | torch.Tensor]]
+    run: tuple[int, slice] | None
+    slot_of_row: torch.Tensor | None = None
+    groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+    _masks: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, seq_slots: list[int], query_start_loc: list[int], device: torch.device) -> "LoRAStep | None":
@@ -218,14 +236,31 @@ class LoRAStep:
                 spans.append((start, end))
         if not runs:
             return None
+        if len(runs) == 1:
+            ((slot, spans),) = runs.items()
+            if len(spans) == 1:
+                return cls((slot, slice(*spans[0])))
+        rows = [slot for slot, start, end in zip(seq_slots, query_start_loc, query_start_loc[1:])
+                for _ in range(end - start)]
         groups: list[tuple[int, slice | torch.Tensor]] = []
         for slot, spans in runs.items():
             if len(spans) == 1:
                 groups.append((slot, slice(*spans[0])))
             else:
-                rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(device, non_blocking=True)
-                groups.append((slot, rows))
-        return cls(groups)
+                index = torch.cat([torch.arange(a, b) for a, b in spans]).to(device, non_blocking=True)
+                groups.append((slot, index))
+        return cls(None, torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True), groups)
+
+    def mask(self, slots: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, slots * width]: 1 in the ``width`` columns of each row's own
+        slot, 0 elsewhere (everywhere for a base row); made once a step per
+        shape, for every linear of that shape."""
+        key = (slots, width, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            own = self.slot_of_row[:, None] == torch.arange(slots, device=self.slot_of_row.device)
+            mask = self._masks[key] = own.to(dtype)[:, :, None].expand(-1, -1, width).reshape(len(own), -1)
+        return mask
 
 
 class LoRAState:
@@ -238,15 +273,19 @@ class LoRAState:
 
 
 class LoRAWeights:
-    """One linear's adapter slots: A [slots, parts * R, in] and B [slots,
-    out, parts * R] (B scaled), zero where no adapter is loaded."""
+    """One linear's adapter slots: A [slots, parts * R, in] and B [out,
+    slots, parts * R] (scaled), zero where no adapter is loaded; laid out
+    so that every slot's A rows, and every slot's B columns, are one matrix."""
 
     def __init__(self, state: LoRAState, slots: int, max_rank: int, parts: int, in_features: int,
                  out_features: int, dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
         self.state = state
         self.max_rank = max_rank
-        self.a = torch.zeros((slots, parts * max_rank, in_features), dtype=dtype, device=device)
-        self.b = torch.zeros((slots, out_features, parts * max_rank), dtype=dtype, device=device)
+        self.width = parts * max_rank  # one slot's rank columns
+        self.a = torch.zeros((slots, self.width, in_features), dtype=dtype, device=device)
+        self.b = torch.zeros((out_features, slots, self.width), dtype=dtype, device=device)
+        self.a_all = self.a.view(slots * self.width, in_features)
+        self.b_all = self.b.view(out_features, slots * self.width)
 
     @property
     def active(self) -> bool:
@@ -258,12 +297,20 @@ class LoRAWeights:
         step = self.state.step
         if step is None:
             return y
-        for slot, rows in step.groups:
-            a, b = self.a[slot], self.b[slot]
-            if isinstance(rows, slice):
-                y[rows].addmm_(x[rows] @ a.t(), b.t())
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+        if step.run is not None:
+            slot, rows = step.run
+            y[rows].addmm_(x[rows] @ self.a[slot].t(), self.b[:, slot].t())
+        elif self.a_all.shape[0] <= DENSE_MAX_WIDTH:
+            shrunk = x @ self.a_all.t()  # [T, slots * width]: every slot's, for every row
+            shrunk.mul_(step.mask(self.a.shape[0], self.width, shrunk.dtype))
+            y.addmm_(shrunk, self.b_all.t())
+        else:
+            for slot, rows in step.groups:
+                a, b = self.a[slot], self.b[:, slot]
+                if isinstance(rows, slice):
+                    y[rows].addmm_(x[rows] @ a.t(), b.t())
+                else:
+                    y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
         return y
 
 
@@ -293,7 +340,7 @@ class LoRASlots:
         with torch.no_grad():
             for site in self.sites.values():
                 site.module.lora.a[slot].zero_()
-                site.module.lora.b[slot].zero_()
+                site.module.lora.b[:, slot].zero_()
             for module, (a, b) in adapter.weights.items():
                 site = self.sites[module]
                 weights = site.module.lora
@@ -303,7 +350,7 @@ class LoRASlots:
                 elif site.spec is not None:  # column-parallel: this rank's output rows
                     b = site.spec.take(b)
                 weights.a[slot, r0:r0 + rank].copy_(a)
-                weights.b[slot, site.offset:site.offset + site.rows, r0:r0 + rank].copy_(b)
+                weights.b[site.offset:site.offset + site.rows, slot, r0:r0 + rank].copy_(b)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,10 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--quantization": "quantized checkpoints are not supported",
     "-q": "quantized checkpoints are not supported",
     "--speculative-config": "speculative decoding is not implemented",
+    "--max-cpu-loras": "every LoRA adapter stays on the device (--max-loras slots): there is no host cache of "
+                       "adapters to size",
+    "--fully-sharded-loras": "LoRA adapters shard as their base weights do (B rows or A columns per rank)",
+    "--lora-dtype": "LoRA adapters run in the model's dtype",
     "--pipeline-parallel-size": "only tensor parallelism is implemented",
     "-pp": "only tensor parallelism is implemented",
     "--cpu-offload-gb": "weight offloading is not implemented",
@@ -48,10 +52,10 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--rope-scaling": "overriding the model's RoPE scaling is not supported",
     "--hf-overrides": "overriding the model's config is not supported",
 }
-_HARMLESS_VALUES = {"--kv-cache-dtype": {"auto"}, "--tokenizer-mode": {"auto"},
+_HARMLESS_VALUES = {"--kv-cache-dtype": {"auto"}, "--tokenizer-mode": {"auto"}, "--lora-dtype": {"auto"},
                     "--pipeline-parallel-size": {"1"}, "-pp": {"1"},
                     "--guided-decoding-backend": set(STRUCTURED_OUTPUT_BACKENDS)}
-_VALUELESS: set[str] = set()
+_VALUELESS = {"--fully-sharded-loras"}
 # With --data-dir and no SLO flag, steps with online work may take at most
 # this multiple of their online part alone (benchmarks/coserving_server.py
 # --configs '' '--online-slowdown-cap 0' '--online-slowdown-cap 1.5' sets it

@@ -300,6 +300,9 @@ class VllmStatsCollector:
         info = self._cache_config(engines)
         if info is not None:
             yield info
+        lora = self._lora(engines)
+        if lora is not None:
+            yield lora
 
     def _family(self, cls: type, name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
         return cls(f"vllm:{name}", doc, labels=[*VLLM_LABELS, *extra])
@@ -388,6 +391,21 @@ class VllmStatsCollector:
                                 labels=[*keys, "engine"])
         for engine, info in infos.items():
             fam.add_metric([*(info.get(k, "") for k in keys), engine], 1.0)
+        return fam
+
+
+    def _lora(self, engines: dict[str, Any]) -> Metric | None:
+        """vLLM's ``lora_requests_info`` (with --enable-lora): the adapter
+        slots and the adapters with requests waiting and running, comma
+        separated, in its labels; the value the time of the figures."""
+        infos = {e: s.lora_info for e, s in engines.items() if getattr(s, "lora_info", None) is not None}
+        if not infos:
+            return None
+        fam = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters", "engine"])
+        now = time.time()
+        for engine, (slots, waiting, running) in infos.items():
+            fam.add_metric([str(slots), ",".join(waiting), ",".join(running), engine], now)
         return fam
 
 

@@ -109,6 +109,7 @@ def test_adapters_load_and_unload_while_requests_run(adapters, make_llm):
     engine.add_request("r", PROMPTS[0], greedy("a1"))
     engine.step()
     engine.step()
+    assert engine.stats().lora_info == (1, (), ("a1",))  # vLLM's lora_requests_info: slots, waiting, running
     # Unloaded mid-answer: new requests may no longer name it, the running one finishes with it,
     # and its slot stays its own until then.
     engine.remove_lora("a1")
@@ -130,6 +131,7 @@ def test_adapters_load_and_unload_while_requests_run(adapters, make_llm):
     engine.add_lora("a1", made["a1"])  # loaded again: the same tokens as the first time
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], greedy("a1"))] == ref1
     assert engine.lora_names() == {"a1": made["a1"]}
+    assert engine.stats().lora_info == (1, (), ())
 
 
 def test_adapters_that_cannot_be_served_are_refused_by_name(tiny_model, make_llm, tmp_path):
@@ -176,7 +178,7 @@ def test_tensor_parallel_shards_add_up_to_the_whole_adapter(tiny_model, tmp_path
         load_weights(model, path)
         lora = LoRASlots(model, 2, 4)
         lora.load(1, read_adapter(adapter_dir, model, 4))
-        lora.state.step = LoRAStep([(1, slice(None))])
+        lora.state.step = LoRAStep((1, slice(None)))
         return lora
 
     whole, ranks = slots(None), [slots(TensorParallel(r, 2)) for r in range(2)]
@@ -203,12 +205,32 @@ def test_tensor_parallel_shards_add_up_to_the_whole_adapter(tiny_model, tmp_path
     assert checked == len(whole.sites) == 7 * cfg.num_hidden_layers
 
 
-def test_step_groups_rows_by_adapter():
-    step = LoRAStep.build([1, 1, -1, 0, 1], [0, 3, 4, 9, 10, 12], torch.device("cpu"))
+def test_step_rows_by_adapter():
+    cpu = torch.device("cpu")
+    step = LoRAStep.build([1, 1, -1, 0, 1], [0, 3, 4, 9, 10, 12], cpu)
+    assert step.run is None
+    assert step.slot_of_row.tolist() == [1, 1, 1, 1, -1, -1, -1, -1, -1, 0, 1, 1]
     groups = {slot: rows for slot, rows in step.groups}
     assert groups[0] == slice(9, 10)  # one run: a view, no gather
     assert groups[1].tolist() == [0, 1, 2, 3, 10, 11]  # adjacent rows merged, then an index
-    assert LoRAStep.build([-1, -1], [0, 2, 3], torch.device("cpu")) is None
+    # Each row's own slot's columns (two slots of width 2): a base row owns none.
+    assert step.mask(2, 2, torch.float32)[[0, 4, 9]].tolist() == [[0, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0]]
+    assert LoRAStep.build([-1, 2, 2, -1], [0, 2, 3, 5, 6], cpu).run == (2, slice(2, 5))
+    assert LoRAStep.build([-1, -1], [0, 2, 3], cpu) is None
+
+
+def test_wide_slots_gather_each_adapters_rows_instead(adapters, make_llm, monkeypatch):
+    """Past ``DENSE_MAX_WIDTH`` a step mixing adapters adds each slot's
+    rows on their own (a gather where they are not one run): PEFT's tokens
+    either way."""
+    from fluidserve.engine import lora
+
+    monkeypatch.setattr(lora, "DENSE_MAX_WIDTH", 0)
+    path, made = adapters("llama")
+    refs = {None: peft_greedy(path, None, PROMPTS, TOKENS), **{n: peft_greedy(path, a, PROMPTS, TOKENS)
+                                                                 for n, a in made.items()}}
+    llm = make_llm(path, enable_lora=True, max_lora_rank=8, lora_modules=tuple(made.items()))
+    assert run_mixed(llm, [None, "a1", "a2"]) == refs
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real path")

@@ -28,6 +28,8 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     (["--guided-decoding-backend", "outlines"], "--guided-decoding-backend outlines"),
     (["--quantization", "awq"], "--quantization awq"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
+    (["--enable-lora", "--max-cpu-loras", "8"], "--max-cpu-loras 8"),
+    (["--enable-lora", "--fully-sharded-loras"], "--fully-sharded-loras"),
 ])
 def test_unsupported_vllm_flag_is_one_line(flags, named):
     proc = run_cli("serve", "some/model", *flags)
@@ -80,6 +82,22 @@ def test_flags_map_onto_the_engine_config(monkeypatch):
     assert cli.engine_config_from_args(parse("--scheduling-policy=priority")).scheduling_policy == "fcfs"
     with pytest.raises(ValueError, match="model"):
         cli.engine_config_from_args(parse("/m1", "--model", "/m2"))
+
+
+def test_lora_flags_in_either_of_vllms_forms():
+    args = parse("/m", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32", "--lora-modules", "sql=/a/sql",
+                 '{"name": "chat", "path": "/a/chat", "base_model_name": "/m"}')
+    lora = cli.engine_config_from_args(args).lora
+    assert (lora.enable_lora, lora.max_loras, lora.max_lora_rank) == (True, 3, 32)
+    assert lora.lora_modules == (("sql", "/a/sql"), ("chat", "/a/chat"))
+    with pytest.raises(ValueError, match="lora_modules need --enable-lora"):
+        cli.engine_config_from_args(parse("/m", "--lora-modules", "sql=/a/sql"))
+    for bad in ("sql", "=/a", '{"name": "x"}', '{"name": "x", "path": "/p", "rank": 8}'):
+        with pytest.raises(SystemExit):
+            parse("/m", "--enable-lora", "--lora-modules", bad)
+    proc = run_cli("serve", "--device", "cpu", "--enable-lora", "--lora-modules", "sql=/nonexistent/adapter")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "fluidserve serve: lora_path: '/nonexistent/adapter' is not a folder"
 
 
 def test_structured_outputs_config_in_either_of_vllms_forms():

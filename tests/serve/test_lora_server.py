@@ -53,6 +53,9 @@ def test_adapters_are_models_that_generate_as_peft_does(lora_server):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="a3", prompt=PROMPT, max_tokens=2)
     assert err.value.body["code"] == "model_not_found"
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert 'vllm:lora_requests_info{engine="0",max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' \
+        in metrics
 
 
 def test_adapters_load_and_unload_at_runtime(lora_server):
