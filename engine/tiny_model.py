@@ -155,21 +155,45 @@ def build_tiny_thinking_model(path: str | Path, arch: str = "qwen3", **overrides
 
 
 def build_random_adapter(model_dir: str | Path, path: str | Path, seed: int = 0, r: int = 4,
-                         targets: object = "all-linear", scale: float = 0.15, **config) -> Path:  # fmt: skip
-    """A LoRA adapter of the checkpoint in ``model_dir``, made by PEFT (a
-    test and benchmark dependency) and saved in its format to ``path``,
-    with random A and B: PEFT starts B at zero, which would change no
-    token. ``config``: further ``LoraConfig`` fields (``use_rslora``,
-    ``rank_pattern``, ``use_dora``, ...)."""
+                         targets: str | list[str] = "all-linear", scale: float = 0.15,
+                         rank_pattern: dict[str, int] | None = None, **config) -> Path:  # fmt: skip
+    """A LoRA adapter of the checkpoint in ``model_dir`` in PEFT's format
+    (``adapter_config.json``, ``adapter_model.safetensors``), written to
+    ``path``, its A and B random (normal, deviation ``scale``; PEFT starts
+    B at zero, which would change no token). ``targets``: module names, or
+    ``"all-linear"`` (every linear but the LM head, as PEFT reads it);
+    ``rank_pattern``: a rank per module name suffix; ``config``: further
+    ``LoraConfig`` fields written as given (``use_rslora``, ``use_dora``,
+    ``bias``, ...). Written without PEFT, so a machine without it (a GPU
+    node) can make one; PEFT reads it (tests/lora_utils.py)."""
     import transformers
-    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+    from torch import nn
 
-    torch.manual_seed(seed)
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir))
-    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, **config))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, scale)
-    model.save_pretrained(str(path))
-    return Path(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir))
+    head = model.get_output_embeddings()
+    rng = torch.Generator().manual_seed(seed)
+    tensors, names = {}, []
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        wanted = (isinstance(module, nn.Linear) and module is not head) if targets == "all-linear" else leaf in targets
+        if not wanted or not isinstance(module, (nn.Linear, nn.Embedding)):
+            continue
+        rank = next((k for key, k in (rank_pattern or {}).items() if name == key or name.endswith("." + key)), r)
+        key = f"base_model.model.{name}"
+        if isinstance(module, nn.Embedding):  # PEFT's names and shapes for an embedding's adapter
+            tensors[f"{key}.lora_embedding_A"] = torch.randn(rank, module.num_embeddings, generator=rng) * scale
+            tensors[f"{key}.lora_embedding_B"] = torch.randn(module.embedding_dim, rank, generator=rng) * scale
+        else:
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=rng) * scale
+            tensors[f"{key}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=rng) * scale
+        names.append(name)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    settings = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir), "r": r,
+                "lora_alpha": 2 * r, "lora_dropout": 0.0, "bias": "none", "target_modules": names,
+                "rank_pattern": rank_pattern or {}, "alpha_pattern": {}, "fan_in_fan_out": False,
+                "inference_mode": True, "use_rslora": False, "use_dora": False, **config}
+    (path / "adapter_config.json").write_text(json.dumps(settings, indent=2))
+    return path

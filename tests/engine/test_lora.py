@@ -272,3 +272,35 @@ def test_steps_with_adapter_rows_leave_the_graphs_to_base_steps(adapters, make_l
     outs = llm.generate(prompts, greedy(None))  # base rows alone: the graphs take their decodes
     assert [o.outputs[0].token_ids for o in outs] == refs[None]
     assert sum(worker.graphs.replays.values()) >= replays + TOKENS - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_adapters_like_the_cpu_with_decode_graphs_on(adapters, make_llm, dtype):
+    """On CUDA, decode graphs captured (the default) and the Triton kernels:
+    a step with adapter rows leaves the graphs, base-only steps replay
+    them, and every row's tokens are the CPU engine's in fp32 (in bf16,
+    equal but for a near-tie of the fp32 reference's logprobs)."""
+    from token_paths import assert_agree_but_for_near_ties
+
+    path, made = adapters("llama")
+    kwargs = dict(enable_lora=True, max_lora_rank=8, lora_modules=tuple(made.items()), max_num_batched_tokens=16)
+    cases = [(n, p) for p in PROMPTS for n in (None, "a1", "a2")]
+    params = [SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, lora=n, logprobs=2)
+              for n, _ in cases]
+    ref = make_llm(path, device="cpu", **kwargs).generate([p for _, p in cases], params)
+    llm = make_llm(path, device="cuda", dtype=dtype, **kwargs)
+    gpu = llm.generate([p for _, p in cases], params)
+    if dtype == "float32":
+        assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in ref]
+    else:
+        assert_agree_but_for_near_ties(gpu, ref, f"lora {dtype}")
+    graphs = llm.engine.executor.worker.graphs
+    assert graphs is not None
+    replays = sum(graphs.replays.values())
+    base = llm.generate(PROMPTS, greedy(None))  # base rows alone: their decode steps replay the graphs
+    assert sum(graphs.replays.values()) >= replays + TOKENS - 1
+    if dtype == "float32":
+        assert [o.outputs[0].token_ids for o in base] == [o.outputs[0].token_ids
+                                                          for (n, _), o in zip(cases, ref) if n is None]
