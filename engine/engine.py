@@ -268,17 +268,19 @@ class LLMEngine:
         self.stats_.prompt_tokens_total += len(token_ids) * params.n
 
     # -- LoRA adapters -------------------------------------------------------
-    def add_lora(self, name: str, path: str) -> Loaded:
+    def add_lora(self, name: str, path: str, replace: bool = False) -> Loaded:
         """Serve the PEFT adapter in folder ``path`` as ``name``: requests
-        whose params name it generate with it from the next step on. Raises
-        ValueError naming what is wrong (no --enable-lora, a name in use,
-        no free slot, an adapter that does not fit the model)."""
+        whose params name it generate with it from the next step on
+        (``replace``: in place of the adapter of that name, which keeps its
+        slot until its requests are done). Raises ValueError naming what is
+        wrong (no --enable-lora, a name in use, no free slot, an adapter
+        that does not fit the model); nothing changes then."""
         if self.adapters is None:
             raise ValueError("lora_name: LoRA adapters need --enable-lora")
         if name == self.model_name:
             raise ValueError(f"lora_name: {name!r} is the base model's name")
         busy = {req.lora_slot for req in self.requests.values() if req.lora_slot >= 0}
-        loaded = self.adapters.add(name, path, busy)
+        loaded = self.adapters.add(name, path, busy, replace)
         log.info("LoRA adapter %s loaded from %s into slot %d", name, loaded.path, loaded.slot)
         return loaded
 

@@ -386,13 +386,15 @@ class AdapterRegistry:
         self._pending: list[tuple[int, Adapter]] = []
         self._loads = 0
 
-    def add(self, name: str, path: str, busy: set[int] = frozenset()) -> Loaded:
+    def add(self, name: str, path: str, busy: set[int] = frozenset(), replace: bool = False) -> Loaded:
         """Read and check the adapter in ``path`` and give it a free slot
-        (``busy``: slots live requests still generate with). Raises
-        ValueError naming what is wrong; nothing changes then."""
+        (``busy``: slots live requests still generate with); ``replace``:
+        it takes the place of the adapter of that name, whose requests
+        finish with the old weights in the old slot. Raises ValueError
+        naming what is wrong; nothing changes then."""
         if not isinstance(name, str) or not name:
             raise AdapterError("lora_name: must be a non-empty string")
-        if name in self.loaded:
+        if name in self.loaded and not replace:
             raise AdapterError(f"lora_name: an adapter named {name!r} is already loaded")
         taken = {a.slot for a in self.loaded.values()} | set(busy)
         free = [s for s in range(self.slots) if s not in taken]

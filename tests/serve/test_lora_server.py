@@ -95,7 +95,16 @@ def test_adapters_load_and_unload_at_runtime(lora_server):
     assert post("load_lora_adapter", lora_name="a2", lora_path=made["a2"]).status_code == 200
     assert client.completions.create(model="a2", prompt=PROMPT, **GREEDY).choices[0].token_ids == refs["a2"]
     assert client.completions.create(model="a1", prompt=PROMPT, **GREEDY).choices[0].token_ids == refs["a1"]
+    # In place (vLLM's load_inplace): the new weights need a slot of their own while the old ones serve.
+    resp = post("load_lora_adapter", lora_name="a2", lora_path=made["a1"], load_inplace=True)
+    assert resp.status_code == 400 and "slots are in use" in resp.json()["error"]["message"]
+    assert client.completions.create(model="a2", prompt=PROMPT, **GREEDY).choices[0].token_ids == refs["a2"]
     assert post("unload_lora_adapter", lora_name="a2").status_code == 200
+    assert server.engine.lora_names() == {"a1": made["a1"]}
+    assert post("load_lora_adapter", lora_name="a1", lora_path=made["a2"], load_inplace=True).status_code == 200
+    assert client.completions.create(model="a1", prompt=PROMPT, **GREEDY).choices[0].token_ids == refs["a2"]
+    assert post("load_lora_adapter", lora_name="a1", lora_path=made["a1"], load_inplace=True).status_code == 200
+    assert client.completions.create(model="a1", prompt=PROMPT, **GREEDY).choices[0].token_ids == refs["a1"]
     assert server.engine.lora_names() == {"a1": made["a1"]}
 
 
