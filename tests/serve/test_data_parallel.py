@@ -17,6 +17,8 @@ import time
 import httpx
 import pytest
 
+from fluidserve.serve.lora import RUNTIME_UPDATING_ENV
+from tests.lora_utils import make_adapter, peft_greedy
 from tests.server_utils import free_port, read_metrics, start_subprocess_server, wait_healthy
 
 ray = pytest.importorskip("ray")
@@ -38,9 +40,15 @@ def dp_server(tiny_model, tmp_path_factory):
     # No slack for affinity beyond the prefill a hit saves: on the tiny
     # model a whole burst is milliseconds of work, under the default's second.
     data_dir = tmp_path_factory.mktemp("dp-data")
-    proc = start_subprocess_server([model, *ENGINE_ARGS, "--data-parallel-size", "2",
-                                    "--routing-balance-threshold-ms", "0", "--enable-prompt-tokens-details",
-                                    "--data-dir", str(data_dir)], port, log)
+    adapter = make_adapter(model, tmp_path_factory.mktemp("dp-lora") / "a1", seed=1)
+    os.environ[RUNTIME_UPDATING_ENV] = "true"  # the routes exist, and say what replicas cannot do
+    try:
+        proc = start_subprocess_server([model, *ENGINE_ARGS, "--data-parallel-size", "2",
+                                        "--routing-balance-threshold-ms", "0", "--enable-prompt-tokens-details",
+                                        "--data-dir", str(data_dir), "--enable-lora", "--lora-modules",
+                                        f"a1={adapter}"], port, log)
+    finally:
+        del os.environ[RUNTIME_UPDATING_ENV]
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, timeout=180, proc=proc)
@@ -48,7 +56,7 @@ def dp_server(tiny_model, tmp_path_factory):
         proc.kill()
         print(log.read_text(errors="replace")[-4000:])
         raise
-    yield model, base, proc, log
+    yield model, base, proc, log, adapter
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=60)
@@ -109,7 +117,7 @@ def _through_replicas(engine, prompts: list[list[int]], params) -> tuple[list[li
 
 
 def test_two_replicas_answer_concurrent_requests_as_one_engine_does(dp_server):
-    model, base, _, _ = dp_server
+    model, base, _, _, _ = dp_server
     expected = _greedy_single(model)
     name = _model_id(base)
 
@@ -147,7 +155,7 @@ def test_streamed_and_whole_replies_agree_through_the_replicas(dp_server):
     one before (engine/output_wire.py), and the front rebuilds the rest:
     seeded n=2 replies with logprobs, streamed and whole, agree choice by
     choice in text, token ids and logprobs, and usage counts every token."""
-    _, base, _, _ = dp_server
+    _, base, _, _, _ = dp_server
     body = {"model": _model_id(base), "prompt": "Long prompt " * 9, "max_tokens": 20, "temperature": 0.8,
             "seed": 7, "n": 2, "logprobs": 2, "ignore_eos": True, "return_token_ids": True}
     whole = _complete(base, body.pop("prompt"), **body)
@@ -175,8 +183,23 @@ def test_streamed_and_whole_replies_agree_through_the_replicas(dp_server):
     assert whole["usage"]["completion_tokens"] == 40
 
 
+def test_lora_adapters_are_served_by_every_replica(dp_server):
+    """``--lora-modules`` reach every replica: an adapter's requests give
+    PEFT's tokens on whichever replica serves them.
+    Loading one at runtime is a 400 that says why (each replica would need
+    it, and a restarted replica would come back without it)."""
+    model, base, _, _, adapter = dp_server
+    cards = {m["id"]: m for m in httpx.get(f"{base}/v1/models", timeout=10).json()["data"]}
+    assert cards["a1"]["parent"] == _model_id(base) and cards["a1"]["root"] == adapter
+    replies = [_complete(base, p, model="a1") for p in PROMPTS]
+    assert [r["choices"][0]["token_ids"] for r in replies] == peft_greedy(model, adapter, PROMPTS, 12)
+    assert {r["model"] for r in replies} == {"a1"}
+    load = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": adapter}, timeout=30)
+    assert load.status_code == 400 and "--data-parallel-size" in load.json()["error"]["message"]
+
+
 def test_requests_sharing_a_prefix_land_where_it_is_cached(dp_server):
-    _, base, _, _ = dp_server
+    _, base, _, _, _ = dp_server
     name = _model_id(base)
     first = _complete(base, SYSTEM + "Question one?", model=name)
     cached = [_complete(base, SYSTEM + f"Question {i}?", model=name)["usage"]["prompt_tokens_details"]
@@ -188,7 +211,7 @@ def test_requests_sharing_a_prefix_land_where_it_is_cached(dp_server):
 
 
 def test_a_skewed_burst_spills_over_to_the_other_replica(dp_server):
-    _, base, _, _ = dp_server
+    _, base, _, _, _ = dp_server
     name = _model_id(base)
     before = _routed(base)
 
@@ -213,7 +236,7 @@ def test_a_batch_job_spreads_over_the_replicas(dp_server):
     least backlog: both replicas take lines, and every line completes."""
     import openai
 
-    _, base, _, _ = dp_server
+    _, base, _, _, _ = dp_server
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
     before = _routed(base)
     rows = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
@@ -238,7 +261,7 @@ def _replica_pids() -> list[int]:
 
 
 def test_a_replica_killed_mid_load_fails_no_unstarted_request_and_rejoins(dp_server):
-    _, base, _, _ = dp_server
+    _, base, _, _, _ = dp_server
     name = _model_id(base)
     pids = _replica_pids()
     assert len(pids) == 2, pids
