@@ -16,7 +16,7 @@ from fluidserve.engine.sampling_params import SamplingParams
 # benchmarks/vs_vllm.py). ``fluidserve serve`` makes them sleep instead: its
 # event loop shares the cores (serve/cli.py).
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 
 
 def __getattr__(name: str):
@@ -32,6 +32,10 @@ def __getattr__(name: str):
         from fluidserve.engine.config import EngineConfig
 
         return EngineConfig
+    if name == "LoRARequest":
+        from fluidserve.engine.lora import LoRARequest
+
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput"):
         from fluidserve.engine import outputs
 

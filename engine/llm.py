@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.engine import LLMEngine, next_request_id
 from fluidserve.engine.heap import frozen_heap
+from fluidserve.engine.lora import LoRARequest
 from fluidserve.engine.outputs import RequestOutput
 from fluidserve.engine.sampling_params import SamplingParams
 
@@ -38,19 +41,35 @@ class LLM:
         prompts: str | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. A bad
         prompt raises ValueError before any of them runs; requests that
         failed raise GenerationFailedError once all have ended (the engine
-        serves on)."""
+        serves on). ``lora_request`` (vLLM's; with ``enable_lora``): the
+        adapter of every prompt, or one per prompt, loaded on first use."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params: one per prompt, or a single one for all")
+        if lora_request is not None:
+            params_list = self._with_adapters(params_list, lora_request)
         with frozen_heap():  # no step pays for a full collection of torch's objects
             return self._run(prompts, params_list, use_tqdm)
+
+    def _with_adapters(self, params_list: list[SamplingParams],
+                       lora_request: LoRARequest | list[LoRARequest | None]) -> list[SamplingParams]:  # fmt: skip
+        """Each prompt's params naming its adapter, loaded where it is not."""
+        requests = lora_request if isinstance(lora_request, list) else [lora_request] * len(params_list)
+        if len(requests) != len(params_list):
+            raise ValueError("lora_request: one per prompt, or a single one for all")
+        served = self.engine.lora_names()
+        for req in {r for r in requests if r is not None}:
+            if req.lora_name not in served:
+                served[req.lora_name] = self.engine.add_lora(req.lora_name, req.lora_path).path
+        return [p if r is None else dataclasses.replace(p, lora=r.lora_name) for p, r in zip(params_list, requests)]
 
     def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         ids = [next_request_id("llm") for _ in prompts]

@@ -62,6 +62,17 @@ _REFUSED_CONFIG = {
 _PEFT_PREFIX = "base_model.model."
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's ``LoRARequest`` for ``LLM.generate(..., lora_request=...)``:
+    the adapter in ``lora_path`` under ``lora_name``, loaded on first use.
+    ``lora_int_id`` is vLLM's; the name says which adapter here."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+
 class AdapterError(ValueError):
     """An adapter that cannot be served, the message saying why."""
 

@@ -68,6 +68,19 @@ def test_each_row_generates_with_its_own_adapter_as_peft_does(adapters, make_llm
     assert run_mixed(llm, [None, "a1", "a2"]) == refs
 
 
+def test_vllms_lora_request_loads_the_adapter_on_first_use(adapters, make_llm):
+    from fluidserve.engine import LoRARequest
+
+    path, made = adapters("llama")
+    llm = make_llm(path, enable_lora=True, max_loras=2, max_lora_rank=8)
+    ref = peft_greedy(path, made["a1"], PROMPTS[:2], TOKENS)
+    outs = llm.generate(PROMPTS[:2], greedy(None), lora_request=LoRARequest("a1", 1, made["a1"]))
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    outs = llm.generate(PROMPTS[:2], greedy(None), lora_request=[None, LoRARequest("a1", 1, made["a1"])])
+    assert [o.outputs[0].token_ids for o in outs] == [peft_greedy(path, None, PROMPTS[:1], TOKENS)[0], ref[1]]
+    assert llm.engine.lora_names() == {"a1": made["a1"]}
+
+
 def test_rank_pattern_scales_each_module_by_its_own_rank(tiny_model, make_llm, tmp_path):
     path = tiny_model("llama")
     adapter = make_adapter(path, tmp_path / "a", seed=3, r=4, rank_pattern={"q_proj": 2, "down_proj": 6})
