@@ -1,7 +1,7 @@
 """Multi-LoRA serving (S-LoRA, Punica): many fine-tunes of one base model
 served side by side, each request generating with its own adapter, or none.
 
-Owns three things:
+Owns what an engine needs of adapters:
 
 * reading an adapter in PEFT's format (``adapter_config.json`` beside
   ``adapter_model.safetensors`` or ``adapter_model.bin``) and checking it
@@ -19,7 +19,9 @@ Owns three things:
   one product, masked to each row's own slot, then one expand: three
   launches a linear whatever the mix and order of its rows (Punica's BGMV
   without a kernel of its own), or, past ``DENSE_MAX_WIDTH``, each slot's
-  rows on their own.
+  rows on their own;
+* the engine's adapters by served name (``AdapterRegistry``), and vLLM's
+  ``LoRARequest`` for the offline API.
 
 A fused linear (q/k/v, gate/up) holds one rank block per part: part ``p``
 uses ranks ``[p R, p R + r)`` of the slot, and its B rows are the part's
@@ -59,6 +61,10 @@ _REFUSED_CONFIG = {
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
     "use_bdlora": "block-diagonal LoRA (use_bdlora)",
 }
+# PEFT's ``*_config`` keys that only say how an adapter was initialised or
+# trained; any other one set (Arrow routing, Monte Carlo LoRA, ...) changes
+# inference and is refused by name.
+_TRAINING_CONFIGS = {"loftq_config", "eva_config", "corda_config", "lora_ga_config", "megatron_config"}
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -136,6 +142,9 @@ def _config(path: Path) -> dict:
     for key, what in _REFUSED_CONFIG.items():
         if config.get(key):
             raise AdapterError(f"lora_path: {what} are not supported ({key} in {str(path)!r})")
+    for key, value in config.items():
+        if key.endswith("_config") and key not in _TRAINING_CONFIGS and value:
+            raise AdapterError(f"lora_path: {key} is not supported (in {str(path)!r})")
     if config.get("bias", "none") != "none":
         raise AdapterError(f"lora_path: adapters with bias terms are not supported (bias "
                            f"{config['bias']!r} in {str(path)!r})")

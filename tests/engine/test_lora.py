@@ -160,6 +160,9 @@ def test_adapters_that_cannot_be_served_are_refused_by_name(tiny_model, make_llm
             "embedding and LM-head adapters are not supported")
     refused(make_adapter(path, tmp_path / "wide", 1, r=32), "rank 32 of .* exceeds max_lora_rank=16")
     refused(make_adapter(path, tmp_path / "bias", 1, bias="all"), "bias terms")
+    refused(make_adapter(path, tmp_path / "arrow", 1, arrow_config={"top_k": 2}), "arrow_config is not supported")
+    make_adapter(path, tmp_path / "loftq", 1, loftq_config={"loftq_bits": 4})  # how it was made: served
+    assert read_adapter(tmp_path / "loftq", model, 16).rank == 4
     other = tiny_model("llama", hidden_size=32, head_dim=8)
     refused(make_adapter(other, tmp_path / "other", 1), r"down_proj.*do not fit a linear of 128 inputs and 64 outputs")
     refused(tmp_path / "missing", "is not a folder")
