@@ -257,6 +257,11 @@ class AsyncEngine:
         self._commands.put(("call", method, args, fut))
         return await fut
 
+    async def read_lora(self, path: str) -> Any:
+        """``engine.read_lora(path)`` in a thread of its own: an adapter's
+        files are read beside the steps, not between them."""
+        return await asyncio.to_thread(self.engine.read_lora, path)
+
     def _check_alive(self) -> None:
         health = self.health()
         if not health.ok:

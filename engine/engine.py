@@ -31,7 +31,7 @@ from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.cpu_share import CpuShare
 from fluidserve.engine.detokenizer import TextStream, byte_table
 from fluidserve.engine.executor import make_executor
-from fluidserve.engine.lora import AdapterRegistry, Loaded
+from fluidserve.engine.lora import Adapter, AdapterRegistry, Loaded
 from fluidserve.engine.loader import (eos_token_ids, is_tiny_model, load_hf_config, load_tokenizer,
                                       model_context_length, resolve_model_dir)
 from fluidserve.engine.output_processor import OutputProcessor
@@ -268,13 +268,14 @@ class LLMEngine:
         self.stats_.prompt_tokens_total += len(token_ids) * params.n
 
     # -- LoRA adapters -------------------------------------------------------
-    def add_lora(self, name: str, path: str, replace: bool = False) -> Loaded:
-        """Serve the PEFT adapter in folder ``path`` as ``name``: requests
-        whose params name it generate with it from the next step on
-        (``replace``: in place of the adapter of that name, which keeps its
-        slot until its requests are done). Raises ValueError naming what is
-        wrong (no --enable-lora, a name in use, no free slot, an adapter
-        that does not fit the model); nothing changes then."""
+    def add_lora(self, name: str, path: str | Adapter, replace: bool = False) -> Loaded:
+        """Serve the PEFT adapter in folder ``path`` (or one ``read_lora``
+        read) as ``name``: requests whose params name it generate with it
+        from the next step on (``replace``: in place of the adapter of that
+        name, which keeps its slot until its requests are done). Raises
+        ValueError naming what is wrong (no --enable-lora, a name in use,
+        no free slot, an adapter that does not fit the model); nothing
+        changes then."""
         if self.adapters is None:
             raise ValueError("lora_name: LoRA adapters need --enable-lora")
         if name == self.model_name:
@@ -283,6 +284,14 @@ class LLMEngine:
         loaded = self.adapters.add(name, path, busy, replace)
         log.info("LoRA adapter %s loaded from %s into slot %d", name, loaded.path, loaded.slot)
         return loaded
+
+    def read_lora(self, path: str) -> Adapter:
+        """The adapter in folder ``path``, read and checked: safe to call
+        from another thread while the engine steps (the server does, so an
+        adapter's files are not read between two steps)."""
+        if self.adapters is None:
+            raise ValueError("lora_name: LoRA adapters need --enable-lora")
+        return self.adapters.read(path)
 
     def remove_lora(self, name: str) -> None:
         """Stop serving adapter ``name``; requests already generating with it

@@ -406,12 +406,19 @@ class AdapterRegistry:
         self._pending: list[tuple[int, Adapter]] = []
         self._loads = 0
 
-    def add(self, name: str, path: str, busy: set[int] = frozenset(), replace: bool = False) -> Loaded:
-        """Read and check the adapter in ``path`` and give it a free slot
-        (``busy``: slots live requests still generate with); ``replace``:
-        it takes the place of the adapter of that name, whose requests
-        finish with the old weights in the old slot. Raises ValueError
-        naming what is wrong; nothing changes then."""
+    def read(self, path: str | Path) -> Adapter:
+        """The adapter in ``path``, checked against the model. Reads files
+        and the meta model only, so another thread may call it while the
+        engine steps (the server reads adapters off the engine's loop)."""
+        return read_adapter(path, self._model, self.max_rank)
+
+    def add(self, name: str, adapter: str | Path | Adapter, busy: set[int] = frozenset(),
+            replace: bool = False) -> Loaded:  # fmt: skip
+        """Give ``adapter`` (one ``read`` made, or the folder to read it
+        from) a free slot (``busy``: slots live requests still generate
+        with); ``replace``: it takes the place of the adapter of that name,
+        whose requests finish with the old weights in the old slot. Raises
+        ValueError naming what is wrong; nothing changes then."""
         if not isinstance(name, str) or not name:
             raise AdapterError("lora_name: must be a non-empty string")
         if name in self.loaded and not replace:
@@ -421,7 +428,8 @@ class AdapterRegistry:
         if not free:
             raise AdapterError(f"lora_name: all {self.slots} adapter slots are in use (--max-loras); unload one "
                                f"first")
-        adapter = read_adapter(path, self._model, self.max_rank)
+        if not isinstance(adapter, Adapter):
+            adapter = self.read(adapter)
         self._loads += 1
         loaded = self.loaded[name] = Loaded(name, adapter.path, free[0], hash(("lora", self._loads)))
         self._pending.append((loaded.slot, adapter))

@@ -50,8 +50,11 @@ def lora_routes(server: Any) -> dict[str, Callable]:
         if req.lora_name in server.model.names and req.lora_name not in served:
             raise APIError(400, f"lora_name: {req.lora_name!r} is the base model's name", param="lora_name")
         engine = _engine_calls(server)
-        try:  # load_inplace: the new weights under the old name, the old ones kept if they fail
-            loaded = await engine.call("add_lora", req.lora_name, req.lora_path, req.lora_name in served)
+        try:
+            # Read beside the steps; the engine's loop only puts it in a slot. load_inplace: the new
+            # weights under the old name, the old ones kept if they fail.
+            adapter = await engine.read_lora(req.lora_path)
+            loaded = await engine.call("add_lora", req.lora_name, adapter, req.lora_name in served)
         except ValueError as exc:
             message = str(exc)
             param = message.split(":", 1)[0] if message.startswith(("lora_name:", "lora_path:")) else None
