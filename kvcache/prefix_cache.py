@@ -20,7 +20,7 @@ for other content.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 ROOT_KEY = 0  # the parent of a sequence's first block
 
@@ -35,18 +35,18 @@ def salted_root(salt: str | None, adapter: int | None = None) -> int:
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, keys: list[int] | None = None,
-               extra: Hashable = 0, root: int = ROOT_KEY) -> list[int]:
+               root: int = ROOT_KEY) -> list[int]:
     """Keys of every full block of ``token_ids``; with ``keys`` (the keys of
     a prefix of it), only the missing ones are computed and appended."""
     keys = [] if keys is None else keys
     for start in range(len(keys) * block_size, len(token_ids) - block_size + 1, block_size):
-        keys.append(chain_key(keys[-1] if keys else root, token_ids[start:start + block_size], extra))
+        keys.append(chain_key(keys[-1] if keys else root, token_ids[start:start + block_size]))
     return keys
 
 
-def chain_key(parent: int, block_tokens: Sequence[int], extra: Hashable = 0) -> int:
+def chain_key(parent: int, block_tokens: Sequence[int]) -> int:
     """The key of a full block of ``block_tokens`` after the block ``parent``."""
-    return hash((parent, tuple(block_tokens), extra))
+    return hash((parent, tuple(block_tokens)))
 
 
 class PrefixIndex:

@@ -190,7 +190,7 @@ def prompt_keys(token_ids: Sequence[int], block_size: int, root: int = ROOT_KEY)
     keys: list[int] = []
     parent = root
     for start in range(0, len(ids) - block_size + 1, block_size):
-        parent = hash((parent, ids[start:start + block_size], 0))
+        parent = hash((parent, ids[start:start + block_size]))
         keys.append(parent)
     return keys
 
