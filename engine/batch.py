@@ -107,8 +107,8 @@ class ModelInput:
     # sample row ``j`` (its value is not known on the host yet).
     fed: bool = False
     # LoRA (engine/lora.py): each row's adapter slot, -1 for the base model
-    # (empty: every row is); and adapters to put into slots before the
-    # step, (slot, lora.Adapter), sent once to every worker.
+    # (empty where no row has an adapter); and adapters to put into slots
+    # before the step, (slot, lora.Adapter), sent once to every worker.
     lora_slots: list[int] = field(default_factory=list)
     lora_loads: list[tuple] = field(default_factory=list)
 

@@ -233,43 +233,47 @@ class LoRAStep:
     """A step's token rows by adapter slot, in the form the linears add
     them in: ``run`` where every adapter row is one run of one slot (one
     adapter, or one request's chunk), else ``slot_of_row`` [T] on the device
-    (-1: the base model) and ``groups``, each slot present with its rows (a
-    slice where they are one run, else an index tensor)."""
+    (-1: the base model) for the dense form and, made on first use by the
+    gathered form, ``groups``: each slot present with its rows (a slice
+    where they are one run, else an index tensor)."""
 
     run: tuple[int, slice] | None
     slot_of_row: torch.Tensor | None = None
-    groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+    spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # slot -> its runs of rows
     _masks: dict = field(default_factory=dict)
+    _groups: list | None = None
 
     @classmethod
     def build(cls, seq_slots: list[int], query_start_loc: list[int], device: torch.device) -> "LoRAStep | None":
         """From each sequence row's slot (-1: the base model) and where its
         tokens start; None when no row has an adapter."""
-        runs: dict[int, list[tuple[int, int]]] = {}
+        spans: dict[int, list[tuple[int, int]]] = {}
         for slot, start, end in zip(seq_slots, query_start_loc, query_start_loc[1:]):
             if slot < 0 or start == end:
                 continue
-            spans = runs.setdefault(slot, [])
-            if spans and spans[-1][1] == start:
-                spans[-1] = (spans[-1][0], end)
+            runs = spans.setdefault(slot, [])
+            if runs and runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], end)
             else:
-                spans.append((start, end))
-        if not runs:
+                runs.append((start, end))
+        if not spans:
             return None
-        if len(runs) == 1:
-            ((slot, spans),) = runs.items()
-            if len(spans) == 1:
-                return cls((slot, slice(*spans[0])))
-        rows = [slot for slot, start, end in zip(seq_slots, query_start_loc, query_start_loc[1:])
-                for _ in range(end - start)]
-        groups: list[tuple[int, slice | torch.Tensor]] = []
-        for slot, spans in runs.items():
-            if len(spans) == 1:
-                groups.append((slot, slice(*spans[0])))
-            else:
-                index = torch.cat([torch.arange(a, b) for a, b in spans]).to(device, non_blocking=True)
-                groups.append((slot, index))
-        return cls(None, torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True), groups)
+        if len(spans) == 1:
+            ((slot, runs),) = spans.items()
+            if len(runs) == 1:
+                return cls((slot, slice(*runs[0])))
+        counts = torch.tensor([b - a for a, b in zip(query_start_loc, query_start_loc[1:])])
+        rows = torch.tensor(seq_slots).repeat_interleave(counts)  # each token's slot
+        return cls(None, rows.to(device, non_blocking=True), spans)
+
+    @property
+    def groups(self) -> list[tuple[int, slice | torch.Tensor]]:
+        if self._groups is None:
+            device = self.slot_of_row.device
+            self._groups = [(slot, slice(*runs[0])) if len(runs) == 1 else
+                            (slot, torch.cat([torch.arange(a, b) for a, b in runs]).to(device, non_blocking=True))
+                            for slot, runs in self.spans.items()]  # fmt: skip
+        return self._groups
 
     def mask(self, slots: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """[T, slots * width]: 1 in the ``width`` columns of each row's own

@@ -228,9 +228,8 @@ class Worker:
     # -- one step ----------------------------------------------------------
     def _forward(self, inp: ModelInput,
                  feed: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        adapted = inp.lora_slots and max(inp.lora_slots) >= 0  # adapter rows run eagerly (engine/lora.py)
         for graphs in (self.graphs, self.piecewise):
-            if graphs is not None and not adapted:
+            if graphs is not None and not inp.lora_slots:  # adapter rows run eagerly (engine/lora.py)
                 out = graphs.forward(inp, feed)  # None: the step does not fit a bucket
                 if out is not None:
                     return out
