@@ -149,13 +149,11 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"], dependencies=auth)
     app.add_api_route("/invocations", server.invocations, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions/batch", batch_chat_route(server), methods=["POST"], dependencies=auth)
-    for route, handler in [*responses_routes(server).items(), *messages_routes(server).items()]:
+    routes = {**responses_routes(server), **messages_routes(server),
+              **(lora_routes(server) if settings.runtime_lora_updating else {})}
+    for route, handler in routes.items():
         method, path = route.split(" ", 1)
         app.add_api_route(path, handler, methods=[method], dependencies=auth)
-    if settings.runtime_lora_updating:
-        for route, handler in lora_routes(server).items():
-            method, path = route.split(" ", 1)
-            app.add_api_route(path, handler, methods=[method], dependencies=auth)
     if settings.enable_tokenizer_info_endpoint:
         app.add_api_route("/tokenizer_info", server.tokenizer_info, methods=["GET"], dependencies=auth)
     batch_runner = install_batch_api(app, server, batch_config, auth)

@@ -351,22 +351,13 @@ def model_info(engine, served_model_names: Sequence[str] | None = None,
     names = list(served_model_names or [])
     name = engine.model_name
     aliases = tuple(n for n in names if n != name)
+    config = getattr(engine, "config", None)
     return ModelInfo(name=name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                      is_tiny_default=bool(getattr(engine, "is_tiny_default", False)), aliases=aliases,
                      sampling_defaults=sampling_defaults(engine, generation_config),
-                     root=getattr(getattr(engine, "config", None), "model", None) or str(engine.model_dir),
+                     root=getattr(config, "model", None) or str(engine.model_dir),
                      max_logprobs=max_logprobs, eos_token_ids=tuple(sorted(getattr(engine, "eos_token_ids", ()))),
-                     lora_modules=lora_modules(engine))
-
-
-def lora_modules(engine) -> dict[str, str]:
-    """The adapters an engine (or data-parallel replica 0's facts) serves
-    at start: name -> folder."""
-    names = getattr(engine, "lora_names", None)
-    if callable(names):
-        return dict(names())
-    config = getattr(engine, "config", None)
-    return {name: path for name, path in (config.lora.lora_modules if config is not None else ())}
+                     lora_modules=dict(config.lora.lora_modules) if config is not None else {})
 
 
 def sampling_defaults(engine, generation_config: str) -> dict:
