@@ -304,7 +304,6 @@ class LoRAWeights:
     def __init__(self, state: LoRAState, slots: int, max_rank: int, parts: int, in_features: int,
                  out_features: int, dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
         self.state = state
-        self.max_rank = max_rank
         self.width = parts * max_rank  # one slot's rank columns
         self.a = torch.zeros((slots, self.width, in_features), dtype=dtype, device=device)
         self.b = torch.zeros((out_features, slots, self.width), dtype=dtype, device=device)
