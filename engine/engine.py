@@ -564,7 +564,6 @@ class LLMEngine:
         add_qsl, add_len, add_table = inp.query_start_loc.append, inp.seq_lens.append, inp.block_tables.append
         add_idx, add_spec, add_sid = inp.sample_indices.append, inp.samples.append, inp.sample_ids.append
         add_key = inp.table_keys.append
-        add_lora = inp.lora_slots.append if self.adapters is not None else None
         num_tokens = 0
         for item in plan.scheduled:
             seq = seqs[item.request_id]
@@ -595,8 +594,6 @@ class LLMEngine:
             add_len(start + n)
             add_table(table)
             add_key(keys[item.request_id])
-            if add_lora is not None:
-                add_lora(req.lora_slot)
             if item.samples:
                 add_idx(num_tokens - 1)
                 spec = seq.sample_spec
@@ -605,8 +602,11 @@ class LLMEngine:
                     spec = self._sample_spec(seq)
                 add_spec(spec)
                 add_sid(item.request_id)
-        if add_lora is not None and max(inp.lora_slots, default=-1) < 0:
-            inp.lora_slots = []  # no adapter row: the workers see a base-only step at a glance
+        if self.adapters is not None:
+            # Each row's adapter slot, only where some row has one: the workers see a base-only step at a glance.
+            rows = [seqs[item.request_id].request.lora_slot for item in plan.scheduled]
+            if max(rows, default=-1) >= 0:
+                inp.lora_slots = rows
         if plan.swapped_in:
             inp.wait_for_swap_in = not set(plan.swapped_in).isdisjoint(item.request_id for item in plan.scheduled)
         return inp
