@@ -7,7 +7,7 @@ can import ``fluidserve.engine.sampling_params`` without torch.
 
 from __future__ import annotations
 
-from fluidserve.engine.sampling_params import SamplingParams
+from fluidserve.engine.sampling_params import PoolingParams, SamplingParams
 
 # OpenMP's wait policy is left as torch has it: idle compute threads spin a
 # while before they sleep, which a batch job on a machine of its own wants
@@ -16,7 +16,8 @@ from fluidserve.engine.sampling_params import SamplingParams
 # benchmarks/vs_vllm.py). ``fluidserve serve`` makes them sleep instead: its
 # event loop shares the cores (serve/cli.py).
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+           "LoRARequest"]
 
 
 def __getattr__(name: str):

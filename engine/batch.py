@@ -64,6 +64,19 @@ class PromptLogprobSpec:
 
 
 @dataclass
+class PoolSpec:
+    """Rows of one embedding request to pool this step: the float32 sum of
+    the final hidden states at ``first_index`` .. ``first_index + count - 1``
+    of the flat step (``count`` may be 0). ``final``: the step computes the
+    prompt's last position, and the request's vector is complete with it."""
+
+    request_id: str
+    first_index: int
+    count: int
+    final: bool
+
+
+@dataclass
 class ModelInput:
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -88,6 +101,8 @@ class ModelInput:
     sample_ids: list[str] = field(default_factory=list)  # request id of each sampling row
     # Only requests that asked for prompt logprobs: others keep one logits row each.
     prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
+    # Embedding requests' rows (engine/pooling.py); they have no sampling row.
+    pooling: list[PoolSpec] = field(default_factory=list)
     # KV moves, applied before the forward: swap-outs first, then swap-ins.
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
@@ -134,6 +149,8 @@ class StepResult:
     sampled: dict = field(default_factory=dict)  # request id -> SampledToken (rank 0 only)
     # engine request id -> one {token id: Logprob} per scored prompt position (rank 0 only)
     prompt_logprobs: dict = field(default_factory=dict)
+    # engine request id -> (sum of the pooled rows or None, their count, final) (rank 0 only)
+    pooled: dict = field(default_factory=dict)
     swap_stall_s: float = 0.0  # time the step waited on KV copies
     # The safepoint (layer index; x.5: before layer x's MLP) where an
     # interrupted step stopped: no tokens, and none of the step's KV writes

@@ -121,6 +121,16 @@ class EngineConfig(ConfigTree):
         False, "also capture, for steps of up to 512 tokens that decode graphs do not take (prefill chunks, "
                "mixed steps), every stretch between two attention calls as a CUDA graph, attention eager "
                "between them (Llama family, with decode graphs)")
+    runner: str = setting(
+        "auto", "generate: completions, chat and the rest; pooling: embeddings (/v1/embeddings) of the final "
+                "hidden states, and nothing generated; auto: pooling for a checkpoint of the base model alone "
+                "(LlamaModel, Qwen3Model, ...), else generate", choices=("auto", "generate", "pooling"))
+    convert: str = setting("auto", "embed: serve a generative checkpoint as an embedding model (--runner pooling)",
+                           choices=("auto", "none", "embed"))
+    pooler_config: str | None = setting(
+        None, 'the embedding\'s pooling as vLLM\'s JSON: {"pooling_type": "LAST" | "MEAN" | "CLS", '
+              '"use_activation": false (no L2 normalization), "dimensions": N} (default: the checkpoint\'s '
+              'sentence-transformers pooling, else LAST, normalized)')
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)

@@ -26,7 +26,7 @@ from fluidserve.scheduler.cost_model import cost_model_for_engine
 from fluidserve.scheduler.plan import StepOutcome, StepPlan
 from fluidserve.scheduler.request_state import RequestClass, SeqState, SeqStatus
 from fluidserve.scheduler.scheduler import Scheduler
-from fluidserve.engine.batch import ModelInput, PromptLogprobSpec, SampleSpec, StepFailed, StepResult
+from fluidserve.engine.batch import ModelInput, PoolSpec, PromptLogprobSpec, SampleSpec, StepFailed, StepResult
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.cpu_share import CpuShare
 from fluidserve.engine.detokenizer import TextStream, byte_table
@@ -36,6 +36,7 @@ from fluidserve.engine.loader import (eos_token_ids, is_tiny_model, load_hf_conf
                                       model_context_length, resolve_model_dir)
 from fluidserve.engine.output_processor import OutputProcessor
 from fluidserve.engine.outputs import RequestOutput
+from fluidserve.engine.pooling import check_dimensions, model_pooling, pool_range, resolve_runner
 from fluidserve.engine.preemption import PreemptionPolicy, safepoint_shares
 from fluidserve.engine.request import Request, Sequence
 from fluidserve.engine.sampler import device_only
@@ -144,6 +145,11 @@ class LLMEngine:
             "fluidserve-tiny-random" if self.is_tiny_default else str(config.model)
         )
         self.hf_config = load_hf_config(self.model_dir)
+        # What it serves: generation, or embeddings (engine/pooling.py) and their defaults.
+        self.runner = resolve_runner(config.runner, config.convert, self.hf_config)
+        self.pooling = model_pooling(self.model_dir, config.pooler_config) if self.runner == "pooling" else None
+        if self.pooling is not None:
+            check_dimensions(self.pooling.dimensions, self.hf_config, self.hf_config.hidden_size)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
         byte_table(self.tokenizer, skip_special_tokens=True)  # the default's, now: 0.5 s at 128k tokens
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -237,12 +243,24 @@ class LLMEngine:
             lora = self.adapters.loaded.get(params.lora) if self.adapters is not None else None
             if lora is None:
                 raise ValueError(f"model: no LoRA adapter named {params.lora!r} is loaded")
+        if (params.pooling is None) != (self.pooling is None):
+            raise ValueError(f"model: {self.model_name} serves "
+                             + ("embeddings (--runner pooling), not generation" if self.pooling is not None
+                                else "generation; embeddings need --runner pooling"))
+        pooling = None
+        if self.pooling is not None:
+            pooling = params.pooling.over(self.pooling)
+            if params.pooling.dimensions is not None:
+                check_dimensions(pooling.dimensions, self.hf_config, self.hf_config.hidden_size)
+            params = dataclasses.replace(params, pooling=pooling)
         text, token_ids = self._tokenize(prompt)
-        max_tokens = self._max_tokens(len(token_ids), params)
+        # An embedding request is scheduled as a prompt and one sampling row it never samples.
+        max_tokens = self._max_tokens(len(token_ids), params) if pooling is None else self._pool_length(token_ids)
         now = time.monotonic() if arrival_time is None else arrival_time
         req = Request(request_id, text, token_ids, params, klass, now, max_tokens, final_only=final_only,
-                      launchable=params.prompt_logprobs is None and device_only(params),
-                      lora_slot=-1 if lora is None else lora.slot)
+                      launchable=params.prompt_logprobs is None and pooling is None and device_only(params),
+                      lora_slot=-1 if lora is None else lora.slot,
+                      plain=params.prompt_logprobs is None and pooling is None)
         lazy_text = final_only and params.n == 1 and not params.stop
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # nothing predicts the first prompt token
@@ -254,7 +272,8 @@ class LLMEngine:
             # A request scoring its prompt must compute every position: it
             # takes no prefix-cache hits, but offers its blocks to others.
             state = SeqState(f"{request_id}#{i}", len(token_ids), max_tokens, now, klass, block_keys=list(keys),
-                             reads_cache=req.prompt_logprobs is None, cache_root=root)
+                             reads_cache=req.prompt_logprobs is None and (pooling is None or pooling.reads_cache),
+                             cache_root=root)
             seq = Sequence(i, state, req, TextStream(self.tokenizer, token_ids, params),
                            logprobs=[] if params.logprobs is not None else None,
                            new_logprobs=[] if params.logprobs is not None else None,
@@ -317,6 +336,15 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
         return None, token_ids
+
+    def _pool_length(self, token_ids: list[int]) -> int:
+        """An embedding request's prompt fits max_model_len (it generates
+        nothing): its one unsampled row's token count."""
+        if not token_ids:
+            raise ValueError("input: an embedding needs at least one token")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"input: {len(token_ids)} tokens exceed max_model_len={self.max_model_len}")
+        return 1
 
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         if prompt_len >= self.max_model_len:
@@ -571,12 +599,13 @@ class LLMEngine:
             start = seq.state.num_computed_tokens
             n = item.num_tokens
             req = seq.request
+            sample = item.samples
             if ahead is not None:
                 start += 1
                 add_id(-1 - ahead[item.request_id])
                 add_pos(start)
                 add_slot(slot_of(table, start, bs))
-            elif n == 1 and req.prompt_logprobs is None:
+            elif n == 1 and req.plain:
                 # A decode (or a one-token chunk): the token at position start.
                 prompt = req.prompt_token_ids
                 add_id(prompt[start] if start < len(prompt) else seq.output_token_ids[start - len(prompt)])
@@ -586,6 +615,9 @@ class LLMEngine:
                 end = start + n
                 if req.prompt_logprobs is not None:
                     self._score_prompt(req, start, end, num_tokens, scored, inp)
+                if req.params.pooling is not None:
+                    self._pool_rows(req, start, end, num_tokens, item.samples, inp)
+                    sample = False  # its "sampling" row completes the embedding instead
                 inp.input_ids += seq.tokens(start, end)
                 inp.positions += range(start, end)
                 inp.slot_mapping += slots(table, start, end, bs)
@@ -594,7 +626,7 @@ class LLMEngine:
             add_len(start + n)
             add_table(table)
             add_key(keys[item.request_id])
-            if item.samples:
+            if sample:
                 add_idx(num_tokens - 1)
                 spec = seq.sample_spec
                 # Made before and unseeded: nothing in it moves (its outputs are the live list).
@@ -627,6 +659,14 @@ class LLMEngine:
         inp.prompt_logprobs.append(PromptLogprobSpec(
             req.request_id, first_index + lo - start, prompt[lo + 1:hi + 1], req.params.prompt_logprobs))
         scored[req.request_id] = hi + 1
+
+    @staticmethod
+    def _pool_rows(req: Request, start: int, end: int, first_index: int, final: bool, inp: ModelInput) -> None:
+        """The rows of chunk [start, end) of an embedding request that its
+        vector takes (engine/pooling.py); ``final``: the chunk ends its prompt."""
+        lo, hi = pool_range(req.params.pooling, start, end, len(req.prompt_token_ids), req.pool_count)
+        if hi > lo or final:
+            inp.pooling.append(PoolSpec(req.request_id, first_index + lo - start, hi - lo, final))
 
     @staticmethod
     def _sample_spec(seq: Sequence) -> SampleSpec:

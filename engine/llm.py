@@ -9,7 +9,7 @@ from fluidserve.engine.engine import LLMEngine, next_request_id
 from fluidserve.engine.heap import frozen_heap
 from fluidserve.engine.lora import LoRARequest
 from fluidserve.engine.outputs import RequestOutput
-from fluidserve.engine.sampling_params import SamplingParams
+from fluidserve.engine.sampling_params import PoolingParams, SamplingParams
 
 
 class GenerationFailedError(RuntimeError):
@@ -58,6 +58,24 @@ class LLM:
             params_list = self._with_adapters(params_list, lora_request)
         with frozen_heap():  # no step pays for a full collection of torch's objects
             return self._run(prompts, params_list, use_tqdm)
+
+    def embed(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        pooling_params: PoolingParams | list[PoolingParams] | None = None,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Embed every prompt (an engine of ``runner="pooling"``): each
+        output's ``embedding``, in prompt order. ``pooling_params``: the
+        model's pooling where None, or fields of it overridden."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        pooling = pooling_params or PoolingParams()
+        pooling_list = pooling if isinstance(pooling, list) else [pooling] * len(prompts)
+        if len(pooling_list) != len(prompts):
+            raise ValueError("pooling_params: one per prompt, or a single one for all")
+        return self.generate(prompts, [SamplingParams(pooling=p) for p in pooling_list], use_tqdm, lora_request)
 
     def _with_adapters(self, params_list: list[SamplingParams],
                        lora_request: LoRARequest | list[LoRARequest | None]) -> list[SamplingParams]:  # fmt: skip

@@ -213,9 +213,12 @@ def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
     return targets
 
 
-def load_weights(model: nn.Module, model_dir: Path | str) -> None:
+def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = False) -> None:
     """Read every weight of ``model`` from the checkpoint in ``model_dir``
-    (this rank's shard of the split ones), then pack the linears for the CPU."""
+    (this rank's shard of the split ones), then pack the linears for the CPU.
+    ``base_only`` (an embedding model): the checkpoint may hold the base
+    model alone, its names without the ``model.`` prefix and no LM head,
+    which then stays unread (nothing is sampled)."""
     model_dir = Path(model_dir)
     targets = checkpoint_targets(model)
     prefixes = getattr(model, "checkpoint_prefixes", {})
@@ -224,6 +227,8 @@ def load_weights(model: nn.Module, model_dir: Path | str) -> None:
         for old, new in prefixes.items():
             if name.startswith(old):
                 name = new + name[len(old):]
+        if base_only and name not in targets and f"model.{name}" in targets:
+            name = f"model.{name}"
         if name not in targets:
             if not name.endswith(_IGNORED_SUFFIXES):
                 log.debug("ignoring checkpoint tensor %s", name)
@@ -241,6 +246,8 @@ def load_weights(model: nn.Module, model_dir: Path | str) -> None:
     tied = {n for n, t in targets.items() if fused_pieces(t.param) is None
             and any(t.param is p for p in loaded_params)}
     missing = set(targets) - loaded - tied
+    if base_only:
+        missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights: {sorted(missing)[:5]}")
     prepack_linears(model)

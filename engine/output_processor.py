@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable
 from fluidserve.scheduler.request_state import RequestClass
 from fluidserve.engine.batch import StepResult
 from fluidserve.engine.outputs import RequestOutput, TokenLogprobs
+from fluidserve.engine.pooling import add_pooled, finish
 from fluidserve.engine.request import Request, Sequence
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ class OutputProcessor:
                 for t, lp in entry.items():
                     lp.decoded = decode(t)
             req.prompt_logprobs.extend(entries)
+        pooled = self._take_pooled(result.pooled, step_start, finished) if result.pooled else []
         get = self.seqs.get
         offline = RequestClass.OFFLINE
         bs = self.block_size
@@ -103,12 +105,39 @@ class OutputProcessor:
                 touched.append(req)
         self.stats.generation_tokens_total += num_appended
         self.stats.offline_generation_tokens_total += num_offline
-        outputs = []
+        outputs = pooled
         for req in touched:
             out = self._output(req, step_start)
             if out.finished or not req.final_only:
                 outputs.append(out)
         return outputs, finished
+
+    def _take_pooled(self, pooled: dict, step_start: float, finished: list[str]) -> list[RequestOutput]:
+        """Embedding requests' pooled rows of the step into their sums; the
+        outputs of those it completed (engine/pooling.py), which finish
+        with the reason "stop" and no tokens."""
+        outputs = []
+        for rid, (part, count, final) in pooled.items():
+            req = self.requests.get(rid)
+            if req is None:  # aborted while the step ran
+                continue
+            req.pool_sum = add_pooled(req.pool_sum, part)
+            req.pool_count += count
+            if not final:
+                continue
+            seq = req.seqs[0]
+            try:
+                embedding = finish(req.params.pooling, req.pool_sum, req.pool_count)
+            except ValueError as exc:
+                outputs.append(self.fail(req, str(exc), step_start))
+            else:
+                seq.finish_reason = "stop"
+                self.seqs.pop(seq.seq_id, None)
+                out = self._output(req, step_start)
+                out.embedding = embedding
+                outputs.append(out)
+            finished.append(seq.seq_id)
+        return outputs
 
     def _output(self, req: Request, step_start: float) -> RequestOutput:
         """The request's output after this step; a finished request leaves the engine."""

@@ -90,10 +90,11 @@ class OutputSender:
                for c, (t, k, j), (st, sk, sj) in zip(comps, lengths, starts)]
         if whole:
             sent_out = RequestOutput(rid, out.prompt, out.prompt_token_ids, cut, out.finished, out.error,
-                                     out.first_scheduled_time, out.prompt_logprobs, out.num_cached_tokens)
+                                     out.first_scheduled_time, out.prompt_logprobs, out.num_cached_tokens,
+                                     out.embedding)
         else:
             sent_out = RequestOutput(rid, None, [], cut, out.finished, out.error, out.first_scheduled_time, None,
-                                     out.num_cached_tokens)
+                                     out.num_cached_tokens, out.embedding)
         if out.finished or out.error is not None:
             self._sent.pop(rid, None)
         else:
@@ -119,4 +120,4 @@ def rebuild(held: RequestOutput | None, tail: OutputTail) -> RequestOutput:
         comps.append(CompletionOutput(c.index, h.text + c.text, h.token_ids, h.logprobs, c.finish_reason,
                                       c.stop_reason, c.text_delta, c.new_token_ids, c.new_logprobs))
     return RequestOutput(out.request_id, held.prompt, held.prompt_token_ids, comps, out.finished, out.error,
-                         out.first_scheduled_time, held.prompt_logprobs, out.num_cached_tokens)
+                         out.first_scheduled_time, held.prompt_logprobs, out.num_cached_tokens, out.embedding)

@@ -60,6 +60,8 @@ class RequestOutput:
     # Prompt tokens whose KV came from the prefix cache (usage's
     # prompt_tokens_details.cached_tokens); None where the engine does not say.
     num_cached_tokens: int | None = None
+    # An embedding request's vector (SamplingParams.pooling), on its finished output.
+    embedding: list[float] | None = None
 
     @property
     def num_generated_tokens(self) -> int:

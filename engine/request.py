@@ -112,6 +112,12 @@ class Request:
     # ahead of them is read (async scheduling).
     launchable: bool = False
     lora_slot: int = -1  # the adapter slot it generates with (engine/lora.py); -1: the base model
+    # Neither scores its prompt nor pools it: a one-token row of it is a plain decode or chunk.
+    plain: bool = True
+    # An embedding request (params.pooling): the float32 sum of the rows
+    # pooled so far and how many prompt positions they cover.
+    pool_sum: list[float] | None = None
+    pool_count: int = 0
 
     @property
     def finished(self) -> bool:

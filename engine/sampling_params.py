@@ -51,6 +51,44 @@ class StructuredOutputs:
                              f"not {kinds[0]}, which says itself where whitespace may go")
 
 
+# How an embedding request pools its prompt's final hidden states: the
+# last token's (a decoder model's default), the mean over every token, or
+# the first token's (an encoder's CLS).
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request: its prompt runs through the model and the final
+    hidden states are pooled into one vector (engine/pooling.py) where a
+    generation request would sample. ``dimensions`` keeps the first N
+    (Matryoshka), before ``normalize`` scales it to unit length."""
+
+    # None: the served model's (engine/pooling.py model_pooling), which the
+    # engine fills in as it admits the request.
+    pooling_type: str | None = None
+    normalize: bool | None = None
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if self.dimensions is not None and (not isinstance(self.dimensions, int) or self.dimensions < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+
+    def over(self, default: "PoolingParams") -> "PoolingParams":
+        """These params, each field left None taken from ``default``."""
+        return PoolingParams(self.pooling_type or default.pooling_type,
+                             default.normalize if self.normalize is None else self.normalize,
+                             default.dimensions if self.dimensions is None else self.dimensions)
+
+    @property
+    def reads_cache(self) -> bool:
+        """Whether a prefix-cache hit may stand in for computed positions:
+        only the last position's state is pooled, and it is always computed."""
+        return self.pooling_type == "last"
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -105,6 +143,9 @@ class SamplingParams:
     # The LoRA adapter to generate with, by its served name (engine/lora.py);
     # None: the base model.
     lora: str | None = None
+    # Set: an embedding request, which samples nothing (its other sampling
+    # fields are unread).
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -157,6 +198,12 @@ class SamplingParams:
             raise bad("cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise bad("lora", f"must be a non-empty adapter name, got {self.lora!r}")
+        if self.pooling is not None:
+            wanted = [name for name, on in (("n", self.n != 1), ("logprobs", self.logprobs is not None),
+                                            ("prompt_logprobs", self.prompt_logprobs is not None),
+                                            ("structured_outputs", self.structured_outputs is not None)) if on]
+            if wanted:
+                raise bad(wanted[0], "does not apply to an embedding request")
         if self.thinking_token_budget is not None and (self.thinking_token_budget < 0
                                                        or self.thinking_end_token_id is None):
             raise bad("thinking_token_budget", f"must be at least 0, with the token that ends the thinking, "

@@ -32,6 +32,7 @@ from fluidserve.engine.lora import LoRASlots
 from fluidserve.engine.model_runner import ModelRunner
 from fluidserve.engine.parallel import TensorParallel
 from fluidserve.engine.preemption import PausedForward, Safepoints, StepAbandoned
+from fluidserve.engine.pooling import pool_rows, resolve_runner
 from fluidserve.engine.prompt_logprobs import score_prompts
 from fluidserve.engine.runtime import pick_device, runtime_for
 from fluidserve.engine.sample_specs import SampleSpecMirror
@@ -89,7 +90,9 @@ class Worker:
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
-            load_weights(self.model, model_dir)
+            # An embedding model's checkpoint may be the base model alone: no LM head, no "model." prefix.
+            load_weights(self.model, model_dir,
+                         base_only=resolve_runner(config.runner, config.convert, hf_config) == "pooling")
         # Adapter slots on every linear (--enable-lora): adapters arrive with the steps (ModelInput.lora_loads).
         self.lora = (LoRASlots(self.model, config.lora.lora_slots, config.max_lora_rank) if config.enable_lora
                      else None)  # fmt: skip
@@ -348,6 +351,8 @@ class Worker:
                 mask_error = exc
         if inp.prompt_logprobs:
             result.prompt_logprobs = self._score_prompts(hidden, inp.prompt_logprobs, result)
+        if inp.pooling and self.tp.is_first:  # every rank holds the whole hidden states
+            result.pooled = pool_rows(hidden, inp.pooling)
         if not inp.sample_indices:
             return result
         logits = self.model.compute_logits(hidden[sample_idx])  # [S, V] on rank 0

@@ -65,13 +65,13 @@ class SchedulerConfig:
               "waits for (any online arrival interrupts one; default: no cut)", metavar="MS")
     # Protection without SLOs: online requests keep close to the latency
     # they would have alone (scheduler/budget.py). The server turns it on
-    # with the Batch API (serve/cli.py, COSERVING_SLOWDOWN_CAP).
+    # unless an SLO is given (serve/cli.py, COSERVING_SLOWDOWN_CAP).
     online_slowdown_cap: float | None = setting(
         None, "co-serving (ConServe) without SLOs: offline work in a step with online requests is cut so the "
               "step's predicted time stays within this multiple of its online part alone, and offline-only steps "
               "so that an online arrival's wait at a safepoint stays within the same share of its own prefill; "
-              "explicit --online-*-slo-ms flags replace it; 0 turns it off (default: none; `fluidserve serve "
-              "--data-dir` takes 1.2 unless an SLO is given)", metavar="X")
+              "explicit --online-*-slo-ms flags replace it; 0 turns it off (default: none; `fluidserve serve` "
+              "takes 1.2 unless an SLO is given)", metavar="X")
     # The token-gap tail (scheduler/token_gap.py): a streaming request is
     # evicted only while its deadline leaves room for the round trip, and
     # runs ahead of its queue when skipping it would miss the deadline.

@@ -45,6 +45,7 @@ from fluidserve.serve.protocol import (
     add_request_schemas,
 )
 from fluidserve.serve.lora import lora_routes
+from fluidserve.serve.embeddings import embeddings, embeddings_routes
 from fluidserve.serve.messages import messages_routes
 from fluidserve.serve.reasoning import ReasoningParser
 from fluidserve.serve.render import (ChatStreamer, CompletionStreamer, chat_choices, completion_choices, make_usage,
@@ -135,8 +136,11 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     app.add_exception_handler(ClientDisconnect, _client_gone)  # left while sending the body
     auth = [Depends(server.authenticate)]
 
-    app.add_api_route("/v1/completions", server.completions, methods=["POST"], dependencies=auth)
-    app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"], dependencies=auth)
+    # An embedding model serves /v1/embeddings and no generation route (vLLM's --runner pooling too).
+    generates = not model.pooling
+    if generates:
+        app.add_api_route("/v1/completions", server.completions, methods=["POST"], dependencies=auth)
+        app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/models/{model_id:path}", server.model_card, methods=["GET"], dependencies=auth)
     app.add_api_route("/health", server.health, methods=["GET"])
@@ -148,8 +152,11 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"], dependencies=auth)
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"], dependencies=auth)
     app.add_api_route("/invocations", server.invocations, methods=["POST"], dependencies=auth)
-    app.add_api_route("/v1/chat/completions/batch", batch_chat_route(server), methods=["POST"], dependencies=auth)
-    routes = {**responses_routes(server), **messages_routes(server),
+    if generates:
+        app.add_api_route("/v1/chat/completions/batch", batch_chat_route(server), methods=["POST"],
+                          dependencies=auth)
+    routes = {**(({**responses_routes(server), **messages_routes(server)}) if generates
+                 else embeddings_routes(server)),
               **(lora_routes(server) if settings.runtime_lora_updating else {})}
     for route, handler in routes.items():
         method, path = route.split(" ", 1)
@@ -502,8 +509,11 @@ class _Server:
         return JSONResponse(self.processor.tokenizer_info())
 
     async def invocations(self, request: Request) -> Response:
-        """SageMaker's single route: a chat body (``messages``) or a completion body."""
+        """SageMaker's single route: a chat body (``messages``) or a completion
+        body; on an embedding model, an embeddings body."""
         body = await self._read_body(request)
+        if self.model.pooling:
+            return await embeddings(self, _replayed(request, body))
         try:
             data = json.loads(body)
         except (ValueError, RecursionError):

@@ -27,6 +27,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from math import inf
 from typing import TYPE_CHECKING, Any, AsyncIterator, BinaryIO, Callable, Iterator, Sequence
 
@@ -38,6 +39,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from fluidserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from fluidserve.engine.outputs import RequestOutput
+from fluidserve.serve.embeddings import EmbeddingRequest, embedding_body
 from fluidserve.serve.errors import APIError, bad_request, error_body, int_param, order_param, query_params
 from fluidserve.serve.inputs import check_model
 from fluidserve.serve import responses
@@ -190,6 +192,10 @@ class LineExecutor:
                 req = validate_body(body, responses.ResponsesRequest, s.settings.ignore_unknown_fields)
                 call = await responses.begin(s, req, lambda chat: request_id)
                 inputs = call.inputs
+            elif endpoint == "/v1/embeddings":
+                req = validate_body(body, EmbeddingRequest, s.settings.ignore_unknown_fields)
+                check_model(req.model, s.model)
+                inputs = s.processor.embedding(req)
             else:
                 req = validate_body(body, ChatCompletionRequest, s.settings.ignore_unknown_fields)
                 check_model(req.model, s.model)
@@ -207,7 +213,8 @@ class LineExecutor:
             if call is not None:
                 reply = await responses.finish(s, call, finals[0])
             else:
-                render = s.completion_body if endpoint == "/v1/completions" else s.chat_body
+                render = {"/v1/completions": s.completion_body, "/v1/embeddings": partial(embedding_body, s)
+                          }.get(endpoint, s.chat_body)
                 response = render(request_id, req, inputs, finals)
         except APIError as err:
             if err.code in ("engine_unavailable", "shutting_down"):
@@ -555,6 +562,10 @@ class BatchAPI:
         if rec.purpose != "batch":
             raise bad_request(f"input_file_id: file {rec.id} has purpose '{rec.purpose}', not 'batch'",
                               "input_file_id")
+        if (req.endpoint == "/v1/embeddings") != self.server.model.pooling:
+            raise bad_request(f"endpoint: {self.server.model.name} serves "
+                              + ("embeddings: /v1/embeddings only" if self.server.model.pooling
+                                 else "generation: /v1/embeddings needs --runner pooling"), "endpoint")
         now = int(time.time())
         batch = BatchRecord(id=new_id("batch_"), input_file_id=req.input_file_id, endpoint=req.endpoint,
                             completion_window=req.completion_window, status="validating", created_at=now,

@@ -56,10 +56,15 @@ _HARMLESS_VALUES = {"--kv-cache-dtype": {"auto"}, "--tokenizer-mode": {"auto"}, 
                     "--pipeline-parallel-size": {"1"}, "-pp": {"1"},
                     "--guided-decoding-backend": set(STRUCTURED_OUTPUT_BACKENDS)}
 _VALUELESS = {"--fully-sharded-loras"}
-# With --data-dir and no SLO flag, steps with online work may take at most
-# this multiple of their online part alone (benchmarks/coserving_server.py
-# --configs '' '--online-slowdown-cap 0' '--online-slowdown-cap 1.5' sets it
-# beside no cap and a looser one).
+# Without an SLO flag, steps with online work may take at most this multiple
+# of their online part alone (benchmarks/coserving_server.py --configs ''
+# '--online-slowdown-cap 0' '--online-slowdown-cap 1.5' sets it beside no cap
+# and a looser one). Offline work (Batch API lines, a request's priority
+# above 0) is cut only beside online work: offline-only steps ran as fast
+# with it as without (16 embeddings of 1,024 tokens: 24.1-24.2 s against
+# 23.8-24.6 s), and with embedding queries arriving beside a background
+# bulk job their median latency went from 4.6 s to 58 ms
+# (benchmarks/embeddings_vs_vllm.py).
 COSERVING_SLOWDOWN_CAP = 1.2
 # With --data-dir on a CPU and no --preemption-safepoint-layers: half-layer
 # safepoints (see _safepoint_layers for the figures).
@@ -315,9 +320,8 @@ def engine_config_from_args(args: argparse.Namespace):
     if config.yield_busy_cores is None:  # the server lets idle OpenMP threads spin (set_openmp_waiting)
         config = config.replace(yield_busy_cores=True)
     sched = config.scheduler
-    if (getattr(args, "data_dir", None) and args.online_slowdown_cap is None
-            and sched.online_tpot_slo_ms is None and sched.online_ttft_slo_ms is None):
-        # A Batch API beside online traffic: online requests are protected
+    if args.online_slowdown_cap is None and sched.online_tpot_slo_ms is None and sched.online_ttft_slo_ms is None:
+        # Offline work beside online traffic: online requests are protected
         # without the user knowing about SLO flags (benchmarks/coserving_server.py).
         config = config.replace(online_slowdown_cap=COSERVING_SLOWDOWN_CAP)
     return config
@@ -357,7 +361,8 @@ def model_info(engine, served_model_names: Sequence[str] | None = None,
                      sampling_defaults=sampling_defaults(engine, generation_config),
                      root=getattr(config, "model", None) or str(engine.model_dir),
                      max_logprobs=max_logprobs, eos_token_ids=tuple(sorted(getattr(engine, "eos_token_ids", ()))),
-                     lora_modules=dict(config.lora.lora_modules) if config is not None else {})
+                     lora_modules=dict(config.lora.lora_modules) if config is not None else {},
+                     pooling=getattr(engine, "pooling", None) is not None)
 
 
 def sampling_defaults(engine, generation_config: str) -> dict:

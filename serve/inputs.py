@@ -17,9 +17,9 @@ import functools
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fluidserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
+from fluidserve.engine.sampling_params import MAX_LOGPROBS, PoolingParams, SamplingParams, StructuredOutputs
 from fluidserve.engine.structured import check_structured_outputs
 from fluidserve.serve.beam_search import BeamSearchParams
 from fluidserve.serve.errors import CONTEXT_LENGTH_EXCEEDED, APIError, bad_request, from_value_error
@@ -36,6 +36,9 @@ from fluidserve.serve.protocol import (
 )
 from fluidserve.serve.reasoning import Reasoning, ReasoningParser
 from fluidserve.serve.tool_parsers import ToolMode, named_call_schema, required_calls_schema
+
+if TYPE_CHECKING:
+    from fluidserve.serve.embeddings import EmbeddingRequest
 
 logger = logging.getLogger("fluidserve.serve")
 
@@ -77,6 +80,8 @@ class ModelInfo:
     # at runtime): name -> the folder it was read from. The frontend's own
     # view, changed only by the load and unload routes on the event loop.
     lora_modules: dict[str, str] = field(default_factory=dict)
+    # An embedding model (--runner pooling): /v1/embeddings instead of the generation routes.
+    pooling: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -115,6 +120,25 @@ class InputProcessor:
         logprobs = 0 if req.logprob_token_ids else self._logprobs_count(req.logprobs, "logprobs")
         params = self._params(req, max_tokens, logprobs, self._structured(req))
         return EngineInputs(prompts, params, req.klass, beam=self._beam(req, max_tokens, logprobs))
+
+    def embedding(self, req: EmbeddingRequest) -> EngineInputs:
+        """One prompt per input, each within max_model_len (or cut to
+        ``truncate_prompt_tokens``), all pooled alike (serve/embeddings.py)."""
+        prompts = []
+        limit = self.model.max_model_len
+        for given in req.inputs():
+            prompt = self._truncate(self._prompt(given, req.add_special_tokens, "input"),
+                                    req.truncate_prompt_tokens, req.truncation_side)
+            if len(prompt.token_ids) > limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
+                               f"requested {len(prompt.token_ids)} tokens in the input for embedding generation. "
+                               "Please reduce the length of the input, or set truncate_prompt_tokens.",
+                               param="input", code=CONTEXT_LENGTH_EXCEEDED)
+            prompts.append(prompt)
+        pooling = PoolingParams(normalize=req.use_activation, dimensions=req.dimensions)
+        params = SamplingParams(max_tokens=1, pooling=pooling, cache_salt=req.cache_salt,
+                                lora=self.model.adapter(req.model))
+        return EngineInputs(prompts, params, "offline" if req.priority > 0 else "online", final_only=True)
 
     def chat(self, req: ChatCompletionRequest) -> EngineInputs:
         text = self._render_chat(req)
@@ -186,17 +210,17 @@ class InputProcessor:
         return info
 
     # -- pieces -------------------------------------------------------------
-    def _prompt(self, p: str | list[int], add_special_tokens: bool = True) -> Prompt:
+    def _prompt(self, p: str | list[int], add_special_tokens: bool = True, param: str = "prompt") -> Prompt:
         if isinstance(p, str):
             if not p:
-                raise bad_request("prompt must not be empty", "prompt")
+                raise bad_request(f"{param} must not be empty", param)
             return Prompt(self._encode(p, add_special_tokens=add_special_tokens), p)
         if not p:
-            raise bad_request("prompt must not be empty", "prompt")
+            raise bad_request(f"{param} must not be empty", param)
         vocab = self.model.vocab_size
         bad = next((t for t in p if not 0 <= t < vocab), None)
         if bad is not None:
-            raise bad_request(f"prompt contains token id {bad} outside the vocabulary [0, {vocab})", "prompt")
+            raise bad_request(f"{param} contains token id {bad} outside the vocabulary [0, {vocab})", param)
         return Prompt(list(p), self.tokenizer.decode(p))
 
     def _truncate(self, prompt: Prompt, keep: int | None, side: str = "left") -> Prompt:

@@ -912,7 +912,7 @@ def add_request_schemas(schema: dict[str, Any]) -> dict[str, Any]:
 
 # -- Batch API ----------------------------------------------------------------
 
-BATCH_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+BATCH_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
 MetadataKey = Annotated[str, Field(max_length=64)]
 MetadataValue = Annotated[StrictStr, Field(max_length=512)]
 

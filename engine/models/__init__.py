@@ -12,6 +12,12 @@ MODEL_REGISTRY = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
+    # Checkpoints of the base model alone (sentence-transformers' decoder
+    # embedders): served for embeddings only, with no LM head to load.
+    "LlamaModel": LlamaForCausalLM,
+    "MistralModel": LlamaForCausalLM,
+    "Qwen2Model": LlamaForCausalLM,
+    "Qwen3Model": LlamaForCausalLM,
 }
 
 

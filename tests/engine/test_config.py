@@ -52,10 +52,12 @@ def test_serve_help_lists_every_setting_once_with_its_default():
 
 def test_flags_give_the_configs_defaults():
     config = cli.engine_config_from_args(cli.build_parser().parse_args(["serve"]))
-    assert config.scheduler == SchedulerConfig() and config.cache == CacheConfig()
+    # The server alone protects online requests beside offline work without an SLO flag.
+    cap = cli.COSERVING_SLOWDOWN_CAP
+    assert config.scheduler == SchedulerConfig(online_slowdown_cap=cap) and config.cache == CacheConfig()
     assert config.parallel == ParallelConfig()
     # The server alone yields cores other processes keep busy (its idle OpenMP threads spin).
-    assert config == EngineConfig(yield_busy_cores=True)
+    assert config == EngineConfig(yield_busy_cores=True).replace(online_slowdown_cap=cap)
     assert EngineConfig().yield_busy_cores is None
 
 
@@ -93,13 +95,13 @@ def test_a_bad_flag_value_names_the_flag():
         cli.engine_config_from_args(parse(["serve", "-tp", "0"]))
 
 
-def test_the_server_protects_online_requests_beside_the_batch_api_unless_told():
+def test_the_server_protects_online_requests_beside_offline_work_unless_told():
     parse = cli.build_parser().parse_args
 
     def cap(*argv: str):
         return cli.engine_config_from_args(parse(["serve", *argv])).scheduler.online_slowdown_cap
 
-    assert cap() is None  # no Batch API: nothing offline to cut
+    assert cap() == cli.COSERVING_SLOWDOWN_CAP  # requests of priority > 0 are offline work too
     assert cap("--data-dir", "/d") == cli.COSERVING_SLOWDOWN_CAP
     assert cap("--data-dir", "/d", "--online-slowdown-cap", "0") is None  # off, as asked
     assert cap("--data-dir", "/d", "--online-slowdown-cap", "1.5") == 1.5

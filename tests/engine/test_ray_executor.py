@@ -178,6 +178,23 @@ def test_tp2_prompt_logprobs_like_local(ray_cluster, tiny_model):
         assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
 
 
+def test_tp2_embeddings_like_local(ray_cluster, tiny_model):
+    """Every rank holds the whole final hidden states; rank 0 pools them."""
+    from fluidserve.engine import PoolingParams
+
+    path = tiny_model("llama")
+    prompts = [[(5 * j) % 250 + 3 for j in range(n)] for n in (40, 9)]
+    local = LLM(model=path, **CPU, runner="pooling").embed(prompts, PoolingParams("mean"))
+    llm = LLM(model=path, **CPU, **TP2, runner="pooling")
+    try:
+        tp = llm.embed(prompts, PoolingParams("mean"))
+    finally:
+        llm.engine.shutdown()
+    for a, b in zip(tp, local):
+        assert len(a.embedding) == len(b.embedding)
+        assert max(abs(x - y) for x, y in zip(a.embedding, b.embedding)) < 1e-5
+
+
 @pytest.mark.slow
 def test_tp2_penalties_and_token_histories_like_local(ray_cluster, tiny_model):
     """Rank 0 keeps each sequence's sampler row and is sent what it lacks

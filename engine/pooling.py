@@ -1,0 +1,165 @@
+"""Embeddings: a prompt's final hidden states pooled into one vector.
+
+An embedding request (``SamplingParams.pooling``) is scheduled as a prompt
+that samples nothing: each step computing some of its prompt sends the
+worker a ``PoolSpec``, the worker sums those rows in float32
+(``pool_rows``), and the engine adds the sums up (``add_pooled``) until the
+step computing the prompt's last position completes it (``finish``). Only
+sums cross, never ``[T, hidden]`` states, so a chunked prompt costs one
+vector a chunk, and mean pooling needs no state on the worker.
+
+Which rows a step pools (``pool_range``): ``last``, the prompt's last
+position once; ``cls``, position 0 once; ``mean``, every position once,
+however often a recompute after preemption runs it again. ``mean`` and
+``cls`` read no prefix cache: a position the cache supplied is never
+computed (``PoolingParams.reads_cache``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from fluidserve.engine.sampling_params import POOLING_TYPES, PoolingParams
+
+
+def pool_range(params: PoolingParams, start: int, end: int, prompt_len: int, pooled: int) -> tuple[int, int]:
+    """Positions ``[lo, hi)`` of the chunk ``[start, end)`` to pool, given
+    the ``pooled`` positions already counted (an empty range: none)."""
+    kind = params.pooling_type
+    if kind == "last":
+        return (prompt_len - 1, prompt_len) if end == prompt_len else (end, end)
+    if kind == "cls":
+        return (0, 1) if start == 0 and pooled == 0 else (end, end)
+    lo = max(start, pooled)  # mean: a recompute repeats positions already summed
+    return lo, max(lo, end)
+
+
+def pool_rows(hidden, specs) -> dict:
+    """Request id -> (float32 sum of its rows as a list, or None when it has
+    none this step; the row count; whether the vector is complete). One
+    device-to-host copy for the step."""
+    import torch
+
+    counted = [s for s in specs if s.count]
+    sums = None
+    if counted:
+        sums = torch.stack([hidden[s.first_index:s.first_index + s.count].float().sum(dim=0) for s in counted])
+        sums = sums.tolist()
+    out: dict = {}
+    it = iter(sums or ())
+    for s in specs:
+        out[s.request_id] = (next(it) if s.count else None, s.count, s.final)
+    return out
+
+
+def add_pooled(total: list[float] | None, part: list[float] | None) -> list[float] | None:
+    if part is None:
+        return total
+    if total is None:
+        return part
+    return [a + b for a, b in zip(total, part)]
+
+
+def finish(params: PoolingParams, total: list[float] | None, count: int) -> list[float]:
+    """The request's embedding from its summed rows: the mean for ``mean``,
+    the first ``dimensions`` kept, then scaled to unit length if asked."""
+    if total is None or count == 0:
+        raise ValueError("embedding: no prompt position was pooled")
+    vec = [x / count for x in total] if params.pooling_type == "mean" else total
+    if params.dimensions is not None:
+        vec = vec[:params.dimensions]
+    if params.normalize:
+        norm = math.sqrt(math.fsum(x * x for x in vec))
+        # torch.nn.functional.normalize's floor: a zero vector stays zero.
+        vec = [x / max(norm, 1e-12) for x in vec]
+    return vec
+
+
+# -- what the served model pools ---------------------------------------------------
+
+# vLLM's --pooler-config keys that we read; the others it defines are refused by name.
+_POOLER_KEYS = ("pooling_type", "use_activation", "dimensions", "task")
+_ST_POOLING_MODES = (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
+                     ("pooling_mode_cls_token", "cls"))
+
+
+def resolve_runner(runner: str, convert: str, hf_config) -> str:
+    """``generate`` or ``pooling``: what ``--runner`` and ``--convert`` ask
+    of this checkpoint (auto: pooling for a base model saved without its LM
+    head, whose every architecture is ``...Model``)."""
+    if convert == "embed":
+        if runner == "generate":
+            raise ValueError("convert: embed serves embeddings, which --runner generate does not")
+        return "pooling"
+    if runner != "auto":
+        return runner
+    archs = getattr(hf_config, "architectures", None) or []
+    return "pooling" if archs and all(a.endswith("Model") for a in archs) else "generate"
+
+
+def model_pooling(model_dir: str | Path, pooler_config: str | None) -> PoolingParams:
+    """The served model's pooling: ``--pooler-config`` over the checkpoint's
+    sentence-transformers pooling (``modules.json``), over LAST, normalized
+    (a decoder model's embedding: vLLM's default too)."""
+    kind = _sentence_transformers_pooling(Path(model_dir)) or "last"
+    normalize, dimensions = True, None
+    if pooler_config:
+        try:
+            given = json.loads(pooler_config)
+        except ValueError:
+            raise ValueError(f"pooler_config: not a JSON object: {pooler_config!r}") from None
+        if not isinstance(given, dict):
+            raise ValueError(f"pooler_config: not a JSON object: {pooler_config!r}")
+        if "normalize" in given:
+            raise ValueError("pooler_config: normalize is vLLM's removed key; use use_activation")
+        unknown = sorted(set(given) - set(_POOLER_KEYS))
+        if unknown:
+            raise ValueError(f"pooler_config: {unknown[0]} is not supported (supported: {', '.join(_POOLER_KEYS)})")
+        if given.get("task", "embed") != "embed":
+            raise ValueError(f"pooler_config: task {given['task']!r} is not served (embed only)")
+        if given.get("pooling_type") is not None:
+            kind = str(given["pooling_type"]).lower()
+            if kind not in POOLING_TYPES:
+                raise ValueError(f"pooler_config: pooling_type {given['pooling_type']!r} is not served "
+                                 f"(LAST, MEAN or CLS)")
+        if given.get("use_activation") is not None:
+            normalize = bool(given["use_activation"])
+        dimensions = given.get("dimensions")
+    return PoolingParams(kind, normalize, dimensions)
+
+
+def _sentence_transformers_pooling(model_dir: Path) -> str | None:
+    """The pooling a sentence-transformers checkpoint declares, if one."""
+    try:
+        modules = json.loads((model_dir / "modules.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for module in modules if isinstance(modules, list) else []:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith("models.Pooling"):
+            try:
+                config = json.loads((model_dir / module.get("path", "") / "config.json").read_text())
+            except (OSError, ValueError):
+                return None
+            for key, kind in _ST_POOLING_MODES:
+                if config.get(key):
+                    return kind
+            modes = sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v)
+            raise ValueError(f"{model_dir}: sentence-transformers pooling {modes} is not served (last, mean or cls)")
+    return None
+
+
+def check_dimensions(dimensions: int | None, hf_config, hidden_size: int) -> None:
+    """A request's ``dimensions``: only where the model was trained to be cut
+    (Matryoshka), as vLLM answers; ValueError naming the field otherwise."""
+    if dimensions is None:
+        return
+    allowed = getattr(hf_config, "matryoshka_dimensions", None)
+    if not allowed and not getattr(hf_config, "is_matryoshka", False):
+        raise ValueError("dimensions: the model does not support Matryoshka representation; changing the output "
+                         "dimensions would give poor embeddings")
+    if allowed and dimensions not in allowed:
+        raise ValueError(f"dimensions: the model supports only {sorted(allowed)}, got {dimensions}")
+    if dimensions > hidden_size:
+        raise ValueError(f"dimensions: at most the model's {hidden_size}, got {dimensions}")
