@@ -61,10 +61,10 @@ _VALUELESS = {"--fully-sharded-loras"}
 # '--online-slowdown-cap 0' '--online-slowdown-cap 1.5' sets it beside no cap
 # and a looser one). Offline work (Batch API lines, a request's priority
 # above 0) is cut only beside online work: offline-only steps ran as fast
-# with it as without (16 embeddings of 1,024 tokens: 24.1-24.2 s against
-# 23.8-24.6 s), and with embedding queries arriving beside a background
-# bulk job their median latency went from 4.6 s to 58 ms
-# (benchmarks/embeddings_vs_vllm.py).
+# with it as without (16 embeddings of 1,024 tokens: 24.9-25.4 s against
+# 25.2-25.4 s; benchmarks/slowdown_cap_offline.py), and with embedding
+# queries arriving beside a background bulk job their median latency went
+# from 4.6 s to 55 ms (benchmarks/embeddings_vs_vllm.py).
 COSERVING_SLOWDOWN_CAP = 1.2
 # With --data-dir on a CPU and no --preemption-safepoint-layers: half-layer
 # safepoints (see _safepoint_layers for the figures).
