@@ -48,12 +48,7 @@ class LLM:
         failed raise GenerationFailedError once all have ended (the engine
         serves on). ``lora_request`` (vLLM's; with ``enable_lora``): the
         adapter of every prompt, or one per prompt, loaded on first use."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError("sampling_params: one per prompt, or a single one for all")
+        prompts, params_list = _per_prompt(prompts, sampling_params or SamplingParams(), "sampling_params")
         if lora_request is not None:
             params_list = self._with_adapters(params_list, lora_request)
         with frozen_heap():  # no step pays for a full collection of torch's objects
@@ -69,12 +64,7 @@ class LLM:
         """Embed every prompt (an engine of ``runner="pooling"``): each
         output's ``embedding``, in prompt order. ``pooling_params``: the
         model's pooling where None, or fields of it overridden."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        pooling = pooling_params or PoolingParams()
-        pooling_list = pooling if isinstance(pooling, list) else [pooling] * len(prompts)
-        if len(pooling_list) != len(prompts):
-            raise ValueError("pooling_params: one per prompt, or a single one for all")
+        prompts, pooling_list = _per_prompt(prompts, pooling_params or PoolingParams(), "pooling_params")
         return self.generate(prompts, [SamplingParams(pooling=p) for p in pooling_list], use_tqdm, lora_request)
 
     def _with_adapters(self, params_list: list[SamplingParams],
@@ -114,6 +104,17 @@ class LLM:
             raise GenerationFailedError(f"{len(failed)} of {len(outputs)} requests failed, the first with "
                                         f"{failed[0].error}", outputs)
         return outputs
+
+
+def _per_prompt(prompts, given, name: str) -> tuple[list, list]:
+    """The prompts as a list (one prompt, a string or token ids, alone),
+    and ``given`` (one for all, or a list of one per prompt) as one per prompt."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    each = given if isinstance(given, list) else [given] * len(prompts)
+    if len(each) != len(prompts):
+        raise ValueError(f"{name}: one per prompt, or a single one for all")
+    return prompts, each
 
 
 def _progress(total: int):

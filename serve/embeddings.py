@@ -20,7 +20,7 @@ from pydantic import Field, StrictStr, model_validator
 
 from fluidserve.engine.outputs import RequestOutput
 from fluidserve.serve.inputs import EngineInputs, check_model
-from fluidserve.serve.protocol import INT64_MAX, INT64_MIN, TokenIds, _off, _Request, _Wire
+from fluidserve.serve.protocol import INT64_MAX, INT64_MIN, TokenIds, _off, _Request, _Wire, prompt_list
 
 # vLLM's embedding fields we do not implement -> which values mean "off".
 _REFUSED: dict[str, Callable[[Any], bool]] = {
@@ -61,12 +61,7 @@ class EmbeddingRequest(_Request):
 
     def inputs(self) -> list[str | list[int]]:
         """The input as a list of prompts, each a string or token ids."""
-        given = self.input
-        if isinstance(given, str):
-            return [given]
-        if all(isinstance(x, int) for x in given):
-            return [list(given)]
-        return list(given)
+        return prompt_list(self.input)
 
 
 class EmbeddingData(_Wire):

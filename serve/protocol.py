@@ -415,12 +415,17 @@ class CompletionRequest(_SamplingFields):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts, each a string or token ids."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+        return prompt_list(self.prompt)
+
+
+def prompt_list(given: str | list) -> list[str | list[int]]:
+    """A string, a list of strings, token ids or a list of those (OpenAI's
+    ``prompt`` and ``input``) as a list of prompts, each a string or ids."""
+    if isinstance(given, str):
+        return [given]
+    if all(isinstance(x, int) for x in given):
+        return [list(given)]
+    return list(given)
 
 
 class TextPart(_Wire):
