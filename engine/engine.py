@@ -149,7 +149,7 @@ class LLMEngine:
         self.runner = resolve_runner(config.runner, config.convert, self.hf_config)
         self.pooling = model_pooling(self.model_dir, config.pooler_config) if self.runner == "pooling" else None
         if self.pooling is not None:
-            check_dimensions(self.pooling.dimensions, self.hf_config, self.hf_config.hidden_size)
+            check_dimensions(self.pooling.dimensions, self.hf_config)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
         byte_table(self.tokenizer, skip_special_tokens=True)  # the default's, now: 0.5 s at 128k tokens
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -251,7 +251,7 @@ class LLMEngine:
         if self.pooling is not None:
             pooling = params.pooling.over(self.pooling)
             if params.pooling.dimensions is not None:
-                check_dimensions(pooling.dimensions, self.hf_config, self.hf_config.hidden_size)
+                check_dimensions(pooling.dimensions, self.hf_config)
             params = dataclasses.replace(params, pooling=pooling)
         text, token_ids = self._tokenize(prompt)
         # An embedding request is scheduled as a prompt and one sampling row it never samples.
@@ -616,7 +616,7 @@ class LLMEngine:
                 if req.prompt_logprobs is not None:
                     self._score_prompt(req, start, end, num_tokens, scored, inp)
                 if req.params.pooling is not None:
-                    self._pool_rows(req, start, end, num_tokens, item.samples, inp)
+                    self._pool_rows(req, start, end, num_tokens, inp)
                     sample = False  # its "sampling" row completes the embedding instead
                 inp.input_ids += seq.tokens(start, end)
                 inp.positions += range(start, end)
@@ -661,10 +661,13 @@ class LLMEngine:
         scored[req.request_id] = hi + 1
 
     @staticmethod
-    def _pool_rows(req: Request, start: int, end: int, first_index: int, final: bool, inp: ModelInput) -> None:
+    def _pool_rows(req: Request, start: int, end: int, first_index: int, inp: ModelInput) -> None:
         """The rows of chunk [start, end) of an embedding request that its
-        vector takes (engine/pooling.py); ``final``: the chunk ends its prompt."""
-        lo, hi = pool_range(req.params.pooling, start, end, len(req.prompt_token_ids), req.pool_count)
+        vector takes (engine/pooling.py); the chunk that ends the prompt
+        completes the vector."""
+        prompt_len = len(req.prompt_token_ids)
+        lo, hi = pool_range(req.params.pooling, start, end, prompt_len, req.pool_count)
+        final = end == prompt_len
         if hi > lo or final:
             inp.pooling.append(PoolSpec(req.request_id, first_index + lo - start, hi - lo, final))
 

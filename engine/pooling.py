@@ -150,7 +150,7 @@ def _sentence_transformers_pooling(model_dir: Path) -> str | None:
     return None
 
 
-def check_dimensions(dimensions: int | None, hf_config, hidden_size: int) -> None:
+def check_dimensions(dimensions: int | None, hf_config) -> None:
     """A request's ``dimensions``: only where the model was trained to be cut
     (Matryoshka), as vLLM answers; ValueError naming the field otherwise."""
     if dimensions is None:
@@ -161,5 +161,5 @@ def check_dimensions(dimensions: int | None, hf_config, hidden_size: int) -> Non
                          "dimensions would give poor embeddings")
     if allowed and dimensions not in allowed:
         raise ValueError(f"dimensions: the model supports only {sorted(allowed)}, got {dimensions}")
-    if dimensions > hidden_size:
-        raise ValueError(f"dimensions: at most the model's {hidden_size}, got {dimensions}")
+    if dimensions > hf_config.hidden_size:
+        raise ValueError(f"dimensions: at most the model's {hf_config.hidden_size}, got {dimensions}")

@@ -155,9 +155,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     if generates:
         app.add_api_route("/v1/chat/completions/batch", batch_chat_route(server), methods=["POST"],
                           dependencies=auth)
-    routes = {**(({**responses_routes(server), **messages_routes(server)}) if generates
-                 else embeddings_routes(server)),
-              **(lora_routes(server) if settings.runtime_lora_updating else {})}
+    routes = {**responses_routes(server), **messages_routes(server)} if generates else embeddings_routes(server)
+    if settings.runtime_lora_updating:
+        routes |= lora_routes(server)
     for route, handler in routes.items():
         method, path = route.split(" ", 1)
         app.add_api_route(path, handler, methods=[method], dependencies=auth)

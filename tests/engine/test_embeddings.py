@@ -83,9 +83,9 @@ def test_a_recomputed_chunk_pools_only_positions_not_yet_pooled():
     req = Request("r", None, PROMPT_IDS, SamplingParams(pooling=PoolingParams("mean")), RequestClass.ONLINE, 0.0, 1)
     req.pool_count = 10
     inp = ModelInput()
-    LLMEngine._pool_rows(req, 0, 16, 5, False, inp)  # recompute chunk [0, 16) at flat index 5
-    LLMEngine._pool_rows(req, 0, 8, 0, False, inp)  # a chunk wholly pooled before: no rows
-    LLMEngine._pool_rows(req, 16, 40, 2, True, inp)
+    LLMEngine._pool_rows(req, 0, 16, 5, inp)  # recompute chunk [0, 16) at flat index 5
+    LLMEngine._pool_rows(req, 0, 8, 0, inp)  # a chunk wholly pooled before: no rows
+    LLMEngine._pool_rows(req, 16, 40, 2, inp)  # the prompt's last chunk
     assert [(s.first_index, s.count, s.final) for s in inp.pooling] == [(15, 6, False), (2, 24, True)]
 
 
