@@ -25,6 +25,14 @@ Writes ``benchmarks/results/smollm2_greedy.{json,md}``::
     python benchmarks/smollm2.py check /path/to/SmolLM2-135M-Instruct
 
 The model also serves ``benchmarks/vs_vllm.py online --model DIR``.
+
+``classifier DIR OUT`` writes it as a one-label sequence classifier
+(``LlamaForSequenceClassification``, the base model's weights and a
+seeded random ``score`` head): a cross-encoder of the real model's shape
+and tokenizer for ``benchmarks/rerank_vs_vllm.py``, whose scores mean
+nothing but are the same on every server::
+
+    python benchmarks/smollm2.py classifier /path/to/SmolLM2-135M-Instruct /path/to/smollm2-reranker
 """
 
 from __future__ import annotations
@@ -187,16 +195,34 @@ def to_markdown(record: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def classifier(src: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification.from_pretrained(str(src), num_labels=1, dtype=torch.float32)
+    model.config.pad_token_id = model.config.eos_token_id
+    model.save_pretrained(str(out), safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(out))
+    print(f"wrote {out}: {type(model).__name__}, {model.config.num_labels} label")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("prepare", help="write the model as safetensors").add_argument("dir", type=Path)
+    k = sub.add_parser("classifier", help="write it as a one-label classifier with a random head")
+    k.add_argument("dir", type=Path)
+    k.add_argument("out", type=Path)
     c = sub.add_parser("check", help="greedy chat replies through the server against transformers")
     c.add_argument("dir", type=Path)
     c.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args.dir)
+        return 0
+    if args.cmd == "classifier":
+        classifier(args.dir, args.out)
         return 0
     record = check(args.dir, args.max_tokens)
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -122,9 +122,11 @@ class EngineConfig(ConfigTree):
                "mixed steps), every stretch between two attention calls as a CUDA graph, attention eager "
                "between them (Llama family, with decode graphs)")
     runner: str = setting(
-        "auto", "generate: completions, chat and the rest; pooling: embeddings (/v1/embeddings) of the final "
-                "hidden states, and nothing generated; auto: pooling for a checkpoint of the base model alone "
-                "(LlamaModel, Qwen3Model, ...), else generate", choices=("auto", "generate", "pooling"))
+        "auto", "generate: completions, chat and the rest; pooling: embeddings (/v1/embeddings, /score, "
+                "/rerank) of the final hidden states, and nothing generated (a sequence classifier: /classify "
+                "in place of /v1/embeddings); auto: pooling for a checkpoint of the base model alone "
+                "(LlamaModel, Qwen3Model, ...) or a classifier (...ForSequenceClassification), else generate",
+        choices=("auto", "generate", "pooling"))
     convert: str = setting("auto", "embed: serve a generative checkpoint as an embedding model (--runner pooling)",
                            choices=("auto", "none", "embed"))
     pooler_config: str | None = setting(

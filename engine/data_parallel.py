@@ -84,6 +84,7 @@ class ModelFacts:
     backlog_cost: Any  # scheduler.router.BacklogCost of the replica's cost model
     kv_blocks: int  # device + host KV blocks of one replica
     pooling: Any = None  # an embedding model's pooling (engine/pooling.py); None: it generates
+    classifier: Any = None  # a sequence classifier's head (engine/pooling.py)
 
 
 @dataclass
@@ -163,7 +164,7 @@ def _replica_class():
             e = self.engine
             return ModelFacts(e.model_name, e.max_model_len, e.vocab_size, e.is_tiny_default, str(e.model_dir),
                               e.tokenizer, e.config, BacklogCost.from_cost_model(e.cost_model),
-                              e.kv.num_blocks + e.kv.num_host_blocks, e.pooling)
+                              e.kv.num_blocks + e.kv.num_host_blocks, e.pooling, e.classifier)
 
         async def add(self, request_id: str, prompt: list[int], params: SamplingParams, klass: str,
                       waited_s: float, final_only: bool = False) -> None:

@@ -36,7 +36,14 @@ from fluidserve.engine.loader import (eos_token_ids, is_tiny_model, load_hf_conf
                                       model_context_length, resolve_model_dir)
 from fluidserve.engine.output_processor import OutputProcessor
 from fluidserve.engine.outputs import RequestOutput
-from fluidserve.engine.pooling import check_dimensions, model_pooling, pool_range, resolve_runner
+from fluidserve.engine.pooling import (
+    check_dimensions,
+    is_classifier,
+    load_classifier,
+    model_pooling,
+    pool_range,
+    resolve_runner,
+)
 from fluidserve.engine.preemption import PreemptionPolicy, safepoint_shares
 from fluidserve.engine.request import Request, Sequence
 from fluidserve.engine.sampler import device_only
@@ -147,7 +154,11 @@ class LLMEngine:
         self.hf_config = load_hf_config(self.model_dir)
         # What it serves: generation, or embeddings (engine/pooling.py) and their defaults.
         self.runner = resolve_runner(config.runner, config.convert, self.hf_config)
-        self.pooling = model_pooling(self.model_dir, config.pooler_config) if self.runner == "pooling" else None
+        # A sequence classifier pools as an embedding model does, then its head classifies the vector.
+        self.classifier = load_classifier(self.model_dir, self.hf_config) if is_classifier(self.hf_config) else None
+        task = "embed" if self.classifier is None else "classify"
+        self.pooling = (model_pooling(self.model_dir, config.pooler_config, task) if self.runner == "pooling"
+                        else None)
         if self.pooling is not None:
             check_dimensions(self.pooling.dimensions, self.hf_config)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
@@ -188,6 +199,7 @@ class LLMEngine:
         self.stats_ = EngineStats()
         self.output_processor = OutputProcessor(self.requests, self.seqs, self.eos_token_ids, self.stats_,
                                                 self.kv.block_size, self._block_filled, self._grammar_finished)
+        self.output_processor.classifier = self.classifier
         self._lost_tokens = 0  # of abandoned steps whose state the worker did not keep
         self.preemption = PreemptionPolicy(self.executor.interrupt)
         wanted = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
@@ -251,6 +263,8 @@ class LLMEngine:
         if self.pooling is not None:
             pooling = params.pooling.over(self.pooling)
             if params.pooling.dimensions is not None:
+                if self.classifier is not None:
+                    raise ValueError("dimensions: cut an embedding; a classifier's output has one value per label")
                 check_dimensions(pooling.dimensions, self.hf_config)
             params = dataclasses.replace(params, pooling=pooling)
         text, token_ids = self._tokenize(prompt)

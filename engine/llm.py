@@ -8,7 +8,14 @@ from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.engine import LLMEngine, next_request_id
 from fluidserve.engine.heap import frozen_heap
 from fluidserve.engine.lora import LoRARequest
-from fluidserve.engine.outputs import RequestOutput
+from fluidserve.engine.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from fluidserve.engine.pooling import cosine, pair_ids, score_pairs
 from fluidserve.engine.sampling_params import PoolingParams, SamplingParams
 
 
@@ -66,6 +73,48 @@ class LLM:
         model's pooling where None, or fields of it overridden."""
         prompts, pooling_list = _per_prompt(prompts, pooling_params or PoolingParams(), "pooling_params")
         return self.generate(prompts, [SamplingParams(pooling=p) for p in pooling_list], use_tqdm, lora_request)
+
+    def classify(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify`` on a sequence classifier: each prompt's
+        label probabilities (``out.outputs.probs``), in prompt order."""
+        if self.engine.classifier is None:
+            raise ValueError(f"model: {self.engine.model_name} is no sequence classifier")
+        outs = self.embed(prompts, use_tqdm=use_tqdm, lora_request=lora_request)
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.embedding), o.prompt_token_ids)
+                for o in outs]
+
+    def score(
+        self,
+        data_1: str | list[str] | list[int] | list[list[int]],
+        data_2: str | list[str] | list[int] | list[list[int]],
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score``, the sides paired 1:1, 1:N or N:N, in
+        ``data_2``'s order. On an embedding model the cosine of each pair's
+        vectors (each text embedded once); on a classifier of one label (a
+        cross-encoder) its output for each pair of texts, tokenized as a pair."""
+        one, _ = _per_prompt(data_1, None, "data_1")
+        two, _ = _per_prompt(data_2, None, "data_2")
+        pairs = score_pairs(len(one), len(two))
+        classifier = self.engine.classifier
+        if classifier is not None:
+            if len(classifier.labels) != 1 or not all(isinstance(t, str) for t in one + two):
+                raise ValueError("data_1: a classifier scores pairs of texts, and only with one label")
+            prompts = [pair_ids(self.tokenizer, one[i], two[j], classifier.use_sep_token) for i, j in pairs]
+            outs = self.embed(prompts, use_tqdm=use_tqdm, lora_request=lora_request)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(o.embedding[0]), o.prompt_token_ids)
+                    for o in outs]
+        outs = self.embed(one + two, use_tqdm=use_tqdm, lora_request=lora_request)
+        return [ScoringRequestOutput(f"{outs[i].request_id}_{outs[len(one) + j].request_id}",
+                                     ScoringOutput(cosine(outs[i].embedding, outs[len(one) + j].embedding)),
+                                     outs[i].prompt_token_ids + outs[len(one) + j].prompt_token_ids)
+                for i, j in pairs]
 
     def _with_adapters(self, params_list: list[SamplingParams],
                        lora_request: LoRARequest | list[LoRARequest | None]) -> list[SamplingParams]:  # fmt: skip

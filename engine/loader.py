@@ -166,6 +166,14 @@ def _checkpoint_tensors(model_dir: Path):
         yield from state.items()
 
 
+def checkpoint_tensor(model_dir: Path, name: str) -> torch.Tensor:
+    """One tensor of the checkpoint, read whole (a classifier's head)."""
+    for key, source in _checkpoint_tensors(model_dir):
+        if key == name:
+            return _read(source, None)
+    raise ValueError(f"checkpoint in {model_dir} lacks weights: ['{name}']")
+
+
 def _shape(source) -> tuple[int, ...]:
     return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 from fluidserve.scheduler.request_state import RequestClass
 from fluidserve.engine.batch import StepResult
 from fluidserve.engine.outputs import RequestOutput, TokenLogprobs
-from fluidserve.engine.pooling import add_pooled, finish
+from fluidserve.engine.pooling import Classifier, add_pooled, finish
 from fluidserve.engine.request import Request, Sequence
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ class OutputProcessor:
         self.block_size = block_size
         self._block_filled = block_filled
         self._grammar_finished = grammar_finished
+        self.classifier: Classifier | None = None  # a sequence classifier's head (engine/pooling.py)
 
     def process(self, result: StepResult, step_start: float) -> tuple[list[RequestOutput], list[str]]:
         """Append each sampled token to its sequence; the outputs of the
@@ -127,7 +128,7 @@ class OutputProcessor:
                 continue
             seq = req.seqs[0]
             try:
-                embedding = finish(req.params.pooling, req.pool_sum, req.pool_count)
+                embedding = finish(req.params.pooling, req.pool_sum, req.pool_count, self.classifier)
             except ValueError as exc:
                 outputs.append(self.fail(req, str(exc), step_start))
             else:

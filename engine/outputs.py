@@ -60,9 +60,38 @@ class RequestOutput:
     # Prompt tokens whose KV came from the prefix cache (usage's
     # prompt_tokens_details.cached_tokens); None where the engine does not say.
     num_cached_tokens: int | None = None
-    # An embedding request's vector (SamplingParams.pooling), on its finished output.
+    # An embedding request's vector (SamplingParams.pooling), on its finished
+    # output; a sequence classifier's label probabilities.
     embedding: list[float] | None = None
 
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # the cosine of the pair's two vectors
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair of ``LLM.score`` (vLLM's shape: ``out.outputs.score``)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the two texts' tokens, one after the other
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per label (logits with use_activation false)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """One prompt of ``LLM.classify`` (vLLM's shape: ``out.outputs.probs``)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]

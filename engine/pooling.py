@@ -13,6 +13,9 @@ position once; ``cls``, position 0 once; ``mean``, every position once,
 however often a recompute after preemption runs it again. ``mean`` and
 ``cls`` read no prefix cache: a position the cache supplied is never
 computed (``PoolingParams.reads_cache``).
+
+A score (``/score``, ``/rerank``, ``LLM.score``) is the cosine of two such
+vectors (``cosine``), the texts paired as ``score_pairs`` says.
 """
 
 from __future__ import annotations
@@ -62,12 +65,16 @@ def add_pooled(total: list[float] | None, part: list[float] | None) -> list[floa
     return [a + b for a, b in zip(total, part)]
 
 
-def finish(params: PoolingParams, total: list[float] | None, count: int) -> list[float]:
+def finish(params: PoolingParams, total: list[float] | None, count: int,
+           classifier: Classifier | None = None) -> list[float]:
     """The request's embedding from its summed rows: the mean for ``mean``,
-    the first ``dimensions`` kept, then scaled to unit length if asked."""
+    the first ``dimensions`` kept, then scaled to unit length if asked. On a
+    classifier, its class probabilities instead (``Classifier.classify``)."""
     if total is None or count == 0:
         raise ValueError("embedding: no prompt position was pooled")
     vec = [x / count for x in total] if params.pooling_type == "mean" else total
+    if classifier is not None:
+        return classifier.classify(vec, bool(params.normalize))
     if params.dimensions is not None:
         vec = vec[:params.dimensions]
     if params.normalize:
@@ -76,6 +83,37 @@ def finish(params: PoolingParams, total: list[float] | None, count: int) -> list
         vec = [x / max(norm, 1e-12) for x in vec]
     return vec
 
+
+
+# -- scores from vectors (vLLM's bi-encoder scoring) --------------------------------
+
+
+def score_pairs(num_1: int, num_2: int) -> list[tuple[int, int]]:
+    """Which vectors of two sides are scored against each other, in reply
+    order: 1:1, 1:N (the one text of side 1 against each of side 2) or N:N
+    (pairwise). Anything else is a ``ValueError``."""
+    if num_1 == 0 or num_2 == 0:
+        raise ValueError("each side must hold at least one text")
+    if num_1 > 1 and num_1 != num_2:
+        raise ValueError(f"the two sides must be 1:1, 1:N or N:N, got {num_1}:{num_2}")
+    return [(0 if num_1 == 1 else i, i) for i in range(num_2)]
+
+
+def pair_ids(tokenizer, first: str, second: str, use_sep_token: bool) -> list[int]:
+    """A cross-encoder's prompt of two texts, as vLLM builds it: tokenized
+    as a pair (the tokenizer's own separators), or (``use_sep_token`` false
+    in the config: an LLM as reranker) the texts joined."""
+    if use_sep_token:
+        return list(tokenizer(text=first, text_pair=second, add_special_tokens=True)["input_ids"])
+    return list(tokenizer(text=first + second, add_special_tokens=True)["input_ids"])
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    """Cosine similarity, with torch's floor on each norm (a zero vector
+    scores 0): the pair's score whether or not the vectors are normalized."""
+    norm_a = math.sqrt(math.fsum(x * x for x in a))
+    norm_b = math.sqrt(math.fsum(x * x for x in b))
+    return math.fsum(x * y for x, y in zip(a, b)) / (max(norm_a, 1e-8) * max(norm_b, 1e-8))
 
 # -- what the served model pools ---------------------------------------------------
 
@@ -88,7 +126,12 @@ _ST_POOLING_MODES = (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tok
 def resolve_runner(runner: str, convert: str, hf_config) -> str:
     """``generate`` or ``pooling``: what ``--runner`` and ``--convert`` ask
     of this checkpoint (auto: pooling for a base model saved without its LM
-    head, whose every architecture is ``...Model``)."""
+    head, whose every architecture is ``...Model``, and for a classifier)."""
+    if is_classifier(hf_config):
+        if runner == "generate" or convert == "embed":
+            raise ValueError(f"runner: {hf_config.architectures[0]} is a classifier (no LM head): it serves "
+                             "/classify, /score and /rerank with --runner pooling")
+        return "pooling"
     if convert == "embed":
         if runner == "generate":
             raise ValueError("convert: embed serves embeddings, which --runner generate does not")
@@ -99,7 +142,15 @@ def resolve_runner(runner: str, convert: str, hf_config) -> str:
     return "pooling" if archs and all(a.endswith("Model") for a in archs) else "generate"
 
 
-def model_pooling(model_dir: str | Path, pooler_config: str | None) -> PoolingParams:
+def is_classifier(hf_config) -> bool:
+    """A sequence classifier (``...ForSequenceClassification``): the base
+    model with a ``score`` head over the last token, as a reward model or a
+    decoder reranker is saved."""
+    archs = getattr(hf_config, "architectures", None) or []
+    return bool(archs) and all(a.endswith("ForSequenceClassification") for a in archs)
+
+
+def model_pooling(model_dir: str | Path, pooler_config: str | None, task: str = "embed") -> PoolingParams:
     """The served model's pooling: ``--pooler-config`` over the checkpoint's
     sentence-transformers pooling (``modules.json``), over LAST, normalized
     (a decoder model's embedding: vLLM's default too)."""
@@ -117,8 +168,8 @@ def model_pooling(model_dir: str | Path, pooler_config: str | None) -> PoolingPa
         unknown = sorted(set(given) - set(_POOLER_KEYS))
         if unknown:
             raise ValueError(f"pooler_config: {unknown[0]} is not supported (supported: {', '.join(_POOLER_KEYS)})")
-        if given.get("task", "embed") != "embed":
-            raise ValueError(f"pooler_config: task {given['task']!r} is not served (embed only)")
+        if given.get("task", task) != task:
+            raise ValueError(f"pooler_config: task {given['task']!r} is not this model's ({task})")
         if given.get("pooling_type") is not None:
             kind = str(given["pooling_type"]).lower()
             if kind not in POOLING_TYPES:
@@ -127,6 +178,8 @@ def model_pooling(model_dir: str | Path, pooler_config: str | None) -> PoolingPa
         if given.get("use_activation") is not None:
             normalize = bool(given["use_activation"])
         dimensions = given.get("dimensions")
+        if dimensions is not None and task != "embed":
+            raise ValueError("pooler_config: dimensions cut an embedding; a classifier has none")
     return PoolingParams(kind, normalize, dimensions)
 
 
@@ -148,6 +201,59 @@ def _sentence_transformers_pooling(model_dir: Path) -> str | None:
             modes = sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v)
             raise ValueError(f"{model_dir}: sentence-transformers pooling {modes} is not served (last, mean or cls)")
     return None
+
+
+# vLLM's reading of a classifier's activation: the problem type, else the
+# cross-encoder's sentence-transformers function, else by the label count.
+_ACTIVATIONS = {"regression": "identity", "single_label_classification": "softmax",
+                "multi_label_classification": "sigmoid"}
+_ST_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity",
+                   "torch.nn.modules.activation.Softmax": "softmax"}
+
+
+class Classifier:
+    """A sequence classifier's head, on the engine: ``score.weight``
+    (``[num_labels, hidden]``, float32, read from the checkpoint once) over
+    the pooled hidden state, then the model's activation. The head is tiny
+    beside the model, so it runs where the vector is finished rather than
+    on every rank."""
+
+    def __init__(self, weight, activation: str, labels: tuple[str, ...], use_sep_token: bool) -> None:
+        self.weight = weight  # numpy float32 [num_labels, hidden]
+        self.activation = activation  # softmax | sigmoid | identity
+        self.labels = labels  # id2label, in label order
+        self.use_sep_token = use_sep_token  # a pair is tokenized as a pair (else the two texts joined)
+
+    def classify(self, vec: list[float], use_activation: bool) -> list[float]:
+        import numpy as np
+
+        logits = self.weight @ np.asarray(vec, dtype=np.float32)
+        if use_activation and self.activation == "softmax" and len(logits) > 1:
+            e = np.exp(logits - logits.max())
+            logits = e / e.sum()
+        elif use_activation and self.activation != "identity":
+            logits = 1.0 / (1.0 + np.exp(-logits))
+        return [float(x) for x in logits]
+
+
+def load_classifier(model_dir: str | Path, hf_config) -> Classifier:
+    """The head and activation of the classifier saved in ``model_dir``."""
+    import numpy as np
+
+    from fluidserve.engine.loader import checkpoint_tensor
+
+    weight = checkpoint_tensor(Path(model_dir), "score.weight").float().numpy().astype(np.float32)
+    num_labels = weight.shape[0]
+    activation = _ACTIVATIONS.get(getattr(hf_config, "problem_type", None) or "")
+    if activation is None:
+        st = getattr(hf_config, "sentence_transformers", None) or {}
+        name = st.get("activation_fn") or getattr(hf_config, "sbert_ce_default_activation_function", None)
+        if name is not None and name not in _ST_ACTIVATIONS:
+            raise ValueError(f"model: the activation {name!r} is not served (Sigmoid, Softmax or Identity)")
+        activation = _ST_ACTIVATIONS.get(name) if name else ("sigmoid" if num_labels < 2 else "softmax")
+    given = getattr(hf_config, "id2label", None) or {}
+    labels = tuple(str(given.get(i, given.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
+    return Classifier(weight, activation, labels, bool(getattr(hf_config, "use_sep_token", True)))
 
 
 def check_dimensions(dimensions: int | None, hf_config) -> None:

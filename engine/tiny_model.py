@@ -116,7 +116,26 @@ def build_tiny_model(
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _save(transformers.AutoModelForCausalLM.from_config(config, dtype=dtype), path, arch, seed)
+    return path
+
+
+def build_tiny_classifier(path: str | Path, arch: str = "llama", labels: tuple[str, ...] = ("no", "yes"),
+                          seed: int = 0, **overrides) -> Path:
+    """A sequence classifier (``...ForSequenceClassification``) of the tiny
+    model, one output per label, saved as ``build_tiny_model`` saves."""
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(arch, num_labels=len(labels), id2label=dict(enumerate(labels)),
+                         label2id={name: i for i, name in enumerate(labels)}, **overrides)
+    torch.manual_seed(seed)
+    _save(transformers.AutoModelForSequenceClassification.from_config(config), path, arch, seed)
+    return path
+
+
+def _save(model, path: Path, arch: str, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
@@ -128,7 +147,6 @@ def build_tiny_model(
     model.save_pretrained(str(path), safe_serialization=True)
     save_byte_tokenizer(path)
     (path / "fluidserve_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed}))
-    return path
 
 
 def default_tiny_model_dir() -> Path:

@@ -86,13 +86,13 @@ class Worker:
         self.hf_config = hf_config
         self.dtype = resolve_dtype(hf_config, config.dtype, self.device)
         torch.manual_seed(config.seed)
+        self.pools = resolve_runner(config.runner, config.convert, hf_config) == "pooling"  # embeddings
         self.model = build_model(hf_config, self.dtype, self.device, self.tp)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
             # An embedding model's checkpoint may be the base model alone: no LM head, no "model." prefix.
-            load_weights(self.model, model_dir,
-                         base_only=resolve_runner(config.runner, config.convert, hf_config) == "pooling")
+            load_weights(self.model, model_dir, base_only=self.pools)
         # Adapter slots on every linear (--enable-lora): adapters arrive with the steps (ModelInput.lora_loads).
         self.lora = (LoRASlots(self.model, config.lora.lora_slots, config.max_lora_rank) if config.enable_lora
                      else None)  # fmt: skip
@@ -201,7 +201,8 @@ class Worker:
             result = self.execute(inp)
             if result.failed or result.failed_rows:  # served on in a step, it must stop the start
                 raise RuntimeError(f"the warm-up step failed: {result.failed or result.failed_rows}")
-        if self._graph_mode is not None:
+        # An embedding model's requests end with their prompts: it never runs a decode step.
+        if self._graph_mode is not None and not self.pools:
             self.graphs = self.decode_graphs(capture=self._graph_mode == "capture")
         if self.config.piecewise_graphs:
             if self._graph_mode is not None and supports_piecewise(self.model):

@@ -45,7 +45,9 @@ from fluidserve.serve.protocol import (
     add_request_schemas,
 )
 from fluidserve.serve.lora import lora_routes
+from fluidserve.serve.classify import classify, classify_routes
 from fluidserve.serve.embeddings import embeddings, embeddings_routes
+from fluidserve.serve.scores import scoring_routes
 from fluidserve.serve.messages import messages_routes
 from fluidserve.serve.reasoning import ReasoningParser
 from fluidserve.serve.render import (ChatStreamer, CompletionStreamer, chat_choices, completion_choices, make_usage,
@@ -136,7 +138,8 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     app.add_exception_handler(ClientDisconnect, _client_gone)  # left while sending the body
     auth = [Depends(server.authenticate)]
 
-    # An embedding model serves /v1/embeddings and no generation route (vLLM's --runner pooling too).
+    # An embedding model serves /v1/embeddings, /score and /rerank and no generation route (vLLM's
+    # --runner pooling too).
     generates = not model.pooling
     if generates:
         app.add_api_route("/v1/completions", server.completions, methods=["POST"], dependencies=auth)
@@ -155,7 +158,11 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     if generates:
         app.add_api_route("/v1/chat/completions/batch", batch_chat_route(server), methods=["POST"],
                           dependencies=auth)
-    routes = {**responses_routes(server), **messages_routes(server)} if generates else embeddings_routes(server)
+    if generates:
+        routes = {**responses_routes(server), **messages_routes(server)}
+    else:  # a classifier classifies where an embedding model embeds
+        pooled = classify_routes(server) if model.labels else embeddings_routes(server)
+        routes = {**pooled, **scoring_routes(server)}
     if settings.runtime_lora_updating:
         routes |= lora_routes(server)
     for route, handler in routes.items():
@@ -513,7 +520,8 @@ class _Server:
         body; on an embedding model, an embeddings body."""
         body = await self._read_body(request)
         if self.model.pooling:
-            return await embeddings(self, _replayed(request, body))
+            handler = classify if self.model.labels else embeddings
+            return await handler(self, _replayed(request, body))
         try:
             data = json.loads(body)
         except (ValueError, RecursionError):

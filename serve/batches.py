@@ -40,10 +40,17 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from fluidserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from fluidserve.engine.outputs import RequestOutput
 from fluidserve.serve.embeddings import EmbeddingRequest, embedding_body
+from fluidserve.serve.scores import RerankRequest, ScoreRequest, scoring_body, scoring_inputs
 from fluidserve.serve.errors import APIError, bad_request, error_body, int_param, order_param, query_params
 from fluidserve.serve.inputs import check_model
 from fluidserve.serve import responses
-from fluidserve.serve.protocol import BATCH_ENDPOINTS, BatchCreateRequest, ChatCompletionRequest, CompletionRequest
+from fluidserve.serve.protocol import (
+    BATCH_ENDPOINTS,
+    POOLING_ENDPOINTS,
+    BatchCreateRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from fluidserve.serve.store import (COPY_CHUNK, BatchLine, BatchRecord, FileRecord, LineResult, MissingContent, Store,
                                     StoreError, new_id)
 
@@ -183,7 +190,10 @@ class LineExecutor:
             if body.get("background"):  # a line runs in the batch, whose output file is its answer
                 raise bad_request("background: is not supported in a batch (every line runs in the background)",
                                   "background")
-            call = None
+            if endpoint not in s.model.batch_endpoints:
+                raise bad_request(f"url: {s.model.name} does not serve {endpoint} (it serves "
+                                  f"{', '.join(s.model.batch_endpoints)})", "url")
+            call, num_1 = None, 0
             if endpoint == "/v1/completions":
                 req: Any = validate_body(body, CompletionRequest, s.settings.ignore_unknown_fields)
                 check_model(req.model, s.model)
@@ -196,6 +206,11 @@ class LineExecutor:
                 req = validate_body(body, EmbeddingRequest, s.settings.ignore_unknown_fields)
                 check_model(req.model, s.model)
                 inputs = s.processor.embedding(req)
+            elif endpoint in ("/v1/score", "/v1/rerank"):
+                kind = ScoreRequest if endpoint == "/v1/score" else RerankRequest
+                req = validate_body(body, kind, s.settings.ignore_unknown_fields)
+                check_model(req.model, s.model)
+                inputs, num_1 = scoring_inputs(s, req)
             else:
                 req = validate_body(body, ChatCompletionRequest, s.settings.ignore_unknown_fields)
                 check_model(req.model, s.model)
@@ -213,8 +228,9 @@ class LineExecutor:
             if call is not None:
                 reply = await responses.finish(s, call, finals[0])
             else:
-                render = {"/v1/completions": s.completion_body, "/v1/embeddings": partial(embedding_body, s)
-                          }.get(endpoint, s.chat_body)
+                scored = partial(scoring_body, s, num_1)
+                render = {"/v1/completions": s.completion_body, "/v1/embeddings": partial(embedding_body, s),
+                          "/v1/score": scored, "/v1/rerank": scored}.get(endpoint, s.chat_body)
                 response = render(request_id, req, inputs, finals)
         except APIError as err:
             if err.code in ("engine_unavailable", "shutting_down"):
@@ -224,7 +240,7 @@ class LineExecutor:
             return LineOutcome(200, reply, reply["usage"]["input_tokens"], reply["usage"]["output_tokens"])
         usage = response.usage
         return LineOutcome(200, response.model_dump(mode="json"), usage.prompt_tokens if usage else 0,
-                           usage.completion_tokens if usage else 0)
+                           getattr(usage, "completion_tokens", 0))
 
     async def _collect(self, streams: list[RequestStream], waiting: list[int]) -> list[RequestOutput]:
         from fluidserve.serve.api import _as_api_error
@@ -562,10 +578,11 @@ class BatchAPI:
         if rec.purpose != "batch":
             raise bad_request(f"input_file_id: file {rec.id} has purpose '{rec.purpose}', not 'batch'",
                               "input_file_id")
-        if (req.endpoint == "/v1/embeddings") != self.server.model.pooling:
-            raise bad_request(f"endpoint: {self.server.model.name} serves "
-                              + ("embeddings: /v1/embeddings only" if self.server.model.pooling
-                                 else "generation: /v1/embeddings needs --runner pooling"), "endpoint")
+        served = self.server.model.batch_endpoints
+        if req.endpoint not in served:
+            raise bad_request(f"endpoint: {self.server.model.name} serves {', '.join(served)} in a batch"
+                              + (" (with --runner pooling)" if req.endpoint in POOLING_ENDPOINTS else ""),
+                              "endpoint")
         now = int(time.time())
         batch = BatchRecord(id=new_id("batch_"), input_file_id=req.input_file_id, endpoint=req.endpoint,
                             completion_window=req.completion_window, status="validating", created_at=now,

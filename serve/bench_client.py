@@ -22,6 +22,9 @@ with vLLM's ``priority`` 1, its figures apart from the online requests').
 
 Prompts without text (lengths only) go as token ids on /v1/completions, so
 input lengths are exact whatever the tokenizer; the chat endpoint gets text.
+``--endpoint /v1/embeddings`` loads an embedding model (vLLM's
+``openai-embeddings`` backend): each prompt one unstreamed request, output
+lengths unused, and the report's latency the end-to-end time (``e2el``).
 """
 
 from __future__ import annotations
@@ -163,7 +166,7 @@ def _chat_workload(args: argparse.Namespace, rng: random.Random) -> list[Request
     at ``--request-rate`` / (turns per conversation) so turns are offered at
     the given rate. A conversation ends before a turn whose prompt would pass
     ``--max-input-len`` (as a user starts afresh at the context limit)."""
-    if args.use_trace_arrivals or args.offline_prompts or _endpoint(args) == "chat":
+    if args.use_trace_arrivals or args.offline_prompts or _endpoint(args) != "completions":
         raise ValueError("--dataset chat sends token ids to /v1/completions: no --use-trace-arrivals, "
                          "--offline-prompts or chat endpoint")
     mix, scale = LMSYS_CHAT, args.length_scale
@@ -403,13 +406,17 @@ def _oversample(rows: list[Row], n: int, args: argparse.Namespace) -> list[Row]:
 
 
 def _endpoint(args: argparse.Namespace) -> str:
-    """``completions`` or ``chat``; vLLM's ``--endpoint`` paths are accepted."""
+    """``completions``, ``chat`` or ``embeddings``; vLLM's ``--endpoint`` paths are accepted."""
     e = args.endpoint.rstrip("/")
-    if e in ("chat", "/v1/chat/completions"):
-        return "chat"
-    if e in ("completions", "/v1/completions"):
-        return "completions"
-    raise ValueError(f"--endpoint {args.endpoint}: use /v1/completions or /v1/chat/completions")
+    for name in ("chat", "completions", "embeddings"):
+        if e in (name, f"/v1/{'chat/completions' if name == 'chat' else name}"):
+            return name
+    raise ValueError(f"--endpoint {args.endpoint}: use /v1/completions, /v1/chat/completions or /v1/embeddings")
+
+
+def _backend(args: argparse.Namespace) -> str:
+    """vLLM's name for the endpoint's backend (result keys and file names)."""
+    return {"chat": "openai-chat", "embeddings": "openai-embeddings"}.get(_endpoint(args), "openai")
 
 
 def _base_url(args: argparse.Namespace) -> str:
@@ -427,7 +434,14 @@ def _ignore_eos(args: argparse.Namespace) -> bool:
 def _payload(args: argparse.Namespace, model: str, spec: RequestSpec, rng: random.Random) -> tuple[str, dict]:
     if args.lora_modules:
         model = rng.choice(args.lora_modules)
-    body: dict[str, Any] = {
+    if _endpoint(args) == "embeddings":
+        prompt = spec.prompt
+        if prompt is None:
+            lo, hi = args.prompt_token_range
+            prompt = [rng.randrange(lo, hi) for _ in range(spec.prompt_len)]
+        body: dict[str, Any] = {"model": model, "input": prompt, **({"priority": 1} if spec.offline else {})}
+        return "/v1/embeddings", {**body, **(args.extra_body or {})}
+    body = {
         "model": model, "max_tokens": spec.output_len, "stream": True, "stream_options": {"include_usage": True},
     }
     if _ignore_eos(args):  # vLLM's field: sent only when on, so servers without it still take the request
@@ -456,6 +470,9 @@ def _payload(args: argparse.Namespace, model: str, spec: RequestSpec, rng: rando
 
 async def send_one(client: Any, url: str, body: dict, result: RequestResult, headers: dict) -> None:
     result.start = time.perf_counter()
+    if url == "/v1/embeddings":
+        await _send_unstreamed(client, url, body, result, headers)
+        return
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
@@ -470,6 +487,23 @@ async def send_one(client: Any, url: str, body: dict, result: RequestResult, hea
         return
     result.e2e = time.perf_counter() - result.start
     result.ok = not result.error and result.completion_tokens > 0
+
+
+async def _send_unstreamed(client: Any, url: str, body: dict, result: RequestResult, headers: dict) -> None:
+    """An embeddings request: one reply, its latency the whole request's
+    (which is also when its "first token", the vector, arrives)."""
+    try:
+        resp = await client.post(url, json=body, headers=headers)
+        if resp.status_code != 200:
+            result.error = f"HTTP {resp.status_code}: {resp.content[:200]!r}"
+            return
+        reply = resp.json()
+    except Exception as exc:  # noqa: BLE001 - a failed request is a data point
+        result.error = f"{type(exc).__name__}: {exc}"
+        return
+    result.e2e = result.ttft = time.perf_counter() - result.start
+    result.prompt_tokens = int((reply.get("usage") or {}).get("prompt_tokens") or 0)
+    result.ok = bool(reply.get("data"))
 
 
 def _on_event(data: str, result: RequestResult) -> None:
@@ -708,7 +742,8 @@ def our_figures(results: list[RequestResult], elapsed: float, args: argparse.Nam
         "tpot_ms": summarize([r.tpot for r in ok]),
         "itl_ms": summarize([x for r in ok for x in r.itls]),
         "e2e_ms": summarize([r.e2e for r in ok]),
-        "normalized_latency_ms_per_token": summarize([r.e2e / r.completion_tokens for r in ok]),
+        "normalized_latency_ms_per_token": summarize([r.e2e / r.completion_tokens for r in ok
+                                                      if r.completion_tokens]),
         "latency_bound_ms": summarize([max(r.itls, default=r.ttft) for r in ok]),
         "slo": {"ttft_ms": limits[0], "tpot_ms": limits[1], "e2e_ms": limits[2]},
         "slo_attainment": len(meets) / len(results) if results else math.nan,
@@ -718,9 +753,10 @@ def our_figures(results: list[RequestResult], elapsed: float, args: argparse.Nam
 
 
 def percentile_flags(args: argparse.Namespace) -> tuple[list[str], list[float]]:
-    """``--percentile-metrics`` (vLLM's default for generation: ttft,tpot,itl)
-    and ``--metric-percentiles``."""
-    metrics = [m.strip() for m in (args.percentile_metrics or "ttft,tpot,itl").split(",") if m.strip()]
+    """``--percentile-metrics`` (vLLM's defaults: ttft,tpot,itl for
+    generation, e2el for embeddings) and ``--metric-percentiles``."""
+    default = "e2el" if _endpoint(args) == "embeddings" else "ttft,tpot,itl"
+    metrics = [m.strip() for m in (args.percentile_metrics or default).split(",") if m.strip()]
     bad = [m for m in metrics if m not in PERCENTILE_METRICS]
     if bad:
         raise ValueError(f"--percentile-metrics: unknown {', '.join(bad)} (use {', '.join(PERCENTILE_METRICS)})")
@@ -792,7 +828,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--host", default="127.0.0.1")
     c.add_argument("--port", type=int, default=8000)
     c.add_argument("--endpoint", default="completions",
-                   help="/v1/completions (or completions) or /v1/chat/completions (or chat)")
+                   help="/v1/completions (or completions), /v1/chat/completions (or chat) or /v1/embeddings "
+                        "(or embeddings: an embedding model, each prompt one request)")
     c.add_argument("--model", default=None, help="model name sent, and tokenizer when --tokenizer is not "
                                                  "given; default: the server's first model")
     c.add_argument("--served-model-name", default=None, help="model name sent, when it differs from --model")
@@ -892,7 +929,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def result_record(rep: dict[str, Any], args: argparse.Namespace, model: str) -> dict[str, Any]:
     """vLLM's result JSON: its run description first, then the figures."""
-    backend = "openai-chat" if _endpoint(args) == "chat" else "openai"
+    backend = _backend(args)
     head: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": backend, "backend": backend,
         "label": args.label or None, "model_id": model, "tokenizer_id": args.tokenizer or args.model,
@@ -915,7 +952,7 @@ def result_path(args: argparse.Namespace, model: str, date: str) -> Path:
         name = args.result_filename
     else:
         concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
-        label = args.label or ("openai-chat" if _endpoint(args) == "chat" else "openai")
+        label = args.label or _backend(args)
         name = f"{label}-{args.request_rate}qps{concurrency}-{model.split('/')[-1]}-{date}.json"
     return Path(args.result_dir or ".") / name
 

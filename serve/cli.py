@@ -356,13 +356,16 @@ def model_info(engine, served_model_names: Sequence[str] | None = None,
     name = engine.model_name
     aliases = tuple(n for n in names if n != name)
     config = getattr(engine, "config", None)
+    classifier = getattr(engine, "classifier", None)
     return ModelInfo(name=name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                      is_tiny_default=bool(getattr(engine, "is_tiny_default", False)), aliases=aliases,
                      sampling_defaults=sampling_defaults(engine, generation_config),
                      root=getattr(config, "model", None) or str(engine.model_dir),
                      max_logprobs=max_logprobs, eos_token_ids=tuple(sorted(getattr(engine, "eos_token_ids", ()))),
                      lora_modules=dict(config.lora.lora_modules) if config is not None else {},
-                     pooling=getattr(engine, "pooling", None) is not None)
+                     pooling=getattr(engine, "pooling", None) is not None,
+                     labels=classifier.labels if classifier is not None else (),
+                     use_sep_token=classifier.use_sep_token if classifier is not None else True)
 
 
 def sampling_defaults(engine, generation_config: str) -> dict:

@@ -1,8 +1,10 @@
 """OpenAI's embeddings endpoint, ``POST /v1/embeddings``, on a server whose
 model runs as an embedding model (``--runner pooling``, engine/pooling.py).
 
-Owns the request body (OpenAI's fields and vLLM's extras), the input's
-prompts (one engine request each, admitted all or none), and the reply:
+Owns the request body (OpenAI's fields and vLLM's extras, among them the
+chat form: ``messages``, one conversation or a list, each rendered through
+the chat template), the input's prompts (one engine request each, admitted
+all or none), and the reply:
 each vector as JSON floats or as base64 of its little-endian bytes in
 ``embed_dtype`` (the OpenAI SDK's default asks for base64 float32).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import time
+from functools import partial
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -20,48 +23,100 @@ from pydantic import Field, StrictStr, model_validator
 
 from fluidserve.engine.outputs import RequestOutput
 from fluidserve.serve.inputs import EngineInputs, check_model
-from fluidserve.serve.protocol import INT64_MAX, INT64_MIN, TokenIds, _off, _Request, _Wire, prompt_list
+from fluidserve.serve.protocol import (
+    INT64_MAX,
+    INT64_MIN,
+    ChatMessage,
+    TokenIds,
+    _check_template_flags,
+    _off,
+    _Request,
+    _Wire,
+    prompt_list,
+)
 
 # vLLM's embedding fields we do not implement -> which values mean "off".
 _REFUSED: dict[str, Callable[[Any], bool]] = {
-    "messages": _off(),  # the chat form of the request
     "padding": _off("do_not_pad"),
     "mm_processor_kwargs": _off(),
+    "media_io_kwargs": _off(),
     "chat_template": _off(),
-    "chat_template_kwargs": _off(),
-    "add_generation_prompt": _off(),
-    "continue_final_message": _off(False),
 }
 
 
-class EmbeddingRequest(_Request):
+def _is_conversation(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in value)
+
+
+class PooledRequest(_Request):
+    """What an embeddings and a classify body share: the prompts (``input``,
+    or the chat form) and how they are cut, scheduled and cached."""
+
     _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = _REFUSED
     model: str | None = None
     # A string, a list of strings, a list of token ids, or a list of those.
-    input: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1)] | None = None
+    input: StrictStr | TokenIds | list[StrictStr] | list[TokenIds] | None = None
+    # vLLM's chat form: one conversation, or a list of them, each rendered
+    # through the chat template and embedded as one prompt.
+    messages: (Annotated[list[ChatMessage], Field(min_length=1)]
+               | Annotated[list[Annotated[list[ChatMessage], Field(min_length=1)]], Field(min_length=1)]
+               | None) = None
     user: str | None = None
     # vLLM's extras.
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     truncation_side: Literal["left", "right"] = "right"
-    add_special_tokens: bool = True
-    use_activation: bool | None = None  # false: the vector as pooled, not scaled to unit length
-    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    endianness: Literal["native", "big", "little"] = "native"
+    # None: true for ``input``, false for ``messages`` (the template writes its own).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # false: an embedding as pooled, not scaled to unit length; a classifier's logits.
+    use_activation: bool | None = None
     request_id: str | None = None
     priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_input(cls, data: Any) -> Any:
+        # vLLM also takes a conversation (or a list of them) in ``input``.
+        if isinstance(data, dict) and "messages" not in data:
+            given = data.get("input")
+            if _is_conversation(given) or (isinstance(given, list) and given
+                                           and all(_is_conversation(c) for c in given)):
+                data = {k: v for k, v in data.items() if k != "input"} | {"messages": given}
+        return data
+
     @model_validator(mode="after")
-    def _check_input(self) -> "EmbeddingRequest":
+    def _check_input(self) -> "PooledRequest":
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("messages: give input or messages, not both" if self.messages is not None
+                             else "input: is required (or messages, the chat form)")
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input: must not be empty")
+        if self.messages is None:
+            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}: applies to the chat form (messages) only")
+        _check_template_flags(self)
         return self
 
     def inputs(self) -> list[str | list[int]]:
         """The input as a list of prompts, each a string or token ids."""
         return prompt_list(self.input)
+
+    def conversations(self) -> list[list[ChatMessage]]:
+        """``messages`` as a list of conversations, each one prompt."""
+        given = self.messages or []
+        return [given] if isinstance(given[0], ChatMessage) else list(given)
+
+
+class EmbeddingRequest(PooledRequest):
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    endianness: Literal["native", "big", "little"] = "native"
 
 
 class EmbeddingData(_Wire):
@@ -112,16 +167,26 @@ def embeddings_routes(server: Any) -> dict[str, Callable]:
 
 async def embeddings(server: Any, request: Request) -> JSONResponse:
     """``POST /v1/embeddings``: every input's vector, in input order."""
+    return await pooled_route(server, request, EmbeddingRequest, "embd",
+                              lambda req: (server.processor.embedding(req), partial(embedding_body, server)))
+
+
+async def pooled_route(server: Any, request: Request, kind: type[_Request], prefix: str,
+                       plan: Callable[[Any], tuple[EngineInputs, Callable[..., _Wire]]]) -> JSONResponse:
+    """A pooling route (embeddings, classify, score, rerank): the body of
+    ``kind``, its engine inputs and renderer from ``plan``, every prompt
+    admitted (all or none) and run, and the reply rendered from their
+    finished outputs, in prompt order."""
     received = time.monotonic()
-    req = await server.parse(request, EmbeddingRequest)
+    req = await server.parse(request, kind)
     check_model(req.model, server.model)
-    inputs = server.processor.embedding(req)
+    inputs, render = plan(req)
     server.admit_capacity(len(inputs.prompts))
-    rid = f"embd-{server.base_request_id(request, req.request_id)}"
+    rid = f"{prefix}-{server.base_request_id(request, req.request_id)}"
     timers = [server.timer(inputs, received) for _ in inputs.prompts]
     streams = await server.submit(rid, inputs, received)
     finals = await server.until_disconnect(request, server.collect(streams, timers), streams)
-    return JSONResponse(embedding_body(server, rid, req, inputs, finals).model_dump(mode="json"))
+    return JSONResponse(render(rid, req, inputs, finals).model_dump(mode="json"))
 
 
 def embedding_body(server: Any, rid: str, req: EmbeddingRequest, inputs: EngineInputs,

@@ -114,7 +114,10 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     errors = (exc.errors(include_url=False, include_input=False, include_context=False)
               if isinstance(exc, ValidationError) else exc.errors())
     for e in errors[:8]:
-        loc = [str(x) for x in e.get("loc", ()) if x not in ("body", "query", "path")]
+        loc = [str(x) for x in e.get("loc", ())]
+        # FastAPI's locations start with where the value was (a body field may be named "query").
+        if not isinstance(exc, ValidationError) and loc and loc[0] in ("body", "query", "path"):
+            loc = loc[1:]
         msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
         if loc:
             param = param or loc[0]

@@ -24,6 +24,8 @@ from fluidserve.engine.structured import check_structured_outputs
 from fluidserve.serve.beam_search import BeamSearchParams
 from fluidserve.serve.errors import CONTEXT_LENGTH_EXCEEDED, APIError, bad_request, from_value_error
 from fluidserve.serve.protocol import (
+    BATCH_ENDPOINTS,
+    POOLING_ENDPOINTS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -38,7 +40,7 @@ from fluidserve.serve.reasoning import Reasoning, ReasoningParser
 from fluidserve.serve.tool_parsers import ToolMode, named_call_schema, required_calls_schema
 
 if TYPE_CHECKING:
-    from fluidserve.serve.embeddings import EmbeddingRequest
+    from fluidserve.serve.embeddings import EmbeddingRequest, PooledRequest
 
 logger = logging.getLogger("fluidserve.serve")
 
@@ -82,6 +84,17 @@ class ModelInfo:
     lora_modules: dict[str, str] = field(default_factory=dict)
     # An embedding model (--runner pooling): /v1/embeddings instead of the generation routes.
     pooling: bool = False
+    # A sequence classifier (pooling too): its labels, in order; /classify instead of /v1/embeddings.
+    labels: tuple[str, ...] = ()
+    use_sep_token: bool = True  # a classifier scores a pair tokenized as a pair (else the texts joined)
+
+    @property
+    def batch_endpoints(self) -> tuple[str, ...]:
+        """The Batch API endpoints this model serves (vLLM's batch runner
+        has no classify endpoint, nor do we)."""
+        if not self.pooling:
+            return tuple(e for e in BATCH_ENDPOINTS if e not in POOLING_ENDPOINTS)
+        return POOLING_ENDPOINTS[1:] if self.labels else POOLING_ENDPOINTS
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -122,23 +135,60 @@ class InputProcessor:
         return EngineInputs(prompts, params, req.klass, beam=self._beam(req, max_tokens, logprobs))
 
     def embedding(self, req: EmbeddingRequest) -> EngineInputs:
-        """One prompt per input, each within max_model_len (or cut to
-        ``truncate_prompt_tokens``), all pooled alike (serve/embeddings.py)."""
-        prompts = []
+        """One prompt per input (or conversation), each within max_model_len
+        (or cut to ``truncate_prompt_tokens``), all pooled alike
+        (serve/embeddings.py)."""
+        return self.pooling_inputs(self._pooled_prompts(req), req,
+                                   PoolingParams(normalize=req.use_activation, dimensions=req.dimensions))
+
+    def classification(self, req: PooledRequest) -> EngineInputs:
+        """A classifier's prompts, as an embedding model's (serve/classify.py)."""
+        return self.pooling_inputs(self._pooled_prompts(req), req, PoolingParams(normalize=req.use_activation))
+
+    def _pooled_prompts(self, req: PooledRequest) -> list[Prompt]:
+        if req.messages is not None:
+            add_special = bool(req.add_special_tokens)
+            given: list[str | list[int]] = [self._render_chat(_Conversation(c, req)) for c in req.conversations()]
+            param = "messages"
+        else:
+            add_special = req.add_special_tokens is not False
+            given, param = req.inputs(), "input"
+        return [self.pooled_prompt(g, add_special, req.truncate_prompt_tokens, req.truncation_side, param)
+                for g in given]
+
+    def pooled_prompt(self, given: str | list[int], add_special_tokens: bool, truncate: int | None,
+                      side: str, param: str) -> Prompt:
+        """One prompt of an embedding model, cut as asked, and a 400
+        naming ``param`` when it is still longer than max_model_len."""
+        prompt = self._truncate(self._prompt(given, add_special_tokens, param), truncate, side)
         limit = self.model.max_model_len
-        for given in req.inputs():
-            prompt = self._truncate(self._prompt(given, req.add_special_tokens, "input"),
-                                    req.truncate_prompt_tokens, req.truncation_side)
-            if len(prompt.token_ids) > limit:
-                raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
-                               f"requested {len(prompt.token_ids)} tokens in the input for embedding generation. "
-                               "Please reduce the length of the input, or set truncate_prompt_tokens.",
-                               param="input", code=CONTEXT_LENGTH_EXCEEDED)
-            prompts.append(prompt)
-        pooling = PoolingParams(normalize=req.use_activation, dimensions=req.dimensions)
+        if len(prompt.token_ids) > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
+                           f"requested {len(prompt.token_ids)} tokens in the {param} for embedding generation. "
+                           "Please reduce the length of the input, or set truncate_prompt_tokens.",
+                           param=param, code=CONTEXT_LENGTH_EXCEEDED)
+        return prompt
+
+    def pooling_inputs(self, prompts: list[Prompt], req: Any, pooling: PoolingParams) -> EngineInputs:
+        """Engine inputs pooling every prompt alike: a positive ``priority``
+        runs as offline work, as it does for the generation routes."""
         params = SamplingParams(max_tokens=1, pooling=pooling, cache_salt=req.cache_salt,
                                 lora=self.model.adapter(req.model))
         return EngineInputs(prompts, params, "offline" if req.priority > 0 else "online", final_only=True)
+
+    def cut_text(self, text: str, max_tokens: int) -> str:
+        """``text`` cut to its first ``max_tokens`` tokens (special tokens
+        not counted) at a character boundary, as vLLM's ``max_tokens_per_query``
+        and ``max_tokens_per_doc`` cut: the cut text is tokenized afresh."""
+        while text:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            offsets = enc["offset_mapping"]
+            if len(offsets) <= max_tokens:
+                break
+            end = offsets[max_tokens - 1][1] if max_tokens else 0
+            # A merge across the cut can change the count: cut again until it fits.
+            text = text[:min(end, len(text) - 1)]
+        return text
 
     def chat(self, req: ChatCompletionRequest) -> EngineInputs:
         text = self._render_chat(req)
@@ -538,3 +588,16 @@ def check_model(requested: str | None, served: ModelInfo) -> None:
     """404 for a model this server does not serve (None means the default)."""
     if requested is not None and requested not in served.names:
         raise APIError(404, f"The model `{requested}` does not exist", param="model", code="model_not_found")
+
+
+class _Conversation:
+    """One conversation of an embeddings request's ``messages``, in the shape
+    ``_render_chat`` reads (no tools)."""
+
+    tools = None
+
+    def __init__(self, messages: list[ChatMessage], req: Any) -> None:
+        self.messages = messages
+        self.add_generation_prompt = req.add_generation_prompt
+        self.continue_final_message = req.continue_final_message
+        self.chat_template_kwargs = req.chat_template_kwargs

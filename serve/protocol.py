@@ -917,7 +917,9 @@ def add_request_schemas(schema: dict[str, Any]) -> dict[str, Any]:
 
 # -- Batch API ----------------------------------------------------------------
 
-BATCH_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
+# An embedding model's endpoints; the others are a generating model's.
+POOLING_ENDPOINTS = ("/v1/embeddings", "/v1/score", "/v1/rerank")
+BATCH_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", *POOLING_ENDPOINTS)
 MetadataKey = Annotated[str, Field(max_length=64)]
 MetadataValue = Annotated[StrictStr, Field(max_length=512)]
 

@@ -18,6 +18,12 @@ MODEL_REGISTRY = {
     "MistralModel": LlamaForCausalLM,
     "Qwen2Model": LlamaForCausalLM,
     "Qwen3Model": LlamaForCausalLM,
+    # Sequence classifiers (reward models, decoder rerankers): the base model
+    # runs here; the engine applies the ``score`` head (engine/pooling.py).
+    "LlamaForSequenceClassification": LlamaForCausalLM,
+    "MistralForSequenceClassification": LlamaForCausalLM,
+    "Qwen2ForSequenceClassification": LlamaForCausalLM,
+    "Qwen3ForSequenceClassification": LlamaForCausalLM,
 }
 
 

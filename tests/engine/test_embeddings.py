@@ -89,6 +89,26 @@ def test_a_recomputed_chunk_pools_only_positions_not_yet_pooled():
     assert [(s.first_index, s.count, s.final) for s in inp.pooling] == [(15, 6, False), (2, 24, True)]
 
 
+def test_llm_score_pairs_the_sides_by_cosine(model_dir, make_llm, hf_hidden):
+    """vLLM's ``LLM.score``: 1:N scores the one text against each of the
+    others, N:N pairwise, each the cosine of HF's vectors; other shapes are refused."""
+    llm = make_llm(model_dir, runner="pooling", max_model_len=64)
+    docs = [SHORT_IDS, PROMPT_IDS[5:30], PROMPT_IDS]
+
+    def cos(a: list[int], b: list[int]) -> float:
+        u, v = reference(hf_hidden(a), "last"), reference(hf_hidden(b), "last")
+        return torch.nn.functional.cosine_similarity(u, v, dim=0).item()
+
+    outs = llm.score(PROMPT_IDS, docs)
+    assert [round(o.outputs.score - cos(PROMPT_IDS, d), 5) for o, d in zip(outs, docs)] == [0.0] * 3
+    assert outs[0].prompt_token_ids == PROMPT_IDS + SHORT_IDS
+    firsts = [SHORT_IDS, PROMPT_IDS, SHORT_IDS]
+    outs = llm.score(firsts, docs)
+    assert [round(o.outputs.score - cos(a, b), 5) for o, a, b in zip(outs, firsts, docs)] == [0.0] * 3
+    with pytest.raises(ValueError, match="1:1, 1:N or N:N"):
+        llm.score([SHORT_IDS, SHORT_IDS], docs)
+
+
 def test_pool_range_skips_positions_already_pooled():
     mean, last, cls = PoolingParams("mean"), PoolingParams("last"), PoolingParams("cls")
     assert pool_range(mean, 0, 16, 40, 0) == (0, 16)

@@ -55,6 +55,37 @@ def test_bf16_triton_path_matches_reference_path_token_for_token(tiny_model, mak
     assert_agree_but_for_near_ties(triton_out, ref_out, arch)
 
 
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_embeddings_on_a_gpu_equal_the_reference_path(tiny_model, make_llm, dtype, tol):
+    """An embedding model (``runner="pooling"``) on the Triton kernels, with
+    graphs asked for: vectors of chunked prompts within ``tol`` of the
+    torch reference attention's on the same device, and no decode graphs
+    captured (no request of it decodes)."""
+    from fluidserve.kernels import ops
+
+    path = tiny_model("llama")
+    kwargs = dict(device="cuda", dtype=dtype, max_num_batched_tokens=32, num_kv_blocks=256, runner="pooling",
+                  enforce_eager=False)
+    llm = make_llm(path, **kwargs)
+    assert llm.engine.executor.worker.graphs is None
+    got = [o.embedding for o in llm.embed(PROMPTS)]
+    with ops.reference_path():
+        want = [o.embedding for o in make_llm(path, **kwargs).embed(PROMPTS)]
+    assert max(abs(a - b) for u, v in zip(got, want) for a, b in zip(u, v)) < tol
+
+
+def test_classifier_on_a_gpu_equals_the_cpu(tmp_path, make_llm):
+    """A sequence classifier on the Triton kernels (fp32): label
+    probabilities within 1e-4 of the CPU path's, the head read on the engine."""
+    from fluidserve.engine.tiny_model import build_tiny_classifier
+
+    path = str(build_tiny_classifier(tmp_path / "classifier", "qwen3", labels=("a", "b", "c")))
+    kwargs = dict(dtype="float32", max_num_batched_tokens=32, num_kv_blocks=256)
+    got = [o.outputs.probs for o in make_llm(path, device="cuda", **kwargs).classify(PROMPTS)]
+    want = [o.outputs.probs for o in make_llm(path, device="cpu", **kwargs).classify(PROMPTS)]
+    assert max(abs(a - b) for u, v in zip(got, want) for a, b in zip(u, v)) < 1e-4
+
+
 def test_engine_start_up_compiles_every_attention_variant(tiny_model, make_llm):
     """The local executor's warm-up step compiles the attention variants at
     start-up (engine/layers.py): a workload of varied batches afterwards

@@ -230,6 +230,22 @@ def test_lane_decode_buckets_through_the_capture_loop(tiny_model, make_llm, trit
 
 
 @lane_only
+def test_lane_embeddings_equal_the_cpu_kernels_and_capture_no_decode_graphs(tiny_model, make_llm, triton_lane,
+                                                                           monkeypatch):
+    """An embedding model on the CUDA code path: chunked prompts (32-token
+    steps) pool to the CPU kernels' vectors (fp32, 1e-5), and with graphs
+    asked for no decode bucket is built, since no request of it decodes."""
+    path = tiny_model("llama")
+    prompts = [list(b"The quick brown fox jumps over the lazy dog, twice over."), list(b"Hello!")]
+    llm = make_llm(path, **LANE_KWARGS, dtype="float32", runner="pooling", enforce_eager=False)
+    assert llm.engine.executor.worker.graphs is None
+    lane = [o.embedding for o in llm.embed(prompts)]
+    monkeypatch.delenv(ops.KERNELS_ENV)
+    ref = [o.embedding for o in make_llm(path, **LANE_KWARGS, dtype="float32", runner="pooling").embed(prompts)]
+    assert max(abs(a - b) for u, v in zip(lane, ref) for a, b in zip(u, v)) < 1e-5
+
+
+@lane_only
 def test_lane_piecewise_steps_give_eager_tokens_and_kv(tiny_model, make_llm, triton_lane):
     """Piecewise graphs' pieces in the lane (Triton norms, rope and KV write,
     attention between them on the step's real rows), run over the padded

@@ -72,6 +72,25 @@ def test_random_dataset_writes_vllms_keys(server, tmp_path):
     assert res["normalized_latency_ms_per_token"]["mean"] > 0 and res["slo_attainment"] == 1.0
 
 
+def test_embeddings_endpoint_loads_an_embedding_model(model_dir, tmp_path):
+    """vLLM's openai-embeddings backend: each prompt one /v1/embeddings
+    request of exactly its random ids, the latency its end-to-end time, the
+    input tokens the server's count; an offline backlog goes at priority 1."""
+    srv = start_server(model_dir, runner="pooling", max_model_len=256)
+    try:
+        res = bench(srv, tmp_path, "--endpoint", "/v1/embeddings", "--dataset-name", "random",
+                    "--random-input-len", "24", "--random-range-ratio", "0.5", "--num-prompts", "8",
+                    "--request-rate", "40", "--save-detailed", "--offline-prompts", "3")
+    finally:
+        srv.stop()
+    assert res["completed"] == 11 and res["failed"] == 0 and res["backend"] == "openai-embeddings"
+    assert res["total_output_tokens"] == 0 and res["total_input_tokens"] == sum(res["input_lens"])
+    assert all(12 <= n <= 36 for n in res["input_lens"][:8])
+    assert res["p99_e2el_ms"] == pytest.approx(np.percentile(res["latencies"], 99) * 1000)
+    assert "mean_ttft_ms" not in res  # vLLM's embeddings default: e2el only
+    assert res["coserving"]["offline"]["completed"] == 3
+
+
 def test_goodput_counts_only_requests_meeting_the_slo(server, tmp_path):
     res = bench(server, tmp_path, "--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "4",
                 "--num-prompts", "4", "--goodput", "ttft:0.001")

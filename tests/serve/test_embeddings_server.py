@@ -113,6 +113,30 @@ def test_truncation_fits_a_long_input(server, reference):
         assert np.abs(np.array(r.json()["data"][0]["embedding"]) - reference(kept)).max() < TOL
 
 
+def test_chat_form_embeds_the_rendered_conversation(server, reference):
+    """vLLM's chat form: each conversation rendered through the chat
+    template (no generation prompt unless asked, no special tokens added)
+    and embedded as one prompt; ``input`` may carry the conversations too."""
+    tok = server.engine.tokenizer
+    talks = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}],
+             [{"role": "user", "content": "Where do foxes live?"}]]
+
+    def rendered(talk: list[dict], **kw) -> list[int]:
+        return list(tok.encode(tok.apply_chat_template(talk, tokenize=False, **kw), add_special_tokens=False))
+
+    for body in ({"messages": talks[0]}, {"input": talks[0]}):
+        r = post(server, {**body, "encoding_format": "float"})
+        assert r.status_code == 200, r.text
+        ids = rendered(talks[0], add_generation_prompt=False)
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        assert np.abs(np.array(r.json()["data"][0]["embedding"]) - reference(ids)).max() < TOL
+    for body in ({"messages": talks}, {"input": talks}):
+        r = post(server, {**body, "add_generation_prompt": True, "encoding_format": "float"})
+        assert [d["index"] for d in r.json()["data"]] == [0, 1]
+        for d, talk in zip(r.json()["data"], talks):
+            assert np.abs(np.array(d["embedding"]) - reference(rendered(talk, add_generation_prompt=True))).max() < TOL
+
+
 def test_use_activation_false_leaves_the_vector_unnormalized(server, model_dir):
     r = post(server, {"input": "Hello!", "use_activation": False})
     vec = np.array(r.json()["data"][0]["embedding"])
@@ -128,6 +152,12 @@ def test_use_activation_false_leaves_the_vector_unnormalized(server, model_dir):
     ({"input": "hi", "dimensions": 8}, 400, "dimensions"),
     ({"input": "hi", "dimensions": 0}, 400, "dimensions"),
     ({"input": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "messages"),
+    ({"input": "hi", "add_generation_prompt": True}, 400, "add_generation_prompt"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}, 400, "chat_template"),
+    ({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True,
+      "continue_final_message": True}, 400, "continue_final_message"),
+    ({"messages": []}, 400, "messages"),
+    ({}, 400, "input"),
     ({"input": "hi", "encoding_format": "bytes"}, 400, "encoding_format"),
     ({"input": "hi", "embed_dtype": "fp8_e4m3"}, 400, "embed_dtype"),
     ({"input": "hi", "dimension": 8}, 400, "dimension"),
@@ -194,7 +224,9 @@ def test_run_batch_cli_embeds(model_dir, tmp_path, capsys):
 
     rows = [{"custom_id": "a", "method": "POST", "url": "/v1/embeddings",
              "body": {"input": ["one", "two"], "encoding_format": "float"}},
-            {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}]
+            {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}},
+            {"custom_id": "c", "method": "POST", "url": "/v1/rerank",
+             "body": {"query": "one", "documents": ["two", "one"]}}]
     (tmp_path / "in.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
     rc = main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--model",
                model_dir, "--runner", "pooling", "--device", "cpu", "--num-kv-blocks", "64", "--max-model-len", "64"])
@@ -202,4 +234,6 @@ def test_run_batch_cli_embeds(model_dir, tmp_path, capsys):
     out = {o["custom_id"]: o for o in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     assert [d["index"] for d in out["a"]["response"]["body"]["data"]] == [0, 1]
     assert out["b"]["response"]["status_code"] == 400  # an embedding model generates nothing
-    assert "2/2 requests, 1 failed" in capsys.readouterr().err
+    ranked = out["c"]["response"]["body"]["results"]
+    assert [r["index"] for r in ranked] == [1, 0] and abs(ranked[0]["relevance_score"] - 1) < 1e-6
+    assert "3/3 requests, 1 failed" in capsys.readouterr().err

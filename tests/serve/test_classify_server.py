@@ -1,0 +1,109 @@
+"""A sequence classifier served on a real uvicorn server: ``/classify``
+answers the label probabilities of Hugging Face's
+``AutoModelForSequenceClassification`` for the same tiny random-weight
+checkpoint (1e-5, fp32), for text, token ids and conversations; a one-label
+classifier serves ``/score`` and ``/rerank`` as a cross-encoder; the routes
+an embedding model has and a classifier has not are 404; mistakes are 4xx
+naming the field, and the server serves on."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+import transformers
+
+from fluidserve.engine.tiny_model import build_tiny_classifier
+from server_utils import start_server
+
+TOL = 1e-5
+LABELS = ("neg", "neu", "pos")
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    path = str(build_tiny_classifier(tmp_path_factory.mktemp("classifier"), "llama", labels=LABELS))
+    srv = start_server(path, max_num_batched_tokens=16, max_model_len=64)
+    yield srv, path
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory):
+    path = str(build_tiny_classifier(tmp_path_factory.mktemp("reranker"), "qwen3", labels=("relevant",)))
+    srv = start_server(path, max_model_len=128)
+    yield srv, path
+    srv.stop()
+
+
+def hf_logits(path: str, ids: list[int]) -> torch.Tensor:
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def post(srv, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{srv.base_url}{route}", json=body, timeout=60)
+
+
+def test_classify_gives_transformers_probabilities(classifier):
+    srv, path = classifier
+    tok = srv.engine.tokenizer
+    texts = ["The quick brown fox jumps over the lazy dog, then naps.", "Hello!"]
+    r = post(srv, "/classify", {"input": texts})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("classify-") and body["object"] == "list"
+    assert body["usage"]["prompt_tokens"] == sum(len(tok.encode(t)) for t in texts)
+    for d, text in zip(body["data"], texts):
+        want = torch.softmax(hf_logits(path, list(tok.encode(text))), -1)
+        assert (torch.tensor(d["probs"]) - want).abs().max() < TOL
+        assert d["num_classes"] == 3 and d["label"] == LABELS[int(want.argmax())]
+    ids = list(tok.encode(texts[1]))
+    raw = post(srv, "/classify", {"input": ids, "use_activation": False}).json()["data"][0]["probs"]
+    assert (torch.tensor(raw) - hf_logits(path, ids)).abs().max() < TOL
+    talk = [{"role": "user", "content": "Is this good?"}]
+    chat = post(srv, "/classify", {"messages": talk}).json()["data"][0]["probs"]
+    rendered = list(tok.encode(tok.apply_chat_template(talk, tokenize=False), add_special_tokens=False))
+    assert (torch.tensor(chat) - torch.softmax(hf_logits(path, rendered), -1)).abs().max() < TOL
+
+
+def test_a_classifier_serves_classify_not_embeddings(classifier):
+    srv, _ = classifier
+    for route in ("/v1/embeddings", "/v1/completions", "/v1/chat/completions"):
+        assert post(srv, route, {"input": "hi"}).status_code == 404, route
+    r = post(srv, "/score", {"text_1": "a", "text_2": "b"})  # three labels: no single score
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert httpx.post(f"{srv.base_url}/invocations", json={"input": "hi"}).json()["data"][0]["num_classes"] == 3
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "hi", "dimensions": 2}, "dimensions"),
+    ({"input": "hi", "encoding_format": "base64"}, "encoding_format"),
+    ({"input": []}, "input"),
+    ({"input": "hi", "model": "other"}, "model"),
+])
+def test_classify_mistakes_name_the_field(classifier, body, param):
+    srv, _ = classifier
+    r = post(srv, "/classify", body)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param
+    assert post(srv, "/classify", {"input": "still serving"}).status_code == 200
+
+
+def test_a_one_label_classifier_reranks_as_a_cross_encoder(reranker):
+    srv, path = reranker
+    tok = srv.engine.tokenizer
+    query, docs = "Where do foxes live?", ["Foxes live in dens.", "Stocks fell.", "A fox naps."]
+
+    def want(doc: str) -> float:
+        return torch.sigmoid(hf_logits(path, list(tok(text=query, text_pair=doc)["input_ids"]))).item()
+
+    scores = post(srv, "/score", {"queries": query, "documents": docs}).json()
+    assert [abs(d["score"] - want(doc)) < TOL for d, doc in zip(scores["data"], docs)] == [True] * 3
+    # One prompt per pair: the query counted with each document.
+    assert scores["usage"]["prompt_tokens"] == sum(len(tok(text=query, text_pair=d)["input_ids"]) for d in docs)
+    ranked = post(srv, "/rerank", {"query": query, "documents": docs, "top_n": 2}).json()["results"]
+    order = sorted(range(3), key=lambda i: -want(docs[i]))
+    assert [x["index"] for x in ranked] == order[:2]
+    assert abs(ranked[0]["relevance_score"] - want(docs[order[0]])) < TOL
