@@ -127,19 +127,20 @@ def agreement(base: str, route: str, model: str) -> dict:
     """The scores, the ranking and the chat-form outputs a server gives."""
     score = httpx.post(f"{base}/score", json={"model": model, "queries": QUERY, "documents": DOCUMENTS}, timeout=300)
     ranked = httpx.post(f"{base}/rerank", json={"model": model, "query": QUERY, "documents": DOCUMENTS}, timeout=300)
-    chat = httpx.post(f"{base}{route}", json={"model": model, "messages": CONVERSATIONS}, timeout=300)
-    for r in (score, ranked, chat):
+    # One conversation a request: vLLM's /classify takes no list of them.
+    chats = [httpx.post(f"{base}{route}", json={"model": model, "messages": c}, timeout=300) for c in CONVERSATIONS]
+    for r in (score, ranked, *chats):
         r.raise_for_status()
     return {"scores": [d["score"] for d in score.json()["data"]],
             "order": [x["index"] for x in ranked.json()["results"]],
             "rerank_scores": [x["relevance_score"] for x in ranked.json()["results"]],
-            "chat_outputs": [d.get("embedding", d.get("probs")) for d in chat.json()["data"]]}
+            "chat_outputs": [d.get("embedding", d.get("probs")) for r in chats for d in r.json()["data"]]}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a model directory both servers can load")
-    p.add_argument("--vllm-python", required=True, help="a Python with vLLM installed")
+    p.add_argument("--model", help="a model directory both servers can load")
+    p.add_argument("--vllm-python", help="a Python with vLLM installed")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--docs-per", type=int, default=8)
@@ -151,7 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8098)
     p.add_argument("--tag", default="")
+    p.add_argument("--from-json", metavar="PATH", help="only write the markdown again from a run's saved JSON")
     args = p.parse_args(argv)
+    if args.from_json:
+        record = json.loads(Path(args.from_json).read_text())
+        save_results(RESULTS / f"rerank_vs_vllm{args.tag}", record, markdown(record))
+        return 0
+    if not args.model or not args.vllm_python:
+        p.error("--model and --vllm-python are needed for a run")
     problem = vllm_problem(args.vllm_python)
     if problem:
         print(f"vLLM cannot run: {problem}")
@@ -231,7 +239,7 @@ def markdown(record: dict) -> str:
              f"of {lo}-{hi} random words, {record['concurrency']} in flight. Beside bulk indexing: "
              f"{record['burst']} documents of {record['long']} tokens sent to `{route}` at once at "
              f"`priority: 1` (our offline class; vLLM runs with `--scheduling-policy priority`), and rerank "
-             f"requests at {record['rate']}/s (Poisson) until they are back.", "",
+             f"requests at {record['rate']}/s (Poisson) until the documents are back.", "",
              "| server | reranks/s | docs/s | P50 / P99 ms | beside bulk: reranks | P50 / P99 ms | bulk done s |",
              "|---|---|---|---|---|---|---|"]
     for name, r in record["servers"].items():
