@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import shlex
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -100,6 +102,35 @@ async def burst(base: str, model: str, long_docs: list[list[int]], queries: list
             "bulk_done_s": bulk_s}
 
 
+def pooling_servers(model: str, vllm_python: str, dtype: str, port: int,
+                    variants: list[str] | tuple[str, ...] = ()) -> dict[str, tuple[list[str], dict]]:
+    """Name -> (command, environment) of each server to start in turn:
+    ours (and one more per flag variant) and vLLM's, ``model`` as a
+    pooling model on ``port``."""
+    where = ["--host", "127.0.0.1", "--port", str(port)]
+    common = ["--dtype", dtype, "--max-model-len", "2048", "--runner", "pooling"]
+    ours = [sys.executable, "-m", "fluidserve.serve.cli", "serve", model, *where, *common, "--log-level", "warning"]
+    return {
+        "fluidserve": (ours, {}),
+        **{f"fluidserve {flags}": ([*ours, *shlex.split(flags)], {}) for flags in variants},
+        # Priority scheduling, so that its requests may carry a priority (lower runs first) as ours do.
+        "vLLM": ([vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *where, *common,
+                  "--enforce-eager", "--scheduling-policy", "priority"], VLLM_ENV),
+    }
+
+
+@contextlib.contextmanager
+def running(name: str, cmd: list[str], env: dict, base: str, scratch: Path) -> Iterator[str]:
+    """The server started and healthy, its model's id; stopped after."""
+    # Started outside the repository: its top-level folders would shadow vLLM's imports.
+    proc = serve_bench.launch(cmd, f"{base}/health", env, log=scratch / f"{name}.log", timeout=900, name=name,
+                              cwd=str(scratch))
+    try:
+        yield httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+    finally:
+        serve_bench.stop_server(proc)
+
+
 def vectors(base: str, model: str) -> np.ndarray:
     r = httpx.post(f"{base}/v1/embeddings", json={"model": model, "input": TEXTS}, timeout=300)
     r.raise_for_status()
@@ -148,18 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     long_docs = [[ids(rng, args.doc_max, vocab) for _ in range(args.burst)] for _ in range(2)]
     queries = [[ids(rng, args.query_len, vocab) for _ in range(2000)] for _ in range(2)]
     scratch = Path(tempfile.mkdtemp(prefix="embeddings-vs-vllm-"))
-    port = ["--host", "127.0.0.1", "--port", str(args.port)]
-    common = ["--dtype", args.dtype, "--max-model-len", "2048", "--runner", "pooling"]
-    servers = {
-        "fluidserve": ([sys.executable, "-m", "fluidserve.serve.cli", "serve", args.model, *port, *common,
-                        "--log-level", "warning"], {}),
-        **{f"fluidserve {flags}": ([sys.executable, "-m", "fluidserve.serve.cli", "serve", args.model, *port, *common,
-                                    "--log-level", "warning", *shlex.split(flags)], {})
-           for flags in args.fluidserve_variant},
-        # Priority scheduling, so that its requests may carry a priority (lower runs first) as ours do.
-        "vLLM": ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, *port,
-                  *common, "--enforce-eager", "--scheduling-policy", "priority"], VLLM_ENV),
-    }
+    servers = pooling_servers(args.model, args.vllm_python, args.dtype, args.port, args.fluidserve_variant)
     base = f"http://127.0.0.1:{args.port}"
     record: dict = {"benchmark": "embeddings_vs_vllm", "command": " ".join(map(shlex.quote, sys.argv)),
                     "model": Path(args.model).name, "dtype": args.dtype, "docs": args.docs,
@@ -167,11 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                     "burst": args.burst, "query_len": args.query_len, "query_rate": args.query_rate, "servers": {}}
     got: dict[str, np.ndarray] = {}
     for name, (cmd, env) in servers.items():
-        # Started outside the repository: its top-level folders would shadow vLLM's imports.
-        proc = serve_bench.launch(cmd, f"{base}/health", env, log=scratch / f"{name}.log", timeout=900,
-                                  name=name, cwd=str(scratch))
-        try:
-            model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+        with running(name, cmd, env, base, scratch) as model:
             asyncio.run(throughput(base, model, warmup, 8))  # not measured
             got[name] = vectors(base, model)
             record["servers"][name] = {
@@ -181,8 +197,6 @@ def main(argv: list[str] | None = None) -> int:
                                                            args.seed, doc_priority=1)),
             }
             print(name, _json.dumps(record["servers"][name]))
-        finally:
-            serve_bench.stop_server(proc)
     a, b = got["fluidserve"], got["vLLM"]
     cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
     record["min_cosine"], record["max_abs_diff"] = float(cos.min()), float(np.abs(a - b).max())

@@ -43,10 +43,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-import serve_bench
 from dummy_models import save_results
-from embeddings_vs_vllm import ids
-from vs_vllm import VLLM_ENV, vllm_problem
+from embeddings_vs_vllm import ids, pooling_servers, running
+from vs_vllm import vllm_problem
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUERY = "What is the capital of France?"
@@ -148,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--burst", type=int, default=8, help="long documents sent at once beside the reranks")
     p.add_argument("--long", type=int, default=1024, help="tokens of each long document")
-    p.add_argument("--rate", type=float, default=1.0, help="rerank requests a second beside the burst")
+    p.add_argument("--rate", type=float, default=0.5, help="rerank requests a second beside the burst")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8098)
     p.add_argument("--tag", default="")
@@ -178,14 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     warmup, work, beside = requests(4), requests(args.requests), requests(200)
     long_docs = [ids(rng, args.long, vocab) for _ in range(args.burst)]
     scratch = Path(tempfile.mkdtemp(prefix="rerank-vs-vllm-"))
-    port = ["--host", "127.0.0.1", "--port", str(args.port)]
-    common = ["--dtype", args.dtype, "--max-model-len", "2048", "--runner", "pooling"]
-    servers = {
-        "fluidserve": ([sys.executable, "-m", "fluidserve.serve.cli", "serve", args.model, *port, *common,
-                        "--log-level", "warning"], {}),
-        "vLLM": ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, *port,
-                  *common, "--enforce-eager", "--scheduling-policy", "priority"], VLLM_ENV),
-    }
+    servers = pooling_servers(args.model, args.vllm_python, args.dtype, args.port)
     base = f"http://127.0.0.1:{args.port}"
     record: dict = {"benchmark": "rerank_vs_vllm", "command": " ".join(map(shlex.quote, sys.argv)),
                     "model": Path(args.model).name, "dtype": args.dtype, "requests": args.requests,
@@ -194,11 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                     "servers": {}}
     got: dict[str, dict] = {}
     for name, (cmd, env) in servers.items():
-        # Started outside the repository: its top-level folders would shadow vLLM's imports.
-        proc = serve_bench.launch(cmd, f"{base}/health", env, log=scratch / f"{name}.log", timeout=900,
-                                  name=name, cwd=str(scratch))
-        try:
-            model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+        with running(name, cmd, env, base, scratch) as model:
             asyncio.run(throughput(base, model, warmup, 4))  # not measured
             got[name] = agreement(base, route, model)
             record["servers"][name] = {
@@ -206,8 +194,6 @@ def main(argv: list[str] | None = None) -> int:
                 "beside_bulk": asyncio.run(beside_bulk(base, route, model, long_docs, beside, args.rate, args.seed)),
             }
             print(name, json.dumps(record["servers"][name]))
-        finally:
-            serve_bench.stop_server(proc)
     a, b = got["fluidserve"], got["vLLM"]
     record["agreement"] = {
         "max_score_diff": float(np.abs(np.array(a["scores"]) - np.array(b["scores"])).max()),
