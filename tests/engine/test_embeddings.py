@@ -52,6 +52,9 @@ def close(got: list[float], want: torch.Tensor) -> bool:
 @pytest.mark.parametrize("kind", ["last", "mean", "cls"])
 def test_pooled_vectors_match_transformers_across_chunks(model_dir, make_llm, hf_hidden, kind):
     llm = make_llm(model_dir, runner="pooling", max_num_batched_tokens=16, max_model_len=64)
+    # The checkpoint's own LM head is neither read nor held: the head shares the embedding's weight.
+    model = llm.engine.executor.worker.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     prompts = [PROMPT_IDS, SHORT_IDS, PROMPT_IDS[5:30]]
     for normalize in (True, False):
         outs = llm.embed(prompts, PoolingParams(kind, normalize=normalize))
