@@ -172,7 +172,7 @@ def test_offline_backlog_is_reported_apart(server, tmp_path):
     (["--dataset-name", "random", "--random-range-ratio", "1.0"], "--random-range-ratio"),
     (["--percentile-metrics", "ttft,bogus"], "--percentile-metrics"),
     (["--metric-percentiles", "99,x"], "--metric-percentiles"),
-    (["--endpoint", "/v1/embeddings"], "--endpoint"),
+    (["--endpoint", "/v1/responses"], "--endpoint"),
     (["--dataset-name", "random", "--use-trace-arrivals"], "--use-trace-arrivals"),
     (["--dataset", "chat", "--endpoint", "chat"], "--dataset chat"),
     (["--dataset", "chat", "--chat-context-len", "600", "--max-input-len", "100"], "--chat-context-len"),
