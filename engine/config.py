@@ -8,6 +8,7 @@ reads through to ``config.cache.block_size``."""
 
 from __future__ import annotations
 
+import json
 import dataclasses
 from dataclasses import dataclass
 
@@ -133,6 +134,11 @@ class EngineConfig(ConfigTree):
         None, 'the embedding\'s pooling as vLLM\'s JSON: {"pooling_type": "LAST" | "MEAN" | "CLS", '
               '"use_activation": false (no L2 normalization), "dimensions": N} (default: the checkpoint\'s '
               'sentence-transformers pooling, else LAST, normalized)')
+    hf_overrides: str | None = setting(
+        None, "a JSON object of config.json keys set over the checkpoint's, as vLLM's: "
+              '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+              '"is_original_qwen3_reranker": true} serves a causal LM trained as a reranker as a classifier '
+              "whose head is its LM head's rows of those tokens")
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -149,4 +155,12 @@ class EngineConfig(ConfigTree):
             ("cuda_graph_sizes", sizes is None or (len(sizes) > 0 and all(isinstance(n, int) and n >= 1
                                                                           for n in sizes)),
              "must be positive batch sizes"),
+            ("hf_overrides", self.hf_overrides is None or _json_object(self.hf_overrides), "must be a JSON object"),
         ])
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False

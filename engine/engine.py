@@ -151,17 +151,18 @@ class LLMEngine:
         self.model_name = config.served_model_name or (
             "fluidserve-tiny-random" if self.is_tiny_default else str(config.model)
         )
-        self.hf_config = load_hf_config(self.model_dir)
+        self.hf_config = load_hf_config(self.model_dir, config.hf_overrides)
         # What it serves: generation, or embeddings (engine/pooling.py) and their defaults.
         self.runner = resolve_runner(config.runner, config.convert, self.hf_config)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
         # A sequence classifier pools as an embedding model does, then its head classifies the vector.
-        self.classifier = load_classifier(self.model_dir, self.hf_config) if is_classifier(self.hf_config) else None
+        self.classifier = (load_classifier(self.model_dir, self.hf_config, self.tokenizer)
+                           if is_classifier(self.hf_config) else None)
         task = "embed" if self.classifier is None else "classify"
         self.pooling = (model_pooling(self.model_dir, config.pooler_config, task) if self.runner == "pooling"
                         else None)
         if self.pooling is not None:
             check_dimensions(self.pooling.dimensions, self.hf_config)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
         byte_table(self.tokenizer, skip_special_tokens=True)  # the default's, now: 0.5 s at 128k tokens
         self.vocab_size = int(self.hf_config.vocab_size)
         self.max_model_len = config.max_model_len or model_context_length(self.hf_config)

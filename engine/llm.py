@@ -94,11 +94,13 @@ class LLM:
         data_2: str | list[str] | list[int] | list[list[int]],
         use_tqdm: bool = False,
         lora_request: LoRARequest | None = None,
+        chat_template: str | None = None,
     ) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score``, the sides paired 1:1, 1:N or N:N, in
         ``data_2``'s order. On an embedding model the cosine of each pair's
         vectors (each text embedded once); on a classifier of one label (a
-        cross-encoder) its output for each pair of texts, tokenized as a pair."""
+        cross-encoder) its output for each pair of texts, tokenized as a pair
+        or rendered through ``chat_template`` (a score template, vLLM's)."""
         one, _ = _per_prompt(data_1, None, "data_1")
         two, _ = _per_prompt(data_2, None, "data_2")
         pairs = score_pairs(len(one), len(two))
@@ -106,7 +108,8 @@ class LLM:
         if classifier is not None:
             if len(classifier.labels) != 1 or not all(isinstance(t, str) for t in one + two):
                 raise ValueError("data_1: a classifier scores pairs of texts, and only with one label")
-            prompts = [pair_ids(self.tokenizer, one[i], two[j], classifier.use_sep_token) for i, j in pairs]
+            prompts = [pair_ids(self.tokenizer, one[i], two[j], classifier.use_sep_token, chat_template)
+                       for i, j in pairs]
             outs = self.embed(prompts, use_tqdm=use_tqdm, lora_request=lora_request)
             return [ScoringRequestOutput(o.request_id, ScoringOutput(o.embedding[0]), o.prompt_token_ids)
                     for o in outs]

@@ -64,10 +64,15 @@ def resolve_model_dir(model: str, load_format: str = "auto", revision: str | Non
     return local
 
 
-def load_hf_config(model_dir: Path):
+def load_hf_config(model_dir: Path, overrides: str | None = None):
+    """The checkpoint's config; ``overrides`` (``--hf-overrides``, a JSON
+    object) sets its keys over the file's."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=_trust_remote_code)
+    config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=_trust_remote_code)
+    for key, value in (json.loads(overrides) if overrides else {}).items():
+        setattr(config, key, value)
+    return config
 
 
 def load_tokenizer(path: Path | str):
@@ -174,11 +179,14 @@ def _checkpoint_tensors(model_dir: Path):
         yield from state.items()
 
 
-def checkpoint_tensor(model_dir: Path, name: str) -> torch.Tensor:
-    """One tensor of the checkpoint, read whole (a classifier's head)."""
+def checkpoint_tensor(model_dir: Path, name: str, rows: list[int] | None = None) -> torch.Tensor:
+    """One tensor of the checkpoint (a classifier's head), whole or only
+    ``rows`` of it (an LM head's rows of a few tokens), read without the rest."""
     for key, source in _checkpoint_tensors(model_dir):
         if key == name:
-            return _read(source, None)
+            if rows is None:
+                return _read(source, None)
+            return torch.cat([source[r:r + 1] for r in rows])
     raise ValueError(f"checkpoint in {model_dir} lacks weights: ['{name}']")
 
 

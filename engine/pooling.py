@@ -99,10 +99,16 @@ def score_pairs(num_1: int, num_2: int) -> list[tuple[int, int]]:
     return [(0 if num_1 == 1 else i, i) for i in range(num_2)]
 
 
-def pair_ids(tokenizer, first: str, second: str, use_sep_token: bool) -> list[int]:
-    """A cross-encoder's prompt of two texts, as vLLM builds it: tokenized
-    as a pair (the tokenizer's own separators), or (``use_sep_token`` false
-    in the config: an LLM as reranker) the texts joined."""
+def pair_ids(tokenizer, first: str, second: str, use_sep_token: bool, template: str | None = None) -> list[int]:
+    """A cross-encoder's prompt of two texts, as vLLM builds it: rendered
+    through a score ``template`` (``--chat-template``: a ``query`` and a
+    ``document`` message, Qwen3-Reranker's instruction format), else
+    tokenized as a pair (the tokenizer's own separators), or
+    (``use_sep_token`` false in the config: an LLM as reranker) the texts joined."""
+    if template is not None:
+        messages = [{"role": "query", "content": first}, {"role": "document", "content": second}]
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+        return list(tokenizer(text=text, add_special_tokens=True)["input_ids"])
     if use_sep_token:
         return list(tokenizer(text=first, text_pair=second, add_special_tokens=True)["input_ids"])
     return list(tokenizer(text=first + second, add_special_tokens=True)["input_ids"])
@@ -236,13 +242,15 @@ class Classifier:
         return [float(x) for x in logits]
 
 
-def load_classifier(model_dir: str | Path, hf_config) -> Classifier:
-    """The head and activation of the classifier saved in ``model_dir``."""
+def load_classifier(model_dir: str | Path, hf_config, tokenizer) -> Classifier:
+    """The head and activation of the classifier saved in ``model_dir``:
+    its ``score`` weight, or, for a causal LM trained as a reranker
+    (``classifier_from_token`` in the config, as vLLM reads it), its LM
+    head's rows of those tokens (``method: from_2_way_softmax``, Qwen3-Reranker's:
+    the second token's row less the first's, one label)."""
     import numpy as np
 
-    from fluidserve.engine.loader import checkpoint_tensor
-
-    weight = checkpoint_tensor(Path(model_dir), "score.weight").float().numpy().astype(np.float32)
+    weight = _head_weight(Path(model_dir), hf_config, tokenizer).float().numpy().astype(np.float32)
     num_labels = weight.shape[0]
     activation = _ACTIVATIONS.get(getattr(hf_config, "problem_type", None) or "")
     if activation is None:
@@ -254,6 +262,29 @@ def load_classifier(model_dir: str | Path, hf_config) -> Classifier:
     given = getattr(hf_config, "id2label", None) or {}
     labels = tuple(str(given.get(i, given.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
     return Classifier(weight, activation, labels, bool(getattr(hf_config, "use_sep_token", True)))
+
+
+def _head_weight(model_dir: Path, hf_config, tokenizer):
+    from fluidserve.engine.loader import checkpoint_tensor
+
+    tokens = getattr(hf_config, "classifier_from_token", None)
+    if not tokens:
+        return checkpoint_tensor(model_dir, "score.weight")
+    method = getattr(hf_config, "method", None)
+    if method is None and getattr(hf_config, "is_original_qwen3_reranker", False):
+        method = "from_2_way_softmax"
+    if method not in (None, "from_2_way_softmax", "no_post_processing"):
+        raise ValueError(f"hf_overrides: method {method!r} is not served (from_2_way_softmax or no_post_processing)")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError(f"hf_overrides: from_2_way_softmax takes two classifier_from_token, got {tokens}")
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    vocab = int(hf_config.vocab_size)
+    bad = next((t for t, i in zip(tokens, ids) if not isinstance(i, int) or not 0 <= i < vocab), None)
+    if bad is not None:
+        raise ValueError(f"hf_overrides: classifier_from_token {bad!r} is not a token of the tokenizer")
+    tied = getattr(hf_config, "tie_word_embeddings", False)
+    rows = checkpoint_tensor(model_dir, "model.embed_tokens.weight" if tied else "lm_head.weight", ids).float()
+    return rows[1:] - rows[:1] if method == "from_2_way_softmax" else rows
 
 
 def check_dimensions(dimensions: int | None, hf_config) -> None:

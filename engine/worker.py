@@ -82,7 +82,7 @@ class Worker:
         self.device = pick_device(config.device)
         self.runtime = runtime_for(self.device)
         self.runtime.select()
-        hf_config = load_hf_config(model_dir)
+        hf_config = load_hf_config(model_dir, config.hf_overrides)
         self.hf_config = hf_config
         self.dtype = resolve_dtype(hf_config, config.dtype, self.device)
         torch.manual_seed(config.seed)

@@ -774,7 +774,7 @@ def run_batch_main(argv: Sequence[str]) -> int:
         settings = server_settings(args)
         chat_template = load_chat_template(args.chat_template)
         engine, thread = build_engine(engine_config_from_args(args))
-        info = model_info(engine, args.served_model_name, args.generation_config, args.max_logprobs)
+        info = model_info(engine, args.served_model_name, args.generation_config, args.max_logprobs, chat_template)
         app = build_app(AsyncEngine(engine, thread=thread), frontend_tokenizer(engine, chat_template), info,
                         settings)
     except (ValueError, OSError) as exc:

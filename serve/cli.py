@@ -50,7 +50,6 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--limit-mm-per-prompt": "multimodal inputs are not supported",
     "--tokenizer-mode": "tokenizers load through transformers' AutoTokenizer only",
     "--rope-scaling": "overriding the model's RoPE scaling is not supported",
-    "--hf-overrides": "overriding the model's config is not supported",
 }
 _HARMLESS_VALUES = {"--kv-cache-dtype": {"auto"}, "--tokenizer-mode": {"auto"}, "--lora-dtype": {"auto"},
                     "--pipeline-parallel-size": {"1"}, "-pp": {"1"},
@@ -346,10 +345,12 @@ def _safepoint_layers(args: argparse.Namespace) -> float:
 
 
 def model_info(engine, served_model_names: Sequence[str] | None = None,
-               generation_config: str = "auto", max_logprobs: int = 20) -> "ModelInfo":
+               generation_config: str = "auto", max_logprobs: int = 20,
+               chat_template: str | None = None) -> "ModelInfo":
     """What the frontend knows of the served model; ``generation_config`` as
     ``--generation-config`` takes it (auto | vllm | a folder), ``max_logprobs``
-    as ``--max-logprobs``."""
+    as ``--max-logprobs``, ``chat_template`` as ``--chat-template`` gave it
+    (a cross-encoder's score template: vLLM applies only one given so)."""
     from fluidserve.serve.inputs import ModelInfo
 
     names = list(served_model_names or [])
@@ -365,7 +366,8 @@ def model_info(engine, served_model_names: Sequence[str] | None = None,
                      lora_modules=dict(config.lora.lora_modules) if config is not None else {},
                      pooling=getattr(engine, "pooling", None) is not None,
                      labels=classifier.labels if classifier is not None else (),
-                     use_sep_token=classifier.use_sep_token if classifier is not None else True)
+                     use_sep_token=classifier.use_sep_token if classifier is not None else True,
+                     score_template=chat_template if classifier is not None else None)
 
 
 def sampling_defaults(engine, generation_config: str) -> dict:
@@ -486,7 +488,7 @@ def run_serve(args: argparse.Namespace) -> int:
             _share_cpu_with_frontend(config)
             engine, engine_thread = build_engine(config)
             model = engine
-        info = model_info(model, args.served_model_name, args.generation_config, args.max_logprobs)
+        info = model_info(model, args.served_model_name, args.generation_config, args.max_logprobs, chat_template)
     except (ValueError, OSError) as exc:  # a bad model path, an impossible KV size, ...
         print(f"fluidserve serve: {exc}", file=sys.stderr)
         return 2

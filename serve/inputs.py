@@ -87,6 +87,8 @@ class ModelInfo:
     # A sequence classifier (pooling too): its labels, in order; /classify instead of /v1/embeddings.
     labels: tuple[str, ...] = ()
     use_sep_token: bool = True  # a classifier scores a pair tokenized as a pair (else the texts joined)
+    # --chat-template on a cross-encoder: each pair rendered through it as a query and a document message.
+    score_template: str | None = None
 
     @property
     def batch_endpoints(self) -> tuple[str, ...]:

@@ -186,7 +186,8 @@ def scoring_inputs(server: Any, req: ScoreRequest | RerankRequest) -> tuple[Engi
         if len(model.labels) != 1:
             raise bad_request(f"model: {model.name} is a classifier of {len(model.labels)} labels; a score needs "
                               "one (a cross-encoder): use /classify", "model")
-        prompts = [processor.pooled_prompt(pair_ids(processor.tokenizer, one[i], two[j], model.use_sep_token),
+        tok = processor.tokenizer
+        prompts = [processor.pooled_prompt(pair_ids(tok, one[i], two[j], model.use_sep_token, model.score_template),
                                            True, req.truncate_prompt_tokens, req.truncation_side, name_2)
                    for i, j in score_pairs(len(one), len(two))]
         return processor.pooling_inputs(prompts, req, pooling), 0

@@ -50,14 +50,15 @@ class ThreadedServer:
 
 
 def start_server(model_dir: str, settings: ServerSettings | None = None, stall_timeout: float = 60.0,
-                 batch_config: Any = None, **engine_kwargs: Any) -> ThreadedServer:
+                 batch_config: Any = None, chat_template: str | None = None, **engine_kwargs: Any) -> ThreadedServer:
     """The real app on a free localhost port in a background thread; with
     ``batch_config`` (serve.batches.BatchConfig), the Batch API too."""
     config = EngineConfig.create(model=model_dir, **{**TEST_ENGINE_DEFAULTS, **engine_kwargs})
     engine = LLMEngine(config)
     async_engine = AsyncEngine(engine, stall_timeout=stall_timeout)
     settings = settings or ServerSettings()
-    app = build_app(async_engine, frontend_tokenizer(engine), model_info(engine), settings,
+    app = build_app(async_engine, frontend_tokenizer(engine, chat_template),
+                    model_info(engine, chat_template=chat_template), settings,
                     batch_config=batch_config)
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]

@@ -218,7 +218,8 @@ class RayExecutor(Executor):
         self._samples = SampleSpecSender()  # rank 0's rows
         self._links: list[StepLink] = []  # one a rank, when steps take the step channel
         self._serving: list = []  # each rank's serve_steps call: it fails when the rank dies
-        _check_shapes(model_dir, self.size)  # a bad size is a ValueError here, not a dead actor later
+        # A bad size is a ValueError here, not a dead actor later.
+        _check_shapes(model_dir, self.size, config.hf_overrides)
         self._owns_ray = _connect(config.ray_address)
         try:
             device = self._device(config)
@@ -472,11 +473,11 @@ def _connect(address: str | None) -> bool:
     return True
 
 
-def _check_shapes(model_dir: str, size: int) -> None:
+def _check_shapes(model_dir: str, size: int, hf_overrides: str | None = None) -> None:
     """Build rank 0's model on the meta device (no memory, no weights): raises
     the model's own ValueError when ``size`` does not split its heads or
     features."""
-    hf_config = load_hf_config(model_dir)
+    hf_config = load_hf_config(model_dir, hf_overrides)
     build_model(hf_config, torch.float32, torch.device("meta"), TensorParallel(0, size))
 
 

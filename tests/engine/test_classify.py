@@ -88,6 +88,40 @@ def test_a_pair_is_tokenized_as_a_pair_unless_the_config_joins_the_texts(classif
     assert pair_ids(tok, "ab", "cd", False) == tok.encode("abcd")
 
 
+RERANKER_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["n", "y"],
+                      "is_original_qwen3_reranker": True}
+SCORE_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<answer>"
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["own-head", "tied-head"])
+def test_a_causal_lm_reranker_scores_from_its_lm_head(tiny_model, make_llm, tied):
+    """vLLM's recipe for Qwen3-Reranker: ``hf_overrides`` make a causal LM
+    a classifier whose one label is the LM head's "yes" row less its "no"
+    row, and a score template renders each pair. Its score is HF's
+    ``softmax([logit_no, logit_yes])[yes]`` at the last position of the
+    rendered pair (1e-5), and the LM head's other rows are never read (a
+    tied head's are the embedding's)."""
+    path = tiny_model("qwen3", tie_word_embeddings=tied)
+    llm = make_llm(path, hf_overrides=json.dumps(RERANKER_OVERRIDES), max_model_len=128)
+    assert llm.engine.runner == "pooling" and len(llm.engine.classifier.labels) == 1
+    tok = llm.tokenizer
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    no, yes = tok.convert_tokens_to_ids("n"), tok.convert_tokens_to_ids("y")
+    query, docs = "Where do foxes live?", ["Foxes live in dens.", "Stocks fell."]
+    for template in (None, SCORE_TEMPLATE):
+        outs = llm.score(query, docs, chat_template=template)
+        for out, doc in zip(outs, docs):
+            ids = pair_ids(tok, query, doc, True, template)
+            assert out.prompt_token_ids == ids
+            with torch.no_grad():
+                logits = hf(torch.tensor([ids])).logits[0, -1].float()
+            assert abs(out.outputs.score - torch.softmax(logits[[no, yes]], -1)[1].item()) < TOL
+    assert pair_ids(tok, query, docs[0], True, SCORE_TEMPLATE) == tok.encode(
+        f"<query>{query}<document>{docs[0]}<answer>")
+    with pytest.raises(ValueError, match="not a token"):
+        make_llm(path, hf_overrides=json.dumps({**RERANKER_OVERRIDES, "classifier_from_token": ["nope", "y"]}))
+
+
 @pytest.mark.parametrize("config,want", [
     ({"problem_type": "regression"}, "identity"),
     ({"problem_type": "multi_label_classification"}, "sigmoid"),

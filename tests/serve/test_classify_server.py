@@ -107,3 +107,32 @@ def test_a_one_label_classifier_reranks_as_a_cross_encoder(reranker):
     order = sorted(range(3), key=lambda i: -want(docs[i]))
     assert [x["index"] for x in ranked] == order[:2]
     assert abs(ranked[0]["relevance_score"] - want(docs[order[0]])) < TOL
+
+
+def test_a_causal_lm_reranker_with_a_score_template(tiny_model):
+    """vLLM's Qwen3-Reranker recipe through the server: ``hf_overrides`` and
+    ``--chat-template`` as the score template; /rerank orders by HF's
+    ``softmax([no, yes])[yes]`` of each rendered pair."""
+    import json
+
+    path = tiny_model("qwen3")
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["n", "y"],
+                 "is_original_qwen3_reranker": True}
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<answer>"
+    srv = start_server(path, chat_template=template, hf_overrides=json.dumps(overrides), max_model_len=128)
+    try:
+        tok = srv.engine.tokenizer
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        no, yes = tok.convert_tokens_to_ids("n"), tok.convert_tokens_to_ids("y")
+        query, docs = "Where do foxes live?", ["Foxes live in dens.", "Stocks fell.", "A fox naps."]
+
+        def want(doc: str) -> float:
+            with torch.no_grad():
+                logits = hf(torch.tensor([tok.encode(f"<query>{query}<document>{doc}<answer>")])).logits[0, -1]
+            return torch.softmax(logits[[no, yes]].float(), -1)[1].item()
+
+        ranked = post(srv, "/rerank", {"query": query, "documents": docs}).json()["results"]
+        assert [x["index"] for x in ranked] == sorted(range(3), key=lambda i: -want(docs[i]))
+        assert all(abs(x["relevance_score"] - want(docs[x["index"]])) < TOL for x in ranked)
+    finally:
+        srv.stop()
