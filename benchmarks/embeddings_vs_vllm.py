@@ -103,12 +103,13 @@ async def burst(base: str, model: str, long_docs: list[list[int]], queries: list
 
 
 def pooling_servers(model: str, vllm_python: str, dtype: str, port: int,
-                    variants: list[str] | tuple[str, ...] = ()) -> dict[str, tuple[list[str], dict]]:
+                    variants: list[str] | tuple[str, ...] = (), both: list[str] | tuple[str, ...] = (),
+                    ) -> dict[str, tuple[list[str], dict]]:
     """Name -> (command, environment) of each server to start in turn:
     ours (and one more per flag variant) and vLLM's, ``model`` as a
-    pooling model on ``port``."""
+    pooling model on ``port``, each also given the flags ``both``."""
     where = ["--host", "127.0.0.1", "--port", str(port)]
-    common = ["--dtype", dtype, "--max-model-len", "2048", "--runner", "pooling"]
+    common = ["--dtype", dtype, "--max-model-len", "2048", "--runner", "pooling", *both]
     ours = [sys.executable, "-m", "fluidserve.serve.cli", "serve", model, *where, *common, "--log-level", "warning"]
     return {
         "fluidserve": (ours, {}),

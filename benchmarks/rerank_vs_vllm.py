@@ -8,6 +8,15 @@ of one label, as a cross-encoder; the same requests, one run.
     python benchmarks/rerank_vs_vllm.py --model /path/to/smollm2-reranker \\
         --vllm-python /work/vllm-venv/bin/python --tag=-smollm2-cross-encoder
 
+A causal LM served as a reranker the way vLLM serves Qwen3-Reranker (its LM
+head's "yes" row less its "no" row, each pair rendered by a score template)::
+
+    python benchmarks/rerank_vs_vllm.py --model /path/to/SmolLM2-135M-Instruct \\
+        --vllm-python /work/vllm-venv/bin/python --tag=-smollm2-yes-no \\
+        --hf-overrides '{"architectures": ["LlamaForSequenceClassification"], \\
+            "classifier_from_token": ["no", "yes"], "method": "from_2_way_softmax"}' \\
+        --chat-template benchmarks/templates/score_yes_no.jinja
+
 Each server is started in turn and takes:
 
 * agreement: ``/score`` of one query against a handful of documents, the
@@ -122,12 +131,14 @@ async def beside_bulk(base: str, route: str, model: str, long_docs: list[list[in
     return {"reranks": len(latencies), **_percentiles(latencies), "bulk_done_s": bulk_s}
 
 
-def agreement(base: str, route: str, model: str) -> dict:
-    """The scores, the ranking and the chat-form outputs a server gives."""
+def agreement(base: str, route: str, model: str, chats: bool = True) -> dict:
+    """The scores, the ranking and (``chats``: not where the chat template
+    is a score template) the chat-form outputs a server gives."""
     score = httpx.post(f"{base}/score", json={"model": model, "queries": QUERY, "documents": DOCUMENTS}, timeout=300)
     ranked = httpx.post(f"{base}/rerank", json={"model": model, "query": QUERY, "documents": DOCUMENTS}, timeout=300)
     # One conversation a request: vLLM's /classify takes no list of them.
-    chats = [httpx.post(f"{base}{route}", json={"model": model, "messages": c}, timeout=300) for c in CONVERSATIONS]
+    chats = [httpx.post(f"{base}{route}", json={"model": model, "messages": c}, timeout=300)
+             for c in (CONVERSATIONS if chats else ())]
     for r in (score, ranked, *chats):
         r.raise_for_status()
     return {"scores": [d["score"] for d in score.json()["data"]],
@@ -151,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8098)
     p.add_argument("--tag", default="")
+    p.add_argument("--hf-overrides", metavar="JSON", help="both servers: vLLM's config overrides (a causal LM "
+                   "trained as a reranker: classifier_from_token)")
+    p.add_argument("--chat-template", metavar="FILE", help="both servers: the cross-encoder's score template")
     p.add_argument("--from-json", metavar="PATH", help="only write the markdown again from a run's saved JSON")
     args = p.parse_args(argv)
     if args.from_json:
@@ -165,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     config = json.loads((Path(args.model) / "config.json").read_text())
     vocab = config["vocab_size"]
-    cross = all(a.endswith("ForSequenceClassification") for a in config.get("architectures") or ["-"])
+    overrides = json.loads(args.hf_overrides) if args.hf_overrides else {}
+    archs = overrides.get("architectures") or config.get("architectures") or ["-"]
+    cross = all(a.endswith("ForSequenceClassification") for a in archs)
     route = "/classify" if cross else "/v1/embeddings"
     rng = random.Random(args.seed)
     lo, hi = args.doc_words
@@ -177,18 +193,21 @@ def main(argv: list[str] | None = None) -> int:
     warmup, work, beside = requests(4), requests(args.requests), requests(200)
     long_docs = [ids(rng, args.long, vocab) for _ in range(args.burst)]
     scratch = Path(tempfile.mkdtemp(prefix="rerank-vs-vllm-"))
-    servers = pooling_servers(args.model, args.vllm_python, args.dtype, args.port)
+    both = [*(["--hf-overrides", args.hf_overrides] if args.hf_overrides else []),
+            *(["--chat-template", str(Path(args.chat_template).resolve())] if args.chat_template else [])]
+    servers = pooling_servers(args.model, args.vllm_python, args.dtype, args.port, both=both)
     base = f"http://127.0.0.1:{args.port}"
     record: dict = {"benchmark": "rerank_vs_vllm", "command": " ".join(map(shlex.quote, sys.argv)),
                     "model": Path(args.model).name, "dtype": args.dtype, "requests": args.requests,
                     "docs_per": args.docs_per, "doc_words": [lo, hi], "concurrency": args.concurrency,
                     "burst": args.burst, "long": args.long, "rate": args.rate, "cross_encoder": cross,
+                    "hf_overrides": overrides or None, "score_template": bool(args.chat_template),
                     "servers": {}}
     got: dict[str, dict] = {}
     for name, (cmd, env) in servers.items():
         with running(name, cmd, env, base, scratch) as model:
             asyncio.run(throughput(base, model, warmup, 4))  # not measured
-            got[name] = agreement(base, route, model)
+            got[name] = agreement(base, route, model, chats=not args.chat_template)
             record["servers"][name] = {
                 "throughput": asyncio.run(throughput(base, model, work, args.concurrency)),
                 "beside_bulk": asyncio.run(beside_bulk(base, route, model, long_docs, beside, args.rate, args.seed)),
@@ -199,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_score_diff": float(np.abs(np.array(a["scores"]) - np.array(b["scores"])).max()),
         "same_order": a["order"] == b["order"], "order": a["order"],
         "max_rerank_score_diff": float(np.abs(np.array(a["rerank_scores"]) - np.array(b["rerank_scores"])).max()),
-        "max_chat_output_diff": float(np.abs(np.array(a["chat_outputs"]) - np.array(b["chat_outputs"])).max()),
+        "max_chat_output_diff": (float(np.abs(np.array(a["chat_outputs"]) - np.array(b["chat_outputs"])).max())
+                                 if a["chat_outputs"] else None),
     }
     save_results(RESULTS / f"rerank_vs_vllm{args.tag}", record, markdown(record))
     return 0
@@ -211,16 +231,21 @@ def markdown(record: dict) -> str:
     agree, (lo, hi) = record["agreement"], record["doc_words"]
     cross = record.get("cross_encoder", False)
     route = "/classify" if cross else "/v1/embeddings"
-    kind = ("as a cross-encoder (a sequence classifier of one label): each pair one prompt, its score the "
+    recipe = record.get("hf_overrides")
+    kind = ((f"as a cross-encoder built from its LM head (`--hf-overrides '{json.dumps(recipe)}'`"
+             + (", `--chat-template` as the score template" if record.get("score_template") else "")
+             + "): each pair one prompt, its score the classifier's output") if recipe else
+            "as a cross-encoder (a sequence classifier of one label): each pair one prompt, its score the "
             "classifier's output" if cross else "as an embedding model (`--runner pooling`): a score is the cosine "
             "of the two texts' vectors (vLLM's bi-encoder scoring)")
     lines = ["# Score and rerank beside vLLM", "",
              f"{record['model']} ({record['dtype']}) {kind}; each server started in turn in one run.", "",
              f"Agreement on one query and {len(DOCUMENTS)} documents: largest score difference "
              f"{agree['max_score_diff']:.1e} (`/score`), {agree['max_rerank_score_diff']:.1e} (`/rerank`); the "
-             f"same ranking: {'yes' if agree['same_order'] else 'no'}. The chat form through `{route}` "
-             f"(`messages`, {len(CONVERSATIONS)} conversations): largest component difference "
-             f"{agree['max_chat_output_diff']:.1e}.", "",
+             f"same ranking: {'yes' if agree['same_order'] else 'no'}."
+             + ("" if agree["max_chat_output_diff"] is None else
+                f" The chat form through `{route}` (`messages`, {len(CONVERSATIONS)} conversations): largest "
+                f"component difference {agree['max_chat_output_diff']:.1e}."), "",
              f"Throughput: {record['requests']} rerank requests, each a query and {record['docs_per']} documents "
              f"of {lo}-{hi} random words, {record['concurrency']} in flight. Beside bulk indexing: "
              f"{record['burst']} documents of {record['long']} tokens sent to `{route}` at once at "

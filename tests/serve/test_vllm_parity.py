@@ -72,7 +72,8 @@ def whole_vocab(model_dir):
     """A server started as with ``--max-logprobs -1``: no cap below the vocabulary."""
     real = server_utils.model_info
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(server_utils, "model_info", lambda engine: dataclasses.replace(real(engine), max_logprobs=-1))
+        mp.setattr(server_utils, "model_info",
+                   lambda engine, **kw: dataclasses.replace(real(engine, **kw), max_logprobs=-1))
         srv = start_server(model_dir, max_model_len=256)
     yield srv
     srv.stop()
