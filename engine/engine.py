@@ -199,8 +199,8 @@ class LLMEngine:
         self._finished_constrained: list[str] = []  # told to the worker with the next step
         self.stats_ = EngineStats()
         self.output_processor = OutputProcessor(self.requests, self.seqs, self.eos_token_ids, self.stats_,
-                                                self.kv.block_size, self._block_filled, self._grammar_finished)
-        self.output_processor.classifier = self.classifier
+                                                self.kv.block_size, self._block_filled, self._grammar_finished,
+                                                self.classifier)
         self._lost_tokens = 0  # of abandoned steps whose state the worker did not keep
         self.preemption = PreemptionPolicy(self.executor.interrupt)
         wanted = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"

@@ -41,7 +41,7 @@ class OutputProcessor:
 
     def __init__(self, requests: dict[str, Request], seqs: dict[str, Sequence], eos_token_ids: set[int],
                  stats: EngineStats, block_size: int, block_filled: Callable[[Sequence], None],
-                 grammar_finished: Callable[[str], None]) -> None:
+                 grammar_finished: Callable[[str], None], classifier: Classifier | None = None) -> None:
         self.requests = requests
         self.seqs = seqs
         self.eos_token_ids = eos_token_ids
@@ -49,7 +49,7 @@ class OutputProcessor:
         self.block_size = block_size
         self._block_filled = block_filled
         self._grammar_finished = grammar_finished
-        self.classifier: Classifier | None = None  # a sequence classifier's head (engine/pooling.py)
+        self.classifier = classifier  # a sequence classifier's head (engine/pooling.py)
 
     def process(self, result: StepResult, step_start: float) -> tuple[list[RequestOutput], list[str]]:
         """Append each sampled token to its sequence; the outputs of the

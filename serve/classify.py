@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from fluidserve.engine.outputs import RequestOutput
-from fluidserve.serve.embeddings import EmbeddingUsage, PooledRequest, pooled_route
+from fluidserve.serve.embeddings import PooledRequest, PoolingUsage, pooled_route
 from fluidserve.serve.inputs import EngineInputs
 from fluidserve.serve.protocol import _Wire
 
@@ -44,7 +44,7 @@ class ClassificationResponse(_Wire):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     data: list[ClassificationData]
-    usage: EmbeddingUsage
+    usage: PoolingUsage
 
 
 def classification_body(server: Any, rid: str, req: ClassificationRequest, inputs: EngineInputs,
@@ -55,9 +55,8 @@ def classification_body(server: Any, rid: str, req: ClassificationRequest, input
         probs = out.embedding
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append(ClassificationData(index=i, label=labels[best], probs=probs, num_classes=len(probs)))
-    tokens = sum(len(p.token_ids) for p in inputs.prompts)
     return ClassificationResponse(id=rid, model=server.model.reply_name(req.model), data=data,
-                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+                                  usage=PoolingUsage.of(inputs))
 
 
 async def classify(server: Any, request: Request) -> JSONResponse:

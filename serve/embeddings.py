@@ -49,12 +49,26 @@ def _is_conversation(value: Any) -> bool:
         isinstance(m, dict) and isinstance(m.get("role"), str) for m in value)
 
 
-class PooledRequest(_Request):
+class PoolingFields(_Request):
+    """What every pooling body (embeddings, classify, score, rerank) takes
+    beside its texts: how they are cut, scheduled and cached (vLLM's)."""
+
+    model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] = "right"
+    # false: an embedding as pooled, not scaled to unit length; a classifier's logits.
+    use_activation: bool | None = None
+    request_id: str | None = None
+    priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+
+
+class PooledRequest(PoolingFields):
     """What an embeddings and a classify body share: the prompts (``input``,
-    or the chat form) and how they are cut, scheduled and cached."""
+    or the chat form)."""
 
     _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = _REFUSED
-    model: str | None = None
     # A string, a list of strings, a list of token ids, or a list of those.
     input: StrictStr | TokenIds | list[StrictStr] | list[TokenIds] | None = None
     # vLLM's chat form: one conversation, or a list of them, each rendered
@@ -62,20 +76,11 @@ class PooledRequest(_Request):
     messages: (Annotated[list[ChatMessage], Field(min_length=1)]
                | Annotated[list[Annotated[list[ChatMessage], Field(min_length=1)]], Field(min_length=1)]
                | None) = None
-    user: str | None = None
-    # vLLM's extras.
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    truncation_side: Literal["left", "right"] = "right"
     # None: true for ``input``, false for ``messages`` (the template writes its own).
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # false: an embedding as pooled, not scaled to unit length; a classifier's logits.
-    use_activation: bool | None = None
-    request_id: str | None = None
-    priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
-    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -125,10 +130,16 @@ class EmbeddingData(_Wire):
     embedding: list[float] | str
 
 
-class EmbeddingUsage(_Wire):
+class PoolingUsage(_Wire):
     prompt_tokens: int
     total_tokens: int
     completion_tokens: int = 0  # vLLM's usage carries it
+
+    @classmethod
+    def of(cls, inputs: EngineInputs) -> "PoolingUsage":
+        """Every prompt's tokens: a pooling request generates none."""
+        tokens = sum(len(p.token_ids) for p in inputs.prompts)
+        return cls(prompt_tokens=tokens, total_tokens=tokens)
 
 
 class EmbeddingResponse(_Wire):
@@ -137,7 +148,7 @@ class EmbeddingResponse(_Wire):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     data: list[EmbeddingData]
-    usage: EmbeddingUsage
+    usage: PoolingUsage
 
 
 def encode(vector: list[float], dtype: str, endianness: str) -> str:
@@ -196,6 +207,5 @@ def embedding_body(server: Any, rid: str, req: EmbeddingRequest, inputs: EngineI
     data = [EmbeddingData(index=i, embedding=out.embedding if req.encoding_format == "float"
                           else encode(out.embedding, req.embed_dtype, req.endianness))
             for i, out in enumerate(finals)]
-    tokens = sum(len(p.token_ids) for p in inputs.prompts)
     return EmbeddingResponse(id=rid, model=server.model.reply_name(req.model), data=data,
-                             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+                             usage=PoolingUsage.of(inputs))

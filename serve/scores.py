@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -27,10 +27,10 @@ from pydantic import Field, StrictStr, model_validator
 from fluidserve.engine.outputs import RequestOutput
 from fluidserve.engine.pooling import cosine, pair_ids, score_pairs
 from fluidserve.engine.sampling_params import PoolingParams
-from fluidserve.serve.embeddings import pooled_route
+from fluidserve.serve.embeddings import PoolingFields, PoolingUsage, pooled_route
 from fluidserve.serve.errors import bad_request
 from fluidserve.serve.inputs import EngineInputs
-from fluidserve.serve.protocol import INT64_MAX, INT64_MIN, _off, _Request, _Wire
+from fluidserve.serve.protocol import _off, _Wire
 
 # A text, or vLLM's multimodal ``{"content": [...]}`` (refused by name: the
 # served models read text only).
@@ -57,19 +57,11 @@ def _texts(given: ScoreInput | list[ScoreInput], name: str) -> list[str]:
     return texts
 
 
-class _ScoringFields(_Request):
+class _ScoringFields(PoolingFields):
     _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = _REFUSED
-    model: str | None = None
-    user: str | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    truncation_side: Literal["left", "right"] = "right"
     # Each side cut to its first N tokens before embedding (0: not cut).
     max_tokens_per_query: Annotated[int, Field(ge=0)] = 0
     max_tokens_per_doc: Annotated[int, Field(ge=0)] = 0
-    use_activation: bool | None = None  # the scale of a vector: the cosine does not see it
-    request_id: str | None = None
-    priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
-    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
 
 class ScoreRequest(_ScoringFields):
@@ -126,12 +118,6 @@ class RerankRequest(_ScoringFields):
         return ("query", "documents"), _texts(self.query, "query"), _texts(self.documents, "documents")
 
 
-class ScoreUsage(_Wire):
-    prompt_tokens: int
-    total_tokens: int
-    completion_tokens: int = 0  # vLLM's usage carries it
-
-
 class ScoreData(_Wire):
     index: int
     object: str = "score"
@@ -144,7 +130,7 @@ class ScoreResponse(_Wire):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     data: list[ScoreData]
-    usage: ScoreUsage
+    usage: PoolingUsage
 
 
 class RerankDocument(_Wire):
@@ -210,16 +196,15 @@ def scoring_body(server: Any, num_1: int, rid: str, req: ScoreRequest | RerankRe
     """The reply to ``req`` from its requests' finished outputs, side 1's
     ``num_1`` first (the online routes', and a Batch API line's)."""
     scores = pair_scores(finals, num_1)
-    tokens = sum(len(p.token_ids) for p in inputs.prompts)
     model = server.model.reply_name(req.model)
     if isinstance(req, ScoreRequest):
         return ScoreResponse(id=rid, model=model, data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
-                             usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens))
+                             usage=PoolingUsage.of(inputs))
     documents = req.sides()[2]
     results = sorted((RerankResult(index=i, document=RerankDocument(text=documents[i]), relevance_score=s)
                       for i, s in enumerate(scores)), key=lambda r: -r.relevance_score)
     return RerankResponse(id=rid, model=model, results=results[:req.top_n or len(results)],
-                          usage=RerankUsage(prompt_tokens=tokens, total_tokens=tokens))
+                          usage=RerankUsage(**PoolingUsage.of(inputs).model_dump(exclude={"completion_tokens"})))
 
 
 async def scoring(server: Any, request: Request, kind: type[ScoreRequest] | type[RerankRequest]) -> JSONResponse:
