@@ -47,7 +47,15 @@ engine's launch shape and others ``linear_bandwidth.py`` timed, for
 their registers and spills (``kernels_compile_sm90.json``/``.md``). The
 GPU machines run Triton 3.6, whose code differs: the same command under it
 (any venv with that Triton) with ``--tag=-triton3.6`` writes
-``kernels_compile_sm90-triton3.6.*`` beside.
+``kernels_compile_sm90-triton3.6.*`` beside. It compiles the MoE experts'
+kernels (kernels/moe.py) too, at the launches a Qwen3-30B-A3B and a
+Mixtral-8x7B layer make at 1 and 4096 tokens.
+
+``--moe`` times ``ops.fused_experts`` on those two layers' shapes (bf16)
+over a sweep of token counts: the Triton path launched eagerly and as a
+CUDA graph replays it, against the torch reference (the CPU path, one
+``F.linear`` pair per expert hit), with the bytes of the experts' weights
+the step reads over the graph time (``moe_<device>.json``/``.md``).
 """
 
 from __future__ import annotations
@@ -103,6 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="batch-1 decode of a Llama-3-8B-shaped dummy model against the HBM roofline")
     p.add_argument("--decode-modes", nargs="+", choices=sorted(DECODE_MODES), default=list(DECODE_MODES),
                    help="with --batch1-decode: the engine paths to time, in this order")
+    p.add_argument("--moe", action="store_true", help="time the MoE experts (kernels/moe.py) against the torch "
+                   "reference")
+    p.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096])
     p.add_argument("--compile-only", action="store_true",
                    help="no GPU needed: compile every variant for sm_90 and report its resources")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
@@ -111,6 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.batch_sizes, args.contexts, args.prefill_lens = [1, 64], [2048, 16384], [2048]
+        args.moe_tokens = [1, 512]
     return args
 
 
@@ -695,6 +707,106 @@ def batch1_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- MoE experts -------------------------------------------------------------------------
+
+# (model, experts, experts a token, hidden, intermediate) of one MoE layer's routed experts.
+MOE_SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768), ("mixtral-8x7b", 8, 2, 4096, 14336)]
+
+
+def moe_operands(experts: int, top_k: int, hidden: int, inter: int, tokens: int, device: str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """x, w13 [E, 2N, H], w2 [E, H, N], and a router's routing of random
+    logits (top-k of the softmax, renormalised, fp32)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(scale)
+
+    x = randn(tokens, hidden)
+    w13 = randn(experts, 2 * inter, hidden, scale=hidden**-0.5)
+    w2 = randn(experts, hidden, inter, scale=inter**-0.5)
+    logits = torch.randn((tokens, experts), generator=gen, device=device)
+    weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+    return x, w13, w2, ids, weights / weights.sum(dim=-1, keepdim=True)
+
+
+def bench_moe(tokens: list[int], device: str = "cuda") -> list[dict]:
+    from fluidserve.kernels import moe, reference
+
+    rows = []
+    for name, experts, top_k, hidden, inter in MOE_SHAPES:
+        for t in tokens:
+            args = moe_operands(experts, top_k, hidden, inter, t, device)
+            hit = int(args[3].unique().numel())
+            weight_bytes = hit * 3 * inter * hidden * args[1].element_size()
+            triton, torch_reference = partial(moe.fused_experts, *args), partial(reference.fused_experts, *args)
+            triton_ms, in_graph_ms, reference_ms = bench_ms(triton), graph_ms(triton), bench_ms(torch_reference)
+            diff = (triton().float() - torch_reference().float()).abs().max()
+            rows.append(dict(model=name, experts=experts, top_k=top_k, hidden=hidden, inter=inter, tokens=t,
+                             experts_hit=hit, block_m=moe.block_m(t * top_k, experts), triton_ms=triton_ms,
+                             graph_ms=in_graph_ms, reference_ms=reference_ms,
+                             weight_gb_s=weight_bytes / (in_graph_ms * 1e-3) / 1e9 if in_graph_ms else None,
+                             max_abs_diff=float(diff)))  # fmt: skip
+            print(f"moe {name} tokens={t}: triton {triton_ms:.3f} ms (graph {in_graph_ms:.3f}), "
+                  f"reference {reference_ms:.3f} ms, max |diff| {float(diff):.2e}")
+    return rows
+
+
+def moe_markdown(report: dict) -> str:
+    lines = [f"# MoE experts on {report['device']}", "",
+             "`ops.fused_experts`, bf16: the Triton path (kernels/moe.py) launched from Python and as a CUDA "
+             "graph replays it (`graph_ms`), against the torch reference (reference.fused_experts, the CPU "
+             "path: one host sync, then two `F.linear` per expert hit). Weight GB/s: the bytes of the experts "
+             f"hit over the graph time (copy: {report['copy_gb_s']:.0f} GB/s). Routing: top-k of a softmax of "
+             "random logits.", "",
+             "| model | tokens | experts hit | BLOCK_M | Triton ms | in a graph ms | weight GB/s | reference ms "
+             "| reference / Triton | max abs diff |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in report["moe"]:
+        gbs = f"{r['weight_gb_s']:.0f}" if r["weight_gb_s"] else "–"
+        lines.append(f"| {r['model']} | {r['tokens']} | {r['experts_hit']} | {r['block_m']} | {r['triton_ms']:.3f} "
+                     f"| {r['graph_ms']:.3f} | {gbs} | {r['reference_ms']:.3f} "
+                     f"| {r['reference_ms'] / r['triton_ms']:.2f}x | {r['max_abs_diff']:.2e} |")
+    return "\n".join(lines) + "\n"
+
+
+def moe_main(args: argparse.Namespace) -> int:
+    name = torch.cuda.get_device_name()
+    report = dict(device=name, time=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,
+                  copy_gb_s=copy_bandwidth_gbs(), moe=bench_moe(args.moe_tokens))  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"moe_{device_slug(name)}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    stem.with_suffix(".md").write_text(moe_markdown(report))
+    print(f"wrote {stem}.json and {stem}.md")
+    return 0
+
+
+def moe_compile_report() -> list[dict]:
+    """The MoE experts' launches (the gated GEMM, the down GEMM, the sum
+    over slots) at a decode token and a 4096-token prefill of each
+    ``MOE_SHAPES`` layer, compiled for sm_90 with the arguments the
+    wrapper passes."""
+    from fluidserve.kernels import moe
+
+    rows, bf16 = [], torch.bfloat16
+    for name, experts, top_k, hidden, inter in MOE_SHAPES:
+        for tokens in (1, 4096):
+            ids = torch.randint(0, experts, (tokens, top_k))  # the launches are recorded, not run: any routing
+            args = (torch.empty((tokens, hidden), dtype=bf16), torch.empty((experts, 2 * inter, hidden), dtype=bf16),
+                    torch.empty((experts, hidden, inter), dtype=bf16), ids, torch.rand(tokens, top_k))  # fmt: skip
+            for fn, kernel_args, constexprs, options in _launches_of(lambda: moe.fused_experts(*args)):
+                res = _compile_offline(fn, kernel_args, constexprs, (), options)
+                what = ("gate/up + SiLU-mul" if constexprs.get("GATED") else "down, weighted"
+                        if "GATED" in constexprs else "sum over slots")  # fmt: skip
+                tile = "x".join(str(constexprs[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in constexprs)
+                res.update(kernel="moe", variant=f"{name}, {tokens} tokens: {what}" + (f", {tile}" if tile else ""))
+                rows.append(res)
+                print(f"moe {res['variant']:50s} warps={res['num_warps']} regs={res['registers']} "
+                      f"stack={res['stack_bytes']} local={res['local_bytes']} shared={res['shared_bytes']}")
+    return rows
+
+
 # Shapes the offline compile covers: (head_dim, group) of Llama-3-8B, an MHA
 # model, a wide GQA group, OPT-2.7B's 80 and a padded 96.
 COMPILE_SHAPES = [(128, 4), (128, 1), (64, 8), (80, 1), (96, 4)]
@@ -1047,13 +1159,20 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
             "Dependent launches (`FLUIDSERVE_GEMV_PDL`): the grid-dependency wait in the code, and the bulk L2 "
             "prefetch instructions in it (one per weight half).",
             {"launch shape": "variant", "wait": "grid_dependency", "L2 prefetches": "l2_prefetches"}, gemvs)
-    others = [r for r in rows if r.get("kernel") not in (None, "attention", "gemv")]
+    others = [r for r in rows if r.get("kernel") not in (None, "attention", "gemv", "moe")]
     if others:
         lines += _resource_section(
             "The layer's other kernels, at a Llama-3-8B decode token (bf16)",
             "Each compiled with the arguments its wrapper passes (kernels/fused_norm.py, activation.py, "
             "rope_cache.py, cache_ops.py, and paged_attention.py's split-K merge).",
             {"kernel": "kernel", "launch": "variant", "warps": "num_warps"}, others)
+    experts = [r for r in rows if r.get("kernel") == "moe"]
+    if experts:
+        lines += _resource_section(
+            "MoE experts (kernels/moe.py), bf16",
+            "The three launches of `ops.fused_experts` on the Triton lane, BLOCK_M x BLOCK_N x BLOCK_K as the "
+            "wrapper picks them for the shape (gate/up: BLOCK_N columns of the gate half and as many of the up "
+            "half).", {"launch": "variant", "warps": "num_warps"}, experts)
     return "\n".join(lines) + "\n"
 
 
@@ -1075,7 +1194,8 @@ def compile_main(args: argparse.Namespace) -> int:
         return 1
     import triton
 
-    rows = compile_report(args.num_kv_heads, args.block_size) + gemv_compile_report() + row_compile_report()
+    rows = (compile_report(args.num_kv_heads, args.block_size) + gemv_compile_report() + row_compile_report()
+            + moe_compile_report())
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"kernels_compile_sm90{args.tag}"  # the tag may hold a dot: no with_suffix
     Path(f"{stem}.json").write_text(json.dumps(dict(triton=triton.__version__, variants=rows), indent=2))
@@ -1109,6 +1229,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.batch1_decode:
         return batch1_main(args)
+    if args.moe:
+        return moe_main(args)
     from fluidserve.kernels import packing
     from fluidserve.kernels import paged_attention as pa
 

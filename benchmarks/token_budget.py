@@ -58,7 +58,8 @@ FIGURES = ("mean_norm_latency_s", "p99_ttft_s", "p99_tpot_s", "mean_ttft_s", "th
 def knee_tokens(cm: RooflineCostModel) -> int:
     """Prefill tokens whose matmuls take as long as one read of the weights."""
     read = cm.model.weight_bytes / (cm.device.hbm_bandwidth * cm.device.memory_efficiency)
-    per_token = 2 * cm.model.num_layers * cm.model.layer_params / (cm.device.peak_flops * cm.device.flops_efficiency)
+    flops = 2 * cm.model.num_layers * cm.model.active_layer_params
+    per_token = flops / (cm.device.peak_flops * cm.device.flops_efficiency)
     return round(read / per_token)
 
 

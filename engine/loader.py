@@ -215,15 +215,21 @@ class _Target:
     offset: int
     rows: int
     spec: ShardSpec | None
+    expert: int | None = None  # a stacked parameter's index along its first dimension
 
     def view(self) -> torch.Tensor:
-        return self.param.narrow(0, self.offset, self.rows) if fused_pieces(self.param) else self.param
+        if not fused_pieces(self.param):
+            return self.param
+        whole = self.param if self.expert is None else self.param[self.expert]
+        return whole.narrow(0, self.offset, self.rows)
 
 
 def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
     """Every checkpoint tensor name the model reads, and where it goes. A
     fused parameter (``...self_attn.qkv_proj.weight``) answers to the names of
-    its parts (``...self_attn.q_proj.weight``, ``k_proj``, ``v_proj``)."""
+    its parts (``...self_attn.q_proj.weight``, ``k_proj``, ``v_proj``); a
+    stacked one (``...mlp.experts.gate_up_proj``) to its experts' names
+    (``...mlp.experts.3.gate_proj.weight``)."""
     targets = {}
     for name, param in model.named_parameters():
         pieces = fused_pieces(param)
@@ -233,8 +239,21 @@ def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
         module, leaf = name.rsplit(".", 1)
         parent = module.rsplit(".", 1)[0] + "." if "." in module else ""
         for piece in pieces:
-            targets[f"{parent}{piece.name}.{leaf}"] = _Target(name, param, piece.offset, piece.rows, piece.spec)
+            key = f"{module}.{piece.key}" if piece.key else f"{parent}{piece.name}.{leaf}"
+            targets[key] = _Target(name, param, piece.offset, piece.rows, piece.spec, piece.expert)
     return targets
+
+
+def checkpoint_name(model: nn.Module, name: str) -> str:
+    """A checkpoint tensor's name as our modules spell it: the model's
+    ``checkpoint_prefixes`` (OPT's ``decoder.``) and ``checkpoint_renames``
+    (Mixtral's ``block_sparse_moe`` and ``w1``/``w3``/``w2``) applied."""
+    for old, new in getattr(model, "checkpoint_prefixes", {}).items():
+        if name.startswith(old):
+            name = new + name[len(old):]
+    for old, new in getattr(model, "checkpoint_renames", ()):
+        name = name.replace(old, new)
+    return name
 
 
 def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = False) -> None:
@@ -245,12 +264,9 @@ def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = Fals
     which then stays unread (nothing is sampled)."""
     model_dir = Path(model_dir)
     targets = checkpoint_targets(model)
-    prefixes = getattr(model, "checkpoint_prefixes", {})
     loaded: set[str] = set()
     for name, source in _checkpoint_tensors(model_dir):
-        for old, new in prefixes.items():
-            if name.startswith(old):
-                name = new + name[len(old):]
+        name = checkpoint_name(model, name)
         if base_only and name not in targets and f"model.{name}" in targets:
             name = f"model.{name}"
         if name not in targets:

@@ -45,6 +45,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fluidserve.engine.loader import checkpoint_name
+
 CONFIG_FILE = "adapter_config.json"
 # PEFT's config keys whose non-default values change what an adapter
 # computes in ways this module does not: refused by name, never ignored.
@@ -176,7 +178,6 @@ def read_adapter(path: str | Path, model: nn.Module, max_rank: int) -> Adapter:
     config = _config(path)
     rslora = bool(config.get("use_rslora"))
     alpha = float(config.get("lora_alpha", 8))
-    prefixes = getattr(model, "checkpoint_prefixes", {})
     sites = _sites(model)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in _tensors(path).items():
@@ -189,9 +190,7 @@ def read_adapter(path: str | Path, model: nn.Module, max_rank: int) -> Adapter:
         else:
             raise AdapterError(f"lora_path: tensor {key!r} is not a LoRA A or B weight of a linear "
                                f"(embedding and LM-head adapters are not supported)")
-        for old, new in prefixes.items():
-            if module.startswith(old):
-                module = new + module[len(old):]
+        module = checkpoint_name(model, module)
         pairs.setdefault(module, {})[which] = tensor
     if not pairs:
         raise AdapterError(f"lora_path: the adapter in {str(path)!r} holds no LoRA weights")

@@ -312,6 +312,11 @@ class Piece:
     offset: int
     rows: int
     spec: ShardSpec | None
+    # A stacked parameter's piece (experts, [E, rows, in]): the index along
+    # its first dimension that holds this tensor, and the tensor's checkpoint
+    # name relative to the parameter's module (``3.gate_proj.weight``).
+    expert: int | None = None
+    key: str | None = None
 
 
 _PIECES_ATTR = "tp_pieces"
@@ -320,6 +325,14 @@ _PIECES_ATTR = "tp_pieces"
 def fused_pieces(param: nn.Parameter) -> tuple[Piece, ...] | None:
     """The checkpoint tensors stacked in a fused parameter; None for any other."""
     return getattr(param, _PIECES_ATTR, None)
+
+
+def stacked_param(shape: tuple[int, ...], pieces: tuple[Piece, ...]) -> nn.Parameter:
+    """A parameter that holds many checkpoint tensors (one expert's each
+    along its first dimension), loaded where its ``pieces`` say."""
+    param = _new_param(shape, None)
+    setattr(param, _PIECES_ATTR, pieces)
+    return param
 
 
 class MergedColumnParallelLinear(_PrepackedLinear):

@@ -264,8 +264,14 @@ def feed_forward_share(hf_config: Any) -> float:
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, k, v, o
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
     if getattr(hf_config, "ffn_dim", None):  # OPT: fc1, fc2
         mlp = 2 * hidden * hf_config.ffn_dim
+    elif experts and getattr(hf_config, "num_experts_per_tok", None):
+        # A token's experts (Mixtral, Qwen-MoE), its shared expert and the router; every layer taken as sparse.
+        inter = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+        shared = getattr(hf_config, "shared_expert_intermediate_size", None) or 0
+        mlp = 3 * hidden * (hf_config.num_experts_per_tok * inter + shared) + hidden * experts
     elif getattr(hf_config, "intermediate_size", None):  # gated: gate, up, down
         mlp = 3 * hidden * hf_config.intermediate_size
     else:

@@ -25,7 +25,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3_moe")
 
 # A thinking model's markers, added after the specials (ids 261 and 262) in
 # ``build_tiny_thinking_model``, and its Qwen3-style template: the reply
@@ -89,6 +89,14 @@ def tiny_config(arch: str = "llama", **overrides):
         num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
         rope_theta=10000.0, tie_word_embeddings=False, head_dim=16,
     )
+    # Mixture-of-experts kin: 8 small experts (Mixtral: 4), two a token.
+    if arch == "mixtral":
+        kw.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+    elif arch in ("qwen2_moe", "qwen3_moe"):
+        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                  norm_topk_prob=arch == "qwen3_moe")
+        if arch == "qwen2_moe":
+            kw.update(shared_expert_intermediate_size=48)
     kw.update(common)
     kw.update(overrides)
     cls = {
@@ -96,6 +104,9 @@ def tiny_config(arch: str = "llama", **overrides):
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "mixtral": transformers.MixtralConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[arch]
     return cls(**kw)
 

@@ -413,3 +413,27 @@ def silu_and_mul(x: torch.Tensor, path: KernelPath | None = None) -> torch.Tenso
         return activation.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate).mul_(up)
+
+
+# -- mixture of experts ---------------------------------------------------------------
+
+
+def fused_experts(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2N, H]: per expert gate_proj rows [0, N), then up_proj rows [N, 2N)
+    w2: torch.Tensor,  # [E, H, N]: per expert down_proj
+    topk_ids: torch.Tensor,  # [T, k] int64 or int32: the expert of each (token, slot)
+    topk_weights: torch.Tensor,  # [T, k] fp32 or x's dtype: the routing weight of each (token, slot)
+    path: KernelPath | None = None,
+) -> torch.Tensor:
+    """The routed experts of an MoE layer, [T, H] of x's dtype:
+    ``out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) *
+    up_e(x[t]))`` with ``e = topk_ids[t, j]``, rounded as reference.py says.
+    On the Triton lane kernels/moe.py (no host sync, CUDA-graph safe);
+    elsewhere the reference, which syncs once. ``path``: the caller's
+    ``kernel_path`` (None: worked out here)."""
+    if path == "triton" if path is not None else _on_triton(x, w13, w2, topk_ids, topk_weights):
+        from fluidserve.kernels import moe
+
+        return moe.fused_experts(x, w13, w2, topk_ids, topk_weights)
+    return reference.fused_experts(x, w13, w2, topk_ids, topk_weights)

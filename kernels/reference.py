@@ -153,3 +153,45 @@ def scatter_blocks(
 ) -> None:
     """Write staged blocks back into the listed cache blocks."""
     cache[block_ids.long()] = staging.to(cache.dtype)
+
+
+# -- mixture of experts ------------------------------------------------------------------
+
+
+def fused_experts(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2N, H]: gate_proj rows, then up_proj rows
+    w2: torch.Tensor,  # [E, H, N]: down_proj
+    topk_ids: torch.Tensor,  # [T, k] int
+    topk_weights: torch.Tensor,  # [T, k]
+) -> torch.Tensor:
+    """``out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) *
+    up_e(x[t]))`` with ``e = topk_ids[t, j]``: [T, H] of x's dtype.
+
+    Rounded as transformers' eager MoE experts (Qwen3MoeExperts.forward)
+    round: each expert's rows through two ``F.linear`` in x's dtype, the
+    routing weight multiplied by torch's promotion rules, then added into a
+    zeroed output in x's dtype, expert after expert in increasing id. One
+    stable sort and one host sync (the counts) stand in for its
+    ``where`` per expert; each expert's rows come in the order that
+    ``where`` over its [k, T] mask lists them (slot, then token), so every
+    GEMM sees the same rows in the same order. Also the CPU serving path."""
+    out = torch.zeros_like(x)
+    tokens, top_k = topk_ids.shape
+    if tokens == 0 or top_k == 0:
+        return out
+    flat = topk_ids.t().reshape(-1)  # pair j * T + t
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    weights = topk_weights.t().reshape(-1)
+    start = 0
+    for expert, n in enumerate(counts):
+        if not n:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tok = pairs % tokens
+        gate, up = F.linear(x[tok], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert]) * weights[pairs, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out

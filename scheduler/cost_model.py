@@ -89,7 +89,13 @@ def tokens_for_time(cost: CostModel, seconds: float) -> int:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the roofline needs of a decoder-only transformer (Llama family)."""
+    """What the roofline needs of a decoder-only transformer (Llama family).
+    A mixture-of-experts model (Mixtral, Qwen-MoE) has ``num_experts`` > 0:
+    ``moe_layers`` of its layers route each token to ``experts_per_token``
+    experts of ``expert_intermediate_size`` features (plus a shared expert
+    every token takes, Qwen2-MoE's), the rest keep the dense MLP. A token's
+    compute counts the experts it takes; a step's weight reads count the
+    experts its tokens reach."""
 
     num_layers: int
     hidden_size: int
@@ -100,23 +106,71 @@ class ModelShape:
     head_dim: int | None = None
     dtype_bytes: int = 2
     name: str = "model"
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    moe_layers: int = 0
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
 
     @property
-    def layer_params(self) -> int:
+    def attention_params(self) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.hd, self.num_kv_heads * self.hd
-        attn = h * q + 2 * h * kv + q * h
-        mlp = 3 * h * self.intermediate_size  # gate, up, down
-        return attn + mlp
+        return h * q + 2 * h * kv + q * h
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.expert_intermediate_size  # gate, up, down
+
+    def _moe_fixed_params(self) -> int:
+        """A MoE layer's feed-forward weights every token reads: the router and the shared expert."""
+        return self.hidden_size * self.num_experts + 3 * self.hidden_size * self.shared_expert_intermediate_size
+
+    @property
+    def layer_params(self) -> int:
+        """A layer's weights, on average over the layers (every expert counted)."""
+        dense = (self.num_layers - self.moe_layers) * 3 * self.hidden_size * self.intermediate_size
+        sparse = self.moe_layers * (self._moe_fixed_params() + self.num_experts * self.expert_params)
+        return self.attention_params + (dense + sparse) // self.num_layers
+
+    @property
+    def active_layer_params(self) -> int:
+        """The weights one token's compute goes through in a layer, on
+        average over the layers: its experts only (``layer_params`` for a
+        dense model)."""
+        dense = (self.num_layers - self.moe_layers) * 3 * self.hidden_size * self.intermediate_size
+        sparse = self.moe_layers * (self._moe_fixed_params() + self.experts_per_token * self.expert_params)
+        return self.attention_params + (dense + sparse) // self.num_layers
+
+    @property
+    def feed_forward_share(self) -> float:
+        """The feed-forward half's share of a token's layer compute."""
+        return 1.0 - self.attention_params / self.active_layer_params
 
     @property
     def weight_bytes(self) -> int:
         # Layers, the lm_head and the embedding table (read once per step for
         # the lm_head; the embedding gather is negligible and not counted).
         return (self.num_layers * self.layer_params + self.hidden_size * self.vocab_size) * self.dtype_bytes
+
+    def step_weight_bytes(self, tokens: int) -> float:
+        """The weights a step of ``tokens`` rows reads: all of a dense
+        model's; of a MoE layer's experts, those its tokens are expected to
+        reach, each token taking ``experts_per_token`` of ``num_experts`` as
+        if at random: ``E (1 - (1 - k / E) ** T)``."""
+        if not self.moe_layers:
+            return self.weight_bytes
+        e, k = self.num_experts, self.experts_per_token
+        unreached = (self.num_experts - self.expected_experts(tokens)) * self.moe_layers * self.expert_params
+        return self.weight_bytes - unreached * self.dtype_bytes if e and k else self.weight_bytes
+
+    def expected_experts(self, tokens: int) -> float:
+        """Distinct experts a MoE layer's step of ``tokens`` rows reaches."""
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1.0 - (1.0 - k / e) ** tokens) if e else 0.0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -132,8 +186,13 @@ class ModelShape:
             # OPT-style two-matrix MLP (fc1, fc2): the gated three-matrix size
             # with the same parameter count.
             inter = (2 * cfg["ffn_dim"]) // 3
+        layers = cfg["num_hidden_layers"]
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0) if experts else 0
         return cls(
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=layers,
             hidden_size=cfg["hidden_size"],
             intermediate_size=inter,
             num_heads=heads,
@@ -142,6 +201,11 @@ class ModelShape:
             head_dim=cfg.get("head_dim"),
             dtype_bytes=dtype_bytes,
             name=cfg.get("_name_or_path") or cfg.get("model_type", "model"),
+            num_experts=experts,
+            experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            expert_intermediate_size=int(cfg.get("moe_intermediate_size") or inter) if experts else 0,
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if experts else 0,
+            moe_layers=moe_layers,
         )
 
     @classmethod
@@ -194,12 +258,13 @@ class RooflineCostModel(_StepShapeMixin):
     def __init__(self, model: ModelShape, device: DeviceSpec) -> None:
         self.model = model
         self.device = device
-        self._flops_per_token = 2 * model.num_layers * model.layer_params
+        self._flops_per_token = 2 * model.num_layers * model.active_layer_params
         self._lm_head_flops = 2 * model.hidden_size * model.vocab_size
         # QK^T and PV: 2 matmuls x 2 FLOPs per (query, key) pair per head dim.
         self._flops_per_pair = 4 * model.num_layers * model.num_heads * model.hd
         # Properties of the shape, computed once here: step_time runs every step.
         self._weight_bytes = model.weight_bytes
+        self._moe = model.moe_layers > 0
         self._kv_bytes_per_token = model.kv_bytes_per_token
         self._compute_rate = device.peak_flops * device.flops_efficiency
         self._memory_rate = device.hbm_bandwidth * device.memory_efficiency
@@ -221,7 +286,8 @@ class RooflineCostModel(_StepShapeMixin):
         # not end their prompt skip the lm_head, counted as if all sampled.
         samples = num_decode_seqs + (1 if num_prefill_tokens else 0)
         flops = tokens * self._flops_per_token + samples * self._lm_head_flops + pairs * self._flops_per_pair
-        bytes_moved = self._weight_bytes + (total_context + tokens) * self._kv_bytes_per_token
+        weights = self.model.step_weight_bytes(tokens) if self._moe else self._weight_bytes
+        bytes_moved = weights + (total_context + tokens) * self._kv_bytes_per_token
         return max(flops / self._compute_rate, bytes_moved / self._memory_rate) + self.device.step_overhead_s
 
     def num_kv_blocks(self, block_size: int, memory_utilization: float = 0.9,

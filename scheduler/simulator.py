@@ -197,7 +197,7 @@ class Simulator:
         layers = shape.num_layers if shape else config.model_layers
         self.safepoint_share = safepoint_interval_share(
             sched_cfg.preemption_safepoint_layers, layers,
-            3 * shape.hidden_size * shape.intermediate_size / shape.layer_params if shape else 0.5)
+            shape.feed_forward_share if shape else 0.5)
         self.scheduler = Scheduler.create(
             sched_cfg, cache, cache.num_kv_blocks, cache.num_host_blocks or 0,
             policy=make_policy(policy, cost_model=cost_model, **sched_cfg.policy_options) if named else policy,

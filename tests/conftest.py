@@ -63,7 +63,7 @@ def tiny_model(tmp_path_factory):
     cache: dict = {}
 
     def build(arch: str = "llama", **overrides) -> str:
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in overrides.items())))
         if key not in cache:
             kw = {**TINY_ARCHS.get(arch, {}), **overrides}
             path = tmp_path_factory.mktemp(f"tiny-{arch}")

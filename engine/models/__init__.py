@@ -11,6 +11,9 @@ MODEL_REGISTRY = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     # Checkpoints of the base model alone (sentence-transformers' decoder
     # embedders): served for embeddings only, with no LM head to load.
@@ -32,7 +35,8 @@ def model_class(config):
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
     by_type = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
-               "qwen3": LlamaForCausalLM, "opt": OPTForCausalLM}
+               "qwen3": LlamaForCausalLM, "mixtral": LlamaForCausalLM, "qwen2_moe": LlamaForCausalLM,
+               "qwen3_moe": LlamaForCausalLM, "opt": OPTForCausalLM}
     if config.model_type in by_type:
         return by_type[config.model_type]
     raise ValueError(

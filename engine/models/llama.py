@@ -1,6 +1,8 @@
 """The Llama family over the flat token batch: Llama 2/3, Mistral, Qwen2 (bias
-on q/k/v) and Qwen3 (RMSNorm on q and k per head). Parameter names mirror the
-Hugging Face checkpoints so weights load by name.
+on q/k/v) and Qwen3 (RMSNorm on q and k per head), and their mixture-of-experts
+kin, Mixtral, Qwen2-MoE and Qwen3-MoE, whose decoder layers route each token
+to a few experts in place of the MLP (engine/models/moe.py). Parameter names
+mirror the Hugging Face checkpoints so weights load by name.
 
 Under tensor parallelism (engine/parallel.py) each rank holds its share of
 the attention heads and of the MLP's intermediate features; the KV heads are
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from ...kernels import ops
+from .moe import SparseMoeBlock, is_moe_layer
 from ..layers import AttentionMetadata, KVCache, PagedAttention, QKNorm, RMSNorm, Rope, RotaryEmbedding, StepLaunches
 from ..preemption import LayerLoop
 from ..parallel import (
@@ -38,7 +41,7 @@ def _sliding_window(config, layer: int) -> int | None:
     window = getattr(config, "sliding_window", None)
     if window is None:
         return None
-    if config.model_type in ("qwen2", "qwen3"):
+    if config.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if not getattr(config, "use_sliding_window", False):
             return None
         layer_types = getattr(config, "layer_types", None)
@@ -57,8 +60,9 @@ class LlamaAttention(nn.Module):
         self.num_heads = tp.divide(total_heads, "num_attention_heads")  # this rank's query heads
         kv_shards, kv_index = _kv_sharding(total_kv_heads, tp)
         self.num_kv_heads = total_kv_heads // kv_shards
-        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
-        o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
+        qwen2 = config.model_type in ("qwen2", "qwen2_moe")
+        qkv_bias = (qwen2 and bool(getattr(config, "qkv_bias", True))) or bool(getattr(config, "attention_bias", False))
+        o_bias = bool(getattr(config, "attention_bias", False)) and not qwen2
         # q, k and v in one product; the checkpoint's q_proj/k_proj/v_proj load into its rows.
         self.qkv_proj = MergedColumnParallelLinear(hidden, [
             Part("q_proj", total_heads * self.head_dim),
@@ -66,7 +70,7 @@ class LlamaAttention(nn.Module):
             Part("v_proj", total_kv_heads * self.head_dim, kv_shards, kv_index),
         ], qkv_bias, tp)
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, o_bias, tp)
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -124,9 +128,9 @@ def _kv_sharding(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, tp: TensorParallel) -> None:
+    def __init__(self, config, tp: TensorParallel, intermediate_size: int | None = None) -> None:
         super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden, inter = config.hidden_size, intermediate_size or config.intermediate_size
         tp.divide(inter, "intermediate_size")
         # gate and up in one product (checkpoint names gate_proj/up_proj)
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [Part("gate_proj", inter), Part("up_proj", inter)],
@@ -279,7 +283,14 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer, tp)
-        self.mlp = LlamaMLP(config, tp)
+        # A MoE layer's block routes each row to its experts; it runs through
+        # the modules (no row or batch path of fused launches).
+        self.moe = is_moe_layer(config, layer)
+        if self.moe:
+            shared = getattr(config, "shared_expert_intermediate_size", None)
+            self.mlp = SparseMoeBlock(config, tp, LlamaMLP(config, tp, shared) if shared else None)
+        else:
+            self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._row: _RowWeights | None = None  # until the weights are loaded
@@ -300,6 +311,9 @@ class LlamaDecoderLayer(nn.Module):
         step's row is (``LlamaModel.forward`` checks) and every GEMV writes."""
         from ...kernels import gemv
 
+        if self.moe:
+            self._row = self._batch = None
+            return
         attn, mlp = self.self_attn, self.mlp
         qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
         norms = self.input_layernorm, self.post_attention_layernorm
@@ -376,7 +390,7 @@ class LlamaDecoderLayer(nn.Module):
         # add + norm, gate/up GEMM, SiLU-mul, down GEMM adding the residual.
         path = meta.kernels
         attn = self.self_attn
-        if row:
+        if row and not self.moe:
             # One row where the batch-1 GEMV runs (``ops.gemv_row``, asked
             # once per step by the model; eager and in decode graphs): six. The norms run
             # in the GEMVs' prologues, the SiLU-mul in the gate/up GEMV's
@@ -493,6 +507,10 @@ class LlamaModel(nn.Module):
         return self.norm(self.layers[-1].finish(attended, x, path), path)
 
 
+MIXTRAL_RENAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                   (".w2.", ".down_proj."))
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -502,6 +520,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+        if config.model_type == "mixtral":  # its checkpoints' names for the MoE block and the experts' linears
+            self.checkpoint_renames = MIXTRAL_RENAMES
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:

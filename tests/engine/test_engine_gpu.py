@@ -24,10 +24,13 @@ ARCH_CASES = [
     ("qwen3", {"head_dim": 128, "hidden_size": 512}),
     ("opt", {"hidden_size": 256}),
     ("opt", {"hidden_size": 320, "word_embed_proj_dim": 320}),
+    ("qwen3_moe", {"head_dim": 128, "hidden_size": 512, "num_experts": 16, "num_experts_per_tok": 4}),
+    ("mixtral", {"head_dim": 64, "hidden_size": 256}),
 ]
+ARCH_IDS = ["llama-64", "qwen3-128", "opt-64", "opt-80", "qwen3-moe-128", "mixtral-64"]
 
 
-@pytest.mark.parametrize("arch, overrides", ARCH_CASES, ids=["llama-64", "qwen3-128", "opt-64", "opt-80"])
+@pytest.mark.parametrize("arch, overrides", ARCH_CASES, ids=ARCH_IDS)
 def test_triton_path_greedy_equals_reference_path(tiny_model, make_llm, arch, overrides):
     path = tiny_model(arch, **overrides)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -37,7 +40,7 @@ def test_triton_path_greedy_equals_reference_path(tiny_model, make_llm, arch, ov
     assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in ref]
 
 
-@pytest.mark.parametrize("arch, overrides", ARCH_CASES, ids=["llama-64", "qwen3-128", "opt-64", "opt-80"])
+@pytest.mark.parametrize("arch, overrides", ARCH_CASES, ids=ARCH_IDS)
 def test_bf16_triton_path_matches_reference_path_token_for_token(tiny_model, make_llm, arch, overrides):
     """bf16 end to end on one GPU: the same model, weights and matmuls, once
     with the Triton kernels and once with the torch reference attention

@@ -38,10 +38,11 @@ LANE_CASES = [
     ("qwen3", {"head_dim": 128, "hidden_size": 256}),
     ("opt", {"hidden_size": 160, "word_embed_proj_dim": 160, "num_attention_heads": 2}),
     ("mistral", {"sliding_window": 12}),
+    ("qwen3_moe", {}),  # the experts through the Triton grouped GEMM (kernels/moe.py)
 ]
 # What the GPU machines lack (benchmarks/gpu_check.sh runs there).
 MISSING_ON_GPU_NODES = ("xgrammar", "ray", "fastapi", "uvicorn", "pydantic", "prometheus_client")
-LANE_IDS = ["llama-gqa", "qwen3-128", "opt-80", "mistral-window"]
+LANE_IDS = ["llama-gqa", "qwen3-128", "opt-80", "mistral-window", "qwen3-moe"]
 # Small steps and few tokens: the interpreter runs every program of a launch
 # in Python. Chunked prompts still give mixed prefill+decode steps.
 LANE_KWARGS = dict(device="cpu", num_kv_blocks=64, max_num_batched_tokens=32, max_model_len=256)
@@ -269,6 +270,21 @@ def test_lane_piecewise_steps_give_eager_tokens_and_kv(tiny_model, make_llm, tri
     for (k1, v1), (k2, v2) in zip(eager_llm.engine.executor.worker.kv_caches, worker.kv_caches):
         torch.testing.assert_close(k2, k1, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-6)
+
+
+@lane_only
+def test_lane_piecewise_steps_run_the_experts_in_their_pieces(tiny_model, make_llm, triton_lane):
+    """A MoE layer's block runs inside the pieces a graph captures, over
+    the padded rows of the static buffers (a padded row routes somewhere
+    and is dropped): the eager Triton path's tokens."""
+    path = tiny_model("qwen3_moe")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kwargs = dict(LANE_KWARGS, dtype="float32", block_size=8, scheduling_policy="fcfs")
+    eager = [o.outputs[0].token_ids for o in make_llm(path, **kwargs).generate(PROMPTS[:3], params)]
+    piece_llm = make_llm(path, piecewise_graphs=True, **kwargs)
+    pieces = [o.outputs[0].token_ids for o in piece_llm.generate(PROMPTS[:3], params)]
+    assert pieces == eager
+    assert piece_llm.engine.executor.worker.piecewise.replays
 
 
 @lane_only

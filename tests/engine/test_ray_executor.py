@@ -70,7 +70,8 @@ def _generate(model_dir: str, **kwargs) -> list[list[int]]:
     ("llama", {}),  # GQA, 2 KV heads: one per rank
     ("opt", {}),  # MHA, biases on every projection, tied LM head
     ("qwen2", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: replicated; q/k/v biases
-], ids=["llama-gqa", "opt", "qwen2-kv1"])
+    ("qwen2_moe", {}),  # every expert's features split, the router whole, a shared expert
+], ids=["llama-gqa", "opt", "qwen2-kv1", "qwen2-moe"])
 @pytest.mark.slow
 def test_tp2_greedy_tokens_identical_to_local(ray_cluster, tiny_model, arch, overrides):
     path = tiny_model(arch, **overrides)

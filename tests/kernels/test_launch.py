@@ -17,11 +17,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from fluidserve.kernels import activation, cache_ops, fused_norm, gemv, launch, paged_attention, rope_cache
+from fluidserve.kernels import activation, cache_ops, fused_norm, gemv, launch, moe, paged_attention, rope_cache
 from fluidserve.kernels.launch import Relaunch, arg_class
 
 BACKEND = make_backend(GPUTarget("cuda", 90, 32))
-WRAPPED = {f"{m.__name__}.{name}": v for m in (activation, cache_ops, fused_norm, gemv, paged_attention, rope_cache)
+MODULES = (activation, cache_ops, fused_norm, gemv, moe, paged_attention, rope_cache)
+WRAPPED = {f"{m.__name__}.{name}": v for m in MODULES
            for name, v in vars(m).items() if isinstance(v, Relaunch)}  # fmt: skip
 INTS = [0, 1, 2, 3, 15, 16, 17, 32, 48, 4096, 4097, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16,
         -(2**31), -(2**31) - 16, 2**40 + 1, 2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 1]  # fmt: skip

@@ -1,0 +1,159 @@
+"""Mixture-of-experts models served side by side with vLLM: the same
+checkpoint (random weights of a Qwen3-MoE or Mixtral shape, written here
+with the byte tokenizer), the same requests.
+
+    python benchmarks/moe_vs_vllm.py --vllm-python /work/vllm-venv/bin/python --arch qwen3_moe --tag=-qwen3-moe
+
+Each server is started in turn in one run and takes:
+
+* greedy completions of a few prompts (``--max-tokens`` tokens each,
+  ``ignore_eos``, token ids returned): whether both servers give the same
+  tokens from the same weights;
+* after a burst of 16 requests (not measured), two loads from the same
+  client (``fluidserve bench``, vLLM's random dataset): ``--num-requests``
+  sent at once (throughput), then the same number at ``--rate`` requests/s
+  (latency under a steady load).
+
+Writes benchmarks/results/moe_vs_vllm{--tag}.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+import serve_bench
+from dummy_models import save_results
+from lora_vs_vllm import LOAD_KEYS
+from vs_vllm import VLLM_ENV, vllm_problem
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):",
+           "Three facts about whales:", "Once upon a time, in a small village,", "The best way to learn a language is"]
+# Shapes small enough for two CPU cores, with the experts' proportions of
+# the real models: Qwen3-30B-A3B routes each token to 8 of 128 experts of
+# 768 features (hidden 2048); Mixtral-8x7B to 2 of 8 of 14336 (hidden 4096).
+SHAPES = {
+    "qwen3_moe": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=64, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=192,
+                      norm_topk_prob=True, max_position_embeddings=4096),
+    "mixtral": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                    head_dim=64, num_local_experts=8, num_experts_per_tok=2, intermediate_size=1792,
+                    max_position_embeddings=4096),
+}
+
+
+def build_checkpoint(arch: str, root: Path) -> Path:
+    """Random weights of ``SHAPES[arch]`` and the byte tokenizer, as safetensors."""
+    from fluidserve.engine.tiny_model import build_tiny_model
+
+    return build_tiny_model(root, arch, seed=0, **SHAPES[arch])
+
+
+def replies(base: str, model: str, max_tokens: int) -> list[list[int] | str]:
+    """Greedy completions of PROMPTS: token ids where the server returns them, else the text."""
+    out: list[list[int] | str] = []
+    for prompt in PROMPTS:
+        r = httpx.post(f"{base}/v1/completions", timeout=300, json={
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        out.append(choice.get("token_ids") or choice["text"])
+    return out
+
+
+def load(base: str, args: argparse.Namespace, rate: str, count: int) -> dict:
+    rep = serve_bench.load(base, ["--dataset-name", "random", "--random-input-len", str(args.input_len),
+                                  "--random-output-len", str(args.output_len), "--num-prompts", str(count),
+                                  "--request-rate", rate, "--seed", str(args.seed), "--ignore-eos"])
+    return {k: rep.get(k) for k in LOAD_KEYS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vllm-python", required=True, help="a Python with vLLM installed")
+    p.add_argument("--arch", choices=sorted(SHAPES), default="qwen3_moe")
+    p.add_argument("--model", default=None, help="a MoE model directory to serve instead of the random one")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-tokens", type=int, default=24, help="greedy comparison: tokens per reply")
+    p.add_argument("--rate", type=float, default=1.0, help="steady load: requests/s")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=8097)
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    problem = vllm_problem(args.vllm_python)
+    if problem:
+        print(f"vLLM cannot run: {problem}")
+        return 1
+    scratch = Path(tempfile.mkdtemp(prefix="moe-vs-vllm-"))
+    model = args.model or str(build_checkpoint(args.arch, scratch / "model"))
+    config = json.loads((Path(model) / "config.json").read_text())
+    port = ["--host", "127.0.0.1", "--port", str(args.port)]
+    servers = {
+        "fluidserve": ([sys.executable, "-m", "fluidserve.serve.cli", "serve", model, *port, "--dtype", args.dtype,
+                        "--max-model-len", "2048", "--log-level", "warning"], {}),
+        "vLLM": ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *port,
+                  "--dtype", args.dtype, "--max-model-len", "2048", "--enforce-eager"], VLLM_ENV),
+    }
+    base_url = f"http://127.0.0.1:{args.port}"
+    shape = {k: config.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers", "num_experts",
+                                        "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                        "intermediate_size") if config.get(k) is not None}
+    record: dict = {"benchmark": "moe_vs_vllm", "command": " ".join(map(shlex.quote, sys.argv)),
+                    "model": args.model and Path(args.model).name or f"random {args.arch}", "shape": shape,
+                    "dtype": args.dtype, "servers": {}}
+    for name, (cmd, env) in servers.items():
+        # Started outside the repository: its top-level folders would shadow vLLM's imports.
+        proc = serve_bench.launch(cmd, f"{base_url}/health", env, log=scratch / f"{name}.log", timeout=900,
+                                  name=name, cwd=str(scratch))
+        try:
+            served = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
+            load(base_url, args, "inf", 16)  # warm-up, not measured
+            got = replies(base_url, served, args.max_tokens)
+            loads = {"burst": load(base_url, args, "inf", args.num_requests),
+                     f"{args.rate:g}/s": load(base_url, args, str(args.rate), args.num_requests)}
+            record["servers"][name] = {"replies": got, "loads": loads}
+            print(name, json.dumps(loads), flush=True)
+        finally:
+            serve_bench.stop_server(proc)
+    ours, theirs = (record["servers"][s].pop("replies") for s in ("fluidserve", "vLLM"))
+    same = sum(a == b for a, b in zip(ours, theirs))
+    record["same_replies"], record["replies_compared"] = same, len(PROMPTS)
+    experts = shape.get("num_experts") or shape.get("num_local_experts")
+    lines = ["# Mixture-of-experts models beside vLLM", "",
+             f"{record['model']} ({args.dtype}): {shape.get('num_hidden_layers')} layers of hidden "
+             f"{shape.get('hidden_size')}, each token routed to {shape.get('num_experts_per_tok')} of {experts} "
+             f"experts; each server started in turn in one run with the same checkpoint.", "",
+             f"Greedy replies ({args.max_tokens} tokens, {len(PROMPTS)} prompts): **{same} of {len(PROMPTS)} the "
+             "same tokens** on both servers.", "",
+             f"Loads: {args.num_requests} random prompts of {args.input_len} tokens, {args.output_len} out "
+             f"(`ignore_eos`), all at once (burst), then at {args.rate:g} req/s (Poisson).", "",
+             "| server | load | req/s | output tok/s | TTFT P50 / P99 ms | TPOT P50 / P99 ms | failed |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in record["servers"].items():
+        for kind, m in r["loads"].items():
+            lines.append(f"| {name} | {kind} | {m['request_throughput']:.2f} | {m['output_throughput']:.1f} | "
+                         f"{m['median_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f} | "
+                         f"{m['median_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f} | {m['failed']} |")
+    lines.append("")
+    for kind in record["servers"]["fluidserve"]["loads"]:
+        a, b = (record["servers"][s]["loads"][kind] for s in ("fluidserve", "vLLM"))
+        lines.append(f"{kind}: fluidserve's output tok/s {a['output_throughput'] / b['output_throughput']:.2f}x "
+                     f"vLLM's; median TTFT {b['median_ttft_ms'] / a['median_ttft_ms']:.2f}x lower, "
+                     f"median TPOT {b['median_tpot_ms'] / a['median_tpot_ms']:.2f}x lower.")
+    save_results(RESULTS / f"moe_vs_vllm{args.tag}", record, "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

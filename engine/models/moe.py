@@ -1,0 +1,119 @@
+"""Sparse mixture-of-experts feed-forward blocks over the flat token batch:
+Qwen3-MoE, Qwen2-MoE (with its gated shared expert) and Mixtral.
+
+A router scores every token against every expert; each token goes to its
+``num_experts_per_tok`` best, and the block's output is their outputs
+weighted by the router's probabilities. The experts' weights are stacked,
+``[E, 2N, H]`` (gate | up) and ``[E, H, N]`` (down), so one grouped kernel
+runs every expert of a step (``ops.fused_experts``: the torch reference on
+the CPU, the Triton kernel on a GPU, which has no host sync and so runs in
+decode and piecewise CUDA graphs). Checkpoints keep one tensor per expert
+(``mlp.experts.3.gate_proj.weight``); the loader writes each into its
+expert's rows (``Piece.expert``).
+
+Under tensor parallelism each rank holds every expert's share of the
+intermediate features, as the dense MLP splits them, and one all-reduce
+sums the experts' partial outputs. The router is replicated."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...kernels import cpu_moe, ops
+from ..parallel import ColumnParallelLinear, Piece, ShardSpec, TensorParallel, can_prepack, stacked_param
+
+
+def num_experts(config) -> int:
+    """The routed experts of a layer (0: a dense model)."""
+    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
+
+
+def is_moe_layer(config, layer: int) -> bool:
+    """Whether decoder layer ``layer`` routes to experts: Qwen's MoE configs
+    may keep some layers dense (``mlp_only_layers``, ``decoder_sparse_step``)."""
+    if not num_experts(config) or layer in (getattr(config, "mlp_only_layers", None) or ()):
+        return False
+    return (layer + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0
+
+
+def expert_intermediate_size(config) -> int:
+    """One expert's intermediate features: Qwen's ``moe_intermediate_size``,
+    Mixtral's ``intermediate_size``."""
+    return int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+
+
+class Experts(nn.Module):
+    """Every expert's gate/up and down weights, stacked. Rank r of a
+    tensor-parallel group holds features ``[r * N / tp, (r + 1) * N / tp)``
+    of each: rows of gate and of up, columns of down."""
+
+    def __init__(self, count: int, hidden: int, inter: int, tp: TensorParallel) -> None:
+        super().__init__()
+        local = tp.divide(inter, "moe_intermediate_size")
+        rows = ShardSpec(0, tp.rank, local, inter) if tp.size > 1 else None
+        cols = ShardSpec(1, tp.rank, local, inter) if tp.size > 1 else None
+        self.gate_up_proj = stacked_param((count, 2 * local, hidden), tuple(
+            Piece(name, offset, local, rows, e, f"{e}.{name}.weight")
+            for e in range(count) for name, offset in (("gate_proj", 0), ("up_proj", local))))  # fmt: skip
+        self.down_proj = stacked_param((count, hidden, local), tuple(
+            Piece("down_proj", 0, hidden, cols, e, f"{e}.down_proj.weight") for e in range(count)))  # fmt: skip
+
+
+class SparseMoeBlock(nn.Module):
+    """The feed-forward half of a MoE decoder layer, called as the dense
+    MLP is: ``forward(x, residual)`` is ``residual + moe(x)``."""
+
+    def __init__(self, config, tp: TensorParallel, shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        self.tp = tp
+        hidden, count = config.hidden_size, num_experts(config)
+        self.top_k = int(config.num_experts_per_tok)
+        if not 0 < self.top_k <= count:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, {count}] (the experts)")
+        mixtral = config.model_type == "mixtral"
+        # Mixtral always renormalizes the chosen experts' probabilities and
+        # weighs their outputs in float32; Qwen renormalizes where the config
+        # says (norm_topk_prob) and rounds the weights to the model's dtype,
+        # as Hugging Face's implementations do (greedy tokens are compared).
+        self.renormalize = mixtral or bool(getattr(config, "norm_topk_prob", False))
+        self.float_weights = mixtral
+        self.gate = ColumnParallelLinear(hidden, count, False, tp, num_shards=1, index=0)  # the router, replicated
+        self.experts = Experts(count, hidden, expert_intermediate_size(config), tp)
+        # Qwen2-MoE: one dense expert every token takes, scaled by a sigmoid gate.
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (ColumnParallelLinear(hidden, 1, False, tp, num_shards=1, index=0)
+                                   if shared_expert is not None else None)  # fmt: skip
+
+    _packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def prepack(self) -> None:
+        """On the CPU, each expert's weights reordered for oneDNN once the
+        loader has written them (kernels/cpu_moe.py), as the linears pack
+        theirs; the Triton lane keeps the stacked weights it reads."""
+        self._packed = None
+        experts = self.experts
+        if can_prepack(experts.gate_up_proj) and ops.kernel_path(experts.gate_up_proj.device) != "triton":
+            self._packed = cpu_moe.pack(experts.gate_up_proj), cpu_moe.pack(experts.down_proj)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, hidden] -> each token's experts [T, k] and their weights [T, k]."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return ids, weights if self.float_weights else weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                path: ops.KernelPath | None = None) -> torch.Tensor:  # fmt: skip
+        ids, weights = self.route(x)
+        experts = self.experts
+        if self._packed is not None and x.device.type == "cpu" and x.dtype == experts.gate_up_proj.dtype:
+            y = cpu_moe.fused_experts(x, *self._packed, ids, weights)
+        else:
+            y = ops.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, path)
+        if self.tp.size > 1:
+            y = self.tp.all_reduce(y)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y if residual is None else y.add_(residual)

@@ -1,0 +1,284 @@
+"""The routed experts of a mixture-of-experts layer on the Triton lane:
+``ops.fused_experts``, with the semantics and rounding of
+``reference.fused_experts``, in three launches and a few torch ops that
+never wait for the GPU, so a decode step holding it is captured once and
+replayed whatever the routing.
+
+The T * k (token, slot) pairs are sorted by expert and each expert's run
+is padded to a multiple of ``BLOCK_M`` (``align``): every block of
+``BLOCK_M`` sorted pairs then belongs to one expert, and a grouped GEMM
+multiplies each block by its expert's weight. Every buffer is sized for
+the worst routing, a function of (T, k, E, BLOCK_M) only; the padded total
+stays on the device, and programs past it return at once.
+
+1. ``_expert_gemm_kernel`` (gated): a pair's row of x times its expert's
+   gate and up rows, ``silu(gate) * up`` in the epilogue -> [T * k, N].
+   Rounded where ``F.linear``, ``F.silu`` and the product round apart
+   (gate and up to x's dtype, the SiLU again, the product), as
+   kernels/activation.py does; the [T * k, 2N] projection never reaches
+   memory.
+2. ``_expert_gemm_kernel`` (weighted): those rows times the expert's
+   down_proj, rounded to x's dtype, then times the pair's routing weight
+   and rounded again (torch's ``y * w`` then ``.to(x.dtype)``) ->
+   [T * k, H].
+3. ``_sum_slots_kernel``: each token's k rows added in x's dtype in
+   increasing expert id, as the reference's ``index_add_`` adds them
+   (skipped at k = 1, where the down GEMM writes the output).
+
+What differs from the reference is the order of each GEMM's sums
+(against cuBLAS's or the CPU's) and the last bits of the SiLU's exp, each
+then rounded to x's dtype at the same steps. The block sizes depend on the
+shapes alone, so a replayed graph gives an eager call's bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from fluidserve.kernels.launch import Relaunch, cdiv, next_power_of_2
+
+# Columns of a token's output row per ``_sum_slots_kernel`` program.
+SUM_BLOCK = 1024
+# The pairs' activations are [T * k, N] and [T * k, H] of x's dtype; past
+# this many tokens a call runs in chunks, so that a long prefill does not
+# hold gigabytes of them (8192 tokens at k = 8, H = 4096: 512 MiB).
+CHUNK_TOKENS = 8192
+# Consecutive row blocks a run of programs walks before the next column
+# block: neighbouring blocks mostly share an expert, so its weight tile is
+# read from L2 rather than HBM.
+GROUP_M = 8
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """``acc + a @ b`` in fp32. "widen" multiplies 16-bit operands as fp32,
+    for Triton's interpreter, which multiplies bfloat16 bit patterns
+    (triton-lang/triton#11584); products of 16-bit floats are exact in
+    fp32, so it is the tensor cores' arithmetic up to summation order."""
+    if DOT_PRECISION == "widen":
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return out
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    a_ptr,  # [rows, K]: x (gated: a pair's row is its token's) or the pairs' activations
+    b_ptr,  # [E, N_b, K]: w13 (gated: gate rows [0, n_out), up rows [n_out, 2 n_out)) or w2
+    c_ptr,  # [T * k, n_out]: row = pair
+    sorted_ids_ptr,  # [padded]: pairs by expert, each run padded with `pairs`
+    expert_ptr,  # [padded / BLOCK_M]: the expert of each block
+    total_ptr,  # [1]: the padded length in use
+    weights_ptr,  # [T * k]: the routing weights (weighted)
+    pairs, n_out, k_dim, num_blocks_m,
+    stride_am, stride_be, stride_bn, stride_cm,
+    TOP_K: tl.constexpr,  # a pair's row of a: pair // TOP_K
+    GATED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_blocks_n = tl.cdiv(n_out, BLOCK_N)
+    in_group = GROUP_M * num_blocks_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = min(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return  # past the padded total: this routing needs fewer blocks than the worst one
+
+    ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    rows_ok = ids < pairs  # padding holds `pairs`
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < n_out
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (ids // TOP_K).to(tl.int64)[:, None] * stride_am + ks[None, :]
+    b_ptrs = b_ptr + expert * stride_be + cols.to(tl.int64)[None, :] * stride_bn + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    up_ptrs = b_ptrs + n_out * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        ks_ok = ks < k_dim - k0
+        a = tl.load(a_ptrs, mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
+        b_mask = ks_ok[:, None] & cols_ok[None, :]
+        acc = _dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc, DOT_PRECISION)
+        if GATED:
+            acc_up = _dot(a, tl.load(up_ptrs, mask=b_mask, other=0.0), acc_up, DOT_PRECISION)
+            up_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    dtype = c_ptr.dtype.element_ty
+    out = acc.to(dtype).to(tl.float32)  # F.linear's rounding
+    if GATED:
+        up = acc_up.to(dtype).to(tl.float32)
+        silu = (out / (1.0 + tl.exp(-out))).to(dtype).to(tl.float32)
+        out = silu * up
+    if WEIGHTED:
+        out = out * tl.load(weights_ptr + ids, mask=rows_ok, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c_ptr + ids.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    tl.store(c_ptrs, out.to(dtype), mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+@triton.jit
+def _sum_slots_kernel(
+    y_ptr,  # [T * k, H]: the weighted rows of each pair
+    ids_ptr,  # [T * k]: the expert of each pair
+    out_ptr,  # [T, H]
+    hidden, stride_y, stride_o,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols_ok = cols < hidden
+    slots = tl.arange(0, K_PAD)
+    ids = tl.load(ids_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=2**31 - 1).to(tl.int32)
+    # The reference adds a token's rows expert by expert, a repeated expert
+    # slot by slot: each slot's place in that order, a permutation of 0..k-1.
+    before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (slots[None, :] < slots[:, None]))
+    place = tl.sum(before.to(tl.int32), axis=1)
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        slot = tl.sum(tl.where(place == i, slots, 0))
+        row = tl.load(y_ptr + (token * TOP_K + slot) * stride_y + cols, mask=cols_ok, other=0.0)
+        acc = (acc + row.to(tl.float32)).to(dtype).to(tl.float32)  # index_add_ in x's dtype
+    tl.store(out_ptr + token * stride_o + cols, acc.to(dtype), mask=cols_ok)
+
+
+_EXPERT_GEMM = Relaunch(_expert_gemm_kernel)
+_SUM_SLOTS = Relaunch(_sum_slots_kernel)
+INTERPRETED = isinstance(_expert_gemm_kernel, InterpretedFunction)
+
+
+def block_m(pairs: int, num_experts: int) -> int:
+    """Rows of a GEMM tile, from the mean pairs per expert: 16 (tl.dot's
+    least) at decode, where most blocks hold one to a few pairs and the
+    weight reads are the cost; 64 in a long prefill."""
+    per_expert = pairs / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+
+
+def padded_size(pairs: int, num_experts: int, bm: int) -> int:
+    """Length of ``sorted_ids`` for any routing of ``pairs`` pairs: each
+    expert hit (at most min(E, pairs)) pads its run by under ``bm``."""
+    hit = min(num_experts, pairs)
+    return (pairs + hit * (bm - 1)) // bm * bm
+
+
+def tiles(bm: int, elem_bytes: int, gated: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of a GEMM with ``bm``-row tiles.
+    Untuned defaults of the usual shapes for grouped GEMMs: narrow column
+    blocks at decode so that the few experts' weights spread over many
+    programs, a gated tile half as wide (it holds a gate and an up
+    accumulator; fp32 too, whose 64 x 128 tile spills on sm_90), K steps
+    of 256 bytes of a row at decode and of 128 bytes otherwise."""
+    if bm == 16:
+        return (32 if gated else 64), 128 * 2 // elem_bytes, 4
+    return (64 if gated or bm == 32 or elem_bytes > 2 else 128), 64 * 2 // elem_bytes, 4
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pairs sorted by expert (stable), each expert's run padded to a
+    multiple of ``bm`` with the sentinel T * k: ``(sorted_ids
+    [padded_size] int32, expert_of_block [padded_size / bm] int32,
+    total [1] int64)``, total being the padded length this routing uses.
+    Torch ops of fixed shapes, none of which waits for the device."""
+    flat = topk_ids.reshape(-1).long()
+    pairs, dev = flat.numel(), flat.device
+    size = padded_size(pairs, num_experts, bm)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + (bm - 1)).div_(bm, rounding_mode="floor").mul_(bm)
+    ends = padded.cumsum(0)
+    # A pair's slot: its expert's padded start plus its rank in the expert's
+    # run, which is its place in the sorted order less the pairs of smaller experts.
+    shift = ends - padded - (counts.cumsum(0) - counts)
+    experts, order = torch.sort(flat, stable=True)
+    dest = torch.arange(pairs, device=dev).add_(shift[experts])
+    sorted_ids = torch.full((size,), pairs, dtype=torch.int32, device=dev).scatter_(0, dest, order.int())
+    starts = torch.arange(0, size, bm, device=dev)
+    # Blocks past the total get the last expert: their programs return before reading it.
+    expert_of_block = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1).int()
+    return sorted_ids, expert_of_block, ends[-1:]
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32:
+        return "ieee"  # as F.linear in fp32 (torch's default leaves TF32 off)
+    return "widen" if INTERPRETED else "tf32"  # tf32 is not read for 16-bit operands
+
+
+def fused_experts(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2N, H]
+    w2: torch.Tensor,  # [E, H, N]
+    topk_ids: torch.Tensor,  # [T, k] int
+    topk_weights: torch.Tensor,  # [T, k]
+) -> torch.Tensor:
+    """``reference.fused_experts`` on the Triton kernels: [T, H] of x's dtype."""
+    tokens, hidden = x.shape
+    num_experts, two_n, _ = w13.shape
+    inter = two_n // 2
+    if (two_n % 2 or w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter)
+            or topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_weights.shape != topk_ids.shape):
+        raise ValueError(f"expected x [T, H], w13 [E, 2N, H], w2 [E, H, N], topk ids and weights [T, k]; got "
+                         f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}, {tuple(topk_ids.shape)}, "
+                         f"{tuple(topk_weights.shape)}")
+    if not x.dtype == w13.dtype == w2.dtype:
+        raise ValueError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("x, w13 and w2 must have contiguous rows")
+    out = torch.empty_like(x)
+    if tokens == 0 or topk_ids.shape[1] == 0:
+        return out.zero_()
+    for lo in range(0, tokens, CHUNK_TOKENS):
+        hi = min(tokens, lo + CHUNK_TOKENS)
+        _experts(x[lo:hi], w13, w2, topk_ids[lo:hi], topk_weights[lo:hi], out[lo:hi])
+    return out
+
+
+def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+             topk_weights: torch.Tensor, out: torch.Tensor) -> None:
+    """``fused_experts`` of one chunk of tokens, into ``out``."""
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    pairs = tokens * top_k
+    bm = block_m(pairs, num_experts)
+    sorted_ids, expert_of_block, total = align(topk_ids, num_experts, bm)
+    blocks_m = sorted_ids.numel() // bm
+    weights = topk_weights.reshape(-1)
+    precision, elem = _dot_precision(x.dtype), x.element_size()
+
+    act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+    bn, bk, warps = tiles(bm, elem, gated=True)
+    _EXPERT_GEMM[(blocks_m * cdiv(inter, bn),)](
+        x, w13, act, sorted_ids, expert_of_block, total, weights, pairs, inter, hidden, blocks_m,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, GATED=True, WEIGHTED=False,
+        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, num_warps=warps,
+    )  # fmt: skip
+
+    # At k = 1 a pair is its token: the down GEMM writes the output.
+    y = out if top_k == 1 else torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
+    bn, bk, warps = tiles(bm, elem, gated=False)
+    _EXPERT_GEMM[(blocks_m * cdiv(hidden, bn),)](
+        act, w2, y, sorted_ids, expert_of_block, total, weights, pairs, hidden, inter, blocks_m,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), TOP_K=1, GATED=False, WEIGHTED=True,
+        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, num_warps=warps,
+    )  # fmt: skip
+    if top_k > 1:
+        _SUM_SLOTS[(tokens, cdiv(hidden, SUM_BLOCK))](
+            y, topk_ids.reshape(-1), out, hidden, y.stride(0), out.stride(0),
+            TOP_K=top_k, K_PAD=next_power_of_2(top_k), BLOCK=SUM_BLOCK,
+        )  # fmt: skip
