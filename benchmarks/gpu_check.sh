@@ -29,6 +29,10 @@
 #                                      (and decode-only against decode graphs)
 #   kernel benchmark       90 / 60 s   benchmarks/kernel_bench.py (--quick: short sweep):
 #                                      decode, prefill against SDPA, a mixed step's plans
+#   MoE experts            60 / 45 s   benchmarks/kernel_bench.py --moe: the Triton grouped
+#                                      GEMM, eager and in a graph, against the torch
+#                                      reference at Qwen3-30B-A3B's and Mixtral-8x7B's
+#                                      layers (--quick: 1 and 512 tokens)
 #   throughput            180 / 90 s   offline, graphs on, against transformers:
 #                                      64 prompts x 128 tokens, and again with
 #                                      async scheduling, and (last) with piecewise
@@ -101,7 +105,7 @@ done
 if [ "$QUICK" -eq 1 ]; then
     MODE=quick BUDGET=225
     INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=120 KERNEL_TESTS_LIMIT=90
-    DECODE_LIMIT=90 THROUGHPUT_LIMIT=90 BENCH_LIMIT=60 LINEAR_LIMIT=45 PROFILE_LIMIT=60 SWAP_LIMIT=30
+    DECODE_LIMIT=90 THROUGHPUT_LIMIT=90 BENCH_LIMIT=60 LINEAR_LIMIT=45 PROFILE_LIMIT=60 SWAP_LIMIT=30 MOE_LIMIT=45
     MIXED_LIMIT=60 MIXED_ARGS=(--reps 10)
     THROUGHPUT_SIZE=(--num-prompts 32 --output-len 64 --skip-continuous)
     BENCH_ARGS=(--quick)
@@ -110,7 +114,7 @@ if [ "$QUICK" -eq 1 ]; then
 else
     MODE=full BUDGET=540
     INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=180 KERNEL_TESTS_LIMIT=240
-    DECODE_LIMIT=150 THROUGHPUT_LIMIT=180 BENCH_LIMIT=90 LINEAR_LIMIT=60 PROFILE_LIMIT=90 SWAP_LIMIT=45
+    DECODE_LIMIT=150 THROUGHPUT_LIMIT=180 BENCH_LIMIT=90 LINEAR_LIMIT=60 PROFILE_LIMIT=90 SWAP_LIMIT=45 MOE_LIMIT=60
     MIXED_LIMIT=90 MIXED_ARGS=()
     THROUGHPUT_SIZE=(--num-prompts 64 --output-len 128 --async-scheduling --piecewise-graphs)
     BENCH_ARGS=()
@@ -175,11 +179,12 @@ declare -A NAMES=(
     [mixed_steps]="mixed steps, eager (batch path, modules) vs piecewise graphs"
     [throughput]="throughput vs transformers, graphs"
     [kernel_bench]="kernel benchmark"
+    [moe]="MoE experts, Triton vs torch"
     [linears]="batch-1 linears in a row, plain and dependent"
     [profile]="decode profile"
     [swap_copy]="swap copy"
 )
-ORDER=(install import engine_tests kernel_tests batch1_decode linears mixed_steps kernel_bench throughput profile
+ORDER=(install import engine_tests kernel_tests batch1_decode linears mixed_steps kernel_bench moe throughput profile
        swap_copy)
 IFS=, read -ra SKIPPED <<< "${SKIP#,}"
 for key in "${SKIPPED[@]}"; do
@@ -278,6 +283,9 @@ run_step mixed_steps "$MIXED_LIMIT" "$RESULTS/mixed_steps_${SLUG}.json" "" \
 
 run_step kernel_bench "$BENCH_LIMIT" "$RESULTS/kernels_${SLUG}.json" "" \
     "$PY" benchmarks/kernel_bench.py --out "$RESULTS" "${BENCH_ARGS[@]}"
+
+run_step moe "$MOE_LIMIT" "$RESULTS/moe_${SLUG}.json" "" \
+    "$PY" benchmarks/kernel_bench.py --moe --out "$RESULTS" "${BENCH_ARGS[@]}"
 
 run_step throughput "$THROUGHPUT_LIMIT" "$RESULTS/throughput-${SLUG}-llama3-8b-graphs.json" "" \
     "$PY" benchmarks/throughput.py --preset llama3-8b --device cuda --no-enforce-eager "${THROUGHPUT_SIZE[@]}" \

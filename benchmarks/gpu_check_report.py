@@ -241,8 +241,23 @@ def _fmt_mixed(r: dict) -> tuple[str, dict]:
     return "; ".join(parts), figures
 
 
+def _fmt_moe(r: dict) -> tuple[str, dict]:
+    rows = r.get("moe") or []
+    if not rows:
+        return "no shape timed", {}
+    parts, figures = [], {}
+    for x in rows:
+        key = f"{x['model']}_{x['tokens']}"
+        gbs = f", {x['weight_gb_s']:.0f} GB/s" if x.get("weight_gb_s") else ""
+        parts.append(f"{x['model']} x{x['tokens']}: {x['graph_ms']:.3f} ms in a graph{gbs}, "
+                     f"reference {x['reference_ms'] / x['triton_ms']:.1f}x")
+        figures[f"graph_ms_{key}"] = x["graph_ms"]
+    return "; ".join(parts), figures
+
+
 READERS = {"tests": _fmt_tests, "batch1_decode": _fmt_batch1, "throughput": _fmt_throughput, "kernels": _fmt_kernels,
-           "linears": _fmt_linears, "profile": _fmt_profile, "swap": _fmt_swap, "mixed": _fmt_mixed}  # fmt: skip
+           "linears": _fmt_linears, "profile": _fmt_profile, "swap": _fmt_swap, "mixed": _fmt_mixed,
+           "moe": _fmt_moe}  # fmt: skip
 
 
 def reader_for(result: Path):
@@ -251,7 +266,7 @@ def reader_for(result: Path):
         return READERS["tests"]
     for prefix, kind in (("batch1_decode_", "batch1_decode"), ("throughput-", "throughput"), ("kernels_", "kernels"),
                          ("linear_bandwidth_", "linears"), ("gemv_chain_", "linears"), ("profile_decode_", "profile"),
-                         ("swap_copy_", "swap"),
+                         ("swap_copy_", "swap"), ("moe_", "moe"),
                          ("mixed_steps_", "mixed")):
         if name.startswith(prefix):
             return READERS[kind]

@@ -20,7 +20,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPT = BENCHMARKS / "gpu_check.sh"
 REPORT = BENCHMARKS / "gpu_check_report.py"
 STEPS = ["install", "import", "engine GPU tests", "kernel GPU tests", "batch-1 decode", "kernel benchmark",
-         "throughput", "decode profile", "swap copy"]  # fmt: skip
+         "MoE experts", "throughput", "decode profile", "swap copy"]  # fmt: skip
 
 
 def gpu_check(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -210,3 +210,21 @@ def test_linears_step_reports_the_chain_with_and_without_dependent_launches(tmp_
     assert ("a token's GEMVs in a row: plain 1.113x roofline, on 1.042x (1.068x faster), l2 1.028x (1.082x "
             "faster, NOT the same bits)") in done.stdout
     assert json.loads(summary.read_text())["steps"][0]["figures"]["chain_on_speedup"] == 3.95 / 3.70
+
+
+def test_moe_step_reports_each_shape_in_a_graph_against_the_reference(tmp_path):
+    """``kernel_bench.py --moe`` (gpu_check's MoE step): the summary line
+    gives each shape's graph time, the weights' GB/s and the reference
+    against the Triton path."""
+    row = dict(model="qwen3-30b-a3b", experts=128, top_k=8, hidden=2048, inter=768, tokens=1, experts_hit=8,
+               block_m=16, triton_ms=0.05, graph_ms=0.02, reference_ms=0.5, weight_gb_s=1887.0, max_abs_diff=0.0)
+    record = dict(device="Fake GPU", time="t", torch="x", copy_gb_s=4000.0, moe=[row])
+    summary = tmp_path / "gpu_check_fake.json"
+    report("init", "--summary", summary, "--device", "Fake GPU", "--plan", "moe=MoE experts")
+    result = tmp_path / "moe_fake.json"
+    result.write_text(json.dumps(record))
+    report("step", "--summary", summary, "--key", "moe", "--rc", 0, "--seconds", 30, "--limit", 60,
+           "--since", time.time() - 1, "--result", result)  # fmt: skip
+    done = report("finish", "--summary", summary)
+    assert "qwen3-30b-a3b x1: 0.020 ms in a graph, 1887 GB/s, reference 10.0x" in done.stdout
+    assert json.loads(summary.read_text())["steps"][0]["figures"]["graph_ms_qwen3-30b-a3b_1"] == 0.02
