@@ -50,8 +50,8 @@ from fluidserve.serve.embeddings import embeddings, embeddings_routes
 from fluidserve.serve.scores import scoring_routes
 from fluidserve.serve.messages import messages_routes
 from fluidserve.serve.reasoning import ReasoningParser
-from fluidserve.serve.render import (ChatStreamer, CompletionStreamer, chat_choices, completion_choices, make_usage,
-                                     prompt_logprobs, reasoning_tokens)
+from fluidserve.serve.render import (ChatStreamer, CompletionStreamer, chat_choices, completion_choices, keep_best,
+                                     make_usage, prompt_logprobs, reasoning_tokens)
 from fluidserve.serve.responses import BackgroundRuns, ResponseStore, responses_routes
 
 VERSION = "0.1.0"
@@ -266,10 +266,13 @@ class _Server:
 
     def completion_body(self, rid: str, req: CompletionRequest, inputs: EngineInputs,
                         finals: list[RequestOutput]) -> CompletionResponse:
+        # Usage counts every candidate best_of made, as OpenAI bills them.
+        usage = make_usage(inputs.prompts, sum(o.num_generated_tokens for o in finals), self.cached_tokens(finals))
+        if req.ranked:
+            finals = keep_best(finals, req.n)
         choices = completion_choices(inputs.prompts, finals, n=req.n, echo=req.echo, top_n=req.top_n,
                                      decode=self.decode, as_ids=self.as_ids(req),
                                      token_ids=bool(req.return_token_ids))
-        usage = make_usage(inputs.prompts, sum(o.num_generated_tokens for o in finals), self.cached_tokens(finals))
         return CompletionResponse(id=rid, model=self.model.reply_name(req.model), choices=choices, usage=usage)
 
     async def chat(self, request: Request) -> Response:
@@ -301,6 +304,8 @@ class _Server:
         top_n = req.top_n
         usage = make_usage(inputs.prompts, finals[0].num_generated_tokens, self.cached_tokens(finals),
                            self.reasoning_tokens(inputs, finals[0]))
+        if req.ranked:
+            finals = keep_best(finals, req.n)
         choices = chat_choices(finals[0], top_n=top_n, decode=self.decode, tool_mode=inputs.tool_mode,
                                role=req.reply_role, echo_text=_echo_text(req), as_ids=self.as_ids(req),
                                token_ids=bool(req.return_token_ids), reasoning=inputs.reasoning)

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from fluidserve.serve.api import _echo_text, validate_body
 from fluidserve.serve.inputs import check_model, log_request
 from fluidserve.serve.protocol import BatchChatCompletionRequest, ChatCompletionRequest, ChatCompletionResponse
-from fluidserve.serve.render import chat_choices, make_usage
+from fluidserve.serve.render import chat_choices, keep_best, make_usage
 
 
 def batch_chat_route(server: Any) -> Callable[[Request], Awaitable[Response]]:
@@ -61,6 +61,8 @@ async def batch_chat(server: Any, request: Request) -> Response:
     finals = await server.until_disconnect(request, server.collect(streams, timers), streams)
     choices = []
     for i, (req, final) in enumerate(zip(reqs, finals)):
+        if req.ranked:
+            (final,) = keep_best([final], 1)
         (choice,) = chat_choices(final, top_n=req.top_n, decode=server.decode, role=req.reply_role,
                                  echo_text=_echo_text(req), as_ids=server.as_ids(req),
                                  token_ids=bool(req.return_token_ids), reasoning=inputs[i].reasoning)

@@ -459,7 +459,7 @@ class InputProcessor:
 
         try:
             return SamplingParams(
-                n=req.n,
+                n=req.candidates,
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
                 temperature=pick("temperature", 1.0),
@@ -470,7 +470,8 @@ class InputProcessor:
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=pick("repetition_penalty", 1.0),
-                logprobs=logprobs,
+                # best_of ranks its candidates by their tokens' logprobs, asked for or not.
+                logprobs=0 if logprobs is None and req.ranked else logprobs,
                 prompt_logprobs=prompt_logprobs,
                 logprob_token_ids=self._in_vocab(req.logprob_token_ids, "logprob_token_ids"),
                 stop=req.stop_list,

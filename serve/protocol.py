@@ -257,7 +257,8 @@ class _SamplingFields(_Request):
     temperature: Prob | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # only best_of == n: no ranking by score
+    # OpenAI's: best_of candidates made, the n with the highest logprob per token returned.
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stream: bool = False
@@ -315,14 +316,28 @@ class _SamplingFields(_Request):
     # vLLM's: logprob tokens written "token_id:N" (None: the server's --return-tokens-as-token-ids).
     return_tokens_as_token_ids: bool | None = None
 
+    @property
+    def candidates(self) -> int:
+        """Completions made per prompt: ``best_of``, else ``n``."""
+        return self.best_of or self.n
+
+    @property
+    def ranked(self) -> bool:
+        """More candidates are made than returned (``best_of > n``)."""
+        return self.candidates > self.n
+
     @model_validator(mode="after")
     def _check_shared(self) -> "_SamplingFields":
         if self.stop is not None and any(not s for s in ([self.stop] if isinstance(self.stop, str) else self.stop)):
             raise ValueError("stop: sequences must be non-empty strings")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of: only best_of equal to n is supported (no ranking by score)")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError("best_of: must be at least n")
+        if self.ranked and self.stream:
+            raise ValueError("best_of: a reply ranked among best_of candidates cannot be streamed")
+        if self.ranked and self.use_beam_search:
+            raise ValueError("best_of: beam search keeps its own n beams; it takes no best_of above n")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs: is not available when stream is true")
         if self.truncate_prompt_tokens == 0:

@@ -8,6 +8,7 @@ handlers in ``api.py`` only move data between the engine and the socket.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from fluidserve.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
@@ -170,6 +171,26 @@ def chat_logprobs(token_ids: list[int], entries: list[TokenLogprobs] | None, top
 
 
 # -- whole responses ----------------------------------------------------------
+
+
+def mean_logprob(co: CompletionOutput) -> float:
+    """A completion's logprob per token, the sampled tokens' (0 for none)."""
+    if not co.token_ids:
+        return 0.0
+    if co.logprobs is None:
+        raise ValueError("ranking completions needs their logprobs")
+    return sum(entry[token].logprob for token, entry in zip(co.token_ids, co.logprobs)) / len(co.token_ids)
+
+
+def keep_best(finals: list[RequestOutput], n: int) -> list[RequestOutput]:
+    """``best_of``: each prompt's ``n`` candidates with the highest logprob
+    per token (OpenAI's "best"), best first, indexed 0 to n - 1; ties keep
+    the candidates' order."""
+    kept = []
+    for out in finals:
+        best = sorted(out.outputs, key=mean_logprob, reverse=True)[:n]
+        kept.append(dataclasses.replace(out, outputs=[dataclasses.replace(co, index=i) for i, co in enumerate(best)]))
+    return kept
 
 
 def completion_choices(prompts: list[Prompt], finals: list[RequestOutput], *, n: int, echo: bool,

@@ -298,6 +298,27 @@ def check_chat_logprobs_only(_s, body, _b):
     assert len(content) == 12 and all(t["top_logprobs"] == [] for t in content)
 
 
+def check_best_of_three(s, body, b):
+    """One reply, the likeliest per token of the three the same seed makes
+    (asked for whole, logprobs on), and all three billed."""
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["logprobs"] is None
+    assert body["usage"]["completion_tokens"] == 3 * 12
+    three = post(s, C, {**BASE, "temperature": 1.0, "seed": 4, "n": 3, "logprobs": 0}).json()["choices"]
+    assert len({c["text"] for c in three}) > 1  # the candidates differ: the pick is a choice
+
+    def per_token(c: dict) -> float:
+        return sum(c["logprobs"]["token_logprobs"]) / len(c["logprobs"]["token_logprobs"])
+
+    assert choice["text"] == max(three, key=per_token)["text"]
+
+
+def check_best_of_two_chat(_s, body, _b):
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["message"]["content"]
+    assert body["usage"]["completion_tokens"] == 2 * 12
+
+
 def check_max_completion_tokens(_s, body, b):
     assert text_of(body) == text_of(b)[:5] and body["usage"]["completion_tokens"] == 5
 
@@ -327,6 +348,8 @@ ROWS: list[tuple[str, str, dict, Check, tuple[str, ...]]] = [
     ("min_p_1", C, {"temperature": 1.0, "min_p": 1.0, "seed": 3}, same_text, ("min_p",)),
     ("n", C, {"n": 2}, check_n, ("n",)),
     ("best_of_eq_n", C, {"n": 2, "best_of": 2}, check_n, ("best_of",)),
+    ("best_of_ranked", C, {"best_of": 3, "temperature": 1.0, "seed": 4}, check_best_of_three, ("best_of",)),
+    ("chat_best_of", CHAT, {"best_of": 2, "temperature": 1.0, "seed": 4}, check_best_of_two_chat, ("best_of",)),
     ("max_tokens", C, {"max_tokens": 4}, check_max_tokens, ("max_tokens",)),
     ("stop", C, {"stop": "@"}, same_text, ("stop",)),
     ("presence_penalty", C, {"presence_penalty": 2.0}, check_penalised, ("presence_penalty",)),
@@ -444,7 +467,6 @@ REFUSED: list[tuple[str, str, Any]] = [
     (CHAT, "verbosity", "low"),
     (CHAT, "chat_template", "{{ messages }}"),
     (CHAT, "documents", [{"title": "t", "text": "x"}]),
-    (C, "best_of", 3),
     (C, "session_id", "s-1"),
     (C, "stream_interval", 4),
     (C, "thinking_token_budget", 100),
@@ -561,6 +583,9 @@ def test_non_text_content_part_is_refused_by_its_type(server, part):
     ({"seed": 2**63}, "seed"),
     ({"seed": -(2**63) - 1}, "seed"),
     ({"stop_token_ids": [99999]}, "stop_token_ids"),
+    ({"n": 3, "best_of": 2}, "best_of"),
+    ({"best_of": 2, "stream": True}, "best_of"),
+    ({"best_of": 3, "n": 2, "use_beam_search": True}, "best_of"),
 ])
 def test_bad_values_of_implemented_fields(server, body, param):
     resp = post(server, C, {**BASE, **body})

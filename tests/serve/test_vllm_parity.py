@@ -542,6 +542,19 @@ def test_chat_batch_answers_each_conversation(server):
         assert batch["usage"][key] == sum(s["usage"][key] for s in singles)
 
 
+def test_chat_batch_takes_the_best_of_each_conversations_candidates(server):
+    """best_of: one reply a conversation, the one its single request
+    (the same seed) returns; every candidate billed."""
+    shared = {k: v for k, v in CHAT_BASE.items() if k != "messages"}
+    shared.update(temperature=1.0, seed=11, best_of=3)
+    singles = [ok(server, CHAT, {**shared, "messages": conv}) for conv in CONVERSATIONS]
+    batch = ok(server, "/v1/chat/completions/batch", {**shared, "messages": CONVERSATIONS})
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    assert [c["message"] for c in batch["choices"]] == [s["choices"][0]["message"] for s in singles]
+    assert batch["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in singles)
+    assert all(s["usage"]["completion_tokens"] == 3 * shared["max_tokens"] for s in singles)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"n": 2}, "n"),
     ({"stream": True}, "stream"),
