@@ -64,12 +64,27 @@ def resolve_model_dir(model: str, load_format: str = "auto", revision: str | Non
     return local
 
 
+# Multimodal checkpoints served for their text alone: the model type -> the
+# text model's architecture, and where the checkpoint keeps its weights
+# (transformers' older layout and its newer one).
+TEXT_OF_MULTIMODAL = {"gemma3": "Gemma3ForCausalLM"}
+TEXT_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                 "model.language_model.": "model."}
+
+
 def load_hf_config(model_dir: Path, overrides: str | None = None):
     """The checkpoint's config; ``overrides`` (``--hf-overrides``, a JSON
-    object) sets its keys over the file's."""
+    object) sets its keys over the file's. A multimodal checkpoint of
+    ``TEXT_OF_MULTIMODAL`` (Gemma 3 4B and up) gives its text model's config:
+    the server takes text only, and its vision tower stays unread."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=_trust_remote_code)
+    text_arch = TEXT_OF_MULTIMODAL.get(config.model_type)
+    if text_arch is not None:
+        config = copy.deepcopy(config.text_config)
+        config.architectures = [text_arch]
+        config.checkpoint_prefixes = TEXT_PREFIXES
     for key, value in (json.loads(overrides) if overrides else {}).items():
         setattr(config, key, value)
     return config
@@ -248,7 +263,9 @@ def checkpoint_name(model: nn.Module, name: str) -> str:
     """A checkpoint tensor's name as our modules spell it: the model's
     ``checkpoint_prefixes`` (OPT's ``decoder.``) and ``checkpoint_renames``
     (Mixtral's ``block_sparse_moe`` and ``w1``/``w3``/``w2``) applied."""
-    for old, new in getattr(model, "checkpoint_prefixes", {}).items():
+    prefixes = (getattr(model, "checkpoint_prefixes", None)
+                or getattr(getattr(model, "config", None), "checkpoint_prefixes", None) or {})  # fmt: skip
+    for old, new in prefixes.items():
         if name.startswith(old):
             name = new + name[len(old):]
     for old, new in getattr(model, "checkpoint_renames", ()):

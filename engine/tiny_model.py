@@ -25,7 +25,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3")
 
 # A thinking model's markers, added after the specials (ids 261 and 262) in
 # ``build_tiny_thinking_model``, and its Qwen3-style template: the reply
@@ -97,6 +97,9 @@ def tiny_config(arch: str = "llama", **overrides):
                   norm_topk_prob=arch == "qwen3_moe")
         if arch == "qwen2_moe":
             kw.update(shared_expert_intermediate_size=48)
+    elif arch == "gemma3":  # one full-attention layer after a sliding one, a short window
+        kw.update(layer_types=["sliding_attention", "full_attention"], sliding_window=16, query_pre_attn_scalar=16,
+                  tie_word_embeddings=True)
     kw.update(common)
     kw.update(overrides)
     cls = {
@@ -107,6 +110,7 @@ def tiny_config(arch: str = "llama", **overrides):
         "mixtral": transformers.MixtralConfig,
         "qwen2_moe": transformers.Qwen2MoeConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "gemma3": transformers.Gemma3TextConfig,
     }[arch]
     return cls(**kw)
 

@@ -4,6 +4,7 @@ engines that are checked for leaked KV blocks when a test ends."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 
 import torch
@@ -63,7 +64,7 @@ def tiny_model(tmp_path_factory):
     cache: dict = {}
 
     def build(arch: str = "llama", **overrides) -> str:
-        key = (arch, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in overrides.items())))
+        key = (arch, json.dumps(overrides, sort_keys=True))  # lists and dicts among the values
         if key not in cache:
             kw = {**TINY_ARCHS.get(arch, {}), **overrides}
             path = tmp_path_factory.mktemp(f"tiny-{arch}")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
 from .opt import OPTForCausalLM
 
@@ -14,6 +15,7 @@ MODEL_REGISTRY = {
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     # Checkpoints of the base model alone (sentence-transformers' decoder
     # embedders): served for embeddings only, with no LM head to load.
@@ -36,7 +38,7 @@ def model_class(config):
             return MODEL_REGISTRY[arch]
     by_type = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
                "qwen3": LlamaForCausalLM, "mixtral": LlamaForCausalLM, "qwen2_moe": LlamaForCausalLM,
-               "qwen3_moe": LlamaForCausalLM, "opt": OPTForCausalLM}
+               "qwen3_moe": LlamaForCausalLM, "gemma3_text": Gemma3ForCausalLM, "opt": OPTForCausalLM}
     if config.model_type in by_type:
         return by_type[config.model_type]
     raise ValueError(

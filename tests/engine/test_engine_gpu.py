@@ -26,8 +26,9 @@ ARCH_CASES = [
     ("opt", {"hidden_size": 320, "word_embed_proj_dim": 320}),
     ("qwen3_moe", {"head_dim": 128, "hidden_size": 512, "num_experts": 16, "num_experts_per_tok": 4}),
     ("mixtral", {"head_dim": 64, "hidden_size": 256}),
+    ("gemma3", {"head_dim": 128, "hidden_size": 256, "query_pre_attn_scalar": 128}),
 ]
-ARCH_IDS = ["llama-64", "qwen3-128", "opt-64", "opt-80", "qwen3-moe-128", "mixtral-64"]
+ARCH_IDS = ["llama-64", "qwen3-128", "opt-64", "opt-80", "qwen3-moe-128", "mixtral-64", "gemma3-128"]
 
 
 @pytest.mark.parametrize("arch, overrides", ARCH_CASES, ids=ARCH_IDS)

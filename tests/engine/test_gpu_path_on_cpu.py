@@ -39,10 +39,11 @@ LANE_CASES = [
     ("opt", {"hidden_size": 160, "word_embed_proj_dim": 160, "num_attention_heads": 2}),
     ("mistral", {"sliding_window": 12}),
     ("qwen3_moe", {}),  # the experts through the Triton grouped GEMM (kernels/moe.py)
+    ("gemma3", {}),  # a sliding layer and a full one, each with its rope table
 ]
 # What the GPU machines lack (benchmarks/gpu_check.sh runs there).
 MISSING_ON_GPU_NODES = ("xgrammar", "ray", "fastapi", "uvicorn", "pydantic", "prometheus_client")
-LANE_IDS = ["llama-gqa", "qwen3-128", "opt-80", "mistral-window", "qwen3-moe"]
+LANE_IDS = ["llama-gqa", "qwen3-128", "opt-80", "mistral-window", "qwen3-moe", "gemma3"]
 # Small steps and few tokens: the interpreter runs every program of a launch
 # in Python. Chunked prompts still give mixed prefill+decode steps.
 LANE_KWARGS = dict(device="cpu", num_kv_blocks=64, max_num_batched_tokens=32, max_model_len=256)

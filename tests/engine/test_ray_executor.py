@@ -71,7 +71,8 @@ def _generate(model_dir: str, **kwargs) -> list[list[int]]:
     ("opt", {}),  # MHA, biases on every projection, tied LM head
     ("qwen2", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: replicated; q/k/v biases
     ("qwen2_moe", {}),  # every expert's features split, the router whole, a shared expert
-], ids=["llama-gqa", "opt", "qwen2-kv1", "qwen2-moe"])
+    ("gemma3", {}),  # four norms a layer, per-head q/k norms, a rope per layer type
+], ids=["llama-gqa", "opt", "qwen2-kv1", "qwen2-moe", "gemma3"])
 @pytest.mark.slow
 def test_tp2_greedy_tokens_identical_to_local(ray_cluster, tiny_model, arch, overrides):
     path = tiny_model(arch, **overrides)

@@ -1,0 +1,195 @@
+"""Gemma 3's text model over the flat token batch (``Gemma3ForCausalLM``:
+Gemma 3 1B, and the text-only checkpoints of its family).
+
+Where it differs from the Llama family: the embedding is scaled by
+sqrt(hidden); every RMSNorm multiplies by ``1 + weight`` in float32 before
+rounding (``GemmaRMSNorm``); each layer norms its attention and MLP outputs
+as well as their inputs (four norms a layer, the residual added after the
+output norms); q and k are normed per head; the MLP's activation is GELU
+(tanh); the attention scale is ``query_pre_attn_scalar ** -0.5``; and the
+layers alternate between sliding-window attention with its own rope base
+(``sliding_attention``) and full attention with another (``full_attention``,
+``layer_types``), so a step computes two rope tables and each layer reads
+its own. Parameter names mirror the Hugging Face checkpoints.
+
+The layers run through their modules: the Llama family's fused row and
+batch paths and piecewise graphs are not built for this layout (decode
+CUDA graphs capture it as they capture any forward)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers import AttentionMetadata, KVCache, PagedAttention, Rope, RotaryEmbedding
+from ..parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    Part,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
+from ..preemption import LayerLoop
+from .llama import _kv_sharding
+
+SLIDING = "sliding_attention"
+
+
+class GemmaRMSNorm(nn.Module):
+    """``rms_norm(x) * (1 + weight)`` in float32, rounded once to x's dtype
+    (transformers' Gemma3RMSNorm). ``1 + weight`` is taken once the loader
+    has written the weight (``prepack``)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self._scale: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        with torch.no_grad():
+            self._scale = 1.0 + self.weight.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self._scale if self._scale is not None else 1.0 + self.weight.float()
+        return (torch.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * scale).to(x.dtype)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config, layer: int, tp: TensorParallel) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.num_heads = tp.divide(total_heads, "num_attention_heads")
+        kv_shards, kv_index = _kv_sharding(total_kv_heads, tp)
+        self.num_kv_heads = total_kv_heads // kv_shards
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = MergedColumnParallelLinear(hidden, [
+            Part("q_proj", total_heads * self.head_dim),
+            Part("k_proj", total_kv_heads * self.head_dim, kv_shards, kv_index),
+            Part("v_proj", total_kv_heads * self.head_dim, kv_shards, kv_index),
+        ], bias, tp)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias, tp)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.sliding = config.layer_types[layer] == SLIDING
+        window = config.sliding_window if self.sliding else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
+                                   config.query_pre_attn_scalar**-0.5, window)
+
+    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        # The per-head norms make new tensors, which the attention rotates in place.
+        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        attended = self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache, meta, rope)
+        return self.o_proj(attended)  # [T, hidden], all-reduced
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config, tp: TensorParallel) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        tp.divide(inter, "intermediate_size")
+        act = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"hidden_activation={act!r}: only gelu_pytorch_tanh is supported for Gemma 3")
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [Part("gate_proj", inter),
+                                                                            Part("up_proj", inter)], False, tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config, layer: int, tp: TensorParallel) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Gemma3Attention(config, layer, tp)
+        self.mlp = Gemma3MLP(config, tp)
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    def forward(self, ropes: tuple[Rope, Rope], x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        return self.feed_forward(self.attend(ropes, x, kv_cache, meta))
+
+    # The two halves a safepoint may fall between (engine/preemption.py).
+    def attend(self, ropes: tuple[Rope, Rope], x: torch.Tensor, kv_cache: KVCache,
+               meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        rope = ropes[self.self_attn.sliding]
+        return x + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(x), kv_cache, meta))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class _LayerRopeConfig:
+    """One layer type's view of a config whose ``rope_parameters`` are keyed
+    by layer type, as ``RotaryEmbedding`` reads a config."""
+
+    def __init__(self, config, layer_type: str) -> None:
+        self._config, self.rope_parameters = config, config.rope_parameters[layer_type]
+
+    def __getattr__(self, name: str):
+        return getattr(self._config, name)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config, tp: TensorParallel) -> None:
+        super().__init__()
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(config, name, None) is not None:
+                raise ValueError(f"{name}={getattr(config, name)}: logit soft-capping is not supported")
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_scale = config.hidden_size**0.5
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        # (full attention's rope, sliding attention's): a layer picks by its type.
+        self.rotary = nn.ModuleList(RotaryEmbedding(_LayerRopeConfig(config, kind), config.head_dim)
+                                    for kind in ("full_attention", SLIDING))  # fmt: skip
+        self.layer_loop = LayerLoop()
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # the scale rounded to the dtype, as transformers
+        ropes = tuple(rotary(positions, x.dtype) for rotary in self.rotary)
+        x = self.layer_loop.run(self.layers, kv_caches, x,
+                                lambda layer, x, kv: layer(ropes, x, kv, meta),
+                                lambda layer, x, kv: layer.attend(ropes, x, kv, meta))  # fmt: skip
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, config, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        tp = tp or TensorParallel()
+        self.config = config
+        self.model = Gemma3Model(config, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        if getattr(config, "tie_word_embeddings", True):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        attn = self.model.layers[0].self_attn
+        return len(self.model.layers), attn.num_kv_heads, attn.head_dim
+
+    @property
+    def layer_loop(self) -> LayerLoop:
+        return self.model.layer_loop
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
