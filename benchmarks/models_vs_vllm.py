@@ -1,8 +1,8 @@
-"""Mixture-of-experts models served side by side with vLLM: the same
-checkpoint (random weights of a Qwen3-MoE or Mixtral shape, written here
-with the byte tokenizer), the same requests.
+"""Model families beyond the Llama family's dense models, served side by
+side with vLLM: the same checkpoint (random weights of a Qwen3-MoE, Mixtral
+or Gemma 3 shape, written here with the byte tokenizer), the same requests.
 
-    python benchmarks/moe_vs_vllm.py --vllm-python /work/vllm-venv/bin/python --arch qwen3_moe --tag=-qwen3-moe
+    python benchmarks/models_vs_vllm.py --vllm-python /work/vllm-venv/bin/python --arch qwen3_moe --tag=-qwen3-moe
 
 Each server is started in turn in one run and takes:
 
@@ -14,7 +14,7 @@ Each server is started in turn in one run and takes:
   sent at once (throughput), then the same number at ``--rate`` requests/s
   (latency under a steady load).
 
-Writes benchmarks/results/moe_vs_vllm{--tag}.{json,md}.
+Writes benchmarks/results/models_vs_vllm{--tag}.{json,md}.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "def fibo
 # Shapes small enough for two CPU cores, with the experts' proportions of
 # the real models: Qwen3-30B-A3B routes each token to 8 of 128 experts of
 # 768 features (hidden 2048); Mixtral-8x7B to 2 of 8 of 14336 (hidden 4096).
+# Gemma 3 1B's layout: five sliding layers (window 512) a full one, head 256.
 SHAPES = {
     "qwen3_moe": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                       head_dim=64, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=192,
@@ -46,6 +47,11 @@ SHAPES = {
     "mixtral": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                     head_dim=64, num_local_experts=8, num_experts_per_tok=2, intermediate_size=1792,
                     max_position_embeddings=4096),
+    "gemma3": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=4,
+                   num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+                   layer_types=["sliding_attention"] * 5 + ["full_attention"], max_position_embeddings=4096,
+                   rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
 }
 
 
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-python", required=True, help="a Python with vLLM installed")
     p.add_argument("--arch", choices=sorted(SHAPES), default="qwen3_moe")
-    p.add_argument("--model", default=None, help="a MoE model directory to serve instead of the random one")
+    p.add_argument("--model", default=None, help="a model directory to serve instead of the random one")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-tokens", type=int, default=24, help="greedy comparison: tokens per reply")
     p.add_argument("--rate", type=float, default=1.0, help="steady load: requests/s")
@@ -95,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"vLLM cannot run: {problem}")
         return 1
-    scratch = Path(tempfile.mkdtemp(prefix="moe-vs-vllm-"))
+    scratch = Path(tempfile.mkdtemp(prefix="models-vs-vllm-"))
     model = args.model or str(build_checkpoint(args.arch, scratch / "model"))
     config = json.loads((Path(model) / "config.json").read_text())
     port = ["--host", "127.0.0.1", "--port", str(args.port)]
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = {k: config.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers", "num_experts",
                                         "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
                                         "intermediate_size") if config.get(k) is not None}
-    record: dict = {"benchmark": "moe_vs_vllm", "command": " ".join(map(shlex.quote, sys.argv)),
+    record: dict = {"benchmark": "models_vs_vllm", "command": " ".join(map(shlex.quote, sys.argv)),
                     "model": args.model and Path(args.model).name or f"random {args.arch}", "shape": shape,
                     "dtype": args.dtype, "servers": {}}
     for name, (cmd, env) in servers.items():
@@ -130,10 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     same = sum(a == b for a, b in zip(ours, theirs))
     record["same_replies"], record["replies_compared"] = same, len(PROMPTS)
     experts = shape.get("num_experts") or shape.get("num_local_experts")
-    lines = ["# Mixture-of-experts models beside vLLM", "",
+    routing = (f", each token routed to {shape.get('num_experts_per_tok')} of {experts} experts" if experts
+               else "")
+    lines = [f"# {record['model']} beside vLLM", "",
              f"{record['model']} ({args.dtype}): {shape.get('num_hidden_layers')} layers of hidden "
-             f"{shape.get('hidden_size')}, each token routed to {shape.get('num_experts_per_tok')} of {experts} "
-             f"experts; each server started in turn in one run with the same checkpoint.", "",
+             f"{shape.get('hidden_size')}{routing}; each server started in turn in one run with the same "
+             "checkpoint.", "",
              f"Greedy replies ({args.max_tokens} tokens, {len(PROMPTS)} prompts): **{same} of {len(PROMPTS)} the "
              "same tokens** on both servers.", "",
              f"Loads: {args.num_requests} random prompts of {args.input_len} tokens, {args.output_len} out "
@@ -151,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"{kind}: fluidserve's output tok/s {a['output_throughput'] / b['output_throughput']:.2f}x "
                      f"vLLM's; median TTFT {b['median_ttft_ms'] / a['median_ttft_ms']:.2f}x lower, "
                      f"median TPOT {b['median_tpot_ms'] / a['median_tpot_ms']:.2f}x lower.")
-    save_results(RESULTS / f"moe_vs_vllm{args.tag}", record, "\n".join(lines) + "\n")
+    save_results(RESULTS / f"models_vs_vllm{args.tag}", record, "\n".join(lines) + "\n")
     return 0
 
 
