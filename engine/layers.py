@@ -111,6 +111,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         params = getattr(config, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
+        # LongRoPE (Phi-3): positions past the pretraining length take the
+        # long factors, the others the short ones. transformers switches the
+        # whole forward by its longest position, which is the same wherever a
+        # token is computed once its position is known (decoding, and any
+        # prompt within the pretraining length).
+        self.long_from: int | None = None
+        partial = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor={partial}: rope over part of a head is not supported")
         if rope_type == "default":
             base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
             inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
@@ -118,14 +127,22 @@ class RotaryEmbedding(nn.Module):
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+            init = ROPE_INIT_FUNCTIONS[rope_type]
+            inv_freq, self.scaling = init(config, None)
+            if rope_type == "longrope":
+                self.long_from = int(params["original_max_position_embeddings"])
+                long_freq, _ = init(config, None, seq_len=self.long_from + 1)
+                self.register_buffer("long_inv_freq", long_freq.float(), persistent=False)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """cos and sin of this step's positions, [T, D] each: computed once
         per step by the model and shared by every layer. The values are the
         reference's (``cat(freqs, freqs).cos() * scaling``, cast to dtype)."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, D/2]
+        inv_freq = self.inv_freq
+        if self.long_from is not None:
+            inv_freq = torch.where((positions >= self.long_from).unsqueeze(-1), self.long_inv_freq, inv_freq)
+        freqs = positions.float().unsqueeze(-1) * inv_freq  # [T, D/2]
         cos, sin = freqs.cos(), freqs.sin()
         table = torch.cat((cos, cos, -sin, sin), dim=-1)  # [T, 2D]: cos | signed sin
         if self.scaling != 1.0:

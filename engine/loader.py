@@ -273,6 +273,25 @@ def checkpoint_name(model: nn.Module, name: str) -> str:
     return name
 
 
+def _split_fused(model: nn.Module, tensors):
+    """(name, source) of each checkpoint tensor under our names, a tensor
+    the checkpoint keeps fused (Phi-3's ``qkv_proj``, ``model.checkpoint_splits``)
+    cut into its parts' rows, each then sharded as its part is."""
+    splits = getattr(model, "checkpoint_splits", {})
+    for name, source in tensors:
+        name = checkpoint_name(model, name)
+        fused = next((key for key in splits if key in name), None)
+        if fused is None:
+            yield name, source
+            continue
+        whole, start = _read(source, None), 0
+        for part, rows in splits[fused]:
+            yield name.replace(fused, part), whole.narrow(0, start, rows)
+            start += rows
+        if start != whole.shape[0]:
+            raise ValueError(f"weight {name}: {whole.shape[0]} rows, not the {start} of its parts")
+
+
 def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = False) -> None:
     """Read every weight of ``model`` from the checkpoint in ``model_dir``
     (this rank's shard of the split ones), then pack the linears for the CPU.
@@ -282,8 +301,7 @@ def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = Fals
     model_dir = Path(model_dir)
     targets = checkpoint_targets(model)
     loaded: set[str] = set()
-    for name, source in _checkpoint_tensors(model_dir):
-        name = checkpoint_name(model, name)
+    for name, source in _split_fused(model, _checkpoint_tensors(model_dir)):
         if base_only and name not in targets and f"model.{name}" in targets:
             name = f"model.{name}"
         if name not in targets:

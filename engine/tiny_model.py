@@ -25,7 +25,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3")
 
 # A thinking model's markers, added after the specials (ids 261 and 262) in
 # ``build_tiny_thinking_model``, and its Qwen3-style template: the reply
@@ -111,6 +111,7 @@ def tiny_config(arch: str = "llama", **overrides):
         "qwen2_moe": transformers.Qwen2MoeConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "gemma3": transformers.Gemma3TextConfig,
+        "phi3": transformers.Phi3Config,
     }[arch]
     return cls(**kw)
 

@@ -1,5 +1,6 @@
 """The Llama family over the flat token batch: Llama 2/3, Mistral, Qwen2 (bias
-on q/k/v) and Qwen3 (RMSNorm on q and k per head), and their mixture-of-experts
+on q/k/v), Qwen3 (RMSNorm on q and k per head) and Phi-3 (q/k/v and gate/up
+fused in its checkpoints; LongRoPE), and their mixture-of-experts
 kin, Mixtral, Qwen2-MoE and Qwen3-MoE, whose decoder layers route each token
 to a few experts in place of the MLP (engine/models/moe.py). Parameter names
 mirror the Hugging Face checkpoints so weights load by name.
@@ -522,6 +523,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         if config.model_type == "mixtral":  # its checkpoints' names for the MoE block and the experts' linears
             self.checkpoint_renames = MIXTRAL_RENAMES
+        if config.model_type == "phi3":  # its checkpoints keep q/k/v and gate/up fused, as our linears do
+            attn = self.model.layers[0].self_attn
+            q, kv = config.num_attention_heads * attn.head_dim, config.num_key_value_heads * attn.head_dim
+            self.checkpoint_splits = {
+                ".self_attn.qkv_proj.": ((".self_attn.q_proj.", q), (".self_attn.k_proj.", kv),
+                                         (".self_attn.v_proj.", kv)),
+                ".mlp.gate_up_proj.": ((".mlp.gate_proj.", config.intermediate_size),
+                                       (".mlp.up_proj.", config.intermediate_size)),
+            }  # fmt: skip
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
