@@ -37,7 +37,7 @@ from fluidserve.serve.protocol import (
     _SamplingFields,
 )
 from fluidserve.serve.reasoning import Reasoning, ReasoningParser
-from fluidserve.serve.tool_parsers import ToolMode, named_call_schema, required_calls_schema
+from fluidserve.serve.tool_parsers import KEEPS_SPECIAL_TOKENS, ToolMode, named_call_schema, required_calls_schema
 
 if TYPE_CHECKING:
     from fluidserve.serve.embeddings import EmbeddingRequest, PooledRequest
@@ -209,6 +209,8 @@ class InputProcessor:
         # A thinking reply's grammar starts once the thinking has ended.
         after = reasoning.parser.end_id if reasoning and structured and not self.enable_in_reasoning else None
         params = self._params(req, max_tokens, top_n, structured, after)
+        if tool_mode is not None and tool_mode.parser in KEEPS_SPECIAL_TOKENS:
+            params = dataclasses.replace(params, skip_special_tokens=False)  # its [TOOL_CALLS] is one
         budget = self._thinking_budget(req, reasoning, structured)
         if budget is not None:
             params = dataclasses.replace(params, thinking_token_budget=budget,

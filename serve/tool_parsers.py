@@ -10,7 +10,14 @@ Owns the three ways a chat reply becomes tool calls:
     text around them is content;
   - ``llama3_json`` (Llama 3.1-3.3 templates): the whole reply is a JSON object
     ``{"name": ..., "parameters": {...}}`` (``arguments`` also taken), maybe
-    after ``<|python_tag|>``, several joined by ``;``.
+    after ``<|python_tag|>``, several joined by ``;``;
+  - ``pythonic`` (Llama 3.2 and 4, ToolACE): the whole reply is a Python list
+    of calls with literal keyword arguments, ``[get_weather(city="Oslo")]``;
+  - ``mistral`` (Mistral, Mixtral, Ministral templates): content, then
+    ``[TOOL_CALLS]`` and the calls, as a JSON array of ``{"name",
+    "arguments"}`` objects (tokenizers before v11) or as ``name[ARGS]{...}``
+    after each ``[TOOL_CALLS]`` (v11 on); its call ids are the nine
+    alphanumerics its templates check.
 
 * ``tool_choice: "required"``: decoding is constrained to a JSON array of
   ``{"name", "parameters"}`` objects, one schema per tool
@@ -25,12 +32,17 @@ no pydantic, no engine.
 
 from __future__ import annotations
 
+import ast
 import json
+import random
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
+# The parsers whose markers are special tokens: a reply they read keeps its special tokens.
+KEEPS_SPECIAL_TOKENS = ("mistral",)
 
 
 def new_call_id() -> str:
@@ -351,5 +363,135 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-_PARSERS: dict[str, type[_AutoParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+class _WholeReplyParser(_AutoParser):
+    """A reply whose calls are read whole at its end once its opening says
+    it holds calls (``opens_calls``); content before a marker streams at
+    once, and a reply that opens otherwise streams as content."""
+
+    MARKER: ClassVar[str | None] = None  # text that starts the calls anywhere in the reply
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._mode: str | None = None  # None: undecided, "content" or "calls"
+
+    def opens_calls(self, head: str) -> bool | None:
+        """Whether a reply opening with ``head`` (stripped) holds calls; None: not known yet."""
+        raise NotImplementedError
+
+    def calls(self, text: str) -> list[ToolCall]:
+        raise NotImplementedError
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        if self._mode == "calls":
+            self._buffer += delta
+            return "", []
+        self._buffer += delta
+        if self.MARKER is not None:
+            at = self._buffer.find(self.MARKER)
+            if at >= 0:  # content up to the marker, the calls from it
+                self._mode = "calls"
+                content, self._buffer = self._buffer[:at], self._buffer[at:]
+                return content, []
+            keep = _partial_suffix(self._buffer, self.MARKER)
+            content, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+            return content, []
+        if self._mode == "content":
+            text, self._buffer = self._buffer, ""
+            return text, []
+        head = self._buffer.lstrip()
+        opens = self.opens_calls(head) if head else None
+        if opens is None:
+            return "", []
+        self._mode = "calls" if opens else "content"
+        if opens:
+            return "", []
+        text, self._buffer = self._buffer, ""
+        return text, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        text, self._buffer = self._buffer, ""
+        if self._mode != "calls":
+            return text, []
+        calls = self.calls(text)
+        return ("", calls) if calls else (text, [])
+
+
+class PythonicParser(_WholeReplyParser):
+    """``[name(key=literal, ...), ...]``: read with Python's parser, never
+    run; every argument must be a literal (strings, numbers, booleans,
+    None, and lists and dicts of them)."""
+
+    name = "pythonic"
+
+    def opens_calls(self, head: str) -> bool | None:
+        return head.startswith("[")
+
+    def calls(self, text: str) -> list[ToolCall]:
+        try:
+            tree = ast.parse(text.strip(), mode="eval")
+        except SyntaxError:
+            return []
+        if not isinstance(tree.body, ast.List) or not tree.body.elts:
+            return []
+        calls = []
+        for node in tree.body.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                return []
+            try:
+                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+            except ValueError:
+                return []
+            if len(args) != len(node.keywords):  # a **mapping argument
+                return []
+            calls.append(ToolCall(node.func.id, json.dumps(args, ensure_ascii=False)))
+        return calls
+
+
+def mistral_call_id() -> str:
+    """Nine letters and digits: Mistral's templates refuse other call ids
+    when the history comes back."""
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+class MistralParser(_WholeReplyParser):
+    """Content, then ``[TOOL_CALLS]`` and the calls: a JSON array (or one
+    object), or ``name[ARGS]{...}`` after each ``[TOOL_CALLS]``."""
+
+    name = "mistral"
+    MARKER = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+
+    def calls(self, text: str) -> list[ToolCall]:
+        body = text.removeprefix(self.MARKER).strip()
+        if body.startswith(("[", "{")):
+            try:
+                value = json.loads(body)
+            except ValueError:
+                return []
+            found = [_call_from_object(v, "arguments") for v in (value if isinstance(value, list) else [value])]
+        else:
+            found = [self._named(part) for part in text.split(self.MARKER)[1:]]
+        if not found or any(c is None for c in found):
+            return []
+        return [ToolCall(c.name, c.arguments, mistral_call_id()) for c in found]
+
+    def _named(self, part: str) -> ToolCall | None:
+        name, sep, args = part.partition(self.ARGS)
+        if not sep:  # v11's first form: the arguments right after the name
+            at = part.find("{")
+            if at < 0:
+                return None
+            name, args = part[:at], part[at:]
+        name = name.strip()
+        try:
+            value = json.loads(args)
+        except ValueError:
+            return None
+        if not name or not isinstance(value, dict):
+            return None
+        return ToolCall(name, json.dumps(value, ensure_ascii=False))
+
+
+_PARSERS: dict[str, type[_AutoParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
+                                          "pythonic": PythonicParser, "mistral": MistralParser}
 assert tuple(_PARSERS) == TOOL_CALL_PARSERS

@@ -519,10 +519,19 @@ HERMES_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments"
                 '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
 LLAMA_REPLY = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima", "days": 1}}; ' \
               '{"name": "get_time", "parameters": {"zone": "CET"}}'
+PYTHONIC_REPLY = '[get_weather(city="Rome", days=3), get_time(zone="EST", extra={"dst": True, "offsets": [1, 2]})]'
+MISTRAL_REPLY = 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Kyiv", "days": 4}}, ' \
+                '{"name": "get_time", "arguments": {"zone": "EET"}}]'
+MISTRAL_V11_REPLY = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Kyiv", "days": 4}[TOOL_CALLS]get_time[ARGS]' \
+                    '{"zone": "EET"}'
 EXPECTED_CALLS = {
     "hermes": [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "UTC"})],
     "llama3_json": [("get_weather", {"city": "Lima", "days": 1}), ("get_time", {"zone": "CET"})],
+    "pythonic": [("get_weather", {"city": "Rome", "days": 3}),
+                 ("get_time", {"zone": "EST", "extra": {"dst": True, "offsets": [1, 2]}})],
+    "mistral": [("get_weather", {"city": "Kyiv", "days": 4}), ("get_time", {"zone": "EET"})],
 }
+EXPECTED_CONTENT = {"hermes": "Let me check.\n\n", "mistral": "Sure."}
 
 
 def _streamed(mode, text: str, step: int):
@@ -541,7 +550,10 @@ def _streamed(mode, text: str, step: int):
     return content, [(n, json.loads(a)) for n, a in (calls[i] for i in sorted(calls))]
 
 
-@pytest.mark.parametrize("parser, reply", [("hermes", HERMES_REPLY), ("llama3_json", LLAMA_REPLY)])
+@pytest.mark.parametrize("parser, reply", [("hermes", HERMES_REPLY), ("llama3_json", LLAMA_REPLY),
+                                           ("pythonic", PYTHONIC_REPLY), ("mistral", MISTRAL_REPLY),
+                                           ("mistral", MISTRAL_V11_REPLY)],
+                         ids=["hermes", "llama3_json", "pythonic", "mistral", "mistral-v11"])
 def test_parser_finds_the_calls_whole_and_streamed(parser, reply):
     from fluidserve.serve.tool_parsers import ToolMode, parse_reply
 
@@ -549,8 +561,10 @@ def test_parser_finds_the_calls_whole_and_streamed(parser, reply):
     content, calls = parse_reply(mode, reply)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED_CALLS[parser]
     assert len({c.id for c in calls}) == 2
-    expected_content = "Let me check.\n\n" if parser == "hermes" else None
+    expected_content = EXPECTED_CONTENT.get(parser)
     assert content == expected_content
+    if parser == "mistral":  # the ids its templates accept when the history comes back
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
     for step in (1, 3, 7, len(reply)):  # tags and JSON split at every place
         streamed_content, streamed_calls = _streamed(mode, reply, step)
         assert streamed_calls == EXPECTED_CALLS[parser]
@@ -563,6 +577,12 @@ def test_parser_finds_the_calls_whole_and_streamed(parser, reply):
     ("llama3_json", "The weather is fine."),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": '),  # cut short
     ("llama3_json", '{"not": "a call"}'),
+    ("pythonic", "[1, 2, 3] are numbers"),
+    ("pythonic", '[get_weather(city=input("x"))]'),  # not a literal: never run, not a call
+    ("pythonic", '[get_weather(**{"city": "Oslo"})]'),
+    ("pythonic", "The weather is fine."),
+    ("mistral", "No tools needed, [TOOL_CALL] is not the marker."),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": '),  # cut short
 ])
 def test_parser_leaves_text_that_is_no_call_as_content(parser, reply):
     from fluidserve.serve.tool_parsers import ToolMode, parse_reply
@@ -584,6 +604,42 @@ def test_auto_tool_choice_turns_a_hermes_reply_into_tool_calls(client, stream):
     assert finish == "tool_calls" and content == "Checking."
     assert [c["name"] for c in calls] == ["get_weather"]
     jsonschema.validate(json.loads(calls[0]["arguments"]), TOOL_SCHEMAS["get_weather"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_turns_a_pythonic_reply_into_tool_calls(tiny_model, stream):
+    """--tool-call-parser pythonic on a server of its own: a regex makes the
+    random model write a Python list of calls, which come back as tool_calls."""
+    srv = start_server(tiny_model("llama"), ServerSettings(tool_call_parser="pythonic"))
+    try:
+        own = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
+        regex = r'\[get_weather\(city="(Paris|Oslo)", days=[1-7]\), get_time\(zone="(UTC|CET)"\)\]'
+        content, calls, finish = chat(own, stream, tools=[WEATHER, TIME], tool_choice="auto", temperature=0,
+                                      extra_body={"guided_regex": regex})
+    finally:
+        srv.stop()
+    assert finish == "tool_calls" and content is None
+    assert [c["name"] for c in calls] == ["get_weather", "get_time"]
+    for c in calls:
+        jsonschema.validate(json.loads(c["arguments"]), TOOL_SCHEMAS[c["name"]])
+
+
+def test_the_mistral_parser_keeps_the_special_tokens_it_reads(tiny_model):
+    """Mistral's [TOOL_CALLS] is a special token: a reply it reads is
+    detokenized with special tokens kept, whatever the request asked."""
+    from fluidserve.engine.loader import load_tokenizer
+    from fluidserve.serve.inputs import InputProcessor, ModelInfo
+    from fluidserve.serve.protocol import ChatCompletionRequest
+
+    tok = load_tokenizer(tiny_model("llama"))
+    body = {"messages": MSGS, "tools": [WEATHER], "tool_choice": "auto"}
+    for parser, kept in (("mistral", True), ("hermes", False)):
+        proc = InputProcessor(tok, ModelInfo("m", 256, 261), parser)
+        params = proc.chat(ChatCompletionRequest.model_validate(body)).params
+        assert params.skip_special_tokens is not kept
+    none = InputProcessor(tok, ModelInfo("m", 256, 261), "mistral")
+    params = none.chat(ChatCompletionRequest.model_validate({**body, "tool_choice": "none"})).params
+    assert params.skip_special_tokens  # no tools read: the request's own setting
 
 
 def test_tools_and_tool_history_reach_the_chat_template(tiny_model):
