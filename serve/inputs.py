@@ -37,7 +37,8 @@ from fluidserve.serve.protocol import (
     _SamplingFields,
 )
 from fluidserve.serve.reasoning import Reasoning, ReasoningParser
-from fluidserve.serve.tool_parsers import KEEPS_SPECIAL_TOKENS, ToolMode, named_call_schema, required_calls_schema
+from fluidserve.serve.tool_parsers import (KEEPS_SPECIAL_TOKENS, ToolMode, named_call_schema, parameter_types,
+                                           required_calls_schema)
 
 if TYPE_CHECKING:
     from fluidserve.serve.embeddings import EmbeddingRequest, PooledRequest
@@ -435,7 +436,8 @@ class InputProcessor:
                 raise bad_request('tool_choice: "auto" needs the server started with --enable-auto-tool-choice '
                                   "and --tool-call-parser (or send tool_choice \"required\", a named function, "
                                   'or "none")', "tool_choice")
-            return ToolMode("auto", parser=self.tool_parser), None
+            tools = [t.function.model_dump(mode="json", exclude_none=True) for t in req.tools or []]
+            return ToolMode("auto", parser=self.tool_parser, types=parameter_types(tools)), None
         tools = [t.function.model_dump(mode="json", exclude_none=True) for t in req.tools or []]
         if mode == "required":
             schema = required_calls_schema(tools, parallel=req.parallel_tool_calls is not False)

@@ -17,7 +17,10 @@ Owns the three ways a chat reply becomes tool calls:
     ``[TOOL_CALLS]`` and the calls, as a JSON array of ``{"name",
     "arguments"}`` objects (tokenizers before v11) or as ``name[ARGS]{...}``
     after each ``[TOOL_CALLS]`` (v11 on); its call ids are the nine
-    alphanumerics its templates check.
+    alphanumerics its templates check;
+  - ``qwen3_coder`` (Qwen3-Coder): ``<tool_call>`` blocks holding
+    ``<function=name>`` and ``<parameter=key>value</parameter>`` tags, each
+    value's text read as the tool's schema types it.
 
 * ``tool_choice: "required"``: decoding is constrained to a JSON array of
   ``{"name", "parameters"}`` objects, one schema per tool
@@ -35,12 +38,13 @@ from __future__ import annotations
 import ast
 import json
 import random
+import re
 import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder")
 # The parsers whose markers are special tokens: a reply they read keeps its special tokens.
 KEEPS_SPECIAL_TOKENS = ("mistral",)
 
@@ -85,6 +89,9 @@ class ToolMode:
     # array and written anew, written without whitespace, as the compact
     # grammar (disable_any_whitespace) had the model write them.
     compact: bool = False
+    # "auto": each tool's parameters' JSON schema types, {function: {parameter: type}},
+    # for a format that writes values as bare text (qwen3_coder).
+    types: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False)
 
 
 # -- schemas that force a call --------------------------------------------------
@@ -102,6 +109,12 @@ def _rebased(node: Any, base: str) -> Any:
     if isinstance(node, list):
         return [_rebased(v, base) for v in node]
     return node
+
+
+def parameter_types(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """{function: {parameter: its schema's ``type``}} of a request's tools."""
+    return {t["name"]: {k: v.get("type") for k, v in (_parameters(t).get("properties") or {}).items()
+                        if isinstance(v, dict)} for t in tools if isinstance(t.get("name"), str)}
 
 
 def required_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
@@ -163,7 +176,7 @@ class CallStream:
         self.mode = mode
         self.num_calls = 0
         if mode.kind == "auto":
-            self._auto = _PARSERS[mode.parser or ""]()
+            self._auto = _PARSERS[mode.parser or ""](mode)
         self._buffer = ""
         self._named_id: str | None = None
 
@@ -239,6 +252,9 @@ class _AutoParser:
 
     name: ClassVar[str]
 
+    def __init__(self, mode: ToolMode | None = None) -> None:
+        self.mode = mode
+
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         raise NotImplementedError
 
@@ -253,9 +269,14 @@ class HermesParser(_AutoParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, mode: ToolMode | None = None) -> None:
+        super().__init__(mode)
         self._pending = ""
         self._in_call = False
+
+    def read(self, body: str) -> ToolCall | None:
+        """One block's call; None: the block is no call."""
+        return _json_call(body, "arguments")
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         self._pending += delta
@@ -277,7 +298,7 @@ class HermesParser(_AutoParser):
                 break
             body, self._pending = self._pending[:at], self._pending[at + len(self.END):]
             self._in_call = False
-            call = _json_call(body, "arguments")
+            call = self.read(body)
             if call is None:  # not a call after all: the model's text, unchanged
                 content.append(self.START + body + self.END)
             else:
@@ -289,7 +310,7 @@ class HermesParser(_AutoParser):
         if not self._in_call:
             return rest, []
         self._in_call = False
-        call = _json_call(rest, "arguments")  # a reply that ended before its closing tag
+        call = self.read(rest)  # a reply that ended before its closing tag
         return ("", [call]) if call is not None else (self.START + rest, [])
 
 
@@ -300,7 +321,8 @@ class Llama3JsonParser(_AutoParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
 
-    def __init__(self) -> None:
+    def __init__(self, mode: ToolMode | None = None) -> None:
+        super().__init__(mode)
         self._buffer = ""
         self._mode: str | None = None  # None: undecided, "content" or "calls"
 
@@ -370,7 +392,8 @@ class _WholeReplyParser(_AutoParser):
 
     MARKER: ClassVar[str | None] = None  # text that starts the calls anywhere in the reply
 
-    def __init__(self) -> None:
+    def __init__(self, mode: ToolMode | None = None) -> None:
+        super().__init__(mode)
         self._buffer = ""
         self._mode: str | None = None  # None: undecided, "content" or "calls"
 
@@ -492,6 +515,55 @@ class MistralParser(_WholeReplyParser):
         return ToolCall(name, json.dumps(value, ensure_ascii=False))
 
 
+class Qwen3CoderParser(HermesParser):
+    """``<tool_call><function=name><parameter=key>value</parameter>...
+    </function></tool_call>`` blocks amid content. A value is bare text
+    (one newline either side dropped), read as its parameter's schema type:
+    a string as it is, numbers, booleans and null from their text, objects
+    and arrays as JSON; a parameter the schema does not type is JSON where
+    it parses, else a string."""
+
+    name = "qwen3_coder"
+    FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+    PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.S)
+
+    def read(self, body: str) -> ToolCall | None:
+        found = self.FUNCTION.search(body)
+        if found is None or body[:found.start()].strip():
+            return None
+        name = found[1].strip()
+        types = (self.mode.types if self.mode is not None else {}).get(name, {})
+        args = {}
+        for key, raw in self.PARAMETER.findall(found[2]):
+            key = key.strip()
+            args[key] = _typed(raw.removeprefix("\n").removesuffix("\n"), types.get(key))
+        return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _typed(text: str, kind: Any) -> Any:
+    """A bare-text value as its JSON schema ``type`` reads it."""
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    if text == "null" and "null" in kinds | {None}:
+        return None
+    if kinds & {"string"}:
+        return text
+    try:
+        if kinds & {"integer"}:
+            return int(text)
+        if kinds & {"number"}:
+            value = float(text)
+            return int(value) if value.is_integer() and "." not in text and "e" not in text.lower() else value
+    except ValueError:
+        return text
+    if kinds & {"boolean"}:
+        return {"true": True, "false": False}.get(text.strip().lower(), text)
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 _PARSERS: dict[str, type[_AutoParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
-                                          "pythonic": PythonicParser, "mistral": MistralParser}
+                                          "pythonic": PythonicParser, "mistral": MistralParser,
+                                          "qwen3_coder": Qwen3CoderParser}
 assert tuple(_PARSERS) == TOOL_CALL_PARSERS

@@ -524,14 +524,18 @@ MISTRAL_REPLY = 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city":
                 '{"name": "get_time", "arguments": {"zone": "EET"}}]'
 MISTRAL_V11_REPLY = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Kyiv", "days": 4}[TOOL_CALLS]get_time[ARGS]' \
                     '{"zone": "EET"}'
+QWEN3_CODER_REPLY = ('I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Jose\n</parameter>\n'
+                     '<parameter=days>\n5\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n'
+                     '<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>')
 EXPECTED_CALLS = {
     "hermes": [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "UTC"})],
     "llama3_json": [("get_weather", {"city": "Lima", "days": 1}), ("get_time", {"zone": "CET"})],
     "pythonic": [("get_weather", {"city": "Rome", "days": 3}),
                  ("get_time", {"zone": "EST", "extra": {"dst": True, "offsets": [1, 2]}})],
     "mistral": [("get_weather", {"city": "Kyiv", "days": 4}), ("get_time", {"zone": "EET"})],
+    "qwen3_coder": [("get_weather", {"city": "San Jose", "days": 5}), ("get_time", {"zone": "UTC"})],
 }
-EXPECTED_CONTENT = {"hermes": "Let me check.\n\n", "mistral": "Sure."}
+EXPECTED_CONTENT = {"hermes": "Let me check.\n\n", "mistral": "Sure.", "qwen3_coder": "I will look.\n\n"}
 
 
 def _streamed(mode, text: str, step: int):
@@ -552,12 +556,13 @@ def _streamed(mode, text: str, step: int):
 
 @pytest.mark.parametrize("parser, reply", [("hermes", HERMES_REPLY), ("llama3_json", LLAMA_REPLY),
                                            ("pythonic", PYTHONIC_REPLY), ("mistral", MISTRAL_REPLY),
-                                           ("mistral", MISTRAL_V11_REPLY)],
-                         ids=["hermes", "llama3_json", "pythonic", "mistral", "mistral-v11"])
+                                           ("mistral", MISTRAL_V11_REPLY), ("qwen3_coder", QWEN3_CODER_REPLY)],
+                         ids=["hermes", "llama3_json", "pythonic", "mistral", "mistral-v11", "qwen3_coder"])
 def test_parser_finds_the_calls_whole_and_streamed(parser, reply):
-    from fluidserve.serve.tool_parsers import ToolMode, parse_reply
+    from fluidserve.serve.tool_parsers import ToolMode, parameter_types, parse_reply
 
-    mode = ToolMode("auto", parser=parser)
+    types = parameter_types([t["function"] for t in (WEATHER, TIME)])  # days: an integer, as qwen3_coder reads it
+    mode = ToolMode("auto", parser=parser, types=types)
     content, calls = parse_reply(mode, reply)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED_CALLS[parser]
     assert len({c.id for c in calls}) == 2
@@ -583,6 +588,8 @@ def test_parser_finds_the_calls_whole_and_streamed(parser, reply):
     ("pythonic", "The weather is fine."),
     ("mistral", "No tools needed, [TOOL_CALL] is not the marker."),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": '),  # cut short
+    ("qwen3_coder", "<tool_call>no function here</tool_call>"),
+    ("qwen3_coder", "a <tool_ call> lookalike"),
 ])
 def test_parser_leaves_text_that_is_no_call_as_content(parser, reply):
     from fluidserve.serve.tool_parsers import ToolMode, parse_reply
@@ -622,6 +629,25 @@ def test_auto_tool_choice_turns_a_pythonic_reply_into_tool_calls(tiny_model, str
     assert [c["name"] for c in calls] == ["get_weather", "get_time"]
     for c in calls:
         jsonschema.validate(json.loads(c["arguments"]), TOOL_SCHEMAS[c["name"]])
+
+
+def test_qwen3_coder_values_are_read_as_their_schema_types():
+    """Bare-text values: strings stay text even where they look like
+    numbers, numbers, booleans, null, objects and arrays from their text,
+    and an untyped parameter is JSON where it parses."""
+    from fluidserve.serve.tool_parsers import ToolMode, parse_reply
+
+    types = {"f": {"code": "string", "n": "integer", "x": "number", "ok": "boolean", "opts": "object",
+                   "ids": "array", "maybe": ["string", "null"]}}
+    reply = ("<tool_call>\n<function=f>\n<parameter=code>\n007\n</parameter>\n<parameter=n>\n12\n</parameter>\n"
+             "<parameter=x>\n2.5\n</parameter>\n<parameter=ok>\nTrue\n</parameter>\n<parameter=opts>\n"
+             '{"a": [1]}\n</parameter>\n<parameter=ids>\n[3, 4]\n</parameter>\n<parameter=maybe>\nnull\n'
+             "</parameter>\n<parameter=extra>\n{\"k\": 1}\n</parameter>\n<parameter=text>\ntwo\nlines\n</parameter>\n"
+             "</function>\n</tool_call>")
+    content, (call,) = parse_reply(ToolMode("auto", parser="qwen3_coder", types=types), reply)
+    assert content is None and call.name == "f"
+    assert json.loads(call.arguments) == {"code": "007", "n": 12, "x": 2.5, "ok": True, "opts": {"a": [1]},
+                                          "ids": [3, 4], "maybe": None, "extra": {"k": 1}, "text": "two\nlines"}
 
 
 def test_the_mistral_parser_keeps_the_special_tokens_it_reads(tiny_model):
