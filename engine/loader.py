@@ -67,7 +67,7 @@ def resolve_model_dir(model: str, load_format: str = "auto", revision: str | Non
 # Multimodal checkpoints served for their text alone: the model type -> the
 # text model's architecture, and where the checkpoint keeps its weights
 # (transformers' older layout and its newer one).
-TEXT_OF_MULTIMODAL = {"gemma3": "Gemma3ForCausalLM"}
+TEXT_OF_MULTIMODAL = {"gemma3": "Gemma3ForCausalLM", "mistral3": "MistralForCausalLM"}
 TEXT_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
                  "model.language_model.": "model."}
 
@@ -75,16 +75,19 @@ TEXT_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "
 def load_hf_config(model_dir: Path, overrides: str | None = None):
     """The checkpoint's config; ``overrides`` (``--hf-overrides``, a JSON
     object) sets its keys over the file's. A multimodal checkpoint of
-    ``TEXT_OF_MULTIMODAL`` (Gemma 3 4B and up) gives its text model's config:
+    ``TEXT_OF_MULTIMODAL`` (Gemma 3 4B and up, Mistral Small 3.1 and up)
+    gives its text model's config:
     the server takes text only, and its vision tower stays unread."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=_trust_remote_code)
     text_arch = TEXT_OF_MULTIMODAL.get(config.model_type)
     if text_arch is not None:
-        config = copy.deepcopy(config.text_config)
+        top, config = config, copy.deepcopy(config.text_config)
         config.architectures = [text_arch]
         config.checkpoint_prefixes = TEXT_PREFIXES
+        # transformers ties the multimodal model's head by the outer config's flag.
+        config.tie_word_embeddings = bool(getattr(top, "tie_word_embeddings", config.tie_word_embeddings))
     for key, value in (json.loads(overrides) if overrides else {}).items():
         setattr(config, key, value)
     return config

@@ -12,10 +12,12 @@ import transformers
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "a", "Long prompt " * 9, "你好, wörld"]
 
 
-def hf_greedy(model_dir: str, prompts, max_new_tokens: int = 16) -> list[list[int]]:
-    """Reference continuations, one prompt at a time (no padding in play)."""
+def hf_greedy(model_dir: str, prompts, max_new_tokens: int = 16, auto_class=None) -> list[list[int]]:
+    """Reference continuations, one prompt at a time (no padding in play);
+    ``auto_class``: the transformers class that loads the model (default
+    ``AutoModelForCausalLM``)."""
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    hf = (auto_class or transformers.AutoModelForCausalLM).from_pretrained(model_dir).eval()
     out = []
     for p in prompts:
         ids = tok.encode(p) if isinstance(p, str) else p
