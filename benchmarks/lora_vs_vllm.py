@@ -33,7 +33,7 @@ import httpx
 
 import serve_bench
 from dummy_models import save_results
-from vs_vllm import VLLM_ENV, vllm_problem
+from vs_vllm import VLLM_ENV, add_peer_load_args, vllm_problem
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):",
@@ -66,22 +66,25 @@ def load(base: str, models: list[str], args: argparse.Namespace, warmup: bool = 
     return {k: rep.get(k) for k in LOAD_KEYS}
 
 
+def load_table(servers: dict) -> list[str]:
+    """A markdown table of each server's loads (``servers[name]["loads"][kind]``, LOAD_KEYS)."""
+    lines = ["| server | load | req/s | output tok/s | TTFT P50 / P99 ms | TPOT P50 / P99 ms | failed |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in servers.items():
+        for kind, m in r["loads"].items():
+            lines.append(f"| {name} | {kind} | {m['request_throughput']:.2f} | {m['output_throughput']:.1f} | "
+                         f"{m['median_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f} | "
+                         f"{m['median_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f} | {m['failed']} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a model directory both servers can load")
-    p.add_argument("--vllm-python", required=True, help="a Python with vLLM installed")
     p.add_argument("--adapters", type=int, default=4, help="random adapters made and served (K)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--scale", type=float, default=0.03, help="the adapters' weights: normal with this deviation")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-tokens", type=int, default=24, help="greedy comparison: tokens per reply")
-    p.add_argument("--rate", type=float, default=2.0, help="load: requests/s")
-    p.add_argument("--num-requests", type=int, default=40)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--port", type=int, default=8098)
-    p.add_argument("--tag", default="")
+    add_peer_load_args(p, rate=2.0, num_requests=40, port=8098)
     args = p.parse_args(argv)
     problem = vllm_problem(args.vllm_python)
     if problem:
@@ -137,14 +140,7 @@ def main(argv: list[str] | None = None) -> int:
              f"Load: {args.num_requests} requests at {args.rate} req/s (Poisson), random prompts of "
              f"{args.input_len} tokens, {args.output_len} out (`ignore_eos`), every request to the base model, "
              "then every request to an adapter drawn at random.", "",
-             "| server | load | req/s | output tok/s | TTFT P50 / P99 ms | TPOT P50 / P99 ms | failed |",
-             "|---|---|---|---|---|---|---|"]
-    for name, r in record["servers"].items():
-        for kind, m in r["loads"].items():
-            lines.append(f"| {name} | {kind} | {m['request_throughput']:.2f} | {m['output_throughput']:.1f} | "
-                         f"{m['median_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f} | "
-                         f"{m['median_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f} | {m['failed']} |")
-    lines.append("")
+             *load_table(record["servers"]), ""]
 
     def ratios(a: dict, b: dict) -> str:
         return (f"median TPOT {a['median_tpot_ms'] / b['median_tpot_ms']:.2f}x, "

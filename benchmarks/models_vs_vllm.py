@@ -30,12 +30,10 @@ import httpx
 
 import serve_bench
 from dummy_models import save_results
-from lora_vs_vllm import LOAD_KEYS
-from vs_vllm import VLLM_ENV, vllm_problem
+from lora_vs_vllm import LOAD_KEYS, PROMPTS, load_table, replies
+from vs_vllm import VLLM_ENV, add_peer_load_args, vllm_problem
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):",
-           "Three facts about whales:", "Once upon a time, in a small village,", "The best way to learn a language is"]
 # Shapes small enough for two CPU cores, with the experts' proportions of
 # the real models: Qwen3-30B-A3B routes each token to 8 of 128 experts of
 # 768 features (hidden 2048); Mixtral-8x7B to 2 of 8 of 14336 (hidden 4096).
@@ -62,19 +60,6 @@ def build_checkpoint(arch: str, root: Path) -> Path:
     return build_tiny_model(root, arch, seed=0, **SHAPES[arch])
 
 
-def replies(base: str, model: str, max_tokens: int) -> list[list[int] | str]:
-    """Greedy completions of PROMPTS: token ids where the server returns them, else the text."""
-    out: list[list[int] | str] = []
-    for prompt in PROMPTS:
-        r = httpx.post(f"{base}/v1/completions", timeout=300, json={
-            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True})
-        r.raise_for_status()
-        choice = r.json()["choices"][0]
-        out.append(choice.get("token_ids") or choice["text"])
-    return out
-
-
 def load(base: str, args: argparse.Namespace, rate: str, count: int) -> dict:
     rep = serve_bench.load(base, ["--dataset-name", "random", "--random-input-len", str(args.input_len),
                                   "--random-output-len", str(args.output_len), "--num-prompts", str(count),
@@ -84,18 +69,9 @@ def load(base: str, args: argparse.Namespace, rate: str, count: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vllm-python", required=True, help="a Python with vLLM installed")
     p.add_argument("--arch", choices=sorted(SHAPES), default="qwen3_moe")
     p.add_argument("--model", default=None, help="a model directory to serve instead of the random one")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-tokens", type=int, default=24, help="greedy comparison: tokens per reply")
-    p.add_argument("--rate", type=float, default=1.0, help="steady load: requests/s")
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--port", type=int, default=8097)
-    p.add_argument("--tag", default="")
+    add_peer_load_args(p, rate=1.0, num_requests=32, port=8097)
     args = p.parse_args(argv)
     problem = vllm_problem(args.vllm_python)
     if problem:
@@ -146,14 +122,7 @@ def main(argv: list[str] | None = None) -> int:
              "same tokens** on both servers.", "",
              f"Loads: {args.num_requests} random prompts of {args.input_len} tokens, {args.output_len} out "
              f"(`ignore_eos`), all at once (burst), then at {args.rate:g} req/s (Poisson).", "",
-             "| server | load | req/s | output tok/s | TTFT P50 / P99 ms | TPOT P50 / P99 ms | failed |",
-             "|---|---|---|---|---|---|---|"]
-    for name, r in record["servers"].items():
-        for kind, m in r["loads"].items():
-            lines.append(f"| {name} | {kind} | {m['request_throughput']:.2f} | {m['output_throughput']:.1f} | "
-                         f"{m['median_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f} | "
-                         f"{m['median_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f} | {m['failed']} |")
-    lines.append("")
+             *load_table(record["servers"]), ""]
     for kind in record["servers"]["fluidserve"]["loads"]:
         a, b = (record["servers"][s]["loads"][kind] for s in ("fluidserve", "vLLM"))
         lines.append(f"{kind}: fluidserve's output tok/s {a['output_throughput'] / b['output_throughput']:.2f}x "

@@ -252,6 +252,22 @@ class Worker:
 # -- shared setup -------------------------------------------------------------------------------
 
 
+def add_peer_load_args(p: argparse.ArgumentParser, rate: float, num_requests: int, port: int) -> None:
+    """The flags the side-by-side servers' scripts share: vLLM's Python, the
+    dtype, the greedy comparison's length, the load (``fluidserve bench``'s
+    random dataset at ``--rate``) and where the servers listen."""
+    p.add_argument("--vllm-python", required=True, help="a Python with vLLM installed")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-tokens", type=int, default=24, help="greedy comparison: tokens per reply")
+    p.add_argument("--rate", type=float, default=rate, help="load: requests/s")
+    p.add_argument("--num-requests", type=int, default=num_requests)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--tag", default="")
+
+
 def vllm_problem(python: str | None) -> str | None:
     """Why vLLM cannot run here, or None."""
     try:

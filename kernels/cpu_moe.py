@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fluidserve.kernels.reference import pairs_by_expert
+
 
 def pack(weights: torch.Tensor) -> list[torch.Tensor]:
     """[E, out, in] -> each expert's weight reordered for oneDNN's linear."""
@@ -35,13 +37,9 @@ def fused_experts(
     then added into the zeroed output expert after expert (one
     ``index_add_`` over the pairs sorted by expert adds in that order)."""
     out = torch.zeros_like(x)
-    tokens, top_k = topk_ids.shape
-    if tokens == 0 or top_k == 0:
+    if not topk_ids.numel():
         return out
-    flat = topk_ids.t().reshape(-1)  # pair j * T + t
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=len(w13)).tolist()
-    tok = order % tokens
+    order, counts, tok = pairs_by_expert(topk_ids, len(w13))
     rows = x.index_select(0, tok)  # [T k, H], by expert
     ys = x.new_empty(rows.shape)
     linear = torch.ops.mkldnn._linear_pointwise

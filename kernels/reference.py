@@ -158,6 +158,17 @@ def scatter_blocks(
 # -- mixture of experts ------------------------------------------------------------------
 
 
+def pairs_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """The (token, slot) pairs sorted by expert, stably: each pair's index
+    ``j * T + t`` (slot, then token, the order transformers' ``where`` over
+    an expert's [k, T] mask lists them), the pairs of each expert (one host
+    sync), and each sorted pair's token."""
+    tokens = topk_ids.shape[0]
+    flat = topk_ids.t().reshape(-1)  # pair j * T + t
+    order = torch.argsort(flat, stable=True)
+    return order, torch.bincount(flat, minlength=num_experts).tolist(), order % tokens
+
+
 def fused_experts(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2N, H]: gate_proj rows, then up_proj rows
@@ -177,20 +188,17 @@ def fused_experts(
     ``where`` over its [k, T] mask lists them (slot, then token), so every
     GEMM sees the same rows in the same order. Also the CPU serving path."""
     out = torch.zeros_like(x)
-    tokens, top_k = topk_ids.shape
-    if tokens == 0 or top_k == 0:
+    if not topk_ids.numel():
         return out
-    flat = topk_ids.t().reshape(-1)  # pair j * T + t
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    order, counts, tokens_of = pairs_by_expert(topk_ids, w13.shape[0])
     weights = topk_weights.t().reshape(-1)
     start = 0
     for expert, n in enumerate(counts):
         if not n:
             continue
         pairs = order[start:start + n]
+        tok = tokens_of[start:start + n]
         start += n
-        tok = pairs % tokens
         gate, up = F.linear(x[tok], w13[expert]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, w2[expert]) * weights[pairs, None]
         out.index_add_(0, tok, y.to(out.dtype))

@@ -314,40 +314,6 @@ class HermesParser(_AutoParser):
         return ("", [call]) if call is not None else (self.START + rest, [])
 
 
-class Llama3JsonParser(_AutoParser):
-    """A reply that opens with ``{`` (or ``<|python_tag|>``) is read whole as
-    calls at its end; any other reply streams as content at once."""
-
-    name = "llama3_json"
-    TAG = "<|python_tag|>"
-
-    def __init__(self, mode: ToolMode | None = None) -> None:
-        super().__init__(mode)
-        self._buffer = ""
-        self._mode: str | None = None  # None: undecided, "content" or "calls"
-
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
-        if self._mode == "content":
-            return delta, []
-        self._buffer += delta
-        head = self._buffer.lstrip()
-        if not head or (len(head) < len(self.TAG) and self.TAG.startswith(head)):
-            return "", []  # whitespace, or maybe the tag: wait
-        if head.startswith("{") or head.startswith(self.TAG):
-            self._mode = "calls"
-            return "", []
-        self._mode = "content"
-        text, self._buffer = self._buffer, ""
-        return text, []
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        text, self._buffer = self._buffer, ""
-        if self._mode != "calls":
-            return text, []
-        calls = _json_calls(text.strip().removeprefix(self.TAG))
-        return ("", calls) if calls else (text, [])
-
-
 def _json_call(text: str, args_key: str) -> ToolCall | None:
     try:
         value = json.loads(text)
@@ -437,6 +403,22 @@ class _WholeReplyParser(_AutoParser):
             return text, []
         calls = self.calls(text)
         return ("", calls) if calls else (text, [])
+
+
+class Llama3JsonParser(_WholeReplyParser):
+    """A reply that opens with ``{`` (or ``<|python_tag|>``) is read whole as
+    calls at its end; any other reply streams as content at once."""
+
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def opens_calls(self, head: str) -> bool | None:
+        if len(head) < len(self.TAG) and self.TAG.startswith(head):
+            return None  # maybe the tag: wait
+        return head.startswith(("{", self.TAG))
+
+    def calls(self, text: str) -> list[ToolCall]:
+        return _json_calls(text.strip().removeprefix(self.TAG))
 
 
 class PythonicParser(_WholeReplyParser):

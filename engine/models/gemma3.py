@@ -25,14 +25,13 @@ from torch import nn
 from ..layers import AttentionMetadata, KVCache, PagedAttention, Rope, RotaryEmbedding
 from ..parallel import (
     MergedColumnParallelLinear,
-    ParallelLMHead,
     Part,
     RowParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
 )
 from ..preemption import LayerLoop
-from .llama import _kv_sharding
+from .llama import DecoderForCausalLM, _kv_sharding
 
 SLIDING = "sliding_attention"
 
@@ -168,28 +167,7 @@ class Gemma3Model(nn.Module):
         return self.norm(x)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(DecoderForCausalLM):
     def __init__(self, config, tp: TensorParallel | None = None) -> None:
-        super().__init__()
         tp = tp or TensorParallel()
-        self.config = config
-        self.model = Gemma3Model(config, tp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
-        if getattr(config, "tie_word_embeddings", True):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def kv_shape(self) -> tuple[int, int, int]:
-        attn = self.model.layers[0].self_attn
-        return len(self.model.layers), attn.num_kv_heads, attn.head_dim
-
-    @property
-    def layer_loop(self) -> LayerLoop:
-        return self.model.layer_loop
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head(hidden)
+        super().__init__(config, Gemma3Model(config, tp), tp, tie_by_default=True)

@@ -512,26 +512,17 @@ MIXTRAL_RENAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".
                    (".w2.", ".down_proj."))
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, tp: TensorParallel | None = None) -> None:
+class DecoderForCausalLM(nn.Module):
+    """What the engine reads of a decoder-only model (``model``: the layers
+    over a ``layer_loop``, ``lm_head``), shared by the families here."""
+
+    def __init__(self, config, model: nn.Module, tp: TensorParallel, tie_by_default: bool = False) -> None:
         super().__init__()
-        tp = tp or TensorParallel()
         self.config = config
-        self.model = LlamaModel(config, tp)
+        self.model = model
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
-        if getattr(config, "tie_word_embeddings", False):
+        if getattr(config, "tie_word_embeddings", tie_by_default):
             self.lm_head.weight = self.model.embed_tokens.weight
-        if config.model_type == "mixtral":  # its checkpoints' names for the MoE block and the experts' linears
-            self.checkpoint_renames = MIXTRAL_RENAMES
-        if config.model_type == "phi3":  # its checkpoints keep q/k/v and gate/up fused, as our linears do
-            attn = self.model.layers[0].self_attn
-            q, kv = config.num_attention_heads * attn.head_dim, config.num_key_value_heads * attn.head_dim
-            self.checkpoint_splits = {
-                ".self_attn.qkv_proj.": ((".self_attn.q_proj.", q), (".self_attn.k_proj.", kv),
-                                         (".self_attn.v_proj.", kv)),
-                ".mlp.gate_up_proj.": ((".mlp.gate_proj.", config.intermediate_size),
-                                       (".mlp.up_proj.", config.intermediate_size)),
-            }  # fmt: skip
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -551,3 +542,20 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[S, hidden] -> [S, vocab] on rank 0; None on the other ranks."""
         return self.lm_head(hidden)
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    def __init__(self, config, tp: TensorParallel | None = None) -> None:
+        tp = tp or TensorParallel()
+        super().__init__(config, LlamaModel(config, tp), tp)
+        if config.model_type == "mixtral":  # its checkpoints' names for the MoE block and the experts' linears
+            self.checkpoint_renames = MIXTRAL_RENAMES
+        if config.model_type == "phi3":  # its checkpoints keep q/k/v and gate/up fused, as our linears do
+            attn = self.model.layers[0].self_attn
+            q, kv = config.num_attention_heads * attn.head_dim, config.num_key_value_heads * attn.head_dim
+            self.checkpoint_splits = {
+                ".self_attn.qkv_proj.": ((".self_attn.q_proj.", q), (".self_attn.k_proj.", kv),
+                                         (".self_attn.v_proj.", kv)),
+                ".mlp.gate_up_proj.": ((".mlp.gate_proj.", config.intermediate_size),
+                                       (".mlp.up_proj.", config.intermediate_size)),
+            }  # fmt: skip
