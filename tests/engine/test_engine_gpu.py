@@ -24,7 +24,8 @@ ARCH_CASES = [
     ("qwen3", {"head_dim": 128, "hidden_size": 512}),
     ("opt", {"hidden_size": 256}),
     ("opt", {"hidden_size": 320, "word_embed_proj_dim": 320}),
-    ("qwen3_moe", {"head_dim": 128, "hidden_size": 512, "num_experts": 16, "num_experts_per_tok": 4}),
+    ("qwen3_moe", {"head_dim": 128, "hidden_size": 512, "num_experts": 16, "num_experts_per_tok": 4,
+                   "mlp_only_layers": [0]}),  # a dense layer's fused paths, then the experts
     ("mixtral", {"head_dim": 64, "hidden_size": 256}),
     ("gemma3", {"head_dim": 128, "hidden_size": 256, "query_pre_attn_scalar": 128}),
 ]

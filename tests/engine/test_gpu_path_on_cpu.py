@@ -38,7 +38,9 @@ LANE_CASES = [
     ("qwen3", {"head_dim": 128, "hidden_size": 256}),
     ("opt", {"hidden_size": 160, "word_embed_proj_dim": 160, "num_attention_heads": 2}),
     ("mistral", {"sliding_window": 12}),
-    ("qwen3_moe", {}),  # the experts through the Triton grouped GEMM (kernels/moe.py)
+    # A dense layer (the fused row and batch paths) before a MoE layer (the
+    # experts through the Triton grouped GEMM, kernels/moe.py).
+    ("qwen3_moe", {"mlp_only_layers": [0]}),
     ("gemma3", {}),  # a sliding layer and a full one, each with its rope table
 ]
 # What the GPU machines lack (benchmarks/gpu_check.sh runs there).
