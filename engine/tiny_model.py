@@ -25,7 +25,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3", "granite")
 
 # A thinking model's markers, added after the specials (ids 261 and 262) in
 # ``build_tiny_thinking_model``, and its Qwen3-style template: the reply
@@ -97,6 +97,8 @@ def tiny_config(arch: str = "llama", **overrides):
                   norm_topk_prob=arch == "qwen3_moe")
         if arch == "qwen2_moe":
             kw.update(shared_expert_intermediate_size=48)
+    elif arch == "granite":  # Granite 3's multipliers, in their proportions
+        kw.update(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1 / 16, logits_scaling=8.0)
     elif arch == "gemma3":  # one full-attention layer after a sliding one, a short window
         kw.update(layer_types=["sliding_attention", "full_attention"], sliding_window=16, query_pre_attn_scalar=16,
                   tie_word_embeddings=True)
@@ -112,6 +114,7 @@ def tiny_config(arch: str = "llama", **overrides):
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "gemma3": transformers.Gemma3TextConfig,
         "phi3": transformers.Phi3Config,
+        "granite": transformers.GraniteConfig,
     }[arch]
     return cls(**kw)
 

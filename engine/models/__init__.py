@@ -13,6 +13,7 @@ MODEL_REGISTRY = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
@@ -38,9 +39,9 @@ def model_class(config):
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
     by_type = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
-               "qwen3": LlamaForCausalLM, "phi3": LlamaForCausalLM, "mixtral": LlamaForCausalLM,
-               "qwen2_moe": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM, "gemma3_text": Gemma3ForCausalLM,
-               "opt": OPTForCausalLM}
+               "qwen3": LlamaForCausalLM, "phi3": LlamaForCausalLM, "granite": LlamaForCausalLM,
+               "mixtral": LlamaForCausalLM, "qwen2_moe": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM,
+               "gemma3_text": Gemma3ForCausalLM, "opt": OPTForCausalLM}
     if config.model_type in by_type:
         return by_type[config.model_type]
     raise ValueError(

@@ -1,6 +1,8 @@
 """The Llama family over the flat token batch: Llama 2/3, Mistral, Qwen2 (bias
-on q/k/v), Qwen3 (RMSNorm on q and k per head) and Phi-3 (q/k/v and gate/up
-fused in its checkpoints; LongRoPE), and their mixture-of-experts
+on q/k/v), Qwen3 (RMSNorm on q and k per head), Phi-3 (q/k/v and gate/up
+fused in its checkpoints; LongRoPE) and Granite (multipliers on the
+embedding, the attention scores, each residual branch and the logits), and
+their mixture-of-experts
 kin, Mixtral, Qwen2-MoE and Qwen3-MoE, whose decoder layers route each token
 to a few experts in place of the MLP (engine/models/moe.py). Parameter names
 mirror the Hugging Face checkpoints so weights load by name.
@@ -75,8 +77,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
-                                   self.head_dim**-0.5, _sliding_window(config, layer))
+        scale = config.attention_multiplier if config.model_type == "granite" else self.head_dim**-0.5
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale,
+                                   _sliding_window(config, layer))
 
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -287,6 +290,10 @@ class LlamaDecoderLayer(nn.Module):
         # A MoE layer's block routes each row to its experts; it runs through
         # the modules (no row or batch path of fused launches).
         self.moe = is_moe_layer(config, layer)
+        # Granite scales each branch before its residual add, which the fused
+        # row and batch paths (adding in their GEMMs) have no place for.
+        self.residual_multiplier = float(config.residual_multiplier) if config.model_type == "granite" else 1.0
+        self.modules_only = self.moe or self.residual_multiplier != 1.0
         if self.moe:
             shared = getattr(config, "shared_expert_intermediate_size", None)
             self.mlp = SparseMoeBlock(config, tp, LlamaMLP(config, tp, shared) if shared else None)
@@ -312,7 +319,7 @@ class LlamaDecoderLayer(nn.Module):
         step's row is (``LlamaModel.forward`` checks) and every GEMV writes."""
         from ...kernels import gemv
 
-        if self.moe:
+        if self.modules_only:
             self._row = self._batch = None
             return
         attn, mlp = self.self_attn, self.mlp
@@ -391,7 +398,7 @@ class LlamaDecoderLayer(nn.Module):
         # add + norm, gate/up GEMM, SiLU-mul, down GEMM adding the residual.
         path = meta.kernels
         attn = self.self_attn
-        if row and not self.moe:
+        if row and not self.modules_only:
             # One row where the batch-1 GEMV runs (``ops.gemv_row``, asked
             # once per step by the model; eager and in decode graphs): six. The norms run
             # in the GEMVs' prologues, the SiLU-mul in the gate/up GEMV's
@@ -434,16 +441,22 @@ class LlamaDecoderLayer(nn.Module):
         return self._after_attention(attn(rope, self.input_layernorm(x, path), kv_cache, meta), x, path)
 
     def _after_attention(self, attn, x, path):
-        h, x = self.post_attention_layernorm.add_forward(attn, x, path)  # x = attn + x, over attn
+        m = self.residual_multiplier
+        h, x = self.post_attention_layernorm.add_forward(attn if m == 1.0 else attn.mul_(m), x, path)  # x += attn
+        if m != 1.0:
+            return self.mlp(h, None, path).mul_(m).add_(x)
         return self.mlp(h, x, path)
 
     # The two halves a safepoint may fall between (engine/preemption.py):
     # forward's arithmetic, the residual add and the norm after it in two
     # steps, which round as the fused kernel does.
     def attend(self, rope, x, kv_cache, meta):
-        return self.self_attn(rope, self.input_layernorm(x, meta.kernels), kv_cache, meta).add_(x)
+        attn = self.self_attn(rope, self.input_layernorm(x, meta.kernels), kv_cache, meta)
+        return (attn if self.residual_multiplier == 1.0 else attn.mul_(self.residual_multiplier)).add_(x)
 
     def feed_forward(self, x):
+        if self.residual_multiplier != 1.0:
+            return self.mlp(self.post_attention_layernorm(x)).mul_(self.residual_multiplier).add_(x)
         return self.mlp(self.post_attention_layernorm(x), x)
 
     # forward's stretches around attention, which piecewise graphs
@@ -464,10 +477,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         attn = self.layers[0].self_attn
         self.rotary = RotaryEmbedding(config, attn.head_dim)
+        self.embedding_multiplier = float(config.embedding_multiplier) if config.model_type == "granite" else 1.0
         self.layer_loop = LayerLoop()  # safepoints of preemptible steps (engine/preemption.py)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x if self.embedding_multiplier == 1.0 else x * self.embedding_multiplier
+
     def forward(self, input_ids, positions, kv_caches, meta):
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x = self._embed(input_ids)  # [T, hidden]
         rope = self.rotary(positions, x.dtype)  # once per step, shared by every layer
         # The layers' shared buffers and launches hold this forward's rope
         # tables: a metadata run again (a graph's stand-in replaying its
@@ -494,7 +512,7 @@ class LlamaModel(nn.Module):
     # needs; attention runs between pieces on the step's real rows.
     def piece_first(self, input_ids, positions, path):
         """Embedding, the step's rope table, layer 0's norm and QKV: (x, cos, sin, qkv)."""
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         return x, cos, sin, self.layers[0].project(x, path)
 
@@ -548,6 +566,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
     def __init__(self, config, tp: TensorParallel | None = None) -> None:
         tp = tp or TensorParallel()
         super().__init__(config, LlamaModel(config, tp), tp)
+        self.logits_scaling = float(config.logits_scaling) if config.model_type == "granite" else 1.0
         if config.model_type == "mixtral":  # its checkpoints' names for the MoE block and the experts' linears
             self.checkpoint_renames = MIXTRAL_RENAMES
         if config.model_type == "phi3":  # its checkpoints keep q/k/v and gate/up fused, as our linears do
@@ -559,3 +578,11 @@ class LlamaForCausalLM(DecoderForCausalLM):
                 ".mlp.gate_up_proj.": ((".mlp.gate_proj.", config.intermediate_size),
                                        (".mlp.up_proj.", config.intermediate_size)),
             }  # fmt: skip
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[S, hidden] -> [S, vocab] on rank 0 (Granite's divided by its
+        ``logits_scaling``); None on the other ranks."""
+        logits = self.lm_head(hidden)
+        if logits is None or self.logits_scaling == 1.0:
+            return logits
+        return logits / self.logits_scaling

@@ -15,7 +15,7 @@ from token_paths import PROMPTS, hf_greedy
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "opt"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "opt", "granite"])
 def test_greedy_tokens_identical_to_transformers(tiny_model, make_llm, arch):
     path = tiny_model(arch)
     outs = make_llm(path).generate(PROMPTS, GREEDY)

@@ -28,8 +28,9 @@ ARCH_CASES = [
                    "mlp_only_layers": [0]}),  # a dense layer's fused paths, then the experts
     ("mixtral", {"head_dim": 64, "hidden_size": 256}),
     ("gemma3", {"head_dim": 128, "hidden_size": 256, "query_pre_attn_scalar": 128}),
+    ("granite", {"head_dim": 64, "hidden_size": 256}),
 ]
-ARCH_IDS = ["llama-64", "qwen3-128", "opt-64", "opt-80", "qwen3-moe-128", "mixtral-64", "gemma3-128"]
+ARCH_IDS = ["llama-64", "qwen3-128", "opt-64", "opt-80", "qwen3-moe-128", "mixtral-64", "gemma3-128", "granite-64"]
 
 
 @pytest.mark.parametrize("arch, overrides", ARCH_CASES, ids=ARCH_IDS)

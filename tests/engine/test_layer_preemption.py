@@ -86,7 +86,8 @@ def _run_offline(llm, params_of, interrupt_calls: set[int] = frozenset(), layer:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,k", [("llama", K), ("opt", K), ("llama", 0.5), ("opt", 0.5)])
+@pytest.mark.parametrize("arch,k", [("llama", K), ("opt", K), ("llama", 0.5), ("opt", 0.5),
+                                    ("granite", 0.5), ("qwen3_moe", 0.5)])  # scaled branches, experts
 def test_paused_steps_resume_where_they_stopped(tiny_model, make_llm, arch, k):
     """Greedy and seeded tokens of offline requests equal an uninterrupted
     run (whole layers, safepoints every K), token for token, although
