@@ -38,6 +38,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # the real models: Qwen3-30B-A3B routes each token to 8 of 128 experts of
 # 768 features (hidden 2048); Mixtral-8x7B to 2 of 8 of 14336 (hidden 4096).
 # Gemma 3 1B's layout: five sliding layers (window 512) a full one, head 256.
+# Phi-3.5-mini's LongRoPE with a pretraining length of 32, so that replies
+# and loads cross it; Granite 3's multipliers.
 SHAPES = {
     "qwen3_moe": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                       head_dim=64, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=192,
@@ -50,6 +52,14 @@ SHAPES = {
                    layer_types=["sliding_attention"] * 5 + ["full_attention"], max_position_embeddings=4096,
                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
+    "phi3": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=8, head_dim=64, max_position_embeddings=4096, original_max_position_embeddings=32,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0,
+                                  "short_factor": [1.0 + 0.02 * i for i in range(32)],
+                                  "long_factor": [1.0 + 0.25 * i for i in range(32)]}),
+    "granite": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=8, head_dim=64, max_position_embeddings=4096, embedding_multiplier=12.0,
+                    residual_multiplier=0.22, attention_multiplier=1 / 64, logits_scaling=8.0),
 }
 
 

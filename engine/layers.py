@@ -111,12 +111,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         params = getattr(config, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
-        # LongRoPE (Phi-3): positions past the pretraining length take the
-        # long factors, the others the short ones. transformers switches the
-        # whole forward by its longest position, which is the same wherever a
-        # token is computed once its position is known (decoding, and any
-        # prompt within the pretraining length).
-        self.long_from: int | None = None
+        # LongRoPE (Phi-3): the long factors where the server's context
+        # (``served_max_model_len``, set by the worker) passes the pretraining
+        # length, the short ones otherwise, for every position, as vLLM
+        # reads it. One set for the whole sequence keeps relative positions
+        # whole and cached keys valid; transformers switches to the long set
+        # once a sequence passes the length and recomputes it, so the tokens
+        # agree within the length under a context within it, and past it
+        # under a longer one.
         partial = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
         if partial != 1.0:
             raise ValueError(f"partial_rotary_factor={partial}: rope over part of a head is not supported")
@@ -130,19 +132,17 @@ class RotaryEmbedding(nn.Module):
             init = ROPE_INIT_FUNCTIONS[rope_type]
             inv_freq, self.scaling = init(config, None)
             if rope_type == "longrope":
-                self.long_from = int(params["original_max_position_embeddings"])
-                long_freq, _ = init(config, None, seq_len=self.long_from + 1)
-                self.register_buffer("long_inv_freq", long_freq.float(), persistent=False)
+                original = int(params["original_max_position_embeddings"])
+                served = getattr(config, "served_max_model_len", None) or config.max_position_embeddings
+                if served > original:
+                    inv_freq, _ = init(config, None, seq_len=original + 1)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """cos and sin of this step's positions, [T, D] each: computed once
         per step by the model and shared by every layer. The values are the
         reference's (``cat(freqs, freqs).cos() * scaling``, cast to dtype)."""
-        inv_freq = self.inv_freq
-        if self.long_from is not None:
-            inv_freq = torch.where((positions >= self.long_from).unsqueeze(-1), self.long_inv_freq, inv_freq)
-        freqs = positions.float().unsqueeze(-1) * inv_freq  # [T, D/2]
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, D/2]
         cos, sin = freqs.cos(), freqs.sin()
         table = torch.cat((cos, cos, -sin, sin), dim=-1)  # [T, 2D]: cos | signed sin
         if self.scaling != 1.0:

@@ -157,15 +157,21 @@ def resolve_dtype(hf_config, dtype: str, device: torch.device) -> torch.dtype:
 
 
 def build_model(hf_config, dtype: torch.dtype, device: torch.device,
-                tp: TensorParallel | None = None, pooling: bool = False) -> nn.Module:
+                tp: TensorParallel | None = None, pooling: bool = False,
+                max_model_len: int | None = None) -> nn.Module:
     """The model of this rank (the whole model without ``tp``), weights unset.
     ``pooling`` (an embedding model or classifier): nothing is sampled, so
     the LM head shares the embedding's weight instead of holding its own
     (vocab x hidden of device memory: 1.2 GB at Qwen3-8B's size in bf16),
-    and a checkpoint's ``lm_head.weight`` is then no target: it stays unread."""
+    and a checkpoint's ``lm_head.weight`` is then no target: it stays unread.
+    ``max_model_len``: the server's context, which picks LongRoPE's factors
+    (engine/layers.py, ``RotaryEmbedding``)."""
     if pooling and not getattr(hf_config, "tie_word_embeddings", False):
         hf_config = copy.copy(hf_config)
         hf_config.tie_word_embeddings = True
+    if max_model_len is not None:
+        hf_config = copy.copy(hf_config)
+        hf_config.served_max_model_len = max_model_len
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

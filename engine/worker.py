@@ -87,7 +87,8 @@ class Worker:
         self.dtype = resolve_dtype(hf_config, config.dtype, self.device)
         torch.manual_seed(config.seed)
         self.pools = resolve_runner(config.runner, config.convert, hf_config) == "pooling"  # embeddings
-        self.model = build_model(hf_config, self.dtype, self.device, self.tp, pooling=self.pools)
+        self.model = build_model(hf_config, self.dtype, self.device, self.tp, pooling=self.pools,
+                                 max_model_len=config.max_model_len or model_context_length(hf_config))
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:

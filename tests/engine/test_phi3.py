@@ -1,7 +1,7 @@
 """Phi-3 against Hugging Face transformers on tiny random checkpoints: its
 fused q/k/v and gate/up tensors cut into our linears' parts (and shards),
-exact greedy tokens with and without LongRoPE, LongRoPE's long factors from
-the pretraining length on, and a partial rope refused by name."""
+exact greedy tokens with and without LongRoPE, LongRoPE's factor set picked
+by the server's context, and a partial rope refused by name."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import transformers
 from safetensors.torch import load_file
 
 from fluidserve.engine import SamplingParams
-from fluidserve.engine.layers import RotaryEmbedding
 from fluidserve.engine.loader import build_model, load_hf_config, load_weights
 from fluidserve.engine.parallel import TensorParallel
 from token_paths import PROMPTS, hf_greedy
@@ -31,29 +30,37 @@ def longrope(original: int) -> dict:
 
 @pytest.mark.parametrize("overrides", [{}, longrope(512)], ids=["rope", "longrope-short-factors"])
 def test_greedy_tokens_identical_to_transformers(tiny_model, make_llm, overrides):
-    """Within the pretraining length (every prompt and its tokens here)."""
+    """A context within the pretraining length: LongRoPE's short factors,
+    as transformers takes them for every sequence that short."""
     path = tiny_model("phi3", **overrides)
     outs = make_llm(path, max_model_len=512).generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS)
 
 
-def test_longrope_takes_the_long_factors_from_the_pretraining_length_on(tiny_model):
-    """Positions before ``original_max_position_embeddings`` rotate as
-    transformers does within it, the rest as it does past it (vLLM's
-    reading: a token's rotation follows its own position, so the cache is
-    never rotated again; transformers recomputes the whole sequence with
-    the long factors once it grows past the length)."""
+def test_a_longer_context_takes_the_long_factors_for_every_position(tiny_model, make_llm):
+    """A context past the pretraining length (24): the long factors for the
+    whole sequence, as vLLM takes them, so cached keys never need a second
+    rotation. transformers takes them for a sequence past the length too,
+    so prompts beyond it give its tokens."""
     path = tiny_model("phi3", **longrope(24))
-    config = load_hf_config(path)
-    ours = RotaryEmbedding(config, 16)
-    cos, sin = ours(torch.arange(40), torch.float32)
+    long_prompts = [p for p in PROMPTS if len(p.encode()) > 24]
+    assert len(long_prompts) >= 2
+    outs = make_llm(path, max_model_len=192).generate(long_prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, long_prompts)
+
+
+@pytest.mark.parametrize("served, factors", [(24, "short"), (192, "long")])
+def test_the_servers_context_picks_the_factor_set(tiny_model, served, factors):
+    path = tiny_model("phi3", **longrope(24))
+    model = build_model(load_hf_config(path), torch.float32, torch.device("cpu"), max_model_len=served)
+    cos, sin = model.model.rotary(torch.arange(40), torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).model.rotary_emb
-    short_cos, short_sin = hf(torch.zeros(1, 24, 64), torch.arange(24)[None])
-    long_cos, long_sin = hf(torch.zeros(1, 40, 64), torch.arange(40)[None])
-    assert not torch.allclose(short_cos[0], long_cos[0, :24])  # the two factor sets differ
-    torch.testing.assert_close(cos[:24], short_cos[0], rtol=0, atol=1e-6)
-    torch.testing.assert_close(cos[24:], long_cos[0, 24:], rtol=0, atol=1e-6)
-    torch.testing.assert_close(sin[24:, 8:], long_sin[0, 24:, 8:], rtol=0, atol=1e-6)  # its second half, signed +
+    seen = 24 if factors == "short" else 40  # transformers picks by the longest position it is given
+    hf_cos, hf_sin = hf(torch.zeros(1, seen, 64), torch.arange(seen)[None])
+    torch.testing.assert_close(cos[:seen], hf_cos[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin[:seen, 8:], hf_sin[0, :, 8:], rtol=0, atol=1e-6)  # its second half, signed +
+    short_cos, _ = hf(torch.zeros(1, 24, 64), torch.arange(24)[None])
+    assert torch.allclose(cos[:24], short_cos[0]) == (factors == "short")
 
 
 def test_fused_checkpoint_tensors_split_into_each_ranks_parts(tiny_model):
