@@ -76,7 +76,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dummy_models import DECODE_MODES, decode_mode  # noqa: E402
+from dummy_models import DECODE_MODES, decode_mode, save_results  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # Skip decode points whose KV cache would not fit comfortably.
@@ -774,11 +774,7 @@ def moe_main(args: argparse.Namespace) -> int:
     name = torch.cuda.get_device_name()
     report = dict(device=name, time=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,
                   copy_gb_s=copy_bandwidth_gbs(), moe=bench_moe(args.moe_tokens))  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"moe_{device_slug(name)}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    stem.with_suffix(".md").write_text(moe_markdown(report))
-    print(f"wrote {stem}.json and {stem}.md")
+    save_results(args.out / f"moe_{device_slug(name)}", report, moe_markdown(report))
     return 0
 
 

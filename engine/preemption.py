@@ -64,6 +64,7 @@ from fluidserve.engine.parallel import TensorParallel
 from fluidserve.engine.runtime import runtime_for
 from fluidserve.scheduler.budget import safepoint_attention_share as attention_share
 from fluidserve.scheduler.budget import safepoint_interval_share as interval_share
+from fluidserve.scheduler.cost_model import ModelShape
 
 NO_STEP = -1
 
@@ -256,27 +257,14 @@ def feed_forward_share(hf_config: Any) -> float:
     the share of a prompt token's compute after the attention safepoint
     (the attention scores' own compute, which grows with context, is left
     out: a safepoint interval is planned for prompt-heavy offline steps).
-    0.5 where the config does not say."""
-    hidden = getattr(hf_config, "hidden_size", None)
-    heads = getattr(hf_config, "num_attention_heads", None)
-    if not hidden or not heads:
+    The roofline's reading of the config (``ModelShape``: a MoE token's own
+    experts, OPT's two-matrix MLP); 0.5 where the config does not say."""
+    cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+    cfg.setdefault("vocab_size", 0)  # the share reads no vocabulary
+    try:
+        return ModelShape.from_hf_config(cfg).feed_forward_share
+    except (KeyError, TypeError, ZeroDivisionError):
         return 0.5
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, k, v, o
-    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
-    if getattr(hf_config, "ffn_dim", None):  # OPT: fc1, fc2
-        mlp = 2 * hidden * hf_config.ffn_dim
-    elif experts and getattr(hf_config, "num_experts_per_tok", None):
-        # A token's experts (Mixtral, Qwen-MoE), its shared expert and the router; every layer taken as sparse.
-        inter = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
-        shared = getattr(hf_config, "shared_expert_intermediate_size", None) or 0
-        mlp = 3 * hidden * (hf_config.num_experts_per_tok * inter + shared) + hidden * experts
-    elif getattr(hf_config, "intermediate_size", None):  # gated: gate, up, down
-        mlp = 3 * hidden * hf_config.intermediate_size
-    else:
-        return 0.5
-    return mlp / (attention + mlp)
 
 
 def safepoint_shares(every_layers: float, hf_config: Any) -> tuple[float | None, float | None]:

@@ -111,6 +111,7 @@ class ModelShape:
     expert_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     moe_layers: int = 0
+    ffn_dim: int = 0  # a two-matrix MLP's features (OPT's fc1, fc2); 0: the gated three-matrix MLP
 
     @property
     def hd(self) -> int:
@@ -120,6 +121,10 @@ class ModelShape:
     def attention_params(self) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.hd, self.num_kv_heads * self.hd
         return h * q + 2 * h * kv + q * h
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return 2 * self.hidden_size * self.ffn_dim if self.ffn_dim else 3 * self.hidden_size * self.intermediate_size
 
     @property
     def expert_params(self) -> int:
@@ -132,7 +137,7 @@ class ModelShape:
     @property
     def layer_params(self) -> int:
         """A layer's weights, on average over the layers (every expert counted)."""
-        dense = (self.num_layers - self.moe_layers) * 3 * self.hidden_size * self.intermediate_size
+        dense = (self.num_layers - self.moe_layers) * self.dense_mlp_params
         sparse = self.moe_layers * (self._moe_fixed_params() + self.num_experts * self.expert_params)
         return self.attention_params + (dense + sparse) // self.num_layers
 
@@ -141,7 +146,7 @@ class ModelShape:
         """The weights one token's compute goes through in a layer, on
         average over the layers: its experts only (``layer_params`` for a
         dense model)."""
-        dense = (self.num_layers - self.moe_layers) * 3 * self.hidden_size * self.intermediate_size
+        dense = (self.num_layers - self.moe_layers) * self.dense_mlp_params
         sparse = self.moe_layers * (self._moe_fixed_params() + self.experts_per_token * self.expert_params)
         return self.attention_params + (dense + sparse) // self.num_layers
 
@@ -206,6 +211,7 @@ class ModelShape:
             expert_intermediate_size=int(cfg.get("moe_intermediate_size") or inter) if experts else 0,
             shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if experts else 0,
             moe_layers=moe_layers,
+            ffn_dim=0 if "intermediate_size" in cfg else int(cfg["ffn_dim"]),
         )
 
     @classmethod
