@@ -119,12 +119,18 @@ class RotaryEmbedding(nn.Module):
         # once a sequence passes the length and recomputes it, so the tokens
         # agree within the length under a context within it, and past it
         # under a longer one.
+        # A partial rope (Phi-4-mini: 0.75) rotates each head's first
+        # ``rotary_dim`` features and passes the rest through; transformers'
+        # initialisers size their frequencies by it too.
         partial = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
-        if partial != 1.0:
-            raise ValueError(f"partial_rotary_factor={partial}: rope over part of a head is not supported")
+        self.rotary_dim = int(head_dim * partial)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
+            raise ValueError(f"partial_rotary_factor={partial} gives {self.rotary_dim} rotated features of a "
+                             f"{head_dim}-wide head: rope needs an even number, at most the head")
         if rope_type == "default":
             base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            dim = self.rotary_dim
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.scaling = 1.0
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -139,10 +145,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """cos and sin of this step's positions, [T, D] each: computed once
-        per step by the model and shared by every layer. The values are the
-        reference's (``cat(freqs, freqs).cos() * scaling``, cast to dtype)."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, D/2]
+        """cos and sin of this step's positions, [T, rotary_dim] each:
+        computed once per step by the model and shared by every layer. The
+        values are the reference's (``cat(freqs, freqs).cos() * scaling``,
+        cast to dtype)."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, rotary_dim / 2]
         cos, sin = freqs.cos(), freqs.sin()
         table = torch.cat((cos, cos, -sin, sin), dim=-1)  # [T, 2D]: cos | signed sin
         if self.scaling != 1.0:
@@ -178,10 +185,19 @@ class PagedAttention(nn.Module):
         also norms each of their heads first where ``qk_norm`` is given."""
         key_cache, value_cache = kv_cache
         path = meta.kernels or ops.kernel_path(q.device)
-        if qk_norm is not None and (path == "cpu" or rope is None):
+        partial = rope is not None and rope[0].shape[-1] != self.head_dim
+        if qk_norm is not None and (path == "cpu" or rope is None or partial):
             q_weight, k_weight, eps = qk_norm
             q, k = ops.rms_norm(q, q_weight, eps, path=path)[0], ops.rms_norm(k, k_weight, eps, path=path)[0]
             qk_norm = None
+        if partial:
+            # The rotated features are a strided view of each head, which the
+            # fused rope-and-write launch (whole heads) does not take: torch
+            # rotates them in place and the cache write goes on without rope.
+            rotated = rope[0].shape[-1]
+            ops.rope_torch(q[..., :rotated], *rope)
+            ops.rope_torch(k[..., :rotated], *rope)
+            rope = None
         if path == "cpu":
             if rope is not None:
                 ops.rope_torch(q, *rope)
@@ -217,10 +233,10 @@ class PagedAttention(nn.Module):
         [T, Hq * D], one buffer every layer writes. The checks, strides and
         dispatch ``forward`` repeats per layer are most of an eager layer's
         host time beside its launches. None off the Triton kernels or
-        without a work plan."""
+        without a work plan, and for a partial rope."""
         key_cache, value_cache = kv_cache
-        if (meta.kernels or ops.kernel_path(q.device)) != "triton":
-            return None
+        if (meta.kernels or ops.kernel_path(q.device)) != "triton" or rope[0].shape[-1] != self.head_dim:
+            return None  # off the Triton kernels, or a partial rope (``forward`` rotates it with torch)
         plan = meta.work_plan(q, key_cache, self.sliding_window)
         if plan is None:
             return None

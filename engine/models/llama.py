@@ -1,10 +1,10 @@
 """The Llama family over the flat token batch: Llama 2/3, Mistral, Qwen2 (bias
-on q/k/v), Qwen3 (RMSNorm on q and k per head), Phi-3 (q/k/v and gate/up
-fused in its checkpoints; LongRoPE) and Granite (multipliers on the
-embedding, the attention scores, each residual branch and the logits), and
-their mixture-of-experts
-kin, Mixtral, Qwen2-MoE and Qwen3-MoE, whose decoder layers route each token
-to a few experts in place of the MLP (engine/models/moe.py). Parameter names
+on q/k/v), Qwen3 (RMSNorm on q and k per head), Phi-3 and Phi-4-mini (q/k/v
+and gate/up fused in their checkpoints; LongRoPE; a partial rope) and
+Granite (multipliers on the embedding, the attention scores, each residual
+branch and the logits), and their mixture-of-experts kin, Mixtral,
+Qwen2-MoE and Qwen3-MoE, whose decoder layers route each token to a few
+experts in place of the MLP (engine/models/moe.py). Parameter names
 mirror the Hugging Face checkpoints so weights load by name.
 
 Under tensor parallelism (engine/parallel.py) each rank holds its share of

@@ -1,7 +1,8 @@
 """Phi-3 against Hugging Face transformers on tiny random checkpoints: its
 fused q/k/v and gate/up tensors cut into our linears' parts (and shards),
-exact greedy tokens with and without LongRoPE, LongRoPE's factor set picked
-by the server's context, and a partial rope refused by name."""
+exact greedy tokens with and without LongRoPE and with a partial rope
+(Phi-4-mini's), LongRoPE's factor set picked by the server's context, and a
+rope width no kernel can rotate refused by name."""
 
 from __future__ import annotations
 
@@ -82,8 +83,28 @@ def test_fused_checkpoint_tensors_split_into_each_ranks_parts(tiny_model):
         assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat([gate[inter], up[inter]]))
 
 
-def test_a_partial_rope_is_refused_by_name(tiny_model):
+@pytest.mark.parametrize("rope", [{}, longrope(512)], ids=["rope", "longrope"])
+def test_a_partial_rope_gives_transformers_greedy_tokens(tiny_model, make_llm, rope):
+    """Phi-4-mini's rope: 3/4 of each head rotated, the rest passed through
+    to the cache as projected (LongRoPE's factors sized by the rotated
+    part)."""
+    if rope:
+        params = {**rope["rope_parameters"], "long_factor": FACTORS["long_factor"][:6],
+                  "short_factor": FACTORS["short_factor"][:6]}
+        rope = {**rope, "rope_parameters": params}
+    path = tiny_model("phi3", partial_rotary_factor=0.75, **rope)
+    config = load_hf_config(path)
+    assert config.rope_parameters["partial_rotary_factor"] == 0.75
+    llm = make_llm(path, max_model_len=512)
+    assert llm.engine.executor.worker.runner.model.model.rotary.rotary_dim == 12
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS)
+
+
+@pytest.mark.parametrize("factor", [0.1875, 1.5], ids=["odd-width", "wider-than-a-head"])
+def test_a_rope_width_no_kernel_rotates_is_refused_by_name(tiny_model, factor):
+    """3 of 16 features (rotate-half pairs need an even number), or 24."""
     config = load_hf_config(tiny_model("phi3"))
-    config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": 0.75}
+    config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": factor}
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         build_model(config, torch.float32, torch.device("cpu"))
