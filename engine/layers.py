@@ -159,6 +159,17 @@ class RotaryEmbedding(nn.Module):
         return table[:, :half], table[:, half:]
 
 
+class LayerRopeConfig:
+    """One layer type's view of a config whose ``rope_parameters`` are keyed
+    by layer type (Gemma 3, OLMo 3), as ``RotaryEmbedding`` reads a config."""
+
+    def __init__(self, config, layer_type: str) -> None:
+        self._config, self.rope_parameters = config, config.rope_parameters[layer_type]
+
+    def __getattr__(self, name: str):
+        return getattr(self._config, name)
+
+
 # A step's attention launches for a layer: its caches and (Qwen3) its q and k
 # norm weights -> [T, Hq * D] (``PagedAttention.step_launches``).
 StepLaunches = Callable[[KVCache, tuple[torch.Tensor, torch.Tensor] | None], torch.Tensor]

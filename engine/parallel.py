@@ -169,8 +169,9 @@ def shard_spec(param: nn.Parameter) -> ShardSpec | None:
     return getattr(param, _SHARD_ATTR, None)
 
 
-def _new_param(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
-    # Values come from the checkpoint (or dummy init) right after construction.
+def new_param(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
+    """An uninitialised parameter holding ``spec``'s slice (whole: None),
+    which the loader fills from the checkpoint right after construction."""
     param = nn.Parameter(torch.empty(shape))
     if spec is not None:
         setattr(param, _SHARD_ATTR, spec)
@@ -280,9 +281,9 @@ class ColumnParallelLinear(_PrepackedLinear):
         local = out_features // num_shards
         spec = ShardSpec(0, index, local, out_features) if num_shards > 1 else None
         self.in_features, self.out_features = in_features, local
-        self.weight = _new_param((local, in_features), spec)  # [out / shards, in]
+        self.weight = new_param((local, in_features), spec)  # [out / shards, in]
         if bias:
-            self.bias = _new_param((local,), spec)
+            self.bias = new_param((local,), spec)
         else:
             self.register_parameter("bias", None)
 
@@ -330,7 +331,7 @@ def fused_pieces(param: nn.Parameter) -> tuple[Piece, ...] | None:
 def stacked_param(shape: tuple[int, ...], pieces: tuple[Piece, ...]) -> nn.Parameter:
     """A parameter that holds many checkpoint tensors (one expert's each
     along its first dimension), loaded where its ``pieces`` say."""
-    param = _new_param(shape, None)
+    param = new_param(shape, None)
     setattr(param, _PIECES_ATTR, pieces)
     return param
 
@@ -363,10 +364,10 @@ class MergedColumnParallelLinear(_PrepackedLinear):
             offset += local
         self.in_features, self.out_features = in_features, offset
         self.sizes = [p.rows for p in pieces]  # this rank's output features of each part
-        self.weight = _new_param((offset, in_features), None)  # [sum of parts / shards, in]
+        self.weight = new_param((offset, in_features), None)  # [sum of parts / shards, in]
         setattr(self.weight, _PIECES_ATTR, tuple(pieces))
         if bias:
-            self.bias = _new_param((offset,), None)
+            self.bias = new_param((offset,), None)
             setattr(self.bias, _PIECES_ATTR, tuple(pieces))
         else:
             self.register_parameter("bias", None)
@@ -413,9 +414,9 @@ class RowParallelLinear(_PrepackedLinear):
         local = tp.divide(in_features, "row-parallel input features")
         spec = ShardSpec(1, tp.rank, local, in_features) if tp.size > 1 else None
         self.in_features, self.out_features = local, out_features
-        self.weight = _new_param((out_features, local), spec)  # [out, in / size]
+        self.weight = new_param((out_features, local), spec)  # [out, in / size]
         if bias:
-            self.bias = _new_param((out_features,), None)
+            self.bias = new_param((out_features,), None)
         else:
             self.register_parameter("bias", None)
 
@@ -461,7 +462,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.rows, spec = _vocab_shard(num_embeddings, tp)
         self.start = tp.rank * self.rows
-        self.weight = _new_param((self.rows, embedding_dim), spec)  # [vocab / size, dim]
+        self.weight = new_param((self.rows, embedding_dim), spec)  # [vocab / size, dim]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -483,7 +484,7 @@ class ParallelLMHead(_PrepackedLinear):
         self.tp = tp
         self.vocab_size = vocab_size
         rows, spec = _vocab_shard(vocab_size, tp)
-        self.weight = _new_param((rows, hidden), spec)  # [vocab / size, hidden]
+        self.weight = new_param((rows, hidden), spec)  # [vocab / size, hidden]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self._linear(hidden, None)  # [S, vocab / size]

@@ -25,7 +25,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3", "granite")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3", "granite",
+         "olmo2", "olmo3")
 
 # A thinking model's markers, added after the specials (ids 261 and 262) in
 # ``build_tiny_thinking_model``, and its Qwen3-style template: the reply
@@ -102,6 +103,8 @@ def tiny_config(arch: str = "llama", **overrides):
     elif arch == "gemma3":  # one full-attention layer after a sliding one, a short window
         kw.update(layer_types=["sliding_attention", "full_attention"], sliding_window=16, query_pre_attn_scalar=16,
                   tie_word_embeddings=True)
+    elif arch == "olmo3":  # a sliding layer then a full one, a short window
+        kw.update(layer_types=["sliding_attention", "full_attention"], sliding_window=16)
     kw.update(common)
     kw.update(overrides)
     cls = {
@@ -115,6 +118,8 @@ def tiny_config(arch: str = "llama", **overrides):
         "gemma3": transformers.Gemma3TextConfig,
         "phi3": transformers.Phi3Config,
         "granite": transformers.GraniteConfig,
+        "olmo2": transformers.Olmo2Config,
+        "olmo3": transformers.Olmo3Config,
     }[arch]
     return cls(**kw)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
+from .olmo2 import Olmo2ForCausalLM
 from .opt import OPTForCausalLM
 
 MODEL_REGISTRY = {
@@ -18,6 +19,8 @@ MODEL_REGISTRY = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo2ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     # Checkpoints of the base model alone (sentence-transformers' decoder
     # embedders): served for embeddings only, with no LM head to load.
@@ -41,7 +44,8 @@ def model_class(config):
     by_type = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
                "qwen3": LlamaForCausalLM, "phi3": LlamaForCausalLM, "granite": LlamaForCausalLM,
                "mixtral": LlamaForCausalLM, "qwen2_moe": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM,
-               "gemma3_text": Gemma3ForCausalLM, "opt": OPTForCausalLM}
+               "gemma3_text": Gemma3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo2ForCausalLM,
+               "opt": OPTForCausalLM}
     if config.model_type in by_type:
         return by_type[config.model_type]
     raise ValueError(

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import AttentionMetadata, KVCache, PagedAttention, Rope, RotaryEmbedding
+from ..layers import AttentionMetadata, KVCache, LayerRopeConfig, PagedAttention, Rope, RotaryEmbedding
 from ..parallel import (
     MergedColumnParallelLinear,
     Part,
@@ -131,17 +131,6 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class _LayerRopeConfig:
-    """One layer type's view of a config whose ``rope_parameters`` are keyed
-    by layer type, as ``RotaryEmbedding`` reads a config."""
-
-    def __init__(self, config, layer_type: str) -> None:
-        self._config, self.rope_parameters = config, config.rope_parameters[layer_type]
-
-    def __getattr__(self, name: str):
-        return getattr(self._config, name)
-
-
 class Gemma3Model(nn.Module):
     def __init__(self, config, tp: TensorParallel) -> None:
         super().__init__()
@@ -153,7 +142,7 @@ class Gemma3Model(nn.Module):
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         # (full attention's rope, sliding attention's): a layer picks by its type.
-        self.rotary = nn.ModuleList(RotaryEmbedding(_LayerRopeConfig(config, kind), config.head_dim)
+        self.rotary = nn.ModuleList(RotaryEmbedding(LayerRopeConfig(config, kind), config.head_dim)
                                     for kind in ("full_attention", SLIDING))  # fmt: skip
         self.layer_loop = LayerLoop()
 

@@ -72,7 +72,10 @@ def _generate(model_dir: str, **kwargs) -> list[list[int]]:
     ("qwen2", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: replicated; q/k/v biases
     ("qwen2_moe", {}),  # every expert's features split, the router whole, a shared expert
     ("gemma3", {}),  # four norms a layer, per-head q/k norms, a rope per layer type
-], ids=["llama-gqa", "opt", "qwen2-kv1", "qwen2-moe", "gemma3"])
+    # q/k norms over the whole projection: their mean squares summed across
+    # ranks, the one KV head counted once a rank.
+    ("olmo3", {"num_key_value_heads": 1}),
+], ids=["llama-gqa", "opt", "qwen2-kv1", "qwen2-moe", "gemma3", "olmo3-kv1"])
 @pytest.mark.slow
 def test_tp2_greedy_tokens_identical_to_local(ray_cluster, tiny_model, arch, overrides):
     path = tiny_model(arch, **overrides)
