@@ -196,19 +196,13 @@ class PagedAttention(nn.Module):
         also norms each of their heads first where ``qk_norm`` is given."""
         key_cache, value_cache = kv_cache
         path = meta.kernels or ops.kernel_path(q.device)
+        # The rope launch norms whole heads before a whole-head rotation
+        # only: a partial rope's q/k norms run first.
         partial = rope is not None and rope[0].shape[-1] != self.head_dim
         if qk_norm is not None and (path == "cpu" or rope is None or partial):
             q_weight, k_weight, eps = qk_norm
             q, k = ops.rms_norm(q, q_weight, eps, path=path)[0], ops.rms_norm(k, k_weight, eps, path=path)[0]
             qk_norm = None
-        if partial:
-            # The rotated features are a strided view of each head, which the
-            # fused rope-and-write launch (whole heads) does not take: torch
-            # rotates them in place and the cache write goes on without rope.
-            rotated = rope[0].shape[-1]
-            ops.rope_torch(q[..., :rotated], *rope)
-            ops.rope_torch(k[..., :rotated], *rope)
-            rope = None
         if path == "cpu":
             if rope is not None:
                 ops.rope_torch(q, *rope)
@@ -243,11 +237,13 @@ class PagedAttention(nn.Module):
         layer's q and k norm weights; its eps is the step's) and returning
         [T, Hq * D], one buffer every layer writes. The checks, strides and
         dispatch ``forward`` repeats per layer are most of an eager layer's
-        host time beside its launches. None off the Triton kernels or
-        without a work plan, and for a partial rope."""
+        host time beside its launches. None off the Triton kernels,
+        without a work plan, and for q/k norms with a partial rope."""
         key_cache, value_cache = kv_cache
-        if (meta.kernels or ops.kernel_path(q.device)) != "triton" or rope[0].shape[-1] != self.head_dim:
-            return None  # off the Triton kernels, or a partial rope (``forward`` rotates it with torch)
+        if (meta.kernels or ops.kernel_path(q.device)) != "triton":
+            return None
+        if qk_norm is not None and rope[0].shape[-1] != self.head_dim:
+            return None  # q/k norms with a partial rope: ``forward`` norms them first
         plan = meta.work_plan(q, key_cache, self.sliding_window)
         if plan is None:
             return None

@@ -360,9 +360,13 @@ def rms_norm(
 
 
 def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] (any strides) in place by [T, D] tables laid out
+    """Rotate x [T, H, D] (any strides) in place by [T, R] tables laid out
     as ``rope_cache`` describes: the halves swapped into a copy, then a
-    multiply and a fused multiply-add."""
+    multiply and a fused multiply-add. Tables narrower than the head (a
+    partial rope) rotate its first R features and leave the rest."""
+    if cos.shape[-1] != x.shape[-1]:
+        rope_torch(x[..., :cos.shape[-1]], cos, sin)
+        return x
     swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2 | x1]
     return x.mul_(cos.unsqueeze(1)).addcmul_(swapped, sin.unsqueeze(1))
 

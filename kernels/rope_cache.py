@@ -16,6 +16,11 @@ The kernel computes it in fp32 and rounds once; off the Triton lane
 ``ops.rope_torch`` rounds as torch's in-place ops do.
 Cache semantics are ``reference.reshape_and_cache``'s (slot -1: not written).
 
+A partial rope (Phi-4-mini rotates 96 of a head's 128 features) comes as
+tables ``[T, R]`` narrower than the head: the first R features of each head
+are rotated as above (halves of R/2), the rest left as projected and copied
+into the cache beside them.
+
 With ``qk_norm`` (Qwen3: RMSNorm over each head of q and k before rope) the
 same launch norms each head first, rounded where the reference's per-head
 RMSNorm rounds (``ops.rms_norm``: the normalised head to the dtype, then
@@ -84,38 +89,48 @@ def _rope_and_cache_kernel(
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    QK_NORM: tl.constexpr = False,
+    QK_NORM: tl.constexpr,
+    ROT_HALF: tl.constexpr,  # half the rotated features: HALF, or fewer for a partial rope
 ):
-    # Each address is formed once and offset by HALF for the second half:
-    # the compiled kernel is the same either way, and Triton's interpreter,
-    # which runs every program of the grid op by op, runs fewer ops.
+    # Each address is formed once and offset by ROT_HALF for the second
+    # half: the compiled kernel is the same either way, and Triton's
+    # interpreter, which runs every program of the grid op by op, runs fewer ops.
     tok = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)[None, :]
     dmask = d < HALF
+    rmask = d < ROT_HALF
     cos_row = cos_ptr + tok * stride_ct + d
     sin_row = sin_ptr + tok * stride_st + d
-    cos1 = tl.load(cos_row, mask=dmask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_row + HALF, mask=dmask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_row, mask=dmask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_row + HALF, mask=dmask, other=0.0).to(tl.float32)
+    cos1 = tl.load(cos_row, mask=rmask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_row + ROT_HALF, mask=rmask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_row, mask=rmask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_row + ROT_HALF, mask=rmask, other=0.0).to(tl.float32)
 
     hq = tl.arange(0, BLOCK_HQ)[:, None]
-    _rotate(q_ptr + tok * stride_qt + hq * stride_qh + d, cos1, sin1, cos2, sin2, (hq < NUM_Q_HEADS) & dmask,
-            q_norm_ptr + d, dmask, eps, HALF, QK_NORM)
+    _rotate(q_ptr + tok * stride_qt + hq * stride_qh + d, cos1, sin1, cos2, sin2, (hq < NUM_Q_HEADS) & rmask,
+            q_norm_ptr + d, dmask, eps, ROT_HALF, QK_NORM)
     hk = tl.arange(0, BLOCK_HK)[:, None]
-    kmask = (hk < NUM_KV_HEADS) & dmask
-    k1, k2 = _rotate(k_ptr + tok * stride_kt + hk * stride_kh + d, cos1, sin1, cos2, sin2, kmask,
-                     k_norm_ptr + d, dmask, eps, HALF, QK_NORM)
+    heads = hk < NUM_KV_HEADS
+    k_row = k_ptr + tok * stride_kt + hk * stride_kh
+    k1, k2 = _rotate(k_row + d, cos1, sin1, cos2, sin2, heads & rmask, k_norm_ptr + d, dmask, eps, ROT_HALF,
+                     QK_NORM)
 
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     # Padding slots (-1) mask the stores; the slot is broadcast to the heads
     # first (a scalar mask term trips the interpreter).
-    keep = kmask & (hk * 0 + slot >= 0)
-    kc = key_cache_ptr + blk * stride_kcb + off * stride_kcs + hk * stride_kch + d
-    tl.store(kc, k1.to(key_cache_ptr.dtype.element_ty), mask=keep)
-    tl.store(kc + HALF, k2.to(key_cache_ptr.dtype.element_ty), mask=keep)
+    written = heads & (hk * 0 + slot >= 0)
+    keep = written & dmask
+    kc_row = key_cache_ptr + blk * stride_kcb + off * stride_kcs + hk * stride_kch
+    kc = kc_row + d
+    tl.store(kc, k1.to(key_cache_ptr.dtype.element_ty), mask=written & rmask)
+    tl.store(kc + ROT_HALF, k2.to(key_cache_ptr.dtype.element_ty), mask=written & rmask)
+    if ROT_HALF < HALF:  # a partial rope: the features past the rotated ones, as projected
+        for start in tl.static_range(2 * ROT_HALF, 2 * HALF, BLOCK_HALF):
+            e = d + start
+            passed = written & (e < 2 * HALF)
+            tl.store(kc_row + e, tl.load(k_row + e, mask=passed).to(key_cache_ptr.dtype.element_ty), mask=passed)
     v = v_ptr + tok * stride_vt + hk * stride_vh + d
     vc = value_cache_ptr + blk * stride_vcb + off * stride_vcs + hk * stride_vch + d
     tl.store(vc, tl.load(v, mask=keep).to(value_cache_ptr.dtype.element_ty), mask=keep)
@@ -135,9 +150,13 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
     if d % 2 or k.shape[2] != d or k.shape != v.shape or k.shape[0] != t:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: one even head_dim, "
                          "k and v alike")
+    r = cos.shape[-1]  # the rotated features: the head, or its first r (a partial rope)
     for name, table in (("cos", cos), ("sin", sin)):
-        if table.shape != (t, d) or table.stride(-1) != 1:
-            raise ValueError(f"{name} {tuple(table.shape)} must be [{t}, {d}] with contiguous rows")
+        if table.shape != (t, r) or r % 2 or not 0 < r <= d or table.stride(-1) != 1:
+            raise ValueError(f"{name} {tuple(table.shape)} must be [{t}, R] for an even R of at most {d}, "
+                             "with contiguous rows, as cos is")
+    if qk_norm is not None and r != d:
+        raise ValueError(f"q/k norms with a partial rope ({r} of {d} features) are not fused: norm first")
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape or key_cache.shape[2:] != k.shape[1:]:
         raise ValueError("caches must be [num_blocks, block_size, num_kv_heads, head_dim] as k is")
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
@@ -168,16 +187,17 @@ def _launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
     constexprs = dict(NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=k.shape[1], HALF=head_dim // 2,
                       BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(k.shape[1]),
                       BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_SIZE=key_cache.shape[1],
-                      QK_NORM=eps is not None)  # fmt: skip
+                      QK_NORM=eps is not None, ROT_HALF=cos.shape[1] // 2)  # fmt: skip
     return scalars, constexprs
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    qk_norm: QKNorm | None = None) -> None:  # fmt: skip
-    """Rotate q [T, Hq, D] and k [T, Hk, D] in place, and write k and v
-    [T, Hk, D] into their slots of the caches [blocks, block_size, Hk, D];
-    with ``qk_norm`` (q's and k's weights, eps) each head of q and k is
+    """Rotate q [T, Hq, D] and k [T, Hk, D] in place (their first R
+    features, for tables [T, R]), and write k and v [T, Hk, D] into their
+    slots of the caches [blocks, block_size, Hk, D]; with ``qk_norm`` (q's
+    and k's weights, eps; whole-head tables only) each head of q and k is
     RMS-normed before its rotation."""
     _check(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, qk_norm)
     if q.shape[0] == 0:

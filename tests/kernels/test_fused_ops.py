@@ -238,6 +238,47 @@ def test_a_step_rope_and_cache_norms_with_each_layers_weights(device, dtype):
         plain(*layers[0][0], layers[0][1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, rotated", [(16, 12), (128, 96), (80, 32)],
+                         ids=["12-of-16", "96-of-128", "32-of-80"])
+def test_a_partial_rope_rotates_the_first_features_and_writes_whole_heads(device, dtype, head_dim, rotated):
+    """Tables narrower than the head (Phi-4-mini: 96 of 128): the first
+    features of q and k rotated as transformers rotates them, the rest left
+    as projected, and whole heads of k and v in the cache; the torch path
+    (``ops.rope_and_cache``) gives the same. 32 of 80 copies the unrotated
+    features in two pieces of the kernel's half-head width."""
+    tokens, q_heads, kv_heads, block_size, num_blocks = 5, 4, 2, 16, 4
+    gen = torch.Generator().manual_seed(head_dim + rotated)
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split(
+        [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    positions = torch.tensor([0, 3, 40, 300, 7], device=device)
+    slots = torch.tensor([5, 17, -1, 40, 2], device=device)
+    key_cache, value_cache = paged_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device)
+    ref_q, ref_k = q.clone(), k.clone()
+    ref_q[..., :rotated] = hf_rope(q[..., :rotated], positions, 10000.0)
+    ref_k[..., :rotated] = hf_rope(k[..., :rotated], positions, 10000.0)
+    ref_kc, ref_vc = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(ref_k, v, ref_kc, ref_vc, slots)
+    rope = tables(positions, 10000.0, rotated, dtype)
+    assert rope[0].shape == (tokens, rotated)
+    torch_q, torch_k, torch_kc, torch_vc = q.clone(), k.clone(), key_cache.clone(), value_cache.clone()
+
+    rope_cache.rope_and_cache(q, k, v, *rope, key_cache, value_cache, slots)
+    torch.testing.assert_close(q, ref_q, **close(dtype))
+    torch.testing.assert_close(k, ref_k, **close(dtype))
+    assert torch.equal(q[..., rotated:], ref_q[..., rotated:])  # passed through untouched
+    torch.testing.assert_close(key_cache, ref_kc, **close(dtype))
+    assert torch.equal(key_cache[..., rotated:], ref_kc[..., rotated:])
+    assert torch.equal(value_cache, ref_vc)
+    ops.rope_and_cache(torch_q, torch_k, v, *rope, torch_kc, torch_vc, slots, path="reference")
+    torch.testing.assert_close(torch_q, ref_q, **close(dtype))
+    torch.testing.assert_close(torch_kc, ref_kc, **close(dtype))
+    with pytest.raises(ValueError, match="partial rope"):
+        weights = torch.ones(head_dim, device=device, dtype=dtype)
+        rope_cache.rope_and_cache(q, k, v, *rope, key_cache, value_cache, slots, (weights, weights, 1e-6))
+
+
 def test_rope_torch_path_matches_the_reference():
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, 5, 64, generator=gen)
