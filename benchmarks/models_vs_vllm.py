@@ -1,6 +1,7 @@
 """Model families beyond the Llama family's dense models, served side by
-side with vLLM: the same checkpoint (random weights of a Qwen3-MoE, Mixtral
-or Gemma 3 shape, written here with the byte tokenizer), the same requests.
+side with vLLM: the same checkpoint (random weights of a Qwen3-MoE, Mixtral,
+Gemma 3, Phi-3, Granite 3, Phi-4-mini or OLMo 3 shape, written here with the
+byte tokenizer), the same requests.
 
     python benchmarks/models_vs_vllm.py --vllm-python /work/vllm-venv/bin/python --arch qwen3_moe --tag=-qwen3-moe
 
@@ -39,7 +40,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # 768 features (hidden 2048); Mixtral-8x7B to 2 of 8 of 14336 (hidden 4096).
 # Gemma 3 1B's layout: five sliding layers (window 512) a full one, head 256.
 # Phi-3.5-mini's LongRoPE with a pretraining length of 32, so that replies
-# and loads cross it; Granite 3's multipliers.
+# and loads cross it; Granite 3's multipliers. Phi-4-mini's partial rope (3/4
+# of each head), grouped KV heads and tied head. OLMo 3's layout: three
+# sliding layers to a full one, q/k normed over the whole projection.
 SHAPES = {
     "qwen3_moe": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                       head_dim=64, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=192,
@@ -60,14 +63,22 @@ SHAPES = {
     "granite": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                     num_key_value_heads=8, head_dim=64, max_position_embeddings=4096, embedding_multiplier=12.0,
                     residual_multiplier=0.22, attention_multiplier=1 / 64, logits_scaling=8.0),
+    "phi4_mini": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, partial_rotary_factor=0.75,
+                      tie_word_embeddings=True),
+    "olmo3": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=8, head_dim=64, max_position_embeddings=4096, sliding_window=512,
+                  layer_types=["sliding_attention"] * 3 + ["full_attention"]),
 }
+# A shape's model family where the key is not one.
+FAMILY = {"phi4_mini": "phi3"}
 
 
 def build_checkpoint(arch: str, root: Path) -> Path:
     """Random weights of ``SHAPES[arch]`` and the byte tokenizer, as safetensors."""
     from fluidserve.engine.tiny_model import build_tiny_model
 
-    return build_tiny_model(root, arch, seed=0, **SHAPES[arch])
+    return build_tiny_model(root, FAMILY.get(arch, arch), seed=0, **SHAPES[arch])
 
 
 def load(base: str, args: argparse.Namespace, rate: str, count: int) -> dict:

@@ -26,7 +26,7 @@ CHAT_TEMPLATE = (
 )
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3", "granite",
-         "olmo2", "olmo3")
+         "olmo2", "olmo3", "smollm3")
 
 # A thinking model's markers, added after the specials (ids 261 and 262) in
 # ``build_tiny_thinking_model``, and its Qwen3-style template: the reply
@@ -105,6 +105,8 @@ def tiny_config(arch: str = "llama", **overrides):
                   tie_word_embeddings=True)
     elif arch == "olmo3":  # a sliding layer then a full one, a short window
         kw.update(layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+    elif arch == "smollm3":  # a NoPE layer every second layer (SmolLM3-3B: every fourth)
+        kw.update(no_rope_layer_interval=2)
     kw.update(common)
     kw.update(overrides)
     cls = {
@@ -120,6 +122,7 @@ def tiny_config(arch: str = "llama", **overrides):
         "granite": transformers.GraniteConfig,
         "olmo2": transformers.Olmo2Config,
         "olmo3": transformers.Olmo3Config,
+        "smollm3": transformers.SmolLM3Config,
     }[arch]
     return cls(**kw)
 

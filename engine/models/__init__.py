@@ -15,6 +15,7 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
@@ -43,6 +44,7 @@ def model_class(config):
             return MODEL_REGISTRY[arch]
     by_type = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
                "qwen3": LlamaForCausalLM, "phi3": LlamaForCausalLM, "granite": LlamaForCausalLM,
+               "smollm3": LlamaForCausalLM,
                "mixtral": LlamaForCausalLM, "qwen2_moe": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM,
                "gemma3_text": Gemma3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo2ForCausalLM,
                "opt": OPTForCausalLM}

@@ -2,7 +2,7 @@
 on q/k/v), Qwen3 (RMSNorm on q and k per head), Phi-3 and Phi-4-mini (q/k/v
 and gate/up fused in their checkpoints; LongRoPE; a partial rope) and
 Granite (multipliers on the embedding, the attention scores, each residual
-branch and the logits), and their mixture-of-experts kin, Mixtral,
+branch and the logits), SmolLM3 (every fourth layer without rope), and their mixture-of-experts kin, Mixtral,
 Qwen2-MoE and Qwen3-MoE, whose decoder layers route each token to a few
 experts in place of the MLP (engine/models/moe.py). Parameter names
 mirror the Hugging Face checkpoints so weights load by name.
@@ -44,7 +44,7 @@ def _sliding_window(config, layer: int) -> int | None:
     window = getattr(config, "sliding_window", None)
     if window is None:
         return None
-    if config.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+    if config.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3"):
         if not getattr(config, "use_sliding_window", False):
             return None
         layer_types = getattr(config, "layer_types", None)
@@ -78,6 +78,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         scale = config.attention_multiplier if config.model_type == "granite" else self.head_dim**-0.5
+        # SmolLM3 leaves every fourth layer unrotated (NoPE): ``no_rope_layers[i]`` is 1 where layer i rotates.
+        self.use_rope = bool(config.no_rope_layers[layer]) if config.model_type == "smollm3" else True
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale,
                                    _sliding_window(config, layer))
 
@@ -101,6 +103,8 @@ class LlamaAttention(nn.Module):
         """``attend``'s launches for a step whose every layer projects into
         ``qkv`` (one buffer of the step's), worked out once
         (``PagedAttention.step_launches``); None where they cannot be."""
+        if not self.use_rope:
+            return None
         return self.attn.step_launches(*self._views(qkv), kv_cache, meta, rope, self.norms())
 
     def attend(self, rope: Rope, qkv: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -108,7 +112,7 @@ class LlamaAttention(nn.Module):
         write and the attention, the part of a layer whose work depends on
         every sequence's length (piecewise graphs run it between graphs)."""
         # rope rotates q and k in place (Qwen3's per-head norms first), in the launch that writes the cache
-        return self.attn(*self._views(qkv), kv_cache, meta, rope, self.norms())
+        return self.attn(*self._views(qkv), kv_cache, meta, rope if self.use_rope else None, self.norms())
 
 
 def _kv_sharding(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
@@ -293,7 +297,8 @@ class LlamaDecoderLayer(nn.Module):
         # Granite scales each branch before its residual add, which the fused
         # row and batch paths (adding in their GEMMs) have no place for.
         self.residual_multiplier = float(config.residual_multiplier) if config.model_type == "granite" else 1.0
-        self.modules_only = self.moe or self.residual_multiplier != 1.0
+        # A NoPE layer (SmolLM3) has no rope launch for the paths' shared attention launches to make.
+        self.modules_only = self.moe or self.residual_multiplier != 1.0 or not self.self_attn.use_rope
         if self.moe:
             shared = getattr(config, "shared_expert_intermediate_size", None)
             self.mlp = SparseMoeBlock(config, tp, LlamaMLP(config, tp, shared) if shared else None)

@@ -31,9 +31,10 @@ ARCH_CASES = [
     ("granite", {"head_dim": 64, "hidden_size": 256}),
     ("phi3", {"head_dim": 128, "hidden_size": 512, "partial_rotary_factor": 0.75}),  # Phi-4-mini's rope
     ("olmo3", {"head_dim": 128, "hidden_size": 512}),
+    ("smollm3", {"head_dim": 128, "hidden_size": 512}),
 ]
 ARCH_IDS = ["llama-64", "qwen3-128", "opt-64", "opt-80", "qwen3-moe-128", "mixtral-64", "gemma3-128", "granite-64",
-            "phi3-partial-128", "olmo3-128"]
+            "phi3-partial-128", "olmo3-128", "smollm3-128"]
 
 
 @pytest.mark.parametrize("arch, overrides", ARCH_CASES, ids=ARCH_IDS)
