@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import AttentionMetadata, KVCache, LayerRopeConfig, PagedAttention, Rope, RotaryEmbedding
+from ..layers import AttentionMetadata, KVCache, PagedAttention, Rope, layer_type_ropes, run_layers
 from ..parallel import (
     MergedColumnParallelLinear,
     Part,
@@ -141,19 +141,14 @@ class Gemma3Model(nn.Module):
         self.embed_scale = config.hidden_size**0.5
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        # (full attention's rope, sliding attention's): a layer picks by its type.
-        self.rotary = nn.ModuleList(RotaryEmbedding(LayerRopeConfig(config, kind), config.head_dim)
-                                    for kind in ("full_attention", SLIDING))  # fmt: skip
+        self.rotary = layer_type_ropes(config, config.head_dim)
         self.layer_loop = LayerLoop()
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # the scale rounded to the dtype, as transformers
         ropes = tuple(rotary(positions, x.dtype) for rotary in self.rotary)
-        x = self.layer_loop.run(self.layers, kv_caches, x,
-                                lambda layer, x, kv: layer(ropes, x, kv, meta),
-                                lambda layer, x, kv: layer.attend(ropes, x, kv, meta))  # fmt: skip
-        return self.norm(x)
+        return self.norm(run_layers(self.layer_loop, self.layers, kv_caches, x, ropes, meta))
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):

@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import AttentionMetadata, KVCache, LayerRopeConfig, PagedAttention, Rope, RotaryEmbedding
+from ..layers import (AttentionMetadata, KVCache, PagedAttention, Rope, RotaryEmbedding, layer_type_ropes,
+                      run_layers)
 from ..parallel import (
     MergedColumnParallelLinear,
     Part,
@@ -139,9 +140,8 @@ class Olmo2Model(nn.Module):
         self.norm = OlmoRMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = self.layers[0].self_attn.head_dim
         params = getattr(config, "rope_parameters", None) or {}
-        if SLIDING in params:  # OLMo 3: (full attention's rope, sliding attention's); a layer picks by its type
-            self.rotary = nn.ModuleList(RotaryEmbedding(LayerRopeConfig(config, kind), head_dim)
-                                        for kind in ("full_attention", SLIDING))  # fmt: skip
+        if SLIDING in params:  # OLMo 3: a rope per layer type
+            self.rotary = layer_type_ropes(config, head_dim)
         else:
             self.rotary = nn.ModuleList([RotaryEmbedding(config, head_dim)])
         self.layer_loop = LayerLoop()
@@ -149,10 +149,7 @@ class Olmo2Model(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)
         ropes = tuple(rotary(positions, x.dtype) for rotary in self.rotary)
-        x = self.layer_loop.run(self.layers, kv_caches, x,
-                                lambda layer, x, kv: layer(ropes, x, kv, meta),
-                                lambda layer, x, kv: layer.attend(ropes, x, kv, meta))  # fmt: skip
-        return self.norm(x)
+        return self.norm(run_layers(self.layer_loop, self.layers, kv_caches, x, ropes, meta))
 
 
 class Olmo2ForCausalLM(DecoderForCausalLM):
