@@ -172,7 +172,10 @@ class LayerRopeConfig:
 
 def layer_type_ropes(config, head_dim: int) -> nn.ModuleList:
     """(full attention's rope, sliding attention's) of a config whose
-    ``rope_parameters`` are keyed by layer type; a layer picks by its type."""
+    ``rope_parameters`` are keyed by layer type (Gemma 3, OLMo 3), or its
+    one rope (Gemma 2, OLMo 2): a layer reads ``ropes[sliding and len(ropes) > 1]``."""
+    if "sliding_attention" not in (getattr(config, "rope_parameters", None) or {}):
+        return nn.ModuleList([RotaryEmbedding(config, head_dim)])
     return nn.ModuleList(RotaryEmbedding(LayerRopeConfig(config, kind), head_dim)
                          for kind in ("full_attention", "sliding_attention"))  # fmt: skip
 
@@ -195,13 +198,14 @@ class PagedAttention(nn.Module):
     """Writes this step's K/V into the paged cache, then attends over it."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.softcap = softcap  # Gemma 2: scores capped as softcap * tanh(score / softcap)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -225,7 +229,12 @@ class PagedAttention(nn.Module):
                 ops.rope_torch(k, *rope)
             plan = meta.cpu_plan(key_cache, self.sliding_window)
             cpu_attention.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, plan.slots_all_valid)
-            out = cpu_attention.paged_attention(q, key_cache, value_cache, plan, self.scale, k, v)
+            if self.softcap is not None:  # torch's fused CPU attention has no cap: the reference's arithmetic
+                out = ops.paged_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                                          meta.query_start_loc, self.scale, self.sliding_window, path="reference",
+                                          softcap=self.softcap)  # fmt: skip
+            else:
+                out = cpu_attention.paged_attention(q, key_cache, value_cache, plan, self.scale, k, v)
             return out.reshape(out.shape[0], -1)
         self._compile_variants(q, key_cache, meta)
         if rope is not None:
@@ -235,13 +244,15 @@ class PagedAttention(nn.Module):
         out = ops.paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.scale, self.sliding_window, work=meta.work_plan(q, key_cache, self.sliding_window), path=path,
+            softcap=self.softcap,
         )
         return out.reshape(out.shape[0], -1)
 
     def _compile_variants(self, q: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        if self.sliding_window not in meta._compiled:
-            _compile_variants_once(q, key_cache, self.sliding_window)
-            meta._compiled.add(self.sliding_window)
+        key = (self.sliding_window, self.softcap)
+        if key not in meta._compiled:
+            _compile_variants_once(q, key_cache, self.sliding_window, self.softcap)
+            meta._compiled.add(key)
 
     def step_launches(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                       meta: AttentionMetadata, rope: Rope, qk_norm: QKNorm | None = None) -> StepLaunches | None:
@@ -269,7 +280,7 @@ class PagedAttention(nn.Module):
 
         self._compile_variants(q, key_cache, meta)
         write = StepRopeAndCache(q, k, v, *rope, key_cache, value_cache, meta.slot_mapping, qk_norm)
-        attend = StepAttention(q, key_cache, value_cache, meta.block_tables, self.scale, plan)
+        attend = StepAttention(q, key_cache, value_cache, meta.block_tables, self.scale, plan, self.softcap)
         out, layout = attend.out.view(q.shape[0], -1), cache_layout(key_cache, value_cache)
 
         def launches(kv: KVCache, norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -291,7 +302,8 @@ class PagedAttention(nn.Module):
 _COMPILED: set[tuple] = set()
 
 
-def _compile_variants_once(q: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None) -> None:
+def _compile_variants_once(q: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None,
+                           softcap: float | None = None) -> None:  # fmt: skip
     """Compile every attention variant this layout will launch (decode-only,
     mixed, the split merge) the first time a layer sees it on CUDA: the
     worker's warm-up step at start-up (Worker.warm_up) does, so no variant
@@ -300,10 +312,10 @@ def _compile_variants_once(q: torch.Tensor, key_cache: torch.Tensor, sliding_win
     if not q.is_cuda:
         return
     key = (q.device, q.dtype, tuple(q.shape[1:]), q.stride(), tuple(key_cache.shape[1:]), key_cache.stride(),
-           sliding_window)
+           sliding_window, bool(softcap))
     if key in _COMPILED:
         return
     from ..kernels.paged_attention import warmup
 
-    warmup(q, key_cache, sliding_window)
+    warmup(q, key_cache, sliding_window, softcap=softcap)
     _COMPILED.add(key)

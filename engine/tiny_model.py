@@ -26,7 +26,7 @@ CHAT_TEMPLATE = (
 )
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3", "granite",
-         "olmo2", "olmo3", "smollm3")
+         "olmo2", "olmo3", "smollm3", "gemma2")
 
 # A thinking model's markers, added after the specials (ids 261 and 262) in
 # ``build_tiny_thinking_model``, and its Qwen3-style template: the reply
@@ -100,7 +100,7 @@ def tiny_config(arch: str = "llama", **overrides):
             kw.update(shared_expert_intermediate_size=48)
     elif arch == "granite":  # Granite 3's multipliers, in their proportions
         kw.update(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1 / 16, logits_scaling=8.0)
-    elif arch == "gemma3":  # one full-attention layer after a sliding one, a short window
+    elif arch in ("gemma2", "gemma3"):  # one full-attention layer after a sliding one, a short window
         kw.update(layer_types=["sliding_attention", "full_attention"], sliding_window=16, query_pre_attn_scalar=16,
                   tie_word_embeddings=True)
     elif arch == "olmo3":  # a sliding layer then a full one, a short window
@@ -123,6 +123,7 @@ def tiny_config(arch: str = "llama", **overrides):
         "olmo2": transformers.Olmo2Config,
         "olmo3": transformers.Olmo3Config,
         "smollm3": transformers.SmolLM3Config,
+        "gemma2": transformers.Gemma2Config,
     }[arch]
     return cls(**kw)
 

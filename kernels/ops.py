@@ -153,18 +153,21 @@ def paged_attention(
     sliding_window: int | None = None,
     work: WorkPlan | None = None,
     path: KernelPath | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``work`` (a per-step plan from ``paged_attention.plan_for``) is used only
     by the Triton kernels; the reference needs none. ``path``: the caller's
-    ``kernel_path`` (None: worked out here)."""
+    ``kernel_path`` (None: worked out here). ``softcap``: the scores' cap
+    (Gemma 2's ``attn_logit_softcapping``)."""
     if path == "triton" if path is not None else _on_triton(query, key_cache, value_cache, block_tables):
         from fluidserve.kernels import paged_attention as triton_attention
 
         return triton_attention.paged_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, work
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, work,
+            softcap,
         )
     return reference.paged_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap
     )
 
 

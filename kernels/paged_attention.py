@@ -296,13 +296,24 @@ def _load_kv(
 
 
 @triton.jit
-def _attend_keys(q, m_i, l_i, acc, k, v, kpos, k_ok, pos, qk_scale, window,
-                 HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+def _tanh(x):
+    # 1 - 2 / (e^2x + 1): +-1 where e^2x overflows or vanishes, no NaN.
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 log2(e)
+
+
+@triton.jit
+def _attend_keys(q, m_i, l_i, acc, k, v, kpos, k_ok, pos, qk_scale, window, softcap,
+                 HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+                 SOFTCAP: tl.constexpr = False):
     """One step of the online softmax: the rows ``q`` against one block of
     keys ``k`` and values ``v``. Unmasked (``MASKED`` False), every row may
     see every key: no causal or window test, and every score is finite, so
-    neither is the running max."""
+    neither is the running max. ``SOFTCAP`` (Gemma 2): each score capped as
+    ``cap * tanh(score / cap)``, ``qk_scale`` then being scale / cap and
+    ``softcap`` cap * log2(e)."""
     s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    if SOFTCAP:
+        s = softcap * _tanh(s)
     if MASKED:
         allowed = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
         if HAS_WINDOW:
@@ -385,7 +396,7 @@ def _attend_item(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     bt_row,  # this sequence's block-table row
     q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head,
-    qk_scale, window,
+    qk_scale, window, softcap,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -402,6 +413,7 @@ def _attend_item(
     DOT_PRECISION: tl.constexpr,
     SPLIT_MASK: tl.constexpr = False,
     HALVES: tl.constexpr = 1,
+    SOFTCAP: tl.constexpr = False,
 ):
     """One work item with a BLOCK_M-row tile: attention of tokens
     [q_lo, q_hi) over keys [kv_lo, kv_hi), output or partial written.
@@ -435,20 +447,20 @@ def _attend_item(
             kpos, k_ok, k, v = _load_kv(start, kv_hi, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
                                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                         BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N)
-            m0, l0, acc0 = _attend_keys(q0, m0, l0, acc0, k, v, kpos, k_ok, pos_0, qk_scale, window, HAS_WINDOW,
-                                        DOT_PRECISION, False)
+            m0, l0, acc0 = _attend_keys(q0, m0, l0, acc0, k, v, kpos, k_ok, pos_0, qk_scale, window, softcap,
+                                        HAS_WINDOW, DOT_PRECISION, False, SOFTCAP)
             if HALVES == 2:
-                m1, l1, acc1 = _attend_keys(q1, m1, l1, acc1, k, v, kpos, k_ok, pos_1, qk_scale, window, HAS_WINDOW,
-                                            DOT_PRECISION, False)
+                m1, l1, acc1 = _attend_keys(q1, m1, l1, acc1, k, v, kpos, k_ok, pos_1, qk_scale, window, softcap,
+                                            HAS_WINDOW, DOT_PRECISION, False, SOFTCAP)
     for start in range(masked_lo, kv_hi, BLOCK_N):
         kpos, k_ok, k, v = _load_kv(start, kv_hi, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
                                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                     BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N)
-        m0, l0, acc0 = _attend_keys(q0, m0, l0, acc0, k, v, kpos, k_ok, pos_0, qk_scale, window, HAS_WINDOW,
-                                    DOT_PRECISION, True)
+        m0, l0, acc0 = _attend_keys(q0, m0, l0, acc0, k, v, kpos, k_ok, pos_0, qk_scale, window, softcap,
+                                    HAS_WINDOW, DOT_PRECISION, True, SOFTCAP)
         if HALVES == 2:
-            m1, l1, acc1 = _attend_keys(q1, m1, l1, acc1, k, v, kpos, k_ok, pos_1, qk_scale, window, HAS_WINDOW,
-                                        DOT_PRECISION, True)
+            m1, l1, acc1 = _attend_keys(q1, m1, l1, acc1, k, v, kpos, k_ok, pos_1, qk_scale, window, softcap,
+                                        HAS_WINDOW, DOT_PRECISION, True, SOFTCAP)
     _store_rows(acc0, m0, l0, out_ptr, part_out_ptr, part_lse_ptr, tok0, head0, tok64_0, ok0, merge_row, split,
                 stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls, HEAD_DIM, HEAD_PAD)
     if HALVES == 2:
@@ -549,8 +561,9 @@ def _paged_attention_kernel(
     unit_offsets_ptr,  # [num_units + 1] int32
     merge_count_ptr,  # [num_merge_rows, num_kv_heads] int32, zeros between launches (FUSED_MERGE)
     merge_num_splits_ptr,  # [num_merge_rows] int32 (FUSED_MERGE)
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e); scale / cap with SOFTCAP
     window,  # sliding window (used only if HAS_WINDOW)
+    softcap,  # the scores' cap * log2(e) (used only if SOFTCAP)
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -577,6 +590,7 @@ def _paged_attention_kernel(
     MERGE_SPLITS: tl.constexpr,  # and pieces of each it reads at a time
     MERGE_LSE_SPLITS: tl.constexpr,  # pieces of each whose lse it reads at a time
     LAUNCH_DEPENDENTS: tl.constexpr = False,  # Tiles.launch_dependents (sm_90)
+    SOFTCAP: tl.constexpr = False,  # scores soft-capped (Gemma 2's attn_logit_softcapping)
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -614,19 +628,20 @@ def _paged_attention_kernel(
         if wide:
             _attend_item(
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_row,
-                q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window,
+                q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window, softcap,
                 stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls,
                 BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, PREFILL_M, PREFILL_BLOCK_N, HAS_WINDOW, DOT_PRECISION,
-                True, PREFILL_HALVES,
+                True, PREFILL_HALVES, SOFTCAP,
             )  # fmt: skip
         else:
             _attend_item(
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_row,
-                q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window,
+                q_lo, q_hi, pos0, kv_lo, kv_hi, merge_row, split, kv_head, qk_scale, window, softcap,
                 stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_ot, stride_oh, stride_pm, stride_ps, stride_ph, stride_lm, stride_ls,
                 BLOCK_SIZE, GROUP, HEAD_DIM, HEAD_PAD, DECODE_M, BLOCK_N, HAS_WINDOW, DOT_PRECISION,
+                False, 1, SOFTCAP,
             )  # fmt: skip
         if FUSED_MERGE:
             if merge_row >= 0:
@@ -656,6 +671,7 @@ def _merge_kernel(
     SPLIT_CHUNK: tl.constexpr,
     LSE_CHUNK: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr = False,  # Tiles.launch_dependents (sm_90)
+    SOFTCAP: tl.constexpr = False,  # scores soft-capped (Gemma 2's attn_logit_softcapping)
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -1097,17 +1113,18 @@ def _prepare(
     scale: float,
     plan: WorkPlan,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> _Launch:
     """Check the batch against the plan, allocate output (``out``: the
     caller's, laid out as ``torch.empty_like(query)``) and partials, and
-    build the kernel's arguments. Every layer of a step passes the same
+    build the kernel's arguments (``softcap``: the scores' cap, Gemma 2's). Every layer of a step passes the same
     layout with the same plan: the checks, strides and variant are worked
     out for the first and kept in the plan (a prototype without tensors),
     so the others only swap in their tensors (host time an eager step pays
     per layer)."""
     layout = ("launch", query.shape, query.stride(), query.dtype, query.device, key_cache.shape, key_cache.stride(),
               key_cache.dtype, value_cache.stride(), value_cache.dtype, block_tables.shape, block_tables.stride(),
-              scale, TILES)  # fmt: skip
+              scale, softcap, TILES)  # fmt: skip
     proto = plan.scratch.get(layout)
     if proto is None:
         _check_layouts(query, key_cache, value_cache, block_tables)
@@ -1116,6 +1133,8 @@ def _prepare(
         out_strides = torch.empty_like(query).stride()  # as every layer's output of this layout is laid out
         part_out, part_lse = _partials(plan, num_q_heads, head_dim, query.device)
         constexprs = _plan_constexprs(query, key_cache, plan)
+        if softcap:  # uncapped attention keeps the variants it always compiled
+            constexprs["SOFTCAP"] = True
         # Without the fused merge the counters are never touched: any int32 tensor keeps the signature.
         merge_counts = (_merge_counts(plan, key_cache.shape[2], query.device) if constexprs["FUSED_MERGE"]
                         else plan.merge_num_splits)
@@ -1124,8 +1143,8 @@ def _prepare(
             part_out_ptr=part_out, part_lse_ptr=part_lse, block_tables_ptr=None,
             work_ptr=plan.work, unit_offsets_ptr=plan.unit_offsets,
             merge_count_ptr=merge_counts, merge_num_splits_ptr=plan.merge_num_splits,
-            qk_scale=float(scale * LOG2E), window=int(plan.sliding_window or 0),
-            stride_qt=query.stride(0), stride_qh=query.stride(1),
+            qk_scale=float(scale / softcap if softcap else scale * LOG2E), window=int(plan.sliding_window or 0),
+            softcap=float(softcap * LOG2E if softcap else 0.0), stride_qt=query.stride(0), stride_qh=query.stride(1),
             stride_kb=key_cache.stride(0), stride_ks=key_cache.stride(1), stride_kh=key_cache.stride(2),
             stride_vb=value_cache.stride(0), stride_vs=value_cache.stride(1), stride_vh=value_cache.stride(2),
             stride_ot=out_strides[0], stride_oh=out_strides[1],
@@ -1174,6 +1193,8 @@ def _decode_launch(launch: _Launch, plan: WorkPlan) -> _Launch:
     if variant is None:
         # The decode part's own plan (no prefill tiles) gives what a decode-only step launches.
         constexprs = _plan_constexprs(launch.args["q_ptr"], launch.args["k_cache_ptr"], part)
+        if launch.constexprs.get("SOFTCAP"):
+            constexprs["SOFTCAP"] = True
         options = _launch_options(constexprs)
         variant = part.scratch[cached] = (
             constexprs, options, _occupancy_key(constexprs, options, launch.out.dtype, launch.out.device))
@@ -1225,9 +1246,10 @@ def _launch(
     block_tables: torch.Tensor,
     scale: float,
     plan: WorkPlan,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Check the plan against the batch, allocate partials, run both kernels."""
-    return _execute(_prepare(query, key_cache, value_cache, block_tables, scale, plan), plan)
+    return _execute(_prepare(query, key_cache, value_cache, block_tables, scale, plan, softcap=softcap), plan)
 
 
 def _execute(launch: _Launch, plan: WorkPlan) -> torch.Tensor:
@@ -1275,13 +1297,15 @@ class StepAttention:
     variants are being recorded, every layer takes the checked launch, so
     each is recorded as it runs)."""
 
-    __slots__ = ("_query", "_tables", "_scale", "_plan", "_first", "_layout", "_sites", "out")
+    __slots__ = ("_query", "_tables", "_scale", "_softcap", "_plan", "_first", "_layout", "_sites", "out")
 
     def __init__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 block_tables: torch.Tensor, scale: float, plan: WorkPlan) -> None:  # fmt: skip
-        self._query, self._tables, self._scale, self._plan = query, block_tables, scale, plan
+                 block_tables: torch.Tensor, scale: float, plan: WorkPlan,
+                 softcap: float | None = None) -> None:  # fmt: skip
+        self._query, self._tables, self._scale, self._softcap, self._plan = query, block_tables, scale, softcap, plan
         self.out = torch.empty_like(query)
-        self._first = _prepare(query, key_cache, value_cache, block_tables, scale, plan, out=self.out)
+        self._first = _prepare(query, key_cache, value_cache, block_tables, scale, plan, out=self.out,
+                               softcap=softcap)
         self._layout = cache_layout(key_cache, value_cache)
         # Per kernel of the step: its site, the arguments before the caches
         # (None: a merge, which reads no cache) and those after them.
@@ -1291,7 +1315,7 @@ class StepAttention:
         """Attend over this layer's caches into ``out``; returns it."""
         if cache_layout(key_cache, value_cache) != self._layout:
             launch = _prepare(self._query, key_cache, value_cache, self._tables, self._scale, self._plan,
-                              out=self.out)  # fmt: skip
+                              out=self.out, softcap=self._softcap)  # fmt: skip
             return _execute(launch, self._plan)
         return self.launch(key_cache, value_cache, aligned(key_cache, value_cache))
 
@@ -1350,9 +1374,10 @@ def warmup(
     key_cache: torch.Tensor,
     sliding_window: int | None = None,
     variants: tuple[bool, ...] = (False, True),
+    softcap: float | None = None,
 ) -> dict[bool, int]:
     """Compile the variants a model serves with (``variants``: has-prefill
-    flags; decode-only and mixed by default, for this window) and the merge,
+    flags; decode-only and mixed by default, for this window and score cap) and the merge,
     by launching them on no work: nothing is read or written but a scratch
     row. ``query`` and ``key_cache`` must be laid out as in serving (a view
     of the fused QKV output, say), since the strides are part of the variant.
@@ -1363,7 +1388,7 @@ def warmup(
     occupancy = {}
     for has_prefill in variants:
         plan = _empty_plan(device, group, has_prefill, sliding_window)
-        launch = _prepare(query[:0], key_cache, key_cache, tables, 1.0, plan)
+        launch = _prepare(query[:0], key_cache, key_cache, tables, 1.0, plan, softcap=softcap)
         # A one-token scratch output laid out as every real output is
         # (empty_like of a strided query view is contiguous).
         launch.out = torch.empty((1, *query.shape[1:]), dtype=query.dtype, device=device)
@@ -1490,9 +1515,10 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     work: WorkPlan | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of a flat ragged batch (``reference.paged_attention``
-    semantics). ``work`` is a plan from ``plan_for``/``packing.plan_attention``
+    semantics, ``softcap`` too). ``work`` is a plan from ``plan_for``/``packing.plan_attention``
     built from the same lengths and window, on the query's device; without it
     one is built here, which reads the lengths back to the host."""
     if work is None:
@@ -1501,4 +1527,4 @@ def paged_attention(
         work = plan_for(query, key_cache, q_lens, seq_lens.tolist(), sliding_window)
     elif work.sliding_window != sliding_window:
         raise ValueError("the plan was built for another sliding window")
-    return _launch(query, key_cache, value_cache, block_tables, scale, work)
+    return _launch(query, key_cache, value_cache, block_tables, scale, work, softcap)

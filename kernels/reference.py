@@ -74,12 +74,14 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [S + 1]
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat ragged batch over the paged KV cache.
 
     Returns ``[num_tokens, num_q_heads, head_dim]`` in ``query.dtype``; the
     softmax is computed in fp32. Decode rows are batched, prefill chunks handled
     one at a time: this is the oracle and the CPU path, not the fast path.
+    ``softcap`` (Gemma 2): scores capped as ``attention`` caps them.
     """
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
@@ -90,7 +92,7 @@ def paged_attention(
     while decodes:
         cut = next((j for j, i in enumerate(decodes) if lens[i] > 2 * lens[decodes[0]]), len(decodes))
         _decode_attention(out, query, key_cache, value_cache, block_tables, starts, lens, decodes[:cut],
-                          scale, sliding_window)
+                          scale, sliding_window, softcap)
         decodes = decodes[cut:]
     for i, seq_len in enumerate(lens):
         q_lo, q_hi = starts[i], starts[i + 1]
@@ -105,14 +107,29 @@ def paged_attention(
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
-        # enable_gqa lets each group of query heads share its KV head without copies.
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = attention(q, k, v, mask, scale, softcap)
         out[q_lo:q_hi] = o.transpose(0, 1).to(query.dtype)
     return out
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+              softcap: float | None = None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of q [..., Hq, Lq, d] over k, v
+    [..., Hk, L, d] under a boolean mask, each KV head shared by its group
+    of query heads. With ``softcap`` each scaled score becomes
+    ``softcap * tanh(score / softcap)`` before the mask, as transformers'
+    Gemma 2 caps them."""
+    if softcap is None:
+        # enable_gqa lets each group of query heads share its KV head without copies.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
 def _decode_attention(out, query, key_cache, value_cache, block_tables, starts, lens, rows,
-                      scale, sliding_window) -> None:
+                      scale, sliding_window, softcap=None) -> None:
     """All single-token (decode) sequences at once: their blocks gathered into
     one padded [D, L_max] batch, the padding masked out."""
     block_size = key_cache.shape[1]
@@ -133,8 +150,7 @@ def _decode_attention(out, query, key_cache, value_cache, block_tables, starts, 
     if sliding_window is not None:
         mask &= k_pos > seq.unsqueeze(1) - 1 - sliding_window
     q = query[q_idx].float().unsqueeze(2)  # [D, hq, 1, d]
-    o = F.scaled_dot_product_attention(q, gather(key_cache), gather(value_cache),
-                                       attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    o = attention(q, gather(key_cache), gather(value_cache), mask[:, None, None, :], scale, softcap)
     out[q_idx] = o.squeeze(2).to(query.dtype)
 
 

@@ -19,6 +19,7 @@ MODEL_REGISTRY = {
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo2ForCausalLM,
@@ -46,7 +47,8 @@ def model_class(config):
                "qwen3": LlamaForCausalLM, "phi3": LlamaForCausalLM, "granite": LlamaForCausalLM,
                "smollm3": LlamaForCausalLM,
                "mixtral": LlamaForCausalLM, "qwen2_moe": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM,
-               "gemma3_text": Gemma3ForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo2ForCausalLM,
+               "gemma2": Gemma3ForCausalLM, "gemma3_text": Gemma3ForCausalLM, "olmo2": Olmo2ForCausalLM,
+               "olmo3": Olmo2ForCausalLM,
                "opt": OPTForCausalLM}
     if config.model_type in by_type:
         return by_type[config.model_type]

@@ -1,16 +1,20 @@
-"""Gemma 3's text model over the flat token batch (``Gemma3ForCausalLM``:
-Gemma 3 1B, and the text-only checkpoints of its family).
+"""Gemma 2 and Gemma 3's text model over the flat token batch
+(``Gemma2ForCausalLM``; ``Gemma3ForCausalLM``: Gemma 3 1B, and the
+text-only checkpoints of its family).
 
-Where it differs from the Llama family: the embedding is scaled by
+Where they differ from the Llama family: the embedding is scaled by
 sqrt(hidden); every RMSNorm multiplies by ``1 + weight`` in float32 before
 rounding (``GemmaRMSNorm``); each layer norms its attention and MLP outputs
 as well as their inputs (four norms a layer, the residual added after the
-output norms); q and k are normed per head; the MLP's activation is GELU
-(tanh); the attention scale is ``query_pre_attn_scalar ** -0.5``; and the
-layers alternate between sliding-window attention with its own rope base
-(``sliding_attention``) and full attention with another (``full_attention``,
-``layer_types``), so a step computes two rope tables and each layer reads
-its own. Parameter names mirror the Hugging Face checkpoints.
+output norms); the MLP's activation is GELU (tanh); the attention scale is
+``query_pre_attn_scalar ** -0.5``; and the layers alternate between
+sliding-window attention (``sliding_attention``) and full attention
+(``full_attention``, ``layer_types``). Gemma 3 norms q and k per head and
+gives each layer type its own rope base, so a step computes two rope tables
+and each layer reads its own. Gemma 2 has one rope, and soft-caps the
+attention scores (``attn_logit_softcapping``: ``cap * tanh(score / cap)``,
+in the attention kernels) and the logits (``final_logit_softcapping``).
+Parameter names mirror the Hugging Face checkpoints.
 
 The layers run through their modules: the Llama family's fused row and
 batch paths and piecewise graphs are not built for this layout (decode
@@ -72,19 +76,22 @@ class Gemma3Attention(nn.Module):
             Part("v_proj", total_kv_heads * self.head_dim, kv_shards, kv_index),
         ], bias, tp)
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias, tp)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.model_type != "gemma2"
+        if self.qk_norm:
+            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.sliding = config.layer_types[layer] == SLIDING
         window = config.sliding_window if self.sliding else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
-                                   config.query_pre_attn_scalar**-0.5, window)
+                                   config.query_pre_attn_scalar**-0.5, window,
+                                   softcap=getattr(config, "attn_logit_softcapping", None))  # fmt: skip
 
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
-        # The per-head norms make new tensors, which the attention rotates in place.
-        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # the per-head norms make new tensors, which the attention rotates in place
+            q, k = self.q_norm(q), self.k_norm(k)
         attended = self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache, meta, rope)
         return self.o_proj(attended)  # [T, hidden], all-reduced
 
@@ -124,7 +131,7 @@ class Gemma3DecoderLayer(nn.Module):
     # The two halves a safepoint may fall between (engine/preemption.py).
     def attend(self, ropes: tuple[Rope, Rope], x: torch.Tensor, kv_cache: KVCache,
                meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
-        rope = ropes[self.self_attn.sliding]
+        rope = ropes[self.self_attn.sliding and len(ropes) > 1]
         return x + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(x), kv_cache, meta))
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,9 +141,6 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, config, tp: TensorParallel) -> None:
         super().__init__()
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(config, name, None) is not None:
-                raise ValueError(f"{name}={getattr(config, name)}: logit soft-capping is not supported")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.embed_scale = config.hidden_size**0.5
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
@@ -152,6 +156,18 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
+    """Gemma 3's text model, and Gemma 2 (registered under both names)."""
+
     def __init__(self, config, tp: TensorParallel | None = None) -> None:
         tp = tp or TensorParallel()
         super().__init__(config, Gemma3Model(config, tp), tp, tie_by_default=True)
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[S, hidden] -> [S, vocab] on rank 0 (Gemma 2's soft-capped as
+        transformers caps them: divided, tanh, multiplied); None on the
+        other ranks."""
+        logits = self.lm_head(hidden)
+        if logits is None or self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap

@@ -27,8 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import (AttentionMetadata, KVCache, PagedAttention, Rope, RotaryEmbedding, layer_type_ropes,
-                      run_layers)
+from ..layers import AttentionMetadata, KVCache, PagedAttention, Rope, layer_type_ropes, run_layers
 from ..parallel import (
     MergedColumnParallelLinear,
     Part,
@@ -138,12 +137,7 @@ class Olmo2Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(Olmo2DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = OlmoRMSNorm(config.hidden_size, config.rms_norm_eps)
-        head_dim = self.layers[0].self_attn.head_dim
-        params = getattr(config, "rope_parameters", None) or {}
-        if SLIDING in params:  # OLMo 3: a rope per layer type
-            self.rotary = layer_type_ropes(config, head_dim)
-        else:
-            self.rotary = nn.ModuleList([RotaryEmbedding(config, head_dim)])
+        self.rotary = layer_type_ropes(config, self.layers[0].self_attn.head_dim)  # OLMo 3: one per layer type
         self.layer_loop = LayerLoop()
 
     def forward(self, input_ids, positions, kv_caches, meta):

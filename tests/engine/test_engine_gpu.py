@@ -32,9 +32,11 @@ ARCH_CASES = [
     ("phi3", {"head_dim": 128, "hidden_size": 512, "partial_rotary_factor": 0.75}),  # Phi-4-mini's rope
     ("olmo3", {"head_dim": 128, "hidden_size": 512}),
     ("smollm3", {"head_dim": 128, "hidden_size": 512}),
+    ("gemma2", {"head_dim": 128, "hidden_size": 256, "query_pre_attn_scalar": 128, "attn_logit_softcapping": 1.0}),
 ]
 ARCH_IDS = ["llama-64", "qwen3-128", "opt-64", "opt-80", "qwen3-moe-128", "mixtral-64", "gemma3-128", "granite-64",
-            "phi3-partial-128", "olmo3-128", "smollm3-128"]
+            "phi3-partial-128", "olmo3-128", "smollm3-128",
+            "gemma2-softcap-128"]
 
 
 @pytest.mark.parametrize("arch, overrides", ARCH_CASES, ids=ARCH_IDS)

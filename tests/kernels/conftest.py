@@ -127,12 +127,13 @@ def build_batch(
     )
 
 
-def reference_attention(batch: PagedBatch, sliding_window: int | None = None) -> torch.Tensor:
+def reference_attention(batch: PagedBatch, sliding_window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:  # fmt: skip
     """The oracle, always in fp32 on CPU: [num_tokens, num_q_heads, head_dim]."""
     from fluidserve.kernels import reference
 
     cpu = [t.float().cpu() if t.is_floating_point() else t.cpu() for t in batch.args[:-1]]
-    return reference.paged_attention(*cpu, batch.scale, sliding_window)
+    return reference.paged_attention(*cpu, batch.scale, sliding_window, softcap)
 
 
 @pytest.fixture

@@ -179,6 +179,49 @@ def test_sliding_window(device, make_batch, oracle, window, block_size):
     torch.testing.assert_close(run(batch, plan, sliding_window=window), expected, atol=ATOL, rtol=RTOL)
 
 
+def test_the_reference_soft_caps_scores_as_transformers_gemma2_does(make_batch):
+    """``reference.paged_attention`` with ``softcap`` against transformers'
+    Gemma 2 eager arithmetic written out per sequence over its gathered
+    keys: scores scaled, divided by the cap, tanh, times the cap, masked
+    causally (and by the window), softmax in fp32."""
+    specs = [(1, 40), (1, 7), (12, 30), (5, 5)]
+    batch = make_batch(specs, num_kv_heads=2, group=2, head_dim=32, block_size=16, device="cpu", seed=7)
+    cap, window = 1.5, 9
+    got = reference.paged_attention(*batch.args, sliding_window=window, softcap=cap)
+    starts = batch.query_start_loc.tolist()
+    for i, (q_len, seq_len) in enumerate(specs):
+        q = batch.query[starts[i]:starts[i + 1]].float().transpose(0, 1)  # [Hq, q, d]
+        k = reference.gather_kv(batch.key_cache, batch.block_tables[i], seq_len).float().transpose(0, 1)
+        v = reference.gather_kv(batch.value_cache, batch.block_tables[i], seq_len).float().transpose(0, 1)
+        k, v = k.repeat_interleave(2, 0), v.repeat_interleave(2, 0)
+        scores = torch.tanh(torch.matmul(q, k.transpose(1, 2)) * batch.scale / cap) * cap
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        k_pos = torch.arange(seq_len)[None, :]
+        allowed = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        torch.testing.assert_close(got[starts[i]:starts[i + 1]].float(), (probs @ v).transpose(0, 1),
+                                   atol=1e-5, rtol=1e-5)
+    uncapped = reference.paged_attention(*batch.args, sliding_window=window)
+    assert (got - uncapped).abs().max() > 1e-2  # the cap bites at these scores
+
+
+@pytest.mark.parametrize("window", [None, 37])
+def test_soft_capped_scores_match_the_reference(device, make_batch, oracle, window):
+    """Gemma 2's ``attn_logit_softcapping`` in the kernel: decode and prefill
+    tiles, split keys merged, a sliding window, against the reference's cap."""
+    specs = mixed_specs(16)
+    batch = make_batch(specs, num_kv_heads=1, group=2, head_dim=64, block_size=16, device=device, seed=11)
+    cap = 1.0
+    expected = oracle(batch, window, softcap=cap)
+    got = pa.paged_attention(*batch.args, sliding_window=window, softcap=cap).float().cpu()
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+    plan = pa.plan_for(batch.query, batch.key_cache, specs_q(specs), specs_s(specs), window, num_units=3,
+                       tokens_per_tile=8, kv_chunk=16)  # fmt: skip
+    split = pa.paged_attention(*batch.args, sliding_window=window, work=plan, softcap=cap).float().cpu()
+    torch.testing.assert_close(split, expected, atol=ATOL, rtol=RTOL)
+    assert (expected - oracle(batch, window)).abs().max() > 1e-2
+
+
 def test_plan_must_match_window_and_batch(device, make_batch):
     batch = make_batch([(3, 10)], num_kv_heads=1, group=1, head_dim=64, block_size=16, device=device)
     plan = pa.plan_for(batch.query, batch.key_cache, [3], [10], sliding_window=4)
