@@ -229,12 +229,7 @@ class PagedAttention(nn.Module):
                 ops.rope_torch(k, *rope)
             plan = meta.cpu_plan(key_cache, self.sliding_window)
             cpu_attention.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, plan.slots_all_valid)
-            if self.softcap is not None:  # torch's fused CPU attention has no cap: the reference's arithmetic
-                out = ops.paged_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                          meta.query_start_loc, self.scale, self.sliding_window, path="reference",
-                                          softcap=self.softcap)  # fmt: skip
-            else:
-                out = cpu_attention.paged_attention(q, key_cache, value_cache, plan, self.scale, k, v)
+            out = cpu_attention.paged_attention(q, key_cache, value_cache, plan, self.scale, k, v, self.softcap)
             return out.reshape(out.shape[0], -1)
         self._compile_variants(q, key_cache, meta)
         if rope is not None:

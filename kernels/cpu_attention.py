@@ -42,6 +42,11 @@ makes the CPU path scale with the number of requests:
   big bucket is gathered and attended in groups of rows
   (``DECODE_GROUP_ELEMENTS``), so attention reads what is still in cache.
 
+* **Soft-capped scores (Gemma 2) explicitly.** torch's fused kernels take no
+  cap: with one, every call above is the reference's explicit arithmetic in
+  fp32 (``_sdpa``), a chunk over a prefix is one call over both key sets
+  under a mask, and a shared prefix is not split out.
+
 Writes into the cache are one ``index_copy_`` over the flat slot index.
 """
 
@@ -52,6 +57,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
+
+from fluidserve.kernels import reference
 
 # A decode bucket's longest context is at most this many times its shortest:
 # padding costs attention work, each bucket costs one call.
@@ -274,22 +281,38 @@ def paged_attention(
     scale: float,
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: this step's K
     value: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``reference.paged_attention`` over a step described by ``plan``.
 
     ``key``/``value`` are this step's new K/V (already written into the
     cache); when given, whole prompts attend to them instead of the cache.
+    ``softcap`` (Gemma 2): the scores capped, in ``_sdpa``'s explicit
+    attention, which torch's fused CPU kernels do not do.
     Returns ``[num_tokens, num_q_heads, head_dim]`` in ``query.dtype``.
     """
     out = torch.empty_like(query)
     for bucket in plan.decodes:
-        _decode(out, query, key_cache, value_cache, bucket, scale)
+        _decode(out, query, key_cache, value_cache, bucket, scale, softcap)
     for item in plan.prefills:
-        _prefill(out, query, key_cache, value_cache, item, scale, key, value)
+        _prefill(out, query, key_cache, value_cache, item, scale, key, value, softcap)
     return out
 
 
-def _decode(out, query, key_cache, value_cache, b: DecodeBucket, scale: float) -> None:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          softcap: float | None, is_causal: bool = False) -> torch.Tensor:
+    """torch's fused CPU attention (query heads sharing KV heads), or, with
+    ``softcap``, the reference's explicit arithmetic in fp32 (``mask``: the
+    keys each query may read; ``is_causal`` builds it)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)  # fmt: skip
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril_()
+    return reference.attention(q.float(), k.float(), v.float(), mask, scale, softcap).to(q.dtype)
+
+
+def _decode(out, query, key_cache, value_cache, b: DecodeBucket, scale: float, softcap: float | None) -> None:
     num_kv, head_dim = key_cache.shape[2], key_cache.shape[3]
     rows = b.q_rows.numel()
     length = b.num_blocks * key_cache.shape[1]
@@ -304,7 +327,7 @@ def _decode(out, query, key_cache, value_cache, b: DecodeBucket, scale: float) -
 
     group = query.shape[1] // num_kv
     q = query.index_select(0, b.q_rows).view(rows, num_kv, group, head_dim)  # [D, Hk, g, d]
-    if b.shared_ids is not None:
+    if b.shared_ids is not None and softcap is None:  # the shared keys' flash call has no cap
         o = _decode_shared(q, key_cache, value_cache, b, scale, gather(key_cache, "k"), gather(value_cache, "v"))
         out.index_copy_(0, b.q_rows, o.reshape(rows, -1, head_dim))
         return
@@ -313,8 +336,8 @@ def _decode(out, query, key_cache, value_cache, b: DecodeBucket, scale: float) -
     step = max(1, DECODE_GROUP_ELEMENTS // (length * num_kv * head_dim))
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
-        o = F.scaled_dot_product_attention(q[lo:hi], gather(key_cache, "k", lo, hi), gather(value_cache, "v", lo, hi),
-                                           attn_mask=b.key_mask[lo:hi], scale=scale)  # [D', Hk, g, d]
+        o = _sdpa(q[lo:hi], gather(key_cache, "k", lo, hi), gather(value_cache, "v", lo, hi), b.key_mask[lo:hi],
+                  scale, softcap)  # [D', Hk, g, d]
         out.index_copy_(0, b.q_rows[lo:hi], o.reshape(hi - lo, -1, head_dim))
 
 
@@ -353,7 +376,8 @@ def _merged(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: to
     return ((o_a.float() * w_a + o_b.float() * w_b) / (w_a + w_b)).to(dtype)
 
 
-def _prefill(out, query, key_cache, value_cache, item: PrefillItem, scale: float, key, value) -> None:
+def _prefill(out, query, key_cache, value_cache, item: PrefillItem, scale: float, key, value,
+             softcap: float | None = None) -> None:  # fmt: skip
     # Inputs go in as 4-D [1, H, len, d]: torch dispatches 3-D ones to its
     # unfused "math" attention, which materialises the scores.
     q_len = item.q_hi - item.q_lo
@@ -371,13 +395,17 @@ def _prefill(out, query, key_cache, value_cache, item: PrefillItem, scale: float
         k = _gathered(key_cache, ids, read)  # [1, Hk, read, d]
         v = _gathered(value_cache, ids, read)
     if item.mask is not None:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=item.mask, scale=scale, enable_gqa=True)
+        o = _sdpa(q, k, v, item.mask, scale, softcap)
     else:
         if read > prefix:  # no step K/V given: the chunk's own keys come from the cache too
             k, k_own = k[:, :, :prefix], k[:, :, prefix:]
             v, v_own = v[:, :, :prefix], v[:, :, prefix:]
         if not prefix:
-            o = F.scaled_dot_product_attention(q, k_own, v_own, is_causal=True, scale=scale, enable_gqa=True)
+            o = _sdpa(q, k_own, v_own, None, scale, softcap, is_causal=True)
+        elif softcap is not None:  # the two flash calls have no cap: one explicit call over both key sets
+            mask = torch.ones(q_len, prefix + q_len, dtype=torch.bool, device=q.device)
+            mask[:, prefix:].tril_()
+            o = _sdpa(q, torch.cat((k, k_own), dim=2), torch.cat((v, v_own), dim=2), mask, scale, softcap)
         else:
             o = _prefix_then_causal(q, k, v, k_own, v_own, scale)
     out[item.q_lo:item.q_hi] = o[0].transpose(0, 1)

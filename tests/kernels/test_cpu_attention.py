@@ -1,7 +1,7 @@
 """The CPU fast path (``kernels/cpu_attention.py``) against the reference, on
 ragged batches over shuffled block tables: decodes of many lengths (several
 buckets), whole prompts, chunks over a cached prefix, GQA and MHA, sliding
-windows, fp32 and bf16.
+windows, soft-capped scores (Gemma 2), fp32 and bf16.
 
 Tolerances, against the fp32 reference on the same (rounded) inputs: fp32
 atol=rtol=1e-5 (observed ~6e-7); bf16 atol=rtol=2e-2 (observed ~8e-3: the
@@ -49,7 +49,8 @@ def kv_width(batch) -> int:
     return batch.key_cache.shape[2] * batch.key_cache.shape[3]
 
 
-def run_fast(batch, block_size: int, sliding_window: int | None, with_step_kv: bool) -> torch.Tensor:
+def run_fast(batch, block_size: int, sliding_window: int | None, with_step_kv: bool,
+             softcap: float | None = None) -> torch.Tensor:  # fmt: skip
     slots = step_slots(batch, block_size)
     plan = cpu_attention.build_plan(batch.q_lens, batch.seq_len_list, batch.block_tables, slots, block_size,
                                     sliding_window, kv_width(batch))
@@ -59,7 +60,7 @@ def run_fast(batch, block_size: int, sliding_window: int | None, with_step_kv: b
         key = batch.key_cache.view(-1, kv_heads, head_dim)[slots]
         value = batch.value_cache.view(-1, kv_heads, head_dim)[slots]
     out = cpu_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache, plan, batch.scale,
-                                        key, value)
+                                        key, value, softcap)
     assert out.dtype == batch.query.dtype and out.shape == batch.query.shape
     return out.float()
 
@@ -94,6 +95,22 @@ def test_sliding_window_matches_reference(make_batch, oracle, dtype, window):
     batch = make_batch(mixed_specs(16), num_kv_heads=2, group=4, head_dim=64, block_size=16, dtype=dtype, seed=window)
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(run_fast(batch, 16, window, True), oracle(batch, window), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, with_step_kv", [(None, True), (None, False), (24, True)])
+def test_soft_capped_scores_match_reference(make_batch, oracle, dtype, window, with_step_kv):
+    """Gemma 2's score cap on every path of a step: decode buckets, whole
+    prompts, chunks over a prefix (one explicit call over both key sets),
+    a window; and decodes sharing their leading blocks, which take the
+    plain bucket path under a cap."""
+    specs = mixed_specs(16) + [(1, 70), (1, 75)]
+    batch = make_batch(specs, num_kv_heads=2, group=4, head_dim=64, block_size=16, dtype=dtype, seed=29)
+    batch.block_tables[len(specs) - 1, :3] = batch.block_tables[len(specs) - 2, :3]
+    atol, rtol = TOLERANCES[dtype]
+    expected = oracle(batch, window, softcap=1.0)
+    torch.testing.assert_close(run_fast(batch, 16, window, with_step_kv, softcap=1.0), expected, atol=atol, rtol=rtol)
+    assert (expected - oracle(batch, window)).abs().max() > 1e-2
 
 
 def test_many_decodes_split_into_buckets_and_chunks(make_batch, oracle, monkeypatch):
