@@ -20,7 +20,14 @@ Owns the three ways a chat reply becomes tool calls:
     alphanumerics its templates check;
   - ``qwen3_coder`` (Qwen3-Coder): ``<tool_call>`` blocks holding
     ``<function=name>`` and ``<parameter=key>value</parameter>`` tags, each
-    value's text read as the tool's schema types it.
+    value's text read as the tool's schema types it;
+  - ``granite`` (Granite 3.x): content, then ``<|tool_call|>`` (3.0, a
+    special token) or ``<tool_call>`` (3.1 on) and a JSON array of
+    ``{"name", "arguments"}`` objects, with no closing tag;
+  - ``phi4_mini_json`` (Phi-4-mini): content, then ``functools`` and a JSON
+    array of ``{"name", "arguments"}`` objects;
+  - ``olmo3`` (OLMo 3): content, then ``<function_calls>``, one pythonic
+    call ``name(key=literal, ...)`` a line, and ``</function_calls>``.
 
 * ``tool_choice: "required"``: decoding is constrained to a JSON array of
   ``{"name", "parameters"}`` objects, one schema per tool
@@ -44,9 +51,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "granite", "phi4_mini_json",
+                     "olmo3")
 # The parsers whose markers are special tokens: a reply they read keeps its special tokens.
-KEEPS_SPECIAL_TOKENS = ("mistral",)
+KEEPS_SPECIAL_TOKENS = ("mistral", "granite")
 
 
 def new_call_id() -> str:
@@ -356,7 +364,7 @@ class _WholeReplyParser(_AutoParser):
     it holds calls (``opens_calls``); content before a marker streams at
     once, and a reply that opens otherwise streams as content."""
 
-    MARKER: ClassVar[str | None] = None  # text that starts the calls anywhere in the reply
+    MARKERS: ClassVar[tuple[str, ...]] = ()  # texts that start the calls anywhere in the reply
 
     def __init__(self, mode: ToolMode | None = None) -> None:
         super().__init__(mode)
@@ -375,13 +383,13 @@ class _WholeReplyParser(_AutoParser):
             self._buffer += delta
             return "", []
         self._buffer += delta
-        if self.MARKER is not None:
-            at = self._buffer.find(self.MARKER)
-            if at >= 0:  # content up to the marker, the calls from it
+        if self.MARKERS:
+            found = [at for marker in self.MARKERS if (at := self._buffer.find(marker)) >= 0]
+            if found:  # content up to the first marker, the calls from it
                 self._mode = "calls"
-                content, self._buffer = self._buffer[:at], self._buffer[at:]
+                content, self._buffer = self._buffer[:min(found)], self._buffer[min(found):]
                 return content, []
-            keep = _partial_suffix(self._buffer, self.MARKER)
+            keep = max(_partial_suffix(self._buffer, marker) for marker in self.MARKERS)
             content, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
             return content, []
         if self._mode == "content":
@@ -432,6 +440,11 @@ class PythonicParser(_WholeReplyParser):
         return head.startswith("[")
 
     def calls(self, text: str) -> list[ToolCall]:
+        return self.read_list(text)
+
+    @staticmethod
+    def read_list(text: str) -> list[ToolCall]:
+        """``[name(key=literal, ...), ...]`` as calls; [] if it is not one."""
         try:
             tree = ast.parse(text.strip(), mode="eval")
         except SyntaxError:
@@ -464,6 +477,7 @@ class MistralParser(_WholeReplyParser):
 
     name = "mistral"
     MARKER = "[TOOL_CALLS]"
+    MARKERS = (MARKER,)
     ARGS = "[ARGS]"
 
     def calls(self, text: str) -> list[ToolCall]:
@@ -495,6 +509,58 @@ class MistralParser(_WholeReplyParser):
         if not name or not isinstance(value, dict):
             return None
         return ToolCall(name, json.dumps(value, ensure_ascii=False))
+
+
+def _leading_array(text: str) -> list[ToolCall]:
+    """A JSON array of ``{"name", "arguments"}`` objects and nothing but
+    whitespace after it; [] otherwise."""
+    text = text.strip()
+    try:
+        value, end = json.JSONDecoder().raw_decode(text)
+    except ValueError:
+        return []
+    if text[end:].strip() or not isinstance(value, list) or not value:
+        return []
+    calls = [_call_from_object(v, "arguments") for v in value]
+    return [] if any(c is None for c in calls) else calls
+
+
+class GraniteParser(_WholeReplyParser):
+    """Content, then ``<|tool_call|>`` or ``<tool_call>`` and a JSON array of
+    calls, which ends the reply."""
+
+    name = "granite"
+    MARKERS = ("<|tool_call|>", "<tool_call>")
+
+    def calls(self, text: str) -> list[ToolCall]:
+        marker = next(m for m in self.MARKERS if text.startswith(m))
+        return _leading_array(text[len(marker):])
+
+
+class Phi4MiniJsonParser(_WholeReplyParser):
+    """Content, then ``functools`` and a JSON array of calls, which ends the reply."""
+
+    name = "phi4_mini_json"
+    MARKERS = ("functools",)
+
+    def calls(self, text: str) -> list[ToolCall]:
+        return _leading_array(text[len(self.MARKERS[0]):])
+
+
+class Olmo3Parser(_WholeReplyParser):
+    """Content, then ``<function_calls>``, a pythonic call a line, and
+    ``</function_calls>`` (or the reply's end) with nothing after it."""
+
+    name = "olmo3"
+    MARKERS = ("<function_calls>",)
+    CLOSE = "</function_calls>"
+
+    def calls(self, text: str) -> list[ToolCall]:
+        body, _, rest = text[len(self.MARKERS[0]):].partition(self.CLOSE)
+        lines = [line.strip() for line in body.splitlines() if line.strip()]
+        if rest.strip() or not lines:
+            return []
+        return PythonicParser.read_list(f"[{', '.join(lines)}]")
 
 
 class Qwen3CoderParser(HermesParser):
@@ -547,5 +613,6 @@ def _typed(text: str, kind: Any) -> Any:
 
 _PARSERS: dict[str, type[_AutoParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
                                           "pythonic": PythonicParser, "mistral": MistralParser,
-                                          "qwen3_coder": Qwen3CoderParser}
+                                          "qwen3_coder": Qwen3CoderParser, "granite": GraniteParser,
+                                          "phi4_mini_json": Phi4MiniJsonParser, "olmo3": Olmo3Parser}
 assert tuple(_PARSERS) == TOOL_CALL_PARSERS

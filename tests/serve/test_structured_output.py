@@ -527,6 +527,14 @@ MISTRAL_V11_REPLY = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Kyiv", "days": 
 QWEN3_CODER_REPLY = ('I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Jose\n</parameter>\n'
                      '<parameter=days>\n5\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n'
                      '<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>')
+GRANITE_REPLY = 'I will check.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Turin", "days": 6}}, ' \
+                '{"name": "get_time", "arguments": {"zone": "CET"}}]'
+GRANITE_31_REPLY = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Turin", "days": 6}}, ' \
+                   '{"name": "get_time", "arguments": {"zone": "CET"}}]\n'
+PHI4_REPLY = 'Checking.functools[{"name": "get_weather", "arguments": {"city": "Quito", "days": 7}}, ' \
+             '{"name": "get_time", "arguments": {"zone": "ECT"}}]'
+OLMO3_REPLY = ('One moment.\n<function_calls>\nget_weather(city="Bern", days=8)\nget_time(zone="CET")\n'
+               '</function_calls>')
 EXPECTED_CALLS = {
     "hermes": [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "UTC"})],
     "llama3_json": [("get_weather", {"city": "Lima", "days": 1}), ("get_time", {"zone": "CET"})],
@@ -534,8 +542,12 @@ EXPECTED_CALLS = {
                  ("get_time", {"zone": "EST", "extra": {"dst": True, "offsets": [1, 2]}})],
     "mistral": [("get_weather", {"city": "Kyiv", "days": 4}), ("get_time", {"zone": "EET"})],
     "qwen3_coder": [("get_weather", {"city": "San Jose", "days": 5}), ("get_time", {"zone": "UTC"})],
+    "granite": [("get_weather", {"city": "Turin", "days": 6}), ("get_time", {"zone": "CET"})],
+    "phi4_mini_json": [("get_weather", {"city": "Quito", "days": 7}), ("get_time", {"zone": "ECT"})],
+    "olmo3": [("get_weather", {"city": "Bern", "days": 8}), ("get_time", {"zone": "CET"})],
 }
-EXPECTED_CONTENT = {"hermes": "Let me check.\n\n", "mistral": "Sure.", "qwen3_coder": "I will look.\n\n"}
+EXPECTED_CONTENT = {"hermes": "Let me check.\n\n", "mistral": "Sure.", "qwen3_coder": "I will look.\n\n",
+                    "granite": "I will check.", "phi4_mini_json": "Checking.", "olmo3": "One moment.\n"}
 
 
 def _streamed(mode, text: str, step: int):
@@ -556,8 +568,11 @@ def _streamed(mode, text: str, step: int):
 
 @pytest.mark.parametrize("parser, reply", [("hermes", HERMES_REPLY), ("llama3_json", LLAMA_REPLY),
                                            ("pythonic", PYTHONIC_REPLY), ("mistral", MISTRAL_REPLY),
-                                           ("mistral", MISTRAL_V11_REPLY), ("qwen3_coder", QWEN3_CODER_REPLY)],
-                         ids=["hermes", "llama3_json", "pythonic", "mistral", "mistral-v11", "qwen3_coder"])
+                                           ("mistral", MISTRAL_V11_REPLY), ("qwen3_coder", QWEN3_CODER_REPLY),
+                                           ("granite", GRANITE_REPLY), ("granite", GRANITE_31_REPLY),
+                                           ("phi4_mini_json", PHI4_REPLY), ("olmo3", OLMO3_REPLY)],
+                         ids=["hermes", "llama3_json", "pythonic", "mistral", "mistral-v11", "qwen3_coder", "granite",
+                              "granite-3.1", "phi4_mini_json", "olmo3"])
 def test_parser_finds_the_calls_whole_and_streamed(parser, reply):
     from fluidserve.serve.tool_parsers import ToolMode, parameter_types, parse_reply
 
@@ -566,7 +581,7 @@ def test_parser_finds_the_calls_whole_and_streamed(parser, reply):
     content, calls = parse_reply(mode, reply)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED_CALLS[parser]
     assert len({c.id for c in calls}) == 2
-    expected_content = EXPECTED_CONTENT.get(parser)
+    expected_content = EXPECTED_CONTENT.get(parser) if reply != GRANITE_31_REPLY else None
     assert content == expected_content
     if parser == "mistral":  # the ids its templates accept when the history comes back
         assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
@@ -590,6 +605,12 @@ def test_parser_finds_the_calls_whole_and_streamed(parser, reply):
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": '),  # cut short
     ("qwen3_coder", "<tool_call>no function here</tool_call>"),
     ("qwen3_coder", "a <tool_ call> lookalike"),
+    ("granite", "<tool_call>[1, 2]"),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Turin"}}] and more text'),
+    ("phi4_mini_json", "Python's functools module caches results."),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": '),  # cut short
+    ("olmo3", "<function_calls>\nget_weather(city=open('x'))\n</function_calls>"),  # not a literal
+    ("olmo3", '<function_calls>\nget_weather(city="Bern")\n</function_calls> then prose'),
 ])
 def test_parser_leaves_text_that_is_no_call_as_content(parser, reply):
     from fluidserve.serve.tool_parsers import ToolMode, parse_reply
@@ -650,16 +671,17 @@ def test_qwen3_coder_values_are_read_as_their_schema_types():
                                           "ids": [3, 4], "maybe": None, "extra": {"k": 1}, "text": "two\nlines"}
 
 
-def test_the_mistral_parser_keeps_the_special_tokens_it_reads(tiny_model):
-    """Mistral's [TOOL_CALLS] is a special token: a reply it reads is
-    detokenized with special tokens kept, whatever the request asked."""
+def test_the_mistral_and_granite_parsers_keep_the_special_tokens_they_read(tiny_model):
+    """Mistral's [TOOL_CALLS] and Granite 3.0's <|tool_call|> are special
+    tokens: a reply they read is detokenized with special tokens kept,
+    whatever the request asked."""
     from fluidserve.engine.loader import load_tokenizer
     from fluidserve.serve.inputs import InputProcessor, ModelInfo
     from fluidserve.serve.protocol import ChatCompletionRequest
 
     tok = load_tokenizer(tiny_model("llama"))
     body = {"messages": MSGS, "tools": [WEATHER], "tool_choice": "auto"}
-    for parser, kept in (("mistral", True), ("hermes", False)):
+    for parser, kept in (("mistral", True), ("granite", True), ("hermes", False), ("olmo3", False)):
         proc = InputProcessor(tok, ModelInfo("m", 256, 261), parser)
         params = proc.chat(ChatCompletionRequest.model_validate(body)).params
         assert params.skip_special_tokens is not kept
