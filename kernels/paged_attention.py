@@ -589,8 +589,8 @@ def _paged_attention_kernel(
     MERGE_ROWS: tl.constexpr,  # (token, head) rows _merge_pieces merges at a time
     MERGE_SPLITS: tl.constexpr,  # and pieces of each it reads at a time
     MERGE_LSE_SPLITS: tl.constexpr,  # pieces of each whose lse it reads at a time
+    SOFTCAP: tl.constexpr,  # scores soft-capped (Gemma 2's attn_logit_softcapping)
     LAUNCH_DEPENDENTS: tl.constexpr = False,  # Tiles.launch_dependents (sm_90)
-    SOFTCAP: tl.constexpr = False,  # scores soft-capped (Gemma 2's attn_logit_softcapping)
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -671,7 +671,6 @@ def _merge_kernel(
     SPLIT_CHUNK: tl.constexpr,
     LSE_CHUNK: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr = False,  # Tiles.launch_dependents (sm_90)
-    SOFTCAP: tl.constexpr = False,  # scores soft-capped (Gemma 2's attn_logit_softcapping)
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -973,6 +972,7 @@ def _constexprs(
         MERGE_LSE_SPLITS=MERGE_LSE_SPLITS,
         # The interpreter has no grid dependency control.
         LAUNCH_DEPENDENTS=TILES.launch_dependents and not INTERPRETED,
+        SOFTCAP=False,  # set by _prepare for a capped model's launch
     )
 
 
@@ -1133,7 +1133,7 @@ def _prepare(
         out_strides = torch.empty_like(query).stride()  # as every layer's output of this layout is laid out
         part_out, part_lse = _partials(plan, num_q_heads, head_dim, query.device)
         constexprs = _plan_constexprs(query, key_cache, plan)
-        if softcap:  # uncapped attention keeps the variants it always compiled
+        if softcap:
             constexprs["SOFTCAP"] = True
         # Without the fused merge the counters are never touched: any int32 tensor keeps the signature.
         merge_counts = (_merge_counts(plan, key_cache.shape[2], query.device) if constexprs["FUSED_MERGE"]
@@ -1193,8 +1193,7 @@ def _decode_launch(launch: _Launch, plan: WorkPlan) -> _Launch:
     if variant is None:
         # The decode part's own plan (no prefill tiles) gives what a decode-only step launches.
         constexprs = _plan_constexprs(launch.args["q_ptr"], launch.args["k_cache_ptr"], part)
-        if launch.constexprs.get("SOFTCAP"):
-            constexprs["SOFTCAP"] = True
+        constexprs["SOFTCAP"] = launch.constexprs["SOFTCAP"]
         options = _launch_options(constexprs)
         variant = part.scratch[cached] = (
             constexprs, options, _occupancy_key(constexprs, options, launch.out.dtype, launch.out.device))
