@@ -46,6 +46,7 @@ from fluidserve.serve.protocol import (
 )
 from fluidserve.serve.lora import lora_routes
 from fluidserve.serve.classify import classify, classify_routes
+from fluidserve.serve.pooling import pooling_routes
 from fluidserve.serve.embeddings import embeddings, embeddings_routes
 from fluidserve.serve.scores import scoring_routes
 from fluidserve.serve.messages import messages_routes
@@ -162,7 +163,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
         routes = {**responses_routes(server), **messages_routes(server)}
     else:  # a classifier classifies where an embedding model embeds
         pooled = classify_routes(server) if model.labels else embeddings_routes(server)
-        routes = {**pooled, **scoring_routes(server)}
+        routes = {**pooled, **pooling_routes(server), **scoring_routes(server)}
     if settings.runtime_lora_updating:
         routes |= lora_routes(server)
     for route, handler in routes.items():

@@ -68,6 +68,23 @@ def test_classify_gives_transformers_probabilities(classifier):
     assert (torch.tensor(chat) - torch.softmax(hf_logits(path, rendered), -1)).abs().max() < TOL
 
 
+def test_the_pooling_route_gives_the_label_probabilities(classifier):
+    """vLLM's ``/pooling`` on a classifier: each input's probabilities as
+    ``/classify`` gives them (the logits with ``use_activation: false``);
+    ``task: "embed"`` and ``dimensions`` are 400s naming the field."""
+    srv, _ = classifier
+    texts = ["The quick brown fox jumps over the lazy dog, then naps.", "Hello!"]
+    for extra in ({}, {"use_activation": False}):
+        want = [d["probs"] for d in post(srv, "/classify", {"input": texts, **extra}).json()["data"]]
+        for task in ({}, {"task": "classify"}):
+            r = post(srv, "/pooling", {"input": texts, **extra, **task})
+            assert r.status_code == 200, r.text
+            assert [d["data"] for d in r.json()["data"]] == want
+    for body, param in (({"input": "hi", "task": "embed"}, "task"), ({"input": "hi", "dimensions": 2}, "dimensions")):
+        r = post(srv, "/pooling", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_a_classifier_serves_classify_not_embeddings(classifier):
     srv, _ = classifier
     for route in ("/v1/embeddings", "/v1/completions", "/v1/chat/completions"):

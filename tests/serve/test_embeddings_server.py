@@ -170,6 +170,31 @@ def test_mistakes_are_4xx_naming_the_field(server, body, status, param):
     assert post(server, {"input": "still serving"}).status_code == 200
 
 
+def test_the_pooling_route_gives_the_embeddings(server, reference):
+    """vLLM's ``/pooling`` on an embedding model: each input's vector as
+    ``/v1/embeddings`` gives it (as floats, or base64 byte for byte), under
+    ``task: "embed"`` or none; a task the model does not pool is a 400
+    naming ``task``, and the server serves on."""
+    def pool(body: dict) -> httpx.Response:
+        return httpx.post(f"{server.base_url}/pooling", json=body, timeout=60)
+
+    for body in ({"input": TEXTS}, {"input": TEXTS, "task": "embed"}):
+        r = pool(body)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["id"].startswith("pool-") and got["object"] == "list" and got["model"] == server.engine.model_name
+        assert [(d["index"], d["object"]) for d in got["data"]] == [(0, "pooling"), (1, "pooling")]
+        for d, text in zip(got["data"], TEXTS):
+            assert np.abs(np.array(d["data"]) - reference(ids_of(server, text))).max() < TOL
+        assert got["usage"]["prompt_tokens"] == sum(len(ids_of(server, t)) for t in TEXTS)
+    packed = {"input": "Hello!", "encoding_format": "base64", "embed_dtype": "float16"}
+    assert pool(packed).json()["data"][0]["data"] == post(server, packed).json()["data"][0]["embedding"]
+    for task in ("classify", "token_embed", "bogus"):
+        r = pool({"input": "hi", "task": task})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "task", r.text
+    assert pool({"input": "still serving"}).status_code == 200
+
+
 def test_an_embedding_server_has_no_generation_routes(server):
     base = server.base_url
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
@@ -185,7 +210,8 @@ def test_an_embedding_server_has_no_generation_routes(server):
 def test_a_generation_server_has_no_embeddings_route(model_dir):
     srv = start_server(model_dir)
     try:
-        assert httpx.post(f"{srv.base_url}/v1/embeddings", json={"input": "hi"}).status_code == 404
+        for route in ("/v1/embeddings", "/pooling"):
+            assert httpx.post(f"{srv.base_url}{route}", json={"input": "hi"}).status_code == 404, route
     finally:
         srv.stop()
 
