@@ -282,20 +282,34 @@ def checkpoint_name(model: nn.Module, name: str) -> str:
     return name
 
 
+def row_order(model: nn.Module, name: str) -> torch.Tensor | None:
+    """The order the model takes a checkpoint tensor's rows in
+    (``model.checkpoint_row_orders``, keyed by a part of our names: GLM-4's
+    q_proj and k_proj, their interleaved rope pairs made halves), or None."""
+    orders = getattr(model, "checkpoint_row_orders", {})
+    return next((order for key, order in orders.items() if key in name), None)
+
+
+def _reordered(model: nn.Module, name: str, source):
+    order = row_order(model, name)
+    return (name, source) if order is None else (name, _read(source, None).index_select(0, order))
+
+
 def _split_fused(model: nn.Module, tensors):
     """(name, source) of each checkpoint tensor under our names, a tensor
     the checkpoint keeps fused (Phi-3's ``qkv_proj``, ``model.checkpoint_splits``)
-    cut into its parts' rows, each then sharded as its part is."""
+    cut into its parts' rows, each then sharded as its part is; rows the
+    model takes in another order (``row_order``) reordered first."""
     splits = getattr(model, "checkpoint_splits", {})
     for name, source in tensors:
         name = checkpoint_name(model, name)
         fused = next((key for key in splits if key in name), None)
         if fused is None:
-            yield name, source
+            yield _reordered(model, name, source)
             continue
         whole, start = _read(source, None), 0
         for part, rows in splits[fused]:
-            yield name.replace(fused, part), whole.narrow(0, start, rows)
+            yield _reordered(model, name.replace(fused, part), whole.narrow(0, start, rows))
             start += rows
         if start != whole.shape[0]:
             raise ValueError(f"weight {name}: {whole.shape[0]} rows, not the {start} of its parts")

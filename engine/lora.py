@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fluidserve.engine.loader import checkpoint_name
+from fluidserve.engine.loader import checkpoint_name, row_order
 
 CONFIG_FILE = "adapter_config.json"
 # PEFT's config keys whose non-default values change what an adapter
@@ -167,6 +167,32 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
     raise AdapterError(f"lora_path: no adapter_model.safetensors or adapter_model.bin in {str(path)!r}")
 
 
+def _as_our_modules(model: nn.Module, pairs: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """The adapter's (A, B) pairs on our linears: a module the checkpoint
+    keeps fused (Phi-3's ``qkv_proj``, GLM-4's ``gate_up_proj``:
+    ``model.checkpoint_splits``) becomes one pair per part, each with the
+    whole A and its part's rows of B (the same product, part by part); B's
+    rows then in the order the model takes the module's rows
+    (``loader.row_order``: GLM-4's q_proj and k_proj)."""
+    splits = getattr(model, "checkpoint_splits", {})
+    ours: dict[str, dict[str, torch.Tensor]] = {}
+    for module, pair in pairs.items():
+        fused = next((key for key in splits if key in f"{module}."), None)
+        if fused is None or set(pair) != {"lora_A", "lora_B"}:
+            ours[module] = pair
+            continue
+        start = 0
+        for part, rows in splits[fused]:
+            ours[f"{module}.".replace(fused, part)[:-1]] = {"lora_A": pair["lora_A"],
+                                                           "lora_B": pair["lora_B"][start:start + rows]}
+            start += rows
+    for module, pair in ours.items():
+        order = row_order(model, f"{module}.")
+        if order is not None and "lora_B" in pair and pair["lora_B"].shape[0] == order.numel():
+            pair["lora_B"] = pair["lora_B"].index_select(0, order)
+    return ours
+
+
 def read_adapter(path: str | Path, model: nn.Module, max_rank: int) -> Adapter:
     """The adapter in folder ``path``, checked against ``model`` (any rank's
     copy, or the model built on the meta device): every tensor must name a
@@ -194,6 +220,7 @@ def read_adapter(path: str | Path, model: nn.Module, max_rank: int) -> Adapter:
         pairs.setdefault(module, {})[which] = tensor
     if not pairs:
         raise AdapterError(f"lora_path: the adapter in {str(path)!r} holds no LoRA weights")
+    pairs = _as_our_modules(model, pairs)
     adapter = Adapter(str(path), 0)
     for module, pair in sorted(pairs.items()):
         site = sites.get(module)

@@ -26,7 +26,7 @@ CHAT_TEMPLATE = (
 )
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3", "granite",
-         "olmo2", "olmo3", "smollm3", "gemma2")
+         "olmo2", "olmo3", "smollm3", "gemma2", "glm4")
 
 # A thinking model's markers, added after the specials (ids 261 and 262) in
 # ``build_tiny_thinking_model``, and its Qwen3-style template: the reply
@@ -124,6 +124,7 @@ def tiny_config(arch: str = "llama", **overrides):
         "olmo3": transformers.Olmo3Config,
         "smollm3": transformers.SmolLM3Config,
         "gemma2": transformers.Gemma2Config,
+        "glm4": transformers.Glm4Config,
     }[arch]
     return cls(**kw)
 

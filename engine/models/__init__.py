@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from .gemma3 import Gemma3ForCausalLM
+from .glm4 import Glm4ForCausalLM
 from .llama import LlamaForCausalLM
 from .olmo2 import Olmo2ForCausalLM
 from .opt import OPTForCausalLM
@@ -21,6 +22,7 @@ MODEL_REGISTRY = {
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo2ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
@@ -48,7 +50,7 @@ def model_class(config):
                "smollm3": LlamaForCausalLM,
                "mixtral": LlamaForCausalLM, "qwen2_moe": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM,
                "gemma2": Gemma3ForCausalLM, "gemma3_text": Gemma3ForCausalLM, "olmo2": Olmo2ForCausalLM,
-               "olmo3": Olmo2ForCausalLM,
+               "olmo3": Olmo2ForCausalLM, "glm4": Glm4ForCausalLM,
                "opt": OPTForCausalLM}
     if config.model_type in by_type:
         return by_type[config.model_type]

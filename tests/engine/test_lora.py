@@ -56,8 +56,9 @@ def run_mixed(llm, names, prompts=PROMPTS) -> dict:
     return got
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt", "gemma3", "qwen3_moe", "olmo2", "gemma2"],
-                         ids=["llama-gqa", "qwen2-bias", "opt", "gemma3", "qwen3-moe-attention", "olmo2", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt", "gemma3", "qwen3_moe", "olmo2", "gemma2", "glm4", "phi3"],
+                         ids=["llama-gqa", "qwen2-bias", "opt", "gemma3", "qwen3-moe-attention", "olmo2", "gemma2",
+                              "glm4-fused-gate-up-interleaved-rope", "phi3-fused-qkv-gate-up"])
 def test_each_row_generates_with_its_own_adapter_as_peft_does(adapters, make_llm, arch):
     path, made = adapters(arch)
     refs = {None: peft_greedy(path, None, PROMPTS, TOKENS), **{n: peft_greedy(path, a, PROMPTS, TOKENS)

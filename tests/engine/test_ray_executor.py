@@ -75,7 +75,8 @@ def _generate(model_dir: str, **kwargs) -> list[list[int]]:
     # q/k norms over the whole projection: their mean squares summed across
     # ranks, the one KV head counted once a rank.
     ("olmo3", {"num_key_value_heads": 1}),
-], ids=["llama-gqa", "opt", "qwen2-kv1", "qwen2-moe", "gemma3", "olmo3-kv1"])
+    ("glm4", {}),  # q/k rows reordered within heads before each rank takes its share
+], ids=["llama-gqa", "opt", "qwen2-kv1", "qwen2-moe", "gemma3", "olmo3-kv1", "glm4"])
 @pytest.mark.slow
 def test_tp2_greedy_tokens_identical_to_local(ray_cluster, tiny_model, arch, overrides):
     path = tiny_model(arch, **overrides)
