@@ -1,7 +1,7 @@
 """Model families beyond the Llama family's dense models, served side by
 side with vLLM: the same checkpoint (random weights of a Qwen3-MoE, Mixtral,
-Gemma 3, Phi-3, Granite 3, Phi-4-mini or OLMo 3 shape, written here with the
-byte tokenizer), the same requests.
+Gemma 3, Phi-3, Granite 3, Phi-4-mini, OLMo 3, Gemma 2 or SmolLM3 shape,
+written here with the byte tokenizer), the same requests.
 
     python benchmarks/models_vs_vllm.py --vllm-python /work/vllm-venv/bin/python --arch qwen3_moe --tag=-qwen3-moe
 
@@ -42,7 +42,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # Phi-3.5-mini's LongRoPE with a pretraining length of 32, so that replies
 # and loads cross it; Granite 3's multipliers. Phi-4-mini's partial rope (3/4
 # of each head), grouped KV heads and tied head. OLMo 3's layout: three
-# sliding layers to a full one, q/k normed over the whole projection.
+# sliding layers to a full one, q/k normed over the whole projection. Gemma
+# 2 2B's: sliding and full layers in turn, head 256, its two soft caps.
+# SmolLM3's: no rope on every fourth layer.
 SHAPES = {
     "qwen3_moe": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                       head_dim=64, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=192,
@@ -69,6 +71,13 @@ SHAPES = {
     "olmo3": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=8, head_dim=64, max_position_embeddings=4096, sliding_window=512,
                   layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    "gemma2": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+                   layer_types=["sliding_attention", "full_attention"] * 3, max_position_embeddings=4096,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "smollm3": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, no_rope_layer_interval=4,
+                    tie_word_embeddings=True),
 }
 # A shape's model family where the key is not one.
 FAMILY = {"phi4_mini": "phi3"}
