@@ -26,7 +26,7 @@ CHAT_TEMPLATE = (
 )
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3", "granite",
-         "olmo2", "olmo3", "smollm3", "gemma2", "glm4")
+         "olmo2", "olmo3", "smollm3", "gemma2", "glm4", "glm4_moe")
 
 # A thinking model's markers, added after the specials (ids 261 and 262) in
 # ``build_tiny_thinking_model``, and its Qwen3-style template: the reply
@@ -98,6 +98,10 @@ def tiny_config(arch: str = "llama", **overrides):
                   norm_topk_prob=arch == "qwen3_moe")
         if arch == "qwen2_moe":
             kw.update(shared_expert_intermediate_size=48)
+    elif arch == "glm4_moe":  # a dense layer, then 8 experts in 4 groups of which 2 are kept, one shared
+        kw.update(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                  first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                  attention_bias=True)
     elif arch == "granite":  # Granite 3's multipliers, in their proportions
         kw.update(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1 / 16, logits_scaling=8.0)
     elif arch in ("gemma2", "gemma3"):  # one full-attention layer after a sliding one, a short window
@@ -125,6 +129,7 @@ def tiny_config(arch: str = "llama", **overrides):
         "smollm3": transformers.SmolLM3Config,
         "gemma2": transformers.Gemma2Config,
         "glm4": transformers.Glm4Config,
+        "glm4_moe": transformers.Glm4MoeConfig,
     }[arch]
     return cls(**kw)
 
@@ -166,6 +171,9 @@ def build_tiny_classifier(path: str | Path, arch: str = "llama", labels: tuple[s
 
 def _save(model, path: Path, arch: str, seed: int) -> None:
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's routing bias: zeros would test nothing
+                b.normal_(0.0, 0.1)
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)

@@ -192,10 +192,13 @@ class ModelShape:
             # with the same parameter count.
             inter = (2 * cfg["ffn_dim"]) // 3
         layers = cfg["num_hidden_layers"]
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
         step = int(cfg.get("decoder_sparse_step") or 1)
-        dense = set(cfg.get("mlp_only_layers") or ())
+        # Dense by name (Qwen's mlp_only_layers) or as the first ones (GLM-4.5's first_k_dense_replace).
+        dense = set(cfg.get("mlp_only_layers") or ()) | set(range(int(cfg.get("first_k_dense_replace") or 0)))
         moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0) if experts else 0
+        expert_inter = int(cfg.get("moe_intermediate_size") or inter) if experts else 0
+        shared = int(cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * expert_inter)
         return cls(
             num_layers=layers,
             hidden_size=cfg["hidden_size"],
@@ -208,8 +211,8 @@ class ModelShape:
             name=cfg.get("_name_or_path") or cfg.get("model_type", "model"),
             num_experts=experts,
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
-            expert_intermediate_size=int(cfg.get("moe_intermediate_size") or inter) if experts else 0,
-            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if experts else 0,
+            expert_intermediate_size=expert_inter,
+            shared_expert_intermediate_size=shared if experts else 0,
             moe_layers=moe_layers,
             ffn_dim=0 if "intermediate_size" in cfg else int(cfg["ffn_dim"]),
         )

@@ -20,6 +20,7 @@ MODEL_REGISTRY = {
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Glm4MoeForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
@@ -49,6 +50,7 @@ def model_class(config):
                "qwen3": LlamaForCausalLM, "phi3": LlamaForCausalLM, "granite": LlamaForCausalLM,
                "smollm3": LlamaForCausalLM,
                "mixtral": LlamaForCausalLM, "qwen2_moe": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM,
+               "glm4_moe": LlamaForCausalLM,
                "gemma2": Gemma3ForCausalLM, "gemma3_text": Gemma3ForCausalLM, "olmo2": Olmo2ForCausalLM,
                "olmo3": Olmo2ForCausalLM, "glm4": Glm4ForCausalLM,
                "opt": OPTForCausalLM}

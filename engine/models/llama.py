@@ -1,10 +1,11 @@
 """The Llama family over the flat token batch: Llama 2/3, Mistral, Qwen2 (bias
 on q/k/v), Qwen3 (RMSNorm on q and k per head), Phi-3 and Phi-4-mini (q/k/v
-and gate/up fused in their checkpoints; LongRoPE; a partial rope) and
-Granite (multipliers on the embedding, the attention scores, each residual
-branch and the logits), SmolLM3 (every fourth layer without rope), and their mixture-of-experts kin, Mixtral,
-Qwen2-MoE and Qwen3-MoE, whose decoder layers route each token to a few
-experts in place of the MLP (engine/models/moe.py). Parameter names
+and gate/up fused in their checkpoints; LongRoPE; a partial rope), Granite
+(multipliers on the embedding, the attention scores, each residual branch
+and the logits) and SmolLM3 (every fourth layer without rope), and their
+mixture-of-experts kin, Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5 (a
+partial rope, biases on q/k/v), whose decoder layers route each token to a
+few experts in place of the MLP (engine/models/moe.py). Parameter names
 mirror the Hugging Face checkpoints so weights load by name.
 
 Under tensor parallelism (engine/parallel.py) each rank holds its share of
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from ...kernels import ops
-from .moe import SparseMoeBlock, is_moe_layer
+from .moe import SparseMoeBlock, is_moe_layer, shared_expert_size
 from ..layers import AttentionMetadata, KVCache, PagedAttention, QKNorm, RMSNorm, Rope, RotaryEmbedding, StepLaunches
 from ..preemption import LayerLoop
 from ..parallel import (
@@ -64,8 +65,9 @@ class LlamaAttention(nn.Module):
         kv_shards, kv_index = _kv_sharding(total_kv_heads, tp)
         self.num_kv_heads = total_kv_heads // kv_shards
         qwen2 = config.model_type in ("qwen2", "qwen2_moe")
+        glm = config.model_type == "glm4_moe"  # biases on q/k/v, none on o
         qkv_bias = (qwen2 and bool(getattr(config, "qkv_bias", True))) or bool(getattr(config, "attention_bias", False))
-        o_bias = bool(getattr(config, "attention_bias", False)) and not qwen2
+        o_bias = bool(getattr(config, "attention_bias", False)) and not qwen2 and not glm
         # q, k and v in one product; the checkpoint's q_proj/k_proj/v_proj load into its rows.
         self.qkv_proj = MergedColumnParallelLinear(hidden, [
             Part("q_proj", total_heads * self.head_dim),
@@ -73,7 +75,7 @@ class LlamaAttention(nn.Module):
             Part("v_proj", total_kv_heads * self.head_dim, kv_shards, kv_index),
         ], qkv_bias, tp)
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, o_bias, tp)
-        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe") or (glm and bool(config.use_qk_norm))
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -300,7 +302,7 @@ class LlamaDecoderLayer(nn.Module):
         # A NoPE layer (SmolLM3) has no rope launch for the paths' shared attention launches to make.
         self.modules_only = self.moe or self.residual_multiplier != 1.0 or not self.self_attn.use_rope
         if self.moe:
-            shared = getattr(config, "shared_expert_intermediate_size", None)
+            shared = shared_expert_size(config)
             self.mlp = SparseMoeBlock(config, tp, LlamaMLP(config, tp, shared) if shared else None)
         else:
             self.mlp = LlamaMLP(config, tp)
@@ -574,6 +576,8 @@ class LlamaForCausalLM(DecoderForCausalLM):
         self.logits_scaling = float(config.logits_scaling) if config.model_type == "granite" else 1.0
         if config.model_type == "mixtral":  # its checkpoints' names for the MoE block and the experts' linears
             self.checkpoint_renames = MIXTRAL_RENAMES
+        if config.model_type == "glm4_moe":  # its shared expert's name
+            self.checkpoint_renames = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
         if config.model_type == "phi3":  # its checkpoints keep q/k/v and gate/up fused, as our linears do
             attn = self.model.layers[0].self_attn
             q, kv = config.num_attention_heads * attn.head_dim, config.num_key_value_heads * attn.head_dim

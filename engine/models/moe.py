@@ -1,5 +1,7 @@
 """Sparse mixture-of-experts feed-forward blocks over the flat token batch:
-Qwen3-MoE, Qwen2-MoE (with its gated shared expert) and Mixtral.
+Qwen3-MoE, Qwen2-MoE (with its gated shared expert), Mixtral, and GLM-4.5
+(sigmoid scores with a learned correction bias picking the experts within
+the best groups, DeepSeek-V3's routing, and an ungated shared expert).
 
 A router scores every token against every expert; each token goes to its
 ``num_experts_per_tok`` best, and the block's output is their outputs
@@ -31,10 +33,23 @@ def num_experts(config) -> int:
 
 def is_moe_layer(config, layer: int) -> bool:
     """Whether decoder layer ``layer`` routes to experts: Qwen's MoE configs
-    may keep some layers dense (``mlp_only_layers``, ``decoder_sparse_step``)."""
+    may keep some layers dense (``mlp_only_layers``, ``decoder_sparse_step``),
+    GLM-4.5's its first ones (``first_k_dense_replace``)."""
     if not num_experts(config) or layer in (getattr(config, "mlp_only_layers", None) or ()):
         return False
+    if layer < (getattr(config, "first_k_dense_replace", None) or 0):
+        return False
     return (layer + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0
+
+
+def shared_expert_size(config) -> int | None:
+    """The intermediate features of the dense expert every token also
+    takes: Qwen2-MoE's ``shared_expert_intermediate_size``, GLM-4.5's
+    ``n_shared_experts`` experts' worth; None without one."""
+    if getattr(config, "shared_expert_intermediate_size", None):
+        return int(config.shared_expert_intermediate_size)
+    shared = getattr(config, "n_shared_experts", None)
+    return int(shared) * expert_intermediate_size(config) if shared else None
 
 
 def expert_intermediate_size(config) -> int:
@@ -72,18 +87,30 @@ class SparseMoeBlock(nn.Module):
         if not 0 < self.top_k <= count:
             raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, {count}] (the experts)")
         mixtral = config.model_type == "mixtral"
-        # Mixtral always renormalizes the chosen experts' probabilities and
-        # weighs their outputs in float32; Qwen renormalizes where the config
-        # says (norm_topk_prob) and rounds the weights to the model's dtype,
-        # as Hugging Face's implementations do (greedy tokens are compared).
+        # GLM-4.5 (DeepSeek-V3's routing): sigmoid scores in float32, the
+        # experts picked by score plus a learned bias within the best groups.
+        self.grouped = config.model_type == "glm4_moe"
+        # Mixtral always renormalizes the chosen experts' probabilities, the
+        # others where the config says (norm_topk_prob); Mixtral and GLM-4.5
+        # weigh the experts' outputs in float32, Qwen rounds the weights to
+        # the model's dtype, as Hugging Face's implementations do (greedy
+        # tokens are compared).
         self.renormalize = mixtral or bool(getattr(config, "norm_topk_prob", False))
-        self.float_weights = mixtral
+        self.float_weights = mixtral or self.grouped
         self.gate = ColumnParallelLinear(hidden, count, False, tp, num_shards=1, index=0)  # the router, replicated
+        if self.grouped:
+            self.groups, self.topk_group = int(config.n_group), int(config.topk_group)
+            if count % self.groups or not 0 < self.topk_group <= self.groups:
+                raise ValueError(f"n_group={self.groups}, topk_group={self.topk_group}: the {count} experts must "
+                                 "split into n_group groups, of which topk_group are kept")
+            self.scaling = float(getattr(config, "routed_scaling_factor", 1.0))
+            # Float32 as transformers keeps it: its values sit close together.
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(count, dtype=torch.float32))
         self.experts = Experts(count, hidden, expert_intermediate_size(config), tp)
-        # Qwen2-MoE: one dense expert every token takes, scaled by a sigmoid gate.
+        # One dense expert every token takes: Qwen2-MoE's scaled by a sigmoid gate, GLM-4.5's as it is.
         self.shared_expert = shared_expert
         self.shared_expert_gate = (ColumnParallelLinear(hidden, 1, False, tp, num_shards=1, index=0)
-                                   if shared_expert is not None else None)  # fmt: skip
+                                   if shared_expert is not None and not self.grouped else None)  # fmt: skip
 
     _packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
@@ -98,11 +125,32 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, hidden] -> each token's experts [T, k] and their weights [T, k]."""
+        if self.grouped:
+            return self._route_grouped(x)
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights /= weights.sum(dim=-1, keepdim=True)
         return ids, weights if self.float_weights else weights.to(x.dtype)
+
+    def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' Glm4MoeTopkRouter, in float32: each group scored by
+        its two best biased scores, the experts chosen by biased score within
+        the ``topk_group`` best groups, weighted by their unbiased scores
+        (renormalized where the config says, then scaled)."""
+        gate = self.gate
+        scores = torch.sigmoid(torch.nn.functional.linear(x.float(), gate.weight.float()))  # [T, E]
+        choice = scores + gate.e_score_correction_bias
+        if self.topk_group < self.groups:
+            t, count = choice.shape
+            best = choice.view(t, self.groups, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]
+            kept = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, dim=-1)[1], 1.0).bool()
+            choice = choice.masked_fill(~kept.repeat_interleave(count // self.groups, dim=1), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 path: ops.KernelPath | None = None) -> torch.Tensor:  # fmt: skip
@@ -114,6 +162,8 @@ class SparseMoeBlock(nn.Module):
             y = ops.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, path)
         if self.tp.size > 1:
             y = self.tp.all_reduce(y)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            y = y + self.shared_expert(x)
         return y if residual is None else y.add_(residual)

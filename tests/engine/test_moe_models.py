@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) against Hugging
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5) against Hugging
 Face transformers on tiny random checkpoints: exact greedy tokens, in whole
 and chunked prefills and mixed steps, dense layers among the sparse ones,
 the checkpoint's per-expert tensors loaded into the stacked weights, and a
@@ -25,8 +25,14 @@ MOE_CASES = [
     ("qwen3_moe", {}),  # 8 experts, renormalized; per-head q/k norms
     ("qwen3_moe", {"mlp_only_layers": [0]}),  # a dense layer before a sparse one
     ("qwen3_moe", {"num_experts_per_tok": 1, "num_experts": 3}),  # top-1 of an odd count
+    # A dense first layer, then sigmoid scores plus a correction bias choosing
+    # within the 2 best of 4 groups, scaled; an ungated shared expert; rope on
+    # half of each head, q/k/v biases.
+    ("glm4_moe", {}),
+    ("glm4_moe", {"use_qk_norm": True, "n_group": 1, "topk_group": 1, "norm_topk_prob": False}),
 ]
-MOE_IDS = ["mixtral", "qwen2-moe-shared", "qwen3-moe", "qwen3-moe-dense-layer", "qwen3-moe-top1"]
+MOE_IDS = ["mixtral", "qwen2-moe-shared", "qwen3-moe", "qwen3-moe-dense-layer", "qwen3-moe-top1", "glm4-moe-groups",
+           "glm4-moe-qk-norm-one-group"]
 
 
 @pytest.mark.parametrize("arch, overrides", MOE_CASES, ids=MOE_IDS)
@@ -36,7 +42,7 @@ def test_greedy_tokens_identical_to_transformers(tiny_model, make_llm, arch, ove
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "glm4_moe"])
 def test_chunked_prefill_and_mixed_steps_keep_the_tokens(tiny_model, make_llm, arch):
     """Five tokens a step: prompts prefill in chunks beside other rows'
     decodes, so a step's rows go to different experts per request."""

@@ -31,6 +31,22 @@ def test_dense_layers_and_a_sparse_step_count_as_the_config_says():
     assert ModelShape.from_hf_config(dict(QWEN3_30B_A3B, num_experts=0)).moe_layers == 0
 
 
+def test_glm45_counts_its_first_dense_layer_and_shared_expert():
+    """GLM-4.5's keys: ``n_routed_experts``, its first layer dense
+    (``first_k_dense_replace``) and one shared expert of an expert's size."""
+    cfg = dict(num_attention_heads=96, num_key_value_heads=8, head_dim=128, hidden_size=4096, intermediate_size=10944,
+               moe_intermediate_size=1408, n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8,
+               first_k_dense_replace=1, num_hidden_layers=46, vocab_size=151552)
+    shape = ModelShape.from_hf_config(cfg)
+    assert (shape.num_experts, shape.moe_layers, shape.shared_expert_intermediate_size) == (128, 45, 1408)
+    # A token's parameters: attention everywhere, the dense MLP once, then the
+    # router, the shared expert and 8 routed experts a layer.
+    routed = 3 * 4096 * 1408
+    per_moe_layer = 4096 * 128 + routed + 8 * routed
+    want = 46 * shape.attention_params + 3 * 4096 * 10944 + 45 * per_moe_layer
+    assert shape.num_layers * shape.active_layer_params == pytest.approx(want, abs=46)  # per-layer floor division
+
+
 def test_a_steps_weight_reads_grow_with_the_experts_its_tokens_reach():
     shape = ModelShape.from_hf_config(QWEN3_30B_A3B)
     one, many = shape.step_weight_bytes(1), shape.step_weight_bytes(4096)
