@@ -298,11 +298,25 @@ def _reordered(model: nn.Module, name: str, source):
 def _split_fused(model: nn.Module, tensors):
     """(name, source) of each checkpoint tensor under our names, a tensor
     the checkpoint keeps fused (Phi-3's ``qkv_proj``, ``model.checkpoint_splits``)
-    cut into its parts' rows, each then sharded as its part is; rows the
-    model takes in another order (``row_order``) reordered first."""
+    cut into its parts' rows, each then sharded as its part is; every
+    expert's tensors a checkpoint stacks in one (Granite MoE's
+    ``input_linear``, ``model.checkpoint_unstacks``) cut into each expert's
+    parts; rows the model takes in another order (``row_order``) reordered
+    first."""
     splits = getattr(model, "checkpoint_splits", {})
+    unstacks = getattr(model, "checkpoint_unstacks", {})
     for name, source in tensors:
         name = checkpoint_name(model, name)
+        stacked = next((key for key in unstacks if name.endswith(key)), None)
+        if stacked is not None:  # [E, rows, cols], every expert's parts: one tensor per expert's part
+            whole = _read(source, None)
+            for expert in range(whole.shape[0]):
+                start = 0
+                for part, rows in unstacks[stacked]:
+                    part_name = name.replace(stacked, f".mlp.experts.{expert}.{part}.weight")
+                    yield part_name, whole[expert, start:start + rows]
+                    start += rows
+            continue
         fused = next((key for key in splits if key in name), None)
         if fused is None:
             yield _reordered(model, name, source)

@@ -26,7 +26,7 @@ CHAT_TEMPLATE = (
 )
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3", "granite",
-         "olmo2", "olmo3", "smollm3", "gemma2", "glm4", "glm4_moe")
+         "olmo2", "olmo3", "smollm3", "gemma2", "glm4", "glm4_moe", "granitemoe", "granitemoeshared")
 
 # A thinking model's markers, added after the specials (ids 261 and 262) in
 # ``build_tiny_thinking_model``, and its Qwen3-style template: the reply
@@ -102,8 +102,12 @@ def tiny_config(arch: str = "llama", **overrides):
         kw.update(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                   first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
                   attention_bias=True)
-    elif arch == "granite":  # Granite 3's multipliers, in their proportions
+    elif arch in ("granite", "granitemoe", "granitemoeshared"):  # Granite 3's multipliers, in their proportions
         kw.update(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1 / 16, logits_scaling=8.0)
+        if arch != "granite":  # 8 experts of 32 features, two a token (and a shared expert of 48)
+            kw.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
+            if arch == "granitemoeshared":
+                kw.update(shared_intermediate_size=48)
     elif arch in ("gemma2", "gemma3"):  # one full-attention layer after a sliding one, a short window
         kw.update(layer_types=["sliding_attention", "full_attention"], sliding_window=16, query_pre_attn_scalar=16,
                   tie_word_embeddings=True)
@@ -130,6 +134,8 @@ def tiny_config(arch: str = "llama", **overrides):
         "gemma2": transformers.Gemma2Config,
         "glm4": transformers.Glm4Config,
         "glm4_moe": transformers.Glm4MoeConfig,
+        "granitemoe": transformers.GraniteMoeConfig,
+        "granitemoeshared": transformers.GraniteMoeSharedConfig,
     }[arch]
     return cls(**kw)
 

@@ -21,6 +21,8 @@ MODEL_REGISTRY = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Glm4MoeForCausalLM": LlamaForCausalLM,
+    "GraniteMoeForCausalLM": LlamaForCausalLM,
+    "GraniteMoeSharedForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
@@ -50,7 +52,7 @@ def model_class(config):
                "qwen3": LlamaForCausalLM, "phi3": LlamaForCausalLM, "granite": LlamaForCausalLM,
                "smollm3": LlamaForCausalLM,
                "mixtral": LlamaForCausalLM, "qwen2_moe": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM,
-               "glm4_moe": LlamaForCausalLM,
+               "glm4_moe": LlamaForCausalLM, "granitemoe": LlamaForCausalLM, "granitemoeshared": LlamaForCausalLM,
                "gemma2": Gemma3ForCausalLM, "gemma3_text": Gemma3ForCausalLM, "olmo2": Olmo2ForCausalLM,
                "olmo3": Olmo2ForCausalLM, "glm4": Glm4ForCausalLM,
                "opt": OPTForCausalLM}

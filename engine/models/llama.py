@@ -3,8 +3,8 @@ on q/k/v), Qwen3 (RMSNorm on q and k per head), Phi-3 and Phi-4-mini (q/k/v
 and gate/up fused in their checkpoints; LongRoPE; a partial rope), Granite
 (multipliers on the embedding, the attention scores, each residual branch
 and the logits) and SmolLM3 (every fourth layer without rope), and their
-mixture-of-experts kin, Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5 (a
-partial rope, biases on q/k/v), whose decoder layers route each token to a
+mixture-of-experts kin, Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 (a
+partial rope, biases on q/k/v) and Granite 3 MoE, whose decoder layers route each token to a
 few experts in place of the MLP (engine/models/moe.py). Parameter names
 mirror the Hugging Face checkpoints so weights load by name.
 
@@ -39,6 +39,10 @@ if TYPE_CHECKING:  # the Triton kernels are imported where a row or batch step f
     from ...kernels.activation import StepSiluAndMul
     from ...kernels.fused_norm import StepNorm
     from ...kernels.gemv import PreparedGemv
+
+
+# Granite 3 and its mixture-of-experts kin: the four multipliers.
+GRANITE = ("granite", "granitemoe", "granitemoeshared")
 
 
 def _sliding_window(config, layer: int) -> int | None:
@@ -79,7 +83,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        scale = config.attention_multiplier if config.model_type == "granite" else self.head_dim**-0.5
+        scale = config.attention_multiplier if config.model_type in GRANITE else self.head_dim**-0.5
         # SmolLM3 leaves every fourth layer unrotated (NoPE): ``no_rope_layers[i]`` is 1 where layer i rotates.
         self.use_rope = bool(config.no_rope_layers[layer]) if config.model_type == "smollm3" else True
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale,
@@ -298,7 +302,7 @@ class LlamaDecoderLayer(nn.Module):
         self.moe = is_moe_layer(config, layer)
         # Granite scales each branch before its residual add, which the fused
         # row and batch paths (adding in their GEMMs) have no place for.
-        self.residual_multiplier = float(config.residual_multiplier) if config.model_type == "granite" else 1.0
+        self.residual_multiplier = float(config.residual_multiplier) if config.model_type in GRANITE else 1.0
         # A NoPE layer (SmolLM3) has no rope launch for the paths' shared attention launches to make.
         self.modules_only = self.moe or self.residual_multiplier != 1.0 or not self.self_attn.use_rope
         if self.moe:
@@ -484,7 +488,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         attn = self.layers[0].self_attn
         self.rotary = RotaryEmbedding(config, attn.head_dim)
-        self.embedding_multiplier = float(config.embedding_multiplier) if config.model_type == "granite" else 1.0
+        self.embedding_multiplier = float(config.embedding_multiplier) if config.model_type in GRANITE else 1.0
         self.layer_loop = LayerLoop()  # safepoints of preemptible steps (engine/preemption.py)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -533,6 +537,9 @@ class LlamaModel(nn.Module):
         return self.norm(self.layers[-1].finish(attended, x, path), path)
 
 
+GRANITE_MOE_RENAMES = ((".block_sparse_moe.router.layer.", ".mlp.gate."),
+                       (".shared_mlp.input_linear.", ".mlp.shared_expert.gate_up_proj."),
+                       (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."))
 MIXTRAL_RENAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
                    (".w2.", ".down_proj."))
 
@@ -573,11 +580,22 @@ class LlamaForCausalLM(DecoderForCausalLM):
     def __init__(self, config, tp: TensorParallel | None = None) -> None:
         tp = tp or TensorParallel()
         super().__init__(config, LlamaModel(config, tp), tp)
-        self.logits_scaling = float(config.logits_scaling) if config.model_type == "granite" else 1.0
+        self.logits_scaling = float(config.logits_scaling) if config.model_type in GRANITE else 1.0
         if config.model_type == "mixtral":  # its checkpoints' names for the MoE block and the experts' linears
             self.checkpoint_renames = MIXTRAL_RENAMES
         if config.model_type == "glm4_moe":  # its shared expert's name
             self.checkpoint_renames = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
+        if config.model_type in ("granitemoe", "granitemoeshared"):
+            # Every expert's gate/up and down stacked in one tensor each, the
+            # shared expert's gate/up fused: cut into our per-expert names and parts.
+            inter, shared = config.intermediate_size, getattr(config, "shared_intermediate_size", 0)
+            self.checkpoint_renames = GRANITE_MOE_RENAMES
+            self.checkpoint_unstacks = {
+                ".block_sparse_moe.input_linear.weight": (("gate_proj", inter), ("up_proj", inter)),
+                ".block_sparse_moe.output_linear.weight": (("down_proj", config.hidden_size),),
+            }
+            self.checkpoint_splits = {".mlp.shared_expert.gate_up_proj.": ((".mlp.shared_expert.gate_proj.", shared),
+                                                                           (".mlp.shared_expert.up_proj.", shared))}
         if config.model_type == "phi3":  # its checkpoints keep q/k/v and gate/up fused, as our linears do
             attn = self.model.layers[0].self_attn
             q, kv = config.num_attention_heads * attn.head_dim, config.num_key_value_heads * attn.head_dim

@@ -1,7 +1,9 @@
 """Sparse mixture-of-experts feed-forward blocks over the flat token batch:
-Qwen3-MoE, Qwen2-MoE (with its gated shared expert), Mixtral, and GLM-4.5
+Qwen3-MoE, Qwen2-MoE (with its gated shared expert), Mixtral, GLM-4.5
 (sigmoid scores with a learned correction bias picking the experts within
-the best groups, DeepSeek-V3's routing, and an ungated shared expert).
+the best groups, DeepSeek-V3's routing, and an ungated shared expert) and
+Granite 3 MoE (a softmax over the chosen experts' logits; its checkpoints
+stack every expert in one tensor, which the loader cuts per expert).
 
 A router scores every token against every expert; each token goes to its
 ``num_experts_per_tok`` best, and the block's output is their outputs
@@ -44,10 +46,12 @@ def is_moe_layer(config, layer: int) -> bool:
 
 def shared_expert_size(config) -> int | None:
     """The intermediate features of the dense expert every token also
-    takes: Qwen2-MoE's ``shared_expert_intermediate_size``, GLM-4.5's
-    ``n_shared_experts`` experts' worth; None without one."""
-    if getattr(config, "shared_expert_intermediate_size", None):
-        return int(config.shared_expert_intermediate_size)
+    takes: Qwen2-MoE's ``shared_expert_intermediate_size``, Granite MoE
+    Shared's ``shared_intermediate_size``, GLM-4.5's ``n_shared_experts``
+    experts' worth; None without one."""
+    for key in ("shared_expert_intermediate_size", "shared_intermediate_size"):  # Qwen2-MoE's, Granite's
+        if getattr(config, key, None):
+            return int(getattr(config, key))
     shared = getattr(config, "n_shared_experts", None)
     return int(shared) * expert_intermediate_size(config) if shared else None
 
@@ -90,6 +94,8 @@ class SparseMoeBlock(nn.Module):
         # GLM-4.5 (DeepSeek-V3's routing): sigmoid scores in float32, the
         # experts picked by score plus a learned bias within the best groups.
         self.grouped = config.model_type == "glm4_moe"
+        # Granite MoE: a softmax over the chosen experts' logits only.
+        self.softmax_of_chosen = config.model_type in ("granitemoe", "granitemoeshared")
         # Mixtral always renormalizes the chosen experts' probabilities, the
         # others where the config says (norm_topk_prob); Mixtral and GLM-4.5
         # weigh the experts' outputs in float32, Qwen rounds the weights to
@@ -107,10 +113,11 @@ class SparseMoeBlock(nn.Module):
             # Float32 as transformers keeps it: its values sit close together.
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(count, dtype=torch.float32))
         self.experts = Experts(count, hidden, expert_intermediate_size(config), tp)
-        # One dense expert every token takes: Qwen2-MoE's scaled by a sigmoid gate, GLM-4.5's as it is.
+        # One dense expert every token takes: Qwen2-MoE's scaled by a sigmoid gate, GLM-4.5's and Granite's as it is.
         self.shared_expert = shared_expert
         self.shared_expert_gate = (ColumnParallelLinear(hidden, 1, False, tp, num_shards=1, index=0)
-                                   if shared_expert is not None and not self.grouped else None)  # fmt: skip
+                                   if config.model_type == "qwen2_moe" and shared_expert is not None
+                                   else None)  # fmt: skip
 
     _packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
@@ -127,6 +134,9 @@ class SparseMoeBlock(nn.Module):
         """[T, hidden] -> each token's experts [T, k] and their weights [T, k]."""
         if self.grouped:
             return self._route_grouped(x)
+        if self.softmax_of_chosen:  # transformers' GraniteMoeTopKRouter
+            logits, ids = self.gate(x).float().topk(self.top_k, dim=-1)
+            return ids, torch.softmax(logits, dim=-1).to(x.dtype)
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:

@@ -35,10 +35,11 @@ ARCH_CASES = [
     ("gemma2", {"head_dim": 128, "hidden_size": 256, "query_pre_attn_scalar": 128, "attn_logit_softcapping": 1.0}),
     ("glm4", {"head_dim": 128, "hidden_size": 512}),
     ("glm4_moe", {"head_dim": 128, "hidden_size": 512, "n_routed_experts": 16, "num_experts_per_tok": 4}),
+    ("granitemoeshared", {"head_dim": 64, "hidden_size": 256}),
 ]
 ARCH_IDS = ["llama-64", "qwen3-128", "opt-64", "opt-80", "qwen3-moe-128", "mixtral-64", "gemma3-128", "granite-64",
             "phi3-partial-128", "olmo3-128", "smollm3-128",
-            "gemma2-softcap-128", "glm4-128", "glm4-moe-128"]
+            "gemma2-softcap-128", "glm4-128", "glm4-moe-128", "granite-moe-shared-64"]
 
 
 @pytest.mark.parametrize("arch, overrides", ARCH_CASES, ids=ARCH_IDS)

@@ -48,11 +48,12 @@ LANE_CASES = [
     ("gemma2", {"attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0}),  # scores capped in the kernel
     ("glm4", {}),  # half of each head rotated (interleaved pairs reordered into halves at load)
     ("glm4_moe", {}),  # grouped sigmoid routing into the Triton experts, float32 weights
+    ("granitemoeshared", {}),  # the chosen experts' softmax, a shared expert, Granite's multipliers
 ]
 # What the GPU machines lack (benchmarks/gpu_check.sh runs there).
 MISSING_ON_GPU_NODES = ("xgrammar", "ray", "fastapi", "uvicorn", "pydantic", "prometheus_client")
 LANE_IDS = ["llama-gqa", "qwen3-128", "opt-80", "mistral-window", "qwen3-moe", "gemma3", "phi3-partial-rope", "olmo3",
-            "smollm3", "gemma2-softcap", "glm4", "glm4-moe"]
+            "smollm3", "gemma2-softcap", "glm4", "glm4-moe", "granite-moe-shared"]
 # Small steps and few tokens: the interpreter runs every program of a launch
 # in Python. Chunked prompts still give mixed prefill+decode steps.
 LANE_KWARGS = dict(device="cpu", num_kv_blocks=64, max_num_batched_tokens=32, max_model_len=256)

@@ -1,7 +1,8 @@
-"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5) against Hugging
-Face transformers on tiny random checkpoints: exact greedy tokens, in whole
-and chunked prefills and mixed steps, dense layers among the sparse ones,
-the checkpoint's per-expert tensors loaded into the stacked weights, and a
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5,
+Granite MoE) against Hugging Face transformers on tiny random checkpoints:
+exact greedy tokens, in whole and chunked prefills and mixed steps, dense
+layers among the sparse ones, the checkpoint's per-expert (or stacked)
+tensors loaded into the stacked weights, each rank's shard of them, and a
 checkpoint that lacks an expert refused by name."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fluidserve.engine import SamplingParams
 from fluidserve.engine.loader import build_model, checkpoint_targets, load_hf_config, load_weights
 from fluidserve.engine.lora import AdapterError, read_adapter
 from fluidserve.engine.models.moe import SparseMoeBlock
+from fluidserve.engine.parallel import TensorParallel
 from fluidserve.engine.tiny_model import build_random_adapter
 from token_paths import PROMPTS, hf_greedy
 
@@ -30,9 +32,13 @@ MOE_CASES = [
     # half of each head, q/k/v biases.
     ("glm4_moe", {}),
     ("glm4_moe", {"use_qk_norm": True, "n_group": 1, "topk_group": 1, "norm_topk_prob": False}),
+    # Granite's multipliers; a softmax over the chosen experts' logits; every
+    # expert stacked in one checkpoint tensor (and a fused shared expert).
+    ("granitemoe", {}),
+    ("granitemoeshared", {}),
 ]
 MOE_IDS = ["mixtral", "qwen2-moe-shared", "qwen3-moe", "qwen3-moe-dense-layer", "qwen3-moe-top1", "glm4-moe-groups",
-           "glm4-moe-qk-norm-one-group"]
+           "glm4-moe-qk-norm-one-group", "granite-moe", "granite-moe-shared"]
 
 
 @pytest.mark.parametrize("arch, overrides", MOE_CASES, ids=MOE_IDS)
@@ -81,6 +87,30 @@ def test_each_experts_checkpoint_tensors_land_in_its_rows(tiny_model, arch):
     assert torch.equal(block.gate.weight, saved[f"model.layers.1.{moe}.gate.weight"])
 
 
+def test_stacked_checkpoint_experts_are_cut_into_each_ranks_parts(tiny_model):
+    """Granite MoE keeps every expert's gate|up in one [E, 2N, H] tensor and
+    every down in one [E, H, N], its shared expert's gate|up fused: each
+    rank of two takes its half of every expert's N features from them."""
+    path = tiny_model("granitemoeshared")
+    saved = load_file(f"{path}/model.safetensors")
+    stacked_in = saved["model.layers.1.block_sparse_moe.input_linear.weight"]  # [8, 64, 64]
+    stacked_out = saved["model.layers.1.block_sparse_moe.output_linear.weight"]  # [8, 64, 32]
+    shared_in = saved["model.layers.1.shared_mlp.input_linear.weight"]  # [96, 64]
+    for rank in range(2):
+        tp = TensorParallel(rank=rank, size=2)
+        model = build_model(load_hf_config(path), torch.float32, torch.device("cpu"), tp)
+        load_weights(model, path)
+        block = model.model.layers[1].mlp
+        mine = slice(16 * rank, 16 * rank + 16)
+        assert torch.equal(block.experts.gate_up_proj, torch.cat((stacked_in[:, :32][:, mine],
+                                                                  stacked_in[:, 32:][:, mine]), dim=1))
+        assert torch.equal(block.experts.down_proj, stacked_out[:, :, mine])
+        assert torch.equal(block.gate.weight, saved["model.layers.1.block_sparse_moe.router.layer.weight"])
+        shared = slice(24 * rank, 24 * rank + 24)
+        assert torch.equal(block.shared_expert.gate_up_proj.weight,
+                           torch.cat((shared_in[:48][shared], shared_in[48:][shared])))
+
+
 def test_a_checkpoint_without_an_expert_is_refused_by_name(tiny_model, tmp_path):
     src = tiny_model("qwen3_moe")
     tensors = load_file(f"{src}/model.safetensors")
@@ -94,7 +124,6 @@ def test_a_checkpoint_without_an_expert_is_refused_by_name(tiny_model, tmp_path)
 def test_tensor_parallel_shards_split_every_experts_features(tiny_model):
     """Rank r of two holds features [16r, 16r + 16) of each expert's 32: rows
     of gate and up, columns of down; the router stays whole on each rank."""
-    from fluidserve.engine.parallel import TensorParallel
 
     path = tiny_model("qwen2_moe")
     config = load_hf_config(path)

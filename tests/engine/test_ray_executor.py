@@ -77,7 +77,8 @@ def _generate(model_dir: str, **kwargs) -> list[list[int]]:
     ("olmo3", {"num_key_value_heads": 1}),
     ("glm4", {}),  # q/k rows reordered within heads before each rank takes its share
     ("glm4_moe", {}),  # grouped sigmoid routing (the router and its bias whole), an ungated shared expert
-], ids=["llama-gqa", "opt", "qwen2-kv1", "qwen2-moe", "gemma3", "olmo3-kv1", "glm4", "glm4-moe"])
+    ("granitemoeshared", {}),  # stacked expert tensors cut per expert, then per rank; multipliers
+], ids=["llama-gqa", "opt", "qwen2-kv1", "qwen2-moe", "gemma3", "olmo3-kv1", "glm4", "glm4-moe", "granite-moe-shared"])
 @pytest.mark.slow
 def test_tp2_greedy_tokens_identical_to_local(ray_cluster, tiny_model, arch, overrides):
     path = tiny_model(arch, **overrides)
