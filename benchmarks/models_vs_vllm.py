@@ -1,7 +1,8 @@
 """Model families beyond the Llama family's dense models, served side by
 side with vLLM: the same checkpoint (random weights of a Qwen3-MoE, Mixtral,
-Gemma 3, Phi-3, Granite 3, Phi-4-mini, OLMo 3, Gemma 2, SmolLM3, GLM-4 or
-GLM-4.5 shape, written here with the byte tokenizer), the same requests.
+Gemma 3, Phi-3, Granite 3, Phi-4-mini, OLMo 3, Gemma 2, SmolLM3, GLM-4,
+GLM-4.5 or Granite 3 MoE shape, written here with the byte tokenizer), the
+same requests.
 
     python benchmarks/models_vs_vllm.py --vllm-python /work/vllm-venv/bin/python --arch qwen3_moe --tag=-qwen3-moe
 
@@ -46,7 +47,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # 2 2B's: sliding and full layers in turn, head 256, its two soft caps.
 # SmolLM3's: no rope on every fourth layer. GLM-4's interleaved rope on half
 # of each head; GLM-4.5-Air's routing in small (4 of 32 experts, a shared one,
-# a dense first layer).
+# a dense first layer). Granite 3.1 3B-A800M's: 8 of 32 experts (its 40),
+# stacked in the checkpoint, and Granite's multipliers.
 SHAPES = {
     "qwen3_moe": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                       head_dim=64, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=192,
@@ -86,6 +88,10 @@ SHAPES = {
                      num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, n_routed_experts=32,
                      num_experts_per_tok=4, moe_intermediate_size=192, n_shared_experts=1, first_k_dense_replace=1,
                      n_group=1, topk_group=1, routed_scaling_factor=2.5),
+    "granitemoe": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, head_dim=64,
+                       max_position_embeddings=4096, num_local_experts=32, num_experts_per_tok=8, intermediate_size=192,
+                       embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1 / 64,
+                       logits_scaling=8.0),
 }
 # A shape's model family where the key is not one.
 FAMILY = {"phi4_mini": "phi3"}
