@@ -26,16 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import AttentionMetadata, KVCache, PagedAttention, Rope, layer_type_ropes, run_layers
+from ..layers import AttentionMetadata, KVCache, PagedAttention, Rope
 from ..parallel import (
     MergedColumnParallelLinear,
     Part,
     RowParallelLinear,
     TensorParallel,
-    VocabParallelEmbedding,
 )
-from ..preemption import LayerLoop
-from .llama import DecoderForCausalLM, _kv_sharding
+from .llama import DecoderForCausalLM, ModuleDecoder, _kv_sharding
 
 SLIDING = "sliding_attention"
 
@@ -138,21 +136,15 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(ModuleDecoder):
     def __init__(self, config, tp: TensorParallel) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        super().__init__(config, tp, [Gemma3DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)],
+                         GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
         self.embed_scale = config.hidden_size**0.5
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = layer_type_ropes(config, config.head_dim)
-        self.layer_loop = LayerLoop()
 
-    def forward(self, input_ids, positions, kv_caches, meta):
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # the scale rounded to the dtype, as transformers
-        ropes = tuple(rotary(positions, x.dtype) for rotary in self.rotary)
-        return self.norm(run_layers(self.layer_loop, self.layers, kv_caches, x, ropes, meta))
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)  # the scale rounded to the dtype, as transformers
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):

@@ -23,10 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import AttentionMetadata, KVCache, PagedAttention, RMSNorm, Rope, layer_type_ropes, run_layers
-from ..parallel import MergedColumnParallelLinear, Part, RowParallelLinear, TensorParallel, VocabParallelEmbedding
-from ..preemption import LayerLoop
-from .llama import DecoderForCausalLM, LlamaMLP, _kv_sharding
+from ..layers import AttentionMetadata, KVCache, PagedAttention, RMSNorm, Rope
+from ..parallel import MergedColumnParallelLinear, Part, RowParallelLinear, TensorParallel
+from .llama import DecoderForCausalLM, LlamaMLP, ModuleDecoder, _kv_sharding
 
 
 def interleaved_to_halves(heads: int, head_dim: int, rotated: int) -> torch.Tensor:
@@ -90,19 +89,10 @@ class Glm4DecoderLayer(nn.Module):
         return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
 
 
-class Glm4Model(nn.Module):
+class Glm4Model(ModuleDecoder):
     def __init__(self, config, tp: TensorParallel) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(Glm4DecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = layer_type_ropes(config, self.layers[0].self_attn.head_dim)
-        self.layer_loop = LayerLoop()
-
-    def forward(self, input_ids, positions, kv_caches, meta):
-        x = self.embed_tokens(input_ids)
-        ropes = tuple(rotary(positions, x.dtype) for rotary in self.rotary)
-        return self.norm(run_layers(self.layer_loop, self.layers, kv_caches, x, ropes, meta))
+        super().__init__(config, tp, [Glm4DecoderLayer(config, tp) for _ in range(config.num_hidden_layers)],
+                         RMSNorm(config.hidden_size, config.rms_norm_eps))
 
 
 class Glm4ForCausalLM(DecoderForCausalLM):

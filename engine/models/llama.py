@@ -24,7 +24,8 @@ from torch import nn
 
 from ...kernels import ops
 from .moe import SparseMoeBlock, is_moe_layer, shared_expert_size
-from ..layers import AttentionMetadata, KVCache, PagedAttention, QKNorm, RMSNorm, Rope, RotaryEmbedding, StepLaunches
+from ..layers import (AttentionMetadata, KVCache, PagedAttention, QKNorm, RMSNorm, Rope, RotaryEmbedding,
+                      StepLaunches, layer_type_ropes, run_layers)
 from ..preemption import LayerLoop
 from ..parallel import (
     MergedColumnParallelLinear,
@@ -542,6 +543,29 @@ GRANITE_MOE_RENAMES = ((".block_sparse_moe.router.layer.", ".mlp.gate."),
                        (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."))
 MIXTRAL_RENAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
                    (".w2.", ".down_proj."))
+
+
+class ModuleDecoder(nn.Module):
+    """The decoder of a family whose layers run through their modules, each
+    called as ``layer(ropes, x, kv_cache, meta)`` with the step's rope
+    tables (one per layer type, ``layer_type_ropes``): the embedding
+    (``embed``, which a family may scale), the layers, the final norm."""
+
+    def __init__(self, config, tp: TensorParallel, layers: list[nn.Module], norm: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.rotary = layer_type_ropes(config, self.layers[0].self_attn.head_dim)
+        self.layer_loop = LayerLoop()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        x = self.embed(input_ids)
+        ropes = tuple(rotary(positions, x.dtype) for rotary in self.rotary)
+        return self.norm(run_layers(self.layer_loop, self.layers, kv_caches, x, ropes, meta))
 
 
 class DecoderForCausalLM(nn.Module):

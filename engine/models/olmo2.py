@@ -27,18 +27,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import AttentionMetadata, KVCache, PagedAttention, Rope, layer_type_ropes, run_layers
+from ..layers import AttentionMetadata, KVCache, PagedAttention, Rope
 from ..parallel import (
     MergedColumnParallelLinear,
     Part,
     RowParallelLinear,
     ShardSpec,
     TensorParallel,
-    VocabParallelEmbedding,
     new_param,
 )
-from ..preemption import LayerLoop
-from .llama import DecoderForCausalLM, LlamaMLP, _kv_sharding
+from .llama import DecoderForCausalLM, LlamaMLP, ModuleDecoder, _kv_sharding
 
 SLIDING = "sliding_attention"
 
@@ -131,19 +129,10 @@ class Olmo2DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(x))
 
 
-class Olmo2Model(nn.Module):
+class Olmo2Model(ModuleDecoder):  # OLMo 3: a rope per layer type
     def __init__(self, config, tp: TensorParallel) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(Olmo2DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
-        self.norm = OlmoRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = layer_type_ropes(config, self.layers[0].self_attn.head_dim)  # OLMo 3: one per layer type
-        self.layer_loop = LayerLoop()
-
-    def forward(self, input_ids, positions, kv_caches, meta):
-        x = self.embed_tokens(input_ids)
-        ropes = tuple(rotary(positions, x.dtype) for rotary in self.rotary)
-        return self.norm(run_layers(self.layer_loop, self.layers, kv_caches, x, ropes, meta))
+        super().__init__(config, tp, [Olmo2DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)],
+                         OlmoRMSNorm(config.hidden_size, config.rms_norm_eps))
 
 
 class Olmo2ForCausalLM(DecoderForCausalLM):
