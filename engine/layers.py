@@ -159,6 +159,21 @@ class RotaryEmbedding(nn.Module):
         return table[:, :half], table[:, half:]
 
 
+def interleaved_to_halves(heads: int, head_dim: int, rotated: int) -> torch.Tensor:
+    """The row order taking each head's rotated features from interleaved
+    pairs (2i, 2i+1), GPT-J's rope layout (GLM-4, ERNIE 4.5), to halves
+    (i, i + rotated / 2), ours, the rest in place: a model whose q and k
+    rows are reordered so turns each pair by the same frequency, and its
+    scores are unchanged (q and k reordered alike):
+    ``new_rows = old_rows[order]`` over ``heads`` heads of ``head_dim``. On
+    the CPU, where checkpoint and adapter tensors are read, whatever device
+    the model is built on (the meta device, for checking adapters)."""
+    cpu = torch.device("cpu")
+    within = torch.cat((torch.arange(0, rotated, 2, device=cpu), torch.arange(1, rotated, 2, device=cpu),
+                        torch.arange(rotated, head_dim, device=cpu)))
+    return (torch.arange(heads, device=cpu)[:, None] * head_dim + within).flatten()
+
+
 class LayerRopeConfig:
     """One layer type's view of a config whose ``rope_parameters`` are keyed
     by layer type (Gemma 3, OLMo 3), as ``RotaryEmbedding`` reads a config."""

@@ -26,7 +26,8 @@ CHAT_TEMPLATE = (
 )
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3", "granite",
-         "olmo2", "olmo3", "smollm3", "gemma2", "glm4", "glm4_moe", "granitemoe", "granitemoeshared")
+         "olmo2", "olmo3", "smollm3", "gemma2", "glm4", "glm4_moe", "granitemoe", "granitemoeshared",
+         "ernie4_5", "exaone4")
 
 # A thinking model's markers, added after the specials (ids 261 and 262) in
 # ``build_tiny_thinking_model``, and its Qwen3-style template: the reply
@@ -113,6 +114,8 @@ def tiny_config(arch: str = "llama", **overrides):
                   tie_word_embeddings=True)
     elif arch == "olmo3":  # a sliding layer then a full one, a short window
         kw.update(layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+    elif arch == "exaone4":  # EXAONE 4 32B's hybrid attention: a sliding layer (rope) then a full one (no rope)
+        kw.update(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
     elif arch == "smollm3":  # a NoPE layer every second layer (SmolLM3-3B: every fourth)
         kw.update(no_rope_layer_interval=2)
     kw.update(common)
@@ -136,6 +139,8 @@ def tiny_config(arch: str = "llama", **overrides):
         "glm4_moe": transformers.Glm4MoeConfig,
         "granitemoe": transformers.GraniteMoeConfig,
         "granitemoeshared": transformers.GraniteMoeSharedConfig,
+        "ernie4_5": transformers.Ernie4_5Config,
+        "exaone4": transformers.Exaone4Config,
     }[arch]
     return cls(**kw)
 

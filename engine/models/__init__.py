@@ -17,6 +17,7 @@ MODEL_REGISTRY = {
     "Phi3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
+    "Ernie4_5ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
@@ -28,6 +29,7 @@ MODEL_REGISTRY = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo2ForCausalLM,
+    "Exaone4ForCausalLM": Olmo2ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     # Checkpoints of the base model alone (sentence-transformers' decoder
     # embedders): served for embeddings only, with no LM head to load.
@@ -50,10 +52,11 @@ def model_class(config):
             return MODEL_REGISTRY[arch]
     by_type = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
                "qwen3": LlamaForCausalLM, "phi3": LlamaForCausalLM, "granite": LlamaForCausalLM,
-               "smollm3": LlamaForCausalLM,
+               "smollm3": LlamaForCausalLM, "ernie4_5": LlamaForCausalLM,
                "mixtral": LlamaForCausalLM, "qwen2_moe": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM,
                "glm4_moe": LlamaForCausalLM, "granitemoe": LlamaForCausalLM, "granitemoeshared": LlamaForCausalLM,
                "gemma2": Gemma3ForCausalLM, "gemma3_text": Gemma3ForCausalLM, "olmo2": Olmo2ForCausalLM,
+               "exaone4": Olmo2ForCausalLM,
                "olmo3": Olmo2ForCausalLM, "glm4": Glm4ForCausalLM,
                "opt": OPTForCausalLM}
     if config.model_type in by_type:

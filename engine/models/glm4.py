@@ -23,21 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import AttentionMetadata, KVCache, PagedAttention, RMSNorm, Rope
+from ..layers import AttentionMetadata, KVCache, PagedAttention, RMSNorm, Rope, interleaved_to_halves
 from ..parallel import MergedColumnParallelLinear, Part, RowParallelLinear, TensorParallel
 from .llama import DecoderForCausalLM, LlamaMLP, ModuleDecoder, _kv_sharding
-
-
-def interleaved_to_halves(heads: int, head_dim: int, rotated: int) -> torch.Tensor:
-    """The row order taking each head's rotated features from interleaved
-    pairs (2i, 2i+1) to halves (i, i + rotated / 2), the rest in place:
-    ``new_rows = old_rows[order]`` over ``heads`` heads of ``head_dim``. On
-    the CPU, where checkpoint and adapter tensors are read, whatever device
-    the model is built on (the meta device, for checking adapters)."""
-    cpu = torch.device("cpu")
-    within = torch.cat((torch.arange(0, rotated, 2, device=cpu), torch.arange(1, rotated, 2, device=cpu),
-                        torch.arange(rotated, head_dim, device=cpu)))
-    return (torch.arange(heads, device=cpu)[:, None] * head_dim + within).flatten()
 
 
 class Glm4Attention(nn.Module):

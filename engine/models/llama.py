@@ -2,7 +2,8 @@
 on q/k/v), Qwen3 (RMSNorm on q and k per head), Phi-3 and Phi-4-mini (q/k/v
 and gate/up fused in their checkpoints; LongRoPE; a partial rope), Granite
 (multipliers on the embedding, the attention scores, each residual branch
-and the logits) and SmolLM3 (every fourth layer without rope), and their
+and the logits), SmolLM3 (every fourth layer without rope) and ERNIE 4.5
+(GPT-J's interleaved rope, reordered into ours at load), and their
 mixture-of-experts kin, Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 (a
 partial rope, biases on q/k/v) and Granite 3 MoE, whose decoder layers route each token to a
 few experts in place of the MLP (engine/models/moe.py). Parameter names
@@ -25,7 +26,7 @@ from torch import nn
 from ...kernels import ops
 from .moe import SparseMoeBlock, is_moe_layer, shared_expert_size
 from ..layers import (AttentionMetadata, KVCache, PagedAttention, QKNorm, RMSNorm, Rope, RotaryEmbedding,
-                      StepLaunches, layer_type_ropes, run_layers)
+                      StepLaunches, interleaved_to_halves, layer_type_ropes, run_layers)
 from ..preemption import LayerLoop
 from ..parallel import (
     MergedColumnParallelLinear,
@@ -71,8 +72,10 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = total_kv_heads // kv_shards
         qwen2 = config.model_type in ("qwen2", "qwen2_moe")
         glm = config.model_type == "glm4_moe"  # biases on q/k/v, none on o
-        qkv_bias = (qwen2 and bool(getattr(config, "qkv_bias", True))) or bool(getattr(config, "attention_bias", False))
-        o_bias = bool(getattr(config, "attention_bias", False)) and not qwen2 and not glm
+        # ERNIE 4.5's use_bias: on every linear.
+        attention_bias = bool(getattr(config, "attention_bias", False) or getattr(config, "use_bias", False))
+        qkv_bias = (qwen2 and bool(getattr(config, "qkv_bias", True))) or attention_bias
+        o_bias = attention_bias and not qwen2 and not glm
         # q, k and v in one product; the checkpoint's q_proj/k_proj/v_proj load into its rows.
         self.qkv_proj = MergedColumnParallelLinear(hidden, [
             Part("q_proj", total_heads * self.head_dim),
@@ -148,9 +151,10 @@ class LlamaMLP(nn.Module):
         hidden, inter = config.hidden_size, intermediate_size or config.intermediate_size
         tp.divide(inter, "intermediate_size")
         # gate and up in one product (checkpoint names gate_proj/up_proj)
+        bias = bool(getattr(config, "mlp_bias", False) or getattr(config, "use_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [Part("gate_proj", inter), Part("up_proj", inter)],
-                                                       False, tp)
-        self.down_proj = RowParallelLinear(inter, hidden, False, tp)
+                                                       bias, tp)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 path: ops.KernelPath | None = None) -> torch.Tensor:
@@ -607,6 +611,12 @@ class LlamaForCausalLM(DecoderForCausalLM):
         self.logits_scaling = float(config.logits_scaling) if config.model_type in GRANITE else 1.0
         if config.model_type == "mixtral":  # its checkpoints' names for the MoE block and the experts' linears
             self.checkpoint_renames = MIXTRAL_RENAMES
+        if config.model_type == "ernie4_5":  # its rope pairs neighbouring features: reordered into our halves
+            attn = self.model.layers[0].self_attn
+            self.checkpoint_row_orders = {
+                ".self_attn.q_proj.": interleaved_to_halves(config.num_attention_heads, attn.head_dim, attn.head_dim),
+                ".self_attn.k_proj.": interleaved_to_halves(config.num_key_value_heads, attn.head_dim, attn.head_dim),
+            }
         if config.model_type == "glm4_moe":  # its shared expert's name
             self.checkpoint_renames = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
         if config.model_type in ("granitemoe", "granitemoeshared"):

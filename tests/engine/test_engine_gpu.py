@@ -36,10 +36,13 @@ ARCH_CASES = [
     ("glm4", {"head_dim": 128, "hidden_size": 512}),
     ("glm4_moe", {"head_dim": 128, "hidden_size": 512, "n_routed_experts": 16, "num_experts_per_tok": 4}),
     ("granitemoeshared", {"head_dim": 64, "hidden_size": 256}),
+    ("ernie4_5", {"head_dim": 128, "hidden_size": 512}),
+    ("exaone4", {"head_dim": 128, "hidden_size": 512}),
 ]
 ARCH_IDS = ["llama-64", "qwen3-128", "opt-64", "opt-80", "qwen3-moe-128", "mixtral-64", "gemma3-128", "granite-64",
             "phi3-partial-128", "olmo3-128", "smollm3-128",
-            "gemma2-softcap-128", "glm4-128", "glm4-moe-128", "granite-moe-shared-64"]
+            "gemma2-softcap-128", "glm4-128", "glm4-moe-128", "granite-moe-shared-64",
+            "ernie-4.5-128", "exaone-4-128"]
 
 
 @pytest.mark.parametrize("arch, overrides", ARCH_CASES, ids=ARCH_IDS)

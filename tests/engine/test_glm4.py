@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from fluidserve.engine import SamplingParams
 from fluidserve.engine.loader import build_model, load_hf_config, load_weights
-from fluidserve.engine.models.glm4 import interleaved_to_halves
+from fluidserve.engine.layers import interleaved_to_halves
 from fluidserve.engine.parallel import TensorParallel
 from token_paths import PROMPTS, hf_greedy
 
