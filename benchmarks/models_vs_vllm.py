@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     base_url = f"http://127.0.0.1:{args.port}"
     shape = {k: config.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers", "num_experts",
-                                        "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-                                        "intermediate_size") if config.get(k) is not None}
+                                        "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+                                        "moe_intermediate_size", "intermediate_size") if config.get(k) is not None}
     record: dict = {"benchmark": "models_vs_vllm", "command": " ".join(map(shlex.quote, sys.argv)),
                     "model": args.model and Path(args.model).name or f"random {args.arch}", "shape": shape,
                     "dtype": args.dtype, "servers": {}}
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ours, theirs = (record["servers"][s].pop("replies") for s in ("fluidserve", "vLLM"))
     same = sum(a == b for a, b in zip(ours, theirs))
     record["same_replies"], record["replies_compared"] = same, len(PROMPTS)
-    experts = shape.get("num_experts") or shape.get("num_local_experts")
+    experts = shape.get("num_experts") or shape.get("num_local_experts") or shape.get("n_routed_experts")
     routing = (f", each token routed to {shape.get('num_experts_per_tok')} of {experts} experts" if experts
                else "")
     lines = [f"# {record['model']} beside vLLM", "",
