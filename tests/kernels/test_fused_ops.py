@@ -245,8 +245,8 @@ def test_a_partial_rope_rotates_the_first_features_and_writes_whole_heads(device
     """Tables narrower than the head (Phi-4-mini: 96 of 128): the first
     features of q and k rotated as transformers rotates them, the rest left
     as projected, and whole heads of k and v in the cache; the torch path
-    (``ops.rope_and_cache``) gives the same. 32 of 80: 48 unrotated features,
-    more than the kernel's half-head block, in a head of no power-of-two width."""
+    (``ops.rope_and_cache``) gives the same. 32 of 80: more features pass
+    through (48) than are rotated, in a head of no power-of-two width."""
     tokens, q_heads, kv_heads, block_size, num_blocks = 5, 4, 2, 16, 4
     gen = torch.Generator().manual_seed(head_dim + rotated)
     qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
