@@ -23,6 +23,14 @@ def test_greedy_tokens_identical_to_transformers(tiny_model, make_llm, arch):
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
+def test_mlp_biases_of_a_llama_checkpoint_are_read(tiny_model, make_llm):
+    """A Llama config's ``mlp_bias`` (and ``attention_bias``) puts biases on
+    the MLP's linears (and the attention's), which the checkpoint holds."""
+    path = tiny_model("llama", mlp_bias=True, attention_bias=True)
+    outs = make_llm(path).generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS)
+
+
 @pytest.mark.parametrize("arch", ["llama", "opt"])
 def test_tiny_token_budget_forces_chunked_prefill(tiny_model, make_llm, arch):
     path = tiny_model(arch)
