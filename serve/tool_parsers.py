@@ -27,7 +27,10 @@ Owns the three ways a chat reply becomes tool calls:
   - ``phi4_mini_json`` (Phi-4-mini): content, then ``functools`` and a JSON
     array of ``{"name", "arguments"}`` objects;
   - ``olmo3`` (OLMo 3): content, then ``<function_calls>``, one pythonic
-    call ``name(key=literal, ...)`` a line, and ``</function_calls>``.
+    call ``name(key=literal, ...)`` a line, and ``</function_calls>``;
+  - ``glm45`` (GLM-4.5 and on): ``<tool_call>name`` blocks holding
+    ``<arg_key>key</arg_key><arg_value>value</arg_value>`` pairs, each
+    value's text read as the tool's schema types it (special tokens kept).
 
 * ``tool_choice: "required"``: decoding is constrained to a JSON array of
   ``{"name", "parameters"}`` objects, one schema per tool
@@ -52,9 +55,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "granite", "phi4_mini_json",
-                     "olmo3")
+                     "olmo3", "glm45")
 # The parsers whose markers are special tokens: a reply they read keeps its special tokens.
-KEEPS_SPECIAL_TOKENS = ("mistral", "granite")
+KEEPS_SPECIAL_TOKENS = ("mistral", "granite", "glm45")
 
 
 def new_call_id() -> str:
@@ -588,6 +591,26 @@ class Qwen3CoderParser(HermesParser):
         return ToolCall(name, json.dumps(args, ensure_ascii=False))
 
 
+class Glm45Parser(HermesParser):
+    """``<tool_call>name<arg_key>key</arg_key><arg_value>value</arg_value>
+    ...</tool_call>`` blocks amid content (newlines between the tags
+    allowed). A value is bare text, read as its parameter's schema type as
+    ``qwen3_coder`` reads it; a call may have no arguments."""
+
+    name = "glm45"
+    PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+    def read(self, body: str) -> ToolCall | None:
+        at = body.find("<arg_key>")
+        name, pairs = (body, "") if at < 0 else (body[:at], body[at:])
+        name = name.strip()
+        if not name or "<" in name or "\n" in name or self.PAIR.sub("", pairs).strip():
+            return None
+        types = (self.mode.types if self.mode is not None else {}).get(name, {})
+        args = {key.strip(): _typed(raw, types.get(key.strip())) for key, raw in self.PAIR.findall(pairs)}
+        return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
 def _typed(text: str, kind: Any) -> Any:
     """A bare-text value as its JSON schema ``type`` reads it."""
     kinds = set(kind) if isinstance(kind, list) else {kind}
@@ -614,5 +637,6 @@ def _typed(text: str, kind: Any) -> Any:
 _PARSERS: dict[str, type[_AutoParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
                                           "pythonic": PythonicParser, "mistral": MistralParser,
                                           "qwen3_coder": Qwen3CoderParser, "granite": GraniteParser,
-                                          "phi4_mini_json": Phi4MiniJsonParser, "olmo3": Olmo3Parser}
+                                          "phi4_mini_json": Phi4MiniJsonParser, "olmo3": Olmo3Parser,
+                                          "glm45": Glm45Parser}
 assert tuple(_PARSERS) == TOOL_CALL_PARSERS

@@ -535,6 +535,9 @@ PHI4_REPLY = 'Checking.functools[{"name": "get_weather", "arguments": {"city": "
              '{"name": "get_time", "arguments": {"zone": "ECT"}}]'
 OLMO3_REPLY = ('One moment.\n<function_calls>\nget_weather(city="Bern", days=8)\nget_time(zone="CET")\n'
                '</function_calls>')
+GLM45_REPLY = ('Looking it up.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Nanjing</arg_value>\n'
+               '<arg_key>days</arg_key>\n<arg_value>9</arg_value>\n</tool_call><tool_call>get_time'
+               '<arg_key>zone</arg_key><arg_value>CST</arg_value></tool_call>')
 EXPECTED_CALLS = {
     "hermes": [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "UTC"})],
     "llama3_json": [("get_weather", {"city": "Lima", "days": 1}), ("get_time", {"zone": "CET"})],
@@ -545,9 +548,11 @@ EXPECTED_CALLS = {
     "granite": [("get_weather", {"city": "Turin", "days": 6}), ("get_time", {"zone": "CET"})],
     "phi4_mini_json": [("get_weather", {"city": "Quito", "days": 7}), ("get_time", {"zone": "ECT"})],
     "olmo3": [("get_weather", {"city": "Bern", "days": 8}), ("get_time", {"zone": "CET"})],
+    "glm45": [("get_weather", {"city": "Nanjing", "days": 9}), ("get_time", {"zone": "CST"})],
 }
 EXPECTED_CONTENT = {"hermes": "Let me check.\n\n", "mistral": "Sure.", "qwen3_coder": "I will look.\n\n",
-                    "granite": "I will check.", "phi4_mini_json": "Checking.", "olmo3": "One moment.\n"}
+                    "granite": "I will check.", "phi4_mini_json": "Checking.", "olmo3": "One moment.\n",
+                    "glm45": "Looking it up."}
 
 
 def _streamed(mode, text: str, step: int):
@@ -570,9 +575,10 @@ def _streamed(mode, text: str, step: int):
                                            ("pythonic", PYTHONIC_REPLY), ("mistral", MISTRAL_REPLY),
                                            ("mistral", MISTRAL_V11_REPLY), ("qwen3_coder", QWEN3_CODER_REPLY),
                                            ("granite", GRANITE_REPLY), ("granite", GRANITE_31_REPLY),
-                                           ("phi4_mini_json", PHI4_REPLY), ("olmo3", OLMO3_REPLY)],
+                                           ("phi4_mini_json", PHI4_REPLY), ("olmo3", OLMO3_REPLY),
+                                           ("glm45", GLM45_REPLY)],
                          ids=["hermes", "llama3_json", "pythonic", "mistral", "mistral-v11", "qwen3_coder", "granite",
-                              "granite-3.1", "phi4_mini_json", "olmo3"])
+                              "granite-3.1", "phi4_mini_json", "olmo3", "glm45"])
 def test_parser_finds_the_calls_whole_and_streamed(parser, reply):
     from fluidserve.serve.tool_parsers import ToolMode, parameter_types, parse_reply
 
@@ -611,6 +617,8 @@ def test_parser_finds_the_calls_whole_and_streamed(parser, reply):
     ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": '),  # cut short
     ("olmo3", "<function_calls>\nget_weather(city=open('x'))\n</function_calls>"),  # not a literal
     ("olmo3", '<function_calls>\nget_weather(city="Bern")\n</function_calls> then prose'),
+    ("glm45", "<tool_call></tool_call> is empty"),
+    ("glm45", "<tool_call>get_weather<arg_key>city</arg_key>Nanjing</tool_call>"),  # a key with no value
 ])
 def test_parser_leaves_text_that_is_no_call_as_content(parser, reply):
     from fluidserve.serve.tool_parsers import ToolMode, parse_reply
@@ -681,7 +689,7 @@ def test_the_mistral_and_granite_parsers_keep_the_special_tokens_they_read(tiny_
 
     tok = load_tokenizer(tiny_model("llama"))
     body = {"messages": MSGS, "tools": [WEATHER], "tool_choice": "auto"}
-    for parser, kept in (("mistral", True), ("granite", True), ("hermes", False), ("olmo3", False)):
+    for parser, kept in (("mistral", True), ("granite", True), ("glm45", True), ("hermes", False), ("olmo3", False)):
         proc = InputProcessor(tok, ModelInfo("m", 256, 261), parser)
         params = proc.chat(ChatCompletionRequest.model_validate(body)).params
         assert params.skip_special_tokens is not kept
