@@ -195,15 +195,6 @@ def layer_type_ropes(config, head_dim: int) -> nn.ModuleList:
                          for kind in ("full_attention", "sliding_attention"))  # fmt: skip
 
 
-def run_layers(loop, layers: nn.ModuleList, kv_caches: list, x: torch.Tensor, ropes: tuple, meta) -> torch.Tensor:
-    """Decoder layers called as ``layer(ropes, x, kv_cache, meta)`` (and
-    ``attend`` alike: the half a safepoint may cut after) over the step's
-    rope tables, one per layer type, through ``loop`` (a
-    ``preemption.LayerLoop``)."""
-    return loop.run(layers, kv_caches, x, lambda layer, x, kv: layer(ropes, x, kv, meta),
-                    lambda layer, x, kv: layer.attend(ropes, x, kv, meta))
-
-
 # A step's attention launches for a layer: its caches and (Qwen3) its q and k
 # norm weights -> [T, Hq * D] (``PagedAttention.step_launches``).
 StepLaunches = Callable[[KVCache, tuple[torch.Tensor, torch.Tensor] | None], torch.Tensor]

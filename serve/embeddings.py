@@ -123,6 +123,10 @@ class EmbeddingRequest(PooledRequest):
     embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     endianness: Literal["native", "big", "little"] = "native"
 
+    def wire(self, vector: list[float]) -> list[float] | str:
+        """A pooled vector as this request asks for it: floats, or base64."""
+        return vector if self.encoding_format == "float" else encode(vector, self.embed_dtype, self.endianness)
+
 
 class EmbeddingData(_Wire):
     index: int
@@ -204,8 +208,6 @@ def embedding_body(server: Any, rid: str, req: EmbeddingRequest, inputs: EngineI
                    finals: list[RequestOutput]) -> EmbeddingResponse:
     """The reply to ``req`` from its requests' finished outputs (the online
     route's, and a Batch API line's)."""
-    data = [EmbeddingData(index=i, embedding=out.embedding if req.encoding_format == "float"
-                          else encode(out.embedding, req.embed_dtype, req.endianness))
-            for i, out in enumerate(finals)]
+    data = [EmbeddingData(index=i, embedding=req.wire(out.embedding)) for i, out in enumerate(finals)]
     return EmbeddingResponse(id=rid, model=server.model.reply_name(req.model), data=data,
                              usage=PoolingUsage.of(inputs))

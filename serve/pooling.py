@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from fluidserve.engine.outputs import RequestOutput
-from fluidserve.serve.embeddings import EmbeddingRequest, PoolingUsage, encode, pooled_route
+from fluidserve.serve.embeddings import EmbeddingRequest, PoolingUsage, pooled_route
 from fluidserve.serve.errors import APIError
 from fluidserve.serve.inputs import EngineInputs
 from fluidserve.serve.protocol import _Wire
@@ -72,9 +72,7 @@ def pooling_inputs(server: Any, req: PoolingRequest) -> EngineInputs:
 
 def pooling_body(server: Any, rid: str, req: PoolingRequest, inputs: EngineInputs,
                  finals: list[RequestOutput]) -> PoolingResponse:
-    data = [PoolingData(index=i, data=out.embedding if req.encoding_format == "float"
-                        else encode(out.embedding, req.embed_dtype, req.endianness))
-            for i, out in enumerate(finals)]
+    data = [PoolingData(index=i, data=req.wire(out.embedding)) for i, out in enumerate(finals)]
     return PoolingResponse(id=rid, model=server.model.reply_name(req.model), data=data,
                            usage=PoolingUsage.of(inputs))
 

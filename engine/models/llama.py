@@ -26,7 +26,7 @@ from torch import nn
 from ...kernels import ops
 from .moe import SparseMoeBlock, is_moe_layer, shared_expert_size
 from ..layers import (AttentionMetadata, KVCache, PagedAttention, QKNorm, RMSNorm, Rope, RotaryEmbedding,
-                      StepLaunches, interleaved_to_halves, layer_type_ropes, run_layers)
+                      StepLaunches, interleaved_to_halves, layer_type_ropes)
 from ..preemption import LayerLoop
 from ..parallel import (
     MergedColumnParallelLinear,
@@ -569,7 +569,10 @@ class ModuleDecoder(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed(input_ids)
         ropes = tuple(rotary(positions, x.dtype) for rotary in self.rotary)
-        return self.norm(run_layers(self.layer_loop, self.layers, kv_caches, x, ropes, meta))
+        x = self.layer_loop.run(self.layers, kv_caches, x,
+                                lambda layer, x, kv: layer(ropes, x, kv, meta),
+                                lambda layer, x, kv: layer.attend(ropes, x, kv, meta))  # fmt: skip
+        return self.norm(x)
 
 
 class DecoderForCausalLM(nn.Module):
