@@ -43,6 +43,7 @@ import time
 import torch
 
 from fluidserve.engine.runtime import runtime_for
+from fluidserve.kernels.cache_dtype import byte_view
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (K, V)
 
@@ -106,6 +107,10 @@ class CacheEngine:
             for k, v in self.host_caches:
                 k[:warm].zero_()
                 v[:warm].zero_()
+        # Block moves copy bits, not values: an fp8 cache moves as bytes
+        # (torch's CPU index copies take no fp8).
+        self._device_bytes: KVCaches = [(byte_view(k), byte_view(v)) for k, v in self.device_caches]
+        self._host_bytes: KVCaches = [(byte_view(k), byte_view(v)) for k, v in self.host_caches]
         self._copy_stream = self.runtime.side_stream()  # None: copies run in line
         self._last_copies = None  # the event of the last step's copies
 
@@ -122,8 +127,8 @@ class CacheEngine:
             raise ValueError("a swap was planned but this worker has no host KV pool")
         if self._copy_stream is None:
             t0 = time.perf_counter()
-            self._gather_scatter(swap_out, self.device_caches, self.host_caches)
-            self._gather_scatter(swap_in, self.host_caches, self.device_caches)
+            self._gather_scatter(swap_out, self._device_bytes, self._host_bytes)
+            self._gather_scatter(swap_in, self._host_bytes, self._device_bytes)
             return time.perf_counter() - t0
         compute = self.runtime.current_stream()
         if self._last_copies is not None:
@@ -133,8 +138,8 @@ class CacheEngine:
             return 0.0
         self._copy_stream.wait_stream(compute)
         with self.runtime.on_stream(self._copy_stream):
-            self._copy(swap_out, self.device_caches, self.host_caches, host_is_src=False)
-            self._copy(swap_in, self.host_caches, self.device_caches, host_is_src=True)
+            self._copy(swap_out, self._device_bytes, self._host_bytes, host_is_src=False)
+            self._copy(swap_in, self._host_bytes, self._device_bytes, host_is_src=True)
             done = self.runtime.event()
             done.record(self._copy_stream)
         self._last_copies = done

@@ -761,7 +761,7 @@ class LLMEngine:
             cache = self.config.cache
             s.cache_config = {f.name: str(getattr(cache, f.name)) for f in dataclasses.fields(cache)}
             s.cache_config.update(num_gpu_blocks=str(self.kv.num_blocks), num_cpu_blocks=str(self.kv.num_host_blocks),
-                                  cache_dtype=self.config.dtype)
+                                  cache_dtype=cache.kv_cache_dtype)
         return s
 
     def check_health(self) -> None:

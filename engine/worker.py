@@ -40,6 +40,7 @@ from fluidserve.engine.sampler import SampledToken, SamplingRow, make_generator,
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.structured import StructuredDecoder
 from fluidserve.engine.token_history import TokenHistories
+from fluidserve.kernels.cache_dtype import cache_dtype
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class Worker:
         hf_config = load_hf_config(model_dir, config.hf_overrides)
         self.hf_config = hf_config
         self.dtype = resolve_dtype(hf_config, config.dtype, self.device)
+        self.cache_dtype = cache_dtype(config.cache.kv_cache_dtype, self.dtype)  # what the KV cache stores
         torch.manual_seed(config.seed)
         self.pools = resolve_runner(config.runner, config.convert, hf_config) == "pooling"  # embeddings
         self.model = build_model(hf_config, self.dtype, self.device, self.tp, pooling=self.pools,
@@ -131,7 +133,7 @@ class Worker:
 
     # -- KV cache ----------------------------------------------------------
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.cache_dtype).element_size()
         return 2 * self.num_layers * self.config.block_size * self.num_kv_heads * self.head_dim * elem
 
     def available_kv_blocks(self) -> int:
@@ -182,7 +184,7 @@ class Worker:
         self.runner.tables.clear()  # tables of the old cache's blocks
         self.cache = None  # free the old tensors before the new ones are made
         self.cache = CacheEngine(self.num_layers, self.config.block_size, self.num_kv_heads, self.head_dim,
-                                 self.dtype, self.device, num_blocks, num_host_blocks)
+                                 self.cache_dtype, self.device, num_blocks, num_host_blocks)
 
     def warm_up(self) -> None:
         """One prefill and one decode step over scratch slots of block 0, run

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fluidserve.kernels.cache_dtype import to_cache
 from fluidserve.kernels.launch import Relaunch, cdiv, next_power_of_2
 
 # Elements of one block row copied per program of the block movers.
@@ -50,12 +51,12 @@ def _reshape_and_cache_kernel(
     v = tl.load(value_ptr + tok * stride_vt + h * stride_vh + d, mask=mask)
     tl.store(
         key_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d,
-        k.to(key_cache_ptr.dtype.element_ty),
+        to_cache(k, key_cache_ptr),
         mask=mask,
     )
     tl.store(
         value_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d,
-        v.to(value_cache_ptr.dtype.element_ty),
+        to_cache(v, value_cache_ptr),
         mask=mask,
     )
 

@@ -10,7 +10,10 @@ makes the CPU path scale with the number of requests:
 * **No dtype casts of the cache.** K/V are read in the cache's dtype and
   torch's fused CPU attention (``scaled_dot_product_attention``, flash kernel)
   accumulates in fp32 itself; the reference's fp32 copies of every gathered
-  context are what made it slow.
+  context are what made it slow. An fp8 cache (``--kv-cache-dtype``) is the
+  exception: what a call gathers is widened to the query's dtype once, and
+  a step's fresh K/V are rounded as the cache stores them, so every read
+  sees K and V as stored (kernels/cache_dtype.py).
 * **Fresh prompts read no cache.** A prompt with no cached prefix attends to
   this step's own K/V (views into the flat batch) with ``is_causal``, so the
   flash kernel skips the masked half; only chunks over a cached prefix gather.
@@ -59,6 +62,7 @@ import torch
 from torch.nn import functional as F
 
 from fluidserve.kernels import reference
+from fluidserve.kernels.cache_dtype import as_stored, byte_view, is_fp8, round_to_cache, widen
 
 # A decode bucket's longest context is at most this many times its shortest:
 # padding costs attention work, each bucket costs one call.
@@ -269,8 +273,8 @@ def reshape_and_cache(
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     slots = slot_mapping.long()
     # [num_blocks * block_size, Hk, d] is a view: a slot is its row.
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key.to(key_cache.dtype))
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value.to(value_cache.dtype))
+    for x, cache in ((key, key_cache), (value, value_cache)):
+        byte_view(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, byte_view(round_to_cache(x, cache.dtype)))
 
 
 def paged_attention(
@@ -292,6 +296,8 @@ def paged_attention(
     Returns ``[num_tokens, num_q_heads, head_dim]`` in ``query.dtype``.
     """
     out = torch.empty_like(query)
+    if key is not None and is_fp8(key_cache.dtype):
+        key, value = as_stored(key, key_cache.dtype), as_stored(value, value_cache.dtype)
     for bucket in plan.decodes:
         _decode(out, query, key_cache, value_cache, bucket, scale, softcap)
     for item in plan.prefills:
@@ -323,6 +329,9 @@ def _decode(out, query, key_cache, value_cache, b: DecodeBucket, scale: float, s
         ids = b.block_ids[lo * b.num_blocks:hi * b.num_blocks]
         buf = _workspace(name, ids.numel() * flat.shape[1], cache.dtype, cache.device)
         torch.index_select(flat, 0, ids, out=buf.view(ids.numel(), flat.shape[1]))
+        if cache.dtype != query.dtype:  # an fp8 cache: widened once, in a workspace of its own
+            wide = _workspace(name + " wide", buf.numel(), query.dtype, cache.device)
+            buf = widen(buf, query.dtype, out=wide, scratch=lambda what, n, dt: _workspace(what, n, dt, cache.device))
         return buf.view(hi - lo, length, num_kv, head_dim).transpose(1, 2)
 
     group = query.shape[1] // num_kv
@@ -353,7 +362,8 @@ def _decode_shared(q, key_cache, value_cache, b: DecodeBucket, scale: float, k_o
     num_blocks = b.shared_ids.numel() * key_cache.shape[1]
 
     def shared(cache: torch.Tensor) -> torch.Tensor:  # -> [1, Hk, Ls, d]
-        return cache.index_select(0, b.shared_ids).view(1, num_blocks, num_kv, head_dim).transpose(1, 2)
+        blocks = _widened(cache.index_select(0, b.shared_ids), q.dtype)
+        return blocks.view(1, num_blocks, num_kv, head_dim).transpose(1, 2)
 
     q_all = q.transpose(0, 1).reshape(1, num_kv, rows * group, head_dim)
     o_shared, lse_shared = _attention_with_lse(q_all, shared(key_cache), shared(value_cache), scale=scale)
@@ -392,8 +402,8 @@ def _prefill(out, query, key_cache, value_cache, item: PrefillItem, scale: float
     if read:
         bs = key_cache.shape[1]
         ids = item.block_ids[: -(-read // bs)]
-        k = _gathered(key_cache, ids, read)  # [1, Hk, read, d]
-        v = _gathered(value_cache, ids, read)
+        k = _gathered(key_cache, ids, read, q.dtype)  # [1, Hk, read, d]
+        v = _gathered(value_cache, ids, read, q.dtype)
     if item.mask is not None:
         o = _sdpa(q, k, v, item.mask, scale, softcap)
     else:
@@ -411,9 +421,15 @@ def _prefill(out, query, key_cache, value_cache, item: PrefillItem, scale: float
     out[item.q_lo:item.q_hi] = o[0].transpose(0, 1)
 
 
-def _gathered(cache: torch.Tensor, ids: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of the blocks ``ids`` as [1, Hk, length, d]."""
-    return cache[ids].view(-1, *cache.shape[2:])[:length].transpose(0, 1).unsqueeze(0)
+def _gathered(cache: torch.Tensor, ids: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``length`` tokens of the blocks ``ids`` as [1, Hk, length, d]
+    of ``dtype``."""
+    return _widened(cache[ids], dtype).view(-1, *cache.shape[2:])[:length].transpose(0, 1).unsqueeze(0)
+
+
+def _widened(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered blocks in the query's dtype (only an fp8 cache's differ)."""
+    return blocks if blocks.dtype == dtype else widen(blocks, dtype)
 
 
 def _prefix_then_causal(q, k_pre, v_pre, k_own, v_own, scale: float) -> torch.Tensor:

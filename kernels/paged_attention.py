@@ -71,6 +71,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from fluidserve.kernels import packing
+from fluidserve.kernels.cache_dtype import FP8
 from fluidserve.kernels.launch import Relaunch, Site, aligned, arg_class, cache_layout, next_power_of_2
 from fluidserve.kernels.packing import WORK_FIELDS, WorkPlan
 
@@ -310,7 +311,12 @@ def _attend_keys(q, m_i, l_i, acc, k, v, kpos, k_ok, pos, qk_scale, window, soft
     see every key: no causal or window test, and every score is finite, so
     neither is the running max. ``SOFTCAP`` (Gemma 2): each score capped as
     ``cap * tanh(score / cap)``, ``qk_scale`` then being scale / cap and
-    ``softcap`` cap * log2(e)."""
+    ``softcap`` cap * log2(e). K and V of an fp8 cache are widened to q's
+    dtype first (kernels/cache_dtype.py); the test is on types, at compile
+    time, so any other cache converts nothing."""
+    if k.dtype != q.dtype:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     if SOFTCAP:
         s = softcap * _tanh(s)
@@ -888,9 +894,9 @@ def _check_layouts(
         raise ValueError(f"head_dim {head_dim} is outside [1, {MAX_HEAD_DIM}]")
     if query.shape[1] % key_cache.shape[2]:
         raise ValueError(f"num_q_heads {query.shape[1]} is not a multiple of num_kv_heads {key_cache.shape[2]}")
-    if not (query.dtype == key_cache.dtype == value_cache.dtype):
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in (query.dtype, *FP8):
         dtypes = f"query ({query.dtype}) and caches ({key_cache.dtype}, {value_cache.dtype})"
-        raise ValueError(f"{dtypes} must share a dtype")
+        raise ValueError(f"{dtypes} must share a dtype, or the caches an fp8 one")
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous head_dim")
@@ -1153,7 +1159,8 @@ def _prepare(
         )  # fmt: skip
         options = _launch_options(constexprs)
         proto = plan.scratch[layout] = _Launch(args, constexprs, options, None, part_out, part_lse,
-                                               _occupancy_key(constexprs, options, query.dtype, query.device))
+                                               _occupancy_key(constexprs, options, query.dtype, query.device,
+                                                              key_cache.dtype))
     if out is None:
         out = torch.empty_like(query)  # [T, Hq, D]
     elif (out.shape != query.shape or out.dtype != query.dtype or out.device != query.device
@@ -1196,7 +1203,8 @@ def _decode_launch(launch: _Launch, plan: WorkPlan) -> _Launch:
         constexprs["SOFTCAP"] = launch.constexprs["SOFTCAP"]
         options = _launch_options(constexprs)
         variant = part.scratch[cached] = (
-            constexprs, options, _occupancy_key(constexprs, options, launch.out.dtype, launch.out.device))
+            constexprs, options, _occupancy_key(constexprs, options, launch.out.dtype, launch.out.device,
+                                                launch.args["k_cache_ptr"].dtype))
     constexprs, options, key = variant
     # Its merge rows number on from the other part's: the whole plan's
     # splits, partials and counters serve both.
@@ -1207,8 +1215,10 @@ def _decode_launch(launch: _Launch, plan: WorkPlan) -> _Launch:
 
 
 def _occupancy_key(constexprs: dict[str, object], options: dict[str, int], dtype: torch.dtype,
-                   device: torch.device) -> tuple:
-    return (tuple(sorted(constexprs.items())), tuple(options.items()), str(dtype), str(device))
+                   device: torch.device, cache_dtype: torch.dtype) -> tuple:
+    # The cache's dtype too: an fp8 cache's variant widens K/V in its loop
+    # (more registers, less shared memory) and may fit another count an SM.
+    return (tuple(sorted(constexprs.items())), tuple(options.items()), str(dtype), str(device), str(cache_dtype))
 
 
 def _attention_grid(launch: _Launch, grid_units: int) -> tuple[int, int]:
@@ -1412,7 +1422,7 @@ def programs_per_sm(
         query, key_cache, decode_tokens=decode_tokens_per_tile(group), tokens_per_tile=default_tokens_per_tile(group),
         has_prefill=has_prefill, has_window=sliding_window is not None,
     )  # fmt: skip
-    key = _occupancy_key(constexprs, _launch_options(constexprs), query.dtype, query.device)
+    key = _occupancy_key(constexprs, _launch_options(constexprs), query.dtype, query.device, key_cache.dtype)
     if key not in _VARIANTS.programs_per_sm and compile:
         warmup(query, key_cache, sliding_window, variants=(has_prefill,))
     return _VARIANTS.programs_per_sm.get(key, FALLBACK_PROGRAMS_PER_SM[has_prefill])

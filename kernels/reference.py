@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from fluidserve.kernels.cache_dtype import round_to_cache
+
 
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -48,8 +50,8 @@ def reshape_and_cache(
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[valid].to(key_cache.dtype)
-    value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
+    key_cache[blocks, offsets] = round_to_cache(key[valid], key_cache.dtype)
+    value_cache[blocks, offsets] = round_to_cache(value[valid], value_cache.dtype)
 
 
 def gather_kv(

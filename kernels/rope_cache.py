@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fluidserve.kernels.cache_dtype import to_cache
 from fluidserve.kernels.launch import Relaunch, Site, aligned, cache_layout, next_power_of_2
 
 # q's and k's per-head norm weights ([D] each, the heads' dtype) and its eps.
@@ -124,17 +125,17 @@ def _rope_and_cache_kernel(
     keep = written & dmask
     kc_row = key_cache_ptr + blk * stride_kcb + off * stride_kcs + hk * stride_kch
     kc = kc_row + d
-    tl.store(kc, k1.to(key_cache_ptr.dtype.element_ty), mask=written & rmask)
-    tl.store(kc + ROT_HALF, k2.to(key_cache_ptr.dtype.element_ty), mask=written & rmask)
+    tl.store(kc, to_cache(k1, key_cache_ptr), mask=written & rmask)
+    tl.store(kc + ROT_HALF, to_cache(k2, key_cache_ptr), mask=written & rmask)
     if ROT_HALF < HALF:  # a partial rope: the features past the rotated ones, as projected
         for start in tl.static_range(2 * ROT_HALF, 2 * HALF, BLOCK_HALF):
             e = d + start
             passed = written & (e < 2 * HALF)
-            tl.store(kc_row + e, tl.load(k_row + e, mask=passed).to(key_cache_ptr.dtype.element_ty), mask=passed)
+            tl.store(kc_row + e, to_cache(tl.load(k_row + e, mask=passed), key_cache_ptr), mask=passed)
     v = v_ptr + tok * stride_vt + hk * stride_vh + d
     vc = value_cache_ptr + blk * stride_vcb + off * stride_vcs + hk * stride_vch + d
-    tl.store(vc, tl.load(v, mask=keep).to(value_cache_ptr.dtype.element_ty), mask=keep)
-    tl.store(vc + HALF, tl.load(v + HALF, mask=keep).to(value_cache_ptr.dtype.element_ty), mask=keep)
+    tl.store(vc, to_cache(tl.load(v, mask=keep), value_cache_ptr), mask=keep)
+    tl.store(vc + HALF, to_cache(tl.load(v + HALF, mask=keep), value_cache_ptr), mask=keep)
 
 
 _ROPE_AND_CACHE = Relaunch(_rope_and_cache_kernel)

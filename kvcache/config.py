@@ -28,6 +28,8 @@ def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | N
 
 
 BLOCK_SIZES = (8, 16, 32, 64)  # what the engine's attention kernels take
+# What a KV cache may store (kernels/cache_dtype.py maps each to its type).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,10 @@ class CacheConfig:
     gpu_memory_utilization: float = setting(0.9, "fraction of GPU memory the engine may use (weights + KV cache)")
     cpu_kv_cache_gb: float = setting(1.0, "GiB of device KV cache on a CPU, where free memory is not measured",
                                      metavar="GIB")
+    kv_cache_dtype: str = setting(
+        "auto", "what the KV cache stores: auto, the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2, one byte an "
+                "element at a scale of 1, rounded to nearest and saturated, so twice the tokens fit (bf16 models) "
+                "and attention reads half the bytes", choices=KV_CACHE_DTYPES)
     # Host tier (FastServe §4.2): GiB per worker, or an exact block count.
     swap_space: float | None = setting(
         None, "host memory per worker for KV swapped out of the device, in GiB (pinned on CUDA); "
@@ -59,6 +65,7 @@ class CacheConfig:
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, "must be positive"),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "must be in (0, 1]"),
             ("cpu_kv_cache_gb", self.cpu_kv_cache_gb > 0, "must be positive"),
+            ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"must be one of {KV_CACHE_DTYPES}"),
             ("swap_space", self.swap_space is None or self.swap_space >= 0, "must be >= 0"),
             ("num_host_blocks", self.num_host_blocks is None or self.num_host_blocks >= 0, "must be >= 0"),
         ]

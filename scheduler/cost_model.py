@@ -28,7 +28,7 @@ Step shape, the numbers a step's time is predicted from:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 from fluidserve.scheduler.request_state import RequestClass
@@ -112,6 +112,7 @@ class ModelShape:
     shared_expert_intermediate_size: int = 0
     moe_layers: int = 0
     ffn_dim: int = 0  # a two-matrix MLP's features (OPT's fc1, fc2); 0: the gated three-matrix MLP
+    kv_dtype_bytes: int = 0  # bytes of a cached K or V element (an fp8 cache: 1); 0: dtype_bytes
 
     @property
     def hd(self) -> int:
@@ -179,7 +180,7 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.hd * self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.hd * (self.kv_dtype_bytes or self.dtype_bytes)
 
     @classmethod
     def from_hf_config(cls, cfg: dict, dtype_bytes: int = 2) -> "ModelShape":
@@ -466,7 +467,10 @@ def cost_model_for_engine(config: Any, hf_config: Any, device: str, gpu_name: st
     cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
     dtype = getattr(config, "dtype", "auto")
     dtype_bytes = DTYPE_BYTES.get(dtype, 4 if device == "cpu" else 2)
-    model = RooflineCostModel(ModelShape.from_hf_config(cfg, dtype_bytes), device_spec_for(device, gpu_name))
+    shape = ModelShape.from_hf_config(cfg, dtype_bytes)
+    if str(getattr(config, "kv_cache_dtype", "auto")).startswith("fp8"):
+        shape = replace(shape, kv_dtype_bytes=1)
+    model = RooflineCostModel(shape, device_spec_for(device, gpu_name))
     calibrate = getattr(config, "calibrate_cost_model", None)
     if calibrate is None:
         calibrate = any(getattr(config, name, None) is not None

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from fluidserve.engine.sampling_params import STRUCTURED_OUTPUT_BACKENDS
+from fluidserve.kvcache.config import KV_CACHE_DTYPES
 from fluidserve.serve.reasoning import REASONING_PARSERS
 from fluidserve.serve.tool_parsers import TOOL_CALL_PARSERS
 if TYPE_CHECKING:
@@ -31,9 +32,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("fluidserve.serve")
 
 # vLLM flags we do not implement -> why. Each fails with one line, not a usage
-# dump or a traceback. A value in ``_HARMLESS_VALUES`` is what we do anyway.
+# dump or a traceback. A value in ``_HARMLESS_VALUES`` is one we implement
+# (the flag then reaches the parser as our own setting).
 UNSUPPORTED_VLLM_FLAGS = {
-    "--kv-cache-dtype": "the KV cache is kept in the model's dtype",
+    "--kv-cache-dtype": "the KV cache stores auto (the model's dtype), fp8, fp8_e4m3 or fp8_e5m2",
     "--tool-parser-plugin": "tool-call parser plugins are not supported (built in: --tool-call-parser "
                             "hermes | llama3_json)",
     "--quantization": "quantized checkpoints are not supported",
@@ -51,7 +53,7 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--tokenizer-mode": "tokenizers load through transformers' AutoTokenizer only",
     "--rope-scaling": "overriding the model's RoPE scaling is not supported",
 }
-_HARMLESS_VALUES = {"--kv-cache-dtype": {"auto"}, "--tokenizer-mode": {"auto"}, "--lora-dtype": {"auto"},
+_HARMLESS_VALUES = {"--kv-cache-dtype": set(KV_CACHE_DTYPES), "--tokenizer-mode": {"auto"}, "--lora-dtype": {"auto"},
                     "--pipeline-parallel-size": {"1"}, "-pp": {"1"},
                     "--guided-decoding-backend": set(STRUCTURED_OUTPUT_BACKENDS)}
 _VALUELESS = {"--fully-sharded-loras"}

@@ -186,6 +186,28 @@ def test_triton_lane_bf16_agrees_with_the_cpu_kernels(tiny_model, make_llm, trit
     assert_agree_but_for_near_ties(lane, ref, arch)
 
 
+@lane_only
+@pytest.mark.parametrize("arch, overrides, enforce_eager", [(*LANE_CASES[0], False), (*LANE_CASES[1], True)],
+                         ids=["llama-gqa-graphs", "qwen3-128-eager"])
+def test_triton_lane_over_an_fp8_cache_gives_the_cpu_kernels_tokens(tiny_model, make_llm, triton_lane, monkeypatch,
+                                                                     arch, overrides, enforce_eager):
+    """--kv-cache-dtype fp8 on the GPU's path: the rope launch (Qwen3's q/k
+    norms in it) and the cache write round K/V as the CPU path does, and
+    the attention launches (eager, or the decode buckets' static plans)
+    read them back as stored: fp32 tokens equal the CPU kernels' over the
+    same cache."""
+    path = tiny_model(arch, **overrides)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kwargs = dict(dtype="float32", kv_cache_dtype="fp8", enforce_eager=enforce_eager)
+    llm = make_llm(path, **{**LANE_KWARGS, **kwargs})
+    lane = llm.generate(PROMPTS, params)
+    graphs = llm.engine.executor.worker.graphs
+    assert enforce_eager or sum(graphs.replays.values()) > 0
+    monkeypatch.delenv(ops.KERNELS_ENV)
+    ref = generate(make_llm, path, params, **kwargs)
+    assert [o.outputs[0].token_ids for o in lane] == [o.outputs[0].token_ids for o in ref]
+
+
 # -- 4. decode buckets over the static plans -------------------------------------------------
 
 

@@ -91,6 +91,17 @@ def test_cost_model_for_engine_uses_profile_else_roofline(tmp_path):
     assert isinstance(cost_model_for_engine(Cfg(), hf, "cpu"), RooflineCostModel)
 
 
+def test_an_fp8_cache_halves_the_kv_bytes_the_roofline_reads():
+    from fluidserve.engine.config import EngineConfig
+
+    hf = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": 300}
+    auto, fp8 = (cost_model_for_engine(EngineConfig.create(dtype="bfloat16", kv_cache_dtype=kv), hf, "cuda")
+                 for kv in ("auto", "fp8_e5m2"))
+    assert auto.model.kv_bytes_per_token == 2 * fp8.model.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
+    assert fp8.decode_time(8, 8 * 4096) < auto.decode_time(8, 8 * 4096)
+
+
 def test_profile_cli_roofline_mode(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
         "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,

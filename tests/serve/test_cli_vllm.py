@@ -22,8 +22,8 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
-    (["--kv-cache-dtype=fp8_e5m2"], "--kv-cache-dtype fp8_e5m2"),
+    (["--kv-cache-dtype", "fp8_inc"], "--kv-cache-dtype fp8_inc"),
+    (["--kv-cache-dtype=bfloat16"], "--kv-cache-dtype bfloat16"),
     (["--tool-parser-plugin", "my_parser.py"], "--tool-parser-plugin my_parser.py"),
     (["--guided-decoding-backend", "outlines"], "--guided-decoding-backend outlines"),
     (["--quantization", "awq"], "--quantization awq"),
@@ -57,9 +57,16 @@ def test_a_busy_port_is_one_line_before_any_engine_starts():
 
 
 def test_harmless_values_of_unsupported_flags_pass_the_check():
-    cli.check_unsupported(["serve", "m", "--kv-cache-dtype", "auto", "-pp", "1"])
-    with pytest.raises(cli.UnsupportedFlag, match="--kv-cache-dtype fp8"):
-        cli.check_unsupported(["serve", "m", "--kv-cache-dtype", "fp8"])
+    cli.check_unsupported(["serve", "m", "--kv-cache-dtype", "auto", "-pp", "1", "--kv-cache-dtype=fp8_e5m2"])
+    with pytest.raises(cli.UnsupportedFlag, match="--kv-cache-dtype fp8_inc .*fp8_e4m3"):
+        cli.check_unsupported(["serve", "m", "--kv-cache-dtype", "fp8_inc"])
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_an_fp8_cache_flag_reaches_the_cache_config(value):
+    config = cli.engine_config_from_args(parse("/m", "--kv-cache-dtype", value))
+    assert config.cache.kv_cache_dtype == value
+    assert cli.engine_config_from_args(parse("/m")).cache.kv_cache_dtype == "auto"
 
 
 def parse(*argv: str):
