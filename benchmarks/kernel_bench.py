@@ -267,6 +267,16 @@ def bench_decode(shape: Shape, batch_sizes: list[int], contexts: list[int], copy
                              splits=plan.max_splits, units=plan.num_units))  # fmt: skip
             print(f"decode b={b:4d} ctx={ctx:6d}  {ms:8.3f} ms  {gbs:7.1f} GB/s  ({100 * gbs / copy_gbs:5.1f}% of "
                   f"copy); in a graph {in_graph:8.3f} ms ({100 * graph_gbs / copy_gbs:5.1f}%)")
+            # --kv-cache-dtype fp8: the same rows over an e4m3 cache, half the bytes to read.
+            fp8 = dict(batch, key_cache=batch["key_cache"].to(torch.float8_e4m3fn),
+                       value_cache=batch["value_cache"].to(torch.float8_e4m3fn))
+            fp8_plan = pa.plan_for(fp8["query"], fp8["key_cache"], q_lens, seq_lens)  # its variant's occupancy
+            fp8_ms = graph_ms(partial(run_attention, fp8, shape, fp8_plan))
+            fp8_moved = kv_bytes // elem + q_bytes
+            rows[-1].update(fp8_graph_ms=fp8_ms, fp8_graph_pct_of_copy=100 * gb_s(fp8_ms, fp8_moved) / copy_gbs)
+            print(f"  over an fp8 cache: in a graph {fp8_ms:8.3f} ms ({rows[-1]['fp8_graph_pct_of_copy']:5.1f}% of "
+                  f"copy on its bytes; {in_graph / fp8_ms:.2f}x the speed)")
+            del fp8
             if b * ctx <= SHORT_STEP_KEYS:
                 short = pa.plan_for(batch["query"], batch["key_cache"], q_lens, seq_lens, kv_chunk=SHORT_SPLIT)
                 rows[-1].update(short_split_graph_ms=graph_ms(partial(run_attention, batch, shape, short)),
@@ -412,6 +422,13 @@ def markdown(report: dict) -> str:
                      if "graph_ms" in r else ("–",) * 3)  # fmt: skip
             cells = (r["batch"], r["context"], f"{r['ms']:.3f}", f"{r['gb_s']:.0f}", f"{r['pct_of_copy']:.1f}", *graph)
             lines.append("| " + " | ".join(map(str, cells)) + " |")
+    fp8 = [r for r in report["decode"] if "fp8_graph_ms" in r]
+    if fp8:
+        lines += ["", "Over an fp8 (e4m3) cache (`--kv-cache-dtype fp8`), in a graph: % of copy on the bytes it "
+                  "reads (half the K/V bytes), and its speed against the model-dtype cache's:", "",
+                  "| batch | context | ms | % of copy | vs the model dtype's cache |", "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['batch']} | {r['context']} | {r['fp8_graph_ms']:.4f} | {r['fp8_graph_pct_of_copy']:.1f} | "
+                  f"{r['graph_ms'] / r['fp8_graph_ms']:.2f}x |" for r in fp8]
     short = [r for r in report["decode"] if "short_split_graph_ms" in r]
     if short:
         from fluidserve.kernels import packing
@@ -502,7 +519,7 @@ def markdown(report: dict) -> str:
 def warm_alternatives(query: torch.Tensor, key_cache: torch.Tensor) -> None:
     """Compile, as a warm-up would, the variants the sweep times beside the
     engine's (the alternative prefill tiles, the
-    decode-only variant with its merge fused), so that a variant the sweep
+    decode-only variant with its merge fused, and over an fp8 cache), so that a variant the sweep
     adds beyond these is a recompile while serving."""
     from fluidserve.kernels import paged_attention as pa
 
@@ -511,6 +528,7 @@ def warm_alternatives(query: torch.Tensor, key_cache: torch.Tensor) -> None:
             pa.warmup(query, key_cache, variants=(True,))
         with pa.tiles(fused_merge=True):
             pa.warmup(query, key_cache, variants=(False,))
+        pa.warmup(query, torch.empty_like(key_cache, dtype=torch.float8_e4m3fn), variants=(False,))
 
 
 def variants_report(shape: Shape, warmup_s: float, keys_warm: int, triton_warm: int | None, keys_alt: int,
@@ -820,7 +838,7 @@ def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...],
     from triton.compiler import ASTSource
 
     elem = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-            torch.int64: "i64"}
+            torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -865,7 +883,7 @@ def tile_buffers(ttgir: str) -> int:
     IR); 0, a kernel without such buffers. In the attention's key loops, 1
     means each tile is waited for before the next one's load is issued, so
     no load overlaps the loop's arithmetic."""
-    return max(map(int, re.findall(r"memdesc<(\d+)x\d+x\d+x[a-z0-9]+, [^>]*mutable>", ttgir)), default=0)
+    return max(map(int, re.findall(r"memdesc<(\d+)x\d+x\d+x[A-Za-z0-9]+, [^>]*mutable>", ttgir)), default=0)
 
 
 # SASS opcodes counted per key-loop iteration: spill stores and reloads,
@@ -910,6 +928,11 @@ def compile_report(num_kv_heads: int, block_size: int) -> list[dict]:
         rows.append(_compile_attention(num_kv_heads, block_size, torch.bfloat16, 128, 4, False, **changes))
     for changes in MIXED_SHAPES:
         rows.append(_compile_attention(num_kv_heads, block_size, torch.bfloat16, 128, 4, True, **changes))
+    for cache in (torch.float8_e4m3fn, torch.float8_e5m2):  # --kv-cache-dtype fp8 / fp8_e5m2: K/V widened in the loop
+        for has_prefill in (False, True):
+            row = _compile_attention(num_kv_heads, block_size, torch.bfloat16, 128, 4, has_prefill, cache_dtype=cache)
+            row.update(tuned=True, changes=f"{row['cache_dtype']} cache")
+            rows.append(row)
     return rows
 
 
@@ -934,11 +957,11 @@ MIXED_SHAPES = [dict(prefill_block_n=32), dict(block_n=32), dict(block_n=128), d
 
 
 def _compile_attention(num_kv_heads: int, block_size: int, dtype: torch.dtype, head_dim: int, group: int,
-                       has_prefill: bool, **changes: int) -> dict:
+                       has_prefill: bool, cache_dtype: torch.dtype | None = None, **changes: int) -> dict:
     from fluidserve.kernels import paged_attention as pa
 
     query = torch.empty((1, num_kv_heads * group, head_dim), dtype=dtype)
-    cache = torch.empty((4, block_size, num_kv_heads, head_dim), dtype=dtype)
+    cache = torch.empty((4, block_size, num_kv_heads, head_dim), dtype=cache_dtype or dtype)
     tables = torch.zeros((1, 1), dtype=torch.int32)
     with pa.tiles(**changes) as shape:
         plan = pa._empty_plan(query.device, group, has_prefill, None)
@@ -946,6 +969,7 @@ def _compile_attention(num_kv_heads: int, block_size: int, dtype: torch.dtype, h
     res = _compile_offline(pa._paged_attention_kernel, launch.args, launch.constexprs, pa._ATTENTION_DYNAMIC,
                            launch.options)
     res.update(kernel="attention", dtype=str(dtype).removeprefix("torch."), head_dim=head_dim, group=group,
+               cache_dtype=str(cache.dtype).removeprefix("torch."),
                variant="mixed" if has_prefill else "decode-only", block_n=shape.block_n,
                prefill_block_n=shape.prefill_step, tuned=bool(changes),
                changes=", ".join(f"{k}={v}" for k, v in changes.items()),
@@ -1048,6 +1072,8 @@ def row_compile_report() -> list[dict]:
     q, k, v = qkv[:, :4096].view(1, 32, 128), qkv[:, 4096:5120].view(1, 8, 128), qkv[:, 5120:].view(1, 8, 128)
     cos, sin = torch.empty((1, 128), dtype=bf16), torch.empty((1, 128), dtype=bf16)
     key_cache, value_cache = (torch.empty((64, 16, 8, 128), dtype=bf16) for _ in range(2))
+    fp8_caches = [torch.empty((64, 16, 8, 128), dtype=torch.float8_e4m3fn) for _ in range(2)]
+    e5m2_caches = [torch.empty((64, 16, 8, 128), dtype=torch.float8_e5m2) for _ in range(2)]
     slots, ids = torch.zeros(1, dtype=torch.int64), torch.arange(4, dtype=torch.int64)
     cases = [
         ("rms_norm", "residual add + RMSNorm", lambda: fused_norm.rms_norm(x, weight, 1e-5, residual)),
@@ -1060,6 +1086,10 @@ def row_compile_report() -> list[dict]:
                                            (weight[:128], weight[128:256], 1e-6))),
         ("reshape_and_cache", "k and v cached",
          lambda: cache_ops.reshape_and_cache(k, v, key_cache, value_cache, slots)),
+        ("rope_and_cache", "q, k rotated, k and v cached in fp8 (e4m3)",
+         lambda: rope_cache.rope_and_cache(q, k, v, cos, sin, *fp8_caches, slots)),
+        ("reshape_and_cache", "k and v cached in fp8 (e5m2)",
+         lambda: cache_ops.reshape_and_cache(k, v, *e5m2_caches, slots)),
         ("copy_blocks", "gather (swap out)", lambda: cache_ops.gather_blocks(key_cache, ids)),
         ("copy_blocks", "scatter (swap in)",
          lambda: cache_ops.scatter_blocks(torch.empty((4, 16, 8, 128), dtype=bf16), key_cache, ids)),

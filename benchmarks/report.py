@@ -1058,6 +1058,12 @@ def op_counts(_: str) -> tuple[list[str], list[str]]:
             *embedded(OP_COUNT_STEMS)], []
 
 
+def kv_cache_dtype(_: str) -> tuple[list[str], list[str]]:
+    return ["`benchmarks/kv_cache_dtype.py`: an fp8 KV cache (`--kv-cache-dtype`) against the model's dtype "
+            "on a real model, in one run: its replies, a burst against a fixed KV budget, and the CPU attention "
+            "call's cost.", "", *embedded(["kv_cache_dtype"])], []
+
+
 # -- the page ------------------------------------------------------------------------------
 
 Renderer = Callable[[str], tuple[list[str], list[str]]]
@@ -1067,7 +1073,8 @@ ONLINE_STEMS = ["vs_vllm-online-cpu", "vs_vllm-online-cpu-transformers", "vs_vll
                 "vs_vllm-online-cpu-smollm2-one-openmp-team", "vs_vllm-online-cpu-smollm2-yield-busy-cores",
                 "vs_vllm-online-cpu-smollm2-core-waits", "vs_vllm-online-cpu-switch-beside-client",
                 "vs_vllm-online-cpu-smollm2-final-check", "vs_vllm-online-cpu-switch-beside-client-trials",
-                "vs_vllm-online-cpu-smollm2-trials-check", "vs_vllm-online-cpu-switch-same-flags"]
+                "vs_vllm-online-cpu-smollm2-trials-check", "vs_vllm-online-cpu-switch-same-flags",
+                "vs_vllm-online-cpu-smollm2-fp8-kv"]
 SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Scheduling policies (simulator)", ["scheduling"], scheduling),
     ("Two KV tiers (simulator)", ["swapping"], swapping),
@@ -1108,6 +1115,7 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
      ["prefix_cache", "swap_serving", "swap_serving_chat", "swap_serving-default-seeds-0-6",
       "swap_serving-load-0.9-seeds-0-6", "swap_serving-load-0.9-baseline-again", "swap_serving_chat-default-seeds-0-6",
       "preemption"], kv_real),
+    ("The KV cache's dtype: fp8", ["kv_cache_dtype"], kv_cache_dtype),
     ("Frontend, load generator and Ray executor", ["serve_overhead", "serve_bench-*", "ray_overhead-*"], frontend),
     ("Triton kernels compiled for sm_90", ["kernels_compile_sm90"], kernels_compile),
     ("Host time of a Triton launch", ["launch_overhead", "launch_overhead-triton3.6"], launch_overhead),

@@ -562,8 +562,8 @@ def server_commands(args: argparse.Namespace, model_dir: Path, dtype: str, ports
                          "--host", "127.0.0.1", "--port", str(ports["vllm"]), "--dtype", dtype,
                          "--max-model-len", common_len, "--max-num-seqs", str(args.max_num_seqs),
                          "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                         "--gpu-memory-utilization", "0.3", "--enforce-eager", "--no-enable-prefix-caching"],
-                        VLLM_ENV)
+                         "--gpu-memory-utilization", "0.3", "--enforce-eager", "--no-enable-prefix-caching",
+                         *shlex.split(args.vllm_flags)], VLLM_ENV)
     if not args.skip_transformers:
         # It scans the hub cache at start-up and dies when there is none: give it an empty one.
         hub_cache = scratch / "hf_hub_cache"
@@ -830,6 +830,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flags", default="",
                     help="online: flags added to every fluidserve server's command line, this tree's and the "
                          "baseline's (e.g. '--data-parallel-size 2')")
+    ap.add_argument("--vllm-flags", default="",
+                    help="online: flags added to vLLM's command line (e.g. '--kv-cache-dtype fp8' beside "
+                         "--flags '--kv-cache-dtype fp8')")
     ap.add_argument("--baseline-flags", default="",
                     help="online: flags added to the baseline server's command line (with --baseline-src . the "
                          "same tree with other flags, e.g. '--no-yield-busy-cores')")

@@ -48,8 +48,8 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device, monkeypatch):
     default = pa.variant_keys()
     bench.warm_alternatives(probe["query"], probe["key_cache"])
     warm = pa.variant_keys()
-    # the fused merge's and the prefill tile as one tile's (32 keys: the same class as 64)
-    assert len(warm["attention"]) == len(default["attention"]) + 2
+    # the fused merge's, the prefill tile as one tile's (32 keys: the same class as 64) and the fp8 cache's
+    assert len(warm["attention"]) == len(default["attention"]) + 3
     report = dict(
         device="test", config={}, copy_gb_s=100.0,
         # 300 keys at batch 1 is the one point the default plan splits (two pieces on the interpreter's units)
@@ -58,11 +58,12 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device, monkeypatch):
         mixed=bench.bench_mixed(shape, chunk=40, decodes=4, contexts=(20, 300), split_keys=64),
     )  # fmt: skip
     assert pa.variant_keys() == warm
-    # decode points launched and in a graph, and in a graph split at 64 keys (every point is a short step),
+    # decode points launched and in a graph, in a graph over an fp8 cache, and in a graph split at 64 keys
+    # (every point is a short step),
     # the split point again with the merge fused (launched and in a graph), ours + SDPA + ours with the
     # prefill tile at 32 keys a step and as one tile, packed in one and two launches, unpacked, split unpacked,
     # and both packed plans again with each alternative prefill tile
-    assert len(bench.calls) == 3 * 5 + 2 + 4 * 1 + 4 + 2 * 2
+    assert len(bench.calls) == 4 * 5 + 2 + 4 * 1 + 4 + 2 * 2
     assert pa.TILES == pa.Tiles()  # the alternative prefill tiles only inside their timing
     # 40 keys stay whole (0: no split), 200 keys in four 64-key pieces
     assert [r["short_split_splits"] for r in report["decode"]] == [0, 4, 0, 4, 5]
@@ -179,6 +180,17 @@ def test_decode_variant_compiles_for_hopper_without_spilling():
     piped = compile_for_hopper(call.format(", decode_num_stages=5"))
     assert row["tile_buffers"] == 1 and piped["tile_buffers"] == 2, (row, piped)
     assert piped["stack_bytes"] == 0 and piped["programs_per_sm"] >= 2
+
+
+def test_decode_variant_over_an_fp8_cache_compiles_for_hopper_without_spilling():
+    """--kv-cache-dtype fp8 on sm_90: the decode-only variant widens K and V
+    to bf16 in its key loop and still keeps its tile in registers, three
+    programs to an SM, with its K/V tile buffered in shared memory as the
+    bf16 cache's is (the count reads fp8 tile types too)."""
+    row = compile_for_hopper("_compile_attention(8, 16, torch.bfloat16, 128, 4, False, "
+                             "cache_dtype=torch.float8_e4m3fn)")
+    assert row["cache_dtype"] == "float8_e4m3fn" and row["stack_bytes"] == 0 and row["local_bytes"] == 0
+    assert row["programs_per_sm"] >= 3 and row["tile_buffers"] == 1 and row["loop_spills"] == [0]
 
 
 def test_partials_move_16_bytes_an_instruction_and_the_merge_waits_at_no_barrier():
