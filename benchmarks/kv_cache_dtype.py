@@ -33,17 +33,14 @@ from pathlib import Path
 import torch
 
 from dummy_models import device_name, save_results
+from smollm2 import PROMPTS as SMOLLM2_PROMPTS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CACHES = ("auto", "fp8", "fp8_e5m2")
 MAX_MODEL_LEN = 2048
+# The real-model check's prompts (benchmarks/smollm2.py), and six more.
 CHAT_PROMPTS = [
-    "What is the capital of France? Answer in one sentence.",
-    "Write a haiku about the sea.",
-    "Explain what a hash table is to a child.",
-    "List three prime numbers greater than 100.",
-    "Translate 'good morning' into French and Spanish.",
-    "Give me two tips for writing clear emails.",
+    *SMOLLM2_PROMPTS,
     "Summarize the plot of Romeo and Juliet in three sentences.",
     "Why is the sky blue? Explain briefly.",
     "Write a short poem about autumn leaves.",

@@ -12,12 +12,15 @@ import transformers
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "a", "Long prompt " * 9, "你好, wörld"]
 
 
-def hf_greedy(model_dir: str, prompts, max_new_tokens: int = 16, auto_class=None) -> list[list[int]]:
+def hf_greedy(model_dir: str, prompts, max_new_tokens: int = 16, auto_class=None,
+              attn_implementation: str | None = None) -> list[list[int]]:
     """Reference continuations, one prompt at a time (no padding in play);
     ``auto_class``: the transformers class that loads the model (default
-    ``AutoModelForCausalLM``)."""
+    ``AutoModelForCausalLM``); ``attn_implementation``: its attention (one
+    registered with transformers' ``AttentionInterface``, say)."""
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    hf = (auto_class or transformers.AutoModelForCausalLM).from_pretrained(model_dir).eval()
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    hf = (auto_class or transformers.AutoModelForCausalLM).from_pretrained(model_dir, **kwargs).eval()
     out = []
     for p in prompts:
         ids = tok.encode(p) if isinstance(p, str) else p

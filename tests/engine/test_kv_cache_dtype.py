@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -37,15 +36,7 @@ ORACLES = {kv: _register(f"sdpa_kv_{kv}", dtype) for kv, dtype in STORED.items()
 
 def hf_greedy_stored(model_dir: str, prompts, kv: str, max_new_tokens: int = 16) -> list[list[int]]:
     """hf_greedy with every attention reading K/V as a ``kv`` cache stores them."""
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=ORACLES[kv]).eval()
-    out = []
-    for p in prompts:
-        ids = tok.encode(p) if isinstance(p, str) else p
-        gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                          do_sample=False, pad_token_id=tok.pad_token_id)
-        out.append(gen[0, len(ids):].tolist())
-    return out
+    return hf_greedy(model_dir, prompts, max_new_tokens, attn_implementation=ORACLES[kv])
 
 
 def tokens(outs) -> list[list[int]]:
