@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 SHAPES = [(1, 64), (16, 4096), (GATHER_SUM_MAX_NUMEL // 512 + 1, 512)]  # the last past the gather's bound
 
 
-def _rank(rank: int, rendezvous: str, results) -> None:
+def _rank(rank: int, rendezvous: str, results, received) -> None:
     torch.set_num_threads(1)
     tp = init_tensor_parallel(rank, 2, rendezvous, "gloo")
     try:
@@ -32,19 +32,23 @@ def _rank(rank: int, rendezvous: str, results) -> None:
                 assert tp.all_reduce(x) is x  # in place
                 out.append((mine, x))
         results.put((rank, tp.gather_small_sums, out))
+        # The tensors cross as file descriptors this process serves: it
+        # stays up until the test has them (exiting first fails the get).
+        received.wait(120)
     finally:
         destroy_tensor_parallel()
 
 
 def test_sums_over_two_gloo_ranks_are_the_same_bits_on_both():
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
+    results, received = ctx.Queue(), ctx.Event()
     with tempfile.TemporaryDirectory() as tmp:
         rendezvous = f"file://{os.path.join(tmp, 'rdv')}"
-        procs = [ctx.Process(target=_rank, args=(r, rendezvous, results)) for r in range(2)]
+        procs = [ctx.Process(target=_rank, args=(r, rendezvous, results, received)) for r in range(2)]
         for p in procs:
             p.start()
         got = dict((rank, (gathers, out)) for rank, gathers, out in (results.get(timeout=60) for _ in procs))
+        received.set()
         for p in procs:
             p.join(30)
     assert got[0][0] and got[1][0]  # gloo: small sums by gather
