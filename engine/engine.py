@@ -220,11 +220,12 @@ class LLMEngine:
                          if lora.enable_lora else None)  # fmt: skip
         for name, path in lora.lora_modules:
             self.add_lora(name, path)
-        log.info("engine ready: %s on %s (%s attention kernels%s), %d KV blocks of %d tokens (+%d on the host), "
+        log.info("engine ready: %s on %s (%s attention kernels%s), %d KV blocks of %d tokens (+%d on the host%s), "
                  "max_model_len %d%s", self.model_name, runtime_for(device).name or device, kernel_path(device),
                  "" if config.enforce_eager else ", decode CUDA graphs where the device has them",
-                 self.kv.num_blocks, cache.block_size, self.kv.num_host_blocks, self.max_model_len,
-                 " (built-in tiny random-weight model)" if is_tiny_model(self.model_dir) else "")
+                 self.kv.num_blocks, cache.block_size, self.kv.num_host_blocks,
+                 "" if cache.kv_cache_dtype == "auto" else f"; K/V stored as {cache.kv_cache_dtype}",
+                 self.max_model_len, " (built-in tiny random-weight model)" if is_tiny_model(self.model_dir) else "")
 
     @property
     def kv(self):
