@@ -272,7 +272,7 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _load_kv(
-    start, kv_hi, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
+    start, kv_hi, bt_row, k_cache_ptr, v_cache_ptr, kv_head, q,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     BLOCK_SIZE: tl.constexpr,
@@ -281,7 +281,10 @@ def _load_kv(
     BLOCK_N: tl.constexpr,
 ):
     """Keys [start, start + BLOCK_N) through the page walk: (positions,
-    which exist, K and V as [BLOCK_N, HEAD_PAD] tiles)."""
+    which exist, K and V as [BLOCK_N, HEAD_PAD] tiles in the dtype of the
+    queries ``q``). An fp8 cache's tiles are widened here, once for every
+    query tile that reads them (kernels/cache_dtype.py); the test is on
+    types, at compile time, so any other cache converts nothing."""
     d = tl.arange(0, HEAD_PAD)
     kpos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     k_ok = kpos < kv_hi
@@ -293,6 +296,9 @@ def _load_kv(
                 mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + (blk * stride_vb + off * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
                 mask=kv_mask, other=0.0)
+    if k.dtype != q.dtype:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     return kpos, k_ok, k, v
 
 
@@ -311,12 +317,7 @@ def _attend_keys(q, m_i, l_i, acc, k, v, kpos, k_ok, pos, qk_scale, window, soft
     see every key: no causal or window test, and every score is finite, so
     neither is the running max. ``SOFTCAP`` (Gemma 2): each score capped as
     ``cap * tanh(score / cap)``, ``qk_scale`` then being scale / cap and
-    ``softcap`` cap * log2(e). K and V of an fp8 cache are widened to q's
-    dtype first (kernels/cache_dtype.py); the test is on types, at compile
-    time, so any other cache converts nothing."""
-    if k.dtype != q.dtype:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+    ``softcap`` cap * log2(e)."""
     s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     if SOFTCAP:
         s = softcap * _tanh(s)
@@ -450,7 +451,7 @@ def _attend_item(
     if SPLIT_MASK and not HAS_WINDOW:
         masked_lo = _unmasked_end(kv_lo, kv_hi, pos0, BLOCK_N)
         for start in range(kv_lo, masked_lo, BLOCK_N):
-            kpos, k_ok, k, v = _load_kv(start, kv_hi, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
+            kpos, k_ok, k, v = _load_kv(start, kv_hi, bt_row, k_cache_ptr, v_cache_ptr, kv_head, q0,
                                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                         BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N)
             m0, l0, acc0 = _attend_keys(q0, m0, l0, acc0, k, v, kpos, k_ok, pos_0, qk_scale, window, softcap,
@@ -459,7 +460,7 @@ def _attend_item(
                 m1, l1, acc1 = _attend_keys(q1, m1, l1, acc1, k, v, kpos, k_ok, pos_1, qk_scale, window, softcap,
                                             HAS_WINDOW, DOT_PRECISION, False, SOFTCAP)
     for start in range(masked_lo, kv_hi, BLOCK_N):
-        kpos, k_ok, k, v = _load_kv(start, kv_hi, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
+        kpos, k_ok, k, v = _load_kv(start, kv_hi, bt_row, k_cache_ptr, v_cache_ptr, kv_head, q0,
                                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                     BLOCK_SIZE, HEAD_DIM, HEAD_PAD, BLOCK_N)
         m0, l0, acc0 = _attend_keys(q0, m0, l0, acc0, k, v, kpos, k_ok, pos_0, qk_scale, window, softcap,
