@@ -99,6 +99,10 @@ class ModelInput:
     # back into ``samples`` as it takes the step in.
     sample_wire: SampleWire | None = None
     sample_ids: list[str] = field(default_factory=list)  # request id of each sampling row
+    # Speculative decoding: sequence id -> the drafts its step verifies. Such
+    # a sequence has a sampling row at each of its positions, all under its
+    # id, in order (engine/speculative.py).
+    drafts: dict[str, list[int]] = field(default_factory=dict)
     # Only requests that asked for prompt logprobs: others keep one logits row each.
     prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
     # Embedding requests' rows (engine/pooling.py); they have no sampling row.
@@ -146,7 +150,12 @@ class StepFailed(RuntimeError):
 
 @dataclass
 class StepResult:
-    sampled: dict = field(default_factory=dict)  # request id -> SampledToken (rank 0 only)
+    # request id -> SampledToken (rank 0 only); of a sequence verifying drafts, its last row's.
+    sampled: dict = field(default_factory=dict)
+    # A sequence verifying drafts: the SampledTokens of its rows before the
+    # last; once the engine has compared them with the drafts, of all its
+    # rows those that stand (the tokens it appends).
+    drafted: dict = field(default_factory=dict)
     # engine request id -> one {token id: Logprob} per scored prompt position (rank 0 only)
     prompt_logprobs: dict = field(default_factory=dict)
     # engine request id -> (sum of the pooled rows or None, their count, final) (rank 0 only)

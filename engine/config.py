@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from fluidserve.kvcache.config import BLOCK_SIZES, CacheConfig, ConfigTree, check_all, setting
 from fluidserve.scheduler.config import SchedulerConfig
+from fluidserve.engine.speculative import parse_speculative_config
 
 # Decode CUDA graphs unless --enforce-eager, as vLLM does: the graph tests
 # (tests/engine/test_cuda_graphs.py -m gpu) pass on an H100, which is what
@@ -139,6 +140,12 @@ class EngineConfig(ConfigTree):
               '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
               '"is_original_qwen3_reranker": true} serves a causal LM trained as a reranker as a classifier '
               "whose head is its LM head's rows of those tokens")
+    speculative_config: str | None = setting(
+        None, 'speculative decoding as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": K, '
+              '"prompt_lookup_max": N, "prompt_lookup_min": M}: each decode step also verifies up to K tokens '
+              "that followed the latest N..M tokens where they occurred before in the prompt or outputs "
+              "(engine/speculative.py); sequences with penalties, min_tokens, a grammar or a thinking budget "
+              "decode one token a step; steps run synchronously (no --async-scheduling)", metavar="JSON")
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -157,6 +164,7 @@ class EngineConfig(ConfigTree):
              "must be positive batch sizes"),
             ("hf_overrides", self.hf_overrides is None or _json_object(self.hf_overrides), "must be a JSON object"),
         ])
+        parse_speculative_config(self.speculative_config)  # its own errors name what is wrong
 
 
 def _json_object(text: str) -> bool:

@@ -48,6 +48,8 @@ from fluidserve.engine.preemption import PreemptionPolicy, safepoint_shares
 from fluidserve.engine.request import Request, Sequence
 from fluidserve.engine.sampler import device_only
 from fluidserve.engine.sampling_params import SamplingParams
+from fluidserve.engine.speculative import (NgramDrafter, accepted, can_draft, draft_limit,
+                                          parse_speculative_config)
 from fluidserve.engine.structured import xgrammar
 from fluidserve.engine.tiny_model import default_tiny_model_dir
 from fluidserve.engine.runtime import pick_device, runtime_for
@@ -103,6 +105,13 @@ class EngineStats:
     num_steps_resumed: int = 0  # paused steps continued from their safepoint
     # Async scheduling: decode steps queued before the previous step's tokens were read.
     num_steps_launched_ahead: int = 0
+    # Speculative decoding (vLLM's spec_decode counters): sequences' steps
+    # that verified drafts, the draft tokens verified, those that stood, and
+    # those that stood by their position among a step's drafts.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
     # Steps whose forward raised (the device sound), and the requests failed
     # by them or by a row whose sampling raised; the engine served on.
     num_failed_steps: int = 0
@@ -203,11 +212,14 @@ class LLMEngine:
                                                 self.classifier)
         self._lost_tokens = 0  # of abandoned steps whose state the worker did not keep
         self.preemption = PreemptionPolicy(self.executor.interrupt)
+        self.speculative = parse_speculative_config(config.speculative_config)
+        if self.speculative is not None:
+            self.stats_.spec_accepted_per_position = (0,) * self.speculative.num_speculative_tokens
         wanted = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
-        self._async = wanted and self.executor.can_launch
+        self._async = wanted and self.executor.can_launch and self.speculative is None
         if config.async_scheduling and not self._async:
-            log.warning("--async-scheduling needs the in-process executor (--executor local, one GPU): "
-                        "steps run synchronously")
+            log.warning("--async-scheduling needs the in-process executor (--executor local, one GPU) and no "
+                        "--speculative-config: steps run synchronously")
         self._pending: _Launched | None = None  # async scheduling: the step queued, unread
         # Built on the thread that steps the engine (EngineThread), which owns its OpenMP team.
         self._cpu_share = (CpuShare.for_this_thread() if config.yield_busy_cores and device.type == "cpu"
@@ -295,6 +307,10 @@ class LLMEngine:
                            new_logprobs=[] if params.logprobs is not None else None,
                            stop_ids=stop_ids, max_output_len=min(max_tokens, self.max_model_len - len(token_ids)),
                            lazy_text=lazy_text)
+            spec = self.speculative
+            if spec is not None and pooling is None and can_draft(params):
+                seq.drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+                seq.drafter.extend(token_ids)
             req.seqs.append(seq)
         self.requests[request_id] = req
         for seq in req.seqs:
@@ -422,6 +438,7 @@ class LLMEngine:
         self._failed_in_a_row = 0
         if result.failed_requests:
             self._fail_whole_requests(result)
+        rejected = self._accept_drafts(inp.drafts, result) if inp.drafts and not result.abandoned else {}
         outputs, finished = self.output_processor.process(result, now)
         if result.failed_rows:
             outputs += self._fail_rows(result.failed_rows, now, finished)
@@ -429,7 +446,10 @@ class LLMEngine:
         self.scheduler.update_from_output(plan, StepOutcome(took, now, finished,
                                                             abandoned=result.abandoned, paused=result.paused,
                                                             # kept with the paused step until it resumes
-                                                            paused_input=inp if result.paused else None))
+                                                            paused_input=inp if result.paused else None,
+                                                            rejected=rejected))
+        if self.speculative is not None and not result.abandoned:
+            self._propose_drafts(plan)
         self._count_step(plan, took)
         self.stats_.swap_stall_seconds += result.swap_stall_s
         return outputs
@@ -627,6 +647,13 @@ class LLMEngine:
                 add_id(prompt[start] if start < len(prompt) else seq.output_token_ids[start - len(prompt)])
                 add_pos(start)
                 add_slot(slot_of(table, start, bs))
+            elif item.drafts:
+                # A decode and the drafts after it, each position a sampling row (engine/speculative.py).
+                draft = inp.drafts[item.request_id] = seq.draft[:item.drafts]
+                inp.input_ids += seq.tokens(start, start + 1)
+                inp.input_ids += draft
+                inp.positions += range(start, start + n)
+                inp.slot_mapping += slots(table, start, start + n, bs)
             else:
                 end = start + n
                 if req.prompt_logprobs is not None:
@@ -643,11 +670,16 @@ class LLMEngine:
             add_table(table)
             add_key(keys[item.request_id])
             if sample:
-                add_idx(num_tokens - 1)
                 spec = seq.sample_spec
                 # Made before and unseeded: nothing in it moves (its outputs are the live list).
                 if spec is None or spec.params.seed is not None:
                     spec = self._sample_spec(seq)
+                if item.drafts:
+                    for j, row in enumerate(self._draft_rows(seq, spec, item.drafts)):
+                        add_idx(num_tokens - n + j)
+                        add_spec(row)
+                        add_sid(item.request_id)
+                add_idx(num_tokens - 1)
                 add_spec(spec)
                 add_sid(item.request_id)
         if self.adapters is not None:
@@ -711,6 +743,63 @@ class LLMEngine:
             # whatever else shares the batch, and stateless across workers.
             spec.seed = hash((seed, seq.index, n_out)) & 0x7FFF_FFFF_FFFF_FFFF
         return spec
+
+    @staticmethod
+    def _draft_rows(seq: Sequence, spec: SampleSpec, drafts: int) -> list[SampleSpec]:
+        """The sampling rows of a verifying step before its last (``spec``,
+        which this turns into the last's): row ``j`` samples output position
+        ``n_out + j``, with the seed that position would have had."""
+        seed = spec.params.seed
+        if seed is None:
+            return [spec] * drafts
+        n_out = len(seq.output_token_ids)
+        rows = [dataclasses.replace(spec, seed=hash((seed, seq.index, n_out + j)) & 0x7FFF_FFFF_FFFF_FFFF)
+                for j in range(drafts)]
+        spec.seed = hash((seed, seq.index, n_out + drafts)) & 0x7FFF_FFFF_FFFF_FFFF
+        return rows
+
+    def _accept_drafts(self, drafts: dict[str, list[int]], result: StepResult) -> dict[str, int]:
+        """Each verifying sequence's rows against its drafts: ``drafted``
+        then holds, for it, the list of tokens that stand (the drafts its
+        rows confirmed, then the first row's token that differs, or the row
+        after the last draft). Returns the drafts rejected per sequence."""
+        rejected: dict[str, int] = {}
+        stats = self.stats_
+        per_position = list(stats.spec_accepted_per_position)
+        for sid, draft in drafts.items():
+            last = result.sampled.get(sid)
+            if last is None:  # its row failed, or the sequence stopped while the step ran
+                continue
+            rows = result.drafted.get(sid, [])
+            rows.append(last)
+            m = accepted(rows, draft)
+            result.drafted[sid] = rows[:m + 1]
+            rejected[sid] = len(draft) - m
+            stats.spec_num_drafts += 1
+            stats.spec_num_draft_tokens += len(draft)
+            stats.spec_num_accepted_tokens += m
+            for j in range(m):
+                per_position[j] += 1
+        stats.spec_accepted_per_position = tuple(per_position)
+        return rejected
+
+    def _propose_drafts(self, plan: StepPlan) -> None:
+        """Drafts for the next decode of each sequence that just sampled: its
+        drafter takes the tokens it gained, then looks its newest n-gram up."""
+        seqs = self.seqs
+        # The batch the next step is likely to have: this one's, less those that stopped.
+        k = self.speculative.drafts_at(sum(item.request_id in seqs for item in plan.scheduled))
+        for item in plan.scheduled:
+            seq = seqs.get(item.request_id)
+            if seq is None or not item.samples or seq.drafter is None:
+                continue
+            drafter = seq.drafter
+            out = seq.output_token_ids
+            gained = len(seq.request.prompt_token_ids) + len(out) - len(drafter.tokens)
+            if gained > 0:
+                drafter.extend(out[len(out) - gained:])
+            seq.draft = drafter.propose(draft_limit(k, len(out), seq.max_output_len, seq.request.params.min_tokens))
+            seq.state.num_draft_tokens = len(seq.draft)
 
     def _block_filled(self, seq: Sequence) -> None:
         """Prompt + outputs just filled a KV block: the scheduler keys it."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.engine import LLMEngine, next_request_id
@@ -32,7 +33,10 @@ class GenerationFailedError(RuntimeError):
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         """``kwargs``: any setting of the config tree by its flat name
-        (``max_num_seqs``, ``block_size``, ``tensor_parallel_size``, ...)."""
+        (``max_num_seqs``, ``block_size``, ``tensor_parallel_size``, ...);
+        ``speculative_config`` may be a dict, as vLLM's LLM takes it."""
+        if isinstance(kwargs.get("speculative_config"), dict):
+            kwargs["speculative_config"] = json.dumps(kwargs["speculative_config"])
         try:
             config = EngineConfig.create(model=model, **kwargs)
         except TypeError as exc:

@@ -74,7 +74,7 @@ class OutputProcessor:
         num_appended = num_offline = 0
         # Once per sampled row per step: appending a token is written out
         # here, the rarer work (a filled block, logprobs, stops) is called.
-        for rid, token in result.sampled.items():
+        for rid, token in (result.sampled.items() if not result.drafted else _with_drafts(result)):
             seq = get(rid)
             if seq is None:
                 continue
@@ -99,7 +99,8 @@ class OutputProcessor:
             if req.klass is offline:
                 num_offline += 1
             if len(req.seqs) == 1:
-                if stopped or not seq.lazy_text:  # a lazy one has no output before its last
+                # A lazy one has no output before its last; one that kept drafts has a token after another.
+                if (stopped or not seq.lazy_text) and (not touched or touched[-1] is not req):
                     touched.append(req)
             elif req.request_id not in seen:
                 seen.add(req.request_id)
@@ -214,3 +215,16 @@ class OutputProcessor:
         if seq.request.params.structured_outputs is not None:
             self._grammar_finished(seq.seq_id)
         return True
+
+
+def _with_drafts(result: StepResult):
+    """(sequence id, token) for every token the step appends: a sequence that
+    verified drafts has each of those that stand, in order (engine/speculative.py)."""
+    drafted = result.drafted
+    for rid, token in result.sampled.items():
+        kept = drafted.get(rid)
+        if kept is None:
+            yield rid, token
+        else:
+            for t in kept:
+                yield rid, t

@@ -25,6 +25,7 @@ import math
 from pathlib import Path
 
 from fluidserve.engine.sampling_params import POOLING_TYPES, PoolingParams
+from fluidserve.kvcache.config import json_object
 
 
 def pool_range(params: PoolingParams, start: int, end: int, prompt_len: int, pooled: int) -> tuple[int, int]:
@@ -163,12 +164,7 @@ def model_pooling(model_dir: str | Path, pooler_config: str | None, task: str = 
     kind = _sentence_transformers_pooling(Path(model_dir)) or "last"
     normalize, dimensions = True, None
     if pooler_config:
-        try:
-            given = json.loads(pooler_config)
-        except ValueError:
-            raise ValueError(f"pooler_config: not a JSON object: {pooler_config!r}") from None
-        if not isinstance(given, dict):
-            raise ValueError(f"pooler_config: not a JSON object: {pooler_config!r}")
+        given = json_object(pooler_config, "pooler_config")
         if "normalize" in given:
             raise ValueError("pooler_config: normalize is vLLM's removed key; use use_activation")
         unknown = sorted(set(given) - set(_POOLER_KEYS))

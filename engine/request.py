@@ -14,6 +14,7 @@ from fluidserve.scheduler.request_state import RequestClass, SeqState
 from fluidserve.engine.batch import SampleSpec
 from fluidserve.engine.outputs import CompletionOutput, TokenLogprobs
 from fluidserve.engine.sampling_params import SamplingParams
+from fluidserve.engine.speculative import NgramDrafter
 
 
 @dataclass(eq=False)
@@ -43,6 +44,10 @@ class Sequence:
     # of one completion and no stop strings): the stream takes its tokens
     # then, in one go (catch_up_text), instead of one per step.
     lazy_text: bool = False
+    # Speculative decoding (engine/speculative.py): the n-gram index of its
+    # tokens (None: it does not draft), and the drafts for its next decode.
+    drafter: NgramDrafter | None = None
+    draft: list[int] = field(default_factory=list)
 
     @property
     def seq_id(self) -> str:

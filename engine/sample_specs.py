@@ -118,6 +118,9 @@ class SampleSpecMirror:
                     raise ValueError(f"sampling row {sid!r} sent outputs from token {start}, "
                                      f"but {len(held)} of them are held")
                 held += tokens
-            spec.seed = seed
+            if sid in inp.drafts:  # a sequence verifying drafts: a row each position, each its own seed
+                spec = dataclasses.replace(spec, seed=seed)
+            else:
+                spec.seed = seed
             rows.append(spec)
         inp.samples, inp.sample_wire = rows, None

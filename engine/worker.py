@@ -48,6 +48,16 @@ log = logging.getLogger(__name__)
 _DEVICE_ERRORS = tuple(t for t in (getattr(torch, "AcceleratorError", None),) if t is not None)
 
 
+def _add_row(result: StepResult, sid: str, token: SampledToken) -> None:
+    """A sampled row into ``result``: a sequence verifying drafts has a row
+    at each of its positions, its last in ``sampled`` and the ones before it
+    in ``drafted``, in order."""
+    prev = result.sampled.get(sid)
+    if prev is not None:
+        result.drafted.setdefault(sid, []).append(prev)
+    result.sampled[sid] = token
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -365,7 +375,11 @@ class Worker:
         if mask_error is None:
             try:
                 tokens = sample(logits, self._rows(inp), self.eos_token_id, token_mask)  # on its own fp32 copy
-                result.sampled = dict(zip(inp.sample_ids, tokens))
+                if inp.drafts:
+                    for sid, token in zip(inp.sample_ids, tokens):
+                        _add_row(result, sid, token)
+                else:
+                    result.sampled = dict(zip(inp.sample_ids, tokens))
                 return result
             except Exception as exc:  # noqa: BLE001 - rows are sampled one by one below
                 mask_error = exc
@@ -420,14 +434,18 @@ class Worker:
         the token they would have had (fresh generators: a seeded row draws
         as it would have in the batch)."""
         for i, (sid, spec, row) in enumerate(zip(inp.sample_ids, inp.samples, self._rows(inp))):
+            if sid in result.failed_rows:  # a later row of a sequence verifying drafts
+                continue
             try:
                 mask = self.structured.fill([sid], [spec])
-                result.sampled[sid] = sample(logits[i:i + 1], [row], self.eos_token_id, mask)[0]
+                _add_row(result, sid, sample(logits[i:i + 1], [row], self.eos_token_id, mask)[0])
             except Exception as exc:  # noqa: BLE001 - this row's request fails, the others go on
                 if not self._survivable(exc):
                     raise
                 log.error("sampling %s failed; its request fails", sid, exc_info=exc)
                 result.failed_rows[sid] = _describe(exc)
+                result.sampled.pop(sid, None)
+                result.drafted.pop(sid, None)
 
     def _survivable(self, exc: Exception) -> bool:
         """Whether the worker can serve on after ``exc`` ended a step: not

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,18 @@ class CacheConfig:
             ("num_host_blocks", self.num_host_blocks is None or self.num_host_blocks >= 0, "must be >= 0"),
         ]
         check_all(self, checks)
+
+
+def json_object(text: str, name: str) -> dict:
+    """A setting given as a JSON object (vLLM's ``--pooler-config``,
+    ``--speculative-config``, ...); a ValueError names the setting."""
+    try:
+        given = json.loads(text)
+    except ValueError:
+        given = None
+    if not isinstance(given, dict):
+        raise ValueError(f"{name}: not a JSON object: {text!r}")
+    return given
 
 
 def check_all(config: Any, checks: list[tuple[str, bool, str]]) -> None:

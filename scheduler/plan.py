@@ -24,6 +24,10 @@ class ScheduledSeq:
     # True when this step computes the request's last uncomputed token, so a
     # new token is sampled for it (a middle prefill chunk samples nothing).
     samples: bool
+    # Of num_tokens, draft tokens verified after a decode's one (speculative
+    # decoding): each position samples, and the engine reports how many of
+    # them stood (``StepOutcome.rejected``).
+    drafts: int = 0
 
 
 @dataclass
@@ -84,6 +88,10 @@ class StepOutcome:
     # The engine's input of a paused step, kept with it to be run again
     # (opaque here: a ModelInput).
     paused_input: Any = None
+    # Speculative decoding: request id -> the drafts of its item that did not
+    # stand (their KV is not the sequence's; it is overwritten later). A
+    # request with drafts missing here kept none.
+    rejected: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -59,6 +59,9 @@ class SeqState:
     # Order of joining the scheduler: the last tie-break of every policy's
     # sort, so a ranking sorted again equals one sorted from scratch.
     arrival_index: int = 0
+    # Speculative decoding: draft tokens the engine holds for this request's
+    # next decode, which the step may verify beside it (engine/speculative.py).
+    num_draft_tokens: int = 0
     # The scheduler's plan entry for one decode token with no new block: the
     # same every such step, so made once (a ScheduledSeq; plans never change it).
     decode_item: object = None

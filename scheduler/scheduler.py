@@ -448,7 +448,10 @@ class Scheduler:
                     continue
                 status = seq.status
             uncomputed = n = seq.num_prompt_tokens + seq.num_output_tokens - seq.num_computed_tokens
-            if n > 1:
+            if n == 1:
+                if seq.num_draft_tokens and budget > 1:  # verify the drafts beside the decode
+                    n += min(seq.num_draft_tokens, budget - 1)
+            elif n > 1:
                 if not cfg.enable_chunked_prefill:
                     if n > budget:
                         continue
@@ -480,6 +483,8 @@ class Scheduler:
                 if item is None:
                     item = seq.decode_item = ScheduledSeq(rid, 1, True)
                 add(item)
+            elif uncomputed == 1:  # a decode and drafts
+                add(ScheduledSeq(rid, n, True, drafts=n - 1))
             else:
                 add(ScheduledSeq(rid, n, n == uncomputed))
                 if room is not None and n > 1:
@@ -1132,11 +1137,17 @@ class Scheduler:
         step_done = self.policy.on_step_done
         # An abandoned step (layer-wise preemption) computed nothing: its
         # tokens run again later and its blocks stay out of the prefix cache.
+        rejected = outcome.rejected
         for item in () if outcome.abandoned else plan.scheduled:
             seq = get(item.request_id)
             if seq is None:  # aborted while the step ran
                 continue
             n = item.num_tokens
+            if item.drafts:
+                # The decode and the drafts that stood are the sequence's tokens now.
+                kept = n - rejected.get(item.request_id, item.drafts)
+                seq.num_output_tokens += kept - 1  # and one more below, as for any sampling step
+                n = kept
             done = seq.num_computed_tokens = seq.num_computed_tokens + n
             seq.status = running
             if guard:

@@ -40,7 +40,6 @@ UNSUPPORTED_VLLM_FLAGS = {
                             "hermes | llama3_json)",
     "--quantization": "quantized checkpoints are not supported",
     "-q": "quantized checkpoints are not supported",
-    "--speculative-config": "speculative decoding is not implemented",
     "--max-cpu-loras": "every LoRA adapter stays on the device (--max-loras slots): there is no host cache of "
                        "adapters to size",
     "--fully-sharded-loras": "LoRA adapters shard as their base weights do (B rows or A columns per rank)",

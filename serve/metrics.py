@@ -297,6 +297,7 @@ class VllmStatsCollector:
         yield from self._scheduler(engines)
         yield from self._counters(engines)
         yield self._iteration_tokens(engines)
+        yield from self._spec_decode(engines)
         info = self._cache_config(engines)
         if info is not None:
             yield info
@@ -379,6 +380,26 @@ class VllmStatsCollector:
                 buckets.append((floatToGoString(bound), float(cumulative)))
             fam.add_metric([self.model_name, engine], buckets, float(getattr(s, "iteration_tokens_sum", 0) or 0))
         return fam
+
+    def _spec_decode(self, engines: dict[str, Any]) -> Iterable[Metric]:
+        """vLLM's speculative decoding counters, where --speculative-config
+        is set (the acceptance rate is accepted / draft tokens)."""
+        if not any(getattr(s, "spec_accepted_per_position", None) for s in engines.values()):
+            return
+        for name, attr, doc in (("spec_decode_num_drafts", "spec_num_drafts", "Number of spec decoding drafts."),
+                                ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Number of draft tokens."),
+                                ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens",
+                                 "Number of accepted tokens.")):
+            fam = self._family(CounterMetricFamily, name, doc)
+            for engine, s in engines.items():
+                fam.add_metric([self.model_name, engine], float(getattr(s, attr, 0) or 0))
+            yield fam
+        fam = self._family(CounterMetricFamily, "spec_decode_num_accepted_tokens_per_pos",
+                           "Accepted tokens per draft position.", ("position",))
+        for engine, s in engines.items():
+            for pos, n in enumerate(getattr(s, "spec_accepted_per_position", None) or ()):
+                fam.add_metric([self.model_name, engine, str(pos)], float(n))
+        yield fam
 
     def _cache_config(self, engines: dict[str, Any]) -> Metric | None:
         """vLLM's info-style gauge: always 1, the cache config in its labels

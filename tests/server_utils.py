@@ -4,6 +4,8 @@ the Prometheus text /metrics returns."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import re
 import shutil
@@ -157,3 +159,29 @@ def ok(srv, path: str, body: dict) -> dict:
     resp = post(srv, path, body)
     assert resp.status_code == 200, resp.text
     return resp.json()
+
+
+def streams_some_dropped(server, bodies: list[dict], drop_after: int = 3) -> list[int | None]:
+    """Each body streamed to /v1/completions at once, with its usage chunk:
+    the completion tokens each reports; None for a body marked ``"drop":
+    True``, whose stream is closed after ``drop_after`` chunks."""
+
+    async def one(c: httpx.AsyncClient, body: dict) -> int | None:
+        dropped = body.pop("drop", False)
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        chunks, usage = 0, None
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks += 1
+                    usage = json.loads(line[6:]).get("usage") or usage
+                    if dropped and chunks >= drop_after:
+                        return None  # leaving the block closes the connection mid-stream
+        return usage["completion_tokens"]
+
+    async def main() -> list[int | None]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
+            return await asyncio.gather(*(one(c, dict(b)) for b in bodies))
+
+    return asyncio.run(main())

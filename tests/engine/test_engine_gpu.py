@@ -89,6 +89,22 @@ def test_an_fp8_cache_on_a_gpu_gives_the_cpu_paths_tokens(tiny_model, make_llm, 
     assert_agree_but_for_near_ties(gpu, ref, f"{arch} {kv}")
 
 
+@pytest.mark.parametrize("arch, overrides", [ARCH_CASES[0], ARCH_CASES[1]], ids=ARCH_IDS[:2])
+def test_speculative_decoding_on_a_gpu_gives_the_cpu_paths_tokens(tiny_model, make_llm, arch, overrides):
+    """--speculative-config ngram on a GPU: verifying steps run eagerly
+    (the mixed attention variant) between decode-graph steps, with async
+    scheduling off; fp32 greedy tokens equal the CPU path's without drafts."""
+    path = tiny_model(arch, **overrides)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kwargs = dict(dtype="float32", max_num_batched_tokens=32, num_kv_blocks=256)
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    ref = make_llm(path, device="cpu", **kwargs).generate(PROMPTS, params)
+    llm = make_llm(path, device="cuda", enforce_eager=False, speculative_config=ngram, **kwargs)
+    gpu = llm.generate(PROMPTS, params)
+    assert llm.engine.stats().spec_num_accepted_tokens > 0
+    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in ref]
+
+
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
 def test_embeddings_on_a_gpu_equal_the_reference_path(tiny_model, make_llm, dtype, tol):
     """An embedding model (``runner="pooling"``) on the Triton kernels, with

@@ -208,6 +208,24 @@ def test_triton_lane_over_an_fp8_cache_gives_the_cpu_kernels_tokens(tiny_model, 
     assert [o.outputs[0].token_ids for o in lane] == [o.outputs[0].token_ids for o in ref]
 
 
+@lane_only
+def test_triton_lane_verifies_drafts_as_the_cpu_kernels_do(tiny_model, make_llm, triton_lane, monkeypatch):
+    """Speculative decoding on the GPU's path: a decode and its drafts run as
+    a short query over the paged cache (the attention's mixed variant,
+    beside other rows' decodes, outside the decode graphs): fp32 tokens
+    equal the CPU kernels' with the same drafts, and some drafts stood."""
+    path = tiny_model("llama")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    llm = make_llm(path, **{**LANE_KWARGS, "dtype": "float32", "speculative_config": ngram,
+                            "enforce_eager": False})
+    lane = llm.generate(PROMPTS, params)
+    assert llm.engine.stats().spec_num_accepted_tokens > 0
+    monkeypatch.delenv(ops.KERNELS_ENV)
+    ref = generate(make_llm, path, params, dtype="float32")
+    assert [o.outputs[0].token_ids for o in lane] == [o.outputs[0].token_ids for o in ref]
+
+
 # -- 4. decode buckets over the static plans -------------------------------------------------
 
 

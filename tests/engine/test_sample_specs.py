@@ -159,3 +159,24 @@ def test_the_rank_refuses_rows_it_cannot_rebuild():
         mirror.sync(sender.wire(step(live, ["a"])))  # the step before never reached the rank
     mirror.sync(skipped)  # the rank still takes the step it missed
     assert skipped.samples[0].output_token_ids == [1, 2, 3]
+
+
+def test_a_sequence_verifying_drafts_gets_a_row_each_position_with_its_own_seed():
+    """Speculative decoding: a sequence's rows at each verified position
+    share its id; the rank gives each the seed sent for it, and the held
+    spec stays the sequence's one list of outputs."""
+    sender, mirror = SampleSpecSender(), SampleSpecMirror()
+    seeded = Seq(SamplingParams(min_tokens=4, seed=11), [5, 6])
+    plain = Seq(SamplingParams(temperature=0), [7])
+    for n in range(4):
+        base = seeded.row()
+        rows = [SampleSpec(base.params, base.seed + j, base.prompt_token_ids, base.output_token_ids)
+                for j in range(3)]
+        inp = ModelInput(input_ids=[1] * 4, sample_indices=[0, 1, 2, 3], sample_ids=["a", "a", "a", "b"],
+                         samples=[*rows, plain.row()], drafts={"a": [9, 9]})
+        got = across(inp, sender, mirror)
+        assert [s.seed for s in got.samples] == [s.seed for s in inp.samples]
+        for mine, theirs in zip(inp.samples, got.samples):
+            assert same(mine, theirs), f"step {n}"
+        seeded.outputs += [3, 4]  # two tokens stood
+        plain.outputs.append(1)

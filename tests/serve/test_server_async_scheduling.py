@@ -6,15 +6,12 @@ tiny random-weight model)."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 
-import httpx
 import openai
 import pytest
 
 from fluidserve.engine import LLM, SamplingParams
-from server_utils import start_server, wait_idle
+from server_utils import start_server, streams_some_dropped, wait_idle
 
 MAX_MODEL_LEN = 256
 
@@ -48,28 +45,9 @@ def test_greedy_text_streamed_and_not_equals_offline(model_dir, server):
 
 def test_concurrent_streams_and_dropped_ones_free_their_kv(server):
     before = wait_idle(server)
-
-    async def one(c: httpx.AsyncClient, i: int) -> int | None:
-        """The completion tokens the usage chunk reports; None for a stream dropped after 3 chunks."""
-        dropped = i % 3 == 0
-        body = {"model": server.engine.model_name, "prompt": f"client {i}", "max_tokens": 150 if dropped else 12,
-                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.8}
-        chunks, usage = 0, None
-        async with c.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chunks += 1
-                    usage = json.loads(line[6:]).get("usage") or usage
-                    if dropped and chunks >= 3:
-                        return None  # leaving the block closes the connection mid-stream
-        return usage["completion_tokens"]
-
-    async def main() -> list[int | None]:
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
-            return await asyncio.gather(*(one(c, i) for i in range(24)))
-
-    tokens = asyncio.run(main())
+    bodies = [{"model": server.engine.model_name, "prompt": f"client {i}", "max_tokens": 150 if i % 3 == 0 else 12,
+               "ignore_eos": True, "temperature": 0.8, "drop": i % 3 == 0} for i in range(24)]
+    tokens = streams_some_dropped(server, bodies)
     assert tokens == [None if i % 3 == 0 else 12 for i in range(24)]
     after = wait_idle(server)
     generated = after["fluidserve_generation_tokens_total"] - before["fluidserve_generation_tokens_total"]

@@ -1,0 +1,297 @@
+"""``--speculative-config`` (n-gram drafts): what verifying drafts buys and
+costs, each setting side by side in one process, and vLLM's n-gram drafting
+over the same prompts (``--vllm-python``).
+
+A real model (SmolLM2-135M-Instruct, ``--model DIR`` from
+``benchmarks/smollm2.py prepare``), greedy, two workloads through its chat
+template:
+
+* **edit**: the reply repeats much of the prompt (fix the typos in a
+  paragraph, add type hints to a function, rename a table in a query):
+  where n-gram drafts stand.
+* **chat**: open questions, where the reply seldom repeats the prompt:
+  what the drafts cost when they fail.
+
+Each workload runs at batch 1 (one request at a time: the latency a user
+feels) and as one burst of all its prompts. Per setting: output tokens a
+second (prefill included), the ratio to the run without drafts, the share
+of draft tokens that stood, tokens kept per verifying step, and how many
+replies equal the run without drafts'. ``--rounds`` runs every setting
+that many times, settings interleaved, and keeps each one's best round.
+
+    python benchmarks/speculative.py --model /path/to/SmolLM2-135M-Instruct [--vllm-python VENV/bin/python]
+
+Writes ``benchmarks/results/speculative{--tag}.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from dummy_models import device_name, save_results
+from kv_cache_dtype import CHAT_PROMPTS
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MAX_MODEL_LEN = 2048
+LOOKUP = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
+EDIT_PROMPTS = [
+    "Correct the spelling mistakes in this paragraph and return the whole corrected paragraph:\n\n"
+    "The quick brown fox jumpd over the lazy dog. It was a sunny day in the vilage, and the childern were "
+    "playing in the park. Their parents watched from the benchs, talking about the wether and the upcoming "
+    "festival.",
+    "Add type hints to this Python function and return the whole function:\n\n```python\n"
+    "def merge_counts(a, b):\n    result = dict(a)\n    for key, value in b.items():\n        if key in result:\n"
+    "            result[key] = result[key] + value\n        else:\n            result[key] = value\n"
+    "    return result\n```",
+    "Rename the table users to customers in this SQL query and return the full query:\n\n"
+    "SELECT users.id, users.name, orders.total FROM users JOIN orders ON orders.user_id = users.id "
+    "WHERE users.active = 1 ORDER BY orders.total DESC LIMIT 10;",
+    "Convert this list into a numbered list, keeping every item:\n\n- buy milk\n- call the plumber about the "
+    "kitchen sink\n- send the report to Maria\n- book train tickets to Lyon\n- water the plants on the balcony",
+    "Rewrite this email so it is more polite, keeping every detail:\n\nSend me the invoice for order 4471 by "
+    "Friday. The delivery to 12 Harbour Street was two days late and the box was damaged. Fix it.",
+    "Add a docstring to this function and return the whole function:\n\n```python\n"
+    "def moving_average(values, window):\n    if window <= 0:\n        raise ValueError('window must be positive')\n"
+    "    out = []\n    for i in range(len(values) - window + 1):\n"
+    "        out.append(sum(values[i:i + window]) / window)\n"
+    "    return out\n```",
+    "Put this address into one line, separated by commas:\n\nDr. Emily Carter\nDepartment of Physics\n"
+    "University of Northfield\n221 College Road\nNorthfield, NF 20451\nUnited Kingdom",
+    "Change every temperature in this text from Celsius to say 'degrees Celsius' in full:\n\n"
+    "Monday will be 21C and sunny. Tuesday drops to 15C with rain in the afternoon. By Thursday it is back to "
+    "19C, and the weekend stays near 18C with light winds.",
+]
+WORKLOADS = {"edit": EDIT_PROMPTS, "chat": CHAT_PROMPTS}
+
+
+def ngram(k: int, up_to_batch: int | None = None) -> dict:
+    """vLLM's config of ``k`` drafts; with ``up_to_batch``, none in steps of more sequences."""
+    config = {"method": "ngram", "num_speculative_tokens": k, **LOOKUP}
+    if up_to_batch is not None:
+        config["num_speculative_tokens_per_batch_size"] = [[1, up_to_batch, k], [up_to_batch + 1, 4096, 0]]
+    return config
+
+
+def settings_of(ks: list[int], up_to: list[str]) -> dict[str, dict | None]:
+    """Setting name -> --speculative-config (None: off); ``up_to``: "K:B" pairs."""
+    out: dict[str, dict | None] = {"off": None, **{f"ngram k={k}": ngram(k) for k in ks}}
+    for pair in up_to:
+        k, b = map(int, pair.split(":"))
+        out[f"ngram k={k}, batch <= {b}"] = ngram(k, b)
+    return out
+
+
+def chat_ids(model: str, prompts: list[str]) -> list[list[int]]:
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    return [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)["input_ids"]) for p in prompts]
+
+
+def timed_runs(generate, prompts: list[list[int]]) -> dict:
+    """Batch 1 (each prompt alone) and one burst of them all: wall seconds
+    and output tokens of each, with the replies."""
+    out = {}
+    start = time.perf_counter()
+    replies = [generate([p])[0] for p in prompts]
+    out["batch1"] = dict(seconds=time.perf_counter() - start, tokens=sum(map(len, replies)), replies=replies)
+    start = time.perf_counter()
+    replies = generate(prompts)
+    out["burst"] = dict(seconds=time.perf_counter() - start, tokens=sum(map(len, replies)), replies=replies)
+    return out
+
+
+def ours(model: str, settings: dict[str, dict | None], workloads: dict[str, list[list[int]]], tokens: int,
+         rounds: int) -> dict:
+    """Every setting's engine built once, then each round runs them in turn."""
+    from fluidserve.engine import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens)
+    llms = {}
+    for name, config in settings.items():
+        extra = {"speculative_config": config} if config else {}
+        llms[name] = LLM(model, device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, cpu_kv_cache_gb=0.5,
+                         **extra)
+        llms[name].generate([workloads["chat"][0]], SamplingParams(temperature=0.0, max_tokens=8))  # warm
+
+    best: dict = {}
+    for _ in range(rounds):
+        for name, llm in llms.items():
+            for wl, prompts in workloads.items():
+                before = _spec_counts(llm)
+                runs = timed_runs(lambda ps: [list(o.outputs[0].token_ids) for o in llm.generate(ps, params)], prompts)
+                after = _spec_counts(llm)
+                counts = {k: after[k] - before[k] for k in after}
+                key = (name, wl)
+                total = sum(r["seconds"] for r in runs.values())
+                if key not in best or total < best[key]["total"]:
+                    best[key] = dict(total=total, runs=runs, spec=counts)
+    return best
+
+
+def _spec_counts(llm) -> dict:
+    s = llm.engine.stats()
+    return dict(drafts=s.spec_num_drafts, draft_tokens=s.spec_num_draft_tokens, accepted=s.spec_num_accepted_tokens)
+
+
+# Run by vLLM's Python (``--vllm-python``) in a scratch folder: one setting,
+# the same prompts at batch 1 and in one burst, ``rounds`` times.
+VLLM_SCRIPT = """
+import json, sys, time
+
+
+def counters(llm):
+    want = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    out = dict.fromkeys(want.values(), 0)
+    for m in llm.get_metrics():
+        if m.name in want:
+            out[want[m.name]] += int(m.value)
+    return out
+
+
+def main():
+    from vllm import LLM, SamplingParams
+
+    model, workloads, spec, tokens, rounds = (sys.argv[1], json.load(open(sys.argv[2])), json.loads(sys.argv[3]),
+                                              int(sys.argv[4]), int(sys.argv[5]))
+    llm = LLM(model=model, dtype="float32", max_model_len=2048, enable_prefix_caching=False, seed=0,
+              speculative_config=spec, disable_log_stats=False)
+    params = SamplingParams(temperature=0, max_tokens=tokens)
+
+    def generate(prompts):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    generate([workloads["chat"][0]])
+    best = {}
+    for _ in range(rounds):
+        for wl, prompts in workloads.items():
+            before = counters(llm)
+            runs = {}
+            start = time.perf_counter()
+            replies = [generate([p])[0] for p in prompts]
+            runs["batch1"] = dict(seconds=time.perf_counter() - start, tokens=sum(map(len, replies)), replies=replies)
+            start = time.perf_counter()
+            replies = generate(prompts)
+            runs["burst"] = dict(seconds=time.perf_counter() - start, tokens=sum(map(len, replies)), replies=replies)
+            after = counters(llm)
+            total = sum(r["seconds"] for r in runs.values())
+            if wl not in best or total < best[wl]["total"]:
+                best[wl] = dict(total=total, runs=runs, spec={k: after[k] - before[k] for k in after})
+    print("RESULT " + json.dumps(best))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def theirs(python: str, model: str, settings: dict[str, dict | None], workloads: dict[str, list[list[int]]],
+           tokens: int, rounds: int) -> dict:
+    """vLLM's CPU build, one process per setting (its engine holds the machine)."""
+    best = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        script, data = Path(tmp) / "spec.py", Path(tmp) / "workloads.json"
+        script.write_text(VLLM_SCRIPT)
+        data.write_text(json.dumps(workloads))
+        for name, config in settings.items():
+            spec = json.dumps(config)
+            done = subprocess.run([python, str(script), model, str(data), spec, str(tokens), str(rounds)], cwd=tmp,
+                                  capture_output=True, text=True, timeout=3600,
+                                  env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                raise RuntimeError(f"vLLM gave no result ({name}):\n{done.stderr[-3000:]}")
+            for wl, rec in json.loads(line.removeprefix("RESULT ")).items():
+                best[(name, wl)] = rec
+    return best
+
+
+def rows(best: dict, settings: dict[str, dict | None], engine: str) -> list[dict]:
+    """One row per (workload, mode, setting), against the same engine's run without drafts."""
+    out = []
+    for wl in WORKLOADS:
+        for mode in ("batch1", "burst"):
+            base = best[("off", wl)]["runs"][mode]
+            for name in settings:
+                rec = best[(name, wl)]
+                run = rec["runs"][mode]
+                spec = rec["spec"]
+                tps = run["tokens"] / run["seconds"]
+                out.append(dict(
+                    engine=engine, workload=wl, mode=mode, setting=name, tokens=run["tokens"],
+                    seconds=round(run["seconds"], 3), tok_s=round(tps, 2),
+                    vs_off=round(tps / (base["tokens"] / base["seconds"]), 3),
+                    # Both modes together: the counters are the workload's.
+                    accepted_share=round(spec["accepted"] / spec["draft_tokens"], 3) if spec["draft_tokens"] else None,
+                    tokens_per_verify=(round(1 + spec["accepted"] / spec["drafts"], 2) if spec["drafts"] else None),
+                    same_as_off=sum(a == b for a, b in zip(run["replies"], base["replies"])),
+                    replies=len(run["replies"]),
+                ))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="SmolLM2-135M-Instruct as safetensors (smollm2.py prepare)")
+    ap.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="num_speculative_tokens settings")
+    ap.add_argument("--up-to", nargs="*", default=["4:4"],
+                    help="K:B settings: K drafts in steps of up to B sequences, none above "
+                         "(num_speculative_tokens_per_batch_size)")
+    ap.add_argument("--vllm-k", type=int, nargs="+", default=[4], help="vLLM's settings beside its run without")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--vllm-python", help="a Python with vLLM's CPU build: its n-gram drafting over the same prompts")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+
+    workloads = {wl: chat_ids(args.model, prompts) for wl, prompts in WORKLOADS.items()}
+    settings = settings_of(args.k, args.up_to)
+    table = rows(ours(args.model, settings, workloads, args.max_tokens, args.rounds), settings, "fluidserve")
+    if args.vllm_python:
+        vsettings = settings_of(args.vllm_k, [])
+        table += rows(theirs(args.vllm_python, args.model, vsettings, workloads, args.max_tokens, args.rounds),
+                      vsettings, "vLLM")
+    record = dict(benchmark="speculative", device=device_name("cpu"), model=Path(args.model).name,
+                  dtype="float32", max_tokens=args.max_tokens, rounds=args.rounds, lookup=LOOKUP,
+                  threads=_threads(), rows=table, argv=sys.argv[1:])
+    text = to_markdown(record)
+    print(text)
+    save_results(RESULTS / f"speculative{args.tag}", record, text)
+    return 0
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def to_markdown(r: dict) -> str:
+    lines = [f"# Speculative decoding (n-gram drafts): {r['model']}, {r['dtype']}, {r['device']}", "",
+             f"Greedy, up to {r['max_tokens']} tokens a reply, drafts looked up over "
+             f"{r['lookup']['prompt_lookup_min']}..{r['lookup']['prompt_lookup_max']}-grams; best of "
+             f"{r['rounds']} rounds, settings interleaved. tok/s: output tokens over wall time, prefill included. "
+             "Accepted: draft tokens that stood, of those verified; tokens/verify: tokens a verifying step kept "
+             "(both over the workload's batch-1 and burst runs).", "",
+             "| engine | workload | mode | setting | tok/s | vs off | accepted | tokens/verify | same replies |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for row in r["rows"]:
+        acc = "–" if row["accepted_share"] is None else f"{100 * row['accepted_share']:.0f}%"
+        tpv = "–" if row["tokens_per_verify"] is None else f"{row['tokens_per_verify']:.2f}"
+        lines.append(f"| {row['engine']} | {row['workload']} | {row['mode']} | {row['setting']} | {row['tok_s']:.1f} "
+                     f"| {row['vs_off']:.2f}x | {acc} | {tpv} | {row['same_as_off']}/{row['replies']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

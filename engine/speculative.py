@@ -1,0 +1,193 @@
+"""Speculative decoding by n-gram lookup (vLLM's ``method: ngram``, "prompt
+lookup decoding"): what it is configured with, where a sequence's drafts
+come from, and which of them a verifying step keeps.
+
+A decode step computes one token of a sequence; the weights it reads cost
+as much for a few more. So the engine guesses the next ``k`` tokens where
+the text repeats itself: it finds the longest recent n-gram (``n`` between
+``prompt_lookup_min`` and ``prompt_lookup_max``) that also occurs earlier in
+the prompt and outputs, and proposes the tokens that followed that earlier
+occurrence (the earliest one, as vLLM does). The step then runs the last
+sampled token and the ``k`` drafts as one chunk, and samples a token at
+each of its ``k + 1`` positions with the sequence's own sampling rows.
+
+Which tokens stand (``accepted``): row ``j``'s sample is kept while every
+draft before it was what row ``j - 1`` sampled. Each row is conditioned on
+the drafts before it, which are, where it is kept, the sequence's real
+tokens; and each row draws from the request's full distribution (greedy,
+temperature, top-k/p, its seed per output position). So a draft that
+matches is the token the sequence would have sampled anyway, and the first
+row that does not match draws that position's token from the same
+distribution: the outputs are distributed exactly as without speculation
+(for greedy and seeded rows, they are the same tokens, up to the
+arithmetic of a chunk against a one-token step). This is rejection
+sampling with a one-token draft distribution, written as "sample, then
+compare".
+
+Drafts are proposed only for sequences whose rows read nothing but the
+logits (``can_draft``): penalties, multi-token bad words, grammars and
+thinking budgets keep state across positions that a verifying step would
+have to fork, and those sequences decode one token a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fluidserve.engine.sampling_params import SamplingParams
+from fluidserve.kvcache.config import json_object
+
+# vLLM's keys of --speculative-config that n-gram drafting reads; the rest
+# configure draft models, which are not built.
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+         "num_speculative_tokens_per_batch_size")
+# vLLM's default where neither bound is given.
+DEFAULT_LOOKUP = 5
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    # vLLM's num_speculative_tokens_per_batch_size: (first, last, k) ranges
+    # of the step's batch size, sorted, the first from 1; a batch size
+    # between or after ranges takes the k of the range before it. Where the
+    # verified tokens cost the step more than the drafts that stand save
+    # (more sequences a step: a CPU's matmuls, a GPU's compute bound), it
+    # drafts fewer or none. Empty: num_speculative_tokens at every size.
+    per_batch_size: tuple[tuple[int, int, int], ...] = ()
+
+    def drafts_at(self, batch_size: int) -> int:
+        """Drafts a sequence may verify in a step of ``batch_size`` sequences."""
+        k = self.num_speculative_tokens
+        for first, _, at in self.per_batch_size:
+            if first > batch_size:
+                break
+            k = min(self.num_speculative_tokens, at)
+        return k
+
+
+def parse_speculative_config(text: str | None) -> NgramConfig | None:
+    """``--speculative-config``'s JSON object as vLLM spells it; a ValueError
+    names what is wrong or not implemented."""
+    if text is None:
+        return None
+    given = json_object(text, "speculative_config")
+    method = given.get("method")
+    if method != "ngram":
+        raise ValueError(f"speculative_config: method {method!r} is not implemented (only \"ngram\": drafts "
+                         "looked up in the prompt and outputs; draft models, EAGLE and MTP are not built)")
+    unknown = [k for k in given if k not in _KEYS]
+    if unknown:
+        raise ValueError(f"speculative_config: {unknown[0]} is not supported with ngram "
+                         f"(supported: {', '.join(_KEYS)})")
+    k = given.get("num_speculative_tokens")
+    lo, hi = given.get("prompt_lookup_min"), given.get("prompt_lookup_max")
+    for name, value in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+    if k is None:
+        raise ValueError("speculative_config: num_speculative_tokens is required")
+    if lo is None and hi is None:
+        lo = hi = DEFAULT_LOOKUP
+    lo = hi if lo is None else lo
+    hi = lo if hi is None else hi
+    if lo > hi:
+        raise ValueError(f"speculative_config: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+    return NgramConfig(k, lo, hi, _per_batch_size(given.get("num_speculative_tokens_per_batch_size")))
+
+
+def _per_batch_size(given) -> tuple[tuple[int, int, int], ...]:
+    """num_speculative_tokens_per_batch_size, checked as vLLM checks it."""
+    if given is None:
+        return ()
+    name = "speculative_config: num_speculative_tokens_per_batch_size"
+    if not isinstance(given, list) or not given:
+        raise ValueError(f"{name} must be a non-empty list of [first, last, num_speculative_tokens] ranges")
+    ranges = []
+    for entry in given:
+        if (not isinstance(entry, list) or len(entry) != 3 or any(type(v) is not int for v in entry)
+                or entry[0] < 1 or entry[1] < entry[0] or entry[2] < 0):
+            raise ValueError(f"{name}: {entry!r} is not a range [first, last, k] with 1 <= first <= last, k >= 0")
+        ranges.append(tuple(entry))
+    ranges.sort()
+    if ranges[0][0] != 1:
+        raise ValueError(f"{name}: the first range must start at batch size 1")
+    if any(b[0] <= a[1] for a, b in zip(ranges, ranges[1:])):
+        raise ValueError(f"{name}: ranges overlap")
+    return tuple(ranges)
+
+
+def can_draft(params: SamplingParams) -> bool:
+    """Whether a sequence's sampling rows read only the logits (and its
+    seed), so rows at drafted positions sample as the real ones would;
+    min_tokens reads the output's length, which ``draft_limit`` keeps on
+    one side of the bound for every row of a step."""
+    p = params
+    return not (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                or any(len(w) > 1 for w in p.bad_words_token_ids)
+                or p.structured_outputs is not None or p.thinking_token_budget is not None)
+
+
+def draft_limit(k: int, num_outputs: int, max_outputs: int, min_tokens: int) -> int:
+    """Drafts a sequence with ``num_outputs`` tokens may verify: none past
+    its length limit (the row after the last draft samples one more), and
+    while min_tokens holds its stop tokens back, none at a position where
+    it no longer would (every row is masked by the output's length before
+    the step)."""
+    k = min(k, max_outputs - num_outputs - 1)
+    if num_outputs < min_tokens:
+        k = min(k, min_tokens - num_outputs - 1)
+    return k
+
+
+class NgramDrafter:
+    """One sequence's n-gram index over its prompt and outputs, kept as the
+    sequence grows: for each ``n``, the earliest position at which each
+    n-gram ends, over every position but the newest (the suffix looked up
+    must match somewhere before itself). A lookup is then a handful of dict
+    reads, not a scan of the context every step. The index is keyed by the
+    n-gram's hash (an int, not the tuple: a third of the memory, which a
+    long context held by many sequences feels); a lookup compares the
+    tokens, so a collision costs a draft, never a wrong one."""
+
+    __slots__ = ("lo", "hi", "tokens", "_ends", "_indexed")
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.tokens: list[int] = []
+        self._ends: list[dict[int, int]] = [{} for _ in range(hi + 1)]
+        self._indexed = 0  # positions 0 .. _indexed-1 are indexed as n-gram ends
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the earliest earlier occurrence
+        of the longest suffix of ``lo`` .. ``hi`` tokens; [] where none recurs."""
+        toks = self.tokens
+        last = len(toks) - 1
+        lo, hi, ends = self.lo, self.hi, self._ends
+        for e in range(self._indexed, last):  # every end but the newest
+            for n in range(lo, min(hi, e + 1) + 1):
+                ends[n].setdefault(hash(tuple(toks[e - n + 1:e + 1])), e)
+        self._indexed = max(self._indexed, last)
+        if k <= 0:
+            return []
+        for n in range(min(hi, last), lo - 1, -1):
+            suffix = toks[last - n + 1:]
+            e = ends[n].get(hash(tuple(suffix)))
+            if e is not None and toks[e - n + 1:e + 1] == suffix:
+                return toks[e + 1:min(e + 1 + k, last + 1)]
+        return []
+
+
+def accepted(sampled: list, draft: list[int]) -> int:
+    """How many of ``draft`` stand: the rows' samples (``sampled[j]`` at the
+    position after draft ``j - 1``; ``token_id`` each) are kept up to and
+    including the first that is not the next draft."""
+    m = 0
+    while m < len(draft) and sampled[m].token_id == draft[m]:
+        m += 1
+    return m

@@ -1,0 +1,186 @@
+"""Speculative decoding (n-gram drafts) end to end on tiny random
+checkpoints: greedy tokens equal transformers', seeded sampling draws the
+tokens it draws without speculation, stops and lengths land inside a run of
+accepted drafts exactly where they would without it, logprobs are the same,
+and chunked prefills, prefix-cache hits, swaps and recomputes keep the KV
+of the tokens that stood only. Each test checks that drafts were verified
+and some stood, so a path that never speculates cannot pass it."""
+
+from __future__ import annotations
+
+import pytest
+
+from fluidserve.engine import SamplingParams
+from token_paths import PROMPTS, hf_greedy
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=40)
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def drafts_stood(llm) -> int:
+    """Drafts that stood; asserts drafts were verified at all."""
+    stats = llm.engine.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_draft_tokens >= stats.spec_num_drafts
+    assert sum(stats.spec_accepted_per_position) == stats.spec_num_accepted_tokens
+    return stats.spec_num_accepted_tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_tokens_equal_transformers(tiny_model, make_llm, arch):
+    path = tiny_model(arch)
+    expected = hf_greedy(path, PROMPTS, 40)
+    plain = make_llm(path)
+    assert tokens(plain.generate(PROMPTS, GREEDY)) == expected
+    llm = make_llm(path, speculative_config=NGRAM)
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == expected
+    assert drafts_stood(llm) > 0
+    assert llm.engine.stats().generation_tokens_total == plain.engine.stats().generation_tokens_total
+
+
+def test_seeded_sampling_draws_the_same_tokens(tiny_model, make_llm):
+    """Each row samples from the request's distribution with the seed of its
+    output position: with or without drafts, a seeded request draws the
+    same tokens (n = 2 completions, top-k and top-p in play)."""
+    path = tiny_model("llama")
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, n=n, max_tokens=40)
+              for t, k, p, s, n in ((0.8, 0, 1.0, 1, 1), (1.0, 20, 0.9, 2, 2), (0.5, 5, 1.0, 3, 1),
+                                    (1.2, 0, 0.95, 4, 1), (0.3, 0, 1.0, 5, 2))]
+    plain = make_llm(path).generate(PROMPTS, params)
+    llm = make_llm(path, speculative_config=NGRAM)
+    spec = llm.generate(PROMPTS, params)
+    assert [[c.token_ids for c in o.outputs] for o in spec] == [[c.token_ids for c in o.outputs] for o in plain]
+    assert drafts_stood(llm) > 0
+
+
+def test_stops_and_lengths_inside_accepted_drafts_end_where_they_would(tiny_model, make_llm):
+    """max_tokens, a stop token and a stop string met within a run of drafts
+    that stood: the sequence ends on it, the tokens after it are dropped,
+    and text, finish and stop reasons are those of a run without drafts."""
+    path = tiny_model("llama")
+    plain_llm = make_llm(path)
+    ref = tokens(plain_llm.generate(PROMPTS, GREEDY))
+    tok = plain_llm.tokenizer
+    params = []
+    for i, out in enumerate(ref):
+        params += [SamplingParams(temperature=0.0, max_tokens=5 + 3 * i),
+                   SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[out[11 + i]]),
+                   SamplingParams(temperature=0.0, max_tokens=40, stop=[tok.decode(out[14 + i:16 + i])])]
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    plain = plain_llm.generate(prompts, params)
+    llm = make_llm(path, speculative_config=NGRAM)
+    spec = llm.generate(prompts, params)
+    assert drafts_stood(llm) > 0
+    for a, b in zip(spec, plain):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert (ca.token_ids, ca.text, ca.finish_reason, ca.stop_reason) == (
+            cb.token_ids, cb.text, cb.finish_reason, cb.stop_reason)
+    assert {o.outputs[0].finish_reason for o in spec} == {"length", "stop"}
+
+
+def test_streamed_outputs_carry_every_token_once(tiny_model, make_llm):
+    """A step that keeps several tokens of a request sends one output with
+    all of them: each output extends the one before, ending with the whole
+    completion, in fewer steps than tokens."""
+    path = tiny_model("llama")
+    llm = make_llm(path, speculative_config=NGRAM)
+    engine = llm.engine
+    engine.add_request("r", PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=40))
+    seen: list[list[int]] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == "r"
+            seen.append(list(out.outputs[0].token_ids))
+    full = make_llm(path).generate([PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=40))[0].outputs[0]
+    assert seen[-1] == full.token_ids
+    assert all(b[:len(a)] == a and len(b) > len(a) for a, b in zip(seen, seen[1:]))
+    assert len(seen) == engine.stats().num_steps < 40
+
+
+def test_logprobs_of_kept_drafts_are_their_rows(tiny_model, make_llm):
+    path = tiny_model("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=30, logprobs=3)
+    plain = make_llm(path).generate(PROMPTS, params)
+    llm = make_llm(path, speculative_config=NGRAM)
+    spec = llm.generate(PROMPTS, params)
+    assert drafts_stood(llm) > 0
+    for a, b in zip(spec, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert la[t].rank == lb[t].rank and la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)
+
+
+def test_penalised_rows_decode_one_token_a_step_beside_drafting_ones(tiny_model, make_llm):
+    path = tiny_model("llama")
+    params = [SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=30)]
+    plain = make_llm(path).generate(PROMPTS[3:4] * 2, params)
+    llm = make_llm(path, speculative_config=NGRAM)
+    spec = llm.generate(PROMPTS[3:4] * 2, params)
+    assert tokens(spec) == tokens(plain) and tokens(spec)[0] != tokens(spec)[1]
+    stats = llm.engine.stats()
+    # Only the plain row drafts: at most one draft of its per step.
+    assert 0 < stats.spec_num_drafts <= stats.num_steps
+
+
+def test_chunks_prefix_hits_swaps_and_recomputes_keep_the_tokens_that_stood(tiny_model, make_llm):
+    """Chunked prefills (16 tokens a step, drafts sharing it), prompts
+    sharing a cached prefix, and a device pool too small for the running
+    set, so requests swap out and back and recompute: rejected drafts' KV
+    never reaches the prefix cache or another request, and the tokens stay
+    transformers'."""
+    path = tiny_model("llama")
+    shared = "The quick brown fox jumps over the lazy dog. "
+    prompts = [shared + p for p in PROMPTS[:3]] + [p[:20] for p in PROMPTS] + [shared * 2]
+    expected = hf_greedy(path, prompts, 40)
+    llm = make_llm(path, speculative_config=NGRAM, num_kv_blocks=20, block_size=8, max_model_len=160,
+                   num_host_blocks=64, max_num_batched_tokens=16, scheduling_policy="fcfs", proactive_swap=False)
+    assert tokens(llm.generate(prompts, GREEDY)) == expected
+    stats = llm.engine.stats()
+    assert stats.num_swaps > 0 and stats.prefix_cache_hit_tokens > 0
+    assert drafts_stood(llm) > 0
+    # A second round over the cached blocks: the blocks drafts wrote and rejected were not indexed.
+    assert tokens(llm.generate(prompts, GREEDY)) == expected
+
+
+def test_recompute_preemption_keeps_the_tokens(tiny_model, make_llm):
+    path = tiny_model("llama")
+    prompts = [p[:24] for p in PROMPTS] * 2
+    expected = hf_greedy(path, prompts, 40)
+    llm = make_llm(path, speculative_config=NGRAM, num_kv_blocks=14, block_size=8, max_model_len=96,
+                   num_host_blocks=0, max_num_batched_tokens=24)
+    assert tokens(llm.generate(prompts, GREEDY)) == expected
+    assert llm.engine.stats().num_recomputes > 0
+    assert drafts_stood(llm) > 0
+
+
+def test_drafts_only_at_the_batch_sizes_that_allow_them(tiny_model, make_llm):
+    """num_speculative_tokens_per_batch_size [[1, 1, 4], [2, 64, 0]]: steps
+    of several sequences verify no drafts; once one sequence is left, it
+    drafts (prompts of different lengths: the longest runs alone at the end)."""
+    path = tiny_model("llama")
+    llm = make_llm(path, speculative_config={**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 64, 0]]})
+    verified: list[int] = []
+    execute = llm.engine.executor.execute
+
+    def counting(inp):
+        if inp.drafts:
+            verified.append(len(inp.seq_lens))
+        return execute(inp)
+
+    llm.engine.executor.execute = counting
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (8, 12, 4, 40, 16)]
+    outs = llm.generate(PROMPTS, params)
+    assert tokens(outs) == [t[:n] for t, n in zip(hf_greedy(path, PROMPTS, 40), (8, 12, 4, 40, 16))]
+    assert verified and set(verified) == {1}
+    assert drafts_stood(llm) > 0
+
+
+def test_bad_config_is_refused_at_start(tiny_model, make_llm):
+    with pytest.raises(ValueError, match="method 'draft_model' is not implemented"):
+        make_llm(tiny_model("llama"), speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
