@@ -21,7 +21,10 @@ that many times, settings interleaved, and keeps each one's best round.
 
     python benchmarks/speculative.py --model /path/to/SmolLM2-135M-Instruct [--vllm-python VENV/bin/python]
 
-Writes ``benchmarks/results/speculative{--tag}.{json,md}``.
+Writes ``benchmarks/results/speculative{--tag}.{json,md}``. ``--server``
+measures the same prompts through ``fluidserve serve`` and vLLM's server
+instead, each prompt streamed alone (TTFT, TPOT, tokens a second), without
+drafts and with them: ``speculative-server{--tag}.{json,md}``.
 """
 
 from __future__ import annotations
@@ -216,6 +219,86 @@ def theirs(python: str, model: str, settings: dict[str, dict | None], workloads:
     return best
 
 
+def served(cmd: list[str], env: dict, port: int, workloads: dict[str, list[list[int]]], tokens: int,
+           log: Path) -> dict:
+    """One server (``cmd``), each prompt streamed alone to /v1/completions as
+    token ids, greedy: per request the time to its first token, its time per
+    output token after that (TPOT), its tokens, and its token ids."""
+    import httpx
+    from serve_bench import launch, stop_server
+
+    proc = launch(cmd, f"http://127.0.0.1:{port}/v1/models", env, log, 600, "server", cwd=tempfile.gettempdir())
+    try:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        with httpx.Client(timeout=600) as client:
+            model = client.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+
+            def one(prompt: list[int], max_tokens: int) -> dict:
+                body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                start, first, usage, text = time.perf_counter(), None, None, []
+                with client.stream("POST", url, json=body) as r:
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("choices") and chunk["choices"][0].get("text") and first is None:
+                            first = time.perf_counter()
+                        text += [c["text"] for c in chunk.get("choices") or []]
+                        usage = chunk.get("usage") or usage
+                end = time.perf_counter()
+                n = usage["completion_tokens"]
+                return dict(ttft=first - start, tpot=(end - first) / (n - 1) if n > 1 else None, tokens=n,
+                            seconds=end - start, text="".join(text))
+
+            one(workloads["chat"][0], 8)  # warm
+            return {wl: [one(p, tokens) for p in prompts] for wl, prompts in workloads.items()}
+    finally:
+        stop_server(proc)
+
+
+def through_servers(args: argparse.Namespace, workloads: dict[str, list[list[int]]]) -> list[dict]:
+    """``fluidserve serve`` and vLLM's server, each without drafts and with
+    ``--speculative-config`` (k=4), one at a time, default flags otherwise."""
+    import shlex
+    import statistics
+    import socket
+
+    from vs_vllm import VLLM_ENV
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    common = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN)]
+    systems = {"fluidserve": ([sys.executable, "-m", "fluidserve.serve.cli", "serve", "--model", args.model,
+                               *common, "--log-level", "warning"], {})}
+    if args.vllm_python:
+        systems["vLLM"] = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+                            *common, "--gpu-memory-utilization", "0.3", "--enforce-eager"], VLLM_ENV)
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for system, (cmd, env) in systems.items():
+            runs = {}
+            for name, config in (("off", None), ("ngram k=4", ngram(4))):
+                flags = shlex.split(f"--speculative-config '{json.dumps(config)}'") if config else []
+                runs[name] = served(cmd + flags, env, port, workloads, args.max_tokens, Path(tmp) / "server.log")
+            for wl in workloads:
+                for name, reqs in runs.items():
+                    seconds = sum(r["seconds"] for r in reqs[wl])
+                    toks = sum(r["tokens"] for r in reqs[wl])
+                    off = runs["off"][wl]
+                    out.append(dict(engine=system, workload=wl, setting=name,
+                                    median_ttft_ms=round(1000 * statistics.median(r["ttft"] for r in reqs[wl]), 1),
+                                    median_tpot_ms=round(1000 * statistics.median(
+                                        r["tpot"] for r in reqs[wl] if r["tpot"] is not None), 1),
+                                    tok_s=round(toks / seconds, 2),
+                                    vs_off=round((toks / seconds) / (sum(r["tokens"] for r in off)
+                                                                     / sum(r["seconds"] for r in off)), 3),
+                                    same_as_off=sum(a["text"] == b["text"] for a, b in zip(reqs[wl], off)),
+                                    replies=len(reqs[wl])))
+    return out
+
+
 def rows(best: dict, settings: dict[str, dict | None], engine: str) -> list[dict]:
     """One row per (workload, mode, setting), against the same engine's run without drafts."""
     out = []
@@ -251,10 +334,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--vllm-python", help="a Python with vLLM's CPU build: its n-gram drafting over the same prompts")
+    ap.add_argument("--server", action="store_true",
+                    help="through the servers instead: each prompt streamed alone to fluidserve serve and vLLM's "
+                         "server (--vllm-python), without drafts and with 4, default flags otherwise")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
 
     workloads = {wl: chat_ids(args.model, prompts) for wl, prompts in WORKLOADS.items()}
+    if args.server:
+        record = dict(benchmark="speculative-server", device=device_name("cpu"), model=Path(args.model).name,
+                      dtype="float32", max_tokens=args.max_tokens, lookup=LOOKUP,
+                      rows=through_servers(args, workloads), argv=sys.argv[1:])
+        text = server_markdown(record)
+        print(text)
+        save_results(RESULTS / f"speculative-server{args.tag}", record, text)
+        return 0
     settings = settings_of(args.k, args.up_to)
     table = rows(ours(args.model, settings, workloads, args.max_tokens, args.rounds), settings, "fluidserve")
     if args.vllm_python:
@@ -274,6 +368,22 @@ def _threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+def server_markdown(r: dict) -> str:
+    lines = [f"# Speculative decoding through the servers: {r['model']}, {r['dtype']}, {r['device']}", "",
+             f"Each prompt streamed alone to /v1/completions (token ids, greedy, up to {r['max_tokens']} tokens), "
+             "each server without drafts and with `--speculative-config` ngram k=4 over "
+             f"{r['lookup']['prompt_lookup_min']}..{r['lookup']['prompt_lookup_max']}-grams, default flags "
+             "otherwise, one server at a time. TPOT: a request's time after its first token over its other "
+             "tokens; tok/s: all output tokens over all requests' time.", "",
+             "| engine | workload | setting | median TTFT ms | median TPOT ms | tok/s | vs off | same text |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for row in r["rows"]:
+        lines.append(f"| {row['engine']} | {row['workload']} | {row['setting']} | {row['median_ttft_ms']:.1f} "
+                     f"| {row['median_tpot_ms']:.1f} | {row['tok_s']:.1f} | {row['vs_off']:.2f}x "
+                     f"| {row['same_as_off']}/{row['replies']} |")
+    return "\n".join(lines) + "\n"
 
 
 def to_markdown(r: dict) -> str:
