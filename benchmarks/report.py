@@ -1082,7 +1082,8 @@ ONLINE_STEMS = ["vs_vllm-online-cpu", "vs_vllm-online-cpu-transformers", "vs_vll
                 "vs_vllm-online-cpu-smollm2-core-waits", "vs_vllm-online-cpu-switch-beside-client",
                 "vs_vllm-online-cpu-smollm2-final-check", "vs_vllm-online-cpu-switch-beside-client-trials",
                 "vs_vllm-online-cpu-smollm2-trials-check", "vs_vllm-online-cpu-switch-same-flags",
-                "vs_vllm-online-cpu-smollm2-fp8-kv", "vs_vllm-online-cpu-smollm2-auto-kv"]
+                "vs_vllm-online-cpu-smollm2-fp8-kv", "vs_vllm-online-cpu-smollm2-auto-kv",
+                "vs_vllm-online-cpu-smollm2-after-speculative"]
 SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Scheduling policies (simulator)", ["scheduling"], scheduling),
     ("Two KV tiers (simulator)", ["swapping"], swapping),
