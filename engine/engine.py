@@ -309,8 +309,8 @@ class LLMEngine:
                            lazy_text=lazy_text)
             spec = self.speculative
             if spec is not None and pooling is None and can_draft(params):
-                seq.drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
-                seq.drafter.extend(token_ids)
+                seq.drafter = NgramDrafter(token_ids, seq.output_token_ids, spec.prompt_lookup_min,
+                                           spec.prompt_lookup_max)
             req.seqs.append(seq)
         self.requests[request_id] = req
         for seq in req.seqs:
@@ -737,11 +737,8 @@ class LLMEngine:
                 prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else [],
                 output_token_ids=seq.output_token_ids if needs_history else [],
             )
-        seed = spec.params.seed
-        if seed is not None:
-            # A fresh seed per (request seed, completion, position): reproducible
-            # whatever else shares the batch, and stateless across workers.
-            spec.seed = hash((seed, seq.index, n_out)) & 0x7FFF_FFFF_FFFF_FFFF
+        if spec.params.seed is not None:
+            spec.seed = _row_seed(spec.params.seed, seq.index, n_out)
         return spec
 
     @staticmethod
@@ -753,9 +750,8 @@ class LLMEngine:
         if seed is None:
             return [spec] * drafts
         n_out = len(seq.output_token_ids)
-        rows = [dataclasses.replace(spec, seed=hash((seed, seq.index, n_out + j)) & 0x7FFF_FFFF_FFFF_FFFF)
-                for j in range(drafts)]
-        spec.seed = hash((seed, seq.index, n_out + drafts)) & 0x7FFF_FFFF_FFFF_FFFF
+        rows = [dataclasses.replace(spec, seed=_row_seed(seed, seq.index, n_out + j)) for j in range(drafts)]
+        spec.seed = _row_seed(seed, seq.index, n_out + drafts)
         return rows
 
     def _accept_drafts(self, drafts: dict[str, list[int]], result: StepResult) -> dict[str, int]:
@@ -785,7 +781,7 @@ class LLMEngine:
 
     def _propose_drafts(self, plan: StepPlan) -> None:
         """Drafts for the next decode of each sequence that just sampled: its
-        drafter takes the tokens it gained, then looks its newest n-gram up."""
+        drafter looks its newest n-gram up."""
         seqs = self.seqs
         # The batch the next step is likely to have: this one's, less those that stopped.
         k = self.speculative.drafts_at(sum(item.request_id in seqs for item in plan.scheduled))
@@ -793,12 +789,9 @@ class LLMEngine:
             seq = seqs.get(item.request_id)
             if seq is None or not item.samples or seq.drafter is None:
                 continue
-            drafter = seq.drafter
             out = seq.output_token_ids
-            gained = len(seq.request.prompt_token_ids) + len(out) - len(drafter.tokens)
-            if gained > 0:
-                drafter.extend(out[len(out) - gained:])
-            seq.draft = drafter.propose(draft_limit(k, len(out), seq.max_output_len, seq.request.params.min_tokens))
+            seq.draft = seq.drafter.propose(draft_limit(k, len(out), seq.max_output_len,
+                                                        seq.request.params.min_tokens))
             seq.state.num_draft_tokens = len(seq.draft)
 
     def _block_filled(self, seq: Sequence) -> None:
@@ -863,6 +856,14 @@ class LLMEngine:
 
 
 _ids = itertools.count()
+
+
+def _row_seed(seed: int, index: int, position: int) -> int:
+    """A sampling row's seed: fresh per (request seed, completion, output
+    position), so a seeded draw is reproducible whatever else shares the
+    batch, stateless across workers, and the same whether the position is
+    sampled alone or among a step's drafts."""
+    return hash((seed, index, position)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def next_request_id(prefix: str = "req") -> str:

@@ -150,23 +150,25 @@ class NgramDrafter:
     reads, not a scan of the context every step. The index is keyed by the
     n-gram's hash (an int, not the tuple: a third of the memory, which a
     long context held by many sequences feels); a lookup compares the
-    tokens, so a collision costs a draft, never a wrong one."""
+    tokens, so a collision costs a draft, never a wrong one.
 
-    __slots__ = ("lo", "hi", "tokens", "_ends", "_indexed")
+    ``outputs`` is the sequence's live output list: each ``propose`` takes
+    in the tokens it gained since the last."""
 
-    def __init__(self, lo: int, hi: int) -> None:
+    __slots__ = ("lo", "hi", "tokens", "_outputs", "_prompt_len", "_ends", "_indexed")
+
+    def __init__(self, prompt: list[int], outputs: list[int], lo: int, hi: int) -> None:
         self.lo, self.hi = lo, hi
-        self.tokens: list[int] = []
+        self.tokens = list(prompt)  # prompt + outputs, contiguous for the slices a lookup compares
+        self._outputs, self._prompt_len = outputs, len(prompt)
         self._ends: list[dict[int, int]] = [{} for _ in range(hi + 1)]
         self._indexed = 0  # positions 0 .. _indexed-1 are indexed as n-gram ends
-
-    def extend(self, tokens: list[int]) -> None:
-        self.tokens += tokens
 
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the earliest earlier occurrence
         of the longest suffix of ``lo`` .. ``hi`` tokens; [] where none recurs."""
         toks = self.tokens
+        toks += self._outputs[len(toks) - self._prompt_len:]
         last = len(toks) - 1
         lo, hi, ends = self.lo, self.hi, self._ends
         for e in range(self._indexed, last):  # every end but the newest

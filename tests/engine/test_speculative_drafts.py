@@ -81,22 +81,24 @@ def test_drafter_grown_token_by_token_equals_a_brute_force_lookup(lo, hi):
     rng = random.Random(lo * 10 + hi)
     for _ in range(20):
         tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 60))]
-        drafter = NgramDrafter(lo, hi)
-        drafter.extend(tokens[:rng.randrange(1, len(tokens) + 1)])  # a prompt, then outputs one or more at a time
+        prompt = tokens[:rng.randrange(1, len(tokens) + 1)]
+        outputs: list[int] = []  # the live list: grows by one or more tokens between lookups
+        drafter = NgramDrafter(prompt, outputs, lo, hi)
         while True:
             k = rng.randrange(0, 6)
-            assert drafter.propose(k) == brute_force(drafter.tokens, lo, hi, k)
-            if len(drafter.tokens) == len(tokens):
+            assert drafter.propose(k) == brute_force(prompt + outputs, lo, hi, k)
+            done = len(prompt) + len(outputs)
+            if done == len(tokens):
                 break
-            drafter.extend(tokens[len(drafter.tokens):len(drafter.tokens) + rng.randrange(1, 4)])
+            outputs += tokens[done:done + rng.randrange(1, 4)]
 
 
 def test_drafter_proposes_what_followed_the_repeated_text():
-    drafter = NgramDrafter(1, 3)
-    drafter.extend([7, 1, 2, 3, 4, 5, 9, 1, 2, 3])
+    outputs = [9, 1, 2, 3]
+    drafter = NgramDrafter([7, 1, 2, 3, 4, 5], outputs, 1, 3)
     assert drafter.propose(4) == [4, 5, 9, 1]  # the 3-gram 1 2 3 first ended at index 3
     assert drafter.propose(10) == [4, 5, 9, 1, 2, 3]  # never past the newest token
-    drafter.extend([8])
+    outputs.append(8)
     assert drafter.propose(4) == []  # 8 never occurred before
 
 
