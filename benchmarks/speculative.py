@@ -12,8 +12,14 @@ template:
 * **chat**: open questions, where the reply seldom repeats the prompt:
   what the drafts cost when they fail.
 
+* **mixed**: both, interleaved, as one burst only: sequences whose drafts
+  stand beside sequences whose drafts fail, in the same steps.
+
 Each workload runs at batch 1 (one request at a time: the latency a user
-feels) and as one burst of all its prompts. Per setting: output tokens a
+feels) and as one burst of all its prompts. Settings: ``--k`` every draft
+verified (vLLM's behaviour; ``"adaptive": false`` for fluidserve),
+``--up-to`` drafts only up to a batch size, ``--adaptive-k`` drafts chosen
+per step (fluidserve's default; engine/draft_policy.py). Per setting: output tokens a
 second (prefill included), the ratio to the run without drafts, the share
 of draft tokens that stood, tokens kept per verifying step, and how many
 replies equal the run without drafts'. ``--rounds`` runs every setting
@@ -30,6 +36,7 @@ drafts and with them: ``speculative-server{--tag}.{json,md}``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -71,23 +78,36 @@ EDIT_PROMPTS = [
     "Monday will be 21C and sunny. Tuesday drops to 15C with rain in the afternoon. By Thursday it is back to "
     "19C, and the weekend stays near 18C with light winds.",
 ]
-WORKLOADS = {"edit": EDIT_PROMPTS, "chat": CHAT_PROMPTS}
+# The two, interleaved, as one burst: sequences whose drafts stand beside
+# sequences whose drafts fail, in the same steps.
+MIXED = [p for pair in itertools.zip_longest(EDIT_PROMPTS, CHAT_PROMPTS) for p in pair if p is not None]
+WORKLOADS = {"edit": EDIT_PROMPTS, "chat": CHAT_PROMPTS, "mixed": MIXED}
+MODES = {"edit": ("batch1", "burst"), "chat": ("batch1", "burst"), "mixed": ("burst",)}
 
 
-def ngram(k: int, up_to_batch: int | None = None) -> dict:
-    """vLLM's config of ``k`` drafts; with ``up_to_batch``, none in steps of more sequences."""
+def ngram(k: int, up_to_batch: int | None = None, adaptive: bool | None = None) -> dict:
+    """vLLM's config of ``k`` drafts; with ``up_to_batch``, none in steps of
+    more sequences; ``adaptive`` (fluidserve's key; None: not given)."""
     config = {"method": "ngram", "num_speculative_tokens": k, **LOOKUP}
     if up_to_batch is not None:
         config["num_speculative_tokens_per_batch_size"] = [[1, up_to_batch, k], [up_to_batch + 1, 4096, 0]]
+    if adaptive is not None:
+        config["adaptive"] = adaptive
     return config
 
 
-def settings_of(ks: list[int], up_to: list[str]) -> dict[str, dict | None]:
-    """Setting name -> --speculative-config (None: off); ``up_to``: "K:B" pairs."""
-    out: dict[str, dict | None] = {"off": None, **{f"ngram k={k}": ngram(k) for k in ks}}
+def settings_of(ks: list[int], up_to: list[str], adaptive_ks: list[int] = ()) -> dict[str, dict | None]:
+    """Setting name -> --speculative-config (None: off). ``ks``: every draft
+    verified (vLLM's behaviour; given to fluidserve as "adaptive": false);
+    ``up_to``: "K:B" pairs; ``adaptive_ks``: fluidserve's default, drafts
+    chosen per step. vLLM's settings are those without the last two."""
+    fixed = False if adaptive_ks or up_to else None
+    out: dict[str, dict | None] = {"off": None, **{f"ngram k={k}": ngram(k, adaptive=fixed) for k in ks}}
     for pair in up_to:
         k, b = map(int, pair.split(":"))
         out[f"ngram k={k}, batch <= {b}"] = ngram(k, b)
+    for k in adaptive_ks:
+        out[f"ngram k={k}, adaptive"] = ngram(k)
     return out
 
 
@@ -99,13 +119,14 @@ def chat_ids(model: str, prompts: list[str]) -> list[list[int]]:
                                          tokenize=True, return_dict=True)["input_ids"]) for p in prompts]
 
 
-def timed_runs(generate, prompts: list[list[int]]) -> dict:
-    """Batch 1 (each prompt alone) and one burst of them all: wall seconds
-    and output tokens of each, with the replies."""
+def timed_runs(generate, prompts: list[list[int]], modes: tuple[str, ...]) -> dict:
+    """Batch 1 (each prompt alone) and one burst of them all, of ``modes``:
+    wall seconds and output tokens of each, with the replies."""
     out = {}
-    start = time.perf_counter()
-    replies = [generate([p])[0] for p in prompts]
-    out["batch1"] = dict(seconds=time.perf_counter() - start, tokens=sum(map(len, replies)), replies=replies)
+    if "batch1" in modes:
+        start = time.perf_counter()
+        replies = [generate([p])[0] for p in prompts]
+        out["batch1"] = dict(seconds=time.perf_counter() - start, tokens=sum(map(len, replies)), replies=replies)
     start = time.perf_counter()
     replies = generate(prompts)
     out["burst"] = dict(seconds=time.perf_counter() - start, tokens=sum(map(len, replies)), replies=replies)
@@ -130,7 +151,8 @@ def ours(model: str, settings: dict[str, dict | None], workloads: dict[str, list
         for name, llm in llms.items():
             for wl, prompts in workloads.items():
                 before = _spec_counts(llm)
-                runs = timed_runs(lambda ps: [list(o.outputs[0].token_ids) for o in llm.generate(ps, params)], prompts)
+                runs = timed_runs(lambda ps: [list(o.outputs[0].token_ids) for o in llm.generate(ps, params)], prompts,
+                                  MODES[wl])
                 after = _spec_counts(llm)
                 counts = {k: after[k] - before[k] for k in after}
                 key = (name, wl)
@@ -164,8 +186,9 @@ def counters(llm):
 def main():
     from vllm import LLM, SamplingParams
 
-    model, workloads, spec, tokens, rounds = (sys.argv[1], json.load(open(sys.argv[2])), json.loads(sys.argv[3]),
-                                              int(sys.argv[4]), int(sys.argv[5]))
+    model, data, spec, tokens, rounds = (sys.argv[1], json.load(open(sys.argv[2])), json.loads(sys.argv[3]),
+                                         int(sys.argv[4]), int(sys.argv[5]))
+    workloads, modes = data["workloads"], data["modes"]
     llm = LLM(model=model, dtype="float32", max_model_len=2048, enable_prefix_caching=False, seed=0,
               speculative_config=spec, disable_log_stats=False)
     params = SamplingParams(temperature=0, max_tokens=tokens)
@@ -180,9 +203,11 @@ def main():
         for wl, prompts in workloads.items():
             before = counters(llm)
             runs = {}
-            start = time.perf_counter()
-            replies = [generate([p])[0] for p in prompts]
-            runs["batch1"] = dict(seconds=time.perf_counter() - start, tokens=sum(map(len, replies)), replies=replies)
+            if "batch1" in modes[wl]:
+                start = time.perf_counter()
+                replies = [generate([p])[0] for p in prompts]
+                runs["batch1"] = dict(seconds=time.perf_counter() - start, tokens=sum(map(len, replies)),
+                                      replies=replies)
             start = time.perf_counter()
             replies = generate(prompts)
             runs["burst"] = dict(seconds=time.perf_counter() - start, tokens=sum(map(len, replies)), replies=replies)
@@ -205,7 +230,7 @@ def theirs(python: str, model: str, settings: dict[str, dict | None], workloads:
     with tempfile.TemporaryDirectory() as tmp:
         script, data = Path(tmp) / "spec.py", Path(tmp) / "workloads.json"
         script.write_text(VLLM_SCRIPT)
-        data.write_text(json.dumps(workloads))
+        data.write_text(json.dumps({"workloads": workloads, "modes": MODES}))
         for name, config in settings.items():
             spec = json.dumps(config)
             done = subprocess.run([python, str(script), model, str(data), spec, str(tokens), str(rounds)], cwd=tmp,
@@ -303,7 +328,7 @@ def rows(best: dict, settings: dict[str, dict | None], engine: str) -> list[dict
     """One row per (workload, mode, setting), against the same engine's run without drafts."""
     out = []
     for wl in WORKLOADS:
-        for mode in ("batch1", "burst"):
+        for mode in MODES[wl]:
             base = best[("off", wl)]["runs"][mode]
             for name in settings:
                 rec = best[(name, wl)]
@@ -330,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--up-to", nargs="*", default=["4:4"],
                     help="K:B settings: K drafts in steps of up to B sequences, none above "
                          "(num_speculative_tokens_per_batch_size)")
+    ap.add_argument("--adaptive-k", type=int, nargs="*", default=[4],
+                    help="settings with drafts chosen per step (fluidserve's default), up to K a sequence")
     ap.add_argument("--vllm-k", type=int, nargs="+", default=[4], help="vLLM's settings beside its run without")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
@@ -344,12 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.server:
         record = dict(benchmark="speculative-server", device=device_name("cpu"), model=Path(args.model).name,
                       dtype="float32", max_tokens=args.max_tokens, lookup=LOOKUP,
-                      rows=through_servers(args, workloads), argv=sys.argv[1:])
+                      rows=through_servers(args, {wl: ps for wl, ps in workloads.items() if "batch1" in MODES[wl]}),
+                      argv=sys.argv[1:])
         text = server_markdown(record)
         print(text)
         save_results(RESULTS / f"speculative-server{args.tag}", record, text)
         return 0
-    settings = settings_of(args.k, args.up_to)
+    settings = settings_of(args.k, args.up_to, args.adaptive_k)
     table = rows(ours(args.model, settings, workloads, args.max_tokens, args.rounds), settings, "fluidserve")
     if args.vllm_python:
         vsettings = settings_of(args.vllm_k, [])

@@ -144,9 +144,11 @@ class EngineConfig(ConfigTree):
         None, 'speculative decoding as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": K, '
               '"prompt_lookup_max": N, "prompt_lookup_min": M}: each decode step also verifies up to K tokens '
               "that followed the latest N..M tokens where they occurred before in the prompt or outputs "
-              "(engine/speculative.py); num_speculative_tokens_per_batch_size ranges set K by the step's batch "
-              "size; sequences with penalties, a grammar or a thinking budget decode one token a step; steps "
-              "run synchronously (no --async-scheduling)", metavar="JSON")
+              "(engine/speculative.py); each step verifies those drafts that cut the mean time per token, "
+              "from the step times it measured and each sequence's acceptance rate (engine/draft_policy.py; "
+              '"adaptive": false verifies all, as vLLM); num_speculative_tokens_per_batch_size ranges set K by '
+              "the step's batch size instead; sequences with penalties, a grammar or a thinking budget decode "
+              "one token a step; steps run synchronously (no --async-scheduling)", metavar="JSON")
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)

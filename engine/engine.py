@@ -48,6 +48,7 @@ from fluidserve.engine.preemption import PreemptionPolicy, safepoint_shares
 from fluidserve.engine.request import Request, Sequence
 from fluidserve.engine.sampler import device_only
 from fluidserve.engine.sampling_params import SamplingParams
+from fluidserve.engine.draft_policy import Acceptance, DraftPolicy
 from fluidserve.engine.speculative import (NgramDrafter, accepted, can_draft, draft_limit,
                                           parse_speculative_config)
 from fluidserve.engine.structured import xgrammar
@@ -112,6 +113,8 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # Drafts the adaptive policy did not verify: where they cost the step more than they would save.
+    spec_num_withheld_tokens: int = 0
     # Steps whose forward raised (the device sound), and the requests failed
     # by them or by a row whose sampling raised; the engine served on.
     num_failed_steps: int = 0
@@ -215,6 +218,7 @@ class LLMEngine:
         self.speculative = parse_speculative_config(config.speculative_config)
         if self.speculative is not None:
             self.stats_.spec_accepted_per_position = (0,) * self.speculative.num_speculative_tokens
+        self._draft_policy = DraftPolicy() if self.speculative is not None and self.speculative.adaptive else None
         wanted = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
         self._async = wanted and self.executor.can_launch and self.speculative is None
         if config.async_scheduling and not self._async:
@@ -311,6 +315,7 @@ class LLMEngine:
             if spec is not None and pooling is None and can_draft(params):
                 seq.drafter = NgramDrafter(token_ids, seq.output_token_ids, spec.prompt_lookup_min,
                                            spec.prompt_lookup_max)
+                seq.acceptance = Acceptance()
             req.seqs.append(seq)
         self.requests[request_id] = req
         for seq in req.seqs:
@@ -449,6 +454,8 @@ class LLMEngine:
                                                             paused_input=inp if result.paused else None,
                                                             rejected=rejected))
         if self.speculative is not None and not result.abandoned:
+            if self._draft_policy is not None and _decodes_only(plan) and not result.failed_rows:
+                self._draft_policy.observe_step(len(plan.scheduled), sum(i.drafts for i in plan.scheduled), took)
             self._propose_drafts(plan)
         self._count_step(plan, took)
         self.stats_.swap_stall_seconds += result.swap_stall_s
@@ -762,6 +769,7 @@ class LLMEngine:
         rejected: dict[str, int] = {}
         stats = self.stats_
         per_position = list(stats.spec_accepted_per_position)
+        policy = self._draft_policy
         for sid, draft in drafts.items():
             last = result.sampled.get(sid)
             if last is None:  # its row failed, or the sequence stopped while the step ran
@@ -774,6 +782,9 @@ class LLMEngine:
             stats.spec_num_drafts += 1
             stats.spec_num_draft_tokens += len(draft)
             stats.spec_num_accepted_tokens += m
+            seq = self.seqs.get(sid)
+            if policy is not None and seq is not None and seq.acceptance is not None:
+                policy.observe_verify(seq.acceptance, len(draft), m)
             for j in range(m):
                 per_position[j] += 1
         stats.spec_accepted_per_position = tuple(per_position)
@@ -781,10 +792,13 @@ class LLMEngine:
 
     def _propose_drafts(self, plan: StepPlan) -> None:
         """Drafts for the next decode of each sequence that just sampled: its
-        drafter looks its newest n-gram up."""
+        drafter looks its newest n-gram up; the adaptive policy then keeps,
+        of all the step's drafts, those that pay (engine/draft_policy.py)."""
         seqs = self.seqs
         # The batch the next step is likely to have: this one's, less those that stopped.
-        k = self.speculative.drafts_at(sum(item.request_id in seqs for item in plan.scheduled))
+        batch = sum(item.request_id in seqs for item in plan.scheduled)
+        k = self.speculative.drafts_at(batch)
+        offered: list[Sequence] = []
         for item in plan.scheduled:
             seq = seqs.get(item.request_id)
             if seq is None or not item.samples or seq.drafter is None:
@@ -793,6 +807,15 @@ class LLMEngine:
             seq.draft = seq.drafter.propose(draft_limit(k, len(out), seq.max_output_len,
                                                         seq.request.params.min_tokens))
             seq.state.num_draft_tokens = len(seq.draft)
+            if seq.draft:
+                offered.append(seq)
+        policy = self._draft_policy
+        if policy is not None and offered:
+            counts = policy.choose(batch, [(seq.acceptance, len(seq.draft)) for seq in offered])
+            for seq, n in zip(offered, counts):
+                del seq.draft[n:]
+                seq.state.num_draft_tokens = n
+            self.stats_.spec_num_withheld_tokens = policy.withheld
 
     def _block_filled(self, seq: Sequence) -> None:
         """Prompt + outputs just filled a KV block: the scheduler keys it."""
@@ -856,6 +879,14 @@ class LLMEngine:
 
 
 _ids = itertools.count()
+
+
+def _decodes_only(plan: StepPlan) -> bool:
+    """A step of decodes (each with its drafts) and nothing else: no prefill
+    chunk, no KV copies, not a resumed one; what the draft policy times."""
+    if plan.has_copies or plan.resumes:
+        return False
+    return all(item.samples and item.num_tokens == 1 + item.drafts for item in plan.scheduled)
 
 
 def _row_seed(seed: int, index: int, position: int) -> int:

@@ -14,6 +14,7 @@ from fluidserve.scheduler.request_state import RequestClass, SeqState
 from fluidserve.engine.batch import SampleSpec
 from fluidserve.engine.outputs import CompletionOutput, TokenLogprobs
 from fluidserve.engine.sampling_params import SamplingParams
+from fluidserve.engine.draft_policy import Acceptance
 from fluidserve.engine.speculative import NgramDrafter
 
 
@@ -45,9 +46,11 @@ class Sequence:
     # then, in one go (catch_up_text), instead of one per step.
     lazy_text: bool = False
     # Speculative decoding (engine/speculative.py): the n-gram index of its
-    # tokens (None: it does not draft), and the drafts for its next decode.
+    # tokens (None: it does not draft), the drafts for its next decode, and
+    # how its drafts have fared (the adaptive policy's estimate of its rate).
     drafter: NgramDrafter | None = None
     draft: list[int] = field(default_factory=list)
+    acceptance: Acceptance | None = None
 
     @property
     def seq_id(self) -> str:

@@ -40,7 +40,7 @@ from fluidserve.kvcache.config import json_object
 # vLLM's keys of --speculative-config that n-gram drafting reads; the rest
 # configure draft models, which are not built.
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-         "num_speculative_tokens_per_batch_size")
+         "num_speculative_tokens_per_batch_size", "adaptive")
 # vLLM's default where neither bound is given.
 DEFAULT_LOOKUP = 5
 
@@ -57,6 +57,11 @@ class NgramConfig:
     # (more sequences a step: a CPU's matmuls, a GPU's compute bound), it
     # drafts fewer or none. Empty: num_speculative_tokens at every size.
     per_batch_size: tuple[tuple[int, int, int], ...] = ()
+    # fluidserve's key: num_speculative_tokens is the most a sequence drafts,
+    # and each step verifies the drafts that buy tokens a second on this
+    # device (engine/draft_policy.py). The default, unless per_batch_size
+    # fixes the counts; false: every step verifies every draft, as vLLM.
+    adaptive: bool = True
 
     def drafts_at(self, batch_size: int) -> int:
         """Drafts a sequence may verify in a step of ``batch_size`` sequences."""
@@ -95,7 +100,14 @@ def parse_speculative_config(text: str | None) -> NgramConfig | None:
     hi = lo if hi is None else hi
     if lo > hi:
         raise ValueError(f"speculative_config: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
-    return NgramConfig(k, lo, hi, _per_batch_size(given.get("num_speculative_tokens_per_batch_size")))
+    per_batch_size = _per_batch_size(given.get("num_speculative_tokens_per_batch_size"))
+    adaptive = given.get("adaptive", not per_batch_size)
+    if type(adaptive) is not bool:
+        raise ValueError(f"speculative_config: adaptive must be true or false, got {adaptive!r}")
+    if adaptive and per_batch_size:
+        raise ValueError("speculative_config: adaptive chooses drafts per step; it cannot be true with "
+                         "num_speculative_tokens_per_batch_size, which fixes them")
+    return NgramConfig(k, lo, hi, per_batch_size, adaptive)
 
 
 def _per_batch_size(given) -> tuple[tuple[int, int, int], ...]:

@@ -149,6 +149,9 @@ _ENGINE_COUNTERS = (
     ("steps_failed", "num_failed_steps",
      "Steps whose forward or sampling raised, the device sound: their requests failed, the engine served on"),
     ("requests_failed", "num_failed_requests", "Requests failed by a failed step (finish reason error)"),
+    ("spec_decode_draft_tokens_withheld", "spec_num_withheld_tokens",
+     "Draft tokens found but not verified: the adaptive policy judged they would cost the step more time than "
+     "their chance of standing saves (--speculative-config)"),
     ("cpu_thread_changes", "num_cpu_thread_changes",
      "Times the threads a CPU step computes on changed: one left while they waited for cores, or one came back "
      "(--yield-busy-cores)"),

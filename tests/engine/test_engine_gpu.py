@@ -97,7 +97,8 @@ def test_speculative_decoding_on_a_gpu_gives_the_cpu_paths_tokens(tiny_model, ma
     path = tiny_model(arch, **overrides)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kwargs = dict(dtype="float32", max_num_batched_tokens=32, num_kv_blocks=256)
-    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+             "adaptive": False}
     ref = make_llm(path, device="cpu", **kwargs).generate(PROMPTS, params)
     llm = make_llm(path, device="cuda", enforce_eager=False, speculative_config=ngram, **kwargs)
     gpu = llm.generate(PROMPTS, params)

@@ -216,7 +216,8 @@ def test_triton_lane_verifies_drafts_as_the_cpu_kernels_do(tiny_model, make_llm,
     equal the CPU kernels' with the same drafts, and some drafts stood."""
     path = tiny_model("llama")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1,
+             "adaptive": False}
     llm = make_llm(path, **{**LANE_KWARGS, "dtype": "float32", "speculative_config": ngram,
                             "enforce_eager": False})
     lane = llm.generate(PROMPTS, params)

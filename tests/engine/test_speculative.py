@@ -4,16 +4,21 @@ tokens it draws without speculation, stops and lengths land inside a run of
 accepted drafts exactly where they would without it, logprobs are the same,
 and chunked prefills, prefix-cache hits, swaps and recomputes keep the KV
 of the tokens that stood only. Each test checks that drafts were verified
-and some stood, so a path that never speculates cannot pass it."""
+and some stood, so a path that never speculates cannot pass it; they fix
+the drafts (every draft verified), and the adaptive policy's choices are
+tested last, on step times priced by the test."""
 
 from __future__ import annotations
 
 import pytest
 
 from fluidserve.engine import SamplingParams
+from fluidserve.engine.draft_policy import DraftPolicy
 from token_paths import PROMPTS, hf_greedy
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Fixed drafts: every step verifies every draft found, so each test exercises verification.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "adaptive": False}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=40)
 
 
@@ -184,3 +189,47 @@ def test_drafts_only_at_the_batch_sizes_that_allow_them(tiny_model, make_llm):
 def test_bad_config_is_refused_at_start(tiny_model, make_llm):
     with pytest.raises(ValueError, match="method 'draft_model' is not implemented"):
         make_llm(tiny_model("llama"), speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+
+
+class PricedDrafts(DraftPolicy):
+    """The adaptive policy on a device whose steps cost what ``price`` says
+    (seconds for sequences and drafts), in place of the wall clock's noisy
+    figures for a tiny model; everything else is the engine's own."""
+
+    def __init__(self, price) -> None:
+        super().__init__(refresh=16)
+        self.price = price
+
+    def observe_step(self, num_seqs: int, num_drafts: int, seconds: float) -> None:
+        super().observe_step(num_seqs, num_drafts, self.price(num_seqs, num_drafts))
+
+
+@pytest.mark.parametrize("drafts_pay", [True, False])
+def test_adaptive_drafts_follow_what_steps_cost(tiny_model, make_llm, drafts_pay):
+    """By default (adaptive), a step verifies the drafts that buy tokens a
+    second: on a device where they are nearly free, all of them; where each
+    costs twice a sequence's decode, which no draft can repay, almost none
+    (one verifying step every ``refresh`` decisions re-times them). Either way the tokens are
+    transformers' greedy ones."""
+    path = tiny_model("llama")
+    adaptive = {k: v for k, v in NGRAM.items() if k != "adaptive"}
+    llm = make_llm(path, speculative_config=adaptive)
+    per_draft = 0.0001 if drafts_pay else 0.020
+    policy = llm.engine._draft_policy = PricedDrafts(lambda seqs, drafts: 0.010 * seqs + per_draft * drafts)
+    verifying = []
+    execute = llm.engine.executor.execute
+
+    def counting(inp):
+        verifying.append(bool(inp.drafts))
+        return execute(inp)
+
+    llm.engine.executor.execute = counting
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == hf_greedy(path, PROMPTS, 40)
+    stats = llm.engine.stats()
+    assert stats.spec_num_withheld_tokens == policy.withheld
+    if drafts_pay:
+        assert drafts_stood(llm) > 0
+        assert sum(verifying) > len(verifying) / 2
+    else:
+        assert policy.withheld > stats.spec_num_draft_tokens > 0
+        assert sum(verifying) <= 2 + len(verifying) // policy.refresh

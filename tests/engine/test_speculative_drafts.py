@@ -37,6 +37,14 @@ def test_drafts_by_batch_size_follow_vllms_ranges():
     # Capped at num_speculative_tokens; a gap or the tail takes the range before it.
     assert [config.drafts_at(b) for b in (1, 2, 3, 4, 5, 8, 9, 15, 16, 64, 500)] == [4, 4, 4, 4, 1, 1, 1, 1, 0, 0, 0]
     assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}').drafts_at(1000) == 3
+    assert not config.adaptive  # the ranges fix the counts
+
+
+def test_drafts_are_adaptive_unless_fixed():
+    base = '{"method": "ngram", "num_speculative_tokens": 4'
+    assert parse_speculative_config(base + "}").adaptive
+    assert not parse_speculative_config(base + ', "adaptive": false}').adaptive
+    assert parse_speculative_config(base + ', "adaptive": true}').adaptive
 
 
 @pytest.mark.parametrize("text, words", [
@@ -58,6 +66,9 @@ def test_drafts_by_batch_size_follow_vllms_ranges():
      "[1, 8] is not a range"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": []}',
      "must be a non-empty list"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "adaptive": 1}', "adaptive must be true or false, got 1"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "adaptive": true, '
+     '"num_speculative_tokens_per_batch_size": [[1, 8, 1]]}', "cannot be true with num_speculative_tokens_per"),
 ])
 def test_config_errors_name_what_is_wrong(text, words):
     with pytest.raises(ValueError, match=re.escape(words)):

@@ -20,7 +20,8 @@ from fluidserve.serve import cli
 from server_utils import start_server, streams_some_dropped, wait_idle
 
 MAX_MODEL_LEN = 256
-NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+NGRAM = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1, '
+         '"adaptive": false}')
 PROMPT = "Long prompt Long prompt Long prompt"
 
 
@@ -58,6 +59,7 @@ def test_greedy_text_streamed_and_not_equals_offline(model_dir, server):
     assert drafts > 0 and accepted > 0
     assert sum(metric(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total{")) == accepted
     assert len(metric(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total{")) == 4  # one per position
+    assert metric(text, "fluidserve_spec_decode_draft_tokens_withheld_total") == [0.0]  # fixed drafts: all verified
 
 
 def test_concurrent_streams_and_dropped_ones_free_their_kv(server):
