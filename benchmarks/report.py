@@ -1068,8 +1068,10 @@ def speculative(_: str) -> tuple[list[str], list[str]]:
     return ["`benchmarks/speculative.py`: n-gram speculative decoding (`--speculative-config`) against none on "
             "a real model, each setting in one process, and vLLM's n-gram drafting over the same prompts: output "
             "tokens a second at batch 1 and in a burst, where replies repeat the prompt and where they do not; "
+            "then drafts chosen per step (the default, `speculative-adaptive`) beside every draft verified and "
+            "beside a batch-size cut-off, with a burst of both kinds of prompt; "
             "then the same prompts streamed one at a time through both servers (`--server`).", "",
-            *embedded(["speculative", "speculative-server"])], []
+            *embedded(["speculative", "speculative-adaptive", "speculative-server", "speculative-server-adaptive"])], []
 
 
 # -- the page ------------------------------------------------------------------------------
@@ -1125,7 +1127,8 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
       "swap_serving-load-0.9-seeds-0-6", "swap_serving-load-0.9-baseline-again", "swap_serving_chat-default-seeds-0-6",
       "preemption"], kv_real),
     ("The KV cache's dtype: fp8", ["kv_cache_dtype"], kv_cache_dtype),
-    ("Speculative decoding: n-gram drafts", ["speculative", "speculative-server"], speculative),
+    ("Speculative decoding: n-gram drafts",
+     ["speculative", "speculative-adaptive", "speculative-server", "speculative-server-adaptive"], speculative),
     ("Frontend, load generator and Ray executor", ["serve_overhead", "serve_bench-*", "ray_overhead-*"], frontend),
     ("Triton kernels compiled for sm_90", ["kernels_compile_sm90"], kernels_compile),
     ("Host time of a Triton launch", ["launch_overhead", "launch_overhead-triton3.6"], launch_overhead),
