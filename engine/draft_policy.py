@@ -197,10 +197,13 @@ class DraftPolicy:
         """The number of the largest cuts that minimises the step's predicted
         seconds times the sum over its sequences of steps per token."""
         base = self.decode.predict(num_seqs)
-        if base is None:
-            # Nothing timed without drafts yet: draft, unless drafts are timed
-            # already (then a plain step is timed next, to compare).
-            return 0 if self.verify.predict(num_seqs + 1) is not None else self._first_try(num_seqs, cuts)
+        if self.verify.predict(num_seqs + 1) is None:
+            # Drafts never timed: a step of a few, whose time the next
+            # decisions extrapolate from, not every draft at once (a burst's
+            # first verifying step would cost twice a decode).
+            return self._a_few(num_seqs, len(cuts))
+        if base is None:  # drafts timed, a plain step not yet: time one, to compare
+            return 0
         best, best_cost = 0, math.inf
         per_token = float(num_seqs)
         # What the cuts not yet taken could still save: once even all of them
@@ -212,22 +215,17 @@ class DraftPolicy:
             per_token -= cut
             left -= cut
             seconds = self.verify.predict(num_seqs + d)
-            if seconds is None:
-                return self._first_try(num_seqs, cuts)
             if seconds * per_token < best_cost:
                 best, best_cost = d, seconds * per_token
             elif seconds * (per_token - left) >= best_cost:
                 break
         if best_cost < base * num_seqs:
             return 0 if self.decisions - self._last_plain > self.refresh else best
-        # Re-timing drafts that did not pay: a step of few of them (the
-        # likeliest, at most one a sequence), not the costliest candidate.
-        return min(best, max(2, num_seqs)) if self.decisions - self._last_verify > self.refresh else 0
+        # Re-timing drafts that did not pay: a few of the likeliest, not the costliest candidate.
+        return self._a_few(num_seqs, best) if self.decisions - self._last_verify > self.refresh else 0
 
     @staticmethod
-    def _first_try(num_seqs: int, cuts: list[float]) -> int:
-        """Drafts never timed: a step of as many drafts as sequences (two at
-        batch 1), whose time the next decisions extrapolate from, not every
-        draft at once (a burst's first verifying step would cost twice a
-        decode)."""
-        return min(len(cuts), max(2, num_seqs))
+    def _a_few(num_seqs: int, most: int) -> int:
+        """Drafts for a step that times them: as many as there are sequences
+        (two at batch 1), at most ``most``."""
+        return min(most, max(2, num_seqs))

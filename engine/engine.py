@@ -454,8 +454,10 @@ class LLMEngine:
                                                             paused_input=inp if result.paused else None,
                                                             rejected=rejected))
         if self.speculative is not None and not result.abandoned:
-            if self._draft_policy is not None and _decodes_only(plan) and not result.failed_rows:
-                self._draft_policy.observe_step(len(plan.scheduled), sum(i.drafts for i in plan.scheduled), took)
+            if self._draft_policy is not None and not result.failed_rows:
+                drafts = _decode_drafts(plan)
+                if drafts is not None:
+                    self._draft_policy.observe_step(len(plan.scheduled), drafts, took)
             self._propose_drafts(plan)
         self._count_step(plan, took)
         self.stats_.swap_stall_seconds += result.swap_stall_s
@@ -815,7 +817,6 @@ class LLMEngine:
             for seq, n in zip(offered, counts):
                 del seq.draft[n:]
                 seq.state.num_draft_tokens = n
-            self.stats_.spec_num_withheld_tokens = policy.withheld
 
     def _block_filled(self, seq: Sequence) -> None:
         """Prompt + outputs just filled a KV block: the scheduler keys it."""
@@ -851,6 +852,8 @@ class LLMEngine:
         s.prefix_cache_hit_tokens = self.kv.prefix_stats.hit_tokens
         s.prefix_cache_host_query_tokens = self.kv.prefix_stats.host_query_tokens
         s.prefix_cache_host_hit_tokens = self.kv.prefix_stats.host_hit_tokens
+        if self._draft_policy is not None:
+            s.spec_num_withheld_tokens = self._draft_policy.withheld
         if self._cpu_share is not None:
             share = self._cpu_share
             s.cpu_threads, s.num_cpu_thread_changes, s.num_cpu_thread_trials = (share.held, share.changes,
@@ -881,12 +884,18 @@ class LLMEngine:
 _ids = itertools.count()
 
 
-def _decodes_only(plan: StepPlan) -> bool:
-    """A step of decodes (each with its drafts) and nothing else: no prefill
-    chunk, no KV copies, not a resumed one; what the draft policy times."""
+def _decode_drafts(plan: StepPlan) -> int | None:
+    """The drafts a step of decodes (each with its drafts) and nothing else
+    verified; None for any other step (a prefill chunk, KV copies, a resumed
+    one): what the draft policy times."""
     if plan.has_copies or plan.resumes:
-        return False
-    return all(item.samples and item.num_tokens == 1 + item.drafts for item in plan.scheduled)
+        return None
+    drafts = 0
+    for item in plan.scheduled:
+        if not item.samples or item.num_tokens != 1 + item.drafts:
+            return None
+        drafts += item.drafts
+    return drafts
 
 
 def _row_seed(seed: int, index: int, position: int) -> int:
