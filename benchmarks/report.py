@@ -746,6 +746,20 @@ def cpu_kernels(_: str) -> tuple[list[str], list[str]]:
                       "max abs diff"],
                      [[r["chunk"], r["prefix"], r["dtype"], r["best_ms"]["one masked call"], r["best_ms"]["two calls"],
                        ratio(r["speedup"]), f"{r['max_abs_diff']:.1e}"] for r in d["kernel"]], "rrl" + "r" * 4)
+    d = load("cpu_short_rows")
+    if d:
+        out += [f"**Short rows bucketed like decodes** (up to {d['max_folded_queries']} queries a row: a verifying "
+                "step's token and drafts), against one chunk's calls per row, one thread, best of runs; the same "
+                "rows as single-token decodes beside them:", ""] + provenance("cpu_short_rows", d)
+        out += table(["rows", "context", "queries a row", "KV heads x group x head dim", "dtype", "chunks (ms)",
+                      "bucketed (ms)", "speed-up", "as decodes (ms)", "bucketed / decodes"],
+                     [[r["rows"], r["context"], r["queries"], f"{r['kv_heads']} x {r['group']} x {r['head_dim']}",
+                       r["dtype"], r["best_ms"]["chunks"], r["best_ms"]["folded"], ratio(r["speedup"]),
+                       r["best_ms"]["decodes"], ratio(r["over_decodes"])] for r in d["kernel"]], "rrrll" + "r" * 5)
+        e = d["engine"]["median_step_ms"]
+        out += [f"Engine (`cpu-deep`, 12 requests at about 300 tokens of context, each verifying 4 drafts a step): "
+                f"median step {num(e['chunks'])} ms as chunks, {num(e['folded'])} ms bucketed "
+                f"({ratio(d['engine']['speedup'])}).", ""]
     d = load("shared_prefix_decode")
     if d:
         out += ["**Shared-prefix decode buckets**: a prefix family gets its own bucket only where the copies it "
@@ -1118,7 +1132,9 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
     ("Scheduler CPU time per step", ["sched_step_cost", "sched_step_cost-1024", "sched_step_cost-64-queued-2000"],
      sched_step_cost),
     ("Garbage collection during steps", ["gc_pauses"], gc_pauses),
-    ("CPU kernels", ["cpu_decode_groups", "cpu_chunked_prefill", "shared_prefix_decode", "cpu_linear"], cpu_kernels),
+    ("CPU kernels",
+     ["cpu_decode_groups", "cpu_chunked_prefill", "cpu_short_rows", "shared_prefix_decode", "cpu_linear"],
+     cpu_kernels),
     ("Structured output and prompt logprobs",
      ["grammar_mask", "structured_overhead-cpu", "structured_overhead-cpu-small", "grammar_mask_apply-cpu",
       "prompt_logprobs-cpu"], grammar),

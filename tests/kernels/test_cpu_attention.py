@@ -270,3 +270,66 @@ def test_a_family_that_shares_little_stays_in_the_common_bucket(make_batch, orac
         batch.block_tables[i, 1:3] = batch.block_tables[3, 1:3]
     monkeypatch.setattr(cpu_attention, "MIN_SHARED_SAVING", 2 * 16 * kv_width(batch) + 1)
     assert plan_rows(batch) == [([0, 1, 2, 3, 4], False)]
+
+
+def spec_step(block_size: int) -> list[tuple[int, int]]:
+    """A speculative step: rows of one token and its 1-4 drafts, at lengths
+    that put a row's queries across a block boundary, beside plain decodes
+    and a chunk too long to fold."""
+    b = block_size
+    return [(1, 40), (3, 41), (5, b), (2, 2), (4, b + 2), (5, 3 * b + 3), (1, 200), (2, 210), (5, 230),
+            (cpu_attention.MAX_FOLDED_QUERIES + 1, 90), (cpu_attention.MAX_FOLDED_QUERIES, 120)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("window, softcap", [(None, None), (24, None), (None, 1.0), (5, 1.0)])
+def test_short_rows_bucket_like_decodes_and_match_reference(make_batch, oracle, dtype, group, window, softcap):
+    """Rows of up to MAX_FOLDED_QUERIES queries go into buckets apart from
+    single-token rows, padded to their bucket's longest; each query sees
+    the keys up to its own position (and its window), as the reference's
+    causal chunk does. Longer rows stay chunks."""
+    bs = 16
+    specs = spec_step(bs)
+    batch = make_batch(specs, num_kv_heads=2, group=group, head_dim=32, block_size=bs, dtype=dtype, seed=11)
+    plan = cpu_attention.build_plan(batch.q_lens, batch.seq_len_list, batch.block_tables,
+                                    step_slots(batch, bs), bs, window, kv_width(batch))
+    assert [(p.q_hi - p.q_lo, p.seq_len) for p in plan.prefills] == [specs[-2]]
+    short = [b for b in plan.decodes if b.queries > 1]
+    assert short and all(b.q_rows.numel() == b.queries * b.key_mask.shape[0] for b in plan.decodes)
+    assert sum(int(b.keep.sum()) if b.keep is not None else b.q_rows.numel() for b in plan.decodes) == \
+        sum(q for q, _ in specs[:-2]) + specs[-1][0]
+    assert any(b.keep is not None for b in short)  # a bucket of rows of different lengths pads them
+    atol, rtol = TOLERANCES[dtype]
+    expected = oracle(batch, window, softcap=softcap)
+    torch.testing.assert_close(run_fast(batch, bs, window, True, softcap), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_short_rows_sharing_leading_blocks_attend_them_once(make_batch, oracle, group):
+    """Verifying rows of one prompt (n > 1 samples, or one system prompt)
+    read the shared blocks in one call; a row whose first query sits right
+    after them still sees them and its own keys."""
+    bs, shared = 16, 3
+    lens = [shared * bs + 3, shared * bs + 9, shared * bs + 30, shared * bs + 17]
+    specs = [(3, lens[0]), (4, lens[1]), (5, lens[2]), (2, lens[3]), (1, 70)]
+    batch = make_batch(specs, num_kv_heads=2, group=group, head_dim=32, block_size=bs, seed=7)
+    for i in range(1, len(lens)):
+        batch.block_tables[i, :shared] = batch.block_tables[0, :shared]
+    plan = cpu_attention.build_plan(batch.q_lens, batch.seq_len_list, batch.block_tables,
+                                    step_slots(batch, bs), bs, None, kv_width(batch))
+    (bucket,) = [b for b in plan.decodes if b.queries > 1]
+    assert bucket.shared_ids is not None and bucket.shared_ids.numel() == shared and bucket.queries == 5
+    torch.testing.assert_close(run_fast(batch, bs, None, False), oracle(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_short_rows_stay_chunks_when_a_slot_was_not_written(make_batch, oracle):
+    """A bucket reads a row's own keys from the cache: with a slot left
+    unwritten (-1) the short rows attend their step K/V as chunks do."""
+    bs = 16
+    batch = make_batch([(3, 40), (1, 50), (2, 20)], num_kv_heads=2, group=2, head_dim=32, block_size=bs)
+    slots = step_slots(batch, bs)
+    slots[-1] = -1
+    plan = cpu_attention.build_plan(batch.q_lens, batch.seq_len_list, batch.block_tables, slots, bs, None,
+                                    kv_width(batch))
+    assert [b.queries for b in plan.decodes] == [1] and len(plan.prefills) == 2 and not plan.slots_all_valid
