@@ -35,7 +35,9 @@ THINK, END = BYTE_VOCAB_SIZE, BYTE_VOCAB_SIZE + 1
 LETTERS = list(range(ord("a"), ord("z") + 1)) + [ord(" ")]
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
           "required": ["answer"], "additionalProperties": False}
-PARSERS = ("deepseek_r1", "qwen3")
+# Those whose markers the tiny model's <think> tokens are (mistral's [THINK] needs vLLM's Mistral tokenizer,
+# granite's and olmo3's text markers cannot be steered to by logit bias).
+PARSERS = ("deepseek_r1", "qwen3", "ernie45", "glm45")
 
 
 def cases(model: str) -> dict[str, dict]:

@@ -240,7 +240,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the model's tool-call format: hermes (Hermes, Qwen 2.5/3) or llama3_json (Llama 3.x)")
     s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split a thinking model's replies into reasoning and content (deepseek_r1: DeepSeek-R1 "
-                        "and its distills; qwen3: Qwen3, QwQ); structured output then starts after the thinking")
+                        "and its distills; qwen3: Qwen3, QwQ; mistral: Magistral; granite: Granite 3.2; ernie45: "
+                        "ERNIE 4.5 thinking; glm45: GLM-4.5 and on; olmo3: OLMo 3 Think); structured output then "
+                        "starts after the thinking (granite and olmo3 end it in text: a 400 on a thinking request)")
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprob tokens as "token_id:N" unless a request says otherwise')
     s.add_argument("--enable-force-include-usage", action="store_true",

@@ -204,21 +204,26 @@ class InputProcessor:
         top_n = None
         if req.logprobs:
             top_n = 0 if req.logprob_token_ids else self._logprobs_count(req.top_logprobs or 0, "top_logprobs")
-        tool_mode, structured = self._tool_mode(req)
-        structured = structured or self._structured(req)
+        tool_mode, forced = self._tool_mode(req)
+        structured = forced or self._structured(req)
         reasoning = self._reasoning(req, prompt)
         # A thinking reply's grammar starts once the thinking has ended.
-        after = reasoning.parser.end_id if reasoning and structured and not self.enable_in_reasoning else None
+        after = None
+        if reasoning and structured and not self.enable_in_reasoning:
+            after = _thinking_end(reasoning, "tool_choice" if forced else _constraint_field(req))
         params = self._params(req, max_tokens, top_n, structured, after)
-        if tool_mode is not None and tool_mode.parser in KEEPS_SPECIAL_TOKENS:
-            params = dataclasses.replace(params, skip_special_tokens=False)  # its [TOOL_CALLS] is one
+        beam = self._beam(req, max_tokens, top_n)
+        keep_special = tool_mode is not None and tool_mode.parser in KEEPS_SPECIAL_TOKENS  # its [TOOL_CALLS] is one
+        if keep_special or (reasoning is not None and reasoning.parser.keeps_special_tokens):  # so are its markers
+            params = dataclasses.replace(params, skip_special_tokens=False)
+            if beam is not None:
+                beam = dataclasses.replace(beam, skip_special_tokens=False)
         budget = self._thinking_budget(req, reasoning, structured)
         if budget is not None:
             params = dataclasses.replace(params, thinking_token_budget=budget,
                                          thinking_start_token_id=reasoning.parser.start_id,
                                          thinking_end_token_id=reasoning.parser.end_id)
-        return EngineInputs([prompt], params, req.klass, tool_mode, beam=self._beam(req, max_tokens, top_n),
-                            reasoning=reasoning)
+        return EngineInputs([prompt], params, req.klass, tool_mode, beam=beam, reasoning=reasoning)
 
     def _thinking_budget(self, req: ChatCompletionRequest, reasoning: Reasoning | None,
                          structured: StructuredOutputs | None) -> int | None:
@@ -232,6 +237,7 @@ class InputProcessor:
                               "says where the thinking ends", "thinking_token_budget")
         if reasoning is None:
             return None
+        _thinking_end(reasoning, "thinking_token_budget")  # a 400 if there is no one token to force
         if structured is not None and self.enable_in_reasoning:
             raise bad_request("thinking_token_budget: cannot force the end of the thinking where the grammar "
                               "constrains the thinking too (enable_in_reasoning)", "thinking_token_budget")
@@ -298,7 +304,8 @@ class InputProcessor:
         server has no reasoning parser, the request turned thinking off, or
         the prompt already closed it."""
         parser = self.reasoning_parser
-        if parser is None or not parser.thinking(self._template_kwargs(req)) or parser.ended_in(prompt.token_ids):
+        if parser is None or not parser.thinking(self._template_kwargs(req)) or \
+                parser.ended_in(prompt.token_ids, prompt.text):
             return None
         return Reasoning(parser, include=req.include_reasoning)
 
@@ -538,6 +545,34 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
+
+
+def _thinking_end(reasoning: Reasoning, param: str) -> int:
+    """The token that ends the thinking, which ``param`` waits for (a
+    grammar) or forces (a budget); a 400 naming ``param`` where the parser's
+    end marker is text, not one token."""
+    parser = reasoning.parser
+    if parser.end_id is not None:
+        return parser.end_id
+    if param == "thinking_token_budget":
+        consequence = "no budget can force it"
+    else:
+        consequence = ("a constraint cannot start after it (one over the whole reply: --structured-outputs-config "
+                       "'{\"enable_in_reasoning\": true}')")
+    switches = parser.family.switches
+    off = f'; a request with chat_template_kwargs {{"{switches[0]}": false}} does not think' if switches else ""
+    raise bad_request(f"{param}: the {parser.name} reasoning parser finds the end of the thinking in text "
+                      f"({parser.end_marker!r}), not in one token, so {consequence}{off}", param)
+
+
+def _constraint_field(req: _SamplingFields) -> str:
+    """The field that asked for the request's output constraint (protocol.py
+    allows one), in ``_structured``'s order."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        return "response_format"
+    return next((name for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                                   "guided_grammar") if getattr(req, name, None) is not None), "response_format")
 
 
 def _json_value(value: Any) -> Any:

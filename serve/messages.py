@@ -464,7 +464,7 @@ class _Streamer:
             if thought:
                 out += self._delta("thinking", {"type": "thinking", "thinking": "", "signature": ""},
                                    {"type": "thinking_delta", "thinking": thought})
-            if self.thinking.in_reasoning:
+            if self.thinking.in_reasoning and not text:
                 return out  # no content yet
         if self.tools is None:
             pieces = [StreamPiece(text)]

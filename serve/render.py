@@ -349,7 +349,7 @@ class ChatStreamer:
             split = self.thoughts.setdefault(co.index, ReasoningStream(self.reasoning.parser))
             thought, text = split.step(text, last=bool(co.finish_reason))
             thought = thought if self.reasoning.include else ""
-            thinking = split.in_reasoning  # no content yet: nothing for a tool-call parser
+            thinking = split.in_reasoning and not text  # no content yet: nothing for a tool-call parser
         if self.tool_mode is None or thinking:
             return ChatDelta(content=text or None, reasoning=thought or None), finish_reason(co)
         stream = self.calls.setdefault(co.index, CallStream(self.tool_mode))

@@ -825,7 +825,7 @@ class _Streamer:
                 out += self._think(thought)
         if self.tools is None:
             pieces = [StreamPiece(text)]
-        elif self.thinking is not None and self.thinking.in_reasoning:
+        elif self.thinking is not None and self.thinking.in_reasoning and not text:
             pieces = []  # no content yet: nothing for a tool-call parser
         else:
             pieces = self.tools.step(text, last=bool(co.finish_reason))

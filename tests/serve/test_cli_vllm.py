@@ -129,6 +129,8 @@ def test_reasoning_parser_flags():
         "--structured-outputs-config.enable_in_reasoning", "true"])))
     assert (settings.reasoning_parser, settings.enable_in_reasoning) == ("deepseek_r1", True)
     assert cli.server_settings(parse()).reasoning_parser is None
+    for name in ("mistral", "granite", "ernie45", "glm45", "olmo3"):
+        assert cli.server_settings(parse("--reasoning-parser", name)).reasoning_parser == name
 
 
 def test_a_reasoning_parser_for_a_model_without_think_tokens_is_one_line():
@@ -141,7 +143,7 @@ def test_a_reasoning_parser_for_a_model_without_think_tokens_is_one_line():
 
 
 @pytest.mark.parametrize("value, named", [
-    ('{"reasoning_parser": "granite"}', "reasoning_parser: 'granite' is not supported"),
+    ('{"reasoning_parser": "kimi_k2"}', "reasoning_parser: 'kimi_k2' is not supported"),
     ('{"backend": "outlines"}', "backend: 'outlines' is not supported"),
     ('{"disable_any_whitespace": "yes"}', "disable_any_whitespace: 'yes' is not supported"),
     ('{"disable_fallback": true}', "disable_fallback: True is not supported"),

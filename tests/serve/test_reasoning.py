@@ -93,8 +93,7 @@ def expected_split(token_ids: list[int], parser: str) -> tuple[str | None, str |
 
 
 def _parser(name: str) -> ReasoningParser:
-    return ReasoningParser(name, THINK, END, implicit_end="<tool_call>" if name == "qwen3" else None,
-                           drops_repeated_end=name == "qwen3")
+    return ReasoningParser(name, THINK, END)
 
 
 @pytest.mark.parametrize("name, reply, reasoning, content", [
@@ -137,7 +136,7 @@ def test_a_model_without_think_tokens_is_refused_at_start(tiny_model):
     with pytest.raises(ValueError, match="no '<think>' token"):
         ReasoningParser.load("qwen3", load_tokenizer(tiny_model("llama")))
     with pytest.raises(ValueError, match="not a parser"):
-        ReasoningParser.load("granite", load_tokenizer(tiny_model("llama")))
+        ReasoningParser.load("granite4", load_tokenizer(tiny_model("llama")))
 
 
 def _output(text: str, finish: str | None = "stop", delta: str | None = None) -> CompletionOutput:
