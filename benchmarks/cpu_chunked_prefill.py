@@ -19,16 +19,14 @@ Writes benchmarks/results/cpu_chunked_prefill.{json,md}.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from dummy_models import build_model_dir, device_name, kernel_rows, save_results
+from dummy_models import build_model_dir, cpu_kernel_record, save_results
 
 from fluidserve.kernels import cpu_attention
 
@@ -37,9 +35,10 @@ SHAPES = ((352, 352), (352, 672), (320, 704), (64, 960), (512, 2048))  # (chunk,
 KV_HEADS, GROUP, HEAD_DIM, BLOCK = 4, 1, 64, 16  # cpu-deep's attention
 
 
-def masked_prefill(out, query, key_cache, value_cache, item, scale, key, value) -> None:
+def masked_prefill(out, query, key_cache, value_cache, item, scale, key, value, softcap=None) -> None:
     """The baseline: one call over the gathered context with a [chunk,
-    context] mask wherever a prefix is cached."""
+    context] mask wherever a prefix is cached (no soft cap: the models here
+    have none)."""
     q = query[item.q_lo:item.q_hi].transpose(0, 1).unsqueeze(0)
     q_len = item.q_hi - item.q_lo
     if q_len == item.seq_len and key is not None:  # a whole prompt: its own K/V are all it reads
@@ -47,8 +46,8 @@ def masked_prefill(out, query, key_cache, value_cache, item, scale, key, value) 
         v = value[item.q_lo:item.q_hi].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        k = cpu_attention._gathered(key_cache, item.block_ids, item.seq_len)
-        v = cpu_attention._gathered(value_cache, item.block_ids, item.seq_len)
+        k = cpu_attention._gathered(key_cache, item.block_ids, item.seq_len, q.dtype)
+        v = cpu_attention._gathered(value_cache, item.block_ids, item.seq_len, q.dtype)
         mask = item.mask
         if mask is None:
             q_pos = torch.arange(item.seq_len - q_len, item.seq_len).unsqueeze(1)
@@ -118,15 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--engine-prompts", type=int, default=6, help="prompts per attention path and chunk size")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    load_start = os.getloadavg()
-    rows = kernel_rows(kernel, SHAPES, args.rounds)
-    eng = engine(args.engine_prompts)
-    print(eng, flush=True)
-    device = device_name("cpu")
-    record = {"benchmark": "cpu_chunked_prefill", "device": device, "torch": torch.__version__,
-              "command": " ".join(["python", *sys.argv]), "load_average_start": load_start,
-              "load_average_end": os.getloadavg(), "kernel": rows, "engine": eng}
+    record = cpu_kernel_record("cpu_chunked_prefill", kernel, SHAPES, args.rounds,
+                               lambda: engine(args.engine_prompts))
+    device, load_start, eng, rows = record["device"], record["load_average_start"], record["engine"], record["kernel"]
     lines = [f"# CPU attention of a chunk over a cached prefix: two calls vs one masked call — {device}", "",
              f"`{record['command']}`; torch {torch.__version__}, one thread; {KV_HEADS} KV heads x group {GROUP} "
              f"x head dim {HEAD_DIM}, blocks of {BLOCK}. Load average {load_start[0]:.2f} at the start, "

@@ -17,16 +17,12 @@ Writes benchmarks/results/cpu_decode_groups.{json,md}.
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from dummy_models import build_model_dir, device_name, kernel_rows, save_results
+from dummy_models import alternating_calls, alternating_steps, build_model_dir, cpu_kernel_record, save_results
 
 from fluidserve.kernels import cpu_attention
 
@@ -54,18 +50,19 @@ def kernel(rows: int, context: int, kv_heads: int, group: int, head_dim: int, dt
     q = torch.randn(rows, kv_heads * group, head_dim, generator=gen).to(dtype)
     slots = torch.tensor([int(tables[i, (n - 1) // block]) * block + (n - 1) % block for i, n in enumerate(lens)])
     plan = cpu_attention.build_plan([1] * rows, lens, tables.int(), slots, block, None, kv_heads * head_dim)
-    ways = _ways()
-    ms: dict[str, list[float]] = {name: [] for name, _ in ways}
-    outs = {}
-    for r in range(rounds):
-        for name, elements in (ways if r % 2 == 0 else ways[::-1]):
+
+    def call(elements: int):
+        def run():
             cpu_attention.DECODE_GROUP_ELEMENTS = elements
-            c0 = time.thread_time()
-            outs[name] = cpu_attention.paged_attention(q, kc, vc, plan, head_dim ** -0.5)
-            ms[name].append((time.thread_time() - c0) * 1e3)
-    cpu_attention.DECODE_GROUP_ELEMENTS = ways[0][1]
+            return cpu_attention.paged_attention(q, kc, vc, plan, head_dim ** -0.5)
+        return run
+
+    ways = _ways()
+    try:
+        best, outs = alternating_calls({name: call(elements) for name, elements in ways}, rounds)
+    finally:
+        cpu_attention.DECODE_GROUP_ELEMENTS = ways[0][1]
     diff = (outs["grouped"].float() - outs["one call"].float()).abs().max().item()
-    best = {name: min(v) for name, v in ms.items()}
     return {"rows": rows, "context": context, "kv_heads": kv_heads, "group": group, "head_dim": head_dim,
             "dtype": str(dtype).removeprefix("torch."), "best_ms": best, "speedup": best["one call"] / best["grouped"],
             "max_abs_diff": diff}
@@ -84,16 +81,7 @@ def engine(steps: int) -> dict:
         eng.add_request(next_request_id("dec"), [(7 * i + p) % 30000 + 1 for p in range(1024)], params)
     for _ in range(14):  # the twelve prompts, and the first decodes
         eng.step()
-    ways = _ways()
-    ms: dict[str, list[float]] = {name: [] for name, _ in ways}
-    for s in range(steps):
-        name, elements = ways[s % 2]
-        cpu_attention.DECODE_GROUP_ELEMENTS = elements
-        t0 = time.perf_counter()
-        eng.step()
-        ms[name].append((time.perf_counter() - t0) * 1e3)
-    cpu_attention.DECODE_GROUP_ELEMENTS = ways[0][1]
-    med = {name: statistics.median(v) for name, v in ms.items()}
+    med = alternating_steps(eng, cpu_attention, "DECODE_GROUP_ELEMENTS", dict(_ways()), steps)
     return {"median_step_ms": med, "speedup": med["one call"] / med["grouped"], "steps_each": steps // 2}
 
 
@@ -102,15 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--engine-steps", type=int, default=40)
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    load_start = os.getloadavg()
-    rows = kernel_rows(kernel, SHAPES, args.rounds)
-    eng = engine(args.engine_steps)
-    print(eng, flush=True)
-    device = device_name("cpu")
-    record = {"benchmark": "cpu_decode_groups", "device": device, "torch": torch.__version__,
-              "group_elements": cpu_attention.DECODE_GROUP_ELEMENTS, "command": " ".join(["python", *sys.argv]),
-              "load_average_start": load_start, "load_average_end": os.getloadavg(), "kernel": rows, "engine": eng}
+    record = cpu_kernel_record("cpu_decode_groups", kernel, SHAPES, args.rounds, lambda: engine(args.engine_steps),
+                               group_elements=cpu_attention.DECODE_GROUP_ELEMENTS)
+    device, load_start, eng, rows = record["device"], record["load_average_start"], record["engine"], record["kernel"]
     lines = [f"# CPU decode attention: rows a few at a time vs one call per bucket — {device}", "",
              f"`{record['command']}`; torch {torch.__version__}, one thread; grouped = at most "
              f"{cpu_attention.DECODE_GROUP_ELEMENTS:,} K elements gathered per call. Load average "

@@ -19,16 +19,13 @@ Writes benchmarks/results/cpu_short_rows.{json,md}.
 from __future__ import annotations
 
 import argparse
-import os
+import functools
 import random
-import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from dummy_models import build_model_dir, device_name, kernel_rows, save_results
+from dummy_models import alternating_calls, alternating_steps, build_model_dir, cpu_kernel_record, save_results
 
 from fluidserve.kernels import cpu_attention
 
@@ -71,17 +68,10 @@ def kernel(rows: int, context: int, queries: int, kv_heads: int, group: int, hea
     q = torch.randn(rows * queries, kv_heads * group, head_dim, generator=gen).to(dtype)
     ways = {"folded": (q, plan(queries, max(FOLDED, queries))), "chunks": (q, plan(queries, 1)),
             "decodes": (q[:rows], plan(1, FOLDED))}
-    ms: dict[str, list[float]] = {name: [] for name in ways}
-    outs = {}
-    names = list(ways)
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            query, p = ways[name]
-            c0 = time.thread_time()
-            outs[name] = cpu_attention.paged_attention(query, kc, vc, p, head_dim ** -0.5)
-            ms[name].append((time.thread_time() - c0) * 1e3)
+    calls = {name: functools.partial(cpu_attention.paged_attention, query, kc, vc, p, head_dim ** -0.5)
+             for name, (query, p) in ways.items()}
+    best, outs = alternating_calls(calls, rounds)
     diff = (outs["folded"].float() - outs["chunks"].float()).abs().max().item()
-    best = {name: min(v) for name, v in ms.items()}
     return {"rows": rows, "context": context, "queries": queries, "kv_heads": kv_heads, "group": group,
             "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."), "best_ms": best,
             "speedup": best["chunks"] / best["folded"], "over_decodes": best["folded"] / best["decodes"],
@@ -112,16 +102,7 @@ def engine(steps: int) -> dict:
         seq.drafter = _FixedDrafts()
     for _ in range(6):  # the twelve prompts, and the first verifying steps
         eng.step()
-    ways = (("folded", FOLDED), ("chunks", 1))
-    ms: dict[str, list[float]] = {name: [] for name, _ in ways}
-    for s in range(steps):
-        name, fold = ways[s % 2]
-        cpu_attention.MAX_FOLDED_QUERIES = fold
-        t0 = time.perf_counter()
-        eng.step()
-        ms[name].append((time.perf_counter() - t0) * 1e3)
-    cpu_attention.MAX_FOLDED_QUERIES = FOLDED
-    med = {name: statistics.median(v) for name, v in ms.items()}
+    med = alternating_steps(eng, cpu_attention, "MAX_FOLDED_QUERIES", {"folded": FOLDED, "chunks": 1}, steps)
     return {"median_step_ms": med, "speedup": med["chunks"] / med["folded"], "steps_each": steps // 2}
 
 
@@ -130,15 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--engine-steps", type=int, default=40)
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    load_start = os.getloadavg()
-    rows = kernel_rows(kernel, SHAPES, args.rounds)
-    eng = engine(args.engine_steps)
-    print(eng, flush=True)
-    device = device_name("cpu")
-    record = {"benchmark": "cpu_short_rows", "device": device, "torch": torch.__version__,
-              "max_folded_queries": FOLDED, "command": " ".join(["python", *sys.argv]),
-              "load_average_start": load_start, "load_average_end": os.getloadavg(), "kernel": rows, "engine": eng}
+    record = cpu_kernel_record("cpu_short_rows", kernel, SHAPES, args.rounds, lambda: engine(args.engine_steps),
+                               max_folded_queries=FOLDED)
+    device, load_start, eng, rows = record["device"], record["load_average_start"], record["engine"], record["kernel"]
     lines = [f"# CPU attention of short rows: bucketed like decodes vs one chunk each — {device}", "",
              f"`{record['command']}`; torch {torch.__version__}, one thread, best of {args.rounds}; rows of up "
              f"to {FOLDED} queries are bucketed by default (the rows of 32 here are bucketed for the comparison). "

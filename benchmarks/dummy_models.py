@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
-from collections.abc import Iterator
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -152,6 +156,53 @@ def kernel_rows(kernel, shapes, rounds: int) -> list[dict]:
                 rows.append(kernel(*shape, dtype, rounds))
                 print(rows[-1], flush=True)
     return rows
+
+
+def cpu_kernel_record(name: str, kernel, shapes, rounds: int, engine: Callable[[], dict], **fields) -> dict:
+    """A CPU kernel benchmark run on one torch thread: ``kernel`` over
+    ``shapes`` (``kernel_rows``), then ``engine()``; its record, with the
+    load average before and after."""
+    torch.set_num_threads(1)
+    load_start = os.getloadavg()
+    rows = kernel_rows(kernel, shapes, rounds)
+    eng = engine()
+    print(eng, flush=True)
+    return {"benchmark": name, "device": device_name("cpu"), "torch": torch.__version__, **fields,
+            "command": " ".join(["python", *sys.argv]), "load_average_start": load_start,
+            "load_average_end": os.getloadavg(), "kernel": rows, "engine": eng}
+
+
+def alternating_calls(calls: dict[str, Callable[[], object]], rounds: int) -> tuple[dict[str, float], dict]:
+    """Each call's best thread CPU time (ms) over ``rounds``, the calls taking
+    turns (in reverse order every other round), and each one's last result."""
+    names = list(calls)
+    ms: dict[str, list[float]] = {name: [] for name in names}
+    outs = {}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            c0 = time.thread_time()
+            outs[name] = calls[name]()
+            ms[name].append((time.thread_time() - c0) * 1e3)
+    return {name: min(v) for name, v in ms.items()}, outs
+
+
+def alternating_steps(engine, module, attr: str, ways: dict[str, object], steps: int) -> dict[str, float]:
+    """The median wall time (ms) of ``engine.step()`` under each of ``ways``
+    (a value for ``module.attr``), the ways taking turns step by step; the
+    attribute is restored after."""
+    names = list(ways)
+    kept = getattr(module, attr)
+    ms: dict[str, list[float]] = {name: [] for name in names}
+    try:
+        for s in range(steps):
+            name = names[s % len(names)]
+            setattr(module, attr, ways[name])
+            t0 = time.perf_counter()
+            engine.step()
+            ms[name].append((time.perf_counter() - t0) * 1e3)
+    finally:
+        setattr(module, attr, kept)
+    return {name: statistics.median(v) for name, v in ms.items()}
 
 
 def model_choice(args: argparse.Namespace) -> tuple[str, str, str]:

@@ -418,13 +418,20 @@ class ReasoningStream:
         self.phase = "content"
         return text
 
+    def _cut(self, markers: _Markers, text: str, last: bool) -> tuple[str, str, str]:
+        """``markers.cut(text)``, a tail that may begin a marker held back for
+        the next delta (or, on the reply's last, kept as text)."""
+        head, marker, rest = markers.cut(text)
+        if marker or not rest:
+            return head, marker, rest
+        if last:
+            return head + rest, "", ""
+        self._held = rest
+        return head, "", ""
+
     def _think(self, text: str, last: bool) -> str:
         family = self.parser.family
-        head, marker, rest = self._in_reasoning.cut(text)
-        if not marker and rest and not last:
-            self._held, rest = rest, ""
-        elif not marker:
-            head, rest = head + rest, ""
+        head, marker, rest = self._cut(self._in_reasoning, text, last)
         self._reason(head)
         if marker in family.end:
             self._end_thinking()
@@ -435,11 +442,7 @@ class ReasoningStream:
 
     def _answer_with(self, text: str, last: bool) -> str:
         family = self.parser.family
-        head, marker, rest = self._in_content.cut(text)
-        if not marker and rest and not last:
-            self._held, rest = rest, ""
-        elif not marker:
-            head, rest = head + rest, ""
+        head, marker, rest = self._cut(self._in_content, text, last)
         self._say(head)
         if marker in family.start:
             self.phase = "reasoning"
