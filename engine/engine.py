@@ -46,7 +46,7 @@ from fluidserve.engine.pooling import (
 )
 from fluidserve.engine.preemption import PreemptionPolicy, safepoint_shares
 from fluidserve.engine.request import Request, Sequence
-from fluidserve.engine.sampler import device_only
+from fluidserve.engine.sampler import device_only, reads_outputs
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.draft_policy import Acceptance, DraftPolicy
 from fluidserve.engine.speculative import (NgramDrafter, accepted, can_draft, draft_limit,
@@ -738,9 +738,8 @@ class LLMEngine:
             p = seq.request.params
             # A grammar matcher on the worker is checked against (and if need
             # be rebuilt from) the outputs so far.
-            needs_history = (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                             or p.min_tokens or any(len(w) > 1 for w in p.bad_words_token_ids)
-                             or p.structured_outputs is not None or p.thinking_token_budget is not None)
+            needs_history = (reads_outputs(p) or p.structured_outputs is not None
+                             or p.thinking_token_budget is not None)
             spec = seq.sample_spec = SampleSpec(
                 params=p, seed=None,
                 prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else [],

@@ -48,6 +48,13 @@ class SamplingRow:
         return np.fromiter(ids, np.int64, len(ids))
 
 
+def reads_outputs(p: SamplingParams) -> bool:
+    """Whether a row's sampling reads the sequence's outputs so far: a
+    penalty, a bad word of more than one token, or min_tokens."""
+    return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.min_tokens
+                or any(len(w) > 1 for w in p.bad_words_token_ids))
+
+
 @dataclass
 class SampledToken:
     token_id: int

@@ -24,10 +24,12 @@ arithmetic of a chunk against a one-token step). This is rejection
 sampling with a one-token draft distribution, written as "sample, then
 compare".
 
-Drafts are proposed only for sequences whose rows read nothing but the
-logits (``can_draft``): penalties, multi-token bad words, grammars and
+A row that reads the outputs so far (penalties, multi-token bad words,
+min_tokens) reads the drafts before its position as outputs (the worker's
+``_after_drafts``), so it samples as the real position would. Grammars and
 thinking budgets keep state across positions that a verifying step would
-have to fork, and those sequences decode one token a step.
+have to fork: those sequences get no drafts (``can_draft``) and decode one
+token a step.
 """
 
 from __future__ import annotations
@@ -132,14 +134,12 @@ def _per_batch_size(given) -> tuple[tuple[int, int, int], ...]:
 
 
 def can_draft(params: SamplingParams) -> bool:
-    """Whether a sequence's sampling rows read only the logits (and its
-    seed), so rows at drafted positions sample as the real ones would;
-    min_tokens reads the output's length, which ``draft_limit`` keeps on
-    one side of the bound for every row of a step."""
-    p = params
-    return not (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                or any(len(w) > 1 for w in p.bad_words_token_ids)
-                or p.structured_outputs is not None or p.thinking_token_budget is not None)
+    """Whether a sequence's rows can sample drafted positions as the real
+    ones would: all but those of a grammar or a thinking budget, whose state
+    a verifying step would have to fork. min_tokens reads the output's
+    length, which ``draft_limit`` keeps on one side of the bound for every
+    row of a step."""
+    return params.structured_outputs is None and params.thinking_token_budget is None
 
 
 def draft_limit(k: int, num_outputs: int, max_outputs: int, min_tokens: int) -> int:

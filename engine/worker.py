@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from fluidserve.engine.batch import ModelInput, PromptLogprobSpec, SampleSpec, StepFailed, StepResult
@@ -36,7 +37,8 @@ from fluidserve.engine.pooling import pool_rows, resolve_runner
 from fluidserve.engine.prompt_logprobs import score_prompts
 from fluidserve.engine.runtime import pick_device, runtime_for
 from fluidserve.engine.sample_specs import SampleSpecMirror
-from fluidserve.engine.sampler import SampledToken, SamplingRow, make_generator, sample, sample_on_device
+from fluidserve.engine.sampler import (SampledToken, SamplingRow, make_generator, reads_outputs, sample,
+                                      sample_on_device)
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.structured import StructuredDecoder
 from fluidserve.engine.token_history import TokenHistories
@@ -46,6 +48,23 @@ log = logging.getLogger(__name__)
 
 # Errors of the device itself: after one the context is unusable.
 _DEVICE_ERRORS = tuple(t for t in (getattr(torch, "AcceleratorError", None),) if t is not None)
+
+
+def _after_drafts(rows: list[SamplingRow], sample_ids: list[str], drafts: dict[str, list[int]]) -> None:
+    """Each verifying sequence's rows after its first, where they read the
+    outputs (``reads_outputs``): the drafts before the row's position
+    appended to its outputs (and its token history)."""
+    seen: dict[str, int] = {}
+    for i, sid in enumerate(sample_ids):
+        draft = drafts.get(sid)
+        if draft is None:
+            continue
+        j = seen[sid] = seen.get(sid, -1) + 1
+        row = rows[i]
+        if j and reads_outputs(row.params):
+            row.output_token_ids = row.output_token_ids + draft[:j]
+            if row.history is not None:
+                row.history = np.concatenate((row.history, np.asarray(draft[:j], dtype=row.history.dtype)))
 
 
 def _add_row(result: StepResult, sid: str, token: SampledToken) -> None:
@@ -416,8 +435,11 @@ class Worker:
         return scores
 
     def _rows(self, inp: ModelInput) -> list[SamplingRow]:
-        """The step's sampler rows; a seeded row's generator made afresh."""
-        return [
+        """The step's sampler rows; a seeded row's generator made afresh. Row
+        ``j`` of a sequence verifying drafts samples the position after its
+        first ``j`` drafts, so a row whose sampling reads the outputs so far
+        (penalties, bad words, min_tokens) reads those drafts as outputs."""
+        rows = [
             SamplingRow(
                 params=s.params,
                 prompt_token_ids=s.prompt_token_ids,
@@ -427,6 +449,9 @@ class Worker:
             )
             for s, history in zip(inp.samples, self.histories.rows(inp.sample_ids, inp.samples))
         ]
+        if inp.drafts:
+            _after_drafts(rows, inp.sample_ids, inp.drafts)
+        return rows
 
     def _sample_alone(self, inp: ModelInput, logits: torch.Tensor, result: StepResult) -> None:
         """Sampling the step's rows together raised: each row again alone,

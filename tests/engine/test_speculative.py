@@ -120,17 +120,55 @@ def test_logprobs_of_kept_drafts_are_their_rows(tiny_model, make_llm):
                 assert la[t].rank == lb[t].rank and la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)
 
 
-def test_penalised_rows_decode_one_token_a_step_beside_drafting_ones(tiny_model, make_llm):
+# Rows that read the outputs so far. Counted penalties break the tiny model's
+# loops, which n-gram drafts copy, so those rows pick among a few letters,
+# where the counts decide every token and drafts of the periodic text stand.
+PENALISED = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.3, allowed_token_ids=[65, 66]),
+             dict(presence_penalty=1.0, frequency_penalty=0.2, allowed_token_ids=[65, 66, 67]),
+             dict(repetition_penalty=1.1, min_tokens=20), dict(bad_words_token_ids=[[4, 209], [36, 36, 36]])]
+READS_OUTPUTS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "bad_words_token_ids")
+
+
+@pytest.mark.parametrize("penalty", PENALISED)
+def test_penalised_rows_draft_and_sample_as_without_drafts(tiny_model, make_llm, penalty):
+    """A row that reads the outputs so far (penalties, multi-token bad
+    words, min_tokens) reads the drafts before its position as outputs: the
+    greedy and seeded tokens are those without drafts, and drafts of these
+    rows stood (every request in the batch reads its outputs). Reading the
+    outputs without the drafts gives other tokens where a count decides."""
     path = tiny_model("llama")
-    params = [SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3),
-              SamplingParams(temperature=0.0, max_tokens=30)]
-    plain = make_llm(path).generate(PROMPTS[3:4] * 2, params)
+
+    def rows(**kw) -> list[SamplingParams]:
+        return [SamplingParams(temperature=0.0, max_tokens=30, **kw),
+                SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=30, **kw)] * len(PROMPTS)
+
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    plain = make_llm(path).generate(prompts, rows(**penalty))
     llm = make_llm(path, speculative_config=NGRAM)
-    spec = llm.generate(PROMPTS[3:4] * 2, params)
-    assert tokens(spec) == tokens(plain) and tokens(spec)[0] != tokens(spec)[1]
-    stats = llm.engine.stats()
-    # Only the plain row drafts: at most one draft of its per step.
-    assert 0 < stats.spec_num_drafts <= stats.num_steps
+    assert tokens(llm.generate(prompts, rows(**penalty))) == tokens(plain)
+    assert drafts_stood(llm) > 0
+    free = make_llm(path).generate(prompts, rows(**{k: v for k, v in penalty.items() if k not in READS_OUTPUTS}))
+    assert tokens(plain)[::2] != tokens(free)[::2]  # the penalty changed the greedy replies
+
+
+def test_repetition_penalty_with_drafts_equals_transformers(tiny_model, make_llm):
+    import torch
+    import transformers
+
+    path = tiny_model("llama")
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    expected = []
+    for p in PROMPTS:
+        ids = tok.encode(p)
+        gen = hf.generate(torch.tensor([ids]), max_new_tokens=30, min_new_tokens=30, do_sample=False,
+                          repetition_penalty=1.3, pad_token_id=tok.pad_token_id)
+        expected.append(gen[0, len(ids):].tolist())
+    llm = make_llm(path, speculative_config=NGRAM)
+    got = tokens(llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=30, min_tokens=30,
+                                                      repetition_penalty=1.3)))
+    assert got == expected
+    assert drafts_stood(llm) > 0
 
 
 def test_chunks_prefix_hits_swaps_and_recomputes_keep_the_tokens_that_stood(tiny_model, make_llm):

@@ -13,7 +13,7 @@ import pytest
 from fluidserve.engine.sampler import SampledToken
 from fluidserve.engine.speculative import (NgramConfig, NgramDrafter, accepted, can_draft, draft_limit,
                                            parse_speculative_config)
-from fluidserve.engine.sampling_params import SamplingParams
+from fluidserve.engine.sampling_params import SamplingParams, StructuredOutputs
 from fluidserve.kvcache.manager import KVCacheManager
 from fluidserve.scheduler.plan import StepOutcome
 from fluidserve.scheduler.request_state import SeqState
@@ -128,11 +128,15 @@ def test_draft_limits_keep_lengths_and_min_tokens():
     assert draft_limit(4, 12, 100, 12) == 4
 
 
-def test_rows_that_read_more_than_the_logits_do_not_draft():
-    assert can_draft(SamplingParams(temperature=0.7, top_p=0.9, seed=3, min_tokens=4, logprobs=2))
-    for kw in (dict(repetition_penalty=1.1), dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
-               dict(thinking_token_budget=8, thinking_end_token_id=3), dict(bad_words_token_ids=[[1, 2]])):
-        assert not can_draft(SamplingParams(**kw))
+def test_rows_with_state_across_positions_do_not_draft():
+    """Penalties and bad words read the outputs, which a row's drafts extend
+    (the worker's _after_drafts); a grammar's matcher and a thinking budget
+    hold state a verifying step would have to fork."""
+    for kw in (dict(temperature=0.7, top_p=0.9, seed=3, min_tokens=4, logprobs=2), dict(repetition_penalty=1.1),
+               dict(presence_penalty=0.5), dict(frequency_penalty=0.5), dict(bad_words_token_ids=[[1, 2]])):
+        assert can_draft(SamplingParams(**kw))
+    assert not can_draft(SamplingParams(thinking_token_budget=8, thinking_end_token_id=3))
+    assert not can_draft(SamplingParams(structured_outputs=StructuredOutputs(regex="[ab]+")))
 
 
 def scheduler(budget: int = 64) -> Scheduler:
