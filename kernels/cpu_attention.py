@@ -171,7 +171,7 @@ def build_plan(
         families = (_families(rows, q_lens, block_tables, seq_lens, block_size, kv_width)
                     if sliding_window is None else [rows])
         decodes += [_decode_bucket(bucket, starts, q_lens, seq_lens, block_tables, block_size, sliding_window)
-                    for group in families for bucket in _buckets(group, seq_lens, block_size) if bucket]
+                    for group in families for bucket in _buckets(group, seq_lens, block_size)]
     prefills = []
     for i, q_len in enumerate(q_lens):
         if q_len <= fold:
@@ -259,7 +259,7 @@ def _decode_bucket(rows, starts, q_lens, seq_lens, block_tables, block_size, sli
         mask &= k_pos > q_pos.unsqueeze(2) - sliding_window
     mask = mask.unsqueeze(1)  # [D, 1, Q, L]
     q_rows = torch.tensor([starts[i] + min(j, q - 1) for i, q in zip(rows, counts) for j in range(queries)],
-                          device=dev)  # fmt: skip
+                          device=dev)
     keep = None
     if min(counts) < queries:
         keep = torch.tensor([j < q for q in counts for j in range(queries)], device=dev)
@@ -387,9 +387,8 @@ def _decode(out, query, key_cache, value_cache, b: DecodeBucket, scale: float, s
         q = q.view(rows, n, num_kv, group, head_dim).transpose(1, 2).reshape(rows, num_kv, n * group, head_dim)
     mask = _mask(b, group, None if softcap is not None else q.dtype)
     if b.shared_ids is not None and softcap is None:  # the shared keys' flash call has no cap
-        bias = _mask(b, group, q.dtype)
         write(_decode_shared(q, key_cache, value_cache, b, scale, gather(key_cache, "k"), gather(value_cache, "v"),
-                             bias), 0, rows)
+                             mask), 0, rows)
         return
     # A few rows at a time, so that what one call gathers is still in cache
     # when attention reads it.
@@ -412,7 +411,7 @@ def _mask(b: DecodeBucket, group: int, dtype: torch.dtype | None) -> torch.Tenso
             rows, _, n, length = mask.shape
             mask = mask.unsqueeze(3).expand(rows, 1, n, group, length).reshape(rows, 1, n * group, length)
         if dtype is not None:
-            mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, -torch.inf)
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -torch.inf)
         b._masks[key] = mask
     return mask
 
@@ -423,8 +422,8 @@ _attention_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 def _decode_shared(q, key_cache, value_cache, b: DecodeBucket, scale: float, k_own, v_own, bias) -> torch.Tensor:
     """Attention of a bucket whose rows share their leading blocks: every
     query of the bucket against the shared blocks in one call, each row
-    against its own blocks, merged by log-sum-exp (the softmax over the
-    union of the keys)."""
+    against its own blocks (``bias``: their additive mask), merged by
+    log-sum-exp (the softmax over the union of the keys)."""
     rows, num_kv, group, head_dim = q.shape
     num_blocks = b.shared_ids.numel() * key_cache.shape[1]
 
