@@ -159,11 +159,14 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     if generates:
         app.add_api_route("/v1/chat/completions/batch", batch_chat_route(server), methods=["POST"],
                           dependencies=auth)
-    if generates:
-        routes = {**responses_routes(server), **messages_routes(server)}
-    else:  # a classifier classifies where an embedding model embeds
-        pooled = classify_routes(server) if model.labels else embeddings_routes(server)
-        routes = {**pooled, **pooling_routes(server), **scoring_routes(server)}
+    generation = {**responses_routes(server), **messages_routes(server)}
+    pooled = classify_routes(server) if model.labels else embeddings_routes(server)
+    pooling = {**pooled, **pooling_routes(server), **scoring_routes(server)}
+    routes = generation if generates else pooling
+    # A route another kind of model serves is a 404 that says so.
+    other_pooled = embeddings_routes(server) if model.labels else classify_routes(server)
+    app.state.unserved = _unserved(model, [*_GENERATION_PATHS, *generation, *other_pooled] if not generates else
+                                   [*embeddings_routes(server), *classify_routes(server), *pooling])
     if settings.runtime_lora_updating:
         routes |= lora_routes(server)
     for route, handler in routes.items():
@@ -174,6 +177,31 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     batch_runner = install_batch_api(app, server, batch_config, auth)
     server.responses.durable = batch_runner.store  # with --data-dir, kept responses outlive the process
     return app
+
+
+# The routes of a kind of model this server's model is not, and what serves them.
+_SERVED_BY = {"/v1/embeddings": "an embedding model (--runner pooling)", "/classify": "a sequence classifier",
+              "/pooling": "a pooling model (--runner pooling)"}
+
+
+_GENERATION_PATHS = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/chat/completions/batch")
+
+
+def _unserved(model: ModelInfo, routes: list[str]) -> dict[str, str]:
+    """Each path another kind of model serves -> why this server answers it
+    with a 404: what this model is and what kind serves the path (the
+    generation routes, for a pooling model; the pooling routes, for a
+    generative one)."""
+    kind = ("a sequence classifier" if model.labels else "an embedding model") if model.pooling else "generative"
+    out = {}
+    for route in routes:
+        path = route.split(" ", 1)[1].split("/{", 1)[0]
+        if model.pooling and path in ("/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"):
+            continue  # served by every pooling model
+        served_by = _SERVED_BY.get(path, "a pooling model (--runner pooling)" if not model.pooling
+                                   else "a generative model (--runner generate)")
+        out[path] = f"{path} is served for {served_by}; this server's model ({model.name}) is {kind}"
+    return out
 
 
 class _Server:

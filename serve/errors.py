@@ -141,13 +141,28 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
-        return error_response(err, request.url.path)
+        message, path = str(exc.detail), request.url.path
+        if exc.status_code == 404 and message == "Not Found":  # no route: say which, as OpenAI does
+            message = unserved_message(getattr(app.state, "unserved", {}), path) or \
+                f"Invalid URL ({request.method} {path})"
+        elif exc.status_code == 405 and message == "Method Not Allowed":
+            allowed = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow")
+            message = f"{request.method} is not allowed on {path}" + (f" (only {allowed})" if allowed else "")
+        err = APIError(exc.status_code, message, headers=dict(exc.headers or {}))
+        return error_response(err, path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in request handler")
         return error_response(APIError(500, f"internal server error: {type(exc).__name__}"), request.url.path)
+
+
+def unserved_message(unserved: dict[str, str], path: str) -> str | None:
+    """Why ``path`` has no route here, where another kind of model serves it
+    (``unserved``: such paths, without their path parameters -> why)."""
+    path = path.rstrip("/")
+    under = [prefix for prefix in unserved if path == prefix or path.startswith(prefix + "/")]
+    return unserved[max(under, key=len)] if under else None
 
 
 def query_params(request: Request, allowed: Sequence[str]) -> dict[str, str]:

@@ -88,7 +88,8 @@ def test_the_pooling_route_gives_the_label_probabilities(classifier):
 def test_a_classifier_serves_classify_not_embeddings(classifier):
     srv, _ = classifier
     for route in ("/v1/embeddings", "/v1/completions", "/v1/chat/completions"):
-        assert post(srv, route, {"input": "hi"}).status_code == 404, route
+        r = post(srv, route, {"input": "hi"})
+        assert r.status_code == 404 and r.json()["error"]["message"].endswith("is a sequence classifier"), r.text
     r = post(srv, "/score", {"text_1": "a", "text_2": "b"})  # three labels: no single score
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     assert httpx.post(f"{srv.base_url}/invocations", json={"input": "hi"}).json()["data"][0]["num_classes"] == 3

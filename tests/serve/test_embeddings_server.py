@@ -198,8 +198,12 @@ def test_the_pooling_route_gives_the_embeddings(server, reference):
 def test_an_embedding_server_has_no_generation_routes(server):
     base = server.base_url
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-                 "/v1/chat/completions/batch"):
-        assert httpx.post(f"{base}{path}", json={}).status_code == 404, path
+                 "/v1/chat/completions/batch", "/classify"):
+        r = httpx.post(f"{base}{path}", json={})
+        why = r.json()["error"]["message"]  # what serves the route, and what this model is
+        assert r.status_code == 404 and why.endswith("is an embedding model"), (path, why)
+        kind = "a sequence classifier" if path == "/classify" else "a generative model (--runner generate)"
+        assert why.startswith(f"{path} is served for {kind}"), why
     assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == server.engine.model_name
     assert httpx.post(f"{base}/tokenize", json={"prompt": "Hello!"}).json()["count"] == len(ids_of(server, "Hello!"))
     # SageMaker's one route takes an embeddings body here.

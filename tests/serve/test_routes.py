@@ -132,3 +132,22 @@ def test_a_parameter_fastapi_validates_is_a_400_naming_it():
     bad = client.get("/items", params={"limit": "many"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
     assert "integer" in bad.json()["error"]["message"]
+
+
+def test_a_missing_route_is_a_404_that_says_why(server):
+    """An unknown path is OpenAI's "Invalid URL"; a pooling model's route on
+    a generative model's server says which kind of model serves it; a known
+    path with the wrong method names the methods it takes."""
+    r = post(server, "/v1/nope", {})
+    assert r.status_code == 404 and r.json()["error"] == {
+        "message": "Invalid URL (POST /v1/nope)", "type": "not_found_error", "param": None, "code": None}
+    for path, kind in (("/v1/embeddings", "an embedding model"), ("/classify", "a sequence classifier"),
+                       ("/v1/rerank", "a pooling model"), ("/pooling", "a pooling model")):
+        r = post(server, path, {"input": "hi"})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 404 and message.startswith(f"{path} is served for {kind}"), (path, message)
+        assert message.endswith("is generative"), message
+    r = httpx.delete(f"{server.base_url}/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"] == (
+        "DELETE is not allowed on /v1/chat/completions (only POST)")
+    assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
