@@ -3,7 +3,7 @@ costs, each setting side by side in one process, and vLLM's n-gram drafting
 over the same prompts (``--vllm-python``).
 
 A real model (SmolLM2-135M-Instruct, ``--model DIR`` from
-``benchmarks/smollm2.py prepare``), greedy, two workloads through its chat
+``benchmarks/smollm2.py prepare``), greedy, workloads through its chat
 template:
 
 * **edit**: the reply repeats much of the prompt (fix the typos in a
@@ -14,6 +14,11 @@ template:
 
 * **mixed**: both, interleaved, as one burst only: sequences whose drafts
   stand beside sequences whose drafts fail, in the same steps.
+* **extract**: a message's sender, email, company, city and request as
+  JSON of a schema (the replies constrained by it, as response_format's
+  json_schema does): grammar rows whose values repeat the prompt.
+
+``--workloads`` picks some of them.
 
 Each workload runs at batch 1 (one request at a time: the latency a user
 feels) and as one burst of all its prompts. Settings: ``--k`` every draft
@@ -36,6 +41,7 @@ drafts and with them: ``speculative-server{--tag}.{json,md}``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -81,8 +87,37 @@ EDIT_PROMPTS = [
 # The two, interleaved, as one burst: sequences whose drafts stand beside
 # sequences whose drafts fail, in the same steps.
 MIXED = [p for pair in itertools.zip_longest(EDIT_PROMPTS, CHAT_PROMPTS) for p in pair if p is not None]
-WORKLOADS = {"edit": EDIT_PROMPTS, "chat": CHAT_PROMPTS, "mixed": MIXED}
-MODES = {"edit": ("batch1", "burst"), "chat": ("batch1", "burst"), "mixed": ("burst",)}
+# Fields copied from a text into JSON of a schema: each reply follows the
+# schema (response_format's json_schema), its values repeat the prompt.
+EXTRACT_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "email": {"type": "string"}, "company": {"type": "string"},
+    "city": {"type": "string"}, "request": {"type": "string"}},
+    "required": ["name", "email", "company", "city", "request"], "additionalProperties": False}
+EXTRACT_PROMPTS = [
+    "Extract the sender's name, email, company, city and request from this message as JSON:\n\n" + text
+    for text in (
+        "Hello, this is Maria Gonzalez (maria.gonzalez@northwind-traders.com) from Northwind Traders in Seville. "
+        "Could you send us the updated price list for the spring catalogue?",
+        "Hi team, Tom Becker here, from Becker & Sons Logistics in Hamburg (tom.becker@beckerlogistics.de). "
+        "We need to reschedule the delivery of order 5512 to next Tuesday.",
+        "Good morning. My name is Aiko Tanaka, I work for Sakura Design Studio in Osaka. Please reset the password "
+        "of the account aiko.tanaka@sakuradesign.jp, which is locked.",
+        "Dear support, Pierre Lambert of Lambert Boulangerie, Lyon. Our card reader stopped working this morning; "
+        "please send a technician. You can reach me at pierre@lambert-boulangerie.fr.",
+        "This is Grace Okafor from Lagos, at Brightpath Solar (g.okafor@brightpathsolar.ng). We would like a quote "
+        "for forty solar panels for a school roof.",
+        "Hey, Lars Nilsson, Nordic Timber AB, Umea. Email lars.nilsson@nordictimber.se. Can you confirm that the "
+        "invoice 2024-118 was paid in full?",
+        "Greetings from Buenos Aires. I am Sofia Romero of Romero Hermanos Wines, sofia@romerohermanos.com.ar, and "
+        "I want to cancel the tasting event booked for the 14th.",
+        "Hi, it's Daniel Cohen from Cohen Analytics in Tel Aviv, daniel.cohen@cohenanalytics.io. Please add two "
+        "more seats to our subscription starting next month.",
+    )
+]
+WORKLOADS = {"edit": EDIT_PROMPTS, "chat": CHAT_PROMPTS, "mixed": MIXED, "extract": EXTRACT_PROMPTS}
+MODES = {"edit": ("batch1", "burst"), "chat": ("batch1", "burst"), "mixed": ("burst",),
+         "extract": ("batch1", "burst")}
+SCHEMAS = {"extract": EXTRACT_SCHEMA}  # the workloads whose replies a JSON schema constrains
 
 
 def ngram(k: int, up_to_batch: int | None = None, adaptive: bool | None = None) -> dict:
@@ -137,20 +172,27 @@ def ours(model: str, settings: dict[str, dict | None], workloads: dict[str, list
          rounds: int) -> dict:
     """Every setting's engine built once, then each round runs them in turn."""
     from fluidserve.engine import LLM, SamplingParams
+    from fluidserve.engine.sampling_params import StructuredOutputs
 
-    params = SamplingParams(temperature=0.0, max_tokens=tokens)
+    def params_of(wl: str) -> SamplingParams:
+        schema = SCHEMAS.get(wl)
+        return SamplingParams(temperature=0.0, max_tokens=tokens,
+                              structured_outputs=StructuredOutputs(json=json.dumps(schema)) if schema else None)
+
     llms = {}
     for name, config in settings.items():
         extra = {"speculative_config": config} if config else {}
         llms[name] = LLM(model, device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, cpu_kv_cache_gb=0.5,
                          **extra)
-        llms[name].generate([workloads["chat"][0]], SamplingParams(temperature=0.0, max_tokens=8))  # warm
+        for wl, prompts in workloads.items():  # warm, a grammar's compiled one included
+            llms[name].generate([prompts[0]], dataclasses.replace(params_of(wl), max_tokens=8))
 
     best: dict = {}
     for _ in range(rounds):
         for name, llm in llms.items():
             for wl, prompts in workloads.items():
                 before = _spec_counts(llm)
+                params = params_of(wl)
                 runs = timed_runs(lambda ps: [list(o.outputs[0].token_ids) for o in llm.generate(ps, params)], prompts,
                                   MODES[wl])
                 after = _spec_counts(llm)
@@ -185,22 +227,30 @@ def counters(llm):
 
 def main():
     from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     model, data, spec, tokens, rounds = (sys.argv[1], json.load(open(sys.argv[2])), json.loads(sys.argv[3]),
                                          int(sys.argv[4]), int(sys.argv[5]))
-    workloads, modes = data["workloads"], data["modes"]
+    workloads, modes, schemas = data["workloads"], data["modes"], data["schemas"]
     llm = LLM(model=model, dtype="float32", max_model_len=2048, enable_prefix_caching=False, seed=0,
               speculative_config=spec, disable_log_stats=False)
-    params = SamplingParams(temperature=0, max_tokens=tokens)
+
+    def params_of(wl, max_tokens):
+        schema = schemas.get(wl)
+        return SamplingParams(temperature=0, max_tokens=max_tokens,
+                              structured_outputs=StructuredOutputsParams(json=schema) if schema else None)
 
     def generate(prompts):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    generate([workloads["chat"][0]])
+    for wl, prompts in workloads.items():
+        params = params_of(wl, 8)
+        generate([prompts[0]])
     best = {}
     for _ in range(rounds):
         for wl, prompts in workloads.items():
+            params = params_of(wl, tokens)
             before = counters(llm)
             runs = {}
             if "batch1" in modes[wl]:
@@ -230,7 +280,7 @@ def theirs(python: str, model: str, settings: dict[str, dict | None], workloads:
     with tempfile.TemporaryDirectory() as tmp:
         script, data = Path(tmp) / "spec.py", Path(tmp) / "workloads.json"
         script.write_text(VLLM_SCRIPT)
-        data.write_text(json.dumps({"workloads": workloads, "modes": MODES}))
+        data.write_text(json.dumps({"workloads": workloads, "modes": MODES, "schemas": SCHEMAS}))
         for name, config in settings.items():
             spec = json.dumps(config)
             done = subprocess.run([python, str(script), model, str(data), spec, str(tokens), str(rounds)], cwd=tmp,
@@ -258,9 +308,11 @@ def served(cmd: list[str], env: dict, port: int, workloads: dict[str, list[list[
         with httpx.Client(timeout=600) as client:
             model = client.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
 
-            def one(prompt: list[int], max_tokens: int) -> dict:
+            def one(prompt: list[int], max_tokens: int, schema: dict | None = None) -> dict:
                 body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                         "stream_options": {"include_usage": True}}
+                if schema is not None:  # vLLM's field, on both servers
+                    body["structured_outputs"] = {"json": schema}
                 start, first, usage, text = time.perf_counter(), None, None, []
                 with client.stream("POST", url, json=body) as r:
                     for line in r.iter_lines():
@@ -276,8 +328,9 @@ def served(cmd: list[str], env: dict, port: int, workloads: dict[str, list[list[
                 return dict(ttft=first - start, tpot=(end - first) / (n - 1) if n > 1 else None, tokens=n,
                             seconds=end - start, text="".join(text))
 
-            one(workloads["chat"][0], 8)  # warm
-            return {wl: [one(p, tokens) for p in prompts] for wl, prompts in workloads.items()}
+            for wl, prompts in workloads.items():  # warm
+                one(prompts[0], 8, SCHEMAS.get(wl))
+            return {wl: [one(p, tokens, SCHEMAS.get(wl)) for p in prompts] for wl, prompts in workloads.items()}
     finally:
         stop_server(proc)
 
@@ -327,7 +380,7 @@ def through_servers(args: argparse.Namespace, workloads: dict[str, list[list[int
 def rows(best: dict, settings: dict[str, dict | None], engine: str) -> list[dict]:
     """One row per (workload, mode, setting), against the same engine's run without drafts."""
     out = []
-    for wl in WORKLOADS:
+    for wl in dict.fromkeys(w for _, w in best):
         for mode in MODES[wl]:
             base = best[("off", wl)]["runs"][mode]
             for name in settings:
@@ -364,10 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", action="store_true",
                     help="through the servers instead: each prompt streamed alone to fluidserve serve and vLLM's "
                          "server (--vllm-python), without drafts and with 4, default flags otherwise")
+    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
 
-    workloads = {wl: chat_ids(args.model, prompts) for wl, prompts in WORKLOADS.items()}
+    workloads = {wl: chat_ids(args.model, WORKLOADS[wl]) for wl in args.workloads}
     if args.server:
         record = dict(benchmark="speculative-server", device=device_name("cpu"), model=Path(args.model).name,
                       dtype="float32", max_tokens=args.max_tokens, lookup=LOOKUP,

@@ -143,6 +143,14 @@ class TokenMask:
     rows: list[int]
     vocab_size: int
 
+    def row(self, index: int) -> TokenMask | None:
+        """The mask of sampling row ``index`` alone (as a batch of that row),
+        None where it is not constrained."""
+        if index not in self.rows:
+            return None
+        k = self.rows.index(index)
+        return TokenMask(self.bitmask[k:k + 1], [0], self.vocab_size)
+
     def apply(self, logits: torch.Tensor) -> None:
         """Disallowed tokens of the constrained rows to -inf, in place, in one
         kernel for all of them (``logits``: [R, V] fp32, every sampling row)."""
@@ -210,33 +218,79 @@ class StructuredDecoder:
             self._seqs.pop(sid, None)
             self._gates.pop(sid, None)
 
-    def fill(self, seq_ids: Sequence[str], samples: Sequence[Any]) -> TokenMask | None:
+    def fill(self, seq_ids: Sequence[str], samples: Sequence[Any],
+             drafts: dict[str, list[int]] | None = None) -> TokenMask | None:
         """The bitmask of this step's constrained rows (``samples`` are the
         step's SampleSpecs, row by row), or None when no row is constrained.
         A row whose grammar waits for a token (``structured_after_token_id``:
-        a reasoning model still thinking) is not constrained yet."""
+        a reasoning model still thinking) is not constrained yet.
+
+        A sequence verifying drafts (``drafts``: its id -> them) has a row at
+        each position, in order: its ``j``-th row after its first is masked
+        by the grammar after the first ``j`` drafts (``_fill_drafted``)."""
         rows: list[int] = []
+        firsts: list[int] = []  # of rows, those at their sequence's position now
+        later: dict[str, list[int]] = {}  # a verifying sequence's rows, as indices into rows
         starts: list[int] = []
         for i, s in enumerate(samples):
             if s.params.structured_outputs is None:
                 continue
-            start = self._grammar_start(seq_ids[i], s)
+            sid = seq_ids[i]
+            if sid in later:
+                later[sid].append(len(rows))
+                rows.append(i)
+                continue
+            start = self._grammar_start(sid, s)
             if start is not None:
+                if drafts and sid in drafts:
+                    later[sid] = [len(rows)]
+                firsts.append(len(rows))
                 rows.append(i)
                 starts.append(start)
         if not rows:
             return None
-        entries = self._synced([seq_ids[i] for i in rows], [samples[i] for i in rows], starts)
+        entries = self._synced([seq_ids[rows[k]] for k in firsts], [samples[rows[k]] for k in firsts], starts)
         xgr = xgrammar()
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # [C, W], all allowed
-        live = [j for j, e in enumerate(entries) if not e.broken]
+        live = [k for k, e in zip(firsts, entries) if not e.broken]
         # One call for the batch: per-row calls cost more in crossing into
         # the library than in filling small masks.
-        self._batch.batch_fill_next_token_bitmask([entries[j].matcher for j in live], bitmask, indices=live)
-        for j, entry in enumerate(entries):
+        self._batch.batch_fill_next_token_bitmask([e.matcher for e in entries if not e.broken], bitmask,
+                                                  indices=live)
+        for k, entry in zip(firsts, entries):
             if entry.broken:
-                self._only_stop_tokens(bitmask, j)
+                self._only_stop_tokens(bitmask, k)
+        for sid, ks in later.items():
+            if len(ks) > 1:
+                self._fill_drafted(self._seqs[sid], drafts[sid], bitmask, ks)
         return TokenMask(bitmask, rows, self.vocab_size)
+
+    def _fill_drafted(self, entry: _SeqGrammar, draft: list[int], bitmask: torch.Tensor, ks: list[int]) -> None:
+        """Mask rows ``ks`` of a verifying sequence, its position now and
+        each after it, in order (the first is filled): the matcher takes the
+        drafts one by one, each row masked after the ones before it, then
+        rolls back to the engine's outputs, which stay the truth. Past a
+        draft the grammar refuses, or one that ends it, no verification
+        reaches: the row before cannot keep that draft (its mask refuses it)
+        or stops there, so the rows after take a copy of its mask, which
+        sampling reads but no token kept comes from."""
+        if entry.broken:
+            for k in ks[1:]:
+                self._only_stop_tokens(bitmask, k)
+            return
+        matcher = entry.matcher
+        walked = 0
+        try:
+            for j, k in enumerate(ks[1:]):
+                if walked == j and not matcher.is_terminated() and matcher.accept_token(draft[j]):
+                    walked += 1
+                    if not matcher.is_terminated():
+                        matcher.fill_next_token_bitmask(bitmask, k)
+                        continue
+                bitmask[k] = bitmask[ks[j]]
+        finally:
+            if walked:
+                matcher.rollback(walked)
 
     def _grammar_start(self, sid: str, sample: Any) -> int | None:
         """Where the row's grammar starts in its output: 0, or just past the

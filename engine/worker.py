@@ -40,7 +40,7 @@ from fluidserve.engine.sample_specs import SampleSpecMirror
 from fluidserve.engine.sampler import (SampledToken, SamplingRow, make_generator, reads_outputs, sample,
                                       sample_on_device)
 from fluidserve.engine.sampling_params import SamplingParams
-from fluidserve.engine.structured import StructuredDecoder
+from fluidserve.engine.structured import StructuredDecoder, TokenMask
 from fluidserve.engine.token_history import TokenHistories
 from fluidserve.kernels.cache_dtype import cache_dtype
 
@@ -379,7 +379,7 @@ class Worker:
         mask_error = token_mask = None
         if self.tp.is_first:
             try:
-                token_mask = self.structured.fill(inp.sample_ids, inp.samples)
+                token_mask = self.structured.fill(inp.sample_ids, inp.samples, inp.drafts)
             except Exception as exc:  # noqa: BLE001 - rows are sampled one by one below
                 mask_error = exc
         if inp.prompt_logprobs:
@@ -458,11 +458,18 @@ class Worker:
         so that the one whose request holds the fault fails and the rest get
         the token they would have had (fresh generators: a seeded row draws
         as it would have in the batch)."""
-        for i, (sid, spec, row) in enumerate(zip(inp.sample_ids, inp.samples, self._rows(inp))):
+        rows_of: dict[str, list[int]] = {}  # each sequence's rows (several where it verifies drafts)
+        for i, sid in enumerate(inp.sample_ids):
+            rows_of.setdefault(sid, []).append(i)
+        masks: dict[str, TokenMask | None] = {}  # made once for a sequence's rows
+        for i, (sid, row) in enumerate(zip(inp.sample_ids, self._rows(inp))):
             if sid in result.failed_rows:  # a later row of a sequence verifying drafts
                 continue
             try:
-                mask = self.structured.fill([sid], [spec])
+                own = rows_of[sid]
+                if sid not in masks:
+                    masks[sid] = self.structured.fill([sid] * len(own), [inp.samples[k] for k in own], inp.drafts)
+                mask = masks[sid] and masks[sid].row(own.index(i))
                 _add_row(result, sid, sample(logits[i:i + 1], [row], self.eos_token_id, mask)[0])
             except Exception as exc:  # noqa: BLE001 - this row's request fails, the others go on
                 if not self._survivable(exc):

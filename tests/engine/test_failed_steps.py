@@ -94,10 +94,18 @@ def _reference(make_llm, path, requests, **kwargs) -> dict:
     return {rid: out.outputs[0].token_ids for (rid, _, _), out in zip(requests, outs)}
 
 
-def test_a_request_whose_sampling_raises_fails_alone(tiny_model, make_llm, faulty_sampling):
-    """The marked request fails on its fourth token, keeping the three
-    before; greedy, seeded and grammar-constrained rows in the same steps
-    get exactly the tokens they get without it."""
+# Every draft verified (speculative decoding's tests fix them too).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "adaptive": False}
+
+
+@pytest.mark.parametrize("drafts", [False, True])
+def test_a_request_whose_sampling_raises_fails_alone(tiny_model, make_llm, faulty_sampling, drafts):
+    """The marked request fails on its fourth sampling, keeping the tokens
+    before (three, without drafts); greedy, seeded and grammar-constrained
+    rows in the same steps get exactly the tokens they get without it, and
+    with drafts, each grammar row sampled alone takes the mask after the
+    drafts before it."""
     pytest.importorskip("xgrammar")
     path = tiny_model("llama")
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -105,19 +113,27 @@ def test_a_request_whose_sampling_raises_fails_alone(tiny_model, make_llm, fault
         ("seeded", "Once upon", SamplingParams(temperature=1.0, seed=11, max_tokens=20, ignore_eos=True)),
         ("regex", "Spell:", SamplingParams(temperature=1.0, seed=3, max_tokens=20,
                                            structured_outputs=StructuredOutputs(regex="[a-e]{5,12}x"))),
+        ("repeats", "abcabcabc", SamplingParams(temperature=0, max_tokens=20,
+                                                structured_outputs=StructuredOutputs(regex="(abc){6,}x"))),
     ]
     marked = ("marked", "Tell me", SamplingParams(temperature=1.0, seed=5, top_k=MARK, max_tokens=20,
                                                   ignore_eos=True))
     reference = _reference(make_llm, path, [*others, marked])
     calls = faulty_sampling("sample", after=4)
-    llm = make_llm(path, **KWARGS)
+    llm = make_llm(path, **KWARGS, **(dict(speculative_config=NGRAM) if drafts else {}))
     done = _serve(llm.engine, {0: [*others, marked]})
 
-    assert calls["marked"] == 5  # the fourth step's, and its row again alone
     failed = done["marked"]
     assert failed.outputs[0].finish_reason == "error"
     assert failed.error == "RuntimeError: injected sampling fault"
-    assert failed.outputs[0].token_ids == reference["marked"][:3]
+    if drafts:
+        stats = llm.engine.stats()
+        assert stats.spec_num_accepted_tokens > 0
+        kept = failed.outputs[0].token_ids
+        assert 3 <= len(kept) < 20 and kept == reference["marked"][:len(kept)]
+    else:
+        assert calls["marked"] == 5  # the fourth step's, and its row again alone
+        assert failed.outputs[0].token_ids == reference["marked"][:3]
     for rid, _, _ in others:
         assert done[rid].error is None and done[rid].outputs[0].finish_reason in ("stop", "length"), rid
         assert done[rid].outputs[0].token_ids == reference[rid], rid

@@ -10,10 +10,14 @@ tested last, on step times priced by the test."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from fluidserve.engine import SamplingParams
 from fluidserve.engine.draft_policy import DraftPolicy
+from fluidserve.engine.sampling_params import StructuredOutputs
 from token_paths import PROMPTS, hf_greedy
 
 # Fixed drafts: every step verifies every draft found, so each test exercises verification.
@@ -169,6 +173,35 @@ def test_repetition_penalty_with_drafts_equals_transformers(tiny_model, make_llm
                                                       repetition_penalty=1.3)))
     assert got == expected
     assert drafts_stood(llm) > 0
+
+
+# Grammars whose masks change position by position, so a row masked as the
+# sequence's first would sample other tokens; the prompts repeat text each
+# grammar takes and text it refuses, which the drafter proposes too.
+GRAMMARS = [StructuredOutputs(regex="(abc)+x"), StructuredOutputs(regex="([ab]{3},)+[ab]{3}z"),
+            StructuredOutputs(json='{"type": "object", "properties": {"abab": {"type": "string"}}}')]
+GRAMMAR_PROMPTS = ["abcabcabcab", "abdabdabd abd", "aab,aab,bba,", '{"abab": "abab abab'] * 2
+
+
+def test_grammar_rows_draft_and_sample_as_without_drafts(tiny_model, make_llm):
+    """A grammar's row after drafts is masked by the grammar after them: the
+    greedy and seeded tokens are those without drafts, every reply follows
+    its grammar, and drafts of these rows stood (every request in the batch
+    has a grammar), while drafts the grammar refuses cost no token."""
+    path = tiny_model("llama")
+    params = [SamplingParams(temperature=0.0 if i < 4 else 0.8, seed=None if i < 4 else i, max_tokens=30,
+                             structured_outputs=GRAMMARS[i % len(GRAMMARS)]) for i in range(len(GRAMMAR_PROMPTS))]
+    plain = make_llm(path).generate(GRAMMAR_PROMPTS, params)
+    llm = make_llm(path, speculative_config=NGRAM)
+    spec = llm.generate(GRAMMAR_PROMPTS, params)
+    assert tokens(spec) == tokens(plain)
+    assert drafts_stood(llm) > 0
+    stats = llm.engine.stats()
+    assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # some drafts refused
+    for out, p in zip(spec, params):
+        done, text, grammar = out.outputs[0], out.outputs[0].text, p.structured_outputs
+        if done.finish_reason == "stop":  # else cut by max_tokens
+            assert re.fullmatch(grammar.regex, text) if grammar.regex else isinstance(json.loads(text), dict), text
 
 
 def test_chunks_prefix_hits_swaps_and_recomputes_keep_the_tokens_that_stood(tiny_model, make_llm):

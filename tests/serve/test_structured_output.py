@@ -468,6 +468,44 @@ def test_matcher_follows_the_engine_history():
     assert dec.num_active == 0
 
 
+def test_rows_after_drafts_are_masked_after_them():
+    """A sequence verifying drafts has a row at each position: row j is
+    masked by the grammar after the first j drafts; past a draft the grammar
+    refuses (or one that ends it) the rows copy the last reachable row's
+    mask; and the matcher goes back to the engine's outputs, so the next
+    step's rows read as they would without the drafts."""
+    from fluidserve.engine.loader import load_tokenizer
+    from fluidserve.engine.tiny_model import default_tiny_model_dir
+
+    dec = StructuredDecoder(lambda: load_tokenizer(default_tiny_model_dir()), 261, [EOS])
+    params = SamplingParams(temperature=0, structured_outputs=StructuredOutputs(regex="(abc)+x"))
+    other = SamplingParams(temperature=0, structured_outputs=StructuredOutputs(regex="(ab|cd)x"))
+
+    def row(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def allowed(mask, k: int) -> set[int]:
+        return {t for t in range(261) if (int(mask.bitmask[k, t // 32]) >> (t % 32)) & 1}
+
+    def step(history: str, draft: str, rows: int | None = None):
+        """Rows of "s" (its drafts verified) around a row of "o" (no drafts)."""
+        n = len(draft) + 1 if rows is None else rows
+        spec, free = SampleSpec(params, None, output_token_ids=row(history)), SampleSpec(other, None)
+        mask = dec.fill(["s"] * n + ["o"], [spec] * n + [free], {"s": row(draft)})
+        assert mask.rows == list(range(n + 1))
+        return [allowed(mask, k) for k in range(n)], allowed(mask, n)
+
+    rows, free = step("ab", "cab")
+    assert rows == [set(row("c")), set(row("ax")), set(row("b")), set(row("c"))] and free == set(row("ac"))
+    # "d" is refused after "abca": the row after it (and any later) copies its mask.
+    assert step("ab", "cadb")[0] == [set(row("c")), set(row("ax")), set(row("b")), set(row("b")), set(row("b"))]
+    # "x" then EOS end the grammar: the row after the EOS copies the one that sampled it.
+    assert step("abcab", "cx" + chr(EOS))[0] == [set(row("c")), set(row("ax")), {EOS}, {EOS}]
+    # Nothing taken stayed: the outputs without drafts read as before, one step on.
+    assert step("abca", "", rows=1)[0] == [set(row("b"))]
+    assert step("abcab", "c")[0] == [set(row("c")), set(row("ax"))]
+
+
 def test_constrained_output_stays_valid_across_recompute(make_llm, tiny_model):
     """A KV cache too small for the batch forces preemption by recompute;
     every sequence still ends in a document of its schema, and no matcher
