@@ -1084,8 +1084,14 @@ def speculative(_: str) -> tuple[list[str], list[str]]:
             "tokens a second at batch 1 and in a burst, where replies repeat the prompt and where they do not; "
             "then drafts chosen per step (the default, `speculative-adaptive`) beside every draft verified and "
             "beside a batch-size cut-off, with a burst of both kinds of prompt; "
-            "then the same prompts streamed one at a time through both servers (`--server`).", "",
-            *embedded(["speculative", "speculative-adaptive", "speculative-server", "speculative-server-adaptive"])], []
+            "then the same prompts streamed one at a time through both servers (`--server`); then replies "
+            "constrained to JSON of a schema whose values copy the prompt (`--workloads extract`), a grammar's "
+            "rows masked after the drafts before them.", "",
+            *embedded(SPECULATIVE)], []
+
+
+SPECULATIVE = ["speculative", "speculative-adaptive", "speculative-server", "speculative-server-adaptive",
+               "speculative-extract", "speculative-server-extract"]
 
 
 # -- the page ------------------------------------------------------------------------------
@@ -1144,7 +1150,7 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
       "preemption"], kv_real),
     ("The KV cache's dtype: fp8", ["kv_cache_dtype"], kv_cache_dtype),
     ("Speculative decoding: n-gram drafts",
-     ["speculative", "speculative-adaptive", "speculative-server", "speculative-server-adaptive"], speculative),
+     SPECULATIVE, speculative),
     ("Frontend, load generator and Ray executor", ["serve_overhead", "serve_bench-*", "ray_overhead-*"], frontend),
     ("Triton kernels compiled for sm_90", ["kernels_compile_sm90"], kernels_compile),
     ("Host time of a Triton launch", ["launch_overhead", "launch_overhead-triton3.6"], launch_overhead),
