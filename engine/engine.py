@@ -738,8 +738,7 @@ class LLMEngine:
             p = seq.request.params
             # A grammar matcher on the worker is checked against (and if need
             # be rebuilt from) the outputs so far.
-            needs_history = (reads_outputs(p) or p.structured_outputs is not None
-                             or p.thinking_token_budget is not None)
+            needs_history = reads_outputs(p) or p.structured_outputs is not None
             spec = seq.sample_spec = SampleSpec(
                 params=p, seed=None,
                 prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else [],

@@ -50,9 +50,10 @@ class SamplingRow:
 
 def reads_outputs(p: SamplingParams) -> bool:
     """Whether a row's sampling reads the sequence's outputs so far: a
-    penalty, a bad word of more than one token, or min_tokens."""
+    penalty, a bad word of more than one token, min_tokens, or a thinking
+    budget (the thinking tokens are counted in them)."""
     return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.min_tokens
-                or any(len(w) > 1 for w in p.bad_words_token_ids))
+                or any(len(w) > 1 for w in p.bad_words_token_ids) or p.thinking_token_budget is not None)
 
 
 @dataclass

@@ -25,14 +25,14 @@ sampling with a one-token draft distribution, written as "sample, then
 compare".
 
 A row that reads the outputs so far (penalties, multi-token bad words,
-min_tokens) reads the drafts before its position as outputs (the worker's
+min_tokens, a thinking budget) reads the drafts before its position as outputs (the worker's
 ``_after_drafts``), so it samples as the real position would. A grammar's
 row is masked by the grammar after the drafts before its position (the
 matcher takes them, fills the row's mask, and rolls back:
 ``StructuredDecoder.fill``); past a draft the grammar refuses, no row is
-kept. Thinking budgets, and grammars that wait for a reasoning's end, keep
-state across positions that a verifying step would have to fork: those
-sequences get no drafts (``can_draft``) and decode one token a step.
+kept. A thinking budget counts the outputs, so it reads the drafts too. A
+grammar that waits for a reasoning's end would start inside the drafts:
+those sequences get no drafts (``can_draft``) and decode one token a step.
 """
 
 from __future__ import annotations
@@ -138,13 +138,14 @@ def _per_batch_size(given) -> tuple[tuple[int, int, int], ...]:
 
 def can_draft(params: SamplingParams) -> bool:
     """Whether a sequence's rows can sample drafted positions as the real
-    ones would: all but those of a thinking budget, or of a grammar that
-    waits for the end of a reasoning, whose state a verifying step would
-    have to fork. A grammar's row after drafts is masked by the grammar
-    after them (structured.StructuredDecoder.fill); min_tokens reads the
-    output's length, which ``draft_limit`` keeps on one side of the bound
-    for every row of a step."""
-    return params.thinking_token_budget is None and params.structured_after_token_id is None
+    ones would: all but those of a grammar that waits for the end of a
+    reasoning, where the grammar would start inside the drafts. A grammar's
+    row after drafts is masked by the grammar after them
+    (structured.StructuredDecoder.fill); a thinking budget counts the
+    outputs, which a row's drafts extend (``reads_outputs``); min_tokens
+    reads the output's length, which ``draft_limit`` keeps on one side of
+    the bound for every row of a step."""
+    return params.structured_after_token_id is None
 
 
 def draft_limit(k: int, num_outputs: int, max_outputs: int, min_tokens: int) -> int:

@@ -129,14 +129,17 @@ def test_logprobs_of_kept_drafts_are_their_rows(tiny_model, make_llm):
 # where the counts decide every token and drafts of the periodic text stand.
 PENALISED = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.3, allowed_token_ids=[65, 66]),
              dict(presence_penalty=1.0, frequency_penalty=0.2, allowed_token_ids=[65, 66, 67]),
-             dict(repetition_penalty=1.1, min_tokens=20), dict(bad_words_token_ids=[[4, 209], [36, 36, 36]])]
-READS_OUTPUTS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "bad_words_token_ids")
+             dict(repetition_penalty=1.1, min_tokens=20), dict(bad_words_token_ids=[[4, 209], [36, 36, 36]]),
+             dict(thinking_token_budget=12, thinking_start_token_id=ord("<"), thinking_end_token_id=ord("!"))]
+READS_OUTPUTS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "bad_words_token_ids",
+                 "thinking_token_budget", "thinking_start_token_id", "thinking_end_token_id")
 
 
 @pytest.mark.parametrize("penalty", PENALISED)
 def test_penalised_rows_draft_and_sample_as_without_drafts(tiny_model, make_llm, penalty):
     """A row that reads the outputs so far (penalties, multi-token bad
-    words, min_tokens) reads the drafts before its position as outputs: the
+    words, min_tokens, a thinking budget) reads the drafts before its
+    position as outputs: the
     greedy and seeded tokens are those without drafts, and drafts of these
     rows stood (every request in the batch reads its outputs). Reading the
     outputs without the drafts gives other tokens where a count decides."""

@@ -129,17 +129,15 @@ def test_draft_limits_keep_lengths_and_min_tokens():
 
 
 def test_rows_with_state_across_positions_do_not_draft():
-    """Penalties and bad words read the outputs, which a row's drafts extend
-    (the worker's _after_drafts); a grammar's rows are masked after the
-    drafts before them (StructuredDecoder.fill); a thinking budget, and a
-    grammar waiting for a reasoning's end, hold state a verifying step would
-    have to fork."""
+    """Penalties, bad words and thinking budgets read the outputs, which a
+    row's drafts extend (the worker's _after_drafts); a grammar's rows are
+    masked after the drafts before them (StructuredDecoder.fill); a grammar
+    waiting for a reasoning's end would start inside the drafts."""
     grammar = StructuredOutputs(regex="[ab]+")
     for kw in (dict(temperature=0.7, top_p=0.9, seed=3, min_tokens=4, logprobs=2), dict(repetition_penalty=1.1),
                dict(presence_penalty=0.5), dict(frequency_penalty=0.5), dict(bad_words_token_ids=[[1, 2]]),
-               dict(structured_outputs=grammar)):
+               dict(structured_outputs=grammar), dict(thinking_token_budget=8, thinking_end_token_id=3)):
         assert can_draft(SamplingParams(**kw))
-    assert not can_draft(SamplingParams(thinking_token_budget=8, thinking_end_token_id=3))
     assert not can_draft(SamplingParams(structured_outputs=grammar, structured_after_token_id=5))
 
 
