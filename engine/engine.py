@@ -49,8 +49,7 @@ from fluidserve.engine.request import Request, Sequence
 from fluidserve.engine.sampler import device_only, reads_outputs
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.draft_policy import Acceptance, DraftPolicy
-from fluidserve.engine.speculative import (NgramDrafter, accepted, can_draft, draft_limit,
-                                          parse_speculative_config)
+from fluidserve.engine.speculative import NgramDrafter, accepted, draft_limit, parse_speculative_config
 from fluidserve.engine.structured import xgrammar
 from fluidserve.engine.tiny_model import default_tiny_model_dir
 from fluidserve.engine.runtime import pick_device, runtime_for
@@ -312,7 +311,7 @@ class LLMEngine:
                            stop_ids=stop_ids, max_output_len=min(max_tokens, self.max_model_len - len(token_ids)),
                            lazy_text=lazy_text)
             spec = self.speculative
-            if spec is not None and pooling is None and can_draft(params):
+            if spec is not None and pooling is None:
                 seq.drafter = NgramDrafter(token_ids, seq.output_token_ids, spec.prompt_lookup_min,
                                            spec.prompt_lookup_max)
                 seq.acceptance = Acceptance()

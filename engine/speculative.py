@@ -30,16 +30,15 @@ min_tokens, a thinking budget) reads the drafts before its position as outputs (
 row is masked by the grammar after the drafts before its position (the
 matcher takes them, fills the row's mask, and rolls back:
 ``StructuredDecoder.fill``); past a draft the grammar refuses, no row is
-kept. A thinking budget counts the outputs, so it reads the drafts too. A
-grammar that waits for a reasoning's end would start inside the drafts:
-those sequences get no drafts (``can_draft``) and decode one token a step.
+kept; a grammar that waits for a reasoning's end starts at that end where
+it is among the drafts. A thinking budget counts the outputs, so it reads
+the drafts too: every kind of sequence drafts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.kvcache.config import json_object
 
 # vLLM's keys of --speculative-config that n-gram drafting reads; the rest
@@ -134,18 +133,6 @@ def _per_batch_size(given) -> tuple[tuple[int, int, int], ...]:
     if any(b[0] <= a[1] for a, b in zip(ranges, ranges[1:])):
         raise ValueError(f"{name}: ranges overlap")
     return tuple(ranges)
-
-
-def can_draft(params: SamplingParams) -> bool:
-    """Whether a sequence's rows can sample drafted positions as the real
-    ones would: all but those of a grammar that waits for the end of a
-    reasoning, where the grammar would start inside the drafts. A grammar's
-    row after drafts is masked by the grammar after them
-    (structured.StructuredDecoder.fill); a thinking budget counts the
-    outputs, which a row's drafts extend (``reads_outputs``); min_tokens
-    reads the output's length, which ``draft_limit`` keeps on one side of
-    the bound for every row of a step."""
-    return params.structured_after_token_id is None
 
 
 def draft_limit(k: int, num_outputs: int, max_outputs: int, min_tokens: int) -> int:

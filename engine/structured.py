@@ -227,11 +227,17 @@ class StructuredDecoder:
 
         A sequence verifying drafts (``drafts``: its id -> them) has a row at
         each position, in order: its ``j``-th row after its first is masked
-        by the grammar after the first ``j`` drafts (``_fill_drafted``)."""
+        by the grammar after the first ``j`` drafts (``_fill_drafted``).
+        Where a reasoning's end is among the drafts, the rows up to it are
+        free and those after it masked by the grammar from its start."""
         rows: list[int] = []
         firsts: list[int] = []  # of rows, those at their sequence's position now
         later: dict[str, list[int]] = {}  # a verifying sequence's rows, as indices into rows
         starts: list[int] = []
+        # A verifying sequence whose grammar starts inside its drafts (past a
+        # reasoning's end among them): the draft index of that end, its rows
+        # seen so far, and its rows the grammar masks (indices into rows).
+        gated: dict[str, tuple[int, list[int], list[int]]] = {}
         for i, s in enumerate(samples):
             if s.params.structured_outputs is None:
                 continue
@@ -240,6 +246,13 @@ class StructuredDecoder:
                 later[sid].append(len(rows))
                 rows.append(i)
                 continue
+            if sid in gated:
+                end, seen, ks = gated[sid]
+                seen.append(i)
+                if len(seen) > end + 1:  # the row after the end, and those after it
+                    ks.append(len(rows))
+                    rows.append(i)
+                continue
             start = self._grammar_start(sid, s)
             if start is not None:
                 if drafts and sid in drafts:
@@ -247,6 +260,8 @@ class StructuredDecoder:
                 firsts.append(len(rows))
                 rows.append(i)
                 starts.append(start)
+            elif drafts and s.params.structured_after_token_id in drafts.get(sid, ()):
+                gated[sid] = drafts[sid].index(s.params.structured_after_token_id), [i], []
         if not rows:
             return None
         entries = self._synced([seq_ids[rows[k]] for k in firsts], [samples[rows[k]] for k in firsts], starts)
@@ -255,14 +270,24 @@ class StructuredDecoder:
         live = [k for k, e in zip(firsts, entries) if not e.broken]
         # One call for the batch: per-row calls cost more in crossing into
         # the library than in filling small masks.
-        self._batch.batch_fill_next_token_bitmask([e.matcher for e in entries if not e.broken], bitmask,
-                                                  indices=live)
+        if live:
+            self._batch.batch_fill_next_token_bitmask([e.matcher for e in entries if not e.broken], bitmask,
+                                                      indices=live)
         for k, entry in zip(firsts, entries):
             if entry.broken:
                 self._only_stop_tokens(bitmask, k)
         for sid, ks in later.items():
             if len(ks) > 1:
                 self._fill_drafted(self._seqs[sid], drafts[sid], bitmask, ks)
+        for sid, (end, _, ks) in gated.items():
+            if ks:
+                # The grammar as it starts, after the end of the reasoning,
+                # then the drafts after that end; the engine's outputs reach
+                # it next step and make the sequence's own matcher.
+                spec = samples[rows[ks[0]]].params.structured_outputs
+                entry = _SeqGrammar(spec, xgr.GrammarMatcher(self.compiler.compile(spec)))
+                entry.matcher.fill_next_token_bitmask(bitmask, ks[0])
+                self._fill_drafted(entry, drafts[sid][end + 1:], bitmask, ks)
         return TokenMask(bitmask, rows, self.vocab_size)
 
     def _fill_drafted(self, entry: _SeqGrammar, draft: list[int], bitmask: torch.Tensor, ks: list[int]) -> None:

@@ -24,6 +24,7 @@ from token_paths import PROMPTS, hf_greedy
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
          "adaptive": False}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=40)
+EOS = 257  # the tiny checkpoints' end of sequence
 
 
 def tokens(outs) -> list[list[int]]:
@@ -205,6 +206,33 @@ def test_grammar_rows_draft_and_sample_as_without_drafts(tiny_model, make_llm):
         done, text, grammar = out.outputs[0], out.outputs[0].text, p.structured_outputs
         if done.finish_reason == "stop":  # else cut by max_tokens
             assert re.fullmatch(grammar.regex, text) if grammar.regex else isinstance(json.loads(text), dict), text
+
+
+def test_grammar_after_thinking_drafts_and_samples_as_without_drafts(tmp_path, make_llm):
+    """A reasoning model's grammar waits for ``</think>``: where the drafts
+    hold it, the rows after it are masked by the grammar from its start.
+    A thinking budget ends each reply's thinking where its prompt's
+    thinking ended, which the drafts copy, marker and answer; the replies
+    are those without drafts, and drafts stood."""
+    from fluidserve.engine.tiny_model import BYTE_VOCAB_SIZE, build_tiny_thinking_model
+
+    path = str(build_tiny_thinking_model(tmp_path))
+    end = BYTE_VOCAB_SIZE + 1
+    prompts = ["aaaa</think>bxbxa aaaa</think>bxbxa aaaa", "aaa</think>bxa aaa</think>bxa aa",
+               "aaaaa</think>bxbxbxa aaaaa</think>bxbxbxa a"] * 2
+    params = [SamplingParams(temperature=0.0 if i < 3 else 0.9, seed=None if i < 3 else i, max_tokens=30,
+                             structured_outputs=StructuredOutputs(regex="(bx)+a"), structured_after_token_id=end,
+                             thinking_token_budget=budget, thinking_end_token_id=end,
+                             allowed_token_ids=[ord("a"), ord("b"), ord("x"), end, EOS])
+              for i, budget in enumerate((4, 3, 5) * 2)]
+    plain = make_llm(path).generate(prompts, params)
+    llm = make_llm(path, speculative_config=NGRAM)
+    assert tokens(llm.generate(prompts, params)) == tokens(plain)
+    assert drafts_stood(llm) > 0
+    for reply, p in zip(tokens(plain)[:3], params):  # greedy: thinking to the budget, the end, then the grammar
+        cut = reply.index(end)
+        assert cut == p.thinking_token_budget and reply[-1] == EOS, reply
+        assert re.fullmatch("(bx)+a", bytes(reply[cut + 1:-1]).decode()), reply
 
 
 def test_chunks_prefix_hits_swaps_and_recomputes_keep_the_tokens_that_stood(tiny_model, make_llm):

@@ -11,9 +11,8 @@ import re
 import pytest
 
 from fluidserve.engine.sampler import SampledToken
-from fluidserve.engine.speculative import (NgramConfig, NgramDrafter, accepted, can_draft, draft_limit,
+from fluidserve.engine.speculative import (NgramConfig, NgramDrafter, accepted, draft_limit,
                                            parse_speculative_config)
-from fluidserve.engine.sampling_params import SamplingParams, StructuredOutputs
 from fluidserve.kvcache.manager import KVCacheManager
 from fluidserve.scheduler.plan import StepOutcome
 from fluidserve.scheduler.request_state import SeqState
@@ -126,19 +125,6 @@ def test_draft_limits_keep_lengths_and_min_tokens():
     assert draft_limit(4, 10, 11, 0) == 0
     assert draft_limit(4, 10, 100, 12) == 1  # rows at outputs 10 and 11: both still hold stop tokens back
     assert draft_limit(4, 12, 100, 12) == 4
-
-
-def test_rows_with_state_across_positions_do_not_draft():
-    """Penalties, bad words and thinking budgets read the outputs, which a
-    row's drafts extend (the worker's _after_drafts); a grammar's rows are
-    masked after the drafts before them (StructuredDecoder.fill); a grammar
-    waiting for a reasoning's end would start inside the drafts."""
-    grammar = StructuredOutputs(regex="[ab]+")
-    for kw in (dict(temperature=0.7, top_p=0.9, seed=3, min_tokens=4, logprobs=2), dict(repetition_penalty=1.1),
-               dict(presence_penalty=0.5), dict(frequency_penalty=0.5), dict(bad_words_token_ids=[[1, 2]]),
-               dict(structured_outputs=grammar), dict(thinking_token_budget=8, thinking_end_token_id=3)):
-        assert can_draft(SamplingParams(**kw))
-    assert not can_draft(SamplingParams(structured_outputs=grammar, structured_after_token_id=5))
 
 
 def scheduler(budget: int = 64) -> Scheduler:

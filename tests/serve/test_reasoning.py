@@ -191,6 +191,33 @@ def test_grammar_waits_for_the_end_of_thinking(tokenizer):
     assert dec.num_active == 0 and not dec._gates
 
 
+def test_grammar_starts_inside_the_drafts_at_the_end_of_thinking(tokenizer):
+    """A sequence verifying drafts while still thinking: its rows up to the
+    draft ``</think>`` are free, the row after it takes the grammar's first
+    mask, the next ones the grammar after the drafts past the end; with no
+    ``</think>`` among the drafts, no row is masked; the next step's matcher
+    starts from the engine's outputs alone."""
+    dec = StructuredDecoder(lambda: tokenizer, BYTE_VOCAB_SIZE + 2, [EOS])
+    params = SamplingParams(temperature=0, structured_outputs=StructuredOutputs(regex="(ab|cd)x"),
+                            structured_after_token_id=END)
+
+    def rows(history: list[int], draft: list[int]) -> list[set[int] | None]:
+        n = len(draft) + 1
+        mask = dec.fill(["s"] * n, [SampleSpec(params, None, output_token_ids=history)] * n, {"s": draft})
+        if mask is None:
+            return [None] * n
+        return [None if j not in mask.rows else
+                {t for t in range(BYTE_VOCAB_SIZE + 2) if (int(mask.bitmask[mask.rows.index(j), t // 32])
+                                                            >> (t % 32)) & 1} for j in range(n)]
+
+    q, a, b, c = (ord(ch) for ch in "qabc")
+    assert rows([q], [a, END, c, q]) == [None, None, {a, c}, {ord("d")}, {ord("d")}]  # "q" refused: a copy
+    assert rows([q], [a, b, q]) == [None] * 4
+    assert rows([q, a, END], [a]) == [{a, c}, {b}]  # the end in the outputs: the sequence's own matcher
+    dec.release(["s"])
+    assert dec.num_active == 0
+
+
 # -- through the server --------------------------------------------------------------
 
 
