@@ -147,8 +147,9 @@ class EngineConfig(ConfigTree):
               "(engine/speculative.py); each step verifies those drafts that cut the mean time per token, "
               "from the step times it measured and each sequence's acceptance rate (engine/draft_policy.py; "
               '"adaptive": false verifies all, as vLLM); num_speculative_tokens_per_batch_size ranges set K by '
-              "the step's batch size instead; sequences with penalties, a grammar or a thinking budget decode "
-              "one token a step; steps run synchronously (no --async-scheduling)", metavar="JSON")
+              "the step's batch size instead; rows with penalties or a thinking budget read the drafts before "
+              "them as outputs, a grammar's rows are masked by the grammar after them; steps run synchronously "
+              "(no --async-scheduling)", metavar="JSON")
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
