@@ -49,6 +49,7 @@ from fluidserve.engine.request import Request, Sequence
 from fluidserve.engine.sampler import device_only, reads_outputs
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.draft_policy import Acceptance, DraftPolicy
+from fluidserve.engine.grammar_drafts import GrammarDrafts
 from fluidserve.engine.speculative import NgramDrafter, accepted, draft_limit, parse_speculative_config
 from fluidserve.engine.structured import xgrammar
 from fluidserve.engine.tiny_model import default_tiny_model_dir
@@ -218,6 +219,9 @@ class LLMEngine:
         if self.speculative is not None:
             self.stats_.spec_accepted_per_position = (0,) * self.speculative.num_speculative_tokens
         self._draft_policy = DraftPolicy() if self.speculative is not None and self.speculative.adaptive else None
+        # Constrained sequences' drafts, shaped by their grammars (engine/grammar_drafts.py).
+        self._grammar_drafts = (GrammarDrafts(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+                                if self.speculative is not None else None)
         wanted = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
         self._async = wanted and self.executor.can_launch and self.speculative is None
         if config.async_scheduling and not self._async:
@@ -406,7 +410,7 @@ class LLMEngine:
             self.seqs.pop(seq.seq_id, None)
             self.scheduler.finish(seq.seq_id)
             if req.params.structured_outputs is not None:
-                self._finished_constrained.append(seq.seq_id)
+                self._grammar_finished(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self._pending is not None
@@ -803,8 +807,11 @@ class LLMEngine:
             if seq is None or not item.samples or seq.drafter is None:
                 continue
             out = seq.output_token_ids
-            seq.draft = seq.drafter.propose(draft_limit(k, len(out), seq.max_output_len,
-                                                        seq.request.params.min_tokens))
+            params = seq.request.params
+            limit = draft_limit(k, len(out), seq.max_output_len, params.min_tokens)
+            seq.draft = seq.drafter.propose(limit)
+            if params.structured_outputs is not None and self._grammar_drafts is not None:
+                seq.draft = self._grammar_drafts.propose(seq.seq_id, params, out, seq.draft, limit)
             seq.state.num_draft_tokens = len(seq.draft)
             if seq.draft:
                 offered.append(seq)
@@ -823,8 +830,10 @@ class LLMEngine:
 
     def _grammar_finished(self, seq_id: str) -> None:
         """A constrained sequence stopped: the worker drops its grammar
-        matcher with the next step's input."""
+        matcher with the next step's input; the engine's drafting one goes now."""
         self._finished_constrained.append(seq_id)
+        if self._grammar_drafts is not None:
+            self._grammar_drafts.release(seq_id)
 
     # -- figures -----------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -191,7 +191,8 @@ def test_grammar_rows_draft_and_sample_as_without_drafts(tiny_model, make_llm):
     """A grammar's row after drafts is masked by the grammar after them: the
     greedy and seeded tokens are those without drafts, every reply follows
     its grammar, and drafts of these rows stood (every request in the batch
-    has a grammar), while drafts the grammar refuses cost no token."""
+    has a grammar); the engine cut n-gram drafts the grammar refuses and
+    drafted what it forces (engine/grammar_drafts.py)."""
     path = tiny_model("llama")
     params = [SamplingParams(temperature=0.0 if i < 4 else 0.8, seed=None if i < 4 else i, max_tokens=30,
                              structured_outputs=GRAMMARS[i % len(GRAMMARS)]) for i in range(len(GRAMMAR_PROMPTS))]
@@ -202,6 +203,8 @@ def test_grammar_rows_draft_and_sample_as_without_drafts(tiny_model, make_llm):
     assert drafts_stood(llm) > 0
     stats = llm.engine.stats()
     assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # some drafts refused
+    shaped = llm.engine._grammar_drafts  # drafts the grammar cut, and drafts it forced
+    assert shaped.cut > 0 and shaped.forced > 0
     for out, p in zip(spec, params):
         done, text, grammar = out.outputs[0], out.outputs[0].text, p.structured_outputs
         if done.finish_reason == "stop":  # else cut by max_tokens
