@@ -1091,7 +1091,7 @@ def speculative(_: str) -> tuple[list[str], list[str]]:
 
 
 SPECULATIVE = ["speculative", "speculative-adaptive", "speculative-server", "speculative-server-adaptive",
-               "speculative-extract", "speculative-server-extract"]
+               "speculative-extract", "speculative-server-extract", "speculative-extract-shaped"]
 
 
 # -- the page ------------------------------------------------------------------------------
