@@ -1091,7 +1091,8 @@ def speculative(_: str) -> tuple[list[str], list[str]]:
 
 
 SPECULATIVE = ["speculative", "speculative-adaptive", "speculative-server", "speculative-server-adaptive",
-               "speculative-extract", "speculative-server-extract", "speculative-extract-shaped"]
+               "speculative-extract", "speculative-server-extract", "speculative-extract-shaped",
+               "speculative-server-extract-shaped"]
 
 
 # -- the page ------------------------------------------------------------------------------
