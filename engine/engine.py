@@ -18,6 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from fluidserve.kernels.ops import kernel_path
 from fluidserve.kvcache.manager import slot_of, slots
@@ -31,6 +32,7 @@ from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.cpu_share import CpuShare
 from fluidserve.engine.detokenizer import TextStream, byte_table
 from fluidserve.engine.executor import make_executor
+from fluidserve.engine.executor.local import LocalExecutor
 from fluidserve.engine.lora import Adapter, AdapterRegistry, Loaded
 from fluidserve.engine.loader import (eos_token_ids, is_tiny_model, load_hf_config, load_tokenizer,
                                       model_context_length, resolve_model_dir)
@@ -51,7 +53,7 @@ from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.draft_policy import Acceptance, DraftPolicy
 from fluidserve.engine.grammar_drafts import GrammarDrafts
 from fluidserve.engine.speculative import NgramDrafter, accepted, draft_limit, parse_speculative_config
-from fluidserve.engine.structured import xgrammar
+from fluidserve.engine.structured import GrammarCompiler, xgrammar
 from fluidserve.engine.tiny_model import default_tiny_model_dir
 from fluidserve.engine.runtime import pick_device, runtime_for
 
@@ -220,7 +222,7 @@ class LLMEngine:
             self.stats_.spec_accepted_per_position = (0,) * self.speculative.num_speculative_tokens
         self._draft_policy = DraftPolicy() if self.speculative is not None and self.speculative.adaptive else None
         # Constrained sequences' drafts, shaped by their grammars (engine/grammar_drafts.py).
-        self._grammar_drafts = (GrammarDrafts(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self._grammar_drafts = (GrammarDrafts(self.tokenizer, self._grammar_compiler())
                                 if self.speculative is not None else None)
         wanted = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
         self._async = wanted and self.executor.can_launch and self.speculative is None
@@ -827,6 +829,22 @@ class LLMEngine:
         n = len(seq.request.prompt_token_ids) + len(seq.output_token_ids)
         bs = self.kv.block_size
         self.scheduler.block_filled(seq.state, seq.tokens(n - bs, n), n)
+
+    def _grammar_compiler(self) -> Callable[[], GrammarCompiler]:
+        """The grammars the drafting matchers use: the worker's compiler where
+        the worker runs in this process (one compile a grammar), else one of
+        the engine's own, made on first use."""
+        if isinstance(self.executor, LocalExecutor):
+            structured = self.executor.worker.structured
+            return lambda: structured.compiler
+        own: list[GrammarCompiler] = []
+
+        def compiler() -> GrammarCompiler:
+            if not own:
+                own.append(GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids)))
+            return own[0]
+
+        return compiler
 
     def _grammar_finished(self, seq_id: str) -> None:
         """A constrained sequence stopped: the worker drops its grammar

@@ -24,7 +24,7 @@ stay the ones that mask.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable
 
 from fluidserve.engine.sampling_params import SamplingParams, StructuredOutputs
 from fluidserve.engine.structured import GrammarCompiler, xgrammar
@@ -42,11 +42,11 @@ class _Tracked:
 class GrammarDrafts:
     """Matchers of the constrained sequences that draft, by sequence id."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, compiler: Callable[[], GrammarCompiler]) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.stop_token_ids = list(stop_token_ids)
-        self._compiler: GrammarCompiler | None = None
+        # The grammars compiled against the tokenizer: the worker's, where it
+        # runs in this process, so each grammar compiles once.
+        self._compiler = compiler
         self._seqs: dict[str, _Tracked] = {}
         self.forced = 0  # drafts the grammar forced (for the tests and figures)
         self.cut = 0  # n-gram drafts cut because the grammar refused them
@@ -86,10 +86,8 @@ class GrammarDrafts:
                 if gate not in outputs:
                     return None
                 start = outputs.index(gate) + 1
-            if self._compiler is None:
-                self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
             spec = params.structured_outputs
-            tracked = self._seqs[seq_id] = _Tracked(spec, xgrammar().GrammarMatcher(self._compiler.compile(spec)),
+            tracked = self._seqs[seq_id] = _Tracked(spec, xgrammar().GrammarMatcher(self._compiler().compile(spec)),
                                                     start)
         if tracked.broken:
             return None

@@ -24,9 +24,12 @@ def ids(text: str) -> list[int]:
 def drafts():
     from fluidserve.engine.grammar_drafts import GrammarDrafts
     from fluidserve.engine.loader import load_tokenizer
+    from fluidserve.engine.structured import GrammarCompiler
     from fluidserve.engine.tiny_model import default_tiny_model_dir
 
-    return GrammarDrafts(load_tokenizer(default_tiny_model_dir()), 261, [EOS])
+    tokenizer = load_tokenizer(default_tiny_model_dir())
+    compiler = GrammarCompiler(tokenizer, 261, [EOS])
+    return GrammarDrafts(tokenizer, lambda: compiler)
 
 
 def params(regex: str, **kw) -> SamplingParams:
