@@ -41,6 +41,8 @@ PRESETS = {
 # captured at start-up; ``graphs-async`` (the default on CUDA) also queues
 # each decode step before the previous step's tokens are read
 # (--async-scheduling), so the host's work hides behind the device's.
+# Up to 4 drafts a step from 2- to 4-grams (benchmarks/speculative.py's setting).
+NGRAM_DRAFTS = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 DECODE_MODES = {
     "eager": dict(enforce_eager=True, async_scheduling=False),
     "graphs": dict(enforce_eager=False, async_scheduling=False),
@@ -68,6 +70,15 @@ DECODE_MODES = {
     "graphs-async-pdl-l2-attention": dict(enforce_eager=False, async_scheduling=True, gemv_pdl="l2",
                                           launch_dependents=True),
     "eager-pdl": dict(enforce_eager=True, async_scheduling=False, gemv_pdl="on"),
+    # N-gram drafts (--speculative-config, the adaptive policy), whose verifying
+    # steps decode graphs leave to the eager path: synchronous steps; beside
+    # async scheduling, where steps that carry no drafts go ahead; and with
+    # the verifying steps as piecewise graphs. A dummy model's greedy text
+    # soon repeats itself, so drafts stand (the record counts them).
+    "graphs-drafts": dict(enforce_eager=False, async_scheduling=False, speculative_config=NGRAM_DRAFTS),
+    "graphs-async-drafts": dict(enforce_eager=False, async_scheduling=True, speculative_config=NGRAM_DRAFTS),
+    "graphs-async-drafts-piecewise": dict(enforce_eager=False, async_scheduling=True,
+                                          speculative_config=NGRAM_DRAFTS, piecewise_graphs=True),
 }
 # Settings of DECODE_MODES that are attention tiles (kernels/paged_attention.py).
 TILE_SETTINGS = ("fused_merge", "launch_dependents")

@@ -18,7 +18,9 @@
 #                                      graphs + async and eager with the GEMVs
 #                                      launched as programmatic dependents (with an
 #                                      L2 prefetch, and the attention letting the
-#                                      next launch start)
+#                                      next launch start), and with n-gram drafts:
+#                                      synchronous, beside async scheduling, and
+#                                      verifying as piecewise graphs
 #   batch-1 linears        60 / 45 s   benchmarks/linear_bandwidth.py --parts chain: a
 #                                      token's GEMVs in a row in one graph, launched
 #                                      plainly and as programmatic dependents (with
@@ -175,7 +177,7 @@ declare -A NAMES=(
     [import]="import"
     [engine_tests]="engine GPU tests"
     [kernel_tests]="kernel GPU tests"
-    [batch1_decode]="batch-1 decode, eager, graphs, graphs + async, eager variants, dependent GEMVs"
+    [batch1_decode]="batch-1 decode, eager, graphs, graphs + async, eager variants, dependent GEMVs, drafts"
     [mixed_steps]="mixed steps, eager (batch path, modules) vs piecewise graphs"
     [throughput]="throughput vs transformers, graphs"
     [kernel_bench]="kernel benchmark"
@@ -273,7 +275,8 @@ run_step kernel_tests "$KERNEL_TESTS_LIMIT" "$RESULTS/gpu_tests_kernels_${SLUG}.
 run_step batch1_decode "$DECODE_LIMIT" "$RESULTS/batch1_decode_${SLUG}.json" "" \
     "$PY" benchmarks/kernel_bench.py --batch1-decode --decode-modes eager graphs graphs-async \
     eager-cublas eager-no-relaunch graphs-async-always-merge graphs-async-pdl graphs-async-pdl-l2 \
-    graphs-async-pdl-l2-attention eager-pdl --out "$RESULTS"
+    graphs-async-pdl-l2-attention eager-pdl graphs-drafts graphs-async-drafts graphs-async-drafts-piecewise \
+    --out "$RESULTS"
 
 run_step linears "$LINEAR_LIMIT" "$RESULTS/gemv_chain_${SLUG}.json" "" \
     "$PY" benchmarks/linear_bandwidth.py --parts chain --out "$RESULTS"

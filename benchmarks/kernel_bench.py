@@ -624,6 +624,7 @@ def bench_batch1_decode_mode(model_dir: Path, settings: dict, prompt_len: int, o
         t_one = min(run(1) for _ in range(3))
         t_many = min(run(output_len) for _ in range(2))
         replays, direct = _graph_replays(llm), _graph_replays(llm, "direct_replays")
+        stats = llm.engine.stats()
     finally:
         llm.engine.shutdown()
         # Engines sit in reference cycles: without a collection the first
@@ -631,9 +632,13 @@ def bench_batch1_decode_mode(model_dir: Path, settings: dict, prompt_len: int, o
         llm = None  # the run closure holds the engine too
         gc.collect()
         torch.cuda.empty_cache()
-    return dict(**settings, ms_per_token=(t_many - t_one) / (output_len - 1) * 1e3,
-                t_one_s=t_one, t_many_s=t_many, startup_s=startup_s, graph_replays=replays,
-                direct_replays=direct)  # fmt: skip
+    out = dict(**settings, ms_per_token=(t_many - t_one) / (output_len - 1) * 1e3,
+               t_one_s=t_one, t_many_s=t_many, startup_s=startup_s, graph_replays=replays,
+               direct_replays=direct, steps_launched_ahead=stats.num_steps_launched_ahead)  # fmt: skip
+    if "speculative_config" in settings:  # over every run of the mode, warm-up included
+        out.update(draft_tokens=stats.spec_num_draft_tokens, drafts_stood=stats.spec_num_accepted_tokens,
+                   drafts_withheld=stats.spec_num_withheld_tokens)
+    return out
 
 
 def bench_batch1_decode(
@@ -712,7 +717,11 @@ def batch1_markdown(result: dict) -> str:
                                     "program first fetching 64 KiB of its rows into L2 (FLUIDSERVE_GEMV_PDL=l2)",
              "graphs-async-pdl-l2-attention": "as the row above, and the attention lets the o projection start "
                                               "as it begins (Tiles.launch_dependents)",
-             "eager-pdl": "eager, synchronous, GEMVs as dependent launches (FLUIDSERVE_GEMV_PDL=1)"}
+             "eager-pdl": "eager, synchronous, GEMVs as dependent launches (FLUIDSERVE_GEMV_PDL=1)",
+             "graphs-drafts": "decode CUDA graphs, synchronous, n-gram drafts (verifying steps eager)",
+             "graphs-async-drafts": "decode CUDA graphs, async scheduling, n-gram drafts (steps without drafts "
+                                    "go ahead)",
+             "graphs-async-drafts-piecewise": "as the row above, verifying steps as piecewise graphs"}
     for mode, r in result["modes"].items():
         if "error" in r:
             lines.append(f"| {names.get(mode, mode)} | error: {r['error'][:120]} | | | |")
@@ -722,6 +731,12 @@ def batch1_markdown(result: dict) -> str:
                          f"{r['startup_s']:.1f} | {replays} |")
     if "eager_over_graphs" in result:
         lines += ["", f"Eager / graphs: **{result['eager_over_graphs']:.2f}x**."]
+    drafted = {m: r for m, r in result["modes"].items() if "draft_tokens" in r}
+    if drafted:
+        lines += ["", "Drafts over every run of a mode (warm-up included): "
+                  + "; ".join(f"{names.get(m, m)}: {r['drafts_stood']} of {r['draft_tokens']} stood, "
+                              f"{r['drafts_withheld']} withheld, {r['steps_launched_ahead']} steps went ahead"
+                              for m, r in drafted.items()) + "."]
     return "\n".join(lines) + "\n"
 
 

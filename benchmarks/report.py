@@ -1090,9 +1090,9 @@ def speculative(_: str) -> tuple[list[str], list[str]]:
             *embedded(SPECULATIVE)], []
 
 
-SPECULATIVE = ["speculative", "speculative-adaptive", "speculative-server", "speculative-server-adaptive",
-               "speculative-extract", "speculative-server-extract", "speculative-extract-shaped",
-               "speculative-server-extract-shaped"]
+SPECULATIVE = ["speculative", "speculative-adaptive", "speculative-async", "speculative-async-edit",
+               "speculative-server", "speculative-server-adaptive", "speculative-extract",
+               "speculative-server-extract", "speculative-extract-shaped", "speculative-server-extract-shaped"]
 
 
 # -- the page ------------------------------------------------------------------------------

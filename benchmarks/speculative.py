@@ -24,7 +24,8 @@ Each workload runs at batch 1 (one request at a time: the latency a user
 feels) and as one burst of all its prompts. Settings: ``--k`` every draft
 verified (vLLM's behaviour; ``"adaptive": false`` for fluidserve),
 ``--up-to`` drafts only up to a batch size, ``--adaptive-k`` drafts chosen
-per step (fluidserve's default; engine/draft_policy.py). Per setting: output tokens a
+per step (fluidserve's default; engine/draft_policy.py), ``--async-k`` those with
+``--async-scheduling`` too (steps that carry no drafts go ahead). Per setting: output tokens a
 second (prefill included), the ratio to the run without drafts, the share
 of draft tokens that stood, tokens kept per verifying step, and how many
 replies equal the run without drafts'. ``--rounds`` runs every setting
@@ -131,11 +132,16 @@ def ngram(k: int, up_to_batch: int | None = None, adaptive: bool | None = None) 
     return config
 
 
-def settings_of(ks: list[int], up_to: list[str], adaptive_ks: list[int] = ()) -> dict[str, dict | None]:
+ASYNC = ", async"  # a setting's name ends so where its engine runs with --async-scheduling
+
+
+def settings_of(ks: list[int], up_to: list[str], adaptive_ks: list[int] = (),
+                async_ks: list[int] = ()) -> dict[str, dict | None]:  # fmt: skip
     """Setting name -> --speculative-config (None: off). ``ks``: every draft
     verified (vLLM's behaviour; given to fluidserve as "adaptive": false);
     ``up_to``: "K:B" pairs; ``adaptive_ks``: fluidserve's default, drafts
-    chosen per step. vLLM's settings are those without the last two."""
+    chosen per step; ``async_ks``: the same with async scheduling, whose
+    steps without drafts go ahead. vLLM's settings are those of ``ks``."""
     fixed = False if adaptive_ks or up_to else None
     out: dict[str, dict | None] = {"off": None, **{f"ngram k={k}": ngram(k, adaptive=fixed) for k in ks}}
     for pair in up_to:
@@ -143,6 +149,8 @@ def settings_of(ks: list[int], up_to: list[str], adaptive_ks: list[int] = ()) ->
         out[f"ngram k={k}, batch <= {b}"] = ngram(k, b)
     for k in adaptive_ks:
         out[f"ngram k={k}, adaptive"] = ngram(k)
+    for k in async_ks:
+        out[f"ngram k={k}, adaptive{ASYNC}"] = ngram(k)
     return out
 
 
@@ -182,6 +190,8 @@ def ours(model: str, settings: dict[str, dict | None], workloads: dict[str, list
     llms = {}
     for name, config in settings.items():
         extra = {"speculative_config": config} if config else {}
+        if name.endswith(ASYNC):
+            extra["async_scheduling"] = True
         llms[name] = LLM(model, device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, cpu_kv_cache_gb=0.5,
                          **extra)
         for wl, prompts in workloads.items():  # warm, a grammar's compiled one included
@@ -206,7 +216,8 @@ def ours(model: str, settings: dict[str, dict | None], workloads: dict[str, list
 
 def _spec_counts(llm) -> dict:
     s = llm.engine.stats()
-    return dict(drafts=s.spec_num_drafts, draft_tokens=s.spec_num_draft_tokens, accepted=s.spec_num_accepted_tokens)
+    return dict(drafts=s.spec_num_drafts, draft_tokens=s.spec_num_draft_tokens, accepted=s.spec_num_accepted_tokens,
+                steps=s.num_steps, ahead=s.num_steps_launched_ahead)
 
 
 # Run by vLLM's Python (``--vllm-python``) in a scratch folder: one setting,
@@ -397,6 +408,8 @@ def rows(best: dict, settings: dict[str, dict | None], engine: str) -> list[dict
                     tokens_per_verify=(round(1 + spec["accepted"] / spec["drafts"], 2) if spec["drafts"] else None),
                     same_as_off=sum(a == b for a, b in zip(run["replies"], base["replies"])),
                     replies=len(run["replies"]),
+                    # Async scheduling: steps queued before the last one's tokens were read, of all.
+                    steps_ahead=f"{spec['ahead']}/{spec['steps']}" if spec.get("ahead") else None,
                 ))
     return out
 
@@ -410,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(num_speculative_tokens_per_batch_size)")
     ap.add_argument("--adaptive-k", type=int, nargs="*", default=[4],
                     help="settings with drafts chosen per step (fluidserve's default), up to K a sequence")
+    ap.add_argument("--async-k", type=int, nargs="*", default=[],
+                    help="settings with drafts chosen per step and --async-scheduling (steps without drafts go "
+                         "ahead; on a CPU nothing overlaps, so this checks what it costs)")
     ap.add_argument("--vllm-k", type=int, nargs="+", default=[4], help="vLLM's settings beside its run without")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
@@ -431,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         save_results(RESULTS / f"speculative-server{args.tag}", record, text)
         return 0
-    settings = settings_of(args.k, args.up_to, args.adaptive_k)
+    settings = settings_of(args.k, args.up_to, args.adaptive_k, args.async_k)
     table = rows(ours(args.model, settings, workloads, args.max_tokens, args.rounds), settings, "fluidserve")
     if args.vllm_python:
         vsettings = settings_of(args.vllm_k, [])
@@ -474,13 +490,17 @@ def to_markdown(r: dict) -> str:
              f"{r['lookup']['prompt_lookup_min']}..{r['lookup']['prompt_lookup_max']}-grams; best of "
              f"{r['rounds']} rounds, settings interleaved. tok/s: output tokens over wall time, prefill included. "
              "Accepted: draft tokens that stood, of those verified; tokens/verify: tokens a verifying step kept "
-             "(both over the workload's batch-1 and burst runs).", "",
+             "(both over the workload's batch-1 and burst runs)"
+             + ("; settings ending in \"async\" ran with --async-scheduling: steps that went ahead, of all its "
+                "steps, are after the setting" if any(row.get("steps_ahead") for row in r["rows"]) else "")
+             + ".", "",
              "| engine | workload | mode | setting | tok/s | vs off | accepted | tokens/verify | same replies |",
              "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for row in r["rows"]:
         acc = "–" if row["accepted_share"] is None else f"{100 * row['accepted_share']:.0f}%"
         tpv = "–" if row["tokens_per_verify"] is None else f"{row['tokens_per_verify']:.2f}"
-        lines.append(f"| {row['engine']} | {row['workload']} | {row['mode']} | {row['setting']} | {row['tok_s']:.1f} "
+        setting = row["setting"] + (f" ({row['steps_ahead']} ahead)" if row.get("steps_ahead") else "")
+        lines.append(f"| {row['engine']} | {row['workload']} | {row['mode']} | {setting} | {row['tok_s']:.1f} "
                      f"| {row['vs_off']:.2f}x | {acc} | {tpv} | {row['same_as_off']}/{row['replies']} |")
     return "\n".join(lines) + "\n"
 

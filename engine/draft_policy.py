@@ -173,6 +173,19 @@ class DraftPolicy:
         decoding (offers are the sequences with drafts: their record and how
         many drafts they have)."""
         self.decisions += 1
+        counts = self._counts(num_seqs, offers)
+        self.withheld += sum(n for _, n in offers) - sum(counts)
+        return counts
+
+    def pays(self, num_seqs: int, offers: list[tuple[Acceptance, int]]) -> bool:
+        """Whether ``choose`` would verify any of these drafts now: asked
+        before a step is queued blind (async scheduling), which can carry
+        none. A decision, so the option not taken is timed again as often
+        as where every step chooses; nothing is withheld."""
+        self.decisions += 1
+        return any(self._counts(num_seqs, offers))
+
+    def _counts(self, num_seqs: int, offers: list[tuple[Acceptance, int]]) -> list[int]:
         # Each draft by how much it cuts its sequence's time per token (in
         # steps): 1/g before it less 1/g after, g the sequence's expected
         # tokens. A sequence's cuts fall draft by draft, so each takes a prefix.
@@ -190,7 +203,6 @@ class DraftPolicy:
         counts = [0] * len(offers)
         for _, i in cuts[:take]:
             counts[i] += 1
-        self.withheld += len(cuts) - take
         return counts
 
     def _how_many(self, num_seqs: int, cuts: list[float]) -> int:

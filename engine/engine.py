@@ -67,6 +67,13 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 # in a row say the fault is not in any request, and the engine stops.
 MAX_FAILED_STEPS_IN_A_ROW = 4
 
+# Async scheduling with drafts: a step queued before the last one's tokens
+# are read carries no drafts (a draft continues the token not yet read), so
+# such steps follow one another only after a proposal that kept none, and
+# only while no sequence's n-gram recurs that would be verified; at most
+# this many before drafts are proposed again from the tokens read.
+MAX_BLIND_STEPS = 16
+
 
 class StepsKeepFailingError(RuntimeError):
     """Steps keep failing whatever they run: the engine cannot serve."""
@@ -225,11 +232,13 @@ class LLMEngine:
         self._grammar_drafts = (GrammarDrafts(self.tokenizer, self._grammar_compiler())
                                 if self.speculative is not None else None)
         wanted = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
-        self._async = wanted and self.executor.can_launch and self.speculative is None
+        self._async = wanted and self.executor.can_launch
         if config.async_scheduling and not self._async:
-            log.warning("--async-scheduling needs the in-process executor (--executor local, one GPU) and no "
-                        "--speculative-config: steps run synchronously")
+            log.warning("--async-scheduling needs the in-process executor (--executor local, one GPU): "
+                        "steps run synchronously")
         self._pending: _Launched | None = None  # async scheduling: the step queued, unread
+        # With drafts: steps that may still be queued blind (set by each proposal: _propose_drafts).
+        self._blind_left = 0
         # Built on the thread that steps the engine (EngineThread), which owns its OpenMP team.
         self._cpu_share = (CpuShare.for_this_thread() if config.yield_busy_cores and device.type == "cpu"
                            and config.executor == "local" else None)
@@ -513,6 +522,11 @@ class LLMEngine:
         outputs, finished = self.output_processor.process(result, cur.start)
         self.scheduler.update_from_output(cur.plan, StepOutcome(step_time, cur.start, finished))
         self._count_step(cur.plan, step_time)
+        if self.speculative is not None:
+            if self._draft_policy is not None:  # a decode without drafts, timed as queued steps run
+                self._draft_policy.observe_step(len(cur.plan.scheduled), 0, step_time)
+            if nxt is None:  # the next step is planned from these tokens: its drafts too
+                self._propose_drafts(cur.plan)
         if nxt is not None:
             if nxt.failed is not None:
                 outputs += self._fail_step(nxt.plan, nxt.failed, nxt.start)
@@ -533,11 +547,34 @@ class LLMEngine:
                 ahead[sid] = row
         if not ahead or self._finished_constrained:
             return None
+        if self.speculative is not None:
+            if self._blind_left <= 0 or self._would_draft(list(ahead)):
+                return None
+            self._blind_left -= 1
         plan = self.scheduler.continue_decodes(cur.plan, list(ahead))
         if plan is None:
             return None
         self.stats_.num_steps_launched_ahead += 1
         return self._launch(plan, time.monotonic(), ahead)
+
+    def _would_draft(self, seq_ids: list[str]) -> bool:
+        """Whether the step after the running one would verify drafts, as far
+        as the tokens read tell (the running step samples one more): each
+        sequence's newest n-gram as of them, where it recurs, offered to
+        the adaptive policy at this batch; with every draft verified, any."""
+        seqs, k = self.seqs, self.speculative.drafts_at(len(seq_ids))
+        offers = []
+        for sid in seq_ids:
+            seq = seqs[sid]
+            if seq.drafter is None:
+                continue
+            limit = draft_limit(k, len(seq.output_token_ids) + 1, seq.max_output_len, seq.request.params.min_tokens)
+            n = len(seq.drafter.propose(limit))
+            if n:
+                if self._draft_policy is None:
+                    return True
+                offers.append((seq.acceptance, n))
+        return bool(offers) and self._draft_policy.pays(len(seq_ids), offers)
 
     def _launch(self, plan: StepPlan, start: float, ahead: dict[str, int] | None = None) -> _Launched:
         try:
@@ -823,6 +860,8 @@ class LLMEngine:
             for seq, n in zip(offered, counts):
                 del seq.draft[n:]
                 seq.state.num_draft_tokens = n
+        # Async scheduling: steps may go blind after a proposal that kept no draft (_launch_after).
+        self._blind_left = 0 if any(seq.draft for seq in offered) else MAX_BLIND_STEPS
 
     def _block_filled(self, seq: Sequence) -> None:
         """Prompt + outputs just filled a KV block: the scheduler keys it."""

@@ -338,3 +338,38 @@ def test_adaptive_drafts_follow_what_steps_cost(tiny_model, make_llm, drafts_pay
     else:
         assert policy.withheld > stats.spec_num_draft_tokens > 0
         assert sum(verifying) <= 2 + len(verifying) // policy.refresh
+
+
+@pytest.mark.parametrize("policy", ["every-draft", "drafts-pay", "drafts-cost"])
+def test_async_scheduling_queues_the_steps_that_carry_no_drafts(tiny_model, make_llm, policy):
+    """--async-scheduling beside drafts: a step is queued before the last
+    one's tokens are read only where it would carry no drafts (after a
+    proposal that kept none, until an n-gram recurs, as of the tokens read,
+    that would be verified); steps with drafts verify them synchronously.
+    With n-grams of two tokens or more, which recur only now and then, runs
+    of queued steps start and must end where one recurs: every draft
+    verified, or drafts the adaptive policy takes (nearly free), stand
+    nearly as often as with synchronous steps; drafts it withholds (each
+    costs two decodes) leave most steps queued. Greedy tokens are those of a
+    run without drafts, and every block comes back (make_llm)."""
+    path = tiny_model("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)  # min_tokens keeps rows on the host
+    expected = tokens(make_llm(path).generate(PROMPTS, params))
+    config = dict(NGRAM, prompt_lookup_min=2)
+    if policy != "every-draft":
+        del config["adaptive"]
+    runs = {}
+    for async_scheduling in (False, True):
+        llm = make_llm(path, speculative_config=config, async_scheduling=async_scheduling)
+        if policy != "every-draft":
+            per_draft = 0.0001 if policy == "drafts-pay" else 0.020
+            llm.engine._draft_policy = PricedDrafts(lambda seqs, drafts: 0.010 * seqs + per_draft * drafts)
+        assert tokens(llm.generate(PROMPTS, params)) == expected
+        runs[async_scheduling] = llm.engine.stats()
+    sync, ahead = runs[False], runs[True]
+    assert ahead.num_steps_launched_ahead > 0
+    if policy == "drafts-cost":
+        assert ahead.num_steps_launched_ahead > ahead.num_steps / 2
+        assert ahead.spec_num_withheld_tokens > ahead.spec_num_draft_tokens
+    else:
+        assert ahead.spec_num_accepted_tokens >= 0.8 * sync.spec_num_accepted_tokens > 0

@@ -294,3 +294,22 @@ def test_a_decode_mode_sets_its_switches_for_its_block_only(bench):
     with dummy_models.decode_mode("graphs-async-always-merge") as settings:
         assert settings == dummy_models.DECODE_MODES["graphs-async"] and cuda_graphs._direct_plans is False
     assert cuda_graphs._direct_plans is True
+
+
+@pytest.mark.parametrize("mode", ["graphs-drafts", "graphs-async-drafts", "graphs-async-drafts-piecewise"])
+def test_the_draft_modes_build_engines_that_draft(bench, tiny_model, make_llm, mode):
+    """The batch-1 benchmark's modes with n-gram drafts hand the engine
+    settings it takes (on the CPU here, where decode graphs and piecewise
+    graphs run their buckets eagerly), and its greedy text drafts and keeps
+    some: the figure the GPU run reports is one of drafting."""
+    import dummy_models
+
+    from fluidserve.engine import SamplingParams
+
+    with dummy_models.decode_mode(mode) as settings:
+        assert settings["speculative_config"] == dummy_models.NGRAM_DRAFTS
+        llm = make_llm(tiny_model("llama"), **settings)
+    llm.generate([[5 + (37 * i) % 250 for i in range(32)]], SamplingParams(temperature=0.0, max_tokens=48,
+                                                                            ignore_eos=True))
+    stats = llm.engine.stats()
+    assert stats.spec_num_accepted_tokens > 0
