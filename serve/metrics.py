@@ -149,6 +149,9 @@ _ENGINE_COUNTERS = (
     ("steps_failed", "num_failed_steps",
      "Steps whose forward or sampling raised, the device sound: their requests failed, the engine served on"),
     ("requests_failed", "num_failed_requests", "Requests failed by a failed step (finish reason error)"),
+    ("steps_launched_ahead", "num_steps_launched_ahead",
+     "Decode steps queued before the previous step's tokens were read (--async-scheduling; with "
+     "--speculative-config, the steps that carry no drafts)"),
     ("spec_decode_draft_tokens_withheld", "spec_num_withheld_tokens",
      "Draft tokens found but not verified: the adaptive policy judged they would cost the step more time than "
      "their chance of standing saves (--speculative-config)"),
