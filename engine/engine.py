@@ -239,6 +239,9 @@ class LLMEngine:
         self._pending: _Launched | None = None  # async scheduling: the step queued, unread
         # With drafts: steps that may still be queued blind (set by each proposal: _propose_drafts).
         self._blind_left = 0
+        # With drafts: the last step, whose sequences' drafts the next step() proposes before it plans,
+        # so a step's tokens are returned before the lookups (a prompt's first: its whole index).
+        self._unproposed: StepPlan | None = None
         # Built on the thread that steps the engine (EngineThread), which owns its OpenMP team.
         self._cpu_share = (CpuShare.for_this_thread() if config.yield_busy_cores and device.type == "cpu"
                            and config.executor == "local" else None)
@@ -441,6 +444,9 @@ class LLMEngine:
             self._cpu_share.tick()
         if self._pending is not None:
             return self._read_launched()
+        if self._unproposed is not None:
+            self._propose_drafts(self._unproposed)
+            self._unproposed = None
         now = time.monotonic()
         plan = self.scheduler.schedule(now)
         if plan.is_empty:
@@ -472,7 +478,7 @@ class LLMEngine:
                 drafts = _decode_drafts(plan)
                 if drafts is not None:
                     self._draft_policy.observe_step(len(plan.scheduled), drafts, took)
-            self._propose_drafts(plan)
+            self._unproposed = plan
         self._count_step(plan, took)
         self.stats_.swap_stall_seconds += result.swap_stall_s
         return outputs
@@ -526,7 +532,7 @@ class LLMEngine:
             if self._draft_policy is not None:  # a decode without drafts, timed as queued steps run
                 self._draft_policy.observe_step(len(cur.plan.scheduled), 0, step_time)
             if nxt is None:  # the next step is planned from these tokens: its drafts too
-                self._propose_drafts(cur.plan)
+                self._unproposed = cur.plan
         if nxt is not None:
             if nxt.failed is not None:
                 outputs += self._fail_step(nxt.plan, nxt.failed, nxt.start)

@@ -340,6 +340,27 @@ def test_adaptive_drafts_follow_what_steps_cost(tiny_model, make_llm, drafts_pay
         assert sum(verifying) <= 2 + len(verifying) // policy.refresh
 
 
+def test_a_step_returns_its_tokens_before_the_next_drafts_are_looked_up(tiny_model, make_llm):
+    """A step's drafts are proposed as the next step begins, before it
+    plans: the step that samples a prompt's first token returns it before
+    the prompt's n-gram index is built (for a prompt of 8k tokens, about
+    7 ms), and the next step verifies drafts from it all the same."""
+    llm = make_llm(tiny_model("llama"), speculative_config=NGRAM)
+    engine = llm.engine
+    prompt = "one two three four one two three four " * 6
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    outs = engine.step()  # the whole prompt, and its first token
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1]
+    (seq,) = engine.requests["r"].seqs
+    assert seq.drafter._indexed == 0 and not seq.draft  # nothing looked up yet
+    engine.step()
+    assert seq.drafter._indexed == len(seq.request.prompt_token_ids)  # looked up before that step planned
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert drafts_stood(llm) > 0
+    assert engine.stats().generation_tokens_total == 24
+
+
 @pytest.mark.parametrize("policy", ["every-draft", "drafts-pay", "drafts-cost"])
 def test_async_scheduling_queues_the_steps_that_carry_no_drafts(tiny_model, make_llm, policy):
     """--async-scheduling beside drafts: a step is queued before the last
