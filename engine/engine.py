@@ -849,7 +849,10 @@ class LLMEngine:
         offered: list[Sequence] = []
         for item in plan.scheduled:
             seq = seqs.get(item.request_id)
-            if seq is None or not item.samples or seq.drafter is None:
+            if seq is None or seq.drafter is None:
+                continue
+            if not item.samples:  # a prompt's chunk: indexed now, not all at its first lookup
+                seq.drafter.index(seq.state.num_computed_tokens)
                 continue
             out = seq.output_token_ids
             params = seq.request.params

@@ -169,19 +169,29 @@ class NgramDrafter:
         self._ends: list[dict[int, int]] = [{} for _ in range(hi + 1)]
         self._indexed = 0  # positions 0 .. _indexed-1 are indexed as n-gram ends
 
+    def index(self, upto: int) -> None:
+        """Index the n-grams ending before position ``upto`` (at most the
+        prompt): a prompt's chunks as they are computed, so its first
+        lookup does not index it all at once."""
+        self._index_to(min(upto, self._prompt_len))
+
+    def _index_to(self, end: int) -> None:
+        toks, lo, hi, ends = self.tokens, self.lo, self.hi, self._ends
+        for e in range(self._indexed, end):
+            for n in range(lo, min(hi, e + 1) + 1):
+                ends[n].setdefault(hash(tuple(toks[e - n + 1:e + 1])), e)
+        self._indexed = max(self._indexed, end)
+
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the earliest earlier occurrence
         of the longest suffix of ``lo`` .. ``hi`` tokens; [] where none recurs."""
         toks = self.tokens
         toks += self._outputs[len(toks) - self._prompt_len:]
         last = len(toks) - 1
-        lo, hi, ends = self.lo, self.hi, self._ends
-        for e in range(self._indexed, last):  # every end but the newest
-            for n in range(lo, min(hi, e + 1) + 1):
-                ends[n].setdefault(hash(tuple(toks[e - n + 1:e + 1])), e)
-        self._indexed = max(self._indexed, last)
+        self._index_to(last)  # every end but the newest
         if k <= 0:
             return []
+        lo, hi, ends = self.lo, self.hi, self._ends
         for n in range(min(hi, last), lo - 1, -1):
             suffix = toks[last - n + 1:]
             e = ends[n].get(hash(tuple(suffix)))

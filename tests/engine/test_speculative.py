@@ -361,6 +361,30 @@ def test_a_step_returns_its_tokens_before_the_next_drafts_are_looked_up(tiny_mod
     assert engine.stats().generation_tokens_total == 24
 
 
+def test_a_chunked_prompt_is_indexed_chunk_by_chunk(tiny_model, make_llm):
+    """A prompt prefilled over several steps is indexed a chunk at a time,
+    as each next step begins, so the lookup after its first token indexes
+    only its last chunk; the drafts and tokens are those of indexing it
+    whole (a run without drafts gives the same tokens)."""
+    path = tiny_model("llama")
+    prompt = "one two three four one two three four " * 3  # 117 byte tokens, 4 steps of 32
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = make_llm(path, max_num_batched_tokens=32).generate([prompt], params)[0].outputs[0].token_ids
+    llm = make_llm(path, speculative_config=NGRAM, max_num_batched_tokens=32)
+    engine = llm.engine
+    engine.add_request("r", prompt, params)
+    (seq,) = engine.requests["r"].seqs
+    indexed = []
+    while not seq.output_token_ids:
+        engine.step()
+        indexed.append(seq.drafter._indexed)
+    assert indexed[:3] == [0, 32, 64] and indexed[-1] == 96  # the chunks before the last, each a step late
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seq.output_token_ids == expected
+    assert drafts_stood(llm) > 0
+
+
 @pytest.mark.parametrize("policy", ["every-draft", "drafts-pay", "drafts-cost"])
 def test_async_scheduling_queues_the_steps_that_carry_no_drafts(tiny_model, make_llm, policy):
     """--async-scheduling beside drafts: a step is queued before the last
