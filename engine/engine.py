@@ -574,8 +574,7 @@ class LLMEngine:
             seq = seqs[sid]
             if seq.drafter is None:
                 continue
-            limit = draft_limit(k, len(seq.output_token_ids) + 1, seq.max_output_len, seq.request.params.min_tokens)
-            n = len(seq.drafter.propose(limit))
+            n = len(seq.drafter.propose(_draft_limit(seq, k, ahead=1)))
             if n:
                 if self._draft_policy is None:
                     return True
@@ -856,7 +855,7 @@ class LLMEngine:
                 continue
             out = seq.output_token_ids
             params = seq.request.params
-            limit = draft_limit(k, len(out), seq.max_output_len, params.min_tokens)
+            limit = _draft_limit(seq, k)
             seq.draft = seq.drafter.propose(limit)
             if params.structured_outputs is not None and self._grammar_drafts is not None:
                 seq.draft = self._grammar_drafts.propose(seq.seq_id, params, out, seq.draft, limit)
@@ -954,6 +953,12 @@ class LLMEngine:
 
 
 _ids = itertools.count()
+
+
+def _draft_limit(seq: Sequence, k: int, ahead: int = 0) -> int:
+    """Drafts ``seq`` may verify next, of ``k``, with ``ahead`` tokens sampled
+    but not yet read (a step queued blind samples one)."""
+    return draft_limit(k, len(seq.output_token_ids) + ahead, seq.max_output_len, seq.request.params.min_tokens)
 
 
 def _decode_drafts(plan: StepPlan) -> int | None:
