@@ -1050,7 +1050,9 @@ def _launches_of(call: Callable[[], Any]) -> list[tuple[Any, dict, dict, dict]]:
     """The Triton launches ``call`` makes through ``Relaunch``, recorded
     instead of run (CPU tensors, no GPU): each as (kernel, runtime arguments
     by name, constexprs with their defaults filled in, launch options), the
-    arguments the wrapper computes for a real launch."""
+    arguments the wrapper computes for a real launch, at a GPU's launch
+    shapes (off CUDA the wrappers give the interpreter bigger tiles)."""
+    from fluidserve.kernels import gemv, launch
     from fluidserve.kernels.launch import Relaunch
 
     seen = []
@@ -1062,11 +1064,14 @@ def _launches_of(call: Callable[[], Any]) -> list[tuple[Any, dict, dict, dict]]:
         options = {"num_warps": 4, **{k: v for k, v in kwargs.items() if k not in constexprs}}  # Triton's default
         seen.append((self.fn, dict(zip(runtime, args, strict=True)), constexprs, options))
 
+    shapes = launch.INTERPRETER_ROWS, gemv.INTERPRETER_BLOCK_N
     real, Relaunch.launch = Relaunch.launch, record
+    launch.INTERPRETER_ROWS, gemv.INTERPRETER_BLOCK_N = 1, None
     try:
         call()
     finally:
         Relaunch.launch = real
+        launch.INTERPRETER_ROWS, gemv.INTERPRETER_BLOCK_N = shapes
     return seen
 
 

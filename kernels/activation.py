@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fluidserve.kernels.launch import Relaunch, Site, aligned, cdiv
+from fluidserve.kernels.launch import Relaunch, Site, aligned, cdiv, rows_per_program
 
 # Output columns per program.
 BLOCK = 1024
@@ -25,11 +25,18 @@ def _silu_and_mul_kernel(
     out_ptr,  # [T, I]
     stride_x, stride_o,
     inter,
+    num_rows,  # read only with BLOCK_T > 1
     BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr = 1,  # rows a program (``launch.rows_per_program``)
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter
+    if BLOCK_T == 1:  # a GPU's launch: BLOCK columns of the program's row
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+    else:  # [rows, BLOCK] tiles; rows past the last masked
+        row = (tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
+        cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+        mask = (cols < inter) & (row < num_rows)
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -46,7 +53,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     t, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
     if t:
-        _SILU_AND_MUL[(t, cdiv(inter, BLOCK))](x, out, x.stride(0), out.stride(0), inter, BLOCK=BLOCK)
+        block_t = rows_per_program(x)
+        _SILU_AND_MUL[(cdiv(t, block_t), cdiv(inter, BLOCK))](x, out, x.stride(0), out.stride(0), inter, t,
+                                                              BLOCK=BLOCK, BLOCK_T=block_t)  # fmt: skip
     return out
 
 
@@ -64,8 +73,9 @@ class StepSiluAndMul:
         t, inter = x.shape[0], x.shape[1] // 2
         if out.shape != (t, inter) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
             raise ValueError(f"out must be contiguous [{t}, {inter}] of {x.dtype}, got {tuple(out.shape)} {out.dtype}")
-        self._args, self._usual = (x, out, x.stride(0), out.stride(0), inter), aligned(x, out)
-        self._site = Site(_SILU_AND_MUL, (t, cdiv(inter, BLOCK)), dict(BLOCK=BLOCK))
+        self._args, self._usual = (x, out, x.stride(0), out.stride(0), inter, t), aligned(x, out)
+        block_t = rows_per_program(x)
+        self._site = Site(_SILU_AND_MUL, (cdiv(t, block_t), cdiv(inter, BLOCK)), dict(BLOCK=BLOCK, BLOCK_T=block_t))
 
     def __call__(self) -> None:
         """``out = silu(gate) * up`` of this step's buffers."""

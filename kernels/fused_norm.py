@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fluidserve.kernels.launch import Relaunch, Site, aligned, next_power_of_2
+from fluidserve.kernels.launch import Relaunch, Site, aligned, cdiv, next_power_of_2, rows_per_program
 
 
 @triton.jit
@@ -29,21 +29,31 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_s,
     dim,
     eps,
+    num_rows,  # read only with BLOCK_T > 1
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr = 1,  # rows a program (``launch.rows_per_program``)
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < dim
+    if BLOCK_T == 1:  # a GPU's launch: the program's row
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < dim
+    else:  # [rows, D] tiles; rows past the last masked
+        row = (tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        mask = (cols < dim) & (row < num_rows)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
     x32 = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x32 * x32, axis=0) / dim + eps)
+    if BLOCK_T == 1:
+        inv = tl.rsqrt(tl.sum(x32 * x32, axis=0) / dim + eps)
+    else:
+        inv = tl.rsqrt(tl.sum(x32 * x32, axis=1) / dim + eps)[:, None]
     normed = (x32 * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -69,9 +79,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if x.shape[0]:
         has_residual = residual is not None
         r = residual if has_residual else x
-        _RMS_NORM[(x.shape[0],)](
+        block_t = rows_per_program(x)
+        _RMS_NORM[(cdiv(x.shape[0], block_t),)](
             x, r, weight, out, x, x.stride(0), r.stride(0), out.stride(0), x.stride(0), x.shape[1], float(eps),
-            HAS_RESIDUAL=has_residual, BLOCK_D=next_power_of_2(x.shape[1]),
+            x.shape[0], HAS_RESIDUAL=has_residual, BLOCK_D=next_power_of_2(x.shape[1]), BLOCK_T=block_t,
         )  # fmt: skip
     return out, x
 
@@ -95,8 +106,10 @@ class StepNorm:
         t, d = x.shape
         self._residual, self._dtype = residual, x.dtype
         # Every row tensor of the step is contiguous [T, D]: one stride for all.
-        self._scalars = (d, d, d, d, d, float(eps))
-        self._site = Site(_RMS_NORM, (t,), dict(HAS_RESIDUAL=residual, BLOCK_D=next_power_of_2(d)))
+        self._scalars = (d, d, d, d, d, float(eps), t)
+        block_t = rows_per_program(x)
+        self._site = Site(_RMS_NORM, (cdiv(t, block_t),),
+                          dict(HAS_RESIDUAL=residual, BLOCK_D=next_power_of_2(d), BLOCK_T=block_t))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
                  residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip

@@ -60,6 +60,12 @@ import triton.language as tl
 from fluidserve.kernels.launch import Relaunch, Site, aligned, cdiv, next_power_of_2
 
 BLOCK_N = 16  # output rows per program: 256+ programs on an 8B model's smallest matrix
+# Output rows per program off CUDA (None: BLOCK_N). Triton's interpreter
+# pays its own cost per op of a program, about the same for a tile of 16
+# rows as of 128, and sums each row of a tile alike whatever the rows
+# around it (numpy, row by row), so bigger tiles give the same bits in
+# fewer programs. The kernel tests run BLOCK_N (tests/kernels/conftest.py).
+INTERPRETER_BLOCK_N: int | None = 128
 MAX_BLOCK_K = 512  # the fastest on every Llama-3-8B shape measured; smaller where K needs it
 NUM_WARPS = 4
 # From this K step a tile of BLOCK_N / 2 rows still gives every thread a whole
@@ -324,6 +330,8 @@ def _spec(weight: torch.Tensor, bias: torch.Tensor | None, residual: bool, block
     norm's weight, the constexprs and launch options) of ``launch``."""
     rows, k = weight.shape
     k_step = k_step or block_k(k)
+    if block_n is None and not weight.is_cuda:
+        block_n = INTERPRETER_BLOCK_N
     n, grid, block_n, block_d = _shape(rows, k, gated, norm is not None, block_n, k_step)
     norm_weight, eps = norm if norm is not None else (None, 0.0)
     constexprs = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual, ROUND_BEFORE_RESIDUAL=round_before_residual,

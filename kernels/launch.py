@@ -75,6 +75,22 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+# Rows (tokens) one program of a row-wise kernel takes off CUDA: rope with
+# the KV write, RMSNorm and SiLU-mul run a program a row on a GPU. Triton's
+# interpreter runs a program's ops on whole tiles (numpy arrays) and pays its
+# own cost per op, about the same for a tile of one row as of sixteen, so a
+# 32-token prefill chunk costs two programs' ops instead of 32. Each row's
+# arithmetic is the same either way. The kernel tests run one a program
+# (tests/kernels/conftest.py).
+INTERPRETER_ROWS = 16
+
+
+def rows_per_program(t: torch.Tensor) -> int:
+    """Rows of ``t`` ([rows, ...]) one program of a row-wise kernel takes:
+    one on a GPU, up to ``INTERPRETER_ROWS`` elsewhere."""
+    return 1 if t.is_cuda else min(INTERPRETER_ROWS, next_power_of_2(max(t.shape[0], 1)))
+
+
 def _hook_set(hook: Any) -> bool:
     # Triton 3.5 on holds each launch hook in a HookChain, never None: an
     # empty chain is no hook (the launcher would call it and it would call

@@ -37,26 +37,28 @@ import triton
 import triton.language as tl
 
 from fluidserve.kernels.cache_dtype import to_cache
-from fluidserve.kernels.launch import Relaunch, Site, aligned, cache_layout, next_power_of_2
+from fluidserve.kernels.launch import Relaunch, Site, aligned, cache_layout, next_power_of_2, rows_per_program
 
 # q's and k's per-head norm weights ([D] each, the heads' dtype) and its eps.
 QKNorm = tuple[torch.Tensor, torch.Tensor, float]
 
 
 @triton.jit
-def _rotate(x, cos1, sin1, cos2, sin2, mask, norm_w, dmask, eps, HALF: tl.constexpr, NORM: tl.constexpr):
-    """Rotate in place the [H, D/2] first halves at pointers ``x`` and the
+def _rotate(x, cos1, sin1, cos2, sin2, mask, norm_w, dmask, eps, HALF: tl.constexpr, NORM: tl.constexpr,
+            AXIS: tl.constexpr):  # fmt: skip
+    """Rotate in place the first halves of heads at pointers ``x`` ([H, D/2],
+    or [T, H, D/2] for several tokens; ``AXIS`` the features' axis) and the
     second halves HALF further on; returns the rotated halves (fp32). Each
     element's two halves are loaded and stored by the same program lanes, so
     the in-place write races with no read. ``NORM``: each head RMS-normed
-    first, by the [1, D/2] weight halves at ``norm_w`` and ``norm_w + HALF``."""
+    first, by the weight halves at ``norm_w`` and ``norm_w + HALF``."""
     x_hi = x + HALF
     x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_hi, mask=mask, other=0.0).to(tl.float32)
     if NORM:
         dtype = x.dtype.element_ty
         # Masked lanes load 0 and add nothing to a head's sum of squares.
-        inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        inv = tl.expand_dims(tl.rsqrt((tl.sum(x1 * x1, AXIS) + tl.sum(x2 * x2, AXIS)) / (2 * HALF) + eps), AXIS)
         w1 = tl.load(norm_w, mask=dmask, other=0.0).to(tl.float32)
         w2 = tl.load(norm_w + HALF, mask=dmask, other=0.0).to(tl.float32)
         x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
@@ -83,9 +85,11 @@ def _rope_and_cache_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     eps,
+    num_tokens,  # read only with BLOCK_T > 1
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,  # head_dim / 2
+    BLOCK_T: tl.constexpr,  # tokens a program (``launch.rows_per_program``)
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -96,10 +100,20 @@ def _rope_and_cache_kernel(
     # Each address is formed once and offset by ROT_HALF for the second
     # half: the compiled kernel is the same either way, and Triton's
     # interpreter, which runs every program of the grid op by op, runs fewer ops.
-    tok = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)[None, :]
+    if BLOCK_T == 1:  # a GPU's launch: tiles [heads, half a head] of the program's token
+        tok = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BLOCK_HALF)[None, :]
+        hq = tl.arange(0, BLOCK_HQ)[:, None]
+        hk = tl.arange(0, BLOCK_HK)[:, None]
+        rmask = d < ROT_HALF
+    else:  # tiles [tokens, heads, half a head]; tokens past the last masked
+        tok = (tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None, None]
+        d = tl.arange(0, BLOCK_HALF)[None, None, :]
+        hq = tl.arange(0, BLOCK_HQ)[None, :, None]
+        hk = tl.arange(0, BLOCK_HK)[None, :, None]
+        rmask = (d < ROT_HALF) & (tok < num_tokens)
+    AXIS: tl.constexpr = 1 if BLOCK_T == 1 else 2
     dmask = d < HALF
-    rmask = d < ROT_HALF
     cos_row = cos_ptr + tok * stride_ct + d
     sin_row = sin_ptr + tok * stride_st + d
     cos1 = tl.load(cos_row, mask=rmask, other=0.0).to(tl.float32)
@@ -107,16 +121,17 @@ def _rope_and_cache_kernel(
     sin1 = tl.load(sin_row, mask=rmask, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_row + ROT_HALF, mask=rmask, other=0.0).to(tl.float32)
 
-    hq = tl.arange(0, BLOCK_HQ)[:, None]
     _rotate(q_ptr + tok * stride_qt + hq * stride_qh + d, cos1, sin1, cos2, sin2, (hq < NUM_Q_HEADS) & rmask,
-            q_norm_ptr + d, dmask, eps, ROT_HALF, QK_NORM)
-    hk = tl.arange(0, BLOCK_HK)[:, None]
+            q_norm_ptr + d, dmask, eps, ROT_HALF, QK_NORM, AXIS)
     heads = hk < NUM_KV_HEADS
     k_row = k_ptr + tok * stride_kt + hk * stride_kh
     k1, k2 = _rotate(k_row + d, cos1, sin1, cos2, sin2, heads & rmask, k_norm_ptr + d, dmask, eps, ROT_HALF,
-                     QK_NORM)
+                     QK_NORM, AXIS)
 
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if BLOCK_T == 1:
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+    else:
+        slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)  # past the last: not written
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     # Padding slots (-1) mask the stores; the slot is broadcast to the heads
@@ -177,19 +192,20 @@ def _check_norm_weights(q: torch.Tensor, weights: tuple[torch.Tensor, torch.Tens
 
 def _launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 eps: float | None) -> tuple[tuple[int | float, ...], dict[str, int]]:  # fmt: skip
-    """The kernel's scalars after its tensors, and its constexprs (``eps``
-    None: no norm)."""
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
+                 eps: float | None) -> tuple[tuple[int, ...], tuple[int | float, ...], dict[str, int]]:  # fmt: skip
+    """The launch's grid, the kernel's scalars after its tensors, and its
+    constexprs (``eps`` None: no norm)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_t = rows_per_program(q)
     scalars = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
                sin.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-               0.0 if eps is None else float(eps))  # fmt: skip
-    constexprs = dict(NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=k.shape[1], HALF=head_dim // 2,
+               0.0 if eps is None else float(eps), num_tokens)  # fmt: skip
+    constexprs = dict(NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=k.shape[1], HALF=head_dim // 2, BLOCK_T=block_t,
                       BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(k.shape[1]),
                       BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_SIZE=key_cache.shape[1],
                       QK_NORM=eps is not None, ROT_HALF=cos.shape[1] // 2)  # fmt: skip
-    return scalars, constexprs
+    return (triton.cdiv(num_tokens, block_t),), scalars, constexprs
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -203,11 +219,10 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     _check(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, qk_norm)
     if q.shape[0] == 0:
         return
-    scalars, constexprs = _launch_args(q, k, v, cos, sin, key_cache, value_cache,
-                                       None if qk_norm is None else qk_norm[2])
+    grid, scalars, constexprs = _launch_args(q, k, v, cos, sin, key_cache, value_cache,
+                                             None if qk_norm is None else qk_norm[2])
     norms = qk_norm[:2] if qk_norm is not None else (q, q)  # not read without the norm
-    _ROPE_AND_CACHE[(q.shape[0],)](q, k, v, cos, sin, key_cache, value_cache, slot_mapping, *norms, *scalars,
-                                   **constexprs)
+    _ROPE_AND_CACHE[grid](q, k, v, cos, sin, key_cache, value_cache, slot_mapping, *norms, *scalars, **constexprs)
 
 
 class StepRopeAndCache:
@@ -225,9 +240,10 @@ class StepRopeAndCache:
                  key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  qk_norm: QKNorm | None = None) -> None:  # fmt: skip
         _check(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, qk_norm)
-        self._tensors, self._slots, self._grid = (q, k, v, cos, sin), slot_mapping, (q.shape[0],)
+        self._tensors, self._slots = (q, k, v, cos, sin), slot_mapping
         self._eps = None if qk_norm is None else qk_norm[2]
-        self._scalars, self._constexprs = _launch_args(q, k, v, cos, sin, key_cache, value_cache, self._eps)
+        self._grid, self._scalars, self._constexprs = _launch_args(q, k, v, cos, sin, key_cache, value_cache,
+                                                                   self._eps)
         self._layout = cache_layout(key_cache, value_cache)
         # Only the caches (and norm weights) change, of one layout: on a GPU, aligned ones launch without a key.
         self._site = Site(_ROPE_AND_CACHE, self._grid, self._constexprs)

@@ -54,6 +54,18 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.gpu)
 
 
+@pytest.fixture(autouse=True)
+def gpu_launch_shapes(monkeypatch):
+    """The kernels' launches at the GPU's shapes. Off CUDA the engine gives
+    the interpreter bigger tiles of the same arithmetic (fewer programs);
+    a kernel test checks what a GPU launches, and a test of the bigger
+    tiles sets them itself."""
+    from fluidserve.kernels import gemv, launch
+
+    monkeypatch.setattr(gemv, "INTERPRETER_BLOCK_N", None)
+    monkeypatch.setattr(launch, "INTERPRETER_ROWS", 1)
+
+
 @dataclass
 class PagedBatch:
     """A flat ragged batch over a paged cache whose block tables are shuffled

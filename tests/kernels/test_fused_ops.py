@@ -279,6 +279,77 @@ def test_a_partial_rope_rotates_the_first_features_and_writes_whole_heads(device
         rope_cache.rope_and_cache(q, k, v, *rope, key_cache, value_cache, slots, (weights, weights, 1e-6))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", ["whole", "qk-norm", "partial"])
+def test_rope_and_cache_gives_the_same_bits_at_any_tokens_per_program(device, dtype, variant, monkeypatch):
+    """A program rotates and writes one token on a GPU and up to sixteen in
+    Triton's interpreter (``launch.rows_per_program``). Over 9 tokens, 4 a
+    program (the last program with one) and 16 (one program, seven tokens
+    masked) give q, k and both caches bit for bit as one a program does, for
+    whole-head tables, q/k norms, and a partial rope; a -1 slot and every
+    slot of no token stay unwritten."""
+    tokens, q_heads, kv_heads, head_dim, eps = 9, 4, 2, 32, 1e-6
+    rotated = 24 if variant == "partial" else head_dim
+    gen = torch.Generator().manual_seed(len(variant))
+    q, k, v, qkv = qkv_views(tokens, q_heads, kv_heads, head_dim, dtype, device, gen)
+    norms = None
+    if variant == "qk-norm":
+        norms = tuple((torch.rand(head_dim, generator=gen) + 0.5).to(device, dtype) for _ in "qk") + (eps,)
+    rope = tables(torch.tensor([0, 1, 2, 40, 41, 7, 300, 5, 6], device=device), 10000.0, rotated, dtype)
+    slots = torch.randperm(64, generator=gen)[:tokens]
+    slots[4] = -1
+    slots = slots.to(device)
+    caches = paged_cache(4, 16, kv_heads, head_dim, dtype, device)
+    runs = {}
+    for n in (1, 4, 16):
+        monkeypatch.setattr(rope_cache, "rows_per_program", lambda q, n=n: n)
+        rows, kc, vc = qkv.clone(), caches[0].clone(), caches[1].clone()
+        rq, rk, rv = (t.view(tokens, -1, head_dim) for t in rows.split(
+            [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+        rope_cache.rope_and_cache(rq, rk, rv, *rope, kc, vc, slots, norms)
+        runs[n] = rows, kc, vc
+    for n in (4, 16):
+        assert all(torch.equal(a, b) for a, b in zip(runs[n], runs[1])), n
+    written = torch.zeros(64, dtype=torch.bool, device=device)
+    written[slots[slots >= 0]] = True
+    for before, after in zip(caches, runs[16][1:]):
+        assert torch.equal(after.view(64, -1)[~written], before.view(64, -1)[~written])
+        assert not torch.equal(after.view(64, -1)[written], before.view(64, -1)[written])
+    assert not torch.equal(runs[1][0], qkv)  # q and k were rotated
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_and_silu_mul_give_the_same_bits_at_any_rows_per_program(device, dtype, monkeypatch):
+    """RMSNorm (with and without the residual add) and SiLU-mul take one row
+    a program on a GPU and up to sixteen in Triton's interpreter
+    (``launch.rows_per_program``): over 9 rows of a width no power of two
+    (1500 columns: two SiLU-mul column blocks, the last part empty), 4 and
+    16 rows a program give every output bit for bit as one does, through
+    the checked launches and a step's prepared ones; no row past the last
+    is written."""
+    gen = torch.Generator().manual_seed(13)
+    x = (3 * torch.randn(9, 1500, generator=gen)).to(device, dtype)
+    residual = torch.randn(9, 1500, generator=gen).to(device, dtype)
+    weight = (1 + 0.1 * torch.randn(1500, generator=gen)).to(device, dtype)
+    gate_up = (2 * torch.randn(9, 3000, generator=gen)).to(device, dtype)
+    runs = {}
+    for n in (1, 4, 16):
+        for module in (fused_norm, activation):
+            monkeypatch.setattr(module, "rows_per_program", lambda t, n=n: n)
+        step_sum, step_out = torch.cat([x.clone(), x[:1]]), torch.full((10, 1500), 7.0, device=device, dtype=dtype)
+        fused_norm.StepNorm(step_sum[:9], weight, 1e-5, residual=True)(step_sum[:9], weight, step_out[:9], residual)
+        silu_out = torch.full((10, 1500), 7.0, device=device, dtype=dtype)
+        activation.StepSiluAndMul(gate_up, silu_out[:9])()
+        runs[n] = (*fused_norm.rms_norm(x.clone(), weight, 1e-5),
+                   *fused_norm.rms_norm(x.clone(), weight, 1e-5, residual),
+                   activation.silu_and_mul(gate_up), step_sum, step_out, silu_out)  # fmt: skip
+    for n in (4, 16):
+        assert all(torch.equal(a, b) for a, b in zip(runs[n], runs[1])), n
+    for written in runs[16][-2:]:
+        assert torch.all(written[9] == 7.0)  # the row past the last is left as it was
+    assert torch.equal(runs[16][-3][9], x[0])
+
+
 def test_rope_torch_path_matches_the_reference():
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, 5, 64, generator=gen)

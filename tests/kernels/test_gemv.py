@@ -11,6 +11,7 @@ import torch
 from torch.nn import functional as F
 
 from fluidserve.kernels import gemv, ops
+from fluidserve.kernels.launch import cdiv
 
 DTYPES = [torch.float32] + ([torch.float16, torch.bfloat16] if torch.cuda.is_available() else [])
 # (atol, rtol) against float64 of unit-variance inputs scaled by K^-1/2
@@ -456,3 +457,34 @@ def test_a_chain_of_dependent_launches_waits_for_each_input_eager_and_captured()
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(out, plain[i], atol=0, rtol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compiled, a tile's size decides the order of its row sums")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_interpreters_bigger_tiles_give_the_gpus_bits(dtype, monkeypatch):
+    """Off CUDA a GEMV launches ``INTERPRETER_BLOCK_N`` rows a program
+    (Triton's interpreter pays per op, not per row); its bits are those of
+    the GPU's launch shape: plain, with bias and residual, with the residual
+    rounded apart, normed, and gated (8 rows of each half a program on a
+    GPU), over ragged rows (the last tile part empty) and three K steps."""
+    n, k = 150, 1536
+    x, w, bias, residual = operands("cpu", dtype, n, k, seed=9)
+    norm = ((1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(2))).to(dtype), 1e-5)
+    cases = [dict(), dict(bias=bias, residual=residual), dict(residual=residual, round_before_residual=True),
+             dict(norm=norm), dict(gated=True), dict(gated=True, norm=norm)]
+    for case in cases:
+        kw = {"bias": None, "residual": None, **case}
+        if kw["residual"] is not None:
+            kw["out"] = torch.empty_like(residual)
+        gated = "gated" in case
+        runs = {}
+        for rows in (128, None):
+            specs = []
+            with monkeypatch.context() as patch:
+                patch.setattr(gemv, "INTERPRETER_BLOCK_N", rows)
+                patch.setattr(gemv, "_spec", lambda *a, f=gemv._spec: specs.append(f(*a)) or specs[-1])
+                runs[rows] = gemv.launch(x, w, **kw).clone()
+            runs[rows, "grid"] = specs[0][1]
+        assert runs[128, "grid"] == ((1,) if gated else (2,)), case
+        assert runs[None, "grid"] == ((cdiv(n // 2, gemv.BLOCK_N // 2),) if gated else (cdiv(n, gemv.BLOCK_N),))
+        assert torch.equal(runs[128], runs[None]), case
