@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fluidserve.kernels.launch import Relaunch, Site, aligned, cdiv, rows_per_program
+from fluidserve.kernels.launch import Relaunch, Site, aligned, cdiv, row_tiling
 
 # Output columns per program.
 BLOCK = 1024
@@ -27,7 +27,7 @@ def _silu_and_mul_kernel(
     inter,
     num_rows,  # read only with BLOCK_T > 1
     BLOCK: tl.constexpr,
-    BLOCK_T: tl.constexpr = 1,  # rows a program (``launch.rows_per_program``)
+    BLOCK_T: tl.constexpr = 1,  # rows a program (``launch.row_tiling``)
 ):
     if BLOCK_T == 1:  # a GPU's launch: BLOCK columns of the program's row
         row = tl.program_id(0).to(tl.int64)
@@ -53,8 +53,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     t, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
     if t:
-        block_t = rows_per_program(x)
-        _SILU_AND_MUL[(cdiv(t, block_t), cdiv(inter, BLOCK))](x, out, x.stride(0), out.stride(0), inter, t,
+        block_t, rows = row_tiling(x)
+        _SILU_AND_MUL[(cdiv(t, block_t), cdiv(inter, BLOCK))](x, out, x.stride(0), out.stride(0), inter, rows,
                                                               BLOCK=BLOCK, BLOCK_T=block_t)  # fmt: skip
     return out
 
@@ -73,8 +73,8 @@ class StepSiluAndMul:
         t, inter = x.shape[0], x.shape[1] // 2
         if out.shape != (t, inter) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
             raise ValueError(f"out must be contiguous [{t}, {inter}] of {x.dtype}, got {tuple(out.shape)} {out.dtype}")
-        self._args, self._usual = (x, out, x.stride(0), out.stride(0), inter, t), aligned(x, out)
-        block_t = rows_per_program(x)
+        block_t, rows = row_tiling(x)
+        self._args, self._usual = (x, out, x.stride(0), out.stride(0), inter, rows), aligned(x, out)
         self._site = Site(_SILU_AND_MUL, (cdiv(t, block_t), cdiv(inter, BLOCK)), dict(BLOCK=BLOCK, BLOCK_T=block_t))
 
     def __call__(self) -> None:

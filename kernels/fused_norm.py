@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fluidserve.kernels.launch import Relaunch, Site, aligned, cdiv, next_power_of_2, rows_per_program
+from fluidserve.kernels.launch import Relaunch, Site, aligned, cdiv, next_power_of_2, row_tiling
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _rms_norm_kernel(
     num_rows,  # read only with BLOCK_T > 1
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_T: tl.constexpr = 1,  # rows a program (``launch.rows_per_program``)
+    BLOCK_T: tl.constexpr = 1,  # rows a program (``launch.row_tiling``)
 ):
     if BLOCK_T == 1:  # a GPU's launch: the program's row
         row = tl.program_id(0).to(tl.int64)
@@ -79,10 +79,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if x.shape[0]:
         has_residual = residual is not None
         r = residual if has_residual else x
-        block_t = rows_per_program(x)
+        block_t, rows = row_tiling(x)
         _RMS_NORM[(cdiv(x.shape[0], block_t),)](
             x, r, weight, out, x, x.stride(0), r.stride(0), out.stride(0), x.stride(0), x.shape[1], float(eps),
-            x.shape[0], HAS_RESIDUAL=has_residual, BLOCK_D=next_power_of_2(x.shape[1]), BLOCK_T=block_t,
+            rows, HAS_RESIDUAL=has_residual, BLOCK_D=next_power_of_2(x.shape[1]), BLOCK_T=block_t,
         )  # fmt: skip
     return out, x
 
@@ -106,8 +106,8 @@ class StepNorm:
         t, d = x.shape
         self._residual, self._dtype = residual, x.dtype
         # Every row tensor of the step is contiguous [T, D]: one stride for all.
-        self._scalars = (d, d, d, d, d, float(eps), t)
-        block_t = rows_per_program(x)
+        block_t, rows = row_tiling(x)
+        self._scalars = (d, d, d, d, d, float(eps), rows)
         self._site = Site(_RMS_NORM, (cdiv(t, block_t),),
                           dict(HAS_RESIDUAL=residual, BLOCK_D=next_power_of_2(d), BLOCK_T=block_t))
 

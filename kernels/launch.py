@@ -85,10 +85,16 @@ def next_power_of_2(n: int) -> int:
 INTERPRETER_ROWS = 16
 
 
-def rows_per_program(t: torch.Tensor) -> int:
-    """Rows of ``t`` ([rows, ...]) one program of a row-wise kernel takes:
-    one on a GPU, up to ``INTERPRETER_ROWS`` elsewhere."""
-    return 1 if t.is_cuda else min(INTERPRETER_ROWS, next_power_of_2(max(t.shape[0], 1)))
+def row_tiling(t: torch.Tensor) -> tuple[int, int]:
+    """(rows one program takes, the row count the kernel is passed) of a
+    row-wise kernel over ``t``'s rows ([rows, ...]): one row a program on a
+    GPU, up to ``INTERPRETER_ROWS`` elsewhere. The count masks the rows past
+    the last; a program of one row never reads it, and gets 0, so every
+    batch size launches one compiled kernel under one relaunch key (a count
+    would be a new key per batch size, and Triton compiles a variant for a
+    count of 1 and for multiples of 16)."""
+    rows = 1 if t.is_cuda else min(INTERPRETER_ROWS, next_power_of_2(max(t.shape[0], 1)))
+    return rows, t.shape[0] if rows > 1 else 0
 
 
 def _hook_set(hook: Any) -> bool:

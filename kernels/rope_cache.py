@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from fluidserve.kernels.cache_dtype import to_cache
-from fluidserve.kernels.launch import Relaunch, Site, aligned, cache_layout, next_power_of_2, rows_per_program
+from fluidserve.kernels.launch import Relaunch, Site, aligned, cache_layout, cdiv, next_power_of_2, row_tiling
 
 # q's and k's per-head norm weights ([D] each, the heads' dtype) and its eps.
 QKNorm = tuple[torch.Tensor, torch.Tensor, float]
@@ -89,7 +89,7 @@ def _rope_and_cache_kernel(
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,  # head_dim / 2
-    BLOCK_T: tl.constexpr,  # tokens a program (``launch.rows_per_program``)
+    BLOCK_T: tl.constexpr,  # tokens a program (``launch.row_tiling``)
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -195,8 +195,8 @@ def _launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
                  eps: float | None) -> tuple[tuple[int, ...], tuple[int | float, ...], dict[str, int]]:  # fmt: skip
     """The launch's grid, the kernel's scalars after its tensors, and its
     constexprs (``eps`` None: no norm)."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    block_t = rows_per_program(q)
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    block_t, num_tokens = row_tiling(q)
     scalars = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
                sin.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -205,7 +205,7 @@ def _launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
                       BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(k.shape[1]),
                       BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_SIZE=key_cache.shape[1],
                       QK_NORM=eps is not None, ROT_HALF=cos.shape[1] // 2)  # fmt: skip
-    return (triton.cdiv(num_tokens, block_t),), scalars, constexprs
+    return (cdiv(q.shape[0], block_t),), scalars, constexprs
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -283,7 +283,7 @@ def test_a_partial_rope_rotates_the_first_features_and_writes_whole_heads(device
 @pytest.mark.parametrize("variant", ["whole", "qk-norm", "partial"])
 def test_rope_and_cache_gives_the_same_bits_at_any_tokens_per_program(device, dtype, variant, monkeypatch):
     """A program rotates and writes one token on a GPU and up to sixteen in
-    Triton's interpreter (``launch.rows_per_program``). Over 9 tokens, 4 a
+    Triton's interpreter (``launch.row_tiling``). Over 9 tokens, 4 a
     program (the last program with one) and 16 (one program, seven tokens
     masked) give q, k and both caches bit for bit as one a program does, for
     whole-head tables, q/k norms, and a partial rope; a -1 slot and every
@@ -302,7 +302,7 @@ def test_rope_and_cache_gives_the_same_bits_at_any_tokens_per_program(device, dt
     caches = paged_cache(4, 16, kv_heads, head_dim, dtype, device)
     runs = {}
     for n in (1, 4, 16):
-        monkeypatch.setattr(rope_cache, "rows_per_program", lambda q, n=n: n)
+        monkeypatch.setattr(rope_cache, "row_tiling", lambda q, n=n: (n, q.shape[0] if n > 1 else 0))
         rows, kc, vc = qkv.clone(), caches[0].clone(), caches[1].clone()
         rq, rk, rv = (t.view(tokens, -1, head_dim) for t in rows.split(
             [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
@@ -322,7 +322,7 @@ def test_rope_and_cache_gives_the_same_bits_at_any_tokens_per_program(device, dt
 def test_norms_and_silu_mul_give_the_same_bits_at_any_rows_per_program(device, dtype, monkeypatch):
     """RMSNorm (with and without the residual add) and SiLU-mul take one row
     a program on a GPU and up to sixteen in Triton's interpreter
-    (``launch.rows_per_program``): over 9 rows of a width no power of two
+    (``launch.row_tiling``): over 9 rows of a width no power of two
     (1500 columns: two SiLU-mul column blocks, the last part empty), 4 and
     16 rows a program give every output bit for bit as one does, through
     the checked launches and a step's prepared ones; no row past the last
@@ -335,7 +335,7 @@ def test_norms_and_silu_mul_give_the_same_bits_at_any_rows_per_program(device, d
     runs = {}
     for n in (1, 4, 16):
         for module in (fused_norm, activation):
-            monkeypatch.setattr(module, "rows_per_program", lambda t, n=n: n)
+            monkeypatch.setattr(module, "row_tiling", lambda t, n=n: (n, t.shape[0] if n > 1 else 0))
         step_sum, step_out = torch.cat([x.clone(), x[:1]]), torch.full((10, 1500), 7.0, device=device, dtype=dtype)
         fused_norm.StepNorm(step_sum[:9], weight, 1e-5, residual=True)(step_sum[:9], weight, step_out[:9], residual)
         silu_out = torch.full((10, 1500), 7.0, device=device, dtype=dtype)

@@ -317,3 +317,22 @@ def test_a_kept_launcher_hands_the_launcher_what_a_relaunch_hands_it():
     # what a site calls usual, beside the dtypes: every changing tensor on a 16-byte boundary
     base = torch.zeros(16)
     assert launch.aligned(base, base[4:]) and not launch.aligned(base, base[1:]) and not launch.aligned(base[2:])
+
+
+def test_row_tiling_passes_a_gpus_launch_one_row_count_for_every_batch(monkeypatch):
+    """A row-wise kernel's launch (rope with the KV write, RMSNorm, SiLU-mul)
+    on a GPU takes a row a program and is passed a row count of 0 whatever
+    the batch, so its relaunch key and Triton's specialisation stay one per
+    shape; off CUDA up to ``INTERPRETER_ROWS`` rows a program and the count
+    that masks the rest, and one a program gets 0 there too."""
+    from types import SimpleNamespace
+
+    from fluidserve.kernels import launch
+
+    monkeypatch.setattr(launch, "INTERPRETER_ROWS", 16)  # the engine's (the kernel tests run the GPU's shapes)
+    for rows in (1, 2, 16, 37, 8192):
+        assert launch.row_tiling(SimpleNamespace(is_cuda=True, shape=(rows, 64))) == (1, 0)
+    assert [launch.row_tiling(torch.empty(rows, 4)) for rows in (0, 1, 3, 16, 37)] == [
+        (1, 0), (1, 0), (4, 3), (16, 16), (16, 37)]
+    monkeypatch.setattr(launch, "INTERPRETER_ROWS", 1)
+    assert launch.row_tiling(torch.empty(37, 4)) == (1, 0)
