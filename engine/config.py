@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from fluidserve.kvcache.config import BLOCK_SIZES, CacheConfig, ConfigTree, check_all, setting
 from fluidserve.scheduler.config import SchedulerConfig
 from fluidserve.engine.speculative import parse_speculative_config
+from fluidserve.engine.quantization import METHODS as QUANTIZATION_METHODS
 
 # Decode CUDA graphs unless --enforce-eager, as vLLM does: the graph tests
 # (tests/engine/test_cuda_graphs.py -m gpu) pass on an H100, which is what
@@ -87,6 +88,11 @@ class EngineConfig(ConfigTree):
     dtype: str = setting("auto", "auto: float32 on CPU, the checkpoint's half type on GPU; half = float16, "
                                  "float = float32", choices=DTYPES[:6])
     load_format: str = setting("auto", "dummy: random weights from the model's config", choices=("auto", "dummy"))
+    quantization: str | None = setting(
+        None, "the quantized checkpoint's method, which config.json declares anyway: fp8 (transformers' and "
+              "DeepSeek's block-scaled FP8) or compressed-tensors (FP8, float-quantized); its float8 weights are "
+              "dequantized to --dtype as they load (weights are never quantized at load)",
+        aliases=("-q",), choices=QUANTIZATION_METHODS)
     device: str = setting("auto", "auto: CUDA where torch sees one, else the CPU", choices=("auto", "cpu", "cuda"))
     seed: int = setting(0, "seed of the dummy weights and of sampling without a per-request seed")
     max_model_len: int | None = setting(None, "context length (default: the model's)")

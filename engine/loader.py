@@ -22,6 +22,7 @@ from torch import nn
 
 from fluidserve.engine.models import model_class
 from fluidserve.engine.parallel import ShardSpec, TensorParallel, fused_pieces, prepack_linears, shard_spec
+from fluidserve.engine.quantization import Fp8Checkpoint, is_fp8, is_scale, scale_of
 
 log = logging.getLogger(__name__)
 
@@ -208,10 +209,38 @@ def checkpoint_tensor(model_dir: Path, name: str, rows: list[int] | None = None)
     ``rows`` of it (an LM head's rows of a few tokens), read without the rest."""
     for key, source in _checkpoint_tensors(model_dir):
         if key == name:
+            if is_fp8(source):
+                raise ValueError(f"weight {name}: float8, which this head does not read (only linears dequantize)")
             if rows is None:
                 return _read(source, None)
             return torch.cat([source[r:r + 1] for r in rows])
     raise ValueError(f"checkpoint in {model_dir} lacks weights: ['{name}']")
+
+
+def _scales(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every weight scale of the checkpoint, read ahead: a scale may sit in
+    another file than its weight."""
+    return {name: _read(source, None) for name, source in _checkpoint_tensors(model_dir) if is_scale(name)}
+
+
+def _dequantized(model_dir: Path, quantization: Fp8Checkpoint | None):
+    """The checkpoint's tensors (``_checkpoint_tensors``), each float8 weight
+    multiplied by its scale (fp32: the copy into the model rounds it once)
+    and the scales left out."""
+    scales = _scales(model_dir) if quantization is not None else {}
+    for name, source in _checkpoint_tensors(model_dir):
+        if quantization is not None and is_scale(name):
+            continue
+        if not is_fp8(source):
+            yield name, source
+            continue
+        if quantization is None:
+            raise ValueError(f"weight {name}: float8, and the checkpoint's config.json declares no "
+                             "quantization_config to say how it is scaled")
+        scale = scale_of(name, scales)
+        if scale is None:
+            raise ValueError(f"weight {name}: float8 without its scale ({name}_scale_inv or {name}_scale)")
+        yield name, quantization.dequantize(name, _read(source, None), scale)
 
 
 def _shape(source) -> tuple[int, ...]:
@@ -329,16 +358,19 @@ def _split_fused(model: nn.Module, tensors):
             raise ValueError(f"weight {name}: {whole.shape[0]} rows, not the {start} of its parts")
 
 
-def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = False) -> None:
+def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = False,
+                 quantization: Fp8Checkpoint | None = None) -> None:
     """Read every weight of ``model`` from the checkpoint in ``model_dir``
     (this rank's shard of the split ones), then pack the linears for the CPU.
     ``base_only`` (an embedding model): the checkpoint may hold the base
     model alone, its names without the ``model.`` prefix and no LM head,
-    which then stays unread (nothing is sampled)."""
+    which then stays unread (nothing is sampled). ``quantization``: the
+    checkpoint's FP8 format (``quantization.checkpoint_quantization``),
+    its weights dequantized as they are read."""
     model_dir = Path(model_dir)
     targets = checkpoint_targets(model)
     loaded: set[str] = set()
-    for name, source in _split_fused(model, _checkpoint_tensors(model_dir)):
+    for name, source in _split_fused(model, _dequantized(model_dir, quantization)):
         if base_only and name not in targets and f"model.{name}" in targets:
             name = f"model.{name}"
         if name not in targets:

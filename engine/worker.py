@@ -33,6 +33,7 @@ from fluidserve.engine.lora import LoRASlots
 from fluidserve.engine.model_runner import ModelRunner
 from fluidserve.engine.parallel import TensorParallel
 from fluidserve.engine.preemption import PausedForward, Safepoints, StepAbandoned
+from fluidserve.engine.quantization import checkpoint_quantization
 from fluidserve.engine.pooling import pool_rows, resolve_runner
 from fluidserve.engine.prompt_logprobs import score_prompts
 from fluidserve.engine.runtime import pick_device, runtime_for
@@ -115,6 +116,8 @@ class Worker:
         hf_config = load_hf_config(model_dir, config.hf_overrides)
         self.hf_config = hf_config
         self.dtype = resolve_dtype(hf_config, config.dtype, self.device)
+        # The checkpoint's FP8 format, checked before the model takes device memory.
+        self.quantization = checkpoint_quantization(hf_config, config.quantization)
         self.cache_dtype = cache_dtype(config.cache.kv_cache_dtype, self.dtype)  # what the KV cache stores
         torch.manual_seed(config.seed)
         self.pools = resolve_runner(config.runner, config.convert, hf_config) == "pooling"  # embeddings
@@ -124,7 +127,10 @@ class Worker:
             init_dummy_weights(self.model, config.seed)
         else:
             # An embedding model's checkpoint may be the base model alone: no LM head, no "model." prefix.
-            load_weights(self.model, model_dir, base_only=self.pools)
+            load_weights(self.model, model_dir, base_only=self.pools, quantization=self.quantization)
+            if self.quantization is not None:
+                log.info("%s checkpoint: weights dequantized to %s as they loaded", self.quantization.describe(),
+                         str(self.dtype).removeprefix("torch."))
         # Adapter slots on every linear (--enable-lora): adapters arrive with the steps (ModelInput.lora_loads).
         self.lora = (LoRASlots(self.model, config.lora.lora_slots, config.max_lora_rank) if config.enable_lora
                      else None)  # fmt: skip

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from fluidserve.engine.quantization import METHODS as QUANTIZATION_METHODS
 from fluidserve.engine.sampling_params import STRUCTURED_OUTPUT_BACKENDS
 from fluidserve.kvcache.config import KV_CACHE_DTYPES
 from fluidserve.serve.reasoning import REASONING_PARSERS
@@ -38,8 +39,8 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--kv-cache-dtype": "the KV cache stores auto (the model's dtype), fp8, fp8_e4m3 or fp8_e5m2",
     "--tool-parser-plugin": "tool-call parser plugins are not supported (built in: --tool-call-parser "
                             "hermes | llama3_json)",
-    "--quantization": "quantized checkpoints are not supported",
-    "-q": "quantized checkpoints are not supported",
+    "--quantization": "only FP8 checkpoints load: fp8, compressed-tensors",
+    "-q": "only FP8 checkpoints load: fp8, compressed-tensors",
     "--max-cpu-loras": "every LoRA adapter stays on the device (--max-loras slots): there is no host cache of "
                        "adapters to size",
     "--fully-sharded-loras": "LoRA adapters shard as their base weights do (B rows or A columns per rank)",
@@ -52,7 +53,8 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--tokenizer-mode": "tokenizers load through transformers' AutoTokenizer only",
     "--rope-scaling": "overriding the model's RoPE scaling is not supported",
 }
-_HARMLESS_VALUES = {"--kv-cache-dtype": set(KV_CACHE_DTYPES), "--tokenizer-mode": {"auto"}, "--lora-dtype": {"auto"},
+_HARMLESS_VALUES = {"--kv-cache-dtype": set(KV_CACHE_DTYPES), "--quantization": set(QUANTIZATION_METHODS),
+                    "-q": set(QUANTIZATION_METHODS), "--tokenizer-mode": {"auto"}, "--lora-dtype": {"auto"},
                     "--pipeline-parallel-size": {"1"}, "-pp": {"1"},
                     "--guided-decoding-backend": set(STRUCTURED_OUTPUT_BACKENDS)}
 _VALUELESS = {"--fully-sharded-loras"}

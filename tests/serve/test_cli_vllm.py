@@ -27,6 +27,7 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     (["--tool-parser-plugin", "my_parser.py"], "--tool-parser-plugin my_parser.py"),
     (["--guided-decoding-backend", "outlines"], "--guided-decoding-backend outlines"),
     (["--quantization", "awq"], "--quantization awq"),
+    (["-q", "gptq"], "-q gptq"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
     (["--enable-lora", "--max-cpu-loras", "8"], "--max-cpu-loras 8"),
     (["--enable-lora", "--fully-sharded-loras"], "--fully-sharded-loras"),
@@ -60,6 +61,13 @@ def test_harmless_values_of_unsupported_flags_pass_the_check():
     cli.check_unsupported(["serve", "m", "--kv-cache-dtype", "auto", "-pp", "1", "--kv-cache-dtype=fp8_e5m2"])
     with pytest.raises(cli.UnsupportedFlag, match="--kv-cache-dtype fp8_inc .*fp8_e4m3"):
         cli.check_unsupported(["serve", "m", "--kv-cache-dtype", "fp8_inc"])
+
+
+def test_a_quantization_method_reaches_the_engine_config():
+    assert cli.engine_config_from_args(parse("/m", "--quantization", "fp8")).quantization == "fp8"
+    assert cli.engine_config_from_args(parse("/m", "-q", "compressed-tensors")).quantization == "compressed-tensors"
+    assert cli.engine_config_from_args(parse("/m")).quantization is None
+    cli.check_unsupported(["serve", "m", "-q", "fp8", "--quantization=compressed-tensors"])
 
 
 @pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2"])

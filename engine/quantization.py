@@ -1,0 +1,167 @@
+"""What a checkpoint's ``quantization_config`` means to the loader.
+
+FP8 checkpoints load: transformers' and DeepSeek's ``fp8`` (``weight`` in
+float8 beside a ``weight_scale_inv`` per 128 x 128 block, or a
+``weight_scale`` per tensor in vLLM's older FP8 serialization) and
+compressed-tensors' ``float-quantized`` FP8 (``weight_scale`` per tensor,
+per output channel or per block). Each float8 weight is multiplied by its
+scale in fp32 as it is read and lands in the model's dtype, rounded once;
+the model then runs on those weights as on any other checkpoint's (weights
+held in the model's dtype, activations never quantized: the checkpoint's
+activation scales go unread, as a weight-only FP8 kernel leaves them).
+
+Every other method is refused by name when the engine starts: a quantized
+tensor copied into a float parameter without its scale would serve
+garbage, and a packed integer one would not even fit its shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_NAMES = ("F8_E4M3", "F8_E5M2")  # safetensors' names of the two
+# What `--quantization` accepts: the methods a checkpoint may declare.
+METHODS = ("fp8", "compressed-tensors")
+# A float8 weight's scale, beside it: `X.weight` -> `X.weight_scale_inv` or `X.weight_scale`.
+SCALE_SUFFIXES = ("_scale_inv", "_scale")
+# Tensors of an FP8 checkpoint nothing reads: activation scales (static
+# activation quantization) and KV-cache scales.
+UNREAD_SUFFIXES = ("input_scale", "activation_scale", "output_scale", "k_scale", "v_scale")
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """An FP8 checkpoint's weight format: its method and, for block scales,
+    the block of ``[rows, cols]`` each scale covers (None: the scale's shape
+    says, one per tensor or one per output row)."""
+
+    method: str
+    block: tuple[int, int] | None = None
+
+    def describe(self) -> str:
+        grain = f"{self.block[0]}x{self.block[1]} blocks" if self.block else "per-tensor or per-channel scales"
+        return f"{self.method} (float8 weights, {grain})"
+
+    def dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``weight`` (float8, ``[..., rows, cols]``) times ``scale``, in fp32."""
+        values, scale = weight.to(torch.float32), scale.to(torch.float32)
+        if scale.numel() == 1:
+            return values * scale.reshape(())
+        if weight.dim() < 2:
+            raise ValueError(f"weight {name}: a {tuple(weight.shape)} float8 tensor takes one scale, not "
+                             f"{tuple(scale.shape)}")
+        rows, cols = weight.shape[-2:]
+        lead = tuple(weight.shape[:-2])
+        if tuple(scale.shape) in (lead + (rows, 1), lead + (rows,)):  # one per output row
+            return values * scale.reshape(lead + (rows, 1))
+        grid = tuple(scale.shape[-2:]) if scale.dim() >= 2 else ()
+        block = self.block or _block_of(grid, rows, cols)
+        if block is None or grid != (-(-rows // block[0]), -(-cols // block[1])) or scale.shape[:-2] != lead:
+            raise ValueError(f"weight {name}: scale of shape {tuple(scale.shape)} fits neither one scale, "
+                             f"one per row nor {self.block or 'whole'} blocks of a {tuple(weight.shape)} weight")
+        full = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)
+        return values * full[..., :cols]
+
+
+def _block_of(grid: tuple[int, ...], rows: int, cols: int) -> tuple[int, int] | None:
+    """The block a scale grid implies where it divides the weight evenly."""
+    if len(grid) != 2 or rows % grid[0] or cols % grid[1]:
+        return None
+    return rows // grid[0], cols // grid[1]
+
+
+def _as_dict(config) -> dict | None:
+    if config is None or isinstance(config, dict):
+        return config
+    return config.to_dict() if hasattr(config, "to_dict") else vars(config)
+
+
+def _compressed_tensors(config: dict) -> Fp8Checkpoint:
+    """compressed-tensors' FP8 (``float-quantized``: RedHatAI's and
+    llm-compressor's FP8 checkpoints); its integer formats are refused."""
+    fmt = config.get("format")
+    groups = config.get("config_groups") or {}
+    blocks = set()
+    for group_name, group in groups.items():
+        weights = (group or {}).get("weights") or {}
+        kind, bits = weights.get("type"), weights.get("num_bits")
+        if kind != "float" or bits != 8:
+            raise ValueError(f"quantization_config: compressed-tensors group {group_name!r} quantizes weights to "
+                             f"{bits}-bit {kind}: only 8-bit float (FP8) checkpoints are supported")
+        if weights.get("strategy") == "block":
+            blocks.add(tuple(weights.get("block_structure") or ()))
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise ValueError(f"quantization_config: compressed-tensors format {fmt!r} is not supported (FP8 "
+                         "checkpoints, format 'float-quantized', are)")
+    if len(blocks) > 1 or any(len(b) != 2 for b in blocks):
+        raise ValueError(f"quantization_config: block structures {sorted(blocks)} are not supported (one "
+                         "[rows, cols] block for every group)")
+    return Fp8Checkpoint("compressed-tensors", next(iter(blocks), None))
+
+
+def checkpoint_quantization(hf_config, requested: str | None = None) -> Fp8Checkpoint | None:
+    """The weight format ``config.json``'s ``quantization_config`` declares,
+    or None for an unquantized checkpoint. ``requested`` (``--quantization``)
+    must name the checkpoint's own method: weights are never quantized at
+    load. Raises ValueError naming what is not supported."""
+    config = _as_dict(getattr(hf_config, "quantization_config", None))
+    if not config:
+        if requested is not None:
+            raise ValueError(f"quantization: {requested!r} asks for a quantized checkpoint, and this one declares "
+                             "no quantization_config (weights are not quantized at load; serve an FP8 checkpoint)")
+        return None
+    method = str(config.get("quant_method", "")).lower()
+    if method not in METHODS:
+        raise ValueError(f"quantization_config: {method or 'an unnamed'} checkpoints are not supported "
+                         f"(supported: {', '.join(METHODS)}, FP8 weights)")
+    if requested is not None and requested != method:
+        raise ValueError(f"quantization: {requested!r} does not match the checkpoint's quant_method {method!r}")
+    if method == "compressed-tensors":
+        return _compressed_tensors(config)
+    block = config.get("weight_block_size")
+    if block is not None and (len(block) != 2 or min(block) < 1):
+        raise ValueError(f"quantization_config: weight_block_size {block!r} is not [rows, cols]")
+    return Fp8Checkpoint("fp8", tuple(block) if block is not None else None)
+
+
+def quantize_fp8(weight: torch.Tensor, grain: str | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[rows, cols]`` as float8 (e4m3) and its scale, weight ~
+    float8 x scale: one scale for ``grain`` "tensor", one a row for
+    "channel", else one a block of ``grain`` = (rows, cols), the last blocks
+    cut short where they overhang, each mapping its largest magnitude to
+    e4m3's 448. What an FP8 checkpoint's writer computes (the tests' and
+    benchmarks' checkpoints); the engine never quantizes at load."""
+    weight = weight.to(torch.float32)
+    top = torch.finfo(torch.float8_e4m3fn).max
+    if grain == "tensor":
+        scale = weight.abs().max().clamp(min=1e-12) / top
+        return (weight / scale).to(torch.float8_e4m3fn), scale.reshape(1)
+    if grain == "channel":
+        scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / top
+        return (weight / scale).to(torch.float8_e4m3fn), scale
+    rows, cols = weight.shape
+    grid = (-(-rows // grain[0]), -(-cols // grain[1]))
+    padded = weight.new_zeros(grid[0] * grain[0], grid[1] * grain[1])
+    padded[:rows, :cols] = weight
+    blocks = padded.reshape(grid[0], grain[0], grid[1], grain[1])
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / top
+    q = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:rows, :cols]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale
+
+
+def is_fp8(source) -> bool:
+    """Whether a checkpoint tensor (a tensor or a safetensors slice) holds float8."""
+    if isinstance(source, torch.Tensor):
+        return source.dtype in FP8_DTYPES
+    return source.get_dtype() in _FP8_NAMES
+
+
+def is_scale(name: str) -> bool:
+    return name.endswith(tuple("weight" + s for s in SCALE_SUFFIXES)) or name.endswith(UNREAD_SUFFIXES)
+
+
+def scale_of(name: str, scales: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The scale beside weight ``name`` (``X.weight`` -> ``X.weight_scale_inv`` or ``X.weight_scale``)."""
+    return next((scales[name + s] for s in SCALE_SUFFIXES if name + s in scales), None)
