@@ -1072,11 +1072,13 @@ def op_counts(_: str) -> tuple[list[str], list[str]]:
             *embedded(OP_COUNT_STEMS)], []
 
 
-def fp8_checkpoint(_: str) -> tuple[list[str], list[str]]:
+def quantized_checkpoints(_: str) -> tuple[list[str], list[str]]:
     return ["`benchmarks/fp8_checkpoint.py`: FP8 checkpoints written from a real model (transformers' `fp8` "
             "blocks and compressed-tensors' per-channel scales) served against the original, in one run: their "
             "size, start-up, greedy replies and the likelihood they give the original's replies, and transformers' "
-            "own load of one.", "", *embedded(["fp8_checkpoint"])], []
+            "own load of one. `benchmarks/quantized_formats_vs_gptqmodel.py`: the suite's GPTQ and AWQ "
+            "checkpoints read by GPTQModel's readers against ours.", "",
+            *embedded(["fp8_checkpoint", "quantized_formats_vs_gptqmodel"])], []
 
 
 def kv_cache_dtype(_: str) -> tuple[list[str], list[str]]:
@@ -1157,7 +1159,7 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
       "swap_serving-load-0.9-seeds-0-6", "swap_serving-load-0.9-baseline-again", "swap_serving_chat-default-seeds-0-6",
       "preemption"], kv_real),
     ("The KV cache's dtype: fp8", ["kv_cache_dtype"], kv_cache_dtype),
-    ("FP8 checkpoints", ["fp8_checkpoint"], fp8_checkpoint),
+    ("Quantized checkpoints", ["fp8_checkpoint", "quantized_formats_vs_gptqmodel"], quantized_checkpoints),
     ("Speculative decoding: n-gram drafts",
      SPECULATIVE, speculative),
     ("Frontend, load generator and Ray executor", ["serve_overhead", "serve_bench-*", "ray_overhead-*"], frontend),

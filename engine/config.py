@@ -89,9 +89,9 @@ class EngineConfig(ConfigTree):
                                  "float = float32", choices=DTYPES[:6])
     load_format: str = setting("auto", "dummy: random weights from the model's config", choices=("auto", "dummy"))
     quantization: str | None = setting(
-        None, "the quantized checkpoint's method, which config.json declares anyway: fp8 (transformers' and "
-              "DeepSeek's block-scaled FP8) or compressed-tensors (FP8, float-quantized); its float8 weights are "
-              "dequantized to --dtype as they load (weights are never quantized at load)",
+        None, "the quantized checkpoint's method, which config.json declares anyway: fp8 (block- or "
+              "tensor-scaled FP8), compressed-tensors (FP8), gptq (4- and 8-bit) or awq (4-bit GEMM); its weights "
+              "are dequantized to --dtype as they load (weights are never quantized at load)",
         aliases=("-q",), choices=QUANTIZATION_METHODS)
     device: str = setting("auto", "auto: CUDA where torch sees one, else the CPU", choices=("auto", "cpu", "cuda"))
     seed: int = setting(0, "seed of the dummy weights and of sampling without a per-request seed")

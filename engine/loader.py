@@ -22,7 +22,7 @@ from torch import nn
 
 from fluidserve.engine.models import model_class
 from fluidserve.engine.parallel import ShardSpec, TensorParallel, fused_pieces, prepack_linears, shard_spec
-from fluidserve.engine.quantization import Fp8Checkpoint, is_fp8, is_scale, scale_of
+from fluidserve.engine.quantization import CheckpointFormat, is_fp8
 
 log = logging.getLogger(__name__)
 
@@ -217,30 +217,23 @@ def checkpoint_tensor(model_dir: Path, name: str, rows: list[int] | None = None)
     raise ValueError(f"checkpoint in {model_dir} lacks weights: ['{name}']")
 
 
-def _scales(model_dir: Path) -> dict[str, torch.Tensor]:
-    """Every weight scale of the checkpoint, read ahead: a scale may sit in
-    another file than its weight."""
-    return {name: _read(source, None) for name, source in _checkpoint_tensors(model_dir) if is_scale(name)}
-
-
-def _dequantized(model_dir: Path, quantization: Fp8Checkpoint | None):
-    """The checkpoint's tensors (``_checkpoint_tensors``), each float8 weight
-    multiplied by its scale (fp32: the copy into the model rounds it once)
-    and the scales left out."""
-    scales = _scales(model_dir) if quantization is not None else {}
+def _dequantized(model_dir: Path, quantization: CheckpointFormat | None):
+    """The checkpoint's tensors (``_checkpoint_tensors``), each quantized
+    weight dequantized (fp32: the copy into the model rounds it once) and
+    its scales and zero points left out. Those are read ahead: they may sit
+    in another file than their weight."""
+    aux = {} if quantization is None else {
+        name: _read(source, None) for name, source in _checkpoint_tensors(model_dir) if quantization.is_aux(name)}
     for name, source in _checkpoint_tensors(model_dir):
-        if quantization is not None and is_scale(name):
-            continue
-        if not is_fp8(source):
-            yield name, source
-            continue
         if quantization is None:
-            raise ValueError(f"weight {name}: float8, and the checkpoint's config.json declares no "
-                             "quantization_config to say how it is scaled")
-        scale = scale_of(name, scales)
-        if scale is None:
-            raise ValueError(f"weight {name}: float8 without its scale ({name}_scale_inv or {name}_scale)")
-        yield name, quantization.dequantize(name, _read(source, None), scale)
+            if is_fp8(source):
+                raise ValueError(f"weight {name}: float8, and the checkpoint's config.json declares no "
+                                 "quantization_config to say how it is scaled")
+            yield name, source
+        elif quantization.quantized(name, source):
+            yield quantization.dequantize(name, _read(source, None), aux)
+        elif not quantization.is_aux(name):
+            yield name, source
 
 
 def _shape(source) -> tuple[int, ...]:
@@ -359,14 +352,14 @@ def _split_fused(model: nn.Module, tensors):
 
 
 def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = False,
-                 quantization: Fp8Checkpoint | None = None) -> None:
+                 quantization: CheckpointFormat | None = None) -> None:
     """Read every weight of ``model`` from the checkpoint in ``model_dir``
     (this rank's shard of the split ones), then pack the linears for the CPU.
     ``base_only`` (an embedding model): the checkpoint may hold the base
     model alone, its names without the ``model.`` prefix and no LM head,
     which then stays unread (nothing is sampled). ``quantization``: the
-    checkpoint's FP8 format (``quantization.checkpoint_quantization``),
-    its weights dequantized as they are read."""
+    checkpoint's format (``quantization.checkpoint_quantization``), its
+    weights dequantized as they are read."""
     model_dir = Path(model_dir)
     targets = checkpoint_targets(model)
     loaded: set[str] = set()

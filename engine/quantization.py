@@ -1,14 +1,20 @@
 """What a checkpoint's ``quantization_config`` means to the loader.
 
-FP8 checkpoints load: transformers' and DeepSeek's ``fp8`` (``weight`` in
-float8 beside a ``weight_scale_inv`` per 128 x 128 block, or a
-``weight_scale`` per tensor in vLLM's older FP8 serialization) and
-compressed-tensors' ``float-quantized`` FP8 (``weight_scale`` per tensor,
-per output channel or per block). Each float8 weight is multiplied by its
-scale in fp32 as it is read and lands in the model's dtype, rounded once;
-the model then runs on those weights as on any other checkpoint's (weights
-held in the model's dtype, activations never quantized: the checkpoint's
-activation scales go unread, as a weight-only FP8 kernel leaves them).
+Quantized checkpoints load by dequantizing each weight as it is read, in
+fp32, into the model's dtype (rounded once); the model then runs on those
+weights as on any other checkpoint's: weights held in the model's dtype,
+activations never quantized (activation and KV-cache scales go unread).
+
+* FP8: transformers' and DeepSeek's ``fp8`` (``weight`` in float8 beside a
+  ``weight_scale_inv`` per block, or a ``weight_scale`` per tensor in vLLM's
+  older serialization) and compressed-tensors' ``float-quantized`` FP8
+  (``weight_scale`` per tensor, output channel or block).
+* 4- and 8-bit integers with a scale and zero point per group of input
+  features: GPTQ (``qweight`` packed along the input features, ``qzeros``
+  along the outputs, ``scales``, ``g_idx``; the original format stores each
+  zero point less one, ``checkpoint_format: gptq_v2`` as it is) and AWQ's
+  GEMM layout (4-bit, both packed along the outputs in AWQ's interleaved
+  order).
 
 Every other method is refused by name when the engine starts: a quantized
 tensor copied into a float parameter without its scale would serve
@@ -17,18 +23,36 @@ garbage, and a packed integer one would not even fit its shape."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_NAMES = ("F8_E4M3", "F8_E5M2")  # safetensors' names of the two
 # What `--quantization` accepts: the methods a checkpoint may declare.
-METHODS = ("fp8", "compressed-tensors")
+METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 # A float8 weight's scale, beside it: `X.weight` -> `X.weight_scale_inv` or `X.weight_scale`.
 SCALE_SUFFIXES = ("_scale_inv", "_scale")
 # Tensors of an FP8 checkpoint nothing reads: activation scales (static
 # activation quantization) and KV-cache scales.
 UNREAD_SUFFIXES = ("input_scale", "activation_scale", "output_scale", "k_scale", "v_scale")
+
+
+class CheckpointFormat(Protocol):
+    """A quantized checkpoint's weight format, as the loader applies it."""
+
+    method: str
+
+    def describe(self) -> str: ...
+
+    def is_aux(self, name: str) -> bool:
+        """A tensor read ahead (a scale, a zero point) and never loaded itself."""
+
+    def quantized(self, name: str, source) -> bool:
+        """Whether ``source`` is a quantized weight (a tensor or a safetensors slice)."""
+
+    def dequantize(self, name: str, tensor: torch.Tensor, aux: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+        """The weight's name and value in fp32, from its quantized tensor and the aux tensors beside it."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +68,19 @@ class Fp8Checkpoint:
         grain = f"{self.block[0]}x{self.block[1]} blocks" if self.block else "per-tensor or per-channel scales"
         return f"{self.method} (float8 weights, {grain})"
 
-    def dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def is_aux(self, name: str) -> bool:
+        return is_scale(name)
+
+    def quantized(self, name: str, source) -> bool:
+        return is_fp8(source)
+
+    def dequantize(self, name: str, tensor: torch.Tensor, aux: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+        scale = scale_of(name, aux)
+        if scale is None:
+            raise ValueError(f"weight {name}: float8 without its scale ({name}_scale_inv or {name}_scale)")
+        return name, self.scaled(name, tensor, scale)
+
+    def scaled(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``weight`` (float8, ``[..., rows, cols]``) times ``scale``, in fp32."""
         values, scale = weight.to(torch.float32), scale.to(torch.float32)
         if scale.numel() == 1:
@@ -70,6 +106,95 @@ def _block_of(grid: tuple[int, ...], rows: int, cols: int) -> tuple[int, int] | 
     if len(grid) != 2 or rows % grid[0] or cols % grid[1]:
         return None
     return rows // grid[0], cols // grid[1]
+
+
+# AWQ's GEMM layout keeps output feature j of each eight in nibble
+# AWQ_NIBBLE[j] of its word (AutoAWQ writes columns 0, 2, 4, 6, 1, 3, 5, 7
+# from the low nibble up).
+AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
+_PACKED_AUX = (".qzeros", ".scales", ".g_idx")
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Integers of ``bits`` bits packed into int32 words along ``dim`` (0 or
+    1), the lowest bits first, as int64 (each word read as unsigned)."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    if dim == 0:
+        values = (words.unsqueeze(1) >> shifts[None, :, None]) & ((1 << bits) - 1)
+        return values.reshape(packed.shape[0] * per_word, packed.shape[1])
+    values = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return values.reshape(packed.shape[0], packed.shape[1] * per_word)
+
+
+@dataclass(frozen=True)
+class PackedIntCheckpoint:
+    """GPTQ and AWQ: ``bits``-bit integers with a scale and a zero point per
+    group of ``group_size`` input features (-1: one group); ``zeros_less_one``:
+    the original GPTQ format, each zero point stored less one."""
+
+    method: str
+    bits: int
+    group_size: int
+    zeros_less_one: bool = False
+
+    def describe(self) -> str:
+        groups = f"groups of {self.group_size}" if self.group_size > 0 else "one group a row"
+        return f"{self.method} ({self.bits}-bit weights, {groups})"
+
+    def is_aux(self, name: str) -> bool:
+        return name.endswith(_PACKED_AUX)
+
+    def quantized(self, name: str, source) -> bool:
+        return name.endswith(".qweight")
+
+    def dequantize(self, name: str, tensor: torch.Tensor, aux: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+        prefix = name.removesuffix(".qweight")
+        missing = [prefix + s for s in (".qzeros", ".scales") if prefix + s not in aux]
+        if missing:
+            raise ValueError(f"weight {name}: {self.method} without {', '.join(missing)}")
+        packed_zeros, scales = aux[prefix + ".qzeros"], aux[prefix + ".scales"].to(torch.float32)
+        mask = (1 << self.bits) - 1
+        if self.method == "awq":  # [in, out / 8] words, AWQ's order within each
+            order = (torch.arange(tensor.shape[1] * 8).view(-1, 8)[:, list(AWQ_NIBBLE)]).flatten()
+            codes = unpack_int32(tensor, self.bits, dim=1)[:, order]
+            zeros = unpack_int32(packed_zeros, self.bits, dim=1)[:, order]
+        else:  # GPTQ: [in / per_word, out] words; zeros [groups, out / per_word]
+            codes = unpack_int32(tensor, self.bits, dim=0)
+            zeros = unpack_int32(packed_zeros, self.bits, dim=1)
+            if self.zeros_less_one:  # stored as zero - 1 in its bits: zero 0 wrote all ones
+                zeros = (zeros + 1) & mask
+        features, outputs = codes.shape
+        if scales.shape[1] != outputs or zeros.shape[1] < outputs:
+            raise ValueError(f"weight {name}: scales {tuple(scales.shape)} and zero points {tuple(zeros.shape)} "
+                             f"do not fit {features} x {outputs} weights")
+        zeros = zeros[:, :outputs]
+        group = aux.get(prefix + ".g_idx")
+        if group is None:  # a group of consecutive features each
+            size = self.group_size if self.group_size > 0 else features
+            group = torch.arange(features) // size
+        group = group.to(torch.int64)
+        if group.shape != (features,) or int(group.max()) >= scales.shape[0]:
+            raise ValueError(f"weight {name}: {scales.shape[0]} groups of scales for groups up to "
+                             f"{int(group.max())} of {features} input features")
+        weight = (codes.to(torch.float32) - zeros[group].to(torch.float32)) * scales[group]
+        return prefix + ".weight", weight.t().contiguous()
+
+
+def _packed_int(method: str, config: dict) -> PackedIntCheckpoint:
+    bits, group_size = config.get("bits"), config.get("group_size", 128)
+    if method == "awq":
+        version = str(config.get("version", "gemm")).lower()
+        if bits != 4 or version != "gemm" or config.get("zero_point", True) is not True:
+            raise ValueError(f"quantization_config: AWQ {bits}-bit, version {version!r}, zero_point "
+                             f"{config.get('zero_point', True)} is not supported (4-bit GEMM with zero points is)")
+        return PackedIntCheckpoint("awq", 4, int(group_size))
+    fmt = str(config.get("checkpoint_format") or "gptq").lower()
+    if bits not in (4, 8) or fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"quantization_config: GPTQ {bits}-bit, checkpoint_format {fmt!r} is not supported "
+                         "(4- and 8-bit, gptq or gptq_v2, are)")
+    return PackedIntCheckpoint("gptq", bits, int(group_size), zeros_less_one=fmt == "gptq")
 
 
 def _as_dict(config) -> dict | None:
@@ -101,7 +226,7 @@ def _compressed_tensors(config: dict) -> Fp8Checkpoint:
     return Fp8Checkpoint("compressed-tensors", next(iter(blocks), None))
 
 
-def checkpoint_quantization(hf_config, requested: str | None = None) -> Fp8Checkpoint | None:
+def checkpoint_quantization(hf_config, requested: str | None = None) -> CheckpointFormat | None:
     """The weight format ``config.json``'s ``quantization_config`` declares,
     or None for an unquantized checkpoint. ``requested`` (``--quantization``)
     must name the checkpoint's own method: weights are never quantized at
@@ -110,16 +235,19 @@ def checkpoint_quantization(hf_config, requested: str | None = None) -> Fp8Check
     if not config:
         if requested is not None:
             raise ValueError(f"quantization: {requested!r} asks for a quantized checkpoint, and this one declares "
-                             "no quantization_config (weights are not quantized at load; serve an FP8 checkpoint)")
+                             "no quantization_config (weights are not quantized at load; serve a quantized "
+                             "checkpoint)")
         return None
     method = str(config.get("quant_method", "")).lower()
     if method not in METHODS:
         raise ValueError(f"quantization_config: {method or 'an unnamed'} checkpoints are not supported "
-                         f"(supported: {', '.join(METHODS)}, FP8 weights)")
+                         f"(supported: {', '.join(METHODS)})")
     if requested is not None and requested != method:
         raise ValueError(f"quantization: {requested!r} does not match the checkpoint's quant_method {method!r}")
     if method == "compressed-tensors":
         return _compressed_tensors(config)
+    if method in ("gptq", "awq"):
+        return _packed_int(method, config)
     block = config.get("weight_block_size")
     if block is not None and (len(block) != 2 or min(block) < 1):
         raise ValueError(f"quantization_config: weight_block_size {block!r} is not [rows, cols]")

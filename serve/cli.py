@@ -39,8 +39,8 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--kv-cache-dtype": "the KV cache stores auto (the model's dtype), fp8, fp8_e4m3 or fp8_e5m2",
     "--tool-parser-plugin": "tool-call parser plugins are not supported (built in: --tool-call-parser "
                             "hermes | llama3_json)",
-    "--quantization": "only FP8 checkpoints load: fp8, compressed-tensors",
-    "-q": "only FP8 checkpoints load: fp8, compressed-tensors",
+    "--quantization": "quantized checkpoints load as fp8, compressed-tensors (FP8), gptq or awq",
+    "-q": "quantized checkpoints load as fp8, compressed-tensors (FP8), gptq or awq",
     "--max-cpu-loras": "every LoRA adapter stays on the device (--max-loras slots): there is no host cache of "
                        "adapters to size",
     "--fully-sharded-loras": "LoRA adapters shard as their base weights do (B rows or A columns per rank)",

@@ -26,8 +26,8 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     (["--kv-cache-dtype=bfloat16"], "--kv-cache-dtype bfloat16"),
     (["--tool-parser-plugin", "my_parser.py"], "--tool-parser-plugin my_parser.py"),
     (["--guided-decoding-backend", "outlines"], "--guided-decoding-backend outlines"),
-    (["--quantization", "awq"], "--quantization awq"),
-    (["-q", "gptq"], "-q gptq"),
+    (["--quantization", "bitsandbytes"], "--quantization bitsandbytes"),
+    (["-q", "marlin"], "-q marlin"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
     (["--enable-lora", "--max-cpu-loras", "8"], "--max-cpu-loras 8"),
     (["--enable-lora", "--fully-sharded-loras"], "--fully-sharded-loras"),
@@ -67,7 +67,8 @@ def test_a_quantization_method_reaches_the_engine_config():
     assert cli.engine_config_from_args(parse("/m", "--quantization", "fp8")).quantization == "fp8"
     assert cli.engine_config_from_args(parse("/m", "-q", "compressed-tensors")).quantization == "compressed-tensors"
     assert cli.engine_config_from_args(parse("/m")).quantization is None
-    cli.check_unsupported(["serve", "m", "-q", "fp8", "--quantization=compressed-tensors"])
+    assert cli.engine_config_from_args(parse("/m", "-q", "awq")).quantization == "awq"
+    cli.check_unsupported(["serve", "m", "-q", "fp8", "--quantization=compressed-tensors", "-q", "gptq"])
 
 
 @pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2"])
