@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             folder = Path(tmp) / method / str(len(record["cases"]))
             write_quantized(model, folder, packed_int(method, **kwargs), qc)
             fmt = checkpoint_quantization(loader.load_hf_config(folder))
-            ours = {n: v for n, v in loader._dequantized(folder, fmt) if n.endswith("_proj.weight")}
+            ours = {n: v for n, v in loader._dequantized(folder, fmt, torch.device("cpu"))
+                    if n.endswith("_proj.weight")}
             if method == "gptq":
                 converted = dequant.convert_gptq_file(folder / "model.safetensors", torch.float32, qc, "cpu")
                 theirs = {n: v for n, v in converted.items() if n.endswith("_proj.weight")}

@@ -217,13 +217,16 @@ def checkpoint_tensor(model_dir: Path, name: str, rows: list[int] | None = None)
     raise ValueError(f"checkpoint in {model_dir} lacks weights: ['{name}']")
 
 
-def _dequantized(model_dir: Path, quantization: CheckpointFormat | None):
+def _dequantized(model_dir: Path, quantization: CheckpointFormat | None, device: torch.device):
     """The checkpoint's tensors (``_checkpoint_tensors``), each quantized
-    weight dequantized (fp32: the copy into the model rounds it once) and
-    its scales and zero points left out. Those are read ahead: they may sit
-    in another file than their weight."""
+    weight dequantized in fp32 on ``device``, the model's (one CPU thread
+    takes 0.6 s for one of Llama-3-8B's 14336 x 4096 GPTQ weights, about
+    75 s for the model's), the copy into the model rounding it once, and
+    its scales and zero points left out. Those are read ahead: they may sit in
+    another file than their weight."""
     aux = {} if quantization is None else {
-        name: _read(source, None) for name, source in _checkpoint_tensors(model_dir) if quantization.is_aux(name)}
+        name: _read(source, None).to(device) for name, source in _checkpoint_tensors(model_dir)
+        if quantization.is_aux(name)}
     for name, source in _checkpoint_tensors(model_dir):
         if quantization is None:
             if is_fp8(source):
@@ -231,7 +234,7 @@ def _dequantized(model_dir: Path, quantization: CheckpointFormat | None):
                                  "quantization_config to say how it is scaled")
             yield name, source
         elif quantization.quantized(name, source):
-            yield quantization.dequantize(name, _read(source, None), aux)
+            yield quantization.dequantize(name, _read(source, None).to(device), aux)
         elif not quantization.is_aux(name):
             yield name, source
 
@@ -314,7 +317,10 @@ def row_order(model: nn.Module, name: str) -> torch.Tensor | None:
 
 def _reordered(model: nn.Module, name: str, source):
     order = row_order(model, name)
-    return (name, source) if order is None else (name, _read(source, None).index_select(0, order))
+    if order is None:
+        return name, source
+    whole = _read(source, None)
+    return name, whole.index_select(0, order.to(whole.device))
 
 
 def _split_fused(model: nn.Module, tensors):
@@ -363,7 +369,8 @@ def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = Fals
     model_dir = Path(model_dir)
     targets = checkpoint_targets(model)
     loaded: set[str] = set()
-    for name, source in _split_fused(model, _dequantized(model_dir, quantization)):
+    device = next(model.parameters()).device
+    for name, source in _split_fused(model, _dequantized(model_dir, quantization, device)):
         if base_only and name not in targets and f"model.{name}" in targets:
             name = f"model.{name}"
         if name not in targets:

@@ -117,10 +117,11 @@ _PACKED_AUX = (".qzeros", ".scales", ".g_idx")
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Integers of ``bits`` bits packed into int32 words along ``dim`` (0 or
-    1), the lowest bits first, as int64 (each word read as unsigned)."""
+    1), the lowest bits first, as int32 (an arithmetic shift, then the mask:
+    a word's sign bit never reaches a field it does not belong to)."""
     per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
-    words = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    words = packed.to(torch.int32)
     if dim == 0:
         values = (words.unsqueeze(1) >> shifts[None, :, None]) & ((1 << bits) - 1)
         return values.reshape(packed.shape[0] * per_word, packed.shape[1])
@@ -157,28 +158,31 @@ class PackedIntCheckpoint:
         packed_zeros, scales = aux[prefix + ".qzeros"], aux[prefix + ".scales"].to(torch.float32)
         mask = (1 << self.bits) - 1
         if self.method == "awq":  # [in, out / 8] words, AWQ's order within each
-            order = (torch.arange(tensor.shape[1] * 8).view(-1, 8)[:, list(AWQ_NIBBLE)]).flatten()
-            codes = unpack_int32(tensor, self.bits, dim=1)[:, order]
-            zeros = unpack_int32(packed_zeros, self.bits, dim=1)[:, order]
+            order = torch.arange(tensor.shape[1] * 8, device=tensor.device).view(-1, 8)[:, list(AWQ_NIBBLE)]
+            codes = unpack_int32(tensor, self.bits, dim=1)[:, order.flatten()]
+            zeros = unpack_int32(packed_zeros, self.bits, dim=1)[:, order.flatten()]
         else:  # GPTQ: [in / per_word, out] words; zeros [groups, out / per_word]
             codes = unpack_int32(tensor, self.bits, dim=0)
             zeros = unpack_int32(packed_zeros, self.bits, dim=1)
             if self.zeros_less_one:  # stored as zero - 1 in its bits: zero 0 wrote all ones
                 zeros = (zeros + 1) & mask
         features, outputs = codes.shape
-        if scales.shape[1] != outputs or zeros.shape[1] < outputs:
+        if scales.shape[1] != outputs or zeros.shape[1] < outputs or zeros.shape[0] != scales.shape[0]:
             raise ValueError(f"weight {name}: scales {tuple(scales.shape)} and zero points {tuple(zeros.shape)} "
                              f"do not fit {features} x {outputs} weights")
-        zeros = zeros[:, :outputs]
+        zeros = zeros[:, :outputs].to(torch.float32)
+        size = self.group_size if self.group_size > 0 else features
+        consecutive = torch.arange(features, device=tensor.device) // size
         group = aux.get(prefix + ".g_idx")
-        if group is None:  # a group of consecutive features each
-            size = self.group_size if self.group_size > 0 else features
-            group = torch.arange(features) // size
-        group = group.to(torch.int64)
+        group = consecutive if group is None else group.to(device=tensor.device, dtype=torch.int64)
         if group.shape != (features,) or int(group.max()) >= scales.shape[0]:
             raise ValueError(f"weight {name}: {scales.shape[0]} groups of scales for groups up to "
                              f"{int(group.max())} of {features} input features")
-        weight = (codes.to(torch.float32) - zeros[group].to(torch.float32)) * scales[group]
+        if torch.equal(group, consecutive) and features % size == 0:  # whole groups in order: broadcast them
+            grouped = codes.view(features // size, size, outputs).to(torch.float32)
+            weight = ((grouped - zeros[:features // size, None]) * scales[:features // size, None]).view(features, -1)
+        else:  # act-order: each feature's group by index
+            weight = (codes.to(torch.float32) - zeros[group]) * scales[group]
         return prefix + ".weight", weight.t().contiguous()
 
 

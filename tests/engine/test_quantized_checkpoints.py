@@ -152,3 +152,25 @@ def test_the_loader_refuses_what_it_cannot_dequantize(make_llm, tmp_path):
     path = tmp_path / "named"
     write_quantized(model, path, blocks, block)
     assert make_llm(str(path), quantization="fp8").generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quantize, qc", [
+    (fp8((24, 48), "_scale_inv"), {"quant_method": "fp8", "weight_block_size": [24, 48]}),
+    (packed_int("gptq", 4, 32), {"quant_method": "gptq", "bits": 4, "group_size": 32}),
+    (packed_int("gptq", 4, 24, act_order=True), {"quant_method": "gptq", "bits": 4, "group_size": 24}),
+    (packed_int("awq", 4, 32), {"quant_method": "awq", "bits": 4, "group_size": 32}),
+], ids=["fp8", "gptq", "gptq-act-order", "awq"])
+def test_a_gpu_dequantizes_to_the_same_bits_as_the_cpu(tmp_path, quantize, qc):
+    """On CUDA the weights dequantize on the device: fp32 products and
+    differences, each exact, so the bits are the CPU's."""
+    checkpoint, reference = tmp_path / "quantized", tmp_path / "plain"
+    write_quantized(random_model("qwen3_moe"), checkpoint, quantize, qc, reference)
+    config = load_hf_config(checkpoint)
+    ours = build_model(config, torch.float32, torch.device("cuda"))
+    load_weights(ours, checkpoint, quantization=checkpoint_quantization(config))
+    plain = build_model(config, torch.float32, torch.device("cpu"))
+    load_weights(plain, reference)
+    for (name, a), (_, b) in zip(ours.named_parameters(), plain.named_parameters(), strict=True):
+        assert torch.equal(a.cpu(), b), name
