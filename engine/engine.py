@@ -52,7 +52,8 @@ from fluidserve.engine.sampler import device_only, reads_outputs
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.draft_policy import Acceptance, DraftPolicy
 from fluidserve.engine.grammar_drafts import GrammarDrafts
-from fluidserve.engine.speculative import NgramDrafter, accepted, draft_limit, parse_speculative_config
+from fluidserve.engine.speculative import (NgramDrafter, PredictionDrafter, accepted, draft_limit,
+                                          parse_speculative_config)
 from fluidserve.engine.structured import GrammarCompiler, xgrammar
 from fluidserve.engine.tiny_model import default_tiny_model_dir
 from fluidserve.engine.runtime import pick_device, runtime_for
@@ -332,6 +333,8 @@ class LLMEngine:
             if spec is not None and pooling is None:
                 seq.drafter = NgramDrafter(token_ids, seq.output_token_ids, spec.prompt_lookup_min,
                                            spec.prompt_lookup_max)
+                if params.prediction_token_ids:
+                    seq.drafter = PredictionDrafter(params.prediction_token_ids, seq.output_token_ids, seq.drafter)
                 seq.acceptance = Acceptance()
             req.seqs.append(seq)
         self.requests[request_id] = req
@@ -832,6 +835,9 @@ class LLMEngine:
             seq = self.seqs.get(sid)
             if policy is not None and seq is not None and seq.acceptance is not None:
                 policy.observe_verify(seq.acceptance, len(draft), m)
+            if seq is not None and seq.draft_from_prediction:
+                seq.drafter.accepted += m
+                seq.drafter.rejected += len(draft) - m
             for j in range(m):
                 per_position[j] += 1
         stats.spec_accepted_per_position = tuple(per_position)
@@ -857,6 +863,7 @@ class LLMEngine:
             params = seq.request.params
             limit = _draft_limit(seq, k)
             seq.draft = seq.drafter.propose(limit)
+            seq.draft_from_prediction = isinstance(seq.drafter, PredictionDrafter) and seq.drafter.from_prediction
             if params.structured_outputs is not None and self._grammar_drafts is not None:
                 seq.draft = self._grammar_drafts.propose(seq.seq_id, params, out, seq.draft, limit)
             seq.state.num_draft_tokens = len(seq.draft)

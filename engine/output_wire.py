@@ -86,7 +86,8 @@ class OutputSender:
         # them, and what is sent must be what is recorded as sent.
         cut = [CompletionOutput(c.index, c.text[st:t], c.token_ids[sk:k],
                                 None if c.logprobs is None else c.logprobs[sj:j],
-                                c.finish_reason, c.stop_reason, c.text_delta, c.new_token_ids, c.new_logprobs)
+                                c.finish_reason, c.stop_reason, c.text_delta, c.new_token_ids, c.new_logprobs,
+                                c.accepted_prediction_tokens, c.rejected_prediction_tokens)
                for c, (t, k, j), (st, sk, sj) in zip(comps, lengths, starts)]
         if whole:
             sent_out = RequestOutput(rid, out.prompt, out.prompt_token_ids, cut, out.finished, out.error,
@@ -118,6 +119,7 @@ def rebuild(held: RequestOutput | None, tail: OutputTail) -> RequestOutput:
         if c.logprobs:
             h.logprobs += c.logprobs
         comps.append(CompletionOutput(c.index, h.text + c.text, h.token_ids, h.logprobs, c.finish_reason,
-                                      c.stop_reason, c.text_delta, c.new_token_ids, c.new_logprobs))
+                                      c.stop_reason, c.text_delta, c.new_token_ids, c.new_logprobs,
+                                      c.accepted_prediction_tokens, c.rejected_prediction_tokens))
     return RequestOutput(out.request_id, held.prompt, held.prompt_token_ids, comps, out.finished, out.error,
                          out.first_scheduled_time, held.prompt_logprobs, out.num_cached_tokens, out.embedding)

@@ -38,6 +38,11 @@ class CompletionOutput:
     text_delta: str = ""
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprobs] | None = None
+    # A request with a predicted output (``SamplingParams.prediction_token_ids``):
+    # the prediction's tokens verifying steps drafted and kept, and drafted
+    # and threw away. None without a prediction.
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -15,7 +15,7 @@ from fluidserve.engine.batch import SampleSpec
 from fluidserve.engine.outputs import CompletionOutput, TokenLogprobs
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.draft_policy import Acceptance
-from fluidserve.engine.speculative import NgramDrafter
+from fluidserve.engine.speculative import NgramDrafter, PredictionDrafter
 
 
 @dataclass(eq=False)
@@ -48,9 +48,11 @@ class Sequence:
     # Speculative decoding (engine/speculative.py): the n-gram index of its
     # tokens (None: it does not draft), the drafts for its next decode, and
     # how its drafts have fared (the adaptive policy's estimate of its rate).
-    drafter: NgramDrafter | None = None
+    drafter: NgramDrafter | PredictionDrafter | None = None
     draft: list[int] = field(default_factory=list)
     acceptance: Acceptance | None = None
+    # Whether ``draft`` came from the request's predicted output.
+    draft_from_prediction: bool = False
 
     @property
     def seq_id(self) -> str:
@@ -96,6 +98,9 @@ class Sequence:
         self.new_token_ids = []
         if self.logprobs is not None:
             self.new_logprobs = []
+        if isinstance(self.drafter, PredictionDrafter):
+            out.accepted_prediction_tokens = self.drafter.accepted
+            out.rejected_prediction_tokens = self.drafter.rejected
         return out
 
 

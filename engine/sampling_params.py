@@ -143,6 +143,11 @@ class SamplingParams:
     # The LoRA adapter to generate with, by its served name (engine/lora.py);
     # None: the base model.
     lora: str | None = None
+    # OpenAI's predicted output: tokens the reply is expected to repeat (a
+    # file it edits). With speculative decoding on, drafts come from them
+    # first (engine/speculative.py, PredictionDrafter); the tokens sampled
+    # are the same either way.
+    prediction_token_ids: list[int] | None = None
     # Set: an embedding request, which samples nothing (its other sampling
     # fields are unread).
     pooling: PoolingParams | None = None
@@ -201,7 +206,8 @@ class SamplingParams:
         if self.pooling is not None:
             wanted = [name for name, on in (("n", self.n != 1), ("logprobs", self.logprobs is not None),
                                             ("prompt_logprobs", self.prompt_logprobs is not None),
-                                            ("structured_outputs", self.structured_outputs is not None)) if on]
+                                            ("structured_outputs", self.structured_outputs is not None),
+                                            ("prediction", bool(self.prediction_token_ids))) if on]
             if wanted:
                 raise bad(wanted[0], "does not apply to an embedding request")
         if self.thinking_token_budget is not None and (self.thinking_token_budget < 0
@@ -238,6 +244,9 @@ class SamplingParams:
                 raise bad("allowed_token_ids", "must not be empty")
             if any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids", "must be non-negative integers")
+        if self.prediction_token_ids is not None and (
+                any(not isinstance(t, int) or t < 0 for t in self.prediction_token_ids)):
+            raise bad("prediction", "token ids must be non-negative integers")
         if any(not isinstance(t, int) or t < 0 for w in self.bad_words_token_ids for t in w):
             raise bad("bad_words", "token ids must be non-negative integers")
         if self.structured_outputs is not None:

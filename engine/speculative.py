@@ -37,6 +37,7 @@ the drafts too: every kind of sequence drafts.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 from fluidserve.kvcache.config import json_object
@@ -198,6 +199,69 @@ class NgramDrafter:
             if e is not None and toks[e - n + 1:e + 1] == suffix:
                 return toks[e + 1:min(e + 1 + k, last + 1)]
         return []
+
+
+class PredictionDrafter:
+    """Drafts from a request's predicted output (OpenAI's ``prediction``: a
+    file the reply is expected to repeat with edits). While the outputs
+    follow the prediction, the draft is what comes next in it. Where they
+    leave it, the longest suffix of ``lo`` .. ``hi`` output tokens is looked
+    up in it, at the first occurrence from where they left it (else the
+    first of all), and drafting resumes after that; while nothing matches,
+    the sequence's own n-gram lookup (``ngram``) drafts. The engine counts
+    the prediction's drafted tokens the verifying steps keep
+    (``accepted``) and throw away (``rejected``)."""
+
+    __slots__ = ("prediction", "ngram", "lo", "hi", "_outputs", "_seen", "_pos", "_left", "_ends",
+                 "from_prediction", "accepted", "rejected")
+
+    def __init__(self, prediction: list[int], outputs: list[int], ngram: NgramDrafter) -> None:
+        self.prediction, self.ngram = list(prediction), ngram
+        self.lo, self.hi = ngram.lo, ngram.hi
+        self._outputs = outputs
+        self._seen = 0  # outputs read so far
+        self._pos: int | None = 0  # where in the prediction the next output is expected; None: off it
+        self._left = 0  # where the outputs last left the prediction
+        # For each n, the ends of every n-gram of the prediction, in order.
+        self._ends: list[dict[int, list[int]]] = [{} for _ in range(self.hi + 1)]
+        pred = self.prediction
+        for e in range(len(pred)):
+            for n in range(self.lo, min(self.hi, e + 1) + 1):
+                self._ends[n].setdefault(hash(tuple(pred[e - n + 1:e + 1])), []).append(e)
+        self.from_prediction = False  # the last proposal's origin
+        self.accepted = self.rejected = 0
+
+    def index(self, upto: int) -> None:
+        self.ngram.index(upto)
+
+    def _follow(self) -> None:
+        """Move along the prediction with the outputs read since the last call."""
+        pred, pos = self.prediction, self._pos
+        for t in self._outputs[self._seen:]:
+            if pos is not None and pos < len(pred) and pred[pos] == t:
+                pos += 1
+            elif pos is not None:
+                self._left, pos = pos, None
+        self._seen = len(self._outputs)
+        self._pos = pos if pos is not None else self._realign()
+
+    def _realign(self) -> int | None:
+        out, pred = self._outputs, self.prediction
+        for n in range(min(self.hi, len(out)), self.lo - 1, -1):
+            suffix = out[len(out) - n:]
+            ends = self._ends[n].get(hash(tuple(suffix)), ())
+            at = bisect_left(ends, self._left)
+            for e in (*ends[at:], *ends[:at]):  # from where the outputs left it, then from the start
+                if pred[e - n + 1:e + 1] == suffix:
+                    return e + 1
+        return None
+
+    def propose(self, k: int) -> list[int]:
+        self._follow()
+        fallback = self.ngram.propose(k)  # its index keeps up with the outputs either way
+        pos = self._pos
+        self.from_prediction = k > 0 and pos is not None and pos < len(self.prediction)
+        return self.prediction[pos:pos + k] if self.from_prediction else fallback
 
 
 def accepted(sampled: list, draft: list[int]) -> int:

@@ -52,7 +52,7 @@ from fluidserve.serve.scores import scoring_routes
 from fluidserve.serve.messages import messages_routes
 from fluidserve.serve.reasoning import ReasoningParser
 from fluidserve.serve.render import (ChatStreamer, CompletionStreamer, chat_choices, completion_choices, keep_best,
-                                     make_usage, prompt_logprobs, reasoning_tokens)
+                                     make_usage, prediction_tokens, prompt_logprobs, reasoning_tokens)
 from fluidserve.serve.responses import BackgroundRuns, ResponseStore, responses_routes
 
 VERSION = "0.1.0"
@@ -78,6 +78,7 @@ class ServerSettings:
     enable_request_id_headers: bool = False  # answer with X-Request-Id
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (it shows the chat template)
+    trust_request_chat_template: bool = False  # a request may bring its own Jinja chat template
     ignore_unknown_fields: bool = False  # drop request keys no API defines (vLLM's way) instead of a 400
     max_stored_responses: int = 10_000  # Responses API: replies kept for previous_response_id and GET
     disable_any_whitespace: bool = False  # JSON constraints compact unless a request says otherwise
@@ -110,7 +111,8 @@ def build_app(engine: AsyncEngine, tokenizer: Any, model: ModelInfo,
     reasoning = ReasoningParser.load(settings.reasoning_parser, tokenizer) if settings.reasoning_parser else None
     processor = InputProcessor(tokenizer, model, settings.tool_call_parser,
                                disable_any_whitespace=settings.disable_any_whitespace, reasoning_parser=reasoning,
-                               enable_in_reasoning=settings.enable_in_reasoning)
+                               enable_in_reasoning=settings.enable_in_reasoning,
+                               trust_request_chat_template=settings.trust_request_chat_template)
     server = _Server(engine, processor, model, settings)
 
     @asynccontextmanager
@@ -332,7 +334,7 @@ class _Server:
                   finals: list[RequestOutput]) -> ChatCompletionResponse:
         top_n = req.top_n
         usage = make_usage(inputs.prompts, finals[0].num_generated_tokens, self.cached_tokens(finals),
-                           self.reasoning_tokens(inputs, finals[0]))
+                           self.reasoning_tokens(inputs, finals[0]), prediction_tokens(finals[0].outputs))
         if req.ranked:
             finals = keep_best(finals, req.n)
         choices = chat_choices(finals[0], top_n=top_n, decode=self.decode, tool_mode=inputs.tool_mode,
@@ -483,8 +485,9 @@ class _Server:
             if include_usage:
                 used = last.num_generated_tokens if last is not None else 0
                 cached = self.cached_tokens([last] if last is not None else [])
+                predicted = prediction_tokens(last.outputs) if last is not None else None
                 yield _event(streamer.usage_chunk(make_usage(inputs.prompts, used, cached,
-                                                             self.reasoning_tokens(inputs, last))))
+                                                             self.reasoning_tokens(inputs, last), predicted)))
         except (EngineDeadError, RequestFailedError) as exc:
             yield _error_event(_as_api_error(exc))
         finally:

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from fluidserve.serve.api import _echo_text, validate_body
 from fluidserve.serve.inputs import check_model, log_request
 from fluidserve.serve.protocol import BatchChatCompletionRequest, ChatCompletionRequest, ChatCompletionResponse
-from fluidserve.serve.render import chat_choices, keep_best, make_usage
+from fluidserve.serve.render import chat_choices, keep_best, make_usage, prediction_tokens
 
 
 def batch_chat_route(server: Any) -> Callable[[Request], Awaitable[Response]]:
@@ -69,6 +69,7 @@ async def batch_chat(server: Any, request: Request) -> Response:
         choices.append(choice.model_copy(update={"index": i}))
     thought = [server.reasoning_tokens(one, final) for one, final in zip(inputs, finals)]
     usage = make_usage([one.prompts[0] for one in inputs], sum(f.num_generated_tokens for f in finals),
-                       server.cached_tokens(finals), None if None in thought else sum(thought))
+                       server.cached_tokens(finals), None if None in thought else sum(thought),
+                       prediction_tokens([co for f in finals for co in f.outputs]))
     body = ChatCompletionResponse(id=rid, model=server.model.reply_name(reqs[0].model), choices=choices, usage=usage)
     return JSONResponse(body.model_dump(mode="json"))

@@ -258,6 +258,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "prompt_logprobs); -1: the vocabulary size, which a request's -1 asks for")
     s.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info: the tokenizer's configuration and chat template")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a chat request bring its own Jinja chat template (chat_template); without it such a "
+                        "request is a 400 (templates render in transformers' sandbox, but run the client's code)")
     s.add_argument("--max-stored-responses", type=int, default=10_000,
                    help="Responses API: the most replies kept for previous_response_id and "
                         "GET /v1/responses/{id}, the least recently made or continued going first (0: none kept)")
@@ -372,7 +375,8 @@ def model_info(engine, served_model_names: Sequence[str] | None = None,
                      pooling=getattr(engine, "pooling", None) is not None,
                      labels=classifier.labels if classifier is not None else (),
                      use_sep_token=classifier.use_sep_token if classifier is not None else True,
-                     score_template=chat_template if classifier is not None else None)
+                     score_template=chat_template if classifier is not None else None,
+                     speculative=getattr(config, "speculative_config", None) is not None)
 
 
 def sampling_defaults(engine, generation_config: str) -> dict:
@@ -450,6 +454,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           enable_request_id_headers=args.enable_request_id_headers,
                           enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                           enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                          trust_request_chat_template=args.trust_request_chat_template,
                           ignore_unknown_fields=args.ignore_unknown_fields,
                           max_stored_responses=args.max_stored_responses,
                           disable_any_whitespace=structured.get("disable_any_whitespace", False),

@@ -90,6 +90,8 @@ class ModelInfo:
     use_sep_token: bool = True  # a classifier scores a pair tokenized as a pair (else the texts joined)
     # --chat-template on a cross-encoder: each pair rendered through it as a query and a document message.
     score_template: str | None = None
+    # --speculative-config: steps verify drafts, so a request's predicted output can be its drafts.
+    speculative: bool = False
 
     @property
     def batch_endpoints(self) -> tuple[str, ...]:
@@ -116,7 +118,7 @@ class ModelInfo:
 class InputProcessor:
     def __init__(self, tokenizer: Any, model: ModelInfo, tool_parser: str | None = None, *,
                  disable_any_whitespace: bool = False, reasoning_parser: ReasoningParser | None = None,
-                 enable_in_reasoning: bool = False) -> None:
+                 enable_in_reasoning: bool = False, trust_request_chat_template: bool = False) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice; None: no "auto"
@@ -125,6 +127,7 @@ class InputProcessor:
         self.reasoning_parser = reasoning_parser  # --reasoning-parser
         # --structured-outputs-config's: a grammar constrains the reasoning too.
         self.enable_in_reasoning = enable_in_reasoning
+        self.trust_request_chat_template = trust_request_chat_template  # --trust-request-chat-template
 
     # -- endpoints ----------------------------------------------------------
     def completion(self, req: CompletionRequest) -> EngineInputs:
@@ -223,7 +226,22 @@ class InputProcessor:
             params = dataclasses.replace(params, thinking_token_budget=budget,
                                          thinking_start_token_id=reasoning.parser.start_id,
                                          thinking_end_token_id=reasoning.parser.end_id)
+        if req.prediction is not None:
+            params = dataclasses.replace(params, prediction_token_ids=self._prediction(req, beam))
         return EngineInputs([prompt], params, req.klass, tool_mode, beam=beam, reasoning=reasoning)
+
+    def _prediction(self, req: ChatCompletionRequest, beam: BeamSearchParams | None) -> list[int]:
+        """The predicted output's tokens: speculative decoding's drafts, so a
+        server without it would only carry them (a 400 naming the flag)."""
+        if not self.model.speculative:
+            raise bad_request("prediction: this server verifies no drafts (start it with --speculative-config, "
+                              'e.g. \'{"method": "ngram", "num_speculative_tokens": 8}\')', "prediction")
+        if beam is not None:
+            raise bad_request("prediction: is not supported with beam search", "prediction")
+        ids = self._encode(req.prediction.text, add_special_tokens=False)
+        if not ids:
+            raise bad_request("prediction: the predicted content is empty", "prediction")
+        return ids
 
     def _thinking_budget(self, req: ChatCompletionRequest, reasoning: Reasoning | None,
                          structured: StructuredOutputs | None) -> int | None:
@@ -328,14 +346,22 @@ class InputProcessor:
             raise bad_request(f"chat_template_kwargs: {reserved[0]!r} cannot be set here (it is a request field "
                               "or the renderer's own argument)", "chat_template_kwargs")
         extra = self._template_kwargs(req)
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            raise bad_request("chat_template: this server renders chats with the model's own template only (a "
+                              "request's template needs a server started with --trust-request-chat-template)",
+                              "chat_template")
+        template = req.chat_template or getattr(self.tokenizer, "chat_template", None)
         if getattr(req, "reasoning_effort", None) is not None:
-            template = getattr(self.tokenizer, "chat_template", None)
             if not any(name in str(template) for name in ("reasoning_effort", "enable_thinking")):
                 raise bad_request("reasoning_effort: the chat template reads neither reasoning_effort nor "
                                   "enable_thinking, so the field would change nothing", "reasoning_effort")
+        if req.documents and "documents" not in str(template):
+            raise bad_request("documents: the chat template does not read documents, so the field would change "
+                              "nothing", "documents")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                messages, tools=tools, documents=req.documents or None, chat_template=req.chat_template,
+                tokenize=False, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, **extra,
             )
         except Exception as exc:  # noqa: BLE001 - a template's own raise_exception is a client error
@@ -634,9 +660,9 @@ def check_model(requested: str | None, served: ModelInfo) -> None:
 
 class _Conversation:
     """One conversation of an embeddings request's ``messages``, in the shape
-    ``_render_chat`` reads (no tools)."""
+    ``_render_chat`` reads (no tools, the model's own template, no documents)."""
 
-    tools = None
+    tools = chat_template = documents = None
 
     def __init__(self, messages: list[ChatMessage], req: Any) -> None:
         self.messages = messages

@@ -113,12 +113,9 @@ _REFUSED_CHAT: dict[str, Callable[[Any], bool]] = {
     "function_call": _off("none"),
     "audio": _off(),
     "modalities": lambda v: v is None or v == ["text"],
-    "prediction": _off(),
     # Even {} asks for a search (with the default context size): only null is off.
     "web_search_options": lambda v: v is None,
     "verbosity": _off(),
-    "chat_template": _off(),
-    "documents": _off(),
     "moderation": _off(),
     "prompt_cache_options": _off(),
     "prompt_cache_retention": _off("in_memory"),  # what the prefix cache is; 24h is not kept
@@ -497,6 +494,18 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class Prediction(_Request):
+    """OpenAI's ``prediction``: ``{"type": "content", "content": ...}``, the
+    content a string or a list of text parts."""
+
+    type: Literal["content"]
+    content: StrictStr | Annotated[list[TextPart], Field(min_length=1)]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class ChatCompletionRequest(_SamplingFields):
     _REFUSED: ClassVar[dict[str, Callable[[Any], bool]]] = _REFUSED_CHAT
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -508,6 +517,10 @@ class ChatCompletionRequest(_SamplingFields):
     # Render the last (assistant) message open, so the reply continues it.
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    # vLLM's: the request's own Jinja chat template (a server started with
+    # --trust-request-chat-template), and documents for a template that reads them (RAG).
+    chat_template: StrictStr | None = None
+    documents: list[dict[str, Any]] | None = None
     # vLLM's: the reply is prefixed with the last message's content when the
     # reply's role (assistant, or the last message's without a generation prompt) is its role.
     echo: bool = False
@@ -522,6 +535,9 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: at most this many tokens of thinking, then the end marker is
     # forced; -1 is no limit.
     thinking_token_budget: Annotated[StrictInt, Field(ge=-1)] | None = None
+    # OpenAI's predicted output: text the reply is expected to repeat (a file
+    # it edits), the source of speculative decoding's drafts.
+    prediction: Prediction | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> "ChatCompletionRequest":
@@ -618,9 +634,7 @@ def _check_template_flags(req: Any) -> None:
                          "(set add_generation_prompt to false)")
 
 
-_REFUSED_TOKENIZE_CHAT: dict[str, Callable[[Any], bool]] = {
-    k: _REFUSED_CHAT[k] for k in ("chat_template", "documents", "mm_processor_kwargs")
-}
+_REFUSED_TOKENIZE_CHAT: dict[str, Callable[[Any], bool]] = {"mm_processor_kwargs": _REFUSED_CHAT["mm_processor_kwargs"]}
 
 
 class TokenizeCompletionRequest(_Request):
@@ -641,6 +655,8 @@ class TokenizeChatRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: StrictStr | None = None
+    documents: list[dict[str, Any]] | None = None
     add_special_tokens: bool = False
     return_token_strs: bool = False
     tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None  # rendered by the template
@@ -690,6 +706,17 @@ class PromptTokensDetails(_Wire):
 
 class CompletionTokensDetails(_Wire):
     reasoning_tokens: int = 0
+    # A request with a prediction: its tokens drafted and kept, and drafted and thrown away.
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_prediction(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        for key in ("accepted_prediction_tokens", "rejected_prediction_tokens"):
+            if out.get(key) is None:
+                out.pop(key, None)
+        return out
 
 
 class Usage(_Wire):

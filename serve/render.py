@@ -43,17 +43,32 @@ Decode = Callable[[int], str]
 
 
 def make_usage(prompts: list[Prompt], completion_tokens: int, cached_tokens: int | None = None,
-               reasoning_tokens: int | None = None) -> Usage:
+               reasoning_tokens: int | None = None, prediction: tuple[int, int] | None = None) -> Usage:
     """``cached_tokens``: given (and non-zero, as vLLM reports them) they
     become ``prompt_tokens_details``; ``reasoning_tokens`` (given by a
-    server with a reasoning parser, zero included) ``completion_tokens_details``."""
+    server with a reasoning parser, zero included) and ``prediction`` (a
+    request's predicted tokens kept and thrown away: ``prediction_tokens``)
+    ``completion_tokens_details``."""
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens else None
-    completion_details = (None if reasoning_tokens is None
-                          else CompletionTokensDetails(reasoning_tokens=reasoning_tokens))
+    completion_details = None
+    if reasoning_tokens is not None or prediction is not None:
+        completion_details = CompletionTokensDetails(reasoning_tokens=reasoning_tokens or 0)
+        if prediction is not None:
+            completion_details.accepted_prediction_tokens, completion_details.rejected_prediction_tokens = prediction
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details,
                  completion_tokens_details=completion_details)
+
+
+def prediction_tokens(outputs: list[CompletionOutput]) -> tuple[int, int] | None:
+    """A predicted output's drafted tokens the completions kept and threw
+    away, summed; None for a request without a prediction."""
+    counted = [co for co in outputs if co.accepted_prediction_tokens is not None]
+    if not counted:
+        return None
+    return (sum(co.accepted_prediction_tokens for co in counted),
+            sum(co.rejected_prediction_tokens or 0 for co in counted))
 
 
 def reasoning_tokens(reasoning: Reasoning | None, outputs: list[CompletionOutput]) -> int:

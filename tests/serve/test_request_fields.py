@@ -460,13 +460,13 @@ REFUSED: list[tuple[str, str, Any]] = [
     (CHAT, "function_call", "auto"),
     (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
     (CHAT, "modalities", ["text", "audio"]),
-    (CHAT, "prediction", {"type": "content", "content": "x"}),
+    (CHAT, "prediction", {"type": "content", "content": "x"}),  # this server verifies no drafts
     (CHAT, "web_search_options", {"search_context_size": "low"}),
     (CHAT, "web_search_options", {}),  # a search with the defaults
     (CHAT, "reasoning_effort", "high"),  # the tiny model's template reads no effort
     (CHAT, "verbosity", "low"),
-    (CHAT, "chat_template", "{{ messages }}"),
-    (CHAT, "documents", [{"title": "t", "text": "x"}]),
+    (CHAT, "chat_template", "{{ messages }}"),  # without --trust-request-chat-template
+    (CHAT, "documents", [{"title": "t", "text": "x"}]),  # the tiny model's template reads no documents
     (C, "session_id", "s-1"),
     (C, "stream_interval", 4),
     (C, "thinking_token_budget", 100),
@@ -661,8 +661,10 @@ def test_stream_stop_reason(server, base):
 
 def test_table_covers_every_known_field():
     exercised = {f for row in ROWS for f in row[4]} | {"stream_options"}  # streaming tests above
-    # Refused here (REFUSED, or no reasoning parser), honoured in test_reasoning.py.
-    exercised |= {"reasoning_effort", "thinking_token_budget"}
+    # Refused here (REFUSED, or no reasoning parser), honoured in test_reasoning.py; refused here (no drafts
+    # verified, no --trust-request-chat-template, a template that reads no documents), honoured in
+    # test_server_speculative.py and test_vllm_parity.py.
+    exercised |= {"reasoning_effort", "thinking_token_budget", "prediction", "chat_template", "documents"}
     refused = {f for _, f, _ in REFUSED}
     for model, refused_table in ((CompletionRequest, protocol._REFUSED_COMMON),
                                  (ChatCompletionRequest, protocol._REFUSED_CHAT)):

@@ -85,3 +85,48 @@ def test_a_method_we_do_not_build_stops_the_server_with_one_line():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "method 'eagle' is not implemented" in lines[0], proc.stderr
+
+
+LETTERS = list(range(ord("a"), ord("z") + 1))  # ASCII replies: their text tokenizes back to their token ids
+
+
+def test_a_predicted_output_gives_the_same_reply_in_fewer_steps_with_its_drafts_counted(server):
+    """OpenAI's ``prediction``: the reply is the one without it, streamed and
+    not, and usage counts the predicted tokens drafted and kept, and drafted
+    and thrown away (an edited prediction throws some away)."""
+    wait_idle(server)
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    body = dict(model=server.engine.model_name, messages=[{"role": "user", "content": PROMPT}], max_tokens=40,
+                temperature=0, extra_body={"allowed_token_ids": LETTERS, "ignore_eos": True})
+    plain = client.chat.completions.create(**body)
+    reply = plain.choices[0].message.content
+    assert len(reply) == 40 and plain.usage.completion_tokens_details is None
+    steps = server.engine.stats().num_steps
+    predicted = client.chat.completions.create(**body, prediction={"type": "content", "content": reply})
+    assert predicted.choices[0].message.content == reply
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= 30 and details.rejected_prediction_tokens == 0
+    assert server.engine.stats().num_steps - steps <= 10  # five tokens a step, against one
+    edited = reply[:20] + "0123" + reply[24:]  # what the reply does not say there is drafted and thrown away
+    stream = client.chat.completions.create(**body, prediction={"type": "content", "content": [
+        {"type": "text", "text": edited[:30]}, {"type": "text", "text": edited[30:]}]},
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply
+    details = chunks[-1].usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= 20 and details.rejected_prediction_tokens > 0
+
+
+def test_a_prediction_is_refused_where_no_drafts_are_verified():
+    from fluidserve.serve.errors import APIError
+    from fluidserve.serve.inputs import InputProcessor, ModelInfo
+    from fluidserve.serve.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                    "prediction": {"type": "content", "content": "hello"}})
+    with pytest.raises(APIError) as err:
+        InputProcessor(None, ModelInfo("m", 256, 261))._prediction(request, None)
+    assert err.value.status == 400 and err.value.param == "prediction" and "--speculative-config" in str(err.value)
+    with pytest.raises(ValueError, match="content"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                              "prediction": {"type": "text", "content": "hello"}})

@@ -37,7 +37,8 @@ THINKING_TEMPLATE = (CHAT_TEMPLATE
                      + "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
 FLAGS = ServerSettings(return_tokens_as_token_ids=True, enable_force_include_usage=True,
                        enable_request_id_headers=True, enable_prompt_tokens_details=True,
-                       enable_tokenizer_info_endpoint=True, ignore_unknown_fields=True)
+                       enable_tokenizer_info_endpoint=True, ignore_unknown_fields=True,
+                       trust_request_chat_template=True)
 VOCAB = 261  # the tiny model's byte tokenizer: 256 bytes and 5 specials
 
 
@@ -114,6 +115,33 @@ def test_chat_template_kwargs_reach_the_template(server):
 def test_chat_template_kwargs_cannot_set_the_renderers_arguments(server, kwargs):
     err = bad(server, CHAT, {**CHAT_BASE, "chat_template_kwargs": kwargs})
     assert err["param"] == "chat_template_kwargs" and next(iter(kwargs)) in err["message"]
+
+
+# A RAG template of the kind Command-R's and Granite's are: the documents before the turns.
+DOCUMENTS_TEMPLATE = ("{% for d in documents %}[doc {{ d.title }}: {{ d.text }}]{% endfor %}"
+                      "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+DOCS = [{"title": "a", "text": "xyz"}, {"title": "b", "text": "uvw"}]
+
+
+def test_a_requests_own_chat_template_and_documents_render_behind_the_flag(server, flagged):
+    """vLLM's ``chat_template`` (a server started with
+    --trust-request-chat-template) and ``documents``: the prompt is the
+    request's template over its documents, to the byte."""
+    expected = b"[doc a: xyz][doc b: uvw]<user>abc<assistant>"
+    ids = tokenize_chat(flagged, chat_template=DOCUMENTS_TEMPLATE, documents=DOCS)
+    assert bytes(ids) == expected
+    body = ok(flagged, CHAT, {**CHAT_BASE, "chat_template": DOCUMENTS_TEMPLATE, "documents": DOCS})
+    assert body["usage"]["prompt_tokens"] == len(expected)
+    direct = ok(flagged, C, {**BASE, "prompt": list(expected)})  # greedy: a completion of that prompt
+    assert body["choices"][0]["message"]["content"] == direct["choices"][0]["text"]
+    # Without the flag the template is refused, by name; documents the template does not read change nothing.
+    for srv, extra, param in ((server, {"chat_template": DOCUMENTS_TEMPLATE}, "chat_template"),
+                              (server, {"documents": DOCS}, "documents"),
+                              (flagged, {"documents": DOCS}, "documents")):
+        for path, request in ((CHAT, CHAT_BASE), ("/tokenize", {"messages": MSGS})):
+            err = bad(srv, path, {**request, **extra})
+            assert err["param"] == param, err
+    assert "--trust-request-chat-template" in bad(server, CHAT, {**CHAT_BASE, "chat_template": "x"})["message"]
 
 
 def test_continue_final_message_leaves_the_last_message_open(server):
