@@ -241,6 +241,9 @@ class InputProcessor:
         ids = self._encode(req.prediction.text, add_special_tokens=False)
         if not ids:
             raise bad_request("prediction: the predicted content is empty", "prediction")
+        if len(ids) > self.model.max_model_len:  # no reply can follow it that far
+            raise bad_request(f"prediction: {len(ids)} tokens, more than the model's context of "
+                              f"{self.model.max_model_len}", "prediction")
         return ids
 
     def _thinking_budget(self, req: ChatCompletionRequest, reasoning: Reasoning | None,

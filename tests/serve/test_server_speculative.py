@@ -117,7 +117,12 @@ def test_a_predicted_output_gives_the_same_reply_in_fewer_steps_with_its_drafts_
     assert details.accepted_prediction_tokens >= 20 and details.rejected_prediction_tokens > 0
 
 
-def test_a_prediction_is_refused_where_no_drafts_are_verified():
+class _ByteTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+
+def test_a_prediction_is_refused_without_drafts_to_verify_or_past_the_context():
     from fluidserve.serve.errors import APIError
     from fluidserve.serve.inputs import InputProcessor, ModelInfo
     from fluidserve.serve.protocol import ChatCompletionRequest
@@ -127,6 +132,10 @@ def test_a_prediction_is_refused_where_no_drafts_are_verified():
     with pytest.raises(APIError) as err:
         InputProcessor(None, ModelInfo("m", 256, 261))._prediction(request, None)
     assert err.value.status == 400 and err.value.param == "prediction" and "--speculative-config" in str(err.value)
+    long = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                 "prediction": {"type": "content", "content": "ab" * 200}})
+    with pytest.raises(APIError, match="400 tokens, more than the model's context of 256"):
+        InputProcessor(_ByteTokenizer(), ModelInfo("m", 256, 261, speculative=True))._prediction(long, None)
     with pytest.raises(ValueError, match="content"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
                                               "prediction": {"type": "text", "content": "hello"}})
