@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from fluidserve.kvcache.config import BLOCK_SIZES, CacheConfig, ConfigTree, check_all, setting
 from fluidserve.scheduler.config import SchedulerConfig
 from fluidserve.engine.speculative import parse_speculative_config
-from fluidserve.engine.quantization import METHODS as QUANTIZATION_METHODS
 
 # Decode CUDA graphs unless --enforce-eager, as vLLM does: the graph tests
 # (tests/engine/test_cuda_graphs.py -m gpu) pass on an H100, which is what
@@ -25,6 +24,10 @@ CUDA_GRAPHS_BY_DEFAULT = True
 # scheduler/router.py's policies (a test checks the two agree); spelled out
 # here so reading a config imports no router.
 ROUTING_POLICIES = ("prefix-aware", "least-loaded", "round-robin")
+# The quantized checkpoints' methods engine/quantization.py reads (named
+# here so that the CLI, which sets OpenMP's policy before torch loads,
+# reads them without importing torch).
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32", "fp16", "bf16", "fp32")
 
 

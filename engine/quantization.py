@@ -27,10 +27,12 @@ from typing import Protocol
 
 import torch
 
+from fluidserve.engine.config import QUANTIZATION_METHODS
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_NAMES = ("F8_E4M3", "F8_E5M2")  # safetensors' names of the two
 # What `--quantization` accepts: the methods a checkpoint may declare.
-METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
+METHODS = QUANTIZATION_METHODS
 # A float8 weight's scale, beside it: `X.weight` -> `X.weight_scale_inv` or `X.weight_scale`.
 SCALE_SUFFIXES = ("_scale_inv", "_scale")
 # Tensors of an FP8 checkpoint nothing reads: activation scales (static

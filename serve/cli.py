@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from fluidserve.engine.quantization import METHODS as QUANTIZATION_METHODS
+from fluidserve.engine.config import QUANTIZATION_METHODS
 from fluidserve.engine.sampling_params import STRUCTURED_OUTPUT_BACKENDS
 from fluidserve.kvcache.config import KV_CACHE_DTYPES
 from fluidserve.serve.reasoning import REASONING_PARSERS
