@@ -3,16 +3,25 @@ reply will repeat buys, side by side in one process with the same engine's
 n-gram drafts alone and with no drafts at all.
 
 A real model (SmolLM2-135M-Instruct, ``--model DIR`` from
-``benchmarks/smollm2.py prepare``), greedy, the edit workload of
-``benchmarks/speculative.py`` (fix the typos in a paragraph, add type
-hints to a function, rename a table in a query, ...) through the chat
-template, each prompt alone (the latency a user feels). The prediction is
-the text the prompt asks to edit, as OpenAI's guide passes the file being
-edited. Per setting: the replies' output tokens a second, steps a reply,
-the ratio to the run without drafts, how many replies equal that run's,
-and for the prediction the predicted tokens drafted and kept and thrown
-away. ``--rounds`` runs every setting that many times, interleaved, and
-keeps each one's best round.
+``benchmarks/smollm2.py prepare``), greedy, through the chat template, each
+prompt alone (the latency a user feels), two workloads:
+
+* **edit** (``benchmarks/speculative.py``'s: fix the typos in a paragraph,
+  add type hints to a function, rename a table in a query, ...): the
+  prediction is the text the prompt asks to edit, as OpenAI's guide passes
+  the file being edited. The n-gram lookup finds that text in the prompt
+  anyway.
+* **known reply**: open questions (``benchmarks/kv_cache_dtype.py``'s), the
+  prediction the model's own reply to the same question under a system
+  prompt ("You are a helpful assistant."): a reply an application holds
+  from before (a regenerated answer, a cached one), which the prompt does
+  not contain.
+
+Per setting: the replies' output tokens a second, steps, the ratio to the
+run without drafts, how many replies equal that run's, and for the
+prediction the predicted tokens drafted and kept and thrown away.
+``--rounds`` runs every setting that many times, interleaved, and keeps
+each one's best round.
 
     python benchmarks/predicted_outputs.py --model /path/to/SmolLM2-135M-Instruct
 
@@ -28,10 +37,12 @@ import time
 from pathlib import Path
 
 from dummy_models import device_name, save_results
+from kv_cache_dtype import CHAT_PROMPTS
 from speculative import EDIT_PROMPTS, chat_ids, ngram
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SETTINGS = ("no drafts", "n-gram drafts", "n-gram drafts + prediction")
+SYSTEM = "You are a helpful assistant."
 
 
 def edited_text(prompt: str) -> str:
@@ -53,15 +64,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
-    prompts = chat_ids(args.model, EDIT_PROMPTS)
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
-    predictions = [tok.encode(edited_text(p), add_special_tokens=False) for p in EDIT_PROMPTS]
     common = dict(model=args.model, device="cpu", dtype="float32", max_model_len=2048, enable_prefix_caching=False)
     engines = {"no drafts": LLM(**common),
                "n-gram drafts": LLM(**common, speculative_config=json.dumps(ngram(args.k)))}
     engines["n-gram drafts + prediction"] = engines["n-gram drafts"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    with_system = [list(tok.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": p}], add_generation_prompt=True,
+        tokenize=True, return_dict=True)["input_ids"]) for p in CHAT_PROMPTS]
+    workloads = {
+        "edit": (chat_ids(args.model, EDIT_PROMPTS),
+                 [tok.encode(edited_text(p), add_special_tokens=False) for p in EDIT_PROMPTS]),
+        "known reply": (chat_ids(args.model, CHAT_PROMPTS),
+                        [list(o.outputs[0].token_ids) for o in engines["no drafts"].generate(with_system, greedy)]),
+    }
 
-    def run(setting: str) -> dict:
+    def run(setting: str, prompts: list[list[int]], predictions: list[list[int]]) -> dict:
         llm = engines[setting]
         replies, steps, kept, thrown = [], 0, 0, 0
         start = time.perf_counter()
@@ -79,48 +98,51 @@ def main(argv: list[str] | None = None) -> int:
         return dict(wall_s=wall, output_tokens=tokens, tok_s=tokens / wall, steps=steps, replies=replies,
                     accepted_prediction_tokens=kept, rejected_prediction_tokens=thrown)
 
+    prompts, predictions = workloads["edit"]
     for setting in SETTINGS:  # warm-up: every path once
-        engines[setting].generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8,
-                                                               prediction_token_ids=predictions[0]
-                                                               if setting.endswith("prediction") else None))
-    best: dict[str, dict] = {}
+        run(setting, prompts[:1], [p[:8] for p in predictions[:1]])
+    best: dict[tuple[str, str], dict] = {}
     for r in range(args.rounds):
-        for setting in SETTINGS if r % 2 == 0 else reversed(SETTINGS):
-            got = run(setting)
-            if setting not in best or got["tok_s"] > best[setting]["tok_s"]:
-                best[setting] = got
-            print(setting, f"{got['tok_s']:.1f} tok/s, {got['steps']} steps", flush=True)
-    base = best["no drafts"]
+        for name, (prompts, predictions) in workloads.items():
+            for setting in SETTINGS if r % 2 == 0 else reversed(SETTINGS):
+                got = run(setting, prompts, predictions)
+                if (name, setting) not in best or got["tok_s"] > best[name, setting]["tok_s"]:
+                    best[name, setting] = got
+                print(name, setting, f"{got['tok_s']:.1f} tok/s, {got['steps']} steps", flush=True)
     rows = []
-    for setting in SETTINGS:
-        b = best[setting]
-        rows.append(dict(setting=setting, tok_s=b["tok_s"], vs_no_drafts=b["tok_s"] / base["tok_s"],
-                         steps=b["steps"], output_tokens=b["output_tokens"], wall_s=b["wall_s"],
-                         same_replies=sum(a == c for a, c in zip(b["replies"], base["replies"])),
-                         accepted_prediction_tokens=b["accepted_prediction_tokens"],
-                         rejected_prediction_tokens=b["rejected_prediction_tokens"]))
+    for name, (prompts, predictions) in workloads.items():
+        base = best[name, "no drafts"]
+        for setting in SETTINGS:
+            b = best[name, setting]
+            rows.append(dict(workload=name, setting=setting, tok_s=b["tok_s"], vs_no_drafts=b["tok_s"] / base["tok_s"],
+                             steps=b["steps"], output_tokens=b["output_tokens"], wall_s=b["wall_s"],
+                             same_replies=sum(a == c for a, c in zip(b["replies"], base["replies"])),
+                             prompts=len(prompts), prediction_tokens=sum(len(p) for p in predictions),
+                             accepted_prediction_tokens=b["accepted_prediction_tokens"],
+                             rejected_prediction_tokens=b["rejected_prediction_tokens"]))
     record = dict(benchmark="predicted_outputs", command=" ".join(["benchmarks/predicted_outputs.py", *sys.argv[1:]]),
                   device=device_name("cpu"), torch_threads=torch.get_num_threads(), model=Path(args.model).name,
-                  k=args.k, max_tokens=args.max_tokens, prompts=len(prompts), rounds=args.rounds,
-                  prediction_tokens=sum(len(p) for p in predictions), rows=rows)
+                  k=args.k, max_tokens=args.max_tokens, rounds=args.rounds, system=SYSTEM, rows=rows)
     save_results(RESULTS / f"predicted_outputs{args.tag}", record, to_markdown(record))
     return 0
 
 
 def to_markdown(r: dict) -> str:
-    lines = [f"# Predicted outputs: {r['model']}, the edit workload", "",
-             f"Command: `{r['command']}`; {r['device']}. {r['prompts']} edit prompts through the chat template, each "
-             f"alone, greedy, up to {r['max_tokens']} tokens; n-gram drafts up to {r['k']} a step, chosen per step "
-             f"(the default); the prediction: the text each prompt asks to edit ({r['prediction_tokens']} tokens in "
-             f"all). Best of {r['rounds']} interleaved rounds.", "",
-             "| setting | output tok/s | vs no drafts | steps | same replies as no drafts | prediction tokens kept "
-             "| prediction tokens thrown away |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"# Predicted outputs: {r['model']}", "",
+             f"Command: `{r['command']}`; {r['device']}. Each prompt alone through the chat template, greedy, up to "
+             f"{r['max_tokens']} tokens; n-gram drafts up to {r['k']} a step, chosen per step (the default). "
+             "**edit**: the prediction is the text each prompt asks to edit, which the prompt holds too. "
+             f"**known reply**: the prediction is the model's reply to the same question under the system prompt "
+             f"\"{r['system']}\", which the prompt does not hold. Best of {r['rounds']} interleaved rounds.", "",
+             "| workload | setting | output tok/s | vs no drafts | steps | same replies as no drafts "
+             "| prediction tokens kept | prediction tokens thrown away |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for row in r["rows"]:
-        predicted = row["setting"].endswith("prediction")
-        lines.append(f"| {row['setting']} | {row['tok_s']:.1f} | {row['vs_no_drafts']:.2f}x | {row['steps']} | "
-                     f"{row['same_replies']} of {r['prompts']} | "
-                     f"{row['accepted_prediction_tokens'] if predicted else '–'} | "
-                     f"{row['rejected_prediction_tokens'] if predicted else '–'} |")
+        kept, thrown = "–", "–"
+        if row["setting"].endswith("prediction"):
+            kept = f"{row['accepted_prediction_tokens']} of {row['prediction_tokens']}"
+            thrown = str(row["rejected_prediction_tokens"])
+        lines.append(f"| {row['workload']} | {row['setting']} | {row['tok_s']:.1f} | {row['vs_no_drafts']:.2f}x | "
+                     f"{row['steps']} | {row['same_replies']} of {row['prompts']} | {kept} | {thrown} |")
     return "\n".join(lines) + "\n"
 
 
