@@ -704,6 +704,16 @@ class PromptTokensDetails(_Wire):
     cached_tokens: int = 0
 
 
+def _without_nulls(out: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """``out`` without those of ``keys`` that are null: fields absent unless
+    the server reports them, so a body compares equal whether or not a
+    serializer drops nulls."""
+    for key in keys:
+        if out.get(key) is None:
+            out.pop(key, None)
+    return out
+
+
 class CompletionTokensDetails(_Wire):
     reasoning_tokens: int = 0
     # A request with a prediction: its tokens drafted and kept, and drafted and thrown away.
@@ -712,11 +722,7 @@ class CompletionTokensDetails(_Wire):
 
     @model_serializer(mode="wrap")
     def _omit_prediction(self, handler: Any) -> dict[str, Any]:
-        out = handler(self)
-        for key in ("accepted_prediction_tokens", "rejected_prediction_tokens"):
-            if out.get(key) is None:
-                out.pop(key, None)
-        return out
+        return _without_nulls(handler(self), ("accepted_prediction_tokens", "rejected_prediction_tokens"))
 
 
 class Usage(_Wire):
@@ -730,13 +736,7 @@ class Usage(_Wire):
 
     @model_serializer(mode="wrap")
     def _omit_details(self, handler: Any) -> dict[str, Any]:
-        # Absent unless the server reports them, so usage objects compare
-        # equal whether or not a serializer drops nulls.
-        out = handler(self)
-        for key in ("prompt_tokens_details", "completion_tokens_details"):
-            if out.get(key) is None:
-                out.pop(key, None)
-        return out
+        return _without_nulls(handler(self), ("prompt_tokens_details", "completion_tokens_details"))
 
 
 class CompletionLogprobs(_Wire):
