@@ -116,7 +116,7 @@ class Worker:
         hf_config = load_hf_config(model_dir, config.hf_overrides)
         self.hf_config = hf_config
         self.dtype = resolve_dtype(hf_config, config.dtype, self.device)
-        # The checkpoint's FP8 format, checked before the model takes device memory.
+        # The checkpoint's quantized format, checked before the model takes device memory.
         self.quantization = checkpoint_quantization(hf_config, config.quantization)
         self.cache_dtype = cache_dtype(config.cache.kv_cache_dtype, self.dtype)  # what the KV cache stores
         torch.manual_seed(config.seed)
