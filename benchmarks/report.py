@@ -1096,14 +1096,15 @@ def speculative(_: str) -> tuple[list[str], list[str]]:
             "then the same prompts streamed one at a time through both servers (`--server`); then replies "
             "constrained to JSON of a schema whose values copy the prompt (`--workloads extract`), a grammar's "
             "rows masked after the drafts before them. `benchmarks/predicted_outputs.py`: OpenAI's `prediction` "
-            "as the drafts' source, beside the n-gram lookup alone and no drafts.", "",
+            "as the drafts' source, beside the n-gram lookup alone and no drafts, in-process and through the "
+            "server (`--server`).", "",
             *embedded(SPECULATIVE)], []
 
 
 SPECULATIVE = ["speculative", "speculative-adaptive", "speculative-async", "speculative-async-edit",
                "speculative-server", "speculative-server-adaptive", "speculative-extract",
                "speculative-server-extract", "speculative-extract-shaped", "speculative-server-extract-shaped",
-               "predicted_outputs"]
+               "predicted_outputs", "predicted_outputs-server"]
 
 
 # -- the page ------------------------------------------------------------------------------
