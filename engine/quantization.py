@@ -31,8 +31,6 @@ from fluidserve.engine.config import QUANTIZATION_METHODS
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_NAMES = ("F8_E4M3", "F8_E5M2")  # safetensors' names of the two
-# What `--quantization` accepts: the methods a checkpoint may declare.
-METHODS = QUANTIZATION_METHODS
 # A float8 weight's scale, beside it: `X.weight` -> `X.weight_scale_inv` or `X.weight_scale`.
 SCALE_SUFFIXES = ("_scale_inv", "_scale")
 # Tensors of an FP8 checkpoint nothing reads: activation scales (static
@@ -245,9 +243,9 @@ def checkpoint_quantization(hf_config, requested: str | None = None) -> Checkpoi
                              "checkpoint)")
         return None
     method = str(config.get("quant_method", "")).lower()
-    if method not in METHODS:
+    if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization_config: {method or 'an unnamed'} checkpoints are not supported "
-                         f"(supported: {', '.join(METHODS)})")
+                         f"(supported: {', '.join(QUANTIZATION_METHODS)})")
     if requested is not None and requested != method:
         raise ValueError(f"quantization: {requested!r} does not match the checkpoint's quant_method {method!r}")
     if method == "compressed-tensors":

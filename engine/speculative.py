@@ -251,7 +251,8 @@ class PredictionDrafter:
             suffix = out[len(out) - n:]
             ends = self._ends[n].get(hash(tuple(suffix)), ())
             at = bisect_left(ends, self._left)
-            for e in (*ends[at:], *ends[:at]):  # from where the outputs left it, then from the start
+            for i in range(len(ends)):  # from where the outputs left it, then from the start; no copy of the list
+                e = ends[(at + i) % len(ends)]
                 if pred[e - n + 1:e + 1] == suffix:
                     return e + 1
         return None
