@@ -53,9 +53,20 @@ FORMATS = {
 def write_fp8_checkpoint(src: Path, dst: Path, grain, scale_suffix: str, quantization_config: dict) -> None:
     """``src``'s checkpoint with every decoder linear's weight in float8 and
     its scale beside it; everything else (embeddings, norms, tokenizer) as is."""
-    from safetensors.torch import load_file, save_file
-
     from fluidserve.engine.quantization import quantize_fp8
+
+    def quantize(name: str, weight: torch.Tensor) -> dict:
+        q, scale = quantize_fp8(weight, grain)
+        return {name: q, name + scale_suffix: scale}
+
+    rewrite_linears(src, dst, quantization_config, quantize)
+
+
+def rewrite_linears(src: Path, dst: Path, quantization_config: dict, quantize) -> None:
+    """``src``'s checkpoint in ``dst`` with ``quantization_config`` and every
+    decoder linear's weight replaced by the tensors ``quantize(name,
+    weight)`` gives; everything else (embeddings, norms, tokenizer) as is."""
+    from safetensors.torch import load_file, save_file
 
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -68,7 +79,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, grain, scale_suffix: str, quantiz
         tensors = {}
         for name, value in load_file(str(f)).items():
             if ".layers." in name and name.endswith("_proj.weight"):
-                tensors[name], tensors[name + scale_suffix] = quantize_fp8(value, grain)
+                tensors.update(quantize(name, value))
             else:
                 tensors[name] = value
         save_file(tensors, str(dst / f.name))

@@ -35,6 +35,13 @@
 #                                      GEMM, eager and in a graph, against the torch
 #                                      reference at Qwen3-30B-A3B's and Mixtral-8x7B's
 #                                      layers (--quick: 1 and 512 tokens)
+#   int linears            60 / 45 s   benchmarks/int_linear_bandwidth.py: GPTQ/AWQ-style
+#                                      4- and 8-bit weights kept packed
+#                                      (kernels/int_linear.py) against bf16 cuBLAS
+#                                      and the bf16 GEMV at Llama-3-8B's linears
+#   packed decode         120 / 90 s   benchmarks/packed_weights.py --preset llama3-8b:
+#                                      a random 4-bit GPTQ checkpoint served packed
+#                                      against dequantized, decode at batch 1 and 8
 #   throughput            180 / 90 s   offline, graphs on, against transformers:
 #                                      64 prompts x 128 tokens, and again with
 #                                      async scheduling, and (last) with piecewise
@@ -65,13 +72,15 @@
 #   gemv_chain_<device>.json, .md
 #   profile_decode_<device>.json, .md
 #   swap_copy_<device>.json, .md
+#   int_linear_bandwidth_<device>.json, .md
+#   packed_weights-<device>-llama3-8b.json, .md
 # <device> is torch.cuda.get_device_name() in lower case, other characters
 # as _. Without CUDA it stops at once (status 1) before installing or writing
 # anything. The status is 0 only if every step ran and passed.
 #
 # --skip STEP[,STEP...] leaves steps out (recorded as skipped), by the keys
 # of the summary: engine_tests kernel_tests batch1_decode linears mixed_steps
-# kernel_bench throughput profile swap_copy; for a rerun that spends
+# kernel_bench moe int_linears packed_decode throughput profile swap_copy; for a rerun that spends
 # a short lease on what changed.
 #
 # Usage: benchmarks/gpu_check.sh [--quick] [--budget SECONDS] [--skip STEPS] [--results DIR] [--help]
@@ -108,6 +117,7 @@ if [ "$QUICK" -eq 1 ]; then
     MODE=quick BUDGET=225
     INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=120 KERNEL_TESTS_LIMIT=90
     DECODE_LIMIT=90 THROUGHPUT_LIMIT=90 BENCH_LIMIT=60 LINEAR_LIMIT=45 PROFILE_LIMIT=60 SWAP_LIMIT=30 MOE_LIMIT=45
+    INT_LIMIT=45 PACKED_LIMIT=90
     MIXED_LIMIT=60 MIXED_ARGS=(--reps 10)
     THROUGHPUT_SIZE=(--num-prompts 32 --output-len 64 --skip-continuous)
     BENCH_ARGS=(--quick)
@@ -117,6 +127,7 @@ else
     MODE=full BUDGET=540
     INSTALL_LIMIT=60 IMPORT_LIMIT=45 ENGINE_TESTS_LIMIT=180 KERNEL_TESTS_LIMIT=240
     DECODE_LIMIT=150 THROUGHPUT_LIMIT=180 BENCH_LIMIT=90 LINEAR_LIMIT=60 PROFILE_LIMIT=90 SWAP_LIMIT=45 MOE_LIMIT=60
+    INT_LIMIT=60 PACKED_LIMIT=120
     MIXED_LIMIT=90 MIXED_ARGS=()
     THROUGHPUT_SIZE=(--num-prompts 64 --output-len 128 --async-scheduling --piecewise-graphs)
     BENCH_ARGS=()
@@ -182,12 +193,14 @@ declare -A NAMES=(
     [throughput]="throughput vs transformers, graphs"
     [kernel_bench]="kernel benchmark"
     [moe]="MoE experts, Triton vs torch"
+    [int_linears]="int4/int8 packed linears vs bf16"
+    [packed_decode]="packed GPTQ weights vs dequantized, decode"
     [linears]="batch-1 linears in a row, plain and dependent"
     [profile]="decode profile"
     [swap_copy]="swap copy"
 )
-ORDER=(install import engine_tests kernel_tests batch1_decode linears mixed_steps kernel_bench moe throughput profile
-       swap_copy)
+ORDER=(install import engine_tests kernel_tests batch1_decode linears mixed_steps kernel_bench moe int_linears
+       packed_decode throughput profile swap_copy)
 IFS=, read -ra SKIPPED <<< "${SKIP#,}"
 for key in "${SKIPPED[@]}"; do
     [[ -n ${NAMES[$key]+set} ]] || fail "--skip: no step named $key (see --help)"
@@ -289,6 +302,13 @@ run_step kernel_bench "$BENCH_LIMIT" "$RESULTS/kernels_${SLUG}.json" "" \
 
 run_step moe "$MOE_LIMIT" "$RESULTS/moe_${SLUG}.json" "" \
     "$PY" benchmarks/kernel_bench.py --moe --out "$RESULTS" "${BENCH_ARGS[@]}"
+
+run_step int_linears "$INT_LIMIT" "$RESULTS/int_linear_bandwidth_${SLUG}.json" "" \
+    "$PY" benchmarks/int_linear_bandwidth.py --out "$RESULTS"
+
+run_step packed_decode "$PACKED_LIMIT" "$RESULTS/packed_weights-${SLUG}-llama3-8b.json" "" \
+    "$PY" benchmarks/packed_weights.py --preset llama3-8b --device cuda --rounds 1 --reply-tokens 16 \
+    --decode-tokens 32
 
 run_step throughput "$THROUGHPUT_LIMIT" "$RESULTS/throughput-${SLUG}-llama3-8b-graphs.json" "" \
     "$PY" benchmarks/throughput.py --preset llama3-8b --device cuda --no-enforce-eager "${THROUGHPUT_SIZE[@]}" \

@@ -255,9 +255,34 @@ def _fmt_moe(r: dict) -> tuple[str, dict]:
     return "; ".join(parts), figures
 
 
+def _fmt_int_linears(r: dict) -> tuple[str, dict]:
+    """Batch 1: each packed variant's time against bf16 cuBLAS's on the same linear."""
+    rows = [x for x in r.get("rows") or [] if x["rows"] == 1 and x["bits"] and "dequantize" not in x["variant"]]
+    if not rows:
+        return "no batch-1 row timed", {}
+    parts, figures = [], {}
+    for x in rows:
+        key = f"{x['linear']}_{x['variant'].replace(' ', '_')}"
+        parts.append(f"{x['linear']} {x['variant']}: {x['gb_s']:.0f} GB/s, {x['vs_cublas']:.2f}x bf16 cuBLAS")
+        figures[f"vs_cublas_{key}"] = x["vs_cublas"]
+    return "; ".join(parts), figures
+
+
+def _fmt_packed(r: dict) -> tuple[str, dict]:
+    """Decode ms a token packed against dequantized, per batch."""
+    parts, figures = [], {}
+    for row in (r.get("formats") or {}).values():
+        packed, dense = row["packed"]["decode_ms"], row["dequantized"]["decode_ms"]
+        for batch in sorted(packed, key=int):
+            parts.append(f"batch {batch}: packed {packed[batch]:.2f} ms vs dequantized {dense[batch]:.2f} ms "
+                         f"({dense[batch] / packed[batch]:.2f}x)")
+            figures[f"packed_speedup_b{batch}"] = dense[batch] / packed[batch]
+    return ("; ".join(parts) or "no decode timed"), figures
+
+
 READERS = {"tests": _fmt_tests, "batch1_decode": _fmt_batch1, "throughput": _fmt_throughput, "kernels": _fmt_kernels,
            "linears": _fmt_linears, "profile": _fmt_profile, "swap": _fmt_swap, "mixed": _fmt_mixed,
-           "moe": _fmt_moe}  # fmt: skip
+           "moe": _fmt_moe, "int_linears": _fmt_int_linears, "packed": _fmt_packed}  # fmt: skip
 
 
 def reader_for(result: Path):
@@ -266,7 +291,8 @@ def reader_for(result: Path):
         return READERS["tests"]
     for prefix, kind in (("batch1_decode_", "batch1_decode"), ("throughput-", "throughput"), ("kernels_", "kernels"),
                          ("linear_bandwidth_", "linears"), ("gemv_chain_", "linears"), ("profile_decode_", "profile"),
-                         ("swap_copy_", "swap"), ("moe_", "moe"),
+                         ("swap_copy_", "swap"), ("moe_", "moe"), ("int_linear_bandwidth_", "int_linears"),
+                         ("packed_weights-", "packed"),
                          ("mixed_steps_", "mixed")):
         if name.startswith(prefix):
             return READERS[kind]

@@ -49,7 +49,8 @@ GPU machines run Triton 3.6, whose code differs: the same command under it
 (any venv with that Triton) with ``--tag=-triton3.6`` writes
 ``kernels_compile_sm90-triton3.6.*`` beside. It compiles the MoE experts'
 kernels (kernels/moe.py) too, at the launches a Qwen3-30B-A3B and a
-Mixtral-8x7B layer make at 1 and 4096 tokens.
+Mixtral-8x7B layer make at 1 and 4096 tokens, and the weight-only int
+linears (kernels/int_linear.py) on a Llama-3-8B o projection.
 
 ``--moe`` times ``ops.fused_experts`` on those two layers' shapes (bf16)
 over a sweep of token counts: the Triton path launched eagerly and as a
@@ -853,7 +854,7 @@ def _compile_offline(fn, args: dict, constexprs: dict, dynamic: tuple[str, ...],
     from triton.compiler import ASTSource
 
     elem = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-            torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+            torch.int64: "i64", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -1040,6 +1041,35 @@ def gemv_compile_report() -> list[dict]:
     return rows
 
 
+def int_linear_compile_report() -> list[dict]:
+    """kernels/int_linear.py's launches on a Llama-3-8B o projection (4096 x
+    4096, groups of 128, bf16): the fused kernel at 1, 16 and 32 rows and
+    the dequantizing one, 4 and 8 bits, plain groups (scales per word) and
+    act-order ones (gathered per code), as the wrappers launch them."""
+    from fluidserve.kernels import int_linear
+
+    rows, n, k, groups = [], 4096, 4096, 32
+    scales, zeros = torch.empty((n, groups)), torch.empty((n, groups), dtype=torch.uint8)
+    g_idx = torch.empty(k, dtype=torch.int32)
+    for bits in int_linear.BITS:
+        codes = torch.empty((n, k * bits // 32), dtype=torch.int32)
+        for group_size in (128, None):
+            args = (codes, scales, zeros, g_idx, bits)
+            xs = {f"{m} row{'s' * (m > 1)}": torch.empty((m, k), dtype=torch.bfloat16) for m in (1, 16, 32)}
+            calls = [(what, partial(int_linear.int_linear, x, *args, group_size=group_size)) for what, x in xs.items()]
+            calls.append(("dequantize", partial(int_linear.dequantize, *args, torch.bfloat16, group_size=group_size)))
+            for what, call in calls:
+                (fn, kernel_args, constexprs, options), = _launches_of(call)
+                res = _compile_offline(fn, kernel_args, constexprs, (), options)
+                tile = "x".join(str(constexprs[c]) for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if c in constexprs)
+                res.update(kernel="int_linear", variant=f"int{bits}, {what}, "
+                           f"{'plain groups' if group_size else 'act-order'}, {tile}")  # fmt: skip
+                rows.append(res)
+                print(f"int_linear {res['variant']:44s} warps={res['num_warps']} regs={res['registers']} "
+                      f"stack={res['stack_bytes']} local={res['local_bytes']} ({res['compile_s']:.1f} s)")
+    return rows
+
+
 def _engine_gemv(gemv, block_n: int, block_k: int, warps: int, gated: bool, norm: bool) -> bool:
     """Whether this is the launch shape the engine gives a Llama-3-8B GEMV."""
     return (block_n, block_k, warps) == (gemv.BLOCK_N // 2 if gated else gemv.BLOCK_N, gemv.MAX_BLOCK_K,
@@ -1205,13 +1235,20 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
             "Dependent launches (`FLUIDSERVE_GEMV_PDL`): the grid-dependency wait in the code, and the bulk L2 "
             "prefetch instructions in it (one per weight half).",
             {"launch shape": "variant", "wait": "grid_dependency", "L2 prefetches": "l2_prefetches"}, gemvs)
-    others = [r for r in rows if r.get("kernel") not in (None, "attention", "gemv", "moe")]
+    others = [r for r in rows if r.get("kernel") not in (None, "attention", "gemv", "moe", "int_linear")]
     if others:
         lines += _resource_section(
             "The layer's other kernels, at a Llama-3-8B decode token (bf16)",
             "Each compiled with the arguments its wrapper passes (kernels/fused_norm.py, activation.py, "
             "rope_cache.py, cache_ops.py, and paged_attention.py's split-K merge).",
             {"kernel": "kernel", "launch": "variant", "warps": "num_warps"}, others)
+    ints = [r for r in rows if r.get("kernel") == "int_linear"]
+    if ints:
+        lines += _resource_section(
+            "Weight-only int linears (kernels/int_linear.py), bf16, 4096 x 4096",
+            "The fused kernel at 1 row (a multiply-and-sum per lane) and at 16 and 32 (tl.dot), and the dequantizing "
+            "kernel; BLOCK_M x BLOCK_N x BLOCK_K. Plain groups of 128 read scales per word, act-order ones gather "
+            "them per code.", {"launch": "variant", "warps": "num_warps"}, ints)
     experts = [r for r in rows if r.get("kernel") == "moe"]
     if experts:
         lines += _resource_section(
@@ -1241,7 +1278,7 @@ def compile_main(args: argparse.Namespace) -> int:
     import triton
 
     rows = (compile_report(args.num_kv_heads, args.block_size) + gemv_compile_report() + row_compile_report()
-            + moe_compile_report())
+            + moe_compile_report() + int_linear_compile_report())
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"kernels_compile_sm90{args.tag}"  # the tag may hold a dot: no with_suffix
     Path(f"{stem}.json").write_text(json.dumps(dict(triton=triton.__version__, variants=rows), indent=2))

@@ -1042,7 +1042,7 @@ def plan_model(_: str) -> tuple[list[str], list[str]]:
 GPU_STEMS = ["gpu_check_*", "batch1_decode_*", "mixed_steps_nvidia*", "linear_bandwidth_*", "gemv_chain_*",
              "throughput-nvidia*",
              "kernels_nvidia*", "profile_decode_nvidia*", "attention_tuning_*", "op_counts-nvidia*", "swap_copy_*",
-             "launch_overhead-nvidia*", "gpu_tests_*"]
+             "launch_overhead-nvidia*", "int_linear_bandwidth_*", "gpu_tests_*"]
 
 
 def embedded(patterns: list[str]) -> list[str]:
@@ -1077,8 +1077,13 @@ def quantized_checkpoints(_: str) -> tuple[list[str], list[str]]:
             "blocks and compressed-tensors' per-channel scales) served against the original, in one run: their "
             "size, start-up, greedy replies and the likelihood they give the original's replies, and transformers' "
             "own load of one. `benchmarks/quantized_formats_vs_gptqmodel.py`: the suite's GPTQ and AWQ "
-            "checkpoints read by GPTQModel's readers against ours.", "",
-            *embedded(["fp8_checkpoint", "quantized_formats_vs_gptqmodel"])], []
+            "checkpoints read by GPTQModel's readers against ours. `benchmarks/packed_weights.py`: GPTQ and AWQ "
+            "checkpoints of a real model served with their weights packed (`--quantized-weights packed`) against "
+            "dequantized, in one run: the bytes held, the replies, the decode time.", "",
+            *embedded(QUANTIZED_STEMS)], []
+
+
+QUANTIZED_STEMS = ["fp8_checkpoint", "quantized_formats_vs_gptqmodel", "packed_weights-*"]
 
 
 def kv_cache_dtype(_: str) -> tuple[list[str], list[str]]:
@@ -1162,7 +1167,7 @@ SECTIONS: list[tuple[str, list[str], Renderer]] = [
       "swap_serving-load-0.9-seeds-0-6", "swap_serving-load-0.9-baseline-again", "swap_serving_chat-default-seeds-0-6",
       "preemption"], kv_real),
     ("The KV cache's dtype: fp8", ["kv_cache_dtype"], kv_cache_dtype),
-    ("Quantized checkpoints", ["fp8_checkpoint", "quantized_formats_vs_gptqmodel"], quantized_checkpoints),
+    ("Quantized checkpoints", QUANTIZED_STEMS, quantized_checkpoints),
     ("Speculative decoding: n-gram drafts",
      SPECULATIVE, speculative),
     ("Frontend, load generator and Ray executor", ["serve_overhead", "serve_bench-*", "ray_overhead-*"], frontend),

@@ -28,6 +28,8 @@ ROUTING_POLICIES = ("prefix-aware", "least-loaded", "round-robin")
 # here so that the CLI, which sets OpenMP's policy before torch loads,
 # reads them without importing torch).
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
+# How a GPTQ/AWQ checkpoint's weights are held (engine/loader.py, int_linears).
+QUANTIZED_WEIGHTS = ("dequantized", "packed")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32", "fp16", "bf16", "fp32")
 
 
@@ -96,6 +98,11 @@ class EngineConfig(ConfigTree):
               "tensor-scaled FP8), compressed-tensors (FP8), gptq (4- and 8-bit) or awq (4-bit GEMM); its weights "
               "are dequantized to --dtype as they load (weights are never quantized at load)",
         aliases=("-q",), choices=QUANTIZATION_METHODS)
+    quantized_weights: str = setting(
+        "dequantized", "how a GPTQ or AWQ checkpoint's weights are held: dequantized (in --dtype, the memory and "
+                       "speed of the full-precision model) or packed (as the checkpoint's integers, a quarter of "
+                       "a 16-bit weight's memory at 4 bits; kernels/int_linear.py runs them)",
+        choices=QUANTIZED_WEIGHTS)
     device: str = setting("auto", "auto: CUDA where torch sees one, else the CPU", choices=("auto", "cpu", "cuda"))
     seed: int = setting(0, "seed of the dummy weights and of sampling without a per-request seed")
     max_model_len: int | None = setting(None, "context length (default: the model's)")

@@ -21,8 +21,11 @@ import torch
 from torch import nn
 
 from fluidserve.engine.models import model_class
-from fluidserve.engine.parallel import ShardSpec, TensorParallel, fused_pieces, prepack_linears, shard_spec
-from fluidserve.engine.quantization import CheckpointFormat, is_fp8
+from fluidserve.engine.parallel import (
+    IntWeight, ShardSpec, TensorParallel, _PrepackedLinear, deferred_linear_weights, fused_pieces, prepack_linears,
+    shard_spec,
+)
+from fluidserve.engine.quantization import CheckpointFormat, IntCodes, PackedIntCheckpoint, is_fp8
 
 log = logging.getLogger(__name__)
 
@@ -159,14 +162,16 @@ def resolve_dtype(hf_config, dtype: str, device: torch.device) -> torch.dtype:
 
 def build_model(hf_config, dtype: torch.dtype, device: torch.device,
                 tp: TensorParallel | None = None, pooling: bool = False,
-                max_model_len: int | None = None) -> nn.Module:
+                max_model_len: int | None = None, defer_linears: bool = False) -> nn.Module:
     """The model of this rank (the whole model without ``tp``), weights unset.
     ``pooling`` (an embedding model or classifier): nothing is sampled, so
     the LM head shares the embedding's weight instead of holding its own
     (vocab x hidden of device memory: 1.2 GB at Qwen3-8B's size in bf16),
     and a checkpoint's ``lm_head.weight`` is then no target: it stays unread.
     ``max_model_len``: the server's context, which picks LongRoPE's factors
-    (engine/layers.py, ``RotaryEmbedding``)."""
+    (engine/layers.py, ``RotaryEmbedding``). ``defer_linears``: the linears'
+    weights stay unallocated until ``parallel.realize_linears`` (those that
+    will hold integers never take a dense weight's memory)."""
     if pooling and not getattr(hf_config, "tie_word_embeddings", False):
         hf_config = copy.copy(hf_config)
         hf_config.tie_word_embeddings = True
@@ -176,7 +181,7 @@ def build_model(hf_config, dtype: torch.dtype, device: torch.device,
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), deferred_linear_weights(defer_linears):
             model = model_class(hf_config)(hf_config, tp or TensorParallel())
     finally:
         torch.set_default_dtype(prev)
@@ -217,13 +222,16 @@ def checkpoint_tensor(model_dir: Path, name: str, rows: list[int] | None = None)
     raise ValueError(f"checkpoint in {model_dir} lacks weights: ['{name}']")
 
 
-def _dequantized(model_dir: Path, quantization: CheckpointFormat | None, device: torch.device):
+def _dequantized(model_dir: Path, quantization: CheckpointFormat | None, device: torch.device,
+                 unpacked: bool = False):  # fmt: skip
     """The checkpoint's tensors (``_checkpoint_tensors``), each quantized
     weight dequantized in fp32 on ``device``, the model's (one CPU thread
     takes 0.6 s for one of Llama-3-8B's 14336 x 4096 GPTQ weights, about
     75 s for the model's), the copy into the model rounding it once, and
     its scales and zero points left out. Those are read ahead: they may sit in
-    another file than their weight."""
+    another file than their weight. ``unpacked`` (GPTQ and AWQ): each such
+    weight as its ``IntCodes`` instead, for the loader to pack or
+    dequantize where it lands."""
     aux = {} if quantization is None else {
         name: _read(source, None).to(device) for name, source in _checkpoint_tensors(model_dir)
         if quantization.is_aux(name)}
@@ -234,17 +242,23 @@ def _dequantized(model_dir: Path, quantization: CheckpointFormat | None, device:
                                  "quantization_config to say how it is scaled")
             yield name, source
         elif quantization.quantized(name, source):
-            yield quantization.dequantize(name, _read(source, None).to(device), aux)
+            convert = quantization.unpack if unpacked else quantization.dequantize
+            yield convert(name, _read(source, None).to(device), aux)
         elif not quantization.is_aux(name):
             yield name, source
 
 
 def _shape(source) -> tuple[int, ...]:
-    return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
+    return tuple(source.shape) if isinstance(source, (torch.Tensor, IntCodes)) else tuple(source.get_shape())
 
 
-def _read(source, spec: ShardSpec | None) -> torch.Tensor:
+def _read(source, spec: ShardSpec | None) -> torch.Tensor | IntCodes:
     """The whole tensor, or just the slice ``spec`` names (zero-padded)."""
+    if isinstance(source, IntCodes):
+        if spec is None:
+            return source
+        part = source.narrow(spec.dim, spec.start, spec.stop - spec.start)
+        return part.pad_rows(spec.size) if spec.dim == 0 else part
     if spec is None:
         return source if isinstance(source, torch.Tensor) else source[:]
     if isinstance(source, torch.Tensor):
@@ -265,6 +279,7 @@ class _Target:
     rows: int
     spec: ShardSpec | None
     expert: int | None = None  # a stacked parameter's index along its first dimension
+    int_weight: IntWeight | None = None  # where the weight is held as integers (param is None)
 
     def view(self) -> torch.Tensor:
         if not fused_pieces(self.param):
@@ -280,17 +295,65 @@ def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
     stacked one (``...mlp.experts.gate_up_proj``) to its experts' names
     (``...mlp.experts.3.gate_proj.weight``)."""
     targets = {}
-    for name, param in model.named_parameters():
-        pieces = fused_pieces(param)
+    held = [(name, param, fused_pieces(param), shard_spec(param), None) for name, param in model.named_parameters()]
+    held += [(f"{name}.weight", None, m.int_weight.pieces, m.int_weight.spec, m.int_weight)
+             for name, m in model.named_modules() if isinstance(m, _PrepackedLinear) and m.int_weight is not None]
+    for name, param, pieces, spec, ints in held:
         if pieces is None:
-            targets[name] = _Target(name, param, 0, param.shape[0] if param.dim() else 0, shard_spec(param))
+            rows = ints.rows if ints is not None else param.shape[0] if param.dim() else 0
+            targets[name] = _Target(name, param, 0, rows, spec, int_weight=ints)
             continue
         module, leaf = name.rsplit(".", 1)
         parent = module.rsplit(".", 1)[0] + "." if "." in module else ""
         for piece in pieces:
             key = f"{module}.{piece.key}" if piece.key else f"{parent}{piece.name}.{leaf}"
-            targets[key] = _Target(name, param, piece.offset, piece.rows, piece.spec, piece.expert)
+            targets[key] = _Target(name, param, piece.offset, piece.rows, piece.spec, piece.expert, ints)
     return targets
+
+
+def int_linears(model: nn.Module, model_dir: Path | str, quantization: CheckpointFormat) -> dict[str, int]:
+    """The linears of ``model`` (built with ``defer_linears``) that may hold
+    a GPTQ/AWQ checkpoint's weights as integers, with their bits: each
+    whose every checkpoint weight is quantized. Others (a router, a linear
+    the checkpoint keeps in floats, experts, which are no linears) load
+    dense, dequantized where they are quantized; so does a fused linear
+    whose parts order their features' groups apart (act-order GPTQ
+    computed for each part alone), which one ``g_idx`` cannot describe."""
+    if not isinstance(quantization, PackedIntCheckpoint):
+        return {}
+    quantized, orders = set(), {}
+    for name, source in _checkpoint_tensors(Path(model_dir)):
+        if name.endswith(".qweight"):
+            quantized.add(name.removesuffix(".qweight") + ".weight")
+        elif name.endswith(".g_idx"):
+            orders[name.removesuffix(".g_idx") + ".weight"] = _read(source, None).to(torch.int64)
+    splits = getattr(model, "checkpoint_splits", {})
+    groups = {}  # our name of each quantized weight -> its g_idx (None: in order)
+    for raw in quantized:
+        name = checkpoint_name(model, raw)
+        fused = next((key for key in splits if key in name), None)
+        for part in [name] if fused is None else [name.replace(fused, part) for part, _ in splits[fused]]:
+            groups[part] = orders.get(raw)
+    parts: dict[str, list[str]] = {}
+    for name, target in checkpoint_targets(model).items():
+        parts.setdefault(target.param_name, []).append(name)
+    chosen = {}
+    for name, module in model.named_modules():
+        weight = f"{name}.weight"
+        if not (isinstance(module, _PrepackedLinear) and module.takes_int_weight and weight in parts
+                and all(part in groups for part in parts[weight])):  # fmt: skip
+            continue
+        first = groups[parts[weight][0]]
+        if all(_same_order(first, groups[part]) for part in parts[weight][1:]):
+            chosen[name] = quantization.bits
+        else:
+            log.info("%s: its parts order their groups apart, so it is dequantized", name)
+    return chosen
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
 
 
 def checkpoint_name(model: nn.Module, name: str) -> str:
@@ -337,7 +400,7 @@ def _split_fused(model: nn.Module, tensors):
         name = checkpoint_name(model, name)
         stacked = next((key for key in unstacks if name.endswith(key)), None)
         if stacked is not None:  # [E, rows, cols], every expert's parts: one tensor per expert's part
-            whole = _read(source, None)
+            whole = _dense(_read(source, None))
             for expert in range(whole.shape[0]):
                 start = 0
                 for part, rows in unstacks[stacked]:
@@ -357,6 +420,11 @@ def _split_fused(model: nn.Module, tensors):
             raise ValueError(f"weight {name}: {whole.shape[0]} rows, not the {start} of its parts")
 
 
+def _dense(source):
+    """A checkpoint source as a dense weight wants it: ``IntCodes`` dequantized (fp32)."""
+    return source.dequantize() if isinstance(source, IntCodes) else source
+
+
 def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = False,
                  quantization: CheckpointFormat | None = None) -> None:
     """Read every weight of ``model`` from the checkpoint in ``model_dir``
@@ -365,12 +433,14 @@ def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = Fals
     model alone, its names without the ``model.`` prefix and no LM head,
     which then stays unread (nothing is sampled). ``quantization``: the
     checkpoint's format (``quantization.checkpoint_quantization``), its
-    weights dequantized as they are read."""
+    weights dequantized as they are read, or packed where a linear holds
+    them as integers (``int_linears``)."""
     model_dir = Path(model_dir)
     targets = checkpoint_targets(model)
     loaded: set[str] = set()
     device = next(model.parameters()).device
-    for name, source in _split_fused(model, _dequantized(model_dir, quantization, device)):
+    unpacked = any(t.int_weight is not None for t in targets.values())
+    for name, source in _split_fused(model, _dequantized(model_dir, quantization, device, unpacked)):
         if base_only and name not in targets and f"model.{name}" in targets:
             name = f"model.{name}"
         if name not in targets:
@@ -378,16 +448,24 @@ def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = Fals
                 log.debug("ignoring checkpoint tensor %s", name)
             continue
         target = targets[name]
-        dest = target.view()
-        expected = target.spec.full_shape(dest.shape) if target.spec is not None else tuple(dest.shape)
+        ints = target.int_weight
+        if ints is None:
+            source = _dense(source)
+        elif not isinstance(source, IntCodes):
+            raise ValueError(f"weight {name}: held as integers, and the checkpoint's is not quantized")
+        shape = (target.rows, ints.features) if ints is not None else tuple(target.view().shape)
+        expected = target.spec.full_shape(shape) if target.spec is not None else shape
         if _shape(source) != expected:
             raise ValueError(f"weight {name}: checkpoint shape {_shape(source)} != model {expected}")
-        with torch.no_grad():
-            dest.copy_(_read(source, target.spec))
+        if ints is not None:
+            ints.load(target.offset, _read(source, target.spec), name)
+        else:
+            with torch.no_grad():
+                target.view().copy_(_read(source, target.spec))
         loaded.add(name)
     # Tied weights appear once under either name.
-    loaded_params = [targets[n].param for n in loaded]
-    tied = {n for n, t in targets.items() if fused_pieces(t.param) is None
+    loaded_params = [targets[n].param for n in loaded if targets[n].param is not None]
+    tied = {n for n, t in targets.items() if t.param is not None and fused_pieces(t.param) is None
             and any(t.param is p for p in loaded_params)}
     missing = set(targets) - loaded - tied
     if base_only:
@@ -397,6 +475,20 @@ def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = Fals
     prepack_linears(model)
 
 
+def held_weights(model: nn.Module, dtype: torch.dtype) -> str:
+    """How a quantized checkpoint's weights are held, for the start-up log:
+    the linears held as integers and their bytes, or that all were
+    dequantized."""
+    ints = [m.int_weight for m in model.modules() if isinstance(m, _PrepackedLinear) and m.int_weight is not None]
+    name = str(dtype).removeprefix("torch.")
+    if not ints:
+        return f"weights dequantized to {name} as they loaded"
+    held = sum(w.nbytes() for w in ints)
+    dense = sum(w.rows * w.features for w in ints) * torch.empty((), dtype=dtype).element_size()
+    return (f"{len(ints)} linears hold {ints[0].bits}-bit weights packed, {held / 2**20:.1f} MiB against "
+            f"{dense / 2**20:.1f} MiB in {name}; the rest dequantized to {name}")
+
+
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Small random weights: enough for timing, never for text. A sharded
     tensor is drawn whole and this rank keeps its slice, so every
@@ -404,6 +496,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     torch.manual_seed(seed)
     with torch.no_grad():
         for target in checkpoint_targets(model).values():  # tied weights appear once
+            if target.int_weight is not None:
+                raise ValueError("dummy weights are dense: a model with integer weights loads a checkpoint")
             dest = target.view()
             if target.spec is None:
                 dest.uniform_(-0.02, 0.02)

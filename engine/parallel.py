@@ -32,6 +32,8 @@ decode graph).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -45,6 +47,7 @@ from fluidserve.kernels import ops
 
 if TYPE_CHECKING:
     from fluidserve.engine.lora import LoRAWeights
+    from fluidserve.engine.quantization import IntCodes
 
 
 # gloo's all-reduce of a small tensor makes several round trips between the
@@ -178,6 +181,33 @@ def new_param(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
     return param
 
 
+# Whether linears built now leave their weights unallocated (on the meta
+# device) until ``realize_linears``: a model whose linears will hold packed
+# integer weights never takes the device memory of their dense ones.
+_deferred = False
+
+
+@contextmanager
+def deferred_linear_weights(on: bool = True) -> Iterator[None]:
+    """Build linears with their weights on the meta device (``on``)."""
+    global _deferred
+    before, _deferred = _deferred, on
+    try:
+        yield
+    finally:
+        _deferred = before
+
+
+def linear_weight(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
+    """A linear's weight: ``new_param``, or on the meta device while deferred."""
+    if not _deferred:
+        return new_param(shape, spec)
+    param = nn.Parameter(torch.empty(shape, device="meta"))
+    if spec is not None:
+        setattr(param, _SHARD_ATTR, spec)
+    return param
+
+
 # -- layers ----------------------------------------------------------------------
 
 
@@ -218,11 +248,55 @@ class _PrepackedLinear(nn.Module):
     # Adapter slots (engine/lora.py), with --enable-lora: a step with
     # adapter rows adds their low-rank products to every product here.
     lora: "LoRAWeights | None" = None
+    # The weight as GPTQ/AWQ integers (``--quantized-weights packed``), in
+    # place of the dense one: ``weight`` is then a stand-in of its shape,
+    # dtype and device that holds no memory, and every product runs on
+    # these (``ops.int_linear``). A submodule, so set in __init__: a class
+    # attribute would hide it.
+    int_weight: "IntWeight | None"
+    # Whether the weight may be held as integers: not where a module reads
+    # the dense weight itself (the MoE router's fp32 scores).
+    takes_int_weight = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.int_weight = None
+
+    def to_int(self, bits: int, device: torch.device) -> None:
+        """Hold the weight as ``bits``-bit integers (``IntWeight``, filled by
+        the loader) on ``device`` instead of a dense tensor, which is dropped."""
+        dense = self.weight
+        self.int_weight = IntWeight(dense.shape[0], dense.shape[1], bits, shard_spec(dense), fused_pieces(dense),
+                                    device)
+        del self.weight
+        # Not a parameter: one element, expanded. Its shape, dtype and device
+        # are what the layers and the fused paths' checks read.
+        self.weight = torch.empty((), dtype=dense.dtype, device=device).expand(dense.shape)
+
+    def realize(self, device: torch.device) -> None:
+        """Allocate a weight ``deferred_linear_weights`` left on the meta device."""
+        dense = self.weight
+        if dense.device.type != "meta":
+            return
+        param = nn.Parameter(torch.empty(dense.shape, dtype=dense.dtype, device=device))
+        for attr in (_SHARD_ATTR, _PIECES_ATTR):
+            if hasattr(dense, attr):
+                setattr(param, attr, getattr(dense, attr))
+        self.weight = param
+
+    def _dense(self) -> bool:
+        """The fused launches and oneDNN read a dense weight: not an
+        ``int_weight``'s stand-in, nor (``_adapted``) one with adapter
+        products to add."""
+        return self.int_weight is None and self._packed is None and not self._adapted()
 
     def prepack(self) -> None:
         """Pack the weight as it is now; later changes to it are not seen
         (the loader packs once, after the last write)."""
         self._packed = None
+        if self.int_weight is not None:
+            self.int_weight.settle()
+            return
         # The Triton lane (FLUIDSERVE_KERNELS=triton) runs the GPU's linears,
         # the batch-1 kernel included, so it keeps the weight as loaded.
         if can_prepack(self.weight) and ops.kernel_path(self.weight.device) != "triton":
@@ -235,7 +309,9 @@ class _PrepackedLinear(nn.Module):
         where it can be: oneDNN's add post-op on the CPU, elsewhere a GEMM
         that accumulates into the residual in place (so the caller must own
         it). x: [T, in]."""
-        if self._packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
+        if self.int_weight is not None:
+            y = self.int_weight.linear(x, bias, residual, path)
+        elif self._packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
             if residual is not None:
                 y = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._packed, bias, "add")
             else:
@@ -248,6 +324,89 @@ class _PrepackedLinear(nn.Module):
         """This step adds adapter products here: the fused launches, which
         have no place for them, give way to the plain product."""
         return self.lora is not None and self.lora.active
+
+
+class IntWeight(nn.Module):
+    """A linear's weight held as GPTQ/AWQ integers, as kernels/int_linear.py
+    reads them: ``codes`` [rows, features / (32 / bits)] int32, each word
+    ``32 / bits`` input features' codes from the lowest bits up; per group
+    of input features ``zeros`` (uint8) and ``scales`` (fp32) [rows,
+    groups]; ``g_idx`` [features] int32, each feature's group. The weight
+    is ``(codes - zeros[:, g_idx]) * scales[:, g_idx]`` rounded to the
+    model's dtype: the dequantized checkpoint's, bit for bit.
+
+    The loader fills it piece by piece (``load``), as it fills a fused
+    dense weight: the pieces and shard are the dense weight's."""
+
+    def __init__(self, rows: int, features: int, bits: int, spec: ShardSpec | None,
+                 pieces: tuple[Piece, ...] | None, device: torch.device) -> None:  # fmt: skip
+        super().__init__()
+        per_word = 32 // bits
+        if features % per_word:
+            raise ValueError(f"{bits}-bit weights pack {per_word} input features a word; {features} do not divide")
+        self.rows, self.features, self.bits = rows, features, bits
+        self.spec, self.pieces = spec, pieces
+        self.register_buffer("codes", torch.zeros(rows, features // per_word, dtype=torch.int32, device=device))
+        self.register_buffer("zeros", None)
+        self.register_buffer("scales", None)
+        self.register_buffer("g_idx", None)
+        # k // group_size is every feature's group (a checkpoint without
+        # act-order): the kernels read a scale once per word, not per code.
+        self.group_size: int | None = None
+
+    def settle(self) -> None:
+        """After the last ``load``: whether the groups are plain runs (one device sync)."""
+        from fluidserve.kernels import reference
+
+        self.group_size = None if self.g_idx is None else reference.plain_group_size(self.g_idx)
+
+    def load(self, offset: int, part: IntCodes, name: str) -> None:
+        """Rows ``[offset, offset + part rows)`` from ``part``: its groups
+        must be the groups of every other part (a fused q/k/v of act-order
+        GPTQ shares its input's order)."""
+        from fluidserve.kernels import reference
+
+        rows, groups = part.codes.shape[0], part.scales.shape[1]
+        if part.bits != self.bits or part.codes.shape[1] != self.features:
+            raise ValueError(f"weight {name}: {part.bits}-bit codes of {part.codes.shape[1]} features for a "
+                             f"{self.bits}-bit weight of {self.features}")
+        if self.scales is None:
+            device = self.codes.device
+            self.zeros = torch.zeros(self.rows, groups, dtype=torch.uint8, device=device)
+            self.scales = torch.zeros(self.rows, groups, dtype=torch.float32, device=device)
+            self.g_idx = part.g_idx.to(device=device, dtype=torch.int32).contiguous()
+        elif groups != self.scales.shape[1] or not torch.equal(part.g_idx.to(self.g_idx.device), self.g_idx):
+            raise ValueError(f"weight {name}: its groups of input features differ from the other weights fused "
+                             "with it (act-order GPTQ with another order): serve it with --quantized-weights "
+                             "dequantized")
+        with torch.no_grad():
+            self.codes[offset:offset + rows] = reference.int_pack(part.codes.to(self.codes.device), self.bits)
+            self.zeros[offset:offset + rows] = part.zeros
+            self.scales[offset:offset + rows] = part.scales
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
+               path: ops.KernelPath | None = None) -> torch.Tensor:  # fmt: skip
+        """``x W^T + bias`` (plus ``residual``, in place over it), W the weight these integers stand for."""
+        y = ops.int_linear(x, self.codes, self.scales, self.zeros, self.g_idx, self.bits, bias, self.group_size,
+                           path)  # fmt: skip
+        return y if residual is None else residual.add_(y)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.zeros, self.scales, self.g_idx)
+                   if t is not None)
+
+
+def realize_linears(model: nn.Module, int_bits: dict[str, int], device: torch.device) -> None:
+    """After ``deferred_linear_weights``: the linears named in ``int_bits``
+    hold their weights as integers of those bits (``to_int``), every other
+    deferred weight is allocated."""
+    for name, module in model.named_modules():
+        if not isinstance(module, _PrepackedLinear) or module.weight.device.type != "meta":
+            continue
+        if name in int_bits:
+            module.to_int(int_bits[name], device)
+        else:
+            module.realize(device)
 
 
 def prepack_linears(model: nn.Module) -> None:
@@ -281,7 +440,7 @@ class ColumnParallelLinear(_PrepackedLinear):
         local = out_features // num_shards
         spec = ShardSpec(0, index, local, out_features) if num_shards > 1 else None
         self.in_features, self.out_features = in_features, local
-        self.weight = new_param((local, in_features), spec)  # [out / shards, in]
+        self.weight = linear_weight((local, in_features), spec)  # [out / shards, in]
         if bias:
             self.bias = new_param((local,), spec)
         else:
@@ -364,7 +523,7 @@ class MergedColumnParallelLinear(_PrepackedLinear):
             offset += local
         self.in_features, self.out_features = in_features, offset
         self.sizes = [p.rows for p in pieces]  # this rank's output features of each part
-        self.weight = new_param((offset, in_features), None)  # [sum of parts / shards, in]
+        self.weight = linear_weight((offset, in_features), None)  # [sum of parts / shards, in]
         setattr(self.weight, _PIECES_ATTR, tuple(pieces))
         if bias:
             self.bias = new_param((offset,), None)
@@ -381,7 +540,7 @@ class MergedColumnParallelLinear(_PrepackedLinear):
         GEMV's epilogue, ``ops.linear_silu_and_mul``), elsewhere the product
         then the activation."""
         self._check_gated()
-        if self._packed is not None or self._adapted():
+        if not self._dense():
             return ops.silu_and_mul(self._linear(x, self.bias), path)
         return ops.linear_silu_and_mul(x, self.weight, self.bias, path)
 
@@ -392,7 +551,7 @@ class MergedColumnParallelLinear(_PrepackedLinear):
         its prologue, ``ops.norm_linear``). ``norm``: an RMSNorm."""
         if gated:
             self._check_gated()
-        if self._packed is not None or self._adapted():
+        if not self._dense():
             normed = norm(x, path)
             return self.forward_silu_and_mul(normed, path) if gated else self.forward(normed)
         return ops.norm_linear(x, norm.weight, norm.eps, self.weight, self.bias, gated, path)
@@ -414,7 +573,7 @@ class RowParallelLinear(_PrepackedLinear):
         local = tp.divide(in_features, "row-parallel input features")
         spec = ShardSpec(1, tp.rank, local, in_features) if tp.size > 1 else None
         self.in_features, self.out_features = local, out_features
-        self.weight = new_param((out_features, local), spec)  # [out, in / size]
+        self.weight = linear_weight((out_features, local), spec)  # [out, in / size]
         if bias:
             self.bias = new_param((out_features,), None)
         else:
@@ -438,7 +597,7 @@ class RowParallelLinear(_PrepackedLinear):
         """``forward(x) + residual`` as a new tensor, residual left as it is,
         rounded as that separate add rounds: one launch where the batch-1
         GEMV runs on one rank (``ops.linear_add``)."""
-        if self.tp.size == 1 and self._packed is None and not self._adapted():
+        if self.tp.size == 1 and self._dense():
             return ops.linear_add(x, self.weight, residual, self.bias, path)
         return self.forward(x).add_(residual)
 
@@ -484,7 +643,7 @@ class ParallelLMHead(_PrepackedLinear):
         self.tp = tp
         self.vocab_size = vocab_size
         rows, spec = _vocab_shard(vocab_size, tp)
-        self.weight = new_param((rows, hidden), spec)  # [vocab / size, hidden]
+        self.weight = linear_weight((rows, hidden), spec)  # [vocab / size, hidden]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self._linear(hidden, None)  # [S, vocab / size]

@@ -151,6 +151,13 @@ class PackedIntCheckpoint:
         return name.endswith(".qweight")
 
     def dequantize(self, name: str, tensor: torch.Tensor, aux: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+        weight_name, codes = self.unpack(name, tensor, aux)
+        return weight_name, codes.dequantize()
+
+    def unpack(self, name: str, tensor: torch.Tensor, aux: dict[str, torch.Tensor]) -> tuple[str, IntCodes]:
+        """The weight's name and its codes, zero points, scales and groups
+        (``IntCodes``), rows as output features: what both the dequantized
+        weight and the packed one (``--quantized-weights packed``) are made of."""
         prefix = name.removesuffix(".qweight")
         missing = [prefix + s for s in (".qzeros", ".scales") if prefix + s not in aux]
         if missing:
@@ -170,20 +177,91 @@ class PackedIntCheckpoint:
         if scales.shape[1] != outputs or zeros.shape[1] < outputs or zeros.shape[0] != scales.shape[0]:
             raise ValueError(f"weight {name}: scales {tuple(scales.shape)} and zero points {tuple(zeros.shape)} "
                              f"do not fit {features} x {outputs} weights")
-        zeros = zeros[:, :outputs].to(torch.float32)
         size = self.group_size if self.group_size > 0 else features
-        consecutive = torch.arange(features, device=tensor.device) // size
         group = aux.get(prefix + ".g_idx")
-        group = consecutive if group is None else group.to(device=tensor.device, dtype=torch.int64)
-        if group.shape != (features,) or int(group.max()) >= scales.shape[0]:
-            raise ValueError(f"weight {name}: {scales.shape[0]} groups of scales for groups up to "
-                             f"{int(group.max())} of {features} input features")
-        if torch.equal(group, consecutive) and features % size == 0:  # whole groups in order: broadcast them
-            grouped = codes.view(features // size, size, outputs).to(torch.float32)
-            weight = ((grouped - zeros[:features // size, None]) * scales[:features // size, None]).view(features, -1)
-        else:  # act-order: each feature's group by index
-            weight = (codes.to(torch.float32) - zeros[group]) * scales[group]
-        return prefix + ".weight", weight.t().contiguous()
+        if group is None:
+            group = torch.arange(features, device=tensor.device) // size
+        group = group.to(device=tensor.device, dtype=torch.int32)
+        if group.shape != (features,) or int(group.max()) >= scales.shape[0] or int(group.min()) < 0:
+            raise ValueError(f"weight {name}: {scales.shape[0]} groups of scales for groups "
+                             f"{int(group.min())}..{int(group.max())} of {features} input features")
+        return prefix + ".weight", IntCodes(codes.t().to(torch.uint8).contiguous(),
+                                            zeros[:, :outputs].t().to(torch.uint8).contiguous(),
+                                            scales.t().contiguous(), group, self.bits)
+
+
+@dataclass(frozen=True)
+class IntCodes:
+    """A GPTQ or AWQ weight unpacked, rows as output features: ``codes``
+    [out, in] and, per group of input features, ``zeros`` and ``scales``
+    [out, groups]; ``g_idx`` [in] says each input feature's group (in order
+    for most checkpoints, any order for act-order GPTQ). The weight is
+    ``(codes - zeros[:, g_idx]) * scales[:, g_idx]`` in fp32.
+
+    The loader cuts it as it cuts a weight (rows of a fused checkpoint
+    tensor, a tensor-parallel shard), then either dequantizes it or packs it
+    whole into a linear's int weight (engine/parallel.py, ``IntWeight``)."""
+
+    codes: torch.Tensor  # [out, in] uint8
+    zeros: torch.Tensor  # [out, groups] uint8
+    scales: torch.Tensor  # [out, groups] float32
+    g_idx: torch.Tensor  # [in] int32
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] in fp32."""
+        group = self.g_idx.long()
+        return (self.codes.float() - self.zeros.float()[:, group]) * self.scales[:, group]
+
+    def rows(self, index: torch.Tensor | slice) -> IntCodes:
+        """Output features ``index`` (a slice, or row indices), every group kept."""
+        return IntCodes(self.codes[index], self.zeros[index], self.scales[index], self.g_idx, self.bits)
+
+    def narrow(self, dim: int, start: int, length: int) -> IntCodes:
+        """``Tensor.narrow``'s cut: rows (dim 0), or input features (dim 1),
+        which keep every group's scale and zero point (a shard's features
+        may come from any group under act-order)."""
+        if dim == 0:
+            return self.rows(slice(start, start + length))
+        return IntCodes(self.codes[:, start:start + length], self.zeros, self.scales,
+                        self.g_idx[start:start + length], self.bits)
+
+    def index_select(self, dim: int, index: torch.Tensor) -> IntCodes:
+        if dim != 0:
+            raise ValueError("IntCodes reorders output features only")
+        return self.rows(index.to(self.codes.device))
+
+    def pad_rows(self, rows: int) -> IntCodes:
+        """Zero rows after the last up to ``rows`` (a vocabulary shard's padding): weights of 0."""
+        missing = rows - self.codes.shape[0]
+        if missing <= 0:
+            return self
+
+        def grow(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros((missing, t.shape[1]))])
+
+        return IntCodes(grow(self.codes), grow(self.zeros), grow(self.scales), self.g_idx, self.bits)
+
+
+def check_packed_weights(quantization: CheckpointFormat | None, config) -> None:
+    """Refuse ``--quantized-weights packed`` where it cannot hold: a
+    checkpoint that is not GPTQ or AWQ, or with LoRA adapters (their slots
+    sit on dense linears)."""
+    if not isinstance(quantization, PackedIntCheckpoint):
+        what = "an unquantized checkpoint" if quantization is None else f"a {quantization.method} checkpoint"
+        raise ValueError(f"quantized_weights: 'packed' holds GPTQ and AWQ checkpoints' integers, and this is {what} "
+                         "(serve it with --quantized-weights dequantized)")
+    if getattr(config, "enable_lora", False):
+        raise ValueError("quantized_weights: 'packed' with --enable-lora is not supported (adapters add to "
+                         "dense linears): serve with --quantized-weights dequantized")
 
 
 def _packed_int(method: str, config: dict) -> PackedIntCheckpoint:

@@ -27,13 +27,14 @@ from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_mode
 from fluidserve.engine.piecewise import PiecewiseGraphs, token_sizes
 from fluidserve.engine.piecewise import supports as supports_piecewise
-from fluidserve.engine.loader import (build_model, eos_token_ids, init_dummy_weights, load_hf_config, load_tokenizer,
-                                      load_weights, model_context_length, resolve_dtype)
+from fluidserve.engine.loader import (build_model, eos_token_ids, held_weights, init_dummy_weights, int_linears,
+                                      load_hf_config, load_tokenizer, load_weights, model_context_length,
+                                      resolve_dtype)
 from fluidserve.engine.lora import LoRASlots
 from fluidserve.engine.model_runner import ModelRunner
-from fluidserve.engine.parallel import TensorParallel
+from fluidserve.engine.parallel import TensorParallel, realize_linears
 from fluidserve.engine.preemption import PausedForward, Safepoints, StepAbandoned
-from fluidserve.engine.quantization import checkpoint_quantization
+from fluidserve.engine.quantization import check_packed_weights, checkpoint_quantization
 from fluidserve.engine.pooling import pool_rows, resolve_runner
 from fluidserve.engine.prompt_logprobs import score_prompts
 from fluidserve.engine.runtime import pick_device, runtime_for
@@ -121,16 +122,21 @@ class Worker:
         self.cache_dtype = cache_dtype(config.cache.kv_cache_dtype, self.dtype)  # what the KV cache stores
         torch.manual_seed(config.seed)
         self.pools = resolve_runner(config.runner, config.convert, hf_config) == "pooling"  # embeddings
+        packed = config.quantized_weights == "packed"
+        if packed:
+            check_packed_weights(self.quantization, config)
         self.model = build_model(hf_config, self.dtype, self.device, self.tp, pooling=self.pools,
-                                 max_model_len=config.max_model_len or model_context_length(hf_config))
+                                 max_model_len=config.max_model_len or model_context_length(hf_config),
+                                 defer_linears=packed)  # fmt: skip
+        if packed:
+            realize_linears(self.model, int_linears(self.model, model_dir, self.quantization), self.device)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
             # An embedding model's checkpoint may be the base model alone: no LM head, no "model." prefix.
             load_weights(self.model, model_dir, base_only=self.pools, quantization=self.quantization)
             if self.quantization is not None:
-                log.info("%s checkpoint: weights dequantized to %s as they loaded", self.quantization.describe(),
-                         str(self.dtype).removeprefix("torch."))
+                log.info("%s checkpoint: %s", self.quantization.describe(), held_weights(self.model, self.dtype))
         # Adapter slots on every linear (--enable-lora): adapters arrive with the steps (ModelInput.lora_loads).
         self.lora = (LoRASlots(self.model, config.lora.lora_slots, config.max_lora_rank) if config.enable_lora
                      else None)  # fmt: skip

@@ -53,11 +53,12 @@ GROUP_M = 8
 
 
 @triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+def dot_fp32(a, b, acc, DOT_PRECISION: tl.constexpr):
     """``acc + a @ b`` in fp32. "widen" multiplies 16-bit operands as fp32,
     for Triton's interpreter, which multiplies bfloat16 bit patterns
     (triton-lang/triton#11584); products of 16-bit floats are exact in
-    fp32, so it is the tensor cores' arithmetic up to summation order."""
+    fp32, so it is the tensor cores' arithmetic up to summation order.
+    kernels/int_linear.py's dot too."""
     if DOT_PRECISION == "widen":
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
@@ -110,9 +111,9 @@ def _expert_gemm_kernel(
         ks_ok = ks < k_dim - k0
         a = tl.load(a_ptrs, mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
         b_mask = ks_ok[:, None] & cols_ok[None, :]
-        acc = _dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc, DOT_PRECISION)
+        acc = dot_fp32(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc, DOT_PRECISION)
         if GATED:
-            acc_up = _dot(a, tl.load(up_ptrs, mask=b_mask, other=0.0), acc_up, DOT_PRECISION)
+            acc_up = dot_fp32(a, tl.load(up_ptrs, mask=b_mask, other=0.0), acc_up, DOT_PRECISION)
             up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K

@@ -290,6 +290,35 @@ def linear_add(
     return linear(x, weight, bias).add_(residual)
 
 
+def int_linear(
+    x: torch.Tensor,  # [T, K]
+    codes: torch.Tensor,  # [N, K / (32 / bits)] int32
+    scales: torch.Tensor,  # [N, G] fp32
+    zeros: torch.Tensor,  # [N, G] uint8
+    g_idx: torch.Tensor,  # [K] int32
+    bits: int,
+    bias: torch.Tensor | None = None,  # [N]
+    group_size: int | None = None,  # g_idx is k // group_size (``reference.plain_group_size``)
+    path: KernelPath | None = None,
+) -> torch.Tensor:
+    """``x W^T + bias`` for a weight held as GPTQ/AWQ integers (kernels/
+    int_linear.py has the format), W rounded to x's dtype as the
+    dequantized checkpoint's weight is. On the Triton lane up to
+    ``MAX_FUSED_ROWS`` rows run one kernel that reads the packed weight
+    (what decode is: a quarter of a 16-bit weight's bytes at 4 bits); more
+    rows dequantize the weight into a temporary for the device's GEMM,
+    whose time then grows with the rows, not the bytes. Elsewhere the torch
+    reference, which dequantizes on every call."""
+    if path == "triton" if path is not None else _on_triton(x, codes):
+        from fluidserve.kernels import int_linear as kernel
+
+        if x.shape[0] <= kernel.MAX_FUSED_ROWS and kernel.supports(x, codes, bits):
+            return kernel.int_linear(x, codes, scales, zeros, g_idx, bits, bias, group_size=group_size)
+        weight = kernel.dequantize(codes, scales, zeros, g_idx, bits, x.dtype, group_size=group_size)
+        return torch.nn.functional.linear(x, weight, bias)
+    return reference.int_linear(x, codes, scales, zeros, g_idx, bits, bias, group_size)
+
+
 # Whether an eager CUDA step runs the batch-1 row kernels (a decode graph
 # always does). Process-wide: benchmarks time the eager layer both ways
 # (kernel_bench.py --batch1-decode, mode eager-cublas).

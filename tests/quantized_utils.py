@@ -97,17 +97,21 @@ def pack_words(values: torch.Tensor, bits: int, dim: int, nibbles=None) -> torch
     return words.movedim(-1, dim).contiguous()
 
 
-def packed_int(method: str, bits: int, group_size: int, act_order: bool = False, zeros_less_one: bool = True):
+def packed_int(method: str, bits: int, group_size: int, act_order: bool = False, zeros_less_one: bool = True,
+               shared_order: bool = True):
     """A writer's quantizer for GPTQ and AWQ: asymmetric ``bits``-bit codes,
     a float16 scale and a zero point per group of input features (groups
     of shuffled features with ``act_order``, as GPTQ's desc_act writes
-    them, named by ``g_idx``), packed as each format packs them."""
+    them, named by ``g_idx``), packed as each format packs them. GPTQ
+    orders features by its input's statistics, so linears over the same
+    input (q/k/v) share an order; ``shared_order=False`` gives each weight
+    its own."""
     top = (1 << bits) - 1
 
     def quantize(name: str, weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
         outputs, features = weight.shape
         size = group_size if group_size > 0 else features
-        gen = torch.Generator().manual_seed(features * outputs)
+        gen = torch.Generator().manual_seed(features if shared_order else features * outputs)
         group = (torch.randperm(features, generator=gen) if act_order else torch.arange(features)) // size
         groups = int(group.max()) + 1
         w = weight.t()  # [in, out]

@@ -228,3 +228,33 @@ def test_moe_step_reports_each_shape_in_a_graph_against_the_reference(tmp_path):
     done = report("finish", "--summary", summary)
     assert "qwen3-30b-a3b x1: 0.020 ms in a graph, 1887 GB/s, reference 10.0x" in done.stdout
     assert json.loads(summary.read_text())["steps"][0]["figures"]["graph_ms_qwen3-30b-a3b_1"] == 0.02
+
+
+def test_packed_weight_steps_report_batch_1_against_bf16_and_dequantized(tmp_path):
+    """gpu_check's int_linears step gives each packed variant's batch-1
+    bandwidth against bf16 cuBLAS; its packed_decode step the decode time
+    packed against dequantized per batch."""
+    summary = tmp_path / "gpu_check_fake.json"
+    report("init", "--summary", summary, "--device", "Fake GPU", "--plan", "int_linears=int", "packed_decode=packed")
+    rows = [dict(linear="o", n=4096, k=4096, rows=1, bits=None, variant="bf16 cuBLAS", us=10.0, gb_s=3355.0,
+                 rel_err=None, vs_cublas=1.0),
+            dict(linear="o", n=4096, k=4096, rows=1, bits=4, variant="int4 int_linear", us=4.0, gb_s=2097.0,
+                 rel_err=1e-3, vs_cublas=2.5),
+            dict(linear="o", n=4096, k=4096, rows=1, bits=4, variant="int4 dequantize + matmul", us=40.0,
+                 gb_s=210.0, rel_err=None, vs_cublas=0.25)]
+    side = dict(decode_ms={"1": 7.0, "8": 9.0})
+    records = {"int_linears": ("int_linear_bandwidth_fake.json", dict(device="Fake GPU", rows=rows)),
+               "packed_decode": ("packed_weights-fake-llama3-8b.json", dict(formats={"GPTQ": dict(
+                   dequantized=dict(decode_ms={"1": 14.0, "8": 18.0}), packed=side)}))}
+    for key, (name, record) in records.items():
+        result = tmp_path / name
+        result.write_text(json.dumps(record))
+        report("step", "--summary", summary, "--key", key, "--rc", 0, "--seconds", 30, "--limit", 60,
+               "--since", time.time() - 1, "--result", result)  # fmt: skip
+    done = report("finish", "--summary", summary)
+    int_line = next(line for line in done.stdout.splitlines() if line.startswith("| int |"))
+    assert "o int4 int_linear: 2097 GB/s, 2.50x bf16 cuBLAS" in int_line and "dequantize" not in int_line
+    assert "batch 1: packed 7.00 ms vs dequantized 14.00 ms (2.00x)" in done.stdout
+    steps = json.loads(summary.read_text())["steps"]
+    assert steps[0]["figures"]["vs_cublas_o_int4_int_linear"] == 2.5
+    assert steps[1]["figures"]["packed_speedup_b8"] == 2.0

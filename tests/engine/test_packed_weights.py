@@ -1,0 +1,170 @@
+"""GPTQ and AWQ weights held as the checkpoint's integers
+(``--quantized-weights packed``): the linears keep codes, zero points and
+scales (kernels/int_linear.py's format) in place of a dense weight, and
+every product dequantizes them as the loader would have. So the tokens are
+those of the dequantized model (transformers' on the plain checkpoint of
+the weights the codes stand for), on the CPU's reference path and on the
+Triton lane; each tensor-parallel rank's integers stand for its shard of
+the dense weight; the linears hold a quarter of the bytes at 4 bits; and
+what cannot be held packed is refused at start, by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fluidserve.engine import SamplingParams
+from fluidserve.engine.loader import build_model, int_linears, load_hf_config, load_weights
+from fluidserve.engine.parallel import IntWeight, TensorParallel, _PrepackedLinear, realize_linears
+from fluidserve.engine.quantization import checkpoint_quantization
+from fluidserve.kernels import ops, reference
+from quantized_utils import fp8, packed_int, random_model, write_quantized
+from token_paths import PROMPTS, hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
+PACKED = dict(quantized_weights="packed")
+GPTQ4 = (packed_int("gptq", 4, 32), {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False})
+
+
+def _int_weights(llm) -> list[IntWeight]:
+    model = llm.engine.executor.worker.model
+    return [m.int_weight for m in model.modules() if isinstance(m, _PrepackedLinear) and m.int_weight is not None]
+
+
+@pytest.mark.parametrize("arch, quantize, qc", [
+    ("llama", *GPTQ4),
+    # Qwen2's q/k/v biases beside 8-bit codes, GPTQModel's v2 format, act-order groups shared by q/k/v.
+    ("qwen2", packed_int("gptq", 8, 32, act_order=True, zeros_less_one=False), {
+        "quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": True, "checkpoint_format": "gptq_v2"}),
+    # Experts are no linears: they and the router load dense, attention packed.
+    ("qwen3_moe", packed_int("gptq", 4, -1), {"quant_method": "gptq", "bits": 4, "group_size": -1}),
+    ("qwen3", packed_int("awq", 4, 16), {"quant_method": "awq", "bits": 4, "group_size": 16, "version": "GEMM"}),
+    # Phi-3 keeps q/k/v and gate/up fused in the checkpoint: the codes are cut into their parts' rows.
+    ("phi3", packed_int("gptq", 4, 32), {"quant_method": "gptq", "bits": 4, "group_size": 32}),
+], ids=["gptq-4-bit", "gptq-8-bit-act-order", "gptq-experts", "awq-qwen3", "phi3-fused"])
+def test_packed_weights_give_the_tokens_of_the_weights_they_stand_for(make_llm, tmp_path, arch, quantize, qc):
+    checkpoint, plain = tmp_path / "int", tmp_path / "plain"
+    write_quantized(random_model(arch), checkpoint, quantize, qc, plain)
+    llm = make_llm(str(checkpoint), **PACKED)
+    held = _int_weights(llm)
+    assert held and all(w.bits == qc["bits"] for w in held)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(plain), PROMPTS)
+
+
+def test_the_triton_lane_runs_the_packed_kernels_to_the_same_tokens(make_llm, tmp_path, monkeypatch):
+    """FLUIDSERVE_KERNELS=triton: decode steps through the fused kernel, a
+    long prompt through the dequantize kernel and the GEMM, in the interpreter."""
+    checkpoint, plain = tmp_path / "int", tmp_path / "plain"
+    write_quantized(random_model("llama"), checkpoint, *GPTQ4, plain)
+    monkeypatch.setenv(ops.KERNELS_ENV, "triton")
+    from fluidserve.kernels import int_linear
+
+    calls = {"fused": 0, "dequantize": 0}
+    for name, key in (("int_linear", "fused"), ("dequantize", "dequantize")):
+        real = getattr(int_linear, name)
+
+        def counted(*args, _real=real, _key=key, **kwargs):
+            calls[_key] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(int_linear, name, counted)
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+    prompts = [PROMPTS[1], "Hello there. " * 12]  # the second's 156 tokens: past the fused kernel's rows
+    outs = make_llm(str(checkpoint), num_kv_blocks=64, max_model_len=256, **PACKED).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [t[:6] for t in hf_greedy(str(plain), prompts)]
+    assert calls["fused"] and calls["dequantize"], calls
+
+
+def test_a_packed_linear_holds_its_integers_not_a_dense_weight(make_llm, tmp_path):
+    write_quantized(random_model("llama"), tmp_path / "int", *GPTQ4)
+    llm = make_llm(str(tmp_path / "int"), **PACKED)
+    model = llm.engine.executor.worker.model
+    names = {n for n, _ in model.named_parameters()}
+    for name, module in model.named_modules():
+        if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")):
+            w = module.int_weight
+            assert w is not None and f"{name}.weight" not in names, name
+            assert module.weight.untyped_storage().nbytes() == module.weight.element_size()  # a stand-in
+            groups = w.features // 32
+            # 4 bits a weight; a uint8 zero point and an fp32 scale a group of 32; an int32 group a feature
+            assert w.nbytes() == w.rows * w.features // 2 + w.rows * groups * (1 + 4) + w.features * 4, name
+    assert "lm_head.weight" in names or "model.embed_tokens.weight" in names  # not quantized: dense
+    dense = sum(w.rows * w.features * 4 for w in _int_weights(llm))  # as fp32 weights
+    assert sum(w.nbytes() for w in _int_weights(llm)) < dense / 5
+
+
+def test_each_tensor_parallel_rank_packs_its_shard(tmp_path):
+    """Groups of 24 shuffled features straddle the ranks' halves: a
+    row-parallel shard keeps every group's scale and its features' groups;
+    each rank's integers stand for the plain model's shard, bit for bit."""
+    checkpoint, plain_dir = tmp_path / "int", tmp_path / "plain"
+    quantize = packed_int("gptq", 4, 24, act_order=True)
+    write_quantized(random_model("llama"), checkpoint, quantize, {"quant_method": "gptq", "bits": 4,
+                                                                  "group_size": 24}, plain_dir)
+    config = load_hf_config(checkpoint)
+    fmt = checkpoint_quantization(config)
+    for rank in range(2):
+        tp = TensorParallel(rank=rank, size=2)
+        ours = build_model(config, torch.float32, torch.device("cpu"), tp, defer_linears=True)
+        realize_linears(ours, int_linears(ours, checkpoint, fmt), torch.device("cpu"))
+        load_weights(ours, checkpoint, quantization=fmt)
+        plain = build_model(config, torch.float32, torch.device("cpu"), tp)
+        load_weights(plain, plain_dir)
+        dense = dict(plain.named_parameters())
+        packed = 0
+        for name, module in ours.named_modules():
+            w = getattr(module, "int_weight", None)
+            if w is None:
+                continue
+            weight = reference.int_dequantize(w.codes, w.scales, w.zeros, w.g_idx, w.bits, torch.float32)
+            assert torch.equal(weight, dense[f"{name}.weight"]), f"rank {rank}: {name}"
+            packed += 1
+        assert packed == 4 * config.num_hidden_layers
+
+
+def test_a_checkpoint_that_keeps_some_linears_in_floats_packs_the_rest(make_llm, tmp_path):
+    checkpoint, plain = tmp_path / "int", tmp_path / "plain"
+    quantize = packed_int("gptq", 4, 32)
+
+    def some(name: str, weight: torch.Tensor):  # o_proj left in floats, as modules_to_not_convert leaves it
+        return ({name: weight}, weight) if "o_proj" in name else quantize(name, weight)
+
+    write_quantized(random_model("llama"), checkpoint, some, GPTQ4[1], plain)
+    llm = make_llm(str(checkpoint), **PACKED)
+    model = llm.engine.executor.worker.model
+    o_proj = [m for n, m in model.named_modules() if n.endswith("o_proj")]
+    assert o_proj and all(m.int_weight is None and isinstance(m.weight, torch.nn.Parameter) for m in o_proj)
+    assert len(_int_weights(llm)) == 3 * len(o_proj)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(plain), PROMPTS)
+
+
+def test_packed_weights_are_refused_where_they_cannot_hold(make_llm, tmp_path, tiny_model):
+    write_quantized(random_model("llama"), tmp_path / "fp8", fp8((32, 32), "_scale_inv"),
+                    {"quant_method": "fp8", "weight_block_size": [32, 32]})
+    write_quantized(random_model("llama"), tmp_path / "int", *GPTQ4)
+    cases = [
+        (str(tmp_path / "fp8"), {}, "this is a fp8 checkpoint"),
+        (tiny_model("llama"), {}, "this is an unquantized checkpoint"),
+        (str(tmp_path / "int"), {"enable_lora": True}, "with --enable-lora is not supported"),
+    ]
+    for model, extra, message in cases:
+        with pytest.raises(ValueError, match=message):
+            make_llm(model, **PACKED, **extra)
+
+
+def test_fused_parts_whose_groups_are_ordered_apart_load_dequantized(make_llm, tmp_path):
+    """Act-order GPTQ run on each of q, k and v alone orders each one's
+    features apart: one ``g_idx`` cannot hold them, so q/k/v load dense
+    and the rest packed."""
+    checkpoint, plain = tmp_path / "int", tmp_path / "plain"
+    quantize = packed_int("gptq", 4, 32, act_order=True, shared_order=False)
+    write_quantized(random_model("llama"), checkpoint, quantize, GPTQ4[1], plain)
+    llm = make_llm(str(checkpoint), **PACKED)
+    model = llm.engine.executor.worker.model
+    held = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if getattr(m, "int_weight", None) is not None}
+    # The writer seeds each order by the weight's shape: q's and k's differ, gate's and up's agree.
+    assert held == {"o_proj", "gate_up_proj", "down_proj"}
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(plain), PROMPTS)
