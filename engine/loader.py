@@ -486,7 +486,7 @@ def held_weights(model: nn.Module, dtype: torch.dtype) -> str:
     held = sum(w.nbytes() for w in ints)
     dense = sum(w.rows * w.features for w in ints) * torch.empty((), dtype=dtype).element_size()
     return (f"{len(ints)} linears hold {ints[0].bits}-bit weights packed, {held / 2**20:.1f} MiB against "
-            f"{dense / 2**20:.1f} MiB in {name}; the rest dequantized to {name}")
+            f"{dense / 2**20:.1f} MiB in {name}; any other quantized weight dequantized to {name}")
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

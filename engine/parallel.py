@@ -355,10 +355,21 @@ class IntWeight(nn.Module):
         self.group_size: int | None = None
 
     def settle(self) -> None:
-        """After the last ``load``: whether the groups are plain runs (one device sync)."""
+        """After the last ``load``: whether the groups are plain runs (a few
+        device syncs). A row-parallel shard of a plain checkpoint holds a run
+        of groups from the middle (its input features): those groups alone
+        are kept, renumbered from 0, so its kernels read scales per word too."""
         from fluidserve.kernels import reference
 
-        self.group_size = None if self.g_idx is None else reference.plain_group_size(self.g_idx)
+        if self.g_idx is None:
+            return
+        low, high = int(self.g_idx.min()), int(self.g_idx.max()) + 1
+        shifted = self.g_idx - low
+        self.group_size = reference.plain_group_size(shifted)
+        if self.group_size is not None and (low, high) != (0, self.scales.shape[1]):
+            self.g_idx = shifted
+            self.scales = self.scales[:, low:high].contiguous()
+            self.zeros = self.zeros[:, low:high].contiguous()
 
     def load(self, offset: int, part: IntCodes, name: str) -> None:
         """Rows ``[offset, offset + part rows)`` from ``part``: its groups

@@ -94,14 +94,17 @@ def test_a_packed_linear_holds_its_integers_not_a_dense_weight(make_llm, tmp_pat
     assert sum(w.nbytes() for w in _int_weights(llm)) < dense / 5
 
 
-def test_each_tensor_parallel_rank_packs_its_shard(tmp_path):
+@pytest.mark.parametrize("group_size, act_order", [(24, True), (32, False)], ids=["act-order", "plain"])
+def test_each_tensor_parallel_rank_packs_its_shard(tmp_path, group_size, act_order):
     """Groups of 24 shuffled features straddle the ranks' halves: a
-    row-parallel shard keeps every group's scale and its features' groups;
-    each rank's integers stand for the plain model's shard, bit for bit."""
+    row-parallel shard keeps every group's scale and its features' groups.
+    Plain groups of 32 split between groups: a shard keeps its own groups,
+    renumbered, so its kernels read scales per word. Either way each rank's
+    integers stand for the plain model's shard, bit for bit."""
     checkpoint, plain_dir = tmp_path / "int", tmp_path / "plain"
-    quantize = packed_int("gptq", 4, 24, act_order=True)
+    quantize = packed_int("gptq", 4, group_size, act_order=act_order)
     write_quantized(random_model("llama"), checkpoint, quantize, {"quant_method": "gptq", "bits": 4,
-                                                                  "group_size": 24}, plain_dir)
+                                                                  "group_size": group_size}, plain_dir)
     config = load_hf_config(checkpoint)
     fmt = checkpoint_quantization(config)
     for rank in range(2):
@@ -119,6 +122,9 @@ def test_each_tensor_parallel_rank_packs_its_shard(tmp_path):
                 continue
             weight = reference.int_dequantize(w.codes, w.scales, w.zeros, w.g_idx, w.bits, torch.float32)
             assert torch.equal(weight, dense[f"{name}.weight"]), f"rank {rank}: {name}"
+            assert w.group_size == (None if act_order else group_size), f"rank {rank}: {name}"
+            if not act_order:  # this shard's groups alone
+                assert w.scales.shape[1] == w.features // group_size, f"rank {rank}: {name}"
             packed += 1
         assert packed == 4 * config.num_hidden_layers
 
