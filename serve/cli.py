@@ -259,8 +259,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info: the tokenizer's configuration and chat template")
     s.add_argument("--trust-request-chat-template", action="store_true",
-                   help="let a chat request bring its own Jinja chat template (chat_template); without it such a "
-                        "request is a 400 (templates render in transformers' sandbox, but run the client's code)")
+                   help="let a chat request (or an embeddings conversation) bring its own Jinja chat template "
+                        "(chat_template); without it such a request is a 400 (templates render in transformers' "
+                        "sandbox, but run the client's code)")
     s.add_argument("--max-stored-responses", type=int, default=10_000,
                    help="Responses API: the most replies kept for previous_response_id and "
                         "GET /v1/responses/{id}, the least recently made or continued going first (0: none kept)")

@@ -40,7 +40,6 @@ _REFUSED: dict[str, Callable[[Any], bool]] = {
     "padding": _off("do_not_pad"),
     "mm_processor_kwargs": _off(),
     "media_io_kwargs": _off(),
-    "chat_template": _off(),
 }
 
 
@@ -81,6 +80,8 @@ class PooledRequest(PoolingFields):
     add_generation_prompt: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # The conversation's own Jinja template, with --trust-request-chat-template (as on the chat route).
+    chat_template: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -101,7 +102,7 @@ class PooledRequest(PoolingFields):
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input: must not be empty")
         if self.messages is None:
-            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template"):
                 if getattr(self, name):
                     raise ValueError(f"{name}: applies to the chat form (messages) only")
         _check_template_flags(self)

@@ -663,12 +663,14 @@ def check_model(requested: str | None, served: ModelInfo) -> None:
 
 class _Conversation:
     """One conversation of an embeddings request's ``messages``, in the shape
-    ``_render_chat`` reads (no tools, the model's own template, no documents)."""
+    ``_render_chat`` reads (no tools, no documents; the request's template
+    where it brings one and the server trusts it)."""
 
-    tools = chat_template = documents = None
+    tools = documents = None
 
     def __init__(self, messages: list[ChatMessage], req: Any) -> None:
         self.messages = messages
+        self.chat_template = req.chat_template
         self.add_generation_prompt = req.add_generation_prompt
         self.continue_final_message = req.continue_final_message
         self.chat_template_kwargs = req.chat_template_kwargs

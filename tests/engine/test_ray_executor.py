@@ -164,6 +164,21 @@ def test_tp2_lora_adapters_like_peft(ray_cluster, tiny_model, tmp_path):
         llm.engine.shutdown()
 
 
+@pytest.mark.slow
+def test_tp2_packed_gptq_weights_like_local(ray_cluster, tmp_path):
+    """``--quantized-weights packed`` under tensor parallelism: each rank
+    packs its shard of every linear (act-order groups of 24 straddling the
+    row-parallel halves; q/k/v biases; a KV head a rank), and the
+    all-reduced products give the local engine's tokens."""
+    from quantized_utils import packed_int, random_model, write_quantized
+
+    path = str(tmp_path / "gptq")
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 24, "desc_act": True}
+    write_quantized(random_model("qwen2"), tmp_path / "gptq", packed_int("gptq", 4, 24, act_order=True), qc)
+    local = _generate(path, quantized_weights="packed")
+    assert _generate(path, **TP2, quantized_weights="packed") == local
+
+
 def test_tp2_prompt_logprobs_like_local(ray_cluster, tiny_model):
     """Prompt logprobs project every prompt position through the LM head in
     slices, each gathered on rank 0: every rank must take part in every

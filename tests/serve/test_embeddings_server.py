@@ -137,6 +137,26 @@ def test_chat_form_embeds_the_rendered_conversation(server, reference):
             assert np.abs(np.array(d["embedding"]) - reference(rendered(talk, add_generation_prompt=True))).max() < TOL
 
 
+def test_a_trusted_server_embeds_a_conversation_through_the_requests_template(model_dir, reference):
+    """With --trust-request-chat-template the chat form renders through the
+    request's ``chat_template``, as the chat route does: the vector is that
+    of the text the template writes."""
+    from fluidserve.serve.api import ServerSettings
+
+    srv = start_server(model_dir, ServerSettings(trust_request_chat_template=True), runner="pooling",
+                       max_model_len=64)
+    try:
+        template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+        talk = [{"role": "user", "content": "Where do foxes live?"}]
+        r = post(srv, {"messages": talk, "chat_template": template, "encoding_format": "float"})
+        assert r.status_code == 200, r.text
+        ids = list(srv.engine.tokenizer.encode("[user] Where do foxes live?\n", add_special_tokens=False))
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        assert np.abs(np.array(r.json()["data"][0]["embedding"]) - reference(ids)).max() < TOL
+    finally:
+        srv.stop()
+
+
 def test_use_activation_false_leaves_the_vector_unnormalized(server, model_dir):
     r = post(server, {"input": "Hello!", "use_activation": False})
     vec = np.array(r.json()["data"][0]["embedding"])
@@ -153,7 +173,9 @@ def test_use_activation_false_leaves_the_vector_unnormalized(server, model_dir):
     ({"input": "hi", "dimensions": 0}, 400, "dimensions"),
     ({"input": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "messages"),
     ({"input": "hi", "add_generation_prompt": True}, 400, "add_generation_prompt"),
+    # A request's own template needs --trust-request-chat-template (this server lacks it), and the chat form.
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}, 400, "chat_template"),
+    ({"input": "hi", "chat_template": "{{ 1 }}"}, 400, "chat_template"),
     ({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True,
       "continue_final_message": True}, 400, "continue_final_message"),
     ({"messages": []}, 400, "messages"),
