@@ -19,7 +19,7 @@ from fluidserve.engine.parallel import IntWeight, TensorParallel, _PrepackedLine
 from fluidserve.engine.quantization import checkpoint_quantization
 from fluidserve.kernels import ops, reference
 from quantized_utils import fp8, packed_int, random_model, write_quantized
-from token_paths import PROMPTS, hf_greedy
+from token_paths import PROMPTS, assert_agree_but_for_near_ties, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
 PACKED = dict(quantized_weights="packed")
@@ -174,3 +174,23 @@ def test_fused_parts_whose_groups_are_ordered_apart_load_dequantized(make_llm, t
     assert held == {"o_proj", "gate_up_proj", "down_proj"}
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(plain), PROMPTS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantize, qc", [
+    GPTQ4, (packed_int("gptq", 8, 32, act_order=True), {"quant_method": "gptq", "bits": 8, "group_size": 32}),
+], ids=["gptq-4-bit", "gptq-8-bit-act-order"])
+def test_on_a_gpu_packed_weights_give_the_dequantized_models_tokens(make_llm, tmp_path, quantize, qc, dtype):
+    """On CUDA, decode graphs on (the default): decode steps through the
+    fused kernel inside the graphs, a 156-token prompt through dequantize
+    and cuBLAS; the tokens of the same checkpoint dequantized on the GPU,
+    but for near-ties (the products' sums run in another order)."""
+    write_quantized(random_model("llama"), tmp_path / "int", quantize, qc)
+    prompts = [*PROMPTS, "Hello there. " * 12]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    kwargs = dict(device="cuda", dtype=dtype, num_kv_blocks=256, enforce_eager=False)
+    ref = make_llm(str(tmp_path / "int"), **kwargs).generate(prompts, params)
+    got = make_llm(str(tmp_path / "int"), **kwargs, **PACKED).generate(prompts, params)
+    assert_agree_but_for_near_ties(got, ref, f"packed {qc['bits']}-bit {dtype}")
