@@ -28,6 +28,10 @@ ROUTING_POLICIES = ("prefix-aware", "least-loaded", "round-robin")
 # here so that the CLI, which sets OpenMP's policy before torch loads,
 # reads them without importing torch).
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
+# vLLM's names for its Marlin kernels over the same checkpoints: a vLLM
+# command line naming them names the checkpoint's method (how the weights
+# are held is --quantized-weights').
+QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 # How a GPTQ/AWQ checkpoint's weights are held (engine/loader.py, int_linears).
 QUANTIZED_WEIGHTS = ("dequantized", "packed")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32", "fp16", "bf16", "fp32")
@@ -97,7 +101,7 @@ class EngineConfig(ConfigTree):
         None, "the quantized checkpoint's method, which config.json declares anyway: fp8 (block- or "
               "tensor-scaled FP8), compressed-tensors (FP8), gptq (4- and 8-bit) or awq (4-bit GEMM); its weights "
               "are dequantized to --dtype as they load (weights are never quantized at load)",
-        aliases=("-q",), choices=QUANTIZATION_METHODS)
+        aliases=("-q",), choices=QUANTIZATION_METHODS + tuple(QUANTIZATION_ALIASES))
     quantized_weights: str = setting(
         "dequantized", "how a GPTQ or AWQ checkpoint's weights are held: dequantized (in --dtype, the memory and "
                        "speed of the full-precision model) or packed (as the checkpoint's integers, a quarter of "

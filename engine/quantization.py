@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from fluidserve.engine.config import QUANTIZATION_METHODS
+from fluidserve.engine.config import QUANTIZATION_ALIASES, QUANTIZATION_METHODS
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_NAMES = ("F8_E4M3", "F8_E5M2")  # safetensors' names of the two
@@ -312,7 +312,9 @@ def checkpoint_quantization(hf_config, requested: str | None = None) -> Checkpoi
     """The weight format ``config.json``'s ``quantization_config`` declares,
     or None for an unquantized checkpoint. ``requested`` (``--quantization``)
     must name the checkpoint's own method: weights are never quantized at
-    load. Raises ValueError naming what is not supported."""
+    load; vLLM's Marlin names (``gptq_marlin``, ``awq_marlin``) name theirs.
+    Raises ValueError naming what is not supported."""
+    requested = QUANTIZATION_ALIASES.get(requested, requested)
     config = _as_dict(getattr(hf_config, "quantization_config", None))
     if not config:
         if requested is not None:

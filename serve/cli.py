@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from fluidserve.engine.config import QUANTIZATION_METHODS
+from fluidserve.engine.config import QUANTIZATION_ALIASES, QUANTIZATION_METHODS
 from fluidserve.engine.sampling_params import STRUCTURED_OUTPUT_BACKENDS
 from fluidserve.kvcache.config import KV_CACHE_DTYPES
 from fluidserve.serve.reasoning import REASONING_PARSERS
@@ -39,8 +39,9 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--kv-cache-dtype": "the KV cache stores auto (the model's dtype), fp8, fp8_e4m3 or fp8_e5m2",
     "--tool-parser-plugin": "tool-call parser plugins are not supported (built in: --tool-call-parser "
                             "hermes | llama3_json)",
-    "--quantization": "quantized checkpoints load as fp8, compressed-tensors (FP8), gptq or awq",
-    "-q": "quantized checkpoints load as fp8, compressed-tensors (FP8), gptq or awq",
+    "--quantization": "quantized checkpoints load as fp8, compressed-tensors (FP8), gptq or awq (gptq_marlin, "
+                      "awq_marlin)",
+    "-q": "quantized checkpoints load as fp8, compressed-tensors (FP8), gptq or awq (gptq_marlin, awq_marlin)",
     "--max-cpu-loras": "every LoRA adapter stays on the device (--max-loras slots): there is no host cache of "
                        "adapters to size",
     "--fully-sharded-loras": "LoRA adapters shard as their base weights do (B rows or A columns per rank)",
@@ -53,8 +54,9 @@ UNSUPPORTED_VLLM_FLAGS = {
     "--tokenizer-mode": "tokenizers load through transformers' AutoTokenizer only",
     "--rope-scaling": "overriding the model's RoPE scaling is not supported",
 }
-_HARMLESS_VALUES = {"--kv-cache-dtype": set(KV_CACHE_DTYPES), "--quantization": set(QUANTIZATION_METHODS),
-                    "-q": set(QUANTIZATION_METHODS), "--tokenizer-mode": {"auto"}, "--lora-dtype": {"auto"},
+_QUANTIZATION_NAMES = set(QUANTIZATION_METHODS) | set(QUANTIZATION_ALIASES)
+_HARMLESS_VALUES = {"--kv-cache-dtype": set(KV_CACHE_DTYPES), "--quantization": _QUANTIZATION_NAMES,
+                    "-q": _QUANTIZATION_NAMES, "--tokenizer-mode": {"auto"}, "--lora-dtype": {"auto"},
                     "--pipeline-parallel-size": {"1"}, "-pp": {"1"},
                     "--guided-decoding-backend": set(STRUCTURED_OUTPUT_BACKENDS)}
 _VALUELESS = {"--fully-sharded-loras"}

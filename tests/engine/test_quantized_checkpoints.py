@@ -152,6 +152,12 @@ def test_the_loader_refuses_what_it_cannot_dequantize(make_llm, tmp_path):
     path = tmp_path / "named"
     write_quantized(model, path, blocks, block)
     assert make_llm(str(path), quantization="fp8").generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
+    # vLLM's Marlin names name GPTQ and AWQ checkpoints: the right one serves, the other is a mismatch.
+    path = tmp_path / "gptq"
+    write_quantized(model, path, packed_int("gptq", 4, 32), {"quant_method": "gptq", "bits": 4, "group_size": 32})
+    assert make_llm(str(path), quantization="gptq_marlin").generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="'awq' does not match the checkpoint's quant_method 'gptq'"):
+        make_llm(str(path), quantization="awq_marlin")
 
 
 @pytest.mark.gpu

@@ -69,6 +69,12 @@ def test_a_quantization_method_reaches_the_engine_config():
     assert cli.engine_config_from_args(parse("/m")).quantization is None
     assert cli.engine_config_from_args(parse("/m", "-q", "awq")).quantization == "awq"
     cli.check_unsupported(["serve", "m", "-q", "fp8", "--quantization=compressed-tensors", "-q", "gptq"])
+    # vLLM's Marlin names: a vLLM command line for a GPTQ or AWQ checkpoint runs unchanged.
+    cli.check_unsupported(["serve", "m", "-q", "gptq_marlin", "--quantization=awq_marlin"])
+    assert cli.engine_config_from_args(parse("/m", "-q", "gptq_marlin")).quantization == "gptq_marlin"
+    config = cli.engine_config_from_args(parse("/m", "--quantized-weights", "packed"))
+    assert config.quantized_weights == "packed"
+    assert cli.engine_config_from_args(parse("/m")).quantized_weights == "dequantized"
 
 
 @pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2"])
