@@ -36,9 +36,10 @@
 #                                      reference at Qwen3-30B-A3B's and Mixtral-8x7B's
 #                                      layers (--quick: 1 and 512 tokens)
 #   int linears            60 / 45 s   benchmarks/int_linear_bandwidth.py: GPTQ/AWQ-style
-#                                      4- and 8-bit weights kept packed
-#                                      (kernels/int_linear.py) against bf16 cuBLAS
-#                                      and the bf16 GEMV at Llama-3-8B's linears
+#                                      4- and 8-bit and float8 weights kept as stored
+#                                      (kernels/int_linear.py, fp8_linear.py) against
+#                                      bf16 cuBLAS and the bf16 GEMV at Llama-3-8B's
+#                                      linears
 #   packed decode         120 / 90 s   benchmarks/packed_weights.py --preset llama3-8b:
 #                                      a random 4-bit GPTQ checkpoint served packed
 #                                      against dequantized, decode at batch 1 and 8
@@ -193,7 +194,7 @@ declare -A NAMES=(
     [throughput]="throughput vs transformers, graphs"
     [kernel_bench]="kernel benchmark"
     [moe]="MoE experts, Triton vs torch"
-    [int_linears]="int4/int8 packed linears vs bf16"
+    [int_linears]="int4, int8 and fp8 linears vs bf16"
     [packed_decode]="packed GPTQ weights vs dequantized, decode"
     [linears]="batch-1 linears in a row, plain and dependent"
     [profile]="decode profile"

@@ -1,6 +1,7 @@
-"""Weight-only int4/int8 linears (kernels/int_linear.py) against bf16 at a
-Llama-3-8B layer's shapes: how much of the packed weight's smaller read
-turns into time at decode's few rows.
+"""Weight-only int4/int8 linears (kernels/int_linear.py) and float8 ones
+(kernels/fp8_linear.py) against bf16 at a Llama-3-8B layer's shapes: how
+much of the quantized weight's smaller read turns into time at decode's
+few rows.
 
 For each linear (fused qkv, o, fused gate/up, down), rows M in 1, 4, 16,
 and 4 and 8 bits with groups of 128 (random codes, scales and zeros):
@@ -11,6 +12,10 @@ and 4 and 8 bits with groups of 128 (random codes, scales and zeros):
   each code's scale and zero gathered through ``g_idx``;
 * ``dequantize + matmul``: the many-row plan, the weight dequantized into a
   bf16 buffer, then cuBLAS;
+* ``fp8 e4m3 fp8_linear``: the float8 kernel, 128-wide blocks' scales
+  (a scale a row and block: G = K / 128, ``group_size=128``, read once per
+  row and block); ``fp8 e4m3 dequantize + matmul`` as the int one (random
+  finite e4m3 bytes and scales);
 * ``bf16 GEMV``: ``ops.linear`` on the bf16 weight at one row
   (kernels/gemv.py where the engine runs it);
 * ``bf16 cuBLAS``: ``F.linear`` on the bf16 weight.
@@ -18,8 +23,9 @@ and 4 and 8 bits with groups of 128 (random codes, scales and zeros):
 Times are medians of CUDA-event-timed CUDA graph replays, each call after
 an L2 flush (``kernel_bench.graph_ms``). GB/s is the weight's bytes over
 the time: the packed words for the int rows (scales and zeros left out:
-5 bytes a group of 128), 2 bytes an element for bf16. ``vs cuBLAS`` is the
-bf16 ``F.linear`` time over the row's. Each int_linear output is checked
+5 bytes a group of 128), 1 byte an element for fp8 (scales left out: 4
+bytes a row's block of 128), 2 bytes an element for bf16. ``vs cuBLAS`` is
+the bf16 ``F.linear`` time over the row's. Each fused output is checked
 against dequantize + matmul (largest difference over the largest output).
 
     python benchmarks/int_linear_bandwidth.py [--out benchmarks/results]
@@ -62,8 +68,18 @@ def packed_weight(n: int, k: int, bits: int, act_order: bool) -> tuple[torch.Ten
     return codes, scales, zeros, g_idx.to(torch.int32)
 
 
+def fp8_weight(n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """Random e4m3 operands on the GPU with 128-wide blocks' scales: any
+    byte but the two NaNs (S.1111.111) is a finite e4m3 value."""
+    bits = torch.randint(0, 256, (n, k), dtype=torch.uint8, device=DEVICE)
+    bits[(bits & 0x7F) == 0x7F] = 0x7E
+    scales = torch.rand(n, k // GROUP, device=DEVICE) * 2e-3 + 1e-3
+    g_idx = (torch.arange(k, device=DEVICE) // GROUP).to(torch.int32)
+    return bits.view(torch.float8_e4m3fn), scales, g_idx
+
+
 def bench_shape(name: str, n: int, k: int) -> list[dict]:
-    from fluidserve.kernels import int_linear, ops
+    from fluidserve.kernels import fp8_linear, int_linear, ops
 
     torch.manual_seed(0)
     w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * k**-0.5
@@ -105,6 +121,20 @@ def bench_shape(name: str, n: int, k: int) -> list[dict]:
                 if not act_order:
                     row(m, bits, f"int{bits} dequantize + matmul", unpacked, nbytes)
                 del codes, scales, zeros, g_idx, buffer
+        fp8_args = fp8_weight(n, k)
+        buffer = torch.empty(n, k, device=DEVICE, dtype=torch.bfloat16)
+
+        def fp8_unpacked(x=x, args=fp8_args, buffer=buffer) -> torch.Tensor:
+            return torch.matmul(x, fp8_linear.dequantize(*args, torch.bfloat16, buffer, group_size=GROUP).t())
+
+        def fp8_fused(x=x, args=fp8_args) -> torch.Tensor:
+            return fp8_linear.fp8_linear(x, *args, group_size=GROUP)
+
+        expected = fp8_unpacked()
+        err = ((fp8_fused().float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+        row(m, 8, "fp8 e4m3 fp8_linear", fp8_fused, n * k, err)
+        row(m, 8, "fp8 e4m3 dequantize + matmul", fp8_unpacked, n * k)
+        del fp8_args, buffer
         for r in rows:
             if r["rows"] == m:
                 r["vs_cublas"] = cublas["us"] / r["us"]
@@ -112,11 +142,12 @@ def bench_shape(name: str, n: int, k: int) -> list[dict]:
 
 
 def markdown(record: dict) -> str:
-    lines = [f"# Weight-only int linears at Llama-3-8B shapes, {record['device']}", "",
+    lines = [f"# Weight-only int and fp8 linears at Llama-3-8B shapes, {record['device']}", "",
              f"{record['versions']}; {record['time']}. Median of CUDA-event-timed graph replays, each call after an "
              "L2 flush. GB/s: the weight's bytes over the time (the packed words for int, scales and zeros left "
-             "out; 2 bytes an element for bf16). vs cuBLAS: bf16 `F.linear`'s time over the row's (above 1 is "
-             "faster). Groups of 128; act-order: groups in random order, gathered per code. rel err: int_linear "
+             "out; 1 byte an element for fp8, scales left out; 2 bytes an element for bf16). vs cuBLAS: bf16 "
+             "`F.linear`'s time over the row's (above 1 is faster). Groups of 128 (fp8: a scale a row and "
+             "128-wide block); act-order: groups in random order, gathered per code. rel err: the fused kernel "
              "against dequantize + matmul.", "",
              "| linear | N x K | rows | variant | us | GB/s | vs cuBLAS | rel err |",
              "|---|---|---:|---|---:|---:|---:|---:|"]  # fmt: skip

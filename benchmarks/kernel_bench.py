@@ -50,7 +50,8 @@ GPU machines run Triton 3.6, whose code differs: the same command under it
 ``kernels_compile_sm90-triton3.6.*`` beside. It compiles the MoE experts'
 kernels (kernels/moe.py) too, at the launches a Qwen3-30B-A3B and a
 Mixtral-8x7B layer make at 1 and 4096 tokens, and the weight-only int
-linears (kernels/int_linear.py) on a Llama-3-8B o projection.
+linears (kernels/int_linear.py) and float8 ones (kernels/fp8_linear.py) on
+a Llama-3-8B o projection.
 
 ``--moe`` times ``ops.fused_experts`` on those two layers' shapes (bf16)
 over a sweep of token counts: the Triton path launched eagerly and as a
@@ -1070,6 +1071,36 @@ def int_linear_compile_report() -> list[dict]:
     return rows
 
 
+def fp8_linear_compile_report() -> list[dict]:
+    """kernels/fp8_linear.py's launches on a Llama-3-8B o projection (4096 x
+    4096, bf16), e4m3 and e5m2: the fused kernel at 1, 16 and 32 rows and
+    the dequantizing one, with 128-wide blocks' scales read per run
+    (``group_size=128``), one scale a row (G = 1) and scales gathered
+    through ``g_idx``, as the wrappers launch them."""
+    from fluidserve.kernels import fp8_linear
+
+    rows, n, k = [], 4096, 4096
+    g_idx = torch.empty(k, dtype=torch.int32)
+    for dtype in fp8_linear.FP8_DTYPES:
+        weight = torch.empty((n, k), dtype=dtype)
+        for groups, group_size, label in ((32, 128, "blocks of 128"), (1, k, "a scale a row"),
+                                          (32, None, "gathered")):  # fmt: skip
+            args = (weight, torch.empty((n, groups)), g_idx)
+            xs = {f"{m} row{'s' * (m > 1)}": torch.empty((m, k), dtype=torch.bfloat16) for m in (1, 16, 32)}
+            calls = [(what, partial(fp8_linear.fp8_linear, x, *args, group_size=group_size)) for what, x in xs.items()]
+            calls.append(("dequantize", partial(fp8_linear.dequantize, *args, torch.bfloat16, group_size=group_size)))
+            for what, call in calls:
+                (fn, kernel_args, constexprs, options), = _launches_of(call)
+                res = _compile_offline(fn, kernel_args, constexprs, (), options)
+                tile = "x".join(str(constexprs[c]) for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "RUN") if c in constexprs)
+                res.update(kernel="fp8_linear", variant=f"{str(dtype).removeprefix('torch.float8_')}, {what}, "
+                           f"{label}, {tile}")  # fmt: skip
+                rows.append(res)
+                print(f"fp8_linear {res['variant']:48s} warps={res['num_warps']} regs={res['registers']} "
+                      f"stack={res['stack_bytes']} local={res['local_bytes']} ({res['compile_s']:.1f} s)")
+    return rows
+
+
 def _engine_gemv(gemv, block_n: int, block_k: int, warps: int, gated: bool, norm: bool) -> bool:
     """Whether this is the launch shape the engine gives a Llama-3-8B GEMV."""
     return (block_n, block_k, warps) == (gemv.BLOCK_N // 2 if gated else gemv.BLOCK_N, gemv.MAX_BLOCK_K,
@@ -1235,7 +1266,7 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
             "Dependent launches (`FLUIDSERVE_GEMV_PDL`): the grid-dependency wait in the code, and the bulk L2 "
             "prefetch instructions in it (one per weight half).",
             {"launch shape": "variant", "wait": "grid_dependency", "L2 prefetches": "l2_prefetches"}, gemvs)
-    others = [r for r in rows if r.get("kernel") not in (None, "attention", "gemv", "moe", "int_linear")]
+    others = [r for r in rows if r.get("kernel") not in (None, "attention", "gemv", "moe", "int_linear", "fp8_linear")]
     if others:
         lines += _resource_section(
             "The layer's other kernels, at a Llama-3-8B decode token (bf16)",
@@ -1249,6 +1280,14 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
             "The fused kernel at 1 row (a multiply-and-sum per lane) and at 16 and 32 (tl.dot), and the dequantizing "
             "kernel; BLOCK_M x BLOCK_N x BLOCK_K. Plain groups of 128 read scales per word, act-order ones gather "
             "them per code.", {"launch": "variant", "warps": "num_warps"}, ints)
+    fp8s = [r for r in rows if r.get("kernel") == "fp8_linear"]
+    if fp8s:
+        lines += _resource_section(
+            "Float8 linears (kernels/fp8_linear.py), bf16, 4096 x 4096",
+            "The fused kernel at 1 row (a multiply-and-sum per lane) and at 16 and 32 (tl.dot), and the dequantizing "
+            "kernel; BLOCK_M x BLOCK_N x BLOCK_K x RUN (features a scale covers in a tile). Blocks of 128 and a "
+            "scale a row read a scale per row and run; gathered scales are read per weight through g_idx.",
+            {"launch": "variant", "warps": "num_warps"}, fp8s)
     experts = [r for r in rows if r.get("kernel") == "moe"]
     if experts:
         lines += _resource_section(
@@ -1278,7 +1317,7 @@ def compile_main(args: argparse.Namespace) -> int:
     import triton
 
     rows = (compile_report(args.num_kv_heads, args.block_size) + gemv_compile_report() + row_compile_report()
-            + moe_compile_report() + int_linear_compile_report())
+            + moe_compile_report() + int_linear_compile_report() + fp8_linear_compile_report())
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"kernels_compile_sm90{args.tag}"  # the tag may hold a dot: no with_suffix
     Path(f"{stem}.json").write_text(json.dumps(dict(triton=triton.__version__, variants=rows), indent=2))

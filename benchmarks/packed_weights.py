@@ -1,21 +1,24 @@
-"""GPTQ and AWQ weights held packed (``--quantized-weights packed``)
-against the same checkpoint dequantized, side by side in one run: the
-bytes the decoder's linears hold, whether the greedy replies are the same,
-and the decode time a token at batch 1 and batch 8.
+"""Quantized weights held as the checkpoint stores them
+(``--quantized-weights packed``) against the same checkpoint dequantized,
+side by side in one run: the bytes the decoder's linears hold, whether the
+greedy replies are the same, and the decode time a token at batch 1 and
+batch 8.
 
 From a real model (SmolLM2-135M-Instruct, ``--model DIR`` from
 ``benchmarks/smollm2.py prepare``) it writes a 4-bit GPTQ checkpoint (groups
 of 64, act-order off) and a 4-bit AWQ one, every decoder linear's codes
 rounded to nearest as the test suite's writer rounds them
 (``tests/quantized_utils.py``; not GPTQ's error-compensating codes, which
-change the replies, not the bytes or the time). Each is served both ways
+change the replies, not the bytes or the time), and an FP8 one (128 x 128
+blocks, benchmarks/fp8_checkpoint.py's writer). Each is served both ways
 by the engine in this process.
 
 The packed weights stand for the dequantized ones bit for bit, so the
 replies differ only where the products' summation order moves a near-tie.
 The time is where the two paths part: on a GPU the packed linears read a
-quarter of the weight bytes at batch 1 (kernels/int_linear.py), on a CPU
-the torch reference dequantizes every weight on every call.
+quarter of the weight bytes at batch 1 at 4 bits, half in float8
+(kernels/int_linear.py, fp8_linear.py); on a CPU the torch reference
+dequantizes every weight on every call.
 
     python benchmarks/packed_weights.py --model /path/to/SmolLM2-135M-Instruct [--device cuda]
     python benchmarks/packed_weights.py --preset llama3-8b --device cuda
@@ -51,15 +54,20 @@ FORMATS = {
     "GPTQ 4-bit, groups of 64": ("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False}),
     "AWQ 4-bit GEMM, groups of 64": ("awq", {"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemm",
                                              "zero_point": True}),
+    "FP8, 128x128 blocks": ("fp8", {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                    "weight_block_size": [128, 128]}),
 }
 
 
 def write_checkpoint(src: Path, dst: Path, method: str, qc: dict) -> None:
-    """``src``'s checkpoint with every decoder linear as ``method``'s packed
-    integers; everything else (embeddings, norms, tokenizer) as is."""
-    from fp8_checkpoint import rewrite_linears
+    """``src``'s checkpoint with every decoder linear as ``method`` stores
+    it; everything else (embeddings, norms, tokenizer) as is."""
+    from fp8_checkpoint import rewrite_linears, write_fp8_checkpoint
     from quantized_utils import packed_int
 
+    if method == "fp8":
+        write_fp8_checkpoint(src, dst, tuple(qc["weight_block_size"]), "_scale_inv", qc)
+        return
     quantize = packed_int(method, qc["bits"], qc["group_size"])
     rewrite_linears(src, dst, qc, lambda name, weight: quantize(name, weight.float())[0])
 
@@ -120,8 +128,8 @@ def held_bytes(llm) -> dict:
         if not isinstance(module, _PrepackedLinear) or ".layers." not in name:
             continue
         count += 1
-        if module.int_weight is not None:
-            packed += module.int_weight.nbytes()
+        if module.quantized_weight is not None:
+            packed += module.quantized_weight.nbytes()
         else:
             dense += module.weight.numel() * module.weight.element_size()
     return dict(linears=count, packed_bytes=packed, dense_bytes=dense)
@@ -204,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(record: dict) -> str:
-    lines = [f"# GPTQ/AWQ weights packed against dequantized ({record['model']}, {record['dtype']})", "",
+    lines = [f"# Quantized weights packed against dequantized ({record['model']}, {record['dtype']})", "",
              f"Device: {record['device']}. Command: `{record['command']}`.", "",
              "| checkpoint | held as | decoder linears' bytes | decode ms/token, batch 1 | batch 8 | start s |",
              "|---|---|---:|---:|---:|---:|"]

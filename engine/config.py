@@ -32,7 +32,7 @@ QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 # command line naming them names the checkpoint's method (how the weights
 # are held is --quantized-weights').
 QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
-# How a GPTQ/AWQ checkpoint's weights are held (engine/loader.py, int_linears).
+# How a quantized checkpoint's weights are held (engine/loader.py, quantized_linears).
 QUANTIZED_WEIGHTS = ("dequantized", "packed")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32", "fp16", "bf16", "fp32")
 
@@ -103,9 +103,10 @@ class EngineConfig(ConfigTree):
               "are dequantized to --dtype as they load (weights are never quantized at load)",
         aliases=("-q",), choices=QUANTIZATION_METHODS + tuple(QUANTIZATION_ALIASES))
     quantized_weights: str = setting(
-        "dequantized", "how a GPTQ or AWQ checkpoint's weights are held: dequantized (in --dtype, the memory and "
-                       "speed of the full-precision model) or packed (as the checkpoint's integers, a quarter of "
-                       "a 16-bit weight's memory at 4 bits; kernels/int_linear.py runs them)",
+        "dequantized", "how a quantized checkpoint's weights are held: dequantized (in --dtype, the memory and "
+                       "speed of the full-precision model) or packed (as the checkpoint keeps them: GPTQ/AWQ "
+                       "integers, a quarter of a 16-bit weight's memory at 4 bits, or float8, half; "
+                       "kernels/int_linear.py and fp8_linear.py run them)",
         choices=QUANTIZED_WEIGHTS)
     device: str = setting("auto", "auto: CUDA where torch sees one, else the CPU", choices=("auto", "cpu", "cuda"))
     seed: int = setting(0, "seed of the dummy weights and of sampling without a per-request seed")

@@ -22,10 +22,10 @@ from torch import nn
 
 from fluidserve.engine.models import model_class
 from fluidserve.engine.parallel import (
-    IntWeight, ShardSpec, TensorParallel, _PrepackedLinear, deferred_linear_weights, fused_pieces, prepack_linears,
-    shard_spec,
+    QuantizedWeight, ShardSpec, TensorParallel, _PrepackedLinear, deferred_linear_weights, fused_pieces,
+    prepack_linears, shard_spec,
 )
-from fluidserve.engine.quantization import CheckpointFormat, IntCodes, PackedIntCheckpoint, is_fp8
+from fluidserve.engine.quantization import CheckpointFormat, GroupedCodes, is_fp8
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +229,8 @@ def _dequantized(model_dir: Path, quantization: CheckpointFormat | None, device:
     takes 0.6 s for one of Llama-3-8B's 14336 x 4096 GPTQ weights, about
     75 s for the model's), the copy into the model rounding it once, and
     its scales and zero points left out. Those are read ahead: they may sit in
-    another file than their weight. ``unpacked`` (GPTQ and AWQ): each such
-    weight as its ``IntCodes`` instead, for the loader to pack or
+    another file than their weight. ``unpacked``: each such linear weight
+    (2-D) as its ``GroupedCodes`` instead, for the loader to keep or
     dequantize where it lands."""
     aux = {} if quantization is None else {
         name: _read(source, None).to(device) for name, source in _checkpoint_tensors(model_dir)
@@ -242,19 +242,20 @@ def _dequantized(model_dir: Path, quantization: CheckpointFormat | None, device:
                                  "quantization_config to say how it is scaled")
             yield name, source
         elif quantization.quantized(name, source):
-            convert = quantization.unpack if unpacked else quantization.dequantize
-            yield convert(name, _read(source, None).to(device), aux)
+            tensor = _read(source, None).to(device)
+            convert = quantization.unpack if unpacked and tensor.dim() == 2 else quantization.dequantize
+            yield convert(name, tensor, aux)
         elif not quantization.is_aux(name):
             yield name, source
 
 
 def _shape(source) -> tuple[int, ...]:
-    return tuple(source.shape) if isinstance(source, (torch.Tensor, IntCodes)) else tuple(source.get_shape())
+    return tuple(source.shape) if isinstance(source, (torch.Tensor, GroupedCodes)) else tuple(source.get_shape())
 
 
-def _read(source, spec: ShardSpec | None) -> torch.Tensor | IntCodes:
+def _read(source, spec: ShardSpec | None) -> torch.Tensor | GroupedCodes:
     """The whole tensor, or just the slice ``spec`` names (zero-padded)."""
-    if isinstance(source, IntCodes):
+    if isinstance(source, GroupedCodes):
         if spec is None:
             return source
         part = source.narrow(spec.dim, spec.start, spec.stop - spec.start)
@@ -279,7 +280,7 @@ class _Target:
     rows: int
     spec: ShardSpec | None
     expert: int | None = None  # a stacked parameter's index along its first dimension
-    int_weight: IntWeight | None = None  # where the weight is held as integers (param is None)
+    quantized_weight: QuantizedWeight | None = None  # where the weight is held as the checkpoint's codes (no param)
 
     def view(self) -> torch.Tensor:
         if not fused_pieces(self.param):
@@ -296,35 +297,36 @@ def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
     (``...mlp.experts.3.gate_proj.weight``)."""
     targets = {}
     held = [(name, param, fused_pieces(param), shard_spec(param), None) for name, param in model.named_parameters()]
-    held += [(f"{name}.weight", None, m.int_weight.pieces, m.int_weight.spec, m.int_weight)
-             for name, m in model.named_modules() if isinstance(m, _PrepackedLinear) and m.int_weight is not None]
-    for name, param, pieces, spec, ints in held:
+    for name, m in model.named_modules():
+        codes = m.quantized_weight if isinstance(m, _PrepackedLinear) else None
+        if codes is not None:
+            held.append((f"{name}.weight", None, codes.pieces, codes.spec, codes))
+    for name, param, pieces, spec, codes in held:
         if pieces is None:
-            rows = ints.rows if ints is not None else param.shape[0] if param.dim() else 0
-            targets[name] = _Target(name, param, 0, rows, spec, int_weight=ints)
+            rows = codes.rows if codes is not None else param.shape[0] if param.dim() else 0
+            targets[name] = _Target(name, param, 0, rows, spec, quantized_weight=codes)
             continue
         module, leaf = name.rsplit(".", 1)
         parent = module.rsplit(".", 1)[0] + "." if "." in module else ""
         for piece in pieces:
             key = f"{module}.{piece.key}" if piece.key else f"{parent}{piece.name}.{leaf}"
-            targets[key] = _Target(name, param, piece.offset, piece.rows, piece.spec, piece.expert, ints)
+            targets[key] = _Target(name, param, piece.offset, piece.rows, piece.spec, piece.expert, codes)
     return targets
 
 
-def int_linears(model: nn.Module, model_dir: Path | str, quantization: CheckpointFormat) -> dict[str, int]:
+def quantized_linears(model: nn.Module, model_dir: Path | str, quantization: CheckpointFormat) -> set[str]:
     """The linears of ``model`` (built with ``defer_linears``) that may hold
-    a GPTQ/AWQ checkpoint's weights as integers, with their bits: each
-    whose every checkpoint weight is quantized. Others (a router, a linear
-    the checkpoint keeps in floats, experts, which are no linears) load
-    dense, dequantized where they are quantized; so does a fused linear
-    whose parts order their features' groups apart (act-order GPTQ
-    computed for each part alone), which one ``g_idx`` cannot describe."""
-    if not isinstance(quantization, PackedIntCheckpoint):
-        return {}
+    a quantized checkpoint's weights as its codes: each whose every
+    checkpoint weight is quantized (GPTQ's and AWQ's ``qweight``, a float8
+    matrix). Others (a router, a linear the checkpoint keeps in floats,
+    experts, which are no linears) load dense, dequantized where they are
+    quantized; so does a fused linear whose parts order their features'
+    groups apart (act-order GPTQ computed for each part alone), which one
+    ``g_idx`` cannot describe."""
     quantized, orders = set(), {}
     for name, source in _checkpoint_tensors(Path(model_dir)):
-        if name.endswith(".qweight"):
-            quantized.add(name.removesuffix(".qweight") + ".weight")
+        if name.endswith(".qweight") or (is_fp8(source) and len(_shape(source)) == 2):
+            quantized.add(name.removesuffix(".qweight") + ".weight" if name.endswith(".qweight") else name)
         elif name.endswith(".g_idx"):
             orders[name.removesuffix(".g_idx") + ".weight"] = _read(source, None).to(torch.int64)
     splits = getattr(model, "checkpoint_splits", {})
@@ -337,15 +339,15 @@ def int_linears(model: nn.Module, model_dir: Path | str, quantization: Checkpoin
     parts: dict[str, list[str]] = {}
     for name, target in checkpoint_targets(model).items():
         parts.setdefault(target.param_name, []).append(name)
-    chosen = {}
+    chosen = set()
     for name, module in model.named_modules():
         weight = f"{name}.weight"
-        if not (isinstance(module, _PrepackedLinear) and module.takes_int_weight and weight in parts
+        if not (isinstance(module, _PrepackedLinear) and module.takes_quantized_weight and weight in parts
                 and all(part in groups for part in parts[weight])):  # fmt: skip
             continue
         first = groups[parts[weight][0]]
         if all(_same_order(first, groups[part]) for part in parts[weight][1:]):
-            chosen[name] = quantization.bits
+            chosen.add(name)
         else:
             log.info("%s: its parts order their groups apart, so it is dequantized", name)
     return chosen
@@ -353,7 +355,6 @@ def int_linears(model: nn.Module, model_dir: Path | str, quantization: Checkpoin
 
 def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None) == (b is None) and (a is None or torch.equal(a, b))
-
 
 
 def checkpoint_name(model: nn.Module, name: str) -> str:
@@ -421,8 +422,8 @@ def _split_fused(model: nn.Module, tensors):
 
 
 def _dense(source):
-    """A checkpoint source as a dense weight wants it: ``IntCodes`` dequantized (fp32)."""
-    return source.dequantize() if isinstance(source, IntCodes) else source
+    """A checkpoint source as a dense weight wants it: ``GroupedCodes`` dequantized (fp32)."""
+    return source.dequantize() if isinstance(source, GroupedCodes) else source
 
 
 def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = False,
@@ -434,12 +435,12 @@ def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = Fals
     which then stays unread (nothing is sampled). ``quantization``: the
     checkpoint's format (``quantization.checkpoint_quantization``), its
     weights dequantized as they are read, or packed where a linear holds
-    them as integers (``int_linears``)."""
+    them as integers (``quantized_linears``)."""
     model_dir = Path(model_dir)
     targets = checkpoint_targets(model)
     loaded: set[str] = set()
     device = next(model.parameters()).device
-    unpacked = any(t.int_weight is not None for t in targets.values())
+    unpacked = any(t.quantized_weight is not None for t in targets.values())
     for name, source in _split_fused(model, _dequantized(model_dir, quantization, device, unpacked)):
         if base_only and name not in targets and f"model.{name}" in targets:
             name = f"model.{name}"
@@ -448,17 +449,17 @@ def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = Fals
                 log.debug("ignoring checkpoint tensor %s", name)
             continue
         target = targets[name]
-        ints = target.int_weight
-        if ints is None:
+        held = target.quantized_weight
+        if held is None:
             source = _dense(source)
-        elif not isinstance(source, IntCodes):
-            raise ValueError(f"weight {name}: held as integers, and the checkpoint's is not quantized")
-        shape = (target.rows, ints.features) if ints is not None else tuple(target.view().shape)
+        elif not isinstance(source, GroupedCodes):
+            raise ValueError(f"weight {name}: held as the checkpoint's codes, and the checkpoint's is not quantized")
+        shape = (target.rows, held.features) if held is not None else tuple(target.view().shape)
         expected = target.spec.full_shape(shape) if target.spec is not None else shape
         if _shape(source) != expected:
             raise ValueError(f"weight {name}: checkpoint shape {_shape(source)} != model {expected}")
-        if ints is not None:
-            ints.load(target.offset, _read(source, target.spec), name)
+        if held is not None:
+            held.load(target.offset, _read(source, target.spec), name)
         else:
             with torch.no_grad():
                 target.view().copy_(_read(source, target.spec))
@@ -477,15 +478,16 @@ def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = Fals
 
 def held_weights(model: nn.Module, dtype: torch.dtype) -> str:
     """How a quantized checkpoint's weights are held, for the start-up log:
-    the linears held as integers and their bytes, or that all were
-    dequantized."""
-    ints = [m.int_weight for m in model.modules() if isinstance(m, _PrepackedLinear) and m.int_weight is not None]
+    the linears holding the checkpoint's codes and their bytes, or that all
+    were dequantized."""
+    held = [m.quantized_weight for m in model.modules()
+            if isinstance(m, _PrepackedLinear) and m.quantized_weight is not None]  # fmt: skip
     name = str(dtype).removeprefix("torch.")
-    if not ints:
+    if not held:
         return f"weights dequantized to {name} as they loaded"
-    held = sum(w.nbytes() for w in ints)
-    dense = sum(w.rows * w.features for w in ints) * torch.empty((), dtype=dtype).element_size()
-    return (f"{len(ints)} linears hold {ints[0].bits}-bit weights packed, {held / 2**20:.1f} MiB against "
+    kept = sum(w.nbytes() for w in held)
+    dense = sum(w.rows * w.features for w in held) * torch.empty((), dtype=dtype).element_size()
+    return (f"{len(held)} linears hold {held[0].kind()} weights as the checkpoint's, {kept / 2**20:.1f} MiB against "
             f"{dense / 2**20:.1f} MiB in {name}; any other quantized weight dequantized to {name}")
 
 
@@ -496,7 +498,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     torch.manual_seed(seed)
     with torch.no_grad():
         for target in checkpoint_targets(model).values():  # tied weights appear once
-            if target.int_weight is not None:
+            if target.quantized_weight is not None:
                 raise ValueError("dummy weights are dense: a model with integer weights loads a checkpoint")
             dest = target.view()
             if target.spec is None:

@@ -47,7 +47,7 @@ from fluidserve.kernels import ops
 
 if TYPE_CHECKING:
     from fluidserve.engine.lora import LoRAWeights
-    from fluidserve.engine.quantization import IntCodes
+    from fluidserve.engine.quantization import GroupedCodes
 
 
 # gloo's all-reduce of a small tensor makes several round trips between the
@@ -253,21 +253,22 @@ class _PrepackedLinear(nn.Module):
     # dtype and device that holds no memory, and every product runs on
     # these (``ops.int_linear``). A submodule, so set in __init__: a class
     # attribute would hide it.
-    int_weight: "IntWeight | None"
+    quantized_weight: "QuantizedWeight | None"
     # Whether the weight may be held as integers: not where a module reads
     # the dense weight itself (the MoE router's fp32 scores).
-    takes_int_weight = True
+    takes_quantized_weight = True
 
     def __init__(self) -> None:
         super().__init__()
-        self.int_weight = None
+        self.quantized_weight = None
 
-    def to_int(self, bits: int, device: torch.device) -> None:
-        """Hold the weight as ``bits``-bit integers (``IntWeight``, filled by
-        the loader) on ``device`` instead of a dense tensor, which is dropped."""
+    def to_quantized(self, device: torch.device) -> None:
+        """Hold the weight as the checkpoint's codes (``QuantizedWeight``,
+        filled by the loader) on ``device`` instead of a dense tensor, which
+        is dropped."""
         dense = self.weight
-        self.int_weight = IntWeight(dense.shape[0], dense.shape[1], bits, shard_spec(dense), fused_pieces(dense),
-                                    device)
+        self.quantized_weight = QuantizedWeight(dense.shape[0], dense.shape[1], shard_spec(dense),
+                                                fused_pieces(dense), device)  # fmt: skip
         del self.weight
         # Not a parameter: one element, expanded. Its shape, dtype and device
         # are what the layers and the fused paths' checks read.
@@ -286,16 +287,16 @@ class _PrepackedLinear(nn.Module):
 
     def _dense(self) -> bool:
         """The fused launches and oneDNN read a dense weight: not an
-        ``int_weight``'s stand-in, nor (``_adapted``) one with adapter
+        ``quantized_weight``'s stand-in, nor (``_adapted``) one with adapter
         products to add."""
-        return self.int_weight is None and self._packed is None and not self._adapted()
+        return self.quantized_weight is None and self._packed is None and not self._adapted()
 
     def prepack(self) -> None:
         """Pack the weight as it is now; later changes to it are not seen
         (the loader packs once, after the last write)."""
         self._packed = None
-        if self.int_weight is not None:
-            self.int_weight.settle()
+        if self.quantized_weight is not None:
+            self.quantized_weight.settle()
             return
         # The Triton lane (FLUIDSERVE_KERNELS=triton) runs the GPU's linears,
         # the batch-1 kernel included, so it keeps the weight as loaded.
@@ -309,8 +310,8 @@ class _PrepackedLinear(nn.Module):
         where it can be: oneDNN's add post-op on the CPU, elsewhere a GEMM
         that accumulates into the residual in place (so the caller must own
         it). x: [T, in]."""
-        if self.int_weight is not None:
-            y = self.int_weight.linear(x, bias, residual, path)
+        if self.quantized_weight is not None:
+            y = self.quantized_weight.linear(x, bias, residual, path)
         elif self._packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
             if residual is not None:
                 y = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._packed, bias, "add")
@@ -326,33 +327,43 @@ class _PrepackedLinear(nn.Module):
         return self.lora is not None and self.lora.active
 
 
-class IntWeight(nn.Module):
-    """A linear's weight held as GPTQ/AWQ integers, as kernels/int_linear.py
-    reads them: ``codes`` [rows, features / (32 / bits)] int32, each word
-    ``32 / bits`` input features' codes from the lowest bits up; per group
-    of input features ``zeros`` (uint8) and ``scales`` (fp32) [rows,
-    groups]; ``g_idx`` [features] int32, each feature's group. The weight
-    is ``(codes - zeros[:, g_idx]) * scales[:, g_idx]`` rounded to the
-    model's dtype: the dequantized checkpoint's, bit for bit.
+class QuantizedWeight(nn.Module):
+    """A linear's weight held as a quantized checkpoint keeps it, as
+    kernels/int_linear.py and kernels/fp8_linear.py read it: per output row,
+    ``scales`` (fp32) [rows, groups] over groups of input features,
+    ``g_idx`` [features] int32 each feature's group, and the codes:
 
-    The loader fills it piece by piece (``load``), as it fills a fused
-    dense weight: the pieces and shard are the dense weight's."""
+    * GPTQ/AWQ integers: ``codes`` [rows, features / (32 / bits)] int32,
+      each word ``32 / bits`` input features' codes from the lowest bits up,
+      and ``zeros`` (uint8) [rows, groups]; the weight is ``(codes -
+      zeros[:, g_idx]) * scales[:, g_idx]``;
+    * float8: ``codes`` [rows, features] in the checkpoint's float8, no zero
+      points; the weight is ``codes * scales[:, g_idx]`` (a block's scale
+      repeated over its rows, its columns a group).
 
-    def __init__(self, rows: int, features: int, bits: int, spec: ShardSpec | None,
-                 pieces: tuple[Piece, ...] | None, device: torch.device) -> None:  # fmt: skip
+    Either rounded once to the model's dtype: the dequantized checkpoint's
+    weight, bit for bit. The loader fills it piece by piece (``load``), as
+    it fills a fused dense weight: the pieces and shard are the dense
+    weight's; the first piece decides the kind."""
+
+    def __init__(self, rows: int, features: int, spec: ShardSpec | None, pieces: tuple[Piece, ...] | None,
+                 device: torch.device) -> None:  # fmt: skip
         super().__init__()
-        per_word = 32 // bits
-        if features % per_word:
-            raise ValueError(f"{bits}-bit weights pack {per_word} input features a word; {features} do not divide")
-        self.rows, self.features, self.bits = rows, features, bits
-        self.spec, self.pieces = spec, pieces
-        self.register_buffer("codes", torch.zeros(rows, features // per_word, dtype=torch.int32, device=device))
-        self.register_buffer("zeros", None)
-        self.register_buffer("scales", None)
-        self.register_buffer("g_idx", None)
+        self.rows, self.features, self.bits = rows, features, 0
+        self.spec, self.pieces, self.device = spec, pieces, device
+        for name in ("codes", "zeros", "scales", "g_idx"):
+            self.register_buffer(name, None)
         # k // group_size is every feature's group (a checkpoint without
         # act-order): the kernels read a scale once per word, not per code.
         self.group_size: int | None = None
+
+    @property
+    def float8(self) -> bool:
+        return self.codes is not None and self.codes.dtype.is_floating_point
+
+    def kind(self) -> str:
+        """``float8_e4m3fn`` or ``float8_e5m2``, or ``int4`` / ``int8``."""
+        return str(self.codes.dtype).removeprefix("torch.") if self.float8 else f"int{self.bits}"
 
     def settle(self) -> None:
         """After the last ``load``: whether the groups are plain runs (a few
@@ -369,37 +380,55 @@ class IntWeight(nn.Module):
         if self.group_size is not None and (low, high) != (0, self.scales.shape[1]):
             self.g_idx = shifted
             self.scales = self.scales[:, low:high].contiguous()
-            self.zeros = self.zeros[:, low:high].contiguous()
+            if self.zeros is not None:
+                self.zeros = self.zeros[:, low:high].contiguous()
 
-    def load(self, offset: int, part: IntCodes, name: str) -> None:
-        """Rows ``[offset, offset + part rows)`` from ``part``: its groups
-        must be the groups of every other part (a fused q/k/v of act-order
+    def load(self, offset: int, part: GroupedCodes, name: str) -> None:
+        """Rows ``[offset, offset + part rows)`` from ``part``: its kind and
+        groups must be those of every other part (a fused q/k/v of act-order
         GPTQ shares its input's order)."""
         from fluidserve.kernels import reference
 
         rows, groups = part.codes.shape[0], part.scales.shape[1]
-        if part.bits != self.bits or part.codes.shape[1] != self.features:
-            raise ValueError(f"weight {name}: {part.bits}-bit codes of {part.codes.shape[1]} features for a "
-                             f"{self.bits}-bit weight of {self.features}")
-        if self.scales is None:
-            device = self.codes.device
-            self.zeros = torch.zeros(self.rows, groups, dtype=torch.uint8, device=device)
-            self.scales = torch.zeros(self.rows, groups, dtype=torch.float32, device=device)
-            self.g_idx = part.g_idx.to(device=device, dtype=torch.int32).contiguous()
-        elif groups != self.scales.shape[1] or not torch.equal(part.g_idx.to(self.g_idx.device), self.g_idx):
-            raise ValueError(f"weight {name}: its groups of input features differ from the other weights fused "
-                             "with it (act-order GPTQ with another order): serve it with --quantized-weights "
+        if part.codes.shape[1] != self.features:
+            raise ValueError(f"weight {name}: codes of {part.codes.shape[1]} features for a weight of "
+                             f"{self.features}")
+        if self.codes is None:
+            self._allocate(part)
+        elif (part.kind() != self.kind() or groups != self.scales.shape[1]
+              or not torch.equal(part.g_idx.to(self.device), self.g_idx)):  # fmt: skip
+            raise ValueError(f"weight {name}: its codes or groups of input features differ from the other weights "
+                             "fused with it (act-order GPTQ with another order): serve it with --quantized-weights "
                              "dequantized")
         with torch.no_grad():
-            self.codes[offset:offset + rows] = reference.int_pack(part.codes.to(self.codes.device), self.bits)
-            self.zeros[offset:offset + rows] = part.zeros
+            codes = part.codes.to(self.device)
+            self.codes[offset:offset + rows] = codes if self.float8 else reference.int_pack(codes, self.bits)
+            if self.zeros is not None:
+                self.zeros[offset:offset + rows] = part.zeros
             self.scales[offset:offset + rows] = part.scales
+
+    def _allocate(self, part: GroupedCodes) -> None:
+        groups, self.bits = part.scales.shape[1], part.bits
+        if part.zeros is None:  # float8
+            self.codes = torch.zeros(self.rows, self.features, dtype=part.codes.dtype, device=self.device)
+        else:
+            per_word = 32 // part.bits
+            if self.features % per_word:
+                raise ValueError(f"{part.bits}-bit weights pack {per_word} input features a word; "
+                                 f"{self.features} do not divide")
+            self.codes = torch.zeros(self.rows, self.features // per_word, dtype=torch.int32, device=self.device)
+            self.zeros = torch.zeros(self.rows, groups, dtype=torch.uint8, device=self.device)
+        self.scales = torch.zeros(self.rows, groups, dtype=torch.float32, device=self.device)
+        self.g_idx = part.g_idx.to(device=self.device, dtype=torch.int32).contiguous()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
                path: ops.KernelPath | None = None) -> torch.Tensor:  # fmt: skip
-        """``x W^T + bias`` (plus ``residual``, in place over it), W the weight these integers stand for."""
-        y = ops.int_linear(x, self.codes, self.scales, self.zeros, self.g_idx, self.bits, bias, self.group_size,
-                           path)  # fmt: skip
+        """``x W^T + bias`` (plus ``residual``, in place over it), W the weight these codes stand for."""
+        if self.float8:
+            y = ops.fp8_linear(x, self.codes, self.scales, self.g_idx, bias, self.group_size, path)
+        else:
+            y = ops.int_linear(x, self.codes, self.scales, self.zeros, self.g_idx, self.bits, bias, self.group_size,
+                               path)  # fmt: skip
         return y if residual is None else residual.add_(y)
 
     def nbytes(self) -> int:
@@ -407,15 +436,15 @@ class IntWeight(nn.Module):
                    if t is not None)
 
 
-def realize_linears(model: nn.Module, int_bits: dict[str, int], device: torch.device) -> None:
-    """After ``deferred_linear_weights``: the linears named in ``int_bits``
-    hold their weights as integers of those bits (``to_int``), every other
+def realize_linears(model: nn.Module, held: set[str], device: torch.device) -> None:
+    """After ``deferred_linear_weights``: the linears named in ``held`` hold
+    their weights as the checkpoint's codes (``to_quantized``), every other
     deferred weight is allocated."""
     for name, module in model.named_modules():
         if not isinstance(module, _PrepackedLinear) or module.weight.device.type != "meta":
             continue
-        if name in int_bits:
-            module.to_int(int_bits[name], device)
+        if name in held:
+            module.to_quantized(device)
         else:
             module.realize(device)
 

@@ -54,6 +54,9 @@ class CheckpointFormat(Protocol):
     def dequantize(self, name: str, tensor: torch.Tensor, aux: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
         """The weight's name and value in fp32, from its quantized tensor and the aux tensors beside it."""
 
+    def unpack(self, name: str, tensor: torch.Tensor, aux: dict[str, torch.Tensor]) -> tuple[str, GroupedCodes]:
+        """The weight's name and its codes with a scale a row a group (a linear's 2-D weight)."""
+
 
 @dataclass(frozen=True)
 class Fp8Checkpoint:
@@ -75,10 +78,35 @@ class Fp8Checkpoint:
         return is_fp8(source)
 
     def dequantize(self, name: str, tensor: torch.Tensor, aux: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+        return name, self.scaled(name, tensor, self._scale(name, aux))
+
+    def unpack(self, name: str, tensor: torch.Tensor, aux: dict[str, torch.Tensor]) -> tuple[str, GroupedCodes]:
+        """A linear's float8 weight [rows, cols] with its scale as a scale a
+        row a group of columns (``GroupedCodes``): one group of all columns
+        for a scale per tensor or per row, a block's columns a group for
+        block scales, each block's scale on each of its rows. The same
+        products ``scaled`` forms."""
+        scale = self._scale(name, aux).to(device=tensor.device, dtype=torch.float32)
+        if tensor.dim() != 2:
+            raise ValueError(f"weight {name}: a {tuple(tensor.shape)} float8 tensor is no linear's weight")
+        rows, cols = tensor.shape
+        if scale.numel() == 1 or tuple(scale.shape) in ((rows, 1), (rows,)):
+            per_row = scale.reshape(-1, 1).expand(rows, 1).contiguous()
+            return name, GroupedCodes(tensor, None, per_row, torch.zeros(cols, dtype=torch.int32,
+                                                                         device=tensor.device), 8)
+        grid = tuple(scale.shape) if scale.dim() == 2 else ()
+        block = self.block or _block_of(grid, rows, cols)
+        if block is None or grid != (-(-rows // block[0]), -(-cols // block[1])):
+            self.scaled(name, tensor, scale)  # raises, naming the shapes
+        per_row = scale.repeat_interleave(block[0], dim=0)[:rows].contiguous()
+        g_idx = (torch.arange(cols, device=tensor.device) // block[1]).to(torch.int32)
+        return name, GroupedCodes(tensor, None, per_row, g_idx, 8)
+
+    def _scale(self, name: str, aux: dict[str, torch.Tensor]) -> torch.Tensor:
         scale = scale_of(name, aux)
         if scale is None:
             raise ValueError(f"weight {name}: float8 without its scale ({name}_scale_inv or {name}_scale)")
-        return name, self.scaled(name, tensor, scale)
+        return scale
 
     def scaled(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``weight`` (float8, ``[..., rows, cols]``) times ``scale``, in fp32."""
@@ -154,9 +182,9 @@ class PackedIntCheckpoint:
         weight_name, codes = self.unpack(name, tensor, aux)
         return weight_name, codes.dequantize()
 
-    def unpack(self, name: str, tensor: torch.Tensor, aux: dict[str, torch.Tensor]) -> tuple[str, IntCodes]:
+    def unpack(self, name: str, tensor: torch.Tensor, aux: dict[str, torch.Tensor]) -> tuple[str, GroupedCodes]:
         """The weight's name and its codes, zero points, scales and groups
-        (``IntCodes``), rows as output features: what both the dequantized
+        (``GroupedCodes``), rows as output features: what both the dequantized
         weight and the packed one (``--quantized-weights packed``) are made of."""
         prefix = name.removesuffix(".qweight")
         missing = [prefix + s for s in (".qzeros", ".scales") if prefix + s not in aux]
@@ -185,25 +213,29 @@ class PackedIntCheckpoint:
         if group.shape != (features,) or int(group.max()) >= scales.shape[0] or int(group.min()) < 0:
             raise ValueError(f"weight {name}: {scales.shape[0]} groups of scales for groups "
                              f"{int(group.min())}..{int(group.max())} of {features} input features")
-        return prefix + ".weight", IntCodes(codes.t().to(torch.uint8).contiguous(),
-                                            zeros[:, :outputs].t().to(torch.uint8).contiguous(),
-                                            scales.t().contiguous(), group, self.bits)
+        return prefix + ".weight", GroupedCodes(codes.t().to(torch.uint8).contiguous(),
+                                                zeros[:, :outputs].t().to(torch.uint8).contiguous(),
+                                                scales.t().contiguous(), group, self.bits)
 
 
 @dataclass(frozen=True)
-class IntCodes:
-    """A GPTQ or AWQ weight unpacked, rows as output features: ``codes``
-    [out, in] and, per group of input features, ``zeros`` and ``scales``
-    [out, groups]; ``g_idx`` [in] says each input feature's group (in order
-    for most checkpoints, any order for act-order GPTQ). The weight is
-    ``(codes - zeros[:, g_idx]) * scales[:, g_idx]`` in fp32.
+class GroupedCodes:
+    """A quantized weight unpacked, rows as output features: ``codes`` [out,
+    in] (GPTQ's and AWQ's integers as uint8, or float8 values) and, per
+    group of input features, ``scales`` (and for integers ``zeros``) [out,
+    groups]; ``g_idx`` [in] says each input feature's group (in order for
+    most checkpoints, any order for act-order GPTQ). The weight is ``(codes -
+    zeros[:, g_idx]) * scales[:, g_idx]`` in fp32, float8's ``codes *
+    scales[:, g_idx]`` (a block's scale on each of its rows, its columns a
+    group).
 
     The loader cuts it as it cuts a weight (rows of a fused checkpoint
-    tensor, a tensor-parallel shard), then either dequantizes it or packs it
-    whole into a linear's int weight (engine/parallel.py, ``IntWeight``)."""
+    tensor, a tensor-parallel shard), then either dequantizes it or keeps
+    it whole in a linear's quantized weight (engine/parallel.py,
+    ``QuantizedWeight``)."""
 
-    codes: torch.Tensor  # [out, in] uint8
-    zeros: torch.Tensor  # [out, groups] uint8
+    codes: torch.Tensor  # [out, in] uint8, or float8
+    zeros: torch.Tensor | None  # [out, groups] uint8; None for float8
     scales: torch.Tensor  # [out, groups] float32
     g_idx: torch.Tensor  # [in] int32
     bits: int
@@ -216,49 +248,55 @@ class IntCodes:
     def device(self) -> torch.device:
         return self.codes.device
 
+    def kind(self) -> str:
+        """``float8_e4m3fn`` or ``float8_e5m2``, or ``int4`` / ``int8`` (``QuantizedWeight.kind``)."""
+        return str(self.codes.dtype).removeprefix("torch.") if self.zeros is None else f"int{self.bits}"
+
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] in fp32."""
         group = self.g_idx.long()
+        if self.zeros is None:
+            return self.codes.float() * self.scales[:, group]
         return (self.codes.float() - self.zeros.float()[:, group]) * self.scales[:, group]
 
-    def rows(self, index: torch.Tensor | slice) -> IntCodes:
+    def rows(self, index: torch.Tensor | slice) -> GroupedCodes:
         """Output features ``index`` (a slice, or row indices), every group kept."""
-        return IntCodes(self.codes[index], self.zeros[index], self.scales[index], self.g_idx, self.bits)
+        zeros = None if self.zeros is None else self.zeros[index]
+        return GroupedCodes(self.codes[index], zeros, self.scales[index], self.g_idx, self.bits)
 
-    def narrow(self, dim: int, start: int, length: int) -> IntCodes:
+    def narrow(self, dim: int, start: int, length: int) -> GroupedCodes:
         """``Tensor.narrow``'s cut: rows (dim 0), or input features (dim 1),
         which keep every group's scale and zero point (a shard's features
         may come from any group under act-order)."""
         if dim == 0:
             return self.rows(slice(start, start + length))
-        return IntCodes(self.codes[:, start:start + length], self.zeros, self.scales,
-                        self.g_idx[start:start + length], self.bits)
+        return GroupedCodes(self.codes[:, start:start + length], self.zeros, self.scales,
+                            self.g_idx[start:start + length], self.bits)
 
-    def index_select(self, dim: int, index: torch.Tensor) -> IntCodes:
+    def index_select(self, dim: int, index: torch.Tensor) -> GroupedCodes:
         if dim != 0:
-            raise ValueError("IntCodes reorders output features only")
+            raise ValueError("GroupedCodes reorders output features only")
         return self.rows(index.to(self.codes.device))
 
-    def pad_rows(self, rows: int) -> IntCodes:
+    def pad_rows(self, rows: int) -> GroupedCodes:
         """Zero rows after the last up to ``rows`` (a vocabulary shard's padding): weights of 0."""
         missing = rows - self.codes.shape[0]
         if missing <= 0:
             return self
 
-        def grow(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t, t.new_zeros((missing, t.shape[1]))])
+        def grow(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else torch.cat([t, t.new_zeros((missing, t.shape[1]))])
 
-        return IntCodes(grow(self.codes), grow(self.zeros), grow(self.scales), self.g_idx, self.bits)
+        return GroupedCodes(grow(self.codes), grow(self.zeros), grow(self.scales), self.g_idx, self.bits)
 
 
 def check_packed_weights(quantization: CheckpointFormat | None, config) -> None:
-    """Refuse ``--quantized-weights packed`` where it cannot hold: a
-    checkpoint that is not GPTQ or AWQ, or with LoRA adapters (their slots
-    sit on dense linears)."""
-    if not isinstance(quantization, PackedIntCheckpoint):
-        what = "an unquantized checkpoint" if quantization is None else f"a {quantization.method} checkpoint"
-        raise ValueError(f"quantized_weights: 'packed' holds GPTQ and AWQ checkpoints' integers, and this is {what} "
-                         "(serve it with --quantized-weights dequantized)")
+    """Refuse ``--quantized-weights packed`` where it cannot hold: an
+    unquantized checkpoint, or LoRA adapters (their slots sit on dense
+    linears)."""
+    if quantization is None:
+        raise ValueError("quantized_weights: 'packed' holds a quantized checkpoint's codes, and this checkpoint is "
+                         "not quantized (serve it with --quantized-weights dequantized)")
     if getattr(config, "enable_lora", False):
         raise ValueError("quantized_weights: 'packed' with --enable-lora is not supported (adapters add to "
                          "dense linears): serve with --quantized-weights dequantized")

@@ -27,7 +27,7 @@ from fluidserve.engine.config import EngineConfig
 from fluidserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_mode
 from fluidserve.engine.piecewise import PiecewiseGraphs, token_sizes
 from fluidserve.engine.piecewise import supports as supports_piecewise
-from fluidserve.engine.loader import (build_model, eos_token_ids, held_weights, init_dummy_weights, int_linears,
+from fluidserve.engine.loader import (build_model, eos_token_ids, held_weights, init_dummy_weights, quantized_linears,
                                       load_hf_config, load_tokenizer, load_weights, model_context_length,
                                       resolve_dtype)
 from fluidserve.engine.lora import LoRASlots
@@ -129,7 +129,7 @@ class Worker:
                                  max_model_len=config.max_model_len or model_context_length(hf_config),
                                  defer_linears=packed)  # fmt: skip
         if packed:
-            realize_linears(self.model, int_linears(self.model, model_dir, self.quantization), self.device)
+            realize_linears(self.model, quantized_linears(self.model, model_dir, self.quantization), self.device)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:

@@ -319,6 +319,32 @@ def int_linear(
     return reference.int_linear(x, codes, scales, zeros, g_idx, bits, bias, group_size)
 
 
+def fp8_linear(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K] float8
+    scales: torch.Tensor,  # [N, G] fp32
+    g_idx: torch.Tensor,  # [K] int32
+    bias: torch.Tensor | None = None,  # [N]
+    group_size: int | None = None,  # g_idx is k // group_size (``reference.plain_group_size``)
+    path: KernelPath | None = None,
+) -> torch.Tensor:
+    """``x W^T + bias`` for a weight held in float8 with a scale a row a
+    group (kernels/fp8_linear.py has the format), W rounded to x's dtype as
+    the dequantized checkpoint's weight is; dispatched as ``int_linear`` is
+    (half a 16-bit weight's bytes a decode step)."""
+    if path == "triton" if path is not None else _on_triton(x, weight):
+        from fluidserve.kernels import fp8_linear as kernel
+
+        # Triton converts e4m3 from sm_89 on (Ada, Hopper); an older GPU
+        # dequantizes through torch, as the CPU does.
+        if kernel.converts(weight):
+            if x.shape[0] <= kernel.MAX_FUSED_ROWS and kernel.supports(x, weight):
+                return kernel.fp8_linear(x, weight, scales, g_idx, bias, group_size=group_size)
+            dense = kernel.dequantize(weight, scales, g_idx, x.dtype, group_size=group_size)
+            return torch.nn.functional.linear(x, dense, bias)
+    return reference.fp8_linear(x, weight, scales, g_idx, bias, group_size)
+
+
 # Whether an eager CUDA step runs the batch-1 row kernels (a decode graph
 # always does). Process-wide: benchmarks time the eager layer both ways
 # (kernel_bench.py --batch1-decode, mode eager-cublas).

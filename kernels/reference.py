@@ -3,7 +3,8 @@
 This module owns the *semantics* of paged attention in fluidserve. It is the
 attention path of the engine on CPU and the oracle every Triton kernel test
 compares against, so it favours clarity over speed. Its last sections own
-the MoE experts' and the weight-only integer linears' semantics alike.
+the MoE experts', the weight-only integer linears' and the float8 linears'
+semantics alike.
 
 KV cache layout (one pair of tensors per layer)::
 
@@ -289,3 +290,34 @@ def plain_group_size(g_idx: torch.Tensor) -> int | None:
     size = int((g_idx == 0).sum())
     plain = torch.arange(g_idx.numel(), device=g_idx.device) // max(size, 1)
     return size if size and torch.equal(g_idx.to(plain.dtype), plain) else None
+
+
+# -- float8 weights (block-, channel- or tensor-scaled, kept in float8 on the device) ----------
+#
+# weight float8 [N, K] (e4m3fn or e5m2); scales float32 [N, G], a block grid's
+# scale repeated on each row of its block (G = 1: per tensor or per row);
+# g_idx int32 [K], each input feature's group.
+
+
+def fp8_dequantize(weight: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, dtype: torch.dtype,
+                   group_size: int | None = None) -> torch.Tensor:  # fmt: skip
+    """The weight [N, K] the float8 linear stands for: each float8 value in
+    fp32 (exact) times the scale of its row and group (``g_idx``), one fp32
+    product, rounded once to ``dtype``. ``group_size`` (``plain_group_size``
+    of g_idx): the same values, each group's scale broadcast over its run of
+    features instead of gathered per feature (the CPU engine dequantizes on
+    every call)."""
+    n, k = weight.shape
+    w = weight.to(torch.float32, copy=True)  # [N, K], its own: scaled in place below
+    if group_size is not None and k % group_size == 0 and scales.shape[1] == k // group_size:
+        w.view(n, -1, group_size).mul_(scales[:, :, None])
+    else:
+        w.mul_(scales[:, g_idx.long()])
+    return w.to(dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+               bias: torch.Tensor | None = None, group_size: int | None = None) -> torch.Tensor:  # fmt: skip
+    """``x W^T + bias`` for the float8 weight: [M, K] -> [M, N] in x's dtype,
+    the weight dequantized to x's dtype first."""
+    return F.linear(x, fp8_dequantize(weight, scales, g_idx, x.dtype, group_size), bias)

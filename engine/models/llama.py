@@ -350,7 +350,7 @@ class LlamaDecoderLayer(nn.Module):
         # Qwen3's q/k norms go into the step's rope launch, which takes weights of the heads' dtype.
         plain = (o.tp.size == 1 and down.tp.size == 1 and o.bias is None and down.bias is None
                  and gate_up.bias is None and len(gate_up.sizes) == 2 and gate_up.sizes[0] == gate_up.sizes[1]
-                 and all(m._packed is None and m.int_weight is None for m in (qkv, o, gate_up, down))
+                 and all(m._packed is None and m.quantized_weight is None for m in (qkv, o, gate_up, down))
                  and (qk_norm is None or qk_norm[0].dtype == qk_norm[1].dtype == qkv.weight.dtype))  # fmt: skip
         qk_weights, qk_eps = (None, None) if qk_norm is None else (qk_norm[:2], qk_norm[2])
         # The batch path: the same modules, one rank, plain products.

@@ -104,7 +104,7 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = mixtral or bool(getattr(config, "norm_topk_prob", False))
         self.float_weights = mixtral or self.grouped
         self.gate = ColumnParallelLinear(hidden, count, False, tp, num_shards=1, index=0)  # the router, replicated
-        self.gate.takes_int_weight = False  # its scores read the dense weight (grouped routing: in fp32)
+        self.gate.takes_quantized_weight = False  # its scores read the dense weight (grouped routing: in fp32)
         if self.grouped:
             self.groups, self.topk_group = int(config.n_group), int(config.topk_group)
             if count % self.groups or not 0 < self.topk_group <= self.groups:

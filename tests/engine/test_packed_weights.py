@@ -1,12 +1,14 @@
-"""GPTQ and AWQ weights held as the checkpoint's integers
-(``--quantized-weights packed``): the linears keep codes, zero points and
-scales (kernels/int_linear.py's format) in place of a dense weight, and
+"""Quantized checkpoints' weights held as the checkpoint's codes
+(``--quantized-weights packed``): GPTQ's and AWQ's integers with their zero
+points and scales (kernels/int_linear.py's format), float8 weights with a
+scale a row a group (kernels/fp8_linear.py's), in place of a dense weight;
 every product dequantizes them as the loader would have. So the tokens are
 those of the dequantized model (transformers' on the plain checkpoint of
-the weights the codes stand for), on the CPU's reference path and on the
-Triton lane; each tensor-parallel rank's integers stand for its shard of
-the dense weight; the linears hold a quarter of the bytes at 4 bits; and
-what cannot be held packed is refused at start, by name."""
+the weights the codes stand for, or on the FP8 checkpoint itself), on the
+CPU's reference path and on the Triton lane; each tensor-parallel rank's
+codes stand for its shard of the dense weight; the linears hold a quarter
+of the bytes at 4 bits; and what cannot be held so is refused at start, by
+name."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import pytest
 import torch
 
 from fluidserve.engine import SamplingParams
-from fluidserve.engine.loader import build_model, int_linears, load_hf_config, load_weights
-from fluidserve.engine.parallel import IntWeight, TensorParallel, _PrepackedLinear, realize_linears
+from fluidserve.engine.loader import build_model, load_hf_config, load_weights, quantized_linears
+from fluidserve.engine.parallel import QuantizedWeight, TensorParallel, _PrepackedLinear, realize_linears
 from fluidserve.engine.quantization import checkpoint_quantization
 from fluidserve.kernels import ops, reference
 from quantized_utils import fp8, packed_int, random_model, write_quantized
@@ -24,11 +26,13 @@ from token_paths import PROMPTS, assert_agree_but_for_near_ties, hf_greedy
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
 PACKED = dict(quantized_weights="packed")
 GPTQ4 = (packed_int("gptq", 4, 32), {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False})
+FP8_BLOCKS = (fp8((32, 32), "_scale_inv"), {"quant_method": "fp8", "weight_block_size": [32, 32]})
 
 
-def _int_weights(llm) -> list[IntWeight]:
+def _quantized_weights(llm) -> list[QuantizedWeight]:
     model = llm.engine.executor.worker.model
-    return [m.int_weight for m in model.modules() if isinstance(m, _PrepackedLinear) and m.int_weight is not None]
+    return [m.quantized_weight for m in model.modules()
+            if isinstance(m, _PrepackedLinear) and m.quantized_weight is not None]
 
 
 @pytest.mark.parametrize("arch, quantize, qc", [
@@ -46,29 +50,55 @@ def test_packed_weights_give_the_tokens_of_the_weights_they_stand_for(make_llm, 
     checkpoint, plain = tmp_path / "int", tmp_path / "plain"
     write_quantized(random_model(arch), checkpoint, quantize, qc, plain)
     llm = make_llm(str(checkpoint), **PACKED)
-    held = _int_weights(llm)
-    assert held and all(w.bits == qc["bits"] for w in held)
+    held = _quantized_weights(llm)
+    assert held and all(w.kind() == f"int{qc['bits']}" for w in held)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(plain), PROMPTS)
 
 
-def test_the_triton_lane_runs_the_packed_kernels_to_the_same_tokens(make_llm, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch, quantize, qc", [
+    ("llama", *FP8_BLOCKS),
+    # Blocks that overhang k_proj's 32 rows and the 64 columns (DeepSeek-V3's ragged grids), experts left dense.
+    ("qwen3_moe", fp8((24, 48), "_scale_inv"), {"quant_method": "fp8", "weight_block_size": [24, 48]}),
+    # compressed-tensors: a scale per output channel (RedHatAI's FP8-dynamic).
+    ("qwen3", fp8("channel", "_scale"), {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}}),
+    ("phi3", fp8("tensor", "_scale"), {"quant_method": "fp8", "activation_scheme": "dynamic"}),  # one scale each
+], ids=["fp8-blocks", "fp8-ragged-blocks-experts", "compressed-tensors-channel", "phi3-fused-per-tensor"])
+def test_float8_weights_held_as_float8_give_the_tokens_of_the_weights_they_stand_for(make_llm, tmp_path, arch,
+                                                                                    quantize, qc):  # fmt: skip
+    checkpoint, plain = tmp_path / "fp8", tmp_path / "plain"
+    write_quantized(random_model(arch), checkpoint, quantize, qc, plain)
+    llm = make_llm(str(checkpoint), **PACKED)
+    held = _quantized_weights(llm)
+    assert held and all(w.kind() == "float8_e4m3fn" and w.codes.element_size() == 1 for w in held)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(plain), PROMPTS)
+
+
+@pytest.mark.parametrize("kernel, quantize, qc", [("int_linear", *GPTQ4), ("fp8_linear", *FP8_BLOCKS)],
+                         ids=["gptq", "fp8"])
+def test_the_triton_lane_runs_the_packed_kernels_to_the_same_tokens(make_llm, tmp_path, monkeypatch, kernel,
+                                                                    quantize, qc):  # fmt: skip
     """FLUIDSERVE_KERNELS=triton: decode steps through the fused kernel, a
     long prompt through the dequantize kernel and the GEMM, in the interpreter."""
-    checkpoint, plain = tmp_path / "int", tmp_path / "plain"
-    write_quantized(random_model("llama"), checkpoint, *GPTQ4, plain)
-    monkeypatch.setenv(ops.KERNELS_ENV, "triton")
-    from fluidserve.kernels import int_linear
+    import importlib
 
+    checkpoint, plain = tmp_path / "q", tmp_path / "plain"
+    write_quantized(random_model("llama"), checkpoint, quantize, qc, plain)
+    monkeypatch.setenv(ops.KERNELS_ENV, "triton")
+    module = importlib.import_module(f"fluidserve.kernels.{kernel}")
     calls = {"fused": 0, "dequantize": 0}
-    for name, key in (("int_linear", "fused"), ("dequantize", "dequantize")):
-        real = getattr(int_linear, name)
+    for name, key in ((kernel, "fused"), ("dequantize", "dequantize")):
+        real = getattr(module, name)
 
         def counted(*args, _real=real, _key=key, **kwargs):
             calls[_key] += 1
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(int_linear, name, counted)
+        monkeypatch.setattr(module, name, counted)
     params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
     prompts = [PROMPTS[1], "Hello there. " * 12]  # the second's 156 tokens: past the fused kernel's rows
     outs = make_llm(str(checkpoint), num_kv_blocks=64, max_model_len=256, **PACKED).generate(prompts, params)
@@ -83,50 +113,57 @@ def test_a_packed_linear_holds_its_integers_not_a_dense_weight(make_llm, tmp_pat
     names = {n for n, _ in model.named_parameters()}
     for name, module in model.named_modules():
         if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")):
-            w = module.int_weight
+            w = module.quantized_weight
             assert w is not None and f"{name}.weight" not in names, name
             assert module.weight.untyped_storage().nbytes() == module.weight.element_size()  # a stand-in
             groups = w.features // 32
             # 4 bits a weight; a uint8 zero point and an fp32 scale a group of 32; an int32 group a feature
             assert w.nbytes() == w.rows * w.features // 2 + w.rows * groups * (1 + 4) + w.features * 4, name
     assert "lm_head.weight" in names or "model.embed_tokens.weight" in names  # not quantized: dense
-    dense = sum(w.rows * w.features * 4 for w in _int_weights(llm))  # as fp32 weights
-    assert sum(w.nbytes() for w in _int_weights(llm)) < dense / 5
+    dense = sum(w.rows * w.features * 4 for w in _quantized_weights(llm))  # as fp32 weights
+    assert sum(w.nbytes() for w in _quantized_weights(llm)) < dense / 5
 
 
-@pytest.mark.parametrize("group_size, act_order", [(24, True), (32, False)], ids=["act-order", "plain"])
-def test_each_tensor_parallel_rank_packs_its_shard(tmp_path, group_size, act_order):
+@pytest.mark.parametrize("quantize, qc, group_size", [
+    (packed_int("gptq", 4, 24, act_order=True), {"quant_method": "gptq", "bits": 4, "group_size": 24}, None),
+    (packed_int("gptq", 4, 32), {"quant_method": "gptq", "bits": 4, "group_size": 32}, 32),
+    # 24 x 48 blocks: a block's rows straddle q's and k's halves, its columns down_proj's.
+    (fp8((24, 48), "_scale_inv"), {"quant_method": "fp8", "weight_block_size": [24, 48]}, None),
+], ids=["act-order", "plain", "fp8-blocks"])
+def test_each_tensor_parallel_rank_holds_its_shard(tmp_path, quantize, qc, group_size):
     """Groups of 24 shuffled features straddle the ranks' halves: a
     row-parallel shard keeps every group's scale and its features' groups.
     Plain groups of 32 split between groups: a shard keeps its own groups,
-    renumbered, so its kernels read scales per word. Either way each rank's
-    integers stand for the plain model's shard, bit for bit."""
-    checkpoint, plain_dir = tmp_path / "int", tmp_path / "plain"
-    quantize = packed_int("gptq", 4, group_size, act_order=act_order)
-    write_quantized(random_model("llama"), checkpoint, quantize, {"quant_method": "gptq", "bits": 4,
-                                                                  "group_size": group_size}, plain_dir)
+    renumbered, so its kernels read scales per word. Float8 blocks of 24 x
+    48 straddle both. Each rank's codes stand for the plain model's shard,
+    bit for bit."""
+    checkpoint, plain_dir = tmp_path / "q", tmp_path / "plain"
+    write_quantized(random_model("llama"), checkpoint, quantize, qc, plain_dir)
     config = load_hf_config(checkpoint)
     fmt = checkpoint_quantization(config)
     for rank in range(2):
         tp = TensorParallel(rank=rank, size=2)
         ours = build_model(config, torch.float32, torch.device("cpu"), tp, defer_linears=True)
-        realize_linears(ours, int_linears(ours, checkpoint, fmt), torch.device("cpu"))
+        realize_linears(ours, quantized_linears(ours, checkpoint, fmt), torch.device("cpu"))
         load_weights(ours, checkpoint, quantization=fmt)
         plain = build_model(config, torch.float32, torch.device("cpu"), tp)
         load_weights(plain, plain_dir)
         dense = dict(plain.named_parameters())
-        packed = 0
+        held = 0
         for name, module in ours.named_modules():
-            w = getattr(module, "int_weight", None)
+            w = getattr(module, "quantized_weight", None)
             if w is None:
                 continue
-            weight = reference.int_dequantize(w.codes, w.scales, w.zeros, w.g_idx, w.bits, torch.float32)
+            if w.float8:
+                weight = reference.fp8_dequantize(w.codes, w.scales, w.g_idx, torch.float32)
+            else:
+                weight = reference.int_dequantize(w.codes, w.scales, w.zeros, w.g_idx, w.bits, torch.float32)
             assert torch.equal(weight, dense[f"{name}.weight"]), f"rank {rank}: {name}"
-            assert w.group_size == (None if act_order else group_size), f"rank {rank}: {name}"
-            if not act_order:  # this shard's groups alone
+            if group_size is not None:  # this shard's groups alone, read per word
+                assert w.group_size == group_size, f"rank {rank}: {name}"
                 assert w.scales.shape[1] == w.features // group_size, f"rank {rank}: {name}"
-            packed += 1
-        assert packed == 4 * config.num_hidden_layers
+            held += 1
+        assert held == 4 * config.num_hidden_layers
 
 
 def test_a_checkpoint_that_keeps_some_linears_in_floats_packs_the_rest(make_llm, tmp_path):
@@ -140,19 +177,16 @@ def test_a_checkpoint_that_keeps_some_linears_in_floats_packs_the_rest(make_llm,
     llm = make_llm(str(checkpoint), **PACKED)
     model = llm.engine.executor.worker.model
     o_proj = [m for n, m in model.named_modules() if n.endswith("o_proj")]
-    assert o_proj and all(m.int_weight is None and isinstance(m.weight, torch.nn.Parameter) for m in o_proj)
-    assert len(_int_weights(llm)) == 3 * len(o_proj)
+    assert o_proj and all(m.quantized_weight is None and isinstance(m.weight, torch.nn.Parameter) for m in o_proj)
+    assert len(_quantized_weights(llm)) == 3 * len(o_proj)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(plain), PROMPTS)
 
 
 def test_packed_weights_are_refused_where_they_cannot_hold(make_llm, tmp_path, tiny_model):
-    write_quantized(random_model("llama"), tmp_path / "fp8", fp8((32, 32), "_scale_inv"),
-                    {"quant_method": "fp8", "weight_block_size": [32, 32]})
     write_quantized(random_model("llama"), tmp_path / "int", *GPTQ4)
     cases = [
-        (str(tmp_path / "fp8"), {}, "this is a fp8 checkpoint"),
-        (tiny_model("llama"), {}, "this is an unquantized checkpoint"),
+        (tiny_model("llama"), {}, "this checkpoint is not quantized"),
         (str(tmp_path / "int"), {"enable_lora": True}, "with --enable-lora is not supported"),
     ]
     for model, extra, message in cases:
@@ -169,7 +203,7 @@ def test_fused_parts_whose_groups_are_ordered_apart_load_dequantized(make_llm, t
     write_quantized(random_model("llama"), checkpoint, quantize, GPTQ4[1], plain)
     llm = make_llm(str(checkpoint), **PACKED)
     model = llm.engine.executor.worker.model
-    held = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if getattr(m, "int_weight", None) is not None}
+    held = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if getattr(m, "quantized_weight", None) is not None}
     # The writer seeds each order by the weight's shape: q's and k's differ, gate's and up's agree.
     assert held == {"o_proj", "gate_up_proj", "down_proj"}
     outs = llm.generate(PROMPTS, GREEDY)
@@ -181,7 +215,8 @@ def test_fused_parts_whose_groups_are_ordered_apart_load_dequantized(make_llm, t
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantize, qc", [
     GPTQ4, (packed_int("gptq", 8, 32, act_order=True), {"quant_method": "gptq", "bits": 8, "group_size": 32}),
-], ids=["gptq-4-bit", "gptq-8-bit-act-order"])
+    FP8_BLOCKS,
+], ids=["gptq-4-bit", "gptq-8-bit-act-order", "fp8-blocks"])
 def test_on_a_gpu_packed_weights_give_the_dequantized_models_tokens(make_llm, tmp_path, quantize, qc, dtype):
     """On CUDA, decode graphs on (the default): decode steps through the
     fused kernel inside the graphs, a 156-token prompt through dequantize
@@ -193,4 +228,4 @@ def test_on_a_gpu_packed_weights_give_the_dequantized_models_tokens(make_llm, tm
     kwargs = dict(device="cuda", dtype=dtype, num_kv_blocks=256, enforce_eager=False)
     ref = make_llm(str(tmp_path / "int"), **kwargs).generate(prompts, params)
     got = make_llm(str(tmp_path / "int"), **kwargs, **PACKED).generate(prompts, params)
-    assert_agree_but_for_near_ties(got, ref, f"packed {qc['bits']}-bit {dtype}")
+    assert_agree_but_for_near_ties(got, ref, f"packed {qc['quant_method']} {dtype}")
