@@ -45,7 +45,9 @@ def _quantized_weights(llm) -> list[QuantizedWeight]:
     ("qwen3", packed_int("awq", 4, 16), {"quant_method": "awq", "bits": 4, "group_size": 16, "version": "GEMM"}),
     # Phi-3 keeps q/k/v and gate/up fused in the checkpoint: the codes are cut into their parts' rows.
     ("phi3", packed_int("gptq", 4, 32), {"quant_method": "gptq", "bits": 4, "group_size": 32}),
-], ids=["gptq-4-bit", "gptq-8-bit-act-order", "gptq-experts", "awq-qwen3", "phi3-fused"])
+    # GLM-4 takes q's and k's rows in another order (interleaved rope pairs made halves): the codes' rows move.
+    ("glm4", packed_int("gptq", 4, 32), {"quant_method": "gptq", "bits": 4, "group_size": 32}),
+], ids=["gptq-4-bit", "gptq-8-bit-act-order", "gptq-experts", "awq-qwen3", "phi3-fused", "glm4-row-order"])
 def test_packed_weights_give_the_tokens_of_the_weights_they_stand_for(make_llm, tmp_path, arch, quantize, qc):
     checkpoint, plain = tmp_path / "int", tmp_path / "plain"
     write_quantized(random_model(arch), checkpoint, quantize, qc, plain)
