@@ -308,11 +308,16 @@ def fp8_dequantize(weight: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tens
     features instead of gathered per feature (the CPU engine dequantizes on
     every call)."""
     n, k = weight.shape
+    groups = scales.shape[1]
+    if group_size is not None and groups == -(-k // group_size):
+        # The last group may be short (K no multiple of a block): the runs
+        # are laid out whole and the overhang cut off after the product.
+        w = weight.new_zeros((n, groups * group_size), dtype=torch.float32)
+        w[:, :k] = weight
+        w.view(n, groups, group_size).mul_(scales[:, :, None])
+        return w[:, :k].to(dtype)
     w = weight.to(torch.float32, copy=True)  # [N, K], its own: scaled in place below
-    if group_size is not None and k % group_size == 0 and scales.shape[1] == k // group_size:
-        w.view(n, -1, group_size).mul_(scales[:, :, None])
-    else:
-        w.mul_(scales[:, g_idx.long()])
+    w.mul_(scales[:, g_idx.long()])
     return w.to(dtype)
 
 

@@ -109,8 +109,8 @@ def test_the_reference_is_one_fp32_product_rounded_once(fmt):
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_the_references_broadcast_groups_give_the_gathered_bits(fmt):
     """The CPU's path: with a plain checkpoint's group size the reference
-    broadcasts each group's scale over its run of features, same bits;
-    where K is not a whole number of groups it gathers."""
+    broadcasts each group's scale over its run of features, same bits,
+    the last run cut short where K is no whole number of groups."""
     cases = [("plain", 256, 64), ("plain", 264, 64), ("row", 200, 64), ("plain", 256, 256)]
     for layout, k, block in cases:
         ops = operands(40, k, fmt, block, layout=layout, seed=k)
