@@ -171,7 +171,8 @@ def build_model(hf_config, dtype: torch.dtype, device: torch.device,
     ``max_model_len``: the server's context, which picks LongRoPE's factors
     (engine/layers.py, ``RotaryEmbedding``). ``defer_linears``: the linears'
     weights stay unallocated until ``parallel.realize_linears`` (those that
-    will hold integers never take a dense weight's memory)."""
+    will hold a quantized checkpoint's codes never take a dense weight's
+    memory)."""
     if pooling and not getattr(hf_config, "tie_word_embeddings", False):
         hf_config = copy.copy(hf_config)
         hf_config.tie_word_embeddings = True
@@ -434,8 +435,8 @@ def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = Fals
     model alone, its names without the ``model.`` prefix and no LM head,
     which then stays unread (nothing is sampled). ``quantization``: the
     checkpoint's format (``quantization.checkpoint_quantization``), its
-    weights dequantized as they are read, or packed where a linear holds
-    them as integers (``quantized_linears``)."""
+    weights dequantized as they are read, or kept as stored where a linear
+    holds the checkpoint's codes (``quantized_linears``)."""
     model_dir = Path(model_dir)
     targets = checkpoint_targets(model)
     loaded: set[str] = set()

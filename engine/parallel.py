@@ -182,8 +182,9 @@ def new_param(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
 
 
 # Whether linears built now leave their weights unallocated (on the meta
-# device) until ``realize_linears``: a model whose linears will hold packed
-# integer weights never takes the device memory of their dense ones.
+# device) until ``realize_linears``: a model whose linears will hold a
+# quantized checkpoint's codes never takes the device memory of their dense
+# weights.
 _deferred = False
 
 
@@ -248,14 +249,14 @@ class _PrepackedLinear(nn.Module):
     # Adapter slots (engine/lora.py), with --enable-lora: a step with
     # adapter rows adds their low-rank products to every product here.
     lora: "LoRAWeights | None" = None
-    # The weight as GPTQ/AWQ integers (``--quantized-weights packed``), in
-    # place of the dense one: ``weight`` is then a stand-in of its shape,
-    # dtype and device that holds no memory, and every product runs on
-    # these (``ops.int_linear``). A submodule, so set in __init__: a class
-    # attribute would hide it.
+    # The weight as the checkpoint stores it (``--quantized-weights packed``:
+    # GPTQ/AWQ integers, float8), in place of the dense one: ``weight`` is
+    # then a stand-in of its shape, dtype and device that holds no memory,
+    # and every product runs on these (``ops.int_linear``, ``fp8_linear``).
+    # A submodule, so set in __init__: a class attribute would hide it.
     quantized_weight: "QuantizedWeight | None"
-    # Whether the weight may be held as integers: not where a module reads
-    # the dense weight itself (the MoE router's fp32 scores).
+    # Whether the weight may be held as the checkpoint's codes: not where a
+    # module reads the dense weight itself (the MoE router's fp32 scores).
     takes_quantized_weight = True
 
     def __init__(self) -> None:
@@ -286,7 +287,7 @@ class _PrepackedLinear(nn.Module):
         self.weight = param
 
     def _dense(self) -> bool:
-        """The fused launches and oneDNN read a dense weight: not an
+        """The fused launches and oneDNN read a dense weight: not a
         ``quantized_weight``'s stand-in, nor (``_adapted``) one with adapter
         products to add."""
         return self.quantized_weight is None and self._packed is None and not self._adapted()

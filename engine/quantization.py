@@ -4,6 +4,9 @@ Quantized checkpoints load by dequantizing each weight as it is read, in
 fp32, into the model's dtype (rounded once); the model then runs on those
 weights as on any other checkpoint's: weights held in the model's dtype,
 activations never quantized (activation and KV-cache scales go unread).
+With ``--quantized-weights packed`` a linear's weight is unpacked instead
+(``GroupedCodes``: its codes with a scale a row a group) and kept as
+stored, every product dequantizing it to the same bits.
 
 * FP8: transformers' and DeepSeek's ``fp8`` (``weight`` in float8 beside a
   ``weight_scale_inv`` per block, or a ``weight_scale`` per tensor in vLLM's
