@@ -1055,19 +1055,9 @@ def int_linear_compile_report() -> list[dict]:
     for bits in int_linear.BITS:
         codes = torch.empty((n, k * bits // 32), dtype=torch.int32)
         for group_size in (128, None):
-            args = (codes, scales, zeros, g_idx, bits)
-            xs = {f"{m} row{'s' * (m > 1)}": torch.empty((m, k), dtype=torch.bfloat16) for m in (1, 16, 32)}
-            calls = [(what, partial(int_linear.int_linear, x, *args, group_size=group_size)) for what, x in xs.items()]
-            calls.append(("dequantize", partial(int_linear.dequantize, *args, torch.bfloat16, group_size=group_size)))
-            for what, call in calls:
-                (fn, kernel_args, constexprs, options), = _launches_of(call)
-                res = _compile_offline(fn, kernel_args, constexprs, (), options)
-                tile = "x".join(str(constexprs[c]) for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if c in constexprs)
-                res.update(kernel="int_linear", variant=f"int{bits}, {what}, "
-                           f"{'plain groups' if group_size else 'act-order'}, {tile}")  # fmt: skip
-                rows.append(res)
-                print(f"int_linear {res['variant']:44s} warps={res['num_warps']} regs={res['registers']} "
-                      f"stack={res['stack_bytes']} local={res['local_bytes']} ({res['compile_s']:.1f} s)")
+            _compile_weight_launches(rows, int_linear.int_linear, int_linear.dequantize, (codes, scales, zeros, g_idx,
+                                     bits), k, group_size, f"int{bits}",
+                                     "plain groups" if group_size else "act-order")  # fmt: skip
     return rows
 
 
@@ -1085,20 +1075,27 @@ def fp8_linear_compile_report() -> list[dict]:
         weight = torch.empty((n, k), dtype=dtype)
         for groups, group_size, label in ((32, 128, "blocks of 128"), (1, k, "a scale a row"),
                                           (32, None, "gathered")):  # fmt: skip
-            args = (weight, torch.empty((n, groups)), g_idx)
-            xs = {f"{m} row{'s' * (m > 1)}": torch.empty((m, k), dtype=torch.bfloat16) for m in (1, 16, 32)}
-            calls = [(what, partial(fp8_linear.fp8_linear, x, *args, group_size=group_size)) for what, x in xs.items()]
-            calls.append(("dequantize", partial(fp8_linear.dequantize, *args, torch.bfloat16, group_size=group_size)))
-            for what, call in calls:
-                (fn, kernel_args, constexprs, options), = _launches_of(call)
-                res = _compile_offline(fn, kernel_args, constexprs, (), options)
-                tile = "x".join(str(constexprs[c]) for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "RUN") if c in constexprs)
-                res.update(kernel="fp8_linear", variant=f"{str(dtype).removeprefix('torch.float8_')}, {what}, "
-                           f"{label}, {tile}")  # fmt: skip
-                rows.append(res)
-                print(f"fp8_linear {res['variant']:48s} warps={res['num_warps']} regs={res['registers']} "
-                      f"stack={res['stack_bytes']} local={res['local_bytes']} ({res['compile_s']:.1f} s)")
+            _compile_weight_launches(rows, fp8_linear.fp8_linear, fp8_linear.dequantize,
+                                     (weight, torch.empty((n, groups)), g_idx), k, group_size,
+                                     str(dtype).removeprefix("torch.float8_"), label)  # fmt: skip
     return rows
+
+
+def _compile_weight_launches(rows: list[dict], fused, dequantize, args: tuple, k: int, group_size: int | None,
+                             kind: str, label: str) -> None:  # fmt: skip
+    """A stored-weight linear's launches (the fused kernel at 1, 16 and 32
+    rows, and the dequantizing one) compiled for sm_90, into ``rows``."""
+    xs = {f"{m} row{'s' * (m > 1)}": torch.empty((m, k), dtype=torch.bfloat16) for m in (1, 16, 32)}
+    calls = [(what, partial(fused, x, *args, group_size=group_size)) for what, x in xs.items()]
+    calls.append(("dequantize", partial(dequantize, *args, torch.bfloat16, group_size=group_size)))
+    for what, call in calls:
+        (fn, kernel_args, constexprs, options), = _launches_of(call)
+        res = _compile_offline(fn, kernel_args, constexprs, (), options)
+        tile = "x".join(str(constexprs[c]) for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "RUN") if c in constexprs)
+        res.update(kernel=fused.__name__, variant=f"{kind}, {what}, {label}, {tile}")
+        rows.append(res)
+        print(f"{res['kernel']} {res['variant']:48s} warps={res['num_warps']} regs={res['registers']} "
+              f"stack={res['stack_bytes']} local={res['local_bytes']} ({res['compile_s']:.1f} s)")
 
 
 def _engine_gemv(gemv, block_n: int, block_k: int, warps: int, gated: bool, norm: bool) -> bool:

@@ -172,10 +172,11 @@ def shard_spec(param: nn.Parameter) -> ShardSpec | None:
     return getattr(param, _SHARD_ATTR, None)
 
 
-def new_param(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
+def new_param(shape: tuple[int, ...], spec: ShardSpec | None, device: str | None = None) -> nn.Parameter:
     """An uninitialised parameter holding ``spec``'s slice (whole: None),
-    which the loader fills from the checkpoint right after construction."""
-    param = nn.Parameter(torch.empty(shape))
+    which the loader fills from the checkpoint right after construction
+    (``device``: where, if not the default)."""
+    param = nn.Parameter(torch.empty(shape, device=device))
     if spec is not None:
         setattr(param, _SHARD_ATTR, spec)
     return param
@@ -200,13 +201,8 @@ def deferred_linear_weights(on: bool = True) -> Iterator[None]:
 
 
 def linear_weight(shape: tuple[int, ...], spec: ShardSpec | None) -> nn.Parameter:
-    """A linear's weight: ``new_param``, or on the meta device while deferred."""
-    if not _deferred:
-        return new_param(shape, spec)
-    param = nn.Parameter(torch.empty(shape, device="meta"))
-    if spec is not None:
-        setattr(param, _SHARD_ATTR, spec)
-    return param
+    """A linear's weight: ``new_param``, on the meta device while deferred."""
+    return new_param(shape, spec, "meta" if _deferred else None)
 
 
 # -- layers ----------------------------------------------------------------------

@@ -148,16 +148,15 @@ _PACKED_AUX = (".qzeros", ".scales", ".g_idx")
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Integers of ``bits`` bits packed into int32 words along ``dim`` (0 or
-    1), the lowest bits first, as int32 (an arithmetic shift, then the mask:
-    a word's sign bit never reaches a field it does not belong to)."""
-    per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    1), the lowest bits first, as int32: the packed linears' own unpacking
+    (``reference.int_unpack``, along a row's words), applied to the rows or
+    the columns."""
+    from fluidserve.kernels import reference
+
     words = packed.to(torch.int32)
     if dim == 0:
-        values = (words.unsqueeze(1) >> shifts[None, :, None]) & ((1 << bits) - 1)
-        return values.reshape(packed.shape[0] * per_word, packed.shape[1])
-    values = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return values.reshape(packed.shape[0], packed.shape[1] * per_word)
+        return reference.int_unpack(words.t(), bits).t()
+    return reference.int_unpack(words, bits)
 
 
 @dataclass(frozen=True)

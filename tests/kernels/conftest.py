@@ -176,3 +176,33 @@ def tol():
 def oracle():
     """``reference_attention`` as a fixture."""
     return reference_attention
+
+
+@pytest.fixture
+def offline_compile_report():
+    """``run(report)``: ``kernel_bench.<report>()`` in a process without the
+    interpreter (the compile tests of the int and fp8 linears)."""
+    return _offline_compile_report
+
+
+def _offline_compile_report(report: str) -> list[dict]:
+    """``kernel_bench.<report>()`` run in a process without the interpreter:
+    each launch compiled for sm_90 offline, with its registers and spills
+    (skips where this Triton ships no CUDA tools to compile with)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (tools / "cuobjdump").exists() or not (tools / "ptxas").exists():
+        pytest.skip("this Triton ships no CUDA tools to compile with")
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    script = (f"import json, sys; sys.path.insert(0, {str(bench)!r}); import kernel_bench; "
+              f"print(json.dumps(kernel_bench.{report}()))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
