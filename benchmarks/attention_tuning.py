@@ -108,13 +108,19 @@ DECODE_POINTS = grid(DECODE_GRID) + [
       for stages in (3, 5) for fused in (False, True)),
     *(dict(block_n=block_n, num_stages=stages, units_scale=1, max_registers=None, fused_merge=False, narrow_warps=1)
       for block_n, stages in ((16, 3), (16, 5), (32, 3))),
+    # Fewer programs than the SMs hold, each streaming a longer run of keys:
+    # on the H200 at 16k keys the floor's reads ran faster the fewer the
+    # programs (56% of copy at the default's 50 a KV head, 50% at 100, 47%
+    # at 200), so a half and a third of the default are tried too.
+    *(dict(block_n=64, num_stages=3, units_scale=scale, max_registers=None, fused_merge=False)
+      for scale in (1 / 2, 1 / 3)),
 ]  # fmt: skip
 # The reads of the decode floor: programs per KV head as a multiple of the
 # attention's default, keys per iteration, through the block table or not,
 # and the cache's bytes taken as [blocks, heads, block_size, head_dim]
 # (a block's rows of one head contiguous) instead of the engine's
 # [blocks, block_size, heads, head_dim] (each row its own 2*head_dim bytes).
-FLOOR_GRID = dict(units_scale=(1, 2, 4), block_n=(64, 128), paged=(True, False), head_major=(False, True))
+FLOOR_GRID = dict(units_scale=(1 / 3, 1 / 2, 1, 2), block_n=(64, 128), paged=(True, False), head_major=(False, True))
 # (prefill chunk, decodes, longest decode context) of the plan comparison.
 PLAN_SHAPES = [(c, d, ctx) for c in (512, 2048, 8192) for d in (16, 128) for ctx in (4096, 32768)]
 
@@ -189,6 +195,11 @@ def prefill_shape(changes: dict) -> dict:
                 halves=t.prefill_halves)  # fmt: skip
 
 
+def scaled_units(default: int, cfg: dict) -> int:
+    """Programs per KV head of a point: the default times its ``units_scale``, at least one."""
+    return max(1, round(default * cfg["units_scale"]))
+
+
 def tune_decode(shape: Shape, contexts: list[int], copy_gbs: float, sweep: Sweep) -> None:
     from fluidserve.kernels import paged_attention as pa
 
@@ -201,7 +212,7 @@ def tune_decode(shape: Shape, contexts: list[int], copy_gbs: float, sweep: Sweep
             def measure(cfg=cfg, batch=batch, reference=reference) -> dict:
                 tiles = {k: v for k, v in cfg.items() if k != "units_scale"}
                 with pa.tiles(**tiles):
-                    units = pa.default_num_units(batch["query"], batch["key_cache"], False) * cfg["units_scale"]
+                    units = scaled_units(pa.default_num_units(batch["query"], batch["key_cache"], False), cfg)
                     plan = pa.plan_for(batch["query"], batch["key_cache"], [1], [ctx], num_units=units)
                     diff = (_output(batch, shape, plan).float() - reference.float()).abs().max().item()
                     ms = graph_ms(partial(run_attention, batch, shape, plan))
@@ -301,7 +312,7 @@ def tune_floor(shape: Shape, contexts: list[int], copy_gbs: float, sweep: Sweep)
                       for paged in (True, False) for major in (False, True)}  # fmt: skip
         for cfg in grid(FLOOR_GRID):
             def measure(cfg=cfg, batch=batch, references=references) -> dict:
-                units = default_units * cfg["units_scale"]
+                units = scaled_units(default_units, cfg)
                 run = partial(kv_read, batch, ctx, units, cfg["block_n"], cfg["paged"], cfg["head_major"])
                 ref = references[cfg["paged"], cfg["head_major"]]
                 err = ((run().sum(0) - ref).abs().max() / ref.abs().max()).item()
@@ -405,14 +416,14 @@ def markdown(report: dict) -> str:
         lines.append(f"* decode batch 1, {ctx} keys: block_n {r['block_n']}, {decode_warps(r)} warps, "
                      f"stages {r['num_stages']}, register cap "
                      f"{r.get('max_registers') or 'none'}, {'fused' if r.get('fused_merge') else 'separate'} merge, "
-                     f"units x{r['units_scale']}: {r['pct_of_copy']:.1f}% of copy")
+                     f"units x{r['units_scale']:.3g}: {r['pct_of_copy']:.1f}% of copy")
     for ctx in sorted({r["context"] for r in floor if "context" in r}):
         reads = [r for r in floor if r.get("context") == ctx and "error" not in r and r["rel_err"] < 1e-3]
         for read in sorted({r["read"] for r in reads}):
             fastest = max((r for r in reads if r["read"] == read), key=lambda r: r["pct_of_copy"], default=None)
             if fastest:
                 lines.append(f"* reading {ctx} keys alone, {read}: {fastest['pct_of_copy']:.1f}% of copy "
-                             f"({fastest['block_n']} keys per iteration, units x{fastest['units_scale']})")
+                             f"({fastest['block_n']} keys per iteration, units x{fastest['units_scale']:.3g})")
     empty = next((r for r in floor if r["read"] == "empty kernel" and "error" not in r), None)
     if empty:
         lines.append(f"* one empty kernel in a graph: {1e3 * empty['graph_ms']:.1f} us")

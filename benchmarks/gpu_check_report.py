@@ -252,6 +252,11 @@ def _fmt_moe(r: dict) -> tuple[str, dict]:
         parts.append(f"{x['model']} x{x['tokens']}: {x['graph_ms']:.3f} ms in a graph{gbs}, "
                      f"reference {x['reference_ms'] / x['triton_ms']:.1f}x")
         figures[f"graph_ms_{key}"] = x["graph_ms"]
+    for x in r.get("packed") or []:  # experts held as stored against dense bf16
+        fmt = x["format"].split(",")[0]
+        if x["speedup"]:
+            parts.append(f"{x['model']} x{x['tokens']} {fmt}: {x['speedup']:.2f}x dense")
+            figures[f"packed_speedup_{x['model']}_{x['tokens']}_{fmt}"] = x["speedup"]
     return "; ".join(parts), figures
 
 

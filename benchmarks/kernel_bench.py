@@ -787,6 +787,60 @@ def bench_moe(tokens: list[int], device: str = "cuda") -> list[dict]:
     return rows
 
 
+# The stored formats ``bench_moe_packed`` times: (label, bits; 0 is e4m3 float8), groups and blocks 128 wide.
+MOE_PACKED_FORMATS = [("int4, groups of 128", 4), ("e4m3, blocks of 128", 0)]
+
+
+def packed_experts_like(w: torch.Tensor, bits: int, seed: int = 1):
+    """Random ``reference.PackedExperts`` at dense ``w``'s shape [E, N, K]:
+    ``bits``-bit codes (0: e4m3) with a scale a row per 128 features
+    (zero points at mid-range), weights of ``w``'s scale, about K^-1/2."""
+    from fluidserve.kernels.reference import PackedExperts
+
+    e, n, k = w.shape
+    gen = torch.Generator(device=w.device).manual_seed(seed)
+    groups, step = k // 128, k**-0.5
+    g_idx = (torch.arange(k, device=w.device, dtype=torch.int32) // 128).expand(e, k).contiguous()
+    if not bits:
+        codes = torch.randn((e, n, k), generator=gen, device=w.device).to(torch.float8_e4m3fn)
+        return PackedExperts(codes, torch.full((e, n, groups), step, device=w.device), None, g_idx, 8, 128)
+    words = torch.randint(-2**31, 2**31 - 1, (e, n, k * bits // 32), generator=gen, device=w.device,
+                          dtype=torch.int64).to(torch.int32)  # fmt: skip
+    zeros = torch.full((e, n, groups), 1 << (bits - 1), dtype=torch.uint8, device=w.device)
+    return PackedExperts(words, torch.full((e, n, groups), step / (1 << (bits - 1)), device=w.device), zeros, g_idx,
+                         bits, 128)  # fmt: skip
+
+
+def bench_moe_packed(tokens: list[int], device: str = "cuda") -> list[dict]:
+    """The experts held as a quantized checkpoint stores them
+    (``PackedExperts``) against the same routing over dense bf16 stacks,
+    each as a CUDA graph replays it: the stored bytes of the experts hit
+    over the time, and dense time / packed time."""
+    from fluidserve.kernels import moe, reference
+
+    rows = []
+    for name, experts, top_k, hidden, inter in MOE_SHAPES:
+        for t in tokens:
+            x, w13, w2, ids, weights = moe_operands(experts, top_k, hidden, inter, t, device)
+            hit = int(ids.unique().numel())
+            dense_ms = graph_ms(partial(moe.fused_experts, x, w13, w2, ids, weights))
+            for label, bits in MOE_PACKED_FORMATS:
+                p13, p2 = packed_experts_like(w13, bits), packed_experts_like(w2, bits, seed=2)
+                packed = partial(moe.fused_experts, x, p13, p2, ids, weights)
+                ms = graph_ms(packed)
+                stored = sum(w.codes.numel() * w.codes.element_size() + w.scales.numel() * 4 for w in (p13, p2))
+                diff = (packed().float() - reference.fused_experts(x, p13, p2, ids, weights).float()).abs().max()
+                rows.append(dict(model=name, tokens=t, experts_hit=hit, format=label, dense_graph_ms=dense_ms,
+                                 packed_graph_ms=ms, speedup=dense_ms / ms if ms else None,
+                                 stored_gb_s=stored * hit / experts / (ms * 1e-3) / 1e9 if ms else None,
+                                 max_abs_diff=float(diff)))  # fmt: skip
+                print(f"moe packed {name} {label} tokens={t}: {ms:.3f} ms in a graph against {dense_ms:.3f} dense "
+                      f"bf16, max |diff| vs reference {float(diff):.2e}")
+            del w13, w2
+            torch.cuda.empty_cache()
+    return rows
+
+
 def moe_markdown(report: dict) -> str:
     lines = [f"# MoE experts on {report['device']}", "",
              "`ops.fused_experts`, bf16: the Triton path (kernels/moe.py) launched from Python and as a CUDA "
@@ -802,6 +856,20 @@ def moe_markdown(report: dict) -> str:
         lines.append(f"| {r['model']} | {r['tokens']} | {r['experts_hit']} | {r['block_m']} | {r['triton_ms']:.3f} "
                      f"| {r['graph_ms']:.3f} | {gbs} | {r['reference_ms']:.3f} "
                      f"| {r['reference_ms'] / r['triton_ms']:.2f}x | {r['max_abs_diff']:.2e} |")
+    if report.get("packed"):
+        lines += ["", "## Experts held as stored (`reference.PackedExperts`) against dense bf16", "",
+                  "The same routing and activations; random codes (int4 with a scale and zero a row per 128 "
+                  "features, or e4m3 with a scale a row per 128-wide block), each side as a CUDA graph replays "
+                  "it. Stored GB/s: the codes and scales of the experts hit over the packed time. Max abs diff: "
+                  "against the torch reference over the same codes.", "",
+                  "| model | tokens | experts hit | format | packed ms | dense bf16 ms | dense / packed | stored GB/s "
+                  "| max abs diff |", "|---|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in report["packed"]:
+            speed = f"{r['speedup']:.2f}x" if r["speedup"] else "–"
+            gbs = f"{r['stored_gb_s']:.0f}" if r["stored_gb_s"] else "–"
+            lines.append(f"| {r['model']} | {r['tokens']} | {r['experts_hit']} | {r['format']} "
+                         f"| {r['packed_graph_ms']:.3f} | {r['dense_graph_ms']:.3f} | {speed} | {gbs} "
+                         f"| {r['max_abs_diff']:.2e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -809,6 +877,8 @@ def moe_main(args: argparse.Namespace) -> int:
     name = torch.cuda.get_device_name()
     report = dict(device=name, time=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,
                   copy_gb_s=copy_bandwidth_gbs(), moe=bench_moe(args.moe_tokens))  # fmt: skip
+    save_results(args.out / f"moe_{device_slug(name)}", report, moe_markdown(report))  # kept if the packed rows fail
+    report["packed"] = bench_moe_packed(args.moe_tokens)
     save_results(args.out / f"moe_{device_slug(name)}", report, moe_markdown(report))
     return 0
 
@@ -1098,6 +1168,54 @@ def _compile_weight_launches(rows: list[dict], fused, dequantize, args: tuple, k
               f"stack={res['stack_bytes']} local={res['local_bytes']} ({res['compile_s']:.1f} s)")
 
 
+def moe_packed_compile_report() -> list[dict]:
+    """The MoE experts' GEMMs over ``reference.PackedExperts`` (kernels/moe.py:
+    the gated gate/up GEMM and the weighted down GEMM) at a Qwen3-30B-A3B
+    layer's shape (128 experts, 8 a token, hidden 2048, intermediate 768,
+    bf16), at a decode token and a 4096-token prefill: int4 with 128-wide
+    groups (scales read per word) and act-order (gathered per code), int8
+    with 128-wide groups, e4m3 in 128-wide blocks (scales read per run and
+    gathered), as the wrapper launches them, compiled for sm_90."""
+    from fluidserve.kernels import moe
+    from fluidserve.kernels.reference import PackedExperts
+
+    name, experts, top_k, hidden, inter = MOE_SHAPES[0]
+    rows, bf16 = [], torch.bfloat16
+
+    def packed(n: int, k: int, bits: int, group_size: int | None, fp8: bool) -> PackedExperts:
+        groups = k // 128
+        if fp8:  # the launches are recorded, not run: empty tensors of the real shapes
+            return PackedExperts(torch.empty((experts, n, k), dtype=torch.float8_e4m3fn),
+                                 torch.empty((experts, n, groups)), None,
+                                 torch.empty((experts, k), dtype=torch.int32), 8, group_size)  # fmt: skip
+        return PackedExperts(torch.empty((experts, n, k * bits // 32), dtype=torch.int32),
+                             torch.empty((experts, n, groups)), torch.empty((experts, n, groups), dtype=torch.uint8),
+                             torch.empty((experts, k), dtype=torch.int32), bits, group_size)  # fmt: skip
+
+    formats = [("int4, plain groups", 4, 128, False), ("int4, act-order", 4, None, False),
+               ("int8, plain groups", 8, 128, False), ("e4m3, blocks of 128", 8, 128, True),
+               ("e4m3, gathered", 8, None, True)]  # fmt: skip
+    for label, bits, group_size, fp8 in formats:
+        w13 = packed(2 * inter, hidden, bits, group_size, fp8)
+        w2 = packed(hidden, inter, bits, group_size, fp8)
+        for tokens in (1, 4096):
+            ids = torch.randint(0, experts, (tokens, top_k))  # any routing: the launches' shapes follow the sizes
+            x = torch.empty((tokens, hidden), dtype=bf16)
+            call = partial(moe.fused_experts, x, w13, w2, ids, torch.rand(tokens, top_k))
+            for fn, kernel_args, constexprs, options in _launches_of(call):
+                if fn is not moe._expert_gemm_kernel:
+                    continue
+                res = _compile_offline(fn, kernel_args, constexprs, (), options)
+                what = "gate/up + SiLU-mul" if constexprs["GATED"] else "down, weighted"
+                tile = "x".join(str(constexprs[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+                res.update(kernel="moe", format=label, tokens=tokens, gated=constexprs["GATED"],
+                           variant=f"{name}, {label}, {tokens} tokens: {what}, {tile}")  # fmt: skip
+                rows.append(res)
+                print(f"moe {res['variant']:72s} warps={res['num_warps']} regs={res['registers']} "
+                      f"stack={res['stack_bytes']} local={res['local_bytes']} ({res['compile_s']:.1f} s)")
+    return rows
+
+
 def _engine_gemv(gemv, block_n: int, block_k: int, warps: int, gated: bool, norm: bool) -> bool:
     """Whether this is the launch shape the engine gives a Llama-3-8B GEMV."""
     return (block_n, block_k, warps) == (gemv.BLOCK_N // 2 if gated else gemv.BLOCK_N, gemv.MAX_BLOCK_K,
@@ -1314,7 +1432,8 @@ def compile_main(args: argparse.Namespace) -> int:
     import triton
 
     rows = (compile_report(args.num_kv_heads, args.block_size) + gemv_compile_report() + row_compile_report()
-            + moe_compile_report() + int_linear_compile_report() + fp8_linear_compile_report())
+            + moe_compile_report() + moe_packed_compile_report() + int_linear_compile_report()
+            + fp8_linear_compile_report())
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"kernels_compile_sm90{args.tag}"  # the tag may hold a dot: no with_suffix
     Path(f"{stem}.json").write_text(json.dumps(dict(triton=triton.__version__, variants=rows), indent=2))

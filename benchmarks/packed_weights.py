@@ -27,9 +27,14 @@ dequantizes every weight on every call.
 model is at hand) writes a GPTQ 4-bit checkpoint of random codes, groups
 of 128, at that shape instead, and random token prompts: the bytes and the
 decode time are the figures there, the replies only check that both sides
-agree.
+agree. ``--moe`` does the same for a Qwen3-MoE model (``MOE_SHAPES``: on a
+GPU Qwen3-30B-A3B's layers, 128 experts of 768 features, 8 a token, fewer
+of them; on a CPU a smaller model), every expert's weights GPTQ 4-bit
+too, where the stacked experts are most of the bytes:
 
-Writes ``benchmarks/results/packed_weights-<device>{--tag}.{json,md}``.
+    python benchmarks/packed_weights.py --moe [--device cuda]
+
+Writes ``benchmarks/results/packed_weights-<device>{-<preset>|-moe}{--tag}.{json,md}``.
 """
 
 from __future__ import annotations
@@ -72,15 +77,36 @@ def write_checkpoint(src: Path, dst: Path, method: str, qc: dict) -> None:
     rewrite_linears(src, dst, qc, lambda name, weight: quantize(name, weight.float())[0])
 
 
-def write_random_checkpoint(preset: str, dst: Path, group_size: int = 128) -> None:
+# Qwen3-MoE shapes for ``--moe``: Qwen3-30B-A3B's layers on a GPU (48 of
+# them there), a model small enough for a CPU's dequantized fp32 otherwise.
+MOE_SHAPES = {
+    "cuda": dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                 num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                 intermediate_size=6144, vocab_size=32000),
+    "cpu": dict(hidden_size=512, moe_intermediate_size=256, num_experts=32, num_experts_per_tok=4,
+                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                intermediate_size=1024, vocab_size=4096),
+}
+
+
+def write_random_checkpoint(preset: str | None, dst: Path, group_size: int = 128, moe: dict | None = None) -> None:
     """A GPTQ 4-bit checkpoint of random codes, zero points and scales at
-    ``preset``'s Llama shape (embeddings, norms and head in bf16), with the
-    byte tokenizer: what a GPU machine without a real model serves."""
+    ``preset``'s Llama shape, or at ``moe``'s Qwen3-MoE shape with every
+    expert's weights so too (embeddings, norms, routers and head in bf16),
+    with the byte tokenizer: what a GPU machine without a real model serves."""
     from safetensors.torch import save_file
 
     from dummy_models import build_model_dir
 
-    build_model_dir(preset, dst)
+    if moe is None:
+        build_model_dir(preset, dst)
+    else:
+        from fluidserve.engine.tiny_model import save_byte_tokenizer, tiny_config
+
+        hf = tiny_config("qwen3_moe", **moe)
+        hf.architectures = ["Qwen3MoeForCausalLM"]
+        hf.save_pretrained(dst)
+        save_byte_tokenizer(dst)
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size,
                                      "desc_act": False, "checkpoint_format": "gptq_v2"}
@@ -89,8 +115,14 @@ def write_random_checkpoint(preset: str, dst: Path, group_size: int = 128) -> No
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     shapes = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv_heads * head_dim, hidden),
-              "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
-              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
+              "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim)}
+    mlp = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    if moe is None:
+        shapes.update({f"mlp.{name}": shape for name, shape in mlp.items()})
+    else:
+        expert, count = config["moe_intermediate_size"], moe["num_experts"]
+        mlp = {"gate_proj": (expert, hidden), "up_proj": (expert, hidden), "down_proj": (hidden, expert)}
+        shapes.update({f"mlp.experts.{e}.{name}": shape for e in range(count) for name, shape in mlp.items()})
     g = torch.Generator().manual_seed(0)
 
     def words(rows: int, cols: int) -> torch.Tensor:  # random int32 words: eight random 4-bit codes each
@@ -103,6 +135,11 @@ def write_random_checkpoint(preset: str, dst: Path, group_size: int = 128) -> No
         prefix = f"model.layers.{layer}."
         tensors[prefix + "input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
         tensors[prefix + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        if moe is not None:
+            tensors[prefix + "self_attn.q_norm.weight"] = torch.ones(head_dim, dtype=torch.bfloat16)
+            tensors[prefix + "self_attn.k_norm.weight"] = torch.ones(head_dim, dtype=torch.bfloat16)
+            router = torch.randn(moe["num_experts"], hidden, generator=g) * 0.02
+            tensors[prefix + "mlp.gate.weight"] = router.bfloat16()
         for name, (out, features) in shapes.items():
             groups = features // group_size
             tensors[prefix + name + ".qweight"] = words(features // 8, out)
@@ -118,21 +155,25 @@ def random_prompts(vocab: int, count: int, length: int) -> list[list[int]]:
 
 
 def held_bytes(llm) -> dict:
-    """The decoder linears' bytes as the engine holds them: packed integers
-    (codes, zero points, scales, groups) or the dense weight."""
-    from fluidserve.engine.parallel import _PrepackedLinear
+    """The decoder's linears' and stacked experts' bytes as the engine
+    holds them: packed integers (codes, zero points, scales, groups) or the
+    dense weight."""
+    from fluidserve.engine.parallel import HeldWeights
 
     model = llm.engine.executor.worker.model
     packed = dense = count = 0
     for name, module in model.named_modules():
-        if not isinstance(module, _PrepackedLinear) or ".layers." not in name:
+        if not isinstance(module, HeldWeights) or ".layers." not in name:
             continue
-        count += 1
-        if module.quantized_weight is not None:
-            packed += module.quantized_weight.nbytes()
-        else:
-            dense += module.weight.numel() * module.weight.element_size()
-    return dict(linears=count, packed_bytes=packed, dense_bytes=dense)
+        codes = module.held_codes()
+        for leaf in module.code_params:
+            count += 1
+            if leaf in codes:
+                packed += codes[leaf].nbytes()
+            else:
+                weight = getattr(module, leaf)
+                dense += weight.numel() * weight.element_size()
+    return dict(weights=count, packed_bytes=packed, dense_bytes=dense)
 
 
 def decode_ms(llm, prompt: list[int], batch: int, tokens: int, rounds: int) -> float:
@@ -159,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a real model's directory (benchmarks/smollm2.py prepare)")
     source.add_argument("--preset", help="random GPTQ weights at one of benchmarks/dummy_models.py's shapes")
+    source.add_argument("--moe", action="store_true", help="random GPTQ weights of a Qwen3-MoE model (MOE_SHAPES)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on CUDA")
     p.add_argument("--reply-tokens", type=int, default=64)
@@ -170,21 +212,24 @@ def main(argv: list[str] | None = None) -> int:
         print("--device cuda: torch sees no CUDA device", file=sys.stderr)
         return 2
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    if args.preset:
+    moe = MOE_SHAPES[args.device] if args.moe else None
+    if args.preset or moe:
         from dummy_models import PRESETS
 
-        chats = random_prompts(PRESETS[args.preset].get("vocab_size", 256), 4, 64)
+        vocab = moe["vocab_size"] if moe else PRESETS[args.preset].get("vocab_size", 256)
+        chats = random_prompts(vocab, 4, 64)
         formats = {"GPTQ 4-bit, groups of 128, random codes": ("gptq", None)}
     else:
         chats, formats = chat_prompts(args.model), FORMATS
     record = dict(benchmark="packed_weights", command=" ".join(["benchmarks/packed_weights.py", *sys.argv[1:]]),
-                  device=device_name(args.device), model=args.preset or Path(args.model).name, dtype=dtype,
+                  device=device_name(args.device), dtype=dtype, moe_shape=moe,
+                  model=args.preset or ("qwen3-moe" if moe else Path(args.model).name),
                   reply_tokens=args.reply_tokens, decode_tokens=args.decode_tokens, prompts=len(chats), formats={})
     with tempfile.TemporaryDirectory() as tmp:
         for label, (method, qc) in formats.items():
             folder = Path(tmp) / method
-            if args.preset:
-                write_random_checkpoint(args.preset, folder)
+            if args.preset or moe:
+                write_random_checkpoint(args.preset, folder, moe=moe)
             else:
                 write_checkpoint(Path(args.model), folder, method, qc)
             sides = {}
@@ -206,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                 packed={k: v for k, v in packed.items() if k != "replies"},
                 replies_vs_dequantized=agreement(packed["replies"], dense["replies"]))
     device = "cpu" if args.device == "cpu" else device_slug(record["device"])
-    stem = f"packed_weights-{device}{'-' + args.preset if args.preset else ''}{args.tag}"
+    shape = f"-{args.preset}" if args.preset else "-moe" if moe else ""
+    stem = f"packed_weights-{device}{shape}{args.tag}"
     save_results(RESULTS / stem, record, report(record))
     return 0
 
@@ -214,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 def report(record: dict) -> str:
     lines = [f"# Quantized weights packed against dequantized ({record['model']}, {record['dtype']})", "",
              f"Device: {record['device']}. Command: `{record['command']}`.", "",
-             "| checkpoint | held as | decoder linears' bytes | decode ms/token, batch 1 | batch 8 | start s |",
+             "| checkpoint | held as | decoder weights' bytes | decode ms/token, batch 1 | batch 8 | start s |",
              "|---|---|---:|---:|---:|---:|"]
     for label, row in record["formats"].items():
         for held in ("dequantized", "packed"):
@@ -222,7 +268,13 @@ def report(record: dict) -> str:
             total = side["packed_bytes"] + side["dense_bytes"]
             lines.append(f"| {label} | {held} | {total / 2**20:.1f} MiB | {side['decode_ms']['1']:.2f} | "
                          f"{side['decode_ms']['8']:.2f} | {side['start_s']:.1f} |")
-    prompts = "random-token prompts" if record["model"] in _presets() else "chat prompts"
+    if record.get("moe_shape"):
+        shape = record["moe_shape"]
+        lines[2:2] = [f"Qwen3-MoE of random GPTQ 4-bit codes: {shape['num_hidden_layers']} layers, hidden "
+                      f"{shape['hidden_size']}, {shape['num_experts']} experts of {shape['moe_intermediate_size']} "
+                      f"features, {shape['num_experts_per_tok']} a token.", ""]
+    random = record["model"] in _presets() or record.get("moe_shape")
+    prompts = "random-token prompts" if random else "chat prompts"
     lines += ["", "Greedy replies of the packed model against the dequantized one's "
               f"({record['reply_tokens']} tokens, {record['prompts']} {prompts}):", ""]
     for label, row in record["formats"].items():

@@ -1078,8 +1078,9 @@ def quantized_checkpoints(_: str) -> tuple[list[str], list[str]]:
             "size, start-up, greedy replies and the likelihood they give the original's replies, and transformers' "
             "own load of one. `benchmarks/quantized_formats_vs_gptqmodel.py`: the suite's GPTQ and AWQ "
             "checkpoints read by GPTQModel's readers against ours. `benchmarks/packed_weights.py`: GPTQ and AWQ "
-            "checkpoints of a real model served with their weights packed (`--quantized-weights packed`) against "
-            "dequantized, in one run: the bytes held, the replies, the decode time.", "",
+            "checkpoints of a real model, and a random Qwen3-MoE's GPTQ experts (`--moe`), served with their "
+            "weights packed (`--quantized-weights packed`) against dequantized, in one run: the bytes held, the "
+            "replies, the decode time.", "",
             *embedded(QUANTIZED_STEMS)], []
 
 

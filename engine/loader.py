@@ -22,7 +22,7 @@ from torch import nn
 
 from fluidserve.engine.models import model_class
 from fluidserve.engine.parallel import (
-    QuantizedWeight, ShardSpec, TensorParallel, _PrepackedLinear, deferred_linear_weights, fused_pieces,
+    HeldWeights, QuantizedWeight, ShardSpec, TensorParallel, deferred_linear_weights, fused_pieces,
     prepack_linears, shard_spec,
 )
 from fluidserve.engine.quantization import CheckpointFormat, GroupedCodes, is_fp8
@@ -299,9 +299,8 @@ def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
     targets = {}
     held = [(name, param, fused_pieces(param), shard_spec(param), None) for name, param in model.named_parameters()]
     for name, m in model.named_modules():
-        codes = m.quantized_weight if isinstance(m, _PrepackedLinear) else None
-        if codes is not None:
-            held.append((f"{name}.weight", None, codes.pieces, codes.spec, codes))
+        for leaf, codes in m.held_codes().items() if isinstance(m, HeldWeights) else ():
+            held.append((f"{name}.{leaf}", None, codes.pieces, codes.spec, codes))
     for name, param, pieces, spec, codes in held:
         if pieces is None:
             rows = codes.rows if codes is not None else param.shape[0] if param.dim() else 0
@@ -316,14 +315,14 @@ def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
 
 
 def quantized_linears(model: nn.Module, model_dir: Path | str, quantization: CheckpointFormat) -> set[str]:
-    """The linears of ``model`` (built with ``defer_linears``) that may hold
-    a quantized checkpoint's weights as its codes: each whose every
-    checkpoint weight is quantized (GPTQ's and AWQ's ``qweight``, a float8
-    matrix). Others (a router, a linear the checkpoint keeps in floats,
-    experts, which are no linears) load dense, dequantized where they are
-    quantized; so does a fused linear whose parts order their features'
-    groups apart (act-order GPTQ computed for each part alone), which one
-    ``g_idx`` cannot describe."""
+    """The linears and stacked experts of ``model`` (built with
+    ``defer_linears``) that may hold a quantized checkpoint's weights as its
+    codes: each whose every checkpoint weight is quantized (GPTQ's and
+    AWQ's ``qweight``, a float8 matrix). Others (a router, a linear the
+    checkpoint keeps in floats) load dense, dequantized where they are
+    quantized; so does a fused linear, or an expert's gate and up, whose
+    parts order their features' groups apart (act-order GPTQ computed for
+    each part alone), which one ``g_idx`` cannot describe."""
     quantized, orders = set(), {}
     for name, source in _checkpoint_tensors(Path(model_dir)):
         if name.endswith(".qweight") or (is_fp8(source) and len(_shape(source)) == 2):
@@ -337,25 +336,28 @@ def quantized_linears(model: nn.Module, model_dir: Path | str, quantization: Che
         fused = next((key for key in splits if key in name), None)
         for part in [name] if fused is None else [name.replace(fused, part) for part, _ in splits[fused]]:
             groups[part] = orders.get(raw)
-    parts: dict[str, list[str]] = {}
-    for name, target in checkpoint_targets(model).items():
-        parts.setdefault(target.param_name, []).append(name)
+    targets = checkpoint_targets(model)
+    parts: dict[str, dict[int | None, list[str]]] = {}  # a weight's parts, by expert (None: not stacked)
+    for name, target in targets.items():
+        parts.setdefault(target.param_name, {}).setdefault(target.expert, []).append(name)
     chosen = set()
     for name, module in model.named_modules():
-        weight = f"{name}.weight"
-        if not (isinstance(module, _PrepackedLinear) and module.takes_quantized_weight and weight in parts
-                and all(part in groups for part in parts[weight])):  # fmt: skip
+        if not isinstance(module, HeldWeights) or not module.takes_quantized_weight:
             continue
-        first = groups[parts[weight][0]]
-        if all(_same_order(first, groups[part]) for part in parts[weight][1:]):
+        weights = [parts.get(f"{name}.{leaf}") for leaf in module.code_params]
+        if not all(w and all(part in groups for ps in w.values() for part in ps) for w in weights):
+            continue
+        if all(_same_order([groups[part] for part in ps]) for w in weights for ps in w.values()):
             chosen.add(name)
         else:
             log.info("%s: its parts order their groups apart, so it is dequantized", name)
     return chosen
 
 
-def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return (a is None) == (b is None) and (a is None or torch.equal(a, b))
+def _same_order(orders: list[torch.Tensor | None]) -> bool:
+    """Whether every part's groups come in the first's order (None: in order)."""
+    first = orders[0]
+    return all((o is None) == (first is None) and (o is None or torch.equal(o, first)) for o in orders[1:])
 
 
 def checkpoint_name(model: nn.Module, name: str) -> str:
@@ -460,7 +462,7 @@ def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = Fals
         if _shape(source) != expected:
             raise ValueError(f"weight {name}: checkpoint shape {_shape(source)} != model {expected}")
         if held is not None:
-            held.load(target.offset, _read(source, target.spec), name)
+            held.load(target.offset, _read(source, target.spec), name, target.expert)
         else:
             with torch.no_grad():
                 target.view().copy_(_read(source, target.spec))
@@ -481,14 +483,15 @@ def held_weights(model: nn.Module, dtype: torch.dtype) -> str:
     """How a quantized checkpoint's weights are held, for the start-up log:
     the linears holding the checkpoint's codes and their bytes, or that all
     were dequantized."""
-    held = [m.quantized_weight for m in model.modules()
-            if isinstance(m, _PrepackedLinear) and m.quantized_weight is not None]  # fmt: skip
+    held = [w for m in model.modules() if isinstance(m, HeldWeights) for w in m.held_codes().values()]
     name = str(dtype).removeprefix("torch.")
     if not held:
         return f"weights dequantized to {name} as they loaded"
     kept = sum(w.nbytes() for w in held)
-    dense = sum(w.rows * w.features for w in held) * torch.empty((), dtype=dtype).element_size()
-    return (f"{len(held)} linears hold {held[0].kind()} weights as the checkpoint's, {kept / 2**20:.1f} MiB against "
+    dense = sum(w.dense_elements() for w in held) * torch.empty((), dtype=dtype).element_size()
+    stacks = sum(w.experts is not None for w in held)
+    what = f"{len(held) - stacks} linears" + (f" and {stacks} expert stacks" if stacks else "")
+    return (f"{what} hold {held[0].kind()} weights as the checkpoint's, {kept / 2**20:.1f} MiB against "
             f"{dense / 2**20:.1f} MiB in {name}; any other quantized weight dequantized to {name}")
 
 

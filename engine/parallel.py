@@ -48,6 +48,7 @@ from fluidserve.kernels import ops
 if TYPE_CHECKING:
     from fluidserve.engine.lora import LoRAWeights
     from fluidserve.engine.quantization import GroupedCodes
+    from fluidserve.kernels.reference import PackedExperts
 
 
 # gloo's all-reduce of a small tensor makes several round trips between the
@@ -182,16 +183,16 @@ def new_param(shape: tuple[int, ...], spec: ShardSpec | None, device: str | None
     return param
 
 
-# Whether linears built now leave their weights unallocated (on the meta
-# device) until ``realize_linears``: a model whose linears will hold a
-# quantized checkpoint's codes never takes the device memory of their dense
-# weights.
+# Whether linears and stacked experts built now leave their weights
+# unallocated (on the meta device) until ``realize_linears``: a model whose
+# weights will hold a quantized checkpoint's codes never takes the device
+# memory of their dense weights.
 _deferred = False
 
 
 @contextmanager
 def deferred_linear_weights(on: bool = True) -> Iterator[None]:
-    """Build linears with their weights on the meta device (``on``)."""
+    """Build linears and stacked experts with their weights on the meta device (``on``)."""
     global _deferred
     before, _deferred = _deferred, on
     try:
@@ -231,7 +232,60 @@ def can_prepack(weight: torch.Tensor) -> bool:
     return ok
 
 
-class _PrepackedLinear(nn.Module):
+class HeldWeights(nn.Module):
+    """A module whose weights the loader may hold as a quantized checkpoint
+    stores them (``--quantized-weights packed``): a linear's ``weight``, the
+    stacked experts' ``gate_up_proj`` and ``down_proj``. ``code_params``
+    names each such parameter and the attribute of the ``QuantizedWeight``
+    that replaces it; the parameter is then a stand-in of its shape, dtype
+    and device that holds no memory (what the layers' checks read)."""
+
+    code_params: dict[str, str] = {"weight": "quantized_weight"}
+    # Whether the weights may be held as the checkpoint's codes: not where a
+    # module reads the dense weight itself (the MoE router's fp32 scores).
+    takes_quantized_weight = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        for attr in self.code_params.values():
+            setattr(self, attr, None)  # a submodule once set: a class attribute would hide it
+
+    def held_codes(self) -> dict[str, QuantizedWeight]:
+        """Each parameter held as the checkpoint's codes, by its name."""
+        return {leaf: getattr(self, attr) for leaf, attr in self.code_params.items()
+                if getattr(self, attr) is not None}  # fmt: skip
+
+    def deferred(self) -> bool:
+        """Whether ``deferred_linear_weights`` left the weights unallocated."""
+        return any(getattr(self, leaf).device.type == "meta" for leaf in self.code_params)
+
+    def to_quantized(self, device: torch.device) -> None:
+        """Hold each weight as the checkpoint's codes (``QuantizedWeight``,
+        filled by the loader) on ``device`` instead of a dense tensor, which
+        is dropped. A stacked weight [E, rows, features] holds each expert's."""
+        for leaf, attr in self.code_params.items():
+            dense = getattr(self, leaf)
+            experts = dense.shape[0] if dense.dim() == 3 else None
+            setattr(self, attr, QuantizedWeight(dense.shape[-2], dense.shape[-1], shard_spec(dense),
+                                                fused_pieces(dense), device, experts))  # fmt: skip
+            delattr(self, leaf)
+            # Not a parameter: one element, expanded.
+            setattr(self, leaf, torch.empty((), dtype=dense.dtype, device=device).expand(dense.shape))
+
+    def realize(self, device: torch.device) -> None:
+        """Allocate the weights ``deferred_linear_weights`` left on the meta device."""
+        for leaf in self.code_params:
+            dense = getattr(self, leaf)
+            if dense.device.type != "meta":
+                continue
+            param = nn.Parameter(torch.empty(dense.shape, dtype=dense.dtype, device=device))
+            for attr in (_SHARD_ATTR, _PIECES_ATTR):
+                if hasattr(dense, attr):
+                    setattr(param, attr, getattr(dense, attr))
+            setattr(self, leaf, param)
+
+
+class _PrepackedLinear(HeldWeights):
     """A linear whose weight, on the CPU, is reordered once into oneDNN's
     blocked layout (``prepack``, called after the weights are loaded) and run
     by oneDNN's linear: 1.1-2x faster than ``F.linear`` at every batch size
@@ -246,41 +300,9 @@ class _PrepackedLinear(nn.Module):
     # adapter rows adds their low-rank products to every product here.
     lora: "LoRAWeights | None" = None
     # The weight as the checkpoint stores it (``--quantized-weights packed``:
-    # GPTQ/AWQ integers, float8), in place of the dense one: ``weight`` is
-    # then a stand-in of its shape, dtype and device that holds no memory,
-    # and every product runs on these (``ops.int_linear``, ``fp8_linear``).
-    # A submodule, so set in __init__: a class attribute would hide it.
+    # GPTQ/AWQ integers, float8), in place of the dense one (``HeldWeights``):
+    # every product then runs on these (``ops.int_linear``, ``fp8_linear``).
     quantized_weight: "QuantizedWeight | None"
-    # Whether the weight may be held as the checkpoint's codes: not where a
-    # module reads the dense weight itself (the MoE router's fp32 scores).
-    takes_quantized_weight = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.quantized_weight = None
-
-    def to_quantized(self, device: torch.device) -> None:
-        """Hold the weight as the checkpoint's codes (``QuantizedWeight``,
-        filled by the loader) on ``device`` instead of a dense tensor, which
-        is dropped."""
-        dense = self.weight
-        self.quantized_weight = QuantizedWeight(dense.shape[0], dense.shape[1], shard_spec(dense),
-                                                fused_pieces(dense), device)  # fmt: skip
-        del self.weight
-        # Not a parameter: one element, expanded. Its shape, dtype and device
-        # are what the layers and the fused paths' checks read.
-        self.weight = torch.empty((), dtype=dense.dtype, device=device).expand(dense.shape)
-
-    def realize(self, device: torch.device) -> None:
-        """Allocate a weight ``deferred_linear_weights`` left on the meta device."""
-        dense = self.weight
-        if dense.device.type != "meta":
-            return
-        param = nn.Parameter(torch.empty(dense.shape, dtype=dense.dtype, device=device))
-        for attr in (_SHARD_ATTR, _PIECES_ATTR):
-            if hasattr(dense, attr):
-                setattr(param, attr, getattr(dense, attr))
-        self.weight = param
 
     def _dense(self) -> bool:
         """The fused launches and oneDNN read a dense weight: not a
@@ -325,7 +347,7 @@ class _PrepackedLinear(nn.Module):
 
 
 class QuantizedWeight(nn.Module):
-    """A linear's weight held as a quantized checkpoint keeps it, as
+    """A weight held as a quantized checkpoint keeps it, as
     kernels/int_linear.py and kernels/fp8_linear.py read it: per output row,
     ``scales`` (fp32) [rows, groups] over groups of input features,
     ``g_idx`` [features] int32 each feature's group, and the codes:
@@ -341,18 +363,22 @@ class QuantizedWeight(nn.Module):
     Either rounded once to the model's dtype: the dequantized checkpoint's
     weight, bit for bit. The loader fills it piece by piece (``load``), as
     it fills a fused dense weight: the pieces and shard are the dense
-    weight's; the first piece decides the kind."""
+    weight's; the first piece decides the kind. Stacked experts
+    (``experts``: E) hold every tensor above with a leading [E] dimension,
+    ``g_idx`` [E, features] included, since each expert's act-order is its
+    own (kernels/reference.py, ``PackedExperts``)."""
 
     def __init__(self, rows: int, features: int, spec: ShardSpec | None, pieces: tuple[Piece, ...] | None,
-                 device: torch.device) -> None:  # fmt: skip
+                 device: torch.device, experts: int | None = None) -> None:  # fmt: skip
         super().__init__()
-        self.rows, self.features, self.bits = rows, features, 0
+        self.rows, self.features, self.bits, self.experts = rows, features, 0, experts
         self.spec, self.pieces, self.device = spec, pieces, device
         for name in ("codes", "zeros", "scales", "g_idx"):
             self.register_buffer(name, None)
         # k // group_size is every feature's group (a checkpoint without
         # act-order): the kernels read a scale once per word, not per code.
         self.group_size: int | None = None
+        self._ordered: list[bool] = []  # stacked experts: whether each expert's g_idx is set
 
     @property
     def float8(self) -> bool:
@@ -366,24 +392,30 @@ class QuantizedWeight(nn.Module):
         """After the last ``load``: whether the groups are plain runs (a few
         device syncs). A row-parallel shard of a plain checkpoint holds a run
         of groups from the middle (its input features): those groups alone
-        are kept, renumbered from 0, so its kernels read scales per word too."""
+        are kept, renumbered from 0, so its kernels read scales per word too.
+        Stacked experts' groups are plain where every expert's are the same
+        plain runs."""
         from fluidserve.kernels import reference
 
         if self.g_idx is None:
             return
         low, high = int(self.g_idx.min()), int(self.g_idx.max()) + 1
         shifted = self.g_idx - low
-        self.group_size = reference.plain_group_size(shifted)
-        if self.group_size is not None and (low, high) != (0, self.scales.shape[1]):
+        first = shifted if self.experts is None else shifted[0]
+        self.group_size = reference.plain_group_size(first)
+        if self.experts is not None and not torch.equal(shifted, first.expand_as(shifted)):
+            self.group_size = None
+        if self.group_size is not None and (low, high) != (0, self.scales.shape[-1]):
             self.g_idx = shifted
-            self.scales = self.scales[:, low:high].contiguous()
+            self.scales = self.scales[..., low:high].contiguous()
             if self.zeros is not None:
-                self.zeros = self.zeros[:, low:high].contiguous()
+                self.zeros = self.zeros[..., low:high].contiguous()
 
-    def load(self, offset: int, part: GroupedCodes, name: str) -> None:
-        """Rows ``[offset, offset + part rows)`` from ``part``: its kind and
-        groups must be those of every other part (a fused q/k/v of act-order
-        GPTQ shares its input's order)."""
+    def load(self, offset: int, part: GroupedCodes, name: str, expert: int | None = None) -> None:
+        """Rows ``[offset, offset + part rows)`` (of ``expert``'s weight, where
+        stacked) from ``part``: its kind and groups must be those of every
+        other part (a fused q/k/v of act-order GPTQ shares its input's
+        order; an expert's gate and up share theirs)."""
         from fluidserve.kernels import reference
 
         rows, groups = part.codes.shape[0], part.scales.shape[1]
@@ -392,31 +424,44 @@ class QuantizedWeight(nn.Module):
                              f"{self.features}")
         if self.codes is None:
             self._allocate(part)
-        elif (part.kind() != self.kind() or groups != self.scales.shape[1]
-              or not torch.equal(part.g_idx.to(self.device), self.g_idx)):  # fmt: skip
-            raise ValueError(f"weight {name}: its codes or groups of input features differ from the other weights "
-                             "fused with it (act-order GPTQ with another order): serve it with --quantized-weights "
-                             "dequantized")
+        elif part.kind() != self.kind() or groups != self.scales.shape[-1]:
+            raise ValueError(f"weight {name}: its codes or groups differ from the other weights held with it "
+                             "(another format or group size): serve it with --quantized-weights dequantized")
+        g_idx = part.g_idx.to(device=self.device, dtype=torch.int32)
+        if self.experts is not None and not self._ordered[expert]:
+            self.g_idx[expert] = g_idx  # an expert's first part sets its order
+            self._ordered[expert] = True
+        elif not torch.equal(g_idx, self.g_idx if self.experts is None else self.g_idx[expert]):
+            raise ValueError(f"weight {name}: its groups of input features are ordered apart from the other "
+                             "weights fused with it (act-order GPTQ with another order): serve it with "
+                             "--quantized-weights dequantized")
+        at = slice(offset, offset + rows) if self.experts is None else (expert, slice(offset, offset + rows))
         with torch.no_grad():
             codes = part.codes.to(self.device)
-            self.codes[offset:offset + rows] = codes if self.float8 else reference.int_pack(codes, self.bits)
+            self.codes[at] = codes if self.float8 else reference.int_pack(codes, self.bits)
             if self.zeros is not None:
-                self.zeros[offset:offset + rows] = part.zeros
-            self.scales[offset:offset + rows] = part.scales
+                self.zeros[at] = part.zeros
+            self.scales[at] = part.scales
 
     def _allocate(self, part: GroupedCodes) -> None:
         groups, self.bits = part.scales.shape[1], part.bits
+        lead = () if self.experts is None else (self.experts,)
         if part.zeros is None:  # float8
-            self.codes = torch.zeros(self.rows, self.features, dtype=part.codes.dtype, device=self.device)
+            self.codes = torch.zeros(*lead, self.rows, self.features, dtype=part.codes.dtype, device=self.device)
         else:
             per_word = 32 // part.bits
             if self.features % per_word:
                 raise ValueError(f"{part.bits}-bit weights pack {per_word} input features a word; "
                                  f"{self.features} do not divide")
-            self.codes = torch.zeros(self.rows, self.features // per_word, dtype=torch.int32, device=self.device)
-            self.zeros = torch.zeros(self.rows, groups, dtype=torch.uint8, device=self.device)
-        self.scales = torch.zeros(self.rows, groups, dtype=torch.float32, device=self.device)
-        self.g_idx = part.g_idx.to(device=self.device, dtype=torch.int32).contiguous()
+            self.codes = torch.zeros(*lead, self.rows, self.features // per_word, dtype=torch.int32,
+                                     device=self.device)  # fmt: skip
+            self.zeros = torch.zeros(*lead, self.rows, groups, dtype=torch.uint8, device=self.device)
+        self.scales = torch.zeros(*lead, self.rows, groups, dtype=torch.float32, device=self.device)
+        if self.experts is None:
+            self.g_idx = part.g_idx.to(device=self.device, dtype=torch.int32).contiguous()
+        else:
+            self.g_idx = torch.zeros(self.experts, self.features, dtype=torch.int32, device=self.device)
+            self._ordered = [False] * self.experts
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
                path: ops.KernelPath | None = None) -> torch.Tensor:  # fmt: skip
@@ -428,17 +473,27 @@ class QuantizedWeight(nn.Module):
                                path)  # fmt: skip
         return y if residual is None else residual.add_(y)
 
+    def stacked(self) -> PackedExperts:
+        """Stacked experts' codes as ``ops.fused_experts`` takes them."""
+        from fluidserve.kernels.reference import PackedExperts
+
+        return PackedExperts(self.codes, self.scales, self.zeros, self.g_idx, self.bits, self.group_size)
+
+    def dense_elements(self) -> int:
+        """The elements of the dense weight these codes stand for."""
+        return (self.experts or 1) * self.rows * self.features
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.zeros, self.scales, self.g_idx)
                    if t is not None)
 
 
 def realize_linears(model: nn.Module, held: set[str], device: torch.device) -> None:
-    """After ``deferred_linear_weights``: the linears named in ``held`` hold
-    their weights as the checkpoint's codes (``to_quantized``), every other
-    deferred weight is allocated."""
+    """After ``deferred_linear_weights``: the linears and stacked experts
+    named in ``held`` hold their weights as the checkpoint's codes
+    (``to_quantized``), every other deferred weight is allocated."""
     for name, module in model.named_modules():
-        if not isinstance(module, _PrepackedLinear) or module.weight.device.type != "meta":
+        if not isinstance(module, HeldWeights) or not module.deferred():
             continue
         if name in held:
             module.to_quantized(device)
@@ -526,8 +581,9 @@ def fused_pieces(param: nn.Parameter) -> tuple[Piece, ...] | None:
 
 def stacked_param(shape: tuple[int, ...], pieces: tuple[Piece, ...]) -> nn.Parameter:
     """A parameter that holds many checkpoint tensors (one expert's each
-    along its first dimension), loaded where its ``pieces`` say."""
-    param = new_param(shape, None)
+    along its first dimension), loaded where its ``pieces`` say; on the
+    meta device while deferred, as a linear's weight."""
+    param = new_param(shape, None, "meta" if _deferred else None)
     setattr(param, _PIECES_ATTR, pieces)
     return param
 

@@ -49,9 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fluidserve.kernels.dot import dot_fp32
 from fluidserve.kernels.int_linear import DOT_PRECISION, DTYPES, _round
 from fluidserve.kernels.launch import Relaunch, cdiv
-from fluidserve.kernels.moe import dot_fp32
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Up to 32 rows one program holds every row in one tl.dot tile, so the

@@ -47,8 +47,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from fluidserve.kernels.dot import dot_fp32
 from fluidserve.kernels.launch import Relaunch, cdiv
-from fluidserve.kernels.moe import dot_fp32
 
 BITS = (4, 8)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -247,7 +247,7 @@ _DEQUANTIZE = Relaunch(_dequantize_kernel)
 INTERPRETED = isinstance(_int_linear_kernel, InterpretedFunction)
 BF16_BY_BITS = tl.constexpr(INTERPRETED)  # ``_round``: the interpreter's bf16 conversion truncates
 # fp32 rows as F.linear multiplies them (torch leaves TF32 off); 16-bit
-# operands ignore it. The interpreter widens them (``moe.dot_fp32``).
+# operands ignore it. The interpreter widens them (``dot.dot_fp32``).
 DOT_PRECISION = "widen" if INTERPRETED else "ieee"
 
 

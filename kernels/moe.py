@@ -29,6 +29,16 @@ What differs from the reference is the order of each GEMM's sums
 (against cuBLAS's or the CPU's) and the last bits of the SiLU's exp, each
 then rounded to x's dtype at the same steps. The block sizes depend on the
 shapes alone, so a replayed graph gives an eager call's bits.
+
+Either GEMM's weight may be dense (x's dtype) or ``reference.PackedExperts``,
+as a quantized checkpoint stores it (GPTQ/AWQ integers, float8): the kernel
+then reads each tile through the packed linears' own tile helpers
+(``int_linear._weight_tile``, ``fp8_linear._weight_tile``), pointed at the
+expert's slices, dequantized in registers and rounded to x's dtype as the
+dequantized weight is, so with the same tiles its bits are the dense
+kernel's over the dequantized stack. Their tile shapes are chosen from
+sm_90 compiles alone (registers, spills), not timed: no GPU has run the
+packed launches yet.
 """
 
 from __future__ import annotations
@@ -38,7 +48,10 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from fluidserve.kernels import fp8_linear, int_linear
+from fluidserve.kernels.dot import dot_fp32
 from fluidserve.kernels.launch import Relaunch, cdiv, next_power_of_2
+from fluidserve.kernels.reference import PackedExperts
 
 # Columns of a token's output row per ``_sum_slots_kernel`` program.
 SUM_BLOCK = 1024
@@ -53,33 +66,45 @@ GROUP_M = 8
 
 
 @triton.jit
-def dot_fp32(a, b, acc, DOT_PRECISION: tl.constexpr):
-    """``acc + a @ b`` in fp32. "widen" multiplies 16-bit operands as fp32,
-    for Triton's interpreter, which multiplies bfloat16 bit patterns
-    (triton-lang/triton#11584); products of 16-bit floats are exact in
-    fp32, so it is the tensor cores' arithmetic up to summation order.
-    kernels/int_linear.py's dot too."""
-    if DOT_PRECISION == "widen":
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+def _packed_tile(b_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rows, rows_ok, k, k_dim, stride_bn, stride_sn, group_size,
+                 dtype: tl.constexpr, FORMAT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, RUN: tl.constexpr, GROUPED: tl.constexpr):  # fmt: skip
+    """Rows ``rows`` of one expert's packed weight (the pointers at its
+    slices) at input features k .. k + BLOCK_K as a product's B operand:
+    [BLOCK_K, BLOCK_N] of ``dtype``, dequantized and rounded by the packed
+    linears' own helpers (FORMAT "int": int_linear's format, "float8":
+    fp8_linear's). Features past K and rows not ``rows_ok`` read 0."""
+    if FORMAT == "int":
+        tile = int_linear._weight_tile(b_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rows, rows_ok, k, k_dim, stride_bn,
+                                       stride_sn, group_size, dtype, BITS, BLOCK_N, BLOCK_K, GROUPED)
     else:
-        out = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    return out
+        tile = tl.reshape(fp8_linear._weight_tile(b_ptr, scales_ptr, g_idx_ptr, rows, rows_ok, k, k_dim, stride_bn,
+                                                  stride_sn, group_size, dtype, BLOCK_K, RUN, GROUPED),
+                          (BLOCK_N, BLOCK_K))  # fmt: skip
+    return tl.trans(tile)
 
 
 @triton.jit
 def _expert_gemm_kernel(
     a_ptr,  # [rows, K]: x (gated: a pair's row is its token's) or the pairs' activations
-    b_ptr,  # [E, N_b, K]: w13 (gated: gate rows [0, n_out), up rows [n_out, 2 n_out)) or w2
+    b_ptr,  # [E, N_b, ...]: w13 (gated: gate rows [0, n_out), up rows [n_out, 2 n_out)) or w2, dense or codes
+    scales_ptr,  # [E, N_b, G] float32 (read if FORMAT is "int" or "float8")
+    zeros_ptr,  # [E, N_b, G] uint8 (read if FORMAT is "int")
+    g_idx_ptr,  # [E, K] int32 (read if quantized and not GROUPED)
     c_ptr,  # [T * k, n_out]: row = pair
     sorted_ids_ptr,  # [padded]: pairs by expert, each run padded with `pairs`
     expert_ptr,  # [padded / BLOCK_M]: the expert of each block
     total_ptr,  # [1]: the padded length in use
     weights_ptr,  # [T * k]: the routing weights (weighted)
     pairs, n_out, k_dim, num_blocks_m,
-    stride_am, stride_be, stride_bn, stride_cm,
+    stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_cm, group_size,
     TOP_K: tl.constexpr,  # a pair's row of a: pair // TOP_K
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
+    FORMAT: tl.constexpr,  # the weight as stored: "dense" (x's dtype), "int" or "float8" (``PackedExperts``)
+    BITS: tl.constexpr,  # "int": bits a code
+    RUN: tl.constexpr,  # "float8": features a scale column covers in a tile (``fp8_linear._weight_tile``)
+    GROUPED: tl.constexpr,  # quantized: group k // group_size, scales read per word or run, not gathered
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -99,26 +124,42 @@ def _expert_gemm_kernel(
     ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     rows_ok = ids < pairs  # padding holds `pairs`
     expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    # The expert's slices: from here on the weight is one plain (or packed) linear.
+    b_ptr += expert * stride_be
+    scales_ptr += expert * stride_se
+    zeros_ptr += expert * stride_se  # the zeros' layout is the scales'
+    g_idx_ptr += expert * k_dim  # [E, K], contiguous
+    dtype = c_ptr.dtype.element_ty
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < n_out
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (ids // TOP_K).to(tl.int64)[:, None] * stride_am + ks[None, :]
-    b_ptrs = b_ptr + expert * stride_be + cols.to(tl.int64)[None, :] * stride_bn + ks[:, None]  # [BLOCK_K, BLOCK_N]
-    up_ptrs = b_ptrs + n_out * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_ptrs = b_ptr + cols.to(tl.int64)[None, :] * stride_bn + ks[:, None]  # [BLOCK_K, BLOCK_N] (dense)
+    up_ptrs = b_ptrs + n_out * stride_bn
     for k0 in range(0, k_dim, BLOCK_K):
         ks_ok = ks < k_dim - k0
         a = tl.load(a_ptrs, mask=rows_ok[:, None] & ks_ok[None, :], other=0.0)
-        b_mask = ks_ok[:, None] & cols_ok[None, :]
-        acc = dot_fp32(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc, DOT_PRECISION)
+        if FORMAT == "dense":
+            b_mask = ks_ok[:, None] & cols_ok[None, :]
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        else:
+            b = _packed_tile(b_ptr, scales_ptr, zeros_ptr, g_idx_ptr, cols, cols_ok, k0, k_dim, stride_bn,
+                             stride_sn, group_size, dtype, FORMAT, BITS, BLOCK_N, BLOCK_K, RUN, GROUPED)  # fmt: skip
+        acc = dot_fp32(a, b, acc, DOT_PRECISION)
         if GATED:
-            acc_up = dot_fp32(a, tl.load(up_ptrs, mask=b_mask, other=0.0), acc_up, DOT_PRECISION)
+            if FORMAT == "dense":
+                up = tl.load(up_ptrs, mask=b_mask, other=0.0)
+            else:
+                up = _packed_tile(b_ptr, scales_ptr, zeros_ptr, g_idx_ptr, cols + n_out, cols_ok, k0, k_dim,
+                                  stride_bn, stride_sn, group_size, dtype, FORMAT, BITS, BLOCK_N, BLOCK_K, RUN,
+                                  GROUPED)  # fmt: skip
+            acc_up = dot_fp32(a, up, acc_up, DOT_PRECISION)
             up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
-    dtype = c_ptr.dtype.element_ty
     out = acc.to(dtype).to(tl.float32)  # F.linear's rounding
     if GATED:
         up = acc_up.to(dtype).to(tl.float32)
@@ -222,24 +263,16 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def fused_experts(
     x: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2N, H]
-    w2: torch.Tensor,  # [E, H, N]
+    w13: torch.Tensor | PackedExperts,  # [E, 2N, H]
+    w2: torch.Tensor | PackedExperts,  # [E, H, N]
     topk_ids: torch.Tensor,  # [T, k] int
     topk_weights: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:
-    """``reference.fused_experts`` on the Triton kernels: [T, H] of x's dtype."""
-    tokens, hidden = x.shape
-    num_experts, two_n, _ = w13.shape
-    inter = two_n // 2
-    if (two_n % 2 or w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter)
-            or topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_weights.shape != topk_ids.shape):
-        raise ValueError(f"expected x [T, H], w13 [E, 2N, H], w2 [E, H, N], topk ids and weights [T, k]; got "
-                         f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}, {tuple(topk_ids.shape)}, "
-                         f"{tuple(topk_weights.shape)}")
-    if not x.dtype == w13.dtype == w2.dtype:
-        raise ValueError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
-    if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
-        raise ValueError("x, w13 and w2 must have contiguous rows")
+    """``reference.fused_experts`` on the Triton kernels: [T, H] of x's dtype.
+    Each weight dense, of x's dtype with contiguous rows, or
+    ``PackedExperts`` (float8 e4m3 where ``fp8_linear.converts`` it)."""
+    _check(x, w13, w2, topk_ids, topk_weights)
+    tokens = x.shape[0]
     out = torch.empty_like(x)
     if tokens == 0 or topk_ids.shape[1] == 0:
         return out.zero_()
@@ -249,8 +282,126 @@ def fused_experts(
     return out
 
 
-def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-             topk_weights: torch.Tensor, out: torch.Tensor) -> None:
+def _check(x: torch.Tensor, w13: torch.Tensor | PackedExperts, w2: torch.Tensor | PackedExperts,
+           topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:  # fmt: skip
+    for name, w in (("w13", w13), ("w2", w2)):
+        if isinstance(w, PackedExperts):
+            problem = _packed_problem(x, w)
+            if problem:
+                raise ValueError(f"{name}: packed experts, codes {tuple(w.codes.shape)} ({w.codes.dtype}), bits "
+                                 f"{w.bits}, scales {tuple(w.scales.shape)} ({w.scales.dtype}), g_idx "
+                                 f"{tuple(w.g_idx.shape)} ({w.g_idx.dtype}), x {x.dtype}: needs {problem}")
+        elif w.dim() != 3:
+            raise ValueError(f"{name}: expected a stack of experts [E, N, K], got {tuple(w.shape)}")
+    tokens, hidden = x.shape
+    num_experts, two_n, h13 = w13.shape
+    inter = two_n // 2
+    if (two_n % 2 or h13 != hidden or tuple(w2.shape) != (num_experts, hidden, inter)
+            or topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_weights.shape != topk_ids.shape):
+        raise ValueError(f"expected x [T, H], w13 [E, 2N, H], w2 [E, H, N], topk ids and weights [T, k]; got "
+                         f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}, {tuple(topk_ids.shape)}, "
+                         f"{tuple(topk_weights.shape)}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if isinstance(w, PackedExperts):
+            continue
+        if w.dtype != x.dtype:
+            raise ValueError(f"x and a dense {name} must share a dtype, got {x.dtype} and {w.dtype}")
+        if w.stride(-1) != 1:
+            raise ValueError(f"{name} must have contiguous rows")
+    if x.stride(-1) != 1:
+        raise ValueError("x must have contiguous rows")
+
+
+def _packed_problem(x: torch.Tensor, w: PackedExperts) -> str | None:
+    """What the kernel cannot read in ``w`` (None: nothing), in words."""
+    codes, scales, zeros, g_idx = w.codes, w.scales, w.zeros, w.g_idx
+    if codes.dim() != 3:
+        return "codes [E, N, K / (32 // bits)] int32 or [E, N, K] float8"
+    if w.float8:
+        if w.bits != 8 or zeros is not None:
+            return "bits 8 and no zeros with float8 codes"
+        if not fp8_linear.converts(codes):
+            return "float8 e4m3 on sm_89 or newer (Triton has no e4m3 below it): the reference runs it"
+    elif codes.dtype != torch.int32 or w.bits not in int_linear.BITS:
+        return "int32 codes of 4 or 8 bits, or float8 codes"
+    elif zeros is None or zeros.dtype != torch.uint8 or zeros.shape != scales.shape or not zeros.is_contiguous():
+        return "contiguous uint8 zeros of the scales' shape [E, N, G]"
+    experts, n, k = w.shape
+    if scales.dtype != torch.float32 or scales.dim() != 3 or scales.shape[:2] != (experts, n):
+        return f"float32 scales [{experts}, {n}, G]"
+    if g_idx.dtype != torch.int32 or g_idx.shape != (experts, k):
+        return f"int32 g_idx [{experts}, {k}]"
+    if not (codes.is_contiguous() and scales.is_contiguous() and g_idx.is_contiguous()):
+        return "contiguous codes, scales and g_idx"
+    if not codes.device == scales.device == g_idx.device == x.device:
+        return "every tensor on x's device"
+    if x.dtype not in int_linear.DTYPES:
+        return "x of fp32, fp16 or bf16 (the dtype the weight is dequantized to)"
+    if w.group_size is not None and (w.group_size <= 0 or (w.float8 and scales.shape[2] != cdiv(k, w.group_size))):
+        return "a positive group_size (float8: G = ceil(K / group_size) groups)"
+    return None
+
+
+# Elements of dequantized weight a program holds per K step (the gated
+# GEMM's gate and up tiles together), by whether each code gathers its
+# scale (and zero) through g_idx: the values, their scales and, gathered,
+# each one's group and address live in registers beside the accumulators.
+# Compiled for sm_90 at a Qwen3-30B-A3B layer, bf16, decode and prefill
+# (kernel_bench.py moe_packed_compile_report; tests/kernels/
+# test_moe_packed.py): ``tiles``' own shapes (8192 elements) take 148-243
+# registers with scales per word or run (int8's gated decode tile 192) and
+# spill when gathered (255 registers, 8-88 stack bytes). 4096 elements take
+# at most 144 per word or run (int8, gated decode: 16 x 16 x 128) but
+# 174-180 gathered (int4 act-order, gated), so gathered tiles get 2048: at
+# most 104. Every launch spills nothing. Chosen from compiles alone, not
+# timed: no GPU has run the packed launches.
+TILE_ELEMENTS = {False: 4096, True: 2048}
+
+
+def quantized_tiles(bm: int, elem_bytes: int, gated: bool, gathered: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of a GEMM over ``PackedExperts``:
+    ``tiles``', halved, columns first (down to tl.dot's 16), until the
+    tile(s) hold at most ``TILE_ELEMENTS``. Every BLOCK_K stays a multiple
+    of 32, whole words of 4-bit codes (8 a word)."""
+    block_n, block_k, warps = tiles(bm, elem_bytes, gated)
+    while block_n * block_k * (2 if gated else 1) > TILE_ELEMENTS[gathered]:
+        if block_n > 16:
+            block_n //= 2
+        else:
+            block_k //= 2
+    return block_n, block_k, warps
+
+
+def weight_tiles(w: torch.Tensor | PackedExperts, bm: int, elem_bytes: int, gated: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of a GEMM over weight ``w``."""
+    if not isinstance(w, PackedExperts):
+        return tiles(bm, elem_bytes, gated)
+    shape = quantized_tiles(bm, elem_bytes, gated, gathered=False)
+    grouped = (fp8_linear._run(w.group_size, w.shape[2], shape[1])[1] if w.float8
+               else int_linear._grouped(w.bits, w.group_size))  # fmt: skip
+    return shape if grouped else quantized_tiles(bm, elem_bytes, gated, gathered=True)
+
+
+def _operand(w: torch.Tensor | PackedExperts, block_k: int) -> tuple[tuple, tuple[int, int, int, int], int, dict]:
+    """A GEMM's weight as ``_expert_gemm_kernel`` reads it: (b, scales,
+    zeros, g_idx), (stride_be, stride_bn, stride_se, stride_sn),
+    group_size and the format's constexprs. A dense weight passes itself
+    for the tensors it has not, which its launch never reads."""
+    if not isinstance(w, PackedExperts):
+        return (w, w, w, w), (w.stride(0), w.stride(1), 0, 0), 0, dict(FORMAT="dense", BITS=0, RUN=0, GROUPED=False)
+    if w.float8:
+        run, grouped = fp8_linear._run(w.group_size, w.shape[2], block_k)
+        fmt, zeros = "float8", w.scales
+    else:
+        run, grouped = 0, int_linear._grouped(w.bits, w.group_size)
+        fmt, zeros = "int", w.zeros
+    strides = w.codes.stride(0), w.codes.stride(1), w.scales.stride(0), w.scales.stride(1)
+    return ((w.codes, w.scales, zeros, w.g_idx), strides, w.group_size if grouped else 0,
+            dict(FORMAT=fmt, BITS=w.bits, RUN=run, GROUPED=grouped))  # fmt: skip
+
+
+def _experts(x: torch.Tensor, w13: torch.Tensor | PackedExperts, w2: torch.Tensor | PackedExperts,
+             topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip
     """``fused_experts`` of one chunk of tokens, into ``out``."""
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -263,19 +414,21 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
     precision, elem = _dot_precision(x.dtype), x.element_size()
 
     act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    bn, bk, warps = tiles(bm, elem, gated=True)
+    bn, bk, warps = weight_tiles(w13, bm, elem, gated=True)
+    (b, scales, zeros, g_idx), strides, group_size, fmt = _operand(w13, bk)
     _EXPERT_GEMM[(blocks_m * cdiv(inter, bn),)](
-        x, w13, act, sorted_ids, expert_of_block, total, weights, pairs, inter, hidden, blocks_m,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, GATED=True, WEIGHTED=False,
+        x, b, scales, zeros, g_idx, act, sorted_ids, expert_of_block, total, weights, pairs, inter, hidden, blocks_m,
+        x.stride(0), *strides, act.stride(0), group_size, TOP_K=top_k, GATED=True, WEIGHTED=False, **fmt,
         DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, num_warps=warps,
     )  # fmt: skip
 
     # At k = 1 a pair is its token: the down GEMM writes the output.
     y = out if top_k == 1 else torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
-    bn, bk, warps = tiles(bm, elem, gated=False)
+    bn, bk, warps = weight_tiles(w2, bm, elem, gated=False)
+    (b, scales, zeros, g_idx), strides, group_size, fmt = _operand(w2, bk)
     _EXPERT_GEMM[(blocks_m * cdiv(hidden, bn),)](
-        act, w2, y, sorted_ids, expert_of_block, total, weights, pairs, hidden, inter, blocks_m,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), TOP_K=1, GATED=False, WEIGHTED=True,
+        act, b, scales, zeros, g_idx, y, sorted_ids, expert_of_block, total, weights, pairs, hidden, inter, blocks_m,
+        act.stride(0), *strides, y.stride(0), group_size, TOP_K=1, GATED=False, WEIGHTED=True, **fmt,
         DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, num_warps=warps,
     )  # fmt: skip
     if top_k > 1:

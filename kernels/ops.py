@@ -482,8 +482,8 @@ def silu_and_mul(x: torch.Tensor, path: KernelPath | None = None) -> torch.Tenso
 
 def fused_experts(
     x: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2N, H]: per expert gate_proj rows [0, N), then up_proj rows [N, 2N)
-    w2: torch.Tensor,  # [E, H, N]: per expert down_proj
+    w13: torch.Tensor | reference.PackedExperts,  # [E, 2N, H]: per expert gate_proj rows [0, N), then up_proj rows
+    w2: torch.Tensor | reference.PackedExperts,  # [E, H, N]: per expert down_proj
     topk_ids: torch.Tensor,  # [T, k] int64 or int32: the expert of each (token, slot)
     topk_weights: torch.Tensor,  # [T, k] fp32 or x's dtype: the routing weight of each (token, slot)
     path: KernelPath | None = None,
@@ -491,11 +491,31 @@ def fused_experts(
     """The routed experts of an MoE layer, [T, H] of x's dtype:
     ``out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) *
     up_e(x[t]))`` with ``e = topk_ids[t, j]``, rounded as reference.py says.
+    Each weight dense or ``reference.PackedExperts`` (a quantized
+    checkpoint's experts as stored, dequantized to x's dtype tile by tile).
     On the Triton lane kernels/moe.py (no host sync, CUDA-graph safe);
     elsewhere the reference, which syncs once. ``path``: the caller's
     ``kernel_path`` (None: worked out here)."""
-    if path == "triton" if path is not None else _on_triton(x, w13, w2, topk_ids, topk_weights):
-        from fluidserve.kernels import moe
+    b13, b2 = _stored(w13), _stored(w2)
+    if path == "triton" if path is not None else _on_triton(x, b13, b2, topk_ids, topk_weights):
+        # Triton converts e4m3 from sm_89 on (Ada, Hopper); an older GPU's
+        # float8 experts take the reference, as its fp8 linears do.
+        if _converts(w13) and _converts(w2):
+            from fluidserve.kernels import moe
 
-        return moe.fused_experts(x, w13, w2, topk_ids, topk_weights)
+            return moe.fused_experts(x, w13, w2, topk_ids, topk_weights)
     return reference.fused_experts(x, w13, w2, topk_ids, topk_weights)
+
+
+def _stored(w: torch.Tensor | reference.PackedExperts) -> torch.Tensor:
+    """The tensor that holds a weight's values: a dense weight, or the codes."""
+    return w.codes if isinstance(w, reference.PackedExperts) else w
+
+
+def _converts(w: torch.Tensor | reference.PackedExperts) -> bool:
+    """Whether Triton reads this weight on its device (``fp8_linear.converts``)."""
+    if not isinstance(w, reference.PackedExperts) or not w.float8:
+        return True
+    from fluidserve.kernels import fp8_linear
+
+    return fp8_linear.converts(w.codes)

@@ -4,7 +4,8 @@ This module owns the *semantics* of paged attention in fluidserve. It is the
 attention path of the engine on CPU and the oracle every Triton kernel test
 compares against, so it favours clarity over speed. Its last sections own
 the MoE experts', the weight-only integer linears' and the float8 linears'
-semantics alike.
+semantics alike, and those of MoE experts kept as a quantized checkpoint
+stores them (``PackedExperts``).
 
 KV cache layout (one pair of tensors per layer)::
 
@@ -33,6 +34,8 @@ positions ``[max(0, p - window + 1), p]``::
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
@@ -191,8 +194,8 @@ def pairs_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
 
 def fused_experts(
     x: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2N, H]: gate_proj rows, then up_proj rows
-    w2: torch.Tensor,  # [E, H, N]: down_proj
+    w13: torch.Tensor | PackedExperts,  # [E, 2N, H]: gate_proj rows, then up_proj rows
+    w2: torch.Tensor | PackedExperts,  # [E, H, N]: down_proj
     topk_ids: torch.Tensor,  # [T, k] int
     topk_weights: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:
@@ -206,7 +209,12 @@ def fused_experts(
     stable sort and one host sync (the counts) stand in for its
     ``where`` per expert; each expert's rows come in the order that
     ``where`` over its [k, T] mask lists them (slot, then token), so every
-    GEMM sees the same rows in the same order. Also the CPU serving path."""
+    GEMM sees the same rows in the same order. Also the CPU serving path.
+
+    ``w13`` and ``w2`` may each be dense (of x's dtype) or ``PackedExperts``,
+    of which only the experts hit are dequantized, to x's dtype, each
+    exactly as the stack dequantized whole: the same bits as the dense
+    call on that stack."""
     out = torch.zeros_like(x)
     if not topk_ids.numel():
         return out
@@ -219,10 +227,16 @@ def fused_experts(
         pairs = order[start:start + n]
         tok = tokens_of[start:start + n]
         start += n
-        gate, up = F.linear(x[tok], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert]) * weights[pairs, None]
+        gate, up = F.linear(x[tok], _expert(w13, expert, x.dtype)).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, _expert(w2, expert, x.dtype)) * weights[pairs, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out
+
+
+def _expert(w: torch.Tensor | PackedExperts, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``expert``'s [N, K] weight: a dense stack's slice, or a packed
+    one's dequantized to ``dtype``."""
+    return w.expert(expert, dtype) if isinstance(w, PackedExperts) else w[expert]
 
 
 # -- weight-only integer linears (GPTQ/AWQ-style, packed on the device) --------------------
@@ -326,3 +340,43 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, g_id
     """``x W^T + bias`` for the float8 weight: [M, K] -> [M, N] in x's dtype,
     the weight dequantized to x's dtype first."""
     return F.linear(x, fp8_dequantize(weight, scales, g_idx, x.dtype, group_size), bias)
+
+
+# -- MoE experts kept as a quantized checkpoint stores them --------------------------------------
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: fields are tensors, compared by identity
+class PackedExperts:
+    """Every expert's weight [E, N, K] held as a quantized checkpoint stores
+    it, each expert in the format of a packed linear (the sections above):
+    GPTQ/AWQ integers as ``int_dequantize`` reads them, or float8 as
+    ``fp8_dequantize`` does, with its own groups (act-order permutes each
+    expert's features its own way). All tensors contiguous, on one device.
+    A stacked ``w13`` holds each expert's gate rows [0, N / 2), then its up
+    rows; ``w2`` its down rows."""
+
+    codes: torch.Tensor  # int: [E, N, K / (32 // bits)] int32, int_linear's words; float8: [E, N, K] e4m3fn or e5m2
+    scales: torch.Tensor  # [E, N, G] float32
+    zeros: torch.Tensor | None  # [E, N, G] uint8 for int; None for float8
+    g_idx: torch.Tensor  # [E, K] int32: each input feature's group, per expert
+    bits: int  # 4 or 8 (int); 8 for float8
+    group_size: int | None = None  # the caller vouches every expert's g_idx is k // group_size (plain checkpoint)
+
+    @property
+    def float8(self) -> bool:
+        """Whether the codes are float8 values (else packed integer codes)."""
+        return self.codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, N, K) of the weight the codes stand for."""
+        experts, n, width = self.codes.shape
+        return experts, n, width if self.float8 else width * (32 // self.bits)
+
+    def expert(self, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert ``e``'s weight [N, K] in ``dtype``: bit for bit
+        ``fp8_dequantize`` or ``int_dequantize`` of its slices."""
+        if self.float8:
+            return fp8_dequantize(self.codes[e], self.scales[e], self.g_idx[e], dtype, self.group_size)
+        return int_dequantize(self.codes[e], self.scales[e], self.zeros[e], self.g_idx[e], self.bits, dtype,
+                              self.group_size)  # fmt: skip

@@ -9,6 +9,7 @@ the same checkpoints with GPTQModel's own readers."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from fluidserve.engine.tiny_model import save_byte_tokenizer, tiny_config
 # AutoAWQ's writer puts columns 0, 2, 4, 6, 1, 3, 5, 7 of each eight from the low nibble up.
 AWQ_WRITE_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 AWQ_NIBBLES = [AWQ_WRITE_ORDER.index(j) for j in range(8)]
+MIXTRAL_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 
 
 def random_model(arch: str = "llama") -> torch.nn.Module:
@@ -59,16 +61,17 @@ def fp8(grain, scale_suffix: str, static: bool = False):
 def write_quantized(model: torch.nn.Module, path: Path, quantize, quantization_config: dict | None,
                     reference: Path | None = None) -> None:
     """``model`` as a quantized checkpoint in ``path`` (every decoder
-    linear's weight through ``quantize``, each expert's too; embeddings,
-    norms, biases, routers and the head as they are) and, in ``reference``,
-    the plain checkpoint of the weights it stands for. The tensors are
-    those ``save_pretrained`` writes."""
+    linear's weight through ``quantize``, each expert's too, Mixtral's
+    ``w1``/``w3``/``w2`` among them; embeddings, norms, biases, routers and
+    the head as they are) and, in ``reference``, the plain checkpoint of
+    the weights it stands for. The tensors are those ``save_pretrained``
+    writes."""
     plain_dir = reference or path.with_name(path.name + "-plain")
     model.save_pretrained(plain_dir)
     saved = load_file(str(plain_dir / "model.safetensors"))
     tensors, plain = {}, {}
     for name, value in saved.items():
-        if ".layers." in name and name.endswith("_proj.weight"):
+        if ".layers." in name and (name.endswith("_proj.weight") or MIXTRAL_EXPERT.search(name)):
             written, plain[name] = quantize(name, value)
             tensors.update(written)
         else:
@@ -104,14 +107,17 @@ def packed_int(method: str, bits: int, group_size: int, act_order: bool = False,
     of shuffled features with ``act_order``, as GPTQ's desc_act writes
     them, named by ``g_idx``), packed as each format packs them. GPTQ
     orders features by its input's statistics, so linears over the same
-    input (q/k/v) share an order; ``shared_order=False`` gives each weight
-    its own."""
+    input (q/k/v, an expert's gate and up) share an order, and each expert
+    sees its own tokens, so has its own; ``shared_order=False`` gives each
+    weight its own."""
     top = (1 << bits) - 1
 
     def quantize(name: str, weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
         outputs, features = weight.shape
         size = group_size if group_size > 0 else features
-        gen = torch.Generator().manual_seed(features if shared_order else features * outputs)
+        expert = re.search(r"\.experts\.(\d+)\.", name)
+        seed = features if shared_order else features * outputs
+        gen = torch.Generator().manual_seed(seed + (1000 * (1 + int(expert[1])) if expert else 0))
         group = (torch.randperm(features, generator=gen) if act_order else torch.arange(features)) // size
         groups = int(group.max()) + 1
         w = weight.t()  # [in, out]

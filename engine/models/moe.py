@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ...kernels import cpu_moe, ops
-from ..parallel import ColumnParallelLinear, Piece, ShardSpec, TensorParallel, can_prepack, stacked_param
+from ..parallel import ColumnParallelLinear, HeldWeights, Piece, ShardSpec, TensorParallel, can_prepack, stacked_param
 
 
 def num_experts(config) -> int:
@@ -62,10 +62,15 @@ def expert_intermediate_size(config) -> int:
     return int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
 
 
-class Experts(nn.Module):
+class Experts(HeldWeights):
     """Every expert's gate/up and down weights, stacked. Rank r of a
     tensor-parallel group holds features ``[r * N / tp, (r + 1) * N / tp)``
-    of each: rows of gate and of up, columns of down."""
+    of each: rows of gate and of up, columns of down. A quantized
+    checkpoint's may stay as stored (``--quantized-weights packed``): each
+    stack is then a ``QuantizedWeight`` of E experts (``gate_up_codes``,
+    ``down_codes``), which the grouped kernel reads as it is."""
+
+    code_params = {"gate_up_proj": "gate_up_codes", "down_proj": "down_codes"}
 
     def __init__(self, count: int, hidden: int, inter: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -125,9 +130,15 @@ class SparseMoeBlock(nn.Module):
     def prepack(self) -> None:
         """On the CPU, each expert's weights reordered for oneDNN once the
         loader has written them (kernels/cpu_moe.py), as the linears pack
-        theirs; the Triton lane keeps the stacked weights it reads."""
+        theirs; the Triton lane keeps the stacked weights it reads, and
+        weights held as the checkpoint's codes stay so."""
         self._packed = None
         experts = self.experts
+        held = experts.held_codes()
+        for codes in held.values():
+            codes.settle()
+        if held:
+            return
         if can_prepack(experts.gate_up_proj) and ops.kernel_path(experts.gate_up_proj.device) != "triton":
             self._packed = cpu_moe.pack(experts.gate_up_proj), cpu_moe.pack(experts.down_proj)
 
@@ -169,6 +180,8 @@ class SparseMoeBlock(nn.Module):
         experts = self.experts
         if self._packed is not None and x.device.type == "cpu" and x.dtype == experts.gate_up_proj.dtype:
             y = cpu_moe.fused_experts(x, *self._packed, ids, weights)
+        elif experts.gate_up_codes is not None:
+            y = ops.fused_experts(x, experts.gate_up_codes.stacked(), experts.down_codes.stacked(), ids, weights, path)
         else:
             y = ops.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, path)
         if self.tp.size > 1:

@@ -7,8 +7,9 @@ those of the dequantized model (transformers' on the plain checkpoint of
 the weights the codes stand for, or on the FP8 checkpoint itself), on the
 CPU's reference path and on the Triton lane; each tensor-parallel rank's
 codes stand for its shard of the dense weight; the linears hold a quarter
-of the bytes at 4 bits; and what cannot be held so is refused at start, by
-name."""
+of the bytes at 4 bits; a mixture-of-experts layer's stacked experts are
+held so too, each expert with its own order of groups; and what cannot be
+held so is refused at start, by name."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import torch
 
 from fluidserve.engine import SamplingParams
 from fluidserve.engine.loader import build_model, load_hf_config, load_weights, quantized_linears
-from fluidserve.engine.parallel import QuantizedWeight, TensorParallel, _PrepackedLinear, realize_linears
+from fluidserve.engine.models.moe import Experts
+from fluidserve.engine.parallel import HeldWeights, QuantizedWeight, TensorParallel, realize_linears
 from fluidserve.engine.quantization import checkpoint_quantization
 from fluidserve.kernels import ops, reference
 from quantized_utils import fp8, packed_int, random_model, write_quantized
@@ -30,9 +32,20 @@ FP8_BLOCKS = (fp8((32, 32), "_scale_inv"), {"quant_method": "fp8", "weight_block
 
 
 def _quantized_weights(llm) -> list[QuantizedWeight]:
+    """Every weight held as the checkpoint's codes: the linears' and the stacked experts'."""
     model = llm.engine.executor.worker.model
-    return [m.quantized_weight for m in model.modules()
-            if isinstance(m, _PrepackedLinear) and m.quantized_weight is not None]
+    return [w for m in model.modules() if isinstance(m, HeldWeights) for w in m.held_codes().values()]
+
+
+def _held_as_dense_experts(model) -> list[tuple[str, torch.Tensor]]:
+    """(name, each expert's weight) of every stacked expert weight held as
+    codes, dequantized to fp32 as ``ops.fused_experts`` reads them."""
+    out = []
+    for name, module in model.named_modules():
+        for leaf, codes in module.held_codes().items() if isinstance(module, Experts) else ():
+            stack = codes.stacked()
+            out.append((f"{name}.{leaf}", torch.stack([stack.expert(e, torch.float32) for e in range(codes.experts)])))
+    return out
 
 
 @pytest.mark.parametrize("arch, quantize, qc", [
@@ -40,27 +53,32 @@ def _quantized_weights(llm) -> list[QuantizedWeight]:
     # Qwen2's q/k/v biases beside 8-bit codes, GPTQModel's v2 format, act-order groups shared by q/k/v.
     ("qwen2", packed_int("gptq", 8, 32, act_order=True, zeros_less_one=False), {
         "quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": True, "checkpoint_format": "gptq_v2"}),
-    # Experts are no linears: they and the router load dense, attention packed.
+    # The stacked experts held packed beside the attention's linears, the router dense.
     ("qwen3_moe", packed_int("gptq", 4, -1), {"quant_method": "gptq", "bits": 4, "group_size": -1}),
+    # Act-order groups in an order of each expert's own, shared by its gate and up.
+    ("mixtral", packed_int("gptq", 4, 16, act_order=True), {
+        "quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True}),
     ("qwen3", packed_int("awq", 4, 16), {"quant_method": "awq", "bits": 4, "group_size": 16, "version": "GEMM"}),
     # Phi-3 keeps q/k/v and gate/up fused in the checkpoint: the codes are cut into their parts' rows.
     ("phi3", packed_int("gptq", 4, 32), {"quant_method": "gptq", "bits": 4, "group_size": 32}),
     # GLM-4 takes q's and k's rows in another order (interleaved rope pairs made halves): the codes' rows move.
     ("glm4", packed_int("gptq", 4, 32), {"quant_method": "gptq", "bits": 4, "group_size": 32}),
-], ids=["gptq-4-bit", "gptq-8-bit-act-order", "gptq-experts", "awq-qwen3", "phi3-fused", "glm4-row-order"])
+], ids=["gptq-4-bit", "gptq-8-bit-act-order", "gptq-experts", "gptq-experts-act-order", "awq-qwen3", "phi3-fused",
+        "glm4-row-order"])
 def test_packed_weights_give_the_tokens_of_the_weights_they_stand_for(make_llm, tmp_path, arch, quantize, qc):
     checkpoint, plain = tmp_path / "int", tmp_path / "plain"
     write_quantized(random_model(arch), checkpoint, quantize, qc, plain)
     llm = make_llm(str(checkpoint), **PACKED)
     held = _quantized_weights(llm)
     assert held and all(w.kind() == f"int{qc['bits']}" for w in held)
+    assert any(w.experts for w in held) == (arch in ("qwen3_moe", "mixtral"))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(plain), PROMPTS)
 
 
 @pytest.mark.parametrize("arch, quantize, qc", [
     ("llama", *FP8_BLOCKS),
-    # Blocks that overhang k_proj's 32 rows and the 64 columns (DeepSeek-V3's ragged grids), experts left dense.
+    # Blocks that overhang k_proj's 32 rows and the 64 columns (DeepSeek-V3's ragged grids), experts held too.
     ("qwen3_moe", fp8((24, 48), "_scale_inv"), {"quant_method": "fp8", "weight_block_size": [24, 48]}),
     # compressed-tensors: a scale per output channel (RedHatAI's FP8-dynamic).
     ("qwen3", fp8("channel", "_scale"), {
@@ -76,6 +94,7 @@ def test_float8_weights_held_as_float8_give_the_tokens_of_the_weights_they_stand
     llm = make_llm(str(checkpoint), **PACKED)
     held = _quantized_weights(llm)
     assert held and all(w.kind() == "float8_e4m3fn" and w.codes.element_size() == 1 for w in held)
+    assert any(w.experts for w in held) == (arch == "qwen3_moe")
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(plain), PROMPTS)
 
@@ -126,6 +145,24 @@ def test_a_packed_linear_holds_its_integers_not_a_dense_weight(make_llm, tmp_pat
     assert sum(w.nbytes() for w in _quantized_weights(llm)) < dense / 5
 
 
+def _tensor_parallel_ranks(tmp_path, arch: str, quantize, qc):
+    """(rank, config, our model holding the codes, the plain model's
+    parameters by name) of each rank of two, from a checkpoint of ``arch``
+    quantized by ``quantize`` and the plain checkpoint it stands for."""
+    checkpoint, plain_dir = tmp_path / "q", tmp_path / "plain"
+    write_quantized(random_model(arch), checkpoint, quantize, qc, plain_dir)
+    config = load_hf_config(checkpoint)
+    fmt = checkpoint_quantization(config)
+    for rank in range(2):
+        tp = TensorParallel(rank=rank, size=2)
+        ours = build_model(config, torch.float32, torch.device("cpu"), tp, defer_linears=True)
+        realize_linears(ours, quantized_linears(ours, checkpoint, fmt), torch.device("cpu"))
+        load_weights(ours, checkpoint, quantization=fmt)
+        plain = build_model(config, torch.float32, torch.device("cpu"), tp)
+        load_weights(plain, plain_dir)
+        yield rank, config, ours, dict(plain.named_parameters())
+
+
 @pytest.mark.parametrize("quantize, qc, group_size", [
     (packed_int("gptq", 4, 24, act_order=True), {"quant_method": "gptq", "bits": 4, "group_size": 24}, None),
     (packed_int("gptq", 4, 32), {"quant_method": "gptq", "bits": 4, "group_size": 32}, 32),
@@ -139,18 +176,7 @@ def test_each_tensor_parallel_rank_holds_its_shard(tmp_path, quantize, qc, group
     renumbered, so its kernels read scales per word. Float8 blocks of 24 x
     48 straddle both. Each rank's codes stand for the plain model's shard,
     bit for bit."""
-    checkpoint, plain_dir = tmp_path / "q", tmp_path / "plain"
-    write_quantized(random_model("llama"), checkpoint, quantize, qc, plain_dir)
-    config = load_hf_config(checkpoint)
-    fmt = checkpoint_quantization(config)
-    for rank in range(2):
-        tp = TensorParallel(rank=rank, size=2)
-        ours = build_model(config, torch.float32, torch.device("cpu"), tp, defer_linears=True)
-        realize_linears(ours, quantized_linears(ours, checkpoint, fmt), torch.device("cpu"))
-        load_weights(ours, checkpoint, quantization=fmt)
-        plain = build_model(config, torch.float32, torch.device("cpu"), tp)
-        load_weights(plain, plain_dir)
-        dense = dict(plain.named_parameters())
+    for rank, config, ours, dense in _tensor_parallel_ranks(tmp_path, "llama", quantize, qc):
         held = 0
         for name, module in ours.named_modules():
             w = getattr(module, "quantized_weight", None)
@@ -166,6 +192,67 @@ def test_each_tensor_parallel_rank_holds_its_shard(tmp_path, quantize, qc, group
                 assert w.scales.shape[1] == w.features // group_size, f"rank {rank}: {name}"
             held += 1
         assert held == 4 * config.num_hidden_layers
+
+
+@pytest.mark.parametrize("quantize, qc, group_size", [
+    (packed_int("gptq", 4, 16, act_order=True), {"quant_method": "gptq", "bits": 4, "group_size": 16}, None),
+    (packed_int("gptq", 8, 16), {"quant_method": "gptq", "bits": 8, "group_size": 16}, 16),
+    (fp8((16, 16), "_scale_inv"), {"quant_method": "fp8", "weight_block_size": [16, 16]}, 16),
+], ids=["act-order", "plain", "fp8-blocks"])
+def test_each_tensor_parallel_rank_holds_its_share_of_every_expert(tmp_path, quantize, qc, group_size):
+    """Each rank holds every expert's share of the intermediate features:
+    rows of gate and up, columns of down, whose plain groups are its own,
+    renumbered. Each expert's codes stand for the plain model's shard of
+    that expert, bit for bit, and no dense stack is allocated."""
+    for rank, config, ours, dense in _tensor_parallel_ranks(tmp_path, "qwen3_moe", quantize, qc):
+        stacks = _held_as_dense_experts(ours)
+        assert len(stacks) == 2 * config.num_hidden_layers
+        for name, weight in stacks:
+            assert torch.equal(weight, dense[name]), f"rank {rank}: {name}"
+        for module in ours.modules():
+            if isinstance(module, Experts):
+                assert not any(p.device.type == "meta" or p.numel() > 1 for p in module.parameters())
+                for codes in module.held_codes().values():
+                    assert codes.group_size == group_size, f"rank {rank}"
+                    if group_size is not None:
+                        assert codes.scales.shape[-1] == -(-codes.features // group_size)
+
+
+def test_packed_experts_hold_their_codes_not_dense_stacks(make_llm, tmp_path):
+    write_quantized(random_model("qwen3_moe"), tmp_path / "int", *GPTQ4)
+    model = make_llm(str(tmp_path / "int"), **PACKED).engine.executor.worker.model
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert experts and not any(".experts." in name for name, _ in model.named_parameters())
+    for module in experts:
+        for leaf, w in module.held_codes().items():
+            assert getattr(module, leaf).untyped_storage().nbytes() == 4  # a stand-in of one fp32 element
+            e, groups = w.experts, w.features // 32
+            assert w.codes.shape == (e, w.rows, w.features // 8) and w.g_idx.shape == (e, w.features)
+            # 4 bits a weight; a uint8 zero point and an fp32 scale a group of 32; an int32 group a feature
+            assert w.nbytes() == e * (w.rows * w.features // 2 + w.rows * groups * (1 + 4) + w.features * 4)
+
+
+@pytest.mark.parametrize("quantize, qc", [GPTQ4, FP8_BLOCKS], ids=["gptq", "fp8"])
+def test_the_triton_lane_runs_packed_experts_to_the_same_tokens(make_llm, tmp_path, monkeypatch, quantize, qc):
+    """FLUIDSERVE_KERNELS=triton: every MoE layer's grouped kernel reads the
+    experts' codes, in the interpreter, prompt and decode steps alike."""
+    from fluidserve.kernels import moe
+
+    checkpoint, plain = tmp_path / "q", tmp_path / "plain"
+    write_quantized(random_model("qwen3_moe"), checkpoint, quantize, qc, plain)
+    monkeypatch.setenv(ops.KERNELS_ENV, "triton")
+    seen = []
+    real = moe.fused_experts
+
+    def counted(x, w13, w2, *args, **kwargs):
+        seen.append((type(w13), type(w2)))
+        return real(x, w13, w2, *args, **kwargs)
+
+    monkeypatch.setattr(moe, "fused_experts", counted)
+    params = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4)
+    outs = make_llm(str(checkpoint), num_kv_blocks=64, max_model_len=256, **PACKED).generate(PROMPTS[:2], params)
+    assert [o.outputs[0].token_ids for o in outs] == [t[:4] for t in hf_greedy(str(plain), PROMPTS[:2])]
+    assert seen and set(seen) == {(reference.PackedExperts, reference.PackedExperts)}
 
 
 def test_a_checkpoint_that_keeps_some_linears_in_floats_packs_the_rest(make_llm, tmp_path):
@@ -215,16 +302,20 @@ def test_fused_parts_whose_groups_are_ordered_apart_load_dequantized(make_llm, t
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("quantize, qc", [
-    GPTQ4, (packed_int("gptq", 8, 32, act_order=True), {"quant_method": "gptq", "bits": 8, "group_size": 32}),
-    FP8_BLOCKS,
-], ids=["gptq-4-bit", "gptq-8-bit-act-order", "fp8-blocks"])
-def test_on_a_gpu_packed_weights_give_the_dequantized_models_tokens(make_llm, tmp_path, quantize, qc, dtype):
+@pytest.mark.parametrize("arch, quantize, qc", [
+    ("llama", *GPTQ4),
+    ("llama", packed_int("gptq", 8, 32, act_order=True), {"quant_method": "gptq", "bits": 8, "group_size": 32}),
+    ("llama", *FP8_BLOCKS),
+    ("qwen3_moe", packed_int("gptq", 4, 16, act_order=True), {"quant_method": "gptq", "bits": 4, "group_size": 16}),
+    ("qwen3_moe", *FP8_BLOCKS),
+], ids=["gptq-4-bit", "gptq-8-bit-act-order", "fp8-blocks", "experts-gptq-act-order", "experts-fp8-blocks"])
+def test_on_a_gpu_packed_weights_give_the_dequantized_models_tokens(make_llm, tmp_path, arch, quantize, qc, dtype):
     """On CUDA, decode graphs on (the default): decode steps through the
     fused kernel inside the graphs, a 156-token prompt through dequantize
-    and cuBLAS; the tokens of the same checkpoint dequantized on the GPU,
+    and cuBLAS, and an MoE layer's experts through the grouped kernel over
+    their codes; the tokens of the same checkpoint dequantized on the GPU,
     but for near-ties (the products' sums run in another order)."""
-    write_quantized(random_model("llama"), tmp_path / "int", quantize, qc)
+    write_quantized(random_model(arch), tmp_path / "int", quantize, qc)
     prompts = [*PROMPTS, "Hello there. " * 12]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
     kwargs = dict(device="cuda", dtype=dtype, num_kv_blocks=256, enforce_eager=False)

@@ -215,10 +215,12 @@ def test_linears_step_reports_the_chain_with_and_without_dependent_launches(tmp_
 def test_moe_step_reports_each_shape_in_a_graph_against_the_reference(tmp_path):
     """``kernel_bench.py --moe`` (gpu_check's MoE step): the summary line
     gives each shape's graph time, the weights' GB/s and the reference
-    against the Triton path."""
+    against the Triton path, then each stored format against dense bf16."""
     row = dict(model="qwen3-30b-a3b", experts=128, top_k=8, hidden=2048, inter=768, tokens=1, experts_hit=8,
                block_m=16, triton_ms=0.05, graph_ms=0.02, reference_ms=0.5, weight_gb_s=1887.0, max_abs_diff=0.0)
-    record = dict(device="Fake GPU", time="t", torch="x", copy_gb_s=4000.0, moe=[row])
+    packed = dict(model="qwen3-30b-a3b", tokens=1, experts_hit=8, format="int4, groups of 128", dense_graph_ms=0.02,
+                  packed_graph_ms=0.008, speedup=2.5, stored_gb_s=1500.0, max_abs_diff=0.01)
+    record = dict(device="Fake GPU", time="t", torch="x", copy_gb_s=4000.0, moe=[row], packed=[packed])
     summary = tmp_path / "gpu_check_fake.json"
     report("init", "--summary", summary, "--device", "Fake GPU", "--plan", "moe=MoE experts")
     result = tmp_path / "moe_fake.json"
@@ -227,7 +229,9 @@ def test_moe_step_reports_each_shape_in_a_graph_against_the_reference(tmp_path):
            "--since", time.time() - 1, "--result", result)  # fmt: skip
     done = report("finish", "--summary", summary)
     assert "qwen3-30b-a3b x1: 0.020 ms in a graph, 1887 GB/s, reference 10.0x" in done.stdout
-    assert json.loads(summary.read_text())["steps"][0]["figures"]["graph_ms_qwen3-30b-a3b_1"] == 0.02
+    assert "qwen3-30b-a3b x1 int4: 2.50x dense" in done.stdout
+    figures = json.loads(summary.read_text())["steps"][0]["figures"]
+    assert figures["graph_ms_qwen3-30b-a3b_1"] == 0.02 and figures["packed_speedup_qwen3-30b-a3b_1_int4"] == 2.5
 
 
 def test_packed_weight_steps_report_batch_1_against_bf16_and_dequantized(tmp_path):
