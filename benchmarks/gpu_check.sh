@@ -55,6 +55,10 @@
 #                                      time, launches, top kernels and host ops)
 #   swap copy              45 / 30 s   benchmarks/swap_copy.py: KV swaps against a
 #                                      pinned copy, and a step beside a swap
+#   packed MoE decode     120 / 90 s   benchmarks/packed_weights.py --moe: a random
+#                                      Qwen3-MoE (Qwen3-30B-A3B's layers, 8 of them)
+#                                      of 4-bit GPTQ experts served packed against
+#                                      dequantized, decode at batch 1 and 8
 #
 # The whole run has a budget: 540 s (--quick 225 s), so it ends within 9 (4)
 # minutes; --budget SECONDS sets another (a machine with less time left). A
@@ -77,14 +81,15 @@
 #   swap_copy_<device>.json, .md
 #   int_linear_bandwidth_<device>.json, .md
 #   packed_weights-<device>-llama3-8b.json, .md
+#   packed_weights-<device>-moe.json, .md
 # <device> is torch.cuda.get_device_name() in lower case, other characters
 # as _. Without CUDA it stops at once (status 1) before installing or writing
 # anything. The status is 0 only if every step ran and passed.
 #
 # --skip STEP[,STEP...] leaves steps out (recorded as skipped), by the keys
 # of the summary: engine_tests kernel_tests batch1_decode linears mixed_steps
-# kernel_bench moe int_linears packed_decode throughput profile swap_copy; for a rerun that spends
-# a short lease on what changed.
+# kernel_bench moe int_linears packed_decode throughput profile swap_copy
+# packed_moe; for a rerun that spends a short lease on what changed.
 #
 # Usage: benchmarks/gpu_check.sh [--quick] [--budget SECONDS] [--skip STEPS] [--results DIR] [--help]
 # (--throughput is accepted for older callers and changes nothing: throughput always runs.)
@@ -201,9 +206,10 @@ declare -A NAMES=(
     [linears]="batch-1 linears in a row, plain and dependent"
     [profile]="decode profile"
     [swap_copy]="swap copy"
+    [packed_moe]="packed GPTQ experts vs dequantized, decode"
 )
 ORDER=(install import engine_tests kernel_tests batch1_decode linears mixed_steps kernel_bench moe int_linears
-       packed_decode throughput profile swap_copy)
+       packed_decode throughput profile swap_copy packed_moe)
 IFS=, read -ra SKIPPED <<< "${SKIP#,}"
 for key in "${SKIPPED[@]}"; do
     [[ -n ${NAMES[$key]+set} ]] || fail "--skip: no step named $key (see --help)"
@@ -322,6 +328,9 @@ run_step profile "$PROFILE_LIMIT" "$RESULTS/profile_decode_${SLUG}.json" "" \
 
 run_step swap_copy "$SWAP_LIMIT" "$RESULTS/swap_copy_${SLUG}.json" "" \
     "$PY" benchmarks/swap_copy.py --out "$RESULTS" "${SWAP_ARGS[@]}"
+
+run_step packed_moe "$PACKED_LIMIT" "$RESULTS/packed_weights-${SLUG}-moe.json" "" \
+    "$PY" benchmarks/packed_weights.py --moe --device cuda --rounds 1 --reply-tokens 16 --decode-tokens 32
 
 "${REPORT[@]}" finish --summary "$SUMMARY"
 status=$?
