@@ -18,6 +18,12 @@ and 4 and 8 bits with groups of 128 (random codes, scales and zeros):
   finite e4m3 bytes and scales);
 * ``bf16 GEMV``: ``ops.linear`` on the bf16 weight at one row
   (kernels/gemv.py where the engine runs it);
+* ``int4 GEMV``, ``fp8 e4m3 GEMV`` (one row): ``ops.linear`` on the packed
+  weight (``reference.PackedLinear``), which at one row runs the batch-1
+  GEMV over the codes, the kernel a packed decoder layer's six launches
+  use (its norms, SiLU-mul and residual adds fused as a dense layer's);
+  against ``int_linear`` at one row it says what the fusions cost or save
+  in the product itself;
 * ``bf16 cuBLAS``: ``F.linear`` on the bf16 weight.
 
 Times are medians of CUDA-event-timed CUDA graph replays, each call after
@@ -80,6 +86,7 @@ def fp8_weight(n: int, k: int) -> tuple[torch.Tensor, ...]:
 
 def bench_shape(name: str, n: int, k: int) -> list[dict]:
     from fluidserve.kernels import fp8_linear, int_linear, ops
+    from fluidserve.kernels.reference import PackedLinear
 
     torch.manual_seed(0)
     w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * k**-0.5
@@ -120,6 +127,12 @@ def bench_shape(name: str, n: int, k: int) -> list[dict]:
                 row(m, bits, label, fused, nbytes, err)
                 if not act_order:
                     row(m, bits, f"int{bits} dequantize + matmul", unpacked, nbytes)
+                if m == 1:
+                    packed = PackedLinear(codes, scales, zeros, g_idx, bits, group_size)
+                    err = ((ops.linear(x, packed).float() - expected.float()).abs().max()
+                           / expected.float().abs().max()).item()  # fmt: skip
+                    row(m, bits, f"int{bits} GEMV" + (" act-order" if act_order else ""),
+                        lambda x=x, packed=packed: ops.linear(x, packed), nbytes, err)  # fmt: skip
                 del codes, scales, zeros, g_idx, buffer
         fp8_args = fp8_weight(n, k)
         buffer = torch.empty(n, k, device=DEVICE, dtype=torch.bfloat16)
@@ -134,6 +147,10 @@ def bench_shape(name: str, n: int, k: int) -> list[dict]:
         err = ((fp8_fused().float() - expected.float()).abs().max() / expected.float().abs().max()).item()
         row(m, 8, "fp8 e4m3 fp8_linear", fp8_fused, n * k, err)
         row(m, 8, "fp8 e4m3 dequantize + matmul", fp8_unpacked, n * k)
+        if m == 1:
+            packed = PackedLinear(fp8_args[0], fp8_args[1], None, fp8_args[2], 8, GROUP)
+            err = ((ops.linear(x, packed).float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+            row(m, 8, "fp8 e4m3 GEMV", lambda x=x, packed=packed: ops.linear(x, packed), n * k, err)
         del fp8_args, buffer
         for r in rows:
             if r["rows"] == m:

@@ -1112,6 +1112,59 @@ def gemv_compile_report() -> list[dict]:
     return rows
 
 
+# Llama-3-8B's batch-1 row launches: (name, weight rows, K, gated, normed,
+# residual) of the qkv (RMSNorm in the prologue), o (plus the residual into
+# a fresh output), gate/up (normed, SiLU-mul) and down (the residual in
+# place) projections, and the packed formats their GEMVs are compiled in,
+# every ``gemv.PACKED_BLOCK_K`` entry among them: (label, bits, group_size,
+# float8), group_size 0 being one group of all K (a scale a row).
+GEMV_PACKED_SHAPES = [("qkv", 6144, 4096, False, True, False), ("o", 4096, 4096, False, False, True),
+                      ("gate/up", 2 * 14336, 4096, True, True, False), ("down", 4096, 14336, False, False, True)]
+GEMV_PACKED_FORMATS = [("int4, plain groups of 128", 4, 128, False), ("int4, act-order", 4, None, False),
+                       ("int8, plain groups of 128", 8, 128, False), ("int8, act-order", 8, None, False),
+                       ("e4m3, blocks of 128", 8, 128, True), ("e4m3, gathered", 8, None, True),
+                       ("e4m3, a scale a row", 8, 0, True)]
+
+
+def gemv_packed_compile_report(formats: list[tuple[str, int, int | None, bool]] | None = None,
+                               k_steps: tuple[int | None, ...] = (None,)) -> list[dict]:  # fmt: skip
+    """The batch-1 GEMV over packed weights (kernels/gemv.py,
+    ``reference.PackedLinear``) at each ``GEMV_PACKED_SHAPES`` launch in
+    each of ``formats`` (default ``GEMV_PACKED_FORMATS``), bf16, as
+    ``gemv.launch`` launches them, compiled for sm_90: at the engine's K
+    step (None) or each of ``k_steps`` (the sweep ``gemv.PACKED_BLOCK_K``
+    was chosen from)."""
+    from fluidserve.kernels import gemv
+    from fluidserve.kernels.launch import cdiv
+    from fluidserve.kernels.reference import PackedLinear
+
+    rows, bf16 = [], torch.bfloat16
+    for label, bits, size, fp8 in formats or GEMV_PACKED_FORMATS:
+        for name, n, k, gated, normed, residual in GEMV_PACKED_SHAPES:
+            group_size = k if size == 0 else size
+            groups = cdiv(k, group_size or 128)  # the launches are recorded, not run: empty tensors of the real shapes
+            codes = (torch.empty((n, k), dtype=torch.float8_e4m3fn) if fp8
+                     else torch.empty((n, k * bits // 32), dtype=torch.int32))  # fmt: skip
+            zeros = None if fp8 else torch.empty((n, groups), dtype=torch.uint8)
+            w = PackedLinear(codes, torch.empty((n, groups)), zeros, torch.empty(k, dtype=torch.int32), bits,
+                             group_size)  # fmt: skip
+            x = torch.empty((1, k), dtype=bf16)
+            into = torch.empty((1, n), dtype=bf16) if residual else None
+            norm = (torch.empty(k, dtype=bf16), 1e-5) if normed else None
+            for step in k_steps:
+                call = partial(gemv.launch, x, w, None, into, out=None if name != "o" else torch.empty_like(into),
+                               k_step=step, gated=gated, norm=norm, round_before_residual=name == "o")  # fmt: skip
+                (fn, kernel_args, constexprs, options), = _launches_of(call)
+                res = _compile_offline(fn, kernel_args, constexprs, (), options)
+                tile = f"{constexprs['BLOCK_N']}x{constexprs['BLOCK_K']}"
+                res.update(kernel="gemv_packed", format=label, shape=name, block_k=constexprs["BLOCK_K"],
+                           engine=step is None, variant=f"{label}, {name} {n}x{k}, {tile}")  # fmt: skip
+                rows.append(res)
+                print(f"gemv_packed {res['variant']:52s} warps={res['num_warps']} regs={res['registers']} "
+                      f"stack={res['stack_bytes']} local={res['local_bytes']} ({res['compile_s']:.1f} s)")
+    return rows
+
+
 def int_linear_compile_report() -> list[dict]:
     """kernels/int_linear.py's launches on a Llama-3-8B o projection (4096 x
     4096, groups of 128, bf16): the fused kernel at 1, 16 and 32 rows and
@@ -1381,7 +1434,17 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
             "Dependent launches (`FLUIDSERVE_GEMV_PDL`): the grid-dependency wait in the code, and the bulk L2 "
             "prefetch instructions in it (one per weight half).",
             {"launch shape": "variant", "wait": "grid_dependency", "L2 prefetches": "l2_prefetches"}, gemvs)
-    others = [r for r in rows if r.get("kernel") not in (None, "attention", "gemv", "moe", "int_linear", "fp8_linear")]
+    packed = [r for r in rows if r.get("kernel") == "gemv_packed"]
+    if packed:
+        lines += _resource_section(
+            "Batch-1 GEMV over packed weights (kernels/gemv.py, `PackedLinear`), bf16, Llama-3-8B's row launches",
+            "The qkv (RMSNorm prologue), o (residual into a fresh output), gate/up (RMSNorm, SiLU-mul) and down "
+            "(residual in place) launches over int and float8 codes, BLOCK_N x BLOCK_K as `gemv.launch` picks them "
+            "(the K step: `gemv.PACKED_BLOCK_K`). Plain groups, blocks and a scale a row read scales per word or "
+            "run; act-order and gathered ones per code, through g_idx.",
+            {"launch": "variant", "warps": "num_warps"}, packed)
+    others = [r for r in rows if r.get("kernel") not in (None, "attention", "gemv", "gemv_packed", "moe", "int_linear",
+                                                         "fp8_linear")]  # fmt: skip
     if others:
         lines += _resource_section(
             "The layer's other kernels, at a Llama-3-8B decode token (bf16)",
@@ -1431,8 +1494,8 @@ def compile_main(args: argparse.Namespace) -> int:
         return 1
     import triton
 
-    rows = (compile_report(args.num_kv_heads, args.block_size) + gemv_compile_report() + row_compile_report()
-            + moe_compile_report() + moe_packed_compile_report() + int_linear_compile_report()
+    rows = (compile_report(args.num_kv_heads, args.block_size) + gemv_compile_report() + gemv_packed_compile_report()
+            + row_compile_report() + moe_compile_report() + moe_packed_compile_report() + int_linear_compile_report()
             + fp8_linear_compile_report())
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"kernels_compile_sm90{args.tag}"  # the tag may hold a dot: no with_suffix

@@ -332,13 +332,17 @@ def build_model_dir(root: Path, shape: dict, arch: str = "llama") -> Path:
     return root
 
 
-def make_worker(model_dir: Path, dtype: str, batch: int, device: str = "cpu"):
+def make_worker(model_dir: Path, dtype: str, batch: int, device: str = "cpu", **settings):
+    """A worker over ``model_dir`` (random weights unless ``settings`` say
+    otherwise: ``load_format="auto"`` reads a checkpoint) with room for
+    ``batch`` sequences of CONTEXT tokens."""
     from fluidserve.engine.config import EngineConfig
     from fluidserve.engine.worker import Worker
 
     blocks = batch * (-(-(CONTEXT + 1) // BLOCK_SIZE)) + 1
-    config = EngineConfig.create(model=str(model_dir), device=device, dtype=dtype, load_format="dummy",
-                                 num_kv_blocks=blocks, block_size=BLOCK_SIZE, max_model_len=CONTEXT + 16)
+    config = EngineConfig.create(model=str(model_dir), device=device, dtype=dtype, num_kv_blocks=blocks,
+                                 block_size=BLOCK_SIZE, max_model_len=CONTEXT + 16,
+                                 **{"load_format": "dummy", **settings})  # fmt: skip
     worker = Worker(config, str(model_dir))
     worker.init_cache(blocks)
     return worker
@@ -438,11 +442,12 @@ def _succeeded(result):
     return result
 
 
-def count_step(model_dir: Path, dtype: str, batch: int, device: str = "cpu") -> dict:
-    """Op counts of one decode step (after a prefill and one uncounted decode)."""
+def count_step(model_dir: Path, dtype: str, batch: int, device: str = "cpu", **settings) -> dict:
+    """Op counts of one decode step (after a prefill and one uncounted
+    decode); ``settings``: the engine's, as ``make_worker`` takes them."""
     import torch
 
-    worker = make_worker(model_dir, dtype, batch, device)
+    worker = make_worker(model_dir, dtype, batch, device, **settings)
     prefill, decode = decode_inputs(batch)
     _succeeded(worker.execute(prefill))
     _succeeded(worker.execute(decode))  # first-use work (plans' caches, Triton's rewrite) stays out of the count
@@ -456,18 +461,19 @@ def count_step(model_dir: Path, dtype: str, batch: int, device: str = "cpu") -> 
 
 
 def time_step(model_dir: Path, dtype: str, batch: int, rounds: int,
-              stub_launches: bool = False) -> dict[str, list[float]]:
+              stub_launches: bool = False, **settings) -> dict[str, list[float]]:
     """Wall and process-CPU seconds of each of ``rounds`` eager decode steps
     (``Worker.execute``); CPU time is the less disturbed by other processes.
     ``stub_launches`` (the Triton lane): every Triton launch returns at once,
     so what is timed is the host work around the kernels (the step's Python,
     its checks and argument building, the torch ops), which a GPU pays on
-    top of Triton's own launch cost."""
+    top of Triton's own launch cost. ``settings``: the engine's, as
+    ``make_worker`` takes them."""
     if stub_launches:
         from triton.runtime.interpreter import InterpretedFunction
 
         _patch(InterpretedFunction, "run", lambda original: lambda *a, **k: None)
-    worker = make_worker(model_dir, dtype, batch)
+    worker = make_worker(model_dir, dtype, batch, **settings)
     prefill, decode = decode_inputs(batch)
     _succeeded(worker.execute(prefill))
     for _ in range(3):

@@ -1080,11 +1080,12 @@ def quantized_checkpoints(_: str) -> tuple[list[str], list[str]]:
             "checkpoints read by GPTQModel's readers against ours. `benchmarks/packed_weights.py`: GPTQ and AWQ "
             "checkpoints of a real model, and a random Qwen3-MoE's GPTQ experts (`--moe`), served with their "
             "weights packed (`--quantized-weights packed`) against dequantized, in one run: the bytes held, the "
-            "replies, the decode time.", "",
+            "replies, the decode time. `benchmarks/packed_host_time.py`: the host work of a packed batch-1 "
+            "eager decode step on the GPU path against the dequantized one's.", "",
             *embedded(QUANTIZED_STEMS)], []
 
 
-QUANTIZED_STEMS = ["fp8_checkpoint", "quantized_formats_vs_gptqmodel", "packed_weights-*"]
+QUANTIZED_STEMS = ["fp8_checkpoint", "quantized_formats_vs_gptqmodel", "packed_weights-*", "packed_host_time"]
 
 
 def kv_cache_dtype(_: str) -> tuple[list[str], list[str]]:

@@ -48,7 +48,7 @@ from fluidserve.kernels import ops
 if TYPE_CHECKING:
     from fluidserve.engine.lora import LoRAWeights
     from fluidserve.engine.quantization import GroupedCodes
-    from fluidserve.kernels.reference import PackedExperts
+    from fluidserve.kernels.reference import PackedExperts, PackedLinear
 
 
 # gloo's all-reduce of a small tensor makes several round trips between the
@@ -301,14 +301,19 @@ class _PrepackedLinear(HeldWeights):
     lora: "LoRAWeights | None" = None
     # The weight as the checkpoint stores it (``--quantized-weights packed``:
     # GPTQ/AWQ integers, float8), in place of the dense one (``HeldWeights``):
-    # every product then runs on these (``ops.int_linear``, ``fp8_linear``).
+    # every product then runs on these (``ops.linear`` and the fused ops
+    # over a ``PackedLinear``: the batch-1 GEMV, else ``ops.packed_linear``).
     quantized_weight: "QuantizedWeight | None"
 
-    def _dense(self) -> bool:
-        """The fused launches and oneDNN read a dense weight: not a
-        ``quantized_weight``'s stand-in, nor (``_adapted``) one with adapter
-        products to add."""
-        return self.quantized_weight is None and self._packed is None and not self._adapted()
+    def _fused_weight(self) -> torch.Tensor | PackedLinear | None:
+        """The weight the fused launches (norm, activation and residual in
+        the batch-1 GEMV, ``ops.norm_linear`` and kin) read: the dense one,
+        or the checkpoint's codes (``PackedLinear``); None where they step
+        aside: a weight oneDNN reordered, or adapter products to add
+        (``_adapted``), which they have no place for."""
+        if self._packed is not None or self._adapted():
+            return None
+        return self.weight if self.quantized_weight is None else self.quantized_weight.packed()
 
     def prepack(self) -> None:
         """Pack the weight as it is now; later changes to it are not seen
@@ -330,7 +335,7 @@ class _PrepackedLinear(HeldWeights):
         that accumulates into the residual in place (so the caller must own
         it). x: [T, in]."""
         if self.quantized_weight is not None:
-            y = self.quantized_weight.linear(x, bias, residual, path)
+            y = ops.linear(x, self.quantized_weight.packed(), bias, residual, path)
         elif self._packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
             if residual is not None:
                 y = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._packed, bias, "add")
@@ -463,21 +468,13 @@ class QuantizedWeight(nn.Module):
             self.g_idx = torch.zeros(self.experts, self.features, dtype=torch.int32, device=self.device)
             self._ordered = [False] * self.experts
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
-               path: ops.KernelPath | None = None) -> torch.Tensor:  # fmt: skip
-        """``x W^T + bias`` (plus ``residual``, in place over it), W the weight these codes stand for."""
-        if self.float8:
-            y = ops.fp8_linear(x, self.codes, self.scales, self.g_idx, bias, self.group_size, path)
-        else:
-            y = ops.int_linear(x, self.codes, self.scales, self.zeros, self.g_idx, self.bits, bias, self.group_size,
-                               path)  # fmt: skip
-        return y if residual is None else residual.add_(y)
+    def packed(self) -> PackedLinear | PackedExperts:
+        """The codes as the kernels take them: a linear's for ``ops.linear``
+        and kin, stacked experts' for ``ops.fused_experts``."""
+        from fluidserve.kernels.reference import PackedExperts, PackedLinear
 
-    def stacked(self) -> PackedExperts:
-        """Stacked experts' codes as ``ops.fused_experts`` takes them."""
-        from fluidserve.kernels.reference import PackedExperts
-
-        return PackedExperts(self.codes, self.scales, self.zeros, self.g_idx, self.bits, self.group_size)
+        held = PackedLinear if self.experts is None else PackedExperts
+        return held(self.codes, self.scales, self.zeros, self.g_idx, self.bits, self.group_size)
 
     def dense_elements(self) -> int:
         """The elements of the dense weight these codes stand for."""
@@ -633,9 +630,10 @@ class MergedColumnParallelLinear(_PrepackedLinear):
         GEMV's epilogue, ``ops.linear_silu_and_mul``), elsewhere the product
         then the activation."""
         self._check_gated()
-        if not self._dense():
+        weight = self._fused_weight()
+        if weight is None:
             return ops.silu_and_mul(self._linear(x, self.bias), path)
-        return ops.linear_silu_and_mul(x, self.weight, self.bias, path)
+        return ops.linear_silu_and_mul(x, weight, self.bias, path)
 
     def forward_normed(self, x: torch.Tensor, norm: nn.Module, gated: bool = False,
                        path: ops.KernelPath | None = None) -> torch.Tensor:  # fmt: skip
@@ -644,10 +642,11 @@ class MergedColumnParallelLinear(_PrepackedLinear):
         its prologue, ``ops.norm_linear``). ``norm``: an RMSNorm."""
         if gated:
             self._check_gated()
-        if not self._dense():
+        weight = self._fused_weight()
+        if weight is None:
             normed = norm(x, path)
             return self.forward_silu_and_mul(normed, path) if gated else self.forward(normed)
-        return ops.norm_linear(x, norm.weight, norm.eps, self.weight, self.bias, gated, path)
+        return ops.norm_linear(x, norm.weight, norm.eps, weight, self.bias, gated, path)
 
     def _check_gated(self) -> None:
         if len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
@@ -690,8 +689,9 @@ class RowParallelLinear(_PrepackedLinear):
         """``forward(x) + residual`` as a new tensor, residual left as it is,
         rounded as that separate add rounds: one launch where the batch-1
         GEMV runs on one rank (``ops.linear_add``)."""
-        if self.tp.size == 1 and self._dense():
-            return ops.linear_add(x, self.weight, residual, self.bias, path)
+        weight = self._fused_weight() if self.tp.size == 1 else None
+        if weight is not None:
+            return ops.linear_add(x, weight, residual, self.bias, path)
         return self.forward(x).add_(residual)
 
 

@@ -32,6 +32,18 @@ launches instead of nine (engine/models/llama.py):
   residual stream, rounded as the separate add rounds, the residual left as
   it is (the down projection keeps ``addmm_``'s one rounding, in place).
 
+Packed weights (``reference.PackedLinear``: GPTQ/AWQ integer codes or
+float8, as a quantized checkpoint stores them) take the same launches and
+fusions: ``_packed_gemv_kernel`` runs the same body, which reads each step's
+rows through kernels/int_linear.py's or fp8_linear.py's tile helper,
+dequantized in registers and rounded to x's dtype as ``PackedLinear.
+dequantize`` rounds it; the arithmetic after that is the dense kernel's, so
+at the same BLOCK_N and BLOCK_K the output is the dense GEMV's over the
+dequantized weight (bit for bit in the interpreter; on a GPU the compiler
+lays out the dequantized tile, and with it the order of the row's sum, as
+it will). Its K step is at most ``PACKED_BLOCK_K``'s, chosen from sm_90
+compiles alone, not timed: no GPU has run the packed GEMV yet.
+
 Dependent launch (``FLUIDSERVE_GEMV_PDL=1`` or ``l2``, sm_90 on; off until
 a GPU times it). A decode token is 4 x layers GEMVs in a row, each a few to
 a few hundred microseconds of weight reads, and between two of them HBM
@@ -57,7 +69,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fluidserve.kernels import fp8_linear, int_linear
 from fluidserve.kernels.launch import Relaunch, Site, aligned, cdiv, next_power_of_2
+from fluidserve.kernels.reference import PackedLinear
 
 BLOCK_N = 16  # output rows per program: 256+ programs on an 8B model's smallest matrix
 # Output rows per program off CUDA (None: BLOCK_N). Triton's interpreter
@@ -68,6 +82,23 @@ BLOCK_N = 16  # output rows per program: 256+ programs on an 8B model's smallest
 INTERPRETER_BLOCK_N: int | None = 128
 MAX_BLOCK_K = 512  # the fastest on every Llama-3-8B shape measured; smaller where K needs it
 NUM_WARPS = 4
+# Input features per step of a packed weight's GEMV, by (format, bits,
+# scales gathered per code through g_idx): the widest power of two up to
+# 512 whose launches at Llama-3-8B's row shapes (qkv normed, o and down
+# with the residual, gate/up gated and normed; bf16) compile for sm_90 with
+# no spills and at most 168 registers, three programs of four warps an SM
+# (kernel_bench.py gemv_packed_compile_report; tests/kernels/
+# test_gemv_packed.py). Per word or run (int4, int8 in groups of 128, e4m3
+# in blocks of 128 or a scale a row) 512 takes 128-168, the dense kernel's
+# 167; gathered codes hold each one's group and address: at 256, int4 and
+# int8 take 239-252 (512 spills), e4m3 102-111 (512: 190-199); at 128,
+# int4 80-165, int8 92 but 16 bytes of stack in the gated launch, which
+# at 64 takes 80. Chosen from compiles alone, not timed. A launch steps the
+# widest power of two up to its format's that divides K, as the dense GEMV
+# steps; a K no power of two from 16 divides is refused (``supports``): the
+# caller falls back to int_linear or fp8_linear.
+PACKED_BLOCK_K = {("int", 4, False): 512, ("int", 4, True): 128, ("int", 8, False): 512, ("int", 8, True): 64,
+                  ("float8", 8, False): 512, ("float8", 8, True): 256}  # fmt: skip
 # From this K step a tile of BLOCK_N / 2 rows still gives every thread a whole
 # 16-byte vector, as the plain kernel's tile does: Triton lays both out alike.
 HALF_ROWS_MIN_K = 256
@@ -152,6 +183,62 @@ def _gemv_kernel(
     L2_K: tl.constexpr = 0,  # sm_90: the first L2_K values of each row fetched into L2 first (0: none)
     L2_PART_BYTES: tl.constexpr = 0,  # bytes of each of the L2_PARTS stretches of a row's L2_K
 ):  # fmt: skip
+    """``_gemv`` over a dense weight of x's dtype. An entry of its own, so
+    that a dense launch's arguments, relaunch key and compiled code hold
+    nothing of the packed formats (the decode step's hottest launch)."""
+    _gemv(x_ptr, w_ptr, w_ptr, w_ptr, w_ptr, bias_ptr, residual_ptr, norm_ptr, y_ptr, N, K, stride_wn, 0, 0, eps,
+          HAS_BIAS, HAS_RESIDUAL, ROUND_BEFORE_RESIDUAL, GATED, NORM, "dense", 0, 0, False, BLOCK_N, BLOCK_K, BLOCK_D,
+          PREFETCH, GDC, L2_K, L2_PART_BYTES)  # fmt: skip
+
+
+@triton.jit
+def _packed_gemv_kernel(
+    x_ptr,  # [K]
+    w_ptr,  # the codes: int [N, K / (32 // BITS)] int32; float8 [N, K]
+    scales_ptr,  # [N, G] float32
+    zeros_ptr,  # [N, G] uint8 (read if FORMAT is "int")
+    g_idx_ptr,  # [K] int32 (read unless GROUPED)
+    bias_ptr,  # [N] (read only if HAS_BIAS)
+    residual_ptr,  # [N] (read only if HAS_RESIDUAL)
+    norm_ptr,  # [K]: the RMSNorm's weight (read only if NORM)
+    y_ptr,  # [N]
+    N, K, stride_wn, stride_sn, group_size,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    ROUND_BEFORE_RESIDUAL: tl.constexpr,
+    GATED: tl.constexpr,
+    NORM: tl.constexpr,
+    FORMAT: tl.constexpr,  # "int" (kernels/int_linear.py's format) or "float8" (kernels/fp8_linear.py's)
+    BITS: tl.constexpr,  # "int": bits a code
+    RUN: tl.constexpr,  # "float8": features a scale column covers in a tile (``fp8_linear._weight_tile``)
+    GROUPED: tl.constexpr,  # group k // group_size: scales read per word or run, not gathered through g_idx
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GDC: tl.constexpr = False,
+):  # fmt: skip
+    """``_gemv`` over a ``reference.PackedLinear``'s codes. No first step
+    loaded ahead and no L2 prefetch (``_PACKED_CHAIN`` says why)."""
+    _gemv(x_ptr, w_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, residual_ptr, norm_ptr, y_ptr, N, K, stride_wn,
+          stride_sn, group_size, eps, HAS_BIAS, HAS_RESIDUAL, ROUND_BEFORE_RESIDUAL, GATED, NORM, FORMAT, BITS, RUN,
+          GROUPED, BLOCK_N, BLOCK_K, BLOCK_D, False, GDC, 0, 0)  # fmt: skip
+
+
+@triton.jit
+def _gemv(x_ptr, w_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, residual_ptr, norm_ptr, y_ptr, N, K, stride_wn,
+          stride_sn, group_size, eps, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+          ROUND_BEFORE_RESIDUAL: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, FORMAT: tl.constexpr,
+          BITS: tl.constexpr, RUN: tl.constexpr, GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, GDC: tl.constexpr, L2_K: tl.constexpr,
+          L2_PART_BYTES: tl.constexpr):  # fmt: skip
+    """The GEMV, one program a ``BLOCK_N`` rows (the entries' arguments).
+    FORMAT "dense": the weight's rows are loaded as they are; "int" or
+    "float8": each step's tile is dequantized from the codes by the packed
+    linears' own helpers, rounded to x's dtype as ``PackedLinear.
+    dequantize`` rounds it, so the products and sums are the dense
+    kernel's over the dequantized weight."""
+    tl.static_assert(FORMAT == "dense" or (not PREFETCH and L2_K == 0), "a packed weight has no step loaded ahead")
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
@@ -195,11 +282,22 @@ def _gemv_kernel(
                                  GATED, NORM, True)  # fmt: skip
         start = BLOCK_K
     for k in range(start, K, BLOCK_K):
-        # The weight is read once and never again in this step: keep it out
-        # of L2's way.
-        w = tl.load(w_rows + (k + cols)[None, :], mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
-        acc, acc_up = _gemv_step(acc, acc_up, w, w, up_rows, row_ok, x_ptr, norm_ptr, inv, cols, k, GATED, NORM,
-                                 False)  # fmt: skip
+        if FORMAT == "dense":
+            # The weight is read once and never again in this step: keep it
+            # out of L2's way.
+            w = tl.load(w_rows + (k + cols)[None, :], mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+            acc, acc_up = _gemv_step(acc, acc_up, w, w, up_rows, row_ok, x_ptr, norm_ptr, inv, cols, k, GATED, NORM,
+                                     False)  # fmt: skip
+        else:
+            dtype = x_ptr.dtype.element_ty
+            w = _packed_rows(w_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rows, row_ok, k, K, stride_wn, stride_sn,
+                             group_size, dtype, FORMAT, BITS, BLOCK_N, BLOCK_K, RUN, GROUPED)  # fmt: skip
+            u = w
+            if GATED:  # the same rows of the up half, N rows on
+                u = _packed_rows(w_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rows + N, row_ok, k, K, stride_wn,
+                                 stride_sn, group_size, dtype, FORMAT, BITS, BLOCK_N, BLOCK_K, RUN, GROUPED)
+            acc, acc_up = _gemv_step(acc, acc_up, w, u, up_rows, row_ok, x_ptr, norm_ptr, inv, cols, k, GATED, NORM,
+                                     True)  # fmt: skip
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -213,6 +311,24 @@ def _gemv_kernel(
         silu = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
         y = silu * up
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _packed_rows(w_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rows, row_ok, k, K, stride_wn, stride_sn, group_size,
+                 dtype: tl.constexpr, FORMAT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, RUN: tl.constexpr, GROUPED: tl.constexpr):  # fmt: skip
+    """Rows ``rows`` of a packed weight at input features k .. k + BLOCK_K:
+    [BLOCK_N, BLOCK_K] of ``dtype`` in feature order, the dense kernel's
+    tile, dequantized by the packed linears' helpers (rows not ``row_ok``
+    read 0, as the dense load's)."""
+    if FORMAT == "int":
+        tile = int_linear._weight_tile(w_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rows, row_ok, k, K, stride_wn,
+                                       stride_sn, group_size, dtype, BITS, BLOCK_N, BLOCK_K, GROUPED)  # fmt: skip
+    else:
+        tile = tl.reshape(fp8_linear._weight_tile(w_ptr, scales_ptr, g_idx_ptr, rows, row_ok, k, K, stride_wn,
+                                                  stride_sn, group_size, dtype, BLOCK_K, RUN, GROUPED),
+                          (BLOCK_N, BLOCK_K))  # fmt: skip
+    return tile
 
 
 @triton.jit
@@ -234,13 +350,14 @@ def _gemv_step(acc, acc_up, w, u, up_rows, row_ok, x_ptr, norm_ptr, inv, cols, k
 
 
 _GEMV = Relaunch(_gemv_kernel)
+_PACKED_GEMV = Relaunch(_packed_gemv_kernel)
 
 
 @functools.cache
-def block_k(k: int) -> int | None:
-    """The widest power-of-two step up to ``MAX_BLOCK_K`` that divides ``k``
+def block_k(k: int, most: int = MAX_BLOCK_K) -> int | None:
+    """The widest power-of-two step up to ``most`` that divides ``k``
     (None below 16: such a matrix is not worth a kernel of its own)."""
-    step = MAX_BLOCK_K
+    step = most
     while step >= 16:
         if k % step == 0:
             return step
@@ -248,10 +365,13 @@ def block_k(k: int) -> int | None:
     return None
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def supports(x: torch.Tensor, weight: torch.Tensor | PackedLinear, bias: torch.Tensor | None,
              residual: torch.Tensor | None) -> bool:  # fmt: skip
     """Whether ``gemv`` takes these: one contiguous row of x, a weight with
-    contiguous rows, all of one dtype and device, K a multiple of 16."""
+    contiguous rows, all of one dtype and device, K a multiple of 16. A
+    packed weight: ``_packed_supports``."""
+    if isinstance(weight, PackedLinear):
+        return _packed_supports(x, weight, bias, residual)
     n, k = weight.shape
     return (x.dim() == 2 and x.shape == (1, k) and x.stride(-1) == 1 and weight.stride(-1) == 1
             and x.dtype == weight.dtype and block_k(k) is not None
@@ -261,6 +381,53 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def _fits(t: torch.Tensor, x: torch.Tensor, n: int) -> bool:
     """A bias or residual: x's dtype and device, n contiguous elements."""
     return t.dtype == x.dtype and t.device == x.device and t.is_contiguous() and t.numel() == n
+
+
+def _packed_supports(x: torch.Tensor, w: PackedLinear, bias: torch.Tensor | None,
+                     residual: torch.Tensor | None) -> bool:  # fmt: skip
+    """``supports`` of a packed weight: one contiguous row of x of fp32,
+    fp16 or bf16, the format as int_linear or fp8_linear take it (float8:
+    converted by Triton on x's device), every tensor on x's device, and a
+    K step (``_packed_format``)."""
+    n, k = w.shape
+    codes, scales, g_idx, zeros = w.codes, w.scales, w.g_idx, w.zeros
+    if w.float8:
+        fits = (w.bits == 8 and zeros is None and fp8_linear.supports(x, codes)
+                and (w.group_size is None or (w.group_size > 0 and scales.shape[-1] == cdiv(k, w.group_size))))
+    else:
+        fits = (int_linear.supports(x, codes, w.bits) and zeros is not None and zeros.dtype == torch.uint8
+                and zeros.shape == scales.shape and zeros.is_contiguous() and zeros.device == x.device)  # fmt: skip
+    return (fits and x.shape == (1, k) and scales.dtype == torch.float32 and scales.dim() == 2
+            and scales.shape[0] == n and scales.is_contiguous() and scales.device == x.device
+            and g_idx.dtype == torch.int32 and g_idx.shape == (k,) and g_idx.is_contiguous()
+            and g_idx.device == x.device and (w.group_size is None or w.group_size > 0)
+            and _packed_format(w.float8, w.bits, w.group_size, k, None) is not None
+            and (bias is None or _fits(bias, x, n)) and (residual is None or _fits(residual, x, n)))  # fmt: skip
+
+
+@functools.cache
+def _packed_format(float8: bool, bits: int, group_size: int | None, k: int,
+                   k_step: int | None) -> tuple[int, dict, int] | None:  # fmt: skip
+    """(BLOCK_K, the format's constexprs, the group_size the kernel is
+    passed) of a packed weight's GEMV stepping ``k_step`` (None: the
+    widest power of two up to ``PACKED_BLOCK_K``'s that divides K, as the
+    dense GEMV steps); None where K is no multiple of the step."""
+    if float8:
+        step = k_step or block_k(k, PACKED_BLOCK_K["float8", 8, group_size is None])
+        if step is None:
+            return None
+        run, grouped = fp8_linear._run(group_size, k, step)
+        if not grouped and k_step is None:  # groups the step cannot cut into runs: gathered, at that format's step
+            step = block_k(k, PACKED_BLOCK_K["float8", 8, True])
+            run, grouped = fp8_linear._run(group_size, k, step)
+        constexprs = dict(FORMAT="float8", BITS=8, RUN=run, GROUPED=grouped)
+    else:
+        grouped = int_linear._grouped(bits, group_size)
+        step = k_step or block_k(k, PACKED_BLOCK_K["int", bits, not grouped])
+        constexprs = dict(FORMAT="int", BITS=bits, RUN=0, GROUPED=grouped)
+    if step is None or k % step:
+        return None
+    return step, constexprs, group_size if grouped else 0
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -274,9 +441,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return launch(x, weight, bias, residual)
 
 
-def supports_gated(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def supports_gated(x: torch.Tensor, weight: torch.Tensor | PackedLinear) -> bool:
     """Whether ``gemv_silu_and_mul`` takes these: ``supports`` without bias
-    or residual, and a weight of two equal halves."""
+    or residual, and a weight (dense or packed) of two equal halves."""
     return weight.shape[0] % 2 == 0 and supports(x, weight, None, None)
 
 
@@ -296,7 +463,8 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return launch(x, weight, None, None, gated=True)
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+def launch(x: torch.Tensor, weight: torch.Tensor | PackedLinear, bias: torch.Tensor | None,
+           residual: torch.Tensor | None,
            out: torch.Tensor | None = None, block_n: int | None = None, k_step: int | None = None,
            num_warps: int = NUM_WARPS, gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
            round_before_residual: bool = False, dependent: bool | str | None = None,
@@ -312,8 +480,13 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     False: "off", None: ``dependent_launch(x)``); a dependent launch loads
     the first weight step ahead, and ``prefetch`` does that in a plain one,
     on any device (the interpreter has no grid dependency control). The
-    launch shape is for benchmarks: the engine's is the default."""
+    launch shape is for benchmarks: the engine's is the default. A packed
+    weight (``PackedLinear``) launches ``_packed_gemv_kernel``, which loads
+    nothing ahead: ``prefetch`` is ignored and "l2" is "on" for it."""
     mode = dependent_launch(x) if dependent is None else _mode_name(dependent)
+    if isinstance(weight, PackedLinear):
+        return _launch_packed(x, weight, bias, residual, out, block_n, k_step, num_warps, gated, norm,
+                              round_before_residual, mode)  # fmt: skip
     n, grid, scalars, norm_weight, constexprs = _spec(weight, bias, residual is not None, block_n, k_step, num_warps,
                                                       gated, norm, round_before_residual, mode, prefetch)  # fmt: skip
     if out is None:
@@ -321,6 +494,40 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     _GEMV[grid](x, weight, bias if bias is not None else out, residual if residual is not None else out,
                 norm_weight if norm_weight is not None else out, out, *scalars, **constexprs)  # fmt: skip
     return out
+
+
+def _launch_packed(x: torch.Tensor, w: PackedLinear, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                   out: torch.Tensor | None, block_n: int | None, k_step: int | None, num_warps: int, gated: bool,
+                   norm: tuple[torch.Tensor, float] | None, round_before_residual: bool, mode: str) -> torch.Tensor:
+    """``launch`` of a packed weight."""
+    n, grid, weights, scalars, norm_weight, constexprs = _packed_spec(
+        w, bias, residual is not None, block_n, k_step, num_warps, gated, norm, round_before_residual, mode)
+    if out is None:
+        out = residual if residual is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _PACKED_GEMV[grid](x, *weights, bias if bias is not None else out, residual if residual is not None else out,
+                       norm_weight if norm_weight is not None else out, out, *scalars, **constexprs)  # fmt: skip
+    return out
+
+
+def _packed_spec(w: PackedLinear, bias: torch.Tensor | None, residual: bool, block_n: int | None,
+                 k_step: int | None, num_warps: int, gated: bool, norm: tuple[torch.Tensor, float] | None,
+                 round_before_residual: bool, mode: str) -> tuple[int, tuple[int], tuple, tuple, torch.Tensor | None,
+                                                                  dict]:  # fmt: skip
+    """``_spec`` of a packed weight: (output columns, grid, the codes'
+    tensors as the kernel takes them, the scalars after its tensors, the
+    norm's weight, the constexprs and launch options)."""
+    rows, k = w.shape
+    step, fmt, group_size = _packed_format(w.float8, w.bits, w.group_size, k, k_step)
+    if block_n is None and not w.codes.is_cuda:
+        block_n = INTERPRETER_BLOCK_N
+    n, grid, block_n, block_d = _shape(rows, k, gated, norm is not None, block_n, step)
+    norm_weight, eps = norm if norm is not None else (None, 0.0)
+    weights = (w.codes, w.scales, w.zeros if w.zeros is not None else w.scales, w.g_idx)
+    constexprs = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual, ROUND_BEFORE_RESIDUAL=round_before_residual,
+                      GATED=gated, NORM=norm is not None, **fmt, BLOCK_N=block_n, BLOCK_K=step, BLOCK_D=block_d,
+                      num_warps=num_warps, **_PACKED_CHAIN[mode])  # fmt: skip
+    return n, grid, weights, (n, k, w.codes.stride(0), w.scales.stride(0), group_size, float(eps)), norm_weight, \
+        constexprs
 
 
 def _spec(weight: torch.Tensor, bias: torch.Tensor | None, residual: bool, block_n: int | None, k_step: int | None,
@@ -348,19 +555,30 @@ class PreparedGemv:
     inputs ``supports`` (and, with a norm, ``supports_norm``) has passed
     on rows of the weight's dtype and device, unchecked."""
 
-    __slots__ = ("n", "residual", "_weight", "_bias", "_norm_weight", "_scalars", "_dtype", "_site")
+    __slots__ = ("n", "residual", "_weights", "_bias", "_norm_weight", "_scalars", "_dtype", "_site")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, residual: bool = False,
-                 gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
-                 round_before_residual: bool = False, mode: str = "off") -> None:  # fmt: skip
+    def __init__(self, weight: torch.Tensor | PackedLinear, bias: torch.Tensor | None = None, *,
+                 residual: bool = False, gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
+                 round_before_residual: bool = False, mode: str = "off",
+                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        """``dtype``: the rows' (a packed weight's activations; by default
+        a dense weight's own)."""
         self.residual = residual
-        self._weight, self._bias, self._dtype = weight, bias, weight.dtype
-        self.n, grid, self._scalars, self._norm_weight, constexprs = _spec(
-            weight, bias, residual, None, None, NUM_WARPS, gated, norm, round_before_residual, _mode_name(mode),
-            False)  # fmt: skip
+        self._bias, self._dtype = bias, dtype or weight.dtype
+        mode = _mode_name(mode)
+        if isinstance(weight, PackedLinear):
+            self.n, grid, self._weights, self._scalars, self._norm_weight, constexprs = _packed_spec(
+                weight, bias, residual, None, None, NUM_WARPS, gated, norm, round_before_residual, mode)
+            relaunch = _PACKED_GEMV
+        else:
+            self._weights = (weight,)
+            self.n, grid, self._scalars, self._norm_weight, constexprs = _spec(
+                weight, bias, residual, None, None, NUM_WARPS, gated, norm, round_before_residual, mode,
+                False)  # fmt: skip
+            relaunch = _GEMV
         # Its rows are the only arguments that change: on a GPU, rows of the
         # weight's dtype, 16-byte aligned, launch without a key.
-        self._site = Site(_GEMV, grid, constexprs)
+        self._site = Site(relaunch, grid, constexprs)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [1, K] -> ``out`` [1, n] (plus ``residual`` [1, n] where prepared
@@ -368,7 +586,7 @@ class PreparedGemv:
         if (residual is not None) is not self.residual:
             raise ValueError(f"a GEMV prepared {'with' if self.residual else 'without'} a residual")
         bias, norm_weight = self._bias, self._norm_weight
-        args = (x, self._weight, bias if bias is not None else out, residual if residual is not None else out,
+        args = (x, *self._weights, bias if bias is not None else out, residual if residual is not None else out,
                 norm_weight if norm_weight is not None else out, out, *self._scalars)  # fmt: skip
         dtype = self._dtype
         self._site(args, x.dtype is dtype and out.dtype is dtype
@@ -397,6 +615,14 @@ def _shape(rows: int, k: int, gated: bool, norm: bool, block_n: int | None,
 
 _PREFETCH = dict(PREFETCH=True)
 _DEPENDENT = dict(PREFETCH=True, GDC=True, launch_pdl=True)
+# A packed weight's launch by mode: dependent or not, nothing loaded ahead.
+# A dense program holds its first step's load across the wait; a packed one
+# would hold its codes, scales and their addresses too, beside registers
+# its K step (PACKED_BLOCK_K) was chosen to fill with the loop alone. The
+# L2 prefetch fetches stretches of rows of bytes; a packed row's step reads
+# its scales (and, gathered, g_idx) as well, which it would not fetch, and
+# is a quarter to half the dense row's bytes. Neither is timed on a GPU.
+_PACKED_CHAIN = {"off": {}, "on": dict(GDC=True, launch_pdl=True), "l2": dict(GDC=True, launch_pdl=True)}
 
 
 def chain_options(mode: str, prefetch: bool, k: int, rows: int, weight: torch.Tensor) -> dict:

@@ -202,7 +202,7 @@ def scatter_blocks(
 
 def linear(
     x: torch.Tensor,  # [T, K]
-    weight: torch.Tensor,  # [N, K]
+    weight: torch.Tensor | reference.PackedLinear,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
     residual: torch.Tensor | None = None,  # [T, N], accumulated into in place
     path: KernelPath | None = None,
@@ -214,15 +214,21 @@ def linear(
     One row on the Triton lane runs kernels/gemv.py, which reads the weight
     at up to 1.2x cuBLAS's rate at batch 1 (``linear_bandwidth_*.md``),
     where ``gemv_row`` says. Elsewhere cuBLAS (or whatever torch runs on
-    the device). ``path``: the caller's ``kernel_path`` (None: worked out
-    here)."""
-    if gemv_row(x, weight, path):
+    the device). A packed weight (``reference.PackedLinear``) takes the
+    same GEMV where it supports the weight, else ``packed_linear`` with the
+    residual added after (the product rounded first). ``path``: the
+    caller's ``kernel_path`` (None: worked out here)."""
+    packed = isinstance(weight, reference.PackedLinear)
+    if gemv_row(x, weight.codes if packed else weight, path):
         from fluidserve.kernels import gemv
 
         fused = residual if bias is None else None  # with a bias, rounded before the add as below
         if gemv.supports(x, weight, bias, fused):
             y = gemv.launch(x, weight, bias, fused)
             return y if fused is residual else y.add_(residual)
+    if packed:
+        y = packed_linear(x, weight, bias, path)
+        return y if residual is None else y.add_(residual) if bias is not None else residual.add_(y)
     if residual is None:
         return torch.nn.functional.linear(x, weight, bias)
     if bias is not None:
@@ -232,19 +238,22 @@ def linear(
 
 def linear_silu_and_mul(
     x: torch.Tensor,  # [T, K]
-    weight: torch.Tensor,  # [2I, K]: gate rows, then up rows
+    weight: torch.Tensor | reference.PackedLinear,  # [2I, K]: gate rows, then up rows
     bias: torch.Tensor | None = None,  # [2I]
     path: KernelPath | None = None,
 ) -> torch.Tensor:
     """``silu_and_mul(linear(x, weight, bias))``, [T, K] -> [T, I]: the
     gated MLP's first half. One row on the Triton lane (where ``linear``
     runs the GEMV) is one launch, the activation in the GEMV's epilogue,
-    with the same bits as the two launches."""
-    if bias is None and gemv_row(x, weight, path):
+    with the same bits as the two launches. A packed weight likewise."""
+    packed = isinstance(weight, reference.PackedLinear)
+    if bias is None and gemv_row(x, weight.codes if packed else weight, path):
         from fluidserve.kernels import gemv
 
         if gemv.supports_gated(x, weight):
             return gemv.launch(x, weight, None, None, gated=True)
+    if packed:
+        return silu_and_mul(packed_linear(x, weight, bias, path), path)
     return silu_and_mul(linear(x, weight, bias), path)
 
 
@@ -252,7 +261,7 @@ def norm_linear(
     x: torch.Tensor,  # [T, K], left as it is
     norm_weight: torch.Tensor,  # [K]
     eps: float,
-    weight: torch.Tensor,  # [N, K] ([2I, K] gated)
+    weight: torch.Tensor | reference.PackedLinear,  # [N, K] ([2I, K] gated)
     bias: torch.Tensor | None = None,
     gated: bool = False,
     path: KernelPath | None = None,
@@ -261,33 +270,55 @@ def norm_linear(
     ``silu_and_mul``). Where ``gemv_row`` says, one launch: the GEMV takes
     the row's norm in its prologue, rounded as ``rms_norm`` rounds; only
     the order of the sum of squares may differ (not at all in the
-    interpreter)."""
-    if gemv_row(x, weight, path) and not (gated and bias is not None):
+    interpreter). A packed weight likewise."""
+    packed = isinstance(weight, reference.PackedLinear)
+    if gemv_row(x, weight.codes if packed else weight, path) and not (gated and bias is not None):
         from fluidserve.kernels import gemv
 
         fits = gemv.supports_gated(x, weight) if gated else gemv.supports(x, weight, bias, None)
         if fits and gemv.supports_norm(x, norm_weight):
             return gemv.launch(x, weight, bias, None, gated=gated, norm=(norm_weight, eps))
     normed = rms_norm(x, norm_weight, eps, path=path)[0]
+    if packed:  # the path passed on: the packed product's dispatch reads it
+        return linear_silu_and_mul(normed, weight, bias, path) if gated else linear(normed, weight, bias, path=path)
     return linear_silu_and_mul(normed, weight, bias, path) if gated else linear(normed, weight, bias)
 
 
 def linear_add(
     x: torch.Tensor,  # [T, K]
-    weight: torch.Tensor,  # [N, K]
+    weight: torch.Tensor | reference.PackedLinear,  # [N, K]
     residual: torch.Tensor,  # [T, N], left as it is
     bias: torch.Tensor | None = None,
     path: KernelPath | None = None,
 ) -> torch.Tensor:
     """``linear(x, weight, bias) + residual`` as a new tensor, rounded as
     that separate add rounds (the product first): at one row where the GEMV
-    runs, one launch."""
-    if bias is None and gemv_row(x, weight, path):
+    runs, one launch. A packed weight likewise."""
+    packed = isinstance(weight, reference.PackedLinear)
+    if bias is None and gemv_row(x, weight.codes if packed else weight, path):
         from fluidserve.kernels import gemv
 
         if gemv.supports(x, weight, None, residual):
             return gemv.launch(x, weight, None, residual, out=torch.empty_like(residual), round_before_residual=True)
+    if packed:
+        return packed_linear(x, weight, bias, path).add_(residual)
     return linear(x, weight, bias).add_(residual)
+
+
+def packed_linear(
+    x: torch.Tensor,  # [T, K]
+    weight: reference.PackedLinear,  # [N, K] as stored
+    bias: torch.Tensor | None = None,  # [N]
+    path: KernelPath | None = None,
+) -> torch.Tensor:
+    """``x W^T + bias`` for a packed weight, a new [T, N]: ``fp8_linear`` or
+    ``int_linear`` of its tensors, W rounded to x's dtype as
+    ``weight.dequantize(x.dtype)`` is. No GEMV: ``linear`` is the entry
+    that runs one where it can."""
+    if weight.float8:
+        return fp8_linear(x, weight.codes, weight.scales, weight.g_idx, bias, weight.group_size, path)
+    return int_linear(x, weight.codes, weight.scales, weight.zeros, weight.g_idx, weight.bits, bias, weight.group_size,
+                      path)  # fmt: skip
 
 
 def int_linear(

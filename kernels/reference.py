@@ -4,8 +4,8 @@ This module owns the *semantics* of paged attention in fluidserve. It is the
 attention path of the engine on CPU and the oracle every Triton kernel test
 compares against, so it favours clarity over speed. Its last sections own
 the MoE experts', the weight-only integer linears' and the float8 linears'
-semantics alike, and those of MoE experts kept as a quantized checkpoint
-stores them (``PackedExperts``).
+semantics alike, and those of linears and MoE experts kept as a quantized
+checkpoint stores them (``PackedLinear``, ``PackedExperts``).
 
 KV cache layout (one pair of tensors per layer)::
 
@@ -342,7 +342,43 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, g_id
     return F.linear(x, fp8_dequantize(weight, scales, g_idx, x.dtype, group_size), bias)
 
 
-# -- MoE experts kept as a quantized checkpoint stores them --------------------------------------
+# -- linears and MoE experts kept as a quantized checkpoint stores them ----------------------------
+
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: fields are tensors, compared by identity
+class PackedLinear:
+    """One linear's weight [N, K] held as a quantized checkpoint stores it,
+    in the format of a packed linear (the sections above): GPTQ/AWQ
+    integers as ``int_dequantize`` reads them, or float8 as
+    ``fp8_dequantize`` does. All tensors contiguous, on one device. What
+    ``ops.linear`` and the decoder layer's fused ops take in place of a
+    dense weight (``ops.packed_linear`` is its bare product)."""
+
+    codes: torch.Tensor  # int: [N, K / (32 // bits)] int32 (int_linear's words); float8: [N, K] e4m3fn or e5m2
+    scales: torch.Tensor  # [N, G] float32
+    zeros: torch.Tensor | None  # [N, G] uint8 for int; None for float8
+    g_idx: torch.Tensor  # [K] int32: each input feature's group
+    bits: int  # 4 or 8 (int); 8 for float8
+    group_size: int | None = None  # the caller vouches g_idx is k // group_size (plain checkpoint)
+
+    @property
+    def float8(self) -> bool:
+        """Whether the codes are float8 values (else packed integer codes)."""
+        return self.codes.dtype in FLOAT8_DTYPES
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the weight the codes stand for."""
+        n, width = self.codes.shape
+        return n, width if self.float8 else width * (32 // self.bits)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [N, K] in ``dtype``: ``fp8_dequantize`` or ``int_dequantize``."""
+        if self.float8:
+            return fp8_dequantize(self.codes, self.scales, self.g_idx, dtype, self.group_size)
+        return int_dequantize(self.codes, self.scales, self.zeros, self.g_idx, self.bits, dtype, self.group_size)
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: fields are tensors, compared by identity
@@ -365,7 +401,7 @@ class PackedExperts:
     @property
     def float8(self) -> bool:
         """Whether the codes are float8 values (else packed integer codes)."""
-        return self.codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        return self.codes.dtype in FLOAT8_DTYPES
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -373,10 +409,12 @@ class PackedExperts:
         experts, n, width = self.codes.shape
         return experts, n, width if self.float8 else width * (32 // self.bits)
 
+    def linear(self, e: int) -> PackedLinear:
+        """Expert ``e``'s weight as one packed linear: views of its slices."""
+        return PackedLinear(self.codes[e], self.scales[e], None if self.zeros is None else self.zeros[e],
+                            self.g_idx[e], self.bits, self.group_size)  # fmt: skip
+
     def expert(self, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert ``e``'s weight [N, K] in ``dtype``: bit for bit
         ``fp8_dequantize`` or ``int_dequantize`` of its slices."""
-        if self.float8:
-            return fp8_dequantize(self.codes[e], self.scales[e], self.g_idx[e], dtype, self.group_size)
-        return int_dequantize(self.codes[e], self.scales[e], self.zeros[e], self.g_idx[e], self.bits, dtype,
-                              self.group_size)  # fmt: skip
+        return self.linear(e).dequantize(dtype)

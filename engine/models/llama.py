@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # the Triton kernels are imported where a row or batch step f
     from ...kernels.activation import StepSiluAndMul
     from ...kernels.fused_norm import StepNorm
     from ...kernels.gemv import PreparedGemv
+    from ...kernels.reference import PackedLinear
 
 
 # Granite 3 and its mixture-of-experts kin: the four multipliers.
@@ -166,16 +167,19 @@ class LlamaMLP(nn.Module):
 @dataclass(frozen=True, slots=True)
 class _RowWeights:
     """What a decoder layer's batch-1 row path launches its four GEMVs with,
-    read off the modules once per load (``LlamaDecoderLayer.prepack``)."""
+    read off the modules once per load (``LlamaDecoderLayer.prepack``).
+    Each weight dense, or a quantized checkpoint's codes (``PackedLinear``,
+    ``--quantized-weights packed``), which the GEMV reads as they are."""
 
-    qkv: torch.Tensor
+    qkv: torch.Tensor | PackedLinear
     qkv_bias: torch.Tensor | None
     input_norm: tuple[torch.Tensor, float]  # (weight, eps)
-    o: torch.Tensor
-    gate_up: torch.Tensor
+    o: torch.Tensor | PackedLinear
+    gate_up: torch.Tensor | PackedLinear
     post_norm: tuple[torch.Tensor, float]
-    down: torch.Tensor
+    down: torch.Tensor | PackedLinear
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None  # q's and k's per-head norm weights (Qwen3)
+    row: torch.Tensor  # [1, hidden]: a row of the dtype and device the step's rows have
     # Layers of one key share a step's row buffers and launches (_RowStep):
     # the QKV weight's shape (output, hidden), the gated output's width,
     # their dtype and device, the attention's window, the q/k norms' eps
@@ -192,11 +196,12 @@ class _RowWeights:
         if prepared is None:
             from ...kernels.gemv import PreparedGemv
 
+            dtype = self.row.dtype
             prepared = self._gemvs[mode] = (
-                PreparedGemv(self.qkv, self.qkv_bias, norm=self.input_norm, mode=mode),
-                PreparedGemv(self.o, residual=True, round_before_residual=True, mode=mode),
-                PreparedGemv(self.gate_up, gated=True, norm=self.post_norm, mode=mode),
-                PreparedGemv(self.down, residual=True, mode=mode))  # fmt: skip
+                PreparedGemv(self.qkv, self.qkv_bias, norm=self.input_norm, mode=mode, dtype=dtype),
+                PreparedGemv(self.o, residual=True, round_before_residual=True, mode=mode, dtype=dtype),
+                PreparedGemv(self.gate_up, gated=True, norm=self.post_norm, mode=mode, dtype=dtype),
+                PreparedGemv(self.down, residual=True, mode=mode, dtype=dtype))  # fmt: skip
         return prepared
 
 
@@ -324,15 +329,17 @@ class LlamaDecoderLayer(nn.Module):
         """Read the row and batch paths' weights off the modules: the loader
         calls this after the last write of the weights, once the linears have
         packed theirs (parallel.prepack_linears). The batch path's: None on
-        several ranks, with an o or down bias, a packed weight, or q/k norms
-        whose weights are of another dtype than the heads (which the step's
-        rope launch, norming them, does not take). The row path's: None
-        there too, and where one of the four linears
-        would not take the GEMV with the norm, bias and residual it fuses
-        (several tensor-parallel ranks, an o or down bias, a packed weight, a
-        weight the kernel does not take): there the modules decide per call.
-        Checked on rows of the weights' own dtype and device, which is what a
-        step's row is (``LlamaModel.forward`` checks) and every GEMV writes."""
+        several ranks, with an o or down bias, a weight oneDNN reordered or
+        held as a quantized checkpoint's codes, or q/k norms whose weights
+        are of another dtype than the heads (which the step's rope launch,
+        norming them, does not take). The row path's: None on several ranks,
+        with an o or down bias or such q/k norms too, and where one of the
+        four linears would not take the GEMV with the norm, bias and residual
+        it fuses (a weight oneDNN reordered, one the kernel does not take);
+        codes it takes (``_fused_weight``): there the modules decide per
+        call. Checked on rows of the weights' own dtype and device, which is
+        what a step's row is (``LlamaModel.forward`` checks) and every GEMV
+        writes."""
         from ...kernels import gemv
 
         if self.modules_only:
@@ -348,10 +355,12 @@ class LlamaDecoderLayer(nn.Module):
         x = row_of(qkv.weight)
         qk_norm = attn.norms()
         # Qwen3's q/k norms go into the step's rope launch, which takes weights of the heads' dtype.
-        plain = (o.tp.size == 1 and down.tp.size == 1 and o.bias is None and down.bias is None
-                 and gate_up.bias is None and len(gate_up.sizes) == 2 and gate_up.sizes[0] == gate_up.sizes[1]
-                 and all(m._packed is None and m.quantized_weight is None for m in (qkv, o, gate_up, down))
-                 and (qk_norm is None or qk_norm[0].dtype == qk_norm[1].dtype == qkv.weight.dtype))  # fmt: skip
+        one_rank = (o.tp.size == 1 and down.tp.size == 1 and o.bias is None and down.bias is None
+                    and gate_up.bias is None and len(gate_up.sizes) == 2 and gate_up.sizes[0] == gate_up.sizes[1]
+                    and (qk_norm is None or qk_norm[0].dtype == qk_norm[1].dtype == qkv.weight.dtype))  # fmt: skip
+        plain = one_rank and all(m._packed is None and m.quantized_weight is None for m in (qkv, o, gate_up, down))
+        # The row path's GEMVs read a dense weight or a quantized one's codes.
+        weights = [m._fused_weight() for m in (qkv, o, gate_up, down)]
         qk_weights, qk_eps = (None, None) if qk_norm is None else (qk_norm[:2], qk_norm[2])
         # The batch path: the same modules, one rank, plain products.
         self._batch = _BatchWeights(
@@ -360,14 +369,15 @@ class LlamaDecoderLayer(nn.Module):
             (*qkv.weight.shape, gate_up.weight.shape[0], qkv.weight.dtype, qkv.weight.device,
              attn.attn.sliding_window, norms[0].eps, norms[1].eps, qk_eps),
         ) if plain else None  # fmt: skip
-        ok = (plain and gemv.supports(x, qkv.weight, qkv.bias, None) and gemv.supports_norm(x, norms[0].weight)
-              and gemv.supports(row_of(o.weight), o.weight, None, x) and gemv.supports_gated(x, gate_up.weight)
-              and gemv.supports_norm(x, norms[1].weight)
-              and gemv.supports(row_of(down.weight), down.weight, None, x))  # fmt: skip
+        w_qkv, w_o, w_gate_up, w_down = weights
+        ok = (one_rank and all(w is not None for w in weights) and gemv.supports(x, w_qkv, qkv.bias, None)
+              and gemv.supports_norm(x, norms[0].weight) and gemv.supports(row_of(o.weight), w_o, None, x)
+              and gemv.supports_gated(x, w_gate_up) and gemv.supports_norm(x, norms[1].weight)
+              and gemv.supports(row_of(down.weight), w_down, None, x))  # fmt: skip
         step_key = (*qkv.weight.shape, gate_up.weight.shape[0], qkv.weight.dtype, qkv.weight.device,
                     attn.attn.sliding_window, qk_eps)  # fmt: skip
-        self._row = _RowWeights(qkv.weight, qkv.bias, (norms[0].weight, norms[0].eps), o.weight, gate_up.weight,
-                                (norms[1].weight, norms[1].eps), down.weight, qk_weights,
+        self._row = _RowWeights(w_qkv, qkv.bias, (norms[0].weight, norms[0].eps), w_o, w_gate_up,
+                                (norms[1].weight, norms[1].eps), w_down, qk_weights, x,
                                 step_key) if ok else None  # fmt: skip
 
     def _row_step(self, w: _RowWeights, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> _RowStep | None:
@@ -376,12 +386,12 @@ class LlamaDecoderLayer(nn.Module):
         as the modules lay out, per layer)."""
         from ...kernels import gemv
 
-        qkv = w.qkv.new_empty((1, w.qkv.shape[0]))
+        qkv = w.row.new_empty((1, w.qkv.shape[0]))
         attend = self.self_attn.step_launches(qkv, rope, kv_cache, meta)
         if attend is None:
             return None
-        hidden = tuple(w.qkv.new_empty((1, w.qkv.shape[1])) for _ in range(2))  # each 16-byte aligned
-        return _RowStep(qkv, attend, w.gate_up.new_empty((1, w.gate_up.shape[0] // 2)), gemv.dependent_launch(qkv),
+        hidden = tuple(torch.empty_like(w.row) for _ in range(2))  # each 16-byte aligned
+        return _RowStep(qkv, attend, w.row.new_empty((1, w.gate_up.shape[0] // 2)), gemv.dependent_launch(qkv),
                         hidden)  # fmt: skip
 
     def _batch_step(self, w: _BatchWeights, rope: Rope, x: torch.Tensor, kv_cache: KVCache,

@@ -181,7 +181,7 @@ class SparseMoeBlock(nn.Module):
         if self._packed is not None and x.device.type == "cpu" and x.dtype == experts.gate_up_proj.dtype:
             y = cpu_moe.fused_experts(x, *self._packed, ids, weights)
         elif experts.gate_up_codes is not None:
-            y = ops.fused_experts(x, experts.gate_up_codes.stacked(), experts.down_codes.stacked(), ids, weights, path)
+            y = ops.fused_experts(x, experts.gate_up_codes.packed(), experts.down_codes.packed(), ids, weights, path)
         else:
             y = ops.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, path)
         if self.tp.size > 1:

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from fluidserve.kernels import ops
+from quantized_utils import fp8, packed_int, random_model, write_quantized
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "op_counts.py"
 FORWARD = ("embedding", "rope tables", "final norm", "lm head")
@@ -72,6 +73,25 @@ def test_triton_lane_decode_layer_launches_and_syncs(bench, tiny_model, monkeypa
     # The step's one sync: the sampled token ids, read by the sampler.
     assert sum(c["syncs"] + c["waits"] for c in counts.values()) == 1
     assert counts["sampling"]["syncs"] == 1
+
+
+@pytest.mark.parametrize("quantize, qc", [
+    (packed_int("gptq", 4, 32), {"quant_method": "gptq", "bits": 4, "group_size": 32}),
+    (fp8((32, 32), "_scale_inv"), {"quant_method": "fp8", "weight_block_size": [32, 32]}),
+], ids=["gptq", "fp8"])
+def test_packed_weights_take_the_batch_1_layers_six_launches(bench, tmp_path, monkeypatch, quantize, qc):
+    """Linears holding a quantized checkpoint's codes (``--quantized-weights
+    packed``) run the batch-1 GEMV over them, its norms, SiLU-mul and
+    residual adds fused as a dense layer's are: six launches a layer."""
+    monkeypatch.setenv(ops.KERNELS_ENV, "triton")
+    write_quantized(random_model("llama"), tmp_path / "q", quantize, qc)
+    counts = bench.count_step(tmp_path / "q", "float32", 1, load_format="auto", quantized_weights="packed")
+    for layer in layers(counts):
+        names = layer["names"]
+        assert names.get("triton:packed_gemv_kernel") == GEMMS, names
+        assert not any(op in names for op in ("triton:rms_norm_kernel", "triton:silu_and_mul_kernel", "add_"))
+        assert layer["kernels"] <= LAYER_LAUNCHES - 3 + names.get("triton:merge_kernel", 0), names
+        assert layer["syncs"] == 0 and layer["waits"] == 0, layer["sync_sites"]
 
 
 def test_cpu_lane_layers_read_nothing_back(bench, tiny_model, monkeypatch):

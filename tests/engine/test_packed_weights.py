@@ -43,7 +43,7 @@ def _held_as_dense_experts(model) -> list[tuple[str, torch.Tensor]]:
     out = []
     for name, module in model.named_modules():
         for leaf, codes in module.held_codes().items() if isinstance(module, Experts) else ():
-            stack = codes.stacked()
+            stack = codes.packed()
             out.append((f"{name}.{leaf}", torch.stack([stack.expert(e, torch.float32) for e in range(codes.experts)])))
     return out
 
@@ -103,15 +103,18 @@ def test_float8_weights_held_as_float8_give_the_tokens_of_the_weights_they_stand
                          ids=["gptq", "fp8"])
 def test_the_triton_lane_runs_the_packed_kernels_to_the_same_tokens(make_llm, tmp_path, monkeypatch, kernel,
                                                                     quantize, qc):  # fmt: skip
-    """FLUIDSERVE_KERNELS=triton: decode steps through the fused kernel, a
-    long prompt through the dequantize kernel and the GEMM, in the interpreter."""
+    """FLUIDSERVE_KERNELS=triton: decode steps of two rows through the
+    fused kernel, of one through the batch-1 GEMV over the codes, a long
+    prompt through the dequantize kernel and the GEMM, in the interpreter."""
     import importlib
+
+    from fluidserve.kernels import gemv
 
     checkpoint, plain = tmp_path / "q", tmp_path / "plain"
     write_quantized(random_model("llama"), checkpoint, quantize, qc, plain)
     monkeypatch.setenv(ops.KERNELS_ENV, "triton")
     module = importlib.import_module(f"fluidserve.kernels.{kernel}")
-    calls = {"fused": 0, "dequantize": 0}
+    calls = {"fused": 0, "dequantize": 0, "gemv": 0}
     for name, key in ((kernel, "fused"), ("dequantize", "dequantize")):
         real = getattr(module, name)
 
@@ -120,11 +123,19 @@ def test_the_triton_lane_runs_the_packed_kernels_to_the_same_tokens(make_llm, tm
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counted)
+    # The batch-1 GEMV over codes, however launched (the row path keeps its launchers): its kernel's runs.
+    run = gemv._packed_gemv_kernel.run
+    monkeypatch.setitem(vars(gemv._packed_gemv_kernel), "run",
+                        lambda *a, **k: calls.__setitem__("gemv", calls["gemv"] + 1) or run(*a, **k))
     params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
     prompts = [PROMPTS[1], "Hello there. " * 12]  # the second's 156 tokens: past the fused kernel's rows
-    outs = make_llm(str(checkpoint), num_kv_blocks=64, max_model_len=256, **PACKED).generate(prompts, params)
+    llm = make_llm(str(checkpoint), num_kv_blocks=64, max_model_len=256, **PACKED)
+    outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == [t[:6] for t in hf_greedy(str(plain), prompts)]
     assert calls["fused"] and calls["dequantize"], calls
+    before = calls["gemv"]
+    alone = llm.generate(PROMPTS[:1], params)[0].outputs[0].token_ids  # decode steps of one row
+    assert alone == hf_greedy(str(plain), PROMPTS[:1])[0][:6] and calls["gemv"] > before, calls
 
 
 def test_a_packed_linear_holds_its_integers_not_a_dense_weight(make_llm, tmp_path):
