@@ -384,6 +384,7 @@ class QuantizedWeight(nn.Module):
         # act-order): the kernels read a scale once per word, not per code.
         self.group_size: int | None = None
         self._ordered: list[bool] = []  # stacked experts: whether each expert's g_idx is set
+        self._view: PackedLinear | PackedExperts | None = None  # ``packed``'s, until the codes change
 
     @property
     def float8(self) -> bool:
@@ -402,6 +403,7 @@ class QuantizedWeight(nn.Module):
         plain runs."""
         from fluidserve.kernels import reference
 
+        self._view = None
         if self.g_idx is None:
             return
         low, high = int(self.g_idx.min()), int(self.g_idx.max()) + 1
@@ -423,6 +425,7 @@ class QuantizedWeight(nn.Module):
         order; an expert's gate and up share theirs)."""
         from fluidserve.kernels import reference
 
+        self._view = None
         rows, groups = part.codes.shape[0], part.scales.shape[1]
         if part.codes.shape[1] != self.features:
             raise ValueError(f"weight {name}: codes of {part.codes.shape[1]} features for a weight of "
@@ -470,11 +473,15 @@ class QuantizedWeight(nn.Module):
 
     def packed(self) -> PackedLinear | PackedExperts:
         """The codes as the kernels take them: a linear's for ``ops.linear``
-        and kin, stacked experts' for ``ops.fused_experts``."""
-        from fluidserve.kernels.reference import PackedExperts, PackedLinear
+        and kin, stacked experts' for ``ops.fused_experts``; made once
+        (every layer's product asks, every step), until ``load`` or
+        ``settle`` changes the codes."""
+        if self._view is None:
+            from fluidserve.kernels.reference import PackedExperts, PackedLinear
 
-        held = PackedLinear if self.experts is None else PackedExperts
-        return held(self.codes, self.scales, self.zeros, self.g_idx, self.bits, self.group_size)
+            held = PackedLinear if self.experts is None else PackedExperts
+            self._view = held(self.codes, self.scales, self.zeros, self.g_idx, self.bits, self.group_size)
+        return self._view
 
     def dense_elements(self) -> int:
         """The elements of the dense weight these codes stand for."""
