@@ -1390,6 +1390,44 @@ def loop_cells(r: dict) -> list[str]:
     return [*(" / ".join(map(str, r[key])) if key in r else "–" for key in LOOP_COLUMNS), r.get("tile_buffers", "–")]
 
 
+# The compile report's sections after the attention's: (the rows' ``kernel``,
+# None for every kernel no other section takes; title; what the rows are;
+# the columns before the resources, header -> row key).
+_LAUNCH = {"launch": "variant", "warps": "num_warps"}
+RESOURCE_SECTIONS = [
+    ("gemv", "Batch-1 GEMV (kernels/gemv.py), bf16, with what it fuses (residual, RMSNorm, SiLU-mul)",
+     "BLOCK_N x BLOCK_K / warps (gated: BLOCK_N rows of the gate half and as many of the up half). Stack and "
+     "local bytes are spills: a shape that spills reads its accumulator back from memory on every step. "
+     "Dependent launches (`FLUIDSERVE_GEMV_PDL`): the grid-dependency wait in the code, and the bulk L2 "
+     "prefetch instructions in it (one per weight half).",
+     {"launch shape": "variant", "wait": "grid_dependency", "L2 prefetches": "l2_prefetches"}),
+    ("gemv_packed",
+     "Batch-1 GEMV over packed weights (kernels/gemv.py, `PackedLinear`), bf16, Llama-3-8B's row launches",
+     "The qkv (RMSNorm prologue), o (residual into a fresh output), gate/up (RMSNorm, SiLU-mul) and down "
+     "(residual in place) launches over int and float8 codes, BLOCK_N x BLOCK_K as `gemv.launch` picks them "
+     "(the K step: `gemv.PACKED_BLOCK_K`). Plain groups, blocks and a scale a row read scales per word or "
+     "run; act-order and gathered ones per code, through g_idx.", _LAUNCH),
+    (None, "The layer's other kernels, at a Llama-3-8B decode token (bf16)",
+     "Each compiled with the arguments its wrapper passes (kernels/fused_norm.py, activation.py, "
+     "rope_cache.py, cache_ops.py, and paged_attention.py's split-K merge).",
+     {"kernel": "kernel", **_LAUNCH}),
+    ("int_linear", "Weight-only int linears (kernels/int_linear.py), bf16, 4096 x 4096",
+     "The fused kernel at 1 row (a multiply-and-sum per lane) and at 16 and 32 (tl.dot), and the dequantizing "
+     "kernel; BLOCK_M x BLOCK_N x BLOCK_K. Plain groups of 128 read scales per word, act-order ones gather "
+     "them per code.", _LAUNCH),
+    ("fp8_linear", "Float8 linears (kernels/fp8_linear.py), bf16, 4096 x 4096",
+     "The fused kernel at 1 row (a multiply-and-sum per lane) and at 16 and 32 (tl.dot), and the dequantizing "
+     "kernel; BLOCK_M x BLOCK_N x BLOCK_K x RUN (features a scale covers in a tile). Blocks of 128 and a "
+     "scale a row read a scale per row and run; gathered scales are read per weight through g_idx.", _LAUNCH),
+    ("moe", "MoE experts (kernels/moe.py), bf16",
+     "The three launches of `ops.fused_experts` on the Triton lane, BLOCK_M x BLOCK_N x BLOCK_K as the "
+     "wrapper picks them for the shape (gate/up: BLOCK_N columns of the gate half and as many of the up "
+     "half).", _LAUNCH),
+]
+# The kernels whose rows have a section of their own (attention's, above the table's).
+_SECTION_KERNELS = {None, "attention", *(kernel for kernel, *_ in RESOURCE_SECTIONS if kernel is not None)}
+
+
 def compile_markdown(rows: list[dict], triton_version: str) -> str:
     lines = ["# Triton kernels compiled for sm_90, no GPU", "",
              f"Triton {triton_version}; registers, stack and local memory from the cubin (cuobjdump), occupancy "
@@ -1425,54 +1463,11 @@ def compile_markdown(rows: list[dict], triton_version: str) -> str:
         lines += [cells(r, r["variant"], r.get("changes") or "default",
                         f"{r.get('block_n', '–')} / {r.get('prefill_block_n', r.get('block_n', '–'))}")
                   for r in tuned]
-    gemvs = [r for r in rows if r.get("kernel") == "gemv"]
-    if gemvs:
-        lines += _resource_section(
-            "Batch-1 GEMV (kernels/gemv.py), bf16, with what it fuses (residual, RMSNorm, SiLU-mul)",
-            "BLOCK_N x BLOCK_K / warps (gated: BLOCK_N rows of the gate half and as many of the up half). Stack and "
-            "local bytes are spills: a shape that spills reads its accumulator back from memory on every step. "
-            "Dependent launches (`FLUIDSERVE_GEMV_PDL`): the grid-dependency wait in the code, and the bulk L2 "
-            "prefetch instructions in it (one per weight half).",
-            {"launch shape": "variant", "wait": "grid_dependency", "L2 prefetches": "l2_prefetches"}, gemvs)
-    packed = [r for r in rows if r.get("kernel") == "gemv_packed"]
-    if packed:
-        lines += _resource_section(
-            "Batch-1 GEMV over packed weights (kernels/gemv.py, `PackedLinear`), bf16, Llama-3-8B's row launches",
-            "The qkv (RMSNorm prologue), o (residual into a fresh output), gate/up (RMSNorm, SiLU-mul) and down "
-            "(residual in place) launches over int and float8 codes, BLOCK_N x BLOCK_K as `gemv.launch` picks them "
-            "(the K step: `gemv.PACKED_BLOCK_K`). Plain groups, blocks and a scale a row read scales per word or "
-            "run; act-order and gathered ones per code, through g_idx.",
-            {"launch": "variant", "warps": "num_warps"}, packed)
-    others = [r for r in rows if r.get("kernel") not in (None, "attention", "gemv", "gemv_packed", "moe", "int_linear",
-                                                         "fp8_linear")]  # fmt: skip
-    if others:
-        lines += _resource_section(
-            "The layer's other kernels, at a Llama-3-8B decode token (bf16)",
-            "Each compiled with the arguments its wrapper passes (kernels/fused_norm.py, activation.py, "
-            "rope_cache.py, cache_ops.py, and paged_attention.py's split-K merge).",
-            {"kernel": "kernel", "launch": "variant", "warps": "num_warps"}, others)
-    ints = [r for r in rows if r.get("kernel") == "int_linear"]
-    if ints:
-        lines += _resource_section(
-            "Weight-only int linears (kernels/int_linear.py), bf16, 4096 x 4096",
-            "The fused kernel at 1 row (a multiply-and-sum per lane) and at 16 and 32 (tl.dot), and the dequantizing "
-            "kernel; BLOCK_M x BLOCK_N x BLOCK_K. Plain groups of 128 read scales per word, act-order ones gather "
-            "them per code.", {"launch": "variant", "warps": "num_warps"}, ints)
-    fp8s = [r for r in rows if r.get("kernel") == "fp8_linear"]
-    if fp8s:
-        lines += _resource_section(
-            "Float8 linears (kernels/fp8_linear.py), bf16, 4096 x 4096",
-            "The fused kernel at 1 row (a multiply-and-sum per lane) and at 16 and 32 (tl.dot), and the dequantizing "
-            "kernel; BLOCK_M x BLOCK_N x BLOCK_K x RUN (features a scale covers in a tile). Blocks of 128 and a "
-            "scale a row read a scale per row and run; gathered scales are read per weight through g_idx.",
-            {"launch": "variant", "warps": "num_warps"}, fp8s)
-    experts = [r for r in rows if r.get("kernel") == "moe"]
-    if experts:
-        lines += _resource_section(
-            "MoE experts (kernels/moe.py), bf16",
-            "The three launches of `ops.fused_experts` on the Triton lane, BLOCK_M x BLOCK_N x BLOCK_K as the "
-            "wrapper picks them for the shape (gate/up: BLOCK_N columns of the gate half and as many of the up "
-            "half).", {"launch": "variant", "warps": "num_warps"}, experts)
+    for kernel, title, intro, named in RESOURCE_SECTIONS:
+        picked = [r for r in rows if (r.get("kernel") == kernel if kernel is not None
+                                      else r.get("kernel") not in _SECTION_KERNELS)]  # fmt: skip
+        if picked:
+            lines += _resource_section(title, intro, named, picked)
     return "\n".join(lines) + "\n"
 
 

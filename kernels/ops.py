@@ -218,15 +218,14 @@ def linear(
     same GEMV where it supports the weight, else ``packed_linear`` with the
     residual added after (the product rounded first). ``path``: the
     caller's ``kernel_path`` (None: worked out here)."""
-    packed = isinstance(weight, reference.PackedLinear)
-    if gemv_row(x, weight.codes if packed else weight, path):
+    if gemv_row(x, _stored(weight), path):
         from fluidserve.kernels import gemv
 
         fused = residual if bias is None else None  # with a bias, rounded before the add as below
         if gemv.supports(x, weight, bias, fused):
             y = gemv.launch(x, weight, bias, fused)
             return y if fused is residual else y.add_(residual)
-    if packed:
+    if isinstance(weight, reference.PackedLinear):
         y = packed_linear(x, weight, bias, path)
         return y if residual is None else y.add_(residual) if bias is not None else residual.add_(y)
     if residual is None:
@@ -246,15 +245,12 @@ def linear_silu_and_mul(
     gated MLP's first half. One row on the Triton lane (where ``linear``
     runs the GEMV) is one launch, the activation in the GEMV's epilogue,
     with the same bits as the two launches. A packed weight likewise."""
-    packed = isinstance(weight, reference.PackedLinear)
-    if bias is None and gemv_row(x, weight.codes if packed else weight, path):
+    if bias is None and gemv_row(x, _stored(weight), path):
         from fluidserve.kernels import gemv
 
         if gemv.supports_gated(x, weight):
             return gemv.launch(x, weight, None, None, gated=True)
-    if packed:
-        return silu_and_mul(packed_linear(x, weight, bias, path), path)
-    return silu_and_mul(linear(x, weight, bias), path)
+    return silu_and_mul(linear(x, weight, bias, path=path), path)
 
 
 def norm_linear(
@@ -271,17 +267,14 @@ def norm_linear(
     the row's norm in its prologue, rounded as ``rms_norm`` rounds; only
     the order of the sum of squares may differ (not at all in the
     interpreter). A packed weight likewise."""
-    packed = isinstance(weight, reference.PackedLinear)
-    if gemv_row(x, weight.codes if packed else weight, path) and not (gated and bias is not None):
+    if gemv_row(x, _stored(weight), path) and not (gated and bias is not None):
         from fluidserve.kernels import gemv
 
         fits = gemv.supports_gated(x, weight) if gated else gemv.supports(x, weight, bias, None)
         if fits and gemv.supports_norm(x, norm_weight):
             return gemv.launch(x, weight, bias, None, gated=gated, norm=(norm_weight, eps))
     normed = rms_norm(x, norm_weight, eps, path=path)[0]
-    if packed:  # the path passed on: the packed product's dispatch reads it
-        return linear_silu_and_mul(normed, weight, bias, path) if gated else linear(normed, weight, bias, path=path)
-    return linear_silu_and_mul(normed, weight, bias, path) if gated else linear(normed, weight, bias)
+    return linear_silu_and_mul(normed, weight, bias, path) if gated else linear(normed, weight, bias, path=path)
 
 
 def linear_add(
@@ -294,15 +287,12 @@ def linear_add(
     """``linear(x, weight, bias) + residual`` as a new tensor, rounded as
     that separate add rounds (the product first): at one row where the GEMV
     runs, one launch. A packed weight likewise."""
-    packed = isinstance(weight, reference.PackedLinear)
-    if bias is None and gemv_row(x, weight.codes if packed else weight, path):
+    if bias is None and gemv_row(x, _stored(weight), path):
         from fluidserve.kernels import gemv
 
         if gemv.supports(x, weight, None, residual):
             return gemv.launch(x, weight, None, residual, out=torch.empty_like(residual), round_before_residual=True)
-    if packed:
-        return packed_linear(x, weight, bias, path).add_(residual)
-    return linear(x, weight, bias).add_(residual)
+    return linear(x, weight, bias, path=path).add_(residual)
 
 
 def packed_linear(
@@ -538,9 +528,10 @@ def fused_experts(
     return reference.fused_experts(x, w13, w2, topk_ids, topk_weights)
 
 
-def _stored(w: torch.Tensor | reference.PackedExperts) -> torch.Tensor:
-    """The tensor that holds a weight's values: a dense weight, or the codes."""
-    return w.codes if isinstance(w, reference.PackedExperts) else w
+def _stored(w: torch.Tensor | reference.PackedLinear | reference.PackedExperts) -> torch.Tensor:
+    """The tensor that holds a weight's values (what the lane is picked
+    by): a dense weight, or a packed one's codes."""
+    return w.codes if isinstance(w, (reference.PackedLinear, reference.PackedExperts)) else w
 
 
 def _converts(w: torch.Tensor | reference.PackedExperts) -> bool:

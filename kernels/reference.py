@@ -348,18 +348,17 @@ FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: fields are tensors, compared by identity
-class PackedLinear:
-    """One linear's weight [N, K] held as a quantized checkpoint stores it,
-    in the format of a packed linear (the sections above): GPTQ/AWQ
-    integers as ``int_dequantize`` reads them, or float8 as
-    ``fp8_dequantize`` does. All tensors contiguous, on one device. What
-    ``ops.linear`` and the decoder layer's fused ops take in place of a
-    dense weight (``ops.packed_linear`` is its bare product)."""
+class _Packed:
+    """A weight held as a quantized checkpoint stores it, in the format of a
+    packed linear (the sections above): GPTQ/AWQ integers as
+    ``int_dequantize`` reads them, or float8 as ``fp8_dequantize`` does. All
+    tensors contiguous, on one device; ``PackedExperts``' with a leading
+    expert dimension."""
 
-    codes: torch.Tensor  # int: [N, K / (32 // bits)] int32 (int_linear's words); float8: [N, K] e4m3fn or e5m2
-    scales: torch.Tensor  # [N, G] float32
-    zeros: torch.Tensor | None  # [N, G] uint8 for int; None for float8
-    g_idx: torch.Tensor  # [K] int32: each input feature's group
+    codes: torch.Tensor  # int: [..., N, K / (32 // bits)] int32 (int_linear's words); float8: [..., N, K]
+    scales: torch.Tensor  # [..., N, G] float32
+    zeros: torch.Tensor | None  # [..., N, G] uint8 for int; None for float8
+    g_idx: torch.Tensor  # [..., K] int32: each input feature's group
     bits: int  # 4 or 8 (int); 8 for float8
     group_size: int | None = None  # the caller vouches g_idx is k // group_size (plain checkpoint)
 
@@ -369,10 +368,17 @@ class PackedLinear:
         return self.codes.dtype in FLOAT8_DTYPES
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """(N, K) of the weight the codes stand for."""
-        n, width = self.codes.shape
-        return n, width if self.float8 else width * (32 // self.bits)
+    def shape(self) -> tuple[int, ...]:
+        """([E,] N, K) of the weight the codes stand for."""
+        *lead, width = self.codes.shape
+        return (*lead, width if self.float8 else width * (32 // self.bits))
+
+
+@dataclass(frozen=True, eq=False)
+class PackedLinear(_Packed):
+    """One linear's weight [N, K] held as stored: what ``ops.linear`` and
+    the decoder layer's fused ops take in place of a dense weight
+    (``ops.packed_linear`` is its bare product)."""
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [N, K] in ``dtype``: ``fp8_dequantize`` or ``int_dequantize``."""
@@ -381,33 +387,13 @@ class PackedLinear:
         return int_dequantize(self.codes, self.scales, self.zeros, self.g_idx, self.bits, dtype, self.group_size)
 
 
-@dataclass(frozen=True, eq=False)  # eq=False: fields are tensors, compared by identity
-class PackedExperts:
-    """Every expert's weight [E, N, K] held as a quantized checkpoint stores
-    it, each expert in the format of a packed linear (the sections above):
-    GPTQ/AWQ integers as ``int_dequantize`` reads them, or float8 as
-    ``fp8_dequantize`` does, with its own groups (act-order permutes each
-    expert's features its own way). All tensors contiguous, on one device.
-    A stacked ``w13`` holds each expert's gate rows [0, N / 2), then its up
+@dataclass(frozen=True, eq=False)
+class PackedExperts(_Packed):
+    """Every expert's weight [E, N, K] held as stored, each with its own
+    groups (act-order permutes each expert's features its own way):
+    ``g_idx`` is [E, K], and ``group_size`` vouches for every expert's. A
+    stacked ``w13`` holds each expert's gate rows [0, N / 2), then its up
     rows; ``w2`` its down rows."""
-
-    codes: torch.Tensor  # int: [E, N, K / (32 // bits)] int32, int_linear's words; float8: [E, N, K] e4m3fn or e5m2
-    scales: torch.Tensor  # [E, N, G] float32
-    zeros: torch.Tensor | None  # [E, N, G] uint8 for int; None for float8
-    g_idx: torch.Tensor  # [E, K] int32: each input feature's group, per expert
-    bits: int  # 4 or 8 (int); 8 for float8
-    group_size: int | None = None  # the caller vouches every expert's g_idx is k // group_size (plain checkpoint)
-
-    @property
-    def float8(self) -> bool:
-        """Whether the codes are float8 values (else packed integer codes)."""
-        return self.codes.dtype in FLOAT8_DTYPES
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """(E, N, K) of the weight the codes stand for."""
-        experts, n, width = self.codes.shape
-        return experts, n, width if self.float8 else width * (32 // self.bits)
 
     def linear(self, e: int) -> PackedLinear:
         """Expert ``e``'s weight as one packed linear: views of its slices."""

@@ -179,16 +179,16 @@ def oracle():
 
 
 @pytest.fixture
-def offline_compile_report():
-    """``run(report)``: ``kernel_bench.<report>()`` in a process without the
-    interpreter (the compile tests of the int and fp8 linears)."""
-    return _offline_compile_report
+def offline_compile():
+    """``run(call)``: ``kernel_bench.<call>`` (``"int_linear_compile_report()"``,
+    ``"_compile_attention(8, 16, torch.bfloat16, ...)"``) in a process without
+    the interpreter, which Triton picks at import: each launch compiled for
+    sm_90 offline, with its registers and spills; its result read back as
+    JSON (skips where this Triton ships no CUDA tools to compile with)."""
+    return _offline_compile
 
 
-def _offline_compile_report(report: str) -> list[dict]:
-    """``kernel_bench.<report>()`` run in a process without the interpreter:
-    each launch compiled for sm_90 offline, with its registers and spills
-    (skips where this Triton ships no CUDA tools to compile with)."""
+def _offline_compile(call: str):
     import json
     import subprocess
     import sys
@@ -200,8 +200,8 @@ def _offline_compile_report(report: str) -> list[dict]:
     if not (tools / "cuobjdump").exists() or not (tools / "ptxas").exists():
         pytest.skip("this Triton ships no CUDA tools to compile with")
     bench = Path(__file__).resolve().parents[2] / "benchmarks"
-    script = (f"import json, sys; sys.path.insert(0, {str(bench)!r}); import kernel_bench; "
-              f"print(json.dumps(kernel_bench.{report}()))")  # fmt: skip
+    script = (f"import json, sys, torch; sys.path.insert(0, {str(bench)!r}); import kernel_bench; "
+              f"print(json.dumps(kernel_bench.{call}))")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -272,13 +272,13 @@ def test_what_the_kernels_refuse(device):
 # -- compiled for a GPU ------------------------------------------------------------------------
 
 
-def test_every_launch_compiles_for_hopper_without_spilling(offline_compile_report):
+def test_every_launch_compiles_for_hopper_without_spilling(offline_compile):
     """What the interpreter cannot show: each launch at a Llama-3-8B shape
     (kernel_bench.fp8_linear_compile_report: e4m3 and e5m2; 1, 16 and 32
     rows and dequantize; blocks of 128, a scale a row, gathered) compiles
     for sm_90 with no spills and registers for three programs an SM (64K
     registers), as the module's launch shapes claim."""
-    report = offline_compile_report("fp8_linear_compile_report")
+    report = offline_compile("fp8_linear_compile_report()")
     assert len(report) == 24
     for row in report:
         assert row["stack_bytes"] == 0 and row["local_bytes"] == 0, row

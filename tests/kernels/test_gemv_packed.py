@@ -320,13 +320,13 @@ def test_a_dependent_packed_launch_loads_nothing_ahead(monkeypatch):
 # -- compiled for a GPU ------------------------------------------------------------------------
 
 
-def test_every_packed_gemv_launch_compiles_for_hopper_without_spilling(offline_compile_report):
+def test_every_packed_gemv_launch_compiles_for_hopper_without_spilling(offline_compile):
     """Llama-3-8B's four row launches (qkv normed, o and down with the
     residual, gate/up gated and normed) in every format at its
     ``PACKED_BLOCK_K`` step (kernel_bench.gemv_packed_compile_report)
     compile for sm_90 with no spills and registers for three programs an
     SM, as the step's choice claims."""
-    report = offline_compile_report("gemv_packed_compile_report")
+    report = offline_compile("gemv_packed_compile_report()")
     assert len(report) == 7 * 4
     steps = {"int4, plain": gemv.PACKED_BLOCK_K["int", 4, False], "int4, act": gemv.PACKED_BLOCK_K["int", 4, True],
              "int8, plain": gemv.PACKED_BLOCK_K["int", 8, False], "int8, act": gemv.PACKED_BLOCK_K["int", 8, True],

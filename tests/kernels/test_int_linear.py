@@ -255,12 +255,12 @@ def test_what_the_kernels_refuse(device):
 # -- compiled for a GPU ------------------------------------------------------------------------
 
 
-def test_every_launch_compiles_for_hopper_without_spilling(offline_compile_report):
+def test_every_launch_compiles_for_hopper_without_spilling(offline_compile):
     """What the interpreter cannot show: each launch at a Llama-3-8B shape
     (kernel_bench.int_linear_compile_report) compiles for sm_90 with no
     spills and registers for three programs an SM (64K registers), as the
     module's launch shapes claim."""
-    report = offline_compile_report("int_linear_compile_report")
+    report = offline_compile("int_linear_compile_report()")
     assert len(report) == 16
     for row in report:
         assert row["stack_bytes"] == 0 and row["local_bytes"] == 0, row

@@ -135,27 +135,7 @@ def test_loop_counts_read_each_innermost_loop_of_the_sass(bench):
     assert bench.loop_counts("/*0000*/ EXIT ;") == {"spills": [], "tensor_ops": [], "barriers": []}
 
 
-def compile_for_hopper(call: str):
-    """``kernel_bench.<call>`` run in a subprocess without the interpreter (Triton
-    picks it at import), compiling for sm_90; its result, read back as JSON."""
-    import json
-    import os
-    import subprocess
-
-    import triton
-
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    if not (tools / "cuobjdump").exists() or not (tools / "ptxas").exists():
-        pytest.skip("this Triton ships no CUDA tools to compile with")
-    script = (f"import json, sys, torch; sys.path.insert(0, {str(BENCH.parent)!r}); import kernel_bench; "
-              f"print(json.dumps(kernel_bench.{call}))")  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def test_decode_variant_compiles_for_hopper_without_spilling():
+def test_decode_variant_compiles_for_hopper_without_spilling(offline_compile):
     """``--compile-only`` needs no GPU: compiled for sm_90, the decode-only
     variant of a Llama-3-8B head keeps its tile in registers (no stack
     bytes: a spill would be read back on every step of the key loop), three
@@ -166,42 +146,42 @@ def test_decode_variant_compiles_for_hopper_without_spilling():
     programs; five pipeline stages double-buffer its K and V without
     spilling."""
     call = "_compile_attention(8, 16, torch.bfloat16, 128, 4, False{})"
-    row = compile_for_hopper(call.format(""))
+    row = offline_compile(call.format(""))
     assert row["variant"] == "decode-only" and row["num_warps"] == 4
     assert row["stack_bytes"] == 0 and row["local_bytes"] == 0
-    capped = row if row["programs_per_sm"] >= 3 else compile_for_hopper(call.format(", max_registers=168"))
+    capped = row if row["programs_per_sm"] >= 3 else offline_compile(call.format(", max_registers=168"))
     assert capped["programs_per_sm"] >= 3 and capped["stack_bytes"] == 0 and capped["registers"] <= 168
-    fused = compile_for_hopper(call.format(", fused_merge=True"))
+    fused = offline_compile(call.format(", fused_merge=True"))
     assert fused["loop_spills"][0] == 0 and fused["local_bytes"] == 0  # the key loop comes first
     assert fused["programs_per_sm"] >= row["programs_per_sm"]
     # The key loop reads K and V through the block table: at Triton's
     # default depth the pipeline keeps one buffer of each (every load waited
     # for before the next is issued); at Tiles.decode_num_stages=5, two.
-    piped = compile_for_hopper(call.format(", decode_num_stages=5"))
+    piped = offline_compile(call.format(", decode_num_stages=5"))
     assert row["tile_buffers"] == 1 and piped["tile_buffers"] == 2, (row, piped)
     assert piped["stack_bytes"] == 0 and piped["programs_per_sm"] >= 2
 
 
-def test_decode_variant_over_an_fp8_cache_compiles_for_hopper_without_spilling():
+def test_decode_variant_over_an_fp8_cache_compiles_for_hopper_without_spilling(offline_compile):
     """--kv-cache-dtype fp8 on sm_90: the decode-only variant widens K and V
     to bf16 in its key loop and still keeps its tile in registers, three
     programs to an SM, with its K/V tile buffered in shared memory as the
     bf16 cache's is (the count reads fp8 tile types too)."""
-    row = compile_for_hopper("_compile_attention(8, 16, torch.bfloat16, 128, 4, False, "
+    row = offline_compile("_compile_attention(8, 16, torch.bfloat16, 128, 4, False, "
                              "cache_dtype=torch.float8_e4m3fn)")
     assert row["cache_dtype"] == "float8_e4m3fn" and row["stack_bytes"] == 0 and row["local_bytes"] == 0
     assert row["programs_per_sm"] >= 3 and row["tile_buffers"] == 1 and row["loop_spills"] == [0]
 
 
-def test_partials_move_16_bytes_an_instruction_and_the_merge_waits_at_no_barrier():
+def test_partials_move_16_bytes_an_instruction_and_the_merge_waits_at_no_barrier(offline_compile):
     """Compiled for sm_90: the split buffers' row strides are known
     multiples of 16 elements, so the decode tile writes its partials with
     16-byte stores and the merge kernel reads them with 16-byte loads
     (unknown alignment gives 4-byte ones, four times the instructions), and
     the merge's loops run no barrier (its sums over the pieces are reduced
     after them) nor spill."""
-    decode = compile_for_hopper("_compile_attention(8, 16, torch.bfloat16, 128, 4, False)")
-    merge = compile_for_hopper("_compile_merge(8, 16, torch.bfloat16, 128, 4)")
+    decode = offline_compile("_compile_attention(8, 16, torch.bfloat16, 128, 4, False)")
+    merge = offline_compile("_compile_merge(8, 16, torch.bfloat16, 128, 4)")
     # The decode tile: 16-byte loads of Q and stores of its output either
     # way (2 + 2), and its partial [16, 128] fp32 (16 values a thread) in
     # 4 more; the merge: a chunk of [32, 128] fp32, 8 a thread.
@@ -210,7 +190,7 @@ def test_partials_move_16_bytes_an_instruction_and_the_merge_waits_at_no_barrier
     assert merge["stack_bytes"] == 0
 
 
-def test_alternative_prefill_tiles_spill_less_in_their_key_loops():
+def test_alternative_prefill_tiles_spill_less_in_their_key_loops(offline_compile):
     """The mixed variant of a Llama-3-8B head compiled for sm_90: at 64
     keys a step the 128-row prefill tile's key loops reload spilled
     registers on every iteration. The alternatives kernel_bench.py times on
@@ -220,7 +200,7 @@ def test_alternative_prefill_tiles_spill_less_in_their_key_loops():
     the same tensor-core instructions an iteration and programs per SM
     (Triton 3.6: 135 and 101 spill instructions in the prefill tile's
     loops, 3 and 20 in halves; 3.9: 66 and 68, 17 and 45)."""
-    default, alt, halves = (compile_for_hopper(f"_compile_attention(8, 16, torch.bfloat16, 128, 4, True{extra})")
+    default, alt, halves = (offline_compile(f"_compile_attention(8, 16, torch.bfloat16, 128, 4, True{extra})")
                             for extra in (", prefill_halves=1", ", prefill_halves=1, prefill_block_n=32",
                                           ", prefill_halves=2"))
     assert default["prefill_block_n"] == 64 and alt["prefill_block_n"] == 32 and alt["block_n"] == 64
@@ -236,7 +216,7 @@ def test_alternative_prefill_tiles_spill_less_in_their_key_loops():
     assert all(n > 0 for n in default["loop_tensor_ops"] + alt["loop_tensor_ops"]), (default, alt)
 
 
-def test_batch1_gemvs_compile_for_hopper_without_spilling():
+def test_batch1_gemvs_compile_for_hopper_without_spilling(offline_compile):
     """The engine's GEMV launches (plain, with the RMSNorm in the prologue,
     gate/up with the SiLU-mul, both) compiled for sm_90: no spills, and
     registers for three programs of four warps per SM (64K registers), so
@@ -244,7 +224,7 @@ def test_batch1_gemvs_compile_for_hopper_without_spilling():
     flight. The same four as programmatic dependents, with their first
     weight step loaded ahead (and, in the "l2" mode, a bulk prefetch of
     more into L2): the same, and the grid-dependency wait in their code."""
-    report = compile_for_hopper("gemv_compile_report()")
+    report = offline_compile("gemv_compile_report()")
     rows = [r for r in report if "(the engine's)" in r["variant"]]
     assert len(rows) == 4, [r["variant"] for r in rows]
     plain = [r["variant"].removesuffix(" (the engine's)") for r in rows]

@@ -250,14 +250,14 @@ def test_what_the_kernel_refuses(monkeypatch):
 MAX_REGISTERS = 168
 
 
-def test_packed_expert_launches_compile_for_hopper_without_spilling(offline_compile_report):
+def test_packed_expert_launches_compile_for_hopper_without_spilling(offline_compile):
     """What the interpreter cannot show: the gated and the down GEMM over
     packed experts (int4 with scales per word and gathered, int8, e4m3 in
     128-wide blocks and gathered) at a decode token and a prefill, at a
     Qwen3-30B-A3B layer's shape (kernel_bench.moe_packed_compile_report),
     compile for sm_90 with no spills and at most ``MAX_REGISTERS``
     registers (``moe.TILE_ELEMENTS``)."""
-    report = offline_compile_report("moe_packed_compile_report")
+    report = offline_compile("moe_packed_compile_report()")
     assert len(report) == 20
     assert {row["format"] for row in report} == {"int4, plain groups", "int4, act-order", "int8, plain groups",
                                                  "e4m3, blocks of 128", "e4m3, gathered"}  # fmt: skip
