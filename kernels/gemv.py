@@ -386,21 +386,12 @@ def _fits(t: torch.Tensor, x: torch.Tensor, n: int) -> bool:
 def _packed_supports(x: torch.Tensor, w: PackedLinear, bias: torch.Tensor | None,
                      residual: torch.Tensor | None) -> bool:  # fmt: skip
     """``supports`` of a packed weight: one contiguous row of x of fp32,
-    fp16 or bf16, the format as int_linear or fp8_linear take it (float8:
-    converted by Triton on x's device), every tensor on x's device, and a
-    K step (``_packed_format``)."""
+    fp16 or bf16, a layout the packed kernels read (``layout_problem``)
+    on x's device, which converts its float8 kind, and a K step
+    (``_packed_format``)."""
     n, k = w.shape
-    codes, scales, g_idx, zeros = w.codes, w.scales, w.g_idx, w.zeros
-    if w.float8:
-        fits = (w.bits == 8 and zeros is None and fp8_linear.supports(x, codes)
-                and (w.group_size is None or (w.group_size > 0 and scales.shape[-1] == cdiv(k, w.group_size))))
-    else:
-        fits = (int_linear.supports(x, codes, w.bits) and zeros is not None and zeros.dtype == torch.uint8
-                and zeros.shape == scales.shape and zeros.is_contiguous() and zeros.device == x.device)  # fmt: skip
-    return (fits and x.shape == (1, k) and scales.dtype == torch.float32 and scales.dim() == 2
-            and scales.shape[0] == n and scales.is_contiguous() and scales.device == x.device
-            and g_idx.dtype == torch.int32 and g_idx.shape == (k,) and g_idx.is_contiguous()
-            and g_idx.device == x.device and (w.group_size is None or w.group_size > 0)
+    return (x.shape == (1, k) and x.stride(-1) == 1 and x.dtype in int_linear.DTYPES
+            and w.layout_problem(x.device) is None and (not w.float8 or fp8_linear.converts(w.codes))
             and _packed_format(w.float8, w.bits, w.group_size, k, None) is not None
             and (bias is None or _fits(bias, x, n)) and (residual is None or _fits(residual, x, n)))  # fmt: skip
 

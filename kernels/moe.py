@@ -314,32 +314,12 @@ def _check(x: torch.Tensor, w13: torch.Tensor | PackedExperts, w2: torch.Tensor 
 
 def _packed_problem(x: torch.Tensor, w: PackedExperts) -> str | None:
     """What the kernel cannot read in ``w`` (None: nothing), in words."""
-    codes, scales, zeros, g_idx = w.codes, w.scales, w.zeros, w.g_idx
-    if codes.dim() != 3:
-        return "codes [E, N, K / (32 // bits)] int32 or [E, N, K] float8"
-    if w.float8:
-        if w.bits != 8 or zeros is not None:
-            return "bits 8 and no zeros with float8 codes"
-        if not fp8_linear.converts(codes):
-            return "float8 e4m3 on sm_89 or newer (Triton has no e4m3 below it): the reference runs it"
-    elif codes.dtype != torch.int32 or w.bits not in int_linear.BITS:
-        return "int32 codes of 4 or 8 bits, or float8 codes"
-    elif zeros is None or zeros.dtype != torch.uint8 or zeros.shape != scales.shape or not zeros.is_contiguous():
-        return "contiguous uint8 zeros of the scales' shape [E, N, G]"
-    experts, n, k = w.shape
-    if scales.dtype != torch.float32 or scales.dim() != 3 or scales.shape[:2] != (experts, n):
-        return f"float32 scales [{experts}, {n}, G]"
-    if g_idx.dtype != torch.int32 or g_idx.shape != (experts, k):
-        return f"int32 g_idx [{experts}, {k}]"
-    if not (codes.is_contiguous() and scales.is_contiguous() and g_idx.is_contiguous()):
-        return "contiguous codes, scales and g_idx"
-    if not codes.device == scales.device == g_idx.device == x.device:
-        return "every tensor on x's device"
-    if x.dtype not in int_linear.DTYPES:
-        return "x of fp32, fp16 or bf16 (the dtype the weight is dequantized to)"
-    if w.group_size is not None and (w.group_size <= 0 or (w.float8 and scales.shape[2] != cdiv(k, w.group_size))):
-        return "a positive group_size (float8: G = ceil(K / group_size) groups)"
-    return None
+    problem = w.layout_problem(x.device)
+    if problem is None and w.float8 and not fp8_linear.converts(w.codes):
+        problem = "float8 e4m3 on sm_89 or newer (Triton has no e4m3 below it): the reference runs it"
+    if problem is None and x.dtype not in int_linear.DTYPES:
+        problem = "x of fp32, fp16 or bf16 (the dtype the weight is dequantized to)"
+    return problem
 
 
 # Elements of dequantized weight a program holds per K step (the gated

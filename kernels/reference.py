@@ -373,12 +373,47 @@ class _Packed:
         *lead, width = self.codes.shape
         return (*lead, width if self.float8 else width * (32 // self.bits))
 
+    def layout_problem(self, device: torch.device) -> str | None:
+        """What a packed kernel cannot read in this layout on ``device``
+        (None: nothing), in words: the format (int32 words of 4 or 8 bits
+        with uint8 zeros, or float8 codes and no zeros), float32 scales and
+        int32 ``g_idx`` of the codes' leading shape, every tensor contiguous
+        on ``device``, and a float8 weight's ``group_size`` matching its
+        scales. Whether the device converts the float8 kind, and what x
+        must be, are the kernel's own tests."""
+        codes, scales, zeros, g_idx = self.codes, self.scales, self.zeros, self.g_idx
+        lead = "E, " * (self.CODES_DIM - 2)
+        if codes.dim() != self.CODES_DIM:
+            return f"codes [{lead}N, K / (32 // bits)] int32 or [{lead}N, K] float8"
+        if self.float8:
+            if self.bits != 8 or zeros is not None:
+                return "bits 8 and no zeros with float8 codes"
+        elif codes.dtype != torch.int32 or self.bits not in (4, 8):
+            return "int32 codes of 4 or 8 bits, or float8 codes"
+        elif zeros is None or zeros.dtype != torch.uint8 or zeros.shape != scales.shape or not zeros.is_contiguous():
+            return f"contiguous uint8 zeros of the scales' shape [{lead}N, G]"
+        *rows, k = self.shape
+        if scales.dtype != torch.float32 or scales.dim() != codes.dim() or tuple(scales.shape[:-1]) != tuple(rows):
+            return f"float32 scales [{lead}N, G] with {lead}N = {tuple(rows)}"
+        if g_idx.dtype != torch.int32 or tuple(g_idx.shape) != (*rows[:-1], k):
+            return f"int32 g_idx [{lead}K] = {(*rows[:-1], k)}"
+        if not (codes.is_contiguous() and scales.is_contiguous() and g_idx.is_contiguous()):
+            return "contiguous codes, scales and g_idx"
+        if not all(t.device == device for t in (codes, scales, g_idx) + (() if zeros is None else (zeros,))):
+            return "every tensor on x's device"
+        if self.group_size is not None and (
+                self.group_size <= 0 or (self.float8 and scales.shape[-1] != -(-k // self.group_size))):
+            return "a positive group_size (float8: G = ceil(K / group_size) groups)"
+        return None
+
 
 @dataclass(frozen=True, eq=False)
 class PackedLinear(_Packed):
     """One linear's weight [N, K] held as stored: what ``ops.linear`` and
     the decoder layer's fused ops take in place of a dense weight
     (``ops.packed_linear`` is its bare product)."""
+
+    CODES_DIM = 2  # the codes' dimensions: [N, K']; PackedExperts' [E, N, K']
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [N, K] in ``dtype``: ``fp8_dequantize`` or ``int_dequantize``."""
@@ -394,6 +429,8 @@ class PackedExperts(_Packed):
     ``g_idx`` is [E, K], and ``group_size`` vouches for every expert's. A
     stacked ``w13`` holds each expert's gate rows [0, N / 2), then its up
     rows; ``w2`` its down rows."""
+
+    CODES_DIM = 3
 
     def linear(self, e: int) -> PackedLinear:
         """Expert ``e``'s weight as one packed linear: views of its slices."""

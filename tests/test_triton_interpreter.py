@@ -76,3 +76,35 @@ def test_remembered_numpy_dtypes_are_the_interpreters():
     for _ in range(2):
         for t in types:
             assert interpreter._get_np_dtype(t) == original(t), t
+
+
+@triton.jit
+def _dot_kernel(a_ptr, b_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, B_ROWS_ARE_N: tl.constexpr):
+    m, k, n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a = tl.load(a_ptr + m[:, None] * K + k[None, :])
+    if B_ROWS_ARE_N:  # b stored [N, K], as a dense weight: its tile transposed, a column-major view
+        b = tl.trans(tl.load(b_ptr + n[:, None] * K + k[None, :]))
+    else:  # b stored [K, N]: a row-major tile, as a tile built by arithmetic is
+        b = tl.load(b_ptr + k[:, None] * N + n[None, :])
+    tl.store(out_ptr + m[:, None] * N + n[None, :], tl.dot(a, b, input_precision="ieee"))
+
+
+def test_a_product_has_the_same_bits_whichever_way_its_tiles_lie():
+    """One product of a transposed tile and of the same values laid out
+    row-major: the same bits, as a GPU's matrix instructions give, on every
+    CPU (the shapes of a packed MoE test whose bits OpenBLAS's AVX-512
+    kernels once told apart)."""
+    from triton_interpreter import install
+
+    why = install()
+    if why is not None:
+        pytest.skip(f"the patch is not installed on this Triton: {why}")
+    g = torch.Generator().manual_seed(0)
+    for m, k, n in ((16, 64, 32), (16, 64, 64), (16, 32, 16)):
+        a = torch.randn(m, k, generator=g)
+        w = torch.randn(n, k, generator=g) / k**0.5
+        out = [torch.empty(m, n) for _ in range(2)]
+        _dot_kernel[(1,)](a, w, out[0], m, k, n, True)
+        _dot_kernel[(1,)](a, w.t().contiguous(), out[1], m, k, n, False)
+        assert torch.equal(out[0], out[1]), (m, k, n)
+        torch.testing.assert_close(out[0], a @ w.t())

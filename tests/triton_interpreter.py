@@ -21,6 +21,16 @@ type, which the interpreter asks at almost every op and which builds a
 table of nineteen types (hashing each) to answer: a type's numpy dtype
 never changes, so each scalar type's is worked out once.
 
+And it hands ``tl.dot`` its operands in row-major order. The interpreter
+multiplies with ``np.matmul``, which gives BLAS a transposed operand (a
+``tl.trans`` view, a tile loaded column-wise) as a transposed product, and
+OpenBLAS sums small products of each transpose in an order of its own on
+some CPUs (its AVX-512 small-matrix kernels): the same tiles then round
+apart by a last bit, where a GPU's matrix instructions sum them one way
+whatever the layout. The tests that show two kernels give the same bits
+(a packed weight's tiles against the dense weight's) would pass on one CPU
+and fail on another; in row-major order every CPU sums them one way.
+
 A Triton whose interpreter differs from the one this was written against
 (3.6 and 3.9: ``GridExecutor.__call__`` patches the kernel's language for the
 launch, ``InterpretedFunction.__call__`` calls ``_patch_lang(self.fn)`` then
@@ -30,8 +40,11 @@ header shows it).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
+
+import numpy as np
 
 _EXPECTED_CALL = ("_patch_lang(self.fn)", "self.rewrite()")
 
@@ -93,7 +106,25 @@ def install() -> str | None:
     interpreter.InterpretedFunction.__call__ = call
     if callable(getattr(interpreter, "_get_np_dtype", None)):
         interpreter._get_np_dtype = _remembered(interpreter._get_np_dtype, lang)
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or not hasattr(builder, "create_dot"):
+        return "triton.runtime.interpreter has no InterpreterBuilder.create_dot to hand row-major operands"
+    builder.create_dot = _row_major(builder.create_dot)
     return None
+
+
+def _row_major(create_dot):
+    """``create_dot`` over C-contiguous copies of operands that are not (the
+    module's docstring): the same products, summed one way on every CPU."""
+
+    def row_major(operand):
+        data = operand.data
+        return operand if data.flags.c_contiguous else dataclasses.replace(operand, data=np.ascontiguousarray(data))
+
+    def dot(self, a, b, *rest):
+        return create_dot(self, row_major(a), row_major(b), *rest)
+
+    return dot
 
 
 def _remembered(np_dtype_of, lang):
