@@ -140,6 +140,30 @@ def _weight_tile(codes_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rows, row_ok, k, K
 
 
 @triton.jit
+def _weight_tile_t(codes_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rows, row_ok, k, K, stride_cn, stride_sn, group_size,
+                   dtype: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUPED: tl.constexpr):  # fmt: skip
+    """``_weight_tile`` transposed, [BLOCK_K, BLOCK_N]: the same values,
+    unpacked as [word, field, row], which reshapes to [feature, row]. For a
+    product whose B operand Hopper's warpgroup instructions read from
+    shared memory (kernels/moe.py's 64-row blocks): there Triton 3.6 fails
+    to compile the transpose of ``_weight_tile``'s [row, word, field] int8
+    unpacking ("Illegal shared layout" in TritonGPUOptimizeDotOperands,
+    four fields a word being too narrow a row for the layout it picks),
+    and compiles this one (kernels_compile_sm90-triton3.6.md)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    BLOCK_W: tl.constexpr = BLOCK_K // PER_WORD
+    words = tl.trans(_words(codes_ptr, rows, row_ok, k, K, stride_cn, PER_WORD, BLOCK_W))  # [BLOCK_W, BLOCK_N]
+    fields = tl.arange(0, PER_WORD)
+    q = (words[:, None, :] >> (fields * BITS)[None, :, None]) & ((1 << BITS) - 1)
+    word_feature = k + (tl.arange(0, BLOCK_W) * PER_WORD)[:, None, None]
+    w = _dequant(q, word_feature + fields[None, :, None], word_feature, rows[None, None, :].to(tl.int64),
+                 row_ok[None, None, :], K, scales_ptr, zeros_ptr, g_idx_ptr, stride_sn, group_size, dtype,
+                 GROUPED)  # fmt: skip
+    return tl.reshape(w, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
 def _round(v, dtype: tl.constexpr):
     """fp32 ``v`` rounded to ``dtype``, to nearest even, as torch rounds.
     Triton's interpreter converts fp32 to bf16 by truncation, even when

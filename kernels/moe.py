@@ -68,12 +68,22 @@ GROUP_M = 8
 @triton.jit
 def _packed_tile(b_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rows, rows_ok, k, k_dim, stride_bn, stride_sn, group_size,
                  dtype: tl.constexpr, FORMAT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, RUN: tl.constexpr, GROUPED: tl.constexpr):  # fmt: skip
+                 BLOCK_K: tl.constexpr, RUN: tl.constexpr, GROUPED: tl.constexpr,
+                 UNPACK_T: tl.constexpr = False):  # fmt: skip
     """Rows ``rows`` of one expert's packed weight (the pointers at its
     slices) at input features k .. k + BLOCK_K as a product's B operand:
     [BLOCK_K, BLOCK_N] of ``dtype``, dequantized and rounded by the packed
     linears' own helpers (FORMAT "int": int_linear's format, "float8":
-    fp8_linear's). Features past K and rows not ``rows_ok`` read 0."""
+    fp8_linear's). Features past K and rows not ``rows_ok`` read 0.
+    ``UNPACK_T`` (blocks of 64 rows and more): integer codes are unpacked
+    in the operand's own order (``int_linear._weight_tile_t``), which
+    Triton 3.6 compiles for Hopper's warpgroup products where it fails on
+    the transpose of int8's; the same values. Not for smaller blocks,
+    where that order takes more registers (Triton 3.9, int8 gated decode
+    tile: 176 against 148)."""
+    if FORMAT == "int" and UNPACK_T:
+        return int_linear._weight_tile_t(b_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rows, rows_ok, k, k_dim, stride_bn,
+                                         stride_sn, group_size, dtype, BITS, BLOCK_N, BLOCK_K, GROUPED)
     if FORMAT == "int":
         tile = int_linear._weight_tile(b_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rows, rows_ok, k, k_dim, stride_bn,
                                        stride_sn, group_size, dtype, BITS, BLOCK_N, BLOCK_K, GROUPED)
@@ -146,7 +156,8 @@ def _expert_gemm_kernel(
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)
         else:
             b = _packed_tile(b_ptr, scales_ptr, zeros_ptr, g_idx_ptr, cols, cols_ok, k0, k_dim, stride_bn,
-                             stride_sn, group_size, dtype, FORMAT, BITS, BLOCK_N, BLOCK_K, RUN, GROUPED)  # fmt: skip
+                             stride_sn, group_size, dtype, FORMAT, BITS, BLOCK_N, BLOCK_K, RUN, GROUPED,
+                             BLOCK_M >= 64)  # fmt: skip
         acc = dot_fp32(a, b, acc, DOT_PRECISION)
         if GATED:
             if FORMAT == "dense":
@@ -154,7 +165,7 @@ def _expert_gemm_kernel(
             else:
                 up = _packed_tile(b_ptr, scales_ptr, zeros_ptr, g_idx_ptr, cols + n_out, cols_ok, k0, k_dim,
                                   stride_bn, stride_sn, group_size, dtype, FORMAT, BITS, BLOCK_N, BLOCK_K, RUN,
-                                  GROUPED)  # fmt: skip
+                                  GROUPED, BLOCK_M >= 64)  # fmt: skip
             acc_up = dot_fp32(a, up, acc_up, DOT_PRECISION)
             up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K

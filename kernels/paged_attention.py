@@ -186,7 +186,7 @@ class Tiles:
     # accumulator takes 128 registers a thread and its 128 x 64 scores 64
     # more. Compiled for sm_90 by Triton 3.6 (bf16, 128-wide head), one
     # tile's prefill key loops spill 135 and 101 local-memory instructions
-    # an iteration, halves' 3 and 20, at the same 24 tensor-core
+    # an iteration, halves' 3 and 21, at the same 24 tensor-core
     # instructions and two programs per SM (Triton 3.9: 66 and 68, 17 and
     # 45; kernels_compile_sm90*.md). Halves keep the tile's K/V reuse, and
     # so its L2 traffic. On an H200 (bf16, Llama-3-8B heads) halves ran

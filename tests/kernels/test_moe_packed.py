@@ -128,6 +128,8 @@ CASES = [
     ("dense", "e4m3-block", torch.float16, 3, 2, 32),
     ("e5m2-block", "int4", torch.bfloat16, 1, 1, 32),
     ("int4-act", "e4m3-row", torch.bfloat16, 36, 2, 32),
+    # Blocks of 64 rows, whose integer tiles unpack in the operand's order (int_linear._weight_tile_t).
+    ("int8", "int4-act", torch.bfloat16, 100, 2, 32),
 ]
 
 
@@ -154,7 +156,8 @@ def case_operands(w13_fmt: str, w2_fmt: str, dtype: torch.dtype, tokens: int, to
 @pytest.mark.parametrize("w13_fmt,w2_fmt,dtype,tokens,top_k,inter", CASES, ids=str)
 def test_packed_experts_give_the_dense_stacks_bits(monkeypatch, w13_fmt, w2_fmt, dtype, tokens, top_k, inter):
     x, ids, weights, (w13, w2), (d13, d2) = case_operands(w13_fmt, w2_fmt, dtype, tokens, top_k, inter)
-    assert moe.block_m(tokens * top_k, EXPERTS) == (16 if tokens <= 4 else 32)  # decode tiles, and one of 32 rows
+    # decode tiles, and blocks of 32 and 64 rows
+    assert moe.block_m(tokens * top_k, EXPERTS) == (16 if tokens <= 4 else 32 if tokens <= 36 else 64)
     for w, d in ((w13, d13), (w2, d2)):
         if isinstance(w, PackedExperts):
             assert w.shape == tuple(d.shape)
