@@ -344,18 +344,23 @@ def _packed_problem(x: torch.Tensor, w: PackedExperts) -> str | None:
 # spill when gathered (255 registers, 8-88 stack bytes). 4096 elements take
 # at most 144 per word or run (int8, gated decode: 16 x 16 x 128) but
 # 174-180 gathered (int4 act-order, gated), so gathered tiles get 2048: at
-# most 104. Every launch spills nothing. Chosen from compiles alone, not
-# timed: no GPU has run the packed launches.
+# most 104. Every launch spills nothing. A 32-bit x's tiles hold half as
+# many (its values, and the dequantized weight, take twice the registers):
+# at the full count 27 (Triton 3.6) and 23 (3.9) of the 30 fp32 launches
+# of five formats at 1, 512 and 4096 tokens spilled (up to 4976 stack
+# bytes), at half 11 and 16, the blocks of 64 rows still 200-584 bytes (the
+# dense kernel's 0-32).
+# Chosen from compiles alone, not timed: no GPU has run the packed launches.
 TILE_ELEMENTS = {False: 4096, True: 2048}
 
 
 def quantized_tiles(bm: int, elem_bytes: int, gated: bool, gathered: bool) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of a GEMM over ``PackedExperts``:
     ``tiles``', halved, columns first (down to tl.dot's 16), until the
-    tile(s) hold at most ``TILE_ELEMENTS``. Every BLOCK_K stays a multiple
+    tile(s) hold at most ``TILE_ELEMENTS`` (half with 32-bit x). Every BLOCK_K stays a multiple
     of 32, whole words of 4-bit codes (8 a word)."""
     block_n, block_k, warps = tiles(bm, elem_bytes, gated)
-    while block_n * block_k * (2 if gated else 1) > TILE_ELEMENTS[gathered]:
+    while block_n * block_k * (2 if gated else 1) > TILE_ELEMENTS[gathered] * 2 // elem_bytes:
         if block_n > 16:
             block_n //= 2
         else:
