@@ -148,9 +148,10 @@ def _weight_tile_t(codes_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rows, row_ok, k,
     product whose B operand Hopper's warpgroup instructions read from
     shared memory (kernels/moe.py's 64-row blocks): there Triton 3.6 fails
     to compile the transpose of ``_weight_tile``'s [row, word, field] int8
-    unpacking ("Illegal shared layout" in TritonGPUOptimizeDotOperands,
-    four fields a word being too narrow a row for the layout it picks),
-    and compiles this one (kernels_compile_sm90-triton3.6.md)."""
+    unpacking (TritonGPUOptimizeDotOperands: "Illegal shared layout;
+    expected collapsed shapePerCTA to be at least [8, 32],
+    collapsedTmaShape: [4, 512]", four codes a word), and compiles this
+    one (kernels_compile_sm90-triton3.6.md)."""
     PER_WORD: tl.constexpr = 32 // BITS
     BLOCK_W: tl.constexpr = BLOCK_K // PER_WORD
     words = tl.trans(_words(codes_ptr, rows, row_ok, k, K, stride_cn, PER_WORD, BLOCK_W))  # [BLOCK_W, BLOCK_N]
