@@ -18,6 +18,7 @@ if "TRITON_INTERPRET" not in os.environ:
 import pytest  # noqa: E402
 
 from fluidserve.engine.tiny_model import build_tiny_model  # noqa: E402
+from worker_turns import worker_turn  # noqa: E402
 
 
 # Why the suite's patch of Triton's interpreter is not in force (None: it is).
@@ -38,6 +39,19 @@ def pytest_configure(config):
         from triton_interpreter import install
 
         config.stash[_INTERPRETER_PATCH] = install()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist (the README's ``-n 2``), a test marked ``alone``
+    runs while no other worker is inside a test; every other test runs
+    beside whatever else runs. Tests that watch the machine's load (the CPU
+    share's neighbours) would otherwise count the next worker as one."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return (yield)
+    room = item.config._tmp_path_factory.getbasetemp().parent  # one per run, shared by its workers
+    with worker_turn(room, alone=item.get_closest_marker("alone") is not None):
+        return (yield)
 
 
 def pytest_report_header(config):

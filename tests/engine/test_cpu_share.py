@@ -312,6 +312,7 @@ def trial_medians(log_text: str) -> list[float]:
 
 
 @linux_proc
+@pytest.mark.alone  # the machine's other load is the neighbour it watches
 def test_a_real_neighbour_takes_a_thread_from_the_engine(caplog):
     """A tiny model's engine with --yield-busy-cores, stepped beside a
     process spinning on each core: its threads' real waits begin a trial,
@@ -364,6 +365,7 @@ def test_a_real_neighbour_takes_a_thread_from_the_engine(caplog):
 
 
 @linux_proc
+@pytest.mark.alone  # the machine's other load is the neighbour it watches
 def test_an_idle_server_engine_keeps_the_smaller_team_and_grows_back_when_the_neighbour_leaves(caplog):
     """The server's loop looks at the cores while no request runs too: a
     team made smaller by a neighbour stays so while idle beside it (no

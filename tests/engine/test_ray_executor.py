@@ -244,22 +244,30 @@ def test_tp2_penalties_and_token_histories_like_local(ray_cluster, tiny_model):
         llm.engine.shutdown()
 
 
-def test_daemon_started_ray_is_loopback_only(ray_cluster):
+def test_daemon_started_ray_is_loopback_only():
     """What start_local_ray promises: Ray's control plane on 127.0.0.1 and
-    no Ray process listening on another interface."""
-    psutil = pytest.importorskip("psutil")
-    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
-    exposed = []
-    for conn in psutil.net_connections(kind="inet"):
-        if conn.status != psutil.CONN_LISTEN or conn.pid is None or conn.laddr.ip in ("127.0.0.1", "::1",
-                                                                                   "::ffff:127.0.0.1"):
-            continue
-        try:
-            name = " ".join(psutil.Process(conn.pid).cmdline())
-        except psutil.Error:
-            continue
-        if "ray" in name or "raylet" in name or "gcs_server" in name:
-            exposed.append((conn.laddr, name[:80]))
+    no process of that Ray (the caller's children: its GCS, raylet and their
+    agents and workers) listening on another interface. In a process of its
+    own, so that neither a Ray this process joined before nor another Ray on
+    the machine (a test beside this one, another user's) is the one judged."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("psutil")
+    code = ("import json, psutil, ray\n"
+            "from fluidserve.engine.executor.ray import start_local_ray\n"
+            "start_local_ray(num_cpus=1)\n"
+            "ours = {p.pid: ' '.join(p.cmdline())[:80] for p in psutil.Process().children(recursive=True)}\n"
+            "listening = [(c.laddr.ip, ours[c.pid]) for c in psutil.net_connections(kind='inet')\n"
+            "             if c.status == psutil.CONN_LISTEN and c.pid in ours]\n"
+            "print(json.dumps([ray.get_runtime_context().gcs_address, len(ours), listening]))\n"
+            "ray.shutdown()\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    gcs, processes, listening = json.loads(done.stdout.strip().splitlines()[-1])
+    assert gcs.startswith("127.0.0.1:")
+    assert processes and listening, "start_local_ray started no process that listens"
+    exposed = [(ip, name) for ip, name in listening if ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
     assert not exposed
 
 

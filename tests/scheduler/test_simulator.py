@@ -295,7 +295,7 @@ def test_swapping_benchmark_splits_the_mean_above_its_floor(tmp_path):
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "swapping.py"
     none = ["--slack-sweep", "", "--loan-sweep", "", "--starving-sweep", "", "--growth-sweep", "", "--guard-sweep",
             "", "--cache-sweep", "", "--gap-sweep", ""]
-    # Two workers: the suite runs one test at a time on CI's two cores.
+    # Two workers: the simulator's runs split across CI's two cores (beside the other test worker's test).
     done = subprocess.run([sys.executable, str(script), "--quick", "--seeds", "0", "--workers", "2",
                            "--out-dir", str(tmp_path), *none], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
