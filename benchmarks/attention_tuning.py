@@ -316,9 +316,10 @@ def tune_floor(shape: Shape, contexts: list[int], copy_gbs: float, sweep: Sweep)
                 run = partial(kv_read, batch, ctx, units, cfg["block_n"], cfg["paged"], cfg["head_major"])
                 ref = references[cfg["paged"], cfg["head_major"]]
                 err = ((run().sum(0) - ref).abs().max() / ref.abs().max()).item()
-                ms = graph_ms(run)
+                ms, after_reads = graph_ms(run), graph_ms(run, flush="read")
                 return dict(units=units, graph_ms=ms, pct_of_copy=100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs,
-                            rel_err=err)
+                            read_flush_graph_ms=after_reads,
+                            read_flush_pct_of_copy=100 * nbytes / (after_reads * 1e-3) / 1e9 / copy_gbs, rel_err=err)
 
             read = ("through the block table" if cfg["paged"] else "blocks in order") + (
                 ", head-major" if cfg["head_major"] else "")
@@ -383,12 +384,18 @@ def markdown(report: dict) -> str:
     floor = [r for r in report["rows"] if r["kind"] == "floor"]
     if floor:
         lines += ["", "## Decode floor, batch 1: the keys and values read alone, in a CUDA graph", "",
-                  "| context | read | keys per iteration | units per KV head | ms | % of copy | rel err |",
-                  "|---:|---|---:|---:|---:|---:|---:|"]
+                  "After a read flush: L2 emptied by reads instead of writes before each call (`FLUSHES` in "
+                  "kernel_bench.py).", "",
+                  "| context | read | keys per iteration | units per KV head | ms | % of copy "
+                  "| after a read flush ms | % of copy | rel err |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in sorted(floor, key=lambda r: (r.get("context", 0), r.get("graph_ms", 1e9))):
             pct = f"{r['pct_of_copy']:.1f}" if "pct_of_copy" in r else "–"  # the empty kernel reads nothing
-            tail = ([r.get("units", "–"), f"{r['graph_ms']:.4f}", pct, f"{r['rel_err']:.1e}" if "rel_err" in r else "–"]
-                    if "error" not in r else ["", r["error"], "", ""])  # fmt: skip
+            reads = ((f"{r['read_flush_graph_ms']:.4f}", f"{r['read_flush_pct_of_copy']:.1f}")
+                     if "read_flush_graph_ms" in r else ("–", "–"))  # sweeps before the read flush lack it
+            tail = ([r.get("units", "–"), f"{r['graph_ms']:.4f}", pct, *reads,
+                     f"{r['rel_err']:.1e}" if "rel_err" in r else "–"]
+                    if "error" not in r else ["", r["error"], "", "", "", ""])  # fmt: skip
             cells = [r.get("context", "–"), r["read"], r.get("block_n", "–"), *tail]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
     plans = [r for r in report["rows"] if r["kind"] == "plans"]
@@ -422,8 +429,11 @@ def markdown(report: dict) -> str:
         for read in sorted({r["read"] for r in reads}):
             fastest = max((r for r in reads if r["read"] == read), key=lambda r: r["pct_of_copy"], default=None)
             if fastest:
+                after_reads = (f"; after a read flush {fastest['read_flush_pct_of_copy']:.1f}%"
+                               if "read_flush_pct_of_copy" in fastest else "")
                 lines.append(f"* reading {ctx} keys alone, {read}: {fastest['pct_of_copy']:.1f}% of copy "
-                             f"({fastest['block_n']} keys per iteration, units x{fastest['units_scale']:.3g})")
+                             f"({fastest['block_n']} keys per iteration, units x{fastest['units_scale']:.3g})"
+                             f"{after_reads}")
     empty = next((r for r in floor if r["read"] == "empty kernel" and "error" not in r), None)
     if empty:
         lines.append(f"* one empty kernel in a graph: {1e3 * empty['graph_ms']:.1f} us")

@@ -163,11 +163,14 @@ def _fmt_kernels(r: dict) -> tuple[str, dict]:
     parts = []
     if t.get("decode_pct_of_copy") is not None:
         parts.append(f"decode {t['decode_pct_of_copy']:.1f}% of copy")
-    b1 = (t.get("decode_batch1_16k_graph_pct_of_copy"), t.get("decode_batch1_16k_fused_graph_pct_of_copy"))
+    b1 = (t.get("decode_batch1_16k_graph_pct_of_copy"), t.get("decode_batch1_16k_fused_graph_pct_of_copy"),
+          t.get("decode_batch1_16k_read_flush_graph_pct_of_copy"))
     if b1[0] is not None:
-        parts.append(f"batch 1 at 16k {b1[0]:.1f}% in a graph" + (f" ({b1[1]:.1f}% merged in the launch)"
-                                                                   if b1[1] is not None else ""))
-        figures.update(decode_batch1_16k_graph_pct_of_copy=b1[0], decode_batch1_16k_fused_graph_pct_of_copy=b1[1])
+        beside = [f"{pct:.1f}% {how}" for pct, how in zip(b1[1:], ("merged in the launch", "after a read flush"))
+                  if pct is not None]
+        parts.append(f"batch 1 at 16k {b1[0]:.1f}% in a graph" + (f" ({', '.join(beside)})" if beside else ""))
+        figures.update(decode_batch1_16k_graph_pct_of_copy=b1[0], decode_batch1_16k_fused_graph_pct_of_copy=b1[1],
+                       decode_batch1_16k_read_flush_graph_pct_of_copy=b1[2])
     if t.get("prefill_vs_sdpa") is not None:
         alternatives = t.get("prefill_alternatives_vs_sdpa", {})
         parts.append(f"prefill {t['prefill_vs_sdpa']:.2f}x SDPA" + (

@@ -145,23 +145,40 @@ def bench_ms(fn) -> float:
     return ms
 
 
-def graph_ms(fn, reps: int = 20, runs: int = 5) -> float:
+# How graph_ms empties L2 before each call: "write" zeroes 256 MiB, leaving
+# up to an L2's worth of dirty lines, which the timed kernel's first reads
+# evict and so write back inside its time; "read" sums 256 MiB, leaving L2
+# full of clean lines, as a decode step leaves it before attention (the
+# kernels before it read weights). At batch 1 the in-graph attention ran
+# 14-18 us a call over the copy bandwidth's time at 8k-32k keys, the bare
+# read of its cache 12 us, about what writing back 50 MB takes: timing both
+# ways tells whether that is the flush's.
+FLUSHES = ("write", "read")
+
+
+def graph_ms(fn, reps: int = 20, runs: int = 5, flush: str = "write") -> float:
     """GPU time of one call of ``fn`` as a CUDA graph replays it, which is
     how the engine runs decode: ``reps`` calls captured in one graph, each
-    after an L2 flush, less a graph of the flushes alone; median of ``runs``
-    replays. Launch latency and the host's side of a launch are not in it,
-    so a short kernel is timed rather than its launcher."""
+    after an L2 flush (``FLUSHES``), less a graph of the flushes alone;
+    median of ``runs`` replays. Launch latency and the host's side of a
+    launch are not in it, so a short kernel is timed rather than its
+    launcher."""
     import statistics
 
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    if flush not in FLUSHES:
+        raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
+    words = torch.zeros(64 * 2**20, dtype=torch.float32, device="cuda")  # 256 MiB
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    empty_l2 = words.zero_ if flush == "write" else partial(torch.sum, words, dim=0, out=sink)
     fn()  # compiles, and allocates what a plan keeps, outside the capture
+    empty_l2()
     torch.cuda.synchronize()
 
     def capture(calls: bool) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(reps):
-                flush.zero_()
+                empty_l2()
                 if calls:
                     fn()
         return graph
@@ -264,11 +281,15 @@ def bench_decode(shape: Shape, batch_sizes: list[int], contexts: list[int], copy
                 return moved / (t_ms * 1e-3) / 1e9
 
             gbs, graph_gbs = gb_s(ms), gb_s(in_graph)
+            after_reads = graph_ms(partial(run_attention, batch, shape, plan), flush="read")
             rows.append(dict(batch=b, context=ctx, ms=ms, gb_s=gbs, pct_of_copy=100 * gbs / copy_gbs,
                              graph_ms=in_graph, graph_gb_s=graph_gbs, graph_pct_of_copy=100 * graph_gbs / copy_gbs,
+                             read_flush_graph_ms=after_reads,
+                             read_flush_graph_pct_of_copy=100 * gb_s(after_reads) / copy_gbs,
                              splits=plan.max_splits, units=plan.num_units))  # fmt: skip
             print(f"decode b={b:4d} ctx={ctx:6d}  {ms:8.3f} ms  {gbs:7.1f} GB/s  ({100 * gbs / copy_gbs:5.1f}% of "
-                  f"copy); in a graph {in_graph:8.3f} ms ({100 * graph_gbs / copy_gbs:5.1f}%)")
+                  f"copy); in a graph {in_graph:8.3f} ms ({100 * graph_gbs / copy_gbs:5.1f}%); after a read "
+                  f"flush {after_reads:8.3f} ms ({rows[-1]['read_flush_graph_pct_of_copy']:5.1f}%)")
             # --kv-cache-dtype fp8: the same rows over an e4m3 cache, half the bytes to read.
             fp8 = dict(batch, key_cache=batch["key_cache"].to(torch.float8_e4m3fn),
                        value_cache=batch["value_cache"].to(torch.float8_e4m3fn))
@@ -424,6 +445,16 @@ def markdown(report: dict) -> str:
                      if "graph_ms" in r else ("–",) * 3)  # fmt: skip
             cells = (r["batch"], r["context"], f"{r['ms']:.3f}", f"{r['gb_s']:.0f}", f"{r['pct_of_copy']:.1f}", *graph)
             lines.append("| " + " | ".join(map(str, cells)) + " |")
+    after_reads = [r for r in report["decode"] if "read_flush_graph_ms" in r]
+    if after_reads:
+        lines += ["", "In a graph with L2 emptied by reads instead of writes before each call (`graph_ms(flush="
+                  "\"read\")`): no dirty lines for the kernel to write back, as in a decode step, where the kernels "
+                  "before attention read weights:", "",
+                  "| batch | context | after a write flush ms | after a read flush ms | % of copy | write / read |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['batch']} | {r['context']} | {r['graph_ms']:.4f} | {r['read_flush_graph_ms']:.4f} | "
+                  f"{r['read_flush_graph_pct_of_copy']:.1f} | {r['graph_ms'] / r['read_flush_graph_ms']:.2f}x |"
+                  for r in after_reads]
     fp8 = [r for r in report["decode"] if "fp8_graph_ms" in r]
     if fp8:
         lines += ["", "Over an fp8 (e4m3) cache (`--kv-cache-dtype fp8`), in a graph: % of copy on the bytes it "
@@ -508,7 +539,9 @@ def markdown(report: dict) -> str:
                  f"{_pct(t['decode_batch1_16k_graph_pct_of_copy'])} in a graph (target >= 70%)"
                  + (f"; with the split-K merge in the attention launch (`Tiles.fused_merge`): "
                     f"{_pct(t['decode_batch1_16k_fused_graph_pct_of_copy'])} in a graph"
-                    if t.get("decode_batch1_16k_fused_graph_pct_of_copy") is not None else "")]
+                    if t.get("decode_batch1_16k_fused_graph_pct_of_copy") is not None else "")
+                 + (f"; in a graph after a read flush: {_pct(t['decode_batch1_16k_read_flush_graph_pct_of_copy'])}"
+                    if t.get("decode_batch1_16k_read_flush_graph_pct_of_copy") is not None else "")]
                 if "decode_batch1_16k_pct_of_copy" in t else []),
               f"* prefill at the longest length: {t['prefill_vs_sdpa']:.2f}x SDPA's speed (target >= 1.0x)"
               + "".join(f"; prefill tile, {name}: {ratio:.2f}x"
@@ -569,7 +602,8 @@ def targets(report: dict) -> dict:
     if at_16k:  # the context the target names
         out.update(decode_batch1_16k_pct_of_copy=at_16k[0]["pct_of_copy"],
                    decode_batch1_16k_graph_pct_of_copy=at_16k[0].get("graph_pct_of_copy"),
-                   decode_batch1_16k_fused_graph_pct_of_copy=at_16k[0].get("fused_graph_pct_of_copy"))  # fmt: skip
+                   decode_batch1_16k_fused_graph_pct_of_copy=at_16k[0].get("fused_graph_pct_of_copy"),
+                   decode_batch1_16k_read_flush_graph_pct_of_copy=at_16k[0].get("read_flush_graph_pct_of_copy"))
     return out
 
 

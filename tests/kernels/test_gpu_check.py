@@ -170,12 +170,13 @@ def test_kernel_benchmark_headline_names_the_batch1_point_with_either_merge(tmp_
     result = tmp_path / "kernels_fake.json"
     result.write_text(json.dumps(dict(copy_gb_s=4000.0, mixed=dict(speedup=1.1, default="separate"), targets=dict(
         decode_pct_of_copy=84.2, prefill_vs_sdpa=0.83, decode_batch1_16k_graph_pct_of_copy=46.4,
-        decode_batch1_16k_fused_graph_pct_of_copy=55.0,
+        decode_batch1_16k_fused_graph_pct_of_copy=55.0, decode_batch1_16k_read_flush_graph_pct_of_copy=61.5,
         prefill_alternatives_vs_sdpa={"32 keys a step": 0.85, "two halves of rows": 0.97}))))
     report("step", "--summary", summary, "--key", "kernel_bench", "--rc", 0, "--seconds", 16, "--limit", 90,
            "--since", started, "--result", result)  # fmt: skip
     done = report("finish", "--summary", summary)
-    assert ("decode 84.2% of copy; batch 1 at 16k 46.4% in a graph (55.0% merged in the launch); prefill 0.83x "
+    assert ("decode 84.2% of copy; batch 1 at 16k 46.4% in a graph (55.0% merged in the launch, 61.5% after a "
+            "read flush); prefill 0.83x "
             "SDPA (prefill tile, 32 keys a step: 0.85x, two halves of rows: 0.97x); mixed step 1.10x unpacked "
             "(separate plan)") in done.stdout
     assert json.loads(summary.read_text())["steps"][0]["figures"]["decode_batch1_16k_fused_graph_pct_of_copy"] == 55.0

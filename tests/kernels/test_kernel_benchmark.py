@@ -26,16 +26,19 @@ def bench(monkeypatch, device):
     spec.loader.exec_module(module)
     calls = []
 
-    def one_call(fn) -> float:  # the GPU timer's stand-in: run once, recorded
+    def one_call(fn, flush: str = "write") -> float:  # the GPU timers' stand-in: run once, recorded
         with pa.recording_variants():
             fn()
         calls.append(fn)
+        flushes.append(flush)
         return 1.0
+
+    flushes: list[str] = []
 
     monkeypatch.setattr(module, "bench_ms", one_call)
     monkeypatch.setattr(module, "graph_ms", one_call)  # and the in-graph timer's
     monkeypatch.setattr(module, "make_cache_batch", partial(module.make_cache_batch, device=device))
-    module.calls = calls
+    module.calls, module.flushes = calls, flushes
     return module
 
 
@@ -58,12 +61,14 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device, monkeypatch):
         mixed=bench.bench_mixed(shape, chunk=40, decodes=4, contexts=(20, 300), split_keys=64),
     )  # fmt: skip
     assert pa.variant_keys() == warm
-    # decode points launched and in a graph, in a graph over an fp8 cache, and in a graph split at 64 keys
-    # (every point is a short step),
+    # decode points launched, in a graph after a write flush and after a read flush, in a graph over an fp8
+    # cache, and in a graph split at 64 keys (every point is a short step),
     # the split point again with the merge fused (launched and in a graph), ours + SDPA + ours with the
     # prefill tile at 32 keys a step and as one tile, packed in one and two launches, unpacked, split unpacked,
     # and both packed plans again with each alternative prefill tile
-    assert len(bench.calls) == 4 * 5 + 2 + 4 * 1 + 4 + 2 * 2
+    assert len(bench.calls) == 5 * 5 + 2 + 4 * 1 + 4 + 2 * 2
+    assert bench.flushes.count("read") == 5  # one a decode point
+    assert all(r["read_flush_graph_pct_of_copy"] == r["graph_pct_of_copy"] for r in report["decode"])
     assert pa.TILES == pa.Tiles()  # the alternative prefill tiles only inside their timing
     # 40 keys stay whole (0: no split), 200 keys in four 64-key pieces
     assert [r["short_split_splits"] for r in report["decode"]] == [0, 4, 0, 4, 5]
@@ -80,11 +85,14 @@ def test_sweeps_run_and_add_no_variant_after_warmup(bench, device, monkeypatch):
                               triton_after_warmup=None, triton_after_sweep=None, occupancy=[])  # fmt: skip
     # The target's own point (batch 1, 16k keys), too long for the interpreter: as the sweep records it.
     report["decode"].append(dict(split, context=16384, pct_of_copy=20.0, graph_pct_of_copy=46.0,
-                                 fused_graph_pct_of_copy=52.0))  # fmt: skip
+                                 fused_graph_pct_of_copy=52.0, read_flush_graph_pct_of_copy=61.0))  # fmt: skip
     report["targets"] = bench.targets(report)
     text = bench.markdown(report)
     assert ("decode at 16k context, batch 1: 20.0% launched, 46.0% in a graph (target >= 70%); with the split-K "
-            "merge in the attention launch (`Tiles.fused_merge`): 52.0% in a graph") in text
+            "merge in the attention launch (`Tiles.fused_merge`): 52.0% in a graph; in a graph after a read flush: "
+            "61.0%") in text
+    b3 = next(r for r in report["decode"] if (r["batch"], r["context"]) == (3, 200))
+    assert f"| 3 | 200 | 1.0000 | 1.0000 | {b3['read_flush_graph_pct_of_copy']:.1f} | 1.00x |" in text  # write, read
     assert "| 3 | 200 |" in text and "The engine's plan (packed (LPT" in text and "in a graph" in text
     assert "decode tiles in a launch of their own" in text
     assert "split at 64 keys" in text and "| 3 | 200 | 1 | 1.0000 | 4 | 1.0000 | 1.00x |" in text
