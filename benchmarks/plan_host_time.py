@@ -50,7 +50,6 @@ interleaved. Writes benchmarks/results/plan_host_time{--tag}.{json,md}.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import tree_compare
 
@@ -100,6 +99,8 @@ if KEYED:
     from fluidserve.engine import block_tables
     MIRROR = block_tables.BlockTableMirror()
 SENDER = getattr(block_tables, "BlockTableSender", None) if KEYED else None  # a tree that sends tables' tails
+# A tree whose SampleSpec still counts a row's outputs (num_output_tokens, since dropped).
+COUNTED = {"num_output_tokens": 64} if "num_output_tokens" in SampleSpec.__dataclass_fields__ else {}
 if os.path.exists(os.path.join(sys.argv[1], "engine", "sample_specs.py")):  # a tree that sends rank 0 the rows it lacks
     from fluidserve.engine import sample_specs as SAMPLES
 else:
@@ -132,7 +133,7 @@ def decode_step(q, s, fresh_keys=False, params=None):
                                   prompt_token_ids=[rng.randrange(50_000) for _ in range(max(length - 64, 1))]
                                   if params.repetition_penalty != 1.0 else [],
                                   output_token_ids=[rng.randrange(50_000) for _ in range(64)] if history else [],
-                                  num_output_tokens=64) for length in s]
+                                  **COUNTED) for length in s]
         inp.sample_ids = [f"llm-{i}-0" for i in range(len(s))]
     turn = [0]
 
@@ -142,7 +143,8 @@ def decode_step(q, s, fresh_keys=False, params=None):
         for spec in inp.samples:
             if spec.output_token_ids:
                 spec.output_token_ids.append(7)
-            spec.num_output_tokens += 1
+            if COUNTED:
+                spec.num_output_tokens += 1
         turn[0] += 1
         step = dataclasses.replace(inp)
         if KEYED and (fresh_keys or not inp.table_keys):
@@ -240,29 +242,27 @@ print(json.dumps(out))
 '''
 
 
+def _describe(cmd: str, args: argparse.Namespace, result: tree_compare.Comparison) -> str:
+    return (f"Command: `{cmd}`; thread CPU time, median of {args.rounds} processes per tree (each the median of "
+            f"200 calls), in brackets the lowest process's (a process now and then runs 1.5-2x slower "
+            f"throughout); {result.load()}. "
+            "Llama-3-8B shapes on an H100/H200 (33 units per KV head with prefill tiles, 49 decode-only); eager: "
+            "`paged_attention.plan_for`, "
+            "graph: `cuda_graphs.plan_decode`; inputs: `ModelRunner.prepare` of an eager step on the Triton "
+            "kernels' path (its plan and the block tables of 16-token blocks included; medians of 50 calls), "
+            "each call the next step of the same rows, a sixteenth of them a block longer, under the engine's "
+            "table keys where the tree has them (\"every table new\": under new keys each step); over Ray: the "
+            "same, the input cut to what the ranks lack where the tree's executor does so, pickled for two ranks, "
+            "rank 0's unpickled and taken in (the engine's and one rank's host time together; \"sampled\" or a "
+            "penalty: a SampleSpec a row, 64 outputs each, the prompt where a repetition penalty counts it); "
+            "graph step: `Bucket.write` of a decode step replayed from a CUDA graph (its inputs and static "
+            "plan).")
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    tree_compare.add_arguments(ap)
-    args = ap.parse_args(argv)
-    result = tree_compare.run_trees(args, _PROBE)
-    cmd = "python benchmarks/plan_host_time.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = ["# Host time of the attention planner and of the step's inputs per step", "",
-          f"Command: `{cmd}`; thread CPU time, median of {args.rounds} processes per tree (each the median of "
-          f"200 calls), in brackets the lowest process's (a process now and then runs 1.5-2x slower "
-          f"throughout); {result.load()}. "
-          "Llama-3-8B shapes on an H100/H200 (33 units per KV head with prefill tiles, 49 decode-only); eager: "
-          "`paged_attention.plan_for`, "
-          "graph: `cuda_graphs.plan_decode`; inputs: `ModelRunner.prepare` of an eager step on the Triton "
-          "kernels' path (its plan and the block tables of 16-token blocks included; medians of 50 calls), "
-          "each call the next step of the same rows, a sixteenth of them a block longer, under the engine's "
-          "table keys where the tree has them (\"every table new\": under new keys each step); over Ray: the "
-          "same, the input cut to what the ranks lack where the tree's executor does so, pickled for two ranks, "
-          "rank 0's unpickled and taken in (the engine's and one rank's host time together; \"sampled\" or a "
-          "penalty: a SampleSpec a row, 64 outputs each, the prompt where a repetition penalty counts it); "
-          "graph step: `Bucket.write` of a decode step replayed from a CUDA graph (its inputs and static "
-          "plan).", "", *tree_compare.table(result.rows, result.first, result.rest)]
-    tree_compare.save(args.out_dir, f"plan_host_time{args.tag}", cmd, result, md)
-    return 0
+    return tree_compare.main(argv, doc=__doc__, probe=_PROBE, stem="plan_host_time",
+                             title="Host time of the attention planner and of the step's inputs per step",
+                             describe=_describe)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 # The first lines of every probe: the tree's packages under the import name.
 TREE_PACKAGES = ('import sys, types\n'
@@ -108,3 +109,18 @@ def table(rows: list[dict], first: str, rest: list[str], what: str = "step") -> 
         md.append(f"| {r['shape']} | " + " | ".join(f"{r[n]:.3f} ({low[n]:.3f})" for n in (first, *rest))
                   + "".join(f" | {r[n] / r[first]:.1f}x ({low[n] / low[first]:.1f}x)" for n in rest) + " |")
     return md
+
+
+def main(argv: list[str] | None, *, doc: str, probe: str, stem: str, title: str,
+         describe: Callable[[str, argparse.Namespace, Comparison], str], what: str = "step") -> int:
+    """The whole of a benchmark that takes no arguments but the trees': its
+    probe over them, the table under ``title`` and ``describe(command, args,
+    result)``, saved as ``stem``{--tag}."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    result = run_trees(args, probe)
+    cmd = f"python benchmarks/{stem}.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    md = [f"# {title}", "", describe(cmd, args, result), "", *table(result.rows, result.first, result.rest, what)]
+    save(args.out_dir, f"{stem}{args.tag}", cmd, result, md)
+    return 0

@@ -52,7 +52,7 @@ from fluidserve.engine.sampler import device_only, reads_outputs
 from fluidserve.engine.sampling_params import SamplingParams
 from fluidserve.engine.draft_policy import Acceptance, DraftPolicy
 from fluidserve.engine.grammar_drafts import GrammarDrafts
-from fluidserve.engine.speculative import (NgramDrafter, PredictionDrafter, accepted, draft_limit,
+from fluidserve.engine.speculative import (NgramDrafter, PredictionDrafter, PredictionIndex, accepted, draft_limit,
                                           parse_speculative_config)
 from fluidserve.engine.structured import GrammarCompiler, xgrammar
 from fluidserve.engine.tiny_model import default_tiny_model_dir
@@ -318,6 +318,7 @@ class LLMEngine:
         root = salted_root(params.cache_salt, None if lora is None else lora.cache_key)
         keys = self.scheduler.prompt_block_keys(token_ids, root)
         stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
+        predicted: PredictionIndex | None = None
         for i in range(params.n):
             # A request scoring its prompt must compute every position: it
             # takes no prefix-cache hits, but offers its blocks to others.
@@ -334,7 +335,11 @@ class LLMEngine:
                 seq.drafter = NgramDrafter(token_ids, seq.output_token_ids, spec.prompt_lookup_min,
                                            spec.prompt_lookup_max)
                 if params.prediction_token_ids:
-                    seq.drafter = PredictionDrafter(params.prediction_token_ids, seq.output_token_ids, seq.drafter)
+                    if predicted is None:  # one index of the prediction for the request's n sequences
+                        predicted = PredictionIndex(params.prediction_token_ids, spec.prompt_lookup_min,
+                                                    spec.prompt_lookup_max)
+                    seq.drafter = PredictionDrafter(params.prediction_token_ids, seq.output_token_ids, seq.drafter,
+                                                    predicted)
                 seq.acceptance = Acceptance()
             req.seqs.append(seq)
         self.requests[request_id] = req

@@ -37,8 +37,9 @@ the drafts too: every kind of sequence drafts.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass
+
+import numpy as np
 
 from fluidserve.kvcache.config import json_object
 
@@ -201,6 +202,54 @@ class NgramDrafter:
         return []
 
 
+# An n-gram's key in a PredictionIndex: the polynomial hash of its tokens
+# mod 2**64, which numpy computes for every n-gram of a prediction at once
+# and Python for one suffix (``_gram_key``); an odd multiplier.
+_GRAM_BASE = 0x9E3779B97F4A7C15
+_MASK_64 = (1 << 64) - 1
+
+
+def _gram_key(tokens: list[int]) -> int:
+    key = 0
+    for t in tokens:
+        key = (key * _GRAM_BASE + t) & _MASK_64
+    return key
+
+
+class PredictionIndex:
+    """Where each n-gram of a prediction ends, for ``n`` in ``lo`` .. ``hi``:
+    per ``n``, the n-grams' keys sorted (stably, so the ends of one key stay
+    in order) beside their ends. Built in numpy, once per request (its
+    ``n`` sequences share it), on the engine's thread as the request is
+    added: a dict of lists built in Python took 60-100 ms there for a
+    30k-token prediction, a stall of every running sequence, once for each
+    of the ``n`` (benchmarks/prediction_index.py). Keys can collide: a
+    lookup's caller compares the tokens."""
+
+    __slots__ = ("_keys", "_ends")
+
+    def __init__(self, prediction: list[int], lo: int, hi: int) -> None:
+        tokens = np.asarray(prediction, dtype=np.uint64)
+        self._keys: list[np.ndarray | None] = [None] * (hi + 1)
+        self._ends: list[np.ndarray | None] = [None] * (hi + 1)
+        keys = np.zeros(len(tokens), dtype=np.uint64)
+        for n in range(1, min(hi, len(tokens)) + 1):
+            # The n-gram starting at i from the (n-1)-gram there; uint64 wraps, as _gram_key masks.
+            keys = keys[:len(tokens) - n + 1] * np.uint64(_GRAM_BASE) + tokens[n - 1:]
+            if n >= lo:
+                order = np.argsort(keys, kind="stable")
+                self._keys[n], self._ends[n] = keys[order], order + (n - 1)
+
+    def ends(self, gram: list[int]) -> np.ndarray:
+        """The ends, in order, of the prediction's n-grams whose key is
+        ``gram``'s (each ``gram`` itself, barring a collision)."""
+        keys = self._keys[len(gram)] if len(gram) < len(self._keys) else None
+        if keys is None:
+            return np.empty(0, dtype=np.int64)
+        key = np.uint64(_gram_key(gram))
+        return self._ends[len(gram)][keys.searchsorted(key, "left"):keys.searchsorted(key, "right")]
+
+
 class PredictionDrafter:
     """Drafts from a request's predicted output (OpenAI's ``prediction``: a
     file the reply is expected to repeat with edits). While the outputs
@@ -212,22 +261,20 @@ class PredictionDrafter:
     the prediction's drafted tokens the verifying steps keep
     (``accepted``) and throw away (``rejected``)."""
 
-    __slots__ = ("prediction", "ngram", "lo", "hi", "_outputs", "_seen", "_pos", "_left", "_ends",
+    __slots__ = ("prediction", "ngram", "lo", "hi", "_outputs", "_seen", "_pos", "_left", "_index",
                  "from_prediction", "accepted", "rejected")
 
-    def __init__(self, prediction: list[int], outputs: list[int], ngram: NgramDrafter) -> None:
+    def __init__(self, prediction: list[int], outputs: list[int], ngram: NgramDrafter,
+                 index: PredictionIndex | None = None) -> None:
+        """``index``: the request's ``PredictionIndex`` of ``prediction`` over
+        ``ngram``'s n-gram lengths, shared by its sequences (else built here)."""
         self.prediction, self.ngram = list(prediction), ngram
         self.lo, self.hi = ngram.lo, ngram.hi
         self._outputs = outputs
         self._seen = 0  # outputs read so far
         self._pos: int | None = 0  # where in the prediction the next output is expected; None: off it
         self._left = 0  # where the outputs last left the prediction
-        # For each n, the ends of every n-gram of the prediction, in order.
-        self._ends: list[dict[int, list[int]]] = [{} for _ in range(self.hi + 1)]
-        pred = self.prediction
-        for e in range(len(pred)):
-            for n in range(self.lo, min(self.hi, e + 1) + 1):
-                self._ends[n].setdefault(hash(tuple(pred[e - n + 1:e + 1])), []).append(e)
+        self._index = index if index is not None else PredictionIndex(self.prediction, self.lo, self.hi)
         self.from_prediction = False  # the last proposal's origin
         self.accepted = self.rejected = 0
 
@@ -249,10 +296,10 @@ class PredictionDrafter:
         out, pred = self._outputs, self.prediction
         for n in range(min(self.hi, len(out)), self.lo - 1, -1):
             suffix = out[len(out) - n:]
-            ends = self._ends[n].get(hash(tuple(suffix)), ())
-            at = bisect_left(ends, self._left)
-            for i in range(len(ends)):  # from where the outputs left it, then from the start; no copy of the list
-                e = ends[(at + i) % len(ends)]
+            ends = self._index.ends(suffix)
+            at = int(ends.searchsorted(self._left))
+            for i in range(len(ends)):  # from where the outputs left it, then from the start
+                e = int(ends[(at + i) % len(ends)])
                 if pred[e - n + 1:e + 1] == suffix:
                     return e + 1
         return None

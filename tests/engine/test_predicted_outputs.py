@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from fluidserve.engine import SamplingParams
-from fluidserve.engine.speculative import NgramDrafter, PredictionDrafter
+from fluidserve.engine.speculative import NgramDrafter, PredictionDrafter, PredictionIndex
 
 # Every draft verified, up to 4 a step: the counts below are the drafter's, not the policy's.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2,
@@ -85,3 +85,32 @@ def test_a_prediction_gives_the_same_tokens_in_fewer_steps(tiny_model, make_llm,
             assert out.rejected_prediction_tokens == 0 and out.accepted_prediction_tokens == 31 and steps == 9
         else:
             assert out.rejected_prediction_tokens > 0
+
+
+@pytest.mark.parametrize("vocab", [3, 200_000])  # many repeats; ids whose keys wrap past 2**64 from n = 4
+def test_the_prediction_index_finds_every_end_of_each_n_gram_in_order(vocab):
+    import random
+
+    rng = random.Random(vocab)
+    pred = [rng.randrange(vocab) for _ in range(300)]
+    index = PredictionIndex(pred, 2, 5)
+    for n in range(2, 6):
+        for start in range(0, len(pred) - n + 1, 7):
+            gram = pred[start:start + n]
+            want = [e for e in range(n - 1, len(pred)) if pred[e - n + 1:e + 1] == gram]
+            assert index.ends(gram).tolist() == want
+    assert index.ends([vocab + 1, vocab + 2]).tolist() == []  # in no prediction
+    assert index.ends([pred[0]]).tolist() == [] and index.ends(pred[:6]).tolist() == []  # n outside 2 .. 5
+    assert PredictionIndex(pred[:1], 2, 5).ends(pred[:2]).tolist() == []  # shorter than any n
+
+
+def test_a_requests_sequences_share_one_index_of_its_prediction(tiny_model, make_llm):
+    llm = make_llm(tiny_model("llama"), speculative_config=NGRAM)
+    prediction = list(range(40, 60))
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=4, n=3, prediction_token_ids=prediction)
+    llm.engine.add_request("shared", [1, 2, 3], params)
+    drafters = [seq.drafter for seq in llm.engine.requests["shared"].seqs]
+    assert len(drafters) == 3 and all(isinstance(d, PredictionDrafter) for d in drafters)
+    assert len({id(d._index) for d in drafters}) == 1
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
