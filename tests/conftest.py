@@ -41,17 +41,18 @@ def pytest_configure(config):
         config.stash[_INTERPRETER_PATCH] = install()
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(hookwrapper=True)  # the old style: the GPU machine's pytest may predate wrapper=True
 def pytest_runtest_protocol(item, nextitem):
     """Under pytest-xdist (the README's ``-n 2``), a test marked ``alone``
     runs while no other worker is inside a test; every other test runs
     beside whatever else runs. Tests that watch the machine's load (the CPU
     share's neighbours) would otherwise count the next worker as one."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
-        return (yield)
+        yield
+        return
     room = item.config._tmp_path_factory.getbasetemp().parent  # one per run, shared by its workers
     with worker_turn(room, alone=item.get_closest_marker("alone") is not None):
-        return (yield)
+        yield
 
 
 def pytest_report_header(config):
