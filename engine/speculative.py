@@ -221,10 +221,11 @@ class PredictionIndex:
     per ``n``, the n-grams' keys sorted (stably, so the ends of one key stay
     in order) beside their ends. Built in numpy, once per request (its
     ``n`` sequences share it), on the engine's thread as the request is
-    added: a dict of lists built in Python took 60-100 ms there for a
-    30k-token prediction, a stall of every running sequence, once for each
-    of the ``n`` (benchmarks/prediction_index.py). Keys can collide: a
-    lookup's caller compares the tokens."""
+    added: a dict of lists built in Python for each of the ``n`` took 39 ms
+    there for a 30k-token prediction at 2-3-grams (189 ms at n=4), a stall
+    of every running sequence, where this takes 5 ms
+    (benchmarks/prediction_index.py). Keys can collide: a lookup's caller
+    compares the tokens."""
 
     __slots__ = ("_keys", "_ends")
 
