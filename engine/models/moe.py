@@ -125,13 +125,13 @@ class SparseMoeBlock(nn.Module):
                                    if config.model_type == "qwen2_moe" and shared_expert is not None
                                    else None)  # fmt: skip
 
-    _packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    _packed: cpu_moe.PackedExperts | None = None
 
     def prepack(self) -> None:
-        """On the CPU, each expert's weights reordered for oneDNN once the
-        loader has written them (kernels/cpu_moe.py), as the linears pack
-        theirs; the Triton lane keeps the stacked weights it reads, and
-        weights held as the checkpoint's codes stay so."""
+        """On the CPU, the experts' weights laid out for kernels/cpu_moe.py
+        once the loader has written them, as the linears pack theirs; the
+        Triton lane keeps the stacked weights it reads, and weights held as
+        the checkpoint's codes stay so."""
         self._packed = None
         experts = self.experts
         held = experts.held_codes()
@@ -140,7 +140,7 @@ class SparseMoeBlock(nn.Module):
         if held:
             return
         if can_prepack(experts.gate_up_proj) and ops.kernel_path(experts.gate_up_proj.device) != "triton":
-            self._packed = cpu_moe.pack(experts.gate_up_proj), cpu_moe.pack(experts.down_proj)
+            self._packed = cpu_moe.pack(experts.gate_up_proj, experts.down_proj)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, hidden] -> each token's experts [T, k] and their weights [T, k]."""
@@ -179,7 +179,7 @@ class SparseMoeBlock(nn.Module):
         ids, weights = self.route(x)
         experts = self.experts
         if self._packed is not None and x.device.type == "cpu" and x.dtype == experts.gate_up_proj.dtype:
-            y = cpu_moe.fused_experts(x, *self._packed, ids, weights)
+            y = cpu_moe.fused_experts(x, self._packed, ids, weights)
         elif experts.gate_up_codes is not None:
             y = ops.fused_experts(x, experts.gate_up_codes.packed(), experts.down_codes.packed(), ids, weights, path)
         else:

@@ -1,9 +1,16 @@
-"""The CPU's experts over oneDNN-packed weights (kernels/cpu_moe.py) against
-the torch reference: the same sum of each token's experts, to the rounding
-of a GEMM whose weight layout differs (fp32: 1e-5 relative; bf16: a unit in
-the last place of the outputs, 2e-2)."""
+"""The CPU's experts (kernels/cpu_moe.py) against the torch reference, both
+ways an expert can go: cpu_moe.c's one call a layer, and oneDNN's linear
+over reordered weights. The same sum of each token's experts, to the
+rounding of products summed in another order (fp32: 1e-5 relative; bf16: a
+unit in the last place of the outputs, 2e-2; cpu_moe.c rounds bf16 once, at
+the end, where the reference rounds each product)."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,10 +18,15 @@ import torch
 from fluidserve.engine.parallel import can_prepack
 from fluidserve.kernels import cpu_moe, reference
 
+# A machine with a C compiler (CI's, the Docker image's) must build the
+# kernel: a silent fall back to oneDNN would leave it untested.
+needs_native = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                  reason="no C compiler to build cpu_moe.c")  # fmt: skip
 
-def _case(tokens: int, experts: int, top_k: int, dtype: torch.dtype, seed: int = 0):
+
+def _case(tokens: int, experts: int, top_k: int, dtype: torch.dtype, seed: int = 0, hidden: int = 64,
+          inter: int = 48):  # fmt: skip
     g = torch.Generator().manual_seed(seed)
-    hidden, inter = 64, 48
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.1).to(dtype)
@@ -23,27 +35,146 @@ def _case(tokens: int, experts: int, top_k: int, dtype: torch.dtype, seed: int =
     return x, w13, w2, ids, weights
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (7, 16, 4), (33, 4, 1)])
-def test_packed_experts_equal_the_reference(dtype, tol, tokens, experts, top_k):
-    x, w13, w2, ids, weights = _case(tokens, experts, top_k, dtype)
+def _packed(w13: torch.Tensor, w2: torch.Tensor, onednn: bool | None = None) -> cpu_moe.PackedExperts:
     if not can_prepack(w13):
-        pytest.skip(f"oneDNN packs no {dtype} weights on this CPU")
+        pytest.skip(f"oneDNN packs no {w13.dtype} weights on this CPU")
+    return cpu_moe.pack(w13, w2, onednn)
+
+
+def test_the_native_kernel_builds_here():
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    assert cpu_moe.native_library() is not None
+
+
+@needs_native
+def test_float32_experts_keep_one_copy_and_bf16_two():
+    """Every float32 expert goes through cpu_moe.c, so no oneDNN copy is
+    made; bf16 experts of many rows go to oneDNN, which keeps its own."""
+    fp32 = _packed(*_case(1, 4, 1, torch.float32)[1:3])
+    assert fp32.w13_panels is not None and fp32.w13 is None and fp32.w2 is None
+    bf16 = _packed(*_case(1, 4, 1, torch.bfloat16)[1:3])
+    assert bf16.w13_panels is not None and len(bf16.w13) == len(bf16.w2) == 4
+    x, w13, w2, ids, weights = _case(64, 2, 1, torch.float32)  # ~32 rows an expert
+    with pytest.raises(ValueError, match="onednn=True"):
+        cpu_moe.fused_experts(x, fp32, ids % 2, weights, native_rows=3)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("native_rows", [None, 0, 3])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (7, 16, 4), (33, 4, 1)])
+def test_experts_equal_the_reference(dtype, tol, native_rows, tokens, experts, top_k):
+    """native_rows None (the default): every expert here through cpu_moe.c,
+    the whole layer in one call; 0: all through oneDNN; 3: both in one call
+    (experts of more rows through oneDNN)."""
+    x, w13, w2, ids, weights = _case(tokens, experts, top_k, dtype)
     expected = reference.fused_experts(x, w13, w2, ids, weights)
-    got = cpu_moe.fused_experts(x, cpu_moe.pack(w13), cpu_moe.pack(w2), ids, weights)
+    got = cpu_moe.fused_experts(x, _packed(w13, w2, onednn=True), ids, weights, native_rows=native_rows)
     assert got.dtype == dtype
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
 
 
+@needs_native
+@pytest.mark.parametrize("hidden, inter", [(100, 40), (130, 24), (16, 8), (200, 72)])
+def test_widths_off_the_kernels_vectors_and_panels(hidden, inter):
+    """Hidden sizes that end inside a 16-lane vector or a 64-output panel,
+    intermediate sizes off the vectors: the tails are summed and stored,
+    and nothing past H is written."""
+    x, w13, w2, ids, weights = _case(9, 6, 2, torch.float32, seed=3, hidden=hidden, inter=inter)
+    got = cpu_moe.fused_experts(x, _packed(w13, w2), ids, weights)
+    torch.testing.assert_close(got, reference.fused_experts(x, w13, w2, ids, weights), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_every_thread_count_gives_the_same_bits():
+    """Each output is summed by one thread whatever the team's size: the
+    results do not depend on how the items were shared out."""
+    x, w13, w2, ids, weights = _case(24, 16, 4, torch.float32, seed=5, hidden=192, inter=96)
+    packed = _packed(w13, w2)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(cpu_moe.fused_experts(x, packed, ids, weights))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@needs_native
 def test_experts_no_token_reaches_add_nothing():
     """Top-1 of 8 over 3 tokens: five experts take no row and cost no product."""
     x, w13, w2, _, _ = _case(3, 8, 1, torch.float32)
-    if not can_prepack(w13):
-        pytest.skip("oneDNN packs no float32 weights on this CPU")
     ids = torch.tensor([[2], [2], [5]])
     weights = torch.ones(3, 1)
-    got = cpu_moe.fused_experts(x, cpu_moe.pack(w13), cpu_moe.pack(w2), ids, weights)
+    got = cpu_moe.fused_experts(x, _packed(w13, w2), ids, weights)
     gate, up = torch.nn.functional.linear(x, w13[2]).chunk(2, dim=-1)
     torch.testing.assert_close(got[:2], torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[2])[:2],
                                rtol=1e-5, atol=1e-5)
     assert torch.count_nonzero(got[2]) > 0
+
+
+def test_without_a_compiler_every_expert_takes_onednn(tmp_path):
+    """CC names a compiler that fails: the library is not built, a warning
+    says so, and the experts still equal the reference."""
+    code = (
+        "import logging, torch\n"
+        "from fluidserve.kernels import cpu_moe, reference\n"
+        "from fluidserve.engine.parallel import can_prepack\n"
+        "logging.basicConfig()\n"
+        "assert cpu_moe.native_library() is None\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x, w13, w2 = torch.randn(5, 32, generator=g), torch.randn(4, 48, 32, generator=g), "
+        "torch.randn(4, 32, 24, generator=g)\n"
+        "ids, w = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 3], [1, 0]]), torch.full((5, 2), 0.5)\n"
+        "if can_prepack(w13):\n"
+        "    p = cpu_moe.pack(w13, w2)\n"
+        "    assert p.w13_panels is None and len(p.w13) == 4\n"
+        "    torch.testing.assert_close(cpu_moe.fused_experts(x, p, ids, w), "
+        "reference.fused_experts(x, w13, w2, ids, w), rtol=1e-5, atol=1e-5)\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, CC="false", **{cpu_moe.CACHE_ENV: str(tmp_path)})
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"
+    assert "did not build" in done.stderr and "oneDNN alone" in done.stderr
+    assert not list(tmp_path.glob("*.so"))
+
+
+@needs_native
+def test_the_library_is_built_once_into_the_cache(tmp_path):
+    """A fresh cache folder: the first process compiles, the second loads
+    the same file and leaves the folder as it was."""
+    code = "from fluidserve.kernels import cpu_moe\nprint(cpu_moe.native_library()._name)\n"
+    env = dict(os.environ, **{cpu_moe.CACHE_ENV: str(tmp_path)})
+    env.pop("CC", None)
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    built = list(tmp_path.glob("cpu_moe-*.so"))
+    assert [str(p) for p in built] == [first.stdout.strip()]
+    stamp = built[0].stat().st_mtime_ns
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert second.stdout.strip() == first.stdout.strip()
+    assert built[0].stat().st_mtime_ns == stamp and len(list(tmp_path.iterdir())) == 1
+
+
+@needs_native
+def test_bfloat16_sums_in_float32_and_rounds_once_as_torch_does():
+    """One expert a token, so the output is that pair's product: the bf16
+    weights' product equals the float32 product over the same values,
+    rounded to bf16 by torch (to nearest, ties to even), bit for bit."""
+    x, w13, w2, ids, weights = _case(40, 8, 1, torch.bfloat16, seed=7, hidden=96, inter=40)
+    got = cpu_moe.fused_experts(x, _packed(w13, w2), ids, weights)
+    wide = cpu_moe.fused_experts(x.float(), cpu_moe.pack(w13.float(), w2.float()), ids, weights)
+    assert torch.equal(got, wide.to(torch.bfloat16))
+
+
+@needs_native
+def test_an_expert_id_outside_the_layer_is_refused():
+    x, w13, w2, ids, weights = _case(3, 4, 2, torch.float32)
+    ids[1, 0] = 4
+    with pytest.raises(ValueError, match="outside the layer's experts"):
+        cpu_moe.fused_experts(x, _packed(w13, w2), ids, weights)
