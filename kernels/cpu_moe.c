@@ -170,38 +170,26 @@ static inline const void *panel_at(const Layer *L, const void *w, int64_t index,
     return L->bf16 ? (const void *)((const uint16_t *)w + at) : (const void *)((const float *)w + at);
 }
 
-/* act[p, f] = silu(gate) * up for features f of the item's panels; sums is
- * the thread's room for an expert's rows. */
-static void gate_up(const Layer *L, const Item *it, float (*sums)[PANEL]) {
-    const int64_t H = L->H, N = L->N, e = it->expert, panels = (N + HALF - 1) / HALF;
+/* One item of a phase, sums the thread's room for its expert's rows.
+ * gate/up: act[p, f] = silu(gate) * up for the features f of the item's
+ * panels (32 a panel). down: ys[p, h] = pair_weight[p] * sum_i act[p, i]
+ * w2[e, h, i] for its outputs h (64 a panel). */
+static void work(const Layer *L, const Item *it, int gate, float (*sums)[PANEL]) {
+    const int64_t K = gate ? L->H : L->N, outs = gate ? L->N : L->H, step = gate ? HALF : PANEL;
+    const int64_t e = it->expert, panels = (outs + step - 1) / step;
     const int64_t first = L->starts[e], last = L->starts[e + 1];
     for (int64_t j = it->lo; j < it->hi; j++) {
-        const int64_t width = N - j * HALF < HALF ? N - j * HALF : HALF;
-        expert_panel(L, panel_at(L, L->w13, e * panels + j, H), H, first, last, 1, sums);
-        for (int64_t p = first; p < last; p++) {
-            const float *s = sums[p - first];
-            float *act = L->act + p * N + j * HALF;
-            for (int64_t f = 0; f < width; f++) act[f] = silu(s[f]) * s[HALF + f];
-        }
-    }
-}
-
-/* ys[p, h] = pair_weight[p] * sum_i act[p, i] w2[e, h, i] for the outputs
- * of the item's panels. */
-static void down(const Layer *L, const Item *it, float (*sums)[PANEL]) {
-    const int64_t H = L->H, N = L->N, e = it->expert, panels = (H + PANEL - 1) / PANEL;
-    const int64_t first = L->starts[e], last = L->starts[e + 1];
-    for (int64_t j = it->lo; j < it->hi; j++) {
-        const int64_t width = H - j * PANEL < PANEL ? H - j * PANEL : PANEL;
-        expert_panel(L, panel_at(L, L->w2, e * panels + j, N), N, first, last, 0, sums);
+        const int64_t width = outs - j * step < step ? outs - j * step : step, at = j * step;
+        expert_panel(L, panel_at(L, gate ? L->w13 : L->w2, e * panels + j, K), K, first, last, gate, sums);
         for (int64_t p = first; p < last; p++) {
             const float *s = sums[p - first];
             const float weight = L->pair_weight[p];
-            const int64_t at = p * H + j * PANEL;
-            if (L->ys_bf16)
-                for (int64_t h = 0; h < width; h++) ((uint16_t *)L->ys)[at + h] = f32_to_bf16(s[h] * weight);
+            if (gate)
+                for (int64_t f = 0; f < width; f++) L->act[p * L->N + at + f] = silu(s[f]) * s[HALF + f];
+            else if (L->ys_bf16)
+                for (int64_t h = 0; h < width; h++) ((uint16_t *)L->ys)[p * L->H + at + h] = f32_to_bf16(s[h] * weight);
             else
-                for (int64_t h = 0; h < width; h++) ((float *)L->ys)[at + h] = s[h] * weight;
+                for (int64_t h = 0; h < width; h++) ((float *)L->ys)[p * L->H + at + h] = s[h] * weight;
         }
     }
 }
@@ -270,10 +258,10 @@ static int run_layer(Layer *L, const int64_t *order, int64_t experts, int64_t pa
         {
             float (*sums)[PANEL] = (float (*)[PANEL])(room + PANEL * most * omp_get_thread_num());
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < gates; i++) gate_up(L, &gate_items[i], sums);
+            for (int64_t i = 0; i < gates; i++) work(L, &gate_items[i], 1, sums);
             /* (each loop's barrier: what the next reads is written) */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < downs; i++) down(L, &down_items[i], sums);
+            for (int64_t i = 0; i < downs; i++) work(L, &down_items[i], 0, sums);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tokens; t++) sum_tokens(L, t);
         }
