@@ -35,12 +35,13 @@
 
 /* The register tile of a pass: ROWS rows by VECS vectors of LANES sums,
  * with the VECS weight vectors beside them, fits the vector registers:
- * 24 + 4 of AVX-512's 32, 8 + 2 of AVX2's 16. A panel's PANEL columns take
- * PANEL / (VECS * LANES) passes. */
+ * 24 + 4 of AVX-512's 32, 12 + 4 of AVX2's 16. A panel's PANEL columns take
+ * PANEL / (VECS * LANES) passes: one with AVX-512, two with AVX2, each
+ * reading two adjacent cache lines of every input's 256 bytes. */
 #if defined(__AVX512F__)
 enum { LANES = 16, VECS = 4, ROWS = 6 };
 #else
-enum { LANES = 8, VECS = 2, ROWS = 4 };
+enum { LANES = 8, VECS = 4, ROWS = 3 };
 #endif
 enum { PANEL = 64, HALF = PANEL / 2, CHUNK = VECS * LANES, KBLOCK = 256 };
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
@@ -126,8 +127,8 @@ static void panel_rows(int bf16, const void *panel, int64_t K, const float *cons
 #if defined(__AVX512F__) /* ROWS 6 */
         PASS(6)
         PASS(5)
-#endif
         PASS(4)
+#endif
         PASS(3)
         PASS(2)
         PASS(1)

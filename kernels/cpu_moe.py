@@ -51,7 +51,7 @@ CACHE_ENV = "FLUIDSERVE_CACHE_DIR"
 NATIVE_ROWS = {torch.float32: math.inf, torch.bfloat16: 32}
 PANEL = 64  # cpu_moe.c's PANEL: the outputs of a panel of weights
 _SOURCE = Path(__file__).with_name("cpu_moe.c")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared",
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared",
           # vectorized sums in any order (not -ffast-math: that would also
           # flush denormals for the whole process)
           "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")  # fmt: skip
@@ -119,11 +119,13 @@ def _cpu_key() -> str:
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
-def _build(compiler: str) -> Path:
+def build(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """cpu_moe.c compiled (once for its source, the compiler, the flags and
+    this CPU) into the cache folder: the library's path."""
     source = _SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(b"\0".join(s.encode() if isinstance(s, str) else s for s in (
-        source, compiler, version, " ".join(_FLAGS), _cpu_key(), torch.__version__))).hexdigest()[:16]  # fmt: skip
+        source, compiler, version, " ".join(flags), _cpu_key(), torch.__version__))).hexdigest()[:16]  # fmt: skip
     for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"fluidserve-{os.getuid()}"):
         target = folder / f"cpu_moe-{key}.so"
         if target.exists():
@@ -135,7 +137,7 @@ def _build(compiler: str) -> Path:
         except OSError:
             continue
         try:
-            done = subprocess.run([compiler, *_FLAGS, "-o", partial, str(_SOURCE)], capture_output=True, text=True,
+            done = subprocess.run([compiler, *flags, "-o", partial, str(_SOURCE)], capture_output=True, text=True,
                                   timeout=300)  # fmt: skip
             if done.returncode:
                 raise OSError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
@@ -156,13 +158,18 @@ def native_library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler: the CPU's MoE experts run through oneDNN alone")
         return None
-    # torch has loaded its OpenMP runtime (libgomp.so.1) by now: the library
-    # links against the same soname, so its team is torch's own.
     try:
-        library = ctypes.CDLL(str(_build(compiler)))
+        return load(build(compiler))
     except (OSError, subprocess.SubprocessError) as err:
         logger.warning("the CPU's MoE kernel did not build (%s): its experts run through oneDNN alone", err)
         return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library, its entry points typed."""
+    # torch has loaded its OpenMP runtime (libgomp.so.1) by now: the library
+    # links against the same soname, so its team is torch's own.
+    library = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     library.fluidserve_moe.restype = library.fluidserve_moe_routed.restype = ctypes.c_int
     library.fluidserve_moe.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int, p]

@@ -87,6 +87,27 @@ def test_widths_off_the_kernels_vectors_and_panels(hidden, inter):
 
 
 @needs_native
+def test_the_avx2_build_equals_the_reference_too(monkeypatch, tmp_path):
+    """CI's CPU has AVX-512, so the default build takes the AVX-512 tile; a
+    build for AVX2 (three rows by 32 sums a pass, two passes a panel) must
+    give the reference's sums too, on both paths and with rows past a pass."""
+    if " avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("the CPU runs no AVX2")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    monkeypatch.setenv(cpu_moe.CACHE_ENV, str(tmp_path))
+    flags = tuple("-march=haswell" if f == "-march=native" else f for f in cpu_moe.FLAGS)
+    library = cpu_moe.load(cpu_moe.build(compiler, flags))
+    monkeypatch.setattr(cpu_moe, "native_library", lambda: library)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x, w13, w2, ids, weights = _case(29, 6, 3, dtype, seed=11, hidden=100, inter=40)
+        expected = reference.fused_experts(x, w13, w2, ids, weights)
+        packed = _packed(w13, w2, onednn=True)
+        for native_rows in (None, 10):
+            got = cpu_moe.fused_experts(x, packed, ids, weights, native_rows=native_rows)
+            torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+@needs_native
 def test_every_thread_count_gives_the_same_bits():
     """Each output is summed by one thread whatever the team's size: the
     results do not depend on how the items were shared out."""
