@@ -9,9 +9,10 @@ torch's dispatch and oneDNN's fork and join per product, not the bytes,
 set the time. So the experts go through ``cpu_moe.c``: one call a layer,
 the thread team forked once, each panel of weights streamed once past all
 of its expert's rows. bf16 experts of more than ``NATIVE_ROWS`` rows (a
-prefill's) go through oneDNN's linear over weights reordered into its
-blocked layout, whose bf16 dot products make better use of the arithmetic
-once rows reuse each weight many times.
+prefill's) go through oneDNN's linear over the model's own weights, whose
+bf16 dot products make better use of the arithmetic once rows reuse each
+weight many times; where cpu_moe.c is not built, every expert goes through
+oneDNN's linear over weights reordered into its blocked layout.
 
 ``cpu_moe.c`` is compiled on first use for this CPU (``cc -march=native``)
 into a cache folder and loaded with ctypes; where no compiler or OpenMP is
@@ -43,11 +44,13 @@ logger = logging.getLogger("fluidserve.kernels")
 NATIVE_ENV = "FLUIDSERVE_CPU_MOE"
 CACHE_ENV = "FLUIDSERVE_CACHE_DIR"
 # The most rows an expert may have and go through cpu_moe.c; the others take
-# oneDNN's linear. cpu_moe.c sums in float32 whatever the weights: for bf16
-# weights oneDNN's bf16 dot products overtake it past a few dozen rows, for
-# float32 it kept up to 2048 tokens of 8 experts each (64 experts of 192
-# features, hidden 512; benchmarks/cpu_moe.py's --native-rows sweep), so
-# float32 keeps no oneDNN copy of the weights.
+# oneDNN's linear over the model's own weights (no copy). In float32
+# cpu_moe.c kept up with oneDNN's reordered weights up to 2048 tokens of 8
+# experts each (64 experts of 192 features, hidden 512; benchmarks/
+# cpu_moe.py's --native-rows sweep). In bf16 it widens every weight to
+# float32, where oneDNN's bf16 dot products run twice as many products an
+# instruction: past a few dozen rows an expert (a prefill's) they are up to
+# 2x faster.
 NATIVE_ROWS = {torch.float32: math.inf, torch.bfloat16: 32}
 PANEL = 64  # cpu_moe.c's PANEL: the outputs of a panel of weights
 _SOURCE = Path(__file__).with_name("cpu_moe.c")
@@ -59,10 +62,13 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared",
 
 @dataclass(frozen=True)
 class PackedExperts:
-    """A layer's experts laid out for the two paths: oneDNN's reordered
-    weights an expert, and cpu_moe.c's panels (each None where its path is
-    not taken)."""
+    """A layer's experts laid out for the two paths: cpu_moe.c's panels,
+    and oneDNN's reordered weights an expert (each None where not made),
+    beside the model's stacked weights, which oneDNN's linear takes where
+    no reordered copy is made."""
 
+    gate_up: torch.Tensor  # [E, 2N, H], the model's
+    down: torch.Tensor  # [E, H, N], the model's
     w13: list[torch.Tensor] | None  # per expert, [2N, H] reordered
     w2: list[torch.Tensor] | None  # per expert, [H, N] reordered
     w13_panels: torch.Tensor | None  # [E, ceil(N / 32), H, PANEL]
@@ -92,15 +98,16 @@ def panels(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, tor
 def pack(gate_up: torch.Tensor, down: torch.Tensor, onednn: bool | None = None) -> PackedExperts:
     """A layer's stacked weights ([E, 2N, H] and [E, H, N]) for
     ``fused_experts``: cpu_moe.c's panels where it is built and takes the
-    dtype, oneDNN's copies where some experts go there (``onednn``: by
-    NATIVE_ROWS unless given)."""
+    dtype, oneDNN's reordered copies where it is not (``onednn``: make them
+    all the same)."""
     native = native_library() is not None and gate_up.dtype in NATIVE_ROWS
     if onednn is None:
-        onednn = not native or NATIVE_ROWS[gate_up.dtype] != math.inf
+        onednn = not native
     with torch.no_grad():
         w13 = [torch.ops.mkldnn._reorder_linear_weight(w.detach()) for w in gate_up] if onednn else None
         w2 = [torch.ops.mkldnn._reorder_linear_weight(w.detach()) for w in down] if onednn else None
-        return PackedExperts(w13, w2, *(panels(gate_up, down) if native else (None, None)))
+        return PackedExperts(gate_up.detach(), down.detach(), w13, w2,
+                             *(panels(gate_up, down) if native else (None, None)))  # fmt: skip
 
 
 def _cache_dir() -> Path:
@@ -202,7 +209,7 @@ def fused_experts(
     if native_rows is None:
         native_rows = NATIVE_ROWS.get(x.dtype, 0)
     native = packed.w13_panels is not None and native_rows > 0
-    experts = len(packed.w13_panels) if packed.w13_panels is not None else len(packed.w13)
+    experts = len(packed.gate_up)
     if native:  # the whole layer in one call where no expert has more rows
         # (the operands held in names: the call reads them through pointers)
         out, xf = torch.empty_like(x), x.float().contiguous()
@@ -214,23 +221,27 @@ def fused_experts(
         _check(done, topk_ids)
         if done == 0:
             return out
-    if packed.w13 is None:
-        raise ValueError(f"experts of more than {native_rows} rows need oneDNN's copies: pack(..., onednn=True)")
     out = torch.zeros_like(x)
     order, counts, tok = pairs_by_expert(topk_ids, experts)
     weights = topk_weights.t().reshape(-1).index_select(0, order)
     ys = x.new_empty(tok.numel(), x.shape[1])
     few = _native(x, packed, counts, tok, weights, ys, native_rows) if native else set()
-    linear = torch.ops.mkldnn._linear_pointwise
     start = 0
     for expert, n in enumerate(counts):
         if n and expert not in few:
             end = start + n
-            gate, up = linear(x[tok[start:end]], packed.w13[expert], None, "none", [], "").chunk(2, dim=-1)
-            y = linear(F.silu(gate) * up, packed.w2[expert], None, "none", [], "")
+            gate, up = _linear(x[tok[start:end]], packed.w13, packed.gate_up, expert).chunk(2, dim=-1)
+            y = _linear(F.silu(gate) * up, packed.w2, packed.down, expert)
             ys[start:end] = y * weights[start:end, None]
         start += n
     return out.index_add_(0, tok, ys.to(out.dtype))
+
+
+def _linear(x: torch.Tensor, reordered: list[torch.Tensor] | None, stacked: torch.Tensor, expert: int) -> torch.Tensor:
+    """oneDNN's linear over the expert's reordered copy, or its weights as the model holds them."""
+    if reordered is None:
+        return F.linear(x, stacked[expert])
+    return torch.ops.mkldnn._linear_pointwise(x, reordered[expert], None, "none", [], "")
 
 
 def _check(done: int, topk_ids: torch.Tensor) -> None:

@@ -48,16 +48,18 @@ def test_the_native_kernel_builds_here():
 
 
 @needs_native
-def test_float32_experts_keep_one_copy_and_bf16_two():
-    """Every float32 expert goes through cpu_moe.c, so no oneDNN copy is
-    made; bf16 experts of many rows go to oneDNN, which keeps its own."""
-    fp32 = _packed(*_case(1, 4, 1, torch.float32)[1:3])
-    assert fp32.w13_panels is not None and fp32.w13 is None and fp32.w2 is None
-    bf16 = _packed(*_case(1, 4, 1, torch.bfloat16)[1:3])
-    assert bf16.w13_panels is not None and len(bf16.w13) == len(bf16.w2) == 4
-    x, w13, w2, ids, weights = _case(64, 2, 1, torch.float32)  # ~32 rows an expert
-    with pytest.raises(ValueError, match="onednn=True"):
-        cpu_moe.fused_experts(x, fp32, ids % 2, weights, native_rows=3)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_experts_keep_one_copy_beside_the_models(dtype, tol):
+    """The layer holds its weights once beside the model's (the panels), in
+    float32 and in bf16: experts past native_rows take oneDNN's linear over
+    the model's own weights, and a reordered copy is made only when asked."""
+    x, w13, w2, ids, weights = _case(64, 2, 1, dtype)  # ~32 rows an expert
+    packed = _packed(w13, w2)
+    assert packed.w13_panels is not None and packed.w13 is None and packed.w2 is None
+    assert packed.gate_up.data_ptr() == w13.data_ptr() and packed.down.data_ptr() == w2.data_ptr()
+    got = cpu_moe.fused_experts(x, packed, ids, weights, native_rows=3)
+    torch.testing.assert_close(got, reference.fused_experts(x, w13, w2, ids, weights), rtol=tol, atol=tol)
+    assert len(_packed(w13, w2, onednn=True).w13) == 2
 
 
 @needs_native
