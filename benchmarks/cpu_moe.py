@@ -135,19 +135,21 @@ def main(argv: list[str] | None = None) -> int:
         layers = [tuple(a.to(dtype) if i < 3 else a for i, a in
                         enumerate(operands(t, args.experts, args.top_k, args.hidden, args.inter, seed=layer)))
                   for layer in range(args.layers)]  # fmt: skip
-        packs = [cpu_moe.pack(w13, w2, onednn=True) for _, w13, w2, _, _ in layers]
+        # serving's layout (experts past native_rows take the model's own weights), and oneDNN's copies
+        packs = [cpu_moe.pack(w13, w2) for _, w13, w2, _, _ in layers]
+        copies = [cpu_moe.pack(w13, w2, onednn=True) for _, w13, w2, _, _ in layers]
 
         def run(way: str) -> None:
-            for (x, w13, w2, ids, weights), packed in zip(layers, packs):
+            for (x, w13, w2, ids, weights), packed, copied in zip(layers, packs, copies):
                 if way == "reference":
                     reference.fused_experts(x, w13, w2, ids, weights)
                 else:
-                    cpu_moe.fused_experts(x, packed, ids, weights, ways[way])
+                    cpu_moe.fused_experts(x, copied if way == "onednn" else packed, ids, weights, ways[way])
 
         x, w13, w2, ids, weights = layers[0]
         expected = reference.fused_experts(x, w13, w2, ids, weights).float()
         ours = cpu_moe.fused_experts(x, packs[0], ids, weights)
-        diffs = {"onednn": (cpu_moe.fused_experts(x, packs[0], ids, weights, 0).float() - expected).abs().max().item(),
+        diffs = {"onednn": (cpu_moe.fused_experts(x, copies[0], ids, weights, 0).float() - expected).abs().max().item(),
                  "serving": (ours.float() - expected).abs().max().item()}
         for_vllm[t] = (layers, ours)
         times: dict[str, list[float]] = {name: [] for name in ways}
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.top_k} a token, hidden {args.hidden}, {args.dtype}; {args.layers} layer(s) of weights timed in "
              f"turn (per layer below); median of {args.rounds} rounds, the three ways in each. **oneDNN**: every "
              f"expert through oneDNN's linear over its reordered weights; **serving**: {serving} through "
-             "`cpu_moe.c` in one call a layer, any others through oneDNN"
+             "`cpu_moe.c` in one call a layer, any others through oneDNN's linear over the stacked weights"
              + ("; **vLLM**: its CPU build's fused MoE kernel (`cpu_fused_moe`, its unquantized CPU experts' path) "
                 "over the same operands in a process of its own, after ours, with as many threads." if vllm else "."),
              "", "| tokens | experts reached | their weights MB | reference ms | oneDNN ms | serving ms "
@@ -197,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['vllm_max_abs_diff']:.1e} |")
         lines.append(line)
     if args.native_rows:
-        lines += ["", "The experts of at most N rows through `cpu_moe.c`, the others through oneDNN (ms a layer):", "",
+        lines += ["", "The experts of at most N rows through `cpu_moe.c`, the others through oneDNN's linear over the "
+                  "stacked weights (ms a layer):", "",
                   "| tokens | oneDNN | " + " | ".join(f"N = {n}" for n in args.native_rows) + " |",
                   "|---:|---:|" + "---:|" * len(args.native_rows)]
         lines += [f"| {r['tokens']} | {r['onednn_ms']:.2f} | " + " | ".join(f"{r['sweep_ms'][n]:.2f}"
