@@ -65,8 +65,7 @@ typedef struct {
      * (float32), its k slots in increasing expert id. */
     const int64_t *ids, *slot_pair; /* [T, k]: each slot's expert, its pair */
     int64_t T, k;
-    void *out; /* [T, H] (no sums where NULL) */
-    int out_bf16;
+    void *out; /* [T, H] in the weights' type (no sums where NULL) */
 } Layer;
 
 static inline vec load(const float *p) {
@@ -136,6 +135,11 @@ static void panel_rows(int bf16, const void *panel, int64_t K, const float *cons
 #undef PASS
 }
 
+/* Panel `index` of a [.., K, PANEL] stack, from input k0 on. */
+static inline const void *panel_at(const Layer *L, const void *w, int64_t index, int64_t K, int64_t k0) {
+    return (const char *)w + (index * K + k0) * PANEL * (L->bf16 ? sizeof(uint16_t) : sizeof(float));
+}
+
 /* sums[q][c] = sum_k src_q[k] * panel[k][c] for the expert's rows q (first ..
  * last; src_q is x's row of the pair's token, or its activations), ROWS
  * rows a pass. The inputs go in blocks of KBLOCK, so that a block of the
@@ -144,14 +148,13 @@ static void panel_rows(int bf16, const void *panel, int64_t K, const float *cons
  * once, whatever K. */
 static void expert_panel(const Layer *L, const void *panel, int64_t K, int64_t first, int64_t last, int gate,
                          float (*sums)[PANEL]) {
-    const int size = L->bf16 ? 2 : 4;
     for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {
         const int64_t kn = K - k0 < KBLOCK ? K - k0 : KBLOCK;
         for (int64_t p = first; p < last; p += ROWS) {
             int nr = last - p < ROWS ? (int)(last - p) : ROWS;
             const float *rows[ROWS];
             for (int r = 0; r < nr; r++) rows[r] = (gate ? L->x + L->tok[p + r] * K : L->act + (p + r) * K) + k0;
-            panel_rows(L->bf16, (const char *)panel + k0 * PANEL * size, kn, rows, nr, sums + (p - first), k0 > 0);
+            panel_rows(L->bf16, panel_at(L, panel, 0, K, k0), kn, rows, nr, sums + (p - first), k0 > 0);
         }
     }
 }
@@ -166,11 +169,6 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
-static inline const void *panel_at(const Layer *L, const void *w, int64_t index, int64_t K) {
-    int64_t at = index * K * PANEL;
-    return L->bf16 ? (const void *)((const uint16_t *)w + at) : (const void *)((const float *)w + at);
-}
-
 /* One item of a phase, sums the thread's room for its expert's rows.
  * gate/up: act[p, f] = silu(gate) * up for the features f of the item's
  * panels (32 a panel). down: ys[p, h] = pair_weight[p] * sum_i act[p, i]
@@ -181,7 +179,7 @@ static void work(const Layer *L, const Item *it, int gate, float (*sums)[PANEL])
     const int64_t first = L->starts[e], last = L->starts[e + 1];
     for (int64_t j = it->lo; j < it->hi; j++) {
         const int64_t width = outs - j * step < step ? outs - j * step : step, at = j * step;
-        expert_panel(L, panel_at(L, gate ? L->w13 : L->w2, e * panels + j, K), K, first, last, gate, sums);
+        expert_panel(L, panel_at(L, gate ? L->w13 : L->w2, e * panels + j, K, 0), K, first, last, gate, sums);
         for (int64_t p = first; p < last; p++) {
             const float *s = sums[p - first];
             const float weight = L->pair_weight[p];
@@ -222,7 +220,7 @@ static void sum_tokens(const Layer *L, int64_t t) {
             const float *y = (const float *)L->ys + L->slot_pair[t * k + slots[j]] * H + h0;
             for (int64_t h = 0; h < width; h++) sum[h] += y[h];
         }
-        if (L->out_bf16)
+        if (L->bf16)
             for (int64_t h = 0; h < width; h++) ((uint16_t *)L->out)[t * H + h0 + h] = f32_to_bf16(sum[h]);
         else
             memcpy((float *)L->out + t * H + h0, sum, sizeof(float) * width);
@@ -330,7 +328,7 @@ int fluidserve_moe_routed(const float *x, const void *w13, const void *w2, const
         }
     Layer L = {.x = x, .w13 = w13, .w2 = w2, .tok = tok, .starts = starts, .pair_weight = pair_weight,
                .ys = ys, .H = H, .N = N, .bf16 = bf16, .ys_bf16 = 0,
-               .ids = ids, .slot_pair = slot_pair, .T = T, .k = k, .out = out, .out_bf16 = bf16};
+               .ids = ids, .slot_pair = slot_pair, .T = T, .k = k, .out = out};
     status = run_layer(&L, order, experts, pairs, threads);
 done:
     free(counts), free(starts), free(tok), free(slot_pair), free(order), free(pair_weight), free(ys);
