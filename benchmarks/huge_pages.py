@@ -26,7 +26,8 @@ rounds; each engine's own is recorded too. All must give the same tokens
 Shapes: ``dense`` (Llama, hidden 1024, 8 layers, MLP 2816, vocab 32000:
 600 MB in float32, far past the cache), ``cpu-small`` (benchmarks/
 dummy_models.py's, 150 MB) and ``qwen3-moe`` (benchmarks/models_vs_vllm.py's
-Qwen3-MoE: 64 experts of 192 features, 8 a token).
+Qwen3-MoE experts, 64 of 192 features, 8 a token, in 8 layers over 2 KV
+heads).
 
     python benchmarks/huge_pages.py
     python benchmarks/huge_pages.py --models dense --dtype bfloat16 --rounds 7
@@ -55,6 +56,8 @@ from dummy_models import PRESETS, device_name, save_results
 RESULTS = Path(__file__).resolve().parent / "results"
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
+_madvise = ctypes.CDLL(None, use_errno=True).madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 @dataclasses.dataclass
@@ -80,9 +83,7 @@ def advise(address: int, nbytes: int, done: Advised) -> None:
     if end <= start:
         done.left += nbytes
         return
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if madvise(start, end - start, MADV_HUGEPAGE) or madvise(start, end - start, MADV_COLLAPSE):
+    if _madvise(start, end - start, MADV_HUGEPAGE) or _madvise(start, end - start, MADV_COLLAPSE):
         code = ctypes.get_errno()  # EINVAL: a kernel before 6.1; EAGAIN, ENOMEM: no free huge page
         done.refused = done.refused or f"madvise: {errno.errorcode.get(code, code)}, {os.strerror(code)}"
         done.left += nbytes
@@ -124,6 +125,7 @@ def advise_model(model: nn.Module) -> Advised:
                     advise(address, nbytes, done)
     done.seconds = time.perf_counter() - start
     return done
+
 
 SHAPES = {
     "dense": ("llama", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
              f"Command: `{record['command']}`; {record['device']}; kernel THP mode `{record['thp_mode']}`. Four "
              "engines over the same checkpoint in one process, built in the order 4 KiB, 2 MiB, 2 MiB, 4 KiB; "
              "rounds time each in turn; greedy decode, output tokens per second over the median of a way's "
-             "rounds (each engine's own in brackets, in the order built); all give the same tokens.", "",
+             "rounds (each engine's own in the last column, in the order built); all give the same tokens.", "",
              "| model | dtype | batch | 4 KiB pages tok/s | 2 MiB pages tok/s | speed-up | each engine |",
              "|---|---|---:|---:|---:|---:|---|"]
     lines += [f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['small_tok_s']:.1f} | {r['huge_tok_s']:.1f} | "
