@@ -439,7 +439,14 @@ def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = Fals
     checkpoint's format (``quantization.checkpoint_quantization``), its
     weights dequantized as they are read, or kept as stored where a linear
     holds the checkpoint's codes (``quantized_linears``)."""
-    model_dir = Path(model_dir)
+    _read_weights(model, Path(model_dir), base_only, quantization)
+    # After the read has let go of the parameters: a linear packed for the
+    # CPU drops the weight it was packed from, which frees nothing while
+    # the read's targets still hold it.
+    prepack_linears(model)
+
+
+def _read_weights(model: nn.Module, model_dir: Path, base_only: bool, quantization: CheckpointFormat | None) -> None:
     targets = checkpoint_targets(model)
     loaded: set[str] = set()
     device = next(model.parameters()).device
@@ -476,7 +483,6 @@ def load_weights(model: nn.Module, model_dir: Path | str, base_only: bool = Fals
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights: {sorted(missing)[:5]}")
-    prepack_linears(model)
 
 
 def held_weights(model: nn.Module, dtype: torch.dtype) -> str:
@@ -499,6 +505,11 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Small random weights: enough for timing, never for text. A sharded
     tensor is drawn whole and this rank keeps its slice, so every
     tensor_parallel_size yields the same model."""
+    _draw_weights(model, seed)
+    prepack_linears(model)  # after the draw has let go of the parameters, as in ``load_weights``
+
+
+def _draw_weights(model: nn.Module, seed: int) -> None:
     torch.manual_seed(seed)
     with torch.no_grad():
         for target in checkpoint_targets(model).values():  # tied weights appear once
@@ -510,7 +521,6 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             else:
                 full = torch.empty(target.spec.full_shape(dest.shape), dtype=dest.dtype, device=dest.device)
                 dest.copy_(target.spec.take(full.uniform_(-0.02, 0.02)))
-    prepack_linears(model)
 
 
 def model_context_length(hf_config) -> int:

@@ -32,6 +32,8 @@ decode graph).
 
 from __future__ import annotations
 
+import collections
+import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -289,13 +291,18 @@ class _PrepackedLinear(HeldWeights):
     """A linear whose weight, on the CPU, is reordered once into oneDNN's
     blocked layout (``prepack``, called after the weights are loaded) and run
     by oneDNN's linear: 1.1-2x faster than ``F.linear`` at every batch size
-    measured (benchmarks/cpu_linear.py). The parameter itself stays as
-    loaded, so names, shapes and tensor-parallel shards are unchanged; the
-    packed copy is a plain attribute, outside ``state_dict``."""
+    measured (benchmarks/cpu_linear.py). The packed copy is a plain
+    attribute, outside ``state_dict``. Once packed, the weight as loaded is
+    dropped where nothing else reads it (``prepack(keep_dense=False)``):
+    every product then runs on the packed copy, and keeping both would hold
+    the linears' weights twice. The parameter becomes a stand-in of the
+    same shape, dtype, device and shard that holds no memory (NaN, so a
+    stray read shows); ``dense_weight`` reads the values back."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
     _packed: torch.Tensor | None = None
+    _dense_dropped = False
     # Adapter slots (engine/lora.py), with --enable-lora: a step with
     # adapter rows adds their low-rank products to every product here.
     lora: "LoRAWeights | None" = None
@@ -315,9 +322,13 @@ class _PrepackedLinear(HeldWeights):
             return None
         return self.weight if self.quantized_weight is None else self.quantized_weight.packed()
 
-    def prepack(self) -> None:
+    def prepack(self, keep_dense: bool = True) -> None:
         """Pack the weight as it is now; later changes to it are not seen
-        (the loader packs once, after the last write)."""
+        (the loader packs once, after the last write). Without
+        ``keep_dense``, the weight as loaded is dropped once packed: for a
+        weight no other module shares or reads (``prepack_linears``)."""
+        if self._dense_dropped:
+            return  # packed already, from values the stand-in no longer holds
         self._packed = None
         if self.quantized_weight is not None:
             self.quantized_weight.settle()
@@ -327,6 +338,23 @@ class _PrepackedLinear(HeldWeights):
         if can_prepack(self.weight) and ops.kernel_path(self.weight.device) != "triton":
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            if not keep_dense:
+                self._drop_dense()
+
+    def _drop_dense(self) -> None:
+        dense = self.weight
+        stand_in = torch.full((), float("nan"), dtype=dense.dtype, device=dense.device).expand(dense.shape)
+        param = nn.Parameter(stand_in, requires_grad=False)
+        for attr in (_SHARD_ATTR, _PIECES_ATTR):
+            if hasattr(dense, attr):
+                setattr(param, attr, getattr(dense, attr))
+        self.weight = param
+        self._dense_dropped = True
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight's values [out, in]: the parameter, or where it was
+        dropped, a dense copy read back from the packed one (exact)."""
+        return self._packed.to_dense() if self._dense_dropped else self.weight
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
                 path: ops.KernelPath | None = None) -> torch.Tensor:  # fmt: skip
@@ -336,11 +364,19 @@ class _PrepackedLinear(HeldWeights):
         it). x: [T, in]."""
         if self.quantized_weight is not None:
             y = ops.linear(x, self.quantized_weight.packed(), bias, residual, path)
-        elif self._packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
+        elif self._packed is not None and x.device.type == "cpu" and (x.dtype == self.weight.dtype
+                                                                      or self._dense_dropped):
+            rows, dtype = x, self.weight.dtype
+            if x.dtype != dtype:
+                # Rows of another dtype (none the models send) take the packed
+                # weight's: the dense weight that would take them is gone.
+                rows, residual = x.to(dtype), None if residual is None else residual.to(dtype)
             if residual is not None:
-                y = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._packed, bias, "add")
+                y = torch.ops.mkldnn._linear_pointwise.binary(rows, residual, self._packed, bias, "add")
             else:
-                y = torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+                y = torch.ops.mkldnn._linear_pointwise(rows, self._packed, bias, "none", [], "")
+            if y.dtype != x.dtype:
+                y = y.to(x.dtype)
         else:
             y = ops.linear(x, self.weight, bias, residual, path)
         return y if self.lora is None else self.lora.add_to(x, y)
@@ -505,15 +541,48 @@ def realize_linears(model: nn.Module, held: set[str], device: torch.device) -> N
             module.realize(device)
 
 
+def trim_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc's
+    ``malloc_trim``; elsewhere nothing). Weights of a few MB live in the
+    heap, not in mappings of their own (glibc maps only blocks past a
+    threshold it raises as large blocks are freed), so the weights a linear
+    drops once packed leave holes the process keeps resident: on SmolLM2
+    in fp32, 38 MiB of the 405 dropped."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+
+
+def loaded_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model`` by name, with the values the loader
+    wrote: a linear weight dropped once packed read back from its packed copy."""
+    dropped = {f"{name}.weight": m for name, m in model.named_modules()
+               if isinstance(m, _PrepackedLinear) and m._dense_dropped}  # fmt: skip
+    return {name: dropped[name].dense_weight() if name in dropped else param
+            for name, param in model.named_parameters()}
+
+
 def prepack_linears(model: nn.Module) -> None:
     """Pack every linear of ``model`` for the CPU (a no-op elsewhere), and
     have every other module with a ``prepack`` (a decoder layer that reads
     its weights once for the batch-1 row path) take the weights as they are
     now."""
     modules = list(model.modules())
+    # A linear gives up its weight as loaded once packed, unless another
+    # module holds the same parameter (an LM head tied to the embedding) or
+    # it reads the values itself (a router's float32 scores).
+    holders = collections.Counter(id(p) for m in modules for p in m._parameters.values() if p is not None)
+    dropped = 0
     for module in modules:
-        if isinstance(module, _PrepackedLinear):
-            module.prepack()
+        if isinstance(module, _PrepackedLinear) and not module._dense_dropped:
+            module.prepack(keep_dense=holders[id(module.weight)] > 1 or not module.takes_quantized_weight)
+            dropped += module._dense_dropped
+    if dropped:
+        trim_heap()
     for module in modules:  # after the linears: these may read what they packed
         if not isinstance(module, _PrepackedLinear) and callable(getattr(type(module), "prepack", None)):
             module.prepack()

@@ -257,6 +257,92 @@ def test_a_cpu_that_refuses_packed_weights_keeps_f_linear(tiny_model, monkeypatc
     torch.testing.assert_close(plain, packed, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch, tied", [("llama", True), ("glm4_moe", False)])
+def test_packed_linears_give_up_the_weights_they_were_packed_from(tiny_model, make_llm, arch, tied):
+    """Once oneDNN holds a linear's weight, the weight as loaded is dropped:
+    its parameter keeps the shape, dtype and shard but no memory, and the
+    packed copy reads back to the checkpoint's values. An LM head tied to the
+    embedding (which looks rows up in it) and GLM-4.5's router (whose float32
+    scores read it) keep theirs. The tokens stay transformers'."""
+    from safetensors.torch import load_file
+
+    from fluidserve.engine import parallel
+
+    path = tiny_model(arch, tie_word_embeddings=tied)
+    llm = make_llm(path)
+    outs = llm.generate(PROMPTS[:2], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS[:2], 16)
+    model = llm.engine.executor.worker.model
+    saved = load_file(f"{path}/model.safetensors")
+    linears = dict((n, m) for n, m in model.named_modules() if isinstance(m, parallel._PrepackedLinear))
+    kept = {n for n, m in linears.items() if not m._dense_dropped}
+    expected = {n for n in linears if n.endswith(".gate") and arch == "glm4_moe"} | ({"lm_head"} if tied else set())
+    assert kept == expected
+    for name, m in linears.items():
+        if name in kept:
+            assert m.weight.untyped_storage().nbytes() == m.weight.numel() * m.weight.element_size()
+            continue
+        assert m.weight.untyped_storage().nbytes() == m.weight.element_size()  # one NaN, expanded
+        assert m.weight.isnan().all() and m.weight.shape == m.dense_weight().shape
+    o_proj = linears["model.layers.0.self_attn.o_proj"]
+    assert torch.equal(o_proj.dense_weight(), saved["model.layers.0.self_attn.o_proj.weight"])
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_a_linear_without_its_dense_weight_takes_rows_of_another_dtype():
+    """Rows of another dtype than the weight's would have gone to the dense
+    weight; once it is dropped they take the packed one's dtype and come
+    back in their own, with the residual added as before."""
+    from fluidserve.engine.parallel import ColumnParallelLinear, TensorParallel, prepack_linears
+
+    torch.manual_seed(0)
+    linear = ColumnParallelLinear(32, 48, True, TensorParallel(0, 1))
+    with torch.no_grad():
+        linear.weight.normal_()
+        linear.bias.normal_()
+    weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
+    prepack_linears(linear)
+    assert linear._dense_dropped and linear.weight.isnan().all()
+    x, residual = torch.randn(3, 32).bfloat16(), torch.randn(3, 48).bfloat16()
+    expected = torch.nn.functional.linear(x.float(), weight, bias)
+    y = linear(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), expected, atol=0.1, rtol=0.02)
+    y = linear._linear(x, linear.bias, residual)
+    torch.testing.assert_close(y.float(), expected + residual.float(), atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize("dummy", [False, True], ids=["checkpoint", "dummy"])
+def test_each_linear_frees_its_weight_before_the_next_is_packed(tiny_model, monkeypatch, dummy):
+    """Loading packs the linears one by one, each dropping the weight it
+    was packed from; nothing else may hold those weights by then (the
+    read's own bookkeeping included), or their memory is freed only after
+    every packed copy was allocated beside it: the process then peaks at
+    every weight twice and keeps the holes resident."""
+    import weakref
+
+    from fluidserve.engine import parallel
+    from fluidserve.engine.loader import build_model, init_dummy_weights, load_hf_config, load_weights
+
+    path = tiny_model("llama")
+    model = build_model(load_hf_config(path), torch.float32, torch.device("cpu"))
+    linears = [m for m in model.modules() if isinstance(m, parallel._PrepackedLinear)]
+    dense = [weakref.ref(m.weight) for m in linears]
+    assert parallel.can_prepack(linears[0].weight)  # its trial pack done before counting
+    alive, reorder = [], torch.ops.mkldnn._reorder_linear_weight
+
+    def counting(weight):
+        alive.append(sum(r() is not None for r in dense))
+        return reorder(weight)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", counting)
+    init_dummy_weights(model) if dummy else load_weights(model, path)
+    assert all(m._dense_dropped for m in linears)
+    assert alive == list(range(len(linears), 0, -1))
+    assert [r() for r in dense] == [None] * len(linears)
+
+
 def test_bin_checkpoint_and_dummy_weights_load(tiny_model, make_llm, tmp_path):
     path = tiny_model("opt")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path)

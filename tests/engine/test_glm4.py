@@ -56,5 +56,5 @@ def test_each_rank_holds_its_heads_reordered_rows(tiny_model):
         model = build_model(load_hf_config(path), torch.float32, torch.device("cpu"), TensorParallel(rank=rank, size=2))
         load_weights(model, path)
         qkv = model.model.layers[0].self_attn.qkv_proj
-        assert torch.equal(qkv.weight[:32], q[32 * rank:32 * rank + 32])
+        assert torch.equal(qkv.dense_weight()[:32], q[32 * rank:32 * rank + 32])
         assert torch.equal(qkv.bias[32:48], k[16 * rank:16 * rank + 16])

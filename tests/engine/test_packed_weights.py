@@ -19,7 +19,7 @@ import torch
 from fluidserve.engine import SamplingParams
 from fluidserve.engine.loader import build_model, load_hf_config, load_weights, quantized_linears
 from fluidserve.engine.models.moe import Experts
-from fluidserve.engine.parallel import HeldWeights, QuantizedWeight, TensorParallel, realize_linears
+from fluidserve.engine.parallel import HeldWeights, QuantizedWeight, TensorParallel, loaded_weights, realize_linears
 from fluidserve.engine.quantization import checkpoint_quantization
 from fluidserve.kernels import ops, reference
 from quantized_utils import fp8, packed_int, random_model, write_quantized
@@ -171,7 +171,7 @@ def _tensor_parallel_ranks(tmp_path, arch: str, quantize, qc):
         load_weights(ours, checkpoint, quantization=fmt)
         plain = build_model(config, torch.float32, torch.device("cpu"), tp)
         load_weights(plain, plain_dir)
-        yield rank, config, ours, dict(plain.named_parameters())
+        yield rank, config, ours, loaded_weights(plain)
 
 
 @pytest.mark.parametrize("quantize, qc, group_size", [

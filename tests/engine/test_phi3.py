@@ -79,8 +79,8 @@ def test_fused_checkpoint_tensors_split_into_each_ranks_parts(tiny_model):
         layer = model.model.layers[1]
         heads, kv_heads, inter = slice(32 * rank, 32 * rank + 32), slice(16 * rank, 16 * rank + 16), slice(
             64 * rank, 64 * rank + 64)
-        assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat([q[heads], k[kv_heads], v[kv_heads]]))
-        assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat([gate[inter], up[inter]]))
+        assert torch.equal(layer.self_attn.qkv_proj.dense_weight(), torch.cat([q[heads], k[kv_heads], v[kv_heads]]))
+        assert torch.equal(layer.mlp.gate_up_proj.dense_weight(), torch.cat([gate[inter], up[inter]]))
 
 
 @pytest.mark.parametrize("rope", [{}, longrope(512)], ids=["rope", "longrope"])

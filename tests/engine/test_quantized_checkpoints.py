@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from fluidserve.engine import SamplingParams
 from fluidserve.engine.loader import build_model, load_hf_config, load_weights
-from fluidserve.engine.parallel import TensorParallel
+from fluidserve.engine.parallel import TensorParallel, loaded_weights
 from fluidserve.engine.quantization import PackedIntCheckpoint, checkpoint_quantization
 from quantized_utils import fp8, packed_int, random_model, write_quantized
 from token_paths import PROMPTS, hf_greedy
@@ -77,7 +77,7 @@ def test_each_tensor_parallel_rank_holds_its_shard_of_the_dequantized_weights(tm
                        for _ in range(2))
         load_weights(ours, checkpoint, quantization=checkpoint_quantization(config))
         load_weights(plain, reference)
-        for (name, a), (_, b) in zip(ours.named_parameters(), plain.named_parameters(), strict=True):
+        for (name, a), (_, b) in zip(loaded_weights(ours).items(), loaded_weights(plain).items(), strict=True):
             assert torch.equal(a, b), f"rank {rank}: {name}"
 
 
