@@ -1,18 +1,21 @@
 """Memory a CPU engine holds for its weights, for one or more source trees
 side by side (this tree and a git checkout of an older commit, say), each
 in its own process: since oneDNN's reordered copy runs every product of a
-linear, does dropping the weight it was packed from halve what the linears
-hold, without costing a decode step anything?
+linear (and cpu_moe.c's panels every fp32 expert's), does dropping the
+weights they were packed from halve what those hold, without costing a
+decode step anything?
 
 Each process builds an engine (``LLM``, dummy weights, ``--dtype``) of a
-Llama-3-8B-shaped model cut to ``--layers`` decoder layers (hidden 4096,
-MLP 14336, 32 query / 8 KV heads, vocab 128256), then decodes ``--tokens``
-greedy tokens for one prompt (after a warm-up of 4). Figures: the
-process's resident memory before the engine (torch and the tree's
-packages imported), after it was built, and at its peak (``VmHWM``); the
-build's seconds; decode ms a token; and the tokens themselves, which every
-tree must give alike (checked). The weights' own bytes (``--dtype``) are
-worked out from the shape.
+model of ``--shape`` cut to ``--layers`` decoder layers: Llama-3-8B's
+(hidden 4096, MLP 14336, 32 query / 8 KV heads, vocab 128256) or
+Qwen3-30B-A3B's (hidden 2048, 128 experts of 768 features, 8 a token, 32
+query / 4 KV heads, vocab 151936), then decodes ``--tokens`` greedy tokens
+for one prompt (after a warm-up of 4). Figures: the process's resident
+memory before the engine (torch and the tree's packages imported), after
+it was built, and at its peak (``VmHWM``); the build's seconds; decode ms a
+token; and the tokens themselves, which every tree must give alike
+(checked). The weights' bytes are their parameters' shapes' (a weight
+given up keeps its shape).
 
     git archive HEAD~1 | tar -x -C /tmp/old
     python benchmarks/cpu_weight_memory.py . /tmp/old --names new old
@@ -68,8 +71,16 @@ faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_co
 out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))[0].outputs[0]
 decode = (time.perf_counter() - start) / tokens
 faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / tokens
+# The weights' bytes by their shapes (a parameter given up keeps its shape), each tensor once.
+import torch
+params = {id(p): p for p in llm.engine.executor.worker.model.parameters()}.values()
+embedded = {id(p) for m in llm.engine.executor.worker.model.modules() if "Embedding" in type(m).__name__
+            for p in m.parameters()}
+weights = sum(p.numel() * p.element_size() for p in params)
+embedding = sum(p.numel() * p.element_size() for p in params if id(p) in embedded)
 print(json.dumps({"rss_before": before, "rss_built": after, "peak": status("VmHWM"), "build_s": built,
-                  "decode_s": decode, "faults": faults, "tokens": out.token_ids}))
+                  "decode_s": decode, "faults": faults, "weights": weights, "embedding": embedding,
+                  "tokens": out.token_ids}))
 '''
 
 
@@ -119,19 +130,20 @@ def interleaved(trees: list[str], rounds: int, run: Callable[[str], dict]) -> di
     return runs
 
 
-def weight_bytes(config: dict, dtype: torch.dtype) -> tuple[int, int]:
-    """(the linears' weights, the embedding's) in bytes: an untied LM head is a linear."""
-    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    kv = config["num_key_value_heads"] * config["head_dim"]
-    q = config["num_attention_heads"] * config["head_dim"]
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
-    size = torch.empty((), dtype=dtype).element_size()
-    return (layers * per_layer + config["vocab_size"] * h) * size, config["vocab_size"] * h * size
+# Model shapes: Llama-3-8B's, and Qwen3-30B-A3B's (128 experts of 768 features, 8 a token).
+SHAPES = {
+    "llama3-8b": ("llama", "LlamaForCausalLM", PRESETS["llama3-8b"]),
+    "qwen3-30b-a3b": ("qwen3_moe", "Qwen3MoeForCausalLM", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        max_position_embeddings=8192, tie_word_embeddings=False)),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     tree_compare.add_arguments(ap)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--tokens", type=int, default=16)
@@ -143,12 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(args, cmd)
     from fluidserve.engine.tiny_model import save_byte_tokenizer, tiny_config
 
-    shape = {**PRESETS["llama3-8b"], "num_hidden_layers": args.layers}
+    arch, architecture, shape = SHAPES[args.shape]
+    shape = {**shape, "num_hidden_layers": args.layers}
     names = dict(zip(args.trees, args.names or args.trees))
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as root:
-        config = tiny_config("llama", **shape)
-        config.architectures = ["LlamaForCausalLM"]
+        config = tiny_config(arch, **shape)
+        config.architectures = [architecture]
         config.save_pretrained(root)
         save_byte_tokenizer(root)
         probe_args = [root, args.dtype, str(args.tokens)]
@@ -157,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = {names[t]: {str(r.pop("tokens")) for r in rs} for t, rs in runs.items()}
     if len(set().union(*tokens.values())) != 1:
         raise SystemExit(f"the trees decode different tokens: {tokens}")
-    linears, embedding = weight_bytes(shape, getattr(torch, args.dtype))
+    weights, embedding = (statistics.median(r[k] for rs in runs.values() for r in rs) for k in ("weights", "embedding"))
     gib = 2**30
     rows = []
     for tree, rs in runs.items():
@@ -165,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"tree": names[tree], **med, "held": med["rss_built"] - med["rss_before"],
                      "fastest": min(r["decode_s"] for r in rs)})
     md = [f"# CPU engine memory: the weights as loaded beside oneDNN's packed copies ({args.dtype})", "",
-          f"Llama-3-8B-shaped model cut to {args.layers} decoder layers, dummy weights in {args.dtype}: "
-          f"{linears / gib:.2f} GiB of linear weights (the LM head among them) and "
-          f"{embedding / gib:.2f} GiB of embedding. Each tree in its own process, {args.rounds} a tree, "
+          f"{args.shape}-shaped model cut to {args.layers} decoder layers, dummy weights in {args.dtype}: "
+          f"{weights / gib:.2f} GiB of weights, {embedding / gib:.2f} GiB of them the embedding. Each tree in its "
+          f"own process, {args.rounds} a tree, "
           f"interleaved, the order reversed every round; medians (decode: the fastest process's in "
           f"brackets). **held** = resident memory after building the engine less before it "
           f"(torch and the packages imported); **peak** = the process's high-water mark (build and "
@@ -179,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
           "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         md.append(f"| {r['tree']} | {r['held'] / gib:.2f} | {r['peak'] / gib:.2f} | "
-                  f"{r['held'] / (linears + embedding):.2f}x | {r['build_s']:.1f} | {r['decode_s'] * 1e3:.1f} "
+                  f"{r['held'] / weights:.2f}x | {r['build_s']:.1f} | {r['decode_s'] * 1e3:.1f} "
                   f"({r['fastest'] * 1e3:.1f}) |")
     first = rows[0]
     for r in rows[1:]:
@@ -187,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         md.append(f"{first['tree']} against {r['tree']}: held {first['held'] / r['held']:.2f}x, "
                   f"peak {first['peak'] / r['peak']:.2f}x, decode time {first['decode_s'] / r['decode_s']:.2f}x.")
     save(args, "", {"command": cmd, "shape": shape, "dtype": args.dtype,
-                    "weights_bytes": {"linears": linears, "embedding": embedding},
+                    "weights_bytes": {"all": weights, "embedding": embedding},
                     "rows": rows, "runs": {names[t]: rs for t, rs in runs.items()}}, md)
     return 0
 

@@ -283,10 +283,14 @@ class _Target:
     expert: int | None = None  # a stacked parameter's index along its first dimension
     quantized_weight: QuantizedWeight | None = None  # where the weight is held as the checkpoint's codes (no param)
 
-    def view(self) -> torch.Tensor:
+    def view(self, values: torch.Tensor | None = None) -> torch.Tensor:
+        """The part of the parameter this tensor fills; of ``values`` in the
+        parameter's place where given (``parallel.loaded_weights``' values
+        of a weight given up once packed)."""
+        whole = self.param if values is None else values
         if not fused_pieces(self.param):
-            return self.param
-        whole = self.param if self.expert is None else self.param[self.expert]
+            return whole
+        whole = whole if self.expert is None else whole[self.expert]
         return whole.narrow(0, self.offset, self.rows)
 
 

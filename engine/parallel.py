@@ -274,6 +274,28 @@ class HeldWeights(nn.Module):
             # Not a parameter: one element, expanded.
             setattr(self, leaf, torch.empty((), dtype=dense.dtype, device=device).expand(dense.shape))
 
+    # Whether the dense weights were given up once a packed copy held them (``drop_dense``).
+    dense_dropped = False
+
+    def drop_dense(self) -> None:
+        """Give up each dense weight for a stand-in of its shape, dtype,
+        device and shard holding one NaN (so a stray read shows): for
+        weights a packed copy holds, that nothing else reads."""
+        for leaf in self.code_params:
+            dense = getattr(self, leaf)
+            stand_in = torch.full((), float("nan"), dtype=dense.dtype, device=dense.device).expand(dense.shape)
+            param = nn.Parameter(stand_in, requires_grad=False)
+            for attr in (_SHARD_ATTR, _PIECES_ATTR):
+                if hasattr(dense, attr):
+                    setattr(param, attr, getattr(dense, attr))
+            setattr(self, leaf, param)
+        self.dense_dropped = True
+
+    def dense_values(self) -> dict[str, torch.Tensor]:
+        """Each dense weight's values by its name; where given up, read back
+        from the packed copy, exactly."""
+        return {leaf: getattr(self, leaf) for leaf in self.code_params}
+
     def realize(self, device: torch.device) -> None:
         """Allocate the weights ``deferred_linear_weights`` left on the meta device."""
         for leaf in self.code_params:
@@ -302,7 +324,6 @@ class _PrepackedLinear(HeldWeights):
     weight: nn.Parameter
     bias: nn.Parameter | None
     _packed: torch.Tensor | None = None
-    _dense_dropped = False
     # Adapter slots (engine/lora.py), with --enable-lora: a step with
     # adapter rows adds their low-rank products to every product here.
     lora: "LoRAWeights | None" = None
@@ -327,7 +348,7 @@ class _PrepackedLinear(HeldWeights):
         (the loader packs once, after the last write). Without
         ``keep_dense``, the weight as loaded is dropped once packed: for a
         weight no other module shares or reads (``prepack_linears``)."""
-        if self._dense_dropped:
+        if self.dense_dropped:
             return  # packed already, from values the stand-in no longer holds
         self._packed = None
         if self.quantized_weight is not None:
@@ -339,22 +360,15 @@ class _PrepackedLinear(HeldWeights):
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
             if not keep_dense:
-                self._drop_dense()
-
-    def _drop_dense(self) -> None:
-        dense = self.weight
-        stand_in = torch.full((), float("nan"), dtype=dense.dtype, device=dense.device).expand(dense.shape)
-        param = nn.Parameter(stand_in, requires_grad=False)
-        for attr in (_SHARD_ATTR, _PIECES_ATTR):
-            if hasattr(dense, attr):
-                setattr(param, attr, getattr(dense, attr))
-        self.weight = param
-        self._dense_dropped = True
+                self.drop_dense()
 
     def dense_weight(self) -> torch.Tensor:
         """The weight's values [out, in]: the parameter, or where it was
         dropped, a dense copy read back from the packed one (exact)."""
-        return self._packed.to_dense() if self._dense_dropped else self.weight
+        return self._packed.to_dense() if self.dense_dropped else self.weight
+
+    def dense_values(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.dense_weight()}
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
                 path: ops.KernelPath | None = None) -> torch.Tensor:  # fmt: skip
@@ -365,7 +379,7 @@ class _PrepackedLinear(HeldWeights):
         if self.quantized_weight is not None:
             y = ops.linear(x, self.quantized_weight.packed(), bias, residual, path)
         elif self._packed is not None and x.device.type == "cpu" and (x.dtype == self.weight.dtype
-                                                                      or self._dense_dropped):
+                                                                      or self.dense_dropped):
             rows, dtype = x, self.weight.dtype
             if x.dtype != dtype:
                 # Rows of another dtype (none the models send) take the packed
@@ -559,11 +573,11 @@ def trim_heap() -> None:
 
 def loaded_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of ``model`` by name, with the values the loader
-    wrote: a linear weight dropped once packed read back from its packed copy."""
-    dropped = {f"{name}.weight": m for name, m in model.named_modules()
-               if isinstance(m, _PrepackedLinear) and m._dense_dropped}  # fmt: skip
-    return {name: dropped[name].dense_weight() if name in dropped else param
-            for name, param in model.named_parameters()}
+    wrote: a weight dropped once packed read back from its packed copy."""
+    read_back = {f"{name}.{leaf}" if name else leaf: values
+                 for name, m in model.named_modules() if isinstance(m, HeldWeights) and m.dense_dropped
+                 for leaf, values in m.dense_values().items()}  # fmt: skip
+    return {name: read_back.get(name, param) for name, param in model.named_parameters()}
 
 
 def prepack_linears(model: nn.Module) -> None:
@@ -576,16 +590,14 @@ def prepack_linears(model: nn.Module) -> None:
     # module holds the same parameter (an LM head tied to the embedding) or
     # it reads the values itself (a router's float32 scores).
     holders = collections.Counter(id(p) for m in modules for p in m._parameters.values() if p is not None)
-    dropped = 0
     for module in modules:
-        if isinstance(module, _PrepackedLinear) and not module._dense_dropped:
+        if isinstance(module, _PrepackedLinear):
             module.prepack(keep_dense=holders[id(module.weight)] > 1 or not module.takes_quantized_weight)
-            dropped += module._dense_dropped
-    if dropped:
-        trim_heap()
     for module in modules:  # after the linears: these may read what they packed
         if not isinstance(module, _PrepackedLinear) and callable(getattr(type(module), "prepack", None)):
             module.prepack()
+    if any(isinstance(m, HeldWeights) and m.dense_dropped for m in modules):
+        trim_heap()
 
 
 class ColumnParallelLinear(_PrepackedLinear):

@@ -67,8 +67,9 @@ class PackedExperts:
     beside the model's stacked weights, which oneDNN's linear takes where
     no reordered copy is made."""
 
-    gate_up: torch.Tensor  # [E, 2N, H], the model's
-    down: torch.Tensor  # [E, H, N], the model's
+    # The model's; stand-ins of their shape where it gave them up (no product reads them: ``reads_stacked``).
+    gate_up: torch.Tensor  # [E, 2N, H]
+    down: torch.Tensor  # [E, H, N]
     w13: list[torch.Tensor] | None  # per expert, [2N, H] reordered
     w2: list[torch.Tensor] | None  # per expert, [H, N] reordered
     w13_panels: torch.Tensor | None  # [E, ceil(N / 32), H, PANEL]
@@ -93,6 +94,30 @@ def panels(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, tor
     gate, up = gate_up.detach().chunk(2, dim=1)
     w13 = torch.cat([_panels(gate, half), _panels(up, half)], dim=-1).contiguous()
     return w13, _panels(down.detach(), PANEL).contiguous()
+
+
+def reads_stacked(packed: PackedExperts, dtype: torch.dtype) -> bool:
+    """Whether ``fused_experts`` (its default rows) reads the model's
+    stacked weights: where no reordered copies were made, for the experts
+    of more than ``NATIVE_ROWS`` rows (bf16)."""
+    return packed.w13 is None and NATIVE_ROWS.get(dtype, 0) < math.inf
+
+
+def _unpanel(p: torch.Tensor, out: int) -> torch.Tensor:
+    """``_panels``' inverse: [E, P, K, width] -> [E, out, K]."""
+    experts, panels, k, width = p.shape
+    return p.transpose(2, 3).reshape(experts, panels * width, k)[:, :out]
+
+
+def stacked(packed: PackedExperts, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stacked weights ([E, 2N, H], [E, H, N]) read back from the panels
+    or the reordered copies, exactly: N = ``inter``, H = ``hidden``."""
+    if packed.w13 is not None:
+        return torch.stack([w.to_dense() for w in packed.w13]), torch.stack([w.to_dense() for w in packed.w2])
+    half = PANEL // 2
+    w13 = packed.w13_panels
+    gate_up = torch.cat([_unpanel(w13[..., :half], inter), _unpanel(w13[..., half:], inter)], dim=1)
+    return gate_up, _unpanel(packed.w2_panels, hidden)
 
 
 def pack(gate_up: torch.Tensor, down: torch.Tensor, onednn: bool | None = None) -> PackedExperts:

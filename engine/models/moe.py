@@ -21,6 +21,8 @@ sums the experts' partial outputs. The router is replicated."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -82,6 +84,13 @@ class Experts(HeldWeights):
             for e in range(count) for name, offset in (("gate_proj", 0), ("up_proj", local))))  # fmt: skip
         self.down_proj = stacked_param((count, hidden, local), tuple(
             Piece("down_proj", 0, hidden, cols, e, f"{e}.down_proj.weight") for e in range(count)))  # fmt: skip
+        self.packed: cpu_moe.PackedExperts | None = None  # what the stacked weights were given up for
+
+    def dense_values(self) -> dict[str, torch.Tensor]:
+        if not self.dense_dropped:
+            return super().dense_values()
+        n, h = self.down_proj.shape[2], self.down_proj.shape[1]
+        return dict(zip(self.code_params, cpu_moe.stacked(self.packed, n, h), strict=True))
 
 
 class SparseMoeBlock(nn.Module):
@@ -132,15 +141,24 @@ class SparseMoeBlock(nn.Module):
         once the loader has written them, as the linears pack theirs; the
         Triton lane keeps the stacked weights it reads, and weights held as
         the checkpoint's codes stay so."""
-        self._packed = None
         experts = self.experts
+        if experts.dense_dropped:
+            return  # packed already, from values the stand-ins no longer hold
+        self._packed = None
         held = experts.held_codes()
         for codes in held.values():
             codes.settle()
         if held:
             return
         if can_prepack(experts.gate_up_proj) and ops.kernel_path(experts.gate_up_proj.device) != "triton":
-            self._packed = cpu_moe.pack(experts.gate_up_proj, experts.down_proj)
+            packed = cpu_moe.pack(experts.gate_up_proj, experts.down_proj)
+            # The stacked weights given up where no expert's product reads
+            # them (fp32, or oneDNN's copies made), as a packed linear gives up its own.
+            if not cpu_moe.reads_stacked(packed, experts.gate_up_proj.dtype):
+                experts.drop_dense()
+                packed = dataclasses.replace(packed, gate_up=experts.gate_up_proj, down=experts.down_proj)
+                experts.packed = packed
+            self._packed = packed
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, hidden] -> each token's experts [T, k] and their weights [T, k]."""
@@ -178,8 +196,13 @@ class SparseMoeBlock(nn.Module):
                 path: ops.KernelPath | None = None) -> torch.Tensor:  # fmt: skip
         ids, weights = self.route(x)
         experts = self.experts
-        if self._packed is not None and x.device.type == "cpu" and x.dtype == experts.gate_up_proj.dtype:
-            y = cpu_moe.fused_experts(x, self._packed, ids, weights)
+        dtype = experts.gate_up_proj.dtype
+        if self._packed is not None and x.device.type == "cpu" and (x.dtype == dtype or experts.dense_dropped):
+            # Rows of another dtype (none the models send) take the packed
+            # weights': the stacked ones that would take them are gone.
+            rows = x if x.dtype == dtype else x.to(dtype)
+            y = cpu_moe.fused_experts(rows, self._packed, ids, weights)
+            y = y if y.dtype == x.dtype else y.to(x.dtype)
         elif experts.gate_up_codes is not None:
             y = ops.fused_experts(x, experts.gate_up_codes.packed(), experts.down_codes.packed(), ids, weights, path)
         else:

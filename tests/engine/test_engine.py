@@ -258,12 +258,14 @@ def test_a_cpu_that_refuses_packed_weights_keeps_f_linear(tiny_model, monkeypatc
 
 
 @pytest.mark.parametrize("arch, tied", [("llama", True), ("glm4_moe", False)])
-def test_packed_linears_give_up_the_weights_they_were_packed_from(tiny_model, make_llm, arch, tied):
+def test_packed_weights_give_up_the_weights_they_were_packed_from(tiny_model, make_llm, arch, tied):
     """Once oneDNN holds a linear's weight, the weight as loaded is dropped:
     its parameter keeps the shape, dtype and shard but no memory, and the
     packed copy reads back to the checkpoint's values. An LM head tied to the
     embedding (which looks rows up in it) and GLM-4.5's router (whose float32
-    scores read it) keep theirs. The tokens stay transformers'."""
+    scores read it) keep theirs. fp32 experts, which cpu_moe.c's panels run
+    at every row count, give up their stacks too. The tokens stay
+    transformers'."""
     from safetensors.torch import load_file
 
     from fluidserve.engine import parallel
@@ -274,17 +276,23 @@ def test_packed_linears_give_up_the_weights_they_were_packed_from(tiny_model, ma
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS[:2], 16)
     model = llm.engine.executor.worker.model
     saved = load_file(f"{path}/model.safetensors")
-    linears = dict((n, m) for n, m in model.named_modules() if isinstance(m, parallel._PrepackedLinear))
-    kept = {n for n, m in linears.items() if not m._dense_dropped}
-    expected = {n for n in linears if n.endswith(".gate") and arch == "glm4_moe"} | ({"lm_head"} if tied else set())
+    held = dict((n, m) for n, m in model.named_modules() if isinstance(m, parallel.HeldWeights))
+    kept = {n for n, m in held.items() if not m.dense_dropped}
+    expected = {n for n in held if n.endswith(".gate") and arch == "glm4_moe"} | ({"lm_head"} if tied else set())
     assert kept == expected
-    for name, m in linears.items():
-        if name in kept:
-            assert m.weight.untyped_storage().nbytes() == m.weight.numel() * m.weight.element_size()
-            continue
-        assert m.weight.untyped_storage().nbytes() == m.weight.element_size()  # one NaN, expanded
-        assert m.weight.isnan().all() and m.weight.shape == m.dense_weight().shape
-    o_proj = linears["model.layers.0.self_attn.o_proj"]
+    assert arch == "llama" or any(n.endswith(".experts") for n in held)
+    for name, m in held.items():
+        for leaf, values in m.dense_values().items():
+            param = getattr(m, leaf)
+            if name in kept:
+                assert param.untyped_storage().nbytes() == param.numel() * param.element_size()
+                continue
+            assert param.untyped_storage().nbytes() == param.element_size()  # one NaN, expanded
+            assert param.isnan().all() and param.shape == values.shape
+            key = f"{name}.{leaf}"
+            if key in saved:
+                assert torch.equal(values, saved[key]), key
+    o_proj = held["model.layers.0.self_attn.o_proj"]
     assert torch.equal(o_proj.dense_weight(), saved["model.layers.0.self_attn.o_proj.weight"])
     if tied:
         assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -303,7 +311,7 @@ def test_a_linear_without_its_dense_weight_takes_rows_of_another_dtype():
         linear.bias.normal_()
     weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
     prepack_linears(linear)
-    assert linear._dense_dropped and linear.weight.isnan().all()
+    assert linear.dense_dropped and linear.weight.isnan().all()
     x, residual = torch.randn(3, 32).bfloat16(), torch.randn(3, 48).bfloat16()
     expected = torch.nn.functional.linear(x.float(), weight, bias)
     y = linear(x)
@@ -338,7 +346,7 @@ def test_each_linear_frees_its_weight_before_the_next_is_packed(tiny_model, monk
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", counting)
     init_dummy_weights(model) if dummy else load_weights(model, path)
-    assert all(m._dense_dropped for m in linears)
+    assert all(m.dense_dropped for m in linears)
     assert alive == list(range(len(linears), 0, -1))
     assert [r() for r in dense] == [None] * len(linears)
 

@@ -79,11 +79,12 @@ def test_each_experts_checkpoint_tensors_land_in_its_rows(tiny_model, arch):
     moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
     gate, up, down = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     inter = block.experts.down_proj.shape[2]
+    experts = block.experts.dense_values()  # read back from the packed layout where it holds them
     for e in range(block.experts.gate_up_proj.shape[0]):
         prefix = f"model.layers.1.{moe}.experts.{e}"
-        assert torch.equal(block.experts.gate_up_proj[e, :inter], saved[f"{prefix}.{gate}.weight"])
-        assert torch.equal(block.experts.gate_up_proj[e, inter:], saved[f"{prefix}.{up}.weight"])
-        assert torch.equal(block.experts.down_proj[e], saved[f"{prefix}.{down}.weight"])
+        assert torch.equal(experts["gate_up_proj"][e, :inter], saved[f"{prefix}.{gate}.weight"])
+        assert torch.equal(experts["gate_up_proj"][e, inter:], saved[f"{prefix}.{up}.weight"])
+        assert torch.equal(experts["down_proj"][e], saved[f"{prefix}.{down}.weight"])
     assert torch.equal(block.gate.weight, saved[f"model.layers.1.{moe}.gate.weight"])
 
 
@@ -102,9 +103,10 @@ def test_stacked_checkpoint_experts_are_cut_into_each_ranks_parts(tiny_model):
         load_weights(model, path)
         block = model.model.layers[1].mlp
         mine = slice(16 * rank, 16 * rank + 16)
-        assert torch.equal(block.experts.gate_up_proj, torch.cat((stacked_in[:, :32][:, mine],
-                                                                  stacked_in[:, 32:][:, mine]), dim=1))
-        assert torch.equal(block.experts.down_proj, stacked_out[:, :, mine])
+        experts = block.experts.dense_values()  # read back from the packed layout where it holds them
+        assert torch.equal(experts["gate_up_proj"], torch.cat((stacked_in[:, :32][:, mine],
+                                                              stacked_in[:, 32:][:, mine]), dim=1))
+        assert torch.equal(experts["down_proj"], stacked_out[:, :, mine])
         assert torch.equal(block.gate.weight, saved["model.layers.1.block_sparse_moe.router.layer.weight"])
         shared = slice(24 * rank, 24 * rank + 24)
         assert torch.equal(block.shared_expert.gate_up_proj.dense_weight(),
@@ -133,11 +135,12 @@ def test_tensor_parallel_shards_split_every_experts_features(tiny_model):
         load_weights(model, path)
         block = model.model.layers[0].mlp
         rows = slice(16 * rank, 16 * rank + 16)
+        experts = block.experts.dense_values()
         for e in (0, 7):
             prefix = f"model.layers.0.mlp.experts.{e}"
-            assert torch.equal(block.experts.gate_up_proj[e, :16], saved[f"{prefix}.gate_proj.weight"][rows])
-            assert torch.equal(block.experts.gate_up_proj[e, 16:], saved[f"{prefix}.up_proj.weight"][rows])
-            assert torch.equal(block.experts.down_proj[e], saved[f"{prefix}.down_proj.weight"][:, rows])
+            assert torch.equal(experts["gate_up_proj"][e, :16], saved[f"{prefix}.gate_proj.weight"][rows])
+            assert torch.equal(experts["gate_up_proj"][e, 16:], saved[f"{prefix}.up_proj.weight"][rows])
+            assert torch.equal(experts["down_proj"][e], saved[f"{prefix}.down_proj.weight"][:, rows])
         assert torch.equal(block.gate.weight, saved["model.layers.0.mlp.gate.weight"])
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in checkpoint_targets(model)
 

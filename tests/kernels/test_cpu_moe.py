@@ -63,6 +63,22 @@ def test_the_experts_keep_one_copy_beside_the_models(dtype, tol):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("onednn", [False, True])
+def test_the_packed_layout_reads_back_to_the_stacked_weights(dtype, onednn):
+    """Where the model gives its stacked weights up, they read back from
+    the panels or the reordered copies, bit for bit (odd sizes: panels
+    padded past the features and the hidden size); the stacks are read at
+    the default rows only by bf16 panels (oneDNN takes experts past 32 rows
+    from them)."""
+    _, w13, w2, *_ = _case(1, 3, 1, dtype, hidden=70, inter=37)
+    packed = _packed(w13, w2, onednn)
+    gate_up, down = cpu_moe.stacked(packed, 37, 70)
+    assert torch.equal(gate_up, w13) and torch.equal(down, w2)
+    assert cpu_moe.reads_stacked(packed, dtype) == (dtype == torch.bfloat16 and not onednn)
+
+
+@needs_native
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("native_rows", [None, 0, 3])
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (7, 16, 4), (33, 4, 1)])
