@@ -378,12 +378,13 @@ class _PrepackedLinear(HeldWeights):
         it). x: [T, in]."""
         if self.quantized_weight is not None:
             y = ops.linear(x, self.quantized_weight.packed(), bias, residual, path)
-        elif self._packed is not None and x.device.type == "cpu" and (x.dtype == self.weight.dtype
+        elif self._packed is not None and x.device.type == "cpu" and (x.dtype == self._packed.dtype
                                                                       or self.dense_dropped):
-            rows, dtype = x, self.weight.dtype
-            if x.dtype != dtype:
+            rows = x
+            if x.dtype != self._packed.dtype:
                 # Rows of another dtype (none the models send) take the packed
                 # weight's: the dense weight that would take them is gone.
+                dtype = self._packed.dtype
                 rows, residual = x.to(dtype), None if residual is None else residual.to(dtype)
             if residual is not None:
                 y = torch.ops.mkldnn._linear_pointwise.binary(rows, residual, self._packed, bias, "add")

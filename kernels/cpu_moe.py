@@ -105,8 +105,8 @@ def reads_stacked(packed: PackedExperts, dtype: torch.dtype) -> bool:
 
 def _unpanel(p: torch.Tensor, out: int) -> torch.Tensor:
     """``_panels``' inverse: [E, P, K, width] -> [E, out, K]."""
-    experts, panels, k, width = p.shape
-    return p.transpose(2, 3).reshape(experts, panels * width, k)[:, :out]
+    experts, count, k, width = p.shape
+    return p.transpose(2, 3).reshape(experts, count * width, k)[:, :out]
 
 
 def stacked(packed: PackedExperts, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
