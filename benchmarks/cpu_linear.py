@@ -121,8 +121,10 @@ def engine_ab(dtype: str, requests: int, output_len: int, rounds: int) -> dict:
 
     from vs_vllm import build_model, sample_prompts
 
+    from torch import nn
+
     from fluidserve.engine import LLM, SamplingParams
-    from fluidserve.engine.parallel import _PrepackedLinear, prepack_linears
+    from fluidserve.engine.parallel import _PrepackedLinear
 
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(model=str(build_model(Path(tmp) / "model")), device="cpu", dtype=dtype, max_model_len=1024,
@@ -130,16 +132,17 @@ def engine_ab(dtype: str, requests: int, output_len: int, rounds: int) -> dict:
         model = llm.engine.executor.worker.model
         prompts = sample_prompts(requests, 0.05, 512, 0)
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        # A packed linear gave up its dense weight: F.linear gets it back,
+        # read from the packed copy, and each way sets the copy it runs on.
+        linears = [(m, m._packed) for m in model.modules() if isinstance(m, _PrepackedLinear)]
+        for m, _ in linears:
+            m.weight = nn.Parameter(m.dense_weight(), requires_grad=False)
         llm.generate(prompts, params)  # every shape once
         out: dict[str, list[float]] = {"packed": [], "F.linear": []}
         for r in range(rounds):
             for way in ("packed", "F.linear") if r % 2 == 0 else ("F.linear", "packed"):
-                if way == "packed":
-                    prepack_linears(model)
-                else:
-                    for m in model.modules():
-                        if isinstance(m, _PrepackedLinear):
-                            m._packed = None
+                for m, packed in linears:
+                    m._packed = packed if way == "packed" else None
                 c0 = time.process_time()
                 llm.generate(prompts, params)
                 out[way].append(requests * output_len / (time.process_time() - c0))
