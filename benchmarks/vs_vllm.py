@@ -223,8 +223,12 @@ class Worker:
         env = {**os.environ, **(VLLM_ENV if system == "vllm" else {}), **(env or {})}
         self.system = system
         self.log = log.open("a")
+        # vLLM inspects a model in a child Python started in the working
+        # folder: in the repository, its optional ``import kernels`` (PyPI's)
+        # would find our top-level folder, which refuses it.
+        cwd = tempfile.gettempdir() if system == "vllm" else str(REPO)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, env=env, cwd=str(REPO))
+                                     text=True, env=env, cwd=cwd)
         self.info = self._read()
 
     def _read(self) -> dict:
